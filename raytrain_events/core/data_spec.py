@@ -1,0 +1,96 @@
+"""`DataSpec`: how the loop counts samples and tokens in a batch and splits it into microbatches.
+
+Defaults: samples are the leading dimension of the first tensor; tokens are 0 unless you say
+how to count them (pass ``get_num_tokens_in_batch``); batches split along dim 0. Batches may
+be a tensor, a tuple/list of tensors, or a dict of tensors (Ray Data yields dicts).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, List, Mapping, Optional
+
+__all__ = ["DataSpec", "default_num_samples", "default_split_batch", "ensure_data_spec"]
+
+
+def _first_tensor(batch: Any) -> Any:
+    if hasattr(batch, "shape"):
+        return batch
+    if isinstance(batch, Mapping):
+        for value in batch.values():
+            if hasattr(value, "shape"):
+                return value
+    elif isinstance(batch, (list, tuple)):
+        for value in batch:
+            if hasattr(value, "shape"):
+                return value
+    raise TypeError(
+        f"Cannot count samples in a batch of type {type(batch).__name__}: expected a tensor, a "
+        "tuple/list or a dict of tensors. Pass DataSpec(get_num_samples_in_batch=...) to count it yourself."
+    )
+
+
+def default_num_samples(batch: Any) -> int:
+    """Samples in ``batch``: the leading dimension of its first tensor."""
+    if isinstance(batch, (list, tuple)) and batch and hasattr(batch[0], "shape"):
+        return batch[0].shape[0]
+    return int(_first_tensor(batch).shape[0])
+
+
+def default_split_batch(batch: Any, num_microbatches: int) -> List[Any]:
+    """Split every tensor of ``batch`` along dim 0 into ``num_microbatches`` nearly equal parts."""
+    if num_microbatches == 1:
+        return [batch]
+    if hasattr(batch, "tensor_split"):
+        return list(batch.tensor_split(num_microbatches))
+    if isinstance(batch, Mapping):
+        parts = {k: _split_or_repeat(v, num_microbatches) for k, v in batch.items()}
+        return [{k: parts[k][i] for k in batch} for i in range(num_microbatches)]
+    if isinstance(batch, (list, tuple)):
+        parts = [_split_or_repeat(v, num_microbatches) for v in batch]
+        return [type(batch)(p[i] for p in parts) for i in range(num_microbatches)]
+    raise TypeError(
+        f"Cannot split a batch of type {type(batch).__name__} into microbatches: pass "
+        "DataSpec(split_batch=fn) where fn(batch, n) returns a list of n microbatches."
+    )
+
+
+def _split_or_repeat(value: Any, n: int) -> List[Any]:
+    return list(value.tensor_split(n)) if hasattr(value, "tensor_split") else [value] * n
+
+
+class DataSpec:
+    """A dataloader plus the functions that describe its batches.
+
+    Example::
+
+        DataSpec(loader, get_num_tokens_in_batch=lambda b: int(b["attention_mask"].sum()))
+    """
+
+    def __init__(
+        self,
+        dataloader: Iterable,
+        *,
+        num_samples: Optional[int] = None,
+        num_tokens: Optional[int] = None,
+        get_num_samples_in_batch: Optional[Callable[[Any], int]] = None,
+        get_num_tokens_in_batch: Optional[Callable[[Any], int]] = None,
+        split_batch: Optional[Callable[[Any, int], List[Any]]] = None,
+        device_transforms: Optional[Callable[[Any], Any]] = None,
+    ) -> None:
+        self.dataloader = dataloader
+        self.num_samples = num_samples
+        self.num_tokens = num_tokens
+        self.get_num_samples_in_batch = get_num_samples_in_batch or default_num_samples
+        self.get_num_tokens_in_batch = get_num_tokens_in_batch
+        self.counts_tokens = get_num_tokens_in_batch is not None
+        self.split_batch = split_batch or default_split_batch
+        self.device_transforms = device_transforms
+
+    def num_tokens_in_batch(self, batch: Any) -> int:
+        """Tokens in ``batch`` (0 unless a token counter was given)."""
+        fn = self.get_num_tokens_in_batch
+        return int(fn(batch)) if fn is not None else 0
+
+
+def ensure_data_spec(dataloader: Any) -> DataSpec:
+    """Wrap a plain dataloader in a default `DataSpec`; pass a `DataSpec` through."""
+    return dataloader if isinstance(dataloader, DataSpec) else DataSpec(dataloader)

@@ -1,0 +1,81 @@
+"""When to evaluate (or do anything periodic): small pure functions of the `Timestamp`.
+
+`make_interval(interval, max_duration, ...)` turns ``"1ep"``, ``"100ba"``, ``"5e4sp"``,
+``"1e6tok"``, ``"0.25dur"``, an int (epochs) or a callable into a predicate
+``(state, event) -> bool`` that is true at ``BATCH_END`` or ``EPOCH_END`` when the interval
+is crossed. Training's last batch or epoch always counts, so a run ends with a fresh result.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Union
+
+from raytrain_events.core.event import Event
+from raytrain_events.core.time import Time, TimeUnit, ensure_time
+
+if TYPE_CHECKING:
+    from raytrain_events.core.state import State
+
+__all__ = ["make_interval", "IntervalFn", "is_done", "crossed"]
+
+IntervalFn = Callable[["State", Event], bool]
+
+
+def is_done(state: "State") -> bool:
+    """True once the global timestamp has reached ``state.max_duration``."""
+    max_duration = state.max_duration
+    return state.timestamp.get_value(max_duration.unit) >= max_duration.value
+
+
+def crossed(previous: int, current: int, every: int) -> bool:
+    """True if a multiple of ``every`` lies in ``(previous, current]``."""
+    return previous // every < current // every
+
+
+def make_interval(
+    interval: Union[str, int, Time, IntervalFn],
+    max_duration: Time,
+    *,
+    counts_tokens: bool = True,
+    what: str = "eval_interval",
+) -> IntervalFn:
+    """Build the predicate for ``interval``; raise ValueError for an interval that cannot fire."""
+    if callable(interval) and not isinstance(interval, (str, Time)):
+        return interval
+    time = ensure_time(interval, TimeUnit.EPOCH)
+    if time.unit == TimeUnit.DURATION:
+        if not 0 < time.value <= 1:
+            raise ValueError(f"{what}={time.to_timestring()!r}: a duration interval must be in (0, 1], like '0.25dur'.")
+        scaled = time.value * max_duration.value
+        time = Time(max(1, int(round(scaled))), max_duration.unit)
+    if time.value <= 0:
+        raise ValueError(f"{what}={time.to_timestring()!r} must be positive, like '1ep' or '500ba'.")
+    if time.unit == TimeUnit.TOKEN and not counts_tokens:
+        raise ValueError(
+            f"{what}={time.to_timestring()!r} is in tokens but the train data has no token counter: "
+            "pass DataSpec(get_num_tokens_in_batch=...) or use 'ep', 'ba' or 'sp'."
+        )
+    unit, every = time.unit, int(time.value)
+
+    if unit == TimeUnit.EPOCH:
+
+        def _epoch_interval(state: "State", event: Event) -> bool:
+            if event != Event.EPOCH_END:
+                return False
+            return state.epoch % every == 0 or is_done(state)
+
+        return _epoch_interval
+
+    def _batch_interval(state: "State", event: Event) -> bool:
+        if event != Event.BATCH_END:
+            return False
+        ts = state.timestamp
+        current = ts.get_value(unit)
+        if unit == TimeUnit.BATCH:
+            previous = current - 1
+        elif unit == TimeUnit.SAMPLE:
+            previous = current - state.global_batch_num_samples
+        else:
+            previous = current - state.global_batch_num_tokens
+        return crossed(previous, current, every) or is_done(state)
+
+    return _batch_interval

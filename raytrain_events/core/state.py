@@ -1,0 +1,251 @@
+"""`State`: everything the loop tracks, what algorithms change, and what checkpoints save.
+
+Fields follow Composer's ``State``. ``state.model`` is always the user's module (never the DDP
+wrapper), so algorithms and checkpoints see the real parameter names.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+
+from raytrain_events.core.algorithm import Algorithm
+from raytrain_events.core.callback import Callback
+from raytrain_events.core.precision import Precision
+from raytrain_events.core.time import Time, Timestamp, TimeUnit, ensure_time
+
+__all__ = ["State", "CheckpointMismatchError"]
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint does not fit the model or run it is being loaded into."""
+
+
+def _as_list(value: Any) -> list:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return [value]
+
+
+class State:
+    """The state of a training run.
+
+    Example::
+
+        state = State(model=model, max_duration="2ep", optimizers=opt)
+        state.timestamp = state.timestamp.to_next_batch(samples=64)
+        state.get_elapsed_duration()   # Time(0.0..., TimeUnit.DURATION)
+    """
+
+    serialized_attributes = ["model", "optimizers", "schedulers", "scaler", "algorithms", "callbacks", "timestamp"]
+
+    def __init__(
+        self,
+        *,
+        model: Any,
+        max_duration: Union[str, Time, int, None] = None,
+        train_dataloader: Any = None,
+        evaluators: Sequence[Any] = (),
+        grad_accum: int = 1,
+        precision: Union[str, Precision] = Precision.FP32,
+        optimizers: Any = None,
+        schedulers: Any = None,
+        scaler: Any = None,
+        algorithms: Sequence[Algorithm] = (),
+        callbacks: Sequence[Callback] = (),
+        steps_per_epoch: Optional[int] = None,
+        rank: int = 0,
+        world_size: int = 1,
+        run_name: str = "run",
+        seed: Optional[int] = None,
+    ) -> None:
+        self.model = model
+        self.max_duration = None if max_duration is None else ensure_time(max_duration, TimeUnit.EPOCH)
+        self.train_dataloader = train_dataloader
+        self.evaluators = list(evaluators)
+        self.grad_accum = grad_accum
+        self.precision = Precision.parse(precision)
+        self.optimizers = _as_list(optimizers)
+        self.schedulers = _as_list(schedulers)
+        self.scaler = scaler
+        self.algorithms: List[Algorithm] = list(algorithms)
+        self.callbacks: List[Callback] = list(callbacks)
+        self.timestamp = Timestamp()
+        self.batch: Any = None
+        self.batch_num_samples = 0
+        self.batch_num_tokens = 0
+        self.global_batch_num_samples = 0
+        self.global_batch_num_tokens = 0
+        self.loss: Any = None
+        self.outputs: Any = None
+        self.eval_metrics: Dict[str, Dict[str, Any]] = {}
+        self.train_metrics: Dict[str, Any] = {}
+        self.rank = rank
+        self.world_size = world_size
+        self.run_name = run_name
+        self.seed = seed
+        self._steps_per_epoch = steps_per_epoch
+        self.stop_requested = False
+        self.stop_consistent = False
+        self.stop_reason: Optional[str] = None
+
+    # ----------------------------------------------------------------- time
+    @property
+    def epoch(self) -> int:
+        """Epochs completed so far."""
+        return self.timestamp.get_value(TimeUnit.EPOCH)
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps (batches) completed so far, counted globally."""
+        return self.timestamp.get_value(TimeUnit.BATCH)
+
+    @property
+    def batch_idx(self) -> int:
+        """Index of the current batch within the epoch."""
+        return self.timestamp.batch_in_epoch.value
+
+    @property
+    def max_epochs(self) -> Time:
+        """``max_duration`` in epochs (only defined when it is given in epochs)."""
+        if self.max_duration is None or self.max_duration.unit != TimeUnit.EPOCH:
+            raise ValueError(f"max_epochs is only defined when max_duration is in epochs, not {self.max_duration!r}.")
+        return self.max_duration
+
+    @property
+    def steps_per_epoch(self) -> Optional[int]:
+        """Batches per epoch: set explicitly, else the dataloader's length if it has one."""
+        if self._steps_per_epoch is not None:
+            return self._steps_per_epoch
+        loader = getattr(self.train_dataloader, "dataloader", self.train_dataloader)
+        try:
+            return len(loader)  # type: ignore[arg-type]
+        except TypeError:
+            return None
+
+    @steps_per_epoch.setter
+    def steps_per_epoch(self, value: Optional[int]) -> None:
+        self._steps_per_epoch = value
+
+    def get_elapsed_duration(self) -> Time:
+        """Fraction of ``max_duration`` completed, as a `Time` in DURATION."""
+        if self.max_duration is None:
+            raise ValueError("get_elapsed_duration() needs max_duration to be set.")
+        unit = self.max_duration.unit
+        elapsed = self.timestamp.get_value(unit)
+        return Time(elapsed / self.max_duration.value, TimeUnit.DURATION)
+
+    def stop_training(self, reason: str = "requested", *, consistent: bool = False) -> None:
+        """Ask the loop to stop after the current batch (or epoch).
+
+        With several ranks, a stop asked on one rank is agreed by all through the next batch's
+        count collective, so all ranks stop at the same batch. Pass ``consistent=True`` when
+        every rank makes the same call at the same batch (for example from synchronized eval
+        metrics): the loop then stops right after this batch without waiting.
+        """
+        self.stop_requested = True
+        self.stop_consistent = self.stop_consistent or consistent or self.world_size == 1
+        self.stop_reason = reason
+
+    # ---------------------------------------------------------------- batch
+    @property
+    def batch_pair(self):
+        """The batch as an ``(inputs, targets)`` pair; TypeError for other batch types."""
+        batch = self.batch
+        if isinstance(batch, (list, tuple)) and len(batch) == 2:
+            return batch
+        raise TypeError(f"state.batch is a {type(batch).__name__}, not an (inputs, targets) pair; use state.batch directly.")
+
+    @property
+    def batch_dict(self) -> Mapping:
+        """The batch as a mapping; TypeError for other batch types."""
+        if isinstance(self.batch, Mapping):
+            return self.batch
+        raise TypeError(f"state.batch is a {type(self.batch).__name__}, not a dict; use state.batch_pair or state.batch.")
+
+    # -------------------------------------------------------- serialization
+    def state_dict(self) -> Dict[str, Any]:
+        """Everything a checkpoint needs to resume this run (tensors and plain values only)."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizers": [opt.state_dict() for opt in self.optimizers],
+            "schedulers": [sched.state_dict() for sched in self.schedulers],
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "algorithms": {k: a.state_dict() for k, a in _keyed(self.algorithms).items()},
+            "algorithms_required": [k for k, a in _keyed(self.algorithms).items() if a.required_on_load()],
+            "callbacks": {k: c.state_dict() for k, c in _keyed(self.callbacks).items()},
+            "timestamp": self.timestamp.state_dict(),
+            "run_name": self.run_name,
+            "seed": self.seed,
+        }
+
+    def load_model_state(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
+        """Load model weights; a checkpoint of another model raises `CheckpointMismatchError`."""
+        model_sd = self.model.state_dict()
+        mismatched = [
+            f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(model_sd[k].shape)}"
+            for k, v in state_dict.items()
+            if k in model_sd and hasattr(v, "shape") and tuple(v.shape) != tuple(model_sd[k].shape)
+        ]
+        missing = sorted(set(model_sd) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(model_sd))
+        if mismatched or (strict and (missing or unexpected)):
+            parts = []
+            if mismatched:
+                parts.append("shape mismatch: " + "; ".join(mismatched[:10]))
+            if strict and missing:
+                parts.append(f"missing in checkpoint: {missing[:10]}")
+            if strict and unexpected:
+                parts.append(f"not in model: {unexpected[:10]}")
+            raise CheckpointMismatchError(
+                "The checkpoint does not match this model (" + " | ".join(parts) + "). Check that it was "
+                "saved from the same architecture; pass load_strict=False to ignore missing/unexpected keys."
+            )
+        self.model.load_state_dict(state_dict, strict=strict)
+
+    def load_state_dict(self, state: Mapping[str, Any], strict: bool = False) -> None:
+        """Restore what `state_dict` produced (model, optimizers, schedulers, timestamp, ...)."""
+        self.load_model_state(state["model"], strict=strict)
+        _load_list("optimizers", self.optimizers, state.get("optimizers", []))
+        _load_list("schedulers", self.schedulers, state.get("schedulers", []))
+        if self.scaler is not None and state.get("scaler") is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        keys = _keyed(self.algorithms)
+        missing_required = [k for k in state.get("algorithms_required", []) if k not in keys]
+        if missing_required:
+            raise CheckpointMismatchError(
+                f"The checkpoint was saved with algorithms {missing_required} that must be present to load it "
+                "(required_on_load); add them to `algorithms`."
+            )
+        for key, algorithm_state in state.get("algorithms", {}).items():
+            if key in keys:
+                keys[key].load_state_dict(algorithm_state)
+        callbacks = _keyed(self.callbacks)
+        for key, callback_state in state.get("callbacks", {}).items():
+            if key in callbacks:
+                callbacks[key].load_state_dict(callback_state)
+        self.timestamp = Timestamp()
+        self.timestamp.load_state_dict(state["timestamp"])
+
+
+def _keyed(objects: Sequence[Any]) -> Dict[str, Any]:
+    """Stable checkpoint keys: the class name, then ``Name#2``, ``Name#3`` for repeats."""
+    keyed: Dict[str, Any] = {}
+    for obj in objects:
+        name = type(obj).__name__
+        key, n = name, 1
+        while key in keyed:
+            n += 1
+            key = f"{name}#{n}"
+        keyed[key] = obj
+    return keyed
+
+
+def _load_list(what: str, targets: list, states: list) -> None:
+    if len(states) != len(targets):
+        raise CheckpointMismatchError(
+            f"The checkpoint has {len(states)} {what} but this run has {len(targets)}; "
+            f"build the run with the same {what}, or load weights only."
+        )
+    for target, target_state in zip(targets, states):
+        target.load_state_dict(target_state)

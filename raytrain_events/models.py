@@ -1,0 +1,68 @@
+"""Adapters that give a plain ``nn.Module`` the model protocol the loop expects.
+
+`ClassifierModel` wraps a classifier: ``forward`` takes the batch, ``loss`` is cross-entropy,
+and accuracy is computed with torchmetrics on eval (and on train when asked).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["ClassifierModel", "split_inputs_targets"]
+
+
+def split_inputs_targets(batch: Any, input_key: str = "x", target_key: str = "y"):
+    """``(inputs, targets)`` from a pair or from a dict with ``input_key``/``target_key``."""
+    if isinstance(batch, Mapping):
+        try:
+            return batch[input_key], batch[target_key]
+        except KeyError as exc:
+            raise KeyError(
+                f"Batch has columns {sorted(batch)}, but the model needs {input_key!r} and {target_key!r}: "
+                "rename the columns or pass input_key=/target_key= to the model."
+            ) from exc
+    if isinstance(batch, Sequence) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise TypeError(f"Expected an (inputs, targets) pair or a dict batch, got {type(batch).__name__}.")
+
+
+class ClassifierModel(torch.nn.Module):
+    """A classifier in the model protocol.
+
+    Example::
+
+        model = ClassifierModel(torch.nn.Linear(64, 10), num_classes=10)
+    """
+
+    def __init__(self, module: torch.nn.Module, *, num_classes: int, input_key: str = "x", target_key: str = "y") -> None:
+        super().__init__()
+        self.module = module
+        self.num_classes = num_classes
+        self.input_key, self.target_key = input_key, target_key
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        inputs, _ = split_inputs_targets(batch, self.input_key, self.target_key)
+        return self.module(inputs)
+
+    def loss(self, outputs: torch.Tensor, batch: Any) -> torch.Tensor:
+        _, targets = split_inputs_targets(batch, self.input_key, self.target_key)
+        # Soft targets (from MixUp/CutMix/label smoothing) are class probabilities.
+        return F.cross_entropy(outputs, targets)
+
+    def eval_forward(self, batch: Any, outputs: Any = None) -> torch.Tensor:
+        return outputs if outputs is not None else self.forward(batch)
+
+    def get_metrics(self, is_train: bool = False) -> Dict[str, Any]:
+        from torchmetrics.classification import MulticlassAccuracy
+
+        from raytrain_events.metrics import CrossEntropy
+
+        return {"accuracy": MulticlassAccuracy(num_classes=self.num_classes, average="micro"), "cross_entropy": CrossEntropy()}
+
+    def update_metric(self, batch: Any, outputs: torch.Tensor, metric: Any) -> None:
+        _, targets = split_inputs_targets(batch, self.input_key, self.target_key)
+        if targets.dim() > 1:  # soft targets: compare against the argmax class
+            targets = targets.argmax(dim=-1)
+        metric.update(outputs, targets)

@@ -1,0 +1,45 @@
+"""Small helpers the loop uses per batch: device moves, loss reduction, model checks."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+__all__ = ["move_to_device", "total_loss", "check_model"]
+
+
+def move_to_device(batch: Any, device: torch.device) -> Any:
+    """Move every tensor in ``batch`` to ``device`` (a no-op on CPU)."""
+    if device.type == "cpu":
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return {k: move_to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(move_to_device(v, device) for v in batch)
+    return batch
+
+
+def total_loss(loss: Any) -> torch.Tensor:
+    """A single tensor from what ``model.loss`` returned (a tensor, or a dict/tuple summed)."""
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(loss, Mapping):
+        if "total" in loss:
+            return loss["total"]
+        return sum(loss.values())  # type: ignore[return-value]
+    if isinstance(loss, (list, tuple)):
+        return sum(loss)  # type: ignore[return-value]
+    raise TypeError(f"model.loss returned {type(loss).__name__}; return a tensor, or a dict/tuple of tensors.")
+
+
+def check_model(model: Any) -> None:
+    """Fail early, naming the fix, if ``model`` does not follow the model protocol."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    if not callable(getattr(model, "loss", None)):
+        raise TypeError(
+            f"{type(model).__name__} has no loss(outputs, batch) method. Add one, or wrap a plain module: "
+            "raytrain_events.models.ClassifierModel(module) for classification."
+        )

@@ -1,0 +1,99 @@
+"""Evaluation: run each evaluator's data through the model and compute its metrics.
+
+Metrics are torchmetrics objects from ``model.get_metrics(is_train=False)``; with several ranks
+their ``compute()`` synchronizes across the process group, so every rank logs the global value.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
+
+import torch
+
+from raytrain_events.core.data_spec import DataSpec, ensure_data_spec
+from raytrain_events.core.event import Event
+from raytrain_events.trainer._batch import move_to_device
+
+__all__ = ["Evaluator", "ensure_evaluators", "run_evaluation"]
+
+
+class Evaluator:
+    """A named eval dataset and (optionally) which of the model's metrics to compute on it."""
+
+    def __init__(self, *, label: str, dataloader: Union[Iterable, DataSpec], metric_names: Optional[Sequence[str]] = None):
+        self.label = label
+        self.dataloader = ensure_data_spec(dataloader)
+        self.metric_names = list(metric_names) if metric_names is not None else None
+
+
+def ensure_evaluators(eval_dataloader: Any) -> List[Evaluator]:
+    """Accept None, one dataloader, an `Evaluator`, a list of them, or a ``{label: dataloader}`` dict."""
+    if eval_dataloader is None:
+        return []
+    if isinstance(eval_dataloader, Evaluator):
+        return [eval_dataloader]
+    if isinstance(eval_dataloader, Mapping):
+        return [v if isinstance(v, Evaluator) else Evaluator(label=k, dataloader=v) for k, v in eval_dataloader.items()]
+    if isinstance(eval_dataloader, (list, tuple)) and eval_dataloader and all(isinstance(e, Evaluator) for e in eval_dataloader):
+        return list(eval_dataloader)
+    return [Evaluator(label="eval", dataloader=eval_dataloader)]
+
+
+def _fresh_metrics(model: Any, names: Optional[List[str]]) -> Dict[str, Any]:
+    get_metrics = getattr(model, "get_metrics", None)
+    if get_metrics is None:
+        return {}
+    metrics = dict(get_metrics(is_train=False))
+    if names is not None:
+        unknown = sorted(set(names) - set(metrics))
+        if unknown:
+            raise ValueError(f"Evaluator asks for metrics {unknown} the model does not define; it has {sorted(metrics)}.")
+        metrics = {k: metrics[k] for k in names}
+    out = {}
+    for name, metric in metrics.items():
+        metric = copy.deepcopy(metric)
+        metric.reset()
+        out[name] = metric
+    return out
+
+
+def run_evaluation(trainer: Any) -> None:
+    """Evaluate on every evaluator, firing the EVAL_* events, and log ``metrics/<label>/<name>``."""
+    state, engine, logger = trainer.state, trainer.engine, trainer.logger
+    model = state.model
+    was_training = model.training
+    train_batch, train_outputs = state.batch, state.outputs
+    model.eval()
+    try:
+        for evaluator in state.evaluators:
+            metrics = _fresh_metrics(model, evaluator.metric_names)
+            for metric in metrics.values():
+                metric.to(trainer.device)
+            state.eval_metrics[evaluator.label] = metrics
+            engine.run_event(Event.EVAL_START)
+            spec = evaluator.dataloader
+            eval_forward = getattr(model, "eval_forward", None)
+            update_metric = getattr(model, "update_metric", None)
+            with torch.no_grad():
+                for batch in spec.dataloader:
+                    batch = move_to_device(batch, trainer.device)
+                    if spec.device_transforms is not None:
+                        batch = spec.device_transforms(batch)
+                    state.batch = batch
+                    engine.run_event(Event.EVAL_BATCH_START)
+                    engine.run_event(Event.EVAL_BEFORE_FORWARD)
+                    with trainer.autocast():
+                        outputs = eval_forward(state.batch, None) if eval_forward is not None else model(state.batch)
+                    state.outputs = outputs
+                    engine.run_event(Event.EVAL_AFTER_FORWARD)
+                    if update_metric is not None:
+                        for metric in metrics.values():
+                            update_metric(state.batch, state.outputs, metric)
+                    engine.run_event(Event.EVAL_BATCH_END)
+            values = {f"metrics/{evaluator.label}/{name}": metric.compute() for name, metric in metrics.items()}
+            if values:
+                logger.log_metrics(values, step=state.step)
+            engine.run_event(Event.EVAL_END)
+    finally:
+        model.train(was_training)
+        state.batch, state.outputs = train_batch, train_outputs

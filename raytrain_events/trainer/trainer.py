@@ -1,0 +1,360 @@
+"""`Trainer`: the event-driven training loop, in one process.
+
+It fires the events of `raytrain_events.core.event` in the documented order, keeps a global
+`Timestamp` (per-rank sample and token counts summed across ranks once per batch), and stops
+at ``max_duration`` in any unit. Distributed training goes through a small `Dist` interface,
+so the same loop runs locally, in tests, and inside each Ray Train worker.
+
+Per step the loop reads nothing back from the device: the loss stays a tensor in
+``state.loss`` until a callback asks for it.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import random
+import time
+from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Union
+
+import torch
+
+from raytrain_events.core.algorithm import Algorithm
+from raytrain_events.core.callback import Callback
+from raytrain_events.core.data_spec import DataSpec, ensure_data_spec
+from raytrain_events.core.engine import AlgorithmPass, Engine
+from raytrain_events.core.event import Event
+from raytrain_events.core.interval import IntervalFn, is_done, make_interval
+from raytrain_events.core.logger import Logger, LoggerDestination
+from raytrain_events.core.precision import Precision, autocast_context
+from raytrain_events.core.state import State
+from raytrain_events.core.time import Time, TimeUnit, ensure_time
+from raytrain_events.dist import Dist, default_dist
+from raytrain_events.trainer._batch import check_model, move_to_device, total_loss
+from raytrain_events.trainer._eval import ensure_evaluators, run_evaluation
+
+__all__ = ["Trainer"]
+
+
+class Trainer:
+    """Train a model with algorithms and callbacks firing at every event.
+
+    Example::
+
+        trainer = Trainer(
+            model=ClassifierModel(net, num_classes=10),
+            train_dataloader=DataLoader(train_set, batch_size=64),
+            eval_dataloader=DataLoader(test_set, batch_size=256),
+            max_duration="3ep",
+            optimizers=torch.optim.SGD(net.parameters(), lr=0.1),
+            algorithms=[LabelSmoothing(0.1)],
+        )
+        trainer.fit()
+
+    The model follows Composer's protocol: ``forward(batch)``, ``loss(outputs, batch)``, and
+    optionally ``eval_forward(batch, outputs)``, ``get_metrics(is_train)`` and
+    ``update_metric(batch, outputs, metric)``.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module,
+        train_dataloader: Union[Iterable, DataSpec],
+        max_duration: Union[str, int, Time],
+        optimizers: Any = None,
+        schedulers: Any = None,
+        eval_dataloader: Any = None,
+        eval_interval: Union[str, int, Time, IntervalFn] = "1ep",
+        grad_accum: int = 1,
+        precision: Union[str, Precision] = "fp32",
+        algorithms: Sequence[Algorithm] = (),
+        callbacks: Sequence[Callback] = (),
+        loggers: Sequence[LoggerDestination] = (),
+        seed: Optional[int] = None,
+        device: Union[str, torch.device, None] = None,
+        dist: Optional[Dist] = None,
+        run_name: str = "run",
+        checkpoint: Any = None,
+        algorithm_passes: Optional[Sequence[AlgorithmPass]] = None,
+        config: Optional[Dict[str, Any]] = None,
+    ) -> None:
+        check_model(model)
+        max_duration = ensure_time(max_duration, TimeUnit.EPOCH)
+        if max_duration.unit == TimeUnit.DURATION:
+            raise ValueError(
+                f"max_duration={max_duration.to_timestring()!r} is a fraction of the run, which has no length yet: "
+                "give it in 'ep', 'ba', 'sp' or 'tok', like '10ep'."
+            )
+        if max_duration.value <= 0:
+            raise ValueError(f"max_duration={max_duration.to_timestring()!r} must be positive.")
+        if not isinstance(grad_accum, int) or grad_accum < 1:
+            raise ValueError(f"grad_accum={grad_accum!r} must be an integer >= 1 (microbatches per batch).")
+        if optimizers is None:
+            raise ValueError("No optimizers given: pass optimizers=torch.optim.AdamW(model.parameters(), lr=...).")
+        for algorithm in algorithms:
+            if not isinstance(algorithm, Algorithm):
+                raise TypeError(
+                    f"{algorithm!r} is not an Algorithm: subclass raytrain_events.Algorithm "
+                    "(or build one by name with raytrain_events.algorithms.build_algorithm)."
+                )
+
+        self.dist = dist if dist is not None else default_dist(device)
+        self.device = torch.device(device) if device is not None else self.dist.device
+        self.train_spec = ensure_data_spec(train_dataloader)
+        if max_duration.unit == TimeUnit.TOKEN and not self.train_spec.counts_tokens:
+            raise ValueError(
+                f"max_duration={max_duration.to_timestring()!r} is in tokens but the train data has no token counter: "
+                "wrap it as DataSpec(loader, get_num_tokens_in_batch=fn)."
+            )
+        self.config = dict(config or {})
+        if seed is not None:
+            _seed_everything(seed + self.dist.rank)
+        model.to(self.device)
+        self.state = State(
+            model=model,
+            max_duration=max_duration,
+            train_dataloader=self.train_spec.dataloader,
+            evaluators=ensure_evaluators(eval_dataloader),
+            grad_accum=grad_accum,
+            precision=precision,
+            optimizers=optimizers,
+            schedulers=None,
+            algorithms=algorithms,
+            callbacks=callbacks,
+            rank=self.dist.rank,
+            world_size=self.dist.world_size,
+            run_name=run_name,
+            seed=seed,
+        )
+        self.state.schedulers = [_as_torch_scheduler(s, self.state) for s in _as_list(schedulers)]
+        if self.state.precision is Precision.AMP_FP16:
+            self.state.scaler = torch.amp.GradScaler(self.device.type)
+        self.eval_interval = make_interval(eval_interval, max_duration, counts_tokens=self.train_spec.counts_tokens)
+        self.logger = Logger(loggers if self.dist.rank == 0 else ())
+        self.engine = Engine(state=self.state, logger=self.logger, algorithm_passes=algorithm_passes)
+        self._checkpointer = None
+        self._fitted = False
+
+        self.engine.run_event(Event.INIT)
+        self.engine.refresh()  # algorithms or callbacks may have been added at INIT
+        self._train_model = self._wrap_model()
+        if checkpoint is not None:
+            from raytrain_events.checkpoint.trainer_hooks import attach_checkpointing
+
+            self._checkpointer = attach_checkpointing(self, checkpoint)
+        self.engine.run_event(Event.AFTER_LOAD)
+
+    # ------------------------------------------------------------ properties
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The precision context forward and loss run in."""
+        return autocast_context(self.state.precision, self.device.type)
+
+    def _wrap_model(self) -> torch.nn.Module:
+        model = self.state.model
+        if not self.dist.is_distributed:
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+
+        find_unused = any(a.find_unused_parameters for a in self.state.algorithms)
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=find_unused)
+
+    # ------------------------------------------------------------------- fit
+    def fit(self) -> State:
+        """Train until ``max_duration`` (or an early stop); returns the final `State`."""
+        if self._fitted:
+            raise RuntimeError("fit() already ran on this Trainer; build a new Trainer (it can autoresume).")
+        self._fitted = True
+        try:
+            self._fit()
+        except BaseException as exc:
+            self.engine.run_exception(exc)
+            raise
+        finally:
+            if self._checkpointer is not None:
+                self._checkpointer.close()
+            self.engine.close()
+        return self.state
+
+    def _fit(self) -> None:
+        state, engine = self.state, self.engine
+        state.model.train()
+        engine.run_event(Event.FIT_START)
+        epoch_unit = state.max_duration.unit == TimeUnit.EPOCH
+        while not (state.stop_requested and state.stop_consistent) and not is_done(state):
+            engine.run_event(Event.EPOCH_START)
+            finished_early = self._run_epoch()
+            steps = state.steps_per_epoch
+            if not finished_early or (steps is not None and state.timestamp.batch_in_epoch.value == steps):
+                state.timestamp = state.timestamp.to_next_epoch()
+                engine.run_event(Event.EPOCH_END)
+                if state.evaluators and self.eval_interval(state, Event.EPOCH_END):
+                    run_evaluation(self)
+                engine.run_event(Event.EPOCH_CHECKPOINT)
+            if not epoch_unit and finished_early:
+                break
+        engine.run_event(Event.FIT_END)
+
+    def _run_epoch(self) -> bool:
+        """One pass over the train data; True if it stopped before the data ran out."""
+        state, engine, spec, dist = self.state, self.engine, self.train_spec, self.dist
+        loader = spec.dataloader
+        _set_epoch(loader, state.epoch)
+        iterator = iter(loader)
+        skip = state.timestamp.batch_in_epoch.value  # mid-epoch resume: batches already trained
+        for _ in range(skip):
+            next(iterator, None)
+        device, counts_tokens, grad_accum = self.device, spec.counts_tokens, state.grad_accum
+        batches = 0
+        while True:
+            engine.run_event(Event.BEFORE_DATALOADER)
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                break
+            batch = move_to_device(batch, device)
+            if spec.device_transforms is not None:
+                batch = spec.device_transforms(batch)
+            state.batch = batch
+            engine.run_event(Event.AFTER_DATALOADER)
+            samples = spec.get_num_samples_in_batch(state.batch)
+            tokens = spec.num_tokens_in_batch(state.batch) if counts_tokens else 0
+            if grad_accum > samples:
+                raise ValueError(
+                    f"grad_accum={grad_accum} is larger than the batch ({samples} samples on rank {state.rank}): "
+                    "lower grad_accum or raise the batch size."
+                )
+            state.batch_num_samples, state.batch_num_tokens = samples, tokens
+            local_stop = 1 if state.stop_requested and not state.stop_consistent else 0
+            pending = dist.sum_ints_async((samples, tokens, local_stop))
+            engine.run_event(Event.BATCH_START)
+            start = time.perf_counter()
+            self._train_batch()
+            global_samples, global_tokens, stops = pending.wait()
+            if stops:
+                state.stop_requested = state.stop_consistent = True
+            state.global_batch_num_samples, state.global_batch_num_tokens = global_samples, global_tokens
+            state.timestamp = state.timestamp.to_next_batch(
+                global_samples, global_tokens, datetime.timedelta(seconds=time.perf_counter() - start)
+            )
+            for scheduler in state.schedulers:
+                scheduler.step()
+            engine.run_event(Event.BATCH_END)
+            if state.evaluators and self.eval_interval(state, Event.BATCH_END):
+                run_evaluation(self)
+            engine.run_event(Event.BATCH_CHECKPOINT)
+            batches += 1
+            if (state.stop_requested and state.stop_consistent) or is_done(state):
+                return True
+        if batches == 0 and skip == 0:
+            raise RuntimeError(
+                f"The train dataloader yielded no batches in epoch {state.epoch} on rank {state.rank}: "
+                "check that the dataset (or this rank's shard) is not empty."
+            )
+        return False
+
+    def _train_batch(self) -> None:
+        """Forward, loss and backward over ``grad_accum`` microbatches, then the optimizer step."""
+        state, engine, model = self.state, self.engine, self.state.model
+        scaler = state.scaler
+        for optimizer in state.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        engine.run_event(Event.BEFORE_TRAIN_BATCH)
+        full_batch = state.batch
+        grad_accum = state.grad_accum
+        microbatches = [full_batch] if grad_accum == 1 else self.train_spec.split_batch(full_batch, grad_accum)
+        create_graph = any(a.backwards_create_graph for a in state.algorithms) if state.algorithms else False
+        total_samples = state.batch_num_samples
+        last = len(microbatches) - 1
+        ddp = self._train_model if self._train_model is not model else None
+        accumulated = None
+        for index, microbatch in enumerate(microbatches):
+            sync = ddp.no_sync() if (ddp is not None and index < last) else contextlib.nullcontext()
+            with sync:
+                state.batch = microbatch
+                engine.run_event(Event.BEFORE_FORWARD)
+                with self.autocast():
+                    state.outputs = self._train_model(state.batch)
+                engine.run_event(Event.AFTER_FORWARD)
+                engine.run_event(Event.BEFORE_LOSS)
+                with self.autocast():
+                    state.loss = model.loss(state.outputs, state.batch)
+                engine.run_event(Event.AFTER_LOSS)
+                engine.run_event(Event.BEFORE_BACKWARD)
+                loss = total_loss(state.loss)
+                if last:
+                    loss = loss * (self.train_spec.get_num_samples_in_batch(state.batch) / total_samples)
+                    accumulated = loss.detach() if accumulated is None else accumulated + loss.detach()
+                if scaler is not None:
+                    scaler.scale(loss).backward(create_graph=create_graph)
+                else:
+                    loss.backward(create_graph=create_graph)
+                engine.run_event(Event.AFTER_BACKWARD)
+        state.batch = full_batch
+        state.loss = accumulated if last else loss.detach()
+        if scaler is not None:
+            for optimizer in state.optimizers:
+                scaler.unscale_(optimizer)
+        engine.run_event(Event.AFTER_TRAIN_BATCH)
+        for optimizer in state.optimizers:
+            if scaler is not None:
+                scaler.step(optimizer)
+            else:
+                optimizer.step()
+        if scaler is not None:
+            scaler.update()
+
+    # --------------------------------------------------------------- helpers
+    def close(self) -> None:
+        """Close callbacks and loggers (fit does this itself)."""
+        self.engine.close()
+
+
+def _as_list(value: Any) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _as_torch_scheduler(scheduler: Any, state: State) -> Any:
+    """Pass torch LR schedulers through; turn ``fn(state) -> lr multiplier`` into a LambdaLR."""
+    if hasattr(scheduler, "step") and hasattr(scheduler, "state_dict"):
+        return scheduler
+    if callable(scheduler):
+        if not state.optimizers:
+            raise ValueError("A scheduler function needs an optimizer to schedule.")
+        return _StateLambdaLR(state.optimizers[0], scheduler, state)
+    raise TypeError(
+        f"{scheduler!r} is not a scheduler: pass a torch.optim.lr_scheduler object or a "
+        "raytrain_events.schedulers scheduler (a function of the State)."
+    )
+
+
+class _StateLambdaLR(torch.optim.lr_scheduler.LambdaLR):
+    """A LambdaLR whose multiplier is a function of the training `State` (its global Timestamp)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, fn: Callable[[State], float], state: State) -> None:
+        self._fn, self._state = fn, state
+        super().__init__(optimizer, lr_lambda=lambda _step: fn(state))
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {k: v for k, v in super().state_dict().items() if k not in ("lr_lambdas", "_fn", "_state")}
+
+
+def _set_epoch(loader: Any, epoch: int) -> None:
+    for target in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
+        set_epoch = getattr(target, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+            return
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % (2**32))
+    except ImportError:  # pragma: no cover - numpy ships with torch wheels
+        pass

@@ -1,0 +1,68 @@
+"""Shared test fixtures: one local Ray instance per session, a local S3 server, storage backends.
+
+Ray must bind to loopback only on these machines, so the environment is set before Ray is
+imported anywhere in the test session.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3 API (moto in server mode) on 127.0.0.1; yields storage options for s3fs."""
+    from moto.server import ThreadedMotoServer
+
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    options = {
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+    }
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**options)
+    fs.mkdir("test-bucket")
+    yield {"endpoint": endpoint, "bucket": "test-bucket", "storage_options": options}
+    server.stop()
+
+
+@pytest.fixture(params=["file", "memory", "s3"])
+def storage(request, tmp_path):
+    """A fresh storage root on each backend: yields (url, storage_options)."""
+    if request.param == "file":
+        yield str(tmp_path / "store"), {}
+    elif request.param == "memory":
+        yield f"memory://store-{uuid.uuid4().hex}", {}
+    else:
+        srv = request.getfixturevalue("s3_server")
+        yield f"s3://{srv['bucket']}/{uuid.uuid4().hex}", srv["storage_options"]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray instance for the whole test session (CPU only, loopback only)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=True)
+    yield ray
+    ray.shutdown()
