@@ -1,0 +1,106 @@
+"""Worker-side reporting: send rank-local counts and metrics to the controller at intervals.
+
+`ray.train.report` is a barrier across workers, so `RayReporter` reports only when the global
+`Timestamp` crosses ``interval`` (the same batch on every rank), when a checkpoint was saved,
+and once at the end. Each report carries this rank's samples and tokens since its last report,
+the global Timestamp the rank computed, its mean train loss, and the latest logged metrics.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional
+
+import torch
+
+from raytrain_events.core.callback import Callback
+from raytrain_events.core.event import Event
+from raytrain_events.core.interval import make_interval
+from raytrain_events.core.logger import to_python
+from raytrain_events.core.time import TimeUnit
+
+__all__ = ["RayReporter"]
+
+
+def _counters(timestamp) -> Dict[str, int]:
+    return {name: timestamp.get_value(unit) for name, unit in _UNITS.items()}
+
+
+_UNITS = {"epoch": TimeUnit.EPOCH, "batch": TimeUnit.BATCH, "sample": TimeUnit.SAMPLE, "token": TimeUnit.TOKEN}
+
+
+class RayReporter(Callback):
+    """Report to Ray Train every ``interval`` of global time, on checkpoints, and at the end."""
+
+    def __init__(self, *, interval: Any = "100ba", report_fn: Optional[Callable[..., None]] = None) -> None:
+        self.interval = interval
+        self._report_fn = report_fn
+        self._due = None
+        self._start: Optional[Dict[str, int]] = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.local_samples = 0
+        self.local_tokens = 0
+        self._loss_sum: Any = 0.0
+        self._loss_count = 0
+
+    def fit_start(self, state, logger) -> None:
+        self._due = make_interval(self.interval, state.max_duration, what="report_interval")
+        # The first report of this worker group says where it started (0, or a checkpoint).
+        self._start = _counters(state.timestamp)
+        self._reset()
+
+    def batch_end(self, state, logger) -> None:
+        self.local_samples += state.batch_num_samples
+        self.local_tokens += state.batch_num_tokens
+        if state.loss is not None:
+            self._loss_sum = self._loss_sum + state.loss.detach().float()  # stays on device
+            self._loss_count += 1
+
+    def batch_checkpoint(self, state, logger) -> None:
+        if self._saved_checkpoint(state) or self._due(state, Event.BATCH_END):
+            self._report(state, logger)
+
+    def epoch_checkpoint(self, state, logger) -> None:
+        if self._saved_checkpoint(state) or self._due(state, Event.EPOCH_END):
+            self._report(state, logger)
+
+    def fit_end(self, state, logger) -> None:
+        self._report(state, logger, final=True)
+
+    @staticmethod
+    def _saved_checkpoint(state) -> bool:
+        return getattr(state, "pending_checkpoint", None) is not None
+
+    def _report(self, state, logger, final: bool = False) -> None:
+        loss_sum = float(self._loss_sum)  # the one host read per report
+        metrics = {
+            k: to_python(v) for k, v in logger.metrics.items()
+            if not torch.is_tensor(v) or v.numel() == 1
+        }
+        report: Dict[str, Any] = {
+            "rank": state.rank,
+            "start": self._start,
+            "local_samples": self.local_samples,
+            "local_tokens": self.local_tokens,
+            "timestamp": _counters(state.timestamp),
+            "train_loss_sum": loss_sum,
+            "train_loss_count": self._loss_count,
+            "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))},
+            "final": final,
+        }
+        checkpoint = getattr(state, "pending_checkpoint", None)
+        state.pending_checkpoint = None
+        self._start = None
+        self._reset()
+        self._send(report, checkpoint)
+
+    def _send(self, report: Dict[str, Any], checkpoint: Any) -> None:
+        if self._report_fn is not None:
+            self._report_fn(report, checkpoint)
+            return
+        import ray.train
+
+        if checkpoint is None:
+            ray.train.report(report)
+        else:
+            checkpoint.report(report)

@@ -1,0 +1,104 @@
+"""The function every Ray Train worker runs: build the `Trainer` from the `RunSpec` and fit.
+
+Each worker builds its own model, optimizers, algorithms and callbacks from the spec's
+factories, iterates its dataset shard, trains under DDP (Ray set up the process group:
+gloo on CPU, NCCL on GPU) and reports to the controller through `RayReporter`.
+"""
+from __future__ import annotations
+
+import random
+from typing import Any, Dict
+
+import torch
+
+from raytrain_events.core.data_spec import DataSpec
+from raytrain_events.dist import LocalDist, TorchDist
+from raytrain_events.ray.data import ShardLoader
+from raytrain_events.ray.report import RayReporter
+from raytrain_events.ray.spec import RunSpec
+from raytrain_events.trainer import Trainer
+from raytrain_events.trainer._eval import Evaluator
+
+__all__ = ["train_loop_per_worker", "build_worker_trainer"]
+
+
+def _seed(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    import numpy as np
+
+    np.random.seed(seed % (2**32))
+
+
+def build_worker_trainer(spec: RunSpec) -> Trainer:
+    """Build this worker's `Trainer` (inside a Ray Train worker)."""
+    import ray.train
+    import ray.train.torch
+
+    context = ray.train.get_context()
+    device = ray.train.torch.get_device()
+    dist = TorchDist(device) if context.get_world_size() > 1 else LocalDist(device)
+    if spec.seed is not None:
+        _seed(spec.seed)  # the same initial weights on every rank
+    model = spec.build_model()
+    model.to(device)
+    optimizers = spec.build_optimizers(model)
+    schedulers = spec.build_schedulers(optimizers)
+    algorithms = spec.build_list(spec.algorithms)
+    if algorithms:
+        from raytrain_events.algorithms.registry import build_algorithms
+
+        algorithms = build_algorithms(algorithms)
+    callbacks = spec.build_list(spec.callbacks)
+
+    loader_options: Dict[str, Any] = dict(
+        device=device, collate_fn=spec.collate_fn, prefetch_batches=spec.prefetch_batches, columns=spec.columns
+    )
+    train = ShardLoader(
+        ray.train.get_dataset_shard("train"),
+        batch_size=spec.batch_size,
+        shuffle_buffer_size=spec.shuffle_buffer_size,
+        seed=None if spec.seed is None else spec.seed + 1000 * context.get_world_rank(),
+        **loader_options,
+    )
+    evaluators = [
+        Evaluator(
+            label=name,
+            dataloader=ShardLoader(
+                ray.train.get_dataset_shard(name), batch_size=spec.eval_batch_size or spec.batch_size, **loader_options
+            ),
+        )
+        for name in spec.eval_datasets
+    ]
+    checkpoint = None
+    if spec.checkpoint is not None:
+        from raytrain_events.ray.checkpointing import ray_checkpoint_config
+
+        checkpoint = ray_checkpoint_config(spec)
+    return Trainer(
+        model=model,
+        train_dataloader=DataSpec(train, get_num_tokens_in_batch=spec.get_num_tokens_in_batch),
+        max_duration=spec.max_duration,
+        optimizers=optimizers,
+        schedulers=schedulers,
+        eval_dataloader=evaluators or None,
+        eval_interval=spec.eval_interval,
+        grad_accum=spec.grad_accum,
+        precision=spec.precision,
+        algorithms=algorithms,
+        callbacks=list(callbacks) + [RayReporter(interval=spec.report_interval)],
+        seed=spec.seed,
+        device=device,
+        dist=dist,
+        run_name=spec.run_name,
+        checkpoint=checkpoint,
+        config=spec.config,
+    )
+
+
+def train_loop_per_worker(config: Dict[str, Any]) -> Dict[str, Any]:
+    """Ray Train entry point: ``config["spec"]`` is the `RunSpec`; returns rank 0's final timestamp."""
+    spec: RunSpec = config["spec"]
+    trainer = build_worker_trainer(spec)
+    state = trainer.fit()
+    return {"timestamp": state.timestamp.state_dict(), "rank": state.rank}
