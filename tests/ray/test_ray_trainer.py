@@ -1,0 +1,184 @@
+"""RayTrainer against a real local Ray instance: 2 CPU workers with gloo DDP."""
+from __future__ import annotations
+
+import sys
+
+
+import numpy as np
+import pytest
+import torch
+from ray import cloudpickle as ray_cloudpickle
+
+from raytrain_events import Callback
+from raytrain_events.models import ClassifierModel
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ship this module's helpers to workers
+
+ROWS, DIM = 256, 8
+
+
+def make_rows(n=ROWS, tokens=None, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, DIM)).astype(np.float32)
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0).astype(np.int64)
+    ntok = rng.integers(1, 10, size=n) if tokens is None else tokens
+    return [{"x": x[i], "y": int(y[i]), "ntok": int(ntok[i])} for i in range(n)]
+
+
+def make_model():
+    torch.manual_seed(0)
+    return ClassifierModel(torch.nn.Sequential(torch.nn.Linear(DIM, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)), num_classes=2)
+
+
+def make_sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.2)
+
+
+def count_tokens(batch):
+    return int(batch["ntok"].sum())
+
+
+class DumpPerRank(Callback):
+    """Saves each rank's final parameters, timestamp and per-batch losses to a shared folder."""
+
+    def __init__(self, folder):
+        self.folder = folder
+        self.losses = []
+
+    def batch_end(self, state, logger):
+        self.losses.append((state.timestamp.get_value("ba"), float(state.loss)))
+
+    def fit_end(self, state, logger):
+        torch.save(
+            {"params": state.model.state_dict(), "timestamp": state.timestamp.state_dict(), "losses": self.losses},
+            f"{self.folder}/rank{state.rank}.pt",
+        )
+
+
+def load_ranks(folder, world):
+    return [torch.load(f"{folder}/rank{r}.pt", weights_only=True) for r in range(world)]
+
+
+def _fit(tmp_path, ray_data, rows, *, workers, batch_size, duration, folder, eval_rows=None, **kw):
+    from raytrain_events import RayTrainer
+
+    datasets = {"train": ray_data.from_items(rows)}
+    if eval_rows is not None:
+        datasets["eval"] = ray_data.from_items(eval_rows)
+    return RayTrainer(
+        model=make_model,
+        optimizers=make_sgd,
+        datasets=datasets,
+        max_duration=duration,
+        batch_size=batch_size,
+        num_workers=workers,
+        get_num_tokens_in_batch=count_tokens,
+        deterministic_split=True,
+        callbacks=lambda: [DumpPerRank(str(folder))],
+        storage_path=str(tmp_path / "runs"),
+        report_interval="4ba",
+        **kw,
+    ).fit()
+
+
+@pytest.fixture(scope="module")
+def two_worker_run(ray_cluster, tmp_path_factory):
+    import ray.data
+
+    tmp = tmp_path_factory.mktemp("two")
+    rows, eval_rows = make_rows(), make_rows(128, seed=1)
+    result = _fit(tmp, ray.data, rows, workers=2, batch_size=16, duration="2ep", folder=tmp, eval_rows=eval_rows)
+    return result, rows, eval_rows, tmp
+
+
+def test_global_timestamp_is_exact(two_worker_run):
+    result, rows, _, tmp = two_worker_run
+    total_tokens = sum(r["ntok"] for r in rows)
+    assert result.timestamp.get_value("sp") == ROWS * 2
+    assert result.timestamp.get_value("tok") == total_tokens * 2
+    assert result.timestamp.get_value("ep") == 2
+    assert result.timestamp.get_value("ba") == 2 * ROWS // 32
+    for rank_state in load_ranks(tmp, 2):  # every worker holds the same global timestamp
+        ts = rank_state["timestamp"]
+        assert (ts["epoch"], ts["batch"], ts["sample"], ts["token"]) == (2, 16, ROWS * 2, total_tokens * 2)
+
+
+def test_ddp_replicas_identical(two_worker_run):
+    _, _, _, tmp = two_worker_run
+    rank0, rank1 = load_ranks(tmp, 2)
+    for name, value in rank0["params"].items():
+        assert torch.equal(value, rank1["params"][name]), name
+
+
+def test_history_has_reduced_train_loss_and_global_eval_metrics(two_worker_run):
+    result, _, eval_rows, tmp = two_worker_run
+    ranks = load_ranks(tmp, 2)
+    previous = 0
+    checked = 0
+    for entry in result.history:
+        if "train/loss" not in entry:
+            continue
+        batch = entry["time/batch"]
+        window = [loss for r in ranks for (b, loss) in r["losses"] if previous < b <= batch]
+        assert entry["train/loss"] == pytest.approx(sum(window) / len(window), rel=1e-5)
+        previous = batch
+        checked += 1
+    assert checked >= 4
+    # The final eval accuracy covers all ranks' shards: recompute it on the driver over the whole set.
+    model = make_model()
+    model.load_state_dict(ranks[0]["params"])
+    x = torch.tensor(np.stack([r["x"] for r in eval_rows]))
+    y = torch.tensor([r["y"] for r in eval_rows])
+    with torch.no_grad():
+        accuracy = (model.module(x).argmax(-1) == y).float().mean().item()
+    assert result.metrics["metrics/eval/accuracy"] == pytest.approx(accuracy, abs=1e-6)
+    assert result.metrics["final"] is True
+
+
+def test_two_workers_match_one_worker_with_same_global_batch(two_worker_run, ray_cluster, tmp_path):
+    import ray.data
+
+    _, rows, _, tmp = two_worker_run
+    half = ROWS // 2
+    # Rank r trains on rows [r*half, (r+1)*half); one worker sees both halves' batch k together.
+    interleaved = []
+    for k in range(half // 16):
+        interleaved += rows[k * 16:(k + 1) * 16] + rows[half + k * 16: half + (k + 1) * 16]
+    single = tmp_path / "single"
+    single.mkdir()
+    _fit(tmp_path, ray.data, interleaved, workers=1, batch_size=32, duration="2ep", folder=single)
+    two = load_ranks(tmp, 2)[0]["params"]
+    one = load_ranks(single, 1)[0]["params"]
+    for name in two:
+        torch.testing.assert_close(one[name], two[name], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("duration,tokens,expected_batches", [("300sp", None, 10), ("1000tok", "uneven", 7)])
+def test_sample_and_token_durations_stop_every_rank_at_same_batch(ray_cluster, tmp_path, duration, tokens, expected_batches):
+    import ray.data
+
+    if tokens == "uneven":  # rank 0's half has 1 token per row, rank 1's has 9: 160 tokens per global batch
+        tokens = np.array([1] * (ROWS // 2) + [9] * (ROWS // 2))
+    result = _fit(tmp_path, ray.data, make_rows(tokens=tokens), workers=2, batch_size=16, duration=duration, folder=tmp_path)
+    batches = {r["timestamp"]["batch"] for r in load_ranks(tmp_path, 2)}
+    assert batches == {expected_batches}
+    assert result.timestamp.get_value("ba") == expected_batches
+
+
+def exploding_model():
+    raise RuntimeError("boom in the model factory")
+
+
+def test_worker_error_reaches_driver(ray_cluster, tmp_path):
+    import ray.data
+
+    from raytrain_events import RayTrainer
+    from raytrain_events.ray.driver import RayTrainingError
+
+    trainer = RayTrainer(
+        model=exploding_model, optimizers=make_sgd, datasets={"train": ray.data.from_items(make_rows(64))},
+        max_duration="1ep", batch_size=16, num_workers=2, storage_path=str(tmp_path),
+    )
+    with pytest.raises(RayTrainingError, match="boom in the model factory"):
+        trainer.fit()
