@@ -88,6 +88,13 @@ class State:
         self.stop_requested = False
         self.stop_consistent = False
         self.stop_reason: Optional[str] = None
+        # A checkpoint asked for on this rank (timer, SIGTERM); agreed across ranks each batch.
+        self.save_requested = False
+        self.save_now = False
+        # Set by the checkpoint saver when a save started; consumed by reporters (Ray).
+        self.pending_checkpoint: Any = None
+        # Mid-epoch resume: (RNG state at the epoch's start, RNG state at the checkpoint).
+        self.resume_rng: Any = None
 
     # ----------------------------------------------------------------- time
     @property
@@ -189,13 +196,15 @@ class State:
         ]
         missing = sorted(set(model_sd) - set(state_dict))
         unexpected = sorted(set(state_dict) - set(model_sd))
-        if mismatched or (strict and (missing or unexpected)):
+        # Even when not strict, a checkpoint that shares no key with the model would load nothing.
+        disjoint = bool(model_sd) and len(missing) == len(model_sd)
+        if mismatched or ((strict or disjoint) and (missing or unexpected)):
             parts = []
             if mismatched:
                 parts.append("shape mismatch: " + "; ".join(mismatched[:10]))
-            if strict and missing:
+            if (strict or disjoint) and missing:
                 parts.append(f"missing in checkpoint: {missing[:10]}")
-            if strict and unexpected:
+            if (strict or disjoint) and unexpected:
                 parts.append(f"not in model: {unexpected[:10]}")
             raise CheckpointMismatchError(
                 "The checkpoint does not match this model (" + " | ".join(parts) + "). Check that it was "
@@ -205,11 +214,7 @@ class State:
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = False) -> None:
         """Restore what `state_dict` produced (model, optimizers, schedulers, timestamp, ...)."""
-        self.load_model_state(state["model"], strict=strict)
-        _load_list("optimizers", self.optimizers, state.get("optimizers", []))
-        _load_list("schedulers", self.schedulers, state.get("schedulers", []))
-        if self.scaler is not None and state.get("scaler") is not None:
-            self.scaler.load_state_dict(state["scaler"])
+        # Check what can be checked before changing anything, so a refused load leaves the run intact.
         keys = _keyed(self.algorithms)
         missing_required = [k for k in state.get("algorithms_required", []) if k not in keys]
         if missing_required:
@@ -217,6 +222,11 @@ class State:
                 f"The checkpoint was saved with algorithms {missing_required} that must be present to load it "
                 "(required_on_load); add them to `algorithms`."
             )
+        self.load_model_state(state["model"], strict=strict)
+        _load_list("optimizers", self.optimizers, state.get("optimizers", []))
+        _load_list("schedulers", self.schedulers, state.get("schedulers", []))
+        if self.scaler is not None and state.get("scaler") is not None:
+            self.scaler.load_state_dict(state["scaler"])
         for key, algorithm_state in state.get("algorithms", {}).items():
             if key in keys:
                 keys[key].load_state_dict(algorithm_state)

@@ -103,4 +103,6 @@ class RayReporter(Callback):
         if checkpoint is None:
             ray.train.report(report)
         else:
-            checkpoint.report(report)
+            from raytrain_events.ray.checkpointing import report_with_checkpoint
+
+            report_with_checkpoint(report, checkpoint)

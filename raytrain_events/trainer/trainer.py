@@ -139,7 +139,7 @@ class Trainer:
         self.engine.refresh()  # algorithms or callbacks may have been added at INIT
         self._train_model = self._wrap_model()
         if checkpoint is not None:
-            from raytrain_events.checkpoint.trainer_hooks import attach_checkpointing
+            from raytrain_events.checkpoint.checkpointer import attach_checkpointing
 
             self._checkpointer = attach_checkpointing(self, checkpoint)
         self.engine.run_event(Event.AFTER_LOAD)
@@ -200,10 +200,19 @@ class Trainer:
         state, engine, spec, dist = self.state, self.engine, self.train_spec, self.dist
         loader = spec.dataloader
         _set_epoch(loader, state.epoch)
-        iterator = iter(loader)
         skip = state.timestamp.batch_in_epoch.value  # mid-epoch resume: batches already trained
+        resume_rng, state.resume_rng = state.resume_rng, None
+        if skip and resume_rng is not None:
+            # Replay the epoch start exactly (a shuffling sampler draws from the global RNG in
+            # iter()), skip what was trained, then continue from the checkpoint's RNG state.
+            from raytrain_events.checkpoint.rng import restore_rng_state
+
+            restore_rng_state(resume_rng[0])
+        iterator = iter(loader)
         for _ in range(skip):
             next(iterator, None)
+        if skip and resume_rng is not None:
+            restore_rng_state(resume_rng[1])
         device, counts_tokens, grad_accum = self.device, spec.counts_tokens, state.grad_accum
         batches = 0
         while True:
@@ -225,14 +234,16 @@ class Trainer:
                     "lower grad_accum or raise the batch size."
                 )
             state.batch_num_samples, state.batch_num_tokens = samples, tokens
+            # One fused collective per batch: counts, plus flags every rank must agree on.
             local_stop = 1 if state.stop_requested and not state.stop_consistent else 0
-            pending = dist.sum_ints_async((samples, tokens, local_stop))
+            pending = dist.sum_ints_async((samples, tokens, local_stop, 1 if state.save_requested else 0))
             engine.run_event(Event.BATCH_START)
             start = time.perf_counter()
             self._train_batch()
-            global_samples, global_tokens, stops = pending.wait()
+            global_samples, global_tokens, stops, saves = pending.wait()
             if stops:
                 state.stop_requested = state.stop_consistent = True
+            state.save_now = saves > 0
             state.global_batch_num_samples, state.global_batch_num_tokens = global_samples, global_tokens
             state.timestamp = state.timestamp.to_next_batch(
                 global_samples, global_tokens, datetime.timedelta(seconds=time.perf_counter() - start)
@@ -339,6 +350,11 @@ class _StateLambdaLR(torch.optim.lr_scheduler.LambdaLR):
 
     def state_dict(self) -> Dict[str, Any]:
         return {k: v for k, v in super().state_dict().items() if k not in ("lr_lambdas", "_fn", "_state")}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        # LambdaLR.load_state_dict pops "lr_lambdas", which state_dict() above leaves out; the
+        # multiplier is a function of the State, so there is nothing of it to restore.
+        self.__dict__.update({k: v for k, v in state_dict.items() if k not in ("lr_lambdas", "_fn", "_state")})
 
 
 def _set_epoch(loader: Any, epoch: int) -> None:

@@ -1,0 +1,272 @@
+"""`Checkpointer`: saves the run at checkpoint events and restores it at start-up.
+
+It is a `Callback` placed first, so reporters running at the same event see the save.
+Saving: every rank writes its RNG state; rank 0 snapshots the `State` (copied to CPU on the
+training thread, the only part that blocks training), then writes it, commits the manifest
+and prunes old checkpoints in the background. Loading happens between INIT and AFTER_LOAD:
+``autoresume`` takes the newest valid checkpoint of ``save_folder``; otherwise ``load_from``.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from raytrain_events.checkpoint.config import CheckpointConfig
+from raytrain_events.checkpoint.format import (
+    MANIFEST, CheckpointInfo, FileEntry, LoadedCheckpoint, commit_checkpoint, new_checkpoint_url,
+    read_checkpoint, rng_file_name, write_checkpoint_file,
+)
+from raytrain_events.checkpoint.preemption import save_on_sigterm
+from raytrain_events.checkpoint.rng import capture_rng_state, restore_rng_state
+from raytrain_events.checkpoint.store import AsyncCheckpointWriter, load_latest_valid, prune_checkpoints
+from raytrain_events.core.callback import Callback
+from raytrain_events.core.event import Event
+from raytrain_events.core.interval import make_interval
+from raytrain_events.core.time import TimeUnit
+from raytrain_events.storage.errors import RunLockedError
+from raytrain_events.storage.fs import join, resolve
+from raytrain_events.storage.locks import acquire_lock, release_lock
+
+__all__ = ["Checkpointer", "SavedCheckpoint", "attach_checkpointing", "STATE_FILE"]
+
+STATE_FILE = "state.pt"
+_COUNTERS = {"epoch": TimeUnit.EPOCH, "batch": TimeUnit.BATCH, "sample": TimeUnit.SAMPLE, "token": TimeUnit.TOKEN}
+
+
+@dataclass
+class SavedCheckpoint:
+    """A save in progress or done: its URL, and ``wait()`` until it is committed."""
+
+    url: str
+    name: str
+    rank: int
+    writer: Optional[AsyncCheckpointWriter]
+    future: Any = None
+
+    def wait(self) -> Optional[CheckpointInfo]:
+        """Block until committed (rank 0) and return its info; other ranks return None."""
+        return None if self.future is None else self.future.result()
+
+
+def _cpu_copy(tree: Any) -> Any:
+    """A deep copy of ``tree`` with every tensor cloned to CPU (detached from training)."""
+    if torch.is_tensor(tree):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, dict):
+        return {k: _cpu_copy(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_cpu_copy(v) for v in tree)
+    return tree
+
+
+class Checkpointer(Callback):
+    """Saves and loads checkpoints for one `Trainer` according to a `CheckpointConfig`."""
+
+    def __init__(self, trainer: Any, config: CheckpointConfig) -> None:
+        self.trainer = trainer
+        self.config = config
+        state = trainer.state
+        self.folder = config.save_folder or os.path.abspath(os.path.join("runs", state.run_name, "checkpoints"))
+        self.options = dict(config.storage_options)
+        self._interval = (
+            make_interval(config.save_interval, state.max_duration, what="save_interval")
+            if config.save_interval is not None else None
+        )
+        self._writer = AsyncCheckpointWriter() if config.async_save else None
+        self._last_save_time = time.monotonic()
+        self._last_saved_batch: Optional[int] = None
+        self._sigterm = contextlib.ExitStack()
+        self._epoch_start_rng: Dict[str, Any] = capture_rng_state()
+        self.saved: List[SavedCheckpoint] = []
+        self.loaded: Optional[CheckpointInfo] = None
+        self.run_dir = self.folder.rstrip("/").rsplit("/", 1)[0] if "/" in self.folder.rstrip("/") else self.folder
+        self._lock = None
+        if config.lock_run_dir and state.rank == 0:
+            # Refuses (RunLockedError naming the holder) if another live run holds this run dir.
+            self._lock = acquire_lock(self.run_dir, "running", storage_options=self.options, takeover_stale=True)
+
+    # ------------------------------------------------------------------ load
+    def load(self) -> Optional[CheckpointInfo]:
+        """Restore from ``autoresume`` (newest valid) or ``load_from``; None if nothing to load."""
+        config = self.config
+        loaded: Optional[LoadedCheckpoint] = None
+        if config.autoresume:
+            loaded = self._read_latest(self.folder)
+        if loaded is None and config.load_from:
+            loaded = self._read(config.load_from)
+            if loaded is None:
+                raise FileNotFoundError(
+                    f"load_from={config.load_from!r} holds no committed checkpoint. Point it at a checkpoint "
+                    "directory (one with manifest.json) or a folder of them."
+                )
+        if loaded is None:
+            return None
+        self._apply(loaded)
+        self.loaded = loaded.info
+        self._last_saved_batch = self.trainer.state.timestamp.get_value(TimeUnit.BATCH)
+        return loaded.info
+
+    def _files_for_rank(self) -> List[str]:
+        return [STATE_FILE] if self.config.load_weights_only else [STATE_FILE, rng_file_name(self.trainer.state.rank)]
+
+    def _read_latest(self, folder: str) -> Optional[LoadedCheckpoint]:
+        return load_latest_valid(folder, storage_options=self.options, files=[STATE_FILE], map_location="cpu")
+
+    def _read(self, url: str) -> Optional[LoadedCheckpoint]:
+        fs, path = resolve(url, self.options)
+        if fs.exists(join(path, MANIFEST)):
+            return read_checkpoint(url, storage_options=self.options, files=[STATE_FILE], map_location="cpu")
+        return self._read_latest(url)
+
+    def _apply(self, loaded: LoadedCheckpoint) -> None:
+        trainer, state = self.trainer, self.trainer.state
+        saved = loaded.files[STATE_FILE]
+        if self.config.load_weights_only:
+            state.load_model_state(saved["model"], strict=self.config.load_strict)
+            return
+        state.load_state_dict(saved, strict=self.config.load_strict)
+        rng_name = rng_file_name(state.rank)
+        if any(f.name == rng_name for f in loaded.info.files):
+            rng = read_checkpoint(loaded.info.url, storage_options=self.options, files=[rng_name]).files[rng_name]
+            restore_rng_state(rng["now"])
+            if state.timestamp.batch_in_epoch.value > 0:
+                state.resume_rng = (rng["epoch_start"], rng["now"])
+                self._epoch_start_rng = rng["epoch_start"]
+        saved_config = loaded.info.metadata.get("config")
+        if state.rank == 0 and saved_config is not None and trainer.config and saved_config != trainer.config:
+            from raytrain_events.storage.config_diff import format_config_diff
+
+            print(f"Resuming {loaded.info.url} with a different config:\n{format_config_diff(saved_config, trainer.config)}")
+
+    # ------------------------------------------------------------------ save
+    def fit_start(self, state, logger) -> None:
+        if self.config.save_on_sigterm:
+            self._sigterm.enter_context(save_on_sigterm(state))
+
+    def epoch_start(self, state, logger) -> None:
+        if state.resume_rng is None:  # a resumed epoch keeps the RNG state of its real start
+            self._epoch_start_rng = capture_rng_state()
+
+    def after_dataloader(self, state, logger) -> None:
+        seconds = self.config.save_every_n_seconds
+        if seconds is not None and time.monotonic() - self._last_save_time >= seconds:
+            state.save_requested = True  # agreed across ranks by this batch's collective
+
+    def batch_checkpoint(self, state, logger) -> None:
+        steps = self.config.save_every_n_steps
+        due = state.save_now or (steps is not None and state.step % steps == 0)
+        if not due and self._interval is not None and self.config.save_interval.unit != TimeUnit.EPOCH:
+            due = self._interval(state, Event.BATCH_END)
+        if due:
+            self.save()
+
+    def epoch_checkpoint(self, state, logger) -> None:
+        if self._interval is not None and self.config.save_interval.unit == TimeUnit.EPOCH:
+            if self._interval(state, Event.EPOCH_END):
+                self.save()
+
+    def fit_end(self, state, logger) -> None:
+        if self.config.save_final or state.save_requested:
+            self.save()
+
+    def save(self) -> Optional[SavedCheckpoint]:
+        """Save now (every rank must call this at the same batch); None if this batch is saved."""
+        trainer, state, dist = self.trainer, self.trainer.state, self.trainer.dist
+        batch = state.timestamp.get_value(TimeUnit.BATCH)
+        if batch == self._last_saved_batch:
+            return None
+        timestamp = {name: state.timestamp.get_value(unit) for name, unit in _COUNTERS.items()}
+        url = new_checkpoint_url(self.folder, timestamp=timestamp)
+        if dist.is_distributed:
+            url = dist.all_gather_object(url)[0]  # rank 0 names the directory
+        entries: List[FileEntry] = [
+            write_checkpoint_file(url, rng_file_name(state.rank), {"now": capture_rng_state(), "epoch_start": self._epoch_start_rng},
+                                  storage_options=self.options)
+        ]
+        if dist.is_distributed:
+            entries = dist.all_gather_object(entries[0])
+        future = None
+        if state.rank == 0:
+            payload = state.state_dict()
+            payload["timestamp"] = state.timestamp.state_dict()
+            snapshot = _cpu_copy(payload) if self._writer is not None else payload
+            metadata = {
+                "config": trainer.config,
+                "run_name": state.run_name,
+                "data_position": {"epoch": timestamp["epoch"], "batch_in_epoch": state.timestamp.batch_in_epoch.value},
+                "checkpoint_config": self.config.to_dict(),
+            }
+            job = lambda: self._write(url, snapshot, entries, timestamp, dist.world_size, metadata)  # noqa: E731
+            if self._writer is not None:
+                future = self._writer.submit(job)
+            else:
+                future = _Done(job())
+        self._last_saved_batch = batch
+        self._last_save_time = time.monotonic()
+        state.save_requested = state.save_now = False
+        saved = SavedCheckpoint(url=url, name=url.rstrip("/").rsplit("/", 1)[-1], rank=state.rank, writer=self._writer, future=future)
+        self.saved.append(saved)
+        state.pending_checkpoint = saved
+        return saved
+
+    def _write(self, url: str, snapshot: Dict[str, Any], entries: List[FileEntry], timestamp: Dict[str, int],
+               world_size: int, metadata: Dict[str, Any]) -> CheckpointInfo:
+        entries = list(entries) + [write_checkpoint_file(url, STATE_FILE, snapshot, storage_options=self.options)]
+        info = commit_checkpoint(url, entries=entries, timestamp=timestamp, world_size=world_size,
+                                 metadata=metadata, storage_options=self.options)
+        if self.config.keep is not None:
+            prune_checkpoints(self.folder, keep=self.config.keep, storage_options=self.options)
+        try:  # ml-starter's marker: this run dir holds a checkpoint
+            acquire_lock(self.run_dir, "ckpt", storage_options=self.options, exists_ok=True)
+        except RunLockedError:
+            pass  # an earlier process of this run marked it already
+        return info
+
+    def wait(self) -> None:
+        """Block until the in-flight save is committed (re-raising its error)."""
+        if self._writer is not None:
+            self._writer.wait()
+
+    def close(self, state=None, logger=None) -> None:
+        """Finish the in-flight save and remove the SIGTERM handler."""
+        self._sigterm.close()
+        try:
+            if self._writer is not None:
+                self._writer.close()
+        finally:
+            if self._lock is not None:
+                lock, self._lock = self._lock, None
+                release_lock(self.run_dir, "running", storage_options=self.options, lock=lock)
+
+
+class _Done:
+    """A finished future for synchronous saves."""
+
+    def __init__(self, value: Any) -> None:
+        self._value = value
+
+    def result(self, timeout: Optional[float] = None) -> Any:
+        return self._value
+
+    def done(self) -> bool:
+        return True
+
+
+def attach_checkpointing(trainer: Any, config: CheckpointConfig) -> Checkpointer:
+    """Load per ``config`` and register the saver as the first callback of ``trainer``."""
+    if not isinstance(config, CheckpointConfig):
+        raise TypeError(f"checkpoint must be a CheckpointConfig, got {type(config).__name__}.")
+    checkpointer = Checkpointer(trainer, config)
+    try:
+        checkpointer.load()
+    except BaseException:
+        checkpointer.close()  # release the run dir lock: nothing was trained
+        raise
+    trainer.state.callbacks.insert(0, checkpointer)
+    trainer.engine.refresh()
+    return checkpointer

@@ -1,0 +1,86 @@
+"""`CheckpointConfig`: when to save, how many to keep, and what to load (Composer + ml-starter knobs).
+
+Saving happens at ``BATCH_CHECKPOINT`` / ``EPOCH_CHECKPOINT`` when any trigger fires:
+``save_interval`` (a `Time`: "1ep", "500ba", "1e6tok"), ``save_every_n_steps``, or
+``save_every_n_seconds`` (default 3600, like ml-starter), plus once at the end of training
+(``save_final``) and on SIGTERM (preemption) when ``save_on_sigterm`` is set.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, Optional, Union
+
+from raytrain_events.core.time import Time, TimeUnit, ensure_time
+
+__all__ = ["CheckpointConfig"]
+
+
+@dataclass
+class CheckpointConfig:
+    """How a run saves and loads checkpoints.
+
+    Example::
+
+        CheckpointConfig(save_interval="1ep", keep=3, autoresume=True)
+
+    Fields:
+        save_folder: where checkpoints go (any fsspec URL); default ``<run dir>/checkpoints``.
+        save_interval: save whenever the global Timestamp crosses a multiple of this `Time`.
+        save_every_n_steps: save every N optimizer steps (ml-starter's knob).
+        save_every_n_seconds: save when this many seconds passed since the last save.
+        keep: how many committed checkpoints to keep (None keeps all).
+        only_save_most_recent: shorthand for ``keep=1``.
+        save_final: save once when training ends.
+        save_on_sigterm: on SIGTERM (spot reclaim), save before the process exits.
+        async_save: write files in a background thread; training is blocked only for the copy.
+        load_from: a checkpoint (or a folder of them) to start from.
+        load_strict: refuse model keys that do not match exactly.
+        load_weights_only: load only model weights (fresh optimizer, timestamp and RNG).
+        autoresume: continue from the newest valid checkpoint in ``save_folder`` if there is one.
+        storage_options: fsspec options (endpoint URL, credentials) for ``save_folder``/``load_from``.
+        lock_run_dir: hold the run directory's ``running`` lock (the parent of ``save_folder``)
+            while training, so a second run on it is refused. `RayTrainer` holds it on the
+            driver instead and turns this off on its workers.
+    """
+
+    save_folder: Optional[str] = None
+    save_interval: Optional[Union[str, Time]] = None
+    save_every_n_steps: Optional[int] = None
+    save_every_n_seconds: Optional[float] = 3600.0
+    keep: Optional[int] = None
+    only_save_most_recent: bool = False
+    save_final: bool = True
+    save_on_sigterm: bool = True
+    async_save: bool = True
+    load_from: Optional[str] = None
+    load_strict: bool = True
+    load_weights_only: bool = False
+    autoresume: bool = False
+    storage_options: Dict[str, Any] = field(default_factory=dict)
+    lock_run_dir: bool = True
+
+    def __post_init__(self) -> None:
+        if self.save_interval is not None:
+            interval = ensure_time(self.save_interval, TimeUnit.EPOCH)
+            if interval.unit == TimeUnit.DURATION or interval.value <= 0:
+                raise ValueError(
+                    f"save_interval={interval.to_timestring()!r}: give a positive 'ep', 'ba', 'sp' or 'tok' Time, like '1ep'."
+                )
+            self.save_interval = interval
+        if self.save_every_n_steps is not None and self.save_every_n_steps < 1:
+            raise ValueError(f"save_every_n_steps={self.save_every_n_steps} must be >= 1 (or None).")
+        if self.save_every_n_seconds is not None and self.save_every_n_seconds <= 0:
+            raise ValueError(f"save_every_n_seconds={self.save_every_n_seconds} must be > 0 (or None).")
+        if self.only_save_most_recent:
+            if self.keep not in (None, 1):
+                raise ValueError(f"only_save_most_recent=True keeps 1 checkpoint, but keep={self.keep}: set one of them.")
+            self.keep = 1
+        if self.keep is not None and self.keep < 1:
+            raise ValueError(f"keep={self.keep} must be >= 1 (or None to keep every checkpoint).")
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain data (for configs and logs); credentials in storage_options are left out."""
+        out = asdict(self)
+        out["save_interval"] = None if self.save_interval is None else self.save_interval.to_timestring()
+        out.pop("storage_options")
+        return out

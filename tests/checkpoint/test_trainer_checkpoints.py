@@ -1,0 +1,174 @@
+"""Checkpointing through the Trainer on file://, memory:// and s3:// (a local S3 server)."""
+from __future__ import annotations
+
+import os
+import pickle
+import uuid
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from raytrain_events import Callback, Trainer
+from raytrain_events.checkpoint import format as ckpt_format
+from raytrain_events.checkpoint.checkpointer import STATE_FILE
+from raytrain_events.checkpoint.config import CheckpointConfig
+from raytrain_events.checkpoint.format import UnsafeCheckpointError
+from raytrain_events.checkpoint.store import list_checkpoints
+from raytrain_events.core.state import CheckpointMismatchError
+from raytrain_events.models import ClassifierModel
+from raytrain_events.storage.errors import RunLockedError
+
+N, D = 96, 6
+
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, D, generator=g)
+    return TensorDataset(x, (x[:, 0] > 0).long())
+
+
+def loader():
+    dataset = data()  # a sampler with set_epoch makes mid-epoch resume exact
+    return DataLoader(dataset, batch_size=8, sampler=DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0))
+
+
+def model(hidden=16):
+    torch.manual_seed(0)
+    return ClassifierModel(
+        torch.nn.Sequential(torch.nn.Linear(D, hidden), torch.nn.Dropout(0.2), torch.nn.ReLU(), torch.nn.Linear(hidden, 2)),
+        num_classes=2,
+    )
+
+
+class Crash(Callback):
+    def __init__(self, at_batch):
+        self.at_batch = at_batch
+
+    def batch_end(self, state, logger):
+        if state.step == self.at_batch:
+            raise RuntimeError("simulated crash")
+
+
+def make_trainer(folder, options, *, callbacks=(), hidden=16, **ckpt):
+    m = model(hidden)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+    config = CheckpointConfig(save_folder=folder, storage_options=options, save_every_n_seconds=None, **ckpt)
+    return Trainer(model=m, train_dataloader=loader(), max_duration="3ep", optimizers=opt, schedulers=sched,
+                   callbacks=list(callbacks), checkpoint=config, seed=1, config={"lr": 0.1, "hidden": hidden})
+
+
+def params(trainer):
+    return {k: v.clone() for k, v in trainer.state.model.state_dict().items()}
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_resume_after_crash_is_bit_identical(storage, async_save):
+    url, options = storage
+    full = make_trainer(url + "/a/checkpoints", options, save_every_n_steps=5, async_save=async_save)
+    full.fit()
+    expected = params(full)
+    assert full.state.timestamp.get_value("ba") == 36
+
+    crashed = make_trainer(url + "/b/checkpoints", options, callbacks=[Crash(17)], save_every_n_steps=5, async_save=async_save)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        crashed.fit()
+    resumed = make_trainer(url + "/b/checkpoints", options, save_every_n_steps=5, autoresume=True, async_save=async_save)
+    assert resumed.state.timestamp.get_value("ba") == 15  # the last committed checkpoint, mid-epoch 2
+    resumed.fit()
+    assert resumed.state.timestamp.get_value("sp") == full.state.timestamp.get_value("sp")
+    for name, value in params(resumed).items():
+        assert torch.equal(value, expected[name]), name
+
+
+def test_retention_keeps_exactly_n(storage):
+    url, options = storage
+    trainer = make_trainer(url + "/r/checkpoints", options, save_interval="2ba", keep=3)
+    trainer.fit()
+    infos = list_checkpoints(url + "/r/checkpoints", storage_options=options)
+    assert [i.batch for i in infos] == [32, 34, 36]
+
+
+def test_crash_mid_save_leaves_previous_checkpoint_loadable(storage, monkeypatch):
+    url, options = storage
+    folder = url + "/c/checkpoints"
+    real = ckpt_format.write_checkpoint_file
+    calls = {"state": 0}
+
+    def flaky(ckpt_url, file_name, obj, **kw):
+        if file_name == STATE_FILE:
+            calls["state"] += 1
+            if calls["state"] == 2:
+                raise OSError("disk full while writing state.pt")
+        return real(ckpt_url, file_name, obj, **kw)
+
+    monkeypatch.setattr("raytrain_events.checkpoint.checkpointer.write_checkpoint_file", flaky)
+    trainer = make_trainer(folder, options, save_every_n_steps=4, async_save=False)
+    with pytest.raises(OSError, match="disk full"):
+        trainer.fit()
+    monkeypatch.setattr("raytrain_events.checkpoint.checkpointer.write_checkpoint_file", real)
+    assert [i.batch for i in list_checkpoints(folder, storage_options=options)] == [4]
+    resumed = make_trainer(folder, options, autoresume=True)
+    assert resumed.state.timestamp.get_value("ba") == 4
+
+
+def test_checkpoint_from_another_model_is_refused_clearly(tmp_path):
+    make_trainer(str(tmp_path / "m/checkpoints"), {}, save_interval="1ep").fit()
+    with pytest.raises(CheckpointMismatchError, match="does not match this model.*shape mismatch"):
+        make_trainer(str(tmp_path / "other/checkpoints"), {}, hidden=32, load_from=str(tmp_path / "m/checkpoints"))
+    # The failed load released the run dir lock: the same run can start again.
+    make_trainer(str(tmp_path / "other/checkpoints"), {}, hidden=32).close()
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, (f"touch {MARKER}",))
+
+
+MARKER = f"/tmp/raytrain-pwned-{uuid.uuid4().hex}"
+
+
+def test_malicious_checkpoint_is_refused_and_runs_nothing(tmp_path):
+    folder = str(tmp_path / "evil/checkpoints")
+    make_trainer(folder, {}, save_interval="3ep").fit()
+    info = list_checkpoints(folder)[-1]
+    # An attacker rewrites state.pt AND its manifest checksum: only weights_only loading stops it.
+    payload = pickle.dumps({"model": _Evil()})
+    ckpt_format.write_checkpoint(str(tmp_path / "evil2"), files={}, timestamp=info.timestamp, world_size=1)
+    bad = list_checkpoints(str(tmp_path / "evil2"))[-1]
+    from raytrain_events.storage.fs import resolve
+
+    fs, path = resolve(bad.url)
+    with open(os.path.join(path, STATE_FILE), "wb") as f:
+        f.write(payload)
+    manifest = bad.manifest()
+    import hashlib, json
+
+    manifest["files"] = [{"name": STATE_FILE, "size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}]
+    with open(os.path.join(path, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
+    with pytest.raises(UnsafeCheckpointError):
+        make_trainer(str(tmp_path / "victim/checkpoints"), {}, load_from=bad.url)
+    assert not os.path.exists(MARKER)
+
+
+def test_second_run_on_a_locked_run_dir_is_refused(tmp_path):
+    first = make_trainer(str(tmp_path / "run/checkpoints"), {})
+    with pytest.raises(RunLockedError, match=f"pid {os.getpid()}|{os.getpid()}"):
+        make_trainer(str(tmp_path / "run/checkpoints"), {})
+    first.close()
+    first._checkpointer.close()
+    make_trainer(str(tmp_path / "run/checkpoints"), {})._checkpointer.close()
+
+
+def test_resume_with_a_different_config_prints_the_diff(tmp_path, capsys):
+    make_trainer(str(tmp_path / "d/checkpoints"), {}, save_interval="1ep").fit()
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+    Trainer(model=m, train_dataloader=loader(), max_duration="3ep", optimizers=opt, schedulers=sched, seed=1,
+            config={"lr": 0.05, "hidden": 16},
+            checkpoint=CheckpointConfig(save_folder=str(tmp_path / "d/checkpoints"), autoresume=True))._checkpointer.close()
+    out = capsys.readouterr().out
+    assert "different config" in out and "lr: 0.1" in out and "lr: 0.05" in out
