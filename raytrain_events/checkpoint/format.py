@@ -1,0 +1,312 @@
+"""On-storage checkpoint format: one new directory per checkpoint, committed by its manifest.
+
+Layout (any fsspec URL: local path, ``memory://``, ``s3://``...)::
+
+    <root>/ckpt-<batch:012d>-<uuid8>/      sortable by name; never overwritten
+        state.pt, rng-rank0.pt, ...        torch.save bytes, each uploaded atomically
+        manifest.json                      written LAST, create-only: its presence = committed
+
+Why: a reader that sees ``manifest.json`` sees every payload file complete, and a crash at
+any point before it leaves only an uncommitted directory that ``list_checkpoints`` ignores,
+so the previous checkpoint stays ``latest`` and loadable. The manifest records
+``format_version`` (``FORMAT_VERSION``), the library version, creation time, the caller's
+``timestamp`` dict (plain ints), ``world_size``, free-form JSON ``metadata`` and, per file,
+its name, size and sha256 (detects truncation and bit rot).
+
+Why ``torch.save`` + ``torch.load(weights_only=True)`` and not torch.distributed.checkpoint:
+DCP reads its ``.metadata`` with plain ``pickle`` (code execution on load), and for DDP the
+replicated state is written once by rank 0 anyway. Safety comes from ``weights_only``, NOT
+from the checksums: whoever can write a payload can rewrite the manifest too.
+
+Several ranks: rank 0 picks the URL (``new_checkpoint_url``) and broadcasts it; every rank r
+uploads its own ``rng_file_name(r)`` with ``write_checkpoint_file`` and sends the returned
+``FileEntry`` to rank 0, which uploads its files and calls ``commit_checkpoint`` with all
+entries. ``write_checkpoint`` does all of that for one process.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import pickle
+import re
+import sys
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from raytrain_events.storage.fs import (
+    basename, join, list_dir, read_bytes, resolve, to_url, write_bytes_atomic,
+    write_bytes_create_only,
+)
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+CHECKPOINT_NAME_RE = re.compile(r"^ckpt-(\d{12})-([0-9a-f]{8})$")
+_FILE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class CheckpointError(Exception):
+    """Base class for checkpoint format errors."""
+
+
+class CheckpointNotCommittedError(CheckpointError):
+    """The directory has no manifest: the save crashed, is still running, or the URL is wrong."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A file is missing, has the wrong size or sha256, or the manifest is unreadable."""
+
+
+class UnsupportedCheckpointVersionError(CheckpointError):
+    """Written by a newer (or unknown) format version than this library reads."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """``torch.load(weights_only=True)`` refused the file; nothing in it was executed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FileEntry:
+    name: str
+    size: int
+    sha256: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint as described by its manifest."""
+
+    url: str
+    name: str
+    format_version: int
+    library_version: str
+    created: float
+    timestamp: dict[str, int]
+    world_size: int
+    metadata: dict[str, Any]
+    files: tuple[FileEntry, ...]
+
+    @property
+    def batch(self) -> int:
+        return int(self.timestamp.get("batch", -1))
+
+    def manifest(self) -> dict[str, Any]:
+        return {"format_version": self.format_version, "library_version": self.library_version,
+                "created": self.created, "timestamp": self.timestamp,
+                "world_size": self.world_size, "metadata": self.metadata,
+                "files": [dataclasses.asdict(f) for f in self.files]}
+
+    @classmethod
+    def from_manifest(cls, url: str, raw: bytes) -> "CheckpointInfo":
+        try:
+            m = json.loads(raw)
+            version = int(m["format_version"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointCorruptError(
+                f"Manifest of checkpoint {url!r} is unreadable ({type(e).__name__}: {e}). "
+                "Fix: load an older checkpoint (load_latest_valid does this) and delete this one."
+            ) from e
+        if version > FORMAT_VERSION or version < 1:
+            raise UnsupportedCheckpointVersionError(
+                f"Checkpoint {url!r} has format_version {version}, but this raytrain_events "
+                f"({_library_version()}) reads format_version 1..{FORMAT_VERSION}. Fix: "
+                "upgrade raytrain_events to the version that wrote it "
+                f"({m.get('library_version', 'unknown')})."
+            )
+        try:
+            return cls(url=url, name=basename(url), format_version=version,
+                       library_version=str(m["library_version"]), created=float(m["created"]),
+                       timestamp={str(k): int(v) for k, v in m["timestamp"].items()},
+                       world_size=int(m["world_size"]), metadata=dict(m["metadata"]),
+                       files=tuple(FileEntry(str(f["name"]), int(f["size"]), str(f["sha256"]))
+                                   for f in m["files"]))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointCorruptError(
+                f"Manifest of checkpoint {url!r} is missing or has a malformed field "
+                f"({type(e).__name__}: {e}). Fix: load an older checkpoint and delete this one."
+            ) from e
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedCheckpoint:
+    info: CheckpointInfo
+    files: dict[str, Any]
+
+
+def checkpoint_name(timestamp: Mapping[str, int]) -> str:
+    """``ckpt-<batch:012d>-<uuid8>``: sorts by batch, unique across retries of one batch."""
+    return f"ckpt-{int(timestamp.get('batch', 0)):012d}-{uuid.uuid4().hex[:8]}"
+
+
+def new_checkpoint_url(root_url: str, *, timestamp: Mapping[str, int],
+                       name: str | None = None) -> str:
+    """URL of a new checkpoint directory under ``root_url`` (nothing is written yet)."""
+    return join(root_url, _check_file_name(name) if name else checkpoint_name(timestamp))
+
+
+def rng_file_name(rank: int) -> str:
+    """The per-rank file name each rank uploads its RNG state to."""
+    return f"rng-rank{int(rank)}.pt"
+
+
+def serialize(obj: Any) -> bytes:
+    """``torch.save`` into bytes."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def write_checkpoint_file(ckpt_url: str, file_name: str, obj: Any, *,
+                          storage_options: dict[str, Any] | None = None) -> FileEntry:
+    """Serialize ``obj`` and upload it atomically as ``<ckpt_url>/<file_name>``."""
+    _check_file_name(file_name)
+    data = serialize(obj)
+    fs, path = resolve(join(ckpt_url, file_name), storage_options)
+    _upload(fs, path, data)
+    return FileEntry(name=file_name, size=len(data), sha256=hashlib.sha256(data).hexdigest())
+
+
+def commit_checkpoint(ckpt_url: str, *, entries: Iterable[FileEntry], timestamp: Mapping[str, int],
+                      world_size: int, metadata: Mapping[str, Any] | None = None,
+                      storage_options: dict[str, Any] | None = None) -> CheckpointInfo:
+    """Write the manifest (create-only) after checking every listed file is present."""
+    entries = tuple(sorted(entries, key=lambda e: e.name))
+    fs, path = resolve(ckpt_url, storage_options)
+    url = to_url(fs, path)
+    sizes = {basename(e["name"]): e.get("size") for e in list_dir(fs, path)}
+    for entry in entries:
+        if sizes.get(entry.name) != entry.size:
+            raise CheckpointError(
+                f"Cannot commit checkpoint {url!r}: file {entry.name!r} is missing or has size "
+                f"{sizes.get(entry.name)} instead of {entry.size}. Fix: make sure every rank's "
+                "write_checkpoint_file finished before commit_checkpoint."
+            )
+    info = CheckpointInfo(url=url, name=basename(path), format_version=FORMAT_VERSION,
+                          library_version=_library_version(), created=time.time(),
+                          timestamp=_check_timestamp(timestamp), world_size=int(world_size),
+                          metadata=_check_metadata(metadata or {}), files=entries)
+    try:
+        write_bytes_create_only(fs, join(path, MANIFEST),
+                                json.dumps(info.manifest(), indent=1, sort_keys=True).encode())
+    except FileExistsError:
+        raise CheckpointError(f"Checkpoint {url!r} is already committed; checkpoints are never "
+                              "overwritten. Fix: write to a new_checkpoint_url().") from None
+    return info
+
+
+def write_checkpoint(root_url: str, *, files: Mapping[str, Any], timestamp: Mapping[str, int],
+                     world_size: int, metadata: Mapping[str, Any] | None = None,
+                     storage_options: dict[str, Any] | None = None,
+                     name: str | None = None) -> CheckpointInfo:
+    """Write ``files`` (name -> nested tensors/containers/scalars) as a new committed checkpoint."""
+    _check_timestamp(timestamp)
+    _check_metadata(metadata or {})
+    url = new_checkpoint_url(root_url, timestamp=timestamp, name=name)
+    entries = [write_checkpoint_file(url, n, obj, storage_options=storage_options)
+               for n, obj in files.items()]
+    return commit_checkpoint(url, entries=entries, timestamp=timestamp, world_size=world_size,
+                             metadata=metadata, storage_options=storage_options)
+
+
+def read_manifest(ckpt_url: str, *,
+                  storage_options: dict[str, Any] | None = None) -> CheckpointInfo:
+    """The manifest of a committed checkpoint (CheckpointNotCommittedError if there is none)."""
+    fs, path = resolve(ckpt_url, storage_options)
+    try:
+        raw = read_bytes(fs, join(path, MANIFEST))
+    except FileNotFoundError:
+        raise CheckpointNotCommittedError(
+            f"{to_url(fs, path)!r} has no {MANIFEST}: the checkpoint was never committed (its "
+            "save crashed or is still running) or the URL is wrong. Fix: use "
+            "latest_checkpoint() / load_latest_valid() to find a committed checkpoint."
+        ) from None
+    return CheckpointInfo.from_manifest(to_url(fs, path), raw)
+
+
+def read_checkpoint(ckpt_url: str, *, storage_options: dict[str, Any] | None = None,
+                    files: Iterable[str] | None = None,
+                    map_location: Any = "cpu") -> LoadedCheckpoint:
+    """Verify and load a committed checkpoint (all files, or only those named in ``files``)."""
+    info = read_manifest(ckpt_url, storage_options=storage_options)
+    by_name = {f.name: f for f in info.files}
+    wanted = list(by_name) if files is None else list(files)
+    unknown = [n for n in wanted if n not in by_name]
+    if unknown:
+        raise KeyError(f"Checkpoint {info.url!r} has no file(s) {unknown}; it has "
+                       f"{sorted(by_name)}. Fix: ask for one of those.")
+    fs, path = resolve(ckpt_url, storage_options)
+    loaded = {name: _load_verified(fs, join(path, name), info.url, by_name[name], map_location)
+              for name in wanted}
+    return LoadedCheckpoint(info=info, files=loaded)
+
+
+def _load_verified(fs: Any, path: str, url: str, entry: FileEntry, map_location: Any) -> Any:
+    try:
+        data = read_bytes(fs, path)
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"File {entry.name!r} listed in the manifest of {url!r} is "
+                                     "missing. Fix: load an older checkpoint.") from None
+    digest = hashlib.sha256(data).hexdigest()
+    if len(data) != entry.size or digest != entry.sha256:
+        raise CheckpointCorruptError(
+            f"File {entry.name!r} of checkpoint {url!r} is corrupt: expected {entry.size} bytes "
+            f"with sha256 {entry.sha256}, got {len(data)} bytes with sha256 {digest}. Fix: load "
+            "an older checkpoint (load_latest_valid does this) and delete this one."
+        )
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True, map_location=map_location)
+    except pickle.UnpicklingError as e:
+        raise UnsafeCheckpointError(
+            f"Refused to load {entry.name!r} from checkpoint {url!r}: it asks torch's "
+            f"weights-only unpickler for something outside its allowlist ({_reason(e)}). "
+            "Nothing in the file was executed. Checkpoints written by raytrain_events never "
+            "need this, so the file was written by other code or tampered with (its checksum "
+            "matching proves nothing: the manifest can be rewritten too). Fix: only if you trust "
+            "its origin, load it yourself with torch.load(..., weights_only=False) or allowlist "
+            "the classes with torch.serialization.add_safe_globals([...])."
+        ) from e
+
+
+def _upload(fs: Any, path: str, data: bytes) -> None:
+    """One payload upload (a separate function so tests can inject failures here)."""
+    write_bytes_atomic(fs, path, data)
+
+
+def _reason(err: Exception) -> str:
+    skip = ("Weights only load failed", "Check the documentation", "Please file an issue",
+            "In PyTorch 2.6", "Re-running")
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    useful = [ln for ln in lines if not ln.startswith(skip)]
+    return "; ".join(useful) or (lines[0] if lines else type(err).__name__)
+
+
+def _check_file_name(name: str) -> str:
+    if name == MANIFEST or not _FILE_NAME_RE.match(name or ""):
+        raise ValueError(f"Invalid checkpoint file/directory name {name!r}. Fix: use letters, "
+                         f"digits, '.', '_' or '-' (no '/'), and not {MANIFEST!r}.")
+    return name
+
+
+def _check_timestamp(timestamp: Mapping[str, int]) -> dict[str, int]:
+    bad = {k: v for k, v in timestamp.items() if type(v) is not int or not isinstance(k, str)}
+    if bad:
+        raise TypeError(f"Checkpoint timestamp must map str to plain int; bad entries: {bad!r}. "
+                        "Fix: pass e.g. {'epoch': 1, 'batch': 500} (use int(...) on tensors).")
+    return dict(timestamp)
+
+
+def _check_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    try:
+        return json.loads(json.dumps(dict(metadata)))
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"Checkpoint metadata must be JSON-serializable ({e}). Fix: convert "
+                        "values to str/int/float/bool/None/lists/dicts first.") from e
+
+
+def _library_version() -> str:
+    return str(getattr(sys.modules.get("raytrain_events"), "__version__", "0"))

@@ -1,0 +1,191 @@
+"""A directory of checkpoints: list, pick the latest, prune, load with fallback, save async.
+
+Only committed checkpoints (directories holding ``manifest.json``, see ``format.py``) exist
+for these functions; a directory left behind by a crashed save is invisible until
+``prune_checkpoints`` deletes it. Order is oldest -> newest by the manifest's
+``timestamp["batch"]``, then creation time, then name.
+
+``AsyncCheckpointWriter`` runs saves on one background thread, started lazily on first
+``submit`` (never at import), with at most one save in flight: a new ``submit`` first waits
+for the previous save. An exception from a background save is re-raised by the next
+``submit``/``wait``/``close``; it is never swallowed.
+
+Usage::
+
+    writer = AsyncCheckpointWriter()
+    writer.submit(lambda: (write_checkpoint(root, files=..., timestamp=..., world_size=1),
+                           prune_checkpoints(root, keep=3)))
+    ...
+    writer.close()
+    loaded = load_latest_valid(root)   # None when there is nothing loadable
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from raytrain_events.checkpoint.format import (
+    CHECKPOINT_NAME_RE, MANIFEST, CheckpointCorruptError, CheckpointInfo,
+    CheckpointNotCommittedError, LoadedCheckpoint, read_checkpoint,
+)
+from raytrain_events.storage.fs import (
+    basename, delete, join, list_dir, resolve, storage_errors, to_url,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def list_checkpoints(root_url: str, *,
+                     storage_options: dict[str, Any] | None = None) -> list[CheckpointInfo]:
+    """Committed checkpoints under ``root_url``, oldest first ([] if the root does not exist).
+
+    Directories with an unreadable manifest are skipped with a warning; a manifest of a newer
+    format version raises UnsupportedCheckpointVersionError (upgrade rather than ignore it).
+    """
+    committed, _ = _scan(root_url, storage_options)
+    return committed
+
+
+def latest_checkpoint(root_url: str, *,
+                      storage_options: dict[str, Any] | None = None) -> CheckpointInfo | None:
+    """The newest committed checkpoint, or None."""
+    committed = list_checkpoints(root_url, storage_options=storage_options)
+    return committed[-1] if committed else None
+
+
+def prune_checkpoints(root_url: str, *, keep: int,
+                      storage_options: dict[str, Any] | None = None) -> list[str]:
+    """Delete all but the newest ``keep`` committed checkpoints; returns the deleted URLs.
+
+    Also deletes uncommitted ``ckpt-<batch>-<id>`` directories whose batch is below the
+    newest committed one (leftovers of crashed saves; a save still in flight is for a newer
+    batch and is left alone). Call it only after a new checkpoint has been committed.
+    """
+    if keep < 1:
+        raise ValueError(f"prune_checkpoints(keep={keep}) would delete every checkpoint. "
+                         "Fix: pass keep >= 1.")
+    committed, uncommitted = _scan(root_url, storage_options)
+    doomed = [c.url for c in committed[:-keep]]
+    if committed:
+        newest = committed[-1].batch
+        for url in uncommitted:
+            m = CHECKPOINT_NAME_RE.match(basename(url))
+            if m and int(m.group(1)) < newest:
+                doomed.append(url)
+    for url in doomed:
+        fs, path = resolve(url, storage_options)
+        # the manifest goes first: a half-deleted checkpoint then reads as uncommitted
+        delete(fs, join(path, MANIFEST))
+        delete(fs, path, recursive=True)
+    return doomed
+
+
+def load_latest_valid(root_url: str, *, storage_options: dict[str, Any] | None = None,
+                      files: Iterable[str] | None = None,
+                      map_location: Any = "cpu") -> LoadedCheckpoint | None:
+    """Load the newest checkpoint that verifies, skipping (with a warning) corrupt ones.
+
+    Unsafe (non-allowlisted pickle) and unsupported-version checkpoints are raised, not
+    skipped: both need a human decision, and silently resuming from an older checkpoint
+    would hide them.
+    """
+    names = None if files is None else list(files)
+    for info in reversed(list_checkpoints(root_url, storage_options=storage_options)):
+        try:
+            return read_checkpoint(info.url, storage_options=storage_options, files=names,
+                                   map_location=map_location)
+        except (CheckpointCorruptError, CheckpointNotCommittedError) as e:
+            logger.warning("Skipping checkpoint %s: %s", info.url, e)
+    return None
+
+
+def _scan(root_url: str,
+          storage_options: dict[str, Any] | None) -> tuple[list[CheckpointInfo], list[str]]:
+    """(committed infos sorted oldest first, URLs of directories without a manifest)."""
+    fs, root = resolve(root_url, storage_options)
+    dirs = [e["name"] for e in list_dir(fs, root) if e.get("type") == "directory"]
+    manifests = [join(d, MANIFEST) for d in dirs]
+    with storage_errors("reading manifests", to_url(fs, root)):
+        raw = fs.cat(manifests, on_error="omit") if manifests else {}
+    raw = {fs._strip_protocol(k): v for k, v in raw.items()}
+    committed: list[CheckpointInfo] = []
+    uncommitted: list[str] = []
+    for d, m in zip(dirs, manifests):
+        data = raw.get(fs._strip_protocol(m))
+        if data is None:
+            uncommitted.append(to_url(fs, d))
+            continue
+        try:
+            committed.append(CheckpointInfo.from_manifest(to_url(fs, d), data))
+        except CheckpointCorruptError as e:  # unsupported versions propagate: see load_latest_valid
+            logger.warning("Ignoring checkpoint %s: %s", to_url(fs, d), e)
+    committed.sort(key=lambda c: (c.batch, c.created, c.name))
+    return committed, uncommitted
+
+
+class AsyncCheckpointWriter:
+    """Run save functions on one background thread, at most one in flight."""
+
+    def __init__(self, *, thread_name: str = "raytrain-ckpt-writer") -> None:
+        self._thread_name = thread_name
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: concurrent.futures.Future | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Wait for the previous save, then start ``fn`` in the background.
+
+        If the previous save failed, its exception is raised here and ``fn`` is NOT started.
+        """
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("AsyncCheckpointWriter is closed. Fix: create a new writer.")
+            self._wait_locked()
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix=self._thread_name)
+            self._pending = self._executor.submit(fn)
+            return self._pending
+
+    def wait(self) -> Any:
+        """Block until the in-flight save finishes; re-raise its exception; return its result."""
+        with self._lock:
+            return self._wait_locked()
+
+    @property
+    def busy(self) -> bool:
+        pending = self._pending
+        return pending is not None and not pending.done()
+
+    def close(self) -> None:
+        """Wait for the in-flight save (re-raising its error) and stop the thread."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self._wait_locked()
+            finally:
+                if self._executor is not None:
+                    self._executor.shutdown(wait=True)
+                    self._executor = None
+
+    def _wait_locked(self) -> Any:
+        pending, self._pending = self._pending, None
+        return None if pending is None else pending.result()  # raises the save's exception
+
+    def __enter__(self) -> "AsyncCheckpointWriter":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # already unwinding: don't let a save error mask the original one
+            self.close()
+        except Exception:
+            logger.exception("Background checkpoint save failed while handling another error")

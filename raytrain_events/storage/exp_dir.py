@@ -1,0 +1,99 @@
+"""Experiment (run) directories: picking a fresh ``run_N`` and saving the run's config.
+
+``get_empty_exp_dir`` follows ml-starter: runs live in ``<root>/run_1``, ``<root>/run_2``...
+The next run is ``run_{1 + max existing N}``. Unlike ml-starter it does not just return a
+path: it *claims* the directory by create-only acquiring its ``scheduled`` lock, so two
+launchers racing on the same root get different directories (the loser skips the locked
+directory and tries the next N). Release the ``scheduled`` lock once the run has its
+``running`` lock.
+
+Usage::
+
+    url = get_empty_exp_dir("s3://bucket/my-exp")          # e.g. s3://bucket/my-exp/run_4
+    run = RunDir(url)
+    run.save_config(cfg)
+    assert run.load_config() == cfg
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from raytrain_events.storage.errors import RunLockedError
+from raytrain_events.storage.fs import (
+    basename, join, list_dir, read_bytes, resolve, to_url, write_bytes_atomic,
+)
+from raytrain_events.storage.locks import LockType, acquire_lock, has_lock
+
+CONFIG_FILE = "config.yaml"
+_RUN_RE = re.compile(r"^run_(\d+)$")
+
+
+def get_empty_exp_dir(
+    run_root_url: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    claim_with: LockType | None = "scheduled",
+    max_attempts: int = 100,
+) -> str:
+    """Return the URL of a fresh ``run_N`` under ``run_root_url``.
+
+    N is 1 + the largest existing N (directories holding any lock are skipped). With
+    ``claim_with`` (default ``"scheduled"``) the directory is claimed by acquiring that
+    lock create-only before it is returned; pass None to only compute the name (racy).
+    """
+    fs, root = resolve(run_root_url, storage_options)
+    numbers = [int(m.group(1)) for e in list_dir(fs, root)
+               if e.get("type") == "directory" and (m := _RUN_RE.match(basename(e["name"])))]
+    n = max(numbers, default=0) + 1
+    for _ in range(max_attempts):
+        url = join(run_root_url, f"run_{n}")
+        if has_lock(url, storage_options=storage_options):
+            n += 1
+            continue
+        if claim_with is None:
+            return url
+        try:
+            acquire_lock(url, claim_with, storage_options=storage_options)
+            return url
+        except RunLockedError:  # another launcher claimed run_n between our list and lock
+            n += 1
+    raise RunLockedError(
+        f"Could not claim a free run_N directory under {run_root_url!r} after {max_attempts} "
+        "attempts (all were locked by concurrent launchers). Fix: retry, or pass a larger "
+        "max_attempts."
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class RunDir:
+    """One run directory: its URL plus the storage options needed to reach it."""
+
+    url: str
+    storage_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def join(self, *parts: str) -> str:
+        return join(self.url, *parts)
+
+    def save_config(self, cfg: Any, *, resolve_interpolations: bool = False) -> str:
+        """Write ``cfg`` (DictConfig, dict or dataclass) as YAML atomically; returns its URL."""
+        conf = cfg if isinstance(cfg, (DictConfig, ListConfig)) else OmegaConf.create(cfg)
+        text = OmegaConf.to_yaml(conf, resolve=resolve_interpolations)
+        fs, path = resolve(self.join(CONFIG_FILE), self.storage_options)
+        write_bytes_atomic(fs, path, text.encode())
+        return to_url(fs, path)
+
+    def load_config(self) -> DictConfig | ListConfig:
+        """Read back the config written by ``save_config``."""
+        fs, path = resolve(self.join(CONFIG_FILE), self.storage_options)
+        try:
+            data = read_bytes(fs, path)
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"No {CONFIG_FILE} in run directory {self.url!r}. Fix: call save_config() "
+                "first, or point RunDir at the right run."
+            ) from None
+        return OmegaConf.create(data.decode())

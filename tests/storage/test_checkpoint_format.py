@@ -1,0 +1,220 @@
+"""checkpoint/format.py: round trip, manifest-last commit, integrity and unpickling safety."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import uuid
+
+import pytest
+import torch
+
+from raytrain_events.checkpoint import format as fmt
+from raytrain_events.checkpoint.store import latest_checkpoint, list_checkpoints, load_latest_valid
+from raytrain_events.storage import fs as sfs
+
+
+def _tree() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model": {"w": torch.randn(4, 3, generator=g), "b": torch.tensor([float("nan"), -0.0]),
+                  "half": torch.randn(5, generator=g).to(torch.bfloat16)},
+        "optim": {"step": torch.tensor(7), "mask": torch.tensor([True, False]),
+                  "ids": torch.arange(6, dtype=torch.int64).reshape(2, 3)[:, 1:]},
+        "scalars": [1, 2.5, "text", None, True, (3, "tuple")],
+        "nested": {"deep": [{"x": torch.zeros(0)}]},
+    }
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return bytes(t.contiguous().reshape(-1).view(torch.uint8).tolist())
+
+
+def _assert_identical(a, b) -> None:
+    assert type(a) is type(b)
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and _bits(a) == _bits(b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _assert_identical(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_identical(x, y)
+    else:
+        assert a == b
+
+
+def _save(url, opts, batch: int, **kw) -> fmt.CheckpointInfo:
+    files = kw.pop("files", {"state.pt": {"batch": batch, "t": torch.full((3,), float(batch))}})
+    return fmt.write_checkpoint(url, files=files, timestamp={"epoch": 0, "batch": batch},
+                                world_size=1, metadata=kw.pop("metadata", {}),
+                                storage_options=opts, **kw)
+
+
+def test_round_trip_is_bit_identical(storage):
+    url, opts = storage
+    tree = _tree()
+    info = fmt.write_checkpoint(url, files={"state.pt": tree, "rng-rank0.pt": {"seed": 3}},
+                                timestamp={"epoch": 2, "batch": 123}, world_size=1,
+                                metadata={"note": "hi", "lr": [0.1]}, storage_options=opts)
+    assert fmt.CHECKPOINT_NAME_RE.match(info.name) and info.name.startswith("ckpt-000000000123-")
+    loaded = fmt.read_checkpoint(info.url, storage_options=opts)
+    _assert_identical(loaded.files["state.pt"], tree)
+    assert loaded.files["rng-rank0.pt"] == {"seed": 3}
+    assert loaded.info == info
+    assert info.timestamp == {"epoch": 2, "batch": 123}
+    assert info.metadata == {"note": "hi", "lr": [0.1]}
+    assert info.format_version == fmt.FORMAT_VERSION == 1
+    assert {f.name for f in info.files} == {"state.pt", "rng-rank0.pt"}
+
+
+def test_manifest_is_written_last(storage, monkeypatch):
+    url, opts = storage
+    order: list[str] = []
+    real_upload, real_create = fmt._upload, fmt.write_bytes_create_only
+    monkeypatch.setattr(fmt, "_upload", lambda fs, p, d: (order.append(p), real_upload(fs, p, d)))
+    monkeypatch.setattr(fmt, "write_bytes_create_only",
+                        lambda fs, p, d: (order.append(p), real_create(fs, p, d)))
+    _save(url, opts, 1, files={"a.pt": 1, "b.pt": 2, "c.pt": 3})
+    assert [sfs.basename(p) for p in order] == ["a.pt", "b.pt", "c.pt", fmt.MANIFEST]
+
+
+def test_uncommitted_directory_is_ignored(storage):
+    url, opts = storage
+    good = _save(url, opts, 10)
+    pending = fmt.new_checkpoint_url(url, timestamp={"batch": 20})
+    fmt.write_checkpoint_file(pending, "state.pt", {"x": torch.ones(2)}, storage_options=opts)
+    assert [c.name for c in list_checkpoints(url, storage_options=opts)] == [good.name]
+    assert latest_checkpoint(url, storage_options=opts).name == good.name
+    with pytest.raises(fmt.CheckpointNotCommittedError, match="never committed"):
+        fmt.read_checkpoint(pending, storage_options=opts)
+
+
+def test_rank_files_are_committed_by_rank_zero(storage):
+    url, opts = storage
+    ckpt = fmt.new_checkpoint_url(url, timestamp={"batch": 5})
+    # each "rank" uploads its own RNG file and hands the entry to rank 0
+    entries = [fmt.write_checkpoint_file(ckpt, fmt.rng_file_name(r), {"rank": r},
+                                         storage_options=opts) for r in (1, 0)]
+    entries.append(fmt.write_checkpoint_file(ckpt, "state.pt", {"w": torch.ones(1)},
+                                             storage_options=opts))
+    info = fmt.commit_checkpoint(ckpt, entries=entries, timestamp={"batch": 5}, world_size=2,
+                                 storage_options=opts)
+    assert [f.name for f in info.files] == ["rng-rank0.pt", "rng-rank1.pt", "state.pt"]
+    only = fmt.read_checkpoint(ckpt, storage_options=opts, files=["rng-rank1.pt"])
+    assert only.files == {"rng-rank1.pt": {"rank": 1}}
+    with pytest.raises(fmt.CheckpointError, match="already committed"):
+        fmt.commit_checkpoint(ckpt, entries=entries, timestamp={"batch": 5}, world_size=2,
+                              storage_options=opts)
+
+
+def test_commit_refuses_when_a_rank_file_is_missing(storage):
+    url, opts = storage
+    ckpt = fmt.new_checkpoint_url(url, timestamp={"batch": 5})
+    e0 = fmt.write_checkpoint_file(ckpt, "rng-rank0.pt", 0, storage_options=opts)
+    ghost = fmt.FileEntry("rng-rank1.pt", 10, "0" * 64)
+    with pytest.raises(fmt.CheckpointError, match="rng-rank1.pt"):
+        fmt.commit_checkpoint(ckpt, entries=[e0, ghost], timestamp={"batch": 5}, world_size=2,
+                              storage_options=opts)
+    assert list_checkpoints(url, storage_options=opts) == []
+
+
+def test_corrupted_byte_is_detected_and_load_latest_valid_falls_back(storage, caplog):
+    url, opts = storage
+    older = _save(url, opts, 1)
+    newer = _save(url, opts, 2)
+    fs, path = sfs.resolve(sfs.join(newer.url, "state.pt"), opts)
+    data = bytearray(sfs.read_bytes(fs, path))
+    data[len(data) // 2] ^= 0x01
+    sfs.write_bytes_atomic(fs, path, bytes(data))
+    with pytest.raises(fmt.CheckpointCorruptError) as e:
+        fmt.read_checkpoint(newer.url, storage_options=opts)
+    entry = newer.files[0]
+    assert "state.pt" in str(e.value) and entry.sha256 in str(e.value)
+    assert hashlib.sha256(bytes(data)).hexdigest() in str(e.value)
+    loaded = load_latest_valid(url, storage_options=opts)
+    assert loaded is not None and loaded.info.name == older.name
+    assert loaded.files["state.pt"]["batch"] == 1
+    assert any(newer.name in r.getMessage() for r in caplog.records)
+
+
+def test_truncated_file_is_corrupt(storage):
+    url, opts = storage
+    info = _save(url, opts, 3)
+    fs, path = sfs.resolve(sfs.join(info.url, "state.pt"), opts)
+    sfs.write_bytes_atomic(fs, path, sfs.read_bytes(fs, path)[:-7])
+    with pytest.raises(fmt.CheckpointCorruptError, match="got"):
+        fmt.read_checkpoint(info.url, storage_options=opts)
+    assert load_latest_valid(url, storage_options=opts) is None
+
+
+def test_newer_format_version_names_both_versions(storage):
+    url, opts = storage
+    info = _save(url, opts, 1)
+    fs, path = sfs.resolve(sfs.join(info.url, fmt.MANIFEST), opts)
+    manifest = json.loads(sfs.read_bytes(fs, path))
+    manifest["format_version"] = 99
+    sfs.write_bytes_atomic(fs, path, json.dumps(manifest).encode())
+    with pytest.raises(fmt.UnsupportedCheckpointVersionError, match=r"99.*1\.\.1.*upgrade"):
+        fmt.read_checkpoint(info.url, storage_options=opts)
+    with pytest.raises(fmt.UnsupportedCheckpointVersionError):  # no silent fallback to older
+        load_latest_valid(url, storage_options=opts)
+
+
+class _Evil:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _evil_bytes(kind: str, marker: str) -> bytes:
+    payload = {"model": {"w": torch.ones(1)}, "x": _Evil(marker)}
+    return fmt.serialize(payload) if kind == "torch.save" else pickle.dumps(payload, protocol=2)
+
+
+@pytest.mark.parametrize("kind", ["torch.save", "pickle"])
+def test_malicious_pickle_with_correct_checksum_is_refused(storage, kind, tmp_path):
+    url, opts = storage
+    marker = f"/tmp/pwned-{uuid.uuid4().hex}"
+    data = _evil_bytes(kind, marker)
+    ckpt = fmt.new_checkpoint_url(url, timestamp={"batch": 1})
+    fs, path = sfs.resolve(sfs.join(ckpt, "state.pt"), opts)
+    sfs.write_bytes_atomic(fs, path, data)
+    entry = fmt.FileEntry("state.pt", len(data), hashlib.sha256(data).hexdigest())
+    fmt.commit_checkpoint(ckpt, entries=[entry], timestamp={"batch": 1}, world_size=1,
+                          storage_options=opts)  # the attacker rewrote the manifest too
+    try:
+        with pytest.raises(fmt.UnsafeCheckpointError) as e:
+            fmt.read_checkpoint(ckpt, storage_options=opts)
+        msg = str(e.value)
+        assert "state.pt" in msg and "Nothing in the file was executed" in msg
+        assert "weights_only=False" in msg
+        with pytest.raises(fmt.UnsafeCheckpointError):  # not silently skipped either
+            load_latest_valid(url, storage_options=opts)
+        assert not os.path.exists(marker)
+        # positive control: the payload really does run code under a plain unpickler
+        control = str(tmp_path / "control")
+        pickle.loads(pickle.dumps(_Evil(control), protocol=2))
+        assert os.path.exists(control)
+    finally:
+        if os.path.exists(marker):
+            os.remove(marker)
+
+
+def test_invalid_inputs_are_rejected_with_fixes(storage):
+    url, opts = storage
+    with pytest.raises(TypeError, match="plain int"):
+        fmt.write_checkpoint(url, files={"a.pt": 1}, timestamp={"batch": torch.tensor(3)},
+                             world_size=1, storage_options=opts)
+    with pytest.raises(TypeError, match="JSON"):
+        _save(url, opts, 1, metadata={"bad": object()})
+    with pytest.raises(ValueError, match="no '/'"):
+        _save(url, opts, 1, files={"../escape.pt": 1})
+    with pytest.raises(ValueError):
+        _save(url, opts, 1, files={fmt.MANIFEST: 1})
+    assert list_checkpoints(url, storage_options=opts) == []
