@@ -9,6 +9,9 @@ from typing import Any, Dict, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
+from torchmetrics.classification import MulticlassAccuracy
+
+from raytrain_events.metrics import CrossEntropy
 
 __all__ = ["ClassifierModel", "split_inputs_targets"]
 
@@ -55,10 +58,6 @@ class ClassifierModel(torch.nn.Module):
         return outputs if outputs is not None else self.forward(batch)
 
     def get_metrics(self, is_train: bool = False) -> Dict[str, Any]:
-        from torchmetrics.classification import MulticlassAccuracy
-
-        from raytrain_events.metrics import CrossEntropy
-
         return {"accuracy": MulticlassAccuracy(num_classes=self.num_classes, average="micro"), "cross_entropy": CrossEntropy()}
 
     def update_metric(self, batch: Any, outputs: torch.Tensor, metric: Any) -> None:

@@ -132,7 +132,15 @@ class Engine:
         return traces
 
     def run_exception(self, exc: BaseException) -> None:
-        """Tell every callback that the loop raised ``exc`` (the loop re-raises it after)."""
+        """Tell algorithms (optional ``on_exception``) and callbacks that the loop raised ``exc``.
+
+        Algorithms get the chance to undo a temporary change (EMA puts the training weights
+        back); the loop re-raises ``exc`` afterwards.
+        """
+        for algorithm in self.state.algorithms:
+            handler = getattr(algorithm, "on_exception", None)
+            if handler is not None:
+                handler(self.state, self.logger, exc)
         for callback in self.state.callbacks:
             callback.on_exception(self.state, self.logger, exc)
 

@@ -1,0 +1,75 @@
+"""Training algorithms (Composer's method library), each a small `Algorithm` in its own file.
+
+Use them as instances or build them by name (`build_algorithm`, `build_algorithms`)::
+
+    from raytrain_events.algorithms import LabelSmoothing, MixUp, build_algorithms
+
+    Trainer(..., algorithms=[MixUp(alpha=0.2), LabelSmoothing(0.1)])
+    Trainer(..., algorithms=build_algorithms(["mixup", {"name": "label_smoothing", "smoothing": 0.1}]))
+
+Ordering (the `Engine`'s rules)
+-------------------------------
+At each event the algorithms whose ``match`` is true run in the order of the ``algorithms``
+list on ``BEFORE_*`` and ``*_START`` events (and on events that are neither: ``INIT``,
+``AFTER_LOAD``, ``*_CHECKPOINT``), and in *reverse* order on ``AFTER_*`` and ``*_END`` events
+(those with ``Event.is_after_event``, which include ``AFTER_DATALOADER``; so two algorithms that
+both transform the batch at ``AFTER_DATALOADER`` run last-listed first). So the first algorithm to change
+something is the last to see it come back, and every algorithm that replaces a value at a
+``BEFORE_*`` event and restores it at the matching ``AFTER_*`` event restores exactly what it
+replaced. Pass ``algorithm_passes=`` to the Trainer to change the order (for example
+`raytrain_events.core.engine.sort_by_priority`).
+
+Which event each algorithm uses:
+
+=====================  ==================================================================
+algorithm              events
+=====================  ==================================================================
+ChannelsLast           INIT (model to NHWC)
+StochasticDepth        INIT (hooks on marked branches); BATCH_START if ``drop_warmup``
+SeqLengthWarmup        AFTER_DATALOADER (before samples and tokens are counted)
+ProgressiveResizing    AFTER_DATALOADER
+MixUp, CutMix          BEFORE_FORWARD (inputs, per microbatch); BEFORE_LOSS / AFTER_LOSS (targets)
+LabelSmoothing         BEFORE_LOSS (smooth targets); AFTER_LOSS (restore them)
+GradientClipping       AFTER_TRAIN_BATCH (gradients already unscaled)
+EMA                    FIT_START; BATCH_END or EPOCH_END (update); EVAL_START / EVAL_END (swap)
+LayerFreezing          EPOCH_END (or BATCH_END); FIT_START after a resume
+SWA                    EPOCH_END or BATCH_END (average); FIT_END (weights replaced by the average)
+=====================  ==================================================================
+
+MixUp (or CutMix) with LabelSmoothing
+-------------------------------------
+Both change the targets only for the loss. Each converts the targets it finds to class
+probabilities (integer labels become one-hot; probabilities are used as they are), changes
+them, and restores what it found at ``AFTER_LOSS``. Both changes are affine maps that keep
+probabilities summing to one, so they commute: ``algorithms=[MixUp(...), LabelSmoothing(s)]``
+and ``[LabelSmoothing(s), MixUp(...)]`` both train against::
+
+    (1 - s) * (lam * onehot(y) + (1 - lam) * onehot(y[perm])) + s / C
+
+With ``MixUp(interpolate_loss=True)`` the loss (not the targets) is mixed at ``AFTER_LOSS``,
+recomputing the loss on permuted targets; list LabelSmoothing *before* MixUp so that, with the
+reversed order on ``AFTER_LOSS``, MixUp runs while the targets are still smoothed.
+
+Algorithms with state (EMA, SWA, LayerFreezing) save it through ``state_dict`` and resume it
+from checkpoints. ``SAM`` is not provided: it needs the loop to re-run forward and backward
+inside ``optimizer.step(closure)``, which the trainer does not do; `StochasticDepth` is here.
+"""
+from raytrain_events.algorithms.registry import available_algorithms, build_algorithm, build_algorithms, register_algorithm
+from raytrain_events.algorithms.channels_last import ChannelsLast
+from raytrain_events.algorithms.cutmix import CutMix
+from raytrain_events.algorithms.ema import EMA
+from raytrain_events.algorithms.gradient_clipping import GradientClipping
+from raytrain_events.algorithms.label_smoothing import LabelSmoothing, smooth_labels
+from raytrain_events.algorithms.layer_freezing import LayerFreezing
+from raytrain_events.algorithms.mixup import MixUp
+from raytrain_events.algorithms.progressive_resizing import ProgressiveResizing
+from raytrain_events.algorithms.seq_length_warmup import SeqLengthWarmup
+from raytrain_events.algorithms.stochastic_depth import StochasticDepth, mark_residual_branch
+from raytrain_events.algorithms.swa import SWA
+
+__all__ = [
+    "ChannelsLast", "CutMix", "EMA", "GradientClipping", "LabelSmoothing", "LayerFreezing", "MixUp",
+    "ProgressiveResizing", "SWA", "SeqLengthWarmup", "StochasticDepth",
+    "available_algorithms", "build_algorithm", "build_algorithms", "mark_residual_branch", "register_algorithm",
+    "smooth_labels",
+]

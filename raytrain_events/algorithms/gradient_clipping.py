@@ -1,0 +1,58 @@
+"""`GradientClipping`: clip gradients by global norm or by value before the optimizer step.
+
+Runs at ``AFTER_TRAIN_BATCH``: every microbatch's gradient has been accumulated and, with fp16
+mixed precision, the `GradScaler` has already unscaled them, so the threshold is in true
+gradient units. Composer's ``GradientClipping`` with ``clipping_type`` "norm" or "value".
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from raytrain_events.algorithms.registry import register_algorithm
+from raytrain_events.core.algorithm import Algorithm
+from raytrain_events.core.event import Event
+
+__all__ = ["GradientClipping"]
+
+_TYPES = ("norm", "value")
+
+
+@register_algorithm("gradient_clipping")
+class GradientClipping(Algorithm):
+    """Clip gradients so their global L2 norm (``"norm"``) or each element (``"value"``) is at most the threshold.
+
+    Example::
+
+        Trainer(..., algorithms=[GradientClipping(clipping_type="norm", clipping_threshold=1.0)])
+
+    With ``"norm"`` the pre-clipping norm of the last batch is kept in ``last_grad_norm`` (a tensor,
+    never read back to the host here).
+    """
+
+    def __init__(self, clipping_type: str = "norm", clipping_threshold: float = 1.0, norm_type: float = 2.0) -> None:
+        if clipping_type not in _TYPES:
+            raise ValueError(f"clipping_type={clipping_type!r} is not supported: use one of {list(_TYPES)}.")
+        if not clipping_threshold > 0:
+            raise ValueError(f"clipping_threshold={clipping_threshold!r} must be > 0.")
+        self.clipping_type = clipping_type
+        self.clipping_threshold = float(clipping_threshold)
+        self.norm_type = float(norm_type)
+        self.last_grad_norm: Optional[torch.Tensor] = None
+
+    def match(self, event: Event, state) -> bool:
+        return event == Event.AFTER_TRAIN_BATCH
+
+    def apply(self, event: Event, state, logger) -> None:
+        params = [p for p in state.model.parameters() if p.grad is not None]
+        if not params:
+            return None
+        if self.clipping_type == "norm":
+            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clipping_threshold, norm_type=self.norm_type)
+        else:
+            torch.nn.utils.clip_grad_value_(params, self.clipping_threshold)
+        return None
+
+    def __repr__(self) -> str:
+        return f"GradientClipping(clipping_type={self.clipping_type!r}, clipping_threshold={self.clipping_threshold})"
