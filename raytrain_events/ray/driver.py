@@ -18,11 +18,13 @@ Example (a 2-worker CPU run)::
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import datetime
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 from raytrain_events.core.time import Time, Timestamp, TimeUnit, ensure_time
 from raytrain_events.ray.spec import RunSpec
@@ -110,6 +112,11 @@ class RayTrainer:
             raise ValueError(f"datasets has no 'train' entry (got {sorted(datasets)}); pass datasets={{'train': ds, ...}}.")
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r} must be a positive integer (rows per worker per batch).")
+        if checkpoint is not None and getattr(checkpoint, "save_folder", None):
+            raise ValueError(
+                "CheckpointConfig.save_folder cannot be set for a RayTrainer run: checkpoints live in the run "
+                "directory (<storage_path>/<run_name>/checkpoints) so Ray Train can manage them. Set storage_path instead."
+            )
         self.scaling_config = _scaling_config(scaling_config, num_workers, use_gpu, resources_per_worker)
         self.datasets = dict(datasets)
         self.storage_path, self.storage_options = _storage_root(storage_path), dict(storage_options or {})
@@ -138,7 +145,7 @@ class RayTrainer:
             shuffle_buffer_size=shuffle_buffer_size,
             columns=columns,
             report_interval=report_interval,
-            checkpoint=checkpoint,
+            checkpoint=None if checkpoint is None else dataclasses.replace(checkpoint, lock_run_dir=False),
             storage_url=self.storage_path,
             storage_options=self.storage_options,
             run_name=self.run_name,
@@ -153,16 +160,58 @@ class RayTrainer:
     def fit(self) -> RayResult:
         """Run training on the Ray workers and return the aggregated result."""
         import ray
+
+        from raytrain_events.ray.cluster import ensure_ray
+
+        ensure_ray()
+        self._check_cluster(ray)
+        with self._claim_run_dir():
+            return self._fit()
+
+    @contextlib.contextmanager
+    def _claim_run_dir(self) -> Iterator[None]:
+        """Hold the run dir's ``running`` lock for the whole run and save the run config there."""
+        from raytrain_events.storage.exp_dir import RunDir
+        from raytrain_events.storage.locks import acquire_lock, release_lock
+
+        lock = acquire_lock(self.run_url, "running", storage_options=self.storage_options, takeover_stale=True)
+        try:
+            RunDir(self.run_url, self.storage_options).save_config(_plain(self.describe()))
+            yield
+        finally:
+            release_lock(self.run_url, "running", storage_options=self.storage_options, lock=lock)
+
+    def describe(self) -> Dict[str, Any]:
+        """The run's plain-data description, saved as the run dir's config.yaml."""
+        spec = self.spec
+        algorithms = spec.algorithms
+        return {
+            "run_name": self.run_name,
+            "max_duration": spec.max_duration,
+            "batch_size": spec.batch_size,
+            "num_workers": self.scaling_config.num_workers,
+            "use_gpu": bool(self.scaling_config.use_gpu),
+            "grad_accum": spec.grad_accum,
+            "precision": spec.precision,
+            "seed": spec.seed,
+            "eval_interval": str(spec.eval_interval),
+            "report_interval": str(spec.report_interval),
+            "algorithms": "<factory>" if callable(algorithms) else [
+                a if isinstance(a, (str, dict)) else type(a).__name__ for a in algorithms
+            ],
+            "checkpoint": None if spec.checkpoint is None else spec.checkpoint.to_dict(),
+            "config": spec.config,
+        }
+
+    def _fit(self) -> RayResult:
+        import ray
         import ray.train
         from ray.train.torch import TorchTrainer
 
-        from raytrain_events.ray.cluster import ensure_ray
         from raytrain_events.ray.data import DeterministicSplitDataConfig
         from raytrain_events.ray.history import AggregatingCallback, RunHistory
         from raytrain_events.ray.worker import train_loop_per_worker
 
-        ensure_ray()
-        self._check_cluster(ray)
         history = RunHistory.remote()
         tune_queue = _tune_queue()
         storage_path, storage_filesystem = _ray_storage(self.storage_path, self.storage_options)
@@ -223,6 +272,17 @@ class RayTrainer:
                     "use_gpu=True but this Ray cluster has no GPUs (cluster resources: "
                     f"{ray.cluster_resources()}). Run on a cluster with GPU nodes (see cluster.yaml), or pass use_gpu=False."
                 )
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with anything YAML cannot hold (functions, objects) turned into its repr."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return repr(value)
 
 
 def _scaling_config(scaling_config: Any, num_workers: Optional[int], use_gpu: bool, resources: Optional[Dict[str, float]]) -> Any:

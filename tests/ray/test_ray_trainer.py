@@ -182,3 +182,50 @@ def test_worker_error_reaches_driver(ray_cluster, tmp_path):
     )
     with pytest.raises(RayTrainingError, match="boom in the model factory"):
         trainer.fit()
+
+
+class KillOnce(Callback):
+    """Kills rank 1's worker process mid-epoch, once per test (a marker file remembers)."""
+
+    def __init__(self, marker, at_batch):
+        self.marker, self.at_batch = marker, at_batch
+
+    def batch_end(self, state, logger):
+        import os
+
+        if state.rank == 1 and state.step == self.at_batch and not os.path.exists(self.marker):
+            import time
+
+            open(self.marker, "w").close()
+            # Ray's controller collects reports by polling; give it time to register the
+            # checkpoints already reported, as it would have in a long run.
+            time.sleep(6)
+            os.kill(os.getpid(), 9)
+
+
+def test_killed_worker_restarts_from_checkpoint_with_exact_count(ray_cluster, tmp_path):
+    import ray.data
+
+    from raytrain_events import RayTrainer
+    from raytrain_events.checkpoint.config import CheckpointConfig
+
+    marker = str(tmp_path / "killed")
+    rows = make_rows()
+    result = RayTrainer(
+        model=make_model, optimizers=make_sgd, datasets={"train": ray.data.from_items(rows)},
+        max_duration="2ep", batch_size=16, num_workers=2, deterministic_split=True,
+        get_num_tokens_in_batch=count_tokens, storage_path=str(tmp_path / "runs"), run_name="failover",
+        checkpoint=CheckpointConfig(save_interval="4ba"), max_failures=1, report_interval="4ba",
+        callbacks=lambda: [KillOnce(marker, at_batch=14)],
+    ).fit()
+    import os
+
+    assert os.path.exists(marker), "the worker was never killed"
+    assert result.timestamp.get_value("sp") == ROWS * 2
+    assert result.timestamp.get_value("tok") == 2 * sum(r["ntok"] for r in rows)
+    assert max(e["attempt"] for e in result.history) == 2
+    resumed = [e for e in result.history if e["attempt"] == 2]
+    assert resumed[0]["time/batch"] > 4, "the restarted group did not resume from a checkpoint"
+    assert [c.batch for c in result.checkpoints][-1] == 16
+    assert result.ray_result.checkpoint is not None
+    assert result.ray_result.checkpoint.path.endswith(result.checkpoints[-1].name)
