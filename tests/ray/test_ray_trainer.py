@@ -229,3 +229,30 @@ def test_killed_worker_restarts_from_checkpoint_with_exact_count(ray_cluster, tm
     assert [c.batch for c in result.checkpoints][-1] == 16
     assert result.ray_result.checkpoint is not None
     assert result.ray_result.checkpoint.path.endswith(result.checkpoints[-1].name)
+
+
+def test_algorithms_and_callbacks_compose_in_a_two_worker_run(ray_cluster, tmp_path):
+    """Issue 7's integration check: a set of algorithms by name plus monitors, under DDP."""
+    import ray.data
+
+    from raytrain_events import RayTrainer
+    from raytrain_events.callbacks import LRMonitor, SpeedMonitor
+
+    rows = make_rows()
+    result = RayTrainer(
+        model=make_model, optimizers=make_sgd,
+        datasets={"train": ray.data.from_items(rows), "eval": ray.data.from_items(make_rows(64, seed=3))},
+        max_duration="2ep", batch_size=16, num_workers=2, storage_path=str(tmp_path / "runs"),
+        algorithms=["label_smoothing", {"name": "mixup", "alpha": 0.2},
+                    {"name": "gradient_clipping", "clipping_type": "norm", "clipping_threshold": 1.0},
+                    {"name": "ema", "half_life": "4ba"}],
+        callbacks=lambda: [SpeedMonitor(window_size=2), LRMonitor(), DumpPerRank(str(tmp_path))],
+        report_interval="8ba",
+    ).fit()
+    assert result.timestamp.get_value("sp") == ROWS * 2
+    rank0, rank1 = load_ranks(tmp_path, 2)
+    for name, value in rank0["params"].items():
+        assert torch.equal(value, rank1["params"][name]), name
+    assert result.metrics["throughput/samples_per_sec"] > 0
+    assert result.metrics["lr-SGD/group0"] == pytest.approx(0.2)
+    assert 0.0 <= result.metrics["metrics/eval/accuracy"] <= 1.0
