@@ -20,11 +20,12 @@ __version__ = "0.1.0"
 __all__ = [
     "Algorithm", "Callback", "DataSpec", "Engine", "Event", "Evaluator", "Logger", "LoggerDestination",
     "Precision", "State", "Time", "TimeUnit", "Timestamp", "Trace", "Trainer", "ensure_time",
-    "RayTrainer", "__version__",
+    "RayTrainer", "CheckpointConfig", "__version__",
 ]
 
 _LAZY = {
     "RayTrainer": ("raytrain_events.ray.driver", "RayTrainer"),
+    "CheckpointConfig": ("raytrain_events.checkpoint.config", "CheckpointConfig"),
 }
 
 

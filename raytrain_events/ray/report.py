@@ -20,6 +20,14 @@ from raytrain_events.core.time import TimeUnit
 __all__ = ["RayReporter"]
 
 
+def _preempting() -> bool:
+    """True if Ray reports that a node of this run is about to be preempted (spot reclaim)."""
+    import ray.train
+
+    get_info = getattr(ray.train, "get_preemption_info", None)
+    return get_info is not None and get_info() is not None
+
+
 def _counters(timestamp) -> Dict[str, int]:
     return {name: timestamp.get_value(unit) for name, unit in _UNITS.items()}
 
@@ -30,9 +38,18 @@ _UNITS = {"epoch": TimeUnit.EPOCH, "batch": TimeUnit.BATCH, "sample": TimeUnit.S
 class RayReporter(Callback):
     """Report to Ray Train every ``interval`` of global time, on checkpoints, and at the end."""
 
-    def __init__(self, *, interval: Any = "100ba", report_fn: Optional[Callable[..., None]] = None) -> None:
+    def __init__(
+        self,
+        *,
+        interval: Any = "100ba",
+        report_fn: Optional[Callable[..., None]] = None,
+        check_preemption: bool = False,
+        preemption_fn: Optional[Callable[[], bool]] = None,
+    ) -> None:
         self.interval = interval
         self._report_fn = report_fn
+        self.check_preemption = check_preemption
+        self._preempting = preemption_fn or _preempting
         self._due = None
         self._start: Optional[Dict[str, int]] = None
         self._reset()
@@ -93,6 +110,9 @@ class RayReporter(Callback):
         self._start = None
         self._reset()
         self._send(report, checkpoint)
+        if self.check_preemption and not final and self._preempting():
+            # Every rank got the same answer (it is a barrier): save at the next batch.
+            state.save_requested = True
 
     def _send(self, report: Dict[str, Any], checkpoint: Any) -> None:
         if self._report_fn is not None:

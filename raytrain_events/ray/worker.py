@@ -86,7 +86,7 @@ def build_worker_trainer(spec: RunSpec) -> Trainer:
         grad_accum=spec.grad_accum,
         precision=spec.precision,
         algorithms=algorithms,
-        callbacks=list(callbacks) + [RayReporter(interval=spec.report_interval)],
+        callbacks=list(callbacks) + [RayReporter(interval=spec.report_interval, check_preemption=checkpoint is not None)],
         seed=spec.seed,
         device=device,
         dist=dist,

@@ -1,0 +1,38 @@
+"""RayReporter without Ray: what it reports, and that a preemption notice triggers a save."""
+from __future__ import annotations
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from raytrain_events import Trainer
+from raytrain_events.checkpoint import CheckpointConfig, list_checkpoints
+from raytrain_events.models import ClassifierModel
+from raytrain_events.ray.report import RayReporter
+
+
+def _trainer(reporter, folder=None):
+    torch.manual_seed(0)
+    model = ClassifierModel(torch.nn.Linear(4, 2), num_classes=2)
+    data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+    checkpoint = None if folder is None else CheckpointConfig(save_folder=folder, save_final=False, save_every_n_seconds=None)
+    return Trainer(model=model, train_dataloader=DataLoader(data, batch_size=8), max_duration="1ep",
+                   optimizers=torch.optim.SGD(model.parameters(), lr=0.1), callbacks=[reporter], checkpoint=checkpoint)
+
+
+def test_reports_at_interval_and_at_the_end_with_local_counts():
+    sent = []
+    _trainer(RayReporter(interval="3ba", report_fn=lambda r, c: sent.append(r))).fit()
+    assert [r["timestamp"]["batch"] for r in sent] == [3, 6, 8]  # the last one is the final report
+    assert sum(r["local_samples"] for r in sent) == 64
+    assert sent[0]["start"] == {"epoch": 0, "batch": 0, "sample": 0, "token": 0} and sent[1]["start"] is None
+    assert sent[-1]["final"] and sent[0]["train_loss_count"] == 3
+
+
+def test_preemption_notice_saves_a_checkpoint_at_the_next_batch(tmp_path):
+    folder = str(tmp_path / "checkpoints")
+    notices = iter([False, True, False, False, False])
+    reporter = RayReporter(interval="2ba", report_fn=lambda r, c: None, check_preemption=True,
+                           preemption_fn=lambda: next(notices))
+    _trainer(reporter, folder).fit()
+    # Reports at batches 2 and 4; the notice comes at 4, the save happens at batch 5.
+    assert [c.batch for c in list_checkpoints(folder)] == [5]
