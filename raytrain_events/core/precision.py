@@ -25,10 +25,14 @@ class Precision(str, Enum):
             raise ValueError(f"Unknown precision {value!r}: use one of {valid}.") from None
 
 
+# One shared no-op context (nullcontext is reusable and reentrant): fp32 steps allocate nothing here.
+_NULL_CONTEXT = contextlib.nullcontext()
+
+
 def autocast_context(precision: Precision, device_type: str) -> ContextManager:
     """The context manager that runs forward and loss in ``precision`` on ``device_type``."""
     if precision is Precision.FP32:
-        return contextlib.nullcontext()
+        return _NULL_CONTEXT
     import torch
 
     dtype = torch.bfloat16 if precision is Precision.AMP_BF16 else torch.float16

@@ -34,6 +34,8 @@ from raytrain_events.trainer._eval import ensure_evaluators, run_evaluation
 
 __all__ = ["Trainer"]
 
+_NULL_CONTEXT = contextlib.nullcontext()  # reusable and reentrant: no allocation per microbatch
+
 
 class Trainer:
     """Train a model with algorithms and callbacks firing at every event.
@@ -126,7 +128,7 @@ class Trainer:
             run_name=run_name,
             seed=seed,
         )
-        self.state.schedulers = [_as_torch_scheduler(s, self.state) for s in _as_list(schedulers)]
+        self.state.schedulers = _build_schedulers(_as_list(schedulers), self.state)
         if self.state.precision is Precision.AMP_FP16:
             self.state.scaler = torch.amp.GradScaler(self.device.type)
         self.eval_interval = make_interval(eval_interval, max_duration, counts_tokens=self.train_spec.counts_tokens)
@@ -278,17 +280,18 @@ class Trainer:
         total_samples = state.batch_num_samples
         last = len(microbatches) - 1
         ddp = self._train_model if self._train_model is not model else None
+        autocast = self.autocast()  # one context per batch, entered for each forward and loss (never nested)
         accumulated = None
         for index, microbatch in enumerate(microbatches):
-            sync = ddp.no_sync() if (ddp is not None and index < last) else contextlib.nullcontext()
+            sync = ddp.no_sync() if (ddp is not None and index < last) else _NULL_CONTEXT
             with sync:
                 state.batch = microbatch
                 engine.run_event(Event.BEFORE_FORWARD)
-                with self.autocast():
+                with autocast:
                     state.outputs = self._train_model(state.batch)
                 engine.run_event(Event.AFTER_FORWARD)
                 engine.run_event(Event.BEFORE_LOSS)
-                with self.autocast():
+                with autocast:
                     state.loss = model.loss(state.outputs, state.batch)
                 engine.run_event(Event.AFTER_LOSS)
                 engine.run_event(Event.BEFORE_BACKWARD)
@@ -327,18 +330,32 @@ def _as_list(value: Any) -> list:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def _as_torch_scheduler(scheduler: Any, state: State) -> Any:
-    """Pass torch LR schedulers through; turn ``fn(state) -> lr multiplier`` into a LambdaLR."""
-    if hasattr(scheduler, "step") and hasattr(scheduler, "state_dict"):
-        return scheduler
-    if callable(scheduler):
+def _build_schedulers(schedulers: list, state: State) -> list:
+    """Torch LR schedulers pass through; Composer-style ``fn(state) -> multiplier`` schedules are
+    multiplied together (as in Composer) into one LambdaLR per optimizer."""
+    torch_schedulers, functions = [], []
+    for scheduler in schedulers:
+        if hasattr(scheduler, "step") and hasattr(scheduler, "state_dict"):
+            torch_schedulers.append(scheduler)
+        elif callable(scheduler):
+            functions.append(scheduler)
+        else:
+            raise TypeError(
+                f"{scheduler!r} is not a scheduler: pass a torch.optim.lr_scheduler object or a "
+                "raytrain_events.schedulers scheduler (a function of the State)."
+            )
+    if functions:
         if not state.optimizers:
             raise ValueError("A scheduler function needs an optimizer to schedule.")
-        return _StateLambdaLR(state.optimizers[0], scheduler, state)
-    raise TypeError(
-        f"{scheduler!r} is not a scheduler: pass a torch.optim.lr_scheduler object or a "
-        "raytrain_events.schedulers scheduler (a function of the State)."
-    )
+
+        def multiplier(_state: State) -> float:
+            value = 1.0
+            for fn in functions:
+                value *= fn(_state)
+            return value
+
+        torch_schedulers += [_StateLambdaLR(optimizer, multiplier, state) for optimizer in state.optimizers]
+    return torch_schedulers
 
 
 class _StateLambdaLR(torch.optim.lr_scheduler.LambdaLR):

@@ -1,0 +1,90 @@
+"""Importing raytrain_events is cheap and side-effect free (it runs inside Ray workers, off the main thread)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+PUBLIC = ["Time", "TimeUnit", "Timestamp", "ensure_time", "Event", "State", "Algorithm", "Callback", "Engine",
+          "Trace", "Trainer"]
+
+
+def _run(code: str) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_import_pulls_in_neither_ray_nor_fsspec_and_installs_no_signal_handlers():
+    result = _run(
+        """
+        import json, signal, sys, atexit
+        sigs = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
+        before = {int(s): repr(signal.getsignal(s)) for s in sigs}
+        import torch  # torch registers its own atexit hooks; count only ours
+        exits_before = atexit._ncallbacks()
+        import raytrain_events
+        after = {int(s): repr(signal.getsignal(s)) for s in sigs}
+        roots = sorted({m.split(".")[0] for m in sys.modules})
+        print(json.dumps({"before": before, "after": after, "roots": roots,
+                          "new_atexit": atexit._ncallbacks() - exits_before,
+                          "file": raytrain_events.__file__}))
+        """
+    )
+    assert result["file"].startswith(str(ROOT))  # the checkout under test, not an installed copy
+    assert result["before"] == result["after"]
+    for heavy in ("ray", "fsspec", "s3fs", "pyarrow", "omegaconf", "torchmetrics"):
+        assert heavy not in result["roots"], heavy
+    assert result["new_atexit"] == 0
+
+
+def test_public_names_importable_from_top_level():
+    result = _run(
+        f"""
+        import json
+        from raytrain_events import {", ".join(PUBLIC)}
+        import raytrain_events
+        print(json.dumps({{"all": sorted(raytrain_events.__all__),
+                           "missing": [n for n in {PUBLIC!r} if not hasattr(raytrain_events, n)]}}))
+        """
+    )
+    assert result["missing"] == []
+    assert set(PUBLIC) <= set(result["all"])
+
+
+def test_public_names_are_the_core_objects():
+    import raytrain_events
+    from raytrain_events.core import algorithm, callback, engine, event, state, time
+    from raytrain_events.trainer.trainer import Trainer
+
+    assert raytrain_events.Time is time.Time and raytrain_events.TimeUnit is time.TimeUnit
+    assert raytrain_events.Timestamp is time.Timestamp and raytrain_events.ensure_time is time.ensure_time
+    assert raytrain_events.Event is event.Event and raytrain_events.State is state.State
+    assert raytrain_events.Algorithm is algorithm.Algorithm and raytrain_events.Callback is callback.Callback
+    assert raytrain_events.Engine is engine.Engine and raytrain_events.Trace is engine.Trace
+    assert raytrain_events.Trainer is Trainer
+
+
+def test_core_does_not_import_ray_or_fsspec():
+    """core/ reads like the seed documents: no Ray, no storage."""
+    import ast
+
+    for path in (ROOT / "raytrain_events" / "core").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                assert name.split(".")[0] not in {"ray", "fsspec", "s3fs"}, (path.name, name)
