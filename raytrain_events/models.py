@@ -5,7 +5,8 @@ and accuracy is computed with torchmetrics on eval (and on train when asked).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Sequence
+from collections.abc import Mapping
+from typing import Any, Dict
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,8 @@ __all__ = ["ClassifierModel", "split_inputs_targets"]
 
 def split_inputs_targets(batch: Any, input_key: str = "x", target_key: str = "y"):
     """``(inputs, targets)`` from a pair or from a dict with ``input_key``/``target_key``."""
+    if type(batch) in (tuple, list) and len(batch) == 2:  # the common case first: cheapest check
+        return batch[0], batch[1]
     if isinstance(batch, Mapping):
         try:
             return batch[input_key], batch[target_key]
@@ -26,7 +29,7 @@ def split_inputs_targets(batch: Any, input_key: str = "x", target_key: str = "y"
                 f"Batch has columns {sorted(batch)}, but the model needs {input_key!r} and {target_key!r}: "
                 "rename the columns or pass input_key=/target_key= to the model."
             ) from exc
-    if isinstance(batch, Sequence) and len(batch) == 2:
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
         return batch[0], batch[1]
     raise TypeError(f"Expected an (inputs, targets) pair or a dict batch, got {type(batch).__name__}.")
 

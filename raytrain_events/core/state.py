@@ -91,6 +91,9 @@ class State:
         # A checkpoint asked for on this rank (timer, SIGTERM); agreed across ranks each batch.
         self.save_requested = False
         self.save_now = False
+        # The same for a report to the driver (a reporter's clock says one is due).
+        self.report_requested = False
+        self.report_now = False
         # Set by the checkpoint saver when a save started; consumed by reporters (Ray).
         self.pending_checkpoint: Any = None
         # Mid-epoch resume: (RNG state at the epoch's start, RNG state at the checkpoint).

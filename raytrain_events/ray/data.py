@@ -29,8 +29,10 @@ class ShardLoader:
         shuffle_buffer_size: Optional[int] = None,
         seed: Optional[int] = None,
         columns: Optional[List[str]] = None,
+        length: Optional[int] = None,
     ) -> None:
         self.shard = shard
+        self.length = length
         self.batch_size = batch_size
         self.device = device
         self.collate_fn = collate_fn
@@ -40,6 +42,12 @@ class ShardLoader:
         self.seed = seed
         self.columns = columns
         self.epoch = 0
+
+    def __len__(self) -> int:
+        """Batches per epoch, when the driver could tell (the loop uses it for epoch-based time)."""
+        if self.length is None:
+            raise TypeError("This shard's length is unknown; pass steps_per_epoch to RayTrainer.")
+        return self.length
 
     def set_epoch(self, epoch: int) -> None:
         """Called by the loop at each epoch start: reseeds the local shuffle."""

@@ -85,6 +85,7 @@ class RayTrainer:
         prefetch_batches: int = 1,
         shuffle_buffer_size: Optional[int] = None,
         columns: Optional[List[str]] = None,
+        steps_per_epoch: Optional[int] = None,
         num_workers: Optional[int] = None,
         use_gpu: bool = False,
         resources_per_worker: Optional[Dict[str, float]] = None,
@@ -94,7 +95,8 @@ class RayTrainer:
         run_name: Optional[str] = None,
         checkpoint: Any = None,
         max_failures: int = 0,
-        report_interval: Any = "100ba",
+        report_interval: Any = None,
+        report_every_s: Optional[float] = 10.0,
         deterministic_split: bool = False,
         config: Optional[Dict[str, Any]] = None,
         ray_callbacks: Sequence[Any] = (),
@@ -107,7 +109,10 @@ class RayTrainer:
             raise ValueError(
                 f"max_duration={duration.to_timestring()!r} is in tokens: pass get_num_tokens_in_batch=fn(batch) -> int."
             )
-        ensure_time(report_interval, TimeUnit.BATCH)
+        if report_interval is not None:
+            ensure_time(report_interval, TimeUnit.BATCH)
+        if report_interval is None and report_every_s is None:
+            raise ValueError("Pass report_interval (a Time, like '500ba') or report_every_s (seconds), or both.")
         if "train" not in datasets:
             raise ValueError(f"datasets has no 'train' entry (got {sorted(datasets)}); pass datasets={{'train': ds, ...}}.")
         if not isinstance(batch_size, int) or batch_size < 1:
@@ -144,7 +149,9 @@ class RayTrainer:
             prefetch_batches=prefetch_batches,
             shuffle_buffer_size=shuffle_buffer_size,
             columns=columns,
+            steps_per_epoch=steps_per_epoch,
             report_interval=report_interval,
+            report_every_s=report_every_s,
             checkpoint=None if checkpoint is None else dataclasses.replace(checkpoint, lock_run_dir=False),
             storage_url=self.storage_path,
             storage_options=self.storage_options,
@@ -163,8 +170,9 @@ class RayTrainer:
 
         from raytrain_events.ray.cluster import ensure_ray
 
-        ensure_ray()
-        self._check_cluster(ray)
+        started_local = ensure_ray(min_cpus=self.scaling_config.num_workers + 2)
+        if started_local or not _autoscaling():
+            self._check_cluster(ray)
         with self._claim_run_dir():
             return self._fit()
 
@@ -195,7 +203,8 @@ class RayTrainer:
             "precision": spec.precision,
             "seed": spec.seed,
             "eval_interval": str(spec.eval_interval),
-            "report_interval": str(spec.report_interval),
+            "report_interval": None if spec.report_interval is None else str(spec.report_interval),
+            "report_every_s": spec.report_every_s,
             "algorithms": "<factory>" if callable(algorithms) else [
                 a if isinstance(a, (str, dict)) else type(a).__name__ for a in algorithms
             ],
@@ -206,6 +215,12 @@ class RayTrainer:
     def _fit(self) -> RayResult:
         import ray
         import ray.train
+
+        if self.spec.steps_per_epoch is None:
+            # Shards have no length; schedules in epochs or "dur" and epoch ends need one. Each
+            # rank gets floor(rows / workers) rows (Ray splits equally), in ceil(rows / batch) batches.
+            rows = self.datasets["train"].count() // self.scaling_config.num_workers
+            self.spec.steps_per_epoch = -(-rows // self.spec.batch_size)
         from ray.train.torch import TorchTrainer
 
         from raytrain_events.ray.data import DeterministicSplitDataConfig
@@ -272,6 +287,11 @@ class RayTrainer:
                     "use_gpu=True but this Ray cluster has no GPUs (cluster resources: "
                     f"{ray.cluster_resources()}). Run on a cluster with GPU nodes (see cluster.yaml), or pass use_gpu=False."
                 )
+
+
+def _autoscaling() -> bool:
+    """True on a cluster launcher's head node, where the autoscaler can add GPU nodes on demand."""
+    return os.path.exists(os.path.expanduser("~/ray_bootstrap_config.yaml"))
 
 
 def _plain(value: Any) -> Any:

@@ -1,12 +1,14 @@
 """Worker-side reporting: send rank-local counts and metrics to the controller at intervals.
 
-`ray.train.report` is a barrier across workers, so `RayReporter` reports only when the global
-`Timestamp` crosses ``interval`` (the same batch on every rank), when a checkpoint was saved,
-and once at the end. Each report carries this rank's samples and tokens since its last report,
+`ray.train.report` is a barrier across workers and Ray's controller collects one result every
+~2 s (a report sooner than that blocks training), so `RayReporter` reports every ``every_s``
+seconds (the ranks agree on the batch through the loop's per-batch collective), when the global
+`Timestamp` crosses ``interval`` if one is given, when a checkpoint was saved, and at the end. Each report carries this rank's samples and tokens since its last report,
 the global Timestamp the rank computed, its mean train loss, and the latest logged metrics.
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Dict, Optional
 
 import torch
@@ -41,12 +43,17 @@ class RayReporter(Callback):
     def __init__(
         self,
         *,
-        interval: Any = "100ba",
+        interval: Any = None,
+        every_s: Optional[float] = 10.0,
         report_fn: Optional[Callable[..., None]] = None,
         check_preemption: bool = False,
         preemption_fn: Optional[Callable[[], bool]] = None,
     ) -> None:
+        if interval is None and every_s is None:
+            raise ValueError("RayReporter needs report_interval (a Time) or report_every_s (seconds), or both.")
         self.interval = interval
+        self.every_s = every_s
+        self._last_report = time.monotonic()
         self._report_fn = report_fn
         self.check_preemption = check_preemption
         self._preempting = preemption_fn or _preempting
@@ -61,10 +68,19 @@ class RayReporter(Callback):
         self._loss_count = 0
 
     def fit_start(self, state, logger) -> None:
-        self._due = make_interval(self.interval, state.max_duration, what="report_interval")
+        self._due = (
+            make_interval(self.interval, state.max_duration, what="report_interval")
+            if self.interval is not None else (lambda state, event: False)
+        )
+        self._last_report = time.monotonic()
         # The first report of this worker group says where it started (0, or a checkpoint).
         self._start = _counters(state.timestamp)
         self._reset()
+
+    def after_dataloader(self, state, logger) -> None:
+        # A clock cannot be compared across ranks: ask, and the batch's collective agrees.
+        if self.every_s is not None and time.monotonic() - self._last_report >= self.every_s:
+            state.report_requested = True
 
     def batch_end(self, state, logger) -> None:
         self.local_samples += state.batch_num_samples
@@ -74,7 +90,7 @@ class RayReporter(Callback):
             self._loss_count += 1
 
     def batch_checkpoint(self, state, logger) -> None:
-        if self._saved_checkpoint(state) or self._due(state, Event.BATCH_END):
+        if state.report_now or self._saved_checkpoint(state) or self._due(state, Event.BATCH_END):
             self._report(state, logger)
 
     def epoch_checkpoint(self, state, logger) -> None:
@@ -107,6 +123,8 @@ class RayReporter(Callback):
         }
         checkpoint = getattr(state, "pending_checkpoint", None)
         state.pending_checkpoint = None
+        state.report_requested = state.report_now = False
+        self._last_report = time.monotonic()
         self._start = None
         self._reset()
         self._send(report, checkpoint)

@@ -35,7 +35,9 @@ class RunSpec:
     prefetch_batches: int = 1
     shuffle_buffer_size: Optional[int] = None
     columns: Optional[List[str]] = None
-    report_interval: str = "100ba"
+    steps_per_epoch: Optional[int] = None
+    report_interval: Optional[str] = None
+    report_every_s: Optional[float] = 10.0
     checkpoint: Any = None
     storage_url: Optional[str] = None
     storage_options: Dict[str, Any] = field(default_factory=dict)

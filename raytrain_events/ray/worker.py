@@ -59,6 +59,7 @@ def build_worker_trainer(spec: RunSpec) -> Trainer:
         batch_size=spec.batch_size,
         shuffle_buffer_size=spec.shuffle_buffer_size,
         seed=None if spec.seed is None else spec.seed + 1000 * context.get_world_rank(),
+        length=spec.steps_per_epoch,
         **loader_options,
     )
     evaluators = [
@@ -86,7 +87,9 @@ def build_worker_trainer(spec: RunSpec) -> Trainer:
         grad_accum=spec.grad_accum,
         precision=spec.precision,
         algorithms=algorithms,
-        callbacks=list(callbacks) + [RayReporter(interval=spec.report_interval, check_preemption=checkpoint is not None)],
+        callbacks=list(callbacks) + [
+            RayReporter(interval=spec.report_interval, every_s=spec.report_every_s, check_preemption=checkpoint is not None)
+        ],
         seed=spec.seed,
         device=device,
         dist=dist,

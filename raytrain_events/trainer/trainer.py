@@ -238,14 +238,17 @@ class Trainer:
             state.batch_num_samples, state.batch_num_tokens = samples, tokens
             # One fused collective per batch: counts, plus flags every rank must agree on.
             local_stop = 1 if state.stop_requested and not state.stop_consistent else 0
-            pending = dist.sum_ints_async((samples, tokens, local_stop, 1 if state.save_requested else 0))
+            pending = dist.sum_ints_async(
+                (samples, tokens, local_stop, 1 if state.save_requested else 0, 1 if state.report_requested else 0)
+            )
             engine.run_event(Event.BATCH_START)
             start = time.perf_counter()
             self._train_batch()
-            global_samples, global_tokens, stops, saves = pending.wait()
+            global_samples, global_tokens, stops, saves, reports = pending.wait()
             if stops:
                 state.stop_requested = state.stop_consistent = True
             state.save_now = saves > 0
+            state.report_now = reports > 0
             state.global_batch_num_samples, state.global_batch_num_tokens = global_samples, global_tokens
             state.timestamp = state.timestamp.to_next_batch(
                 global_samples, global_tokens, datetime.timedelta(seconds=time.perf_counter() - start)

@@ -21,7 +21,7 @@ def _trainer(reporter, folder=None):
 
 def test_reports_at_interval_and_at_the_end_with_local_counts():
     sent = []
-    _trainer(RayReporter(interval="3ba", report_fn=lambda r, c: sent.append(r))).fit()
+    _trainer(RayReporter(interval="3ba", every_s=None, report_fn=lambda r, c: sent.append(r))).fit()
     assert [r["timestamp"]["batch"] for r in sent] == [3, 6, 8]  # the last one is the final report
     assert sum(r["local_samples"] for r in sent) == 64
     assert sent[0]["start"] == {"epoch": 0, "batch": 0, "sample": 0, "token": 0} and sent[1]["start"] is None
@@ -31,8 +31,24 @@ def test_reports_at_interval_and_at_the_end_with_local_counts():
 def test_preemption_notice_saves_a_checkpoint_at_the_next_batch(tmp_path):
     folder = str(tmp_path / "checkpoints")
     notices = iter([False, True, False, False, False])
-    reporter = RayReporter(interval="2ba", report_fn=lambda r, c: None, check_preemption=True,
+    reporter = RayReporter(interval="2ba", every_s=None, report_fn=lambda r, c: None, check_preemption=True,
                            preemption_fn=lambda: next(notices))
     _trainer(reporter, folder).fit()
     # Reports at batches 2 and 4; the notice comes at 4, the save happens at batch 5.
     assert [c.batch for c in list_checkpoints(folder)] == [5]
+
+
+def test_time_based_reports_are_agreed_through_the_batch_collective():
+    sent = []
+    _trainer(RayReporter(every_s=0.0, report_fn=lambda r, c: sent.append(r))).fit()
+    assert [r["timestamp"]["batch"] for r in sent] == [1, 2, 3, 4, 5, 6, 7, 8, 8]
+    sent.clear()
+    _trainer(RayReporter(every_s=3600.0, report_fn=lambda r, c: sent.append(r))).fit()
+    assert [r["final"] for r in sent] == [True]
+
+
+def test_reporter_needs_an_interval_or_a_period():
+    import pytest
+
+    with pytest.raises(ValueError, match="report_interval"):
+        RayReporter(interval=None, every_s=None)
