@@ -1,0 +1,128 @@
+"""The ``raytrain-events`` argument parser and dispatch (``python -m raytrain_events``)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import List, Optional
+
+from raytrain_events.cli.parser import ArgumentParser
+from raytrain_events.cli.errors import UsageError, run_guarded
+
+__all__ = ["build_parser", "main"]
+
+PROG = "raytrain-events"
+
+STORAGE_OPTION_HELP = (
+    "fsspec storage option as KEY=VALUE, repeatable; dotted keys nest, e.g. "
+    "-o client_kwargs.endpoint_url=http://127.0.0.1:9000 -o key=ACCESS -o secret=SECRET "
+    "(default: none; credentials come from the environment as usual)."
+)
+
+
+def _formatter(prog: str) -> argparse.HelpFormatter:
+    return argparse.RawDescriptionHelpFormatter(prog, max_help_position=32)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from raytrain_events import __version__
+    from raytrain_events.cli.train import add_train_arguments
+
+    parser = ArgumentParser(
+        prog=PROG,
+        formatter_class=_formatter,
+        description="raytrain_events: train with the event-driven loop on Ray, and look at runs on any storage.",
+        epilog=(
+            "examples:\n"
+            f"  {PROG} train num_workers=2 max_duration=3ep\n"
+            f"  {PROG} train --config examples/configs/digits.yaml storage=s3://my-bucket/runs\n"
+            f"  {PROG} runs ls ./runs\n"
+            f"  {PROG} inspect ./runs/digits-20250101-120000\n"
+            f"  {PROG} diff ./runs/run-a ./runs/run-b\n"
+            f"'{PROG} COMMAND --help' explains each command's options."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=ArgumentParser)
+
+    train = commands.add_parser("train", help="Train the digits classifier from a YAML config with key=value overrides.", formatter_class=_formatter)
+    add_train_arguments(train)
+    train.set_defaults(_parser=train)
+
+    runs = commands.add_parser(
+        "runs", help="Commands on the runs under a storage root (runs ls).", formatter_class=_formatter,
+        description="Commands on the runs under a storage root.",
+    )
+    runs_commands = runs.add_subparsers(dest="runs_command", metavar="RUNS_COMMAND", required=True, parser_class=ArgumentParser)
+    ls = runs_commands.add_parser(
+        "ls", help="List the runs under a storage root with their checkpoints and final Timestamp.", formatter_class=_formatter,
+        description=(
+            "List the run directories directly under STORAGE: for each, its status, how many checkpoints it has,\n"
+            "the global Timestamp of the newest one, and the final Timestamp and eval accuracy from summary.json.\n"
+            "status: running (a live 'running' lock), finished (summary.json written), ended (neither: the run\n"
+            "failed or was interrupted, or was not started by the digits job, which is what writes summary.json)."
+        ),
+    )
+    ls.add_argument("storage", metavar="STORAGE", help="Storage root holding run directories: a local path, file://, s3://bucket/prefix, gs://, az://.")
+    _add_common(ls)
+    ls.set_defaults(_parser=ls)
+
+    inspect = commands.add_parser(
+        "inspect", help="Show one run: its checkpoints with their Timestamps, final metrics and saved config.", formatter_class=_formatter,
+        description=(
+            "Show one run directory: the committed checkpoints (oldest first) with the global Timestamp each was\n"
+            "saved at (epoch, batch, sample, token), the final Timestamp and metrics from summary.json, and the\n"
+            "config the run was started with (config.yaml)."
+        ),
+    )
+    inspect.add_argument("run_url", metavar="RUN_URL", help="The run directory, <storage>/<run_name>, e.g. ./runs/digits-20250101-120000 or s3://bucket/runs/name.")
+    _add_common(inspect)
+    inspect.set_defaults(_parser=inspect)
+
+    diff = commands.add_parser(
+        "diff", help="Config differences between two runs, line by line.", formatter_class=_formatter,
+        description=(
+            "Compare the saved configs (config.yaml) of two runs key by key. Each difference prints as\n"
+            "'- key: value in RUN_A' and '+ key: value in RUN_B'; keys only one run has print on one side only."
+        ),
+    )
+    diff.add_argument("run_a", metavar="RUN_A", help="First run directory (the '-' side).")
+    diff.add_argument("run_b", metavar="RUN_B", help="Second run directory (the '+' side).")
+    diff.add_argument("-o", "--storage-option", action="append", metavar="KEY=VALUE", default=[], help=STORAGE_OPTION_HELP)
+    diff.set_defaults(_parser=diff)
+    diff.add_argument("--exit-code", action="store_true", help="Exit with 1 when the configs differ (like git diff --exit-code); default: exit 0 either way.")
+    return parser
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-o", "--storage-option", action="append", metavar="KEY=VALUE", default=[], help=STORAGE_OPTION_HELP)
+    parser.add_argument("--json", action="store_true", help="Print machine-readable JSON instead of a table.")
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    from raytrain_events.cli import runs
+
+    if args.command == "train":
+        from raytrain_events.cli.train import run_train
+
+        return run_train(args)
+    options = runs.parse_storage_options(args.storage_option)
+    if args.command == "runs":
+        found = runs.list_runs(args.storage, options)
+        print(json.dumps(found, indent=2, default=str) if args.json else runs.format_runs(found, args.storage))
+        return 0
+    if args.command == "inspect":
+        info = runs.inspect_run(args.run_url, options)
+        print(json.dumps(info, indent=2, default=str) if args.json else runs.format_inspect(info))
+        return 0
+    if args.command == "diff":
+        text = runs.diff_runs(args.run_a, args.run_b, options)
+        print(text if text else f"No differences between the configs of {args.run_a} and {args.run_b}.")
+        return 1 if (text and args.exit_code) else 0
+    raise UsageError(f"Unknown command {args.command!r}.")  # pragma: no cover - argparse rejects it first
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``) and run the command; returns the exit code."""
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    return run_guarded(lambda: _dispatch(args), prog=PROG)
