@@ -3,7 +3,6 @@
 A port of Composer's ``composer.core.time`` so schedules, callbacks and max-duration checks can speak in
 "5ep" / "3e4tok" / "0.5dur", plus a cheap immutable ``Timestamp`` the trainer advances once per batch.
 """
-
 from __future__ import annotations
 
 import datetime
@@ -75,11 +74,8 @@ def _coerce_value(value: Any, unit: TimeUnit) -> int | float:
         if not math.isfinite(f):
             raise ValueError(f"Time value for 'dur' must be finite, got {value!r}")
         return f
-    if isinstance(value, numbers.Integral):
-        return int(value)
-    f = float(value)
-    if math.isfinite(f) and f.is_integer():
-        return int(f)
+    if isinstance(value, numbers.Integral) or (math.isfinite(f := float(value)) and f.is_integer()):
+        return int(value) if isinstance(value, numbers.Integral) else int(f)
     raise _not_whole(value, unit)
 
 
@@ -90,10 +86,8 @@ def _snap(x: int | float, unit: TimeUnit) -> int | float:
     if type(x) is int:
         return x
     x = float(x)
-    if math.isfinite(x):
-        r = round(x)
-        if abs(x - r) <= 4 * math.ulp(x):
-            return int(r)
+    if math.isfinite(x) and abs(x - round(x)) <= 4 * math.ulp(x):
+        return int(round(x))
     raise _not_whole(x, unit)
 
 
