@@ -1,9 +1,10 @@
 """`Checkpointer`: saves the run at checkpoint events and restores it at start-up.
 
 It is a `Callback` placed first, so reporters running at the same event see the save.
-Saving: every rank writes its RNG state; rank 0 snapshots the `State` (copied to CPU on the
-training thread, the only part that blocks training), then writes it, commits the manifest
-and prunes old checkpoints in the background. Loading happens between INIT and AFTER_LOAD:
+Saving: rank 0 snapshots the `State` and the RNG states (copied to CPU on the training
+thread, the only part that blocks training), then writes both, commits the manifest and
+prunes old checkpoints in the background. With several ranks, every rank writes its own RNG
+file on the training thread first, so that its entry reaches rank 0 before the commit. Loading happens between INIT and AFTER_LOAD:
 ``autoresume`` takes the newest valid checkpoint of ``save_folder``; otherwise ``load_from``.
 """
 from __future__ import annotations
@@ -18,8 +19,8 @@ import torch
 
 from raytrain_events.checkpoint.config import CheckpointConfig
 from raytrain_events.checkpoint.format import (
-    MANIFEST, CheckpointInfo, FileEntry, LoadedCheckpoint, commit_checkpoint, new_checkpoint_url,
-    read_checkpoint, rng_file_name, write_checkpoint_file,
+    CheckpointInfo, CheckpointNotCommittedError, FileEntry, LoadedCheckpoint, commit_checkpoint,
+    new_checkpoint_url, read_checkpoint, read_checkpoint_files, rng_file_name, write_checkpoint_file,
 )
 from raytrain_events.checkpoint.preemption import save_on_sigterm
 from raytrain_events.checkpoint.rng import capture_rng_state, restore_rng_state
@@ -29,7 +30,6 @@ from raytrain_events.core.event import Event
 from raytrain_events.core.interval import make_interval
 from raytrain_events.core.time import TimeUnit
 from raytrain_events.storage.errors import RunLockedError
-from raytrain_events.storage.fs import join, resolve
 from raytrain_events.storage.locks import acquire_lock, release_lock
 
 __all__ = ["Checkpointer", "SavedCheckpoint", "attach_checkpointing", "STATE_FILE"]
@@ -118,10 +118,10 @@ class Checkpointer(Callback):
         return load_latest_valid(folder, storage_options=self.options, files=[STATE_FILE], map_location="cpu")
 
     def _read(self, url: str) -> Optional[LoadedCheckpoint]:
-        fs, path = resolve(url, self.options)
-        if fs.exists(join(path, MANIFEST)):
+        try:  # a checkpoint directory, else a folder of them
             return read_checkpoint(url, storage_options=self.options, files=[STATE_FILE], map_location="cpu")
-        return self._read_latest(url)
+        except CheckpointNotCommittedError:
+            return self._read_latest(url)
 
     def _apply(self, loaded: LoadedCheckpoint) -> None:
         trainer, state = self.trainer, self.trainer.state
@@ -132,7 +132,7 @@ class Checkpointer(Callback):
         state.load_state_dict(saved, strict=self.config.load_strict)
         rng_name = rng_file_name(state.rank)
         if any(f.name == rng_name for f in loaded.info.files):
-            rng = read_checkpoint(loaded.info.url, storage_options=self.options, files=[rng_name]).files[rng_name]
+            rng = read_checkpoint_files(loaded.info, storage_options=self.options, files=[rng_name]).files[rng_name]
             restore_rng_state(rng["now"])
             if state.timestamp.batch_in_epoch.value > 0:
                 state.resume_rng = (rng["epoch_start"], rng["now"])
@@ -184,12 +184,11 @@ class Checkpointer(Callback):
         url = new_checkpoint_url(self.folder, timestamp=timestamp)
         if dist.is_distributed:
             url = dist.all_gather_object(url)[0]  # rank 0 names the directory
-        entries: List[FileEntry] = [
-            write_checkpoint_file(url, rng_file_name(state.rank), {"now": capture_rng_state(), "epoch_start": self._epoch_start_rng},
-                                  storage_options=self.options)
-        ]
-        if dist.is_distributed:
-            entries = dist.all_gather_object(entries[0])
+        rng: Optional[Dict[str, Any]] = {"now": capture_rng_state(), "epoch_start": self._epoch_start_rng}  # fresh copies
+        entries: List[FileEntry] = []
+        if dist.is_distributed:  # every entry must reach rank 0 before its commit
+            entries = dist.all_gather_object(write_checkpoint_file(url, rng_file_name(state.rank), rng, storage_options=self.options))
+            rng = None
         future = None
         if state.rank == 0:
             payload = state.state_dict()
@@ -201,7 +200,7 @@ class Checkpointer(Callback):
                 "data_position": {"epoch": timestamp["epoch"], "batch_in_epoch": state.timestamp.batch_in_epoch.value},
                 "checkpoint_config": self.config.to_dict(),
             }
-            job = lambda: self._write(url, snapshot, entries, timestamp, dist.world_size, metadata)  # noqa: E731
+            job = lambda: self._write(url, snapshot, rng, entries, timestamp, dist.world_size, metadata)  # noqa: E731
             if self._writer is not None:
                 future = self._writer.submit(job)
             else:
@@ -214,11 +213,17 @@ class Checkpointer(Callback):
         state.pending_checkpoint = saved
         return saved
 
-    def _write(self, url: str, snapshot: Dict[str, Any], entries: List[FileEntry], timestamp: Dict[str, int],
-               world_size: int, metadata: Dict[str, Any]) -> CheckpointInfo:
-        entries = list(entries) + [write_checkpoint_file(url, STATE_FILE, snapshot, storage_options=self.options)]
-        info = commit_checkpoint(url, entries=entries, timestamp=timestamp, world_size=world_size,
-                                 metadata=metadata, storage_options=self.options)
+    def _write(self, url: str, snapshot: Dict[str, Any], rng: Optional[Dict[str, Any]], entries: List[FileEntry],
+               timestamp: Dict[str, int], world_size: int, metadata: Dict[str, Any]) -> CheckpointInfo:
+        """Upload this process's RNG file (``rng``; None when the ranks wrote theirs) and the state; commit.
+
+        ``entries``: the ranks' RNG files gathered by ``save``, written by other processes, so the
+        commit checks that they are there; the files uploaded here need no such check.
+        """
+        own = [] if rng is None else [write_checkpoint_file(url, rng_file_name(0), rng, storage_options=self.options)]
+        own.append(write_checkpoint_file(url, STATE_FILE, snapshot, storage_options=self.options))
+        info = commit_checkpoint(url, entries=list(entries) + own, timestamp=timestamp, world_size=world_size,
+                                 metadata=metadata, storage_options=self.options, verify_files=bool(entries))
         if self.config.keep is not None:
             prune_checkpoints(self.folder, keep=self.config.keep, storage_options=self.options)
         try:  # ml-starter's marker: this run dir holds a checkpoint

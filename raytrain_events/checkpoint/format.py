@@ -22,6 +22,22 @@ Several ranks: rank 0 picks the URL (``new_checkpoint_url``) and broadcasts it; 
 uploads its own ``rng_file_name(r)`` with ``write_checkpoint_file`` and sends the returned
 ``FileEntry`` to rank 0, which uploads its files and calls ``commit_checkpoint`` with all
 entries. ``write_checkpoint`` does all of that for one process.
+
+I/O paths (the bytes on storage are the same either way):
+
+* Save, local: ``torch.save`` streams into the temp file, hashed and counted on the way (no
+  in-memory copy, no second pass), then fsync + rename (``local_atomic_writer``). Object
+  stores: ``torch.save`` to bytes, one sha256 pass, one PUT.
+* Load, local files >= 1 MiB on POSIX: size check, sha256 over an ``mmap``, then
+  ``torch.load(path, mmap=True)``: no read copy; tensors are copy-on-write (``MAP_PRIVATE``)
+  views of the page cache, copied when ``load_state_dict`` copies from them or written to.
+  Sound because checkpoint files are never rewritten in place (temp file + rename, a new
+  directory per checkpoint), and deleting a mapped file (pruning) leaves the mapping valid on
+  POSIX. Windows cannot delete a mapped file, so there (and for small files) the file is read
+  into memory, as on object stores. Caveat: on a network filesystem a deletion by ANOTHER host
+  can make not-yet-read pages unreadable; the Trainer copies weights out at once and the first
+  step rewrites optimizer state, so only state a run never touches stays mapped.
+* Load, object stores: one GET per file (manifest sizes let s3fs skip its HEAD).
 """
 from __future__ import annotations
 
@@ -29,6 +45,8 @@ import dataclasses
 import hashlib
 import io
 import json
+import mmap
+import os
 import pickle
 import re
 import sys
@@ -40,12 +58,15 @@ from typing import Any
 import torch
 
 from raytrain_events.storage.fs import (
-    basename, join, list_dir, read_bytes, resolve, to_url, write_bytes_atomic,
-    write_bytes_create_only,
+    LocalFileSystem, basename, join, list_dir, local_atomic_writer, read_bytes, resolve,
+    storage_errors, to_url, write_bytes_atomic, write_bytes_create_only,
 )
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+_MANIFEST_SIZE_HINT = 2**20  # manifests are a few KB: fetched with one plain GET
+_MMAP_MIN_SIZE = 2**20  # smaller local files are read into memory: a mapping costs more there
+_MMAP_LOAD = os.name == "posix"  # Windows cannot delete a mapped file (prune would fail)
 CHECKPOINT_NAME_RE = re.compile(r"^ckpt-(\d{12})-([0-9a-f]{8})$")
 _FILE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -165,27 +186,35 @@ def write_checkpoint_file(ckpt_url: str, file_name: str, obj: Any, *,
                           storage_options: dict[str, Any] | None = None) -> FileEntry:
     """Serialize ``obj`` and upload it atomically as ``<ckpt_url>/<file_name>``."""
     _check_file_name(file_name)
-    data = serialize(obj)
     fs, path = resolve(join(ckpt_url, file_name), storage_options)
-    _upload(fs, path, data)
-    return FileEntry(name=file_name, size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    payload = _Payload(obj)
+    _upload(fs, path, payload)
+    return FileEntry(name=file_name, size=payload.size, sha256=payload.sha256)
 
 
 def commit_checkpoint(ckpt_url: str, *, entries: Iterable[FileEntry], timestamp: Mapping[str, int],
                       world_size: int, metadata: Mapping[str, Any] | None = None,
-                      storage_options: dict[str, Any] | None = None) -> CheckpointInfo:
-    """Write the manifest (create-only) after checking every listed file is present."""
+                      storage_options: dict[str, Any] | None = None,
+                      verify_files: bool = True) -> CheckpointInfo:
+    """Write the manifest (create-only), after checking every listed file is present.
+
+    ``verify_files=False`` skips that check (one directory listing: a LIST request on object
+    stores): for callers that uploaded every entry themselves and hold the ``FileEntry`` that
+    ``write_checkpoint_file`` returned. Keep it on when entries come from other processes
+    (other ranks): it catches a rank that wrote somewhere else, e.g. to a node-local path.
+    """
     entries = tuple(sorted(entries, key=lambda e: e.name))
     fs, path = resolve(ckpt_url, storage_options)
     url = to_url(fs, path)
-    sizes = {basename(e["name"]): e.get("size") for e in list_dir(fs, path)}
-    for entry in entries:
-        if sizes.get(entry.name) != entry.size:
-            raise CheckpointError(
-                f"Cannot commit checkpoint {url!r}: file {entry.name!r} is missing or has size "
-                f"{sizes.get(entry.name)} instead of {entry.size}. Fix: make sure every rank's "
-                "write_checkpoint_file finished before commit_checkpoint."
-            )
+    if verify_files:
+        sizes = {basename(e["name"]): e.get("size") for e in list_dir(fs, path)}
+        for entry in entries:
+            if sizes.get(entry.name) != entry.size:
+                raise CheckpointError(
+                    f"Cannot commit checkpoint {url!r}: file {entry.name!r} is missing or has "
+                    f"size {sizes.get(entry.name)} instead of {entry.size}. Fix: make sure every "
+                    "rank's write_checkpoint_file finished before commit_checkpoint."
+                )
     info = CheckpointInfo(url=url, name=basename(path), format_version=FORMAT_VERSION,
                           library_version=_library_version(), created=time.time(),
                           timestamp=_check_timestamp(timestamp), world_size=int(world_size),
@@ -210,7 +239,8 @@ def write_checkpoint(root_url: str, *, files: Mapping[str, Any], timestamp: Mapp
     entries = [write_checkpoint_file(url, n, obj, storage_options=storage_options)
                for n, obj in files.items()]
     return commit_checkpoint(url, entries=entries, timestamp=timestamp, world_size=world_size,
-                             metadata=metadata, storage_options=storage_options)
+                             metadata=metadata, storage_options=storage_options,
+                             verify_files=False)  # every entry was uploaded just above
 
 
 def read_manifest(ckpt_url: str, *,
@@ -218,7 +248,7 @@ def read_manifest(ckpt_url: str, *,
     """The manifest of a committed checkpoint (CheckpointNotCommittedError if there is none)."""
     fs, path = resolve(ckpt_url, storage_options)
     try:
-        raw = read_bytes(fs, join(path, MANIFEST))
+        raw = read_bytes(fs, join(path, MANIFEST), size_hint=_MANIFEST_SIZE_HINT)
     except FileNotFoundError:
         raise CheckpointNotCommittedError(
             f"{to_url(fs, path)!r} has no {MANIFEST}: the checkpoint was never committed (its "
@@ -233,33 +263,62 @@ def read_checkpoint(ckpt_url: str, *, storage_options: dict[str, Any] | None = N
                     map_location: Any = "cpu") -> LoadedCheckpoint:
     """Verify and load a committed checkpoint (all files, or only those named in ``files``)."""
     info = read_manifest(ckpt_url, storage_options=storage_options)
+    return read_checkpoint_files(info, storage_options=storage_options, files=files,
+                                 map_location=map_location)
+
+
+def read_checkpoint_files(info: CheckpointInfo, *, storage_options: dict[str, Any] | None = None,
+                          files: Iterable[str] | None = None,
+                          map_location: Any = "cpu") -> LoadedCheckpoint:
+    """``read_checkpoint`` for a manifest already read (``read_manifest``, ``list_checkpoints``).
+
+    If the checkpoint was deleted since, its missing files raise CheckpointCorruptError.
+    """
     by_name = {f.name: f for f in info.files}
     wanted = list(by_name) if files is None else list(files)
     unknown = [n for n in wanted if n not in by_name]
     if unknown:
         raise KeyError(f"Checkpoint {info.url!r} has no file(s) {unknown}; it has "
                        f"{sorted(by_name)}. Fix: ask for one of those.")
-    fs, path = resolve(ckpt_url, storage_options)
+    fs, path = resolve(info.url, storage_options)
     loaded = {name: _load_verified(fs, join(path, name), info.url, by_name[name], map_location)
               for name in wanted}
     return LoadedCheckpoint(info=info, files=loaded)
 
 
 def _load_verified(fs: Any, path: str, url: str, entry: FileEntry, map_location: Any) -> Any:
+    mapped = _MMAP_LOAD and isinstance(fs, LocalFileSystem) and entry.size >= _MMAP_MIN_SIZE
     try:
-        data = read_bytes(fs, path)
+        if mapped:  # see the module docstring
+            with storage_errors("reading", path), open(path, "rb") as f:
+                size, digest, is_zip = os.fstat(f.fileno()).st_size, None, False
+                if size == entry.size:  # the size check comes before mapping or hashing
+                    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                        digest, is_zip = hashlib.sha256(m).hexdigest(), m[:4] == b"PK\x03\x04"
+        else:
+            data = read_bytes(fs, path, size_hint=entry.size)
+            size = len(data)
+            digest = hashlib.sha256(data).hexdigest() if size == entry.size else None
     except FileNotFoundError:
         raise CheckpointCorruptError(f"File {entry.name!r} listed in the manifest of {url!r} is "
                                      "missing. Fix: load an older checkpoint.") from None
-    digest = hashlib.sha256(data).hexdigest()
-    if len(data) != entry.size or digest != entry.sha256:
+    if size != entry.size or digest != entry.sha256:
+        got = f"{size} bytes" + (f" with sha256 {digest}" if digest else "")
         raise CheckpointCorruptError(
             f"File {entry.name!r} of checkpoint {url!r} is corrupt: expected {entry.size} bytes "
-            f"with sha256 {entry.sha256}, got {len(data)} bytes with sha256 {digest}. Fix: load "
-            "an older checkpoint (load_latest_valid does this) and delete this one."
+            f"with sha256 {entry.sha256}, got {got}. Fix: load an older checkpoint "
+            "(load_latest_valid does this) and delete this one."
         )
+    if not mapped:
+        return _torch_load(io.BytesIO(data), url, entry, map_location)
+    if not is_zip:  # not torch.save's zip format (ours always is): mmap=True would refuse it
+        return _torch_load(io.BytesIO(read_bytes(fs, path)), url, entry, map_location)
+    return _torch_load(path, url, entry, map_location, mmap=True)
+
+
+def _torch_load(f: Any, url: str, entry: FileEntry, map_location: Any, **kw: Any) -> Any:
     try:
-        return torch.load(io.BytesIO(data), weights_only=True, map_location=map_location)
+        return torch.load(f, weights_only=True, map_location=map_location, **kw)
     except pickle.UnpicklingError as e:
         raise UnsafeCheckpointError(
             f"Refused to load {entry.name!r} from checkpoint {url!r}: it asks torch's "
@@ -272,9 +331,31 @@ def _load_verified(fs: Any, path: str, url: str, entry: FileEntry, map_location:
         ) from e
 
 
-def _upload(fs: Any, path: str, data: bytes) -> None:
-    """One payload upload (a separate function so tests can inject failures here)."""
+@dataclasses.dataclass
+class _Payload:
+    """One file to upload: ``obj`` goes in; ``_upload`` fills in ``size`` and ``sha256``."""
+
+    obj: Any
+    size: int = -1
+    sha256: str = ""
+
+
+def _upload(fs: Any, path: str, payload: _Payload) -> None:
+    """Serialize and upload one payload atomically, filling in its size and sha256 (a separate
+    function so tests can inject failures here). Local: streamed, see the module docstring."""
+    if isinstance(fs, LocalFileSystem):
+        with local_atomic_writer(path, sha256=True) as f:
+            try:
+                torch.save(payload.obj, f)
+            except Exception:
+                if f.error is not None:  # torch's zip writer replaced it with its own error
+                    raise f.error from f.error.__cause__
+                raise
+        payload.size, payload.sha256 = f.size, f.hexdigest()
+        return
+    data = serialize(payload.obj)
     write_bytes_atomic(fs, path, data)
+    payload.size, payload.sha256 = len(data), hashlib.sha256(data).hexdigest()
 
 
 def _reason(err: Exception) -> str:

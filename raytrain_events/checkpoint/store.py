@@ -28,12 +28,10 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from raytrain_events.checkpoint.format import (
-    CHECKPOINT_NAME_RE, MANIFEST, CheckpointCorruptError, CheckpointInfo,
-    CheckpointNotCommittedError, LoadedCheckpoint, read_checkpoint,
+    _MANIFEST_SIZE_HINT, CHECKPOINT_NAME_RE, MANIFEST, CheckpointCorruptError, CheckpointInfo,
+    CheckpointNotCommittedError, LoadedCheckpoint, read_checkpoint_files,
 )
-from raytrain_events.storage.fs import (
-    basename, delete, join, list_dir, resolve, storage_errors, to_url,
-)
+from raytrain_events.storage.fs import basename, delete, join, list_dir, read_many, resolve, to_url
 
 logger = logging.getLogger(__name__)
 
@@ -94,9 +92,9 @@ def load_latest_valid(root_url: str, *, storage_options: dict[str, Any] | None =
     """
     names = None if files is None else list(files)
     for info in reversed(list_checkpoints(root_url, storage_options=storage_options)):
-        try:
-            return read_checkpoint(info.url, storage_options=storage_options, files=names,
-                                   map_location=map_location)
+        try:  # the listing read the manifest already: not again
+            return read_checkpoint_files(info, storage_options=storage_options, files=names,
+                                         map_location=map_location)
         except (CheckpointCorruptError, CheckpointNotCommittedError) as e:
             logger.warning("Skipping checkpoint %s: %s", info.url, e)
     return None
@@ -108,13 +106,11 @@ def _scan(root_url: str,
     fs, root = resolve(root_url, storage_options)
     dirs = [e["name"] for e in list_dir(fs, root) if e.get("type") == "directory"]
     manifests = [join(d, MANIFEST) for d in dirs]
-    with storage_errors("reading manifests", to_url(fs, root)):
-        raw = fs.cat(manifests, on_error="omit") if manifests else {}
-    raw = {fs._strip_protocol(k): v for k, v in raw.items()}
+    raw = read_many(fs, manifests, size_hint=_MANIFEST_SIZE_HINT)  # one GET each, concurrent
     committed: list[CheckpointInfo] = []
     uncommitted: list[str] = []
     for d, m in zip(dirs, manifests):
-        data = raw.get(fs._strip_protocol(m))
+        data = raw.get(m)
         if data is None:
             uncommitted.append(to_url(fs, d))
             continue

@@ -4,9 +4,11 @@ Everything above this module (locks, run dirs, checkpoints) talks to storage onl
 these functions, so the atomicity rules live in one place:
 
 * ``write_bytes_atomic``: readers see the old object or the whole new one, never a prefix.
-  Local files go through a temp file in the same directory + ``os.replace``; object stores
-  get one ``pipe_file`` (a single PUT is atomic). We never use ``with fs.open(p, "wb")``
+  Local files go through a temp file in the same directory + fsync + ``os.replace``; object
+  stores get one ``pipe_file`` (a single PUT is atomic). We never use ``with fs.open(p, "wb")``
   for this: fsspec commits that object on exit even when the block raised.
+  ``local_atomic_writer`` is the same for a local file written piece by piece (a streamed
+  ``torch.save``), so the whole content never has to sit in memory first.
 * ``write_bytes_create_only``: the write fails with ``FileExistsError`` if the object
   already exists, decided by the backend itself (not check-then-write) where it can:
   local ``os.link`` (``O_EXCL`` fallback), memory ``dict.setdefault``, S3 ``If-None-Match: *``
@@ -23,11 +25,14 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import hashlib
 import inspect
 import os
+import sys
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import fsspec
@@ -106,17 +111,39 @@ def storage_errors(what: str, url: str) -> Iterator[None]:
     except _PASS_THROUGH:
         raise
     except Exception as e:
-        raise StorageError(
-            f"Storage failed while {what} at {url!r}: {type(e).__name__}: {e}. Fix: check that "
-            "the URL is right, the endpoint is reachable and the credentials allow this.",
-            url=url,
-        ) from e
+        raise _storage_error(what, url, e) from e
 
 
-def read_bytes(fs: Any, path: str) -> bytes:
-    """Read a whole object. FileNotFoundError if it does not exist."""
+def _storage_error(what: str, url: str, e: Exception) -> StorageError:
+    return StorageError(
+        f"Storage failed while {what} at {url!r}: {type(e).__name__}: {e}. Fix: check that "
+        "the URL is right, the endpoint is reachable and the credentials allow this.",
+        url=url,
+    )
+
+
+def read_bytes(fs: Any, path: str, *, size_hint: int | None = None) -> bytes:
+    """Read a whole object. FileNotFoundError if it does not exist.
+
+    ``size_hint``: an upper bound of the object's size when the caller knows one (a manifest
+    entry; a small file such as a manifest). It only changes how the object is fetched: s3fs
+    otherwise sends a HEAD before the GET, to decide whether to split the download into
+    concurrent ranged GETs, which it only does above ``fs.default_block_size`` (50 MiB).
+    """
     with storage_errors("reading", to_url(fs, path)):
-        return fs.cat_file(path)
+        return fs.cat_file(path, **_cat_kwargs(fs, size_hint))
+
+
+def read_many(fs: Any, paths: Sequence[str], *, size_hint: int | None = None) -> dict[str, bytes]:
+    """Read several whole objects (concurrently on object stores): ``{path: bytes}`` for the
+    ``paths`` as given; objects that are missing or fail to read are left out.
+    ``size_hint`` bounds every object's size, as for ``read_bytes``."""
+    if not paths:
+        return {}
+    with storage_errors("reading", to_url(fs, paths[0])):
+        raw = fs.cat(list(paths), on_error="omit", **_cat_kwargs(fs, size_hint))
+    got = {fs._strip_protocol(k): v for k, v in raw.items()}
+    return {p: got[fs._strip_protocol(p)] for p in paths if fs._strip_protocol(p) in got}
 
 
 def write_bytes_atomic(fs: Any, path: str, data: bytes) -> None:
@@ -124,12 +151,85 @@ def write_bytes_atomic(fs: Any, path: str, data: bytes) -> None:
 
     Object stores: one ``pipe_file``; above ~100 MB s3fs switches to a multipart upload, which
     only becomes visible on CompleteMultipartUpload and is aborted on error.
+
+    No ``ChecksumSHA256`` is passed to S3 even when the caller has the digest: over HTTPS
+    botocore would then SHA256-sign the whole body for SigV4 instead of sending an unsigned
+    CRC32 trailer, i.e. a slower pass than the CRC32 it saves (only over plain HTTP, where the
+    body is signed anyway, is it a saving).
     """
     with storage_errors("writing", to_url(fs, path)):
         if isinstance(fs, LocalFileSystem):
             _local_replace(path, data)
         else:
             fs.pipe_file(path, bytes(data))
+
+
+class AtomicLocalFile:
+    """What ``local_atomic_writer`` yields: write-only, into a temp file beside the target.
+
+    Counts the bytes (``size``) and, if asked, hashes them on the way (``hexdigest()``), so a
+    streamed writer (``torch.save``) needs no second pass. An exception raised by ``write`` is
+    also kept in ``error``: callers such as torch's zip writer replace it with their own.
+    On Linux it asks the kernel to start writing each further 8 MiB to disk while the caller
+    produces the rest (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, a hint: it neither waits nor
+    guarantees anything), so the closing fsync has less left to wait for.
+    """
+
+    def __init__(self, f: Any, url: str, sha256: bool) -> None:
+        self._f, self._url = f, url
+        self._sha = hashlib.sha256() if sha256 else None
+        self.size = 0
+        self.error: BaseException | None = None
+        self._kicked = 0
+
+    def write(self, data: Any) -> int:
+        try:
+            self._f.write(data)
+        except OSError as e:  # e.g. disk full
+            self.error = _storage_error("writing", self._url, e)
+            raise self.error from e
+        if self._sha is not None:
+            self._sha.update(data)
+        n = memoryview(data).nbytes
+        self.size += n
+        if self.size - self._kicked >= _WRITEBACK_BYTES:
+            _start_writeback(self._f.fileno(), self._kicked, self.size - self._kicked)
+            self._kicked = self.size
+        return n
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def hexdigest(self) -> str:
+        assert self._sha is not None, "local_atomic_writer(..., sha256=True) computes it"
+        return self._sha.hexdigest()
+
+
+@contextlib.contextmanager
+def local_atomic_writer(path: str, *, sha256: bool = False) -> Iterator[AtomicLocalFile]:
+    """Write a local file so that ``path`` holds the old content or the complete new one.
+
+    Yields a file to ``write`` into (a temp file in the same directory). When the block ends
+    normally: flush, fsync, ``os.replace`` onto ``path``. When it raises: the temp file is
+    deleted and ``path`` is untouched. Errors of the file operations are StorageError.
+    """
+    with storage_errors("writing", path):
+        directory = os.path.dirname(path) or "."
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.",
+                                   suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield AtomicLocalFile(f, path, sha256)
+            with storage_errors("writing", path):
+                f.flush()
+                os.fsync(f.fileno())
+        with storage_errors("writing", path):
+            os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 def write_bytes_create_only(fs: Any, path: str, data: bytes) -> None:
@@ -187,25 +287,42 @@ def _is_s3(fs: Any) -> bool:
     return "s3" in protocols
 
 
+def _cat_kwargs(fs: Any, size_hint: int | None) -> dict[str, Any]:
+    """s3fs: one plain GET (no HEAD first) when the object is known to be below the split size.
+    (s3fs before the concurrent ``cat_file`` sends no HEAD and takes no ``max_concurrency``.)"""
+    if (size_hint is not None and _is_s3(fs) and size_hint <= getattr(fs, "default_block_size", 0)
+            and "max_concurrency" in inspect.signature(getattr(fs, "_cat_file", fs.cat_file)).parameters):
+        return {"max_concurrency": 1}
+    return {}
+
+
 def _has_create_mode(fs: Any) -> bool:
     """Whether this s3fs takes ``mode="create"``; older ones get the read-back fallback."""
     return "mode" in inspect.signature(getattr(fs, "_pipe_file", fs.pipe_file)).parameters
 
 
 def _local_replace(path: str, data: bytes) -> None:
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    with local_atomic_writer(path) as f:
+        f.write(data)
+
+
+_WRITEBACK_BYTES = 8 * 2**20
+_sync_file_range: Any = None  # None: not looked up yet; False: unavailable
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Linux: start (not wait for) writing a file range to disk; elsewhere nothing."""
+    global _sync_file_range
+    if _sync_file_range is None:
+        _sync_file_range = False
+        if sys.platform.startswith("linux"):
+            with contextlib.suppress(OSError, AttributeError):
+                fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+                fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+                fn.restype = ctypes.c_int
+                _sync_file_range = fn
+    if _sync_file_range:
+        _sync_file_range(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE; errors ignored: a hint
 
 
 def _local_create_only(path: str, data: bytes) -> None:

@@ -172,3 +172,30 @@ def test_resume_with_a_different_config_prints_the_diff(tmp_path, capsys):
             checkpoint=CheckpointConfig(save_folder=str(tmp_path / "d/checkpoints"), autoresume=True))._checkpointer.close()
     out = capsys.readouterr().out
     assert "different config" in out and "lr: 0.1" in out and "lr: 0.05" in out
+
+
+def test_single_process_async_save_writes_every_file_off_the_training_thread(tmp_path, monkeypatch):
+    import threading
+
+    from raytrain_events.checkpoint import checkpointer as ckmod
+
+    real, writers = ckpt_format.write_checkpoint_file, []
+
+    def spy(ckpt_url, file_name, obj, **kw):
+        writers.append((file_name, threading.current_thread() is threading.main_thread()))
+        return real(ckpt_url, file_name, obj, **kw)
+
+    def no_listing(*a, **k):
+        raise AssertionError("commit listed files that this process uploaded itself")
+
+    monkeypatch.setattr(ckmod, "write_checkpoint_file", spy)
+    monkeypatch.setattr(ckpt_format, "list_dir", no_listing)
+    folder = str(tmp_path / "t/checkpoints")
+    trainer = make_trainer(folder, {}, save_interval="1ep", async_save=True)
+    trainer.fit()
+    trainer._checkpointer.close()
+    assert {name for name, _ in writers} == {STATE_FILE, ckpt_format.rng_file_name(0)}
+    assert not any(on_main for _, on_main in writers), writers  # the training thread only copies
+    assert [i.batch for i in list_checkpoints(folder)] == [12, 24, 36]
+    resumed = make_trainer(folder, {}, autoresume=True)  # the RNG file was committed and loads
+    assert resumed.state.timestamp.get_value("ba") == 36

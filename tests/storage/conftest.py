@@ -10,6 +10,10 @@ It also serializes moto's PutObject handler: moto checks ``If-None-Match: *`` an
 the object as two steps on a threaded server, so two racing conditional PUTs can both succeed
 there (seen here: 2 winners of 10 under load). Real S3 decides a conditional PUT atomically;
 the lock makes the fake match the service whose contract our create-only locks rely on.
+
+The bucket has its own name: moto keeps its buckets in process-wide state, so when this folder
+and another one (``tests/checkpoint``, which uses the shared fixture) run in one session, the
+second server would otherwise fail to create the already existing ``test-bucket``.
 """
 from __future__ import annotations
 
@@ -54,8 +58,8 @@ def s3_server():
     }
     maker = s3fs.S3FileSystem(key="testing", secret="testing", skip_instance_cache=True,
                               client_kwargs={"endpoint_url": endpoint})
-    maker.mkdir("test-bucket")
-    yield {"endpoint": endpoint, "bucket": "test-bucket", "storage_options": options}
+    maker.mkdir("storage-test-bucket")
+    yield {"endpoint": endpoint, "bucket": "storage-test-bucket", "storage_options": options}
     server.stop()
     patcher.undo()
 
