@@ -30,6 +30,10 @@ _LAZY = {
 
 
 def __getattr__(name: str):
+    if name == "tune":  # the sweep API module, imported on first use (it imports Ray Tune)
+        import importlib
+
+        return importlib.import_module("raytrain_events.tune")
     if name in _LAZY:
         import importlib
 

@@ -48,6 +48,15 @@ goes to ``<storage_path>/<name>/<trial folder>/train/`` (its checkpoints, with a
 `raytrain_events.checkpoint.CheckpointConfig` in ``trainer["checkpoint"]``, under ``.../train/checkpoints``),
 and a trial that finished writes ``<trial folder>/raytrain_trial.json`` with its history.
 
+Stopped trials
+--------------
+When Tune stops a trial early (a scheduler's STOP), it terminates the trial's actor, and with it
+the trial's Train controller and workers; the placement group Train reserved for the workers
+outlives them (it belongs to the job), and Ray Train's own cleaner for it needs the dashboard's
+state API. So every worker group registers its placement group with the sweep, and the sweep
+removes a trial's groups a few seconds after the trial ended -- otherwise each stopped trial
+would keep its workers' CPUs/GPUs and later trials could wait for them forever.
+
 Resuming
 --------
 ``sweep(..., resume=True)`` with the same ``storage_path`` and ``name`` restores the sweep
@@ -60,6 +69,7 @@ right after a trial finished may not know it finished; such a trial finds its
 from __future__ import annotations
 
 import datetime
+import functools
 import inspect
 import json
 import logging
@@ -67,7 +77,9 @@ import math
 import numbers
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from ray.tune import Callback
 
 __all__ = [
     "sweep",
@@ -139,6 +151,11 @@ def _validate_set(algorithms: Any) -> List[Any]:
 
     specs = _normalize_set(algorithms)
     for spec in specs:
+        if isinstance(spec, (list, tuple)):
+            raise TypeError(
+                f"An algorithm set holds a list ({spec!r}): to sweep over several sets, pass "
+                "algorithm_sets_grid([set1, set2, ...]) or tune.choice([set1, set2, ...]) as param_space['algorithms']."
+            )
         try:
             build_algorithm(spec)
         except (TypeError, ValueError) as exc:
@@ -191,6 +208,139 @@ class _TrialSetup:
     trainer: Dict[str, Any]
     experiment_url: str
     storage_options: Dict[str, Any]
+    registry: Any = None  # the sweep's _PlacementGroups actor
+
+
+# -- Releasing a stopped trial's Train workers ---------------------------------------------------
+#
+# Tune stops a trial (a scheduler's STOP, a stopper, a time budget) by terminating the trial's
+# actor. Its Train controller, an actor the trial owns, dies with it, and Train's placement group
+# for the workers -- scoped to the job, not to the controller -- stays reserved. Ray Train's own
+# PlacementGroupCleaner releases it through the state API, which needs the dashboard and fails when
+# several Ray instances run on one machine; then every stopped trial leaks its workers' CPUs/GPUs
+# and later trials wait forever for resources. So rank 0 of every worker group registers its
+# placement group with the sweep, and a Tune callback removes a finished trial's groups shortly
+# after Tune stopped it (removing a group Train already removed is a no-op).
+
+
+class _PlacementGroups:
+    """Ray actor (one per sweep): the worker placement groups of each trial's Train runs."""
+
+    def __init__(self) -> None:
+        self.groups: Dict[str, List[Any]] = {}
+
+    def add(self, trial_id: str, group: Any) -> None:
+        groups = self.groups.setdefault(trial_id, [])
+        if all(g.id != group.id for g in groups):
+            groups.append(group)
+
+    def pop(self, trial_id: str) -> List[Any]:
+        return self.groups.pop(trial_id, [])
+
+    def pop_all(self) -> List[Any]:
+        groups = [g for gs in self.groups.values() for g in gs]
+        self.groups.clear()
+        return groups
+
+
+def _registry_name(experiment_url: str) -> str:
+    import hashlib
+
+    return "raytrain_events.tune.placement_groups." + hashlib.sha1(experiment_url.encode()).hexdigest()[:16]
+
+
+def _start_registry(experiment_url: str) -> Any:
+    import ray
+
+    actor = ray.remote(num_cpus=0)(_PlacementGroups)
+    return actor.options(name=_registry_name(experiment_url), get_if_exists=True).remote()
+
+
+def _register_placement_group(registry: Any, trial_id: str) -> None:
+    """On a Train worker: rank 0 registers the worker group's placement group with the sweep."""
+    import ray
+    import ray.train
+
+    if registry is None or ray.train.get_context().get_world_rank() != 0:
+        return
+    group = ray.util.get_current_placement_group()
+    if group is not None:
+        ray.get(registry.add.remote(trial_id, group), timeout=60)
+
+
+def _trial_callbacks(user_callbacks: Any, registry: Any, trial_id: str, config: Dict[str, Any]) -> List[Any]:
+    """The trainer's callbacks factory in a sweep: the user's callbacks, after registering the group."""
+    from raytrain_events.ray.spec import _call
+
+    _register_placement_group(registry, trial_id)
+    return list(_call(user_callbacks, config) if callable(user_callbacks) else (user_callbacks or ()))
+
+
+def _release_placement_groups(groups: Sequence[Any]) -> None:
+    from ray.util import remove_placement_group
+
+    for group in groups:
+        try:
+            remove_placement_group(group)
+        except Exception:  # already removed, or the cluster is going away
+            logger.debug("Could not remove placement group %s", getattr(group, "id", group), exc_info=True)
+
+
+class _ReleaseTrainWorkers(Callback):
+    """Tune callback: remove a finished trial's Train placement groups ``grace_s`` after it ended.
+
+    The grace lets Tune terminate the trial actor first, so its Train run is not torn down under it.
+    """
+
+    def __init__(self, experiment_url: str, grace_s: float = 3.0) -> None:
+        self.experiment_url = experiment_url
+        self.grace_s = grace_s
+        self.pending: List[Tuple[float, List[Any]]] = []
+
+    def __getstate__(self) -> Dict[str, Any]:  # pickled into the sweep's tuner.pkl: nothing pending
+        return {"experiment_url": self.experiment_url, "grace_s": self.grace_s, "pending": []}
+
+    def _registry(self) -> Any:
+        import ray
+
+        try:
+            return ray.get_actor(_registry_name(self.experiment_url))
+        except ValueError:
+            return None
+
+    def _trial_ended(self, trial: Any) -> None:
+        import time
+
+        import ray
+
+        registry = self._registry()
+        if registry is not None:  # take the groups now: a retried trial registers new ones
+            self.pending.append((time.monotonic(), ray.get(registry.pop.remote(trial.trial_id))))
+
+    def on_trial_complete(self, iteration, trials, trial, **info):
+        self._trial_ended(trial)
+
+    def on_trial_error(self, iteration, trials, trial, **info):
+        self._trial_ended(trial)
+
+    def on_trial_recover(self, iteration, trials, trial, **info):
+        self._trial_ended(trial)
+
+    def on_step_begin(self, iteration, trials, **info):
+        import time
+
+        if not self.pending:
+            return
+        now = time.monotonic()
+        due = [groups for ended, groups in self.pending if now - ended >= self.grace_s]
+        self.pending = [(ended, groups) for ended, groups in self.pending if now - ended < self.grace_s]
+        for groups in due:
+            _release_placement_groups(groups)
+
+    def on_experiment_end(self, trials, **info):
+        for _, groups in self.pending:
+            _release_placement_groups(groups)
+        self.pending = []
 
 
 def _trainer_parameters() -> List[str]:
@@ -236,7 +386,9 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, (str, int, bool)) or value is None:
         return value
     if isinstance(value, float):
-        return value if math.isfinite(value) else repr(value)
+        return value  # json writes and reads NaN/inf
+    if hasattr(value, "item") and getattr(value, "shape", None) == ():
+        return _jsonable(value.item())  # numpy scalars
     return repr(value)
 
 
@@ -277,11 +429,15 @@ def raytrain_trial(config: Dict[str, Any], sweep_setup: Optional[_TrialSetup] = 
     record = _read_record(record_url, setup.storage_options)
     if record is not None:
         # Finished before the sweep was interrupted, but Tune's saved state did not know yet.
-        logger.info("Trial %s already finished (%s): replaying its %d results.", trial_folder, record_url, len(record["history"]))
+        print(f"[raytrain_events.tune] {trial_folder} already finished ({record_url}): replaying its "
+              f"{len(record['history'])} results instead of training again.", flush=True)
         for entry in record["history"]:
             tune.report(dict(entry))
         return
     kwargs = _trial_kwargs(setup.trainer, config)
+    kwargs["callbacks"] = functools.partial(
+        _trial_callbacks, kwargs.get("callbacks"), setup.registry, tune.get_context().get_trial_id()
+    )
     result = RayTrainer(
         **kwargs, storage_path=trial_url, storage_options=setup.storage_options, run_name=TRIAL_RUN_NAME
     ).fit()
@@ -362,8 +518,10 @@ class SweepResult:
 
     @property
     def best(self) -> Optional[Dict[str, Any]]:
-        """The best trial's row (None if no trial reported the metric)."""
-        return self.rows[0] if self.rows and self.rows[0].get(self.metric) is not None else None
+        """The best trial's row: the best last value of the metric among trials that did not fail."""
+        if not self.rows or self.rows[0].get(self.metric) is None or self.rows[0]["status"] == "error":
+            return None
+        return self.rows[0]
 
     @property
     def best_algorithms(self) -> Optional[List[Any]]:
@@ -451,7 +609,7 @@ def _best_checkpoint(history: List[Dict[str, Any]], metric: str, mode: str, run_
 
 
 def _make_result(result_grid: Any, *, metric: str, mode: str, trainer: Mapping[str, Any], experiment_url: str,
-                 storage_options: Dict[str, Any], time_attr: str) -> SweepResult:
+                 storage_options: Dict[str, Any], time_attr: str, max_t: Any = None) -> SweepResult:
     from raytrain_events.core.time import TimeUnit, ensure_time
     from raytrain_events.storage.fs import join
 
@@ -469,10 +627,13 @@ def _make_result(result_grid: Any, *, metric: str, mode: str, trainer: Mapping[s
         overrides = config.get("trainer") or {}
         duration = ensure_time(overrides.get("max_duration", trainer.get("max_duration")), TimeUnit.EPOCH)
         done_key = _UNIT_KEYS.get(duration.unit.value)
-        reached = done_key is not None and isinstance(last.get(done_key), (int, float)) and last[done_key] >= duration.value
+        reached = done_key is not None and _finite(last.get(done_key)) and last[done_key] >= duration.value
+        # A scheduler stops a trial at its budget (ASHA's max_t with stop_last_trials), maybe one
+        # report before the trainer's own end: that trial completed too.
+        budget = _finite(max_t) and _finite(last.get(time_attr)) and last[time_attr] >= max_t
         if result.error is not None:
             status = "error"
-        elif last.get("final") or reached:
+        elif last.get("final") or reached or budget:
             status = "completed"
         elif history:
             status = "stopped"
@@ -497,11 +658,11 @@ def _make_result(result_grid: Any, *, metric: str, mode: str, trainer: Mapping[s
         }
         rows.append(row)
 
-    def key(row: Dict[str, Any]):
+    def key(row: Dict[str, Any]):  # best first; trials that failed rank after all that did not
         value = row[metric]
         if value is None:
-            return (1, 0.0, row["trial_id"])
-        return (0, -value if mode == "max" else value, row["trial_id"])
+            return (2, 0.0, row["trial_id"])
+        return (1 if row["status"] == "error" else 0, -value if mode == "max" else value, row["trial_id"])
 
     rows.sort(key=key)
     return SweepResult(metric=metric, mode=mode, rows=rows, path=experiment_url, result_grid=result_grid,
@@ -586,6 +747,7 @@ def sweep(
         callbacks: extra Tune callbacks.
         verbose: Tune's console verbosity (0-3).
     """
+    import ray
     from ray import tune
     from ray.tune.logger import JsonLoggerCallback
 
@@ -637,59 +799,68 @@ def sweep(
 
     if max_concurrent_trials is None:
         max_concurrent_trials = _default_concurrency(probe.scaling_config)
-    setup = _TrialSetup(trainer=trainer, experiment_url=experiment_url, storage_options=storage_options)
-    trainable = tune.with_resources(
-        tune.with_parameters(raytrain_trial, sweep_setup=setup), dict(trial_resources or {"cpu": 0.01})
-    )
-
     restoring = resume and tune.Tuner.can_restore(experiment_path, storage_filesystem=tune_fs)
-    if restoring:
-        logger.info("Resuming the sweep in %s.", experiment_url)
-        tuner = tune.Tuner.restore(experiment_path, trainable=trainable, resume_errored=True, storage_filesystem=tune_fs)
-    else:
-        if _experiment_exists(experiment_url, storage_options):
-            raise FileExistsError(
-                f"{experiment_url} already holds files but no sweep Tune can resume"
-                + (" (resume=False)" if not resume else "")
-                + ": choose another name (or storage_path), or pass resume=True to continue a sweep."
-            )
-        tuner = tune.Tuner(
-            trainable,
-            param_space=param_space,
-            tune_config=tune.TuneConfig(
-                metric=metric,
-                mode=mode,
-                num_samples=num_samples,
-                max_concurrent_trials=max_concurrent_trials,
-                scheduler=scheduler,
-                search_alg=search_alg,
-                trial_dirname_creator=_trial_dirname,
-                trial_name_creator=_trial_dirname,
-            ),
-            run_config=tune.RunConfig(
-                name=name,
-                storage_path=tune_storage,
-                storage_filesystem=tune_fs,
-                callbacks=[JsonLoggerCallback(), *callbacks],
-                failure_config=tune.FailureConfig(max_failures=trial_max_failures),
-                verbose=verbose,
-            ),
-        )
-    # Entries between evaluations lack eval metrics: they must still reach the scheduler and the
-    # history (schedulers skip results without the metric), so Tune must not reject them.
-    previous = os.environ.get("TUNE_DISABLE_STRICT_METRIC_CHECKING")
-    os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
+    if not restoring and _experiment_exists(experiment_url, storage_options):
+        if not resume:
+            raise FileExistsError(f"{experiment_url} already exists: pass resume=True to continue that sweep, "
+                                  "or choose another name (or storage_path).")
+        raise FileExistsError(f"{experiment_url} holds files but no sweep Tune can resume (no tuner.pkl/experiment "
+                              "state): choose another name (or storage_path), or remove that folder.")
+
+    registry = _start_registry(experiment_url)
     try:
-        result_grid = tuner.fit()
-    finally:
-        if previous is None:
-            os.environ.pop("TUNE_DISABLE_STRICT_METRIC_CHECKING", None)
+        setup = _TrialSetup(trainer=trainer, experiment_url=experiment_url, storage_options=storage_options,
+                            registry=registry)
+        trainable = tune.with_resources(
+            tune.with_parameters(raytrain_trial, sweep_setup=setup), dict(trial_resources or {"cpu": 0.01})
+        )
+        if restoring:
+            logger.info("Resuming the sweep in %s.", experiment_url)
+            tuner = tune.Tuner.restore(
+                experiment_path, trainable=trainable, resume_errored=True, storage_filesystem=tune_fs
+            )
         else:
-            os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = previous
+            tuner = tune.Tuner(
+                trainable,
+                param_space=param_space,
+                tune_config=tune.TuneConfig(
+                    metric=metric,
+                    mode=mode,
+                    num_samples=num_samples,
+                    max_concurrent_trials=max_concurrent_trials,
+                    scheduler=scheduler,
+                    search_alg=search_alg,
+                    trial_dirname_creator=_trial_dirname,
+                    trial_name_creator=_trial_dirname,
+                ),
+                run_config=tune.RunConfig(
+                    name=name,
+                    storage_path=tune_storage,
+                    storage_filesystem=tune_fs,
+                    callbacks=[JsonLoggerCallback(), _ReleaseTrainWorkers(experiment_url), *callbacks],
+                    failure_config=tune.FailureConfig(max_failures=trial_max_failures),
+                    verbose=verbose,
+                ),
+            )
+        # Entries between evaluations lack eval metrics: they must still reach the scheduler and the
+        # history (schedulers skip results without the metric), so Tune must not reject them.
+        previous = os.environ.get("TUNE_DISABLE_STRICT_METRIC_CHECKING")
+        os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
+        try:
+            result_grid = tuner.fit()
+        finally:
+            if previous is None:
+                os.environ.pop("TUNE_DISABLE_STRICT_METRIC_CHECKING", None)
+            else:
+                os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = previous
+            _release_placement_groups(ray.get(registry.pop_all.remote()))
+    finally:
+        ray.kill(registry)
 
     result = _make_result(
         result_grid, metric=metric, mode=mode, trainer=trainer, experiment_url=experiment_url,
         storage_options=storage_options, time_attr=time_attr or "time/sample",
+        max_t=getattr(scheduler, "_max_t", None) if time_attr else None,
     )
     if result.best is None and result.rows and not result.errors:
         seen = sorted({k for h in result.histories.values() for e in h for k in e if _finite(e.get(k))})

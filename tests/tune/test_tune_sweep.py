@@ -1,0 +1,233 @@
+"""`raytrain_events.tune.sweep` on the real local Ray: algorithm-set grids, ASHA on samples, aggregated metrics."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+import torch
+from ray import cloudpickle as ray_cloudpickle
+from tune_helpers import (
+    ROWS, SETS, LossDump, datasets, make_model, make_sgd, marker_callbacks, markers, train_only, trial_tag,
+)
+
+from raytrain_events.tune import algorithm_set_label, algorithm_sets_grid, sweep
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ship this module's lambdas to workers
+
+
+def _trainer(marker_folder, **kw):
+    base = dict(
+        model=make_model, optimizers=make_sgd, datasets=datasets, max_duration="2ep", batch_size=32,
+        num_workers=1, report_interval="4ba", callbacks=marker_callbacks(marker_folder),
+    )
+    base.update(kw)
+    return base
+
+
+# -- argument checks (no trials run) ----------------------------------------------------------
+
+
+def test_algorithm_sets_grid_validates_and_labels():
+    grid = algorithm_sets_grid([[], "label_smoothing", [{"name": "mixup", "alpha": 0.4}, "label_smoothing"]])
+    assert grid == {"grid_search": [[], ["label_smoothing"], [{"name": "mixup", "alpha": 0.4}, "label_smoothing"]]}
+    assert [algorithm_set_label(s) for s in grid["grid_search"]] == ["none", "label_smoothing", "mixup(alpha=0.4)+label_smoothing"]
+    with pytest.raises(ValueError, match="Unknown algorithm 'label_smothing'.*label_smoothing"):
+        algorithm_sets_grid([["label_smothing"]])
+    with pytest.raises(TypeError, match="mixup"):
+        algorithm_sets_grid([[{"name": "mixup", "beta": 1.0}]])
+    with pytest.raises(ValueError, match="more than once"):
+        algorithm_sets_grid([["mixup"], "mixup"])
+
+
+def test_sweep_rejects_bad_arguments_before_any_trial(tmp_path):
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+
+    trainer = _trainer(str(tmp_path))
+    with pytest.raises(ValueError, match="mode"):
+        sweep(trainer=trainer, metric="train/loss", mode="best", storage_path=str(tmp_path))
+    with pytest.raises(ValueError, match="storage_path.*set by the sweep"):
+        sweep(trainer={**trainer, "storage_path": "x"}, metric="train/loss", mode="min")
+    with pytest.raises(TypeError, match="not a RayTrainer argument"):
+        sweep(trainer={**trainer, "learning_rate": 0.1}, metric="train/loss", mode="min")
+    with pytest.raises(ValueError, match="Unknown algorithm"):
+        sweep(trainer=trainer, param_space={"algorithms": tune.choice([["nope"]])}, metric="train/loss", mode="min")
+    with pytest.raises(ValueError, match="time/samples"):
+        sweep(trainer=trainer, metric="train/loss", mode="min", scheduler=ASHAScheduler(time_attr="time/samples"))
+    with pytest.raises(ValueError, match="get_num_tokens_in_batch"):
+        sweep(trainer=trainer, metric="train/loss", mode="min", scheduler=ASHAScheduler(time_attr="time/token"))
+
+
+def test_trial_config_is_merged_into_the_trainer_kwargs():
+    from raytrain_events.ray.tune import _trial_kwargs
+
+    base = dict(model=make_model, optimizers=make_sgd, datasets=lambda config: {"train": config.get("rows")},
+                max_duration="2ep", algorithms=["ema"], config={"lr": 0.1, "hidden": 8})
+    kwargs = _trial_kwargs(base, {"algorithms": ["label_smoothing"], "lr": 0.5, "rows": "R",
+                                  "trainer": {"batch_size": 7, "max_duration": "3ep"}})
+    assert kwargs["algorithms"] == ["label_smoothing"]  # the trial's set replaces the base set
+    assert kwargs["config"]["lr"] == 0.5 and kwargs["config"]["hidden"] == 8
+    assert kwargs["config"]["algorithms"] == ["label_smoothing"]
+    assert kwargs["batch_size"] == 7 and kwargs["max_duration"] == "3ep"
+    assert kwargs["datasets"] == {"train": "R"}  # a datasets factory is called with the trial config
+    assert base["algorithms"] == ["ema"] and callable(base["datasets"])  # the shared kwargs are untouched
+    assert _trial_kwargs(base, {"lr": 0.3})["algorithms"] == ["ema"]  # no "algorithms" key: the base set
+    with pytest.raises(ValueError, match="set by the sweep"):
+        _trial_kwargs(base, {"trainer": {"run_name": "x"}})
+
+
+def test_best_checkpoint_is_the_best_reported_one():
+    from raytrain_events.ray.tune import _best_checkpoint
+
+    history = [
+        {"time/batch": 4, "train/loss": 0.9},
+        {"time/batch": 8, "metrics/eval/accuracy": 0.7, "checkpoint_path": "/c/ep1"},
+        {"time/batch": 16, "metrics/eval/accuracy": 0.9, "checkpoint_path": "/c/ep2"},
+        {"time/batch": 24, "metrics/eval/accuracy": 0.8, "checkpoint_path": "/c/ep3"},
+        {"time/batch": 24, "final": True},
+    ]
+    assert _best_checkpoint(history, "metrics/eval/accuracy", "max", "/nowhere", {}) == "/c/ep2"
+    assert _best_checkpoint(history, "metrics/eval/accuracy", "min", "/nowhere", {}) == "/c/ep1"
+    assert _best_checkpoint(history, "train/loss", "min", "/nowhere", {}) == "/c/ep3"  # no metric on them: newest
+    assert _best_checkpoint(history[:1], "train/loss", "min", "/nowhere", {}) is None
+
+
+# -- real sweeps --------------------------------------------------------------------------------
+
+
+def test_grid_over_three_algorithm_sets(ray_cluster, tmp_path):
+    from raytrain_events.checkpoint import CheckpointConfig
+    from raytrain_events.checkpoint.store import list_checkpoints
+
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    args = dict(
+        trainer=_trainer(str(marks), checkpoint=CheckpointConfig(save_interval="1ep", async_save=False)),
+        param_space={"algorithms": algorithm_sets_grid(SETS), "lr": 0.2},
+        metric="metrics/eval/accuracy",
+        mode="max",
+        max_concurrent_trials=3,
+        storage_path=str(tmp_path / "sweeps"),
+        name="grid",
+        verbose=0,
+    )
+    result = sweep(**args)
+    print(result.to_table())
+    assert len(result.rows) == 3
+    assert sorted(row["algorithms"] for row in result.rows) == sorted(algorithm_set_label(s) for s in SETS)
+    for row in result.rows:
+        assert row["status"] == "completed", row
+        assert row["time/sample"] == 2 * ROWS and row["time/epoch"] == 2 and row["world_size"] == 1
+        assert 0.0 <= row["metrics/eval/accuracy"] <= 1.0
+        assert row["lr"] == 0.2
+        assert row["run_url"].startswith(str(tmp_path / "sweeps" / "grid"))
+        # Each trial's Train run, with its checkpoints, has its own folder in the sweep's storage.
+        assert len(list_checkpoints(row["run_url"] + "/checkpoints")) == 2
+        assert row["checkpoint"].startswith(row["run_url"] + "/checkpoints/") and os.path.isdir(row["checkpoint"])
+    best = result.best
+    assert best["metrics/eval/accuracy"] == max(row["metrics/eval/accuracy"] for row in result.rows)
+    assert result.best_config["algorithms"] == result.best_algorithms  # the best trial's config names its set
+    assert result.best_algorithms in SETS
+    assert result.best_label == algorithm_set_label(result.best_algorithms)
+    table = result.to_table()
+    for s in SETS:
+        assert algorithm_set_label(s) in table
+    assert table.splitlines()[2].startswith("*")  # best first
+    assert markers(str(marks), "end") == {trial_tag({"algorithms": s, "lr": 0.2}): 1 for s in SETS}
+    # The best checkpoint is the best trial's reported checkpoint with the best metric (ties: the newest).
+    reported = [e for e in result.histories[best["trial_id"]] if e.get("checkpoint_path")]
+    assert len(reported) == 2
+    newest_best = max(reversed(reported), key=lambda e: e["metrics/eval/accuracy"])
+    assert result.best_checkpoint == newest_best["checkpoint_path"] == best["checkpoint"]
+    # The same storage/name again: the finished sweep is restored (nothing trains) -- or refused.
+    with pytest.raises(FileExistsError, match="resume=True"):
+        sweep(**args, resume=False)
+    again = sweep(**args)
+    assert [(r["trial_id"], r["metrics/eval/accuracy"]) for r in again.rows] == [
+        (r["trial_id"], r["metrics/eval/accuracy"]) for r in result.rows
+    ]
+    assert markers(str(marks), "end") == {trial_tag({"algorithms": s, "lr": 0.2}): 1 for s in SETS}
+
+
+def test_asha_on_global_samples_stops_the_bad_trial(ray_cluster, tmp_path):
+    import ray
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    total = 2 * ROWS
+    result = sweep(
+        # Each trial's worker takes 3 of the cluster's 4 CPUs: if the stopped trial's workers were
+        # not released, the trial after it could never start.
+        trainer=_trainer(str(marks), datasets=train_only(), resources_per_worker={"CPU": 3}),
+        # One trial at a time, the good one first: it sets every rung before the bad one (lr=0) arrives.
+        param_space={"lr": tune.grid_search([0.5, 0.0, 0.3])},
+        metric="train/loss",
+        mode="min",
+        max_concurrent_trials=1,
+        scheduler=ASHAScheduler(time_attr="time/sample", max_t=total, grace_period=128, reduction_factor=2,
+                                stop_last_trials=False),
+        storage_path=str(tmp_path / "sweeps"),
+        name="asha",
+        verbose=0,
+    )
+    print(result.to_table())
+    rows = {row["lr"]: row for row in result.rows}
+    good, bad, after = rows[0.5], rows[0.0], rows[0.3]
+    assert good["status"] == "completed" and good["time/sample"] == total
+    assert bad["status"] == "stopped"
+    assert bad["time/sample"] == 128 < total  # stopped at the first rung (128 samples), long before max_t
+    assert [e["time/sample"] for e in result.histories[bad["trial_id"]] if "train/loss" in e] == [128]
+    assert after["time/sample"] >= 128  # the trial after the stopped one got its workers and trained
+    assert result.best["lr"] == 0.5
+    # Nothing stays reserved once the sweep is over.
+    deadline = time.time() + 60
+    while True:
+        live = [pg for pg in ray.util.placement_group_table().values() if pg["state"] != "REMOVED"]
+        if not live and ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"]:
+            break
+        assert time.time() < deadline, (live, ray.available_resources())
+        time.sleep(1)
+
+
+def test_trial_metrics_are_the_aggregate_over_ranks(ray_cluster, tmp_path):
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    result = sweep(
+        trainer=dict(
+            model=make_model, optimizers=make_sgd, datasets=train_only,
+            max_duration="2ep", batch_size=16, num_workers=2, report_interval="4ba", deterministic_split=True,
+            callbacks=lambda: [LossDump(str(dumps))],
+        ),
+        param_space={"lr": 0.2},
+        metric="train/loss",
+        mode="min",
+        storage_path=str(tmp_path / "sweeps"),
+        name="two-workers",
+        verbose=0,
+    )
+    (row,) = result.rows
+    history = result.histories[row["trial_id"]]
+    # The global Timestamp, summed over both ranks: all rows, twice.
+    assert row["time/sample"] == 2 * ROWS and row["time/batch"] == 2 * ROWS // 32 and row["world_size"] == 2
+    assert all(entry["world_size"] == 2 for entry in history)
+    assert [e["time/sample"] for e in history if "train/loss" in e] == [32 * 4 * k for k in range(1, 5)]
+    # train/loss is the mean over both ranks' batches in each report window, not rank 0's mean.
+    ranks = [torch.load(dumps / f"losses-rank{r}.pt", weights_only=True) for r in range(2)]
+    previous, checked = 0, 0
+    for entry in history:
+        if "train/loss" not in entry:
+            continue
+        window = [loss for rank in ranks for (b, loss) in rank if previous < b <= entry["time/batch"]]
+        rank0 = [loss for (b, loss) in ranks[0] if previous < b <= entry["time/batch"]]
+        assert entry["train/loss"] == pytest.approx(sum(window) / len(window), rel=1e-5)
+        assert entry["train/loss"] != pytest.approx(sum(rank0) / len(rank0), rel=1e-6)
+        previous = entry["time/batch"]
+        checked += 1
+    assert checked == 4
+    assert bool(history[-1]["final"]) is True
+
