@@ -18,6 +18,11 @@ Usage::
     python bench/loop_overhead.py 256          # H=256
     python bench/loop_overhead.py 1024         # H=1024
     python bench/loop_overhead.py 256 --repeats 9 --no-memory
+    python bench/loop_overhead.py 256 --breakdown    # + plain loop calling the model through ClassifierModel
+    python bench/loop_overhead.py 256 --clock cpu    # thread CPU time (a busy shared machine)
+    python bench/loop_overhead.py 256 --bytecodes    # deterministic: Python bytecodes per step, by function
+
+See bench/README.md for how to read the output and the numbers last measured.
 """
 from __future__ import annotations
 

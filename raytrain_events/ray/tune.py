@@ -73,13 +73,17 @@ import functools
 import inspect
 import json
 import logging
-import math
-import numbers
 import os
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from ray.tune import Callback
+from raytrain_events.ray.tune_placement import (
+    _release_placement_groups, _ReleaseTrainWorkers, _start_registry, _trial_callbacks,
+)
+from raytrain_events.ray.tune_result import (
+    TIME_ATTRS, TRIAL_RECORD, TRIAL_RUN_NAME, SweepResult, _finite, _make_result,
+)
+from raytrain_events.ray.tune_sets import _algorithm_choices, _normalize_set, _validate_set, algorithm_set_label, algorithm_sets_grid
 
 __all__ = [
     "sweep",
@@ -93,12 +97,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Global Timestamp keys in every reported entry; any of them can be a scheduler's ``time_attr``.
-TIME_ATTRS = ("time/epoch", "time/batch", "time/sample", "time/token")
-#: File a finished trial writes into its Tune trial folder (its history, checkpoints, run URL).
-TRIAL_RECORD = "raytrain_trial.json"
-#: The Train run name of every trial (the run folder inside the trial folder).
-TRIAL_RUN_NAME = "train"
 
 # RayTrainer arguments the sweep sets itself.
 _SWEEP_OWNED = {
@@ -106,98 +104,10 @@ _SWEEP_OWNED = {
     "storage_options": "pass sweep(storage_options=...)",
     "run_name": "each trial's run is named by the sweep",
 }
-_UNIT_KEYS = {"ep": "time/epoch", "ba": "time/batch", "sp": "time/sample", "tok": "time/token"}
 
 
 # ----------------------------------------------------------------------------------------------
 # Algorithm sets
-# ----------------------------------------------------------------------------------------------
-
-
-def _normalize_set(algorithms: Any) -> List[Any]:
-    """One algorithm set as a list of specs (``None`` and ``[]`` are the empty set)."""
-    from raytrain_events.core.algorithm import Algorithm
-
-    if algorithms is None:
-        return []
-    if isinstance(algorithms, (str, Mapping, Algorithm)):
-        return [algorithms]
-    if isinstance(algorithms, (list, tuple)):
-        return list(algorithms)
-    raise TypeError(
-        f"An algorithm set must be a list of specs like ['label_smoothing', {{'name': 'mixup', 'alpha': 0.2}}], "
-        f"got {type(algorithms).__name__} {algorithms!r}."
-    )
-
-
-def _spec_label(spec: Any) -> str:
-    if isinstance(spec, str):
-        return spec
-    if isinstance(spec, Mapping):
-        kwargs = ", ".join(f"{k}={v!r}" for k, v in spec.items() if k != "name")
-        return f"{spec.get('name')}({kwargs})" if kwargs else str(spec.get("name"))
-    return type(spec).__name__
-
-
-def algorithm_set_label(algorithms: Any) -> str:
-    """A short readable name for an algorithm set: ``"label_smoothing+mixup(alpha=0.2)"``, ``"none"``."""
-    specs = _normalize_set(algorithms)
-    return "+".join(_spec_label(s) for s in specs) if specs else "none"
-
-
-def _validate_set(algorithms: Any) -> List[Any]:
-    """Build every spec once on the driver, so a typo fails before any trial starts."""
-    from raytrain_events.algorithms.registry import build_algorithm
-
-    specs = _normalize_set(algorithms)
-    for spec in specs:
-        if isinstance(spec, (list, tuple)):
-            raise TypeError(
-                f"An algorithm set holds a list ({spec!r}): to sweep over several sets, pass "
-                "algorithm_sets_grid([set1, set2, ...]) or tune.choice([set1, set2, ...]) as param_space['algorithms']."
-            )
-        try:
-            build_algorithm(spec)
-        except (TypeError, ValueError) as exc:
-            raise type(exc)(f"Algorithm set {algorithm_set_label(specs)!r}: {exc}") from None
-    return specs
-
-
-def algorithm_sets_grid(sets: Sequence[Any], *, validate: bool = True) -> Dict[str, List[List[Any]]]:
-    """``tune.grid_search`` over algorithm sets, for ``param_space["algorithms"]``.
-
-    Each set is a list of specs (``[]`` for none, ``["label_smoothing"]``,
-    ``[{"name": "mixup", "alpha": 0.2}, "label_smoothing"]``); a lone spec is a one-element set.
-    With ``validate`` every spec is built once here, so unknown names or bad arguments fail now
-    (listing the known algorithms), not inside a trial.
-    """
-    from ray import tune
-
-    if isinstance(sets, (str, Mapping)) or not isinstance(sets, Sequence) or not sets:
-        raise ValueError(f"algorithm_sets_grid needs a non-empty list of algorithm sets, got {sets!r}.")
-    normalized = [_validate_set(s) if validate else _normalize_set(s) for s in sets]
-    labels = [algorithm_set_label(s) for s in normalized]
-    duplicates = sorted({label for label in labels if labels.count(label) > 1})
-    if duplicates:
-        raise ValueError(f"algorithm_sets_grid got the same set more than once: {duplicates}.")
-    return tune.grid_search(normalized)
-
-
-def _algorithm_choices(value: Any) -> List[Any]:
-    """The algorithm sets a ``param_space["algorithms"]`` value can produce (for validation)."""
-    from ray.tune.search.sample import Categorical, Domain
-
-    if isinstance(value, Mapping) and set(value) == {"grid_search"}:
-        return list(value["grid_search"])
-    if isinstance(value, Categorical):
-        return list(value.categories)
-    if isinstance(value, Domain) or callable(value):
-        return []  # sampled by a function: nothing to check up front
-    return [value]
-
-
-# ----------------------------------------------------------------------------------------------
-# What each trial runs
 # ----------------------------------------------------------------------------------------------
 
 
@@ -221,126 +131,6 @@ class _TrialSetup:
 # and later trials wait forever for resources. So rank 0 of every worker group registers its
 # placement group with the sweep, and a Tune callback removes a finished trial's groups shortly
 # after Tune stopped it (removing a group Train already removed is a no-op).
-
-
-class _PlacementGroups:
-    """Ray actor (one per sweep): the worker placement groups of each trial's Train runs."""
-
-    def __init__(self) -> None:
-        self.groups: Dict[str, List[Any]] = {}
-
-    def add(self, trial_id: str, group: Any) -> None:
-        groups = self.groups.setdefault(trial_id, [])
-        if all(g.id != group.id for g in groups):
-            groups.append(group)
-
-    def pop(self, trial_id: str) -> List[Any]:
-        return self.groups.pop(trial_id, [])
-
-    def pop_all(self) -> List[Any]:
-        groups = [g for gs in self.groups.values() for g in gs]
-        self.groups.clear()
-        return groups
-
-
-def _registry_name(experiment_url: str) -> str:
-    import hashlib
-
-    return "raytrain_events.tune.placement_groups." + hashlib.sha1(experiment_url.encode()).hexdigest()[:16]
-
-
-def _start_registry(experiment_url: str) -> Any:
-    import ray
-
-    actor = ray.remote(num_cpus=0)(_PlacementGroups)
-    return actor.options(name=_registry_name(experiment_url), get_if_exists=True).remote()
-
-
-def _register_placement_group(registry: Any, trial_id: str) -> None:
-    """On a Train worker: rank 0 registers the worker group's placement group with the sweep."""
-    import ray
-    import ray.train
-
-    if registry is None or ray.train.get_context().get_world_rank() != 0:
-        return
-    group = ray.util.get_current_placement_group()
-    if group is not None:
-        ray.get(registry.add.remote(trial_id, group), timeout=60)
-
-
-def _trial_callbacks(user_callbacks: Any, registry: Any, trial_id: str, config: Dict[str, Any]) -> List[Any]:
-    """The trainer's callbacks factory in a sweep: the user's callbacks, after registering the group."""
-    from raytrain_events.ray.spec import _call
-
-    _register_placement_group(registry, trial_id)
-    return list(_call(user_callbacks, config) if callable(user_callbacks) else (user_callbacks or ()))
-
-
-def _release_placement_groups(groups: Sequence[Any]) -> None:
-    from ray.util import remove_placement_group
-
-    for group in groups:
-        try:
-            remove_placement_group(group)
-        except Exception:  # already removed, or the cluster is going away
-            logger.debug("Could not remove placement group %s", getattr(group, "id", group), exc_info=True)
-
-
-class _ReleaseTrainWorkers(Callback):
-    """Tune callback: remove a finished trial's Train placement groups ``grace_s`` after it ended.
-
-    The grace lets Tune terminate the trial actor first, so its Train run is not torn down under it.
-    """
-
-    def __init__(self, experiment_url: str, grace_s: float = 3.0) -> None:
-        self.experiment_url = experiment_url
-        self.grace_s = grace_s
-        self.pending: List[Tuple[float, List[Any]]] = []
-
-    def __getstate__(self) -> Dict[str, Any]:  # pickled into the sweep's tuner.pkl: nothing pending
-        return {"experiment_url": self.experiment_url, "grace_s": self.grace_s, "pending": []}
-
-    def _registry(self) -> Any:
-        import ray
-
-        try:
-            return ray.get_actor(_registry_name(self.experiment_url))
-        except ValueError:
-            return None
-
-    def _trial_ended(self, trial: Any) -> None:
-        import time
-
-        import ray
-
-        registry = self._registry()
-        if registry is not None:  # take the groups now: a retried trial registers new ones
-            self.pending.append((time.monotonic(), ray.get(registry.pop.remote(trial.trial_id))))
-
-    def on_trial_complete(self, iteration, trials, trial, **info):
-        self._trial_ended(trial)
-
-    def on_trial_error(self, iteration, trials, trial, **info):
-        self._trial_ended(trial)
-
-    def on_trial_recover(self, iteration, trials, trial, **info):
-        self._trial_ended(trial)
-
-    def on_step_begin(self, iteration, trials, **info):
-        import time
-
-        if not self.pending:
-            return
-        now = time.monotonic()
-        due = [groups for ended, groups in self.pending if now - ended >= self.grace_s]
-        self.pending = [(ended, groups) for ended, groups in self.pending if now - ended < self.grace_s]
-        for groups in due:
-            _release_placement_groups(groups)
-
-    def on_experiment_end(self, trials, **info):
-        for _, groups in self.pending:
-            _release_placement_groups(groups)
-        self.pending = []
 
 
 def _trainer_parameters() -> List[str]:
@@ -456,221 +246,6 @@ def _trial_dirname(trial: Any) -> str:
 
 # ----------------------------------------------------------------------------------------------
 # Results
-# ----------------------------------------------------------------------------------------------
-
-
-def _flatten(config: Mapping[str, Any], prefix: str = "") -> Dict[str, Any]:
-    out: Dict[str, Any] = {}
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            out.update(_flatten(value, name + "/"))
-        else:
-            out[name] = value
-    return out
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _native(value: Any) -> Any:
-    """numpy scalars (from Tune's result frames) as Python values."""
-    return value.item() if hasattr(value, "item") and getattr(value, "shape", None) == () else value
-
-
-def _history_of(result: Any) -> List[Dict[str, Any]]:
-    """The entries Tune received for one trial (from its result.json), NaN-free."""
-    frame = None
-    try:
-        frame = result.metrics_dataframe
-    except Exception:  # no result files (trial never reported)
-        frame = None
-    if frame is None or len(frame) == 0:
-        return [dict(result.metrics)] if result.metrics else []
-    entries = []
-    for row in frame.to_dict("records"):
-        row = {k: _native(v) for k, v in row.items()}
-        entries.append({k: v for k, v in row.items() if not (isinstance(v, float) and math.isnan(v))})
-    return entries
-
-
-@dataclass
-class SweepResult:
-    """The outcome of `sweep`: one row per trial, best first, and the best algorithm set.
-
-    ``rows`` are dicts with ``trial_id``, ``algorithms`` (the set's label),
-    ``algorithm_specs`` (the set as given), the trial's other ``params`` (flattened, also as
-    top-level keys), the metric (its last reported value), ``time/epoch|batch|sample|token`` and
-    ``world_size`` of the last result Tune got, ``status`` (``"completed"``: reached
-    ``max_duration``; ``"stopped"``: stopped early by the scheduler; ``"error"``), ``error``,
-    ``checkpoint`` (the trial's best checkpoint path or None), ``run_url`` (its Train run folder)
-    and ``path`` (its Tune trial folder).
-    """
-
-    metric: str
-    mode: str
-    rows: List[Dict[str, Any]]
-    path: str
-    result_grid: Any = None
-    histories: Dict[str, List[Dict[str, Any]]] = field(default_factory=dict)
-    time_attr: str = "time/sample"
-
-    @property
-    def best(self) -> Optional[Dict[str, Any]]:
-        """The best trial's row: the best last value of the metric among trials that did not fail."""
-        if not self.rows or self.rows[0].get(self.metric) is None or self.rows[0]["status"] == "error":
-            return None
-        return self.rows[0]
-
-    @property
-    def best_algorithms(self) -> Optional[List[Any]]:
-        """The best trial's algorithm set (a list of specs)."""
-        return None if self.best is None else self.best["algorithm_specs"]
-
-    @property
-    def best_label(self) -> Optional[str]:
-        return None if self.best is None else self.best["algorithms"]
-
-    @property
-    def best_config(self) -> Optional[Dict[str, Any]]:
-        """The best trial's full config (as Tune sampled it)."""
-        return None if self.best is None else self.best["config"]
-
-    @property
-    def best_checkpoint(self) -> Optional[str]:
-        """Path/URL of the best trial's best checkpoint (None if it saved none)."""
-        return None if self.best is None else self.best["checkpoint"]
-
-    @property
-    def errors(self) -> List[Dict[str, Any]]:
-        return [row for row in self.rows if row["status"] == "error"]
-
-    def to_table(self) -> str:
-        """A plain-text table of the trials, best first (``*`` marks the best)."""
-        params = sorted({k for row in self.rows for k in row["params"]})
-        times = [self.time_attr] if self.time_attr in TIME_ATTRS else []
-        times += [t for t in ("time/sample",) if t not in times]
-        header = ["", "trial", "status", "algorithms", *params, self.metric, *times]
-        best = self.best
-        lines = []
-        for row in self.rows:
-            cells = ["*" if best is not None and row is best else "", row["trial_id"], row["status"], row["algorithms"]]
-            cells += [_fmt(row["params"].get(p)) for p in params]
-            cells += [_fmt(row.get(self.metric))] + [_fmt(row.get(t)) for t in times]
-            lines.append(cells)
-        widths = [max(len(str(c)) for c in column) for column in zip(header, *lines)]
-        out = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths)).rstrip()]
-        out.append("  ".join("-" * w for w in widths))
-        out += ["  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip() for cells in lines]
-        return "\n".join(out)
-
-    def __str__(self) -> str:
-        return self.to_table()
-
-
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
-
-
-def _better(a: float, b: float, mode: str) -> bool:
-    return a > b if mode == "max" else a < b
-
-
-def _best_checkpoint(history: List[Dict[str, Any]], metric: str, mode: str, run_url: str,
-                     storage_options: Dict[str, Any]) -> Optional[str]:
-    """The reported checkpoint with the best metric (else the newest), or the newest saved one."""
-    best: Optional[Tuple[float, str]] = None
-    newest: Optional[str] = None
-    for entry in history:
-        path = entry.get("checkpoint_path")
-        if not path:
-            continue
-        newest = path
-        value = entry.get(metric)
-        if _finite(value) and (best is None or _better(value, best[0], mode) or value == best[0]):
-            best = (value, path)
-    if best is not None:
-        return best[1]
-    if newest is not None:
-        return newest
-    try:
-        from raytrain_events.checkpoint.store import latest_checkpoint
-        from raytrain_events.storage.fs import join
-
-        info = latest_checkpoint(join(run_url, "checkpoints"), storage_options=storage_options)
-    except Exception:  # no checkpoints, or checkpointing not available
-        return None
-    return None if info is None else info.url
-
-
-def _make_result(result_grid: Any, *, metric: str, mode: str, trainer: Mapping[str, Any], experiment_url: str,
-                 storage_options: Dict[str, Any], time_attr: str, max_t: Any = None) -> SweepResult:
-    from raytrain_events.core.time import TimeUnit, ensure_time
-    from raytrain_events.storage.fs import join
-
-    rows: List[Dict[str, Any]] = []
-    histories: Dict[str, List[Dict[str, Any]]] = {}
-    for result in result_grid:
-        config = dict(result.config or {})
-        history = _history_of(result)
-        last = history[-1] if history else dict(result.metrics or {})
-        trial_id = last.get("trial_id") or (result.metrics or {}).get("trial_id") or os.path.basename(result.path)
-        histories[trial_id] = history
-        values = [e[metric] for e in history if _finite(e.get(metric))]
-        specs = _normalize_set(config["algorithms"]) if "algorithms" in config else _normalize_set(trainer.get("algorithms"))
-        params = _flatten({k: v for k, v in config.items() if k != "algorithms"})
-        overrides = config.get("trainer") or {}
-        duration = ensure_time(overrides.get("max_duration", trainer.get("max_duration")), TimeUnit.EPOCH)
-        done_key = _UNIT_KEYS.get(duration.unit.value)
-        reached = done_key is not None and _finite(last.get(done_key)) and last[done_key] >= duration.value
-        # A scheduler stops a trial at its budget (ASHA's max_t with stop_last_trials), maybe one
-        # report before the trainer's own end: that trial completed too.
-        budget = _finite(max_t) and _finite(last.get(time_attr)) and last[time_attr] >= max_t
-        if result.error is not None:
-            status = "error"
-        elif last.get("final") or reached or budget:
-            status = "completed"
-        elif history:
-            status = "stopped"
-        else:
-            status = "no results"
-        run_url = join(experiment_url, os.path.basename(result.path.rstrip("/")), TRIAL_RUN_NAME)
-        row: Dict[str, Any] = {
-            "trial_id": trial_id,
-            "algorithms": algorithm_set_label(specs),
-            "algorithm_specs": specs,
-            **params,
-            "params": params,
-            "config": config,
-            metric: values[-1] if values else None,
-            **{t: last.get(t) for t in TIME_ATTRS},
-            "world_size": last.get("world_size"),
-            "status": status,
-            "error": None if result.error is None else f"{type(result.error).__name__}: {result.error}",
-            "checkpoint": _best_checkpoint(history, metric, mode, run_url, storage_options),
-            "run_url": run_url,
-            "path": result.path,
-        }
-        rows.append(row)
-
-    def key(row: Dict[str, Any]):  # best first; trials that failed rank after all that did not
-        value = row[metric]
-        if value is None:
-            return (2, 0.0, row["trial_id"])
-        return (1 if row["status"] == "error" else 0, -value if mode == "max" else value, row["trial_id"])
-
-    rows.sort(key=key)
-    return SweepResult(metric=metric, mode=mode, rows=rows, path=experiment_url, result_grid=result_grid,
-                       histories=histories, time_attr=time_attr)
-
-
-# ----------------------------------------------------------------------------------------------
-# sweep()
 # ----------------------------------------------------------------------------------------------
 
 

@@ -80,7 +80,7 @@ def test_trial_config_is_merged_into_the_trainer_kwargs():
 
 
 def test_best_checkpoint_is_the_best_reported_one():
-    from raytrain_events.ray.tune import _best_checkpoint
+    from raytrain_events.ray.tune_result import _best_checkpoint
 
     history = [
         {"time/batch": 4, "train/loss": 0.9},

@@ -1,0 +1,127 @@
+"""Release the placement groups of trials Tune stopped (see `raytrain_events.ray.tune`, "Stopped trials")."""
+from __future__ import annotations
+import logging
+from typing import Any, Dict, List, Sequence, Tuple
+from ray.tune import Callback
+
+logger = logging.getLogger(__name__)
+
+
+class _PlacementGroups:
+    """Ray actor (one per sweep): the worker placement groups of each trial's Train runs."""
+
+    def __init__(self) -> None:
+        self.groups: Dict[str, List[Any]] = {}
+
+    def add(self, trial_id: str, group: Any) -> None:
+        groups = self.groups.setdefault(trial_id, [])
+        if all(g.id != group.id for g in groups):
+            groups.append(group)
+
+    def pop(self, trial_id: str) -> List[Any]:
+        return self.groups.pop(trial_id, [])
+
+    def pop_all(self) -> List[Any]:
+        groups = [g for gs in self.groups.values() for g in gs]
+        self.groups.clear()
+        return groups
+
+
+def _registry_name(experiment_url: str) -> str:
+    import hashlib
+
+    return "raytrain_events.tune.placement_groups." + hashlib.sha1(experiment_url.encode()).hexdigest()[:16]
+
+
+def _start_registry(experiment_url: str) -> Any:
+    import ray
+
+    actor = ray.remote(num_cpus=0)(_PlacementGroups)
+    return actor.options(name=_registry_name(experiment_url), get_if_exists=True).remote()
+
+
+def _register_placement_group(registry: Any, trial_id: str) -> None:
+    """On a Train worker: rank 0 registers the worker group's placement group with the sweep."""
+    import ray
+    import ray.train
+
+    if registry is None or ray.train.get_context().get_world_rank() != 0:
+        return
+    group = ray.util.get_current_placement_group()
+    if group is not None:
+        ray.get(registry.add.remote(trial_id, group), timeout=60)
+
+
+def _trial_callbacks(user_callbacks: Any, registry: Any, trial_id: str, config: Dict[str, Any]) -> List[Any]:
+    """The trainer's callbacks factory in a sweep: the user's callbacks, after registering the group."""
+    from raytrain_events.ray.spec import _call
+
+    _register_placement_group(registry, trial_id)
+    return list(_call(user_callbacks, config) if callable(user_callbacks) else (user_callbacks or ()))
+
+
+def _release_placement_groups(groups: Sequence[Any]) -> None:
+    from ray.util import remove_placement_group
+
+    for group in groups:
+        try:
+            remove_placement_group(group)
+        except Exception:  # already removed, or the cluster is going away
+            logger.debug("Could not remove placement group %s", getattr(group, "id", group), exc_info=True)
+
+
+class _ReleaseTrainWorkers(Callback):
+    """Tune callback: remove a finished trial's Train placement groups ``grace_s`` after it ended.
+
+    The grace lets Tune terminate the trial actor first, so its Train run is not torn down under it.
+    """
+
+    def __init__(self, experiment_url: str, grace_s: float = 3.0) -> None:
+        self.experiment_url = experiment_url
+        self.grace_s = grace_s
+        self.pending: List[Tuple[float, List[Any]]] = []
+
+    def __getstate__(self) -> Dict[str, Any]:  # pickled into the sweep's tuner.pkl: nothing pending
+        return {"experiment_url": self.experiment_url, "grace_s": self.grace_s, "pending": []}
+
+    def _registry(self) -> Any:
+        import ray
+
+        try:
+            return ray.get_actor(_registry_name(self.experiment_url))
+        except ValueError:
+            return None
+
+    def _trial_ended(self, trial: Any) -> None:
+        import time
+
+        import ray
+
+        registry = self._registry()
+        if registry is not None:  # take the groups now: a retried trial registers new ones
+            self.pending.append((time.monotonic(), ray.get(registry.pop.remote(trial.trial_id))))
+
+    def on_trial_complete(self, iteration, trials, trial, **info):
+        self._trial_ended(trial)
+
+    def on_trial_error(self, iteration, trials, trial, **info):
+        self._trial_ended(trial)
+
+    def on_trial_recover(self, iteration, trials, trial, **info):
+        self._trial_ended(trial)
+
+    def on_step_begin(self, iteration, trials, **info):
+        import time
+
+        if not self.pending:
+            return
+        now = time.monotonic()
+        due = [groups for ended, groups in self.pending if now - ended >= self.grace_s]
+        self.pending = [(ended, groups) for ended, groups in self.pending if now - ended < self.grace_s]
+        for groups in due:
+            _release_placement_groups(groups)
+
+    def on_experiment_end(self, trials, **info):
+        for _, groups in self.pending:
+            _release_placement_groups(groups)
+        self.pending = []

@@ -1,0 +1,232 @@
+"""`SweepResult`: the table of a sweep's trials, the best algorithm set and its best checkpoint."""
+from __future__ import annotations
+import math
+import numbers
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+from raytrain_events.ray.tune_sets import _normalize_set, algorithm_set_label
+
+#: Global Timestamp keys in every reported entry; any of them can be a scheduler's ``time_attr``.
+TIME_ATTRS = ("time/epoch", "time/batch", "time/sample", "time/token")
+#: File a finished trial writes into its Tune trial folder (its history, checkpoints, run URL).
+TRIAL_RECORD = "raytrain_trial.json"
+#: The Train run name of every trial (the run folder inside the trial folder).
+TRIAL_RUN_NAME = "train"
+_UNIT_KEYS = {"ep": "time/epoch", "ba": "time/batch", "sp": "time/sample", "tok": "time/token"}
+
+
+def _flatten(config: Mapping[str, Any], prefix: str = "") -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(_flatten(value, name + "/"))
+        else:
+            out[name] = value
+    return out
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _native(value: Any) -> Any:
+    """numpy scalars (from Tune's result frames) as Python values."""
+    return value.item() if hasattr(value, "item") and getattr(value, "shape", None) == () else value
+
+
+def _history_of(result: Any) -> List[Dict[str, Any]]:
+    """The entries Tune received for one trial (from its result.json), NaN-free."""
+    frame = None
+    try:
+        frame = result.metrics_dataframe
+    except Exception:  # no result files (trial never reported)
+        frame = None
+    if frame is None or len(frame) == 0:
+        return [dict(result.metrics)] if result.metrics else []
+    entries = []
+    for row in frame.to_dict("records"):
+        row = {k: _native(v) for k, v in row.items()}
+        entries.append({k: v for k, v in row.items() if not (isinstance(v, float) and math.isnan(v))})
+    return entries
+
+
+@dataclass
+class SweepResult:
+    """The outcome of `sweep`: one row per trial, best first, and the best algorithm set.
+
+    ``rows`` are dicts with ``trial_id``, ``algorithms`` (the set's label),
+    ``algorithm_specs`` (the set as given), the trial's other ``params`` (flattened, also as
+    top-level keys), the metric (its last reported value), ``time/epoch|batch|sample|token`` and
+    ``world_size`` of the last result Tune got, ``status`` (``"completed"``: reached
+    ``max_duration``; ``"stopped"``: stopped early by the scheduler; ``"error"``), ``error``,
+    ``checkpoint`` (the trial's best checkpoint path or None), ``run_url`` (its Train run folder)
+    and ``path`` (its Tune trial folder).
+    """
+
+    metric: str
+    mode: str
+    rows: List[Dict[str, Any]]
+    path: str
+    result_grid: Any = None
+    histories: Dict[str, List[Dict[str, Any]]] = field(default_factory=dict)
+    time_attr: str = "time/sample"
+
+    @property
+    def best(self) -> Optional[Dict[str, Any]]:
+        """The best trial's row: the best last value of the metric among trials that did not fail."""
+        if not self.rows or self.rows[0].get(self.metric) is None or self.rows[0]["status"] == "error":
+            return None
+        return self.rows[0]
+
+    @property
+    def best_algorithms(self) -> Optional[List[Any]]:
+        """The best trial's algorithm set (a list of specs)."""
+        return None if self.best is None else self.best["algorithm_specs"]
+
+    @property
+    def best_label(self) -> Optional[str]:
+        return None if self.best is None else self.best["algorithms"]
+
+    @property
+    def best_config(self) -> Optional[Dict[str, Any]]:
+        """The best trial's full config (as Tune sampled it)."""
+        return None if self.best is None else self.best["config"]
+
+    @property
+    def best_checkpoint(self) -> Optional[str]:
+        """Path/URL of the best trial's best checkpoint (None if it saved none)."""
+        return None if self.best is None else self.best["checkpoint"]
+
+    @property
+    def errors(self) -> List[Dict[str, Any]]:
+        return [row for row in self.rows if row["status"] == "error"]
+
+    def to_table(self) -> str:
+        """A plain-text table of the trials, best first (``*`` marks the best)."""
+        params = sorted({k for row in self.rows for k in row["params"]})
+        times = [self.time_attr] if self.time_attr in TIME_ATTRS else []
+        times += [t for t in ("time/sample",) if t not in times]
+        header = ["", "trial", "status", "algorithms", *params, self.metric, *times]
+        best = self.best
+        lines = []
+        for row in self.rows:
+            cells = ["*" if best is not None and row is best else "", row["trial_id"], row["status"], row["algorithms"]]
+            cells += [_fmt(row["params"].get(p)) for p in params]
+            cells += [_fmt(row.get(self.metric))] + [_fmt(row.get(t)) for t in times]
+            lines.append(cells)
+        widths = [max(len(str(c)) for c in column) for column in zip(header, *lines)]
+        out = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths)).rstrip()]
+        out.append("  ".join("-" * w for w in widths))
+        out += ["  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip() for cells in lines]
+        return "\n".join(out)
+
+    def __str__(self) -> str:
+        return self.to_table()
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _better(a: float, b: float, mode: str) -> bool:
+    return a > b if mode == "max" else a < b
+
+
+def _best_checkpoint(history: List[Dict[str, Any]], metric: str, mode: str, run_url: str,
+                     storage_options: Dict[str, Any]) -> Optional[str]:
+    """The reported checkpoint with the best metric (else the newest), or the newest saved one."""
+    best: Optional[Tuple[float, str]] = None
+    newest: Optional[str] = None
+    for entry in history:
+        path = entry.get("checkpoint_path")
+        if not path:
+            continue
+        newest = path
+        value = entry.get(metric)
+        if _finite(value) and (best is None or _better(value, best[0], mode) or value == best[0]):
+            best = (value, path)
+    if best is not None:
+        return best[1]
+    if newest is not None:
+        return newest
+    try:
+        from raytrain_events.checkpoint.store import latest_checkpoint
+        from raytrain_events.storage.fs import join
+
+        info = latest_checkpoint(join(run_url, "checkpoints"), storage_options=storage_options)
+    except Exception:  # no checkpoints, or checkpointing not available
+        return None
+    return None if info is None else info.url
+
+
+def _make_result(result_grid: Any, *, metric: str, mode: str, trainer: Mapping[str, Any], experiment_url: str,
+                 storage_options: Dict[str, Any], time_attr: str, max_t: Any = None) -> SweepResult:
+    from raytrain_events.core.time import TimeUnit, ensure_time
+    from raytrain_events.storage.fs import join
+
+    rows: List[Dict[str, Any]] = []
+    histories: Dict[str, List[Dict[str, Any]]] = {}
+    for result in result_grid:
+        config = dict(result.config or {})
+        history = _history_of(result)
+        last = history[-1] if history else dict(result.metrics or {})
+        trial_id = last.get("trial_id") or (result.metrics or {}).get("trial_id") or os.path.basename(result.path)
+        histories[trial_id] = history
+        values = [e[metric] for e in history if _finite(e.get(metric))]
+        specs = _normalize_set(config["algorithms"]) if "algorithms" in config else _normalize_set(trainer.get("algorithms"))
+        params = _flatten({k: v for k, v in config.items() if k != "algorithms"})
+        overrides = config.get("trainer") or {}
+        duration = ensure_time(overrides.get("max_duration", trainer.get("max_duration")), TimeUnit.EPOCH)
+        done_key = _UNIT_KEYS.get(duration.unit.value)
+        reached = done_key is not None and _finite(last.get(done_key)) and last[done_key] >= duration.value
+        # A scheduler stops a trial at its budget (ASHA's max_t with stop_last_trials), maybe one
+        # report before the trainer's own end: that trial completed too.
+        budget = _finite(max_t) and _finite(last.get(time_attr)) and last[time_attr] >= max_t
+        if result.error is not None:
+            status = "error"
+        elif last.get("final") or reached or budget:
+            status = "completed"
+        elif history:
+            status = "stopped"
+        else:
+            status = "no results"
+        run_url = join(experiment_url, os.path.basename(result.path.rstrip("/")), TRIAL_RUN_NAME)
+        row: Dict[str, Any] = {
+            "trial_id": trial_id,
+            "algorithms": algorithm_set_label(specs),
+            "algorithm_specs": specs,
+            **params,
+            "params": params,
+            "config": config,
+            metric: values[-1] if values else None,
+            **{t: last.get(t) for t in TIME_ATTRS},
+            "world_size": last.get("world_size"),
+            "status": status,
+            "error": None if result.error is None else f"{type(result.error).__name__}: {result.error}",
+            "checkpoint": _best_checkpoint(history, metric, mode, run_url, storage_options),
+            "run_url": run_url,
+            "path": result.path,
+        }
+        rows.append(row)
+
+    def key(row: Dict[str, Any]):  # best first; trials that failed rank after all that did not
+        value = row[metric]
+        if value is None:
+            return (2, 0.0, row["trial_id"])
+        return (1 if row["status"] == "error" else 0, -value if mode == "max" else value, row["trial_id"])
+
+    rows.sort(key=key)
+    return SweepResult(metric=metric, mode=mode, rows=rows, path=experiment_url, result_grid=result_grid,
+                       histories=histories, time_attr=time_attr)
+
+
+# ----------------------------------------------------------------------------------------------
+# sweep()
+# ----------------------------------------------------------------------------------------------
