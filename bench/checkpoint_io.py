@@ -41,6 +41,7 @@ Usage::
     python bench/checkpoint_io.py --mb 16 --repeats 9 --s3-mb 16 --s3-repeats 9
     python bench/checkpoint_io.py --no-s3 --no-train
 """
+
 from __future__ import annotations
 
 import argparse
@@ -81,7 +82,7 @@ from raytrain_events.models import ClassifierModel  # noqa: E402
 from raytrain_events.storage import fs as sfs  # noqa: E402
 
 TARGET = 0.9
-MiB = float(2 ** 20)
+MiB = float(2**20)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -142,8 +143,13 @@ _MOTO_CHILD = (
 def s3_server():
     """moto's S3 API on 127.0.0.1 in a child process; yields (root_url, storage_options)."""
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-c", _MOTO_CHILD, str(port)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _MOTO_CHILD, str(port)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         for line in proc.stdout:  # moto prints its own banner first
             if line.strip() == "ready":
@@ -163,11 +169,15 @@ def s3_server():
         import s3fs
 
         # Same as tests/conftest.py: the bucket is made by a client without a region.
-        maker = s3fs.S3FileSystem(key="testing", secret="testing", skip_instance_cache=True,
-                                  client_kwargs={"endpoint_url": endpoint})
+        maker = s3fs.S3FileSystem(
+            key="testing", secret="testing", skip_instance_cache=True, client_kwargs={"endpoint_url": endpoint}
+        )
         maker.mkdir("bench-bucket")
-        options = {"key": "testing", "secret": "testing",
-                   "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+        options = {
+            "key": "testing",
+            "secret": "testing",
+            "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+        }
         yield f"s3://bench-bucket/{uuid.uuid4().hex[:8]}", options
     finally:
         with contextlib.suppress(Exception):
@@ -195,6 +205,7 @@ def save_arms(root: str, opts: dict, sd: dict, data: bytes) -> Dict[str, Callabl
             buf = io.BytesIO()
             torch.save(sd, buf)
             fs.pipe_file(path, buf.getvalue())
+
         t = timed(go)
         _rm(fs, path)
         return t
@@ -207,13 +218,18 @@ def save_arms(root: str, opts: dict, sd: dict, data: bytes) -> Dict[str, Callabl
 
     def ours(r: int) -> float:
         box = {}
-        t = timed(lambda: box.setdefault("info", write_checkpoint(
-            root, files={"state.pt": sd}, timestamp={"batch": r}, world_size=1, storage_options=opts)))
+        t = timed(
+            lambda: box.setdefault(
+                "info",
+                write_checkpoint(
+                    root, files={"state.pt": sd}, timestamp={"batch": r}, world_size=1, storage_options=opts
+                ),
+            )
+        )
         _rm(fs, sfs.resolve(box["info"].url, opts)[1])
         return t
 
-    return {"raw (torch.save+pipe_file)": raw, "raw bytes only (pipe_file)": raw_bytes,
-            "ours write_checkpoint": ours}
+    return {"raw (torch.save+pipe_file)": raw, "raw bytes only (pipe_file)": raw_bytes, "ours write_checkpoint": ours}
 
 
 def load_arms(url: str, opts: dict, sd: dict) -> Dict[str, Callable[[int], float]]:
@@ -228,8 +244,7 @@ def load_arms(url: str, opts: dict, sd: dict) -> Dict[str, Callable[[int], float
             v.copy_(got[k])
 
     def raw(r: int) -> float:
-        return timed(lambda: torch.load(io.BytesIO(fs.cat_file(payload)), weights_only=True,
-                                        map_location="cpu"))
+        return timed(lambda: torch.load(io.BytesIO(fs.cat_file(payload)), weights_only=True, map_location="cpu"))
 
     def raw_bytes(r: int) -> float:
         return timed(lambda: fs.cat_file(payload))
@@ -238,14 +253,20 @@ def load_arms(url: str, opts: dict, sd: dict) -> Dict[str, Callable[[int], float
         return timed(lambda: read_checkpoint(url, storage_options=opts))
 
     def raw_copy(r: int) -> float:
-        return timed(lambda: copy_into(torch.load(io.BytesIO(fs.cat_file(payload)),
-                                                  weights_only=True, map_location="cpu")))
+        return timed(
+            lambda: copy_into(torch.load(io.BytesIO(fs.cat_file(payload)), weights_only=True, map_location="cpu"))
+        )
 
     def ours_copy(r: int) -> float:
         return timed(lambda: copy_into(read_checkpoint(url, storage_options=opts).files["state.pt"]))
 
-    return {"raw (cat_file+torch.load)": raw, "raw bytes only (cat_file)": raw_bytes,
-            "ours read_checkpoint": ours, "raw + copy_": raw_copy, "ours + copy_": ours_copy}
+    return {
+        "raw (cat_file+torch.load)": raw,
+        "raw bytes only (cat_file)": raw_bytes,
+        "ours read_checkpoint": ours,
+        "raw + copy_": raw_copy,
+        "ours + copy_": ours_copy,
+    }
 
 
 # --------------------------------------------------------------------------- profile
@@ -269,12 +290,14 @@ class _Prof:
                 self.t[name] = self.t.get(name, 0.0) + dt - nested
                 if self.stack:
                     self.stack[-1][0] += dt
+
         return inner
 
 
 @contextlib.contextmanager
 def profiled(prof: _Prof):
     """Patch format.py's module globals (and torch.save/torch.load, os.fsync) with timed versions."""
+
     class _Hashlib:
         sha256 = staticmethod(prof.wrap("sha256 (separate pass)", hashlib.sha256))
 
@@ -287,8 +310,11 @@ def profiled(prof: _Prof):
         "hashlib": _Hashlib,
     }
     old = {k: getattr(fmt, k) for k in patches}
-    globals_ = [(torch, "save", "torch.save (local: incl. sha256, write)"),
-                (torch, "load", "torch.load weights_only (local: mmap)"), (os, "fsync", "fsync")]
+    globals_ = [
+        (torch, "save", "torch.save (local: incl. sha256, write)"),
+        (torch, "load", "torch.load weights_only (local: mmap)"),
+        (os, "fsync", "fsync"),
+    ]
     old_globals = [(mod, name, getattr(mod, name)) for mod, name, _ in globals_]
     try:
         for k, v in patches.items():
@@ -311,8 +337,9 @@ def profile(root: str, opts: dict, sd: dict, repeats: int) -> Dict[str, Dict[str
         p = _Prof()
         with profiled(p):
             t = time.perf_counter()
-            info = write_checkpoint(root, files={"state.pt": sd}, timestamp={"batch": 1000 + r},
-                                    world_size=1, storage_options=opts)
+            info = write_checkpoint(
+                root, files={"state.pt": sd}, timestamp={"batch": 1000 + r}, world_size=1, storage_options=opts
+            )
             p.t["TOTAL"] = time.perf_counter() - t
         for k, v in p.t.items():
             saves.setdefault(k, []).append(v)
@@ -365,8 +392,9 @@ def s3_request_counts(root: str, opts: dict, sd: dict, data: bytes) -> Dict[str,
     out["load raw (cat_file)"] = fmt_calls(c)
     _rm(fs, raw_path)
     with count_requests(fs) as c:
-        info = write_checkpoint(root, files={"state.pt": sd}, timestamp={"batch": 2000},
-                                world_size=1, storage_options=opts)
+        info = write_checkpoint(
+            root, files={"state.pt": sd}, timestamp={"batch": 2000}, world_size=1, storage_options=opts
+        )
     out["save ours write_checkpoint"] = fmt_calls(c)
     with count_requests(fs) as c:
         read_checkpoint(info.url, storage_options=opts)
@@ -398,6 +426,7 @@ def local_write_variants(root_path: str, data: bytes, repeats: int) -> Dict[str,
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
+
         t = timed(go)
         os.unlink(p)
         return t
@@ -411,9 +440,15 @@ def local_write_variants(root_path: str, data: bytes, repeats: int) -> Dict[str,
     def sha(r):
         return timed(lambda: hashlib.sha256(data).hexdigest())
 
-    return interleave({"pipe_file (no fsync)": plain, "open+write+fsync": fsync_only,
-                       "_local_replace (tmp+fsync+rename)": ours_atomic, "sha256 of the bytes": sha},
-                      repeats)
+    return interleave(
+        {
+            "pipe_file (no fsync)": plain,
+            "open+write+fsync": fsync_only,
+            "_local_replace (tmp+fsync+rename)": ours_atomic,
+            "sha256 of the bytes": sha,
+        },
+        repeats,
+    )
 
 
 # --------------------------------------------------------------------------- 3: training
@@ -423,7 +458,7 @@ class _Gaps(Callback):
     def __init__(self) -> None:
         self.t_start = self.t_end = None
         self.end_batch = -1
-        self.gaps: Dict[int, float] = {}   # batch number that just ended -> gap to next start
+        self.gaps: Dict[int, float] = {}  # batch number that just ended -> gap to next start
         self.steps: Dict[int, float] = {}  # batch number -> BATCH_START..BATCH_END
 
     def batch_start(self, state, logger):
@@ -449,8 +484,14 @@ def _train_model(mb: int) -> tuple:
     return ClassifierModel(torch.nn.Sequential(*layers), num_classes=10), hidden
 
 
-SAVE_PARTS = ("rng file write (outside _write)", "state.state_dict()", "_cpu_copy",
-              "writer.submit (waits for prev)", "_write (serialize..commit)", "other")
+SAVE_PARTS = (
+    "rng file write (outside _write)",
+    "state.state_dict()",
+    "_cpu_copy",
+    "writer.submit (waits for prev)",
+    "_write (serialize..commit)",
+    "other",
+)
 
 
 class _SaveTimer:
@@ -472,6 +513,7 @@ class _SaveTimer:
             finally:
                 self.cur[name] = self.cur.get(name, 0.0) + time.perf_counter() - t
                 self.depth -= 1
+
         return inner
 
     def wrap_save(self, fn: Callable) -> Callable:
@@ -485,6 +527,7 @@ class _SaveTimer:
                 self.cur["other"] = total - sum(self.cur.values())
                 self.cur["TOTAL"] = total
                 self.calls.append(self.cur)
+
         return inner
 
     @contextlib.contextmanager
@@ -516,13 +559,23 @@ def train_run(mode: str, mb: int, every: int, saves: int, workdir: str) -> dict:
     ckpt = None
     folder = os.path.join(workdir, f"run-{mode}-{uuid.uuid4().hex[:6]}", "checkpoints")
     if mode != "none":
-        ckpt = CheckpointConfig(save_folder=folder, save_interval=f"{every}ba",
-                                save_every_n_seconds=None, lock_run_dir=False, save_final=False,
-                                save_on_sigterm=False, async_save=(mode == "async"))
-    trainer = raytrain_events.Trainer(model=model, train_dataloader=loader,
-                                      max_duration=f"{batches}ba",
-                                      optimizers=torch.optim.SGD(model.parameters(), lr=1e-3),
-                                      callbacks=[gaps], checkpoint=ckpt)
+        ckpt = CheckpointConfig(
+            save_folder=folder,
+            save_interval=f"{every}ba",
+            save_every_n_seconds=None,
+            lock_run_dir=False,
+            save_final=False,
+            save_on_sigterm=False,
+            async_save=(mode == "async"),
+        )
+    trainer = raytrain_events.Trainer(
+        model=model,
+        train_dataloader=loader,
+        max_duration=f"{batches}ba",
+        optimizers=torch.optim.SGD(model.parameters(), lr=1e-3),
+        callbacks=[gaps],
+        checkpoint=ckpt,
+    )
     timer = _SaveTimer()
     with timer.patched(trainer) if mode != "none" else contextlib.nullcontext():
         t = time.perf_counter()
@@ -541,11 +594,18 @@ def train_run(mode: str, mb: int, every: int, saves: int, workdir: str) -> dict:
     other_gaps = [v for b, v in gaps.gaps.items() if b not in save_batches and b > 1]
     other_steps = [v for b, v in gaps.steps.items() if b not in save_batches and b - 1 not in save_batches and b > 1]
     after_save = [v for b, v in gaps.steps.items() if b - 1 in save_batches]
-    return {"blocked": med(ckpt_gaps) - med(other_gaps), "gap_base": med(other_gaps),
-            "step": med(other_steps), "step_after_save": med(after_save), "fit": fit_s,
-            "n_saved": len(saved), "hidden": hidden,
-            "save_parts": {k: med([c.get(k, 0.0) for c in timer.calls])
-                           for k in SAVE_PARTS + ("TOTAL",)} if timer.calls else {}}
+    return {
+        "blocked": med(ckpt_gaps) - med(other_gaps),
+        "gap_base": med(other_gaps),
+        "step": med(other_steps),
+        "step_after_save": med(after_save),
+        "fit": fit_s,
+        "n_saved": len(saved),
+        "hidden": hidden,
+        "save_parts": {k: med([c.get(k, 0.0) for c in timer.calls]) for k in SAVE_PARTS + ("TOTAL",)}
+        if timer.calls
+        else {},
+    }
 
 
 def training(mb: int, every: int, saves: int, repeats: int, workdir: str) -> Dict[str, List[dict]]:
@@ -565,8 +625,9 @@ def verdict(ratio: float) -> str:
     return "PASS" if ratio >= TARGET else "MISS"
 
 
-def print_io_table(title: str, size: int, res: Dict[str, List[float]], ours_key: str,
-                   raw_key: str, also: tuple = ()) -> tuple:
+def print_io_table(
+    title: str, size: int, res: Dict[str, List[float]], ours_key: str, raw_key: str, also: tuple = ()
+) -> tuple:
     """Print MB/s per arm; returns the (ours/raw, best-of) ratios.
 
     The ratio is of median throughputs (PASS/MISS uses it). "best" is the ratio of the fastest
@@ -582,8 +643,7 @@ def print_io_table(title: str, size: int, res: Dict[str, List[float]], ours_key:
         return (med(res[raw_key]) / med(res[key]), min(res[raw_key]) / min(res[key]))
 
     ours = ratios(ours_key)
-    print(f"    {'ours/raw':<30} {ours[0]:8.2f}x   target >= {TARGET:.1f}x  {verdict(ours[0])}"
-          f"   (best {ours[1]:.2f}x)")
+    print(f"    {'ours/raw':<30} {ours[0]:8.2f}x   target >= {TARGET:.1f}x  {verdict(ours[0])}   (best {ours[1]:.2f}x)")
     for o, r in also:  # (ours key, raw key) pairs reported without a target
         x = (med(res[r]) / med(res[o]), min(res[r]) / min(res[o]))
         print(f"    {o + ' / ' + r:<30} {x[0]:8.2f}x   (best {x[1]:.2f}x; no target)")
@@ -593,8 +653,7 @@ def print_io_table(title: str, size: int, res: Dict[str, List[float]], ours_key:
 def print_profile(title: str, prof: Dict[str, List[float]]) -> None:
     prof = dict(prof)
     parts = [k for k in prof if k != "TOTAL"]
-    prof["other (Python, json, checks)"] = [
-        tot - sum(prof[k][i] for k in parts) for i, tot in enumerate(prof["TOTAL"])]
+    prof["other (Python, json, checks)"] = [tot - sum(prof[k][i] for k in parts) for i, tot in enumerate(prof["TOTAL"])]
     total = med(prof["TOTAL"])
     print(f"  {title}: median ms per step [min-max] (share of the median total)")
     for k, v in sorted(prof.items(), key=lambda kv: -med(kv[1])):
@@ -611,10 +670,12 @@ def main() -> None:
     ap.add_argument("--train-repeats", type=int, default=3, help="training runs per arm")
     ap.add_argument("--every", type=int, default=5, help="training: save every N (>= 3) batches")
     ap.add_argument("--saves", type=int, default=3, help="training: saves per fit()")
-    ap.add_argument("--s3-mb", type=int, default=16,
-                    help="state size for the S3 server (default 16: moto moves ~25 MB/s)")
-    ap.add_argument("--s3-repeats", type=int, default=7,
-                    help="repeats on the S3 server (default 7: its timings are the noisiest)")
+    ap.add_argument(
+        "--s3-mb", type=int, default=16, help="state size for the S3 server (default 16: moto moves ~25 MB/s)"
+    )
+    ap.add_argument(
+        "--s3-repeats", type=int, default=7, help="repeats on the S3 server (default 7: its timings are the noisiest)"
+    )
     ap.add_argument("--no-s3", action="store_true")
     ap.add_argument("--no-train", action="store_true")
     args = ap.parse_args()
@@ -624,11 +685,12 @@ def main() -> None:
 
     work = tempfile.mkdtemp(prefix="ckpt-bench-")
     summary: List[tuple] = []
-    print(f"checkpoint_io: torch {torch.__version__}, {os.cpu_count()} CPUs, "
-          f"load avg {os.getloadavg()[0]:.1f}; median MB/s [min-max], median ms")
+    print(
+        f"checkpoint_io: torch {torch.__version__}, {os.cpu_count()} CPUs, "
+        f"load avg {os.getloadavg()[0]:.1f}; median MB/s [min-max], median ms"
+    )
     try:
-        backends = [("local", args.mb, args.repeats,
-                     contextlib.nullcontext((os.path.join(work, "store"), {})))]
+        backends = [("local", args.mb, args.repeats, contextlib.nullcontext((os.path.join(work, "store"), {})))]
         if not args.no_s3:
             backends.append(("s3 (moto)", args.s3_mb, args.s3_repeats, s3_server()))
         for label, mb, repeats, cm in backends:
@@ -639,8 +701,9 @@ def main() -> None:
                 fs, root_path = sfs.resolve(root, opts)
                 fs.makedirs(root_path, exist_ok=True)
                 # warm-up: first PUT/listing/connection setup, page cache, torch.load import
-                info = write_checkpoint(root, files={"state.pt": sd}, timestamp={"batch": 0},
-                                        world_size=1, storage_options=opts)
+                info = write_checkpoint(
+                    root, files={"state.pt": sd}, timestamp={"batch": 0}, world_size=1, storage_options=opts
+                )
                 got = read_checkpoint(info.url, storage_options=opts).files["state.pt"]
                 assert all(torch.equal(got[k], sd[k]) for k in sd)
                 del got
@@ -648,13 +711,17 @@ def main() -> None:
                     arm(0)
                 print(f"\n[{label}] state.pt {size / MiB:.1f} MiB, {repeats} repeats, root={root}")
                 res = interleave(save_arms(root, opts, sd, data), repeats)
-                ratio = print_io_table("save", size, res, "ours write_checkpoint",
-                                       "raw (torch.save+pipe_file)")
+                ratio = print_io_table("save", size, res, "ours write_checkpoint", "raw (torch.save+pipe_file)")
                 summary.append((f"save {label} {mb} MiB", ratio))
                 res = interleave(load_arms(info.url, opts, sd), repeats)
-                ratio = print_io_table("load", size, res, "ours read_checkpoint",
-                                       "raw (cat_file+torch.load)",
-                                       also=(("ours + copy_", "raw + copy_"),))
+                ratio = print_io_table(
+                    "load",
+                    size,
+                    res,
+                    "ours read_checkpoint",
+                    "raw (cat_file+torch.load)",
+                    also=(("ours + copy_", "raw + copy_"),),
+                )
                 summary.append((f"load {label} {mb} MiB", ratio))
                 prof = profile(root, opts, sd, max(3, repeats // 2 + 1))
                 print_profile(f"profile write_checkpoint [{label}]", prof["save"])
@@ -667,35 +734,49 @@ def main() -> None:
                     v = local_write_variants(root_path, data, repeats)
                     print("  local write variants of the same bytes (median ms [min-max], MB/s):")
                     for k, secs in v.items():
-                        print(f"    {k:<40} {med(secs) * 1e3:7.1f} ms {rng_str(secs, 1e3):>13}  "
-                              f"{size / MiB / med(secs):6.0f} MB/s")
+                        print(
+                            f"    {k:<40} {med(secs) * 1e3:7.1f} ms {rng_str(secs, 1e3):>13}  "
+                            f"{size / MiB / med(secs):6.0f} MB/s"
+                        )
                 _rm(fs, root_path)
             del sd, data
 
         if not args.no_train:
             sd = state_of_size(args.mb)
             pre = {k: torch.empty_like(v) for k, v in sd.items()}
-            copies = interleave({"clone": lambda r: timed(lambda: _cpu_copy(sd)),
-                                 "prealloc": lambda r: timed(lambda: [pre[k].copy_(v) for k, v in sd.items()])},
-                                2 * args.repeats + 1)
+            copies = interleave(
+                {
+                    "clone": lambda r: timed(lambda: _cpu_copy(sd)),
+                    "prealloc": lambda r: timed(lambda: [pre[k].copy_(v) for k, v in sd.items()]),
+                },
+                2 * args.repeats + 1,
+            )
             t_copy, t_pre = copies["clone"][1:], copies["prealloc"][1:]
             del sd, pre
             tr = training(args.mb, args.every, args.saves, args.train_repeats, work)
             hidden = tr["none"][0]["hidden"]
-            print(f"\n[training] local, 4x Linear({hidden},{hidden}) + Linear({hidden},10) "
-                  f"(~{args.mb} MiB params), SGD, batch 16, 1 torch thread, save every "
-                  f"{args.every} ba x {args.saves} saves, {args.train_repeats} interleaved runs per arm")
-            print(f"    {'arm':<7} {'blocked ms/save':>22} {'gap ms (no save)':>17} {'step ms':>9} "
-                  f"{'step after save':>16} {'fit s':>7}")
+            print(
+                f"\n[training] local, 4x Linear({hidden},{hidden}) + Linear({hidden},10) "
+                f"(~{args.mb} MiB params), SGD, batch 16, 1 torch thread, save every "
+                f"{args.every} ba x {args.saves} saves, {args.train_repeats} interleaved runs per arm"
+            )
+            print(
+                f"    {'arm':<7} {'blocked ms/save':>22} {'gap ms (no save)':>17} {'step ms':>9} "
+                f"{'step after save':>16} {'fit s':>7}"
+            )
             for m, runs in tr.items():
                 bl = [x["blocked"] * 1e3 for x in runs]
                 blocked = "-" if m == "none" else f"{med(bl):7.0f} {rng_str(bl):>13}"
-                print(f"    {m:<7} {blocked:>22} {med([x['gap_base'] * 1e3 for x in runs]):17.1f} "
-                      f"{med([x['step'] * 1e3 for x in runs]):9.1f} "
-                      f"{med([x['step_after_save'] * 1e3 for x in runs]):16.1f} "
-                      f"{med([x['fit'] for x in runs]):7.2f}")
-            print("  training-thread time inside Checkpointer.save(), median ms per save "
-                  "(the rest of 'blocked' is GIL/CPU contention with the writer after save() returns):")
+                print(
+                    f"    {m:<7} {blocked:>22} {med([x['gap_base'] * 1e3 for x in runs]):17.1f} "
+                    f"{med([x['step'] * 1e3 for x in runs]):9.1f} "
+                    f"{med([x['step_after_save'] * 1e3 for x in runs]):16.1f} "
+                    f"{med([x['fit'] for x in runs]):7.2f}"
+                )
+            print(
+                "  training-thread time inside Checkpointer.save(), median ms per save "
+                "(the rest of 'blocked' is GIL/CPU contention with the writer after save() returns):"
+            )
             print(f"    {'step':<34} {'sync':>8} {'async':>8}")
             for k in SAVE_PARTS + ("TOTAL",):
                 vals = [med([x["save_parts"][k] * 1e3 for x in tr[m]]) for m in ("sync", "async")]
@@ -703,14 +784,20 @@ def main() -> None:
             b_async = med([x["blocked"] for x in tr["async"]])
             b_sync = med([x["blocked"] for x in tr["sync"]])
             f_none = med([x["fit"] for x in tr["none"]])
-            print(f"    async/sync blocked ratio: {b_async / b_sync:.2f}x "
-                  f"(async saves {(1 - b_async / b_sync):.0%} of the blocked time)")
-            print(f"    _cpu_copy of a {args.mb} MiB state alone: {med(t_copy) * 1e3:.0f} ms; "
-                  f"copy_ into a preallocated CPU buffer instead: {med(t_pre) * 1e3:.0f} ms")
+            print(
+                f"    async/sync blocked ratio: {b_async / b_sync:.2f}x "
+                f"(async saves {(1 - b_async / b_sync):.0%} of the blocked time)"
+            )
+            print(
+                f"    _cpu_copy of a {args.mb} MiB state alone: {med(t_copy) * 1e3:.0f} ms; "
+                f"copy_ into a preallocated CPU buffer instead: {med(t_pre) * 1e3:.0f} ms"
+            )
             for m in ("sync", "async"):
                 extra = med([(x["fit"] - f_none) / x["n_saved"] for x in tr[m]])
-                print(f"    fit() time over the no-checkpoint run, per save: {m:<5} {extra * 1e3:6.0f} ms"
-                      f"  ({tr[m][0]['n_saved']} saves/run: the interval also fires at the last batch)")
+                print(
+                    f"    fit() time over the no-checkpoint run, per save: {m:<5} {extra * 1e3:6.0f} ms"
+                    f"  ({tr[m][0]['n_saved']} saves/run: the interval also fires at the last batch)"
+                )
             summary.append(("train blocked async/sync", b_async / b_sync))
 
         print("\nsummary")

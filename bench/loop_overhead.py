@@ -24,6 +24,7 @@ Usage::
 
 See bench/README.md for how to read the output and the numbers last measured.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -123,7 +124,7 @@ def timing(hidden: int, repeats: int, arms=("raw", "ours")) -> dict:
     runs = {arm: [] for arm in arms}
     for i in range(repeats):
         # Interleave, alternating which arm goes first, so drift and neighbours hit both alike.
-        for arm in (arms if i % 2 == 0 else arms[::-1]):
+        for arm in arms if i % 2 == 0 else arms[::-1]:
             runs[arm].append(ARMS[arm](hidden, X, Y, 3))
     return {arm: statistics.median(v) for arm, v in runs.items()} | {"all": runs}
 
@@ -162,16 +163,23 @@ def memory(hidden: int, repeats: int = 3) -> dict:
     for arm in ("raw", "ours") * repeats:
         proc = subprocess.run(
             [sys.executable, os.path.abspath(__file__), str(hidden), "--memory-child", arm],
-            check=True, capture_output=True, text=True,
+            check=True,
+            capture_output=True,
+            text=True,
         )
         rec = json.loads(proc.stdout.strip().splitlines()[-1])
         out.setdefault(arm, []).append(rec)
-    return {arm: {"before_mib": statistics.median(r["before_mib"] for r in recs),
-                  "peak_mib": statistics.median(r["peak_mib"] for r in recs),
-                  "hwm_reset": all(r["hwm_reset"] for r in recs)} for arm, recs in out.items()}
+    return {
+        arm: {
+            "before_mib": statistics.median(r["before_mib"] for r in recs),
+            "peak_mib": statistics.median(r["peak_mib"] for r in recs),
+            "hwm_reset": all(r["hwm_reset"] for r in recs),
+        }
+        for arm, recs in out.items()
+    }
 
 
-def _per_step_counts(hidden: int, arm: str, counter) -> "collections.Counter":
+def _per_step_counts(hidden: int, arm: str, counter) -> collections.Counter:
     """``counter(fn)`` counts something while ``fn`` runs; per step = (2 epochs - 1 epoch) / 64, so set-up cancels."""
     X, Y = data(hidden)
     ARMS[arm](hidden, X, Y, 1)  # warm-up
@@ -181,13 +189,15 @@ def _per_step_counts(hidden: int, arm: str, counter) -> "collections.Counter":
     return collections.Counter({k: (two[k] - one[k]) / steps for k in set(one) | set(two)})
 
 
-def _count_bytecodes(fn) -> "collections.Counter":
+def _count_bytecodes(fn) -> collections.Counter:
     counts: collections.Counter = collections.Counter()
 
     def local(frame, event, arg):
         if event == "opcode":
             code = frame.f_code
-            counts[f"{os.path.relpath(code.co_filename, ROOT) if code.co_filename.startswith(ROOT) else code.co_filename.split('site-packages/')[-1]}:{code.co_name}"] += 1
+            counts[
+                f"{os.path.relpath(code.co_filename, ROOT) if code.co_filename.startswith(ROOT) else code.co_filename.split('site-packages/')[-1]}:{code.co_name}"
+            ] += 1
         return local
 
     def trace(frame, event, arg):
@@ -233,12 +243,20 @@ def main() -> None:
     parser.add_argument("hidden", nargs="?", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-memory", action="store_true")
-    parser.add_argument("--breakdown", action="store_true",
-                        help="also time the plain loop calling the model through the protocol wrapper")
-    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                        help="wall: time.perf_counter (as the peers); cpu: time.thread_time (busy machines)")
-    parser.add_argument("--bytecodes", action="store_true",
-                        help="count Python bytecodes per step instead of timing (deterministic)")
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also time the plain loop calling the model through the protocol wrapper",
+    )
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall: time.perf_counter (as the peers); cpu: time.thread_time (busy machines)",
+    )
+    parser.add_argument(
+        "--bytecodes", action="store_true", help="count Python bytecodes per step instead of timing (deterministic)"
+    )
     parser.add_argument("--callgrind-child", nargs=2, metavar=("ARM", "EPOCHS"), help=argparse.SUPPRESS)
     parser.add_argument("--memory-child", choices=sorted(ARMS), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -255,21 +273,27 @@ def main() -> None:
         return
     arms = ("raw", "ours", "raw_protocol") if args.breakdown else ("raw", "ours")
     t = timing(args.hidden, args.repeats, arms)
-    print(f"hidden={args.hidden} clock={args.clock} repeats={args.repeats} raw_step_us={t['raw']*1e6:.1f} "
-          f"ours_step_us={t['ours']*1e6:.1f} ratio={t['ours']/t['raw']:.3f}")
+    print(
+        f"hidden={args.hidden} clock={args.clock} repeats={args.repeats} raw_step_us={t['raw'] * 1e6:.1f} "
+        f"ours_step_us={t['ours'] * 1e6:.1f} ratio={t['ours'] / t['raw']:.3f}"
+    )
     if args.breakdown:
-        print(f"  raw_protocol_step_us={t['raw_protocol']*1e6:.1f} (model wrapper share "
-              f"{(t['raw_protocol']-t['raw'])*1e6:+.1f} us, loop share {(t['ours']-t['raw_protocol'])*1e6:+.1f} us)")
+        print(
+            f"  raw_protocol_step_us={t['raw_protocol'] * 1e6:.1f} (model wrapper share "
+            f"{(t['raw_protocol'] - t['raw']) * 1e6:+.1f} us, loop share {(t['ours'] - t['raw_protocol']) * 1e6:+.1f} us)"
+        )
     for arm in arms:
-        print(f"  {arm:12s} runs (us): " + " ".join(f"{v*1e6:.1f}" for v in t["all"][arm]))
+        print(f"  {arm:12s} runs (us): " + " ".join(f"{v * 1e6:.1f}" for v in t["all"][arm]))
     if not args.no_memory:
         m = memory(args.hidden)
         r, o = m["raw"], m["ours"]
         how = "VmHWM after reset" if r["hwm_reset"] and o["hwm_reset"] else "ru_maxrss (no HWM reset)"
-        print(f"hidden={args.hidden} peak_rss_mib raw={r['peak_mib']:.1f} ours={o['peak_mib']:.1f} "
-              f"ratio={o['peak_mib']/r['peak_mib']:.3f} [{how}] (rss before training: raw={r['before_mib']:.1f} "
-              f"ours={o['before_mib']:.1f}; training adds raw={r['peak_mib']-r['before_mib']:.1f} "
-              f"ours={o['peak_mib']-o['before_mib']:.1f})")
+        print(
+            f"hidden={args.hidden} peak_rss_mib raw={r['peak_mib']:.1f} ours={o['peak_mib']:.1f} "
+            f"ratio={o['peak_mib'] / r['peak_mib']:.3f} [{how}] (rss before training: raw={r['before_mib']:.1f} "
+            f"ours={o['before_mib']:.1f}; training adds raw={r['peak_mib'] - r['before_mib']:.1f} "
+            f"ours={o['peak_mib'] - o['before_mib']:.1f})"
+        )
 
 
 if __name__ == "__main__":

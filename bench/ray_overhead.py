@@ -52,6 +52,7 @@ Usage::
 
 Exits 0 whatever the numbers; PASS/MISS lines compare with the targets.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -89,6 +90,7 @@ STALL_FACTOR = 5.0
 
 # ----------------------------------------------------------------------------- shared pieces
 # What runs on a worker is defined in __main__, so cloudpickle ships it by value.
+
 
 def make_net(hidden: int) -> nn.Module:
     torch.manual_seed(0)
@@ -130,9 +132,23 @@ def _start_profiler(profile_dir, tag: str):
 
     exe = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
     proc = subprocess.Popen(
-        [exe, "record", "--pid", str(os.getpid()), "--rate", "200", "--nonblocking", "--threads", "--idle",
-         "--format", "raw", "-o", os.path.join(profile_dir, f"{tag}.txt")],
-        stdout=open(os.path.join(profile_dir, f"{tag}.log"), "w"), stderr=subprocess.STDOUT,
+        [
+            exe,
+            "record",
+            "--pid",
+            str(os.getpid()),
+            "--rate",
+            "200",
+            "--nonblocking",
+            "--threads",
+            "--idle",
+            "--format",
+            "raw",
+            "-o",
+            os.path.join(profile_dir, f"{tag}.txt"),
+        ],
+        stdout=open(os.path.join(profile_dir, f"{tag}.log"), "w"),
+        stderr=subprocess.STDOUT,
         # Ray's worker threads block SIGINT and a child inherits the mask: unblock it so py-spy can be stopped.
         preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM}),
     )
@@ -179,8 +195,14 @@ class EpochClock(Callback):
         _end_epoch(self.epochs[-1], self.starts, int(state.timestamp.sample))
 
     def fit_end(self, state, logger) -> None:
-        record = {"rank": state.rank, "world": state.world_size, "t_entry": self.config.get("bench_t0"),
-                  "starts": self.starts, "epochs": self.epochs, "global_samples": True}
+        record = {
+            "rank": state.rank,
+            "world": state.world_size,
+            "t_entry": self.config.get("bench_t0"),
+            "starts": self.starts,
+            "epochs": self.epochs,
+            "global_samples": True,
+        }
         sink = self.config.get("bench_sink")
         if sink is not None:
             sink.append(record)
@@ -274,10 +296,18 @@ def _plain_loop(config: dict) -> None:
         _end_epoch(rec, starts, seen)
         epochs.append(rec)
         ray.train.report({"epoch": epoch + 1, "loss": float(loss)})
-    _write(config["bench_out"], f"{config['bench_tag']}-rank{ctx.get_world_rank()}.json", {
-        "rank": ctx.get_world_rank(), "world": ctx.get_world_size(), "t_entry": t_entry, "starts": starts,
-        "epochs": epochs, "global_samples": False,
-    })
+    _write(
+        config["bench_out"],
+        f"{config['bench_tag']}-rank{ctx.get_world_rank()}.json",
+        {
+            "rank": ctx.get_world_rank(),
+            "world": ctx.get_world_size(),
+            "t_entry": t_entry,
+            "starts": starts,
+            "epochs": epochs,
+            "global_samples": False,
+        },
+    )
 
 
 def run_plain(ds, args, out_dir: str, tag: str, storage: str):
@@ -287,8 +317,14 @@ def run_plain(ds, args, out_dir: str, tag: str, storage: str):
     t = time.perf_counter()
     TorchTrainer(
         plain_loop,
-        train_loop_config={"hidden": args.hidden, "epochs": args.epochs, "batch_size": B,
-                           "bench_out": out_dir, "bench_tag": tag, "profile": args.profile},
+        train_loop_config={
+            "hidden": args.hidden,
+            "epochs": args.epochs,
+            "batch_size": B,
+            "bench_out": out_dir,
+            "bench_tag": tag,
+            "profile": args.profile,
+        },
         scaling_config=ray.train.ScalingConfig(num_workers=args.workers),
         datasets={"train": ds},
         run_config=ray.train.RunConfig(name=tag, storage_path=storage),
@@ -397,14 +433,19 @@ def _collective(dist, hidden: int, iters: int, block: int) -> dict:
         step()
         dist.sum_ints_async([B, 0, 0]).wait()
 
-    modes = {"counter_blocking": counter_blocking, "raw_allreduce": raw_allreduce, "step": step,
-             "step_overlapped": step_overlapped, "step_then_blocking": step_then_blocking}
+    modes = {
+        "counter_blocking": counter_blocking,
+        "raw_allreduce": raw_allreduce,
+        "step": step,
+        "step_overlapped": step_overlapped,
+        "step_then_blocking": step_then_blocking,
+    }
     for fn in modes.values():  # warm up
         timed(fn, 20)
     times: dict = {k: [] for k in modes}
     names = list(modes)
     for i in range(max(1, iters // block)):  # interleaved blocks, rotating the order
-        for k in names[i % len(names):] + names[: i % len(names)]:
+        for k in names[i % len(names) :] + names[: i % len(names)]:
             times[k].append(timed(modes[k], block))
     return times
 
@@ -433,13 +474,22 @@ def _ab(config: dict, train, train_torch) -> list:
         seen, loss = _plain_epoch(model, opt, shard, starts, 0, B)
         _end_epoch(epoch, starts, seen)
         train.report({"loss": float(loss)})
-        rec = {"world": train.get_context().get_world_size(), "starts": starts, "global_samples": False, "t_entry": t_build}
+        rec = {
+            "world": train.get_context().get_world_size(),
+            "starts": starts,
+            "global_samples": False,
+            "t_entry": t_build,
+        }
         return rec, epoch
 
     ours_epoch(), plain_epoch()  # warm-up round, not recorded
     rounds = []
     for i in range(config["ab_rounds"]):
-        order = (("ours", ours_epoch), ("plain", plain_epoch)) if i % 2 == 0 else (("plain", plain_epoch), ("ours", ours_epoch))
+        order = (
+            (("ours", ours_epoch), ("plain", plain_epoch))
+            if i % 2 == 0
+            else (("plain", plain_epoch), ("ours", ours_epoch))
+        )
         result = {}
         for arm, run_epoch in order:
             rec, epoch = run_epoch()
@@ -455,12 +505,18 @@ def run_diagnostics(ds, args, out_dir: str, storage: str) -> dict:
 
     # Ours reports only at FIT_END here, outside the timed epoch, as plain reports after its epoch:
     # the A/B compares the loops; the reporting cadence is part 1's business.
-    spec = ours_trainer(ds, args, max_duration="1ep", out_dir=out_dir, tag="ab", storage=storage,
-                        report_interval="1000000ba").spec
+    spec = ours_trainer(
+        ds, args, max_duration="1ep", out_dir=out_dir, tag="ab", storage=storage, report_interval="1000000ba"
+    ).spec
     TorchTrainer(
         diag_loop,
-        train_loop_config={"hidden": args.hidden, "collective_iters": args.collective_iters,
-                           "ab_rounds": args.ab_rounds, "bench_out": out_dir, "spec": spec},
+        train_loop_config={
+            "hidden": args.hidden,
+            "collective_iters": args.collective_iters,
+            "ab_rounds": args.ab_rounds,
+            "bench_out": out_dir,
+            "spec": spec,
+        },
         scaling_config=ray.train.ScalingConfig(num_workers=max(2, args.workers)),
         datasets={"train": ds},
         run_config=ray.train.RunConfig(name="diagnostics", storage_path=storage),
@@ -480,9 +536,14 @@ def main() -> None:
     parser.add_argument("--collective-iters", type=int, default=2000, help="calls per collective mode (0: skip)")
     parser.add_argument("--ab-rounds", type=int, default=6, help="ours/plain epoch pairs in the in-run A/B (0: skip)")
     parser.add_argument("--skip-diagnostics", action="store_true", help="no collective timing, no in-run A/B")
-    parser.add_argument("--ours-report-interval", metavar="TIME",
-                        help="RayTrainer(report_interval=...) for ours (default: RayTrainer's own default)")
-    parser.add_argument("--profile", metavar="DIR", help="attach py-spy to rank 0 of each end-to-end run; stacks to DIR")
+    parser.add_argument(
+        "--ours-report-interval",
+        metavar="TIME",
+        help="RayTrainer(report_interval=...) for ours (default: RayTrainer's own default)",
+    )
+    parser.add_argument(
+        "--profile", metavar="DIR", help="attach py-spy to rank 0 of each end-to-end run; stacks to DIR"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (per-rank JSON records, Ray run dirs)")
     args = parser.parse_args()
     if args.epochs < 2:
@@ -500,9 +561,12 @@ def main() -> None:
     ds = ray.data.from_items(make_rows(args.rows), override_num_blocks=4 * args.workers)
     work = tempfile.mkdtemp(prefix="ray_overhead_")
     storage = os.path.join(work, "runs")
-    print(f"ray_overhead: workers={args.workers} hidden={args.hidden} rows={args.rows} epochs={args.epochs} "
-          f"batch/worker={B} repeats={args.repeats} (torch {torch.__version__}, ray {ray.__version__}, "
-          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f})", flush=True)
+    print(
+        f"ray_overhead: workers={args.workers} hidden={args.hidden} rows={args.rows} epochs={args.epochs} "
+        f"batch/worker={B} repeats={args.repeats} (torch {torch.__version__}, ray {ray.__version__}, "
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f})",
+        flush=True,
+    )
 
     diag = None
     if not args.skip_diagnostics and (args.collective_iters or args.ab_rounds):
@@ -518,12 +582,14 @@ def main() -> None:
             tag = f"{arm}-{i}"
             rec = read_arm(work, tag, args.workers, runners[arm](ds, args, work, tag, storage))
             results[arm].append(rec)
-            print(f"  repeat {i} {arm:5s}: start-up {rec['startup']:5.2f} s | steady {rec['steady_sps']:6.0f} sp/s, "
-                  f"batch {rec['batch_ms']:5.2f} ms median, {rec['cpu_ms']:5.2f} ms CPU, {rec['stalls']} stalls "
-                  f"{rec['stall_s']:4.2f} s | epochs {' '.join(f'{v:.2f}' for v in rec['epoch_s'])} s | fit "
-                  f"{rec['fit_wall']:5.1f} s = {rec['launch_s']:.1f} launch + {rec['startup']:.1f} start-up + "
-                  f"{rec['train_s']:.1f} train + {rec['finish_s']:.1f} finish + {rec['teardown_s']:.1f} teardown",
-                  flush=True)
+            print(
+                f"  repeat {i} {arm:5s}: start-up {rec['startup']:5.2f} s | steady {rec['steady_sps']:6.0f} sp/s, "
+                f"batch {rec['batch_ms']:5.2f} ms median, {rec['cpu_ms']:5.2f} ms CPU, {rec['stalls']} stalls "
+                f"{rec['stall_s']:4.2f} s | epochs {' '.join(f'{v:.2f}' for v in rec['epoch_s'])} s | fit "
+                f"{rec['fit_wall']:5.1f} s = {rec['launch_s']:.1f} launch + {rec['startup']:.1f} start-up + "
+                f"{rec['train_s']:.1f} train + {rec['finish_s']:.1f} finish + {rec['teardown_s']:.1f} teardown",
+                flush=True,
+            )
     ray.shutdown()
     if args.keep:
         print(f"  records kept in {work}")
@@ -543,8 +609,19 @@ def _verdict(ok: bool) -> str:
 
 
 def report_end_to_end(args, results: dict) -> None:
-    keys = ("startup", "startup_max", "steady_sps", "batch_ms", "cpu_ms", "stall_s", "fit_wall",
-            "launch_s", "train_s", "finish_s", "teardown_s")
+    keys = (
+        "startup",
+        "startup_max",
+        "steady_sps",
+        "batch_ms",
+        "cpu_ms",
+        "stall_s",
+        "fit_wall",
+        "launch_s",
+        "train_s",
+        "finish_s",
+        "teardown_s",
+    )
     med = {arm: {k: statistics.median(r[k] for r in recs) for k in keys} for arm, recs in results.items()}
     pairs = list(zip(results["ours"], results["plain"]))
 
@@ -555,40 +632,60 @@ def report_end_to_end(args, results: dict) -> None:
     diff = med["ours"]["startup"] - med["plain"]["startup"]
     interval = args.ours_report_interval or "RayTrainer default"
     print()
-    print(f"Part 1, end to end: medians of {args.repeats} interleaved repeats; rank 0's clock; steady state = epochs "
-          f"2..{args.epochs} ({args.workers} workers, H={args.hidden}, {args.rows} rows, batch {B}/worker; "
-          f"ours reports: {interval}; plain: every epoch)")
+    print(
+        f"Part 1, end to end: medians of {args.repeats} interleaved repeats; rank 0's clock; steady state = epochs "
+        f"2..{args.epochs} ({args.workers} workers, H={args.hidden}, {args.rows} rows, batch {B}/worker; "
+        f"ours reports: {interval}; plain: every epoch)"
+    )
     print()
-    print("| arm   | start-up to 1st batch (s) | slowest rank (s) | steady samples/s | median batch (ms) "
-          "| CPU per batch (ms) | stalls (s) | fit() wall (s) |")
-    print("| ----- | ------------------------: | ---------------: | ---------------: | ----------------: "
-          "| -----------------: | ---------: | -------------: |")
+    print(
+        "| arm   | start-up to 1st batch (s) | slowest rank (s) | steady samples/s | median batch (ms) "
+        "| CPU per batch (ms) | stalls (s) | fit() wall (s) |"
+    )
+    print(
+        "| ----- | ------------------------: | ---------------: | ---------------: | ----------------: "
+        "| -----------------: | ---------: | -------------: |"
+    )
     for arm in ("plain", "ours"):
         m = med[arm]
-        print(f"| {arm:5s} | {m['startup']:25.2f} | {m['startup_max']:16.2f} | {m['steady_sps']:16.0f} | "
-              f"{m['batch_ms']:17.2f} | {m['cpu_ms']:18.2f} | {m['stall_s']:10.2f} | {m['fit_wall']:14.1f} |")
+        print(
+            f"| {arm:5s} | {m['startup']:25.2f} | {m['startup_max']:16.2f} | {m['steady_sps']:16.0f} | "
+            f"{m['batch_ms']:17.2f} | {m['cpu_ms']:18.2f} | {m['stall_s']:10.2f} | {m['fit_wall']:14.1f} |"
+        )
     print()
-    print("fit() phases (s, medians): launch = fit() called -> train fn entry; finish = last epoch end -> "
-          "train fn returns; teardown = -> fit() returns")
+    print(
+        "fit() phases (s, medians): launch = fit() called -> train fn entry; finish = last epoch end -> "
+        "train fn returns; teardown = -> fit() returns"
+    )
     print()
     print("| arm   | launch | start-up | train | finish | teardown |")
     print("| ----- | -----: | -------: | ----: | -----: | -------: |")
     for arm in ("plain", "ours"):
         m = med[arm]
-        print(f"| {arm:5s} | {m['launch_s']:6.1f} | {m['startup']:8.1f} | {m['train_s']:5.1f} | {m['finish_s']:6.1f} "
-              f"| {m['teardown_s']:8.1f} |")
+        print(
+            f"| {arm:5s} | {m['launch_s']:6.1f} | {m['startup']:8.1f} | {m['train_s']:5.1f} | {m['finish_s']:6.1f} "
+            f"| {m['teardown_s']:8.1f} |"
+        )
     print()
-    print(f"steady-state throughput ours/plain = {ratio:.3f} (per pair "
-          f"{per_pair(lambda o, p: o['steady_sps'] / p['steady_sps'], '{:.3f}')}); "
-          f"target >= {TARGET_THROUGHPUT_RATIO}: {_verdict(ratio >= TARGET_THROUGHPUT_RATIO)}")
-    print(f"  median batch plain/ours = {med['plain']['batch_ms'] / med['ours']['batch_ms']:.3f} "
-          f"(per pair {per_pair(lambda o, p: p['batch_ms'] / o['batch_ms'], '{:.3f}')}); "
-          f"CPU per batch ours - plain = {med['ours']['cpu_ms'] - med['plain']['cpu_ms']:+.2f} ms "
-          f"(per pair {per_pair(lambda o, p: o['cpu_ms'] - p['cpu_ms'], '{:+.2f}')})")
-    print(f"start-up ours - plain = {diff:+.2f} s (per pair {per_pair(lambda o, p: o['startup'] - p['startup'], '{:+.2f}')}); "
-          f"target <= {TARGET_STARTUP_DIFF_S:.0f} s: {_verdict(diff <= TARGET_STARTUP_DIFF_S)}")
-    print(f"fit() wall ours - plain = {med['ours']['fit_wall'] - med['plain']['fit_wall']:+.1f} s "
-          f"(per pair {per_pair(lambda o, p: o['fit_wall'] - p['fit_wall'], '{:+.1f}')})")
+    print(
+        f"steady-state throughput ours/plain = {ratio:.3f} (per pair "
+        f"{per_pair(lambda o, p: o['steady_sps'] / p['steady_sps'], '{:.3f}')}); "
+        f"target >= {TARGET_THROUGHPUT_RATIO}: {_verdict(ratio >= TARGET_THROUGHPUT_RATIO)}"
+    )
+    print(
+        f"  median batch plain/ours = {med['plain']['batch_ms'] / med['ours']['batch_ms']:.3f} "
+        f"(per pair {per_pair(lambda o, p: p['batch_ms'] / o['batch_ms'], '{:.3f}')}); "
+        f"CPU per batch ours - plain = {med['ours']['cpu_ms'] - med['plain']['cpu_ms']:+.2f} ms "
+        f"(per pair {per_pair(lambda o, p: o['cpu_ms'] - p['cpu_ms'], '{:+.2f}')})"
+    )
+    print(
+        f"start-up ours - plain = {diff:+.2f} s (per pair {per_pair(lambda o, p: o['startup'] - p['startup'], '{:+.2f}')}); "
+        f"target <= {TARGET_STARTUP_DIFF_S:.0f} s: {_verdict(diff <= TARGET_STARTUP_DIFF_S)}"
+    )
+    print(
+        f"fit() wall ours - plain = {med['ours']['fit_wall'] - med['plain']['fit_wall']:+.1f} s "
+        f"(per pair {per_pair(lambda o, p: o['fit_wall'] - p['fit_wall'], '{:+.1f}')})"
+    )
 
 
 def report_diagnostics(args, diag: dict) -> None:
@@ -603,43 +700,63 @@ def report_diagnostics(args, diag: dict) -> None:
         startup = [r["ours"]["startup_ms"] - r["plain"]["startup_ms"] for r in rounds]
         ratio = statistics.median(ratios)
         print()
-        print(f"Part 2a, in-run A/B of the loops: {len(rounds)} rounds of one ours epoch + one plain epoch on the same "
-              f"{workers} workers (order alternating; reports outside the timed epochs), rank 0, medians")
+        print(
+            f"Part 2a, in-run A/B of the loops: {len(rounds)} rounds of one ours epoch + one plain epoch on the same "
+            f"{workers} workers (order alternating; reports outside the timed epochs), rank 0, medians"
+        )
         print()
-        print("| arm   | warm start-up: build -> 1st batch (ms) | epoch samples/s | median batch (ms) | CPU per batch (ms) | stalls (s) |")
-        print("| ----- | -------------------------------------: | --------------: | ----------------: | -----------------: | ---------: |")
+        print(
+            "| arm   | warm start-up: build -> 1st batch (ms) | epoch samples/s | median batch (ms) | CPU per batch (ms) | stalls (s) |"
+        )
+        print(
+            "| ----- | -------------------------------------: | --------------: | ----------------: | -----------------: | ---------: |"
+        )
         for arm in ("plain", "ours"):
             m = med[arm]
-            print(f"| {arm:5s} | {m['startup_ms']:38.0f} | {m['steady_sps']:15.0f} | {m['batch_ms']:17.2f} | "
-                  f"{m['cpu_ms']:18.2f} | {m['stall_s']:10.2f} |")
+            print(
+                f"| {arm:5s} | {m['startup_ms']:38.0f} | {m['steady_sps']:15.0f} | {m['batch_ms']:17.2f} | "
+                f"{m['cpu_ms']:18.2f} | {m['stall_s']:10.2f} |"
+            )
         print()
-        print(f"epoch throughput ours/plain, median of per-round ratios = {ratio:.3f} "
-              f"(rounds {' '.join(f'{r:.3f}' for r in ratios)}); target >= {TARGET_THROUGHPUT_RATIO}: "
-              f"{_verdict(ratio >= TARGET_THROUGHPUT_RATIO)}")
-        print(f"  median batch plain/ours = {statistics.median(batch):.3f} (rounds {' '.join(f'{r:.3f}' for r in batch)}); "
-              f"CPU per batch ours - plain = {statistics.median(cpu):+.2f} ms (rounds {' '.join(f'{c:+.2f}' for c in cpu)})")
-        print(f"  warm start-up ours - plain = {statistics.median(startup):+.0f} ms "
-              f"(rounds {' '.join(f'{d:+.0f}' for d in startup)}; model, optimizer, DDP, loop set-up, first batch)")
+        print(
+            f"epoch throughput ours/plain, median of per-round ratios = {ratio:.3f} "
+            f"(rounds {' '.join(f'{r:.3f}' for r in ratios)}); target >= {TARGET_THROUGHPUT_RATIO}: "
+            f"{_verdict(ratio >= TARGET_THROUGHPUT_RATIO)}"
+        )
+        print(
+            f"  median batch plain/ours = {statistics.median(batch):.3f} (rounds {' '.join(f'{r:.3f}' for r in batch)}); "
+            f"CPU per batch ours - plain = {statistics.median(cpu):+.2f} ms (rounds {' '.join(f'{c:+.2f}' for c in cpu)})"
+        )
+        print(
+            f"  warm start-up ours - plain = {statistics.median(startup):+.0f} ms "
+            f"(rounds {' '.join(f'{d:+.0f}' for d in startup)}; model, optimizer, DDP, loop set-up, first batch)"
+        )
     if "collective" in diag:
         us = {k: statistics.median(v) * 1e6 for k, v in diag["collective"].items()}
         extra = us["step_overlapped"] - us["step"]
         print()
-        print(f"Part 2b, the global-count collective ({workers} workers, gloo on loopback; median of 200-call blocks, "
-              f"{args.collective_iters} calls per mode, modes interleaved)")
+        print(
+            f"Part 2b, the global-count collective ({workers} workers, gloo on loopback; median of 200-call blocks, "
+            f"{args.collective_iters} calls per mode, modes interleaved)"
+        )
         print()
         print("| what                                                  | µs per call |")
         print("| ----------------------------------------------------- | ----------: |")
-        rows = [("TorchDist.sum_ints_async([s, t, 0]).wait(), blocking", "counter_blocking"),
-                ("torch.distributed.all_reduce(int64[3]), blocking", "raw_allreduce"),
-                (f"DDP step alone (H={args.hidden}, batch {B}, fwd+bwd+SGD)", "step"),
-                ("launch sum + step + wait (what the loop does)", "step_overlapped"),
-                ("step, then blocking sum (no overlap)", "step_then_blocking")]
+        rows = [
+            ("TorchDist.sum_ints_async([s, t, 0]).wait(), blocking", "counter_blocking"),
+            ("torch.distributed.all_reduce(int64[3]), blocking", "raw_allreduce"),
+            (f"DDP step alone (H={args.hidden}, batch {B}, fwd+bwd+SGD)", "step"),
+            ("launch sum + step + wait (what the loop does)", "step_overlapped"),
+            ("step, then blocking sum (no overlap)", "step_then_blocking"),
+        ]
         for label, key in rows:
             print(f"| {label:53s} | {us[key]:11.1f} |")
         print()
-        print(f"collective per batch: {us['counter_blocking']:.1f} µs blocking; overlapped with the step it adds "
-              f"{extra:+.1f} µs ({extra / us['step'] * 100:+.1f}% of the step); not overlapped "
-              f"{us['step_then_blocking'] - us['step']:+.1f} µs")
+        print(
+            f"collective per batch: {us['counter_blocking']:.1f} µs blocking; overlapped with the step it adds "
+            f"{extra:+.1f} µs ({extra / us['step'] * 100:+.1f}% of the step); not overlapped "
+            f"{us['step_then_blocking'] - us['step']:+.1f} µs"
+        )
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ Submitted to a cluster (`ray job submit -- python examples/train.py ...`, `ray s
 cluster.yaml examples/train.py`) it joins that cluster instead of starting one. The config
 schema and the job live in raytrain_events.cli (`raytrain-events train` runs the same job).
 """
+
 import os
 import sys
 

@@ -14,6 +14,7 @@ worker's tokens. The learning rate warms up and decays by tokens too
 (``CosineAnnealingWithWarmupScheduler(t_warmup="0.1dur")`` = the first 10% of the tokens),
 and the loss is printed every ``log_every`` tokens.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,9 +38,30 @@ PAD, IGNORE = 0, -100  # NUL never occurs in source files; -100 is cross_entropy
 
 @dataclass
 class TokensConfig:
-    max_duration: str = field(default="2e5tok", metadata={"help": "Training length; tokens (2e5tok) or any Time string (3ep, 300ba).", "time": True, "dur": False})
-    warmup: str = field(default="0.1dur", metadata={"help": "Linear LR warmup before cosine decay: 0.1dur = the first 10% of max_duration's tokens.", "time": True, "zero_ok": True})
-    log_every: str = field(default="2e4tok", metadata={"help": "Print the training loss every this many tokens (a Time string).", "time": True, "dur": False})
+    max_duration: str = field(
+        default="2e5tok",
+        metadata={
+            "help": "Training length; tokens (2e5tok) or any Time string (3ep, 300ba).",
+            "time": True,
+            "dur": False,
+        },
+    )
+    warmup: str = field(
+        default="0.1dur",
+        metadata={
+            "help": "Linear LR warmup before cosine decay: 0.1dur = the first 10% of max_duration's tokens.",
+            "time": True,
+            "zero_ok": True,
+        },
+    )
+    log_every: str = field(
+        default="2e4tok",
+        metadata={
+            "help": "Print the training loss every this many tokens (a Time string).",
+            "time": True,
+            "dur": False,
+        },
+    )
     lr: float = field(default=3e-3, metadata={"help": "Peak learning rate (AdamW)."})
     batch_size: int = field(default=32, metadata={"help": "Sequences per batch (per worker with --ray)."})
     min_len: int = field(default=16, metadata={"help": "Shortest sequence, in characters."})
@@ -52,7 +74,12 @@ class TokensConfig:
     hidden: int = field(default=128, metadata={"help": "GRU hidden size."})
     seed: int = field(default=0, metadata={"help": "Seed for the sequence cuts, the weights and the shuffle."})
     num_workers: int = field(default=2, metadata={"help": "Ray Train workers (with --ray)."})
-    threads: Optional[int] = field(default=None, metadata={"help": "torch CPU threads for the local run (torch.set_num_threads); null keeps torch's default. Ray workers use their CPU count."})
+    threads: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "torch CPU threads for the local run (torch.set_num_threads); null keeps torch's default. Ray workers use their CPU count."
+        },
+    )
     storage: str = field(default="./runs", metadata={"help": "Where Ray Train keeps the run's files (with --ray)."})
 
 
@@ -67,7 +94,9 @@ def load_sequences(cfg: Any) -> List[np.ndarray]:
             with open(path, encoding="utf-8", errors="replace") as fh:
                 texts.append(fh.read())
     if not texts:
-        raise UsageError(f"None of files={list(cfg.files)} exist in {root}; name files like os.py or random.py from that folder.")
+        raise UsageError(
+            f"None of files={list(cfg.files)} exist in {root}; name files like os.py or random.py from that folder."
+        )
     if not 2 <= cfg.min_len <= cfg.max_len:
         raise UsageError(f"Need 2 <= min_len <= max_len, got min_len={cfg.min_len} max_len={cfg.max_len}.")
     codes = np.frombuffer("\n".join(texts).encode("ascii", errors="replace"), dtype=np.uint8).astype(np.int64)
@@ -76,7 +105,7 @@ def load_sequences(cfg: Any) -> List[np.ndarray]:
     sequences, start = [], 0
     while start + cfg.min_len <= len(codes):
         length = int(rng.integers(cfg.min_len, cfg.max_len + 1))
-        sequences.append(codes[start:start + length])
+        sequences.append(codes[start : start + length])
         start += length
     return sequences
 
@@ -167,14 +196,20 @@ class LossPrinter(Callback):
             loss = sum(self._losses) / len(self._losses)
             lr = state.optimizers[0].param_groups[0]["lr"]
             self.points.append((ts.token.value, loss))
-            print(f"tok {ts.token.value:>8}  ba {ts.batch.value:>5}  ep {ts.epoch.value}  loss {loss:.3f}  lr {lr:.2e}", flush=True)
+            print(
+                f"tok {ts.token.value:>8}  ba {ts.batch.value:>5}  ep {ts.epoch.value}  loss {loss:.3f}  lr {lr:.2e}",
+                flush=True,
+            )
             self._losses = []
 
     def fit_end(self, state, logger) -> None:
         if state.rank == 0 and len(self.points) >= 2:
             first, last = self.points[0][1], self.points[-1][1]
-            print(f"loss fell from {first:.3f} to {last:.3f} over {state.timestamp.token.value} tokens "
-                  f"({state.timestamp.batch.value} batches, {state.timestamp.sample.value} sequences)", flush=True)
+            print(
+                f"loss fell from {first:.3f} to {last:.3f} over {state.timestamp.token.value} tokens "
+                f"({state.timestamp.batch.value} batches, {state.timestamp.sample.value} sequences)",
+                flush=True,
+            )
 
 
 def make_callbacks(cfg: Dict[str, Any]) -> List[Callback]:
@@ -193,7 +228,10 @@ def run_local(cfg: Dict[str, Any], sequences: List[np.ndarray]) -> None:
         torch.set_num_threads(cfg["threads"])
     torch.manual_seed(cfg["seed"])
     loader = torch.utils.data.DataLoader(
-        sequences, batch_size=cfg["batch_size"], shuffle=True, collate_fn=pad_batch,
+        sequences,
+        batch_size=cfg["batch_size"],
+        shuffle=True,
+        collate_fn=pad_batch,
         generator=torch.Generator().manual_seed(cfg["seed"]),
     )
     model = make_model(cfg)
@@ -207,7 +245,9 @@ def run_local(cfg: Dict[str, Any], sequences: List[np.ndarray]) -> None:
         callbacks=make_callbacks(cfg),
         seed=cfg["seed"],
     ).fit()
-    print(f"final timestamp: {state.timestamp.token.value} tokens, {state.timestamp.batch.value} batches, {state.timestamp.epoch.value} epochs")
+    print(
+        f"final timestamp: {state.timestamp.token.value} tokens, {state.timestamp.batch.value} batches, {state.timestamp.epoch.value} epochs"
+    )
 
 
 def run_ray(cfg: Dict[str, Any], sequences: List[np.ndarray]) -> None:
@@ -239,17 +279,30 @@ def run_ray(cfg: Dict[str, Any], sequences: List[np.ndarray]) -> None:
     print("\nglobal loss by tokens (mean over all workers):")
     for tokens, loss in losses:
         print(f"  tok {tokens:>8}  loss {loss:.3f}")
-    print(f"final timestamp: {result.timestamp.token.value} tokens, {result.timestamp.batch.value} batches, {result.timestamp.epoch.value} epochs")
+    print(
+        f"final timestamp: {result.timestamp.token.value} tokens, {result.timestamp.batch.value} batches, {result.timestamp.epoch.value} epochs"
+    )
 
 
 def main(argv: List[str]) -> int:
     parser = ArgumentParser(
-        prog="train_tokens.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="config keys (set them as key=value; durations are Time strings like 2e5tok, 300ba, 0.1dur):\n" + keys_help(TokensConfig),
+        prog="train_tokens.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="config keys (set them as key=value; durations are Time strings like 2e5tok, 300ba, 0.1dur):\n"
+        + keys_help(TokensConfig),
     )
-    parser.add_argument("--ray", action="store_true", help="Train on Ray Train workers (RayTrainer) instead of in this process (Trainer).")
-    parser.add_argument("--config", metavar="PATH", help="YAML file with any of the config keys below (overrides win over it).")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="Config overrides, like max_duration=5e5tok lr=1e-3.")
+    parser.add_argument(
+        "--ray",
+        action="store_true",
+        help="Train on Ray Train workers (RayTrainer) instead of in this process (Trainer).",
+    )
+    parser.add_argument(
+        "--config", metavar="PATH", help="YAML file with any of the config keys below (overrides win over it)."
+    )
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="Config overrides, like max_duration=5e5tok lr=1e-3."
+    )
     args = parser.parse_args(argv)
 
     def run() -> int:
@@ -258,8 +311,11 @@ def main(argv: List[str]) -> int:
         cfg = OmegaConf.to_container(load_config(TokensConfig, config_path=args.config, overrides=args.overrides))
         sequences = load_sequences(OmegaConf.create(cfg))
         lengths = [len(s) for s in sequences]
-        print(f"{len(sequences)} sequences of {min(lengths)}..{max(lengths)} characters ({sum(lengths) - len(lengths)} tokens per epoch); "
-              f"training for {cfg['max_duration']} {'on Ray' if args.ray else 'locally'}", flush=True)
+        print(
+            f"{len(sequences)} sequences of {min(lengths)}..{max(lengths)} characters ({sum(lengths) - len(lengths)} tokens per epoch); "
+            f"training for {cfg['max_duration']} {'on Ray' if args.ray else 'locally'}",
+            flush=True,
+        )
         (run_ray if args.ray else run_local)(cfg, sequences)
         return 0
 

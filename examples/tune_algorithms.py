@@ -10,6 +10,7 @@ early on the global sample count (``time/sample``). The table of trials is print
 
 Run it again with the same ``--name`` and it resumes (a finished sweep just prints its table).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -106,8 +107,11 @@ def main() -> None:
         # Rungs at 2 and 4 epochs of global samples; the top half goes on. Trials reaching max_t end
         # on their own (stop_last_trials=False), with their final eval and checkpoint.
         scheduler=ASHAScheduler(
-            time_attr="time/sample", max_t=args.epochs * n_train, grace_period=2 * n_train,
-            reduction_factor=2, stop_last_trials=False,
+            time_attr="time/sample",
+            max_t=args.epochs * n_train,
+            grace_period=2 * n_train,
+            reduction_factor=2,
+            stop_last_trials=False,
         ),
         max_concurrent_trials=args.max_concurrent,
         storage_path=args.storage,

@@ -3,6 +3,7 @@
 Importing this package imports neither Ray nor fsspec and installs no signal handlers; the
 Ray-facing names (`RayTrainer`, `tune`) load on first use.
 """
+
 from raytrain_events.core.algorithm import Algorithm
 from raytrain_events.core.callback import Callback
 from raytrain_events.core.data_spec import DataSpec
@@ -18,9 +19,25 @@ from raytrain_events.trainer._eval import Evaluator
 __version__ = "0.1.0"
 
 __all__ = [
-    "Algorithm", "Callback", "DataSpec", "Engine", "Event", "Evaluator", "Logger", "LoggerDestination",
-    "Precision", "State", "Time", "TimeUnit", "Timestamp", "Trace", "Trainer", "ensure_time",
-    "RayTrainer", "CheckpointConfig", "__version__",
+    "Algorithm",
+    "Callback",
+    "DataSpec",
+    "Engine",
+    "Event",
+    "Evaluator",
+    "Logger",
+    "LoggerDestination",
+    "Precision",
+    "State",
+    "Time",
+    "TimeUnit",
+    "Timestamp",
+    "Trace",
+    "Trainer",
+    "ensure_time",
+    "RayTrainer",
+    "CheckpointConfig",
+    "__version__",
 ]
 
 _LAZY = {

@@ -7,6 +7,7 @@ Usage::
     python -m raytrain_events inspect ./runs/<run_name>
     python -m raytrain_events diff ./runs/<run_a> ./runs/<run_b>
 """
+
 from __future__ import annotations
 
 import sys

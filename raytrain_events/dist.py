@@ -5,6 +5,7 @@ process group (Ray Train sets one up on every worker). Counters (samples, tokens
 are summed over a separate gloo group on host memory, so counting never syncs a GPU stream,
 and the sum is started asynchronously so it overlaps with forward and backward.
 """
+
 from __future__ import annotations
 
 from typing import Any, List, Optional, Sequence
@@ -90,7 +91,9 @@ class TorchDist(Dist):
         self.world_size = tdist.get_world_size()
         self.local_rank = int(__import__("os").environ.get("LOCAL_RANK", "0"))
         if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+            device = (
+                torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+            )
         self.device = torch.device(device)
         backend = tdist.get_backend()
         # Counters live on the host: a gloo group keeps them off the GPU stream under NCCL.

@@ -1,4 +1,5 @@
 """Small torchmetrics metrics the shipped models use (synchronized across ranks by torchmetrics)."""
+
 from __future__ import annotations
 
 import torch

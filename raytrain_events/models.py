@@ -3,6 +3,7 @@
 `ClassifierModel` wraps a classifier: ``forward`` takes the batch, ``loss`` is cross-entropy,
 and accuracy is computed with torchmetrics on eval (and on train when asked).
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -42,7 +43,9 @@ class ClassifierModel(torch.nn.Module):
         model = ClassifierModel(torch.nn.Linear(64, 10), num_classes=10)
     """
 
-    def __init__(self, module: torch.nn.Module, *, num_classes: int, input_key: str = "x", target_key: str = "y") -> None:
+    def __init__(
+        self, module: torch.nn.Module, *, num_classes: int, input_key: str = "x", target_key: str = "y"
+    ) -> None:
         super().__init__()
         self.module = module
         self.num_classes = num_classes
@@ -61,7 +64,10 @@ class ClassifierModel(torch.nn.Module):
         return outputs if outputs is not None else self.forward(batch)
 
     def get_metrics(self, is_train: bool = False) -> Dict[str, Any]:
-        return {"accuracy": MulticlassAccuracy(num_classes=self.num_classes, average="micro"), "cross_entropy": CrossEntropy()}
+        return {
+            "accuracy": MulticlassAccuracy(num_classes=self.num_classes, average="micro"),
+            "cross_entropy": CrossEntropy(),
+        }
 
     def update_metric(self, batch: Any, outputs: torch.Tensor, metric: Any) -> None:
         _, targets = split_inputs_targets(batch, self.input_key, self.target_key)

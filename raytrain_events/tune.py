@@ -2,6 +2,7 @@
 
 See `raytrain_events.ray.tune` for the details; this module only re-exports its public names.
 """
+
 from raytrain_events.ray.tune import (
     TIME_ATTRS,
     TRIAL_RECORD,
@@ -13,5 +14,11 @@ from raytrain_events.ray.tune import (
 )
 
 __all__ = [
-    "sweep", "SweepResult", "algorithm_sets_grid", "algorithm_set_label", "TIME_ATTRS", "TRIAL_RECORD", "TRIAL_RUN_NAME",
+    "sweep",
+    "SweepResult",
+    "algorithm_sets_grid",
+    "algorithm_set_label",
+    "TIME_ATTRS",
+    "TRIAL_RECORD",
+    "TRIAL_RUN_NAME",
 ]

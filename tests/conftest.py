@@ -3,6 +3,7 @@
 Ray must bind to loopback only on these machines, so the environment is set before Ray is
 imported anywhere in the test session.
 """
+
 from __future__ import annotations
 
 import os
@@ -43,8 +44,9 @@ def s3_server():
 
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one log line per request otherwise
     # A client without a region: with us-east-1, s3fs sends a LocationConstraint moto rejects.
-    maker = s3fs.S3FileSystem(key="testing", secret="testing", skip_instance_cache=True,
-                              client_kwargs={"endpoint_url": endpoint})
+    maker = s3fs.S3FileSystem(
+        key="testing", secret="testing", skip_instance_cache=True, client_kwargs={"endpoint_url": endpoint}
+    )
     maker.mkdir("test-bucket")
     yield {"endpoint": endpoint, "bucket": "test-bucket", "storage_options": options}
     server.stop()

@@ -1,4 +1,5 @@
 """Every ```python block of the README runs, in order, as one script (a fresh process)."""
+
 from __future__ import annotations
 
 import os
@@ -32,7 +33,9 @@ def test_readme_python_blocks_run(tmp_path):
     script = tmp_path / "readme_blocks.py"
     script.write_text("\n\n".join(blocks))
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_DATA_DISABLE_PROGRESS_BARS="1")
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 

@@ -54,7 +54,7 @@ Algorithms with state (EMA, SWA, LayerFreezing) save it through ``state_dict`` a
 from checkpoints. ``SAM`` is not provided: it needs the loop to re-run forward and backward
 inside ``optimizer.step(closure)``, which the trainer does not do; `StochasticDepth` is here.
 """
-from raytrain_events.algorithms.registry import available_algorithms, build_algorithm, build_algorithms, register_algorithm
+
 from raytrain_events.algorithms.channels_last import ChannelsLast
 from raytrain_events.algorithms.cutmix import CutMix
 from raytrain_events.algorithms.ema import EMA
@@ -63,13 +63,32 @@ from raytrain_events.algorithms.label_smoothing import LabelSmoothing, smooth_la
 from raytrain_events.algorithms.layer_freezing import LayerFreezing
 from raytrain_events.algorithms.mixup import MixUp
 from raytrain_events.algorithms.progressive_resizing import ProgressiveResizing
+from raytrain_events.algorithms.registry import (
+    available_algorithms,
+    build_algorithm,
+    build_algorithms,
+    register_algorithm,
+)
 from raytrain_events.algorithms.seq_length_warmup import SeqLengthWarmup
 from raytrain_events.algorithms.stochastic_depth import StochasticDepth, mark_residual_branch
 from raytrain_events.algorithms.swa import SWA
 
 __all__ = [
-    "ChannelsLast", "CutMix", "EMA", "GradientClipping", "LabelSmoothing", "LayerFreezing", "MixUp",
-    "ProgressiveResizing", "SWA", "SeqLengthWarmup", "StochasticDepth",
-    "available_algorithms", "build_algorithm", "build_algorithms", "mark_residual_branch", "register_algorithm",
+    "ChannelsLast",
+    "CutMix",
+    "EMA",
+    "GradientClipping",
+    "LabelSmoothing",
+    "LayerFreezing",
+    "MixUp",
+    "ProgressiveResizing",
+    "SWA",
+    "SeqLengthWarmup",
+    "StochasticDepth",
+    "available_algorithms",
+    "build_algorithm",
+    "build_algorithms",
+    "mark_residual_branch",
+    "register_algorithm",
     "smooth_labels",
 ]

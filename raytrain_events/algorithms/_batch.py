@@ -6,6 +6,7 @@ Algorithms find inputs and targets the way `raytrain_events.models.ClassifierMod
 list or dict, so the batch the dataloader produced (and the full batch the trainer restores
 after gradient accumulation) is never changed in place.
 """
+
 from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Union
@@ -35,7 +36,9 @@ def get_item(batch: Any, key: Union[int, str]) -> Any:
         return batch[key]
     except (KeyError, IndexError, TypeError) as exc:
         have = sorted(batch) if isinstance(batch, Mapping) else f"{len(batch)} items"
-        raise KeyError(f"The batch has no item {key!r} (it has {have}); pass input_key=/target_key= to the algorithm.") from exc
+        raise KeyError(
+            f"The batch has no item {key!r} (it has {have}); pass input_key=/target_key= to the algorithm."
+        ) from exc
 
 
 def set_item(batch: Any, key: Union[int, str], value: Any) -> Any:

@@ -10,6 +10,7 @@ LabelSmoothing, are used as they are). ``AFTER_LOSS`` restores the original targ
 With ``interpolate_loss=True`` targets stay as they are and the loss becomes
 ``lam * loss(y) + (1 - lam) * loss(y[perm])`` at ``AFTER_LOSS``.
 """
+
 from __future__ import annotations
 
 import random
@@ -17,7 +18,14 @@ from typing import Any, Optional
 
 import torch
 
-from raytrain_events.algorithms._batch import BatchKey, get_item, num_classes_of, resolve_key, set_item, to_probabilities
+from raytrain_events.algorithms._batch import (
+    BatchKey,
+    get_item,
+    num_classes_of,
+    resolve_key,
+    set_item,
+    to_probabilities,
+)
 from raytrain_events.core.algorithm import Algorithm
 from raytrain_events.core.event import Event
 

@@ -4,6 +4,7 @@ Convolutions on tensor-core GPUs run faster in NHWC; PyTorch then keeps activati
 format too. Applied once at ``INIT`` (before optimizers step, and before DDP wraps the model);
 inputs need no change. Composer's ``ChannelsLast``.
 """
+
 from __future__ import annotations
 
 import torch

@@ -5,6 +5,7 @@ centred uniformly at random (clipped to the image) is copied from ``x[perm]`` in
 ``lam`` is recomputed from the clipped box as ``1 - box_area / (H * W)`` and the targets become
 ``lam * y + (1 - lam) * y[perm]``. Yun et al., 2019; Composer's ``CutMix``.
 """
+
 from __future__ import annotations
 
 import math
@@ -50,7 +51,13 @@ class CutMix(MixingAlgorithm):
     the area-corrected weight of the original image.
     """
 
-    def __init__(self, alpha: float = 1.0, interpolate_loss: bool = False, input_key: BatchKey = None, target_key: BatchKey = None) -> None:
+    def __init__(
+        self,
+        alpha: float = 1.0,
+        interpolate_loss: bool = False,
+        input_key: BatchKey = None,
+        target_key: BatchKey = None,
+    ) -> None:
         super().__init__(alpha, interpolate_loss, input_key, target_key)
         self.bbox: Tuple[int, int, int, int] = (0, 0, 0, 0)
 

@@ -10,6 +10,7 @@ training weights are put back afterwards. Composer's ``EMA``.
 ``state_dict()`` holds the shadow weights, so checkpoints resume the average; ``ema_model_state()``
 is a model ``state_dict`` with the averaged weights, ready for ``model.load_state_dict``.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Union

@@ -4,6 +4,7 @@ Runs at ``AFTER_TRAIN_BATCH``: every microbatch's gradient has been accumulated 
 mixed precision, the `GradScaler` has already unscaled them, so the threshold is in true
 gradient units. Composer's ``GradientClipping`` with ``clipping_type`` "norm" or "value".
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -49,7 +50,9 @@ class GradientClipping(Algorithm):
         if not params:
             return None
         if self.clipping_type == "norm":
-            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clipping_threshold, norm_type=self.norm_type)
+            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(
+                params, self.clipping_threshold, norm_type=self.norm_type
+            )
         else:
             torch.nn.utils.clip_grad_value_(params, self.clipping_threshold)
         return None

@@ -6,13 +6,21 @@ put back, so anything after the loss (metrics, other algorithms) sees the labels
 Targets that are already probabilities (from MixUp or CutMix) are smoothed the same way:
 ``(1 - s) * p + s / C``. Composer's ``LabelSmoothing``.
 """
+
 from __future__ import annotations
 
 from typing import Any
 
 import torch
 
-from raytrain_events.algorithms._batch import BatchKey, get_item, num_classes_of, resolve_key, set_item, to_probabilities
+from raytrain_events.algorithms._batch import (
+    BatchKey,
+    get_item,
+    num_classes_of,
+    resolve_key,
+    set_item,
+    to_probabilities,
+)
 from raytrain_events.algorithms.registry import register_algorithm
 from raytrain_events.core.algorithm import Algorithm
 from raytrain_events.core.event import Event

@@ -11,6 +11,7 @@ Frozen parameters get ``requires_grad=False``. Because the trainer zeroes gradie
 while the optimizer's param groups stay as built, so checkpoints load into a fresh optimizer.
 ``find_unused_parameters`` is True so DDP accepts the missing gradients.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List
@@ -72,7 +73,9 @@ class LayerFreezing(Algorithm):
             if target <= self.num_frozen:
                 return None
             self.num_frozen = target
-            logger.log_metrics({"layer_freezing/layers_frozen": target, "layer_freezing/fraction": fraction}, step=state.step)
+            logger.log_metrics(
+                {"layer_freezing/layers_frozen": target, "layer_freezing/fraction": fraction}, step=state.step
+            )
         for layer in layers[: self.num_frozen]:  # FIT_START after a resume re-freezes the saved count
             for param in layer.parameters(recurse=False):
                 param.requires_grad_(False)

@@ -5,6 +5,7 @@ of the microbatch, at ``BEFORE_FORWARD``; the targets become ``lam * y + (1 - la
 (as class probabilities) for the loss only. Zhang et al., 2017; Composer's ``MixUp``. See
 `raytrain_events.algorithms._mixing` for how targets are mixed and restored.
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,7 +35,13 @@ class MixUp(MixingAlgorithm):
     that need integer targets).
     """
 
-    def __init__(self, alpha: float = 0.2, interpolate_loss: bool = False, input_key: BatchKey = None, target_key: BatchKey = None) -> None:
+    def __init__(
+        self,
+        alpha: float = 0.2,
+        interpolate_loss: bool = False,
+        input_key: BatchKey = None,
+        target_key: BatchKey = None,
+    ) -> None:
         super().__init__(alpha, interpolate_loss, input_key, target_key)
 
     def mix_inputs(self, inputs: torch.Tensor, permutation: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ At ``AFTER_DATALOADER`` image inputs ``(N, C, H, W)`` are scaled by a factor tha
 multiple of ``size_increment``. ``mode="resize"`` interpolates; ``mode="crop"`` takes a random crop.
 Integer targets are untouched; ``resize_targets=True`` also resizes dense targets (masks).
 """
+
 from __future__ import annotations
 
 import random
@@ -40,7 +41,7 @@ def resize_images(images: torch.Tensor, height: int, width: int, mode: str) -> t
     if mode == "crop":
         top = random.randint(0, images.shape[-2] - height)
         left = random.randint(0, images.shape[-1] - width)
-        return images[..., top:top + height, left:left + width]
+        return images[..., top : top + height, left : left + width]
     squeeze = images.dim() == 3  # (N, H, W) masks
     x = images.unsqueeze(1) if squeeze else images
     if x.is_floating_point():
@@ -74,7 +75,11 @@ class ProgressiveResizing(Algorithm):
             raise ValueError(f"mode={mode!r} is not supported: use one of {list(_MODES)}.")
         if not 0.0 < initial_scale <= 1.0:
             raise ValueError(f"initial_scale={initial_scale!r} must be in (0, 1], like 0.5.")
-        if not (0.0 <= finetune_fraction <= 1.0 and 0.0 <= delay_fraction <= 1.0 and finetune_fraction + delay_fraction <= 1.0):
+        if not (
+            0.0 <= finetune_fraction <= 1.0
+            and 0.0 <= delay_fraction <= 1.0
+            and finetune_fraction + delay_fraction <= 1.0
+        ):
             raise ValueError(
                 f"finetune_fraction={finetune_fraction!r} and delay_fraction={delay_fraction!r} must be in [0, 1] "
                 "and add up to at most 1."
@@ -105,7 +110,9 @@ class ProgressiveResizing(Algorithm):
             tkey = resolve_key(batch, self.target_key, "target", state.model)
             targets = get_item(batch, tkey)
             if self.mode == "crop":
-                raise ValueError("resize_targets=True needs mode='resize' (a random crop of targets would not match the inputs).")
+                raise ValueError(
+                    "resize_targets=True needs mode='resize' (a random crop of targets would not match the inputs)."
+                )
             batch = set_item(batch, tkey, resize_images(targets, height, width, "resize"))
         state.batch = batch
         return None

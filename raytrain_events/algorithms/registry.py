@@ -13,6 +13,7 @@ Example::
 A spec is a registered name, a ``{"name": ..., **kwargs}`` dict, or an `Algorithm` instance
 (passed through). Unknown names and bad arguments fail with the list of what is accepted.
 """
+
 from __future__ import annotations
 
 import inspect

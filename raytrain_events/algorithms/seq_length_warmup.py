@@ -9,6 +9,7 @@ ep/ba/sp/tok). ``truncate=True`` cuts each sequence; ``truncate=False`` reshapes
 into more, shorter sequences so no token is dropped (except a remainder). Li et al., 2021;
 Composer's ``SeqLengthWarmup``.
 """
+
 from __future__ import annotations
 
 from typing import Mapping, Optional, Sequence, Union
@@ -51,11 +52,17 @@ class SeqLengthWarmup(Algorithm):
         truncate: bool = True,
         keys: Sequence[str] = DEFAULT_KEYS,
     ) -> None:
-        self.duration = Time(float(duration), TimeUnit.DURATION) if isinstance(duration, float) else ensure_time(duration, TimeUnit.BATCH)
+        self.duration = (
+            Time(float(duration), TimeUnit.DURATION)
+            if isinstance(duration, float)
+            else ensure_time(duration, TimeUnit.BATCH)
+        )
         if self.duration.value <= 0:
             raise ValueError(f"duration={self.duration.to_timestring()!r} must be positive, like '0.3dur'.")
         if min_seq_length < 1 or step_size < 1:
-            raise ValueError(f"min_seq_length={min_seq_length!r} and step_size={step_size!r} must be positive integers.")
+            raise ValueError(
+                f"min_seq_length={min_seq_length!r} and step_size={step_size!r} must be positive integers."
+            )
         if max_seq_length is not None and max_seq_length < min_seq_length:
             raise ValueError(f"max_seq_length={max_seq_length!r} must be >= min_seq_length={min_seq_length!r}.")
         self.min_seq_length, self.max_seq_length = int(min_seq_length), max_seq_length
@@ -75,10 +82,14 @@ class SeqLengthWarmup(Algorithm):
     def apply(self, event: Event, state, logger) -> None:
         batch = state.batch
         if not isinstance(batch, Mapping):
-            raise TypeError(f"SeqLengthWarmup needs dict batches with keys like {list(self.keys)}, got {type(batch).__name__}.")
+            raise TypeError(
+                f"SeqLengthWarmup needs dict batches with keys like {list(self.keys)}, got {type(batch).__name__}."
+            )
         present = [k for k in self.keys if k in batch]
         if not present:
-            raise KeyError(f"SeqLengthWarmup found none of {list(self.keys)} in the batch (keys {sorted(batch)}); pass keys=[...].")
+            raise KeyError(
+                f"SeqLengthWarmup found none of {list(self.keys)} in the batch (keys {sorted(batch)}); pass keys=[...]."
+            )
         full = batch[present[0]].shape[1]
         max_len = min(self.max_seq_length or full, full)
         length = warmup_seq_length(self.progress(state), min(self.min_seq_length, max_len), max_len, self.step_size)
@@ -100,5 +111,7 @@ class SeqLengthWarmup(Algorithm):
         return None
 
     def __repr__(self) -> str:
-        return (f"SeqLengthWarmup(duration={self.duration.to_timestring()!r}, min_seq_length={self.min_seq_length}, "
-                f"max_seq_length={self.max_seq_length}, truncate={self.truncate})")
+        return (
+            f"SeqLengthWarmup(duration={self.duration.to_timestring()!r}, min_seq_length={self.min_seq_length}, "
+            f"max_seq_length={self.max_seq_length}, truncate={self.truncate})"
+        )

@@ -13,6 +13,7 @@ Huang et al., 2016; Composer's ``StochasticDepth``.
 
 Hooks keep parameter names unchanged, so checkpoints load with or without this algorithm.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -50,7 +51,7 @@ def drop_path(output: torch.Tensor, p: float, mode: str = "sample") -> torch.Ten
 class _Hook:
     """The forward hook of one branch; reads its current drop rate from the algorithm."""
 
-    def __init__(self, owner: "StochasticDepth", index: int) -> None:
+    def __init__(self, owner: StochasticDepth, index: int) -> None:
         self.owner, self.index = owner, index
 
     def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> Any:

@@ -8,6 +8,7 @@ rate is overridden while SWA is active). At ``FIT_END`` the averaged weights are
 the model in place, and with ``update_bn=True`` BatchNorm statistics are recomputed with one
 pass over the train data. Izmailov et al., 2018; Composer's ``SWA``.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Union
@@ -45,7 +46,9 @@ class SWA(Algorithm):
         self.swa_end = ensure_time(swa_end, TimeUnit.DURATION)
         self.update_interval = ensure_time(update_interval, TimeUnit.EPOCH)
         if self.update_interval.unit not in (TimeUnit.BATCH, TimeUnit.EPOCH) or self.update_interval.value <= 0:
-            raise ValueError(f"update_interval={update_interval!r} must be a positive number of 'ba' or 'ep', like '1ep'.")
+            raise ValueError(
+                f"update_interval={update_interval!r} must be a positive number of 'ba' or 'ep', like '1ep'."
+            )
         if swa_lr is not None and swa_lr < 0:
             raise ValueError(f"swa_lr={swa_lr!r} must be >= 0.")
         if anneal_steps < 0:

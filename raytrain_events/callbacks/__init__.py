@@ -9,6 +9,7 @@ Example::
     Trainer(..., callbacks=[SpeedMonitor(window_size=50), LRMonitor(),
                             EarlyStopper("metrics/eval/accuracy", "max", patience="2ep")])
 """
+
 from raytrain_events.callbacks.console_logger import ConsoleLogger
 from raytrain_events.callbacks.early_stopper import EarlyStopper
 from raytrain_events.callbacks.lr_monitor import LRMonitor
@@ -19,6 +20,14 @@ from raytrain_events.callbacks.speed_monitor import SpeedMonitor
 from raytrain_events.callbacks.threshold_stopper import ThresholdStopper
 
 __all__ = [
-    "ConsoleLogger", "EarlyStopper", "LRMonitor", "MemoryMonitor", "NaNMonitor", "NonFiniteLossError",
-    "ProgressBar", "SpeedMonitor", "ThresholdStopper", "memory_report",
+    "ConsoleLogger",
+    "EarlyStopper",
+    "LRMonitor",
+    "MemoryMonitor",
+    "NaNMonitor",
+    "NonFiniteLossError",
+    "ProgressBar",
+    "SpeedMonitor",
+    "ThresholdStopper",
+    "memory_report",
 ]

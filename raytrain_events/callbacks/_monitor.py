@@ -1,4 +1,5 @@
 """Shared by the stoppers: reading a monitored metric and comparing values."""
+
 from __future__ import annotations
 
 import operator
@@ -21,7 +22,9 @@ def resolve_comparator(comparator: Comparator, *, inclusive: bool) -> Callable[[
         return operator.le if inclusive else operator.lt
     if callable(comparator) and not isinstance(comparator, str):
         return lambda a, b: bool(comparator(a, b))
-    raise ValueError(f"comparator={comparator!r} is not supported: use 'max' (higher is better), 'min', or a function (a, b) -> bool.")
+    raise ValueError(
+        f"comparator={comparator!r} is not supported: use 'max' (higher is better), 'min', or a function (a, b) -> bool."
+    )
 
 
 def check_monitor_label(monitor: str, state: Any, who: str) -> None:
@@ -32,7 +35,9 @@ def check_monitor_label(monitor: str, state: Any, who: str) -> None:
         if not labels:
             raise ValueError(f"{who} monitors {monitor!r} but the Trainer has no eval_dataloader to compute it.")
         if parts[1] not in labels:
-            raise ValueError(f"{who} monitors {monitor!r} but the eval datasets are {labels}: use 'metrics/<label>/<metric>'.")
+            raise ValueError(
+                f"{who} monitors {monitor!r} but the eval datasets are {labels}: use 'metrics/<label>/<metric>'."
+            )
 
 
 def read_metric(monitor: str, state: Any, logger: Any, who: str) -> Optional[Any]:

@@ -5,6 +5,7 @@ current loss (one host read per print) and, with ``metrics=True``, every metric 
 ``logger.metrics`` (the latest values of throughput, LR, eval metrics, ...). Eval results are
 printed when an evaluation ends. Between prints it costs an integer comparison.
 """
+
 from __future__ import annotations
 
 import sys
@@ -32,7 +33,9 @@ class ConsoleLogger(Callback):
         Trainer(..., callbacks=[ConsoleLogger(log_interval="50ba")])
     """
 
-    def __init__(self, log_interval: Union[str, int, Time] = "1ep", metrics: bool = True, stream: Optional[TextIO] = None) -> None:
+    def __init__(
+        self, log_interval: Union[str, int, Time] = "1ep", metrics: bool = True, stream: Optional[TextIO] = None
+    ) -> None:
         self.log_interval = log_interval
         self.metrics = metrics
         self.stream = stream

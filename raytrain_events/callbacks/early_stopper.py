@@ -7,6 +7,7 @@ since the best value, it calls ``state.stop_training(..., consistent=True)``: ev
 synchronized across ranks, so every rank takes the same decision at the same batch.
 Composer's ``EarlyStopper``.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, Optional, Union

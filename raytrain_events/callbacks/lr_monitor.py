@@ -4,6 +4,7 @@ Keys are ``lr-<OptimizerClass>/group<i>`` (Composer's names). Logged at ``BATCH_
 schedulers stepped, so the value is the rate the next batch will use. Reading ``group["lr"]``
 is a Python float: no device sync.
 """
+
 from __future__ import annotations
 
 from raytrain_events.core.callback import Callback

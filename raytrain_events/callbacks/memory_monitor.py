@@ -6,6 +6,7 @@ and ``memory/alloc_retries``. Always: the process's host memory, ``memory/host_r
 from ``/proc/self/statm`` where it exists) and ``memory/host_peak_rss_gb`` (from
 ``resource.getrusage``), without needing psutil. GB here is 1e9 bytes.
 """
+
 from __future__ import annotations
 
 import os

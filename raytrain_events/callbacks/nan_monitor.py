@@ -5,6 +5,7 @@ reaches the weights (on the checked batches). Reading the loss is a host sync, s
 controls how often it happens: the default checks every batch (safest; one small sync per
 batch); ``interval=10`` checks every tenth batch.
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,7 +39,9 @@ class NaNMonitor(Callback):
         loss = state.loss
         if loss is None:
             return
-        tensors = list(loss.values()) if isinstance(loss, dict) else list(loss) if isinstance(loss, (list, tuple)) else [loss]
+        tensors = (
+            list(loss.values()) if isinstance(loss, dict) else list(loss) if isinstance(loss, (list, tuple)) else [loss]
+        )
         for value in tensors:
             value = torch.as_tensor(value)
             if not bool(torch.isfinite(value).all()):

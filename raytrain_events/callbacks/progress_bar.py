@@ -3,6 +3,7 @@
 The bar advances every ``refresh_interval`` batches; only then is the loss read from the device
 (one host sync per refresh, none in between). Other ranks show nothing.
 """
+
 from __future__ import annotations
 
 import sys

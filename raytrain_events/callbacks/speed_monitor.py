@@ -14,6 +14,7 @@ window holds ``window_size + 1`` batch ends it logs, over the last ``window_size
 Time spent in evaluation is left out of the window, so evals do not depress throughput.
 Nothing is read from the device.
 """
+
 from __future__ import annotations
 
 import collections

@@ -5,6 +5,7 @@ After every evaluation (``EVAL_END``) the monitored value is compared with ``thr
 ``(value, threshold) -> bool`` decides otherwise. The stop is ``consistent=True`` (eval metrics
 are synchronized across ranks). Composer's ``ThresholdStopper``.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict
@@ -39,7 +40,9 @@ class ThresholdStopper(Callback):
         value = float(to_python(value))
         if self._reached(value, self.threshold):
             self.stopped_at_value = value
-            state.stop_training(f"ThresholdStopper: {self.monitor}={value:.6g} reached {self.threshold:.6g}", consistent=True)
+            state.stop_training(
+                f"ThresholdStopper: {self.monitor}={value:.6g} reached {self.threshold:.6g}", consistent=True
+            )
 
     def state_dict(self) -> Dict[str, Any]:
         return {"stopped_at_value": self.stopped_at_value}

@@ -4,15 +4,30 @@
 ``format`` writes/reads one checkpoint (torch.save payloads, weights_only loads, sha256
 manifest); ``store`` lists, prunes and loads the newest valid one, and saves in the background.
 """
+
 from raytrain_events.checkpoint.config import CheckpointConfig
 from raytrain_events.checkpoint.format import (
-    CheckpointCorruptError, CheckpointError, CheckpointInfo, CheckpointNotCommittedError, UnsafeCheckpointError,
-    UnsupportedCheckpointVersionError, read_checkpoint,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointInfo,
+    CheckpointNotCommittedError,
+    UnsafeCheckpointError,
+    UnsupportedCheckpointVersionError,
+    read_checkpoint,
 )
 from raytrain_events.checkpoint.store import latest_checkpoint, list_checkpoints, load_latest_valid, prune_checkpoints
 
 __all__ = [
-    "CheckpointConfig", "CheckpointCorruptError", "CheckpointError", "CheckpointInfo", "CheckpointNotCommittedError",
-    "UnsafeCheckpointError", "UnsupportedCheckpointVersionError", "latest_checkpoint", "list_checkpoints",
-    "load_latest_valid", "prune_checkpoints", "read_checkpoint",
+    "CheckpointConfig",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointNotCommittedError",
+    "UnsafeCheckpointError",
+    "UnsupportedCheckpointVersionError",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_latest_valid",
+    "prune_checkpoints",
+    "read_checkpoint",
 ]

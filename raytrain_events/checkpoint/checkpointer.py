@@ -7,6 +7,7 @@ prunes old checkpoints in the background. With several ranks, every rank writes 
 file on the training thread first, so that its entry reaches rank 0 before the commit. Loading happens between INIT and AFTER_LOAD:
 ``autoresume`` takes the newest valid checkpoint of ``save_folder``; otherwise ``load_from``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,8 +20,16 @@ import torch
 
 from raytrain_events.checkpoint.config import CheckpointConfig
 from raytrain_events.checkpoint.format import (
-    CheckpointInfo, CheckpointNotCommittedError, FileEntry, LoadedCheckpoint, commit_checkpoint,
-    new_checkpoint_url, read_checkpoint, read_checkpoint_files, rng_file_name, write_checkpoint_file,
+    CheckpointInfo,
+    CheckpointNotCommittedError,
+    FileEntry,
+    LoadedCheckpoint,
+    commit_checkpoint,
+    new_checkpoint_url,
+    read_checkpoint,
+    read_checkpoint_files,
+    rng_file_name,
+    write_checkpoint_file,
 )
 from raytrain_events.checkpoint.preemption import save_on_sigterm
 from raytrain_events.checkpoint.rng import capture_rng_state, restore_rng_state
@@ -75,7 +84,8 @@ class Checkpointer(Callback):
         self.options = dict(config.storage_options)
         self._interval = (
             make_interval(config.save_interval, state.max_duration, what="save_interval")
-            if config.save_interval is not None else None
+            if config.save_interval is not None
+            else None
         )
         self._writer = AsyncCheckpointWriter() if config.async_save else None
         self._last_save_time = time.monotonic()
@@ -141,7 +151,9 @@ class Checkpointer(Callback):
         if state.rank == 0 and saved_config is not None and trainer.config and saved_config != trainer.config:
             from raytrain_events.storage.config_diff import format_config_diff
 
-            print(f"Resuming {loaded.info.url} with a different config:\n{format_config_diff(saved_config, trainer.config)}")
+            print(
+                f"Resuming {loaded.info.url} with a different config:\n{format_config_diff(saved_config, trainer.config)}"
+            )
 
     # ------------------------------------------------------------------ save
     def fit_start(self, state, logger) -> None:
@@ -184,10 +196,15 @@ class Checkpointer(Callback):
         url = new_checkpoint_url(self.folder, timestamp=timestamp)
         if dist.is_distributed:
             url = dist.all_gather_object(url)[0]  # rank 0 names the directory
-        rng: Optional[Dict[str, Any]] = {"now": capture_rng_state(), "epoch_start": self._epoch_start_rng}  # fresh copies
+        rng: Optional[Dict[str, Any]] = {
+            "now": capture_rng_state(),
+            "epoch_start": self._epoch_start_rng,
+        }  # fresh copies
         entries: List[FileEntry] = []
         if dist.is_distributed:  # every entry must reach rank 0 before its commit
-            entries = dist.all_gather_object(write_checkpoint_file(url, rng_file_name(state.rank), rng, storage_options=self.options))
+            entries = dist.all_gather_object(
+                write_checkpoint_file(url, rng_file_name(state.rank), rng, storage_options=self.options)
+            )
             rng = None
         future = None
         if state.rank == 0:
@@ -208,13 +225,23 @@ class Checkpointer(Callback):
         self._last_saved_batch = batch
         self._last_save_time = time.monotonic()
         state.save_requested = state.save_now = False
-        saved = SavedCheckpoint(url=url, name=url.rstrip("/").rsplit("/", 1)[-1], rank=state.rank, writer=self._writer, future=future)
+        saved = SavedCheckpoint(
+            url=url, name=url.rstrip("/").rsplit("/", 1)[-1], rank=state.rank, writer=self._writer, future=future
+        )
         self.saved.append(saved)
         state.pending_checkpoint = saved
         return saved
 
-    def _write(self, url: str, snapshot: Dict[str, Any], rng: Optional[Dict[str, Any]], entries: List[FileEntry],
-               timestamp: Dict[str, int], world_size: int, metadata: Dict[str, Any]) -> CheckpointInfo:
+    def _write(
+        self,
+        url: str,
+        snapshot: Dict[str, Any],
+        rng: Optional[Dict[str, Any]],
+        entries: List[FileEntry],
+        timestamp: Dict[str, int],
+        world_size: int,
+        metadata: Dict[str, Any],
+    ) -> CheckpointInfo:
         """Upload this process's RNG file (``rng``; None when the ranks wrote theirs) and the state; commit.
 
         ``entries``: the ranks' RNG files gathered by ``save``, written by other processes, so the
@@ -222,8 +249,15 @@ class Checkpointer(Callback):
         """
         own = [] if rng is None else [write_checkpoint_file(url, rng_file_name(0), rng, storage_options=self.options)]
         own.append(write_checkpoint_file(url, STATE_FILE, snapshot, storage_options=self.options))
-        info = commit_checkpoint(url, entries=list(entries) + own, timestamp=timestamp, world_size=world_size,
-                                 metadata=metadata, storage_options=self.options, verify_files=bool(entries))
+        info = commit_checkpoint(
+            url,
+            entries=list(entries) + own,
+            timestamp=timestamp,
+            world_size=world_size,
+            metadata=metadata,
+            storage_options=self.options,
+            verify_files=bool(entries),
+        )
         if self.config.keep is not None:
             prune_checkpoints(self.folder, keep=self.config.keep, storage_options=self.options)
         try:  # ml-starter's marker: this run dir holds a checkpoint

@@ -5,6 +5,7 @@ Saving happens at ``BATCH_CHECKPOINT`` / ``EPOCH_CHECKPOINT`` when any trigger f
 ``save_every_n_seconds`` (default 3600, like ml-starter), plus once at the end of training
 (``save_final``) and on SIGTERM (preemption) when ``save_on_sigterm`` is set.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -73,7 +74,9 @@ class CheckpointConfig:
             raise ValueError(f"save_every_n_seconds={self.save_every_n_seconds} must be > 0 (or None).")
         if self.only_save_most_recent:
             if self.keep not in (None, 1):
-                raise ValueError(f"only_save_most_recent=True keeps 1 checkpoint, but keep={self.keep}: set one of them.")
+                raise ValueError(
+                    f"only_save_most_recent=True keeps 1 checkpoint, but keep={self.keep}: set one of them."
+                )
             self.keep = 1
         if self.keep is not None and self.keep < 1:
             raise ValueError(f"keep={self.keep} must be >= 1 (or None to keep every checkpoint).")

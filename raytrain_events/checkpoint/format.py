@@ -39,6 +39,7 @@ I/O paths (the bytes on storage are the same either way):
   step rewrites optimizer state, so only state a run never touches stays mapped.
 * Load, object stores: one GET per file (manifest sizes let s3fs skip its HEAD).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -58,8 +59,17 @@ from typing import Any
 import torch
 
 from raytrain_events.storage.fs import (
-    LocalFileSystem, basename, join, list_dir, local_atomic_writer, read_bytes, resolve,
-    storage_errors, to_url, write_bytes_atomic, write_bytes_create_only,
+    LocalFileSystem,
+    basename,
+    join,
+    list_dir,
+    local_atomic_writer,
+    read_bytes,
+    resolve,
+    storage_errors,
+    to_url,
+    write_bytes_atomic,
+    write_bytes_create_only,
 )
 
 FORMAT_VERSION = 1
@@ -117,13 +127,18 @@ class CheckpointInfo:
         return int(self.timestamp.get("batch", -1))
 
     def manifest(self) -> dict[str, Any]:
-        return {"format_version": self.format_version, "library_version": self.library_version,
-                "created": self.created, "timestamp": self.timestamp,
-                "world_size": self.world_size, "metadata": self.metadata,
-                "files": [dataclasses.asdict(f) for f in self.files]}
+        return {
+            "format_version": self.format_version,
+            "library_version": self.library_version,
+            "created": self.created,
+            "timestamp": self.timestamp,
+            "world_size": self.world_size,
+            "metadata": self.metadata,
+            "files": [dataclasses.asdict(f) for f in self.files],
+        }
 
     @classmethod
-    def from_manifest(cls, url: str, raw: bytes) -> "CheckpointInfo":
+    def from_manifest(cls, url: str, raw: bytes) -> CheckpointInfo:
         try:
             m = json.loads(raw)
             version = int(m["format_version"])
@@ -140,12 +155,17 @@ class CheckpointInfo:
                 f"({m.get('library_version', 'unknown')})."
             )
         try:
-            return cls(url=url, name=basename(url), format_version=version,
-                       library_version=str(m["library_version"]), created=float(m["created"]),
-                       timestamp={str(k): int(v) for k, v in m["timestamp"].items()},
-                       world_size=int(m["world_size"]), metadata=dict(m["metadata"]),
-                       files=tuple(FileEntry(str(f["name"]), int(f["size"]), str(f["sha256"]))
-                                   for f in m["files"]))
+            return cls(
+                url=url,
+                name=basename(url),
+                format_version=version,
+                library_version=str(m["library_version"]),
+                created=float(m["created"]),
+                timestamp={str(k): int(v) for k, v in m["timestamp"].items()},
+                world_size=int(m["world_size"]),
+                metadata=dict(m["metadata"]),
+                files=tuple(FileEntry(str(f["name"]), int(f["size"]), str(f["sha256"])) for f in m["files"]),
+            )
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointCorruptError(
                 f"Manifest of checkpoint {url!r} is missing or has a malformed field "
@@ -164,8 +184,7 @@ def checkpoint_name(timestamp: Mapping[str, int]) -> str:
     return f"ckpt-{int(timestamp.get('batch', 0)):012d}-{uuid.uuid4().hex[:8]}"
 
 
-def new_checkpoint_url(root_url: str, *, timestamp: Mapping[str, int],
-                       name: str | None = None) -> str:
+def new_checkpoint_url(root_url: str, *, timestamp: Mapping[str, int], name: str | None = None) -> str:
     """URL of a new checkpoint directory under ``root_url`` (nothing is written yet)."""
     return join(root_url, _check_file_name(name) if name else checkpoint_name(timestamp))
 
@@ -182,8 +201,9 @@ def serialize(obj: Any) -> bytes:
     return buf.getvalue()
 
 
-def write_checkpoint_file(ckpt_url: str, file_name: str, obj: Any, *,
-                          storage_options: dict[str, Any] | None = None) -> FileEntry:
+def write_checkpoint_file(
+    ckpt_url: str, file_name: str, obj: Any, *, storage_options: dict[str, Any] | None = None
+) -> FileEntry:
     """Serialize ``obj`` and upload it atomically as ``<ckpt_url>/<file_name>``."""
     _check_file_name(file_name)
     fs, path = resolve(join(ckpt_url, file_name), storage_options)
@@ -192,10 +212,16 @@ def write_checkpoint_file(ckpt_url: str, file_name: str, obj: Any, *,
     return FileEntry(name=file_name, size=payload.size, sha256=payload.sha256)
 
 
-def commit_checkpoint(ckpt_url: str, *, entries: Iterable[FileEntry], timestamp: Mapping[str, int],
-                      world_size: int, metadata: Mapping[str, Any] | None = None,
-                      storage_options: dict[str, Any] | None = None,
-                      verify_files: bool = True) -> CheckpointInfo:
+def commit_checkpoint(
+    ckpt_url: str,
+    *,
+    entries: Iterable[FileEntry],
+    timestamp: Mapping[str, int],
+    world_size: int,
+    metadata: Mapping[str, Any] | None = None,
+    storage_options: dict[str, Any] | None = None,
+    verify_files: bool = True,
+) -> CheckpointInfo:
     """Write the manifest (create-only), after checking every listed file is present.
 
     ``verify_files=False`` skips that check (one directory listing: a LIST request on object
@@ -215,36 +241,56 @@ def commit_checkpoint(ckpt_url: str, *, entries: Iterable[FileEntry], timestamp:
                     f"size {sizes.get(entry.name)} instead of {entry.size}. Fix: make sure every "
                     "rank's write_checkpoint_file finished before commit_checkpoint."
                 )
-    info = CheckpointInfo(url=url, name=basename(path), format_version=FORMAT_VERSION,
-                          library_version=_library_version(), created=time.time(),
-                          timestamp=_check_timestamp(timestamp), world_size=int(world_size),
-                          metadata=_check_metadata(metadata or {}), files=entries)
+    info = CheckpointInfo(
+        url=url,
+        name=basename(path),
+        format_version=FORMAT_VERSION,
+        library_version=_library_version(),
+        created=time.time(),
+        timestamp=_check_timestamp(timestamp),
+        world_size=int(world_size),
+        metadata=_check_metadata(metadata or {}),
+        files=entries,
+    )
     try:
-        write_bytes_create_only(fs, join(path, MANIFEST),
-                                json.dumps(info.manifest(), indent=1, sort_keys=True).encode())
+        write_bytes_create_only(
+            fs, join(path, MANIFEST), json.dumps(info.manifest(), indent=1, sort_keys=True).encode()
+        )
     except FileExistsError:
-        raise CheckpointError(f"Checkpoint {url!r} is already committed; checkpoints are never "
-                              "overwritten. Fix: write to a new_checkpoint_url().") from None
+        raise CheckpointError(
+            f"Checkpoint {url!r} is already committed; checkpoints are never "
+            "overwritten. Fix: write to a new_checkpoint_url()."
+        ) from None
     return info
 
 
-def write_checkpoint(root_url: str, *, files: Mapping[str, Any], timestamp: Mapping[str, int],
-                     world_size: int, metadata: Mapping[str, Any] | None = None,
-                     storage_options: dict[str, Any] | None = None,
-                     name: str | None = None) -> CheckpointInfo:
+def write_checkpoint(
+    root_url: str,
+    *,
+    files: Mapping[str, Any],
+    timestamp: Mapping[str, int],
+    world_size: int,
+    metadata: Mapping[str, Any] | None = None,
+    storage_options: dict[str, Any] | None = None,
+    name: str | None = None,
+) -> CheckpointInfo:
     """Write ``files`` (name -> nested tensors/containers/scalars) as a new committed checkpoint."""
     _check_timestamp(timestamp)
     _check_metadata(metadata or {})
     url = new_checkpoint_url(root_url, timestamp=timestamp, name=name)
-    entries = [write_checkpoint_file(url, n, obj, storage_options=storage_options)
-               for n, obj in files.items()]
-    return commit_checkpoint(url, entries=entries, timestamp=timestamp, world_size=world_size,
-                             metadata=metadata, storage_options=storage_options,
-                             verify_files=False)  # every entry was uploaded just above
+    entries = [write_checkpoint_file(url, n, obj, storage_options=storage_options) for n, obj in files.items()]
+    return commit_checkpoint(
+        url,
+        entries=entries,
+        timestamp=timestamp,
+        world_size=world_size,
+        metadata=metadata,
+        storage_options=storage_options,
+        verify_files=False,
+    )  # every entry was uploaded just above
 
 
-def read_manifest(ckpt_url: str, *,
-                  storage_options: dict[str, Any] | None = None) -> CheckpointInfo:
+def read_manifest(ckpt_url: str, *, storage_options: dict[str, Any] | None = None) -> CheckpointInfo:
     """The manifest of a committed checkpoint (CheckpointNotCommittedError if there is none)."""
     fs, path = resolve(ckpt_url, storage_options)
     try:
@@ -258,18 +304,25 @@ def read_manifest(ckpt_url: str, *,
     return CheckpointInfo.from_manifest(to_url(fs, path), raw)
 
 
-def read_checkpoint(ckpt_url: str, *, storage_options: dict[str, Any] | None = None,
-                    files: Iterable[str] | None = None,
-                    map_location: Any = "cpu") -> LoadedCheckpoint:
+def read_checkpoint(
+    ckpt_url: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    files: Iterable[str] | None = None,
+    map_location: Any = "cpu",
+) -> LoadedCheckpoint:
     """Verify and load a committed checkpoint (all files, or only those named in ``files``)."""
     info = read_manifest(ckpt_url, storage_options=storage_options)
-    return read_checkpoint_files(info, storage_options=storage_options, files=files,
-                                 map_location=map_location)
+    return read_checkpoint_files(info, storage_options=storage_options, files=files, map_location=map_location)
 
 
-def read_checkpoint_files(info: CheckpointInfo, *, storage_options: dict[str, Any] | None = None,
-                          files: Iterable[str] | None = None,
-                          map_location: Any = "cpu") -> LoadedCheckpoint:
+def read_checkpoint_files(
+    info: CheckpointInfo,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    files: Iterable[str] | None = None,
+    map_location: Any = "cpu",
+) -> LoadedCheckpoint:
     """``read_checkpoint`` for a manifest already read (``read_manifest``, ``list_checkpoints``).
 
     If the checkpoint was deleted since, its missing files raise CheckpointCorruptError.
@@ -278,11 +331,11 @@ def read_checkpoint_files(info: CheckpointInfo, *, storage_options: dict[str, An
     wanted = list(by_name) if files is None else list(files)
     unknown = [n for n in wanted if n not in by_name]
     if unknown:
-        raise KeyError(f"Checkpoint {info.url!r} has no file(s) {unknown}; it has "
-                       f"{sorted(by_name)}. Fix: ask for one of those.")
+        raise KeyError(
+            f"Checkpoint {info.url!r} has no file(s) {unknown}; it has {sorted(by_name)}. Fix: ask for one of those."
+        )
     fs, path = resolve(info.url, storage_options)
-    loaded = {name: _load_verified(fs, join(path, name), info.url, by_name[name], map_location)
-              for name in wanted}
+    loaded = {name: _load_verified(fs, join(path, name), info.url, by_name[name], map_location) for name in wanted}
     return LoadedCheckpoint(info=info, files=loaded)
 
 
@@ -300,8 +353,9 @@ def _load_verified(fs: Any, path: str, url: str, entry: FileEntry, map_location:
             size = len(data)
             digest = hashlib.sha256(data).hexdigest() if size == entry.size else None
     except FileNotFoundError:
-        raise CheckpointCorruptError(f"File {entry.name!r} listed in the manifest of {url!r} is "
-                                     "missing. Fix: load an older checkpoint.") from None
+        raise CheckpointCorruptError(
+            f"File {entry.name!r} listed in the manifest of {url!r} is missing. Fix: load an older checkpoint."
+        ) from None
     if size != entry.size or digest != entry.sha256:
         got = f"{size} bytes" + (f" with sha256 {digest}" if digest else "")
         raise CheckpointCorruptError(
@@ -359,8 +413,13 @@ def _upload(fs: Any, path: str, payload: _Payload) -> None:
 
 
 def _reason(err: Exception) -> str:
-    skip = ("Weights only load failed", "Check the documentation", "Please file an issue",
-            "In PyTorch 2.6", "Re-running")
+    skip = (
+        "Weights only load failed",
+        "Check the documentation",
+        "Please file an issue",
+        "In PyTorch 2.6",
+        "Re-running",
+    )
     lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
     useful = [ln for ln in lines if not ln.startswith(skip)]
     return "; ".join(useful) or (lines[0] if lines else type(err).__name__)
@@ -368,16 +427,20 @@ def _reason(err: Exception) -> str:
 
 def _check_file_name(name: str) -> str:
     if name == MANIFEST or not _FILE_NAME_RE.match(name or ""):
-        raise ValueError(f"Invalid checkpoint file/directory name {name!r}. Fix: use letters, "
-                         f"digits, '.', '_' or '-' (no '/'), and not {MANIFEST!r}.")
+        raise ValueError(
+            f"Invalid checkpoint file/directory name {name!r}. Fix: use letters, "
+            f"digits, '.', '_' or '-' (no '/'), and not {MANIFEST!r}."
+        )
     return name
 
 
 def _check_timestamp(timestamp: Mapping[str, int]) -> dict[str, int]:
     bad = {k: v for k, v in timestamp.items() if type(v) is not int or not isinstance(k, str)}
     if bad:
-        raise TypeError(f"Checkpoint timestamp must map str to plain int; bad entries: {bad!r}. "
-                        "Fix: pass e.g. {'epoch': 1, 'batch': 500} (use int(...) on tensors).")
+        raise TypeError(
+            f"Checkpoint timestamp must map str to plain int; bad entries: {bad!r}. "
+            "Fix: pass e.g. {'epoch': 1, 'batch': 500} (use int(...) on tensors)."
+        )
     return dict(timestamp)
 
 
@@ -385,8 +448,10 @@ def _check_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
     try:
         return json.loads(json.dumps(dict(metadata)))
     except (TypeError, ValueError) as e:
-        raise TypeError(f"Checkpoint metadata must be JSON-serializable ({e}). Fix: convert "
-                        "values to str/int/float/bool/None/lists/dicts first.") from e
+        raise TypeError(
+            f"Checkpoint metadata must be JSON-serializable ({e}). Fix: convert "
+            "values to str/int/float/bool/None/lists/dicts first."
+        ) from e
 
 
 def _library_version() -> str:

@@ -5,6 +5,7 @@ The handler is installed only for the duration of ``fit()`` and only on the main
 workers the train function runs off the main thread, so there preemption comes from
 ``ray.train.get_preemption_info()`` instead (see `raytrain_events.ray.report`).
 """
+
 from __future__ import annotations
 
 import contextlib

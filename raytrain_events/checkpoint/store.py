@@ -19,6 +19,7 @@ Usage::
     writer.close()
     loaded = load_latest_valid(root)   # None when there is nothing loadable
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -28,16 +29,21 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from raytrain_events.checkpoint.format import (
-    _MANIFEST_SIZE_HINT, CHECKPOINT_NAME_RE, MANIFEST, CheckpointCorruptError, CheckpointInfo,
-    CheckpointNotCommittedError, LoadedCheckpoint, read_checkpoint_files,
+    _MANIFEST_SIZE_HINT,
+    CHECKPOINT_NAME_RE,
+    MANIFEST,
+    CheckpointCorruptError,
+    CheckpointInfo,
+    CheckpointNotCommittedError,
+    LoadedCheckpoint,
+    read_checkpoint_files,
 )
 from raytrain_events.storage.fs import basename, delete, join, list_dir, read_many, resolve, to_url
 
 logger = logging.getLogger(__name__)
 
 
-def list_checkpoints(root_url: str, *,
-                     storage_options: dict[str, Any] | None = None) -> list[CheckpointInfo]:
+def list_checkpoints(root_url: str, *, storage_options: dict[str, Any] | None = None) -> list[CheckpointInfo]:
     """Committed checkpoints under ``root_url``, oldest first ([] if the root does not exist).
 
     Directories with an unreadable manifest are skipped with a warning; a manifest of a newer
@@ -47,15 +53,13 @@ def list_checkpoints(root_url: str, *,
     return committed
 
 
-def latest_checkpoint(root_url: str, *,
-                      storage_options: dict[str, Any] | None = None) -> CheckpointInfo | None:
+def latest_checkpoint(root_url: str, *, storage_options: dict[str, Any] | None = None) -> CheckpointInfo | None:
     """The newest committed checkpoint, or None."""
     committed = list_checkpoints(root_url, storage_options=storage_options)
     return committed[-1] if committed else None
 
 
-def prune_checkpoints(root_url: str, *, keep: int,
-                      storage_options: dict[str, Any] | None = None) -> list[str]:
+def prune_checkpoints(root_url: str, *, keep: int, storage_options: dict[str, Any] | None = None) -> list[str]:
     """Delete all but the newest ``keep`` committed checkpoints; returns the deleted URLs.
 
     Also deletes uncommitted ``ckpt-<batch>-<id>`` directories whose batch is below the
@@ -63,8 +67,7 @@ def prune_checkpoints(root_url: str, *, keep: int,
     batch and is left alone). Call it only after a new checkpoint has been committed.
     """
     if keep < 1:
-        raise ValueError(f"prune_checkpoints(keep={keep}) would delete every checkpoint. "
-                         "Fix: pass keep >= 1.")
+        raise ValueError(f"prune_checkpoints(keep={keep}) would delete every checkpoint. Fix: pass keep >= 1.")
     committed, uncommitted = _scan(root_url, storage_options)
     doomed = [c.url for c in committed[:-keep]]
     if committed:
@@ -81,9 +84,13 @@ def prune_checkpoints(root_url: str, *, keep: int,
     return doomed
 
 
-def load_latest_valid(root_url: str, *, storage_options: dict[str, Any] | None = None,
-                      files: Iterable[str] | None = None,
-                      map_location: Any = "cpu") -> LoadedCheckpoint | None:
+def load_latest_valid(
+    root_url: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    files: Iterable[str] | None = None,
+    map_location: Any = "cpu",
+) -> LoadedCheckpoint | None:
     """Load the newest checkpoint that verifies, skipping (with a warning) corrupt ones.
 
     Unsafe (non-allowlisted pickle) and unsupported-version checkpoints are raised, not
@@ -93,15 +100,13 @@ def load_latest_valid(root_url: str, *, storage_options: dict[str, Any] | None =
     names = None if files is None else list(files)
     for info in reversed(list_checkpoints(root_url, storage_options=storage_options)):
         try:  # the listing read the manifest already: not again
-            return read_checkpoint_files(info, storage_options=storage_options, files=names,
-                                         map_location=map_location)
+            return read_checkpoint_files(info, storage_options=storage_options, files=names, map_location=map_location)
         except (CheckpointCorruptError, CheckpointNotCommittedError) as e:
             logger.warning("Skipping checkpoint %s: %s", info.url, e)
     return None
 
 
-def _scan(root_url: str,
-          storage_options: dict[str, Any] | None) -> tuple[list[CheckpointInfo], list[str]]:
+def _scan(root_url: str, storage_options: dict[str, Any] | None) -> tuple[list[CheckpointInfo], list[str]]:
     """(committed infos sorted oldest first, URLs of directories without a manifest)."""
     fs, root = resolve(root_url, storage_options)
     dirs = [e["name"] for e in list_dir(fs, root) if e.get("type") == "directory"]
@@ -143,7 +148,8 @@ class AsyncCheckpointWriter:
             self._wait_locked()
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix=self._thread_name)
+                    max_workers=1, thread_name_prefix=self._thread_name
+                )
             self._pending = self._executor.submit(fn)
             return self._pending
 
@@ -174,7 +180,7 @@ class AsyncCheckpointWriter:
         pending, self._pending = self._pending, None
         return None if pending is None else pending.result()  # raises the save's exception
 
-    def __enter__(self) -> "AsyncCheckpointWriter":
+    def __enter__(self) -> AsyncCheckpointWriter:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:

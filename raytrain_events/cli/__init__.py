@@ -7,6 +7,7 @@ calls the same ``train`` code, so the example and the CLI share one config schem
 
 Importing this package imports neither Ray nor torch; each subcommand imports what it needs.
 """
+
 from raytrain_events.cli.errors import UsageError
 
 __all__ = ["UsageError", "main"]

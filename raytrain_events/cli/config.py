@@ -11,6 +11,7 @@ Usage::
     cfg = load_config(DigitsConfig, config_path="examples/configs/digits.yaml",
                       overrides=["num_workers=4", "max_duration=3ep"])
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -167,7 +168,7 @@ def _check_values(cfg: DictConfig, schema: type, prefix: str = "") -> None:
 def _explain_merge_error(exc: OmegaConfBaseException, schema: type) -> str:
     key = getattr(exc, "full_key", None) or ""
     expected = ""
-    for dotted, default, _ in describe_keys(schema):
+    for dotted, _default, _ in describe_keys(schema):
         if dotted == key:
             expected = _type_name(schema, key)
     message = (getattr(exc, "msg", None) or str(exc)).strip().splitlines()[0]
@@ -209,4 +210,3 @@ def _yaml_scalar(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)
-

@@ -9,6 +9,7 @@ when it starts, with this job's config under ``config``).
 Run it with ``python examples/train.py`` or ``raytrain-events train``; the config schema is
 `DigitsConfig` (``--help`` lists every key).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -38,7 +39,10 @@ def _help(text: str, **extra: Any) -> Dict[str, Any]:
 class CheckpointSection:
     enabled: bool = field(default=True, metadata=_help("Save checkpoints (into <storage>/<run_name>/checkpoints)."))
     save_interval: Optional[str] = field(
-        default="1ep", metadata=_help("Save whenever the global time crosses a multiple of this, like 1ep or 50ba.", time=True, dur=False)
+        default="1ep",
+        metadata=_help(
+            "Save whenever the global time crosses a multiple of this, like 1ep or 50ba.", time=True, dur=False
+        ),
     )
     keep: Optional[int] = field(default=2, metadata=_help("How many checkpoints to keep (null keeps all)."))
 
@@ -46,40 +50,72 @@ class CheckpointSection:
 @dataclass
 class DigitsConfig:
     run_name: Optional[str] = field(
-        default=None, metadata=_help("Run directory name under storage; null picks digits-<date>-<time>. Reuse a name with resume=true.")
+        default=None,
+        metadata=_help(
+            "Run directory name under storage; null picks digits-<date>-<time>. Reuse a name with resume=true."
+        ),
     )
-    storage: str = field(default="./runs", metadata=_help("Where runs live: a local path, file://, s3://bucket/prefix, gs://, az://."))
+    storage: str = field(
+        default="./runs", metadata=_help("Where runs live: a local path, file://, s3://bucket/prefix, gs://, az://.")
+    )
     storage_options: Dict[str, Any] = field(
-        default_factory=dict, metadata=_help("fsspec options for storage, e.g. {client_kwargs: {endpoint_url: 'http://minio:9000'}}.")
+        default_factory=dict,
+        metadata=_help("fsspec options for storage, e.g. {client_kwargs: {endpoint_url: 'http://minio:9000'}}."),
     )
     address: Optional[str] = field(
         default=None,
-        metadata=_help("Ray cluster address (auto, ray://host:10001). null: the cluster this runs in (ray job submit, ray submit), else an embedded local Ray."),
+        metadata=_help(
+            "Ray cluster address (auto, ray://host:10001). null: the cluster this runs in (ray job submit, ray submit), else an embedded local Ray."
+        ),
     )
     num_workers: int = field(default=2, metadata=_help("Ray Train workers (processes), one per GPU with use_gpu=true."))
     use_gpu: bool = field(default=False, metadata=_help("One GPU per worker (needs a cluster with GPU nodes)."))
     epochs: int = field(default=8, metadata=_help("Training length in epochs (used when max_duration is null)."))
     max_duration: Optional[str] = field(
-        default=None, metadata=_help("Training length as a Time string (3ep, 200ba, 1e4sp); overrides epochs.", time=True, dur=False)
+        default=None,
+        metadata=_help("Training length as a Time string (3ep, 200ba, 1e4sp); overrides epochs.", time=True, dur=False),
     )
-    batch_size: int = field(default=64, metadata=_help("Rows per worker per batch (the global batch is batch_size * num_workers)."))
+    batch_size: int = field(
+        default=64, metadata=_help("Rows per worker per batch (the global batch is batch_size * num_workers).")
+    )
     lr: float = field(default=0.2, metadata=_help("Peak learning rate (SGD with momentum)."))
     momentum: float = field(default=0.9, metadata=_help("SGD momentum."))
     weight_decay: float = field(default=5e-4, metadata=_help("SGD weight decay."))
-    warmup: str = field(default="0.1dur", metadata=_help("Linear warmup before cosine decay, any Time string (0.1dur, 2ep, 20ba).", time=True, zero_ok=True))
-    model: str = field(default="mlp", metadata=_help("mlp (64-hidden-hidden-10) or cnn (two 3x3 convs).", choices=["mlp", "cnn"]))
+    warmup: str = field(
+        default="0.1dur",
+        metadata=_help(
+            "Linear warmup before cosine decay, any Time string (0.1dur, 2ep, 20ba).", time=True, zero_ok=True
+        ),
+    )
+    model: str = field(
+        default="mlp", metadata=_help("mlp (64-hidden-hidden-10) or cnn (two 3x3 convs).", choices=["mlp", "cnn"])
+    )
     hidden: int = field(default=128, metadata=_help("Hidden width of the MLP."))
     algorithms: List[Any] = field(
         default_factory=list,
-        metadata=_help("Algorithm specs by name: '[label_smoothing, {name: mixup, alpha: 0.2}]' (see raytrain_events.algorithms)."),
+        metadata=_help(
+            "Algorithm specs by name: '[label_smoothing, {name: mixup, alpha: 0.2}]' (see raytrain_events.algorithms)."
+        ),
     )
-    eval_rows: int = field(default=297, metadata=_help("Rows held out for eval; the rest (1500 by default) train. Keep the train rows divisible by num_workers."))
+    eval_rows: int = field(
+        default=297,
+        metadata=_help(
+            "Rows held out for eval; the rest (1500 by default) train. Keep the train rows divisible by num_workers."
+        ),
+    )
     seed: int = field(default=0, metadata=_help("Seed for the split, the initial weights and the shuffles."))
     resume: bool = field(default=False, metadata=_help("Continue run_name from its newest checkpoint (autoresume)."))
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
-    progress_bar: bool = field(default=True, metadata=_help("Show a progress bar of the global Timestamp on the driver."))
+    progress_bar: bool = field(
+        default=True, metadata=_help("Show a progress bar of the global Timestamp on the driver.")
+    )
     report_interval: str = field(
-        default="1ep", metadata=_help("How often workers report metrics to the driver (a Time string; each report is a barrier, keep it >= 1s of training).", time=True, dur=False)
+        default="1ep",
+        metadata=_help(
+            "How often workers report metrics to the driver (a Time string; each report is a barrier, keep it >= 1s of training).",
+            time=True,
+            dur=False,
+        ),
     )
 
 
@@ -93,13 +129,21 @@ def build_model(kind: str, hidden: int) -> Any:
     if kind == "cnn":
         module = torch.nn.Sequential(
             torch.nn.Unflatten(1, (1, 8, 8)),
-            torch.nn.Conv2d(1, 16, 3, padding=1), torch.nn.ReLU(),
-            torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-            torch.nn.Flatten(), torch.nn.Linear(32 * 4 * 4, 10),
+            torch.nn.Conv2d(1, 16, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.Conv2d(16, 32, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.MaxPool2d(2),
+            torch.nn.Flatten(),
+            torch.nn.Linear(32 * 4 * 4, 10),
         )
     else:
         module = torch.nn.Sequential(
-            torch.nn.Linear(64, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 10)
+            torch.nn.Linear(64, hidden),
+            torch.nn.ReLU(),
+            torch.nn.Linear(hidden, hidden),
+            torch.nn.ReLU(),
+            torch.nn.Linear(hidden, 10),
         )
     return ClassifierModel(module, num_classes=10)
 
@@ -152,7 +196,9 @@ def write_digits(data_url: str, *, eval_rows: int, seed: int, storage_options: D
     fs.makedirs(root, exist_ok=True)
     urls = {}
     for name, idx in parts.items():
-        table = pa.table({"x": pa.FixedSizeListArray.from_arrays(pa.array(x[idx].reshape(-1)), 64), "y": pa.array(y[idx])})
+        table = pa.table(
+            {"x": pa.FixedSizeListArray.from_arrays(pa.array(x[idx].reshape(-1)), 64), "y": pa.array(y[idx])}
+        )
         sink = io.BytesIO()
         pq.write_table(table, sink)
         write_bytes_atomic(fs, join(root, f"{name}.parquet"), sink.getvalue())
@@ -179,7 +225,7 @@ def run_url_of(cfg: DictConfig) -> str:
     """``<storage>/<run_name>`` with local paths made absolute (Ray workers need absolute paths)."""
     storage = cfg.storage
     if storage.startswith("file://"):
-        storage = storage[len("file://"):]
+        storage = storage[len("file://") :]
     if "://" not in storage:
         storage = os.path.abspath(os.path.expanduser(storage))
     return storage.rstrip("/") + "/" + cfg.run_name
@@ -190,7 +236,9 @@ def train_digits(cfg: DictConfig, *, echo: Callable[[str], None] = print) -> Dic
     started = time.time()
     if cfg.run_name is None:
         if cfg.resume:
-            raise UsageError("resume=true needs run_name=<the run to continue> (see `raytrain-events runs ls <storage>`).")
+            raise UsageError(
+                "resume=true needs run_name=<the run to continue> (see `raytrain-events runs ls <storage>`)."
+            )
         cfg.run_name = datetime.datetime.now().strftime("digits-%Y%m%d-%H%M%S")
     if "/" in cfg.run_name or not cfg.run_name.strip():
         raise UsageError(f"run_name={cfg.run_name!r} must be a non-empty name without '/'.")
@@ -201,7 +249,10 @@ def train_digits(cfg: DictConfig, *, echo: Callable[[str], None] = print) -> Dic
     checkpoint_url = run_url + "/checkpoints"
     _check_run_dir(cfg, run_url, checkpoint_url, options, echo)
     algorithms = _check_algorithms(to_plain(cfg)["algorithms"])
-    data = _storage_step(run_url, lambda: write_digits(run_url + "/data", eval_rows=cfg.eval_rows, seed=cfg.seed, storage_options=options))
+    data = _storage_step(
+        run_url,
+        lambda: write_digits(run_url + "/data", eval_rows=cfg.eval_rows, seed=cfg.seed, storage_options=options),
+    )
     if data["train_rows"] % cfg.num_workers:
         echo(
             f"note: {data['train_rows']} train rows do not split evenly over {cfg.num_workers} workers; "
@@ -210,10 +261,11 @@ def train_digits(cfg: DictConfig, *, echo: Callable[[str], None] = print) -> Dic
 
     _connect(cfg.address, cfg.num_workers)
     trainer = _build_trainer(cfg, duration, algorithms, data, options)
-    echo(f"Training {cfg.model} on digits ({data['train_rows']} train / {data['eval_rows']} eval rows) for {duration} "
-         f"on {cfg.num_workers} worker(s){' with GPUs' if cfg.use_gpu else ''}; run directory {run_url}")
+    echo(
+        f"Training {cfg.model} on digits ({data['train_rows']} train / {data['eval_rows']} eval rows) for {duration} "
+        f"on {cfg.num_workers} worker(s){' with GPUs' if cfg.use_gpu else ''}; run directory {run_url}"
+    )
     from raytrain_events.ray.driver import RayTrainingError
-
     from raytrain_events.storage.errors import LockError
 
     try:
@@ -239,16 +291,23 @@ def _check_numbers(cfg: DictConfig) -> None:
         (cfg.max_duration is not None or cfg.epochs >= 1, f"epochs={cfg.epochs} must be >= 1 (or set max_duration)"),
         (cfg.lr > 0, f"lr={cfg.lr} must be > 0"),
         (cfg.hidden >= 1, f"hidden={cfg.hidden} must be >= 1"),
-        (1 <= cfg.eval_rows <= NUM_DIGITS - cfg.num_workers,
-         f"eval_rows={cfg.eval_rows} must be between 1 and {NUM_DIGITS - cfg.num_workers} (the digits have {NUM_DIGITS} rows)"),
-        (cfg.checkpoint.keep is None or cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep} must be >= 1 or null"),
+        (
+            1 <= cfg.eval_rows <= NUM_DIGITS - cfg.num_workers,
+            f"eval_rows={cfg.eval_rows} must be between 1 and {NUM_DIGITS - cfg.num_workers} (the digits have {NUM_DIGITS} rows)",
+        ),
+        (
+            cfg.checkpoint.keep is None or cfg.checkpoint.keep >= 1,
+            f"checkpoint.keep={cfg.checkpoint.keep} must be >= 1 or null",
+        ),
     ]
     for ok, message in checks:
         if not ok:
             raise UsageError(message + ".")
 
 
-def _check_run_dir(cfg: DictConfig, run_url: str, checkpoint_url: str, options: Dict[str, Any], echo: Callable[[str], None]) -> None:
+def _check_run_dir(
+    cfg: DictConfig, run_url: str, checkpoint_url: str, options: Dict[str, Any], echo: Callable[[str], None]
+) -> None:
     """Read the run directory before anything starts: the storage is reachable, a reused run_name
     is only continued on purpose, and a resumed run shows how its config changed.
 
@@ -266,7 +325,11 @@ def _check_run_dir(cfg: DictConfig, run_url: str, checkpoint_url: str, options: 
         return saved.get("config", saved)
 
     previous = _storage_step(run_url, previous_config)
-    existing = _storage_step(run_url, lambda: list_checkpoints(checkpoint_url, storage_options=options)) if cfg.checkpoint.enabled else []
+    existing = (
+        _storage_step(run_url, lambda: list_checkpoints(checkpoint_url, storage_options=options))
+        if cfg.checkpoint.enabled
+        else []
+    )
     if existing and not cfg.resume:
         raise UsageError(
             f"Run {run_url!r} already has {len(existing)} checkpoint(s). Pass resume=true to continue it, "
@@ -277,7 +340,10 @@ def _check_run_dir(cfg: DictConfig, run_url: str, checkpoint_url: str, options: 
             echo(f"resume=true but {run_url} has no checkpoints yet: starting from scratch.")
         elif previous is not None:
             diff = format_config_diff(previous, cfg)
-            echo(f"Resuming {run_url}" + (f"; config changes since the last start:\n{diff}" if diff else " with an unchanged config."))
+            echo(
+                f"Resuming {run_url}"
+                + (f"; config changes since the last start:\n{diff}" if diff else " with an unchanged config.")
+            )
 
 
 def _storage_step(url: str, fn: Callable[[], Any]) -> Any:
@@ -324,7 +390,9 @@ def _connect(address: Optional[str], num_workers: int) -> None:
     from raytrain_events.ray.cluster import _local_cluster_running, ensure_ray
 
     address = address or os.environ.get("RAY_ADDRESS")
-    starts_local = not ray.is_initialized() and (address == "local" or (address is None and not _local_cluster_running()))
+    starts_local = not ray.is_initialized() and (
+        address == "local" or (address is None and not _local_cluster_running())
+    )
     extra = {"num_cpus": max(os.cpu_count() or 1, num_workers + 2)} if starts_local else {}
     try:
         ensure_ray(address, **extra)
@@ -332,7 +400,9 @@ def _connect(address: Optional[str], num_workers: int) -> None:
         raise UsageError(f"Cannot connect to Ray at {address or 'auto'}: {exc}") from None
 
 
-def _build_trainer(cfg: DictConfig, duration: str, algorithms: List[Any], data: Dict[str, Any], options: Dict[str, Any]) -> Any:
+def _build_trainer(
+    cfg: DictConfig, duration: str, algorithms: List[Any], data: Dict[str, Any], options: Dict[str, Any]
+) -> Any:
     from raytrain_events import RayTrainer
     from raytrain_events.checkpoint.config import CheckpointConfig
     from raytrain_events.cli.ray_output import quiet_ray_data, quiet_worker_logs
@@ -343,18 +413,28 @@ def _build_trainer(cfg: DictConfig, duration: str, algorithms: List[Any], data: 
         checkpoint = None
         if cfg.checkpoint.enabled:
             checkpoint = CheckpointConfig(
-                save_interval=cfg.checkpoint.save_interval, keep=cfg.checkpoint.keep, autoresume=cfg.resume, storage_options=options
+                save_interval=cfg.checkpoint.save_interval,
+                keep=cfg.checkpoint.keep,
+                autoresume=cfg.resume,
+                storage_options=options,
             )
         return RayTrainer(
             model=functools.partial(build_model, cfg.model, cfg.hidden),
-            optimizers=functools.partial(build_optimizer, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay),
+            optimizers=functools.partial(
+                build_optimizer, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+            ),
             schedulers=functools.partial(
-                build_scheduler, warmup=cfg.warmup, max_duration=duration,
+                build_scheduler,
+                warmup=cfg.warmup,
+                max_duration=duration,
                 steps_per_epoch=-(-(data["train_rows"] // cfg.num_workers) // cfg.batch_size),
             ),
             algorithms=algorithms,
             callbacks=quiet_worker_logs,
-            datasets={"train": read_parquet(data["urls"]["train"], options), "eval": read_parquet(data["urls"]["eval"], options)},
+            datasets={
+                "train": read_parquet(data["urls"]["train"], options),
+                "eval": read_parquet(data["urls"]["eval"], options),
+            },
             max_duration=duration,
             batch_size=cfg.batch_size,
             num_workers=cfg.num_workers,
@@ -379,7 +459,12 @@ def _summary(cfg: DictConfig, result: Any, data: Dict[str, Any], checkpoint_url:
     return {
         "run_name": cfg.run_name,
         "run_url": result.run_url,
-        "timestamp": {"epoch": ts.epoch.value, "batch": ts.batch.value, "sample": ts.sample.value, "token": ts.token.value},
+        "timestamp": {
+            "epoch": ts.epoch.value,
+            "batch": ts.batch.value,
+            "sample": ts.sample.value,
+            "token": ts.token.value,
+        },
         "metrics": {k: v for k, v in result.metrics.items() if isinstance(v, (int, float, str, bool)) or v is None},
         "eval_history": history,
         "train_rows": data["train_rows"],
@@ -399,8 +484,11 @@ def _eval_history(entries: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         if "metrics/eval/accuracy" in e:
             previous = by_epoch.get(e.get("time/epoch"), {})
             by_epoch[e.get("time/epoch")] = {
-                "epoch": e.get("time/epoch"), "batch": e.get("time/batch"), "sample": e.get("time/sample"),
-                "train_loss": e.get("train/loss", previous.get("train_loss")), "eval_accuracy": e.get("metrics/eval/accuracy"),
+                "epoch": e.get("time/epoch"),
+                "batch": e.get("time/batch"),
+                "sample": e.get("time/sample"),
+                "train_loss": e.get("train/loss", previous.get("train_loss")),
+                "eval_accuracy": e.get("metrics/eval/accuracy"),
             }
     return list(by_epoch.values())
 
@@ -425,14 +513,19 @@ def format_summary(summary: Dict[str, Any]) -> str:
     for entry in summary["eval_history"]:
         acc = entry["eval_accuracy"]
         loss = entry["train_loss"]
-        lines.append(f"  epoch {entry['epoch']:>3} batch {entry['batch']:>5}: eval accuracy {acc:.4f}"
-                     + (f", train loss {loss:.4f}" if isinstance(loss, float) else ""))
+        lines.append(
+            f"  epoch {entry['epoch']:>3} batch {entry['batch']:>5}: eval accuracy {acc:.4f}"
+            + (f", train loss {loss:.4f}" if isinstance(loss, float) else "")
+        )
     shown = {k: v for k, v in metrics.items() if k.startswith(("train/", "metrics/"))}
     for key in sorted(shown):
         value = shown[key]
         lines.append(f"  {key}: {value:.4f}" if isinstance(value, float) else f"  {key}: {value}")
     if summary["checkpoint_folder"]:
-        names = ", ".join(f"{c['name']} (batch {c['timestamp'].get('batch')})" for c in summary["checkpoints"]) or "none saved"
+        names = (
+            ", ".join(f"{c['name']} (batch {c['timestamp'].get('batch')})" for c in summary["checkpoints"])
+            or "none saved"
+        )
         lines.append(f"  checkpoints: {summary['checkpoint_folder']}: {names}")
     lines.append(f"  summary:     {summary.get('summary_url', summary['run_url'] + '/summary.json')}")
     return "\n".join(lines)

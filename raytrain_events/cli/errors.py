@@ -3,6 +3,7 @@
 Commands raise it with a message that says what was wrong and what is accepted; `run_guarded`
 prints ``error: <message>`` on stderr and returns the exit code instead of a traceback.
 """
+
 from __future__ import annotations
 
 import sys

@@ -1,4 +1,5 @@
 """The ``raytrain-events`` argument parser and dispatch (``python -m raytrain_events``)."""
+
 from __future__ import annotations
 
 import argparse
@@ -6,8 +7,8 @@ import json
 import sys
 from typing import List, Optional
 
-from raytrain_events.cli.parser import ArgumentParser
 from raytrain_events.cli.errors import UsageError, run_guarded
+from raytrain_events.cli.parser import ArgumentParser
 
 __all__ = ["build_parser", "main"]
 
@@ -45,17 +46,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=ArgumentParser)
 
-    train = commands.add_parser("train", help="Train the digits classifier from a YAML config with key=value overrides.", formatter_class=_formatter)
+    train = commands.add_parser(
+        "train",
+        help="Train the digits classifier from a YAML config with key=value overrides.",
+        formatter_class=_formatter,
+    )
     add_train_arguments(train)
     train.set_defaults(_parser=train)
 
     runs = commands.add_parser(
-        "runs", help="Commands on the runs under a storage root (runs ls).", formatter_class=_formatter,
+        "runs",
+        help="Commands on the runs under a storage root (runs ls).",
+        formatter_class=_formatter,
         description="Commands on the runs under a storage root.",
     )
-    runs_commands = runs.add_subparsers(dest="runs_command", metavar="RUNS_COMMAND", required=True, parser_class=ArgumentParser)
+    runs_commands = runs.add_subparsers(
+        dest="runs_command", metavar="RUNS_COMMAND", required=True, parser_class=ArgumentParser
+    )
     ls = runs_commands.add_parser(
-        "ls", help="List the runs under a storage root with their checkpoints and final Timestamp.", formatter_class=_formatter,
+        "ls",
+        help="List the runs under a storage root with their checkpoints and final Timestamp.",
+        formatter_class=_formatter,
         description=(
             "List the run directories directly under STORAGE: for each, its status, how many checkpoints it has,\n"
             "the global Timestamp of the newest one, and the final Timestamp and eval accuracy from summary.json.\n"
@@ -63,24 +74,36 @@ def build_parser() -> argparse.ArgumentParser:
             "failed or was interrupted, or was not started by the digits job, which is what writes summary.json)."
         ),
     )
-    ls.add_argument("storage", metavar="STORAGE", help="Storage root holding run directories: a local path, file://, s3://bucket/prefix, gs://, az://.")
+    ls.add_argument(
+        "storage",
+        metavar="STORAGE",
+        help="Storage root holding run directories: a local path, file://, s3://bucket/prefix, gs://, az://.",
+    )
     _add_common(ls)
     ls.set_defaults(_parser=ls)
 
     inspect = commands.add_parser(
-        "inspect", help="Show one run: its checkpoints with their Timestamps, final metrics and saved config.", formatter_class=_formatter,
+        "inspect",
+        help="Show one run: its checkpoints with their Timestamps, final metrics and saved config.",
+        formatter_class=_formatter,
         description=(
             "Show one run directory: the committed checkpoints (oldest first) with the global Timestamp each was\n"
             "saved at (epoch, batch, sample, token), the final Timestamp and metrics from summary.json, and the\n"
             "config the run was started with (config.yaml)."
         ),
     )
-    inspect.add_argument("run_url", metavar="RUN_URL", help="The run directory, <storage>/<run_name>, e.g. ./runs/digits-20250101-120000 or s3://bucket/runs/name.")
+    inspect.add_argument(
+        "run_url",
+        metavar="RUN_URL",
+        help="The run directory, <storage>/<run_name>, e.g. ./runs/digits-20250101-120000 or s3://bucket/runs/name.",
+    )
     _add_common(inspect)
     inspect.set_defaults(_parser=inspect)
 
     diff = commands.add_parser(
-        "diff", help="Config differences between two runs, line by line.", formatter_class=_formatter,
+        "diff",
+        help="Config differences between two runs, line by line.",
+        formatter_class=_formatter,
         description=(
             "Compare the saved configs (config.yaml) of two runs key by key. Each difference prints as\n"
             "'- key: value in RUN_A' and '+ key: value in RUN_B'; keys only one run has print on one side only."
@@ -88,14 +111,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     diff.add_argument("run_a", metavar="RUN_A", help="First run directory (the '-' side).")
     diff.add_argument("run_b", metavar="RUN_B", help="Second run directory (the '+' side).")
-    diff.add_argument("-o", "--storage-option", action="append", metavar="KEY=VALUE", default=[], help=STORAGE_OPTION_HELP)
+    diff.add_argument(
+        "-o", "--storage-option", action="append", metavar="KEY=VALUE", default=[], help=STORAGE_OPTION_HELP
+    )
     diff.set_defaults(_parser=diff)
-    diff.add_argument("--exit-code", action="store_true", help="Exit with 1 when the configs differ (like git diff --exit-code); default: exit 0 either way.")
+    diff.add_argument(
+        "--exit-code",
+        action="store_true",
+        help="Exit with 1 when the configs differ (like git diff --exit-code); default: exit 0 either way.",
+    )
     return parser
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-o", "--storage-option", action="append", metavar="KEY=VALUE", default=[], help=STORAGE_OPTION_HELP)
+    parser.add_argument(
+        "-o", "--storage-option", action="append", metavar="KEY=VALUE", default=[], help=STORAGE_OPTION_HELP
+    )
     parser.add_argument("--json", action="store_true", help="Print machine-readable JSON instead of a table.")
 
 

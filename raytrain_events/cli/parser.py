@@ -1,4 +1,5 @@
 """An `argparse.ArgumentParser` whose "unrecognized arguments" error lists the valid options."""
+
 from __future__ import annotations
 
 import argparse
@@ -17,7 +18,11 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def valid_options(self) -> list:
         flags = [max(a.option_strings, key=len) for a in self._actions if a.option_strings]
-        positionals = [a.metavar or a.dest for a in self._actions if not a.option_strings and not isinstance(a, argparse._SubParsersAction)]
+        positionals = [
+            a.metavar or a.dest
+            for a in self._actions
+            if not a.option_strings and not isinstance(a, argparse._SubParsersAction)
+        ]
         return flags + [str(p) for p in positionals]
 
     def parse_args(self, args=None, namespace=None):  # type: ignore[override]

@@ -5,6 +5,7 @@ driver's ``DataContext`` to the workers, so call it on the driver before ``fit``
 ``quiet_worker_logs`` is a callbacks factory for `RayTrainer` (``callbacks=quiet_worker_logs``):
 it adds no callback but lowers Ray Train's per-report INFO line on each worker to WARNING.
 """
+
 from __future__ import annotations
 
 import logging

@@ -4,6 +4,7 @@ A run directory is ``<storage>/<run_name>`` holding any of ``config.yaml`` (the 
 ``summary.json`` (written when the digits job ends) and ``checkpoints/`` (committed
 checkpoints, each with the global Timestamp it was saved at).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -25,7 +26,9 @@ def parse_storage_options(items: Optional[Sequence[str]]) -> Dict[str, Any]:
 
     for item in items:
         if "=" not in item:
-            raise UsageError(f"--storage-option expects KEY=VALUE (like client_kwargs.endpoint_url=http://127.0.0.1:9000), got {item!r}.")
+            raise UsageError(
+                f"--storage-option expects KEY=VALUE (like client_kwargs.endpoint_url=http://127.0.0.1:9000), got {item!r}."
+            )
     try:
         return OmegaConf.to_container(OmegaConf.from_dotlist(list(items)), resolve=True)
     except Exception as exc:
@@ -77,8 +80,14 @@ def _run_info(run_url: str, options: Dict[str, Any]) -> Dict[str, Any]:
         "run_url": run_url,
         "status": _status(run_url, options, summary),
         "checkpoints": [
-            {"name": c.name, "url": c.url, "timestamp": {k: c.timestamp.get(k, 0) for k in _TIME_KEYS},
-             "created": c.created, "world_size": c.world_size, "bytes": sum(f.size for f in c.files)}
+            {
+                "name": c.name,
+                "url": c.url,
+                "timestamp": {k: c.timestamp.get(k, 0) for k in _TIME_KEYS},
+                "created": c.created,
+                "world_size": c.world_size,
+                "bytes": sum(f.size for f in c.files),
+            }
             for c in checkpoints
         ],
         "summary": summary,
@@ -131,10 +140,16 @@ def format_runs(runs: List[Dict[str, Any]], storage: str) -> str:
         summary = run["summary"] or {}
         final = summary.get("timestamp")
         accuracy = (summary.get("metrics") or {}).get("metrics/eval/accuracy")
-        rows.append((
-            run["name"], run["status"].split(" (")[0], str(len(run["checkpoints"])), _ts(latest) if latest else "-",
-            _ts(final) if final else "-", f"{accuracy:.4f}" if isinstance(accuracy, float) else "-",
-        ))
+        rows.append(
+            (
+                run["name"],
+                run["status"].split(" (")[0],
+                str(len(run["checkpoints"])),
+                _ts(latest) if latest else "-",
+                _ts(final) if final else "-",
+                f"{accuracy:.4f}" if isinstance(accuracy, float) else "-",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 
@@ -198,7 +213,9 @@ def diff_runs(run_a: str, run_b: str, options: Dict[str, Any]) -> str:
     for url in (run_a, run_b):
         config = _guard(url, "read the config of", lambda url=url: _load_config(url, options))
         if config is None:
-            raise UsageError(f"No config.yaml in {url!r}: is it a run directory? (`raytrain-events runs ls <storage>` lists them.)")
+            raise UsageError(
+                f"No config.yaml in {url!r}: is it a run directory? (`raytrain-events runs ls <storage>` lists them.)"
+            )
         configs.append(config)
     return format_config_diff(*configs)
 

@@ -3,14 +3,15 @@
 Shared by ``raytrain-events train`` and ``examples/train.py`` (which passes its bundled
 ``configs/digits.yaml`` as the default ``--config``).
 """
+
 from __future__ import annotations
 
 import argparse
 from typing import List, Optional
 
-from raytrain_events.cli.parser import ArgumentParser
 from raytrain_events.cli.config import keys_help, load_config
 from raytrain_events.cli.errors import run_guarded
+from raytrain_events.cli.parser import ArgumentParser
 
 __all__ = ["add_train_arguments", "make_train_parser", "run_train", "example_main"]
 
@@ -46,15 +47,20 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, default_config: Opti
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     default_text = f" (default: {default_config})" if default_config else " (default: none; the schema defaults below)"
     parser.add_argument(
-        "--config", metavar="PATH", default=default_config,
+        "--config",
+        metavar="PATH",
+        default=default_config,
         help="YAML config file with any of the config keys listed below; overrides win over it" + default_text + ".",
     )
     parser.add_argument(
-        "--print-config", action="store_true",
+        "--print-config",
+        action="store_true",
         help="Print the merged config (defaults <- --config <- overrides) as YAML and exit without training.",
     )
     parser.add_argument(
-        "overrides", nargs="*", metavar="key=value",
+        "overrides",
+        nargs="*",
+        metavar="key=value",
         help="Config overrides, applied after --config (see 'overrides' and 'config keys' below).",
     )
 

@@ -4,6 +4,7 @@ An algorithm says *when* it runs (`match`) and *what* it does (`apply`); the `En
 both. This mirrors MosaicML Composer's ``composer.Algorithm`` so Composer algorithms port
 unchanged.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -46,11 +47,11 @@ class Algorithm(ABC):
         return False
 
     @abstractmethod
-    def match(self, event: "Event", state: "State") -> bool:
+    def match(self, event: Event, state: State) -> bool:
         """Return True if this algorithm should run at ``event`` given ``state``."""
 
     @abstractmethod
-    def apply(self, event: "Event", state: "State", logger: "Logger") -> Optional[int]:
+    def apply(self, event: Event, state: State, logger: Logger) -> Optional[int]:
         """Change ``state`` in place; an optional exit code is stored in the `Trace`."""
 
     def state_dict(self) -> Dict[str, Any]:

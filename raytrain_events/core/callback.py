@@ -4,6 +4,7 @@ A callback overrides a method named after each event it cares about, for example
 ``batch_end(state, logger)``. The `Engine` works out once which events a callback overrides,
 so events it ignores cost nothing per step.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Dict
@@ -28,7 +29,7 @@ class Callback:
                     print(float(state.loss))
     """
 
-    def run_event(self, event: Event, state: "State", logger: "Logger") -> None:
+    def run_event(self, event: Event, state: State, logger: Logger) -> None:
         """Dispatch ``event`` to the method of the same name."""
         getattr(self, event.value)(state, logger)
 
@@ -38,10 +39,10 @@ class Callback:
             return list(Event)  # custom dispatch: must see every event
         return [e for e in Event if getattr(type(self), e.value) is not getattr(Callback, e.value)]
 
-    def on_exception(self, state: "State", logger: "Logger", exc: BaseException) -> None:
+    def on_exception(self, state: State, logger: Logger, exc: BaseException) -> None:
         """Called when the loop raises, before the exception propagates."""
 
-    def close(self, state: "State", logger: "Logger") -> None:
+    def close(self, state: State, logger: Logger) -> None:
         """Release resources (files, threads). Called once after FIT_END or an exception."""
 
     def post_close(self) -> None:

@@ -4,6 +4,7 @@ Defaults: samples are the leading dimension of the first tensor; tokens are 0 un
 how to count them (pass ``get_num_tokens_in_batch``); batches split along dim 0. Batches may
 be a tensor, a tuple/list of tensors, or a dict of tensors (Ray Data yields dicts).
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable, List, Mapping, Optional

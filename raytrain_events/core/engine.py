@@ -5,6 +5,7 @@ functions ``(algorithms, event) -> algorithms``; the default pass reverses them 
 and ``AFTER_*`` events so the first one in is the last one out), applied, and recorded;
 then the callbacks that override that event run in registration order.
 """
+
 from __future__ import annotations
 
 import collections
@@ -61,8 +62,8 @@ class Engine:
     def __init__(
         self,
         *,
-        state: "State",
-        logger: "Logger",
+        state: State,
+        logger: Logger,
         algorithm_passes: Optional[Sequence[AlgorithmPass]] = None,
         trace_history: int = 4096,
     ) -> None:

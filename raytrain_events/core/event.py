@@ -38,6 +38,7 @@ The order below is the contract (Composer's loop pseudocode); `Trainer` fires th
         # <EPOCH_CHECKPOINT>
     # <FIT_END>
 """
+
 from __future__ import annotations
 
 from enum import Enum
@@ -108,13 +109,34 @@ class Event(str, Enum):
 # As in Composer: each *_START / BEFORE_* event pairs with an *_END / AFTER_* event, and on the
 # latter algorithms run first-in-last-out so each can undo its own change. AFTER_LOAD has no
 # BEFORE_LOAD here but is an AFTER_* event all the same (Composer counts it as one too).
-_BEFORE_EVENTS = frozenset({
-    Event.FIT_START, Event.EPOCH_START, Event.BEFORE_DATALOADER, Event.BATCH_START,
-    Event.BEFORE_TRAIN_BATCH, Event.BEFORE_FORWARD, Event.BEFORE_LOSS, Event.BEFORE_BACKWARD,
-    Event.EVAL_START, Event.EVAL_BATCH_START, Event.EVAL_BEFORE_FORWARD,
-})
-_AFTER_EVENTS = frozenset({
-    Event.AFTER_LOAD, Event.FIT_END, Event.EPOCH_END, Event.BATCH_END, Event.AFTER_DATALOADER,
-    Event.AFTER_TRAIN_BATCH, Event.AFTER_FORWARD, Event.AFTER_LOSS, Event.AFTER_BACKWARD,
-    Event.EVAL_END, Event.EVAL_BATCH_END, Event.EVAL_AFTER_FORWARD,
-})
+_BEFORE_EVENTS = frozenset(
+    {
+        Event.FIT_START,
+        Event.EPOCH_START,
+        Event.BEFORE_DATALOADER,
+        Event.BATCH_START,
+        Event.BEFORE_TRAIN_BATCH,
+        Event.BEFORE_FORWARD,
+        Event.BEFORE_LOSS,
+        Event.BEFORE_BACKWARD,
+        Event.EVAL_START,
+        Event.EVAL_BATCH_START,
+        Event.EVAL_BEFORE_FORWARD,
+    }
+)
+_AFTER_EVENTS = frozenset(
+    {
+        Event.AFTER_LOAD,
+        Event.FIT_END,
+        Event.EPOCH_END,
+        Event.BATCH_END,
+        Event.AFTER_DATALOADER,
+        Event.AFTER_TRAIN_BATCH,
+        Event.AFTER_FORWARD,
+        Event.AFTER_LOSS,
+        Event.AFTER_BACKWARD,
+        Event.EVAL_END,
+        Event.EVAL_BATCH_END,
+        Event.EVAL_AFTER_FORWARD,
+    }
+)

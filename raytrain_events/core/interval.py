@@ -5,6 +5,7 @@
 ``(state, event) -> bool`` that is true at ``BATCH_END`` or ``EPOCH_END`` when the interval
 is crossed. Training's last batch or epoch always counts, so a run ends with a fresh result.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Union
@@ -20,7 +21,7 @@ __all__ = ["make_interval", "IntervalFn", "is_done", "crossed"]
 IntervalFn = Callable[["State", Event], bool]
 
 
-def is_done(state: "State") -> bool:
+def is_done(state: State) -> bool:
     """True once the global timestamp has reached ``state.max_duration``."""
     max_duration = state.max_duration
     return state.timestamp.get_value(max_duration.unit) >= max_duration.value
@@ -58,14 +59,14 @@ def make_interval(
 
     if unit == TimeUnit.EPOCH:
 
-        def _epoch_interval(state: "State", event: Event) -> bool:
+        def _epoch_interval(state: State, event: Event) -> bool:
             if event != Event.EPOCH_END:
                 return False
             return state.epoch % every == 0 or is_done(state)
 
         return _epoch_interval
 
-    def _batch_interval(state: "State", event: Event) -> bool:
+    def _batch_interval(state: State, event: Event) -> bool:
         if event != Event.BATCH_END:
             return False
         ts = state.timestamp

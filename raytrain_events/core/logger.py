@@ -4,6 +4,7 @@ Values may be tensors: the logger stores them as they are and never reads them b
 device, so logging every batch costs no host sync. Destinations (files, TensorBoard, ...)
 receive metrics where they are attached: on rank 0 or on the driver, never once per rank.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence

@@ -1,4 +1,5 @@
 """Numerical precision: resolve "fp32" / "amp_bf16" / "amp_fp16" into an autocast context."""
+
 from __future__ import annotations
 
 import contextlib
@@ -16,7 +17,7 @@ class Precision(str, Enum):
     AMP_FP16 = "amp_fp16"
 
     @classmethod
-    def parse(cls, value: Union[str, "Precision"]) -> "Precision":
+    def parse(cls, value: Union[str, Precision]) -> Precision:
         """Accept a `Precision` or its string; name the valid choices otherwise."""
         try:
             return cls(value)

@@ -3,6 +3,7 @@
 Fields follow Composer's ``State``. ``state.model`` is always the user's module (never the DDP
 wrapper), so algorithms and checkpoints see the real parameter names.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
@@ -164,14 +165,18 @@ class State:
         batch = self.batch
         if isinstance(batch, (list, tuple)) and len(batch) == 2:
             return batch
-        raise TypeError(f"state.batch is a {type(batch).__name__}, not an (inputs, targets) pair; use state.batch directly.")
+        raise TypeError(
+            f"state.batch is a {type(batch).__name__}, not an (inputs, targets) pair; use state.batch directly."
+        )
 
     @property
     def batch_dict(self) -> Mapping:
         """The batch as a mapping; TypeError for other batch types."""
         if isinstance(self.batch, Mapping):
             return self.batch
-        raise TypeError(f"state.batch is a {type(self.batch).__name__}, not a dict; use state.batch_pair or state.batch.")
+        raise TypeError(
+            f"state.batch is a {type(self.batch).__name__}, not a dict; use state.batch_pair or state.batch."
+        )
 
     # -------------------------------------------------------- serialization
     def state_dict(self) -> Dict[str, Any]:

@@ -3,6 +3,7 @@
 A port of Composer's ``composer.core.time`` so schedules, callbacks and max-duration checks can speak in
 "5ep" / "3e4tok" / "0.5dur", plus a cheap immutable ``Timestamp`` the trainer advances once per batch.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -309,9 +310,15 @@ def ensure_time(maybe_time: Time | str | int | float, int_unit: TimeUnit | str) 
 
 _COUNTERS = ("epoch", "batch", "sample", "token", "batch_in_epoch", "sample_in_epoch", "token_in_epoch")
 _COUNTER_UNIT = {
-    "epoch": TimeUnit.EPOCH, "batch": TimeUnit.BATCH, "sample": TimeUnit.SAMPLE, "token": TimeUnit.TOKEN,
-    "batch_in_epoch": TimeUnit.BATCH, "sample_in_epoch": TimeUnit.SAMPLE, "token_in_epoch": TimeUnit.TOKEN,
-    "samples": TimeUnit.SAMPLE, "tokens": TimeUnit.TOKEN,
+    "epoch": TimeUnit.EPOCH,
+    "batch": TimeUnit.BATCH,
+    "sample": TimeUnit.SAMPLE,
+    "token": TimeUnit.TOKEN,
+    "batch_in_epoch": TimeUnit.BATCH,
+    "sample_in_epoch": TimeUnit.SAMPLE,
+    "token_in_epoch": TimeUnit.TOKEN,
+    "samples": TimeUnit.SAMPLE,
+    "tokens": TimeUnit.TOKEN,
 }
 _WCTS = ("total_wct", "epoch_wct", "batch_wct")
 # Keyed by str values, which TimeUnit members hash and compare equal to.
@@ -366,11 +373,19 @@ class Timestamp:
 
     __slots__ = tuple("_" + n for n in _COUNTERS + _WCTS)
 
-    def __init__(self, epoch: int | Time[int] = 0, batch: int | Time[int] = 0, sample: int | Time[int] = 0,
-                 token: int | Time[int] = 0, batch_in_epoch: int | Time[int] = 0,
-                 sample_in_epoch: int | Time[int] = 0, token_in_epoch: int | Time[int] = 0,
-                 total_wct: datetime.timedelta | None = None, epoch_wct: datetime.timedelta | None = None,
-                 batch_wct: datetime.timedelta | None = None):
+    def __init__(
+        self,
+        epoch: int | Time[int] = 0,
+        batch: int | Time[int] = 0,
+        sample: int | Time[int] = 0,
+        token: int | Time[int] = 0,
+        batch_in_epoch: int | Time[int] = 0,
+        sample_in_epoch: int | Time[int] = 0,
+        token_in_epoch: int | Time[int] = 0,
+        total_wct: datetime.timedelta | None = None,
+        epoch_wct: datetime.timedelta | None = None,
+        batch_wct: datetime.timedelta | None = None,
+    ):
         counters = (epoch, batch, sample, token, batch_in_epoch, sample_in_epoch, token_in_epoch)
         for name, value in zip(_COUNTERS, counters):
             setattr(self, "_" + name, _counter(name, value))
@@ -403,8 +418,9 @@ class Timestamp:
         if attr is None:
             unit = TimeUnit(unit)  # raises for unknown units
             if unit is _DUR:
-                raise ValueError("Timestamp does not know the total run length; "
-                                 "use State.get_elapsed_duration() for 'dur'")
+                raise ValueError(
+                    "Timestamp does not know the total run length; use State.get_elapsed_duration() for 'dur'"
+                )
             attr = _ATTR_OF_UNIT[unit.value]
         return getattr(self, attr)
 
@@ -413,14 +429,26 @@ class Timestamp:
         unit = unit if type(unit) is TimeUnit else TimeUnit(unit)
         return Time._make(self.get_value(unit), unit)
 
-    def copy(self, epoch=None, batch=None, sample=None, token=None, batch_in_epoch=None, sample_in_epoch=None,
-             token_in_epoch=None, total_wct=None, epoch_wct=None, batch_wct=None) -> Timestamp:
+    def copy(
+        self,
+        epoch=None,
+        batch=None,
+        sample=None,
+        token=None,
+        batch_in_epoch=None,
+        sample_in_epoch=None,
+        token_in_epoch=None,
+        total_wct=None,
+        epoch_wct=None,
+        batch_wct=None,
+    ) -> Timestamp:
         """A new Timestamp with the given (non-None) fields overridden, e.g. ``ts.copy(epoch=3)``."""
         given = locals()
         return Timestamp(**{n: getattr(self, "_" + n) if given[n] is None else given[n] for n in _COUNTERS + _WCTS})
 
-    def to_next_batch(self, samples: int | Time[int] = 0, tokens: int | Time[int] = 0,
-                      duration: datetime.timedelta | None = None) -> Timestamp:
+    def to_next_batch(
+        self, samples: int | Time[int] = 0, tokens: int | Time[int] = 0, duration: datetime.timedelta | None = None
+    ) -> Timestamp:
         """A new Timestamp one batch later, with ``samples``/``tokens`` added to the totals and in-epoch counts.
 
         ``samples``/``tokens`` should be global (summed over ranks); ``duration`` is the batch's wall-clock time,
@@ -435,9 +463,17 @@ class Timestamp:
         elif type(duration) is not datetime.timedelta:
             duration = _wct("duration", duration)
         return self._make(
-            self._epoch, self._batch + 1, self._sample + samples, self._token + tokens,
-            self._batch_in_epoch + 1, self._sample_in_epoch + samples, self._token_in_epoch + tokens,
-            self._total_wct + duration, self._epoch_wct + duration, duration)
+            self._epoch,
+            self._batch + 1,
+            self._sample + samples,
+            self._token + tokens,
+            self._batch_in_epoch + 1,
+            self._sample_in_epoch + samples,
+            self._token_in_epoch + tokens,
+            self._total_wct + duration,
+            self._epoch_wct + duration,
+            duration,
+        )
 
     def to_next_epoch(self) -> Timestamp:
         """A new Timestamp at the next epoch's start (in-epoch counters, epoch/batch wct reset to 0).
@@ -445,8 +481,9 @@ class Timestamp:
         >>> Timestamp(batch=5, batch_in_epoch=5).to_next_epoch().batch_in_epoch
         Time(0, TimeUnit.BATCH)
         """
-        return self._make(self._epoch + 1, self._batch, self._sample, self._token, 0, 0, 0,
-                          self._total_wct, _ZERO, _ZERO)
+        return self._make(
+            self._epoch + 1, self._batch, self._sample, self._token, 0, 0, 0, self._total_wct, _ZERO, _ZERO
+        )
 
     def state_dict(self) -> dict[str, int | float]:
         """Plain ints (counters) and float seconds (wall-clock), safe for JSON / ``torch.load(weights_only=True)``.

@@ -10,6 +10,7 @@ Example::
 
     Trainer(..., loggers=[FileLogger("run/metrics.jsonl"), TensorBoardLogger("run/tb")])
 """
+
 from raytrain_events.loggers.file_logger import FileLogger
 from raytrain_events.loggers.mlflow_logger import MLFlowLogger
 from raytrain_events.loggers.tensorboard_logger import TensorBoardLogger

@@ -5,6 +5,7 @@ as ``{"hyperparameters": {...}}``. Lines are flushed as they are written, so a c
 nothing already logged and ``tail -f`` works. Non-scalar values become lists; other objects
 their ``str``. The file is appended to by default, so a resumed run continues the same file.
 """
+
 from __future__ import annotations
 
 import json

@@ -4,6 +4,7 @@ The run starts on first use (not at construction), so a logger built on the driv
 shipped to a worker. Metric keys keep their ``/`` (MLflow accepts them); hyperparameters are
 flattened to ``a.b.c`` params.
 """
+
 from __future__ import annotations
 
 import numbers
@@ -33,8 +34,13 @@ class MLFlowLogger(LoggerDestination):
         Trainer(..., loggers=[MLFlowLogger(experiment_name="cifar", tracking_uri="http://mlflow:5000")])
     """
 
-    def __init__(self, experiment_name: Optional[str] = None, run_name: Optional[str] = None,
-                 tracking_uri: Optional[str] = None, tags: Optional[Dict[str, str]] = None) -> None:
+    def __init__(
+        self,
+        experiment_name: Optional[str] = None,
+        run_name: Optional[str] = None,
+        tracking_uri: Optional[str] = None,
+        tags: Optional[Dict[str, str]] = None,
+    ) -> None:
         try:
             import mlflow  # noqa: F401
         except ImportError as exc:

@@ -4,6 +4,7 @@ Every numeric metric becomes ``add_scalar(key, value, step)``; hyperparameters a
 as a JSON text summary. tensorboardX is imported when the logger is constructed, so importing
 this module costs nothing.
 """
+
 from __future__ import annotations
 
 import json

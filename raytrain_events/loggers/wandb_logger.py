@@ -3,6 +3,7 @@
 ``wandb.init`` runs on first use (not at construction), so a logger built on the driver can be
 shipped to a worker; extra keyword arguments go to ``wandb.init``.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, Optional
@@ -20,8 +21,13 @@ class WandBLogger(LoggerDestination):
         Trainer(..., loggers=[WandBLogger(project="cifar", name="resnet18-mixup")])
     """
 
-    def __init__(self, project: Optional[str] = None, entity: Optional[str] = None, name: Optional[str] = None,
-                 **init_kwargs: Any) -> None:
+    def __init__(
+        self,
+        project: Optional[str] = None,
+        entity: Optional[str] = None,
+        name: Optional[str] = None,
+        **init_kwargs: Any,
+    ) -> None:
         try:
             import wandb  # noqa: F401
         except ImportError as exc:

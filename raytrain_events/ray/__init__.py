@@ -4,6 +4,7 @@ Data flows one way: the driver's `RunSpec` goes to every worker, each worker run
 `Trainer` over its shard, reports rank-local counts and metrics at intervals, and a controller
 callback sums them into the driver's global `Timestamp` and metrics history.
 """
+
 from raytrain_events.ray.driver import RayResult, RayTrainer
 from raytrain_events.ray.spec import RunSpec
 

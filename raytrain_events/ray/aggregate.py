@@ -6,6 +6,7 @@ rank-local sample and token counts into the global counts, checks them against t
 metrics across ranks and appends one history entry. `AggregatingCallback` runs it on Ray
 Train's controller and forwards each entry to the driver's `RunHistory` actor (and to Tune).
 """
+
 from __future__ import annotations
 
 import math

@@ -7,6 +7,7 @@ directory (no copy). When Ray restarts a failed worker group (``FailureConfig``)
 ``ray.train.get_checkpoint()`` names the latest registered checkpoint and the new group
 resumes from it.
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -1,4 +1,5 @@
 """Connect to Ray: the existing cluster when there is one, else an embedded local instance."""
+
 from __future__ import annotations
 
 import os

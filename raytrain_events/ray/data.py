@@ -5,6 +5,7 @@ per-epoch seeded local shuffle when asked. `DeterministicSplitDataConfig` gives 
 same contiguous rows every run (``Dataset.split``), which makes runs reproducible and
 mid-epoch resume exact; Ray's default streaming split assigns blocks dynamically instead.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional

@@ -16,6 +16,7 @@ Example (a 2-worker CPU run)::
     ).fit()
     print(result.timestamp, result.metrics)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -104,7 +105,9 @@ class RayTrainer:
     ) -> None:
         duration = ensure_time(max_duration, TimeUnit.EPOCH)
         if duration.unit == TimeUnit.DURATION:
-            raise ValueError(f"max_duration={duration.to_timestring()!r}: give it in 'ep', 'ba', 'sp' or 'tok', like '10ep'.")
+            raise ValueError(
+                f"max_duration={duration.to_timestring()!r}: give it in 'ep', 'ba', 'sp' or 'tok', like '10ep'."
+            )
         if duration.unit == TimeUnit.TOKEN and get_num_tokens_in_batch is None:
             raise ValueError(
                 f"max_duration={duration.to_timestring()!r} is in tokens: pass get_num_tokens_in_batch=fn(batch) -> int."
@@ -114,7 +117,9 @@ class RayTrainer:
         if report_interval is None and report_every_s is None:
             raise ValueError("Pass report_interval (a Time, like '500ba') or report_every_s (seconds), or both.")
         if "train" not in datasets:
-            raise ValueError(f"datasets has no 'train' entry (got {sorted(datasets)}); pass datasets={{'train': ds, ...}}.")
+            raise ValueError(
+                f"datasets has no 'train' entry (got {sorted(datasets)}); pass datasets={{'train': ds, ...}}."
+            )
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r} must be a positive integer (rows per worker per batch).")
         if checkpoint is not None and getattr(checkpoint, "save_folder", None):
@@ -205,9 +210,9 @@ class RayTrainer:
             "eval_interval": str(spec.eval_interval),
             "report_interval": None if spec.report_interval is None else str(spec.report_interval),
             "report_every_s": spec.report_every_s,
-            "algorithms": "<factory>" if callable(algorithms) else [
-                a if isinstance(a, (str, dict)) else type(a).__name__ for a in algorithms
-            ],
+            "algorithms": "<factory>"
+            if callable(algorithms)
+            else [a if isinstance(a, (str, dict)) else type(a).__name__ for a in algorithms],
             "checkpoint": None if spec.checkpoint is None else spec.checkpoint.to_dict(),
             "config": spec.config,
         }
@@ -245,7 +250,11 @@ class RayTrainer:
             ),
         )
         stop = threading.Event()
-        progress = threading.Thread(target=_show_progress, args=(history, self.spec, stop), daemon=True) if self.progress_bar else None
+        progress = (
+            threading.Thread(target=_show_progress, args=(history, self.spec, stop), daemon=True)
+            if self.progress_bar
+            else None
+        )
         if progress is not None:
             progress.start()
         try:
@@ -275,8 +284,12 @@ class RayTrainer:
 
             checkpoints = list_checkpoints(self.run_url + "/checkpoints", storage_options=self.storage_options)
         return RayResult(
-            timestamp=timestamp, metrics=dict(final), history=entries, checkpoints=checkpoints,
-            run_url=self.run_url, ray_result=ray_result,
+            timestamp=timestamp,
+            metrics=dict(final),
+            history=entries,
+            checkpoints=checkpoints,
+            run_url=self.run_url,
+            ray_result=ray_result,
         )
 
     def _check_cluster(self, ray: Any) -> None:
@@ -305,7 +318,9 @@ def _plain(value: Any) -> Any:
     return repr(value)
 
 
-def _scaling_config(scaling_config: Any, num_workers: Optional[int], use_gpu: bool, resources: Optional[Dict[str, float]]) -> Any:
+def _scaling_config(
+    scaling_config: Any, num_workers: Optional[int], use_gpu: bool, resources: Optional[Dict[str, float]]
+) -> Any:
     from ray.train import ScalingConfig
 
     if scaling_config is not None:
@@ -326,7 +341,7 @@ def _storage_root(storage_path: Optional[str]) -> str:
     if "://" not in storage_path:
         return os.path.abspath(os.path.expanduser(storage_path))
     if storage_path.startswith("file://"):
-        return os.path.abspath(storage_path[len("file://"):])
+        return os.path.abspath(storage_path[len("file://") :])
     return storage_path
 
 
@@ -387,5 +402,9 @@ def _show_progress(history: Any, spec: RunSpec, stop: threading.Event) -> None:
                 continue
             if latest:
                 bar.n = min(latest.get(key, 0), duration.value)
-                shown = {k.split("/")[-1]: round(v, 4) for k, v in latest.items() if k.startswith(("train/", "metrics/")) and isinstance(v, float)}
+                shown = {
+                    k.split("/")[-1]: round(v, 4)
+                    for k, v in latest.items()
+                    if k.startswith(("train/", "metrics/")) and isinstance(v, float)
+                }
                 bar.set_postfix(shown, refresh=True)

@@ -3,6 +3,7 @@
 The driver owns it and reads it during ``fit()`` (progress bar) and after (result); nothing
 flows back to the workers.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional

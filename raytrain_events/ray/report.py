@@ -6,6 +6,7 @@ seconds (the ranks agree on the batch through the loop's per-batch collective), 
 `Timestamp` crosses ``interval`` if one is given, when a checkpoint was saved, and at the end. Each report carries this rank's samples and tokens since its last report,
 the global Timestamp the rank computed, its mean train loss, and the latest logged metrics.
 """
+
 from __future__ import annotations
 
 import time
@@ -70,7 +71,8 @@ class RayReporter(Callback):
     def fit_start(self, state, logger) -> None:
         self._due = (
             make_interval(self.interval, state.max_duration, what="report_interval")
-            if self.interval is not None else (lambda state, event: False)
+            if self.interval is not None
+            else (lambda state, event: False)
         )
         self._last_report = time.monotonic()
         # The first report of this worker group says where it started (0, or a checkpoint).
@@ -106,10 +108,7 @@ class RayReporter(Callback):
 
     def _report(self, state, logger, final: bool = False) -> None:
         loss_sum = float(self._loss_sum)  # the one host read per report
-        metrics = {
-            k: to_python(v) for k, v in logger.metrics.items()
-            if not torch.is_tensor(v) or v.numel() == 1
-        }
+        metrics = {k: to_python(v) for k, v in logger.metrics.items() if not torch.is_tensor(v) or v.numel() == 1}
         report: Dict[str, Any] = {
             "rank": state.rank,
             "start": self._start,

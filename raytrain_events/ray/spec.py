@@ -3,6 +3,7 @@
 Models, optimizers and schedulers travel as factories (functions called on the worker), so a
 large model is never pickled on the driver and each worker builds its own on its own device.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

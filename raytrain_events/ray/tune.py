@@ -66,6 +66,7 @@ and trials never started run. Tune saves its experiment state at most every ~10 
 right after a trial finished may not know it finished; such a trial finds its
 ``raytrain_trial.json`` and replays its recorded history to Tune instead of training again.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -78,12 +79,26 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from raytrain_events.ray.tune_placement import (
-    _release_placement_groups, _ReleaseTrainWorkers, _start_registry, _trial_callbacks,
+    _release_placement_groups,
+    _ReleaseTrainWorkers,
+    _start_registry,
+    _trial_callbacks,
 )
 from raytrain_events.ray.tune_result import (
-    TIME_ATTRS, TRIAL_RECORD, TRIAL_RUN_NAME, SweepResult, _finite, _make_result,
+    TIME_ATTRS,
+    TRIAL_RECORD,
+    TRIAL_RUN_NAME,
+    SweepResult,
+    _finite,
+    _make_result,
 )
-from raytrain_events.ray.tune_sets import _algorithm_choices, _normalize_set, _validate_set, algorithm_set_label, algorithm_sets_grid
+from raytrain_events.ray.tune_sets import (
+    _algorithm_choices,
+    _normalize_set,
+    _validate_set,
+    algorithm_set_label,
+    algorithm_sets_grid,
+)
 
 __all__ = [
     "sweep",
@@ -145,7 +160,9 @@ def _check_trainer_keys(keys: Sequence[str], where: str) -> None:
         if key in _SWEEP_OWNED:
             raise ValueError(f"{where}[{key!r}] is set by the sweep: {_SWEEP_OWNED[key]}.")
         if key not in allowed:
-            raise TypeError(f"{where} has {key!r}, which is not a RayTrainer argument; it accepts: {', '.join(allowed)}.")
+            raise TypeError(
+                f"{where} has {key!r}, which is not a RayTrainer argument; it accepts: {', '.join(allowed)}."
+            )
 
 
 def _trial_kwargs(trainer: Mapping[str, Any], config: Mapping[str, Any]) -> Dict[str, Any]:
@@ -219,8 +236,11 @@ def raytrain_trial(config: Dict[str, Any], sweep_setup: Optional[_TrialSetup] = 
     record = _read_record(record_url, setup.storage_options)
     if record is not None:
         # Finished before the sweep was interrupted, but Tune's saved state did not know yet.
-        print(f"[raytrain_events.tune] {trial_folder} already finished ({record_url}): replaying its "
-              f"{len(record['history'])} results instead of training again.", flush=True)
+        print(
+            f"[raytrain_events.tune] {trial_folder} already finished ({record_url}): replaying its "
+            f"{len(record['history'])} results instead of training again.",
+            flush=True,
+        )
         for entry in record["history"]:
             tune.report(dict(entry))
         return
@@ -231,12 +251,16 @@ def raytrain_trial(config: Dict[str, Any], sweep_setup: Optional[_TrialSetup] = 
     result = RayTrainer(
         **kwargs, storage_path=trial_url, storage_options=setup.storage_options, run_name=TRIAL_RUN_NAME
     ).fit()
-    _write_record(record_url, setup.storage_options, {
-        "run_url": result.run_url,
-        "history": result.history,
-        "checkpoints": [getattr(c, "url", str(c)) for c in result.checkpoints],
-        "config": config,
-    })
+    _write_record(
+        record_url,
+        setup.storage_options,
+        {
+            "run_url": result.run_url,
+            "history": result.history,
+            "checkpoints": [getattr(c, "url", str(c)) for c in result.checkpoints],
+            "config": config,
+        },
+    )
 
 
 def _trial_dirname(trial: Any) -> str:
@@ -343,8 +367,10 @@ def sweep(
     param_space = dict(param_space or {})
     for key in ("model", "optimizers", "max_duration", "datasets"):
         if key not in trainer:
-            raise ValueError(f"trainer has no {key!r}: pass the RayTrainer arguments, e.g. trainer=dict(model=..., "
-                             "optimizers=..., datasets={'train': ds}, max_duration='2ep').")
+            raise ValueError(
+                f"trainer has no {key!r}: pass the RayTrainer arguments, e.g. trainer=dict(model=..., "
+                "optimizers=..., datasets={'train': ds}, max_duration='2ep')."
+            )
     if "algorithms" in param_space:
         for choice in _algorithm_choices(param_space["algorithms"]):
             _validate_set(choice)
@@ -362,7 +388,9 @@ def sweep(
     if time_attr is not None and time_attr.startswith("time/") and time_attr not in TIME_ATTRS:
         raise ValueError(f"scheduler time_attr={time_attr!r} is not reported; use one of {', '.join(TIME_ATTRS)}.")
     if time_attr == "time/token" and trainer.get("get_num_tokens_in_batch") is None:
-        raise ValueError("scheduler time_attr='time/token' needs trainer['get_num_tokens_in_batch'] (else tokens stay 0).")
+        raise ValueError(
+            "scheduler time_attr='time/token' needs trainer['get_num_tokens_in_batch'] (else tokens stay 0)."
+        )
 
     ensure_ray()
     storage_options = dict(storage_options or {})
@@ -377,15 +405,20 @@ def sweep(
     restoring = resume and tune.Tuner.can_restore(experiment_path, storage_filesystem=tune_fs)
     if not restoring and _experiment_exists(experiment_url, storage_options):
         if not resume:
-            raise FileExistsError(f"{experiment_url} already exists: pass resume=True to continue that sweep, "
-                                  "or choose another name (or storage_path).")
-        raise FileExistsError(f"{experiment_url} holds files but no sweep Tune can resume (no tuner.pkl/experiment "
-                              "state): choose another name (or storage_path), or remove that folder.")
+            raise FileExistsError(
+                f"{experiment_url} already exists: pass resume=True to continue that sweep, "
+                "or choose another name (or storage_path)."
+            )
+        raise FileExistsError(
+            f"{experiment_url} holds files but no sweep Tune can resume (no tuner.pkl/experiment "
+            "state): choose another name (or storage_path), or remove that folder."
+        )
 
     registry = _start_registry(experiment_url)
     try:
-        setup = _TrialSetup(trainer=trainer, experiment_url=experiment_url, storage_options=storage_options,
-                            registry=registry)
+        setup = _TrialSetup(
+            trainer=trainer, experiment_url=experiment_url, storage_options=storage_options, registry=registry
+        )
         trainable = tune.with_resources(
             tune.with_parameters(raytrain_trial, sweep_setup=setup), dict(trial_resources or {"cpu": 0.01})
         )
@@ -433,8 +466,13 @@ def sweep(
         ray.kill(registry)
 
     result = _make_result(
-        result_grid, metric=metric, mode=mode, trainer=trainer, experiment_url=experiment_url,
-        storage_options=storage_options, time_attr=time_attr or "time/sample",
+        result_grid,
+        metric=metric,
+        mode=mode,
+        trainer=trainer,
+        experiment_url=experiment_url,
+        storage_options=storage_options,
+        time_attr=time_attr or "time/sample",
         max_t=getattr(scheduler, "_max_t", None) if time_attr else None,
     )
     if result.best is None and result.rows and not result.errors:

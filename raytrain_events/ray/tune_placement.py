@@ -1,7 +1,10 @@
 """Release the placement groups of trials Tune stopped (see `raytrain_events.ray.tune`, "Stopped trials")."""
+
 from __future__ import annotations
+
 import logging
 from typing import Any, Dict, List, Sequence, Tuple
+
 from ray.tune import Callback
 
 logger = logging.getLogger(__name__)

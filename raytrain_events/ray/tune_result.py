@@ -1,5 +1,7 @@
 """`SweepResult`: the table of a sweep's trials, the best algorithm set and its best checkpoint."""
+
 from __future__ import annotations
+
 import math
 import numbers
 import os
@@ -139,8 +141,9 @@ def _better(a: float, b: float, mode: str) -> bool:
     return a > b if mode == "max" else a < b
 
 
-def _best_checkpoint(history: List[Dict[str, Any]], metric: str, mode: str, run_url: str,
-                     storage_options: Dict[str, Any]) -> Optional[str]:
+def _best_checkpoint(
+    history: List[Dict[str, Any]], metric: str, mode: str, run_url: str, storage_options: Dict[str, Any]
+) -> Optional[str]:
     """The reported checkpoint with the best metric (else the newest), or the newest saved one."""
     best: Optional[Tuple[float, str]] = None
     newest: Optional[str] = None
@@ -166,8 +169,17 @@ def _best_checkpoint(history: List[Dict[str, Any]], metric: str, mode: str, run_
     return None if info is None else info.url
 
 
-def _make_result(result_grid: Any, *, metric: str, mode: str, trainer: Mapping[str, Any], experiment_url: str,
-                 storage_options: Dict[str, Any], time_attr: str, max_t: Any = None) -> SweepResult:
+def _make_result(
+    result_grid: Any,
+    *,
+    metric: str,
+    mode: str,
+    trainer: Mapping[str, Any],
+    experiment_url: str,
+    storage_options: Dict[str, Any],
+    time_attr: str,
+    max_t: Any = None,
+) -> SweepResult:
     from raytrain_events.core.time import TimeUnit, ensure_time
     from raytrain_events.storage.fs import join
 
@@ -180,7 +192,11 @@ def _make_result(result_grid: Any, *, metric: str, mode: str, trainer: Mapping[s
         trial_id = last.get("trial_id") or (result.metrics or {}).get("trial_id") or os.path.basename(result.path)
         histories[trial_id] = history
         values = [e[metric] for e in history if _finite(e.get(metric))]
-        specs = _normalize_set(config["algorithms"]) if "algorithms" in config else _normalize_set(trainer.get("algorithms"))
+        specs = (
+            _normalize_set(config["algorithms"])
+            if "algorithms" in config
+            else _normalize_set(trainer.get("algorithms"))
+        )
         params = _flatten({k: v for k, v in config.items() if k != "algorithms"})
         overrides = config.get("trainer") or {}
         duration = ensure_time(overrides.get("max_duration", trainer.get("max_duration")), TimeUnit.EPOCH)
@@ -223,8 +239,15 @@ def _make_result(result_grid: Any, *, metric: str, mode: str, trainer: Mapping[s
         return (1 if row["status"] == "error" else 0, -value if mode == "max" else value, row["trial_id"])
 
     rows.sort(key=key)
-    return SweepResult(metric=metric, mode=mode, rows=rows, path=experiment_url, result_grid=result_grid,
-                       histories=histories, time_attr=time_attr)
+    return SweepResult(
+        metric=metric,
+        mode=mode,
+        rows=rows,
+        path=experiment_url,
+        result_grid=result_grid,
+        histories=histories,
+        time_attr=time_attr,
+    )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,5 +1,7 @@
 """Algorithm sets for sweeps: labels, validation, and the Tune grid over them."""
+
 from __future__ import annotations
+
 from typing import Any, Dict, List, Mapping, Sequence
 
 

@@ -4,6 +4,7 @@ Each worker builds its own model, optimizers, algorithms and callbacks from the 
 factories, iterates its dataset shard, trains under DDP (Ray set up the process group:
 gloo on CPU, NCCL on GPU) and reports to the controller through `RayReporter`.
 """
+
 from __future__ import annotations
 
 import random
@@ -87,8 +88,11 @@ def build_worker_trainer(spec: RunSpec) -> Trainer:
         grad_accum=spec.grad_accum,
         precision=spec.precision,
         algorithms=algorithms,
-        callbacks=list(callbacks) + [
-            RayReporter(interval=spec.report_interval, every_s=spec.report_every_s, check_preemption=checkpoint is not None)
+        callbacks=list(callbacks)
+        + [
+            RayReporter(
+                interval=spec.report_interval, every_s=spec.report_every_s, check_preemption=checkpoint is not None
+            )
         ],
         seed=spec.seed,
         device=device,

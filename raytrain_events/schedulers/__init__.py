@@ -15,6 +15,7 @@ Example::
 
 Any ``fn(state) -> float`` works as a schedule too.
 """
+
 from raytrain_events.schedulers.schedulers import (
     ConstantScheduler,
     CosineAnnealingScheduler,
@@ -36,8 +37,19 @@ from raytrain_events.schedulers.warmup import (
 )
 
 __all__ = [
-    "Scheduler", "ConstantScheduler", "LinearScheduler", "StepScheduler", "MultiStepScheduler", "ExponentialScheduler",
-    "CosineAnnealingScheduler", "CosineAnnealingWarmRestartsScheduler", "PolynomialScheduler",
-    "ConstantWithWarmupScheduler", "LinearWithWarmupScheduler", "CosineAnnealingWithWarmupScheduler",
-    "PolynomialWithWarmupScheduler", "MultiStepWithWarmupScheduler", "cosine_anneal",
+    "Scheduler",
+    "ConstantScheduler",
+    "LinearScheduler",
+    "StepScheduler",
+    "MultiStepScheduler",
+    "ExponentialScheduler",
+    "CosineAnnealingScheduler",
+    "CosineAnnealingWarmRestartsScheduler",
+    "PolynomialScheduler",
+    "ConstantWithWarmupScheduler",
+    "LinearWithWarmupScheduler",
+    "CosineAnnealingWithWarmupScheduler",
+    "PolynomialWithWarmupScheduler",
+    "MultiStepWithWarmupScheduler",
+    "cosine_anneal",
 ]

@@ -7,6 +7,7 @@ batch, not every epoch). Other units are used as they are: ``"100ba"`` on a run 
 compared with the global batch count. Schedules read ``state.timestamp``, which counts global
 batches, samples and tokens, so a schedule means the same on 1 or 64 workers.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Tuple, Union
@@ -32,12 +33,14 @@ def as_time(value: TimeLike, what: str) -> Time:
     )
 
 
-def convert_time(time: Time, state: "State", what: str = "time") -> Time:
+def convert_time(time: Time, state: State, what: str = "time") -> Time:
     """``time`` as an integer count in a unit the timestamp has (see the module docstring)."""
     max_duration = state.max_duration
     if max_duration is None:
-        raise ValueError(f"Schedulers need state.max_duration to place {what}={time.to_timestring()!r}: "
-                         "give the Trainer max_duration=, like '10ep'.")
+        raise ValueError(
+            f"Schedulers need state.max_duration to place {what}={time.to_timestring()!r}: "
+            "give the Trainer max_duration=, like '10ep'."
+        )
     spe = state.steps_per_epoch if (time.unit in (TimeUnit.DURATION, TimeUnit.EPOCH)) else None
     if time.unit == TimeUnit.DURATION:
         if max_duration.unit == TimeUnit.EPOCH:
@@ -50,7 +53,7 @@ def convert_time(time: Time, state: "State", what: str = "time") -> Time:
     return time
 
 
-def common_unit(first: Time, second: Time, state: "State", names: Tuple[str, str]) -> Tuple[Time, Time]:
+def common_unit(first: Time, second: Time, state: State, names: Tuple[str, str]) -> Tuple[Time, Time]:
     """Bring two converted times to one unit (batches <-> epochs only); ValueError otherwise."""
     if first.unit == second.unit:
         return first, second

@@ -6,6 +6,7 @@ a ``LambdaLR`` that is stepped after every batch, so the LR of batch ``k`` is
 strings: ``"0.5dur"`` is half of ``max_duration``, ``"2ep"``, ``"100ba"``, ``"1e6tok"`` (see
 `raytrain_events.schedulers._convert`). The formulas match ``composer.optim.scheduler``.
 """
+
 from __future__ import annotations
 
 import math
@@ -18,9 +19,16 @@ if TYPE_CHECKING:
     from raytrain_events.core.state import State
 
 __all__ = [
-    "Scheduler", "ConstantScheduler", "LinearScheduler", "StepScheduler", "MultiStepScheduler",
-    "ExponentialScheduler", "CosineAnnealingScheduler", "CosineAnnealingWarmRestartsScheduler",
-    "PolynomialScheduler", "cosine_anneal",
+    "Scheduler",
+    "ConstantScheduler",
+    "LinearScheduler",
+    "StepScheduler",
+    "MultiStepScheduler",
+    "ExponentialScheduler",
+    "CosineAnnealingScheduler",
+    "CosineAnnealingWarmRestartsScheduler",
+    "PolynomialScheduler",
+    "cosine_anneal",
 ]
 
 
@@ -44,7 +52,7 @@ class Scheduler:
         self._cache_key: Any = None
         self._converted: Dict[str, Any] = {}
 
-    def _times(self, state: "State") -> Dict[str, Any]:
+    def _times(self, state: State) -> Dict[str, Any]:
         key = (state.max_duration, state.steps_per_epoch)
         if key != self._cache_key:
             converted = {}
@@ -58,21 +66,22 @@ class Scheduler:
             self._cache_key = key
         return self._converted
 
-    def _check(self, converted: Dict[str, Any], state: "State") -> Dict[str, Any]:
+    def _check(self, converted: Dict[str, Any], state: State) -> Dict[str, Any]:
         return converted
 
-    def __call__(self, state: "State") -> float:
+    def __call__(self, state: State) -> float:
         raise NotImplementedError
 
     def __repr__(self) -> str:
         args = ", ".join(
             f"{k}={v.to_timestring()!r}" if isinstance(v, Time) else f"{k}={v!r}"
-            for k, v in vars(self).items() if not k.startswith("_")
+            for k, v in vars(self).items()
+            if not k.startswith("_")
         )
         return f"{type(self).__name__}({args})"
 
 
-def _now(state: "State", time: Time) -> int:
+def _now(state: State, time: Time) -> int:
     return state.timestamp.get_value(time.unit)
 
 
@@ -89,7 +98,7 @@ class ConstantScheduler(Scheduler):
         super().__init__()
         self.alpha, self.t_max = alpha, as_time(t_max, "t_max")
 
-    def __call__(self, state: "State") -> float:
+    def __call__(self, state: State) -> float:
         t_max = self._times(state)["t_max"]
         return self.alpha if _now(state, t_max) < t_max.value else 1.0
 
@@ -103,7 +112,7 @@ class LinearScheduler(Scheduler):
         super().__init__()
         self.alpha_i, self.alpha_f, self.t_max = alpha_i, alpha_f, as_time(t_max, "t_max")
 
-    def __call__(self, state: "State") -> float:
+    def __call__(self, state: State) -> float:
         t_max = self._times(state)["t_max"]
         frac = min(1.0, _fraction(_now(state, t_max), t_max.value))
         return self.alpha_i + frac * (self.alpha_f - self.alpha_i)
@@ -120,10 +129,12 @@ class StepScheduler(Scheduler):
 
     def _check(self, converted, state):
         if converted["step_size"].value <= 0:
-            raise ValueError(f"StepScheduler step_size={self.step_size.to_timestring()!r} is 0 on this run; make it larger.")
+            raise ValueError(
+                f"StepScheduler step_size={self.step_size.to_timestring()!r} is 0 on this run; make it larger."
+            )
         return converted
 
-    def __call__(self, state: "State") -> float:
+    def __call__(self, state: State) -> float:
         step = self._times(state)["step_size"]
         return self.gamma ** (_now(state, step) // int(step.value))
 
@@ -138,9 +149,9 @@ class MultiStepScheduler(Scheduler):
         self.milestones: List[Time] = [as_time(m, "milestones") for m in milestones]
         self.gamma = gamma
 
-    def __call__(self, state: "State") -> float:
+    def __call__(self, state: State) -> float:
         reached = sum(1 for m in self._times(state)["milestones"] if _now(state, m) >= m.value)
-        return self.gamma ** reached
+        return self.gamma**reached
 
 
 class ExponentialScheduler(Scheduler):
@@ -157,7 +168,7 @@ class ExponentialScheduler(Scheduler):
             raise ValueError(f"decay_period={self.decay_period.to_timestring()!r} is 0 on this run; make it larger.")
         return converted
 
-    def __call__(self, state: "State") -> float:
+    def __call__(self, state: State) -> float:
         period = self._times(state)["decay_period"]
         return self.gamma ** (_now(state, period) / period.value)
 
@@ -171,7 +182,7 @@ class CosineAnnealingScheduler(Scheduler):
         super().__init__()
         self.t_max, self.alpha_f = as_time(t_max, "t_max"), alpha_f
 
-    def __call__(self, state: "State") -> float:
+    def __call__(self, state: State) -> float:
         t_max = self._times(state)["t_max"]
         return cosine_anneal(_fraction(_now(state, t_max), t_max.value), min_y=self.alpha_f)
 
@@ -190,7 +201,7 @@ class CosineAnnealingWarmRestartsScheduler(Scheduler):
             raise ValueError(f"t_0={self.t_0.to_timestring()!r} is 0 on this run; make it larger.")
         return converted
 
-    def __call__(self, state: "State") -> float:
+    def __call__(self, state: State) -> float:
         t_0 = self._times(state)["t_0"]
         now = _now(state, t_0)
         length = end = int(t_0.value)
@@ -211,7 +222,7 @@ class PolynomialScheduler(Scheduler):
         super().__init__()
         self.power, self.t_max, self.alpha_f = power, as_time(t_max, "t_max"), alpha_f
 
-    def __call__(self, state: "State") -> float:
+    def __call__(self, state: State) -> float:
         t_max = self._times(state)["t_max"]
         frac = min(1.0, _fraction(_now(state, t_max), t_max.value))
         return self.alpha_f + (1.0 - frac) ** self.power * (1.0 - self.alpha_f)

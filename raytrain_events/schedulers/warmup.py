@@ -5,6 +5,7 @@ schedule starts from); afterwards the main schedule runs over ``t_max - t_warmup
 ``tau_w = min(1, (t - t_warmup) / (t_max - t_warmup))``. Formulas match ``composer.optim.scheduler``
 (without ``scale_warmup``, which only matters with a scale-schedule ratio).
 """
+
 from __future__ import annotations
 
 import warnings
@@ -17,8 +18,11 @@ if TYPE_CHECKING:
     from raytrain_events.core.state import State
 
 __all__ = [
-    "ConstantWithWarmupScheduler", "LinearWithWarmupScheduler", "CosineAnnealingWithWarmupScheduler",
-    "PolynomialWithWarmupScheduler", "MultiStepWithWarmupScheduler",
+    "ConstantWithWarmupScheduler",
+    "LinearWithWarmupScheduler",
+    "CosineAnnealingWithWarmupScheduler",
+    "PolynomialWithWarmupScheduler",
+    "MultiStepWithWarmupScheduler",
 ]
 
 
@@ -39,7 +43,7 @@ class _WarmupScheduler(Scheduler):
             )
         return converted
 
-    def _warmup(self, state: "State"):
+    def _warmup(self, state: State):
         """``(in_warmup, warmup multiplier, converted times)``."""
         times = self._times(state)
         t_warmup = times["t_warmup"]
@@ -48,7 +52,7 @@ class _WarmupScheduler(Scheduler):
             return True, self._peak * min(1.0, now / t_warmup.value), times
         return False, 0.0, times
 
-    def _tau_w(self, state: "State", times) -> float:
+    def _tau_w(self, state: State, times) -> float:
         t_warmup, t_max = times["t_warmup"], times["t_max"]
         span = t_max.value - t_warmup.value
         if span <= 0:
@@ -64,7 +68,7 @@ class ConstantWithWarmupScheduler(_WarmupScheduler):
         self.t_warmup, self.alpha, self.t_max = as_time(t_warmup, "t_warmup"), alpha, as_time(t_max, "t_max")
         self._peak = alpha
 
-    def __call__(self, state: "State") -> float:
+    def __call__(self, state: State) -> float:
         warming, value, times = self._warmup(state)
         if warming:
             return value
@@ -74,13 +78,15 @@ class ConstantWithWarmupScheduler(_WarmupScheduler):
 class LinearWithWarmupScheduler(_WarmupScheduler):
     """Warm up to ``alpha_i``, then linear from ``alpha_i`` to ``alpha_f`` at ``t_max``."""
 
-    def __init__(self, t_warmup: TimeLike = "0.05dur", alpha_i: float = 1.0, alpha_f: float = 0.0, t_max: TimeLike = "1dur") -> None:
+    def __init__(
+        self, t_warmup: TimeLike = "0.05dur", alpha_i: float = 1.0, alpha_f: float = 0.0, t_max: TimeLike = "1dur"
+    ) -> None:
         super().__init__()
         self.t_warmup, self.t_max = as_time(t_warmup, "t_warmup"), as_time(t_max, "t_max")
         self.alpha_i, self.alpha_f = alpha_i, alpha_f
         self._peak = alpha_i
 
-    def __call__(self, state: "State") -> float:
+    def __call__(self, state: State) -> float:
         warming, value, times = self._warmup(state)
         if warming:
             return value
@@ -94,7 +100,7 @@ class CosineAnnealingWithWarmupScheduler(_WarmupScheduler):
         super().__init__()
         self.t_warmup, self.t_max, self.alpha_f = as_time(t_warmup, "t_warmup"), as_time(t_max, "t_max"), alpha_f
 
-    def __call__(self, state: "State") -> float:
+    def __call__(self, state: State) -> float:
         warming, value, times = self._warmup(state)
         if warming:
             return value
@@ -104,12 +110,14 @@ class CosineAnnealingWithWarmupScheduler(_WarmupScheduler):
 class PolynomialWithWarmupScheduler(_WarmupScheduler):
     """Warm up to 1, then ``alpha_f + (1 - alpha_f) * (1 - tau_w) ** power``."""
 
-    def __init__(self, t_warmup: TimeLike = "0.05dur", power: float = 2.0, t_max: TimeLike = "1dur", alpha_f: float = 0.0) -> None:
+    def __init__(
+        self, t_warmup: TimeLike = "0.05dur", power: float = 2.0, t_max: TimeLike = "1dur", alpha_f: float = 0.0
+    ) -> None:
         super().__init__()
         self.t_warmup, self.power = as_time(t_warmup, "t_warmup"), power
         self.t_max, self.alpha_f = as_time(t_max, "t_max"), alpha_f
 
-    def __call__(self, state: "State") -> float:
+    def __call__(self, state: State) -> float:
         warming, value, times = self._warmup(state)
         if warming:
             return value
@@ -128,6 +136,6 @@ class MultiStepWithWarmupScheduler(_WarmupScheduler):
         self.gamma = gamma
         self._steps = MultiStepScheduler(self.milestones, gamma)
 
-    def __call__(self, state: "State") -> float:
+    def __call__(self, state: State) -> float:
         warming, value, _ = self._warmup(state)
         return value if warming else self._steps(state)

@@ -3,19 +3,48 @@
 Imports fsspec and omegaconf only (no torch, no Ray), so it is cheap to import on the driver.
 Checkpoint files built on top of it live in ``raytrain_events.checkpoint``.
 """
+
 from raytrain_events.storage.config_diff import diff_configs, format_config_diff
 from raytrain_events.storage.errors import LockError, LockNotHeldError, RunLockedError, StorageError
 from raytrain_events.storage.exp_dir import RunDir, get_empty_exp_dir
 from raytrain_events.storage.fs import (
-    join, read_bytes, resolve, write_bytes_atomic, write_bytes_create_only,
+    join,
+    read_bytes,
+    resolve,
+    write_bytes_atomic,
+    write_bytes_create_only,
 )
 from raytrain_events.storage.locks import (
-    LOCK_TYPES, LockInfo, LockType, acquire_lock, has_lock, read_lock, refresh_lock, release_lock,
+    LOCK_TYPES,
+    LockInfo,
+    LockType,
+    acquire_lock,
+    has_lock,
+    read_lock,
+    refresh_lock,
+    release_lock,
 )
 
 __all__ = [
-    "LOCK_TYPES", "LockError", "LockInfo", "LockNotHeldError", "LockType", "RunDir",
-    "RunLockedError", "StorageError", "acquire_lock", "diff_configs", "format_config_diff",
-    "get_empty_exp_dir", "has_lock", "join", "read_bytes", "read_lock", "refresh_lock",
-    "release_lock", "resolve", "write_bytes_atomic", "write_bytes_create_only",
+    "LOCK_TYPES",
+    "LockError",
+    "LockInfo",
+    "LockNotHeldError",
+    "LockType",
+    "RunDir",
+    "RunLockedError",
+    "StorageError",
+    "acquire_lock",
+    "diff_configs",
+    "format_config_diff",
+    "get_empty_exp_dir",
+    "has_lock",
+    "join",
+    "read_bytes",
+    "read_lock",
+    "refresh_lock",
+    "release_lock",
+    "resolve",
+    "write_bytes_atomic",
+    "write_bytes_create_only",
 ]

@@ -10,6 +10,7 @@ Usage::
     old, new = diff_configs(saved_cfg, cfg)         # ["model.hidden: 64"], ["model.hidden: 128"]
     print(format_config_diff(saved_cfg, cfg))       # "- model.hidden: 64\\n+ model.hidden: 128"
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -3,6 +3,7 @@
 Kept in one small module so callers can catch them without importing fsspec machinery,
 and so every message follows the same rule: say what went wrong AND how to fix it.
 """
+
 from __future__ import annotations
 
 

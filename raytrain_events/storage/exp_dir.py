@@ -14,6 +14,7 @@ Usage::
     run.save_config(cfg)
     assert run.load_config() == cfg
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,7 +25,13 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from raytrain_events.storage.errors import RunLockedError
 from raytrain_events.storage.fs import (
-    basename, join, list_dir, read_bytes, resolve, to_url, write_bytes_atomic,
+    basename,
+    join,
+    list_dir,
+    read_bytes,
+    resolve,
+    to_url,
+    write_bytes_atomic,
 )
 from raytrain_events.storage.locks import LockType, acquire_lock, has_lock
 
@@ -46,8 +53,11 @@ def get_empty_exp_dir(
     lock create-only before it is returned; pass None to only compute the name (racy).
     """
     fs, root = resolve(run_root_url, storage_options)
-    numbers = [int(m.group(1)) for e in list_dir(fs, root)
-               if e.get("type") == "directory" and (m := _RUN_RE.match(basename(e["name"])))]
+    numbers = [
+        int(m.group(1))
+        for e in list_dir(fs, root)
+        if e.get("type") == "directory" and (m := _RUN_RE.match(basename(e["name"])))
+    ]
     n = max(numbers, default=0) + 1
     for _ in range(max_attempts):
         url = join(run_root_url, f"run_{n}")

@@ -22,6 +22,7 @@ Usage::
     fs, path = resolve("s3://bucket/runs", storage_options={"anon": False})
     write_bytes_atomic(fs, join(path, "x.json"), b"{}")
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -216,8 +217,7 @@ def local_atomic_writer(path: str, *, sha256: bool = False) -> Iterator[AtomicLo
     with storage_errors("writing", path):
         directory = os.path.dirname(path) or "."
         os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.",
-                                   suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             yield AtomicLocalFile(f, path, sha256)
@@ -290,8 +290,12 @@ def _is_s3(fs: Any) -> bool:
 def _cat_kwargs(fs: Any, size_hint: int | None) -> dict[str, Any]:
     """s3fs: one plain GET (no HEAD first) when the object is known to be below the split size.
     (s3fs before the concurrent ``cat_file`` sends no HEAD and takes no ``max_concurrency``.)"""
-    if (size_hint is not None and _is_s3(fs) and size_hint <= getattr(fs, "default_block_size", 0)
-            and "max_concurrency" in inspect.signature(getattr(fs, "_cat_file", fs.cat_file)).parameters):
+    if (
+        size_hint is not None
+        and _is_s3(fs)
+        and size_hint <= getattr(fs, "default_block_size", 0)
+        and "max_concurrency" in inspect.signature(getattr(fs, "_cat_file", fs.cat_file)).parameters
+    ):
         return {"max_concurrency": 1}
     return {}
 

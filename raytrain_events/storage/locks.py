@@ -28,6 +28,7 @@ Usage::
     ...
     release_lock("s3://bucket/runs/run_3", "running", lock=info)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,7 +43,13 @@ from typing import Any, Literal
 
 from raytrain_events.storage.errors import LockNotHeldError, RunLockedError
 from raytrain_events.storage.fs import (
-    basename, delete, join, list_dir, read_bytes, resolve, write_bytes_atomic,
+    basename,
+    delete,
+    join,
+    list_dir,
+    read_bytes,
+    resolve,
+    write_bytes_atomic,
     write_bytes_create_only,
 )
 
@@ -88,16 +95,21 @@ class LockInfo:
         return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
 
     @classmethod
-    def from_bytes(cls, lock_type: str, raw: bytes) -> "LockInfo":
+    def from_bytes(cls, lock_type: str, raw: bytes) -> LockInfo:
         try:
             d = json.loads(raw)
-            return cls(lock_type=lock_type, host=str(d["host"]), pid=int(d["pid"]),
-                       time=float(d["time"]), token=str(d["token"]), ttl_s=d.get("ttl_s"),
-                       expires=d.get("expires"))
+            return cls(
+                lock_type=lock_type,
+                host=str(d["host"]),
+                pid=int(d["pid"]),
+                time=float(d["time"]),
+                token=str(d["token"]),
+                ttl_s=d.get("ttl_s"),
+                expires=d.get("expires"),
+            )
         except (ValueError, KeyError, TypeError):  # empty (e.g. `touch`ed) or foreign file
             digest = hashlib.sha256(raw).hexdigest()[:16]
-            return cls(lock_type=lock_type, host="<unreadable lock file>", pid=-1, time=0.0,
-                       token=f"raw-{digest}")
+            return cls(lock_type=lock_type, host="<unreadable lock file>", pid=-1, time=0.0, token=f"raw-{digest}")
 
 
 def acquire_lock(
@@ -119,9 +131,15 @@ def acquire_lock(
     fs, run_path = resolve(run_url, storage_options)
     path = join(run_path, lock_type)
     now = time.time()
-    mine = LockInfo(lock_type=lock_type, host=socket.gethostname(), pid=os.getpid(), time=now,
-                    token=uuid.uuid4().hex, ttl_s=ttl_s,
-                    expires=None if ttl_s is None else now + ttl_s)
+    mine = LockInfo(
+        lock_type=lock_type,
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        time=now,
+        token=uuid.uuid4().hex,
+        ttl_s=ttl_s,
+        expires=None if ttl_s is None else now + ttl_s,
+    )
     for _ in range(5):  # retries only when the holder vanished between our create and read
         try:
             write_bytes_create_only(fs, path, mine.to_bytes())
@@ -163,8 +181,9 @@ def release_lock(
     if current is None:
         if missing_ok:
             return
-        raise LockNotHeldError(f"No {lock_type!r} lock exists in {run_url!r}, so there is "
-                               "nothing to release. Fix: pass missing_ok=True.")
+        raise LockNotHeldError(
+            f"No {lock_type!r} lock exists in {run_url!r}, so there is nothing to release. Fix: pass missing_ok=True."
+        )
     ours = current.token == lock.token if lock is not None else current.is_ours()
     if not (ours or force):
         raise LockNotHeldError(
@@ -175,8 +194,7 @@ def release_lock(
     delete(fs, path)
 
 
-def refresh_lock(run_url: str, lock: LockInfo, *,
-                 storage_options: dict[str, Any] | None = None) -> LockInfo:
+def refresh_lock(run_url: str, lock: LockInfo, *, storage_options: dict[str, Any] | None = None) -> LockInfo:
     """Push a ttl lock's expiry forward (call periodically from a long run); same token."""
     if lock.ttl_s is None:
         return lock
@@ -194,16 +212,14 @@ def refresh_lock(run_url: str, lock: LockInfo, *,
     return renewed
 
 
-def read_lock(run_url: str, lock_type: LockType, *,
-              storage_options: dict[str, Any] | None = None) -> LockInfo | None:
+def read_lock(run_url: str, lock_type: LockType, *, storage_options: dict[str, Any] | None = None) -> LockInfo | None:
     """The current lock of ``lock_type`` in ``run_url``, or None."""
     _check_type(lock_type)
     fs, run_path = resolve(run_url, storage_options)
     return _read(fs, join(run_path, lock_type), lock_type)
 
 
-def has_lock(run_url: str, lock_type: LockType | None = None, *,
-             storage_options: dict[str, Any] | None = None) -> bool:
+def has_lock(run_url: str, lock_type: LockType | None = None, *, storage_options: dict[str, Any] | None = None) -> bool:
     """Whether ``run_url`` holds a lock of ``lock_type`` (any of the three when None)."""
     types = LOCK_TYPES if lock_type is None else (_check_type(lock_type),)
     fs, run_path = resolve(run_url, storage_options)
@@ -252,11 +268,15 @@ def _locked_message(run_url: str, holder: LockInfo | None, stale_reason: str | N
     kind = holder.lock_type if holder is not None else "run"
     msg = f"Run directory {run_url!r} is locked ({kind!r}) by {who}."
     if stale_reason is not None:
-        return msg + (f" The lock looks stale ({stale_reason}). Fix: pass takeover_stale=True "
-                      "to take it over, or choose another run directory.")
-    return msg + (" Fix: wait for that run to finish, choose another run name/directory, or "
-                  "pass takeover_stale=True (replaces the lock once its holder is dead on this "
-                  "host or its ttl expired); release_lock(..., force=True) removes it outright.")
+        return msg + (
+            f" The lock looks stale ({stale_reason}). Fix: pass takeover_stale=True "
+            "to take it over, or choose another run directory."
+        )
+    return msg + (
+        " Fix: wait for that run to finish, choose another run name/directory, or "
+        "pass takeover_stale=True (replaces the lock once its holder is dead on this "
+        "host or its ttl expired); release_lock(..., force=True) removes it outright."
+    )
 
 
 def _pid_alive(pid: int) -> bool:

@@ -1,4 +1,5 @@
 """Small helpers the loop uses per batch: device moves, loss reduction, model checks."""
+
 from __future__ import annotations
 
 from typing import Any, Mapping

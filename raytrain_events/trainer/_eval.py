@@ -3,6 +3,7 @@
 Metrics are torchmetrics objects from ``model.get_metrics(is_train=False)``; with several ranks
 their ``compute()`` synchronizes across the process group, so every rank logs the global value.
 """
+
 from __future__ import annotations
 
 import copy
@@ -20,7 +21,9 @@ __all__ = ["Evaluator", "ensure_evaluators", "run_evaluation"]
 class Evaluator:
     """A named eval dataset and (optionally) which of the model's metrics to compute on it."""
 
-    def __init__(self, *, label: str, dataloader: Union[Iterable, DataSpec], metric_names: Optional[Sequence[str]] = None):
+    def __init__(
+        self, *, label: str, dataloader: Union[Iterable, DataSpec], metric_names: Optional[Sequence[str]] = None
+    ):
         self.label = label
         self.dataloader = ensure_data_spec(dataloader)
         self.metric_names = list(metric_names) if metric_names is not None else None
@@ -34,7 +37,11 @@ def ensure_evaluators(eval_dataloader: Any) -> List[Evaluator]:
         return [eval_dataloader]
     if isinstance(eval_dataloader, Mapping):
         return [v if isinstance(v, Evaluator) else Evaluator(label=k, dataloader=v) for k, v in eval_dataloader.items()]
-    if isinstance(eval_dataloader, (list, tuple)) and eval_dataloader and all(isinstance(e, Evaluator) for e in eval_dataloader):
+    if (
+        isinstance(eval_dataloader, (list, tuple))
+        and eval_dataloader
+        and all(isinstance(e, Evaluator) for e in eval_dataloader)
+    ):
         return list(eval_dataloader)
     return [Evaluator(label="eval", dataloader=eval_dataloader)]
 
@@ -47,7 +54,9 @@ def _fresh_metrics(model: Any, names: Optional[List[str]]) -> Dict[str, Any]:
     if names is not None:
         unknown = sorted(set(names) - set(metrics))
         if unknown:
-            raise ValueError(f"Evaluator asks for metrics {unknown} the model does not define; it has {sorted(metrics)}.")
+            raise ValueError(
+                f"Evaluator asks for metrics {unknown} the model does not define; it has {sorted(metrics)}."
+            )
         metrics = {k: metrics[k] for k in names}
     out = {}
     for name, metric in metrics.items():

@@ -8,6 +8,7 @@ so the same loop runs locally, in tests, and inside each Ray Train worker.
 Per step the loop reads nothing back from the device: the loss stays a tensor in
 ``state.loss`` until a callback asks for it.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -1,4 +1,5 @@
 """Checkpointing through the Trainer on file://, memory:// and s3:// (a local S3 server)."""
+
 from __future__ import annotations
 
 import os
@@ -30,13 +31,17 @@ def data():
 
 def loader():
     dataset = data()  # a sampler with set_epoch makes mid-epoch resume exact
-    return DataLoader(dataset, batch_size=8, sampler=DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0))
+    return DataLoader(
+        dataset, batch_size=8, sampler=DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
+    )
 
 
 def model(hidden=16):
     torch.manual_seed(0)
     return ClassifierModel(
-        torch.nn.Sequential(torch.nn.Linear(D, hidden), torch.nn.Dropout(0.2), torch.nn.ReLU(), torch.nn.Linear(hidden, 2)),
+        torch.nn.Sequential(
+            torch.nn.Linear(D, hidden), torch.nn.Dropout(0.2), torch.nn.ReLU(), torch.nn.Linear(hidden, 2)
+        ),
         num_classes=2,
     )
 
@@ -55,8 +60,17 @@ def make_trainer(folder, options, *, callbacks=(), hidden=16, **ckpt):
     opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
     config = CheckpointConfig(save_folder=folder, storage_options=options, save_every_n_seconds=None, **ckpt)
-    return Trainer(model=m, train_dataloader=loader(), max_duration="3ep", optimizers=opt, schedulers=sched,
-                   callbacks=list(callbacks), checkpoint=config, seed=1, config={"lr": 0.1, "hidden": hidden})
+    return Trainer(
+        model=m,
+        train_dataloader=loader(),
+        max_duration="3ep",
+        optimizers=opt,
+        schedulers=sched,
+        callbacks=list(callbacks),
+        checkpoint=config,
+        seed=1,
+        config={"lr": 0.1, "hidden": hidden},
+    )
 
 
 def params(trainer):
@@ -71,10 +85,14 @@ def test_resume_after_crash_is_bit_identical(storage, async_save):
     expected = params(full)
     assert full.state.timestamp.get_value("ba") == 36
 
-    crashed = make_trainer(url + "/b/checkpoints", options, callbacks=[Crash(17)], save_every_n_steps=5, async_save=async_save)
+    crashed = make_trainer(
+        url + "/b/checkpoints", options, callbacks=[Crash(17)], save_every_n_steps=5, async_save=async_save
+    )
     with pytest.raises(RuntimeError, match="simulated crash"):
         crashed.fit()
-    resumed = make_trainer(url + "/b/checkpoints", options, save_every_n_steps=5, autoresume=True, async_save=async_save)
+    resumed = make_trainer(
+        url + "/b/checkpoints", options, save_every_n_steps=5, autoresume=True, async_save=async_save
+    )
     assert resumed.state.timestamp.get_value("ba") == 15  # the last committed checkpoint, mid-epoch 2
     resumed.fit()
     assert resumed.state.timestamp.get_value("sp") == full.state.timestamp.get_value("sp")
@@ -143,7 +161,8 @@ def test_malicious_checkpoint_is_refused_and_runs_nothing(tmp_path):
     with open(os.path.join(path, STATE_FILE), "wb") as f:
         f.write(payload)
     manifest = bad.manifest()
-    import hashlib, json
+    import hashlib
+    import json
 
     manifest["files"] = [{"name": STATE_FILE, "size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}]
     with open(os.path.join(path, "manifest.json"), "w") as f:
@@ -167,9 +186,16 @@ def test_resume_with_a_different_config_prints_the_diff(tmp_path, capsys):
     m = model()
     opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
-    Trainer(model=m, train_dataloader=loader(), max_duration="3ep", optimizers=opt, schedulers=sched, seed=1,
-            config={"lr": 0.05, "hidden": 16},
-            checkpoint=CheckpointConfig(save_folder=str(tmp_path / "d/checkpoints"), autoresume=True))._checkpointer.close()
+    Trainer(
+        model=m,
+        train_dataloader=loader(),
+        max_duration="3ep",
+        optimizers=opt,
+        schedulers=sched,
+        seed=1,
+        config={"lr": 0.05, "hidden": 16},
+        checkpoint=CheckpointConfig(save_folder=str(tmp_path / "d/checkpoints"), autoresume=True),
+    )._checkpointer.close()
     out = capsys.readouterr().out
     assert "different config" in out and "lr: 0.1" in out and "lr: 0.05" in out
 

@@ -3,6 +3,7 @@
 Everything here runs in-process (``main(argv)``) except one subprocess check per entry point;
 none of it starts Ray.
 """
+
 from __future__ import annotations
 
 import json
@@ -111,7 +112,9 @@ def test_unknown_flag_lists_valid_options(capsys):
     assert "--config" in err and "--print-config" in err and "key=value" in err
 
 
-@pytest.mark.parametrize("override", ["max_duration=banana", "max_duration=10", "checkpoint.save_interval=soon", "warmup=xyz"])
+@pytest.mark.parametrize(
+    "override", ["max_duration=banana", "max_duration=10", "checkpoint.save_interval=soon", "warmup=xyz"]
+)
 def test_bad_duration_names_the_accepted_forms(override, capsys):
     code, _, err = run_main(["train", "--print-config", override], capsys)
     assert code == 2
@@ -150,6 +153,7 @@ def test_missing_backend_names_the_extra(capsys):
     pytest.importorskip("raytrain_events")
     try:
         import gcsfs  # noqa: F401
+
         pytest.skip("gcsfs is installed")
     except ImportError:
         pass
@@ -161,13 +165,23 @@ def test_print_config_merges_file_and_overrides(tmp_path, capsys):
     path = tmp_path / "c.yaml"
     path.write_text("num_workers: 3\nlr: 0.5\ncheckpoint:\n  keep: 5\n")
     code, out, _ = run_main(
-        ["train", "--print-config", "--config", str(path), "lr=0.25", "algorithms=[label_smoothing, {name: mixup, alpha: 0.2}]"], capsys
+        [
+            "train",
+            "--print-config",
+            "--config",
+            str(path),
+            "lr=0.25",
+            "algorithms=[label_smoothing, {name: mixup, alpha: 0.2}]",
+        ],
+        capsys,
     )
     assert code == 0
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.create(out)
-    assert cfg.num_workers == 3 and cfg.lr == 0.25 and cfg.checkpoint.keep == 5 and cfg.checkpoint.save_interval == "1ep"
+    assert (
+        cfg.num_workers == 3 and cfg.lr == 0.25 and cfg.checkpoint.keep == 5 and cfg.checkpoint.save_interval == "1ep"
+    )
     assert OmegaConf.to_container(cfg.algorithms) == ["label_smoothing", {"name": "mixup", "alpha": 0.2}]
 
 
@@ -191,8 +205,13 @@ def make_run(root, name, *, config, checkpoints=(), summary=None, storage_option
     url = join(root, name)
     RunDir(url, storage_options or {}).save_config(config)
     for ts in checkpoints:
-        write_checkpoint(join(url, "checkpoints"), files={"state.pt": {"w": torch.zeros(2)}}, timestamp=ts,
-                         world_size=2, storage_options=storage_options)
+        write_checkpoint(
+            join(url, "checkpoints"),
+            files={"state.pt": {"w": torch.zeros(2)}},
+            timestamp=ts,
+            world_size=2,
+            storage_options=storage_options,
+        )
     if summary is not None:
         fs, path = resolve(join(url, "summary.json"), storage_options)
         write_bytes_atomic(fs, path, json.dumps(summary).encode())
@@ -205,8 +224,13 @@ def _ts(epoch, per_epoch=12, rows=1500):
 
 def saved_config(job_config):
     """config.yaml as `RayTrainer.fit` saves it: the run's description, the job's config under ``config``."""
-    return {"run_name": job_config["run_name"], "max_duration": job_config["max_duration"] or f"{job_config['epochs']}ep",
-            "batch_size": job_config["batch_size"], "num_workers": job_config["num_workers"], "config": job_config}
+    return {
+        "run_name": job_config["run_name"],
+        "max_duration": job_config["max_duration"] or f"{job_config['epochs']}ep",
+        "batch_size": job_config["batch_size"],
+        "num_workers": job_config["num_workers"],
+        "config": job_config,
+    }
 
 
 @pytest.fixture
@@ -215,11 +239,32 @@ def two_runs(tmp_path):
 
     base = {**OmegaConf.to_container(OmegaConf.structured(DigitsConfig)), "lr": 0.1, "max_duration": "2ep"}
     root = str(tmp_path / "runs")
-    a = make_run(root, "run-a", config=saved_config({**base, "run_name": "run-a"}), checkpoints=[_ts(1), _ts(2)],
-                 summary={"timestamp": _ts(2), "metrics": {"metrics/eval/accuracy": 0.93, "train/loss": 0.2}, "wall_seconds": 40.0})
-    b = make_run(root, "run-b", config=saved_config({**base, "run_name": "run-b", "lr": 0.05, "max_duration": "3ep",
-                                                     "checkpoint": {**base["checkpoint"], "keep": 3}, "algorithms": ["label_smoothing"]}),
-                 checkpoints=[_ts(1)])
+    a = make_run(
+        root,
+        "run-a",
+        config=saved_config({**base, "run_name": "run-a"}),
+        checkpoints=[_ts(1), _ts(2)],
+        summary={
+            "timestamp": _ts(2),
+            "metrics": {"metrics/eval/accuracy": 0.93, "train/loss": 0.2},
+            "wall_seconds": 40.0,
+        },
+    )
+    b = make_run(
+        root,
+        "run-b",
+        config=saved_config(
+            {
+                **base,
+                "run_name": "run-b",
+                "lr": 0.05,
+                "max_duration": "3ep",
+                "checkpoint": {**base["checkpoint"], "keep": 3},
+                "algorithms": ["label_smoothing"],
+            }
+        ),
+        checkpoints=[_ts(1)],
+    )
     os.makedirs(os.path.join(root, "not-a-run"))
     return root, a, b
 
@@ -230,7 +275,11 @@ def test_runs_ls(two_runs, capsys):
     assert code == 0
     lines = out.strip().splitlines()
     assert lines[0].split()[:3] == ["RUN", "STATUS", "CHECKPOINTS"]
-    assert lines[1].split()[:3] == ["run-a", "finished", "2"] and "2ep 24ba 3000sp 0tok" in lines[1] and "0.9300" in lines[1]
+    assert (
+        lines[1].split()[:3] == ["run-a", "finished", "2"]
+        and "2ep 24ba 3000sp 0tok" in lines[1]
+        and "0.9300" in lines[1]
+    )
     assert lines[2].split()[:3] == ["run-b", "ended", "1"] and "1ep 12ba 1500sp 0tok" in lines[2]
     assert "not-a-run" not in out
     code, out, _ = run_main(["runs", "ls", root, "--json"], capsys)
@@ -246,7 +295,7 @@ def test_runs_ls_shows_a_running_run(two_runs, capsys):
         code, out, _ = run_main(["runs", "ls", root], capsys)
         assert code == 0 and out.splitlines()[2].split()[:2] == ["run-b", "running"]
         code, out, _ = run_main(["inspect", b], capsys)
-        assert f"status: running (host " in out and f"pid {os.getpid()}" in out
+        assert "status: running (host " in out and f"pid {os.getpid()}" in out
     finally:
         release_lock(b, "running", lock=lock)
 
@@ -277,13 +326,19 @@ def test_diff_line_by_line(two_runs, capsys):
     assert code == 0
     lines = out.strip().splitlines()
     assert lines == [
-        "- run_name: run-a", "+ run_name: run-b",
-        "- max_duration: 2ep", "+ max_duration: 3ep",
-        "- config.run_name: run-a", "+ config.run_name: run-b",
-        "- config.max_duration: 2ep", "+ config.max_duration: 3ep",
-        "- config.lr: 0.1", "+ config.lr: 0.05",
+        "- run_name: run-a",
+        "+ run_name: run-b",
+        "- max_duration: 2ep",
+        "+ max_duration: 3ep",
+        "- config.run_name: run-a",
+        "+ config.run_name: run-b",
+        "- config.max_duration: 2ep",
+        "+ config.max_duration: 3ep",
+        "- config.lr: 0.1",
+        "+ config.lr: 0.05",
         "+ config.algorithms.0: label_smoothing",
-        "- config.checkpoint.keep: 2", "+ config.checkpoint.keep: 3",
+        "- config.checkpoint.keep: 2",
+        "+ config.checkpoint.keep: 3",
     ]
     code, _, _ = run_main(["diff", a, b, "--exit-code"], capsys)
     assert code == 1
@@ -302,10 +357,23 @@ def test_inspect_and_ls_on_s3(s3_server, capsys):
 
     options = s3_server["storage_options"]
     root = f"s3://{s3_server['bucket']}/{uuid.uuid4().hex}"
-    url = make_run(root, "s3-run", config=saved_config({**OmegaConf.to_container(OmegaConf.structured(DigitsConfig)), "run_name": "s3-run"}),
-                   checkpoints=[_ts(1)], storage_options=options)
-    flags = ["-o", "key=testing", "-o", "secret=testing", "-o", f"client_kwargs.endpoint_url={s3_server['endpoint']}",
-             "-o", "client_kwargs.region_name=us-east-1"]
+    url = make_run(
+        root,
+        "s3-run",
+        config=saved_config({**OmegaConf.to_container(OmegaConf.structured(DigitsConfig)), "run_name": "s3-run"}),
+        checkpoints=[_ts(1)],
+        storage_options=options,
+    )
+    flags = [
+        "-o",
+        "key=testing",
+        "-o",
+        "secret=testing",
+        "-o",
+        f"client_kwargs.endpoint_url={s3_server['endpoint']}",
+        "-o",
+        "client_kwargs.region_name=us-east-1",
+    ]
     code, out, err = run_main(["inspect", url, "--json"] + flags, capsys)
     assert code == 0, err
     assert json.loads(out)["checkpoints"][0]["timestamp"] == _ts(1)

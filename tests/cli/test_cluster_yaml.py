@@ -3,6 +3,7 @@
 ``ray up`` runs ``prepare_config`` (fill in defaults) and then ``validate_config`` (the JSON
 schema in ray/autoscaler/ray-schema.json plus Ray's own consistency checks); both run here.
 """
+
 from __future__ import annotations
 
 import copy

@@ -1,4 +1,5 @@
 """Tests for raytrain_events.core.engine: matching, ordering passes, traces, callback dispatch."""
+
 from __future__ import annotations
 
 import timeit
@@ -87,8 +88,12 @@ def test_filo_records_undo_order_over_a_forward_pair():
     engine = Engine(state=make_state(algorithms=algos), logger=Logger())
     engine.run_event(Event.BEFORE_FORWARD)
     engine.run_event(Event.AFTER_FORWARD)
-    assert log == [("a", Event.BEFORE_FORWARD), ("b", Event.BEFORE_FORWARD),
-                   ("b", Event.AFTER_FORWARD), ("a", Event.AFTER_FORWARD)]
+    assert log == [
+        ("a", Event.BEFORE_FORWARD),
+        ("b", Event.BEFORE_FORWARD),
+        ("b", Event.AFTER_FORWARD),
+        ("a", Event.AFTER_FORWARD),
+    ]
 
 
 def test_custom_ordering_pass_runs_after_filo():
@@ -117,8 +122,11 @@ def test_custom_ordering_pass_runs_after_filo():
 def test_passes_only_see_matching_algorithms():
     log, seen = [], []
     algos = [AlgoA("a", log, events={Event.INIT}), AlgoB("b", log, events={Event.FIT_START})]
-    engine = Engine(state=make_state(algorithms=algos), logger=Logger(),
-                    algorithm_passes=[lambda algs, ev: seen.append([type(a).__name__ for a in algs]) or list(algs)])
+    engine = Engine(
+        state=make_state(algorithms=algos),
+        logger=Logger(),
+        algorithm_passes=[lambda algs, ev: seen.append([type(a).__name__ for a in algs]) or list(algs)],
+    )
     engine.run_event(Event.FIT_START)
     engine.run_event(Event.EPOCH_START)  # nothing matches: the pass is not even called
     assert seen == [["AlgoB"]]
@@ -141,8 +149,11 @@ def test_trace_contents():
         "AlgoC/BATCH_START": Trace("AlgoC", Event.BATCH_START, 7, 1),
     }
     assert [(t.name, t.event, t.order) for t in engine.traces] == [
-        ("AlgoC", Event.BATCH_END, 0), ("AlgoB", Event.BATCH_END, 1), ("AlgoA", Event.BATCH_END, 2),
-        ("AlgoA", Event.BATCH_START, 0), ("AlgoC", Event.BATCH_START, 1),
+        ("AlgoC", Event.BATCH_END, 0),
+        ("AlgoB", Event.BATCH_END, 1),
+        ("AlgoA", Event.BATCH_END, 2),
+        ("AlgoA", Event.BATCH_START, 0),
+        ("AlgoC", Event.BATCH_START, 1),
     ]
     assert engine.run_event(Event.INIT).keys() == {"AlgoA/INIT", "AlgoC/INIT"}
     assert make_engine_without_algorithms().run_event(Event.BATCH_END) == {}
@@ -210,7 +221,9 @@ def test_callback_dispatch_only_for_overridden_methods(monkeypatch):
             monkeypatch.setattr(Callback, event.value, lambda self, state, logger, _e=event: called.append(_e))
     run_event_calls = []
     original_run_event = Callback.run_event
-    monkeypatch.setattr(Callback, "run_event", lambda self, *a: run_event_calls.append(a) or original_run_event(self, *a))
+    monkeypatch.setattr(
+        Callback, "run_event", lambda self, *a: run_event_calls.append(a) or original_run_event(self, *a)
+    )
 
     cb = BatchEndOnly()
     assert cb.overridden_events() == [Event.BATCH_END]
@@ -284,8 +297,14 @@ def _trainer(callbacks, **kwargs):
     torch.manual_seed(0)
     model = ClassifierModel(torch.nn.Linear(4, 2), num_classes=2)
     data = TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
-    return Trainer(model=model, train_dataloader=DataLoader(data, batch_size=8), max_duration="2ep",
-                   optimizers=torch.optim.SGD(model.parameters(), lr=0.1), callbacks=callbacks, **kwargs)
+    return Trainer(
+        model=model,
+        train_dataloader=DataLoader(data, batch_size=8),
+        max_duration="2ep",
+        optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+        callbacks=callbacks,
+        **kwargs,
+    )
 
 
 class Boom(RuntimeError):

@@ -1,4 +1,5 @@
 """Tests for raytrain_events.core.event: the 26 events, their order and their groupings."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,11 +8,32 @@ from raytrain_events.core.event import Event
 
 # The order of Composer's loop pseudocode (seed 001): training events, then the eval events.
 EXPECTED_NAMES = [
-    "INIT", "AFTER_LOAD", "FIT_START", "EPOCH_START", "BEFORE_DATALOADER", "AFTER_DATALOADER",
-    "BATCH_START", "BEFORE_TRAIN_BATCH", "BEFORE_FORWARD", "AFTER_FORWARD", "BEFORE_LOSS", "AFTER_LOSS",
-    "BEFORE_BACKWARD", "AFTER_BACKWARD", "AFTER_TRAIN_BATCH", "BATCH_END", "BATCH_CHECKPOINT", "EPOCH_END",
-    "EPOCH_CHECKPOINT", "FIT_END", "EVAL_START", "EVAL_BATCH_START", "EVAL_BEFORE_FORWARD",
-    "EVAL_AFTER_FORWARD", "EVAL_BATCH_END", "EVAL_END",
+    "INIT",
+    "AFTER_LOAD",
+    "FIT_START",
+    "EPOCH_START",
+    "BEFORE_DATALOADER",
+    "AFTER_DATALOADER",
+    "BATCH_START",
+    "BEFORE_TRAIN_BATCH",
+    "BEFORE_FORWARD",
+    "AFTER_FORWARD",
+    "BEFORE_LOSS",
+    "AFTER_LOSS",
+    "BEFORE_BACKWARD",
+    "AFTER_BACKWARD",
+    "AFTER_TRAIN_BATCH",
+    "BATCH_END",
+    "BATCH_CHECKPOINT",
+    "EPOCH_END",
+    "EPOCH_CHECKPOINT",
+    "FIT_END",
+    "EVAL_START",
+    "EVAL_BATCH_START",
+    "EVAL_BEFORE_FORWARD",
+    "EVAL_AFTER_FORWARD",
+    "EVAL_BATCH_END",
+    "EVAL_END",
 ]
 
 
@@ -31,10 +53,16 @@ def test_value_is_lower_name(event):
 def _pairs():
     # Every *_START/BEFORE_* event and its *_END/AFTER_* partner.
     return [
-        ("FIT_START", "FIT_END"), ("EPOCH_START", "EPOCH_END"), ("BEFORE_DATALOADER", "AFTER_DATALOADER"),
-        ("BATCH_START", "BATCH_END"), ("BEFORE_TRAIN_BATCH", "AFTER_TRAIN_BATCH"),
-        ("BEFORE_FORWARD", "AFTER_FORWARD"), ("BEFORE_LOSS", "AFTER_LOSS"), ("BEFORE_BACKWARD", "AFTER_BACKWARD"),
-        ("EVAL_START", "EVAL_END"), ("EVAL_BATCH_START", "EVAL_BATCH_END"),
+        ("FIT_START", "FIT_END"),
+        ("EPOCH_START", "EPOCH_END"),
+        ("BEFORE_DATALOADER", "AFTER_DATALOADER"),
+        ("BATCH_START", "BATCH_END"),
+        ("BEFORE_TRAIN_BATCH", "AFTER_TRAIN_BATCH"),
+        ("BEFORE_FORWARD", "AFTER_FORWARD"),
+        ("BEFORE_LOSS", "AFTER_LOSS"),
+        ("BEFORE_BACKWARD", "AFTER_BACKWARD"),
+        ("EVAL_START", "EVAL_END"),
+        ("EVAL_BATCH_START", "EVAL_BATCH_END"),
         ("EVAL_BEFORE_FORWARD", "EVAL_AFTER_FORWARD"),
     ]
 
@@ -42,7 +70,7 @@ def _pairs():
 @pytest.mark.parametrize("event", list(Event), ids=lambda e: e.name)
 def test_is_before_is_after_follow_the_names(event):
     name = event.name
-    stem = name[len("EVAL_"):] if name.startswith("EVAL_") else name
+    stem = name[len("EVAL_") :] if name.startswith("EVAL_") else name
     assert event.is_before_event == (stem.startswith("BEFORE_") or name.endswith("_START"))
     assert event.is_after_event == (stem.startswith("AFTER_") or name.endswith("_END"))
     assert not (event.is_before_event and event.is_after_event)

@@ -1,4 +1,5 @@
 """Importing raytrain_events is cheap and side-effect free (it runs inside Ray workers, off the main thread)."""
+
 from __future__ import annotations
 
 import json
@@ -10,15 +11,27 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-PUBLIC = ["Time", "TimeUnit", "Timestamp", "ensure_time", "Event", "State", "Algorithm", "Callback", "Engine",
-          "Trace", "Trainer"]
+PUBLIC = [
+    "Time",
+    "TimeUnit",
+    "Timestamp",
+    "ensure_time",
+    "Event",
+    "State",
+    "Algorithm",
+    "Callback",
+    "Engine",
+    "Trace",
+    "Trainer",
+]
 
 
 def _run(code: str) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -1,4 +1,5 @@
 """Tests for raytrain_events.core.state: batch views, elapsed duration, state_dict round trips."""
+
 from __future__ import annotations
 
 import copy
@@ -132,8 +133,16 @@ def build_state(seed, algorithms=None, scheduler="step"):
     else:
         sched = scheduler(opt)
     algorithms = [Counter(), Counter()] if algorithms is None else algorithms
-    return State(model=model, max_duration="4ep", optimizers=opt, schedulers=sched, algorithms=algorithms,
-                 callbacks=[Seen()], run_name="r", seed=seed)
+    return State(
+        model=model,
+        max_duration="4ep",
+        optimizers=opt,
+        schedulers=sched,
+        algorithms=algorithms,
+        callbacks=[Seen()],
+        run_name="r",
+        seed=seed,
+    )
 
 
 def train_steps(state, n):
@@ -215,9 +224,13 @@ def test_function_scheduler_round_trip():
         torch.manual_seed(seed)
         model = ClassifierModel(torch.nn.Linear(4, 2), num_classes=2)
         data = DataLoader(TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,))), batch_size=8)
-        return Trainer(model=model, train_dataloader=data, max_duration="2ep",
-                       optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
-                       schedulers=lambda state: 1.0 / (1 + state.step))
+        return Trainer(
+            model=model,
+            train_dataloader=data,
+            max_duration="2ep",
+            optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+            schedulers=lambda state: 1.0 / (1 + state.step),
+        )
 
     src = make(0)
     src.fit()
@@ -257,8 +270,10 @@ def test_loading_a_checkpoint_with_other_keys_names_the_keys():
 
 def test_non_strict_load_of_a_partial_checkpoint():
     full = torch.nn.Sequential(linear(0), torch.nn.ReLU(), linear(1, 3, 2))
-    saved = {"model": {k: v for k, v in full.state_dict().items() if k.startswith("0.")},
-             "timestamp": Timestamp(batch=3).state_dict()}
+    saved = {
+        "model": {k: v for k, v in full.state_dict().items() if k.startswith("0.")},
+        "timestamp": Timestamp(batch=3).state_dict(),
+    }
     state = State(model=torch.nn.Sequential(linear(5), torch.nn.ReLU(), linear(6, 3, 2)), max_duration="1ep")
     with pytest.raises(CheckpointMismatchError, match="2.weight"):
         state.load_state_dict(saved, strict=True)

@@ -1,4 +1,5 @@
 """Tests for raytrain_events.core.time (port of Composer's composer.core.time)."""
+
 from __future__ import annotations
 
 import ast
@@ -13,7 +14,7 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import raytrain_events.core.time as time_module
@@ -64,8 +65,10 @@ def test_time_unit_values():
     assert isinstance(TimeUnit.BATCH, str)
 
 
-@pytest.mark.parametrize("text,unit", [("EP", TimeUnit.EPOCH), ("epoch", TimeUnit.EPOCH),
-                                       ("BATCH", TimeUnit.BATCH), ("Dur", TimeUnit.DURATION)])
+@pytest.mark.parametrize(
+    "text,unit",
+    [("EP", TimeUnit.EPOCH), ("epoch", TimeUnit.EPOCH), ("BATCH", TimeUnit.BATCH), ("Dur", TimeUnit.DURATION)],
+)
 def test_time_unit_lookup_by_name_case_insensitive(text, unit):
     assert TimeUnit(text) is unit
 
@@ -101,8 +104,11 @@ def test_duration_is_float():
 
 @pytest.mark.parametrize("unit", INT_UNITS)
 def test_non_integral_value_for_integer_unit_is_type_error(unit):
-    with pytest.raises(TypeError, match=rf"not a whole number.*use whole numbers of {unit.value}, "
-                                        r"or a fraction of the run in 'dur'"):
+    with pytest.raises(
+        TypeError,
+        match=rf"not a whole number.*use whole numbers of {unit.value}, "
+        r"or a fraction of the run in 'dur'",
+    ):
         Time(1.5, unit)
 
 
@@ -137,8 +143,7 @@ def test_from_helpers():
     assert Time.from_token(5) == Time(5, TimeUnit.TOKEN)
     d = Time.from_duration(0.5)
     assert d.unit is TimeUnit.DURATION and d.value == 0.5
-    for f, u in [(Time.from_epoch, "ep"), (Time.from_batch, "ba"), (Time.from_sample, "sp"),
-                 (Time.from_token, "tok")]:
+    for f, u in [(Time.from_epoch, "ep"), (Time.from_batch, "ba"), (Time.from_sample, "sp"), (Time.from_token, "tok")]:
         assert f(1).unit is TimeUnit(u)
         with pytest.raises(TypeError, match=f"whole numbers of {u}"):
             f(0.5)
@@ -198,12 +203,23 @@ def test_add_non_integral_number_to_integer_unit():
         Time(1, "ep") + 0.5
 
 
-@pytest.mark.parametrize("op,name", [(lambda a, b: a + b, "add"), (lambda a, b: a - b, "subtract"),
-                                     (lambda a, b: a / b, "divide"), (lambda a, b: a % b, "modulo"),
-                                     (lambda a, b: a < b, "compare"), (lambda a, b: a == b, "compare")])
+@pytest.mark.parametrize(
+    "op,name",
+    [
+        (lambda a, b: a + b, "add"),
+        (lambda a, b: a - b, "subtract"),
+        (lambda a, b: a / b, "divide"),
+        (lambda a, b: a % b, "modulo"),
+        (lambda a, b: a < b, "compare"),
+        (lambda a, b: a == b, "compare"),
+    ],
+)
 def test_mixing_units_is_runtime_error(op, name):
-    with pytest.raises(RuntimeError, match=rf"Cannot .*{name}.*Time\(1, TimeUnit.EPOCH\) in ep with "
-                                           r"Time\(1, TimeUnit.BATCH\) in ba"):
+    with pytest.raises(
+        RuntimeError,
+        match=rf"Cannot .*{name}.*Time\(1, TimeUnit.EPOCH\) in ep with "
+        r"Time\(1, TimeUnit.BATCH\) in ba",
+    ):
         op(Time(1, "ep"), Time(1, "ba"))
 
 
@@ -315,38 +331,70 @@ def test_hash_consistent_with_eq():
 # ---------------------------------------------------------------------------------------------------------------
 # time strings
 # ---------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("text,expected", [
-    ("5ep", Time(5, "ep")),
-    ("3e4tok", Time(30000, "tok")),
-    ("4_000tok", Time(4000, "tok")),
-    ("1.5e-1dur", Time(0.15, "dur")),
-    (" 5ep ", Time(5, "ep")),
-    ("\t12ba\n", Time(12, "ba")),
-    ("-3ba", Time(-3, "ba")),
-    ("+2sp", Time(2, "sp")),
-    ("0.5dur", Time(0.5, "dur")),
-    (".5dur", Time(0.5, "dur")),
-    ("1.dur", Time(1.0, "dur")),
-    ("1.0ep", Time(1, "ep")),
-    ("2.5e1sp", Time(25, "sp")),
-    ("1E3ba", Time(1000, "ba")),
-    ("3e+2tok", Time(300, "tok")),
-    ("5EP", Time(5, "ep")),
-    ("1_000.000_1dur", Time(1000.0001, "dur")),
-    ("12345678901234567891tok", Time(12345678901234567891, "tok")),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("5ep", Time(5, "ep")),
+        ("3e4tok", Time(30000, "tok")),
+        ("4_000tok", Time(4000, "tok")),
+        ("1.5e-1dur", Time(0.15, "dur")),
+        (" 5ep ", Time(5, "ep")),
+        ("\t12ba\n", Time(12, "ba")),
+        ("-3ba", Time(-3, "ba")),
+        ("+2sp", Time(2, "sp")),
+        ("0.5dur", Time(0.5, "dur")),
+        (".5dur", Time(0.5, "dur")),
+        ("1.dur", Time(1.0, "dur")),
+        ("1.0ep", Time(1, "ep")),
+        ("2.5e1sp", Time(25, "sp")),
+        ("1E3ba", Time(1000, "ba")),
+        ("3e+2tok", Time(300, "tok")),
+        ("5EP", Time(5, "ep")),
+        ("1_000.000_1dur", Time(1000.0001, "dur")),
+        ("12345678901234567891tok", Time(12345678901234567891, "tok")),
+    ],
+)
 def test_from_timestring(text, expected):
     t = Time.from_timestring(text)
     assert t.unit is expected.unit and t.value == expected.value
     assert type(t.value) is type(expected.value)
 
 
-@pytest.mark.parametrize("bad", ["x", "", "  ", "5", "ep", "5 ep", "5epoch", "5ep5", "1__0ep", "_1ep", "1_ep",
-                                 "5e", "e5ep", "--5ep", "5min", "0x10ep", "nandur", "infdur", "1e5.5ep", "5ep ba",
-                                 "½ep", "٣ep", ".ep", "1._5dur"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "x",
+        "",
+        "  ",
+        "5",
+        "ep",
+        "5 ep",
+        "5epoch",
+        "5ep5",
+        "1__0ep",
+        "_1ep",
+        "1_ep",
+        "5e",
+        "e5ep",
+        "--5ep",
+        "5min",
+        "0x10ep",
+        "nandur",
+        "infdur",
+        "1e5.5ep",
+        "5ep ba",
+        "½ep",
+        "٣ep",
+        ".ep",
+        "1._5dur",
+    ],
+)
 def test_from_timestring_invalid(bad):
-    with pytest.raises(ValueError, match=r"Invalid time string .*expected a number followed by one of "
-                                         r"ep, ba, sp, tok, dur, like '5ep', '3e4tok', '0.5dur', '4_000tok'"):
+    with pytest.raises(
+        ValueError,
+        match=r"Invalid time string .*expected a number followed by one of "
+        r"ep, ba, sp, tok, dur, like '5ep', '3e4tok', '0.5dur', '4_000tok'",
+    ):
         Time.from_timestring(bad)
 
 
@@ -392,8 +440,15 @@ def test_ensure_time_bad_type(bad):
 # ---------------------------------------------------------------------------------------------------------------
 # Timestamp
 # ---------------------------------------------------------------------------------------------------------------
-COUNTER_UNITS = {"epoch": "ep", "batch": "ba", "sample": "sp", "token": "tok",
-                 "batch_in_epoch": "ba", "sample_in_epoch": "sp", "token_in_epoch": "tok"}
+COUNTER_UNITS = {
+    "epoch": "ep",
+    "batch": "ba",
+    "sample": "sp",
+    "token": "tok",
+    "batch_in_epoch": "ba",
+    "sample_in_epoch": "sp",
+    "token_in_epoch": "tok",
+}
 
 
 def test_timestamp_defaults():
@@ -407,8 +462,14 @@ def test_timestamp_defaults():
 
 
 def test_timestamp_accepts_ints_and_matching_times():
-    ts = Timestamp(epoch=Time(1, "ep"), batch=10, sample=Time(640, "sp"), token=3.0, batch_in_epoch=Time(2, "ba"),
-                   total_wct=td(seconds=5))
+    ts = Timestamp(
+        epoch=Time(1, "ep"),
+        batch=10,
+        sample=Time(640, "sp"),
+        token=3.0,
+        batch_in_epoch=Time(2, "ba"),
+        total_wct=td(seconds=5),
+    )
     assert ts.epoch == Time(1, "ep") and ts.batch == Time(10, "ba") and ts.sample == Time(640, "sp")
     assert ts.token == Time(3, "tok") and ts.batch_in_epoch == Time(2, "ba")
     assert ts.total_wct == td(seconds=5)
@@ -487,8 +548,14 @@ def _reference_next_batch(ts, samples, tokens, duration):
 
 
 def _reference_next_epoch(ts):
-    return ts.copy(epoch=ts.epoch + 1, batch_in_epoch=0, sample_in_epoch=0, token_in_epoch=0,
-                   epoch_wct=td(seconds=0), batch_wct=td(seconds=0))
+    return ts.copy(
+        epoch=ts.epoch + 1,
+        batch_in_epoch=0,
+        sample_in_epoch=0,
+        token_in_epoch=0,
+        epoch_wct=td(seconds=0),
+        batch_wct=td(seconds=0),
+    )
 
 
 def _full(ts):
@@ -496,8 +563,18 @@ def _full(ts):
 
 
 def test_to_next_batch():
-    ts = Timestamp(epoch=1, batch=10, sample=640, token=9, batch_in_epoch=3, sample_in_epoch=192,
-                   token_in_epoch=5, total_wct=td(seconds=10), epoch_wct=td(seconds=4), batch_wct=td(seconds=1))
+    ts = Timestamp(
+        epoch=1,
+        batch=10,
+        sample=640,
+        token=9,
+        batch_in_epoch=3,
+        sample_in_epoch=192,
+        token_in_epoch=5,
+        total_wct=td(seconds=10),
+        epoch_wct=td(seconds=4),
+        batch_wct=td(seconds=1),
+    )
     before = _full(ts)
     nxt = ts.to_next_batch(samples=64, tokens=100, duration=td(seconds=2))
     assert _full(ts) == before, "to_next_batch must not mutate"
@@ -527,8 +604,18 @@ def test_to_next_batch_invalid_arguments():
 
 
 def test_to_next_epoch():
-    ts = Timestamp(epoch=1, batch=10, sample=640, token=9, batch_in_epoch=3, sample_in_epoch=192,
-                   token_in_epoch=5, total_wct=td(seconds=10), epoch_wct=td(seconds=4), batch_wct=td(seconds=1))
+    ts = Timestamp(
+        epoch=1,
+        batch=10,
+        sample=640,
+        token=9,
+        batch_in_epoch=3,
+        sample_in_epoch=192,
+        token_in_epoch=5,
+        total_wct=td(seconds=10),
+        epoch_wct=td(seconds=4),
+        batch_wct=td(seconds=1),
+    )
     before = _full(ts)
     nxt = ts.to_next_epoch()
     assert _full(ts) == before
@@ -539,11 +626,30 @@ def test_to_next_epoch():
 
 
 def test_state_dict_is_plain_and_round_trips():
-    ts = Timestamp(epoch=1, batch=10, sample=640, token=9, batch_in_epoch=3, sample_in_epoch=192,
-                   token_in_epoch=5, total_wct=td(seconds=10, microseconds=7), epoch_wct=td(seconds=4))
+    ts = Timestamp(
+        epoch=1,
+        batch=10,
+        sample=640,
+        token=9,
+        batch_in_epoch=3,
+        sample_in_epoch=192,
+        token_in_epoch=5,
+        total_wct=td(seconds=10, microseconds=7),
+        epoch_wct=td(seconds=4),
+    )
     sd = ts.state_dict()
-    assert sd == {"epoch": 1, "batch": 10, "sample": 640, "token": 9, "batch_in_epoch": 3, "sample_in_epoch": 192,
-                  "token_in_epoch": 5, "total_wct": 10.000007, "epoch_wct": 4.0, "batch_wct": 0.0}
+    assert sd == {
+        "epoch": 1,
+        "batch": 10,
+        "sample": 640,
+        "token": 9,
+        "batch_in_epoch": 3,
+        "sample_in_epoch": 192,
+        "token_in_epoch": 5,
+        "total_wct": 10.000007,
+        "epoch_wct": 4.0,
+        "batch_wct": 0.0,
+    }
     assert all(type(v) in (int, float) for v in sd.values())
     restored = Timestamp()
     restored.load_state_dict(json.loads(json.dumps(sd)))
@@ -613,11 +719,20 @@ def test_timestamp_time_comparisons():
 
 
 def test_timestamp_repr_round_trips():
-    ts = Timestamp(epoch=1, batch=10, sample=640, batch_in_epoch=10, sample_in_epoch=640,
-                   total_wct=td(seconds=3, microseconds=5), batch_wct=td(milliseconds=250))
+    ts = Timestamp(
+        epoch=1,
+        batch=10,
+        sample=640,
+        batch_in_epoch=10,
+        sample_in_epoch=640,
+        total_wct=td(seconds=3, microseconds=5),
+        batch_wct=td(milliseconds=250),
+    )
     r = repr(ts)
-    assert r.startswith("Timestamp(epoch=1, batch=10, sample=640, token=0, batch_in_epoch=10, sample_in_epoch=640, "
-                        "token_in_epoch=0, total_wct=datetime.timedelta(")
+    assert r.startswith(
+        "Timestamp(epoch=1, batch=10, sample=640, token=0, batch_in_epoch=10, sample_in_epoch=640, "
+        "token_in_epoch=0, total_wct=datetime.timedelta("
+    )
     back = eval(r, EVAL_NS)
     assert back.state_dict() == ts.state_dict()
 
@@ -716,8 +831,10 @@ def test_prop_scaling_int_units(unit, a, k):
     assert Time(a, unit) * k == t
 
 
-@given(st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 10**9), st.integers(0, 10**7)), max_size=50),
-       st.integers(0, 10**6))
+@given(
+    st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 10**9), st.integers(0, 10**7)), max_size=50),
+    st.integers(0, 10**6),
+)
 def test_prop_to_next_batch_accumulates(steps, start_batch):
     ts = Timestamp(batch=start_batch)
     for samples, tokens, micros in steps:
@@ -840,8 +957,10 @@ def test_prop_garbage_strings_only_raise_value_or_type_error(s):
     assert Time.from_timestring(t.to_timestring()) == t
 
 
-@given(st.one_of(st.none(), st.booleans(), st.binary(), st.lists(st.integers()), st.text(), finite_floats, big_ints),
-       st.sampled_from(ALL_UNITS))
+@given(
+    st.one_of(st.none(), st.booleans(), st.binary(), st.lists(st.integers()), st.text(), finite_floats, big_ints),
+    st.sampled_from(ALL_UNITS),
+)
 def test_prop_ensure_time_only_raises_documented_errors(x, unit):
     try:
         t = ensure_time(x, unit)

@@ -1,4 +1,5 @@
 """Trainer arguments: every max_duration unit, and the errors for arguments that cannot work."""
+
 from __future__ import annotations
 
 import pytest
@@ -52,8 +53,8 @@ def test_max_duration_batches(max_duration, steps, epoch):
 @pytest.mark.parametrize(
     "max_duration, steps, samples",
     [
-        ("20sp", 3, 24),   # 8, 16, 24: the first batch where samples >= 20
-        ("24sp", 3, 24),   # exactly reached
+        ("20sp", 3, 24),  # 8, 16, 24: the first batch where samples >= 20
+        ("24sp", 3, 24),  # exactly reached
         ("25sp", 4, 32),
         ("1sp", 1, 8),
     ],
@@ -191,8 +192,13 @@ def test_eval_interval_in_tokens_with_a_counter():
             evals.append(int(state.timestamp.token))
 
     # cumulative tokens 5, 14, 16, 23, 28, 37, 39, 46: multiples of 10 crossed at 14, 23, 37, 46(end)
-    trainer(token_spec(), max_duration="2ep", eval_dataloader=DataLoader(pairs(8), batch_size=8),
-            eval_interval="10tok", callbacks=[Count()]).fit()
+    trainer(
+        token_spec(),
+        max_duration="2ep",
+        eval_dataloader=DataLoader(pairs(8), batch_size=8),
+        eval_interval="10tok",
+        callbacks=[Count()],
+    ).fit()
     assert evals == [14, 23, 37, 46]
 
 
@@ -203,8 +209,12 @@ def test_eval_interval_callable():
         def eval_end(self, state, logger):
             evals.append((state.step, state.epoch))
 
-    trainer(max_duration="2ep", eval_dataloader=DataLoader(pairs(8), batch_size=8), callbacks=[Count()],
-            eval_interval=lambda state, event: event == Event.BATCH_END and state.step == 3).fit()
+    trainer(
+        max_duration="2ep",
+        eval_dataloader=DataLoader(pairs(8), batch_size=8),
+        callbacks=[Count()],
+        eval_interval=lambda state, event: event == Event.BATCH_END and state.step == 3,
+    ).fit()
     assert evals == [(3, 0)]
 
 

@@ -18,10 +18,11 @@ with the stop rules of ``max_duration``: training stops right after the batch th
 (no further BEFORE_DATALOADER), and EPOCH_END fires only when the data ran out or the epoch's
 known length was reached.
 """
+
 from __future__ import annotations
 
 from collections import Counter as Count
-from typing import Iterable, List, Optional, Set
+from typing import Iterable, List, Optional
 
 import pytest
 import torch
@@ -98,18 +99,46 @@ def expected_events(
 def test_expected_events_generator_itself():
     # One epoch of two batches, written out by hand from the pseudocode.
     assert expected_events(batches_per_epoch=2, max_epochs=1) == [
-        E.INIT, E.AFTER_LOAD, E.FIT_START, E.EPOCH_START,
-        E.BEFORE_DATALOADER, E.AFTER_DATALOADER, E.BATCH_START, E.BEFORE_TRAIN_BATCH, *MICROBATCH,
-        E.AFTER_TRAIN_BATCH, E.BATCH_END, E.BATCH_CHECKPOINT,
-        E.BEFORE_DATALOADER, E.AFTER_DATALOADER, E.BATCH_START, E.BEFORE_TRAIN_BATCH, *MICROBATCH,
-        E.AFTER_TRAIN_BATCH, E.BATCH_END, E.BATCH_CHECKPOINT,
-        E.BEFORE_DATALOADER, E.EPOCH_END, E.EPOCH_CHECKPOINT, E.FIT_END,
+        E.INIT,
+        E.AFTER_LOAD,
+        E.FIT_START,
+        E.EPOCH_START,
+        E.BEFORE_DATALOADER,
+        E.AFTER_DATALOADER,
+        E.BATCH_START,
+        E.BEFORE_TRAIN_BATCH,
+        *MICROBATCH,
+        E.AFTER_TRAIN_BATCH,
+        E.BATCH_END,
+        E.BATCH_CHECKPOINT,
+        E.BEFORE_DATALOADER,
+        E.AFTER_DATALOADER,
+        E.BATCH_START,
+        E.BEFORE_TRAIN_BATCH,
+        *MICROBATCH,
+        E.AFTER_TRAIN_BATCH,
+        E.BATCH_END,
+        E.BATCH_CHECKPOINT,
+        E.BEFORE_DATALOADER,
+        E.EPOCH_END,
+        E.EPOCH_CHECKPOINT,
+        E.FIT_END,
     ]
     # Stopping on the first batch: no EPOCH_END, no second BEFORE_DATALOADER.
     assert expected_events(batches_per_epoch=2, stop_after_batch=1) == [
-        E.INIT, E.AFTER_LOAD, E.FIT_START, E.EPOCH_START,
-        E.BEFORE_DATALOADER, E.AFTER_DATALOADER, E.BATCH_START, E.BEFORE_TRAIN_BATCH, *MICROBATCH,
-        E.AFTER_TRAIN_BATCH, E.BATCH_END, E.BATCH_CHECKPOINT, E.FIT_END,
+        E.INIT,
+        E.AFTER_LOAD,
+        E.FIT_START,
+        E.EPOCH_START,
+        E.BEFORE_DATALOADER,
+        E.AFTER_DATALOADER,
+        E.BATCH_START,
+        E.BEFORE_TRAIN_BATCH,
+        *MICROBATCH,
+        E.AFTER_TRAIN_BATCH,
+        E.BATCH_END,
+        E.BATCH_CHECKPOINT,
+        E.FIT_END,
     ]
 
 
@@ -146,8 +175,14 @@ def run(loader, *, eval_dataloader=None, **kwargs):
     torch.manual_seed(0)
     model = ClassifierModel(torch.nn.Linear(4, 2), num_classes=2)
     rec = RecordAll()
-    trainer = Trainer(model=model, train_dataloader=loader, optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
-                      callbacks=[rec], eval_dataloader=eval_dataloader, **kwargs)
+    trainer = Trainer(
+        model=model,
+        train_dataloader=loader,
+        optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+        callbacks=[rec],
+        eval_dataloader=eval_dataloader,
+        **kwargs,
+    )
     state = trainer.fit()
     return rec, state
 
@@ -158,7 +193,7 @@ def assert_sequence(actual, expected):
         lo = max(0, first - 3)
         pytest.fail(
             f"event sequences differ at index {first} (len {len(actual)} vs expected {len(expected)}):\n"
-            f"  actual:   {[e.name for e in actual[lo:first + 4]]}\n  expected: {[e.name for e in expected[lo:first + 4]]}"
+            f"  actual:   {[e.name for e in actual[lo : first + 4]]}\n  expected: {[e.name for e in expected[lo : first + 4]]}"
         )
 
 
@@ -251,8 +286,13 @@ def test_events_see_consistent_state():
 
     torch.manual_seed(0)
     model = ClassifierModel(torch.nn.Linear(4, 2), num_classes=2)
-    Trainer(model=model, train_dataloader=DataLoader(pairs(16, 8), batch_size=8), max_duration="1ep",
-            optimizers=torch.optim.SGD(model.parameters(), lr=0.1), callbacks=[Check()]).fit()
+    Trainer(
+        model=model,
+        train_dataloader=DataLoader(pairs(16, 8), batch_size=8),
+        max_duration="1ep",
+        optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+        callbacks=[Check()],
+    ).fit()
     assert seen == [("start", 0, 0), ("end", 1, 1), ("start", 1, 1), ("end", 2, 2), ("epoch_end", 1, 0)]
 
 
@@ -263,47 +303,61 @@ EVAL = DataLoader(pairs(12, 4, seed=1), batch_size=4)  # 3 eval batches
 
 
 def test_eval_every_epoch():
-    rec, state = run(DataLoader(pairs(24, 8), batch_size=8), max_duration="3ep", eval_dataloader=EVAL,
-                     eval_interval="1ep")
-    assert_sequence(rec.events, expected_events(batches_per_epoch=3, max_epochs=3, eval_after_epochs={1, 2, 3},
-                                                num_eval_batches=3))
+    rec, state = run(
+        DataLoader(pairs(24, 8), batch_size=8), max_duration="3ep", eval_dataloader=EVAL, eval_interval="1ep"
+    )
+    assert_sequence(
+        rec.events, expected_events(batches_per_epoch=3, max_epochs=3, eval_after_epochs={1, 2, 3}, num_eval_batches=3)
+    )
     assert set(state.eval_metrics["eval"]) == {"accuracy", "cross_entropy"}
 
 
 def test_eval_every_two_batches_and_at_the_end():
-    rec, _ = run(DataLoader(pairs(32, 8), batch_size=8), max_duration="5ba", eval_dataloader=EVAL,
-                 eval_interval="2ba")
-    expected = expected_events(batches_per_epoch=4, stop_after_batch=5, eval_after_batches={2, 4, 5},
-                               num_eval_batches=3)
+    rec, _ = run(DataLoader(pairs(32, 8), batch_size=8), max_duration="5ba", eval_dataloader=EVAL, eval_interval="2ba")
+    expected = expected_events(
+        batches_per_epoch=4, stop_after_batch=5, eval_after_batches={2, 4, 5}, num_eval_batches=3
+    )
     assert_sequence(rec.events, expected)
 
 
 def test_eval_at_half_duration_in_epochs():
-    rec, _ = run(DataLoader(pairs(16, 8), batch_size=8), max_duration="4ep", eval_dataloader=EVAL,
-                 eval_interval="0.5dur")
-    assert_sequence(rec.events, expected_events(batches_per_epoch=2, max_epochs=4, eval_after_epochs={2, 4},
-                                                num_eval_batches=3))
+    rec, _ = run(
+        DataLoader(pairs(16, 8), batch_size=8), max_duration="4ep", eval_dataloader=EVAL, eval_interval="0.5dur"
+    )
+    assert_sequence(
+        rec.events, expected_events(batches_per_epoch=2, max_epochs=4, eval_after_epochs={2, 4}, num_eval_batches=3)
+    )
 
 
 def test_eval_at_half_duration_in_batches():
-    rec, _ = run(DataLoader(pairs(32, 8), batch_size=8), max_duration="6ba", eval_dataloader=EVAL,
-                 eval_interval="0.5dur")
-    assert_sequence(rec.events, expected_events(batches_per_epoch=4, stop_after_batch=6,
-                                                eval_after_batches={3, 6}, num_eval_batches=3))
+    rec, _ = run(
+        DataLoader(pairs(32, 8), batch_size=8), max_duration="6ba", eval_dataloader=EVAL, eval_interval="0.5dur"
+    )
+    assert_sequence(
+        rec.events,
+        expected_events(batches_per_epoch=4, stop_after_batch=6, eval_after_batches={3, 6}, num_eval_batches=3),
+    )
 
 
 def test_eval_every_64_samples():
     # 24-sample batches: 24, 48, 72 (crosses 64), 96, 120, 144 (crosses 128), 168, 192 (crosses 192)
-    rec, _ = run(DataLoader(pairs(96, 24), batch_size=24), max_duration="2ep", eval_dataloader=EVAL,
-                 eval_interval="64sp")
-    assert_sequence(rec.events, expected_events(batches_per_epoch=4, max_epochs=2, eval_after_batches={3, 6, 8},
-                                                num_eval_batches=3))
+    rec, _ = run(
+        DataLoader(pairs(96, 24), batch_size=24), max_duration="2ep", eval_dataloader=EVAL, eval_interval="64sp"
+    )
+    assert_sequence(
+        rec.events, expected_events(batches_per_epoch=4, max_epochs=2, eval_after_batches={3, 6, 8}, num_eval_batches=3)
+    )
 
 
 def test_eval_with_two_evaluators_and_grad_accum():
     evals = {"a": EVAL, "b": DataLoader(pairs(8, 4, seed=2), batch_size=8)}  # b has 1 batch
-    rec, state = run(DataLoader(pairs(16, 8), batch_size=8), max_duration="2ep", eval_dataloader=evals,
-                     eval_interval="1ep", grad_accum=2)
+    rec, state = run(
+        DataLoader(pairs(16, 8), batch_size=8),
+        max_duration="2ep",
+        eval_dataloader=evals,
+        eval_interval="1ep",
+        grad_accum=2,
+    )
     one_eval = eval_block(3) + eval_block(1)
     expected = expected_events(batches_per_epoch=2, max_epochs=2, grad_accum=2)
     # insert one_eval after each EPOCH_END
@@ -328,9 +382,15 @@ def test_eval_restores_training_mode_and_batch():
 
     torch.manual_seed(0)
     model = ClassifierModel(torch.nn.Linear(4, 2), num_classes=2)
-    Trainer(model=model, train_dataloader=DataLoader(pairs(8, 8), batch_size=8), max_duration="1ba",
-            optimizers=torch.optim.SGD(model.parameters(), lr=0.1), callbacks=[Check()],
-            eval_dataloader=DataLoader(pairs(4, 4), batch_size=4), eval_interval="1ba").fit()
+    Trainer(
+        model=model,
+        train_dataloader=DataLoader(pairs(8, 8), batch_size=8),
+        max_duration="1ba",
+        optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+        callbacks=[Check()],
+        eval_dataloader=DataLoader(pairs(4, 4), batch_size=4),
+        eval_interval="1ba",
+    ).fit()
     assert seen == [("eval", False, False), ("train", True, 8)]
 
 
@@ -347,8 +407,13 @@ def test_stop_training_at_batch_k(k):
     torch.manual_seed(0)
     model = ClassifierModel(torch.nn.Linear(4, 2), num_classes=2)
     rec = RecordAll()
-    state = Trainer(model=model, train_dataloader=DataLoader(pairs(32, 8), batch_size=8), max_duration="10ep",
-                    optimizers=torch.optim.SGD(model.parameters(), lr=0.1), callbacks=[StopAt(), rec]).fit()
+    state = Trainer(
+        model=model,
+        train_dataloader=DataLoader(pairs(32, 8), batch_size=8),
+        max_duration="10ep",
+        optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+        callbacks=[StopAt(), rec],
+    ).fit()
     assert_sequence(rec.events, expected_events(batches_per_epoch=4, stop_after_batch=k))
     assert rec.events[-2:] == [E.BATCH_CHECKPOINT, E.FIT_END] or rec.events[-2:] == [E.EPOCH_CHECKPOINT, E.FIT_END]
     assert state.step == k and state.stop_reason == "test"
@@ -364,8 +429,13 @@ def test_stop_training_before_fit_start_trains_nothing():
     torch.manual_seed(0)
     model = ClassifierModel(torch.nn.Linear(4, 2), num_classes=2)
     rec = RecordAll()
-    state = Trainer(model=model, train_dataloader=DataLoader(pairs(16, 8), batch_size=8), max_duration="2ep",
-                    optimizers=torch.optim.SGD(model.parameters(), lr=0.1), callbacks=[StopNow(), rec]).fit()
+    state = Trainer(
+        model=model,
+        train_dataloader=DataLoader(pairs(16, 8), batch_size=8),
+        max_duration="2ep",
+        optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+        callbacks=[StopNow(), rec],
+    ).fit()
     assert rec.events == [E.INIT, E.AFTER_LOAD, E.FIT_START, E.FIT_END] and state.step == 0
 
 

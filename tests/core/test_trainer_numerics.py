@@ -1,4 +1,5 @@
 """What the Trainer computes: gradient accumulation, mixed precision, learning, no host reads."""
+
 from __future__ import annotations
 
 import math
@@ -24,13 +25,14 @@ def _accum_run(grad_accum, *, as_dict, batch_size, n=40, steps="2ep"):
     x = torch.randn(n, 6, generator=g, dtype=torch.float64)
     y = torch.randint(0, 3, (n,), generator=g)
     if as_dict:
-        loader = [{"x": x[i:i + batch_size], "y": y[i:i + batch_size]} for i in range(0, n, batch_size)]
+        loader = [{"x": x[i : i + batch_size], "y": y[i : i + batch_size]} for i in range(0, n, batch_size)]
     else:
         loader = DataLoader(TensorDataset(x, y), batch_size=batch_size)
     model = ClassifierModel(mlp().double(), num_classes=3)
     opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9, weight_decay=1e-3)
-    state = Trainer(model=model, train_dataloader=loader, max_duration=steps, optimizers=opt,
-                    grad_accum=grad_accum).fit()
+    state = Trainer(
+        model=model, train_dataloader=loader, max_duration=steps, optimizers=opt, grad_accum=grad_accum
+    ).fit()
     return [p.detach().clone() for p in model.parameters()], state
 
 
@@ -61,8 +63,14 @@ def test_microbatches_seen_by_events():
 
     x, y = torch.randn(10, 6), torch.randint(0, 3, (10,))
     model = ClassifierModel(mlp(), num_classes=3)
-    Trainer(model=model, train_dataloader=DataLoader(TensorDataset(x, y), batch_size=10), max_duration="1ba",
-            optimizers=torch.optim.SGD(model.parameters(), lr=0.1), grad_accum=4, callbacks=[Shapes()]).fit()
+    Trainer(
+        model=model,
+        train_dataloader=DataLoader(TensorDataset(x, y), batch_size=10),
+        max_duration="1ba",
+        optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+        grad_accum=4,
+        callbacks=[Shapes()],
+    ).fit()
     assert shapes == [(3, 6), (3, 6), (2, 6), (2, 6), ("full", (10, 6))]
 
 
@@ -86,8 +94,14 @@ def _precision_run(precision):
     model = ClassifierModel(mlp(), num_classes=3)
     before = [p.detach().clone() for p in model.parameters()]
     cb = Dtypes()
-    trainer = Trainer(model=model, train_dataloader=DataLoader(TensorDataset(x, y), batch_size=16), max_duration="2ep",
-                      optimizers=torch.optim.SGD(model.parameters(), lr=0.1), precision=precision, callbacks=[cb])
+    trainer = Trainer(
+        model=model,
+        train_dataloader=DataLoader(TensorDataset(x, y), batch_size=16),
+        max_duration="2ep",
+        optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+        precision=precision,
+        callbacks=[cb],
+    )
     state = trainer.fit()
     changed = any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
     return state, cb, changed
@@ -141,8 +155,15 @@ def test_small_model_learns_ten_classes():
     model = ClassifierModel(net, num_classes=10)
     train = DataLoader(blobs(1024), batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(0))
     evals = DataLoader(blobs(512, seed=1), batch_size=256)
-    trainer = Trainer(model=model, train_dataloader=train, eval_dataloader=evals, max_duration="3ep",
-                      optimizers=torch.optim.Adam(model.parameters(), lr=1e-2), callbacks=[Losses()], seed=0)
+    trainer = Trainer(
+        model=model,
+        train_dataloader=train,
+        eval_dataloader=evals,
+        max_duration="3ep",
+        optimizers=torch.optim.Adam(model.parameters(), lr=1e-2),
+        callbacks=[Losses()],
+        seed=0,
+    )
     trainer.fit()
     assert len(losses) == 48
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
@@ -176,10 +197,15 @@ def test_no_host_reads_per_step(monkeypatch, grad_accum):
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(64, 6, generator=g), torch.randint(0, 3, (64,), generator=g)
     # A list of batches, not a DataLoader: each DataLoader iterator draws its base seed with .item().
-    batches = [(x[i:i + 16], y[i:i + 16]) for i in range(0, 64, 16)]
+    batches = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 64, 16)]
     model = ClassifierModel(mlp(), num_classes=3)
-    trainer = Trainer(model=model, train_dataloader=batches, max_duration="2ep",
-                      optimizers=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), grad_accum=grad_accum)
+    trainer = Trainer(
+        model=model,
+        train_dataloader=batches,
+        max_duration="2ep",
+        optimizers=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        grad_accum=grad_accum,
+    )
 
     # Control: the counter does see reads (so a zero below means something).
     calls = _count_readbacks(monkeypatch)
@@ -205,8 +231,13 @@ def test_state_loss_is_detached_at_every_batch_end():
 
     model = ClassifierModel(mlp(), num_classes=3)
     x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
-    Trainer(model=model, train_dataloader=DataLoader(TensorDataset(x, y), batch_size=8), max_duration="1ep",
-            optimizers=torch.optim.SGD(model.parameters(), lr=0.1), callbacks=[Check()]).fit()
+    Trainer(
+        model=model,
+        train_dataloader=DataLoader(TensorDataset(x, y), batch_size=8),
+        max_duration="1ep",
+        optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+        callbacks=[Check()],
+    ).fit()
     # algorithms may change the loss at AFTER_LOSS (so it still has its graph); afterwards it is detached
     assert seen == [("after_loss", True), ("batch_end", False)] * 2
 
@@ -219,8 +250,12 @@ def test_dict_loss_is_summed():
 
     model = TwoLosses(mlp(), num_classes=3)
     x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
-    state = Trainer(model=model, train_dataloader=DataLoader(TensorDataset(x, y), batch_size=8), max_duration="1ep",
-                    optimizers=torch.optim.SGD(model.parameters(), lr=0.1)).fit()
+    state = Trainer(
+        model=model,
+        train_dataloader=DataLoader(TensorDataset(x, y), batch_size=8),
+        max_duration="1ep",
+        optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+    ).fit()
     assert isinstance(state.loss, torch.Tensor) and math.isfinite(float(state.loss))
 
 
@@ -229,8 +264,13 @@ def test_seed_makes_runs_repeatable():
         model = ClassifierModel(mlp(seed=3), num_classes=3)
         x, y = torch.randn(32, 6, generator=torch.Generator().manual_seed(0)), torch.arange(32) % 3
         loader = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True)
-        Trainer(model=model, train_dataloader=loader, max_duration="2ep", seed=7,
-                optimizers=torch.optim.SGD(model.parameters(), lr=0.1)).fit()
+        Trainer(
+            model=model,
+            train_dataloader=loader,
+            max_duration="2ep",
+            seed=7,
+            optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+        ).fit()
         return [p.detach().clone() for p in model.parameters()]
 
     for a, b in zip(once(), once()):
@@ -243,6 +283,7 @@ def test_no_token_counter_means_zero_tokens():
     spec = DataSpec(batches)
     assert not spec.counts_tokens and spec.num_tokens_in_batch(batches[0]) == 0
     model = ClassifierModel(mlp(), num_classes=3)
-    state = Trainer(model=model, train_dataloader=spec, max_duration="1ep",
-                    optimizers=torch.optim.SGD(model.parameters(), lr=0.1)).fit()
+    state = Trainer(
+        model=model, train_dataloader=spec, max_duration="1ep", optimizers=torch.optim.SGD(model.parameters(), lr=0.1)
+    ).fit()
     assert state.step == 2 and int(state.timestamp.sample) == 8

@@ -6,6 +6,7 @@
   Ray on the machine, the test session's own included);
 * ``examples/train_tokens.py`` locally (no Ray), whose duration is counted in tokens.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,7 +36,13 @@ def _env(**extra):
 
 
 def _args(storage, run_name):
-    return [f"max_duration={EPOCHS}ep", f"num_workers={WORKERS}", f"storage={storage}", f"run_name={run_name}", "progress_bar=false"]
+    return [
+        f"max_duration={EPOCHS}ep",
+        f"num_workers={WORKERS}",
+        f"storage={storage}",
+        f"run_name={run_name}",
+        "progress_bar=false",
+    ]
 
 
 def check_summary(summary_path, run_dir):
@@ -68,7 +75,11 @@ def test_train_example_with_embedded_ray(tmp_path):
     # RAY_ADDRESS=local: a fresh embedded Ray even if a `ray start` cluster runs on this machine.
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "examples", "train.py"), *_args(storage, "local-run")],
-        capture_output=True, text=True, timeout=400, cwd=str(tmp_path), env=_env(RAY_ADDRESS="local"),
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=str(tmp_path),
+        env=_env(RAY_ADDRESS="local"),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     run_dir = os.path.join(storage, "local-run")
@@ -184,21 +195,38 @@ def head_node(tmp_path):
     env = _env(RAY_AUTH_MODE="disabled")
     log = open(tmp_path / "ray-start.log", "w")
     head = subprocess.Popen(
-        _ray_cli() + [
-            "start", "--head", "--block", f"--port={gcs}", f"--dashboard-port={dashboard}", "--num-cpus=4",
-            "--include-dashboard=true", "--dashboard-host=127.0.0.1", "--node-ip-address=127.0.0.1",
-            f"--temp-dir={temp_dir}", f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}",
-            f"--dashboard-agent-grpc-port={agent_grpc}", f"--runtime-env-agent-port={env_agent}",
-            f"--metrics-export-port={metrics}", "--disable-usage-stats",
+        _ray_cli()
+        + [
+            "start",
+            "--head",
+            "--block",
+            f"--port={gcs}",
+            f"--dashboard-port={dashboard}",
+            "--num-cpus=4",
+            "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1",
+            "--node-ip-address=127.0.0.1",
+            f"--temp-dir={temp_dir}",
+            f"--ray-client-server-port={client}",
+            f"--dashboard-agent-listen-port={agent}",
+            f"--dashboard-agent-grpc-port={agent_grpc}",
+            f"--runtime-env-agent-port={env_agent}",
+            f"--metrics-export-port={metrics}",
+            "--disable-usage-stats",
         ],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     url = f"http://127.0.0.1:{dashboard}"
     try:
         deadline = time.time() + 180
         while True:
             if head.poll() is not None:
-                pytest.fail(f"ray start exited with {head.returncode}:\n{(tmp_path / 'ray-start.log').read_text()[-3000:]}")
+                pytest.fail(
+                    f"ray start exited with {head.returncode}:\n{(tmp_path / 'ray-start.log').read_text()[-3000:]}"
+                )
             try:
                 with urllib.request.urlopen(f"{url}/api/version", timeout=5) as response:
                     if response.status == 200:
@@ -206,7 +234,9 @@ def head_node(tmp_path):
             except OSError:
                 pass
             if time.time() > deadline:
-                pytest.fail(f"the dashboard at {url} did not come up:\n{(tmp_path / 'ray-start.log').read_text()[-3000:]}")
+                pytest.fail(
+                    f"the dashboard at {url} did not come up:\n{(tmp_path / 'ray-start.log').read_text()[-3000:]}"
+                )
             time.sleep(1)
         yield {"address": url, "env": env, "temp_dir": temp_dir}
     finally:
@@ -226,13 +256,28 @@ def head_node(tmp_path):
 @pytest.mark.ray
 def test_train_example_with_ray_job_submit(head_node, tmp_path):
     storage = str(tmp_path / "job-runs")
-    runtime_env = {"working_dir": REPO, "excludes": [".git", "runs", ".hypothesis", ".pytest_cache", "*.egg-info", ".benchmarks"]}
+    runtime_env = {
+        "working_dir": REPO,
+        "excludes": [".git", "runs", ".hypothesis", ".pytest_cache", "*.egg-info", ".benchmarks"],
+    }
     proc = subprocess.run(
-        _ray_cli() + [
-            "job", "submit", "--address", head_node["address"], "--runtime-env-json", json.dumps(runtime_env),
-            "--", "python", "examples/train.py", *_args(storage, "job-run"),
+        _ray_cli()
+        + [
+            "job",
+            "submit",
+            "--address",
+            head_node["address"],
+            "--runtime-env-json",
+            json.dumps(runtime_env),
+            "--",
+            "python",
+            "examples/train.py",
+            *_args(storage, "job-run"),
         ],
-        capture_output=True, text=True, timeout=400, env=head_node["env"],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=head_node["env"],
     )
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
     assert "succeeded" in proc.stdout
@@ -247,9 +292,20 @@ def test_train_example_with_ray_job_submit(head_node, tmp_path):
 # ------------------------------------------------------------------------- train_tokens
 def test_train_tokens_example_locally(tmp_path):
     proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "examples", "train_tokens.py"), "max_duration=3e4tok", "log_every=1e4tok",
-         "warmup=2e3tok", "threads=1", "files=[random.py, textwrap.py]"],
-        capture_output=True, text=True, timeout=300, cwd=str(tmp_path), env=_env(),
+        [
+            sys.executable,
+            os.path.join(REPO, "examples", "train_tokens.py"),
+            "max_duration=3e4tok",
+            "log_every=1e4tok",
+            "warmup=2e3tok",
+            "threads=1",
+            "files=[random.py, textwrap.py]",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=str(tmp_path),
+        env=_env(),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("tok ")]

@@ -1,4 +1,5 @@
 """Tiny models, data and recorders shared by the library tests (imported as a plain module)."""
+
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional
@@ -16,7 +17,10 @@ def classifier(in_dim: int = 4, num_classes: int = 3, hidden: Optional[int] = No
         net = torch.nn.Linear(in_dim, num_classes)
     else:
         net = torch.nn.Sequential(
-            torch.nn.Linear(in_dim, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
+            torch.nn.Linear(in_dim, hidden),
+            torch.nn.ReLU(),
+            torch.nn.Linear(hidden, hidden),
+            torch.nn.ReLU(),
             torch.nn.Linear(hidden, num_classes),
         )
     return ClassifierModel(net, num_classes=num_classes)
@@ -24,8 +28,11 @@ def classifier(in_dim: int = 4, num_classes: int = 3, hidden: Optional[int] = No
 
 def image_classifier(channels: int = 3, num_classes: int = 3) -> ClassifierModel:
     net = torch.nn.Sequential(
-        torch.nn.Conv2d(channels, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
-        torch.nn.Flatten(), torch.nn.Linear(4, num_classes),
+        torch.nn.Conv2d(channels, 4, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(4, num_classes),
     )
     return ClassifierModel(net, num_classes=num_classes)
 
@@ -110,7 +117,9 @@ class TinyLM(torch.nn.Module):
         return F.cross_entropy(outputs.flatten(0, 1), batch["labels"].flatten())
 
 
-def token_batches(num_batches: int = 8, batch_size: int = 4, seq_len: int = 64, vocab: int = 16, seed: int = 0) -> List[dict]:
+def token_batches(
+    num_batches: int = 8, batch_size: int = 4, seq_len: int = 64, vocab: int = 16, seed: int = 0
+) -> List[dict]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(num_batches):

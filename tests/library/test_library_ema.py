@@ -1,10 +1,11 @@
 """EMA: shadow weights follow the closed form; eval sees them; training weights come back after eval."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
 from library_helpers import Record, trainer
+
 from raytrain_events import Event
 from raytrain_events.algorithms import EMA
 
@@ -41,14 +42,24 @@ def test_ema_matches_closed_form_and_eval_uses_it():
     algo = EMA(half_life="2ba")
     smoothing = 0.5 ** (1 / 2)
     assert algo.smoothing == pytest.approx(smoothing)
-    rec = Record({
-        Event.BATCH_END: lambda s: (s.step, algo.ema_model_state()["w"].item(), s.model.w.item()),
-        Event.EVAL_BEFORE_FORWARD: lambda s: (s.step, s.model.w.item()),
-        Event.BATCH_CHECKPOINT: lambda s: (s.step, s.model.w.item()),
-    })
+    rec = Record(
+        {
+            Event.BATCH_END: lambda s: (s.step, algo.ema_model_state()["w"].item(), s.model.w.item()),
+            Event.EVAL_BEFORE_FORWARD: lambda s: (s.step, s.model.w.item()),
+            Event.BATCH_CHECKPOINT: lambda s: (s.step, s.model.w.item()),
+        }
+    )
     model = OneWeight(w0)
-    trainer(model, lr=lr, train_dataloader=_ones_loader(6), eval_dataloader=[(torch.ones(2), torch.zeros(2))],
-            eval_interval="2ba", max_duration="6ba", algorithms=[algo], callbacks=[rec]).fit()
+    trainer(
+        model,
+        lr=lr,
+        train_dataloader=_ones_loader(6),
+        eval_dataloader=[(torch.ones(2), torch.zeros(2))],
+        eval_interval="2ba",
+        max_duration="6ba",
+        algorithms=[algo],
+        callbacks=[rec],
+    ).fit()
     expected = _closed_form(w0, lr, smoothing, 6)
     for (step, ema, w), want in zip(rec.values[Event.BATCH_END], expected):
         assert ema == pytest.approx(want, abs=1e-6)

@@ -1,10 +1,11 @@
 """GradientClipping: the gradients the optimizer steps with are clipped exactly as specified."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
 from library_helpers import Record, RecordAlgorithm, classifier, trainer
+
 from raytrain_events import Event
 from raytrain_events.algorithms import GradientClipping
 

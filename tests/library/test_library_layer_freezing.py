@@ -1,10 +1,11 @@
 """LayerFreezing: frozen layers receive no update (not even momentum or weight decay)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
 from library_helpers import Record, classifier, trainer
+
 from raytrain_events import Event
 from raytrain_events.algorithms import LayerFreezing
 from raytrain_events.algorithms.layer_freezing import freeze_schedule

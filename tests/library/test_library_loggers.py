@@ -1,4 +1,5 @@
 """FileLogger, TensorBoardLogger, MLFlowLogger and WandBLogger."""
+
 from __future__ import annotations
 
 import json
@@ -9,8 +10,8 @@ import types
 
 import pytest
 import torch
-
 from library_helpers import loader, trainer
+
 from raytrain_events import Logger, LoggerDestination
 from raytrain_events.callbacks import LRMonitor
 from raytrain_events.loggers import FileLogger, MLFlowLogger, TensorBoardLogger, WandBLogger
@@ -24,8 +25,13 @@ def test_all_subclass_logger_destination():
 def test_file_logger_writes_parseable_json_lines(tmp_path):
     path = tmp_path / "sub" / "metrics.jsonl"
     file_logger = pickle.loads(pickle.dumps(FileLogger(str(path))))  # picklable before use
-    t = trainer(max_duration="3ba", callbacks=[LRMonitor()], loggers=[file_logger],
-                eval_dataloader=loader(n=8), eval_interval="3ba")
+    t = trainer(
+        max_duration="3ba",
+        callbacks=[LRMonitor()],
+        loggers=[file_logger],
+        eval_dataloader=loader(n=8),
+        eval_interval="3ba",
+    )
     t.logger.log_hyperparameters({"lr": 0.1, "model": {"hidden": 8}})
     t.fit()
     records = [json.loads(line) for line in path.read_text().splitlines()]
@@ -49,9 +55,9 @@ def _read_tfevents(path):
     data = path.read_bytes()
     offset = 0
     while offset < len(data):
-        (length,) = struct.unpack("<Q", data[offset:offset + 8])
+        (length,) = struct.unpack("<Q", data[offset : offset + 8])
         offset += 12  # length + its crc
-        yield event_pb2.Event.FromString(data[offset:offset + length])
+        yield event_pb2.Event.FromString(data[offset : offset + length])
         offset += length + 4  # payload + its crc
 
 
@@ -65,11 +71,14 @@ def test_tensorboard_logger_writes_an_event_file(tmp_path):
     assert all(v == pytest.approx(0.1) for _, _, v in scalars)
 
 
-@pytest.mark.parametrize("module, cls, hint", [
-    ("tensorboardX", TensorBoardLogger, "pip install tensorboardX"),
-    ("mlflow", MLFlowLogger, "raytrain_events[mlflow]"),
-    ("wandb", WandBLogger, "raytrain_events[wandb]"),
-])
+@pytest.mark.parametrize(
+    "module, cls, hint",
+    [
+        ("tensorboardX", TensorBoardLogger, "pip install tensorboardX"),
+        ("mlflow", MLFlowLogger, "raytrain_events[mlflow]"),
+        ("wandb", WandBLogger, "raytrain_events[wandb]"),
+    ],
+)
 def test_missing_package_error_names_the_install(monkeypatch, module, cls, hint):
     monkeypatch.setitem(sys.modules, module, None)  # makes `import module` raise ImportError
     with pytest.raises(ImportError, match=hint.replace("[", r"\[").replace("]", r"\]")):
@@ -94,8 +103,14 @@ def test_mlflow_logger_forwards_to_mlflow(monkeypatch):
     logger.log_hyperparameters({"opt": {"lr": 0.1}})
     logger.log_metrics({"loss": torch.tensor(2.0), "name": "skip-me"}, step=4)
     logger.close()
-    assert calls == [("uri", "file:/tmp/x"), ("experiment", "exp"), ("start", "r"), ("params", {"opt.lr": "0.1"}),
-                     ("metrics", {"loss": 2.0}, 4), ("end",)]
+    assert calls == [
+        ("uri", "file:/tmp/x"),
+        ("experiment", "exp"),
+        ("start", "r"),
+        ("params", {"opt.lr": "0.1"}),
+        ("metrics", {"loss": 2.0}, 4),
+        ("end",),
+    ]
 
 
 def test_wandb_logger_forwards_to_wandb(monkeypatch):

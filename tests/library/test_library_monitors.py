@@ -1,15 +1,22 @@
 """SpeedMonitor, LRMonitor, MemoryMonitor, NaNMonitor, ProgressBar and ConsoleLogger."""
+
 from __future__ import annotations
 
 import io
 
 import pytest
 import torch
-
 from library_helpers import MemoryDestination, Record, TinyLM, classifier, loader, token_batches, trainer
+
 from raytrain_events import Callback, DataSpec, Event
 from raytrain_events.callbacks import (
-    ConsoleLogger, LRMonitor, MemoryMonitor, NaNMonitor, NonFiniteLossError, ProgressBar, SpeedMonitor,
+    ConsoleLogger,
+    LRMonitor,
+    MemoryMonitor,
+    NaNMonitor,
+    NonFiniteLossError,
+    ProgressBar,
+    SpeedMonitor,
 )
 from raytrain_events.schedulers import LinearScheduler
 
@@ -34,9 +41,18 @@ def test_speed_monitor_rates_from_the_timestamp():
     clock = FakeClock()
     monitor = SpeedMonitor(window_size=4, flops_per_sample=100.0, peak_flops=1e4, clock=clock)
     dest = MemoryDestination()
-    spec = DataSpec(token_batches(12, batch_size=4, seq_len=8), get_num_tokens_in_batch=lambda b: b["input_ids"].numel())
-    trainer(TinyLM(), train_dataloader=spec, max_duration="12ba", callbacks=[clock, monitor], loggers=[dest],
-            eval_dataloader=token_batches(2, batch_size=4, seq_len=8), eval_interval="6ba").fit()
+    spec = DataSpec(
+        token_batches(12, batch_size=4, seq_len=8), get_num_tokens_in_batch=lambda b: b["input_ids"].numel()
+    )
+    trainer(
+        TinyLM(),
+        train_dataloader=spec,
+        max_duration="12ba",
+        callbacks=[clock, monitor],
+        loggers=[dest],
+        eval_dataloader=token_batches(2, batch_size=4, seq_len=8),
+        eval_interval="6ba",
+    ).fit()
     rates = dest.series("throughput/batches_per_sec")
     assert [step for step, _ in rates] == list(range(5, 13))  # once window_size + 1 batch ends are known
     # eval time (20 s of fake clock at step 6) is excluded: every window is exactly 0.5 s per batch
@@ -65,8 +81,14 @@ def test_lr_monitor_logs_each_group():
     params = list(model.parameters())
     opt = torch.optim.SGD([{"params": params[:2]}, {"params": params[2:], "lr": 0.5}], lr=1.0)
     dest = MemoryDestination()
-    trainer(model, optimizer=opt, max_duration="4ba", schedulers=LinearScheduler(t_max="1dur"),
-            callbacks=[LRMonitor()], loggers=[dest]).fit()
+    trainer(
+        model,
+        optimizer=opt,
+        max_duration="4ba",
+        schedulers=LinearScheduler(t_max="1dur"),
+        callbacks=[LRMonitor()],
+        loggers=[dest],
+    ).fit()
     # logged at BATCH_END after the scheduler step: the LR of the next batch, 1 - k/4
     assert dest.series("lr-SGD/group0") == [(k, pytest.approx(1 - k / 4)) for k in range(1, 5)]
     assert dest.series("lr-SGD/group1") == [(k, pytest.approx(0.5 * (1 - k / 4))) for k in range(1, 5)]
@@ -85,7 +107,7 @@ def test_memory_monitor_logs_host_memory_at_interval():
 def _nan_loader(nan_batch: int, n_batches: int = 6):
     x = torch.randn(n_batches * 4, 4)
     x[nan_batch * 4] = float("nan")
-    return [(x[i * 4:(i + 1) * 4], torch.zeros(4, dtype=torch.long)) for i in range(n_batches)]
+    return [(x[i * 4 : (i + 1) * 4], torch.zeros(4, dtype=torch.long)) for i in range(n_batches)]
 
 
 def test_nan_monitor_raises_before_the_weights_are_corrupted():
@@ -98,8 +120,9 @@ def test_nan_monitor_raises_before_the_weights_are_corrupted():
 def test_nan_monitor_interval_checks_every_nth_batch():
     steps = Record({Event.BATCH_END: lambda s: s.step})
     with pytest.raises(NonFiniteLossError, match="batch 4"):  # NaN in batch 3, first check at batch 4
-        trainer(train_dataloader=_nan_loader(nan_batch=2), max_duration="6ba",
-                callbacks=[NaNMonitor(interval=2), steps]).fit()
+        trainer(
+            train_dataloader=_nan_loader(nan_batch=2), max_duration="6ba", callbacks=[NaNMonitor(interval=2), steps]
+        ).fit()
     assert steps.values[Event.BATCH_END] == [1, 2, 3]
 
 

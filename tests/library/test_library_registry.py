@@ -1,17 +1,33 @@
 """Building algorithms by name: the registry's contract and its error messages."""
+
 from __future__ import annotations
 
 import pytest
 
 from raytrain_events import Algorithm
 from raytrain_events.algorithms import (
-    EMA, LabelSmoothing, MixUp, available_algorithms, build_algorithm, build_algorithms, register_algorithm,
+    EMA,
+    LabelSmoothing,
+    MixUp,
+    available_algorithms,
+    build_algorithm,
+    build_algorithms,
+    register_algorithm,
 )
 from raytrain_events.algorithms import registry as registry_module
 
 SHIPPED = {
-    "channels_last", "cutmix", "ema", "gradient_clipping", "label_smoothing", "layer_freezing", "mixup",
-    "progressive_resizing", "seq_length_warmup", "stochastic_depth", "swa",
+    "channels_last",
+    "cutmix",
+    "ema",
+    "gradient_clipping",
+    "label_smoothing",
+    "layer_freezing",
+    "mixup",
+    "progressive_resizing",
+    "seq_length_warmup",
+    "stochastic_depth",
+    "swa",
 }
 
 

@@ -1,4 +1,5 @@
 """Schedulers: multipliers equal Composer's closed forms, in any unit, including runs in tokens."""
+
 from __future__ import annotations
 
 import math
@@ -8,13 +9,23 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from library_helpers import Record, TinyLM, token_batches, trainer
+
 from raytrain_events import DataSpec, Event, State, Timestamp
 from raytrain_events.schedulers import (
-    ConstantScheduler, ConstantWithWarmupScheduler, CosineAnnealingScheduler, CosineAnnealingWarmRestartsScheduler,
-    CosineAnnealingWithWarmupScheduler, ExponentialScheduler, LinearScheduler, LinearWithWarmupScheduler,
-    MultiStepScheduler, MultiStepWithWarmupScheduler, PolynomialScheduler, PolynomialWithWarmupScheduler, StepScheduler,
+    ConstantScheduler,
+    ConstantWithWarmupScheduler,
+    CosineAnnealingScheduler,
+    CosineAnnealingWarmRestartsScheduler,
+    CosineAnnealingWithWarmupScheduler,
+    ExponentialScheduler,
+    LinearScheduler,
+    LinearWithWarmupScheduler,
+    MultiStepScheduler,
+    MultiStepWithWarmupScheduler,
+    PolynomialScheduler,
+    PolynomialWithWarmupScheduler,
+    StepScheduler,
 )
 
 _MODEL = torch.nn.Linear(1, 1)
@@ -94,20 +105,28 @@ def test_warmup_variants(t, warm, alpha_f, power):
     state = _state(f"{T}ba", batch=t)
     tau = min(1.0, (t - warm) / (T - warm))
     if t < warm:
-        for sched in (CosineAnnealingWithWarmupScheduler(f"{warm}ba", alpha_f=alpha_f),
-                      PolynomialWithWarmupScheduler(f"{warm}ba", power=power, alpha_f=alpha_f),
-                      MultiStepWithWarmupScheduler(f"{warm}ba", ["100ba"], 0.5)):
+        for sched in (
+            CosineAnnealingWithWarmupScheduler(f"{warm}ba", alpha_f=alpha_f),
+            PolynomialWithWarmupScheduler(f"{warm}ba", power=power, alpha_f=alpha_f),
+            MultiStepWithWarmupScheduler(f"{warm}ba", ["100ba"], 0.5),
+        ):
             assert sched(state) == pytest.approx(t / warm)
         assert LinearWithWarmupScheduler(f"{warm}ba", alpha_i=0.8)(state) == pytest.approx(0.8 * t / warm)
         assert ConstantWithWarmupScheduler(f"{warm}ba", alpha=0.6)(state) == pytest.approx(0.6 * t / warm)
     else:
-        assert CosineAnnealingWithWarmupScheduler(f"{warm}ba", alpha_f=alpha_f)(state) == pytest.approx(_cos(tau, alpha_f))
+        assert CosineAnnealingWithWarmupScheduler(f"{warm}ba", alpha_f=alpha_f)(state) == pytest.approx(
+            _cos(tau, alpha_f)
+        )
         assert PolynomialWithWarmupScheduler(f"{warm}ba", power=power, alpha_f=alpha_f)(state) == pytest.approx(
-            alpha_f + (1 - alpha_f) * (1 - tau) ** power)
+            alpha_f + (1 - alpha_f) * (1 - tau) ** power
+        )
         assert LinearWithWarmupScheduler(f"{warm}ba", alpha_i=0.8, alpha_f=alpha_f)(state) == pytest.approx(
-            0.8 + (alpha_f - 0.8) * tau)
+            0.8 + (alpha_f - 0.8) * tau
+        )
         assert ConstantWithWarmupScheduler(f"{warm}ba", alpha=0.6)(state) == pytest.approx(0.6 if t < T else 1.0)
-        assert MultiStepWithWarmupScheduler(f"{warm}ba", ["100ba"], 0.5)(state) == pytest.approx(0.5 if t >= 100 else 1.0)
+        assert MultiStepWithWarmupScheduler(f"{warm}ba", ["100ba"], 0.5)(state) == pytest.approx(
+            0.5 if t >= 100 else 1.0
+        )
 
 
 def test_dur_warmup_rounds_down_like_composer():
@@ -145,12 +164,20 @@ def test_unconvertible_units_raise_a_clear_error():
 
 
 def test_trainer_lr_follows_schedule_in_tokens():
-    spec = DataSpec(token_batches(10, batch_size=2, seq_len=25), get_num_tokens_in_batch=lambda b: b["input_ids"].numel())
+    spec = DataSpec(
+        token_batches(10, batch_size=2, seq_len=25), get_num_tokens_in_batch=lambda b: b["input_ids"].numel()
+    )
     rec = Record({Event.BATCH_START: lambda s: (s.timestamp.get_value("tok"), s.optimizers[0].param_groups[0]["lr"])})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        trainer(TinyLM(), lr=0.5, train_dataloader=spec, max_duration="500tok", callbacks=[rec],
-                schedulers=CosineAnnealingWithWarmupScheduler(t_warmup="0.2dur")).fit()
+        trainer(
+            TinyLM(),
+            lr=0.5,
+            train_dataloader=spec,
+            max_duration="500tok",
+            callbacks=[rec],
+            schedulers=CosineAnnealingWithWarmupScheduler(t_warmup="0.2dur"),
+        ).fit()
     rows = rec.values[Event.BATCH_START]
     assert [tok for tok, _ in rows] == [0, 50, 100, 150, 200, 250, 300, 350, 400, 450]
     for tok, lr in rows:

@@ -1,10 +1,11 @@
 """StochasticDepth: marked residual branches are dropped per sample with the configured rates."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
 from library_helpers import RecordAlgorithm, trainer
+
 from raytrain_events import Event
 from raytrain_events.algorithms import StochasticDepth, mark_residual_branch
 from raytrain_events.models import ClassifierModel

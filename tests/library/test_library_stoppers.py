@@ -1,11 +1,12 @@
 """EarlyStopper and ThresholdStopper: stop exactly when the rule says, from synchronized eval metrics."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from library_helpers import classifier, loader, trainer
 from torchmetrics import Metric
 
-from library_helpers import classifier, loader, trainer
 from raytrain_events.callbacks import EarlyStopper, ThresholdStopper
 from raytrain_events.models import ClassifierModel
 
@@ -37,8 +38,13 @@ class ScriptedModel(ClassifierModel):
 
 def _fit(values, callback, **kwargs):
     kwargs.setdefault("max_duration", "20ep")
-    t = trainer(ScriptedModel(values), train_dataloader=loader(n=8, batch_size=4), eval_dataloader=loader(n=4, batch_size=4),
-                callbacks=[callback], **kwargs)
+    t = trainer(
+        ScriptedModel(values),
+        train_dataloader=loader(n=8, batch_size=4),
+        eval_dataloader=loader(n=4, batch_size=4),
+        callbacks=[callback],
+        **kwargs,
+    )
     t.fit()
     return t.state
 

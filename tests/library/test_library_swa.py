@@ -1,10 +1,11 @@
 """SWA: the final weights are the mean of the snapshots taken from swa_start on."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
 from library_helpers import Record, classifier, trainer
+
 from raytrain_events import Event
 from raytrain_events.algorithms import SWA
 

@@ -1,4 +1,5 @@
 """The driver-side aggregation of worker reports (pure: no Ray)."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,9 +9,15 @@ from raytrain_events.ray.aggregate import ReportAggregator, TimestampMismatchErr
 
 def report(rank, samples, tokens, ts, start=None, loss=(0.0, 0), metrics=None, final=False):
     return {
-        "rank": rank, "start": start, "local_samples": samples, "local_tokens": tokens,
+        "rank": rank,
+        "start": start,
+        "local_samples": samples,
+        "local_tokens": tokens,
         "timestamp": dict(zip(("epoch", "batch", "sample", "token"), ts)),
-        "train_loss_sum": loss[0], "train_loss_count": loss[1], "metrics": metrics or {}, "final": final,
+        "train_loss_sum": loss[0],
+        "train_loss_count": loss[1],
+        "metrics": metrics or {},
+        "final": final,
     }
 
 
@@ -19,7 +26,9 @@ ZERO = {"epoch": 0, "batch": 0, "sample": 0, "token": 0}
 
 def test_sums_rank_local_counts_into_global_timestamp():
     agg = ReportAggregator()
-    entry = agg.add([report(0, 64, 100, (0, 4, 128, 350), start=ZERO), report(1, 64, 250, (0, 4, 128, 350), start=ZERO)])
+    entry = agg.add(
+        [report(0, 64, 100, (0, 4, 128, 350), start=ZERO), report(1, 64, 250, (0, 4, 128, 350), start=ZERO)]
+    )
     assert (entry["time/sample"], entry["time/token"], entry["time/batch"]) == (128, 350, 4)
     entry = agg.add([report(0, 32, 10, (1, 6, 192, 380)), report(1, 32, 20, (1, 6, 192, 380))])
     assert (entry["time/epoch"], entry["time/sample"], entry["time/token"]) == (1, 192, 380)
@@ -43,8 +52,10 @@ def test_restart_from_checkpoint_resets_counts_to_the_checkpoint():
 
 
 def test_reduce_metrics_weights_train_loss_by_batches_and_averages_others():
-    out = reduce_metrics([
-        {"train_loss_sum": 3.0, "train_loss_count": 3, "metrics": {"metrics/eval/accuracy": 0.5}},
-        {"train_loss_sum": 1.0, "train_loss_count": 1, "metrics": {"metrics/eval/accuracy": 0.5}},
-    ])
+    out = reduce_metrics(
+        [
+            {"train_loss_sum": 3.0, "train_loss_count": 3, "metrics": {"metrics/eval/accuracy": 0.5}},
+            {"train_loss_sum": 1.0, "train_loss_count": 1, "metrics": {"metrics/eval/accuracy": 0.5}},
+        ]
+    )
     assert out == {"train/loss": 1.0, "metrics/eval/accuracy": 0.5}

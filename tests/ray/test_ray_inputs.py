@@ -1,4 +1,5 @@
 """Bad input to RayTrainer fails on the driver before any worker starts (no Ray needed)."""
+
 from __future__ import annotations
 
 import pytest

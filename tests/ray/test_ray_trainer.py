@@ -1,8 +1,8 @@
 """RayTrainer against a real local Ray instance: 2 CPU workers with gloo DDP."""
+
 from __future__ import annotations
 
 import sys
-
 
 import numpy as np
 import pytest
@@ -28,7 +28,9 @@ def make_rows(n=ROWS, tokens=None, seed=0):
 
 def make_model():
     torch.manual_seed(0)
-    return ClassifierModel(torch.nn.Sequential(torch.nn.Linear(DIM, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)), num_classes=2)
+    return ClassifierModel(
+        torch.nn.Sequential(torch.nn.Linear(DIM, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)), num_classes=2
+    )
 
 
 def make_sgd(model):
@@ -144,7 +146,7 @@ def test_two_workers_match_one_worker_with_same_global_batch(two_worker_run, ray
     # Rank r trains on rows [r*half, (r+1)*half); one worker sees both halves' batch k together.
     interleaved = []
     for k in range(half // 16):
-        interleaved += rows[k * 16:(k + 1) * 16] + rows[half + k * 16: half + (k + 1) * 16]
+        interleaved += rows[k * 16 : (k + 1) * 16] + rows[half + k * 16 : half + (k + 1) * 16]
     single = tmp_path / "single"
     single.mkdir()
     _fit(tmp_path, ray.data, interleaved, workers=1, batch_size=32, duration="2ep", folder=single)
@@ -155,12 +157,16 @@ def test_two_workers_match_one_worker_with_same_global_batch(two_worker_run, ray
 
 
 @pytest.mark.parametrize("duration,tokens,expected_batches", [("300sp", None, 10), ("1000tok", "uneven", 7)])
-def test_sample_and_token_durations_stop_every_rank_at_same_batch(ray_cluster, tmp_path, duration, tokens, expected_batches):
+def test_sample_and_token_durations_stop_every_rank_at_same_batch(
+    ray_cluster, tmp_path, duration, tokens, expected_batches
+):
     import ray.data
 
     if tokens == "uneven":  # rank 0's half has 1 token per row, rank 1's has 9: 160 tokens per global batch
         tokens = np.array([1] * (ROWS // 2) + [9] * (ROWS // 2))
-    result = _fit(tmp_path, ray.data, make_rows(tokens=tokens), workers=2, batch_size=16, duration=duration, folder=tmp_path)
+    result = _fit(
+        tmp_path, ray.data, make_rows(tokens=tokens), workers=2, batch_size=16, duration=duration, folder=tmp_path
+    )
     batches = {r["timestamp"]["batch"] for r in load_ranks(tmp_path, 2)}
     assert batches == {expected_batches}
     assert result.timestamp.get_value("ba") == expected_batches
@@ -177,8 +183,13 @@ def test_worker_error_reaches_driver(ray_cluster, tmp_path):
     from raytrain_events.ray.driver import RayTrainingError
 
     trainer = RayTrainer(
-        model=exploding_model, optimizers=make_sgd, datasets={"train": ray.data.from_items(make_rows(64))},
-        max_duration="1ep", batch_size=16, num_workers=2, storage_path=str(tmp_path),
+        model=exploding_model,
+        optimizers=make_sgd,
+        datasets={"train": ray.data.from_items(make_rows(64))},
+        max_duration="1ep",
+        batch_size=16,
+        num_workers=2,
+        storage_path=str(tmp_path),
     )
     with pytest.raises(RayTrainingError, match="boom in the model factory"):
         trainer.fit()
@@ -212,10 +223,19 @@ def test_killed_worker_restarts_from_checkpoint_with_exact_count(ray_cluster, tm
     marker = str(tmp_path / "killed")
     rows = make_rows()
     result = RayTrainer(
-        model=make_model, optimizers=make_sgd, datasets={"train": ray.data.from_items(rows)},
-        max_duration="2ep", batch_size=16, num_workers=2, deterministic_split=True,
-        get_num_tokens_in_batch=count_tokens, storage_path=str(tmp_path / "runs"), run_name="failover",
-        checkpoint=CheckpointConfig(save_interval="4ba"), max_failures=1, report_interval="4ba",
+        model=make_model,
+        optimizers=make_sgd,
+        datasets={"train": ray.data.from_items(rows)},
+        max_duration="2ep",
+        batch_size=16,
+        num_workers=2,
+        deterministic_split=True,
+        get_num_tokens_in_batch=count_tokens,
+        storage_path=str(tmp_path / "runs"),
+        run_name="failover",
+        checkpoint=CheckpointConfig(save_interval="4ba"),
+        max_failures=1,
+        report_interval="4ba",
         callbacks=lambda: [KillOnce(marker, at_batch=14)],
     ).fit()
     import os
@@ -240,12 +260,19 @@ def test_algorithms_and_callbacks_compose_in_a_two_worker_run(ray_cluster, tmp_p
 
     rows = make_rows()
     result = RayTrainer(
-        model=make_model, optimizers=make_sgd,
+        model=make_model,
+        optimizers=make_sgd,
         datasets={"train": ray.data.from_items(rows), "eval": ray.data.from_items(make_rows(64, seed=3))},
-        max_duration="2ep", batch_size=16, num_workers=2, storage_path=str(tmp_path / "runs"),
-        algorithms=["label_smoothing", {"name": "mixup", "alpha": 0.2},
-                    {"name": "gradient_clipping", "clipping_type": "norm", "clipping_threshold": 1.0},
-                    {"name": "ema", "half_life": "4ba"}],
+        max_duration="2ep",
+        batch_size=16,
+        num_workers=2,
+        storage_path=str(tmp_path / "runs"),
+        algorithms=[
+            "label_smoothing",
+            {"name": "mixup", "alpha": 0.2},
+            {"name": "gradient_clipping", "clipping_type": "norm", "clipping_threshold": 1.0},
+            {"name": "ema", "half_life": "4ba"},
+        ],
         callbacks=lambda: [SpeedMonitor(window_size=2), LRMonitor(), DumpPerRank(str(tmp_path))],
         report_interval="8ba",
     ).fit()

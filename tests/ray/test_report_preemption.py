@@ -1,4 +1,5 @@
 """RayReporter without Ray: what it reports, and that a preemption notice triggers a save."""
+
 from __future__ import annotations
 
 import torch
@@ -14,9 +15,17 @@ def _trainer(reporter, folder=None):
     torch.manual_seed(0)
     model = ClassifierModel(torch.nn.Linear(4, 2), num_classes=2)
     data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
-    checkpoint = None if folder is None else CheckpointConfig(save_folder=folder, save_final=False, save_every_n_seconds=None)
-    return Trainer(model=model, train_dataloader=DataLoader(data, batch_size=8), max_duration="1ep",
-                   optimizers=torch.optim.SGD(model.parameters(), lr=0.1), callbacks=[reporter], checkpoint=checkpoint)
+    checkpoint = (
+        None if folder is None else CheckpointConfig(save_folder=folder, save_final=False, save_every_n_seconds=None)
+    )
+    return Trainer(
+        model=model,
+        train_dataloader=DataLoader(data, batch_size=8),
+        max_duration="1ep",
+        optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+        callbacks=[reporter],
+        checkpoint=checkpoint,
+    )
 
 
 def test_reports_at_interval_and_at_the_end_with_local_counts():
@@ -31,8 +40,13 @@ def test_reports_at_interval_and_at_the_end_with_local_counts():
 def test_preemption_notice_saves_a_checkpoint_at_the_next_batch(tmp_path):
     folder = str(tmp_path / "checkpoints")
     notices = iter([False, True, False, False, False])
-    reporter = RayReporter(interval="2ba", every_s=None, report_fn=lambda r, c: None, check_preemption=True,
-                           preemption_fn=lambda: next(notices))
+    reporter = RayReporter(
+        interval="2ba",
+        every_s=None,
+        report_fn=lambda r, c: None,
+        check_preemption=True,
+        preemption_fn=lambda: next(notices),
+    )
     _trainer(reporter, folder).fit()
     # Reports at batches 2 and 4; the notice comes at 4, the save happens at batch 5.
     assert [c.batch for c in list_checkpoints(folder)] == [5]

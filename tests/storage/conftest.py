@@ -15,6 +15,7 @@ The bucket has its own name: moto keeps its buckets in process-wide state, so wh
 and another one (``tests/checkpoint``, which uses the shared fixture) run in one session, the
 second server would otherwise fail to create the already existing ``test-bucket``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,9 +33,9 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="session")
 def s3_server():
+    import s3fs
     from moto.s3.responses import S3Response
     from moto.server import ThreadedMotoServer
-    import s3fs
 
     serialize = threading.Lock()
     unpatched_put = S3Response.put_object
@@ -56,8 +57,9 @@ def s3_server():
         "secret": "testing",
         "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
     }
-    maker = s3fs.S3FileSystem(key="testing", secret="testing", skip_instance_cache=True,
-                              client_kwargs={"endpoint_url": endpoint})
+    maker = s3fs.S3FileSystem(
+        key="testing", secret="testing", skip_instance_cache=True, client_kwargs={"endpoint_url": endpoint}
+    )
     maker.mkdir("storage-test-bucket")
     yield {"endpoint": endpoint, "bucket": "storage-test-bucket", "storage_options": options}
     server.stop()

@@ -1,4 +1,5 @@
 """checkpoint/format.py: round trip, manifest-last commit, integrity and unpickling safety."""
+
 from __future__ import annotations
 
 import hashlib
@@ -18,10 +19,16 @@ from raytrain_events.storage import fs as sfs
 def _tree() -> dict:
     g = torch.Generator().manual_seed(0)
     return {
-        "model": {"w": torch.randn(4, 3, generator=g), "b": torch.tensor([float("nan"), -0.0]),
-                  "half": torch.randn(5, generator=g).to(torch.bfloat16)},
-        "optim": {"step": torch.tensor(7), "mask": torch.tensor([True, False]),
-                  "ids": torch.arange(6, dtype=torch.int64).reshape(2, 3)[:, 1:]},
+        "model": {
+            "w": torch.randn(4, 3, generator=g),
+            "b": torch.tensor([float("nan"), -0.0]),
+            "half": torch.randn(5, generator=g).to(torch.bfloat16),
+        },
+        "optim": {
+            "step": torch.tensor(7),
+            "mask": torch.tensor([True, False]),
+            "ids": torch.arange(6, dtype=torch.int64).reshape(2, 3)[:, 1:],
+        },
         "scalars": [1, 2.5, "text", None, True, (3, "tuple")],
         "nested": {"deep": [{"x": torch.zeros(0)}]},
     }
@@ -49,17 +56,28 @@ def _assert_identical(a, b) -> None:
 
 def _save(url, opts, batch: int, **kw) -> fmt.CheckpointInfo:
     files = kw.pop("files", {"state.pt": {"batch": batch, "t": torch.full((3,), float(batch))}})
-    return fmt.write_checkpoint(url, files=files, timestamp={"epoch": 0, "batch": batch},
-                                world_size=1, metadata=kw.pop("metadata", {}),
-                                storage_options=opts, **kw)
+    return fmt.write_checkpoint(
+        url,
+        files=files,
+        timestamp={"epoch": 0, "batch": batch},
+        world_size=1,
+        metadata=kw.pop("metadata", {}),
+        storage_options=opts,
+        **kw,
+    )
 
 
 def test_round_trip_is_bit_identical(storage):
     url, opts = storage
     tree = _tree()
-    info = fmt.write_checkpoint(url, files={"state.pt": tree, "rng-rank0.pt": {"seed": 3}},
-                                timestamp={"epoch": 2, "batch": 123}, world_size=1,
-                                metadata={"note": "hi", "lr": [0.1]}, storage_options=opts)
+    info = fmt.write_checkpoint(
+        url,
+        files={"state.pt": tree, "rng-rank0.pt": {"seed": 3}},
+        timestamp={"epoch": 2, "batch": 123},
+        world_size=1,
+        metadata={"note": "hi", "lr": [0.1]},
+        storage_options=opts,
+    )
     assert fmt.CHECKPOINT_NAME_RE.match(info.name) and info.name.startswith("ckpt-000000000123-")
     loaded = fmt.read_checkpoint(info.url, storage_options=opts)
     _assert_identical(loaded.files["state.pt"], tree)
@@ -76,8 +94,7 @@ def test_manifest_is_written_last(storage, monkeypatch):
     order: list[str] = []
     real_upload, real_create = fmt._upload, fmt.write_bytes_create_only
     monkeypatch.setattr(fmt, "_upload", lambda fs, p, d: (order.append(p), real_upload(fs, p, d)))
-    monkeypatch.setattr(fmt, "write_bytes_create_only",
-                        lambda fs, p, d: (order.append(p), real_create(fs, p, d)))
+    monkeypatch.setattr(fmt, "write_bytes_create_only", lambda fs, p, d: (order.append(p), real_create(fs, p, d)))
     _save(url, opts, 1, files={"a.pt": 1, "b.pt": 2, "c.pt": 3})
     assert [sfs.basename(p) for p in order] == ["a.pt", "b.pt", "c.pt", fmt.MANIFEST]
 
@@ -97,18 +114,14 @@ def test_rank_files_are_committed_by_rank_zero(storage):
     url, opts = storage
     ckpt = fmt.new_checkpoint_url(url, timestamp={"batch": 5})
     # each "rank" uploads its own RNG file and hands the entry to rank 0
-    entries = [fmt.write_checkpoint_file(ckpt, fmt.rng_file_name(r), {"rank": r},
-                                         storage_options=opts) for r in (1, 0)]
-    entries.append(fmt.write_checkpoint_file(ckpt, "state.pt", {"w": torch.ones(1)},
-                                             storage_options=opts))
-    info = fmt.commit_checkpoint(ckpt, entries=entries, timestamp={"batch": 5}, world_size=2,
-                                 storage_options=opts)
+    entries = [fmt.write_checkpoint_file(ckpt, fmt.rng_file_name(r), {"rank": r}, storage_options=opts) for r in (1, 0)]
+    entries.append(fmt.write_checkpoint_file(ckpt, "state.pt", {"w": torch.ones(1)}, storage_options=opts))
+    info = fmt.commit_checkpoint(ckpt, entries=entries, timestamp={"batch": 5}, world_size=2, storage_options=opts)
     assert [f.name for f in info.files] == ["rng-rank0.pt", "rng-rank1.pt", "state.pt"]
     only = fmt.read_checkpoint(ckpt, storage_options=opts, files=["rng-rank1.pt"])
     assert only.files == {"rng-rank1.pt": {"rank": 1}}
     with pytest.raises(fmt.CheckpointError, match="already committed"):
-        fmt.commit_checkpoint(ckpt, entries=entries, timestamp={"batch": 5}, world_size=2,
-                              storage_options=opts)
+        fmt.commit_checkpoint(ckpt, entries=entries, timestamp={"batch": 5}, world_size=2, storage_options=opts)
 
 
 def test_commit_refuses_when_a_rank_file_is_missing(storage):
@@ -117,8 +130,7 @@ def test_commit_refuses_when_a_rank_file_is_missing(storage):
     e0 = fmt.write_checkpoint_file(ckpt, "rng-rank0.pt", 0, storage_options=opts)
     ghost = fmt.FileEntry("rng-rank1.pt", 10, "0" * 64)
     with pytest.raises(fmt.CheckpointError, match="rng-rank1.pt"):
-        fmt.commit_checkpoint(ckpt, entries=[e0, ghost], timestamp={"batch": 5}, world_size=2,
-                              storage_options=opts)
+        fmt.commit_checkpoint(ckpt, entries=[e0, ghost], timestamp={"batch": 5}, world_size=2, storage_options=opts)
     assert list_checkpoints(url, storage_options=opts) == []
 
 
@@ -186,8 +198,9 @@ def test_malicious_pickle_with_correct_checksum_is_refused(storage, kind, tmp_pa
     fs, path = sfs.resolve(sfs.join(ckpt, "state.pt"), opts)
     sfs.write_bytes_atomic(fs, path, data)
     entry = fmt.FileEntry("state.pt", len(data), hashlib.sha256(data).hexdigest())
-    fmt.commit_checkpoint(ckpt, entries=[entry], timestamp={"batch": 1}, world_size=1,
-                          storage_options=opts)  # the attacker rewrote the manifest too
+    fmt.commit_checkpoint(
+        ckpt, entries=[entry], timestamp={"batch": 1}, world_size=1, storage_options=opts
+    )  # the attacker rewrote the manifest too
     try:
         with pytest.raises(fmt.UnsafeCheckpointError) as e:
             fmt.read_checkpoint(ckpt, storage_options=opts)
@@ -209,8 +222,9 @@ def test_malicious_pickle_with_correct_checksum_is_refused(storage, kind, tmp_pa
 def test_invalid_inputs_are_rejected_with_fixes(storage):
     url, opts = storage
     with pytest.raises(TypeError, match="plain int"):
-        fmt.write_checkpoint(url, files={"a.pt": 1}, timestamp={"batch": torch.tensor(3)},
-                             world_size=1, storage_options=opts)
+        fmt.write_checkpoint(
+            url, files={"a.pt": 1}, timestamp={"batch": torch.tensor(3)}, world_size=1, storage_options=opts
+        )
     with pytest.raises(TypeError, match="JSON"):
         _save(url, opts, 1, metadata={"bad": object()})
     with pytest.raises(ValueError, match="no '/'"):

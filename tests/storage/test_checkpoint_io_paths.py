@@ -1,6 +1,7 @@
 """checkpoint/format.py I/O paths: streamed local save, mmap local load, listing-free commit,
 S3 request counts. (test_checkpoint_format.py covers the format itself on small files, which
 take the in-memory paths; the files here are >= 1 MiB so local loads go through mmap.)"""
+
 from __future__ import annotations
 
 import errno
@@ -48,8 +49,7 @@ def test_streamed_local_save_writes_the_same_bytes_as_torch_save(tmp_path):
 
 
 def test_failed_local_save_leaves_nothing_under_the_final_name(tmp_path):
-    good = fmt.write_checkpoint(str(tmp_path), files={"state.pt": _state()},
-                                timestamp={"batch": 1}, world_size=1)
+    good = fmt.write_checkpoint(str(tmp_path), files={"state.pt": _state()}, timestamp={"batch": 1}, world_size=1)
     ckpt = fmt.new_checkpoint_url(str(tmp_path), timestamp={"batch": 2})
     bad = {"w": torch.ones(BIG), "f": lambda: 0}  # pickling fails after a big tensor record
     with pytest.raises(Exception) as e:
@@ -81,8 +81,13 @@ def test_disk_full_during_streamed_save_is_a_storage_error(tmp_path, monkeypatch
         def __getattr__(self, name):
             return getattr(self.f, name)
 
-    monkeypatch.setattr(os, "fdopen", lambda fd, mode="r", *a, **k: (
-        FullDisk(real_fdopen(fd, mode, *a, **k)) if mode == "wb" else real_fdopen(fd, mode, *a, **k)))
+    monkeypatch.setattr(
+        os,
+        "fdopen",
+        lambda fd, mode="r", *a, **k: (
+            FullDisk(real_fdopen(fd, mode, *a, **k)) if mode == "wb" else real_fdopen(fd, mode, *a, **k)
+        ),
+    )
     ckpt = str(tmp_path / "ckpt")
     with pytest.raises(StorageError, match="No space left") as e:
         fmt.write_checkpoint_file(ckpt, "state.pt", _state())
@@ -107,8 +112,7 @@ def test_local_atomic_writer_keeps_old_content_on_error(tmp_path):
 
 def test_large_local_load_verifies_and_survives_deletion(tmp_path, monkeypatch):
     obj = _state()
-    info = fmt.write_checkpoint(str(tmp_path), files={"state.pt": obj}, timestamp={"batch": 1},
-                                world_size=1)
+    info = fmt.write_checkpoint(str(tmp_path), files={"state.pt": obj}, timestamp={"batch": 1}, world_size=1)
     assert info.files[0].size >= fmt._MMAP_MIN_SIZE
 
     def no_read(fs, path, **kw):
@@ -126,8 +130,7 @@ def test_large_local_load_verifies_and_survives_deletion(tmp_path, monkeypatch):
 
 
 def test_large_local_corruption_is_detected(tmp_path):
-    info = fmt.write_checkpoint(str(tmp_path), files={"state.pt": _state()},
-                                timestamp={"batch": 1}, world_size=1)
+    info = fmt.write_checkpoint(str(tmp_path), files={"state.pt": _state()}, timestamp={"batch": 1}, world_size=1)
     fs, path = sfs.resolve(os.path.join(info.url, "state.pt"))
     good = sfs.read_bytes(fs, path)
     for pos in (len(good) // 2, 0):  # tensor data; the zip header (torch.load would choke)
@@ -141,8 +144,7 @@ def test_large_local_corruption_is_detected(tmp_path):
 
 
 def test_large_local_truncation_is_caught_by_size_before_hashing(tmp_path, monkeypatch):
-    info = fmt.write_checkpoint(str(tmp_path), files={"state.pt": _state()},
-                                timestamp={"batch": 1}, world_size=1)
+    info = fmt.write_checkpoint(str(tmp_path), files={"state.pt": _state()}, timestamp={"batch": 1}, world_size=1)
     fs, path = sfs.resolve(os.path.join(info.url, "state.pt"))
     sfs.write_bytes_atomic(fs, path, sfs.read_bytes(fs, path)[:-7])
 
@@ -189,16 +191,17 @@ def test_commit_lists_the_directory_unless_told_not_to(storage, monkeypatch):
         raise AssertionError("listed the checkpoint directory")
 
     monkeypatch.setattr(fmt, "list_dir", no_listing)
-    info = fmt.write_checkpoint(url, files={"state.pt": {"a": 1}}, timestamp={"batch": 1},
-                                world_size=1, storage_options=opts)  # uploaded it: no listing
+    info = fmt.write_checkpoint(
+        url, files={"state.pt": {"a": 1}}, timestamp={"batch": 1}, world_size=1, storage_options=opts
+    )  # uploaded it: no listing
     assert fmt.read_checkpoint(info.url, storage_options=opts).files["state.pt"] == {"a": 1}
     ckpt = fmt.new_checkpoint_url(url, timestamp={"batch": 2})
     entry = fmt.write_checkpoint_file(ckpt, "rng-rank1.pt", 1, storage_options=opts)
     with pytest.raises(AssertionError, match="listed"):  # entries from elsewhere: checked
-        fmt.commit_checkpoint(ckpt, entries=[entry], timestamp={"batch": 2}, world_size=2,
-                              storage_options=opts)
-    fmt.commit_checkpoint(ckpt, entries=[entry], timestamp={"batch": 2}, world_size=2,
-                          storage_options=opts, verify_files=False)
+        fmt.commit_checkpoint(ckpt, entries=[entry], timestamp={"batch": 2}, world_size=2, storage_options=opts)
+    fmt.commit_checkpoint(
+        ckpt, entries=[entry], timestamp={"batch": 2}, world_size=2, storage_options=opts, verify_files=False
+    )
 
 
 def test_s3_request_counts(s3_server):
@@ -214,8 +217,9 @@ def test_s3_request_counts(s3_server):
 
     fs._call_s3 = counting  # resolve() hands out this same cached instance
     try:
-        info = fmt.write_checkpoint(url, files={"state.pt": _state()}, timestamp={"batch": 1},
-                                    world_size=1, storage_options=opts)
+        info = fmt.write_checkpoint(
+            url, files={"state.pt": _state()}, timestamp={"batch": 1}, world_size=1, storage_options=opts
+        )
         assert calls == ["put_object", "put_object"]  # payload, manifest: no LIST
         calls.clear()
         _assert_same(fmt.read_checkpoint(info.url, storage_options=opts).files["state.pt"], _state())

@@ -1,4 +1,5 @@
 """checkpoint/store.py: ordering, pruning, crash safety, background saves."""
+
 from __future__ import annotations
 
 import json
@@ -14,7 +15,10 @@ import torch
 
 from raytrain_events.checkpoint import format as fmt
 from raytrain_events.checkpoint.store import (
-    AsyncCheckpointWriter, latest_checkpoint, list_checkpoints, load_latest_valid,
+    AsyncCheckpointWriter,
+    latest_checkpoint,
+    list_checkpoints,
+    load_latest_valid,
     prune_checkpoints,
 )
 from raytrain_events.storage import fs as sfs
@@ -23,10 +27,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _save(url, opts, batch: int, files=None) -> fmt.CheckpointInfo:
-    files = files or {"state.pt": {"batch": batch, "w": torch.full((4,), float(batch))},
-                      "rng-rank0.pt": {"seed": batch}}
-    return fmt.write_checkpoint(url, files=files, timestamp={"batch": batch}, world_size=1,
-                                storage_options=opts)
+    files = files or {
+        "state.pt": {"batch": batch, "w": torch.full((4,), float(batch))},
+        "rng-rank0.pt": {"seed": batch},
+    }
+    return fmt.write_checkpoint(url, files=files, timestamp={"batch": batch}, world_size=1, storage_options=opts)
 
 
 def _dirs(url, opts) -> list[str]:
@@ -91,8 +96,9 @@ def test_killed_process_mid_save_leaves_previous_latest(storage, backend):
                              timestamp={{"batch": 2}}, world_size=1,
                              storage_options=json.loads({json.dumps(opts)!r}))
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": REPO})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}
+    )
     try:
         assert proc.stdout.readline().strip() == b"UPLOADED"
     finally:
@@ -108,8 +114,7 @@ def test_prune_keeps_exactly_n_newest(storage):
     infos = [_save(url, opts, b) for b in (1, 2, 3, 4, 5)]
     deleted = prune_checkpoints(url, keep=2, storage_options=opts)
     assert len(deleted) == 3
-    assert [c.name for c in list_checkpoints(url, storage_options=opts)] == [
-        infos[3].name, infos[4].name]
+    assert [c.name for c in list_checkpoints(url, storage_options=opts)] == [infos[3].name, infos[4].name]
     assert _dirs(url, opts) == sorted([infos[3].name, infos[4].name])  # really gone
     assert prune_checkpoints(url, keep=2, storage_options=opts) == []
     with pytest.raises(ValueError, match="keep >= 1"):
@@ -153,8 +158,7 @@ def test_async_writer_starts_lazily_and_keeps_one_save_in_flight():
     writer.submit(first)
     first_running.wait(5)
     assert writer.busy and len(_writer_threads()) == before + 1
-    t = threading.Thread(target=lambda: (writer.submit(lambda: log.append("second")),
-                                         log.append("second submitted")))
+    t = threading.Thread(target=lambda: (writer.submit(lambda: log.append("second")), log.append("second submitted")))
     t.start()
     time.sleep(0.2)
     assert log == []  # the second submit is blocked behind the first save

@@ -1,4 +1,5 @@
 """config_diff.py: ml-starter style config differences."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,4 +53,6 @@ def test_plain_dicts_dataclasses_and_prefix():
         betas: tuple = (0.9, 0.99)
 
     assert diff_configs(Opt(), {"lr": 0.2, "betas": [0.9, 0.99]}, prefix="optim") == (
-        ["optim.lr: 0.1"], ["optim.lr: 0.2"])
+        ["optim.lr: 0.1"],
+        ["optim.lr: 0.2"],
+    )

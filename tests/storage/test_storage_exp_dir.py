@@ -1,4 +1,5 @@
 """exp_dir.py: picking and claiming run_N directories, saving/loading the run config."""
+
 from __future__ import annotations
 
 import threading
@@ -63,8 +64,7 @@ def test_unclaimed_mode_writes_nothing(storage):
 def test_run_dir_config_round_trip(storage):
     url, opts = storage
     run = RunDir(sfs.join(url, "run_1"), opts)
-    cfg = OmegaConf.create({"model": {"hidden": 64, "layers": [1, 2]}, "lr": 0.1,
-                            "name": "${model.hidden}"})
+    cfg = OmegaConf.create({"model": {"hidden": 64, "layers": [1, 2]}, "lr": 0.1, "name": "${model.hidden}"})
     run.save_config(cfg)
     loaded = run.load_config()
     assert loaded == cfg

@@ -1,4 +1,5 @@
 """fs.py: URL resolution, atomic and create-only writes, error wrapping."""
+
 from __future__ import annotations
 
 import os
@@ -112,11 +113,13 @@ def test_unreachable_s3_endpoint_raises_storage_error_naming_url():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again: nothing listens there
-    opts = {"key": "k", "secret": "s", "skip_instance_cache": True,
-            "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}",
-                              "region_name": "us-east-1"},
-            "config_kwargs": {"connect_timeout": 0.5, "read_timeout": 0.5,
-                              "retries": {"max_attempts": 1}}}
+    opts = {
+        "key": "k",
+        "secret": "s",
+        "skip_instance_cache": True,
+        "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-east-1"},
+        "config_kwargs": {"connect_timeout": 0.5, "read_timeout": 0.5, "retries": {"max_attempts": 1}},
+    }
     fs, path = sfs.resolve("s3://nowhere-bucket/run", opts)
     start = time.monotonic()
     with pytest.raises(StorageError) as info:

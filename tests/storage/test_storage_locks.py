@@ -1,4 +1,5 @@
 """locks.py: create-only run locks, holder-naming errors, stale takeover, races."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,7 +16,12 @@ import pytest
 from raytrain_events.storage import fs as sfs
 from raytrain_events.storage.errors import LockNotHeldError, RunLockedError
 from raytrain_events.storage.locks import (
-    LockInfo, acquire_lock, has_lock, read_lock, refresh_lock, release_lock,
+    LockInfo,
+    acquire_lock,
+    has_lock,
+    read_lock,
+    refresh_lock,
+    release_lock,
 )
 
 
@@ -27,9 +33,14 @@ def _dead_pid() -> int:
 
 def _plant(url: str, opts: dict, lock_type: str, **fields) -> LockInfo:
     """Write a lock file as if another process had taken it."""
-    info = LockInfo(lock_type=lock_type, host=fields.pop("host", socket.gethostname()),
-                    pid=fields.pop("pid", 1), time=fields.pop("time", time.time() - 5),
-                    token=fields.pop("token", "their-token"), **fields)
+    info = LockInfo(
+        lock_type=lock_type,
+        host=fields.pop("host", socket.gethostname()),
+        pid=fields.pop("pid", 1),
+        time=fields.pop("time", time.time() - 5),
+        token=fields.pop("token", "their-token"),
+        **fields,
+    )
     fs, path = sfs.resolve(sfs.join(url, lock_type), opts)
     sfs.write_bytes_create_only(fs, path, info.to_bytes())
     return info
@@ -112,8 +123,7 @@ def test_stale_lock_of_dead_pid_is_taken_over(storage):
 def test_expired_ttl_is_stale_even_on_another_host(storage):
     url, opts = storage
     now = time.time()
-    _plant(url, opts, "running", host="elsewhere", pid=1, time=now - 100, ttl_s=10,
-           expires=now - 90)
+    _plant(url, opts, "running", host="elsewhere", pid=1, time=now - 100, ttl_s=10, expires=now - 90)
     mine = acquire_lock(url, "running", storage_options=opts, takeover_stale=True)
     assert read_lock(url, "running", storage_options=opts).token == mine.token
 
@@ -167,8 +177,7 @@ def test_concurrent_acquire_has_exactly_one_winner(storage, fast_thread_switchin
 def test_concurrent_takeover_has_exactly_one_winner(storage, fast_thread_switching):
     url, opts = storage
     _plant(url, opts, "running", pid=_dead_pid())
-    wins, losses = _race(
-        8, lambda: acquire_lock(url, "running", storage_options=opts, takeover_stale=True))
+    wins, losses = _race(8, lambda: acquire_lock(url, "running", storage_options=opts, takeover_stale=True))
     assert len(wins) == 1 and len(losses) == 7
     assert read_lock(url, "running", storage_options=opts).token == wins[0].token
 

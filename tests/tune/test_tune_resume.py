@@ -6,6 +6,7 @@ started (its whole Ray instance) are SIGKILLed. Then ``sweep(..., resume=True)``
 storage and name runs in this process; per-trial marker files written by rank 0 at fit start and
 fit end show which trainings ran.
 """
+
 from __future__ import annotations
 
 import glob
@@ -70,7 +71,11 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_cluster
     log = open(tmp_path / "interrupted.log", "w")
     proc = subprocess.Popen(
         [sys.executable, os.path.join(HERE, "tune_helpers.py"), str(storage), str(marks)],
-        cwd=str(tmp_path), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        cwd=str(tmp_path),
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     records = os.path.join(str(storage), "resumable", "trial_*", TRIAL_RECORD)
     try:
@@ -83,7 +88,7 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_cluster
         _kill_tree(proc)
         log.close()
     (first_record,) = glob.glob(records)
-    first_trial_id = os.path.basename(os.path.dirname(first_record))[len("trial_"):]
+    first_trial_id = os.path.basename(os.path.dirname(first_record))[len("trial_") :]
     finished = markers(str(marks), "end")
     assert len(finished) == 1, finished  # killed after exactly one trial finished
     (first,) = finished

@@ -1,4 +1,5 @@
 """`raytrain_events.tune.sweep` on the real local Ray: algorithm-set grids, ASHA on samples, aggregated metrics."""
+
 from __future__ import annotations
 
 import os
@@ -9,7 +10,16 @@ import pytest
 import torch
 from ray import cloudpickle as ray_cloudpickle
 from tune_helpers import (
-    ROWS, SETS, LossDump, datasets, make_model, make_sgd, marker_callbacks, markers, train_only, trial_tag,
+    ROWS,
+    SETS,
+    LossDump,
+    datasets,
+    make_model,
+    make_sgd,
+    marker_callbacks,
+    markers,
+    train_only,
+    trial_tag,
 )
 
 from raytrain_events.tune import algorithm_set_label, algorithm_sets_grid, sweep
@@ -20,8 +30,14 @@ ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ship this mod
 
 def _trainer(marker_folder, **kw):
     base = dict(
-        model=make_model, optimizers=make_sgd, datasets=datasets, max_duration="2ep", batch_size=32,
-        num_workers=1, report_interval="4ba", callbacks=marker_callbacks(marker_folder),
+        model=make_model,
+        optimizers=make_sgd,
+        datasets=datasets,
+        max_duration="2ep",
+        batch_size=32,
+        num_workers=1,
+        report_interval="4ba",
+        callbacks=marker_callbacks(marker_folder),
     )
     base.update(kw)
     return base
@@ -33,7 +49,11 @@ def _trainer(marker_folder, **kw):
 def test_algorithm_sets_grid_validates_and_labels():
     grid = algorithm_sets_grid([[], "label_smoothing", [{"name": "mixup", "alpha": 0.4}, "label_smoothing"]])
     assert grid == {"grid_search": [[], ["label_smoothing"], [{"name": "mixup", "alpha": 0.4}, "label_smoothing"]]}
-    assert [algorithm_set_label(s) for s in grid["grid_search"]] == ["none", "label_smoothing", "mixup(alpha=0.4)+label_smoothing"]
+    assert [algorithm_set_label(s) for s in grid["grid_search"]] == [
+        "none",
+        "label_smoothing",
+        "mixup(alpha=0.4)+label_smoothing",
+    ]
     with pytest.raises(ValueError, match="Unknown algorithm 'label_smothing'.*label_smoothing"):
         algorithm_sets_grid([["label_smothing"]])
     with pytest.raises(TypeError, match="mixup"):
@@ -64,10 +84,23 @@ def test_sweep_rejects_bad_arguments_before_any_trial(tmp_path):
 def test_trial_config_is_merged_into_the_trainer_kwargs():
     from raytrain_events.ray.tune import _trial_kwargs
 
-    base = dict(model=make_model, optimizers=make_sgd, datasets=lambda config: {"train": config.get("rows")},
-                max_duration="2ep", algorithms=["ema"], config={"lr": 0.1, "hidden": 8})
-    kwargs = _trial_kwargs(base, {"algorithms": ["label_smoothing"], "lr": 0.5, "rows": "R",
-                                  "trainer": {"batch_size": 7, "max_duration": "3ep"}})
+    base = dict(
+        model=make_model,
+        optimizers=make_sgd,
+        datasets=lambda config: {"train": config.get("rows")},
+        max_duration="2ep",
+        algorithms=["ema"],
+        config={"lr": 0.1, "hidden": 8},
+    )
+    kwargs = _trial_kwargs(
+        base,
+        {
+            "algorithms": ["label_smoothing"],
+            "lr": 0.5,
+            "rows": "R",
+            "trainer": {"batch_size": 7, "max_duration": "3ep"},
+        },
+    )
     assert kwargs["algorithms"] == ["label_smoothing"]  # the trial's set replaces the base set
     assert kwargs["config"]["lr"] == 0.5 and kwargs["config"]["hidden"] == 8
     assert kwargs["config"]["algorithms"] == ["label_smoothing"]
@@ -169,8 +202,9 @@ def test_asha_on_global_samples_stops_the_bad_trial(ray_cluster, tmp_path):
         metric="train/loss",
         mode="min",
         max_concurrent_trials=1,
-        scheduler=ASHAScheduler(time_attr="time/sample", max_t=total, grace_period=128, reduction_factor=2,
-                                stop_last_trials=False),
+        scheduler=ASHAScheduler(
+            time_attr="time/sample", max_t=total, grace_period=128, reduction_factor=2, stop_last_trials=False
+        ),
         storage_path=str(tmp_path / "sweeps"),
         name="asha",
         verbose=0,
@@ -199,8 +233,14 @@ def test_trial_metrics_are_the_aggregate_over_ranks(ray_cluster, tmp_path):
     dumps.mkdir()
     result = sweep(
         trainer=dict(
-            model=make_model, optimizers=make_sgd, datasets=train_only,
-            max_duration="2ep", batch_size=16, num_workers=2, report_interval="4ba", deterministic_split=True,
+            model=make_model,
+            optimizers=make_sgd,
+            datasets=train_only,
+            max_duration="2ep",
+            batch_size=16,
+            num_workers=2,
+            report_interval="4ba",
+            deterministic_split=True,
             callbacks=lambda: [LossDump(str(dumps))],
         ),
         param_space={"lr": 0.2},
@@ -230,4 +270,3 @@ def test_trial_metrics_are_the_aggregate_over_ranks(ray_cluster, tmp_path):
         checked += 1
     assert checked == 4
     assert bool(history[-1]["final"]) is True
-

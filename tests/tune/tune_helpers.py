@@ -3,6 +3,7 @@
 Imported as a plain module by the tests and by the subprocess of the resume test; it registers
 itself to be pickled by value, so Ray workers get these functions without importing this file.
 """
+
 from __future__ import annotations
 
 import functools
@@ -99,7 +100,7 @@ def markers(folder: str, what: str) -> Dict[str, int]:
     counts: Dict[str, int] = {}
     for name in os.listdir(folder):
         if name.startswith(what + "-"):
-            tag = name[len(what) + 1:].rsplit("-", 1)[0]
+            tag = name[len(what) + 1 :].rsplit("-", 1)[0]
             counts[tag] = counts.get(tag, 0) + 1
     return counts
 
@@ -123,8 +124,14 @@ def resumable_sweep(storage: str, marker_folder: str, **kw):
 
     return sweep(
         trainer=dict(
-            model=make_model, optimizers=make_sgd, datasets=train_only, max_duration="2ep", batch_size=32,
-            num_workers=1, report_interval="4ba", callbacks=marker_callbacks(marker_folder),
+            model=make_model,
+            optimizers=make_sgd,
+            datasets=train_only,
+            max_duration="2ep",
+            batch_size=32,
+            num_workers=1,
+            report_interval="4ba",
+            callbacks=marker_callbacks(marker_folder),
         ),
         param_space={"algorithms": algorithm_sets_grid(RESUME_SETS), "lr": 0.2},
         metric="train/loss",
