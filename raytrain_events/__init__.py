@@ -14,7 +14,7 @@ from raytrain_events.core.precision import Precision
 from raytrain_events.core.state import State
 from raytrain_events.core.time import Time, Timestamp, TimeUnit, ensure_time
 from raytrain_events.trainer import Trainer
-from raytrain_events.trainer._eval import Evaluator
+from raytrain_events.trainer.evaluation import Evaluator
 
 __version__ = "0.1.0"
 

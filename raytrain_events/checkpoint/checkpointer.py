@@ -14,7 +14,7 @@ import contextlib
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Tuple
 
 import torch
 
@@ -31,7 +31,7 @@ from raytrain_events.checkpoint.format import (
     rng_file_name,
     write_checkpoint_file,
 )
-from raytrain_events.checkpoint.preemption import save_on_sigterm
+from raytrain_events.checkpoint.preemption import SAVE_FLAG, save_on_sigterm
 from raytrain_events.checkpoint.rng import capture_rng_state, restore_rng_state
 from raytrain_events.checkpoint.store import AsyncCheckpointWriter, load_latest_valid, prune_checkpoints
 from raytrain_events.core.callback import Callback
@@ -41,7 +41,19 @@ from raytrain_events.core.time import TimeUnit
 from raytrain_events.storage.errors import RunLockedError
 from raytrain_events.storage.locks import acquire_lock, release_lock
 
-__all__ = ["Checkpointer", "SavedCheckpoint", "attach_checkpointing", "STATE_FILE"]
+if TYPE_CHECKING:
+    from raytrain_events.core.engine import Engine
+    from raytrain_events.core.state import State
+    from raytrain_events.dist import Dist
+
+__all__ = [
+    "Checkpointer",
+    "CheckpointHost",
+    "SavedCheckpoint",
+    "attach_checkpointing",
+    "find_checkpointer",
+    "STATE_FILE",
+]
 
 STATE_FILE = "state.pt"
 _COUNTERS = {"epoch": TimeUnit.EPOCH, "batch": TimeUnit.BATCH, "sample": TimeUnit.SAMPLE, "token": TimeUnit.TOKEN}
@@ -73,13 +85,36 @@ def _cpu_copy(tree: Any) -> Any:
     return tree
 
 
-class Checkpointer(Callback):
-    """Saves and loads checkpoints for one `Trainer` according to a `CheckpointConfig`."""
+class CheckpointHost(Protocol):
+    """What a `Checkpointer` needs from the loop it saves (a `Trainer` is one)."""
 
-    def __init__(self, trainer: Any, config: CheckpointConfig) -> None:
-        self.trainer = trainer
+    @property
+    def state(self) -> State: ...
+
+    @property
+    def dist(self) -> Dist: ...
+
+    @property
+    def engine(self) -> Engine: ...
+
+    @property
+    def config(self) -> Dict[str, Any]:
+        """The run's config, stored in each checkpoint's metadata (may be empty)."""
+        ...
+
+
+class Checkpointer(Callback):
+    """Saves and loads checkpoints for one `Trainer` according to a `CheckpointConfig`.
+
+    Other components ask for a save with ``state.request("save")`` (on any rank); the ranks
+    agree on it through the loop's per-batch collective and every rank saves at that batch.
+    """
+
+    def __init__(self, host: CheckpointHost, config: CheckpointConfig) -> None:
+        self.host = host
         self.config = config
-        state = trainer.state
+        state = host.state
+        state.agreement.register(SAVE_FLAG)
         self.folder = config.save_folder or os.path.abspath(os.path.join("runs", state.run_name, "checkpoints"))
         self.options = dict(config.storage_options)
         self._interval = (
@@ -93,6 +128,10 @@ class Checkpointer(Callback):
         self._sigterm = contextlib.ExitStack()
         self._epoch_start_rng: Dict[str, Any] = capture_rng_state()
         self.saved: List[SavedCheckpoint] = []
+        # The newest save no reporter has taken yet (see `take_unreported`).
+        self._unreported: Optional[SavedCheckpoint] = None
+        # Mid-epoch resume: (RNG state at the epoch's start, RNG state at the checkpoint).
+        self._resume_rng: Optional[Tuple[Any, Any]] = None
         self.loaded: Optional[CheckpointInfo] = None
         self.run_dir = self.folder.rstrip("/").rsplit("/", 1)[0] if "/" in self.folder.rstrip("/") else self.folder
         self._lock = None
@@ -118,11 +157,11 @@ class Checkpointer(Callback):
             return None
         self._apply(loaded)
         self.loaded = loaded.info
-        self._last_saved_batch = self.trainer.state.timestamp.get_value(TimeUnit.BATCH)
+        self._last_saved_batch = self.host.state.timestamp.get_value(TimeUnit.BATCH)
         return loaded.info
 
     def _files_for_rank(self) -> List[str]:
-        return [STATE_FILE] if self.config.load_weights_only else [STATE_FILE, rng_file_name(self.trainer.state.rank)]
+        return [STATE_FILE] if self.config.load_weights_only else [STATE_FILE, rng_file_name(self.host.state.rank)]
 
     def _read_latest(self, folder: str) -> Optional[LoadedCheckpoint]:
         return load_latest_valid(folder, storage_options=self.options, files=[STATE_FILE], map_location="cpu")
@@ -134,7 +173,7 @@ class Checkpointer(Callback):
             return self._read_latest(url)
 
     def _apply(self, loaded: LoadedCheckpoint) -> None:
-        trainer, state = self.trainer, self.trainer.state
+        host, state = self.host, self.host.state
         saved = loaded.files[STATE_FILE]
         if self.config.load_weights_only:
             state.load_model_state(saved["model"], strict=self.config.load_strict)
@@ -145,14 +184,14 @@ class Checkpointer(Callback):
             rng = read_checkpoint_files(loaded.info, storage_options=self.options, files=[rng_name]).files[rng_name]
             restore_rng_state(rng["now"])
             if state.timestamp.batch_in_epoch.value > 0:
-                state.resume_rng = (rng["epoch_start"], rng["now"])
+                self._resume_rng = (rng["epoch_start"], rng["now"])
                 self._epoch_start_rng = rng["epoch_start"]
         saved_config = loaded.info.metadata.get("config")
-        if state.rank == 0 and saved_config is not None and trainer.config and saved_config != trainer.config:
+        if state.rank == 0 and saved_config is not None and host.config and saved_config != host.config:
             from raytrain_events.storage.config_diff import format_config_diff
 
             print(
-                f"Resuming {loaded.info.url} with a different config:\n{format_config_diff(saved_config, trainer.config)}"
+                f"Resuming {loaded.info.url} with a different config:\n{format_config_diff(saved_config, host.config)}"
             )
 
     # ------------------------------------------------------------------ save
@@ -160,18 +199,36 @@ class Checkpointer(Callback):
         if self.config.save_on_sigterm:
             self._sigterm.enter_context(save_on_sigterm(state))
 
+    def take_resume_rng(self) -> Optional[Tuple[Any, Any]]:
+        """Once after a mid-epoch load: (RNG state at that epoch's start, RNG state at the save).
+
+        The loop restores the first before it iterates the data again (a shuffling sampler draws
+        from it), skips the batches already trained, then restores the second.
+        """
+        resume, self._resume_rng = self._resume_rng, None
+        return resume
+
+    def has_unreported(self) -> bool:
+        """True if a save happened since the last `take_unreported`."""
+        return self._unreported is not None
+
+    def take_unreported(self) -> Optional[SavedCheckpoint]:
+        """The newest save since the last call (None if none): what a reporter sends with its report."""
+        saved, self._unreported = self._unreported, None
+        return saved
+
     def epoch_start(self, state, logger) -> None:
-        if state.resume_rng is None:  # a resumed epoch keeps the RNG state of its real start
+        if self._resume_rng is None:  # a resumed epoch keeps the RNG state of its real start
             self._epoch_start_rng = capture_rng_state()
 
     def after_dataloader(self, state, logger) -> None:
         seconds = self.config.save_every_n_seconds
         if seconds is not None and time.monotonic() - self._last_save_time >= seconds:
-            state.save_requested = True  # agreed across ranks by this batch's collective
+            state.request(SAVE_FLAG)  # agreed across ranks by this batch's collective
 
     def batch_checkpoint(self, state, logger) -> None:
         steps = self.config.save_every_n_steps
-        due = state.save_now or (steps is not None and state.step % steps == 0)
+        due = state.agreed(SAVE_FLAG) or (steps is not None and state.step % steps == 0)
         if not due and self._interval is not None and self.config.save_interval.unit != TimeUnit.EPOCH:
             due = self._interval(state, Event.BATCH_END)
         if due:
@@ -183,12 +240,13 @@ class Checkpointer(Callback):
                 self.save()
 
     def fit_end(self, state, logger) -> None:
-        if self.config.save_final or state.save_requested:
+        # A save asked for at the last batch (SIGTERM) is not agreed by any later batch: save anyway.
+        if self.config.save_final or state.agreement.requested(SAVE_FLAG):
             self.save()
 
     def save(self) -> Optional[SavedCheckpoint]:
         """Save now (every rank must call this at the same batch); None if this batch is saved."""
-        trainer, state, dist = self.trainer, self.trainer.state, self.trainer.dist
+        host, state, dist = self.host, self.host.state, self.host.dist
         batch = state.timestamp.get_value(TimeUnit.BATCH)
         if batch == self._last_saved_batch:
             return None
@@ -212,7 +270,7 @@ class Checkpointer(Callback):
             payload["timestamp"] = state.timestamp.state_dict()
             snapshot = _cpu_copy(payload) if self._writer is not None else payload
             metadata = {
-                "config": trainer.config,
+                "config": host.config,
                 "run_name": state.run_name,
                 "data_position": {"epoch": timestamp["epoch"], "batch_in_epoch": state.timestamp.batch_in_epoch.value},
                 "checkpoint_config": self.config.to_dict(),
@@ -224,12 +282,12 @@ class Checkpointer(Callback):
                 future = _Done(job())
         self._last_saved_batch = batch
         self._last_save_time = time.monotonic()
-        state.save_requested = state.save_now = False
+        state.agreement.clear(SAVE_FLAG)
         saved = SavedCheckpoint(
             url=url, name=url.rstrip("/").rsplit("/", 1)[-1], rank=state.rank, writer=self._writer, future=future
         )
         self.saved.append(saved)
-        state.pending_checkpoint = saved
+        self._unreported = saved
         return saved
 
     def _write(
@@ -296,16 +354,24 @@ class _Done:
         return True
 
 
-def attach_checkpointing(trainer: Any, config: CheckpointConfig) -> Checkpointer:
-    """Load per ``config`` and register the saver as the first callback of ``trainer``."""
+def attach_checkpointing(host: CheckpointHost, config: CheckpointConfig) -> Checkpointer:
+    """Load per ``config`` and register the saver as the first callback of ``host``'s state."""
     if not isinstance(config, CheckpointConfig):
         raise TypeError(f"checkpoint must be a CheckpointConfig, got {type(config).__name__}.")
-    checkpointer = Checkpointer(trainer, config)
+    checkpointer = Checkpointer(host, config)
     try:
         checkpointer.load()
     except BaseException:
         checkpointer.close()  # release the run dir lock: nothing was trained
         raise
-    trainer.state.callbacks.insert(0, checkpointer)
-    trainer.engine.refresh()
+    host.state.callbacks.insert(0, checkpointer)
+    host.engine.refresh()
     return checkpointer
+
+
+def find_checkpointer(state: State) -> Optional[Checkpointer]:
+    """The `Checkpointer` among ``state.callbacks``, if the run saves checkpoints."""
+    for callback in state.callbacks:
+        if isinstance(callback, Checkpointer):
+            return callback
+    return None

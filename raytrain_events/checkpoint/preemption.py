@@ -13,7 +13,10 @@ import signal
 import threading
 from typing import Any, Iterator
 
-__all__ = ["save_on_sigterm"]
+__all__ = ["save_on_sigterm", "SAVE_FLAG"]
+
+#: The agreement flag that asks the `Checkpointer` to save at the next batch all ranks agree on.
+SAVE_FLAG = "save"
 
 
 @contextlib.contextmanager
@@ -22,13 +25,14 @@ def save_on_sigterm(state: Any) -> Iterator[bool]:
 
     Yields True if the handler could be installed (main thread), else False.
     """
+    state.agreement.register(SAVE_FLAG)  # idempotent; every rank enters this at FIT_START
     if threading.current_thread() is not threading.main_thread():
         yield False
         return
     previous = signal.getsignal(signal.SIGTERM)
 
     def _handler(signum: int, frame: Any) -> None:
-        state.save_requested = True
+        state.request(SAVE_FLAG)
         state.stop_training("SIGTERM: saving a checkpoint before exit")
 
     signal.signal(signal.SIGTERM, _handler)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
+from raytrain_events.core.agreement import Agreement
 from raytrain_events.core.algorithm import Algorithm
 from raytrain_events.core.callback import Callback
 from raytrain_events.core.precision import Precision
@@ -89,16 +90,9 @@ class State:
         self.stop_requested = False
         self.stop_consistent = False
         self.stop_reason: Optional[str] = None
-        # A checkpoint asked for on this rank (timer, SIGTERM); agreed across ranks each batch.
-        self.save_requested = False
-        self.save_now = False
-        # The same for a report to the driver (a reporter's clock says one is due).
-        self.report_requested = False
-        self.report_now = False
-        # Set by the checkpoint saver when a save started; consumed by reporters (Ray).
-        self.pending_checkpoint: Any = None
-        # Mid-epoch resume: (RNG state at the epoch's start, RNG state at the checkpoint).
-        self.resume_rng: Any = None
+        # Flags a component asks for on one rank and all ranks agree on at the same batch
+        # (a checkpoint on a timer or SIGTERM, a report to the driver): see `Agreement`.
+        self.agreement = Agreement()
 
     # ----------------------------------------------------------------- time
     @property
@@ -157,6 +151,14 @@ class State:
         self.stop_requested = True
         self.stop_consistent = self.stop_consistent or consistent or self.world_size == 1
         self.stop_reason = reason
+
+    def request(self, flag: str) -> None:
+        """Ask on this rank for ``flag`` (registered with ``state.agreement.register``); see `agreed`."""
+        self.agreement.request(flag)
+
+    def agreed(self, flag: str) -> bool:
+        """True if any rank asked for ``flag`` before this batch's collective: the same on every rank."""
+        return self.agreement.agreed(flag)
 
     # ---------------------------------------------------------------- batch
     @property

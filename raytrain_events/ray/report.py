@@ -14,13 +14,18 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
+from raytrain_events.checkpoint.checkpointer import Checkpointer, find_checkpointer
+from raytrain_events.checkpoint.preemption import SAVE_FLAG
 from raytrain_events.core.callback import Callback
 from raytrain_events.core.event import Event
 from raytrain_events.core.interval import make_interval
 from raytrain_events.core.logger import to_python
 from raytrain_events.core.time import TimeUnit
 
-__all__ = ["RayReporter"]
+__all__ = ["RayReporter", "REPORT_FLAG"]
+
+#: The agreement flag a rank whose report clock ran out requests (reports are collective).
+REPORT_FLAG = "report"
 
 
 def _preempting() -> bool:
@@ -60,7 +65,14 @@ class RayReporter(Callback):
         self._preempting = preemption_fn or _preempting
         self._due = None
         self._start: Optional[Dict[str, int]] = None
+        self._checkpointer: Optional[Checkpointer] = None
         self._reset()
+
+    def init(self, state, logger) -> None:
+        # Every rank registers the same flags before the first batch (see `Agreement`).
+        state.agreement.register(REPORT_FLAG)
+        if self.check_preemption:
+            state.agreement.register(SAVE_FLAG)
 
     def _reset(self) -> None:
         self.local_samples = 0
@@ -75,6 +87,7 @@ class RayReporter(Callback):
             else (lambda state, event: False)
         )
         self._last_report = time.monotonic()
+        self._checkpointer = find_checkpointer(state)  # attached after INIT, so looked up here
         # The first report of this worker group says where it started (0, or a checkpoint).
         self._start = _counters(state.timestamp)
         self._reset()
@@ -82,7 +95,7 @@ class RayReporter(Callback):
     def after_dataloader(self, state, logger) -> None:
         # A clock cannot be compared across ranks: ask, and the batch's collective agrees.
         if self.every_s is not None and time.monotonic() - self._last_report >= self.every_s:
-            state.report_requested = True
+            state.request(REPORT_FLAG)
 
     def batch_end(self, state, logger) -> None:
         self.local_samples += state.batch_num_samples
@@ -92,19 +105,18 @@ class RayReporter(Callback):
             self._loss_count += 1
 
     def batch_checkpoint(self, state, logger) -> None:
-        if state.report_now or self._saved_checkpoint(state) or self._due(state, Event.BATCH_END):
+        if state.agreed(REPORT_FLAG) or self._saved_checkpoint() or self._due(state, Event.BATCH_END):
             self._report(state, logger)
 
     def epoch_checkpoint(self, state, logger) -> None:
-        if self._saved_checkpoint(state) or self._due(state, Event.EPOCH_END):
+        if self._saved_checkpoint() or self._due(state, Event.EPOCH_END):
             self._report(state, logger)
 
     def fit_end(self, state, logger) -> None:
         self._report(state, logger, final=True)
 
-    @staticmethod
-    def _saved_checkpoint(state) -> bool:
-        return getattr(state, "pending_checkpoint", None) is not None
+    def _saved_checkpoint(self) -> bool:
+        return self._checkpointer is not None and self._checkpointer.has_unreported()
 
     def _report(self, state, logger, final: bool = False) -> None:
         loss_sum = float(self._loss_sum)  # the one host read per report
@@ -120,16 +132,15 @@ class RayReporter(Callback):
             "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))},
             "final": final,
         }
-        checkpoint = getattr(state, "pending_checkpoint", None)
-        state.pending_checkpoint = None
-        state.report_requested = state.report_now = False
+        checkpoint = self._checkpointer.take_unreported() if self._checkpointer is not None else None
+        state.agreement.clear(REPORT_FLAG)
         self._last_report = time.monotonic()
         self._start = None
         self._reset()
         self._send(report, checkpoint)
         if self.check_preemption and not final and self._preempting():
             # Every rank got the same answer (it is a barrier): save at the next batch.
-            state.save_requested = True
+            state.request(SAVE_FLAG)
 
     def _send(self, report: Dict[str, Any], checkpoint: Any) -> None:
         if self._report_fn is not None:

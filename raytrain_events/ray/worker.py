@@ -18,7 +18,7 @@ from raytrain_events.ray.data import ShardLoader
 from raytrain_events.ray.report import RayReporter
 from raytrain_events.ray.spec import RunSpec
 from raytrain_events.trainer import Trainer
-from raytrain_events.trainer._eval import Evaluator
+from raytrain_events.trainer.evaluation import Evaluator
 
 __all__ = ["train_loop_per_worker", "build_worker_trainer"]
 

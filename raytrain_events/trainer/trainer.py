@@ -15,7 +15,7 @@ import contextlib
 import datetime
 import random
 import time
-from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 
@@ -31,7 +31,10 @@ from raytrain_events.core.state import State
 from raytrain_events.core.time import Time, TimeUnit, ensure_time
 from raytrain_events.dist import Dist, default_dist
 from raytrain_events.trainer._batch import check_model, move_to_device, total_loss
-from raytrain_events.trainer._eval import ensure_evaluators, run_evaluation
+from raytrain_events.trainer.evaluation import ensure_evaluators, run_evaluation
+
+if TYPE_CHECKING:
+    from raytrain_events.checkpoint.checkpointer import Checkpointer
 
 __all__ = ["Trainer"]
 
@@ -135,7 +138,7 @@ class Trainer:
         self.eval_interval = make_interval(eval_interval, max_duration, counts_tokens=self.train_spec.counts_tokens)
         self.logger = Logger(loggers if self.dist.rank == 0 else ())
         self.engine = Engine(state=self.state, logger=self.logger, algorithm_passes=algorithm_passes)
-        self._checkpointer = None
+        self._checkpointer: Optional[Checkpointer] = None
         self._fitted = False
 
         self.engine.run_event(Event.INIT)
@@ -183,6 +186,7 @@ class Trainer:
         state, engine = self.state, self.engine
         state.model.train()
         engine.run_event(Event.FIT_START)
+        self._check_flags_agree()
         epoch_unit = state.max_duration.unit == TimeUnit.EPOCH
         while not (state.stop_requested and state.stop_consistent) and not is_done(state):
             engine.run_event(Event.EPOCH_START)
@@ -204,7 +208,7 @@ class Trainer:
         loader = spec.dataloader
         _set_epoch(loader, state.epoch)
         skip = state.timestamp.batch_in_epoch.value  # mid-epoch resume: batches already trained
-        resume_rng, state.resume_rng = state.resume_rng, None
+        resume_rng = self._checkpointer.take_resume_rng() if self._checkpointer is not None else None
         if skip and resume_rng is not None:
             # Replay the epoch start exactly (a shuffling sampler draws from the global RNG in
             # iter()), skip what was trained, then continue from the checkpoint's RNG state.
@@ -217,6 +221,7 @@ class Trainer:
         if skip and resume_rng is not None:
             restore_rng_state(resume_rng[1])
         device, counts_tokens, grad_accum = self.device, spec.counts_tokens, state.grad_accum
+        agreement = state.agreement
         batches = 0
         while True:
             engine.run_event(Event.BEFORE_DATALOADER)
@@ -237,19 +242,17 @@ class Trainer:
                     "lower grad_accum or raise the batch size."
                 )
             state.batch_num_samples, state.batch_num_tokens = samples, tokens
-            # One fused collective per batch: counts, plus flags every rank must agree on.
+            # One fused collective per batch: counts, a stop, and every registered agreement flag.
             local_stop = 1 if state.stop_requested and not state.stop_consistent else 0
-            pending = dist.sum_ints_async(
-                (samples, tokens, local_stop, 1 if state.save_requested else 0, 1 if state.report_requested else 0)
-            )
+            pending = dist.sum_ints_async([samples, tokens, local_stop, *agreement.local_values()])
             engine.run_event(Event.BATCH_START)
             start = time.perf_counter()
             self._train_batch()
-            global_samples, global_tokens, stops, saves, reports = pending.wait()
+            sums = pending.wait()
+            global_samples, global_tokens, stops = sums[0], sums[1], sums[2]
             if stops:
                 state.stop_requested = state.stop_consistent = True
-            state.save_now = saves > 0
-            state.report_now = reports > 0
+            agreement.set_sums(sums[3:])
             state.global_batch_num_samples, state.global_batch_num_tokens = global_samples, global_tokens
             state.timestamp = state.timestamp.to_next_batch(
                 global_samples, global_tokens, datetime.timedelta(seconds=time.perf_counter() - start)
@@ -323,6 +326,17 @@ class Trainer:
             scaler.update()
 
     # --------------------------------------------------------------- helpers
+    def _check_flags_agree(self) -> None:
+        """Fail fast if ranks registered different agreement flags (their sums would not line up)."""
+        if not self.dist.is_distributed:
+            return
+        names: List[Any] = self.dist.all_gather_object(self.state.agreement.names)
+        if any(n != names[0] for n in names):
+            raise RuntimeError(
+                f"Ranks registered different agreement flags: {dict(enumerate(names))}. Build the same "
+                "callbacks and checkpoint config on every rank."
+            )
+
     def close(self) -> None:
         """Close callbacks and loggers (fit does this itself)."""
         self.engine.close()

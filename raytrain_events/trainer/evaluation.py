@@ -6,8 +6,9 @@ their ``compute()`` synchronizes across the process group, so every rank logs th
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Optional, Protocol, Sequence, Union
 
 import torch
 
@@ -15,7 +16,12 @@ from raytrain_events.core.data_spec import DataSpec, ensure_data_spec
 from raytrain_events.core.event import Event
 from raytrain_events.trainer._batch import move_to_device
 
-__all__ = ["Evaluator", "ensure_evaluators", "run_evaluation"]
+if TYPE_CHECKING:
+    from raytrain_events.core.engine import Engine
+    from raytrain_events.core.logger import Logger
+    from raytrain_events.core.state import State
+
+__all__ = ["Evaluator", "EvaluationHost", "ensure_evaluators", "run_evaluation"]
 
 
 class Evaluator:
@@ -66,9 +72,29 @@ def _fresh_metrics(model: Any, names: Optional[List[str]]) -> Dict[str, Any]:
     return out
 
 
-def run_evaluation(trainer: Any) -> None:
+class EvaluationHost(Protocol):
+    """What evaluation needs from the loop that runs it (a `Trainer` is one)."""
+
+    @property
+    def state(self) -> State: ...
+
+    @property
+    def engine(self) -> Engine: ...
+
+    @property
+    def logger(self) -> Logger: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The precision context the eval forward runs in."""
+        ...
+
+
+def run_evaluation(host: EvaluationHost) -> None:
     """Evaluate on every evaluator, firing the EVAL_* events, and log ``metrics/<label>/<name>``."""
-    state, engine, logger = trainer.state, trainer.engine, trainer.logger
+    state, engine, logger, device = host.state, host.engine, host.logger, host.device
     model = state.model
     was_training = model.training
     train_batch, train_outputs = state.batch, state.outputs
@@ -77,7 +103,7 @@ def run_evaluation(trainer: Any) -> None:
         for evaluator in state.evaluators:
             metrics = _fresh_metrics(model, evaluator.metric_names)
             for metric in metrics.values():
-                metric.to(trainer.device)
+                metric.to(device)
             state.eval_metrics[evaluator.label] = metrics
             engine.run_event(Event.EVAL_START)
             spec = evaluator.dataloader
@@ -85,13 +111,13 @@ def run_evaluation(trainer: Any) -> None:
             update_metric = getattr(model, "update_metric", None)
             with torch.no_grad():
                 for batch in spec.dataloader:
-                    batch = move_to_device(batch, trainer.device)
+                    batch = move_to_device(batch, device)
                     if spec.device_transforms is not None:
                         batch = spec.device_transforms(batch)
                     state.batch = batch
                     engine.run_event(Event.EVAL_BATCH_START)
                     engine.run_event(Event.EVAL_BEFORE_FORWARD)
-                    with trainer.autocast():
+                    with host.autocast():
                         outputs = eval_forward(state.batch, None) if eval_forward is not None else model(state.batch)
                     state.outputs = outputs
                     engine.run_event(Event.EVAL_AFTER_FORWARD)

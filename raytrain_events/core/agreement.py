@@ -1,0 +1,95 @@
+"""`Agreement`: flags one rank asks for and all ranks agree on at the same batch.
+
+A clock, a signal handler or a preemption notice fires on one rank, but a checkpoint or a
+report to the driver is a collective: every rank must act at the same batch. So a component
+*registers* a flag once (on every rank, before training), *requests* it on whichever rank
+wants it, and after the batch's counter collective reads whether it was *agreed*: asked on
+at least one rank. The loop sums every registered flag in the one collective it runs per
+batch anyway, so a new feature needs no change of `State` or of the loop.
+
+Example::
+
+    state.agreement.register("save")      # in the component's __init__, on every rank
+    state.agreement.request("save")       # on the rank whose timer fired
+    ...                                   # the loop's per-batch collective
+    if state.agreement.agreed("save"):    # at BATCH_END or later: same answer on every rank
+        save()
+        state.agreement.clear("save")
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Sequence, Tuple
+
+__all__ = ["Agreement"]
+
+
+class Agreement:
+    """Named flags: requested on this rank, agreed by all ranks once per batch."""
+
+    __slots__ = ("_names", "_requested", "_agreed", "_values")
+
+    def __init__(self) -> None:
+        self._names: List[str] = []
+        self._requested: Dict[str, bool] = {}
+        self._agreed: Dict[str, bool] = {}
+        self._values: List[int] = []  # 0/1 per registered flag, in ``_names`` order
+
+    # --------------------------------------------------------------- setup
+    def register(self, name: str) -> None:
+        """Declare the flag ``name`` (idempotent). Every rank must register the same flags."""
+        if name not in self._requested:
+            self._names.append(name)
+            self._names.sort()  # the same order on every rank, whatever the registration order
+            self._requested[name] = False
+            self._agreed[name] = False
+            self._values = [1 if self._requested[n] else 0 for n in self._names]
+
+    @property
+    def names(self) -> Tuple[str, ...]:
+        """The registered flags, in the order the loop sums them."""
+        return tuple(self._names)
+
+    # ------------------------------------------------------------ this rank
+    def request(self, name: str) -> None:
+        """Ask for ``name`` on this rank; it stays asked until `clear`."""
+        self._check(name)
+        self._requested[name] = True
+        self._values[self._names.index(name)] = 1
+
+    def requested(self, name: str) -> bool:
+        """True if ``name`` was asked on this rank and not cleared since (not agreed yet)."""
+        self._check(name)
+        return self._requested[name]
+
+    # ------------------------------------------------------------ all ranks
+    def agreed(self, name: str) -> bool:
+        """True if some rank asked for ``name`` before the latest batch's collective."""
+        self._check(name)
+        return self._agreed[name]
+
+    def clear(self, name: str) -> None:
+        """The request was acted on: forget it on this rank (asked and agreed)."""
+        self._check(name)
+        self._requested[name] = False
+        self._agreed[name] = False
+        self._values[self._names.index(name)] = 0
+
+    # ------------------------------------------------------------- the loop
+    def local_values(self) -> List[int]:
+        """This rank's requests as 0/1 ints, in `names` order (what the loop sums)."""
+        return self._values
+
+    def set_sums(self, sums: Sequence[int]) -> None:
+        """Record the summed requests of all ranks (the loop calls this once per batch)."""
+        if len(sums) != len(self._names):
+            raise ValueError(f"Got {len(sums)} flag sums for {len(self._names)} registered flags {self._names}.")
+        for name, total in zip(self._names, sums):
+            self._agreed[name] = total > 0
+
+    def _check(self, name: str) -> None:
+        if name not in self._requested:
+            raise KeyError(
+                f"Flag {name!r} is not registered (registered: {self._names}); call "
+                f"state.agreement.register({name!r}) on every rank before training."
+            )

@@ -1,0 +1,95 @@
+"""Agreement flags: asked on one rank, agreed by all at the same batch, through the loop's one collective."""
+
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from raytrain_events import Callback, Trainer
+from raytrain_events.core.agreement import Agreement
+from raytrain_events.dist import LocalDist, PendingSum
+from raytrain_events.models import ClassifierModel
+
+
+def test_registration_is_idempotent_and_ordered_by_name():
+    a, b = Agreement(), Agreement()
+    for name in ("save", "report", "save"):
+        a.register(name)
+    for name in ("report", "save"):
+        b.register(name)
+    assert a.names == b.names == ("report", "save")
+
+
+def test_requested_is_local_and_agreed_comes_from_the_sums():
+    agreement = Agreement()
+    agreement.register("report")
+    agreement.register("save")
+    agreement.request("save")
+    assert agreement.requested("save") and not agreement.agreed("save")
+    assert agreement.local_values() == [0, 1]
+    agreement.set_sums([2, 0])  # two other ranks asked for a report; this rank's save is not summed yet
+    assert agreement.agreed("report") and not agreement.agreed("save") and not agreement.requested("report")
+    agreement.clear("report")
+    assert not agreement.agreed("report") and agreement.local_values() == [0, 1]
+
+
+def test_unknown_flag_names_the_fix():
+    agreement = Agreement()
+    with pytest.raises(KeyError, match=r"register\('save'\)"):
+        agreement.request("save")
+    agreement.register("save")
+    with pytest.raises(ValueError, match="2 flag sums for 1"):
+        agreement.set_sums([0, 1])
+
+
+class _AskAt(Callback):
+    """Registers a new flag (no change to State or the loop) and asks for it on chosen batches."""
+
+    def __init__(self, ask_at: Sequence[int]) -> None:
+        self.ask_at = set(ask_at)
+        self.agreed_at: List[int] = []
+
+    def init(self, state, logger):
+        state.agreement.register("custom")
+
+    def after_dataloader(self, state, logger):
+        if state.step + 1 in self.ask_at:
+            state.request("custom")
+
+    def batch_end(self, state, logger):
+        if state.agreed("custom"):
+            self.agreed_at.append(state.step)
+            state.agreement.clear("custom")
+
+
+class _RecordingDist(LocalDist):
+    """One process, recording what the loop sums per batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sums: List[List[int]] = []
+
+    def sum_ints_async(self, values: Sequence[int]) -> PendingSum:
+        self.sums.append(list(values))
+        return super().sum_ints_async(values)
+
+
+def test_a_new_flag_rides_on_the_one_collective_per_batch():
+    torch.manual_seed(0)
+    model = ClassifierModel(torch.nn.Linear(4, 2), num_classes=2)
+    data = TensorDataset(torch.randn(40, 4), torch.randint(0, 2, (40,)))
+    asker, dist = _AskAt([2, 5]), _RecordingDist()
+    Trainer(
+        model=model,
+        train_dataloader=DataLoader(data, batch_size=8),
+        max_duration="1ep",
+        optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+        callbacks=[asker],
+        dist=dist,
+    ).fit()
+    assert asker.agreed_at == [2, 5]
+    assert len(dist.sums) == 5  # one collective per batch, flags included
+    assert [s[3] for s in dist.sums] == [0, 1, 0, 0, 1]  # samples, tokens, stop, then "custom"
