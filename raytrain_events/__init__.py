@@ -13,8 +13,7 @@ from raytrain_events.core.logger import Logger, LoggerDestination
 from raytrain_events.core.precision import Precision
 from raytrain_events.core.state import State
 from raytrain_events.core.time import Time, Timestamp, TimeUnit, ensure_time
-from raytrain_events.trainer import Trainer
-from raytrain_events.trainer.evaluation import Evaluator
+from raytrain_events.trainer import Evaluator, Trainer, seed_everything
 
 __version__ = "0.1.0"
 
@@ -35,6 +34,7 @@ __all__ = [
     "Trace",
     "Trainer",
     "ensure_time",
+    "seed_everything",
     "RayTrainer",
     "CheckpointConfig",
     "__version__",

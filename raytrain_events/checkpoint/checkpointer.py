@@ -39,6 +39,7 @@ from raytrain_events.core.event import Event
 from raytrain_events.core.interval import make_interval
 from raytrain_events.core.time import TimeUnit
 from raytrain_events.storage.errors import RunLockedError
+from raytrain_events.storage.fs import basename
 from raytrain_events.storage.locks import acquire_lock, release_lock
 
 if TYPE_CHECKING:
@@ -283,9 +284,7 @@ class Checkpointer(Callback):
         self._last_saved_batch = batch
         self._last_save_time = time.monotonic()
         state.agreement.clear(SAVE_FLAG)
-        saved = SavedCheckpoint(
-            url=url, name=url.rstrip("/").rsplit("/", 1)[-1], rank=state.rank, writer=self._writer, future=future
-        )
+        saved = SavedCheckpoint(url=url, name=basename(url), rank=state.rank, writer=self._writer, future=future)
         self.saved.append(saved)
         self._unreported = saved
         return saved

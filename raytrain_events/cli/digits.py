@@ -223,12 +223,14 @@ def read_parquet(url: str, storage_options: Dict[str, Any]) -> Any:
 # ------------------------------------------------------------------------------ the job
 def run_url_of(cfg: DictConfig) -> str:
     """``<storage>/<run_name>`` with local paths made absolute (Ray workers need absolute paths)."""
+    from raytrain_events.storage.fs import join
+
     storage = cfg.storage
     if storage.startswith("file://"):
         storage = storage[len("file://") :]
     if "://" not in storage:
         storage = os.path.abspath(os.path.expanduser(storage))
-    return storage.rstrip("/") + "/" + cfg.run_name
+    return join(storage, cfg.run_name)
 
 
 def train_digits(cfg: DictConfig, *, echo: Callable[[str], None] = print) -> Dict[str, Any]:

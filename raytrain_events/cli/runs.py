@@ -73,9 +73,10 @@ def _load_config(run_url: str, options: Dict[str, Any]) -> Any:
 
 def _run_info(run_url: str, options: Dict[str, Any]) -> Dict[str, Any]:
     from raytrain_events.checkpoint.store import list_checkpoints
+    from raytrain_events.storage.fs import join
 
-    checkpoints = list_checkpoints(run_url.rstrip("/") + "/checkpoints", storage_options=options)
-    summary = _read_json(run_url.rstrip("/") + "/summary.json", options)
+    checkpoints = list_checkpoints(join(run_url, "checkpoints"), storage_options=options)
+    summary = _read_json(join(run_url, "summary.json"), options)
     return {
         "run_url": run_url,
         "status": _status(run_url, options, summary),

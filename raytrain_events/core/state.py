@@ -244,8 +244,7 @@ class State:
         for key, callback_state in state.get("callbacks", {}).items():
             if key in callbacks:
                 callbacks[key].load_state_dict(callback_state)
-        self.timestamp = Timestamp()
-        self.timestamp.load_state_dict(state["timestamp"])
+        self.timestamp = Timestamp.from_state_dict(state["timestamp"])
 
 
 def _keyed(objects: Sequence[Any]) -> Dict[str, Any]:

@@ -495,8 +495,13 @@ class Timestamp:
         d.update((n, getattr(self, "_" + n).total_seconds()) for n in _WCTS)
         return d
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Overwrite this Timestamp in place (checkpoint load only), e.g. ``ts.load_state_dict(saved.state_dict())``."""
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any]) -> Timestamp:
+        """A new Timestamp from what `state_dict` (or `get_state`) returned; bad input raises, naming the key.
+
+        >>> Timestamp.from_state_dict(Timestamp(epoch=2).state_dict()).epoch
+        Time(2, TimeUnit.EPOCH)
+        """
         if not isinstance(state, Mapping):
             raise TypeError(f"Timestamp state must be a mapping, got {type(state).__name__}")
         missing = [n for n in _COUNTERS if n not in state]
@@ -506,9 +511,7 @@ class Timestamp:
         for n in _WCTS:
             v = state.get(n)
             kwargs[n] = datetime.timedelta(seconds=float(v)) if _is_real(v) else v
-        new = Timestamp(**kwargs)  # validates everything before mutating self
-        for slot in Timestamp.__slots__:
-            setattr(self, slot, getattr(new, slot))
+        return cls(**kwargs)
 
     def get_state(self) -> dict[str, Time[int] | datetime.timedelta]:
         """All fields as Time objects / timedeltas, e.g. ``ts.get_state()["epoch"] == Time(0, "ep")``."""
@@ -528,7 +531,7 @@ class Timestamp:
     __lt__, __le__ = _timestamp_cmp(operator.lt), _timestamp_cmp(operator.le)
     __gt__, __ge__ = _timestamp_cmp(operator.gt), _timestamp_cmp(operator.ge)
 
-    __hash__ = None  # type: ignore[assignment]  # mutable via load_state_dict
+    __hash__ = None  # type: ignore[assignment]  # equal to `Time` values of any unit, so no consistent hash
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{n}={getattr(self, '_' + n)!r}" for n in _COUNTERS + _WCTS)

@@ -16,6 +16,7 @@ from typing import Any, Dict
 from raytrain_events.checkpoint.checkpointer import SavedCheckpoint
 from raytrain_events.checkpoint.config import CheckpointConfig
 from raytrain_events.ray.spec import RunSpec
+from raytrain_events.storage.fs import basename, join
 
 __all__ = ["ray_checkpoint_config", "report_with_checkpoint"]
 
@@ -25,13 +26,13 @@ def ray_checkpoint_config(spec: RunSpec) -> CheckpointConfig:
     import ray.train
 
     config: CheckpointConfig = spec.checkpoint
-    folder = config.save_folder or spec.storage_url.rstrip("/") + "/" + spec.run_name + "/checkpoints"
+    folder = config.save_folder or join(spec.storage_url, spec.run_name, "checkpoints")
     options = dict(spec.storage_options)
     options.update(config.storage_options)
     updates: Dict[str, Any] = {"save_folder": folder, "storage_options": options}
     restored = ray.train.get_checkpoint()
     if restored is not None:  # a restart after a failure: continue from Ray's latest checkpoint
-        updates["load_from"] = folder.rstrip("/") + "/" + restored.path.rstrip("/").rsplit("/", 1)[-1]
+        updates["load_from"] = join(folder, basename(restored.path))
         updates["autoresume"] = False
         updates["load_weights_only"] = False
     return dataclasses.replace(config, **updates)
@@ -45,7 +46,7 @@ def report_with_checkpoint(report: Dict[str, Any], saved: SavedCheckpoint) -> No
     checkpoint = None
     if saved.rank == 0:
         storage = ray.train.get_context().get_storage()
-        path = storage.experiment_fs_path.rstrip("/") + "/checkpoints/" + saved.name
+        path = join(storage.experiment_fs_path, "checkpoints", saved.name)
         checkpoint = Checkpoint(path=path, filesystem=storage.storage_filesystem)
 
     def _wait_for_commit(checkpoint: Any, dir_name: str) -> Any:

@@ -167,7 +167,9 @@ class RayTrainer:
     @property
     def run_url(self) -> str:
         """Where this run's files live: ``<storage_path>/<run_name>``."""
-        return self.storage_path.rstrip("/") + "/" + self.run_name
+        from raytrain_events.storage.fs import join
+
+        return join(self.storage_path, self.run_name)
 
     def fit(self) -> RayResult:
         """Run training on the Ray workers and return the aggregated result."""

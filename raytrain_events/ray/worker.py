@@ -7,10 +7,7 @@ gloo on CPU, NCCL on GPU) and reports to the controller through `RayReporter`.
 
 from __future__ import annotations
 
-import random
 from typing import Any, Dict
-
-import torch
 
 from raytrain_events.core.data_spec import DataSpec
 from raytrain_events.dist import LocalDist, TorchDist
@@ -19,16 +16,9 @@ from raytrain_events.ray.report import RayReporter
 from raytrain_events.ray.spec import RunSpec
 from raytrain_events.trainer import Trainer
 from raytrain_events.trainer.evaluation import Evaluator
+from raytrain_events.trainer.seed import seed_everything
 
 __all__ = ["train_loop_per_worker", "build_worker_trainer"]
-
-
-def _seed(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
-    import numpy as np
-
-    np.random.seed(seed % (2**32))
 
 
 def build_worker_trainer(spec: RunSpec) -> Trainer:
@@ -40,7 +30,7 @@ def build_worker_trainer(spec: RunSpec) -> Trainer:
     device = ray.train.torch.get_device()
     dist = TorchDist(device) if context.get_world_size() > 1 else LocalDist(device)
     if spec.seed is not None:
-        _seed(spec.seed)  # the same initial weights on every rank
+        seed_everything(spec.seed)  # the same initial weights on every rank
     model = spec.build_model()
     model.to(device)
     optimizers = spec.build_optimizers(model)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import random
 import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
 
@@ -32,6 +31,7 @@ from raytrain_events.core.time import Time, TimeUnit, ensure_time
 from raytrain_events.dist import Dist, default_dist
 from raytrain_events.trainer._batch import check_model, move_to_device, total_loss
 from raytrain_events.trainer.evaluation import ensure_evaluators, run_evaluation
+from raytrain_events.trainer.seed import seed_everything
 
 if TYPE_CHECKING:
     from raytrain_events.checkpoint.checkpointer import Checkpointer
@@ -114,7 +114,7 @@ class Trainer:
             )
         self.config = dict(config or {})
         if seed is not None:
-            _seed_everything(seed + self.dist.rank)
+            seed_everything(seed + self.dist.rank)
         model.to(self.device)
         self.state = State(
             model=model,
@@ -398,14 +398,3 @@ def _set_epoch(loader: Any, epoch: int) -> None:
         if callable(set_epoch):
             set_epoch(epoch)
             return
-
-
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed % (2**32))
-    except ImportError:  # pragma: no cover - numpy ships with torch wheels
-        pass

@@ -651,38 +651,33 @@ def test_state_dict_is_plain_and_round_trips():
         "batch_wct": 0.0,
     }
     assert all(type(v) in (int, float) for v in sd.values())
-    restored = Timestamp()
-    restored.load_state_dict(json.loads(json.dumps(sd)))
+    restored = Timestamp.from_state_dict(json.loads(json.dumps(sd)))
     assert restored.state_dict() == sd and restored == ts
     assert restored.total_wct == td(seconds=10, microseconds=7)
 
 
-def test_load_state_dict_mutates_in_place_and_accepts_get_state():
+def test_from_state_dict_returns_a_new_timestamp_and_accepts_get_state():
     ts = Timestamp(epoch=2, batch=5, total_wct=td(seconds=3))
-    target = Timestamp()
-    alias = target
-    target.load_state_dict(ts.get_state())
-    assert alias.epoch == Time(2, "ep") and alias.total_wct == td(seconds=3)
+    loaded = Timestamp.from_state_dict(ts.get_state())
+    assert loaded is not ts and loaded.epoch == Time(2, "ep") and loaded.total_wct == td(seconds=3)
+    assert not hasattr(Timestamp, "load_state_dict")  # documented immutable: nothing mutates one in place
     # wall-clock keys are optional (older checkpoints)
     sd = ts.state_dict()
     for k in ("total_wct", "epoch_wct", "batch_wct"):
         del sd[k]
-    t2 = Timestamp(total_wct=td(seconds=99))
-    t2.load_state_dict(sd)
+    t2 = Timestamp.from_state_dict(sd)
     assert t2.batch == Time(5, "ba") and t2.total_wct == td(0)
 
 
-def test_load_state_dict_errors_leave_timestamp_unchanged():
-    ts = Timestamp(epoch=3)
+def test_from_state_dict_errors_name_the_problem():
     with pytest.raises(ValueError, match=r"missing keys \['token_in_epoch'\]"):
-        ts.load_state_dict({k: 0 for k in COUNTER_UNITS if k != "token_in_epoch"})
+        Timestamp.from_state_dict({k: 0 for k in COUNTER_UNITS if k != "token_in_epoch"})
     bad = Timestamp().state_dict()
     bad["batch"] = -4
     with pytest.raises(ValueError, match="'batch' must be >= 0"):
-        ts.load_state_dict(bad)
+        Timestamp.from_state_dict(bad)
     with pytest.raises(TypeError, match="must be a mapping"):
-        ts.load_state_dict([1, 2])  # type: ignore[arg-type]
-    assert ts == Timestamp(epoch=3) and ts.epoch == Time(3, "ep")
+        Timestamp.from_state_dict([1, 2])  # type: ignore[arg-type]
 
 
 def test_get_state():
@@ -882,8 +877,7 @@ def test_prop_to_next_batch_matches_reference(ts, samples, tokens, micros):
 def test_prop_state_dict_round_trip(ts):
     sd = ts.state_dict()
     assert all(type(v) in (int, float) for v in sd.values())
-    restored = Timestamp()
-    restored.load_state_dict(json.loads(json.dumps(sd)))
+    restored = Timestamp.from_state_dict(json.loads(json.dumps(sd)))
     assert restored.state_dict() == sd
     assert restored == ts
     for name in ("total_wct", "epoch_wct", "batch_wct"):
