@@ -28,9 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from raytrain_events import Callback, DataSpec, Trainer
-from raytrain_events.cli.config import keys_help, load_config
-from raytrain_events.cli.errors import UsageError, run_guarded
-from raytrain_events.cli.parser import ArgumentParser
+from raytrain_events.cli import ArgumentParser, UsageError, keys_help, load_config, run_guarded
 
 VOCAB = 128  # ASCII; other characters map to '?'
 PAD, IGNORE = 0, -100  # NUL never occurs in source files; -100 is cross_entropy's ignore_index
@@ -246,7 +244,8 @@ def run_local(cfg: Dict[str, Any], sequences: List[np.ndarray]) -> None:
         seed=cfg["seed"],
     ).fit()
     print(
-        f"final timestamp: {state.timestamp.token.value} tokens, {state.timestamp.batch.value} batches, {state.timestamp.epoch.value} epochs"
+        f"final timestamp: {state.timestamp.token.value} tokens, {state.timestamp.sample.value} samples, "
+        f"{state.timestamp.batch.value} batches, {state.timestamp.epoch.value} epochs"
     )
 
 
@@ -280,7 +279,8 @@ def run_ray(cfg: Dict[str, Any], sequences: List[np.ndarray]) -> None:
     for tokens, loss in losses:
         print(f"  tok {tokens:>8}  loss {loss:.3f}")
     print(
-        f"final timestamp: {result.timestamp.token.value} tokens, {result.timestamp.batch.value} batches, {result.timestamp.epoch.value} epochs"
+        f"final timestamp: {result.timestamp.token.value} tokens, {result.timestamp.sample.value} samples, "
+        f"{result.timestamp.batch.value} batches, {result.timestamp.epoch.value} epochs"
     )
 
 

@@ -1,16 +1,35 @@
-"""The ``raytrain-events`` command line (``python -m raytrain_events``) and the example jobs.
+"""The ``raytrain-events`` command line (``python -m raytrain_events``) and the config tools scripts use.
 
-Subcommands: ``train`` (the digits job from a YAML config plus ``key=value`` overrides),
-``runs ls`` (runs under a storage root), ``inspect`` (a run's config, summary and
-checkpoints) and ``diff`` (the config differences between two runs). ``examples/train.py``
-calls the same ``train`` code, so the example and the CLI share one config schema.
+Subcommands: ``train`` (any ``module:function`` or ``path/to/file.py:function`` entry point, by
+default the digits job in ``examples/train.py``, with its config from a YAML file plus
+``key=value`` overrides), ``runs ls`` (runs under a storage root), ``inspect`` (a run's config,
+summary and checkpoints) and ``diff`` (the config differences between two runs).
+
+What a training script uses (the examples do): `config_main` (the script's command line for
+its entry function), `load_config`/`keys_help`/`to_plain` (a dataclass schema <- YAML <-
+overrides), `UsageError`/`TrainingFailed`/`run_guarded` (exit 2 / 1 with a message, never a
+traceback) and `storage_step` (a storage failure as a `UsageError` naming the URL).
 
 Importing this package imports neither Ray nor torch; each subcommand imports what it needs.
 """
 
-from raytrain_events.cli.errors import UsageError
+from raytrain_events.cli.config import keys_help, load_config, to_plain
+from raytrain_events.cli.errors import TrainingFailed, UsageError, run_guarded, storage_step
+from raytrain_events.cli.parser import ArgumentParser
+from raytrain_events.cli.train import config_main
 
-__all__ = ["UsageError", "main"]
+__all__ = [
+    "ArgumentParser",
+    "TrainingFailed",
+    "UsageError",
+    "config_main",
+    "keys_help",
+    "load_config",
+    "main",
+    "run_guarded",
+    "storage_step",
+    "to_plain",
+]
 
 
 def main(argv=None) -> int:

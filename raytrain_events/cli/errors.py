@@ -7,9 +7,9 @@ prints ``error: <message>`` on stderr and returns the exit code instead of a tra
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from typing import Any, Callable
 
-__all__ = ["UsageError", "TrainingFailed", "run_guarded", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE"]
+__all__ = ["UsageError", "TrainingFailed", "run_guarded", "storage_step", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -36,3 +36,22 @@ def run_guarded(fn: Callable[[], int | None], *, prog: str) -> int:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     return EXIT_OK if code is None else code
+
+
+def storage_step(url: str, fn: Callable[[], Any]) -> Any:
+    """Run one storage operation of a job; any failure becomes a `UsageError` naming the URL, the cause and a fix."""
+    try:
+        return fn()
+    except UsageError:
+        raise
+    except ImportError as exc:  # a missing fsspec backend names its extra
+        raise UsageError(str(exc)) from None
+    except Exception as exc:
+        from raytrain_events.storage.errors import StorageError
+
+        if isinstance(exc, StorageError):  # already names the URL, the backend's error and a fix
+            raise UsageError(f"Cannot use storage {url!r}: {exc}") from None
+        raise UsageError(
+            f"Cannot use storage {url!r}: {type(exc).__name__}: {exc}. Check the storage URL, that the bucket or "
+            "folder exists and is writable, and storage_options (endpoint, credentials)."
+        ) from None

@@ -25,8 +25,10 @@ def _formatter(prog: str) -> argparse.HelpFormatter:
     return argparse.RawDescriptionHelpFormatter(prog, max_help_position=32)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(entry: Optional[str] = None) -> argparse.ArgumentParser:
+    """The whole command line; ``train --help`` describes entry point ``entry`` (default: the digits job)."""
     from raytrain_events import __version__
+    from raytrain_events.cli.entry import config_schema, load_entry
     from raytrain_events.cli.train import add_train_arguments
 
     parser = ArgumentParser(
@@ -37,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
             "examples:\n"
             f"  {PROG} train num_workers=2 max_duration=3ep\n"
             f"  {PROG} train --config examples/configs/digits.yaml storage=s3://my-bucket/runs\n"
+            f"  {PROG} train my_package.jobs:train lr=0.1\n"
+            f"  {PROG} train path/to/job.py:train --print-config\n"
             f"  {PROG} runs ls ./runs\n"
             f"  {PROG} inspect ./runs/digits-20250101-120000\n"
             f"  {PROG} diff ./runs/run-a ./runs/run-b\n"
@@ -48,10 +52,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser(
         "train",
-        help="Train the digits classifier from a YAML config with key=value overrides.",
+        help="Run a training entry point (module:function; default the digits job) with a YAML config and key=value overrides.",
         formatter_class=_formatter,
     )
-    add_train_arguments(train)
+    try:
+        fn, load_error = load_entry(entry), ""
+        config_schema(fn)
+    except UsageError as exc:
+        fn, load_error = None, str(exc)
+    add_train_arguments(train, fn, entry_arg=True, load_error=load_error)
     train.set_defaults(_parser=train)
 
     runs = commands.add_parser(
@@ -155,5 +164,13 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``) and run the command; returns the exit code."""
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    from raytrain_events.cli.train import split_entry
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    entry = None
+    if argv[:1] == ["train"]:
+        entry, rest = split_entry(argv[1:])
+        argv = ["train"] + rest
+    args = build_parser(entry).parse_args(argv)
+    args.entry = entry
     return run_guarded(lambda: _dispatch(args), prog=PROG)

@@ -1,8 +1,8 @@
 """``runs ls``, ``inspect`` and ``diff``: look at run directories on any storage.
 
 A run directory is ``<storage>/<run_name>`` holding any of ``config.yaml`` (the run's config),
-``summary.json`` (written when the digits job ends) and ``checkpoints/`` (committed
-checkpoints, each with the global Timestamp it was saved at).
+``summary.json`` (written when a job such as the digits example ends, see `raytrain_events.cli.summary`)
+and ``checkpoints/`` (committed checkpoints, each with the global Timestamp it was saved at).
 """
 
 from __future__ import annotations

@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from raytrain_events.cli.config import describe_keys
-from raytrain_events.cli.digits import DigitsConfig
+from raytrain_events.cli.entry import config_schema, load_entry
 from raytrain_events.cli.main import build_parser, main
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(REPO, "examples", "train.py")
+DigitsConfig = config_schema(load_entry(EXAMPLE + ":train_digits"))
 CONFIG_KEYS = [key for key, _, _ in describe_keys(DigitsConfig)]
 
 
@@ -379,3 +380,144 @@ def test_inspect_and_ls_on_s3(s3_server, capsys):
     assert json.loads(out)["checkpoints"][0]["timestamp"] == _ts(1)
     code, out, err = run_main(["runs", "ls", root] + flags, capsys)
     assert code == 0 and "s3-run" in out, err
+
+
+# ------------------------------------------------------------------ train ENTRY (module:function, file.py:function)
+JOB_MODULE = '''
+from dataclasses import dataclass, field
+
+CALLS = []
+
+
+@dataclass
+class JobConfig:
+    lr: float = field(default=0.1, metadata={"help": "Learning rate of this job."})
+    steps: int = 3
+
+
+def train(cfg: JobConfig):
+    """A test job: records the config it was called with."""
+    CALLS.append(dict(cfg))
+    return 0
+
+
+def no_config():
+    CALLS.append("bare")
+
+
+def untyped(cfg):
+    pass
+
+
+NOT_A_FUNCTION = 3
+'''
+
+
+@pytest.fixture
+def job_module(tmp_path, monkeypatch):
+    name = f"job_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(JOB_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name, tmp_path / f"{name}.py"
+
+
+def test_train_runs_a_module_function_with_its_schema(job_module, capsys):
+    name, _ = job_module
+    code, _, err = run_main(["train", f"{name}:train", "lr=0.5"], capsys)
+    assert code == 0, err
+    assert sys.modules[name].CALLS == [{"lr": 0.5, "steps": 3}]
+    code, out, _ = run_main(["train", f"{name}:train", "--help"], capsys)
+    assert code == 0
+    assert "lr (default: 0.1)" in out and "Learning rate of this job." in out and "A test job" in out
+    assert "num_workers (default" not in out  # the digits keys belong to the default entry only
+    code, _, err = run_main(["train", f"{name}:train", "learning_rate=1"], capsys)
+    assert code == 2 and "Unknown config key 'learning_rate'" in err and "lr, steps" in err
+
+
+def test_train_runs_a_file_function_and_a_function_without_config(job_module, tmp_path, capsys):
+    _, path = job_module
+    code, out, err = run_main(["train", "--print-config", f"{path}:train", "steps=7"], capsys)
+    assert code == 0, err
+    assert "steps: 7" in out and "lr: 0.1" in out
+    code, _, err = run_main(["train", f"{path}:no_config"], capsys)
+    assert code == 0, err
+    code, _, err = run_main(["train", f"{path}:no_config", "lr=1"], capsys)
+    assert code == 2 and "takes no config" in err
+
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ("no_such_module_xyz:train", "no module named 'no_such_module_xyz'"),
+        ("{module}:missing", "has no 'missing'. Its functions: no_config, train, untyped"),
+        ("{module}:NOT_A_FUNCTION", "is a int, not a function"),
+        ("{module}:untyped", "annotate its first parameter with a dataclass"),
+        ("does/not/exist.py:train", "no file"),
+    ],
+)
+def test_bad_entry_points_are_usage_errors(entry, message, job_module, capsys):
+    code, _, err = run_main(["train", entry.format(module=job_module[0]), "--print-config"], capsys)
+    assert code == 2, err
+    assert message in err and "Traceback" not in err
+
+
+def test_default_entry_is_the_digits_job_from_any_directory(tmp_path, monkeypatch, capsys):
+    """The default entry point (examples/train.py:train_digits) is found through the checkout, not the cwd."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_main(["train", "--print-config", "num_workers=3"], capsys)
+    assert code == 0, err
+    assert "num_workers: 3" in out and "model: mlp" in out
+    code, explicit, _ = run_main(["train", "examples/train.py:train_digits", "--print-config", "num_workers=3"], capsys)
+    assert code == 0 and explicit == out
+
+
+def test_example_runs_when_copied_alone(tmp_path):
+    """`ray submit` copies only the script: its defaults and help come from itself and the installed package."""
+    import shutil
+
+    alone = tmp_path / "home"
+    alone.mkdir()
+    shutil.copy(EXAMPLE, alone / "train.py")
+    for argv in (["--print-config", "num_workers=3"], ["--help"]):
+        proc = subprocess.run(
+            [sys.executable, str(alone / "train.py"), *argv],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=str(tmp_path),
+        )
+        assert proc.returncode == 0, proc.stderr
+    assert "checkpoint.save_interval (default: 1ep)" in proc.stdout
+    proc = subprocess.run(
+        [sys.executable, str(alone / "train.py"), "--print-config", "num_workers=3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(alone),
+    )
+    assert proc.returncode == 0 and "num_workers: 3" in proc.stdout and "storage: ./runs" in proc.stdout
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_train_file_entry_point_on_ray_workers(ray_cluster, tmp_path, monkeypatch, capsys):
+    """A file-loaded entry point's functions reach the Ray workers by value (they cannot import the file)."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    storage = str(tmp_path / "runs")
+    code, out, err = run_main(
+        [
+            "train",
+            f"{EXAMPLE}:train_digits",
+            "max_duration=1ep",
+            "num_workers=2",
+            f"storage={storage}",
+            "run_name=entry",
+            "progress_bar=false",
+            "checkpoint.enabled=false",
+        ],
+        capsys,
+    )
+    assert code == 0, out[-2000:] + err[-3000:]
+    with open(os.path.join(storage, "entry", "summary.json")) as fh:
+        summary = json.load(fh)
+    assert summary["timestamp"]["sample"] == 1500 and summary["train_rows"] == 1500
