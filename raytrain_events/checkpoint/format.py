@@ -68,9 +68,9 @@ from raytrain_events.storage.fs import (
     resolve,
     storage_errors,
     to_url,
-    write_bytes_atomic,
     write_bytes_create_only,
 )
+from raytrain_events.storage.objectstore import fetch_verified, open_upload, reader
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -348,10 +348,8 @@ def _load_verified(fs: Any, path: str, url: str, entry: FileEntry, map_location:
                 if size == entry.size:  # the size check comes before mapping or hashing
                     with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
                         digest, is_zip = hashlib.sha256(m).hexdigest(), m[:4] == b"PK\x03\x04"
-        else:
-            data = read_bytes(fs, path, size_hint=entry.size)
-            size = len(data)
-            digest = hashlib.sha256(data).hexdigest() if size == entry.size else None
+        else:  # object stores: hashed while the ranges arrive
+            data, size, digest = fetch_verified(fs, path, entry.size)
     except FileNotFoundError:
         raise CheckpointCorruptError(
             f"File {entry.name!r} listed in the manifest of {url!r} is missing. Fix: load an older checkpoint."
@@ -364,7 +362,7 @@ def _load_verified(fs: Any, path: str, url: str, entry: FileEntry, map_location:
             "(load_latest_valid does this) and delete this one."
         )
     if not mapped:
-        return _torch_load(io.BytesIO(data), url, entry, map_location)
+        return _torch_load(reader(data), url, entry, map_location)
     if not is_zip:  # not torch.save's zip format (ours always is): mmap=True would refuse it
         return _torch_load(io.BytesIO(read_bytes(fs, path)), url, entry, map_location)
     return _torch_load(path, url, entry, map_location, mmap=True)
@@ -407,9 +405,19 @@ def _upload(fs: Any, path: str, payload: _Payload) -> None:
                 raise
         payload.size, payload.sha256 = f.size, f.hexdigest()
         return
-    data = serialize(payload.obj)
-    write_bytes_atomic(fs, path, data)
-    payload.size, payload.sha256 = len(data), hashlib.sha256(data).hexdigest()
+    upload = open_upload(fs, path)  # hashes each write; big files go up in parts meanwhile
+    try:
+        try:
+            torch.save(payload.obj, upload)
+        except Exception:
+            if upload.error is not None:  # torch's zip writer replaced it with its own error
+                raise upload.error from upload.error.__cause__
+            raise
+        upload.finish()
+    except BaseException:
+        upload.abort()
+        raise
+    payload.size, payload.sha256 = upload.size, upload.hexdigest()
 
 
 def _reason(err: Exception) -> str:

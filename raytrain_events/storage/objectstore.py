@@ -1,0 +1,427 @@
+"""Object-store transfers for large immutable files: uploads fed while the bytes are produced,
+hashed on the way, in parallel parts; downloads in parallel ranges, verified while they arrive.
+
+Why not ``fs.pipe_file`` / ``fs.cat_file`` alone: they need the whole content first and hash
+nothing, so a checkpoint save was serialize -> sha256 pass -> PUT, and a load GET -> sha256 pass.
+Here (S3 through s3fs, the requests going through ``fs._call_s3``, s3fs's own retrying call path):
+
+* ``ObjectUpload`` is a write-only file for ``torch.save``. Every ``write`` updates the sha256
+  and byte count while the data is hot in cache. Below ``2 * part_size`` nothing is sent until
+  ``finish``, which does one ``fs.pipe_file`` (one PUT, as s3fs would). From ``2 * part_size``
+  on it starts a multipart upload and sends each full part at once, up to ``fs.max_concurrency``
+  parts in flight on fsspec's event loop while ``torch.save`` keeps producing the next ones
+  (back-pressure bounds memory to ``max_concurrency + 2`` parts). ``finish`` completes the
+  upload: the object appears whole or not at all. ``abort`` (and any error) aborts it, so no
+  part is left billed; a killed process leaves an incomplete upload that is invisible to readers
+  (an S3 lifecycle rule ``AbortIncompleteMultipartUpload`` reclaims its storage).
+* ``fetch_verified`` downloads ``[0, size)`` in ``part_size`` ranges (``fs.max_concurrency`` at a
+  time, no HEAD: the caller knows the size) straight into one preallocated buffer, while the
+  calling thread hashes each range's arrived prefix in order. A size mismatch is seen from the
+  first response's ``Content-Length``/``Content-Range``, before reading the body.
+
+``part_size`` is ``fs.default_block_size`` (s3fs: 50 MiB; the ``default_block_size`` storage
+option) and the concurrency ``fs.max_concurrency`` (s3fs: 10; the ``max_concurrency`` option):
+the knobs s3fs already has for the same trade-off. Other filesystems get the same interface
+over a memory buffer and one ``write_bytes_atomic`` / ``read_bytes``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import hashlib
+import io
+import threading
+from typing import Any
+
+from raytrain_events.storage.errors import StorageError
+from raytrain_events.storage.fs import _is_s3, _storage_error, read_bytes, to_url, write_bytes_atomic
+
+_HASH_STEP = 4 * 2**20  # the hashing thread catches up with a download in steps of this size
+_MIN_PART = 5 * 2**20  # S3's smallest non-final part
+
+
+def part_size(fs: Any) -> int:
+    return max(_MIN_PART, int(getattr(fs, "default_block_size", 0) or 50 * 2**20))
+
+
+def concurrency(fs: Any) -> int:
+    return max(1, int(getattr(fs, "max_concurrency", 1) or 1))
+
+
+def open_upload(fs: Any, path: str) -> ObjectUpload:
+    """A write-only, hashing file whose content becomes ``path`` on ``finish()``."""
+    return _S3Upload(fs, path) if _is_s3(fs) else ObjectUpload(fs, path)
+
+
+class ObjectUpload:
+    """Buffers everything in memory, hashing each write; ``finish`` writes it atomically."""
+
+    def __init__(self, fs: Any, path: str) -> None:
+        self.fs, self.path, self.url = fs, path, to_url(fs, path)
+        self.size = 0
+        self.error: BaseException | None = None  # torch's zip writer replaces write errors
+        self._sha = hashlib.sha256()
+        self._buf = io.BytesIO()
+
+    def write(self, data: Any) -> int:
+        self._sha.update(data)
+        n = self._buf.write(data)
+        self.size += n
+        return n
+
+    def flush(self) -> None:
+        pass
+
+    def hexdigest(self) -> str:
+        return self._sha.hexdigest()
+
+    def finish(self) -> None:
+        write_bytes_atomic(self.fs, self.path, self._buf.getvalue())
+        self._buf = io.BytesIO()
+
+    def abort(self) -> None:
+        self._buf = io.BytesIO()
+
+
+class _S3Upload(ObjectUpload):
+    """Single PUT below ``2 * part_size``, else a multipart upload fed while writing."""
+
+    def __init__(self, fs: Any, path: str) -> None:
+        super().__init__(fs, path)
+        self._part = part_size(fs)
+        self._max_inflight = concurrency(fs)
+        self._bucket, self._key, _ = fs.split_path(path)
+        self._mpu: concurrent.futures.Future | None = None  # -> UploadId
+        self._inflight: collections.deque[concurrent.futures.Future] = collections.deque()
+        self._etags: dict[int, concurrent.futures.Future] = {}
+        self._cur: bytearray | None = None  # the part being filled, once multipart
+        self._pos = 0
+
+    def write(self, data: Any) -> int:
+        if self.error is not None:
+            raise self.error
+        mv = memoryview(data).cast("B")
+        n = mv.nbytes
+        self._sha.update(mv)
+        self.size += n
+        if self._cur is None:
+            self._buf.write(mv)
+            if self._buf.tell() >= 2 * self._part:
+                self._start_multipart()
+            return n
+        while mv.nbytes:
+            take = min(mv.nbytes, self._part - self._pos)
+            self._cur[self._pos : self._pos + take] = mv[:take]
+            self._pos += take
+            mv = mv[take:]
+            if self._pos == self._part:
+                self._send(self._cur)
+                self._cur, self._pos = bytearray(self._part), 0
+        return n
+
+    def finish(self) -> None:
+        if self._cur is None:  # small: one PUT, exactly what s3fs.pipe_file does
+            data = self._buf.getvalue()
+            self._buf = io.BytesIO()
+            write_bytes_atomic(self.fs, self.path, data)
+            return
+        try:
+            if self._pos:
+                del self._cur[self._pos :]
+                self._send(self._cur)
+            self._cur = None
+            parts = [{"PartNumber": i, "ETag": f.result()} for i, f in sorted(self._etags.items())]
+            self._run(
+                self.fs._call_s3(
+                    "complete_multipart_upload",
+                    Bucket=self._bucket,
+                    Key=self._key,
+                    UploadId=self._upload_id(),
+                    MultipartUpload={"Parts": parts},
+                )
+            ).result()
+            self.fs.invalidate_cache(self.path)
+        except BaseException as e:
+            self.abort()
+            wrapped = self._wrap(e)
+            if wrapped is e:
+                raise
+            raise wrapped from e
+
+    def abort(self) -> None:
+        """Stop sending and abort the multipart upload (best effort; never raises)."""
+        self._buf, self._cur = io.BytesIO(), None
+        for f in self._inflight:
+            f.cancel()
+        concurrent.futures.wait(self._inflight)
+        self._inflight.clear()
+        if self._mpu is not None:
+            try:
+                upload_id = self._mpu.result()
+                self._run(
+                    self.fs._call_s3("abort_multipart_upload", Bucket=self._bucket, Key=self._key, UploadId=upload_id)
+                ).result()
+            except Exception:  # the upload stays incomplete: invisible, reclaimed by lifecycle
+                pass
+            self._mpu = None
+
+    # -- internals
+    def _start_multipart(self) -> None:
+        async def create() -> str:
+            out = await self.fs._call_s3("create_multipart_upload", Bucket=self._bucket, Key=self._key)
+            return out["UploadId"]
+
+        self._mpu = self._run(create())
+        data = self._buf.getbuffer()
+        whole = len(data) // self._part
+        for i in range(whole):
+            self._send(bytearray(data[i * self._part : (i + 1) * self._part]))
+        rest = data[whole * self._part :]
+        self._cur, self._pos = bytearray(self._part), len(rest)
+        self._cur[: len(rest)] = rest
+        del data, rest
+        self._buf = io.BytesIO()
+
+    def _send(self, body: bytearray) -> None:
+        while len(self._inflight) >= self._max_inflight:  # back-pressure: bounded memory
+            self._check(self._inflight.popleft())
+        number = len(self._etags) + 1
+        mpu = self._mpu
+
+        async def upload() -> str:
+            upload_id = await asyncio.wrap_future(mpu)
+            out = await self.fs._call_s3(
+                "upload_part", Bucket=self._bucket, Key=self._key, UploadId=upload_id, PartNumber=number, Body=body
+            )
+            return out["ETag"]
+
+        fut = self._run(upload())
+        self._etags[number] = fut
+        self._inflight.append(fut)
+        while self._inflight and self._inflight[0].done():
+            self._check(self._inflight.popleft())
+
+    def _check(self, fut: concurrent.futures.Future) -> None:
+        try:
+            fut.result()
+        except BaseException as e:
+            self.error = self._wrap(e)
+            self.abort()
+            if self.error is e:
+                raise
+            raise self.error from e
+
+    def _upload_id(self) -> str:
+        assert self._mpu is not None
+        return self._mpu.result()
+
+    def _run(self, coro: Any) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.fs.loop)
+
+    def _wrap(self, e: BaseException) -> BaseException:
+        if isinstance(e, (StorageError, FileNotFoundError)) or not isinstance(e, Exception):
+            return e
+        return _storage_error("writing", self.url, e)
+
+
+class _Progress:
+    """Bytes arrived per range, published by the event loop, awaited by the hashing thread."""
+
+    def __init__(self, n: int) -> None:
+        self.done = [0] * n
+        self.ended = [False] * n
+        self.cond = threading.Condition()
+
+    def add(self, i: int, n: int) -> None:
+        with self.cond:
+            self.done[i] += n
+            self.cond.notify_all()
+
+    def end(self, i: int) -> None:
+        with self.cond:
+            self.ended[i] = True
+            self.cond.notify_all()
+
+    def wait(self, i: int, at_least: int) -> int:
+        """Bytes of range ``i`` arrived, once at least ``at_least`` did or the range ended."""
+        with self.cond:
+            while self.done[i] < at_least and not self.ended[i]:
+                self.cond.wait()
+            return self.done[i]
+
+
+def fetch_verified(fs: Any, path: str, size: int) -> tuple[Any, int, str | None]:
+    """Read ``path``, expected to hold ``size`` bytes: ``(buffer, actual size, sha256 or None)``.
+
+    The digest is None when the size is wrong (then nothing was hashed, and on S3 no body was
+    read). FileNotFoundError if the object does not exist; other backend errors are StorageError.
+    Wrap the buffer in ``reader`` to hand it to ``torch.load`` without another copy.
+    """
+    if not _is_s3(fs):
+        data = read_bytes(fs, path, size_hint=size)
+        return data, len(data), hashlib.sha256(data).hexdigest() if len(data) == size else None
+    return _S3Fetch(fs, path, size).run()
+
+
+def reader(buf: Any) -> io.RawIOBase | io.BytesIO:
+    """A seekable binary file over ``buf`` whose ``readinto`` (what torch.load uses) copies once."""
+    return io.BytesIO(buf) if isinstance(buf, bytes) else _ViewReader(buf)
+
+
+class _ViewReader(io.RawIOBase):
+    def __init__(self, buf: Any) -> None:
+        self._mv = memoryview(buf).cast("B")
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        n = min(len(b), len(self._mv) - self._pos)
+        memoryview(b).cast("B")[:n] = self._mv[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._mv)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+
+class _S3Fetch:
+    """Ranges of ``part_size`` downloaded concurrently into one buffer, hashed in order as
+    they arrive. Range 0 goes first: its response says the object's real size, and only if that
+    is the expected one are the other ranges requested."""
+
+    def __init__(self, fs: Any, path: str, size: int) -> None:
+        self.fs, self.path, self.size = fs, path, size
+        self.bucket, self.key, version = fs.split_path(path)
+        self.version = {"VersionId": version} if version else {}
+        part = part_size(fs)
+        self.ranges = [(a, min(a + part, size)) for a in range(0, size, part)] or [(0, 0)]
+        self.buf = bytearray(size)
+        self.progress = _Progress(len(self.ranges))
+        self.actual = size  # the object's real size, once a response says otherwise
+
+    def run(self) -> tuple[Any, int, str | None]:
+        fut = asyncio.run_coroutine_threadsafe(self._download(), self.fs.loop)
+        sha = hashlib.sha256()
+        mv = memoryview(self.buf)
+        try:
+            for i, (a, b) in enumerate(self.ranges):
+                hashed = a
+                while hashed < b:
+                    got = a + self.progress.wait(i, min(hashed + _HASH_STEP, b) - a)
+                    if got <= hashed:
+                        break  # the range ended early: wrong size or an error, see below
+                    sha.update(mv[hashed:got])
+                    hashed = got
+                if hashed < b:
+                    break
+            fut.result()  # the download's error, if any
+        except BaseException:
+            fut.cancel()
+            raise
+        finally:
+            mv.release()
+        if self.actual != self.size:
+            return self.buf, self.actual, None
+        return self.buf, self.size, sha.hexdigest()
+
+    async def _download(self) -> None:
+        limit = asyncio.Semaphore(concurrency(self.fs))
+        sized = asyncio.Event()
+        failed: list[BaseException] = []
+
+        async def one(i: int) -> None:
+            try:
+                if i:
+                    await sized.wait()
+                    if self.actual != self.size or failed:
+                        return
+                async with limit:
+                    await self._range(i, sized)
+            except BaseException as e:
+                failed.append(e)
+                raise
+            finally:
+                if i == 0:
+                    sized.set()
+                self.progress.end(i)
+
+        try:
+            await asyncio.gather(*(one(i) for i in range(len(self.ranges))))
+        except (FileNotFoundError, StorageError, asyncio.CancelledError):
+            raise
+        except Exception as e:
+            raise _storage_error("reading", to_url(self.fs, self.path), e) from e
+        finally:
+            for i in range(len(self.ranges)):
+                self.progress.end(i)
+
+    async def _range(self, i: int, sized: asyncio.Event) -> None:
+        a, b = self.ranges[i]
+        pos, attempt = a, 0
+        view = memoryview(self.buf)
+        try:
+            while True:
+                ranged = len(self.ranges) > 1 or pos > a
+                kw = {"Range": f"bytes={pos}-{b - 1}"} if ranged else {}
+                resp = await self.fs._call_s3("get_object", Bucket=self.bucket, Key=self.key, **self.version, **kw)
+                body = resp["Body"]
+                try:
+                    if pos == a == 0:
+                        total = _object_size(resp, ranged=ranged)
+                        if total != self.size:
+                            self.actual = total
+                            return
+                        sized.set()
+                    while pos < b:
+                        n = await body.readinto(view[pos:b])
+                        if not n:
+                            break
+                        pos += n
+                        self.progress.add(i, n)
+                    if pos < b:  # the body ended before the range did
+                        self.actual = min(self.actual, pos)
+                    return
+                except _RESUMABLE:  # connection dropped mid-body: go on from pos
+                    attempt += 1
+                    if attempt > int(getattr(self.fs, "retries", 5)):
+                        raise
+                finally:
+                    body.close()
+        finally:
+            view.release()
+
+
+def _resumable() -> tuple[type[BaseException], ...]:
+    errors: list[type[BaseException]] = [asyncio.TimeoutError, ConnectionError]
+    try:
+        from aiohttp import ClientPayloadError
+        from botocore.exceptions import ResponseStreamingError
+
+        errors += [ClientPayloadError, ResponseStreamingError]
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+_RESUMABLE = _resumable()
+
+
+def _object_size(resp: dict, *, ranged: bool) -> int:
+    """The whole object's size: from ``Content-Range`` (``bytes a-b/TOTAL``) or ``Content-Length``."""
+    if ranged:
+        total = str(resp.get("ContentRange") or "").rpartition("/")[2]
+        if total.isdigit():
+            return int(total)
+    return int(resp.get("ContentLength", -1))
