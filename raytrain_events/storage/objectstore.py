@@ -98,6 +98,7 @@ class _S3Upload(ObjectUpload):
         self._etags: dict[int, concurrent.futures.Future] = {}
         self._cur: bytearray | None = None  # the part being filled, once multipart
         self._pos = 0
+        self._aborted = False
 
     def write(self, data: Any) -> int:
         if self.error is not None:
@@ -151,10 +152,11 @@ class _S3Upload(ObjectUpload):
             raise wrapped from e
 
     def abort(self) -> None:
-        """Stop sending and abort the multipart upload (best effort; never raises)."""
-        self._buf, self._cur = io.BytesIO(), None
-        for f in self._inflight:
-            f.cancel()
+        """Stop sending and abort the multipart upload (best effort; never raises).
+
+        Parts not yet sent are dropped; parts being sent are waited for (not cancelled), since
+        S3 may keep a part that finishes after the abort."""
+        self._buf, self._cur, self._aborted = io.BytesIO(), None, True
         concurrent.futures.wait(self._inflight)
         self._inflight.clear()
         if self._mpu is not None:
@@ -191,7 +193,9 @@ class _S3Upload(ObjectUpload):
         mpu = self._mpu
 
         async def upload() -> str:
-            upload_id = await asyncio.wrap_future(mpu)
+            upload_id = await asyncio.shield(asyncio.wrap_future(mpu))  # never cancel the create
+            if self._aborted:
+                raise asyncio.CancelledError(f"part {number}: upload aborted")
             out = await self.fs._call_s3(
                 "upload_part", Bucket=self._bucket, Key=self._key, UploadId=upload_id, PartNumber=number, Body=body
             )
