@@ -26,7 +26,7 @@ def ray_checkpoint_config(spec: RunSpec) -> CheckpointConfig:
     import ray.train
 
     config: CheckpointConfig = spec.checkpoint
-    folder = config.save_folder or join(spec.storage_url, spec.run_name, "checkpoints")
+    folder = config.save_folder or join(spec.run_url, "checkpoints")
     options = dict(spec.storage_options)
     options.update(config.storage_options)
     updates: Dict[str, Any] = {"save_folder": folder, "storage_options": options}

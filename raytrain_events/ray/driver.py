@@ -20,14 +20,13 @@ Example (a 2-worker CPU run)::
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import datetime
 import os
 import threading
+import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Optional
 
-from raytrain_events.core.time import Time, Timestamp, TimeUnit, ensure_time
+from raytrain_events.core.time import Time, Timestamp
 from raytrain_events.ray.spec import RunSpec
 
 __all__ = ["RayTrainer", "RayResult", "RayTrainingError"]
@@ -49,127 +48,65 @@ class RayResult:
     ray_result: Any = None
 
     @property
-    def best_checkpoint(self) -> Any:
+    def latest_checkpoint(self) -> Any:
         """The newest committed checkpoint (None if the run saved none)."""
         return self.checkpoints[-1] if self.checkpoints else None
+
+    @property
+    def best_checkpoint(self) -> Any:
+        """Deprecated: the newest checkpoint, not the best by a metric; use `latest_checkpoint`."""
+        warnings.warn(
+            "RayResult.best_checkpoint is the newest checkpoint, not the best by a metric: use "
+            "RayResult.latest_checkpoint. best_checkpoint will change meaning to best-by-metric.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.latest_checkpoint
 
 
 class RayTrainer:
     """Train on Ray Train workers with the same event-driven loop as `Trainer`.
 
-    ``model``, ``optimizers`` and ``schedulers`` are factories called on each worker:
-    ``model(config) -> nn.Module``, ``optimizers(model, config)``, ``schedulers(optimizers, config)``
-    (each may omit the trailing ``config``). ``algorithms`` and ``callbacks`` are lists of
-    instances or algorithm specs (``"label_smoothing"``, ``{"name": "mixup", "alpha": 0.2}``),
-    or factories. ``datasets`` maps names to Ray Datasets: ``"train"`` is required, every other
-    name is an eval set. ``batch_size`` is per worker.
+    The run's options are a `RunSpec` (``raytrain_events.ray.spec``: each option's meaning and
+    default is there). Pass one, or its fields as keyword arguments (``RayTrainer(model=...,
+    optimizers=..., datasets=..., max_duration="2ep", num_workers=2)`` builds the spec), or both
+    (the keywords replace the spec's fields). ``model``, ``optimizers`` and ``schedulers`` are
+    factories called on each worker: ``model(config) -> nn.Module``, ``optimizers(model, config)``,
+    ``schedulers(optimizers, config)`` (each may omit the trailing ``config``). ``datasets`` maps
+    names to Ray Datasets: ``"train"`` is required, every other name is an eval set.
+    ``batch_size`` is per worker.
     """
 
-    def __init__(
-        self,
-        *,
-        model: Callable[..., Any],
-        optimizers: Callable[..., Any],
-        datasets: Mapping[str, Any],
-        max_duration: Union[str, int, Time],
-        batch_size: int = 64,
-        schedulers: Optional[Callable[..., Any]] = None,
-        algorithms: Union[Sequence[Any], Callable[..., Any]] = (),
-        callbacks: Union[Sequence[Any], Callable[..., Any]] = (),
-        eval_batch_size: Optional[int] = None,
-        eval_interval: Any = "1ep",
-        grad_accum: int = 1,
-        precision: str = "fp32",
-        seed: Optional[int] = 0,
-        get_num_tokens_in_batch: Optional[Callable[[Any], int]] = None,
-        collate_fn: Optional[Callable] = None,
-        prefetch_batches: int = 1,
-        shuffle_buffer_size: Optional[int] = None,
-        columns: Optional[List[str]] = None,
-        steps_per_epoch: Optional[int] = None,
-        num_workers: Optional[int] = None,
-        use_gpu: bool = False,
-        resources_per_worker: Optional[Dict[str, float]] = None,
-        scaling_config: Any = None,
-        storage_path: Optional[str] = None,
-        storage_options: Optional[Dict[str, Any]] = None,
-        run_name: Optional[str] = None,
-        checkpoint: Any = None,
-        max_failures: int = 0,
-        report_interval: Any = None,
-        report_every_s: Optional[float] = 10.0,
-        deterministic_split: bool = False,
-        config: Optional[Dict[str, Any]] = None,
-        ray_callbacks: Sequence[Any] = (),
-        progress_bar: bool = False,
-    ) -> None:
-        duration = ensure_time(max_duration, TimeUnit.EPOCH)
-        if duration.unit == TimeUnit.DURATION:
-            raise ValueError(
-                f"max_duration={duration.to_timestring()!r}: give it in 'ep', 'ba', 'sp' or 'tok', like '10ep'."
-            )
-        if duration.unit == TimeUnit.TOKEN and get_num_tokens_in_batch is None:
-            raise ValueError(
-                f"max_duration={duration.to_timestring()!r} is in tokens: pass get_num_tokens_in_batch=fn(batch) -> int."
-            )
-        if report_interval is not None:
-            ensure_time(report_interval, TimeUnit.BATCH)
-        if report_interval is None and report_every_s is None:
-            raise ValueError("Pass report_interval (a Time, like '500ba') or report_every_s (seconds), or both.")
-        if "train" not in datasets:
-            raise ValueError(
-                f"datasets has no 'train' entry (got {sorted(datasets)}); pass datasets={{'train': ds, ...}}."
-            )
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size={batch_size!r} must be a positive integer (rows per worker per batch).")
-        if checkpoint is not None and getattr(checkpoint, "save_folder", None):
-            raise ValueError(
-                "CheckpointConfig.save_folder cannot be set for a RayTrainer run: checkpoints live in the run "
-                "directory (<storage_path>/<run_name>/checkpoints) so Ray Train can manage them. Set storage_path instead."
-            )
-        self.scaling_config = _scaling_config(scaling_config, num_workers, use_gpu, resources_per_worker)
-        self.datasets = dict(datasets)
-        self.storage_path, self.storage_options = _storage_root(storage_path), dict(storage_options or {})
-        self.run_name = run_name or datetime.datetime.now().strftime("run-%Y%m%d-%H%M%S")
-        self.max_failures = max_failures
-        self.deterministic_split = deterministic_split
-        self.ray_callbacks = list(ray_callbacks)
-        self.progress_bar = progress_bar
-        self.spec = RunSpec(
-            model=model,
-            optimizers=optimizers,
-            schedulers=schedulers,
-            algorithms=algorithms,
-            callbacks=callbacks,
-            max_duration=duration.to_timestring(),
-            batch_size=batch_size,
-            eval_datasets=sorted(k for k in datasets if k != "train"),
-            eval_batch_size=eval_batch_size,
-            eval_interval=eval_interval,
-            grad_accum=grad_accum,
-            precision=precision,
-            seed=seed,
-            get_num_tokens_in_batch=get_num_tokens_in_batch,
-            collate_fn=collate_fn,
-            prefetch_batches=prefetch_batches,
-            shuffle_buffer_size=shuffle_buffer_size,
-            columns=columns,
-            steps_per_epoch=steps_per_epoch,
-            report_interval=report_interval,
-            report_every_s=report_every_s,
-            checkpoint=None if checkpoint is None else dataclasses.replace(checkpoint, lock_run_dir=False),
-            storage_url=self.storage_path,
-            storage_options=self.storage_options,
-            run_name=self.run_name,
-            config=dict(config or {}),
-        )
+    def __init__(self, spec: Optional[RunSpec] = None, /, **options: Any) -> None:
+        if spec is None:
+            spec = RunSpec.from_options(options)
+        elif not isinstance(spec, RunSpec):
+            raise TypeError(f"RayTrainer takes a RunSpec or keyword options, got {type(spec).__name__} {spec!r}.")
+        elif options:
+            spec = spec.replace(**options)
+        self.spec: RunSpec = spec
+
+    @property
+    def run_name(self) -> str:
+        return self.spec.run_name  # type: ignore[return-value]
+
+    @property
+    def storage_path(self) -> str:
+        return self.spec.storage_path  # type: ignore[return-value]
+
+    @property
+    def storage_options(self) -> Dict[str, Any]:
+        return self.spec.storage_options
+
+    @property
+    def scaling_config(self) -> Any:
+        """The run's ``ray.train.ScalingConfig``."""
+        return self.spec.ray_scaling_config()
 
     @property
     def run_url(self) -> str:
         """Where this run's files live: ``<storage_path>/<run_name>``."""
-        from raytrain_events.storage.fs import join
-
-        return join(self.storage_path, self.run_name)
+        return self.spec.run_url
 
     def fit(self) -> RayResult:
         """Run training on the Ray workers and return the aggregated result."""
@@ -177,7 +114,7 @@ class RayTrainer:
 
         from raytrain_events.ray.cluster import ensure_ray
 
-        started_local = ensure_ray(min_cpus=self.scaling_config.num_workers + 2)
+        started_local = ensure_ray(min_cpus=self.spec.workers + 2)
         if started_local or not _autoscaling():
             self._check_cluster(ray)
         with self._claim_run_dir():
@@ -191,43 +128,27 @@ class RayTrainer:
 
         lock = acquire_lock(self.run_url, "running", storage_options=self.storage_options, takeover_stale=True)
         try:
-            RunDir(self.run_url, self.storage_options).save_config(_plain(self.describe()))
+            RunDir(self.run_url, self.storage_options).save_config(self.describe())
             yield
         finally:
             release_lock(self.run_url, "running", storage_options=self.storage_options, lock=lock)
 
     def describe(self) -> Dict[str, Any]:
-        """The run's plain-data description, saved as the run dir's config.yaml."""
-        spec = self.spec
-        algorithms = spec.algorithms
-        return {
-            "run_name": self.run_name,
-            "max_duration": spec.max_duration,
-            "batch_size": spec.batch_size,
-            "num_workers": self.scaling_config.num_workers,
-            "use_gpu": bool(self.scaling_config.use_gpu),
-            "grad_accum": spec.grad_accum,
-            "precision": spec.precision,
-            "seed": spec.seed,
-            "eval_interval": str(spec.eval_interval),
-            "report_interval": None if spec.report_interval is None else str(spec.report_interval),
-            "report_every_s": spec.report_every_s,
-            "algorithms": "<factory>"
-            if callable(algorithms)
-            else [a if isinstance(a, (str, dict)) else type(a).__name__ for a in algorithms],
-            "checkpoint": None if spec.checkpoint is None else spec.checkpoint.to_dict(),
-            "config": spec.config,
-        }
+        """The run's plain-data description (`RunSpec.describe`), saved as the run dir's config.yaml."""
+        return self.spec.describe()
 
     def _fit(self) -> RayResult:
         import ray
         import ray.train
 
-        if self.spec.steps_per_epoch is None:
+        datasets = self.spec.build_datasets()
+        steps_per_epoch = self.spec.steps_per_epoch
+        if steps_per_epoch is None:
             # Shards have no length; schedules in epochs or "dur" and epoch ends need one. Each
             # rank gets floor(rows / workers) rows (Ray splits equally), in ceil(rows / batch) batches.
-            rows = self.datasets["train"].count() // self.scaling_config.num_workers
-            self.spec.steps_per_epoch = -(-rows // self.spec.batch_size)
+            rows = datasets["train"].count() // self.spec.workers
+            steps_per_epoch = -(-rows // self.spec.batch_size)
+        worker_spec = self.spec.for_workers(datasets=datasets, steps_per_epoch=steps_per_epoch)
         from ray.train.torch import TorchTrainer
 
         from raytrain_events.ray.data import DeterministicSplitDataConfig
@@ -239,22 +160,22 @@ class RayTrainer:
         storage_path, storage_filesystem = _ray_storage(self.storage_path, self.storage_options)
         trainer = TorchTrainer(
             train_loop_per_worker,
-            train_loop_config={"spec": self.spec},
+            train_loop_config={"spec": worker_spec},
             scaling_config=self.scaling_config,
-            datasets=self.datasets,
-            dataset_config=DeterministicSplitDataConfig() if self.deterministic_split else None,
+            datasets=datasets,
+            dataset_config=DeterministicSplitDataConfig() if self.spec.deterministic_split else None,
             run_config=ray.train.RunConfig(
                 name=self.run_name,
                 storage_path=storage_path,
                 storage_filesystem=storage_filesystem,
-                failure_config=ray.train.FailureConfig(max_failures=self.max_failures),
-                callbacks=[AggregatingCallback(history, tune_queue)] + self.ray_callbacks,
+                failure_config=ray.train.FailureConfig(max_failures=self.spec.max_failures),
+                callbacks=[AggregatingCallback(history, tune_queue), *self.spec.ray_callbacks],
             ),
         )
         stop = threading.Event()
         progress = (
             threading.Thread(target=_show_progress, args=(history, self.spec, stop), daemon=True)
-            if self.progress_bar
+            if self.spec.progress_bar
             else None
         )
         if progress is not None:
@@ -307,44 +228,6 @@ class RayTrainer:
 def _autoscaling() -> bool:
     """True on a cluster launcher's head node, where the autoscaler can add GPU nodes on demand."""
     return os.path.exists(os.path.expanduser("~/ray_bootstrap_config.yaml"))
-
-
-def _plain(value: Any) -> Any:
-    """``value`` with anything YAML cannot hold (functions, objects) turned into its repr."""
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return value
-    return repr(value)
-
-
-def _scaling_config(
-    scaling_config: Any, num_workers: Optional[int], use_gpu: bool, resources: Optional[Dict[str, float]]
-) -> Any:
-    from ray.train import ScalingConfig
-
-    if scaling_config is not None:
-        if isinstance(scaling_config, Mapping):
-            scaling_config = ScalingConfig(**scaling_config)
-        workers = scaling_config.num_workers
-    else:
-        workers = 1 if num_workers is None else num_workers
-        scaling_config = ScalingConfig(num_workers=workers, use_gpu=use_gpu, resources_per_worker=resources)
-    if not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"num_workers={workers!r} must be an integer >= 1.")
-    return scaling_config
-
-
-def _storage_root(storage_path: Optional[str]) -> str:
-    if storage_path is None:
-        return os.path.abspath("runs")
-    if "://" not in storage_path:
-        return os.path.abspath(os.path.expanduser(storage_path))
-    if storage_path.startswith("file://"):
-        return os.path.abspath(storage_path[len("file://") :])
-    return storage_path
 
 
 def _ray_storage(storage_url: str, storage_options: Dict[str, Any]):

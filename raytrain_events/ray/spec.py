@@ -1,4 +1,11 @@
-"""`RunSpec`: everything a Ray worker needs to build and run its `Trainer`, as picklable data.
+"""`RunSpec`: the one definition of a `RayTrainer` run's options.
+
+Every option of a Ray run is a field here, with its default and its meaning (``help``). The rest
+is derived from these fields: `RayTrainer(**options)` builds a `RunSpec` (its keyword arguments are
+exactly these fields), `RunSpec.describe` is the run's config.yaml, a Tune trial's overrides are
+`RunSpec.replace` (``dataclasses.replace``, so they are validated again), and the worker maps the
+spec to its `Trainer` in one function (`raytrain_events.ray.worker.build_worker_trainer`).
+Adding an option = one field here + the place that uses it.
 
 Models, optimizers and schedulers travel as factories (functions called on the worker), so a
 large model is never pickled on the driver and each worker builds its own on its own device.
@@ -6,45 +13,215 @@ large model is never pickled on the driver and each worker builds its own on its
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import inspect
+import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
-__all__ = ["RunSpec"]
+from raytrain_events.core.time import Time, TimeUnit, ensure_time
+
+__all__ = ["RunSpec", "option_names"]
 
 Factory = Callable[..., Any]
 
 
+def _opt(default: Any = dataclasses.MISSING, *, help: str, worker: bool = True, factory: Any = None) -> Any:
+    """A `RunSpec` field: ``help`` documents it; ``worker=False`` keeps it on the driver only."""
+    metadata = {"help": help, "worker": worker}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
 @dataclass
 class RunSpec:
-    """What every worker runs. Built by `RayTrainer`; see its docstring for each field."""
+    """Everything a `RayTrainer` run needs; each field is also a `RayTrainer` keyword argument.
 
-    model: Factory
-    optimizers: Factory
-    max_duration: str
-    batch_size: int
-    schedulers: Optional[Factory] = None
-    algorithms: Union[Sequence[Any], Factory] = ()
-    callbacks: Union[Sequence[Any], Factory] = ()
-    eval_datasets: List[str] = field(default_factory=list)
-    eval_batch_size: Optional[int] = None
-    eval_interval: Any = "1ep"
-    grad_accum: int = 1
-    precision: str = "fp32"
-    seed: Optional[int] = 0
-    get_num_tokens_in_batch: Optional[Callable[[Any], int]] = None
-    collate_fn: Optional[Callable] = None
-    prefetch_batches: int = 1
-    shuffle_buffer_size: Optional[int] = None
-    columns: Optional[List[str]] = None
-    steps_per_epoch: Optional[int] = None
-    report_interval: Optional[str] = None
-    report_every_s: Optional[float] = 10.0
-    checkpoint: Any = None
-    storage_url: Optional[str] = None
-    storage_options: Dict[str, Any] = field(default_factory=dict)
-    run_name: str = "run"
-    config: Dict[str, Any] = field(default_factory=dict)
+    Validated on construction (and on every `replace`), so bad input fails on the driver with a
+    message naming the option, before any worker starts.
+    """
 
+    # -- what to train ------------------------------------------------------------------------
+    model: Factory = _opt(help="model(config) -> nn.Module, called on each worker (config may be omitted)")
+    optimizers: Factory = _opt(help="optimizers(model, config) -> optimizer(s), called on each worker")
+    datasets: Union[Mapping[str, Any], Factory] = _opt(
+        help="{'train': ray.data.Dataset, <eval name>: Dataset, ...}, or fn(config) -> that dict (called on "
+        "the driver when the run starts); every name besides 'train' is an eval set",
+        worker=False,
+    )
+    max_duration: Union[str, int, Time] = _opt(help="how long to train: '10ep', '500ba', '1e6sp', '1e9tok'")
+    batch_size: int = _opt(64, help="rows per worker per batch")
+    schedulers: Optional[Any] = _opt(None, help="schedulers(optimizers, config) -> scheduler(s), or ready schedules")
+    algorithms: Union[Sequence[Any], Factory] = _opt(
+        (), help="algorithm instances or specs ('label_smoothing', {'name': 'mixup', 'alpha': 0.2}), or a factory"
+    )
+    callbacks: Union[Sequence[Any], Factory] = _opt((), help="callback instances, or callbacks(config) -> list")
+    config: Dict[str, Any] = _opt(
+        help="the job's own config: passed to the factories and saved with the run", factory=dict
+    )
+    # -- the loop -----------------------------------------------------------------------------
+    eval_batch_size: Optional[int] = _opt(None, help="eval rows per worker per batch (default: batch_size)")
+    eval_interval: Any = _opt("1ep", help="how often to evaluate the eval sets: '1ep', '100ba', ...")
+    grad_accum: int = _opt(1, help="micro-batches per optimizer step")
+    precision: str = _opt("fp32", help="'fp32', 'amp_fp16' or 'amp_bf16'")
+    seed: Optional[int] = _opt(0, help="seed for weights (the same on every rank) and shuffling; None: unseeded")
+    get_num_tokens_in_batch: Optional[Callable[[Any], int]] = _opt(
+        None, help="fn(batch) -> tokens in it; needed to count tokens (and for durations in 'tok')"
+    )
+    # -- data -----------------------------------------------------------------------------------
+    collate_fn: Optional[Callable] = _opt(None, help="fn(numpy batch dict) -> batch, on the worker")
+    prefetch_batches: int = _opt(1, help="batches Ray Data prefetches per worker")
+    shuffle_buffer_size: Optional[int] = _opt(None, help="rows in Ray Data's local shuffle buffer (None: no shuffle)")
+    columns: Optional[List[str]] = _opt(None, help="only these dataset columns reach the batch")
+    steps_per_epoch: Optional[int] = _opt(None, help="batches per epoch per worker (default: counted from the data)")
+    deterministic_split: bool = _opt(
+        False, help="split the train set the same way on every run (exact resumes)", worker=False
+    )
+    # -- scaling ----------------------------------------------------------------------------------
+    num_workers: Optional[int] = _opt(None, help="Ray Train workers (default 1)", worker=False)
+    use_gpu: bool = _opt(False, help="one GPU per worker", worker=False)
+    resources_per_worker: Optional[Dict[str, float]] = _opt(
+        None, help="Ray resources per worker, e.g. {'CPU': 4, 'GPU': 1}", worker=False
+    )
+    scaling_config: Any = _opt(
+        None,
+        help="a ray.train.ScalingConfig (or its kwargs); instead of num_workers/use_gpu/resources_per_worker",
+        worker=False,
+    )
+    # -- storage, checkpoints, reports -------------------------------------------------------------
+    storage_path: Optional[str] = _opt(None, help="where runs live: a local path or fsspec URL (default ./runs)")
+    storage_options: Dict[str, Any] = _opt(help="fsspec options for storage_path", factory=dict)
+    run_name: Optional[str] = _opt(None, help="the run's folder under storage_path (default run-<time>)")
+    checkpoint: Any = _opt(None, help="a raytrain_events.checkpoint.CheckpointConfig; None: no checkpoints")
+    max_failures: int = _opt(0, help="worker-group restarts Ray Train makes after a failure", worker=False)
+    report_interval: Any = _opt(None, help="report to the driver every this many: '500ba', '1ep', ...")
+    report_every_s: Optional[float] = _opt(10.0, help="report to the driver at least every this many seconds")
+    ray_callbacks: Sequence[Any] = _opt((), help="extra ray.train.UserCallback objects", worker=False)
+    progress_bar: bool = _opt(False, help="show a progress bar on the driver", worker=False)
+
+    def __post_init__(self) -> None:
+        duration = ensure_time(self.max_duration, TimeUnit.EPOCH)
+        if duration.unit == TimeUnit.DURATION:
+            raise ValueError(
+                f"max_duration={duration.to_timestring()!r}: give it in 'ep', 'ba', 'sp' or 'tok', like '10ep'."
+            )
+        if duration.unit == TimeUnit.TOKEN and self.get_num_tokens_in_batch is None:
+            raise ValueError(
+                f"max_duration={duration.to_timestring()!r} is in tokens: pass get_num_tokens_in_batch=fn(batch) -> int."
+            )
+        self.max_duration = duration.to_timestring()
+        if self.report_interval is not None:
+            ensure_time(self.report_interval, TimeUnit.BATCH)
+        if self.report_interval is None and self.report_every_s is None:
+            raise ValueError("Pass report_interval (a Time, like '500ba') or report_every_s (seconds), or both.")
+        if isinstance(self.datasets, Mapping):
+            self.datasets = dict(self.datasets)
+            if "train" not in self.datasets:
+                raise ValueError(
+                    f"datasets has no 'train' entry (got {sorted(self.datasets)}); pass datasets={{'train': ds, ...}}."
+                )
+        elif not callable(self.datasets):
+            raise TypeError(f"datasets must be a dict of Ray Datasets or fn(config) -> dict, got {self.datasets!r}.")
+        if not isinstance(self.batch_size, int) or isinstance(self.batch_size, bool) or self.batch_size < 1:
+            raise ValueError(f"batch_size={self.batch_size!r} must be a positive integer (rows per worker per batch).")
+        if self.scaling_config is not None and (
+            self.num_workers is not None or self.use_gpu or self.resources_per_worker is not None
+        ):
+            raise ValueError(
+                "Pass either scaling_config or num_workers/use_gpu/resources_per_worker, not both "
+                f"(got scaling_config={self.scaling_config!r}, num_workers={self.num_workers!r})."
+            )
+        workers = self.workers
+        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+            raise ValueError(f"num_workers={workers!r} must be an integer >= 1.")
+        if self.checkpoint is not None:
+            if getattr(self.checkpoint, "save_folder", None):
+                raise ValueError(
+                    "CheckpointConfig.save_folder cannot be set for a RayTrainer run: checkpoints live in the run "
+                    "directory (<storage_path>/<run_name>/checkpoints) so Ray Train can manage them. "
+                    "Set storage_path instead."
+                )
+            # The driver holds the run dir's lock for the whole run; workers must not take it again.
+            self.checkpoint = dataclasses.replace(self.checkpoint, lock_run_dir=False)
+        self.storage_path = _storage_root(self.storage_path)
+        self.storage_options = dict(self.storage_options or {})
+        self.config = dict(self.config or {})
+        self.run_name = self.run_name or datetime.datetime.now().strftime("run-%Y%m%d-%H%M%S")
+
+    # -- derived values ------------------------------------------------------------------------
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any], where: str = "RayTrainer") -> RunSpec:
+        """``RunSpec(**options)``, with unknown names reported against the known options."""
+        check_option_names(options, where)
+        missing = [f.name for f in dataclasses.fields(cls) if _required(f) and f.name not in options]
+        if missing:
+            raise TypeError(
+                f"{where} needs {', '.join(missing)} (e.g. model=..., optimizers=..., "
+                "datasets={'train': ds}, max_duration='2ep')."
+            )
+        return cls(**options)
+
+    def replace(self, **changes: Any) -> RunSpec:
+        """A copy with ``changes`` applied (``dataclasses.replace``: validated like a new spec)."""
+        check_option_names(changes, "RunSpec.replace()")
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def workers(self) -> Any:
+        """The number of Ray Train workers (from ``scaling_config`` when given)."""
+        if self.scaling_config is None:
+            return 1 if self.num_workers is None else self.num_workers
+        if isinstance(self.scaling_config, Mapping):
+            return self.scaling_config.get("num_workers", 1)
+        return self.scaling_config.num_workers
+
+    @property
+    def eval_names(self) -> List[str]:
+        """The eval datasets' names: every dataset but ``"train"``."""
+        return sorted(k for k in self.datasets if k != "train") if isinstance(self.datasets, Mapping) else []
+
+    @property
+    def run_url(self) -> str:
+        """Where this run's files live: ``<storage_path>/<run_name>``."""
+        from raytrain_events.storage.fs import join
+
+        return join(self.storage_path, self.run_name)
+
+    def ray_scaling_config(self) -> Any:
+        """The ``ray.train.ScalingConfig`` for this run."""
+        from ray.train import ScalingConfig
+
+        if self.scaling_config is None:
+            return ScalingConfig(
+                num_workers=self.workers, use_gpu=self.use_gpu, resources_per_worker=self.resources_per_worker
+            )
+        if isinstance(self.scaling_config, Mapping):
+            return ScalingConfig(**self.scaling_config)
+        return self.scaling_config
+
+    def for_workers(self, datasets: Optional[Mapping[str, Any]] = None, **changes: Any) -> RunSpec:
+        """The spec shipped to the workers: driver-only options at their defaults, datasets by name only.
+
+        ``datasets`` is the resolved datasets dict when ``self.datasets`` is a factory.
+        """
+        driver_only = {
+            f.name: _default(f) for f in dataclasses.fields(self) if not f.metadata["worker"] and f.name != "datasets"
+        }
+        source = datasets if datasets is not None else self.datasets
+        names = {name: None for name in source} if isinstance(source, Mapping) else {"train": None}
+        return dataclasses.replace(self, **driver_only, **changes, datasets=names)
+
+    def describe(self) -> Dict[str, Any]:
+        """The run's plain-data description (every option), saved as the run dir's config.yaml."""
+        from raytrain_events.core.plain import describe_value
+
+        out = {f.name: describe_value(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        out["num_workers"] = self.workers
+        return out
+
+    # -- what the worker builds -------------------------------------------------------------------
     def build_model(self) -> Any:
         """Call the model factory (with ``config`` if it takes an argument)."""
         return _call(self.model, self.config)
@@ -66,6 +243,53 @@ class RunSpec:
         items = _call(what, self.config) if callable(what) else list(what)
         return list(items)
 
+    def build_datasets(self) -> Dict[str, Any]:
+        """The datasets dict (calling a datasets factory with ``config``), checked for a ``"train"`` entry."""
+        if not callable(self.datasets):
+            return dict(self.datasets)
+        datasets = _call(self.datasets, self.config)
+        if not isinstance(datasets, Mapping) or "train" not in datasets:
+            raise ValueError(
+                f"The datasets factory returned {datasets!r}: it must return {{'train': ds, <eval name>: ds, ...}}."
+            )
+        return dict(datasets)
+
+
+def option_names() -> List[str]:
+    """Every `RunSpec` option (= every `RayTrainer` keyword argument), in declaration order."""
+    return [f.name for f in dataclasses.fields(RunSpec)]
+
+
+def check_option_names(names: Any, where: str) -> None:
+    """Raise a TypeError naming any of ``names`` that is not a `RunSpec` option."""
+    known = option_names()
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise TypeError(
+            f"{where} got {', '.join(map(repr, unknown))}, which is not a RayTrainer argument; "
+            f"the arguments (RunSpec fields) are: {', '.join(known)}."
+        )
+
+
+def _required(f: dataclasses.Field) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default  # type: ignore[misc]
+
+
+def _storage_root(storage_path: Optional[str]) -> str:
+    """A storage URL, or an absolute local path (``None``: ``./runs``)."""
+    if storage_path is None:
+        return os.path.abspath("runs")
+    storage_path = os.fspath(storage_path)
+    if "://" not in storage_path:
+        return os.path.abspath(os.path.expanduser(storage_path))
+    if storage_path.startswith("file://"):
+        return os.path.abspath(storage_path[len("file://") :])
+    return storage_path
+
 
 def _is_state_schedule(obj: Any) -> bool:
     # Composer-style schedules (fn(state) -> multiplier) are objects with this marker.
@@ -74,8 +298,6 @@ def _is_state_schedule(obj: Any) -> bool:
 
 def _call(fn: Factory, *args: Any) -> Any:
     """Call ``fn`` with as many leading ``args`` as it accepts."""
-    import inspect
-
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):

@@ -71,12 +71,11 @@ from __future__ import annotations
 
 import datetime
 import functools
-import inspect
 import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, Mapping, Optional, Sequence
 
 from raytrain_events.ray.tune_placement import (
     _release_placement_groups,
@@ -130,7 +129,7 @@ _SWEEP_OWNED = {
 class _TrialSetup:
     """What every trial needs from the sweep (shipped once through the object store)."""
 
-    trainer: Dict[str, Any]
+    spec: Any  # the base RunSpec
     experiment_url: str
     storage_options: Dict[str, Any]
     registry: Any = None  # the sweep's _PlacementGroups actor
@@ -148,41 +147,40 @@ class _TrialSetup:
 # after Tune stopped it (removing a group Train already removed is a no-op).
 
 
-def _trainer_parameters() -> List[str]:
-    from raytrain_events.ray.driver import RayTrainer
-
-    return [p for p in inspect.signature(RayTrainer.__init__).parameters if p != "self"]
-
-
 def _check_trainer_keys(keys: Sequence[str], where: str) -> None:
-    allowed = _trainer_parameters()
+    from raytrain_events.ray.spec import check_option_names
+
     for key in keys:
         if key in _SWEEP_OWNED:
             raise ValueError(f"{where}[{key!r}] is set by the sweep: {_SWEEP_OWNED[key]}.")
-        if key not in allowed:
-            raise TypeError(
-                f"{where} has {key!r}, which is not a RayTrainer argument; it accepts: {', '.join(allowed)}."
-            )
+    check_option_names(keys, where)
 
 
-def _trial_kwargs(trainer: Mapping[str, Any], config: Mapping[str, Any]) -> Dict[str, Any]:
-    """`RayTrainer` kwargs for one trial: the base kwargs with the trial config merged in."""
-    from raytrain_events.ray.spec import _call
+def _base_spec(trainer: Any) -> Any:
+    """The `RunSpec` every trial starts from (validated now, so bad options fail before any trial)."""
+    from raytrain_events.ray.spec import RunSpec
 
-    kwargs = dict(trainer)
+    if isinstance(trainer, RunSpec):
+        return trainer
+    if not isinstance(trainer, Mapping):
+        raise TypeError(f"trainer must be a RunSpec or a dict of RayTrainer arguments, got {trainer!r}.")
+    _check_trainer_keys(list(trainer), "trainer")
+    return RunSpec.from_options(trainer, "sweep(trainer=...)")
+
+
+def _trial_spec(base: Any, config: Mapping[str, Any]) -> Any:
+    """One trial's `RunSpec`: ``base`` with the trial's overrides, algorithm set and config (``replace``)."""
     config = dict(config)
     overrides = config.get("trainer") or {}
     if not isinstance(overrides, Mapping):
         raise TypeError(f"config['trainer'] must be a dict of RayTrainer overrides, got {overrides!r}.")
     _check_trainer_keys(list(overrides), "param_space['trainer']")
-    kwargs.update(overrides)
+    changes = dict(overrides)
     if "algorithms" in config:
-        kwargs["algorithms"] = _normalize_set(config["algorithms"])
-    kwargs["config"] = {**dict(kwargs.get("config") or {}), **config}
-    if callable(kwargs.get("datasets")):
-        kwargs["datasets"] = _call(kwargs["datasets"], kwargs["config"])
-    kwargs["progress_bar"] = False
-    return kwargs
+        changes["algorithms"] = _normalize_set(config["algorithms"])
+    changes["config"] = {**base.config, **config}
+    changes["progress_bar"] = False
+    return base.replace(**changes)
 
 
 def _jsonable(value: Any) -> Any:
@@ -244,12 +242,15 @@ def raytrain_trial(config: Dict[str, Any], sweep_setup: Optional[_TrialSetup] = 
         for entry in record["history"]:
             tune.report(dict(entry))
         return
-    kwargs = _trial_kwargs(setup.trainer, config)
-    kwargs["callbacks"] = functools.partial(
-        _trial_callbacks, kwargs.get("callbacks"), setup.registry, tune.get_context().get_trial_id()
-    )
+    spec = _trial_spec(setup.spec, config)
     result = RayTrainer(
-        **kwargs, storage_path=trial_url, storage_options=setup.storage_options, run_name=TRIAL_RUN_NAME
+        spec,
+        callbacks=functools.partial(
+            _trial_callbacks, spec.callbacks, setup.registry, tune.get_context().get_trial_id()
+        ),
+        storage_path=trial_url,
+        storage_options=setup.storage_options,
+        run_name=TRIAL_RUN_NAME,
     ).fit()
     _write_record(
         record_url,
@@ -299,7 +300,7 @@ def _scheduler_time_attr(scheduler: Any) -> Optional[str]:
 
 def sweep(
     *,
-    trainer: Mapping[str, Any],
+    trainer: Any,
     param_space: Optional[Mapping[str, Any]] = None,
     metric: str,
     mode: str,
@@ -319,7 +320,7 @@ def sweep(
     """Run a Ray Tune sweep whose trials each train with `RayTrainer`; return a `SweepResult`.
 
     Args:
-        trainer: `RayTrainer` keyword arguments shared by all trials (``model``, ``optimizers``,
+        trainer: `RayTrainer` keyword arguments (or a `RunSpec`) shared by all trials (``model``, ``optimizers``,
             ``datasets``, ``max_duration``, ``batch_size``, ``num_workers``, ``checkpoint``, ...).
             ``datasets`` may also be a factory ``fn(config) -> {"train": ds, ...}`` called in each trial.
             ``storage_path``/``storage_options``/``run_name`` are set by the sweep.
@@ -351,7 +352,8 @@ def sweep(
     from ray.tune.logger import JsonLoggerCallback
 
     from raytrain_events.ray.cluster import ensure_ray
-    from raytrain_events.ray.driver import RayTrainer, _ray_storage, _storage_root
+    from raytrain_events.ray.driver import _ray_storage
+    from raytrain_events.ray.spec import _storage_root
     from raytrain_events.storage.fs import join
 
     if mode not in ("min", "max"):
@@ -362,15 +364,8 @@ def sweep(
         raise ValueError(f"num_samples={num_samples!r} must be an integer >= 1.")
     if max_concurrent_trials is not None and (not isinstance(max_concurrent_trials, int) or max_concurrent_trials < 1):
         raise ValueError(f"max_concurrent_trials={max_concurrent_trials!r} must be an integer >= 1 (or None).")
-    trainer = dict(trainer)
-    _check_trainer_keys(list(trainer), "trainer")
+    base = _base_spec(trainer)
     param_space = dict(param_space or {})
-    for key in ("model", "optimizers", "max_duration", "datasets"):
-        if key not in trainer:
-            raise ValueError(
-                f"trainer has no {key!r}: pass the RayTrainer arguments, e.g. trainer=dict(model=..., "
-                "optimizers=..., datasets={'train': ds}, max_duration='2ep')."
-            )
     if "algorithms" in param_space:
         for choice in _algorithm_choices(param_space["algorithms"]):
             _validate_set(choice)
@@ -379,15 +374,10 @@ def sweep(
         if not isinstance(overrides, Mapping):
             raise TypeError(f"param_space['trainer'] must be a dict of RayTrainer overrides, got {overrides!r}.")
         _check_trainer_keys(list(overrides), "param_space['trainer']")
-    # Build one trainer here (nothing runs) so that bad arguments fail before any trial starts.
-    probe_kwargs = dict(trainer)
-    if callable(probe_kwargs["datasets"]):
-        probe_kwargs["datasets"] = {"train": None}
-    probe = RayTrainer(**probe_kwargs)
     time_attr = _scheduler_time_attr(scheduler)
     if time_attr is not None and time_attr.startswith("time/") and time_attr not in TIME_ATTRS:
         raise ValueError(f"scheduler time_attr={time_attr!r} is not reported; use one of {', '.join(TIME_ATTRS)}.")
-    if time_attr == "time/token" and trainer.get("get_num_tokens_in_batch") is None:
+    if time_attr == "time/token" and base.get_num_tokens_in_batch is None:
         raise ValueError(
             "scheduler time_attr='time/token' needs trainer['get_num_tokens_in_batch'] (else tokens stay 0)."
         )
@@ -401,7 +391,7 @@ def sweep(
     experiment_path = tune_storage.rstrip("/") + "/" + name
 
     if max_concurrent_trials is None:
-        max_concurrent_trials = _default_concurrency(probe.scaling_config)
+        max_concurrent_trials = _default_concurrency(base.ray_scaling_config())
     restoring = resume and tune.Tuner.can_restore(experiment_path, storage_filesystem=tune_fs)
     if not restoring and _experiment_exists(experiment_url, storage_options):
         if not resume:
@@ -417,7 +407,7 @@ def sweep(
     registry = _start_registry(experiment_url)
     try:
         setup = _TrialSetup(
-            trainer=trainer, experiment_url=experiment_url, storage_options=storage_options, registry=registry
+            spec=base, experiment_url=experiment_url, storage_options=storage_options, registry=registry
         )
         trainable = tune.with_resources(
             tune.with_parameters(raytrain_trial, sweep_setup=setup), dict(trial_resources or {"cpu": 0.01})
@@ -469,7 +459,7 @@ def sweep(
         result_grid,
         metric=metric,
         mode=mode,
-        trainer=trainer,
+        spec=base,
         experiment_url=experiment_url,
         storage_options=storage_options,
         time_attr=time_attr or "time/sample",

@@ -174,7 +174,7 @@ def _make_result(
     *,
     metric: str,
     mode: str,
-    trainer: Mapping[str, Any],
+    spec: Any,
     experiment_url: str,
     storage_options: Dict[str, Any],
     time_attr: str,
@@ -192,14 +192,10 @@ def _make_result(
         trial_id = last.get("trial_id") or (result.metrics or {}).get("trial_id") or os.path.basename(result.path)
         histories[trial_id] = history
         values = [e[metric] for e in history if _finite(e.get(metric))]
-        specs = (
-            _normalize_set(config["algorithms"])
-            if "algorithms" in config
-            else _normalize_set(trainer.get("algorithms"))
-        )
+        specs = _normalize_set(config["algorithms"]) if "algorithms" in config else _normalize_set(spec.algorithms)
         params = _flatten({k: v for k, v in config.items() if k != "algorithms"})
         overrides = config.get("trainer") or {}
-        duration = ensure_time(overrides.get("max_duration", trainer.get("max_duration")), TimeUnit.EPOCH)
+        duration = ensure_time(overrides.get("max_duration", spec.max_duration), TimeUnit.EPOCH)
         done_key = _UNIT_KEYS.get(duration.unit.value)
         reached = done_key is not None and _finite(last.get(done_key)) and last[done_key] >= duration.value
         # A scheduler stops a trial at its budget (ASHA's max_t with stop_last_trials), maybe one

@@ -22,7 +22,11 @@ __all__ = ["train_loop_per_worker", "build_worker_trainer"]
 
 
 def build_worker_trainer(spec: RunSpec) -> Trainer:
-    """Build this worker's `Trainer` (inside a Ray Train worker)."""
+    """Build this worker's `Trainer` from the `RunSpec` (inside a Ray Train worker).
+
+    The one place that maps run options to the loop: a new `RunSpec` option the worker needs is
+    used here.
+    """
     import ray.train
     import ray.train.torch
 
@@ -60,7 +64,7 @@ def build_worker_trainer(spec: RunSpec) -> Trainer:
                 ray.train.get_dataset_shard(name), batch_size=spec.eval_batch_size or spec.batch_size, **loader_options
             ),
         )
-        for name in spec.eval_datasets
+        for name in spec.eval_names
     ]
     checkpoint = None
     if spec.checkpoint is not None:

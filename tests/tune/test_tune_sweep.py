@@ -81,10 +81,11 @@ def test_sweep_rejects_bad_arguments_before_any_trial(tmp_path):
         sweep(trainer=trainer, metric="train/loss", mode="min", scheduler=ASHAScheduler(time_attr="time/token"))
 
 
-def test_trial_config_is_merged_into_the_trainer_kwargs():
-    from raytrain_events.ray.tune import _trial_kwargs
+def test_trial_config_is_merged_into_the_base_spec():
+    from raytrain_events.ray.spec import RunSpec
+    from raytrain_events.ray.tune import _trial_spec
 
-    base = dict(
+    base = RunSpec(
         model=make_model,
         optimizers=make_sgd,
         datasets=lambda config: {"train": config.get("rows")},
@@ -92,7 +93,7 @@ def test_trial_config_is_merged_into_the_trainer_kwargs():
         algorithms=["ema"],
         config={"lr": 0.1, "hidden": 8},
     )
-    kwargs = _trial_kwargs(
+    spec = _trial_spec(
         base,
         {
             "algorithms": ["label_smoothing"],
@@ -101,15 +102,19 @@ def test_trial_config_is_merged_into_the_trainer_kwargs():
             "trainer": {"batch_size": 7, "max_duration": "3ep"},
         },
     )
-    assert kwargs["algorithms"] == ["label_smoothing"]  # the trial's set replaces the base set
-    assert kwargs["config"]["lr"] == 0.5 and kwargs["config"]["hidden"] == 8
-    assert kwargs["config"]["algorithms"] == ["label_smoothing"]
-    assert kwargs["batch_size"] == 7 and kwargs["max_duration"] == "3ep"
-    assert kwargs["datasets"] == {"train": "R"}  # a datasets factory is called with the trial config
-    assert base["algorithms"] == ["ema"] and callable(base["datasets"])  # the shared kwargs are untouched
-    assert _trial_kwargs(base, {"lr": 0.3})["algorithms"] == ["ema"]  # no "algorithms" key: the base set
+    assert spec.algorithms == ["label_smoothing"]  # the trial's set replaces the base set
+    assert spec.config["lr"] == 0.5 and spec.config["hidden"] == 8
+    assert spec.config["algorithms"] == ["label_smoothing"]
+    assert spec.batch_size == 7 and spec.max_duration == "3ep"
+    assert spec.build_datasets() == {"train": "R"}  # a datasets factory is called with the trial config
+    assert base.algorithms == ["ema"] and base.batch_size == 64 and base.config == {"lr": 0.1, "hidden": 8}
+    assert _trial_spec(base, {"lr": 0.3}).algorithms == ["ema"]  # no "algorithms" key: the base set
     with pytest.raises(ValueError, match="set by the sweep"):
-        _trial_kwargs(base, {"trainer": {"run_name": "x"}})
+        _trial_spec(base, {"trainer": {"run_name": "x"}})
+    with pytest.raises(TypeError, match="'lr_max'.*not a RayTrainer argument"):
+        _trial_spec(base, {"trainer": {"lr_max": 1}})
+    with pytest.raises(ValueError, match="batch_size=0"):  # overrides are validated like a new spec
+        _trial_spec(base, {"trainer": {"batch_size": 0}})
 
 
 def test_best_checkpoint_is_the_best_reported_one():

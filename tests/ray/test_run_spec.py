@@ -1,0 +1,108 @@
+"""`RunSpec` is the one definition of a Ray run's options (no Ray started here)."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+
+from raytrain_events.checkpoint.config import CheckpointConfig
+from raytrain_events.ray.driver import RayTrainer
+from raytrain_events.ray.spec import RunSpec, option_names
+
+
+def make_model():
+    return None
+
+
+def _spec(**over):
+    base = dict(model=make_model, optimizers=lambda m: None, datasets={"train": object()}, max_duration="1ep")
+    base.update(over)
+    return RunSpec(**base)
+
+
+def test_keyword_arguments_are_the_spec_fields():
+    """RayTrainer(**kwargs) builds the RunSpec: every field is accepted, nothing else is."""
+    trainer = RayTrainer(
+        model=make_model,
+        optimizers=lambda m: None,
+        datasets={"train": object(), "eval": object()},
+        max_duration=3,
+        batch_size=8,
+        num_workers=2,
+        seed=None,
+    )
+    assert trainer.spec == dataclasses.replace(trainer.spec)  # a plain dataclass
+    assert trainer.spec.max_duration == "3ep" and trainer.spec.batch_size == 8 and trainer.spec.workers == 2
+    assert trainer.spec.eval_names == ["eval"]
+    assert list(inspect.signature(RayTrainer).parameters) == ["spec", "options"]  # no restated options
+    with pytest.raises(TypeError, match="'learning_rate'.*not a RayTrainer argument.*batch_size"):
+        RayTrainer(**dataclasses.asdict(_spec()), learning_rate=0.1)
+    with pytest.raises(TypeError, match="needs optimizers, datasets"):
+        RayTrainer(model=make_model, max_duration="1ep")
+
+
+def test_a_spec_and_keywords_combine():
+    spec = _spec(batch_size=16)
+    trainer = RayTrainer(spec, batch_size=4, run_name="r")
+    assert trainer.spec.batch_size == 4 and trainer.run_name == "r"
+    assert spec.batch_size == 16  # the given spec is untouched
+    assert RayTrainer(spec).spec is spec
+    with pytest.raises(TypeError, match="RunSpec or keyword options"):
+        RayTrainer({"model": make_model})
+
+
+def test_replace_is_validated_like_a_new_spec():
+    spec = _spec()
+    with pytest.raises(ValueError, match="batch_size=0"):
+        spec.replace(batch_size=0)
+    with pytest.raises(ValueError, match="give it in 'ep'"):
+        spec.replace(max_duration="0.5dur")
+    with pytest.raises(TypeError, match="'nope'.*not a RayTrainer argument"):
+        spec.replace(nope=1)
+    with pytest.raises(ValueError, match="either scaling_config or num_workers"):
+        spec.replace(num_workers=2, scaling_config={"num_workers": 2})
+    assert spec.replace(scaling_config={"num_workers": 3}).workers == 3
+
+
+def test_describe_covers_every_option_as_plain_data():
+    spec = _spec(
+        algorithms=["label_smoothing", {"name": "mixup", "alpha": 0.2}],
+        checkpoint=CheckpointConfig(save_interval="2ep", storage_options={"key": "secret"}),
+        config={"lr": 0.1},
+        run_name="described",
+    )
+    described = spec.describe()
+    assert list(described) == option_names()  # derived from the fields: a new option shows up by itself
+    assert described["model"] == f"{__name__}.make_model"  # functions by name: no memory addresses
+    assert described["datasets"] == {"train": "object"}
+    assert described["algorithms"] == ["label_smoothing", {"name": "mixup", "alpha": 0.2}]
+    assert described["checkpoint"]["save_interval"] == "2ep" and "storage_options" not in described["checkpoint"]
+    assert described["num_workers"] == 1 and described["run_name"] == "described"
+    assert described["config"] == {"lr": 0.1}
+    assert RayTrainer(spec).describe() == described
+
+
+def test_workers_get_no_driver_only_options():
+    spec = _spec(datasets={"train": object(), "eval": object()}, ray_callbacks=[object()], progress_bar=True)
+    shipped = spec.for_workers(steps_per_epoch=5)
+    assert shipped.datasets == {"train": None, "eval": None} and shipped.eval_names == ["eval"]
+    assert shipped.ray_callbacks == () and shipped.progress_bar is False and shipped.steps_per_epoch == 5
+    assert shipped.run_url == spec.run_url
+
+
+def test_checkpoint_config_is_prepared_for_the_run_dir():
+    spec = _spec(checkpoint=CheckpointConfig(save_interval="1ep"))
+    assert spec.checkpoint.lock_run_dir is False
+    with pytest.raises(ValueError, match="save_folder cannot be set"):
+        _spec(checkpoint=CheckpointConfig(save_folder="/tmp/x"))
+
+
+def test_a_datasets_factory_is_resolved_by_name_for_the_workers():
+    spec = _spec(datasets=lambda config: {"train": config["n"], "holdout": 2}, config={"n": 1})
+    datasets = spec.build_datasets()
+    assert datasets == {"train": 1, "holdout": 2}
+    assert spec.for_workers(datasets, steps_per_epoch=3).eval_names == ["holdout"]
+    with pytest.raises(ValueError, match="datasets factory returned"):
+        _spec(datasets=lambda: {"eval": 1}).build_datasets()
