@@ -61,7 +61,8 @@ class ClassifierModel(torch.nn.Module):
         return F.cross_entropy(outputs, targets)
 
     def eval_forward(self, batch: Any, outputs: Any = None) -> torch.Tensor:
-        return outputs if outputs is not None else self.forward(batch)
+        # Through __call__, not self.forward: FSDP gathers the sharded parameters in its forward hooks.
+        return outputs if outputs is not None else self(batch)
 
     def get_metrics(self, is_train: bool = False) -> Dict[str, Any]:
         return {

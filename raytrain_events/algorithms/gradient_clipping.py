@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from raytrain_events.algorithms.registry import register_algorithm
 from raytrain_events.core.algorithm import Algorithm
@@ -50,9 +51,17 @@ class GradientClipping(Algorithm):
         if not params:
             return None
         if self.clipping_type == "norm":
-            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(
-                params, self.clipping_threshold, norm_type=self.norm_type
-            )
+            if any(isinstance(p.grad, DTensor) for p in params):
+                # FSDP: each rank holds a shard of every gradient; the norm is over all of them.
+                total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=self.norm_type)
+                if isinstance(total, DTensor):
+                    total = total.full_tensor()
+                torch.nn.utils.clip_grads_with_norm_(params, self.clipping_threshold, total)
+                self.last_grad_norm = total
+            else:
+                self.last_grad_norm = torch.nn.utils.clip_grad_norm_(
+                    params, self.clipping_threshold, norm_type=self.norm_type
+                )
         else:
             torch.nn.utils.clip_grad_value_(params, self.clipping_threshold)
         return None

@@ -33,11 +33,18 @@ from raytrain_events.checkpoint.format import (
 )
 from raytrain_events.checkpoint.preemption import SAVE_FLAG, save_on_sigterm
 from raytrain_events.checkpoint.rng import capture_rng_state, restore_rng_state
+from raytrain_events.checkpoint.sharded import (
+    DCP_LAYOUT,
+    ShardedCheckpointIO,
+    is_sharded_checkpoint,
+    load_full_into_sharded,
+)
 from raytrain_events.checkpoint.store import AsyncCheckpointWriter, load_latest_valid, prune_checkpoints
 from raytrain_events.core.callback import Callback
 from raytrain_events.core.event import Event
 from raytrain_events.core.interval import make_interval
 from raytrain_events.core.time import TimeUnit
+from raytrain_events.parallel.wrap import is_sharded_module
 from raytrain_events.storage.errors import RunLockedError
 from raytrain_events.storage.fs import basename
 from raytrain_events.storage.locks import acquire_lock, release_lock
@@ -124,6 +131,17 @@ class Checkpointer(Callback):
             else None
         )
         self._writer = AsyncCheckpointWriter() if config.async_save else None
+        parallel = getattr(host, "parallel", None)
+        model_sharded = parallel is not None and parallel.sharded and host.dist.is_distributed
+        if model_sharded and config.sharded is False:
+            raise ValueError(
+                "CheckpointConfig(sharded=False) with parallelism='fsdp': a sharded model is saved as shards (no "
+                "rank holds the whole model). Fix: leave sharded=None; export one file with `raytrain-events export`."
+            )
+        self.sharded = bool(config.sharded) if config.sharded is not None else model_sharded
+        self._sharded_io: Optional[ShardedCheckpointIO] = None
+        if self.sharded:  # its own process group when saves run in the background (collective)
+            self._sharded_io = ShardedCheckpointIO(host, self.options, own_group=config.async_save)
         self._last_save_time = time.monotonic()
         self._last_saved_batch: Optional[int] = None
         self._sigterm = contextlib.ExitStack()
@@ -176,10 +194,18 @@ class Checkpointer(Callback):
     def _apply(self, loaded: LoadedCheckpoint) -> None:
         host, state = self.host, self.host.state
         saved = loaded.files[STATE_FILE]
-        if self.config.load_weights_only:
-            state.load_model_state(saved["model"], strict=self.config.load_strict)
+        strict, weights_only = self.config.load_strict, self.config.load_weights_only
+        if is_sharded_checkpoint(loaded.info):
+            io = self._sharded_io or ShardedCheckpointIO(host, self.options, own_group=False)
+            io.load(loaded.info, saved, strict=strict, weights_only=weights_only)
+        elif is_sharded_module(state.model):  # a full (DDP) checkpoint into an FSDP model
+            load_full_into_sharded(state, saved, strict=strict, weights_only=weights_only)
+        elif weights_only:
+            state.load_model_state(saved["model"], strict=strict)
+        else:
+            state.load_state_dict(saved, strict=strict)
+        if weights_only:
             return
-        state.load_state_dict(saved, strict=self.config.load_strict)
         rng_name = rng_file_name(state.rank)
         if any(f.name == rng_name for f in loaded.info.files):
             rng = read_checkpoint_files(loaded.info, storage_options=self.options, files=[rng_name]).files[rng_name]
@@ -266,16 +292,18 @@ class Checkpointer(Callback):
             )
             rng = None
         future = None
-        if state.rank == 0:
+        metadata = {
+            "config": host.config,
+            "run_name": state.run_name,
+            "data_position": {"epoch": timestamp["epoch"], "batch_in_epoch": state.timestamp.batch_in_epoch.value},
+            "checkpoint_config": self.config.to_dict(),
+        }
+        if self._sharded_io is not None:
+            future = self._save_sharded(url, rng, entries, timestamp, metadata)
+        elif state.rank == 0:
             payload = state.state_dict()
             payload["timestamp"] = state.timestamp.state_dict()
             snapshot = _cpu_copy(payload) if self._writer is not None else payload
-            metadata = {
-                "config": host.config,
-                "run_name": state.run_name,
-                "data_position": {"epoch": timestamp["epoch"], "batch_in_epoch": state.timestamp.batch_in_epoch.value},
-                "checkpoint_config": self.config.to_dict(),
-            }
             job = lambda: self._write(url, snapshot, rng, entries, timestamp, dist.world_size, metadata)  # noqa: E731
             if self._writer is not None:
                 future = self._writer.submit(job)
@@ -288,6 +316,30 @@ class Checkpointer(Callback):
         self.saved.append(saved)
         self._unreported = saved
         return saved
+
+    def _save_sharded(
+        self,
+        url: str,
+        rng: Optional[Dict[str, Any]],
+        entries: List[FileEntry],
+        timestamp: Dict[str, int],
+        metadata: Dict[str, Any],
+    ) -> Any:
+        """Every rank writes its shards (staged to CPU first when async); rank 0 then commits."""
+        io, background = self._sharded_io, self._writer is not None
+        tensors, rest = io.snapshot(copy=background)  # the copy is all that blocks training
+        rest = _cpu_copy(rest) if background else rest
+        rank, world_size = self.host.state.rank, self.host.dist.world_size
+        parallel = getattr(self.host, "parallel", None)
+        metadata = dict(metadata, layout=DCP_LAYOUT, parallelism=parallel.kind if parallel is not None else "ddp")
+
+        def job() -> Optional[CheckpointInfo]:
+            shards = io.write_shards(url, tensors)
+            if rank != 0:
+                return None
+            return self._write(url, rest, rng, list(entries) + shards, timestamp, world_size, metadata)
+
+        return self._writer.submit(job) if background else _Done(job())
 
     def _write(
         self,

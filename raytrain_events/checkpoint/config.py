@@ -39,6 +39,9 @@ class CheckpointConfig:
         load_weights_only: load only model weights (fresh optimizer, timestamp and RNG).
         autoresume: continue from the newest valid checkpoint in ``save_folder`` if there is one.
         storage_options: fsspec options (endpoint URL, credentials) for ``save_folder``/``load_from``.
+        sharded: write sharded checkpoints (torch.distributed.checkpoint: every rank writes its own
+            shards, in parallel, no gather). None (default): sharded exactly when the model is
+            (``parallelism="fsdp"``). Either kind loads into either strategy and rank count.
         lock_run_dir: hold the run directory's ``running`` lock (the parent of ``save_folder``)
             while training, so a second run on it is refused. `RayTrainer` holds it on the
             driver instead and turns this off on its workers.
@@ -59,6 +62,7 @@ class CheckpointConfig:
     autoresume: bool = False
     storage_options: Dict[str, Any] = field(default_factory=dict)
     lock_run_dir: bool = True
+    sharded: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.save_interval is not None:

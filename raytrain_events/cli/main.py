@@ -129,6 +129,22 @@ def build_parser(entry: Optional[str] = None) -> argparse.ArgumentParser:
         action="store_true",
         help="Exit with 1 when the configs differ (like git diff --exit-code); default: exit 0 either way.",
     )
+    export = commands.add_parser(
+        "export",
+        help="Consolidate a (sharded) checkpoint into one state.pt with full tensors, e.g. for inference.",
+        formatter_class=_formatter,
+        description=(
+            "Read a checkpoint (an FSDP-sharded one through the safe DCP reader, in this one process) and write\n"
+            "one torch.save file: 'model' (a plain state_dict), 'optim' (by parameter name) and the training state."
+        ),
+    )
+    export.add_argument(
+        "checkpoint", metavar="CHECKPOINT", help="A checkpoint directory, or a folder of them (the newest)."
+    )
+    export.add_argument("output", metavar="OUTPUT", help="The file to write, e.g. ./model.pt or s3://bucket/model.pt.")
+    export.add_argument("--model-only", action="store_true", help="Keep only the model weights.")
+    _add_common(export)
+    export.set_defaults(_parser=export)
     return parser
 
 
@@ -154,6 +170,17 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "inspect":
         info = runs.inspect_run(args.run_url, options)
         print(json.dumps(info, indent=2, default=str) if args.json else runs.format_inspect(info))
+        return 0
+    if args.command == "export":
+        from raytrain_events.cli.export import export_checkpoint
+
+        summary = export_checkpoint(args.checkpoint, args.output, storage_options=options, model_only=args.model_only)
+        print(
+            json.dumps(summary)
+            if args.json
+            else f"Wrote {summary['output']} ({summary['tensors']} model tensors, "
+            f"{summary['bytes']} bytes) from {summary['source']}"
+        )
         return 0
     if args.command == "diff":
         text = runs.diff_runs(args.run_a, args.run_b, options)

@@ -223,7 +223,10 @@ class State:
         self.model.load_state_dict(state_dict, strict=strict)
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = False) -> None:
-        """Restore what `state_dict` produced (model, optimizers, schedulers, timestamp, ...)."""
+        """Restore what `state_dict` produced (model, optimizers, schedulers, timestamp, ...).
+
+        A sharded checkpoint restores model and optimizers itself and passes the rest without them.
+        """
         # Check what can be checked before changing anything, so a refused load leaves the run intact.
         keys = _keyed(self.algorithms)
         missing_required = [k for k in state.get("algorithms_required", []) if k not in keys]
@@ -232,8 +235,10 @@ class State:
                 f"The checkpoint was saved with algorithms {missing_required} that must be present to load it "
                 "(required_on_load); add them to `algorithms`."
             )
-        self.load_model_state(state["model"], strict=strict)
-        _load_list("optimizers", self.optimizers, state.get("optimizers", []))
+        if "model" in state:
+            self.load_model_state(state["model"], strict=strict)
+        if "model" in state or "optimizers" in state:
+            _load_list("optimizers", self.optimizers, state.get("optimizers", []))
         _load_list("schedulers", self.schedulers, state.get("schedulers", []))
         if self.scaler is not None and state.get("scaler") is not None:
             self.scaler.load_state_dict(state["scaler"])

@@ -29,6 +29,7 @@ from raytrain_events.core.precision import Precision, autocast_context
 from raytrain_events.core.state import State
 from raytrain_events.core.time import Time, TimeUnit, ensure_time
 from raytrain_events.dist import Dist, default_dist
+from raytrain_events.parallel.wrap import Parallel
 from raytrain_events.trainer._batch import check_model, move_to_device, total_loss
 from raytrain_events.trainer.evaluation import ensure_evaluators, run_evaluation
 from raytrain_events.trainer.seed import seed_everything
@@ -83,6 +84,7 @@ class Trainer:
         checkpoint: Any = None,
         algorithm_passes: Optional[Sequence[AlgorithmPass]] = None,
         config: Optional[Dict[str, Any]] = None,
+        parallelism: Any = None,
     ) -> None:
         check_model(model)
         max_duration = ensure_time(max_duration, TimeUnit.EPOCH)
@@ -104,6 +106,8 @@ class Trainer:
                     "(or build one by name with raytrain_events.algorithms.build_algorithm)."
                 )
 
+        self.parallel = Parallel(parallelism)  # "ddp" (default), "fsdp" or an FSDPConfig
+        self.parallel.check(algorithms)
         self.dist = dist if dist is not None else default_dist(device)
         self.device = torch.device(device) if device is not None else self.dist.device
         self.train_spec = ensure_data_spec(train_dataloader)
@@ -143,6 +147,7 @@ class Trainer:
 
         self.engine.run_event(Event.INIT)
         self.engine.refresh()  # algorithms or callbacks may have been added at INIT
+        self.parallel.check(self.state.algorithms)
         self._train_model = self._wrap_model()
         if checkpoint is not None:
             from raytrain_events.checkpoint.checkpointer import attach_checkpointing
@@ -156,14 +161,8 @@ class Trainer:
         return autocast_context(self.state.precision, self.device.type)
 
     def _wrap_model(self) -> torch.nn.Module:
-        model = self.state.model
-        if not self.dist.is_distributed:
-            return model
-        from torch.nn.parallel import DistributedDataParallel
-
         find_unused = any(a.find_unused_parameters for a in self.state.algorithms)
-        device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=find_unused)
+        return self.parallel.wrap(self.state.model, self.dist, self.device, find_unused, self.state.optimizers)
 
     # ------------------------------------------------------------------- fit
     def fit(self) -> State:
@@ -286,11 +285,11 @@ class Trainer:
         create_graph = any(a.backwards_create_graph for a in state.algorithms) if state.algorithms else False
         total_samples = state.batch_num_samples
         last = len(microbatches) - 1
-        ddp = self._train_model if self._train_model is not model else None
+        no_sync = self.parallel.no_sync if self.dist.is_distributed else None
         autocast = self.autocast()  # one context per batch, entered for each forward and loss (never nested)
         accumulated = None
         for index, microbatch in enumerate(microbatches):
-            sync = ddp.no_sync() if (ddp is not None and index < last) else _NULL_CONTEXT
+            sync = no_sync(self._train_model) if (no_sync is not None and index < last) else _NULL_CONTEXT
             with sync:
                 state.batch = microbatch
                 engine.run_event(Event.BEFORE_FORWARD)

@@ -1,0 +1,227 @@
+"""torch.distributed.checkpoint (DCP) made safe to load, and writing that hashes as it goes.
+
+DCP as shipped runs code from a crafted checkpoint in two places: ``FileSystemReader.read_metadata``
+unpickles ``.metadata`` with plain ``pickle.load``, and ``DefaultLoadPlanner.load_bytes`` turns
+non-tensor items back with ``torch.load(weights_only=False)``. Here:
+
+* `SafeDCPReader` unpickles ``.metadata`` with `MetadataUnpickler`, which resolves only DCP's
+  metadata classes (and torch.Size, dtypes, layouts, paths): any other global, such as
+  ``os.system``, raises `UnsafeCheckpointError` before anything is called.
+* `SafeLoadPlanner` / `SafeFullLoadPlanner` load byte items with ``torch.load(weights_only=True)``.
+  (Tensor items are read by DCP itself with ``weights_only=True`` already.)
+* `HashingDCPWriter` is DCP's fsspec writer whose output streams count and sha256 every byte
+  written, so each rank can hand its files' ``FileEntry`` (name, size, sha256) to the
+  manifest without reading them back.
+
+Any fsspec URL works (``resolve`` of our storage layer picks the filesystem and its options).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import pathlib
+import pickle
+import threading
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, Optional
+
+import torch
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from raytrain_events.checkpoint.format import FileEntry, UnsafeCheckpointError, _reason
+
+__all__ = [
+    "HashingDCPWriter",
+    "MetadataUnpickler",
+    "SafeDCPReader",
+    "SafeFullLoadPlanner",
+    "SafeLoadPlanner",
+    "load_metadata_safely",
+]
+
+_METADATA_CLASSES = {
+    "Metadata",
+    "TensorStorageMetadata",
+    "BytesStorageMetadata",
+    "ChunkStorageMetadata",
+    "TensorProperties",
+    "MetadataIndex",
+    "StorageMeta",
+    "_MEM_FORMAT_ENCODING",
+}
+_ALLOWED = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    ("torch", "Size"): torch.Size,
+    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+    ("collections", "OrderedDict"): __import__("collections").OrderedDict,
+    ("pathlib", "PosixPath"): pathlib.PosixPath,
+    ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
+    ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,  # read as a pure path: nothing touches the disk
+    ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath,
+}
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``Metadata`` and nothing else: an allowlist of the classes it is made of."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == dcp_metadata.__name__ and name in _METADATA_CLASSES:
+            return getattr(dcp_metadata, name)
+        if (module, name) in _ALLOWED:
+            return _ALLOWED[(module, name)]
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"global '{module}.{name}' is not one of DCP's metadata classes")
+
+
+def load_metadata_safely(stream: Any, where: str) -> Metadata:
+    """Read a DCP ``.metadata`` pickle with `MetadataUnpickler`; `UnsafeCheckpointError` otherwise."""
+    try:
+        metadata = MetadataUnpickler(stream).load()
+    except (pickle.UnpicklingError, AttributeError, TypeError, KeyError, EOFError, ValueError) as e:
+        raise UnsafeCheckpointError(
+            f"Refused to load the DCP metadata {where!r}: {type(e).__name__}: {e}. It is not plain DCP "
+            "metadata (only DCP's metadata classes are allowed; nothing in the file was executed), so it was "
+            "written by other code or tampered with. Fix: load a checkpoint written by raytrain_events, "
+            "or, only if you trust its origin, torch.distributed.checkpoint's own reader."
+        ) from e
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpointError(
+            f"The DCP metadata {where!r} holds a {type(metadata).__name__}, not a Metadata: refused. "
+            "Fix: load a checkpoint written by raytrain_events."
+        )
+    return metadata
+
+
+class SafeDCPReader(FsspecReader):
+    """DCP's fsspec reader with `MetadataUnpickler` in place of ``pickle.load``."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as stream:
+            metadata = load_metadata_safely(io.BytesIO(stream.read()), os.fspath(path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _load_bytes_safely(value: io.BytesIO, fqn: str) -> Any:
+    try:
+        return torch.load(value, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise UnsafeCheckpointError(
+            f"Refused to load the DCP item {fqn!r}: torch's weights-only unpickler found something outside "
+            f"its allowlist ({_reason(e)}). Nothing in it was executed. Checkpoints written by raytrain_events "
+            "hold only tensors and plain values, so it was written by other code or tampered with. Fix: load a "
+            "checkpoint you trust."
+        ) from e
+
+
+class _SafeBytes:
+    """``load_bytes`` of DefaultLoadPlanner, with ``weights_only=True``."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        loaded = _load_bytes_safely(value, fqn)
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._nested_dict import set_element
+
+            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded
+
+
+class SafeLoadPlanner(_SafeBytes, DefaultLoadPlanner):
+    """Load into a given state dict (resharding as DCP does); byte items loaded weights-only."""
+
+
+class SafeFullLoadPlanner(_SafeBytes, _EmptyStateDictLoadPlanner):
+    """Load everything a checkpoint holds as full tensors (no target needed): for export."""
+
+
+class _HashingStream(io.RawIOBase):
+    """Write-through stream that counts and hashes the bytes (DCP asks it for ``tell``)."""
+
+    def __init__(self, raw: Any) -> None:
+        super().__init__()
+        self._raw, self._sha, self.size = raw, hashlib.sha256(), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self._raw.write(view)
+        self._sha.update(view)
+        self.size += len(view)
+        return len(view)
+
+    def tell(self) -> int:
+        return self.size
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def close(self) -> None:  # the raw stream is closed by its own context manager
+        if not self.closed:
+            self.flush()
+        super().close()
+
+    def hexdigest(self) -> str:
+        return self._sha.hexdigest()
+
+
+class _HashingFileSystem(FileSystem):
+    """fsspec file system of DCP whose write streams record a `FileEntry` per file written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entries: Dict[str, FileEntry] = {}
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        with super().create_stream(path, mode) as raw:
+            if "w" not in mode:
+                yield raw
+                return
+            stream = _HashingStream(raw)
+            yield stream
+            name = os.path.basename(os.fspath(path))
+            with self._lock:
+                self.entries[name] = FileEntry(name=name, size=stream.size, sha256=stream.hexdigest())
+
+    def rename(self, path: Any, new_path: Any) -> None:
+        super().rename(path, new_path)
+        old, new = os.path.basename(os.fspath(path)), os.path.basename(os.fspath(new_path))
+        with self._lock:
+            if old in self.entries:
+                entry = self.entries.pop(old)
+                self.entries[new] = FileEntry(name=new, size=entry.size, sha256=entry.sha256)
+
+
+class HashingDCPWriter(FsspecWriter):
+    """DCP's fsspec writer; ``entries`` lists the files this rank wrote with size and sha256."""
+
+    def __init__(self, path: str, storage_options: Optional[Dict[str, Any]] = None, **kwargs: Any) -> None:
+        local = "://" not in path or path.startswith("file://")
+        # fsync local files; object stores commit on close (fsync would fall back to os.sync()).
+        super().__init__(path, sync_files=local, overwrite=False, **kwargs, **(storage_options or {}))
+        fs = _HashingFileSystem()
+        fs.fs = self.fs.fs
+        self.fs = fs
+
+    @property
+    def entries(self) -> list:
+        """`FileEntry` of each file written by this rank (its shards; ``.metadata`` on the coordinator)."""
+        return sorted(self.fs.entries.values(), key=lambda e: e.name)

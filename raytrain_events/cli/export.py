@@ -1,0 +1,52 @@
+"""``raytrain-events export``: one consolidated ``state.pt`` from a (sharded or full) checkpoint.
+
+A sharded checkpoint (FSDP, ``layout: dcp``) is read in one process through the safe DCP reader
+and written as a single ``torch.save`` file with full tensors: ``model`` (a plain
+``state_dict`` for ``model.load_state_dict``), ``optim`` (optimizer state by parameter name),
+and the rest of the training state (Timestamp, schedulers, algorithms). ``--model-only`` keeps
+just ``{"model": ...}``, for inference.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+__all__ = ["export_checkpoint"]
+
+
+def export_checkpoint(
+    checkpoint_url: str, output_url: str, *, storage_options: Optional[Dict[str, Any]] = None, model_only: bool = False
+) -> Dict[str, Any]:
+    """Write ``output_url`` (a file path or URL); returns a summary (source, tensors, bytes)."""
+    from raytrain_events.checkpoint.checkpointer import STATE_FILE
+    from raytrain_events.checkpoint.format import (
+        CheckpointNotCommittedError,
+        read_checkpoint_files,
+        read_manifest,
+        serialize,
+    )
+    from raytrain_events.checkpoint.sharded import is_sharded_checkpoint, load_consolidated
+    from raytrain_events.checkpoint.store import latest_checkpoint
+    from raytrain_events.storage.fs import resolve, write_bytes_atomic
+
+    options = dict(storage_options or {})
+    try:
+        info = read_manifest(checkpoint_url, storage_options=options)
+    except CheckpointNotCommittedError:
+        info = latest_checkpoint(checkpoint_url, storage_options=options)  # a folder of checkpoints
+        if info is None:
+            raise FileNotFoundError(
+                f"{checkpoint_url!r} is neither a committed checkpoint nor a folder holding one. Fix: point at a "
+                "checkpoint directory (with manifest.json) or the run's checkpoints/ folder."
+            ) from None
+    rest = read_checkpoint_files(info, storage_options=options, files=[STATE_FILE]).files[STATE_FILE]
+    state = load_consolidated(info, rest, options) if is_sharded_checkpoint(info) else rest
+    if model_only:
+        state = {"model": state["model"]}
+    data = serialize(state)
+    fs, path = resolve(output_url, options)
+    parent = path.rsplit("/", 1)[0] if "/" in path else ""
+    if parent:
+        fs.makedirs(parent, exist_ok=True)
+    write_bytes_atomic(fs, path, data)
+    return {"source": info.url, "output": output_url, "tensors": len(state["model"]), "bytes": len(data)}

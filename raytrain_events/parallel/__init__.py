@@ -1,0 +1,14 @@
+"""Data parallelism for the `Trainer`: DDP (default) or FSDP2 sharding (`FSDPConfig`)."""
+
+from raytrain_events.parallel.config import FSDPConfig, ParallelismSpec, parse_parallelism
+from raytrain_events.parallel.wrap import Parallel, apply_fsdp, check_algorithms_for_sharding, is_sharded_module
+
+__all__ = [
+    "FSDPConfig",
+    "Parallel",
+    "ParallelismSpec",
+    "apply_fsdp",
+    "check_algorithms_for_sharding",
+    "is_sharded_module",
+    "parse_parallelism",
+]

@@ -1,0 +1,111 @@
+"""How the model is spread over the ranks: `FSDPConfig`, and parsing of the ``parallelism`` option.
+
+``parallelism="ddp"`` (the default) keeps a full replica per rank (DistributedDataParallel).
+``parallelism="fsdp"`` or an `FSDPConfig` shards parameters, gradients and optimizer state over
+the ranks with FSDP2 (``torch.distributed.fsdp.fully_shard``), so a model that does not fit one
+device can be trained. Plain data only here; the wrapping itself is in ``wrap.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Sequence, Union
+
+import torch
+
+__all__ = ["FSDPConfig", "ParallelismSpec", "parse_parallelism"]
+
+ModulePolicy = Union[Sequence[str], Callable[[torch.nn.Module], bool], None]
+_DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+
+
+@dataclass
+class FSDPConfig:
+    """FSDP2 options (Composer's ``parallelism_config.fsdp``, Ray Train's FSDP2 template).
+
+    Example::
+
+        Trainer(..., parallelism=FSDPConfig(shard_modules=["TransformerBlock"], param_dtype="bf16"))
+
+    Fields:
+        shard_modules: which submodules get their own ``fully_shard`` unit (one all-gather each,
+            freed after use): class names (``["TransformerBlock"]``) or a function
+            ``module -> bool``. The root module is always sharded last (it takes what is left).
+            None: only the root, i.e. one unit (the least overlap; fine for small models).
+        reshard_after_forward: free the gathered parameters after forward (less memory, one more
+            all-gather in backward), as ZeRO-3; False keeps them until backward (ZeRO-2-like).
+        param_dtype / reduce_dtype: mixed precision of FSDP itself (``MixedPrecisionPolicy``):
+            the dtype of the gathered parameters for compute and of the gradient reduce-scatter,
+            ``"bf16"``, ``"fp16"``, ``"fp32"`` or None (the parameter's own dtype).
+        cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory
+            (``CPUOffloadPolicy``), moved to the device for compute only.
+        activation_checkpointing: recompute activations in backward for these submodules
+            (class names, a function ``module -> bool``, or True for the ``shard_modules``).
+    """
+
+    shard_modules: ModulePolicy = None
+    reshard_after_forward: bool = True
+    param_dtype: Optional[str] = None
+    reduce_dtype: Optional[str] = None
+    cpu_offload: bool = False
+    activation_checkpointing: Union[bool, Sequence[str], Callable[[torch.nn.Module], bool]] = False
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in _DTYPES:
+                raise ValueError(f"FSDPConfig.{name}={value!r} is not a dtype name: use one of {sorted(_DTYPES)}.")
+        if isinstance(self.shard_modules, str):
+            self.shard_modules = [self.shard_modules]
+        if isinstance(self.activation_checkpointing, str):
+            self.activation_checkpointing = [self.activation_checkpointing]
+        if self.activation_checkpointing is True and self.shard_modules is None:
+            raise ValueError(
+                "FSDPConfig(activation_checkpointing=True) checkpoints the shard_modules, but none are given: "
+                "name them (shard_modules=['Block']) or pass activation_checkpointing=['Block']."
+            )
+
+    def dtype(self, name: str) -> Optional[torch.dtype]:
+        """``param_dtype`` or ``reduce_dtype`` as a torch dtype (None: unchanged)."""
+        value = getattr(self, name)
+        return None if value is None else _DTYPES[value]
+
+
+@dataclass(frozen=True)
+class ParallelismSpec:
+    """The parsed ``parallelism`` option: ``kind`` is "ddp" or "fsdp"; ``fsdp`` its options."""
+
+    kind: str
+    fsdp: Optional[FSDPConfig] = None
+
+    @property
+    def sharded(self) -> bool:
+        """True when parameters are sharded across ranks (FSDP)."""
+        return self.kind == "fsdp"
+
+
+def parse_parallelism(value: Union[str, FSDPConfig, ParallelismSpec, Dict[str, Any], None]) -> ParallelismSpec:
+    """Accept ``"ddp"``, ``"fsdp"``, an `FSDPConfig`, a dict of `FSDPConfig` fields, or None (ddp)."""
+    if value is None or value == "ddp":
+        return ParallelismSpec("ddp")
+    if isinstance(value, ParallelismSpec):
+        return value
+    if value == "fsdp":
+        return ParallelismSpec("fsdp", FSDPConfig())
+    if isinstance(value, FSDPConfig):
+        return ParallelismSpec("fsdp", value)
+    if isinstance(value, dict):
+        try:
+            return ParallelismSpec("fsdp", FSDPConfig(**value))
+        except TypeError as e:
+            raise ValueError(f"parallelism={value!r}: {e}. The keys are FSDPConfig's fields.") from None
+    raise ValueError(
+        f"parallelism={value!r} is not supported: pass 'ddp' (the default), 'fsdp', or an FSDPConfig(...)."
+    )

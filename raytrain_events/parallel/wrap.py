@@ -1,0 +1,183 @@
+"""Wrap the model for data parallelism: DDP (a replica per rank) or FSDP2 (sharded), and say
+which algorithms cannot run sharded.
+
+`Parallel` is what the `Trainer` holds: ``wrap`` returns the module the loop calls (the DDP
+wrapper, or the model itself, sharded in place by ``fully_shard``), and ``no_sync`` is the
+grad-accumulation context of either (``DDP.no_sync`` / ``set_requires_gradient_sync(False)``).
+``state.model`` stays the user's module in both cases; under FSDP its parameters are DTensors
+holding this rank's shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+
+from raytrain_events.parallel.config import FSDPConfig, ParallelismSpec, parse_parallelism
+
+__all__ = ["Parallel", "apply_fsdp", "check_algorithms_for_sharding", "is_sharded_module"]
+
+# Algorithms that cannot run on sharded parameters, and why (checked when the Trainer is built).
+_UNSHARDABLE = {
+    "SWA": (
+        "SWA keeps torch.optim.swa_utils.AveragedModel, a deep copy of the model; a copy of an FSDP-sharded "
+        "module is not a sharded module of its own (its forward would all-gather into the original's buffers). "
+        "Fix: use EMA (which averages the sharded parameters in place), or parallelism='ddp'."
+    ),
+}
+
+
+def is_sharded_module(module: torch.nn.Module) -> bool:
+    """True if ``fully_shard`` was applied to ``module`` (its parameters are DTensor shards)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def check_algorithms_for_sharding(algorithms: Sequence[Any]) -> None:
+    """Raise ValueError naming each algorithm that cannot run with FSDP, with the reason."""
+    problems = [
+        f"{type(a).__name__}: {_UNSHARDABLE[type(a).__name__]}" for a in algorithms if type(a).__name__ in _UNSHARDABLE
+    ]
+    problems += [
+        f"{type(a).__name__}: it needs backward(create_graph=True), which FSDP's gradient reduce-scatter "
+        "does not support. Fix: use parallelism='ddp'."
+        for a in algorithms
+        if getattr(a, "backwards_create_graph", False)
+    ]
+    if problems:
+        raise ValueError("These algorithms cannot run with parallelism='fsdp':\n  " + "\n  ".join(problems))
+
+
+def _selector(policy: Any) -> Optional[Callable[[torch.nn.Module], bool]]:
+    if policy is None or policy is False:
+        return None
+    if callable(policy):
+        return policy
+    names = set(policy)
+    return lambda module: type(module).__name__ in names
+
+
+def apply_fsdp(model: torch.nn.Module, config: FSDPConfig, world_size: int, device: torch.device) -> torch.nn.Module:
+    """Shard ``model`` in place over a 1-D mesh of ``world_size`` ranks (needs a process group)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (world_size,))
+    kwargs: dict = {"mesh": mesh, "reshard_after_forward": config.reshard_after_forward}
+    if config.param_dtype is not None or config.reduce_dtype is not None:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=config.dtype("param_dtype"), reduce_dtype=config.dtype("reduce_dtype")
+        )
+    if config.cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    select = _selector(config.shard_modules)
+    units = [m for m in model.modules() if m is not model and select is not None and select(m)]
+    if config.shard_modules is not None and not units:
+        present = sorted({type(m).__name__ for m in model.modules()})
+        raise ValueError(
+            f"FSDPConfig.shard_modules={config.shard_modules!r} matched no submodule of {type(model).__name__}; "
+            f"its module classes are {present}. Fix: name one of those, or pass a function module -> bool."
+        )
+    ac = config.activation_checkpointing
+    if ac:
+        from torch.distributed._composable import checkpoint
+
+        ac_select = select if ac is True else _selector(ac)
+        targets = [m for m in model.modules() if m is not model and ac_select(m)]
+        if not targets:
+            raise ValueError(
+                f"FSDPConfig.activation_checkpointing={ac!r} matched no submodule of {type(model).__name__}."
+            )
+        for module in targets:
+            checkpoint(module)
+    for module in reversed(units):  # innermost first: a unit's parameters exclude its sharded children
+        fully_shard(module, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+class Parallel:
+    """The data-parallel strategy of one `Trainer` (built from its ``parallelism`` option)."""
+
+    def __init__(self, parallelism: Any = None) -> None:
+        self.spec: ParallelismSpec = parse_parallelism(parallelism)
+
+    @property
+    def kind(self) -> str:
+        """``"ddp"`` or ``"fsdp"``."""
+        return self.spec.kind
+
+    @property
+    def sharded(self) -> bool:
+        """True for FSDP: parameters, gradients and optimizer state are sharded across ranks."""
+        return self.spec.sharded
+
+    def check(self, algorithms: Sequence[Any]) -> None:
+        """Refuse (ValueError with the reason) algorithms that cannot run with this strategy."""
+        if self.sharded:
+            check_algorithms_for_sharding(algorithms)
+
+    def wrap(
+        self, model: torch.nn.Module, dist: Any, device: torch.device, find_unused: bool, optimizers: Sequence[Any] = ()
+    ) -> torch.nn.Module:
+        """The module the loop calls: ``model`` alone on one rank, DDP, or ``model`` sharded in place.
+
+        Sharding replaces the parameters by DTensor shards; the ``optimizers`` (built on the
+        original parameters, with no state yet) are pointed at the new ones.
+        """
+        if not dist.is_distributed:
+            return model
+        if self.sharded:
+            names = {id(p): n for n, p in model.named_parameters()}
+            _check_optimizers_fresh(optimizers)
+            apply_fsdp(model, self.spec.fsdp, dist.world_size, device)
+            _retarget_optimizers(optimizers, names, dict(model.named_parameters()))
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = [device.index] if device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=find_unused)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def no_sync(train_model: torch.nn.Module) -> Iterator[None]:
+        """Accumulate gradients locally (no all-reduce / reduce-scatter) inside this context."""
+        if hasattr(train_model, "no_sync"):  # DDP
+            with train_model.no_sync():
+                yield
+        elif hasattr(train_model, "set_requires_gradient_sync"):  # FSDP2
+            train_model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                train_model.set_requires_gradient_sync(True)
+        else:  # one rank: nothing to synchronize
+            yield
+
+
+def _check_optimizers_fresh(optimizers: Sequence[Any]) -> None:
+    for optimizer in optimizers:
+        if optimizer.state:
+            raise ValueError(
+                f"{type(optimizer).__name__} already has state (it stepped before the model was sharded); FSDP "
+                "replaces the parameters, so the optimizer must be fresh. Fix: pass a newly built optimizer."
+            )
+
+
+def _retarget_optimizers(optimizers: Sequence[Any], old_names: dict, new_params: dict) -> None:
+    """Point each optimizer's param groups at the sharded parameters (same names, new objects)."""
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            retargeted = []
+            for param in group["params"]:
+                name = old_names.get(id(param))
+                if name is None or name not in new_params:
+                    raise ValueError(
+                        f"{type(optimizer).__name__} holds a parameter that is not one of the model's "
+                        f"(shape {tuple(param.shape)}); with FSDP the optimizer may only hold model parameters."
+                    )
+                retargeted.append(new_params[name])
+            group["params"] = retargeted
