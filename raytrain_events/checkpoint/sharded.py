@@ -28,7 +28,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from raytrain_events.checkpoint.format import CheckpointInfo, FileEntry, UnsafeCheckpointError
+from raytrain_events.checkpoint.format import CheckpointError, CheckpointInfo, FileEntry, UnsafeCheckpointError
 from raytrain_events.checkpoint.safe_dcp import HashingDCPWriter, SafeDCPReader, SafeFullLoadPlanner, SafeLoadPlanner
 from raytrain_events.core.state import CheckpointMismatchError
 
@@ -125,7 +125,8 @@ class ShardedCheckpointIO:
         import torch.distributed.checkpoint as dcp
 
         writer = HashingDCPWriter(url, storage_options=self.options)
-        dcp.save(tensors, storage_writer=writer, process_group=self.group, no_dist=not self.distributed)
+        with _plain_errors("Saving", url):
+            dcp.save(tensors, storage_writer=writer, process_group=self.group, no_dist=not self.distributed)
         entries = writer.entries
         if not self.distributed:
             return entries
@@ -158,7 +159,7 @@ class ShardedCheckpointIO:
             target["extra"] = _extra_targets(metadata, model_sd)
         if not strict:
             target["model"] = {k: v for k, v in model_sd.items() if f"model.{k}" in metadata.state_dict_metadata}
-        with _unwrap_refusals():
+        with _plain_errors("Loading", info.url):
             dcp.load(
                 target,
                 storage_reader=SafeDCPReader(info.url, **self.options),
@@ -174,19 +175,24 @@ class ShardedCheckpointIO:
 
 
 @contextlib.contextmanager
-def _unwrap_refusals() -> Iterator[None]:
-    """DCP wraps every rank's error in a CheckpointException; a refused (unsafe) item is raised as
-    the `UnsafeCheckpointError` it is, so callers and users see the reason directly."""
+def _plain_errors(what: str, url: str) -> Iterator[None]:
+    """DCP raises a CheckpointException (a BaseException, which ``except Exception`` misses) holding
+    each failed rank's error. A refused (unsafe) item is raised as the `UnsafeCheckpointError` it
+    is; anything else as a `CheckpointError` naming the ranks and their errors."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         yield
     except CheckpointException as e:
-        for failure in e.failures.values():
-            inner = failure[0] if isinstance(failure, tuple) else failure  # (exception, traceback summary)
+        errors = {rank: (f[0] if isinstance(f, tuple) else f) for rank, f in e.failures.items()}
+        for inner in errors.values():
             if isinstance(inner, UnsafeCheckpointError):
-                raise inner from e
-        raise
+                raise inner from None
+        detail = "; ".join(f"rank {rank}: {type(err).__name__}: {err}" for rank, err in sorted(errors.items()))
+        raise CheckpointError(
+            f"{what} the sharded checkpoint {url!r} failed ({detail}). A save that fails is never committed: the "
+            "previous checkpoint stays the latest. Fix: the storage error above (space, permissions, endpoint)."
+        ) from e
 
 
 def _check_model_keys(url: str, metadata: Any, model_sd: Dict[str, Any], strict: bool) -> None:
@@ -242,7 +248,7 @@ def load_consolidated(
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     loaded: Dict[str, Any] = {}
-    with _unwrap_refusals():
+    with _plain_errors("Loading", info.url):
         _load_state_dict(
             loaded,
             storage_reader=SafeDCPReader(info.url, **(storage_options or {})),

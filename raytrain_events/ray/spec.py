@@ -66,6 +66,9 @@ class RunSpec:
     eval_interval: Any = _opt("1ep", help="how often to evaluate the eval sets: '1ep', '100ba', ...")
     grad_accum: int = _opt(1, help="micro-batches per optimizer step")
     precision: str = _opt("fp32", help="'fp32', 'amp_fp16' or 'amp_bf16'")
+    parallelism: Any = _opt(
+        "ddp", help="'ddp' (a model replica per worker), or 'fsdp' / an FSDPConfig: shard the model over the workers"
+    )
     seed: Optional[int] = _opt(0, help="seed for weights (the same on every rank) and shuffling; None: unseeded")
     get_num_tokens_in_batch: Optional[Callable[[Any], int]] = _opt(
         None, help="fn(batch) -> tokens in it; needed to count tokens (and for durations in 'tok')"
@@ -112,6 +115,9 @@ class RunSpec:
                 f"max_duration={duration.to_timestring()!r} is in tokens: pass get_num_tokens_in_batch=fn(batch) -> int."
             )
         self.max_duration = duration.to_timestring()
+        from raytrain_events.parallel.config import parse_parallelism
+
+        parse_parallelism(self.parallelism)  # a bad value fails here, on the driver
         if self.report_interval is not None:
             ensure_time(self.report_interval, TimeUnit.BATCH)
         if self.report_interval is None and self.report_every_s is None:

@@ -81,6 +81,7 @@ def build_worker_trainer(spec: RunSpec) -> Trainer:
         eval_interval=spec.eval_interval,
         grad_accum=spec.grad_accum,
         precision=spec.precision,
+        parallelism=spec.parallelism,
         algorithms=algorithms,
         callbacks=list(callbacks)
         + [
