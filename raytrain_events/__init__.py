@@ -37,12 +37,14 @@ __all__ = [
     "seed_everything",
     "RayTrainer",
     "CheckpointConfig",
+    "FSDPConfig",
     "__version__",
 ]
 
 _LAZY = {
     "RayTrainer": ("raytrain_events.ray.driver", "RayTrainer"),
     "CheckpointConfig": ("raytrain_events.checkpoint.config", "CheckpointConfig"),
+    "FSDPConfig": ("raytrain_events.parallel.config", "FSDPConfig"),
 }
 
 
