@@ -5,12 +5,13 @@ Why not ``fs.pipe_file`` / ``fs.cat_file`` alone: they need the whole content fi
 nothing, so a checkpoint save was serialize -> sha256 pass -> PUT, and a load GET -> sha256 pass.
 Here (S3 through s3fs, the requests going through ``fs._call_s3``, s3fs's own retrying call path):
 
-* ``ObjectUpload`` is a write-only file for ``torch.save``. Every ``write`` updates the sha256
-  and byte count while the data is hot in cache. Below ``2 * part_size`` nothing is sent until
-  ``finish``, which does one ``fs.pipe_file`` (one PUT, as s3fs would). From ``2 * part_size``
-  on it starts a multipart upload and sends each full part at once, up to ``fs.max_concurrency``
-  parts in flight on fsspec's event loop while ``torch.save`` keeps producing the next ones
-  (back-pressure bounds memory to ``max_concurrency + 2`` parts). ``finish`` completes the
+* ``open_upload`` gives a write-only file for ``torch.save`` that hashes what it is given, never
+  in a pass of its own before or after the upload. Below ``2 * part_size`` nothing is sent until
+  ``finish``, which starts one PUT (``fs._pipe_file``, as s3fs would) and hashes the bytes while
+  that PUT is on the wire. From ``2 * part_size`` on it starts a multipart upload and sends each
+  full part at once, up to ``fs.max_concurrency`` parts in flight on fsspec's event loop, while
+  ``torch.save`` keeps producing (and ``write`` hashing) the next ones (back-pressure bounds
+  memory to ``max_concurrency + 2`` parts). ``finish`` completes the
   upload: the object appears whole or not at all. ``abort`` (and any error) aborts it, so no
   part is left billed; a killed process leaves an incomplete upload that is invisible to readers
   (an S3 lifecycle rule ``AbortIncompleteMultipartUpload`` reclaims its storage).
@@ -105,13 +106,13 @@ class _S3Upload(ObjectUpload):
             raise self.error
         mv = memoryview(data).cast("B")
         n = mv.nbytes
-        self._sha.update(mv)
         self.size += n
-        if self._cur is None:
+        if self._cur is None:  # hashed in finish(), while the PUT is on the wire
             self._buf.write(mv)
             if self._buf.tell() >= 2 * self._part:
                 self._start_multipart()
             return n
+        self._sha.update(mv)  # multipart: hashed here, while earlier parts are on the wire
         while mv.nbytes:
             take = min(mv.nbytes, self._part - self._pos)
             self._cur[self._pos : self._pos + take] = mv[:take]
@@ -123,10 +124,18 @@ class _S3Upload(ObjectUpload):
         return n
 
     def finish(self) -> None:
-        if self._cur is None:  # small: one PUT, exactly what s3fs.pipe_file does
+        if self._cur is None:  # small: one PUT (as s3fs.pipe_file), hashed while it is sent
             data = self._buf.getvalue()
             self._buf = io.BytesIO()
-            write_bytes_atomic(self.fs, self.path, data)
+            put = self._run(self.fs._pipe_file(self.path, data, chunksize=self._part))
+            self._sha.update(data)
+            try:
+                put.result()
+            except BaseException as e:
+                wrapped = self._wrap(e)
+                if wrapped is e:
+                    raise
+                raise wrapped from e
             return
         try:
             if self._pos:
@@ -177,6 +186,7 @@ class _S3Upload(ObjectUpload):
 
         self._mpu = self._run(create())
         data = self._buf.getbuffer()
+        self._sha.update(data)
         whole = len(data) // self._part
         for i in range(whole):
             self._send(bytearray(data[i * self._part : (i + 1) * self._part]))
