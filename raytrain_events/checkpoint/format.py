@@ -27,7 +27,9 @@ I/O paths (the bytes on storage are the same either way):
 
 * Save, local: ``torch.save`` streams into the temp file, hashed and counted on the way (no
   in-memory copy, no second pass), then fsync + rename (``local_atomic_writer``). Object
-  stores: ``torch.save`` to bytes, one sha256 pass, one PUT.
+  stores: ``torch.save`` streams into ``storage.objectstore.open_upload``: below two parts one
+  PUT, hashed while it is sent; above, a multipart upload whose parts go up in parallel while
+  ``torch.save`` produces and hashes the next ones, completed (or aborted) before the manifest.
 * Load, local files >= 1 MiB on POSIX: size check, sha256 over an ``mmap``, then
   ``torch.load(path, mmap=True)``: no read copy; tensors are copy-on-write (``MAP_PRIVATE``)
   views of the page cache, copied when ``load_state_dict`` copies from them or written to.
@@ -37,7 +39,10 @@ I/O paths (the bytes on storage are the same either way):
   into memory, as on object stores. Caveat: on a network filesystem a deletion by ANOTHER host
   can make not-yet-read pages unreadable; the Trainer copies weights out at once and the first
   step rewrites optimizer state, so only state a run never touches stays mapped.
-* Load, object stores: one GET per file (manifest sizes let s3fs skip its HEAD).
+* Load, object stores: ``storage.objectstore.fetch_verified``: no HEAD (the manifest has the
+  size), one GET per part-sized range, concurrent, into one buffer that ``torch.load`` reads
+  without another copy, hashed in order while later ranges still arrive; a wrong size is seen
+  from the first response's headers.
 """
 
 from __future__ import annotations
