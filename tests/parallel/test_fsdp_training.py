@@ -9,20 +9,29 @@ from tests.parallel.spawn import run_ranks
 from tests.parallel.workloads import train_ddp_and_fsdp
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_fsdp_matches_ddp_with_grad_accum_and_clipping(world_size):
-    results = run_ranks(world_size, train_ddp_and_fsdp, "6ba")
+@pytest.mark.parametrize(
+    "world_size, arms",
+    [
+        (2, ["ddp", "fsdp", "fsdp_root", "fsdp_ac", "ddp_freeze", "fsdp_freeze"]),
+        (3, ["ddp", "fsdp", "fsdp_root"]),
+    ],
+)
+def test_fsdp_matches_ddp_with_grad_accum_and_clipping(world_size, arms):
+    results = run_ranks(world_size, train_ddp_and_fsdp, "6ba", arms)
     initial = None
     for rank, got in enumerate(results):
-        assert not got["ddp_sharded"] and got["fsdp_sharded"] and got["fsdp_root_sharded"]
-        assert got["ddp_norm"] > 0.1  # clipping was active (the threshold is 0.1)
-        for name in ("fsdp", "fsdp_root"):
-            assert got[name + "_norm"] == pytest.approx(got["ddp_norm"], rel=1e-5)
-            assert got[name].keys() == got["ddp"].keys()
-            for key, ddp_value in got["ddp"].items():
-                torch.testing.assert_close(
-                    got[name][key], ddp_value, rtol=0, atol=1e-5, msg=f"{name} {key} rank {rank}"
-                )
+        for name in arms:
+            assert got[name + "_sharded"] == name.startswith("fsdp"), name
+            reference = "ddp_freeze" if name.endswith("_freeze") else "ddp"
+            assert got[reference + "_norm"] > 0.1  # clipping was active (the threshold is 0.1)
+            assert got[name + "_norm"] == pytest.approx(got[reference + "_norm"], rel=1e-5), name
+            assert got[name].keys() == got[reference].keys()
+            for key, want in got[reference].items():
+                torch.testing.assert_close(got[name][key], want, rtol=0, atol=1e-5, msg=f"{name} {key} rank {rank}")
+        if "fsdp_freeze" in arms:  # LayerFreezing froze layers, and eval metrics are global, under both
+            assert got["fsdp_freeze_frozen"] == got["ddp_freeze_frozen"] > 0
+            assert got["fsdp_freeze_eval"] == pytest.approx(got["ddp_freeze_eval"], rel=1e-5)
+            assert got["fsdp_freeze_eval"] == pytest.approx(results[0]["fsdp_freeze_eval"], rel=1e-6)
         if initial is None:
             initial = got["ddp"]
         for key, value in got["ddp"].items():  # every rank ends with the same weights

@@ -56,15 +56,38 @@ def make_trainer(rank: int, parallelism: Any, max_duration: str = "6ba", **kwarg
     )
 
 
-def train_ddp_and_fsdp(rank: int, world_size: int, max_duration: str = "6ba") -> Dict[str, Any]:
-    """The same model and data under DDP and under FSDP (grad accumulation 2, clipping on)."""
+ARMS = {
+    "ddp": "ddp",
+    "fsdp": {"shard_modules": ["Block"]},
+    "fsdp_root": "fsdp",  # one unit: the root
+    "fsdp_ac": {"shard_modules": ["Block"], "activation_checkpointing": True, "reshard_after_forward": False},
+}
+
+
+def train_ddp_and_fsdp(rank: int, world_size: int, max_duration: str, arms: Any) -> Dict[str, Any]:
+    """The same model and data under DDP and under FSDP (grad accumulation 2, clipping on), and
+    with LayerFreezing and evaluation (global eval metrics) in the ``*_freeze`` arms."""
+    from raytrain_events.algorithms.layer_freezing import LayerFreezing
+
     out: Dict[str, Any] = {}
-    for name, parallelism in (("ddp", "ddp"), ("fsdp", {"shard_modules": ["Block"]}), ("fsdp_root", "fsdp")):
-        trainer = make_trainer(rank, parallelism, max_duration)
+    for name in arms:
+        freeze = name.endswith("_freeze")
+        parallelism = ARMS[name.removesuffix("_freeze")]
+        extra: Dict[str, Any] = {}
+        if freeze:
+            extra = dict(
+                algorithms=[GradientClipping("norm", 0.1), LayerFreezing(freeze_start=0.3, update_on="batch")],
+                eval_dataloader=make_loader(50 + rank),
+                eval_interval="3ba",
+            )
+        trainer = make_trainer(rank, parallelism, max_duration, **extra)
         trainer.fit()
         out[name] = full_model_state(trainer.state.model)
         out[name + "_norm"] = float(trainer.state.algorithms[0].last_grad_norm)
         out[name + "_sharded"] = any(type(p).__name__ == "DTensor" for p in trainer.state.model.parameters())
+        if freeze:
+            out[name + "_frozen"] = trainer.state.algorithms[1].num_frozen
+            out[name + "_eval"] = {k: float(v.compute()) for k, v in trainer.state.eval_metrics["eval"].items()}
     return out
 
 
