@@ -117,6 +117,11 @@ class DigitsConfig:
     progress_bar: bool = field(
         default=True, metadata=_help("Show a progress bar of the global Timestamp on the driver.")
     )
+    verbose: bool = field(
+        default=False,
+        metadata=_help("Show Ray's own log lines on the terminal too (by default they stay in Ray's log files)."),
+    )
+    report: bool = field(default=True, metadata=_help("Write report.html and plots into the run directory at the end."))
     report_interval: str = field(
         default="1ep",
         metadata=_help(
@@ -275,7 +280,7 @@ def train_digits(cfg: DigitsConfig, *, echo: Callable[[str], None] = print) -> D
             f"Ray drops {data['train_rows'] % cfg.num_workers} per epoch (set eval_rows to fix)."
         )
 
-    _connect(cfg.address, cfg.num_workers)
+    _connect(cfg.address, cfg.num_workers, verbose=cfg.verbose)
     trainer = _build_trainer(cfg, duration, algorithms, data, options)
     echo(
         f"Training {cfg.model} on digits ({data['train_rows']} train / {data['eval_rows']} eval rows) for {duration} "
@@ -303,6 +308,10 @@ def train_digits(cfg: DigitsConfig, *, echo: Callable[[str], None] = print) -> D
         num_workers=cfg.num_workers,
     )
     summary["summary_url"] = storage_step(run_url, lambda: write_summary(run_url, summary, options))
+    if cfg.report:  # report.html and PNGs: the run at a glance (raytrain-events report RUN_DIR writes the same)
+        from raytrain_events.report import write_report
+
+        summary["report_url"] = storage_step(run_url, lambda: write_report(run_url, options)["html"])
     echo(format_summary(summary))
     return summary
 
@@ -383,7 +392,7 @@ def _check_algorithms(specs: List[Any]) -> List[Any]:
     return specs
 
 
-def _connect(address: Optional[str], num_workers: int) -> None:
+def _connect(address: Optional[str], num_workers: int, verbose: bool = False) -> None:
     """Join the cluster this runs in (or ``address``); else start a local Ray with CPUs to spare.
 
     A local Ray gets at least ``num_workers + 2`` logical CPUs: the workers hold one each for
@@ -400,7 +409,7 @@ def _connect(address: Optional[str], num_workers: int) -> None:
     )
     extra = {"num_cpus": max(os.cpu_count() or 1, num_workers + 2)} if starts_local else {}
     try:
-        ensure_ray(address, **extra)
+        ensure_ray(address, verbose=verbose, **extra)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise UsageError(f"Cannot connect to Ray at {address or 'auto'}: {exc}") from None
 
@@ -410,9 +419,6 @@ def _build_trainer(
 ) -> Any:
     from raytrain_events import RayTrainer
     from raytrain_events.checkpoint.config import CheckpointConfig
-    from raytrain_events.cli.ray_output import quiet_ray_data, quiet_worker_logs
-
-    quiet_ray_data()  # the driver's progress bar is the one to watch
 
     try:
         checkpoint = None
@@ -435,7 +441,6 @@ def _build_trainer(
                 steps_per_epoch=-(-(data["train_rows"] // cfg.num_workers) // cfg.batch_size),
             ),
             algorithms=algorithms,
-            callbacks=quiet_worker_logs,
             datasets={
                 "train": read_parquet(data["urls"]["train"], options),
                 "eval": read_parquet(data["urls"]["eval"], options),
@@ -452,6 +457,7 @@ def _build_trainer(
             checkpoint=checkpoint,
             report_interval=cfg.report_interval,
             progress_bar=cfg.progress_bar,
+            verbose=cfg.verbose,
             config=to_plain(cfg),
         )
     except (ValueError, TypeError) as exc:

@@ -215,9 +215,7 @@ def make_callbacks(cfg: Dict[str, Any]) -> List[Callback]:
 
 
 def make_worker_callbacks(cfg: Dict[str, Any]) -> List[Callback]:
-    from raytrain_events.cli.ray_output import quiet_worker_logs
-
-    return quiet_worker_logs() + make_callbacks(cfg)
+    return make_callbacks(cfg)  # RayTrainer keeps Ray's own lines off the terminal (verbose=False)
 
 
 # ------------------------------------------------------------------------------- run
@@ -253,9 +251,6 @@ def run_ray(cfg: Dict[str, Any], sequences: List[np.ndarray]) -> None:
     import ray.data
 
     from raytrain_events import RayTrainer
-    from raytrain_events.cli.ray_output import quiet_ray_data
-
-    quiet_ray_data()
 
     trainer = RayTrainer(
         model=make_model,

@@ -81,7 +81,6 @@ def main() -> None:
     from ray.tune.schedulers import ASHAScheduler
 
     ensure_ray()  # the cluster if there is one, else an embedded local Ray on 127.0.0.1
-    ray.data.DataContext.get_current().enable_progress_bars = False  # keep the console for Tune's output
     train_rows, eval_rows = digits_rows()
     n_train = len(train_rows)
     name = args.name + (datetime.datetime.now().strftime("-%Y%m%d-%H%M%S") if args.fresh else "")
@@ -116,14 +115,17 @@ def main() -> None:
         max_concurrent_trials=args.max_concurrent,
         storage_path=args.storage,
         name=name,
-        verbose=0,
+        verbose=1,  # one line per trial event, then the results table sorted by the metric
     )
-    print()
-    print(result.to_table())
+    from raytrain_events.report import write_report
+
+    report = write_report(result.path)  # the algorithm sets compared: sweep.png + report.html
     print()
     print(f"best algorithm set: {result.best_label}  ({result.metric} = {result.best[result.metric]:.4f})")
     print(f"best checkpoint:    {result.best_checkpoint}")
     print(f"sweep folder:       {result.path}")
+    print(f"comparison figure:  {report['images'][0] if report['images'] else '(no metric reported)'}")
+    print(f"report:             {report['html']}")
     print(f"took {time.time() - start:.0f} s")
 
 

@@ -119,6 +119,11 @@ class Checkpointer(Callback):
     """
 
     def __init__(self, host: CheckpointHost, config: CheckpointConfig) -> None:
+        if config.keep_best is not None:
+            raise ValueError(
+                f"CheckpointConfig(keep_best={config.keep_best}) is applied by Ray Train's checkpoint manager: "
+                "use it with RayTrainer, or pass keep=N to keep the newest N checkpoints."
+            )
         self.host = host
         self.config = config
         state = host.state

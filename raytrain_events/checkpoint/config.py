@@ -30,6 +30,10 @@ class CheckpointConfig:
         save_every_n_steps: save every N optimizer steps (ml-starter's knob).
         save_every_n_seconds: save when this many seconds passed since the last save.
         keep: how many committed checkpoints to keep (None keeps all).
+        keep_best: keep the ``keep_best`` best checkpoints by ``metric`` plus the newest (which a
+            resume needs); on Ray, Ray Train's checkpoint manager prunes the rest. Not with ``keep``.
+        metric, mode: the metric (a history key, like ``"metrics/eval/accuracy"``) that ranks
+            checkpoints for ``keep_best`` and `RayResult.best_checkpoint`, and ``"max"`` or ``"min"``.
         only_save_most_recent: shorthand for ``keep=1``.
         save_final: save once when training ends.
         save_on_sigterm: on SIGTERM (spot reclaim), save before the process exits.
@@ -52,6 +56,9 @@ class CheckpointConfig:
     save_every_n_steps: Optional[int] = None
     save_every_n_seconds: Optional[float] = 3600.0
     keep: Optional[int] = None
+    keep_best: Optional[int] = None
+    metric: Optional[str] = None
+    mode: str = "max"
     only_save_most_recent: bool = False
     save_final: bool = True
     save_on_sigterm: bool = True
@@ -84,6 +91,21 @@ class CheckpointConfig:
             self.keep = 1
         if self.keep is not None and self.keep < 1:
             raise ValueError(f"keep={self.keep} must be >= 1 (or None to keep every checkpoint).")
+        if self.mode not in ("max", "min"):
+            raise ValueError(f"mode={self.mode!r} must be 'max' (higher metric is better) or 'min'.")
+        if self.keep_best is not None:
+            if self.keep_best < 1:
+                raise ValueError(f"keep_best={self.keep_best} must be >= 1 (or None).")
+            if not self.metric:
+                raise ValueError(
+                    f"keep_best={self.keep_best} ranks checkpoints by a metric: pass metric=, like "
+                    "metric='metrics/eval/accuracy', mode='max'."
+                )
+            if self.keep is not None:
+                raise ValueError(
+                    f"keep={self.keep} and keep_best={self.keep_best}: keep_best already keeps the newest "
+                    "checkpoint besides the best ones; set only one."
+                )
 
     def to_dict(self) -> Dict[str, Any]:
         """Plain data (for configs and logs); credentials in storage_options are left out."""

@@ -44,6 +44,7 @@ def build_parser(entry: Optional[str] = None) -> argparse.ArgumentParser:
             f"  {PROG} runs ls ./runs\n"
             f"  {PROG} inspect ./runs/digits-20250101-120000\n"
             f"  {PROG} diff ./runs/run-a ./runs/run-b\n"
+            f"  {PROG} report ./runs/digits-20250101-120000\n"
             f"'{PROG} COMMAND --help' explains each command's options."
         ),
     )
@@ -145,6 +146,25 @@ def build_parser(entry: Optional[str] = None) -> argparse.ArgumentParser:
     export.add_argument("--model-only", action="store_true", help="Keep only the model weights.")
     _add_common(export)
     export.set_defaults(_parser=export)
+
+    report = commands.add_parser(
+        "report",
+        help="Write report.html and PNG plots into a run (or sweep) directory.",
+        formatter_class=_formatter,
+        description=(
+            "Write a static report.html plus PNGs into RUN_DIR. A run directory: train loss and every eval metric\n"
+            "against global samples (and tokens when counted), learning rate, throughput with checkpoints and\n"
+            "restarts marked, the run config. A sweep directory: the algorithm sets compared (the metric against\n"
+            "global samples, a line per trial, the best highlighted) and the results table."
+        ),
+    )
+    report.add_argument("run_dir", metavar="RUN_DIR", help="A run directory (<storage>/<run_name>) or a sweep's.")
+    report.add_argument("--metric", help="Sweeps: the metric to compare (default: the sweep's, else an accuracy).")
+    report.add_argument("--mode", choices=["min", "max"], help="Sweeps: whether the metric is better low or high.")
+    report.add_argument(
+        "-o", "--storage-option", action="append", metavar="KEY=VALUE", default=[], help=STORAGE_OPTION_HELP
+    )
+    report.set_defaults(_parser=report)
     return parser
 
 
@@ -186,6 +206,15 @@ def _dispatch(args: argparse.Namespace) -> int:
         text = runs.diff_runs(args.run_a, args.run_b, options)
         print(text if text else f"No differences between the configs of {args.run_a} and {args.run_b}.")
         return 1 if (text and args.exit_code) else 0
+    if args.command == "report":
+        from raytrain_events.report import write_report
+
+        try:
+            written = write_report(args.run_dir, options, metric=args.metric, mode=args.mode)
+        except FileNotFoundError as exc:
+            raise UsageError(str(exc)) from None
+        print(f"Wrote {written['html']} ({len(written['images'])} figures)")
+        return 0
     raise UsageError(f"Unknown command {args.command!r}.")  # pragma: no cover - argparse rejects it first
 
 

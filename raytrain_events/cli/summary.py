@@ -96,4 +96,6 @@ def format_summary(summary: Dict[str, Any]) -> str:
         )
         lines.append(f"  checkpoints: {summary['checkpoint_folder']}: {names}")
     lines.append(f"  summary:     {summary.get('summary_url', summary['run_url'] + '/summary.json')}")
+    if summary.get("report_url"):
+        lines.append(f"  report:      {summary['report_url']}")
     return "\n".join(lines)

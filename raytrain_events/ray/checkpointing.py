@@ -29,7 +29,8 @@ def ray_checkpoint_config(spec: RunSpec) -> CheckpointConfig:
     folder = config.save_folder or join(spec.run_url, "checkpoints")
     options = dict(spec.storage_options)
     options.update(config.storage_options)
-    updates: Dict[str, Any] = {"save_folder": folder, "storage_options": options}
+    # keep_best: Ray Train's checkpoint manager keeps the best and the newest (the driver's RunConfig).
+    updates: Dict[str, Any] = {"save_folder": folder, "storage_options": options, "keep_best": None}
     restored = ray.train.get_checkpoint()
     if restored is not None:  # a restart after a failure: continue from Ray's latest checkpoint
         updates["load_from"] = join(folder, basename(restored.path))

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 from typing import Any, Optional
 
 __all__ = ["ensure_ray"]
 
 
-def ensure_ray(address: Optional[str] = None, *, min_cpus: int = 0, **init_kwargs: Any) -> bool:
+def ensure_ray(address: Optional[str] = None, *, min_cpus: int = 0, verbose: bool = False, **init_kwargs: Any) -> bool:
     """Initialize Ray once; True if this call started an embedded local instance.
 
     Inside a cluster (``ray submit``, ``ray job submit``, or ``RAY_ADDRESS`` set) this connects
     to it; otherwise (or with ``address="local"``) it starts a local instance bound to
     127.0.0.1 with at least ``min_cpus`` logical CPUs (Ray Data needs CPUs beside the workers).
+    Unless ``verbose``, Ray's own INFO lines stay off the terminal (see `raytrain_events.ray.console`).
     """
     import ray
 
@@ -29,7 +32,12 @@ def ensure_ray(address: Optional[str] = None, *, min_cpus: int = 0, **init_kwarg
         if min_cpus and "num_cpus" not in init_kwargs:
             init_kwargs["num_cpus"] = max(os.cpu_count() or 1, min_cpus)
     init_kwargs.setdefault("log_to_driver", True)
-    ray.init(address=address, **init_kwargs)
+    if not verbose:
+        init_kwargs.setdefault("logging_level", logging.WARNING)
+    from raytrain_events.ray.console import local_instance
+
+    with local_instance(init_kwargs, verbose=verbose) if local else contextlib.nullcontext():
+        ray.init(address=address, **init_kwargs)
     return local
 
 

@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
-import warnings
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional
 
-from raytrain_events.core.time import Time, Timestamp
+from raytrain_events.core.time import Timestamp
 from raytrain_events.ray.spec import RunSpec
 
 __all__ = ["RayTrainer", "RayResult", "RayTrainingError"]
@@ -46,6 +45,8 @@ class RayResult:
     checkpoints: List[Any] = field(default_factory=list)
     run_url: Optional[str] = None
     ray_result: Any = None
+    metric: Optional[str] = None
+    mode: str = "max"
 
     @property
     def latest_checkpoint(self) -> Any:
@@ -54,14 +55,22 @@ class RayResult:
 
     @property
     def best_checkpoint(self) -> Any:
-        """Deprecated: the newest checkpoint, not the best by a metric; use `latest_checkpoint`."""
-        warnings.warn(
-            "RayResult.best_checkpoint is the newest checkpoint, not the best by a metric: use "
-            "RayResult.latest_checkpoint. best_checkpoint will change meaning to best-by-metric.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.latest_checkpoint
+        """The kept checkpoint with the best ``metric`` (`CheckpointConfig.metric`/``mode``) when it was saved.
+
+        Without a metric, or if no kept checkpoint has a value for it, the newest checkpoint.
+        """
+        if not self.metric:
+            return self.latest_checkpoint
+        scores = {}
+        for entry in self.history:
+            value = entry.get(self.metric)
+            if entry.get("checkpoint_path") and isinstance(value, (int, float)):
+                scores[entry["checkpoint_path"].rstrip("/").rsplit("/", 1)[-1]] = float(value)
+        scored = [c for c in self.checkpoints if getattr(c, "name", None) in scores]
+        if not scored:
+            return self.latest_checkpoint
+        sign = 1.0 if self.mode == "max" else -1.0
+        return max(reversed(scored), key=lambda c: sign * scores[c.name])  # ties: the newest
 
 
 class RayTrainer:
@@ -113,12 +122,23 @@ class RayTrainer:
         import ray
 
         from raytrain_events.ray.cluster import ensure_ray
+        from raytrain_events.ray.console import quiet_terminal
 
-        started_local = ensure_ray(min_cpus=self.spec.workers + 2)
+        started_local = ensure_ray(min_cpus=self.spec.workers + 2, verbose=self.spec.verbose)
         if started_local or not _autoscaling():
             self._check_cluster(ray)
-        with self._claim_run_dir():
+        self._progress = None
+        datasets = list(self.spec.datasets.values()) if isinstance(self.spec.datasets, dict) else []
+        with self._claim_run_dir(), quiet_terminal(self.spec.verbose, self._write_line, datasets):
             return self._fit()
+
+    def _write_line(self, line: str, stream: Any) -> None:
+        """A worker's line that reaches the terminal: above the progress bar if there is one."""
+        if self._progress is not None:
+            self._progress.write(line)
+        else:
+            stream.write(line + "\n")
+            stream.flush()
 
     @contextlib.contextmanager
     def _claim_run_dir(self) -> Iterator[None]:
@@ -151,8 +171,12 @@ class RayTrainer:
         worker_spec = self.spec.for_workers(datasets=datasets, steps_per_epoch=steps_per_epoch)
         from ray.train.torch import TorchTrainer
 
+        from raytrain_events.ray.console import train_logging_config
         from raytrain_events.ray.data import DeterministicSplitDataConfig
+        from raytrain_events.ray.follow import HistoryFollower
         from raytrain_events.ray.history import AggregatingCallback, RunHistory
+        from raytrain_events.ray.progress import RunProgress
+        from raytrain_events.ray.run_loggers import RunLoggers
         from raytrain_events.ray.worker import train_loop_per_worker
 
         history = RunHistory.remote()
@@ -170,28 +194,43 @@ class RayTrainer:
                 storage_filesystem=storage_filesystem,
                 failure_config=ray.train.FailureConfig(max_failures=self.spec.max_failures),
                 callbacks=[AggregatingCallback(history, tune_queue), *self.spec.ray_callbacks],
+                logging_config=train_logging_config(self.spec.verbose),
+                checkpoint_config=_ray_retention(self.spec.checkpoint),
             ),
         )
-        stop = threading.Event()
-        progress = (
-            threading.Thread(target=_show_progress, args=(history, self.spec, stop), daemon=True)
-            if self.spec.progress_bar
-            else None
-        )
-        if progress is not None:
-            progress.start()
+        show_bar = self.spec.progress_bar
+        show_bar = sys.stderr.isatty() if show_bar is None else show_bar  # by default where someone watches
+        progress = self._progress = RunProgress(self.spec.max_duration, self.run_name) if show_bar else None
+        loggers = RunLoggers(self.spec.loggers, step=self.spec.log_step, hyperparameters=self.describe())
+        consumers = ([progress] if progress is not None else []) + ([loggers] if loggers.destinations else [])
         try:
-            ray_result = trainer.fit()
+            with HistoryFollower(history, consumers):
+                ray_result = trainer.fit()
         except Exception as exc:
+            self._save_history(history, failed=True)
             raise RayTrainingError(_describe_failure(exc, history)) from exc
         finally:
-            stop.set()
             if progress is not None:
-                progress.join(timeout=5)
+                progress.close()
+                self._progress = None
+            loggers.close()
         record = ray.get(history.get.remote())
+        self._save_history(history)
         if ray_result.error is not None:
             raise RayTrainingError(_describe_failure(ray_result.error, history)) from ray_result.error
         return self._result(record["entries"], ray_result)
+
+    def _save_history(self, history: Any, failed: bool = False) -> None:
+        """Append this fit's reports to the run dir's history.jsonl (what `raytrain-events report` plots)."""
+        import ray
+
+        from raytrain_events.report.history_file import append_history
+
+        try:
+            append_history(self.run_url, ray.get(history.get.remote(), timeout=30)["entries"], self.storage_options)
+        except Exception:
+            if not failed:  # a failed run raises its own error; a finished one must not lose its history
+                raise
 
     def _result(self, entries: List[Dict[str, Any]], ray_result: Any) -> RayResult:
         final = entries[-1] if entries else {}
@@ -213,6 +252,8 @@ class RayTrainer:
             checkpoints=checkpoints,
             run_url=self.run_url,
             ray_result=ray_result,
+            metric=None if self.spec.checkpoint is None else self.spec.checkpoint.metric,
+            mode="max" if self.spec.checkpoint is None else self.spec.checkpoint.mode,
         )
 
     def _check_cluster(self, ray: Any) -> None:
@@ -223,6 +264,28 @@ class RayTrainer:
                     "use_gpu=True but this Ray cluster has no GPUs (cluster resources: "
                     f"{ray.cluster_resources()}). Run on a cluster with GPU nodes (see cluster.yaml), or pass use_gpu=False."
                 )
+
+
+def _ray_retention(checkpoint: Any) -> Any:
+    """Ray Train's `CheckpointConfig` for ``keep_best``: Ray keeps the k best by the metric plus the newest.
+
+    Ray scores a checkpoint by rank 0's report, where our metrics sit under ``metrics``
+    (flattened ``metrics/<key>``). Eval metrics are synchronized across ranks, so rank 0's is the global value.
+    """
+    if checkpoint is None or checkpoint.keep_best is None:
+        return None
+    if not checkpoint.metric.startswith("metrics/"):
+        raise ValueError(
+            f"CheckpointConfig(keep_best=..., metric={checkpoint.metric!r}): on Ray, checkpoints are ranked by an "
+            "eval metric ('metrics/<eval set>/<name>', the same on every rank), like 'metrics/eval/accuracy'."
+        )
+    import ray.train
+
+    return ray.train.CheckpointConfig(
+        num_to_keep=checkpoint.keep_best,
+        checkpoint_score_attribute="metrics/" + checkpoint.metric,
+        checkpoint_score_order=checkpoint.mode,
+    )
 
 
 def _autoscaling() -> bool:
@@ -270,26 +333,3 @@ def _describe_failure(exc: BaseException, history: Any) -> str:
     if error:
         message += f"\nDriver-side aggregation error: {error}"
     return message
-
-
-def _show_progress(history: Any, spec: RunSpec, stop: threading.Event) -> None:
-    """Driver progress bar: poll the run history and show the global Timestamp."""
-    import ray
-    from tqdm import tqdm
-
-    duration = Time.from_timestring(spec.max_duration)
-    key = {"ep": "time/epoch", "ba": "time/batch", "sp": "time/sample", "tok": "time/token"}[duration.unit.value]
-    with tqdm(total=duration.value, unit=duration.unit.value, desc=spec.run_name, dynamic_ncols=True) as bar:
-        while not stop.wait(1.0):
-            try:
-                latest = ray.get(history.latest.remote(), timeout=5)
-            except Exception:
-                continue
-            if latest:
-                bar.n = min(latest.get(key, 0), duration.value)
-                shown = {
-                    k.split("/")[-1]: round(v, 4)
-                    for k, v in latest.items()
-                    if k.startswith(("train/", "metrics/")) and isinstance(v, float)
-                }
-                bar.set_postfix(shown, refresh=True)

@@ -6,6 +6,7 @@ flows back to the workers.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Dict, List, Optional
 
 import ray
@@ -33,6 +34,10 @@ class RunHistory:
     def get(self) -> Dict[str, Any]:
         return {"entries": list(self.entries), "error": self.error}
 
+    def since(self, index: int) -> List[Dict[str, Any]]:
+        """The entries from ``index`` on (the driver follows the run incrementally)."""
+        return self.entries[index:]
+
     def latest(self) -> Optional[Dict[str, Any]]:
         return self.entries[-1] if self.entries else None
 
@@ -52,6 +57,7 @@ class AggregatingCallback(UserCallback):
         except Exception as exc:
             self.history.set_error.remote(f"{type(exc).__name__}: {exc}")
             raise
+        entry["wall_time"] = time.time()  # the report's arrival: throughput and the report's time axis
         self.history.add.remote(entry)
         if self.tune_queue is not None:
             self.tune_queue.put(dict(entry))

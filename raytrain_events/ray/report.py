@@ -121,6 +121,8 @@ class RayReporter(Callback):
     def _report(self, state, logger, final: bool = False) -> None:
         loss_sum = float(self._loss_sum)  # the one host read per report
         metrics = {k: to_python(v) for k, v in logger.metrics.items() if not torch.is_tensor(v) or v.numel() == 1}
+        if state.optimizers:  # the learning rate the last batch used (the run report plots it)
+            metrics.setdefault("train/lr", float(state.optimizers[0].param_groups[0]["lr"]))
         report: Dict[str, Any] = {
             "rank": state.rank,
             "start": self._start,

@@ -102,7 +102,23 @@ class RunSpec:
     report_interval: Any = _opt(None, help="report to the driver every this many: '500ba', '1ep', ...")
     report_every_s: Optional[float] = _opt(10.0, help="report to the driver at least every this many seconds")
     ray_callbacks: Sequence[Any] = _opt((), help="extra ray.train.UserCallback objects", worker=False)
-    progress_bar: bool = _opt(False, help="show a progress bar on the driver", worker=False)
+    progress_bar: Optional[bool] = _opt(
+        None, help="one progress bar on the driver; None: when stderr is a terminal", worker=False
+    )
+    verbose: bool = _opt(
+        False, help="also show Ray's own log lines on the terminal (they always go to Ray's log files)", worker=False
+    )
+    loggers: Sequence[Any] = _opt(
+        (),
+        help="logger destinations (FileLogger, TensorBoardLogger, MLFlowLogger, WandBLogger), fed on the driver "
+        "once per report with metrics reduced across ranks",
+        worker=False,
+    )
+    log_step: str = _opt(
+        "sample",
+        help="the global Timestamp unit loggers use as the step: 'sample', 'batch', 'token' or 'epoch'",
+        worker=False,
+    )
 
     def __post_init__(self) -> None:
         duration = ensure_time(self.max_duration, TimeUnit.EPOCH)
@@ -149,12 +165,21 @@ class RunSpec:
                     "directory (<storage_path>/<run_name>/checkpoints) so Ray Train can manage them. "
                     "Set storage_path instead."
                 )
+            keep_best, metric = getattr(self.checkpoint, "keep_best", None), getattr(self.checkpoint, "metric", None)
+            if keep_best is not None and not str(metric).startswith("metrics/"):
+                raise ValueError(
+                    f"CheckpointConfig(keep_best={keep_best}, metric={metric!r}): on Ray, checkpoints are ranked by "
+                    "an eval metric ('metrics/<eval set>/<name>', the same on every rank), like 'metrics/eval/accuracy'."
+                )
             # The driver holds the run dir's lock for the whole run; workers must not take it again.
             self.checkpoint = dataclasses.replace(self.checkpoint, lock_run_dir=False)
         self.storage_path = _storage_root(self.storage_path)
         self.storage_options = dict(self.storage_options or {})
         self.config = dict(self.config or {})
         self.run_name = self.run_name or datetime.datetime.now().strftime("run-%Y%m%d-%H%M%S")
+        self.loggers = list(self.loggers or ())
+        if self.log_step not in ("sample", "batch", "token", "epoch"):
+            raise ValueError(f"log_step={self.log_step!r}: use 'sample', 'batch', 'token' or 'epoch'.")
 
     # -- derived values ------------------------------------------------------------------------
     @classmethod

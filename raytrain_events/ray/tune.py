@@ -133,6 +133,8 @@ class _TrialSetup:
     experiment_url: str
     storage_options: Dict[str, Any]
     registry: Any = None  # the sweep's _PlacementGroups actor
+    metric: Optional[str] = None
+    mode: str = "max"
 
 
 # -- Releasing a stopped trial's Train workers ---------------------------------------------------
@@ -243,6 +245,7 @@ def raytrain_trial(config: Dict[str, Any], sweep_setup: Optional[_TrialSetup] = 
             tune.report(dict(entry))
         return
     spec = _trial_spec(setup.spec, config)
+    spec = _trial_retention_and_loggers(spec, config, trial_folder, setup)
     result = RayTrainer(
         spec,
         callbacks=functools.partial(
@@ -262,6 +265,34 @@ def raytrain_trial(config: Dict[str, Any], sweep_setup: Optional[_TrialSetup] = 
             "config": config,
         },
     )
+
+
+def _trial_retention_and_loggers(spec: Any, config: Mapping[str, Any], trial_folder: str, setup: Any) -> Any:
+    """A trial's spec whose checkpoints keep its best by the sweep's metric (never pruned) and whose
+    loggers' runs are named after the trial and its algorithm set."""
+    import dataclasses
+    import re
+
+    changes: Dict[str, Any] = {}
+    checkpoint = spec.checkpoint
+    if checkpoint is not None and checkpoint.keep is not None and (setup.metric or "").startswith("metrics/"):
+        # keep=N would prune by age and could delete the sweep's best checkpoint: keep the N best
+        # by the sweep's metric instead (Ray Train's manager also keeps the newest, for resuming).
+        changes["checkpoint"] = dataclasses.replace(
+            checkpoint,
+            keep=None,
+            only_save_most_recent=False,
+            keep_best=checkpoint.keep,
+            metric=setup.metric,
+            mode=setup.mode,
+        )
+    if spec.loggers:
+        from raytrain_events.ray.run_loggers import name_destination
+        from raytrain_events.ray.sweep_console import trial_label
+
+        name = re.sub(r"[^A-Za-z0-9_.=+-]+", "_", f"{trial_folder}-{trial_label(dict(config))}").strip("_")
+        changes["loggers"] = [name_destination(d, name) for d in spec.loggers]
+    return spec.replace(**changes) if changes else spec
 
 
 def _trial_dirname(trial: Any) -> str:
@@ -345,7 +376,9 @@ def sweep(
         trial_max_failures: Tune retries per trial (the trainer's own ``max_failures`` retries
             inside Train).
         callbacks: extra Tune callbacks.
-        verbose: Tune's console verbosity (0-3).
+        verbose: 0: quiet; 1: one line per trial event and the final table sorted by the metric
+            (`SweepConsole`, Ray's internal lines kept in its log files); 2-3: Tune's own reporter
+            and every Ray line.
     """
     import ray
     from ray import tune
@@ -404,10 +437,20 @@ def sweep(
             "state): choose another name (or storage_path), or remove that folder."
         )
 
+    from raytrain_events.ray.console import quiet_terminal
+    from raytrain_events.ray.sweep_console import SweepConsole
+
+    console = [SweepConsole(metric, mode, scheduler)] if verbose == 1 else []
+    _write_sweep_settings(experiment_url, storage_options, metric, mode)
     registry = _start_registry(experiment_url)
     try:
         setup = _TrialSetup(
-            spec=base, experiment_url=experiment_url, storage_options=storage_options, registry=registry
+            spec=base,
+            experiment_url=experiment_url,
+            storage_options=storage_options,
+            registry=registry,
+            metric=metric,
+            mode=mode,
         )
         trainable = tune.with_resources(
             tune.with_parameters(raytrain_trial, sweep_setup=setup), dict(trial_resources or {"cpu": 0.01})
@@ -435,9 +478,9 @@ def sweep(
                     name=name,
                     storage_path=tune_storage,
                     storage_filesystem=tune_fs,
-                    callbacks=[JsonLoggerCallback(), _ReleaseTrainWorkers(experiment_url), *callbacks],
+                    callbacks=[JsonLoggerCallback(), _ReleaseTrainWorkers(experiment_url), *console, *callbacks],
                     failure_config=tune.FailureConfig(max_failures=trial_max_failures),
-                    verbose=verbose,
+                    verbose=verbose if verbose >= 2 else 0,  # 1: our lines, not Tune's periodic tables
                 ),
             )
         # Entries between evaluations lack eval metrics: they must still reach the scheduler and the
@@ -445,7 +488,8 @@ def sweep(
         previous = os.environ.get("TUNE_DISABLE_STRICT_METRIC_CHECKING")
         os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
         try:
-            result_grid = tuner.fit()
+            with quiet_terminal(verbose >= 2):
+                result_grid = tuner.fit()
         finally:
             if previous is None:
                 os.environ.pop("TUNE_DISABLE_STRICT_METRIC_CHECKING", None)
@@ -471,4 +515,14 @@ def sweep(
             f"No trial reported metric {metric!r}; reported metrics: {', '.join(k for k in seen if '/' in k) or 'none'}. "
             f"The trials' results are kept in {experiment_url}."
         )
+    if verbose == 1:
+        print("\n" + result.to_table(), flush=True)
     return result
+
+
+def _write_sweep_settings(experiment_url: str, storage_options: Dict[str, Any], metric: str, mode: str) -> None:
+    """``sweep.json``: the metric and mode, so ``raytrain-events report`` compares trials by them."""
+    from raytrain_events.report import SWEEP_FILE
+    from raytrain_events.storage.fs import join
+
+    _write_record(join(experiment_url, SWEEP_FILE), storage_options, {"metric": metric, "mode": mode})

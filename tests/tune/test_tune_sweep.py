@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 
@@ -155,6 +156,19 @@ def test_grid_over_three_algorithm_sets(ray_cluster, tmp_path):
     result = sweep(**args)
     print(result.to_table())
     assert len(result.rows) == 3
+    # The sweep's report: one figure comparing the algorithm sets, and the results table best first.
+    from png_checks import check_png
+
+    from raytrain_events.report import write_report
+    from raytrain_events.report.plots import SWEEP_SIZE
+
+    written = write_report(result.path)
+    assert written["kind"] == "sweep"
+    html = open(os.path.join(result.path, "report.html")).read()
+    assert 'src="sweep.png"' in html and "metrics/eval/accuracy (max)" in html
+    check_png(os.path.join(result.path, "sweep.png"), size=SWEEP_SIZE)
+    positions = [html.index(os.path.basename(row["path"].rstrip("/"))) for row in result.rows]
+    assert positions == sorted(positions)  # best first, like SweepResult.rows
     assert sorted(row["algorithms"] for row in result.rows) == sorted(algorithm_set_label(s) for s in SETS)
     for row in result.rows:
         assert row["status"] == "completed", row
@@ -190,7 +204,7 @@ def test_grid_over_three_algorithm_sets(ray_cluster, tmp_path):
     assert markers(str(marks), "end") == {trial_tag({"algorithms": s, "lr": 0.2}): 1 for s in SETS}
 
 
-def test_asha_on_global_samples_stops_the_bad_trial(ray_cluster, tmp_path):
+def test_asha_on_global_samples_stops_the_bad_trial(ray_cluster, tmp_path, capsys):
     import ray
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
@@ -212,9 +226,16 @@ def test_asha_on_global_samples_stops_the_bad_trial(ray_cluster, tmp_path):
         ),
         storage_path=str(tmp_path / "sweeps"),
         name="asha",
-        verbose=0,
+        verbose=1,
     )
-    print(result.to_table())
+    # One line per trial event (no Tune status tables), the stop with its reason, the final table.
+    out = capsys.readouterr().out
+    assert "Trial status" not in out and "== Status ==" not in out
+    assert re.search(r"\[sweep\] \S+ \(\S+\): started with \{'lr': 0\.0\}", out), out
+    assert re.search(r"\[sweep\] \S+ \(\S+\): reported sample 128, epoch \d+, loss", out), out
+    assert re.search(r"stopped by ASHAScheduler at time/sample=128: train/loss \S+ was not among the lowest", out), out
+    assert re.search(rf"finished at time/sample={total}, train/loss", out), out
+    assert out.rstrip().endswith(result.to_table().splitlines()[-1].rstrip())
     rows = {row["lr"]: row for row in result.rows}
     good, bad, after = rows[0.5], rows[0.0], rows[0.3]
     assert good["status"] == "completed" and good["time/sample"] == total

@@ -1,0 +1,270 @@
+"""A Ray run's terminal: the driver's progress bar and the job's own lines; Ray's internals stay in its log files.
+
+By default (``verbose=False``) each Ray line that used to crowd the terminal is dealt with at its
+cause where Ray offers a setting, and kept out of the terminal (not out of Ray's log files) where
+it does not. ``verbose=True`` leaves every Ray default alone.
+
+===========================================================  ==================================================
+Line on the terminal                                          Cause, and what is done here
+===========================================================  ==================================================
+``Started a local Ray instance. View the dashboard at ...``  ``ray.init``'s INFO log: ``logging_level=WARNING``
+                                                              (`ensure_ray`).
+``(TrainController) Requesting resources ...``,               Ray Train's INFO logs: ``RunConfig(logging_config=
+``Attempting to start training worker group ...``,            LoggingConfig("WARNING"))`` (`train_logging_config`);
+``Started training worker group ...``,                        Ray Train still writes every level to
+``(RayTrainWorker) Setting up process group ...``             ``<session>/logs/train/ray-train-sys-*.log``.
+``Dataset ... execution finished in N seconds``               Ray Data's INFO log: its console handler at WARNING
+                                                              (``RAY_DATA_LOGGING_CONFIG`` for an embedded Ray, the
+                                                              driver's handler here); every level stays in
+                                                              ``<session>/logs/ray-data/ray-data.log``.
+``Progress bars disabled. To enable, set ...``                Ray Data's progress bars are off on purpose (the
+                                                              driver's bar replaces them; Ray Train copies the
+                                                              driver's ``DataContext`` to the workers); Ray Data
+                                                              warns once per process: not shown.
+``(PlacementGroupCleaner) Failed to query Ray Train           The cleaner polls Ray's state API, which the dashboard
+Controller actor state``, or its traceback ``Found multiple   serves: without a dashboard every poll fails, and with
+active Ray instances``                                        several Ray instances on one machine it cannot tell
+                                                              which one is its own. An embedded Ray gets its
+                                                              dashboard on a known port and ``RAY_API_SERVER_ADDRESS``
+                                                              (`local_instance`); elsewhere the lines are not shown.
+``... 'PreemptionWatcher' ... max_restarts > 0``              Ray Train 2.60 creates its preemption watcher with
+                                                              ``max_restarts=-1`` and the workers' actor handles as
+                                                              arguments; Ray core logs that at ERROR once per
+                                                              controller. Harmless, not shown (it stays in the
+                                                              controller's ``worker-*.err``).
+``(raylet) WARNING: N PYTHON worker processes have been       The raylet warns at 4x ``min(physical CPUs, num_cpus)``
+started ...``                                                 processes; a Train + Data run needs about 12-16
+                                                              (controller, workers, dataset manager, placement-group
+                                                              cleaner, preemption watcher, stats actors, read
+                                                              tasks), so every machine with few cores warned. An
+                                                              embedded Ray sets ``RAY_worker_maximum_startup_
+                                                              concurrency`` to its logical CPUs (at least 8).
+``(ListFiles) Exception in thread ...completion-signaler``    A Ray Data 2.60 race when a file-listing pool shuts
+``InterruptedError``                                          down after its work is done: not shown.
+===========================================================  ==================================================
+
+Every other line (the job's own prints, warnings and errors from user code, Ray's errors) still
+shows, printed above the progress bar.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import socket
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+__all__ = [
+    "local_instance",
+    "train_logging_config",
+    "quiet_terminal",
+    "is_noise",
+    "NOISE",
+]
+
+# (source, pattern): a forwarded line from ``source`` (an actor or task name, or "raylet";
+# None: any source) matching ``pattern`` carries nothing for the user (see the table above).
+NOISE: List[Tuple[Optional[str], re.Pattern[str]]] = [
+    ("PlacementGroupCleaner", re.compile(r"Failed to query Ray Train Controller actor state")),
+    (None, re.compile(r"'PreemptionWatcher' .*max_restarts > 0")),
+    (None, re.compile(r"Progress bars disabled\. To enable")),
+    (None, re.compile(r"Progress bars for operators disabled")),
+    (None, re.compile(r"Dataset \S+ execution finished in")),
+    (None, re.compile(r"Registered dataset logger for dataset")),
+    ("raylet", re.compile(r"PYTHON worker processes have been started on node")),
+]
+# Sources whose traceback blocks are Ray-internal races or misconfigurations listed above.
+_TRACEBACKS: Dict[str, re.Pattern[str]] = {
+    "PlacementGroupCleaner": re.compile(r"PlacementGroupCleanerMonitor|Found multiple active Ray instances"),
+    "ListFiles": re.compile(r"completion-signaler|InterruptedError"),
+}
+
+
+def is_noise(source: Optional[str], line: str) -> bool:
+    """True if ``line`` (printed by Ray ``source``) is one of the known lines without information."""
+    return any((src is None or src == source) and pattern.search(line) for src, pattern in NOISE)
+
+
+def _source(data: Dict[str, Any]) -> Optional[str]:
+    if data.get("pid") in ("raylet", "autoscaler"):
+        return str(data["pid"])
+    return data.get("actor_name") or data.get("task_name") or None
+
+
+def filter_batch(data: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """One batch of forwarded worker lines without the noise; None if nothing is left."""
+    source = _source(data)
+    lines = list(data.get("lines", []))
+    block = _TRACEBACKS.get(source or "")
+    if block is not None and any(block.search(line) for line in lines):
+        return None  # the whole traceback block of a known internal failure
+    kept = [line for line in lines if not is_noise(source, line)]
+    if not kept:
+        return None
+    return {**data, "lines": kept}
+
+
+# ------------------------------------------------------------------ embedded Ray instance
+@contextlib.contextmanager
+def local_instance(init_kwargs: Dict[str, Any], *, verbose: bool) -> Iterator[None]:
+    """Settings for an embedded local Ray started inside this block (see the table above).
+
+    Ray's processes inherit this process's environment when they start, so the variables are set
+    for the ``ray.init`` call only and restored afterwards.
+    """
+    if verbose:
+        yield
+        return
+    num_cpus = int(init_kwargs.get("num_cpus") or os.cpu_count() or 1)
+    env = {
+        "RAY_worker_maximum_startup_concurrency": str(max(8, num_cpus)),
+        "RAY_DATA_LOGGING_CONFIG": os.path.join(os.path.dirname(__file__), "ray_data_logging.yaml"),
+    }
+    if _dashboard_installed() and init_kwargs.get("include_dashboard") is not False:
+        port = init_kwargs.setdefault("dashboard_port", _free_port())
+        init_kwargs.setdefault("dashboard_host", "127.0.0.1")
+        env["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
+    saved = {key: os.environ.get(key) for key in env}
+    for key, value in env.items():
+        os.environ.setdefault(key, value)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _dashboard_installed() -> bool:
+    try:
+        from ray._private.utils import get_dashboard_dependency_error
+    except ImportError:  # pragma: no cover - other Ray versions
+        return False
+    return get_dashboard_dependency_error() is None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------- one run
+def train_logging_config(verbose: bool) -> Any:
+    """Ray Train's `LoggingConfig`: INFO on the terminal only when verbose (files keep every level)."""
+    from ray.train import LoggingConfig
+
+    return LoggingConfig(log_level="INFO" if verbose else "WARNING")
+
+
+class _DropNotices(logging.Filter):
+    """Drops the known Ray Data notices (see the table above) from a console handler."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING and not is_noise(None, record.getMessage())
+
+
+@contextlib.contextmanager
+def quiet_terminal(
+    verbose: bool, write: Optional[Callable[[str, Any], None]] = None, datasets: Sequence[Any] = ()
+) -> Iterator[None]:
+    """During a run: Ray Data's bars off, its INFO lines off the driver's terminal, known noise dropped.
+
+    ``write(line, stream)`` prints a kept worker line (above the progress bar, say); ``stream`` is
+    the real stdout or stderr Ray meant it for. ``datasets``: the run's Ray Datasets, each of which
+    executes with the `DataContext` it was created with (the current one reaches only the workers).
+    Everything is restored on exit.
+    """
+    if verbose:
+        yield
+        return
+    from ray.data import DataContext
+
+    contexts = [DataContext.get_current()] + [ds.context for ds in datasets if hasattr(ds, "context")]
+    contexts = list({id(c): c for c in contexts}.values())
+    saved_bars = [(c, c.enable_progress_bars, c.print_on_execution_start) for c in contexts]
+    for c in contexts:
+        c.enable_progress_bars, c.print_on_execution_start = False, False
+    data_handlers = [h for h in logging.getLogger("ray.data").handlers if not _is_file_handler(h)]
+    drop = _DropNotices()
+    for handler in data_handlers:
+        handler.addFilter(drop)
+    restore = _filter_forwarded_lines(write)
+    try:
+        yield
+    finally:
+        restore()
+        for handler in data_handlers:
+            handler.removeFilter(drop)
+        for c, bars, on_start in saved_bars:
+            c.enable_progress_bars, c.print_on_execution_start = bars, on_start
+
+
+def _is_file_handler(handler: logging.Handler) -> bool:
+    return isinstance(handler, logging.FileHandler) or type(handler).__name__ == "SessionFileHandler"
+
+
+def _filter_forwarded_lines(write: Optional[Callable[[str, Any], None]]) -> Callable[[], None]:
+    """Wrap Ray's handler that prints the workers' lines on the driver; returns the undo."""
+    try:
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    except ImportError:  # pragma: no cover - other Ray versions
+        return lambda: None
+    with dispatcher._lock:
+        original = list(dispatcher.handlers)
+        wrapped = []
+        for name, handler in original:
+            if name == "ray_print_logs":
+                handler = _filtered(handler, write)
+            wrapped.append((name, handler))
+        dispatcher.handlers = wrapped
+
+    def restore() -> None:
+        with dispatcher._lock:
+            dispatcher.handlers = original
+
+    return restore
+
+
+def _filtered(handler: Callable[[Dict[str, Any]], None], write: Optional[Callable[[str, Any], None]]) -> Callable:
+    def handle(data: Dict[str, Any]) -> None:
+        kept = filter_batch(data)
+        if kept is None:
+            return
+        if write is None:
+            handler(kept)
+        else:
+            with _redirected(write):
+                handler(kept)
+
+    return handle
+
+
+@contextlib.contextmanager
+def _redirected(write: Callable[[str, Any], None]) -> Iterator[None]:
+    """Ray prints worker lines to sys.stdout/stderr: hand them to ``write`` with the real stream."""
+    import sys
+
+    class _Stream:
+        def __init__(self, real: Any) -> None:
+            self.real = real
+
+        def write(self, text: str) -> int:
+            for line in text.rstrip("\n").split("\n"):
+                if line:
+                    write(line, self.real)
+            return len(text)
+
+        def flush(self) -> None:
+            self.real.flush()
+
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _Stream(saved[0]), _Stream(saved[1])  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved

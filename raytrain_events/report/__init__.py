@@ -1,0 +1,233 @@
+"""Run reports: ``report.html`` plus PNGs in a run (or sweep) directory, from what the run saved.
+
+``raytrain-events report RUN_DIR`` (and the end of ``examples/train.py``) call `write_report`:
+
+* a **run directory** (``config.yaml`` and ``history.jsonl`` written by `RayTrainer`): train
+  loss and every eval metric against global samples (and tokens when counted), the learning
+  rate, throughput with checkpoints and restarts marked on the time axis, the checkpoints and
+  the run config;
+* a **sweep directory** (trial folders with ``raytrain_trial.json``, written by
+  `raytrain_events.tune.sweep`): one figure comparing the algorithm sets (the metric against
+  global samples, a line per trial, the best thick) and the results table sorted by the metric.
+
+The HTML is static (inline CSS, no scripts); the PNGs sit next to it. Any fsspec URL works.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Dict, List, Optional, Tuple
+
+from raytrain_events.report import html
+from raytrain_events.report.history_file import HISTORY_FILE, append_history, read_history
+from raytrain_events.report.plots import run_figures, sweep_figure
+
+__all__ = ["write_report", "append_history", "read_history", "HISTORY_FILE", "REPORT_FILE", "SWEEP_FILE"]
+
+REPORT_FILE = "report.html"
+SWEEP_FILE = "sweep.json"  # metric and mode of a sweep, written by the sweep
+TRIAL_RECORD = "raytrain_trial.json"
+
+
+def write_report(
+    url: str,
+    storage_options: Optional[Dict[str, Any]] = None,
+    *,
+    metric: Optional[str] = None,
+    mode: Optional[str] = None,
+) -> Dict[str, Any]:
+    """Write ``report.html`` and its PNGs into the run or sweep directory ``url``.
+
+    Returns ``{"html": <url of report.html>, "images": [<png urls>], "kind": "run" | "sweep"}``.
+    Raises FileNotFoundError (naming what is missing) if ``url`` is neither.
+    """
+    from raytrain_events.storage.fs import join, resolve
+
+    options = dict(storage_options or {})
+    fs, root = resolve(url, options)
+    if not fs.exists(root):
+        raise FileNotFoundError(f"{url} does not exist: pass a run directory (<storage>/<run_name>) or a sweep's.")
+    trials = _trial_records(fs, root)
+    if trials:
+        kind, title, sections, files = "sweep", *_sweep_report(url, options, trials, metric, mode)
+    elif fs.exists(join(root, HISTORY_FILE)) or fs.exists(join(root, "config.yaml")):
+        kind, title, sections, files = "run", *_run_report(url, options)
+    else:
+        raise FileNotFoundError(
+            f"{url} has no {HISTORY_FILE} or config.yaml (a RayTrainer run directory) and no trial folders with "
+            f"{TRIAL_RECORD} (a sweep): pass the folder a run or sweep wrote."
+        )
+    images = [_write(url, options, name, data) for name, data in files.items()]
+    page = html.page(title, sections, note=f"Written by raytrain-events report from {url}")
+    return {"html": _write(url, options, REPORT_FILE, page.encode("utf-8")), "images": images, "kind": kind}
+
+
+def _write(url: str, options: Dict[str, Any], name: str, data: bytes) -> str:
+    from raytrain_events.storage.fs import join, resolve, to_url, write_bytes_atomic
+
+    fs, path = resolve(join(url, name), options)
+    write_bytes_atomic(fs, path, data)
+    return to_url(fs, path)
+
+
+# ------------------------------------------------------------------------------------ a run
+def _run_report(url: str, options: Dict[str, Any]) -> Tuple[str, List[str], Dict[str, bytes]]:
+    history = read_history(url, options)
+    config = _load_config(url, options)
+    figures = run_figures(history)
+    files = {f"{name}.png": png for name, png in figures.items()}
+    final = history[-1] if history else {}
+    name = (config or {}).get("run_name") or url.rstrip("/").rsplit("/", 1)[-1]
+    sections = ["<h2>Summary</h2>"]
+    rows = [[k, final[k]] for k in ("time/epoch", "time/batch", "time/sample", "time/token") if k in final]
+    rows += [[k, final[k]] for k in sorted(final) if k.startswith(("train/", "metrics/"))]
+    rows.append(["reports", len(history)])
+    rows.append(["attempts (worker group starts)", len({e.get("attempt") for e in history})])
+    sections.append(html.table(["", "final value"], rows) if history else "<p>No reports saved yet.</p>")
+    captions = {
+        "metrics.png": "Train loss and eval metrics against global samples (dashed red: a restart)",
+        "metrics_tokens.png": "The same against global tokens",
+        "learning_rate.png": "Learning rate",
+        "throughput.png": "Throughput; checkpoints (dotted green) and restarts (dashed red) on the time axis",
+    }
+    for file in files:
+        sections += [f"<h2>{html.escape(captions.get(file, file))}</h2>", html.image(file, captions.get(file, file))]
+    checkpoints = [e for e in history if e.get("checkpoint_path")]
+    if checkpoints:
+        start = next((e["wall_time"] for e in history if "wall_time" in e), None)
+        sections.append("<h2>Checkpoints</h2>")
+        sections.append(
+            html.table(
+                ["checkpoint", "epoch", "batch", "sample", "minute", "attempt"],
+                [
+                    [
+                        c["checkpoint_path"].rstrip("/").rsplit("/", 1)[-1],
+                        c.get("time/epoch"),
+                        c.get("time/batch"),
+                        c.get("time/sample"),
+                        None if start is None or "wall_time" not in c else round((c["wall_time"] - start) / 60, 2),
+                        c.get("attempt"),
+                    ]
+                    for c in checkpoints
+                ],
+            )
+        )
+    if config is not None:
+        import yaml
+
+        sections += ["<h2>Run config</h2>", html.pre(yaml.safe_dump(config, sort_keys=False, default_flow_style=False))]
+    return f"Run report: {name}", sections, files
+
+
+def _load_config(url: str, options: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    from raytrain_events.storage.exp_dir import RunDir
+
+    try:
+        config = RunDir(url, options).load_config()
+    except FileNotFoundError:
+        return None
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(config) if OmegaConf.is_config(config) else dict(config)
+
+
+# ---------------------------------------------------------------------------------- a sweep
+def _trial_records(fs: Any, root: str) -> Dict[str, Dict[str, Any]]:
+    """Trial folder name -> its record, for every trial folder under ``root`` that has one."""
+    records = {}
+    for path in sorted(fs.glob(root.rstrip("/") + "/*/" + TRIAL_RECORD)):
+        folder = path.rstrip("/").rsplit("/", 2)[-2]
+        with fs.open(path, "rb") as fh:
+            records[folder] = json.loads(fh.read().decode("utf-8"))
+    return records
+
+
+def _sweep_report(
+    url: str,
+    options: Dict[str, Any],
+    trials: Dict[str, Dict[str, Any]],
+    metric: Optional[str],
+    mode: Optional[str],
+) -> Tuple[str, List[str], Dict[str, bytes]]:
+    saved = _sweep_settings(url, options)
+    metric = metric or saved.get("metric") or _first_metric(trials)
+    mode = mode or saved.get("mode") or ("min" if "loss" in (metric or "") else "max")
+    if mode not in ("min", "max"):
+        raise ValueError(f"mode={mode!r} must be 'min' or 'max'.")
+    rows = []
+    for folder, record in trials.items():
+        history = record.get("history", [])
+        values = [e[metric] for e in history if _finite(e.get(metric))]
+        last = history[-1] if history else {}
+        rows.append(
+            {
+                "trial": folder,
+                "algorithms": _label(record.get("config", {})),
+                "value": values[-1] if values else None,
+                "best value": (max(values) if mode == "max" else min(values)) if values else None,
+                "sample": last.get("time/sample"),
+                "reports": len(history),
+                "checkpoints": len(record.get("checkpoints", [])),
+            }
+        )
+    sign = -1 if mode == "max" else 1
+    rows.sort(key=lambda r: (r["value"] is None, sign * (r["value"] or 0.0)))
+    best = rows[0]["trial"] if rows and rows[0]["value"] is not None else None
+    files = {}
+    figure = sweep_figure(
+        {f: r.get("history", []) for f, r in trials.items()},
+        {r["trial"]: r["algorithms"] for r in rows},
+        metric,
+        best,
+    )
+    sections = [f"<p>Metric <b>{html.escape(metric or '?')}</b> ({mode}); {len(rows)} trials.</p>"]
+    if figure is not None:
+        files["sweep.png"] = figure
+        sections += ["<h2>Algorithm sets compared</h2>", html.image("sweep.png", f"{metric} by algorithm set")]
+    header = [
+        "trial",
+        "algorithms",
+        f"{metric} (last)",
+        f"{metric} ({mode})",
+        "global samples",
+        "reports",
+        "checkpoints",
+    ]
+    sections += [
+        "<h2>Results, best first</h2>",
+        html.table(header, [list(r.values()) for r in rows], highlight=[r["trial"] == best for r in rows]),
+    ]
+    name = url.rstrip("/").rsplit("/", 1)[-1]
+    return f"Sweep report: {name}", sections, files
+
+
+def _sweep_settings(url: str, options: Dict[str, Any]) -> Dict[str, Any]:
+    from raytrain_events.storage.fs import join, resolve
+
+    fs, path = resolve(join(url, SWEEP_FILE), options)
+    if not fs.exists(path):
+        return {}
+    with fs.open(path, "rb") as fh:
+        return json.loads(fh.read().decode("utf-8"))
+
+
+def _first_metric(trials: Dict[str, Dict[str, Any]]) -> Optional[str]:
+    keys = sorted({k for r in trials.values() for e in r.get("history", []) for k in e if k.startswith("metrics/")})
+    preferred = [k for k in keys if k.endswith("accuracy")] or keys or ["train/loss"]
+    return preferred[0]
+
+
+def _label(config: Dict[str, Any]) -> str:
+    algorithms = config.get("algorithms")
+    if algorithms is None:
+        return "-"
+    try:
+        from raytrain_events.ray.tune_sets import algorithm_set_label
+    except ImportError:  # the Tune module moved: fall back to a plain rendering
+        return json.dumps(algorithms, default=str)
+    return algorithm_set_label(algorithms)
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

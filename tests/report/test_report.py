@@ -1,0 +1,116 @@
+"""`raytrain-events report` on saved run and sweep directories (no Ray: the files a run leaves).
+
+The run directory is built the way `RayTrainer` leaves one (config.yaml through RunDir,
+history.jsonl through append_history, including a resumed second fit); the sweep directory holds
+two trial folders with the records `sweep` writes. The real-run checks live in
+tests/examples/test_console_report.py (the digits example) and tests/tune/ (a 2-trial sweep).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+from png_checks import check_png
+
+from raytrain_events.cli.main import main
+from raytrain_events.report import append_history, read_history, write_report
+from raytrain_events.report.plots import SWEEP_SIZE
+from raytrain_events.storage.exp_dir import RunDir
+
+
+def _entries(n, attempt=1, start_sample=0, t0=1000.0, tokens=False, metric=lambda i: 0.5 + 0.05 * i):
+    out = []
+    for i in range(1, n + 1):
+        entry = {
+            "time/epoch": i,
+            "time/batch": 12 * i,
+            "time/sample": start_sample + 750 * i,
+            "time/token": 7500 * i if tokens else 0,
+            "train/loss": 2.0 / i,
+            "train/lr": 0.1 / i,
+            "metrics/eval/accuracy": metric(i),
+            "metrics/eval/cross_entropy": 1.0 / i,
+            "attempt": attempt,
+            "wall_time": t0 + 3.0 * i,
+            "final": i == n,
+            "world_size": 2,
+        }
+        if i % 2 == 0:
+            entry["checkpoint_path"] = f"/runs/r/checkpoints/ckpt-{i:04d}"
+        out.append(entry)
+    return out
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    run = str(tmp_path / "runs" / "r")
+    RunDir(run, {}).save_config({"run_name": "r", "max_duration": "6ep", "config": {"lr": 0.1, "model": "mlp"}})
+    append_history(run, _entries(4))
+    # A resumed fit of the same run directory: its attempts are numbered after the first fit's.
+    append_history(run, [dict(e, **{"time/epoch": e["time/epoch"] + 4}) for e in _entries(2, start_sample=3000)])
+    return run
+
+
+def test_history_file_appends_a_resumed_fit_with_later_attempts(run_dir):
+    history = read_history(run_dir)
+    assert len(history) == 6
+    assert [e["attempt"] for e in history] == [1, 1, 1, 1, 2, 2]
+
+
+def test_run_report_writes_html_and_pngs_it_references(run_dir):
+    written = write_report(run_dir)
+    assert written["kind"] == "run" and written["html"].endswith("report.html")
+    html = open(os.path.join(run_dir, "report.html")).read()
+    # loss + 2 eval metrics; the lr and throughput panels; no token plot (tokens were not counted).
+    for name, panels in (("metrics.png", 3), ("learning_rate.png", 1), ("throughput.png", 1)):
+        assert f'src="{name}"' in html
+        check_png(os.path.join(run_dir, name), panels)
+    assert not os.path.exists(os.path.join(run_dir, "metrics_tokens.png"))
+    assert "<script" not in html and "http" not in html.replace("Written by", "")  # static, self-contained
+    assert "ckpt-0004" in html and "model: mlp" in html  # checkpoints table and the run config
+    assert re.search(r"attempts \(worker group starts\)</td><td>2<", html)
+
+
+def test_run_report_plots_tokens_when_counted(tmp_path):
+    run = str(tmp_path / "tok")
+    append_history(run, _entries(3, tokens=True))
+    write_report(run)
+    check_png(os.path.join(run, "metrics_tokens.png"), 3)
+
+
+def _trial(root, folder, label_algorithms, curve):
+    os.makedirs(os.path.join(root, folder))
+    record = {
+        "run_url": os.path.join(root, folder, "train"),
+        "history": _entries(4, metric=curve),
+        "checkpoints": [os.path.join(root, folder, "train", "checkpoints", "ckpt-0004")],
+        "config": {"algorithms": label_algorithms, "lr": 0.1},
+    }
+    with open(os.path.join(root, folder, "raytrain_trial.json"), "w") as fh:
+        json.dump(record, fh)
+
+
+def test_sweep_report_compares_trials_best_first(tmp_path, capsys):
+    root = str(tmp_path / "sweep")
+    _trial(root, "trial_a", [], lambda i: 0.5 + 0.05 * i)
+    _trial(root, "trial_b", ["label_smoothing"], lambda i: 0.6 + 0.08 * i)
+    with open(os.path.join(root, "sweep.json"), "w") as fh:
+        json.dump({"metric": "metrics/eval/accuracy", "mode": "max"}, fh)
+
+    assert main(["report", root]) == 0  # the CLI entry point
+    assert "report.html" in capsys.readouterr().out
+    html = open(os.path.join(root, "report.html")).read()
+    assert 'src="sweep.png"' in html
+    check_png(os.path.join(root, "sweep.png"), size=SWEEP_SIZE)
+    # The table is sorted by the metric, best first and highlighted.
+    assert html.index("trial_b") < html.index("trial_a")
+    assert re.search(r'<tr class="best"><td>trial_b</td>', html)
+
+
+def test_report_on_a_folder_that_is_neither_says_what_it_needs(tmp_path, capsys):
+    os.makedirs(tmp_path / "empty")
+    assert main(["report", str(tmp_path / "empty")]) == 2
+    assert "history.jsonl or config.yaml" in capsys.readouterr().err
