@@ -85,10 +85,13 @@ def test_describe_covers_every_option_as_plain_data():
 
 
 def test_workers_get_no_driver_only_options():
-    spec = _spec(datasets={"train": object(), "eval": object()}, ray_callbacks=[object()], progress_bar=True)
+    spec = _spec(
+        datasets={"train": object(), "eval": object()}, ray_callbacks=[object()], progress_bar=True, loggers=[object()]
+    )
     shipped = spec.for_workers(steps_per_epoch=5)
     assert shipped.datasets == {"train": None, "eval": None} and shipped.eval_names == ["eval"]
-    assert shipped.ray_callbacks == () and shipped.progress_bar is False and shipped.steps_per_epoch == 5
+    assert shipped.ray_callbacks == () and shipped.progress_bar is None and shipped.steps_per_epoch == 5
+    assert shipped.loggers == []  # loggers run on the driver, fed from the aggregated history
     assert shipped.run_url == spec.run_url
 
 
