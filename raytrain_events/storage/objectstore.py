@@ -186,10 +186,10 @@ class _S3Upload(ObjectUpload):
 
         self._mpu = self._run(create())
         data = self._buf.getbuffer()
-        self._sha.update(data)
         whole = len(data) // self._part
         for i in range(whole):
             self._send(bytearray(data[i * self._part : (i + 1) * self._part]))
+        self._sha.update(data)  # the buffered bytes, while their parts go up
         rest = data[whole * self._part :]
         self._cur, self._pos = bytearray(self._part), len(rest)
         self._cur[: len(rest)] = rest
