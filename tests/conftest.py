@@ -73,3 +73,52 @@ def ray_cluster():
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=True)
     yield ray
     ray.shutdown()
+
+
+# Variables that libraries set on purpose in the test process and keep for its lifetime:
+# Ray and Tune (driver settings, the session address), pytest's per-test marker, torch's and
+# OpenMP's thread and device settings, Arrow/boto settings made by Ray Data or s3fs, and the
+# settings tensorboard(X) makes on import (CRC32C_SW_MODE, TF_*, GRPC_*).
+_ENV_ALLOWED_PREFIXES = (
+    "RAY_",
+    "_RAY",
+    "TUNE_",
+    "PYTEST_",
+    "TORCH",
+    "OMP_",
+    "MKL_",
+    "KMP_",
+    "CUDA_",
+    "ARROW_",
+    "AWS_",
+    "CRC32C_",
+    "TF_",
+    "GRPC_",
+)
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_environment_variables(request):
+    """Fail a test that leaves ``os.environ`` changed (set, changed or removed), naming the variables.
+
+    A test that needs a variable uses ``monkeypatch.setenv`` (undone after the test) or restores it.
+    """
+    before = dict(os.environ)
+    yield
+    after = dict(os.environ)
+    changed = sorted(
+        name
+        for name in set(before) | set(after)
+        if before.get(name) != after.get(name) and not name.startswith(_ENV_ALLOWED_PREFIXES)
+    )
+    if changed:
+        details = ", ".join(f"{n}: {before.get(n, '<unset>')!r} -> {after.get(n, '<unset>')!r}" for n in changed)
+        for name in changed:  # put them back, so the next test starts clean
+            if name in before:
+                os.environ[name] = before[name]
+            else:
+                os.environ.pop(name, None)
+        pytest.fail(
+            f"{request.node.nodeid} leaked environment variables ({details}); use monkeypatch.setenv or restore them.",
+            pytrace=False,
+        )

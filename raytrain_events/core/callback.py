@@ -33,7 +33,7 @@ class Callback:
         """Dispatch ``event`` to the method of the same name."""
         getattr(self, event.value)(state, logger)
 
-    def overridden_events(self) -> list:
+    def overridden_events(self) -> list[Event]:
         """The events whose method this callback's class overrides (cached by the Engine)."""
         if type(self).run_event is not Callback.run_event:
             return list(Event)  # custom dispatch: must see every event
@@ -57,7 +57,7 @@ class Callback:
         del state
 
 
-def _noop(self, state, logger):  # noqa: ANN001 - one shared no-op for every event method
+def _noop(self: Callback, state: State, logger: Logger) -> None:  # one shared no-op for every event method
     return None
 
 

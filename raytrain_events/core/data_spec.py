@@ -32,7 +32,8 @@ def _first_tensor(batch: Any) -> Any:
 def default_num_samples(batch: Any) -> int:
     """Samples in ``batch``: the leading dimension of its first tensor."""
     if isinstance(batch, (list, tuple)) and batch and hasattr(batch[0], "shape"):
-        return batch[0].shape[0]
+        n: int = batch[0].shape[0]
+        return n
     return int(_first_tensor(batch).shape[0])
 
 
@@ -46,8 +47,8 @@ def default_split_batch(batch: Any, num_microbatches: int) -> List[Any]:
         parts = {k: _split_or_repeat(v, num_microbatches) for k, v in batch.items()}
         return [{k: parts[k][i] for k in batch} for i in range(num_microbatches)]
     if isinstance(batch, (list, tuple)):
-        parts = [_split_or_repeat(v, num_microbatches) for v in batch]
-        return [type(batch)(p[i] for p in parts) for i in range(num_microbatches)]
+        columns = [_split_or_repeat(v, num_microbatches) for v in batch]
+        return [type(batch)(p[i] for p in columns) for i in range(num_microbatches)]
     raise TypeError(
         f"Cannot split a batch of type {type(batch).__name__} into microbatches: pass "
         "DataSpec(split_batch=fn) where fn(batch, n) returns a list of n microbatches."
@@ -68,7 +69,7 @@ class DataSpec:
 
     def __init__(
         self,
-        dataloader: Iterable,
+        dataloader: Iterable[Any],
         *,
         num_samples: Optional[int] = None,
         num_tokens: Optional[int] = None,

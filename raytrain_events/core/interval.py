@@ -8,7 +8,7 @@ is crossed. Training's last batch or epoch always counts, so a run ends with a f
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Union
+from typing import TYPE_CHECKING, Any, Callable, Union
 
 from raytrain_events.core.event import Event
 from raytrain_events.core.time import Time, TimeUnit, ensure_time
@@ -24,7 +24,10 @@ IntervalFn = Callable[["State", Event], bool]
 def is_done(state: State) -> bool:
     """True once the global timestamp has reached ``state.max_duration``."""
     max_duration = state.max_duration
-    return state.timestamp.get_value(max_duration.unit) >= max_duration.value
+    if max_duration is None:  # a State without a duration (tests, tools) never finishes by itself
+        return False
+    done: bool = state.timestamp.get_value(max_duration.unit) >= max_duration.value
+    return done
 
 
 def crossed(previous: int, current: int, every: int) -> bool:
@@ -33,8 +36,8 @@ def crossed(previous: int, current: int, every: int) -> bool:
 
 
 def make_interval(
-    interval: Union[str, int, Time, IntervalFn],
-    max_duration: Time,
+    interval: Union[str, int, Time[Any], IntervalFn],
+    max_duration: Time[Any],
     *,
     counts_tokens: bool = True,
     what: str = "eval_interval",

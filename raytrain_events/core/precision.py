@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from enum import Enum
-from typing import ContextManager, Union
+from typing import Any, ContextManager, Union
 
 __all__ = ["Precision", "autocast_context"]
 
@@ -30,7 +30,7 @@ class Precision(str, Enum):
 _NULL_CONTEXT = contextlib.nullcontext()
 
 
-def autocast_context(precision: Precision, device_type: str) -> ContextManager:
+def autocast_context(precision: Precision, device_type: str) -> ContextManager[Any]:
     """The context manager that runs forward and loss in ``precision`` on ``device_type``."""
     if precision is Precision.FP32:
         return _NULL_CONTEXT

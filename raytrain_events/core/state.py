@@ -21,7 +21,7 @@ class CheckpointMismatchError(ValueError):
     """A checkpoint does not fit the model or run it is being loaded into."""
 
 
-def _as_list(value: Any) -> list:
+def _as_list(value: Any) -> List[Any]:
     if value is None:
         return []
     if isinstance(value, (list, tuple)):
@@ -45,7 +45,7 @@ class State:
         self,
         *,
         model: Any,
-        max_duration: Union[str, Time, int, None] = None,
+        max_duration: Union[str, Time[Any], int, None] = None,
         train_dataloader: Any = None,
         evaluators: Sequence[Any] = (),
         grad_accum: int = 1,
@@ -108,10 +108,11 @@ class State:
     @property
     def batch_idx(self) -> int:
         """Index of the current batch within the epoch."""
-        return self.timestamp.batch_in_epoch.value
+        index: int = self.timestamp.batch_in_epoch.value
+        return index
 
     @property
-    def max_epochs(self) -> Time:
+    def max_epochs(self) -> Time[Any]:
         """``max_duration`` in epochs (only defined when it is given in epochs)."""
         if self.max_duration is None or self.max_duration.unit != TimeUnit.EPOCH:
             raise ValueError(f"max_epochs is only defined when max_duration is in epochs, not {self.max_duration!r}.")
@@ -124,7 +125,7 @@ class State:
             return self._steps_per_epoch
         loader = getattr(self.train_dataloader, "dataloader", self.train_dataloader)
         try:
-            return len(loader)  # type: ignore[arg-type]
+            return len(loader)
         except TypeError:
             return None
 
@@ -132,7 +133,7 @@ class State:
     def steps_per_epoch(self, value: Optional[int]) -> None:
         self._steps_per_epoch = value
 
-    def get_elapsed_duration(self) -> Time:
+    def get_elapsed_duration(self) -> Time[Any]:
         """Fraction of ``max_duration`` completed, as a `Time` in DURATION."""
         if self.max_duration is None:
             raise ValueError("get_elapsed_duration() needs max_duration to be set.")
@@ -162,7 +163,7 @@ class State:
 
     # ---------------------------------------------------------------- batch
     @property
-    def batch_pair(self):
+    def batch_pair(self) -> Any:
         """The batch as an ``(inputs, targets)`` pair; TypeError for other batch types."""
         batch = self.batch
         if isinstance(batch, (list, tuple)) and len(batch) == 2:
@@ -172,7 +173,7 @@ class State:
         )
 
     @property
-    def batch_dict(self) -> Mapping:
+    def batch_dict(self) -> Mapping[str, Any]:
         """The batch as a mapping; TypeError for other batch types."""
         if isinstance(self.batch, Mapping):
             return self.batch
@@ -265,7 +266,7 @@ def _keyed(objects: Sequence[Any]) -> Dict[str, Any]:
     return keyed
 
 
-def _load_list(what: str, targets: list, states: list) -> None:
+def _load_list(what: str, targets: List[Any], states: List[Any]) -> None:
     if len(states) != len(targets):
         raise CheckpointMismatchError(
             f"The checkpoint has {len(states)} {what} but this run has {len(targets)}; "

@@ -13,7 +13,7 @@ import operator
 import re
 from collections.abc import Mapping
 from enum import Enum
-from typing import Any, Generic, TypeVar
+from typing import Any, Callable, Generic, TypeGuard, TypeVar, cast
 
 __all__ = ["TimeUnit", "Time", "Timestamp", "ensure_time"]
 
@@ -53,7 +53,7 @@ _TIME_RE = re.compile(
 )
 
 
-def _is_real(x: object) -> bool:
+def _is_real(x: object) -> TypeGuard[float]:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
@@ -92,12 +92,12 @@ def _snap(x: int | float, unit: TimeUnit) -> int | float:
     raise _not_whole(x, unit)
 
 
-def _time_cmp(op):
-    def compare(self: Time, other: object) -> bool:
+def _time_cmp(op: Callable[[Any, Any], Any]) -> Callable[[Time[Any], object], bool]:
+    def compare(self: Time[Any], other: object) -> bool:
         if _is_real(other):  # plain numbers compare against the value
-            return op(self._value, other)
+            return bool(op(self._value, other))
         o = self._other(other, "compare")
-        return o if o is NotImplemented else op(self._value, o._value)
+        return o if o is NotImplemented else bool(op(self._value, o._value))
 
     return compare
 
@@ -114,14 +114,16 @@ class Time(Generic[TValue]):
     """
 
     __slots__ = ("_value", "_unit")
+    _value: TValue
+    _unit: TimeUnit
 
     def __init__(self, value: TValue, unit: TimeUnit | str):
         unit = unit if type(unit) is TimeUnit else TimeUnit(unit)
-        self._value = _coerce_value(value, unit)
+        self._value = cast(TValue, _coerce_value(value, unit))
         self._unit = unit
 
     @classmethod
-    def _make(cls, value: Any, unit: TimeUnit) -> Time:
+    def _make(cls, value: Any, unit: TimeUnit) -> Time[Any]:
         # Unvalidated constructor for values already known to be valid.
         t = object.__new__(cls)
         t._value = value
@@ -141,30 +143,30 @@ class Time(Generic[TValue]):
     @classmethod
     def from_epoch(cls, epoch: int) -> Time[int]:
         """``Time(epoch, TimeUnit.EPOCH)``."""
-        return cls(epoch, TimeUnit.EPOCH)
+        return Time(epoch, TimeUnit.EPOCH)
 
     @classmethod
     def from_batch(cls, batch: int) -> Time[int]:
         """``Time(batch, TimeUnit.BATCH)``."""
-        return cls(batch, TimeUnit.BATCH)
+        return Time(batch, TimeUnit.BATCH)
 
     @classmethod
     def from_sample(cls, sample: int) -> Time[int]:
         """``Time(sample, TimeUnit.SAMPLE)``."""
-        return cls(sample, TimeUnit.SAMPLE)
+        return Time(sample, TimeUnit.SAMPLE)
 
     @classmethod
     def from_token(cls, token: int) -> Time[int]:
         """``Time(token, TimeUnit.TOKEN)``."""
-        return cls(token, TimeUnit.TOKEN)
+        return Time(token, TimeUnit.TOKEN)
 
     @classmethod
     def from_duration(cls, duration: float) -> Time[float]:
         """``Time(duration, TimeUnit.DURATION)``; 0 is the start of training and 1 the end."""
-        return cls(duration, TimeUnit.DURATION)
+        return Time(duration, TimeUnit.DURATION)
 
     @classmethod
-    def from_timestring(cls, timestring: str) -> Time:
+    def from_timestring(cls, timestring: str) -> Time[Any]:
         """Parse a number followed by a unit suffix.
 
         >>> Time.from_timestring("3e4tok"), Time.from_timestring("4_000sp"), Time.from_timestring("0.5dur")
@@ -180,13 +182,13 @@ class Time(Generic[TValue]):
             )
         number, unit = m.group(1), TimeUnit(m.group(2).lower())
         if unit is _DUR:
-            return cls(float(number), unit)
+            return Time(float(number), unit)
         if not any(c in number for c in ".eE"):
-            return cls(int(number), unit)  # exact, even beyond float precision
+            return Time(int(number), unit)  # exact, even beyond float precision
         f = float(number)
         if not (math.isfinite(f) and f.is_integer()):
             raise _not_whole(number, unit)
-        return cls(int(f), unit)
+        return Time(int(f), unit)
 
     def to_timestring(self) -> str:
         """Inverse of :meth:`from_timestring`.
@@ -199,11 +201,11 @@ class Time(Generic[TValue]):
     def __repr__(self) -> str:
         return f"Time({self._value!r}, TimeUnit.{self._unit.name})"
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[Time[Any]], tuple[TValue, TimeUnit]]:
         return (self.__class__, (self._value, self._unit))
 
     # --- arithmetic -------------------------------------------------------------------------------------------
-    def _other(self, other: object, op: str) -> Time | Any:
+    def _other(self, other: object, op: str) -> Any:
         """``other`` as a Time in this unit (numbers assume this unit); NotImplemented for foreign types."""
         if isinstance(other, Time):
             if other._unit is not self._unit:
@@ -218,21 +220,21 @@ class Time(Generic[TValue]):
             return Time(other, self._unit)
         return NotImplemented
 
-    def __add__(self, other: object) -> Time:
+    def __add__(self, other: object) -> Time[Any]:
         o = self._other(other, "add")
         return o if o is NotImplemented else Time._make(self._value + o._value, self._unit)
 
     __radd__ = __add__
 
-    def __sub__(self, other: object) -> Time:
+    def __sub__(self, other: object) -> Time[Any]:
         o = self._other(other, "subtract")
         return o if o is NotImplemented else Time._make(self._value - o._value, self._unit)
 
-    def __rsub__(self, other: object) -> Time:
+    def __rsub__(self, other: object) -> Time[Any]:
         o = self._other(other, "subtract")
         return o if o is NotImplemented else Time._make(o._value - self._value, self._unit)
 
-    def __mul__(self, other: object) -> Time:
+    def __mul__(self, other: object) -> Time[Any]:
         if isinstance(other, str):
             other = Time.from_timestring(other)
         if isinstance(other, Time):
@@ -252,7 +254,7 @@ class Time(Generic[TValue]):
 
     __rmul__ = __mul__
 
-    def __truediv__(self, other: object) -> Time:
+    def __truediv__(self, other: object) -> Time[Any]:
         if _is_real(other):
             if self._unit is not _DUR and type(self._value) is int and isinstance(other, numbers.Integral):
                 q, r = divmod(self._value, int(other))
@@ -263,17 +265,17 @@ class Time(Generic[TValue]):
         o = self._other(other, "divide")
         return o if o is NotImplemented else Time(self._value / o._value, _DUR)
 
-    def __mod__(self, other: object) -> Time:
+    def __mod__(self, other: object) -> Time[Any]:
         o = self._other(other, "take the modulo of")
         return o if o is NotImplemented else Time._make(self._value % o._value, self._unit)
 
-    def __neg__(self) -> Time:
+    def __neg__(self) -> Time[Any]:
         return Time._make(-self._value, self._unit)
 
-    def __pos__(self) -> Time:
+    def __pos__(self) -> Time[Any]:
         return self
 
-    def __abs__(self) -> Time:
+    def __abs__(self) -> Time[Any]:
         return Time._make(abs(self._value), self._unit)
 
     def __float__(self) -> float:
@@ -290,7 +292,7 @@ class Time(Generic[TValue]):
         return hash((self._unit.value, self._value))
 
 
-def ensure_time(maybe_time: Time | str | int | float, int_unit: TimeUnit | str) -> Time:
+def ensure_time(maybe_time: Time[Any] | str | int | float, int_unit: TimeUnit | str) -> Time[Any]:
     """Coerce a Time, time string or number (interpreted in ``int_unit``) to :class:`Time`.
 
     >>> ensure_time("2ep", "ba"), ensure_time(7, "ba")
@@ -338,7 +340,7 @@ def _counter(name: str, value: Any) -> int:
             value = _coerce_value(value, unit)
     if value < 0:
         raise ValueError(f"Timestamp '{name}' must be >= 0, got {value}")
-    return value
+    return int(value)
 
 
 def _wct(name: str, value: Any) -> datetime.timedelta:
@@ -354,11 +356,13 @@ def _counter_property(name: str, doc: str) -> property:
     return property(lambda self: Time._make(getattr(self, attr), unit), doc=doc)
 
 
-def _timestamp_cmp(op):
+def _timestamp_cmp(op: Callable[[Any, Any], Any]) -> Callable[[Timestamp, object], bool]:
     def compare(self: Timestamp, other: object) -> bool:  # compares in the other Time's unit
         if isinstance(other, str):
             other = Time.from_timestring(other)
-        return op(self.get_value(other._unit), other._value) if isinstance(other, Time) else NotImplemented
+        if isinstance(other, Time):
+            return bool(op(self.get_value(other._unit), other._value))
+        return cast(bool, NotImplemented)
 
     return compare
 
@@ -372,6 +376,16 @@ class Timestamp:
     """
 
     __slots__ = tuple("_" + n for n in _COUNTERS + _WCTS)
+    _epoch: int
+    _batch: int
+    _sample: int
+    _token: int
+    _batch_in_epoch: int
+    _sample_in_epoch: int
+    _token_in_epoch: int
+    _total_wct: datetime.timedelta
+    _epoch_wct: datetime.timedelta
+    _batch_wct: datetime.timedelta
 
     def __init__(
         self,
@@ -387,13 +401,25 @@ class Timestamp:
         batch_wct: datetime.timedelta | None = None,
     ):
         counters = (epoch, batch, sample, token, batch_in_epoch, sample_in_epoch, token_in_epoch)
-        for name, value in zip(_COUNTERS, counters):
-            setattr(self, "_" + name, _counter(name, value))
-        for name, value in zip(_WCTS, (total_wct, epoch_wct, batch_wct)):
-            setattr(self, "_" + name, _wct(name, value))
+        for name, count in zip(_COUNTERS, counters):
+            setattr(self, "_" + name, _counter(name, count))
+        for name, wct in zip(_WCTS, (total_wct, epoch_wct, batch_wct)):
+            setattr(self, "_" + name, _wct(name, wct))
 
     @classmethod
-    def _make(cls, ep, ba, sp, tok, ba_ep, sp_ep, tok_ep, total_wct, epoch_wct, batch_wct) -> Timestamp:
+    def _make(
+        cls,
+        ep: int,
+        ba: int,
+        sp: int,
+        tok: int,
+        ba_ep: int,
+        sp_ep: int,
+        tok_ep: int,
+        total_wct: datetime.timedelta,
+        epoch_wct: datetime.timedelta,
+        batch_wct: datetime.timedelta,
+    ) -> Timestamp:
         # Unvalidated constructor for the per-step hot path.
         ts = object.__new__(cls)
         ts._epoch, ts._batch, ts._sample, ts._token = ep, ba, sp, tok
@@ -422,7 +448,8 @@ class Timestamp:
                     "Timestamp does not know the total run length; use State.get_elapsed_duration() for 'dur'"
                 )
             attr = _ATTR_OF_UNIT[unit.value]
-        return getattr(self, attr)
+        value: int = getattr(self, attr)
+        return value
 
     def get(self, unit: TimeUnit | str) -> Time[int]:
         """The current total in ``unit``, e.g. ``ts.get("ep") == ts.epoch``; 'dur' raises ValueError."""
@@ -431,16 +458,16 @@ class Timestamp:
 
     def copy(
         self,
-        epoch=None,
-        batch=None,
-        sample=None,
-        token=None,
-        batch_in_epoch=None,
-        sample_in_epoch=None,
-        token_in_epoch=None,
-        total_wct=None,
-        epoch_wct=None,
-        batch_wct=None,
+        epoch: int | Time[int] | None = None,
+        batch: int | Time[int] | None = None,
+        sample: int | Time[int] | None = None,
+        token: int | Time[int] | None = None,
+        batch_in_epoch: int | Time[int] | None = None,
+        sample_in_epoch: int | Time[int] | None = None,
+        token_in_epoch: int | Time[int] | None = None,
+        total_wct: datetime.timedelta | None = None,
+        epoch_wct: datetime.timedelta | None = None,
+        batch_wct: datetime.timedelta | None = None,
     ) -> Timestamp:
         """A new Timestamp with the given (non-None) fields overridden, e.g. ``ts.copy(epoch=3)``."""
         given = locals()

@@ -28,7 +28,8 @@ def total_loss(loss: Any) -> torch.Tensor:
         return loss
     if isinstance(loss, Mapping):
         if "total" in loss:
-            return loss["total"]
+            total: torch.Tensor = loss["total"]
+            return total
         return sum(loss.values())  # type: ignore[return-value]
     if isinstance(loss, (list, tuple)):
         return sum(loss)  # type: ignore[return-value]

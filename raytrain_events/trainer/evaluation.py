@@ -28,7 +28,7 @@ class Evaluator:
     """A named eval dataset and (optionally) which of the model's metrics to compute on it."""
 
     def __init__(
-        self, *, label: str, dataloader: Union[Iterable, DataSpec], metric_names: Optional[Sequence[str]] = None
+        self, *, label: str, dataloader: Union[Iterable[Any], DataSpec], metric_names: Optional[Sequence[str]] = None
     ):
         self.label = label
         self.dataloader = ensure_data_spec(dataloader)
