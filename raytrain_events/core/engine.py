@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Deque, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Deque, Dict, List, Mapping, Optional, Sequence
 
 from raytrain_events.core.algorithm import Algorithm
 from raytrain_events.core.callback import Callback
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 __all__ = ["Engine", "Trace", "AlgorithmPass", "filo_on_after_events", "sort_by_priority"]
 
 AlgorithmPass = Callable[[Sequence[Algorithm], Event], List[Algorithm]]
+_EVERY_EVENT: Mapping[Event, bool] = {event: True for event in Event}
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ class Engine:
             [filo_on_after_events] if algorithm_passes is None else list(algorithm_passes)
         )
         self.traces: Deque[Trace] = collections.deque(maxlen=trace_history)
-        self._callback_methods: Dict[Event, list] = {}
+        self._callback_methods: Dict[Event, List[Callable[[State, Logger], None]]] = {}
         self._closed = False
         self.refresh()
 
@@ -85,7 +86,7 @@ class Engine:
                     f"{algorithm!r} is not an Algorithm: subclass raytrain_events.Algorithm "
                     "and implement match(event, state) and apply(event, state, logger)."
                 )
-        methods: Dict[Event, list] = {event: [] for event in Event}
+        methods: Dict[Event, List[Callable[[State, Logger], None]]] = {event: [] for event in Event}
         for callback in self.state.callbacks:
             if not isinstance(callback, Callback):
                 raise TypeError(f"{callback!r} is not a Callback: subclass raytrain_events.Callback.")
@@ -95,6 +96,15 @@ class Engine:
                 else:
                     methods[event].append(_bind_run_event(callback, event))
         self._callback_methods = methods
+        self._callback_events = {event: bool(methods[event]) for event in Event}
+
+    def active_events(self) -> Mapping[Event, bool]:
+        """Per event: whether `run_event` can do anything now, so a loop may skip idle events.
+
+        With any algorithm every event is active (``match`` decides at run time); otherwise an
+        event is active when a callback overrides it (worked out in `refresh`).
+        """
+        return _EVERY_EVENT if self.state.algorithms else self._callback_events
 
     def register_pass(self, algorithm_pass: AlgorithmPass, index: int = -1) -> None:
         """Add an ordering pass; ``index=-1`` appends it after the existing passes."""
@@ -157,8 +167,8 @@ class Engine:
         self.logger.close()
 
 
-def _bind_run_event(callback: Callback, event: Event):
-    def _method(state, logger):
+def _bind_run_event(callback: Callback, event: Event) -> Callable[[State, Logger], None]:
+    def _method(state: State, logger: Logger) -> None:
         callback.run_event(event, state, logger)
 
     return _method

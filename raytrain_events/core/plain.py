@@ -77,6 +77,6 @@ def _describe_object(value: Any) -> str:
         return f"partial({_describe_object(value.func)})"
     if inspect.isroutine(value) or isinstance(value, type):
         module = getattr(value, "__module__", None) or ""
-        name = getattr(value, "__qualname__", None) or getattr(value, "__name__", None) or type(value).__name__
+        name = str(getattr(value, "__qualname__", None) or getattr(value, "__name__", None) or type(value).__name__)
         return f"{module}.{name}" if module else name
     return type(value).__name__

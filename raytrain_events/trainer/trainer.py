@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -31,15 +31,29 @@ from raytrain_events.core.time import Time, TimeUnit, ensure_time
 from raytrain_events.dist import Dist, default_dist
 from raytrain_events.parallel.wrap import Parallel
 from raytrain_events.trainer._batch import check_model, move_to_device, total_loss
+from raytrain_events.trainer.counters import BatchCounters
 from raytrain_events.trainer.evaluation import ensure_evaluators, run_evaluation
 from raytrain_events.trainer.seed import seed_everything
 
 if TYPE_CHECKING:
+    from torch.nn.parallel import DistributedDataParallel
+
     from raytrain_events.checkpoint.checkpointer import Checkpointer
 
 __all__ = ["Trainer"]
 
 _NULL_CONTEXT = contextlib.nullcontext()  # reusable and reentrant: no allocation per microbatch
+# The per-batch events as module constants (a global lookup, not an attribute lookup on Event, per use).
+_BEFORE_DATALOADER, _AFTER_DATALOADER, _BATCH_START = Event.BEFORE_DATALOADER, Event.AFTER_DATALOADER, Event.BATCH_START
+_BEFORE_TRAIN_BATCH, _AFTER_TRAIN_BATCH = Event.BEFORE_TRAIN_BATCH, Event.AFTER_TRAIN_BATCH
+_BEFORE_FORWARD, _AFTER_FORWARD, _BEFORE_LOSS, _AFTER_LOSS = (
+    Event.BEFORE_FORWARD,
+    Event.AFTER_FORWARD,
+    Event.BEFORE_LOSS,
+    Event.AFTER_LOSS,
+)
+_BEFORE_BACKWARD, _AFTER_BACKWARD = Event.BEFORE_BACKWARD, Event.AFTER_BACKWARD
+_BATCH_END, _BATCH_CHECKPOINT = Event.BATCH_END, Event.BATCH_CHECKPOINT
 
 
 class Trainer:
@@ -66,12 +80,12 @@ class Trainer:
         self,
         *,
         model: torch.nn.Module,
-        train_dataloader: Union[Iterable, DataSpec],
-        max_duration: Union[str, int, Time],
+        train_dataloader: Union[Iterable[Any], DataSpec],
+        max_duration: Union[str, int, Time[Any]],
         optimizers: Any = None,
         schedulers: Any = None,
         eval_dataloader: Any = None,
-        eval_interval: Union[str, int, Time, IntervalFn] = "1ep",
+        eval_interval: Union[str, int, Time[Any], IntervalFn] = "1ep",
         grad_accum: int = 1,
         precision: Union[str, Precision] = "fp32",
         algorithms: Sequence[Algorithm] = (),
@@ -108,7 +122,7 @@ class Trainer:
 
         self.parallel = Parallel(parallelism)  # "ddp" (default), "fsdp" or an FSDPConfig
         self.parallel.check(algorithms)
-        self.dist = dist if dist is not None else default_dist(device)
+        self.dist = dist if dist is not None else default_dist(torch.device(device) if device is not None else None)
         self.device = torch.device(device) if device is not None else self.dist.device
         self.train_spec = ensure_data_spec(train_dataloader)
         if max_duration.unit == TimeUnit.TOKEN and not self.train_spec.counts_tokens:
@@ -139,6 +153,7 @@ class Trainer:
         self.state.schedulers = _build_schedulers(_as_list(schedulers), self.state)
         if self.state.precision is Precision.AMP_FP16:
             self.state.scaler = torch.amp.GradScaler(self.device.type)
+        self._max_duration: Time[Any] = max_duration
         self.eval_interval = make_interval(eval_interval, max_duration, counts_tokens=self.train_spec.counts_tokens)
         self.logger = Logger(loggers if self.dist.rank == 0 else ())
         self.engine = Engine(state=self.state, logger=self.logger, algorithm_passes=algorithm_passes)
@@ -148,7 +163,9 @@ class Trainer:
         self.engine.run_event(Event.INIT)
         self.engine.refresh()  # algorithms or callbacks may have been added at INIT
         self.parallel.check(self.state.algorithms)
-        self._train_model = self._wrap_model()
+        self._train_model, self._ddp = self._wrap_model()
+        # Per-batch sums across ranks: on DDP's gradient all-reduce when possible (no collective of their own).
+        self._counters = BatchCounters(self.dist, self._ddp)
         if checkpoint is not None:
             from raytrain_events.checkpoint.checkpointer import attach_checkpointing
 
@@ -156,13 +173,17 @@ class Trainer:
         self.engine.run_event(Event.AFTER_LOAD)
 
     # ------------------------------------------------------------ properties
-    def autocast(self) -> contextlib.AbstractContextManager:
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The precision context forward and loss run in."""
         return autocast_context(self.state.precision, self.device.type)
 
-    def _wrap_model(self) -> torch.nn.Module:
+    def _wrap_model(self) -> Tuple[torch.nn.Module, Optional[DistributedDataParallel]]:
+        """The module the loop calls for training, and the DDP wrapper if that is what it is."""
+        from torch.nn.parallel import DistributedDataParallel
+
         find_unused = any(a.find_unused_parameters for a in self.state.algorithms)
-        return self.parallel.wrap(self.state.model, self.dist, self.device, find_unused, self.state.optimizers)
+        wrapped = self.parallel.wrap(self.state.model, self.dist, self.device, find_unused, self.state.optimizers)
+        return wrapped, wrapped if isinstance(wrapped, DistributedDataParallel) else None
 
     # ------------------------------------------------------------------- fit
     def fit(self) -> State:
@@ -186,7 +207,7 @@ class Trainer:
         state.model.train()
         engine.run_event(Event.FIT_START)
         self._check_flags_agree()
-        epoch_unit = state.max_duration.unit == TimeUnit.EPOCH
+        epoch_unit = self._max_duration.unit == TimeUnit.EPOCH
         while not (state.stop_requested and state.stop_consistent) and not is_done(state):
             engine.run_event(Event.EPOCH_START)
             finished_early = self._run_epoch()
@@ -203,7 +224,7 @@ class Trainer:
 
     def _run_epoch(self) -> bool:
         """One pass over the train data; True if it stopped before the data ran out."""
-        state, engine, spec, dist = self.state, self.engine, self.train_spec, self.dist
+        state, engine, spec, counters = self.state, self.engine, self.train_spec, self._counters
         loader = spec.dataloader
         _set_epoch(loader, state.epoch)
         skip = state.timestamp.batch_in_epoch.value  # mid-epoch resume: batches already trained
@@ -223,7 +244,10 @@ class Trainer:
         agreement = state.agreement
         batches = 0
         while True:
-            engine.run_event(Event.BEFORE_DATALOADER)
+            # Events nobody listens to are skipped: no algorithms, and no callback overrides them.
+            active = engine.active_events()
+            if active[_BEFORE_DATALOADER]:
+                engine.run_event(_BEFORE_DATALOADER)
             try:
                 batch = next(iterator)
             except StopIteration:
@@ -232,7 +256,8 @@ class Trainer:
             if spec.device_transforms is not None:
                 batch = spec.device_transforms(batch)
             state.batch = batch
-            engine.run_event(Event.AFTER_DATALOADER)
+            if active[_AFTER_DATALOADER]:
+                engine.run_event(_AFTER_DATALOADER)
             samples = spec.get_num_samples_in_batch(state.batch)
             tokens = spec.num_tokens_in_batch(state.batch) if counts_tokens else 0
             if grad_accum > samples:
@@ -241,27 +266,32 @@ class Trainer:
                     "lower grad_accum or raise the batch size."
                 )
             state.batch_num_samples, state.batch_num_tokens = samples, tokens
-            # One fused collective per batch: counts, a stop, and every registered agreement flag.
+            # One sum per batch (riding on DDP's gradient all-reduce where it can): counts, a stop,
+            # and every registered agreement flag.
             local_stop = 1 if state.stop_requested and not state.stop_consistent else 0
-            pending = dist.sum_ints_async([samples, tokens, local_stop, *agreement.local_values()])
-            engine.run_event(Event.BATCH_START)
+            counters.start([samples, tokens, local_stop, *agreement.local_values()])
+            if active[_BATCH_START]:
+                engine.run_event(_BATCH_START)
             start = time.perf_counter()
-            self._train_batch()
-            sums = pending.wait()
+            self._train_batch(active)
+            sums = counters.wait()
             global_samples, global_tokens, stops = sums[0], sums[1], sums[2]
             if stops:
                 state.stop_requested = state.stop_consistent = True
-            agreement.set_sums(sums[3:])
+            if len(sums) > 3:
+                agreement.set_sums(sums[3:])
             state.global_batch_num_samples, state.global_batch_num_tokens = global_samples, global_tokens
             state.timestamp = state.timestamp.to_next_batch(
                 global_samples, global_tokens, datetime.timedelta(seconds=time.perf_counter() - start)
             )
             for scheduler in state.schedulers:
                 scheduler.step()
-            engine.run_event(Event.BATCH_END)
-            if state.evaluators and self.eval_interval(state, Event.BATCH_END):
+            if active[_BATCH_END]:
+                engine.run_event(_BATCH_END)
+            if state.evaluators and self.eval_interval(state, _BATCH_END):
                 run_evaluation(self)
-            engine.run_event(Event.BATCH_CHECKPOINT)
+            if active[_BATCH_CHECKPOINT]:
+                engine.run_event(_BATCH_CHECKPOINT)
             batches += 1
             if (state.stop_requested and state.stop_consistent) or is_done(state):
                 return True
@@ -272,50 +302,38 @@ class Trainer:
             )
         return False
 
-    def _train_batch(self) -> None:
+    def _train_batch(self, active: Mapping[Event, bool]) -> None:
         """Forward, loss and backward over ``grad_accum`` microbatches, then the optimizer step."""
-        state, engine, model = self.state, self.engine, self.state.model
+        state, engine = self.state, self.engine
         scaler = state.scaler
         for optimizer in state.optimizers:
             optimizer.zero_grad(set_to_none=True)
-        engine.run_event(Event.BEFORE_TRAIN_BATCH)
+        if active[_BEFORE_TRAIN_BATCH]:
+            engine.run_event(_BEFORE_TRAIN_BATCH)
         full_batch = state.batch
         grad_accum = state.grad_accum
-        microbatches = [full_batch] if grad_accum == 1 else self.train_spec.split_batch(full_batch, grad_accum)
         create_graph = any(a.backwards_create_graph for a in state.algorithms) if state.algorithms else False
-        total_samples = state.batch_num_samples
-        last = len(microbatches) - 1
-        no_sync = self.parallel.no_sync if self.dist.is_distributed else None
-        autocast = self.autocast()  # one context per batch, entered for each forward and loss (never nested)
-        accumulated = None
-        for index, microbatch in enumerate(microbatches):
-            sync = no_sync(self._train_model) if (no_sync is not None and index < last) else _NULL_CONTEXT
-            with sync:
-                state.batch = microbatch
-                engine.run_event(Event.BEFORE_FORWARD)
-                with autocast:
-                    state.outputs = self._train_model(state.batch)
-                engine.run_event(Event.AFTER_FORWARD)
-                engine.run_event(Event.BEFORE_LOSS)
-                with autocast:
-                    state.loss = model.loss(state.outputs, state.batch)
-                engine.run_event(Event.AFTER_LOSS)
-                engine.run_event(Event.BEFORE_BACKWARD)
-                loss = total_loss(state.loss)
-                if last:
-                    loss = loss * (self.train_spec.get_num_samples_in_batch(state.batch) / total_samples)
-                    accumulated = loss.detach() if accumulated is None else accumulated + loss.detach()
-                if scaler is not None:
-                    scaler.scale(loss).backward(create_graph=create_graph)
-                else:
-                    loss.backward(create_graph=create_graph)
-                engine.run_event(Event.AFTER_BACKWARD)
-        state.batch = full_batch
-        state.loss = accumulated if last else loss.detach()
+        # One context per batch, entered for each forward and loss (never nested); none for fp32.
+        autocast = None if state.precision is Precision.FP32 else self.autocast()
+        microbatches = [full_batch] if grad_accum == 1 else self.train_spec.split_batch(full_batch, grad_accum)
+        if len(microbatches) == 1:
+            state.loss = self._forward_backward(microbatches[0], 0, active, autocast, create_graph).detach()
+        else:
+            total_samples, last = state.batch_num_samples, len(microbatches) - 1
+            no_sync = self.parallel.no_sync if self.dist.is_distributed else None
+            accumulated: Any = None
+            for index, microbatch in enumerate(microbatches):
+                # Only the last microbatch reduces gradients (under DDP it also carries the counters).
+                with no_sync(self._train_model) if (no_sync is not None and index < last) else _NULL_CONTEXT:
+                    loss = self._forward_backward(microbatch, total_samples, active, autocast, create_graph)
+                accumulated = loss.detach() if accumulated is None else accumulated + loss.detach()
+            state.batch = full_batch
+            state.loss = accumulated
         if scaler is not None:
             for optimizer in state.optimizers:
                 scaler.unscale_(optimizer)
-        engine.run_event(Event.AFTER_TRAIN_BATCH)
+        if active[_AFTER_TRAIN_BATCH]:
+            engine.run_event(_AFTER_TRAIN_BATCH)
         for optimizer in state.optimizers:
             if scaler is not None:
                 scaler.step(optimizer)
@@ -323,6 +341,53 @@ class Trainer:
                 optimizer.step()
         if scaler is not None:
             scaler.update()
+
+    def _forward_backward(
+        self,
+        microbatch: Any,
+        total_samples: int,
+        active: Mapping[Event, bool],
+        autocast: Optional[contextlib.AbstractContextManager[Any]],
+        create_graph: bool,
+    ) -> torch.Tensor:
+        """One microbatch's forward, loss and backward with their events; returns the loss it backpropagated.
+
+        With ``total_samples`` (several microbatches) the loss is weighted by the microbatch's share
+        of the batch's samples, so the accumulated gradient is the full batch's mean.
+        """
+        state, engine = self.state, self.engine
+        state.batch = microbatch
+        if active[_BEFORE_FORWARD]:
+            engine.run_event(_BEFORE_FORWARD)
+        if autocast is None:
+            state.outputs = self._train_model(state.batch)
+        else:
+            with autocast:
+                state.outputs = self._train_model(state.batch)
+        if active[_AFTER_FORWARD]:
+            engine.run_event(_AFTER_FORWARD)
+        if active[_BEFORE_LOSS]:
+            engine.run_event(_BEFORE_LOSS)
+        if autocast is None:
+            state.loss = state.model.loss(state.outputs, state.batch)
+        else:
+            with autocast:
+                state.loss = state.model.loss(state.outputs, state.batch)
+        if active[_AFTER_LOSS]:
+            engine.run_event(_AFTER_LOSS)
+        if active[_BEFORE_BACKWARD]:
+            engine.run_event(_BEFORE_BACKWARD)
+        loss = total_loss(state.loss)
+        if total_samples:
+            loss = loss * (self.train_spec.get_num_samples_in_batch(state.batch) / total_samples)
+        scaler = state.scaler
+        if scaler is not None:
+            scaler.scale(loss).backward(create_graph=create_graph)
+        else:
+            loss.backward(create_graph=create_graph)  # type: ignore[no-untyped-call]
+        if active[_AFTER_BACKWARD]:
+            engine.run_event(_AFTER_BACKWARD)
+        return loss
 
     # --------------------------------------------------------------- helpers
     def _check_flags_agree(self) -> None:
@@ -341,13 +406,13 @@ class Trainer:
         self.engine.close()
 
 
-def _as_list(value: Any) -> list:
+def _as_list(value: Any) -> List[Any]:
     if value is None:
         return []
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def _build_schedulers(schedulers: list, state: State) -> list:
+def _build_schedulers(schedulers: List[Any], state: State) -> List[Any]:
     """Torch LR schedulers pass through; Composer-style ``fn(state) -> multiplier`` schedules are
     multiplied together (as in Composer) into one LambdaLR per optimizer."""
     torch_schedulers, functions = [], []

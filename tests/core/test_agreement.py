@@ -10,7 +10,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from raytrain_events import Callback, Trainer
 from raytrain_events.core.agreement import Agreement
-from raytrain_events.dist import LocalDist, PendingSum
 from raytrain_events.models import ClassifierModel
 
 
@@ -65,31 +64,22 @@ class _AskAt(Callback):
             state.agreement.clear("custom")
 
 
-class _RecordingDist(LocalDist):
-    """One process, recording what the loop sums per batch."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sums: List[List[int]] = []
-
-    def sum_ints_async(self, values: Sequence[int]) -> PendingSum:
-        self.sums.append(list(values))
-        return super().sum_ints_async(values)
-
-
-def test_a_new_flag_rides_on_the_one_collective_per_batch():
+def test_a_new_flag_rides_on_the_one_sum_per_batch():
     torch.manual_seed(0)
     model = ClassifierModel(torch.nn.Linear(4, 2), num_classes=2)
     data = TensorDataset(torch.randn(40, 4), torch.randint(0, 2, (40,)))
-    asker, dist = _AskAt([2, 5]), _RecordingDist()
-    Trainer(
+    asker = _AskAt([2, 5])
+    trainer = Trainer(
         model=model,
         train_dataloader=DataLoader(data, batch_size=8),
         max_duration="1ep",
         optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
         callbacks=[asker],
-        dist=dist,
-    ).fit()
+    )
+    sent: List[List[int]] = []
+    start = trainer._counters.start
+    trainer._counters.start = lambda values: (sent.append(list(values)), start(values))[1]  # type: ignore[method-assign]
+    trainer.fit()
     assert asker.agreed_at == [2, 5]
-    assert len(dist.sums) == 5  # one collective per batch, flags included
-    assert [s[3] for s in dist.sums] == [0, 1, 0, 0, 1]  # samples, tokens, stop, then "custom"
+    assert len(sent) == 5  # one sum per batch, flags included
+    assert [s[3] for s in sent] == [0, 1, 0, 0, 1]  # samples, tokens, stop, then "custom"

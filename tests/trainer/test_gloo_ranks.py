@@ -1,0 +1,73 @@
+"""`Trainer` with `TorchDist` on real spawned gloo ranks (no Ray): exact global counters, one reduction per batch.
+
+Each rank has its own batch size and a short last batch (uneven), rows carry large, varying token
+counts (per-batch sums beyond 2**24, which float32 cannot hold exactly), and the counters ride on
+DDP's gradient all-reduce. The results must equal the plain sums and today's separate-collective path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gloo_ranks import BATCHES, count_collectives, rank_layout, run_ranks, train
+
+
+def _expected_per_batch(world_size: int):
+    samples = []
+    for b in range(BATCHES):
+        total = 0
+        for r in range(world_size):
+            layout = rank_layout(r)
+            total += min(layout["batch_size"], layout["rows"] - b * layout["batch_size"])
+        samples.append(total)
+    return samples
+
+
+@pytest.mark.parametrize("world_size,grad_accum", [(2, 1), (3, 1), (2, 2), (3, 3)])
+def test_counters_ride_on_ddp_and_stay_exact(world_size, grad_accum):
+    epochs = 2
+    results = run_ranks(train, world_size, grad_accum=grad_accum, epochs=epochs)
+    assert all(r["used_hook"] for r in results)
+    rows = sum(r["local_rows"] for r in results)
+    tokens = sum(r["local_tokens"] for r in results)
+    assert tokens > 2**24  # beyond what float32 holds exactly, so the piece encoding matters
+    per_batch_tokens = [sum(r["local_batch_tokens"][b] for r in results) for b in range(BATCHES)]
+    for r in results:
+        ts = r["timestamp"]
+        assert (ts["epoch"], ts["batch"], ts["sample"], ts["token"]) == (
+            epochs,
+            epochs * BATCHES,
+            epochs * rows,
+            epochs * tokens,
+        )
+        assert r["global_samples"] == _expected_per_batch(world_size) * epochs
+        assert r["global_tokens"] == per_batch_tokens * epochs
+    # Identical replicas: DDP averaged the same gradients on every rank.
+    for r in results[1:]:
+        for name, value in r["weights"].items():
+            torch.testing.assert_close(value, results[0]["weights"][name], rtol=0, atol=0)
+
+
+def test_hook_path_matches_the_separate_collective():
+    on_grads = run_ranks(train, 2, grad_accum=2, epochs=1)
+    separate = run_ranks(train, 2, grad_accum=2, epochs=1, on_gradients=False)
+    assert not separate[0]["used_hook"]
+    for a, b in zip(on_grads, separate):
+        counters = ("epoch", "batch", "sample", "token", "batch_in_epoch", "sample_in_epoch", "token_in_epoch")
+        assert {k: a["timestamp"][k] for k in counters} == {k: b["timestamp"][k] for k in counters}
+        assert a["global_samples"] == b["global_samples"] and a["global_tokens"] == b["global_tokens"]
+        for name, value in a["weights"].items():
+            torch.testing.assert_close(value, b["weights"][name])
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_only_ddp_collectives_run_per_batch(world_size):
+    results = run_ranks(count_collectives, world_size)
+    for r in results:
+        assert len(r["per_batch"]) == 2 * BATCHES
+        for counts in r["per_batch"]:
+            assert set(counts) == {"ddp"}, counts  # nothing but DDP's gradient all-reduce
+            assert counts["ddp"] >= 1
+    # The same count with today's path shows the test can fail: one more all-reduce per batch.
+    separate = run_ranks(count_collectives, 2, on_gradients=False)
+    assert all(counts.get("all_reduce") == 1 for counts in separate[0]["per_batch"])
