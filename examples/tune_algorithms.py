@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import sys
 import time
 
 import numpy as np
@@ -74,6 +75,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1, help="Ray Train workers per trial")
     parser.add_argument("--lr", type=float, nargs="+", default=[0.05], help="learning rates to cross with the sets")
     parser.add_argument("--max-concurrent", type=int, default=None, help="default: what the cluster's CPUs hold")
+    parser.add_argument(
+        "--sets", type=int, default=len(ALGORITHM_SETS), help="sweep only the first N algorithm sets (a quick run)"
+    )
     args = parser.parse_args()
 
     import ray.data
@@ -98,7 +102,7 @@ def main() -> None:
             checkpoint=checkpoint_config(),
         ),
         param_space={
-            "algorithms": algorithm_sets_grid(ALGORITHM_SETS),
+            "algorithms": algorithm_sets_grid(ALGORITHM_SETS[: max(1, args.sets)]),
             "lr": tune.grid_search(args.lr) if len(args.lr) > 1 else args.lr[0],
         },
         metric="metrics/eval/accuracy",
@@ -121,7 +125,10 @@ def main() -> None:
 
     report = write_report(result.path)  # the algorithm sets compared: sweep.png + report.html
     print()
+    if result.best is None:  # every trial failed: the table above says how; Tune logged each error
+        sys.exit(f"no trial reported {result.metric}: see the errors above (sweep folder: {result.path})")
     print(f"best algorithm set: {result.best_label}  ({result.metric} = {result.best[result.metric]:.4f})")
+    print(f"best trial samples: {result.best.get('time/sample')} (global, all workers)")
     print(f"best checkpoint:    {result.best_checkpoint}")
     print(f"sweep folder:       {result.path}")
     print(f"comparison figure:  {report['images'][0] if report['images'] else '(no metric reported)'}")

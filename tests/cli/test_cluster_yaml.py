@@ -77,3 +77,33 @@ def test_file_documents_what_to_edit():
         text = fh.read()
     for topic in ("region", "InstanceType", "max_workers", "bucket", "EDIT"):
         assert topic in text
+
+
+def test_checkout_cannot_shadow_the_installed_package(raw):
+    """`ray submit` runs `python ~/SCRIPT` (~ first on sys.path): no ~/raytrain_events folder, a non-editable install."""
+    for remote in raw["file_mounts"]:
+        parent = os.path.dirname(remote.rstrip("/"))
+        assert parent not in ("~", "/home/ubuntu", "/root"), f"{remote} would shadow the installed package"
+    commands = "\n".join(raw["setup_commands"] + raw["head_setup_commands"] + raw["worker_setup_commands"])
+    assert "install -e" not in commands and "--editable" not in commands
+
+
+def test_one_resolve_with_the_repository_pins(raw):
+    """Every pip install is one resolve against constraints.txt (boto3 in it: no later upgrade past aiobotocore's pin)."""
+    installs = [
+        c
+        for c in raw["setup_commands"] + raw["head_setup_commands"] + raw["worker_setup_commands"]
+        if "pip install" in c and "--upgrade pip" not in c
+    ]
+    assert len(installs) == 1, installs
+    assert "constraints.txt" in installs[0] and "boto3" in installs[0] and "raytrain_events[s3" in installs[0]
+    with open(os.path.join(REPO, "constraints.txt")) as fh:
+        pins = {line.split("==")[0] for line in fh if "==" in line and not line.startswith("#")}
+    assert {"ray", "torch", "s3fs", "aiobotocore", "botocore", "boto3"} <= pins
+
+
+def test_token_auth_and_dashboard_on_loopback(raw):
+    assert "~/.ray/auth_token" in raw["file_mounts"]
+    assert any("RAY_AUTH_MODE=token" in c for c in raw["setup_commands"])
+    head = " ".join(raw["head_start_ray_commands"])
+    assert "--dashboard-host=127.0.0.1" in head and "0.0.0.0" not in head
