@@ -290,7 +290,24 @@ def load_full_into_sharded(state: Any, saved: Dict[str, Any], *, strict: bool, w
         }
         set_optimizer_state_dict(state.model, optimizer, by_name, options=options)
     rest = {k: v for k, v in saved.items() if k not in ("model", "optimizers")}
-    state.load_state_dict(rest, strict=strict)
+    state.load_state_dict(_shard_like_model(rest, state.model), strict=strict)
+
+
+def _shard_like_model(tree: Any, model: torch.nn.Module) -> Any:
+    """Algorithm tensors named and shaped like a sharded parameter (EMA's average) become this rank's
+    shard of it, as in the DCP path; every rank holds the full tensor, so no communication."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    params = {k: v for k, v in get_model_state_dict(model).items() if isinstance(v, DTensor)}
+    skeleton, tensors = split_tensors(tree)
+    for key, tensor in tensors.items():
+        like = params.get(key.rsplit("/", 1)[-1])
+        if like is not None and tuple(like.shape) == tuple(tensor.shape):
+            tensors[key] = distribute_tensor(
+                tensor.to(like.device, like.dtype), like.device_mesh, like.placements, src_data_rank=None
+            )
+    return fill_tensors(skeleton, tensors)
 
 
 def _check_full_keys(state: Any, saved_model: Dict[str, Any], strict: bool) -> None:

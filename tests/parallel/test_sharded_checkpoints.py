@@ -69,8 +69,10 @@ def test_saved_at_two_ranks_loads_at_three_fsdp_and_ddp(fsdp_two_rank_run):
 def test_ddp_checkpoint_loads_into_fsdp(tmp_path):
     results = run_ranks(2, ddp_save_then_fsdp_load, str(tmp_path / "checkpoints"))
     for rank, got in enumerate(results):
-        assert list_checkpoints(str(tmp_path / "checkpoints"))[-1].metadata.get("layout") is None  # a full one
+        layouts = {c.batch: c.metadata.get("layout") for c in list_checkpoints(str(tmp_path / "checkpoints"))}
+        assert layouts == {3: None, 5: None, 6: "dcp"}  # DDP's full checkpoints, then the FSDP run's
         _assert_resumed(got["loaded"], got["saved"], f"DDP 2 -> FSDP 2, rank {rank}")
+        assert got["continued_batch"] == 6 and got["continued_ema_sharded"]  # trains on, EMA on shards
 
 
 def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):

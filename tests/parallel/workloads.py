@@ -114,7 +114,7 @@ def snapshot(trainer: Trainer) -> Dict[str, Any]:
     }
 
 
-def checkpointed_trainer(rank: int, parallelism: Any, folder: str, **ckpt: Any) -> Trainer:
+def checkpointed_trainer(rank: int, parallelism: Any, folder: str, max_duration: str = "5ba", **ckpt: Any) -> Trainer:
     from raytrain_events.algorithms.ema import EMA
     from raytrain_events.checkpoint import CheckpointConfig
 
@@ -123,7 +123,7 @@ def checkpointed_trainer(rank: int, parallelism: Any, folder: str, **ckpt: Any) 
     return make_trainer(
         rank,
         parallelism,
-        "5ba",  # saves at 3 and at the end (5), mid-epoch: the final state is the last checkpoint's
+        max_duration,  # 5ba: saves at 3 and at the end (5), mid-epoch: the final state is the last checkpoint's
         algorithms=[GradientClipping("norm", 0.1), EMA(smoothing=0.5)],
         checkpoint=CheckpointConfig(**config),
     )
@@ -179,7 +179,16 @@ def save_then_crash(rank: int, world_size: int, folder: str) -> str:
 
 
 def ddp_save_then_fsdp_load(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
-    """A DDP run saves full checkpoints (state.pt); an FSDP run of the same ranks loads the last one."""
+    """A DDP run saves full checkpoints (state.pt); an FSDP run of the same ranks loads the last one
+    and trains one more batch (EMA updates its average of the now sharded parameters)."""
     saved = train_and_save(rank, world_size, "ddp", folder)
     loaded = load_only(rank, world_size, {"shard_modules": ["Block"]}, folder)
-    return {"saved": saved, "loaded": loaded}
+    trainer = checkpointed_trainer(rank, {"shard_modules": ["Block"]}, folder, "6ba", autoresume=True)
+    trainer.fit()
+    ema = trainer.state.algorithms[1].state_dict()["shadow"]
+    return {
+        "saved": saved,
+        "loaded": loaded,
+        "continued_batch": trainer.state.timestamp.batch.value,
+        "continued_ema_sharded": any(type(v).__name__ == "DTensor" for v in ema.values()),
+    }
