@@ -39,6 +39,8 @@ started ...``                                                 processes; a Train
                                                               tasks), so every machine with few cores warned. An
                                                               embedded Ray sets ``RAY_worker_maximum_startup_
                                                               concurrency`` to its logical CPUs (at least 8).
+``(RayTrainWorker) Reporting training result N: ...``         Ray Train's per-report INFO line; its logger is named by
+                                                              a file path, so ``LoggingConfig`` misses it: not shown.
 ``(ListFiles) Exception in thread ...completion-signaler``    A Ray Data 2.60 race when a file-listing pool shuts
 ``InterruptedError``                                          down after its work is done: not shown.
 ===========================================================  ==================================================
@@ -74,6 +76,9 @@ NOISE: List[Tuple[Optional[str], re.Pattern[str]]] = [
     (None, re.compile(r"Dataset \S+ execution finished in")),
     (None, re.compile(r"Registered dataset logger for dataset")),
     ("raylet", re.compile(r"PYTHON worker processes have been started on node")),
+    # Ray Train's per-report INFO line on each worker: its logger is named by a file path, not
+    # ``ray.train.*``, so Ray Train's LoggingConfig does not reach it.
+    ("RayTrainWorker", re.compile(r"Reporting training result \d+: TrainingReport\(")),
 ]
 # Sources whose traceback blocks are Ray-internal races or misconfigurations listed above.
 _TRACEBACKS: Dict[str, re.Pattern[str]] = {

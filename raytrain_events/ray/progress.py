@@ -29,8 +29,9 @@ def describe_entry(entry: Dict[str, Any], entries: List[Dict[str, Any]]) -> str:
     ]
     if entry.get("time/token"):
         parts.append(f"tok {entry['time/token']:,}")
-    if isinstance(entry.get("train/loss"), float):
-        parts.append(f"loss {entry['train/loss']:.4g}")
+    loss = next((e["train/loss"] for e in reversed(entries) if isinstance(e.get("train/loss"), float)), None)
+    if loss is not None:  # the final report has no batches of its own: the last window's loss
+        parts.append(f"loss {loss:.4g}")
     metric = _latest_eval_metric(entries)
     if metric is not None:
         parts.append(f"{metric[0]} {metric[1]:.4g}")
@@ -56,6 +57,8 @@ def _samples_per_second(entries: List[Dict[str, Any]]) -> Optional[float]:
         return None
     attempt = entries[-1].get("attempt")
     same = [e for e in entries if e.get("attempt") == attempt and "wall_time" in e]
+    while len(same) > 1 and same[-1].get("time/sample") == same[-2].get("time/sample"):
+        same.pop()  # a report without new samples (the final one) is not slower training
     if len(same) < 2:
         return None
     seconds = same[-1]["wall_time"] - same[0]["wall_time"]

@@ -36,6 +36,10 @@ def test_known_ray_noise_is_dropped_and_everything_else_kept():
     assert filter_batch(mixed)["lines"] == ["epoch 3: my own print"]
     raylet = _batch(["WARNING: 10 PYTHON worker processes have been started on node: abc"], pid="raylet")
     assert filter_batch(raylet) is None
+    report = _batch(
+        ["Reporting training result 3: TrainingReport(checkpoint=None, metrics={})"], actor="RayTrainWorker"
+    )
+    assert filter_batch(report) is None
     # The same text from the user's own actor is not Ray's: only the listed sources are filtered.
     assert not is_noise("MyActor", "Failed to query Ray Train Controller actor state")
     # A worker's error always shows.
@@ -72,6 +76,9 @@ def test_progress_text_has_global_counters_loss_eval_metric_and_throughput():
     assert (
         describe_entry(entries[-1], entries) == "ep 2 | ba 24 | sp 3,000 | loss 0.5 | eval/accuracy 0.9123 | 500 sp/s"
     )
+    final = dict(entries[-1], wall_time=20.0)  # the end-of-run report: no new batches, no loss of its own
+    del final["train/loss"]
+    assert describe_entry(final, entries + [final]) == describe_entry(entries[-1], entries)
 
 
 def test_run_loggers_log_each_round_once_at_the_global_step(tmp_path):
