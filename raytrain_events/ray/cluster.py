@@ -14,11 +14,15 @@ def ensure_ray(address: Optional[str] = None, *, min_cpus: int = 0, verbose: boo
     """Initialize Ray once; True if this call started an embedded local instance.
 
     Inside a cluster (``ray submit``, ``ray job submit``, or ``RAY_ADDRESS`` set) this connects
-    to it; otherwise (or with ``address="local"``) it starts a local instance bound to
-    127.0.0.1 with at least ``min_cpus`` logical CPUs (Ray Data needs CPUs beside the workers).
+    to it; otherwise (or with ``address="local"``) it starts a local instance on 127.0.0.1 only
+    (every address and listener, whether or not ``ray`` was imported before; see
+    `raytrain_events.ray._compat.loopback_only`) with at least ``min_cpus`` logical CPUs (Ray Data
+    needs CPUs beside the workers).
     Unless ``verbose``, Ray's own INFO lines stay off the terminal (see `raytrain_events.ray.console`).
     """
     import ray
+
+    from raytrain_events.ray import _compat
 
     if ray.is_initialized():
         return False
@@ -27,17 +31,18 @@ def ensure_ray(address: Optional[str] = None, *, min_cpus: int = 0, verbose: boo
         address = "auto"
     local = address in (None, "local")
     if local:
-        # An embedded single-machine cluster needs no external interface: keep it on loopback.
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         if min_cpus and "num_cpus" not in init_kwargs:
             init_kwargs["num_cpus"] = max(os.cpu_count() or 1, min_cpus)
+        # An embedded single-machine instance needs no external interface: keep it on loopback.
+        init_kwargs = {**_compat.LOOPBACK_INIT_KWARGS, **init_kwargs}
     init_kwargs.setdefault("log_to_driver", True)
     if not verbose:
         init_kwargs.setdefault("logging_level", logging.WARNING)
     from raytrain_events.ray.console import local_instance
 
-    with local_instance(init_kwargs, verbose=verbose) if local else contextlib.nullcontext():
-        ray.init(address=address, **init_kwargs)
+    with _compat.loopback_only() if local else contextlib.nullcontext():
+        with local_instance(init_kwargs, verbose=verbose) if local else contextlib.nullcontext():
+            ray.init(address=address, **init_kwargs)
     return local
 
 

@@ -1,0 +1,215 @@
+"""Every private Ray name this package uses, in one place.
+
+Ray may rename or remove a private name in any release. Each use goes through a function here,
+which raises `RayCompatError` naming the Ray version and the missing name instead of failing
+somewhere deep in a run (or, worse, silently doing nothing). `check_private_names()` probes them
+all; tests/ray/test_compat.py runs it, so a Ray upgrade that removes one fails one test loudly.
+
+Private names used (checked against Ray 2.60.0):
+
+* ``ray.train._internal.session.get_session()._get_or_create_inter_actor_queue()`` and
+  ``ray.tune.trainable.trainable_fn_utils._in_tune_session``: inside a Tune trial, the queue Tune
+  reads the trial's results from. Our controller callback puts the driver's aggregated entries
+  on it, so Tune sees global counts rather than rank 0's (Ray's ``TuneReportCallback`` forwards
+  rank 0's metrics only).
+* ``TrialScheduler._time_attr`` / ``._max_t`` (ASHA, HyperBand, median stopping, PBT): the sweep
+  checks the scheduler's time attribute is one we report, and tells "stopped at the budget" from
+  "stopped early". Tune has no public getter for either.
+* ``ray.train.v2._internal.execution.context.logger``: the logger of Ray Train's per-report INFO
+  line on each worker (a console run lowers it to WARNING).
+* ``ray._private.ray_constants.ENABLE_RAY_CLUSTER`` and ``ray.init(_node_ip_address=...)``: keep an
+  embedded local instance on 127.0.0.1 (`loopback_only`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import logging
+import os
+from typing import Any, Iterator, List, Optional, Tuple
+
+__all__ = [
+    "RayCompatError",
+    "tune_result_queue",
+    "scheduler_time_attr",
+    "scheduler_max_t",
+    "train_report_logger",
+    "LOOPBACK_INIT_KWARGS",
+    "loopback_only",
+    "check_private_names",
+]
+
+#: ``ray.init`` keyword arguments that pin a new local instance's node address to loopback.
+LOOPBACK_INIT_KWARGS = {"_node_ip_address": "127.0.0.1"}
+_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+class RayCompatError(RuntimeError):
+    """A private Ray name this package relies on is gone (a Ray upgrade changed it)."""
+
+
+def _ray_version() -> str:
+    try:
+        import ray
+
+        return ray.__version__
+    except Exception:  # pragma: no cover - Ray not importable at all
+        return "unknown"
+
+
+def _missing(name: str, exc: Optional[BaseException] = None) -> RayCompatError:
+    detail = f" ({type(exc).__name__}: {exc})" if exc is not None else ""
+    return RayCompatError(
+        f"Ray {_ray_version()} has no {name}{detail}. raytrain_events relies on it (see "
+        "raytrain_events/ray/_compat.py, checked against Ray 2.60.0): install a Ray version it supports, "
+        "or update raytrain_events.ray._compat for this one."
+    )
+
+
+def _import(module: str, attr: str) -> Any:
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise _missing(f"{module}.{attr}", exc) from exc
+
+
+def _attr(obj: Any, name: str) -> Any:
+    try:
+        return getattr(obj, name)
+    except AttributeError as exc:
+        raise _missing(f"{type(obj).__module__}.{type(obj).__qualname__}.{name}", exc) from exc
+
+
+def tune_result_queue() -> Any:
+    """Inside a Tune trial, the queue Tune reads the trial's results from; else None."""
+    try:
+        import ray.tune  # noqa: F401
+    except ImportError:  # Ray without Tune: never inside a trial
+        return None
+    in_tune_session = _import("ray.tune.trainable.trainable_fn_utils", "_in_tune_session")
+    if not in_tune_session():
+        return None
+    session = _import("ray.train._internal.session", "get_session")()
+    return _attr(session, "_get_or_create_inter_actor_queue")()
+
+
+def _takes_time_attr(scheduler: Any) -> bool:
+    try:
+        return "time_attr" in inspect.signature(type(scheduler).__init__).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def scheduler_time_attr(scheduler: Any) -> Optional[str]:
+    """The result key a Tune scheduler measures time by (None for schedulers without one)."""
+    if scheduler is None or not _takes_time_attr(scheduler):
+        return None
+    return _attr(scheduler, "_time_attr")
+
+
+def scheduler_max_t(scheduler: Any) -> Any:
+    """A Tune scheduler's time budget per trial (None for schedulers without one)."""
+    if scheduler is None or "max_t" not in inspect.signature(type(scheduler).__init__).parameters:
+        return None
+    return _attr(scheduler, "_max_t")
+
+
+def train_report_logger() -> logging.Logger:
+    """The logger of Ray Train's per-report INFO line on each worker."""
+    context = _import("ray.train.v2._internal.execution", "context")
+    logger = _attr(context, "logger")
+    if not isinstance(logger, logging.Logger):
+        raise _missing("ray.train.v2._internal.execution.context.logger as a logging.Logger")
+    return logger
+
+
+@contextlib.contextmanager
+def loopback_only() -> Iterator[None]:
+    """While starting a local instance: every address Ray picks is 127.0.0.1, whatever the import order.
+
+    Ray picks a new node's address with ``services.get_node_ip_address()``: the address of the
+    interface that routes outside unless ``ray_constants.ENABLE_RAY_CLUSTER`` is false, a constant
+    read from ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` when ``ray`` is first imported (so setting the
+    variable later does nothing in this process). ``ray.init(_node_ip_address="127.0.0.1")`` alone
+    does not help either: ``init`` turns a loopback address back into that same routable one
+    (``resolve_ip_for_localhost``). So, for the duration of the start: the constant is false in
+    this process, and the variable is ``"0"`` in the environment the GCS, raylet and workers
+    inherit (they read it at their own import); both are restored afterwards, so a later
+    connection to a real cluster from this process is unaffected.
+    """
+    constants = importlib.import_module("ray._private.ray_constants")
+    if not hasattr(constants, "ENABLE_RAY_CLUSTER"):
+        raise _missing("ray._private.ray_constants.ENABLE_RAY_CLUSTER")
+    previous_constant = constants.ENABLE_RAY_CLUSTER
+    previous_env = os.environ.get(_CLUSTER_ENV)
+    constants.ENABLE_RAY_CLUSTER = False
+    os.environ[_CLUSTER_ENV] = "0"
+    try:
+        yield
+    finally:
+        constants.ENABLE_RAY_CLUSTER = previous_constant
+        if previous_env is None:
+            os.environ.pop(_CLUSTER_ENV, None)
+        else:
+            os.environ[_CLUSTER_ENV] = previous_env
+
+
+def planned_node_ip() -> str:
+    """The address Ray would give a local instance started now (no process is started)."""
+    services = importlib.import_module("ray._private.services")
+    return services.resolve_ip_for_localhost(LOOPBACK_INIT_KWARGS["_node_ip_address"])
+
+
+def check_private_names() -> List[Tuple[str, str]]:
+    """Probe every private name above; return ``(name, problem)`` for each one that is gone."""
+    from ray.tune.schedulers import ASHAScheduler
+
+    problems: List[Tuple[str, str]] = []
+
+    def probe(name: str, fn: Any) -> None:
+        try:
+            fn()
+        except RayCompatError as exc:
+            problems.append((name, str(exc)))
+
+    probe("_in_tune_session", lambda: _import("ray.tune.trainable.trainable_fn_utils", "_in_tune_session"))
+    session_class = _import_or_none("ray.train._internal.session", "_TrainSession")
+    probe("get_session", lambda: _import("ray.train._internal.session", "get_session"))
+    if session_class is None:
+        problems.append(("_TrainSession", str(_missing("ray.train._internal.session._TrainSession"))))
+    elif not hasattr(session_class, "_get_or_create_inter_actor_queue"):
+        problems.append(
+            (
+                "_get_or_create_inter_actor_queue",
+                str(_missing("ray.train._internal.session._TrainSession._get_or_create_inter_actor_queue")),
+            )
+        )
+    asha = ASHAScheduler(time_attr="time/sample", max_t=10, grace_period=1)
+    probe("scheduler _time_attr", lambda: _expect(scheduler_time_attr(asha), "time/sample", "ASHAScheduler._time_attr"))
+    probe("scheduler _max_t", lambda: _expect(scheduler_max_t(asha), 10, "ASHAScheduler._max_t"))
+    probe("train report logger", train_report_logger)
+    probe("ENABLE_RAY_CLUSTER", lambda: _import("ray._private.ray_constants", "ENABLE_RAY_CLUSTER"))
+    probe("resolve_ip_for_localhost", lambda: _import("ray._private.services", "resolve_ip_for_localhost"))
+    if not _init_takes("_node_ip_address"):
+        problems.append(("_node_ip_address", str(_missing("ray.init(_node_ip_address=...)"))))
+    return problems
+
+
+def _import_or_none(module: str, attr: str) -> Any:
+    try:
+        return _import(module, attr)
+    except RayCompatError:
+        return None
+
+
+def _expect(value: Any, expected: Any, name: str) -> None:
+    if value != expected:
+        raise _missing(f"{name} holding the value given to the constructor (got {value!r}, expected {expected!r})")
+
+
+def _init_takes(private_kwarg: str) -> bool:
+    """``ray.init`` takes its private options through ``**kwargs``: look for the one it pops."""
+    worker = importlib.import_module("ray._private.worker")
+    return f'kwargs.pop("{private_kwarg}"' in inspect.getsource(worker.init)
