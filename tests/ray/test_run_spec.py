@@ -109,3 +109,12 @@ def test_a_datasets_factory_is_resolved_by_name_for_the_workers():
     assert spec.for_workers(datasets, steps_per_epoch=3).eval_names == ["holdout"]
     with pytest.raises(ValueError, match="datasets factory returned"):
         _spec(datasets=lambda: {"eval": 1}).build_datasets()
+
+
+def test_result_names_the_newest_checkpoint_latest():
+    from raytrain_events.core.time import Timestamp
+    from raytrain_events.ray.driver import RayResult
+
+    result = RayResult(timestamp=Timestamp(), metrics={}, history=[], checkpoints=["ep1", "ep2"])
+    assert result.latest_checkpoint == "ep2"
+    assert RayResult(timestamp=Timestamp(), metrics={}, history=[]).latest_checkpoint is None
