@@ -300,7 +300,14 @@ class Checkpointer(Callback):
         metadata = {
             "config": host.config,
             "run_name": state.run_name,
-            "data_position": {"epoch": timestamp["epoch"], "batch_in_epoch": state.timestamp.batch_in_epoch.value},
+            # Where the epoch's data order stands, in global samples (any world size resumes from it).
+            "data_position": {
+                "epoch": timestamp["epoch"],
+                "batch_in_epoch": state.timestamp.batch_in_epoch.value,
+                "sample_in_epoch": state.timestamp.sample_in_epoch.value,
+                "seed": state.seed,
+                "world_size": dist.world_size,
+            },
             "checkpoint_config": self.config.to_dict(),
         }
         if self._sharded_io is not None:

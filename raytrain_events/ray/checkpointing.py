@@ -1,28 +1,38 @@
 """Checkpoints on Ray: our checkpoint directories, registered with Ray Train as they commit.
 
-Checkpoints live under Ray's experiment directory (``<storage>/<run name>/checkpoints``), so
-Ray manages them: ``ray.train.report(..., checkpoint_upload_mode=ASYNC)`` with an upload
-function that only waits for our background save to commit, then hands Ray the same
-directory (no copy). When Ray restarts a failed worker group (``FailureConfig``),
-``ray.train.get_checkpoint()`` names the latest registered checkpoint and the new group
-resumes from it.
+Checkpoints live under Ray's experiment directory (``<storage>/<run name>/checkpoints``):
+``ray.train.report(..., checkpoint_upload_mode=ASYNC)`` with an upload function that only waits
+for our background save to commit, then hands Ray the same directory (no copy).
+
+One owner of retention: Ray. Its run snapshot lists every checkpoint reported to it and a later
+run with the same name refuses a snapshot naming a deleted one, so on Ray our `Checkpointer`
+never prunes (``keep=None`` on the workers) and the driver passes ``keep`` to Ray as
+``CheckpointConfig(num_to_keep)``; Ray deletes what it no longer lists, after updating its
+snapshot. Our own deletions are limited to directories Ray never heard of: leftovers of crashed
+saves, and committed checkpoints newer than Ray's latest at start-up (saved by a group that died
+before reporting them), removed once a newer checkpoint is registered.
+
+One notion of latest: the newest committed checkpoint of the run directory (by global batch).
+Every continuation resumes from it: a restart by ``FailureConfig``, an elastic resize, and a new
+run with the same name (Ray restores its snapshot; ``autoresume`` / ``resume=true``). It is what
+Ray reports last too (every save is reported), so ``result.checkpoint`` points at it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict
+from typing import Any, Dict, List, Optional
 
 from raytrain_events.checkpoint.checkpointer import SavedCheckpoint
 from raytrain_events.checkpoint.config import CheckpointConfig
 from raytrain_events.ray.spec import RunSpec
-from raytrain_events.storage.fs import basename, join
+from raytrain_events.storage.fs import join
 
-__all__ = ["ray_checkpoint_config", "report_with_checkpoint"]
+__all__ = ["ray_checkpoint_config", "report_with_checkpoint", "unreported_checkpoints"]
 
 
 def ray_checkpoint_config(spec: RunSpec) -> CheckpointConfig:
-    """The worker's `CheckpointConfig`: save under the run dir; resume from Ray's latest on restart."""
+    """The worker's `CheckpointConfig`: save under the run dir, Ray prunes, resume from the newest."""
     import ray.train
 
     config: CheckpointConfig = spec.checkpoint
@@ -31,12 +41,32 @@ def ray_checkpoint_config(spec: RunSpec) -> CheckpointConfig:
     options.update(config.storage_options)
     # keep_best: Ray Train's checkpoint manager keeps the best and the newest (the driver's RunConfig).
     updates: Dict[str, Any] = {"save_folder": folder, "storage_options": options, "keep_best": None}
-    restored = ray.train.get_checkpoint()
-    if restored is not None:  # a restart after a failure: continue from Ray's latest checkpoint
-        updates["load_from"] = join(folder, basename(restored.path))
-        updates["autoresume"] = False
-        updates["load_weights_only"] = False
+    updates.update(keep=None, only_save_most_recent=False)  # Ray's num_to_keep prunes (see module doc)
+    from raytrain_events.checkpoint.store import latest_checkpoint
+
+    if ray.train.get_checkpoint() is not None or latest_checkpoint(folder, storage_options=options) is not None:
+        # A restart, an elastic resize, or a run continued by name: take the newest committed
+        # checkpoint of the run dir (it may be newer than Ray's latest: saved, never reported).
+        # ``load_from`` / ``load_weights_only`` were for this run's start only.
+        updates.update(autoresume=True, load_from=None, load_weights_only=False)
     return dataclasses.replace(config, **updates)
+
+
+def unreported_checkpoints(folder: str, options: Dict[str, Any]) -> List[str]:
+    """Committed checkpoints newer than Ray's latest at this group's start: Ray never listed them."""
+    import ray.train
+
+    from raytrain_events.checkpoint.store import list_checkpoints
+
+    latest = ray.train.get_checkpoint()
+    committed = list_checkpoints(folder, storage_options=options)
+    names = [c.name for c in committed]
+    name = None if latest is None else latest.path.rstrip("/").rsplit("/", 1)[-1]
+    if name is None:
+        return [c.url for c in committed]  # Ray lists none of this run's checkpoints
+    if name not in names:
+        return []  # unexpected: delete nothing
+    return [c.url for c in committed[names.index(name) + 1 :]]
 
 
 def report_with_checkpoint(report: Dict[str, Any], saved: SavedCheckpoint) -> None:
@@ -52,6 +82,7 @@ def report_with_checkpoint(report: Dict[str, Any], saved: SavedCheckpoint) -> No
 
     def _wait_for_commit(checkpoint: Any, dir_name: str) -> Any:
         saved.wait()  # raises if the background save failed
+        _forget_unreported(saved)
         return checkpoint
 
     ray.train.report(
@@ -62,3 +93,43 @@ def report_with_checkpoint(report: Dict[str, Any], saved: SavedCheckpoint) -> No
         checkpoint_upload_fn=_wait_for_commit,
         delete_local_checkpoint_after_upload=False,
     )
+
+
+class _Cleanup:
+    """Rank 0's deletions of directories Ray never listed, done when the next checkpoint commits."""
+
+    def __init__(self, folder: str, options: Dict[str, Any], unreported: List[str]) -> None:
+        self.folder, self.options, self.unreported = folder, options, unreported
+
+    def after_commit(self, saved: SavedCheckpoint) -> None:
+        from raytrain_events.checkpoint.format import CHECKPOINT_NAME_RE, MANIFEST
+        from raytrain_events.checkpoint.store import _scan
+        from raytrain_events.storage.fs import basename, delete, join, resolve
+
+        doomed, self.unreported = [u for u in self.unreported if not u.rstrip("/").endswith("/" + saved.name)], []
+        _, uncommitted = _scan(self.folder, self.options)
+        match = CHECKPOINT_NAME_RE.match(saved.name)
+        newest = int(match.group(1)) if match else -1
+        for url in uncommitted:  # leftovers of crashed saves (Ray registers only committed ones)
+            m = CHECKPOINT_NAME_RE.match(basename(url))
+            if m and int(m.group(1)) < newest:
+                doomed.append(url)
+        for url in doomed:
+            fs, path = resolve(url, self.options)
+            delete(fs, join(path, MANIFEST))  # the manifest first: a half-deleted one reads as uncommitted
+            delete(fs, path, recursive=True)
+
+
+_cleanup: Optional[_Cleanup] = None  # set on rank 0 by `start_retention`
+
+
+def start_retention(config: CheckpointConfig, keep: Optional[int]) -> None:
+    """Rank 0, before training: what to delete besides Ray's pruning (nothing when keeping all)."""
+    global _cleanup
+    folder, options = config.save_folder, dict(config.storage_options)
+    _cleanup = _Cleanup(folder, options, unreported_checkpoints(folder, options) if keep is not None else [])
+
+
+def _forget_unreported(saved: SavedCheckpoint) -> None:
+    if _cleanup is not None:
+        _cleanup.after_commit(saved)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 __all__ = ["ensure_ray"]
 
@@ -50,3 +50,33 @@ def _local_cluster_running() -> bool:
     """True if ``ray start`` left a cluster address on this machine (the head node of a cluster)."""
     path = "/tmp/ray/ray_current_cluster"
     return os.path.exists(path) and os.path.getsize(path) > 0
+
+
+def check_data_cpus(cluster_resources: Mapping[str, float], scaling_config: Any, datasets: Mapping[str, Any]) -> None:
+    """Refuse a run whose train workers would take every CPU that Ray Data's tasks need.
+
+    Ray Data reads and transforms in tasks of 1 CPU each by default; when the workers hold all
+    CPUs those tasks never start and the run hangs forever ("Cluster resources are not enough
+    to run any task"). Datasets already in the object store (``from_items``, ``materialize()``)
+    need no tasks and pass.
+    """
+    from ray.data.dataset import MaterializedDataset
+
+    needing = sorted(name for name, ds in datasets.items() if not isinstance(ds, MaterializedDataset))
+    if not needing:
+        return
+    cpus = float(cluster_resources.get("CPU", 0))
+    workers = scaling_config.max_workers
+    per_worker = float(scaling_config._resources_per_worker_not_none.get("CPU", 0))
+    taken = workers * per_worker
+    if cpus - taken >= 1:
+        return
+    raise RuntimeError(
+        f"This Ray cluster has {cpus:g} CPUs and the {workers} train workers take {per_worker:g} each "
+        f"({taken:g} in all), leaving {max(cpus - taken, 0):g} for Ray Data, whose read and map tasks need 1 CPU "
+        f"each: the dataset(s) {needing} would never be read and the run would hang. Fixes: use fewer workers "
+        f"(num_workers={max(int((cpus - 1) // per_worker), 1) if per_worker else workers}), give each worker "
+        f"a fraction of a CPU (resources_per_worker={{'CPU': 0.5}}), run on a larger cluster, or let RayTrainer "
+        "start Ray itself (it starts a local instance with a CPU to spare; do not call ray.init or touch "
+        "ray.data before RayTrainer.fit)."
+    )

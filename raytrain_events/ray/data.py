@@ -1,18 +1,32 @@
-"""Worker-side data: iterate this worker's Ray Dataset shard once per epoch as torch batches.
+"""Worker-side data: the train set in one global order, eval sets as Ray shards.
 
-`ShardLoader` calls ``iter_torch_batches`` afresh each epoch (one pass over the shard), with a
-per-epoch seeded local shuffle when asked. `DeterministicSplitDataConfig` gives rank ``r`` the
-same contiguous rows every run (``Dataset.split``), which makes runs reproducible and
-mid-epoch resume exact; Ray's default streaming split assigns blocks dynamically instead.
+Train data: `TrainDataConfig` gives every worker a `GlobalOrderShard` served by one `EpochFeeder`
+per worker group (see ``feeder.py``): rank ``r``'s batches are a function of the epoch's global
+position, the global batch size and the world size, so a checkpoint's global ``sample_in_epoch``
+says exactly which rows are done and a group of any size resumes with the rest
+(`GlobalOrderLoader.set_position`, called by the loop instead of skipping batches). The default
+streams the dataset each epoch; ``deterministic_split=True`` materializes it once per group.
+
+Eval data: `ShardLoader` iterates the worker's Ray shard (``iter_torch_batches``) once per
+epoch; `TrainDataConfig` splits eval sets with Ray's streaming split, or contiguously by rank
+(``Dataset.split``) with ``deterministic_split=True``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
 from ray.train import DataConfig
 
-__all__ = ["ShardLoader", "DeterministicSplitDataConfig"]
+__all__ = [
+    "cheap_row_count",
+    "ShardLoader",
+    "GlobalOrderLoader",
+    "GlobalOrderShard",
+    "TrainDataConfig",
+    "DeterministicSplitDataConfig",
+]
 
 
 class ShardLoader:
@@ -96,3 +110,164 @@ class DeterministicSplitDataConfig(DataConfig):
             for rank, part in enumerate(parts):
                 output[rank][name] = part.iterator()
         return output
+
+
+@dataclass
+class GlobalOrderShard:
+    """What a worker gets for the train set: the group's feeder and how batches are cut."""
+
+    feeder: Any
+    rank: int
+    world_size: int
+    global_batch: int
+    num_rows: Optional[int]
+
+
+class TrainDataConfig(DeterministicSplitDataConfig):
+    """Train set in one global order (an `EpochFeeder` per worker group); eval sets split by Ray.
+
+    ``global_batch_size`` fixes the rows per optimizer step whatever the world size; else it is
+    ``batch_size * world_size``. ``deterministic``: materialize the train set once per group
+    (else stream it every epoch) and split eval sets contiguously by rank.
+    """
+
+    def __init__(
+        self,
+        *,
+        batch_size: int,
+        global_batch_size: Optional[int] = None,
+        deterministic: bool = False,
+        train_rows: Optional[int] = None,
+    ):
+        super().__init__()
+        self.train_rows = train_rows
+        self.batch_size = batch_size
+        self.global_batch_size = global_batch_size
+        self.deterministic = deterministic
+
+    def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
+        output: List[Dict[str, Any]] = [{} for _ in range(world_size)]
+        others = {name: ds for name, ds in datasets.items() if name != "train"}
+        if others:
+            configure = super().configure if self.deterministic else DataConfig().configure
+            for rank, shards in enumerate(configure(others, world_size, worker_handles, worker_node_ids, **kwargs)):
+                output[rank].update(shards)
+        if "train" in datasets:
+            import ray
+
+            from raytrain_events.ray.feeder import EpochFeeder
+
+            dataset = datasets["train"]
+            global_batch = self.global_batch_size or self.batch_size * world_size
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            here = ray.get_runtime_context().get_node_id()  # Ray Train's controller node: it outlives workers
+            feeder = (
+                ray.remote(EpochFeeder)
+                .options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False))
+                .remote(dataset, world_size, global_batch, self.deterministic)
+            )
+            rows = self.train_rows if self.train_rows is not None else dataset._meta_count()
+            for rank in range(world_size):
+                output[rank]["train"] = GlobalOrderShard(feeder, rank, world_size, global_batch, rows)
+        return output
+
+
+def cheap_row_count(dataset: Any) -> Optional[int]:
+    """Rows of ``dataset`` from metadata, or from a bare read (files' row counts, no data columns).
+
+    None when counting would run a preprocessing pipeline (``map_batches``, ``filter``...).
+    """
+    rows = dataset._meta_count()
+    if rows is not None:
+        return rows
+    from ray.data._internal.logical.operators import read_operator
+
+    reads = tuple(getattr(read_operator, name) for name in ("Read", "ReadFiles") if hasattr(read_operator, name))
+    if isinstance(dataset._logical_plan.dag, reads):
+        return dataset.count()  # Ray counts a bare read from the files' metadata (no data columns read)
+    return None
+
+
+class GlobalOrderLoader:
+    """This rank's batches of the global order: one epoch per ``iter()`` from the set position."""
+
+    def __init__(
+        self,
+        shard: GlobalOrderShard,
+        *,
+        device: Any = "auto",
+        collate_fn: Optional[Callable] = None,
+        prefetch_batches: int = 1,
+        order_seed: Optional[int] = None,
+        columns: Optional[List[str]] = None,
+        length: Optional[int] = None,
+    ) -> None:
+        self.shard = shard
+        self.collate_fn = collate_fn
+        self.prefetch_batches = max(1, prefetch_batches)
+        self.order_seed = order_seed
+        self.columns = columns
+        self.length = length
+        self.device = device
+        self.epoch = 0
+        self.position = 0
+
+    def __len__(self) -> int:
+        """Batches in a whole epoch (from the row count in the dataset's metadata, or steps_per_epoch)."""
+        if self.length is not None:
+            return self.length
+        if self.shard.num_rows is None:
+            raise TypeError("The train set's row count is unknown; pass steps_per_epoch to RayTrainer.")
+        from raytrain_events.ray.feeder import batches_in_epoch
+
+        return batches_in_epoch(self.shard.num_rows, self.shard.global_batch, self.shard.world_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Called by the loop at each epoch start: selects the epoch's order."""
+        self.epoch = epoch
+        self.position = 0
+
+    def set_position(self, samples_in_epoch: int) -> None:
+        """Start the next ``iter()`` after the first ``samples_in_epoch`` rows of the epoch (a resume)."""
+        self.position = samples_in_epoch
+
+    def __iter__(self):
+        import ray
+
+        shard, epoch, position = self.shard, self.epoch, self.position
+        ray.get(shard.feeder.start_epoch.remote(epoch, position, self.order_seed))
+        pending = [shard.feeder.batch.remote(epoch, position, shard.rank, k) for k in range(self.prefetch_batches)]
+        k = self.prefetch_batches
+        first = True
+        while True:
+            slices = ray.get(pending.pop(0))
+            if slices is None:
+                return
+            pending.append(shard.feeder.batch.remote(epoch, position, shard.rank, k))
+            k += 1
+            batch = self._to_batch(slices)
+            if first and self.columns is not None:
+                next(_check_columns([batch], self.columns))
+            first = False
+            yield batch
+
+    def _to_batch(self, slices) -> Any:
+        import ray
+        from ray.data.block import BlockAccessor
+
+        blocks = ray.get([ref for ref, _, _ in slices])
+        parts = [BlockAccessor.for_block(b).slice(lo, hi, copy=False) for b, (_, lo, hi) in zip(blocks, slices)]
+        if len(parts) == 1:
+            table = parts[0]
+        else:
+            builder = BlockAccessor.for_block(parts[0]).builder()
+            for part in parts:
+                builder.add_block(part)
+            table = builder.build()
+        batch = BlockAccessor.for_block(table).to_batch_format("numpy")
+        if self.collate_fn is not None:
+            return self.collate_fn(batch)
+        from ray.data.util.torch_utils import convert_ndarray_batch_to_torch_tensor_batch
+
+        return convert_ndarray_batch_to_torch_tensor_batch(batch)

@@ -124,8 +124,9 @@ class RayTrainer:
         from raytrain_events.ray.cluster import ensure_ray
         from raytrain_events.ray.console import quiet_terminal
 
-        started_local = ensure_ray(min_cpus=self.spec.workers + 2, verbose=self.spec.verbose)
-        if started_local or not _autoscaling():
+        started_local = ensure_ray(min_cpus=self.scaling_config.max_workers + 2, verbose=self.spec.verbose)
+        self._checks_cluster = started_local or not _autoscaling()
+        if self._checks_cluster:
             self._check_cluster(ray)
         self._progress = None
         datasets = list(self.spec.datasets.values()) if isinstance(self.spec.datasets, dict) else []
@@ -160,26 +161,27 @@ class RayTrainer:
     def _fit(self) -> RayResult:
         import ray
         import ray.train
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from raytrain_events.ray.cluster import check_data_cpus
 
         datasets = self.spec.build_datasets()
-        steps_per_epoch = self.spec.steps_per_epoch
-        if steps_per_epoch is None:
-            # Shards have no length; schedules in epochs or "dur" and epoch ends need one. Each
-            # rank gets floor(rows / workers) rows (Ray splits equally), in ceil(rows / batch) batches.
-            rows = datasets["train"].count() // self.spec.workers
-            steps_per_epoch = -(-rows // self.spec.batch_size)
-        worker_spec = self.spec.for_workers(datasets=datasets, steps_per_epoch=steps_per_epoch)
+        if self._checks_cluster:
+            check_data_cpus(ray.cluster_resources(), self.scaling_config, datasets)
+        train_rows = self._train_rows(datasets["train"])
+        worker_spec = self.spec.for_workers(datasets=datasets)
         from ray.train.torch import TorchTrainer
 
-        from raytrain_events.ray.console import train_logging_config
-        from raytrain_events.ray.data import DeterministicSplitDataConfig
-        from raytrain_events.ray.follow import HistoryFollower
+        from raytrain_events.ray.data import TrainDataConfig
         from raytrain_events.ray.history import AggregatingCallback, RunHistory
         from raytrain_events.ray.progress import RunProgress
         from raytrain_events.ray.run_loggers import RunLoggers
         from raytrain_events.ray.worker import train_loop_per_worker
 
-        history = RunHistory.remote()
+        driver_node = ray.get_runtime_context().get_node_id()  # lost workers' nodes must not take it along
+        history = RunHistory.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(driver_node, soft=True)
+        ).remote()
         tune_queue = _tune_queue()
         storage_path, storage_filesystem = _ray_storage(self.storage_path, self.storage_options)
         trainer = TorchTrainer(
@@ -187,7 +189,12 @@ class RayTrainer:
             train_loop_config={"spec": worker_spec},
             scaling_config=self.scaling_config,
             datasets=datasets,
-            dataset_config=DeterministicSplitDataConfig() if self.spec.deterministic_split else None,
+            dataset_config=TrainDataConfig(
+                batch_size=self.spec.batch_size,
+                global_batch_size=self.spec.global_batch_size,
+                deterministic=self.spec.deterministic_split,
+                train_rows=train_rows,
+            ),
             run_config=ray.train.RunConfig(
                 name=self.run_name,
                 storage_path=storage_path,
@@ -195,6 +202,7 @@ class RayTrainer:
                 failure_config=ray.train.FailureConfig(max_failures=self.spec.max_failures),
                 callbacks=[AggregatingCallback(history, tune_queue), *self.spec.ray_callbacks],
                 logging_config=train_logging_config(self.spec.verbose),
+                # Ray owns retention of the checkpoints reported to it (see ray/checkpointing.py).
                 checkpoint_config=_ray_retention(self.spec.checkpoint),
             ),
         )
@@ -256,6 +264,20 @@ class RayTrainer:
             mode="max" if self.spec.checkpoint is None else self.spec.checkpoint.mode,
         )
 
+    def _train_rows(self, train: Any) -> Optional[int]:
+        """The train set's row count where it is cheap; never runs a preprocessing pipeline to count."""
+        from raytrain_events.ray.data import cheap_row_count
+
+        rows = cheap_row_count(train)
+        if rows is None and self.spec.steps_per_epoch is None:
+            raise ValueError(
+                "The train dataset's row count is not known without running its whole pipeline (it is not in "
+                "the metadata, e.g. after map_batches or filter), and the loop needs batches per epoch for epoch "
+                "ends and 'ep'/'dur' times. Pass steps_per_epoch=<global batches per epoch> to RayTrainer, or "
+                "materialize the dataset first (ds.materialize())."
+            )
+        return rows
+
     def _check_cluster(self, ray: Any) -> None:
         if getattr(self.scaling_config, "use_gpu", False):
             gpus = ray.cluster_resources().get("GPU", 0)
@@ -267,13 +289,17 @@ class RayTrainer:
 
 
 def _ray_retention(checkpoint: Any) -> Any:
-    """Ray Train's `CheckpointConfig` for ``keep_best``: Ray keeps the k best by the metric plus the newest.
+    """Ray Train's `CheckpointConfig`: the newest ``keep``, or with ``keep_best`` the k best by the metric plus the newest.
 
     Ray scores a checkpoint by rank 0's report, where our metrics sit under ``metrics``
     (flattened ``metrics/<key>``). Eval metrics are synchronized across ranks, so rank 0's is the global value.
     """
-    if checkpoint is None or checkpoint.keep_best is None:
+    import ray.train
+
+    if checkpoint is None:
         return None
+    if checkpoint.keep_best is None:  # keep the newest ``keep`` (None: all)
+        return ray.train.CheckpointConfig(num_to_keep=checkpoint.keep)
     if not checkpoint.metric.startswith("metrics/"):
         raise ValueError(
             f"CheckpointConfig(keep_best=..., metric={checkpoint.metric!r}): on Ray, checkpoints are ranked by an "

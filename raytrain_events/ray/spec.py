@@ -76,14 +76,23 @@ class RunSpec:
     # -- data -----------------------------------------------------------------------------------
     collate_fn: Optional[Callable] = _opt(None, help="fn(numpy batch dict) -> batch, on the worker")
     prefetch_batches: int = _opt(1, help="batches Ray Data prefetches per worker")
-    shuffle_buffer_size: Optional[int] = _opt(None, help="rows in Ray Data's local shuffle buffer (None: no shuffle)")
+    shuffle_buffer_size: Optional[int] = _opt(
+        None, help="train: permute the blocks per epoch with seed + epoch; eval: Ray Data local shuffle rows"
+    )
     columns: Optional[List[str]] = _opt(None, help="only these dataset columns reach the batch")
-    steps_per_epoch: Optional[int] = _opt(None, help="batches per epoch per worker (default: counted from the data)")
+    steps_per_epoch: Optional[int] = _opt(
+        None, help="global batches per epoch (default: from the row count in the train set's metadata)"
+    )
     deterministic_split: bool = _opt(
-        False, help="split the train set the same way on every run (exact resumes)", worker=False
+        False, help="materialize the train set once per worker group; split eval sets by rank", worker=False
+    )
+    global_batch_size: Optional[int] = _opt(
+        None, help="rows per optimizer step at any world size (default: batch_size * workers)", worker=False
     )
     # -- scaling ----------------------------------------------------------------------------------
-    num_workers: Optional[int] = _opt(None, help="Ray Train workers (default 1)", worker=False)
+    num_workers: Any = _opt(
+        None, help="Ray Train workers (default 1), or (min, max) for an elastic group", worker=False
+    )
     use_gpu: bool = _opt(False, help="one GPU per worker", worker=False)
     resources_per_worker: Optional[Dict[str, float]] = _opt(
         None, help="Ray resources per worker, e.g. {'CPU': 4, 'GPU': 1}", worker=False
@@ -155,9 +164,25 @@ class RunSpec:
                 "Pass either scaling_config or num_workers/use_gpu/resources_per_worker, not both "
                 f"(got scaling_config={self.scaling_config!r}, num_workers={self.num_workers!r})."
             )
+        if isinstance(self.num_workers, list):
+            self.num_workers = tuple(self.num_workers)
         workers = self.workers
-        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
-            raise ValueError(f"num_workers={workers!r} must be an integer >= 1.")
+        counts = workers if isinstance(workers, tuple) else (workers,)
+        if (
+            len(counts) not in (1, 2)
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in counts)
+            or (len(counts) == 2 and counts[0] > counts[1])
+        ):
+            raise ValueError(
+                f"num_workers={workers!r} must be an integer >= 1, or (min, max) with 1 <= min <= max for an "
+                "elastic group."
+            )
+        if self.global_batch_size is not None and (
+            not isinstance(self.global_batch_size, int) or self.global_batch_size < 1
+        ):
+            raise ValueError(
+                f"global_batch_size={self.global_batch_size!r} must be a positive integer (rows per step)."
+            )
         if self.checkpoint is not None:
             if getattr(self.checkpoint, "save_folder", None):
                 raise ValueError(

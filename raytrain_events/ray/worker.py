@@ -11,7 +11,7 @@ from typing import Any, Dict
 
 from raytrain_events.core.data_spec import DataSpec
 from raytrain_events.dist import LocalDist, TorchDist
-from raytrain_events.ray.data import ShardLoader
+from raytrain_events.ray.data import GlobalOrderLoader, GlobalOrderShard, ShardLoader
 from raytrain_events.ray.report import RayReporter
 from raytrain_events.ray.spec import RunSpec
 from raytrain_events.trainer import Trainer
@@ -49,14 +49,7 @@ def build_worker_trainer(spec: RunSpec) -> Trainer:
     loader_options: Dict[str, Any] = dict(
         device=device, collate_fn=spec.collate_fn, prefetch_batches=spec.prefetch_batches, columns=spec.columns
     )
-    train = ShardLoader(
-        ray.train.get_dataset_shard("train"),
-        batch_size=spec.batch_size,
-        shuffle_buffer_size=spec.shuffle_buffer_size,
-        seed=None if spec.seed is None else spec.seed + 1000 * context.get_world_rank(),
-        length=spec.steps_per_epoch,
-        **loader_options,
-    )
+    train = _train_loader(ray.train.get_dataset_shard("train"), spec, context.get_world_rank(), loader_options)
     evaluators = [
         Evaluator(
             label=name,
@@ -68,9 +61,11 @@ def build_worker_trainer(spec: RunSpec) -> Trainer:
     ]
     checkpoint = None
     if spec.checkpoint is not None:
-        from raytrain_events.ray.checkpointing import ray_checkpoint_config
+        from raytrain_events.ray.checkpointing import ray_checkpoint_config, start_retention
 
         checkpoint = ray_checkpoint_config(spec)
+        if context.get_world_rank() == 0:
+            start_retention(checkpoint, spec.checkpoint.keep)
     return Trainer(
         model=model,
         train_dataloader=DataSpec(train, get_num_tokens_in_batch=spec.get_num_tokens_in_batch),
@@ -95,6 +90,22 @@ def build_worker_trainer(spec: RunSpec) -> Trainer:
         run_name=spec.run_name,
         checkpoint=checkpoint,
         config=spec.config,
+    )
+
+
+def _train_loader(shard: Any, spec: RunSpec, rank: int, options: Dict[str, Any]) -> Any:
+    """The train set in the group's global order (`TrainDataConfig`), else a plain Ray shard."""
+    if isinstance(shard, GlobalOrderShard):
+        # With a shuffle asked for, each epoch permutes the dataset's blocks with seed + epoch.
+        order_seed = spec.seed if spec.shuffle_buffer_size and spec.seed is not None else None
+        return GlobalOrderLoader(shard, order_seed=order_seed, length=spec.steps_per_epoch, **options)
+    return ShardLoader(
+        shard,
+        batch_size=spec.batch_size,
+        shuffle_buffer_size=spec.shuffle_buffer_size,
+        seed=None if spec.seed is None else spec.seed + 1000 * rank,
+        length=spec.steps_per_epoch,
+        **options,
     )
 
 

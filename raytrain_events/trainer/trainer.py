@@ -229,6 +229,11 @@ class Trainer:
         _set_epoch(loader, state.epoch)
         skip = state.timestamp.batch_in_epoch.value  # mid-epoch resume: batches already trained
         resume_rng = self._checkpointer.take_resume_rng() if self._checkpointer is not None else None
+        set_position = getattr(loader, "set_position", None)
+        if skip and callable(set_position):
+            # The loader starts after the epoch's first global samples itself (at the data level).
+            set_position(state.timestamp.sample_in_epoch.value)
+            resume_rng = None
         if skip and resume_rng is not None:
             # Replay the epoch start exactly (a shuffling sampler draws from the global RNG in
             # iter()), skip what was trained, then continue from the checkpoint's RNG state.
@@ -236,7 +241,7 @@ class Trainer:
 
             restore_rng_state(resume_rng[0])
         iterator = iter(loader)
-        for _ in range(skip):
+        for _ in range(0 if callable(set_position) else skip):
             next(iterator, None)
         if skip and resume_rng is not None:
             restore_rng_state(resume_rng[1])
