@@ -142,14 +142,11 @@ def test_two_workers_match_one_worker_with_same_global_batch(two_worker_run, ray
     import ray.data
 
     _, rows, _, tmp = two_worker_run
-    half = ROWS // 2
-    # Rank r trains on rows [r*half, (r+1)*half); one worker sees both halves' batch k together.
-    interleaved = []
-    for k in range(half // 16):
-        interleaved += rows[k * 16 : (k + 1) * 16] + rows[half + k * 16 : half + (k + 1) * 16]
+    # Global batch k is rows [32k, 32k + 32) of the one global order: rank r trains its r-th 16 of
+    # them; one worker with batch 32 trains the same global batches.
     single = tmp_path / "single"
     single.mkdir()
-    _fit(tmp_path, ray.data, interleaved, workers=1, batch_size=32, duration="2ep", folder=single)
+    _fit(tmp_path, ray.data, rows, workers=1, batch_size=32, duration="2ep", folder=single)
     two = load_ranks(tmp, 2)[0]["params"]
     one = load_ranks(single, 1)[0]["params"]
     for name in two:
@@ -162,8 +159,8 @@ def test_sample_and_token_durations_stop_every_rank_at_same_batch(
 ):
     import ray.data
 
-    if tokens == "uneven":  # rank 0's half has 1 token per row, rank 1's has 9: 160 tokens per global batch
-        tokens = np.array([1] * (ROWS // 2) + [9] * (ROWS // 2))
+    if tokens == "uneven":  # rank 0's 16 rows of each global batch have 1 token each, rank 1's 9: 160 per batch
+        tokens = np.array(([1] * 16 + [9] * 16) * (ROWS // 32))
     result = _fit(
         tmp_path, ray.data, make_rows(tokens=tokens), workers=2, batch_size=16, duration=duration, folder=tmp_path
     )

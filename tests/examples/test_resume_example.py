@@ -1,0 +1,106 @@
+"""``examples/train.py`` continued by name, as a user does it: subprocesses, each its own embedded Ray.
+
+* keep=1: three runs with the same ``run_name`` (1ep, then ``resume=true`` to 2ep, then to 3ep),
+  the case that failed with "The run snapshot contains a reference to a checkpoint that does not
+  exist anymore" when our pruning and Ray's run snapshot disagreed;
+* keep=2: the driver SIGKILLed mid-run (mid-epoch, right after a checkpoint committed), then
+  ``resume=true``.
+
+Each finished run's summary must hold the exact global Timestamp of an uninterrupted run of the
+same length (every worker's samples, 12 global batches of 128 rows per 1,500-row epoch). Which
+rows were trained is checked row by row in tests/ray/test_resume.py, on the same code path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TRAIN_ROWS, WORKERS, BATCHES_PER_EPOCH = 1500, 2, 12  # batch_size 64 per worker: 11 of 128 rows + 1 of 92
+
+
+def _command(storage, run_name, epochs, *extra):
+    return [
+        sys.executable,
+        os.path.join(REPO, "examples", "train.py"),
+        f"max_duration={epochs}ep",
+        f"num_workers={WORKERS}",
+        f"storage={storage}",
+        f"run_name={run_name}",
+        "progress_bar=false",
+        *extra,
+    ]
+
+
+def _env():
+    env = dict(os.environ)
+    env.update({"RAY_ADDRESS": "local", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONUNBUFFERED": "1"})
+    return env
+
+
+def _run(cwd, command):
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=cwd, env=_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+def _check_finished(run_dir, epochs, keep):
+    with open(os.path.join(run_dir, "summary.json")) as fh:
+        summary = json.load(fh)
+    ts = summary["timestamp"]
+    assert (ts["epoch"], ts["batch"], ts["sample"]) == (epochs, epochs * BATCHES_PER_EPOCH, epochs * TRAIN_ROWS)
+    on_disk = sorted(os.listdir(os.path.join(run_dir, "checkpoints")))
+    assert len(on_disk) <= keep and [c["url"].rsplit("/", 1)[-1] for c in summary["checkpoints"]] == on_disk
+    assert summary["checkpoints"][-1]["timestamp"]["sample"] == epochs * TRAIN_ROWS
+    return summary
+
+
+def test_resume_by_name_three_times_with_keep_1(tmp_path):
+    storage = str(tmp_path / "runs")
+    run_dir = os.path.join(storage, "again")
+    _run(str(tmp_path), _command(storage, "again", 1, "checkpoint.keep=1"))
+    _check_finished(run_dir, 1, keep=1)
+    for epochs in (2, 3):
+        proc = _run(str(tmp_path), _command(storage, "again", epochs, "checkpoint.keep=1", "resume=true"))
+        assert "Resuming" in proc.stdout
+        _check_finished(run_dir, epochs, keep=1)
+
+
+def test_driver_sigkilled_mid_run_then_resumed_with_keep_2(tmp_path):
+    storage = str(tmp_path / "runs")
+    run_dir = os.path.join(storage, "killed")
+    folder = os.path.join(run_dir, "checkpoints")
+    args = ("checkpoint.keep=2", "checkpoint.save_interval=5ba")
+    with open(tmp_path / "first.log", "w") as log:
+        driver = subprocess.Popen(
+            _command(storage, "killed", 6, *args),
+            cwd=str(tmp_path),
+            env=_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.time() + 500
+        committed = []
+        while time.time() < deadline and driver.poll() is None and not committed:
+            if os.path.isdir(folder):
+                committed = [d for d in os.listdir(folder) if os.path.exists(os.path.join(folder, d, "manifest.json"))]
+            time.sleep(0.1)
+        assert committed and driver.poll() is None, (
+            "no checkpoint before the run ended: " + open(log.name).read()[-3000:]
+        )
+        os.killpg(driver.pid, signal.SIGKILL)  # the driver and the embedded Ray it started
+        driver.wait(timeout=60)
+    assert not os.path.exists(os.path.join(run_dir, "summary.json"))
+    proc = _run(str(tmp_path), _command(storage, "killed", 6, *args, "resume=true"))
+    assert "Resuming" in proc.stdout
+    _check_finished(run_dir, 6, keep=2)
