@@ -27,6 +27,7 @@ def test_num_workers_range_makes_an_elastic_scaling_config():
         _scaling_config(None, (3, 1), False, None)
 
 
+@pytest.mark.timeout(1800)  # several Ray runs; minutes each on a loaded machine
 def test_elastic_group_loses_a_node_continues_on_fewer_workers_and_grows_back(tmp_path):
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)

@@ -90,6 +90,7 @@ class KillAt(Callback):
             os.kill(os.getpid(), 9)
 
 
+@pytest.mark.timeout(1800)  # several Ray runs; minutes each on a loaded machine
 def test_worker_killed_twice_mid_epoch_resumes_exactly(reference, parquet, tmp_path):
     folder, tokens = parquet
     records = str(tmp_path / "records")
@@ -118,6 +119,7 @@ def test_worker_killed_twice_mid_epoch_resumes_exactly(reference, parquet, tmp_p
     assert sorted(os.listdir(tmp_path / "runs" / "killed" / "checkpoints")) == sorted(c.name for c in committed)
 
 
+@pytest.mark.timeout(1800)  # several Ray runs; minutes each on a loaded machine
 def test_resume_by_name_with_2_then_3_then_1_workers(reference, parquet, tmp_path):
     folder, tokens = parquet
     records = str(tmp_path / "records")
