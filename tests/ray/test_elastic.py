@@ -19,12 +19,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def test_num_workers_range_makes_an_elastic_scaling_config():
-    from raytrain_events.ray.driver import _scaling_config
+    from raytrain_events.ray.spec import RunSpec
 
-    config = _scaling_config(None, (1, 3), False, {"CPU": 0.5})
+    base = dict(model=print, optimizers=print, datasets={"train": None}, max_duration="1ep")
+    config = RunSpec(**base, num_workers=(1, 3), resources_per_worker={"CPU": 0.5}).ray_scaling_config()
     assert config.elasticity_enabled and (config.min_workers, config.max_workers) == (1, 3)
     with pytest.raises(ValueError, match=r"\(min, max\)"):
-        _scaling_config(None, (3, 1), False, None)
+        RunSpec(**base, num_workers=(3, 1))
 
 
 @pytest.mark.timeout(1800)  # several Ray runs; minutes each on a loaded machine
