@@ -172,7 +172,9 @@ class RayTrainer:
         worker_spec = self.spec.for_workers(datasets=datasets)
         from ray.train.torch import TorchTrainer
 
+        from raytrain_events.ray.console import train_logging_config
         from raytrain_events.ray.data import TrainDataConfig
+        from raytrain_events.ray.follow import HistoryFollower
         from raytrain_events.ray.history import AggregatingCallback, RunHistory
         from raytrain_events.ray.progress import RunProgress
         from raytrain_events.ray.run_loggers import RunLoggers
