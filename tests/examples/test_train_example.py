@@ -286,7 +286,8 @@ def test_train_example_with_ray_job_submit(head_node, tmp_path):
     # It joined the submitted-to cluster (the one with our temp dir) instead of starting its own Ray.
     sessions = [d for d in os.listdir(head_node["temp_dir"]) if d.startswith("session_2")]
     assert len(sessions) == 1
-    assert "Connecting to existing Ray cluster" in proc.stdout and "Started a local Ray instance" not in proc.stdout
+    # (Ray's own "Connecting to existing Ray cluster" INFO line is kept off the console by default.)
+    assert "Started a local Ray instance" not in proc.stdout
 
 
 # ------------------------------------------------------------------------- train_tokens
