@@ -30,7 +30,7 @@ import torch
 
 from raytrain_events.checkpoint.format import CheckpointError, CheckpointInfo, FileEntry, UnsafeCheckpointError
 from raytrain_events.checkpoint.safe_dcp import HashingDCPWriter, SafeDCPReader, SafeFullLoadPlanner, SafeLoadPlanner
-from raytrain_events.core.state import CheckpointMismatchError
+from raytrain_events.core.state import CheckpointMismatchError, model_mismatch
 
 __all__ = [
     "DCP_LAYOUT",
@@ -196,25 +196,15 @@ def _plain_errors(what: str, url: str) -> Iterator[None]:
 
 
 def _check_model_keys(url: str, metadata: Any, model_sd: Dict[str, Any], strict: bool) -> None:
-    saved = {k[len("model.") :]: v for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
-    mismatched = [
-        f"{k}: checkpoint {tuple(saved[k].size)} vs model {tuple(v.shape)}"
-        for k, v in model_sd.items()
-        if k in saved and hasattr(saved[k], "size") and tuple(saved[k].size) != tuple(v.shape)
-    ]
-    missing = sorted(set(model_sd) - set(saved))
-    unexpected = sorted(set(saved) - set(model_sd))
-    disjoint = bool(model_sd) and len(missing) == len(model_sd)
-    if mismatched or ((strict or disjoint) and (missing or unexpected)):
-        parts = []
-        if mismatched:
-            parts.append("shape mismatch: " + "; ".join(mismatched[:10]))
-        if (strict or disjoint) and missing:
-            parts.append(f"missing in checkpoint: {missing[:10]}")
-        if (strict or disjoint) and unexpected:
-            parts.append(f"not in model: {unexpected[:10]}")
+    saved = {
+        k[len("model.") :]: (tuple(v.size) if hasattr(v, "size") else None)
+        for k, v in metadata.state_dict_metadata.items()
+        if k.startswith("model.")
+    }
+    problem = model_mismatch({k: tuple(v.shape) for k, v in model_sd.items()}, saved, strict)
+    if problem:
         raise CheckpointMismatchError(
-            f"The sharded checkpoint {url!r} does not match this model (" + " | ".join(parts) + "). Check that it "
+            f"The sharded checkpoint {url!r} does not match this model ({problem}). Check that it "
             "was saved from the same architecture; pass load_strict=False to ignore missing/unexpected keys."
         )
 

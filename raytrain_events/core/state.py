@@ -6,7 +6,7 @@ wrapper), so algorithms and checkpoints see the real parameter names.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from raytrain_events.core.agreement import Agreement
 from raytrain_events.core.algorithm import Algorithm
@@ -14,7 +14,7 @@ from raytrain_events.core.callback import Callback
 from raytrain_events.core.precision import Precision
 from raytrain_events.core.time import Time, Timestamp, TimeUnit, ensure_time
 
-__all__ = ["State", "CheckpointMismatchError"]
+__all__ = ["State", "CheckpointMismatchError", "model_mismatch"]
 
 
 class CheckpointMismatchError(ValueError):
@@ -200,25 +200,13 @@ class State:
     def load_model_state(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
         """Load model weights; a checkpoint of another model raises `CheckpointMismatchError`."""
         model_sd = self.model.state_dict()
-        mismatched = [
-            f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(model_sd[k].shape)}"
-            for k, v in state_dict.items()
-            if k in model_sd and hasattr(v, "shape") and tuple(v.shape) != tuple(model_sd[k].shape)
-        ]
-        missing = sorted(set(model_sd) - set(state_dict))
-        unexpected = sorted(set(state_dict) - set(model_sd))
-        # Even when not strict, a checkpoint that shares no key with the model would load nothing.
-        disjoint = bool(model_sd) and len(missing) == len(model_sd)
-        if mismatched or ((strict or disjoint) and (missing or unexpected)):
-            parts = []
-            if mismatched:
-                parts.append("shape mismatch: " + "; ".join(mismatched[:10]))
-            if (strict or disjoint) and missing:
-                parts.append(f"missing in checkpoint: {missing[:10]}")
-            if (strict or disjoint) and unexpected:
-                parts.append(f"not in model: {unexpected[:10]}")
+        saved: Dict[str, Optional[Tuple[int, ...]]] = {
+            k: tuple(v.shape) if hasattr(v, "shape") else None for k, v in state_dict.items()
+        }
+        problem = model_mismatch({k: tuple(v.shape) for k, v in model_sd.items()}, saved, strict)
+        if problem:
             raise CheckpointMismatchError(
-                "The checkpoint does not match this model (" + " | ".join(parts) + "). Check that it was "
+                f"The checkpoint does not match this model ({problem}). Check that it was "
                 "saved from the same architecture; pass load_strict=False to ignore missing/unexpected keys."
             )
         self.model.load_state_dict(state_dict, strict=strict)
@@ -251,6 +239,32 @@ class State:
             if key in callbacks:
                 callbacks[key].load_state_dict(callback_state)
         self.timestamp = Timestamp.from_state_dict(state["timestamp"])
+
+
+def model_mismatch(
+    model_shapes: Mapping[str, Tuple[int, ...]], saved_shapes: Mapping[str, Optional[Tuple[int, ...]]], strict: bool
+) -> Optional[str]:
+    """Why a checkpoint's model keys/shapes do not fit the model, or None (shared by full and sharded loads).
+
+    Shape mismatches always count; missing/unexpected keys count when ``strict``, or when the checkpoint
+    shares no key with the model (it would load nothing).
+    """
+    mismatched = [
+        f"{k}: checkpoint {shape} vs model {model_shapes[k]}"
+        for k, shape in saved_shapes.items()
+        if k in model_shapes and shape is not None and tuple(shape) != tuple(model_shapes[k])
+    ]
+    missing = sorted(set(model_shapes) - set(saved_shapes))
+    unexpected = sorted(set(saved_shapes) - set(model_shapes))
+    keys_count = strict or (bool(model_shapes) and len(missing) == len(model_shapes))
+    parts = []
+    if mismatched:
+        parts.append("shape mismatch: " + "; ".join(mismatched[:10]))
+    if keys_count and missing:
+        parts.append(f"missing in checkpoint: {missing[:10]}")
+    if keys_count and unexpected:
+        parts.append(f"not in model: {unexpected[:10]}")
+    return " | ".join(parts) or None
 
 
 def _keyed(objects: Sequence[Any]) -> Dict[str, Any]:

@@ -326,3 +326,16 @@ def test_stop_training_flags():
     assert multi.stop_requested and not multi.stop_consistent
     multi.stop_training(consistent=True)
     assert multi.stop_consistent
+
+
+def test_model_mismatch_names_shapes_and_keys():
+    from raytrain_events.core.state import model_mismatch
+
+    model = {"w": (2, 3), "b": (2,)}
+    assert model_mismatch(model, {"w": (2, 3), "b": (2,)}, strict=True) is None
+    assert "shape mismatch: w: checkpoint (3, 3) vs model (2, 3)" in model_mismatch(
+        model, {"w": (3, 3), "b": (2,)}, strict=False
+    )
+    assert model_mismatch(model, {"w": (2, 3)}, strict=False) is None  # partial load allowed when not strict
+    assert "missing in checkpoint: ['b']" in model_mismatch(model, {"w": (2, 3)}, strict=True)
+    assert "not in model: ['x']" in model_mismatch(model, {"x": None}, strict=False)  # shares no key: loads nothing
