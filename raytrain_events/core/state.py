@@ -66,6 +66,8 @@ class State:
         self.train_dataloader = train_dataloader
         self.evaluators = list(evaluators)
         self.grad_accum = grad_accum
+        # grad_accum="auto": the loop doubles grad_accum on a device OOM, and a resume reuses the saved value.
+        self.auto_microbatching = False
         self.precision = Precision.parse(precision)
         self.optimizers = _as_list(optimizers)
         self.schedulers = _as_list(schedulers)
@@ -195,6 +197,7 @@ class State:
             "timestamp": self.timestamp.state_dict(),
             "run_name": self.run_name,
             "seed": self.seed,
+            "grad_accum": self.grad_accum,
         }
 
     def load_model_state(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
@@ -239,6 +242,8 @@ class State:
             if key in callbacks:
                 callbacks[key].load_state_dict(callback_state)
         self.timestamp = Timestamp.from_state_dict(state["timestamp"])
+        if self.auto_microbatching and state.get("grad_accum") is not None:
+            self.grad_accum = int(state["grad_accum"])  # the value auto microbatching found, not 1 again
 
 
 def model_mismatch(

@@ -64,7 +64,9 @@ class RunSpec:
     # -- the loop -----------------------------------------------------------------------------
     eval_batch_size: Optional[int] = _opt(None, help="eval rows per worker per batch (default: batch_size)")
     eval_interval: Any = _opt("1ep", help="how often to evaluate the eval sets: '1ep', '100ba', ...")
-    grad_accum: int = _opt(1, help="micro-batches per optimizer step")
+    grad_accum: Union[int, str] = _opt(
+        1, help="micro-batches per optimizer step, or 'auto': double them on a device out-of-memory error"
+    )
     precision: str = _opt("fp32", help="'fp32', 'amp_fp16' or 'amp_bf16'")
     parallelism: Any = _opt(
         "ddp", help="'ddp' (a model replica per worker), or 'fsdp' / an FSDPConfig: shard the model over the workers"
@@ -143,6 +145,9 @@ class RunSpec:
         from raytrain_events.parallel.config import parse_parallelism
 
         parse_parallelism(self.parallelism)  # a bad value fails here, on the driver
+        from raytrain_events.trainer.microbatching import parse_grad_accum
+
+        parse_grad_accum(self.grad_accum)
         if self.report_interval is not None:
             ensure_time(self.report_interval, TimeUnit.BATCH)
         if self.report_interval is None and self.report_every_s is None:

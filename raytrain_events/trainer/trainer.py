@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -31,8 +31,10 @@ from raytrain_events.core.time import Time, TimeUnit, ensure_time
 from raytrain_events.dist import Dist, default_dist
 from raytrain_events.parallel.wrap import Parallel
 from raytrain_events.trainer._batch import check_model, move_to_device, total_loss
+from raytrain_events.trainer._setup import as_list, build_schedulers, set_epoch
 from raytrain_events.trainer.counters import BatchCounters
 from raytrain_events.trainer.evaluation import ensure_evaluators, run_evaluation
+from raytrain_events.trainer.microbatching import AUTO, AutoMicrobatching, DeferredCounters, parse_grad_accum
 from raytrain_events.trainer.seed import seed_everything
 
 if TYPE_CHECKING:
@@ -86,7 +88,7 @@ class Trainer:
         schedulers: Any = None,
         eval_dataloader: Any = None,
         eval_interval: Union[str, int, Time[Any], IntervalFn] = "1ep",
-        grad_accum: int = 1,
+        grad_accum: Union[int, str] = 1,
         precision: Union[str, Precision] = "fp32",
         algorithms: Sequence[Algorithm] = (),
         callbacks: Sequence[Callback] = (),
@@ -109,8 +111,8 @@ class Trainer:
             )
         if max_duration.value <= 0:
             raise ValueError(f"max_duration={max_duration.to_timestring()!r} must be positive.")
-        if not isinstance(grad_accum, int) or grad_accum < 1:
-            raise ValueError(f"grad_accum={grad_accum!r} must be an integer >= 1 (microbatches per batch).")
+        auto_microbatching = grad_accum == AUTO
+        initial_grad_accum = parse_grad_accum(grad_accum)
         if optimizers is None:
             raise ValueError("No optimizers given: pass optimizers=torch.optim.AdamW(model.parameters(), lr=...).")
         for algorithm in algorithms:
@@ -122,6 +124,11 @@ class Trainer:
 
         self.parallel = Parallel(parallelism)  # "ddp" (default), "fsdp" or an FSDPConfig
         self.parallel.check(algorithms)
+        if auto_microbatching and self.parallel.sharded:
+            raise ValueError(
+                "grad_accum='auto' needs forward/backward free of collectives to retry after a device OOM, but "
+                "FSDP gathers and reduce-scatters inside them: pass a fixed grad_accum with parallelism='fsdp'."
+            )
         self.dist = dist if dist is not None else default_dist(torch.device(device) if device is not None else None)
         self.device = torch.device(device) if device is not None else self.dist.device
         self.train_spec = ensure_data_spec(train_dataloader)
@@ -139,7 +146,7 @@ class Trainer:
             max_duration=max_duration,
             train_dataloader=self.train_spec.dataloader,
             evaluators=ensure_evaluators(eval_dataloader),
-            grad_accum=grad_accum,
+            grad_accum=initial_grad_accum,
             precision=precision,
             optimizers=optimizers,
             schedulers=None,
@@ -150,7 +157,7 @@ class Trainer:
             run_name=run_name,
             seed=seed,
         )
-        self.state.schedulers = _build_schedulers(_as_list(schedulers), self.state)
+        self.state.schedulers = build_schedulers(as_list(schedulers), self.state)
         if self.state.precision is Precision.AMP_FP16:
             self.state.scaler = torch.amp.GradScaler(self.device.type)
         self._max_duration: Time[Any] = max_duration
@@ -164,8 +171,15 @@ class Trainer:
         self.engine.refresh()  # algorithms or callbacks may have been added at INIT
         self.parallel.check(self.state.algorithms)
         self._train_model, self._ddp = self._wrap_model()
-        # Per-batch sums across ranks: on DDP's gradient all-reduce when possible (no collective of their own).
-        self._counters = BatchCounters(self.dist, self._ddp)
+        self._auto: Optional[AutoMicrobatching] = None
+        if auto_microbatching:  # forward/backward run no collective, so a rank can retry after OOM
+            self.state.auto_microbatching = True
+            self._counters: Union[BatchCounters, DeferredCounters] = DeferredCounters(self.dist)
+            self._auto = AutoMicrobatching(self, self._counters, self._ddp)
+            self._train_model = self._ddp.module if self._ddp is not None else self._train_model
+        else:
+            # Per-batch sums across ranks: on DDP's gradient all-reduce when possible (no collective of their own).
+            self._counters = BatchCounters(self.dist, self._ddp)
         if checkpoint is not None:
             from raytrain_events.checkpoint.checkpointer import attach_checkpointing
 
@@ -226,7 +240,7 @@ class Trainer:
         """One pass over the train data; True if it stopped before the data ran out."""
         state, engine, spec, counters = self.state, self.engine, self.train_spec, self._counters
         loader = spec.dataloader
-        _set_epoch(loader, state.epoch)
+        set_epoch(loader, state.epoch)
         skip = state.timestamp.batch_in_epoch.value  # mid-epoch resume: batches already trained
         resume_rng = self._checkpointer.take_resume_rng() if self._checkpointer is not None else None
         set_position = getattr(loader, "set_position", None)
@@ -265,7 +279,7 @@ class Trainer:
                 engine.run_event(_AFTER_DATALOADER)
             samples = spec.get_num_samples_in_batch(state.batch)
             tokens = spec.num_tokens_in_batch(state.batch) if counts_tokens else 0
-            if grad_accum > samples:
+            if grad_accum > samples and self._auto is None:
                 raise ValueError(
                     f"grad_accum={grad_accum} is larger than the batch ({samples} samples on rank {state.rank}): "
                     "lower grad_accum or raise the batch size."
@@ -315,11 +329,36 @@ class Trainer:
             optimizer.zero_grad(set_to_none=True)
         if active[_BEFORE_TRAIN_BATCH]:
             engine.run_event(_BEFORE_TRAIN_BATCH)
-        full_batch = state.batch
-        grad_accum = state.grad_accum
         create_graph = any(a.backwards_create_graph for a in state.algorithms) if state.algorithms else False
         # One context per batch, entered for each forward and loss (never nested); none for fp32.
         autocast = None if state.precision is Precision.FP32 else self.autocast()
+        if self._auto is not None:  # grad_accum="auto": retry with more microbatches on a device OOM
+            self._auto.accumulate(active, autocast, create_graph)
+        else:
+            self.accumulate(state.grad_accum, active, autocast, create_graph)
+        if scaler is not None:
+            for optimizer in state.optimizers:
+                scaler.unscale_(optimizer)
+        if active[_AFTER_TRAIN_BATCH]:
+            engine.run_event(_AFTER_TRAIN_BATCH)
+        for optimizer in state.optimizers:
+            if scaler is not None:
+                scaler.step(optimizer)
+            else:
+                optimizer.step()
+        if scaler is not None:
+            scaler.update()
+
+    def accumulate(
+        self,
+        grad_accum: int,
+        active: Mapping[Event, bool],
+        autocast: Optional[contextlib.AbstractContextManager[Any]],
+        create_graph: bool,
+    ) -> None:
+        """Forward, loss and backward of ``state.batch`` in ``grad_accum`` microbatches; sets ``state.loss``."""
+        state = self.state
+        full_batch = state.batch
         microbatches = [full_batch] if grad_accum == 1 else self.train_spec.split_batch(full_batch, grad_accum)
         if len(microbatches) == 1:
             state.loss = self._forward_backward(microbatches[0], 0, active, autocast, create_graph).detach()
@@ -334,18 +373,6 @@ class Trainer:
                 accumulated = loss.detach() if accumulated is None else accumulated + loss.detach()
             state.batch = full_batch
             state.loss = accumulated
-        if scaler is not None:
-            for optimizer in state.optimizers:
-                scaler.unscale_(optimizer)
-        if active[_AFTER_TRAIN_BATCH]:
-            engine.run_event(_AFTER_TRAIN_BATCH)
-        for optimizer in state.optimizers:
-            if scaler is not None:
-                scaler.step(optimizer)
-            else:
-                optimizer.step()
-        if scaler is not None:
-            scaler.update()
 
     def _forward_backward(
         self,
@@ -409,61 +436,3 @@ class Trainer:
     def close(self) -> None:
         """Close callbacks and loggers (fit does this itself)."""
         self.engine.close()
-
-
-def _as_list(value: Any) -> List[Any]:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-def _build_schedulers(schedulers: List[Any], state: State) -> List[Any]:
-    """Torch LR schedulers pass through; Composer-style ``fn(state) -> multiplier`` schedules are
-    multiplied together (as in Composer) into one LambdaLR per optimizer."""
-    torch_schedulers, functions = [], []
-    for scheduler in schedulers:
-        if hasattr(scheduler, "step") and hasattr(scheduler, "state_dict"):
-            torch_schedulers.append(scheduler)
-        elif callable(scheduler):
-            functions.append(scheduler)
-        else:
-            raise TypeError(
-                f"{scheduler!r} is not a scheduler: pass a torch.optim.lr_scheduler object or a "
-                "raytrain_events.schedulers scheduler (a function of the State)."
-            )
-    if functions:
-        if not state.optimizers:
-            raise ValueError("A scheduler function needs an optimizer to schedule.")
-
-        def multiplier(_state: State) -> float:
-            value = 1.0
-            for fn in functions:
-                value *= fn(_state)
-            return value
-
-        torch_schedulers += [_StateLambdaLR(optimizer, multiplier, state) for optimizer in state.optimizers]
-    return torch_schedulers
-
-
-class _StateLambdaLR(torch.optim.lr_scheduler.LambdaLR):
-    """A LambdaLR whose multiplier is a function of the training `State` (its global Timestamp)."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, fn: Callable[[State], float], state: State) -> None:
-        self._fn, self._state = fn, state
-        super().__init__(optimizer, lr_lambda=lambda _step: fn(state))
-
-    def state_dict(self) -> Dict[str, Any]:
-        return {k: v for k, v in super().state_dict().items() if k not in ("lr_lambdas", "_fn", "_state")}
-
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        # LambdaLR.load_state_dict pops "lr_lambdas", which state_dict() above leaves out; the
-        # multiplier is a function of the State, so there is nothing of it to restore.
-        self.__dict__.update({k: v for k, v in state_dict.items() if k not in ("lr_lambdas", "_fn", "_state")})
-
-
-def _set_epoch(loader: Any, epoch: int) -> None:
-    for target in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
-        set_epoch = getattr(target, "set_epoch", None)
-        if callable(set_epoch):
-            set_epoch(epoch)
-            return

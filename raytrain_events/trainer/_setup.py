@@ -1,0 +1,69 @@
+"""Trainer set-up helpers: LR schedulers from torch objects or `State` functions, epoch hand-off to loaders."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List
+
+import torch
+
+from raytrain_events.core.state import State
+
+__all__ = ["as_list", "build_schedulers", "set_epoch"]
+
+
+def as_list(value: Any) -> List[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def build_schedulers(schedulers: List[Any], state: State) -> List[Any]:
+    """Torch LR schedulers pass through; Composer-style ``fn(state) -> multiplier`` schedules are
+    multiplied together (as in Composer) into one LambdaLR per optimizer."""
+    torch_schedulers, functions = [], []
+    for scheduler in schedulers:
+        if hasattr(scheduler, "step") and hasattr(scheduler, "state_dict"):
+            torch_schedulers.append(scheduler)
+        elif callable(scheduler):
+            functions.append(scheduler)
+        else:
+            raise TypeError(
+                f"{scheduler!r} is not a scheduler: pass a torch.optim.lr_scheduler object or a "
+                "raytrain_events.schedulers scheduler (a function of the State)."
+            )
+    if functions:
+        if not state.optimizers:
+            raise ValueError("A scheduler function needs an optimizer to schedule.")
+
+        def multiplier(_state: State) -> float:
+            value = 1.0
+            for fn in functions:
+                value *= fn(_state)
+            return value
+
+        torch_schedulers += [_StateLambdaLR(optimizer, multiplier, state) for optimizer in state.optimizers]
+    return torch_schedulers
+
+
+class _StateLambdaLR(torch.optim.lr_scheduler.LambdaLR):
+    """A LambdaLR whose multiplier is a function of the training `State` (its global Timestamp)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, fn: Callable[[State], float], state: State) -> None:
+        self._fn, self._state = fn, state
+        super().__init__(optimizer, lr_lambda=lambda _step: fn(state))
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {k: v for k, v in super().state_dict().items() if k not in ("lr_lambdas", "_fn", "_state")}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        # LambdaLR.load_state_dict pops "lr_lambdas", which state_dict() above leaves out; the
+        # multiplier is a function of the State, so there is nothing of it to restore.
+        self.__dict__.update({k: v for k, v in state_dict.items() if k not in ("lr_lambdas", "_fn", "_state")})
+
+
+def set_epoch(loader: Any, epoch: int) -> None:
+    for target in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
+        set_epoch = getattr(target, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+            return

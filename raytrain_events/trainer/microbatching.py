@@ -1,0 +1,175 @@
+"""Auto microbatching (``grad_accum="auto"``): on a device out-of-memory error, retry the batch in more pieces.
+
+Composer's ``device_train_microbatch_size="auto"``, for the number of microbatches. The loop starts
+with one microbatch per batch (or the value a checkpoint saved). When forward or backward raises
+``torch.OutOfMemoryError`` on any rank, every rank drops what the attempt built (outputs, loss,
+gradients), the number of microbatches doubles, and the same batch runs again. The result of the
+batch (gradients, loss, sample and token counts) is what starting with that setting gives.
+
+Ranks agree through the batch's own collective: in this mode the loop's per-batch counter sum
+(`raytrain_events.trainer.counters`) runs *after* the batch's forward/backward, with two more
+integers (this rank hit OOM; this rank cannot split further). A rank that hit OOM goes straight to
+that sum, the others get there after their microbatches, so no rank runs ahead and none waits in a
+collective the others never join. For that, forward and backward must run no collective of their
+own: under DDP the loop calls the DDP wrapper's module directly (DDP's hooks stay idle) and, once
+the ranks agreed that nobody ran out of memory, averages the gradients and broadcasts rank 0's
+buffers itself, as DDP would have (one flat all-reduce after backward instead of DDP's buckets
+overlapping with it: the price of being able to retry). FSDP reduce-scatters inside backward, so
+it cannot retry this way and is refused.
+
+The chosen value is ``state.grad_accum``: logged as ``trainer/grad_accum`` when it changes, saved in
+checkpoints and reused on resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Union
+
+import torch
+
+from raytrain_events.core.event import Event
+from raytrain_events.dist import Dist
+
+if TYPE_CHECKING:
+    from raytrain_events.trainer.trainer import Trainer
+
+__all__ = ["AUTO", "parse_grad_accum", "AutoMicrobatching", "DeferredCounters"]
+
+AUTO = "auto"
+_log = logging.getLogger(__name__)
+
+
+def parse_grad_accum(value: Union[int, str]) -> int:
+    """The starting number of microbatches for ``grad_accum`` (``"auto"`` starts at 1); bad values raise."""
+    if value == AUTO:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"grad_accum={value!r} must be an integer >= 1 (microbatches per batch) or 'auto' "
+            "(start with 1 and double on a device out-of-memory error)."
+        )
+    return value
+
+
+class DeferredCounters:
+    """The loop's per-batch counter sum, run after forward/backward with the OOM flags appended.
+
+    Same interface as `BatchCounters` (`start` before the batch, `wait` after it); `agree` is the
+    collective itself, called by `AutoMicrobatching` once per attempt at the batch.
+    """
+
+    def __init__(self, dist: Dist) -> None:
+        self.dist = dist
+        self.on_gradients = False
+        self._values: Optional[List[int]] = None
+        self._sums: Optional[List[int]] = None
+
+    def start(self, values: Sequence[int]) -> None:
+        """Remember this batch's values (summed later, by `agree`)."""
+        self._values, self._sums = list(values), None
+
+    def agree(self, extra: Sequence[int]) -> List[int]:
+        """Sum this batch's values and ``extra`` over all ranks; returns the sums of ``extra``."""
+        values = self._values
+        assert values is not None, "DeferredCounters.agree() without start()"
+        local = [*values, *extra]
+        sums = self.dist.sum_ints_async(local).wait() if self.dist.is_distributed else local
+        self._sums = sums[: len(values)]
+        return sums[len(values) :]
+
+    def wait(self) -> List[int]:
+        """The sums of this batch's values over all ranks (from the last `agree`)."""
+        sums, self._sums, self._values = self._sums, None, None
+        assert sums is not None, "DeferredCounters.wait() before agree()"
+        return sums
+
+
+class AutoMicrobatching:
+    """Runs a batch's microbatches, doubling their number after a device OOM on any rank."""
+
+    def __init__(self, trainer: Trainer, counters: DeferredCounters, ddp: Any) -> None:
+        self.trainer = trainer
+        self.counters = counters
+        self.ddp = ddp  # the DDP wrapper whose reduction this replaces, or None
+
+    def accumulate(
+        self,
+        active: Mapping[Event, bool],
+        autocast: Optional[contextlib.AbstractContextManager[Any]],
+        create_graph: bool,
+    ) -> None:
+        """Forward/backward of ``state.batch`` until every rank got through; then sync gradients."""
+        trainer, state = self.trainer, self.trainer.state
+        full_batch, samples = state.batch, state.batch_num_samples
+        while True:
+            pieces = min(state.grad_accum, samples)  # a short last batch may need fewer pieces
+            oom = False
+            try:
+                trainer.accumulate(pieces, active, autocast, create_graph)
+            except torch.OutOfMemoryError:
+                oom = True  # leave the except block first: its traceback holds the attempt's tensors
+            if oom:
+                self._free(full_batch)
+            cannot_split = oom and pieces >= samples
+            oom_ranks, stuck_ranks = self.counters.agree([int(oom), int(cannot_split)])
+            if not oom_ranks:
+                break
+            if stuck_ranks:
+                raise RuntimeError(
+                    f"Out of device memory with microbatches of one sample (grad_accum={state.grad_accum}) on "
+                    f"{stuck_ranks} rank(s): the model does not fit. Lower batch_size, use precision='amp_bf16', "
+                    "or shard the model (parallelism='fsdp')."
+                )
+            if not oom:
+                self._free(full_batch)  # another rank ran out: drop this rank's attempt too
+            state.grad_accum *= 2
+            _log.warning(
+                "Out of device memory on %d rank(s) at step %d: retrying the batch with grad_accum=%d.",
+                oom_ranks,
+                state.step,
+                state.grad_accum,
+            )
+            trainer.logger.log_metrics({"trainer/grad_accum": state.grad_accum}, step=state.step)
+        if self.ddp is not None:
+            self._sync(self.ddp)
+
+    def _free(self, full_batch: Any) -> None:
+        """Drop what the failed attempt built: outputs, loss, gradients, cached device blocks."""
+        state = self.trainer.state
+        state.outputs = state.loss = None
+        state.batch = full_batch
+        for optimizer in state.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    @staticmethod
+    def _sync(ddp: Any) -> None:
+        """What DDP's reducer and forward would have done: average gradients, broadcast rank 0's buffers."""
+        import torch.distributed as tdist
+
+        group = ddp.process_group
+        world = tdist.get_world_size(group)
+        params = [p for p in ddp.module.parameters() if p.requires_grad]
+        by_dtype: Dict[torch.dtype, List[torch.nn.Parameter]] = {}
+        for param in params:  # one flat all-reduce per gradient dtype
+            by_dtype.setdefault(param.dtype, []).append(param)
+        for group_params in by_dtype.values():
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group_params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            tdist.all_reduce(flat, group=group)
+            flat.div_(world)
+            offset = 0
+            for param, grad in zip(group_params, grads):
+                param.grad = flat[offset : offset + grad.numel()].view_as(grad)
+                offset += grad.numel()
+        if ddp.broadcast_buffers:
+            buffers = list(ddp.module.buffers())
+            if buffers:
+                src = tdist.get_global_rank(group, 0) if group is not None else 0
+                for buffer in buffers:
+                    tdist.broadcast(buffer, src=src, group=group)

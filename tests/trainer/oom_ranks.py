@@ -1,0 +1,78 @@
+"""A model that runs out of (simulated) device memory above a microbatch size, for auto microbatching tests.
+
+`OOMModel` raises ``torch.OutOfMemoryError`` in forward when a microbatch has more rows than
+``limit`` (as a GPU would, but on CPU), and counts its forward calls. `train_auto` is the job that
+spawned gloo ranks run (tests/trainer/gloo_ranks.py): each rank may have its own limit.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from raytrain_events import Trainer
+from raytrain_events.core.logger import LoggerDestination
+from raytrain_events.dist import TorchDist
+
+ROWS, BATCH = 48, 16
+
+
+class OOMModel(torch.nn.Module):
+    """Linear -> ReLU -> Linear with cross-entropy; forward fails above ``limit`` rows."""
+
+    def __init__(self, limit: Optional[int] = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)  # the same initial weights everywhere
+        self.body = torch.nn.Linear(6, 16)
+        self.head = torch.nn.Linear(16, 3)
+        self.limit = limit
+        self.forward_rows: List[int] = []  # rows of every forward call, failed ones included
+
+    def forward(self, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+        rows = len(batch[0])
+        self.forward_rows.append(rows)
+        hidden = torch.relu(self.body(batch[0]))
+        if self.limit is not None and rows > self.limit:
+            raise torch.OutOfMemoryError(f"simulated: {rows} rows > {self.limit}")
+        return self.head(hidden)
+
+    def loss(self, outputs: torch.Tensor, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(outputs, batch[1])
+
+
+def dataset(seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(ROWS, 6, generator=g)
+    return TensorDataset(x, torch.randint(0, 3, (ROWS,), generator=g))
+
+
+class Recorder(LoggerDestination):
+    """Keeps every logged metric."""
+
+    def __init__(self) -> None:
+        self.metrics: List[Dict[str, Any]] = []
+
+    def log_metrics(self, metrics: Dict[str, Any], step: Optional[int] = None) -> None:
+        self.metrics.append(dict(metrics))
+
+
+def train_auto(rank: int, world_size: int, *, limits: Sequence[Optional[int]], grad_accum: Any = "auto") -> dict:
+    """Two epochs on this rank's data with this rank's memory limit; returns what the test compares."""
+    model = OOMModel(limits[rank])
+    trainer = Trainer(
+        model=model,
+        train_dataloader=DataLoader(dataset(seed=rank), batch_size=BATCH),
+        max_duration="2ep",
+        optimizers=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        grad_accum=grad_accum,
+        dist=TorchDist(),
+    )
+    state = trainer.fit()
+    return {
+        "grad_accum": state.grad_accum,
+        "timestamp": state.timestamp.state_dict(),
+        "forward_rows": model.forward_rows,
+        "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+    }
