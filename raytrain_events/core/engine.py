@@ -155,6 +155,11 @@ class Engine:
         for callback in self.state.callbacks:
             callback.on_exception(self.state, self.logger, exc)
 
+    @property
+    def closed(self) -> bool:
+        """True once `close` ran (callbacks and logger destinations are closed)."""
+        return self._closed
+
     def close(self) -> None:
         """Close callbacks and logger destinations once; safe to call twice."""
         if self._closed:

@@ -37,6 +37,15 @@ The order below is the contract (Composer's loop pseudocode); `Trainer` fires th
             # <EVAL_START> ... <EVAL_END>
         # <EPOCH_CHECKPOINT>
     # <FIT_END>
+
+`Trainer.eval()` fires the ``EVAL_*`` events on their own, and `Trainer.predict()` fires::
+
+    # <PREDICT_START>
+    for batch in dataloader:
+        # <PREDICT_BATCH_START> <PREDICT_BEFORE_FORWARD>
+        outputs = model(batch)
+        # <PREDICT_AFTER_FORWARD> <PREDICT_BATCH_END>
+    # <PREDICT_END>
 """
 
 from __future__ import annotations
@@ -81,6 +90,12 @@ class Event(str, Enum):
     EVAL_AFTER_FORWARD = "eval_after_forward"
     EVAL_BATCH_END = "eval_batch_end"
     EVAL_END = "eval_end"
+    PREDICT_START = "predict_start"
+    PREDICT_BATCH_START = "predict_batch_start"
+    PREDICT_BEFORE_FORWARD = "predict_before_forward"
+    PREDICT_AFTER_FORWARD = "predict_after_forward"
+    PREDICT_BATCH_END = "predict_batch_end"
+    PREDICT_END = "predict_end"
 
     def __str__(self) -> str:
         return self.value
@@ -102,8 +117,8 @@ class Event(str, Enum):
 
     @property
     def is_predict(self) -> bool:
-        """Prediction is not part of this loop; kept for Composer compatibility."""
-        return False
+        """True for the ``PREDICT_*`` events (fired by `Trainer.predict`)."""
+        return self.value.startswith("predict_")
 
 
 # As in Composer: each *_START / BEFORE_* event pairs with an *_END / AFTER_* event, and on the
@@ -122,6 +137,9 @@ _BEFORE_EVENTS = frozenset(
         Event.EVAL_START,
         Event.EVAL_BATCH_START,
         Event.EVAL_BEFORE_FORWARD,
+        Event.PREDICT_START,
+        Event.PREDICT_BATCH_START,
+        Event.PREDICT_BEFORE_FORWARD,
     }
 )
 _AFTER_EVENTS = frozenset(
@@ -138,5 +156,8 @@ _AFTER_EVENTS = frozenset(
         Event.EVAL_END,
         Event.EVAL_BATCH_END,
         Event.EVAL_AFTER_FORWARD,
+        Event.PREDICT_END,
+        Event.PREDICT_BATCH_END,
+        Event.PREDICT_AFTER_FORWARD,
     }
 )

@@ -64,6 +64,10 @@ class RunSpec:
     # -- the loop -----------------------------------------------------------------------------
     eval_batch_size: Optional[int] = _opt(None, help="eval rows per worker per batch (default: batch_size)")
     eval_interval: Any = _opt("1ep", help="how often to evaluate the eval sets: '1ep', '100ba', ...")
+    eval_options: Dict[str, Dict[str, Any]] = _opt(
+        help="per eval set, Evaluator options: {'val': {'eval_interval': '100ba', 'subset_num_batches': 5}}",
+        factory=dict,
+    )
     grad_accum: Union[int, str] = _opt(
         1, help="micro-batches per optimizer step, or 'auto': double them on a device out-of-memory error"
     )
@@ -145,6 +149,13 @@ class RunSpec:
         from raytrain_events.parallel.config import parse_parallelism
 
         parse_parallelism(self.parallelism)  # a bad value fails here, on the driver
+        for name, options in (self.eval_options or {}).items():
+            unknown = sorted(set(options) - {"eval_interval", "subset_num_batches", "metric_names"})
+            if unknown:
+                raise ValueError(
+                    f"eval_options[{name!r}] has unknown keys {unknown}: use eval_interval, subset_num_batches, "
+                    "metric_names."
+                )
         from raytrain_events.trainer.microbatching import parse_grad_accum
 
         parse_grad_accum(self.grad_accum)

@@ -56,6 +56,7 @@ def build_worker_trainer(spec: RunSpec) -> Trainer:
             dataloader=ShardLoader(
                 ray.train.get_dataset_shard(name), batch_size=spec.eval_batch_size or spec.batch_size, **loader_options
             ),
+            **spec.eval_options.get(name, {}),
         )
         for name in spec.eval_names
     ]

@@ -1,5 +1,9 @@
 """Evaluation: run each evaluator's data through the model and compute its metrics.
 
+Each `Evaluator` may have its own ``eval_interval`` (else the Trainer's) and ``subset_num_batches``
+(only the first N batches: cheap, frequent checks beside rare full evaluations). Metrics are
+logged as ``metrics/<label>/<name>``.
+
 Metrics are torchmetrics objects from ``model.get_metrics(is_train=False)``; with several ranks
 their ``compute()`` synchronizes across the process group, so every rank logs the global value.
 """
@@ -25,14 +29,41 @@ __all__ = ["Evaluator", "EvaluationHost", "ensure_evaluators", "run_evaluation"]
 
 
 class Evaluator:
-    """A named eval dataset and (optionally) which of the model's metrics to compute on it."""
+    """A named eval dataset, which of the model's metrics to compute on it, how often and on how much.
+
+    Example::
+
+        Evaluator(label="val_quick", dataloader=val, eval_interval="100ba", subset_num_batches=5)
+        Evaluator(label="val", dataloader=val, eval_interval="1ep")
+
+    Args:
+        eval_interval: when to run during `Trainer.fit` (a `Time`, like ``"100ba"``, or
+            ``fn(state, event) -> bool``); None: the Trainer's ``eval_interval``.
+        subset_num_batches: evaluate on only the first this many batches; -1: all of them.
+    """
 
     def __init__(
-        self, *, label: str, dataloader: Union[Iterable[Any], DataSpec], metric_names: Optional[Sequence[str]] = None
+        self,
+        *,
+        label: str,
+        dataloader: Union[Iterable[Any], DataSpec],
+        metric_names: Optional[Sequence[str]] = None,
+        eval_interval: Any = None,
+        subset_num_batches: int = -1,
     ):
+        if not label or "/" in label:
+            raise ValueError(
+                f"Evaluator label={label!r} must be a non-empty name without '/' (metrics/<label>/<name>)."
+            )
+        if not isinstance(subset_num_batches, int) or subset_num_batches == 0 or subset_num_batches < -1:
+            raise ValueError(
+                f"subset_num_batches={subset_num_batches!r} must be a positive int, or -1 for all batches."
+            )
         self.label = label
         self.dataloader = ensure_data_spec(dataloader)
         self.metric_names = list(metric_names) if metric_names is not None else None
+        self.eval_interval = eval_interval
+        self.subset_num_batches = subset_num_batches
 
 
 def ensure_evaluators(eval_dataloader: Any) -> List[Evaluator]:
@@ -92,15 +123,26 @@ class EvaluationHost(Protocol):
         ...
 
 
-def run_evaluation(host: EvaluationHost) -> None:
-    """Evaluate on every evaluator, firing the EVAL_* events, and log ``metrics/<label>/<name>``."""
+def run_evaluation(
+    host: EvaluationHost,
+    evaluators: Optional[Sequence[Evaluator]] = None,
+    subset_num_batches: Optional[int] = None,
+    log: bool = True,
+) -> Dict[str, Any]:
+    """Evaluate on ``evaluators`` (default: all of ``state.evaluators``), firing the EVAL_* events.
+
+    Returns the computed metrics ``{"metrics/<label>/<name>": value}``, logged too when ``log``.
+    ``subset_num_batches`` (when given and not -1) overrides each evaluator's own.
+    """
     state, engine, logger, device = host.state, host.engine, host.logger, host.device
     model = state.model
     was_training = model.training
     train_batch, train_outputs = state.batch, state.outputs
+    results: Dict[str, Any] = {}
     model.eval()
     try:
-        for evaluator in state.evaluators:
+        for evaluator in state.evaluators if evaluators is None else evaluators:
+            limit = evaluator.subset_num_batches if subset_num_batches in (None, -1) else subset_num_batches
             metrics = _fresh_metrics(model, evaluator.metric_names)
             for metric in metrics.values():
                 metric.to(device)
@@ -110,7 +152,9 @@ def run_evaluation(host: EvaluationHost) -> None:
             eval_forward = getattr(model, "eval_forward", None)
             update_metric = getattr(model, "update_metric", None)
             with torch.no_grad():
-                for batch in spec.dataloader:
+                for index, batch in enumerate(spec.dataloader):
+                    if limit != -1 and index >= limit:
+                        break
                     batch = move_to_device(batch, device)
                     if spec.device_transforms is not None:
                         batch = spec.device_transforms(batch)
@@ -126,9 +170,11 @@ def run_evaluation(host: EvaluationHost) -> None:
                             update_metric(state.batch, state.outputs, metric)
                     engine.run_event(Event.EVAL_BATCH_END)
             values = {f"metrics/{evaluator.label}/{name}": metric.compute() for name, metric in metrics.items()}
-            if values:
+            if values and log:
                 logger.log_metrics(values, step=state.step)
+            results.update(values)
             engine.run_event(Event.EVAL_END)
     finally:
         model.train(was_training)
         state.batch, state.outputs = train_batch, train_outputs
+    return results

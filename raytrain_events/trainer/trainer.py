@@ -35,6 +35,7 @@ from raytrain_events.trainer._setup import as_list, build_schedulers, set_epoch
 from raytrain_events.trainer.counters import BatchCounters
 from raytrain_events.trainer.evaluation import ensure_evaluators, run_evaluation
 from raytrain_events.trainer.microbatching import AUTO, AutoMicrobatching, DeferredCounters, parse_grad_accum
+from raytrain_events.trainer.predict import run_predict
 from raytrain_events.trainer.seed import seed_everything
 
 if TYPE_CHECKING:
@@ -162,6 +163,12 @@ class Trainer:
             self.state.scaler = torch.amp.GradScaler(self.device.type)
         self._max_duration: Time[Any] = max_duration
         self.eval_interval = make_interval(eval_interval, max_duration, counts_tokens=self.train_spec.counts_tokens)
+        self._eval_intervals = [  # each evaluator's own interval, else the Trainer's
+            self.eval_interval
+            if e.eval_interval is None
+            else make_interval(e.eval_interval, max_duration, counts_tokens=self.train_spec.counts_tokens)
+            for e in self.state.evaluators
+        ]
         self.logger = Logger(loggers if self.dist.rank == 0 else ())
         self.engine = Engine(state=self.state, logger=self.logger, algorithm_passes=algorithm_passes)
         self._checkpointer: Optional[Checkpointer] = None
@@ -229,8 +236,8 @@ class Trainer:
             if not finished_early or (steps is not None and state.timestamp.batch_in_epoch.value == steps):
                 state.timestamp = state.timestamp.to_next_epoch()
                 engine.run_event(Event.EPOCH_END)
-                if state.evaluators and self.eval_interval(state, Event.EPOCH_END):
-                    run_evaluation(self)
+                if state.evaluators:
+                    self._evaluate_due(Event.EPOCH_END)
                 engine.run_event(Event.EPOCH_CHECKPOINT)
             if not epoch_unit and finished_early:
                 break
@@ -307,8 +314,8 @@ class Trainer:
                 scheduler.step()
             if active[_BATCH_END]:
                 engine.run_event(_BATCH_END)
-            if state.evaluators and self.eval_interval(state, _BATCH_END):
-                run_evaluation(self)
+            if state.evaluators:
+                self._evaluate_due(_BATCH_END)
             if active[_BATCH_CHECKPOINT]:
                 engine.run_event(_BATCH_CHECKPOINT)
             batches += 1
@@ -420,6 +427,29 @@ class Trainer:
         if active[_AFTER_BACKWARD]:
             engine.run_event(_AFTER_BACKWARD)
         return loss
+
+    # ------------------------------------------------------ eval and predict
+    def eval(self, eval_dataloader: Any = None, subset_num_batches: int = -1) -> Dict[str, Any]:
+        """Evaluate now (after ``fit``, or on a loaded model), firing the EVAL_* events.
+
+        ``eval_dataloader``: a dataloader, `Evaluator`(s) or ``{label: loader}``; default the Trainer's
+        evaluators. Returns ``{"metrics/<label>/<name>": value}`` (logged too while the loggers are open).
+        """
+        evaluators = ensure_evaluators(eval_dataloader) if eval_dataloader is not None else self.state.evaluators
+        if not evaluators:
+            raise ValueError("Nothing to evaluate: pass eval_dataloader here or to Trainer(eval_dataloader=...).")
+        return run_evaluation(self, evaluators, subset_num_batches, log=not self.engine.closed)
+
+    def predict(self, dataloader: Any, subset_num_batches: int = -1, return_outputs: bool = True) -> List[Any]:
+        """``model(batch)`` for each batch with the PREDICT_* events; the outputs on the CPU (see `run_predict`)."""
+        return run_predict(self, dataloader, subset_num_batches, return_outputs)
+
+    def _evaluate_due(self, event: Event) -> None:
+        """Run the evaluators whose interval fires at ``event``."""
+        state = self.state
+        due = [e for e, interval in zip(state.evaluators, self._eval_intervals) if interval(state, event)]
+        if due:
+            run_evaluation(self, due)
 
     # --------------------------------------------------------------- helpers
     def _check_flags_agree(self) -> None:

@@ -78,7 +78,8 @@ def test_filo_on_after_events(event):
     engine = Engine(state=make_state(algorithms=algos), logger=Logger())
     engine.run_event(event)
     order = [name for name, _ in log]
-    is_after = event.name.startswith("AFTER_") or event.name.endswith("_END") or event.name.startswith("EVAL_AFTER_")
+    stem = event.name.split("_", 1)[1] if event.name.startswith(("EVAL_", "PREDICT_")) else event.name
+    is_after = stem.startswith("AFTER_") or event.name.endswith("_END")
     assert order == (["c", "b", "a"] if is_after else ["a", "b", "c"])
 
 

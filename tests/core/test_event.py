@@ -1,4 +1,4 @@
-"""Tests for raytrain_events.core.event: the 26 events, their order and their groupings."""
+"""Tests for raytrain_events.core.event: the 32 events, their order and their groupings."""
 
 from __future__ import annotations
 
@@ -34,12 +34,18 @@ EXPECTED_NAMES = [
     "EVAL_AFTER_FORWARD",
     "EVAL_BATCH_END",
     "EVAL_END",
+    "PREDICT_START",
+    "PREDICT_BATCH_START",
+    "PREDICT_BEFORE_FORWARD",
+    "PREDICT_AFTER_FORWARD",
+    "PREDICT_BATCH_END",
+    "PREDICT_END",
 ]
 
 
 def test_exact_events_in_order():
     assert [e.name for e in Event] == EXPECTED_NAMES
-    assert len(Event) == 26
+    assert len(Event) == 32
 
 
 @pytest.mark.parametrize("event", list(Event), ids=lambda e: e.name)
@@ -64,13 +70,16 @@ def _pairs():
         ("EVAL_START", "EVAL_END"),
         ("EVAL_BATCH_START", "EVAL_BATCH_END"),
         ("EVAL_BEFORE_FORWARD", "EVAL_AFTER_FORWARD"),
+        ("PREDICT_START", "PREDICT_END"),
+        ("PREDICT_BATCH_START", "PREDICT_BATCH_END"),
+        ("PREDICT_BEFORE_FORWARD", "PREDICT_AFTER_FORWARD"),
     ]
 
 
 @pytest.mark.parametrize("event", list(Event), ids=lambda e: e.name)
 def test_is_before_is_after_follow_the_names(event):
     name = event.name
-    stem = name[len("EVAL_") :] if name.startswith("EVAL_") else name
+    stem = name.split("_", 1)[1] if name.startswith(("EVAL_", "PREDICT_")) else name
     assert event.is_before_event == (stem.startswith("BEFORE_") or name.endswith("_START"))
     assert event.is_after_event == (stem.startswith("AFTER_") or name.endswith("_END"))
     assert not (event.is_before_event and event.is_after_event)
@@ -95,4 +104,5 @@ def test_before_precedes_after_in_order():
 def test_is_eval():
     assert {e.name for e in Event if e.is_eval} == {n for n in EXPECTED_NAMES if n.startswith("EVAL_")}
     assert not Event.BEFORE_FORWARD.is_eval and Event.EVAL_BEFORE_FORWARD.is_eval
-    assert not any(e.is_predict for e in Event)
+    assert {e.name for e in Event if e.is_predict} == {n for n in EXPECTED_NAMES if n.startswith("PREDICT_")}
+    assert not any(e.is_predict and e.is_eval for e in Event)

@@ -118,3 +118,13 @@ def test_result_names_the_newest_checkpoint_latest():
     result = RayResult(timestamp=Timestamp(), metrics={}, history=[], checkpoints=["ep1", "ep2"])
     assert result.latest_checkpoint == "ep2"
     assert RayResult(timestamp=Timestamp(), metrics={}, history=[]).latest_checkpoint is None
+
+
+def test_grad_accum_auto_and_eval_options_are_checked_on_the_driver():
+    assert _spec(grad_accum="auto").grad_accum == "auto"
+    with pytest.raises(ValueError, match="grad_accum='max'.*or 'auto'"):
+        _spec(grad_accum="max")
+    spec = _spec(eval_options={"val": {"eval_interval": "10ba", "subset_num_batches": 2}})
+    assert spec.eval_options["val"]["subset_num_batches"] == 2
+    with pytest.raises(ValueError, match=r"eval_options\['val'\] has unknown keys \['subset'\]"):
+        _spec(eval_options={"val": {"subset": 2}})
