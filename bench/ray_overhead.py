@@ -507,7 +507,7 @@ def run_diagnostics(ds, args, out_dir: str, storage: str) -> dict:
     # the A/B compares the loops; the reporting cadence is part 1's business.
     spec = ours_trainer(
         ds, args, max_duration="1ep", out_dir=out_dir, tag="ab", storage=storage, report_interval="1000000ba"
-    ).spec
+    ).spec.for_workers()  # what RayTrainer ships to the workers (datasets by name only)
     TorchTrainer(
         diag_loop,
         train_loop_config={

@@ -14,7 +14,7 @@ from typing import Optional, TextIO, Union
 from raytrain_events.core.callback import Callback
 from raytrain_events.core.event import Event
 from raytrain_events.core.interval import make_interval
-from raytrain_events.core.logger import to_python
+from raytrain_events.core.plain import to_python
 from raytrain_events.core.time import Time
 
 __all__ = ["ConsoleLogger"]

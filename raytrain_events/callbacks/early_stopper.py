@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional, Union
 
 from raytrain_events.callbacks._monitor import Comparator, check_monitor_label, read_metric, resolve_comparator
 from raytrain_events.core.callback import Callback
-from raytrain_events.core.logger import to_python
+from raytrain_events.core.plain import to_python
 from raytrain_events.core.time import Time, TimeUnit, ensure_time
 
 __all__ = ["EarlyStopper"]

@@ -10,7 +10,7 @@ import sys
 from typing import Any, Optional, TextIO
 
 from raytrain_events.core.callback import Callback
-from raytrain_events.core.logger import to_python
+from raytrain_events.core.plain import to_python
 from raytrain_events.core.time import TimeUnit
 
 __all__ = ["ProgressBar"]

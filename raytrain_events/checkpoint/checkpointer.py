@@ -11,6 +11,7 @@ file on the training thread first, so that its entry reaches rank 0 before the c
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -43,11 +44,13 @@ from raytrain_events.checkpoint.store import AsyncCheckpointWriter, load_latest_
 from raytrain_events.core.callback import Callback
 from raytrain_events.core.event import Event
 from raytrain_events.core.interval import make_interval
-from raytrain_events.core.time import TimeUnit
+from raytrain_events.core.time import TimeUnit, counters_of
 from raytrain_events.parallel.wrap import is_sharded_module
 from raytrain_events.storage.errors import RunLockedError
 from raytrain_events.storage.fs import basename
 from raytrain_events.storage.locks import acquire_lock, release_lock
+
+_log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from raytrain_events.core.engine import Engine
@@ -64,7 +67,6 @@ __all__ = [
 ]
 
 STATE_FILE = "state.pt"
-_COUNTERS = {"epoch": TimeUnit.EPOCH, "batch": TimeUnit.BATCH, "sample": TimeUnit.SAMPLE, "token": TimeUnit.TOKEN}
 
 
 @dataclass
@@ -222,8 +224,10 @@ class Checkpointer(Callback):
         if state.rank == 0 and saved_config is not None and host.config and saved_config != host.config:
             from raytrain_events.storage.config_diff import format_config_diff
 
-            print(
-                f"Resuming {loaded.info.url} with a different config:\n{format_config_diff(saved_config, host.config)}"
+            _log.warning(
+                "Resuming %s with a different config:\n%s",
+                loaded.info.url,
+                format_config_diff(saved_config, host.config),
             )
 
     # ------------------------------------------------------------------ save
@@ -282,7 +286,7 @@ class Checkpointer(Callback):
         batch = state.timestamp.get_value(TimeUnit.BATCH)
         if batch == self._last_saved_batch:
             return None
-        timestamp = {name: state.timestamp.get_value(unit) for name, unit in _COUNTERS.items()}
+        timestamp = counters_of(state.timestamp)
         url = new_checkpoint_url(self.folder, timestamp=timestamp)
         if dist.is_distributed:
             url = dist.all_gather_object(url)[0]  # rank 0 names the directory

@@ -45,7 +45,9 @@ def load_config(schema: type, *, config_path: Optional[str] = None, overrides: S
 
 def to_plain(cfg: Any) -> Dict[str, Any]:
     """A plain dict (for JSON, Ray and logs) from a DictConfig."""
-    return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    from raytrain_events.core.plain import to_plain as _to_plain
+
+    return _to_plain(cfg, fallback=lambda value: value)
 
 
 # ----------------------------------------------------------------------------- describing

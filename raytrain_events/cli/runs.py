@@ -12,10 +12,11 @@ import json
 from typing import Any, Dict, List, Optional, Sequence
 
 from raytrain_events.cli.errors import UsageError
+from raytrain_events.core.time import COUNTER_UNITS
 
 __all__ = ["parse_storage_options", "list_runs", "inspect_run", "diff_runs"]
 
-_TIME_KEYS = ("epoch", "batch", "sample", "token")
+_TIME_KEYS = tuple(COUNTER_UNITS)
 
 
 def parse_storage_options(items: Optional[Sequence[str]]) -> Dict[str, Any]:
@@ -223,7 +224,7 @@ def diff_runs(run_a: str, run_b: str, options: Dict[str, Any]) -> str:
 
 def _ts(ts: Dict[str, Any]) -> str:
     """``{"epoch": 2, "batch": 24, ...}`` -> ``2ep 24ba 3000sp 0tok`` (Time strings)."""
-    return " ".join(f"{ts.get(k, 0)}{unit}" for k, unit in zip(_TIME_KEYS, ("ep", "ba", "sp", "tok")))
+    return " ".join(f"{ts.get(name, 0)}{unit.value}" for name, unit in COUNTER_UNITS.items())
 
 
 def _size(n: int) -> str:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
 
+from raytrain_events.core.plain import to_python  # noqa: F401  (its old home; the converter lives in core/plain.py)
+
 __all__ = ["Logger", "LoggerDestination", "to_python"]
 
 
@@ -55,11 +57,3 @@ class Logger:
         """Close every destination."""
         for destination in self.destinations:
             destination.close()
-
-
-def to_python(value: Any) -> Any:
-    """Turn a 0-d tensor or numpy scalar into a Python number; leave other values alone."""
-    item = getattr(value, "item", None)
-    if item is not None and getattr(value, "numel", lambda: 1)() == 1:
-        return item()
-    return value

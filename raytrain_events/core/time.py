@@ -13,7 +13,7 @@ import operator
 import re
 from collections.abc import Mapping
 from enum import Enum
-from typing import Any, Callable, Generic, TypeGuard, TypeVar, cast
+from typing import Any, Callable, Dict, Generic, TypeGuard, TypeVar, Union, cast
 
 __all__ = ["TimeUnit", "Time", "Timestamp", "ensure_time"]
 
@@ -310,12 +310,33 @@ def ensure_time(maybe_time: Time[Any] | str | int | float, int_unit: TimeUnit | 
     )
 
 
-_COUNTERS = ("epoch", "batch", "sample", "token", "batch_in_epoch", "sample_in_epoch", "token_in_epoch")
-_COUNTER_UNIT = {
+#: The run's four counters by name and unit ("sample" counts in TimeUnit.SAMPLE, "sp"): the one
+#: map between counter names and units. Reports carry each as ``time/<name>`` (`report_key`).
+COUNTER_UNITS: Dict[str, TimeUnit] = {
     "epoch": TimeUnit.EPOCH,
     "batch": TimeUnit.BATCH,
     "sample": TimeUnit.SAMPLE,
     "token": TimeUnit.TOKEN,
+}
+_NAME_OF_UNIT = {unit: name for name, unit in COUNTER_UNITS.items()}
+
+
+def report_key(unit: Union[TimeUnit, str]) -> str:
+    """The history/report key of a counter: ``"sp"`` or ``"sample"`` -> ``"time/sample"``."""
+    name = unit if unit in COUNTER_UNITS else _NAME_OF_UNIT.get(TimeUnit(unit))
+    if name is None:
+        raise ValueError(f"{unit!r} is not a counter; counters: {', '.join(COUNTER_UNITS)}.")
+    return f"time/{name}"
+
+
+def counters_of(timestamp: Timestamp) -> Dict[str, int]:
+    """``{"epoch": 2, "batch": 24, "sample": 3000, "token": 0}`` of a Timestamp."""
+    return {name: timestamp.get_value(unit) for name, unit in COUNTER_UNITS.items()}
+
+
+_COUNTERS = (*COUNTER_UNITS, "batch_in_epoch", "sample_in_epoch", "token_in_epoch")
+_COUNTER_UNIT = {
+    **COUNTER_UNITS,
     "batch_in_epoch": TimeUnit.BATCH,
     "sample_in_epoch": TimeUnit.SAMPLE,
     "token_in_epoch": TimeUnit.TOKEN,
@@ -324,7 +345,7 @@ _COUNTER_UNIT = {
 }
 _WCTS = ("total_wct", "epoch_wct", "batch_wct")
 # Keyed by str values, which TimeUnit members hash and compare equal to.
-_ATTR_OF_UNIT = {"ep": "_epoch", "ba": "_batch", "sp": "_sample", "tok": "_token"}
+_ATTR_OF_UNIT = {unit.value: "_" + name for name, unit in COUNTER_UNITS.items()}
 _ZERO = datetime.timedelta(0)
 _get_counters = operator.attrgetter(*("_" + n for n in _COUNTERS))
 

@@ -13,21 +13,9 @@ import os
 from typing import Any, Dict, Optional
 
 from raytrain_events.core.logger import LoggerDestination
+from raytrain_events.core.plain import to_plain
 
 __all__ = ["FileLogger"]
-
-
-def _jsonable(value: Any) -> Any:
-    tolist = getattr(value, "tolist", None)
-    if callable(tolist):
-        return tolist()
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return str(value)
 
 
 class FileLogger(LoggerDestination):
@@ -54,7 +42,7 @@ class FileLogger(LoggerDestination):
 
     def _write(self, record: Dict[str, Any]) -> None:
         f = self._open()
-        f.write(json.dumps(_jsonable(record)) + "\n")
+        f.write(json.dumps(to_plain(record)) + "\n")
         f.flush()
 
     def log_hyperparameters(self, hyperparameters: Dict[str, Any]) -> None:

@@ -15,8 +15,15 @@ Private names used (checked against Ray 2.60.0):
 * ``TrialScheduler._time_attr`` / ``._max_t`` (ASHA, HyperBand, median stopping, PBT): the sweep
   checks the scheduler's time attribute is one we report, and tells "stopped at the budget" from
   "stopped early". Tune has no public getter for either.
-* ``ray.train.v2._internal.execution.context.logger``: the logger of Ray Train's per-report INFO
-  line on each worker (a console run lowers it to WARNING).
+* ``ray._private.utils.get_dashboard_dependency_error``: whether the dashboard can start, so an
+  embedded instance gets one on a known loopback port (`raytrain_events.ray.console`).
+* ``ray._private.ray_logging.global_worker_stdstream_dispatcher`` (its ``handlers`` list and
+  ``_lock``): the driver-side handler that prints the workers' forwarded lines; the console wraps
+  it to drop Ray's known noise (`wrap_worker_line_handler`).
+* Ray Data: ``Dataset._meta_count()`` (rows from metadata, never computing), ``Dataset._logical_plan``
+  with ``ray.data._internal.logical.operators.read_operator`` (is the dataset a bare file read?) and
+  ``Dataset.iter_internal_ref_bundles()`` (the blocks, in order, without pulling them to the caller:
+  the global-order feeder slices them).
 * ``ray._private.ray_constants.ENABLE_RAY_CLUSTER`` and ``ray.init(_node_ip_address=...)``: keep an
   embedded local instance on 127.0.0.1 (`loopback_only`).
 """
@@ -26,16 +33,19 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
-import logging
 import os
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 __all__ = [
     "RayCompatError",
     "tune_result_queue",
     "scheduler_time_attr",
     "scheduler_max_t",
-    "train_report_logger",
+    "dashboard_installed",
+    "wrap_worker_line_handler",
+    "dataset_meta_count",
+    "is_bare_read",
+    "iter_block_refs",
     "LOOPBACK_INIT_KWARGS",
     "loopback_only",
     "check_private_names",
@@ -116,13 +126,48 @@ def scheduler_max_t(scheduler: Any) -> Any:
     return _attr(scheduler, "_max_t")
 
 
-def train_report_logger() -> logging.Logger:
-    """The logger of Ray Train's per-report INFO line on each worker."""
-    context = _import("ray.train.v2._internal.execution", "context")
-    logger = _attr(context, "logger")
-    if not isinstance(logger, logging.Logger):
-        raise _missing("ray.train.v2._internal.execution.context.logger as a logging.Logger")
-    return logger
+def dashboard_installed() -> bool:
+    """Whether this Ray can start its dashboard (its optional dependencies are installed)."""
+    get_error = _import("ray._private.utils", "get_dashboard_dependency_error")
+    return get_error() is None
+
+
+def wrap_worker_line_handler(name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None]:
+    """Replace the driver's handler ``name`` of forwarded worker lines by ``wrap(handler)``; returns the undo.
+
+    Ray registers ``"ray_print_logs"`` on ``global_worker_stdstream_dispatcher``: it prints each
+    batch of lines the workers wrote (a dict with ``lines``, ``pid``, ``actor_name``...).
+    """
+    dispatcher = _import("ray._private.ray_logging", "global_worker_stdstream_dispatcher")
+    lock = _attr(dispatcher, "_lock")
+    with lock:
+        original = list(_attr(dispatcher, "handlers"))
+        dispatcher.handlers = [(key, wrap(handler) if key == name else handler) for key, handler in original]
+
+    def restore() -> None:
+        with lock:
+            dispatcher.handlers = original
+
+    return restore
+
+
+def dataset_meta_count(dataset: Any) -> Optional[int]:
+    """Rows of a Ray Dataset known from metadata alone (never runs anything); None if unknown."""
+    return _attr(dataset, "_meta_count")()
+
+
+def is_bare_read(dataset: Any) -> bool:
+    """Whether a Ray Dataset is a plain file read (no map/filter after it), whose count is cheap."""
+    read_operator = _import("ray.data._internal.logical.operators", "read_operator")
+    reads = tuple(getattr(read_operator, name) for name in ("Read", "ReadFiles") if hasattr(read_operator, name))
+    if not reads:
+        raise _missing("ray.data._internal.logical.operators.read_operator.Read")
+    return isinstance(_attr(_attr(dataset, "_logical_plan"), "dag"), reads)
+
+
+def iter_block_refs(dataset: Any) -> Iterator[Any]:
+    """A Ray Dataset's output as ``RefBundle``s (object refs of blocks with their metadata), in order."""
+    return iter(_attr(dataset, "iter_internal_ref_bundles")())
 
 
 @contextlib.contextmanager
@@ -189,7 +234,10 @@ def check_private_names() -> List[Tuple[str, str]]:
     asha = ASHAScheduler(time_attr="time/sample", max_t=10, grace_period=1)
     probe("scheduler _time_attr", lambda: _expect(scheduler_time_attr(asha), "time/sample", "ASHAScheduler._time_attr"))
     probe("scheduler _max_t", lambda: _expect(scheduler_max_t(asha), 10, "ASHAScheduler._max_t"))
-    probe("train report logger", train_report_logger)
+    probe("get_dashboard_dependency_error", lambda: _import("ray._private.utils", "get_dashboard_dependency_error"))
+    probe("worker line dispatcher", lambda: wrap_worker_line_handler("ray_print_logs", lambda handler: handler)())
+    probe("ray_print_logs handler", _expect_print_logs_handler)
+    probe("Ray Data internals", _probe_dataset_internals)
     probe("ENABLE_RAY_CLUSTER", lambda: _import("ray._private.ray_constants", "ENABLE_RAY_CLUSTER"))
     probe("resolve_ip_for_localhost", lambda: _import("ray._private.services", "resolve_ip_for_localhost"))
     if not _init_takes("_node_ip_address"):
@@ -213,3 +261,24 @@ def _init_takes(private_kwarg: str) -> bool:
     """``ray.init`` takes its private options through ``**kwargs``: look for the one it pops."""
     worker = importlib.import_module("ray._private.worker")
     return f'kwargs.pop("{private_kwarg}"' in inspect.getsource(worker.init)
+
+
+def _expect_print_logs_handler() -> None:
+    """Ray registers the handler by that name when a driver connects (``ray._private.worker``)."""
+    worker = importlib.import_module("ray._private.worker")
+    if '"ray_print_logs"' not in inspect.getsource(worker):
+        raise _missing('a "ray_print_logs" handler on global_worker_stdstream_dispatcher')
+
+
+def _probe_dataset_internals() -> None:
+    """Each Ray Data name, read off the class and its source (nothing is executed, Ray need not run)."""
+    from ray.data import Dataset
+
+    for name in ("_meta_count", "iter_internal_ref_bundles"):
+        if not hasattr(Dataset, name):
+            raise _missing(f"ray.data.Dataset.{name}")
+    if "self._logical_plan" not in inspect.getsource(Dataset.__init__):
+        raise _missing("ray.data.Dataset._logical_plan")
+    read_operator = _import("ray.data._internal.logical.operators", "read_operator")
+    if not hasattr(read_operator, "Read"):
+        raise _missing("ray.data._internal.logical.operators.read_operator.Read")

@@ -12,9 +12,11 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, List, Optional
 
+from raytrain_events.core.time import COUNTER_UNITS
+
 __all__ = ["ReportAggregator", "TimestampMismatchError", "reduce_metrics"]
 
-COUNTERS = ("epoch", "batch", "sample", "token")
+COUNTERS = tuple(COUNTER_UNITS)
 
 
 class TimestampMismatchError(RuntimeError):

@@ -67,7 +67,7 @@ def check_data_cpus(cluster_resources: Mapping[str, float], scaling_config: Any,
         return
     cpus = float(cluster_resources.get("CPU", 0))
     workers = scaling_config.max_workers
-    per_worker = float(scaling_config._resources_per_worker_not_none.get("CPU", 0))
+    per_worker = float(scaling_config.num_cpus_per_worker)
     taken = workers * per_worker
     if cpus - taken >= 1:
         return

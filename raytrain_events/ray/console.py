@@ -145,11 +145,9 @@ def local_instance(init_kwargs: Dict[str, Any], *, verbose: bool) -> Iterator[No
 
 
 def _dashboard_installed() -> bool:
-    try:
-        from ray._private.utils import get_dashboard_dependency_error
-    except ImportError:  # pragma: no cover - other Ray versions
-        return False
-    return get_dashboard_dependency_error() is None
+    from raytrain_events.ray import _compat
+
+    return _compat.dashboard_installed()
 
 
 def _free_port() -> int:
@@ -215,24 +213,9 @@ def _is_file_handler(handler: logging.Handler) -> bool:
 
 def _filter_forwarded_lines(write: Optional[Callable[[str, Any], None]]) -> Callable[[], None]:
     """Wrap Ray's handler that prints the workers' lines on the driver; returns the undo."""
-    try:
-        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
-    except ImportError:  # pragma: no cover - other Ray versions
-        return lambda: None
-    with dispatcher._lock:
-        original = list(dispatcher.handlers)
-        wrapped = []
-        for name, handler in original:
-            if name == "ray_print_logs":
-                handler = _filtered(handler, write)
-            wrapped.append((name, handler))
-        dispatcher.handlers = wrapped
+    from raytrain_events.ray import _compat
 
-    def restore() -> None:
-        with dispatcher._lock:
-            dispatcher.handlers = original
-
-    return restore
+    return _compat.wrap_worker_line_handler("ray_print_logs", lambda handler: _filtered(handler, write))
 
 
 def _filtered(handler: Callable[[Dict[str, Any]], None], write: Optional[Callable[[str, Any], None]]) -> Callable:

@@ -19,6 +19,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 from ray.train import DataConfig
 
+from raytrain_events.ray import _compat
+
 __all__ = [
     "cheap_row_count",
     "ShardLoader",
@@ -167,7 +169,7 @@ class TrainDataConfig(DeterministicSplitDataConfig):
                 .options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False))
                 .remote(dataset, world_size, global_batch, self.deterministic)
             )
-            rows = self.train_rows if self.train_rows is not None else dataset._meta_count()
+            rows = self.train_rows if self.train_rows is not None else _compat.dataset_meta_count(dataset)
             for rank in range(world_size):
                 output[rank]["train"] = GlobalOrderShard(feeder, rank, world_size, global_batch, rows)
         return output
@@ -178,13 +180,10 @@ def cheap_row_count(dataset: Any) -> Optional[int]:
 
     None when counting would run a preprocessing pipeline (``map_batches``, ``filter``...).
     """
-    rows = dataset._meta_count()
+    rows = _compat.dataset_meta_count(dataset)
     if rows is not None:
         return rows
-    from ray.data._internal.logical.operators import read_operator
-
-    reads = tuple(getattr(read_operator, name) for name in ("Read", "ReadFiles") if hasattr(read_operator, name))
-    if isinstance(dataset._logical_plan.dag, reads):
+    if _compat.is_bare_read(dataset):
         return dataset.count()  # Ray counts a bare read from the files' metadata (no data columns read)
     return None
 

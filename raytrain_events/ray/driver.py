@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional
 
-from raytrain_events.core.time import Timestamp
+from raytrain_events.core.time import COUNTER_UNITS, Timestamp, report_key
 from raytrain_events.ray.spec import RunSpec
 
 __all__ = ["RayTrainer", "RayResult", "RayTrainingError"]
@@ -172,6 +172,7 @@ class RayTrainer:
         worker_spec = self.spec.for_workers(datasets=datasets)
         from ray.train.torch import TorchTrainer
 
+        from raytrain_events.ray import _compat
         from raytrain_events.ray.console import train_logging_config
         from raytrain_events.ray.data import TrainDataConfig
         from raytrain_events.ray.follow import HistoryFollower
@@ -184,7 +185,7 @@ class RayTrainer:
         history = RunHistory.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(driver_node, soft=True)
         ).remote()
-        tune_queue = _tune_queue()
+        tune_queue = _compat.tune_result_queue()  # inside a Tune trial: where Tune reads results
         storage_path, storage_filesystem = _ray_storage(self.storage_path, self.storage_options)
         trainer = TorchTrainer(
             train_loop_per_worker,
@@ -244,12 +245,7 @@ class RayTrainer:
 
     def _result(self, entries: List[Dict[str, Any]], ray_result: Any) -> RayResult:
         final = entries[-1] if entries else {}
-        timestamp = Timestamp(
-            epoch=final.get("time/epoch", 0),
-            batch=final.get("time/batch", 0),
-            sample=final.get("time/sample", 0),
-            token=final.get("time/token", 0),
-        )
+        timestamp = Timestamp(**{name: final.get(report_key(name), 0) for name in COUNTER_UNITS})
         checkpoints: List[Any] = []
         if self.spec.checkpoint is not None:
             from raytrain_events.checkpoint.store import list_checkpoints
@@ -336,18 +332,6 @@ def _ray_storage(storage_url: str, storage_options: Dict[str, Any]):
 
     fs, path = resolve(storage_url, storage_options)
     return path, pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(fs))
-
-
-def _tune_queue() -> Any:
-    """Inside a Tune trial, the queue Tune reads trial results from; else None."""
-    try:
-        from ray.train._internal.session import get_session
-        from ray.tune.trainable.trainable_fn_utils import _in_tune_session
-    except ImportError:  # pragma: no cover
-        return None
-    if not _in_tune_session():
-        return None
-    return get_session()._get_or_create_inter_actor_queue()
 
 
 def _describe_failure(exc: BaseException, history: Any) -> str:

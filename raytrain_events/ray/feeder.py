@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
+from raytrain_events.ray import _compat
+
 __all__ = ["EpochFeeder", "rank_rows", "batches_in_epoch"]
 
 Slice = Tuple[Any, int, int]  # (block ref, first row, end row) within that block
@@ -133,9 +135,7 @@ class EpochFeeder:
             if order_seed is not None:
                 dataset = dataset.randomize_block_order(seed=order_seed + epoch)
             self.epochs = {k: v for k, v in self.epochs.items() if k[0] >= epoch - 1}
-            self.epochs[key] = _Epoch(
-                iter(dataset.iter_internal_ref_bundles()), position, self.global_batch, self.world_size
-            )
+            self.epochs[key] = _Epoch(_compat.iter_block_refs(dataset), position, self.global_batch, self.world_size)
         return True
 
     def batch(self, epoch: int, position: int, rank: int, k: int) -> Optional[List[Slice]]:

@@ -10,7 +10,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 import ray
-from ray.train.v2.api.callback import UserCallback
+from ray.train import UserCallback
 
 from raytrain_events.ray.aggregate import ReportAggregator
 

@@ -13,11 +13,9 @@ from __future__ import annotations
 import threading
 from typing import Any, Dict, List, Optional
 
-from raytrain_events.core.time import Time
+from raytrain_events.core.time import Time, report_key
 
 __all__ = ["RunProgress", "describe_entry"]
-
-_KEYS = {"ep": "time/epoch", "ba": "time/batch", "sp": "time/sample", "tok": "time/token"}
 
 
 def describe_entry(entry: Dict[str, Any], entries: List[Dict[str, Any]]) -> str:
@@ -73,7 +71,7 @@ class RunProgress:
         from tqdm import tqdm
 
         self.duration = Time.from_timestring(max_duration)
-        self.key = _KEYS[self.duration.unit.value]
+        self.key = report_key(self.duration.unit)
         self._lock = threading.RLock()
         self.bar = tqdm(
             total=self.duration.value,

@@ -19,8 +19,8 @@ from raytrain_events.checkpoint.preemption import SAVE_FLAG
 from raytrain_events.core.callback import Callback
 from raytrain_events.core.event import Event
 from raytrain_events.core.interval import make_interval
-from raytrain_events.core.logger import to_python
-from raytrain_events.core.time import TimeUnit
+from raytrain_events.core.plain import to_python
+from raytrain_events.core.time import counters_of
 
 __all__ = ["RayReporter", "REPORT_FLAG"]
 
@@ -34,13 +34,6 @@ def _preempting() -> bool:
 
     get_info = getattr(ray.train, "get_preemption_info", None)
     return get_info is not None and get_info() is not None
-
-
-def _counters(timestamp) -> Dict[str, int]:
-    return {name: timestamp.get_value(unit) for name, unit in _UNITS.items()}
-
-
-_UNITS = {"epoch": TimeUnit.EPOCH, "batch": TimeUnit.BATCH, "sample": TimeUnit.SAMPLE, "token": TimeUnit.TOKEN}
 
 
 class RayReporter(Callback):
@@ -89,7 +82,7 @@ class RayReporter(Callback):
         self._last_report = time.monotonic()
         self._checkpointer = find_checkpointer(state)  # attached after INIT, so looked up here
         # The first report of this worker group says where it started (0, or a checkpoint).
-        self._start = _counters(state.timestamp)
+        self._start = counters_of(state.timestamp)
         self._reset()
 
     def after_dataloader(self, state, logger) -> None:
@@ -128,7 +121,7 @@ class RayReporter(Callback):
             "start": self._start,
             "local_samples": self.local_samples,
             "local_tokens": self.local_tokens,
-            "timestamp": _counters(state.timestamp),
+            "timestamp": counters_of(state.timestamp),
             "train_loss_sum": loss_sum,
             "train_loss_count": self._loss_count,
             "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))},

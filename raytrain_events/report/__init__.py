@@ -19,6 +19,7 @@ import json
 import math
 from typing import Any, Dict, List, Optional, Tuple
 
+from raytrain_events.core.time import COUNTER_UNITS, report_key
 from raytrain_events.report import html
 from raytrain_events.report.history_file import HISTORY_FILE, append_history, read_history
 from raytrain_events.report.plots import run_figures, sweep_figure
@@ -80,7 +81,7 @@ def _run_report(url: str, options: Dict[str, Any]) -> Tuple[str, List[str], Dict
     final = history[-1] if history else {}
     name = (config or {}).get("run_name") or url.rstrip("/").rsplit("/", 1)[-1]
     sections = ["<h2>Summary</h2>"]
-    rows = [[k, final[k]] for k in ("time/epoch", "time/batch", "time/sample", "time/token") if k in final]
+    rows = [[k, final[k]] for k in map(report_key, COUNTER_UNITS) if k in final]
     rows += [[k, final[k]] for k in sorted(final) if k.startswith(("train/", "metrics/"))]
     rows.append(["reports", len(history)])
     rows.append(["attempts (worker group starts)", len({e.get("attempt") for e in history})])
@@ -222,10 +223,8 @@ def _label(config: Dict[str, Any]) -> str:
     algorithms = config.get("algorithms")
     if algorithms is None:
         return "-"
-    try:
-        from raytrain_events.ray.tune_sets import algorithm_set_label
-    except ImportError:  # the Tune module moved: fall back to a plain rendering
-        return json.dumps(algorithms, default=str)
+    from raytrain_events.tune.sets import algorithm_set_label
+
     return algorithm_set_label(algorithms)
 
 

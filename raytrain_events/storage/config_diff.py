@@ -13,11 +13,10 @@ Usage::
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from raytrain_events.core.plain import to_plain
 
 _ABSENT = object()
 
@@ -63,18 +62,6 @@ def _diff(a: Any, b: Any, prefix: str | None) -> list[tuple[str, Any, Any]]:
     return []
 
 
-def _plain(cfg: Any) -> Any:
-    if isinstance(cfg, (DictConfig, ListConfig)):
-        return _plain(OmegaConf.to_container(cfg, resolve=False))
-    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
-        return _plain(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=False))
-    if isinstance(cfg, dict):
-        return {k: _plain(v) for k, v in cfg.items()}
-    if isinstance(cfg, (list, tuple)):
-        return [_plain(v) for v in cfg]
-    return cfg
-
-
 def _line(key: str, value: Any) -> str:
     return f"{key}: {_fmt(value)}"
 
@@ -87,3 +74,8 @@ def _fmt(value: Any) -> str:
     if isinstance(value, (dict, list)):
         return json.dumps(value, sort_keys=True, default=str)
     return str(value)
+
+
+def _plain(cfg: Any) -> Any:
+    """Configs (OmegaConf, dataclasses, dicts) as plain data, interpolations left as written."""
+    return to_plain(cfg, fallback=lambda value: value, resolve=False)

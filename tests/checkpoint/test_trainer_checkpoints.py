@@ -181,8 +181,9 @@ def test_second_run_on_a_locked_run_dir_is_refused(tmp_path):
     make_trainer(str(tmp_path / "run/checkpoints"), {})._checkpointer.close()
 
 
-def test_resume_with_a_different_config_prints_the_diff(tmp_path, capsys):
+def test_resume_with_a_different_config_logs_the_diff(tmp_path, caplog):
     make_trainer(str(tmp_path / "d/checkpoints"), {}, save_interval="1ep").fit()
+    caplog.set_level("WARNING", logger="raytrain_events.checkpoint.checkpointer")
     m = model()
     opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
@@ -196,7 +197,7 @@ def test_resume_with_a_different_config_prints_the_diff(tmp_path, capsys):
         config={"lr": 0.05, "hidden": 16},
         checkpoint=CheckpointConfig(save_folder=str(tmp_path / "d/checkpoints"), autoresume=True),
     )._checkpointer.close()
-    out = capsys.readouterr().out
+    out = "\n".join(r.getMessage() for r in caplog.records if r.name == "raytrain_events.checkpoint.checkpointer")
     assert "different config" in out and "lr: 0.1" in out and "lr: 0.05" in out
 
 

@@ -84,7 +84,7 @@ def test_sweep_rejects_bad_arguments_before_any_trial(tmp_path):
 
 def test_trial_config_is_merged_into_the_base_spec():
     from raytrain_events.ray.spec import RunSpec
-    from raytrain_events.ray.tune import _trial_spec
+    from raytrain_events.tune.trial import trial_spec as _trial_spec
 
     base = RunSpec(
         model=make_model,
@@ -119,7 +119,7 @@ def test_trial_config_is_merged_into_the_base_spec():
 
 
 def test_best_checkpoint_is_the_best_reported_one():
-    from raytrain_events.ray.tune_result import _best_checkpoint
+    from raytrain_events.tune.results import _best_checkpoint
 
     history = [
         {"time/batch": 4, "train/loss": 0.9},

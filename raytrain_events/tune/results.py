@@ -8,15 +8,16 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from raytrain_events.ray.tune_sets import _normalize_set, algorithm_set_label
+from raytrain_events.core.plain import to_plain
+from raytrain_events.core.time import COUNTER_UNITS, report_key
+from raytrain_events.tune.sets import _normalize_set, algorithm_set_label
 
 #: Global Timestamp keys in every reported entry; any of them can be a scheduler's ``time_attr``.
-TIME_ATTRS = ("time/epoch", "time/batch", "time/sample", "time/token")
+TIME_ATTRS = tuple(report_key(name) for name in COUNTER_UNITS)
 #: File a finished trial writes into its Tune trial folder (its history, checkpoints, run URL).
 TRIAL_RECORD = "raytrain_trial.json"
 #: The Train run name of every trial (the run folder inside the trial folder).
 TRIAL_RUN_NAME = "train"
-_UNIT_KEYS = {"ep": "time/epoch", "ba": "time/batch", "sp": "time/sample", "tok": "time/token"}
 
 
 def _flatten(config: Mapping[str, Any], prefix: str = "") -> Dict[str, Any]:
@@ -34,11 +35,6 @@ def _finite(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _native(value: Any) -> Any:
-    """numpy scalars (from Tune's result frames) as Python values."""
-    return value.item() if hasattr(value, "item") and getattr(value, "shape", None) == () else value
-
-
 def _history_of(result: Any) -> List[Dict[str, Any]]:
     """The entries Tune received for one trial (from its result.json), NaN-free."""
     frame = None
@@ -50,7 +46,7 @@ def _history_of(result: Any) -> List[Dict[str, Any]]:
         return [dict(result.metrics)] if result.metrics else []
     entries = []
     for row in frame.to_dict("records"):
-        row = {k: _native(v) for k, v in row.items()}
+        row = to_plain(row, fallback=lambda value: value)  # numpy scalars from the frame as Python values
         entries.append({k: v for k, v in row.items() if not (isinstance(v, float) and math.isnan(v))})
     return entries
 
@@ -196,8 +192,8 @@ def _make_result(
         params = _flatten({k: v for k, v in config.items() if k != "algorithms"})
         overrides = config.get("trainer") or {}
         duration = ensure_time(overrides.get("max_duration", spec.max_duration), TimeUnit.EPOCH)
-        done_key = _UNIT_KEYS.get(duration.unit.value)
-        reached = done_key is not None and _finite(last.get(done_key)) and last[done_key] >= duration.value
+        done_key = report_key(duration.unit)  # the trainer refuses durations in other units
+        reached = _finite(last.get(done_key)) and last[done_key] >= duration.value
         # A scheduler stops a trial at its budget (ASHA's max_t with stop_last_trials), maybe one
         # report before the trainer's own end: that trial completed too.
         budget = _finite(max_t) and _finite(last.get(time_attr)) and last[time_attr] >= max_t
@@ -244,8 +240,3 @@ def _make_result(
         histories=histories,
         time_attr=time_attr,
     )
-
-
-# ----------------------------------------------------------------------------------------------
-# sweep()
-# ----------------------------------------------------------------------------------------------

@@ -14,12 +14,14 @@ from typing import Any, Callable, Dict, Optional
 
 from ray.tune import Callback
 
+from raytrain_events.ray import _compat
+
 __all__ = ["SweepConsole", "trial_label"]
 
 
 def trial_label(config: Dict[str, Any]) -> str:
     """The trial's algorithm set, as the sweep's table names it."""
-    from raytrain_events.ray.tune_sets import _normalize_set, algorithm_set_label
+    from raytrain_events.tune.sets import _normalize_set, algorithm_set_label
 
     if "algorithms" not in (config or {}):
         return "-"
@@ -38,7 +40,7 @@ class SweepConsole(Callback):
     ) -> None:
         self.metric, self.mode = metric, mode
         self.scheduler_name = type(scheduler).__name__ if scheduler is not None else None
-        self.time_attr = getattr(scheduler, "_time_attr", None) or "time/sample"
+        self.time_attr = _compat.scheduler_time_attr(scheduler) or "time/sample"
         self._print = print_fn or (lambda line: print(line, file=sys.stdout, flush=True))
         self._last: Dict[str, Dict[str, Any]] = {}
 

@@ -85,8 +85,3 @@ def _algorithm_choices(value: Any) -> List[Any]:
     if isinstance(value, Domain) or callable(value):
         return []  # sampled by a function: nothing to check up front
     return [value]
-
-
-# ----------------------------------------------------------------------------------------------
-# What each trial runs
-# ----------------------------------------------------------------------------------------------

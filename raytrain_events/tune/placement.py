@@ -1,4 +1,15 @@
-"""Release the placement groups of trials Tune stopped (see `raytrain_events.ray.tune`, "Stopped trials")."""
+"""Release the placement groups of trials Tune stopped.
+
+Tune stops a trial (a scheduler's STOP, a stopper, a time budget) by terminating the trial's
+actor. Its Train controller, an actor the trial owns, dies with it, and Train's placement group
+for the workers -- scoped to the job, not to the controller -- stays reserved. Ray Train's own
+PlacementGroupCleaner releases it through the state API, which needs the dashboard and fails when
+several Ray instances run on one machine; then every stopped trial leaks its workers' CPUs/GPUs
+and later trials wait forever for resources. So rank 0 of every worker group registers its
+placement group with the sweep (`_trial_callbacks`), and a Tune callback (`_ReleaseTrainWorkers`)
+removes a finished trial's groups shortly after Tune stopped it (removing a group Train already
+removed is a no-op).
+"""
 
 from __future__ import annotations
 

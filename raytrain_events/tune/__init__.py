@@ -1,0 +1,88 @@
+"""Ray Tune sweeps over algorithm sets and hyperparameters, each trial a distributed `RayTrainer` run.
+
+Tune is a client of `RayTrainer`: each trial runs ``RayTrainer(base_spec.replace(...))``. The
+package holds the sweep itself (`raytrain_events.tune.driver`: validate, prepare, run, collect),
+what a trial runs (`.trial`), algorithm sets (`.sets`), releasing stopped trials' workers
+(`.placement`) and the results table (`.results`).
+
+Example (three algorithm sets x two learning rates, ASHA on the global sample count)::
+
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+    from raytrain_events.tune import algorithm_sets_grid, sweep
+
+    result = sweep(
+        trainer=dict(model=make_model, optimizers=make_sgd, datasets={"train": train_ds, "eval": eval_ds},
+                     max_duration="4ep", batch_size=32, num_workers=2),
+        param_space={
+            "algorithms": algorithm_sets_grid([[], ["label_smoothing"], [{"name": "mixup", "alpha": 0.2}]]),
+            "lr": tune.grid_search([0.05, 0.2]),            # reaches the factories as config["lr"]
+        },
+        metric="metrics/eval/accuracy", mode="max",
+        scheduler=ASHAScheduler(time_attr="time/sample", max_t=4 * n_rows, grace_period=n_rows),
+        storage_path="runs", name="algorithm-sweep",     # same name again resumes an interrupted sweep
+    )
+    print(result.to_table())
+    print(result.best_algorithms, result.best_checkpoint)
+
+How it runs
+-----------
+Each Tune trial is a function trainable that takes almost no CPU (``{"cpu": 0.01}``) and runs
+``RayTrainer(trial_spec).fit()``, the trial's spec being the sweep's base `RunSpec` with the trial's
+overrides applied (`RunSpec.replace`): Train V2 starts its own controller and
+workers for the trial. Inside a Tune trial, the trainer's controller callback
+(`raytrain_events.ray.history.AggregatingCallback`) puts every aggregated history entry on
+Tune's result queue, so Tune sees the driver's global Timestamp (``time/epoch``,
+``time/batch``, ``time/sample``, ``time/token``, summed over all ranks), ``train/loss`` reduced
+over all ranks' batches, eval metrics over the whole eval set, ``world_size`` and
+``checkpoint_path`` -- never rank 0's local values. Any of the ``time/*`` keys can be a
+scheduler's ``time_attr``.
+
+The trial config (a sample of ``param_space``) is merged over ``trainer["config"]`` and given
+to the model/optimizer/scheduler/dataset factories. Two keys are special:
+
+* ``"algorithms"``: a list of algorithm specs (``"label_smoothing"``,
+  ``{"name": "mixup", "alpha": 0.2}``) that replaces ``trainer["algorithms"]`` for the trial.
+  Use `algorithm_sets_grid` (a grid) or ``tune.choice(sets)`` (a categorical).
+* ``"trainer"``: a dict of `RayTrainer` keyword overrides (``batch_size``, ``max_duration``,
+  ``seed``, ``num_workers``, ...), which may hold Tune domains themselves.
+
+Storage
+-------
+The sweep lives in ``<storage_path>/<name>/`` (Tune's experiment folder). Each trial's Train run
+goes to ``<storage_path>/<name>/<trial folder>/train/`` (its checkpoints, with a
+`raytrain_events.checkpoint.CheckpointConfig` in ``trainer["checkpoint"]``, under ``.../train/checkpoints``),
+and a trial that finished writes ``<trial folder>/raytrain_trial.json`` with its history.
+
+Stopped trials
+--------------
+When Tune stops a trial early (a scheduler's STOP), it terminates the trial's actor, and with it
+the trial's Train controller and workers; the placement group Train reserved for the workers
+outlives them (it belongs to the job), and Ray Train's own cleaner for it needs the dashboard's
+state API. So every worker group registers its placement group with the sweep, and the sweep
+removes a trial's groups a few seconds after the trial ended -- otherwise each stopped trial
+would keep its workers' CPUs/GPUs and later trials could wait for them forever.
+
+Resuming
+--------
+``sweep(..., resume=True)`` with the same ``storage_path`` and ``name`` restores the sweep
+(``Tuner.restore(..., resume_errored=True)``): finished trials are not run again, unfinished and
+errored ones are restarted (from their own newest checkpoint when ``CheckpointConfig(autoresume=True)``),
+and trials never started run. Tune saves its experiment state at most every ~10 s, so a sweep killed
+right after a trial finished may not know it finished; such a trial finds its
+``raytrain_trial.json`` and replays its recorded history to Tune instead of training again.
+"""
+
+from raytrain_events.tune.driver import sweep
+from raytrain_events.tune.results import TIME_ATTRS, TRIAL_RECORD, TRIAL_RUN_NAME, SweepResult
+from raytrain_events.tune.sets import algorithm_set_label, algorithm_sets_grid
+
+__all__ = [
+    "sweep",
+    "SweepResult",
+    "algorithm_sets_grid",
+    "algorithm_set_label",
+    "TIME_ATTRS",
+    "TRIAL_RECORD",
+    "TRIAL_RUN_NAME",
+]
