@@ -1,9 +1,9 @@
 """Loop overhead: raytrain_events.Trainer vs a plain PyTorch loop, same model/data, one process, CPU.
 
-Measured the same way as ``/work/shared/peers/composer_overhead.py`` so the ratios compare with the
-peer table in ``/work/shared/README.md``: an MLP 64 -> H -> H -> 10, batch 64, 4096 samples,
-3 epochs, ``torch.set_num_threads(1)``, ``fit()`` wall time per step (Trainer construction
-excluded, as in the peer script), median of 5 interleaved repeats after a warm-up.
+Measured the same way as the project's Composer peer script, so the ratios compare with the peer
+table in bench/README.md: an MLP 64 -> H -> H -> 10, batch 64, 4096 samples, 3 epochs,
+``torch.set_num_threads(1)``, ``fit()`` wall time per step (Trainer construction excluded, as in
+the peer script), median of 5 interleaved repeats after a warm-up.
 
 Peak memory is the peak resident set size of a fresh subprocess that runs only one of the two
 loops (warm-up + 3 epochs): torch's CPU tensors live outside Python's allocator, so
