@@ -18,6 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import raytrain_events.core.time as time_module
+import raytrain_events.core.time_value as time_value_module
+import raytrain_events.core.timestamp as timestamp_module
 from raytrain_events.core.time import Time, Timestamp, TimeUnit, ensure_time
 
 INT_UNITS = [TimeUnit.EPOCH, TimeUnit.BATCH, TimeUnit.SAMPLE, TimeUnit.TOKEN]
@@ -29,22 +31,48 @@ td = datetime.timedelta
 # ---------------------------------------------------------------------------------------------------------------
 # module hygiene
 # ---------------------------------------------------------------------------------------------------------------
-def test_module_imports_only_stdlib():
-    tree = ast.parse(Path(time_module.__file__).read_text())
+TIME_MODULES = [time_module, time_value_module, timestamp_module]
+
+
+@pytest.mark.parametrize("module", TIME_MODULES, ids=lambda m: m.__name__)
+def test_module_imports_only_stdlib(module):
+    tree = ast.parse(Path(module.__file__).read_text())
     roots = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            roots.update(a.name.split(".")[0] for a in node.names)
+            roots.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
-            roots.add((node.module or "").split(".")[0])
-    assert roots, "expected some imports"
-    assert roots <= set(sys.stdlib_module_names) | {"__future__"}, roots - set(sys.stdlib_module_names)
+            roots.add(node.module or "")
+    ours = {r for r in roots if r.startswith("raytrain_events")}
+    assert ours <= {"raytrain_events.core.time_value", "raytrain_events.core.timestamp"}, ours
+    stdlib = {r.split(".")[0] for r in roots - ours}
+    assert stdlib, "expected some imports"
+    assert stdlib <= set(sys.stdlib_module_names) | {"__future__"}, stdlib - set(sys.stdlib_module_names)
 
 
 def test_docstring_examples_run():
-    result = doctest.testmod(time_module)
-    assert result.attempted >= 5
-    assert result.failed == 0
+    attempted = 0
+    for module in TIME_MODULES:
+        result = doctest.testmod(module)
+        assert result.failed == 0, module.__name__
+        attempted += result.attempted
+    assert attempted >= 10
+
+
+def test_the_split_modules_are_one_api():
+    """``raytrain_events.core.time`` is the import path; the classes and the counter map are the same objects."""
+    assert time_module.Time is time_value_module.Time and time_module.TimeUnit is time_value_module.TimeUnit
+    assert time_module.Timestamp is timestamp_module.Timestamp
+    assert time_module.COUNTER_UNITS is timestamp_module.COUNTER_UNITS
+    assert time_module.report_key("sp") == "time/sample" and time_module.report_key("token") == "time/token"
+    assert time_module.counters_of(Timestamp(epoch=1, batch=3, sample=12)) == {
+        "epoch": 1,
+        "batch": 3,
+        "sample": 12,
+        "token": 0,
+    }
+    with pytest.raises(ValueError, match="not a counter"):
+        time_module.report_key("dur")
 
 
 def test_public_api_has_docstrings():
