@@ -3,7 +3,7 @@
 Tune is a client of `RayTrainer`: each trial runs ``RayTrainer(base_spec.replace(...))``. The
 package holds the sweep itself (`raytrain_events.tune.driver`: validate, prepare, run, collect),
 what a trial runs (`.trial`), algorithm sets (`.sets`), releasing stopped trials' workers
-(`.placement`) and the results table (`.results`).
+(`.placement`), the results table (`.results`) and the sweep's console lines (`.console`).
 
 Example (three algorithm sets x two learning rates, ASHA on the global sample count)::
 
