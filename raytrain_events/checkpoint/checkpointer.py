@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -44,6 +44,7 @@ from raytrain_events.checkpoint.store import AsyncCheckpointWriter, load_latest_
 from raytrain_events.core.callback import Callback
 from raytrain_events.core.event import Event
 from raytrain_events.core.interval import make_interval
+from raytrain_events.core.state import drop_ignored_keys
 from raytrain_events.core.time import TimeUnit, counters_of
 from raytrain_events.parallel.wrap import is_sharded_module
 from raytrain_events.storage.errors import RunLockedError
@@ -172,6 +173,7 @@ class Checkpointer(Callback):
         loaded: Optional[LoadedCheckpoint] = None
         if config.autoresume:
             loaded = self._read_latest(self.folder)
+        ignore: Sequence[str] = ()
         if loaded is None and config.load_from:
             loaded = self._read(config.load_from)
             if loaded is None:
@@ -179,9 +181,10 @@ class Checkpointer(Callback):
                     f"load_from={config.load_from!r} holds no committed checkpoint. Point it at a checkpoint "
                     "directory (one with manifest.json) or a folder of them."
                 )
+            ignore = config.load_ignore_keys  # a partial start; resuming this run's own checkpoints loads all
         if loaded is None:
             return None
-        self._apply(loaded)
+        self._apply(loaded, ignore)
         self.loaded = loaded.info
         self._last_saved_batch = self.host.state.timestamp.get_value(TimeUnit.BATCH)
         return loaded.info
@@ -198,19 +201,27 @@ class Checkpointer(Callback):
         except CheckpointNotCommittedError:
             return self._read_latest(url)
 
-    def _apply(self, loaded: LoadedCheckpoint) -> None:
+    def _apply(self, loaded: LoadedCheckpoint, ignore: Sequence[str] = ()) -> None:
         host, state = self.host, self.host.state
         saved = loaded.files[STATE_FILE]
         strict, weights_only = self.config.load_strict, self.config.load_weights_only
+        ignored_model_keys: List[str] = []
+        if ignore:
+            if is_sharded_checkpoint(loaded.info) or is_sharded_module(state.model):
+                raise ValueError(
+                    "load_ignore_keys works with full checkpoints into unsharded (DDP) models; for FSDP, load "
+                    "with load_strict=False, or export the checkpoint to one file first (`raytrain-events export`)."
+                )
+            saved, ignored_model_keys = drop_ignored_keys(saved, ignore, state.model.state_dict().keys())
         if is_sharded_checkpoint(loaded.info):
             io = self._sharded_io or ShardedCheckpointIO(host, self.options, own_group=False)
             io.load(loaded.info, saved, strict=strict, weights_only=weights_only)
         elif is_sharded_module(state.model):  # a full (DDP) checkpoint into an FSDP model
             load_full_into_sharded(state, saved, strict=strict, weights_only=weights_only)
         elif weights_only:
-            state.load_model_state(saved["model"], strict=strict)
+            state.load_model_state(saved["model"], strict=strict, ignored=ignored_model_keys)
         else:
-            state.load_state_dict(saved, strict=strict)
+            state.load_state_dict(saved, strict=strict, ignored=ignored_model_keys)
         if weights_only:
             return
         rng_name = rng_file_name(state.rank)
@@ -395,6 +406,13 @@ class Checkpointer(Callback):
         """Block until the in-flight save is committed (re-raising its error)."""
         if self._writer is not None:
             self._writer.wait()
+
+    def reopen(self) -> None:
+        """Save again after `close` (a further ``Trainer.fit``): a new writer thread and the run-dir lock."""
+        if self.config.async_save:
+            self._writer = AsyncCheckpointWriter()
+        if self.config.lock_run_dir and self.host.state.rank == 0 and self._lock is None:
+            self._lock = acquire_lock(self.run_dir, "running", storage_options=self.options, takeover_stale=True)
 
     def close(self, state=None, logger=None) -> None:
         """Finish the in-flight save and remove the SIGTERM handler."""

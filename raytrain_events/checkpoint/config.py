@@ -9,7 +9,7 @@ Saving happens at ``BATCH_CHECKPOINT`` / ``EPOCH_CHECKPOINT`` when any trigger f
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Optional, Sequence, Union
 
 from raytrain_events.core.time import Time, TimeUnit, ensure_time
 
@@ -41,6 +41,10 @@ class CheckpointConfig:
         load_from: a checkpoint (or a folder of them) to start from.
         load_strict: refuse model keys that do not match exactly.
         load_weights_only: load only model weights (fresh optimizer, timestamp and RNG).
+        load_ignore_keys: glob patterns of checkpoint entries not to load (a partial load, e.g. a new
+            head): ``"model/head.*"`` (model parameters by name), ``"optimizers"``, ``"schedulers"``,
+            ``"timestamp"``, ``"algorithms/EMA"``, ``"callbacks/<Name>"``. Ignored model keys may be
+            missing or shaped differently; a pattern that matches nothing is refused (a typo).
         autoresume: continue from the newest valid checkpoint in ``save_folder`` if there is one.
         storage_options: fsspec options (endpoint URL, credentials) for ``save_folder``/``load_from``.
         sharded: write sharded checkpoints (torch.distributed.checkpoint: every rank writes its own
@@ -66,6 +70,7 @@ class CheckpointConfig:
     load_from: Optional[str] = None
     load_strict: bool = True
     load_weights_only: bool = False
+    load_ignore_keys: Sequence[str] = ()
     autoresume: bool = False
     storage_options: Dict[str, Any] = field(default_factory=dict)
     lock_run_dir: bool = True
@@ -79,6 +84,9 @@ class CheckpointConfig:
                     f"save_interval={interval.to_timestring()!r}: give a positive 'ep', 'ba', 'sp' or 'tok' Time, like '1ep'."
                 )
             self.save_interval = interval
+        if isinstance(self.load_ignore_keys, str):
+            self.load_ignore_keys = [self.load_ignore_keys]
+        self.load_ignore_keys = list(self.load_ignore_keys)
         if self.save_every_n_steps is not None and self.save_every_n_steps < 1:
             raise ValueError(f"save_every_n_steps={self.save_every_n_steps} must be >= 1 (or None).")
         if self.save_every_n_seconds is not None and self.save_every_n_seconds <= 0:

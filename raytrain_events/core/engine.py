@@ -160,6 +160,10 @@ class Engine:
         """True once `close` ran (callbacks and logger destinations are closed)."""
         return self._closed
 
+    def reopen(self) -> None:
+        """After `close`: run again (a further ``Trainer.fit``); destinations reopen their files lazily."""
+        self._closed = False
+
     def close(self) -> None:
         """Close callbacks and logger destinations once; safe to call twice."""
         if self._closed:

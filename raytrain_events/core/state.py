@@ -6,7 +6,8 @@ wrapper), so algorithms and checkpoints see the real parameter names.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+import fnmatch
+from typing import Any, Collection, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from raytrain_events.core.agreement import Agreement
 from raytrain_events.core.algorithm import Algorithm
@@ -14,7 +15,7 @@ from raytrain_events.core.callback import Callback
 from raytrain_events.core.precision import Precision
 from raytrain_events.core.time import Time, Timestamp, TimeUnit, ensure_time
 
-__all__ = ["State", "CheckpointMismatchError", "model_mismatch"]
+__all__ = ["State", "CheckpointMismatchError", "model_mismatch", "drop_ignored_keys"]
 
 
 class CheckpointMismatchError(ValueError):
@@ -200,21 +201,27 @@ class State:
             "grad_accum": self.grad_accum,
         }
 
-    def load_model_state(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
-        """Load model weights; a checkpoint of another model raises `CheckpointMismatchError`."""
+    def load_model_state(
+        self, state_dict: Mapping[str, Any], strict: bool = True, ignored: Collection[str] = ()
+    ) -> None:
+        """Load model weights; a checkpoint of another model raises `CheckpointMismatchError`.
+
+        ``ignored`` model keys (see `drop_ignored_keys`) keep their current values and are not checked.
+        """
         model_sd = self.model.state_dict()
         saved: Dict[str, Optional[Tuple[int, ...]]] = {
             k: tuple(v.shape) if hasattr(v, "shape") else None for k, v in state_dict.items()
         }
-        problem = model_mismatch({k: tuple(v.shape) for k, v in model_sd.items()}, saved, strict)
+        shapes = {k: tuple(v.shape) for k, v in model_sd.items() if k not in ignored}
+        problem = model_mismatch(shapes, saved, strict)
         if problem:
             raise CheckpointMismatchError(
                 f"The checkpoint does not match this model ({problem}). Check that it was "
                 "saved from the same architecture; pass load_strict=False to ignore missing/unexpected keys."
             )
-        self.model.load_state_dict(state_dict, strict=strict)
+        self.model.load_state_dict(state_dict, strict=strict and not ignored)  # the rest was checked above
 
-    def load_state_dict(self, state: Mapping[str, Any], strict: bool = False) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], strict: bool = False, ignored: Collection[str] = ()) -> None:
         """Restore what `state_dict` produced (model, optimizers, schedulers, timestamp, ...).
 
         A sharded checkpoint restores model and optimizers itself and passes the rest without them.
@@ -228,10 +235,11 @@ class State:
                 "(required_on_load); add them to `algorithms`."
             )
         if "model" in state:
-            self.load_model_state(state["model"], strict=strict)
-        if "model" in state or "optimizers" in state:
-            _load_list("optimizers", self.optimizers, state.get("optimizers", []))
-        _load_list("schedulers", self.schedulers, state.get("schedulers", []))
+            self.load_model_state(state["model"], strict=strict, ignored=ignored)
+        if "optimizers" in state:
+            _load_list("optimizers", self.optimizers, state["optimizers"])
+        if "schedulers" in state:
+            _load_list("schedulers", self.schedulers, state["schedulers"])
         if self.scaler is not None and state.get("scaler") is not None:
             self.scaler.load_state_dict(state["scaler"])
         for key, algorithm_state in state.get("algorithms", {}).items():
@@ -241,7 +249,8 @@ class State:
         for key, callback_state in state.get("callbacks", {}).items():
             if key in callbacks:
                 callbacks[key].load_state_dict(callback_state)
-        self.timestamp = Timestamp.from_state_dict(state["timestamp"])
+        if "timestamp" in state:
+            self.timestamp = Timestamp.from_state_dict(state["timestamp"])
         if self.auto_microbatching and state.get("grad_accum") is not None:
             self.grad_accum = int(state["grad_accum"])  # the value auto microbatching found, not 1 again
 
@@ -270,6 +279,40 @@ def model_mismatch(
     if keys_count and unexpected:
         parts.append(f"not in model: {unexpected[:10]}")
     return " | ".join(parts) or None
+
+
+def drop_ignored_keys(
+    saved: Mapping[str, Any], patterns: Sequence[str], model_keys: Iterable[str]
+) -> Tuple[Dict[str, Any], List[str]]:
+    """``saved`` without the entries matching a glob in ``patterns``, and the model's keys they cover.
+
+    Entries are named ``model/<param>``, ``algorithms/<key>``, ``callbacks/<key>`` and the top-level
+    names (``optimizers``, ``schedulers``, ``timestamp``, ...). A pattern matching nothing raises.
+    """
+    patterns = list(patterns)
+    used = set()
+
+    def ignored(name: str) -> bool:
+        hits = [p for p in patterns if fnmatch.fnmatchcase(name, p)]
+        used.update(hits)
+        return bool(hits)
+
+    out: Dict[str, Any] = {}
+    for key, value in saved.items():
+        if key in ("model", "algorithms", "callbacks") and isinstance(value, Mapping):
+            out[key] = {k: v for k, v in value.items() if not ignored(f"{key}/{k}")}
+        elif not ignored(key):
+            out[key] = value
+    if "algorithms_required" in out:
+        out["algorithms_required"] = [k for k in out["algorithms_required"] if k in out.get("algorithms", {})]
+    model_ignored = [k for k in model_keys if ignored(f"model/{k}")]
+    unused = [p for p in patterns if p not in used]
+    if unused:
+        raise ValueError(
+            f"load_ignore_keys {unused} match no checkpoint entry: entries are model/<param name>, optimizers, "
+            f"schedulers, timestamp, algorithms/<Name>, callbacks/<Name>, ... (this checkpoint: {sorted(saved)})."
+        )
+    return out, model_ignored
 
 
 def _keyed(objects: Sequence[Any]) -> Dict[str, Any]:

@@ -55,6 +55,7 @@ class FileLogger(LoggerDestination):
         if self._file is not None:
             self._file.close()
             self._file = None
+            self.mode = "a"  # a further fit appends to what this run wrote
 
     def __getstate__(self) -> Dict[str, Any]:  # picklable (e.g. shipped to a Ray worker) before use
         state = dict(self.__dict__)

@@ -47,8 +47,8 @@ def ray_checkpoint_config(spec: RunSpec) -> CheckpointConfig:
     if ray.train.get_checkpoint() is not None or latest_checkpoint(folder, storage_options=options) is not None:
         # A restart, an elastic resize, or a run continued by name: take the newest committed
         # checkpoint of the run dir (it may be newer than Ray's latest: saved, never reported).
-        # ``load_from`` / ``load_weights_only`` were for this run's start only.
-        updates.update(autoresume=True, load_from=None, load_weights_only=False)
+        # ``load_from`` / ``load_weights_only`` / ``load_ignore_keys`` were for this run's start only.
+        updates.update(autoresume=True, load_from=None, load_weights_only=False, load_ignore_keys=[])
     return dataclasses.replace(config, **updates)
 
 

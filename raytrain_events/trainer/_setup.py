@@ -1,14 +1,40 @@
-"""Trainer set-up helpers: LR schedulers from torch objects or `State` functions, epoch hand-off to loaders."""
+"""Trainer set-up helpers: LR schedulers from torch objects or `State` functions, epoch hand-off to
+loaders, and the duration of a further ``fit``."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Union
 
 import torch
 
 from raytrain_events.core.state import State
+from raytrain_events.core.time import Time, Timestamp, TimeUnit, ensure_time
 
-__all__ = ["as_list", "build_schedulers", "set_epoch"]
+if TYPE_CHECKING:
+    from raytrain_events.trainer.trainer import Trainer
+
+__all__ = ["as_list", "build_schedulers", "set_duration", "set_epoch"]
+
+
+def set_duration(trainer: Trainer, duration: Union[str, int, Time[Any], None], reset_time: bool) -> None:
+    """The ``max_duration`` of a further fit: now + ``duration``, or ``duration`` from zero with ``reset_time``."""
+    state = trainer.state
+    length = trainer._max_duration if duration is None else ensure_time(duration, TimeUnit.EPOCH)
+    if length.unit == TimeUnit.DURATION or length.value <= 0:
+        raise ValueError(
+            f"fit(duration={length.to_timestring()!r}): give a positive duration in 'ep', 'ba', 'sp' or 'tok'."
+        )
+    if length.unit == TimeUnit.TOKEN and not trainer.train_spec.counts_tokens:
+        raise ValueError(
+            f"fit(duration={length.to_timestring()!r}) is in tokens but the train data has no token counter: "
+            "wrap it as DataSpec(loader, get_num_tokens_in_batch=fn)."
+        )
+    if reset_time:
+        state.timestamp = Timestamp()
+        target = length
+    else:
+        target = Time(state.timestamp.get_value(length.unit) + length.value, length.unit)
+    state.max_duration = trainer._max_duration = target
 
 
 def as_list(value: Any) -> List[Any]:

@@ -31,7 +31,7 @@ from raytrain_events.core.time import Time, TimeUnit, ensure_time
 from raytrain_events.dist import Dist, default_dist
 from raytrain_events.parallel.wrap import Parallel
 from raytrain_events.trainer._batch import check_model, move_to_device, total_loss
-from raytrain_events.trainer._setup import as_list, build_schedulers, set_epoch
+from raytrain_events.trainer._setup import as_list, build_schedulers, set_duration, set_epoch
 from raytrain_events.trainer.counters import BatchCounters
 from raytrain_events.trainer.evaluation import ensure_evaluators, run_evaluation
 from raytrain_events.trainer.microbatching import AUTO, AutoMicrobatching, DeferredCounters, parse_grad_accum
@@ -207,10 +207,23 @@ class Trainer:
         return wrapped, wrapped if isinstance(wrapped, DistributedDataParallel) else None
 
     # ------------------------------------------------------------------- fit
-    def fit(self) -> State:
-        """Train until ``max_duration`` (or an early stop); returns the final `State`."""
+    def fit(self, duration: Union[str, int, Time[Any], None] = None, reset_time: bool = False) -> State:
+        """Train until ``max_duration`` (or an early stop); returns the final `State`.
+
+        As in Composer, a fitted Trainer can train on: ``fit(duration="2ep")`` trains two more epochs
+        from where it stopped (the new ``max_duration`` is now + ``duration``); ``reset_time=True``
+        starts the Timestamp at zero again (a new phase, e.g. fine-tuning), for ``duration`` or the
+        old ``max_duration``. Callbacks and loggers are closed at the end of each fit and reopened.
+        """
         if self._fitted:
-            raise RuntimeError("fit() already ran on this Trainer; build a new Trainer (it can autoresume).")
+            if duration is None and not reset_time:
+                raise RuntimeError(
+                    "fit() already ran on this Trainer: pass fit(duration='1ep') to train for more, or "
+                    "reset_time=True to start the Timestamp over."
+                )
+            self._reopen()
+        if duration is not None or reset_time:
+            set_duration(self, duration, reset_time)
         self._fitted = True
         try:
             self._fit()
@@ -222,6 +235,15 @@ class Trainer:
                 self._checkpointer.close()
             self.engine.close()
         return self.state
+
+    def _reopen(self) -> None:
+        """Before a further fit: the engine, loggers and checkpointer ready again, no stale stop request."""
+        state = self.state
+        state.stop_requested = state.stop_consistent = False
+        state.stop_reason = None
+        self.engine.reopen()
+        if self._checkpointer is not None:
+            self._checkpointer.reopen()
 
     def _fit(self) -> None:
         state, engine = self.state, self.engine
