@@ -68,6 +68,7 @@ class RunSpec:
         help="per eval set, Evaluator options: {'val': {'eval_interval': '100ba', 'subset_num_batches': 5}}",
         factory=dict,
     )
+    compile: Any = _opt(False, help="torch.compile the model on each worker: True, or a dict of torch.compile options")
     grad_accum: Union[int, str] = _opt(
         1, help="micro-batches per optimizer step, or 'auto': double them on a device out-of-memory error"
     )
@@ -156,7 +157,10 @@ class RunSpec:
                     f"eval_options[{name!r}] has unknown keys {unknown}: use eval_interval, subset_num_batches, "
                     "metric_names."
                 )
+        from raytrain_events.trainer.compiling import compile_options
         from raytrain_events.trainer.microbatching import parse_grad_accum
+
+        compile_options(self.compile)
 
         parse_grad_accum(self.grad_accum)
         if self.report_interval is not None:

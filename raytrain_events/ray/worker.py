@@ -76,6 +76,7 @@ def build_worker_trainer(spec: RunSpec) -> Trainer:
         eval_dataloader=evaluators or None,
         eval_interval=spec.eval_interval,
         grad_accum=spec.grad_accum,
+        compile=spec.compile,
         precision=spec.precision,
         parallelism=spec.parallelism,
         algorithms=algorithms,

@@ -32,6 +32,7 @@ from raytrain_events.dist import Dist, default_dist
 from raytrain_events.parallel.wrap import Parallel
 from raytrain_events.trainer._batch import check_model, move_to_device, total_loss
 from raytrain_events.trainer._setup import as_list, build_schedulers, set_duration, set_epoch
+from raytrain_events.trainer.compiling import compile_model, compile_options
 from raytrain_events.trainer.counters import BatchCounters
 from raytrain_events.trainer.evaluation import ensure_evaluators, run_evaluation
 from raytrain_events.trainer.microbatching import AUTO, AutoMicrobatching, DeferredCounters, parse_grad_accum
@@ -102,6 +103,7 @@ class Trainer:
         algorithm_passes: Optional[Sequence[AlgorithmPass]] = None,
         config: Optional[Dict[str, Any]] = None,
         parallelism: Any = None,
+        compile: Union[bool, Dict[str, Any]] = False,
     ) -> None:
         check_model(model)
         max_duration = ensure_time(max_duration, TimeUnit.EPOCH)
@@ -112,6 +114,7 @@ class Trainer:
             )
         if max_duration.value <= 0:
             raise ValueError(f"max_duration={max_duration.to_timestring()!r} must be positive.")
+        compile_kwargs = compile_options(compile)
         auto_microbatching = grad_accum == AUTO
         initial_grad_accum = parse_grad_accum(grad_accum)
         if optimizers is None:
@@ -177,6 +180,8 @@ class Trainer:
         self.engine.run_event(Event.INIT)
         self.engine.refresh()  # algorithms or callbacks may have been added at INIT
         self.parallel.check(self.state.algorithms)
+        if compile_kwargs is not None:  # after INIT's model changes, before DDP/FSDP wraps the model
+            compile_model(self.state.model, compile_kwargs)
         self._train_model, self._ddp = self._wrap_model()
         self._auto: Optional[AutoMicrobatching] = None
         if auto_microbatching:  # forward/backward run no collective, so a rank can retry after OOM

@@ -76,3 +76,24 @@ def train_auto(rank: int, world_size: int, *, limits: Sequence[Optional[int]], g
         "forward_rows": model.forward_rows,
         "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
     }
+
+
+def train_compiled(rank: int, world_size: int, *, compiled: bool) -> dict:
+    """Two epochs under DDP with the model compiled through a graph-counting backend (or eager)."""
+    graphs: List[int] = []
+
+    def backend(gm: Any, example_inputs: Any) -> Any:
+        graphs.append(len(gm.graph.nodes))
+        return gm.forward
+
+    model = OOMModel()
+    trainer = Trainer(
+        model=model,
+        train_dataloader=DataLoader(dataset(seed=rank), batch_size=BATCH),
+        max_duration="2ep",
+        optimizers=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        compile={"backend": backend} if compiled else False,
+        dist=TorchDist(),
+    )
+    trainer.fit()
+    return {"graphs": len(graphs), "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
