@@ -20,8 +20,12 @@ def python_blocks() -> list:
 def test_readme_has_the_two_commands_and_ci_runs_the_test_command():
     text = README.read_text()
     ci = (README.parent / ".ci" / "run").read_text()
-    test_command = 'pip install -c constraints.txt -e ".[test,examples]" && python -m pytest -q'
-    assert test_command in text and test_command in ci
+    test_command = (
+        'pip install -c constraints.txt -e ".[test,examples]" && ruff check . && ruff format --check . && mypy'
+        " && python -m pytest -q"
+    )
+    assert test_command in text, "README's test command changed: keep it and .ci/run identical"
+    assert test_command in ci, ".ci/run must run exactly the README's test command"
     assert "python examples/train.py" in text
 
 
