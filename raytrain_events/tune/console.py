@@ -28,6 +28,10 @@ def trial_label(config: Dict[str, Any]) -> str:
     return algorithm_set_label(_normalize_set(config["algorithms"]))
 
 
+#: Tune classes whose documented (alias) name is the one users write.
+_SCHEDULER_NAMES = {"AsyncHyperBandScheduler": "ASHAScheduler"}
+
+
 def _fmt(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
@@ -39,10 +43,12 @@ class SweepConsole(Callback):
         self, metric: str, mode: str, scheduler: Any = None, print_fn: Optional[Callable[[str], None]] = None
     ) -> None:
         self.metric, self.mode = metric, mode
-        self.scheduler_name = type(scheduler).__name__ if scheduler is not None else None
+        name = type(scheduler).__name__ if scheduler is not None else None
+        self.scheduler_name = _SCHEDULER_NAMES.get(name, name) if name else None
         self.time_attr = _compat.scheduler_time_attr(scheduler) or "time/sample"
         self._print = print_fn or (lambda line: print(line, file=sys.stdout, flush=True))
         self._last: Dict[str, Dict[str, Any]] = {}
+        self._metric: Dict[str, Any] = {}  # the trial's last reported value of the sweep's metric
 
     def _line(self, trial: Any, text: str) -> None:
         self._print(f"[sweep] {trial.trial_id} ({trial_label(trial.config)}): {text}")
@@ -53,6 +59,8 @@ class SweepConsole(Callback):
 
     def on_trial_result(self, iteration: int, trials: list, trial: Any, result: Dict[str, Any], **info: Any) -> None:
         self._last[trial.trial_id] = dict(result)
+        if result.get(self.metric) is not None:
+            self._metric[trial.trial_id] = result[self.metric]
         parts = [f"sample {result.get('time/sample', 0):,}", f"epoch {result.get('time/epoch', 0)}"]
         if isinstance(result.get("train/loss"), float):
             parts.append(f"loss {result['train/loss']:.4g}")
@@ -62,7 +70,7 @@ class SweepConsole(Callback):
 
     def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         last = self._last.get(trial.trial_id) or dict(getattr(trial, "last_result", None) or {})
-        value = last.get(self.metric)
+        value = self._metric.get(trial.trial_id, last.get(self.metric))
         where = f"{self.time_attr}={last.get(self.time_attr)}"
         if last.get("final") or self.scheduler_name is None:
             self._line(trial, f"finished at {where}, {self.metric} {_fmt(value)}")
