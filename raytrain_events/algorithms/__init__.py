@@ -34,6 +34,7 @@ GradientClipping       AFTER_TRAIN_BATCH (gradients already unscaled)
 EMA                    FIT_START; BATCH_END or EPOCH_END (update); EVAL_START / EVAL_END (swap)
 LayerFreezing          EPOCH_END (or BATCH_END); FIT_START after a resume
 SWA                    EPOCH_END or BATCH_END (average); FIT_END (weights replaced by the average)
+SAM                    INIT (optimizers wrapped; the step re-runs forward/backward in a closure)
 =====================  ==================================================================
 
 MixUp (or CutMix) with LabelSmoothing
@@ -51,8 +52,8 @@ recomputing the loss on permuted targets; list LabelSmoothing *before* MixUp so 
 reversed order on ``AFTER_LOSS``, MixUp runs while the targets are still smoothed.
 
 Algorithms with state (EMA, SWA, LayerFreezing) save it through ``state_dict`` and resume it
-from checkpoints. ``SAM`` is not provided: it needs the loop to re-run forward and backward
-inside ``optimizer.step(closure)``, which the trainer does not do; `StochasticDepth` is here.
+from checkpoints. ``SAM`` wraps the optimizers at INIT; the loop calls ``optimizer.step(closure)``
+for it, re-running the batch's forward and backward inside the step.
 """
 
 from raytrain_events.algorithms.channels_last import ChannelsLast
@@ -69,6 +70,7 @@ from raytrain_events.algorithms.registry import (
     build_algorithms,
     register_algorithm,
 )
+from raytrain_events.algorithms.sam import SAM, SAMOptimizer
 from raytrain_events.algorithms.seq_length_warmup import SeqLengthWarmup
 from raytrain_events.algorithms.stochastic_depth import StochasticDepth, mark_residual_branch
 from raytrain_events.algorithms.swa import SWA
@@ -82,6 +84,8 @@ __all__ = [
     "LayerFreezing",
     "MixUp",
     "ProgressiveResizing",
+    "SAM",
+    "SAMOptimizer",
     "SWA",
     "SeqLengthWarmup",
     "StochasticDepth",

@@ -38,6 +38,7 @@ from raytrain_events.trainer.evaluation import ensure_evaluators, run_evaluation
 from raytrain_events.trainer.microbatching import AUTO, AutoMicrobatching, DeferredCounters, parse_grad_accum
 from raytrain_events.trainer.predict import run_predict
 from raytrain_events.trainer.seed import seed_everything
+from raytrain_events.trainer.stepping import step_optimizers
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
@@ -375,13 +376,7 @@ class Trainer:
                 scaler.unscale_(optimizer)
         if active[_AFTER_TRAIN_BATCH]:
             engine.run_event(_AFTER_TRAIN_BATCH)
-        for optimizer in state.optimizers:
-            if scaler is not None:
-                scaler.step(optimizer)
-            else:
-                optimizer.step()
-        if scaler is not None:
-            scaler.update()
+        step_optimizers(self, active, autocast, create_graph)
 
     def accumulate(
         self,

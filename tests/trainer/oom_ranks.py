@@ -97,3 +97,21 @@ def train_compiled(rank: int, world_size: int, *, compiled: bool) -> dict:
     )
     trainer.fit()
     return {"graphs": len(graphs), "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def train_sam(rank: int, world_size: int, *, rho: float, grad_accum: int = 1) -> dict:
+    """Two epochs of SGD + SAM under DDP on this rank's data; returns the weights."""
+    from raytrain_events.algorithms import SAM
+
+    model = OOMModel()
+    trainer = Trainer(
+        model=model,
+        train_dataloader=DataLoader(dataset(seed=rank), batch_size=BATCH),
+        max_duration="2ep",
+        optimizers=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        algorithms=[SAM(rho=rho)],
+        grad_accum=grad_accum,
+        dist=TorchDist(),
+    )
+    trainer.fit()
+    return {"weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}

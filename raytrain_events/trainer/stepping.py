@@ -1,0 +1,70 @@
+"""The optimizer step of a batch, with closures for optimizers that re-evaluate the loss (SAM).
+
+An optimizer with ``uses_closure = True`` (e.g. `raytrain_events.algorithms.sam.SAMOptimizer`) gets
+``optimizer.step(closure)``: the closure zeroes the gradients and runs the batch's forward, loss
+and backward again, over the same microbatches (grad accumulation) and, under DDP, with the same
+gradient all-reduce, firing the microbatch events again; it returns the batch's loss. Other
+optimizers get a plain ``step()`` (through the `GradScaler` with fp16).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+
+import torch
+
+from raytrain_events.core.event import Event
+
+if TYPE_CHECKING:
+    from raytrain_events.trainer.trainer import Trainer
+
+__all__ = ["step_optimizers"]
+
+
+def step_optimizers(
+    trainer: Trainer,
+    active: Mapping[Event, bool],
+    autocast: Optional[contextlib.AbstractContextManager[Any]],
+    create_graph: bool,
+) -> None:
+    """Step every optimizer of ``trainer.state`` once, after the batch's backward."""
+    state = trainer.state
+    scaler = state.scaler
+    for optimizer in state.optimizers:
+        if getattr(optimizer, "uses_closure", False):
+            if scaler is not None:
+                raise ValueError(
+                    f"{type(optimizer).__name__} re-evaluates the loss in a closure, which the fp16 GradScaler "
+                    "cannot step: use precision='amp_bf16' or 'fp32'."
+                )
+            trained_loss = state.loss  # the batch's loss at the weights it trained, not the closure's
+            optimizer.step(_closure(trainer, active, autocast, create_graph))
+            state.loss = trained_loss
+        elif scaler is not None:
+            scaler.step(optimizer)
+        else:
+            optimizer.step()
+    if scaler is not None:
+        scaler.update()
+
+
+def _closure(
+    trainer: Trainer,
+    active: Mapping[Event, bool],
+    autocast: Optional[contextlib.AbstractContextManager[Any]],
+    create_graph: bool,
+) -> Callable[[], torch.Tensor]:
+    def closure() -> torch.Tensor:
+        state = trainer.state
+        for optimizer in state.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        with torch.enable_grad():
+            if trainer._auto is not None:
+                trainer._auto.accumulate(active, autocast, create_graph)
+            else:
+                trainer.accumulate(state.grad_accum, active, autocast, create_graph)
+        loss: torch.Tensor = state.loss
+        return loss
+
+    return closure
