@@ -15,6 +15,7 @@ from raytrain_events.callbacks.early_stopper import EarlyStopper
 from raytrain_events.callbacks.lr_monitor import LRMonitor
 from raytrain_events.callbacks.memory_monitor import MemoryMonitor, memory_report
 from raytrain_events.callbacks.nan_monitor import NaNMonitor, NonFiniteLossError
+from raytrain_events.callbacks.profiler import Profiler
 from raytrain_events.callbacks.progress_bar import ProgressBar
 from raytrain_events.callbacks.speed_monitor import SpeedMonitor
 from raytrain_events.callbacks.threshold_stopper import ThresholdStopper
@@ -26,6 +27,7 @@ __all__ = [
     "MemoryMonitor",
     "NaNMonitor",
     "NonFiniteLossError",
+    "Profiler",
     "ProgressBar",
     "SpeedMonitor",
     "ThresholdStopper",
