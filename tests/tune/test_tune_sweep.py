@@ -38,6 +38,7 @@ def _trainer(marker_folder, **kw):
         batch_size=32,
         num_workers=1,
         report_interval="4ba",
+        report_every_s=None,  # reports by batches only: a loaded machine's timed reports would add entries
         callbacks=marker_callbacks(marker_folder),
     )
     base.update(kw)
