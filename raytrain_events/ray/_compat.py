@@ -7,11 +7,6 @@ all; tests/ray/test_compat.py runs it, so a Ray upgrade that removes one fails o
 
 Private names used (checked against Ray 2.60.0):
 
-* ``ray.train._internal.session.get_session()._get_or_create_inter_actor_queue()`` and
-  ``ray.tune.trainable.trainable_fn_utils._in_tune_session``: inside a Tune trial, the queue Tune
-  reads the trial's results from. Our controller callback puts the driver's aggregated entries
-  on it, so Tune sees global counts rather than rank 0's (Ray's ``TuneReportCallback`` forwards
-  rank 0's metrics only).
 * ``TrialScheduler._time_attr`` / ``._max_t`` (ASHA, HyperBand, median stopping, PBT): the sweep
   checks the scheduler's time attribute is one we report, and tells "stopped at the budget" from
   "stopped early". Tune has no public getter for either.
@@ -38,7 +33,6 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 __all__ = [
     "RayCompatError",
-    "tune_result_queue",
     "scheduler_time_attr",
     "scheduler_max_t",
     "dashboard_installed",
@@ -90,19 +84,6 @@ def _attr(obj: Any, name: str) -> Any:
         return getattr(obj, name)
     except AttributeError as exc:
         raise _missing(f"{type(obj).__module__}.{type(obj).__qualname__}.{name}", exc) from exc
-
-
-def tune_result_queue() -> Any:
-    """Inside a Tune trial, the queue Tune reads the trial's results from; else None."""
-    try:
-        import ray.tune  # noqa: F401
-    except ImportError:  # Ray without Tune: never inside a trial
-        return None
-    in_tune_session = _import("ray.tune.trainable.trainable_fn_utils", "_in_tune_session")
-    if not in_tune_session():
-        return None
-    session = _import("ray.train._internal.session", "get_session")()
-    return _attr(session, "_get_or_create_inter_actor_queue")()
 
 
 def _takes_time_attr(scheduler: Any) -> bool:
@@ -219,18 +200,6 @@ def check_private_names() -> List[Tuple[str, str]]:
         except RayCompatError as exc:
             problems.append((name, str(exc)))
 
-    probe("_in_tune_session", lambda: _import("ray.tune.trainable.trainable_fn_utils", "_in_tune_session"))
-    session_class = _import_or_none("ray.train._internal.session", "_TrainSession")
-    probe("get_session", lambda: _import("ray.train._internal.session", "get_session"))
-    if session_class is None:
-        problems.append(("_TrainSession", str(_missing("ray.train._internal.session._TrainSession"))))
-    elif not hasattr(session_class, "_get_or_create_inter_actor_queue"):
-        problems.append(
-            (
-                "_get_or_create_inter_actor_queue",
-                str(_missing("ray.train._internal.session._TrainSession._get_or_create_inter_actor_queue")),
-            )
-        )
     asha = ASHAScheduler(time_attr="time/sample", max_t=10, grace_period=1)
     probe("scheduler _time_attr", lambda: _expect(scheduler_time_attr(asha), "time/sample", "ASHAScheduler._time_attr"))
     probe("scheduler _max_t", lambda: _expect(scheduler_max_t(asha), 10, "ASHAScheduler._max_t"))
@@ -243,13 +212,6 @@ def check_private_names() -> List[Tuple[str, str]]:
     if not _init_takes("_node_ip_address"):
         problems.append(("_node_ip_address", str(_missing("ray.init(_node_ip_address=...)"))))
     return problems
-
-
-def _import_or_none(module: str, attr: str) -> Any:
-    try:
-        return _import(module, attr)
-    except RayCompatError:
-        return None
 
 
 def _expect(value: Any, expected: Any, name: str) -> None:

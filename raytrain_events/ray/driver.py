@@ -94,6 +94,7 @@ class RayTrainer:
         elif options:
             spec = spec.replace(**options)
         self.spec: RunSpec = spec
+        self._report_queue: Any = None
 
     @property
     def run_name(self) -> str:
@@ -117,8 +118,14 @@ class RayTrainer:
         """Where this run's files live: ``<storage_path>/<run_name>``."""
         return self.spec.run_url
 
-    def fit(self) -> RayResult:
-        """Run training on the Ray workers and return the aggregated result."""
+    def fit(self, *, report_queue: Any = None) -> RayResult:
+        """Run training on the Ray workers and return the aggregated result.
+
+        ``report_queue``: a ``ray.util.queue.Queue`` that also receives every aggregated history
+        entry as it arrives (a Tune trial forwards them with ``ray.tune.report``, see
+        ``raytrain_events.tune.trial``); None: the entries go only to the history and result.
+        """
+        self._report_queue = report_queue
         import ray
 
         from raytrain_events.ray.cluster import ensure_ray
@@ -172,7 +179,6 @@ class RayTrainer:
         worker_spec = self.spec.for_workers(datasets=datasets)
         from ray.train.torch import TorchTrainer
 
-        from raytrain_events.ray import _compat
         from raytrain_events.ray.console import train_logging_config
         from raytrain_events.ray.data import TrainDataConfig
         from raytrain_events.ray.follow import HistoryFollower
@@ -185,7 +191,6 @@ class RayTrainer:
         history = RunHistory.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(driver_node, soft=True)
         ).remote()
-        tune_queue = _compat.tune_result_queue()  # inside a Tune trial: where Tune reads results
         storage_path, storage_filesystem = _ray_storage(self.storage_path, self.storage_options)
         trainer = TorchTrainer(
             train_loop_per_worker,
@@ -203,7 +208,7 @@ class RayTrainer:
                 storage_path=storage_path,
                 storage_filesystem=storage_filesystem,
                 failure_config=ray.train.FailureConfig(max_failures=self.spec.max_failures),
-                callbacks=[AggregatingCallback(history, tune_queue), *self.spec.ray_callbacks],
+                callbacks=[AggregatingCallback(history, self._report_queue), *self.spec.ray_callbacks],
                 logging_config=train_logging_config(self.spec.verbose),
                 # Ray owns retention of the checkpoints reported to it (see ray/checkpointing.py).
                 checkpoint_config=_ray_retention(self.spec.checkpoint),

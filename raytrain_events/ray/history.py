@@ -45,9 +45,9 @@ class RunHistory:
 class AggregatingCallback(UserCallback):
     """Ray Train controller callback: aggregate each report round and forward it."""
 
-    def __init__(self, history: Any, tune_queue: Any = None) -> None:
+    def __init__(self, history: Any, report_queue: Any = None) -> None:
         self.history = history
-        self.tune_queue = tune_queue
+        self.report_queue = report_queue  # a ray.util.queue.Queue (RayTrainer.fit(report_queue=...)) or None
         self.aggregator = ReportAggregator()
 
     def after_report(self, run_context, metrics, checkpoint) -> None:
@@ -59,5 +59,5 @@ class AggregatingCallback(UserCallback):
             raise
         entry["wall_time"] = time.time()  # the report's arrival: throughput and the report's time axis
         self.history.add.remote(entry)
-        if self.tune_queue is not None:
-            self.tune_queue.put(dict(entry))
+        if self.report_queue is not None:
+            self.report_queue.put(dict(entry))

@@ -13,11 +13,14 @@ import json
 import logging
 import os
 import re
+import tempfile
+import threading
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from raytrain_events.ray.spec import RunSpec, check_option_names
 from raytrain_events.tune.placement import _trial_callbacks
+from raytrain_events.tune.pointer import pointer_from_entry, write_pointer
 from raytrain_events.tune.results import TRIAL_RECORD, TRIAL_RUN_NAME
 from raytrain_events.tune.sets import _normalize_set
 
@@ -107,14 +110,16 @@ def raytrain_trial(config: Dict[str, Any], sweep_setup: Optional[TrialSetup] = N
             tune.report(dict(entry))
         return
     spec = trial_retention_and_loggers(trial_spec(setup.spec, config), config, trial_folder, setup)
+    algorithms = list(spec.algorithms) if isinstance(spec.algorithms, (list, tuple)) else []  # not a factory
     callbacks = functools.partial(_trial_callbacks, spec.callbacks, setup.registry, tune.get_context().get_trial_id())
-    result = RayTrainer(
+    trainer = RayTrainer(
         spec,
         callbacks=callbacks,
         storage_path=trial_url,
         storage_options=setup.storage_options,
         run_name=TRIAL_RUN_NAME,
-    ).fit()
+    )
+    result = fit_reporting_to_tune(trainer, trial_folder, algorithms)
     write_record(
         record_url,
         setup.storage_options,
@@ -125,6 +130,54 @@ def raytrain_trial(config: Dict[str, Any], sweep_setup: Optional[TrialSetup] = N
             "config": config,
         },
     )
+
+
+def fit_reporting_to_tune(trainer: Any, trial_folder: str, algorithms: List[Any]) -> Any:
+    """``trainer.fit()`` in a background thread while this (the trial's) thread reports to Tune.
+
+    The driver's controller callback puts every aggregated history entry (global counts, not
+    rank 0's) on a ``ray.util.queue.Queue``; this thread takes them in order and calls
+    ``ray.tune.report``. An entry naming a newly committed checkpoint is reported with a
+    `CheckpointPointer` checkpoint (a tiny directory: Tune copies the pointer, never the model
+    bytes), so schedulers that restore trials from checkpoints (PBT) can. The queue holds one
+    entry, so the run waits for Tune to take each result (as Ray's own Tune integration does).
+    ``fit``'s exception is raised here, after the results before it were reported.
+    """
+    from ray import tune
+    from ray.util.queue import Queue
+
+    queue = Queue(maxsize=1, actor_options={"num_cpus": 0})
+    outcome: Dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = trainer.fit(report_queue=queue)
+        except BaseException as exc:  # raised again in the trial's thread
+            outcome["error"] = exc
+        finally:
+            queue.put(_FIT_DONE)
+
+    thread = threading.Thread(target=run, name=f"raytrain-fit-{trial_folder}", daemon=True)
+    thread.start()
+    while True:
+        entry = queue.get()
+        if entry == _FIT_DONE:
+            break
+        pointer = pointer_from_entry(entry, trainer.run_url, trial_folder, trainer.run_name, algorithms)
+        if pointer is None:
+            tune.report(dict(entry))
+            continue
+        with tempfile.TemporaryDirectory(prefix="raytrain-pointer-") as folder:
+            write_pointer(folder, pointer)
+            tune.report(dict(entry), checkpoint=tune.Checkpoint.from_directory(folder))
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
+#: What the fit thread puts on the report queue when ``fit`` returned or raised.
+_FIT_DONE = {"__raytrain_fit_done__": True}
 
 
 def trial_retention_and_loggers(
@@ -172,7 +225,7 @@ def _read_record(url: str, storage_options: Dict[str, Any]) -> Optional[Dict[str
         return None
 
 
-def write_record(url: str, storage_options: Dict[str, Any], record: Dict[str, Any]) -> None:
+def write_record(url: str, storage_options: Dict[str, Any], record: Any) -> None:
     from raytrain_events.core.plain import to_plain
     from raytrain_events.storage.fs import resolve, write_bytes_atomic
 

@@ -81,10 +81,6 @@ def test_scheduler_accessors():
     assert _compat.scheduler_time_attr(FIFOScheduler()) is None and _compat.scheduler_max_t(None) is None
 
 
-def test_outside_a_tune_trial_there_is_no_result_queue():
-    assert _compat.tune_result_queue() is None
-
-
 def test_the_scan_sees_each_kind_of_private_use():
     """The scan itself can fail: each kind of private use the package once had is caught."""
     ray_file = PACKAGE / "ray" / "feeder.py"
