@@ -187,9 +187,11 @@ class RayTrainer:
         from raytrain_events.ray.run_loggers import RunLoggers
         from raytrain_events.ray.worker import train_loop_per_worker
 
-        driver_node = ray.get_runtime_context().get_node_id()  # lost workers' nodes must not take it along
+        # On the driver's node, as Ray Train attaches its controller: a lost worker node must not take
+        # the run's history along (soft affinity let a loaded head spill it onto a node that then left).
+        driver_node = ray.get_runtime_context().get_node_id()
         history = RunHistory.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(driver_node, soft=True)
+            scheduling_strategy=NodeAffinitySchedulingStrategy(driver_node, soft=False)
         ).remote()
         storage_path, storage_filesystem = _ray_storage(self.storage_path, self.storage_options)
         trainer = TorchTrainer(

@@ -2,7 +2,7 @@
 as Ray's own tests lose and regain nodes), run by ``test_elastic.py`` in its own process.
 
 A head node with 1 CPU (for Ray Data) and two 1-CPU nodes with a ``slot`` resource for the train
-workers; ``num_workers=(1, 2)``. While training, a watcher thread removes a worker node once the
+workers; ``num_workers=(1, 2)``. While the run trains (in a thread), the main thread removes a worker node once the
 2-worker group has trained 6 batches (the group continues on 1 worker), then adds a node back once
 the 1-worker group has trained (Ray grows the group to 2 again). Prints one JSON line with the
 result for the test to check.
@@ -27,10 +27,14 @@ sys.path.insert(0, HERE)
 import resume_helpers as h  # noqa: E402
 
 
-def watch(cluster, nodes, records, events, stop):
-    """Remove a worker node after 6 batches on 2 workers; add one back after 3 batches on 1."""
+def watch(cluster, nodes, records, events, done):
+    """Remove a worker node after 6 batches on 2 workers; add one back after 3 batches on 1.
+
+    Runs on the main thread: Ray's ``Cluster.add_node`` installs signal handlers, which Python
+    allows only there (the run itself trains in a background thread).
+    """
     removed = added = False
-    while not stop.is_set() and not added:
+    while not done.is_set() and not added:
         seen = h.read_records(records)
         if not removed and any(r["world"] == 2 and (r["epoch"], r["batch_in_epoch"]) >= (0, 6) for r in seen):
             cluster.remove_node(nodes.pop())
@@ -63,30 +67,41 @@ def main(scratch: str) -> None:
     os.makedirs(records, exist_ok=True)
     tokens = h.write_parquet(data)
     events: list = []
-    stop = threading.Event()
-    watcher = threading.Thread(target=watch, args=(cluster, nodes, records, events, stop), daemon=True)
-    watcher.start()
-    try:
-        result = RayTrainer(
-            model=h.make_model,
-            optimizers=h.make_sgd,
-            datasets={"train": ray.data.read_parquet(data)},
-            max_duration="2ep",
-            global_batch_size=h.GLOBAL_BATCH,
-            get_num_tokens_in_batch=h.count_tokens,
-            # num_workers=(1, 2) with a short resize check, so that the test sees the group grow back.
-            scaling_config=ScalingConfig(
-                num_workers=(1, 2), resources_per_worker={"CPU": 1, "slot": 1}, elastic_resize_monitor_interval_s=2
-            ),
-            storage_path=os.path.join(scratch, "runs"),
-            run_name="elastic",
-            checkpoint=CheckpointConfig(save_interval="3ba", keep=2, save_every_n_seconds=None),
-            max_failures=3,
-            report_interval="3ba",
-            callbacks=lambda: [h.RecordRows(records, sleep_s=0.4)],
-        ).fit()
-    finally:
-        stop.set()
+    outcome: dict = {}
+    done = threading.Event()
+
+    def train():
+        try:
+            outcome["result"] = RayTrainer(
+                model=h.make_model,
+                optimizers=h.make_sgd,
+                datasets={"train": ray.data.read_parquet(data)},
+                max_duration="2ep",
+                global_batch_size=h.GLOBAL_BATCH,
+                get_num_tokens_in_batch=h.count_tokens,
+                # num_workers=(1, 2) with a short resize check, so that the test sees the group grow back.
+                scaling_config=ScalingConfig(
+                    num_workers=(1, 2), resources_per_worker={"CPU": 1, "slot": 1}, elastic_resize_monitor_interval_s=2
+                ),
+                storage_path=os.path.join(scratch, "runs"),
+                run_name="elastic",
+                checkpoint=CheckpointConfig(save_interval="3ba", keep=2, save_every_n_seconds=None),
+                max_failures=3,
+                report_interval="3ba",
+                callbacks=lambda: [h.RecordRows(records, sleep_s=0.4)],
+            ).fit()
+        except BaseException as exc:  # re-raised on the main thread
+            outcome["error"] = exc
+        finally:
+            done.set()
+
+    trainer = threading.Thread(target=train, daemon=True)
+    trainer.start()
+    watch(cluster, nodes, records, events, done)
+    trainer.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    result = outcome["result"]
     lineage = h.assert_every_row_once_per_epoch(records, 2)
     worlds = [lineage[key][0] for key in sorted(lineage)]
     print(

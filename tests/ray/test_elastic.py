@@ -28,7 +28,6 @@ def test_num_workers_range_makes_an_elastic_scaling_config():
         RunSpec(**base, num_workers=(3, 1))
 
 
-@pytest.mark.skip(reason="issue 10 (open): written but never run to completion here; not yet verified")
 @pytest.mark.timeout(1800)  # several Ray runs; minutes each on a loaded machine
 def test_elastic_group_loses_a_node_continues_on_fewer_workers_and_grows_back(tmp_path):
     env = dict(os.environ)

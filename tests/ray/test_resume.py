@@ -111,7 +111,12 @@ def test_worker_killed_twice_mid_epoch_resumes_exactly(reference, parquet, tmp_p
     assert h.timestamp_of(result) == h.timestamp_of(reference[0])
     lineage = h.assert_every_row_once_per_epoch(records, 2)
     assert {world for world, _ in lineage.values()} == {2}
-    assert max(e["attempt"] for e in result.history) == 3
+    # Three worker groups trained (two restarts); one group file of row records per process.
+    assert len(os.listdir(records)) == 3 * 2
+    # A group killed before Ray's controller collected its last report round leaves no history entry
+    # for that round (the group's first checkpoint is still resumed from: it is committed in the run
+    # dir), so the history numbers 2 or 3 attempts depending on timing.
+    assert max(e["attempt"] for e in result.history) in (2, 3)
     # keep=2, one owner (Ray): two committed checkpoints left, the newest is Ray's result checkpoint.
     committed = list_checkpoints(str(tmp_path / "runs" / "killed" / "checkpoints"))
     assert [c.batch for c in committed] == [30, 34]
