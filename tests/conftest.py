@@ -16,6 +16,12 @@ os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+# Property tests check results, not speed: a loaded CI machine must not fail them on Hypothesis's
+# timing health checks ("input generation is slow") or per-example deadlines.
+settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("ci")
 
 
 def _free_port() -> int:
