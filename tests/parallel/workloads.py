@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict
 
 import torch
@@ -192,3 +193,33 @@ def ddp_save_then_fsdp_load(rank: int, world_size: int, folder: str) -> Dict[str
         "continued_batch": trainer.state.timestamp.batch.value,
         "continued_ema_sharded": any(type(v).__name__ == "DTensor" for v in ema.values()),
     }
+
+
+MIXED_ARMS = {
+    "ddp": "ddp",
+    "bf16": {"shard_modules": ["Block"], "param_dtype": "bf16", "reduce_dtype": "fp32"},
+    "offload": {"shard_modules": ["Block"], "cpu_offload": True},
+}
+
+
+def _record_dtypes(seen: set, module: torch.nn.Module, inputs: Any) -> None:
+    seen.add((str(inputs[0].dtype), str(module.weight.dtype)))
+
+
+def train_mixed_precision_and_offload(rank: int, world_size: int) -> Dict[str, Any]:
+    """DDP, FSDP with bf16 compute (fp32 reductions) and FSDP with CPU offload on the same model and
+    data; records the dtypes the Linear layers computed in and the dtypes of the kept parameters."""
+    out: Dict[str, Any] = {}
+    for name, parallelism in MIXED_ARMS.items():
+        trainer = make_trainer(rank, parallelism, "6ba")
+        seen: set = set()
+        for module in trainer.state.model.modules():
+            if type(module) is torch.nn.Linear:
+                module.register_forward_pre_hook(functools.partial(_record_dtypes, seen))
+        trainer.fit()
+        out[name] = full_model_state(trainer.state.model)
+        out[name + "_compute"] = sorted(seen)
+        out[name + "_kept"] = sorted({str(p.dtype) for p in trainer.state.model.parameters()})
+        out[name + "_devices"] = sorted({p.device.type for p in trainer.state.model.parameters()})
+    out["initial"] = {k: v.detach().clone() for k, v in make_model().state_dict().items()}
+    return out
