@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 
-__all__ = ["move_to_device", "total_loss", "check_model"]
+__all__ = ["move_to_device", "device_batches", "total_loss", "check_model"]
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
@@ -20,6 +20,16 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, (list, tuple)):
         return type(batch)(move_to_device(v, device) for v in batch)
     return batch
+
+
+def device_batches(spec: Any, device: torch.device, limit: int = -1) -> Iterator[Any]:
+    """The batches of a `DataSpec`'s dataloader on ``device``, its device transforms applied; at most
+    ``limit`` batches (-1: all). Evaluation and prediction read their data this way."""
+    for index, batch in enumerate(spec.dataloader):
+        if limit != -1 and index >= limit:
+            break
+        batch = move_to_device(batch, device)
+        yield spec.device_transforms(batch) if spec.device_transforms is not None else batch
 
 
 def total_loss(loss: Any) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 
 from raytrain_events.core.data_spec import DataSpec, ensure_data_spec
 from raytrain_events.core.event import Event
-from raytrain_events.trainer._batch import move_to_device
+from raytrain_events.trainer._batch import device_batches
 
 if TYPE_CHECKING:
     from raytrain_events.core.engine import Engine
@@ -152,12 +152,7 @@ def run_evaluation(
             eval_forward = getattr(model, "eval_forward", None)
             update_metric = getattr(model, "update_metric", None)
             with torch.no_grad():
-                for index, batch in enumerate(spec.dataloader):
-                    if limit != -1 and index >= limit:
-                        break
-                    batch = move_to_device(batch, device)
-                    if spec.device_transforms is not None:
-                        batch = spec.device_transforms(batch)
+                for batch in device_batches(spec, device, limit):
                     state.batch = batch
                     engine.run_event(Event.EVAL_BATCH_START)
                     engine.run_event(Event.EVAL_BEFORE_FORWARD)

@@ -14,7 +14,7 @@ import torch
 
 from raytrain_events.core.data_spec import DataSpec, ensure_data_spec
 from raytrain_events.core.event import Event
-from raytrain_events.trainer._batch import move_to_device
+from raytrain_events.trainer._batch import device_batches
 from raytrain_events.trainer.evaluation import EvaluationHost
 
 __all__ = ["run_predict", "to_cpu"]
@@ -56,12 +56,7 @@ def run_predict(
     try:
         engine.run_event(Event.PREDICT_START)
         with torch.no_grad():
-            for index, batch in enumerate(spec.dataloader):
-                if subset_num_batches != -1 and index >= subset_num_batches:
-                    break
-                batch = move_to_device(batch, device)
-                if spec.device_transforms is not None:
-                    batch = spec.device_transforms(batch)
+            for batch in device_batches(spec, device, subset_num_batches):
                 state.batch = batch
                 engine.run_event(Event.PREDICT_BATCH_START)
                 engine.run_event(Event.PREDICT_BEFORE_FORWARD)
