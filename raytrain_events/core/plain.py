@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Dict, Mapping
 
-__all__ = ["to_python", "to_plain", "describe_value"]
+__all__ = ["to_python", "to_plain", "describe_value", "flatten"]
 
 
 def to_python(value: Any) -> Any:
@@ -80,3 +80,15 @@ def _describe_object(value: Any) -> str:
         name = str(getattr(value, "__qualname__", None) or getattr(value, "__name__", None) or type(value).__name__)
         return f"{module}.{name}" if module else name
     return type(value).__name__
+
+
+def flatten(mapping: Mapping[str, Any], sep: str = ".", prefix: str = "") -> Dict[str, Any]:
+    """Nested mappings as one level, keys joined by ``sep`` (``{"a": {"b": 1}}`` -> ``{"a.b": 1}``)."""
+    out: Dict[str, Any] = {}
+    for key, value in mapping.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(flatten(value, sep, name + sep))
+        else:
+            out[name] = value
+    return out

@@ -11,19 +11,9 @@ import numbers
 from typing import Any, Dict, Optional
 
 from raytrain_events.core.logger import LoggerDestination
+from raytrain_events.core.plain import flatten
 
 __all__ = ["MLFlowLogger"]
-
-
-def _flatten(d: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
-    out: Dict[str, Any] = {}
-    for key, value in d.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(_flatten(value, name + "."))
-        else:
-            out[name] = value
-    return out
 
 
 class MLFlowLogger(LoggerDestination):
@@ -62,7 +52,7 @@ class MLFlowLogger(LoggerDestination):
         return mlflow
 
     def log_hyperparameters(self, hyperparameters: Dict[str, Any]) -> None:
-        self._ensure_run().log_params({k: str(v) for k, v in _flatten(hyperparameters).items()})
+        self._ensure_run().log_params({k: str(v) for k, v in flatten(hyperparameters).items()})
 
     def log_metrics(self, metrics: Dict[str, Any], step: Optional[int] = None) -> None:
         numeric = {k: float(v) for k, v in metrics.items() if isinstance(v, numbers.Number) and not isinstance(v, bool)}

@@ -6,9 +6,9 @@ import math
 import numbers
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
-from raytrain_events.core.plain import to_plain
+from raytrain_events.core.plain import flatten, to_plain
 from raytrain_events.core.time import COUNTER_UNITS, report_key
 from raytrain_events.tune.sets import _normalize_set, algorithm_set_label
 
@@ -18,17 +18,6 @@ TIME_ATTRS = tuple(report_key(name) for name in COUNTER_UNITS)
 TRIAL_RECORD = "raytrain_trial.json"
 #: The Train run name of every trial (the run folder inside the trial folder).
 TRIAL_RUN_NAME = "train"
-
-
-def _flatten(config: Mapping[str, Any], prefix: str = "") -> Dict[str, Any]:
-    out: Dict[str, Any] = {}
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            out.update(_flatten(value, name + "/"))
-        else:
-            out[name] = value
-    return out
 
 
 def _finite(value: Any) -> bool:
@@ -189,7 +178,7 @@ def _make_result(
         histories[trial_id] = history
         values = [e[metric] for e in history if _finite(e.get(metric))]
         specs = _normalize_set(config["algorithms"]) if "algorithms" in config else _normalize_set(spec.algorithms)
-        params = _flatten({k: v for k, v in config.items() if k != "algorithms"})
+        params = flatten({k: v for k, v in config.items() if k != "algorithms"}, sep="/")
         overrides = config.get("trainer") or {}
         duration = ensure_time(overrides.get("max_duration", spec.max_duration), TimeUnit.EPOCH)
         done_key = report_key(duration.unit)  # the trainer refuses durations in other units

@@ -65,3 +65,12 @@ def test_describe_value_names_functions_without_addresses():
         "i": {"lr": 0.1, "every": "2ep"},
     }
     assert describe_value(torch.nn.Linear(1, 1)) == "Linear"
+
+
+def test_flatten_joins_nested_keys_with_the_separator():
+    from raytrain_events.core.plain import flatten
+
+    nested = {"optim": {"lr": 0.1, "betas": {"b1": 0.9}}, "seed": 3}
+    assert flatten(nested) == {"optim.lr": 0.1, "optim.betas.b1": 0.9, "seed": 3}
+    assert flatten(nested, sep="/") == {"optim/lr": 0.1, "optim/betas/b1": 0.9, "seed": 3}
+    assert flatten({}) == {}
