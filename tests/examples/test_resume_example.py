@@ -96,7 +96,6 @@ def test_resume_by_name_then_driver_killed_then_resumed_again_with_keep_1(tmp_pa
         )
         os.killpg(driver.pid, signal.SIGKILL)  # the driver and the embedded Ray it started
         driver.wait(timeout=60)
-    assert "Resuming" in open(tmp_path / "second.log").read()
     with open(os.path.join(run_dir, "summary.json")) as fh:  # still run 1's: run 2 never finished
         assert json.load(fh)["timestamp"]["epoch"] == 1
     assert newest % BATCHES_PER_EPOCH != 0  # killed mid-epoch
