@@ -60,10 +60,7 @@ def _closure(
         for optimizer in state.optimizers:
             optimizer.zero_grad(set_to_none=True)
         with torch.enable_grad():
-            if trainer._auto is not None:
-                trainer._auto.accumulate(active, autocast, create_graph)
-            else:
-                trainer.accumulate(state.grad_accum, active, autocast, create_graph)
+            trainer.forward_backward_batch(active, autocast, create_graph)
         loss: torch.Tensor = state.loss
         return loss
 

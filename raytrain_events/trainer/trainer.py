@@ -367,16 +367,25 @@ class Trainer:
         create_graph = any(a.backwards_create_graph for a in state.algorithms) if state.algorithms else False
         # One context per batch, entered for each forward and loss (never nested); none for fp32.
         autocast = None if state.precision is Precision.FP32 else self.autocast()
-        if self._auto is not None:  # grad_accum="auto": retry with more microbatches on a device OOM
-            self._auto.accumulate(active, autocast, create_graph)
-        else:
-            self.accumulate(state.grad_accum, active, autocast, create_graph)
+        self.forward_backward_batch(active, autocast, create_graph)
         if scaler is not None:
             for optimizer in state.optimizers:
                 scaler.unscale_(optimizer)
         if active[_AFTER_TRAIN_BATCH]:
             engine.run_event(_AFTER_TRAIN_BATCH)
         step_optimizers(self, active, autocast, create_graph)
+
+    def forward_backward_batch(
+        self,
+        active: Mapping[Event, bool],
+        autocast: Optional[contextlib.AbstractContextManager[Any]],
+        create_graph: bool,
+    ) -> None:
+        """The batch's forward/backward (train step and closures); ``grad_accum="auto"`` retries on OOM."""
+        if self._auto is not None:
+            self._auto.accumulate(active, autocast, create_graph)
+        else:
+            self.accumulate(self.state.grad_accum, active, autocast, create_graph)
 
     def accumulate(
         self,
