@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from raytrain_events import Callback, Trainer
+from raytrain_events import Callback
 from raytrain_events.algorithms import SAM, SAMOptimizer
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "trainer"))
 from gloo_ranks import run_ranks  # noqa: E402
-from oom_ranks import BATCH, OOMModel, dataset, train_sam  # noqa: E402
+from oom_ranks import BATCH, OOMModel, dataset, make_trainer, train_sam, weights  # noqa: E402
 
 RHO = 0.5
 
@@ -57,17 +57,9 @@ class FirstLoss(Callback):
 
 def train(algorithms, grad_accum=1, callbacks=()):
     model = OOMModel()
-    trainer = Trainer(
-        model=model,
-        train_dataloader=DataLoader(dataset(), batch_size=BATCH),
-        max_duration="2ep",
-        optimizers=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-        algorithms=algorithms,
-        grad_accum=grad_accum,
-        callbacks=list(callbacks),
-    )
+    trainer = make_trainer(model, algorithms=algorithms, grad_accum=grad_accum, callbacks=list(callbacks))
     trainer.fit()
-    return trainer, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return trainer, weights(model)
 
 
 @pytest.mark.parametrize("grad_accum", [1, 2])

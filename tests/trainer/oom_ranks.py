@@ -48,6 +48,23 @@ def dataset(seed: int = 0) -> TensorDataset:
     return TensorDataset(x, torch.randint(0, 3, (ROWS,), generator=g))
 
 
+def make_trainer(model: Optional[OOMModel] = None, *, seed: int = 0, epochs: int = 2, **kwargs: Any) -> Trainer:
+    """The tests' Trainer: ``model`` (a fresh `OOMModel` by default) for ``epochs`` on `dataset(seed)`,
+    SGD with momentum; ``kwargs`` go to `Trainer` (grad_accum, compile, algorithms, dist, ...)."""
+    model = model if model is not None else OOMModel()
+    return Trainer(
+        model=model,
+        train_dataloader=DataLoader(dataset(seed=seed), batch_size=BATCH),
+        max_duration=f"{epochs}ep",
+        optimizers=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        **kwargs,
+    )
+
+
+def weights(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 class Recorder(LoggerDestination):
     """Keeps every logged metric."""
 
@@ -61,20 +78,12 @@ class Recorder(LoggerDestination):
 def train_auto(rank: int, world_size: int, *, limits: Sequence[Optional[int]], grad_accum: Any = "auto") -> dict:
     """Two epochs on this rank's data with this rank's memory limit; returns what the test compares."""
     model = OOMModel(limits[rank])
-    trainer = Trainer(
-        model=model,
-        train_dataloader=DataLoader(dataset(seed=rank), batch_size=BATCH),
-        max_duration="2ep",
-        optimizers=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-        grad_accum=grad_accum,
-        dist=TorchDist(),
-    )
-    state = trainer.fit()
+    state = make_trainer(model, seed=rank, grad_accum=grad_accum, dist=TorchDist()).fit()
     return {
         "grad_accum": state.grad_accum,
         "timestamp": state.timestamp.state_dict(),
         "forward_rows": model.forward_rows,
-        "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "weights": weights(model),
     }
 
 
@@ -87,16 +96,8 @@ def train_compiled(rank: int, world_size: int, *, compiled: bool) -> dict:
         return gm.forward
 
     model = OOMModel()
-    trainer = Trainer(
-        model=model,
-        train_dataloader=DataLoader(dataset(seed=rank), batch_size=BATCH),
-        max_duration="2ep",
-        optimizers=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-        compile={"backend": backend} if compiled else False,
-        dist=TorchDist(),
-    )
-    trainer.fit()
-    return {"graphs": len(graphs), "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    make_trainer(model, seed=rank, compile={"backend": backend} if compiled else False, dist=TorchDist()).fit()
+    return {"graphs": len(graphs), "weights": weights(model)}
 
 
 def train_sam(rank: int, world_size: int, *, rho: float, grad_accum: int = 1) -> dict:
@@ -104,14 +105,5 @@ def train_sam(rank: int, world_size: int, *, rho: float, grad_accum: int = 1) ->
     from raytrain_events.algorithms import SAM
 
     model = OOMModel()
-    trainer = Trainer(
-        model=model,
-        train_dataloader=DataLoader(dataset(seed=rank), batch_size=BATCH),
-        max_duration="2ep",
-        optimizers=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-        algorithms=[SAM(rho=rho)],
-        grad_accum=grad_accum,
-        dist=TorchDist(),
-    )
-    trainer.fit()
-    return {"weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    make_trainer(model, seed=rank, algorithms=[SAM(rho=rho)], grad_accum=grad_accum, dist=TorchDist()).fit()
+    return {"weights": weights(model)}

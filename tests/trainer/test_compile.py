@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gloo_ranks import run_ranks
-from oom_ranks import BATCH, OOMModel, dataset, train_compiled
+from oom_ranks import BATCH, OOMModel, dataset, make_trainer, train_compiled
 from torch.utils.data import DataLoader
 
 from raytrain_events import Algorithm, Event, Trainer
@@ -29,14 +29,7 @@ class SwapHeadAtInit(Algorithm):
 
 def make(compile):
     model = OOMModel()
-    trainer = Trainer(
-        model=model,
-        train_dataloader=DataLoader(dataset(), batch_size=BATCH),
-        max_duration="2ep",
-        optimizers=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-        compile=compile,
-    )
-    return trainer, model
+    return make_trainer(model, compile=compile), model
 
 
 def counting_backend(graphs):

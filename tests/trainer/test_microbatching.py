@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gloo_ranks import run_ranks
-from oom_ranks import BATCH, ROWS, OOMModel, Recorder, dataset, train_auto
+from oom_ranks import BATCH, ROWS, OOMModel, Recorder, dataset, make_trainer, train_auto
 from torch.utils.data import DataLoader
 
 from raytrain_events import Callback, Event, Trainer
@@ -27,11 +27,9 @@ class Losses(Callback):
 
 def make(limit=None, grad_accum="auto", *, callbacks=(), loggers=(), checkpoint=None, epochs=2):
     model = OOMModel(limit)
-    trainer = Trainer(
-        model=model,
-        train_dataloader=DataLoader(dataset(), batch_size=BATCH),
-        max_duration=f"{epochs}ep",
-        optimizers=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+    trainer = make_trainer(
+        model,
+        epochs=epochs,
         grad_accum=grad_accum,
         callbacks=list(callbacks),
         loggers=list(loggers),
