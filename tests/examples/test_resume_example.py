@@ -1,10 +1,11 @@
 """``examples/train.py`` continued by name, as a user does it: subprocesses, each its own embedded Ray.
 
-* keep=1: three runs with the same ``run_name``: 1 epoch; ``resume=true`` to 3 epochs with its
-  driver SIGKILLed mid-epoch right after a checkpoint committed; ``resume=true`` again to the end.
-  Continuing by name with keep=1 is the case that failed with "The run snapshot contains a
-  reference to a checkpoint that does not exist anymore" when our pruning and Ray's run snapshot
-  disagreed; the kill can leave Ray's run snapshot behind the newest committed checkpoint.
+Three runs with the same ``run_name``: 1 epoch with keep=2; ``resume=true`` to 3 epochs (keep=2)
+with its driver SIGKILLed mid-epoch right after a checkpoint committed; ``resume=true`` again to
+the end with keep=1. Continuing by name after our pruning is the case that failed with "The run
+snapshot contains a reference to a checkpoint that does not exist anymore" (the issue's report:
+keep=2, a finished run, then resume=true); the kill can leave Ray's run snapshot behind the newest
+committed checkpoint; the last run lowers keep, so its first save prunes what earlier runs kept.
 
 Each finished run's summary must hold the exact global Timestamp of an uninterrupted run of the
 same length (every worker's samples, 12 global batches of 128 rows per 1,500-row epoch). Which
@@ -65,18 +66,20 @@ def _check_finished(run_dir, epochs, keep):
 
 
 @pytest.mark.timeout(1800)  # three Ray runs; minutes each on a loaded machine
-def test_resume_by_name_then_driver_killed_then_resumed_again_with_keep_1(tmp_path):
-    """Run 1 finishes 1 epoch; run 2 continues it by name to 3 epochs and its driver (with the embedded
-    Ray it started) is SIGKILLed mid-epoch right after a new checkpoint committed; run 3 continues by
-    name again and finishes with the exact Timestamp of an uninterrupted 3-epoch run, keep=1 holding."""
+def test_resume_by_name_then_driver_killed_then_resumed_again(tmp_path):
+    """Run 1 finishes 1 epoch (keep=2); run 2 continues it by name to 3 epochs and its driver (with the
+    embedded Ray it started) is SIGKILLed mid-epoch right after a new checkpoint committed; run 3
+    continues by name again with keep=1 and finishes with the exact Timestamp of an uninterrupted
+    3-epoch run, keep=1 holding on disk."""
     from raytrain_events.checkpoint import list_checkpoints
 
     storage = str(tmp_path / "runs")
     run_dir = os.path.join(storage, "again")
     folder = os.path.join(run_dir, "checkpoints")
-    args = ("checkpoint.keep=1", "checkpoint.save_interval=5ba")
+    args = ("checkpoint.keep=2", "checkpoint.save_interval=5ba")
     _run(str(tmp_path), _command(storage, "again", 1, *args))
-    _check_finished(run_dir, 1, keep=1)
+    first = _check_finished(run_dir, 1, keep=2)
+    assert [c["timestamp"]["batch"] for c in first["checkpoints"]] == [10, 12]  # 5 pruned by keep=2
 
     with open(tmp_path / "second.log", "w") as log:
         driver = subprocess.Popen(
@@ -100,6 +103,8 @@ def test_resume_by_name_then_driver_killed_then_resumed_again_with_keep_1(tmp_pa
         assert json.load(fh)["timestamp"]["epoch"] == 1
     assert newest % BATCHES_PER_EPOCH != 0  # killed mid-epoch
 
-    proc = _run(str(tmp_path), _command(storage, "again", 3, *args, "resume=true"))
+    proc = _run(
+        str(tmp_path), _command(storage, "again", 3, "checkpoint.keep=1", "checkpoint.save_interval=5ba", "resume=true")
+    )
     assert "Resuming" in proc.stdout
     _check_finished(run_dir, 3, keep=1)
