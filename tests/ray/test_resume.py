@@ -6,7 +6,8 @@ On the session's real local Ray (4 CPUs), a 3-file Parquet dataset with an odd r
 * an uninterrupted 2-worker run: the reference Timestamp;
 * a worker SIGKILLed twice mid-epoch, off checkpoint boundaries, on the default streaming path
   (Ray's FailureConfig restarts the group from the newest checkpoint), keep=2;
-* one run continued by name twice with 2, then 3, then 1 workers (keep=1, Ray's run snapshot);
+* one run continued by name twice with 2, then 3, then 1 workers (keep=1, Ray's run snapshot),
+  and a new run started from its mid-epoch checkpoint with ``load_from``;
 * a cluster whose CPUs the workers would all take is refused before training.
 
 Each checks, through `RecordRows`, that every row id is trained exactly once per epoch in the
@@ -139,10 +140,33 @@ def test_resume_by_name_with_2_then_3_then_1_workers(reference, parquet, tmp_pat
         committed = list_checkpoints(os.path.join(storage, "grow", "checkpoints"))
         assert len(committed) == 1  # keep=1, and Ray's snapshot still names only what exists
         assert result.ray_result.checkpoint.path.rstrip("/").endswith(committed[-1].name)
+        if duration == "29ba":
+            _check_load_from_another_run(folder, storage, committed[-1], reference, tmp_path)
     assert h.timestamp_of(result) == h.timestamp_of(reference[0])
     lineage = h.assert_every_row_once_per_epoch(records, 2)
     worlds = [lineage[(1, b)][0] for b in range(1, h.BATCHES_PER_EPOCH + 1)]
     assert worlds == [2] * 3 + [3] * 9 + [1] * 5
+
+
+def _check_load_from_another_run(folder, storage, donor, reference, tmp_path):
+    """A new run started from another run's mid-epoch checkpoint (``load_from``) continues from its
+    exact Timestamp and trains exactly the rows the donor had not trained in that epoch; the donor's
+    checkpoint stays where it was (the new run saves and prunes only in its own run dir)."""
+    records = str(tmp_path / "branch-records")
+    os.makedirs(records)
+    checkpoint = CheckpointConfig(save_interval="4ba", keep=1, save_every_n_seconds=None, load_from=donor.url)
+    result = _trainer(
+        folder, records, storage, max_duration="2ep", num_workers=2, run_name="branch", checkpoint=checkpoint
+    ).fit()
+    assert h.timestamp_of(result) == h.timestamp_of(reference[0])
+    lineage = h.final_lineage(h.read_records(records))
+    done_in_epoch = donor.batch - h.BATCHES_PER_EPOCH  # the donor stopped in epoch 1
+    assert sorted(lineage) == [(1, b) for b in range(done_in_epoch + 1, h.BATCHES_PER_EPOCH + 1)]
+    for (_, b), (_, ids) in lineage.items():  # the same global batches as an uninterrupted run
+        assert sorted(ids) == list(range((b - 1) * h.GLOBAL_BATCH, min(b * h.GLOBAL_BATCH, h.ROWS)))
+    assert [c.name for c in list_checkpoints(os.path.join(storage, "grow", "checkpoints"))] == [donor.name]
+    branch = list_checkpoints(os.path.join(storage, "branch", "checkpoints"))
+    assert [c.batch for c in branch] == [2 * h.BATCHES_PER_EPOCH]
 
 
 def test_cpu_starved_cluster_is_refused_before_training(ray_cluster, parquet, tmp_path):
