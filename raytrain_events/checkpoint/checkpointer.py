@@ -160,6 +160,8 @@ class Checkpointer(Callback):
         # Mid-epoch resume: (RNG state at the epoch's start, RNG state at the checkpoint).
         self._resume_rng: Optional[Tuple[Any, Any]] = None
         self.loaded: Optional[CheckpointInfo] = None
+        # Loading into a Trainer built for eval()/predict() only (see `load_for_inference`).
+        self.inference = False
         self.run_dir = self.folder.rstrip("/").rsplit("/", 1)[0] if "/" in self.folder.rstrip("/") else self.folder
         self._lock = None
         if config.lock_run_dir and state.rank == 0:
@@ -213,6 +215,10 @@ class Checkpointer(Callback):
                     "with load_strict=False, or export the checkpoint to one file first (`raytrain-events export`)."
                 )
             saved, ignored_model_keys = drop_ignored_keys(saved, ignore, state.model.state_dict().keys())
+        if self.inference:  # no optimizer or scheduler to restore, nor RNG state to take over
+            saved = {k: v for k, v in saved.items() if k not in ("optimizers", "schedulers", "scaler")}
+            sharded = is_sharded_checkpoint(loaded.info) or is_sharded_module(state.model)
+            weights_only = weights_only or sharded  # a sharded load restores the optimizers with the model
         if is_sharded_checkpoint(loaded.info):
             io = self._sharded_io or ShardedCheckpointIO(host, self.options, own_group=False)
             io.load(loaded.info, saved, strict=strict, weights_only=weights_only)
@@ -222,7 +228,7 @@ class Checkpointer(Callback):
             state.load_model_state(saved["model"], strict=strict, ignored=ignored_model_keys)
         else:
             state.load_state_dict(saved, strict=strict, ignored=ignored_model_keys)
-        if weights_only:
+        if weights_only or self.inference:
             return
         rng_name = rng_file_name(state.rank)
         if any(f.name == rng_name for f in loaded.info.files):

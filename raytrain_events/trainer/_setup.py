@@ -1,30 +1,106 @@
-"""Trainer set-up helpers: LR schedulers from torch objects or `State` functions, epoch hand-off to
-loaders, and the duration of a further ``fit``."""
+"""Trainer set-up helpers: the train inputs checked (or absent, for eval/predict only), LR schedulers
+from torch objects or `State` functions, epoch hand-off to loaders, and the duration of a further ``fit``."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from raytrain_events.core.data_spec import DataSpec, ensure_data_spec
+from raytrain_events.core.interval import IntervalFn, make_interval
 from raytrain_events.core.state import State
 from raytrain_events.core.time import Time, Timestamp, TimeUnit, ensure_time
 
 if TYPE_CHECKING:
     from raytrain_events.trainer.trainer import Trainer
 
-__all__ = ["as_list", "build_schedulers", "set_duration", "set_epoch"]
+__all__ = [
+    "as_list",
+    "build_schedulers",
+    "eval_intervals",
+    "check_can_fit",
+    "set_duration",
+    "set_epoch",
+    "train_inputs",
+]
+
+
+def train_inputs(
+    train_dataloader: Any, max_duration: Union[str, int, Time[Any], None], optimizers: Any
+) -> Tuple[Optional[DataSpec], Optional[Time[Any]]]:
+    """The train data as a `DataSpec` and ``max_duration`` as a checked `Time`.
+
+    Without train data (a Trainer for ``eval()``/``predict()`` only), ``max_duration`` and
+    ``optimizers`` may be omitted: the data spec (and the duration, if omitted) is None.
+    """
+    duration = None if max_duration is None else ensure_time(max_duration, TimeUnit.EPOCH)
+    if duration is not None and duration.unit == TimeUnit.DURATION:
+        raise ValueError(
+            f"max_duration={duration.to_timestring()!r} is a fraction of the run, which has no length yet: "
+            "give it in 'ep', 'ba', 'sp' or 'tok', like '10ep'."
+        )
+    if duration is not None and duration.value <= 0:
+        raise ValueError(f"max_duration={duration.to_timestring()!r} must be positive.")
+    if train_dataloader is None:
+        return None, duration
+    if duration is None:
+        raise ValueError("train_dataloader given without max_duration: pass max_duration='10ep' (or '500ba', ...).")
+    if optimizers is None:
+        raise ValueError("No optimizers given: pass optimizers=torch.optim.AdamW(model.parameters(), lr=...).")
+    spec = ensure_data_spec(train_dataloader)
+    if duration.unit == TimeUnit.TOKEN and not spec.counts_tokens:
+        raise ValueError(
+            f"max_duration={duration.to_timestring()!r} is in tokens but the train data has no token counter: "
+            "wrap it as DataSpec(loader, get_num_tokens_in_batch=fn)."
+        )
+    return spec, duration
+
+
+def check_can_fit(trainer: Trainer) -> None:
+    """Raise if ``fit`` cannot run on this Trainer (built for eval/predict only), naming what it lacks and the fix."""
+    missing = [
+        name
+        for name, value in (
+            ("train_dataloader", trainer.train_spec),
+            ("max_duration", trainer._max_duration),
+            ("optimizers", trainer.state.optimizers or None),
+        )
+        if value is None
+    ]
+    if missing:
+        raise RuntimeError(
+            f"fit() needs {', '.join(missing)}, which this Trainer was built without (it can eval() and predict()). "
+            "Build the Trainer with train_dataloader=..., max_duration='10ep' and "
+            "optimizers=torch.optim.AdamW(model.parameters(), lr=...) to train."
+        )
+
+
+def eval_intervals(
+    eval_interval: Any, evaluators: Sequence[Any], max_duration: Optional[Time[Any]], counts_tokens: bool
+) -> List[IntervalFn]:
+    """Each evaluator's interval during fit (its own, else ``eval_interval``); none without a duration."""
+    if max_duration is None:  # eval()/predict() only: fit never runs, so no interval fires
+        return []
+    default = make_interval(eval_interval, max_duration, counts_tokens=counts_tokens)
+    return [
+        default
+        if e.eval_interval is None
+        else make_interval(e.eval_interval, max_duration, counts_tokens=counts_tokens)
+        for e in evaluators
+    ]
 
 
 def set_duration(trainer: Trainer, duration: Union[str, int, Time[Any], None], reset_time: bool) -> None:
     """The ``max_duration`` of a further fit: now + ``duration``, or ``duration`` from zero with ``reset_time``."""
-    state = trainer.state
+    state, spec = trainer.state, trainer.train_spec
+    assert trainer._max_duration is not None and spec is not None  # fit checked (check_can_fit)
     length = trainer._max_duration if duration is None else ensure_time(duration, TimeUnit.EPOCH)
     if length.unit == TimeUnit.DURATION or length.value <= 0:
         raise ValueError(
             f"fit(duration={length.to_timestring()!r}): give a positive duration in 'ep', 'ba', 'sp' or 'tok'."
         )
-    if length.unit == TimeUnit.TOKEN and not trainer.train_spec.counts_tokens:
+    if length.unit == TimeUnit.TOKEN and not spec.counts_tokens:
         raise ValueError(
             f"fit(duration={length.to_timestring()!r}) is in tokens but the train data has no token counter: "
             "wrap it as DataSpec(loader, get_num_tokens_in_batch=fn)."

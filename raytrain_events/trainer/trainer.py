@@ -20,18 +20,26 @@ import torch
 
 from raytrain_events.core.algorithm import Algorithm
 from raytrain_events.core.callback import Callback
-from raytrain_events.core.data_spec import DataSpec, ensure_data_spec
+from raytrain_events.core.data_spec import DataSpec
 from raytrain_events.core.engine import AlgorithmPass, Engine
 from raytrain_events.core.event import Event
-from raytrain_events.core.interval import IntervalFn, is_done, make_interval
+from raytrain_events.core.interval import IntervalFn, is_done
 from raytrain_events.core.logger import Logger, LoggerDestination
 from raytrain_events.core.precision import Precision, autocast_context
 from raytrain_events.core.state import State
-from raytrain_events.core.time import Time, TimeUnit, ensure_time
+from raytrain_events.core.time import Time, TimeUnit
 from raytrain_events.dist import Dist, default_dist
 from raytrain_events.parallel.wrap import Parallel
 from raytrain_events.trainer._batch import check_model, move_to_device, total_loss
-from raytrain_events.trainer._setup import as_list, build_schedulers, set_duration, set_epoch
+from raytrain_events.trainer._setup import (
+    as_list,
+    build_schedulers,
+    check_can_fit,
+    eval_intervals,
+    set_duration,
+    set_epoch,
+    train_inputs,
+)
 from raytrain_events.trainer.compiling import compile_model, compile_options
 from raytrain_events.trainer.counters import BatchCounters
 from raytrain_events.trainer.evaluation import ensure_evaluators, run_evaluation
@@ -79,14 +87,17 @@ class Trainer:
     The model follows Composer's protocol: ``forward(batch)``, ``loss(outputs, batch)``, and
     optionally ``eval_forward(batch, outputs)``, ``get_metrics(is_train)`` and
     ``update_metric(batch, outputs, metric)``.
+
+    For ``eval()``/``predict()`` only, omit ``train_dataloader``, ``max_duration`` and ``optimizers``:
+    ``Trainer(model=m, eval_dataloader=val, checkpoint=CheckpointConfig(load_from=url))`` loads the weights.
     """
 
     def __init__(
         self,
         *,
         model: torch.nn.Module,
-        train_dataloader: Union[Iterable[Any], DataSpec],
-        max_duration: Union[str, int, Time[Any]],
+        train_dataloader: Union[Iterable[Any], DataSpec, None] = None,
+        max_duration: Union[str, int, Time[Any], None] = None,
         optimizers: Any = None,
         schedulers: Any = None,
         eval_dataloader: Any = None,
@@ -107,19 +118,11 @@ class Trainer:
         compile: Union[bool, Dict[str, Any]] = False,
     ) -> None:
         check_model(model)
-        max_duration = ensure_time(max_duration, TimeUnit.EPOCH)
-        if max_duration.unit == TimeUnit.DURATION:
-            raise ValueError(
-                f"max_duration={max_duration.to_timestring()!r} is a fraction of the run, which has no length yet: "
-                "give it in 'ep', 'ba', 'sp' or 'tok', like '10ep'."
-            )
-        if max_duration.value <= 0:
-            raise ValueError(f"max_duration={max_duration.to_timestring()!r} must be positive.")
+        # None (with max_duration and optimizers possibly None too): a Trainer for eval()/predict() only.
+        self.train_spec, duration = train_inputs(train_dataloader, max_duration, optimizers)
         compile_kwargs = compile_options(compile)
         auto_microbatching = grad_accum == AUTO
         initial_grad_accum = parse_grad_accum(grad_accum)
-        if optimizers is None:
-            raise ValueError("No optimizers given: pass optimizers=torch.optim.AdamW(model.parameters(), lr=...).")
         for algorithm in algorithms:
             if not isinstance(algorithm, Algorithm):
                 raise TypeError(
@@ -136,20 +139,14 @@ class Trainer:
             )
         self.dist = dist if dist is not None else default_dist(torch.device(device) if device is not None else None)
         self.device = torch.device(device) if device is not None else self.dist.device
-        self.train_spec = ensure_data_spec(train_dataloader)
-        if max_duration.unit == TimeUnit.TOKEN and not self.train_spec.counts_tokens:
-            raise ValueError(
-                f"max_duration={max_duration.to_timestring()!r} is in tokens but the train data has no token counter: "
-                "wrap it as DataSpec(loader, get_num_tokens_in_batch=fn)."
-            )
         self.config = dict(config or {})
         if seed is not None:
             seed_everything(seed + self.dist.rank)
         model.to(self.device)
         self.state = State(
             model=model,
-            max_duration=max_duration,
-            train_dataloader=self.train_spec.dataloader,
+            max_duration=duration,
+            train_dataloader=self.train_spec.dataloader if self.train_spec is not None else None,
             evaluators=ensure_evaluators(eval_dataloader),
             grad_accum=initial_grad_accum,
             precision=precision,
@@ -165,14 +162,9 @@ class Trainer:
         self.state.schedulers = build_schedulers(as_list(schedulers), self.state)
         if self.state.precision is Precision.AMP_FP16:
             self.state.scaler = torch.amp.GradScaler(self.device.type)
-        self._max_duration: Time[Any] = max_duration
-        self.eval_interval = make_interval(eval_interval, max_duration, counts_tokens=self.train_spec.counts_tokens)
-        self._eval_intervals = [  # each evaluator's own interval, else the Trainer's
-            self.eval_interval
-            if e.eval_interval is None
-            else make_interval(e.eval_interval, max_duration, counts_tokens=self.train_spec.counts_tokens)
-            for e in self.state.evaluators
-        ]
+        self._max_duration: Optional[Time[Any]] = duration
+        counts_tokens = self.train_spec is not None and self.train_spec.counts_tokens
+        self._eval_intervals = eval_intervals(eval_interval, self.state.evaluators, duration, counts_tokens)
         self.logger = Logger(loggers if self.dist.rank == 0 else ())
         self.engine = Engine(state=self.state, logger=self.logger, algorithm_passes=algorithm_passes)
         self._checkpointer: Optional[Checkpointer] = None
@@ -195,8 +187,12 @@ class Trainer:
             self._counters = BatchCounters(self.dist, self._ddp)
         if checkpoint is not None:
             from raytrain_events.checkpoint.checkpointer import attach_checkpointing
+            from raytrain_events.checkpoint.inference import load_for_inference
 
-            self._checkpointer = attach_checkpointing(self, checkpoint)
+            if self.train_spec is None:  # eval/predict only: load the model, nothing to save
+                load_for_inference(self, checkpoint)
+            else:
+                self._checkpointer = attach_checkpointing(self, checkpoint)
         self.engine.run_event(Event.AFTER_LOAD)
 
     # ------------------------------------------------------------ properties
@@ -221,6 +217,7 @@ class Trainer:
         starts the Timestamp at zero again (a new phase, e.g. fine-tuning), for ``duration`` or the
         old ``max_duration``. Callbacks and loggers are closed at the end of each fit and reopened.
         """
+        check_can_fit(self)  # a Trainer built for eval()/predict() only says what it lacks
         if self._fitted:
             if duration is None and not reset_time:
                 raise RuntimeError(
@@ -256,7 +253,7 @@ class Trainer:
         state.model.train()
         engine.run_event(Event.FIT_START)
         self._check_flags_agree()
-        epoch_unit = self._max_duration.unit == TimeUnit.EPOCH
+        epoch_unit = self._max_duration is not None and self._max_duration.unit == TimeUnit.EPOCH
         while not (state.stop_requested and state.stop_consistent) and not is_done(state):
             engine.run_event(Event.EPOCH_START)
             finished_early = self._run_epoch()
@@ -274,6 +271,7 @@ class Trainer:
     def _run_epoch(self) -> bool:
         """One pass over the train data; True if it stopped before the data ran out."""
         state, engine, spec, counters = self.state, self.engine, self.train_spec, self._counters
+        assert spec is not None  # fit checked (missing_for_fit)
         loader = spec.dataloader
         set_epoch(loader, state.epoch)
         skip = state.timestamp.batch_in_epoch.value  # mid-epoch resume: batches already trained
@@ -397,7 +395,9 @@ class Trainer:
         """Forward, loss and backward of ``state.batch`` in ``grad_accum`` microbatches; sets ``state.loss``."""
         state = self.state
         full_batch = state.batch
-        microbatches = [full_batch] if grad_accum == 1 else self.train_spec.split_batch(full_batch, grad_accum)
+        spec = self.train_spec
+        assert spec is not None  # fit checked (missing_for_fit)
+        microbatches = [full_batch] if grad_accum == 1 else spec.split_batch(full_batch, grad_accum)
         if len(microbatches) == 1:
             state.loss = self._forward_backward(microbatches[0], 0, active, autocast, create_graph).detach()
         else:
@@ -448,8 +448,8 @@ class Trainer:
         if active[_BEFORE_BACKWARD]:
             engine.run_event(_BEFORE_BACKWARD)
         loss = total_loss(state.loss)
-        if total_samples:
-            loss = loss * (self.train_spec.get_num_samples_in_batch(state.batch) / total_samples)
+        if total_samples:  # fit checked train_spec (missing_for_fit)
+            loss = loss * (self.train_spec.get_num_samples_in_batch(state.batch) / total_samples)  # type: ignore[union-attr]
         scaler = state.scaler
         if scaler is not None:
             scaler.scale(loss).backward(create_graph=create_graph)

@@ -4,6 +4,8 @@ named by rank and batch, written locally or to S3 (moto) through the storage lay
 from __future__ import annotations
 
 import json
+import os
+import sys
 import uuid
 
 import pytest
@@ -13,6 +15,10 @@ from torch.utils.data import DataLoader, TensorDataset
 from raytrain_events import Trainer
 from raytrain_events.callbacks import Profiler
 from raytrain_events.storage.fs import read_bytes, resolve
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "trainer"))
+from gloo_ranks import run_ranks  # noqa: E402
+from oom_ranks import train_profiled  # noqa: E402
 
 
 def fit(profiler, batches=8):
@@ -58,6 +64,23 @@ def test_schedule_names_and_contents_local(tmp_path):
     assert "aten::addmm" in names  # the Linear's forward was recorded
     steps = sorted(n for n in names if n and n.startswith("ProfilerStep#"))
     assert steps == ["ProfilerStep#2", "ProfilerStep#3"]  # only the active batches
+
+
+def test_one_trace_per_rank_and_cycle_on_two_gloo_ranks(tmp_path):
+    folder = tmp_path / "profiler"
+    ranks = run_ranks(train_profiled, 2, folder=str(folder))
+    for rank, result in enumerate(ranks):
+        names = [u.rsplit("/", 1)[1] for u in result["traces"]]
+        assert names == [f"rank{rank}_batch4.pt.trace.json", f"rank{rank}_batch8.pt.trace.json"]
+        trace = _trace(result["traces"][0])
+        assert trace["distributedInfo"]["rank"] == rank  # written by that rank's own profiler
+        names_in_trace = {e.get("name") for e in trace["traceEvents"]}
+        assert "aten::addmm" in names_in_trace
+        assert sorted(n for n in names_in_trace if n and n.startswith("ProfilerStep#")) == [
+            "ProfilerStep#2",
+            "ProfilerStep#3",
+        ]
+    assert sorted(os.listdir(folder)) == sorted(f"rank{r}_batch{b}.pt.trace.json" for r in (0, 1) for b in (4, 8))
 
 
 def test_traces_go_to_s3(s3_server):

@@ -107,3 +107,12 @@ def train_sam(rank: int, world_size: int, *, rho: float, grad_accum: int = 1) ->
     model = OOMModel()
     make_trainer(model, seed=rank, algorithms=[SAM(rho=rho)], grad_accum=grad_accum, dist=TorchDist()).fit()
     return {"weights": weights(model)}
+
+
+def train_profiled(rank: int, world_size: int, *, folder: str) -> dict:
+    """Three epochs (9 batches) under DDP with a `Profiler` of 1 wait, 1 warmup, 2 active batches, 2 cycles."""
+    from raytrain_events.callbacks import Profiler
+
+    profiler = Profiler(folder, wait="1ba", warmup=1, active="2ba", repeat=2)
+    make_trainer(seed=rank, epochs=3, callbacks=[profiler], dist=TorchDist()).fit()
+    return {"traces": list(profiler.traces)}

@@ -99,6 +99,50 @@ def test_predict_and_eval_on_a_loaded_model(tmp_path):
     assert float(metrics["metrics/eval/accuracy"]) == pytest.approx(float(expected))
 
 
+def test_a_trainer_without_train_data_evaluates_and_predicts_a_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a default save_folder would be ./runs/<run_name>/checkpoints
+    folder = str(tmp_path / "run" / "checkpoints")
+    val = DataLoader(data(seed=2, n=24), batch_size=8)
+    trained = make(
+        eval_dataloader={"val": val},
+        checkpoint=CheckpointConfig(save_folder=folder, save_every_n_seconds=None, save_final=True),
+    )
+    trained.fit()
+    want_outputs, want_metrics = torch.cat(trained.predict(val)), trained.eval()
+    assert float(want_metrics["metrics/val/accuracy"]) > 0.5  # trained: the comparison below is not vacuous
+
+    events = Events()
+    loaded = Trainer(  # only the model, its eval data and the checkpoint: no train data, duration, optimizer
+        model=model(seed=5),
+        eval_dataloader={"val": val},
+        callbacks=[events],
+        checkpoint=CheckpointConfig(load_from=folder),
+    )
+    # The full state loaded (optimizers aside), not just the weights.
+    assert loaded.state.timestamp.state_dict() == trained.state.timestamp.state_dict()
+    assert torch.equal(torch.cat(loaded.predict(val)), want_outputs)
+    got_metrics = loaded.eval()
+    assert got_metrics.keys() == want_metrics.keys()
+    for name, value in want_metrics.items():
+        assert torch.equal(got_metrics[name], value), name
+    assert Event.PREDICT_END in [e for e, _ in events.events] and Event.EVAL_END in [e for e, _ in events.events]
+    assert not (tmp_path / "runs").exists()  # it neither saves nor locks a run directory
+    with pytest.raises(RuntimeError, match="fit\\(\\) needs train_dataloader, max_duration, optimizers.*AdamW"):
+        loaded.fit()
+
+
+def test_a_trainer_without_train_data_needs_a_checkpoint_to_load(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no committed checkpoint"):
+        Trainer(model=model(), checkpoint=CheckpointConfig(load_from=str(tmp_path / "nothing")))
+    with pytest.raises(ValueError, match="only loads checkpoints: pass CheckpointConfig\\(load_from"):
+        Trainer(model=model(), checkpoint=CheckpointConfig(save_folder=str(tmp_path / "c")))
+    empty = CheckpointConfig(save_folder=str(tmp_path / "empty" / "checkpoints"), autoresume=True)
+    with pytest.raises(FileNotFoundError, match="No committed checkpoint in save_folder"):
+        Trainer(model=model(), checkpoint=empty)
+    with pytest.raises(ValueError, match="without max_duration"):
+        Trainer(model=model(), train_dataloader=DataLoader(data(), batch_size=8))
+
+
 def test_eval_after_fit_uses_the_evaluators_and_subset():
     val = DataLoader(data(seed=3, n=32), batch_size=8)
     trainer = make(eval_dataloader={"val": val})
