@@ -71,14 +71,27 @@ errored ones are restarted (from their own newest checkpoint when ``CheckpointCo
 and trials never started run. Tune saves its experiment state at most every ~10 s, so a sweep killed
 right after a trial finished may not know it finished; such a trial finds its
 ``raytrain_trial.json`` and replays its recorded history to Tune instead of training again.
+
+Population-based training
+-------------------------
+``sweep(..., scheduler=pbt_scheduler("512sp", algorithm_sets=..., lr=...))``: trials report each
+committed checkpoint to Tune as a tiny pointer (`raytrain_events.tune.pointer`; the bytes stay in
+the run dir), so PBT can copy a top trial into a bottom one: the bottom trial starts a new run
+(``from-<donor trial>-<checkpoint>``) in its folder that fully loads the donor's checkpoint (exact
+global Timestamp, optimizer, data position) with its mutated config and algorithm set; algorithms
+that stay on get their saved state back, ones turned off are dropped, new ones start fresh. Under PBT
+trials keep every checkpoint (a donor must not prune one being copied). Each copy is in the trial's
+``raytrain_lineage.json`` and in `SweepResult` (``row["lineage"]``, the table's ``copied`` column).
 """
 
 from raytrain_events.tune.driver import sweep
+from raytrain_events.tune.pbt import pbt_scheduler
 from raytrain_events.tune.results import TIME_ATTRS, TRIAL_RECORD, TRIAL_RUN_NAME, SweepResult
 from raytrain_events.tune.sets import algorithm_set_label, algorithm_sets_grid
 
 __all__ = [
     "sweep",
+    "pbt_scheduler",
     "SweepResult",
     "algorithm_sets_grid",
     "algorithm_set_label",

@@ -1,6 +1,6 @@
 """A sweep's console: one line per trial event instead of Tune's periodic status tables.
 
-`SweepConsole` is a Tune callback on the sweep's driver. It prints when a trial starts (its
+`SweepConsole` is a Tune callback on the sweep's driver. It prints when a trial starts or restarts (its
 algorithm set and other parameters), each report it makes (global samples, loss, the sweep's
 metric), when the scheduler stops it early (with why: the scheduler, where, and the metric
 there) and when it finishes or fails. `sweep` passes it and turns Tune's own reporter off
@@ -10,7 +10,7 @@ there) and when it finishes or fails. `sweep` passes it and turns Tune's own rep
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Set
 
 from ray.tune import Callback
 
@@ -49,13 +49,17 @@ class SweepConsole(Callback):
         self._print = print_fn or (lambda line: print(line, file=sys.stdout, flush=True))
         self._last: Dict[str, Dict[str, Any]] = {}
         self._metric: Dict[str, Any] = {}  # the trial's last reported value of the sweep's metric
+        self._started: Set[str] = set()
 
     def _line(self, trial: Any, text: str) -> None:
         self._print(f"[sweep] {trial.trial_id} ({trial_label(trial.config)}): {text}")
 
     def on_trial_start(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         params = {k: v for k, v in (trial.config or {}).items() if k != "algorithms"}
-        self._line(trial, "started" + (f" with {params}" if params else ""))
+        # Again (PBT copied another trial into it with a new config, or Tune retries it): say so.
+        again = "restarted" if trial.trial_id in self._started else "started"
+        self._started.add(trial.trial_id)
+        self._line(trial, again + (f" with {params}" if params else ""))
 
     def on_trial_result(self, iteration: int, trials: list, trial: Any, result: Dict[str, Any], **info: Any) -> None:
         self._last[trial.trial_id] = dict(result)

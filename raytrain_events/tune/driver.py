@@ -228,6 +228,7 @@ def _run(
             registry=registry,
             metric=metric,
             mode=mode,
+            keep_every_checkpoint=_is_pbt(scheduler),
         )
         trainable = tune.with_resources(
             tune.with_parameters(raytrain_trial, sweep_setup=setup), dict(trial_resources or {"cpu": 0.01})
@@ -339,3 +340,10 @@ def _write_sweep_settings(experiment: _Experiment, metric: str, mode: str) -> No
     from raytrain_events.storage.fs import join
 
     write_record(join(experiment.url, SWEEP_FILE), experiment.storage_options, {"metric": metric, "mode": mode})
+
+
+def _is_pbt(scheduler: Any) -> bool:
+    """Whether the scheduler copies trials' checkpoints into other trials (PBT, PB2)."""
+    from ray.tune.schedulers import PopulationBasedTraining
+
+    return isinstance(scheduler, PopulationBasedTraining)

@@ -7,14 +7,16 @@ PlacementGroupCleaner releases it through the state API, which needs the dashboa
 several Ray instances run on one machine; then every stopped trial leaks its workers' CPUs/GPUs
 and later trials wait forever for resources. So rank 0 of every worker group registers its
 placement group with the sweep (`_trial_callbacks`), and a Tune callback (`_ReleaseTrainWorkers`)
-removes a finished trial's groups shortly after Tune stopped it (removing a group Train already
-removed is a no-op).
+removes a trial's groups shortly after Tune stopped its actor (removing a group Train already
+removed is a no-op): when the trial completed, failed or is retried, when a scheduler paused it
+(PBT pauses the trials it copies others into; Tune has no pause callback, so each step looks for
+newly paused trials), and when a new attempt of the trial starts (the old attempt's groups).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Set, Tuple
 
 from ray.tune import Callback
 
@@ -66,12 +68,20 @@ def _register_placement_group(registry: Any, trial_id: str) -> None:
         ray.get(registry.add.remote(trial_id, group), timeout=60)
 
 
-def _trial_callbacks(user_callbacks: Any, registry: Any, trial_id: str, config: Dict[str, Any]) -> List[Any]:
-    """The trainer's callbacks factory in a sweep: the user's callbacks, after registering the group."""
+def _trial_callbacks(
+    user_callbacks: Any, registry: Any, trial_id: str, config: Dict[str, Any], copied: bool = False
+) -> List[Any]:
+    """The trainer's callbacks factory in a sweep: the user's callbacks, after registering the group.
+
+    ``copied``: the run loads another trial's checkpoint (PBT), so its optimizers get this trial's
+    explored settings back after the load (`KeepExploredOptimizerSettings`).
+    """
     from raytrain_events.ray.spec import _call
+    from raytrain_events.tune.explore import KeepExploredOptimizerSettings
 
     _register_placement_group(registry, trial_id)
-    return list(_call(user_callbacks, config) if callable(user_callbacks) else (user_callbacks or ()))
+    callbacks = list(_call(user_callbacks, config) if callable(user_callbacks) else (user_callbacks or ()))
+    return [*callbacks, KeepExploredOptimizerSettings()] if copied else callbacks
 
 
 def _release_placement_groups(groups: Sequence[Any]) -> None:
@@ -94,9 +104,10 @@ class _ReleaseTrainWorkers(Callback):
         self.experiment_url = experiment_url
         self.grace_s = grace_s
         self.pending: List[Tuple[float, List[Any]]] = []
+        self.paused: Set[str] = set()  # trials whose pause was handled (until they start again)
 
     def __getstate__(self) -> Dict[str, Any]:  # pickled into the sweep's tuner.pkl: nothing pending
-        return {"experiment_url": self.experiment_url, "grace_s": self.grace_s, "pending": []}
+        return {"experiment_url": self.experiment_url, "grace_s": self.grace_s, "pending": [], "paused": set()}
 
     def _registry(self) -> Any:
         import ray
@@ -113,7 +124,15 @@ class _ReleaseTrainWorkers(Callback):
 
         registry = self._registry()
         if registry is not None:  # take the groups now: a retried trial registers new ones
-            self.pending.append((time.monotonic(), ray.get(registry.pop.remote(trial.trial_id))))
+            groups = ray.get(registry.pop.remote(trial.trial_id))
+            if groups:
+                self.pending.append((time.monotonic(), groups))
+
+    def on_trial_start(self, iteration, trials, trial, **info):
+        # Any groups still registered belong to an earlier attempt whose actor Tune stopped (a
+        # pause); this attempt registers its own only once its Train workers run.
+        self.paused.discard(trial.trial_id)
+        self._trial_ended(trial)
 
     def on_trial_complete(self, iteration, trials, trial, **info):
         self._trial_ended(trial)
@@ -127,6 +146,10 @@ class _ReleaseTrainWorkers(Callback):
     def on_step_begin(self, iteration, trials, **info):
         import time
 
+        for trial in trials:  # Tune stops a paused trial's actor and has no callback for it
+            if trial.status == "PAUSED" and trial.trial_id not in self.paused:
+                self.paused.add(trial.trial_id)
+                self._trial_ended(trial)
         if not self.pending:
             return
         now = time.monotonic()

@@ -18,6 +18,8 @@ TIME_ATTRS = tuple(report_key(name) for name in COUNTER_UNITS)
 TRIAL_RECORD = "raytrain_trial.json"
 #: The Train run name of every trial (the run folder inside the trial folder).
 TRIAL_RUN_NAME = "train"
+#: File in a trial folder listing the trials it copied (PBT exploits): when, which checkpoint, which set.
+LINEAGE_FILE = "raytrain_lineage.json"
 
 
 def _finite(value: Any) -> bool:
@@ -49,8 +51,10 @@ class SweepResult:
     top-level keys), the metric (its last reported value), ``time/epoch|batch|sample|token`` and
     ``world_size`` of the last result Tune got, ``status`` (``"completed"``: reached
     ``max_duration``; ``"stopped"``: stopped early by the scheduler; ``"error"``), ``error``,
-    ``checkpoint`` (the trial's best checkpoint path or None), ``run_url`` (its Train run folder)
-    and ``path`` (its Tune trial folder).
+    ``checkpoint`` (the trial's best checkpoint path or None), ``run_url`` (its Train run folder,
+    the newest one), ``path`` (its Tune trial folder), ``lineage`` (PBT: each trial it copied, as
+    ``{"copied_trial", "checkpoint", "counters", "from_algorithms", "algorithms", "run_name"}``,
+    oldest first) and ``copied`` (the lineage in short, ``trial_x@384sp``, or None).
     """
 
     metric: str
@@ -96,13 +100,15 @@ class SweepResult:
         params = sorted({k for row in self.rows for k in row["params"]})
         times = [self.time_attr] if self.time_attr in TIME_ATTRS else []
         times += [t for t in ("time/sample",) if t not in times]
-        header = ["", "trial", "status", "algorithms", *params, self.metric, *times]
+        copied = any(row.get("copied") for row in self.rows)
+        header = ["", "trial", "status", "algorithms", *params, self.metric, *times, *(["copied"] if copied else [])]
         best = self.best
         lines = []
         for row in self.rows:
             cells = ["*" if best is not None and row is best else "", row["trial_id"], row["status"], row["algorithms"]]
             cells += [_fmt(row["params"].get(p)) for p in params]
             cells += [_fmt(row.get(self.metric))] + [_fmt(row.get(t)) for t in times]
+            cells += [_fmt(row.get("copied"))] if copied else []
             lines.append(cells)
         widths = [max(len(str(c)) for c in column) for column in zip(header, *lines)]
         out = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths)).rstrip()]
@@ -154,6 +160,19 @@ def _best_checkpoint(
     return None if info is None else info.url
 
 
+def _lineage_of(trial_url: str, storage_options: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The trial's PBT exploits (`LINEAGE_FILE`): which trial it copied, at which counters, which set it took."""
+    import json
+
+    from raytrain_events.storage.fs import join, read_bytes, resolve
+
+    fs, path = resolve(join(trial_url, LINEAGE_FILE), storage_options)
+    try:
+        return list(json.loads(read_bytes(fs, path)))
+    except (FileNotFoundError, ValueError):
+        return []
+
+
 def _make_result(
     result_grid: Any,
     *,
@@ -194,7 +213,9 @@ def _make_result(
             status = "stopped"
         else:
             status = "no results"
-        run_url = join(experiment_url, os.path.basename(result.path.rstrip("/")), TRIAL_RUN_NAME)
+        trial_url = join(experiment_url, os.path.basename(result.path.rstrip("/")))
+        lineage = _lineage_of(trial_url, storage_options)
+        run_url = join(trial_url, lineage[-1]["run_name"] if lineage else TRIAL_RUN_NAME)
         row: Dict[str, Any] = {
             "trial_id": trial_id,
             "algorithms": algorithm_set_label(specs),
@@ -210,6 +231,8 @@ def _make_result(
             "checkpoint": _best_checkpoint(history, metric, mode, run_url, storage_options),
             "run_url": run_url,
             "path": result.path,
+            "lineage": lineage,
+            "copied": "; ".join(f"{s['copied_trial']}@{s['counters'].get('sample')}sp" for s in lineage) or None,
         }
         rows.append(row)
 

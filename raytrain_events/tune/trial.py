@@ -2,7 +2,8 @@
 
 A finished trial writes ``raytrain_trial.json`` (its history, checkpoints and run URL) into its
 Tune trial folder; a trial restarted by a resumed sweep that finds that record replays it to
-Tune instead of training again (Tune may not have saved that the trial finished).
+Tune instead of training again (Tune may not have saved that the trial finished), unless Tune
+restores it from a checkpoint of another run (a PBT copy, `run_to_continue`).
 """
 
 from __future__ import annotations
@@ -16,15 +17,19 @@ import re
 import tempfile
 import threading
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from raytrain_events.ray.spec import RunSpec, check_option_names
+from raytrain_events.storage.fs import join as join_url
 from raytrain_events.tune.placement import _trial_callbacks
-from raytrain_events.tune.pointer import pointer_from_entry, write_pointer
-from raytrain_events.tune.results import TRIAL_RECORD, TRIAL_RUN_NAME
+from raytrain_events.tune.pointer import CheckpointPointer, pointer_from_entry, read_pointer, write_pointer
+from raytrain_events.tune.results import LINEAGE_FILE, TRIAL_RECORD, TRIAL_RUN_NAME
 from raytrain_events.tune.sets import _normalize_set
 
 logger = logging.getLogger(__name__)
+
+#: The name of a run that copied another trial starts with this (``from-<trial>-<checkpoint>``).
+COPIED_RUN_PREFIX = "from-"
 
 #: RayTrainer arguments the sweep sets itself, and what to do instead.
 SWEEP_OWNED = {
@@ -44,6 +49,7 @@ class TrialSetup:
     registry: Any = None  # the sweep's placement-group registry actor
     metric: Optional[str] = None  # the sweep's metric and mode: a trial keeps its best checkpoints by them
     mode: str = "max"
+    keep_every_checkpoint: bool = False  # PBT: another trial may load any reported checkpoint later
 
 
 def check_trainer_keys(keys: Sequence[str], where: str) -> None:
@@ -97,27 +103,35 @@ def raytrain_trial(config: Dict[str, Any], sweep_setup: Optional[TrialSetup] = N
     trial_folder = os.path.basename(tune.get_context().get_trial_dir().rstrip("/"))
     trial_url = join(setup.experiment_url, trial_folder)
     record_url = join(trial_url, TRIAL_RECORD)
-    record = _read_record(record_url, setup.storage_options)
-    if record is not None:
+    pointer = _restored_pointer()
+    replay = results_to_replay(_read_record(record_url, setup.storage_options), pointer)
+    if replay is not None:
         # Finished before the sweep was interrupted, but Tune's saved state did not know yet.
         logger.warning(
-            "%s already finished (%s): replaying its %d results instead of training again.",
+            "%s already finished (%s): replaying %d results instead of training again.",
             trial_folder,
             record_url,
-            len(record["history"]),
+            len(replay),
         )
-        for entry in record["history"]:
+        for entry in replay:
             tune.report(dict(entry))
         return
     spec = trial_retention_and_loggers(trial_spec(setup.spec, config), config, trial_folder, setup)
     algorithms = list(spec.algorithms) if isinstance(spec.algorithms, (list, tuple)) else []  # not a factory
-    callbacks = functools.partial(_trial_callbacks, spec.callbacks, setup.registry, tune.get_context().get_trial_id())
+    run_name, spec = run_to_continue(spec, pointer, trial_folder, algorithms, trial_url, setup)
+    callbacks = functools.partial(
+        _trial_callbacks,
+        spec.callbacks,
+        setup.registry,
+        tune.get_context().get_trial_id(),
+        copied=run_name.startswith(COPIED_RUN_PREFIX),
+    )
     trainer = RayTrainer(
         spec,
         callbacks=callbacks,
         storage_path=trial_url,
         storage_options=setup.storage_options,
-        run_name=TRIAL_RUN_NAME,
+        run_name=run_name,
     )
     result = fit_reporting_to_tune(trainer, trial_folder, algorithms)
     write_record(
@@ -128,8 +142,106 @@ def raytrain_trial(config: Dict[str, Any], sweep_setup: Optional[TrialSetup] = N
             "history": result.history,
             "checkpoints": [getattr(c, "url", str(c)) for c in result.checkpoints],
             "config": config,
+            "lineage": read_lineage(trial_url, setup.storage_options),
         },
     )
+
+
+def results_to_replay(
+    record: Optional[Mapping[str, Any]], pointer: Optional[CheckpointPointer]
+) -> Optional[List[Dict[str, Any]]]:
+    """The finished run's results to report to Tune again, or None to train.
+
+    None without a record, and when the record is of another run than the one Tune restores
+    (PBT copied another trial into this one, even at its last report, or restarts such a copy's
+    run). Restored from the recorded run's own checkpoint, Tune has its results up to that
+    checkpoint: only the later ones (and the final one) are replayed.
+    """
+    if record is None:
+        return None
+    if pointer is None:
+        return list(record["history"])
+    if _run_of(record) != (pointer.trial_folder, pointer.run_name):
+        return None
+    after = pointer.counters.get("batch", 0)
+    return [e for e in record["history"] if e.get("time/batch", 0) > after or e.get("final")]
+
+
+def _run_of(record: Mapping[str, Any]) -> Tuple[str, str]:
+    """(trial folder, run name) of a trial record's run (from its ``run_url``)."""
+    parts = str(record.get("run_url", "")).rstrip("/").rsplit("/", 2)
+    return (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
+
+
+def _restored_pointer() -> Optional[CheckpointPointer]:
+    """The pointer Tune restores this trial from (PBT's exploit, a resumed sweep), or None."""
+    from ray import tune
+
+    checkpoint = tune.get_checkpoint()
+    if checkpoint is None:
+        return None
+    with checkpoint.as_directory() as folder:
+        return read_pointer(folder)
+
+
+def run_to_continue(
+    spec: RunSpec,
+    pointer: Optional[CheckpointPointer],
+    trial_folder: str,
+    algorithms: List[Any],
+    trial_url: str,
+    setup: TrialSetup,
+) -> Tuple[str, RunSpec]:
+    """The run (inside the trial folder) this attempt trains, and its spec.
+
+    No pointer: the trial's first run, ``train``. Its own pointer (a restart): the run that
+    reported it, which resumes from its newest committed checkpoint. Another trial's pointer
+    (PBT copied that trial): a new run named after the donor's checkpoint that fully loads it
+    (weights, optimizer state, global Timestamp, data position) with this trial's config,
+    optimizer settings (`KeepExploredOptimizerSettings`) and algorithm set, recorded in the
+    trial's lineage. The name is deterministic, so a restart
+    before this run reported resumes it instead of loading the donor again.
+    """
+    if pointer is None:
+        return TRIAL_RUN_NAME, spec
+    if pointer.trial_folder == trial_folder:
+        return pointer.run_name, spec
+    if spec.checkpoint is None:
+        raise ValueError(
+            "Tune restores this trial from another trial's checkpoint, but the trial saves none: "
+            "pass trainer={'checkpoint': CheckpointConfig(save_interval=...)} to sweep()."
+        )
+    run_name = f"{COPIED_RUN_PREFIX}{pointer.trial_folder}-{pointer.name}"
+    checkpoint = dataclasses.replace(
+        spec.checkpoint, load_from=pointer.url, load_weights_only=False, load_ignore_keys=[]
+    )
+    add_lineage(
+        trial_url,
+        setup.storage_options,
+        {
+            "run_name": run_name,
+            "copied_trial": pointer.trial_folder,
+            "checkpoint": pointer.url,
+            "counters": dict(pointer.counters),
+            "from_algorithms": pointer.algorithms,
+            "algorithms": algorithms,
+        },
+    )
+    return run_name, spec.replace(checkpoint=checkpoint)
+
+
+def read_lineage(trial_url: str, storage_options: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The trial's exploits so far, oldest first ([] if it never copied another trial)."""
+    return list(_read_record(join_url(trial_url, LINEAGE_FILE), storage_options) or [])
+
+
+def add_lineage(trial_url: str, storage_options: Dict[str, Any], step: Dict[str, Any]) -> None:
+    """Append one exploit to the trial's lineage file (once per run: a restart does not repeat it)."""
+    lineage = read_lineage(trial_url, storage_options)
+    if any(s.get("run_name") == step["run_name"] for s in lineage):
+        return
+    logger.info("%s copies %s (%s) at %s.", trial_url, step["copied_trial"], step["checkpoint"], step["counters"])
+    write_record(join_url(trial_url, LINEAGE_FILE), storage_options, [*lineage, step])
 
 
 def fit_reporting_to_tune(trainer: Any, trial_folder: str, algorithms: List[Any]) -> Any:
@@ -187,7 +299,10 @@ def trial_retention_and_loggers(
     loggers' runs are named after the trial and its algorithm set."""
     changes: Dict[str, Any] = {}
     checkpoint = spec.checkpoint
-    if checkpoint is not None and checkpoint.keep is not None and (setup.metric or "").startswith("metrics/"):
+    if checkpoint is not None and setup.keep_every_checkpoint:
+        # A PBT donor must not prune a checkpoint a trial it reported to may still be loading.
+        changes["checkpoint"] = dataclasses.replace(checkpoint, keep=None, keep_best=None, only_save_most_recent=False)
+    elif checkpoint is not None and checkpoint.keep is not None and (setup.metric or "").startswith("metrics/"):
         # keep=N would prune by age and could delete the sweep's best checkpoint: keep the N best
         # by the sweep's metric instead (Ray Train's manager also keeps the newest, for resuming).
         changes["checkpoint"] = dataclasses.replace(

@@ -47,3 +47,103 @@ def test_a_folder_without_a_pointer_or_a_torn_one_is_refused_clearly(tmp_path):
     (tmp_path / POINTER_FILE).write_text(json.dumps({"url": "s3://b/c"}))
     with pytest.raises(ValueError, match="lacks counters, run_name, trial_folder"):
         read_pointer(str(tmp_path))
+
+
+def _spec(**kw):
+    import torch
+
+    from raytrain_events.checkpoint import CheckpointConfig
+    from raytrain_events.ray.spec import RunSpec
+
+    return RunSpec(
+        model=lambda config: torch.nn.Linear(2, 2),
+        optimizers=lambda model, config: torch.optim.SGD(model.parameters(), lr=0.1),
+        datasets=lambda config: {"train": None},
+        max_duration="2ep",
+        checkpoint=kw.pop("checkpoint", CheckpointConfig(save_interval="4ba", keep=2)),
+        **kw,
+    )
+
+
+def test_a_copied_trial_starts_a_new_run_that_fully_loads_the_donor_and_records_its_lineage(tmp_path):
+    from raytrain_events.tune.results import TRIAL_RUN_NAME
+    from raytrain_events.tune.trial import TrialSetup, read_lineage, run_to_continue, trial_retention_and_loggers
+
+    setup = TrialSetup(spec=_spec(), experiment_url=str(tmp_path), storage_options={}, keep_every_checkpoint=True)
+    trial_url = str(tmp_path / "trial_b")
+    donor = CheckpointPointer(
+        url=str(tmp_path / "trial_a/train/checkpoints/ckpt-8-aa"),
+        counters={"epoch": 1, "batch": 8, "sample": 256, "token": 0},
+        trial_folder="trial_a",
+        run_name="train",
+        algorithms=[],
+    )
+    spec = trial_retention_and_loggers(_spec(algorithms=["label_smoothing"]), {}, "trial_b", setup)
+    assert spec.checkpoint.keep is None and spec.checkpoint.keep_best is None  # under PBT nothing is pruned
+
+    assert run_to_continue(spec, None, "trial_b", ["label_smoothing"], trial_url, setup) == (TRIAL_RUN_NAME, spec)
+    own = CheckpointPointer(**{**donor.__dict__, "trial_folder": "trial_b", "run_name": "from-x"})
+    assert run_to_continue(spec, own, "trial_b", [], trial_url, setup) == ("from-x", spec)  # a restart resumes
+    assert read_lineage(trial_url, {}) == []
+
+    run_name, copied = run_to_continue(spec, donor, "trial_b", ["label_smoothing"], trial_url, setup)
+    assert run_name == "from-trial_a-ckpt-8-aa"
+    assert copied.checkpoint.load_from == donor.url and copied.checkpoint.load_weights_only is False
+    step = {
+        "run_name": run_name,
+        "copied_trial": "trial_a",
+        "checkpoint": donor.url,
+        "counters": donor.counters,
+        "from_algorithms": [],
+        "algorithms": ["label_smoothing"],
+    }
+    assert read_lineage(trial_url, {}) == [step]
+    run_to_continue(spec, donor, "trial_b", ["label_smoothing"], trial_url, setup)  # restarted before reporting
+    assert read_lineage(trial_url, {}) == [step]  # recorded once
+
+    with pytest.raises(ValueError, match="saves none"):
+        run_to_continue(_spec(checkpoint=None), donor, "trial_b", [], trial_url, setup)
+
+
+def test_pbt_scheduler_measures_global_samples_and_mutates_sets_and_lr():
+    from ray.tune.schedulers import PopulationBasedTraining
+
+    from raytrain_events.tune import algorithm_sets_grid, pbt_scheduler
+
+    sets = [[], ["label_smoothing"]]
+    for given in (sets, algorithm_sets_grid(sets)):
+        pbt = pbt_scheduler("512sp", algorithm_sets=given, lr=[0.1, 0.3])
+        assert isinstance(pbt, PopulationBasedTraining)
+        assert pbt._time_attr == "time/sample" and pbt._perturbation_interval == 512
+        assert pbt._hyperparam_mutations == {"algorithms": sets, "lr": [0.1, 0.3]}
+    assert pbt_scheduler("1000tok", lr=[0.1, 0.2])._time_attr == "time/token"
+    with pytest.raises(ValueError, match="global samples"):
+        pbt_scheduler("2ep", lr=[0.1])
+    with pytest.raises(ValueError, match="at least two sets"):
+        pbt_scheduler("512sp", algorithm_sets=[[]])
+    with pytest.raises(ValueError, match="something to mutate"):
+        pbt_scheduler("512sp")
+
+
+def test_a_finished_trials_record_is_replayed_only_for_the_run_tune_restores(tmp_path):
+    from raytrain_events.tune.trial import results_to_replay
+
+    history = [
+        {"time/batch": 4, "train/loss": 0.6},
+        {"time/batch": 8, "train/loss": 0.4, "checkpoint_path": "x/trial_b/train/checkpoints/ckpt-8"},
+        {"time/batch": 12, "train/loss": 0.3, "final": True},
+    ]
+    record = {"run_url": str(tmp_path / "trial_b" / "train"), "history": history}
+    own = CheckpointPointer(
+        url=str(tmp_path / "trial_b/train/checkpoints/ckpt-8"),
+        counters={"epoch": 1, "batch": 8, "sample": 256, "token": 0},
+        trial_folder="trial_b",
+        run_name="train",
+    )
+    assert results_to_replay(None, own) is None  # nothing finished: train
+    assert results_to_replay(record, None) == history  # Tune knows no checkpoint: every result
+    assert results_to_replay(record, own) == history[2:]  # Tune has the results up to its checkpoint
+    donor = CheckpointPointer(**{**own.__dict__, "trial_folder": "trial_a"})
+    assert results_to_replay(record, donor) is None  # PBT copies trial_a into the finished trial: train
+    copy_run = CheckpointPointer(**{**own.__dict__, "run_name": "from-trial_a-ckpt-8"})
+    assert results_to_replay(record, copy_run) is None  # the copy's run restarts: the record is stale

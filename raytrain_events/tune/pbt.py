@@ -1,0 +1,94 @@
+"""Population-based training over algorithm sets: Tune's `PopulationBasedTraining`, set up for sweeps.
+
+Every ``perturbation_interval`` (global samples or tokens, the ``time/sample`` / ``time/token``
+counters every trial reports), the trials in the bottom quantile copy a top trial: Tune hands
+them the top trial's last reported checkpoint pointer (`raytrain_events.tune.pointer`), and the
+trial starts a new run in its folder that fully loads that checkpoint (weights, optimizer, exact
+global Timestamp, data position) with a mutated config: another algorithm set from
+``algorithm_sets`` (resampled or a neighbour in the list), perturbed numeric args and LR. The
+trial records the copy in its lineage (`SweepResult.lineage`).
+
+Trials must save checkpoints at least as often as they report at a perturbation: PBT copies the
+checkpoint reported with a top trial's latest result, and skips the exploit if that result
+carried none. Save at every report (``CheckpointConfig(save_interval=...)`` equal to the report
+interval) or make the perturbation interval a multiple of the save interval.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Mapping, Optional, Union
+
+from raytrain_events.core.time import Time, TimeUnit, ensure_time, report_key
+from raytrain_events.tune.sets import _algorithm_choices, _validate_set
+
+__all__ = ["pbt_scheduler"]
+
+
+def pbt_scheduler(
+    perturbation_interval: Union[str, Time],
+    *,
+    algorithm_sets: Any = None,
+    lr: Any = None,
+    hyperparam_mutations: Optional[Mapping[str, Any]] = None,
+    quantile_fraction: float = 0.25,
+    resample_probability: float = 0.25,
+    burn_in_period: Union[str, Time, None] = None,
+    synch: bool = False,
+    **options: Any,
+) -> Any:
+    """Tune's `PopulationBasedTraining` measuring time in global samples or tokens.
+
+    ``perturbation_interval``: a `Time` (or string) in samples (``"512sp"``) or tokens
+    (``"1e6tok"``). ``algorithm_sets``: the sets a trial may switch to, a list of sets or
+    `algorithm_sets_grid(...)`'s value. ``lr``: the LR's mutation (a list of values, a Tune
+    domain such as ``tune.loguniform(1e-4, 1e-1)``, or a function), mutating ``config["lr"]``.
+    ``hyperparam_mutations``: any other config keys' mutations (Tune's format; numeric values are
+    perturbed by PBT's factors). ``options``: more `PopulationBasedTraining` arguments.
+    """
+    from ray.tune.schedulers import PopulationBasedTraining
+
+    interval = _samples_or_tokens(perturbation_interval, "perturbation_interval")
+    mutations: Dict[str, Any] = dict(hyperparam_mutations or {})
+    if algorithm_sets is not None:
+        listed = isinstance(algorithm_sets, (list, tuple))  # a list of sets, or algorithm_sets_grid(...)'s value
+        sets = list(algorithm_sets) if listed else _algorithm_choices(algorithm_sets)
+        if len(sets) < 2:
+            raise ValueError(
+                f"pbt_scheduler(algorithm_sets=...) needs at least two sets to switch between, got {sets!r}."
+            )
+        mutations["algorithms"] = [_validate_set(s) for s in sets]
+    if lr is not None:
+        mutations["lr"] = lr
+    if not mutations:
+        raise ValueError("pbt_scheduler needs something to mutate: pass algorithm_sets=, lr= or hyperparam_mutations=.")
+    burn_in = 0
+    if burn_in_period is not None:
+        burn = _samples_or_tokens(burn_in_period, "burn_in_period")
+        if burn.unit != interval.unit:
+            raise ValueError(
+                f"burn_in_period={burn_in_period!r} must be in the unit of perturbation_interval ({interval})."
+            )
+        burn_in = burn.value
+    # Results without the metric are normal (entries between evaluations; the final report of a
+    # copy that loaded a finished donor trains no batch): PBT skips them instead of failing.
+    options.setdefault("require_attrs", False)
+    return PopulationBasedTraining(
+        time_attr=report_key(interval.unit),
+        perturbation_interval=interval.value,
+        burn_in_period=burn_in,
+        hyperparam_mutations=mutations,
+        quantile_fraction=quantile_fraction,
+        resample_probability=resample_probability,
+        synch=synch,
+        **options,
+    )
+
+
+def _samples_or_tokens(value: Union[str, Time], name: str) -> Time:
+    time = ensure_time(value, TimeUnit.SAMPLE)
+    if time.unit not in (TimeUnit.SAMPLE, TimeUnit.TOKEN) or time.value <= 0:
+        raise ValueError(
+            f"pbt_scheduler({name}={value!r}): give a positive time in global samples ('512sp') or tokens "
+            "('1e6tok'): every trial reports both, and they mean the same across worker counts and batch sizes."
+        )
+    return time
