@@ -88,6 +88,7 @@ class SAM(Algorithm):
     def __init__(self, rho: float = 0.05, epsilon: float = 1e-12, interval: int = 1) -> None:
         SAMOptimizer(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0), rho, epsilon, interval)  # validate
         self.rho, self.epsilon, self.interval = rho, epsilon, interval
+        self._wrapped: List[SAMOptimizer] = []  # the optimizers this algorithm wrapped at INIT
 
     def match(self, event: Event, state: Any) -> bool:
         return event == Event.INIT
@@ -97,3 +98,12 @@ class SAM(Algorithm):
             o if isinstance(o, SAMOptimizer) else SAMOptimizer(o, self.rho, self.epsilon, self.interval)
             for o in state.optimizers
         ]
+        self._wrapped = [o for o in state.optimizers if isinstance(o, SAMOptimizer)]
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The step counts, so a resumed run does its SAM steps (every ``interval``-th) on the same batches."""
+        return {"steps": [o._steps for o in self._wrapped]}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        for optimizer, steps in zip(self._wrapped, state.get("steps", [])):
+            optimizer._steps = int(steps)

@@ -98,3 +98,33 @@ def test_interval_and_bad_arguments():
         SAM(interval=0)
     with pytest.raises(ValueError, match="closure"):
         SAMOptimizer(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)).step()
+
+
+def test_a_resumed_run_does_its_sam_steps_on_the_same_batches():
+    """SAM's step count is checkpointed: with interval=2 a run resumed after an odd step goes on in phase."""
+    from types import SimpleNamespace
+
+    def wrapped(algorithm):
+        model = torch.nn.Linear(2, 1)
+        state = SimpleNamespace(optimizers=[torch.optim.SGD(model.parameters(), lr=0.1)])
+        algorithm.apply(None, state, None)
+        return model, state.optimizers[0]
+
+    def closure():  # SAM's step runs under no_grad; the loop's closure turns grad back on the same way
+        with torch.enable_grad():
+            model(torch.ones(1, 2)).sum().backward()
+
+    first = SAM(rho=0.05, interval=2)
+    model, optimizer = wrapped(first)
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(torch.ones(1, 2)).sum().backward()
+        optimizer.step(closure)
+    assert first.state_dict() == {"steps": [3]}
+
+    resumed = SAM(rho=0.05, interval=2)
+    _, resumed_optimizer = wrapped(resumed)  # INIT wraps before the checkpoint loads
+    resumed.load_state_dict(first.state_dict())
+    assert resumed_optimizer._steps == 3  # the next step (the 4th) is a SAM step, as without the restart
+    resumed.load_state_dict({})  # a checkpoint saved before SAM's count was saved: the count stays
+    assert resumed_optimizer._steps == 3
