@@ -8,7 +8,9 @@
   the run config;
 * a **sweep directory** (trial folders with ``raytrain_trial.json``, written by
   `raytrain_events.tune.sweep`): one figure comparing the algorithm sets (the metric against
-  global samples, a line per trial, the best thick) and the results table sorted by the metric.
+  global samples, a line per trial, the best thick), the results table sorted by the metric, and
+  under population-based training each trial's lineage (which trial it copied, at which global
+  sample, which algorithm set it switched to; from the trial records).
 
 The HTML is static (inline CSS, no scripts); the PNGs sit next to it. Any fsspec URL works.
 """
@@ -199,8 +201,35 @@ def _sweep_report(
         "<h2>Results, best first</h2>",
         html.table(header, [list(r.values()) for r in rows], highlight=[r["trial"] == best for r in rows]),
     ]
+    sections += _lineage_section(trials)
     name = url.rstrip("/").rsplit("/", 1)[-1]
     return f"Sweep report: {name}", sections, files
+
+
+def _lineage_section(trials: Dict[str, Dict[str, Any]]) -> List[str]:
+    """PBT's copies, oldest first per trial: who copied whom, at which global counters, which set it took."""
+    rows = [
+        [
+            folder,
+            step.get("copied_trial"),
+            (step.get("counters") or {}).get("sample"),
+            (step.get("counters") or {}).get("batch"),
+            _label({"algorithms": step.get("from_algorithms", [])}),
+            _label({"algorithms": step.get("algorithms", [])}),
+            step.get("run_name"),
+        ]
+        for folder, record in trials.items()
+        for step in record.get("lineage") or []
+    ]
+    if not rows:
+        return []
+    header = ["trial", "copied trial", "at global sample", "at batch", "donor's set", "set after the copy", "new run"]
+    return [
+        "<h2>Lineage (population-based training)</h2>",
+        "<p>Each row is one copy: the trial loaded the copied trial's checkpoint (weights, optimizer state, "
+        "exact global Timestamp) into a new run in its folder and went on with its perturbed config.</p>",
+        html.table(header, rows),
+    ]
 
 
 def _sweep_settings(url: str, options: Dict[str, Any]) -> Dict[str, Any]:

@@ -81,13 +81,14 @@ def test_run_report_plots_tokens_when_counted(tmp_path):
     check_png(os.path.join(run, "metrics_tokens.png"), 3)
 
 
-def _trial(root, folder, label_algorithms, curve):
+def _trial(root, folder, label_algorithms, curve, lineage=None):
     os.makedirs(os.path.join(root, folder))
     record = {
         "run_url": os.path.join(root, folder, "train"),
         "history": _entries(4, metric=curve),
         "checkpoints": [os.path.join(root, folder, "train", "checkpoints", "ckpt-0004")],
         "config": {"algorithms": label_algorithms, "lr": 0.1},
+        **({"lineage": lineage} if lineage is not None else {}),
     }
     with open(os.path.join(root, folder, "raytrain_trial.json"), "w") as fh:
         json.dump(record, fh)
@@ -108,6 +109,33 @@ def test_sweep_report_compares_trials_best_first(tmp_path, capsys):
     # The table is sorted by the metric, best first and highlighted.
     assert html.index("trial_b") < html.index("trial_a")
     assert re.search(r'<tr class="best"><td>trial_b</td>', html)
+    assert "Lineage" not in html  # no population-based training, no lineage section
+
+
+def test_sweep_report_shows_each_copy_of_a_pbt_trial(tmp_path):
+    root = str(tmp_path / "sweep")
+    _trial(root, "trial_a", [], lambda i: 0.5 + 0.05 * i)
+    copy = {
+        "run_name": "from-trial_a-ckpt-0024",
+        "copied_trial": "trial_a",
+        "checkpoint": os.path.join(root, "trial_a", "train", "checkpoints", "ckpt-0024"),
+        "counters": {"epoch": 2, "batch": 24, "sample": 1500, "token": 0},
+        "from_algorithms": [],
+        "algorithms": [{"name": "label_smoothing", "smoothing": 0.2}],
+    }
+    later = dict(copy, run_name="from-trial_a-ckpt-0036", counters={"epoch": 3, "batch": 36, "sample": 2250})
+    _trial(root, "trial_b", ["label_smoothing"], lambda i: 0.6 + 0.08 * i, lineage=[copy, later])
+
+    write_report(root)
+    html = open(os.path.join(root, "report.html")).read()
+    section = html[html.index("Lineage (population-based training)") :]
+    cells = re.findall(r"<tr><td>(.*?)</td></tr>", section)
+    assert cells == [
+        "trial_b</td><td>trial_a</td><td>1500</td><td>24</td><td>none</td><td>label_smoothing(smoothing=0.2)"
+        "</td><td>from-trial_a-ckpt-0024",
+        "trial_b</td><td>trial_a</td><td>2250</td><td>36</td><td>none</td><td>label_smoothing(smoothing=0.2)"
+        "</td><td>from-trial_a-ckpt-0036",
+    ]
 
 
 def test_report_on_a_folder_that_is_neither_says_what_it_needs(tmp_path, capsys):
