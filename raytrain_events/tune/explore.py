@@ -44,8 +44,6 @@ class KeepExploredOptimizerSettings(Callback):
         for scheduler in state.schedulers:
             if hasattr(scheduler, "base_lrs") and getattr(scheduler, "optimizer", None) is not None:
                 scheduler.base_lrs = [g.get("initial_lr", g["lr"]) for g in scheduler.optimizer.param_groups]
-                if hasattr(scheduler, "_last_lr"):
-                    scheduler._last_lr = [g["lr"] for g in scheduler.optimizer.param_groups]
         self._built = None  # once: a later fit() of the same trainer continues as it is
 
 
