@@ -271,7 +271,7 @@ class Trainer:
     def _run_epoch(self) -> bool:
         """One pass over the train data; True if it stopped before the data ran out."""
         state, engine, spec, counters = self.state, self.engine, self.train_spec, self._counters
-        assert spec is not None  # fit checked (missing_for_fit)
+        assert spec is not None  # fit checked (check_can_fit)
         loader = spec.dataloader
         set_epoch(loader, state.epoch)
         skip = state.timestamp.batch_in_epoch.value  # mid-epoch resume: batches already trained
@@ -396,7 +396,7 @@ class Trainer:
         state = self.state
         full_batch = state.batch
         spec = self.train_spec
-        assert spec is not None  # fit checked (missing_for_fit)
+        assert spec is not None  # fit checked (check_can_fit)
         microbatches = [full_batch] if grad_accum == 1 else spec.split_batch(full_batch, grad_accum)
         if len(microbatches) == 1:
             state.loss = self._forward_backward(microbatches[0], 0, active, autocast, create_graph).detach()
@@ -448,7 +448,7 @@ class Trainer:
         if active[_BEFORE_BACKWARD]:
             engine.run_event(_BEFORE_BACKWARD)
         loss = total_loss(state.loss)
-        if total_samples:  # fit checked train_spec (missing_for_fit)
+        if total_samples:  # fit checked train_spec (check_can_fit)
             loss = loss * (self.train_spec.get_num_samples_in_batch(state.batch) / total_samples)  # type: ignore[union-attr]
         scaler = state.scaler
         if scaler is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 import os
@@ -11,6 +12,8 @@ from typing import Any, Dict, List, Optional, Tuple
 from raytrain_events.core.plain import flatten, to_plain
 from raytrain_events.core.time import COUNTER_UNITS, report_key
 from raytrain_events.tune.sets import _normalize_set, algorithm_set_label
+
+logger = logging.getLogger(__name__)
 
 #: Global Timestamp keys in every reported entry; any of them can be a scheduler's ``time_attr``.
 TIME_ATTRS = tuple(report_key(name) for name in COUNTER_UNITS)
@@ -160,8 +163,9 @@ def _best_checkpoint(
     return None if info is None else info.url
 
 
-def _lineage_of(trial_url: str, storage_options: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """The trial's PBT exploits (`LINEAGE_FILE`): which trial it copied, at which counters, which set it took."""
+def read_lineage(trial_url: str, storage_options: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The trial's PBT copies (`LINEAGE_FILE`), oldest first: which trial it copied, at which counters,
+    which set it took ([] if it never copied one, or if the file is unreadable)."""
     import json
 
     from raytrain_events.storage.fs import join, read_bytes, resolve
@@ -169,7 +173,10 @@ def _lineage_of(trial_url: str, storage_options: Dict[str, Any]) -> List[Dict[st
     fs, path = resolve(join(trial_url, LINEAGE_FILE), storage_options)
     try:
         return list(json.loads(read_bytes(fs, path)))
-    except (FileNotFoundError, ValueError):
+    except FileNotFoundError:
+        return []
+    except ValueError:  # a torn or foreign file
+        logger.warning("Ignoring unreadable lineage file %s.", join(trial_url, LINEAGE_FILE))
         return []
 
 
@@ -214,7 +221,7 @@ def _make_result(
         else:
             status = "no results"
         trial_url = join(experiment_url, os.path.basename(result.path.rstrip("/")))
-        lineage = _lineage_of(trial_url, storage_options)
+        lineage = read_lineage(trial_url, storage_options)
         run_url = join(trial_url, lineage[-1]["run_name"] if lineage else TRIAL_RUN_NAME)
         row: Dict[str, Any] = {
             "trial_id": trial_id,

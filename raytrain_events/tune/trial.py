@@ -23,7 +23,7 @@ from raytrain_events.ray.spec import RunSpec, check_option_names
 from raytrain_events.storage.fs import join as join_url
 from raytrain_events.tune.placement import _trial_callbacks
 from raytrain_events.tune.pointer import CheckpointPointer, pointer_from_entry, read_pointer, write_pointer
-from raytrain_events.tune.results import LINEAGE_FILE, TRIAL_RECORD, TRIAL_RUN_NAME
+from raytrain_events.tune.results import LINEAGE_FILE, TRIAL_RECORD, TRIAL_RUN_NAME, read_lineage
 from raytrain_events.tune.sets import _normalize_set
 
 logger = logging.getLogger(__name__)
@@ -228,11 +228,6 @@ def run_to_continue(
         },
     )
     return run_name, spec.replace(checkpoint=checkpoint)
-
-
-def read_lineage(trial_url: str, storage_options: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """The trial's exploits so far, oldest first ([] if it never copied another trial)."""
-    return list(_read_record(join_url(trial_url, LINEAGE_FILE), storage_options) or [])
 
 
 def add_lineage(trial_url: str, storage_options: Dict[str, Any], step: Dict[str, Any]) -> None:
