@@ -188,6 +188,9 @@ def cheap_row_count(dataset: Any) -> Optional[int]:
     return None
 
 
+_MAX_CHUNK = 16  # batches per feeder call once an epoch is under way
+
+
 class GlobalOrderLoader:
     """This rank's batches of the global order: one epoch per ``iter()`` from the set position."""
 
@@ -236,27 +239,32 @@ class GlobalOrderLoader:
 
         shard, epoch, position = self.shard, self.epoch, self.position
         ray.get(shard.feeder.start_epoch.remote(epoch, position, self.order_seed))
-        pending = [shard.feeder.batch.remote(epoch, position, shard.rank, k) for k in range(self.prefetch_batches)]
-        k = self.prefetch_batches
-        first = True
-        while True:
-            slices = ray.get(pending.pop(0))
-            if slices is None:
-                return
-            pending.append(shard.feeder.batch.remote(epoch, position, shard.rank, k))
-            k += 1
-            batch = self._to_batch(slices)
-            if first and self.columns is not None:
-                next(_check_columns([batch], self.columns))
-            first = False
-            yield batch
+        # Batches are asked for in chunks (1, 2, 4... up to `_MAX_CHUNK`, at least `prefetch_batches`),
+        # one chunk always in flight: an early first batch, then one feeder call per many batches.
+        first, count = 0, self.prefetch_batches
+        pending = shard.feeder.batches.remote(epoch, position, shard.rank, first, count)
+        checked = self.columns is None
+        while pending is not None:
+            served = ray.get(pending)
+            first, count = first + count, max(self.prefetch_batches, min(2 * count, _MAX_CHUNK))
+            ended = not served or served[-1] is None
+            pending = None if ended else shard.feeder.batches.remote(epoch, position, shard.rank, first, count)
+            # One fetch for the chunk's blocks (consecutive batches mostly share a block).
+            refs = list({ref: None for slices in served if slices is not None for ref, _, _ in slices})
+            blocks = dict(zip(refs, ray.get(refs)))
+            for slices in served:
+                if slices is None:
+                    return
+                batch = self._to_batch(slices, blocks)
+                if not checked:
+                    next(_check_columns([batch], self.columns or []))
+                    checked = True
+                yield batch
 
-    def _to_batch(self, slices) -> Any:
-        import ray
+    def _to_batch(self, slices, blocks: Dict[Any, Any]) -> Any:
         from ray.data.block import BlockAccessor
 
-        blocks = ray.get([ref for ref, _, _ in slices])
-        parts = [BlockAccessor.for_block(b).slice(lo, hi, copy=False) for b, (_, lo, hi) in zip(blocks, slices)]
+        parts = [BlockAccessor.for_block(blocks[ref]).slice(lo, hi, copy=False) for ref, lo, hi in slices]
         if len(parts) == 1:
             table = parts[0]
         else:

@@ -138,7 +138,20 @@ class EpochFeeder:
             self.epochs[key] = _Epoch(_compat.iter_block_refs(dataset), position, self.global_batch, self.world_size)
         return True
 
-    def batch(self, epoch: int, position: int, rank: int, k: int) -> Optional[List[Slice]]:
-        """Rank ``rank``'s batch ``k`` (from the epoch's start position): block slices, or None at the end."""
+    def batches(self, epoch: int, position: int, rank: int, first: int, count: int) -> List[Optional[List[Slice]]]:
+        """Rank ``rank``'s batches ``first .. first + count - 1`` (from the epoch's start position).
+
+        Each is a list of block slices; a None ends the list at the epoch's end. Several batches per
+        call because every call is an actor round trip: one per batch costs a worker more CPU than
+        Ray Data's own iterator spends on the batch.
+        """
         state = self.epochs.get((epoch, position))
-        return None if state is None else state.serve(rank, k)
+        if state is None:
+            return [None]
+        served: List[Optional[List[Slice]]] = []
+        for k in range(first, first + count):
+            slices = state.serve(rank, k)
+            served.append(slices)
+            if slices is None:
+                break
+        return served
