@@ -31,7 +31,9 @@ from raytrain_events.checkpoint.format import (
     read_checkpoint_files,
     rng_file_name,
     write_checkpoint_file,
+    write_packed_checkpoint,
 )
+from raytrain_events.checkpoint.packed import should_pack
 from raytrain_events.checkpoint.preemption import SAVE_FLAG, save_on_sigterm
 from raytrain_events.checkpoint.rng import capture_rng_state, restore_rng_state
 from raytrain_events.checkpoint.sharded import (
@@ -48,7 +50,7 @@ from raytrain_events.core.state import drop_ignored_keys
 from raytrain_events.core.time import TimeUnit, counters_of
 from raytrain_events.parallel.wrap import is_sharded_module
 from raytrain_events.storage.errors import RunLockedError
-from raytrain_events.storage.fs import basename
+from raytrain_events.storage.fs import basename, resolve
 from raytrain_events.storage.locks import acquire_lock, release_lock
 
 _log = logging.getLogger(__name__)
@@ -389,17 +391,27 @@ class Checkpointer(Callback):
         ``entries``: the ranks' RNG files gathered by ``save``, written by other processes, so the
         commit checks that they are there; the files uploaded here need no such check.
         """
-        own = [] if rng is None else [write_checkpoint_file(url, rng_file_name(0), rng, storage_options=self.options)]
-        own.append(write_checkpoint_file(url, STATE_FILE, snapshot, storage_options=self.options))
-        info = commit_checkpoint(
-            url,
-            entries=list(entries) + own,
-            timestamp=timestamp,
-            world_size=world_size,
-            metadata=metadata,
-            storage_options=self.options,
-            verify_files=bool(entries),
-        )
+        files = {STATE_FILE: snapshot} if rng is None else {rng_file_name(0): rng, STATE_FILE: snapshot}
+        if not entries and should_pack(resolve(url, self.options)[0], files):  # one PUT commits it all
+            info = write_packed_checkpoint(
+                url,
+                files=files,
+                timestamp=timestamp,
+                world_size=world_size,
+                metadata=metadata,
+                storage_options=self.options,
+            )
+        else:
+            own = [write_checkpoint_file(url, n, obj, storage_options=self.options) for n, obj in files.items()]
+            info = commit_checkpoint(
+                url,
+                entries=list(entries) + own,
+                timestamp=timestamp,
+                world_size=world_size,
+                metadata=metadata,
+                storage_options=self.options,
+                verify_files=bool(entries),
+            )
         if self.config.keep is not None:
             prune_checkpoints(self.folder, keep=self.config.keep, storage_options=self.options)
         try:  # ml-starter's marker: this run dir holds a checkpoint

@@ -1,10 +1,17 @@
 """On-storage checkpoint format: one new directory per checkpoint, committed by its manifest.
 
-Layout (any fsspec URL: local path, ``memory://``, ``s3://``...)::
+Layout (any fsspec URL: local path, ``memory://``, ``s3://``...), multi-file (format_version 1)::
 
     <root>/ckpt-<batch:012d>-<uuid8>/      sortable by name; never overwritten
         state.pt, rng-rank0.pt, ...        torch.save bytes, each uploaded atomically
         manifest.json                      written LAST, create-only: its presence = committed
+
+or packed (format_version 2, ``packed.py``): the directory holds only ``manifest.json``, whose
+first line is the manifest and the rest the files' bytes, written by ONE create-only request
+(``write_packed_checkpoint``). ``write_checkpoint`` packs small checkpoints held by one process
+on object stores (``packed.should_pack``): a save is then one PUT and a load one GET instead
+of two sequential requests each. Readers take both layouts; the manifest model and its parsing
+live in ``manifest.py`` (re-exported here).
 
 Why: a reader that sees ``manifest.json`` sees every payload file complete, and a crash at
 any point before it leaves only an uncommitted directory that ``list_checkpoints`` ignores,
@@ -39,6 +46,9 @@ I/O paths (the bytes on storage are the same either way):
   into memory, as on object stores. Caveat: on a network filesystem a deletion by ANOTHER host
   can make not-yet-read pages unreadable; the Trainer copies weights out at once and the first
   step rewrites optimizer state, so only state a run never touches stays mapped.
+* Load, packed: one plain GET of ``manifest.json`` (no HEAD), the length and each file's
+  sha256 checked, ``torch.load`` from views of that buffer (no copy). A listing reads the first
+  ``packed.HEAD_BYTES`` of each manifest (one ranged GET each, concurrent).
 * Load, object stores: ``storage.objectstore.fetch_verified``: no HEAD (the manifest has the
   size), one GET per part-sized range, concurrent, into one buffer that ``torch.load`` reads
   without another copy, hashed in order while later ranges still arrive; a wrong size is seen
@@ -54,15 +64,31 @@ import json
 import mmap
 import os
 import pickle
-import re
-import sys
 import time
-import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
+from raytrain_events.checkpoint import packed
+from raytrain_events.checkpoint.manifest import (
+    CHECKPOINT_NAME_RE,
+    FORMAT_VERSION,
+    MANIFEST,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointInfo,
+    CheckpointNotCommittedError,
+    FileEntry,
+    LoadedCheckpoint,
+    UnsafeCheckpointError,
+    UnsupportedCheckpointVersionError,
+    _check_file_name,
+    _check_metadata,
+    _check_timestamp,
+    _library_version,
+    checkpoint_name,
+)
 from raytrain_events.storage.fs import (
     LocalFileSystem,
     basename,
@@ -77,116 +103,34 @@ from raytrain_events.storage.fs import (
 )
 from raytrain_events.storage.objectstore import fetch_verified, open_upload, reader
 
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
+__all__ = [  # the manifest's names are part of this module's interface
+    "CHECKPOINT_NAME_RE",
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointNotCommittedError",
+    "FileEntry",
+    "LoadedCheckpoint",
+    "UnsafeCheckpointError",
+    "UnsupportedCheckpointVersionError",
+    "checkpoint_name",
+    "commit_checkpoint",
+    "new_checkpoint_url",
+    "read_checkpoint",
+    "read_checkpoint_files",
+    "read_manifest",
+    "rng_file_name",
+    "serialize",
+    "write_checkpoint",
+    "write_checkpoint_file",
+    "write_packed_checkpoint",
+]
+
 _MANIFEST_SIZE_HINT = 2**20  # manifests are a few KB: fetched with one plain GET
 _MMAP_MIN_SIZE = 2**20  # smaller local files are read into memory: a mapping costs more there
 _MMAP_LOAD = os.name == "posix"  # Windows cannot delete a mapped file (prune would fail)
-CHECKPOINT_NAME_RE = re.compile(r"^ckpt-(\d{12})-([0-9a-f]{8})$")
-_FILE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-
-class CheckpointError(Exception):
-    """Base class for checkpoint format errors."""
-
-
-class CheckpointNotCommittedError(CheckpointError):
-    """The directory has no manifest: the save crashed, is still running, or the URL is wrong."""
-
-
-class CheckpointCorruptError(CheckpointError):
-    """A file is missing, has the wrong size or sha256, or the manifest is unreadable."""
-
-
-class UnsupportedCheckpointVersionError(CheckpointError):
-    """Written by a newer (or unknown) format version than this library reads."""
-
-
-class UnsafeCheckpointError(CheckpointError):
-    """``torch.load(weights_only=True)`` refused the file; nothing in it was executed."""
-
-
-@dataclasses.dataclass(frozen=True)
-class FileEntry:
-    name: str
-    size: int
-    sha256: str
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointInfo:
-    """A committed checkpoint as described by its manifest."""
-
-    url: str
-    name: str
-    format_version: int
-    library_version: str
-    created: float
-    timestamp: dict[str, int]
-    world_size: int
-    metadata: dict[str, Any]
-    files: tuple[FileEntry, ...]
-
-    @property
-    def batch(self) -> int:
-        return int(self.timestamp.get("batch", -1))
-
-    def manifest(self) -> dict[str, Any]:
-        return {
-            "format_version": self.format_version,
-            "library_version": self.library_version,
-            "created": self.created,
-            "timestamp": self.timestamp,
-            "world_size": self.world_size,
-            "metadata": self.metadata,
-            "files": [dataclasses.asdict(f) for f in self.files],
-        }
-
-    @classmethod
-    def from_manifest(cls, url: str, raw: bytes) -> CheckpointInfo:
-        try:
-            m = json.loads(raw)
-            version = int(m["format_version"])
-        except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointCorruptError(
-                f"Manifest of checkpoint {url!r} is unreadable ({type(e).__name__}: {e}). "
-                "Fix: load an older checkpoint (load_latest_valid does this) and delete this one."
-            ) from e
-        if version > FORMAT_VERSION or version < 1:
-            raise UnsupportedCheckpointVersionError(
-                f"Checkpoint {url!r} has format_version {version}, but this raytrain_events "
-                f"({_library_version()}) reads format_version 1..{FORMAT_VERSION}. Fix: "
-                "upgrade raytrain_events to the version that wrote it "
-                f"({m.get('library_version', 'unknown')})."
-            )
-        try:
-            return cls(
-                url=url,
-                name=basename(url),
-                format_version=version,
-                library_version=str(m["library_version"]),
-                created=float(m["created"]),
-                timestamp={str(k): int(v) for k, v in m["timestamp"].items()},
-                world_size=int(m["world_size"]),
-                metadata=dict(m["metadata"]),
-                files=tuple(FileEntry(str(f["name"]), int(f["size"]), str(f["sha256"])) for f in m["files"]),
-            )
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointCorruptError(
-                f"Manifest of checkpoint {url!r} is missing or has a malformed field "
-                f"({type(e).__name__}: {e}). Fix: load an older checkpoint and delete this one."
-            ) from e
-
-
-@dataclasses.dataclass(frozen=True)
-class LoadedCheckpoint:
-    info: CheckpointInfo
-    files: dict[str, Any]
-
-
-def checkpoint_name(timestamp: Mapping[str, int]) -> str:
-    """``ckpt-<batch:012d>-<uuid8>``: sorts by batch, unique across retries of one batch."""
-    return f"ckpt-{int(timestamp.get('batch', 0)):012d}-{uuid.uuid4().hex[:8]}"
 
 
 def new_checkpoint_url(root_url: str, *, timestamp: Mapping[str, int], name: str | None = None) -> str:
@@ -249,7 +193,7 @@ def commit_checkpoint(
     info = CheckpointInfo(
         url=url,
         name=basename(path),
-        format_version=FORMAT_VERSION,
+        format_version=1,  # the multi-file layout: readers of format_version 1 read it
         library_version=_library_version(),
         created=time.time(),
         timestamp=_check_timestamp(timestamp),
@@ -257,16 +201,55 @@ def commit_checkpoint(
         metadata=_check_metadata(metadata or {}),
         files=entries,
     )
+    _create_manifest(fs, path, url, json.dumps(info.manifest(), indent=1, sort_keys=True).encode())
+    return info
+
+
+def write_packed_checkpoint(
+    ckpt_url: str,
+    *,
+    files: Mapping[str, Any],
+    timestamp: Mapping[str, int],
+    world_size: int,
+    metadata: Mapping[str, Any] | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> CheckpointInfo:
+    """Serialize ``files`` and commit them as ONE packed ``manifest.json`` (one create-only PUT).
+
+    For one process holding all of a checkpoint's files; see ``packed.py`` for the layout and
+    ``packed.should_pack`` for when ``write_checkpoint`` chooses it.
+    """
+    for name in files:
+        _check_file_name(name)
+    fs, path = resolve(ckpt_url, storage_options)
+    url = to_url(fs, path)
+    entries, payloads = packed.pack(files)
+    info = CheckpointInfo(
+        url=url,
+        name=basename(path),
+        format_version=packed.PACKED_VERSION,
+        library_version=_library_version(),
+        created=time.time(),
+        timestamp=_check_timestamp(timestamp),
+        world_size=int(world_size),
+        metadata=_check_metadata(metadata or {}),
+        files=tuple(FileEntry(**e) for e in entries),
+        packed_size=0,  # set below, once the header's length is known
+    )
+    data = packed.packed_object(info.manifest(), payloads)
+    del payloads
+    _create_manifest(fs, path, url, data)
+    return dataclasses.replace(info, packed_size=len(data))
+
+
+def _create_manifest(fs: Any, path: str, url: str, data: bytes) -> None:
     try:
-        write_bytes_create_only(
-            fs, join(path, MANIFEST), json.dumps(info.manifest(), indent=1, sort_keys=True).encode()
-        )
+        write_bytes_create_only(fs, join(path, MANIFEST), data)
     except FileExistsError:
         raise CheckpointError(
             f"Checkpoint {url!r} is already committed; checkpoints are never "
             "overwritten. Fix: write to a new_checkpoint_url()."
         ) from None
-    return info
 
 
 def write_checkpoint(
@@ -278,11 +261,26 @@ def write_checkpoint(
     metadata: Mapping[str, Any] | None = None,
     storage_options: dict[str, Any] | None = None,
     name: str | None = None,
+    pack: bool | None = None,
 ) -> CheckpointInfo:
-    """Write ``files`` (name -> nested tensors/containers/scalars) as a new committed checkpoint."""
+    """Write ``files`` (name -> nested tensors/containers/scalars) as a new committed checkpoint.
+
+    ``pack``: True writes one packed object (``write_packed_checkpoint``), False one file each
+    plus the manifest; None (default) packs when ``packed.should_pack`` says so (small, and not
+    on a local filesystem).
+    """
     _check_timestamp(timestamp)
     _check_metadata(metadata or {})
     url = new_checkpoint_url(root_url, timestamp=timestamp, name=name)
+    if pack or (pack is None and packed.should_pack(resolve(url, storage_options)[0], files)):
+        return write_packed_checkpoint(
+            url,
+            files=files,
+            timestamp=timestamp,
+            world_size=world_size,
+            metadata=metadata,
+            storage_options=storage_options,
+        )
     entries = [write_checkpoint_file(url, n, obj, storage_options=storage_options) for n, obj in files.items()]
     return commit_checkpoint(
         url,
@@ -296,17 +294,30 @@ def write_checkpoint(
 
 
 def read_manifest(ckpt_url: str, *, storage_options: dict[str, Any] | None = None) -> CheckpointInfo:
-    """The manifest of a committed checkpoint (CheckpointNotCommittedError if there is none)."""
+    """The manifest of a committed checkpoint (CheckpointNotCommittedError if there is none).
+
+    Reads the first ``packed.HEAD_BYTES`` of ``manifest.json`` (a packed one also holds the
+    payloads), and the rest only if the manifest is longer."""
     fs, path = resolve(ckpt_url, storage_options)
+    raw = _read_commit_object(fs, path, head=True)
+    return CheckpointInfo.from_manifest(to_url(fs, path), raw)
+
+
+def _read_commit_object(fs: Any, path: str, *, head: bool = False) -> bytes:
+    """The bytes of ``<path>/manifest.json`` (with ``head``: its first ``HEAD_BYTES`` or more)."""
+    manifest = join(path, MANIFEST)
     try:
-        raw = read_bytes(fs, join(path, MANIFEST), size_hint=_MANIFEST_SIZE_HINT)
+        if head:
+            raw = read_bytes(fs, manifest, size_hint=packed.HEAD_BYTES, end=packed.HEAD_BYTES)
+            if not packed.needs_whole(raw):
+                return raw
+        return read_bytes(fs, manifest, single_get=True)  # packed: at most ~PACK_MAX_BYTES
     except FileNotFoundError:
         raise CheckpointNotCommittedError(
             f"{to_url(fs, path)!r} has no {MANIFEST}: the checkpoint was never committed (its "
             "save crashed or is still running) or the URL is wrong. Fix: use "
             "latest_checkpoint() / load_latest_valid() to find a committed checkpoint."
         ) from None
-    return CheckpointInfo.from_manifest(to_url(fs, path), raw)
 
 
 def read_checkpoint(
@@ -316,8 +327,15 @@ def read_checkpoint(
     files: Iterable[str] | None = None,
     map_location: Any = "cpu",
 ) -> LoadedCheckpoint:
-    """Verify and load a committed checkpoint (all files, or only those named in ``files``)."""
-    info = read_manifest(ckpt_url, storage_options=storage_options)
+    """Verify and load a committed checkpoint (all files, or only those named in ``files``).
+
+    One GET of ``manifest.json`` (no HEAD: its size is bounded): a packed checkpoint is then
+    all here; a multi-file one fetches its files next."""
+    fs, path = resolve(ckpt_url, storage_options)
+    raw = _read_commit_object(fs, path)
+    info = CheckpointInfo.from_manifest(to_url(fs, path), raw)
+    if info.packed:
+        return LoadedCheckpoint(info=info, files=_load_packed(info, raw, _wanted(info, files), map_location))
     return read_checkpoint_files(info, storage_options=storage_options, files=files, map_location=map_location)
 
 
@@ -332,6 +350,21 @@ def read_checkpoint_files(
 
     If the checkpoint was deleted since, its missing files raise CheckpointCorruptError.
     """
+    wanted = _wanted(info, files)
+    fs, path = resolve(info.url, storage_options)
+    if info.packed:  # one GET of the whole object, its size known: no HEAD
+        try:
+            raw = _read_commit_object(fs, path)
+        except CheckpointNotCommittedError:
+            raise CheckpointCorruptError(
+                f"Checkpoint {info.url!r} was deleted since it was listed. Fix: load an older checkpoint."
+            ) from None
+        return LoadedCheckpoint(info=info, files=_load_packed(info, raw, wanted, map_location))
+    loaded = {e.name: _load_verified(fs, join(path, e.name), info.url, e, map_location) for e in wanted}
+    return LoadedCheckpoint(info=info, files=loaded)
+
+
+def _wanted(info: CheckpointInfo, files: Iterable[str] | None) -> list[FileEntry]:
     by_name = {f.name: f for f in info.files}
     wanted = list(by_name) if files is None else list(files)
     unknown = [n for n in wanted if n not in by_name]
@@ -339,9 +372,30 @@ def read_checkpoint_files(
         raise KeyError(
             f"Checkpoint {info.url!r} has no file(s) {unknown}; it has {sorted(by_name)}. Fix: ask for one of those."
         )
-    fs, path = resolve(info.url, storage_options)
-    loaded = {name: _load_verified(fs, join(path, name), info.url, by_name[name], map_location) for name in wanted}
-    return LoadedCheckpoint(info=info, files=loaded)
+    return [by_name[n] for n in wanted]
+
+
+def _load_packed(info: CheckpointInfo, raw: bytes, wanted: list[FileEntry], map_location: Any) -> dict[str, Any]:
+    """Verify the packed object's length and each wanted file's sha256, then ``torch.load`` it."""
+    where = f"{MANIFEST} of checkpoint {info.url!r}"
+    fix = "Fix: load an older checkpoint (load_latest_valid does this) and delete this one."
+    if len(raw) != info.packed_size:
+        raise CheckpointCorruptError(
+            f"The packed {where} is corrupt: expected {info.packed_size} bytes (header + files), "
+            f"got {len(raw)} (truncated or appended to). {fix}"
+        )
+    start = info.packed_size - sum(f.size for f in info.files)
+    view = memoryview(raw)
+    out = {}
+    for e in wanted:
+        part = view[start + e.offset : start + e.offset + e.size]
+        digest = hashlib.sha256(part).hexdigest()
+        if digest != e.sha256:
+            raise CheckpointCorruptError(
+                f"File {e.name!r} packed in the {where} is corrupt: expected sha256 {e.sha256}, got {digest}. {fix}"
+            )
+        out[e.name] = _torch_load(reader(part), info.url, e, map_location)
+    return out
 
 
 def _load_verified(fs: Any, path: str, url: str, entry: FileEntry, map_location: Any) -> Any:
@@ -436,36 +490,3 @@ def _reason(err: Exception) -> str:
     lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
     useful = [ln for ln in lines if not ln.startswith(skip)]
     return "; ".join(useful) or (lines[0] if lines else type(err).__name__)
-
-
-def _check_file_name(name: str) -> str:
-    if name == MANIFEST or not _FILE_NAME_RE.match(name or ""):
-        raise ValueError(
-            f"Invalid checkpoint file/directory name {name!r}. Fix: use letters, "
-            f"digits, '.', '_' or '-' (no '/'), and not {MANIFEST!r}."
-        )
-    return name
-
-
-def _check_timestamp(timestamp: Mapping[str, int]) -> dict[str, int]:
-    bad = {k: v for k, v in timestamp.items() if type(v) is not int or not isinstance(k, str)}
-    if bad:
-        raise TypeError(
-            f"Checkpoint timestamp must map str to plain int; bad entries: {bad!r}. "
-            "Fix: pass e.g. {'epoch': 1, 'batch': 500} (use int(...) on tensors)."
-        )
-    return dict(timestamp)
-
-
-def _check_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
-    try:
-        return json.loads(json.dumps(dict(metadata)))
-    except (TypeError, ValueError) as e:
-        raise TypeError(
-            f"Checkpoint metadata must be JSON-serializable ({e}). Fix: convert "
-            "values to str/int/float/bool/None/lists/dicts first."
-        ) from e
-
-
-def _library_version() -> str:
-    return str(getattr(sys.modules.get("raytrain_events"), "__version__", "0"))

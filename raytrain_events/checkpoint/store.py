@@ -29,7 +29,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from raytrain_events.checkpoint.format import (
-    _MANIFEST_SIZE_HINT,
     CHECKPOINT_NAME_RE,
     MANIFEST,
     CheckpointCorruptError,
@@ -38,6 +37,7 @@ from raytrain_events.checkpoint.format import (
     LoadedCheckpoint,
     read_checkpoint_files,
 )
+from raytrain_events.checkpoint.packed import HEAD_BYTES, needs_whole
 from raytrain_events.storage.fs import basename, delete, join, list_dir, read_many, resolve, to_url
 
 logger = logging.getLogger(__name__)
@@ -111,7 +111,10 @@ def _scan(root_url: str, storage_options: dict[str, Any] | None) -> tuple[list[C
     fs, root = resolve(root_url, storage_options)
     dirs = [e["name"] for e in list_dir(fs, root) if e.get("type") == "directory"]
     manifests = [join(d, MANIFEST) for d in dirs]
-    raw = read_many(fs, manifests, size_hint=_MANIFEST_SIZE_HINT)  # one GET each, concurrent
+    # one ranged GET each, concurrent: a packed manifest.json holds its payload too (packed.py)
+    raw = read_many(fs, manifests, end=HEAD_BYTES)
+    longer = [m for m, data in raw.items() if needs_whole(data)]
+    raw.update(read_many(fs, longer))  # rare: a manifest longer than that
     committed: list[CheckpointInfo] = []
     uncommitted: list[str] = []
     for d, m in zip(dirs, manifests):

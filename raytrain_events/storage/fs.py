@@ -123,26 +123,32 @@ def _storage_error(what: str, url: str, e: Exception) -> StorageError:
     )
 
 
-def read_bytes(fs: Any, path: str, *, size_hint: int | None = None) -> bytes:
-    """Read a whole object. FileNotFoundError if it does not exist.
+def read_bytes(
+    fs: Any, path: str, *, size_hint: int | None = None, end: int | None = None, single_get: bool = False
+) -> bytes:
+    """Read a whole object (or its first ``end`` bytes). FileNotFoundError if it does not exist.
 
     ``size_hint``: an upper bound of the object's size when the caller knows one (a manifest
     entry; a small file such as a manifest). It only changes how the object is fetched: s3fs
     otherwise sends a HEAD before the GET, to decide whether to split the download into
     concurrent ranged GETs, which it only does above ``fs.default_block_size`` (50 MiB).
+    ``end``: read only ``[0, end)`` (one ranged GET; less if the object is shorter).
+    ``single_get``: one plain GET whatever the size (no HEAD, no split into ranges).
     """
     with storage_errors("reading", to_url(fs, path)):
-        return fs.cat_file(path, **_cat_kwargs(fs, size_hint))
+        return fs.cat_file(path, **_cat_kwargs(fs, 0 if single_get else size_hint, end))
 
 
-def read_many(fs: Any, paths: Sequence[str], *, size_hint: int | None = None) -> dict[str, bytes]:
+def read_many(
+    fs: Any, paths: Sequence[str], *, size_hint: int | None = None, end: int | None = None
+) -> dict[str, bytes]:
     """Read several whole objects (concurrently on object stores): ``{path: bytes}`` for the
     ``paths`` as given; objects that are missing or fail to read are left out.
-    ``size_hint`` bounds every object's size, as for ``read_bytes``."""
+    ``size_hint`` and ``end`` as for ``read_bytes``, for every object."""
     if not paths:
         return {}
     with storage_errors("reading", to_url(fs, paths[0])):
-        raw = fs.cat(list(paths), on_error="omit", **_cat_kwargs(fs, size_hint))
+        raw = fs.cat(list(paths), on_error="omit", **_cat_kwargs(fs, size_hint, end))
     got = {fs._strip_protocol(k): v for k, v in raw.items()}
     return {p: got[fs._strip_protocol(p)] for p in paths if fs._strip_protocol(p) in got}
 
@@ -287,9 +293,12 @@ def _is_s3(fs: Any) -> bool:
     return "s3" in protocols
 
 
-def _cat_kwargs(fs: Any, size_hint: int | None) -> dict[str, Any]:
+def _cat_kwargs(fs: Any, size_hint: int | None, end: int | None = None) -> dict[str, Any]:
     """s3fs: one plain GET (no HEAD first) when the object is known to be below the split size.
-    (s3fs before the concurrent ``cat_file`` sends no HEAD and takes no ``max_concurrency``.)"""
+    (s3fs before the concurrent ``cat_file`` sends no HEAD and takes no ``max_concurrency``.)
+    With ``end``: a range ``[0, end)``, one GET on every backend."""
+    if end is not None:
+        return {"start": 0, "end": int(end)}
     if (
         size_hint is not None
         and _is_s3(fs)

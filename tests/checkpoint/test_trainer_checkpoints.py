@@ -111,21 +111,31 @@ def test_retention_keeps_exactly_n(storage):
 def test_crash_mid_save_leaves_previous_checkpoint_loadable(storage, monkeypatch):
     url, options = storage
     folder = url + "/c/checkpoints"
-    real = ckpt_format.write_checkpoint_file
+    real, real_packed = ckpt_format.write_checkpoint_file, ckpt_format.write_packed_checkpoint
     calls = {"state": 0}
 
-    def flaky(ckpt_url, file_name, obj, **kw):
+    def fail_second_state_save() -> None:
+        calls["state"] += 1
+        if calls["state"] == 2:
+            raise OSError("disk full while writing state.pt")
+
+    def flaky(ckpt_url, file_name, obj, **kw):  # the multi-file layout (local)
         if file_name == STATE_FILE:
-            calls["state"] += 1
-            if calls["state"] == 2:
-                raise OSError("disk full while writing state.pt")
+            fail_second_state_save()
         return real(ckpt_url, file_name, obj, **kw)
 
+    def flaky_packed(ckpt_url, *, files, **kw):  # one packed object (object stores)
+        assert STATE_FILE in files
+        fail_second_state_save()
+        return real_packed(ckpt_url, files=files, **kw)
+
     monkeypatch.setattr("raytrain_events.checkpoint.checkpointer.write_checkpoint_file", flaky)
+    monkeypatch.setattr("raytrain_events.checkpoint.checkpointer.write_packed_checkpoint", flaky_packed)
     trainer = make_trainer(folder, options, save_every_n_steps=4, async_save=False)
     with pytest.raises(OSError, match="disk full"):
         trainer.fit()
-    monkeypatch.setattr("raytrain_events.checkpoint.checkpointer.write_checkpoint_file", real)
+    monkeypatch.undo()
+    assert calls["state"] == 2
     assert [i.batch for i in list_checkpoints(folder, storage_options=options)] == [4]
     resumed = make_trainer(folder, options, autoresume=True)
     assert resumed.state.timestamp.get_value("ba") == 4

@@ -1,4 +1,7 @@
-"""checkpoint/format.py: round trip, manifest-last commit, integrity and unpickling safety."""
+"""checkpoint/format.py: round trip, manifest-last commit, integrity and unpickling safety.
+
+These test the multi-file layout (``pack=False``); the packed one is in test_checkpoint_packed.py.
+"""
 
 from __future__ import annotations
 
@@ -63,11 +66,13 @@ def _save(url, opts, batch: int, **kw) -> fmt.CheckpointInfo:
         world_size=1,
         metadata=kw.pop("metadata", {}),
         storage_options=opts,
+        pack=kw.pop("pack", False),
         **kw,
     )
 
 
-def test_round_trip_is_bit_identical(storage):
+@pytest.mark.parametrize("pack", [False, True])
+def test_round_trip_is_bit_identical(storage, pack):
     url, opts = storage
     tree = _tree()
     info = fmt.write_checkpoint(
@@ -77,6 +82,7 @@ def test_round_trip_is_bit_identical(storage):
         world_size=1,
         metadata={"note": "hi", "lr": [0.1]},
         storage_options=opts,
+        pack=pack,
     )
     assert fmt.CHECKPOINT_NAME_RE.match(info.name) and info.name.startswith("ckpt-000000000123-")
     loaded = fmt.read_checkpoint(info.url, storage_options=opts)
@@ -85,7 +91,8 @@ def test_round_trip_is_bit_identical(storage):
     assert loaded.info == info
     assert info.timestamp == {"epoch": 2, "batch": 123}
     assert info.metadata == {"note": "hi", "lr": [0.1]}
-    assert info.format_version == fmt.FORMAT_VERSION == 1
+    assert info.packed == pack and fmt.FORMAT_VERSION == 2
+    assert info.format_version == (2 if pack else 1)  # multi-file ones stay readable by version-1 readers
     assert {f.name for f in info.files} == {"state.pt", "rng-rank0.pt"}
 
 
@@ -170,7 +177,7 @@ def test_newer_format_version_names_both_versions(storage):
     manifest = json.loads(sfs.read_bytes(fs, path))
     manifest["format_version"] = 99
     sfs.write_bytes_atomic(fs, path, json.dumps(manifest).encode())
-    with pytest.raises(fmt.UnsupportedCheckpointVersionError, match=r"99.*1\.\.1.*upgrade"):
+    with pytest.raises(fmt.UnsupportedCheckpointVersionError, match=r"99.*1\.\.2.*upgrade"):
         fmt.read_checkpoint(info.url, storage_options=opts)
     with pytest.raises(fmt.UnsupportedCheckpointVersionError):  # no silent fallback to older
         load_latest_valid(url, storage_options=opts)

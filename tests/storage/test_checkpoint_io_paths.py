@@ -204,7 +204,8 @@ def test_commit_lists_the_directory_unless_told_not_to(storage, monkeypatch):
     )
 
 
-def test_s3_request_counts(s3_server):
+@pytest.mark.parametrize("pack", [False, True])
+def test_s3_request_counts(s3_server, pack):
     url = f"s3://{s3_server['bucket']}/{uuid.uuid4().hex}"
     opts = s3_server["storage_options"]
     fs, _ = sfs.resolve(url, opts)
@@ -218,12 +219,13 @@ def test_s3_request_counts(s3_server):
     fs._call_s3 = counting  # resolve() hands out this same cached instance
     try:
         info = fmt.write_checkpoint(
-            url, files={"state.pt": _state()}, timestamp={"batch": 1}, world_size=1, storage_options=opts
+            url, files={"state.pt": _state()}, timestamp={"batch": 1}, world_size=1, storage_options=opts, pack=pack
         )
-        assert calls == ["put_object", "put_object"]  # payload, manifest: no LIST
+        # multi-file: payload, manifest, no LIST; packed: the one create-only PUT is the commit
+        assert calls == ["put_object"] * (1 if pack else 2)
         calls.clear()
         _assert_same(fmt.read_checkpoint(info.url, storage_options=opts).files["state.pt"], _state())
-        assert calls == ["get_object", "get_object"]  # manifest, payload: no HEADs
+        assert calls == ["get_object"] * (1 if pack else 2)  # (manifest, payload): no HEADs
         calls.clear()
         assert load_latest_valid(url, storage_options=opts).info.name == info.name
         assert calls == ["list_objects_v2", "get_object", "get_object"]  # manifest read once

@@ -26,12 +26,14 @@ from raytrain_events.storage import fs as sfs
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _save(url, opts, batch: int, files=None) -> fmt.CheckpointInfo:
+def _save(url, opts, batch: int, files=None, pack=None) -> fmt.CheckpointInfo:
     files = files or {
         "state.pt": {"batch": batch, "w": torch.full((4,), float(batch))},
         "rng-rank0.pt": {"seed": batch},
     }
-    return fmt.write_checkpoint(url, files=files, timestamp={"batch": batch}, world_size=1, storage_options=opts)
+    return fmt.write_checkpoint(
+        url, files=files, timestamp={"batch": batch}, world_size=1, storage_options=opts, pack=pack
+    )
 
 
 def _dirs(url, opts) -> list[str]:
@@ -69,7 +71,7 @@ def test_crash_mid_save_leaves_previous_latest_and_loadable(storage, monkeypatch
 
     monkeypatch.setattr(fmt, "_upload", flaky)
     with pytest.raises(ConnectionError, match="injected"):
-        _save(url, opts, 200)
+        _save(url, opts, 200, pack=False)  # the multi-file layout; packed: test_checkpoint_packed.py
     monkeypatch.undo()
     assert len(calls) == 2 and len(_dirs(url, opts)) == 2  # the partial directory exists
     assert latest_checkpoint(url, storage_options=opts).name == good.name
@@ -93,7 +95,7 @@ def test_killed_process_mid_save_leaves_previous_latest(storage, backend):
             time.sleep(60)
         fmt._upload = slow
         fmt.write_checkpoint({url!r}, files={{"state.pt": torch.ones(3), "b.pt": 2}},
-                             timestamp={{"batch": 2}}, world_size=1,
+                             timestamp={{"batch": 2}}, world_size=1, pack=False,
                              storage_options=json.loads({json.dumps(opts)!r}))
     """)
     proc = subprocess.Popen(

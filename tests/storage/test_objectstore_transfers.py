@@ -48,7 +48,12 @@ def _same(a: dict, b: dict) -> bool:
 
 def _save(url, opts, batch, obj=None):
     return fmt.write_checkpoint(
-        url, files={"state.pt": obj or _state(batch)}, timestamp={"batch": batch}, world_size=1, storage_options=opts
+        url,
+        files={"state.pt": obj or _state(batch)},
+        timestamp={"batch": batch},
+        world_size=1,
+        storage_options=opts,
+        pack=False,  # these test the multi-file layout's transfers; packed: test_checkpoint_packed.py
     )
 
 
@@ -170,7 +175,7 @@ def test_killed_process_mid_multipart_leaves_previous_latest(s3, s3_server):
             return out
         fs._call_s3 = slow
         fmt.write_checkpoint({url!r}, files={{"state.pt": {{"w": torch.randn(13 * 2**18)}}}},
-                             timestamp={{"batch": 2}}, world_size=1, storage_options=opts)
+                             timestamp={{"batch": 2}}, world_size=1, storage_options=opts, pack=False)
     """)
     proc = subprocess.Popen(
         [sys.executable, "-c", script], stdout=subprocess.PIPE, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}
