@@ -72,9 +72,11 @@ import fsspec  # noqa: E402
 import raytrain_events  # noqa: E402
 from raytrain_events.checkpoint import checkpointer as ckmod  # noqa: E402
 from raytrain_events.checkpoint import format as fmt  # noqa: E402
+from raytrain_events.checkpoint import packed as packed_mod  # noqa: E402
 from raytrain_events.checkpoint.checkpointer import _cpu_copy  # noqa: E402
 from raytrain_events.checkpoint.config import CheckpointConfig  # noqa: E402
 from raytrain_events.checkpoint.format import read_checkpoint, write_checkpoint  # noqa: E402
+from raytrain_events.checkpoint.packed import should_pack  # noqa: E402
 from raytrain_events.checkpoint.store import list_checkpoints, load_latest_valid  # noqa: E402
 from raytrain_events.core.callback import Callback  # noqa: E402
 from raytrain_events.core.time import TimeUnit  # noqa: E402
@@ -82,6 +84,8 @@ from raytrain_events.models import ClassifierModel  # noqa: E402
 from raytrain_events.storage import fs as sfs  # noqa: E402
 
 TARGET = 0.9  # save: ours/raw
+OURS_SAVE, MULTI_SAVE = "ours write_checkpoint", "ours multi-file (pack=False)"
+OURS_LOAD, MULTI_LOAD = "ours read_checkpoint", "ours multi-file read"
 LOAD_TARGET = 1.0  # load: ours/raw (issue 16 item 3)
 MiB = float(2**20)
 
@@ -220,27 +224,39 @@ def save_arms(root: str, opts: dict, sd: dict, data: bytes) -> Dict[str, Callabl
         _rm(fs, path)
         return t
 
-    def ours(r: int) -> float:
-        box = {}
-        t = timed(
-            lambda: box.setdefault(
-                "info",
-                write_checkpoint(
-                    root, files={"state.pt": sd}, timestamp={"batch": r}, world_size=1, storage_options=opts
-                ),
+    def ours_with(pack: Any) -> Callable[[int], float]:
+        def ours(r: int) -> float:
+            box = {}
+            t = timed(
+                lambda: box.setdefault(
+                    "info",
+                    write_checkpoint(
+                        root,
+                        files={"state.pt": sd},
+                        timestamp={"batch": r},
+                        world_size=1,
+                        storage_options=opts,
+                        pack=pack,
+                    ),
+                )
             )
-        )
-        _rm(fs, sfs.resolve(box["info"].url, opts)[1])
-        return t
+            _rm(fs, sfs.resolve(box["info"].url, opts)[1])
+            return t
 
-    return {"raw (torch.save+pipe_file)": raw, "raw bytes only (pipe_file)": raw_bytes, "ours write_checkpoint": ours}
+        return ours
+
+    arms = {"raw (torch.save+pipe_file)": raw, "raw bytes only (pipe_file)": raw_bytes, OURS_SAVE: ours_with(None)}
+    if should_pack(fs, {"state.pt": sd}):  # the default packs: show the multi-file layout beside it
+        arms[MULTI_SAVE] = ours_with(False)
+    return arms
 
 
-def load_arms(url: str, opts: dict, sd: dict) -> Dict[str, Callable[[int], float]]:
-    """The "+ copy_" arms also copy every tensor into preallocated ones, as load_state_dict
-    does: with mmap (ours, local) that copy is where the file's pages are read."""
-    fs, path = sfs.resolve(url, opts)
-    payload = sfs.join(path, "state.pt")
+def load_arms(url: str, opts: dict, sd: dict, payload: str, multi_url: str = "") -> Dict[str, Callable[[int], float]]:
+    """``payload``: a plain file of the same bytes (what raw reads). The "+ copy_" arms also copy
+    every tensor into preallocated ones, as load_state_dict does: with mmap (ours, local) that
+    copy is where the file's pages are read. ``multi_url``: the same state in the multi-file
+    layout, when ``url`` is packed."""
+    fs, _ = sfs.resolve(url, opts)
     dst = {k: torch.empty_like(v) for k, v in sd.items()}
 
     def copy_into(got: dict) -> None:
@@ -264,13 +280,16 @@ def load_arms(url: str, opts: dict, sd: dict) -> Dict[str, Callable[[int], float
     def ours_copy(r: int) -> float:
         return timed(lambda: copy_into(read_checkpoint(url, storage_options=opts).files["state.pt"]))
 
-    return {
+    arms = {
         "raw (cat_file+torch.load)": raw,
         "raw bytes only (cat_file)": raw_bytes,
-        "ours read_checkpoint": ours,
+        OURS_LOAD: ours,
         "raw + copy_": raw_copy,
         "ours + copy_": ours_copy,
     }
+    if multi_url:
+        arms[MULTI_LOAD] = lambda r: timed(lambda: read_checkpoint(multi_url, storage_options=opts))
+    return arms
 
 
 # --------------------------------------------------------------------------- profile
@@ -309,12 +328,14 @@ def profiled(prof: _Prof):
         "_upload": prof.wrap("upload (file ops; the PUT on S3)", fmt._upload),
         "list_dir": prof.wrap("commit: list_dir", fmt.list_dir),
         "write_bytes_create_only": prof.wrap("commit: manifest create-only", fmt.write_bytes_create_only),
-        "read_bytes": prof.wrap("read_bytes (manifest)", fmt.read_bytes),
+        "read_bytes": prof.wrap("read_bytes (manifest; packed: all of it, 1 GET)", fmt.read_bytes),
         "fetch_verified": prof.wrap("fetch_verified (GETs + sha256 as they arrive)", fmt.fetch_verified),
         "resolve": prof.wrap("resolve (url_to_fs)", fmt.resolve),
         "hashlib": _Hashlib,
     }
     old = {k: getattr(fmt, k) for k in patches}
+    old_pack = packed_mod.pack
+    packed_mod.pack = prof.wrap("packed: sha256 + join in memory", packed_mod.pack)
     globals_ = [
         (torch, "save", "torch.save (local: incl. sha256, write)"),
         (torch, "load", "torch.load weights_only (local: mmap)"),
@@ -332,6 +353,7 @@ def profiled(prof: _Prof):
             setattr(mod, name, fn)
         for k, v in old.items():
             setattr(fmt, k, v)
+        packed_mod.pack = old_pack
 
 
 def profile(root: str, opts: dict, sd: dict, repeats: int) -> Dict[str, Dict[str, List[float]]]:
@@ -404,6 +426,15 @@ def s3_request_counts(root: str, opts: dict, sd: dict, data: bytes) -> Dict[str,
     with count_requests(fs) as c:
         read_checkpoint(info.url, storage_options=opts)
     out["load ours read_checkpoint"] = fmt_calls(c)
+    if info.packed:
+        with count_requests(fs) as c:
+            multi = write_checkpoint(
+                root, files={"state.pt": sd}, timestamp={"batch": 1999}, world_size=1, storage_options=opts, pack=False
+            )
+        out["save multi-file (pack=False)"] = fmt_calls(c)
+        with count_requests(fs) as c:
+            read_checkpoint(multi.url, storage_options=opts)
+        out["load multi-file"] = fmt_calls(c)
     n = len(list_checkpoints(root, storage_options=opts))
     with count_requests(fs) as c:
         load_latest_valid(root, storage_options=opts)
@@ -690,29 +721,40 @@ def run_backend(label: str, root: str, opts: dict, mb: int, repeats: int, *, det
     got = read_checkpoint(info.url, storage_options=opts).files["state.pt"]
     assert all(torch.equal(got[k], sd[k]) for k in sd)
     del got
+    raw_file = sfs.join(root_path, "raw-load", "state.pt")  # what the raw load arms read
+    fs.makedirs(sfs.join(root_path, "raw-load"), exist_ok=True)
+    fs.pipe_file(raw_file, data)
+    multi_url = ""
+    if info.packed:
+        multi_url = write_checkpoint(
+            root, files={"state.pt": sd}, timestamp={"batch": 0}, world_size=1, storage_options=opts, pack=False
+        ).url
     for arm in save_arms(root, opts, sd, data).values():
         arm(0)
+    layout = "packed (one object)" if info.packed else "multi-file"
     print(
-        f"\n[{label}] state.pt {size / MiB:.1f} MiB, {repeats} repeats, load avg {os.getloadavg()[0]:.1f}, root={root}"
+        f"\n[{label}] state.pt {size / MiB:.1f} MiB, ours {layout}, {repeats} repeats, "
+        f"load avg {os.getloadavg()[0]:.1f}, root={root}"
     )
     res = interleave(save_arms(root, opts, sd, data), repeats)
     ratio = print_io_table(
         "save",
         size,
         res,
-        "ours write_checkpoint",
+        OURS_SAVE,
         "raw (torch.save+pipe_file)",
-        also=(("ours write_checkpoint", "raw bytes only (pipe_file)"),),
+        also=((OURS_SAVE, "raw bytes only (pipe_file)"),)
+        + (((MULTI_SAVE, "raw (torch.save+pipe_file)"),) if MULTI_SAVE in res else ()),
     )
     summary.append((f"save {label} {mb} MiB", ratio))
-    res = interleave(load_arms(info.url, opts, sd), repeats)
+    res = interleave(load_arms(info.url, opts, sd, raw_file, multi_url), repeats)
     ratio = print_io_table(
         "load",
         size,
         res,
-        "ours read_checkpoint",
+        OURS_LOAD,
         "raw (cat_file+torch.load)",
-        also=(("ours + copy_", "raw + copy_"),),
+        also=(("ours + copy_", "raw + copy_"),) + (((MULTI_LOAD, "raw (cat_file+torch.load)"),) if multi_url else ()),
         target=LOAD_TARGET,
     )
     summary.append((f"load {label} {mb} MiB", ratio, LOAD_TARGET))

@@ -72,8 +72,12 @@ import torch
 
 from raytrain_events.checkpoint import packed
 from raytrain_events.checkpoint.manifest import (
-    CHECKPOINT_NAME_RE,
-    FORMAT_VERSION,
+    CHECKPOINT_NAME_RE as CHECKPOINT_NAME_RE,  # re-exported
+)
+from raytrain_events.checkpoint.manifest import (
+    FORMAT_VERSION as FORMAT_VERSION,  # re-exported
+)
+from raytrain_events.checkpoint.manifest import (
     MANIFEST,
     CheckpointCorruptError,
     CheckpointError,
@@ -82,12 +86,14 @@ from raytrain_events.checkpoint.manifest import (
     FileEntry,
     LoadedCheckpoint,
     UnsafeCheckpointError,
-    UnsupportedCheckpointVersionError,
     _check_file_name,
     _check_metadata,
     _check_timestamp,
     _library_version,
     checkpoint_name,
+)
+from raytrain_events.checkpoint.manifest import (
+    UnsupportedCheckpointVersionError as UnsupportedCheckpointVersionError,  # re-exported
 )
 from raytrain_events.storage.fs import (
     LocalFileSystem,
@@ -102,31 +108,6 @@ from raytrain_events.storage.fs import (
     write_bytes_create_only,
 )
 from raytrain_events.storage.objectstore import fetch_verified, open_upload, reader
-
-__all__ = [  # the manifest's names are part of this module's interface
-    "CHECKPOINT_NAME_RE",
-    "FORMAT_VERSION",
-    "MANIFEST",
-    "CheckpointCorruptError",
-    "CheckpointError",
-    "CheckpointInfo",
-    "CheckpointNotCommittedError",
-    "FileEntry",
-    "LoadedCheckpoint",
-    "UnsafeCheckpointError",
-    "UnsupportedCheckpointVersionError",
-    "checkpoint_name",
-    "commit_checkpoint",
-    "new_checkpoint_url",
-    "read_checkpoint",
-    "read_checkpoint_files",
-    "read_manifest",
-    "rng_file_name",
-    "serialize",
-    "write_checkpoint",
-    "write_checkpoint_file",
-    "write_packed_checkpoint",
-]
 
 _MANIFEST_SIZE_HINT = 2**20  # manifests are a few KB: fetched with one plain GET
 _MMAP_MIN_SIZE = 2**20  # smaller local files are read into memory: a mapping costs more there
@@ -376,7 +357,12 @@ def _wanted(info: CheckpointInfo, files: Iterable[str] | None) -> list[FileEntry
 
 
 def _load_packed(info: CheckpointInfo, raw: bytes, wanted: list[FileEntry], map_location: Any) -> dict[str, Any]:
-    """Verify the packed object's length and each wanted file's sha256, then ``torch.load`` it."""
+    """Verify the packed object's length and each wanted file's sha256, and ``torch.load`` it.
+
+    A big file's sha256 runs on the hashing thread while ``torch.load(weights_only=True)``
+    reads it; its result is returned only if the digest matches, and a mismatch is reported
+    (as corruption) even when the load failed too. Reading unverified bytes is safe: safety
+    comes from ``weights_only`` (see the module docstring), the checksums catch bit rot."""
     where = f"{MANIFEST} of checkpoint {info.url!r}"
     fix = "Fix: load an older checkpoint (load_latest_valid does this) and delete this one."
     if len(raw) != info.packed_size:
@@ -389,12 +375,21 @@ def _load_packed(info: CheckpointInfo, raw: bytes, wanted: list[FileEntry], map_
     out = {}
     for e in wanted:
         part = view[start + e.offset : start + e.offset + e.size]
-        digest = hashlib.sha256(part).hexdigest()
-        if digest != e.sha256:
-            raise CheckpointCorruptError(
-                f"File {e.name!r} packed in the {where} is corrupt: expected sha256 {e.sha256}, got {digest}. {fix}"
-            )
-        out[e.name] = _torch_load(reader(part), info.url, e, map_location)
+        digest = packed.sha256_meanwhile(part)
+
+        def check(e: FileEntry = e, digest: Any = digest) -> None:
+            if digest() != e.sha256:
+                raise CheckpointCorruptError(
+                    f"File {e.name!r} packed in the {where} is corrupt: expected sha256 {e.sha256}, "
+                    f"got {digest()}. {fix}"
+                )
+
+        try:
+            out[e.name] = _torch_load(reader(part), info.url, e, map_location)
+        except Exception:
+            check()  # corruption explains a failed load: report that
+            raise
+        check()
     return out
 
 

@@ -33,10 +33,11 @@ A listing reads only the first ``HEAD_BYTES`` of each ``manifest.json`` (one ran
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
-import io
 import json
-from collections.abc import Iterable, Mapping
+import threading
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -87,18 +88,87 @@ def should_pack(fs: Any, files: Mapping[str, Any]) -> bool:
 
 
 def pack(files: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[bytes]]:
-    """``torch.save`` each file into memory: ([{name, size, sha256, offset}], [payload bytes])."""
+    """``torch.save`` each file into memory: ([{name, size, sha256, offset}], [payload chunks]).
+
+    Each file is hashed on a helper thread while ``torch.save`` still produces it (sha256
+    releases the GIL), so the hash costs little wall time on a machine with a spare core."""
     entries: list[dict[str, Any]] = []
-    payloads: list[bytes] = []
+    chunks: list[bytes] = []
     offset = 0
     for name, obj in files.items():
-        buf = io.BytesIO()
-        torch.save(obj, buf)
-        data = buf.getvalue()
-        entries.append({"name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(), "offset": offset})
-        payloads.append(data)
-        offset += len(data)
-    return entries, payloads
+        buf = _HashingBuffer()
+        try:
+            torch.save(obj, buf)
+        finally:
+            digest = buf.hexdigest()  # waits for the helper thread (also when torch.save failed)
+        entries.append({"name": name, "size": buf.size, "sha256": digest, "offset": offset})
+        chunks += buf.chunks
+        offset += buf.size
+    return entries, chunks
+
+
+class _HashingBuffer:
+    """A write-only file for ``torch.save`` that keeps its chunks and hashes them, in order, on
+    one helper thread (batched: tiny zip records are not worth a hand-off each)."""
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self._sha = hashlib.sha256()
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
+        self._last: concurrent.futures.Future | None = None
+
+    def write(self, data: Any) -> int:
+        chunk = bytes(data)  # a copy: torch may reuse the buffer it hands us
+        self.chunks.append(chunk)
+        self.size += len(chunk)
+        self._pending.append(chunk)
+        self._pending_bytes += len(chunk)
+        if self._pending_bytes >= _HASH_BATCH:
+            self._submit()
+        return len(chunk)
+
+    def flush(self) -> None:
+        pass
+
+    def hexdigest(self) -> str:
+        if self._last is None:  # a small file: hashed here, a hand-off would cost more
+            for chunk in self._pending:
+                self._sha.update(chunk)
+            self._pending = []
+        self._submit()
+        if self._last is not None:
+            self._last.result()
+        return self._sha.hexdigest()
+
+    def _submit(self) -> None:
+        if not self._pending:
+            return
+        batch, self._pending, self._pending_bytes = self._pending, [], 0
+        self._last = _hasher().submit(lambda: [self._sha.update(c) for c in batch])  # FIFO: in order
+
+
+_HASH_BATCH = 2**20
+_HASHER: concurrent.futures.ThreadPoolExecutor | None = None
+_HASHER_LOCK = threading.Lock()
+
+
+def _hasher() -> concurrent.futures.ThreadPoolExecutor:
+    """One hashing thread per process, started on first use (never at import)."""
+    global _HASHER
+    with _HASHER_LOCK:
+        if _HASHER is None:
+            _HASHER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="raytrain-ckpt-sha")
+        return _HASHER
+
+
+def sha256_meanwhile(data: Any) -> Callable[[], str]:
+    """Start hashing ``data`` (on the hashing thread if it is big); call the result for the hex digest."""
+    if memoryview(data).nbytes < _HASH_BATCH:
+        digest = hashlib.sha256(data).hexdigest()
+        return lambda: digest
+    return _hasher().submit(lambda: hashlib.sha256(data).hexdigest()).result
 
 
 def packed_object(manifest: Mapping[str, Any], payloads: Iterable[bytes]) -> bytes:
