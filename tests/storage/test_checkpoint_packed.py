@@ -281,3 +281,32 @@ def test_s3_requests_one_conditional_put_to_save_one_get_to_load(s3_server):
         assert calls == [("list_objects_v2", {}), ("get_object", ranged), ("get_object", {})]
     finally:
         del fs._call_s3
+
+
+def test_big_packed_files_are_hashed_on_the_hashing_thread_and_still_verified(storage, monkeypatch):
+    """Files above 1 MiB take the threaded sha256 path on save and on load."""
+    url, opts = storage
+    big = {"w": torch.randn(3 * 2**18, generator=torch.Generator().manual_seed(1))}  # 3 MiB
+    threaded = []
+    real = packed._hasher
+
+    def counting():
+        threaded.append(1)
+        return real()
+
+    monkeypatch.setattr(packed, "_hasher", counting)
+    info = _save(url, opts, 1, files={"state.pt": big, "rng-rank0.pt": {"seed": 1}})
+    assert (
+        threaded
+        and next(f for f in info.files if f.name == "state.pt").sha256 == hashlib.sha256(fmt.serialize(big)).hexdigest()
+    )
+    threaded.clear()
+    assert torch.equal(fmt.read_checkpoint(info.url, storage_options=opts).files["state.pt"]["w"], big["w"])
+    assert threaded
+    fs, path, raw = _manifest(opts, info)
+    data = bytearray(raw)
+    data[len(data) // 2] ^= 0x10  # inside a tensor's bytes: torch.load alone would not notice
+    fs.rm(path)
+    sfs.write_bytes_atomic(fs, path, bytes(data))
+    with pytest.raises(fmt.CheckpointCorruptError, match="'state.pt' packed in the manifest.json"):
+        fmt.read_checkpoint(info.url, storage_options=opts)
