@@ -4,15 +4,21 @@ Three measurements, one process, CPU, local disk (a temp dir) and a local S3 ser
 a child process so its request handling does not take this process's GIL):
 
 1. Save MB/s. ``ours`` = ``write_checkpoint(root, files={"state.pt": sd}, ...)`` end to end
-   (local: torch.save streamed into a temp file, hashed on the way, fsync, rename; S3:
-   torch.save -> bytes, sha256, one PUT; then the create-only manifest). ``raw`` = ``torch.save`` to BytesIO +
+   (local: torch.save streamed into a temp file, hashed on the way, fsync, rename; S3 up to
+   ``packed.PACK_MAX_BYTES`` of tensors: a PACKED checkpoint, torch.save into memory hashed on a
+   helper thread meanwhile, then ONE create-only PUT of manifest line + payload, which is the
+   commit; larger: torch.save streamed into a single or multipart upload, hashed while it is
+   sent, then the create-only manifest). Where ours packs, ``ours multi-file (pack=False)``
+   shows the two-request layout beside it. ``raw`` = ``torch.save`` to BytesIO +
    ``fs.pipe_file`` of those bytes (what a user would write by hand; no fsync). ``raw bytes
    only`` = ``fs.pipe_file`` of pre-serialized bytes, so the serialization cost is visible.
    MB = bytes of the serialized file / 2**20. Target: ours/raw >= 0.9.
 2. Load MB/s. ``ours`` = ``read_checkpoint(url)`` (manifest read, size + sha256 verify,
    ``torch.load(weights_only=True)``; local: sha256 over an mmap and ``torch.load(mmap=True)``,
-   so the tensors are file-backed and their copy happens later, in ``load_state_dict``).
-   ``raw`` = ``fs.cat_file`` of the same state.pt +
+   so the tensors are file-backed and their copy happens later, in ``load_state_dict``;
+   packed: ONE GET brings manifest and payload, sha256 on a helper thread while torch.load
+   reads; ``ours multi-file read`` beside it). ``raw`` = ``fs.cat_file`` of a plain file
+   holding the same state.pt bytes +
    ``torch.load(BytesIO, weights_only=True)``. ``raw bytes only`` = the ``cat_file`` alone.
    Target: ours/raw >= 0.9.
 3. Training-thread blocked time per save. A Trainer (4 x Linear(H, H) + Linear(H, 10), H set so
@@ -721,8 +727,9 @@ def run_backend(label: str, root: str, opts: dict, mb: int, repeats: int, *, det
     got = read_checkpoint(info.url, storage_options=opts).files["state.pt"]
     assert all(torch.equal(got[k], sd[k]) for k in sd)
     del got
-    raw_file = sfs.join(root_path, "raw-load", "state.pt")  # what the raw load arms read
-    fs.makedirs(sfs.join(root_path, "raw-load"), exist_ok=True)
+    raw_dir = root_path.rstrip("/") + "-raw"  # beside the checkpoint root: not listed as a checkpoint
+    raw_file = sfs.join(raw_dir, "state.pt")  # what the raw load arms read
+    fs.makedirs(raw_dir, exist_ok=True)
     fs.pipe_file(raw_file, data)
     multi_url = ""
     if info.packed:
@@ -774,6 +781,7 @@ def run_backend(label: str, root: str, opts: dict, mb: int, repeats: int, *, det
                     f"    {k:<40} {med(secs) * 1e3:7.1f} ms {rng_str(secs, 1e3):>13}  {size / MiB / med(secs):6.0f} MB/s"
                 )
     _rm(fs, root_path)
+    _rm(fs, raw_dir)
     return summary
 
 

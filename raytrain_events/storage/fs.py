@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import inspect
 import os
@@ -311,7 +312,12 @@ def _cat_kwargs(fs: Any, size_hint: int | None, end: int | None = None) -> dict[
 
 def _has_create_mode(fs: Any) -> bool:
     """Whether this s3fs takes ``mode="create"``; older ones get the read-back fallback."""
-    return "mode" in inspect.signature(getattr(fs, "_pipe_file", fs.pipe_file)).parameters
+    return _takes_mode(type(fs))
+
+
+@functools.cache
+def _takes_mode(cls: type) -> bool:  # once per class: inspect.signature costs ~30 us a call
+    return "mode" in inspect.signature(getattr(cls, "_pipe_file", cls.pipe_file)).parameters
 
 
 def _local_replace(path: str, data: bytes) -> None:
