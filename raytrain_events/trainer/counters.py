@@ -2,43 +2,54 @@
 
 Every batch the ranks sum a few integers: samples, tokens, a stop flag and the agreement flags
 (see `raytrain_events.core.agreement`). Under DDP they ride on the gradient all-reduce DDP runs
-anyway: a DDP communication hook appends them to the first gradient bucket (DDP keeps it small,
-``first_bucket_bytes_cap``) and all-reduces gradients and counters together. The hook divides
-only the gradients by the world size, as DDP's default hook does, and sends the counters
-unscaled, split into 16-bit pieces so that their float sums stay exact integers (float32 holds
-integers up to 2**24 exactly: 16 bits times up to 256 ranks). With ``no_sync`` microbatches the
-counters ride on the last, synchronized backward.
+anyway, reduced by DDP's own C++ reducer (no Python communication hook, which costs a GIL round
+trip per bucket): DDP wraps `CountedModule`, the user's model plus one small float parameter,
+and the loop passes the loss through `carry` before backward, an identity whose backward gives
+that parameter this batch's counters as its gradient. DDP's all-reduce averages the gradient
+with the others (same bucket, no extra request); `wait` multiplies by the world size. The
+counters are sent as small pieces (`piece_bits`) so that the averaged float sums stay exact
+integers. With ``no_sync`` microbatches the counters ride on the last, synchronized backward;
+every other synchronized backward of the batch carries zeros, because DDP expects a gradient
+for every parameter it reduces.
 
-Where that is not possible (one process, no DDP, gradients that are not float32/float64, or a
-batch whose backward reduced no gradients) the counters are summed as before by
-`Dist.sum_ints_async`, started before the batch so it overlaps with forward and backward.
+Where that is not possible (one process, FSDP, auto microbatching, more values than the
+parameter holds, or a batch whose backward reduced nothing) the counters are summed as before
+by `Dist.sum_ints_async`, started before the batch so it overlaps with forward and backward.
 """
 
-from typing import TYPE_CHECKING, Any, List, Optional, Sequence, cast
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence
 
 import torch
-import torch.distributed as tdist
-from torch._C._distributed_c10d import GradBucket  # torch.distributed.GradBucket, visible to mypy
 
 from raytrain_events.dist import Dist, PendingSum
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["BatchCounters", "encode_counters", "decode_counters", "piece_bits"]
+__all__ = ["BatchCounters", "CountedModule", "MAX_VALUES", "encode_counters", "decode_counters", "piece_bits"]
 
-_EXACT_FLOAT32_BITS = 24  # float32 represents every integer below 2**24 exactly
 _VALUE_BITS = 63  # counters are non-negative int64 values
+_MANTISSA_BITS = {torch.float32: 24, torch.float64: 53}
+MAX_VALUES = 16  # values a batch carries on the gradients: samples, tokens, stop and 13 agreement flags
 
 
-def piece_bits(world_size: int) -> int:
-    """Bits per piece so that a sum of ``world_size`` pieces stays below 2**24 (16 up to 256 ranks)."""
-    return max(1, min(16, _EXACT_FLOAT32_BITS - max(1, (world_size - 1).bit_length()) - 1))
+def piece_bits(world_size: int, mantissa_bits: int = 24) -> int:
+    """Bits per piece so that DDP's average of ``world_size`` pieces, times the world size, rounds back exactly.
+
+    DDP multiplies each gradient by 1 / world_size and sums them, so the mean is off by at most
+    ``world_size + 1`` rounding errors; with pieces below ``2 ** (mantissa - 2 - 2 * b)`` (``b`` the bit
+    length of the world size) the sum it gives back is within 1/4 of the exact integer.
+    """
+    return min(16, mantissa_bits - 2 - 2 * world_size.bit_length())
+
+
+def _pieces_per_value(bits: int) -> int:
+    return -(-_VALUE_BITS // bits)
 
 
 def encode_counters(values: Sequence[int], bits: int) -> List[int]:
     """``values`` (non-negative ints) as little-endian pieces of ``bits`` bits each."""
-    pieces_per_value = -(-_VALUE_BITS // bits)
+    pieces_per_value = _pieces_per_value(bits)
     mask = (1 << bits) - 1
     out: List[int] = []
     for value in values:
@@ -50,8 +61,8 @@ def encode_counters(values: Sequence[int], bits: int) -> List[int]:
 
 
 def decode_counters(pieces: Sequence[float], bits: int) -> List[int]:
-    """Inverse of `encode_counters` for summed pieces (each sum an exact integer)."""
-    pieces_per_value = -(-_VALUE_BITS // bits)
+    """Inverse of `encode_counters` for summed pieces (each sum within 1/2 of an integer)."""
+    pieces_per_value = _pieces_per_value(bits)
     out: List[int] = []
     for start in range(0, len(pieces), pieces_per_value):
         value = 0
@@ -61,42 +72,115 @@ def decode_counters(pieces: Sequence[float], bits: int) -> List[int]:
     return out
 
 
+class CountedModule(torch.nn.Module):
+    """What DDP wraps when the counters ride on its all-reduce: the model, plus the parameter that carries them.
+
+    The parameter stays out of the model's ``state_dict`` (checkpoints hold the model alone) and
+    out of its optimizers; only its gradient is ever used. float32 (in the first gradient bucket
+    of a float32 model) up to 255 ranks, float64 beyond, where float32 pieces would be too small.
+    """
+
+    def __init__(self, model: torch.nn.Module, world_size: int, device: torch.device) -> None:
+        super().__init__()
+        self.model = model
+        dtype = torch.float32 if world_size < 256 else torch.float64
+        size = MAX_VALUES * _pieces_per_value(piece_bits(world_size, _MANTISSA_BITS[dtype]))
+        self.counters = torch.nn.Parameter(torch.zeros(size, dtype=dtype, device=device))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model(*args, **kwargs)
+
+
+class _Carry(torch.autograd.Function):
+    """Identity on the loss; in backward, ``grad`` becomes the counter parameter's gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, slot: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        ctx.grad = grad
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> Any:
+        return grad_output, ctx.grad, None
+
+
 class BatchCounters:
     """The loop's per-batch sum across ranks: `start` before the batch, `wait` after its optimizer step.
 
     Example::
 
-        counters = BatchCounters(dist, ddp_model)      # registers the DDP hook when it can be used
+        counters = BatchCounters(dist, ddp_model)   # ddp_model wraps a CountedModule: on the gradients
         counters.start([samples, tokens, stop, *flags])
-        ...                                            # forward, backward (the hook sends them), step
+        counters.carry(loss).backward()             # for every backward of the batch
+        counters.after_backward()
+        ...                                         # optimizer step
         global_samples, global_tokens, stops, *flags = counters.wait()
     """
 
     def __init__(self, dist: Dist, ddp: "Optional[DistributedDataParallel]" = None) -> None:
         self.dist = dist
-        self.on_gradients = ddp is not None and dist.is_distributed and _float_gradients(ddp)
+        module = ddp.module if ddp is not None else None
+        self.on_gradients = dist.is_distributed and isinstance(module, CountedModule)
         self._single = not dist.is_distributed  # one process: the sums are the values
-        self._bits = piece_bits(dist.world_size)
-        self._values: Optional[List[int]] = None  # waiting for the next synchronized backward
-        self._sent: Optional[List[int]] = None  # the values the hook sent with a bucket
-        self._sums: Any = None  # the summed pieces (a tensor) once the bucket's all-reduce is done
+        self._values: Optional[List[int]] = None
+        self._pending: Optional[PendingSum] = None  # the separate collective, where the gradients cannot carry
+        self._grad: Optional[torch.Tensor] = None  # this batch's pieces, until a synchronized backward takes them
+        self._taking = False  # the running backward carries this batch's pieces
+        self._carried = False  # a backward of this batch carried them
+        self._sums: Any = None  # the averaged pieces (a tensor) once that backward is done
         self._event: Any = None  # CUDA: the copy of the sums to host memory
-        self._pending: Optional[PendingSum] = None
         if self.on_gradients:
-            assert ddp is not None
-            self._group = ddp.process_group
+            assert ddp is not None and isinstance(module, CountedModule)
+            self._ddp, self._slot = ddp, module.counters
+            self._bits = piece_bits(dist.world_size, _MANTISSA_BITS[self._slot.dtype])
             self._world_size = dist.world_size
-            ddp.register_comm_hook(None, self._hook)
 
     # ------------------------------------------------------------------ loop
     def start(self, values: Sequence[int]) -> None:
         """Begin summing ``values`` for this batch (before its forward)."""
         if self._single:
             self._values = list(values)
-        elif self.on_gradients:
-            self._values, self._sent, self._sums, self._event = list(values), None, None, None
+            return
+        if self.on_gradients and len(values) <= MAX_VALUES:
+            slot = self._slot
+            pieces = encode_counters(values, self._bits)
+            pieces += [0] * (slot.numel() - len(pieces))
+            self._grad = torch.tensor(pieces, dtype=slot.dtype, device=slot.device)
+            self._values, self._carried, self._sums, self._event = list(values), False, None, None
+            return
+        self._grad = None
+        self._pending = self.dist.sum_ints_async(values)
+
+    def carry(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` to call backward on: under a synchronized DDP backward it carries the counters (or zeros)."""
+        if not self.on_gradients or not self._ddp.require_backward_grad_sync:
+            return loss
+        grad = self._grad
+        if grad is None:  # taken by an earlier backward of this batch (SAM's closure), or not carried
+            grad = torch.zeros_like(self._slot, memory_format=torch.contiguous_format)
         else:
-            self._pending = self.dist.sum_ints_async(values)
+            self._grad, self._taking = None, True
+        carried: torch.Tensor = _Carry.apply(loss, self._slot, grad)  # type: ignore[no-untyped-call]
+        return carried
+
+    def after_backward(self) -> None:
+        """After each backward: take the averaged pieces out of the parameter's gradient and clear it."""
+        if not self.on_gradients:
+            return
+        slot = self._slot
+        grad, slot.grad = slot.grad, None
+        if not self._taking:
+            return
+        self._taking, self._carried = False, True
+        assert grad is not None, "DDP reduced no gradient for the counters"
+        if grad.is_cuda:  # copy to host without blocking; `wait` syncs on it after the step
+            host = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
+            host.copy_(grad, non_blocking=True)
+            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._event.record()
+            self._sums = host
+        else:
+            self._sums = grad
 
     def wait(self) -> List[int]:
         """The sums of this batch's values over all ranks (after its backward)."""
@@ -104,59 +188,18 @@ class BatchCounters:
             values, self._values = self._values, None
             assert values is not None, "BatchCounters.wait() without start()"
             return values
-        if not self.on_gradients:
-            pending, self._pending = self._pending, None
-            assert pending is not None, "BatchCounters.wait() without start()"
+        pending, self._pending = self._pending, None
+        if pending is not None:
             return pending.wait()
-        if self._sent is None:
-            # No gradient bucket was reduced this batch (nothing required grad, on every rank alike,
-            # since DDP reduces collectively): sum the values by themselves.
-            values, self._values = self._values, None
-            assert values is not None, "BatchCounters.wait() without start()"
+        values, self._values, self._grad = self._values, None, None
+        assert values is not None, "BatchCounters.wait() without start()"
+        if not self._carried:
+            # No synchronized backward this batch (on every rank alike, since DDP reduces
+            # collectively): sum the values by themselves.
             return self.dist.sum_ints_async(values).wait()
+        self._carried = False
         if self._event is not None:
             self._event.synchronize()
-        sums, self._sums, self._sent = self._sums, None, None
-        return decode_counters(sums.tolist(), self._bits)
-
-    # ------------------------------------------------------------------ hook
-    # DDP checks the annotations of a hook: they must be these real types (so no postponed annotations here).
-    def _hook(self, _state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """DDP's all-reduce-mean of ``bucket``, with this batch's counters appended to the first bucket."""
-        buffer: torch.Tensor = bucket.buffer()
-        values = self._values
-        if values is None or bucket.index() != 0:
-            buffer.div_(self._world_size)
-            work = tdist.all_reduce(buffer, group=self._group, async_op=True)
-            assert work is not None
-            return cast(torch.futures.Future[torch.Tensor], work.get_future().then(lambda f: f.value()[0]))
-        self._values, self._sent = None, values
-        pieces = encode_counters(values, self._bits)
-        size = buffer.numel()
-        combined = torch.empty(size + len(pieces), dtype=buffer.dtype, device=buffer.device)
-        torch.div(buffer, self._world_size, out=combined[:size])
-        combined[size:].copy_(torch.tensor(pieces, dtype=buffer.dtype))
-        work = tdist.all_reduce(combined, group=self._group, async_op=True)
-        assert work is not None
-
-        def _split(fut: torch.futures.Future[List[torch.Tensor]]) -> torch.Tensor:
-            summed = fut.value()[0]
-            tail = summed[size:]
-            if tail.is_cuda:  # copy to host without blocking; `wait` syncs on it after the step
-                host = torch.empty(tail.shape, dtype=tail.dtype, pin_memory=True)
-                host.copy_(tail, non_blocking=True)
-                self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                self._event.record()
-                self._sums = host
-            else:
-                self._sums = tail
-            buffer.copy_(summed[:size])
-            return buffer
-
-        return cast(torch.futures.Future[torch.Tensor], work.get_future().then(_split))
-
-
-def _float_gradients(ddp: "DistributedDataParallel") -> bool:
-    """True if every gradient DDP reduces is float32/float64 (pieces < 2**24 add up exactly)."""
-    params = [p for p in ddp.module.parameters() if p.requires_grad]
-    return bool(params) and all(p.dtype in (torch.float32, torch.float64) for p in params)
+        sums, self._sums, self._event = self._sums, None, None
+        world_size, needed = self._world_size, len(values) * _pieces_per_value(self._bits)
+        return decode_counters([piece * world_size for piece in sums[:needed].tolist()], self._bits)

@@ -71,6 +71,13 @@ class DeferredCounters:
         """Remember this batch's values (summed later, by `agree`)."""
         self._values, self._sums = list(values), None
 
+    def carry(self, loss: Any) -> Any:
+        """The loss as it is: here the counters never ride on the gradients."""
+        return loss
+
+    def after_backward(self) -> None:
+        """Nothing to take from the gradients."""
+
     def agree(self, extra: Sequence[int]) -> List[int]:
         """Sum this batch's values and ``extra`` over all ranks; returns the sums of ``extra``."""
         values = self._values

@@ -41,7 +41,7 @@ from raytrain_events.trainer._setup import (
     train_inputs,
 )
 from raytrain_events.trainer.compiling import compile_model, compile_options
-from raytrain_events.trainer.counters import BatchCounters
+from raytrain_events.trainer.counters import BatchCounters, CountedModule
 from raytrain_events.trainer.evaluation import ensure_evaluators, run_evaluation
 from raytrain_events.trainer.microbatching import AUTO, AutoMicrobatching, DeferredCounters, parse_grad_accum
 from raytrain_events.trainer.predict import run_predict
@@ -175,7 +175,8 @@ class Trainer:
         self.parallel.check(self.state.algorithms)
         if compile_kwargs is not None:  # after INIT's model changes, before DDP/FSDP wraps the model
             compile_model(self.state.model, compile_kwargs)
-        self._train_model, self._ddp = self._wrap_model()
+        # The counters ride on DDP's gradient all-reduce, except under auto microbatching (see counters.py).
+        self._train_model, self._ddp = self._wrap_model(counted=not auto_microbatching)
         self._auto: Optional[AutoMicrobatching] = None
         if auto_microbatching:  # forward/backward run no collective, so a rank can retry after OOM
             self.state.auto_microbatching = True
@@ -200,12 +201,18 @@ class Trainer:
         """The precision context forward and loss run in."""
         return autocast_context(self.state.precision, self.device.type)
 
-    def _wrap_model(self) -> Tuple[torch.nn.Module, Optional[DistributedDataParallel]]:
-        """The module the loop calls for training, and the DDP wrapper if that is what it is."""
+    def _wrap_model(self, counted: bool) -> Tuple[torch.nn.Module, Optional[DistributedDataParallel]]:
+        """The module the loop calls for training, and the DDP wrapper if that is what it is.
+
+        ``counted``: under DDP, wrap a `CountedModule`, whose extra parameter carries the batch counters.
+        """
         from torch.nn.parallel import DistributedDataParallel
 
         find_unused = any(a.find_unused_parameters for a in self.state.algorithms)
-        wrapped = self.parallel.wrap(self.state.model, self.dist, self.device, find_unused, self.state.optimizers)
+        model = self.state.model
+        if counted and self.dist.is_distributed and not self.parallel.sharded:
+            model = CountedModule(model, self.dist.world_size, self.device)
+        wrapped = self.parallel.wrap(model, self.dist, self.device, find_unused, self.state.optimizers)
         return wrapped, wrapped if isinstance(wrapped, DistributedDataParallel) else None
 
     # ------------------------------------------------------------------- fit
@@ -450,11 +457,12 @@ class Trainer:
         loss = total_loss(state.loss)
         if total_samples:  # fit checked train_spec (check_can_fit)
             loss = loss * (self.train_spec.get_num_samples_in_batch(state.batch) / total_samples)  # type: ignore[union-attr]
-        scaler = state.scaler
+        scaler, counters = state.scaler, self._counters
         if scaler is not None:
-            scaler.scale(loss).backward(create_graph=create_graph)
+            scaler.scale(counters.carry(loss)).backward(create_graph=create_graph)
         else:
-            loss.backward(create_graph=create_graph)  # type: ignore[no-untyped-call]
+            counters.carry(loss).backward(create_graph=create_graph)
+        counters.after_backward()
         if active[_AFTER_BACKWARD]:
             engine.run_event(_AFTER_BACKWARD)
         return loss

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import tempfile
 import traceback
 from typing import Any, Callable, Dict, List, Sequence
@@ -106,6 +105,12 @@ class BatchRecorder(Callback):
         self.global_tokens.append(state.global_batch_num_tokens)
 
 
+def _separate_collective() -> None:
+    """In this (spawned) process, Trainers sum the counters with their own collective, as before issue 16."""
+    wrap = Trainer._wrap_model
+    Trainer._wrap_model = lambda self, counted: wrap(self, False)  # type: ignore[method-assign]
+
+
 def train(rank: int, world_size: int, *, grad_accum: int = 1, epochs: int = 2, on_gradients: bool = True) -> dict:
     """Train `TinyModel` on this rank's uneven shard; return counters, timestamp and weights."""
     layout = rank_layout(rank)
@@ -113,6 +118,8 @@ def train(rank: int, world_size: int, *, grad_accum: int = 1, epochs: int = 2, o
     loader = DataLoader(data, batch_size=layout["batch_size"], shuffle=False)
     recorder = BatchRecorder()
     model = TinyModel()
+    if not on_gradients:  # the separate collective, for comparison
+        _separate_collective()
     trainer = Trainer(
         model=model,
         train_dataloader=DataSpec(loader, get_num_tokens_in_batch=lambda b: int(b[2].sum())),
@@ -122,12 +129,10 @@ def train(rank: int, world_size: int, *, grad_accum: int = 1, epochs: int = 2, o
         callbacks=[recorder],
         dist=TorchDist(),
     )
-    if not on_gradients:  # today's separate collective, for comparison
-        trainer._counters.on_gradients = False
-    used_hook = trainer._counters.on_gradients
+    on_grads = trainer._counters.on_gradients
     state = trainer.fit()
     return {
-        "used_hook": used_hook,
+        "on_gradients": on_grads,
         "timestamp": state.timestamp.state_dict(),
         "global_samples": recorder.global_samples,
         "global_tokens": recorder.global_tokens,
@@ -141,71 +146,51 @@ def train(rank: int, world_size: int, *, grad_accum: int = 1, epochs: int = 2, o
 
 
 # --------------------------------------------------------------------- counting collectives
-_COLLECTIVES = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_object",
-    "all_gather_into_tensor",
-    "broadcast",
-    "broadcast_object_list",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "all_to_all",
-    "all_to_all_single",
-    "barrier",
-    "gather",
-    "scatter",
-)
+# Counted in the c10d backend, with torch's profiler: gloo records every collective it runs
+# ("gloo:all_reduce", "gloo:broadcast"...), whether Python called it or DDP's C++ reducer did.
 
 
-def _from_ddp_comm_hook() -> bool:
-    """True if the caller is the loop's DDP communication hook (DDP's gradient all-reduce)."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code.co_name == "_hook" and frame.f_code.co_filename.endswith(
-            os.path.join("trainer", "counters.py")
-        ):
-            return True
-        frame = frame.f_back
-    return False
+def _gloo_ops(profile: Any) -> Dict[str, int]:
+    counts: Dict[str, int] = {}
+    for event in profile.events():
+        if event.name.startswith("gloo:"):
+            counts[event.name] = counts.get(event.name, 0) + 1
+    return counts
+
+
+def _profiler() -> Any:
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
 
 
 class CollectiveCounter(Callback):
-    """Wraps torch.distributed's collectives; per batch, counts DDP's (from its hook) and all others."""
+    """Per batch (BEFORE_DATALOADER to BATCH_CHECKPOINT): the collectives the c10d backend ran."""
 
     def __init__(self) -> None:
         self.per_batch: List[Dict[str, int]] = []
-        self._current: Dict[str, int] = {}
-        self._counting = False
-        for name in _COLLECTIVES:
-            original = getattr(tdist, name)
-            setattr(tdist, name, self._wrap(name, original))
-
-    def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            if self._counting:
-                key = "ddp" if _from_ddp_comm_hook() else name
-                self._current[key] = self._current.get(key, 0) + 1
-            return original(*args, **kwargs)
-
-        return wrapped
+        self._profile: Any = None
 
     def run_event(self, event: Event, state: Any, logger: Any) -> None:
-        # From the batch's first event to its last: the counter sum starts right after AFTER_DATALOADER.
-        if event is Event.BEFORE_DATALOADER:
-            self._current, self._counting = {}, True
-        elif event is Event.BATCH_CHECKPOINT and self._counting:
-            self.per_batch.append(self._current)
-            self._counting = False
+        if event is Event.BEFORE_DATALOADER or event is Event.EPOCH_END:
+            if self._profile is not None:  # the epoch's last BEFORE_DATALOADER found no batch
+                self._profile.__exit__(None, None, None)
+                self._profile = None
+            if event is Event.BEFORE_DATALOADER:
+                self._profile = _profiler()
+                self._profile.__enter__()
+        elif event is Event.BATCH_CHECKPOINT and self._profile is not None:
+            self._profile.__exit__(None, None, None)
+            self.per_batch.append(_gloo_ops(self._profile))
+            self._profile = None
 
 
 def count_collectives(rank: int, world_size: int, *, on_gradients: bool = True) -> dict:
-    """Train two epochs while counting collectives per batch."""
+    """Train two epochs while counting collectives per batch; the same for a plain DDP loop."""
     counter = CollectiveCounter()
     layout = rank_layout(rank)
     data = TokenRows(rank, layout["rows"])
     model = TinyModel()
+    if not on_gradients:
+        _separate_collective()
     trainer = Trainer(
         model=model,
         train_dataloader=DataSpec(
@@ -216,7 +201,17 @@ def count_collectives(rank: int, world_size: int, *, on_gradients: bool = True) 
         callbacks=[counter],
         dist=TorchDist(),
     )
-    if not on_gradients:
-        trainer._counters.on_gradients = False
     trainer.fit()
-    return {"per_batch": counter.per_batch}
+    # The raw thing: a hand-written DDP loop over the same batches.
+    plain = TinyModel()
+    ddp = torch.nn.parallel.DistributedDataParallel(plain)
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.05)
+    plain_per_batch = []
+    for _ in range(2):
+        for batch in DataLoader(data, batch_size=layout["batch_size"]):
+            with _profiler() as profile:
+                optimizer.zero_grad(set_to_none=True)
+                plain.loss(ddp(batch), batch).backward()
+                optimizer.step()
+            plain_per_batch.append(_gloo_ops(profile))
+    return {"per_batch": counter.per_batch, "plain_per_batch": plain_per_batch}

@@ -27,7 +27,7 @@ def _expected_per_batch(world_size: int):
 def test_counters_ride_on_ddp_and_stay_exact(world_size, grad_accum):
     epochs = 2
     results = run_ranks(train, world_size, grad_accum=grad_accum, epochs=epochs)
-    assert all(r["used_hook"] for r in results)
+    assert all(r["on_gradients"] for r in results)
     rows = sum(r["local_rows"] for r in results)
     tokens = sum(r["local_tokens"] for r in results)
     assert tokens > 2**24  # beyond what float32 holds exactly, so the piece encoding matters
@@ -48,10 +48,10 @@ def test_counters_ride_on_ddp_and_stay_exact(world_size, grad_accum):
             torch.testing.assert_close(value, results[0]["weights"][name], rtol=0, atol=0)
 
 
-def test_hook_path_matches_the_separate_collective():
+def test_gradient_path_matches_the_separate_collective():
     on_grads = run_ranks(train, 2, grad_accum=2, epochs=1)
     separate = run_ranks(train, 2, grad_accum=2, epochs=1, on_gradients=False)
-    assert not separate[0]["used_hook"]
+    assert not separate[0]["on_gradients"]
     for a, b in zip(on_grads, separate):
         counters = ("epoch", "batch", "sample", "token", "batch_in_epoch", "sample_in_epoch", "token_in_epoch")
         assert {k: a["timestamp"][k] for k in counters} == {k: b["timestamp"][k] for k in counters}
@@ -64,10 +64,11 @@ def test_hook_path_matches_the_separate_collective():
 def test_only_ddp_collectives_run_per_batch(world_size):
     results = run_ranks(count_collectives, world_size)
     for r in results:
-        assert len(r["per_batch"]) == 2 * BATCHES
-        for counts in r["per_batch"]:
-            assert set(counts) == {"ddp"}, counts  # nothing but DDP's gradient all-reduce
-            assert counts["ddp"] >= 1
-    # The same count with today's path shows the test can fail: one more all-reduce per batch.
+        assert len(r["per_batch"]) == len(r["plain_per_batch"]) == 2 * BATCHES
+        assert all(counts.get("gloo:all_reduce", 0) >= 1 for counts in r["plain_per_batch"])  # DDP's gradients
+        # Batch by batch, the same collectives as a hand-written DDP loop: nothing of the loop's own.
+        assert r["per_batch"] == r["plain_per_batch"]
+    # The same count with the separate collective shows the test can fail: one more all-reduce per batch.
     separate = run_ranks(count_collectives, 2, on_gradients=False)
-    assert all(counts.get("all_reduce") == 1 for counts in separate[0]["per_batch"])
+    for ours, plain in zip(separate[0]["per_batch"], separate[0]["plain_per_batch"]):
+        assert ours["gloo:all_reduce"] == plain["gloo:all_reduce"] + 1
