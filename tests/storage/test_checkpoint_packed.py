@@ -284,7 +284,7 @@ def test_s3_requests_one_conditional_put_to_save_one_get_to_load(s3_server):
 
 
 def test_big_packed_files_are_hashed_on_the_hashing_thread_and_still_verified(storage, monkeypatch):
-    """Files above 1 MiB take the threaded sha256 path on save and on load."""
+    """Files above 256 KiB (``packed._HASH_BATCH``) take the threaded sha256 path on save and on load."""
     url, opts = storage
     big = {"w": torch.randn(3 * 2**18, generator=torch.Generator().manual_seed(1))}  # 3 MiB
     threaded = []
