@@ -459,7 +459,7 @@ class Trainer:
             loss = loss * (self.train_spec.get_num_samples_in_batch(state.batch) / total_samples)  # type: ignore[union-attr]
         scaler, counters = state.scaler, self._counters
         if scaler is not None:
-            scaler.scale(counters.carry(loss)).backward(create_graph=create_graph)
+            counters.carry(scaler.scale(loss)).backward(create_graph=create_graph)
         else:
             counters.carry(loss).backward(create_graph=create_graph)
         counters.after_backward()
