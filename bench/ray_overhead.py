@@ -6,7 +6,9 @@ Ray Dataset (synthetic, seeded; columns ``x``, ``y``), with the same per-worker 
 and the same number of workers (gloo DDP on CPU; Ray gives each worker 1 CPU and 1 torch thread):
 
 * **ours**: ``RayTrainer(model=ClassifierModel(mlp), optimizers=SGD, ...)`` with its default
-  report interval: the full event loop, the per-batch global-count collective and `RayReporter`.
+  report interval: the full event loop, the per-batch global counts (riding on DDP's gradient
+  all-reduce, `raytrain_events.trainer.counters`), the global-order train data (part 1; see
+  ``bench/data_loader.py``) and `RayReporter`.
 * **plain**: a ``train_loop_per_worker`` written by hand: ``ray.train.torch.prepare_model``
   (DDP), ``get_dataset_shard("train").iter_torch_batches(batch_size=64)``, SGD,
   ``F.cross_entropy``, one ``ray.train.report`` per epoch (the last one is the final report).
@@ -31,7 +33,8 @@ goes first) and repeated; medians are reported:
 
 Part 2, diagnostics, in ONE extra ``TorchTrainer`` run (``--workers`` workers, at least 2):
 
-* the global-count collective ``TorchDist.sum_ints_async([samples, tokens, 0]).wait()``:
+* the separate global-count collective ``TorchDist.sum_ints_async([samples, tokens, 0]).wait()``
+  (the loop's fallback where the counters cannot ride on DDP's all-reduce: FSDP, auto microbatching):
   blocking (µs per call), and overlapped with one DDP forward/backward/SGD step of the same model
   on a 64-row batch the way the loop does it (launch, step, wait), against the step alone; blocks
   of 200 calls, modes interleaved, medians;
