@@ -13,9 +13,10 @@ which measured 0.5-0.9 ms of CPU per batch on Ray workers. The counters travel a
 microbatches the counters ride on the last, synchronized backward; every other synchronized
 backward of the batch carries zeros, because DDP expects a gradient for every parameter.
 
-Where that is not possible (one process, FSDP, auto microbatching, more values than the
-parameter holds, or a batch whose backward reduced nothing) the counters are summed as before
-by `Dist.sum_ints_async`, started before the batch so it overlaps with forward and backward.
+Where that is not possible (one process, FSDP, auto microbatching, DDP with
+``find_unused_parameters`` as LayerFreezing asks, more values than the parameter holds, or a
+batch whose backward reduced nothing) the counters are summed as before by
+`Dist.sum_ints_async`, started before the batch so it overlaps with forward and backward.
 """
 
 from typing import TYPE_CHECKING, Any, List, Optional, Sequence

@@ -204,13 +204,15 @@ class Trainer:
     def _wrap_model(self, counted: bool) -> Tuple[torch.nn.Module, Optional[DistributedDataParallel]]:
         """The module the loop calls for training, and the DDP wrapper if that is what it is.
 
-        ``counted``: under DDP, wrap a `CountedModule`, whose extra parameter carries the batch counters.
+        ``counted``: under DDP, wrap a `CountedModule`, whose extra parameter carries the batch counters;
+        not with ``find_unused_parameters`` (DDP would mark that parameter unused after forward, then
+        ready again when backward reaches it), where the counters keep their own collective.
         """
         from torch.nn.parallel import DistributedDataParallel
 
         find_unused = any(a.find_unused_parameters for a in self.state.algorithms)
         model = self.state.model
-        if counted and self.dist.is_distributed and not self.parallel.sharded:
+        if counted and not find_unused and self.dist.is_distributed and not self.parallel.sharded:
             model = CountedModule(model, self.dist.world_size, self.device)
         wrapped = self.parallel.wrap(model, self.dist, self.device, find_unused, self.state.optimizers)
         return wrapped, wrapped if isinstance(wrapped, DistributedDataParallel) else None
