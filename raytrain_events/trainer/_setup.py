@@ -23,6 +23,7 @@ __all__ = [
     "set_duration",
     "set_epoch",
     "train_inputs",
+    "wrap_for_training",
 ]
 
 
@@ -169,3 +170,23 @@ def set_epoch(loader: Any, epoch: int) -> None:
         if callable(set_epoch):
             set_epoch(epoch)
             return
+
+
+def wrap_for_training(trainer: Trainer, counted: bool) -> Tuple[torch.nn.Module, Optional[Any]]:
+    """The module the loop calls for training, and the DDP wrapper if that is what it is.
+
+    ``counted``: under DDP, wrap a `CountedModule`, whose extra parameter carries the batch counters;
+    not with ``find_unused_parameters`` (DDP would mark that parameter unused after forward, then
+    ready again when backward reaches it), where the counters keep their own collective.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    from raytrain_events.trainer.counters import CountedModule
+
+    state, dist, parallel = trainer.state, trainer.dist, trainer.parallel
+    find_unused = any(a.find_unused_parameters for a in state.algorithms)
+    model = state.model
+    if counted and not find_unused and dist.is_distributed and not parallel.sharded:
+        model = CountedModule(model, dist.world_size, trainer.device)
+    wrapped = parallel.wrap(model, dist, trainer.device, find_unused, state.optimizers)
+    return wrapped, wrapped if isinstance(wrapped, DistributedDataParallel) else None

@@ -50,17 +50,14 @@ def _pieces_per_value(bits: int) -> int:
     return -(-_VALUE_BITS // bits)
 
 
-def encode_counters(values: Sequence[int], bits: int) -> List[int]:
-    """``values`` (non-negative ints) as little-endian pieces of ``bits`` bits each."""
-    pieces_per_value = _pieces_per_value(bits)
-    mask = (1 << bits) - 1
-    out: List[int] = []
-    for value in values:
-        if value < 0:
-            raise ValueError(f"Batch counters must be >= 0, got {value}.")
-        for index in range(pieces_per_value):
-            out.append((value >> (bits * index)) & mask)
-    return out
+def encode_counters(values: Sequence[int], bits: int) -> "np.ndarray":
+    """``values`` (non-negative ints) as little-endian pieces of ``bits`` bits each (int64, numpy: the
+    loop cuts them every batch, where a Python loop or ``torch.tensor(list)`` cost tens of microseconds)."""
+    array = np.array(values, dtype=np.int64)
+    if array.size and array.min() < 0:
+        raise ValueError(f"Batch counters must be >= 0, got {list(values)}.")
+    shifts = np.arange(_pieces_per_value(bits), dtype=np.int64) * bits
+    return ((array[:, None] >> shifts) & ((1 << bits) - 1)).ravel()
 
 
 def decode_counters(pieces: Sequence[float], bits: int) -> List[int]:
@@ -126,10 +123,7 @@ class BatchCounters:
             self._zeros = torch.zeros_like(slot, requires_grad=False)
             self._bits = piece_bits(dist.world_size, _MANTISSA_BITS[slot.dtype])
             self._world_size = dist.world_size
-            # The pieces are cut with numpy into one reused host buffer (pinned, and copied to the
-            # device, on CUDA): a few microseconds, where building a tensor from a list took ~30-70.
-            self._shifts = np.arange(_pieces_per_value(self._bits), dtype=np.int64) * self._bits
-            self._mask = (1 << self._bits) - 1
+            # The pieces go into one reused host buffer (pinned, and copied to the device, on CUDA).
             self._host = torch.zeros(slot.numel(), dtype=slot.dtype, pin_memory=slot.is_cuda)
             self._host_np = self._host.numpy()
             self._device = self._host if not slot.is_cuda else torch.zeros_like(slot, requires_grad=False)
@@ -141,12 +135,9 @@ class BatchCounters:
             self._values = list(values)
             return
         if self.on_gradients and len(values) <= MAX_VALUES:
-            array = np.array(values, dtype=np.int64)
-            if array.min() < 0:
-                raise ValueError(f"Batch counters must be >= 0, got {list(values)}.")
-            pieces = ((array[:, None] >> self._shifts) & self._mask).ravel()
+            pieces = encode_counters(values, self._bits)
             host = self._host_np
-            host[: pieces.size] = pieces  # the same layout as `encode_counters`
+            host[: pieces.size] = pieces
             host[pieces.size :] = 0
             if self._device is not self._host:  # the previous batch's copy is done: `wait` synchronized
                 self._device.copy_(self._host, non_blocking=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import time
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -39,9 +39,10 @@ from raytrain_events.trainer._setup import (
     set_duration,
     set_epoch,
     train_inputs,
+    wrap_for_training,
 )
 from raytrain_events.trainer.compiling import compile_model, compile_options
-from raytrain_events.trainer.counters import BatchCounters, CountedModule
+from raytrain_events.trainer.counters import BatchCounters
 from raytrain_events.trainer.evaluation import ensure_evaluators, run_evaluation
 from raytrain_events.trainer.microbatching import AUTO, AutoMicrobatching, DeferredCounters, parse_grad_accum
 from raytrain_events.trainer.predict import run_predict
@@ -49,8 +50,6 @@ from raytrain_events.trainer.seed import seed_everything
 from raytrain_events.trainer.stepping import step_optimizers
 
 if TYPE_CHECKING:
-    from torch.nn.parallel import DistributedDataParallel
-
     from raytrain_events.checkpoint.checkpointer import Checkpointer
 
 __all__ = ["Trainer"]
@@ -176,7 +175,7 @@ class Trainer:
         if compile_kwargs is not None:  # after INIT's model changes, before DDP/FSDP wraps the model
             compile_model(self.state.model, compile_kwargs)
         # The counters ride on DDP's gradient all-reduce, except under auto microbatching (see counters.py).
-        self._train_model, self._ddp = self._wrap_model(counted=not auto_microbatching)
+        self._train_model, self._ddp = wrap_for_training(self, counted=not auto_microbatching)
         self._auto: Optional[AutoMicrobatching] = None
         if auto_microbatching:  # forward/backward run no collective, so a rank can retry after OOM
             self.state.auto_microbatching = True
@@ -200,22 +199,6 @@ class Trainer:
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The precision context forward and loss run in."""
         return autocast_context(self.state.precision, self.device.type)
-
-    def _wrap_model(self, counted: bool) -> Tuple[torch.nn.Module, Optional[DistributedDataParallel]]:
-        """The module the loop calls for training, and the DDP wrapper if that is what it is.
-
-        ``counted``: under DDP, wrap a `CountedModule`, whose extra parameter carries the batch counters;
-        not with ``find_unused_parameters`` (DDP would mark that parameter unused after forward, then
-        ready again when backward reaches it), where the counters keep their own collective.
-        """
-        from torch.nn.parallel import DistributedDataParallel
-
-        find_unused = any(a.find_unused_parameters for a in self.state.algorithms)
-        model = self.state.model
-        if counted and not find_unused and self.dist.is_distributed and not self.parallel.sharded:
-            model = CountedModule(model, self.dist.world_size, self.device)
-        wrapped = self.parallel.wrap(model, self.dist, self.device, find_unused, self.state.optimizers)
-        return wrapped, wrapped if isinstance(wrapped, DistributedDataParallel) else None
 
     # ------------------------------------------------------------------- fit
     def fit(self, duration: Union[str, int, Time[Any], None] = None, reset_time: bool = False) -> State:

@@ -107,8 +107,10 @@ class BatchRecorder(Callback):
 
 def _separate_collective() -> None:
     """In this (spawned) process, Trainers sum the counters with their own collective, as before issue 16."""
-    wrap = Trainer._wrap_model
-    Trainer._wrap_model = lambda self, counted: wrap(self, False)  # type: ignore[method-assign]
+    import raytrain_events.trainer.trainer as trainer_module
+
+    wrap = trainer_module.wrap_for_training
+    trainer_module.wrap_for_training = lambda trainer, counted: wrap(trainer, False)
 
 
 def train(rank: int, world_size: int, *, grad_accum: int = 1, epochs: int = 2, on_gradients: bool = True) -> dict:
