@@ -6,7 +6,7 @@ Layout (any fsspec URL: local path, ``memory://``, ``s3://``...), multi-file (fo
         state.pt, rng-rank0.pt, ...        torch.save bytes, each uploaded atomically
         manifest.json                      written LAST, create-only: its presence = committed
 
-or packed (format_version 2, ``packed.py``): the directory holds only ``manifest.json``, whose
+or packed (format_version 3, ``packed.py``; 2 is still read): the directory holds only ``manifest.json``, whose
 first line is the manifest and the rest the files' bytes, written by ONE create-only request
 (``write_packed_checkpoint``). ``write_checkpoint`` packs small checkpoints held by one process
 on object stores (``packed.should_pack``): a save is then one PUT and a load one GET instead
@@ -18,7 +18,8 @@ any point before it leaves only an uncommitted directory that ``list_checkpoints
 so the previous checkpoint stays ``latest`` and loadable. The manifest records
 ``format_version`` (``FORMAT_VERSION``), the library version, creation time, the caller's
 ``timestamp`` dict (plain ints), ``world_size``, free-form JSON ``metadata`` and, per file,
-its name, size and sha256 (detects truncation and bit rot).
+its name, size and checksum (detects truncation and bit rot): sha256 for multi-file
+checkpoints, CRC32 for packed ones (``packed.py`` says why that is enough).
 
 Why ``torch.save`` + ``torch.load(weights_only=True)`` and not torch.distributed.checkpoint:
 DCP reads its ``.metadata`` with plain ``pickle`` (code execution on load), and for DDP the
@@ -31,6 +32,9 @@ uploads its own ``rng_file_name(r)`` with ``write_checkpoint_file`` and sends th
 entries. ``write_checkpoint`` does all of that for one process.
 
 I/O paths (the bytes on storage are the same either way):
+
+Our ``torch.save`` calls skip torch's zip CRC32 (``checksums.torch_zip_crc_off``): our checksum
+covers the same bytes and ``torch.load`` never checks torch's.
 
 * Save, local: ``torch.save`` streams into the temp file, hashed and counted on the way (no
   in-memory copy, no second pass), then fsync + rename (``local_atomic_writer``). Object
@@ -47,7 +51,7 @@ I/O paths (the bytes on storage are the same either way):
   can make not-yet-read pages unreadable; the Trainer copies weights out at once and the first
   step rewrites optimizer state, so only state a run never touches stays mapped.
 * Load, packed: one plain GET of ``manifest.json`` (no HEAD), the length and each file's
-  sha256 checked, ``torch.load`` from views of that buffer (no copy). A listing reads the first
+  crc32 (version 2: sha256) checked, ``torch.load`` from views of that buffer (no copy). A listing reads the first
   ``packed.HEAD_BYTES`` of each manifest (one ranged GET each, concurrent).
 * Load, object stores: ``storage.objectstore.fetch_verified``: no HEAD (the manifest has the
   size), one GET per part-sized range, concurrent, into one buffer that ``torch.load`` reads
@@ -71,6 +75,7 @@ from typing import Any
 import torch
 
 from raytrain_events.checkpoint import packed
+from raytrain_events.checkpoint.checksums import checksum_meanwhile, torch_zip_crc_off
 from raytrain_events.checkpoint.manifest import (
     CHECKPOINT_NAME_RE as CHECKPOINT_NAME_RE,  # re-exported
 )
@@ -204,7 +209,6 @@ def write_packed_checkpoint(
         _check_file_name(name)
     fs, path = resolve(ckpt_url, storage_options)
     url = to_url(fs, path)
-    entries, payloads = packed.pack(files)
     info = CheckpointInfo(
         url=url,
         name=basename(path),
@@ -214,18 +218,22 @@ def write_packed_checkpoint(
         timestamp=_check_timestamp(timestamp),
         world_size=int(world_size),
         metadata=_check_metadata(metadata or {}),
-        files=tuple(FileEntry(**e) for e in entries),
+        files=(),  # set below, once serialized
         packed_size=0,  # set below, once the header's length is known
     )
-    data = packed.packed_object(info.manifest(), payloads)
-    del payloads
-    _create_manifest(fs, path, url, data)
-    return dataclasses.replace(info, packed_size=len(data))
+
+    def with_files(entries: list[dict[str, Any]]) -> CheckpointInfo:
+        entry = [FileEntry(e["name"], e["size"], "", e["offset"], e["crc32"]) for e in entries]
+        return dataclasses.replace(info, files=tuple(entry))
+
+    obj = packed.pack(files, lambda entries: packed.header_line(with_files(entries).manifest()))
+    _create_manifest(fs, path, url, obj.data, crc32=obj.crc32)
+    return dataclasses.replace(with_files(obj.entries), packed_size=len(obj.data))
 
 
-def _create_manifest(fs: Any, path: str, url: str, data: bytes) -> None:
+def _create_manifest(fs: Any, path: str, url: str, data: bytes | bytearray, crc32: int | None = None) -> None:
     try:
-        write_bytes_create_only(fs, join(path, MANIFEST), data)
+        write_bytes_create_only(fs, join(path, MANIFEST), data, crc32=crc32)
     except FileExistsError:
         raise CheckpointError(
             f"Checkpoint {url!r} is already committed; checkpoints are never "
@@ -357,9 +365,9 @@ def _wanted(info: CheckpointInfo, files: Iterable[str] | None) -> list[FileEntry
 
 
 def _load_packed(info: CheckpointInfo, raw: bytes, wanted: list[FileEntry], map_location: Any) -> dict[str, Any]:
-    """Verify the packed object's length and each wanted file's sha256, and ``torch.load`` it.
+    """Verify the packed object's length and each wanted file's checksum, and ``torch.load`` it.
 
-    A big file's sha256 runs on the hashing thread while ``torch.load(weights_only=True)``
+    A big file's checksum (crc32; sha256 in version 2) runs on the hashing thread while ``torch.load(weights_only=True)``
     reads it; its result is returned only if the digest matches, and a mismatch is reported
     (as corruption) even when the load failed too. Reading unverified bytes is safe: safety
     comes from ``weights_only`` (see the module docstring), the checksums catch bit rot."""
@@ -375,12 +383,13 @@ def _load_packed(info: CheckpointInfo, raw: bytes, wanted: list[FileEntry], map_
     out = {}
     for e in wanted:
         part = view[start + e.offset : start + e.offset + e.size]
-        digest = packed.sha256_meanwhile(part)
+        algorithm, expected = e.checksum
+        digest = checksum_meanwhile(algorithm, part)
 
-        def check(e: FileEntry = e, digest: Any = digest) -> None:
-            if digest() != e.sha256:
+        def check(e: FileEntry = e, algorithm: str = algorithm, expected: str = expected, digest: Any = digest) -> None:
+            if digest() != expected:
                 raise CheckpointCorruptError(
-                    f"File {e.name!r} packed in the {where} is corrupt: expected sha256 {e.sha256}, "
+                    f"File {e.name!r} packed in the {where} is corrupt: expected {algorithm} {expected}, "
                     f"got {digest()}. {fix}"
                 )
 
@@ -452,7 +461,8 @@ def _upload(fs: Any, path: str, payload: _Payload) -> None:
     if isinstance(fs, LocalFileSystem):
         with local_atomic_writer(path, sha256=True) as f:
             try:
-                torch.save(payload.obj, f)
+                with torch_zip_crc_off():  # our sha256 covers these bytes
+                    torch.save(payload.obj, f)
             except Exception:
                 if f.error is not None:  # torch's zip writer replaced it with its own error
                     raise f.error from f.error.__cause__
@@ -462,7 +472,8 @@ def _upload(fs: Any, path: str, payload: _Payload) -> None:
     upload = open_upload(fs, path)  # hashes each write; big files go up in parts meanwhile
     try:
         try:
-            torch.save(payload.obj, upload)
+            with torch_zip_crc_off():  # our sha256 covers these bytes
+                torch.save(payload.obj, upload)
         except Exception:
             if upload.error is not None:  # torch's zip writer replaced it with its own error
                 raise upload.error from upload.error.__cause__

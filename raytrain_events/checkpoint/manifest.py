@@ -2,8 +2,9 @@
 
 Split from ``format.py`` (which writes and reads checkpoints) so each stays one job; the names
 here are re-exported there. ``CheckpointInfo.from_manifest`` reads the indented JSON of a
-multi-file checkpoint (format_version 1) and the first line of a packed one (format_version 2,
-see ``packed.py``), and refuses a newer format_version with the version that wrote it.
+multi-file checkpoint (format_version 1, a sha256 per file) and the first line of a packed one
+(format_version 3: a crc32 per file; 2: a sha256 per file; see ``packed.py``), and refuses a
+newer format_version with the version that wrote it.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from typing import Any
 from raytrain_events.checkpoint import packed
 from raytrain_events.storage.fs import basename
 
-FORMAT_VERSION = 2  # 2: packed checkpoints (packed.py); multi-file ones are still written as 1
+FORMAT_VERSION = 3  # 3: packed with crc32, 2: packed with sha256 (packed.py); multi-file is still 1
 MANIFEST = "manifest.json"
 CHECKPOINT_NAME_RE = re.compile(r"^ckpt-(\d{12})-([0-9a-f]{8})$")
 _FILE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_CRC32_RE = re.compile(r"^[0-9a-f]{8}$")
 
 
 class CheckpointError(Exception):
@@ -34,7 +36,7 @@ class CheckpointNotCommittedError(CheckpointError):
 
 
 class CheckpointCorruptError(CheckpointError):
-    """A file is missing, has the wrong size or sha256, or the manifest is unreadable."""
+    """A file is missing, has the wrong size or checksum, or the manifest is unreadable."""
 
 
 class UnsupportedCheckpointVersionError(CheckpointError):
@@ -47,10 +49,19 @@ class UnsafeCheckpointError(CheckpointError):
 
 @dataclasses.dataclass(frozen=True)
 class FileEntry:
+    """One file of a checkpoint: its checksum is ``sha256`` (multi-file, packed version 2) or
+    ``crc32`` (packed version 3; ``sha256`` is then ""), see ``checksum``."""
+
     name: str
     size: int
     sha256: str
     offset: int = -1  # packed checkpoints: where the file starts after the header line
+    crc32: str = ""  # packed version 3: 8 hex digits (zlib.crc32)
+
+    @property
+    def checksum(self) -> tuple[str, str]:
+        """``(algorithm, hex digest)`` that verifies this file."""
+        return ("crc32", self.crc32) if self.crc32 else ("sha256", self.sha256)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +88,10 @@ class CheckpointInfo:
         return self.packed_size >= 0
 
     def manifest(self) -> dict[str, Any]:
-        keep = ("name", "size", "sha256", "offset") if self.packed else ("name", "size", "sha256")
+        def entry(f: FileEntry) -> dict[str, Any]:
+            out: dict[str, Any] = {"name": f.name, "size": f.size, f.checksum[0]: f.checksum[1]}
+            return {**out, "offset": f.offset} if self.packed else out
+
         return {
             "format_version": self.format_version,
             "library_version": self.library_version,
@@ -85,7 +99,7 @@ class CheckpointInfo:
             "timestamp": self.timestamp,
             "world_size": self.world_size,
             "metadata": self.metadata,
-            "files": [{k: getattr(f, k) for k in keep} for f in self.files],
+            "files": [entry(f) for f in self.files],
             **({"packed": True} if self.packed else {}),
         }
 
@@ -112,10 +126,7 @@ class CheckpointInfo:
             is_packed = header[1] >= 0
             if is_packed != bool(m.get("packed", False)):
                 raise ValueError("the layout of manifest.json does not match its 'packed' field")
-            files = tuple(
-                FileEntry(str(f["name"]), int(f["size"]), str(f["sha256"]), int(f["offset"]) if is_packed else -1)
-                for f in m["files"]
-            )
+            files = tuple(_file_entry(f, is_packed, version) for f in m["files"])
             total = sum(f.size for f in files)
             if is_packed and any(f.offset < 0 or f.size < 0 or f.offset + f.size > total for f in files):
                 raise ValueError("a packed file's offset/size lies outside the payload")
@@ -136,6 +147,17 @@ class CheckpointInfo:
                 f"Manifest of checkpoint {url!r} is missing or has a malformed field "
                 f"({type(e).__name__}: {e}). Fix: load an older checkpoint and delete this one."
             ) from e
+
+
+def _file_entry(f: Mapping[str, Any], is_packed: bool, version: int) -> FileEntry:
+    """A manifest's file record: packed version >= 3 carries ``crc32``, everything else ``sha256``."""
+    offset = int(f["offset"]) if is_packed else -1
+    if is_packed and version >= packed.CRC32_SINCE:
+        crc = str(f["crc32"])
+        if not _CRC32_RE.match(crc):
+            raise ValueError(f"crc32 of {f['name']!r} is {crc!r}, not 8 lowercase hex digits")
+        return FileEntry(str(f["name"]), int(f["size"]), "", offset, crc)
+    return FileEntry(str(f["name"]), int(f["size"]), str(f["sha256"]), offset)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,6 +25,7 @@ Usage::
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import ctypes
 import functools
@@ -239,13 +240,15 @@ def local_atomic_writer(path: str, *, sha256: bool = False) -> Iterator[AtomicLo
         raise
 
 
-def write_bytes_create_only(fs: Any, path: str, data: bytes) -> None:
+def write_bytes_create_only(fs: Any, path: str, data: bytes | bytearray, *, crc32: int | None = None) -> None:
     """Create ``path`` with ``data``; raise FileExistsError if it already exists.
 
     Atomic create-only on local (``os.link`` of a complete temp file), memory and S3
     (conditional PUT). On other backends: exists-check, write, then read back; two writers
     racing inside that window can both "win", the read-back catches only the loser whose
-    bytes were overwritten before it looked.
+    bytes were overwritten before it looked. ``crc32``: ``zlib.crc32(data)`` if the caller
+    has it; on S3 it goes with the PUT (``ChecksumCRC32``): S3 rejects the PUT if the bytes
+    it received differ, and botocore does not compute its own CRC32 of the body again.
     """
     with storage_errors("creating", to_url(fs, path)):
         if isinstance(fs, LocalFileSystem):
@@ -256,7 +259,9 @@ def write_bytes_create_only(fs: Any, path: str, data: bytes) -> None:
             if fs.store.setdefault(key, entry) is not entry:  # atomic under the GIL
                 raise FileExistsError(path)
         elif _is_s3(fs) and _has_create_mode(fs):
-            fs.pipe_file(path, bytes(data), mode="create")  # If-None-Match: *
+            checksum = {} if crc32 is None else {"ChecksumCRC32": base64.b64encode(crc32.to_bytes(4, "big")).decode()}
+            body = data if isinstance(data, (bytes, bytearray)) else bytes(data)  # no copy
+            fs.pipe_file(path, body, mode="create", **checksum)  # If-None-Match: *
         else:
             if fs.exists(path):
                 raise FileExistsError(path)

@@ -91,8 +91,8 @@ def test_round_trip_is_bit_identical(storage, pack):
     assert loaded.info == info
     assert info.timestamp == {"epoch": 2, "batch": 123}
     assert info.metadata == {"note": "hi", "lr": [0.1]}
-    assert info.packed == pack and fmt.FORMAT_VERSION == 2
-    assert info.format_version == (2 if pack else 1)  # multi-file ones stay readable by version-1 readers
+    assert info.packed == pack and fmt.FORMAT_VERSION == 3
+    assert info.format_version == (3 if pack else 1)  # multi-file ones stay readable by version-1 readers
     assert {f.name for f in info.files} == {"state.pt", "rng-rank0.pt"}
 
 
@@ -101,7 +101,9 @@ def test_manifest_is_written_last(storage, monkeypatch):
     order: list[str] = []
     real_upload, real_create = fmt._upload, fmt.write_bytes_create_only
     monkeypatch.setattr(fmt, "_upload", lambda fs, p, d: (order.append(p), real_upload(fs, p, d)))
-    monkeypatch.setattr(fmt, "write_bytes_create_only", lambda fs, p, d: (order.append(p), real_create(fs, p, d)))
+    monkeypatch.setattr(
+        fmt, "write_bytes_create_only", lambda fs, p, d, **kw: (order.append(p), real_create(fs, p, d, **kw))
+    )
     _save(url, opts, 1, files={"a.pt": 1, "b.pt": 2, "c.pt": 3})
     assert [sfs.basename(p) for p in order] == ["a.pt", "b.pt", "c.pt", fmt.MANIFEST]
 
@@ -177,7 +179,7 @@ def test_newer_format_version_names_both_versions(storage):
     manifest = json.loads(sfs.read_bytes(fs, path))
     manifest["format_version"] = 99
     sfs.write_bytes_atomic(fs, path, json.dumps(manifest).encode())
-    with pytest.raises(fmt.UnsupportedCheckpointVersionError, match=r"99.*1\.\.2.*upgrade"):
+    with pytest.raises(fmt.UnsupportedCheckpointVersionError, match=r"99.*1\.\.3.*upgrade"):
         fmt.read_checkpoint(info.url, storage_options=opts)
     with pytest.raises(fmt.UnsupportedCheckpointVersionError):  # no silent fallback to older
         load_latest_valid(url, storage_options=opts)

@@ -5,17 +5,21 @@ Real local files, memory:// and a real S3 API (moto on 127.0.0.1) via the ``stor
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import io
 import json
 import os
 import pickle
 import uuid
+import zipfile
+import zlib
 
 import pytest
 import torch
 
+from raytrain_events.checkpoint import checksums, packed
 from raytrain_events.checkpoint import format as fmt
-from raytrain_events.checkpoint import packed
 from raytrain_events.checkpoint.store import latest_checkpoint, list_checkpoints, load_latest_valid, prune_checkpoints
 from raytrain_events.storage import fs as sfs
 
@@ -51,7 +55,7 @@ def _manifest(opts, info) -> tuple:
 def test_round_trip_is_one_object_in_the_checkpoint_directory(storage):
     url, opts = storage
     info = _save(url, opts, 7)
-    assert info.packed and info.format_version == 2 and [f.name for f in info.files] == ["rng-rank0.pt", "state.pt"]
+    assert info.packed and info.format_version == 3 and [f.name for f in info.files] == ["rng-rank0.pt", "state.pt"]
     loaded = fmt.read_checkpoint(info.url, storage_options=opts)
     assert loaded.info == info
     assert _same(loaded.files["state.pt"], _state(7)) and loaded.files["rng-rank0.pt"] == {"seed": 7}
@@ -64,10 +68,15 @@ def test_round_trip_is_one_object_in_the_checkpoint_directory(storage):
     assert fs.isdir(ckpt_dir) and [sfs.basename(e["name"]) for e in sfs.list_dir(fs, ckpt_dir)] == [fmt.MANIFEST]
     # its first line is the manifest as JSON; the payloads follow, as torch.save wrote them
     header = json.loads(raw.split(b"\n", 1)[0])
-    assert header["packed"] is True and header["format_version"] == 2 and header["metadata"]["note"] == "packed"
+    assert header["packed"] is True and header["format_version"] == 3 and header["metadata"]["note"] == "packed"
     start = raw.index(b"\n") + 1
+    for f, record in zip(info.files, header["files"]):  # each file: its own crc32, no sha256 any more
+        payload = raw[start + f.offset : start + f.offset + f.size]
+        assert record == {"name": f.name, "size": f.size, "crc32": f"{zlib.crc32(payload):08x}", "offset": f.offset}
+        assert f.crc32 == record["crc32"] and f.sha256 == "" and f.checksum == ("crc32", f.crc32)
     state = next(f for f in info.files if f.name == "state.pt")
-    assert raw[start + state.offset : start + state.offset + state.size] == fmt.serialize(_state(7))
+    with checksums.torch_zip_crc_off():  # the payload is torch.save's bytes, serialized without zip CRCs
+        assert raw[start + state.offset : start + state.offset + state.size] == fmt.serialize(_state(7))
     assert len(raw) == info.packed_size
 
 
@@ -93,7 +102,7 @@ def test_failed_single_put_leaves_previous_latest(storage, monkeypatch):
     good = _save(url, opts, 100)
     calls = []
 
-    def dead(fs, path, data):
+    def dead(fs, path, data, **kw):
         calls.append(path)
         raise ConnectionError("injected: network died during the one PUT")
 
@@ -151,8 +160,12 @@ def test_damaged_packed_file_is_refused_naming_it(storage, damage, caplog):
     assert newer.url in msg and "Fix: load an older checkpoint" in msg
     if damage in ("truncated", "appended"):
         assert fmt.MANIFEST in msg and f"expected {newer.packed_size} bytes" in msg and f"got {len(data)}" in msg
-    elif damage == "bit flip":
-        assert "'state.pt' packed in the manifest.json" in msg
+    elif damage == "bit flip":  # names the file, both checksums and the fix
+        state = next(f for f in newer.files if f.name == "state.pt")
+        start = len(data) - sum(f.size for f in newer.files) + state.offset
+        got = f"{zlib.crc32(bytes(data[start : start + state.size])):08x}"
+        assert "'state.pt' packed in the manifest.json" in msg and f"expected crc32 {state.crc32}, got {got}" in msg
+        assert got != state.crc32
     else:
         assert "unreadable" in msg
     loaded = load_latest_valid(url, storage_options=opts)
@@ -166,10 +179,10 @@ def test_newer_packed_format_version_is_a_clear_error(storage):
     fs, path, raw = _manifest(opts, info)
     header, rest = raw.split(b"\n", 1)
     m = json.loads(header)
-    m["format_version"] = 3
+    m["format_version"] = 4
     fs.rm(path)
     sfs.write_bytes_atomic(fs, path, json.dumps(m, separators=(",", ":")).encode() + b"\n" + rest)
-    with pytest.raises(fmt.UnsupportedCheckpointVersionError, match=r"format_version 3.*1\.\.2.*upgrade"):
+    with pytest.raises(fmt.UnsupportedCheckpointVersionError, match=r"format_version 4.*1\.\.3.*upgrade"):
         fmt.read_checkpoint(info.url, storage_options=opts)
     with pytest.raises(fmt.UnsupportedCheckpointVersionError):  # no silent fallback either
         list_checkpoints(url, storage_options=opts)
@@ -284,22 +297,22 @@ def test_s3_requests_one_conditional_put_to_save_one_get_to_load(s3_server):
 
 
 def test_big_packed_files_are_hashed_on_the_hashing_thread_and_still_verified(storage, monkeypatch):
-    """Files above 256 KiB (``packed._HASH_BATCH``) take the threaded sha256 path on save and on load."""
+    """Files above 256 KiB (``checksums.BATCH``) take the threaded crc32 path on save and on load."""
     url, opts = storage
     big = {"w": torch.randn(3 * 2**18, generator=torch.Generator().manual_seed(1))}  # 3 MiB
     threaded = []
-    real = packed._hasher
+    real = checksums.hasher
 
     def counting():
         threaded.append(1)
         return real()
 
-    monkeypatch.setattr(packed, "_hasher", counting)
+    monkeypatch.setattr(packed, "hasher", counting)
+    monkeypatch.setattr(checksums, "hasher", counting)
     info = _save(url, opts, 1, files={"state.pt": big, "rng-rank0.pt": {"seed": 1}})
-    assert (
-        threaded
-        and next(f for f in info.files if f.name == "state.pt").sha256 == hashlib.sha256(fmt.serialize(big)).hexdigest()
-    )
+    with checksums.torch_zip_crc_off():
+        expected = f"{zlib.crc32(fmt.serialize(big)):08x}"
+    assert threaded and next(f for f in info.files if f.name == "state.pt").crc32 == expected
     threaded.clear()
     assert torch.equal(fmt.read_checkpoint(info.url, storage_options=opts).files["state.pt"]["w"], big["w"])
     assert threaded
@@ -310,3 +323,124 @@ def test_big_packed_files_are_hashed_on_the_hashing_thread_and_still_verified(st
     sfs.write_bytes_atomic(fs, path, bytes(data))
     with pytest.raises(fmt.CheckpointCorruptError, match="'state.pt' packed in the manifest.json"):
         fmt.read_checkpoint(info.url, storage_options=opts)
+
+
+def _v2_object(files: dict) -> bytes:
+    """A packed checkpoint as the format-version-2 writer made it: sha256 per file, zip CRCs on."""
+    payloads = [fmt.serialize(obj) for obj in files.values()]
+    entries, offset = [], 0
+    for name, data in zip(files, payloads):
+        entries.append({"name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(), "offset": offset})
+        offset += len(data)
+    manifest = {
+        "format_version": 2,
+        "library_version": "0.1.0",
+        "created": 1.0,
+        "timestamp": {"epoch": 0, "batch": 5},
+        "world_size": 1,
+        "metadata": {"written_by": "v2"},
+        "files": entries,
+        "packed": True,
+    }
+    return packed.packed_object(manifest, payloads)
+
+
+def test_version_2_packed_checkpoint_with_sha256_still_loads(storage, caplog):
+    url, opts = storage
+    older = _save(url, opts, 1)  # a version-3 one below it, for the fallback
+    ckpt = fmt.new_checkpoint_url(url, timestamp={"batch": 5})
+    fs, path = sfs.resolve(sfs.join(ckpt, fmt.MANIFEST), opts)
+    raw = _v2_object({"rng-rank0.pt": {"seed": 5}, "state.pt": _state(5)})
+    sfs.write_bytes_create_only(fs, path, raw)
+    info = fmt.read_manifest(ckpt, storage_options=opts)
+    assert info.packed and info.format_version == 2 and all(f.crc32 == "" and len(f.sha256) == 64 for f in info.files)
+    loaded = fmt.read_checkpoint(ckpt, storage_options=opts)
+    assert _same(loaded.files["state.pt"], _state(5)) and loaded.files["rng-rank0.pt"] == {"seed": 5}
+    assert info.manifest() == json.loads(raw.split(b"\n", 1)[0])  # re-serializes as version 2, sha256
+    listed = list_checkpoints(url, storage_options=opts)
+    assert [c.format_version for c in listed] == [3, 2]
+    assert load_latest_valid(url, storage_options=opts).info.name == info.name
+    # its sha256 still guards it: a flipped payload byte is refused, naming both digests
+    data = bytearray(raw)
+    data[-100] ^= 0x01
+    fs.rm(path)
+    sfs.write_bytes_atomic(fs, path, bytes(data))
+    state = next(f for f in info.files if f.name == "state.pt")
+    start = len(data) - sum(f.size for f in info.files) + state.offset
+    got = hashlib.sha256(bytes(data[start : start + state.size])).hexdigest()
+    with pytest.raises(
+        fmt.CheckpointCorruptError, match=f"'state.pt' packed .* expected sha256 {state.sha256}, got {got}"
+    ):
+        fmt.read_checkpoint(ckpt, storage_options=opts)
+    assert load_latest_valid(url, storage_options=opts).info.name == older.name
+
+
+@pytest.mark.parametrize("bad", ["missing", "sha256 instead", "not hex", "int"])
+def test_version_3_file_record_without_a_valid_crc32_is_refused(storage, bad):
+    url, opts = storage
+    info = _save(url, opts, 1)
+    fs, path, raw = _manifest(opts, info)
+    header, rest = raw.split(b"\n", 1)
+    m = json.loads(header)
+    record = m["files"][1]
+    crc = record.pop("crc32")
+    if bad == "sha256 instead":
+        record["sha256"] = hashlib.sha256(b"x").hexdigest()
+    elif bad == "not hex":
+        record["crc32"] = "xyz" + crc[3:]
+    elif bad == "int":
+        record["crc32"] = int(crc, 16)
+    fs.rm(path)
+    sfs.write_bytes_atomic(fs, path, packed.header_line(m) + b"\n" + rest)
+    with pytest.raises(fmt.CheckpointCorruptError, match="malformed field"):
+        fmt.read_checkpoint(info.url, storage_options=opts)
+
+
+def test_s3_put_carries_the_objects_crc32(s3_server):
+    """The one PUT sends ChecksumCRC32 of the whole object (header + payloads, combined from the
+    files' CRCs without a second pass): real S3 checks it, and botocore skips its own pass."""
+    url = f"s3://{s3_server['bucket']}/{uuid.uuid4().hex}"
+    opts = s3_server["storage_options"]
+    fs, _ = sfs.resolve(url, opts)
+    sent: list = []
+    real = fs._call_s3
+
+    async def recording(method, *a, **k):
+        if method == "put_object":
+            sent.append(k.get("ChecksumCRC32"))
+        return await real(method, *a, **k)
+
+    fs._call_s3 = recording
+    try:
+        big = {"w": torch.randn(2**19, generator=torch.Generator().manual_seed(3))}  # threaded path
+        info = _save(url, opts, 1, files={"rng-rank0.pt": {"seed": 1}, "state.pt": big})
+    finally:
+        del fs._call_s3
+    raw = _manifest(opts, info)[2]
+    assert sent == [base64.b64encode(zlib.crc32(raw).to_bytes(4, "big")).decode()]  # (moto does not check it)
+
+
+def test_zip_crc_is_off_while_we_save_and_restored_after(storage):
+    from torch.utils.serialization import config
+
+    url, opts = storage
+    for before in (True, False):
+        torch.serialization.set_crc32_options(before)
+        try:
+            info = _save(url, opts, 1, pack=None)  # packed on memory/S3, multi-file on local disk
+            assert config.save.compute_crc32 is before
+            with pytest.raises(Exception, match="lambda"):  # a failing save restores it too
+                _save(url, opts, 2, files={"state.pt": {"f": lambda: 0}}, pack=None)
+            assert config.save.compute_crc32 is before
+        finally:
+            torch.serialization.set_crc32_options(True)
+    if info.packed:
+        _, _, raw = _manifest(opts, info)
+        start = raw.index(b"\n") + 1
+        state = next(f for f in info.files if f.name == "state.pt")
+        data = raw[start + state.offset : start + state.offset + state.size]
+    else:
+        fs, path = sfs.resolve(sfs.join(info.url, "state.pt"), opts)
+        data = sfs.read_bytes(fs, path)
+    assert not any(i.CRC for i in zipfile.ZipFile(io.BytesIO(data)).infolist())  # saved without zip CRCs
+    assert any(i.CRC for i in zipfile.ZipFile(io.BytesIO(fmt.serialize(_state(1)))).infolist())  # control
