@@ -5,18 +5,18 @@ a child process so its request handling does not take this process's GIL):
 
 1. Save MB/s. ``ours`` = ``write_checkpoint(root, files={"state.pt": sd}, ...)`` end to end
    (local: torch.save streamed into a temp file, hashed on the way, fsync, rename; S3 up to
-   ``packed.PACK_MAX_BYTES`` of tensors: a PACKED checkpoint, torch.save into memory hashed on a
-   helper thread meanwhile, then ONE create-only PUT of manifest line + payload, which is the
-   commit; larger: torch.save streamed into a single or multipart upload, hashed while it is
-   sent, then the create-only manifest). Where ours packs, ``ours multi-file (pack=False)``
+   ``packed.PACK_MAX_BYTES`` of tensors: a PACKED checkpoint, torch.save (its zip CRC off) into
+   memory, CRC32'd on a helper thread meanwhile, then ONE create-only PUT of manifest line +
+   payload carrying the object's CRC32, which is the commit; larger: torch.save streamed into
+   a single or multipart upload, hashed while it is sent, then the create-only manifest). Where ours packs, ``ours multi-file (pack=False)``
    shows the two-request layout beside it. ``raw`` = ``torch.save`` to BytesIO +
    ``fs.pipe_file`` of those bytes (what a user would write by hand; no fsync). ``raw bytes
    only`` = ``fs.pipe_file`` of pre-serialized bytes, so the serialization cost is visible.
    MB = bytes of the serialized file / 2**20. Target: ours/raw >= 0.9.
-2. Load MB/s. ``ours`` = ``read_checkpoint(url)`` (manifest read, size + sha256 verify,
+2. Load MB/s. ``ours`` = ``read_checkpoint(url)`` (manifest read, size + checksum verify,
    ``torch.load(weights_only=True)``; local: sha256 over an mmap and ``torch.load(mmap=True)``,
    so the tensors are file-backed and their copy happens later, in ``load_state_dict``;
-   packed: ONE GET brings manifest and payload, sha256 on a helper thread while torch.load
+   packed: ONE GET brings manifest and payload, crc32 on a helper thread while torch.load
    reads; ``ours multi-file read`` beside it). ``raw`` = ``fs.cat_file`` of a plain file
    holding the same state.pt bytes +
    ``torch.load(BytesIO, weights_only=True)``. ``raw bytes only`` = the ``cat_file`` alone.
@@ -341,7 +341,7 @@ def profiled(prof: _Prof):
     }
     old = {k: getattr(fmt, k) for k in patches}
     old_pack = packed_mod.pack
-    packed_mod.pack = prof.wrap("packed: sha256 + join in memory", packed_mod.pack)
+    packed_mod.pack = prof.wrap("packed: crc32 wait + join in memory", packed_mod.pack)
     globals_ = [
         (torch, "save", "torch.save (local: incl. sha256, write)"),
         (torch, "load", "torch.load weights_only (local: mmap)"),

@@ -231,7 +231,7 @@ def write_packed_checkpoint(
     return dataclasses.replace(with_files(obj.entries), packed_size=len(obj.data))
 
 
-def _create_manifest(fs: Any, path: str, url: str, data: bytes | bytearray, crc32: int | None = None) -> None:
+def _create_manifest(fs: Any, path: str, url: str, data: bytes, crc32: int | None = None) -> None:
     try:
         write_bytes_create_only(fs, join(path, MANIFEST), data, crc32=crc32)
     except FileExistsError:

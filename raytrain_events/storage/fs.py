@@ -240,7 +240,7 @@ def local_atomic_writer(path: str, *, sha256: bool = False) -> Iterator[AtomicLo
         raise
 
 
-def write_bytes_create_only(fs: Any, path: str, data: bytes | bytearray, *, crc32: int | None = None) -> None:
+def write_bytes_create_only(fs: Any, path: str, data: bytes, *, crc32: int | None = None) -> None:
     """Create ``path`` with ``data``; raise FileExistsError if it already exists.
 
     Atomic create-only on local (``os.link`` of a complete temp file), memory and S3
@@ -260,8 +260,7 @@ def write_bytes_create_only(fs: Any, path: str, data: bytes | bytearray, *, crc3
                 raise FileExistsError(path)
         elif _is_s3(fs) and _has_create_mode(fs):
             checksum = {} if crc32 is None else {"ChecksumCRC32": base64.b64encode(crc32.to_bytes(4, "big")).decode()}
-            body = data if isinstance(data, (bytes, bytearray)) else bytes(data)  # no copy
-            fs.pipe_file(path, body, mode="create", **checksum)  # If-None-Match: *
+            fs.pipe_file(path, bytes(data), mode="create", **checksum)  # If-None-Match: *
         else:
             if fs.exists(path):
                 raise FileExistsError(path)
