@@ -21,6 +21,7 @@ Usage::
     python bench/loop_overhead.py 256 --breakdown    # + plain loop calling the model through ClassifierModel
     python bench/loop_overhead.py 256 --clock cpu    # thread CPU time (a busy shared machine)
     python bench/loop_overhead.py 256 --bytecodes    # deterministic: Python bytecodes per step, by function
+    python bench/loop_overhead.py 256 --instructions # deterministic: x86 instructions per step (valgrind)
 
 See bench/README.md for how to read the output and the numbers last measured.
 """
@@ -224,18 +225,60 @@ def bytecodes(hidden: int, top: int = 25) -> None:
             print(f"  {value:+8.1f}  {name}")
 
 
-def _callgrind_child(arm: str, hidden: int, epochs: int) -> None:
-    """Run under ``valgrind --tool=callgrind --instr-atstart=no``: instrument only ``fit`` (after a warm-up)."""
+def _callgrind_child(hidden: int) -> None:
+    """Run under ``valgrind --tool=callgrind --instr-atstart=no`` (see `instructions`): after a warm-up,
+    instrument each arm's 1-epoch and 3-epoch fit, dumping the counts after each."""
     X, Y = data(hidden)
-    ARMS[arm](hidden, X, Y, 1)
+    for arm in ("raw", "ours"):
+        ARMS[arm](hidden, X, Y, 1)
 
-    def toggle(flag: str) -> None:
-        subprocess.run(["callgrind_control", "-i", flag, str(os.getpid())], check=True, capture_output=True)
-        time.sleep(0.5)
+    def control(*flags: str) -> None:  # callgrind_control returns once the running process has obeyed
+        subprocess.run(["callgrind_control", *flags, str(os.getpid())], check=True, capture_output=True)
 
-    toggle("on")
-    ARMS[arm](hidden, X, Y, epochs)
-    toggle("off")
+    control("--instr=on")
+    control("--zero")
+    for arm in ("raw", "ours"):
+        for epochs in (1, 3):
+            ARMS[arm](hidden, X, Y, epochs)
+            control(f"--dump={arm}-{epochs}")
+
+
+def instructions(hidden: int) -> None:
+    """Deterministic: x86 instructions per step of each arm, counted by valgrind's callgrind (~1.5 min).
+
+    Only the fits are instrumented (toggled on after import and warm-up). "per step" is (3-epoch fit
+    - 1-epoch fit) / 128 steps, so set-up cancels; "per step of a 3-epoch fit" is what the timing
+    divides (fit wall time / 192 steps), fit set-up included."""
+    import re
+    import shutil
+    import tempfile
+
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        raise SystemExit("--instructions needs valgrind (e.g. `apt-get install valgrind`).")
+    with tempfile.TemporaryDirectory() as out:
+        subprocess.run(
+            ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}/cg.out"]
+            + [sys.executable, os.path.abspath(__file__), str(hidden), "--callgrind-child"],
+            check=True,
+            capture_output=True,
+        )
+        totals = {}
+        for name in os.listdir(out):
+            text = open(os.path.join(out, name)).read()
+            label = re.search(r"^desc: Trigger: dump (\S+)$", text, re.M)
+            if label:
+                totals[label.group(1)] = int(re.search(r"^totals: (\d+)$", text, re.M).group(1))
+    steps = N // B
+    step = {arm: (totals[f"{arm}-3"] - totals[f"{arm}-1"]) / (2 * steps) for arm in ("raw", "ours")}
+    fit = {arm: totals[f"{arm}-3"] / (3 * steps) for arm in ("raw", "ours")}
+    print(
+        f"hidden={hidden} instructions/step raw={step['raw'] / 1e6:.3f}M ours={step['ours'] / 1e6:.3f}M "
+        f"extra={(step['ours'] - step['raw']) / 1e3:+.1f}k ratio={step['ours'] / step['raw']:.4f}"
+    )
+    print(
+        f"  per step of a 3-epoch fit (set-up included): raw={fit['raw'] / 1e6:.3f}M ours={fit['ours'] / 1e6:.3f}M "
+        f"ratio={fit['ours'] / fit['raw']:.4f}"
+    )
 
 
 def main() -> None:
@@ -257,7 +300,12 @@ def main() -> None:
     parser.add_argument(
         "--bytecodes", action="store_true", help="count Python bytecodes per step instead of timing (deterministic)"
     )
-    parser.add_argument("--callgrind-child", nargs=2, metavar=("ARM", "EPOCHS"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--instructions",
+        action="store_true",
+        help="count x86 instructions per step with valgrind's callgrind instead of timing (deterministic)",
+    )
+    parser.add_argument("--callgrind-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--memory-child", choices=sorted(ARMS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     global CLOCK
@@ -266,7 +314,10 @@ def main() -> None:
         _memory_child(args.memory_child, args.hidden)
         return
     if args.callgrind_child:
-        _callgrind_child(args.callgrind_child[0], args.hidden, int(args.callgrind_child[1]))
+        _callgrind_child(args.hidden)
+        return
+    if args.instructions:
+        instructions(args.hidden)
         return
     if args.bytecodes:
         bytecodes(args.hidden)

@@ -216,18 +216,17 @@ class Timestamp:
             duration = _ZERO
         elif type(duration) is not datetime.timedelta:
             duration = _wct("duration", duration)
-        return self._make(
+        ts = object.__new__(type(self))  # `_make`, inlined: this runs once per batch
+        ts._epoch, ts._batch, ts._sample, ts._token = (
             self._epoch,
             self._batch + 1,
             self._sample + samples,
             self._token + tokens,
-            self._batch_in_epoch + 1,
-            self._sample_in_epoch + samples,
-            self._token_in_epoch + tokens,
-            self._total_wct + duration,
-            self._epoch_wct + duration,
-            duration,
         )
+        ts._batch_in_epoch = self._batch_in_epoch + 1
+        ts._sample_in_epoch, ts._token_in_epoch = self._sample_in_epoch + samples, self._token_in_epoch + tokens
+        ts._total_wct, ts._epoch_wct, ts._batch_wct = self._total_wct + duration, self._epoch_wct + duration, duration
+        return ts
 
     def to_next_epoch(self) -> Timestamp:
         """A new Timestamp at the next epoch's start (in-epoch counters, epoch/batch wct reset to 0).

@@ -94,7 +94,12 @@ class RayReporter(Callback):
         self.local_samples += state.batch_num_samples
         self.local_tokens += state.batch_num_tokens
         if state.loss is not None:
-            self._loss_sum = self._loss_sum + state.loss.detach().float()  # stays on device
+            # Summed on the device, in place after the first batch (no new tensor per batch).
+            loss = state.loss.detach()
+            if self._loss_count:
+                self._loss_sum.add_(loss)
+            else:
+                self._loss_sum = loss.to(torch.float32, copy=True)
             self._loss_count += 1
 
     def batch_checkpoint(self, state, logger) -> None:

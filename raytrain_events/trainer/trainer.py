@@ -325,8 +325,8 @@ class Trainer:
             if len(sums) > 3:
                 agreement.set_sums(sums[3:])
             state.global_batch_num_samples, state.global_batch_num_tokens = global_samples, global_tokens
-            state.timestamp = state.timestamp.to_next_batch(
-                global_samples, global_tokens, datetime.timedelta(seconds=time.perf_counter() - start)
+            state.timestamp = state.timestamp.to_next_batch(  # timedelta(days, seconds): cheaper than seconds=
+                global_samples, global_tokens, datetime.timedelta(0, time.perf_counter() - start)
             )
             for scheduler in state.schedulers:
                 scheduler.step()

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from raytrain_events import Trainer
+from raytrain_events import Callback, Trainer
 from raytrain_events.checkpoint import CheckpointConfig, list_checkpoints
 from raytrain_events.models import ClassifierModel
 from raytrain_events.ray.report import RayReporter
 
 
-def _trainer(reporter, folder=None):
+def _trainer(reporter, folder=None, extra=()):
     torch.manual_seed(0)
     model = ClassifierModel(torch.nn.Linear(4, 2), num_classes=2)
     data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
@@ -23,14 +24,29 @@ def _trainer(reporter, folder=None):
         train_dataloader=DataLoader(data, batch_size=8),
         max_duration="1ep",
         optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
-        callbacks=[reporter],
+        callbacks=[reporter, *extra],
         checkpoint=checkpoint,
     )
 
 
+class _Losses(Callback):
+    """Records each batch's loss as the reporter sees it at BATCH_END."""
+
+    def __init__(self) -> None:
+        self.losses: list = []
+
+    def batch_end(self, state, logger) -> None:
+        self.losses.append(float(state.loss))
+
+
 def test_reports_at_interval_and_at_the_end_with_local_counts():
     sent = []
-    _trainer(RayReporter(interval="3ba", every_s=None, report_fn=lambda r, c: sent.append(r))).fit()
+    losses = _Losses()
+    _trainer(RayReporter(interval="3ba", every_s=None, report_fn=lambda r, c: sent.append(r)), extra=[losses]).fit()
+    # Each report sums the losses of its own batches (summed in place on the device, reset per report).
+    spans = [losses.losses[0:3], losses.losses[3:6], losses.losses[6:8]]
+    assert [r["train_loss_sum"] for r in sent] == [pytest.approx(sum(span), rel=1e-6) for span in spans]
+    assert [r["train_loss_count"] for r in sent] == [3, 3, 2]
     assert [r["timestamp"]["batch"] for r in sent] == [3, 6, 8]  # the last one is the final report
     assert sum(r["local_samples"] for r in sent) == 64
     assert sent[0]["start"] == {"epoch": 0, "batch": 0, "sample": 0, "token": 0} and sent[1]["start"] is None
