@@ -244,7 +244,7 @@ def _callgrind_child(hidden: int) -> None:
 
 
 def instructions(hidden: int) -> None:
-    """Deterministic: x86 instructions per step of each arm, counted by valgrind's callgrind (~1.5 min).
+    """Deterministic: x86 instructions per step of each arm, counted by valgrind's callgrind (minutes).
 
     Only the fits are instrumented (toggled on after import and warm-up). "per step" is (3-epoch fit
     - 1-epoch fit) / 128 steps, so set-up cancels; "per step of a 3-epoch fit" is what the timing
