@@ -10,7 +10,9 @@ never prunes (``keep=None`` on the workers) and the driver passes ``keep`` to Ra
 ``CheckpointConfig(num_to_keep)``; Ray deletes what it no longer lists, after updating its
 snapshot. Our own deletions are limited to directories Ray never heard of: leftovers of crashed
 saves, and committed checkpoints newer than Ray's latest at start-up (saved by a group that died
-before reporting them), removed once a newer checkpoint is registered.
+before reporting them), removed once a newer checkpoint is registered; and, after a finished
+run, committed checkpoints older than Ray's newest that its final snapshot no longer lists (a
+driver killed while Ray was pruning leaves one behind: `delete_unlisted`).
 
 One notion of latest: the newest committed checkpoint of the run directory (by global batch).
 Every continuation resumes from it: a restart by ``FailureConfig``, an elastic resize, and a new
@@ -28,7 +30,7 @@ from raytrain_events.checkpoint.config import CheckpointConfig
 from raytrain_events.ray.spec import RunSpec
 from raytrain_events.storage.fs import join
 
-__all__ = ["ray_checkpoint_config", "report_with_checkpoint", "unreported_checkpoints"]
+__all__ = ["delete_unlisted", "ray_checkpoint_config", "report_with_checkpoint", "unreported_checkpoints"]
 
 
 def ray_checkpoint_config(spec: RunSpec) -> CheckpointConfig:
@@ -133,3 +135,27 @@ def start_retention(config: CheckpointConfig, keep: Optional[int]) -> None:
 def _forget_unreported(saved: SavedCheckpoint) -> None:
     if _cleanup is not None:
         _cleanup.after_commit(saved)
+
+
+def delete_unlisted(folder: str, options: Dict[str, Any], listed: List[str]) -> List[str]:
+    """The driver, after a finished fit: delete committed checkpoints older than the newest of
+    ``listed`` (the names Ray's final snapshot holds) that it does not list; returns their URLs.
+
+    Ray updates its snapshot before it deletes what fell out of ``num_to_keep``, so a driver
+    killed in between leaves a committed directory no snapshot names: no later run would ever
+    delete it. Once the fit has finished Ray's snapshot is final, so nothing deleted here is
+    referenced by it. Newer unlisted ones are left alone (a later run resumes from the newest)."""
+    from raytrain_events.checkpoint.format import MANIFEST
+    from raytrain_events.checkpoint.store import list_checkpoints
+    from raytrain_events.storage.fs import delete, resolve
+
+    committed = list_checkpoints(folder, storage_options=options)
+    kept = [c.batch for c in committed if c.name in listed]
+    if not kept:
+        return []  # Ray lists none of them: not ours to judge
+    doomed = [c.url for c in committed if c.name not in listed and c.batch < max(kept)]
+    for url in doomed:
+        fs, path = resolve(url, options)
+        delete(fs, join(path, MANIFEST))  # the manifest first: a half-deleted one reads as uncommitted
+        delete(fs, path, recursive=True)
+    return doomed

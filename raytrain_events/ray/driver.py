@@ -256,8 +256,12 @@ class RayTrainer:
         checkpoints: List[Any] = []
         if self.spec.checkpoint is not None:
             from raytrain_events.checkpoint.store import list_checkpoints
+            from raytrain_events.ray.checkpointing import delete_unlisted
 
-            checkpoints = list_checkpoints(self.run_url + "/checkpoints", storage_options=self.storage_options)
+            folder = self.run_url + "/checkpoints"
+            if self.spec.checkpoint.keep is not None or self.spec.checkpoint.keep_best is not None:
+                delete_unlisted(folder, self.storage_options, _listed_by_ray(ray_result))
+            checkpoints = list_checkpoints(folder, storage_options=self.storage_options)
         return RayResult(
             timestamp=timestamp,
             metrics=dict(final),
@@ -291,6 +295,12 @@ class RayTrainer:
                     "use_gpu=True but this Ray cluster has no GPUs (cluster resources: "
                     f"{ray.cluster_resources()}). Run on a cluster with GPU nodes (see cluster.yaml), or pass use_gpu=False."
                 )
+
+
+def _listed_by_ray(ray_result: Any) -> List[str]:
+    """The checkpoint directory names Ray's final run snapshot holds (kept ones and the latest)."""
+    found = [c for c, _ in ray_result.best_checkpoints or []] + [ray_result.checkpoint]
+    return [c.path.rstrip("/").rsplit("/", 1)[-1] for c in found if c is not None]
 
 
 def _ray_retention(checkpoint: Any) -> Any:
