@@ -77,11 +77,15 @@ def prune_checkpoints(root_url: str, *, keep: int, storage_options: dict[str, An
             if m and int(m.group(1)) < newest:
                 doomed.append(url)
     for url in doomed:
-        fs, path = resolve(url, storage_options)
-        # the manifest goes first: a half-deleted checkpoint then reads as uncommitted
-        delete(fs, join(path, MANIFEST))
-        delete(fs, path, recursive=True)
+        delete_checkpoint(url, storage_options=storage_options)
     return doomed
+
+
+def delete_checkpoint(url: str, *, storage_options: dict[str, Any] | None = None) -> None:
+    """Delete one checkpoint directory, its manifest first: a half-deleted one reads as uncommitted."""
+    fs, path = resolve(url, storage_options)
+    delete(fs, join(path, MANIFEST))
+    delete(fs, path, recursive=True)
 
 
 def load_latest_valid(

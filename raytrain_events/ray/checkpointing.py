@@ -104,9 +104,9 @@ class _Cleanup:
         self.folder, self.options, self.unreported = folder, options, unreported
 
     def after_commit(self, saved: SavedCheckpoint) -> None:
-        from raytrain_events.checkpoint.format import CHECKPOINT_NAME_RE, MANIFEST
-        from raytrain_events.checkpoint.store import _scan
-        from raytrain_events.storage.fs import basename, delete, join, resolve
+        from raytrain_events.checkpoint.format import CHECKPOINT_NAME_RE
+        from raytrain_events.checkpoint.store import _scan, delete_checkpoint
+        from raytrain_events.storage.fs import basename
 
         doomed, self.unreported = [u for u in self.unreported if not u.rstrip("/").endswith("/" + saved.name)], []
         _, uncommitted = _scan(self.folder, self.options)
@@ -117,9 +117,7 @@ class _Cleanup:
             if m and int(m.group(1)) < newest:
                 doomed.append(url)
         for url in doomed:
-            fs, path = resolve(url, self.options)
-            delete(fs, join(path, MANIFEST))  # the manifest first: a half-deleted one reads as uncommitted
-            delete(fs, path, recursive=True)
+            delete_checkpoint(url, storage_options=self.options)
 
 
 _cleanup: Optional[_Cleanup] = None  # set on rank 0 by `start_retention`
@@ -145,9 +143,7 @@ def delete_unlisted(folder: str, options: Dict[str, Any], listed: List[str]) -> 
     killed in between leaves a committed directory no snapshot names: no later run would ever
     delete it. Once the fit has finished Ray's snapshot is final, so nothing deleted here is
     referenced by it. Newer unlisted ones are left alone (a later run resumes from the newest)."""
-    from raytrain_events.checkpoint.format import MANIFEST
-    from raytrain_events.checkpoint.store import list_checkpoints
-    from raytrain_events.storage.fs import delete, resolve
+    from raytrain_events.checkpoint.store import delete_checkpoint, list_checkpoints
 
     committed = list_checkpoints(folder, storage_options=options)
     kept = [c.batch for c in committed if c.name in listed]
@@ -155,7 +151,5 @@ def delete_unlisted(folder: str, options: Dict[str, Any], listed: List[str]) -> 
         return []  # Ray lists none of them: not ours to judge
     doomed = [c.url for c in committed if c.name not in listed and c.batch < max(kept)]
     for url in doomed:
-        fs, path = resolve(url, options)
-        delete(fs, join(path, MANIFEST))  # the manifest first: a half-deleted one reads as uncommitted
-        delete(fs, path, recursive=True)
+        delete_checkpoint(url, storage_options=options)
     return doomed
