@@ -4,17 +4,18 @@ Three measurements, one process, CPU, local disk (a temp dir) and a local S3 ser
 a child process so its request handling does not take this process's GIL):
 
 1. Save MB/s. ``ours`` = ``write_checkpoint(root, files={"state.pt": sd}, ...)`` end to end
-   (local: torch.save streamed into a temp file, hashed on the way, fsync, rename; S3 up to
+   (local: torch.save streamed into a temp file, CRC32ed on the way, fsync, rename; S3 up to
    ``packed.PACK_MAX_BYTES`` of tensors: a PACKED checkpoint, torch.save (its zip CRC off) into
    memory, CRC32'd on a helper thread meanwhile, then ONE create-only PUT of manifest line +
    payload carrying the object's CRC32, which is the commit; larger: torch.save streamed into
-   a single or multipart upload, hashed while it is sent, then the create-only manifest). Where ours packs, ``ours multi-file (pack=False)``
+   a single PUT or a multipart upload, each request carrying the CRC32 of its body (computed
+   once, beside the upload: botocore then computes none), then the create-only manifest). Where ours packs, ``ours multi-file (pack=False)``
    shows the two-request layout beside it. ``raw`` = ``torch.save`` to BytesIO +
    ``fs.pipe_file`` of those bytes (what a user would write by hand; no fsync). ``raw bytes
    only`` = ``fs.pipe_file`` of pre-serialized bytes, so the serialization cost is visible.
    MB = bytes of the serialized file / 2**20. Target: ours/raw >= 0.9.
 2. Load MB/s. ``ours`` = ``read_checkpoint(url)`` (manifest read, size + checksum verify,
-   ``torch.load(weights_only=True)``; local: sha256 over an mmap and ``torch.load(mmap=True)``,
+   ``torch.load(weights_only=True)``; local: CRC32 over an mmap and ``torch.load(mmap=True)``,
    so the tensors are file-backed and their copy happens later, in ``load_state_dict``;
    packed: ONE GET brings manifest and payload, crc32 on a helper thread while torch.load
    reads; ``ours multi-file read`` beside it). ``raw`` = ``fs.cat_file`` of a plain file
@@ -52,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import io
 import math
 import os
@@ -65,6 +65,7 @@ import tempfile
 import threading
 import time
 import uuid
+import zlib
 from typing import Any, Callable, Dict, List
 
 import torch
@@ -327,23 +328,20 @@ class _Prof:
 def profiled(prof: _Prof):
     """Patch format.py's module globals (and torch.save/torch.load, os.fsync) with timed versions."""
 
-    class _Hashlib:
-        sha256 = staticmethod(prof.wrap("sha256 (separate pass)", hashlib.sha256))
-
     patches = {
         "_upload": prof.wrap("upload (file ops; the PUT on S3)", fmt._upload),
         "list_dir": prof.wrap("commit: list_dir", fmt.list_dir),
         "write_bytes_create_only": prof.wrap("commit: manifest create-only", fmt.write_bytes_create_only),
         "read_bytes": prof.wrap("read_bytes (manifest; packed: all of it, 1 GET)", fmt.read_bytes),
-        "fetch_verified": prof.wrap("fetch_verified (GETs + sha256 as they arrive)", fmt.fetch_verified),
+        "fetch_verified": prof.wrap("fetch_verified (GETs + CRC32 as they arrive)", fmt.fetch_verified),
         "resolve": prof.wrap("resolve (url_to_fs)", fmt.resolve),
-        "hashlib": _Hashlib,
+        "checksum": prof.wrap("checksum over the mmap (local load)", fmt.checksum),
     }
     old = {k: getattr(fmt, k) for k in patches}
     old_pack = packed_mod.pack
     packed_mod.pack = prof.wrap("packed: crc32 wait + join in memory", packed_mod.pack)
     globals_ = [
-        (torch, "save", "torch.save (local: incl. sha256, write)"),
+        (torch, "save", "torch.save (local: incl. CRC32, write)"),
         (torch, "load", "torch.load weights_only (local: mmap)"),
         (os, "fsync", "fsync"),
     ]
@@ -479,15 +477,15 @@ def local_write_variants(root_path: str, data: bytes, repeats: int) -> Dict[str,
         os.unlink(p)
         return t
 
-    def sha(r):
-        return timed(lambda: hashlib.sha256(data).hexdigest())
+    def crc(r):
+        return timed(lambda: zlib.crc32(data))
 
     return interleave(
         {
             "pipe_file (no fsync)": plain,
             "open+write+fsync": fsync_only,
             "_local_replace (tmp+fsync+rename)": ours_atomic,
-            "sha256 of the bytes": sha,
+            "crc32 of the bytes": crc,
         },
         repeats,
     )

@@ -1,11 +1,10 @@
 """Checksums of checkpoint files: CRC32 arithmetic, the hashing thread, torch's zip CRC switched off.
 
-* ``crc32_combine``: the CRC32 of ``A + B`` from the CRC32s of ``A`` and ``B`` and ``len(B)``
-  (zlib's ``crc32_combine``, which Python's ``zlib`` does not expose; ~50 us in Python). A
-  packed checkpoint (``packed.py``) checksums each file while ``torch.save`` produces it; with
-  this, the checksum of the whole object (header line + files) follows without a second pass,
-  and goes with the PUT (``ChecksumCRC32``), so the object store verifies the bytes we
-  serialized and botocore does not compute its own CRC32 over the body again.
+* ``crc32_combine`` (from ``storage/crc32.py``, where the CRC arithmetic lives): a packed
+  checkpoint (``packed.py``) checksums each file while ``torch.save`` produces it; with it,
+  the checksum of the whole object (header line + files) follows without a second pass, and
+  goes with the PUT (``ChecksumCRC32``), so the object store verifies the bytes we serialized
+  and botocore does not compute its own CRC32 over the body again.
 * ``checksum_meanwhile``: start a file's checksum on the one hashing thread (``zlib.crc32``
   and ``hashlib.sha256`` release the GIL on big buffers), so a load verifies while
   ``torch.load`` reads.
@@ -34,52 +33,15 @@ import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from raytrain_events.storage.crc32 import crc32_combine as crc32_combine  # re-exported
+from raytrain_events.storage.crc32 import crc32_hex as crc32_hex  # re-exported
+
 try:
     from torch.utils.serialization import config as _torch_config
 except ImportError:  # torch < 2.5: no switch, torch.save always computes its CRC
     _torch_config = None
 
 BATCH = 256 * 2**10  # measured: 1 MiB states pack 0.3 ms faster than with 1 MiB batches
-_POLY = 0xEDB88320  # CRC32 (zip, gzip, PNG, S3's ChecksumCRC32), bit-reflected
-
-
-def crc32_hex(value: int) -> str:
-    """How a manifest records a CRC32: 8 lowercase hex digits."""
-    return f"{value & 0xFFFFFFFF:08x}"
-
-
-def _multmodp(a: int, b: int) -> int:
-    """a(x) * b(x) modulo the CRC polynomial (bit-reflected), as in zlib's crc32.c."""
-    m, p = 1 << 31, 0
-    while True:
-        if a & m:
-            p ^= b
-            if not a & (m - 1):
-                return p
-        m >>= 1
-        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
-
-
-def _x2n_table() -> list[int]:
-    table, p = [], 1 << 30  # x^1
-    for _ in range(32):
-        table.append(p)
-        p = _multmodp(p, p)
-    return table
-
-
-_X2N = _x2n_table()  # x^(2^k) mod p
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """``zlib.crc32(a + b)`` given ``crc1 = zlib.crc32(a)``, ``crc2 = zlib.crc32(b)``, ``len2 = len(b)``."""
-    p, k, n = 1 << 31, 3, len2  # x^0; x^(8 * len2) = x^(len2 * 2^3)
-    while n:
-        if n & 1:
-            p = _multmodp(_X2N[k & 31], p)
-        n >>= 1
-        k += 1
-    return _multmodp(p, crc1) ^ crc2
 
 
 def checksum(algorithm: str, data: Any) -> str:
@@ -107,7 +69,7 @@ def hasher() -> concurrent.futures.ThreadPoolExecutor:
     global _HASHER
     with _HASHER_LOCK:
         if _HASHER is None:
-            _HASHER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="raytrain-ckpt-sha")
+            _HASHER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="raytrain-ckpt-checksum")
         return _HASHER
 
 

@@ -1,6 +1,7 @@
 """On-storage checkpoint format: one new directory per checkpoint, committed by its manifest.
 
-Layout (any fsspec URL: local path, ``memory://``, ``s3://``...), multi-file (format_version 1)::
+Layout (any fsspec URL: local path, ``memory://``, ``s3://``...), multi-file (format_version 4;
+1 is still read)::
 
     <root>/ckpt-<batch:012d>-<uuid8>/      sortable by name; never overwritten
         state.pt, rng-rank0.pt, ...        torch.save bytes, each uploaded atomically
@@ -18,8 +19,10 @@ any point before it leaves only an uncommitted directory that ``list_checkpoints
 so the previous checkpoint stays ``latest`` and loadable. The manifest records
 ``format_version`` (``FORMAT_VERSION``), the library version, creation time, the caller's
 ``timestamp`` dict (plain ints), ``world_size``, free-form JSON ``metadata`` and, per file,
-its name, size and checksum (detects truncation and bit rot): sha256 for multi-file
-checkpoints, CRC32 for packed ones (``packed.py`` says why that is enough).
+its name, size and checksum (detects truncation and bit rot): CRC32 (``packed.py`` says why
+that is enough; multi-file format_version 1 and packed 2, still read, recorded a sha256). A
+manifest that records only sha256s (a DCP-only sharded checkpoint) is written as
+format_version 1, which every reader of this layout reads.
 
 Why ``torch.save`` + ``torch.load(weights_only=True)`` and not torch.distributed.checkpoint:
 DCP reads its ``.metadata`` with plain ``pickle`` (code execution on load), and for DDP the
@@ -36,12 +39,12 @@ I/O paths (the bytes on storage are the same either way):
 Our ``torch.save`` calls skip torch's zip CRC32 (``checksums.torch_zip_crc_off``): our checksum
 covers the same bytes and ``torch.load`` never checks torch's.
 
-* Save, local: ``torch.save`` streams into the temp file, hashed and counted on the way (no
+* Save, local: ``torch.save`` streams into the temp file, CRC32ed and counted on the way (no
   in-memory copy, no second pass), then fsync + rename (``local_atomic_writer``). Object
   stores: ``torch.save`` streams into ``storage.objectstore.open_upload``: below two parts one
-  PUT, hashed while it is sent; above, a multipart upload whose parts go up in parallel while
-  ``torch.save`` produces and hashes the next ones, completed (or aborted) before the manifest.
-* Load, local files >= 1 MiB on POSIX: size check, sha256 over an ``mmap``, then
+  PUT carrying the CRC32; above, a multipart upload whose parts go up in parallel, each with
+  its CRC32, while ``torch.save`` produces the next ones, completed (or aborted) before the manifest.
+* Load, local files >= 1 MiB on POSIX: size check, checksum over an ``mmap``, then
   ``torch.load(path, mmap=True)``: no read copy; tensors are copy-on-write (``MAP_PRIVATE``)
   views of the page cache, copied when ``load_state_dict`` copies from them or written to.
   Sound because checkpoint files are never rewritten in place (temp file + rename, a new
@@ -62,7 +65,6 @@ covers the same bytes and ``torch.load`` never checks torch's.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import io
 import json
 import mmap
@@ -75,7 +77,7 @@ from typing import Any
 import torch
 
 from raytrain_events.checkpoint import packed
-from raytrain_events.checkpoint.checksums import checksum_meanwhile, torch_zip_crc_off
+from raytrain_events.checkpoint.checksums import checksum, checksum_meanwhile, torch_zip_crc_off
 from raytrain_events.checkpoint.manifest import (
     CHECKPOINT_NAME_RE as CHECKPOINT_NAME_RE,  # re-exported
 )
@@ -96,6 +98,9 @@ from raytrain_events.checkpoint.manifest import (
     _check_timestamp,
     _library_version,
     checkpoint_name,
+)
+from raytrain_events.checkpoint.manifest import (
+    MULTI_FILE_VERSION as MULTI_FILE_VERSION,  # re-exported
 )
 from raytrain_events.checkpoint.manifest import (
     UnsupportedCheckpointVersionError as UnsupportedCheckpointVersionError,  # re-exported
@@ -144,7 +149,7 @@ def write_checkpoint_file(
     fs, path = resolve(join(ckpt_url, file_name), storage_options)
     payload = _Payload(obj)
     _upload(fs, path, payload)
-    return FileEntry(name=file_name, size=payload.size, sha256=payload.sha256)
+    return FileEntry(name=file_name, size=payload.size, sha256="", crc32=payload.crc32)
 
 
 def commit_checkpoint(
@@ -179,7 +184,7 @@ def commit_checkpoint(
     info = CheckpointInfo(
         url=url,
         name=basename(path),
-        format_version=1,  # the multi-file layout: readers of format_version 1 read it
+        format_version=MULTI_FILE_VERSION if any(e.crc32 for e in entries) else 1,  # 1: sha256s only
         library_version=_library_version(),
         created=time.time(),
         timestamp=_check_timestamp(timestamp),
@@ -403,6 +408,7 @@ def _load_packed(info: CheckpointInfo, raw: bytes, wanted: list[FileEntry], map_
 
 
 def _load_verified(fs: Any, path: str, url: str, entry: FileEntry, map_location: Any) -> Any:
+    algorithm, expected = entry.checksum
     mapped = _MMAP_LOAD and isinstance(fs, LocalFileSystem) and entry.size >= _MMAP_MIN_SIZE
     try:
         if mapped:  # see the module docstring
@@ -410,18 +416,18 @@ def _load_verified(fs: Any, path: str, url: str, entry: FileEntry, map_location:
                 size, digest, is_zip = os.fstat(f.fileno()).st_size, None, False
                 if size == entry.size:  # the size check comes before mapping or hashing
                     with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                        digest, is_zip = hashlib.sha256(m).hexdigest(), m[:4] == b"PK\x03\x04"
-        else:  # object stores: hashed while the ranges arrive
-            data, size, digest = fetch_verified(fs, path, entry.size)
+                        digest, is_zip = checksum(algorithm, m), m[:4] == b"PK\x03\x04"
+        else:  # object stores: checksummed while the ranges arrive
+            data, size, digest = fetch_verified(fs, path, entry.size, algorithm)
     except FileNotFoundError:
         raise CheckpointCorruptError(
             f"File {entry.name!r} listed in the manifest of {url!r} is missing. Fix: load an older checkpoint."
         ) from None
-    if size != entry.size or digest != entry.sha256:
-        got = f"{size} bytes" + (f" with sha256 {digest}" if digest else "")
+    if size != entry.size or digest != expected:
+        got = f"{size} bytes" + (f" with {algorithm} {digest}" if digest else "")
         raise CheckpointCorruptError(
             f"File {entry.name!r} of checkpoint {url!r} is corrupt: expected {entry.size} bytes "
-            f"with sha256 {entry.sha256}, got {got}. Fix: load an older checkpoint "
+            f"with {algorithm} {expected}, got {got}. Fix: load an older checkpoint "
             "(load_latest_valid does this) and delete this one."
         )
     if not mapped:
@@ -448,31 +454,31 @@ def _torch_load(f: Any, url: str, entry: FileEntry, map_location: Any, **kw: Any
 
 @dataclasses.dataclass
 class _Payload:
-    """One file to upload: ``obj`` goes in; ``_upload`` fills in ``size`` and ``sha256``."""
+    """One file to upload: ``obj`` goes in; ``_upload`` fills in ``size`` and ``crc32``."""
 
     obj: Any
     size: int = -1
-    sha256: str = ""
+    crc32: str = ""
 
 
 def _upload(fs: Any, path: str, payload: _Payload) -> None:
-    """Serialize and upload one payload atomically, filling in its size and sha256 (a separate
+    """Serialize and upload one payload atomically, filling in its size and CRC32 (a separate
     function so tests can inject failures here). Local: streamed, see the module docstring."""
     if isinstance(fs, LocalFileSystem):
-        with local_atomic_writer(path, sha256=True) as f:
+        with local_atomic_writer(path, crc32=True) as f:
             try:
-                with torch_zip_crc_off():  # our sha256 covers these bytes
+                with torch_zip_crc_off():  # our CRC32 covers these bytes
                     torch.save(payload.obj, f)
             except Exception:
                 if f.error is not None:  # torch's zip writer replaced it with its own error
                     raise f.error from f.error.__cause__
                 raise
-        payload.size, payload.sha256 = f.size, f.hexdigest()
+        payload.size, payload.crc32 = f.size, f.hexdigest()
         return
-    upload = open_upload(fs, path)  # hashes each write; big files go up in parts meanwhile
+    upload = open_upload(fs, path)  # CRC32s what it sends; big files go up in parts meanwhile
     try:
         try:
-            with torch_zip_crc_off():  # our sha256 covers these bytes
+            with torch_zip_crc_off():  # our CRC32 covers these bytes
                 torch.save(payload.obj, upload)
         except Exception:
             if upload.error is not None:  # torch's zip writer replaced it with its own error
@@ -482,7 +488,7 @@ def _upload(fs: Any, path: str, payload: _Payload) -> None:
     except BaseException:
         upload.abort()
         raise
-    payload.size, payload.sha256 = upload.size, upload.hexdigest()
+    payload.size, payload.crc32 = upload.size, upload.hexdigest()
 
 
 def _reason(err: Exception) -> str:

@@ -2,9 +2,11 @@
 
 Split from ``format.py`` (which writes and reads checkpoints) so each stays one job; the names
 here are re-exported there. ``CheckpointInfo.from_manifest`` reads the indented JSON of a
-multi-file checkpoint (format_version 1, a sha256 per file) and the first line of a packed one
-(format_version 3: a crc32 per file; 2: a sha256 per file; see ``packed.py``), and refuses a
-newer format_version with the version that wrote it.
+multi-file checkpoint (format_version 4: a crc32 per file; 1: a sha256 per file) and the first
+line of a packed one (format_version 3: a crc32 per file; 2: a sha256 per file; see
+``packed.py``), and refuses a newer format_version with the version that wrote it. From
+version 3 on a file record carries ``crc32`` or, if it has none (a DCP shard, whose writer
+hashes sha256), ``sha256``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from typing import Any
 from raytrain_events.checkpoint import packed
 from raytrain_events.storage.fs import basename
 
-FORMAT_VERSION = 3  # 3: packed with crc32, 2: packed with sha256 (packed.py); multi-file is still 1
+FORMAT_VERSION = 4  # the newest this library reads and writes (see MULTI_FILE_VERSION, packed.PACKED_VERSION)
+MULTI_FILE_VERSION = 4  # multi-file with crc32 records (4 and not 3: readers of 1..3 took 3 as packed-only)
 MANIFEST = "manifest.json"
 CHECKPOINT_NAME_RE = re.compile(r"^ckpt-(\d{12})-([0-9a-f]{8})$")
 _FILE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -49,14 +52,14 @@ class UnsafeCheckpointError(CheckpointError):
 
 @dataclasses.dataclass(frozen=True)
 class FileEntry:
-    """One file of a checkpoint: its checksum is ``sha256`` (multi-file, packed version 2) or
-    ``crc32`` (packed version 3; ``sha256`` is then ""), see ``checksum``."""
+    """One file of a checkpoint: its checksum is ``crc32`` (8 hex digits; ``sha256`` is then "")
+    or, in format_version 1 and 2 and for DCP shards, ``sha256``; see ``checksum``."""
 
     name: str
     size: int
     sha256: str
     offset: int = -1  # packed checkpoints: where the file starts after the header line
-    crc32: str = ""  # packed version 3: 8 hex digits (zlib.crc32)
+    crc32: str = ""  # 8 hex digits (zlib.crc32)
 
     @property
     def checksum(self) -> tuple[str, str]:
@@ -150,9 +153,10 @@ class CheckpointInfo:
 
 
 def _file_entry(f: Mapping[str, Any], is_packed: bool, version: int) -> FileEntry:
-    """A manifest's file record: packed version >= 3 carries ``crc32``, everything else ``sha256``."""
+    """A manifest's file record: from version 3 on ``crc32`` (required when packed) or ``sha256``;
+    before, ``sha256``."""
     offset = int(f["offset"]) if is_packed else -1
-    if is_packed and version >= packed.CRC32_SINCE:
+    if version >= packed.CRC32_SINCE and (is_packed or "crc32" in f):
         crc = str(f["crc32"])
         if not _CRC32_RE.match(crc):
             raise ValueError(f"crc32 of {f['name']!r} is {crc!r}, not 8 lowercase hex digits")

@@ -61,7 +61,7 @@ from raytrain_events.checkpoint.checksums import BATCH, crc32_combine, crc32_hex
 from raytrain_events.storage.fs import LocalFileSystem
 
 PACKED_VERSION = 3  # the format_version a packed manifest carries (format.FORMAT_VERSION >= it)
-CRC32_SINCE = 3  # packed manifests from this version on carry crc32 per file; older ones sha256
+CRC32_SINCE = 3  # from this format_version on a file record may carry crc32 (a packed one must); before, sha256
 PACK_MAX_BYTES = 32 * 2**20
 HEAD_BYTES = 256 * 2**10  # what a listing reads of each manifest.json
 _PACKED_PREFIX = b'{"'  # a packed manifest's first bytes; a multi-file one starts with b"{\n"

@@ -25,11 +25,9 @@ Usage::
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import ctypes
 import functools
-import hashlib
 import inspect
 import os
 import sys
@@ -42,6 +40,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 
+from raytrain_events.storage.crc32 import Crc32, s3_checksum
 from raytrain_events.storage.errors import StorageError
 
 # protocol -> (pip extra, backend package) for the friendly ImportError.
@@ -176,7 +175,7 @@ def write_bytes_atomic(fs: Any, path: str, data: bytes) -> None:
 class AtomicLocalFile:
     """What ``local_atomic_writer`` yields: write-only, into a temp file beside the target.
 
-    Counts the bytes (``size``) and, if asked, hashes them on the way (``hexdigest()``), so a
+    Counts the bytes (``size``) and, if asked, CRC32s them on the way (``hexdigest()``), so a
     streamed writer (``torch.save``) needs no second pass. An exception raised by ``write`` is
     also kept in ``error``: callers such as torch's zip writer replace it with their own.
     On Linux it asks the kernel to start writing each further 8 MiB to disk while the caller
@@ -184,9 +183,9 @@ class AtomicLocalFile:
     guarantees anything), so the closing fsync has less left to wait for.
     """
 
-    def __init__(self, f: Any, url: str, sha256: bool) -> None:
+    def __init__(self, f: Any, url: str, crc32: bool) -> None:
         self._f, self._url = f, url
-        self._sha = hashlib.sha256() if sha256 else None
+        self._crc = Crc32() if crc32 else None
         self.size = 0
         self.error: BaseException | None = None
         self._kicked = 0
@@ -197,8 +196,8 @@ class AtomicLocalFile:
         except OSError as e:  # e.g. disk full
             self.error = _storage_error("writing", self._url, e)
             raise self.error from e
-        if self._sha is not None:
-            self._sha.update(data)
+        if self._crc is not None:
+            self._crc.update(data)
         n = memoryview(data).nbytes
         self.size += n
         if self.size - self._kicked >= _WRITEBACK_BYTES:
@@ -210,12 +209,12 @@ class AtomicLocalFile:
         self._f.flush()
 
     def hexdigest(self) -> str:
-        assert self._sha is not None, "local_atomic_writer(..., sha256=True) computes it"
-        return self._sha.hexdigest()
+        assert self._crc is not None, "local_atomic_writer(..., crc32=True) computes it"
+        return self._crc.hexdigest()
 
 
 @contextlib.contextmanager
-def local_atomic_writer(path: str, *, sha256: bool = False) -> Iterator[AtomicLocalFile]:
+def local_atomic_writer(path: str, *, crc32: bool = False) -> Iterator[AtomicLocalFile]:
     """Write a local file so that ``path`` holds the old content or the complete new one.
 
     Yields a file to ``write`` into (a temp file in the same directory). When the block ends
@@ -228,7 +227,7 @@ def local_atomic_writer(path: str, *, sha256: bool = False) -> Iterator[AtomicLo
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            yield AtomicLocalFile(f, path, sha256)
+            yield AtomicLocalFile(f, path, crc32)
             with storage_errors("writing", path):
                 f.flush()
                 os.fsync(f.fileno())
@@ -259,7 +258,7 @@ def write_bytes_create_only(fs: Any, path: str, data: bytes, *, crc32: int | Non
             if fs.store.setdefault(key, entry) is not entry:  # atomic under the GIL
                 raise FileExistsError(path)
         elif _is_s3(fs) and _has_create_mode(fs):
-            checksum = {} if crc32 is None else {"ChecksumCRC32": base64.b64encode(crc32.to_bytes(4, "big")).decode()}
+            checksum = {} if crc32 is None else {"ChecksumCRC32": s3_checksum(crc32)}
             fs.pipe_file(path, bytes(data), mode="create", **checksum)  # If-None-Match: *
         else:
             if fs.exists(path):

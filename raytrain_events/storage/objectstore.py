@@ -1,23 +1,28 @@
 """Object-store transfers for large immutable files: uploads fed while the bytes are produced,
-hashed on the way, in parallel parts; downloads in parallel ranges, verified while they arrive.
+CRC32ed once, in parallel parts; downloads in parallel ranges, verified while they arrive.
 
 Why not ``fs.pipe_file`` / ``fs.cat_file`` alone: they need the whole content first and hash
 nothing, so a checkpoint save was serialize -> sha256 pass -> PUT, and a load GET -> sha256 pass.
 Here (S3 through s3fs, the requests going through ``fs._call_s3``, s3fs's own retrying call path):
 
-* ``open_upload`` gives a write-only file for ``torch.save`` that hashes what it is given, never
-  in a pass of its own before or after the upload. Below ``2 * part_size`` nothing is sent until
-  ``finish``, which starts one PUT (``fs._pipe_file``, as s3fs would) and hashes the bytes while
-  that PUT is on the wire. From ``2 * part_size`` on it starts a multipart upload and sends each
-  full part at once, up to ``fs.max_concurrency`` parts in flight on fsspec's event loop, while
-  ``torch.save`` keeps producing (and ``write`` hashing) the next ones (back-pressure bounds
-  memory to ``max_concurrency + 2`` parts). ``finish`` completes the
+* ``open_upload`` gives a write-only file for ``torch.save`` whose checksum is the file's CRC32
+  (``crc32()``, ``hexdigest()``), computed once and sent with the requests: botocore would
+  otherwise CRC32 every request body itself (its default ``when_supported`` checksums), so the
+  store verifies what we serialized and nothing is checksummed twice. Below ``2 * part_size``
+  nothing is sent until ``finish``, which CRC32s the bytes and sends one PUT (as
+  ``fs._pipe_file`` would) carrying ``ChecksumCRC32``. From ``2 * part_size`` on it starts a
+  multipart upload and sends each full part at once, up to ``fs.max_concurrency`` parts in
+  flight on fsspec's event loop, while ``torch.save`` keeps producing the next ones
+  (back-pressure bounds memory to ``max_concurrency + 2`` parts). Each part's CRC32 runs on a
+  worker thread of that loop (``zlib`` releases the GIL) and goes with its ``UploadPart``; the
+  file's CRC32 is combined from the parts' (``crc32_combine``), so the thread producing the
+  bytes hashes nothing at all. ``finish`` completes the
   upload: the object appears whole or not at all. ``abort`` (and any error) aborts it, so no
   part is left billed; a killed process leaves an incomplete upload that is invisible to readers
   (an S3 lifecycle rule ``AbortIncompleteMultipartUpload`` reclaims its storage).
 * ``fetch_verified`` downloads ``[0, size)`` in ``part_size`` ranges (``fs.max_concurrency`` at a
   time, no HEAD: the caller knows the size) straight into one preallocated buffer, while the
-  calling thread hashes each range's arrived prefix in order. A size mismatch is seen from the
+  calling thread checksums (CRC32 or sha256, as the caller asks) each range's arrived prefix in order. A size mismatch is seen from the
   first response's ``Content-Length``/``Content-Range``, before reading the body.
 
 ``part_size`` is ``fs.default_block_size`` (s3fs: 50 MiB; the ``default_block_size`` storage
@@ -34,8 +39,10 @@ import concurrent.futures
 import hashlib
 import io
 import threading
+import zlib
 from typing import Any
 
+from raytrain_events.storage.crc32 import Crc32, crc32_combine, s3_checksum
 from raytrain_events.storage.errors import StorageError
 from raytrain_events.storage.fs import _is_s3, _storage_error, read_bytes, to_url, write_bytes_atomic
 
@@ -52,22 +59,22 @@ def concurrency(fs: Any) -> int:
 
 
 def open_upload(fs: Any, path: str) -> ObjectUpload:
-    """A write-only, hashing file whose content becomes ``path`` on ``finish()``."""
+    """A write-only, CRC32ing file whose content becomes ``path`` on ``finish()``."""
     return _S3Upload(fs, path) if _is_s3(fs) else ObjectUpload(fs, path)
 
 
 class ObjectUpload:
-    """Buffers everything in memory, hashing each write; ``finish`` writes it atomically."""
+    """Buffers everything in memory, CRC32ing each write; ``finish`` writes it atomically."""
 
     def __init__(self, fs: Any, path: str) -> None:
         self.fs, self.path, self.url = fs, path, to_url(fs, path)
         self.size = 0
         self.error: BaseException | None = None  # torch's zip writer replaces write errors
-        self._sha = hashlib.sha256()
+        self._crc = Crc32()
         self._buf = io.BytesIO()
 
     def write(self, data: Any) -> int:
-        self._sha.update(data)
+        self._crc.update(data)
         n = self._buf.write(data)
         self.size += n
         return n
@@ -75,8 +82,12 @@ class ObjectUpload:
     def flush(self) -> None:
         pass
 
+    def crc32(self) -> int:
+        """The CRC32 of everything written (complete once ``finish`` returned)."""
+        return self._crc.value
+
     def hexdigest(self) -> str:
-        return self._sha.hexdigest()
+        return self._crc.hexdigest()
 
     def finish(self) -> None:
         write_bytes_atomic(self.fs, self.path, self._buf.getvalue())
@@ -96,7 +107,7 @@ class _S3Upload(ObjectUpload):
         self._bucket, self._key, _ = fs.split_path(path)
         self._mpu: concurrent.futures.Future | None = None  # -> UploadId
         self._inflight: collections.deque[concurrent.futures.Future] = collections.deque()
-        self._etags: dict[int, concurrent.futures.Future] = {}
+        self._parts: dict[int, concurrent.futures.Future] = {}  # -> (ETag, CRC32, size)
         self._cur: bytearray | None = None  # the part being filled, once multipart
         self._pos = 0
         self._aborted = False
@@ -107,13 +118,12 @@ class _S3Upload(ObjectUpload):
         mv = memoryview(data).cast("B")
         n = mv.nbytes
         self.size += n
-        if self._cur is None:  # hashed in finish(), while the PUT is on the wire
+        if self._cur is None:  # CRC32ed in finish(), before the PUT
             self._buf.write(mv)
             if self._buf.tell() >= 2 * self._part:
                 self._start_multipart()
             return n
-        self._sha.update(mv)  # multipart: hashed here, while earlier parts are on the wire
-        while mv.nbytes:
+        while mv.nbytes:  # multipart: each part is CRC32ed beside its upload (_send)
             take = min(mv.nbytes, self._part - self._pos)
             self._cur[self._pos : self._pos + take] = mv[:take]
             self._pos += take
@@ -124,13 +134,13 @@ class _S3Upload(ObjectUpload):
         return n
 
     def finish(self) -> None:
-        if self._cur is None:  # small: one PUT (as s3fs.pipe_file), hashed while it is sent
+        if self._cur is None:  # small: one PUT (as s3fs.pipe_file) carrying our CRC32
             data = self._buf.getvalue()
             self._buf = io.BytesIO()
-            put = self._run(self.fs._pipe_file(self.path, data, chunksize=self._part))
-            self._sha.update(data)
+            self._crc.update(data)
+            checksum = s3_checksum(self._crc.value)
             try:
-                put.result()
+                self._run(self.fs._pipe_file(self.path, data, chunksize=self._part, ChecksumCRC32=checksum)).result()
             except BaseException as e:
                 wrapped = self._wrap(e)
                 if wrapped is e:
@@ -142,7 +152,12 @@ class _S3Upload(ObjectUpload):
                 del self._cur[self._pos :]
                 self._send(self._cur)
             self._cur = None
-            parts = [{"PartNumber": i, "ETag": f.result()} for i, f in sorted(self._etags.items())]
+            parts, crc = [], 0
+            for i, f in sorted(self._parts.items()):
+                etag, part_crc, size = f.result()
+                parts.append({"PartNumber": i, "ETag": etag})
+                crc = crc32_combine(crc, part_crc, size) if i > 1 else part_crc
+            self._crc.value = crc
             self._run(
                 self.fs._call_s3(
                     "complete_multipart_upload",
@@ -189,7 +204,6 @@ class _S3Upload(ObjectUpload):
         whole = len(data) // self._part
         for i in range(whole):
             self._send(bytearray(data[i * self._part : (i + 1) * self._part]))
-        self._sha.update(data)  # the buffered bytes, while their parts go up
         rest = data[whole * self._part :]
         self._cur, self._pos = bytearray(self._part), len(rest)
         self._cur[: len(rest)] = rest
@@ -199,20 +213,27 @@ class _S3Upload(ObjectUpload):
     def _send(self, body: bytearray) -> None:
         while len(self._inflight) >= self._max_inflight:  # back-pressure: bounded memory
             self._check(self._inflight.popleft())
-        number = len(self._etags) + 1
+        number = len(self._parts) + 1
         mpu = self._mpu
 
-        async def upload() -> str:
+        async def upload() -> tuple[str, int, int]:
+            crc = await asyncio.get_running_loop().run_in_executor(None, zlib.crc32, body)  # beside other parts
             upload_id = await asyncio.shield(asyncio.wrap_future(mpu))  # never cancel the create
             if self._aborted:
                 raise asyncio.CancelledError(f"part {number}: upload aborted")
             out = await self.fs._call_s3(
-                "upload_part", Bucket=self._bucket, Key=self._key, UploadId=upload_id, PartNumber=number, Body=body
+                "upload_part",
+                Bucket=self._bucket,
+                Key=self._key,
+                UploadId=upload_id,
+                PartNumber=number,
+                Body=body,
+                ChecksumCRC32=s3_checksum(crc),
             )
-            return out["ETag"]
+            return out["ETag"], crc, len(body)
 
         fut = self._run(upload())
-        self._etags[number] = fut
+        self._parts[number] = fut
         self._inflight.append(fut)
         while self._inflight and self._inflight[0].done():
             self._check(self._inflight.popleft())
@@ -266,17 +287,27 @@ class _Progress:
             return self.done[i]
 
 
-def fetch_verified(fs: Any, path: str, size: int) -> tuple[Any, int, str | None]:
-    """Read ``path``, expected to hold ``size`` bytes: ``(buffer, actual size, sha256 or None)``.
+def fetch_verified(fs: Any, path: str, size: int, algorithm: str = "crc32") -> tuple[Any, int, str | None]:
+    """Read ``path``, expected to hold ``size`` bytes: ``(buffer, actual size, hex digest or None)``.
 
-    The digest is None when the size is wrong (then nothing was hashed, and on S3 no body was
+    ``algorithm``: "crc32" or "sha256" (what the file's record says). The digest is None when the size is wrong (then nothing was hashed, and on S3 no body was
     read). FileNotFoundError if the object does not exist; other backend errors are StorageError.
     Wrap the buffer in ``reader`` to hand it to ``torch.load`` without another copy.
     """
     if not _is_s3(fs):
         data = read_bytes(fs, path, size_hint=size)
-        return data, len(data), hashlib.sha256(data).hexdigest() if len(data) == size else None
-    return _S3Fetch(fs, path, size).run()
+        if len(data) != size:
+            return data, len(data), None
+        digest = _new_hash(algorithm)
+        digest.update(data)
+        return data, size, digest.hexdigest()
+    return _S3Fetch(fs, path, size, algorithm).run()
+
+
+def _new_hash(algorithm: str) -> Any:
+    if algorithm not in ("crc32", "sha256"):
+        raise ValueError(f"Unknown checksum algorithm {algorithm!r}: expected 'crc32' or 'sha256'.")
+    return Crc32() if algorithm == "crc32" else hashlib.sha256()
 
 
 def reader(buf: Any) -> io.RawIOBase | io.BytesIO:
@@ -315,8 +346,8 @@ class _S3Fetch:
     they arrive. Range 0 goes first: its response says the object's real size, and only if that
     is the expected one are the other ranges requested."""
 
-    def __init__(self, fs: Any, path: str, size: int) -> None:
-        self.fs, self.path, self.size = fs, path, size
+    def __init__(self, fs: Any, path: str, size: int, algorithm: str) -> None:
+        self.fs, self.path, self.size, self.algorithm = fs, path, size, algorithm
         self.bucket, self.key, version = fs.split_path(path)
         self.version = {"VersionId": version} if version else {}
         part = part_size(fs)
@@ -327,7 +358,7 @@ class _S3Fetch:
 
     def run(self) -> tuple[Any, int, str | None]:
         fut = asyncio.run_coroutine_threadsafe(self._download(), self.fs.loop)
-        sha = hashlib.sha256()
+        sha = _new_hash(self.algorithm)
         mv = memoryview(self.buf)
         try:
             for i, (a, b) in enumerate(self.ranges):

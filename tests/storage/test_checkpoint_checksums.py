@@ -5,6 +5,7 @@ S3 API (moto on 127.0.0.1)."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import threading
@@ -30,7 +31,7 @@ def test_checksum_meanwhile_small_and_threaded():
     small, big = os.urandom(1000), os.urandom(3 * checksums.BATCH)
     for data in (small, big):
         assert checksums.checksum_meanwhile("crc32", data)() == f"{zlib.crc32(data):08x}"
-        assert checksums.checksum_meanwhile("sha256", memoryview(data))() == fmt.hashlib.sha256(data).hexdigest()
+        assert checksums.checksum_meanwhile("sha256", memoryview(data))() == hashlib.sha256(data).hexdigest()
 
 
 def test_zip_crc_off_nests_and_restores_the_previous_value():

@@ -10,6 +10,7 @@ import json
 import os
 import pickle
 import uuid
+import zlib
 
 import pytest
 import torch
@@ -91,8 +92,9 @@ def test_round_trip_is_bit_identical(storage, pack):
     assert loaded.info == info
     assert info.timestamp == {"epoch": 2, "batch": 123}
     assert info.metadata == {"note": "hi", "lr": [0.1]}
-    assert info.packed == pack and fmt.FORMAT_VERSION == 3
-    assert info.format_version == (3 if pack else 1)  # multi-file ones stay readable by version-1 readers
+    assert info.packed == pack and fmt.FORMAT_VERSION == 4
+    assert info.format_version == (3 if pack else 4)  # packed: 3; multi-file with crc32 records: 4
+    assert all(len(f.crc32) == 8 and f.sha256 == "" and f.checksum == ("crc32", f.crc32) for f in info.files)
     assert {f.name for f in info.files} == {"state.pt", "rng-rank0.pt"}
 
 
@@ -154,12 +156,69 @@ def test_corrupted_byte_is_detected_and_load_latest_valid_falls_back(storage, ca
     with pytest.raises(fmt.CheckpointCorruptError) as e:
         fmt.read_checkpoint(newer.url, storage_options=opts)
     entry = newer.files[0]
-    assert "state.pt" in str(e.value) and entry.sha256 in str(e.value)
-    assert hashlib.sha256(bytes(data)).hexdigest() in str(e.value)
+    assert "state.pt" in str(e.value) and f"expected {entry.size} bytes with crc32 {entry.crc32}" in str(e.value)
+    assert f"crc32 {zlib.crc32(bytes(data)):08x}" in str(e.value)
     loaded = load_latest_valid(url, storage_options=opts)
     assert loaded is not None and loaded.info.name == older.name
     assert loaded.files["state.pt"]["batch"] == 1
     assert any(newer.name in r.getMessage() for r in caplog.records)
+
+
+def _commit_files(url, opts, batch, files: dict, record) -> str:
+    """A multi-file checkpoint built from known bytes, its records made by ``record(name, data)``."""
+    ckpt = fmt.new_checkpoint_url(url, timestamp={"batch": batch})
+    for name, data in files.items():
+        fs, path = sfs.resolve(sfs.join(ckpt, name), opts)
+        sfs.write_bytes_atomic(fs, path, data)
+    entries = [record(name, data) for name, data in files.items()]
+    fmt.commit_checkpoint(ckpt, entries=entries, timestamp={"batch": batch}, world_size=1, storage_options=opts)
+    return ckpt
+
+
+def test_format_version_1_multi_file_checkpoint_still_loads_and_is_verified(storage):
+    """Checkpoints written before the CRC32 records (sha256 per file, format_version 1) load,
+    and a flipped byte in them is still caught, by their sha256."""
+    url, opts = storage
+    data = fmt.serialize({"w": torch.arange(300_000, dtype=torch.float32)})  # > 1 MiB: the mmap path locally
+    ckpt = _commit_files(
+        url, opts, 1, {"state.pt": data}, lambda n, d: fmt.FileEntry(n, len(d), hashlib.sha256(d).hexdigest())
+    )
+    info = fmt.read_checkpoint(ckpt, storage_options=opts).info
+    assert info.format_version == 1 and info.files[0].checksum == ("sha256", hashlib.sha256(data).hexdigest())
+    assert torch.equal(fmt.read_checkpoint(ckpt, storage_options=opts).files["state.pt"]["w"], torch.arange(300_000.0))
+    bad = bytearray(data)
+    bad[len(bad) // 2] ^= 0x01
+    fs, path = sfs.resolve(sfs.join(ckpt, "state.pt"), opts)
+    sfs.write_bytes_atomic(fs, path, bytes(bad))
+    with pytest.raises(fmt.CheckpointCorruptError, match=f"with sha256 {hashlib.sha256(bytes(bad)).hexdigest()}"):
+        fmt.read_checkpoint(ckpt, storage_options=opts)
+
+
+def test_a_manifest_may_mix_crc32_and_sha256_records(storage):
+    """A sharded checkpoint: rank files with CRC32, DCP shards with the sha256 its writer
+    computes. Version 4, each record verified by its own checksum; a malformed crc32 is refused."""
+    url, opts = storage
+    rng, shard = fmt.serialize({"seed": 1}), b"dcp shard bytes"
+    ckpt = _commit_files(
+        url,
+        opts,
+        1,
+        {"rng-rank0.pt": rng, "__0_0.distcp": shard},
+        lambda n, d: (
+            fmt.FileEntry(n, len(d), "", crc32=f"{zlib.crc32(d):08x}")
+            if n.endswith(".pt")
+            else fmt.FileEntry(n, len(d), hashlib.sha256(d).hexdigest())
+        ),
+    )
+    loaded = fmt.read_checkpoint(ckpt, files=["rng-rank0.pt"], storage_options=opts)
+    assert loaded.info.format_version == 4 and loaded.files["rng-rank0.pt"] == {"seed": 1}
+    assert {f.name: f.checksum[0] for f in loaded.info.files} == {"rng-rank0.pt": "crc32", "__0_0.distcp": "sha256"}
+    fs, path = sfs.resolve(sfs.join(ckpt, fmt.MANIFEST), opts)
+    manifest = json.loads(sfs.read_bytes(fs, path))
+    manifest["files"][1]["crc32"] = "XYZ"
+    sfs.write_bytes_atomic(fs, path, json.dumps(manifest).encode())
+    with pytest.raises(fmt.CheckpointCorruptError, match="crc32 of 'rng-rank0.pt' is 'XYZ'"):
+        fmt.read_checkpoint(ckpt, storage_options=opts)
 
 
 def test_truncated_file_is_corrupt(storage):
@@ -179,7 +238,7 @@ def test_newer_format_version_names_both_versions(storage):
     manifest = json.loads(sfs.read_bytes(fs, path))
     manifest["format_version"] = 99
     sfs.write_bytes_atomic(fs, path, json.dumps(manifest).encode())
-    with pytest.raises(fmt.UnsupportedCheckpointVersionError, match=r"99.*1\.\.3.*upgrade"):
+    with pytest.raises(fmt.UnsupportedCheckpointVersionError, match=r"99.*1\.\.4.*upgrade"):
         fmt.read_checkpoint(info.url, storage_options=opts)
     with pytest.raises(fmt.UnsupportedCheckpointVersionError):  # no silent fallback to older
         load_latest_valid(url, storage_options=opts)

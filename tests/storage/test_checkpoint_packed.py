@@ -179,10 +179,10 @@ def test_newer_packed_format_version_is_a_clear_error(storage):
     fs, path, raw = _manifest(opts, info)
     header, rest = raw.split(b"\n", 1)
     m = json.loads(header)
-    m["format_version"] = 4
+    m["format_version"] = 5
     fs.rm(path)
     sfs.write_bytes_atomic(fs, path, json.dumps(m, separators=(",", ":")).encode() + b"\n" + rest)
-    with pytest.raises(fmt.UnsupportedCheckpointVersionError, match=r"format_version 4.*1\.\.3.*upgrade"):
+    with pytest.raises(fmt.UnsupportedCheckpointVersionError, match=r"format_version 5.*1\.\.4.*upgrade"):
         fmt.read_checkpoint(info.url, storage_options=opts)
     with pytest.raises(fmt.UnsupportedCheckpointVersionError):  # no silent fallback either
         list_checkpoints(url, storage_options=opts)
@@ -261,7 +261,7 @@ def test_rank_files_plus_commit_still_multi_file(storage):
     entries = [fmt.write_checkpoint_file(ckpt, fmt.rng_file_name(r), {"rank": r}, storage_options=opts) for r in (1, 0)]
     entries.append(fmt.write_checkpoint_file(ckpt, "state.pt", _state(9), storage_options=opts))
     info = fmt.commit_checkpoint(ckpt, entries=entries, timestamp={"batch": 9}, world_size=2, storage_options=opts)
-    assert not info.packed and info.format_version == 1
+    assert not info.packed and info.format_version == fmt.MULTI_FILE_VERSION == 4
     loaded = load_latest_valid(url, storage_options=opts)
     assert (
         loaded.info == info

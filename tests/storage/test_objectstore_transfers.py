@@ -7,13 +7,13 @@ multipart and ranged paths: 3 parts, 3 ranges."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
 import sys
 import textwrap
 import uuid
+import zlib
 
 import pytest
 import torch
@@ -23,6 +23,7 @@ from raytrain_events.checkpoint.checksums import torch_zip_crc_off
 from raytrain_events.checkpoint.store import latest_checkpoint, load_latest_valid, prune_checkpoints
 from raytrain_events.storage import fs as sfs
 from raytrain_events.storage import objectstore
+from raytrain_events.storage.crc32 import s3_checksum
 from raytrain_events.storage.errors import StorageError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -62,6 +63,7 @@ class _Calls(list):
     def __init__(self) -> None:
         super().__init__()
         self.fail: dict[tuple[str, int], BaseException] = {}
+        self.kwargs: list[tuple[str, dict]] = []  # (method, its keyword arguments) of each call
 
 
 @pytest.fixture
@@ -73,6 +75,7 @@ def calls(s3, monkeypatch):
 
     async def counting(method, *a, **k):
         log.append(method)
+        log.kwargs.append((method, k))
         exc = log.fail.pop((method, log.count(method)), None)
         if exc is not None:
             raise exc
@@ -92,7 +95,7 @@ def test_large_file_goes_up_in_parts_and_comes_back_in_ranges(s3, calls):
     info = _save(url, opts, 1, obj)
     assert calls == ["create_multipart_upload"] + ["upload_part"] * 3 + ["complete_multipart_upload", "put_object"]
     stored = sfs.read_bytes(fs, sfs.resolve(sfs.join(info.url, "state.pt"), opts)[1])
-    with torch_zip_crc_off():  # how checkpoints call torch.save (our sha256 covers the bytes)
+    with torch_zip_crc_off():  # how checkpoints call torch.save (our CRC32 covers the bytes)
         assert stored == fmt.serialize(obj)  # the bytes are what torch.save writes; the manifest hashes them
     assert info.files[0].size == len(stored)
     calls.clear()
@@ -101,6 +104,25 @@ def test_large_file_goes_up_in_parts_and_comes_back_in_ranges(s3, calls):
     # a reader with other part settings reads the same checkpoint (one plain GET)
     plain = {k: v for k, v in opts.items() if k not in ("default_block_size", "max_concurrency")}
     assert _same(fmt.read_checkpoint(info.url, storage_options=plain).files["state.pt"], obj)
+
+
+def test_each_request_carries_the_crc32_of_its_body_and_the_manifest_the_files(s3, calls):
+    """The CRC32s go with the requests (the store verifies them; botocore computes none of its
+    own) and the file's recorded CRC32 is combined from its parts' without another pass."""
+    url, opts, fs = s3
+    big = _save(url, opts, 1)
+    parts = [k for m, k in calls.kwargs if m == "upload_part"]
+    assert [k["PartNumber"] for k in parts] == [1, 2, 3]
+    for k in parts:
+        assert k["ChecksumCRC32"] == s3_checksum(zlib.crc32(k["Body"]))
+    stored = sfs.read_bytes(fs, sfs.resolve(sfs.join(big.url, "state.pt"), opts)[1])
+    assert len(stored) > 2 * PART and big.files[0].crc32 == f"{zlib.crc32(stored):08x}"
+    calls.kwargs.clear()
+    small = _save(url, opts, 2, {"w": torch.ones(1000)})
+    put = [k for m, k in calls.kwargs if m == "put_object" and k["Key"].endswith("/state.pt")]
+    stored = sfs.read_bytes(fs, sfs.resolve(sfs.join(small.url, "state.pt"), opts)[1])
+    assert [k["ChecksumCRC32"] for k in put] == [s3_checksum(zlib.crc32(stored))]
+    assert small.files[0].crc32 == f"{zlib.crc32(stored):08x}"
 
 
 def test_small_file_is_one_put_and_one_get(s3, calls):
@@ -216,7 +238,7 @@ def test_corrupted_part_is_detected_on_load(s3, caplog):
     with pytest.raises(fmt.CheckpointCorruptError) as e:
         fmt.read_checkpoint(newer.url, storage_options=opts)
     msg = str(e.value)
-    assert "state.pt" in msg and newer.files[0].sha256 in msg and hashlib.sha256(bad).hexdigest() in msg
+    assert "state.pt" in msg and f"crc32 {newer.files[0].crc32}" in msg and f"crc32 {zlib.crc32(bad):08x}" in msg
     assert "load_latest_valid" in msg  # says what to do
     loaded = load_latest_valid(url, storage_options=opts)
     assert loaded.info.name == older.name and _same(loaded.files["state.pt"], _state(1))
