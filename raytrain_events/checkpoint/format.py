@@ -21,8 +21,8 @@ so the previous checkpoint stays ``latest`` and loadable. The manifest records
 ``timestamp`` dict (plain ints), ``world_size``, free-form JSON ``metadata`` and, per file,
 its name, size and checksum (detects truncation and bit rot): CRC32 (``packed.py`` says why
 that is enough; multi-file format_version 1 and packed 2, still read, recorded a sha256). A
-manifest that records only sha256s (a DCP-only sharded checkpoint) is written as
-format_version 1, which every reader of this layout reads.
+manifest whose ``FileEntry``s all carry sha256s (made by a caller of ``commit_checkpoint``) is
+written as format_version 1, which every reader of this layout reads.
 
 Why ``torch.save`` + ``torch.load(weights_only=True)`` and not torch.distributed.checkpoint:
 DCP reads its ``.metadata`` with plain ``pickle`` (code execution on load), and for DDP the

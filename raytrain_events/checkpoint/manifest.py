@@ -5,8 +5,8 @@ here are re-exported there. ``CheckpointInfo.from_manifest`` reads the indented 
 multi-file checkpoint (format_version 4: a crc32 per file; 1: a sha256 per file) and the first
 line of a packed one (format_version 3: a crc32 per file; 2: a sha256 per file; see
 ``packed.py``), and refuses a newer format_version with the version that wrote it. From
-version 3 on a file record carries ``crc32`` or, if it has none (a DCP shard, whose writer
-hashes sha256), ``sha256``.
+version 3 on a file record carries ``crc32`` or, if it has none, ``sha256`` (``FileEntry``s
+that callers of ``commit_checkpoint`` made themselves with hashlib).
 """
 
 from __future__ import annotations

@@ -9,16 +9,16 @@ non-tensor items back with ``torch.load(weights_only=False)``. Here:
   ``os.system``, raises `UnsafeCheckpointError` before anything is called.
 * `SafeLoadPlanner` / `SafeFullLoadPlanner` load byte items with ``torch.load(weights_only=True)``.
   (Tensor items are read by DCP itself with ``weights_only=True`` already.)
-* `HashingDCPWriter` is DCP's fsspec writer whose output streams count and sha256 every byte
-  written, so each rank can hand its files' ``FileEntry`` (name, size, sha256) to the
-  manifest without reading them back.
+* `HashingDCPWriter` is DCP's fsspec writer whose output streams count and CRC32 every byte
+  written, so each rank can hand its files' ``FileEntry`` (name, size, crc32) to the
+  manifest without reading them back (sha256 before format_version 4; still read).
 
 Any fsspec URL works (``resolve`` of our storage layer picks the filesystem and its options).
 """
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import io
 import os
 import pathlib
@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from raytrain_events.checkpoint.format import FileEntry, UnsafeCheckpointError, _reason
+from raytrain_events.storage.crc32 import Crc32
 
 __all__ = [
     "HashingDCPWriter",
@@ -147,11 +148,11 @@ class SafeFullLoadPlanner(_SafeBytes, _EmptyStateDictLoadPlanner):
 
 
 class _HashingStream(io.RawIOBase):
-    """Write-through stream that counts and hashes the bytes (DCP asks it for ``tell``)."""
+    """Write-through stream that counts and CRC32s the bytes (DCP asks it for ``tell``)."""
 
     def __init__(self, raw: Any) -> None:
         super().__init__()
-        self._raw, self._sha, self.size = raw, hashlib.sha256(), 0
+        self._raw, self._crc, self.size = raw, Crc32(), 0
 
     def writable(self) -> bool:
         return True
@@ -159,7 +160,7 @@ class _HashingStream(io.RawIOBase):
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         self._raw.write(view)
-        self._sha.update(view)
+        self._crc.update(view)
         self.size += len(view)
         return len(view)
 
@@ -178,7 +179,7 @@ class _HashingStream(io.RawIOBase):
         super().close()
 
     def hexdigest(self) -> str:
-        return self._sha.hexdigest()
+        return self._crc.hexdigest()
 
 
 class _HashingFileSystem(FileSystem):
@@ -199,7 +200,7 @@ class _HashingFileSystem(FileSystem):
             yield stream
             name = os.path.basename(os.fspath(path))
             with self._lock:
-                self.entries[name] = FileEntry(name=name, size=stream.size, sha256=stream.hexdigest())
+                self.entries[name] = FileEntry(name=name, size=stream.size, sha256="", crc32=stream.hexdigest())
 
     def rename(self, path: Any, new_path: Any) -> None:
         super().rename(path, new_path)
@@ -207,11 +208,11 @@ class _HashingFileSystem(FileSystem):
         with self._lock:
             if old in self.entries:
                 entry = self.entries.pop(old)
-                self.entries[new] = FileEntry(name=new, size=entry.size, sha256=entry.sha256)
+                self.entries[new] = dataclasses.replace(entry, name=new)
 
 
 class HashingDCPWriter(FsspecWriter):
-    """DCP's fsspec writer; ``entries`` lists the files this rank wrote with size and sha256."""
+    """DCP's fsspec writer; ``entries`` lists the files this rank wrote with size and CRC32."""
 
     def __init__(self, path: str, storage_options: Optional[Dict[str, Any]] = None, **kwargs: Any) -> None:
         local = "://" not in path or path.startswith("file://")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import zlib
 
 import pytest
 import torch
@@ -99,3 +100,16 @@ def test_export_consolidates_a_sharded_checkpoint(tmp_path):
     assert exported["timestamp"]["batch"] == 2 and exported["optim"]["state"]
     assert main(["export", folder, str(tmp_path / "weights.pt"), "--model-only"]) == 0
     assert set(torch.load(tmp_path / "weights.pt", weights_only=True)) == {"model"}
+
+
+def test_every_shard_file_is_in_the_manifest_with_its_size_and_crc32(tmp_path):
+    """The DCP writer's streams count and CRC32 what they write: the manifest's record of each
+    file (shards, .metadata, rank files) matches the bytes on disk, read back here."""
+    info = _sharded_checkpoint(str(tmp_path / "ckpts"))
+    on_disk = sorted(n for n in os.listdir(info.url) if n != "manifest.json")
+    assert sorted(f.name for f in info.files) == on_disk and ".metadata" in on_disk
+    assert info.format_version == 4 and any(n.endswith(".distcp") for n in on_disk)
+    for f in info.files:
+        with open(os.path.join(info.url, f.name), "rb") as fh:
+            data = fh.read()
+        assert (f.size, f.checksum) == (len(data), ("crc32", f"{zlib.crc32(data):08x}")), f.name

@@ -195,8 +195,8 @@ def test_format_version_1_multi_file_checkpoint_still_loads_and_is_verified(stor
 
 
 def test_a_manifest_may_mix_crc32_and_sha256_records(storage):
-    """A sharded checkpoint: rank files with CRC32, DCP shards with the sha256 its writer
-    computes. Version 4, each record verified by its own checksum; a malformed crc32 is refused."""
+    """Entries a caller made with hashlib (sha256) beside ours (CRC32): version 4, each record
+    verified by its own checksum; a malformed crc32 is refused."""
     url, opts = storage
     rng, shard = fmt.serialize({"seed": 1}), b"dcp shard bytes"
     ckpt = _commit_files(
