@@ -18,9 +18,12 @@ from raytrain_events.metrics import CrossEntropy
 __all__ = ["ClassifierModel", "split_inputs_targets"]
 
 
+_PAIR_TYPES = (tuple, list)
+
+
 def split_inputs_targets(batch: Any, input_key: str = "x", target_key: str = "y"):
     """``(inputs, targets)`` from a pair or from a dict with ``input_key``/``target_key``."""
-    if type(batch) in (tuple, list) and len(batch) == 2:  # the common case first: cheapest check
+    if type(batch) in _PAIR_TYPES and len(batch) == 2:  # the common case first: cheapest check
         return batch[0], batch[1]
     if isinstance(batch, Mapping):
         try:
@@ -51,12 +54,20 @@ class ClassifierModel(torch.nn.Module):
         self.num_classes = num_classes
         self.input_key, self.target_key = input_key, target_key
 
+    # forward and loss run once per step: an (inputs, targets) pair is unpacked inline (one call
+    # less each), and the module is reached through ``_modules`` (skips ``Module.__getattr__``).
     def forward(self, batch: Any) -> torch.Tensor:
-        inputs, _ = split_inputs_targets(batch, self.input_key, self.target_key)
-        return self._modules["module"](inputs)  # type: ignore[misc]  # skips Module.__getattr__: per step
+        if type(batch) in _PAIR_TYPES and len(batch) == 2:
+            inputs = batch[0]
+        else:
+            inputs, _ = split_inputs_targets(batch, self.input_key, self.target_key)
+        return self._modules["module"](inputs)  # type: ignore[misc, no-any-return]
 
     def loss(self, outputs: torch.Tensor, batch: Any) -> torch.Tensor:
-        _, targets = split_inputs_targets(batch, self.input_key, self.target_key)
+        if type(batch) in _PAIR_TYPES and len(batch) == 2:
+            targets = batch[1]
+        else:
+            _, targets = split_inputs_targets(batch, self.input_key, self.target_key)
         # Soft targets (from MixUp/CutMix/label smoothing) are class probabilities.
         return F.cross_entropy(outputs, targets)
 

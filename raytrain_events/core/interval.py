@@ -26,7 +26,8 @@ def is_done(state: State) -> bool:
     max_duration = state.max_duration
     if max_duration is None:  # a State without a duration (tests, tools) never finishes by itself
         return False
-    done: bool = state.timestamp.get_value(max_duration.unit) >= max_duration.value
+    # Time's fields directly: this runs once per batch, and its properties are Python calls.
+    done: bool = state.timestamp.get_value(max_duration._unit) >= max_duration._value
     return done
 
 

@@ -216,16 +216,18 @@ class Timestamp:
             duration = _ZERO
         elif type(duration) is not datetime.timedelta:
             duration = _wct("duration", duration)
-        ts = object.__new__(type(self))  # `_make`, inlined: this runs once per batch
-        ts._epoch, ts._batch, ts._sample, ts._token = (
-            self._epoch,
-            self._batch + 1,
-            self._sample + samples,
-            self._token + tokens,
-        )
+        # `_make`, inlined, one field per statement (no tuples built): this runs once per batch.
+        ts = object.__new__(type(self))
+        ts._epoch = self._epoch
+        ts._batch = self._batch + 1
+        ts._sample = self._sample + samples
+        ts._token = self._token + tokens
         ts._batch_in_epoch = self._batch_in_epoch + 1
-        ts._sample_in_epoch, ts._token_in_epoch = self._sample_in_epoch + samples, self._token_in_epoch + tokens
-        ts._total_wct, ts._epoch_wct, ts._batch_wct = self._total_wct + duration, self._epoch_wct + duration, duration
+        ts._sample_in_epoch = self._sample_in_epoch + samples
+        ts._token_in_epoch = self._token_in_epoch + tokens
+        ts._total_wct = self._total_wct + duration
+        ts._epoch_wct = self._epoch_wct + duration
+        ts._batch_wct = duration
         return ts
 
     def to_next_epoch(self) -> Timestamp:

@@ -58,12 +58,8 @@ _NULL_CONTEXT = contextlib.nullcontext()  # reusable and reentrant: no allocatio
 # The per-batch events as module constants (a global lookup, not an attribute lookup on Event, per use).
 _BEFORE_DATALOADER, _AFTER_DATALOADER, _BATCH_START = Event.BEFORE_DATALOADER, Event.AFTER_DATALOADER, Event.BATCH_START
 _BEFORE_TRAIN_BATCH, _AFTER_TRAIN_BATCH = Event.BEFORE_TRAIN_BATCH, Event.AFTER_TRAIN_BATCH
-_BEFORE_FORWARD, _AFTER_FORWARD, _BEFORE_LOSS, _AFTER_LOSS = (
-    Event.BEFORE_FORWARD,
-    Event.AFTER_FORWARD,
-    Event.BEFORE_LOSS,
-    Event.AFTER_LOSS,
-)
+_BEFORE_FORWARD, _AFTER_FORWARD = Event.BEFORE_FORWARD, Event.AFTER_FORWARD
+_BEFORE_LOSS, _AFTER_LOSS = Event.BEFORE_LOSS, Event.AFTER_LOSS
 _BEFORE_BACKWARD, _AFTER_BACKWARD = Event.BEFORE_BACKWARD, Event.AFTER_BACKWARD
 _BATCH_END, _BATCH_CHECKPOINT = Event.BATCH_END, Event.BATCH_CHECKPOINT
 
@@ -285,7 +281,9 @@ class Trainer:
         if skip and resume_rng is not None:
             restore_rng_state(resume_rng[1])
         device, counts_tokens, grad_accum = self.device, spec.counts_tokens, state.grad_accum
-        agreement = state.agreement
+        on_cpu, device_transforms = device.type == "cpu", spec.device_transforms
+        num_samples, agreement = spec.get_num_samples_in_batch, state.agreement
+        perf_counter, timedelta = time.perf_counter, datetime.timedelta
         batches = 0
         while True:
             # Events nobody listens to are skipped: no algorithms, and no callback overrides them.
@@ -296,13 +294,14 @@ class Trainer:
                 batch = next(iterator)
             except StopIteration:
                 break
-            batch = move_to_device(batch, device)
-            if spec.device_transforms is not None:
-                batch = spec.device_transforms(batch)
+            if not on_cpu:
+                batch = move_to_device(batch, device)
+            if device_transforms is not None:
+                batch = device_transforms(batch)
             state.batch = batch
             if active[_AFTER_DATALOADER]:
                 engine.run_event(_AFTER_DATALOADER)
-            samples = spec.get_num_samples_in_batch(state.batch)
+            samples = num_samples(state.batch)
             tokens = spec.num_tokens_in_batch(state.batch) if counts_tokens else 0
             if grad_accum > samples and self._auto is None:
                 raise ValueError(
@@ -316,7 +315,7 @@ class Trainer:
             counters.start([samples, tokens, local_stop, *agreement.local_values()])
             if active[_BATCH_START]:
                 engine.run_event(_BATCH_START)
-            start = time.perf_counter()
+            start = perf_counter()
             self._train_batch(active)
             sums = counters.wait()
             global_samples, global_tokens, stops = sums[0], sums[1], sums[2]
@@ -326,7 +325,7 @@ class Trainer:
                 agreement.set_sums(sums[3:])
             state.global_batch_num_samples, state.global_batch_num_tokens = global_samples, global_tokens
             state.timestamp = state.timestamp.to_next_batch(  # timedelta(days, seconds): cheaper than seconds=
-                global_samples, global_tokens, datetime.timedelta(0, time.perf_counter() - start)
+                global_samples, global_tokens, timedelta(0, perf_counter() - start)
             )
             for scheduler in state.schedulers:
                 scheduler.step()
@@ -357,7 +356,10 @@ class Trainer:
         create_graph = any(a.backwards_create_graph for a in state.algorithms) if state.algorithms else False
         # One context per batch, entered for each forward and loss (never nested); none for fp32.
         autocast = None if state.precision is Precision.FP32 else self.autocast()
-        self.forward_backward_batch(active, autocast, create_graph)
+        if self._auto is None and state.grad_accum == 1:  # one microbatch (as `accumulate`), two calls less
+            state.loss = self._forward_backward(state.batch, 0, active, autocast, create_graph).detach()
+        else:
+            self.forward_backward_batch(active, autocast, create_graph)
         if scaler is not None:
             for optimizer in state.optimizers:
                 scaler.unscale_(optimizer)
@@ -439,15 +441,18 @@ class Trainer:
             engine.run_event(_AFTER_LOSS)
         if active[_BEFORE_BACKWARD]:
             engine.run_event(_BEFORE_BACKWARD)
-        loss = total_loss(state.loss)
+        loss: torch.Tensor = state.loss
+        if type(loss) is not torch.Tensor:  # a dict/tuple of losses, or a tensor subclass
+            loss = total_loss(loss)
         if total_samples:  # fit checked train_spec (check_can_fit)
             loss = loss * (self.train_spec.get_num_samples_in_batch(state.batch) / total_samples)  # type: ignore[union-attr]
         scaler, counters = state.scaler, self._counters
-        if scaler is not None:
-            counters.carry(scaler.scale(loss)).backward(create_graph=create_graph)
+        backward_loss = loss if scaler is None else scaler.scale(loss)
+        if counters.on_gradients:  # under DDP the batch's counters ride on this backward (counters.py)
+            counters.carry(backward_loss).backward(create_graph=create_graph)
+            counters.after_backward()
         else:
-            counters.carry(loss).backward(create_graph=create_graph)
-        counters.after_backward()
+            backward_loss.backward(create_graph=create_graph)
         if active[_AFTER_BACKWARD]:
             engine.run_event(_AFTER_BACKWARD)
         return loss
