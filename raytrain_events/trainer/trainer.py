@@ -62,6 +62,7 @@ _BEFORE_FORWARD, _AFTER_FORWARD = Event.BEFORE_FORWARD, Event.AFTER_FORWARD
 _BEFORE_LOSS, _AFTER_LOSS = Event.BEFORE_LOSS, Event.AFTER_LOSS
 _BEFORE_BACKWARD, _AFTER_BACKWARD = Event.BEFORE_BACKWARD, Event.AFTER_BACKWARD
 _BATCH_END, _BATCH_CHECKPOINT = Event.BATCH_END, Event.BATCH_CHECKPOINT
+_FP32 = Precision.FP32  # per batch `Precision.FP32` is an unspecialized lookup (3.11: EnumType.__getattr__)
 
 
 class Trainer:
@@ -355,7 +356,7 @@ class Trainer:
             engine.run_event(_BEFORE_TRAIN_BATCH)
         create_graph = any(a.backwards_create_graph for a in state.algorithms) if state.algorithms else False
         # One context per batch, entered for each forward and loss (never nested); none for fp32.
-        autocast = None if state.precision is Precision.FP32 else self.autocast()
+        autocast = None if state.precision is _FP32 else self.autocast()
         if self._auto is None and state.grad_accum == 1:  # one microbatch (as `accumulate`), two calls less
             state.loss = self._forward_backward(state.batch, 0, active, autocast, create_graph).detach()
         else:
