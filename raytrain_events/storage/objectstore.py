@@ -22,8 +22,9 @@ Here (S3 through s3fs, the requests going through ``fs._call_s3``, s3fs's own re
   (an S3 lifecycle rule ``AbortIncompleteMultipartUpload`` reclaims its storage).
 * ``fetch_verified`` downloads ``[0, size)`` in ``part_size`` ranges (``fs.max_concurrency`` at a
   time, no HEAD: the caller knows the size) straight into one preallocated buffer, while the
-  calling thread checksums (CRC32 or sha256, as the caller asks) each range's arrived prefix in order. A size mismatch is seen from the
-  first response's ``Content-Length``/``Content-Range``, before reading the body.
+  calling thread checksums (CRC32 or sha256, as the caller asks) each range's arrived prefix in
+  order. A size mismatch is seen from the first response's ``Content-Length``/``Content-Range``,
+  before reading the body.
 
 ``part_size`` is ``fs.default_block_size`` (s3fs: 50 MiB; the ``default_block_size`` storage
 option) and the concurrency ``fs.max_concurrency`` (s3fs: 10; the ``max_concurrency`` option):
