@@ -22,6 +22,7 @@ Usage::
     python bench/loop_overhead.py 256 --clock cpu    # thread CPU time (a busy shared machine)
     python bench/loop_overhead.py 256 --bytecodes    # deterministic: Python bytecodes per step, by function
     python bench/loop_overhead.py 256 --instructions # deterministic: x86 instructions per step (valgrind)
+    python bench/loop_overhead.py 256 --instructions --cache-sim  # + simulated cache misses, mispredicts
 
 See bench/README.md for how to read the output and the numbers last measured.
 """
@@ -243,12 +244,21 @@ def _callgrind_child(hidden: int) -> None:
             control(f"--dump={arm}-{epochs}")
 
 
-def instructions(hidden: int) -> None:
+# --cache-sim: valgrind's cache model with this machine's L1 (32 KiB, 8-way) and its 512 KiB L2 as the
+# "last level", so an LL miss is an access that leaves the core's private caches.
+_CACHE_SIM = ["--cache-sim=yes", "--branch-sim=yes", "--D1=32768,8,64", "--I1=32768,8,64", "--LL=524288,8,64"]
+# Rough cycle weights for an estimate of what the extra events cost (an L2 hit, an L3 hit, a mispredict).
+_WEIGHTS = {"Ir": 1, "I1mr": 10, "D1mr": 10, "D1mw": 10, "ILmr": 40, "DLmr": 40, "DLmw": 40, "Bcm": 15, "Bim": 15}
+
+
+def instructions(hidden: int, cache_sim: bool = False) -> None:
     """Deterministic: x86 instructions per step of each arm, counted by valgrind's callgrind (minutes).
 
     Only the fits are instrumented (toggled on after import and warm-up). "per step" is (3-epoch fit
     - 1-epoch fit) / 128 steps, so set-up cancels; "per step of a 3-epoch fit" is what the timing
-    divides (fit wall time / 192 steps), fit set-up included."""
+    divides (fit wall time / 192 steps), fit set-up included. ``cache_sim`` also simulates caches and
+    branch prediction (about twice as slow) and prints misses and mispredicts per step: the extra Python
+    of our loop runs between MKL calls that evict it, so it costs far more cycles per instruction."""
     import re
     import shutil
     import tempfile
@@ -258,17 +268,21 @@ def instructions(hidden: int) -> None:
     with tempfile.TemporaryDirectory() as out:
         subprocess.run(
             ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}/cg.out"]
+            + (_CACHE_SIM if cache_sim else [])
             + [sys.executable, os.path.abspath(__file__), str(hidden), "--callgrind-child"],
             check=True,
             capture_output=True,
         )
-        totals = {}
+        events: dict = {}
         for name in os.listdir(out):
             text = open(os.path.join(out, name)).read()
             label = re.search(r"^desc: Trigger: dump (\S+)$", text, re.M)
             if label:
-                totals[label.group(1)] = int(re.search(r"^totals: (\d+)$", text, re.M).group(1))
+                names = re.search(r"^events: (.+)$", text, re.M).group(1).split()
+                values = re.search(r"^totals: (.+)$", text, re.M).group(1).split()
+                events[label.group(1)] = dict(zip(names, map(int, values)))
     steps = N // B
+    totals = {label: counts["Ir"] for label, counts in events.items()}
     step = {arm: (totals[f"{arm}-3"] - totals[f"{arm}-1"]) / (2 * steps) for arm in ("raw", "ours")}
     fit = {arm: totals[f"{arm}-3"] / (3 * steps) for arm in ("raw", "ours")}
     print(
@@ -279,6 +293,18 @@ def instructions(hidden: int) -> None:
         f"  per step of a 3-epoch fit (set-up included): raw={fit['raw'] / 1e6:.3f}M ours={fit['ours'] / 1e6:.3f}M "
         f"ratio={fit['ours'] / fit['raw']:.4f}"
     )
+    if cache_sim:
+        per = {
+            arm: {e: (events[f"{arm}-3"][e] - events[f"{arm}-1"][e]) / (2 * steps) for e in events[f"{arm}-3"]}
+            for arm in ("raw", "ours")
+        }
+        for e in per["raw"]:
+            r, o = per["raw"][e], per["ours"][e]
+            print(f"  {e:5s} raw={r:11.0f} ours={o:11.0f} extra={o - r:+9.0f}")
+        extra = sum(w * (per["ours"][e] - per["raw"][e]) for e, w in _WEIGHTS.items())
+        print(
+            f"  extra cycles/step (estimate: Ir + 10 x L1 misses + 40 x L2 misses + 15 x mispredicts) = {extra / 1e3:+.1f}k"
+        )
 
 
 def main() -> None:
@@ -305,6 +331,11 @@ def main() -> None:
         action="store_true",
         help="count x86 instructions per step with valgrind's callgrind instead of timing (deterministic)",
     )
+    parser.add_argument(
+        "--cache-sim",
+        action="store_true",
+        help="with --instructions: also simulate caches and branch prediction (misses/mispredicts per step)",
+    )
     parser.add_argument("--callgrind-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--memory-child", choices=sorted(ARMS), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -317,7 +348,7 @@ def main() -> None:
         _callgrind_child(args.hidden)
         return
     if args.instructions:
-        instructions(args.hidden)
+        instructions(args.hidden, args.cache_sim)
         return
     if args.bytecodes:
         bytecodes(args.hidden)
