@@ -1,4 +1,4 @@
-"""Checksums of checkpoint files: CRC32 arithmetic, the hashing thread, torch's zip CRC switched off.
+"""Checksums of checkpoint files: the hashing thread, torch's zip CRC switched off (CRC arithmetic: storage/crc32.py).
 
 * ``crc32_combine`` (from ``storage/crc32.py``, where the CRC arithmetic lives): a packed
   checkpoint (``packed.py``) checksums each file while ``torch.save`` produces it; with it,

@@ -53,7 +53,7 @@ class UnsafeCheckpointError(CheckpointError):
 @dataclasses.dataclass(frozen=True)
 class FileEntry:
     """One file of a checkpoint: its checksum is ``crc32`` (8 hex digits; ``sha256`` is then "")
-    or, in format_version 1 and 2 and for DCP shards, ``sha256``; see ``checksum``."""
+    or ``sha256`` (format_version 1 and 2, and entries a caller made with hashlib); see ``checksum``."""
 
     name: str
     size: int
