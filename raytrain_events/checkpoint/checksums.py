@@ -27,14 +27,13 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
-import hashlib
 import threading
-import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from raytrain_events.storage.crc32 import crc32_combine as crc32_combine  # re-exported
 from raytrain_events.storage.crc32 import crc32_hex as crc32_hex  # re-exported
+from raytrain_events.storage.crc32 import new_checksum
 
 try:
     from torch.utils.serialization import config as _torch_config
@@ -46,9 +45,9 @@ BATCH = 256 * 2**10  # measured: 1 MiB states pack 0.3 ms faster than with 1 MiB
 
 def checksum(algorithm: str, data: Any) -> str:
     """Hex digest of ``data`` with ``algorithm`` ("crc32" or "sha256")."""
-    if algorithm == "crc32":
-        return crc32_hex(zlib.crc32(data))
-    return hashlib.sha256(data).hexdigest()
+    digest = new_checksum(algorithm)
+    digest.update(data)
+    return str(digest.hexdigest())
 
 
 def checksum_meanwhile(algorithm: str, data: Any) -> Callable[[], str]:

@@ -20,9 +20,8 @@ so the previous checkpoint stays ``latest`` and loadable. The manifest records
 ``format_version`` (``FORMAT_VERSION``), the library version, creation time, the caller's
 ``timestamp`` dict (plain ints), ``world_size``, free-form JSON ``metadata`` and, per file,
 its name, size and checksum (detects truncation and bit rot): CRC32 (``packed.py`` says why
-that is enough; multi-file format_version 1 and packed 2, still read, recorded a sha256). A
-manifest whose ``FileEntry``s all carry sha256s (made by a caller of ``commit_checkpoint``) is
-written as format_version 1, which every reader of this layout reads.
+that is enough; versions 1 and 2, still read, recorded sha256s, and are still written, as 1,
+when every ``FileEntry`` a caller commits carries a sha256).
 
 Why ``torch.save`` + ``torch.load(weights_only=True)`` and not torch.distributed.checkpoint:
 DCP reads its ``.metadata`` with plain ``pickle`` (code execution on load), and for DDP the
@@ -34,16 +33,14 @@ uploads its own ``rng_file_name(r)`` with ``write_checkpoint_file`` and sends th
 ``FileEntry`` to rank 0, which uploads its files and calls ``commit_checkpoint`` with all
 entries. ``write_checkpoint`` does all of that for one process.
 
-I/O paths (the bytes on storage are the same either way):
+I/O paths (the bytes on storage are the same either way; our ``torch.save`` calls skip torch's
+zip CRC32, ``checksums.torch_zip_crc_off``, as ours covers the bytes):
 
-Our ``torch.save`` calls skip torch's zip CRC32 (``checksums.torch_zip_crc_off``): our checksum
-covers the same bytes and ``torch.load`` never checks torch's.
-
-* Save, local: ``torch.save`` streams into the temp file, CRC32ed and counted on the way (no
-  in-memory copy, no second pass), then fsync + rename (``local_atomic_writer``). Object
-  stores: ``torch.save`` streams into ``storage.objectstore.open_upload``: below two parts one
-  PUT carrying the CRC32; above, a multipart upload whose parts go up in parallel, each with
-  its CRC32, while ``torch.save`` produces the next ones, completed (or aborted) before the manifest.
+* Save, local: ``torch.save`` streams into the temp file, CRC32ed on the way, then fsync +
+  rename (``local_atomic_writer``). Object stores: ``torch.save`` streams into
+  ``storage.objectstore.open_upload``: below two parts one PUT carrying the CRC32; above, a
+  multipart upload whose parts go up in parallel with their CRC32s, completed (or aborted)
+  before the manifest.
 * Load, local files >= 1 MiB on POSIX: size check, checksum over an ``mmap``, then
   ``torch.load(path, mmap=True)``: no read copy; tensors are copy-on-write (``MAP_PRIVATE``)
   views of the page cache, copied when ``load_state_dict`` copies from them or written to.
@@ -54,12 +51,11 @@ covers the same bytes and ``torch.load`` never checks torch's.
   can make not-yet-read pages unreadable; the Trainer copies weights out at once and the first
   step rewrites optimizer state, so only state a run never touches stays mapped.
 * Load, packed: one plain GET of ``manifest.json`` (no HEAD), the length and each file's
-  crc32 (version 2: sha256) checked, ``torch.load`` from views of that buffer (no copy). A listing reads the first
-  ``packed.HEAD_BYTES`` of each manifest (one ranged GET each, concurrent).
-* Load, object stores: ``storage.objectstore.fetch_verified``: no HEAD (the manifest has the
-  size), one GET per part-sized range, concurrent, into one buffer that ``torch.load`` reads
-  without another copy, hashed in order while later ranges still arrive; a wrong size is seen
-  from the first response's headers.
+  checksum checked, ``torch.load`` from views of that buffer (no copy). A listing reads the
+  first ``packed.HEAD_BYTES`` of each manifest (one ranged GET each, concurrent).
+* Load, object stores: ``storage.objectstore.fetch_verified``: no HEAD, concurrent ranged GETs
+  into one buffer that ``torch.load`` reads without a copy, checksummed in order as ranges
+  arrive; a wrong size is seen from the first response's headers.
 """
 
 from __future__ import annotations

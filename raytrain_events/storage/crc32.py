@@ -8,6 +8,8 @@
   (zlib's ``crc32_combine``, which Python's ``zlib`` does not expose; ~50 us in Python). Parts
   checksummed separately (a multipart upload's parts, a packed object's files) give the whole
   file's CRC32 without another pass.
+* ``new_checksum``: the one place that maps a manifest's algorithm name ("crc32", or "sha256"
+  of older checkpoints) to a checksum object.
 * ``s3_checksum``: how S3 wants it in ``ChecksumCRC32`` (base64 of the 4 big-endian bytes).
   A request that carries it is verified by the object store, and botocore then does not
   compute its own CRC32 over the body again.
@@ -16,6 +18,7 @@
 from __future__ import annotations
 
 import base64
+import hashlib
 import zlib
 from typing import Any
 
@@ -45,6 +48,15 @@ class Crc32:
 
     def hexdigest(self) -> str:
         return crc32_hex(self.value)
+
+
+def new_checksum(algorithm: str) -> Any:
+    """An incremental checksum object for ``algorithm``: "crc32" (``Crc32``) or "sha256" (hashlib)."""
+    if algorithm == "crc32":
+        return Crc32()
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    raise ValueError(f"Unknown checksum algorithm {algorithm!r}: expected 'crc32' or 'sha256'.")
 
 
 def _multmodp(a: int, b: int) -> int:

@@ -6,7 +6,7 @@ nothing, so a checkpoint save was serialize -> sha256 pass -> PUT, and a load GE
 Here (S3 through s3fs, the requests going through ``fs._call_s3``, s3fs's own retrying call path):
 
 * ``open_upload`` gives a write-only file for ``torch.save`` whose checksum is the file's CRC32
-  (``crc32()``, ``hexdigest()``), computed once and sent with the requests: botocore would
+  (``hexdigest()``), computed once and sent with the requests: botocore would
   otherwise CRC32 every request body itself (its default ``when_supported`` checksums), so the
   store verifies what we serialized and nothing is checksummed twice. Below ``2 * part_size``
   nothing is sent until ``finish``, which CRC32s the bytes and sends one PUT (as
@@ -37,13 +37,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import hashlib
 import io
 import threading
 import zlib
 from typing import Any
 
-from raytrain_events.storage.crc32 import Crc32, crc32_combine, s3_checksum
+from raytrain_events.storage.crc32 import Crc32, crc32_combine, new_checksum, s3_checksum
 from raytrain_events.storage.errors import StorageError
 from raytrain_events.storage.fs import _is_s3, _storage_error, read_bytes, to_url, write_bytes_atomic
 
@@ -82,10 +81,6 @@ class ObjectUpload:
 
     def flush(self) -> None:
         pass
-
-    def crc32(self) -> int:
-        """The CRC32 of everything written (complete once ``finish`` returned)."""
-        return self._crc.value
 
     def hexdigest(self) -> str:
         return self._crc.hexdigest()
@@ -302,16 +297,10 @@ def fetch_verified(fs: Any, path: str, size: int, algorithm: str = "crc32") -> t
         data = read_bytes(fs, path, size_hint=size)
         if len(data) != size:
             return data, len(data), None
-        digest = _new_hash(algorithm)
+        digest = new_checksum(algorithm)
         digest.update(data)
         return data, size, digest.hexdigest()
     return _S3Fetch(fs, path, size, algorithm).run()
-
-
-def _new_hash(algorithm: str) -> Any:
-    if algorithm not in ("crc32", "sha256"):
-        raise ValueError(f"Unknown checksum algorithm {algorithm!r}: expected 'crc32' or 'sha256'.")
-    return Crc32() if algorithm == "crc32" else hashlib.sha256()
 
 
 def reader(buf: Any) -> io.RawIOBase | io.BytesIO:
@@ -362,7 +351,7 @@ class _S3Fetch:
 
     def run(self) -> tuple[Any, int, str | None]:
         fut = asyncio.run_coroutine_threadsafe(self._download(), self.fs.loop)
-        sha = _new_hash(self.algorithm)
+        sha = new_checksum(self.algorithm)
         mv = memoryview(self.buf)
         try:
             for i, (a, b) in enumerate(self.ranges):
