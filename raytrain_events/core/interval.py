@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Union
 
 from raytrain_events.core.event import Event
 from raytrain_events.core.time import Time, TimeUnit, ensure_time
+from raytrain_events.core.timestamp import _ATTR_OF_UNIT as _FIELD_OF_UNIT
 
 if TYPE_CHECKING:
     from raytrain_events.core.state import State
@@ -26,8 +27,12 @@ def is_done(state: State) -> bool:
     max_duration = state.max_duration
     if max_duration is None:  # a State without a duration (tests, tools) never finishes by itself
         return False
-    # Time's fields directly: this runs once per batch, and its properties are Python calls.
-    done: bool = state.timestamp.get_value(max_duration._unit) >= max_duration._value
+    # Time's and Timestamp's fields directly: this runs once per batch, and their methods are Python calls.
+    field = _FIELD_OF_UNIT.get(max_duration._unit)
+    if field is None:  # 'dur', which a Timestamp cannot count: get_value raises and says why
+        state.timestamp.get_value(max_duration._unit)
+        return False
+    done: bool = getattr(state.timestamp, field) >= max_duration._value
     return done
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import time
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -257,9 +257,9 @@ class Trainer:
                 break
         engine.run_event(Event.FIT_END)
 
-    def _run_epoch(self) -> bool:
-        """One pass over the train data; True if it stopped before the data ran out."""
-        state, engine, spec, counters = self.state, self.engine, self.train_spec, self._counters
+    def _epoch_iterator(self) -> Tuple[Iterator[Any], int]:
+        """The train data's iterator for this epoch, past the batches a mid-epoch resume already trained; and their count."""
+        state, spec = self.state, self.train_spec
         assert spec is not None  # fit checked (check_can_fit)
         loader = spec.dataloader
         set_epoch(loader, state.epoch)
@@ -281,10 +281,20 @@ class Trainer:
             next(iterator, None)
         if skip and resume_rng is not None:
             restore_rng_state(resume_rng[1])
+        return iterator, skip
+
+    def _run_epoch(self) -> bool:
+        """One pass over the train data; True if it stopped before the data ran out."""
+        state, engine, spec, counters = self.state, self.engine, self.train_spec, self._counters
+        assert spec is not None  # fit checked (check_can_fit)
+        iterator, skip = self._epoch_iterator()
         device, counts_tokens, grad_accum = self.device, spec.counts_tokens, state.grad_accum
         on_cpu, device_transforms = device.type == "cpu", spec.device_transforms
         num_samples, agreement = spec.get_num_samples_in_batch, state.agreement
         perf_counter, timedelta = time.perf_counter, datetime.timedelta
+        # One process (and no auto microbatching, whose counters agree per attempt): the sums are
+        # this rank's values, so the batch needs no counter calls at all.
+        single = self._auto is None and not self.dist.is_distributed
         batches = 0
         while True:
             # Events nobody listens to are skipped: no algorithms, and no callback overrides them.
@@ -313,20 +323,29 @@ class Trainer:
             # One sum per batch (riding on DDP's gradient all-reduce where it can): counts, a stop,
             # and every registered agreement flag.
             local_stop = 1 if state.stop_requested and not state.stop_consistent else 0
-            counters.start([samples, tokens, local_stop, *agreement.local_values()])
+            if single:  # the flags as asked before the batch, as the ranks' sum would have them
+                flags = agreement.local_values()
+                if flags:
+                    flags = flags.copy()
+            else:
+                counters.start([samples, tokens, local_stop, *agreement.local_values()])
             if active[_BATCH_START]:
                 engine.run_event(_BATCH_START)
             start = perf_counter()
             self._train_batch(active)
-            sums = counters.wait()
-            global_samples, global_tokens, stops = sums[0], sums[1], sums[2]
-            if stops:
+            if single:
+                if flags:
+                    agreement.set_sums(flags)
+            else:
+                sums = counters.wait()
+                samples, tokens, local_stop = sums[0], sums[1], sums[2]
+                if len(sums) > 3:
+                    agreement.set_sums(sums[3:])
+            if local_stop:
                 state.stop_requested = state.stop_consistent = True
-            if len(sums) > 3:
-                agreement.set_sums(sums[3:])
-            state.global_batch_num_samples, state.global_batch_num_tokens = global_samples, global_tokens
+            state.global_batch_num_samples, state.global_batch_num_tokens = samples, tokens
             state.timestamp = state.timestamp.to_next_batch(  # timedelta(days, seconds): cheaper than seconds=
-                global_samples, global_tokens, timedelta(0, perf_counter() - start)
+                samples, tokens, timedelta(0, perf_counter() - start)
             )
             for scheduler in state.schedulers:
                 scheduler.step()

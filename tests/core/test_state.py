@@ -339,3 +339,34 @@ def test_model_mismatch_names_shapes_and_keys():
     assert model_mismatch(model, {"w": (2, 3)}, strict=False) is None  # partial load allowed when not strict
     assert "missing in checkpoint: ['b']" in model_mismatch(model, {"w": (2, 3)}, strict=True)
     assert "not in model: ['x']" in model_mismatch(model, {"x": None}, strict=False)  # shares no key: loads nothing
+
+
+@pytest.mark.parametrize(
+    "max_duration,done_at",
+    [
+        ("2ep", Timestamp(epoch=2)),
+        ("5ba", Timestamp(batch=5)),
+        ("320sp", Timestamp(sample=320)),
+        ("1000tok", Timestamp(token=1000)),
+    ],
+)
+def test_is_done_compares_the_timestamp_in_the_durations_unit(max_duration: str, done_at: Timestamp) -> None:
+    from raytrain_events.core.interval import is_done
+
+    state = State(model=linear(), max_duration=max_duration)
+    assert not is_done(state)
+    state.timestamp = done_at.copy(epoch=done_at.epoch.value, batch=max(0, done_at.batch.value - 1))
+    assert is_done(state) == (done_at.batch.value == 0)  # one batch short in 'ba'; the others reached
+    state.timestamp = done_at
+    assert is_done(state)
+    state.max_duration = None
+    assert not is_done(state)
+
+
+def test_is_done_refuses_a_duration_a_timestamp_cannot_count() -> None:
+    from raytrain_events.core.interval import is_done
+
+    state = State(model=linear(), max_duration="1ep")
+    state.max_duration = Time(0.5, TimeUnit.DURATION)  # set by hand, past the checks of the Trainer
+    with pytest.raises(ValueError, match="State.get_elapsed_duration"):
+        is_done(state)
