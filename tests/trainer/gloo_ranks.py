@@ -113,8 +113,13 @@ def _separate_collective() -> None:
     trainer_module.wrap_for_training = lambda trainer, counted: wrap(trainer, False)
 
 
-def train(rank: int, world_size: int, *, grad_accum: int = 1, epochs: int = 2, on_gradients: bool = True) -> dict:
-    """Train `TinyModel` on this rank's uneven shard; return counters, timestamp and weights."""
+def train(
+    rank: int, world_size: int, *, grad_accum: int = 1, epochs: int = 2, on_gradients: bool = True, tokens: bool = True
+) -> dict:
+    """Train `TinyModel` on this rank's uneven shard; return counters, timestamp and weights.
+
+    Without ``tokens`` the batches count no tokens, so every batch but the short last one sends the
+    same counters (the path where `BatchCounters` reuses its last encoding and decoding)."""
     layout = rank_layout(rank)
     data = TokenRows(rank, layout["rows"])
     loader = DataLoader(data, batch_size=layout["batch_size"], shuffle=False)
@@ -124,7 +129,7 @@ def train(rank: int, world_size: int, *, grad_accum: int = 1, epochs: int = 2, o
         _separate_collective()
     trainer = Trainer(
         model=model,
-        train_dataloader=DataSpec(loader, get_num_tokens_in_batch=lambda b: int(b[2].sum())),
+        train_dataloader=DataSpec(loader, get_num_tokens_in_batch=(lambda b: int(b[2].sum())) if tokens else None),
         max_duration=f"{epochs}ep",
         optimizers=torch.optim.SGD(model.parameters(), lr=0.05),
         grad_accum=grad_accum,

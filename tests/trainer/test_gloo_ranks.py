@@ -48,6 +48,19 @@ def test_counters_ride_on_ddp_and_stay_exact(world_size, grad_accum):
             torch.testing.assert_close(value, results[0]["weights"][name], rtol=0, atol=0)
 
 
+def test_repeated_counters_stay_exact_across_short_batches_and_epochs():
+    """Full batches repeat their counters, the short last batch differs, the next epoch repeats again."""
+    epochs = 3
+    results = run_ranks(train, 2, epochs=epochs, tokens=False)
+    assert all(r["on_gradients"] for r in results)
+    rows = sum(r["local_rows"] for r in results)
+    for r in results:
+        assert r["global_samples"] == _expected_per_batch(2) * epochs
+        assert r["global_tokens"] == [0] * (BATCHES * epochs)
+        ts = r["timestamp"]
+        assert (ts["batch"], ts["sample"], ts["token"]) == (epochs * BATCHES, epochs * rows, 0)
+
+
 def test_gradient_path_matches_the_separate_collective():
     on_grads = run_ranks(train, 2, grad_accum=2, epochs=1)
     separate = run_ranks(train, 2, grad_accum=2, epochs=1, on_gradients=False)
