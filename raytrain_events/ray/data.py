@@ -235,10 +235,20 @@ class GlobalOrderLoader:
         self.position = samples_in_epoch
 
     def __iter__(self):
+        """The epoch's batches, made one to ``prefetch_batches`` ahead in a thread (`prefetched`): the
+        train thread only takes finished batches, as from Ray Data's ``iter_torch_batches``."""
         import ray
 
-        shard, epoch, position = self.shard, self.epoch, self.position
-        ray.get(shard.feeder.start_epoch.remote(epoch, position, self.order_seed))
+        from raytrain_events.ray.prefetch import prefetched
+
+        epoch, position = self.epoch, self.position
+        ray.get(self.shard.feeder.start_epoch.remote(epoch, position, self.order_seed))
+        return prefetched(self._batches(epoch, position), self.prefetch_batches, "raytrain-train-batches")
+
+    def _batches(self, epoch: int, position: int):
+        import ray
+
+        shard = self.shard
         # Batches are asked for in chunks (1, 2, 4... up to `_MAX_CHUNK`, at least `prefetch_batches`),
         # one chunk always in flight: an early first batch, then one feeder call per many batches.
         first, count = 0, self.prefetch_batches
