@@ -13,10 +13,11 @@ which measured 0.5-0.9 ms of CPU per batch on Ray workers. The counters travel a
 microbatches the counters ride on the last, synchronized backward; every other synchronized
 backward of the batch carries zeros, because DDP expects a gradient for every parameter.
 
-Where that is not possible (one process, FSDP, auto microbatching, DDP with
-``find_unused_parameters`` as LayerFreezing asks, more values than the parameter holds, or a
-batch whose backward reduced nothing) the counters are summed as before by
-`Dist.sum_ints_async`, started before the batch so it overlaps with forward and backward.
+Where that is not possible (FSDP, auto microbatching, DDP with ``find_unused_parameters`` as
+LayerFreezing asks, more values than the parameter holds, or a batch whose backward reduced
+nothing) the counters are summed as before by `Dist.sum_ints_async`, started before the batch so
+it overlaps with forward and backward. In one process the loop uses none of this: the batch's
+values are the sums (`Trainer._run_epoch`).
 """
 
 from typing import TYPE_CHECKING, Any, List, Optional, Sequence
@@ -108,7 +109,6 @@ class BatchCounters:
         self.dist = dist
         module = ddp.module if ddp is not None else None
         self.on_gradients = dist.is_distributed and isinstance(module, CountedModule)
-        self._single = not dist.is_distributed  # one process: the sums are the values
         self._values: Optional[List[int]] = None
         self._pending: Optional[PendingSum] = None  # the separate collective, where the gradients cannot carry
         self._grad: Optional[torch.Tensor] = None  # this batch's pieces, until a synchronized backward takes them
@@ -135,9 +135,6 @@ class BatchCounters:
     # ------------------------------------------------------------------ loop
     def start(self, values: Sequence[int]) -> None:
         """Begin summing ``values`` for this batch (before its forward)."""
-        if self._single:
-            self._values = list(values)
-            return
         if self.on_gradients and len(values) <= MAX_VALUES:
             values = list(values)
             if values != self._encoded:  # most batches send what the last one sent: the buffer holds it
@@ -192,10 +189,6 @@ class BatchCounters:
 
     def wait(self) -> List[int]:
         """The sums of this batch's values over all ranks (after its backward)."""
-        if self._single:
-            values, self._values = self._values, None
-            assert values is not None, "BatchCounters.wait() without start()"
-            return values
         pending, self._pending = self._pending, None
         if pending is not None:
             return pending.wait()
@@ -210,8 +203,9 @@ class BatchCounters:
             self._event.synchronize()
         sums, self._sums, self._event = self._sums, None, None
         world_size, needed = self._world_size, len(values) * _pieces_per_value(self._bits)
-        summed = sums[:needed].numpy().tobytes()
+        pieces = sums[:needed]
+        summed = pieces.numpy().tobytes()
         if summed != self._summed:  # the same averaged pieces as the last batch decode to the same sums
-            self._decoded = decode_counters([piece * world_size for piece in sums[:needed].tolist()], self._bits)
+            self._decoded = decode_counters([piece * world_size for piece in pieces.tolist()], self._bits)
             self._summed = summed
         return list(self._decoded)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import time
-from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -37,12 +37,12 @@ from raytrain_events.trainer._setup import (
     check_can_fit,
     eval_intervals,
     set_duration,
-    set_epoch,
     train_inputs,
     wrap_for_training,
 )
 from raytrain_events.trainer.compiling import compile_model, compile_options
 from raytrain_events.trainer.counters import BatchCounters
+from raytrain_events.trainer.epoch_start import epoch_iterator
 from raytrain_events.trainer.evaluation import ensure_evaluators, run_evaluation
 from raytrain_events.trainer.microbatching import AUTO, AutoMicrobatching, DeferredCounters, parse_grad_accum
 from raytrain_events.trainer.predict import run_predict
@@ -257,37 +257,12 @@ class Trainer:
                 break
         engine.run_event(Event.FIT_END)
 
-    def _epoch_iterator(self) -> Tuple[Iterator[Any], int]:
-        """The train data's iterator for this epoch, past the batches a mid-epoch resume already trained; and their count."""
-        state, spec = self.state, self.train_spec
-        assert spec is not None  # fit checked (check_can_fit)
-        loader = spec.dataloader
-        set_epoch(loader, state.epoch)
-        skip = state.timestamp.batch_in_epoch.value  # mid-epoch resume: batches already trained
-        resume_rng = self._checkpointer.take_resume_rng() if self._checkpointer is not None else None
-        set_position = getattr(loader, "set_position", None)
-        if skip and callable(set_position):
-            # The loader starts after the epoch's first global samples itself (at the data level).
-            set_position(state.timestamp.sample_in_epoch.value)
-            resume_rng = None
-        if skip and resume_rng is not None:
-            # Replay the epoch start exactly (a shuffling sampler draws from the global RNG in
-            # iter()), skip what was trained, then continue from the checkpoint's RNG state.
-            from raytrain_events.checkpoint.rng import restore_rng_state
-
-            restore_rng_state(resume_rng[0])
-        iterator = iter(loader)
-        for _ in range(0 if callable(set_position) else skip):
-            next(iterator, None)
-        if skip and resume_rng is not None:
-            restore_rng_state(resume_rng[1])
-        return iterator, skip
-
     def _run_epoch(self) -> bool:
         """One pass over the train data; True if it stopped before the data ran out."""
         state, engine, spec, counters = self.state, self.engine, self.train_spec, self._counters
         assert spec is not None  # fit checked (check_can_fit)
-        iterator, skip = self._epoch_iterator()
+        resume_rng = self._checkpointer.take_resume_rng() if self._checkpointer is not None else None
+        iterator, skip = epoch_iterator(spec.dataloader, state, resume_rng)
         device, counts_tokens, grad_accum = self.device, spec.counts_tokens, state.grad_accum
         on_cpu, device_transforms = device.type == "cpu", spec.device_transforms
         num_samples, agreement = spec.get_num_samples_in_batch, state.agreement
