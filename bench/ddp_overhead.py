@@ -137,13 +137,15 @@ class Arms:
             self._fitted = True
 
 
-def _rank_main(rank: int, ranks: int, port: int, out: str, hidden: int, rounds: int, perf: bool) -> None:
+def _rank_main(
+    rank: int, ranks: int, port: int, out: str, hidden: int, rounds: int, perf: bool, arms_run: tuple
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     tdist.init_process_group("gloo", rank=rank, world_size=ranks)
     try:
         arms = Arms(hidden, rank)
-        for name in ARMS:  # warm-up epoch, not recorded
+        for name in arms_run:  # warm-up epoch, not recorded
             _timed(getattr(arms, name))
         sampler = None
         if perf and rank == 0:
@@ -153,7 +155,7 @@ def _rank_main(rank: int, ranks: int, port: int, out: str, hidden: int, rounds: 
             time.sleep(1.0)  # perf attaches
         records = []
         for i in range(rounds):
-            for name in ARMS[i % len(ARMS) :] + ARMS[: i % len(ARMS)]:
+            for name in arms_run[i % len(arms_run) :] + arms_run[: i % len(arms_run)]:
                 start = time.perf_counter()
                 wall, cpu = _timed(getattr(arms, name))
                 records.append(
@@ -183,17 +185,21 @@ def _quartiles(values: list) -> str:
     return f"median {statistics.median(values):.3f} (quartiles {q[0]:.3f}-{q[2]:.3f})"
 
 
-def report_timing(records: list, args) -> None:
-    rounds = _per_round(records)
+def _arms_in(records: list) -> list:
+    return [name for name in ARMS if any(r["arm"] == name for r in records)]
+
+
+def report_timing(records: list) -> None:
+    rounds, arms = _per_round(records), _arms_in(records)
     print()
     print("| arm   | wall per batch (µs) | main-thread CPU per batch (µs) |")
     print("| ----- | ------------------: | -----------------------------: |")
-    for name in ARMS:
+    for name in arms:
         wall = statistics.median(r[name]["wall"] for r in rounds.values()) / BATCHES * 1e6
         cpu = statistics.median(r[name]["cpu"] for r in rounds.values()) / BATCHES * 1e6
         print(f"| {name:5s} | {wall:19.1f} | {cpu:30.1f} |")
     print()
-    for name in ARMS[1:]:
+    for name in arms[1:]:
         ratios = [r["plain"]["wall"] / r[name]["wall"] for r in rounds.values()]
         extra = [(r[name]["cpu"] - r["plain"]["cpu"]) / BATCHES * 1e6 for r in rounds.values()]
         total = sum(r["plain"]["wall"] for r in rounds.values()) / sum(r[name]["wall"] for r in rounds.values())
@@ -218,10 +224,11 @@ def _perf_samples(perf_data: str):
 
 
 def report_perf(records: list, perf_data: str, top: int = 12) -> None:
+    arms = _arms_in(records)
     spans = sorted((r["start"], r["end"], r["arm"]) for r in records)
     starts = [s[0] for s in spans]
-    by_dso = {name: collections.Counter() for name in ARMS}
-    by_symbol = {name: collections.Counter() for name in ARMS}
+    by_dso = {name: collections.Counter() for name in arms}
+    by_symbol = {name: collections.Counter() for name in arms}
     for stamp, symbol, dso in _perf_samples(perf_data):
         i = bisect.bisect_right(starts, stamp) - 1
         if i >= 0 and stamp <= spans[i][1]:
@@ -230,16 +237,16 @@ def report_perf(records: list, perf_data: str, top: int = 12) -> None:
     batches = collections.Counter()
     for r in records:
         batches[r["arm"]] += BATCHES
-    us = {name: 1e6 / PERF_HZ / batches[name] for name in ARMS}  # µs per batch of one sample
+    us = {name: 1e6 / PERF_HZ / batches[name] for name in arms}  # µs per batch of one sample
 
     def extra(table, name, key):
         return table[name][key] * us[name] - table["plain"][key] * us["plain"]
 
     print()
     print(f"perf, rank 0's main thread ({PERF_HZ} Hz, samples assigned to the arm whose epoch ran):")
-    for name in ARMS:
+    for name in arms:
         print(f"  {name:5s}: {sum(by_dso[name].values()) * us[name]:7.1f} µs CPU per batch")
-    for name in ARMS[1:]:
+    for name in arms[1:]:
         print(f"\n{name} - plain, µs per batch, by shared object:")
         keys = sorted(set(by_dso[name]) | set(by_dso["plain"]), key=lambda k: -abs(extra(by_dso, name, k)))
         for key in keys[:6]:
@@ -255,8 +262,14 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=30, help="epochs of each arm (after one warm-up epoch each)")
+    parser.add_argument(
+        "--arms", default=",".join(ARMS), help=f"comma-separated, plain first (default: {','.join(ARMS)})"
+    )
     parser.add_argument("--perf", action="store_true", help="sample rank 0 with perf; split the extra CPU by arm")
     args = parser.parse_args()
+    arms_run = tuple(args.arms.split(","))
+    if arms_run[0] != "plain" or not set(arms_run) <= set(ARMS):
+        parser.error(f"--arms: plain first, then any of {', '.join(ARMS[1:])}")
     if args.ranks < 2:
         parser.error("--ranks must be >= 2 (DDP)")
     if args.perf and shutil.which("perf") is None:
@@ -271,10 +284,12 @@ def main() -> None:
         port = s.getsockname()[1]
     out = tempfile.mkdtemp(prefix="ddp_overhead_")
     try:
-        mp.spawn(_rank_main, args=(args.ranks, port, out, args.hidden, args.rounds, args.perf), nprocs=args.ranks)
+        mp.spawn(
+            _rank_main, args=(args.ranks, port, out, args.hidden, args.rounds, args.perf, arms_run), nprocs=args.ranks
+        )
         with open(os.path.join(out, "records.json")) as f:
             records = json.load(f)
-        report_timing(records, args)
+        report_timing(records)
         if args.perf:
             report_perf(records, os.path.join(out, "perf.data"))
     finally:
