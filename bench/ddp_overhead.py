@@ -4,7 +4,7 @@
 threads and a 15-45 s start-up come with every run. This script takes Ray out: it spawns
 ``--ranks`` processes (gloo on 127.0.0.1, one torch thread each), gives each the same seeded MLP
 64 -> H -> H -> 10, SGD (lr 0.01), cross-entropy and its own 128 in-memory batches of 64 rows
-(dicts with ``x`` and ``y``, as Ray Data yields), and alternates whole epochs of three arms in
+(dicts with ``x`` and ``y``, as Ray Data yields), and alternates whole epochs of its arms in
 the same processes, rotating the order every round:
 
 * **plain**: ``DistributedDataParallel(mlp)``; zero_grad, forward, ``F.cross_entropy``, backward, step.
@@ -14,6 +14,8 @@ the same processes, rotating the order every round:
 * **ours**: ``Trainer(model=ClassifierModel(mlp), dist=TorchDist(), ...)``, built once and trained
   one more epoch per round (``fit(duration="1ep")``): the whole loop, events, global Timestamp and
   the counters on the gradients.
+* **plain2** (only with ``--arms``): plain again, with a model of its own: an A/A control that
+  shows how far two identical arms read apart in this set-up.
 
 Per epoch it reads the wall clock and the main thread's CPU time (``time.thread_time``: what the
 rank's Python and torch kernels cost, without gloo's own threads and without time spent waiting
@@ -30,6 +32,7 @@ Usage::
     python bench/ddp_overhead.py                 # H=256, 2 ranks, 30 rounds (~1 min)
     python bench/ddp_overhead.py --hidden 1024 --rounds 20
     python bench/ddp_overhead.py --perf          # + where the extra CPU goes (needs perf)
+    python bench/ddp_overhead.py --arms plain,plain2,carry --rounds 60   # with the A/A control
 
 Exits 0 whatever the numbers; see bench/README.md, "DDP overhead".
 """
@@ -61,7 +64,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 D, C, B, BATCHES = 64, 10, 64, 128
-ARMS = ("plain", "carry", "ours")
+ARMS = ("plain", "carry", "ours", "plain2")
 PERF_HZ = 4000
 
 
@@ -94,6 +97,8 @@ class Arms:
         ]
         self.plain_model = DDP(make_net(hidden))
         self.plain_opt = torch.optim.SGD(self.plain_model.parameters(), lr=0.01)
+        self.plain2_model = DDP(make_net(hidden))  # the A/A control: plain again, its own model
+        self.plain2_opt = torch.optim.SGD(self.plain2_model.parameters(), lr=0.01)
 
         counted = CountedModule(make_net(hidden), tdist.get_world_size(), torch.device("cpu"))
         self.carry_model, self.slot = DDP(counted), counted.counters
@@ -113,7 +118,12 @@ class Arms:
         self._fitted = False
 
     def plain(self) -> None:
-        model, opt = self.plain_model, self.plain_opt
+        self._plain(self.plain_model, self.plain_opt)
+
+    def plain2(self) -> None:
+        self._plain(self.plain2_model, self.plain2_opt)
+
+    def _plain(self, model, opt) -> None:
         for batch in self.data:
             opt.zero_grad()
             F.cross_entropy(model(batch["x"]), batch["y"]).backward()
@@ -192,12 +202,12 @@ def _arms_in(records: list) -> list:
 def report_timing(records: list) -> None:
     rounds, arms = _per_round(records), _arms_in(records)
     print()
-    print("| arm   | wall per batch (µs) | main-thread CPU per batch (µs) |")
-    print("| ----- | ------------------: | -----------------------------: |")
+    print("| arm    | wall per batch (µs) | main-thread CPU per batch (µs) |")
+    print("| ------ | ------------------: | -----------------------------: |")
     for name in arms:
         wall = statistics.median(r[name]["wall"] for r in rounds.values()) / BATCHES * 1e6
         cpu = statistics.median(r[name]["cpu"] for r in rounds.values()) / BATCHES * 1e6
-        print(f"| {name:5s} | {wall:19.1f} | {cpu:30.1f} |")
+        print(f"| {name:6s} | {wall:19.1f} | {cpu:30.1f} |")
     print()
     for name in arms[1:]:
         ratios = [r["plain"]["wall"] / r[name]["wall"] for r in rounds.values()]
@@ -245,7 +255,7 @@ def report_perf(records: list, perf_data: str, top: int = 12) -> None:
     print()
     print(f"perf, rank 0's main thread ({PERF_HZ} Hz, samples assigned to the arm whose epoch ran):")
     for name in arms:
-        print(f"  {name:5s}: {sum(by_dso[name].values()) * us[name]:7.1f} µs CPU per batch")
+        print(f"  {name:6s}: {sum(by_dso[name].values()) * us[name]:7.1f} µs CPU per batch")
     for name in arms[1:]:
         print(f"\n{name} - plain, µs per batch, by shared object:")
         keys = sorted(set(by_dso[name]) | set(by_dso["plain"]), key=lambda k: -abs(extra(by_dso, name, k)))
@@ -263,7 +273,9 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=30, help="epochs of each arm (after one warm-up epoch each)")
     parser.add_argument(
-        "--arms", default=",".join(ARMS), help=f"comma-separated, plain first (default: {','.join(ARMS)})"
+        "--arms",
+        default=",".join(ARMS[:3]),
+        help=f"comma-separated, plain first, of {','.join(ARMS)} (default: %(default)s)",
     )
     parser.add_argument("--perf", action="store_true", help="sample rank 0 with perf; split the extra CPU by arm")
     args = parser.parse_args()
