@@ -50,6 +50,7 @@ Usage::
     python bench/ray_overhead.py                     # 2 workers, H=256, 16384 rows, 3 epochs, 3 repeats
     python bench/ray_overhead.py --hidden 1024 --repeats 5
     python bench/ray_overhead.py --repeats 0          # diagnostics only (collective + in-run A/B)
+    python bench/ray_overhead.py --repeats 0 --collective-iters 0 --ab-control   # the A/B as A/A: its own spread
     python bench/ray_overhead.py --ours-report-interval 1ep --skip-diagnostics
     python bench/ray_overhead.py --repeats 1 --skip-diagnostics --profile /tmp/prof   # py-spy on rank 0
 
@@ -485,6 +486,8 @@ def _ab(config: dict, train, train_torch) -> list:
         }
         return rec, epoch
 
+    if config.get("ab_control"):  # A/A: the "ours" slot runs plain too, to show the A/B's own spread
+        ours_epoch = plain_epoch
     ours_epoch(), plain_epoch()  # warm-up round, not recorded
     rounds = []
     for i in range(config["ab_rounds"]):
@@ -517,6 +520,7 @@ def run_diagnostics(ds, args, out_dir: str, storage: str) -> dict:
             "hidden": args.hidden,
             "collective_iters": args.collective_iters,
             "ab_rounds": args.ab_rounds,
+            "ab_control": args.ab_control,
             "bench_out": out_dir,
             "spec": spec,
         },
@@ -538,6 +542,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="end-to-end ours/plain pairs (0: diagnostics only)")
     parser.add_argument("--collective-iters", type=int, default=2000, help="calls per collective mode (0: skip)")
     parser.add_argument("--ab-rounds", type=int, default=6, help="ours/plain epoch pairs in the in-run A/B (0: skip)")
+    parser.add_argument(
+        "--ab-control", action="store_true", help="A/A control: both arms of the in-run A/B run plain (its own spread)"
+    )
     parser.add_argument("--skip-diagnostics", action="store_true", help="no collective timing, no in-run A/B")
     parser.add_argument(
         "--ours-report-interval",
@@ -704,7 +711,8 @@ def report_diagnostics(args, diag: dict) -> None:
         ratio = statistics.median(ratios)
         print()
         print(
-            f"Part 2a, in-run A/B of the loops: {len(rounds)} rounds of one ours epoch + one plain epoch on the same "
+            f"Part 2a, in-run A/B of the loops{' -- A/A CONTROL: the ours arm runs plain' if args.ab_control else ''}: "
+            f"{len(rounds)} rounds of one ours epoch + one plain epoch on the same "
             f"{workers} workers (order alternating; reports outside the timed epochs), rank 0, medians"
         )
         print()
