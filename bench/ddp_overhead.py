@@ -81,7 +81,7 @@ def _timed(run_epoch) -> tuple:
 
 
 class Arms:
-    """The three arms of one rank, each built once (as a training job builds its model once)."""
+    """The arms of one rank, each built once (as a training job builds its model once)."""
 
     def __init__(self, hidden: int, rank: int) -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
