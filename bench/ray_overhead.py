@@ -731,8 +731,12 @@ def report_diagnostics(args, diag: dict) -> None:
         print()
         print(
             f"epoch throughput ours/plain, median of per-round ratios = {ratio:.3f} "
-            f"(rounds {' '.join(f'{r:.3f}' for r in ratios)}); target >= {TARGET_THROUGHPUT_RATIO}: "
-            f"{_verdict(ratio >= TARGET_THROUGHPUT_RATIO)}"
+            f"(rounds {' '.join(f'{r:.3f}' for r in ratios)}); "
+            + (
+                "A/A control: both arms plain, no verdict"
+                if args.ab_control
+                else f"target >= {TARGET_THROUGHPUT_RATIO}: {_verdict(ratio >= TARGET_THROUGHPUT_RATIO)}"
+            )
         )
         print(
             f"  median batch plain/ours = {statistics.median(batch):.3f} (rounds {' '.join(f'{r:.3f}' for r in batch)}); "
