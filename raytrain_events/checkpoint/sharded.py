@@ -29,7 +29,6 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from raytrain_events.checkpoint.format import CheckpointError, CheckpointInfo, FileEntry, UnsafeCheckpointError
-from raytrain_events.checkpoint.safe_dcp import HashingDCPWriter, SafeDCPReader, SafeFullLoadPlanner, SafeLoadPlanner
 from raytrain_events.core.state import CheckpointMismatchError, model_mismatch
 
 __all__ = [
@@ -124,6 +123,8 @@ class ShardedCheckpointIO:
         """Every rank writes its shards under ``url``; returns the entries of all ranks' files."""
         import torch.distributed.checkpoint as dcp
 
+        from raytrain_events.checkpoint.safe_dcp import HashingDCPWriter
+
         writer = HashingDCPWriter(url, storage_options=self.options)
         with _plain_errors("Saving", url):
             dcp.save(tensors, storage_writer=writer, process_group=self.group, no_dist=not self.distributed)
@@ -147,6 +148,8 @@ class ShardedCheckpointIO:
             set_model_state_dict,
             set_optimizer_state_dict,
         )
+
+        from raytrain_events.checkpoint.safe_dcp import SafeDCPReader, SafeLoadPlanner
 
         state = self.trainer.state
         reader = SafeDCPReader(info.url, **self.options)
@@ -236,6 +239,8 @@ def load_consolidated(
     parameter name, and the rest of the state), for inference or export."""
     # dcp.load fills only keys the given dict has; this is what DCP's own dcp_to_torch_save calls.
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from raytrain_events.checkpoint.safe_dcp import SafeDCPReader, SafeFullLoadPlanner
 
     loaded: Dict[str, Any] = {}
     with _plain_errors("Loading", info.url):

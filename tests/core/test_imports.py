@@ -59,6 +59,26 @@ def test_import_pulls_in_neither_ray_nor_fsspec_and_installs_no_signal_handlers(
     assert result["new_atexit"] == 0
 
 
+def test_ray_worker_entry_leaves_dcp_until_a_sharded_checkpoint_needs_it():
+    """Every Ray worker imports the entry while its train context starts (the spec it unpickles);
+    torch.distributed.checkpoint (~0.7 s here) is needed only for sharded checkpoints."""
+    result = _run(
+        """
+        import json, sys
+        import raytrain_events.ray.worker, raytrain_events.checkpoint.checkpointer
+        before = sorted(m for m in sys.modules if m.startswith("torch.distributed.checkpoint"))
+        from raytrain_events.checkpoint import sharded
+        sharded.load_consolidated  # the module itself still imports without DCP
+        lazy = sorted(m for m in sys.modules if m.startswith("torch.distributed.checkpoint"))
+        import raytrain_events.checkpoint.safe_dcp
+        print(json.dumps({"before": before, "lazy": lazy,
+                          "after": "torch.distributed.checkpoint" in sys.modules}))
+        """
+    )
+    assert result["before"] == [] and result["lazy"] == []
+    assert result["after"]  # the sharded path still gets it when it asks
+
+
 def test_public_names_importable_from_top_level():
     result = _run(
         f"""
