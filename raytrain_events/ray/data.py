@@ -242,7 +242,7 @@ class GlobalOrderLoader:
         from raytrain_events.ray.prefetch import prefetched
 
         epoch, position = self.epoch, self.position
-        ray.get(self.shard.feeder.start_epoch.remote(epoch, position, self.order_seed))
+        ray.get(self.shard.feeder.start_epoch.remote(epoch, position, self.order_seed, self.shard.rank))
         return prefetched(self._batches(epoch, position), self.prefetch_batches, "raytrain-train-batches")
 
     def _batches(self, epoch: int, position: int):

@@ -127,9 +127,21 @@ class EpochFeeder:
         self.global_batch = global_batch
         self.epochs: Dict[Tuple[int, int], _Epoch] = {}
 
-    def start_epoch(self, epoch: int, position: int, order_seed: Optional[int]) -> bool:
-        """Every rank calls this at its epoch start with the same arguments; the first one starts it."""
+    def start_epoch(self, epoch: int, position: int, order_seed: Optional[int], rank: int) -> bool:
+        """Every rank calls this at its epoch start with the same arguments; the first one starts it.
+
+        Each (epoch, position) is served once per worker group: the blocks a rank is past are
+        dropped, so a rank starting a pass it has already taken batches from (a Trainer rebuilt or
+        reset to time zero inside the same group) is refused here, not given empty batches later.
+        """
         key = (epoch, position)
+        started = self.epochs.get(key)
+        if started is not None and started.next_batch[rank] > 0:
+            raise RuntimeError(
+                f"Rank {rank} started epoch {epoch} at sample {position} of the train set's global order a "
+                "second time in this worker group; each epoch is served once per group. Train on with "
+                "Trainer.fit(duration=...) (the next epoch), or start a new run (RayTrainer.fit) to begin again."
+            )
         if key not in self.epochs:
             dataset = self.dataset
             if order_seed is not None:

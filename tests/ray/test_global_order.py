@@ -106,6 +106,12 @@ def test_loaders_cover_every_row_once_in_order_across_chunks(ray_cluster, prefet
     assert flat == list(range(450, rows))
     assert len(batches) == batches_in_epoch(rows, global_batch, world, 450)
 
+    # A pass a rank has taken batches from cannot start again in this group (its blocks are
+    # dropped): refused at the epoch start with the way out, not as empty batches mid-epoch.
+    loaders[0].set_epoch(0)
+    with pytest.raises(RuntimeError, match="Rank 0 started epoch 0 at sample 0 .* a second time.*fit\\(duration"):
+        iter(loaders[0])
+
 
 @pytest.mark.ray
 def test_a_rank_that_stops_early_leaves_the_next_epoch_intact(ray_cluster) -> None:
