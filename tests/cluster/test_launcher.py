@@ -49,6 +49,8 @@ def cluster():
             # `ray start` gave up waiting for its own GCS (a machine loaded far past its cores): once more.
             up = launcher.run(f"ray up -y --no-config-cache {launcher.config_path}", timeout=STEP_TIMEOUT)
         assert up.returncode == 0, _out(up)
+        # The head's session (a retried `ray up` leaves the first attempt's directory behind too).
+        launcher.head_sessions = _sessions(launcher)
         launcher.down_done = False
         yield launcher
     finally:
@@ -64,15 +66,19 @@ def _submit(cluster, script: str, *args: str):
     return cluster.run(f"ray submit {cluster.config_path} {script} {' '.join(args)}", timeout=STEP_TIMEOUT)
 
 
+def _sessions(cluster) -> set:
+    """The Ray session directories in the namespace's private /tmp/ray (one per Ray instance ever started)."""
+    return set(glob.glob(os.path.join(cluster.base, "tmp", "ray", "session_2*")))
+
+
 def _joined_the_cluster(cluster, output: str) -> None:
-    """The script joined the head's Ray: no local instance was started, so one Ray session exists in the namespace.
+    """The script joined the head's Ray: no local instance was started, so no Ray session beyond the head's exists.
 
     Ray's own "Connecting to existing Ray cluster" INFO line is kept off the console by default (issue 13),
     so the session directories in the namespace's private /tmp/ray are the evidence.
     """
     assert "Started a local Ray instance" not in output, output
-    sessions = glob.glob(os.path.join(cluster.base, "tmp", "ray", "session_2*"))
-    assert len(sessions) == 1, sessions
+    assert _sessions(cluster) == cluster.head_sessions
 
 
 def _summary(cluster, pattern: str) -> dict:
@@ -186,9 +192,8 @@ def test_ray_exec_status_and_one_cluster(cluster):
     proc = cluster.run(f"ray exec {cluster.config_path} 'ray status'", timeout=300)
     assert proc.returncode == 0, _out(proc)
     assert "Resources" in proc.stdout and "CPU" in proc.stdout
-    # Every script above joined the head's Ray: one Ray session was ever started in the namespace.
-    sessions = glob.glob(os.path.join(cluster.base, "tmp", "ray", "session_2*"))
-    assert len(sessions) == 1, sessions
+    # Every script above joined the head's Ray: no Ray session was started after `ray up`.
+    assert _sessions(cluster) == cluster.head_sessions
 
 
 def test_ray_down_leaves_nothing_running(cluster):
