@@ -38,12 +38,23 @@ Part 2, diagnostics, in ONE extra ``TorchTrainer`` run (``--workers`` workers, a
   blocking (µs per call), and overlapped with one DDP forward/backward/SGD step of the same model
   on a 64-row batch the way the loop does it (launch, step, wait), against the step alone; blocks
   of 200 calls, modes interleaved, medians;
-* an in-run A/B of the loops: the same workers alternate whole epochs of ours (a fresh `Trainer`
-  built by ``build_worker_trainer`` from the `RunSpec` RayTrainer would ship, ``max_duration="1ep"``,
-  reporting only at FIT_END, after the timed epoch) and of plain (a fresh DDP model per epoch too,
+* an in-run A/B: the same workers alternate whole epochs of ours (a `Trainer` built by
+  ``build_worker_trainer`` from the `RunSpec` RayTrainer would ship, ``max_duration="1ep"``,
+  reporting only at FIT_END, after the timed epoch) and of plain (a fresh DDP model per epoch,
   reporting after the timed epoch). Neighbours' load hits both arms alike, so this pins the
-  per-batch cost of the loop down far more tightly than separate runs on a shared machine; the
-  reporting cadence is left to part 1.
+  per-batch cost down far more tightly than separate runs on a shared machine; the reporting
+  cadence is left to part 1. ``--ab-data`` picks the train data:
+
+  - ``global`` (default since round 10): ours reads the train set as RayTrainer does
+    (``TrainDataConfig``: the global order, `GlobalOrderLoader`), plain a streaming split of
+    the same rows with ``iter_torch_batches`` (the hand-written loop of Ray's docs). This is
+    **the whole Ray layer as users run it**, data path included. The global order serves each
+    epoch once per worker group, so ours is one `Trainer` that trains on,
+    ``fit(duration="1ep")`` per round.
+  - ``shard`` (rounds 1-9 measured only this): both arms iterate the same Ray Data streaming
+    split with ``iter_torch_batches``, and ours gets a fresh `Trainer` per epoch. Same data path
+    on both sides, so this compares **the loops alone**. RayTrainer itself never reads train
+    data this way.
 
 Usage::
 
@@ -51,6 +62,7 @@ Usage::
     python bench/ray_overhead.py --hidden 1024 --repeats 5
     python bench/ray_overhead.py --repeats 0          # diagnostics only (collective + in-run A/B)
     python bench/ray_overhead.py --repeats 0 --collective-iters 0 --ab-control   # the A/B as A/A: its own spread
+    python bench/ray_overhead.py --repeats 0 --collective-iters 0 --ab-rounds 30 --ab-data shard    # the loops alone
     python bench/ray_overhead.py --ours-report-interval 1ep --skip-diagnostics
     python bench/ray_overhead.py --repeats 1 --skip-diagnostics --profile /tmp/prof   # py-spy on rank 0
 
@@ -246,6 +258,8 @@ def ours_trainer(ds, args, *, max_duration: str, out_dir: str, tag: str, storage
     report_interval = report_interval or args.ours_report_interval
     if report_interval:
         kwargs["report_interval"] = report_interval
+    if args.ours_prefetch is not None:
+        kwargs["prefetch_batches"] = args.ours_prefetch
     return raytrain_events.RayTrainer(**kwargs)
 
 
@@ -459,15 +473,23 @@ def _ab(config: dict, train, train_torch) -> list:
     spec = config["spec"]
     sink: list = []
     spec.config["bench_sink"] = sink
-    shard = train.get_dataset_shard("train")
+    shard = train.get_dataset_shard(config["plain_dataset"])
+
+    built: list = []
 
     def ours_epoch():
         t_build = time.perf_counter()
-        trainer = rte_worker.build_worker_trainer(spec)  # what train_loop_per_worker does
-        trainer.fit()  # max_duration="1ep"; EpochClock appends its record to the sink
+        if config["ab_data"] == "shard":
+            trainer = rte_worker.build_worker_trainer(spec)  # what train_loop_per_worker does
+            trainer.fit()  # max_duration="1ep"; EpochClock appends its record to the sink
+        elif not built:
+            built.append(rte_worker.build_worker_trainer(spec))
+            built[0].fit()
+        else:  # the global order serves each epoch once per worker group: one Trainer trains on
+            built[0].fit(duration="1ep")
         rec = sink.pop()
         rec["t_entry"] = t_build
-        return rec, rec["epochs"][0]
+        return rec, rec["epochs"][-1]
 
     def plain_epoch():
         t_build = time.perf_counter()
@@ -500,7 +522,7 @@ def _ab(config: dict, train, train_torch) -> list:
         for arm, run_epoch in order:
             rec, epoch = run_epoch()
             result[arm] = _steady(rec, [epoch])
-            result[arm]["startup_ms"] = (rec["starts"][0] - rec["t_entry"]) * 1e3  # warm: build -> 1st batch
+            result[arm]["startup_ms"] = (rec["starts"][epoch["b0"]] - rec["t_entry"]) * 1e3  # warm: -> 1st batch
         rounds.append(result)
     return rounds
 
@@ -514,6 +536,12 @@ def run_diagnostics(ds, args, out_dir: str, storage: str) -> dict:
     spec = ours_trainer(
         ds, args, max_duration="1ep", out_dir=out_dir, tag="ab", storage=storage, report_interval="1000000ba"
     ).spec.for_workers()  # what RayTrainer ships to the workers (datasets by name only)
+    data: dict = {"datasets": {"train": ds}}  # "shard": both arms iterate the same Ray Data streaming split
+    if args.ab_data == "global":
+        # Ours reads "train" as RayTrainer does (global order); plain a streaming split of the same rows.
+        from raytrain_events.ray.data import TrainDataConfig
+
+        data = {"datasets": {"train": ds, "plain": ds}, "dataset_config": TrainDataConfig(batch_size=B)}
     TorchTrainer(
         diag_loop,
         train_loop_config={
@@ -521,11 +549,13 @@ def run_diagnostics(ds, args, out_dir: str, storage: str) -> dict:
             "collective_iters": args.collective_iters,
             "ab_rounds": args.ab_rounds,
             "ab_control": args.ab_control,
+            "ab_data": args.ab_data,
+            "plain_dataset": "plain" if args.ab_data == "global" else "train",
             "bench_out": out_dir,
             "spec": spec,
         },
         scaling_config=ray.train.ScalingConfig(num_workers=max(2, args.workers)),
-        datasets={"train": ds},
+        **data,
         run_config=ray.train.RunConfig(name="diagnostics", storage_path=storage),
     ).fit()
     with open(os.path.join(out_dir, "diagnostics.json")) as f:
@@ -544,6 +574,20 @@ def main() -> None:
     parser.add_argument("--ab-rounds", type=int, default=6, help="ours/plain epoch pairs in the in-run A/B (0: skip)")
     parser.add_argument(
         "--ab-control", action="store_true", help="A/A control: both arms of the in-run A/B run plain (its own spread)"
+    )
+    parser.add_argument(
+        "--ab-data",
+        choices=("global", "shard"),
+        default="global",
+        help="in-run A/B train data: 'global' (default): ours reads the train set in RayTrainer's global order "
+        "(TrainDataConfig, GlobalOrderLoader), plain a streaming split of the same rows: the Ray layer as users "
+        "run it; 'shard': both arms iterate one Ray Data streaming split: the loops alone",
+    )
+    parser.add_argument(
+        "--ours-prefetch",
+        type=int,
+        metavar="N",
+        help="RayTrainer(prefetch_batches=N) for ours (default: RayTrainer's own default)",
     )
     parser.add_argument("--skip-diagnostics", action="store_true", help="no collective timing, no in-run A/B")
     parser.add_argument(
@@ -711,7 +755,9 @@ def report_diagnostics(args, diag: dict) -> None:
         ratio = statistics.median(ratios)
         print()
         print(
-            f"Part 2a, in-run A/B of the loops{' -- A/A CONTROL: the ours arm runs plain' if args.ab_control else ''}: "
+            f"Part 2a, in-run A/B, train data '{args.ab_data}' "
+            f"({'ours: global order, plain: iter_torch_batches' if args.ab_data == 'global' else 'both: iter_torch_batches'})"
+            f"{' -- A/A CONTROL: the ours arm runs plain' if args.ab_control else ''}: "
             f"{len(rounds)} rounds of one ours epoch + one plain epoch on the same "
             f"{workers} workers (order alternating; reports outside the timed epochs), rank 0, medians"
         )
