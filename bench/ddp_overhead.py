@@ -101,7 +101,7 @@ class Arms:
         self.plain2_model = DDP(make_net(hidden))  # the A/A control: plain again, its own model
         self.plain2_opt = torch.optim.SGD(self.plain2_model.parameters(), lr=0.01)
 
-        counted = CountedModule(make_net(hidden), tdist.get_world_size(), torch.device("cpu"))
+        counted = CountedModule(make_net(hidden), tdist.get_world_size())
         self.carry_model, self.slot = DDP(counted), counted.counters
         self.carry_opt = torch.optim.SGD(counted.model.parameters(), lr=0.01)
         pieces = encode_counters([B, 0, 0], piece_bits(tdist.get_world_size()))
@@ -114,7 +114,7 @@ class Arms:
             train_dataloader=self.data,
             max_duration="1ep",
             optimizers=torch.optim.SGD(net.parameters(), lr=0.01),
-            dist=TorchDist(),
+            dist=TorchDist(torch.device("cpu")),  # CPU DDP even where a GPU is (TorchDist would pick it)
         )
         self._fitted = False
 

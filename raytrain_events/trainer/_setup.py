@@ -175,9 +175,11 @@ def set_epoch(loader: Any, epoch: int) -> None:
 def wrap_for_training(trainer: Trainer, counted: bool) -> Tuple[torch.nn.Module, Optional[Any]]:
     """The module the loop calls for training, and the DDP wrapper if that is what it is.
 
-    ``counted``: under DDP, wrap a `CountedModule`, whose extra parameter carries the batch counters;
-    not with ``find_unused_parameters`` (DDP would mark that parameter unused after forward, then
-    ready again when backward reaches it), where the counters keep their own collective.
+    ``counted``: under DDP on the CPU, wrap a `CountedModule`, whose extra parameter carries the
+    batch counters; not with ``find_unused_parameters`` (DDP would mark that parameter unused after
+    forward, then ready again when backward reaches it), and not on a GPU (reading them back would
+    sync the host every batch; see `raytrain_events.trainer.counters`): there the counters keep
+    their own host-side collective.
     """
     from torch.nn.parallel import DistributedDataParallel
 
@@ -186,7 +188,8 @@ def wrap_for_training(trainer: Trainer, counted: bool) -> Tuple[torch.nn.Module,
     state, dist, parallel = trainer.state, trainer.dist, trainer.parallel
     find_unused = any(a.find_unused_parameters for a in state.algorithms)
     model = state.model
-    if counted and not find_unused and dist.is_distributed and not parallel.sharded:
-        model = CountedModule(model, dist.world_size, trainer.device)
+    on_host = trainer.device.type == "cpu"
+    if counted and on_host and not find_unused and dist.is_distributed and not parallel.sharded:
+        model = CountedModule(model, dist.world_size)
     wrapped = parallel.wrap(model, dist, trainer.device, find_unused, state.optimizers)
     return wrapped, wrapped if isinstance(wrapped, DistributedDataParallel) else None

@@ -13,11 +13,19 @@ which measured 0.5-0.9 ms of CPU per batch on Ray workers. The counters travel a
 microbatches the counters ride on the last, synchronized backward; every other synchronized
 backward of the batch carries zeros, because DDP expects a gradient for every parameter.
 
-Where that is not possible (FSDP, auto microbatching, DDP with ``find_unused_parameters`` as
-LayerFreezing asks, more values than the parameter holds, or a batch whose backward reduced
-nothing) the counters are summed as before by `Dist.sum_ints_async`, started before the batch so
-it overlaps with forward and backward. In one process the loop uses none of this: the batch's
-values are the sums (`Trainer._run_epoch`).
+The ride is for DDP on the host (CPU training), where a collective of its own competes with the
+model for the same cores. On a GPU the sums would come back in GPU memory, and reading them at
+the end of each batch is a host sync: the host waits for backward and the gradient all-reduce
+before it can queue the next batch. On an H200 (2 ranks, 2.3 ms steps) that measured 0.87x a
+plain DDP loop, where the host-side collective measured 1.00x (`bench/gpu_overhead.py`), so
+there the counters keep their own collective.
+
+Where the counters do not ride (GPUs, FSDP, auto microbatching, DDP with
+``find_unused_parameters`` as LayerFreezing asks, more values than the parameter holds, or a
+batch whose backward reduced nothing) they are summed by `Dist.sum_ints_async` on host memory
+(a gloo group), started before the batch so it overlaps with forward and backward and never
+touches a GPU stream. In one process the loop uses none of this: the batch's values are the
+sums (`Trainer._run_epoch`).
 """
 
 from typing import TYPE_CHECKING, Any, List, Optional, Sequence
@@ -79,14 +87,15 @@ class CountedModule(torch.nn.Module):
     The parameter stays out of the model's ``state_dict`` (checkpoints hold the model alone) and
     out of its optimizers; only its gradient is ever used. float32 (in the first gradient bucket
     of a float32 model) up to 255 ranks, float64 beyond, where float32 pieces would be too small.
+    It lives in host memory: the ride is for DDP on the CPU (see the module docstring).
     """
 
-    def __init__(self, model: torch.nn.Module, world_size: int, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, world_size: int) -> None:
         super().__init__()
         self.model = model
         dtype = torch.float32 if world_size < 256 else torch.float64
         size = MAX_VALUES * _pieces_per_value(piece_bits(world_size, _MANTISSA_BITS[dtype]))
-        self.counters = torch.nn.Parameter(torch.zeros(size, dtype=dtype, device=device))
+        self.counters = torch.nn.Parameter(torch.zeros(size, dtype=dtype))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.model(*args, **kwargs)
@@ -115,7 +124,6 @@ class BatchCounters:
         self._taking = False  # the running backward carries this batch's pieces
         self._carried = False  # a backward of this batch carried them
         self._sums: Any = None  # the averaged pieces (a tensor) once that backward is done
-        self._event: Any = None  # CUDA: the copy of the sums to host memory
         # The last values encoded into the buffer, and the last averaged pieces (bytes) with their sums:
         # encoding and decoding are skipped while they repeat (tens of microseconds of Python per batch).
         self._encoded: Optional[List[int]] = None
@@ -126,11 +134,10 @@ class BatchCounters:
             slot = self._slot
             self._zeros = torch.zeros_like(slot, requires_grad=False)
             self._bits = piece_bits(dist.world_size, _MANTISSA_BITS[slot.dtype])
+            self._pieces_per_value = _pieces_per_value(self._bits)
             self._world_size = dist.world_size
-            # The pieces go into one reused host buffer (pinned, and copied to the device, on CUDA).
-            self._host = torch.zeros(slot.numel(), dtype=slot.dtype, pin_memory=slot.is_cuda)
+            self._host = torch.zeros_like(slot, requires_grad=False)  # the pieces, in one reused buffer
             self._host_np = self._host.numpy()
-            self._device = self._host if not slot.is_cuda else torch.zeros_like(slot, requires_grad=False)
 
     # ------------------------------------------------------------------ loop
     def start(self, values: Sequence[int]) -> None:
@@ -142,11 +149,9 @@ class BatchCounters:
                 host = self._host_np
                 host[: pieces.size] = pieces
                 host[pieces.size :] = 0
-                if self._device is not self._host:  # the previous batch's copy is done: `wait` synchronized
-                    self._device.copy_(self._host, non_blocking=True)
                 self._encoded = values
-            self._grad = self._device
-            self._values, self._carried, self._sums, self._event = values, False, None, None
+            self._grad = self._host
+            self._values, self._carried, self._sums = values, False, None
             return
         self._grad = None
         self._pending = self.dist.sum_ints_async(values)
@@ -178,14 +183,7 @@ class BatchCounters:
             return
         self._taking, self._carried = False, True
         assert grad is not None, "DDP reduced no gradient for the counters"
-        if grad.is_cuda:  # copy to host without blocking; `wait` syncs on it after the step
-            host = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
-            host.copy_(grad, non_blocking=True)
-            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            self._event.record()
-            self._sums = host
-        else:
-            self._sums = grad
+        self._sums = grad
 
     def wait(self) -> List[int]:
         """The sums of this batch's values over all ranks (after its backward)."""
@@ -199,12 +197,10 @@ class BatchCounters:
             # collectively): sum the values by themselves.
             return self.dist.sum_ints_async(values).wait()
         self._carried = False
-        if self._event is not None:
-            self._event.synchronize()
-        sums, self._sums, self._event = self._sums, None, None
-        world_size, needed = self._world_size, len(values) * _pieces_per_value(self._bits)
-        pieces = sums[:needed]
-        summed = pieces.numpy().tobytes()
+        sums, self._sums = self._sums, None
+        world_size, needed = self._world_size, len(values) * self._pieces_per_value
+        pieces = sums.numpy()[:needed]  # a numpy view: slicing it costs less than slicing the tensor
+        summed = pieces.tobytes()
         if summed != self._summed:  # the same averaged pieces as the last batch decode to the same sums
             self._decoded = decode_counters([piece * world_size for piece in pieces.tolist()], self._bits)
             self._summed = summed

@@ -3,6 +3,8 @@
 `run_ranks(fn, world_size, **kwargs)` starts ``world_size`` processes with
 ``torch.multiprocessing.spawn``, forms a gloo process group on 127.0.0.1, runs
 ``fn(rank, world_size, **kwargs)`` in each and returns the ranks' results in rank order.
+``cuda=True`` makes GPU ``r % device_count`` rank ``r``'s current device (ranks may share one);
+``train(..., device="cuda")`` trains there. ``backend="nccl"`` needs a GPU per rank.
 """
 
 from __future__ import annotations
@@ -30,10 +32,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable[..., Any], kwargs: Dict[str, Any]) -> None:
+def _entry(
+    rank: int,
+    world_size: int,
+    port: int,
+    out_dir: str,
+    fn: Callable[..., Any],
+    kwargs: Dict[str, Any],
+    backend: str = "gloo",
+    cuda: bool = False,
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # the child's own environment
     torch.set_num_threads(1)
-    tdist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    tdist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
         result: Any = fn(rank, world_size, **kwargs)
     except BaseException:
@@ -43,10 +56,13 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable[...
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, **kwargs: Any) -> List[Any]:
-    """Run ``fn`` on ``world_size`` spawned gloo ranks; re-raise the first rank's error."""
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, *, backend: str = "gloo", cuda: bool = False, **kwargs: Any
+) -> List[Any]:
+    """Run ``fn`` on ``world_size`` spawned ranks (gloo unless ``backend``); re-raise the first rank's error."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_entry, args=(world_size, _free_port(), out_dir, fn, kwargs), nprocs=world_size, join=True)
+        args = (world_size, _free_port(), out_dir, fn, kwargs, backend, cuda)
+        mp.spawn(_entry, args=args, nprocs=world_size, join=True)
         results = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
     for rank, result in enumerate(results):
         if isinstance(result, dict) and "error" in result:
@@ -93,6 +109,40 @@ def rank_layout(rank: int) -> Dict[str, int]:
     return {"batch_size": batch_size, "rows": BATCHES * batch_size - rank}
 
 
+def expected_global_samples(world_size: int) -> List[int]:
+    """Per batch of an epoch: the samples of all ranks together (see `rank_layout`)."""
+    samples = []
+    for b in range(BATCHES):
+        total = 0
+        for r in range(world_size):
+            layout = rank_layout(r)
+            total += min(layout["batch_size"], layout["rows"] - b * layout["batch_size"])
+        samples.append(total)
+    return samples
+
+
+def check_exact_counters(results: List[Dict[str, Any]], world_size: int, epochs: int) -> None:
+    """Every rank's Timestamp and per-batch global counts equal the plain sums of `train`'s results,
+    and the replicas are identical (DDP averaged the same gradients on every rank)."""
+    rows = sum(r["local_rows"] for r in results)
+    tokens = sum(r["local_tokens"] for r in results)
+    assert tokens > 2**24  # beyond what float32 holds exactly, so the piece encoding matters
+    per_batch_tokens = [sum(r["local_batch_tokens"][b] for r in results) for b in range(BATCHES)]
+    for r in results:
+        ts = r["timestamp"]
+        assert (ts["epoch"], ts["batch"], ts["sample"], ts["token"]) == (
+            epochs,
+            epochs * BATCHES,
+            epochs * rows,
+            epochs * tokens,
+        )
+        assert r["global_samples"] == expected_global_samples(world_size) * epochs
+        assert r["global_tokens"] == per_batch_tokens * epochs
+    for r in results[1:]:
+        for name, value in r["weights"].items():
+            torch.testing.assert_close(value, results[0]["weights"][name], rtol=0, atol=0)
+
+
 class BatchRecorder(Callback):
     """Per batch: the global sample/token counts the loop agreed on."""
 
@@ -105,6 +155,24 @@ class BatchRecorder(Callback):
         self.global_tokens.append(state.global_batch_num_tokens)
 
 
+class SyncGuard(Callback):
+    """CUDA: makes any host sync an error from BATCH_START to BATCH_CHECKPOINT: the batch's step, the sum
+    of its counters and the Timestamp (the user's token counter runs before, and may read GPU tensors)."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def batch_start(self, state, logger) -> None:
+        torch.cuda.set_sync_debug_mode("error")
+
+    def batch_checkpoint(self, state, logger) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+        self.batches += 1
+
+    def on_exception(self, state, logger, exc) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def _separate_collective() -> None:
     """In this (spawned) process, Trainers sum the counters with their own collective, as before issue 16."""
     import raytrain_events.trainer.trainer as trainer_module
@@ -114,12 +182,21 @@ def _separate_collective() -> None:
 
 
 def train(
-    rank: int, world_size: int, *, grad_accum: int = 1, epochs: int = 2, on_gradients: bool = True, tokens: bool = True
+    rank: int,
+    world_size: int,
+    *,
+    grad_accum: int = 1,
+    epochs: int = 2,
+    on_gradients: bool = True,
+    tokens: bool = True,
+    sync_guard: bool = False,
+    device: str = "cpu",
 ) -> dict:
     """Train `TinyModel` on this rank's uneven shard; return counters, timestamp and weights.
 
     Without ``tokens`` the batches count no tokens, so every batch but the short last one sends the
-    same counters (the path where `BatchCounters` reuses its last encoding and decoding)."""
+    same counters (the path where `BatchCounters` reuses its last encoding and decoding). With
+    ``sync_guard`` (CUDA) a host sync inside a batch fails the run."""
     layout = rank_layout(rank)
     data = TokenRows(rank, layout["rows"])
     loader = DataLoader(data, batch_size=layout["batch_size"], shuffle=False)
@@ -133,8 +210,8 @@ def train(
         max_duration=f"{epochs}ep",
         optimizers=torch.optim.SGD(model.parameters(), lr=0.05),
         grad_accum=grad_accum,
-        callbacks=[recorder],
-        dist=TorchDist(),
+        callbacks=[recorder, SyncGuard()] if sync_guard else [recorder],
+        dist=TorchDist(torch.device(device)),  # the CPU unless asked, also where a GPU is
     )
     on_grads = trainer._counters.on_gradients
     state = trainer.fit()
@@ -148,7 +225,8 @@ def train(
         "local_batch_tokens": [
             int(data.tokens[i : i + layout["batch_size"]].sum()) for i in range(0, len(data), layout["batch_size"])
         ],
-        "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "weights": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+        "device": str(trainer.device),
     }
 
 
@@ -206,7 +284,7 @@ def count_collectives(rank: int, world_size: int, *, on_gradients: bool = True) 
         max_duration="2ep",
         optimizers=torch.optim.SGD(model.parameters(), lr=0.05),
         callbacks=[counter],
-        dist=TorchDist(),
+        dist=TorchDist(torch.device("cpu")),
     )
     trainer.fit()
     # The raw thing: a hand-written DDP loop over the same batches.

@@ -47,7 +47,7 @@ def test_float32_pieces_at_their_maximum_round_back_exactly(world_size: int) -> 
     order_seed=st.integers(0, 10**6),
 )
 def test_random_counters_sum_exactly_in_the_dtype_the_module_picks(world_size, values, order_seed) -> None:
-    slot = CountedModule(torch.nn.Linear(1, 1), world_size, torch.device("cpu")).counters
+    slot = CountedModule(torch.nn.Linear(1, 1), world_size).counters
     bits = piece_bits(world_size, 24 if slot.dtype == torch.float32 else 53)
     per_rank = values[:world_size]
     pieces = [encode_counters(v, bits) for v in per_rank]
@@ -57,10 +57,10 @@ def test_random_counters_sum_exactly_in_the_dtype_the_module_picks(world_size, v
 
 def test_counted_module_keeps_the_models_state_and_calls() -> None:
     model = torch.nn.Linear(3, 2)
-    counted = CountedModule(model, 4, torch.device("cpu"))
+    counted = CountedModule(model, 4)
     x = torch.randn(5, 3)
     assert torch.equal(counted(x), model(x))
     assert counted.counters.dtype == torch.float32 and not counted.counters.any()
     # Checkpoints hold the model, whose state has no trace of the counters.
     assert set(model.state_dict()) == {"weight", "bias"}
-    assert CountedModule(model, 256, torch.device("cpu")).counters.dtype == torch.float64
+    assert CountedModule(model, 256).counters.dtype == torch.float64

@@ -9,43 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gloo_ranks import BATCHES, count_collectives, rank_layout, run_ranks, train
-
-
-def _expected_per_batch(world_size: int):
-    samples = []
-    for b in range(BATCHES):
-        total = 0
-        for r in range(world_size):
-            layout = rank_layout(r)
-            total += min(layout["batch_size"], layout["rows"] - b * layout["batch_size"])
-        samples.append(total)
-    return samples
+from gloo_ranks import BATCHES, check_exact_counters, count_collectives, expected_global_samples, run_ranks, train
 
 
 @pytest.mark.parametrize("world_size,grad_accum", [(2, 1), (3, 1), (2, 2), (3, 3)])
 def test_counters_ride_on_ddp_and_stay_exact(world_size, grad_accum):
-    epochs = 2
-    results = run_ranks(train, world_size, grad_accum=grad_accum, epochs=epochs)
+    results = run_ranks(train, world_size, grad_accum=grad_accum, epochs=2)
     assert all(r["on_gradients"] for r in results)
-    rows = sum(r["local_rows"] for r in results)
-    tokens = sum(r["local_tokens"] for r in results)
-    assert tokens > 2**24  # beyond what float32 holds exactly, so the piece encoding matters
-    per_batch_tokens = [sum(r["local_batch_tokens"][b] for r in results) for b in range(BATCHES)]
-    for r in results:
-        ts = r["timestamp"]
-        assert (ts["epoch"], ts["batch"], ts["sample"], ts["token"]) == (
-            epochs,
-            epochs * BATCHES,
-            epochs * rows,
-            epochs * tokens,
-        )
-        assert r["global_samples"] == _expected_per_batch(world_size) * epochs
-        assert r["global_tokens"] == per_batch_tokens * epochs
-    # Identical replicas: DDP averaged the same gradients on every rank.
-    for r in results[1:]:
-        for name, value in r["weights"].items():
-            torch.testing.assert_close(value, results[0]["weights"][name], rtol=0, atol=0)
+    check_exact_counters(results, world_size, epochs=2)
 
 
 def test_repeated_counters_stay_exact_across_short_batches_and_epochs():
@@ -55,7 +26,7 @@ def test_repeated_counters_stay_exact_across_short_batches_and_epochs():
     assert all(r["on_gradients"] for r in results)
     rows = sum(r["local_rows"] for r in results)
     for r in results:
-        assert r["global_samples"] == _expected_per_batch(2) * epochs
+        assert r["global_samples"] == expected_global_samples(2) * epochs
         assert r["global_tokens"] == [0] * (BATCHES * epochs)
         ts = r["timestamp"]
         assert (ts["batch"], ts["sample"], ts["token"]) == (epochs * BATCHES, epochs * rows, 0)
