@@ -54,11 +54,14 @@ class ClassifierModel(torch.nn.Module):
         self.num_classes = num_classes
         self.input_key, self.target_key = input_key, target_key
 
-    # forward and loss run once per step: an (inputs, targets) pair is unpacked inline (one call
-    # less each), and the module is reached through ``_modules`` (skips ``Module.__getattr__``).
+    # forward and loss run once per step: an (inputs, targets) pair or a dict (Ray Data's batches)
+    # is unpacked inline (no call, no isinstance against an ABC), and the module is reached
+    # through ``_modules`` (skips ``Module.__getattr__``).
     def forward(self, batch: Any) -> torch.Tensor:
         if type(batch) in _PAIR_TYPES and len(batch) == 2:
             inputs = batch[0]
+        elif type(batch) is dict and self.input_key in batch:
+            inputs = batch[self.input_key]
         else:
             inputs, _ = split_inputs_targets(batch, self.input_key, self.target_key)
         return self._modules["module"](inputs)  # type: ignore[misc, no-any-return]
@@ -66,6 +69,8 @@ class ClassifierModel(torch.nn.Module):
     def loss(self, outputs: torch.Tensor, batch: Any) -> torch.Tensor:
         if type(batch) in _PAIR_TYPES and len(batch) == 2:
             targets = batch[1]
+        elif type(batch) is dict and self.target_key in batch:
+            targets = batch[self.target_key]
         else:
             _, targets = split_inputs_targets(batch, self.input_key, self.target_key)
         # Soft targets (from MixUp/CutMix/label smoothing) are class probabilities.

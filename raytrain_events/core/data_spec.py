@@ -31,8 +31,15 @@ def _first_tensor(batch: Any) -> Any:
 
 def default_num_samples(batch: Any) -> int:
     """Samples in ``batch``: the leading dimension of its first tensor."""
-    if isinstance(batch, (list, tuple)) and batch and hasattr(batch[0], "shape"):
-        n: int = batch[0].shape[0]
+    n: int
+    kind = type(batch)
+    if kind is dict:  # Ray Data's batches, every step: no isinstance against typing.Mapping (~3 µs)
+        for value in batch.values():
+            if hasattr(value, "shape"):
+                n = value.shape[0]
+                return n
+    elif (kind is tuple or kind is list) and batch and hasattr(batch[0], "shape"):
+        n = batch[0].shape[0]
         return n
     return int(_first_tensor(batch).shape[0])
 

@@ -242,3 +242,23 @@ def test_algorithm_added_at_init_runs():
 
     trainer(algorithms=[AddAtInit()], max_duration="1ba").fit()
     assert ran == [Event.FIT_START]
+
+
+def test_dict_batches_are_counted_by_their_first_tensor_column():
+    from raytrain_events.core.data_spec import default_num_samples
+
+    assert default_num_samples({"id": ["a", "b", "c"], "x": torch.zeros(3, 2), "y": torch.zeros(5)}) == 3
+    assert default_num_samples([torch.zeros(4, 2), torch.zeros(4)]) == 4
+    with pytest.raises(TypeError, match="Cannot count samples.*get_num_samples_in_batch"):
+        default_num_samples({"id": ["a"]})
+
+
+def test_classifier_reads_dict_batches_by_its_keys_and_names_missing_columns():
+    model = ClassifierModel(torch.nn.Linear(2, 3), num_classes=3, input_key="features", target_key="label")
+    batch = {"features": torch.randn(4, 2), "label": torch.tensor([0, 1, 2, 0])}
+    torch.testing.assert_close(model(batch), model.module(batch["features"]))
+    assert model.loss(model(batch), batch).ndim == 0
+    with pytest.raises(KeyError, match="has columns \\['features', 'y'\\].*'label'.*target_key="):
+        model.loss(model(batch), {"features": batch["features"], "y": batch["label"]})
+    with pytest.raises(KeyError, match="needs 'features'"):
+        model({"x": batch["features"]})
