@@ -73,6 +73,21 @@ def make_net(hidden: int) -> nn.Module:
     return nn.Sequential(nn.Linear(D, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, C))
 
 
+def ours_trainer(hidden: int, data: list, **kwargs):
+    """Ours: a `Trainer` on the MLP (through `ClassifierModel`), SGD lr 0.01, one epoch per ``fit``."""
+    from raytrain_events import Trainer
+    from raytrain_events.models import ClassifierModel
+
+    net = make_net(hidden)
+    return Trainer(
+        model=ClassifierModel(net, num_classes=C),
+        train_dataloader=data,
+        max_duration="1ep",
+        optimizers=torch.optim.SGD(net.parameters(), lr=0.01),
+        **kwargs,
+    )
+
+
 def _timed(run_epoch) -> tuple:
     """``(start, end, thread CPU)`` of one epoch, started together on every rank (the barrier is left out)."""
     tdist.barrier()
@@ -87,9 +102,7 @@ class Arms:
     def __init__(self, hidden: int, rank: int) -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        from raytrain_events import Trainer
         from raytrain_events.dist import TorchDist
-        from raytrain_events.models import ClassifierModel
         from raytrain_events.trainer.counters import CountedModule, encode_counters, piece_bits
 
         g = torch.Generator().manual_seed(rank)
@@ -108,14 +121,8 @@ class Arms:
         self.pieces = torch.zeros_like(self.slot, requires_grad=False)
         self.pieces[: pieces.size] = torch.from_numpy(pieces).float()
 
-        net = make_net(hidden)
-        self.trainer = Trainer(
-            model=ClassifierModel(net, num_classes=C),
-            train_dataloader=self.data,
-            max_duration="1ep",
-            optimizers=torch.optim.SGD(net.parameters(), lr=0.01),
-            dist=TorchDist(torch.device("cpu")),  # CPU DDP even where a GPU is (TorchDist would pick it)
-        )
+        # CPU DDP even where a GPU is (TorchDist() would pick it).
+        self.trainer = ours_trainer(hidden, self.data, dist=TorchDist(torch.device("cpu")))
         self._fitted = False
 
     def plain(self) -> None:

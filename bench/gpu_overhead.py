@@ -46,7 +46,7 @@ for path in (ROOT, os.path.join(ROOT, "bench")):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-from ddp_overhead import C, D, _quartiles, make_net  # noqa: E402  (the same MLP and report helpers)
+from ddp_overhead import C, D, _quartiles, make_net, ours_trainer  # noqa: E402  (the same MLP and arms)
 
 BATCH, BATCHES = 256, 64
 RANK_ARMS = ("plain", "ours")
@@ -77,20 +77,10 @@ class OneProcess:
     """The two arms of part 1, each built once; ``run(arm, epochs)`` trains and returns seconds per step."""
 
     def __init__(self, hidden: int, device: torch.device) -> None:
-        from raytrain_events import Trainer
-        from raytrain_events.models import ClassifierModel
-
         self.data = gpu_batches(device)
         self.plain_model = make_net(hidden).to(device)
         self.plain_opt = torch.optim.SGD(self.plain_model.parameters(), lr=0.01)
-        net = make_net(hidden)
-        self.trainer = Trainer(
-            model=ClassifierModel(net, num_classes=C),
-            train_dataloader=self.data,
-            max_duration="1ep",
-            optimizers=torch.optim.SGD(net.parameters(), lr=0.01),
-            device=device,
-        )
+        self.trainer = ours_trainer(hidden, self.data, device=device)
         self.trainer.fit()  # warm-up; later fits train on
         self.plain(1)
 
@@ -137,21 +127,12 @@ class RankArms:
     def __init__(self, hidden: int, rank: int, device: torch.device) -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        from raytrain_events import Trainer
         from raytrain_events.dist import TorchDist
-        from raytrain_events.models import ClassifierModel
 
         self.data = gpu_batches(device, seed=rank)
         self.plain_model = DDP(make_net(hidden).to(device), device_ids=[device.index])
         self.plain_opt = torch.optim.SGD(self.plain_model.parameters(), lr=0.01)
-        net = make_net(hidden)
-        self.trainer = Trainer(
-            model=ClassifierModel(net, num_classes=C),
-            train_dataloader=self.data,
-            max_duration="1ep",
-            optimizers=torch.optim.SGD(net.parameters(), lr=0.01),
-            dist=TorchDist(device),
-        )
+        self.trainer = ours_trainer(hidden, self.data, dist=TorchDist(device))
         self.on_gradients = self.trainer._counters.on_gradients
         self._fitted = False
 
