@@ -88,7 +88,9 @@ def main(scratch: str) -> None:
                 checkpoint=CheckpointConfig(save_interval="3ba", keep=2, save_every_n_seconds=None),
                 max_failures=3,
                 report_interval="3ba",
-                callbacks=lambda: [h.RecordRows(records, sleep_s=0.4)],
+                # One worker trains slower: Ray's resize check and a new 2-worker group (~20-30 s on a
+                # loaded machine) must come before the run's last batch, or it ends on one worker.
+                callbacks=lambda: [h.RecordRows(records, sleep_s=0.4, alone_sleep_s=1.5)],
             ).fit()
         except BaseException as exc:  # re-raised on the main thread
             outcome["error"] = exc

@@ -9,6 +9,7 @@ import json
 import os
 import time
 from collections import Counter, defaultdict
+from typing import Optional
 
 import numpy as np
 import torch
@@ -70,11 +71,12 @@ class RecordRows(Callback):
 
     ``t`` is the process's fit start (one attempt of the worker group); the records survive a
     SIGKILL (one line per batch, flushed). ``sleep_s`` slows batches down so that a test can
-    act (kill a worker, remove a node) mid-epoch.
+    act (kill a worker, remove a node) mid-epoch; ``alone_sleep_s``, if given, replaces it while
+    the group has one worker, so that an elastic run is still training when Ray grows it back.
     """
 
-    def __init__(self, folder: str, sleep_s: float = 0.0):
-        self.folder, self.sleep_s = folder, sleep_s
+    def __init__(self, folder: str, sleep_s: float = 0.0, alone_sleep_s: Optional[float] = None):
+        self.folder, self.sleep_s, self.alone_sleep_s = folder, sleep_s, alone_sleep_s
 
     def fit_start(self, state, logger):
         self.t = time.time()
@@ -90,8 +92,9 @@ class RecordRows(Callback):
         }
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        if self.sleep_s:
-            time.sleep(self.sleep_s)
+        sleep_s = self.alone_sleep_s if self.alone_sleep_s is not None and state.world_size == 1 else self.sleep_s
+        if sleep_s:
+            time.sleep(sleep_s)
 
     def fit_end(self, state, logger):
         self.file.close()
