@@ -32,6 +32,7 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, ar
     try:
         result = fn(rank, world_size, *args)
         torch.save({"ok": result}, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # every rank past its last collective before teardown (see tests/trainer/gloo_ranks.py)
     except BaseException:
         torch.save({"error": traceback.format_exc()}, os.path.join(out_dir, f"rank{rank}.pt"))
         raise

@@ -47,13 +47,18 @@ def _entry(
     if cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())
     tdist.init_process_group(backend, rank=rank, world_size=world_size)
+    failed = False
     try:
         result: Any = fn(rank, world_size, **kwargs)
     except BaseException:
-        result = {"error": traceback.format_exc()}
-    finally:
-        tdist.destroy_process_group()
+        result, failed = {"error": traceback.format_exc()}, True
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    if not failed:
+        # Every rank is past its last collective before any rank tears the group down: a rank
+        # whose peer had already destroyed it aborted now and then in gloo's teardown
+        # ("terminate called without an active exception").
+        tdist.barrier()
+    tdist.destroy_process_group()
 
 
 def run_ranks(
