@@ -8,7 +8,10 @@ Linux namespaces it creates and removes:
   everything is installed before: apt packages, and a wheelhouse for the setup commands' pip);
 * mount: a private ``/tmp`` (``/tmp/ray`` of other Ray instances on the machine is not seen) and a
   private ``/etc/passwd`` whose root home is a temporary directory (the real ``~/.ssh``,
-  ``~/.bashrc`` and ``~/.ray`` are never read or written), a ``/proc`` of this PID namespace only;
+  ``~/.bashrc`` and ``~/.ray`` are never read or written), a ``/proc`` of this PID namespace only.
+  What the launcher needs from under the real ``/tmp`` is bound back in at the same path
+  (`paths_to_keep`): the repository (a clone under ``/tmp`` is common) and the running Python's
+  installation and import paths;
 * PID: ``ray stop`` (which the launcher runs on the head) sees, and can kill, only this
   cluster's processes, and killing the namespace's first process ends every one of them.
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -69,6 +73,23 @@ def _which(tool: str) -> Optional[str]:
     return shutil.which(tool) or next((p for p in (f"/usr/sbin/{tool}", f"/usr/bin/{tool}") if os.path.exists(p)), None)
 
 
+def paths_to_keep(hidden: str = "/tmp") -> List[str]:
+    """The directories under ``hidden`` that the launcher must still see once a private ``hidden``
+    covers it: the repository (``ray up`` runs in it and rsyncs it to the head) and the running
+    Python (its prefixes and every ``sys.path`` directory: a virtual environment or an editable
+    install may live in a clone under /tmp). Real paths, outermost only, sorted.
+    """
+    candidates = [REPO, sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(sys.executable)]
+    candidates += [p for p in sys.path if p and os.path.isdir(p)]
+    hidden = os.path.realpath(hidden)
+    found = set()
+    for path in candidates:
+        for form in {os.path.abspath(path), os.path.realpath(path)}:  # a symlink under /tmp, or a target there
+            if form.startswith(hidden + os.sep):
+                found.add(form)
+    return sorted(p for p in found if not any(p.startswith(q + os.sep) for q in found))
+
+
 def derived_config(base: Dict, *, key: str, num_cpus: int) -> Dict:
     """cluster.yaml with AWS replaced by the local provider; everything else as shipped."""
     cfg = copy.deepcopy(base)
@@ -90,7 +111,8 @@ def derived_config(base: Dict, *, key: str, num_cpus: int) -> Dict:
 class LocalLauncher:
     """The namespaces, sshd, the head's HOME and Python; `run` executes a command inside."""
 
-    def __init__(self, num_cpus: int = 4) -> None:
+    def __init__(self, num_cpus: int = 4, keep: Optional[List[str]] = None) -> None:
+        self.keep = paths_to_keep() if keep is None else keep  # bound back in over the private /tmp
         self.base = tempfile.mkdtemp(prefix=MARKER, dir="/var/tmp")  # not under /tmp: that is replaced inside
         self.home = os.path.join(self.base, "home")
         self.venv = os.path.join(self.base, "venv")
@@ -103,11 +125,7 @@ class LocalLauncher:
 
     # ------------------------------------------------------------------ set-up (outside the namespaces)
     def prepare(self) -> None:
-        for sub in ("home/.ssh", "tmp", "wheelhouse", "ssh"):
-            os.makedirs(os.path.join(self.base, sub), mode=0o700, exist_ok=True)
-        os.chmod(os.path.join(self.base, "tmp"), 0o1777)
-        self._keys()
-        self._passwd()
+        self.prepare_namespace()
         self._venv()
         # The setup commands build this repository's wheel: pip's isolated build needs setuptools.
         self._check(
@@ -119,6 +137,14 @@ class LocalLauncher:
         key = os.path.join(self.base, "ssh", "id_ed25519")
         with open(self.config_path, "w") as fh:
             yaml.safe_dump(derived_config(base, key=key, num_cpus=self.num_cpus), fh, sort_keys=False)
+
+    def prepare_namespace(self) -> None:
+        """What `start` needs: the private /tmp, the SSH keys and sshd's config, the private passwd."""
+        for sub in ("home/.ssh", "tmp", "wheelhouse", "ssh"):
+            os.makedirs(os.path.join(self.base, sub), mode=0o700, exist_ok=True)
+        os.chmod(os.path.join(self.base, "tmp"), 0o1777)
+        self._keys()
+        self._passwd()
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege-separation directory
 
     def _keys(self) -> None:
@@ -223,7 +249,7 @@ class LocalLauncher:
     def start(self) -> None:
         holder = os.path.join(self.base, "holder.py")
         with open(holder, "w") as fh:
-            fh.write(HOLDER.format(base=self.base, sshd=_which("sshd")))
+            fh.write(HOLDER.format(base=self.base, sshd=_which("sshd"), keep=self.keep))
         self.holder = subprocess.Popen(
             [
                 "unshare",
@@ -264,7 +290,7 @@ class LocalLauncher:
                 "--",
                 "/bin/bash",
                 "-c",
-                f"cd {cwd} && {command}",
+                f"cd {shlex.quote(cwd)} && {command}",
             ],
             env=self.env(),
             capture_output=True,
@@ -326,12 +352,19 @@ def _processes_naming(text: str) -> List[int]:
     return found
 
 
-# The namespace's first process: loopback up, private /tmp and /etc/passwd, sshd, then reap orphans.
+# The namespace's first process: loopback up, private /tmp (with the paths in `keep` bound back in at
+# their own places: bound onto the private /tmp's subdirectories first, then the whole tree, those
+# binds included, goes over /tmp with --rbind) and /etc/passwd, sshd, then reap orphans. The binds
+# are made in this mount namespace only (private propagation): the machine's /tmp is not touched.
 HOLDER = """\
 import os, subprocess, time
 base = {base!r}
 subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
-subprocess.run(["mount", "--bind", base + "/tmp", "/tmp"], check=True)
+for path in {keep!r}:
+    inside = base + "/tmp/" + os.path.relpath(path, "/tmp")
+    os.makedirs(inside, exist_ok=True)
+    subprocess.run(["mount", "--bind", path, inside], check=True)
+subprocess.run(["mount", "--rbind", base + "/tmp", "/tmp"], check=True)
 subprocess.run(["mount", "--bind", base + "/passwd", "/etc/passwd"], check=True)
 subprocess.run([{sshd!r}, "-f", base + "/ssh/sshd_config", "-E", base + "/ssh/sshd.log"], check=True)
 open(base + "/ready", "w").close()
