@@ -37,7 +37,7 @@ def test_a_directory_under_tmp_stays_visible_inside_and_the_rest_of_tmp_is_priva
     os.makedirs(inner)
     with open(os.path.join(inner, "marker.txt"), "w") as fh:
         fh.write("visible\n")
-    launcher = LocalLauncher(keep=[inner])
+    launcher = LocalLauncher(keep=paths_to_keep() + [inner])  # this checkout too, wherever it is
     try:
         launcher.prepare_namespace()
         launcher.start()
@@ -48,7 +48,7 @@ def test_a_directory_under_tmp_stays_visible_inside_and_the_rest_of_tmp_is_priva
         with open(os.path.join(inner, "inside.txt")) as fh:
             assert fh.read() == "written\n"
         # /tmp itself is the private one: what the namespace writes there stays in the launcher's base.
-        assert launcher.run("touch /tmp/rte-private-probe").returncode == 0
+        assert launcher.run("touch /tmp/rte-private-probe", cwd=inner).returncode == 0
         assert os.path.exists(os.path.join(launcher.base, "tmp", "rte-private-probe"))
         assert not os.path.exists("/tmp/rte-private-probe")
     finally:
