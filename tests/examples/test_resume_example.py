@@ -1,11 +1,13 @@
 """``examples/train.py`` continued by name, as a user does it: subprocesses, each its own embedded Ray.
 
-Three runs with the same ``run_name``: 1 epoch with keep=2; ``resume=true`` to 3 epochs (keep=2)
+Three runs with the same ``run_name``: the session's shared run of the example (``digits_run`` in
+conftest.py: 2 epochs, keep=2, a checkpoint every 5 batches); ``resume=true`` to 3 epochs (keep=2)
 with its driver SIGKILLed mid-epoch right after a checkpoint committed; ``resume=true`` again to
-the end with keep=1. Continuing by name after our pruning is the case that failed with "The run
-snapshot contains a reference to a checkpoint that does not exist anymore" (the issue's report:
-keep=2, a finished run, then resume=true); the kill can leave Ray's run snapshot behind the newest
-committed checkpoint; the last run lowers keep, so its first save prunes what earlier runs kept.
+the end with keep=1 and ``verbose=true`` (whose console test_console_report.py's
+`check_verbose_console` checks). Continuing by name after our pruning is the case that failed with
+"The run snapshot contains a reference to a checkpoint that does not exist anymore" (the issue's
+report: keep=2, a finished run, then resume=true); the kill can leave Ray's run snapshot behind the
+newest committed checkpoint; the last run lowers keep, so its first save prunes what earlier runs kept.
 
 Each finished run's summary must hold the exact global Timestamp of an uninterrupted run of the
 same length (every worker's samples, 12 global batches of 128 rows per 1,500-row epoch). Which
@@ -22,6 +24,8 @@ import sys
 import time
 
 import pytest
+from test_console_report import check_verbose_console
+from test_train_example import RUN_ARGS, RUN_NAME
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
@@ -65,46 +69,48 @@ def _check_finished(run_dir, epochs, keep):
     return summary
 
 
-@pytest.mark.timeout(1800)  # three Ray runs; minutes each on a loaded machine
-def test_resume_by_name_then_driver_killed_then_resumed_again(tmp_path):
-    """Run 1 finishes 1 epoch (keep=2); run 2 continues it by name to 3 epochs and its driver (with the
-    embedded Ray it started) is SIGKILLed mid-epoch right after a new checkpoint committed; run 3
-    continues by name again with keep=1 and finishes with the exact Timestamp of an uninterrupted
-    3-epoch run, keep=1 holding on disk."""
+@pytest.mark.timeout(1800)  # two Ray runs after the shared one; minutes each on a loaded machine
+def test_resume_by_name_then_driver_killed_then_resumed_again(digits_run, tmp_path):
+    """Run 1 (the shared run) finished 2 epochs (keep=2); run 2 continues it by name to 3 epochs and
+    its driver (with the embedded Ray it started) is SIGKILLed mid-epoch right after a new checkpoint
+    committed; run 3 continues by name again with keep=1 (and verbose=true) and finishes with the
+    exact Timestamp of an uninterrupted 3-epoch run, keep=1 holding on disk."""
     from raytrain_events.checkpoint import list_checkpoints
 
-    storage = str(tmp_path / "runs")
-    run_dir = os.path.join(storage, "again")
+    storage, run_dir, name = digits_run["storage"], digits_run["run_dir"], RUN_NAME
     folder = os.path.join(run_dir, "checkpoints")
-    args = ("checkpoint.keep=2", "checkpoint.save_interval=5ba")
-    _run(str(tmp_path), _command(storage, "again", 1, *args))
-    first = _check_finished(run_dir, 1, keep=2)
-    assert [c["timestamp"]["batch"] for c in first["checkpoints"]] == [10, 12]  # 5 pruned by keep=2
+    first = _check_finished(digits_run["snapshot"], 2, keep=2)
+    assert [c["timestamp"]["batch"] for c in first["checkpoints"]] == [20, 24]  # 5, 10, 15 pruned by keep=2
+    with open(os.path.join(run_dir, "summary.json")) as fh:  # this test is the only one that continues it
+        assert json.load(fh)["timestamp"]["epoch"] == 2, "the shared run was continued before this test"
 
     with open(tmp_path / "second.log", "w") as log:
         driver = subprocess.Popen(
-            _command(storage, "again", 3, *args, "resume=true"),
+            _command(storage, name, 3, *RUN_ARGS, "resume=true"),
             cwd=str(tmp_path),
             env=_env(),
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        deadline, newest = time.time() + 500, BATCHES_PER_EPOCH
-        while time.time() < deadline and driver.poll() is None and newest <= BATCHES_PER_EPOCH:
-            newest = max([c.batch for c in list_checkpoints(folder)] + [BATCHES_PER_EPOCH])
+        done = 2 * BATCHES_PER_EPOCH
+        deadline, newest = time.time() + 500, done
+        while time.time() < deadline and driver.poll() is None and newest <= done:
+            newest = max([c.batch for c in list_checkpoints(folder)] + [done])
             time.sleep(0.1)
-        assert newest > BATCHES_PER_EPOCH and driver.poll() is None, (
+        assert newest > done and driver.poll() is None, (
             "no new checkpoint before the run ended: " + open(log.name).read()[-3000:]
         )
         os.killpg(driver.pid, signal.SIGKILL)  # the driver and the embedded Ray it started
         driver.wait(timeout=60)
     with open(os.path.join(run_dir, "summary.json")) as fh:  # still run 1's: run 2 never finished
-        assert json.load(fh)["timestamp"]["epoch"] == 1
+        assert json.load(fh)["timestamp"]["epoch"] == 2
     assert newest % BATCHES_PER_EPOCH != 0  # killed mid-epoch
 
     proc = _run(
-        str(tmp_path), _command(storage, "again", 3, "checkpoint.keep=1", "checkpoint.save_interval=5ba", "resume=true")
+        str(tmp_path),
+        _command(storage, name, 3, "checkpoint.keep=1", "checkpoint.save_interval=5ba", "resume=true", "verbose=true"),
     )
     assert "Resuming" in proc.stdout
     _check_finished(run_dir, 3, keep=1)
+    check_verbose_console(proc.stdout + proc.stderr, name)

@@ -1,6 +1,8 @@
 """The examples end to end, as a user runs them: subprocesses, real Ray, real files.
 
-* ``examples/train.py`` with an embedded local Ray (what the no-argument run does);
+* ``examples/train.py`` with an embedded local Ray (what the no-argument run does): the session's
+  shared run (``digits_run`` in conftest.py, also read by test_console_report.py and continued by
+  test_resume_example.py);
 * the same script submitted with ``ray job submit`` to a ``ray start --head`` cluster that this
   test starts in its own temp dir and tears down (without ``ray stop``, which would stop every
   Ray on the machine, the test session's own included);
@@ -26,6 +28,8 @@ pytestmark = [pytest.mark.slow]
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN_ROWS, EPOCHS, WORKERS = 1500, 2, 2  # 1797 digits - 297 eval rows = 1500, divisible by 2 workers
+# The session's shared run of the example (conftest.py's `digits_run`): its name and checkpoint options.
+RUN_NAME, RUN_ARGS = "digits-run", ("checkpoint.keep=2", "checkpoint.save_interval=5ba")
 
 
 def _env(**extra):
@@ -45,8 +49,13 @@ def _args(storage, run_name):
     ]
 
 
-def check_summary(summary_path, run_dir):
-    """The summary.json of a finished 2-epoch, 2-worker digits run."""
+def check_summary(summary_path, run_dir, files_at=None):
+    """The summary.json of a finished 2-epoch, 2-worker digits run.
+
+    ``files_at``: a copy of ``run_dir`` taken when the run finished, where its files are checked
+    (the shared run's directory goes on being continued by the resume test).
+    """
+    files_at = files_at or run_dir
     with open(summary_path) as fh:
         summary = json.load(fh)
     # The global Timestamp counts every worker's samples: exact, not per-rank.
@@ -58,34 +67,28 @@ def check_summary(summary_path, run_dir):
     assert summary["metrics"]["metrics/eval/accuracy"] > 0.5
     assert [h["epoch"] for h in summary["eval_history"]] == [1, 2]
     assert summary["config"]["num_workers"] == WORKERS
-    # Checkpoints: save_interval=1ep, keep=2 -> epochs 1 and 2 are kept, committed, on disk.
+    # Checkpoints: keep=2 -> the last two (epochs 1 and 2 with the default save_interval=1ep) are
+    # kept, committed, on disk.
     checkpoints = summary["checkpoints"]
     assert summary["checkpoint_folder"] == os.path.join(run_dir, "checkpoints")
     assert 1 <= len(checkpoints) <= 2
     assert checkpoints[-1]["timestamp"]["sample"] == TRAIN_ROWS * EPOCHS
     for checkpoint in checkpoints:
-        assert os.path.exists(os.path.join(checkpoint["url"].removeprefix("file://"), "manifest.json"))
-    assert os.path.exists(os.path.join(run_dir, "config.yaml"))
+        path = os.path.relpath(checkpoint["url"].removeprefix("file://"), run_dir)
+        assert not path.startswith(".."), (checkpoint["url"], run_dir)
+        assert os.path.exists(os.path.join(files_at, path, "manifest.json"))
+    assert os.path.exists(os.path.join(files_at, "config.yaml"))
     return summary
 
 
 @pytest.mark.ray
-def test_train_example_with_embedded_ray(tmp_path):
-    storage = str(tmp_path / "runs")
-    # RAY_ADDRESS=local: a fresh embedded Ray even if a `ray start` cluster runs on this machine.
-    proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "examples", "train.py"), *_args(storage, "local-run")],
-        capture_output=True,
-        text=True,
-        timeout=400,
-        cwd=str(tmp_path),
-        env=_env(RAY_ADDRESS="local"),
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    run_dir = os.path.join(storage, "local-run")
-    summary = check_summary(os.path.join(run_dir, "summary.json"), run_dir)
-    assert f"epoch={EPOCHS} batch=" in proc.stdout and f"sample={TRAIN_ROWS * EPOCHS}" in proc.stdout
-    assert "checkpoints: " + os.path.join(run_dir, "checkpoints") in proc.stdout
+def test_train_example_with_embedded_ray(digits_run, tmp_path):
+    """The shared run (2 epochs, 2 workers, checkpoint every 5 batches keeping 2): its summary, its
+    console summary lines, and the CLI reading the run back."""
+    stdout, run_dir, snapshot = digits_run["stdout"], digits_run["run_dir"], digits_run["snapshot"]
+    summary = check_summary(os.path.join(snapshot, "summary.json"), run_dir, files_at=snapshot)
+    assert f"epoch={EPOCHS} batch=" in stdout and f"sample={TRAIN_ROWS * EPOCHS}" in stdout
+    assert "checkpoints: " + os.path.join(run_dir, "checkpoints") in stdout
 
     # The CLI reads the same run back: checkpoints with their Timestamps, and the saved config.
     from raytrain_events.cli.main import main
@@ -94,7 +97,7 @@ def test_train_example_with_embedded_ray(tmp_path):
     with open(out, "w") as fh:
         saved, sys.stdout = sys.stdout, fh
         try:
-            assert main(["inspect", run_dir, "--json"]) == 0
+            assert main(["inspect", snapshot, "--json"]) == 0
         finally:
             sys.stdout = saved
     info = json.loads(out.read_text())
