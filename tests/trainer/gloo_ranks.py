@@ -5,16 +5,18 @@
 ``fn(rank, world_size, **kwargs)`` in each and returns the ranks' results in rank order.
 ``cuda=True`` makes GPU ``r % device_count`` rank ``r``'s current device (ranks may share one);
 ``train(..., device="cuda")`` trains there. ``backend="nccl"`` needs a GPU per rank.
+`run_ranks(run_jobs, world_size, jobs=[(fn, kwargs), ...])` runs several jobs in one spawn.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
 import tempfile
 import traceback
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
 
 import torch
 import torch.distributed as tdist
@@ -71,6 +73,30 @@ def run_ranks(
         args = (world_size, _free_port(), out_dir, fn, kwargs, backend, cuda)
         mp.spawn(_entry, args=args, nprocs=world_size, join=True)
         results = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+    for rank, result in enumerate(results):
+        if isinstance(result, dict) and "error" in result:
+            raise AssertionError(f"rank {rank} failed:\n{result['error']}")
+    return results
+
+
+def run_jobs(rank: int, world_size: int, *, jobs: Sequence[Tuple[Callable[..., Any], Dict[str, Any]]]) -> List[Any]:
+    """Several jobs ``(fn, kwargs)`` one after another on the same ranks and process group: one spawn
+    (a torch import and a gloo rendezvous per rank, seconds each on a loaded machine) for all of them.
+
+    A job that raises gives ``{"error": traceback}`` in its place and the next job still runs (a rank
+    that failed alone leaves its peers waiting in a collective, as with one job per spawn)."""
+    results: List[Any] = []
+    for fn, kwargs in jobs:
+        try:
+            results.append(fn(rank, world_size, **kwargs))
+        except Exception:
+            results.append({"error": traceback.format_exc()})
+    return results
+
+
+def job_results(ranks: List[List[Any]], index: int) -> List[Any]:
+    """Job ``index``'s result on every rank, from `run_ranks(run_jobs, ...)`; fails naming a rank's error."""
+    results = [per_rank[index] for per_rank in ranks]
     for rank, result in enumerate(results):
         if isinstance(result, dict) and "error" in result:
             raise AssertionError(f"rank {rank} failed:\n{result['error']}")
@@ -180,12 +206,19 @@ class SyncGuard(Callback):
         torch.cuda.set_sync_debug_mode("default")
 
 
-def _separate_collective() -> None:
-    """In this (spawned) process, Trainers sum the counters with their own collective, as before issue 16."""
+@contextlib.contextmanager
+def _separate_collective(separate: bool = True) -> Iterator[None]:
+    """Trainers built inside sum the counters with their own collective, as before issue 16 (with
+    ``separate``); undone on exit, so later jobs of the same process (`run_jobs`) are unaffected."""
     import raytrain_events.trainer.trainer as trainer_module
 
     wrap = trainer_module.wrap_for_training
-    trainer_module.wrap_for_training = lambda trainer, counted: wrap(trainer, False)
+    if separate:
+        trainer_module.wrap_for_training = lambda trainer, counted: wrap(trainer, False)
+    try:
+        yield
+    finally:
+        trainer_module.wrap_for_training = wrap
 
 
 def train(
@@ -209,17 +242,16 @@ def train(
     loader = DataLoader(data, batch_size=layout["batch_size"], shuffle=False)
     recorder = BatchRecorder()
     model = TinyModel()
-    if not on_gradients:  # the separate collective, for comparison
-        _separate_collective()
-    trainer = Trainer(
-        model=model,
-        train_dataloader=DataSpec(loader, get_num_tokens_in_batch=(lambda b: int(b[2].sum())) if tokens else None),
-        max_duration=f"{epochs}ep",
-        optimizers=torch.optim.SGD(model.parameters(), lr=0.05),
-        grad_accum=grad_accum,
-        callbacks=[recorder, SyncGuard()] if sync_guard else [recorder],
-        dist=TorchDist(torch.device(device)),  # the CPU unless asked, also where a GPU is
-    )
+    with _separate_collective(not on_gradients):  # the separate collective, for comparison
+        trainer = Trainer(
+            model=model,
+            train_dataloader=DataSpec(loader, get_num_tokens_in_batch=(lambda b: int(b[2].sum())) if tokens else None),
+            max_duration=f"{epochs}ep",
+            optimizers=torch.optim.SGD(model.parameters(), lr=0.05),
+            grad_accum=grad_accum,
+            callbacks=[recorder, SyncGuard()] if sync_guard else [recorder],
+            dist=TorchDist(torch.device(device)),  # the CPU unless asked, also where a GPU is
+        )
     on_grads = trainer._counters.on_gradients
     state = trainer.fit()
     return {
@@ -281,18 +313,17 @@ def count_collectives(rank: int, world_size: int, *, on_gradients: bool = True) 
     layout = rank_layout(rank)
     data = TokenRows(rank, layout["rows"])
     model = TinyModel()
-    if not on_gradients:
-        _separate_collective()
-    trainer = Trainer(
-        model=model,
-        train_dataloader=DataSpec(
-            DataLoader(data, batch_size=layout["batch_size"]), get_num_tokens_in_batch=lambda b: int(b[2].sum())
-        ),
-        max_duration="2ep",
-        optimizers=torch.optim.SGD(model.parameters(), lr=0.05),
-        callbacks=[counter],
-        dist=TorchDist(torch.device("cpu")),
-    )
+    with _separate_collective(not on_gradients):
+        trainer = Trainer(
+            model=model,
+            train_dataloader=DataSpec(
+                DataLoader(data, batch_size=layout["batch_size"]), get_num_tokens_in_batch=lambda b: int(b[2].sum())
+            ),
+            max_duration="2ep",
+            optimizers=torch.optim.SGD(model.parameters(), lr=0.05),
+            callbacks=[counter],
+            dist=TorchDist(torch.device("cpu")),
+        )
     trainer.fit()
     # The raw thing: a hand-written DDP loop over the same batches.
     plain = TinyModel()

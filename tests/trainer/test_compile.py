@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gloo_ranks import run_ranks
+from gloo_ranks import job_results, run_jobs, run_ranks
 from oom_ranks import BATCH, OOMModel, dataset, make_trainer, train_compiled
 from torch.utils.data import DataLoader
 
@@ -106,8 +106,9 @@ def test_inductor_on_cpu_matches_eager(monkeypatch):
 
 
 def test_compile_with_ddp_on_two_ranks():
-    compiled = run_ranks(train_compiled, 2, compiled=True)
-    eager = run_ranks(train_compiled, 2, compiled=False)
+    # One spawn, eager first (nothing compiled is left in the ranks when the eager job runs).
+    ranks = run_ranks(run_jobs, 2, jobs=[(train_compiled, {"compiled": False}), (train_compiled, {"compiled": True})])
+    eager, compiled = job_results(ranks, 0), job_results(ranks, 1)
     assert all(r["graphs"] >= 1 for r in compiled) and all(r["graphs"] == 0 for r in eager)
     for name, value in eager[0]["weights"].items():
         torch.testing.assert_close(compiled[0]["weights"][name], value)

@@ -9,20 +9,62 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gloo_ranks import BATCHES, check_exact_counters, count_collectives, expected_global_samples, run_ranks, train
+from gloo_ranks import (
+    BATCHES,
+    check_exact_counters,
+    count_collectives,
+    expected_global_samples,
+    job_results,
+    run_jobs,
+    run_ranks,
+    train,
+)
+
+# Every job of this file, by world size: one spawn per world size runs them all in order (a spawn
+# costs each rank a torch import and a gloo rendezvous; ten spawns were most of this file's time).
+# The separate-collective jobs patch the Trainer only while they build it (`_separate_collective`).
+JOBS = {
+    2: {
+        "ga1": (train, dict(grad_accum=1, epochs=2)),
+        "ga2": (train, dict(grad_accum=2, epochs=2)),
+        "repeated": (train, dict(epochs=3, tokens=False)),
+        "ga2_1ep": (train, dict(grad_accum=2, epochs=1)),
+        "ga2_1ep_separate": (train, dict(grad_accum=2, epochs=1, on_gradients=False)),
+        "collectives": (count_collectives, {}),
+        "collectives_separate": (count_collectives, dict(on_gradients=False)),
+    },
+    3: {
+        "ga1": (train, dict(grad_accum=1, epochs=2)),
+        "ga3": (train, dict(grad_accum=3, epochs=2)),
+        "collectives": (count_collectives, {}),
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """``ranks(world_size, job)``: that job's per-rank results (each world size spawned once, on first use)."""
+    done = {}
+
+    def results(world_size, job):
+        if world_size not in done:
+            done[world_size] = run_ranks(run_jobs, world_size, jobs=list(JOBS[world_size].values()))
+        return job_results(done[world_size], list(JOBS[world_size]).index(job))
+
+    return results
 
 
 @pytest.mark.parametrize("world_size,grad_accum", [(2, 1), (3, 1), (2, 2), (3, 3)])
-def test_counters_ride_on_ddp_and_stay_exact(world_size, grad_accum):
-    results = run_ranks(train, world_size, grad_accum=grad_accum, epochs=2)
+def test_counters_ride_on_ddp_and_stay_exact(ranks, world_size, grad_accum):
+    results = ranks(world_size, f"ga{grad_accum}")
     assert all(r["on_gradients"] for r in results)
     check_exact_counters(results, world_size, epochs=2)
 
 
-def test_repeated_counters_stay_exact_across_short_batches_and_epochs():
+def test_repeated_counters_stay_exact_across_short_batches_and_epochs(ranks):
     """Full batches repeat their counters, the short last batch differs, the next epoch repeats again."""
     epochs = 3
-    results = run_ranks(train, 2, epochs=epochs, tokens=False)
+    results = ranks(2, "repeated")
     assert all(r["on_gradients"] for r in results)
     rows = sum(r["local_rows"] for r in results)
     for r in results:
@@ -32,10 +74,10 @@ def test_repeated_counters_stay_exact_across_short_batches_and_epochs():
         assert (ts["batch"], ts["sample"], ts["token"]) == (epochs * BATCHES, epochs * rows, 0)
 
 
-def test_gradient_path_matches_the_separate_collective():
-    on_grads = run_ranks(train, 2, grad_accum=2, epochs=1)
-    separate = run_ranks(train, 2, grad_accum=2, epochs=1, on_gradients=False)
-    assert not separate[0]["on_gradients"]
+def test_gradient_path_matches_the_separate_collective(ranks):
+    on_grads = ranks(2, "ga2_1ep")
+    separate = ranks(2, "ga2_1ep_separate")
+    assert on_grads[0]["on_gradients"] and not separate[0]["on_gradients"]
     for a, b in zip(on_grads, separate):
         counters = ("epoch", "batch", "sample", "token", "batch_in_epoch", "sample_in_epoch", "token_in_epoch")
         assert {k: a["timestamp"][k] for k in counters} == {k: b["timestamp"][k] for k in counters}
@@ -45,14 +87,22 @@ def test_gradient_path_matches_the_separate_collective():
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_only_ddp_collectives_run_per_batch(world_size):
-    results = run_ranks(count_collectives, world_size)
+def test_only_ddp_collectives_run_per_batch(ranks, world_size):
+    results = ranks(world_size, "collectives")
     for r in results:
         assert len(r["per_batch"]) == len(r["plain_per_batch"]) == 2 * BATCHES
         assert all(counts.get("gloo:all_reduce", 0) >= 1 for counts in r["plain_per_batch"])  # DDP's gradients
         # Batch by batch, the same collectives as a hand-written DDP loop: nothing of the loop's own.
         assert r["per_batch"] == r["plain_per_batch"]
     # The same count with the separate collective shows the test can fail: one more all-reduce per batch.
-    separate = run_ranks(count_collectives, 2, on_gradients=False)
+    separate = ranks(2, "collectives_separate")
     for ours, plain in zip(separate[0]["per_batch"], separate[0]["plain_per_batch"]):
         assert ours["gloo:all_reduce"] == plain["gloo:all_reduce"] + 1
+
+
+def test_jobs_after_a_separate_collective_job_are_back_on_the_gradients(ranks):
+    """Running the jobs in one process is sound: the patch of a separate-collective job does not leak
+    into the jobs after it (here the plain count runs after one; its per-batch counts match DDP's)."""
+    order = list(JOBS[2])
+    assert order.index("ga2_1ep_separate") < order.index("collectives")
+    assert all(r["per_batch"] == r["plain_per_batch"] for r in ranks(2, "collectives"))

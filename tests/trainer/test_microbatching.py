@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gloo_ranks import run_ranks
+from gloo_ranks import job_results, run_jobs, run_ranks
 from oom_ranks import BATCH, ROWS, OOMModel, Recorder, dataset, make_trainer, train_auto
 from torch.utils.data import DataLoader
 
@@ -154,7 +154,13 @@ def test_the_found_value_is_checkpointed_and_reused_on_resume(tmp_path):
 
 
 def test_two_ranks_where_only_one_runs_out_of_memory():
-    auto = run_ranks(train_auto, 2, limits=[None, 4])
+    # One spawn for both runs: the fixed grad_accum=4 one first, then the one that runs out of memory.
+    ranks = run_ranks(
+        run_jobs,
+        2,
+        jobs=[(train_auto, {"limits": [None, None], "grad_accum": 4}), (train_auto, {"limits": [None, 4]})],
+    )
+    fixed, auto = job_results(ranks, 0), job_results(ranks, 1)
     # Rank 0 never ran out, but retried with rank 1 at the same batch: both ended at 4.
     assert [r["grad_accum"] for r in auto] == [4, 4]
     assert auto[0]["forward_rows"][:7] == [16, 8, 8, 4, 4, 4, 4]  # rank 0's first two attempts succeeded locally
@@ -163,6 +169,5 @@ def test_two_ranks_where_only_one_runs_out_of_memory():
     for name, value in auto[0]["weights"].items():
         torch.testing.assert_close(auto[1]["weights"][name], value, rtol=0, atol=0)
     # The same as both ranks starting with grad_accum=4 under DDP.
-    fixed = run_ranks(train_auto, 2, limits=[None, None], grad_accum=4)
     for name, value in fixed[0]["weights"].items():
         torch.testing.assert_close(auto[0]["weights"][name], value)
