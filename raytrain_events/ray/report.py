@@ -18,6 +18,7 @@ from raytrain_events.checkpoint.checkpointer import Checkpointer, find_checkpoin
 from raytrain_events.checkpoint.preemption import SAVE_FLAG
 from raytrain_events.core.callback import Callback
 from raytrain_events.core.event import Event
+from raytrain_events.core.heartbeat import HEARTBEAT
 from raytrain_events.core.interval import make_interval
 from raytrain_events.core.plain import to_python
 from raytrain_events.core.time import counters_of
@@ -148,9 +149,10 @@ class RayReporter(Callback):
             return
         import ray.train
 
-        if checkpoint is None:
-            ray.train.report(report)
-        else:
-            from raytrain_events.ray.checkpointing import report_with_checkpoint
+        with HEARTBEAT.collective("ray.train.report (a barrier across workers)"):
+            if checkpoint is None:
+                ray.train.report(report)
+            else:
+                from raytrain_events.ray.checkpointing import report_with_checkpoint
 
-            report_with_checkpoint(report, checkpoint)
+                report_with_checkpoint(report, checkpoint)
