@@ -40,5 +40,8 @@ def worker_guards(spec: Any, dist: Any, *, checkpointing: bool) -> List[Callback
             storage_options=spec.storage_options,
         )
     ]
-    del checkpointing
+    if checkpointing:
+        from raytrain_events.ray.preemption import PreemptionGuard
+
+        guards.append(PreemptionGuard(dist=dist, run_url=spec.run_url, storage_options=spec.storage_options))
     return guards

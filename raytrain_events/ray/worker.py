@@ -87,11 +87,7 @@ def build_worker_trainer(spec: RunSpec) -> Trainer:
         parallelism=spec.parallelism,
         algorithms=algorithms,
         callbacks=list(callbacks)
-        + [
-            RayReporter(
-                interval=spec.report_interval, every_s=spec.report_every_s, check_preemption=checkpoint is not None
-            )
-        ]
+        + [RayReporter(interval=spec.report_interval, every_s=spec.report_every_s)]  # preemption: `guards`
         + guards,
         seed=spec.seed,
         device=device,
