@@ -84,6 +84,7 @@ class RayReporter(Callback):
         self._checkpointer = find_checkpointer(state)  # attached after INIT, so looked up here
         # The first report of this worker group says where it started (0, or a checkpoint).
         self._start = counters_of(state.timestamp)
+        self._started_at = time.time()  # the group's start, for the goodput report's restarts
         self._reset()
 
     def after_dataloader(self, state, logger) -> None:
@@ -133,6 +134,8 @@ class RayReporter(Callback):
             "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))},
             "final": final,
         }
+        if self._start is not None:
+            report["started_at"] = self._started_at
         checkpoint = self._checkpointer.take_unreported() if self._checkpointer is not None else None
         state.agreement.clear(REPORT_FLAG)
         self._last_report = time.monotonic()

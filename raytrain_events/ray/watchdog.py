@@ -11,7 +11,7 @@ hung one), each rank:
 1. writes ``<run>/hangs/<group id>/rank-<r>.txt``: its heartbeat (last event, global batch, the
    collective in flight), its training thread's stack, and ``faulthandler``'s stacks of all threads;
 2. waits up to ``grace_s`` for the other ranks' dumps; the lowest rank that dumped writes
-   ``summary.txt`` and logs it: the slowest rank (`slowest_rank`: no dump at all, else fewest
+   ``summary.txt`` (and ``hang.json`` for the run report) and logs it: the slowest rank (`slowest_rank`: no dump at all, else fewest
    batches, then not waiting in a collective, then the longest idle) and its frame;
 3. exits the process, so Ray Train's ``FailureConfig`` restarts the group from the newest checkpoint.
 
@@ -209,6 +209,15 @@ class ProgressWatchdog(Callback):
         summary_path = join(folder, "summary.txt")
         if self.rank == min(records):
             summary = self._summary(records, timeout)
+            slow = slowest_rank(records, self.world_size)
+            event = {
+                "wall": time.time(),
+                "hang_timeout_s": timeout,
+                "slowest_rank": slow,
+                "frame": records[slow]["frame"] if slow in records else None,
+                "batch": records[slow]["batch"] if slow in records else None,
+            }
+            write_bytes_atomic(fs, join(folder, "hang.json"), json.dumps(event).encode())  # the run report reads it
             write_bytes_atomic(fs, summary_path, summary.encode())
             logger.error(summary)
             return summary
