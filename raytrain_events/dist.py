@@ -4,6 +4,9 @@
 process group (Ray Train sets one up on every worker). Counters (samples, tokens, stop flags)
 are summed over a separate gloo group on host memory, so counting never syncs a GPU stream,
 and the sum is started asynchronously so it overlaps with forward and backward.
+
+Every collective here marks itself in flight on the process's `HEARTBEAT` (a monotonic time
+write), so a progress watchdog can say which collective a hung rank waits in.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 from typing import Any, List, Optional, Sequence
 
 import torch
+
+from raytrain_events.core.heartbeat import HEARTBEAT
 
 __all__ = ["Dist", "LocalDist", "TorchDist", "PendingSum", "default_dist"]
 
@@ -28,7 +33,9 @@ class PendingSum:
     def wait(self) -> List[int]:
         """Block until the sum is known and return it as Python ints."""
         if self._values is None:
+            HEARTBEAT.enter("all_reduce (the batch's counters)")
             self._work.wait()
+            HEARTBEAT.exit()
             self._values = self._tensor.tolist()
         return self._values
 
@@ -81,7 +88,10 @@ class LocalDist(Dist):
 class TorchDist(Dist):
     """An initialized ``torch.distributed`` default group, plus a gloo group for counters."""
 
-    def __init__(self, device: Optional[torch.device] = None) -> None:
+    def __init__(self, device: Optional[torch.device] = None, *, timeout_s: Optional[float] = None) -> None:
+        """``timeout_s``: the counter group's timeout (under NCCL; None: torch's default)."""
+        import datetime
+
         import torch.distributed as tdist
 
         if not tdist.is_available() or not tdist.is_initialized():
@@ -97,7 +107,13 @@ class TorchDist(Dist):
         self.device = torch.device(device)
         backend = tdist.get_backend()
         # Counters live on the host: a gloo group keeps them off the GPU stream under NCCL.
-        self._counter_group = None if backend == "gloo" else tdist.new_group(backend="gloo")
+        timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+        self._counter_group = None if backend == "gloo" else tdist.new_group(backend="gloo", timeout=timeout)
+
+    @property
+    def gloo_group(self) -> Any:
+        """A gloo group of every rank (None: the default group, which is gloo): host-side checks."""
+        return self._counter_group
 
     def sum_ints_async(self, values: Sequence[int]) -> PendingSum:
         tensor = torch.tensor(list(values), dtype=torch.int64)
@@ -106,16 +122,19 @@ class TorchDist(Dist):
 
     def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
         out = tensor.detach().clone().to(torch.float64 if tensor.device.type == "cpu" else torch.float32)
-        self._tdist.all_reduce(out)
+        with HEARTBEAT.collective("all_reduce (mean)"):
+            self._tdist.all_reduce(out)
         return out / self.world_size
 
     def all_gather_object(self, obj: Any) -> List[Any]:
         out: List[Any] = [None] * self.world_size
-        self._tdist.all_gather_object(out, obj, group=self._counter_group)
+        with HEARTBEAT.collective("all_gather_object"):
+            self._tdist.all_gather_object(out, obj, group=self._counter_group)
         return out
 
     def barrier(self) -> None:
-        self._tdist.barrier(group=self._counter_group)
+        with HEARTBEAT.collective("barrier"):
+            self._tdist.barrier(group=self._counter_group)
 
 
 def default_dist(device: Optional[torch.device] = None) -> Dist:

@@ -19,6 +19,13 @@ Private names used (checked against Ray 2.60.0):
   with ``ray.data._internal.logical.operators.read_operator`` (is the dataset a bare file read?) and
   ``Dataset.iter_internal_ref_bundles()`` (the blocks, in order, without pulling them to the caller:
   the global-order feeder slices them).
+* Ray Train V2's worker: ``ray.train.v2._internal.execution.context.get_train_context()
+  .preemption_context.preemption_info`` (the notice Ray's preemption watcher left on this worker,
+  read without the cross-worker barrier of ``ray.train.get_preemption_info()``, so the loop can
+  look every batch and agree through its own per-batch collective), and the worker actor's
+  ``execute(fn)`` method, called on the worker's own actor to run ``fn`` on its main thread (the
+  only thread that may set a signal handler; the train function runs on another):
+  `local_preemption_info`, `run_on_worker_main_thread` (`raytrain_events.ray.preemption`).
 * ``ray._private.ray_constants.ENABLE_RAY_CLUSTER`` and ``ray.init(_node_ip_address=...)``: keep an
   embedded local instance on 127.0.0.1 (`loopback_only`).
 """
@@ -43,6 +50,8 @@ __all__ = [
     "LOOPBACK_INIT_KWARGS",
     "loopback_only",
     "check_private_names",
+    "local_preemption_info",
+    "run_on_worker_main_thread",
 ]
 
 #: ``ray.init`` keyword arguments that pin a new local instance's node address to loopback.
@@ -188,6 +197,42 @@ def planned_node_ip() -> str:
     return services.resolve_ip_for_localhost(LOOPBACK_INIT_KWARGS["_node_ip_address"])
 
 
+def local_preemption_info() -> Any:
+    """This Ray Train worker's preemption notice (a ``ray.train.PreemptionInfo``), or None.
+
+    What ``ray.train.get_preemption_info()`` reads, without its barrier across the workers: cheap
+    enough to look at every batch (the ranks agree through the loop's own collective)."""
+    get_train_context = _import("ray.train.v2._internal.execution.context", "get_train_context")
+    return _attr(_attr(get_train_context(), "preemption_context"), "preemption_info")
+
+
+def run_on_worker_main_thread(fn: Callable[[], Any], timeout_s: float = 60.0) -> Any:
+    """Run ``fn()`` on this Ray Train worker actor's main thread and return its result.
+
+    Ray runs the train function on a thread of its own; the actor's main thread executes the
+    actor's methods one at a time, and Ray Train's worker has ``execute(fn)``. ``fn`` travels
+    pickled: give a module-level function (it then runs on this process's module state)."""
+    import ray
+
+    actor = ray.get_runtime_context().current_actor
+    try:
+        execute = actor.execute
+    except AttributeError as exc:
+        raise _missing("RayTrainWorker.execute", exc) from exc
+    return ray.get(execute.remote(fn), timeout=timeout_s)
+
+
+def _probe_train_worker() -> None:
+    worker = _import("ray.train.v2._internal.execution.worker_group.worker", "RayTrainWorker")
+    for name in ("execute", "mark_preempt"):
+        if not callable(getattr(worker, name, None)):
+            raise _missing(f"RayTrainWorker.{name}")
+    _import("ray.train.v2._internal.execution.context", "get_train_context")
+    context = _import("ray.train.v2._internal.execution.preemption", "PreemptionContext")
+    if not hasattr(context(), "preemption_info"):
+        raise _missing("PreemptionContext.preemption_info")
+
+
 def check_private_names() -> List[Tuple[str, str]]:
     """Probe every private name above; return ``(name, problem)`` for each one that is gone."""
     from ray.tune.schedulers import ASHAScheduler
@@ -207,6 +252,7 @@ def check_private_names() -> List[Tuple[str, str]]:
     probe("worker line dispatcher", lambda: wrap_worker_line_handler("ray_print_logs", lambda handler: handler)())
     probe("ray_print_logs handler", _expect_print_logs_handler)
     probe("Ray Data internals", _probe_dataset_internals)
+    probe("Ray Train worker internals", _probe_train_worker)
     probe("ENABLE_RAY_CLUSTER", lambda: _import("ray._private.ray_constants", "ENABLE_RAY_CLUSTER"))
     probe("resolve_ip_for_localhost", lambda: _import("ray._private.services", "resolve_ip_for_localhost"))
     if not _init_takes("_node_ip_address"):

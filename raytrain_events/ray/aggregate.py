@@ -62,6 +62,11 @@ class ReportAggregator:
             # A new worker group (first run, or a restart from a checkpoint): counts restart there.
             self.attempt += 1
             self.timestamp = {name: int(starts[0][name]) for name in COUNTERS}
+            started = [r["started_at"] for r in reports if r.get("started_at") is not None]
+            # Where and when this group started: the goodput report's restarts (report/goodput.py).
+            new_attempt: Dict[str, Any] = {"resumed_from_batch": int(starts[0]["batch"])}
+            if started:
+                new_attempt["attempt_started_at"] = min(started)
         self.timestamp["sample"] += sum(int(r["local_samples"]) for r in reports)
         self.timestamp["token"] += sum(int(r["local_tokens"]) for r in reports)
         first = reports[0]["timestamp"]
@@ -79,6 +84,8 @@ class ReportAggregator:
         entry: Dict[str, Any] = {f"time/{name}": value for name, value in self.timestamp.items()}
         entry.update(reduce_metrics(reports))
         entry["attempt"] = self.attempt
+        if any(s is not None for s in starts):
+            entry.update(new_attempt)
         entry["final"] = bool(reports[0].get("final", False))
         entry["world_size"] = len(reports)
         if checkpoint_path is not None:

@@ -194,8 +194,14 @@ class RayTrainer:
             scheduling_strategy=NodeAffinitySchedulingStrategy(driver_node, soft=False)
         ).remote()
         storage_path, storage_filesystem = _ray_storage(self.storage_path, self.storage_options)
+        from ray.train.torch import TorchConfig
+
+        from raytrain_events.ray.watchdog import process_group_timeout_s
+
         trainer = TorchTrainer(
             train_loop_per_worker,
+            # The watchdog's hang_timeout, with a margin: the watchdog names a hung rank before this fires.
+            torch_config=TorchConfig(timeout_s=int(process_group_timeout_s(self.spec.hang_timeout))),
             train_loop_config={"spec": worker_spec},
             scaling_config=self.scaling_config,
             datasets=datasets,

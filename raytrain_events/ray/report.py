@@ -18,6 +18,7 @@ from raytrain_events.checkpoint.checkpointer import Checkpointer, find_checkpoin
 from raytrain_events.checkpoint.preemption import SAVE_FLAG
 from raytrain_events.core.callback import Callback
 from raytrain_events.core.event import Event
+from raytrain_events.core.heartbeat import HEARTBEAT
 from raytrain_events.core.interval import make_interval
 from raytrain_events.core.plain import to_python
 from raytrain_events.core.time import counters_of
@@ -83,6 +84,7 @@ class RayReporter(Callback):
         self._checkpointer = find_checkpointer(state)  # attached after INIT, so looked up here
         # The first report of this worker group says where it started (0, or a checkpoint).
         self._start = counters_of(state.timestamp)
+        self._started_at = time.time()  # the group's start, for the goodput report's restarts
         self._reset()
 
     def after_dataloader(self, state, logger) -> None:
@@ -132,6 +134,8 @@ class RayReporter(Callback):
             "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))},
             "final": final,
         }
+        if self._start is not None:
+            report["started_at"] = self._started_at
         checkpoint = self._checkpointer.take_unreported() if self._checkpointer is not None else None
         state.agreement.clear(REPORT_FLAG)
         self._last_report = time.monotonic()
@@ -148,9 +152,10 @@ class RayReporter(Callback):
             return
         import ray.train
 
-        if checkpoint is None:
-            ray.train.report(report)
-        else:
-            from raytrain_events.ray.checkpointing import report_with_checkpoint
+        with HEARTBEAT.collective("ray.train.report (a barrier across workers)"):
+            if checkpoint is None:
+                ray.train.report(report)
+            else:
+                from raytrain_events.ray.checkpointing import report_with_checkpoint
 
-            report_with_checkpoint(report, checkpoint)
+                report_with_checkpoint(report, checkpoint)

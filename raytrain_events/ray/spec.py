@@ -115,6 +115,12 @@ class RunSpec:
     run_name: Optional[str] = _opt(None, help="the run's folder under storage_path (default run-<time>)")
     checkpoint: Any = _opt(None, help="a raytrain_events.checkpoint.CheckpointConfig; None: no checkpoints")
     max_failures: int = _opt(0, help="worker-group restarts Ray Train makes after a failure", worker=False)
+    hang_timeout: Optional[float] = _opt(
+        None,
+        help="seconds without progress on any rank before the watchdog saves every rank's stacks in <run>/hangs "
+        "and restarts the group (None: max(300, 20 x median step)); also the start-up check's deadline and, with "
+        "a margin, the process-group timeout",
+    )
     report_interval: Any = _opt(None, help="report to the driver every this many: '500ba', '1ep', ...")
     report_every_s: Optional[float] = _opt(10.0, help="report to the driver at least every this many seconds")
     ray_callbacks: Sequence[Any] = _opt((), help="extra ray.train.UserCallback objects", worker=False)
@@ -165,6 +171,15 @@ class RunSpec:
         parse_grad_accum(self.grad_accum)
         if self.report_interval is not None:
             ensure_time(self.report_interval, TimeUnit.BATCH)
+        if self.hang_timeout is not None and (
+            not isinstance(self.hang_timeout, (int, float))
+            or isinstance(self.hang_timeout, bool)
+            or self.hang_timeout <= 0
+        ):
+            raise ValueError(
+                f"hang_timeout={self.hang_timeout!r} must be a positive number of seconds, or None for "
+                "max(300, 20 x the median step)."
+            )
         if self.report_interval is None and self.report_every_s is None:
             raise ValueError("Pass report_interval (a Time, like '500ba') or report_every_s (seconds), or both.")
         if isinstance(self.datasets, Mapping):

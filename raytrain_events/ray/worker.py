@@ -32,7 +32,10 @@ def build_worker_trainer(spec: RunSpec) -> Trainer:
 
     context = ray.train.get_context()
     device = ray.train.torch.get_device()
-    dist = TorchDist(device) if context.get_world_size() > 1 else LocalDist(device)
+    from raytrain_events.ray.watchdog import process_group_timeout_s
+
+    pg_timeout = process_group_timeout_s(spec.hang_timeout)
+    dist = TorchDist(device, timeout_s=pg_timeout) if context.get_world_size() > 1 else LocalDist(device)
     if spec.seed is not None:
         seed_everything(spec.seed)  # the same initial weights on every rank
     model = spec.build_model()
@@ -67,6 +70,9 @@ def build_worker_trainer(spec: RunSpec) -> Trainer:
         checkpoint = ray_checkpoint_config(spec)
         if context.get_world_rank() == 0:
             start_retention(checkpoint, spec.checkpoint.keep)
+    from raytrain_events.ray.operations import worker_guards
+
+    guards = worker_guards(spec, dist, checkpointing=checkpoint is not None)  # every rank arrived, or an error
     return Trainer(
         model=model,
         train_dataloader=DataSpec(train, get_num_tokens_in_batch=spec.get_num_tokens_in_batch),
@@ -81,11 +87,8 @@ def build_worker_trainer(spec: RunSpec) -> Trainer:
         parallelism=spec.parallelism,
         algorithms=algorithms,
         callbacks=list(callbacks)
-        + [
-            RayReporter(
-                interval=spec.report_interval, every_s=spec.report_every_s, check_preemption=checkpoint is not None
-            )
-        ],
+        + [RayReporter(interval=spec.report_interval, every_s=spec.report_every_s)]  # preemption: `guards`
+        + guards,
         seed=spec.seed,
         device=device,
         dist=dist,

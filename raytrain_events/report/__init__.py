@@ -4,8 +4,8 @@
 
 * a **run directory** (``config.yaml`` and ``history.jsonl`` written by `RayTrainer`): train
   loss and every eval metric against global samples (and tokens when counted), the learning
-  rate, throughput with checkpoints and restarts marked on the time axis, the checkpoints and
-  the run config;
+  rate, throughput with checkpoints and restarts marked on the time axis, goodput with each
+  restart's cause and time lost (`raytrain_events.report.goodput`), the checkpoints and the run config;
 * a **sweep directory** (trial folders with ``raytrain_trial.json``, written by
   `raytrain_events.tune.sweep`): one figure comparing the algorithm sets (the metric against
   global samples, a line per trial, the best thick), the results table sorted by the metric, and
@@ -96,6 +96,7 @@ def _run_report(url: str, options: Dict[str, Any]) -> Tuple[str, List[str], Dict
     }
     for file in files:
         sections += [f"<h2>{html.escape(captions.get(file, file))}</h2>", html.image(file, captions.get(file, file))]
+    sections += _goodput_sections(url, options, history, files)
     checkpoints = [e for e in history if e.get("checkpoint_path")]
     if checkpoints:
         start = next((e["wall_time"] for e in history if "wall_time" in e), None)
@@ -121,6 +122,19 @@ def _run_report(url: str, options: Dict[str, Any]) -> Tuple[str, List[str], Dict
 
         sections += ["<h2>Run config</h2>", html.pre(yaml.safe_dump(config, sort_keys=False, default_flow_style=False))]
     return f"Run report: {name}", sections, files
+
+
+def _goodput_sections(url: str, options: Dict[str, Any], history: List[Dict[str, Any]], files: Dict[str, bytes]):
+    """Goodput, and each restart with its cause and time lost (`raytrain_events.report.goodput`)."""
+    from raytrain_events.report.goodput import goodput, goodput_figure, goodput_section, read_events
+
+    summary = goodput(history, *read_events(url, options))
+    sections = goodput_section(summary)
+    figure = goodput_figure(summary) if summary["restarts"] else None
+    if figure is not None:
+        files["goodput.png"] = figure
+        sections.append(html.image("goodput.png", "Worker groups on the time axis: counted (green), lost (red)"))
+    return sections
 
 
 def _load_config(url: str, options: Dict[str, Any]) -> Optional[Dict[str, Any]]:

@@ -49,6 +49,18 @@ def test_restart_from_checkpoint_resets_counts_to_the_checkpoint():
     ckpt = {"epoch": 0, "batch": 4, "sample": 128, "token": 0}
     entry = agg.add([report(0, 64, 0, (0, 8, 256, 0), start=ckpt), report(1, 64, 0, (0, 8, 256, 0), start=ckpt)])
     assert entry["time/sample"] == 256 and entry["attempt"] == 2
+    # Where the group resumed (and, when the workers sent it, when it started): the goodput report's restarts.
+    assert entry["resumed_from_batch"] == 4 and "attempt_started_at" not in entry
+    timed = [
+        dict(r, started_at=t)
+        for r, t in zip(
+            [report(0, 64, 0, (0, 8, 256, 0), start=ckpt), report(1, 64, 0, (0, 8, 256, 0), start=ckpt)], (7.5, 7.0)
+        )
+    ]
+    entry = ReportAggregator().add(timed)
+    assert entry["attempt_started_at"] == 7.0 and entry["resumed_from_batch"] == 4
+    later = agg.add([report(0, 64, 0, (0, 12, 384, 0)), report(1, 64, 0, (0, 12, 384, 0))])
+    assert "resumed_from_batch" not in later
 
 
 def test_reduce_metrics_weights_train_loss_by_batches_and_averages_others():

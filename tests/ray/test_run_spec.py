@@ -128,3 +128,13 @@ def test_grad_accum_auto_and_eval_options_are_checked_on_the_driver():
     assert spec.eval_options["val"]["subset_num_batches"] == 2
     with pytest.raises(ValueError, match=r"eval_options\['val'\] has unknown keys \['subset'\]"):
         _spec(eval_options={"val": {"subset": 2}})
+
+
+def test_hang_timeout_is_positive_seconds_or_none_and_sets_the_process_group_timeout():
+    from raytrain_events.ray.watchdog import process_group_timeout_s
+
+    assert _spec().hang_timeout is None and _spec(hang_timeout=30).hang_timeout == 30
+    for bad in (0, -5, "5m", True):
+        with pytest.raises(ValueError, match=f"hang_timeout={bad!r} must be a positive number of seconds"):
+            _spec(hang_timeout=bad)
+    assert process_group_timeout_s(_spec(hang_timeout=30).hang_timeout) > 30

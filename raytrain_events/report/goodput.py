@@ -1,0 +1,213 @@
+"""Goodput of a run: the share of wall time spent on batches that count, and what each restart cost.
+
+From what a `RayTrainer` run saved in its directory: ``history.jsonl`` (each worker group, an
+*attempt*, starts with ``attempt_started_at`` and ``resumed_from_batch``; each report has its
+``wall_time`` and global ``time/batch``), the watchdog's ``hangs/<group>/hang.json`` and the
+preemption guard's ``preemptions/batch-<N>.json``.
+
+Per attempt the reports give a curve batch(t). A batch *counts* if no later attempt trained it
+again: attempt ``a``'s batches up to the batch attempt ``a + 1`` resumed from. Its time is the
+slope of the curve where it was trained (the first stretch of an attempt, which holds its
+start-up, takes the attempt's median slope instead). Then:
+
+* ``goodput = time on counted batches / wall time`` (wall time from the first group's start to
+  the last report);
+* **time lost per failure** ``a``: from the moment attempt ``a`` had trained the batch the next
+  attempt resumed from, to the moment attempt ``a + 1`` was back there (its first report's time
+  less its batches since the resume at its own pace): the work done again, the detection time
+  (a hang's timeout) and the restart;
+* its **cause**: a hang (the watchdog's record in that window: the slowest rank and its frame),
+  a preemption (SIGTERM saved and stopped), else a lost worker or node.
+
+Example::
+
+    summary = goodput(read_history(run_url), hang_records, preemption_records)
+    summary["goodput"], [(r["cause"], r["lost_s"]) for r in summary["restarts"]]
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+__all__ = ["goodput", "read_events", "goodput_figure", "goodput_section"]
+
+Point = Tuple[float, int]  # (wall time, global batch)
+
+
+def _attempts(history: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Per attempt: its number, start (wall, batch) and the (wall, batch) of each report."""
+    attempts: Dict[int, Dict[str, Any]] = {}
+    for entry in history:
+        if "wall_time" not in entry or "time/batch" not in entry:
+            continue
+        number = int(entry.get("attempt", 1))
+        attempt = attempts.setdefault(number, {"attempt": number, "points": [], "start": None})
+        if attempt["start"] is None:
+            resumed = int(entry.get("resumed_from_batch", 0))
+            started = entry.get("attempt_started_at")
+            attempt["start"] = (float(started), resumed) if started is not None else None
+        attempt["points"].append((float(entry["wall_time"]), int(entry["time/batch"])))
+    out = [attempts[k] for k in sorted(attempts)]
+    for attempt in out:
+        if attempt["start"] is None:  # an older history: the first report stands for the start
+            wall, batch = attempt["points"][0]
+            attempt["start"] = (wall, batch)
+    return out
+
+
+def _pace(points: List[Point]) -> Optional[float]:
+    """Median seconds per batch between consecutive reports (None: fewer than two reports)."""
+    slopes = [(w2 - w1) / (b2 - b1) for (w1, b1), (w2, b2) in zip(points, points[1:]) if b2 > b1]
+    return statistics.median(slopes) if slopes else None
+
+
+def _time_at(points: List[Point], batch: int, pace: float) -> float:
+    """When the attempt with reports ``points`` had trained ``batch`` (interpolated, or at its pace)."""
+    for (w1, b1), (w2, b2) in zip(points, points[1:]):
+        if b1 <= batch <= b2 and b2 > b1:
+            return w1 + (w2 - w1) * (batch - b1) / (b2 - b1)
+    wall, last = points[-1]
+    return wall + (batch - last) * pace if batch > last else points[0][0] - (points[0][1] - batch) * pace
+
+
+def _cause(start: float, end: float, hangs: List[Dict[str, Any]], preemptions: List[Dict[str, Any]]) -> str:
+    for hang in hangs:
+        if start <= hang.get("wall", -1) <= end:
+            return f"hang: rank {hang.get('slowest_rank')} at batch {hang.get('batch')}, in {hang.get('frame')}"
+    for record in preemptions:
+        if record.get("stopping") and start <= record.get("wall", -1) <= end:
+            return f"preemption: {record.get('cause')} on rank {record.get('rank')}"
+    return "a worker or node was lost"
+
+
+def goodput(
+    history: Sequence[Dict[str, Any]],
+    hangs: Sequence[Dict[str, Any]] = (),
+    preemptions: Sequence[Dict[str, Any]] = (),
+) -> Dict[str, Any]:
+    """The run's goodput, wall time, counted time and each restart: cause, resumed batch, time lost."""
+    attempts = _attempts(history)
+    if not attempts:
+        return {"goodput": None, "wall_s": 0.0, "counted_s": 0.0, "restarts": [], "attempts": []}
+    paces = [_pace([a["start"]] + a["points"][1:]) or _pace(a["points"]) for a in attempts]
+    known = [p for p in paces if p is not None]
+    default_pace = statistics.median(known) if known else 0.0
+    counted = 0.0
+    restarts = []
+    rows = []
+    for i, attempt in enumerate(attempts):
+        pace = paces[i] if paces[i] is not None else default_pace
+        start_wall, start_batch = attempt["start"]
+        end_batch = attempt["points"][-1][1]
+        until = attempts[i + 1]["start"][1] if i + 1 < len(attempts) else end_batch
+        good = max(0, min(until, end_batch) - start_batch)
+        counted += good * pace
+        rows.append(
+            {
+                "attempt": attempt["attempt"],
+                "start_wall": start_wall,
+                "end_wall": attempt["points"][-1][0],
+                "from_batch": start_batch,
+                "to_batch": end_batch,
+                "counted_batches": good,
+                "pace_s": pace,
+            }
+        )
+        if i + 1 < len(attempts):
+            nxt = attempts[i + 1]
+            resume = nxt["start"][1]
+            left = _time_at([attempt["start"]] + attempt["points"], resume, pace)
+            next_pace = paces[i + 1] if paces[i + 1] is not None else default_pace
+            first_wall, first_batch = nxt["points"][0]
+            back = first_wall - (first_batch - resume) * next_pace
+            restarts.append(
+                {
+                    "attempt": nxt["attempt"],
+                    "resumed_from_batch": resume,
+                    "failed_at_batch": end_batch,
+                    "left_wall": left,
+                    "back_wall": back,
+                    "lost_s": max(0.0, back - left),
+                    "cause": _cause(start_wall, nxt["start"][0], list(hangs), list(preemptions)),
+                }
+            )
+    wall = attempts[-1]["points"][-1][0] - attempts[0]["start"][0]
+    return {
+        "goodput": None if wall <= 0 else min(1.0, counted / wall),
+        "wall_s": wall,
+        "counted_s": counted,
+        "restarts": restarts,
+        "attempts": rows,
+    }
+
+
+def read_events(url: str, storage_options: Optional[Dict[str, Any]] = None) -> Tuple[List[Dict], List[Dict]]:
+    """The run dir's hang records (``hangs/*/hang.json``) and preemption records (``preemptions/*.json``)."""
+    from raytrain_events.storage.fs import resolve
+
+    fs, root = resolve(url, dict(storage_options or {}))
+    found: Tuple[List[Dict], List[Dict]] = ([], [])
+    for pattern, into in (("/hangs/*/hang.json", found[0]), ("/preemptions/*.json", found[1])):
+        for path in sorted(fs.glob(root.rstrip("/") + pattern)):
+            try:
+                into.append(json.loads(fs.cat_file(path).decode("utf-8")))
+            except (OSError, ValueError):
+                continue  # a record being written, or damaged: the report still renders
+    return found
+
+
+def goodput_figure(summary: Dict[str, Any]) -> Optional[bytes]:
+    """Each attempt as a bar on the wall-clock axis: counted time green, lost time red, causes labelled."""
+    if not summary["attempts"]:
+        return None
+    from raytrain_events.report.plots import _png, _pyplot, grid_size
+
+    plt = _pyplot()
+    width, height = grid_size(1)
+    fig, ax = plt.subplots(figsize=(width / 100, height / 100), dpi=100)
+    t0 = summary["attempts"][0]["start_wall"]
+    for row in summary["attempts"]:
+        y = row["attempt"]
+        ax.barh(y, (row["end_wall"] - row["start_wall"]) / 60, left=(row["start_wall"] - t0) / 60, color="#4caf50")
+    for restart in summary["restarts"]:
+        left = (restart["left_wall"] - t0) / 60
+        ax.barh(restart["attempt"] - 0.5, restart["lost_s"] / 60, left=left, height=0.3, color="#e53935")
+        ax.annotate(
+            f"{restart['cause'][:60]} ({restart['lost_s']:.0f} s lost)",
+            (left, restart["attempt"] - 0.5),
+            fontsize=7,
+            xytext=(3, 6),
+            textcoords="offset points",
+        )
+    good = summary["goodput"]
+    ax.set_title(f"Goodput {good:.1%}" if good is not None else "Goodput")
+    ax.set_xlabel("wall-clock minutes since the first worker group started")
+    ax.set_ylabel("attempt")
+    return _png(fig)
+
+
+def goodput_section(summary: Dict[str, Any]) -> List[str]:
+    """HTML for the run report: goodput, and a table of restarts with cause and time lost."""
+    from raytrain_events.report import html
+
+    if summary["goodput"] is None:
+        return []
+    parts = [
+        "<h2>Goodput and restarts</h2>",
+        f"<p>Goodput {summary['goodput']:.1%}: {summary['counted_s']:.0f} s of batches that count in "
+        f"{summary['wall_s']:.0f} s of wall time; {len(summary['restarts'])} restart(s), "
+        f"{sum(r['lost_s'] for r in summary['restarts']):.0f} s lost to them.</p>",
+    ]
+    if summary["restarts"]:
+        parts.append(
+            html.table(
+                ["attempt", "cause", "failed at batch", "resumed from batch", "time lost (s)"],
+                [
+                    [r["attempt"], r["cause"], r["failed_at_batch"], r["resumed_from_batch"], round(r["lost_s"], 1)]
+                    for r in summary["restarts"]
+                ],
+            )
+        )
+    return parts

@@ -1,0 +1,69 @@
+"""Goodput and restarts from a run's history: counted time, time lost per failure, causes, the report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from raytrain_events.report import append_history, write_report
+from raytrain_events.report.goodput import goodput, read_events
+
+
+def _history():
+    """Two attempts at 1 s per batch: the first trains batches 0-12 (reports at 5, 10, 12) and dies;
+    the second starts 20 s after the first's batch 12, resumes from 8 (its checkpoint) and ends at 20."""
+    first = [
+        {"attempt": 1, "attempt_started_at": 100.0, "resumed_from_batch": 0, "wall_time": 105.0, "time/batch": 5},
+        {"attempt": 1, "wall_time": 110.0, "time/batch": 10},
+        {"attempt": 1, "wall_time": 112.0, "time/batch": 12},
+    ]
+    second = [
+        {"attempt": 2, "attempt_started_at": 132.0, "resumed_from_batch": 8, "wall_time": 137.0, "time/batch": 13},
+        {"attempt": 2, "wall_time": 144.0, "time/batch": 20},
+    ]
+    return first + second
+
+
+def test_counted_time_lost_time_and_goodput():
+    summary = goodput(_history())
+    # Counted: batches 0-8 of the first attempt (8 s) and 8-20 of the second (12 s), in 44 s of wall time.
+    assert summary["counted_s"] == pytest.approx(20.0)
+    assert summary["wall_s"] == pytest.approx(44.0)
+    assert summary["goodput"] == pytest.approx(20.0 / 44.0)
+    (restart,) = summary["restarts"]
+    # The first attempt was at batch 8 at t=108; the second was back at batch 8 at 137 - 5 = 132.
+    assert restart["lost_s"] == pytest.approx(24.0)
+    assert restart["resumed_from_batch"] == 8 and restart["failed_at_batch"] == 12
+    assert restart["cause"] == "a worker or node was lost"
+
+
+def test_a_restart_is_attributed_to_the_hang_or_preemption_in_its_window():
+    hang = {"wall": 125.0, "slowest_rank": 1, "batch": 12, "frame": "train.py:9 in load"}
+    (restart,) = goodput(_history(), hangs=[hang])["restarts"]
+    assert restart["cause"] == "hang: rank 1 at batch 12, in train.py:9 in load"
+    sigterm = {"wall": 113.0, "stopping": True, "cause": "SIGTERM", "rank": 0}
+    (restart,) = goodput(_history(), preemptions=[sigterm])["restarts"]
+    assert restart["cause"] == "preemption: SIGTERM on rank 0"
+    elsewhere = dict(hang, wall=500.0)
+    assert goodput(_history(), hangs=[elsewhere])["restarts"][0]["cause"] == "a worker or node was lost"
+
+
+def test_an_uninterrupted_run_has_no_restarts_and_an_empty_one_no_goodput():
+    summary = goodput(_history()[:3])
+    assert summary["restarts"] == [] and summary["counted_s"] == pytest.approx(12.0)
+    assert summary["goodput"] == pytest.approx(1.0)
+    assert goodput([])["goodput"] is None
+
+
+def test_the_run_report_shows_goodput_and_each_restart(tmp_path):
+    run = str(tmp_path / "run")
+    append_history(run, _history())
+    (tmp_path / "run" / "hangs" / "g1").mkdir(parents=True)
+    hang = {"wall": 125.0, "slowest_rank": 1, "batch": 12, "frame": "train.py:9 in load"}
+    (tmp_path / "run" / "hangs" / "g1" / "hang.json").write_text(json.dumps(hang))
+    assert read_events(run) == ([hang], [])
+    written = write_report(run)
+    page = (tmp_path / "run" / "report.html").read_text()
+    assert "Goodput 45.5%" in page and "hang: rank 1 at batch 12" in page and "24 s lost" in page
+    assert any(p.endswith("goodput.png") for p in written["images"])
