@@ -20,7 +20,6 @@ Example (a 2-worker CPU run)::
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional
@@ -331,7 +330,9 @@ def _ray_retention(checkpoint: Any) -> Any:
 
 def _autoscaling() -> bool:
     """True on a cluster launcher's head node, where the autoscaler can add GPU nodes on demand."""
-    return os.path.exists(os.path.expanduser("~/ray_bootstrap_config.yaml"))
+    from raytrain_events.ray import _compat
+
+    return _compat.on_launched_cluster()
 
 
 def _ray_storage(storage_url: str, storage_options: Dict[str, Any]):

@@ -33,6 +33,7 @@ RAY_INTERNALS = [
     r"\(SplitCoordinator",
     r"Started a local Ray instance",
     r"Setting up process group",
+    r"Token authentication is enabled",
 ]
 
 
