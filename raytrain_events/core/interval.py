@@ -55,8 +55,7 @@ def make_interval(
     if time.unit == TimeUnit.DURATION:
         if not 0 < time.value <= 1:
             raise ValueError(f"{what}={time.to_timestring()!r}: a duration interval must be in (0, 1], like '0.25dur'.")
-        scaled = time.value * max_duration.value
-        time = Time(max(1, int(round(scaled))), max_duration.unit)
+        return _fraction_interval(time.value, max_duration, counts_tokens, what)
     if time.value <= 0:
         raise ValueError(f"{what}={time.to_timestring()!r} must be positive, like '1ep' or '500ba'.")
     if time.unit == TimeUnit.TOKEN and not counts_tokens:
@@ -89,3 +88,26 @@ def make_interval(
         return crossed(previous, current, every) or is_done(state)
 
     return _batch_interval
+
+
+def _fraction_interval(fraction: float, max_duration: Time[Any], counts_tokens: bool, what: str) -> IntervalFn:
+    """``fraction`` of ``state.max_duration`` as it is when asked, not as it was when built.
+
+    A further ``fit(duration=...)`` moves ``max_duration``; the interval follows it (re-resolved
+    once per change, checked by identity: one comparison per call otherwise).
+    """
+
+    def resolve(total: Time[Any]) -> IntervalFn:
+        every = Time(max(1, int(round(fraction * total.value))), total.unit)
+        return make_interval(every, total, counts_tokens=counts_tokens, what=what)
+
+    resolved = [max_duration, resolve(max_duration)]
+
+    def _duration_interval(state: State, event: Event) -> bool:
+        total = state.max_duration
+        if total is not None and total is not resolved[0]:
+            resolved[:] = [total, resolve(total)]
+        fires: bool = resolved[1](state, event)
+        return fires
+
+    return _duration_interval
