@@ -8,7 +8,7 @@ is crossed. Training's last batch or epoch always counts, so a run ends with a f
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Union
 
 from raytrain_events.core.event import Event
 from raytrain_events.core.time import Time, TimeUnit, ensure_time
@@ -101,13 +101,13 @@ def _fraction_interval(fraction: float, max_duration: Time[Any], counts_tokens: 
         every = Time(max(1, int(round(fraction * total.value))), total.unit)
         return make_interval(every, total, counts_tokens=counts_tokens, what=what)
 
-    resolved = [max_duration, resolve(max_duration)]
+    resolved: Dict[str, Any] = {"total": max_duration, "fn": resolve(max_duration)}
 
     def _duration_interval(state: State, event: Event) -> bool:
         total = state.max_duration
-        if total is not None and total is not resolved[0]:
-            resolved[:] = [total, resolve(total)]
-        fires: bool = resolved[1](state, event)
+        if total is not None and total is not resolved["total"]:
+            resolved.update(total=total, fn=resolve(total))
+        fires: bool = resolved["fn"](state, event)
         return fires
 
     return _duration_interval
