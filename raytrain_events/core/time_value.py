@@ -307,3 +307,28 @@ def ensure_time(maybe_time: Time[Any] | str | int | float, int_unit: TimeUnit | 
         f"Expected a Time, a time string like '5ep', or an int/float number of {int_unit!s}; "
         f"got {type(maybe_time).__name__}: {maybe_time!r}"
     )
+
+
+def training_duration(
+    value: Time[Any] | str | int, *, counts_tokens: bool = True, what: str = "max_duration"
+) -> Time[Any]:
+    """A run's length checked once, where it enters (``Trainer``, ``RunSpec``, ``fit(duration=...)``).
+
+    A positive `Time` in ``ep``, ``ba``, ``sp`` or ``tok`` (an int is epochs); a fraction of the run
+    (``dur``) has no length to be a fraction of. ``counts_tokens=False``: the data has no token
+    counter, so ``tok`` cannot be counted either. What passes is the `Time` the rest receives.
+    """
+    duration = ensure_time(value, TimeUnit.EPOCH)
+    if duration.unit == TimeUnit.DURATION:
+        raise ValueError(
+            f"{what}={duration.to_timestring()!r} is a fraction of the run, which has no length yet: "
+            "give it in 'ep', 'ba', 'sp' or 'tok', like '10ep'."
+        )
+    if duration.value <= 0:
+        raise ValueError(f"{what}={duration.to_timestring()!r} must be positive, like '10ep'.")
+    if duration.unit == TimeUnit.TOKEN and not counts_tokens:
+        raise ValueError(
+            f"{what}={duration.to_timestring()!r} is in tokens but the train data has no token counter: "
+            "wrap it as DataSpec(loader, get_num_tokens_in_batch=fn) (RayTrainer: get_num_tokens_in_batch=fn)."
+        )
+    return duration

@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
-from raytrain_events.core.time import Time, TimeUnit, ensure_time
+from raytrain_events.core.time import Time, TimeUnit, ensure_time, training_duration
 
 __all__ = ["RunSpec", "option_names"]
 
@@ -51,7 +51,7 @@ class RunSpec:
         "the driver when the run starts); every name besides 'train' is an eval set",
         worker=False,
     )
-    max_duration: Union[str, int, Time] = _opt(help="how long to train: '10ep', '500ba', '1e6sp', '1e9tok'")
+    max_duration: Time = _opt(help="how long to train: '10ep', '500ba', '1e6sp', '1e9tok'")
     batch_size: int = _opt(64, help="rows per worker per batch")
     schedulers: Optional[Any] = _opt(None, help="schedulers(optimizers, config) -> scheduler(s), or ready schedules")
     algorithms: Union[Sequence[Any], Factory] = _opt(
@@ -137,16 +137,8 @@ class RunSpec:
     )
 
     def __post_init__(self) -> None:
-        duration = ensure_time(self.max_duration, TimeUnit.EPOCH)
-        if duration.unit == TimeUnit.DURATION:
-            raise ValueError(
-                f"max_duration={duration.to_timestring()!r}: give it in 'ep', 'ba', 'sp' or 'tok', like '10ep'."
-            )
-        if duration.unit == TimeUnit.TOKEN and self.get_num_tokens_in_batch is None:
-            raise ValueError(
-                f"max_duration={duration.to_timestring()!r} is in tokens: pass get_num_tokens_in_batch=fn(batch) -> int."
-            )
-        self.max_duration = duration.to_timestring()
+        # Checked once here; the driver's progress bar and the workers' Trainer receive this Time.
+        self.max_duration = training_duration(self.max_duration, counts_tokens=self.get_num_tokens_in_batch is not None)
         from raytrain_events.parallel.config import parse_parallelism
 
         parse_parallelism(self.parallelism)  # a bad value fails here, on the driver

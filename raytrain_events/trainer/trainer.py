@@ -158,7 +158,6 @@ class Trainer:
         self.state.schedulers = build_schedulers(as_list(schedulers), self.state)
         if self.state.precision is Precision.AMP_FP16:
             self.state.scaler = torch.amp.GradScaler(self.device.type)
-        self._max_duration: Optional[Time[Any]] = duration
         counts_tokens = self.train_spec is not None and self.train_spec.counts_tokens
         self._eval_intervals = eval_intervals(eval_interval, self.state.evaluators, duration, counts_tokens)
         self.logger = Logger(loggers if self.dist.rank == 0 else ())
@@ -242,7 +241,7 @@ class Trainer:
         state.model.train()
         engine.run_event(Event.FIT_START)
         self._check_flags_agree()
-        epoch_unit = self._max_duration is not None and self._max_duration.unit == TimeUnit.EPOCH
+        epoch_unit = state.max_duration is not None and state.max_duration.unit == TimeUnit.EPOCH
         while not (state.stop_requested and state.stop_consistent) and not is_done(state):
             engine.run_event(Event.EPOCH_START)
             finished_early = self._run_epoch()
