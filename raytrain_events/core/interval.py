@@ -56,13 +56,7 @@ def make_interval(
         if not 0 < time.value <= 1:
             raise ValueError(f"{what}={time.to_timestring()!r}: a duration interval must be in (0, 1], like '0.25dur'.")
         return _fraction_interval(time.value, max_duration, counts_tokens, what)
-    if time.value <= 0:
-        raise ValueError(f"{what}={time.to_timestring()!r} must be positive, like '1ep' or '500ba'.")
-    if time.unit == TimeUnit.TOKEN and not counts_tokens:
-        raise ValueError(
-            f"{what}={time.to_timestring()!r} is in tokens but the train data has no token counter: "
-            "pass DataSpec(get_num_tokens_in_batch=...) or use 'ep', 'ba' or 'sp'."
-        )
+    _check_countable(time, counts_tokens, what)
     unit, every = time.unit, int(time.value)
 
     if unit == TimeUnit.EPOCH:
@@ -88,6 +82,16 @@ def make_interval(
         return crossed(previous, current, every) or is_done(state)
 
     return _batch_interval
+
+
+def _check_countable(time: Time[Any], counts_tokens: bool, what: str) -> None:
+    if time.value <= 0:
+        raise ValueError(f"{what}={time.to_timestring()!r} must be positive, like '1ep' or '500ba'.")
+    if time.unit == TimeUnit.TOKEN and not counts_tokens:
+        raise ValueError(
+            f"{what}={time.to_timestring()!r} is in tokens but the train data has no token counter: "
+            "pass DataSpec(get_num_tokens_in_batch=...) or use 'ep', 'ba' or 'sp'."
+        )
 
 
 def _fraction_interval(fraction: float, max_duration: Time[Any], counts_tokens: bool, what: str) -> IntervalFn:

@@ -23,6 +23,9 @@ def to_python(value: Any) -> Any:
     return value
 
 
+_SCALARS = (str, bool, int, float)  # bool before int: a bool is an int
+
+
 def to_plain(value: Any, *, fallback: Callable[[Any], Any] = str, resolve: bool = True) -> Any:
     """``value`` as plain Python data: None, bool, int, float, str, lists and dicts with str keys.
 
@@ -33,14 +36,9 @@ def to_plain(value: Any, *, fallback: Callable[[Any], Any] = str, resolve: bool 
     """
     if value is None:
         return None
-    if isinstance(value, str):
-        return str(value)
-    if isinstance(value, bool):
-        return bool(value)
-    if isinstance(value, int):
-        return int(value)
-    if isinstance(value, float):
-        return float(value)
+    for scalar in _SCALARS:  # subclasses (IntEnum, numpy's float64) become the plain type
+        if isinstance(value, scalar):
+            return scalar(value)
     if type(value).__module__.startswith("omegaconf"):
         from omegaconf import OmegaConf
 

@@ -159,6 +159,32 @@ class RunSpec:
             ensure_time(self.report_interval, TimeUnit.BATCH)
         if self.report_interval is None and self.report_every_s is None:
             raise ValueError("Pass report_interval (a Time, like '500ba') or report_every_s (seconds), or both.")
+        self._check_data_and_scaling()
+        if self.checkpoint is not None:
+            if getattr(self.checkpoint, "save_folder", None):
+                raise ValueError(
+                    "CheckpointConfig.save_folder cannot be set for a RayTrainer run: checkpoints live in the run "
+                    "directory (<storage_path>/<run_name>/checkpoints) so Ray Train can manage them. "
+                    "Set storage_path instead."
+                )
+            keep_best, metric = getattr(self.checkpoint, "keep_best", None), getattr(self.checkpoint, "metric", None)
+            if keep_best is not None and not str(metric).startswith("metrics/"):
+                raise ValueError(
+                    f"CheckpointConfig(keep_best={keep_best}, metric={metric!r}): on Ray, checkpoints are ranked by "
+                    "an eval metric ('metrics/<eval set>/<name>', the same on every rank), like 'metrics/eval/accuracy'."
+                )
+            # The driver holds the run dir's lock for the whole run; workers must not take it again.
+            self.checkpoint = dataclasses.replace(self.checkpoint, lock_run_dir=False)
+        self.storage_path = _storage_root(self.storage_path)
+        self.storage_options = dict(self.storage_options or {})
+        self.config = dict(self.config or {})
+        self.run_name = self.run_name or datetime.datetime.now().strftime("run-%Y%m%d-%H%M%S")
+        self.loggers = list(self.loggers or ())
+        if self.log_step not in ("sample", "batch", "token", "epoch"):
+            raise ValueError(f"log_step={self.log_step!r}: use 'sample', 'batch', 'token' or 'epoch'.")
+
+    def _check_data_and_scaling(self) -> None:
+        """``datasets``, ``batch_size``, ``num_workers``/``scaling_config`` and ``global_batch_size``."""
         if isinstance(self.datasets, Mapping):
             self.datasets = dict(self.datasets)
             if "train" not in self.datasets:
@@ -195,28 +221,6 @@ class RunSpec:
             raise ValueError(
                 f"global_batch_size={self.global_batch_size!r} must be a positive integer (rows per step)."
             )
-        if self.checkpoint is not None:
-            if getattr(self.checkpoint, "save_folder", None):
-                raise ValueError(
-                    "CheckpointConfig.save_folder cannot be set for a RayTrainer run: checkpoints live in the run "
-                    "directory (<storage_path>/<run_name>/checkpoints) so Ray Train can manage them. "
-                    "Set storage_path instead."
-                )
-            keep_best, metric = getattr(self.checkpoint, "keep_best", None), getattr(self.checkpoint, "metric", None)
-            if keep_best is not None and not str(metric).startswith("metrics/"):
-                raise ValueError(
-                    f"CheckpointConfig(keep_best={keep_best}, metric={metric!r}): on Ray, checkpoints are ranked by "
-                    "an eval metric ('metrics/<eval set>/<name>', the same on every rank), like 'metrics/eval/accuracy'."
-                )
-            # The driver holds the run dir's lock for the whole run; workers must not take it again.
-            self.checkpoint = dataclasses.replace(self.checkpoint, lock_run_dir=False)
-        self.storage_path = _storage_root(self.storage_path)
-        self.storage_options = dict(self.storage_options or {})
-        self.config = dict(self.config or {})
-        self.run_name = self.run_name or datetime.datetime.now().strftime("run-%Y%m%d-%H%M%S")
-        self.loggers = list(self.loggers or ())
-        if self.log_step not in ("sample", "batch", "token", "epoch"):
-            raise ValueError(f"log_step={self.log_step!r}: use 'sample', 'batch', 'token' or 'epoch'.")
 
     # -- derived values ------------------------------------------------------------------------
     @classmethod

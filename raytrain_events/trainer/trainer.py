@@ -256,7 +256,7 @@ class Trainer:
                 break
         engine.run_event(Event.FIT_END)
 
-    def _run_epoch(self) -> bool:
+    def _run_epoch(self) -> bool:  # noqa: C901 -- the per-batch loop, inlined on purpose (bench/README: loop cost)
         """One pass over the train data; True if it stopped before the data ran out."""
         state, engine, spec, counters = self.state, self.engine, self.train_spec, self._counters
         assert spec is not None  # fit checked (check_can_fit)
