@@ -192,7 +192,7 @@ class RayTrainer:
         history = RunHistory.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(driver_node, soft=False)
         ).remote()
-        storage_path, storage_filesystem = _ray_storage(self.storage_path, self.storage_options)
+        storage_path, storage_filesystem = ray_storage(self.storage_path, self.storage_options)
         trainer = TorchTrainer(
             train_loop_per_worker,
             train_loop_config={"spec": worker_spec},
@@ -335,7 +335,7 @@ def _autoscaling() -> bool:
     return _compat.on_launched_cluster()
 
 
-def _ray_storage(storage_url: str, storage_options: Dict[str, Any]):
+def ray_storage(storage_url: str, storage_options: Dict[str, Any]):
     """Ray's ``storage_path`` and ``storage_filesystem`` for our fsspec URL and options."""
     if "://" not in storage_url:
         return storage_url, None

@@ -175,7 +175,7 @@ class RunSpec:
                 )
             # The driver holds the run dir's lock for the whole run; workers must not take it again.
             self.checkpoint = dataclasses.replace(self.checkpoint, lock_run_dir=False)
-        self.storage_path = _storage_root(self.storage_path)
+        self.storage_path = storage_root(self.storage_path)
         self.storage_options = dict(self.storage_options or {})
         self.config = dict(self.config or {})
         self.run_name = self.run_name or datetime.datetime.now().strftime("run-%Y%m%d-%H%M%S")
@@ -296,30 +296,30 @@ class RunSpec:
     # -- what the worker builds -------------------------------------------------------------------
     def build_model(self) -> Any:
         """Call the model factory (with ``config`` if it takes an argument)."""
-        return _call(self.model, self.config)
+        return call_factory(self.model, self.config)
 
     def build_optimizers(self, model: Any) -> Any:
         """Call the optimizer factory with the model (and ``config`` if it takes it)."""
-        return _call(self.optimizers, model, self.config)
+        return call_factory(self.optimizers, model, self.config)
 
     def build_schedulers(self, optimizers: Any) -> Any:
         """Call the scheduler factory with the optimizers, or pass a ready list through."""
         if self.schedulers is None:
             return None
         if callable(self.schedulers) and not _is_state_schedule(self.schedulers):
-            return _call(self.schedulers, optimizers, self.config)
+            return call_factory(self.schedulers, optimizers, self.config)
         return self.schedulers
 
     def build_list(self, what: Union[Sequence[Any], Factory]) -> List[Any]:
         """Algorithms or callbacks: a factory's result, or a list (built by name if plain data)."""
-        items = _call(what, self.config) if callable(what) else list(what)
+        items = call_factory(what, self.config) if callable(what) else list(what)
         return list(items)
 
     def build_datasets(self) -> Dict[str, Any]:
         """The datasets dict (calling a datasets factory with ``config``), checked for a ``"train"`` entry."""
         if not callable(self.datasets):
             return dict(self.datasets)
-        datasets = _call(self.datasets, self.config)
+        datasets = call_factory(self.datasets, self.config)
         if not isinstance(datasets, Mapping) or "train" not in datasets:
             raise ValueError(
                 f"The datasets factory returned {datasets!r}: it must return {{'train': ds, <eval name>: ds, ...}}."
@@ -351,7 +351,7 @@ def _default(f: dataclasses.Field) -> Any:
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default  # type: ignore[misc]
 
 
-def _storage_root(storage_path: Optional[str]) -> str:
+def storage_root(storage_path: Optional[str]) -> str:
     """A storage URL, or an absolute local path (``None``: ``./runs``)."""
     if storage_path is None:
         return os.path.abspath("runs")
@@ -368,7 +368,7 @@ def _is_state_schedule(obj: Any) -> bool:
     return getattr(obj, "is_state_schedule", False)
 
 
-def _call(fn: Factory, *args: Any) -> Any:
+def call_factory(fn: Factory, *args: Any) -> Any:
     """Call ``fn`` with as many leading ``args`` as it accepts."""
     try:
         params = inspect.signature(fn).parameters.values()

@@ -41,7 +41,7 @@ from raytrain_events.trainer._setup import (
     wrap_for_training,
 )
 from raytrain_events.trainer.compiling import compile_model, compile_options
-from raytrain_events.trainer.counters import BatchCounters
+from raytrain_events.trainer.counters import BatchCounters, Counters
 from raytrain_events.trainer.epoch_start import epoch_iterator
 from raytrain_events.trainer.evaluation import ensure_evaluators, run_evaluation
 from raytrain_events.trainer.microbatching import AUTO, AutoMicrobatching, DeferredCounters, parse_grad_accum
@@ -175,7 +175,7 @@ class Trainer:
         self._auto: Optional[AutoMicrobatching] = None
         if auto_microbatching:  # forward/backward run no collective, so a rank can retry after OOM
             self.state.auto_microbatching = True
-            self._counters: Union[BatchCounters, DeferredCounters] = DeferredCounters(self.dist)
+            self._counters: Counters = DeferredCounters(self.dist)
             self._auto = AutoMicrobatching(self, self._counters, self._ddp)
             self._train_model = self._ddp.module if self._ddp is not None else self._train_model
         else:
