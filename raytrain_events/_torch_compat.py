@@ -1,4 +1,4 @@
-"""Every private torch name this package uses, in one place (torch's counterpart of `ray._compat`).
+"""Every private torch name this package uses, in one place (the torch counterpart of `raytrain_events.ray._compat`).
 
 torch may rename or move a private name in any release. Each one is reached here, by the public
 name on the left, and resolved when first asked for; a missing one raises `TorchCompatError`

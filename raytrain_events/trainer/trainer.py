@@ -353,15 +353,15 @@ class Trainer:
         if self._auto is None and state.grad_accum == 1:  # one microbatch (as `accumulate`), two calls less
             state.loss = self._forward_backward(state.batch, 0, active, autocast, create_graph).detach()
         else:
-            self.forward_backward_batch(active, autocast, create_graph)
+            self._forward_backward_batch(active, autocast, create_graph)
         if scaler is not None:
             for optimizer in state.optimizers:
                 scaler.unscale_(optimizer)
         if active[_AFTER_TRAIN_BATCH]:
             engine.run_event(_AFTER_TRAIN_BATCH)
-        step_optimizers(self, active, autocast, create_graph)
+        step_optimizers(state, self._forward_backward_batch, active, autocast, create_graph)
 
-    def forward_backward_batch(
+    def _forward_backward_batch(
         self,
         active: Mapping[Event, bool],
         autocast: Optional[contextlib.AbstractContextManager[Any]],

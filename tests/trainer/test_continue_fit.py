@@ -89,7 +89,7 @@ def test_a_second_fit_without_duration_says_how():
     trainer.fit()
     with pytest.raises(RuntimeError, match=r"fit\(duration='1ep'\)"):
         trainer.fit()
-    with pytest.raises(ValueError, match="positive duration"):
+    with pytest.raises(ValueError, match=r"fit\(duration\)=.0.5dur. is a fraction of the run"):
         trainer.fit(duration="0.5dur")
 
 
