@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Union
 
 import torch
 
+from raytrain_events._torch_compat import foreach_lerp_
 from raytrain_events.algorithms.registry import register_algorithm
 from raytrain_events.core.algorithm import Algorithm
 from raytrain_events.core.event import Event
@@ -129,7 +130,7 @@ class EMA(Algorithm):
     def _update(self) -> None:
         if self._shadow_float:
             model = [t.detach() for t in self._model_float]
-            torch._foreach_lerp_(self._shadow_float, model, 1.0 - self.smoothing)
+            foreach_lerp_(self._shadow_float, model, 1.0 - self.smoothing)
         for shadow, tensor in zip(self._shadow_other, self._model_other):
             shadow.copy_(tensor)
 

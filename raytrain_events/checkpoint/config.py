@@ -76,7 +76,7 @@ class CheckpointConfig:
     lock_run_dir: bool = True
     sharded: Optional[bool] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self) -> None:  # noqa: C901 -- one check per option, in field order (checkpoint/ owner)
         if self.save_interval is not None:
             interval = ensure_time(self.save_interval, TimeUnit.EPOCH)
             if interval.unit == TimeUnit.DURATION or interval.value <= 0:

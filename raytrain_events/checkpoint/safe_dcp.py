@@ -29,11 +29,13 @@ from typing import Any, Dict, Iterator, Optional
 
 import torch
 from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecReader, FsspecWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from raytrain_events._torch_compat import EmptyStateDictLoadPlanner as _EmptyStateDictLoadPlanner
+from raytrain_events._torch_compat import FsspecFileSystem as FileSystem
+from raytrain_events._torch_compat import FsspecReader, FsspecWriter, get_layout
+from raytrain_events._torch_compat import StorageInfo as _StorageInfo
 from raytrain_events.checkpoint.format import FileEntry, UnsafeCheckpointError, _reason
 from raytrain_events.storage.crc32 import Crc32
 
@@ -59,7 +61,7 @@ _METADATA_CLASSES = {
 _ALLOWED = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
     ("torch", "Size"): torch.Size,
-    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+    ("torch.serialization", "_get_layout"): get_layout,
     ("collections", "OrderedDict"): __import__("collections").OrderedDict,
     ("pathlib", "PosixPath"): pathlib.PosixPath,
     ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
@@ -132,7 +134,7 @@ class _SafeBytes:
         fqn = read_item.dest_index.fqn
         loaded = _load_bytes_safely(value, fqn)
         if self.flatten_state_dict:
-            from torch.distributed.checkpoint._nested_dict import set_element
+            from raytrain_events._torch_compat import set_element
 
             set_element(self.original_state_dict, self.mappings[fqn], loaded)
         else:

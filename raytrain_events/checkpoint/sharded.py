@@ -79,7 +79,8 @@ def fill_tensors(tree: Any, tensors: Dict[str, Any]) -> Any:
 
 def stage_to_cpu(tree: Dict[str, Any]) -> Dict[str, Any]:
     """A CPU copy of every tensor (DTensor shards stay DTensors), pinned where CUDA is present."""
-    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+    from raytrain_events._torch_compat import copy_state_dict as _copy_state_dict
+    from raytrain_events._torch_compat import create_cpu_state_dict as _create_cpu_state_dict
 
     cuda = torch.cuda.is_available()
     staged = _create_cpu_state_dict(tree, pin_memory=cuda)
@@ -238,8 +239,7 @@ def load_consolidated(
     """One process: the whole sharded checkpoint as full tensors (``model``, ``optim`` by
     parameter name, and the rest of the state), for inference or export."""
     # dcp.load fills only keys the given dict has; this is what DCP's own dcp_to_torch_save calls.
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
+    from raytrain_events._torch_compat import load_whole_state_dict as _load_state_dict
     from raytrain_events.checkpoint.safe_dcp import SafeDCPReader, SafeFullLoadPlanner
 
     loaded: Dict[str, Any] = {}

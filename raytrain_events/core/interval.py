@@ -8,11 +8,12 @@ is crossed. Training's last batch or epoch always counts, so a run ends with a f
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Union
 
 from raytrain_events.core.event import Event
 from raytrain_events.core.time import Time, TimeUnit, ensure_time
-from raytrain_events.core.timestamp import _ATTR_OF_UNIT as _FIELD_OF_UNIT
+from raytrain_events.core.time_value import check_countable
+from raytrain_events.core.timestamp import FIELD_OF_UNIT
 
 if TYPE_CHECKING:
     from raytrain_events.core.state import State
@@ -28,7 +29,7 @@ def is_done(state: State) -> bool:
     if max_duration is None:  # a State without a duration (tests, tools) never finishes by itself
         return False
     # Time's and Timestamp's fields directly: this runs once per batch, and their methods are Python calls.
-    field = _FIELD_OF_UNIT.get(max_duration._unit)
+    field = FIELD_OF_UNIT.get(max_duration._unit)
     if field is None:  # 'dur', which a Timestamp cannot count: get_value raises and says why
         state.timestamp.get_value(max_duration._unit)
         return False
@@ -55,15 +56,8 @@ def make_interval(
     if time.unit == TimeUnit.DURATION:
         if not 0 < time.value <= 1:
             raise ValueError(f"{what}={time.to_timestring()!r}: a duration interval must be in (0, 1], like '0.25dur'.")
-        scaled = time.value * max_duration.value
-        time = Time(max(1, int(round(scaled))), max_duration.unit)
-    if time.value <= 0:
-        raise ValueError(f"{what}={time.to_timestring()!r} must be positive, like '1ep' or '500ba'.")
-    if time.unit == TimeUnit.TOKEN and not counts_tokens:
-        raise ValueError(
-            f"{what}={time.to_timestring()!r} is in tokens but the train data has no token counter: "
-            "pass DataSpec(get_num_tokens_in_batch=...) or use 'ep', 'ba' or 'sp'."
-        )
+        return _fraction_interval(time.value, max_duration, counts_tokens, what)
+    check_countable(time, counts_tokens=counts_tokens, what=what)
     unit, every = time.unit, int(time.value)
 
     if unit == TimeUnit.EPOCH:
@@ -89,3 +83,26 @@ def make_interval(
         return crossed(previous, current, every) or is_done(state)
 
     return _batch_interval
+
+
+def _fraction_interval(fraction: float, max_duration: Time[Any], counts_tokens: bool, what: str) -> IntervalFn:
+    """``fraction`` of ``state.max_duration`` as it is when asked, not as it was when built.
+
+    A further ``fit(duration=...)`` moves ``max_duration``; the interval follows it (re-resolved
+    once per change, checked by identity: one comparison per call otherwise).
+    """
+
+    def resolve(total: Time[Any]) -> IntervalFn:
+        every = Time(max(1, int(round(fraction * total.value))), total.unit)
+        return make_interval(every, total, counts_tokens=counts_tokens, what=what)
+
+    resolved: Dict[str, Any] = {"total": max_duration, "fn": resolve(max_duration)}
+
+    def _duration_interval(state: State, event: Event) -> bool:
+        total = state.max_duration
+        if total is not None and total is not resolved["total"]:
+            resolved.update(total=total, fn=resolve(total))
+        fires: bool = resolved["fn"](state, event)
+        return fires
+
+    return _duration_interval

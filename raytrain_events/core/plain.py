@@ -10,9 +10,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
+import numbers
 from typing import Any, Callable, Dict, Mapping
 
-__all__ = ["to_python", "to_plain", "describe_value", "flatten"]
+__all__ = ["to_python", "to_plain", "describe_value", "flatten", "is_finite_number"]
 
 
 def to_python(value: Any) -> Any:
@@ -21,6 +23,14 @@ def to_python(value: Any) -> Any:
     if item is not None and getattr(value, "numel", lambda: getattr(value, "size", 1))() == 1:
         return item()
     return value
+
+
+def is_finite_number(value: Any) -> bool:
+    """A real number (not a bool, not NaN or inf): a metric value a table or a plot can show."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+_SCALARS = (str, bool, int, float)  # bool before int: a bool is an int
 
 
 def to_plain(value: Any, *, fallback: Callable[[Any], Any] = str, resolve: bool = True) -> Any:
@@ -33,14 +43,9 @@ def to_plain(value: Any, *, fallback: Callable[[Any], Any] = str, resolve: bool 
     """
     if value is None:
         return None
-    if isinstance(value, str):
-        return str(value)
-    if isinstance(value, bool):
-        return bool(value)
-    if isinstance(value, int):
-        return int(value)
-    if isinstance(value, float):
-        return float(value)
+    for scalar in _SCALARS:  # subclasses (IntEnum, numpy's float64) become the plain type
+        if isinstance(value, scalar):
+            return scalar(value)
     if type(value).__module__.startswith("omegaconf"):
         from omegaconf import OmegaConf
 

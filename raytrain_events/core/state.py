@@ -40,8 +40,6 @@ class State:
         state.get_elapsed_duration()   # Time(0.0..., TimeUnit.DURATION)
     """
 
-    serialized_attributes = ["model", "optimizers", "schedulers", "scaler", "algorithms", "callbacks", "timestamp"]
-
     def __init__(
         self,
         *,

@@ -52,7 +52,7 @@ _TIME_RE = re.compile(
 )
 
 
-def _is_real(x: object) -> TypeGuard[float]:
+def is_real(x: object) -> TypeGuard[float]:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
@@ -63,11 +63,11 @@ def _not_whole(value: object, unit: TimeUnit) -> TypeError:
     )
 
 
-def _coerce_value(value: Any, unit: TimeUnit) -> int | float:
+def coerce_value(value: Any, unit: TimeUnit) -> int | float:
     """Validate ``value`` for ``unit``: int for ep/ba/sp/tok (integral floats accepted), finite float for dur."""
     if type(value) is int and unit is not _DUR:
         return value
-    if not _is_real(value):
+    if not is_real(value):
         raise TypeError(f"Time value must be a number (int or float), got {type(value).__name__}: {value!r}")
     if unit is _DUR:
         f = float(value)
@@ -82,7 +82,7 @@ def _coerce_value(value: Any, unit: TimeUnit) -> int | float:
 def _snap(x: int | float, unit: TimeUnit) -> int | float:
     """Result of scaling: float for dur; for integer units an int, allowing a few ulps of float rounding."""
     if unit is _DUR:
-        return _coerce_value(x, unit)
+        return coerce_value(x, unit)
     if type(x) is int:
         return x
     x = float(x)
@@ -93,7 +93,7 @@ def _snap(x: int | float, unit: TimeUnit) -> int | float:
 
 def _time_cmp(op: Callable[[Any, Any], Any]) -> Callable[[Time[Any], object], bool]:
     def compare(self: Time[Any], other: object) -> bool:
-        if _is_real(other):  # plain numbers compare against the value
+        if is_real(other):  # plain numbers compare against the value
             return bool(op(self._value, other))
         o = self._other(other, "compare")
         return o if o is NotImplemented else bool(op(self._value, o._value))
@@ -118,7 +118,7 @@ class Time(Generic[TValue]):
 
     def __init__(self, value: TValue, unit: TimeUnit | str):
         unit = unit if type(unit) is TimeUnit else TimeUnit(unit)
-        self._value = cast(TValue, _coerce_value(value, unit))
+        self._value = cast(TValue, coerce_value(value, unit))
         self._unit = unit
 
     @classmethod
@@ -215,7 +215,7 @@ class Time(Generic[TValue]):
             return other
         if isinstance(other, str):
             return self._other(Time.from_timestring(other), op)
-        if _is_real(other):
+        if is_real(other):
             return Time(other, self._unit)
         return NotImplemented
 
@@ -247,14 +247,14 @@ class Time(Generic[TValue]):
                     f"the multiplier must be a number or a Time in 'dur'"
                 )
             return Time._make(_snap(base * factor, unit), unit)
-        if _is_real(other):
+        if is_real(other):
             return Time._make(_snap(self._value * other, self._unit), self._unit)
         return NotImplemented
 
     __rmul__ = __mul__
 
     def __truediv__(self, other: object) -> Time[Any]:
-        if _is_real(other):
+        if is_real(other):
             if self._unit is not _DUR and type(self._value) is int and isinstance(other, numbers.Integral):
                 q, r = divmod(self._value, int(other))
                 if r:
@@ -301,9 +301,40 @@ def ensure_time(maybe_time: Time[Any] | str | int | float, int_unit: TimeUnit | 
         return maybe_time
     if isinstance(maybe_time, str):
         return Time.from_timestring(maybe_time)
-    if _is_real(maybe_time):
+    if is_real(maybe_time):
         return Time(maybe_time, int_unit)
     raise TypeError(
         f"Expected a Time, a time string like '5ep', or an int/float number of {int_unit!s}; "
         f"got {type(maybe_time).__name__}: {maybe_time!r}"
     )
+
+
+def training_duration(
+    value: Time[Any] | str | int, *, counts_tokens: bool = True, what: str = "max_duration"
+) -> Time[Any]:
+    """A run's length checked once, where it enters (``Trainer``, ``RunSpec``, ``fit(duration=...)``).
+
+    A positive `Time` in ``ep``, ``ba``, ``sp`` or ``tok`` (an int is epochs); a fraction of the run
+    (``dur``) has no length to be a fraction of. ``counts_tokens=False``: the data has no token
+    counter, so ``tok`` cannot be counted either. What passes is the `Time` the rest receives.
+    """
+    duration = ensure_time(value, TimeUnit.EPOCH)
+    if duration.unit == TimeUnit.DURATION:
+        raise ValueError(
+            f"{what}={duration.to_timestring()!r} is a fraction of the run, which has no length yet: "
+            "give it in 'ep', 'ba', 'sp' or 'tok', like '10ep'."
+        )
+    check_countable(duration, counts_tokens=counts_tokens, what=what)
+    return duration
+
+
+def check_countable(time: Time[Any], *, counts_tokens: bool, what: str) -> None:
+    """Raise unless the loop can count ``time``: positive, and in tokens only with a token counter."""
+    if time.value <= 0:
+        raise ValueError(f"{what}={time.to_timestring()!r} must be positive, like '10ep' or '500ba'.")
+    if time.unit == TimeUnit.TOKEN and not counts_tokens:
+        raise ValueError(
+            f"{what}={time.to_timestring()!r} is in tokens but the train data has no token counter: wrap it as "
+            "DataSpec(loader, get_num_tokens_in_batch=fn) (RayTrainer: get_num_tokens_in_batch=fn), or use 'ep', "
+            "'ba' or 'sp'."
+        )

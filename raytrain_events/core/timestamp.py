@@ -12,7 +12,7 @@ import operator
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, Union, cast
 
-from raytrain_events.core.time_value import Time, TimeUnit, _coerce_value, _is_real
+from raytrain_events.core.time_value import Time, TimeUnit, coerce_value, is_real
 
 __all__ = ["Timestamp", "COUNTER_UNITS", "report_key", "counters_of"]
 
@@ -51,7 +51,7 @@ _COUNTER_UNIT = {
 }
 _WCTS = ("total_wct", "epoch_wct", "batch_wct")
 # Keyed by str values, which TimeUnit members hash and compare equal to.
-_ATTR_OF_UNIT = {unit.value: "_" + name for name, unit in COUNTER_UNITS.items()}
+FIELD_OF_UNIT = {unit.value: "_" + name for name, unit in COUNTER_UNITS.items()}
 _ZERO = datetime.timedelta(0)
 _get_counters = operator.attrgetter(*("_" + n for n in _COUNTERS))
 
@@ -64,7 +64,7 @@ def _counter(name: str, value: Any) -> int:
                 raise ValueError(f"Timestamp '{name}' must be in '{unit.value}' ({unit.name}), got {value!r}")
             value = value._value
         else:
-            value = _coerce_value(value, unit)
+            value = coerce_value(value, unit)
     if value < 0:
         raise ValueError(f"Timestamp '{name}' must be >= 0, got {value}")
     return int(value)
@@ -167,14 +167,14 @@ class Timestamp:
 
     def get_value(self, unit: TimeUnit | str) -> int:
         """Raw int count in ``unit`` (ep/ba/sp/tok) without building a Time; e.g. ``ts.get_value("ba")``."""
-        attr = _ATTR_OF_UNIT.get(unit)
+        attr = FIELD_OF_UNIT.get(unit)
         if attr is None:
             unit = TimeUnit(unit)  # raises for unknown units
             if unit is TimeUnit.DURATION:
                 raise ValueError(
                     "Timestamp does not know the total run length; use State.get_elapsed_duration() for 'dur'"
                 )
-            attr = _ATTR_OF_UNIT[unit.value]
+            attr = FIELD_OF_UNIT[unit.value]
         value: int = getattr(self, attr)
         return value
 
@@ -265,7 +265,7 @@ class Timestamp:
         kwargs = {n: state[n] for n in _COUNTERS}
         for n in _WCTS:
             v = state.get(n)
-            kwargs[n] = datetime.timedelta(seconds=float(v)) if _is_real(v) else v
+            kwargs[n] = datetime.timedelta(seconds=float(v)) if is_real(v) else v
         return cls(**kwargs)
 
     def get_state(self) -> dict[str, Time[int] | datetime.timedelta]:

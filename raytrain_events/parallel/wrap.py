@@ -83,7 +83,7 @@ def apply_fsdp(model: torch.nn.Module, config: FSDPConfig, world_size: int, devi
         )
     ac = config.activation_checkpointing
     if ac:
-        from torch.distributed._composable import checkpoint
+        from raytrain_events._torch_compat import activation_checkpoint as checkpoint
 
         ac_select = select if ac is True else _selector(ac)
         targets = [m for m in model.modules() if m is not model and ac_select(m)]

@@ -28,6 +28,23 @@ Private names used (checked against Ray 2.60.0):
   `local_preemption_info`, `run_on_worker_main_thread` (`raytrain_events.ray.preemption`).
 * ``ray._private.ray_constants.ENABLE_RAY_CLUSTER`` and ``ray.init(_node_ip_address=...)``: keep an
   embedded local instance on 127.0.0.1 (`loopback_only`).
+
+Ray's file layouts, log formats and environment knobs this package relies on (same rules: one
+function or constant here each, probed by `check_private_names()`):
+
+* ``RAY_worker_maximum_startup_concurrency`` (`STARTUP_CONCURRENCY_ENV`): a raylet setting read
+  from the environment; probed in the raylet binary (`raytrain_events.ray.embedded`).
+* ``<ray temp dir>/ray_current_cluster`` (`ray_address_file`, from ``ray._common.utils``): the
+  file ``ray start`` writes its address to (`raytrain_events.ray.cluster`).
+* ``~/ray_bootstrap_config.yaml`` (`on_launched_cluster`): the file the cluster launcher puts on
+  every node it starts, which Ray Tune reads the same way (``ray.tune.execution.cluster_info``).
+* Ray Data's and Ray Train's ``SessionFileHandler`` classes (`is_session_file_handler`): their
+  logging handlers that write to the session's log files, which the console leaves alone.
+* ``ray.data.util.torch_utils.convert_ndarray_batch_to_torch_tensor_batch``
+  (`ndarray_batch_to_torch`): Ray Data's own NumPy-to-torch batch conversion (`raytrain_events.ray.data`).
+* The token-authentication notice of ``ray._private.authentication.authentication_token_setup``
+  (`TOKEN_AUTH_LOGGER`, `TOKEN_AUTH_ENABLED`) and the session's log folder (`session_logs_dir`):
+  an embedded instance's notice goes to that folder instead of the terminal (`raytrain_events.ray.cluster`).
 """
 
 from __future__ import annotations
@@ -49,6 +66,14 @@ __all__ = [
     "iter_block_refs",
     "LOOPBACK_INIT_KWARGS",
     "loopback_only",
+    "STARTUP_CONCURRENCY_ENV",
+    "ray_address_file",
+    "on_launched_cluster",
+    "is_session_file_handler",
+    "ndarray_batch_to_torch",
+    "TOKEN_AUTH_LOGGER",
+    "TOKEN_AUTH_ENABLED",
+    "session_logs_dir",
     "check_private_names",
     "local_preemption_info",
     "run_on_worker_main_thread",
@@ -57,6 +82,12 @@ __all__ = [
 #: ``ray.init`` keyword arguments that pin a new local instance's node address to loopback.
 LOOPBACK_INIT_KWARGS = {"_node_ip_address": "127.0.0.1"}
 _CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+#: The raylet's cap on worker processes starting at once, read from the environment at its start.
+STARTUP_CONCURRENCY_ENV = "RAY_worker_maximum_startup_concurrency"
+_BOOTSTRAP_CONFIG = "~/ray_bootstrap_config.yaml"
+#: The logger and message start of the notice ``ray.init`` logs when it turns token auth on by default.
+TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+TOKEN_AUTH_ENABLED = "Token authentication is enabled for this Ray cluster"
 
 
 class RayCompatError(RuntimeError):
@@ -191,10 +222,72 @@ def loopback_only() -> Iterator[None]:
             os.environ[_CLUSTER_ENV] = previous_env
 
 
-def planned_node_ip() -> str:
-    """The address Ray would give a local instance started now (no process is started)."""
-    services = importlib.import_module("ray._private.services")
-    return services.resolve_ip_for_localhost(LOOPBACK_INIT_KWARGS["_node_ip_address"])
+def ray_address_file() -> str:
+    """The file ``ray start`` writes the cluster's address to (``/tmp/ray/ray_current_cluster``)."""
+    return str(_import("ray._common.utils", "get_ray_address_file")(None))
+
+
+def on_launched_cluster() -> bool:
+    """True on a node the Ray cluster launcher started (it leaves its bootstrap config in the home folder)."""
+    return os.path.exists(os.path.expanduser(_BOOTSTRAP_CONFIG))
+
+
+def _session_file_handler_classes() -> Tuple[type, ...]:
+    return (
+        _import("ray.data._internal.logging", "SessionFileHandler"),
+        _import("ray.train.v2._internal.logging.logging", "SessionFileHandler"),
+    )
+
+
+def is_session_file_handler(handler: Any) -> bool:
+    """Whether a logging handler is one of Ray's that write to the session's log files."""
+    return isinstance(handler, _session_file_handler_classes())
+
+
+def ndarray_batch_to_torch(batch: Any) -> Any:
+    """A (dict of) NumPy array(s) as torch tensors, as Ray Data's ``iter_torch_batches`` converts them."""
+    return _import("ray.data.util.torch_utils", "convert_ndarray_batch_to_torch_tensor_batch")(batch)
+
+
+def session_logs_dir() -> Optional[str]:
+    """The connected Ray session's log folder on this node (None when not connected to a local node)."""
+    worker = _import("ray._private.worker", "global_worker")
+    node = getattr(worker, "node", None)
+    return None if node is None else str(_attr(node, "get_logs_dir_path")())
+
+
+def _probe_startup_concurrency() -> None:
+    """The raylet binary still knows the setting (a renamed one would be ignored without a word)."""
+    import mmap
+
+    import ray
+
+    path = os.path.join(os.path.dirname(ray.__file__), "core", "src", "ray", "raylet", "raylet")
+    key = STARTUP_CONCURRENCY_ENV[len("RAY_") :].encode()
+    try:
+        with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            found = data.find(key) >= 0
+    except OSError as exc:
+        raise _missing(f"the raylet binary at {path}", exc) from exc
+    if not found:
+        raise _missing(f"a raylet setting {key.decode()} (environment variable {STARTUP_CONCURRENCY_ENV})")
+
+
+def _probe_source(module: str, text: str, what: str) -> None:
+    if text not in inspect.getsource(importlib.import_module(module)):
+        raise _missing(f"{what} in {module}")
+
+
+def _probe_files_and_logs() -> None:
+    """The file layouts and log messages above, read off Ray's own source (nothing runs)."""
+    if os.path.basename(ray_address_file()) != "ray_current_cluster":
+        raise _missing("the cluster address file ray_current_cluster")
+    _probe_source("ray.tune.execution.cluster_info", "ray_bootstrap_config.yaml", "the launcher's bootstrap config")
+    _probe_source(TOKEN_AUTH_LOGGER, TOKEN_AUTH_ENABLED, f"the notice {TOKEN_AUTH_ENABLED!r}")
+    _probe_source(TOKEN_AUTH_LOGGER, "getLogger(__name__)", "a module logger")
+    _session_file_handler_classes()
+    _import("ray.data.util.torch_utils", "convert_ndarray_batch_to_torch_tensor_batch")
+    _attr(_import("ray._private.node", "Node"), "get_logs_dir_path")
 
 
 def local_preemption_info() -> Any:
@@ -254,7 +347,8 @@ def check_private_names() -> List[Tuple[str, str]]:
     probe("Ray Data internals", _probe_dataset_internals)
     probe("Ray Train worker internals", _probe_train_worker)
     probe("ENABLE_RAY_CLUSTER", lambda: _import("ray._private.ray_constants", "ENABLE_RAY_CLUSTER"))
-    probe("resolve_ip_for_localhost", lambda: _import("ray._private.services", "resolve_ip_for_localhost"))
+    probe("RAY_worker_maximum_startup_concurrency", _probe_startup_concurrency)
+    probe("file layouts and log messages", _probe_files_and_logs)
     if not _init_takes("_node_ip_address"):
         problems.append(("_node_ip_address", str(_missing("ray.init(_node_ip_address=...)"))))
     return problems

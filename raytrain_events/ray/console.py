@@ -26,7 +26,7 @@ Controller actor state``, or its traceback ``Found multiple   serves: without a 
 active Ray instances``                                        several Ray instances on one machine it cannot tell
                                                               which one is its own. An embedded Ray gets its
                                                               dashboard on a known port and ``RAY_API_SERVER_ADDRESS``
-                                                              (`local_instance`); elsewhere the lines are not shown.
+                                                              (`embedded.local_instance`); elsewhere the lines are not shown.
 ``... 'PreemptionWatcher' ... max_restarts > 0``              Ray Train 2.60 creates its preemption watcher with
                                                               ``max_restarts=-1`` and the workers' actor handles as
                                                               arguments; Ray core logs that at ERROR once per
@@ -53,14 +53,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import re
-import socket
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 __all__ = [
-    "local_instance",
     "train_logging_config",
+    "drop_noise_until_shutdown",
     "quiet_terminal",
     "is_noise",
     "NOISE",
@@ -111,57 +109,23 @@ def filter_batch(data: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     return {**data, "lines": kept}
 
 
-# ------------------------------------------------------------------ embedded Ray instance
-@contextlib.contextmanager
-def local_instance(init_kwargs: Dict[str, Any], *, verbose: bool) -> Iterator[None]:
-    """Settings for an embedded local Ray started inside this block (see the table above).
-
-    Ray's processes inherit this process's environment when they start, so the variables are set
-    for the ``ray.init`` call only and restored afterwards.
-    """
-    if verbose:
-        yield
-        return
-    num_cpus = int(init_kwargs.get("num_cpus") or os.cpu_count() or 1)
-    env = {
-        "RAY_worker_maximum_startup_concurrency": str(max(8, num_cpus)),
-        "RAY_DATA_LOGGING_CONFIG": os.path.join(os.path.dirname(__file__), "ray_data_logging.yaml"),
-    }
-    if _dashboard_installed() and init_kwargs.get("include_dashboard") is not False:
-        port = init_kwargs.setdefault("dashboard_port", _free_port())
-        init_kwargs.setdefault("dashboard_host", "127.0.0.1")
-        env["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
-    saved = {key: os.environ.get(key) for key in env}
-    for key, value in env.items():
-        os.environ.setdefault(key, value)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-def _dashboard_installed() -> bool:
-    from raytrain_events.ray import _compat
-
-    return _compat.dashboard_installed()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # --------------------------------------------------------------------------- one run
 def train_logging_config(verbose: bool) -> Any:
     """Ray Train's `LoggingConfig`: INFO on the terminal only when verbose (files keep every level)."""
     from ray.train import LoggingConfig
 
     return LoggingConfig(log_level="INFO" if verbose else "WARNING")
+
+
+def drop_noise_until_shutdown() -> None:
+    """For the whole Ray session: the known noise in forwarded lines stays off the terminal.
+
+    `quiet_terminal` covers a run; but Ray's own actors outlive it: Ray Train's placement-group
+    cleaner, for one, polls the controller after the run ended and prints "Failed to query Ray
+    Train Controller actor state" between the run and ``ray.shutdown`` (while the job writes its
+    report, say). Ray removes the wrapped handler itself when the driver disconnects.
+    """
+    _filter_forwarded_lines(None)
 
 
 class _DropNotices(logging.Filter):
@@ -208,7 +172,9 @@ def quiet_terminal(
 
 
 def _is_file_handler(handler: logging.Handler) -> bool:
-    return isinstance(handler, logging.FileHandler) or type(handler).__name__ == "SessionFileHandler"
+    from raytrain_events.ray import _compat
+
+    return isinstance(handler, logging.FileHandler) or _compat.is_session_file_handler(handler)
 
 
 def _filter_forwarded_lines(write: Optional[Callable[[str, Any], None]]) -> Callable[[], None]:

@@ -285,6 +285,6 @@ class GlobalOrderLoader:
         batch = BlockAccessor.for_block(table).to_batch_format("numpy")
         if self.collate_fn is not None:
             return self.collate_fn(batch)
-        from ray.data.util.torch_utils import convert_ndarray_batch_to_torch_tensor_batch
+        from raytrain_events.ray._compat import ndarray_batch_to_torch
 
-        return convert_ndarray_batch_to_torch_tensor_batch(batch)
+        return ndarray_batch_to_torch(batch)

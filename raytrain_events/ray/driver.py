@@ -20,7 +20,6 @@ Example (a 2-worker CPU run)::
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional
@@ -193,7 +192,7 @@ class RayTrainer:
         history = RunHistory.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(driver_node, soft=False)
         ).remote()
-        storage_path, storage_filesystem = _ray_storage(self.storage_path, self.storage_options)
+        storage_path, storage_filesystem = ray_storage(self.storage_path, self.storage_options)
         from ray.train.torch import TorchConfig
 
         from raytrain_events.ray.watchdog import process_group_timeout_s
@@ -337,10 +336,12 @@ def _ray_retention(checkpoint: Any) -> Any:
 
 def _autoscaling() -> bool:
     """True on a cluster launcher's head node, where the autoscaler can add GPU nodes on demand."""
-    return os.path.exists(os.path.expanduser("~/ray_bootstrap_config.yaml"))
+    from raytrain_events.ray import _compat
+
+    return _compat.on_launched_cluster()
 
 
-def _ray_storage(storage_url: str, storage_options: Dict[str, Any]):
+def ray_storage(storage_url: str, storage_options: Dict[str, Any]):
     """Ray's ``storage_path`` and ``storage_filesystem`` for our fsspec URL and options."""
     if "://" not in storage_url:
         return storage_url, None

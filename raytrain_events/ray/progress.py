@@ -67,10 +67,10 @@ def _samples_per_second(entries: List[Dict[str, Any]]) -> Optional[float]:
 class RunProgress:
     """A tqdm bar on the driver; a `HistoryFollower` consumer (called with each batch of new entries)."""
 
-    def __init__(self, max_duration: str, run_name: str) -> None:
+    def __init__(self, max_duration: Time, run_name: str) -> None:
         from tqdm import tqdm
 
-        self.duration = Time.from_timestring(max_duration)
+        self.duration = max_duration
         self.key = report_key(self.duration.unit)
         self._lock = threading.RLock()
         self.bar = tqdm(

@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
-from raytrain_events.core.time import Time, TimeUnit, ensure_time
+from raytrain_events.core.time import Time, TimeUnit, ensure_time, training_duration
 
 __all__ = ["RunSpec", "option_names"]
 
@@ -51,7 +51,7 @@ class RunSpec:
         "the driver when the run starts); every name besides 'train' is an eval set",
         worker=False,
     )
-    max_duration: Union[str, int, Time] = _opt(help="how long to train: '10ep', '500ba', '1e6sp', '1e9tok'")
+    max_duration: Time = _opt(help="how long to train: '10ep', '500ba', '1e6sp', '1e9tok'")
     batch_size: int = _opt(64, help="rows per worker per batch")
     schedulers: Optional[Any] = _opt(None, help="schedulers(optimizers, config) -> scheduler(s), or ready schedules")
     algorithms: Union[Sequence[Any], Factory] = _opt(
@@ -143,16 +143,8 @@ class RunSpec:
     )
 
     def __post_init__(self) -> None:
-        duration = ensure_time(self.max_duration, TimeUnit.EPOCH)
-        if duration.unit == TimeUnit.DURATION:
-            raise ValueError(
-                f"max_duration={duration.to_timestring()!r}: give it in 'ep', 'ba', 'sp' or 'tok', like '10ep'."
-            )
-        if duration.unit == TimeUnit.TOKEN and self.get_num_tokens_in_batch is None:
-            raise ValueError(
-                f"max_duration={duration.to_timestring()!r} is in tokens: pass get_num_tokens_in_batch=fn(batch) -> int."
-            )
-        self.max_duration = duration.to_timestring()
+        # Checked once here; the driver's progress bar and the workers' Trainer receive this Time.
+        self.max_duration = training_duration(self.max_duration, counts_tokens=self.get_num_tokens_in_batch is not None)
         from raytrain_events.parallel.config import parse_parallelism
 
         parse_parallelism(self.parallelism)  # a bad value fails here, on the driver
@@ -182,6 +174,32 @@ class RunSpec:
             )
         if self.report_interval is None and self.report_every_s is None:
             raise ValueError("Pass report_interval (a Time, like '500ba') or report_every_s (seconds), or both.")
+        self._check_data_and_scaling()
+        if self.checkpoint is not None:
+            if getattr(self.checkpoint, "save_folder", None):
+                raise ValueError(
+                    "CheckpointConfig.save_folder cannot be set for a RayTrainer run: checkpoints live in the run "
+                    "directory (<storage_path>/<run_name>/checkpoints) so Ray Train can manage them. "
+                    "Set storage_path instead."
+                )
+            keep_best, metric = getattr(self.checkpoint, "keep_best", None), getattr(self.checkpoint, "metric", None)
+            if keep_best is not None and not str(metric).startswith("metrics/"):
+                raise ValueError(
+                    f"CheckpointConfig(keep_best={keep_best}, metric={metric!r}): on Ray, checkpoints are ranked by "
+                    "an eval metric ('metrics/<eval set>/<name>', the same on every rank), like 'metrics/eval/accuracy'."
+                )
+            # The driver holds the run dir's lock for the whole run; workers must not take it again.
+            self.checkpoint = dataclasses.replace(self.checkpoint, lock_run_dir=False)
+        self.storage_path = storage_root(self.storage_path)
+        self.storage_options = dict(self.storage_options or {})
+        self.config = dict(self.config or {})
+        self.run_name = self.run_name or datetime.datetime.now().strftime("run-%Y%m%d-%H%M%S")
+        self.loggers = list(self.loggers or ())
+        if self.log_step not in ("sample", "batch", "token", "epoch"):
+            raise ValueError(f"log_step={self.log_step!r}: use 'sample', 'batch', 'token' or 'epoch'.")
+
+    def _check_data_and_scaling(self) -> None:
+        """``datasets``, ``batch_size``, ``num_workers``/``scaling_config`` and ``global_batch_size``."""
         if isinstance(self.datasets, Mapping):
             self.datasets = dict(self.datasets)
             if "train" not in self.datasets:
@@ -218,28 +236,6 @@ class RunSpec:
             raise ValueError(
                 f"global_batch_size={self.global_batch_size!r} must be a positive integer (rows per step)."
             )
-        if self.checkpoint is not None:
-            if getattr(self.checkpoint, "save_folder", None):
-                raise ValueError(
-                    "CheckpointConfig.save_folder cannot be set for a RayTrainer run: checkpoints live in the run "
-                    "directory (<storage_path>/<run_name>/checkpoints) so Ray Train can manage them. "
-                    "Set storage_path instead."
-                )
-            keep_best, metric = getattr(self.checkpoint, "keep_best", None), getattr(self.checkpoint, "metric", None)
-            if keep_best is not None and not str(metric).startswith("metrics/"):
-                raise ValueError(
-                    f"CheckpointConfig(keep_best={keep_best}, metric={metric!r}): on Ray, checkpoints are ranked by "
-                    "an eval metric ('metrics/<eval set>/<name>', the same on every rank), like 'metrics/eval/accuracy'."
-                )
-            # The driver holds the run dir's lock for the whole run; workers must not take it again.
-            self.checkpoint = dataclasses.replace(self.checkpoint, lock_run_dir=False)
-        self.storage_path = _storage_root(self.storage_path)
-        self.storage_options = dict(self.storage_options or {})
-        self.config = dict(self.config or {})
-        self.run_name = self.run_name or datetime.datetime.now().strftime("run-%Y%m%d-%H%M%S")
-        self.loggers = list(self.loggers or ())
-        if self.log_step not in ("sample", "batch", "token", "epoch"):
-            raise ValueError(f"log_step={self.log_step!r}: use 'sample', 'batch', 'token' or 'epoch'.")
 
     # -- derived values ------------------------------------------------------------------------
     @classmethod
@@ -315,30 +311,30 @@ class RunSpec:
     # -- what the worker builds -------------------------------------------------------------------
     def build_model(self) -> Any:
         """Call the model factory (with ``config`` if it takes an argument)."""
-        return _call(self.model, self.config)
+        return call_factory(self.model, self.config)
 
     def build_optimizers(self, model: Any) -> Any:
         """Call the optimizer factory with the model (and ``config`` if it takes it)."""
-        return _call(self.optimizers, model, self.config)
+        return call_factory(self.optimizers, model, self.config)
 
     def build_schedulers(self, optimizers: Any) -> Any:
         """Call the scheduler factory with the optimizers, or pass a ready list through."""
         if self.schedulers is None:
             return None
         if callable(self.schedulers) and not _is_state_schedule(self.schedulers):
-            return _call(self.schedulers, optimizers, self.config)
+            return call_factory(self.schedulers, optimizers, self.config)
         return self.schedulers
 
     def build_list(self, what: Union[Sequence[Any], Factory]) -> List[Any]:
         """Algorithms or callbacks: a factory's result, or a list (built by name if plain data)."""
-        items = _call(what, self.config) if callable(what) else list(what)
+        items = call_factory(what, self.config) if callable(what) else list(what)
         return list(items)
 
     def build_datasets(self) -> Dict[str, Any]:
         """The datasets dict (calling a datasets factory with ``config``), checked for a ``"train"`` entry."""
         if not callable(self.datasets):
             return dict(self.datasets)
-        datasets = _call(self.datasets, self.config)
+        datasets = call_factory(self.datasets, self.config)
         if not isinstance(datasets, Mapping) or "train" not in datasets:
             raise ValueError(
                 f"The datasets factory returned {datasets!r}: it must return {{'train': ds, <eval name>: ds, ...}}."
@@ -370,7 +366,7 @@ def _default(f: dataclasses.Field) -> Any:
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default  # type: ignore[misc]
 
 
-def _storage_root(storage_path: Optional[str]) -> str:
+def storage_root(storage_path: Optional[str]) -> str:
     """A storage URL, or an absolute local path (``None``: ``./runs``)."""
     if storage_path is None:
         return os.path.abspath("runs")
@@ -387,7 +383,7 @@ def _is_state_schedule(obj: Any) -> bool:
     return getattr(obj, "is_state_schedule", False)
 
 
-def _call(fn: Factory, *args: Any) -> Any:
+def call_factory(fn: Factory, *args: Any) -> Any:
     """Call ``fn`` with as many leading ``args`` as it accepts."""
     try:
         params = inspect.signature(fn).parameters.values()

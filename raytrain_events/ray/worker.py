@@ -12,8 +12,8 @@ from typing import Any, Dict
 from raytrain_events.core.data_spec import DataSpec
 from raytrain_events.dist import LocalDist, TorchDist
 from raytrain_events.ray.data import GlobalOrderLoader, GlobalOrderShard, ShardLoader
-from raytrain_events.ray.report import RayReporter
 from raytrain_events.ray.spec import RunSpec
+from raytrain_events.ray.worker_reports import RayReporter
 from raytrain_events.trainer import Trainer
 from raytrain_events.trainer.evaluation import Evaluator
 from raytrain_events.trainer.seed import seed_everything

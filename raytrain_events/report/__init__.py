@@ -18,9 +18,9 @@ The HTML is static (inline CSS, no scripts); the PNGs sit next to it. Any fsspec
 from __future__ import annotations
 
 import json
-import math
 from typing import Any, Dict, List, Optional, Tuple
 
+from raytrain_events.core.plain import is_finite_number
 from raytrain_events.core.time import COUNTER_UNITS, report_key
 from raytrain_events.report import html
 from raytrain_events.report.history_file import HISTORY_FILE, append_history, read_history
@@ -175,7 +175,7 @@ def _sweep_report(
     rows = []
     for folder, record in trials.items():
         history = record.get("history", [])
-        values = [e[metric] for e in history if _finite(e.get(metric))]
+        values = [e[metric] for e in history if is_finite_number(e.get(metric))]
         last = history[-1] if history else {}
         rows.append(
             {
@@ -269,7 +269,3 @@ def _label(config: Dict[str, Any]) -> str:
     from raytrain_events.tune.sets import algorithm_set_label
 
     return algorithm_set_label(algorithms)
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -131,13 +131,21 @@ def _learning_rate_figure(history: Sequence[Dict[str, Any]]) -> Optional[bytes]:
 
 
 def throughput(history: Sequence[Dict[str, Any]]) -> List[Tuple[float, float]]:
-    """(wall time, samples per second since the previous report of the same attempt) per report."""
+    """(wall time, samples per second since the previous report of the same attempt) per report.
+
+    An interval in which no batch ran is left out: the loop reports at batch boundaries, so such an
+    interval is the end-of-run (or checkpoint) report right after another one, and its 0 samples/s
+    would read as a collapse of the run's speed.
+    """
     out = []
     for prev, entry in zip(history, history[1:]):
         if prev.get("attempt") != entry.get("attempt") or "wall_time" not in prev or "wall_time" not in entry:
             continue
         seconds = entry["wall_time"] - prev["wall_time"]
         samples = entry.get("time/sample", 0) - prev.get("time/sample", 0)
+        batches = entry.get("time/batch", 0) - prev.get("time/batch", 0)
+        if "time/batch" in entry and "time/batch" in prev and batches == 0:
+            continue
         if seconds > 0 and samples >= 0:
             out.append((entry["wall_time"], samples / seconds))
     return out

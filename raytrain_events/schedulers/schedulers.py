@@ -81,7 +81,7 @@ class Scheduler:
         return f"{type(self).__name__}({args})"
 
 
-def _now(state: State, time: Time) -> int:
+def now_in(state: State, time: Time) -> int:
     return state.timestamp.get_value(time.unit)
 
 
@@ -100,7 +100,7 @@ class ConstantScheduler(Scheduler):
 
     def __call__(self, state: State) -> float:
         t_max = self._times(state)["t_max"]
-        return self.alpha if _now(state, t_max) < t_max.value else 1.0
+        return self.alpha if now_in(state, t_max) < t_max.value else 1.0
 
 
 class LinearScheduler(Scheduler):
@@ -114,7 +114,7 @@ class LinearScheduler(Scheduler):
 
     def __call__(self, state: State) -> float:
         t_max = self._times(state)["t_max"]
-        frac = min(1.0, _fraction(_now(state, t_max), t_max.value))
+        frac = min(1.0, _fraction(now_in(state, t_max), t_max.value))
         return self.alpha_i + frac * (self.alpha_f - self.alpha_i)
 
 
@@ -136,7 +136,7 @@ class StepScheduler(Scheduler):
 
     def __call__(self, state: State) -> float:
         step = self._times(state)["step_size"]
-        return self.gamma ** (_now(state, step) // int(step.value))
+        return self.gamma ** (now_in(state, step) // int(step.value))
 
 
 class MultiStepScheduler(Scheduler):
@@ -150,7 +150,7 @@ class MultiStepScheduler(Scheduler):
         self.gamma = gamma
 
     def __call__(self, state: State) -> float:
-        reached = sum(1 for m in self._times(state)["milestones"] if _now(state, m) >= m.value)
+        reached = sum(1 for m in self._times(state)["milestones"] if now_in(state, m) >= m.value)
         return self.gamma**reached
 
 
@@ -170,7 +170,7 @@ class ExponentialScheduler(Scheduler):
 
     def __call__(self, state: State) -> float:
         period = self._times(state)["decay_period"]
-        return self.gamma ** (_now(state, period) / period.value)
+        return self.gamma ** (now_in(state, period) / period.value)
 
 
 class CosineAnnealingScheduler(Scheduler):
@@ -184,7 +184,7 @@ class CosineAnnealingScheduler(Scheduler):
 
     def __call__(self, state: State) -> float:
         t_max = self._times(state)["t_max"]
-        return cosine_anneal(_fraction(_now(state, t_max), t_max.value), min_y=self.alpha_f)
+        return cosine_anneal(_fraction(now_in(state, t_max), t_max.value), min_y=self.alpha_f)
 
 
 class CosineAnnealingWarmRestartsScheduler(Scheduler):
@@ -203,7 +203,7 @@ class CosineAnnealingWarmRestartsScheduler(Scheduler):
 
     def __call__(self, state: State) -> float:
         t_0 = self._times(state)["t_0"]
-        now = _now(state, t_0)
+        now = now_in(state, t_0)
         length = end = int(t_0.value)
         while end <= now:
             length = int(self.t_mult * length)
@@ -224,5 +224,5 @@ class PolynomialScheduler(Scheduler):
 
     def __call__(self, state: State) -> float:
         t_max = self._times(state)["t_max"]
-        frac = min(1.0, _fraction(_now(state, t_max), t_max.value))
+        frac = min(1.0, _fraction(now_in(state, t_max), t_max.value))
         return self.alpha_f + (1.0 - frac) ** self.power * (1.0 - self.alpha_f)

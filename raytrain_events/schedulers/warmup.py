@@ -12,7 +12,7 @@ import warnings
 from typing import TYPE_CHECKING, Sequence
 
 from raytrain_events.schedulers._convert import TimeLike, as_time, common_unit
-from raytrain_events.schedulers.schedulers import MultiStepScheduler, Scheduler, _now, cosine_anneal
+from raytrain_events.schedulers.schedulers import MultiStepScheduler, Scheduler, cosine_anneal, now_in
 
 if TYPE_CHECKING:
     from raytrain_events.core.state import State
@@ -47,7 +47,7 @@ class _WarmupScheduler(Scheduler):
         """``(in_warmup, warmup multiplier, converted times)``."""
         times = self._times(state)
         t_warmup = times["t_warmup"]
-        now = _now(state, t_warmup)
+        now = now_in(state, t_warmup)
         if now < t_warmup.value:
             return True, self._peak * min(1.0, now / t_warmup.value), times
         return False, 0.0, times
@@ -57,7 +57,7 @@ class _WarmupScheduler(Scheduler):
         span = t_max.value - t_warmup.value
         if span <= 0:
             return 0.0
-        return min(1.0, (_now(state, t_warmup) - t_warmup.value) / span)
+        return min(1.0, (now_in(state, t_warmup) - t_warmup.value) / span)
 
 
 class ConstantWithWarmupScheduler(_WarmupScheduler):
@@ -72,7 +72,7 @@ class ConstantWithWarmupScheduler(_WarmupScheduler):
         warming, value, times = self._warmup(state)
         if warming:
             return value
-        return self.alpha if _now(state, times["t_max"]) < times["t_max"].value else 1.0
+        return self.alpha if now_in(state, times["t_max"]) < times["t_max"].value else 1.0
 
 
 class LinearWithWarmupScheduler(_WarmupScheduler):

@@ -10,7 +10,7 @@ import torch
 from raytrain_events.core.data_spec import DataSpec, ensure_data_spec
 from raytrain_events.core.interval import IntervalFn, make_interval
 from raytrain_events.core.state import State
-from raytrain_events.core.time import Time, Timestamp, TimeUnit, ensure_time
+from raytrain_events.core.time import Time, Timestamp, training_duration
 
 if TYPE_CHECKING:
     from raytrain_events.trainer.trainer import Trainer
@@ -35,27 +35,14 @@ def train_inputs(
     Without train data (a Trainer for ``eval()``/``predict()`` only), ``max_duration`` and
     ``optimizers`` may be omitted: the data spec (and the duration, if omitted) is None.
     """
-    duration = None if max_duration is None else ensure_time(max_duration, TimeUnit.EPOCH)
-    if duration is not None and duration.unit == TimeUnit.DURATION:
-        raise ValueError(
-            f"max_duration={duration.to_timestring()!r} is a fraction of the run, which has no length yet: "
-            "give it in 'ep', 'ba', 'sp' or 'tok', like '10ep'."
-        )
-    if duration is not None and duration.value <= 0:
-        raise ValueError(f"max_duration={duration.to_timestring()!r} must be positive.")
     if train_dataloader is None:
-        return None, duration
-    if duration is None:
+        return None, None if max_duration is None else training_duration(max_duration)
+    if max_duration is None:
         raise ValueError("train_dataloader given without max_duration: pass max_duration='10ep' (or '500ba', ...).")
     if optimizers is None:
         raise ValueError("No optimizers given: pass optimizers=torch.optim.AdamW(model.parameters(), lr=...).")
     spec = ensure_data_spec(train_dataloader)
-    if duration.unit == TimeUnit.TOKEN and not spec.counts_tokens:
-        raise ValueError(
-            f"max_duration={duration.to_timestring()!r} is in tokens but the train data has no token counter: "
-            "wrap it as DataSpec(loader, get_num_tokens_in_batch=fn)."
-        )
-    return spec, duration
+    return spec, training_duration(max_duration, counts_tokens=spec.counts_tokens)
 
 
 def check_can_fit(trainer: Trainer) -> None:
@@ -64,7 +51,7 @@ def check_can_fit(trainer: Trainer) -> None:
         name
         for name, value in (
             ("train_dataloader", trainer.train_spec),
-            ("max_duration", trainer._max_duration),
+            ("max_duration", trainer.state.max_duration),
             ("optimizers", trainer.state.optimizers or None),
         )
         if value is None
@@ -95,23 +82,18 @@ def eval_intervals(
 def set_duration(trainer: Trainer, duration: Union[str, int, Time[Any], None], reset_time: bool) -> None:
     """The ``max_duration`` of a further fit: now + ``duration``, or ``duration`` from zero with ``reset_time``."""
     state, spec = trainer.state, trainer.train_spec
-    assert trainer._max_duration is not None and spec is not None  # fit checked (check_can_fit)
-    length = trainer._max_duration if duration is None else ensure_time(duration, TimeUnit.EPOCH)
-    if length.unit == TimeUnit.DURATION or length.value <= 0:
-        raise ValueError(
-            f"fit(duration={length.to_timestring()!r}): give a positive duration in 'ep', 'ba', 'sp' or 'tok'."
-        )
-    if length.unit == TimeUnit.TOKEN and not spec.counts_tokens:
-        raise ValueError(
-            f"fit(duration={length.to_timestring()!r}) is in tokens but the train data has no token counter: "
-            "wrap it as DataSpec(loader, get_num_tokens_in_batch=fn)."
-        )
+    assert state.max_duration is not None and spec is not None  # fit checked (check_can_fit)
+    length = (
+        state.max_duration
+        if duration is None
+        else training_duration(duration, counts_tokens=spec.counts_tokens, what="fit(duration)")
+    )
     if reset_time:
         state.timestamp = Timestamp()
         target = length
     else:
         target = Time(state.timestamp.get_value(length.unit) + length.value, length.unit)
-    state.max_duration = trainer._max_duration = target
+    state.max_duration = target
 
 
 def as_list(value: Any) -> List[Any]:

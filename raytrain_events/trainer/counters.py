@@ -28,7 +28,7 @@ touches a GPU stream. In one process the loop uses none of this: the batch's val
 sums (`Trainer._run_epoch`).
 """
 
-from typing import TYPE_CHECKING, Any, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, List, Optional, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -38,7 +38,15 @@ from raytrain_events.dist import Dist, PendingSum
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["BatchCounters", "CountedModule", "MAX_VALUES", "encode_counters", "decode_counters", "piece_bits"]
+__all__ = [
+    "Counters",
+    "BatchCounters",
+    "CountedModule",
+    "MAX_VALUES",
+    "encode_counters",
+    "decode_counters",
+    "piece_bits",
+]
 
 _VALUE_BITS = 63  # counters are non-negative int64 values
 _MANTISSA_BITS = {torch.float32: 24, torch.float64: 53}
@@ -99,6 +107,25 @@ class CountedModule(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.model(*args, **kwargs)
+
+
+class Counters(Protocol):
+    """What the loop needs of its per-batch sums across ranks (`BatchCounters`, `DeferredCounters`).
+
+    ``start(values)`` before the batch's forward, ``wait()`` after its backward for the sums;
+    when ``on_gradients`` the values ride on the backward: ``carry(loss)`` is what to backpropagate,
+    then ``after_backward()``.
+    """
+
+    on_gradients: bool
+
+    def start(self, values: Sequence[int]) -> None: ...
+
+    def carry(self, loss: Any) -> Any: ...
+
+    def after_backward(self) -> None: ...
+
+    def wait(self) -> List[int]: ...
 
 
 class BatchCounters:

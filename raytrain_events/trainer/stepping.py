@@ -17,19 +17,23 @@ import torch
 from raytrain_events.core.event import Event
 
 if TYPE_CHECKING:
-    from raytrain_events.trainer.trainer import Trainer
+    from raytrain_events.core.state import State
 
-__all__ = ["step_optimizers"]
+#: ``forward_backward(active, autocast, create_graph)``: the batch's forward, loss and backward again
+#: (all its microbatches), setting ``state.loss``; the loop's own, so a closure trains like the step.
+ForwardBackward = Callable[[Mapping[Event, bool], Optional[contextlib.AbstractContextManager[Any]], bool], None]
+
+__all__ = ["step_optimizers", "ForwardBackward"]
 
 
 def step_optimizers(
-    trainer: Trainer,
+    state: State,
+    forward_backward: ForwardBackward,
     active: Mapping[Event, bool],
     autocast: Optional[contextlib.AbstractContextManager[Any]],
     create_graph: bool,
 ) -> None:
-    """Step every optimizer of ``trainer.state`` once, after the batch's backward."""
-    state = trainer.state
+    """Step every optimizer of ``state`` once, after the batch's backward."""
     scaler = state.scaler
     for optimizer in state.optimizers:
         if getattr(optimizer, "uses_closure", False):
@@ -39,7 +43,7 @@ def step_optimizers(
                     "cannot step: use precision='amp_bf16' or 'fp32'."
                 )
             trained_loss = state.loss  # the batch's loss at the weights it trained, not the closure's
-            optimizer.step(_closure(trainer, active, autocast, create_graph))
+            optimizer.step(_closure(state, forward_backward, active, autocast, create_graph))
             state.loss = trained_loss
         elif scaler is not None:
             scaler.step(optimizer)
@@ -50,17 +54,17 @@ def step_optimizers(
 
 
 def _closure(
-    trainer: Trainer,
+    state: State,
+    forward_backward: ForwardBackward,
     active: Mapping[Event, bool],
     autocast: Optional[contextlib.AbstractContextManager[Any]],
     create_graph: bool,
 ) -> Callable[[], torch.Tensor]:
     def closure() -> torch.Tensor:
-        state = trainer.state
         for optimizer in state.optimizers:
             optimizer.zero_grad(set_to_none=True)
         with torch.enable_grad():
-            trainer.forward_backward_batch(active, autocast, create_graph)
+            forward_backward(active, autocast, create_graph)
         loss: torch.Tensor = state.loss
         return loss
 

@@ -41,7 +41,7 @@ from raytrain_events.trainer._setup import (
     wrap_for_training,
 )
 from raytrain_events.trainer.compiling import compile_model, compile_options
-from raytrain_events.trainer.counters import BatchCounters
+from raytrain_events.trainer.counters import BatchCounters, Counters
 from raytrain_events.trainer.epoch_start import epoch_iterator
 from raytrain_events.trainer.evaluation import ensure_evaluators, run_evaluation
 from raytrain_events.trainer.microbatching import AUTO, AutoMicrobatching, DeferredCounters, parse_grad_accum
@@ -158,7 +158,6 @@ class Trainer:
         self.state.schedulers = build_schedulers(as_list(schedulers), self.state)
         if self.state.precision is Precision.AMP_FP16:
             self.state.scaler = torch.amp.GradScaler(self.device.type)
-        self._max_duration: Optional[Time[Any]] = duration
         counts_tokens = self.train_spec is not None and self.train_spec.counts_tokens
         self._eval_intervals = eval_intervals(eval_interval, self.state.evaluators, duration, counts_tokens)
         self.logger = Logger(loggers if self.dist.rank == 0 else ())
@@ -176,7 +175,7 @@ class Trainer:
         self._auto: Optional[AutoMicrobatching] = None
         if auto_microbatching:  # forward/backward run no collective, so a rank can retry after OOM
             self.state.auto_microbatching = True
-            self._counters: Union[BatchCounters, DeferredCounters] = DeferredCounters(self.dist)
+            self._counters: Counters = DeferredCounters(self.dist)
             self._auto = AutoMicrobatching(self, self._counters, self._ddp)
             self._train_model = self._ddp.module if self._ddp is not None else self._train_model
         else:
@@ -242,7 +241,7 @@ class Trainer:
         state.model.train()
         engine.run_event(Event.FIT_START)
         self._check_flags_agree()
-        epoch_unit = self._max_duration is not None and self._max_duration.unit == TimeUnit.EPOCH
+        epoch_unit = state.max_duration is not None and state.max_duration.unit == TimeUnit.EPOCH
         while not (state.stop_requested and state.stop_consistent) and not is_done(state):
             engine.run_event(Event.EPOCH_START)
             finished_early = self._run_epoch()
@@ -257,7 +256,7 @@ class Trainer:
                 break
         engine.run_event(Event.FIT_END)
 
-    def _run_epoch(self) -> bool:
+    def _run_epoch(self) -> bool:  # noqa: C901 -- the per-batch loop, inlined on purpose (bench/README: loop cost)
         """One pass over the train data; True if it stopped before the data ran out."""
         state, engine, spec, counters = self.state, self.engine, self.train_spec, self._counters
         assert spec is not None  # fit checked (check_can_fit)
@@ -354,15 +353,15 @@ class Trainer:
         if self._auto is None and state.grad_accum == 1:  # one microbatch (as `accumulate`), two calls less
             state.loss = self._forward_backward(state.batch, 0, active, autocast, create_graph).detach()
         else:
-            self.forward_backward_batch(active, autocast, create_graph)
+            self._forward_backward_batch(active, autocast, create_graph)
         if scaler is not None:
             for optimizer in state.optimizers:
                 scaler.unscale_(optimizer)
         if active[_AFTER_TRAIN_BATCH]:
             engine.run_event(_AFTER_TRAIN_BATCH)
-        step_optimizers(self, active, autocast, create_graph)
+        step_optimizers(state, self._forward_backward_batch, active, autocast, create_graph)
 
-    def forward_backward_batch(
+    def _forward_backward_batch(
         self,
         active: Mapping[Event, bool],
         autocast: Optional[contextlib.AbstractContextManager[Any]],

@@ -21,11 +21,11 @@ __all__ = ["SweepConsole", "trial_label"]
 
 def trial_label(config: Dict[str, Any]) -> str:
     """The trial's algorithm set, as the sweep's table names it."""
-    from raytrain_events.tune.sets import _normalize_set, algorithm_set_label
+    from raytrain_events.tune.sets import algorithm_set_label, normalize_set
 
     if "algorithms" not in (config or {}):
         return "-"
-    return algorithm_set_label(_normalize_set(config["algorithms"]))
+    return algorithm_set_label(normalize_set(config["algorithms"]))
 
 
 #: Tune classes whose documented (alias) name is the one users write.

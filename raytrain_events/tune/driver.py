@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterator, Mapping, Optional, Sequence
 
 from raytrain_events.ray.spec import RunSpec
-from raytrain_events.tune.placement import _release_placement_groups, _ReleaseTrainWorkers, _start_registry
-from raytrain_events.tune.results import TIME_ATTRS, SweepResult, _finite, _make_result
-from raytrain_events.tune.sets import _algorithm_choices, _validate_set
+from raytrain_events.tune.placement import ReleaseTrainWorkers, release_placement_groups, start_registry
+from raytrain_events.tune.results import TIME_ATTRS, SweepResult, is_finite_number, make_result
+from raytrain_events.tune.sets import algorithm_choices, validate_set
 from raytrain_events.tune.trial import (
     TrialSetup,
     base_spec,
@@ -147,8 +147,8 @@ def _validate(
     base = base_spec(trainer)
     param_space = dict(param_space or {})
     if "algorithms" in param_space:
-        for choice in _algorithm_choices(param_space["algorithms"]):
-            _validate_set(choice)
+        for choice in algorithm_choices(param_space["algorithms"]):
+            validate_set(choice)
     overrides = param_space.get("trainer")
     if overrides is not None:
         if not isinstance(overrides, Mapping):
@@ -170,14 +170,14 @@ def _prepare(
     """Settle the sweep's folder: a new one, or an interrupted sweep Tune can restore."""
     from ray import tune
 
-    from raytrain_events.ray.driver import _ray_storage
-    from raytrain_events.ray.spec import _storage_root
+    from raytrain_events.ray.driver import ray_storage
+    from raytrain_events.ray.spec import storage_root
     from raytrain_events.storage.fs import join
 
     options = dict(storage_options or {})
-    root = _storage_root(storage_path)
+    root = storage_root(storage_path)
     name = name or datetime.datetime.now().strftime("sweep-%Y%m%d-%H%M%S")
-    tune_storage, tune_fs = _ray_storage(root, options)
+    tune_storage, tune_fs = ray_storage(root, options)
     experiment = _Experiment(name, join(root, name), options, tune_storage, tune_fs, restoring=False)
     experiment.restoring = resume and tune.Tuner.can_restore(experiment.tune_path, storage_filesystem=tune_fs)
     if not experiment.restoring and _experiment_exists(experiment.url, options):
@@ -219,7 +219,7 @@ def _run(
 
     console = [SweepConsole(metric, mode, scheduler)] if verbose == 1 else []
     _write_sweep_settings(experiment, metric, mode)
-    registry = _start_registry(experiment.url)
+    registry = start_registry(experiment.url)
     try:
         setup = TrialSetup(
             spec=base,
@@ -256,7 +256,7 @@ def _run(
                     name=experiment.name,
                     storage_path=experiment.tune_storage,
                     storage_filesystem=experiment.tune_fs,
-                    callbacks=[JsonLoggerCallback(), _ReleaseTrainWorkers(experiment.url), *console, *callbacks],
+                    callbacks=[JsonLoggerCallback(), ReleaseTrainWorkers(experiment.url), *console, *callbacks],
                     failure_config=tune.FailureConfig(max_failures=trial_max_failures),
                     verbose=verbose if verbose >= 2 else 0,  # 1: our lines, not Tune's periodic tables
                 ),
@@ -265,7 +265,7 @@ def _run(
             with _lenient_metric_checking(), quiet_terminal(verbose >= 2):
                 return tuner.fit()
         finally:
-            _release_placement_groups(ray.get(registry.pop_all.remote()))
+            release_placement_groups(ray.get(registry.pop_all.remote()))
     finally:
         ray.kill(registry)
 
@@ -295,7 +295,7 @@ def _collect(
     from raytrain_events.ray import _compat
 
     time_attr = _compat.scheduler_time_attr(scheduler)
-    result = _make_result(
+    result = make_result(
         result_grid,
         metric=metric,
         mode=mode,
@@ -306,7 +306,7 @@ def _collect(
         max_t=_compat.scheduler_max_t(scheduler) if time_attr else None,
     )
     if result.best is None and result.rows and not result.errors:
-        seen = sorted({k for h in result.histories.values() for e in h for k in e if _finite(e.get(k))})
+        seen = sorted({k for h in result.histories.values() for e in h for k in e if is_finite_number(e.get(k))})
         raise ValueError(
             f"No trial reported metric {metric!r}; reported metrics: {', '.join(k for k in seen if '/' in k) or 'none'}. "
             f"The trials' results are kept in {experiment.url}."

@@ -6,7 +6,7 @@ for the workers -- scoped to the job, not to the controller -- stays reserved. R
 PlacementGroupCleaner releases it through the state API, which needs the dashboard and fails when
 several Ray instances run on one machine; then every stopped trial leaks its workers' CPUs/GPUs
 and later trials wait forever for resources. So rank 0 of every worker group registers its
-placement group with the sweep (`_trial_callbacks`), and a Tune callback (`_ReleaseTrainWorkers`)
+placement group with the sweep (`trial_callbacks`), and a Tune callback (`ReleaseTrainWorkers`)
 removes a trial's groups shortly after Tune stopped its actor (removing a group Train already
 removed is a no-op): when the trial completed, failed or is retried, when a scheduler paused it
 (PBT pauses the trials it copies others into; Tune has no pause callback, so each step looks for
@@ -49,7 +49,7 @@ def _registry_name(experiment_url: str) -> str:
     return "raytrain_events.tune.placement_groups." + hashlib.sha1(experiment_url.encode()).hexdigest()[:16]
 
 
-def _start_registry(experiment_url: str) -> Any:
+def start_registry(experiment_url: str) -> Any:
     import ray
 
     actor = ray.remote(num_cpus=0)(_PlacementGroups)
@@ -68,7 +68,7 @@ def _register_placement_group(registry: Any, trial_id: str) -> None:
         ray.get(registry.add.remote(trial_id, group), timeout=60)
 
 
-def _trial_callbacks(
+def trial_callbacks(
     user_callbacks: Any, registry: Any, trial_id: str, config: Dict[str, Any], copied: bool = False
 ) -> List[Any]:
     """The trainer's callbacks factory in a sweep: the user's callbacks, after registering the group.
@@ -76,15 +76,15 @@ def _trial_callbacks(
     ``copied``: the run loads another trial's checkpoint (PBT), so its optimizers get this trial's
     explored settings back after the load (`KeepExploredOptimizerSettings`).
     """
-    from raytrain_events.ray.spec import _call
+    from raytrain_events.ray.spec import call_factory
     from raytrain_events.tune.explore import KeepExploredOptimizerSettings
 
     _register_placement_group(registry, trial_id)
-    callbacks = list(_call(user_callbacks, config) if callable(user_callbacks) else (user_callbacks or ()))
+    callbacks = list(call_factory(user_callbacks, config) if callable(user_callbacks) else (user_callbacks or ()))
     return [*callbacks, KeepExploredOptimizerSettings()] if copied else callbacks
 
 
-def _release_placement_groups(groups: Sequence[Any]) -> None:
+def release_placement_groups(groups: Sequence[Any]) -> None:
     from ray.util import remove_placement_group
 
     for group in groups:
@@ -94,7 +94,7 @@ def _release_placement_groups(groups: Sequence[Any]) -> None:
             logger.debug("Could not remove placement group %s", getattr(group, "id", group), exc_info=True)
 
 
-class _ReleaseTrainWorkers(Callback):
+class ReleaseTrainWorkers(Callback):
     """Tune callback: remove a finished trial's Train placement groups ``grace_s`` after it ended.
 
     The grace lets Tune terminate the trial actor first, so its Train run is not torn down under it.
@@ -156,9 +156,9 @@ class _ReleaseTrainWorkers(Callback):
         due = [groups for ended, groups in self.pending if now - ended >= self.grace_s]
         self.pending = [(ended, groups) for ended, groups in self.pending if now - ended < self.grace_s]
         for groups in due:
-            _release_placement_groups(groups)
+            release_placement_groups(groups)
 
     def on_experiment_end(self, trials, **info):
         for _, groups in self.pending:
-            _release_placement_groups(groups)
+            release_placement_groups(groups)
         self.pending = []

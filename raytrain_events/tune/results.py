@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import logging
 import math
-import numbers
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from raytrain_events.core.plain import flatten, to_plain
+from raytrain_events.core.plain import flatten, is_finite_number, to_plain
 from raytrain_events.core.time import COUNTER_UNITS, report_key
-from raytrain_events.tune.sets import _normalize_set, algorithm_set_label
+from raytrain_events.tune.sets import algorithm_set_label, normalize_set
 
 logger = logging.getLogger(__name__)
 
@@ -23,10 +22,6 @@ TRIAL_RECORD = "raytrain_trial.json"
 TRIAL_RUN_NAME = "train"
 #: File in a trial folder listing the trials it copied (PBT exploits): when, which checkpoint, which set.
 LINEAGE_FILE = "raytrain_lineage.json"
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _history_of(result: Any) -> List[Dict[str, Any]]:
@@ -147,7 +142,7 @@ def _best_checkpoint(
             continue
         newest = path
         value = entry.get(metric)
-        if _finite(value) and (best is None or _better(value, best[0], mode) or value == best[0]):
+        if is_finite_number(value) and (best is None or _better(value, best[0], mode) or value == best[0]):
             best = (value, path)
     if best is not None:
         return best[1]
@@ -180,7 +175,7 @@ def read_lineage(trial_url: str, storage_options: Dict[str, Any]) -> List[Dict[s
         return []
 
 
-def _make_result(
+def make_result(
     result_grid: Any,
     *,
     metric: str,
@@ -202,16 +197,16 @@ def _make_result(
         last = history[-1] if history else dict(result.metrics or {})
         trial_id = last.get("trial_id") or (result.metrics or {}).get("trial_id") or os.path.basename(result.path)
         histories[trial_id] = history
-        values = [e[metric] for e in history if _finite(e.get(metric))]
-        specs = _normalize_set(config["algorithms"]) if "algorithms" in config else _normalize_set(spec.algorithms)
+        values = [e[metric] for e in history if is_finite_number(e.get(metric))]
+        specs = normalize_set(config["algorithms"]) if "algorithms" in config else normalize_set(spec.algorithms)
         params = flatten({k: v for k, v in config.items() if k != "algorithms"}, sep="/")
         overrides = config.get("trainer") or {}
         duration = ensure_time(overrides.get("max_duration", spec.max_duration), TimeUnit.EPOCH)
         done_key = report_key(duration.unit)  # the trainer refuses durations in other units
-        reached = _finite(last.get(done_key)) and last[done_key] >= duration.value
+        reached = is_finite_number(last.get(done_key)) and last[done_key] >= duration.value
         # A scheduler stops a trial at its budget (ASHA's max_t with stop_last_trials), maybe one
         # report before the trainer's own end: that trial completed too.
-        budget = _finite(max_t) and _finite(last.get(time_attr)) and last[time_attr] >= max_t
+        budget = is_finite_number(max_t) and is_finite_number(last.get(time_attr)) and last[time_attr] >= max_t
         if result.error is not None:
             status = "error"
         elif last.get("final") or reached or budget:

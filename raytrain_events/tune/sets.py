@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Mapping, Sequence
 
 
-def _normalize_set(algorithms: Any) -> List[Any]:
+def normalize_set(algorithms: Any) -> List[Any]:
     """One algorithm set as a list of specs (``None`` and ``[]`` are the empty set)."""
     from raytrain_events.core.algorithm import Algorithm
 
@@ -32,15 +32,15 @@ def _spec_label(spec: Any) -> str:
 
 def algorithm_set_label(algorithms: Any) -> str:
     """A short readable name for an algorithm set: ``"label_smoothing+mixup(alpha=0.2)"``, ``"none"``."""
-    specs = _normalize_set(algorithms)
+    specs = normalize_set(algorithms)
     return "+".join(_spec_label(s) for s in specs) if specs else "none"
 
 
-def _validate_set(algorithms: Any) -> List[Any]:
+def validate_set(algorithms: Any) -> List[Any]:
     """Build every spec once on the driver, so a typo fails before any trial starts."""
     from raytrain_events.algorithms.registry import build_algorithm
 
-    specs = _normalize_set(algorithms)
+    specs = normalize_set(algorithms)
     for spec in specs:
         if isinstance(spec, (list, tuple)):
             raise TypeError(
@@ -66,7 +66,7 @@ def algorithm_sets_grid(sets: Sequence[Any], *, validate: bool = True) -> Dict[s
 
     if isinstance(sets, (str, Mapping)) or not isinstance(sets, Sequence) or not sets:
         raise ValueError(f"algorithm_sets_grid needs a non-empty list of algorithm sets, got {sets!r}.")
-    normalized = [_validate_set(s) if validate else _normalize_set(s) for s in sets]
+    normalized = [validate_set(s) if validate else normalize_set(s) for s in sets]
     labels = [algorithm_set_label(s) for s in normalized]
     duplicates = sorted({label for label in labels if labels.count(label) > 1})
     if duplicates:
@@ -74,7 +74,7 @@ def algorithm_sets_grid(sets: Sequence[Any], *, validate: bool = True) -> Dict[s
     return tune.grid_search(normalized)
 
 
-def _algorithm_choices(value: Any) -> List[Any]:
+def algorithm_choices(value: Any) -> List[Any]:
     """The algorithm sets a ``param_space["algorithms"]`` value can produce (for validation)."""
     from ray.tune.search.sample import Categorical, Domain
 

@@ -21,10 +21,10 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from raytrain_events.ray.spec import RunSpec, check_option_names
 from raytrain_events.storage.fs import join as join_url
-from raytrain_events.tune.placement import _trial_callbacks
+from raytrain_events.tune.placement import trial_callbacks
 from raytrain_events.tune.pointer import CheckpointPointer, pointer_from_entry, read_pointer, write_pointer
 from raytrain_events.tune.results import LINEAGE_FILE, TRIAL_RECORD, TRIAL_RUN_NAME, read_lineage
-from raytrain_events.tune.sets import _normalize_set
+from raytrain_events.tune.sets import normalize_set
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def trial_spec(base: RunSpec, config: Mapping[str, Any]) -> RunSpec:
     check_trainer_keys(list(overrides), "param_space['trainer']")
     changes = dict(overrides)
     if "algorithms" in config:
-        changes["algorithms"] = _normalize_set(config["algorithms"])
+        changes["algorithms"] = normalize_set(config["algorithms"])
     changes["config"] = {**base.config, **config}
     changes["progress_bar"] = False
     return base.replace(**changes)
@@ -120,7 +120,7 @@ def raytrain_trial(config: Dict[str, Any], sweep_setup: Optional[TrialSetup] = N
     algorithms = list(spec.algorithms) if isinstance(spec.algorithms, (list, tuple)) else []  # not a factory
     run_name, spec = run_to_continue(spec, pointer, trial_folder, algorithms, trial_url, setup)
     callbacks = functools.partial(
-        _trial_callbacks,
+        trial_callbacks,
         spec.callbacks,
         setup.registry,
         tune.get_context().get_trial_id(),

@@ -79,7 +79,7 @@ def test_public_api_has_docstrings():
     assert time_module.__doc__ and len(time_module.__doc__) > 40
     for obj in (Time, Timestamp, TimeUnit, ensure_time, Time.from_timestring, Timestamp.to_next_batch):
         assert obj.__doc__, obj
-    assert set(time_module.__all__) == {"TimeUnit", "Time", "Timestamp", "ensure_time"}
+    assert set(time_module.__all__) == {"TimeUnit", "Time", "Timestamp", "ensure_time", "training_duration"}
 
 
 # ---------------------------------------------------------------------------------------------------------------

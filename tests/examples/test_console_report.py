@@ -32,6 +32,7 @@ RAY_INTERNALS = [
     r"\(SplitCoordinator",
     r"Started a local Ray instance",
     r"Setting up process group",
+    r"Token authentication is enabled",
 ]
 
 

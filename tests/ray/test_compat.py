@@ -26,6 +26,9 @@ _PRIVATE_ATTRS = re.compile(
     r"|ENABLE_RAY_CLUSTER|resolve_ip_for_localhost|ray\.train\.v2\.|get_dashboard_dependency_error"
     r"|global_worker_stdstream_dispatcher|\._meta_count|\._logical_plan|iter_internal_ref_bundles"
     r"|_resources_per_worker_not_none|getLogger\(\s*[\"']ray(?!(?:\.data|\.train|\.tune|\.serve)?[\"'])"
+    # Ray's file layouts, log formats and environment knobs (also only through _compat).
+    r"|ray_current_cluster|ray_bootstrap_config|SessionFileHandler|convert_ndarray_batch_to_torch_tensor_batch"
+    r"|RAY_worker_maximum_startup_concurrency|Token authentication is"
 )
 # In the Ray-facing packages, any private attribute of another object (``dataset._x``, ``scaling._y``):
 # our own private helpers are reached through ``self``/``cls``, ``_compat.`` or a ``raytrain_events.`` path.
@@ -71,6 +74,17 @@ def test_a_missing_name_fails_loudly_with_the_ray_version():
         _compat.scheduler_max_t(RenamedScheduler())
     with pytest.raises(_compat.RayCompatError, match="no ray.nowhere.thing"):
         _compat._import("ray.nowhere", "thing")
+
+
+def test_a_changed_file_layout_log_message_or_knob_fails_naming_the_ray_version(monkeypatch):
+    monkeypatch.setattr(_compat, "TOKEN_AUTH_ENABLED", "Token auth is now on")
+    monkeypatch.setattr(_compat, "STARTUP_CONCURRENCY_ENV", "RAY_worker_maximum_startup_concurrency_renamed")
+    problems = dict(_compat.check_private_names())
+    assert set(problems) == {"file layouts and log messages", "RAY_worker_maximum_startup_concurrency"}
+    for message in problems.values():
+        assert f"Ray {ray.__version__} has no" in message
+    assert "Token auth is now on" in problems["file layouts and log messages"]
+    assert "worker_maximum_startup_concurrency_renamed" in problems["RAY_worker_maximum_startup_concurrency"]
 
 
 def test_scheduler_accessors():

@@ -8,6 +8,7 @@ import inspect
 import pytest
 
 from raytrain_events.checkpoint.config import CheckpointConfig
+from raytrain_events.core.time import Time
 from raytrain_events.ray.driver import RayTrainer
 from raytrain_events.ray.spec import RunSpec, option_names
 
@@ -35,6 +36,9 @@ def test_keyword_arguments_are_the_spec_fields():
     )
     assert trainer.spec == dataclasses.replace(trainer.spec)  # a plain dataclass
     assert trainer.spec.max_duration == "3ep" and trainer.spec.batch_size == 8 and trainer.spec.workers == 2
+    # Parsed and checked once, here: the driver's progress bar and the workers receive this Time.
+    assert isinstance(trainer.spec.max_duration, Time) and trainer.spec.describe()["max_duration"] == "3ep"
+    assert trainer.spec.for_workers(datasets={"train": None}).max_duration is trainer.spec.max_duration
     assert trainer.spec.eval_names == ["eval"]
     assert list(inspect.signature(RayTrainer).parameters) == ["spec", "options"]  # no restated options
     with pytest.raises(TypeError, match="'learning_rate'.*not a RayTrainer argument.*batch_size"):

@@ -17,7 +17,7 @@ from png_checks import check_png
 
 from raytrain_events.cli.main import main
 from raytrain_events.report import append_history, read_history, write_report
-from raytrain_events.report.plots import SWEEP_SIZE
+from raytrain_events.report.plots import SWEEP_SIZE, throughput
 from raytrain_events.storage.exp_dir import RunDir
 
 
@@ -72,6 +72,20 @@ def test_run_report_writes_html_and_pngs_it_references(run_dir):
     assert "<script" not in html and "http" not in html.replace("Written by", "")  # static, self-contained
     assert "ckpt-0004" in html and "model: mlp" in html  # checkpoints table and the run config
     assert re.search(r"attempts \(worker group starts\)</td><td>2<", html)
+
+
+def test_throughput_leaves_out_an_interval_without_batches():
+    """The end-of-run report right after the last periodic one ran no batch: no 0 samples/s point."""
+    history = [
+        {"attempt": 1, "wall_time": 0.0, "time/batch": 0, "time/sample": 0},
+        {"attempt": 1, "wall_time": 10.0, "time/batch": 10, "time/sample": 1000},
+        {"attempt": 1, "wall_time": 20.0, "time/batch": 20, "time/sample": 2000},
+        {"attempt": 1, "wall_time": 21.0, "time/batch": 20, "time/sample": 2000, "final": True},
+    ]
+    assert throughput(history) == [(10.0, 100.0), (20.0, 100.0)]
+    # A slow interval that did run batches stays in, however slow.
+    slow = history[:3] + [{"attempt": 1, "wall_time": 120.0, "time/batch": 21, "time/sample": 2100}]
+    assert throughput(slow)[-1] == (120.0, 1.0)
 
 
 def test_run_report_plots_tokens_when_counted(tmp_path):

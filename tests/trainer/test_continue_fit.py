@@ -89,7 +89,7 @@ def test_a_second_fit_without_duration_says_how():
     trainer.fit()
     with pytest.raises(RuntimeError, match=r"fit\(duration='1ep'\)"):
         trainer.fit()
-    with pytest.raises(ValueError, match="positive duration"):
+    with pytest.raises(ValueError, match=r"fit\(duration\)=.0.5dur. is a fraction of the run"):
         trainer.fit(duration="0.5dur")
 
 
@@ -138,3 +138,31 @@ def test_load_ignore_keys_loads_the_body_into_a_new_head(tmp_path):
         finetune(load_ignore_keys=["model/haed.*", "optimizers"])
     fresh, _ = finetune(load_ignore_keys=["model/head.*", "optimizers", "timestamp"])
     assert fresh.state.timestamp.get_value("ba") == 0
+
+
+class EvalAt(Callback):
+    def __init__(self):
+        self.at = []
+
+    def eval_end(self, state, logger):
+        self.at.append((state.timestamp.get_value("ep"), state.timestamp.get_value("ba")))
+
+
+def test_dur_eval_interval_follows_the_duration_of_a_further_fit():
+    """'0.5dur' is half of the current max_duration: after fit(duration=...) it is half the new one.
+
+    2ep then 2ep more (max_duration 4ep): evaluation every 1ep in the first fit, every 2ep in the
+    second (as the Ray reporter's report_interval does), not every 1ep as resolved at construction.
+    (A checkpoint's save_interval cannot be given in 'dur': `CheckpointConfig` refuses it.)
+    """
+    evals = EvalAt()
+    loader = DataLoader(data(), batch_size=16)
+    trainer = make(Net(), "2ep", eval_dataloader=loader, eval_interval="0.5dur", callbacks=[evals])
+    trainer.fit()
+    assert evals.at == [(1, 6), (2, 12)]
+    trainer.fit(duration="2ep")
+    assert evals.at[2:] == [(4, 24)]
+    trainer.fit(duration="8ba")  # another unit: half of (24 + 8 = 32ba) is every 16 batches
+    assert evals.at[3:] == [(5, 32)]
+    with pytest.raises(ValueError, match="save_interval='0.5dur'"):
+        CheckpointConfig(save_interval="0.5dur")

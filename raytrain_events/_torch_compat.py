@@ -1,0 +1,89 @@
+"""Every private torch name this package uses, in one place (the torch counterpart of `raytrain_events.ray._compat`).
+
+torch may rename or move a private name in any release. Each one is reached here, by the public
+name on the left, and resolved when first asked for; a missing one raises `TorchCompatError`
+naming the torch version and the name instead of an ImportError deep inside a checkpoint save.
+`check_private_names()` probes them all; tests/test_torch_compat.py runs it, so a torch upgrade
+that removes one fails one test loudly.
+
+Private names used (checked against torch 2.13.0):
+
+* ``torch.distributed.checkpoint._fsspec_filesystem`` ``FsspecReader``, ``FsspecWriter``,
+  ``FileSystem``: DCP over fsspec (s3://, memory://), which the safe reader/writer subclass.
+* ``torch.distributed.checkpoint.default_planner._EmptyStateDictLoadPlanner``: DCP's planner that
+  loads a whole checkpoint without a template (the safe full loader subclasses it).
+* ``torch.distributed.checkpoint.filesystem._StorageInfo`` and ``torch.serialization._get_layout``:
+  classes a DCP ``.metadata`` pickle names, allowed by the safe unpickler.
+* ``torch.distributed.checkpoint._nested_dict.set_element``: DCP's own way to put a loaded value
+  back into a nested state dict.
+* ``torch.distributed._state_dict_utils._create_cpu_state_dict`` / ``_copy_state_dict``: a CPU
+  (pinned) staging copy of a state dict with DTensor shards kept, as DCP's async save stages it.
+* ``torch.distributed.checkpoint.state_dict_loader._load_state_dict``: load every key of a
+  checkpoint into an empty dict (what DCP's ``dcp_to_torch_save`` calls).
+* ``torch.distributed._composable.checkpoint``: per-module activation checkpointing for FSDP2.
+* ``torch._foreach_lerp_``: EMA's one fused update over all parameters.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Dict, List, Tuple
+
+#: public name here -> (module, private attribute)
+NAMES: Dict[str, Tuple[str, str]] = {
+    "FsspecReader": ("torch.distributed.checkpoint._fsspec_filesystem", "FsspecReader"),
+    "FsspecWriter": ("torch.distributed.checkpoint._fsspec_filesystem", "FsspecWriter"),
+    "FsspecFileSystem": ("torch.distributed.checkpoint._fsspec_filesystem", "FileSystem"),
+    "EmptyStateDictLoadPlanner": ("torch.distributed.checkpoint.default_planner", "_EmptyStateDictLoadPlanner"),
+    "StorageInfo": ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    "get_layout": ("torch.serialization", "_get_layout"),
+    "set_element": ("torch.distributed.checkpoint._nested_dict", "set_element"),
+    "create_cpu_state_dict": ("torch.distributed._state_dict_utils", "_create_cpu_state_dict"),
+    "copy_state_dict": ("torch.distributed._state_dict_utils", "_copy_state_dict"),
+    "load_whole_state_dict": ("torch.distributed.checkpoint.state_dict_loader", "_load_state_dict"),
+    "activation_checkpoint": ("torch.distributed._composable", "checkpoint"),
+    "foreach_lerp_": ("torch", "_foreach_lerp_"),
+}
+__all__ = ["TorchCompatError", "NAMES", "check_private_names", *NAMES]
+
+
+class TorchCompatError(ImportError):
+    """A private torch name this package relies on is gone (a torch upgrade changed it)."""
+
+
+def _torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
+
+
+def resolve(module: str, attr: str) -> Any:
+    """``module.attr``, or `TorchCompatError` naming the torch version and the missing name."""
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise TorchCompatError(
+            f"torch {_torch_version()} has no {module}.{attr} ({type(exc).__name__}: {exc}). raytrain_events "
+            "relies on it (see raytrain_events/_torch_compat.py, checked against torch 2.13.0): install a torch "
+            "version it supports, or update raytrain_events._torch_compat for this one."
+        ) from exc
+
+
+def __getattr__(name: str) -> Any:
+    """``from raytrain_events._torch_compat import FsspecReader``: resolved on first use, then cached."""
+    if name not in NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = resolve(*NAMES[name])
+    globals()[name] = value
+    return value
+
+
+def check_private_names() -> List[Tuple[str, str]]:
+    """Probe every name above; return ``(name, problem)`` for each one that is gone."""
+    problems: List[Tuple[str, str]] = []
+    for name, (module, attr) in NAMES.items():
+        try:
+            resolve(module, attr)
+        except TorchCompatError as exc:
+            problems.append((name, str(exc)))
+    return problems
