@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from raytrain_events import Callback, Trainer
 from raytrain_events.checkpoint import format as ckpt_format
+from raytrain_events.checkpoint import writer as ckpt_writer
 from raytrain_events.checkpoint.checkpointer import STATE_FILE
 from raytrain_events.checkpoint.config import CheckpointConfig
 from raytrain_events.checkpoint.format import UnsafeCheckpointError
@@ -226,7 +227,7 @@ def test_single_process_async_save_writes_every_file_off_the_training_thread(tmp
         raise AssertionError("commit listed files that this process uploaded itself")
 
     monkeypatch.setattr(ckmod, "write_checkpoint_file", spy)
-    monkeypatch.setattr(ckpt_format, "list_dir", no_listing)
+    monkeypatch.setattr(ckpt_writer, "list_dir", no_listing)
     folder = str(tmp_path / "t/checkpoints")
     trainer = make_trainer(folder, {}, save_interval="1ep", async_save=True)
     trainer.fit()

@@ -20,6 +20,7 @@ import torch
 
 from raytrain_events.checkpoint import checksums, packed
 from raytrain_events.checkpoint import format as fmt
+from raytrain_events.checkpoint import writer as fmt_writer
 from raytrain_events.checkpoint.store import latest_checkpoint, list_checkpoints, load_latest_valid, prune_checkpoints
 from raytrain_events.storage import fs as sfs
 
@@ -106,7 +107,7 @@ def test_failed_single_put_leaves_previous_latest(storage, monkeypatch):
         calls.append(path)
         raise ConnectionError("injected: network died during the one PUT")
 
-    monkeypatch.setattr(fmt, "write_bytes_create_only", dead)
+    monkeypatch.setattr(fmt_writer, "write_bytes_create_only", dead)
     with pytest.raises(ConnectionError, match="injected"):
         _save(url, opts, 200)
     monkeypatch.undo()
