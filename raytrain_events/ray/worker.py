@@ -62,11 +62,12 @@ def build_worker_trainer(spec: RunSpec) -> Trainer:
     ]
     checkpoint = None
     if spec.checkpoint is not None:
-        from raytrain_events.ray.checkpointing import ray_checkpoint_config, start_retention
+        from raytrain_events.ray.checkpointing import checkpoint_plan, start_retention
 
-        checkpoint = ray_checkpoint_config(spec)
+        plan = checkpoint_plan(spec)
+        checkpoint = plan.worker
         if context.get_world_rank() == 0:
-            start_retention(checkpoint, spec.checkpoint.keep)
+            start_retention(plan)
     return Trainer(
         model=model,
         train_dataloader=DataSpec(train, get_num_tokens_in_batch=spec.get_num_tokens_in_batch),

@@ -19,6 +19,7 @@ from raytrain_events.checkpoint import format as fmt
 from raytrain_events.checkpoint import reader as fmt_reader
 from raytrain_events.checkpoint import writer as fmt_writer
 from raytrain_events.checkpoint.checksums import torch_zip_crc_off
+from raytrain_events.checkpoint.index import CheckpointIndex
 from raytrain_events.checkpoint.store import latest_checkpoint, load_latest_valid
 from raytrain_events.storage import fs as sfs
 from raytrain_events.storage.errors import StorageError
@@ -233,6 +234,13 @@ def test_s3_request_counts(s3_server, pack):
         assert calls == ["get_object"] * (1 if pack else 2)  # (manifest, payload): no HEADs
         calls.clear()
         assert load_latest_valid(url, storage_options=opts).info.name == info.name
-        assert calls == ["list_objects_v2", "get_object", "get_object"]  # manifest read once
+        # the folder's index (missing: write_checkpoint alone does not keep one), the LIST that
+        # reconciles it, the manifest of the unindexed checkpoint (read once), its payload
+        assert calls == ["get_object", "list_objects_v2", "get_object", "get_object"]
+        CheckpointIndex.load(url, opts).save()  # what a Checkpointer's commits keep up to date
+        calls.clear()
+        assert load_latest_valid(url, storage_options=opts).info.name == info.name
+        # index, LIST, then the checkpoint as read_checkpoint reads it (manifest, payload if not packed)
+        assert calls == ["get_object", "list_objects_v2"] + ["get_object"] * (1 if pack else 2)
     finally:
         del fs._call_s3

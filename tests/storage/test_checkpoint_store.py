@@ -38,8 +38,9 @@ def _save(url, opts, batch: int, files=None, pack=None) -> fmt.CheckpointInfo:
 
 
 def _dirs(url, opts) -> list[str]:
+    """The checkpoint directories under ``url`` (not the folder's index.json)."""
     fs, root = sfs.resolve(url, opts)
-    return sorted(sfs.basename(e["name"]) for e in sfs.list_dir(fs, root))
+    return sorted(sfs.basename(e["name"]) for e in sfs.list_dir(fs, root) if e.get("type") == "directory")
 
 
 def test_empty_or_missing_root(storage):
