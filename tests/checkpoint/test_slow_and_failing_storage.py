@@ -124,6 +124,11 @@ def test_a_save_that_fails_for_good_is_reported_and_the_next_one_commits(tmp_pat
     failed = trainer._checkpointer.failures
     assert len(failed) >= 1 and all("the store is down" in err for _, err in failed)
     assert any("failed (training goes on" in r.message for r in caplog.records)
-    assert seen == {"latest_at_9": 8, "latest_at_14": 8}  # the failed saves never displaced it
+    # the newest committed before the outage (8, or 4 if the save due at 8 waited for the one at 4)
+    # stayed "latest" through the failed saves
+    assert seen["latest_at_9"] in (4, 8) and seen["latest_at_14"] == seen["latest_at_9"]
     assert trainer.state.timestamp.get_value("ba") == 24
-    assert [c.batch for c in list_checkpoints(folder)] == [20, 24]  # pruned only after commits
+    # after storage came back: saves commit again (the one due at 16 or 20 may be postponed while a
+    # retry runs) and keep=2 pruned only after they did
+    batches = [c.batch for c in list_checkpoints(folder)]
+    assert len(batches) == 2 and 14 < batches[0] < 24 and batches[1] == 24, batches
