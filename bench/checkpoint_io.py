@@ -80,6 +80,8 @@ import raytrain_events  # noqa: E402
 from raytrain_events.checkpoint import checkpointer as ckmod  # noqa: E402
 from raytrain_events.checkpoint import format as fmt  # noqa: E402
 from raytrain_events.checkpoint import packed as packed_mod  # noqa: E402
+from raytrain_events.checkpoint import reader as fmt_reader  # noqa: E402
+from raytrain_events.checkpoint import writer as fmt_writer  # noqa: E402
 from raytrain_events.checkpoint.checkpointer import _cpu_copy  # noqa: E402
 from raytrain_events.checkpoint.config import CheckpointConfig  # noqa: E402
 from raytrain_events.checkpoint.format import read_checkpoint, write_checkpoint  # noqa: E402
@@ -328,16 +330,18 @@ class _Prof:
 def profiled(prof: _Prof):
     """Patch format.py's module globals (and torch.save/torch.load, os.fsync) with timed versions."""
 
+    w, r = fmt_writer, fmt_reader  # format.py re-exports both; the globals to patch live in each
     patches = {
-        "_upload": prof.wrap("upload (file ops; the PUT on S3)", fmt._upload),
-        "list_dir": prof.wrap("commit: list_dir", fmt.list_dir),
-        "write_bytes_create_only": prof.wrap("commit: manifest create-only", fmt.write_bytes_create_only),
-        "read_bytes": prof.wrap("read_bytes (manifest; packed: all of it, 1 GET)", fmt.read_bytes),
-        "fetch_verified": prof.wrap("fetch_verified (GETs + CRC32 as they arrive)", fmt.fetch_verified),
-        "resolve": prof.wrap("resolve (url_to_fs)", fmt.resolve),
-        "checksum": prof.wrap("checksum over the mmap (local load)", fmt.checksum),
+        (w, "_upload"): prof.wrap("upload (file ops; the PUT on S3)", w._upload),
+        (w, "list_dir"): prof.wrap("commit: list_dir", w.list_dir),
+        (w, "write_bytes_create_only"): prof.wrap("commit: manifest create-only", w.write_bytes_create_only),
+        (r, "read_bytes"): prof.wrap("read_bytes (manifest; packed: all of it, 1 GET)", r.read_bytes),
+        (r, "fetch_verified"): prof.wrap("fetch_verified (GETs + CRC32 as they arrive)", r.fetch_verified),
+        (w, "resolve"): prof.wrap("resolve (url_to_fs)", w.resolve),
+        (r, "resolve"): prof.wrap("resolve (url_to_fs)", r.resolve),
+        (r, "checksum"): prof.wrap("checksum over the mmap (local load)", r.checksum),
     }
-    old = {k: getattr(fmt, k) for k in patches}
+    old = {k: getattr(*k) for k in patches}
     old_pack = packed_mod.pack
     packed_mod.pack = prof.wrap("packed: crc32 wait + join in memory", packed_mod.pack)
     globals_ = [
@@ -347,16 +351,16 @@ def profiled(prof: _Prof):
     ]
     old_globals = [(mod, name, getattr(mod, name)) for mod, name, _ in globals_]
     try:
-        for k, v in patches.items():
-            setattr(fmt, k, v)
+        for (mod, k), v in patches.items():
+            setattr(mod, k, v)
         for mod, name, label in globals_:
             setattr(mod, name, prof.wrap(label, getattr(mod, name)))
         yield
     finally:
         for mod, name, fn in old_globals:
             setattr(mod, name, fn)
-        for k, v in old.items():
-            setattr(fmt, k, v)
+        for (mod, k), v in old.items():
+            setattr(mod, k, v)
         packed_mod.pack = old_pack
 
 
@@ -578,13 +582,12 @@ class _SaveTimer:
         trainer.state.state_dict = self.wrap("state.state_dict()", trainer.state.state_dict)
         if ck._writer is not None:
             ck._writer.submit = self.wrap("writer.submit (waits for prev)", ck._writer.submit)
-        old = ckmod.write_checkpoint_file, ckmod._cpu_copy
-        ckmod.write_checkpoint_file = self.wrap("rng file write (outside _write)", old[0])
-        ckmod._cpu_copy = self.wrap("_cpu_copy", old[1])
+        old = ckmod._cpu_copy
+        ckmod._cpu_copy = self.wrap("_cpu_copy", old)
         try:
             yield
         finally:
-            ckmod.write_checkpoint_file, ckmod._cpu_copy = old
+            ckmod._cpu_copy = old
 
 
 def train_run(mode: str, mb: int, every: int, saves: int, workdir: str) -> dict:

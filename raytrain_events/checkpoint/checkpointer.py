@@ -1,11 +1,14 @@
 """`Checkpointer`: saves the run at checkpoint events and restores it at start-up.
 
 It is a `Callback` placed first, so reporters running at the same event see the save.
-Saving: rank 0 snapshots the `State` and the RNG states (copied to CPU on the training
-thread, the only part that blocks training), then writes both, commits the manifest and
-prunes old checkpoints in the background. With several ranks, every rank writes its own RNG
-file on the training thread first, so that its entry reaches rank 0 before the commit. Loading happens between INIT and AFTER_LOAD:
-``autoresume`` takes the newest valid checkpoint of ``save_folder``; otherwise ``load_from``.
+Saving: the training thread copies the `State` to CPU and captures the RNG states, and with
+several ranks makes one small collective (rank 0's directory name, every rank's RNG state) --
+no storage I/O. Everything else runs on the background save: rank 0 uploads the state and every
+rank's RNG file, commits the manifest, updates the folder's index and prunes (`Committer`).
+One save is in flight at a time; a save that comes due meanwhile is postponed to the first
+batch after it finished (training never waits on storage). Loading happens between INIT and
+AFTER_LOAD: ``autoresume`` takes the newest valid checkpoint of ``save_folder``, chosen by rank 0
+and shared; otherwise ``load_from``.
 """
 
 from __future__ import annotations
@@ -15,26 +18,24 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
+from raytrain_events.checkpoint.committer import Committer
 from raytrain_events.checkpoint.config import CheckpointConfig
 from raytrain_events.checkpoint.format import (
     CheckpointInfo,
     CheckpointNotCommittedError,
     FileEntry,
     LoadedCheckpoint,
-    commit_checkpoint,
     new_checkpoint_url,
     read_checkpoint,
     read_checkpoint_files,
     rng_file_name,
-    write_checkpoint_file,
-    write_packed_checkpoint,
 )
-from raytrain_events.checkpoint.packed import should_pack
 from raytrain_events.checkpoint.preemption import SAVE_FLAG, save_on_sigterm
+from raytrain_events.checkpoint.retention import local_keep
 from raytrain_events.checkpoint.rng import capture_rng_state, restore_rng_state
 from raytrain_events.checkpoint.sharded import (
     DCP_LAYOUT,
@@ -42,15 +43,15 @@ from raytrain_events.checkpoint.sharded import (
     is_sharded_checkpoint,
     load_full_into_sharded,
 )
-from raytrain_events.checkpoint.store import AsyncCheckpointWriter, load_latest_valid, prune_checkpoints
+from raytrain_events.checkpoint.store import AsyncCheckpointWriter, load_latest_valid
 from raytrain_events.core.callback import Callback
 from raytrain_events.core.event import Event
 from raytrain_events.core.interval import make_interval
 from raytrain_events.core.state import drop_ignored_keys
 from raytrain_events.core.time import TimeUnit, counters_of
 from raytrain_events.parallel.wrap import is_sharded_module
-from raytrain_events.storage.errors import RunLockedError
-from raytrain_events.storage.fs import basename, resolve
+from raytrain_events.storage.exp_dir import checkpoints_url, run_url_of_checkpoints
+from raytrain_events.storage.fs import basename
 from raytrain_events.storage.locks import acquire_lock, release_lock
 
 _log = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ __all__ = [
 ]
 
 STATE_FILE = "state.pt"
+_BUSY_FLAG = "checkpoint_in_flight"  # some rank's previous save has not finished (see `_save_unless_busy`)
 
 
 @dataclass
@@ -124,23 +126,20 @@ class Checkpointer(Callback):
     """
 
     def __init__(self, host: CheckpointHost, config: CheckpointConfig) -> None:
-        if config.keep_best is not None:
-            raise ValueError(
-                f"CheckpointConfig(keep_best={config.keep_best}) is applied by Ray Train's checkpoint manager: "
-                "use it with RayTrainer, or pass keep=N to keep the newest N checkpoints."
-            )
+        self.keep = local_keep(config)
         self.host = host
         self.config = config
         state = host.state
         state.agreement.register(SAVE_FLAG)
-        self.folder = config.save_folder or os.path.abspath(os.path.join("runs", state.run_name, "checkpoints"))
+        state.agreement.register(_BUSY_FLAG)
+        self.folder = config.save_folder or checkpoints_url(os.path.abspath(os.path.join("runs", state.run_name)))
         self.options = dict(config.storage_options)
         self._interval = (
             make_interval(config.save_interval, state.max_duration, what="save_interval")
             if config.save_interval is not None
             else None
         )
-        self._writer = AsyncCheckpointWriter() if config.async_save else None
+        self._writer = AsyncCheckpointWriter(keep_going=True) if config.async_save else None
         parallel = getattr(host, "parallel", None)
         model_sharded = parallel is not None and parallel.sharded and host.dist.is_distributed
         if model_sharded and config.sharded is False:
@@ -164,7 +163,11 @@ class Checkpointer(Callback):
         self.loaded: Optional[CheckpointInfo] = None
         # Loading into a Trainer built for eval()/predict() only (see `load_for_inference`).
         self.inference = False
-        self.run_dir = self.folder.rstrip("/").rsplit("/", 1)[0] if "/" in self.folder.rstrip("/") else self.folder
+        self.run_dir = run_url_of_checkpoints(self.folder)
+        self.committer = Committer(self.folder, self.options, keep=self.keep, deadline_s=config.upload_deadline_s)
+        self._deferred = False  # a save came due while the previous one was still in flight
+        self._warned_slow = False
+        self.failures: List[Tuple[str, str]] = []  # (checkpoint URL, error) of saves that failed for good
         self._lock = None
         if config.lock_run_dir and state.rank == 0:
             # Refuses (RunLockedError naming the holder) if another live run holds this run dir.
@@ -178,6 +181,7 @@ class Checkpointer(Callback):
         if config.autoresume:
             loaded = self._read_latest(self.folder)
         ignore: Sequence[str] = ()
+        weights_only = False  # resuming this run's own checkpoint restores everything
         if loaded is None and config.load_from:
             loaded = self._read(config.load_from)
             if loaded is None:
@@ -186,18 +190,37 @@ class Checkpointer(Callback):
                     "directory (one with manifest.json) or a folder of them."
                 )
             ignore = config.load_ignore_keys  # a partial start; resuming this run's own checkpoints loads all
+            weights_only = config.load_weights_only
         if loaded is None:
             return None
-        self._apply(loaded, ignore)
+        self._apply(loaded, ignore, weights_only)
         self.loaded = loaded.info
         self._last_saved_batch = self.host.state.timestamp.get_value(TimeUnit.BATCH)
         return loaded.info
 
-    def _files_for_rank(self) -> List[str]:
-        return [STATE_FILE] if self.config.load_weights_only else [STATE_FILE, rng_file_name(self.host.state.rank)]
-
     def _read_latest(self, folder: str) -> Optional[LoadedCheckpoint]:
-        return load_latest_valid(folder, storage_options=self.options, files=[STATE_FILE], map_location="cpu")
+        """The newest valid checkpoint of ``folder``, chosen once by rank 0 and shared (no rank but
+        rank 0 lists the folder); every rank then reads that checkpoint."""
+        dist, rank = self.host.dist, self.host.state.rank
+        own = folder == self.folder
+        loaded: Optional[LoadedCheckpoint] = None
+        choice: Any = None
+        if rank == 0:
+            try:
+                index = self.committer.index if own else None
+                loaded = load_latest_valid(folder, storage_options=self.options, files=[STATE_FILE], index=index)
+                choice = None if loaded is None else loaded.info.url
+            except Exception as e:
+                if not dist.is_distributed:
+                    raise
+                choice = e
+        if dist.is_distributed:
+            choice = dist.all_gather_object(choice if rank == 0 else None)[0]
+        if isinstance(choice, Exception):
+            raise choice
+        if rank == 0 or choice is None:
+            return loaded
+        return read_checkpoint(choice, storage_options=self.options, files=[STATE_FILE], map_location="cpu")
 
     def _read(self, url: str) -> Optional[LoadedCheckpoint]:
         try:  # a checkpoint directory, else a folder of them
@@ -205,10 +228,10 @@ class Checkpointer(Callback):
         except CheckpointNotCommittedError:
             return self._read_latest(url)
 
-    def _apply(self, loaded: LoadedCheckpoint, ignore: Sequence[str] = ()) -> None:
+    def _apply(self, loaded: LoadedCheckpoint, ignore: Sequence[str] = (), weights_only: bool = False) -> None:
         host, state = self.host, self.host.state
         saved = loaded.files[STATE_FILE]
-        strict, weights_only = self.config.load_strict, self.config.load_weights_only
+        strict = self.config.load_strict
         ignored_model_keys: List[str] = []
         if ignore:
             if is_sharded_checkpoint(loaded.info) or is_sharded_module(state.model):
@@ -277,6 +300,10 @@ class Checkpointer(Callback):
             self._epoch_start_rng = capture_rng_state()
 
     def after_dataloader(self, state, logger) -> None:
+        if self._writer is not None and self._writer.busy:  # agreed by this batch's collective, like SAVE_FLAG
+            state.request(_BUSY_FLAG)
+        else:
+            state.agreement.clear(_BUSY_FLAG)
         seconds = self.config.save_every_n_seconds
         if seconds is not None and time.monotonic() - self._last_save_time >= seconds:
             state.request(SAVE_FLAG)  # agreed across ranks by this batch's collective
@@ -286,13 +313,29 @@ class Checkpointer(Callback):
         due = state.agreed(SAVE_FLAG) or (steps is not None and state.step % steps == 0)
         if not due and self._interval is not None and self.config.save_interval.unit != TimeUnit.EPOCH:
             due = self._interval(state, Event.BATCH_END)
-        if due:
-            self.save()
+        if due or self._deferred:
+            self._save_unless_busy(state)
 
     def epoch_checkpoint(self, state, logger) -> None:
         if self._interval is not None and self.config.save_interval.unit == TimeUnit.EPOCH:
             if self._interval(state, Event.EPOCH_END):
-                self.save()
+                self._save_unless_busy(state)
+
+    def _save_unless_busy(self, state: State) -> None:
+        """Save now, or, while some rank's previous save is still in flight, at the first batch after
+        it finished: a slow store delays the next save, never training (said once, as a warning)."""
+        if state.agreed(_BUSY_FLAG):
+            if not self._deferred and not self._warned_slow:
+                self._warned_slow = True
+                _log.warning(
+                    "Checkpoint save due at batch %d is postponed: the previous save is still uploading. Saves are "
+                    "taken as fast as storage accepts them (training does not wait); said once per run.",
+                    state.timestamp.get_value(TimeUnit.BATCH),
+                )
+            self._deferred = True
+            return
+        self._deferred = False
+        self.save()
 
     def fit_end(self, state, logger) -> None:
         # A save asked for at the last batch (SIGTERM) is not agreed by any later batch: save anyway.
@@ -307,18 +350,12 @@ class Checkpointer(Callback):
             return None
         timestamp = counters_of(state.timestamp)
         url = new_checkpoint_url(self.folder, timestamp=timestamp)
-        if dist.is_distributed:
-            url = dist.all_gather_object(url)[0]  # rank 0 names the directory
-        rng: Optional[Dict[str, Any]] = {
-            "now": capture_rng_state(),
-            "epoch_start": self._epoch_start_rng,
-        }  # fresh copies
+        rng = {"now": capture_rng_state(), "epoch_start": self._epoch_start_rng}  # fresh copies
+        rngs = {0: rng}
+        if dist.is_distributed:  # one small collective, no storage I/O: rank 0 names the directory and
+            gathered = dist.all_gather_object((url, rng))  # writes every rank's RNG file in the background
+            url, rngs = gathered[0][0], {r: g[1] for r, g in enumerate(gathered)}
         entries: List[FileEntry] = []
-        if dist.is_distributed:  # every entry must reach rank 0 before its commit
-            entries = dist.all_gather_object(
-                write_checkpoint_file(url, rng_file_name(state.rank), rng, storage_options=self.options)
-            )
-            rng = None
         future = None
         metadata = {
             "config": host.config,
@@ -334,14 +371,14 @@ class Checkpointer(Callback):
             "checkpoint_config": self.config.to_dict(),
         }
         if self._sharded_io is not None:
-            future = self._save_sharded(url, rng, entries, timestamp, metadata)
+            future = self._save_sharded(url, rngs, entries, timestamp, metadata)
         elif state.rank == 0:
             payload = state.state_dict()
             payload["timestamp"] = state.timestamp.state_dict()
             snapshot = _cpu_copy(payload) if self._writer is not None else payload
-            job = lambda: self._write(url, snapshot, rng, entries, timestamp, dist.world_size, metadata)  # noqa: E731
+            job = lambda: self._write(url, snapshot, rngs, entries, timestamp, dist.world_size, metadata)  # noqa: E731
             if self._writer is not None:
-                future = self._writer.submit(job)
+                future = self._writer.submit(self._reported(url, job))
             else:
                 future = _Done(job())
         self._last_saved_batch = batch
@@ -355,7 +392,7 @@ class Checkpointer(Callback):
     def _save_sharded(
         self,
         url: str,
-        rng: Optional[Dict[str, Any]],
+        rngs: Dict[int, Any],
         entries: List[FileEntry],
         timestamp: Dict[str, int],
         metadata: Dict[str, Any],
@@ -372,63 +409,48 @@ class Checkpointer(Callback):
             shards = io.write_shards(url, tensors)
             if rank != 0:
                 return None
-            return self._write(url, rest, rng, list(entries) + shards, timestamp, world_size, metadata)
+            return self._write(url, rest, rngs, list(entries) + shards, timestamp, world_size, metadata)
 
-        return self._writer.submit(job) if background else _Done(job())
+        return self._writer.submit(self._reported(url, job)) if background else _Done(job())
 
     def _write(
         self,
         url: str,
         snapshot: Dict[str, Any],
-        rng: Optional[Dict[str, Any]],
+        rngs: Dict[int, Any],
         entries: List[FileEntry],
         timestamp: Dict[str, int],
         world_size: int,
         metadata: Dict[str, Any],
     ) -> CheckpointInfo:
-        """Upload this process's RNG file (``rng``; None when the ranks wrote theirs) and the state; commit.
+        """Rank 0: upload the state and every rank's RNG file and commit (`Committer`)."""
+        files = {rng_file_name(r): rng for r, rng in sorted(rngs.items())}
+        files[STATE_FILE] = snapshot
+        return self.committer.commit(url, files, entries, timestamp=timestamp, world_size=world_size, metadata=metadata)
 
-        ``entries``: the ranks' RNG files gathered by ``save``, written by other processes, so the
-        commit checks that they are there; the files uploaded here need no such check.
-        """
-        files = {STATE_FILE: snapshot} if rng is None else {rng_file_name(0): rng, STATE_FILE: snapshot}
-        if not entries and should_pack(resolve(url, self.options)[0], files):  # one PUT commits it all
-            info = write_packed_checkpoint(
-                url,
-                files=files,
-                timestamp=timestamp,
-                world_size=world_size,
-                metadata=metadata,
-                storage_options=self.options,
-            )
-        else:
-            own = [write_checkpoint_file(url, n, obj, storage_options=self.options) for n, obj in files.items()]
-            info = commit_checkpoint(
-                url,
-                entries=list(entries) + own,
-                timestamp=timestamp,
-                world_size=world_size,
-                metadata=metadata,
-                storage_options=self.options,
-                verify_files=bool(entries),
-            )
-        if self.config.keep is not None:
-            prune_checkpoints(self.folder, keep=self.config.keep, storage_options=self.options)
-        try:  # ml-starter's marker: this run dir holds a checkpoint
-            acquire_lock(self.run_dir, "ckpt", storage_options=self.options, exists_ok=True)
-        except RunLockedError:
-            pass  # an earlier process of this run marked it already
-        return info
+    def _reported(self, url: str, job: Callable[[], Any]) -> Callable[[], Any]:
+        """A background save that, if it fails for good, says so on the console (an error log line),
+        records it in ``failures`` and re-raises to its waiter (Ray's registration), not to training."""
+
+        def run() -> Any:
+            try:
+                return job()
+            except Exception as e:
+                self.failures.append((url, f"{type(e).__name__}: {e}"))
+                _log.error("Checkpoint save %s failed (training goes on; the next save tries again): %s", url, e)
+                raise
+
+        return run
 
     def wait(self) -> None:
-        """Block until the in-flight save is committed (re-raising its error)."""
+        """Block until the in-flight save is finished (a failed async save is in ``failures``)."""
         if self._writer is not None:
             self._writer.wait()
 
     def reopen(self) -> None:
         """Save again after `close` (a further ``Trainer.fit``): a new writer thread and the run-dir lock."""
         if self.config.async_save:
-            self._writer = AsyncCheckpointWriter()
+            self._writer = AsyncCheckpointWriter(keep_going=True)
         if self.config.lock_run_dir and self.host.state.rank == 0 and self._lock is None:
             self._lock = acquire_lock(self.run_dir, "running", storage_options=self.options, takeover_stale=True)
 

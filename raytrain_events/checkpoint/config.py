@@ -37,7 +37,12 @@ class CheckpointConfig:
         only_save_most_recent: shorthand for ``keep=1``.
         save_final: save once when training ends.
         save_on_sigterm: on SIGTERM (spot reclaim), save before the process exits.
-        async_save: write files in a background thread; training is blocked only for the copy.
+        async_save: write files in a background thread; training is blocked only for the copy. One save
+            is in flight at a time: a save that comes due while the previous one still uploads is
+            taken at the first batch after it finished (a warning says so, once).
+        upload_deadline_s: how long one save retries its uploads through transient storage errors
+            (backoff 0.5 s doubling to 30 s, ``checkpoint/retry.py``) before it fails for good; an
+            async save that fails is logged and recorded, training goes on, the next save tries again.
         load_from: a checkpoint (or a folder of them) to start from.
         load_strict: refuse model keys that do not match exactly.
         load_weights_only: load only model weights (fresh optimizer, timestamp and RNG).
@@ -67,6 +72,7 @@ class CheckpointConfig:
     save_final: bool = True
     save_on_sigterm: bool = True
     async_save: bool = True
+    upload_deadline_s: float = 600.0
     load_from: Optional[str] = None
     load_strict: bool = True
     load_weights_only: bool = False
@@ -87,6 +93,8 @@ class CheckpointConfig:
         if isinstance(self.load_ignore_keys, str):
             self.load_ignore_keys = [self.load_ignore_keys]
         self.load_ignore_keys = list(self.load_ignore_keys)
+        if not self.upload_deadline_s >= 0:
+            raise ValueError(f"upload_deadline_s={self.upload_deadline_s} must be >= 0 (0: no retries).")
         if self.save_every_n_steps is not None and self.save_every_n_steps < 1:
             raise ValueError(f"save_every_n_steps={self.save_every_n_steps} must be >= 1 (or None).")
         if self.save_every_n_seconds is not None and self.save_every_n_seconds <= 0:

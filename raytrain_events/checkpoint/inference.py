@@ -13,7 +13,7 @@ from typing import Optional
 
 from raytrain_events.checkpoint.checkpointer import Checkpointer, CheckpointHost
 from raytrain_events.checkpoint.config import CheckpointConfig
-from raytrain_events.checkpoint.format import CheckpointInfo
+from raytrain_events.checkpoint.manifest import CheckpointInfo
 
 __all__ = ["load_for_inference"]
 

@@ -36,7 +36,9 @@ from raytrain_events._torch_compat import EmptyStateDictLoadPlanner as _EmptySta
 from raytrain_events._torch_compat import FsspecFileSystem as FileSystem
 from raytrain_events._torch_compat import FsspecReader, FsspecWriter, get_layout
 from raytrain_events._torch_compat import StorageInfo as _StorageInfo
-from raytrain_events.checkpoint.format import FileEntry, UnsafeCheckpointError, _reason
+from raytrain_events.checkpoint.manifest import FileEntry, UnsafeCheckpointError
+from raytrain_events.checkpoint.reader import _reason
+from raytrain_events.checkpoint.safety import require_safe_torch
 from raytrain_events.storage.crc32 import Crc32
 
 __all__ = [
@@ -106,6 +108,7 @@ class SafeDCPReader(FsspecReader):
     """DCP's fsspec reader with `MetadataUnpickler` in place of ``pickle.load``."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        require_safe_torch("a sharded checkpoint")  # DCP reads its tensors with the weights-only unpickler
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as stream:
             metadata = load_metadata_safely(io.BytesIO(stream.read()), os.fspath(path))
@@ -116,6 +119,7 @@ class SafeDCPReader(FsspecReader):
 
 
 def _load_bytes_safely(value: io.BytesIO, fqn: str) -> Any:
+    require_safe_torch(f"the DCP item {fqn!r}")
     try:
         return torch.load(value, weights_only=True)
     except pickle.UnpicklingError as e:

@@ -28,7 +28,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from raytrain_events.checkpoint.format import CheckpointError, CheckpointInfo, FileEntry, UnsafeCheckpointError
+from raytrain_events.checkpoint.manifest import CheckpointError, CheckpointInfo, FileEntry, UnsafeCheckpointError
 from raytrain_events.core.state import CheckpointMismatchError, model_mismatch
 
 __all__ = [

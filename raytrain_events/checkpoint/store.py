@@ -2,7 +2,9 @@
 
 Only committed checkpoints (directories holding ``manifest.json``, see ``format.py``) exist
 for these functions; a directory left behind by a crashed save is invisible until
-``prune_checkpoints`` deletes it. Order is oldest -> newest by the manifest's
+``prune_checkpoints`` deletes it. "Latest" and pruning go through the folder's
+`CheckpointIndex` (``index.py``: one LIST and one GET, not a manifest read per checkpoint);
+``list_checkpoints`` reads every manifest (it returns them). Order is oldest -> newest by the manifest's
 ``timestamp["batch"]``, then creation time, then name.
 
 ``AsyncCheckpointWriter`` runs saves on one background thread, started lazily on first
@@ -28,17 +30,18 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from raytrain_events.checkpoint.format import (
-    CHECKPOINT_NAME_RE,
+from raytrain_events.checkpoint.index import CheckpointIndex
+from raytrain_events.checkpoint.index import delete_checkpoint as delete_checkpoint  # re-exported
+from raytrain_events.checkpoint.manifest import (
     MANIFEST,
     CheckpointCorruptError,
     CheckpointInfo,
     CheckpointNotCommittedError,
     LoadedCheckpoint,
-    read_checkpoint_files,
 )
 from raytrain_events.checkpoint.packed import HEAD_BYTES, needs_whole
-from raytrain_events.storage.fs import basename, delete, join, list_dir, read_many, resolve, to_url
+from raytrain_events.checkpoint.reader import read_checkpoint, read_checkpoint_files, read_manifest
+from raytrain_events.storage.fs import join, list_dir, read_many, resolve, to_url
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +57,16 @@ def list_checkpoints(root_url: str, *, storage_options: dict[str, Any] | None = 
 
 
 def latest_checkpoint(root_url: str, *, storage_options: dict[str, Any] | None = None) -> CheckpointInfo | None:
-    """The newest committed checkpoint, or None."""
-    committed = list_checkpoints(root_url, storage_options=storage_options)
-    return committed[-1] if committed else None
+    """The newest committed checkpoint, or None: the index (one LIST, one GET) and its manifest."""
+    index = CheckpointIndex.load(root_url, storage_options)
+    for entry in index.newest_first():
+        if entry.name in index.infos:
+            return index.infos[entry.name]
+        try:
+            return read_manifest(index.url(entry), storage_options=storage_options)
+        except (CheckpointCorruptError, CheckpointNotCommittedError) as e:  # deleted or garbled since
+            logger.warning("Skipping checkpoint %s: %s", entry.name, e)
+    return None
 
 
 def prune_checkpoints(root_url: str, *, keep: int, storage_options: dict[str, Any] | None = None) -> list[str]:
@@ -64,28 +74,13 @@ def prune_checkpoints(root_url: str, *, keep: int, storage_options: dict[str, An
 
     Also deletes uncommitted ``ckpt-<batch>-<id>`` directories whose batch is below the
     newest committed one (leftovers of crashed saves; a save still in flight is for a newer
-    batch and is left alone). Call it only after a new checkpoint has been committed.
+    batch and is left alone). Call it only after a new checkpoint has been committed. A
+    process that commits repeatedly keeps a `CheckpointIndex` and calls its ``prune`` instead
+    (no listing per commit).
     """
     if keep < 1:
         raise ValueError(f"prune_checkpoints(keep={keep}) would delete every checkpoint. Fix: pass keep >= 1.")
-    committed, uncommitted = _scan(root_url, storage_options)
-    doomed = [c.url for c in committed[:-keep]]
-    if committed:
-        newest = committed[-1].batch
-        for url in uncommitted:
-            m = CHECKPOINT_NAME_RE.match(basename(url))
-            if m and int(m.group(1)) < newest:
-                doomed.append(url)
-    for url in doomed:
-        delete_checkpoint(url, storage_options=storage_options)
-    return doomed
-
-
-def delete_checkpoint(url: str, *, storage_options: dict[str, Any] | None = None) -> None:
-    """Delete one checkpoint directory, its manifest first: a half-deleted one reads as uncommitted."""
-    fs, path = resolve(url, storage_options)
-    delete(fs, join(path, MANIFEST))
-    delete(fs, path, recursive=True)
+    return CheckpointIndex.load(root_url, storage_options).prune(keep)
 
 
 def load_latest_valid(
@@ -94,19 +89,28 @@ def load_latest_valid(
     storage_options: dict[str, Any] | None = None,
     files: Iterable[str] | None = None,
     map_location: Any = "cpu",
+    index: CheckpointIndex | None = None,
 ) -> LoadedCheckpoint | None:
     """Load the newest checkpoint that verifies, skipping (with a warning) corrupt ones.
+
+    ``index``: the folder's `CheckpointIndex` if the caller holds one (else it is loaded).
 
     Unsafe (non-allowlisted pickle) and unsupported-version checkpoints are raised, not
     skipped: both need a human decision, and silently resuming from an older checkpoint
     would hide them.
     """
     names = None if files is None else list(files)
-    for info in reversed(list_checkpoints(root_url, storage_options=storage_options)):
-        try:  # the listing read the manifest already: not again
-            return read_checkpoint_files(info, storage_options=storage_options, files=names, map_location=map_location)
+    index = index or CheckpointIndex.load(root_url, storage_options)
+    for entry in index.newest_first():
+        url, info = index.url(entry), index.infos.get(entry.name)
+        try:
+            if info is not None:  # reconciling the index read its manifest already: not again
+                return read_checkpoint_files(
+                    info, storage_options=storage_options, files=names, map_location=map_location
+                )
+            return read_checkpoint(url, storage_options=storage_options, files=names, map_location=map_location)
         except (CheckpointCorruptError, CheckpointNotCommittedError) as e:
-            logger.warning("Skipping checkpoint %s: %s", info.url, e)
+            logger.warning("Skipping checkpoint %s: %s", url, e)
     return None
 
 
@@ -137,8 +141,11 @@ def _scan(root_url: str, storage_options: dict[str, Any] | None) -> tuple[list[C
 class AsyncCheckpointWriter:
     """Run save functions on one background thread, at most one in flight."""
 
-    def __init__(self, *, thread_name: str = "raytrain-ckpt-writer") -> None:
+    def __init__(self, *, thread_name: str = "raytrain-ckpt-writer", keep_going: bool = False) -> None:
+        """``keep_going``: a failed save is not re-raised by ``submit``/``wait``/``close`` (its
+        caller reported it, and its future still raises to whoever waits on that save)."""
         self._thread_name = thread_name
+        self._keep_going = keep_going
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: concurrent.futures.Future | None = None
         self._lock = threading.Lock()
@@ -185,7 +192,11 @@ class AsyncCheckpointWriter:
 
     def _wait_locked(self) -> Any:
         pending, self._pending = self._pending, None
-        return None if pending is None else pending.result()  # raises the save's exception
+        if pending is None:
+            return None
+        if self._keep_going and pending.exception() is not None:
+            return None
+        return pending.result()  # raises the save's exception
 
     def __enter__(self) -> AsyncCheckpointWriter:
         return self

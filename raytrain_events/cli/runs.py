@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from raytrain_events.cli.errors import UsageError
 from raytrain_events.core.time import COUNTER_UNITS
+from raytrain_events.storage.exp_dir import CHECKPOINTS_DIR, CONFIG_FILE, SUMMARY_FILE, checkpoints_url
 
 __all__ = ["parse_storage_options", "list_runs", "inspect_run", "diff_runs"]
 
@@ -76,8 +77,8 @@ def _run_info(run_url: str, options: Dict[str, Any]) -> Dict[str, Any]:
     from raytrain_events.checkpoint.store import list_checkpoints
     from raytrain_events.storage.fs import join
 
-    checkpoints = list_checkpoints(join(run_url, "checkpoints"), storage_options=options)
-    summary = _read_json(join(run_url, "summary.json"), options)
+    checkpoints = list_checkpoints(checkpoints_url(run_url), storage_options=options)
+    summary = _read_json(join(run_url, SUMMARY_FILE), options)
     return {
         "run_url": run_url,
         "status": _status(run_url, options, summary),
@@ -121,12 +122,12 @@ def list_runs(storage: str, options: Dict[str, Any]) -> List[Dict[str, Any]]:
             if entry.get("type") != "directory":
                 continue
             names = {basename(e["name"]) for e in list_dir(fs, entry["name"])}
-            if not names & {"config.yaml", "summary.json", "checkpoints", "running"}:
+            if not names & {CONFIG_FILE, SUMMARY_FILE, CHECKPOINTS_DIR, "running"}:
                 continue
             url = to_url(fs, entry["name"])
             info = _run_info(url, options)
             info["name"] = basename(entry["name"])
-            info["has_config"] = "config.yaml" in names
+            info["has_config"] = CONFIG_FILE in names
             runs.append(info)
         return runs
 

@@ -22,53 +22,59 @@ Ray reports last too (every save is reported), so ``result.checkpoint`` points a
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Dict, List, Optional
 
 from raytrain_events.checkpoint.checkpointer import SavedCheckpoint
-from raytrain_events.checkpoint.config import CheckpointConfig
+from raytrain_events.checkpoint.index import CheckpointIndex, delete_checkpoint
+from raytrain_events.checkpoint.manifest import CHECKPOINT_NAME_RE
+from raytrain_events.checkpoint.retention import CheckpointPlan, ray_plan
 from raytrain_events.ray.spec import RunSpec
+from raytrain_events.storage.exp_dir import checkpoints_url
 from raytrain_events.storage.fs import join
 
-__all__ = ["delete_unlisted", "ray_checkpoint_config", "report_with_checkpoint", "unreported_checkpoints"]
+__all__ = [
+    "checkpoint_plan",
+    "delete_unlisted",
+    "ray_checkpoint_config",
+    "report_with_checkpoint",
+    "unreported_checkpoints",
+]
 
 
-def ray_checkpoint_config(spec: RunSpec) -> CheckpointConfig:
-    """The worker's `CheckpointConfig`: save under the run dir, Ray prunes, resume from the newest."""
+def checkpoint_plan(spec: RunSpec) -> CheckpointPlan:
+    """The run's checkpointing on Ray: the workers' `CheckpointConfig` and Ray's retention (one mapping,
+    ``checkpoint/retention.ray_plan``). Only for a spec with a ``checkpoint``."""
+    return ray_plan(spec.checkpoint, run_url=spec.run_url, storage_options=spec.storage_options)
+
+
+def ray_checkpoint_config(spec: RunSpec) -> Any:
+    """Ray Train's ``CheckpointConfig`` for the run (None without checkpoints): Ray prunes (see module doc)."""
     import ray.train
 
-    config: CheckpointConfig = spec.checkpoint
-    folder = config.save_folder or join(spec.run_url, "checkpoints")
-    options = dict(spec.storage_options)
-    options.update(config.storage_options)
-    # keep_best: Ray Train's checkpoint manager keeps the best and the newest (the driver's RunConfig).
-    updates: Dict[str, Any] = {"save_folder": folder, "storage_options": options, "keep_best": None}
-    updates.update(keep=None, only_save_most_recent=False)  # Ray's num_to_keep prunes (see module doc)
-    from raytrain_events.checkpoint.store import latest_checkpoint
-
-    if ray.train.get_checkpoint() is not None or latest_checkpoint(folder, storage_options=options) is not None:
-        # A restart, an elastic resize, or a run continued by name: take the newest committed
-        # checkpoint of the run dir (it may be newer than Ray's latest: saved, never reported).
-        # ``load_from`` / ``load_weights_only`` / ``load_ignore_keys`` were for this run's start only.
-        updates.update(autoresume=True, load_from=None, load_weights_only=False, load_ignore_keys=[])
-    return dataclasses.replace(config, **updates)
+    if spec.checkpoint is None:
+        return None
+    plan = checkpoint_plan(spec)
+    if plan.score_attribute is None:  # keep the newest ``keep`` (None: all)
+        return ray.train.CheckpointConfig(num_to_keep=plan.num_to_keep)
+    return ray.train.CheckpointConfig(
+        num_to_keep=plan.num_to_keep,
+        checkpoint_score_attribute=plan.score_attribute,
+        checkpoint_score_order=plan.score_order,
+    )
 
 
-def unreported_checkpoints(folder: str, options: Dict[str, Any]) -> List[str]:
+def unreported_checkpoints(index: CheckpointIndex) -> List[str]:
     """Committed checkpoints newer than Ray's latest at this group's start: Ray never listed them."""
     import ray.train
 
-    from raytrain_events.checkpoint.store import list_checkpoints
-
     latest = ray.train.get_checkpoint()
-    committed = list_checkpoints(folder, storage_options=options)
-    names = [c.name for c in committed]
+    names = [e.name for e in index.entries]
     name = None if latest is None else latest.path.rstrip("/").rsplit("/", 1)[-1]
     if name is None:
-        return [c.url for c in committed]  # Ray lists none of this run's checkpoints
+        return [index.url(e) for e in index.entries]  # Ray lists none of this run's checkpoints
     if name not in names:
         return []  # unexpected: delete nothing
-    return [c.url for c in committed[names.index(name) + 1 :]]
+    return [index.url(e) for e in index.entries[names.index(name) + 1 :]]
 
 
 def report_with_checkpoint(report: Dict[str, Any], saved: SavedCheckpoint) -> None:
@@ -79,7 +85,7 @@ def report_with_checkpoint(report: Dict[str, Any], saved: SavedCheckpoint) -> No
     checkpoint = None
     if saved.rank == 0:
         storage = ray.train.get_context().get_storage()
-        path = join(storage.experiment_fs_path, "checkpoints", saved.name)
+        path = join(checkpoints_url(storage.experiment_fs_path), saved.name)
         checkpoint = Checkpoint(path=path, filesystem=storage.storage_filesystem)
 
     def _wait_for_commit(checkpoint: Any, dir_name: str) -> Any:
@@ -98,36 +104,35 @@ def report_with_checkpoint(report: Dict[str, Any], saved: SavedCheckpoint) -> No
 
 
 class _Cleanup:
-    """Rank 0's deletions of directories Ray never listed, done when the next checkpoint commits."""
+    """Rank 0's deletions of directories Ray never listed, done once, when the first checkpoint commits.
 
-    def __init__(self, folder: str, options: Dict[str, Any], unreported: List[str]) -> None:
-        self.folder, self.options, self.unreported = folder, options, unreported
+    Both lists come from the folder's index loaded at start-up (one LIST): commits never rescan."""
+
+    def __init__(self, index: CheckpointIndex, unreported: List[str]) -> None:
+        self.index, self.unreported, self.done = index, unreported, False
 
     def after_commit(self, saved: SavedCheckpoint) -> None:
-        from raytrain_events.checkpoint.format import CHECKPOINT_NAME_RE
-        from raytrain_events.checkpoint.store import _scan, delete_checkpoint
-        from raytrain_events.storage.fs import basename
-
-        doomed, self.unreported = [u for u in self.unreported if not u.rstrip("/").endswith("/" + saved.name)], []
-        _, uncommitted = _scan(self.folder, self.options)
+        if self.done:
+            return
+        self.done = True
+        doomed = [u for u in self.unreported if not u.rstrip("/").endswith("/" + saved.name)]
         match = CHECKPOINT_NAME_RE.match(saved.name)
-        newest = int(match.group(1)) if match else -1
-        for url in uncommitted:  # leftovers of crashed saves (Ray registers only committed ones)
-            m = CHECKPOINT_NAME_RE.match(basename(url))
-            if m and int(m.group(1)) < newest:
-                doomed.append(url)
+        # leftovers of crashed saves (Ray registers only committed ones), older than this one
+        self.index.drop_leftovers_below(int(match.group(1)) if match else -1)
         for url in doomed:
-            delete_checkpoint(url, storage_options=self.options)
+            delete_checkpoint(url, storage_options=self.index.options)
 
 
 _cleanup: Optional[_Cleanup] = None  # set on rank 0 by `start_retention`
 
 
-def start_retention(config: CheckpointConfig, keep: Optional[int]) -> None:
+def start_retention(plan: CheckpointPlan) -> None:
     """Rank 0, before training: what to delete besides Ray's pruning (nothing when keeping all)."""
     global _cleanup
-    folder, options = config.save_folder, dict(config.storage_options)
-    _cleanup = _Cleanup(folder, options, unreported_checkpoints(folder, options) if keep is not None else [])
+    index = CheckpointIndex.load(plan.worker.save_folder, plan.worker.storage_options)
+    if not plan.prunes:
+        index.leftovers = []
+    _cleanup = _Cleanup(index, unreported_checkpoints(index) if plan.prunes else [])
 
 
 def _forget_unreported(saved: SavedCheckpoint) -> None:
@@ -143,13 +148,11 @@ def delete_unlisted(folder: str, options: Dict[str, Any], listed: List[str]) -> 
     killed in between leaves a committed directory no snapshot names: no later run would ever
     delete it. Once the fit has finished Ray's snapshot is final, so nothing deleted here is
     referenced by it. Newer unlisted ones are left alone (a later run resumes from the newest)."""
-    from raytrain_events.checkpoint.store import delete_checkpoint, list_checkpoints
-
-    committed = list_checkpoints(folder, storage_options=options)
-    kept = [c.batch for c in committed if c.name in listed]
+    index = CheckpointIndex.load(folder, options)  # names and batches: no manifest read per checkpoint
+    kept = [e.batch for e in index.entries if e.name in listed]
     if not kept:
         return []  # Ray lists none of them: not ours to judge
-    doomed = [c.url for c in committed if c.name not in listed and c.batch < max(kept)]
+    doomed = [index.url(e) for e in index.entries if e.name not in listed and e.batch < max(kept)]
     for url in doomed:
         delete_checkpoint(url, storage_options=options)
     return doomed

@@ -178,6 +178,7 @@ class RayTrainer:
         worker_spec = self.spec.for_workers(datasets=datasets)
         from ray.train.torch import TorchTrainer
 
+        from raytrain_events.ray.checkpointing import ray_checkpoint_config
         from raytrain_events.ray.console import train_logging_config
         from raytrain_events.ray.data import TrainDataConfig
         from raytrain_events.ray.follow import HistoryFollower
@@ -218,7 +219,7 @@ class RayTrainer:
                 callbacks=[AggregatingCallback(history, self._report_queue), *self.spec.ray_callbacks],
                 logging_config=train_logging_config(self.spec.verbose),
                 # Ray owns retention of the checkpoints reported to it (see ray/checkpointing.py).
-                checkpoint_config=_ray_retention(self.spec.checkpoint),
+                checkpoint_config=ray_checkpoint_config(self.spec),
             ),
         )
         show_bar = self.spec.progress_bar
@@ -261,12 +262,13 @@ class RayTrainer:
         checkpoints: List[Any] = []
         if self.spec.checkpoint is not None:
             from raytrain_events.checkpoint.store import list_checkpoints
-            from raytrain_events.ray.checkpointing import delete_unlisted
+            from raytrain_events.ray.checkpointing import checkpoint_plan, delete_unlisted
 
-            folder = self.run_url + "/checkpoints"
-            if self.spec.checkpoint.keep is not None or self.spec.checkpoint.keep_best is not None:
-                delete_unlisted(folder, self.storage_options, _listed_by_ray(ray_result))
-            checkpoints = list_checkpoints(folder, storage_options=self.storage_options)
+            plan = checkpoint_plan(self.spec)
+            folder, options = plan.worker.save_folder, plan.worker.storage_options
+            if plan.prunes:
+                delete_unlisted(folder, options, _listed_by_ray(ray_result))
+            checkpoints = list_checkpoints(folder, storage_options=options)
         return RayResult(
             timestamp=timestamp,
             metrics=dict(final),
@@ -306,32 +308,6 @@ def _listed_by_ray(ray_result: Any) -> List[str]:
     """The checkpoint directory names Ray's final run snapshot holds (kept ones and the latest)."""
     found = [c for c, _ in ray_result.best_checkpoints or []] + [ray_result.checkpoint]
     return [c.path.rstrip("/").rsplit("/", 1)[-1] for c in found if c is not None]
-
-
-def _ray_retention(checkpoint: Any) -> Any:
-    """Ray Train's `CheckpointConfig`: the newest ``keep``, or with ``keep_best`` the k best by the metric plus the newest.
-
-    Ray scores a checkpoint by rank 0's report, where our metrics sit under ``metrics``
-    (flattened ``metrics/<key>``). Eval metrics are synchronized across ranks, so rank 0's is the global value.
-    """
-    import ray.train
-
-    if checkpoint is None:
-        return None
-    if checkpoint.keep_best is None:  # keep the newest ``keep`` (None: all)
-        return ray.train.CheckpointConfig(num_to_keep=checkpoint.keep)
-    if not checkpoint.metric.startswith("metrics/"):
-        raise ValueError(
-            f"CheckpointConfig(keep_best=..., metric={checkpoint.metric!r}): on Ray, checkpoints are ranked by an "
-            "eval metric ('metrics/<eval set>/<name>', the same on every rank), like 'metrics/eval/accuracy'."
-        )
-    import ray.train
-
-    return ray.train.CheckpointConfig(
-        num_to_keep=checkpoint.keep_best,
-        checkpoint_score_attribute="metrics/" + checkpoint.metric,
-        checkpoint_score_order=checkpoint.mode,
-    )
 
 
 def _autoscaling() -> bool:

@@ -182,12 +182,9 @@ class RunSpec:
                     "directory (<storage_path>/<run_name>/checkpoints) so Ray Train can manage them. "
                     "Set storage_path instead."
                 )
-            keep_best, metric = getattr(self.checkpoint, "keep_best", None), getattr(self.checkpoint, "metric", None)
-            if keep_best is not None and not str(metric).startswith("metrics/"):
-                raise ValueError(
-                    f"CheckpointConfig(keep_best={keep_best}, metric={metric!r}): on Ray, checkpoints are ranked by "
-                    "an eval metric ('metrics/<eval set>/<name>', the same on every rank), like 'metrics/eval/accuracy'."
-                )
+            from raytrain_events.checkpoint.retention import check_ray_ranking
+
+            check_ray_ranking(self.checkpoint)
             # The driver holds the run dir's lock for the whole run; workers must not take it again.
             self.checkpoint = dataclasses.replace(self.checkpoint, lock_run_dir=False)
         self.storage_path = storage_root(self.storage_path)

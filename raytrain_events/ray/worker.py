@@ -65,11 +65,12 @@ def build_worker_trainer(spec: RunSpec) -> Trainer:
     ]
     checkpoint = None
     if spec.checkpoint is not None:
-        from raytrain_events.ray.checkpointing import ray_checkpoint_config, start_retention
+        from raytrain_events.ray.checkpointing import checkpoint_plan, start_retention
 
-        checkpoint = ray_checkpoint_config(spec)
+        plan = checkpoint_plan(spec)
+        checkpoint = plan.worker
         if context.get_world_rank() == 0:
-            start_retention(checkpoint, spec.checkpoint.keep)
+            start_retention(plan)
     from raytrain_events.ray.operations import worker_guards
 
     guards = worker_guards(spec, dist, checkpointing=checkpoint is not None)  # every rank arrived, or an error

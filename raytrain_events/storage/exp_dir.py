@@ -1,4 +1,9 @@
-"""Experiment (run) directories: picking a fresh ``run_N`` and saving the run's config.
+"""Experiment (run) directories: their layout, picking a fresh ``run_N``, saving the run's config.
+
+The layout has one owner, this module: ``config.yaml`` (``CONFIG_FILE``), ``summary.json``
+(``SUMMARY_FILE``), ``checkpoints/`` (``CHECKPOINTS_DIR``, ``checkpoints_url``), the locks
+(``storage/locks.py``'s lock names, files in the run directory) and ``history.jsonl``
+(``report/history_file.HISTORY_FILE``).
 
 ``get_empty_exp_dir`` follows ml-starter: runs live in ``<root>/run_1``, ``<root>/run_2``...
 The next run is ``run_{1 + max existing N}``. Unlike ml-starter it does not just return a
@@ -88,6 +93,11 @@ class RunDir:
     def join(self, *parts: str) -> str:
         return join(self.url, *parts)
 
+    @property
+    def checkpoints(self) -> str:
+        """URL of the run's checkpoints folder (``checkpoints_url``)."""
+        return checkpoints_url(self.url)
+
     def save_config(self, cfg: Any, *, resolve_interpolations: bool = False) -> str:
         """Write ``cfg`` (DictConfig, dict or dataclass) as YAML atomically; returns its URL."""
         conf = cfg if isinstance(cfg, (DictConfig, ListConfig)) else OmegaConf.create(cfg)
@@ -107,3 +117,21 @@ class RunDir:
                 "first, or point RunDir at the right run."
             ) from None
         return OmegaConf.create(data.decode())
+
+
+# -- the run directory's layout: every module asks here for these names ---------------------------
+#: Committed checkpoints (and their ``index.json``) live in this folder of the run directory.
+CHECKPOINTS_DIR = "checkpoints"
+#: The driver's end-of-run summary (``raytrain-events runs``).
+SUMMARY_FILE = "summary.json"
+
+
+def checkpoints_url(run_url: str) -> str:
+    """``<run>/checkpoints``: where a run's checkpoints go (the one place that builds this path)."""
+    return join(run_url, CHECKPOINTS_DIR)
+
+
+def run_url_of_checkpoints(folder: str) -> str:
+    """The run directory holding a checkpoints folder (its parent; itself if it has none)."""
+    stripped = folder.rstrip("/")
+    return stripped.rsplit("/", 1)[0] if "/" in stripped else stripped

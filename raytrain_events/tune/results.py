@@ -150,9 +150,9 @@ def _best_checkpoint(
         return newest
     try:
         from raytrain_events.checkpoint.store import latest_checkpoint
-        from raytrain_events.storage.fs import join
+        from raytrain_events.storage.exp_dir import checkpoints_url
 
-        info = latest_checkpoint(join(run_url, "checkpoints"), storage_options=storage_options)
+        info = latest_checkpoint(checkpoints_url(run_url), storage_options=storage_options)
     except Exception:  # no checkpoints, or checkpointing not available
         return None
     return None if info is None else info.url

@@ -293,21 +293,14 @@ def trial_retention_and_loggers(
     """A trial's spec whose checkpoints keep its best by the sweep's metric (never pruned) and whose
     loggers' runs are named after the trial and its algorithm set."""
     changes: Dict[str, Any] = {}
-    checkpoint = spec.checkpoint
-    if checkpoint is not None and setup.keep_every_checkpoint:
-        # A PBT donor must not prune a checkpoint a trial it reported to may still be loading.
-        changes["checkpoint"] = dataclasses.replace(checkpoint, keep=None, keep_best=None, only_save_most_recent=False)
-    elif checkpoint is not None and checkpoint.keep is not None and (setup.metric or "").startswith("metrics/"):
-        # keep=N would prune by age and could delete the sweep's best checkpoint: keep the N best
-        # by the sweep's metric instead (Ray Train's manager also keeps the newest, for resuming).
-        changes["checkpoint"] = dataclasses.replace(
-            checkpoint,
-            keep=None,
-            only_save_most_recent=False,
-            keep_best=checkpoint.keep,
-            metric=setup.metric,
-            mode=setup.mode,
+    if spec.checkpoint is not None:
+        from raytrain_events.checkpoint.retention import for_trial
+
+        retention = for_trial(
+            spec.checkpoint, metric=setup.metric, mode=setup.mode, keep_every=setup.keep_every_checkpoint
         )
+        if retention is not None:
+            changes["checkpoint"] = retention
     if spec.loggers:
         from raytrain_events.ray.run_loggers import name_destination
         from raytrain_events.tune.console import trial_label

@@ -63,7 +63,7 @@ def _check_finished(run_dir, epochs, keep):
         summary = json.load(fh)
     ts = summary["timestamp"]
     assert (ts["epoch"], ts["batch"], ts["sample"]) == (epochs, epochs * BATCHES_PER_EPOCH, epochs * TRAIN_ROWS)
-    on_disk = sorted(os.listdir(os.path.join(run_dir, "checkpoints")))
+    on_disk = sorted(n for n in os.listdir(os.path.join(run_dir, "checkpoints")) if n != "index.json")
     assert len(on_disk) <= keep and [c["url"].rsplit("/", 1)[-1] for c in summary["checkpoints"]] == on_disk
     assert summary["checkpoints"][-1]["timestamp"]["sample"] == epochs * TRAIN_ROWS
     return summary

@@ -25,6 +25,7 @@ from ray import cloudpickle as ray_cloudpickle
 
 from raytrain_events import Callback
 from raytrain_events.checkpoint import CheckpointConfig, list_checkpoints
+from raytrain_events.checkpoint.index import INDEX_FILE
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import resume_helpers as h  # noqa: E402
@@ -120,9 +121,11 @@ def test_worker_killed_twice_mid_epoch_resumes_exactly(reference, parquet, tmp_p
     assert max(e["attempt"] for e in result.history) in (2, 3)
     # keep=2, one owner (Ray): two committed checkpoints left, the newest is Ray's result checkpoint.
     committed = list_checkpoints(str(tmp_path / "runs" / "killed" / "checkpoints"))
-    assert [c.batch for c in committed] == [30, 34]
+    # (30, or a batch or two later when the save at 25 was still uploading: saves never make training wait)
+    assert len(committed) == 2 and 30 <= committed[0].batch < 34 and committed[1].batch == 34
     assert result.ray_result.checkpoint.path.rstrip("/").endswith(committed[-1].name)
-    assert sorted(os.listdir(tmp_path / "runs" / "killed" / "checkpoints")) == sorted(c.name for c in committed)
+    on_disk = [n for n in os.listdir(tmp_path / "runs" / "killed" / "checkpoints") if n != INDEX_FILE]
+    assert sorted(on_disk) == sorted(c.name for c in committed)
 
 
 @pytest.mark.timeout(1800)  # several Ray runs; minutes each on a loaded machine

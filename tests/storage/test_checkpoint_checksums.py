@@ -18,6 +18,7 @@ from torch.utils.serialization import config
 
 from raytrain_events.checkpoint import checksums
 from raytrain_events.checkpoint import format as fmt
+from raytrain_events.checkpoint import reader as fmt_reader
 from raytrain_events.storage import fs as sfs
 
 
@@ -88,7 +89,7 @@ def test_zip_crc_off_where_torch_keeps_it_process_global(monkeypatch):
 
 def _big_state() -> dict:
     g = torch.Generator().manual_seed(0)
-    return {"w": torch.randn(2 * fmt._MMAP_MIN_SIZE // 4, generator=g), "step": 3}  # 2 MiB: local mmap path
+    return {"w": torch.randn(2 * fmt_reader._MMAP_MIN_SIZE // 4, generator=g), "step": 3}  # 2 MiB: local mmap path
 
 
 def _zip_crcs(data: bytes) -> list[int]:
@@ -108,8 +109,10 @@ def test_files_saved_without_zip_crc_load_through_every_reader(storage, backend,
     assert len(data) == info.files[0].size and not any(_zip_crcs(data))  # torch wrote no zip CRCs
     assert any(_zip_crcs(fmt.serialize(state)))  # control: torch.save on its own does
     mapped: list = []
-    real = fmt._torch_load
-    monkeypatch.setattr(fmt, "_torch_load", lambda *a, **kw: mapped.append(kw.get("mmap", False)) or real(*a, **kw))
+    real = fmt_reader._torch_load
+    monkeypatch.setattr(
+        fmt_reader, "_torch_load", lambda *a, **kw: mapped.append(kw.get("mmap", False)) or real(*a, **kw)
+    )
     loaded = fmt.read_checkpoint(info.url, storage_options=opts)
     assert torch.equal(loaded.files["state.pt"]["w"], state["w"]) and loaded.files["state.pt"]["step"] == 3
     assert mapped == [not pack and backend == "file"]  # local multi-file: torch.load(path, mmap=True)

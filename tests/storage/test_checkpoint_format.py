@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from raytrain_events.checkpoint import format as fmt
+from raytrain_events.checkpoint import writer as fmt_writer
 from raytrain_events.checkpoint.store import latest_checkpoint, list_checkpoints, load_latest_valid
 from raytrain_events.storage import fs as sfs
 
@@ -101,10 +102,10 @@ def test_round_trip_is_bit_identical(storage, pack):
 def test_manifest_is_written_last(storage, monkeypatch):
     url, opts = storage
     order: list[str] = []
-    real_upload, real_create = fmt._upload, fmt.write_bytes_create_only
-    monkeypatch.setattr(fmt, "_upload", lambda fs, p, d: (order.append(p), real_upload(fs, p, d)))
+    real_upload, real_create = fmt_writer._upload, fmt_writer.write_bytes_create_only
+    monkeypatch.setattr(fmt_writer, "_upload", lambda fs, p, d: (order.append(p), real_upload(fs, p, d)))
     monkeypatch.setattr(
-        fmt, "write_bytes_create_only", lambda fs, p, d, **kw: (order.append(p), real_create(fs, p, d, **kw))
+        fmt_writer, "write_bytes_create_only", lambda fs, p, d, **kw: (order.append(p), real_create(fs, p, d, **kw))
     )
     _save(url, opts, 1, files={"a.pt": 1, "b.pt": 2, "c.pt": 3})
     assert [sfs.basename(p) for p in order] == ["a.pt", "b.pt", "c.pt", fmt.MANIFEST]

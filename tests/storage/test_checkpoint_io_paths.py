@@ -16,12 +16,15 @@ import pytest
 import torch
 
 from raytrain_events.checkpoint import format as fmt
+from raytrain_events.checkpoint import reader as fmt_reader
+from raytrain_events.checkpoint import writer as fmt_writer
 from raytrain_events.checkpoint.checksums import torch_zip_crc_off
+from raytrain_events.checkpoint.index import CheckpointIndex
 from raytrain_events.checkpoint.store import latest_checkpoint, load_latest_valid
 from raytrain_events.storage import fs as sfs
 from raytrain_events.storage.errors import StorageError
 
-BIG = 2 * fmt._MMAP_MIN_SIZE // 4  # float32 elements: a 2 MiB tensor
+BIG = 2 * fmt_reader._MMAP_MIN_SIZE // 4  # float32 elements: a 2 MiB tensor
 
 
 def _state(seed: int = 0) -> dict:
@@ -116,13 +119,13 @@ def test_local_atomic_writer_keeps_old_content_on_error(tmp_path):
 def test_large_local_load_verifies_and_survives_deletion(tmp_path, monkeypatch):
     obj = _state()
     info = fmt.write_checkpoint(str(tmp_path), files={"state.pt": obj}, timestamp={"batch": 1}, world_size=1)
-    assert info.files[0].size >= fmt._MMAP_MIN_SIZE
+    assert info.files[0].size >= fmt_reader._MMAP_MIN_SIZE
 
     def no_read(fs, path, **kw):
         assert path.endswith(fmt.MANIFEST), "read the payload into memory instead of mapping it"
         return sfs.read_bytes(fs, path, **kw)
 
-    monkeypatch.setattr(fmt, "read_bytes", no_read)
+    monkeypatch.setattr(fmt_reader, "read_bytes", no_read)
     loaded = fmt.read_checkpoint(info.url).files["state.pt"]
     _assert_same(loaded, obj)
     loaded["w"].add_(1)  # copy-on-write: the file keeps the saved values
@@ -154,7 +157,7 @@ def test_large_local_truncation_is_caught_by_size_before_hashing(tmp_path, monke
     def no_mapping(*a, **k):
         raise AssertionError("mapped/hashed a file of the wrong size")
 
-    monkeypatch.setattr(fmt.mmap, "mmap", no_mapping)
+    monkeypatch.setattr(fmt_reader.mmap, "mmap", no_mapping)
     with pytest.raises(fmt.CheckpointCorruptError, match=f"got {info.files[0].size - 7} bytes"):
         fmt.read_checkpoint(info.url)
 
@@ -172,7 +175,7 @@ def test_large_malicious_file_is_refused_on_the_mmap_path(tmp_path, kind):
     marker = f"/tmp/pwned-{uuid.uuid4().hex}"
     payload = {"w": torch.ones(BIG), "pad": b"x" * (2 << 20), "x": _Evil(marker)}
     data = fmt.serialize(payload) if kind == "torch.save" else pickle.dumps(payload, protocol=2)
-    assert len(data) >= fmt._MMAP_MIN_SIZE
+    assert len(data) >= fmt_reader._MMAP_MIN_SIZE
     ckpt = fmt.new_checkpoint_url(str(tmp_path), timestamp={"batch": 1})
     fs, path = sfs.resolve(os.path.join(ckpt, "state.pt"))
     sfs.write_bytes_atomic(fs, path, data)
@@ -193,7 +196,7 @@ def test_commit_lists_the_directory_unless_told_not_to(storage, monkeypatch):
     def no_listing(*a, **k):
         raise AssertionError("listed the checkpoint directory")
 
-    monkeypatch.setattr(fmt, "list_dir", no_listing)
+    monkeypatch.setattr(fmt_writer, "list_dir", no_listing)
     info = fmt.write_checkpoint(
         url, files={"state.pt": {"a": 1}}, timestamp={"batch": 1}, world_size=1, storage_options=opts
     )  # uploaded it: no listing
@@ -231,6 +234,13 @@ def test_s3_request_counts(s3_server, pack):
         assert calls == ["get_object"] * (1 if pack else 2)  # (manifest, payload): no HEADs
         calls.clear()
         assert load_latest_valid(url, storage_options=opts).info.name == info.name
-        assert calls == ["list_objects_v2", "get_object", "get_object"]  # manifest read once
+        # the folder's index (missing: write_checkpoint alone does not keep one), the LIST that
+        # reconciles it, the manifest of the unindexed checkpoint (read once), its payload
+        assert calls == ["get_object", "list_objects_v2", "get_object", "get_object"]
+        CheckpointIndex.load(url, opts).save()  # what a Checkpointer's commits keep up to date
+        calls.clear()
+        assert load_latest_valid(url, storage_options=opts).info.name == info.name
+        # index, LIST, then the checkpoint as read_checkpoint reads it (manifest, payload if not packed)
+        assert calls == ["get_object", "list_objects_v2"] + ["get_object"] * (1 if pack else 2)
     finally:
         del fs._call_s3

@@ -20,6 +20,8 @@ import torch
 
 from raytrain_events.checkpoint import checksums, packed
 from raytrain_events.checkpoint import format as fmt
+from raytrain_events.checkpoint import writer as fmt_writer
+from raytrain_events.checkpoint.index import CheckpointIndex
 from raytrain_events.checkpoint.store import latest_checkpoint, list_checkpoints, load_latest_valid, prune_checkpoints
 from raytrain_events.storage import fs as sfs
 
@@ -90,7 +92,8 @@ def test_listed_loaded_latest_and_pruned_with_multi_file_checkpoints(storage):
     deleted = prune_checkpoints(url, keep=2, storage_options=opts)
     assert sorted(deleted) == sorted(i.url for i in infos[:3])
     fs, root = sfs.resolve(url, opts)
-    assert sorted(sfs.basename(e["name"]) for e in sfs.list_dir(fs, root)) == sorted(i.name for i in infos[3:])
+    dirs = [e for e in sfs.list_dir(fs, root) if e.get("type") == "directory"]
+    assert sorted(sfs.basename(e["name"]) for e in dirs) == sorted(i.name for i in infos[3:])
     latest = load_latest_valid(url, storage_options=opts)  # the listing read only a range of each
     assert latest.info.name == infos[-1].name and _same(latest.files["state.pt"], _state(5))
     older = fmt.read_checkpoint_files(listed[3], storage_options=opts)  # packed, from the listing
@@ -106,7 +109,7 @@ def test_failed_single_put_leaves_previous_latest(storage, monkeypatch):
         calls.append(path)
         raise ConnectionError("injected: network died during the one PUT")
 
-    monkeypatch.setattr(fmt, "write_bytes_create_only", dead)
+    monkeypatch.setattr(fmt_writer, "write_bytes_create_only", dead)
     with pytest.raises(ConnectionError, match="injected"):
         _save(url, opts, 200)
     monkeypatch.undo()
@@ -291,7 +294,12 @@ def test_s3_requests_one_conditional_put_to_save_one_get_to_load(s3_server):
         calls.clear()
         assert load_latest_valid(url, storage_options=opts).info.name == info.name
         ranged = {"Range": f"bytes=0-{packed.HEAD_BYTES - 1}"}
-        assert calls == [("list_objects_v2", {}), ("get_object", ranged), ("get_object", {})]
+        # no index yet (write_checkpoint alone keeps none): its GET, the LIST, the manifest's head, the object
+        assert calls == [("get_object", {}), ("list_objects_v2", {}), ("get_object", ranged), ("get_object", {})]
+        CheckpointIndex.load(url, opts).save()  # what a Checkpointer's commits keep up to date
+        calls.clear()
+        assert load_latest_valid(url, storage_options=opts).info.name == info.name
+        assert calls == [("get_object", {}), ("list_objects_v2", {}), ("get_object", {})]
     finally:
         del fs._call_s3
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from raytrain_events.checkpoint import format as fmt
+from raytrain_events.checkpoint import writer as fmt_writer
 from raytrain_events.checkpoint.store import (
     AsyncCheckpointWriter,
     latest_checkpoint,
@@ -37,8 +38,9 @@ def _save(url, opts, batch: int, files=None, pack=None) -> fmt.CheckpointInfo:
 
 
 def _dirs(url, opts) -> list[str]:
+    """The checkpoint directories under ``url`` (not the folder's index.json)."""
     fs, root = sfs.resolve(url, opts)
-    return sorted(sfs.basename(e["name"]) for e in sfs.list_dir(fs, root))
+    return sorted(sfs.basename(e["name"]) for e in sfs.list_dir(fs, root) if e.get("type") == "directory")
 
 
 def test_empty_or_missing_root(storage):
@@ -61,7 +63,7 @@ def test_sorted_by_batch_then_creation_time(storage):
 def test_crash_mid_save_leaves_previous_latest_and_loadable(storage, monkeypatch):
     url, opts = storage
     good = _save(url, opts, 100)
-    real, calls = fmt._upload, []
+    real, calls = fmt_writer._upload, []
 
     def flaky(fs, path, data):
         calls.append(path)
@@ -69,7 +71,7 @@ def test_crash_mid_save_leaves_previous_latest_and_loadable(storage, monkeypatch
             raise ConnectionError("injected: network died mid-save")
         real(fs, path, data)
 
-    monkeypatch.setattr(fmt, "_upload", flaky)
+    monkeypatch.setattr(fmt_writer, "_upload", flaky)
     with pytest.raises(ConnectionError, match="injected"):
         _save(url, opts, 200, pack=False)  # the multi-file layout; packed: test_checkpoint_packed.py
     monkeypatch.undo()
@@ -87,13 +89,13 @@ def test_killed_process_mid_save_leaves_previous_latest(storage, backend):
     script = textwrap.dedent(f"""
         import sys, time, json
         import torch
-        from raytrain_events.checkpoint import format as fmt
-        real = fmt._upload
+        from raytrain_events.checkpoint import format as fmt, writer as fmt_writer
+        real = fmt_writer._upload
         def slow(fs, path, data):
             real(fs, path, data)
             print("UPLOADED", flush=True)
             time.sleep(60)
-        fmt._upload = slow
+        fmt_writer._upload = slow
         fmt.write_checkpoint({url!r}, files={{"state.pt": torch.ones(3), "b.pt": 2}},
                              timestamp={{"batch": 2}}, world_size=1, pack=False,
                              storage_options=json.loads({json.dumps(opts)!r}))

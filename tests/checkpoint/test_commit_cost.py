@@ -1,0 +1,120 @@
+"""Commits cost O(1) storage requests however many checkpoints precede them; the index heals itself.
+
+Counted at the S3 API (every request s3fs sends to the local S3 server): a Trainer saving every
+batch, synchronously, 50 times, with keep=None (the cost used to grow by a GET per checkpoint) and
+keep=3 (pruning deletes without listing). Then the index's failure modes: a crash between commit
+and index update, a missing or garbled index, checkpoints deleted behind its back.
+"""
+
+from __future__ import annotations
+
+import collections
+import uuid
+
+import pytest
+import torch
+
+from raytrain_events.checkpoint.committer import Committer
+from raytrain_events.checkpoint.config import CheckpointConfig
+from raytrain_events.checkpoint.format import write_checkpoint
+from raytrain_events.checkpoint.index import INDEX_FILE, CheckpointIndex
+from raytrain_events.checkpoint.store import latest_checkpoint, list_checkpoints, load_latest_valid
+from raytrain_events.storage import fs as sfs
+from raytrain_events.trainer import Trainer
+from tests.checkpoint.test_trainer_checkpoints import loader, model
+
+
+def _counting(fs, calls, listed):
+    real = fs._call_s3
+
+    async def counting(method, *a, **k):
+        calls.append(method)
+        if method == "list_objects_v2":
+            listed.append(k.get("Prefix", ""))
+        return await real(method, *a, **k)
+
+    fs._call_s3 = counting  # resolve() hands out this same cached instance
+    return real
+
+
+@pytest.mark.parametrize("keep", [None, 3])
+def test_commit_requests_stay_flat_while_50_checkpoints_accumulate(s3_server, monkeypatch, keep):
+    url = f"s3://{s3_server['bucket']}/{uuid.uuid4().hex}/run/checkpoints"
+    opts = s3_server["storage_options"]
+    fs, _ = sfs.resolve(url, opts)
+    calls: list = []
+    listed: list = []  # the Prefix of each LIST
+    per_commit: list = []
+    folder_lists: list = []  # LISTs of the checkpoints folder, per commit
+    real_commit = Committer.commit
+
+    def commit(self, *a, **k):
+        calls.clear()
+        listed.clear()
+        info = real_commit(self, *a, **k)
+        folder_prefix = sfs.resolve(url, opts)[1].split("/", 1)[1].rstrip("/") + "/"
+        folder_lists.append(sum(p == folder_prefix for p in listed))
+        per_commit.append(collections.Counter(calls))
+        return info
+
+    monkeypatch.setattr(Committer, "commit", commit)
+    _counting(fs, calls, listed)
+    try:
+        m = model()
+        config = CheckpointConfig(
+            save_folder=url, storage_options=opts, save_every_n_seconds=None, save_every_n_steps=1, keep=keep,
+            async_save=False,
+        )  # fmt: skip
+        Trainer(
+            model=m,
+            train_dataloader=loader(),
+            max_duration="50ba",
+            optimizers=torch.optim.SGD(m.parameters(), lr=0.1),
+            checkpoint=config,
+            seed=1,
+        ).fit()
+    finally:
+        del fs._call_s3
+    assert len(per_commit) == 50
+    assert folder_lists[0] == 1 and folder_lists[1:] == [0] * 49  # loading the index, once
+    steady = per_commit[4:]  # the first loads the index (one GET, one LIST) and marks the run dir
+    assert all(c == steady[0] for c in steady), [dict(c) for c in per_commit]
+    # the packed checkpoint (one PUT) and index.json (one PUT); with keep=3 also the oldest one's
+    # deletion (its manifest, then s3fs's recursive rm of its own prefix): no GET of any checkpoint
+    assert steady[0]["put_object"] == 2 + (keep is not None) and steady[0]["get_object"] == 0
+    assert keep is not None or set(steady[0]) == {"put_object"}
+    committed = list_checkpoints(url, storage_options=opts)
+    assert len(committed) == (50 if keep is None else 3) and committed[-1].batch == 50
+
+
+def _save(url, batch):
+    return write_checkpoint(url, files={"state.pt": {"b": batch}}, timestamp={"batch": batch}, world_size=1)
+
+
+def test_index_is_rebuilt_from_the_folder_when_stale_missing_or_garbled(tmp_path):
+    url = str(tmp_path / "checkpoints")
+    committer = Committer(url, {}, keep=None, deadline_s=0)
+    infos = [_save(url, b) for b in (1, 2, 3)]
+    for info in infos[:2]:
+        committer.index.add(info)  # a crash after the third commit, before its index update
+    assert [e.name for e in CheckpointIndex.load(url).entries] == [i.name for i in infos]
+    assert latest_checkpoint(url).name == infos[-1].name
+    assert load_latest_valid(url).files["state.pt"] == {"b": 3}
+    sfs.delete(*sfs.resolve(url + "/" + infos[-1].name), recursive=True)  # deleted behind the index's back
+    assert latest_checkpoint(url).name == infos[1].name
+    (tmp_path / "checkpoints" / INDEX_FILE).write_text("{not json")
+    assert [e.name for e in CheckpointIndex.load(url).entries] == [i.name for i in infos[:2]]
+    (tmp_path / "checkpoints" / INDEX_FILE).unlink()
+    assert latest_checkpoint(url).name == infos[1].name
+
+
+def test_an_uncommitted_directory_is_a_leftover_and_pruned_below_the_newest(tmp_path):
+    url = str(tmp_path / "checkpoints")
+    old, new = _save(url, 1), _save(url, 5)
+    (tmp_path / "checkpoints" / "ckpt-000000000003-deadbeef").mkdir()  # a crashed save
+    (tmp_path / "checkpoints" / "ckpt-000000000009-deadbeef").mkdir()  # one in flight (newer)
+    index = CheckpointIndex.load(url)
+    assert [e.name for e in index.entries] == [old.name, new.name] and len(index.leftovers) == 2
+    deleted = index.prune(1)
+    assert sorted(sfs.basename(u) for u in deleted) == sorted([old.name, "ckpt-000000000003-deadbeef"])
+    assert (tmp_path / "checkpoints" / "ckpt-000000000009-deadbeef").exists()

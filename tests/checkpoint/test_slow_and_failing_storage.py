@@ -1,0 +1,134 @@
+"""Async saves against slow and failing storage: training never waits, failures are survived.
+
+Storage is slowed or broken at the upload functions the `Committer` calls (every byte of a save
+goes through them), on a real local filesystem:
+* slow (each upload sleeps): the training thread's time in a save stays a copy, saves that come
+  due meanwhile are postponed (one warning), and every committed checkpoint loads;
+* transient errors (ConnectionError a few times): retried with backoff, the save commits;
+* a save that fails for good: logged and recorded in ``failures``, training goes on, the next
+  save commits, nothing committed is deleted (keep=2), and the previous checkpoint was "latest"
+  meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from raytrain_events.checkpoint import committer as committer_mod
+from raytrain_events.checkpoint.config import CheckpointConfig
+from raytrain_events.checkpoint.store import latest_checkpoint, list_checkpoints, load_latest_valid
+from raytrain_events.core.callback import Callback
+from raytrain_events.trainer import Trainer
+from tests.checkpoint.test_trainer_checkpoints import loader, model
+
+SLOW_S = 0.6
+
+
+def _trainer(folder, callbacks=(), **ckpt):
+    m = model()
+    config = CheckpointConfig(save_folder=folder, save_every_n_seconds=None, **ckpt)
+    return Trainer(
+        model=m,
+        train_dataloader=loader(),
+        max_duration="24ba",
+        optimizers=torch.optim.SGD(m.parameters(), lr=0.1),
+        checkpoint=config,
+        callbacks=list(callbacks),
+        seed=1,
+    )
+
+
+class _StepTimes(Callback):
+    def __init__(self) -> None:
+        self.gaps: list = []
+        self._last = None
+
+    def batch_end(self, state, logger):
+        now = time.monotonic()
+        if self._last is not None:
+            self.gaps.append(now - self._last)
+        self._last = now
+
+
+def test_slow_storage_never_stalls_training(tmp_path, monkeypatch, caplog):
+    real = committer_mod.write_checkpoint_file
+
+    def slow(*a, **k):
+        assert threading.current_thread() is not threading.main_thread()
+        time.sleep(SLOW_S)
+        return real(*a, **k)
+
+    monkeypatch.setattr(committer_mod, "write_checkpoint_file", slow)
+    times = _StepTimes()
+    folder = str(tmp_path / "run/checkpoints")
+    trainer = _trainer(folder, callbacks=[times], save_every_n_steps=1)
+    with caplog.at_level(logging.WARNING, logger="raytrain_events.checkpoint.checkpointer"):
+        trainer.fit()
+    # every batch asked for a save; each upload takes >= 2 x SLOW_S (state + RNG file): had training
+    # waited, 23 batch gaps would hold >= 23 x 1.2 s. It took a copy per save instead.
+    assert max(times.gaps) < SLOW_S, times.gaps
+    postponed = [r for r in caplog.records if "is postponed" in r.message]
+    assert len(postponed) == 1  # said once
+    saved = trainer._checkpointer.saved
+    assert 2 <= len(saved) < 24  # fewer saves than asked: the store set the pace
+    committed = list_checkpoints(folder)
+    assert [c.name for c in committed] == [s.name for s in saved] and committed[-1].batch == 24
+    assert load_latest_valid(folder).info.batch == 24
+
+
+def test_transient_errors_are_retried_until_the_save_commits(tmp_path, monkeypatch):
+    real, failures = committer_mod.write_checkpoint_file, {"left": 3}
+
+    def flaky(*a, **k):
+        if failures["left"]:
+            failures["left"] -= 1
+            raise ConnectionError("injected: connection reset by peer")
+        return real(*a, **k)
+
+    monkeypatch.setattr(committer_mod, "write_checkpoint_file", flaky)
+    folder = str(tmp_path / "run/checkpoints")
+    trainer = _trainer(folder, save_interval="12ba")
+    trainer.fit()
+    trainer._checkpointer.close()
+    assert failures["left"] == 0 and trainer._checkpointer.failures == []
+    assert [c.batch for c in list_checkpoints(folder)] == [12, 24]
+
+
+def test_a_save_that_fails_for_good_is_reported_and_the_next_one_commits(tmp_path, monkeypatch, caplog):
+    real = committer_mod.write_checkpoint_file
+    folder = str(tmp_path / "run/checkpoints")
+    seen: dict = {}
+
+    class Break(Callback):  # storage fails for good between the saves at batch 8 and batch 16
+        def batch_end(self, state, logger):
+            if state.step == 9:
+                trainer._checkpointer.wait()  # the save at 8 committed
+                seen["latest_at_9"] = latest_checkpoint(folder).batch
+                monkeypatch.setattr(committer_mod, "write_checkpoint_file", broken)
+            if state.step == 14:
+                trainer._checkpointer.wait()
+                seen["latest_at_14"] = latest_checkpoint(folder).batch
+                monkeypatch.setattr(committer_mod, "write_checkpoint_file", real)
+
+    def broken(*a, **k):
+        raise ConnectionError("injected: the store is down")
+
+    trainer = _trainer(folder, callbacks=[Break()], save_interval="4ba", keep=2, upload_deadline_s=0.5)
+    with caplog.at_level(logging.ERROR, logger="raytrain_events.checkpoint.checkpointer"):
+        trainer.fit()  # training went on through the failed saves
+    trainer._checkpointer.close()
+    failed = trainer._checkpointer.failures
+    assert len(failed) >= 1 and all("the store is down" in err for _, err in failed)
+    assert any("failed (training goes on" in r.message for r in caplog.records)
+    # the newest committed before the outage (8, or 4 if the save due at 8 waited for the one at 4)
+    # stayed "latest" through the failed saves
+    assert seen["latest_at_9"] in (4, 8) and seen["latest_at_14"] == seen["latest_at_9"]
+    assert trainer.state.timestamp.get_value("ba") == 24
+    # after storage came back: saves commit again (the one due at 16 or 20 may be postponed while a
+    # retry runs) and keep=2 pruned only after they did
+    batches = [c.batch for c in list_checkpoints(folder)]
+    assert len(batches) == 2 and 14 < batches[0] < 24 and batches[1] == 24, batches
