@@ -95,10 +95,11 @@ def test_resume_after_crash_is_bit_identical(storage, async_save):
     resumed = make_trainer(
         url + "/b/checkpoints", options, save_every_n_steps=5, autoresume=True, async_save=async_save
     )
-    # The last committed checkpoint, mid-epoch 2: batch 15, or a little later with async saves (a save
-    # due while the previous one still uploads is taken at the first batch after it: never a wait).
+    # The last committed checkpoint: batch 15 with sync saves. With async saves, a save due while the
+    # previous one still uploads is taken at the first batch after it (training never waits), so on a
+    # loaded machine the newest may be any save from batch 5 on; resuming from it must still be exact.
     newest = latest_checkpoint(url + "/b/checkpoints", storage_options=options).batch
-    assert resumed.state.timestamp.get_value("ba") == newest and (newest == 15 or (async_save and 10 <= newest <= 17))
+    assert resumed.state.timestamp.get_value("ba") == newest and (newest == 15 or (async_save and 5 <= newest <= 17))
     resumed.fit()
     assert resumed.state.timestamp.get_value("sp") == full.state.timestamp.get_value("sp")
     for name, value in params(resumed).items():
