@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-__all__ = ["DeferredInit", "has_meta_tensors"]
+__all__ = ["DeferredInit", "has_meta_tensors", "local_part"]
 
 
 def _direct_tensors(module: torch.nn.Module) -> Dict[str, Optional[torch.Tensor]]:
@@ -118,14 +118,14 @@ def _reset_one(module: torch.nn.Module, device: torch.device) -> None:
         for name, param in sharded.items():
             full = module._parameters[name]
             assert full is not None
-            param.to_local().copy_(_local_part(full.detach(), param, distribute_tensor))
+            param.to_local().copy_(local_part(full.detach(), param, distribute_tensor))
             del full
     finally:
         for name, param in sharded.items():
             module._parameters[name] = param
 
 
-def _local_part(full: torch.Tensor, param: torch.Tensor, distribute_tensor: Any) -> torch.Tensor:
+def local_part(full: torch.Tensor, param: torch.Tensor, distribute_tensor: Any) -> torch.Tensor:
     """This rank's part of ``full`` laid out as the DTensor ``param``: a view (no copy) for Shard and
     Replicate placements (the chunking `Shard` uses); other placements through ``distribute_tensor``."""
     from torch.distributed.tensor import Replicate, Shard
