@@ -62,11 +62,15 @@ def _selector(policy: Any) -> Optional[Callable[[torch.nn.Module], bool]]:
 
 
 def apply_fsdp(model: torch.nn.Module, config: FSDPConfig, world_size: int, device: torch.device) -> torch.nn.Module:
-    """Shard ``model`` in place over a 1-D mesh of ``world_size`` ranks (needs a process group)."""
+    """Shard ``model`` in place over ``world_size`` ranks (needs a process group): a 1-D mesh, or for
+    HSDP (``config.replicate > 1``) a 2-D ``(replicate, shard)`` mesh, which ``fully_shard`` replicates
+    over its first dimension and shards over its second."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(device.type, (world_size,))
+    shape = config.mesh_shape(world_size)
+    names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
     kwargs: dict = {"mesh": mesh, "reshard_after_forward": config.reshard_after_forward}
     if config.param_dtype is not None or config.reduce_dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
