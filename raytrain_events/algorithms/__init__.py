@@ -25,6 +25,7 @@ Which event each algorithm uses:
 algorithm              events
 =====================  ==================================================================
 ChannelsLast           INIT (model to NHWC)
+Float8Training         INIT (Linear -> torchao Float8Linear); BATCH_END (FSDP float8 scales)
 StochasticDepth        INIT (hooks on marked branches); BATCH_START if ``drop_warmup``
 SeqLengthWarmup        AFTER_DATALOADER (before samples and tokens are counted)
 ProgressiveResizing    AFTER_DATALOADER
@@ -59,6 +60,7 @@ for it, re-running the batch's forward and backward inside the step.
 from raytrain_events.algorithms.channels_last import ChannelsLast
 from raytrain_events.algorithms.cutmix import CutMix
 from raytrain_events.algorithms.ema import EMA
+from raytrain_events.algorithms.float8 import Float8Training
 from raytrain_events.algorithms.gradient_clipping import GradientClipping
 from raytrain_events.algorithms.label_smoothing import LabelSmoothing, smooth_labels
 from raytrain_events.algorithms.layer_freezing import LayerFreezing
@@ -77,6 +79,7 @@ from raytrain_events.algorithms.swa import SWA
 
 __all__ = [
     "ChannelsLast",
+    "Float8Training",
     "CutMix",
     "EMA",
     "GradientClipping",

@@ -4,7 +4,8 @@ A sharded checkpoint (FSDP, ``layout: dcp``) is read in one process through the 
 and written as a single ``torch.save`` file with full tensors: ``model`` (a plain
 ``state_dict`` for ``model.load_state_dict``), ``optim`` (optimizer state by parameter name),
 and the rest of the training state (Timestamp, schedulers, algorithms). ``--model-only`` keeps
-just ``{"model": ...}``, for inference.
+just ``{"model": ...}``, for inference. ``fmt="safetensors"`` writes the model as a Hugging
+Face-style safetensors directory instead, one tensor at a time (``checkpoint/safetensors_io.py``).
 """
 
 from __future__ import annotations
@@ -15,9 +16,20 @@ __all__ = ["export_checkpoint"]
 
 
 def export_checkpoint(
-    checkpoint_url: str, output_url: str, *, storage_options: Optional[Dict[str, Any]] = None, model_only: bool = False
+    checkpoint_url: str,
+    output_url: str,
+    *,
+    storage_options: Optional[Dict[str, Any]] = None,
+    model_only: bool = False,
+    fmt: str = "pt",
+    hf_config: Optional[str] = None,
 ) -> Dict[str, Any]:
-    """Write ``output_url`` (a file path or URL); returns a summary (source, tensors, bytes)."""
+    """Write ``output_url`` (a file path or URL; a directory for safetensors); returns a summary
+    (source, tensors, bytes)."""
+    if fmt not in ("pt", "safetensors"):
+        raise ValueError(f"--format {fmt!r} is not supported: use 'pt' (one state.pt) or 'safetensors' (a directory).")
+    if hf_config is not None and fmt != "safetensors":
+        raise ValueError("--hf-config goes with --format safetensors (the config.json of a Hugging Face directory).")
     from raytrain_events.checkpoint.checkpointer import STATE_FILE
     from raytrain_events.checkpoint.format import (
         CheckpointNotCommittedError,
@@ -39,6 +51,10 @@ def export_checkpoint(
                 f"{checkpoint_url!r} is neither a committed checkpoint nor a folder holding one. Fix: point at a "
                 "checkpoint directory (with manifest.json) or the run's checkpoints/ folder."
             ) from None
+    if fmt == "safetensors":  # the model only, streamed tensor by tensor
+        from raytrain_events.checkpoint.safetensors_io import export_safetensors
+
+        return export_safetensors(info, output_url, storage_options=options, hf_config=hf_config)
     rest = read_checkpoint_files(info, storage_options=options, files=[STATE_FILE]).files[STATE_FILE]
     state = load_consolidated(info, rest, options) if is_sharded_checkpoint(info) else rest
     if model_only:

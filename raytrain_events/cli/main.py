@@ -144,6 +144,16 @@ def build_parser(entry: Optional[str] = None) -> argparse.ArgumentParser:
     )
     export.add_argument("output", metavar="OUTPUT", help="The file to write, e.g. ./model.pt or s3://bucket/model.pt.")
     export.add_argument("--model-only", action="store_true", help="Keep only the model weights.")
+    export.add_argument(
+        "--format",
+        choices=["pt", "safetensors"],
+        default="pt",
+        help="pt: one torch.save file; safetensors: a directory of .safetensors files (model weights only, "
+        "written one tensor at a time), as Hugging Face and vLLM load them.",
+    )
+    export.add_argument(
+        "--hf-config", metavar="CONFIG_JSON", help="With --format safetensors: copy this config.json in (HF directory)."
+    )
     _add_common(export)
     export.set_defaults(_parser=export)
 
@@ -194,7 +204,14 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "export":
         from raytrain_events.cli.export import export_checkpoint
 
-        summary = export_checkpoint(args.checkpoint, args.output, storage_options=options, model_only=args.model_only)
+        summary = export_checkpoint(
+            args.checkpoint,
+            args.output,
+            storage_options=options,
+            model_only=args.model_only,
+            fmt=args.format,
+            hf_config=args.hf_config,
+        )
         print(
             json.dumps(summary)
             if args.json

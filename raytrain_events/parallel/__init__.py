@@ -1,4 +1,5 @@
-"""Data parallelism for the `Trainer`: DDP (default) or FSDP2 sharding (`FSDPConfig`)."""
+"""Data parallelism for the `Trainer`: DDP (default), FSDP2 sharding or HSDP (`FSDPConfig`,
+``replicate=k``); deferred init of meta-device models (``deferred_init.py``); float8 (``float8.py``)."""
 
 from raytrain_events.parallel.config import FSDPConfig, ParallelismSpec, parse_parallelism
 from raytrain_events.parallel.wrap import Parallel, apply_fsdp, check_algorithms_for_sharding, is_sharded_module

@@ -48,6 +48,9 @@ class FSDPConfig:
             (``CPUOffloadPolicy``), moved to the device for compute only.
         activation_checkpointing: recompute activations in backward for these submodules
             (class names, a function ``module -> bool``, or True for the ``shard_modules``).
+        replicate: HSDP: ``k`` replica groups, each sharding the model over ``world_size / k``
+            consecutive ranks (a 2-D DeviceMesh ``(k, world_size / k)``); gathers stay within a
+            group (a node), only gradient shards are all-reduced across groups. 1: plain FSDP.
     """
 
     shard_modules: ModulePolicy = None
@@ -56,8 +59,11 @@ class FSDPConfig:
     reduce_dtype: Optional[str] = None
     cpu_offload: bool = False
     activation_checkpointing: Union[bool, Sequence[str], Callable[[torch.nn.Module], bool]] = False
+    replicate: int = 1
 
     def __post_init__(self) -> None:
+        if isinstance(self.replicate, bool) or not isinstance(self.replicate, int) or self.replicate < 1:
+            raise ValueError(f"FSDPConfig.replicate={self.replicate!r} must be an integer >= 1 (HSDP replica groups).")
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
             if value is not None and value not in _DTYPES:
@@ -76,6 +82,17 @@ class FSDPConfig:
         """``param_dtype`` or ``reduce_dtype`` as a torch dtype (None: unchanged)."""
         value = getattr(self, name)
         return None if value is None else _DTYPES[value]
+
+    def mesh_shape(self, world_size: int) -> tuple:
+        """``(world_size,)`` for FSDP, ``(replicate, world_size // replicate)`` for HSDP; bad splits raise."""
+        if self.replicate == 1:
+            return (world_size,)
+        if world_size % self.replicate:
+            raise ValueError(
+                f"FSDPConfig(replicate={self.replicate}) needs a world size divisible by {self.replicate}, got "
+                f"{world_size} ranks. Fix: use a multiple of {self.replicate} workers, or another replicate."
+            )
+        return (self.replicate, world_size // self.replicate)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 
 from raytrain_events.parallel.config import FSDPConfig, ParallelismSpec, parse_parallelism
+from raytrain_events.parallel.deferred_init import DeferredInit, has_meta_tensors
 
 __all__ = ["Parallel", "apply_fsdp", "check_algorithms_for_sharding", "is_sharded_module"]
 
@@ -61,11 +62,15 @@ def _selector(policy: Any) -> Optional[Callable[[torch.nn.Module], bool]]:
 
 
 def apply_fsdp(model: torch.nn.Module, config: FSDPConfig, world_size: int, device: torch.device) -> torch.nn.Module:
-    """Shard ``model`` in place over a 1-D mesh of ``world_size`` ranks (needs a process group)."""
+    """Shard ``model`` in place over ``world_size`` ranks (needs a process group): a 1-D mesh, or for
+    HSDP (``config.replicate > 1``) a 2-D ``(replicate, shard)`` mesh, which ``fully_shard`` replicates
+    over its first dimension and shards over its second."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(device.type, (world_size,))
+    shape = config.mesh_shape(world_size)
+    names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
     kwargs: dict = {"mesh": mesh, "reshard_after_forward": config.reshard_after_forward}
     if config.param_dtype is not None or config.reduce_dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
@@ -102,8 +107,18 @@ def apply_fsdp(model: torch.nn.Module, config: FSDPConfig, world_size: int, devi
 class Parallel:
     """The data-parallel strategy of one `Trainer` (built from its ``parallelism`` option)."""
 
-    def __init__(self, parallelism: Any = None) -> None:
+    def __init__(self, parallelism: Any = None, model: Optional[torch.nn.Module] = None) -> None:
         self.spec: ParallelismSpec = parse_parallelism(parallelism)
+        # A model built on the meta device: materialised after sharding (deferred_init.py); the RNG
+        # state is taken now, before the Trainer seeds anything, so init draws what eager init drew.
+        self.deferred: Optional[DeferredInit] = (
+            DeferredInit(model) if model is not None and has_meta_tensors(model) else None
+        )
+
+    def place(self, model: torch.nn.Module, device: torch.device) -> None:
+        """Move ``model`` to ``device``, unless it is built on meta (materialised by `wrap`, after sharding)."""
+        if self.deferred is None:
+            model.to(device)
 
     @property
     def kind(self) -> str:
@@ -125,16 +140,22 @@ class Parallel:
     ) -> torch.nn.Module:
         """The module the loop calls: ``model`` alone on one rank, DDP, or ``model`` sharded in place.
 
-        Sharding replaces the parameters by DTensor shards; the ``optimizers`` (built on the
+        Sharding replaces the parameters by DTensor shards, and a model built on the meta device is
+        materialised (after sharding: only this rank's shards); the ``optimizers`` (built on the
         original parameters, with no state yet) are pointed at the new ones.
         """
-        if not dist.is_distributed:
-            return model
-        if self.sharded:
+        sharded = self.sharded and dist.is_distributed
+        if sharded or self.deferred is not None:
             names = {id(p): n for n, p in model.named_parameters()}
             _check_optimizers_fresh(optimizers)
-            apply_fsdp(model, self.spec.fsdp, dist.world_size, device)
+            if sharded:
+                assert self.spec.fsdp is not None
+                apply_fsdp(model, self.spec.fsdp, dist.world_size, device)
+            if self.deferred is not None:
+                self.deferred.materialize(model, device, sharded)
+                self.deferred = None
             _retarget_optimizers(optimizers, names, dict(model.named_parameters()))
+        if not dist.is_distributed or sharded:
             return model
         from torch.nn.parallel import DistributedDataParallel
 

@@ -126,7 +126,7 @@ class Trainer:
                     "(or build one by name with raytrain_events.algorithms.build_algorithm)."
                 )
 
-        self.parallel = Parallel(parallelism)  # "ddp" (default), "fsdp" or an FSDPConfig
+        self.parallel = Parallel(parallelism, model)  # "ddp" (default), "fsdp" or an FSDPConfig
         self.parallel.check(algorithms)
         if auto_microbatching and self.parallel.sharded:
             raise ValueError(
@@ -138,7 +138,7 @@ class Trainer:
         self.config = dict(config or {})
         if seed is not None:
             seed_everything(seed + self.dist.rank)
-        model.to(self.device)
+        self.parallel.place(model, self.device)  # not a meta-device model: that one is materialised in wrap
         self.state = State(
             model=model,
             max_duration=duration,

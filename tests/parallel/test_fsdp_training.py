@@ -14,6 +14,8 @@ from tests.parallel.workloads import train_ddp_and_fsdp
     [
         (2, ["ddp", "fsdp", "fsdp_root", "fsdp_ac", "ddp_freeze", "fsdp_freeze"]),
         (3, ["ddp", "fsdp", "fsdp_root"]),
+        (2, ["ddp", "hsdp"]),  # HSDP 2x1: replicate over both ranks
+        (4, ["ddp", "hsdp"]),  # HSDP 2x2
     ],
 )
 def test_fsdp_matches_ddp_with_grad_accum_and_clipping(world_size, arms):
@@ -21,7 +23,7 @@ def test_fsdp_matches_ddp_with_grad_accum_and_clipping(world_size, arms):
     initial = None
     for rank, got in enumerate(results):
         for name in arms:
-            assert got[name + "_sharded"] == name.startswith("fsdp"), name
+            assert got[name + "_sharded"] == name.startswith(("fsdp", "hsdp")), name
             reference = "ddp_freeze" if name.endswith("_freeze") else "ddp"
             assert got[reference + "_norm"] > 0.1  # clipping was active (the threshold is 0.1)
             assert got[name + "_norm"] == pytest.approx(got[reference + "_norm"], rel=1e-5), name
@@ -36,3 +38,14 @@ def test_fsdp_matches_ddp_with_grad_accum_and_clipping(world_size, arms):
             initial = got["ddp"]
         for key, value in got["ddp"].items():  # every rank ends with the same weights
             torch.testing.assert_close(value, initial[key], rtol=0, atol=0)
+
+
+def test_hsdp_mesh_shape_and_bad_splits():
+    from raytrain_events.parallel import FSDPConfig
+
+    assert FSDPConfig().mesh_shape(4) == (4,)
+    assert FSDPConfig(replicate=2).mesh_shape(8) == (2, 4)
+    with pytest.raises(ValueError, match=r"replicate=2\) needs a world size divisible by 2, got 3"):
+        FSDPConfig(replicate=2).mesh_shape(3)
+    with pytest.raises(ValueError, match="replicate=0 must be an integer >= 1"):
+        FSDPConfig(replicate=0)

@@ -61,6 +61,7 @@ ARMS = {
     "ddp": "ddp",
     "fsdp": {"shard_modules": ["Block"]},
     "fsdp_root": "fsdp",  # one unit: the root
+    "hsdp": {"shard_modules": ["Block"], "replicate": 2},  # 2 replica groups x (world / 2) shards
     "fsdp_ac": {"shard_modules": ["Block"], "activation_checkpointing": True, "reshard_after_forward": False},
 }
 

@@ -1,0 +1,73 @@
+"""Deferred init: a model built on the meta device is sharded first and materialised per rank.
+
+Each rank's peak of CPU tensor storage during set-up (building the model and the Trainer) stays
+within 1/world_size of the model plus one layer, and the starting parameters equal eager init's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raytrain_events import Trainer
+from tests.parallel.deferred_workloads import build, eager_and_deferred, model_bytes
+from tests.parallel.spawn import run_ranks
+from tests.parallel.workloads import make_loader
+
+FSDP = {"shard_modules": ["Block"]}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_deferred_fsdp_allocates_a_shard_per_rank_and_starts_like_eager(world_size):
+    arms = {"eager": (False, FSDP), "deferred": (True, FSDP)}
+    if world_size == 2:
+        arms["ddp_deferred"] = (True, "ddp")
+    results = run_ranks(world_size, eager_and_deferred, arms)
+    sizes = model_bytes(world_size)
+    # 1/world of the model (dim 0 padded as FSDP pads it) + one layer + 1 KiB of scalars (flags, counters)
+    bound = sizes["share"] + sizes["layer"] + 1024
+    assert sizes["share"] < sizes["model"] / world_size + 1024
+    for rank, got in enumerate(results):
+        assert got["eager"]["peak"] >= sizes["model"], "the counter missed the eager model's allocation"
+        assert got["deferred"]["peak"] <= bound, (rank, got["deferred"]["peak"], sizes)
+        for name in arms:
+            for key, want in got["eager"]["start"].items():
+                torch.testing.assert_close(got[name]["start"][key], want, rtol=0, atol=0, msg=f"{name} {key}")
+                torch.testing.assert_close(got[name]["end"][key], got["eager"]["end"][key], rtol=0, atol=1e-6)
+
+
+def test_deferred_on_one_process_equals_eager():
+    def start(meta):
+        model = build(meta)
+        trainer = Trainer(
+            model=model,
+            train_dataloader=make_loader(0, width=64),
+            max_duration="1ba",
+            optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+        )
+        trainer.fit()
+        return {k: v.clone() for k, v in trainer.state.model.state_dict().items()}
+
+    eager, deferred = start(False), start(True)
+    assert eager.keys() == deferred.keys()
+    for key in eager:
+        assert deferred[key].device.type == "cpu"
+        torch.testing.assert_close(deferred[key], eager[key], rtol=0, atol=0)
+
+
+def test_meta_module_without_reset_parameters_is_refused():
+    class Scale(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(3))
+
+    with torch.device("meta"):
+        model = build(meta=False).to("meta")
+        model.module.append(Scale())
+    with pytest.raises(ValueError, match=r"define no reset_parameters\(\).*module.6 \(Scale\)"):
+        Trainer(
+            model=model,
+            train_dataloader=make_loader(0),
+            max_duration="1ba",
+            optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+        )
