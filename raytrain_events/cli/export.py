@@ -15,7 +15,7 @@ from typing import Any, Dict, Optional
 __all__ = ["export_checkpoint"]
 
 
-def export_checkpoint(
+def export_checkpoint(  # noqa: PLR0913 (what, where, then keyword-only export options)
     checkpoint_url: str,
     output_url: str,
     *,
