@@ -156,17 +156,16 @@ class TrainDataConfig(DeterministicSplitDataConfig):
                 output[rank].update(shards)
         if "train" in datasets:
             import ray
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-            from raytrain_events.ray.feeder import EpochFeeder
+            from raytrain_events.ray.feeder import FEEDER_OPTIONS, EpochFeeder
 
             dataset = datasets["train"]
             global_batch = self.global_batch_size or self.batch_size * world_size
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
             here = ray.get_runtime_context().get_node_id()  # Ray Train's controller node: it outlives workers
             feeder = (
                 ray.remote(EpochFeeder)
-                .options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False))
+                .options(**FEEDER_OPTIONS, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False))
                 .remote(dataset, world_size, global_batch, self.deterministic)
             )
             rows = self.train_rows if self.train_rows is not None else _compat.dataset_meta_count(dataset)
@@ -189,6 +188,7 @@ def cheap_row_count(dataset: Any) -> Optional[int]:
 
 
 _MAX_CHUNK = 16  # batches per feeder call once an epoch is under way
+_RECONNECTS = 3  # times a rank asks a restarted feeder again before the error ends the worker
 
 
 class GlobalOrderLoader:
@@ -237,12 +237,11 @@ class GlobalOrderLoader:
     def __iter__(self):
         """The epoch's batches, made one to ``prefetch_batches`` ahead in a thread (`prefetched`): the
         train thread only takes finished batches, as from Ray Data's ``iter_torch_batches``."""
-        import ray
 
         from raytrain_events.ray.prefetch import prefetched
 
         epoch, position = self.epoch, self.position
-        ray.get(self.shard.feeder.start_epoch.remote(epoch, position, self.order_seed, self.shard.rank))
+        self._start(epoch, position, 0)
         return prefetched(self._batches(epoch, position), self.prefetch_batches, "raytrain-train-batches")
 
     def _batches(self, epoch: int, position: int):
@@ -255,7 +254,7 @@ class GlobalOrderLoader:
         pending = shard.feeder.batches.remote(epoch, position, shard.rank, first, count)
         checked = self.columns is None
         while pending is not None:
-            served = ray.get(pending)
+            served = self._served(pending, epoch, position, first, count)
             first, count = first + count, max(self.prefetch_batches, min(2 * count, _MAX_CHUNK))
             ended = not served or served[-1] is None
             pending = None if ended else shard.feeder.batches.remote(epoch, position, shard.rank, first, count)
@@ -270,6 +269,44 @@ class GlobalOrderLoader:
                     next(_check_columns([batch], self.columns or []))
                     checked = True
                 yield batch
+
+    def _served(self, pending: Any, epoch: int, position: int, first: int, count: int) -> List[Any]:
+        """The feeder's answer to ``pending``. If the feeder died (it restarts, ``max_restarts``) or
+        restarted since the last call (it answers None: no such epoch), the same batches are asked
+        again after starting the epoch there from batch ``first`` (the feeder rebuilds it)."""
+        import ray
+
+        shard = self.shard
+        for attempt in range(_RECONNECTS + 1):
+            try:
+                served = ray.get(pending)
+            except ray.exceptions.RayActorError:
+                if attempt == _RECONNECTS:
+                    raise
+                served = None
+            if served is not None:
+                return served
+            if attempt == _RECONNECTS:
+                break
+            self._start(epoch, position, first)
+            pending = shard.feeder.batches.remote(epoch, position, shard.rank, first, count)
+        raise RuntimeError(
+            f"The train feeder lost epoch {epoch} (from sample {position}) {_RECONNECTS} times in a row while "
+            f"rank {shard.rank} needed its batch {first}; the worker group restarts from its last checkpoint."
+        )
+
+    def _start(self, epoch: int, position: int, resume_batch: int) -> None:
+        """Start (or, after a feeder restart, rebuild from ``resume_batch``) the epoch on the feeder."""
+        import ray
+
+        shard = self.shard
+        for attempt in range(_RECONNECTS + 1):
+            try:
+                ray.get(shard.feeder.start_epoch.remote(epoch, position, self.order_seed, shard.rank, resume_batch))
+                return
+            except ray.exceptions.RayActorError:
+                if attempt == _RECONNECTS:
+                    raise
 
     def _to_batch(self, slices, blocks: Dict[Any, Any]) -> Any:
         from ray.data.block import BlockAccessor
