@@ -189,6 +189,26 @@ def cheap_row_count(dataset: Any) -> Optional[int]:
 
 _MAX_CHUNK = 16  # batches per feeder call once an epoch is under way
 _RECONNECTS = 3  # times a rank asks a restarted feeder again before the error ends the worker
+_RESTART_WAIT_S = 60.0  # how long a rank waits for a dead feeder to come back before it fails
+
+
+def _call_feeder(submit: Callable[[], Any]) -> Any:
+    """``ray.get`` of a feeder call, submitted again while the feeder is down and restarting (Ray
+    refuses calls to a restarting actor with ``ActorUnavailableError``) for up to `_RESTART_WAIT_S`."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + _RESTART_WAIT_S
+    ref = submit()
+    while True:
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayActorError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+            ref = submit()
 
 
 class GlobalOrderLoader:
@@ -277,19 +297,17 @@ class GlobalOrderLoader:
         import ray
 
         shard = self.shard
-        for attempt in range(_RECONNECTS + 1):
-            try:
-                served = ray.get(pending)
-            except ray.exceptions.RayActorError:
-                if attempt == _RECONNECTS:
-                    raise
-                served = None
+        try:
+            served = ray.get(pending)
+        except ray.exceptions.RayActorError:
+            served = None  # the feeder died during the call
+        for _ in range(_RECONNECTS):
             if served is not None:
                 return served
-            if attempt == _RECONNECTS:
-                break
             self._start(epoch, position, first)
-            pending = shard.feeder.batches.remote(epoch, position, shard.rank, first, count)
+            served = _call_feeder(lambda: shard.feeder.batches.remote(epoch, position, shard.rank, first, count))
+        if served is not None:
+            return served
         raise RuntimeError(
             f"The train feeder lost epoch {epoch} (from sample {position}) {_RECONNECTS} times in a row while "
             f"rank {shard.rank} needed its batch {first}; the worker group restarts from its last checkpoint."
@@ -297,16 +315,10 @@ class GlobalOrderLoader:
 
     def _start(self, epoch: int, position: int, resume_batch: int) -> None:
         """Start (or, after a feeder restart, rebuild from ``resume_batch``) the epoch on the feeder."""
-        import ray
-
         shard = self.shard
-        for attempt in range(_RECONNECTS + 1):
-            try:
-                ray.get(shard.feeder.start_epoch.remote(epoch, position, self.order_seed, shard.rank, resume_batch))
-                return
-            except ray.exceptions.RayActorError:
-                if attempt == _RECONNECTS:
-                    raise
+        _call_feeder(
+            lambda: shard.feeder.start_epoch.remote(epoch, position, self.order_seed, shard.rank, resume_batch)
+        )
 
     def _to_batch(self, slices, blocks: Dict[Any, Any]) -> Any:
         from ray.data.block import BlockAccessor

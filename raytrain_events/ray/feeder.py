@@ -46,7 +46,7 @@ __all__ = ["EpochFeeder", "rank_rows", "batches_in_epoch", "FEEDER_OPTIONS"]
 _AHEAD_BATCHES = 2  # global batches the pull runs ahead of the furthest batch asked for
 _RESTART_SLACK = 40  # batches before a reconnecting rank's next batch a rebuilt epoch keeps (2 chunks + prefetch)
 # Ray options of the feeder actor: calls served by a thread pool, and the actor restarted if its process dies.
-FEEDER_OPTIONS: Dict[str, Any] = {"num_cpus": 0, "max_concurrency": 32, "max_restarts": 16}
+FEEDER_OPTIONS: Dict[str, Any] = {"num_cpus": 0, "max_concurrency": 32, "max_restarts": 16, "max_task_retries": -1}
 
 
 def rank_rows(start: int, end: int, rank: int, world_size: int) -> Tuple[int, int]:
