@@ -222,10 +222,12 @@ class GlobalOrderLoader:
         collate_fn: Optional[Callable] = None,
         prefetch_batches: int = 1,
         order_seed: Optional[int] = None,
+        shuffle_rows: Optional[int] = None,
         columns: Optional[List[str]] = None,
         length: Optional[int] = None,
     ) -> None:
         self.shard = shard
+        self.shuffle_rows = shuffle_rows
         self.collate_fn = collate_fn
         self.prefetch_batches = max(1, prefetch_batches)
         self.order_seed = order_seed
@@ -279,7 +281,7 @@ class GlobalOrderLoader:
             ended = not served or served[-1] is None
             pending = None if ended else shard.feeder.batches.remote(epoch, position, shard.rank, first, count)
             # One fetch for the chunk's blocks (consecutive batches mostly share a block).
-            refs = list({ref: None for slices in served if slices is not None for ref, _, _ in slices})
+            refs = list({ref: None for slices in served if slices is not None for ref in _refs(slices)})
             blocks = dict(zip(refs, ray.get(refs)))
             for slices in served:
                 if slices is None:
@@ -323,7 +325,7 @@ class GlobalOrderLoader:
     def _to_batch(self, slices, blocks: Dict[Any, Any]) -> Any:
         from ray.data.block import BlockAccessor
 
-        parts = [BlockAccessor.for_block(blocks[ref]).slice(lo, hi, copy=False) for ref, lo, hi in slices]
+        parts = [_part(piece, blocks) for piece in slices]
         if len(parts) == 1:
             table = parts[0]
         else:
@@ -337,3 +339,35 @@ class GlobalOrderLoader:
         from ray.data.util.torch_utils import convert_ndarray_batch_to_torch_tensor_batch
 
         return convert_ndarray_batch_to_torch_tensor_batch(batch)
+
+
+def _refs(slices) -> List[Any]:
+    """The block refs a batch's slices read: ``(ref, lo, hi)`` or a shuffle take ``(TAKE, refs, ...)``."""
+    out: List[Any] = []
+    for piece in slices:
+        if len(piece) == 4:
+            out += piece[1]
+        else:
+            out.append(piece[0])
+    return out
+
+
+def _part(piece, blocks: Dict[Any, Any]) -> Any:
+    """One slice of a batch as a block: rows ``lo:hi`` of a block, or a take across a window's blocks."""
+    from ray.data.block import BlockAccessor
+
+    if len(piece) == 3:
+        ref, lo, hi = piece
+        return BlockAccessor.for_block(blocks[ref]).slice(lo, hi, copy=False)
+    _, refs, which, rows = piece
+    import numpy as np
+
+    tables = [blocks[ref] for ref in refs]
+    if len(tables) == 1:
+        return BlockAccessor.for_block(tables[0]).take(rows)
+    builder = BlockAccessor.for_block(tables[0]).builder()
+    for table in tables:
+        builder.add_block(table)
+    sizes = np.array([BlockAccessor.for_block(t).num_rows() for t in tables], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    return BlockAccessor.for_block(builder.build()).take(starts[which] + rows)

@@ -40,6 +40,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from raytrain_events.ray import _compat
 from raytrain_events.ray.row_index import BlockIndex, RankCursor, Slice
+from raytrain_events.ray.shuffle import WindowIndex
 
 __all__ = ["EpochFeeder", "rank_rows", "batches_in_epoch", "FEEDER_OPTIONS"]
 
@@ -87,14 +88,22 @@ class _Epoch:
     """
 
     def __init__(
-        self, bundles: Iterator[Any], position: int, global_batch: int, world_size: int, first_batch: int = 0
+        self,
+        bundles: Iterator[Any],
+        position: int,
+        global_batch: int,
+        world_size: int,
+        first_batch: int = 0,
+        shuffle: Optional[Tuple[int, int, int]] = None,
     ) -> None:
+        """``shuffle``: ``(seed, epoch, window rows)`` to permute rows within windows (`shuffle.py`)."""
         self.bundles = bundles
         self.position = position
         self.global_batch = global_batch
         self.world_size = world_size
         self.first_batch = first_batch  # batches before it are not served (a rebuilt epoch)
-        self.index = BlockIndex()
+        self.index: Any = BlockIndex() if shuffle is None else WindowIndex(shuffle[0], shuffle[1])
+        self.window_rows = 0 if shuffle is None else max(1, shuffle[2])
         self.cursor = RankCursor(world_size, first_batch)
         self.trimmed = first_batch  # the cursor's oldest batch when the index was last trimmed
         self.cuts: Dict[int, Optional[Tuple[int, int, int]]] = {}  # batch -> (start, rows // W, rows % W)
@@ -117,6 +126,8 @@ class _Epoch:
 
     def _pull(self) -> None:
         cond, index = self.cond, self.index
+        window: List[Tuple[Any, int, int]] = []  # blocks of the shuffle window being filled
+        window_rows = 0
         try:
             while True:
                 with cond:
@@ -128,12 +139,20 @@ class _Epoch:
                     bundle = next(self.bundles)
                 except StopIteration:
                     with cond:
+                        if window:
+                            self._add_window(window, window_rows)
                         self.done = True
                         cond.notify_all()
                     return
                 with cond:
                     for ref, offset, count in bundle_blocks(bundle):
-                        if index.end + count <= self.keep_from:
+                        if self.window_rows:
+                            window.append((ref, offset, count))
+                            window_rows += count
+                            if window_rows >= self.window_rows:
+                                self._add_window(window, window_rows)
+                                window, window_rows = [], 0
+                        elif index.end + count <= self.keep_from:
                             index.skip(count)  # wholly before the rows still needed: not held
                         else:
                             index.append(ref, offset, count)
@@ -142,6 +161,12 @@ class _Epoch:
             with cond:
                 self.error = error
                 cond.notify_all()
+
+    def _add_window(self, blocks: List[Tuple[Any, int, int]], rows: int) -> None:
+        if self.index.end + rows <= self.keep_from:
+            self.index.skip(rows)  # wholly before the rows still needed: not held
+        else:
+            self.index.append_window(blocks)
 
     def _wait_for(self, rows: int) -> None:
         """Block (the condition held) until ``rows`` rows of the order are pulled or the stream ends."""
@@ -218,7 +243,13 @@ class EpochFeeder:
         return _compat.iter_block_refs(dataset)
 
     def start_epoch(
-        self, epoch: int, position: int, order_seed: Optional[int], rank: int, resume_batch: int = 0
+        self,
+        epoch: int,
+        position: int,
+        order_seed: Optional[int],
+        rank: int,
+        resume_batch: int = 0,
+        shuffle_rows: Optional[int] = None,
     ) -> bool:
         """Every rank calls this at its epoch start with the same arguments; the first one starts it.
 
@@ -226,6 +257,8 @@ class EpochFeeder:
         dropped, so a rank starting a pass it has already taken batches from (a Trainer rebuilt or
         reset to time zero inside the same group) is refused here, not given empty batches later.
         ``resume_batch``: a rank reconnecting after the feeder restarted, whose next batch is that one.
+        ``shuffle_rows`` (with ``order_seed``): rows are also permuted within windows of at least
+        that many rows (`shuffle.py`).
         """
         key = (epoch, position)
         with self.lock:
@@ -241,7 +274,8 @@ class EpochFeeder:
                     self.epochs.pop(old).stop()
                 first = max(0, resume_batch - _RESTART_SLACK)
                 stream = self._stream(epoch, order_seed)
-                self.epochs[key] = _Epoch(stream, position, self.global_batch, self.world_size, first)
+                shuffle = None if order_seed is None or not shuffle_rows else (order_seed, epoch, shuffle_rows)
+                self.epochs[key] = _Epoch(stream, position, self.global_batch, self.world_size, first, shuffle)
         return True
 
     def batches(

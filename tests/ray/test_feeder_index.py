@@ -31,19 +31,36 @@ class FakeDataset:
         self.gate, self.gate_at = gate, gate_at
         self.context = SimpleNamespace(execution_options=SimpleNamespace(preserve_order=False))
         self.pulled = 0
+        self.order = list(range(len(sizes)))
+
+    def randomize_block_order(self, seed: int) -> FakeDataset:
+        """The same blocks (same refs) in an order drawn from ``seed``, as Ray Data's."""
+        import random
+
+        permuted = FakeDataset(self.sizes, self.gate, self.gate_at)
+        random.Random(seed).shuffle(permuted.order)
+        return permuted
 
     def iter_internal_ref_bundles(self) -> Iterator[Any]:
-        for i, size in enumerate(self.sizes):
-            if self.gate is not None and i == self.gate_at:
+        for n, i in enumerate(self.order):
+            if self.gate is not None and n == self.gate_at:
                 self.gate.wait()
-            self.pulled = i + 1
-            yield SimpleNamespace(blocks=[(i, SimpleNamespace(num_rows=size))], slices=None)
+            self.pulled = n + 1
+            yield SimpleNamespace(blocks=[(i, SimpleNamespace(num_rows=self.sizes[i]))], slices=None)
 
 
 def _rows(slices, sizes: List[int]) -> List[int]:
     """Global row ids of block slices (block i's rows are ``sum(sizes[:i]) + j``)."""
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    return [starts[ref] + j for ref, lo, hi in slices for j in range(lo, hi)]
+    out: List[int] = []
+    for piece in slices:
+        if len(piece) == 4:  # a shuffle take: row rows[j] of block refs[which[j]]
+            _, refs, which, rows = piece
+            out += [starts[refs[w]] + int(r) for w, r in zip(which, rows)]
+        else:
+            ref, lo, hi = piece
+            out += [starts[ref] + j for j in range(lo, hi)]
+    return out
 
 
 @given(sizes=st.lists(st.integers(0, 50), min_size=1, max_size=40), data=st.data())
