@@ -95,14 +95,16 @@ class _Epoch:
         world_size: int,
         first_batch: int = 0,
         shuffle: Optional[Tuple[int, int, int]] = None,
+        seek: Tuple[int, int] = (0, 0),
     ) -> None:
-        """``shuffle``: ``(seed, epoch, window rows)`` to permute rows within windows (`shuffle.py`)."""
+        """``shuffle``: ``(seed, epoch, window rows)`` to permute rows within windows (`shuffle.py`).
+        ``seek``: the global row and shuffle window the stream starts at (a seekable source)."""
         self.bundles = bundles
         self.position = position
         self.global_batch = global_batch
         self.world_size = world_size
         self.first_batch = first_batch  # batches before it are not served (a rebuilt epoch)
-        self.index: Any = BlockIndex() if shuffle is None else WindowIndex(shuffle[0], shuffle[1])
+        self.index: Any = BlockIndex(seek[0]) if shuffle is None else WindowIndex(shuffle[0], shuffle[1], *seek)
         self.window_rows = 0 if shuffle is None else max(1, shuffle[2])
         self.cursor = RankCursor(world_size, first_batch)
         self.trimmed = first_batch  # the cursor's oldest batch when the index was last trimmed
@@ -228,19 +230,29 @@ class EpochFeeder:
     """Serves each rank's batches of the global order (run as a Ray actor with `FEEDER_OPTIONS`)."""
 
     def __init__(self, dataset: Any, world_size: int, global_batch: int, materialize: bool = False) -> None:
-        dataset = dataset.copy(dataset) if hasattr(dataset, "copy") else dataset
-        dataset.context.execution_options.preserve_order = True
-        self.dataset = dataset.materialize() if materialize else dataset
+        """``dataset``: a Ray Dataset, or a seekable source (a ``stream`` method: `parquet_seek.py`)."""
+        self.seekable = hasattr(dataset, "stream")
+        if not self.seekable:
+            dataset = dataset.copy(dataset) if hasattr(dataset, "copy") else dataset
+            dataset.context.execution_options.preserve_order = True
+            dataset = dataset.materialize() if materialize else dataset
+        self.dataset = dataset
         self.world_size = world_size
         self.global_batch = global_batch
         self.epochs: Dict[Tuple[int, int], _Epoch] = {}
         self.lock = threading.Lock()  # guards `epochs` (calls run in several threads)
 
-    def _stream(self, epoch: int, order_seed: Optional[int]) -> Iterator[Any]:
+    def _stream(
+        self, epoch: int, order_seed: Optional[int], row: int, window_rows: int
+    ) -> Tuple[Iterator[Any], Tuple[int, int]]:
+        """The epoch's blocks from about global row ``row`` on, and where they start: (row, window)."""
+        if self.seekable:
+            bundles, first, windows = self.dataset.stream(order_seed, epoch, row, window_rows)
+            return bundles, (first, windows)
         dataset = self.dataset
         if order_seed is not None:
             dataset = dataset.randomize_block_order(seed=order_seed + epoch)
-        return _compat.iter_block_refs(dataset)
+        return _compat.iter_block_refs(dataset), (0, 0)
 
     def start_epoch(
         self,
@@ -273,9 +285,11 @@ class EpochFeeder:
                 for old in [k for k in self.epochs if k[0] < epoch - 1]:
                     self.epochs.pop(old).stop()
                 first = max(0, resume_batch - _RESTART_SLACK)
-                stream = self._stream(epoch, order_seed)
                 shuffle = None if order_seed is None or not shuffle_rows else (order_seed, epoch, shuffle_rows)
-                self.epochs[key] = _Epoch(stream, position, self.global_batch, self.world_size, first, shuffle)
+                window_rows = shuffle[2] if shuffle else 0
+                row = position + first * self.global_batch
+                stream, seek = self._stream(epoch, order_seed, row, window_rows)
+                self.epochs[key] = _Epoch(stream, position, self.global_batch, self.world_size, first, shuffle, seek)
         return True
 
     def batches(

@@ -52,13 +52,14 @@ class _Window:
 class WindowIndex:
     """Whole shuffle windows of one epoch, looked up by global row (see module doc)."""
 
-    def __init__(self, seed: int, epoch: int) -> None:
+    def __init__(self, seed: int, epoch: int, start: int = 0, windows: int = 0) -> None:
+        """``start``, ``windows``: the global row and window number the stream starts at (a seek)."""
         self.seed, self.epoch = seed, epoch
         self._starts: List[int] = []  # global row each held window starts at
         self._windows: List[Any] = []  # _Window, None once trimmed
         self._head = 0
-        self.windows = 0  # windows seen so far (held or passed over)
-        self.end = 0
+        self.windows = windows  # windows seen so far (held or passed over)
+        self.end = start
         self._blocks = 0
 
     def __len__(self) -> int:
