@@ -156,17 +156,16 @@ class TrainDataConfig(DeterministicSplitDataConfig):
                 output[rank].update(shards)
         if "train" in datasets:
             import ray
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-            from raytrain_events.ray.feeder import EpochFeeder
+            from raytrain_events.ray.feeder import FEEDER_OPTIONS, EpochFeeder
 
             dataset = datasets["train"]
             global_batch = self.global_batch_size or self.batch_size * world_size
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
             here = ray.get_runtime_context().get_node_id()  # Ray Train's controller node: it outlives workers
             feeder = (
                 ray.remote(EpochFeeder)
-                .options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False))
+                .options(**FEEDER_OPTIONS, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False))
                 .remote(dataset, world_size, global_batch, self.deterministic)
             )
             rows = self.train_rows if self.train_rows is not None else _compat.dataset_meta_count(dataset)
@@ -189,6 +188,27 @@ def cheap_row_count(dataset: Any) -> Optional[int]:
 
 
 _MAX_CHUNK = 16  # batches per feeder call once an epoch is under way
+_RECONNECTS = 3  # times a rank asks a restarted feeder again before the error ends the worker
+_RESTART_WAIT_S = 60.0  # how long a rank waits for a dead feeder to come back before it fails
+
+
+def _call_feeder(submit: Callable[[], Any]) -> Any:
+    """``ray.get`` of a feeder call, submitted again while the feeder is down and restarting (Ray
+    refuses calls to a restarting actor with ``ActorUnavailableError``) for up to `_RESTART_WAIT_S`."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + _RESTART_WAIT_S
+    ref = submit()
+    while True:
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayActorError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+            ref = submit()
 
 
 class GlobalOrderLoader:
@@ -202,10 +222,12 @@ class GlobalOrderLoader:
         collate_fn: Optional[Callable] = None,
         prefetch_batches: int = 1,
         order_seed: Optional[int] = None,
+        shuffle_rows: Optional[int] = None,
         columns: Optional[List[str]] = None,
         length: Optional[int] = None,
     ) -> None:
         self.shard = shard
+        self.shuffle_rows = shuffle_rows
         self.collate_fn = collate_fn
         self.prefetch_batches = max(1, prefetch_batches)
         self.order_seed = order_seed
@@ -237,12 +259,11 @@ class GlobalOrderLoader:
     def __iter__(self):
         """The epoch's batches, made one to ``prefetch_batches`` ahead in a thread (`prefetched`): the
         train thread only takes finished batches, as from Ray Data's ``iter_torch_batches``."""
-        import ray
 
         from raytrain_events.ray.prefetch import prefetched
 
         epoch, position = self.epoch, self.position
-        ray.get(self.shard.feeder.start_epoch.remote(epoch, position, self.order_seed, self.shard.rank))
+        self._start(epoch, position, 0)
         return prefetched(self._batches(epoch, position), self.prefetch_batches, "raytrain-train-batches")
 
     def _batches(self, epoch: int, position: int):
@@ -255,12 +276,12 @@ class GlobalOrderLoader:
         pending = shard.feeder.batches.remote(epoch, position, shard.rank, first, count)
         checked = self.columns is None
         while pending is not None:
-            served = ray.get(pending)
+            served = self._served(pending, epoch, position, first, count)
             first, count = first + count, max(self.prefetch_batches, min(2 * count, _MAX_CHUNK))
             ended = not served or served[-1] is None
             pending = None if ended else shard.feeder.batches.remote(epoch, position, shard.rank, first, count)
             # One fetch for the chunk's blocks (consecutive batches mostly share a block).
-            refs = list({ref: None for slices in served if slices is not None for ref, _, _ in slices})
+            refs = list({ref: None for slices in served if slices is not None for ref in _refs(slices)})
             blocks = dict(zip(refs, ray.get(refs)))
             for slices in served:
                 if slices is None:
@@ -271,10 +292,40 @@ class GlobalOrderLoader:
                     checked = True
                 yield batch
 
+    def _served(self, pending: Any, epoch: int, position: int, first: int, count: int) -> List[Any]:
+        """The feeder's answer to ``pending``. If the feeder died (it restarts, ``max_restarts``) or
+        restarted since the last call (it answers None: no such epoch), the same batches are asked
+        again after starting the epoch there from batch ``first`` (the feeder rebuilds it)."""
+        import ray
+
+        shard = self.shard
+        try:
+            served = ray.get(pending)
+        except ray.exceptions.RayActorError:
+            served = None  # the feeder died during the call
+        for _ in range(_RECONNECTS):
+            if served is not None:
+                return served
+            self._start(epoch, position, first)
+            served = _call_feeder(lambda: shard.feeder.batches.remote(epoch, position, shard.rank, first, count))
+        if served is not None:
+            return served
+        raise RuntimeError(
+            f"The train feeder lost epoch {epoch} (from sample {position}) {_RECONNECTS} times in a row while "
+            f"rank {shard.rank} needed its batch {first}; the worker group restarts from its last checkpoint."
+        )
+
+    def _start(self, epoch: int, position: int, resume_batch: int) -> None:
+        """Start (or, after a feeder restart, rebuild from ``resume_batch``) the epoch on the feeder."""
+        shard = self.shard
+        _call_feeder(
+            lambda: shard.feeder.start_epoch.remote(epoch, position, self.order_seed, shard.rank, resume_batch)
+        )
+
     def _to_batch(self, slices, blocks: Dict[Any, Any]) -> Any:
         from ray.data.block import BlockAccessor
 
-        parts = [BlockAccessor.for_block(blocks[ref]).slice(lo, hi, copy=False) for ref, lo, hi in slices]
+        parts = [_part(piece, blocks) for piece in slices]
         if len(parts) == 1:
             table = parts[0]
         else:
@@ -288,3 +339,35 @@ class GlobalOrderLoader:
         from raytrain_events.ray._compat import ndarray_batch_to_torch
 
         return ndarray_batch_to_torch(batch)
+
+
+def _refs(slices) -> List[Any]:
+    """The block refs a batch's slices read: ``(ref, lo, hi)`` or a shuffle take ``(TAKE, refs, ...)``."""
+    out: List[Any] = []
+    for piece in slices:
+        if len(piece) == 4:
+            out += piece[1]
+        else:
+            out.append(piece[0])
+    return out
+
+
+def _part(piece, blocks: Dict[Any, Any]) -> Any:
+    """One slice of a batch as a block: rows ``lo:hi`` of a block, or a take across a window's blocks."""
+    from ray.data.block import BlockAccessor
+
+    if len(piece) == 3:
+        ref, lo, hi = piece
+        return BlockAccessor.for_block(blocks[ref]).slice(lo, hi, copy=False)
+    _, refs, which, rows = piece
+    import numpy as np
+
+    tables = [blocks[ref] for ref in refs]
+    if len(tables) == 1:
+        return BlockAccessor.for_block(tables[0]).take(rows)
+    builder = BlockAccessor.for_block(tables[0]).builder()
+    for table in tables:
+        builder.add_block(table)
+    sizes = np.array([BlockAccessor.for_block(t).num_rows() for t in tables], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    return BlockAccessor.for_block(builder.build()).take(starts[which] + rows)

@@ -102,9 +102,12 @@ def build_worker_trainer(spec: RunSpec) -> Trainer:
 def _train_loader(shard: Any, spec: RunSpec, rank: int, options: Dict[str, Any]) -> Any:
     """The train set in the group's global order (`TrainDataConfig`), else a plain Ray shard."""
     if isinstance(shard, GlobalOrderShard):
-        # With a shuffle asked for, each epoch permutes the dataset's blocks with seed + epoch.
+        # With a shuffle asked for, each epoch permutes the dataset's blocks with seed + epoch, then its rows
+        # within windows of shuffle_buffer_size rows (feeder.py, shuffle.py).
         order_seed = spec.seed if spec.shuffle_buffer_size and spec.seed is not None else None
-        return GlobalOrderLoader(shard, order_seed=order_seed, length=spec.steps_per_epoch, **options)
+        return GlobalOrderLoader(
+            shard, order_seed=order_seed, shuffle_rows=spec.shuffle_buffer_size, length=spec.steps_per_epoch, **options
+        )
     return ShardLoader(
         shard,
         batch_size=spec.batch_size,
