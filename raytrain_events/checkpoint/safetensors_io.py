@@ -145,8 +145,8 @@ def _dcp_model_tensors(url: str, options: Dict[str, Any]) -> Tuple[List[Spec], C
     saved block is in memory. Other layouts go through DCP into one full tensor.
     """
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+    from raytrain_events._torch_compat import load_whole_state_dict
     from raytrain_events.checkpoint.safe_dcp import SafeDCPReader, SafeLoadPlanner
     from raytrain_events.storage.fs import resolve
 
@@ -192,7 +192,7 @@ def _dcp_model_tensors(url: str, options: Dict[str, Any]) -> Tuple[List[Spec], C
         if storages is None:  # another layout: DCP assembles the full tensor
             target = {"model": {name: torch.empty(tuple(item.size), dtype=item.properties.dtype)}}
             planner = SafeLoadPlanner(allow_partial_load=True)
-            _load_state_dict(target, storage_reader=reader, planner=planner, no_dist=True)
+            load_whole_state_dict(target, storage_reader=reader, planner=planner, no_dist=True)
             yield target["model"][name]
             return
         for info in storages:
