@@ -192,7 +192,7 @@ def _torch_load(f: Any, url: str, entry: FileEntry, map_location: Any, **kw: Any
     except pickle.UnpicklingError as e:
         raise UnsafeCheckpointError(
             f"Refused to load {entry.name!r} from checkpoint {url!r}: it asks torch's "
-            f"weights-only unpickler for something outside its allowlist ({_reason(e)}). "
+            f"weights-only unpickler for something outside its allowlist ({refusal_reason(e)}). "
             "Nothing in the file was executed. Checkpoints written by raytrain_events never "
             "need this, so the file was written by other code or tampered with (its checksum "
             "matching proves nothing: the manifest can be rewritten too). Fix: only if you trust "
@@ -201,7 +201,7 @@ def _torch_load(f: Any, url: str, entry: FileEntry, map_location: Any, **kw: Any
         ) from e
 
 
-def _reason(err: Exception) -> str:
+def refusal_reason(err: Exception) -> str:
     skip = (
         "Weights only load failed",
         "Check the documentation",

@@ -37,7 +37,7 @@ from raytrain_events._torch_compat import FsspecFileSystem as FileSystem
 from raytrain_events._torch_compat import FsspecReader, FsspecWriter, get_layout
 from raytrain_events._torch_compat import StorageInfo as _StorageInfo
 from raytrain_events.checkpoint.manifest import FileEntry, UnsafeCheckpointError
-from raytrain_events.checkpoint.reader import _reason
+from raytrain_events.checkpoint.reader import refusal_reason
 from raytrain_events.checkpoint.safety import require_safe_torch
 from raytrain_events.storage.crc32 import Crc32
 
@@ -125,7 +125,7 @@ def _load_bytes_safely(value: io.BytesIO, fqn: str) -> Any:
     except pickle.UnpicklingError as e:
         raise UnsafeCheckpointError(
             f"Refused to load the DCP item {fqn!r}: torch's weights-only unpickler found something outside "
-            f"its allowlist ({_reason(e)}). Nothing in it was executed. Checkpoints written by raytrain_events "
+            f"its allowlist ({refusal_reason(e)}). Nothing in it was executed. Checkpoints written by raytrain_events "
             "hold only tensors and plain values, so it was written by other code or tampered with. Fix: load a "
             "checkpoint you trust."
         ) from e

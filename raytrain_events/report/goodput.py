@@ -162,9 +162,9 @@ def goodput_figure(summary: Dict[str, Any]) -> Optional[bytes]:
     """Each attempt as a bar on the wall-clock axis: counted time green, lost time red, causes labelled."""
     if not summary["attempts"]:
         return None
-    from raytrain_events.report.plots import _png, _pyplot, grid_size
+    from raytrain_events.report.plots import grid_size, pyplot_module, save_png
 
-    plt = _pyplot()
+    plt = pyplot_module()
     width, height = grid_size(1)
     fig, ax = plt.subplots(figsize=(width / 100, height / 100), dpi=100)
     t0 = summary["attempts"][0]["start_wall"]
@@ -185,7 +185,7 @@ def goodput_figure(summary: Dict[str, Any]) -> Optional[bytes]:
     ax.set_title(f"Goodput {good:.1%}" if good is not None else "Goodput")
     ax.set_xlabel("wall-clock minutes since the first worker group started")
     ax.set_ylabel("attempt")
-    return _png(fig)
+    return save_png(fig)
 
 
 def goodput_section(summary: Dict[str, Any]) -> List[str]:

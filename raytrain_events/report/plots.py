@@ -27,7 +27,7 @@ _COLUMNS = 2
 SWEEP_SIZE = (WIDTH_PX, 2 * PANEL_HEIGHT_PX)  # the sweep comparison: one wide panel
 
 
-def _pyplot():
+def pyplot_module():
     import matplotlib
 
     matplotlib.use("Agg", force=True)  # headless: no display on a cluster node or in CI
@@ -49,15 +49,15 @@ def _rows(panels: int) -> int:
     return max(1, math.ceil(panels / _columns(panels)))
 
 
-def _png(fig: Any) -> bytes:
+def save_png(fig: Any) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=DPI)  # no bbox_inches="tight": the size stays fixed
-    _pyplot().close(fig)
+    pyplot_module().close(fig)
     return buf.getvalue()
 
 
 def _grid(panels: int):
-    plt = _pyplot()
+    plt = pyplot_module()
     width, height = grid_size(panels)
     fig, axes = plt.subplots(
         _rows(panels), _columns(panels), figsize=(width / DPI, height / DPI), dpi=DPI, squeeze=False
@@ -114,7 +114,7 @@ def _metrics_figure(history: Sequence[Dict[str, Any]], x_key: str, x_label: str)
         if restarts(history):
             ax.legend(fontsize=8)
     fig.tight_layout()
-    return _png(fig)
+    return save_png(fig)
 
 
 def _learning_rate_figure(history: Sequence[Dict[str, Any]]) -> Optional[bytes]:
@@ -127,7 +127,7 @@ def _learning_rate_figure(history: Sequence[Dict[str, Any]]) -> Optional[bytes]:
     ax.set_xlabel("global samples")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    return _png(fig)
+    return save_png(fig)
 
 
 def throughput(history: Sequence[Dict[str, Any]]) -> List[Tuple[float, float]]:
@@ -175,7 +175,7 @@ def _throughput_figure(history: Sequence[Dict[str, Any]]) -> Optional[bytes]:
     if checkpoints or restarts(timed):
         ax.legend(fontsize=8)
     fig.tight_layout()
-    return _png(fig)
+    return save_png(fig)
 
 
 def run_figures(history: Sequence[Dict[str, Any]]) -> Dict[str, bytes]:
@@ -198,7 +198,7 @@ def sweep_figure(
     """A sweep's ``metric`` against global samples: one line per trial, ``best`` drawn thick."""
     if not any(_series(h, "time/sample", metric)[0] for h in histories.values()):
         return None
-    plt = _pyplot()
+    plt = pyplot_module()
     fig, ax = plt.subplots(figsize=(SWEEP_SIZE[0] / DPI, SWEEP_SIZE[1] / DPI), dpi=DPI)
     for trial, history in sorted(histories.items(), key=lambda kv: kv[0] == best):
         xs, ys = _series(history, "time/sample", metric)
@@ -215,4 +215,4 @@ def sweep_figure(
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
-    return _png(fig)
+    return save_png(fig)

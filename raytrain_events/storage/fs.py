@@ -113,10 +113,10 @@ def storage_errors(what: str, url: str) -> Iterator[None]:
     except _PASS_THROUGH:
         raise
     except Exception as e:
-        raise _storage_error(what, url, e) from e
+        raise storage_error(what, url, e) from e
 
 
-def _storage_error(what: str, url: str, e: Exception) -> StorageError:
+def storage_error(what: str, url: str, e: Exception) -> StorageError:
     return StorageError(
         f"Storage failed while {what} at {url!r}: {type(e).__name__}: {e}. Fix: check that "
         "the URL is right, the endpoint is reachable and the credentials allow this.",
@@ -194,7 +194,7 @@ class AtomicLocalFile:
         try:
             self._f.write(data)
         except OSError as e:  # e.g. disk full
-            self.error = _storage_error("writing", self._url, e)
+            self.error = storage_error("writing", self._url, e)
             raise self.error from e
         if self._crc is not None:
             self._crc.update(data)
@@ -257,7 +257,7 @@ def write_bytes_create_only(fs: Any, path: str, data: bytes, *, crc32: int | Non
             entry = MemoryFile(fs, key, bytes(data))
             if fs.store.setdefault(key, entry) is not entry:  # atomic under the GIL
                 raise FileExistsError(path)
-        elif _is_s3(fs) and _has_create_mode(fs):
+        elif is_s3(fs) and _has_create_mode(fs):
             checksum = {} if crc32 is None else {"ChecksumCRC32": s3_checksum(crc32)}
             fs.pipe_file(path, bytes(data), mode="create", **checksum)  # If-None-Match: *
         else:
@@ -292,7 +292,7 @@ def basename(path: str) -> str:
     return path.rstrip("/").rsplit("/", 1)[-1]
 
 
-def _is_s3(fs: Any) -> bool:
+def is_s3(fs: Any) -> bool:
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
     return "s3" in protocols
 
@@ -305,7 +305,7 @@ def _cat_kwargs(fs: Any, size_hint: int | None, end: int | None = None) -> dict[
         return {"start": 0, "end": int(end)}
     if (
         size_hint is not None
-        and _is_s3(fs)
+        and is_s3(fs)
         and size_hint <= getattr(fs, "default_block_size", 0)
         and "max_concurrency" in inspect.signature(getattr(fs, "_cat_file", fs.cat_file)).parameters
     ):

@@ -44,7 +44,7 @@ from typing import Any
 
 from raytrain_events.storage.crc32 import Crc32, crc32_combine, new_checksum, s3_checksum
 from raytrain_events.storage.errors import StorageError
-from raytrain_events.storage.fs import _is_s3, _storage_error, read_bytes, to_url, write_bytes_atomic
+from raytrain_events.storage.fs import is_s3, read_bytes, storage_error, to_url, write_bytes_atomic
 
 _HASH_STEP = 4 * 2**20  # the hashing thread catches up with a download in steps of this size
 _MIN_PART = 5 * 2**20  # S3's smallest non-final part
@@ -60,7 +60,7 @@ def concurrency(fs: Any) -> int:
 
 def open_upload(fs: Any, path: str) -> ObjectUpload:
     """A write-only, CRC32ing file whose content becomes ``path`` on ``finish()``."""
-    return _S3Upload(fs, path) if _is_s3(fs) else ObjectUpload(fs, path)
+    return _S3Upload(fs, path) if is_s3(fs) else ObjectUpload(fs, path)
 
 
 class ObjectUpload:
@@ -257,7 +257,7 @@ class _S3Upload(ObjectUpload):
     def _wrap(self, e: BaseException) -> BaseException:
         if isinstance(e, (StorageError, FileNotFoundError)) or not isinstance(e, Exception):
             return e
-        return _storage_error("writing", self.url, e)
+        return storage_error("writing", self.url, e)
 
 
 class _Progress:
@@ -293,7 +293,7 @@ def fetch_verified(fs: Any, path: str, size: int, algorithm: str = "crc32") -> t
     read). FileNotFoundError if the object does not exist; other backend errors are StorageError.
     Wrap the buffer in ``reader`` to hand it to ``torch.load`` without another copy.
     """
-    if not _is_s3(fs):
+    if not is_s3(fs):
         data = read_bytes(fs, path, size_hint=size)
         if len(data) != size:
             return data, len(data), None
@@ -400,7 +400,7 @@ class _S3Fetch:
         except (FileNotFoundError, StorageError, asyncio.CancelledError):
             raise
         except Exception as e:
-            raise _storage_error("reading", to_url(self.fs, self.path), e) from e
+            raise storage_error("reading", to_url(self.fs, self.path), e) from e
         finally:
             for i in range(len(self.ranges)):
                 self.progress.end(i)
