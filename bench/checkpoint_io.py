@@ -82,7 +82,7 @@ from raytrain_events.checkpoint import format as fmt  # noqa: E402
 from raytrain_events.checkpoint import packed as packed_mod  # noqa: E402
 from raytrain_events.checkpoint import reader as fmt_reader  # noqa: E402
 from raytrain_events.checkpoint import writer as fmt_writer  # noqa: E402
-from raytrain_events.checkpoint.checkpointer import _cpu_copy  # noqa: E402
+from raytrain_events.checkpoint.store import cpu_copy  # noqa: E402
 from raytrain_events.checkpoint.config import CheckpointConfig  # noqa: E402
 from raytrain_events.checkpoint.format import read_checkpoint, write_checkpoint  # noqa: E402
 from raytrain_events.checkpoint.packed import should_pack  # noqa: E402
@@ -531,7 +531,7 @@ def _train_model(mb: int) -> tuple:
 SAVE_PARTS = (
     "rng file write (outside _write)",
     "state.state_dict()",
-    "_cpu_copy",
+    "cpu_copy",
     "writer.submit (waits for prev)",
     "_write (serialize..commit)",
     "other",
@@ -582,12 +582,12 @@ class _SaveTimer:
         trainer.state.state_dict = self.wrap("state.state_dict()", trainer.state.state_dict)
         if ck._writer is not None:
             ck._writer.submit = self.wrap("writer.submit (waits for prev)", ck._writer.submit)
-        old = ckmod._cpu_copy
-        ckmod._cpu_copy = self.wrap("_cpu_copy", old)
+        old = ckmod.cpu_copy
+        ckmod.cpu_copy = self.wrap("cpu_copy", old)
         try:
             yield
         finally:
-            ckmod._cpu_copy = old
+            ckmod.cpu_copy = old
 
 
 def train_run(mode: str, mb: int, every: int, saves: int, workdir: str) -> dict:
@@ -834,7 +834,7 @@ def main() -> None:
             pre = {k: torch.empty_like(v) for k, v in sd.items()}
             copies = interleave(
                 {
-                    "clone": lambda r: timed(lambda: _cpu_copy(sd)),
+                    "clone": lambda r: timed(lambda: cpu_copy(sd)),
                     "prealloc": lambda r: timed(lambda: [pre[k].copy_(v) for k, v in sd.items()]),
                 },
                 2 * args.repeats + 1,
@@ -877,7 +877,7 @@ def main() -> None:
                 f"(async saves {(1 - b_async / b_sync):.0%} of the blocked time)"
             )
             print(
-                f"    _cpu_copy of a {args.mb} MiB state alone: {med(t_copy) * 1e3:.0f} ms; "
+                f"    cpu_copy of a {args.mb} MiB state alone: {med(t_copy) * 1e3:.0f} ms; "
                 f"copy_ into a preallocated CPU buffer instead: {med(t_pre) * 1e3:.0f} ms"
             )
             for m in ("sync", "async"):

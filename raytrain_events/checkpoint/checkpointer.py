@@ -20,8 +20,6 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
-import torch
-
 from raytrain_events.checkpoint.committer import Committer
 from raytrain_events.checkpoint.config import CheckpointConfig
 from raytrain_events.checkpoint.format import (
@@ -43,7 +41,7 @@ from raytrain_events.checkpoint.sharded import (
     is_sharded_checkpoint,
     load_full_into_sharded,
 )
-from raytrain_events.checkpoint.store import AsyncCheckpointWriter, load_latest_valid
+from raytrain_events.checkpoint.store import AsyncCheckpointWriter, DoneFuture, cpu_copy, load_latest_valid
 from raytrain_events.core.callback import Callback
 from raytrain_events.core.event import Event
 from raytrain_events.core.interval import make_interval
@@ -87,17 +85,6 @@ class SavedCheckpoint:
     def wait(self) -> Optional[CheckpointInfo]:
         """Block until committed (rank 0) and return its info; other ranks return None."""
         return None if self.future is None else self.future.result()
-
-
-def _cpu_copy(tree: Any) -> Any:
-    """A deep copy of ``tree`` with every tensor cloned to CPU (detached from training)."""
-    if torch.is_tensor(tree):
-        return tree.detach().to("cpu", copy=True)
-    if isinstance(tree, dict):
-        return {k: _cpu_copy(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_cpu_copy(v) for v in tree)
-    return tree
 
 
 class CheckpointHost(Protocol):
@@ -375,12 +362,12 @@ class Checkpointer(Callback):
         elif state.rank == 0:
             payload = state.state_dict()
             payload["timestamp"] = state.timestamp.state_dict()
-            snapshot = _cpu_copy(payload) if self._writer is not None else payload
+            snapshot = cpu_copy(payload) if self._writer is not None else payload
             job = lambda: self._write(url, snapshot, rngs, entries, timestamp, dist.world_size, metadata)  # noqa: E731
             if self._writer is not None:
                 future = self._writer.submit(self._reported(url, job))
             else:
-                future = _Done(job())
+                future = DoneFuture(job())
         self._last_saved_batch = batch
         self._last_save_time = time.monotonic()
         state.agreement.clear(SAVE_FLAG)
@@ -400,7 +387,7 @@ class Checkpointer(Callback):
         """Every rank writes its shards (staged to CPU first when async); rank 0 then commits."""
         io, background = self._sharded_io, self._writer is not None
         tensors, rest = io.snapshot(copy=background)  # the copy is all that blocks training
-        rest = _cpu_copy(rest) if background else rest
+        rest = cpu_copy(rest) if background else rest
         rank, world_size = self.host.state.rank, self.host.dist.world_size
         parallel = getattr(self.host, "parallel", None)
         metadata = dict(metadata, layout=DCP_LAYOUT, parallelism=parallel.kind if parallel is not None else "ddp")
@@ -411,7 +398,7 @@ class Checkpointer(Callback):
                 return None
             return self._write(url, rest, rngs, list(entries) + shards, timestamp, world_size, metadata)
 
-        return self._writer.submit(self._reported(url, job)) if background else _Done(job())
+        return self._writer.submit(self._reported(url, job)) if background else DoneFuture(job())
 
     def _write(
         self,
@@ -464,19 +451,6 @@ class Checkpointer(Callback):
             if self._lock is not None:
                 lock, self._lock = self._lock, None
                 release_lock(self.run_dir, "running", storage_options=self.options, lock=lock)
-
-
-class _Done:
-    """A finished future for synchronous saves."""
-
-    def __init__(self, value: Any) -> None:
-        self._value = value
-
-    def result(self, timeout: Optional[float] = None) -> Any:
-        return self._value
-
-    def done(self) -> bool:
-        return True
 
 
 def attach_checkpointing(host: CheckpointHost, config: CheckpointConfig) -> Checkpointer:

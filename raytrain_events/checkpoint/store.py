@@ -28,7 +28,9 @@ import concurrent.futures
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Optional
+
+import torch
 
 from raytrain_events.checkpoint.index import CheckpointIndex
 from raytrain_events.checkpoint.index import delete_checkpoint as delete_checkpoint  # re-exported
@@ -209,3 +211,27 @@ class AsyncCheckpointWriter:
             self.close()
         except Exception:
             logger.exception("Background checkpoint save failed while handling another error")
+
+
+def cpu_copy(tree: Any) -> Any:
+    """A deep copy of ``tree`` with every tensor cloned to CPU (detached from training)."""
+    if torch.is_tensor(tree):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, dict):
+        return {k: cpu_copy(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(cpu_copy(v) for v in tree)
+    return tree
+
+
+class DoneFuture:
+    """A finished future for synchronous saves."""
+
+    def __init__(self, value: Any) -> None:
+        self._value = value
+
+    def result(self, timeout: Optional[float] = None) -> Any:
+        return self._value
+
+    def done(self) -> bool:
+        return True
