@@ -82,11 +82,14 @@ from raytrain_events.checkpoint import format as fmt  # noqa: E402
 from raytrain_events.checkpoint import packed as packed_mod  # noqa: E402
 from raytrain_events.checkpoint import reader as fmt_reader  # noqa: E402
 from raytrain_events.checkpoint import writer as fmt_writer  # noqa: E402
-from raytrain_events.checkpoint.store import cpu_copy  # noqa: E402
 from raytrain_events.checkpoint.config import CheckpointConfig  # noqa: E402
 from raytrain_events.checkpoint.format import read_checkpoint, write_checkpoint  # noqa: E402
 from raytrain_events.checkpoint.packed import should_pack  # noqa: E402
-from raytrain_events.checkpoint.store import list_checkpoints, load_latest_valid  # noqa: E402
+from raytrain_events.checkpoint.store import (  # noqa: E402
+    cpu_copy,  # noqa: E402
+    list_checkpoints,
+    load_latest_valid,
+)
 from raytrain_events.core.callback import Callback  # noqa: E402
 from raytrain_events.core.time import TimeUnit  # noqa: E402
 from raytrain_events.models import ClassifierModel  # noqa: E402
