@@ -14,13 +14,11 @@ from typing import Any, Dict, List, Optional
 
 from raytrain_events.checkpoint.index import CheckpointIndex
 from raytrain_events.checkpoint.manifest import CheckpointInfo, CheckpointNotCommittedError, FileEntry
-from raytrain_events.checkpoint.packed import should_pack
 from raytrain_events.checkpoint.reader import read_manifest
 from raytrain_events.checkpoint.retry import retry_storage
-from raytrain_events.checkpoint.writer import commit_checkpoint, write_checkpoint_file, write_packed_checkpoint
+from raytrain_events.checkpoint.writer import write_and_commit
 from raytrain_events.storage.errors import RunLockedError
 from raytrain_events.storage.exp_dir import run_url_of_checkpoints
-from raytrain_events.storage.fs import resolve
 from raytrain_events.storage.locks import acquire_lock
 
 __all__ = ["Committer"]
@@ -86,22 +84,12 @@ class Committer:
         world_size: int,
         metadata: Dict[str, Any],
     ) -> CheckpointInfo:
-        if not entries and should_pack(resolve(url, self.options)[0], files):  # one PUT commits it all
-            return write_packed_checkpoint(
-                url,
-                files=files,
-                timestamp=timestamp,
-                world_size=world_size,
-                metadata=metadata,
-                storage_options=self.options,
-            )
-        own = [write_checkpoint_file(url, n, obj, storage_options=self.options) for n, obj in files.items()]
-        return commit_checkpoint(
+        return write_and_commit(
             url,
-            entries=list(entries) + own,
+            files=files,
             timestamp=timestamp,
             world_size=world_size,
             metadata=metadata,
             storage_options=self.options,
-            verify_files=bool(entries),
+            others=entries,
         )

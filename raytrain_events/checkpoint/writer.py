@@ -13,7 +13,7 @@ import dataclasses
 import io
 import json
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -187,7 +187,32 @@ def write_checkpoint(
     _check_timestamp(timestamp)
     _check_metadata(metadata or {})
     url = new_checkpoint_url(root_url, timestamp=timestamp, name=name)
-    if pack or (pack is None and packed.should_pack(resolve(url, storage_options)[0], files)):
+    return write_and_commit(
+        url,
+        files=files,
+        timestamp=timestamp,
+        world_size=world_size,
+        metadata=metadata,
+        storage_options=storage_options,
+        pack=pack,
+    )
+
+
+def write_and_commit(
+    url: str,
+    *,
+    files: Mapping[str, Any],
+    timestamp: Mapping[str, int],
+    world_size: int,
+    metadata: Mapping[str, Any] | None = None,
+    storage_options: dict[str, Any] | None = None,
+    others: Sequence[FileEntry] = (),
+    pack: bool | None = None,
+) -> CheckpointInfo:
+    """Upload ``files`` into ``url`` and commit them with ``others`` (files other processes wrote:
+    their presence is checked at commit). One packed object when nobody else wrote files and
+    ``pack`` (or, with None, ``packed.should_pack``) says so; else one file each plus the manifest."""
+    if not others and (pack or (pack is None and packed.should_pack(resolve(url, storage_options)[0], files))):
         return write_packed_checkpoint(
             url,
             files=files,
@@ -196,16 +221,16 @@ def write_checkpoint(
             metadata=metadata,
             storage_options=storage_options,
         )
-    entries = [write_checkpoint_file(url, n, obj, storage_options=storage_options) for n, obj in files.items()]
+    own = [write_checkpoint_file(url, n, obj, storage_options=storage_options) for n, obj in files.items()]
     return commit_checkpoint(
         url,
-        entries=entries,
+        entries=list(others) + own,
         timestamp=timestamp,
         world_size=world_size,
         metadata=metadata,
         storage_options=storage_options,
-        verify_files=False,
-    )  # every entry was uploaded just above
+        verify_files=bool(others),
+    )
 
 
 @dataclasses.dataclass

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from raytrain_events.checkpoint import committer as committer_mod
+from raytrain_events.checkpoint import writer as writer_mod  # write_and_commit looks the writers up here
 from raytrain_events.checkpoint.config import CheckpointConfig
 from raytrain_events.checkpoint.store import latest_checkpoint, list_checkpoints, load_latest_valid
 from raytrain_events.core.callback import Callback
@@ -55,14 +55,14 @@ class _StepTimes(Callback):
 
 
 def test_slow_storage_never_stalls_training(tmp_path, monkeypatch, caplog):
-    real = committer_mod.write_checkpoint_file
+    real = writer_mod.write_checkpoint_file
 
     def slow(*a, **k):
         assert threading.current_thread() is not threading.main_thread()
         time.sleep(SLOW_S)
         return real(*a, **k)
 
-    monkeypatch.setattr(committer_mod, "write_checkpoint_file", slow)
+    monkeypatch.setattr(writer_mod, "write_checkpoint_file", slow)
     times = _StepTimes()
     folder = str(tmp_path / "run/checkpoints")
     trainer = _trainer(folder, callbacks=[times], save_every_n_steps=1)
@@ -81,7 +81,7 @@ def test_slow_storage_never_stalls_training(tmp_path, monkeypatch, caplog):
 
 
 def test_transient_errors_are_retried_until_the_save_commits(tmp_path, monkeypatch):
-    real, failures = committer_mod.write_checkpoint_file, {"left": 3}
+    real, failures = writer_mod.write_checkpoint_file, {"left": 3}
 
     def flaky(*a, **k):
         if failures["left"]:
@@ -89,7 +89,7 @@ def test_transient_errors_are_retried_until_the_save_commits(tmp_path, monkeypat
             raise ConnectionError("injected: connection reset by peer")
         return real(*a, **k)
 
-    monkeypatch.setattr(committer_mod, "write_checkpoint_file", flaky)
+    monkeypatch.setattr(writer_mod, "write_checkpoint_file", flaky)
     folder = str(tmp_path / "run/checkpoints")
     trainer = _trainer(folder, save_interval="12ba")
     trainer.fit()
@@ -99,7 +99,7 @@ def test_transient_errors_are_retried_until_the_save_commits(tmp_path, monkeypat
 
 
 def test_a_save_that_fails_for_good_is_reported_and_the_next_one_commits(tmp_path, monkeypatch, caplog):
-    real = committer_mod.write_checkpoint_file
+    real = writer_mod.write_checkpoint_file
     folder = str(tmp_path / "run/checkpoints")
     seen: dict = {}
 
@@ -108,11 +108,11 @@ def test_a_save_that_fails_for_good_is_reported_and_the_next_one_commits(tmp_pat
             if state.step == 9:
                 trainer._checkpointer.wait()  # the save at 8 committed
                 seen["latest_at_9"] = latest_checkpoint(folder).batch
-                monkeypatch.setattr(committer_mod, "write_checkpoint_file", broken)
+                monkeypatch.setattr(writer_mod, "write_checkpoint_file", broken)
             if state.step == 14:
                 trainer._checkpointer.wait()
                 seen["latest_at_14"] = latest_checkpoint(folder).batch
-                monkeypatch.setattr(committer_mod, "write_checkpoint_file", real)
+                monkeypatch.setattr(writer_mod, "write_checkpoint_file", real)
 
     def broken(*a, **k):
         raise ConnectionError("injected: the store is down")

@@ -141,8 +141,8 @@ def test_crash_mid_save_leaves_previous_checkpoint_loadable(storage, monkeypatch
         fail_second_state_save()
         return real_packed(ckpt_url, files=files, **kw)
 
-    monkeypatch.setattr("raytrain_events.checkpoint.committer.write_checkpoint_file", flaky)
-    monkeypatch.setattr("raytrain_events.checkpoint.committer.write_packed_checkpoint", flaky_packed)
+    monkeypatch.setattr("raytrain_events.checkpoint.writer.write_checkpoint_file", flaky)
+    monkeypatch.setattr("raytrain_events.checkpoint.writer.write_packed_checkpoint", flaky_packed)
     trainer = make_trainer(folder, options, save_every_n_steps=4, async_save=False)
     with pytest.raises(OSError, match="disk full"):
         trainer.fit()
@@ -226,7 +226,7 @@ def test_resume_with_a_different_config_logs_the_diff(tmp_path, caplog):
 def test_single_process_async_save_writes_every_file_off_the_training_thread(tmp_path, monkeypatch):
     import threading
 
-    from raytrain_events.checkpoint import committer as ckmod
+    from raytrain_events.checkpoint import writer as ckmod
 
     real, writers = ckpt_format.write_checkpoint_file, []
 
