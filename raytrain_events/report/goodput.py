@@ -75,10 +75,14 @@ def _time_at(points: List[Point], batch: int, pace: float) -> float:
 def _cause(start: float, end: float, hangs: List[Dict[str, Any]], preemptions: List[Dict[str, Any]]) -> str:
     for hang in hangs:
         if start <= hang.get("wall", -1) <= end:
+            if hang.get("frame") is None:  # the rank wrote no stack: its process was frozen or stopped
+                return f"hang: rank {hang.get('slowest_rank')}, frozen or stopped (no stack dump)"
             return f"hang: rank {hang.get('slowest_rank')} at batch {hang.get('batch')}, in {hang.get('frame')}"
     for record in preemptions:
-        if record.get("stopping") and start <= record.get("wall", -1) <= end:
-            return f"preemption: {record.get('cause')} on rank {record.get('rank')}"
+        if start <= record.get("wall", -1) <= end:
+            # A SIGTERM stops the ranks at the save; a notice saves, and the node's loss ends the group.
+            how = "" if record.get("stopping") else f", saved at batch {record.get('saved_batch')}, then the node went"
+            return f"preemption: {record.get('cause')} on rank {record.get('rank')}{how}"
     return "a worker or node was lost"
 
 

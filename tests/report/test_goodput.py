@@ -45,6 +45,12 @@ def test_a_restart_is_attributed_to_the_hang_or_preemption_in_its_window():
     sigterm = {"wall": 113.0, "stopping": True, "cause": "SIGTERM", "rank": 0}
     (restart,) = goodput(_history(), preemptions=[sigterm])["restarts"]
     assert restart["cause"] == "preemption: SIGTERM on rank 0"
+    notice = {"wall": 113.0, "stopping": False, "cause": "preemption notice", "rank": 1, "saved_batch": 12}
+    (restart,) = goodput(_history(), preemptions=[notice])["restarts"]
+    assert restart["cause"] == "preemption: preemption notice on rank 1, saved at batch 12, then the node went"
+    stopped = {"wall": 125.0, "slowest_rank": 2, "batch": None, "frame": None}  # SIGSTOP: no dump from it
+    (restart,) = goodput(_history(), hangs=[stopped])["restarts"]
+    assert restart["cause"] == "hang: rank 2, frozen or stopped (no stack dump)"
     elsewhere = dict(hang, wall=500.0)
     assert goodput(_history(), hangs=[elsewhere])["restarts"][0]["cause"] == "a worker or node was lost"
 

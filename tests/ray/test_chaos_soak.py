@@ -1,0 +1,77 @@
+"""The chaos soak at CI size: a node lost, a rank hung, a preemption notice and a node added, one run.
+
+An elastic ``(1, 3)`` group on a 3-node ``ray.cluster_utils.Cluster`` (its own Ray, so it runs in a
+subprocess: ``chaos_run.py``, which also runs the longer opt-in soak). The run must end as an
+uninterrupted one would (the exact Timestamp, every row once per epoch: checked in the script),
+and the run directory must say what happened: the hang's stack dumps naming the stopped rank, the
+notice's committed checkpoint, and goodput with each restart's cause.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.mark.timeout(1500)
+def test_chaos_soak_ends_exact_and_reports_goodput_with_causes(tmp_path):
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)
+    env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "chaos_run.py"), str(tmp_path), "--plan", "remove,hang,notice,add"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1400,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("CHAOS_RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-4000:] + proc.stderr[-8000:]
+    result = json.loads(lines[-1].split(" ", 1)[1])
+    told = "\n".join(line for line in proc.stdout.splitlines() if line.startswith(("CHAOS ", "Chaos soak")))
+    events = {e["kind"]: e for e in result["events"]}
+    assert [e["kind"] for e in result["events"]] == result["plan"] == ["remove", "hang", "notice", "add"], told
+    assert not any("skipped" in e for e in result["events"]), told
+    assert result["timestamp"] == result["expected"], told  # exact through four failures and three resizes
+
+    # The group shrank with each node it lost and grew back when one came: 3 -> 2 -> 1 -> 2 workers.
+    worlds = result["worlds"]  # the group size that trained each global batch, in order
+    assert worlds[0] == 3 and events["remove"]["world"] == 3 and events["notice"]["world"] == 2, told
+    assert 1 in worlds and worlds[-1] == 2 and worlds.index(1) > worlds.index(2), (worlds, told)
+
+    # The hang: every other rank dumped its stacks and named the stopped one.
+    (hang,) = result["hangs"]
+    assert hang["slowest_rank"] == events["hang"]["rank"] and hang["frame"] is None
+    others = [f"rank-{r}.txt" for r in range(events["hang"]["world"]) if r != events["hang"]["rank"]]
+    assert sorted(f for f in os.listdir(_hang_dir(tmp_path)) if f.startswith("rank-")) == others
+    summary = open(os.path.join(_hang_dir(tmp_path), "summary.txt")).read()
+    assert f"Slowest rank: {events['hang']['rank']} (no stack dump" in summary, summary
+
+    # The notice: the ranks agreed on a save at the next batch and committed it before the node went.
+    (notice,) = result["preemptions"]
+    assert notice["cause"] == "preemption notice" and not notice["stopping"]
+    assert notice["saved_batch"] == notice["notice_batch"] + 1 and 0 < notice["notice_to_commit_s"] < 30
+
+    # Goodput with each restart's cause, printed for the person who runs it.
+    good = result["goodput"]
+    assert 0 < good["goodput"] <= 1
+    causes = [r["cause"] for r in good["restarts"]]
+    assert any(c.startswith(f"hang: rank {events['hang']['rank']}, frozen or stopped") for c in causes), causes
+    assert any(c.startswith("preemption: preemption notice") for c in causes), causes
+    assert "a worker or node was lost" in causes, causes
+    assert all(r["lost_s"] >= 0 for r in good["restarts"])
+    assert "Chaos soak: 4 events" in proc.stdout and "goodput" in proc.stdout
+
+
+def _hang_dir(tmp_path) -> str:
+    root = tmp_path / "runs" / "chaos" / "hangs"
+    (only,) = os.listdir(root)  # one hang, one folder
+    return str(root / only)
