@@ -103,6 +103,7 @@ def pbt_run(ray_cluster, tmp_path_factory):
         real_sweep, real_pbt = example.sweep, example.pbt_scheduler
 
         def sweep(*, trainer, **kwargs):
+            assert "callbacks" not in trainer, "the example now has callbacks of its own: add these to them"
             callbacks = [FitStarts(str(starts)), StartTogether(str(barrier), len(LRS))]
             captured["result"] = real_sweep(trainer={**trainer, "callbacks": lambda config: callbacks}, **kwargs)
             return captured["result"]
