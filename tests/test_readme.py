@@ -1,4 +1,11 @@
-"""Every ```python block of the README runs, in order, as one script (a fresh process)."""
+"""Every ```python block of the README runs, in order, as one script (a fresh process).
+
+The script is a fresh Python process, as a user's would be, but it joins the test session's Ray
+(``RAY_ADDRESS`` set to the ``ray_cluster`` fixture's address, the way the README and the
+examples run on a running cluster) instead of starting an embedded instance of its own: that
+start-up was most of this test's time. Starting an embedded instance (`ensure_ray` with no Ray
+running) is what the shared ``examples/train.py`` run checks (tests/examples/conftest.py).
+"""
 
 from __future__ import annotations
 
@@ -31,12 +38,21 @@ def test_readme_has_the_two_commands_and_ci_runs_the_test_command():
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_readme_python_blocks_run(tmp_path):
+def test_readme_python_blocks_run(ray_cluster, tmp_path):
     blocks = python_blocks()
     assert len(blocks) >= 6
     script = tmp_path / "readme_blocks.py"
-    script.write_text("\n\n".join(blocks))
-    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_DATA_DISABLE_PROGRESS_BARS="1")
+    address = ray_cluster.get_runtime_context().gcs_address
+    # After the README's code (and not part of it): the blocks ran on the session's Ray, not on an
+    # embedded instance of their own.
+    check = f"import ray\nassert ray.get_runtime_context().gcs_address == {address!r}, ray.get_runtime_context()\n"
+    script.write_text("\n\n".join([*blocks, check]))
+    env = dict(
+        os.environ,
+        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+        RAY_DATA_DISABLE_PROGRESS_BARS="1",
+        RAY_ADDRESS=address,  # the session's Ray: the blocks' RayTrainer and sweep connect to it
+    )
     proc = subprocess.run(
         [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
     )

@@ -1,30 +1,46 @@
-"""Population-based training over algorithm sets: one tiny PBT sweep on the real local Ray.
+"""Population-based training over algorithm sets: ONE run of ``examples/tune_pbt.py``, checked twice.
 
-Three trials, two that cannot learn (lr=0) and one that does, perturbed every epoch of global
-samples. It shows: at least one copy, into a trial that switches algorithm set; the copied run
-starts at the donor checkpoint's exact global Timestamp and trains with its own explored lr (not
-the donor's from the loaded optimizer state); every trial completes although PBT paused trials
-(their Train workers are released: before, paused trials kept their CPUs and later worker groups
-never started); and the population ends better than the same three configs trained independently.
+The example and the PBT machinery used to be tested by two sweeps of the same path (a subprocess
+of the example, then a second sweep of the same shape in this file), each 2-4 minutes. Now one
+module-scoped run drives the example's own ``main()`` (its argument parsing, data, model, sweep,
+report and printed summary) on the session's Ray, with three test-only instruments:
+
+* ``FitStarts``: rank 0 records the Timestamp counters each fit starts at, so a copied run can
+  be shown to start at the donor checkpoint's exact global Timestamp;
+* ``StartTogether``: the population's first fits wait for each other, so asynchronous PBT can
+  compare them on a loaded machine (it changes nothing else);
+* ``resample_probability=0.0`` (the example uses 0.25): every exploration moves to a neighbouring
+  set and lr, so a copy of a trial running ``[]`` (the middle of ``ALGORITHM_SETS[:3]``) always
+  switches algorithm set and the check for that cannot miss by chance.
+
+Three trials on ``[]``, two that cannot learn (lr 0) and one that does (lr 0.05), for 3 epochs,
+a perturbation every epoch of global samples. The embedded-Ray start of an example (`ensure_ray`
+with no Ray running) is covered by the shared ``examples/train.py`` run (tests/examples/conftest.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import io
 import json
 import os
+import re
 import sys
 import time
 import uuid
 
 import pytest
 from ray import cloudpickle as ray_cloudpickle
-from tune_helpers import make_model, make_sgd, train_only
 
 from raytrain_events import Callback
-from raytrain_events.tune import pbt_scheduler, sweep
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+N_TRAIN = int(0.8 * 1797)  # the example's 80/20 split of the digits
+EPOCHS, LRS = 3, (0.0, 0.05, 0.0)
 
 
 class FitStarts(Callback):
@@ -61,59 +77,106 @@ class StartTogether(Callback):
             time.sleep(0.2)
 
 
-def test_pbt_copies_the_good_trial_into_the_bad_ones(ray_cluster, tmp_path):
-    from ray import tune
+def _load_example():
+    """``examples/tune_pbt.py`` as a module (its ``main()`` is what ``python examples/tune_pbt.py`` runs)."""
+    spec = importlib.util.spec_from_file_location("tune_pbt_example", os.path.join(REPO, "examples", "tune_pbt.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-    from raytrain_events.checkpoint import CheckpointConfig
 
-    starts = tmp_path / "starts"
+@pytest.fixture(scope="module")
+def pbt_run(ray_cluster, tmp_path_factory):
+    """The example's ``main()`` once, instrumented as the module docstring says.
+
+    Yields a dict: ``out`` (what it printed), ``result`` (the `sweep` result), ``fit_starts``
+    (counters each fit started at), ``sweep_dir``, ``example`` (the module).
+    """
+    tmp = tmp_path_factory.mktemp("pbt")
+    starts, barrier = tmp / "starts", tmp / "barrier"
     starts.mkdir()
-    folder = str(starts)
-    (tmp_path / "barrier").mkdir()
-    barrier = str(tmp_path / "barrier")
-    result = sweep(
-        trainer=dict(
-            model=make_model,
-            optimizers=make_sgd,
-            datasets=train_only,
-            max_duration="3ep",  # 768 samples
-            batch_size=32,
-            num_workers=1,
-            report_interval="4ba",
-            report_every_s=None,
-            # A checkpoint with every report: PBT copies the one reported with the donor's latest result.
-            checkpoint=CheckpointConfig(save_interval="4ba", async_save=False),
-            callbacks=lambda config: [FitStarts(folder), StartTogether(barrier, 3)],
-        ),
-        # Two trials that cannot learn (lr=0) and one that does.
-        param_space={"lr": tune.grid_search([0.0, 0.5, 0.0]), "algorithms": []},
-        metric="train/loss",
-        mode="min",
-        max_concurrent_trials=3,
-        scheduler=pbt_scheduler(
-            "256sp",  # a perturbation once per epoch of global samples
-            # [] in the middle: a copy of a trial running [] always shifts to another set.
-            algorithm_sets=[["label_smoothing"], [], ["gradient_clipping"]],
-            lr=[0.3, 0.5],
-            quantile_fraction=0.5,
-            resample_probability=0.0,
-        ),
-        storage_path=str(tmp_path / "sweeps"),
-        name="pbt",
-        verbose=0,
-    )
-    print(result.to_table())
+    barrier.mkdir()
+    captured = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys, "path", list(sys.path))  # the example puts examples/ first on the path
+        example = _load_example()
+        real_sweep, real_pbt = example.sweep, example.pbt_scheduler
+
+        def sweep(*, trainer, **kwargs):
+            assert "callbacks" not in trainer, "the example now has callbacks of its own: add these to them"
+            callbacks = [FitStarts(str(starts)), StartTogether(str(barrier), len(LRS))]
+            captured["result"] = real_sweep(trainer={**trainer, "callbacks": lambda config: callbacks}, **kwargs)
+            return captured["result"]
+
+        mp.setattr(example, "sweep", sweep)
+        mp.setattr(example, "pbt_scheduler", lambda *a, **kw: real_pbt(*a, **{**kw, "resample_probability": 0.0}))
+        mp.setattr(
+            sys,
+            "argv",
+            [
+                "tune_pbt.py",
+                *("--storage", str(tmp / "sweeps"), "--name", "pbt"),
+                *("--sets", "1", "--lr", *map(str, LRS), "--epochs", str(EPOCHS)),
+            ],
+        )
+        mp.chdir(tmp)
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            example.main()
+    out = printed.getvalue()
+    print(out)
+    fit_starts = [json.load(open(starts / n)) for n in os.listdir(starts)]
+    yield {
+        "out": out,
+        "result": captured["result"],
+        "fit_starts": fit_starts,
+        "sweep_dir": tmp / "sweeps" / "pbt",
+        "example": example,
+    }
+
+
+def test_tune_pbt_example_copies_the_good_trial_into_the_bad_ones(pbt_run):
+    """What a user of the example sees: copies printed, lineage on disk at epoch boundaries, a report."""
+    out, sweep_dir = pbt_run["out"], pbt_run["sweep_dir"]
+    copies = int(re.search(r"copies:\s+(\d+)", out).group(1))
+    assert copies >= 1, out[-4000:]
+    paths = sorted(sweep_dir.glob("*/raytrain_trial.json"))
+    records = [json.load(open(p)) for p in paths]
+    for path, record in zip(paths, records):  # a copy loads another trial's checkpoint
+        assert all(step["copied_trial"] != path.parent.name for step in record.get("lineage") or [])
+    assert len(records) == 3
+    steps = [step for record in records for step in record.get("lineage") or []]
+    assert len(steps) == copies
+    for step in steps:
+        # Copies happen at epoch boundaries of global samples.
+        assert step["counters"]["sample"] % N_TRAIN == 0 and step["counters"]["sample"] > 0
+        assert step["counters"]["epoch"] == step["counters"]["sample"] // N_TRAIN
+    # Every trial ends at the full duration, and the population learned: its best is far above chance.
+    assert all(record["history"][-1]["time/sample"] == EPOCHS * N_TRAIN for record in records)
+    best = float(re.search(r"best metrics/eval/accuracy: ([0-9.]+)", out).group(1))
+    assert best > 0.8, out[-4000:]
+    html = (sweep_dir / "report.html").read_text()
+    assert "Lineage (population-based training)" in html
+
+
+def test_pbt_copies_the_good_trial_into_the_bad_ones(pbt_run):
+    """The copy itself: a changed set, the donor's exact Timestamp, its own explored lr, a better population.
+
+    Every trial completes although PBT paused trials (their Train workers are released: before,
+    paused trials kept their CPUs and later worker groups never started).
+    """
+    result, fit_starts, example = pbt_run["result"], pbt_run["fit_starts"], pbt_run["example"]
+    sets, lrs_allowed = example.ALGORITHM_SETS, example.LEARNING_RATES
     assert [row["status"] for row in result.rows] == ["completed"] * 3, result.to_table()
     copied = [row for row in result.rows if row["lineage"]]
     assert copied, result.to_table()  # at least one exploit
     assert "copied" in result.to_table()
-    fit_starts = [json.load(open(os.path.join(folder, n))) for n in os.listdir(folder)]
     steps = [step for row in copied for step in row["lineage"]]
     assert any(step["algorithms"] != step["from_algorithms"] for step in steps), steps  # a changed set
     for row in copied:
         for step in row["lineage"]:
             assert step["copied_trial"] != os.path.basename(row["path"].rstrip("/"))
-            assert step["algorithms"] in (["label_smoothing"], [], ["gradient_clipping"])
+            assert step["algorithms"] in sets
             donor_counters = step["counters"]
             assert donor_counters["sample"] > 0
             # The copied run started at the donor checkpoint's exact global Timestamp.
@@ -124,24 +187,29 @@ def test_pbt_copies_the_good_trial_into_the_bad_ones(ray_cluster, tmp_path):
                 "tok": donor_counters["token"],
             }
             assert expected in fit_starts, (expected, fit_starts)
-        assert row["config"]["lr"] in (0.3, 0.5)  # the donor's lr, perturbed within the list
+        # The donor's lr, moved to a neighbour in the example's list (which has no 0): never the lr=0 it had.
+        assert row["config"]["lr"] in lrs_allowed, row["config"]
         # The copied run trains with its own explored lr, not the one in the donor's optimizer state.
         lrs = [e["train/lr"] for e in result.histories[row["trial_id"]] if "train/lr" in e]
         assert lrs[-1] == pytest.approx(row["config"]["lr"]), (lrs, row["config"])
         assert row["run_url"].rstrip("/").endswith(row["lineage"][-1]["run_name"])
     # The same budget of independent trials: the lr=0 trials would end at their untrained loss
     # (their results before any copy), the good one at its own end.
-    final = {row["trial_id"]: row["train/loss"] for row in result.rows}
+    # (The sweep ranks on eval accuracy, so a row's train/loss is its history's last.)
+    losses = {
+        row["trial_id"]: [e for e in result.histories[row["trial_id"]] if "train/loss" in e] for row in result.rows
+    }
+    final = {trial_id: entries[-1]["train/loss"] for trial_id, entries in losses.items()}
     independent = []
     for row in result.rows:
-        history = result.histories[row["trial_id"]]
+        entries = losses[row["trial_id"]]
         if row["lineage"]:
             first = row["lineage"][0]["counters"]["sample"]
-            before = [e["train/loss"] for e in history if "train/loss" in e and e["time/sample"] <= first]
+            before = [e["train/loss"] for e in entries if e["time/sample"] <= first]
             independent.append(before[0] if before else max(final.values()))
         else:
-            independent.append(row["train/loss"])
+            independent.append(final[row["trial_id"]])
     population = sorted(final.values())
     # Strictly better: a copy that trains at least one batch with a working lr ends below the lr=0
-    # loss it would have kept. How much better depends on when the copy came (256 or 512 samples).
+    # loss it would have kept. How much better depends on when the copy came (one or two epochs in).
     assert sum(population) / 3 < sum(independent) / 3, (population, independent)
