@@ -32,6 +32,7 @@ import torch
 
 from raytrain_events.core.event import Event
 from raytrain_events.dist import Dist
+from raytrain_events.trainer.options import AUTO
 
 if TYPE_CHECKING:
     from raytrain_events.core.logger import Logger
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
 
 __all__ = ["AUTO", "Accumulate", "parse_grad_accum", "AutoMicrobatching", "DeferredCounters"]
 
-AUTO = "auto"
 _log = logging.getLogger(__name__)
 
 

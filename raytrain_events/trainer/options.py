@@ -18,12 +18,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Union
 
 from raytrain_events.core.precision import Precision
 from raytrain_events.core.time import Time, TimeUnit, ensure_time, training_duration
 
+if TYPE_CHECKING:
+    from raytrain_events.parallel.config import ParallelismSpec
+
 __all__ = ["LoopOptions", "loop_option_names", "option"]
+
+AUTO = "auto"  # grad_accum="auto" (`raytrain_events.trainer.microbatching`)
 
 
 def option(default: Any = dataclasses.MISSING, *, help: str, worker: bool = True, factory: Any = None) -> Any:
@@ -81,15 +86,37 @@ class LoopOptions:
             self.max_duration = training_duration(self.max_duration)
         if not callable(self.eval_interval):  # else fn(state, event) -> bool
             self.eval_interval = ensure_time(self.eval_interval, TimeUnit.EPOCH)
-        parse_grad_accum(self.grad_accum)
+        # What the loop needs of grad_accum, parallelism and compile, resolved here once (not fields:
+        # the options keep the values as given, for the run's config.yaml and Tune's overrides).
+        self._initial_grad_accum = parse_grad_accum(self.grad_accum)
         self.precision = Precision.parse(self.precision)
-        parse_parallelism(self.parallelism)
-        compile_options(self.compile)
+        self._parallelism = parse_parallelism(self.parallelism)
+        self._compile_kwargs = compile_options(self.compile)
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise TypeError(f"seed={self.seed!r} must be an integer, or None to leave the generators unseeded.")
         if not isinstance(self.config or {}, Mapping):
             raise TypeError(f"config={self.config!r} must be a dict (the job's own settings).")
         self.config = dict(self.config or {})
+
+    @property
+    def auto_microbatching(self) -> bool:
+        """``grad_accum="auto"``: double the microbatches after a device out-of-memory error."""
+        return self.grad_accum == AUTO
+
+    @property
+    def initial_grad_accum(self) -> int:
+        """The microbatches per batch to start with (1 for ``"auto"``)."""
+        return self._initial_grad_accum
+
+    @property
+    def parallelism_spec(self) -> ParallelismSpec:
+        """``parallelism`` resolved: DDP, or FSDP with its `FSDPConfig`."""
+        return self._parallelism
+
+    @property
+    def compile_kwargs(self) -> Optional[Dict[str, Any]]:
+        """``torch.compile``'s keyword arguments, or None for an eager model."""
+        return self._compile_kwargs
 
     @classmethod
     def build(cls, options: Optional[LoopOptions], changes: Mapping[str, Any], where: str = "Trainer") -> LoopOptions:

@@ -40,11 +40,11 @@ from raytrain_events.trainer._setup import (
     train_inputs,
     wrap_for_training,
 )
-from raytrain_events.trainer.compiling import compile_model, compile_options
+from raytrain_events.trainer.compiling import compile_model
 from raytrain_events.trainer.counters import BatchCounters, Counters
 from raytrain_events.trainer.epoch_start import epoch_iterator
 from raytrain_events.trainer.evaluation import ensure_evaluators, run_evaluation
-from raytrain_events.trainer.microbatching import AUTO, AutoMicrobatching, DeferredCounters, parse_grad_accum
+from raytrain_events.trainer.microbatching import AutoMicrobatching, DeferredCounters
 from raytrain_events.trainer.options import LoopOptions
 from raytrain_events.trainer.predict import run_predict
 from raytrain_events.trainer.seed import seed_everything
@@ -115,9 +115,7 @@ class Trainer:
         self.options = opts = LoopOptions.build(options, loop_options)
         # None (with max_duration and optimizers possibly None too): a Trainer for eval()/predict() only.
         self.train_spec, duration = train_inputs(train_dataloader, opts.max_duration, optimizers)
-        compile_kwargs = compile_options(opts.compile)
-        auto_microbatching = opts.grad_accum == AUTO
-        initial_grad_accum = parse_grad_accum(opts.grad_accum)
+        compile_kwargs, auto_microbatching = opts.compile_kwargs, opts.auto_microbatching
         for algorithm in algorithms:
             if not isinstance(algorithm, Algorithm):
                 raise TypeError(
@@ -125,7 +123,7 @@ class Trainer:
                     "(or build one by name with raytrain_events.algorithms.build_algorithm)."
                 )
 
-        self.parallel = Parallel(opts.parallelism, model)  # "ddp" (default), "fsdp" or an FSDPConfig
+        self.parallel = Parallel(opts.parallelism_spec, model)  # "ddp" (default), "fsdp" or an FSDPConfig
         self.parallel.check(algorithms)
         if auto_microbatching and self.parallel.sharded:
             raise ValueError(
@@ -143,7 +141,7 @@ class Trainer:
             max_duration=duration,
             train_dataloader=self.train_spec.dataloader if self.train_spec is not None else None,
             evaluators=ensure_evaluators(eval_dataloader),
-            grad_accum=initial_grad_accum,
+            grad_accum=opts.initial_grad_accum,
             precision=opts.precision,
             optimizers=optimizers,
             schedulers=None,

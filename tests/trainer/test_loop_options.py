@@ -65,6 +65,16 @@ def test_trainer_keywords_and_an_options_object_build_the_same_loop():
     assert mixed.state.grad_accum == 1 and mixed.state.max_duration == Time(3, "ba") and options.grad_accum == 2
 
 
+def test_values_the_loop_needs_are_resolved_once_on_the_options():
+    auto = LoopOptions(grad_accum="auto", parallelism="fsdp", compile={"mode": "default"})
+    assert auto.auto_microbatching and auto.initial_grad_accum == 1
+    assert auto.parallelism_spec.sharded and auto.compile_kwargs == {"mode": "default"}
+    plain = dataclasses.replace(auto, grad_accum=4, parallelism="ddp", compile=False)  # resolved again
+    assert not plain.auto_microbatching and plain.initial_grad_accum == 4
+    assert not plain.parallelism_spec.sharded and plain.compile_kwargs is None
+    assert spec(grad_accum="auto").describe()["grad_accum"] == "auto"  # the config keeps the value as given
+
+
 def test_default_seed_makes_two_trainers_repeat_and_none_leaves_the_generators_alone():
     trainer(max_duration="1ep")
     first = torch.rand(3)
