@@ -13,7 +13,7 @@ from raytrain_events.core.logger import Logger, LoggerDestination
 from raytrain_events.core.precision import Precision
 from raytrain_events.core.state import State
 from raytrain_events.core.time import Time, Timestamp, TimeUnit, ensure_time
-from raytrain_events.trainer import Evaluator, Trainer, seed_everything
+from raytrain_events.trainer import Evaluator, LoopOptions, Trainer, seed_everything
 
 __version__ = "0.1.0"
 
@@ -33,6 +33,7 @@ __all__ = [
     "Timestamp",
     "Trace",
     "Trainer",
+    "LoopOptions",
     "ensure_time",
     "seed_everything",
     "RayTrainer",

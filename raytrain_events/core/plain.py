@@ -8,6 +8,7 @@ imported when the value is one of its containers.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import inspect
 import math
@@ -43,6 +44,8 @@ def to_plain(value: Any, *, fallback: Callable[[Any], Any] = str, resolve: bool 
     """
     if value is None:
         return None
+    if isinstance(value, enum.Enum):  # a str-valued Enum (Precision) by its value, not str()'s "Precision.FP32"
+        return to_plain(value.value, fallback=fallback, resolve=resolve)
     for scalar in _SCALARS:  # subclasses (IntEnum, numpy's float64) become the plain type
         if isinstance(value, scalar):
             return scalar(value)

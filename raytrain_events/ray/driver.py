@@ -225,7 +225,7 @@ class RayTrainer:
         show_bar = self.spec.progress_bar
         show_bar = sys.stderr.isatty() if show_bar is None else show_bar  # by default where someone watches
         progress = self._progress = RunProgress(self.spec.max_duration, self.run_name) if show_bar else None
-        loggers = RunLoggers(self.spec.loggers, step=self.spec.log_step, hyperparameters=self.describe())
+        loggers = RunLoggers(self.spec.driver_loggers, step=self.spec.log_step, hyperparameters=self.describe())
         consumers = ([progress] if progress is not None else []) + ([loggers] if loggers.destinations else [])
         try:
             with HistoryFollower(history, consumers):

@@ -3,9 +3,11 @@
 Every option of a Ray run is a field here, with its default and its meaning (``help``). The rest
 is derived from these fields: `RayTrainer(**options)` builds a `RunSpec` (its keyword arguments are
 exactly these fields), `RunSpec.describe` is the run's config.yaml, a Tune trial's overrides are
-`RunSpec.replace` (``dataclasses.replace``, so they are validated again), and the worker maps the
-spec to its `Trainer` in one function (`raytrain_events.ray.worker.build_worker_trainer`).
-Adding an option = one field here + the place that uses it.
+`RunSpec.replace` (``dataclasses.replace``, so they are validated again), and the worker builds
+its `Trainer` from the spec in one function (`raytrain_events.ray.worker.build_worker_trainer`).
+The loop's own options are inherited from `raytrain_events.trainer.options.LoopOptions`, the one
+definition `Trainer` uses too; the worker passes the spec to its `Trainer` as those options.
+Adding a Ray option = one field here + the place that uses it (a loop option: a `LoopOptions` field).
 
 Models, optimizers and schedulers travel as factories (functions called on the worker), so a
 large model is never pickled on the driver and each worker builds its own on its own device.
@@ -15,29 +17,32 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import inspect
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
-from raytrain_events.core.time import Time, TimeUnit, ensure_time, training_duration
+from raytrain_events.core.time import TimeUnit, ensure_time
+from raytrain_events.core.time_value import check_countable
+from raytrain_events.trainer.options import LoopOptions, option
 
 __all__ = ["RunSpec", "option_names"]
 
 Factory = Callable[..., Any]
 
 
-def _opt(default: Any = dataclasses.MISSING, *, help: str, worker: bool = True, factory: Any = None) -> Any:
-    """A `RunSpec` field: ``help`` documents it; ``worker=False`` keeps it on the driver only."""
-    metadata = {"help": help, "worker": worker}
-    if factory is not None:
-        return field(default_factory=factory, metadata=metadata)
-    return field(default=default, metadata=metadata)
+_opt = option  # a RunSpec field: `LoopOptions`' own field helper (help, and worker=False for driver-only)
 
 
-@dataclass
-class RunSpec:
+@dataclass(kw_only=True)
+class RunSpec(LoopOptions):
     """Everything a `RayTrainer` run needs; each field is also a `RayTrainer` keyword argument.
+
+    The loop's options (``max_duration``, ``eval_interval``, ``grad_accum``, ``precision``,
+    ``parallelism``, ``compile``, ``seed``, ``config``) are the inherited `LoopOptions` fields: the
+    same names, defaults and checks as `Trainer`'s, and the worker hands this spec to its `Trainer`
+    as its ``options``. ``max_duration`` is required here (a Ray run always trains).
 
     Validated on construction (and on every `replace`), so bad input fails on the driver with a
     message naming the option, before any worker starts.
@@ -51,32 +56,18 @@ class RunSpec:
         "the driver when the run starts); every name besides 'train' is an eval set",
         worker=False,
     )
-    max_duration: Time = _opt(help="how long to train: '10ep', '500ba', '1e6sp', '1e9tok'")
     batch_size: int = _opt(64, help="rows per worker per batch")
     schedulers: Optional[Any] = _opt(None, help="schedulers(optimizers, config) -> scheduler(s), or ready schedules")
     algorithms: Union[Sequence[Any], Factory] = _opt(
         (), help="algorithm instances or specs ('label_smoothing', {'name': 'mixup', 'alpha': 0.2}), or a factory"
     )
     callbacks: Union[Sequence[Any], Factory] = _opt((), help="callback instances, or callbacks(config) -> list")
-    config: Dict[str, Any] = _opt(
-        help="the job's own config: passed to the factories and saved with the run", factory=dict
-    )
     # -- the loop -----------------------------------------------------------------------------
     eval_batch_size: Optional[int] = _opt(None, help="eval rows per worker per batch (default: batch_size)")
-    eval_interval: Any = _opt("1ep", help="how often to evaluate the eval sets: '1ep', '100ba', ...")
     eval_options: Dict[str, Dict[str, Any]] = _opt(
         help="per eval set, Evaluator options: {'val': {'eval_interval': '100ba', 'subset_num_batches': 5}}",
         factory=dict,
     )
-    compile: Any = _opt(False, help="torch.compile the model on each worker: True, or a dict of torch.compile options")
-    grad_accum: Union[int, str] = _opt(
-        1, help="micro-batches per optimizer step, or 'auto': double them on a device out-of-memory error"
-    )
-    precision: str = _opt("fp32", help="'fp32', 'amp_fp16' or 'amp_bf16'")
-    parallelism: Any = _opt(
-        "ddp", help="'ddp' (a model replica per worker), or 'fsdp' / an FSDPConfig: shard the model over the workers"
-    )
-    seed: Optional[int] = _opt(0, help="seed for weights (the same on every rank) and shuffling; None: unseeded")
     get_num_tokens_in_batch: Optional[Callable[[Any], int]] = _opt(
         None, help="fn(batch) -> tokens in it; needed to count tokens (and for durations in 'tok')"
     )
@@ -130,7 +121,7 @@ class RunSpec:
     verbose: bool = _opt(
         False, help="also show Ray's own log lines on the terminal (they always go to Ray's log files)", worker=False
     )
-    loggers: Sequence[Any] = _opt(
+    driver_loggers: Sequence[Any] = _opt(
         (),
         help="logger destinations (FileLogger, TensorBoardLogger, MLFlowLogger, WandBLogger), fed on the driver "
         "once per report with metrics reduced across ranks",
@@ -143,11 +134,12 @@ class RunSpec:
     )
 
     def __post_init__(self) -> None:
-        # Checked once here; the driver's progress bar and the workers' Trainer receive this Time.
-        self.max_duration = training_duration(self.max_duration, counts_tokens=self.get_num_tokens_in_batch is not None)
-        from raytrain_events.parallel.config import parse_parallelism
-
-        parse_parallelism(self.parallelism)  # a bad value fails here, on the driver
+        # The loop options, checked once here (LoopOptions); the driver's progress bar and the workers'
+        # Trainer receive the typed values (max_duration a Time).
+        super().__post_init__()
+        if self.max_duration is None:
+            raise TypeError("RayTrainer needs max_duration (e.g. max_duration='2ep').")
+        check_countable(self.max_duration, counts_tokens=self.get_num_tokens_in_batch is not None, what="max_duration")
         for name, options in (self.eval_options or {}).items():
             unknown = sorted(set(options) - {"eval_interval", "subset_num_batches", "metric_names"})
             if unknown:
@@ -155,12 +147,6 @@ class RunSpec:
                     f"eval_options[{name!r}] has unknown keys {unknown}: use eval_interval, subset_num_batches, "
                     "metric_names."
                 )
-        from raytrain_events.trainer.compiling import compile_options
-        from raytrain_events.trainer.microbatching import parse_grad_accum
-
-        compile_options(self.compile)
-
-        parse_grad_accum(self.grad_accum)
         if self.report_interval is not None:
             ensure_time(self.report_interval, TimeUnit.BATCH)
         if self.hang_timeout is not None and (
@@ -189,9 +175,8 @@ class RunSpec:
             self.checkpoint = dataclasses.replace(self.checkpoint, lock_run_dir=False)
         self.storage_path = storage_root(self.storage_path)
         self.storage_options = dict(self.storage_options or {})
-        self.config = dict(self.config or {})
         self.run_name = self.run_name or datetime.datetime.now().strftime("run-%Y%m%d-%H%M%S")
-        self.loggers = list(self.loggers or ())
+        self.driver_loggers = list(self.driver_loggers or ())
         if self.log_step not in ("sample", "batch", "token", "epoch"):
             raise ValueError(f"log_step={self.log_step!r}: use 'sample', 'batch', 'token' or 'epoch'.")
 
@@ -240,6 +225,8 @@ class RunSpec:
         """``RunSpec(**options)``, with unknown names reported against the known options."""
         check_option_names(options, where)
         missing = [f.name for f in dataclasses.fields(cls) if _required(f) and f.name not in options]
+        if options.get("max_duration") is None:  # optional in LoopOptions (eval-only Trainers), not here
+            missing.append("max_duration")
         if missing:
             raise TypeError(
                 f"{where} needs {', '.join(missing)} (e.g. model=..., optimizers=..., "
@@ -344,8 +331,25 @@ def option_names() -> List[str]:
     return [f.name for f in dataclasses.fields(RunSpec)]
 
 
+# Options renamed, old spelling -> new: the old one fails with a TypeError naming the new one.
+RENAMED_OPTIONS = {
+    # `Trainer(loggers=...)` feeds the rank-0 loop; a Ray run's loggers are fed on the driver.
+    "loggers": "driver_loggers",
+}
+
+
 def check_option_names(names: Any, where: str) -> None:
-    """Raise a TypeError naming any of ``names`` that is not a `RunSpec` option."""
+    """Raise a TypeError naming any of ``names`` that is not a `RunSpec` option (and a renamed one's new name)."""
+    renamed = [n for n in names if n in RENAMED_OPTIONS]
+    if renamed:
+        raise TypeError(
+            "; ".join(
+                f"{where} got {old!r}, which was renamed {RENAMED_OPTIONS[old]!r}: pass {RENAMED_OPTIONS[old]}=[...] "
+                "(logger destinations fed on the driver with metrics reduced across ranks)"
+                for old in renamed
+            )
+            + "."
+        )
     known = option_names()
     unknown = [n for n in names if n not in known]
     if unknown:
@@ -353,6 +357,21 @@ def check_option_names(names: Any, where: str) -> None:
             f"{where} got {', '.join(map(repr, unknown))}, which is not a RayTrainer argument; "
             f"the arguments (RunSpec fields) are: {', '.join(known)}."
         )
+
+
+def _checked_init(init: Callable[..., None]) -> Callable[..., None]:
+    """`RunSpec`'s generated ``__init__`` behind `check_option_names`: a renamed or unknown option's
+    TypeError names the fix, where the dataclass would only say "unexpected keyword argument"."""
+
+    @functools.wraps(init)
+    def __init__(self: RunSpec, **options: Any) -> None:
+        check_option_names(options, "RunSpec")
+        init(self, **options)
+
+    return __init__
+
+
+RunSpec.__init__ = _checked_init(RunSpec.__init__)  # type: ignore[method-assign]
 
 
 def _required(f: dataclasses.Field) -> bool:

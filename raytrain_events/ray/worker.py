@@ -24,8 +24,9 @@ __all__ = ["train_loop_per_worker", "build_worker_trainer"]
 def build_worker_trainer(spec: RunSpec) -> Trainer:
     """Build this worker's `Trainer` from the `RunSpec` (inside a Ray Train worker).
 
-    The one place that maps run options to the loop: a new `RunSpec` option the worker needs is
-    used here.
+    The objects (model, optimizers, data, callbacks) are built here from the spec's factories; the
+    loop options travel as they are (``options=spec``: a `RunSpec` is a `LoopOptions`), so a new
+    loop option needs no change here.
     """
     import ray.train
     import ray.train.torch
@@ -77,25 +78,18 @@ def build_worker_trainer(spec: RunSpec) -> Trainer:
     return Trainer(
         model=model,
         train_dataloader=DataSpec(train, get_num_tokens_in_batch=spec.get_num_tokens_in_batch),
-        max_duration=spec.max_duration,
         optimizers=optimizers,
         schedulers=schedulers,
         eval_dataloader=evaluators or None,
-        eval_interval=spec.eval_interval,
-        grad_accum=spec.grad_accum,
-        compile=spec.compile,
-        precision=spec.precision,
-        parallelism=spec.parallelism,
         algorithms=algorithms,
         callbacks=list(callbacks)
         + [RayReporter(interval=spec.report_interval, every_s=spec.report_every_s)]  # preemption: `guards`
         + guards,
-        seed=spec.seed,
         device=device,
         dist=dist,
-        run_name=spec.run_name,
+        run_name=spec.run_name or "run",
         checkpoint=checkpoint,
-        config=spec.config,
+        options=spec,  # a RunSpec is the run's LoopOptions, checked once on the driver
     )
 
 

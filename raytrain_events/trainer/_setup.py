@@ -3,7 +3,7 @@ from torch objects or `State` functions, epoch hand-off to loaders, and the dura
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
 
@@ -11,9 +11,11 @@ from raytrain_events.core.data_spec import DataSpec, ensure_data_spec
 from raytrain_events.core.interval import IntervalFn, make_interval
 from raytrain_events.core.state import State
 from raytrain_events.core.time import Time, Timestamp, training_duration
+from raytrain_events.core.time_value import check_countable
 
 if TYPE_CHECKING:
-    from raytrain_events.trainer.trainer import Trainer
+    from raytrain_events.dist import Dist
+    from raytrain_events.parallel.wrap import Parallel
 
 __all__ = [
     "as_list",
@@ -23,36 +25,38 @@ __all__ = [
     "set_duration",
     "set_epoch",
     "train_inputs",
+    "TrainingHost",
     "wrap_for_training",
 ]
 
 
 def train_inputs(
-    train_dataloader: Any, max_duration: Union[str, int, Time[Any], None], optimizers: Any
+    train_dataloader: Any, max_duration: Optional[Time[Any]], optimizers: Any
 ) -> Tuple[Optional[DataSpec], Optional[Time[Any]]]:
-    """The train data as a `DataSpec` and ``max_duration`` as a checked `Time`.
+    """The train data as a `DataSpec`, and ``max_duration`` (checked by `LoopOptions`) countable on it.
 
     Without train data (a Trainer for ``eval()``/``predict()`` only), ``max_duration`` and
     ``optimizers`` may be omitted: the data spec (and the duration, if omitted) is None.
     """
     if train_dataloader is None:
-        return None, None if max_duration is None else training_duration(max_duration)
+        return None, max_duration
     if max_duration is None:
         raise ValueError("train_dataloader given without max_duration: pass max_duration='10ep' (or '500ba', ...).")
     if optimizers is None:
         raise ValueError("No optimizers given: pass optimizers=torch.optim.AdamW(model.parameters(), lr=...).")
     spec = ensure_data_spec(train_dataloader)
-    return spec, training_duration(max_duration, counts_tokens=spec.counts_tokens)
+    check_countable(max_duration, counts_tokens=spec.counts_tokens, what="max_duration")  # `tok` needs a counter
+    return spec, max_duration
 
 
-def check_can_fit(trainer: Trainer) -> None:
-    """Raise if ``fit`` cannot run on this Trainer (built for eval/predict only), naming what it lacks and the fix."""
+def check_can_fit(train_spec: Optional[DataSpec], state: State) -> None:
+    """Raise if ``fit`` cannot run (a Trainer built for eval/predict only), naming what it lacks and the fix."""
     missing = [
         name
         for name, value in (
-            ("train_dataloader", trainer.train_spec),
-            ("max_duration", trainer.state.max_duration),
-            ("optimizers", trainer.state.optimizers or None),
+            ("train_dataloader", train_spec),
+            ("max_duration", state.max_duration),
+            ("optimizers", state.optimizers or None),
         )
         if value is None
     ]
@@ -79,14 +83,18 @@ def eval_intervals(
     ]
 
 
-def set_duration(trainer: Trainer, duration: Union[str, int, Time[Any], None], reset_time: bool) -> None:
-    """The ``max_duration`` of a further fit: now + ``duration``, or ``duration`` from zero with ``reset_time``."""
-    state, spec = trainer.state, trainer.train_spec
-    assert state.max_duration is not None and spec is not None  # fit checked (check_can_fit)
+def set_duration(
+    state: State, counts_tokens: bool, duration: Union[str, int, Time[Any], None], reset_time: bool
+) -> None:
+    """The ``max_duration`` of a further fit: now + ``duration``, or ``duration`` from zero with ``reset_time``.
+
+    ``counts_tokens``: whether the train data counts tokens (a duration in ``tok`` needs it).
+    """
+    assert state.max_duration is not None  # fit checked (check_can_fit)
     length = (
         state.max_duration
         if duration is None
-        else training_duration(duration, counts_tokens=spec.counts_tokens, what="fit(duration)")
+        else training_duration(duration, counts_tokens=counts_tokens, what="fit(duration)")
     )
     if reset_time:
         state.timestamp = Timestamp()
@@ -154,7 +162,16 @@ def set_epoch(loader: Any, epoch: int) -> None:
             return
 
 
-def wrap_for_training(trainer: Trainer, counted: bool) -> Tuple[torch.nn.Module, Optional[Any]]:
+class TrainingHost(Protocol):
+    """What `wrap_for_training` reads: the loop's state, process group, parallelism and device."""
+
+    state: State
+    dist: Dist
+    parallel: Parallel
+    device: torch.device
+
+
+def wrap_for_training(host: TrainingHost, counted: bool) -> Tuple[torch.nn.Module, Optional[Any]]:
     """The module the loop calls for training, and the DDP wrapper if that is what it is.
 
     ``counted``: under DDP on the CPU, wrap a `CountedModule`, whose extra parameter carries the
@@ -167,11 +184,11 @@ def wrap_for_training(trainer: Trainer, counted: bool) -> Tuple[torch.nn.Module,
 
     from raytrain_events.trainer.counters import CountedModule
 
-    state, dist, parallel = trainer.state, trainer.dist, trainer.parallel
+    state, dist, parallel, device = host.state, host.dist, host.parallel, host.device
     find_unused = any(a.find_unused_parameters for a in state.algorithms)
     model = state.model
-    on_host = trainer.device.type == "cpu"
+    on_host = device.type == "cpu"
     if counted and on_host and not find_unused and dist.is_distributed and not parallel.sharded:
         model = CountedModule(model, dist.world_size)
-    wrapped = parallel.wrap(model, dist, trainer.device, find_unused, state.optimizers)
+    wrapped = parallel.wrap(model, dist, device, find_unused, state.optimizers)
     return wrapped, wrapped if isinstance(wrapped, DistributedDataParallel) else None

@@ -26,19 +26,20 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Protocol, Sequence, Union
 
 import torch
 
 from raytrain_events.core.event import Event
 from raytrain_events.dist import Dist
+from raytrain_events.trainer.options import AUTO
 
 if TYPE_CHECKING:
-    from raytrain_events.trainer.trainer import Trainer
+    from raytrain_events.core.logger import Logger
+    from raytrain_events.core.state import State
 
-__all__ = ["AUTO", "parse_grad_accum", "AutoMicrobatching", "DeferredCounters"]
+__all__ = ["AUTO", "Accumulate", "parse_grad_accum", "AutoMicrobatching", "DeferredCounters"]
 
-AUTO = "auto"
 _log = logging.getLogger(__name__)
 
 
@@ -94,11 +95,31 @@ class DeferredCounters:
         return sums
 
 
-class AutoMicrobatching:
-    """Runs a batch's microbatches, doubling their number after a device OOM on any rank."""
+class Accumulate(Protocol):
+    """The loop's forward/backward of ``state.batch`` in ``grad_accum`` microbatches (sets ``state.loss``)."""
 
-    def __init__(self, trainer: Trainer, counters: DeferredCounters, ddp: Any) -> None:
-        self.trainer = trainer
+    def __call__(
+        self,
+        grad_accum: int,
+        active: Mapping[Event, bool],
+        autocast: Optional[contextlib.AbstractContextManager[Any]],
+        create_graph: bool,
+    ) -> None: ...
+
+
+class AutoMicrobatching:
+    """Runs a batch's microbatches, doubling their number after a device OOM on any rank.
+
+    It sees what it needs of the loop, not the `Trainer`: the `State` (batch, ``grad_accum``,
+    optimizers), the loop's ``accumulate`` and the `Logger` it reports a new ``grad_accum`` to.
+    """
+
+    def __init__(
+        self, *, state: State, accumulate: Accumulate, logger: Logger, counters: DeferredCounters, ddp: Any
+    ) -> None:
+        self.state = state
+        self._accumulate = accumulate
+        self.logger = logger
         self.counters = counters
         self.ddp = ddp  # the DDP wrapper whose reduction this replaces, or None
 
@@ -109,13 +130,13 @@ class AutoMicrobatching:
         create_graph: bool,
     ) -> None:
         """Forward/backward of ``state.batch`` until every rank got through; then sync gradients."""
-        trainer, state = self.trainer, self.trainer.state
+        state = self.state
         full_batch, samples = state.batch, state.batch_num_samples
         while True:
             pieces = min(state.grad_accum, samples)  # a short last batch may need fewer pieces
             oom = False
             try:
-                trainer.accumulate(pieces, active, autocast, create_graph)
+                self._accumulate(pieces, active, autocast, create_graph)
             except torch.OutOfMemoryError:
                 oom = True  # leave the except block first: its traceback holds the attempt's tensors
             if oom:
@@ -139,13 +160,13 @@ class AutoMicrobatching:
                 state.step,
                 state.grad_accum,
             )
-            trainer.logger.log_metrics({"trainer/grad_accum": state.grad_accum}, step=state.step)
+            self.logger.log_metrics({"trainer/grad_accum": state.grad_accum}, step=state.step)
         if self.ddp is not None:
             self._sync(self.ddp)
 
     def _free(self, full_batch: Any) -> None:
         """Drop what the failed attempt built: outputs, loss, gradients, cached device blocks."""
-        state = self.trainer.state
+        state = self.state
         state.outputs = state.loss = None
         state.batch = full_batch
         for optimizer in state.optimizers:

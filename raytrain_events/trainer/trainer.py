@@ -23,7 +23,7 @@ from raytrain_events.core.callback import Callback
 from raytrain_events.core.data_spec import DataSpec
 from raytrain_events.core.engine import AlgorithmPass, Engine
 from raytrain_events.core.event import Event
-from raytrain_events.core.interval import IntervalFn, is_done
+from raytrain_events.core.interval import is_done
 from raytrain_events.core.logger import Logger, LoggerDestination
 from raytrain_events.core.precision import Precision, autocast_context
 from raytrain_events.core.state import State
@@ -40,11 +40,12 @@ from raytrain_events.trainer._setup import (
     train_inputs,
     wrap_for_training,
 )
-from raytrain_events.trainer.compiling import compile_model, compile_options
+from raytrain_events.trainer.compiling import compile_model
 from raytrain_events.trainer.counters import BatchCounters, Counters
 from raytrain_events.trainer.epoch_start import epoch_iterator
 from raytrain_events.trainer.evaluation import ensure_evaluators, run_evaluation
-from raytrain_events.trainer.microbatching import AUTO, AutoMicrobatching, DeferredCounters, parse_grad_accum
+from raytrain_events.trainer.microbatching import AutoMicrobatching, DeferredCounters
+from raytrain_events.trainer.options import LoopOptions
 from raytrain_events.trainer.predict import run_predict
 from raytrain_events.trainer.seed import seed_everything
 from raytrain_events.trainer.stepping import step_optimizers
@@ -93,32 +94,28 @@ class Trainer:
         *,
         model: torch.nn.Module,
         train_dataloader: Union[Iterable[Any], DataSpec, None] = None,
-        max_duration: Union[str, int, Time[Any], None] = None,
         optimizers: Any = None,
         schedulers: Any = None,
         eval_dataloader: Any = None,
-        eval_interval: Union[str, int, Time[Any], IntervalFn] = "1ep",
-        grad_accum: Union[int, str] = 1,
-        precision: Union[str, Precision] = "fp32",
         algorithms: Sequence[Algorithm] = (),
         callbacks: Sequence[Callback] = (),
         loggers: Sequence[LoggerDestination] = (),
-        seed: Optional[int] = None,
         device: Union[str, torch.device, None] = None,
         dist: Optional[Dist] = None,
         run_name: str = "run",
         checkpoint: Any = None,
         algorithm_passes: Optional[Sequence[AlgorithmPass]] = None,
-        config: Optional[Dict[str, Any]] = None,
-        parallelism: Any = None,
-        compile: Union[bool, Dict[str, Any]] = False,
+        options: Optional[LoopOptions] = None,
+        **loop_options: Any,
     ) -> None:
+        """``loop_options``: the `LoopOptions` fields as keywords (``max_duration``, ``eval_interval``,
+        ``grad_accum``, ``precision``, ``parallelism``, ``compile``, ``seed``, ``config``), each
+        with its default and meaning there; they replace those of ``options`` when both are given."""
         check_model(model)
+        self.options = opts = LoopOptions.build(options, loop_options)
         # None (with max_duration and optimizers possibly None too): a Trainer for eval()/predict() only.
-        self.train_spec, duration = train_inputs(train_dataloader, max_duration, optimizers)
-        compile_kwargs = compile_options(compile)
-        auto_microbatching = grad_accum == AUTO
-        initial_grad_accum = parse_grad_accum(grad_accum)
+        self.train_spec, duration = train_inputs(train_dataloader, opts.max_duration, optimizers)
+        compile_kwargs, auto_microbatching = opts.compile_kwargs, opts.auto_microbatching
         for algorithm in algorithms:
             if not isinstance(algorithm, Algorithm):
                 raise TypeError(
@@ -126,7 +123,7 @@ class Trainer:
                     "(or build one by name with raytrain_events.algorithms.build_algorithm)."
                 )
 
-        self.parallel = Parallel(parallelism, model)  # "ddp" (default), "fsdp" or an FSDPConfig
+        self.parallel = Parallel(opts.parallelism_spec, model)  # "ddp" (default), "fsdp" or an FSDPConfig
         self.parallel.check(algorithms)
         if auto_microbatching and self.parallel.sharded:
             raise ValueError(
@@ -135,17 +132,17 @@ class Trainer:
             )
         self.dist = dist if dist is not None else default_dist(torch.device(device) if device is not None else None)
         self.device = torch.device(device) if device is not None else self.dist.device
-        self.config = dict(config or {})
-        if seed is not None:
-            seed_everything(seed + self.dist.rank)
+        self.config = opts.config
+        if opts.seed is not None:
+            seed_everything(opts.seed + self.dist.rank)
         self.parallel.place(model, self.device)  # not a meta-device model: that one is materialised in wrap
         self.state = State(
             model=model,
             max_duration=duration,
             train_dataloader=self.train_spec.dataloader if self.train_spec is not None else None,
             evaluators=ensure_evaluators(eval_dataloader),
-            grad_accum=initial_grad_accum,
-            precision=precision,
+            grad_accum=opts.initial_grad_accum,
+            precision=opts.precision,
             optimizers=optimizers,
             schedulers=None,
             algorithms=algorithms,
@@ -153,13 +150,13 @@ class Trainer:
             rank=self.dist.rank,
             world_size=self.dist.world_size,
             run_name=run_name,
-            seed=seed,
+            seed=opts.seed,
         )
         self.state.schedulers = build_schedulers(as_list(schedulers), self.state)
         if self.state.precision is Precision.AMP_FP16:
             self.state.scaler = torch.amp.GradScaler(self.device.type)
         counts_tokens = self.train_spec is not None and self.train_spec.counts_tokens
-        self._eval_intervals = eval_intervals(eval_interval, self.state.evaluators, duration, counts_tokens)
+        self._eval_intervals = eval_intervals(opts.eval_interval, self.state.evaluators, duration, counts_tokens)
         self.logger = Logger(loggers if self.dist.rank == 0 else ())
         self.engine = Engine(state=self.state, logger=self.logger, algorithm_passes=algorithm_passes)
         self._checkpointer: Optional[Checkpointer] = None
@@ -176,7 +173,13 @@ class Trainer:
         if auto_microbatching:  # forward/backward run no collective, so a rank can retry after OOM
             self.state.auto_microbatching = True
             self._counters: Counters = DeferredCounters(self.dist)
-            self._auto = AutoMicrobatching(self, self._counters, self._ddp)
+            self._auto = AutoMicrobatching(
+                state=self.state,
+                accumulate=self._accumulate,
+                logger=self.logger,
+                counters=self._counters,
+                ddp=self._ddp,
+            )
             self._train_model = self._ddp.module if self._ddp is not None else self._train_model
         else:
             # Per-batch sums across ranks: on DDP's gradient all-reduce when possible (no collective of their own).
@@ -205,7 +208,7 @@ class Trainer:
         starts the Timestamp at zero again (a new phase, e.g. fine-tuning), for ``duration`` or the
         old ``max_duration``. Callbacks and loggers are closed at the end of each fit and reopened.
         """
-        check_can_fit(self)  # a Trainer built for eval()/predict() only says what it lacks
+        check_can_fit(self.train_spec, self.state)  # a Trainer built for eval()/predict() only says what it lacks
         if self._fitted:
             if duration is None and not reset_time:
                 raise RuntimeError(
@@ -214,7 +217,9 @@ class Trainer:
                 )
             self._reopen()
         if duration is not None or reset_time:
-            set_duration(self, duration, reset_time)
+            set_duration(
+                self.state, self.train_spec is not None and self.train_spec.counts_tokens, duration, reset_time
+            )
         self._fitted = True
         try:
             self._fit()
@@ -371,9 +376,9 @@ class Trainer:
         if self._auto is not None:
             self._auto.accumulate(active, autocast, create_graph)
         else:
-            self.accumulate(self.state.grad_accum, active, autocast, create_graph)
+            self._accumulate(self.state.grad_accum, active, autocast, create_graph)
 
-    def accumulate(
+    def _accumulate(
         self,
         grad_accum: int,
         active: Mapping[Event, bool],

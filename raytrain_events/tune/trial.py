@@ -301,12 +301,12 @@ def trial_retention_and_loggers(
         )
         if retention is not None:
             changes["checkpoint"] = retention
-    if spec.loggers:
+    if spec.driver_loggers:
         from raytrain_events.ray.run_loggers import name_destination
         from raytrain_events.tune.console import trial_label
 
         name = re.sub(r"[^A-Za-z0-9_.=+-]+", "_", f"{trial_folder}-{trial_label(dict(config))}").strip("_")
-        changes["loggers"] = [name_destination(d, name) for d in spec.loggers]
+        changes["driver_loggers"] = [name_destination(d, name) for d in spec.driver_loggers]
     return spec.replace(**changes) if changes else spec
 
 

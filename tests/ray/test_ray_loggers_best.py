@@ -1,6 +1,6 @@
 """One 2-worker RayTrainer run for two features: loggers on Ray and best checkpoints by metric.
 
-* ``loggers=[TensorBoardLogger]``: the event files hold one series per metric (not one per rank),
+* ``driver_loggers=[TensorBoardLogger]``: the event files hold one series per metric (not one per rank),
   each point once per report round, with the global sample count as its step.
 * ``CheckpointConfig(keep_best=1, metric=..., mode="max")`` through a run whose metric goes up then
   down: the best checkpoint and the newest one survive, the others are pruned, and
@@ -90,7 +90,7 @@ def test_tensorboard_series_per_metric_and_keep_best_through_up_then_down(tmp_pa
         checkpoint=CheckpointConfig(
             save_interval="1ep", keep_best=1, metric="metrics/eval/score", mode="max", save_every_n_seconds=None
         ),
-        loggers=[TensorBoardLogger(tb_dir, flush_secs=1)],
+        driver_loggers=[TensorBoardLogger(tb_dir, flush_secs=1)],
         log_step="sample",
     ).fit()
 

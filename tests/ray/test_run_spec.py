@@ -90,12 +90,15 @@ def test_describe_covers_every_option_as_plain_data():
 
 def test_workers_get_no_driver_only_options():
     spec = _spec(
-        datasets={"train": object(), "eval": object()}, ray_callbacks=[object()], progress_bar=True, loggers=[object()]
+        datasets={"train": object(), "eval": object()},
+        ray_callbacks=[object()],
+        progress_bar=True,
+        driver_loggers=[object()],
     )
     shipped = spec.for_workers(steps_per_epoch=5)
     assert shipped.datasets == {"train": None, "eval": None} and shipped.eval_names == ["eval"]
     assert shipped.ray_callbacks == () and shipped.progress_bar is None and shipped.steps_per_epoch == 5
-    assert shipped.loggers == []  # loggers run on the driver, fed from the aggregated history
+    assert shipped.driver_loggers == []  # driver_loggers run on the driver, fed from the aggregated history
     assert shipped.run_url == spec.run_url
 
 
