@@ -417,7 +417,9 @@ class Checkpointer(Callback):
 
     def _reported(self, url: str, job: Callable[[], Any]) -> Callable[[], Any]:
         """A background save that, if it fails for good, says so on the console (an error log line),
-        records it in ``failures`` and re-raises to its waiter (Ray's registration), not to training."""
+        records it in ``failures`` and the folder's index (the run report lists it), and re-raises to
+        its waiter (Ray's registration), not to training."""
+        batch = self.host.state.timestamp.get_value(TimeUnit.BATCH)
 
         def run() -> Any:
             try:
@@ -425,6 +427,8 @@ class Checkpointer(Callback):
             except Exception as e:
                 self.failures.append((url, f"{type(e).__name__}: {e}"))
                 _log.error("Checkpoint save %s failed (training goes on; the next save tries again): %s", url, e)
+                if self.host.state.rank == 0:  # listed in the index (for the run report) at its next write
+                    self.committer.record_failure(url, batch, f"{type(e).__name__}: {e}")
                 raise
 
         return run
@@ -447,6 +451,8 @@ class Checkpointer(Callback):
         try:
             if self._writer is not None:
                 self._writer.close()
+            if self.host.state.rank == 0:
+                self.committer.flush()  # failed saves not yet written with a commit
         finally:
             if self._lock is not None:
                 lock, self._lock = self._lock, None

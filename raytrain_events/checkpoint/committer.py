@@ -5,11 +5,14 @@ files and write the manifest (``writer.py``), retrying transient storage errors 
 deadline (``retry.py``); then add the checkpoint to the folder's `CheckpointIndex` (one PUT) and
 prune to ``keep`` from that index. Nothing older is listed or read, so a commit costs the same
 with 1 or 10,000 checkpoints behind it. A save that fails for good leaves the index and every
-committed checkpoint as they were: the previous checkpoint stays "latest".
+committed checkpoint as they were: the previous checkpoint stays "latest"; it is listed in the
+index's ``failed`` (`record_failure`), written with the next commit or at `flush` (the run's end).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any, Dict, List, Optional
 
 from raytrain_events.checkpoint.index import CheckpointIndex
@@ -22,6 +25,8 @@ from raytrain_events.storage.exp_dir import run_url_of_checkpoints
 from raytrain_events.storage.locks import acquire_lock
 
 __all__ = ["Committer"]
+
+_log = logging.getLogger(__name__)
 
 
 class Committer:
@@ -74,6 +79,18 @@ class Committer:
                 pass  # an earlier process of this run marked it already
             self._marked = True
         return info
+
+    def record_failure(self, url: str, batch: Optional[int], error: str) -> None:
+        """Note a save that failed for good in the index (no I/O now: the store is likely down)."""
+        try:
+            self.index.add_failure(url, batch, error, time.time())
+        except Exception as e:  # the index could not even be loaded: the log line is the record
+            _log.warning("Could not record the failed save %s in the checkpoint index: %s", url, e)
+
+    def flush(self) -> None:
+        """Write failures recorded since the last commit (the run's end; one PUT, best effort)."""
+        if self._index is not None and self._index.unsaved:
+            self._index.save()
 
     def _upload(
         self,

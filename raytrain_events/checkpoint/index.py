@@ -12,6 +12,9 @@ checkpoint) to prune and to find "latest", so a run's commits grew with its hist
 * A commit then adds its entry in memory and rewrites ``index.json`` atomically (one PUT); it
   never lists or reads older checkpoints. A failed index write is logged and ignored: the
   commit itself (the manifest) is what counts, and the next start reconciles.
+* Saves that failed for good are listed too (``failed``: name, batch, error, time), so the run
+  report can show them; they are written with the next index update (a commit, or the run's
+  end) -- not at the failure, when the store is likely still down.
 * Retention (`prune`) deletes the oldest entries it holds, manifest first, without rescanning.
   It runs only after a commit succeeded, so while uploads fail nothing is deleted.
 
@@ -74,6 +77,8 @@ class CheckpointIndex:
         self.entries: list[IndexEntry] = []
         self.leftovers: list[str] = []  # URLs of uncommitted directories seen at load
         self.infos: dict[str, CheckpointInfo] = {}  # manifests read while reconciling (not read again)
+        self.failed: list[dict[str, Any]] = []  # saves that failed for good: name, batch, error, time
+        self.unsaved = False  # `failed` changed since the last write
 
     @classmethod
     def load(cls, root_url: str, storage_options: dict[str, Any] | None = None) -> CheckpointIndex:
@@ -107,6 +112,7 @@ class CheckpointIndex:
             data = json.loads(read_bytes(fs, join(root, INDEX_FILE), single_get=True))
             if data.get("version") != _INDEX_VERSION:
                 raise ValueError(f"version {data.get('version')!r}")
+            self.failed = [dict(f) for f in data.get("failed", [])]
             return {
                 e["name"]: IndexEntry(str(e["name"]), int(e["batch"]), float(e["created"])) for e in data["entries"]
             }
@@ -132,12 +138,18 @@ class CheckpointIndex:
         self.entries = sorted([e for e in self.entries if e.name != entry.name] + [entry], key=lambda e: e.key)
         self.save()
 
+    def add_failure(self, url: str, batch: int | None, error: str, when: float) -> None:
+        """Record a save that failed for good (written with the next `save`)."""
+        self.failed.append({"name": basename(url), "batch": batch, "error": error, "time": when})
+        self.unsaved = True
+
     def save(self) -> None:
         """Write ``index.json`` atomically; a failure is logged (the next load rebuilds it)."""
-        body = {"version": _INDEX_VERSION, "entries": [e.__dict__ for e in self.entries]}
+        body = {"version": _INDEX_VERSION, "entries": [e.__dict__ for e in self.entries], "failed": self.failed}
         try:
             fs, root = resolve(self.root_url, self.options)
             write_bytes_atomic(fs, join(root, INDEX_FILE), json.dumps(body, separators=(",", ":")).encode())
+            self.unsaved = False
         except Exception as e:  # the manifest committed the checkpoint; the index is a cache of the folder
             _log.warning(
                 "Could not update the checkpoint index of %s (rebuilt at the next start): %s", self.root_url, e

@@ -7,7 +7,9 @@ until ``CheckpointConfig.upload_deadline_s`` has passed since its first attempt,
 good (the `Checkpointer` reports it and the next save tries again).
 
 Retried: transient I/O (``ConnectionError``, timeouts, ``StorageError`` and other ``OSError``s,
-botocore/aiohttp errors). Not retried: errors a retry cannot fix -- a missing file or bucket,
+botocore/aiohttp errors), and the object store's own "try again" answers: an HTTP 5xx or a
+throttling code (``503 SlowDown``, which s3fs turns into ``OSError(EBUSY)`` caused by botocore's
+``ClientError`` -- a ``ClientError`` is not a ``BotoCoreError``, so it once failed the save at once). Not retried: errors a retry cannot fix -- a missing file or bucket,
 denied access, a full or read-only disk, and our own ``CheckpointError``s (an unsafe or
 mismatched checkpoint) -- they fail at once. Retrying is safe because a checkpoint directory is
 new for each save, payload uploads are atomic overwrites, and the commit (the manifest) is
@@ -31,6 +33,9 @@ T = TypeVar("T")
 _log = logging.getLogger(__name__)
 _PERMANENT_OS = (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError, NotADirectoryError)
 _PERMANENT_ERRNO = {errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EACCES, errno.ENOENT}
+_TRANSIENT_ERRNO = {errno.EBUSY, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED, errno.EPIPE}
+# S3's "slow down / try again" error codes (returned with 503, or 400 for some throttles)
+_RETRY_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestLimitExceeded"}
 
 
 def _library_transient() -> tuple[type[BaseException], ...]:
@@ -64,6 +69,12 @@ def is_transient(error: BaseException) -> bool:
             return False
         if isinstance(error, _TRANSIENT):
             return True
+        if isinstance(error, OSError) and error.errno in _TRANSIENT_ERRNO:
+            return True
+        response = getattr(error, "response", None)  # botocore's ClientError: the store's answer
+        if isinstance(response, dict) and isinstance(response.get("Error"), dict):
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode") or 0
+            return response["Error"].get("Code") in _RETRY_CODES or int(status) >= 500
         if isinstance(error, OSError):
             cause = error.__cause__ or error.__context__
             if cause is None:

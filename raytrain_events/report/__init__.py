@@ -5,7 +5,9 @@
 * a **run directory** (``config.yaml`` and ``history.jsonl`` written by `RayTrainer`): train
   loss and every eval metric against global samples (and tokens when counted), the learning
   rate, throughput with checkpoints and restarts marked on the time axis, goodput with each
-  restart's cause and time lost (`raytrain_events.report.goodput`), the checkpoints and the run config;
+  restart's cause and time lost (`raytrain_events.report.goodput`), the checkpoints, the
+  checkpoint saves that failed for good (from ``checkpoints/index.json``) and the run config;
+  a run directory with only checkpoints (a local `Trainer` run) gets the checkpoint sections;
 * a **sweep directory** (trial folders with ``raytrain_trial.json``, written by
   `raytrain_events.tune.sweep`): one figure comparing the algorithm sets (the metric against
   global samples, a line per trial, the best thick), the results table sorted by the metric, and
@@ -31,6 +33,7 @@ __all__ = ["write_report", "append_history", "read_history", "HISTORY_FILE", "RE
 REPORT_FILE = "report.html"
 SWEEP_FILE = "sweep.json"  # metric and mode of a sweep, written by the sweep
 TRIAL_RECORD = "raytrain_trial.json"
+_INDEX = "checkpoints/index.json"  # the checkpoint index (`raytrain_events.checkpoint.index`)
 
 
 def write_report(
@@ -54,7 +57,7 @@ def write_report(
     trials = _trial_records(fs, root)
     if trials:
         kind, title, sections, files = "sweep", *_sweep_report(url, options, trials, metric, mode)
-    elif fs.exists(join(root, HISTORY_FILE)) or fs.exists(join(root, "config.yaml")):
+    elif any(fs.exists(join(root, name)) for name in (HISTORY_FILE, "config.yaml", _INDEX)):
         kind, title, sections, files = "run", *_run_report(url, options)
     else:
         raise FileNotFoundError(
@@ -117,11 +120,40 @@ def _run_report(url: str, options: Dict[str, Any]) -> Tuple[str, List[str], Dict
                 ],
             )
         )
+    sections += _failed_saves_section(url, options)
     if config is not None:
         import yaml
 
         sections += ["<h2>Run config</h2>", html.pre(yaml.safe_dump(config, sort_keys=False, default_flow_style=False))]
     return f"Run report: {name}", sections, files
+
+
+def _failed_saves_section(url: str, options: Dict[str, Any]) -> List[str]:
+    """The saves that failed for good (training went on; the previous checkpoint stayed "latest")."""
+    from raytrain_events.storage.fs import join, read_bytes, resolve
+
+    fs, path = resolve(join(url, _INDEX), options)
+    try:
+        failed = json.loads(read_bytes(fs, path)).get("failed") or []
+    except (FileNotFoundError, ValueError, AttributeError):
+        return []
+    if not failed:
+        return []
+    rows = [[f.get("name"), f.get("batch"), _utc(f.get("time")), f.get("error")] for f in failed]
+    return [
+        "<h2>Failed checkpoint saves</h2>",
+        f"<p>{len(failed)} save(s) failed for good after retrying until the upload deadline; training went on "
+        "and the previous committed checkpoint stayed the one to resume from.</p>",
+        html.table(["checkpoint", "batch", "failed at (UTC)", "error"], rows),
+    ]
+
+
+def _utc(seconds: Any) -> Optional[str]:
+    import datetime
+
+    if not is_finite_number(seconds):
+        return None
+    return datetime.datetime.fromtimestamp(float(seconds), datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def _goodput_sections(url: str, options: Dict[str, Any], history: List[Dict[str, Any]], files: Dict[str, bytes]):

@@ -16,6 +16,13 @@ these functions, so the atomicity rules live in one place:
   that honours it: AWS S3, MinIO, moto).
   Other backends fall back to exists-check + write + read-back (a documented race window).
 * Backend errors other than "not found"/"exists" become ``StorageError`` naming the URL.
+* A write to an async object store (s3fs, gcsfs, adlfs) has a deadline (`write_timeout_s`):
+  the client's connect and read timeouts plus one second per MiB. botocore sends every PUT
+  with ``Expect: 100-continue``, and aiohttp arms its read timeout only after the body is
+  sent, so against a black-holed network the PUT waited for "100 Continue" forever (seen
+  through tests/faultproxy.py: a save hung, and with it every later save and the run's end).
+  Past the deadline the write fails with fsspec's ``FSTimeoutError`` (an
+  ``asyncio.TimeoutError``: retried by checkpoint saves) and the request is cancelled.
 
 Usage::
 
@@ -169,7 +176,7 @@ def write_bytes_atomic(fs: Any, path: str, data: bytes) -> None:
         if isinstance(fs, LocalFileSystem):
             _local_replace(path, data)
         else:
-            fs.pipe_file(path, bytes(data))
+            fs.pipe_file(path, bytes(data), **_deadline(fs, len(data)))
 
 
 class AtomicLocalFile:
@@ -259,7 +266,7 @@ def write_bytes_create_only(fs: Any, path: str, data: bytes, *, crc32: int | Non
                 raise FileExistsError(path)
         elif is_s3(fs) and _has_create_mode(fs):
             checksum = {} if crc32 is None else {"ChecksumCRC32": s3_checksum(crc32)}
-            fs.pipe_file(path, bytes(data), mode="create", **checksum)  # If-None-Match: *
+            fs.pipe_file(path, bytes(data), mode="create", **checksum, **_deadline(fs, len(data)))  # If-None-Match
         else:
             if fs.exists(path):
                 raise FileExistsError(path)
@@ -311,6 +318,23 @@ def _cat_kwargs(fs: Any, size_hint: int | None, end: int | None = None) -> dict[
     ):
         return {"max_concurrency": 1}
     return {}
+
+
+_MIN_WRITE_RATE = 1 << 20  # bytes/s: a write slower than this (beyond the timeouts) is stalled
+_BOTOCORE_TIMEOUT_S = 60.0  # botocore's default connect and read timeouts
+
+
+def write_timeout_s(fs: Any, nbytes: int) -> float:
+    """The deadline of one write of ``nbytes`` (see the module docstring)."""
+    config = getattr(fs, "config_kwargs", None) or {}
+    connect = float(config.get("connect_timeout") or _BOTOCORE_TIMEOUT_S)
+    read = float(config.get("read_timeout") or _BOTOCORE_TIMEOUT_S)
+    return connect + read + nbytes / _MIN_WRITE_RATE
+
+
+def _deadline(fs: Any, nbytes: int) -> dict[str, Any]:
+    """``timeout=`` for fsspec's sync wrapper of an async filesystem; nothing for others."""
+    return {"timeout": write_timeout_s(fs, nbytes)} if getattr(fs, "async_impl", False) else {}
 
 
 def _has_create_mode(fs: Any) -> bool:

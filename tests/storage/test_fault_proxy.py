@@ -1,0 +1,93 @@
+"""`FaultProxy` itself: each fault does what it says, seen through s3fs against the local S3 server."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import s3fs
+
+from tests.faultproxy import FaultProxy, proxied_options
+
+SIZE = 300_000
+
+
+@pytest.fixture
+def proxy(s3_server):
+    with FaultProxy(s3_server["endpoint"]) as p:
+        yield p
+
+
+def _fs(proxy, s3_server, **kw):
+    fs = s3fs.S3FileSystem(**proxied_options(proxy, s3_server, **kw))
+    fs.retries = 1  # s3fs's own retries off: each fault reaches the test at once
+    return fs
+
+
+def _path(s3_server):
+    return f"{s3_server['bucket']}/proxy-{uuid.uuid4().hex}"
+
+
+def test_passes_traffic_through_when_healthy(proxy, s3_server):
+    fs, path = _fs(proxy, s3_server), _path(s3_server)
+    fs.pipe(path, b"x" * SIZE)
+    assert fs.cat(path) == b"x" * SIZE and proxy.requests >= 2
+
+
+def test_slowdown_answers_503_to_the_next_k_requests(proxy, s3_server):
+    fs, path = _fs(proxy, s3_server), _path(s3_server)
+    proxy.slowdown(2)
+    for _ in range(2):
+        with pytest.raises(OSError) as raised:
+            fs.pipe(path, b"y" * SIZE)
+        assert "SlowDown" in repr(raised.value.__cause__) or "reduce your request rate" in str(raised.value)
+    fs.pipe(path, b"y" * SIZE)  # the third goes through
+    assert proxy.slowdowns_sent == 2 and fs.cat(path) == b"y" * SIZE
+
+
+def test_cut_resets_a_connection_mid_upload(proxy, s3_server):
+    fs, path = _fs(proxy, s3_server), _path(s3_server)
+    fs.ls(s3_server["bucket"])  # an open connection, then cut every upload after 10 kB of it
+    proxy.cut(after_bytes=10_000)
+    with pytest.raises(Exception):  # aiohttp retries a request on a fresh connection once: cut too
+        fs.pipe(path, b"z" * SIZE)
+    assert proxy.cuts_done >= 1
+    proxy.heal()
+    assert not fs.exists(path)  # the truncated upload stored nothing
+    cuts = proxy.cuts_done
+    proxy.cut(after_bytes=10_000, times=1)
+    fs.pipe(path, b"z" * SIZE)  # one cut: the HTTP client's own retry gets through
+    assert proxy.cuts_done == cuts + 1 and fs.cat(path) == b"z" * SIZE
+
+
+def test_cut_open_connections_drops_keepalive_connections(proxy, s3_server):
+    fs = _fs(proxy, s3_server)
+    fs.ls(s3_server["bucket"])
+    assert proxy.cut_open_connections() >= 1
+
+
+def test_blackhole_times_the_client_out_then_heals(proxy, s3_server):
+    fs, path = _fs(proxy, s3_server, read_timeout_s=1.0), _path(s3_server)
+    fs.pipe(path, b"w")
+    proxy.blackhole(3.0)
+    start = time.monotonic()
+    with pytest.raises(Exception):
+        fs.cat(path)
+    took = time.monotonic() - start
+    assert 0.9 <= took < 3.0, took  # the read timeout fired, nothing answered
+    time.sleep(max(0.0, 3.3 - took))
+    assert fs.cat(path) == b"w"
+
+
+def test_bandwidth_cap_slows_transfers(proxy, s3_server):
+    fs, path = _fs(proxy, s3_server, read_timeout_s=10.0), _path(s3_server)
+    proxy.bandwidth(200_000)
+    start = time.monotonic()
+    fs.pipe(path, b"v" * SIZE)
+    capped = time.monotonic() - start
+    proxy.heal()
+    start = time.monotonic()
+    fs.pipe(path, b"v" * SIZE)
+    free = time.monotonic() - start
+    assert capped >= 1.2 and free < capped / 2, (capped, free)  # 300 kB at 200 kB/s: >= 1.5 s
