@@ -161,21 +161,30 @@ class CheckpointIndex:
         if keep < 1:
             raise ValueError(f"prune(keep={keep}) would delete every checkpoint. Fix: pass keep >= 1.")
         doomed, self.entries = self.entries[:-keep], self.entries[-keep:]
-        urls = [self.url(e) for e in doomed]
-        for url in urls:
-            delete_checkpoint(url, storage_options=self.options)
+        deleted = self._delete_each([self.url(e) for e in doomed])
         if doomed:
             self.save()
         newest = self.newest()
-        return urls + (self.drop_leftovers_below(newest.batch) if newest is not None else [])
+        return deleted + (self.drop_leftovers_below(newest.batch) if newest is not None else [])
 
     def drop_leftovers_below(self, batch: int) -> list[str]:
         """Delete uncommitted directories (crashed saves) of batches below ``batch``; their URLs."""
         stale = [u for u in self.leftovers if _batch_of(u) < batch]
         self.leftovers = [u for u in self.leftovers if u not in stale]
-        for url in stale:
-            delete_checkpoint(url, storage_options=self.options)
-        return stale
+        return self._delete_each(stale)
+
+    def _delete_each(self, urls: list[str]) -> list[str]:
+        """Delete what retention dropped; returns the URLs deleted. Best effort: a delete that fails
+        (an outage) is logged and left for the next start's listing to find again, never raised into
+        the commit before it (that checkpoint is committed whatever happens here)."""
+        deleted = []
+        for url in urls:
+            try:
+                delete_checkpoint(url, storage_options=self.options)
+                deleted.append(url)
+            except Exception as e:
+                _log.warning("Retention could not delete %s (%s); it is found again at the next start.", url, e)
+        return deleted
 
 
 def _batch_of(url: str) -> int:

@@ -118,3 +118,27 @@ def test_an_uncommitted_directory_is_a_leftover_and_pruned_below_the_newest(tmp_
     deleted = index.prune(1)
     assert sorted(sfs.basename(u) for u in deleted) == sorted([old.name, "ckpt-000000000003-deadbeef"])
     assert (tmp_path / "checkpoints" / "ckpt-000000000009-deadbeef").exists()
+
+
+def test_a_delete_that_fails_during_retention_does_not_fail_the_commit(tmp_path, monkeypatch, caplog):
+    """Retention runs after a commit: an outage while deleting old checkpoints is logged, and the
+    checkpoint it could not delete is found again (and pruned) at the next start, not lost."""
+    import raytrain_events.checkpoint.index as index_module
+
+    url = str(tmp_path / "checkpoints")
+    committer = Committer(url, {}, keep=1, deadline_s=0)
+    infos = [_save(url, b) for b in (1, 2)]
+    committer.index.add(infos[0])
+
+    def down(*args, **kwargs):
+        raise OSError("503 SlowDown")
+
+    monkeypatch.setattr(index_module, "delete_checkpoint", down)
+    committer.index.add(infos[1])
+    assert committer.index.prune(1) == []  # nothing deleted, nothing raised
+    assert "Retention could not delete" in caplog.text and infos[0].name in caplog.text
+    assert latest_checkpoint(url).name == infos[1].name
+    monkeypatch.undo()
+    index = CheckpointIndex.load(url)  # the next start: the folder still holds both
+    assert [e.name for e in index.entries] == [i.name for i in infos]
+    assert [sfs.basename(u) for u in index.prune(1)] == [infos[0].name]
