@@ -139,6 +139,27 @@ class ShardedCheckpointIO:
         return [entry for rank_entries in gathered for entry in rank_entries]
 
     # ------------------------------------------------------------------ load
+    def shared_metadata(self, url: str) -> Any:
+        """The checkpoint's DCP `Metadata`, read and verified (safe unpickler) by rank 0 alone and
+        broadcast: one ``.metadata`` read per load instead of two per rank. An error on rank 0
+        (refused, missing) is raised on every rank, so no rank waits for the others."""
+        from raytrain_events.checkpoint.safe_dcp import SafeDCPReader
+
+        if not self.distributed:
+            return SafeDCPReader(url, **self.options).read_metadata()
+        import torch.distributed as tdist
+
+        shared: List[Any] = [None]
+        if tdist.get_rank() == 0:
+            try:
+                shared[0] = SafeDCPReader(url, **self.options).read_metadata()
+            except Exception as e:  # every rank raises it
+                shared[0] = e
+        tdist.broadcast_object_list(shared, src=0, group=self.group)
+        if isinstance(shared[0], BaseException):
+            raise shared[0]
+        return shared[0]
+
     def load(self, info: CheckpointInfo, rest: Dict[str, Any], *, strict: bool, weights_only: bool) -> None:
         """Load a sharded checkpoint into the trainer (any rank count, DDP or FSDP)."""
         import torch.distributed.checkpoint as dcp
@@ -153,8 +174,7 @@ class ShardedCheckpointIO:
         from raytrain_events.checkpoint.safe_dcp import SafeDCPReader, SafeLoadPlanner
 
         state = self.trainer.state
-        reader = SafeDCPReader(info.url, **self.options)
-        metadata = reader.read_metadata()
+        metadata = self.shared_metadata(info.url)
         model_sd = get_model_state_dict(state.model)
         _check_model_keys(info.url, metadata, model_sd, strict)
         target: Dict[str, Any] = {"model": model_sd}
@@ -166,7 +186,7 @@ class ShardedCheckpointIO:
         with _plain_errors("Loading", info.url):
             dcp.load(
                 target,
-                storage_reader=SafeDCPReader(info.url, **self.options),
+                storage_reader=SafeDCPReader(info.url, metadata, **self.options),
                 planner=SafeLoadPlanner(),
                 process_group=self.group,
                 no_dist=not self.distributed,
