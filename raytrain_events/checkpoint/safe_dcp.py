@@ -112,12 +112,19 @@ class SafeDCPReader(FsspecReader):
     bytes of each saved tensor that this rank needs (``ranged_dcp.py``).
 
     ``metadata``: the checkpoint's `Metadata` read and verified already (by one rank, then shared):
-    ``read_metadata`` returns it instead of reading ``.metadata`` again.
+    ``read_metadata`` returns it instead of reading ``.metadata`` again. ``expected``: the manifest's
+    entry for ``.metadata``; its size and checksum are checked after the safe unpickling.
     """
 
-    def __init__(self, path: Any, metadata: Optional[Metadata] = None, **storage_options: Any) -> None:
+    def __init__(
+        self,
+        path: Any,
+        metadata: Optional[Metadata] = None,
+        expected: Optional[FileEntry] = None,
+        **storage_options: Any,
+    ) -> None:
         super().__init__(path, **storage_options)
-        self.shared_metadata = metadata
+        self.shared_metadata, self.expected = metadata, expected
         self.metadata: Optional[Metadata] = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -129,7 +136,10 @@ class SafeDCPReader(FsspecReader):
             return metadata
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as stream:
-            metadata = load_metadata_safely(io.BytesIO(stream.read()), os.fspath(path))
+            raw = stream.read()
+        metadata = load_metadata_safely(io.BytesIO(raw), os.fspath(path))
+        if self.expected is not None:
+            _verify(raw, self.expected, os.fspath(path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -185,6 +195,19 @@ class _Chunk:
 
     dtype: torch.dtype
     sizes: tuple
+
+
+def _verify(raw: bytes, entry: FileEntry, where: str) -> None:
+    from raytrain_events.checkpoint.checksums import checksum
+    from raytrain_events.checkpoint.manifest import CheckpointCorruptError
+
+    algorithm, expected = entry.checksum
+    digest = checksum(algorithm, raw) if expected else ""
+    if len(raw) != entry.size or digest != expected:
+        raise CheckpointCorruptError(
+            f"The DCP metadata {where!r} does not match the checkpoint's manifest (expected {entry.size} bytes "
+            f"with {algorithm} {expected}, got {len(raw)} bytes with {digest}). Fix: load an older checkpoint."
+        )
 
 
 def _load_bytes_safely(value: io.BytesIO, fqn: str) -> Any:

@@ -139,20 +139,23 @@ class ShardedCheckpointIO:
         return [entry for rank_entries in gathered for entry in rank_entries]
 
     # ------------------------------------------------------------------ load
-    def shared_metadata(self, url: str) -> Any:
-        """The checkpoint's DCP `Metadata`, read and verified (safe unpickler) by rank 0 alone and
-        broadcast: one ``.metadata`` read per load instead of two per rank. An error on rank 0
-        (refused, missing) is raised on every rank, so no rank waits for the others."""
+    def shared_metadata(self, info: CheckpointInfo) -> Any:
+        """The checkpoint's DCP `Metadata`, read and verified (safe unpickler, then the manifest's
+        size and checksum) by rank 0 alone and broadcast: one ``.metadata`` read per load instead
+        of two per rank. An error on rank 0 (refused, corrupt, missing) is raised on every rank,
+        so no rank waits for the others."""
         from raytrain_events.checkpoint.safe_dcp import SafeDCPReader
 
+        expected = next((f for f in info.files if f.name == ".metadata"), None)
+        url = info.url
         if not self.distributed:
-            return SafeDCPReader(url, **self.options).read_metadata()
+            return SafeDCPReader(url, expected=expected, **self.options).read_metadata()
         import torch.distributed as tdist
 
         shared: List[Any] = [None]
         if tdist.get_rank() == 0:
             try:
-                shared[0] = SafeDCPReader(url, **self.options).read_metadata()
+                shared[0] = SafeDCPReader(url, expected=expected, **self.options).read_metadata()
             except Exception as e:  # every rank raises it
                 shared[0] = e
         tdist.broadcast_object_list(shared, src=0, group=self.group)
@@ -174,7 +177,7 @@ class ShardedCheckpointIO:
         from raytrain_events.checkpoint.safe_dcp import SafeDCPReader, SafeLoadPlanner
 
         state = self.trainer.state
-        metadata = self.shared_metadata(info.url)
+        metadata = self.shared_metadata(info)
         model_sd = get_model_state_dict(state.model)
         _check_model_keys(info.url, metadata, model_sd, strict)
         target: Dict[str, Any] = {"model": model_sd}

@@ -67,3 +67,12 @@ def wide_load(rank: int, world_size: int, folder: str, width: int, storage_optio
     out["loaded"] = trainer._checkpointer.loaded.name
     trainer.close()
     return out
+
+
+def wide_load_error(rank: int, world_size: int, folder: str, width: int) -> str:
+    """Autoresume from ``folder``, expecting an error: ``"<type>: <message>"``."""
+    try:
+        wide_trainer(rank, folder, width, True).close()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
