@@ -12,7 +12,9 @@ every checkpoint; the manifest's ``metadata["layout"]`` is ``"dcp"``)::
 Model and optimizer state go through ``torch.distributed.checkpoint.state_dict`` (parameter
 names as keys, for DDP and FSDP alike), so a checkpoint saved by N ranks loads on M ranks and
 into the other strategy: DCP reads, on each rank, the parts of the saved shards that overlap
-what that rank holds. No rank gathers the full model. Loading goes through `SafeDCPReader` and
+what that rank holds: rank 0 alone reads and verifies ``.metadata`` and broadcasts it, and each
+rank reads only the bytes of the saved shards it needs (ranged reads, ``ranged_dcp.py``), so an
+N -> M reshard reads about 1x the checkpoint in total. No rank gathers the full model. Loading goes through `SafeDCPReader` and
 `SafeLoadPlanner` (``safe_dcp.py``): nothing in a crafted checkpoint runs.
 
 Async save: the tensors are copied to CPU memory (pinned where CUDA exists) on the training
