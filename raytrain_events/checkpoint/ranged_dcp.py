@@ -132,9 +132,9 @@ def parse_layout(length: int, head: bytes, tail: bytes) -> Optional[TensorLayout
             if data is None or stride != _contiguous_strides(size) or data.file_size != numel * _itemsize(dtype):
                 return None
             return TensorLayout(_data_start(window, data), int(record.storage_offset), size, dtype)
-    except (_Miss, zipfile.BadZipFile, pickle.UnpicklingError, struct.error, ValueError, TypeError, AttributeError):
-        return None
-    except (EOFError, IndexError, KeyError):
+    except (_Miss, zipfile.BadZipFile, pickle.UnpicklingError, struct.error, EOFError, LookupError):
+        return None  # not a plain one-tensor item, or it needs bytes outside the probes: read it whole
+    except (ValueError, TypeError, AttributeError):
         return None
 
 
