@@ -15,10 +15,19 @@ Per-request formulas (printed next to the measurement, extrapolated to W=512 ran
   are O(files of the deleted checkpoint), not O(H)).
   latest: before 2 x W x (1 LIST + H GETs);  ours 1 GET + 1 LIST + 1 GET, once.
 
-Not measured here (left open, see the README section): multi-rank gloo saves and ranged reshard
-bytes; the training thread's blocking time per save is ``checkpoint_io.py``'s third measurement.
+``--reshard`` (issue 28 item 1): bytes read per rank and in total when a checkpoint saved by N
+spawned gloo ranks (FSDP2, AdamW, EMA; file://) autoresumes on M ranks, for 8 -> 6, 4 -> 8 and
+8 -> 3, counted at the fsspec layer (``tests/parallel/io_count.py``). ``before`` runs the same
+load with the previous read path put back in the ranks: every rank reads ``.metadata`` itself
+(twice) and DCP's reader reads every overlapping saved item whole. Formulas, for dim-0 shards of
+C bytes of tensors, g = gcd(N, M), meta(N) the ``.metadata`` size (linear in N):
+  before: C * (N + M - g) / N + 2 * M * meta(N);  ours: C + (N + M - g) * K * 2 KiB + meta(N)
+(K tensor items; 2 KiB: the head/tail probes of ``ranged_dcp.py``), extrapolated to 512 ranks.
 
-Run: ``PYTHONPATH=$PWD python bench/checkpoint_scale.py [--history 1 10 50]``
+Not measured here (left open, see the README section): multi-rank gloo saves; the training
+thread's blocking time per save is ``checkpoint_io.py``'s third measurement.
+
+Run: ``PYTHONPATH=$PWD python bench/checkpoint_scale.py [--history 1 10 50] [--reshard [--width 512]]``
 """
 
 from __future__ import annotations
@@ -95,11 +104,95 @@ def run(history: list, ranks: int = 512, big_h: int = 1000) -> None:
         print(f"  start-up 'latest' requests, all ranks: before {2 * ranks * (1 + big_h)}, ours 3")
 
 
+def before_load(rank: int, world_size: int, folder: str, width: int) -> dict:
+    """``wide_load`` with the read path of before issue 28 item 1 put back in this rank."""
+    from raytrain_events._torch_compat import FsspecReader
+    from raytrain_events.checkpoint import safe_dcp, sharded
+    from tests.parallel.reshard_workloads import wide_load
+
+    init = safe_dcp.SafeDCPReader.__init__
+
+    def every_rank_reads(self, path, metadata=None, expected=None, **options):
+        init(self, path, None, expected, **options)
+
+    def own_metadata(self, info):
+        return safe_dcp.SafeDCPReader(info.url, **self.options).read_metadata()
+
+    safe_dcp.SafeDCPReader.__init__ = every_rank_reads  # DCP's load reads .metadata again
+    safe_dcp.SafeDCPReader.read_data = FsspecReader.read_data  # whole saved items
+    sharded.ShardedCheckpointIO.shared_metadata = own_metadata
+    return wide_load(rank, world_size, folder, width)
+
+
+def _chunks(url: str) -> int:
+    from raytrain_events.checkpoint.safe_dcp import load_metadata_safely
+
+    with open(os.path.join(url, ".metadata"), "rb") as f:
+        metadata = load_metadata_safely(f, url)
+    return sum(len(getattr(item, "chunks", ())) or 1 for item in metadata.state_dict_metadata.values())
+
+
+def _dcp_read(counts: dict) -> int:
+    return sum(n for name, n in counts["bytes"].items() if name.endswith(".distcp") or name == ".metadata")
+
+
+def reshard(pairs: list, width: int, ranks: int = 512) -> None:
+    import math
+    import tempfile
+
+    from raytrain_events.checkpoint import list_checkpoints
+    from tests.parallel.reshard_workloads import wide_load, wide_save
+    from tests.parallel.spawn import run_ranks
+
+    print(f"reshard bytes (file://, width {width}; DCP files only: .distcp + .metadata)")
+    print(f"{'N -> M':>8} | {'ckpt MiB':>8} {'.metadata KiB':>13} | {'per rank max (before/ours) MiB':>30} |")
+    sizes = {}
+    for n, m in pairs:
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = os.path.join(tmp, "checkpoints")
+            run_ranks(n, wide_save, folder, width)
+            info = list_checkpoints(folder)[-1]
+            meta = next(f.size for f in info.files if f.name == ".metadata")
+            total = sum(f.size for f in info.files if f.name.endswith(".distcp")) + meta
+            sizes[n] = (total, meta, _chunks(info.url))
+            got = {}
+            for arm, fn in (("before", before_load), ("ours", wide_load)):
+                per_rank = [_dcp_read(r["counts"]) for r in run_ranks(m, fn, folder, width)]
+                got[arm] = (max(per_rank), sum(per_rank))
+        mib = 2**20
+        print(
+            f"{n:>3} -> {m:<2} | {total / mib:8.2f} {meta / 1024:13.1f} | "
+            f"{got['before'][0] / mib:14.2f} / {got['ours'][0] / mib:13.2f} | total read "
+            f"before {got['before'][1] / total:.2f}x, ours {got['ours'][1] / total:.2f}x of the checkpoint"
+        )
+    per_chunk = max(meta / chunks for _, meta, chunks in sizes.values())
+    c0 = sizes[max(sizes)][0]
+    print(f"\n.metadata: {per_chunk:.0f} B per saved chunk (measured). Extrapolated by the formulas in the docstring:")
+    for label, c, k in ((f"this model, C = {c0 / 2**20:.1f} MiB, K = 16", c0, 16), (_BIG, 840e9, 2160)):
+        print(f"  {label}")
+        for n, m in ((512, 448), (256, 512), (64, 512), (512, 384)):
+            g, meta = math.gcd(n, m), per_chunk * n * k
+            before = c * (n + m - g) / n + 2 * m * meta
+            ours = c + (n + m - g) * k * 2048 + meta
+            print(
+                f"    {n:>3} -> {m:<3}: before {before / c:6.2f}x, ours {ours / c:6.3f}x of the checkpoint "
+                f"(.metadata {meta / 2**20:.1f} MiB, read {2 * m} times before, once now)"
+            )
+
+
+_BIG = "70B-class: C = 840 GB (fp32 params + 2 Adam moments), K = 2160 sharded tensor items"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--history", type=int, nargs="+", default=[1, 10, 50])
+    parser.add_argument("--reshard", action="store_true", help="the N -> M reshard bytes instead")
+    parser.add_argument("--width", type=int, default=512)
     args = parser.parse_args()
-    run(args.history)
+    if args.reshard:
+        reshard([(8, 6), (4, 8), (8, 3)], args.width)
+    else:
+        run(args.history)
 
 
 if __name__ == "__main__":

@@ -186,8 +186,9 @@ class Checkpointer(Callback):
         return loaded.info
 
     def _read_latest(self, folder: str) -> Optional[LoadedCheckpoint]:
-        """The newest valid checkpoint of ``folder``, chosen once by rank 0 and shared (no rank but
-        rank 0 lists the folder); every rank then reads that checkpoint."""
+        """The newest valid checkpoint of ``folder``, chosen once by rank 0 and shared with its
+        manifest (no rank but rank 0 lists the folder or reads the manifest); every rank then reads
+        that checkpoint's files."""
         dist, rank = self.host.dist, self.host.state.rank
         own = folder == self.folder
         loaded: Optional[LoadedCheckpoint] = None
@@ -196,7 +197,7 @@ class Checkpointer(Callback):
             try:
                 index = self.committer.index if own else None
                 loaded = load_latest_valid(folder, storage_options=self.options, files=[STATE_FILE], index=index)
-                choice = None if loaded is None else loaded.info.url
+                choice = None if loaded is None else loaded.info
             except Exception as e:
                 if not dist.is_distributed:
                     raise
@@ -207,7 +208,7 @@ class Checkpointer(Callback):
             raise choice
         if rank == 0 or choice is None:
             return loaded
-        return read_checkpoint(choice, storage_options=self.options, files=[STATE_FILE], map_location="cpu")
+        return read_checkpoint_files(choice, storage_options=self.options, files=[STATE_FILE], map_location="cpu")
 
     def _read(self, url: str) -> Optional[LoadedCheckpoint]:
         try:  # a checkpoint directory, else a folder of them

@@ -18,6 +18,7 @@ Any fsspec URL works (``resolve`` of our storage layer picks the filesystem and 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import io
 import os
@@ -30,7 +31,9 @@ from typing import Any, Dict, Iterator, Optional
 import torch
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.futures import Future
 
 from raytrain_events._torch_compat import EmptyStateDictLoadPlanner as _EmptyStateDictLoadPlanner
 from raytrain_events._torch_compat import FsspecFileSystem as FileSystem
@@ -105,17 +108,106 @@ def load_metadata_safely(stream: Any, where: str) -> Metadata:
 
 
 class SafeDCPReader(FsspecReader):
-    """DCP's fsspec reader with `MetadataUnpickler` in place of ``pickle.load``."""
+    """DCP's fsspec reader with `MetadataUnpickler` in place of ``pickle.load``, reading only the
+    bytes of each saved tensor that this rank needs (``ranged_dcp.py``).
+
+    ``metadata``: the checkpoint's `Metadata` read and verified already (by one rank, then shared):
+    ``read_metadata`` returns it instead of reading ``.metadata`` again. ``expected``: the manifest's
+    entry for ``.metadata``; its size and checksum are checked after the safe unpickling.
+    """
+
+    def __init__(
+        self,
+        path: Any,
+        metadata: Optional[Metadata] = None,
+        expected: Optional[FileEntry] = None,
+        **storage_options: Any,
+    ) -> None:
+        super().__init__(path, **storage_options)
+        self.shared_metadata, self.expected = metadata, expected
+        self.metadata: Optional[Metadata] = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         require_safe_torch("a sharded checkpoint")  # DCP reads its tensors with the weights-only unpickler
+        if self.shared_metadata is not None:
+            metadata = copy.copy(self.shared_metadata)
+            metadata.storage_meta = copy.copy(metadata.storage_meta) or StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as stream:
-            metadata = load_metadata_safely(io.BytesIO(stream.read()), os.fspath(path))
+            raw = stream.read()
+        metadata = load_metadata_safely(io.BytesIO(raw), os.fspath(path))
+        if self.expected is not None:
+            _verify(raw, self.expected, os.fspath(path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self.metadata = metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Tensor items this rank needs only part of are read by ranged reads of that part; the
+        rest (byte items, whole or small items, anything unusual) by DCP's own reader."""
+        from raytrain_events.checkpoint import ranged_dcp
+
+        requests, rest = [], []
+        for req in plan.items:
+            chunk = self._chunk(req) if req.type != LoadItemType.BYTE_IO else None
+            if chunk is None:
+                rest.append(req)
+                continue
+            info = self.storage_data[req.storage_index]
+            requests.append((req, os.fspath(self.fs.concat_path(self.path, info.relative_path)), info, chunk))
+        ranged, whole = ranged_dcp.plan_reads(self.fs.fs, requests)
+        for read, tensor in zip(ranged, ranged_dcp.fetch(self.fs.fs, ranged)):
+            target = planner.resolve_tensor(read.request).detach()
+            if target.size() != tensor.size():
+                raise AssertionError(
+                    f"req {read.request.storage_index} mismatch sizes {target.size()} vs {tensor.size()}"
+                )
+            target.copy_(tensor)
+            planner.commit_tensor(read.request, target)
+        rest += whole
+        if not rest:
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
+        return super().read_data(dataclasses.replace(plan, items=rest), planner)
+
+    def _chunk(self, req: Any) -> Optional[_Chunk]:
+        item = self.metadata.state_dict_metadata.get(req.storage_index.fqn) if self.metadata else None
+        if not isinstance(item, TensorStorageMetadata):
+            return None
+        offsets = tuple(req.storage_index.offset or ())
+        for chunk in item.chunks:
+            if tuple(chunk.offsets) == offsets:
+                return _Chunk(item.properties.dtype, tuple(int(s) for s in chunk.sizes))
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chunk:
+    """The dtype and size of one saved chunk (what `ranged_dcp` checks the file against)."""
+
+    dtype: torch.dtype
+    sizes: tuple
+
+
+def _verify(raw: bytes, entry: FileEntry, where: str) -> None:
+    from raytrain_events.checkpoint.checksums import checksum
+    from raytrain_events.checkpoint.manifest import CheckpointCorruptError
+
+    algorithm, expected = entry.checksum
+    digest = checksum(algorithm, raw) if expected else ""
+    if len(raw) != entry.size or digest != expected:
+        raise CheckpointCorruptError(
+            f"The DCP metadata {where!r} does not match the checkpoint's manifest (expected {entry.size} bytes "
+            f"with {algorithm} {expected}, got {len(raw)} bytes with {digest}). Fix: load an older checkpoint."
+        )
 
 
 def _load_bytes_safely(value: io.BytesIO, fqn: str) -> Any:

@@ -12,7 +12,9 @@ every checkpoint; the manifest's ``metadata["layout"]`` is ``"dcp"``)::
 Model and optimizer state go through ``torch.distributed.checkpoint.state_dict`` (parameter
 names as keys, for DDP and FSDP alike), so a checkpoint saved by N ranks loads on M ranks and
 into the other strategy: DCP reads, on each rank, the parts of the saved shards that overlap
-what that rank holds. No rank gathers the full model. Loading goes through `SafeDCPReader` and
+what that rank holds: rank 0 alone reads and verifies ``.metadata`` and broadcasts it, and each
+rank reads only the bytes of the saved shards it needs (ranged reads, ``ranged_dcp.py``), so an
+N -> M reshard reads about 1x the checkpoint in total. No rank gathers the full model. Loading goes through `SafeDCPReader` and
 `SafeLoadPlanner` (``safe_dcp.py``): nothing in a crafted checkpoint runs.
 
 Async save: the tensors are copied to CPU memory (pinned where CUDA exists) on the training
@@ -139,6 +141,30 @@ class ShardedCheckpointIO:
         return [entry for rank_entries in gathered for entry in rank_entries]
 
     # ------------------------------------------------------------------ load
+    def shared_metadata(self, info: CheckpointInfo) -> Any:
+        """The checkpoint's DCP `Metadata`, read and verified (safe unpickler, then the manifest's
+        size and checksum) by rank 0 alone and broadcast: one ``.metadata`` read per load instead
+        of two per rank. An error on rank 0 (refused, corrupt, missing) is raised on every rank,
+        so no rank waits for the others."""
+        from raytrain_events.checkpoint.safe_dcp import SafeDCPReader
+
+        expected = next((f for f in info.files if f.name == ".metadata"), None)
+        url = info.url
+        if not self.distributed:
+            return SafeDCPReader(url, expected=expected, **self.options).read_metadata()
+        import torch.distributed as tdist
+
+        shared: List[Any] = [None]
+        if tdist.get_rank() == 0:
+            try:
+                shared[0] = SafeDCPReader(url, expected=expected, **self.options).read_metadata()
+            except Exception as e:  # every rank raises it
+                shared[0] = e
+        tdist.broadcast_object_list(shared, src=0, group=self.group)
+        if isinstance(shared[0], BaseException):
+            raise shared[0]
+        return shared[0]
+
     def load(self, info: CheckpointInfo, rest: Dict[str, Any], *, strict: bool, weights_only: bool) -> None:
         """Load a sharded checkpoint into the trainer (any rank count, DDP or FSDP)."""
         import torch.distributed.checkpoint as dcp
@@ -153,8 +179,7 @@ class ShardedCheckpointIO:
         from raytrain_events.checkpoint.safe_dcp import SafeDCPReader, SafeLoadPlanner
 
         state = self.trainer.state
-        reader = SafeDCPReader(info.url, **self.options)
-        metadata = reader.read_metadata()
+        metadata = self.shared_metadata(info)
         model_sd = get_model_state_dict(state.model)
         _check_model_keys(info.url, metadata, model_sd, strict)
         target: Dict[str, Any] = {"model": model_sd}
@@ -166,7 +191,7 @@ class ShardedCheckpointIO:
         with _plain_errors("Loading", info.url):
             dcp.load(
                 target,
-                storage_reader=SafeDCPReader(info.url, **self.options),
+                storage_reader=SafeDCPReader(info.url, metadata, **self.options),
                 planner=SafeLoadPlanner(),
                 process_group=self.group,
                 no_dist=not self.distributed,

@@ -72,6 +72,7 @@ def test_crafted_byte_item_is_refused_and_nothing_runs(tmp_path):
         if name == ".metadata" or name.endswith(".distcp"):
             os.remove(os.path.join(info.url, name))
     dcp.save({"model": model_sd, "optim": optim_sd, "extra": {}}, checkpoint_id=info.url, no_dist=True)
+    _reseal_manifest(info.url)  # as a crafter would: the manifest's checks pass, the pickle must not
 
     target = {"optim": {"param_groups": [{"lr": None}]}}
     dcp.load(target, checkpoint_id=info.url, no_dist=True)  # stock DCP: torch.load(weights_only=False) runs it
@@ -81,6 +82,23 @@ def test_crafted_byte_item_is_refused_and_nothing_runs(tmp_path):
     with pytest.raises(UnsafeCheckpointError, match="optim.param_groups.0.lr"):
         make_trainer(0, "fsdp", "2ba", checkpoint=_config(str(tmp_path / "ckpts")))
     assert not marker.exists()
+
+
+def _reseal_manifest(url: str) -> None:
+    """Rewrite the manifest's size and crc32 of every file to the files' current ones."""
+    import json
+
+    from raytrain_events.checkpoint.checksums import checksum
+
+    path = os.path.join(url, "manifest.json")
+    with open(path) as f:
+        manifest = json.load(f)
+    for entry in manifest["files"]:
+        with open(os.path.join(url, entry["name"]), "rb") as f:
+            data = f.read()
+        entry["size"], entry["crc32"] = len(data), checksum("crc32", data)
+    with open(path, "w") as f:
+        json.dump(manifest, f)
 
 
 def test_export_consolidates_a_sharded_checkpoint(tmp_path):
