@@ -43,7 +43,9 @@ def _attempts(history: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
         if "wall_time" not in entry or "time/batch" not in entry:
             continue
         number = int(entry.get("attempt", 1))
-        attempt = attempts.setdefault(number, {"attempt": number, "points": [], "start": None})
+        attempt = attempts.setdefault(number, {"attempt": number, "points": [], "start": None, "world": None})
+        if attempt["world"] is None and entry.get("world_size") is not None:
+            attempt["world"] = int(entry["world_size"])
         if attempt["start"] is None:
             resumed = int(entry.get("resumed_from_batch", 0))
             started = entry.get("attempt_started_at")
@@ -72,7 +74,9 @@ def _time_at(points: List[Point], batch: int, pace: float) -> float:
     return wall + (batch - last) * pace if batch > last else points[0][0] - (points[0][1] - batch) * pace
 
 
-def _cause(start: float, end: float, hangs: List[Dict[str, Any]], preemptions: List[Dict[str, Any]]) -> str:
+def _cause(
+    start: float, end: float, hangs: List[Dict[str, Any]], preemptions: List[Dict[str, Any]], worlds: Tuple[Any, Any]
+) -> str:
     for hang in hangs:
         if start <= hang.get("wall", -1) <= end:
             if hang.get("frame") is None:  # the rank wrote no stack: its process was frozen or stopped
@@ -83,6 +87,9 @@ def _cause(start: float, end: float, hangs: List[Dict[str, Any]], preemptions: L
             # A SIGTERM stops the ranks at the save; a notice saves, and the node's loss ends the group.
             how = "" if record.get("stopping") else f", saved at batch {record.get('saved_batch')}, then the node went"
             return f"preemption: {record.get('cause')} on rank {record.get('rank')}{how}"
+    before, after = worlds
+    if before is not None and after is not None and after > before:  # Ray's elastic resize: no failure
+        return f"resized: the group grew from {before} to {after} workers"
     return "a worker or node was lost"
 
 
@@ -134,7 +141,9 @@ def goodput(
                     "left_wall": left,
                     "back_wall": back,
                     "lost_s": max(0.0, back - left),
-                    "cause": _cause(start_wall, nxt["start"][0], list(hangs), list(preemptions)),
+                    "cause": _cause(
+                        start_wall, nxt["start"][0], list(hangs), list(preemptions), (attempt["world"], nxt["world"])
+                    ),
                 }
             )
     wall = attempts[-1]["points"][-1][0] - attempts[0]["start"][0]

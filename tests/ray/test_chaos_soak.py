@@ -67,6 +67,7 @@ def test_chaos_soak_ends_exact_and_reports_goodput_with_causes(tmp_path):
     assert any(c.startswith(f"hang: rank {events['hang']['rank']}, frozen or stopped") for c in causes), causes
     assert any(c.startswith("preemption: preemption notice") for c in causes), causes
     assert "a worker or node was lost" in causes, causes
+    assert any(c.startswith("resized: the group grew from 1 to 2 workers") for c in causes), causes
     assert all(r["lost_s"] >= 0 for r in good["restarts"])
     assert "Chaos soak: 4 events" in proc.stdout and "goodput" in proc.stdout
 
