@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 from raytrain_events.core.time import TimeUnit, ensure_time
 from raytrain_events.core.time_value import check_countable
-from raytrain_events.trainer.options import LoopOptions, option
+from raytrain_events.trainer.options import LoopOptions, option, refuse_unknown
 
 __all__ = ["RunSpec", "option_names"]
 
@@ -350,13 +350,11 @@ def check_option_names(names: Any, where: str) -> None:
             )
             + "."
         )
-    known = option_names()
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise TypeError(
-            f"{where} got {', '.join(map(repr, unknown))}, which is not a RayTrainer argument; "
-            f"the arguments (RunSpec fields) are: {', '.join(known)}."
-        )
+    refuse_unknown(
+        names,
+        option_names(),
+        f"{where} got {{names}}, which is not a RayTrainer argument; the arguments (RunSpec fields)",
+    )
 
 
 def _checked_init(init: Callable[..., None]) -> Callable[..., None]:

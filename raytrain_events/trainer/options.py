@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Union
 
 from raytrain_events.core.precision import Precision
 from raytrain_events.core.time import Time, TimeUnit, ensure_time, training_duration
@@ -26,7 +26,7 @@ from raytrain_events.core.time import Time, TimeUnit, ensure_time, training_dura
 if TYPE_CHECKING:
     from raytrain_events.parallel.config import ParallelismSpec
 
-__all__ = ["LoopOptions", "loop_option_names", "option"]
+__all__ = ["LoopOptions", "loop_option_names", "option", "refuse_unknown"]
 
 AUTO = "auto"  # grad_accum="auto" (`raytrain_events.trainer.microbatching`)
 
@@ -121,13 +121,11 @@ class LoopOptions:
     @classmethod
     def build(cls, options: Optional[LoopOptions], changes: Mapping[str, Any], where: str = "Trainer") -> LoopOptions:
         """``options`` (default: all defaults) with ``changes`` applied; unknown names raise a TypeError."""
-        known = loop_option_names()
-        unknown = [name for name in changes if name not in known]
-        if unknown:
-            raise TypeError(
-                f"{where} got {', '.join(map(repr, unknown))}, which is not an argument; its loop options "
-                f"(LoopOptions fields) are: {', '.join(known)}."
-            )
+        refuse_unknown(
+            changes,
+            loop_option_names(),
+            f"{where} got {{names}}, which is not an argument; its loop options (LoopOptions fields)",
+        )
         if options is None:
             return cls(**changes)
         if not isinstance(options, LoopOptions):
@@ -138,3 +136,10 @@ class LoopOptions:
 def loop_option_names() -> List[str]:
     """Every `LoopOptions` field, in declaration order."""
     return [f.name for f in dataclasses.fields(LoopOptions)]
+
+
+def refuse_unknown(names: Any, known: Sequence[str], head: str) -> None:
+    """Raise a TypeError for any of ``names`` not in ``known``: ``head`` (with ``{names}``) + the known names."""
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise TypeError(head.format(names=", ".join(map(repr, unknown))) + f" are: {', '.join(known)}.")
