@@ -201,12 +201,9 @@ class Chaos:
         return self.rng.choice(candidates) if candidates else None
 
     def _notice(self, group):
-        if not self.nodes:
-            return {"skipped": "only the head is left"}
-        node = self._worker_node(group)
+        node, event = self._take_node(group)
         if node is None:
-            return None
-        ranks = sorted(p["rank"] for p in group if p["node"] == node.node_id)
+            return event
         subprocess.run(
             ["ray", "drain-node", "--address", self.cluster.address, "--node-id", node.node_id,
              "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "chaos: spot preemption",
@@ -218,21 +215,27 @@ class Chaos:
         while time.time() < noticed + NOTICE_DEADLINE_S and not self._group_left(node.node_id):
             time.sleep(0.5)
         self._remove_node(node)
-        return {"node": node.node_id[:8], "ranks": ranks, "world": len(group)}
+        return event
 
     def _group_left(self, node_id: str) -> bool:
         group = current_group(self.procs)
         return bool(group) and all(p["node"] != node_id for p in group)
 
     def _remove(self, group):
+        node, event = self._take_node(group)
+        if node is not None:
+            self._remove_node(node)
+        return event
+
+    def _take_node(self, group):
+        """(a node to take away, the event) or (None, what to return: a skip, or None to try later)."""
         if not self.nodes:
-            return {"skipped": "only the head is left"}
+            return None, {"skipped": "only the head is left"}
         node = self._worker_node(group)
         if node is None:
-            return None
+            return None, None
         ranks = sorted(p["rank"] for p in group if p["node"] == node.node_id)
-        self._remove_node(node)
-        return {"node": node.node_id[:8], "ranks": ranks, "world": len(group)}
+        return node, {"node": node.node_id[:8], "ranks": ranks, "world": len(group)}
 
     def _remove_node(self, node) -> None:
         self.nodes.remove(node)
