@@ -24,7 +24,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from typing import List, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 __all__ = ["FaultProxy", "SLOWDOWN_BODY"]
 
@@ -297,10 +297,10 @@ class FaultProxy:
             conn.close()
             return False
 
-    def _client_to_server(self, conn: _Conn) -> None:
-        requests = _Requests()
+    def _chunks(self, conn: _Conn, sock: socket.socket) -> Iterator[bytes]:
+        """What ``sock`` sends until the connection ends; nothing while black-holed (dropped unanswered)."""
         while True:
-            data = self._recv(conn, conn.client)
+            data = self._recv(conn, sock)
             if data is None:
                 conn.close()
                 return
@@ -309,6 +309,11 @@ class FaultProxy:
             if self.blackholed:
                 conn.dropped = True
                 continue
+            yield data
+
+    def _client_to_server(self, conn: _Conn) -> None:
+        requests = _Requests()
+        for data in self._chunks(conn, conn.client):
             heads = requests.feed(data)
             self.requests += len(heads)
             if heads and self._take_slowdown():
@@ -363,16 +368,7 @@ class FaultProxy:
         conn.close()
 
     def _server_to_client(self, conn: _Conn) -> None:
-        while True:
-            data = self._recv(conn, conn.upstream)
-            if data is None:
-                conn.close()
-                return
-            if not data:
-                continue
-            if self.blackholed:
-                conn.dropped = True
-                continue
+        for data in self._chunks(conn, conn.upstream):
             if not self._send(conn, conn.client, data):
                 return
 
