@@ -53,10 +53,10 @@ class GradientClipping(Algorithm):
         if self.clipping_type == "norm":
             if any(isinstance(p.grad, DTensor) for p in params):
                 # FSDP: each rank holds a shard of every gradient; the norm is over all of them.
-                total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=self.norm_type)
-                if isinstance(total, DTensor):
-                    total = total.full_tensor()
-                torch.nn.utils.clip_grads_with_norm_(params, self.clipping_threshold, total)
+                by_mesh = _by_mesh(params)
+                total = _sharded_total_norm(by_mesh, self.norm_type)
+                for group in by_mesh:  # foreach ops cannot mix meshes either
+                    torch.nn.utils.clip_grads_with_norm_(group, self.clipping_threshold, total)
                 self.last_grad_norm = total
             else:
                 self.last_grad_norm = torch.nn.utils.clip_grad_norm_(
@@ -68,3 +68,24 @@ class GradientClipping(Algorithm):
 
     def __repr__(self) -> str:
         return f"GradientClipping(clipping_type={self.clipping_type!r}, clipping_threshold={self.clipping_threshold})"
+
+
+def _by_mesh(params: list) -> list:
+    """``params`` in groups by their gradient's DeviceMesh (FSDP x TP: the split layers on the 2-D
+    (shard, tensor) mesh, the rest on its 1-D shard mesh; DTensor ops cannot mix meshes)."""
+    groups: dict = {}
+    for param in params:
+        groups.setdefault(param.grad.device_mesh if isinstance(param.grad, DTensor) else None, []).append(param)
+    return list(groups.values())
+
+
+def _sharded_total_norm(by_mesh: list, norm_type: float) -> torch.Tensor:
+    """The global gradient norm of parameters grouped by mesh: one norm per mesh, made whole
+    (``full_tensor``), then the norm of those norms."""
+    norms = []
+    for group in by_mesh:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=norm_type)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if len(norms) == 1:
+        return norms[0]
+    return torch.nn.utils.get_total_norm(norms, norm_type=norm_type)

@@ -51,6 +51,11 @@ class FSDPConfig:
         replicate: HSDP: ``k`` replica groups, each sharding the model over ``world_size / k``
             consecutive ranks (a 2-D DeviceMesh ``(k, world_size / k)``); gathers stay within a
             group (a node), only gradient shards are all-reduced across groups. 1: plain FSDP.
+        tensor_parallel: tensor parallelism of degree ``t``: a 2-D DeviceMesh ``(world_size / t, t)``
+            named ``("shard", "tensor")``; each group of ``t`` consecutive ranks splits every layer the
+            model's ``tensor_parallel_plan(t)`` names (``parallelize_module``), and FSDP shards over the
+            ``world_size / t`` groups. The ``t`` ranks of a group must load the same batches
+            (`Parallel.data_parallel_rank`); see ``tensor_parallel.py``. 1: no tensor parallelism.
     """
 
     shard_modules: ModulePolicy = None
@@ -60,10 +65,22 @@ class FSDPConfig:
     cpu_offload: bool = False
     activation_checkpointing: Union[bool, Sequence[str], Callable[[torch.nn.Module], bool]] = False
     replicate: int = 1
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.replicate, bool) or not isinstance(self.replicate, int) or self.replicate < 1:
             raise ValueError(f"FSDPConfig.replicate={self.replicate!r} must be an integer >= 1 (HSDP replica groups).")
+        tp = self.tensor_parallel
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(
+                f"FSDPConfig.tensor_parallel={tp!r} must be an integer >= 1 (ranks that split each layer; 1: none)."
+            )
+        if tp > 1 and self.replicate > 1:
+            raise ValueError(
+                f"FSDPConfig(replicate={self.replicate}, tensor_parallel={tp}) would need a 3-D mesh "
+                "(replicate, shard, tensor), which is not supported yet. Fix: use one of them (replicate=1 or "
+                "tensor_parallel=1)."
+            )
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
             if value is not None and value not in _DTYPES:
@@ -84,7 +101,16 @@ class FSDPConfig:
         return None if value is None else _DTYPES[value]
 
     def mesh_shape(self, world_size: int) -> tuple:
-        """``(world_size,)`` for FSDP, ``(replicate, world_size // replicate)`` for HSDP; bad splits raise."""
+        """``(world_size,)`` for FSDP, ``(replicate, world_size // replicate)`` for HSDP,
+        ``(world_size // tensor_parallel, tensor_parallel)`` for FSDP x TP; bad splits raise."""
+        tp = self.tensor_parallel
+        if tp > 1:
+            if world_size % tp:
+                raise ValueError(
+                    f"FSDPConfig(tensor_parallel={tp}) needs a world size divisible by {tp}, got {world_size} "
+                    f"ranks. Fix: use a multiple of {tp} workers, or another tensor_parallel."
+                )
+            return (world_size // tp, tp)
         if self.replicate == 1:
             return (world_size,)
         if world_size % self.replicate:
@@ -93,6 +119,12 @@ class FSDPConfig:
                 f"{world_size} ranks. Fix: use a multiple of {self.replicate} workers, or another replicate."
             )
         return (self.replicate, world_size // self.replicate)
+
+    def mesh_dim_names(self) -> tuple:
+        """The names of `mesh_shape`'s dimensions: ``("shard",)``, ``("replicate", "shard")`` or ``("shard", "tensor")``."""
+        if self.tensor_parallel > 1:
+            return ("shard", "tensor")
+        return ("replicate", "shard") if self.replicate > 1 else ("shard",)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import torch
 
 from raytrain_events.parallel.config import FSDPConfig, ParallelismSpec, parse_parallelism
 from raytrain_events.parallel.deferred_init import DeferredInit, has_meta_tensors
+from raytrain_events.parallel.tensor_parallel import apply_tensor_parallel, data_parallel_coordinates
 
 __all__ = ["Parallel", "apply_fsdp", "check_algorithms_for_sharding", "is_sharded_module"]
 
@@ -64,13 +65,16 @@ def _selector(policy: Any) -> Optional[Callable[[torch.nn.Module], bool]]:
 def apply_fsdp(model: torch.nn.Module, config: FSDPConfig, world_size: int, device: torch.device) -> torch.nn.Module:
     """Shard ``model`` in place over ``world_size`` ranks (needs a process group): a 1-D mesh, or for
     HSDP (``config.replicate > 1``) a 2-D ``(replicate, shard)`` mesh, which ``fully_shard`` replicates
-    over its first dimension and shards over its second."""
+    over its first dimension and shards over its second. With ``config.tensor_parallel > 1`` the mesh
+    is ``(shard, tensor)``: the model's plan splits its layers over ``tensor`` first, then FSDP shards
+    over ``shard`` (parameters become 2-D DTensors)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    shape = config.mesh_shape(world_size)
-    names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
-    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+    mesh = init_device_mesh(device.type, config.mesh_shape(world_size), mesh_dim_names=config.mesh_dim_names())
+    if config.tensor_parallel > 1:
+        apply_tensor_parallel(model, mesh["tensor"], config.tensor_parallel)
+        mesh = mesh["shard"]
     kwargs: dict = {"mesh": mesh, "reshard_after_forward": config.reshard_after_forward}
     if config.param_dtype is not None or config.reduce_dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
@@ -130,6 +134,22 @@ class Parallel:
         """True for FSDP: parameters, gradients and optimizer state are sharded across ranks."""
         return self.spec.sharded
 
+    @property
+    def tensor_parallel(self) -> int:
+        """The tensor-parallel degree (1: none)."""
+        return self.spec.fsdp.tensor_parallel if self.spec.fsdp is not None else 1
+
+    def data_parallel(self, rank: int, world_size: int) -> tuple:
+        """``(data-parallel rank, data-parallel size)``: what to shard the data by. Under tensor
+        parallelism the ranks of one tensor group share a data-parallel rank (they must load the
+        same batches); otherwise ``(rank, world_size)``."""
+        return data_parallel_coordinates(rank, world_size, self.tensor_parallel)
+
+    def counts_data(self, rank: int) -> bool:
+        """Whether this rank's samples and tokens count in the global sums: every rank's, except
+        under tensor parallelism, where one rank per tensor group counts the group's shared batch."""
+        return rank % self.tensor_parallel == 0
+
     def check(self, algorithms: Sequence[Any]) -> None:
         """Refuse (ValueError with the reason) algorithms that cannot run with this strategy."""
         if self.sharded:
@@ -144,6 +164,18 @@ class Parallel:
         materialised (after sharding: only this rank's shards); the ``optimizers`` (built on the
         original parameters, with no state yet) are pointed at the new ones.
         """
+        if self.tensor_parallel > 1:
+            if not dist.is_distributed:
+                raise ValueError(
+                    f"FSDPConfig(tensor_parallel={self.tensor_parallel}) needs {self.tensor_parallel} or more "
+                    "ranks, but this run has one process. Fix: run on a multiple of tensor_parallel workers, "
+                    "or tensor_parallel=1."
+                )
+            if self.deferred is not None:
+                raise ValueError(
+                    "A model built on the meta device cannot be tensor-parallel yet (deferred init materialises "
+                    "FSDP shards only). Fix: build the model on the CPU, or tensor_parallel=1."
+                )
         sharded = self.sharded and dist.is_distributed
         if sharded or self.deferred is not None:
             names = {id(p): n for n, p in model.named_parameters()}

@@ -274,7 +274,7 @@ class Trainer:
         # One process (and no auto microbatching, whose counters agree per attempt): the sums are
         # this rank's values, so the batch needs no counter calls at all.
         single = self._auto is None and not self.dist.is_distributed
-        batches = 0
+        batches, counts_data = 0, self.parallel.counts_data(state.rank)
         while True:
             # Events nobody listens to are skipped: no algorithms, and no callback overrides them.
             active = engine.active_events()
@@ -307,7 +307,8 @@ class Trainer:
                 if flags:
                     flags = flags.copy()
             else:
-                counters.start([samples, tokens, local_stop, *agreement.local_values()])
+                counted = (samples, tokens) if counts_data else (0, 0)  # TP: one rank per tensor group
+                counters.start([*counted, local_stop, *agreement.local_values()])
             if active[_BATCH_START]:
                 engine.run_event(_BATCH_START)
             start = perf_counter()

@@ -15,7 +15,8 @@ from tests.parallel.workloads import train_ddp_and_fsdp
         (2, ["ddp", "fsdp", "fsdp_root", "fsdp_ac", "ddp_freeze", "fsdp_freeze"]),
         (3, ["ddp", "fsdp", "fsdp_root"]),
         (2, ["ddp", "hsdp"]),  # HSDP 2x1: replicate over both ranks
-        (4, ["ddp", "hsdp"]),  # HSDP 2x2
+        # HSDP 2x2, and FSDP x TP 2x2 on the example transformer against DDP with the same global batches
+        (4, ["ddp", "hsdp", "lm_ddp2", "lm_tp"]),
     ],
 )
 def test_fsdp_matches_ddp_with_grad_accum_and_clipping(world_size, arms):
@@ -23,8 +24,11 @@ def test_fsdp_matches_ddp_with_grad_accum_and_clipping(world_size, arms):
     initial = None
     for rank, got in enumerate(results):
         for name in arms:
-            assert got[name + "_sharded"] == name.startswith(("fsdp", "hsdp")), name
-            reference = "ddp_freeze" if name.endswith("_freeze") else "ddp"
+            if name.startswith("lm_"):  # the DTensor mesh dims of the parameters: 2-D (data, tensor) under TP
+                assert got[name + "_sharded"] == ([2] if name == "lm_tp" else []), name
+            else:
+                assert got[name + "_sharded"] == name.startswith(("fsdp", "hsdp")), name
+            reference = "ddp_freeze" if name.endswith("_freeze") else "lm_ddp2" if name.startswith("lm_") else "ddp"
             assert got[reference + "_norm"] > 0.1  # clipping was active (the threshold is 0.1)
             assert got[name + "_norm"] == pytest.approx(got[reference + "_norm"], rel=1e-5), name
             assert got[name].keys() == got[reference].keys()
@@ -34,6 +38,8 @@ def test_fsdp_matches_ddp_with_grad_accum_and_clipping(world_size, arms):
             assert got["fsdp_freeze_frozen"] == got["ddp_freeze_frozen"] > 0
             assert got["fsdp_freeze_eval"] == pytest.approx(got["ddp_freeze_eval"], rel=1e-5)
             assert got["fsdp_freeze_eval"] == pytest.approx(results[0]["fsdp_freeze_eval"], rel=1e-6)
+        if "lm_tp" in arms:  # one rank per tensor group counts the group's batch: 5 batches x 8 x 2 groups
+            assert got["lm_tp_samples"] == 80 and got["lm_ddp2_samples"] == 160
         if initial is None:
             initial = got["ddp"]
         for key, value in got["ddp"].items():  # every rank ends with the same weights

@@ -73,6 +73,13 @@ def train_ddp_and_fsdp(rank: int, world_size: int, max_duration: str, arms: Any)
 
     out: Dict[str, Any] = {}
     for name in arms:
+        if name.startswith("lm_"):  # the transformer, FSDP x TP and its DDP reference (tp_workloads.py)
+            from tests.parallel.tp_workloads import LM_ARMS, train_lm
+
+            got = train_lm(rank, LM_ARMS[name], data_group=2)
+            out[name], out[name + "_norm"] = got["model"], got["norm"]
+            out[name + "_sharded"], out[name + "_samples"] = got["mesh_dims"], got["samples"]
+            continue
         freeze = name.endswith("_freeze")
         parallelism = ARMS[name.removesuffix("_freeze")]
         extra: Dict[str, Any] = {}

@@ -1,0 +1,146 @@
+"""A small GPT-style decoder in plain PyTorch, with the tensor-parallel plan of its blocks, trained
+on random tokens: the model that `FSDPConfig(tensor_parallel=t)` is shown and tested with.
+
+    python examples/transformer_lm.py            # one process, 20 batches on the CPU
+
+On workers (Ray or ``torchrun``), FSDP x TP over 4 ranks, each pair of ranks splitting every block::
+
+    Trainer(model=TransformerLM(), parallelism=FSDPConfig(shard_modules=["Block"], tensor_parallel=2), ...)
+
+Each `Block` says how to split itself (``tensor_parallel_plan``): the q/k/v projections and the
+MLP's first layer column-wise, the attention output and the MLP's second layer row-wise (Megatron's
+plan), so each rank of a tensor group holds ``heads / t`` heads and ``4 * width / t`` MLP units.
+Global shapes it needs: ``heads`` and ``4 * width`` divisible by ``t`` (``width`` by ``heads``).
+Attention reshapes with ``-1`` heads, so the same code runs whole or split. The ``t`` ranks of one
+tensor group must see the same batches: shard the data by `Parallel.data_parallel` (``rank // t``).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Dict
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["Block", "TransformerLM", "random_tokens"]
+
+
+class Attention(torch.nn.Module):
+    """Causal self-attention; ``heads`` of ``width // heads`` each (fewer per rank when split)."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.head_dim = width // heads
+        self.q = torch.nn.Linear(width, width)
+        # No key bias: it adds q.b to every score of a row, which softmax removes, so its gradient is
+        # exactly zero and Adam would turn rounding noise into full-size steps.
+        self.k = torch.nn.Linear(width, width, bias=False)
+        self.v = torch.nn.Linear(width, width)
+        self.out = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (proj(x).view(b, s, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, s, -1))  # type: ignore[no-any-return]
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(width, 4 * width)
+        self.proj = torch.nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))  # type: ignore[no-any-return]
+
+
+class Block(torch.nn.Module):
+    """Pre-norm transformer block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        if width % heads:
+            raise ValueError(f"width={width} is not divisible by heads={heads}.")
+        self.heads = heads
+        self.norm1 = torch.nn.LayerNorm(width)
+        self.attn = Attention(width, heads)
+        self.norm2 = torch.nn.LayerNorm(width)
+        self.mlp = MLP(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))  # type: ignore[no-any-return]
+
+    def tensor_parallel_plan(self, degree: int) -> Dict[str, str]:
+        """Which Linear layers to split over ``degree`` tensor-parallel ranks, and how."""
+        if self.heads % degree:
+            raise ValueError(
+                f"Block has {self.heads} attention heads, which {degree} tensor-parallel ranks cannot split. "
+                f"Fix: a head count divisible by {degree}, or tensor_parallel dividing {self.heads}."
+            )
+        return {
+            "attn.q": "colwise",
+            "attn.k": "colwise",
+            "attn.v": "colwise",
+            "attn.out": "rowwise",
+            "mlp.fc": "colwise",
+            "mlp.proj": "rowwise",
+        }
+
+
+class TransformerLM(torch.nn.Module):
+    """Token + position embeddings, ``depth`` blocks, a final norm and an (untied) output head.
+
+    The model protocol of the loop: ``forward(batch)`` gives logits for ``batch["input_ids"]``,
+    ``loss(logits, batch)`` is next-token cross-entropy.
+    """
+
+    def __init__(self, vocab: int = 64, width: int = 32, heads: int = 4, depth: int = 2, length: int = 16) -> None:
+        super().__init__()
+        self.tokens = torch.nn.Embedding(vocab, width)
+        self.positions = torch.nn.Embedding(length, width)
+        self.blocks = torch.nn.ModuleList(Block(width, heads) for _ in range(depth))
+        self.norm = torch.nn.LayerNorm(width)
+        self.head = torch.nn.Linear(width, vocab, bias=False)
+
+    def forward(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        ids = batch["input_ids"]
+        x = self.tokens(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))  # type: ignore[no-any-return]
+
+    def loss(self, logits: torch.Tensor, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        targets = batch["input_ids"][:, 1:]
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def random_tokens(rows: int, vocab: int = 64, length: int = 16, seed: int = 0) -> Any:
+    """A list of ``{"input_ids": ...}`` rows of random tokens (a Dataset for a DataLoader)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (rows, length), generator=g)
+    return [{"input_ids": row} for row in ids]
+
+
+def main(argv: Any) -> int:
+    from torch.utils.data import DataLoader
+
+    from raytrain_events import Trainer
+
+    torch.manual_seed(0)
+    model = TransformerLM()
+    trainer = Trainer(
+        model=model,
+        train_dataloader=DataLoader(random_tokens(160), batch_size=8),
+        max_duration="20ba",
+        optimizers=torch.optim.AdamW(model.parameters(), lr=3e-3),
+    )
+    trainer.fit()
+    print(f"trained {trainer.state.timestamp.batch.value} batches, last loss {float(trainer.state.loss):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
