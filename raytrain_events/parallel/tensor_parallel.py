@@ -19,6 +19,10 @@ heads, not the global count) and each block costs two all-reduces of the activat
 and two in backward, over the tensor group only. Every split dimension must be divisible by the
 degree (checked here, naming the layer). Layers the plan does not name (embeddings, norms, the
 head) stay whole within the group and are sharded by FSDP only.
+
+The ranks of a tensor group compute one model replica together, so they must see the same batch;
+nothing in DTensor notices if they do not (a replicated input is trusted). `check_first_batch_agrees`
+compares a checksum of the first forward's inputs across the group once and refuses a mismatch.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-__all__ = ["PLAN_METHOD", "apply_tensor_parallel", "data_parallel_coordinates"]
+__all__ = ["PLAN_METHOD", "apply_tensor_parallel", "check_first_batch_agrees", "data_parallel_coordinates"]
 
 PLAN_METHOD = "tensor_parallel_plan"
 _SPLIT_DIM = {"colwise": ("out_features", "output features"), "rowwise": ("in_features", "input features")}
@@ -107,3 +111,48 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: Any, degree: int) -> 
     for _, module, plan in planned:
         parallelize_module(module, tp_mesh, {name: _style(name, value) for name, value in plan.items()})
     return [owner for owner, _, _ in planned]
+
+
+def _checksum(inputs: Any) -> torch.Tensor:
+    """Three float64 numbers that differ (in practice) when the tensors in ``inputs`` differ:
+    their element count, their sum, and a position-weighted sum."""
+    from torch.utils._pytree import tree_flatten
+
+    tensors = [t.detach() for t in tree_flatten(inputs)[0] if torch.is_tensor(t)]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    out = torch.zeros(3, dtype=torch.float64, device=device)
+    for tensor in tensors:
+        flat = tensor.reshape(-1).to(torch.float64)
+        weights = torch.arange(flat.numel(), device=device, dtype=torch.float64).remainder_(1021).add_(1)
+        out += torch.stack([torch.tensor(float(flat.numel()), device=device), flat.sum(), (flat * weights).sum()])
+    return out
+
+
+def check_first_batch_agrees(model: torch.nn.Module, degree: int) -> None:
+    """On ``model``'s first forward, all-gather a checksum of every rank's inputs and raise ValueError
+    on every rank if the ``degree`` consecutive ranks of any tensor group got different inputs (one
+    all-gather of 3 numbers per rank, once, over all ranks so that no group goes on alone into FSDP's
+    collectives; the hook then removes itself)."""
+    import torch.distributed as dist
+
+    def hook(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        handle.remove()
+        mine = _checksum((args, kwargs))
+        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, mine)
+        bad = [
+            list(range(start, start + degree))
+            for start in range(0, len(gathered), degree)
+            if any(not torch.equal(gathered[start], other) for other in gathered[start : start + degree])
+        ]
+        if bad:
+            raise ValueError(
+                f"tensor_parallel={degree}: the ranks of tensor groups {bad} got different batches; they must load "
+                "the same ones, since together they compute one replica. Fix: shard the data by the data-parallel "
+                "rank, trainer.parallel.data_parallel(rank, world_size) = (rank // tensor_parallel, world_size // "
+                "tensor_parallel), e.g. DistributedSampler(num_replicas=world_size // tensor_parallel, rank=rank // "
+                "tensor_parallel). Ray Data's per-worker shards differ per rank, so RayTrainer datasets cannot feed "
+                "tensor parallelism yet."
+            )
+
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)

@@ -17,7 +17,11 @@ import torch
 
 from raytrain_events.parallel.config import FSDPConfig, ParallelismSpec, parse_parallelism
 from raytrain_events.parallel.deferred_init import DeferredInit, has_meta_tensors
-from raytrain_events.parallel.tensor_parallel import apply_tensor_parallel, data_parallel_coordinates
+from raytrain_events.parallel.tensor_parallel import (
+    apply_tensor_parallel,
+    check_first_batch_agrees,
+    data_parallel_coordinates,
+)
 
 __all__ = ["Parallel", "apply_fsdp", "check_algorithms_for_sharding", "is_sharded_module"]
 
@@ -74,6 +78,7 @@ def apply_fsdp(model: torch.nn.Module, config: FSDPConfig, world_size: int, devi
     mesh = init_device_mesh(device.type, config.mesh_shape(world_size), mesh_dim_names=config.mesh_dim_names())
     if config.tensor_parallel > 1:
         apply_tensor_parallel(model, mesh["tensor"], config.tensor_parallel)
+        check_first_batch_agrees(model, config.tensor_parallel)
         mesh = mesh["shard"]
     kwargs: dict = {"mesh": mesh, "reshard_after_forward": config.reshard_after_forward}
     if config.param_dtype is not None or config.reduce_dtype is not None:

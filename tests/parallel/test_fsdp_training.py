@@ -24,8 +24,8 @@ def test_fsdp_matches_ddp_with_grad_accum_and_clipping(world_size, arms):
     initial = None
     for rank, got in enumerate(results):
         for name in arms:
-            if name.startswith("lm_"):  # the DTensor mesh dims of the parameters: 2-D (data, tensor) under TP
-                assert got[name + "_sharded"] == ([2] if name == "lm_tp" else []), name
+            if name.startswith("lm_"):  # mesh dims of the DTensor parameters: split layers 2-D, the rest 1-D
+                assert got[name + "_sharded"] == ([1, 2] if name == "lm_tp" else []), name
             else:
                 assert got[name + "_sharded"] == name.startswith(("fsdp", "hsdp")), name
             reference = "ddp_freeze" if name.endswith("_freeze") else "lm_ddp2" if name.startswith("lm_") else "ddp"

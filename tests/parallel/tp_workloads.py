@@ -114,3 +114,13 @@ def hsdp_to_fsdp3(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
     saved = snapshot(trainer)
     trainer.close()
     return {"loaded": loaded, "saved": saved}
+
+
+def tp_with_per_rank_data(rank: int, world_size: int) -> str:
+    """FSDP x TP 1x2 fed per-rank data (the mistake): the error every rank raises, or "no error"."""
+    trainer = lm_trainer(rank, {"tensor_parallel": 2}, "1ba", data_group=1)
+    try:
+        trainer.fit()
+    except ValueError as e:
+        return str(e)
+    return "no error"
