@@ -102,3 +102,9 @@ def test_tensor_group_fed_different_batches_is_refused_on_every_rank():
     for error in errors:
         assert "tensor_parallel=2: the ranks of tensor groups [[0, 1]] got different batches" in error
         assert "DistributedSampler(num_replicas=world_size // tensor_parallel" in error
+
+
+def test_transformer_example_trains_in_one_process():
+    from examples.transformer_lm import main
+
+    assert main([]) == 0
