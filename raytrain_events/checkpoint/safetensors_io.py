@@ -17,7 +17,8 @@ at ``max_shard_bytes`` as Hugging Face does (``model-00001-of-00002.safetensors`
 ``config.json``) the directory is what ``from_pretrained`` loads, and the `HuggingFaceModel`
 wrapper's ``model.`` prefix is dropped from the names.
 
-Import (`load_safetensors`) fills a model's parameters and buffers from such a directory: a
+Import (`load_safetensors`, and ``CheckpointConfig(load_from=<such a directory>)`` through
+`start_from_safetensors`) fills a model's parameters and buffers from such a directory: a
 DTensor (FSDP) parameter reads only its own rows (dim-0 shards are one byte range each), a plain
 one reads its whole tensor. Any fsspec URL works (ranged reads).
 """
@@ -31,7 +32,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 
 import torch
 
-__all__ = ["export_safetensors", "load_safetensors", "read_header"]
+__all__ = ["export_safetensors", "is_safetensors_dir", "load_safetensors", "read_header", "start_from_safetensors"]
 
 _DTYPES = {
     torch.float64: "F64",
@@ -385,3 +386,26 @@ def _read_rows(
         data = bytearray(stream.read(count * row_bytes))
     flat = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
     return flat.view(dtype).reshape((count, *shape[1:]) if shape else ())
+
+
+def is_safetensors_dir(url: str, storage_options: Optional[Dict[str, Any]] = None) -> bool:
+    """True if ``url`` is a safetensors directory (``model.safetensors`` or the index) rather than a checkpoint."""
+    from raytrain_events.storage.fs import resolve
+
+    fs, directory = resolve(url, dict(storage_options or {}))
+    directory = directory.rstrip("/")
+    return bool(fs.exists(f"{directory}/model.safetensors") or fs.exists(f"{directory}/{INDEX_FILE}"))
+
+
+def start_from_safetensors(model: torch.nn.Module, config: Any) -> List[str]:
+    """``load_from`` naming a safetensors directory: the model's weights only (the directory holds
+    nothing else: optimizer, Timestamp and RNG start fresh). Each rank reads its own rows of a
+    sharded parameter (`load_safetensors`), so a model built on the meta device and sharded is filled
+    without a full copy anywhere. ``load_strict`` applies; ``load_ignore_keys`` is refused."""
+    if config.load_ignore_keys:
+        raise ValueError(
+            f"load_ignore_keys={list(config.load_ignore_keys)!r} with load_from={config.load_from!r}, a safetensors "
+            "directory: it holds model weights only. Fix: drop load_ignore_keys and pass load_strict=False to "
+            "start the tensors it lacks from the model's own initialisation."
+        )
+    return load_safetensors(model, config.load_from, storage_options=config.storage_options, strict=config.load_strict)
