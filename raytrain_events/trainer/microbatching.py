@@ -21,8 +21,9 @@ every one of those collectives: `raytrain_events.parallel.oom_agreement.OOMAgree
 one-integer all-reduce before each of them (and one after the attempt's last microbatch); a rank
 that ran out of memory joins the next one with its flag set, its peers stop there
 (`PeerOutOfMemory`), FSDP's per-iteration state is reset and every rank then takes the same path as
-above. Cost: about three small host-side all-reduces per FSDP unit per microbatch (one in forward,
-two in backward) plus two per batch, paid only with ``grad_accum="auto"``.
+above. Cost, paid only with ``grad_accum="auto"``: small host-side all-reduces, per FSDP unit and
+microbatch one in forward and up to two in backward, plus one at the end of each backward and one
+per attempt at the batch.
 
 The chosen value is ``state.grad_accum``: logged as ``trainer/grad_accum`` when it changes, saved in
 checkpoints and reused on resume.
