@@ -154,6 +154,27 @@ def test_load_from_a_safetensors_directory_refuses_ignore_keys(fsdp_run, tmp_pat
         )
 
 
+def test_an_eval_only_trainer_loads_a_safetensors_directory(fsdp_run, tmp_path):
+    from raytrain_events import Trainer
+    from raytrain_events.checkpoint import CheckpointConfig
+    from raytrain_events.checkpoint.safetensors_io import export_safetensors
+    from tests.parallel.workloads import make_loader, make_model
+
+    folder, saved = fsdp_run
+    export_safetensors(list_checkpoints(folder)[-1], str(tmp_path / "st"))
+    torch.manual_seed(123)
+    model = make_model()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(1.0)  # unlike the exported weights
+    trainer = Trainer(
+        model=model, eval_dataloader=make_loader(0), checkpoint=CheckpointConfig(load_from=str(tmp_path / "st"))
+    )
+    for key, want in saved.items():
+        torch.testing.assert_close(trainer.state.model.state_dict()[key], want, rtol=0, atol=0, msg=key)
+    assert trainer.eval()  # and it evaluates
+
+
 def test_export_refuses_unknown_format(fsdp_run, tmp_path):
     from raytrain_events.cli.export import export_checkpoint
 
