@@ -43,6 +43,9 @@ NAMES: Dict[str, Tuple[str, str]] = {
     "load_whole_state_dict": ("torch.distributed.checkpoint.state_dict_loader", "_load_state_dict"),
     "activation_checkpoint": ("torch.distributed._composable", "checkpoint"),
     "foreach_lerp_": ("torch", "_foreach_lerp_"),
+    # The autograd engine, whose queue_callback runs a function at the end of the current backward
+    # (parallel/oom_agreement.py: an OOM check ahead of FSDP's own final callback, queued the same way).
+    "autograd_engine": ("torch.autograd.variable", "Variable._execution_engine"),
 }
 __all__ = ["TorchCompatError", "NAMES", "check_private_names", *NAMES]
 
@@ -60,7 +63,10 @@ def _torch_version() -> str:
 def resolve(module: str, attr: str) -> Any:
     """``module.attr``, or `TorchCompatError` naming the torch version and the missing name."""
     try:
-        return getattr(importlib.import_module(module), attr)
+        value = importlib.import_module(module)
+        for part in attr.split("."):  # a dotted attribute: a class's private member
+            value = getattr(value, part)
+        return value
     except (ImportError, AttributeError) as exc:
         raise TorchCompatError(
             f"torch {_torch_version()} has no {module}.{attr} ({type(exc).__name__}: {exc}). raytrain_events "

@@ -35,6 +35,7 @@ from raytrain_events.checkpoint.format import (
 from raytrain_events.checkpoint.preemption import SAVE_FLAG, save_on_sigterm
 from raytrain_events.checkpoint.retention import local_keep
 from raytrain_events.checkpoint.rng import capture_rng_state, restore_rng_state
+from raytrain_events.checkpoint.safetensors_io import is_safetensors_dir, start_from_safetensors
 from raytrain_events.checkpoint.sharded import (
     DCP_LAYOUT,
     ShardedCheckpointIO,
@@ -148,6 +149,7 @@ class Checkpointer(Callback):
         # Mid-epoch resume: (RNG state at the epoch's start, RNG state at the checkpoint).
         self._resume_rng: Optional[Tuple[Any, Any]] = None
         self.loaded: Optional[CheckpointInfo] = None
+        self.loaded_safetensors: Optional[str] = None  # load_from was a safetensors directory (weights only)
         # Loading into a Trainer built for eval()/predict() only (see `load_for_inference`).
         self.inference = False
         self.run_dir = run_url_of_checkpoints(self.folder)
@@ -162,13 +164,18 @@ class Checkpointer(Callback):
 
     # ------------------------------------------------------------------ load
     def load(self) -> Optional[CheckpointInfo]:
-        """Restore from ``autoresume`` (newest valid) or ``load_from``; None if nothing to load."""
+        """Restore from ``autoresume`` (newest valid) or ``load_from``; None if nothing to load (or
+        ``load_from`` was a safetensors directory: weights only, see ``loaded_safetensors``)."""
         config = self.config
         loaded: Optional[LoadedCheckpoint] = None
         if config.autoresume:
             loaded = self._read_latest(self.folder)
         ignore: Sequence[str] = ()
         weights_only = False  # resuming this run's own checkpoint restores everything
+        if loaded is None and config.load_from and is_safetensors_dir(config.load_from, self.options):
+            self.loaded_safetensors = config.load_from  # model weights only (an export, a Hugging Face model)
+            start_from_safetensors(self.host.state.model, config)
+            return None
         if loaded is None and config.load_from:
             loaded = self._read(config.load_from)
             if loaded is None:

@@ -43,7 +43,8 @@ class CheckpointConfig:
         upload_deadline_s: how long one save retries its uploads through transient storage errors
             (backoff 0.5 s doubling to 30 s, ``checkpoint/retry.py``) before it fails for good; an
             async save that fails is logged and recorded, training goes on, the next save tries again.
-        load_from: a checkpoint (or a folder of them) to start from.
+        load_from: a checkpoint (or a folder of them) to start from, or a safetensors directory
+            (``model.safetensors`` or its index: an export, a Hugging Face model) for the weights only.
         load_strict: refuse model keys that do not match exactly.
         load_weights_only: load only model weights (fresh optimizer, timestamp and RNG).
         load_ignore_keys: glob patterns of checkpoint entries not to load (a partial load, e.g. a new

@@ -34,7 +34,9 @@ def load_for_inference(host: CheckpointHost, config: CheckpointConfig) -> Option
         info = checkpointer.load()
     finally:
         checkpointer.close()
-    if info is None:  # autoresume found nothing: evaluating the untrained model would mislead
+    if (
+        info is None and checkpointer.loaded_safetensors is None
+    ):  # autoresume found nothing: evaluating the untrained model would mislead
         raise FileNotFoundError(
             f"No committed checkpoint in save_folder={config.save_folder!r} to evaluate: point load_from at one."
         )

@@ -14,8 +14,16 @@ collective the others never join. For that, forward and backward must run no col
 own: under DDP the loop calls the DDP wrapper's module directly (DDP's hooks stay idle) and, once
 the ranks agreed that nobody ran out of memory, averages the gradients and broadcasts rank 0's
 buffers itself, as DDP would have (one flat all-reduce after backward instead of DDP's buckets
-overlapping with it: the price of being able to retry). FSDP reduce-scatters inside backward, so
-it cannot retry this way and is refused.
+overlapping with it: the price of being able to retry).
+
+Under FSDP forward and backward must all-gather and reduce-scatter, so the ranks instead agree at
+every one of those collectives: `raytrain_events.parallel.oom_agreement.OOMAgreement` runs a
+one-integer all-reduce before each of them (and one after the attempt's last microbatch); a rank
+that ran out of memory joins the next one with its flag set, its peers stop there
+(`PeerOutOfMemory`), FSDP's per-iteration state is reset and every rank then takes the same path as
+above. Cost, paid only with ``grad_accum="auto"``: small host-side all-reduces, per FSDP unit and
+microbatch one in forward and up to two in backward, plus one at the end of each backward and one
+per attempt at the batch.
 
 The chosen value is ``state.grad_accum``: logged as ``trainer/grad_accum`` when it changes, saved in
 checkpoints and reused on resume.
@@ -32,6 +40,7 @@ import torch
 
 from raytrain_events.core.event import Event
 from raytrain_events.dist import Dist
+from raytrain_events.parallel.oom_agreement import OOMAgreement, PeerOutOfMemory
 from raytrain_events.trainer.options import AUTO
 
 if TYPE_CHECKING:
@@ -114,14 +123,22 @@ class AutoMicrobatching:
     optimizers), the loop's ``accumulate`` and the `Logger` it reports a new ``grad_accum`` to.
     """
 
-    def __init__(
-        self, *, state: State, accumulate: Accumulate, logger: Logger, counters: DeferredCounters, ddp: Any
+    def __init__(  # noqa: PLR0913 (keyword-only: the loop's pieces it works with)
+        self,
+        *,
+        state: State,
+        accumulate: Accumulate,
+        logger: Logger,
+        counters: DeferredCounters,
+        ddp: Any,
+        agreement: Optional[OOMAgreement] = None,
     ) -> None:
         self.state = state
         self._accumulate = accumulate
         self.logger = logger
         self.counters = counters
         self.ddp = ddp  # the DDP wrapper whose reduction this replaces, or None
+        self.agreement = agreement  # under FSDP: the OOM checks at each of its collectives, or None
 
     def accumulate(
         self,
@@ -134,11 +151,7 @@ class AutoMicrobatching:
         full_batch, samples = state.batch, state.batch_num_samples
         while True:
             pieces = min(state.grad_accum, samples)  # a short last batch may need fewer pieces
-            oom = False
-            try:
-                self._accumulate(pieces, active, autocast, create_graph)
-            except torch.OutOfMemoryError:
-                oom = True  # leave the except block first: its traceback holds the attempt's tensors
+            oom = self._attempt(pieces, active, autocast, create_graph)
             if oom:
                 self._free(full_batch)
             cannot_split = oom and pieces >= samples
@@ -163,6 +176,35 @@ class AutoMicrobatching:
             self.logger.log_metrics({"trainer/grad_accum": state.grad_accum}, step=state.step)
         if self.ddp is not None:
             self._sync(self.ddp)
+
+    def _attempt(
+        self,
+        pieces: int,
+        active: Mapping[Event, bool],
+        autocast: Optional[contextlib.AbstractContextManager[Any]],
+        create_graph: bool,
+    ) -> bool:
+        """One attempt at the batch in ``pieces`` microbatches; True if this rank ran out of memory.
+
+        Under FSDP (``agreement``) a peer's error stops this rank at the next check, and after any
+        error FSDP's per-iteration state is reset on every rank."""
+        oom = peer = False
+        agreement = self.agreement
+        if agreement is not None:
+            agreement.begin()
+        try:
+            self._accumulate(pieces, active, autocast, create_graph)
+            if agreement is not None:
+                agreement.finish()  # the attempt's last check: a peer may have failed after this rank's last
+        except torch.OutOfMemoryError:
+            oom = True  # leave the except block first: its traceback holds the attempt's tensors
+        except PeerOutOfMemory:
+            peer = True  # another rank failed (FSDP): this rank stopped at the check that said so
+        if agreement is not None and (oom or peer):
+            if oom:
+                agreement.fail()  # the peers' next check learns of it
+            agreement.reset()
+        return oom
 
     def _free(self, full_batch: Any) -> None:
         """Drop what the failed attempt built: outputs, loss, gradients, cached device blocks."""

@@ -29,7 +29,8 @@ from raytrain_events.core.precision import Precision, autocast_context
 from raytrain_events.core.state import State
 from raytrain_events.core.time import Time, TimeUnit
 from raytrain_events.dist import Dist, default_dist
-from raytrain_events.parallel.wrap import Parallel
+from raytrain_events.parallel.oom_agreement import OOMAgreement, check_fsdp_config
+from raytrain_events.parallel.wrap import Parallel, is_sharded_module
 from raytrain_events.trainer._batch import check_model, move_to_device, total_loss
 from raytrain_events.trainer._setup import (
     as_list,
@@ -125,11 +126,8 @@ class Trainer:
 
         self.parallel = Parallel(opts.parallelism_spec, model)  # "ddp" (default), "fsdp" or an FSDPConfig
         self.parallel.check(algorithms)
-        if auto_microbatching and self.parallel.sharded:
-            raise ValueError(
-                "grad_accum='auto' needs forward/backward free of collectives to retry after a device OOM, but "
-                "FSDP gathers and reduce-scatters inside them: pass a fixed grad_accum with parallelism='fsdp'."
-            )
+        if auto_microbatching and self.parallel.spec.fsdp is not None:
+            check_fsdp_config(self.parallel.spec.fsdp)
         self.dist = dist if dist is not None else default_dist(torch.device(device) if device is not None else None)
         self.device = torch.device(device) if device is not None else self.dist.device
         self.config = opts.config
@@ -170,7 +168,7 @@ class Trainer:
         # The counters ride on DDP's gradient all-reduce, except under auto microbatching (see counters.py).
         self._train_model, self._ddp = wrap_for_training(self, counted=not auto_microbatching)
         self._auto: Optional[AutoMicrobatching] = None
-        if auto_microbatching:  # forward/backward run no collective, so a rank can retry after OOM
+        if auto_microbatching:  # retry after OOM: DDP runs no collective in forward/backward, FSDP agrees at each
             self.state.auto_microbatching = True
             self._counters: Counters = DeferredCounters(self.dist)
             self._auto = AutoMicrobatching(
@@ -179,6 +177,8 @@ class Trainer:
                 logger=self.logger,
                 counters=self._counters,
                 ddp=self._ddp,
+                # FSDP collectives run inside forward/backward: the ranks agree on an OOM at each of them
+                agreement=OOMAgreement(self._train_model, self.dist) if is_sharded_module(self._train_model) else None,
             )
             self._train_model = self._ddp.module if self._ddp is not None else self._train_model
         else:

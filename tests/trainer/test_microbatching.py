@@ -10,10 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 from gloo_ranks import job_results, run_jobs, run_ranks
-from oom_ranks import BATCH, ROWS, OOMModel, Recorder, dataset, make_trainer, train_auto
-from torch.utils.data import DataLoader
+from oom_ranks import BATCH, ROWS, OOMModel, Recorder, make_trainer, train_auto
 
-from raytrain_events import Callback, Event, Trainer
+from raytrain_events import Callback, Event
 from raytrain_events.checkpoint.config import CheckpointConfig
 
 
@@ -117,19 +116,6 @@ def test_a_plain_grad_accum_does_not_catch_oom():
 def test_bad_grad_accum_names_auto(bad):
     with pytest.raises(ValueError, match="or 'auto'"):
         make(grad_accum=bad)
-
-
-def test_auto_is_refused_with_fsdp():
-    model = OOMModel()
-    with pytest.raises(ValueError, match="grad_accum='auto'.*fsdp"):
-        Trainer(
-            model=model,
-            train_dataloader=DataLoader(dataset(), batch_size=BATCH),
-            max_duration="1ep",
-            optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
-            grad_accum="auto",
-            parallelism="fsdp",
-        )
 
 
 def test_the_found_value_is_checkpointed_and_reused_on_resume(tmp_path):
