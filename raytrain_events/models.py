@@ -11,9 +11,6 @@ from typing import Any, Dict
 
 import torch
 import torch.nn.functional as F
-from torchmetrics.classification import MulticlassAccuracy
-
-from raytrain_events.metrics import CrossEntropy
 
 __all__ = ["ClassifierModel", "split_inputs_targets"]
 
@@ -81,6 +78,12 @@ class ClassifierModel(torch.nn.Module):
         return outputs if outputs is not None else self(batch)
 
     def get_metrics(self, is_train: bool = False) -> Dict[str, Any]:
+        # Imported here, not at the top: importing torchmetrics imports its audio and text metrics
+        # (scipy.signal, transformers), 3-5 s of CPU that a process which never evaluates should not pay.
+        from torchmetrics.classification import MulticlassAccuracy
+
+        from raytrain_events.metrics import CrossEntropy
+
         return {
             "accuracy": MulticlassAccuracy(num_classes=self.num_classes, average="micro"),
             "cross_entropy": CrossEntropy(),

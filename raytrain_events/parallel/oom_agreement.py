@@ -27,7 +27,6 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from raytrain_events.dist import Dist
 
@@ -164,6 +163,8 @@ class OOMAgreement:
         if not (self.active and torch.is_grad_enabled()):
             return None
         if id(module) not in self._unsharded:  # FSDP's pre-forward just put the unsharded ones in place
+            from torch.distributed.tensor import DTensor  # here: 0.3-0.8 s to import, FSDP runs only
+
             self._unsharded[id(module)] = [p for p in module.parameters() if not isinstance(p, DTensor)]
         tensors: List[torch.Tensor] = []
         _grad_tensors((args, kwargs), tensors)
