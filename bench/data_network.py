@@ -2,7 +2,7 @@
 
 Drives the REAL code with fake blocks: `EpochFeeder` (``raytrain_events/ray/feeder.py``) serves
 every rank its chunks of batches (1, 2, 4, 8, then 16 batches per call, as `GlobalOrderLoader`
-asks), and `block_fetch.needed_rows` / `block_fetch.plan_fetch` decide, per rank and chunk, which
+asks), and `block_fetch.chunk_refs` / `split_by_node` / `needed_rows` decide, per rank and chunk, which
 blocks the rank gets whole and which it has cut on the block's node. No Ray, no torch: block
 references are ints, each block is placed on a random node (as Ray Data's read tasks land on the
 nodes with free CPUs), ranks sit ``--per-node`` to a node.
@@ -37,7 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from raytrain_events.ray.block_fetch import needed_rows, plan_fetch  # noqa: E402
+from raytrain_events.ray.block_fetch import chunk_refs, needed_rows, split_by_node  # noqa: E402
 from raytrain_events.ray.feeder import EpochFeeder  # noqa: E402
 
 CHUNKS = [1, 2, 4, 8]  # then 16 per call: GlobalOrderLoader's chunk sizes with prefetch_batches=1
@@ -76,11 +76,11 @@ def simulate(nodes: int, per_node: int, row_bytes: int, block_bytes: int, rows_p
             node = rank // per_node
             served = feeder.batches(0, 0, rank, first, count) or []
             done = done or not served or served[-1] is None
-            needed = needed_rows(served)
-            pulled[node].update(ref for ref in needed if where[ref] != node)
-            _, cut = plan_fetch(needed, node, {ref: (where[ref],) for ref in needed})
+            refs = chunk_refs(served)
+            pulled[node].update(ref for ref in refs if where[ref] != node)
+            _, cut = split_by_node(refs, node, {ref: (where[ref],) for ref in refs})
             cut_tasks += len(cut)
-            cut_rows += sum(len(rows) for _, rows in cut.values())
+            cut_rows += sum(len(rows) for rows in needed_rows(served, cut).values())
         first += count
         count = CHUNKS[CHUNKS.index(count) + 1] if count in CHUNKS[:-1] else MAX_CHUNK
     total = blocks * rows_per_block * row_bytes

@@ -11,32 +11,47 @@ that trains it (about (N - 1) / N x the dataset when blocks are spread over N no
 Per chunk of batches (up to 16 per feeder call) a rank makes one location lookup (an RPC to the
 blocks' owner, the feeder) and one `cut_rows` task per block of the chunk held on another node,
 covering all the rows it needs from that block in the chunk. A block already on the rank's node
-(or without a node: a small block inlined in its owner) is a plain ``ray.get``; on a one-node
-cluster nothing else happens (``here`` is None), so single-node speed is today's.
+(or without a node: a small block inlined in its owner) is a plain ``ray.get``, and rows are
+listed only for the blocks cut; on a one-node cluster (``here`` is None) a chunk is one
+``ray.get`` of its blocks and nothing else, as before.
 
 `cut_rows` asks for no CPU (``num_cpus=0``): it never waits behind train workers, and never holds a
 fraction of a CPU that a Ray Data read task (one whole CPU) would then not find. Its result is
 small (a rank's rows); under 100 KiB Ray returns it inline to the caller, the rank.
 
-`needed_rows` and `plan_fetch` are pure (no Ray): ``bench/data_network.py`` drives them with fake
+`chunk_refs`, `split_by_node` and `needed_rows` are pure (no Ray): ``bench/data_network.py`` drives them with fake
 blocks and node placements to count network bytes at 8 x 8 and 64 x 8 ranks.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Container, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["needed_rows", "plan_fetch", "fetch_blocks", "cut_rows", "local_rows", "cluster_node"]
+__all__ = ["chunk_refs", "needed_rows", "split_by_node", "fetch_blocks", "cut_rows", "local_rows", "cluster_node"]
 
 Rows = np.ndarray  # sorted, unique row numbers within one block (int64)
 Fetched = Dict[Any, Tuple[Any, Optional[Rows]]]  # ref -> (block or its cut rows, which rows: None = all)
 
 
-def needed_rows(served: Sequence[Optional[Sequence[Any]]]) -> Dict[Any, Rows]:
+def chunk_refs(served: Sequence[Optional[Sequence[Any]]]) -> List[Any]:
+    """The blocks a chunk's batches read, each once, in the order they first appear."""
+    refs: Dict[Any, None] = {}
+    for slices in served:
+        if slices is None:
+            break
+        for piece in slices:
+            if len(piece) == 3:
+                refs[piece[0]] = None
+            else:
+                refs.update(dict.fromkeys(piece[1]))
+    return list(refs)
+
+
+def needed_rows(served: Sequence[Optional[Sequence[Any]]], only: Optional[Container[Any]] = None) -> Dict[Any, Rows]:
     """Each block's rows that a chunk's batches read (slices ``(ref, lo, hi)`` or shuffle takes
-    ``(TAKE, refs, which, rows)``), sorted and unique, in the order the blocks first appear."""
+    ``(TAKE, refs, which, rows)``), sorted and unique; only for the blocks in ``only`` if given."""
     parts: Dict[Any, List[np.ndarray]] = {}
     for slices in served:
         if slices is None:
@@ -44,31 +59,33 @@ def needed_rows(served: Sequence[Optional[Sequence[Any]]]) -> Dict[Any, Rows]:
         for piece in slices:
             if len(piece) == 3:
                 ref, lo, hi = piece
-                parts.setdefault(ref, []).append(np.arange(lo, hi, dtype=np.int64))
+                if only is None or ref in only:
+                    parts.setdefault(ref, []).append(np.arange(lo, hi, dtype=np.int64))
             else:
                 _, refs, which, rows = piece
                 for j, ref in enumerate(refs):
-                    parts.setdefault(ref, []).append(np.asarray(rows, dtype=np.int64)[np.asarray(which) == j])
+                    if only is None or ref in only:
+                        parts.setdefault(ref, []).append(np.asarray(rows, dtype=np.int64)[np.asarray(which) == j])
     return {ref: np.unique(np.concatenate(chunks)) for ref, chunks in parts.items()}
 
 
-def plan_fetch(
-    needed: Mapping[Any, Rows], here: Optional[Hashable], locations: Mapping[Any, Sequence[Hashable]]
-) -> Tuple[List[Any], Dict[Any, Tuple[Hashable, Rows]]]:
-    """Which blocks to get whole (on node ``here`` or on no node) and which to cut where they are.
+def split_by_node(
+    refs: Sequence[Any], here: Optional[Hashable], locations: Mapping[Any, Sequence[Hashable]]
+) -> Tuple[List[Any], Dict[Any, Hashable]]:
+    """Which blocks to get whole (on node ``here``, or on no node) and which to cut where they are.
 
-    ``locations``: the nodes holding a copy of each block (a block missing from it, or on no node, is
-    fetched whole). ``here`` None (a one-node cluster): every block whole. Returns the whole blocks
-    and, for the others, ``ref -> (node to cut on, rows to cut)``.
+    ``locations``: the nodes holding a copy of each block (a block missing from it, or on no node --
+    a small block inlined in its owner -- is fetched whole). ``here`` None (a one-node cluster):
+    every block whole. Returns the whole blocks and, for the others, ``ref -> node to cut on``.
     """
     whole: List[Any] = []
-    cut: Dict[Any, Tuple[Hashable, Rows]] = {}
-    for ref, rows in needed.items():
+    cut: Dict[Any, Hashable] = {}
+    for ref in refs:
         nodes = locations.get(ref) or ()
         if here is None or not nodes or here in nodes:
             whole.append(ref)
         else:
-            cut[ref] = (nodes[0], rows)
+            cut[ref] = nodes[0]
     return whole, cut
 
 
@@ -115,21 +132,21 @@ def fetch_blocks(served: Sequence[Optional[Sequence[Any]]], here: Optional[str])
     """The blocks (whole, or this rank's rows of them) that a chunk's batches read (see module doc)."""
     import ray
 
-    needed = needed_rows(served)
-    refs = list(needed)
+    refs = chunk_refs(served)
     if here is None or not refs:
         return {ref: (block, None) for ref, block in zip(refs, ray.get(refs))}
     from ray.experimental import get_object_locations
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     found = get_object_locations(refs)
-    whole, cut = plan_fetch(needed, here, {ref: found.get(ref, {}).get("node_ids") or () for ref in refs})
+    whole, cut = split_by_node(refs, here, {ref: found.get(ref, {}).get("node_ids") or () for ref in refs})
+    needed = needed_rows(served, cut)
     task = _remote_cut()
-    pending = {
-        ref: task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True)).remote(ref, rows)
-        for ref, (node, rows) in cut.items()
-    }
+    pending = [
+        task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True)).remote(ref, needed[ref])
+        for ref, node in cut.items()
+    ]
     out: Fetched = {ref: (block, None) for ref, block in zip(whole, ray.get(whole))}
-    for (ref, (_, rows)), part in zip(cut.items(), ray.get(list(pending.values()))):
-        out[ref] = (part, rows)
+    for ref, part in zip(cut, ray.get(pending)):
+        out[ref] = (part, needed[ref])
     return out

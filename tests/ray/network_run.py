@@ -13,6 +13,7 @@ size). Ray returns a task result under 100 KiB inline, past the object store, so
 with ``max_direct_call_object_size=0``: every result goes through the store and is counted.
 
     python tests/ray/network_run.py <scratch dir>   # prints one NETWORK_RESULT {json} line
+    python tests/ray/network_run.py <scratch dir> --whole-blocks   # the path before: ray.get whole blocks
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import time
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
-FILES, ROWS_PER_FILE, ROW_BYTES = 24, 500, 2048
+FILES, ROWS_PER_FILE, ROW_BYTES = 16, 500, 2048
 WORLD, GLOBAL_BATCH = 3, 96  # 32 rows per rank per step: each rank has rows in every block
 
 
@@ -45,7 +46,7 @@ def write_data(folder: str) -> int:
     return total
 
 
-def main(scratch: str) -> None:
+def main(scratch: str, whole_blocks: bool = False) -> None:
     import ray
     from ray.cluster_utils import Cluster
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -55,7 +56,7 @@ def main(scratch: str) -> None:
     from raytrain_events.ray.feeder import FEEDER_OPTIONS, EpochFeeder
 
     data = os.path.join(scratch, "data")
-    os.makedirs(data, exist_ok=True)
+    os.makedirs(data)  # a new folder: the dataset is exactly the files written here
     data_bytes = write_data(data)
     store = 300 * 1024 * 1024
     cluster = Cluster(
@@ -73,12 +74,16 @@ def main(scratch: str) -> None:
         cluster.wait_for_nodes()
         head = ray.get_runtime_context().get_node_id()
 
-        @ray.remote(num_cpus=0, resources={"slot": 1})
+        @ray.remote(num_cpus=1, resources={"slot": 1})  # its node's CPU, as a train worker takes it
         class Rank:
             def node(self) -> str:
                 return ray.get_runtime_context().get_node_id()
 
             def epoch(self, shard) -> list:
+                if whole_blocks:  # what a one-node cluster does: every block by ray.get, whole
+                    from raytrain_events.ray import block_fetch
+
+                    block_fetch.cluster_node = lambda: None
                 loader = GlobalOrderLoader(shard, device="cpu", collate_fn=lambda batch: batch["id"].tolist())
                 loader.set_epoch(0)
                 return [list(batch) for batch in loader]
@@ -120,4 +125,4 @@ def main(scratch: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], "--whole-blocks" in sys.argv[2:])

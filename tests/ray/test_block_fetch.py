@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from raytrain_events.ray import block_fetch
-from raytrain_events.ray.block_fetch import needed_rows, plan_fetch
+from raytrain_events.ray.block_fetch import chunk_refs, needed_rows, split_by_node
 from raytrain_events.ray.feeder import EpochFeeder
 from raytrain_events.ray.shuffle import TAKE
 
@@ -31,19 +31,20 @@ def test_needed_rows_joins_a_chunks_slices_and_takes_per_block() -> None:
         None,
         [("d", 0, 1)],  # after the epoch's end: not read
     ]
+    assert chunk_refs(served) == ["a", "b", "c"]
     needed = needed_rows(served)
     assert list(needed) == ["a", "b", "c"]
     assert needed["a"].tolist() == [0, 1, 2, 3]
     assert needed["b"].tolist() == [10, 11, 12, 13, 14, 30]
     assert needed["c"].tolist() == [2, 7]
+    assert list(needed_rows(served, {"c"})) == ["c"]  # rows listed only for the blocks to be cut
 
 
-def test_plan_fetches_local_and_nodeless_blocks_whole_and_cuts_the_rest() -> None:
-    needed = {ref: np.arange(3) for ref in "abcd"}
+def test_blocks_on_this_node_or_on_none_are_fetched_whole_the_rest_cut() -> None:
     locations = {"a": ("n1",), "b": ("n2", "n1"), "c": (), "d": ("n2",)}
-    whole, cut = plan_fetch(needed, "n1", locations)
-    assert whole == ["a", "b", "c"] and list(cut) == ["d"] and cut["d"][0] == "n2"
-    whole, cut = plan_fetch(needed, None, locations)  # one node: everything is local
+    whole, cut = split_by_node(list("abcde"), "n1", locations)
+    assert whole == ["a", "b", "c", "e"] and cut == {"d": "n2"}  # e: no location known
+    whole, cut = split_by_node(list("abcd"), None, locations)  # one node: everything is local
     assert whole == list("abcd") and not cut
 
 
