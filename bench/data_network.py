@@ -18,10 +18,16 @@ Counted, per epoch, as a multiple of the dataset's bytes D:
 Also printed: ``cut tasks/step/rank``, the `cut_rows` tasks a rank submits per global batch (one per
 remote block per chunk), the per-step cost of the change.
 
+``--task-cost``: on a local one-node Ray, the time a rank spends per chunk fetching 16 blocks of
+2 KiB rows (64 rows of each): whole (``ray.get``, local) against cut by `cut_rows` tasks (the
+rank's node id replaced by another, so every block counts as remote and is cut on this node).
+That is the latency of a cut task round trip, without the network it saves.
+
 Usage::
 
     python bench/data_network.py                       # 8x8 and 64x8, 2 KiB and 8 KiB rows, 128 MiB blocks
     python bench/data_network.py --nodes 8 --row-kib 2 --block-mib 16 128 512
+    python bench/data_network.py --task-cost        # starts a local Ray (2 CPUs)
 """
 
 from __future__ import annotations
@@ -94,6 +100,39 @@ def simulate(nodes: int, per_node: int, row_bytes: int, block_bytes: int, rows_p
     }
 
 
+def task_cost(chunks: int = 30, blocks: int = 16, rows: int = 4096, take: int = 64) -> None:
+    """Milliseconds per chunk (``blocks`` blocks, ``take`` rows of each): whole gets against cut tasks."""
+    import time
+
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import numpy as np
+    import pyarrow as pa
+    import ray
+
+    from raytrain_events.ray.block_fetch import fetch_blocks
+
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        table = pa.table({"id": np.arange(rows), "tokens": [bytes(2048)] * rows})  # 8 MiB
+        refs = [ray.put(table) for _ in range(blocks)]
+        elsewhere = "f" * 56
+        results = {}
+        for mode, here in (("whole", None), ("cut", elsewhere), ("whole", None), ("cut", elsewhere)):
+            times = []
+            for c in range(chunks):
+                lo = (c * take) % (rows - take)
+                served = [[(ref, lo, lo + take)] for ref in refs]
+                start = time.perf_counter()
+                fetch_blocks(served, here)
+                times.append(time.perf_counter() - start)
+            results[mode] = sorted(times)[len(times) // 2] * 1000
+        print(f"per chunk of {blocks} blocks, {take} rows of each (median of {chunks}):")
+        print(f"  whole blocks (local ray.get): {results['whole']:.2f} ms")
+        print(f"  cut tasks: {results['cut']:.2f} ms, {results['cut'] / blocks:.2f} ms per task")
+    finally:
+        ray.shutdown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, nargs="+", default=[8, 64])
@@ -102,7 +141,11 @@ def main() -> None:
     parser.add_argument("--block-mib", type=float, nargs="+", default=[128])
     parser.add_argument("--rows-per-rank", type=int, default=1024, help="rows per rank per step")
     parser.add_argument("--steps", type=int, default=47, help="global batches in the simulated epoch")
+    parser.add_argument("--task-cost", action="store_true", help="time cut tasks on a local Ray instead")
     args = parser.parse_args()
+    if args.task_cost:
+        task_cost()
+        return
     print(
         "| nodes x ranks | row | block | blocks/step | before (x D) | after (x D) | cut tasks/step/rank |\n"
         "| --- | --- | --- | --- | --- | --- | --- |"

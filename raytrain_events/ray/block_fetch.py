@@ -29,10 +29,21 @@ from typing import Any, Container, Dict, Hashable, List, Mapping, Optional, Sequ
 
 import numpy as np
 
-__all__ = ["chunk_refs", "needed_rows", "split_by_node", "fetch_blocks", "cut_rows", "local_rows", "cluster_node"]
+__all__ = [
+    "chunk_refs",
+    "needed_rows",
+    "split_by_node",
+    "start_fetch",
+    "finish_fetch",
+    "fetch_blocks",
+    "cut_rows",
+    "local_rows",
+    "cluster_node",
+]
 
 Rows = np.ndarray  # sorted, unique row numbers within one block (int64)
 Fetched = Dict[Any, Tuple[Any, Optional[Rows]]]  # ref -> (block or its cut rows, which rows: None = all)
+Started = Tuple[List[Any], List[Tuple[Any, Rows, Any]]]  # blocks got whole; (ref, rows, cut task) of the others
 
 
 def chunk_refs(served: Sequence[Optional[Sequence[Any]]]) -> List[Any]:
@@ -128,13 +139,12 @@ def cluster_node() -> Optional[str]:
     return ray.get_runtime_context().get_node_id()
 
 
-def fetch_blocks(served: Sequence[Optional[Sequence[Any]]], here: Optional[str]) -> Fetched:
-    """The blocks (whole, or this rank's rows of them) that a chunk's batches read (see module doc)."""
-    import ray
-
+def start_fetch(served: Sequence[Optional[Sequence[Any]]], here: Optional[str]) -> Started:
+    """Start fetching a chunk's blocks: the cut tasks are submitted now, `finish_fetch` waits for them
+    (so a rank can start the next chunk's tasks while it trains this one)."""
     refs = chunk_refs(served)
     if here is None or not refs:
-        return {ref: (block, None) for ref, block in zip(refs, ray.get(refs))}
+        return refs, []
     from ray.experimental import get_object_locations
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -143,10 +153,27 @@ def fetch_blocks(served: Sequence[Optional[Sequence[Any]]], here: Optional[str])
     needed = needed_rows(served, cut)
     task = _remote_cut()
     pending = [
-        task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True)).remote(ref, needed[ref])
+        (
+            ref,
+            needed[ref],
+            task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True)).remote(ref, needed[ref]),
+        )
         for ref, node in cut.items()
     ]
+    return whole, pending
+
+
+def finish_fetch(started: Started) -> Fetched:
+    """The blocks (whole, or this rank's rows of them) of a chunk whose fetch `start_fetch` started."""
+    import ray
+
+    whole, pending = started
     out: Fetched = {ref: (block, None) for ref, block in zip(whole, ray.get(whole))}
-    for ref, part in zip(cut, ray.get(pending)):
-        out[ref] = (part, needed[ref])
+    for (ref, rows, _), part in zip(pending, ray.get([task for _, _, task in pending])):
+        out[ref] = (part, rows)
     return out
+
+
+def fetch_blocks(served: Sequence[Optional[Sequence[Any]]], here: Optional[str]) -> Fetched:
+    """The blocks (whole, or this rank's rows of them) that a chunk's batches read (see module doc)."""
+    return finish_fetch(start_fetch(served, here))

@@ -267,26 +267,37 @@ class GlobalOrderLoader:
         return prefetched(self._batches(epoch, position), self.prefetch_batches, "raytrain-train-batches")
 
     def _batches(self, epoch: int, position: int):
-        from raytrain_events.ray.block_fetch import cluster_node, fetch_blocks
+        import ray
+
+        from raytrain_events.ray.block_fetch import cluster_node, finish_fetch, start_fetch
 
         shard = self.shard
         here = cluster_node()  # None on a one-node cluster: blocks are fetched whole, as they are local
         # Batches are asked for in chunks (1, 2, 4... up to `_MAX_CHUNK`, at least `prefetch_batches`),
         # one chunk always in flight: an early first batch, then one feeder call per many batches.
+        # A chunk's blocks are fetched together (consecutive batches mostly share a block); a block on
+        # another node is cut there to this rank's rows (`block_fetch`), never pulled whole, and those
+        # cut tasks start as soon as the chunk's answer is in, while the chunk before it trains.
         first, count = 0, self.prefetch_batches
         pending = shard.feeder.batches.remote(epoch, position, shard.rank, first, count)
+        ahead = None  # the next chunk (its answer, its fetch started) when it came in early
         checked = self.columns is None
-        while pending is not None:
-            served = self._served(pending, epoch, position, first, count)
+        while pending is not None or ahead is not None:
+            if ahead is None:
+                served = self._served(pending, epoch, position, first, count)
+                started = start_fetch(served, here)
+            else:
+                (served, started), ahead = ahead, None
             first, count = first + count, max(self.prefetch_batches, min(2 * count, _MAX_CHUNK))
             ended = not served or served[-1] is None
             pending = None if ended else shard.feeder.batches.remote(epoch, position, shard.rank, first, count)
-            # One fetch for the chunk's blocks (consecutive batches mostly share a block); a block on
-            # another node is cut there to this rank's rows (`block_fetch`), never pulled whole.
-            blocks = fetch_blocks(served, here)
+            blocks = finish_fetch(started)
             for slices in served:
                 if slices is None:
                     return
+                if here is not None and pending is not None and ray.wait([pending], timeout=0)[0]:
+                    answer = self._served(pending, epoch, position, first, count)
+                    ahead, pending = (answer, start_fetch(answer, here)), None
                 batch = self._to_batch(slices, blocks)
                 if not checked:
                     next(_check_columns([batch], self.columns or []))
