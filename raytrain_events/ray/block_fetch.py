@@ -119,6 +119,7 @@ def cut_rows(block: Any, rows: Rows) -> Any:
 
 
 _cut_task: Any = None
+_LOOKUP_TIMEOUT_MS = 60_000  # a location lookup that takes longer falls back to whole blocks
 
 
 def _remote_cut() -> Any:
@@ -145,10 +146,14 @@ def start_fetch(served: Sequence[Optional[Sequence[Any]]], here: Optional[str]) 
     refs = chunk_refs(served)
     if here is None or not refs:
         return refs, []
+    import ray
     from ray.experimental import get_object_locations
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    found = get_object_locations(refs)
+    try:
+        found = get_object_locations(refs, timeout_ms=_LOOKUP_TIMEOUT_MS)
+    except ray.exceptions.GetTimeoutError:
+        found = {}  # the owner does not answer: plain gets, which raise if the blocks are gone
     whole, cut = split_by_node(refs, here, {ref: found.get(ref, {}).get("node_ids") or () for ref in refs})
     needed = needed_rows(served, cut)
     task = _remote_cut()

