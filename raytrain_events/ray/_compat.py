@@ -29,6 +29,11 @@ Private names used (checked against Ray 2.60.0):
 * ``ray._private.ray_constants.ENABLE_RAY_CLUSTER`` and ``ray.init(_node_ip_address=...)``: keep an
   embedded local instance on 127.0.0.1 (`loopback_only`).
 
+* ``ray._private.internal_api.node_stats`` (a raylet's ``GetNodeStats`` reply, its object store's
+  ``cumulative_created_bytes``): the bytes each node's object store has taken in, which counts the
+  objects pulled from other nodes -- Ray's own figure for a test of network bytes per epoch
+  (`object_store_created_bytes`, ``tests/ray/network_run.py``).
+
 Ray's file layouts, log formats and environment knobs this package relies on (same rules: one
 function or constant here each, probed by `check_private_names()`):
 
@@ -53,7 +58,7 @@ import contextlib
 import importlib
 import inspect
 import os
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 __all__ = [
     "RayCompatError",
@@ -77,6 +82,7 @@ __all__ = [
     "check_private_names",
     "local_preemption_info",
     "run_on_worker_main_thread",
+    "object_store_created_bytes",
 ]
 
 #: ``ray.init`` keyword arguments that pin a new local instance's node address to loopback.
@@ -326,6 +332,25 @@ def _probe_train_worker() -> None:
         raise _missing("PreemptionContext.preemption_info")
 
 
+def object_store_created_bytes(node: Dict[str, Any]) -> int:
+    """Bytes of all objects ever created in the object store of ``node`` (an entry of ``ray.nodes()``):
+    its workers' outputs and puts, and every object pulled to it from another node."""
+    node_stats = _import("ray._private.internal_api", "node_stats")
+    reply = node_stats(node["NodeManagerAddress"], node["NodeManagerPort"], include_memory_info=False)
+    return int(_attr(_attr(reply, "store_stats"), "cumulative_created_bytes"))
+
+
+def _probe_node_stats() -> None:
+    node_stats = _import("ray._private.internal_api", "node_stats")
+    if "include_memory_info" not in inspect.signature(node_stats).parameters:
+        raise _missing("ray._private.internal_api.node_stats(include_memory_info=...)")
+    from ray.core.generated import common_pb2, node_manager_pb2
+
+    stats = getattr(node_manager_pb2, "ObjectStoreStats", None) or getattr(common_pb2, "ObjectStoreStats", None)
+    if stats is None or "cumulative_created_bytes" not in stats.DESCRIPTOR.fields_by_name:
+        raise _missing("ObjectStoreStats.cumulative_created_bytes")
+
+
 def check_private_names() -> List[Tuple[str, str]]:
     """Probe every private name above; return ``(name, problem)`` for each one that is gone."""
     from ray.tune.schedulers import ASHAScheduler
@@ -349,6 +374,7 @@ def check_private_names() -> List[Tuple[str, str]]:
     probe("ENABLE_RAY_CLUSTER", lambda: _import("ray._private.ray_constants", "ENABLE_RAY_CLUSTER"))
     probe("RAY_worker_maximum_startup_concurrency", _probe_startup_concurrency)
     probe("file layouts and log messages", _probe_files_and_logs)
+    probe("node_stats cumulative_created_bytes", _probe_node_stats)
     if not _init_takes("_node_ip_address"):
         problems.append(("_node_ip_address", str(_missing("ray.init(_node_ip_address=...)"))))
     return problems

@@ -269,23 +269,35 @@ class GlobalOrderLoader:
     def _batches(self, epoch: int, position: int):
         import ray
 
+        from raytrain_events.ray.block_fetch import cluster_node, finish_fetch, start_fetch
+
         shard = self.shard
+        here = cluster_node()  # None on a one-node cluster: blocks are fetched whole, as they are local
         # Batches are asked for in chunks (1, 2, 4... up to `_MAX_CHUNK`, at least `prefetch_batches`),
         # one chunk always in flight: an early first batch, then one feeder call per many batches.
+        # A chunk's blocks are fetched together (consecutive batches mostly share a block); a block on
+        # another node is cut there to this rank's rows (`block_fetch`), never pulled whole, and those
+        # cut tasks start as soon as the chunk's answer is in, while the chunk before it trains.
         first, count = 0, self.prefetch_batches
         pending = shard.feeder.batches.remote(epoch, position, shard.rank, first, count)
+        ahead = None  # the next chunk (its answer, its fetch started) when it came in early
         checked = self.columns is None
-        while pending is not None:
-            served = self._served(pending, epoch, position, first, count)
+        while pending is not None or ahead is not None:
+            if ahead is None:
+                served = self._served(pending, epoch, position, first, count)
+                started = start_fetch(served, here)
+            else:
+                (served, started), ahead = ahead, None
             first, count = first + count, max(self.prefetch_batches, min(2 * count, _MAX_CHUNK))
             ended = not served or served[-1] is None
             pending = None if ended else shard.feeder.batches.remote(epoch, position, shard.rank, first, count)
-            # One fetch for the chunk's blocks (consecutive batches mostly share a block).
-            refs = list({ref: None for slices in served if slices is not None for ref in _refs(slices)})
-            blocks = dict(zip(refs, ray.get(refs)))
+            blocks = finish_fetch(started)
             for slices in served:
                 if slices is None:
                     return
+                if here is not None and pending is not None and ray.wait([pending], timeout=0)[0]:
+                    answer = self._served(pending, epoch, position, first, count)
+                    ahead, pending = (answer, start_fetch(answer, here)), None
                 batch = self._to_batch(slices, blocks)
                 if not checked:
                     next(_check_columns([batch], self.columns or []))
@@ -341,33 +353,35 @@ class GlobalOrderLoader:
         return ndarray_batch_to_torch(batch)
 
 
-def _refs(slices) -> List[Any]:
-    """The block refs a batch's slices read: ``(ref, lo, hi)`` or a shuffle take ``(TAKE, refs, ...)``."""
-    out: List[Any] = []
-    for piece in slices:
-        if len(piece) == 4:
-            out += piece[1]
-        else:
-            out.append(piece[0])
-    return out
-
-
 def _part(piece, blocks: Dict[Any, Any]) -> Any:
-    """One slice of a batch as a block: rows ``lo:hi`` of a block, or a take across a window's blocks."""
+    """One slice of a batch as a block: rows ``lo:hi`` of a block, or a take across a window's blocks.
+
+    ``blocks``: ref -> (the block, or the rows of it this rank fetched; which rows: None = all).
+    """
     from ray.data.block import BlockAccessor
+
+    from raytrain_events.ray.block_fetch import local_rows
 
     if len(piece) == 3:
         ref, lo, hi = piece
-        return BlockAccessor.for_block(blocks[ref]).slice(lo, hi, copy=False)
-    _, refs, which, rows = piece
+        block, rows = blocks[ref]
+        at = int(local_rows(rows, lo))
+        return BlockAccessor.for_block(block).slice(at, at + hi - lo, copy=False)
+    _, refs, which, wanted = piece
     import numpy as np
 
-    tables = [blocks[ref] for ref in refs]
+    fetched = [blocks[ref] for ref in refs]
+    local = np.asarray(wanted, dtype=np.int64).copy()
+    for j, (_, rows) in enumerate(fetched):
+        if rows is not None:
+            mask = which == j
+            local[mask] = local_rows(rows, local[mask])
+    tables = [block for block, _ in fetched]
     if len(tables) == 1:
-        return BlockAccessor.for_block(tables[0]).take(rows)
+        return BlockAccessor.for_block(tables[0]).take(local)
     builder = BlockAccessor.for_block(tables[0]).builder()
     for table in tables:
         builder.add_block(table)
     sizes = np.array([BlockAccessor.for_block(t).num_rows() for t in tables], dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    return BlockAccessor.for_block(builder.build()).take(starts[which] + rows)
+    return BlockAccessor.for_block(builder.build()).take(starts[which] + local)
