@@ -532,9 +532,10 @@ def _train_model(mb: int) -> tuple:
 
 
 SAVE_PARTS = (
-    "rng file write (outside _write)",
+    "capture_rng_state",
+    "directory name",
     "state.state_dict()",
-    "cpu_copy",
+    "copy to host (stage)",
     "writer.submit (waits for prev)",
     "_write (serialize..commit)",
     "other",
@@ -585,12 +586,14 @@ class _SaveTimer:
         trainer.state.state_dict = self.wrap("state.state_dict()", trainer.state.state_dict)
         if ck._writer is not None:
             ck._writer.submit = self.wrap("writer.submit (waits for prev)", ck._writer.submit)
-        old = ckmod.cpu_copy
-        ckmod.cpu_copy = self.wrap("cpu_copy", old)
+        ck.channel.stage = self.wrap("copy to host (stage)", ck.channel.stage)
+        ck.channel.name = self.wrap("directory name", ck.channel.name)
+        old = ckmod.capture_rng_state
+        ckmod.capture_rng_state = self.wrap("capture_rng_state", old)
         try:
             yield
         finally:
-            ckmod.cpu_copy = old
+            ckmod.capture_rng_state = old
 
 
 def train_run(mode: str, mb: int, every: int, saves: int, workdir: str) -> dict:
@@ -640,8 +643,10 @@ def train_run(mode: str, mb: int, every: int, saves: int, workdir: str) -> dict:
     other_gaps = [v for b, v in gaps.gaps.items() if b not in save_batches and b > 1]
     other_steps = [v for b, v in gaps.steps.items() if b not in save_batches and b - 1 not in save_batches and b > 1]
     after_save = [v for b, v in gaps.steps.items() if b - 1 in save_batches]
+    later_gaps = [v for b, v in sorted(gaps.gaps.items()) if b in save_batches][1:]
     return {
         "blocked": med(ckpt_gaps) - med(other_gaps),
+        "blocked_later": med(later_gaps) - med(other_gaps) if later_gaps else float("nan"),
         "gap_base": med(other_gaps),
         "step": med(other_steps),
         "step_after_save": med(after_save),
@@ -651,6 +656,11 @@ def train_run(mode: str, mb: int, every: int, saves: int, workdir: str) -> dict:
         "save_parts": {k: med([c.get(k, 0.0) for c in timer.calls]) for k in SAVE_PARTS + ("TOTAL",)}
         if timer.calls
         else {},
+        # After the first save (which allocates the reused host buffers), and the first alone.
+        "save_parts_later": {k: med([c.get(k, 0.0) for c in timer.calls[1:]]) for k in SAVE_PARTS + ("TOTAL",)}
+        if len(timer.calls) > 1
+        else {},
+        "save_first": timer.calls[0].get("TOTAL", 0.0) if timer.calls else 0.0,
     }
 
 
