@@ -21,6 +21,7 @@ per save; a synchronous run never makes one).
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Hashable, Tuple
@@ -57,6 +58,13 @@ def _empty(t: torch.Tensor, pin: bool) -> torch.Tensor:
 
 def _synchronize() -> None:
     torch.cuda.synchronize()
+
+
+@functools.cache
+def _dtensor_type() -> type:  # imported once, not per tensor per save
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
 
 
 class HostStager:
@@ -103,11 +111,9 @@ class HostStager:
     def _copy(
         self, src: torch.Tensor, where: Tuple[Hashable, ...], buffers: Dict[_Key, Any], counts: Dict[str, Any]
     ) -> Any:
-        from torch.distributed.tensor import DTensor
-
         device = _on_accelerator(src)
         counts["device"] = counts["device"] or device
-        if isinstance(src, DTensor):
+        if isinstance(src, _dtensor_type()):
             local = src.to_local()
             key: _Key = (where, "dtensor", tuple(src.shape), tuple(local.shape), src.dtype, src.placements)
             counts["seen"].add(key)
