@@ -633,12 +633,13 @@ def train_run(mode: str, mb: int, every: int, saves: int, workdir: str) -> dict:
     # The interval also fires at the last batch (end of training): that save has no following
     # BATCH_START, so it counts in fit() time but not in the gaps.
     saved = set()
+    planned = {every * (i + 1) for i in range(saves)}
     if trainer._checkpointer is not None:
         saved = {int(s.name.split("-")[1]) for s in trainer._checkpointer.saved}
-        expected = {every * (i + 1) for i in range(saves)}
-        assert expected <= saved, (mode, sorted(saved), sorted(expected))
+        assert len(saved) >= len(planned), (mode, sorted(saved), sorted(planned))
     shutil.rmtree(os.path.dirname(folder), ignore_errors=True)
-    save_batches = {every * (i + 1) for i in range(saves)}
+    # The batches that saved: a save due while the previous one still uploads is postponed to a later batch.
+    save_batches = saved or planned
     ckpt_gaps = [v for b, v in gaps.gaps.items() if b in save_batches]
     other_gaps = [v for b, v in gaps.gaps.items() if b not in save_batches and b > 1]
     other_steps = [v for b, v in gaps.steps.items() if b not in save_batches and b - 1 not in save_batches and b > 1]
