@@ -119,14 +119,17 @@ def _fit(ws: List[int], ys: List[float], inverse: bool = False) -> Tuple[float, 
     return my - b * mx, b
 
 
-def measure(widths: Tuple[int, ...], width: int) -> Dict[str, Dict[int, Dict[str, float]]]:
+def measure(
+    widths: Tuple[int, ...], width: int, arms: Tuple[str, ...] = ("fsdp", "ddp")
+) -> Dict[str, Dict[int, Dict[str, float]]]:
     from bench.checkpoint_io import s3_server
     from raytrain_events.checkpoint import list_checkpoints
     from tests.parallel.spawn import run_ranks
 
     rows: Dict[str, Dict[int, Dict[str, float]]] = {}
     with s3_server() as (root, options):
-        for arm, parallelism in (("fsdp", FSDP), ("ddp", "ddp")):
+        for arm in arms:
+            parallelism = FSDP if arm == "fsdp" else "ddp"
             rows[arm] = {}
             for w in widths:
                 folder = f"{root}/{arm}-w{w}/checkpoints"
@@ -144,6 +147,7 @@ def measure(widths: Tuple[int, ...], width: int) -> Dict[str, Dict[int, Dict[str
                     "read other KiB": max(read[1:]) / 1024,
                     "read total / ckpt": sum(read) / sum(f.size for f in info.files),
                 }
+                print(f"{arm} W={w}: {rows[arm][w]}", flush=True)  # each row as measured (the run is long)
     return rows
 
 

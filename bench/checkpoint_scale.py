@@ -192,6 +192,7 @@ def main() -> None:
     parser.add_argument("--reshard", action="store_true", help="the N -> M reshard bytes instead")
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--ranks", action="store_true", help="request counts and bytes at 2, 4, 8 gloo ranks")
+    parser.add_argument("--arms", nargs="+", default=["fsdp", "ddp"], help="--ranks: fsdp and/or ddp")
     parser.add_argument("--blocking", action="store_true", help="training-thread blocking time per async save")
     parser.add_argument("--mb", type=int, default=64, help="--blocking: MiB of parameters")
     parser.add_argument("--every", type=int, default=5, help="--blocking: batches between saves")
@@ -205,7 +206,7 @@ def main() -> None:
     elif args.ranks:
         from bench.checkpoint_ranks import measure, report
 
-        report(measure((2, 4, 8), args.width))
+        report(measure((2, 4, 8), args.width, tuple(args.arms)))
     elif args.reshard:
         reshard([(8, 6), (4, 8), (8, 3)], args.width)
     else:

@@ -49,7 +49,7 @@ class Staged:
 
 def _on_accelerator(t: torch.Tensor) -> bool:
     """True for a CUDA source: its buffer is pinned and the copy is non-blocking."""
-    return t.device.type == "cuda"
+    return t.is_cuda
 
 
 def _empty(t: torch.Tensor, pin: bool) -> torch.Tensor:
@@ -130,7 +130,7 @@ class HostStager:
                 counts["reused"] += 1
             buf.to_local().copy_(local, non_blocking=device)
             return buf
-        key = (where, "tensor", tuple(src.shape), src.dtype)
+        key = (where, src.shape, src.dtype)  # torch.Size is a tuple: hashable as it is
         counts["seen"].add(key)
         buf = buffers.get(key)
         if buf is None:
