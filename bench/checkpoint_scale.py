@@ -24,10 +24,13 @@ C bytes of tensors, g = gcd(N, M), meta(N) the ``.metadata`` size (linear in N):
   before: C * (N + M - g) / N + 2 * M * meta(N);  ours: C + (N + M - g) * K * 2 KiB + meta(N)
 (K tensor items; 2 KiB: the head/tail probes of ``ranged_dcp.py``), extrapolated to 512 ranks.
 
-Not measured here (left open, see the README section): multi-rank gloo saves; the training
-thread's blocking time per save is ``checkpoint_io.py``'s third measurement.
+``--ranks`` (``checkpoint_ranks.py``): S3 requests per save, commit and load and bytes read per
+rank at 2, 4 and 8 gloo ranks (FSDP and DDP), fitted and extrapolated to 512 ranks.
+``--blocking`` (``checkpoint_blocking.py``): the training thread's blocking time per async save
+against a run without checkpointing and against the copy to host alone.
 
-Run: ``PYTHONPATH=$PWD python bench/checkpoint_scale.py [--history 1 10 50] [--reshard [--width 512]]``
+Run: ``PYTHONPATH=$PWD python bench/checkpoint_scale.py [--history 1 10 50] [--reshard [--width 512]]
+[--ranks [--width 256]] [--blocking [--mb 64 --repeats 5]]``
 """
 
 from __future__ import annotations
@@ -188,8 +191,23 @@ def main() -> None:
     parser.add_argument("--history", type=int, nargs="+", default=[1, 10, 50])
     parser.add_argument("--reshard", action="store_true", help="the N -> M reshard bytes instead")
     parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--ranks", action="store_true", help="request counts and bytes at 2, 4, 8 gloo ranks")
+    parser.add_argument("--arms", nargs="+", default=["fsdp", "ddp"], help="--ranks: fsdp and/or ddp")
+    parser.add_argument("--blocking", action="store_true", help="training-thread blocking time per async save")
+    parser.add_argument("--mb", type=int, default=64, help="--blocking: MiB of parameters")
+    parser.add_argument("--every", type=int, default=5, help="--blocking: batches between saves")
+    parser.add_argument("--saves", type=int, default=4, help="--blocking: saves per run")
+    parser.add_argument("--repeats", type=int, default=5, help="--blocking: runs per arm")
     args = parser.parse_args()
-    if args.reshard:
+    if args.blocking:
+        from bench.checkpoint_blocking import blocking
+
+        blocking(args.mb, args.every, args.saves, args.repeats)
+    elif args.ranks:
+        from bench.checkpoint_ranks import measure, report
+
+        report(measure((2, 4, 8), args.width, tuple(args.arms)))
+    elif args.reshard:
         reshard([(8, 6), (4, 8), (8, 3)], args.width)
     else:
         run(args.history)

@@ -12,7 +12,7 @@ What it measures, in one process (one device), the same model, optimizer (AdamW)
   what FSDP's hooks and DTensor parameters cost with nothing to shard.
 * **checkpoint** save and load of model + optimizer state with ``torch.distributed.checkpoint`` to
   local disk (GB/s), and the time an async save blocks the training thread (the copy of the state
-  to CPU memory, `raytrain_events.checkpoint.sharded.stage_to_cpu`; the upload runs in the background).
+  to CPU memory, `raytrain_events.checkpoint.staging.HostStager`; the upload runs in the background).
 
 Usage::
 

@@ -1,10 +1,12 @@
 """`Checkpointer`: saves the run at checkpoint events and restores it at start-up.
 
 It is a `Callback` placed first, so reporters running at the same event see the save.
-Saving: the training thread copies the `State` to CPU and captures the RNG states, and with
-several ranks makes one small collective (rank 0's directory name, every rank's RNG state) --
-no storage I/O. Everything else runs on the background save: rank 0 uploads the state and every
-rank's RNG file, commits the manifest, updates the folder's index and prunes (`Committer`).
+Saving: the training thread captures the RNG state and copies the `State` into reusable host
+buffers (``staging.py``) -- no collective, no storage I/O (ranks name the directory alike from a
+token agreed at set-up, ``save_channel.py``). Everything else runs on the background save, whose
+collectives use their own process group: every rank's RNG state is gathered to rank 0, which
+uploads the state and every rank's RNG file, commits the manifest, updates the folder's index
+and prunes (`Committer`).
 One save is in flight at a time; a save that comes due meanwhile is postponed to the first
 batch after it finished (training never waits on storage). Loading happens between INIT and
 AFTER_LOAD: ``autoresume`` takes the newest valid checkpoint of ``save_folder``, chosen by rank 0
@@ -36,13 +38,15 @@ from raytrain_events.checkpoint.preemption import SAVE_FLAG, save_on_sigterm
 from raytrain_events.checkpoint.retention import local_keep
 from raytrain_events.checkpoint.rng import capture_rng_state, restore_rng_state
 from raytrain_events.checkpoint.safetensors_io import is_safetensors_dir, start_from_safetensors
+from raytrain_events.checkpoint.save_channel import SaveChannel
 from raytrain_events.checkpoint.sharded import (
     DCP_LAYOUT,
     ShardedCheckpointIO,
     is_sharded_checkpoint,
     load_full_into_sharded,
 )
-from raytrain_events.checkpoint.store import AsyncCheckpointWriter, DoneFuture, cpu_copy, load_latest_valid
+from raytrain_events.checkpoint.staging import Staged
+from raytrain_events.checkpoint.store import AsyncCheckpointWriter, DoneFuture, load_latest_valid
 from raytrain_events.core.callback import Callback
 from raytrain_events.core.event import Event
 from raytrain_events.core.interval import make_interval
@@ -136,9 +140,11 @@ class Checkpointer(Callback):
                 "rank holds the whole model). Fix: leave sharded=None; export one file with `raytrain-events export`."
             )
         self.sharded = bool(config.sharded) if config.sharded is not None else model_sharded
+        # Directory names without a per-save collective; the background saves' own process group.
+        self.channel = SaveChannel(host.dist, background=config.async_save)
         self._sharded_io: Optional[ShardedCheckpointIO] = None
-        if self.sharded:  # its own process group when saves run in the background (collective)
-            self._sharded_io = ShardedCheckpointIO(host, self.options, own_group=config.async_save)
+        if self.sharded:
+            self._sharded_io = ShardedCheckpointIO(host, self.options, own_group=False, group=self.channel.group)
         self._last_save_time = time.monotonic()
         self._last_saved_batch: Optional[int] = None
         self._sigterm = contextlib.ExitStack()
@@ -344,14 +350,9 @@ class Checkpointer(Callback):
         if batch == self._last_saved_batch:
             return None
         timestamp = counters_of(state.timestamp)
-        url = new_checkpoint_url(self.folder, timestamp=timestamp)
+        url = new_checkpoint_url(self.folder, timestamp=timestamp, name=self.channel.name(timestamp))
         rng = {"now": capture_rng_state(), "epoch_start": self._epoch_start_rng}  # fresh copies
-        rngs = {0: rng}
-        if dist.is_distributed:  # one small collective, no storage I/O: rank 0 names the directory and
-            gathered = dist.all_gather_object((url, rng))  # writes every rank's RNG file in the background
-            url, rngs = gathered[0][0], {r: g[1] for r, g in enumerate(gathered)}
         entries: List[FileEntry] = []
-        future = None
         metadata = {
             "config": host.config,
             "run_name": state.run_name,
@@ -366,16 +367,15 @@ class Checkpointer(Callback):
             "checkpoint_config": self.config.to_dict(),
         }
         if self._sharded_io is not None:
-            future = self._save_sharded(url, rngs, entries, timestamp, metadata)
-        elif state.rank == 0:
-            payload = state.state_dict()
-            payload["timestamp"] = state.timestamp.state_dict()
-            snapshot = cpu_copy(payload) if self._writer is not None else payload
-            job = lambda: self._write(url, snapshot, rngs, entries, timestamp, dist.world_size, metadata)  # noqa: E731
-            if self._writer is not None:
-                future = self._writer.submit(self._reported(url, job))
-            else:
-                future = DoneFuture(job())
+            future = self._save_sharded(url, rng, entries, timestamp, metadata)
+        else:
+            payload: Optional[Dict[str, Any]] = None
+            if state.rank == 0:
+                payload = state.state_dict()
+                payload["timestamp"] = state.timestamp.state_dict()
+            staged = self.channel.stage(payload)  # the copy, all that blocks training
+            job = lambda: self._write(url, staged.tree, rng, entries, timestamp, dist.world_size, metadata)  # noqa: E731
+            future = self._start(url, job, staged)
         self._last_saved_batch = batch
         self._last_save_time = time.monotonic()
         state.agreement.clear(SAVE_FLAG)
@@ -387,39 +387,53 @@ class Checkpointer(Callback):
     def _save_sharded(
         self,
         url: str,
-        rngs: Dict[int, Any],
+        rng: Dict[str, Any],
         entries: List[FileEntry],
         timestamp: Dict[str, int],
         metadata: Dict[str, Any],
     ) -> Any:
-        """Every rank writes its shards (staged to CPU first when async); rank 0 then commits."""
-        io, background = self._sharded_io, self._writer is not None
-        tensors, rest = io.snapshot(copy=background)  # the copy is all that blocks training
-        rest = cpu_copy(rest) if background else rest
-        rank, world_size = self.host.state.rank, self.host.dist.world_size
+        """Every rank writes its shards (staged to host buffers first when async); rank 0 then commits."""
+        io = self._sharded_io
+        tensors, rest = io.snapshot()
+        staged = self.channel.stage({"tensors": tensors, "rest": rest})  # the copy, all that blocks training
+        tensors, rest = staged.tree["tensors"], staged.tree["rest"]
+        world_size = self.host.dist.world_size
         parallel = getattr(self.host, "parallel", None)
         metadata = dict(metadata, layout=DCP_LAYOUT, parallelism=parallel.kind if parallel is not None else "ddp")
 
         def job() -> Optional[CheckpointInfo]:
             shards = io.write_shards(url, tensors)
-            if rank != 0:
-                return None
-            return self._write(url, rest, rngs, list(entries) + shards, timestamp, world_size, metadata)
+            return self._write(url, rest, rng, list(entries) + shards, timestamp, world_size, metadata)
 
-        return self._writer.submit(self._reported(url, job)) if background else DoneFuture(job())
+        return self._start(url, job, staged)
+
+    def _start(self, url: str, job: Callable[[], Any], staged: Staged) -> Any:
+        """Run ``job`` in the background save (async) or now; the staged buffers are released after it."""
+
+        def run() -> Any:
+            try:
+                return job()
+            finally:
+                staged.release()
+
+        return self._writer.submit(self._reported(url, run)) if self._writer is not None else DoneFuture(run())
 
     def _write(
         self,
         url: str,
-        snapshot: Dict[str, Any],
-        rngs: Dict[int, Any],
+        snapshot: Optional[Dict[str, Any]],
+        rng: Dict[str, Any],
         entries: List[FileEntry],
         timestamp: Dict[str, int],
         world_size: int,
         metadata: Dict[str, Any],
-    ) -> CheckpointInfo:
-        """Rank 0: upload the state and every rank's RNG file and commit (`Committer`)."""
-        files = {rng_file_name(r): rng for r, rng in sorted(rngs.items())}
+    ) -> Optional[CheckpointInfo]:
+        """Every rank: gather the RNG states to rank 0 (a collective). Rank 0: upload the state and
+        every rank's RNG file and commit (`Committer`); None on the other ranks."""
+        rngs = self.channel.gather_rngs(rng)
+        if self.host.state.rank != 0:
+            return None
+        files: Dict[str, Any] = {rng_file_name(r): one for r, one in sorted(rngs.items())}
         files[STATE_FILE] = snapshot
         return self.committer.commit(url, files, entries, timestamp=timestamp, world_size=world_size, metadata=metadata)
 

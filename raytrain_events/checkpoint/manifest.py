@@ -12,6 +12,7 @@ that callers of ``commit_checkpoint`` made themselves with hashlib).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import re
 import sys
@@ -170,9 +171,13 @@ class LoadedCheckpoint:
     files: dict[str, Any]
 
 
-def checkpoint_name(timestamp: Mapping[str, int]) -> str:
-    """``ckpt-<batch:012d>-<uuid8>``: sorts by batch, unique across retries of one batch."""
-    return f"ckpt-{int(timestamp.get('batch', 0)):012d}-{uuid.uuid4().hex[:8]}"
+def checkpoint_name(timestamp: Mapping[str, int], token: str | None = None) -> str:
+    """``ckpt-<batch:012d>-<id8>``: sorts by batch, unique across retries of one batch.
+
+    ``id8`` is random, or, with ``token``, derived from it: ranks that share a token (agreed
+    once at set-up) and count their saves alike name the directory the same without talking."""
+    suffix = hashlib.sha256(token.encode()).hexdigest()[:8] if token is not None else uuid.uuid4().hex[:8]
+    return f"ckpt-{int(timestamp.get('batch', 0)):012d}-{suffix}"
 
 
 def _check_file_name(name: str) -> str:

@@ -17,8 +17,9 @@ rank reads only the bytes of the saved shards it needs (ranged reads, ``ranged_d
 N -> M reshard reads about 1x the checkpoint in total. No rank gathers the full model. Loading goes through `SafeDCPReader` and
 `SafeLoadPlanner` (``safe_dcp.py``): nothing in a crafted checkpoint runs.
 
-Async save: the tensors are copied to CPU memory (pinned where CUDA exists) on the training
-thread, the only part that blocks training; the upload runs in the background writer.
+Async save: the tensors are copied to reusable host buffers (pinned where CUDA exists,
+``staging.py``) on the training thread, the only part that blocks training; the upload runs in
+the background writer.
 Checkpoint collectives (DCP's planning, gathering the file list) use their own gloo group,
 so a background save never interleaves with the training collectives of the main thread.
 """
@@ -79,38 +80,33 @@ def fill_tensors(tree: Any, tensors: Dict[str, Any]) -> Any:
     return tree
 
 
-def stage_to_cpu(tree: Dict[str, Any]) -> Dict[str, Any]:
-    """A CPU copy of every tensor (DTensor shards stay DTensors), pinned where CUDA is present."""
-    from raytrain_events._torch_compat import copy_state_dict as _copy_state_dict
-    from raytrain_events._torch_compat import create_cpu_state_dict as _create_cpu_state_dict
-
-    cuda = torch.cuda.is_available()
-    staged = _create_cpu_state_dict(tree, pin_memory=cuda)
-    staged = _copy_state_dict(tree, staged, non_blocking=cuda)
-    if cuda:
-        torch.cuda.synchronize()
-    return staged
-
-
 class ShardedCheckpointIO:
     """Save and load the model, optimizers and algorithm tensors of one `Trainer` with DCP.
 
     Every rank makes the same calls in the same order (they are collective).
     """
 
-    def __init__(self, trainer: Any, storage_options: Optional[Dict[str, Any]] = None, own_group: bool = True) -> None:
+    def __init__(
+        self,
+        trainer: Any,
+        storage_options: Optional[Dict[str, Any]] = None,
+        own_group: bool = True,
+        group: Any = None,
+    ) -> None:
+        """``group``: the process group for checkpoint collectives (a background save's own);
+        without one, ``own_group`` makes a gloo group, else the default group is used."""
         self.trainer = trainer
         self.options = dict(storage_options or {})
         self.distributed = trainer.dist.is_distributed
-        self.group = None  # None: the default group (collectives on the training thread only)
-        if self.distributed and own_group:
+        self.group = group  # None: the default group (collectives on the training thread only)
+        if self.distributed and group is None and own_group:
             import torch.distributed as tdist
 
             self.group = tdist.new_group(backend="gloo")
 
     # ------------------------------------------------------------------ save
-    def snapshot(self, copy: bool) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-        """(tensors for DCP, the rest for state.pt); ``copy`` stages the tensors to CPU memory."""
+    def snapshot(self) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+        """(tensors for DCP, the rest for state.pt), not copied (an async save stages both)."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         state = self.trainer.state
@@ -120,7 +116,7 @@ class ShardedCheckpointIO:
         rest.pop("optimizers")
         rest, extra = split_tensors(rest)
         tensors = {"model": model_sd, "optim": optim_sd, "extra": extra}
-        return (stage_to_cpu(tensors) if copy else tensors), rest
+        return tensors, rest
 
     def write_shards(self, url: str, tensors: Dict[str, Any]) -> List[FileEntry]:
         """Every rank writes its shards under ``url``; returns the entries of all ranks' files."""

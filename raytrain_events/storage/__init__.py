@@ -5,7 +5,7 @@ Checkpoint files built on top of it live in ``raytrain_events.checkpoint``.
 """
 
 from raytrain_events.storage.config_diff import diff_configs, format_config_diff
-from raytrain_events.storage.errors import LockError, LockNotHeldError, RunLockedError, StorageError
+from raytrain_events.storage.errors import LockError, LockNotHeldError, RunLockedError, StorageError, WriteTimeoutError
 from raytrain_events.storage.exp_dir import RunDir, get_empty_exp_dir
 from raytrain_events.storage.fs import (
     join,
@@ -34,6 +34,7 @@ __all__ = [
     "RunDir",
     "RunLockedError",
     "StorageError",
+    "WriteTimeoutError",
     "acquire_lock",
     "diff_configs",
     "format_config_diff",

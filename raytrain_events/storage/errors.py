@@ -22,6 +22,17 @@ class StorageError(OSError):
         return str(self.args[0]) if self.args else ""
 
 
+class WriteTimeoutError(StorageError, TimeoutError):
+    """A write to an object store ran past its deadline and was cancelled (see ``fs.write_timeout_s``).
+
+    A `StorageError` naming the URL, and a ``TimeoutError``, so checkpoint saves retry it.
+    ``nbytes``: the size of the write; ``deadline_s``: the deadline it ran past."""
+
+    def __init__(self, message: str, *, url: str | None = None, nbytes: int = 0, deadline_s: float = 0.0) -> None:
+        super().__init__(message, url=url)
+        self.nbytes, self.deadline_s = nbytes, deadline_s
+
+
 class LockError(RuntimeError):
     """Base class for run-directory lock problems."""
 

@@ -21,8 +21,11 @@ these functions, so the atomicity rules live in one place:
   with ``Expect: 100-continue``, and aiohttp arms its read timeout only after the body is
   sent, so against a black-holed network the PUT waited for "100 Continue" forever (seen
   through tests/faultproxy.py: a save hung, and with it every later save and the run's end).
-  Past the deadline the write fails with fsspec's ``FSTimeoutError`` (an
-  ``asyncio.TimeoutError``: retried by checkpoint saves) and the request is cancelled.
+  Past the deadline the request is cancelled and the write fails with ``WriteTimeoutError`` (a
+  ``StorageError`` and a ``TimeoutError``: retried by checkpoint saves) naming the URL, the size,
+  the deadline and the settings that make it (``write_timeout_error``); fsspec's own
+  ``FSTimeoutError`` says nothing at all. ``objectstore.py``'s streamed uploads (single PUT and
+  every request of a multipart upload) keep the same deadlines.
 
 Usage::
 
@@ -44,11 +47,12 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import fsspec
+from fsspec.exceptions import FSTimeoutError
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 
 from raytrain_events.storage.crc32 import Crc32, s3_checksum
-from raytrain_events.storage.errors import StorageError
+from raytrain_events.storage.errors import StorageError, WriteTimeoutError
 
 # protocol -> (pip extra, backend package) for the friendly ImportError.
 _EXTRAS = {
@@ -176,7 +180,8 @@ def write_bytes_atomic(fs: Any, path: str, data: bytes) -> None:
         if isinstance(fs, LocalFileSystem):
             _local_replace(path, data)
         else:
-            fs.pipe_file(path, bytes(data), **_deadline(fs, len(data)))
+            with _write_deadline(fs, path, len(data)):
+                fs.pipe_file(path, bytes(data), **_deadline(fs, len(data)))
 
 
 class AtomicLocalFile:
@@ -266,7 +271,8 @@ def write_bytes_create_only(fs: Any, path: str, data: bytes, *, crc32: int | Non
                 raise FileExistsError(path)
         elif is_s3(fs) and _has_create_mode(fs):
             checksum = {} if crc32 is None else {"ChecksumCRC32": s3_checksum(crc32)}
-            fs.pipe_file(path, bytes(data), mode="create", **checksum, **_deadline(fs, len(data)))  # If-None-Match
+            with _write_deadline(fs, path, len(data)):  # If-None-Match
+                fs.pipe_file(path, bytes(data), mode="create", **checksum, **_deadline(fs, len(data)))
         else:
             if fs.exists(path):
                 raise FileExistsError(path)
@@ -330,6 +336,33 @@ def write_timeout_s(fs: Any, nbytes: int) -> float:
     connect = float(config.get("connect_timeout") or _BOTOCORE_TIMEOUT_S)
     read = float(config.get("read_timeout") or _BOTOCORE_TIMEOUT_S)
     return connect + read + nbytes / _MIN_WRITE_RATE
+
+
+def write_timeout_error(fs: Any, path: str, nbytes: int, deadline_s: float, what: str = "") -> WriteTimeoutError:
+    """The error of a write of ``nbytes`` to ``path`` that ran past ``deadline_s``: what timed out and what to set."""
+    config = getattr(fs, "config_kwargs", None) or {}
+    connect = float(config.get("connect_timeout") or _BOTOCORE_TIMEOUT_S)
+    read = float(config.get("read_timeout") or _BOTOCORE_TIMEOUT_S)
+    url = to_url(fs, path)
+    return WriteTimeoutError(
+        f"Writing {what or f'{nbytes} bytes'} to {url!r} did not finish within its {deadline_s:.1f} s deadline "
+        f"(connect_timeout {connect:g} s + read_timeout {read:g} s + 1 s per MiB); the request was cancelled. "
+        "Checkpoint saves retry it until CheckpointConfig.upload_deadline_s. Fix: if the store is reachable but "
+        "slow, raise the deadline with storage_options={'config_kwargs': {'read_timeout': <s>, 'connect_timeout': "
+        "<s>}}; otherwise check that the endpoint is reachable from this node.",
+        url=url,
+        nbytes=nbytes,
+        deadline_s=deadline_s,
+    )
+
+
+@contextlib.contextmanager
+def _write_deadline(fs: Any, path: str, nbytes: int) -> Iterator[None]:
+    """fsspec's ``FSTimeoutError`` (empty message) of a write past its deadline -> ``WriteTimeoutError``."""
+    try:
+        yield
+    except FSTimeoutError as e:
+        raise write_timeout_error(fs, path, nbytes, write_timeout_s(fs, nbytes)) from e
 
 
 def _deadline(fs: Any, nbytes: int) -> dict[str, Any]:

@@ -39,12 +39,21 @@ import collections
 import concurrent.futures
 import io
 import threading
+import time
 import zlib
 from typing import Any
 
 from raytrain_events.storage.crc32 import Crc32, crc32_combine, new_checksum, s3_checksum
 from raytrain_events.storage.errors import StorageError
-from raytrain_events.storage.fs import is_s3, read_bytes, storage_error, to_url, write_bytes_atomic
+from raytrain_events.storage.fs import (
+    is_s3,
+    read_bytes,
+    storage_error,
+    to_url,
+    write_bytes_atomic,
+    write_timeout_error,
+    write_timeout_s,
+)
 
 _HASH_STEP = 4 * 2**20  # the hashing thread catches up with a download in steps of this size
 _MIN_PART = 5 * 2**20  # S3's smallest non-final part
@@ -104,6 +113,7 @@ class _S3Upload(ObjectUpload):
         self._mpu: concurrent.futures.Future | None = None  # -> UploadId
         self._inflight: collections.deque[concurrent.futures.Future] = collections.deque()
         self._parts: dict[int, concurrent.futures.Future] = {}  # -> (ETag, CRC32, size)
+        self._deadlines: dict[concurrent.futures.Future, tuple] = {}  # (time, seconds, bytes, what): `_wait`
         self._cur: bytearray | None = None  # the part being filled, once multipart (reused)
         self._pos = 0
         self._aborted = False
@@ -135,8 +145,9 @@ class _S3Upload(ObjectUpload):
             self._buf = io.BytesIO()
             self._crc.update(data)
             checksum = s3_checksum(self._crc.value)
+            put = self._run(self.fs._pipe_file(self.path, data, chunksize=self._part, ChecksumCRC32=checksum))
             try:
-                self._run(self.fs._pipe_file(self.path, data, chunksize=self._part, ChecksumCRC32=checksum)).result()
+                self._wait(put, self._deadline(len(data)))
             except BaseException as e:
                 wrapped = self._wrap(e)
                 if wrapped is e:
@@ -150,11 +161,11 @@ class _S3Upload(ObjectUpload):
             self._cur = None
             parts, crc = [], 0
             for i, f in sorted(self._parts.items()):
-                etag, part_crc, size = f.result()
+                etag, part_crc, size = self._wait(f)
                 parts.append({"PartNumber": i, "ETag": etag})
                 crc = crc32_combine(crc, part_crc, size) if i > 1 else part_crc
             self._crc.value = crc
-            self._run(
+            complete = self._run(
                 self.fs._call_s3(
                     "complete_multipart_upload",
                     Bucket=self._bucket,
@@ -162,7 +173,8 @@ class _S3Upload(ObjectUpload):
                     UploadId=self._upload_id(),
                     MultipartUpload={"Parts": parts},
                 )
-            ).result()
+            )
+            self._wait(complete, self._deadline(0, "the multipart upload's completion"))
             self.fs.invalidate_cache(self.path)
         except BaseException as e:
             self.abort()
@@ -174,17 +186,21 @@ class _S3Upload(ObjectUpload):
     def abort(self) -> None:
         """Stop sending and abort the multipart upload (best effort; never raises).
 
-        Parts not yet sent are dropped; parts being sent are waited for (not cancelled), since
-        S3 may keep a part that finishes after the abort."""
+        Parts not yet sent are dropped; parts being sent are waited for until their deadline (then
+        cancelled), since S3 may keep a part that finishes after the abort."""
         self._buf, self._cur, self._aborted = io.BytesIO(), None, True
-        concurrent.futures.wait(self._inflight)
+        last = max((self._deadlines[f][0] for f in self._inflight), default=0.0)
+        _, late = concurrent.futures.wait(self._inflight, timeout=max(0.0, last - time.monotonic()))
+        for fut in late:  # past their deadline (black-holed): cancel them
+            fut.cancel()
         self._inflight.clear()
         if self._mpu is not None:
             try:
-                upload_id = self._mpu.result()
-                self._run(
+                upload_id = self._upload_id()
+                stop = self._run(
                     self.fs._call_s3("abort_multipart_upload", Bucket=self._bucket, Key=self._key, UploadId=upload_id)
-                ).result()
+                )
+                self._wait(stop, self._deadline(0, "the multipart upload's abort"))
             except Exception:  # the upload stays incomplete: invisible, reclaimed by lifecycle
                 pass
             self._mpu = None
@@ -196,6 +212,7 @@ class _S3Upload(ObjectUpload):
             return out["UploadId"]
 
         self._mpu = self._run(create())
+        self._deadlines[self._mpu] = self._deadline(0, "the multipart upload's creation")
         data = self._buf.getbuffer()
         whole = len(data) // self._part
         for i in range(whole):
@@ -232,14 +249,16 @@ class _S3Upload(ObjectUpload):
             return out["ETag"], crc, len(body)
 
         fut = self._run(upload())
-        self._parts[number] = fut
+        self._parts[number] = fut  # the parts in flight share the bandwidth: each's deadline counts them
+        what = f"part {number} ({len(body)} bytes) of a multipart upload"
+        self._deadlines[fut] = self._deadline(len(body) * (len(self._inflight) + 1), what, len(body))
         self._inflight.append(fut)
         while self._inflight and self._inflight[0].done():
             self._check(self._inflight.popleft())
 
     def _check(self, fut: concurrent.futures.Future) -> None:
         try:
-            fut.result()
+            self._wait(fut)
         except BaseException as e:
             self.error = self._wrap(e)
             self.abort()
@@ -249,7 +268,23 @@ class _S3Upload(ObjectUpload):
 
     def _upload_id(self) -> str:
         assert self._mpu is not None
-        return self._mpu.result()
+        return self._wait(self._mpu)
+
+    def _deadline(self, counted: int, what: str = "", nbytes: int | None = None) -> tuple:
+        seconds = write_timeout_s(self.fs, counted)
+        return time.monotonic() + seconds, seconds, counted if nbytes is None else nbytes, what
+
+    def _wait(self, fut: concurrent.futures.Future, deadline: tuple | None = None) -> Any:
+        """``fut.result()``, or past its deadline (an object-store write's, ``fs.write_timeout_s``; a part
+        counts the parts in flight beside it) cancel the request and raise ``WriteTimeoutError``."""
+        at, seconds, nbytes, what = deadline or self._deadlines[fut]
+        try:
+            return fut.result(timeout=max(0.0, at - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            if fut.done():  # the request's own timeout, not ours
+                raise
+            fut.cancel()
+            raise write_timeout_error(self.fs, self.path, nbytes, seconds, what) from None
 
     def _run(self, coro: Any) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coro, self.fs.loop)
