@@ -25,7 +25,7 @@ import os
 import pathlib
 import pickle
 import threading
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from typing import Any, Dict, Iterator, Optional
 
 import torch
@@ -176,7 +176,27 @@ class SafeDCPReader(FsspecReader):
             done: Future[None] = Future()
             done.set_result(None)
             return done
-        return super().read_data(dataclasses.replace(plan, items=rest), planner)
+        return self._read_items_exactly(dataclasses.replace(plan, items=rest), planner)
+
+    def _read_items_exactly(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """DCP's own read of ``plan``, through streams that fetch each planned item once and nothing
+        past it (`ItemStream`), instead of fsspec's read-ahead streams."""
+        from raytrain_events.checkpoint.item_stream import ItemStream
+
+        spans: Dict[str, list] = {}
+        for req in plan.items:
+            info = self.storage_data[req.storage_index]
+            path = os.fspath(self.fs.concat_path(self.path, info.relative_path))
+            spans.setdefault(path, []).append((info.offset, info.length))
+
+        def exact_stream(path: Any, mode: str) -> Any:
+            return closing(ItemStream(self.fs.fs, os.fspath(path), spans[os.fspath(path)]))
+
+        self.fs.create_stream = exact_stream  # type: ignore[method-assign]  # this call's reads only
+        try:
+            return super().read_data(plan, planner)
+        finally:
+            del self.fs.create_stream
 
     def _chunk(self, req: Any) -> Optional[_Chunk]:
         item = self.metadata.state_dict_metadata.get(req.storage_index.fqn) if self.metadata else None
