@@ -202,7 +202,7 @@ def checkpoint_io(model: torch.nn.Module, device: torch.device) -> Dict[str, Any
     """DCP save/load of model + AdamW state to local disk, and the async save's blocking copy."""
     import torch.distributed.checkpoint as dcp
 
-    from raytrain_events.checkpoint.sharded import stage_to_cpu
+    from raytrain_events.checkpoint.staging import HostStager
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for p in model.parameters():
@@ -219,8 +219,10 @@ def checkpoint_io(model: torch.nn.Module, device: torch.device) -> Dict[str, Any
         dcp.load(tree, checkpoint_id=folder, no_dist=True)
         _sync(device)
         load_s = time.perf_counter() - start
+    stager = HostStager()  # what an async save does on the training thread: the copy into reused buffers
+    stager.stage(tree).release()  # the first save allocates (and pins, on CUDA) the buffers
     start = time.perf_counter()
-    stage_to_cpu(tree)
+    stager.stage(tree).release()
     block_s = time.perf_counter() - start
     return {
         "bytes": nbytes,
