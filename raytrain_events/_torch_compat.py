@@ -22,6 +22,8 @@ Private names used (checked against torch 2.13.0):
   checkpoint into an empty dict (what DCP's ``dcp_to_torch_save`` calls).
 * ``torch.distributed._composable.checkpoint``: per-module activation checkpointing for FSDP2.
 * ``torch._foreach_lerp_``: EMA's one fused update over all parameters.
+* ``torch.utils._pytree.tree_flatten``: the tensors of a forward's inputs, whatever their nesting
+  (tensor parallelism's check that a tensor group sees one batch).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ NAMES: Dict[str, Tuple[str, str]] = {
     "load_whole_state_dict": ("torch.distributed.checkpoint.state_dict_loader", "_load_state_dict"),
     "activation_checkpoint": ("torch.distributed._composable", "checkpoint"),
     "foreach_lerp_": ("torch", "_foreach_lerp_"),
+    "tree_flatten": ("torch.utils._pytree", "tree_flatten"),
     # The autograd engine, whose queue_callback runs a function at the end of the current backward
     # (parallel/oom_agreement.py: an OOM check ahead of FSDP's own final callback, queued the same way).
     "autograd_engine": ("torch.autograd.variable", "Variable._execution_engine"),

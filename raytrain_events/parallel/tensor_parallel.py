@@ -116,7 +116,7 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: Any, degree: int) -> 
 def _checksum(inputs: Any) -> torch.Tensor:
     """Three float64 numbers that differ (in practice) when the tensors in ``inputs`` differ:
     their element count, their sum, and a position-weighted sum."""
-    from torch.utils._pytree import tree_flatten
+    from raytrain_events._torch_compat import tree_flatten
 
     tensors = [t.detach() for t in tree_flatten(inputs)[0] if torch.is_tensor(t)]
     device = tensors[0].device if tensors else torch.device("cpu")
