@@ -32,13 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-class Block(torch.nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.linear = torch.nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.linear(x))
+from fsdp import Block  # noqa: E402  # the same block as bench/fsdp.py (this script's folder is on sys.path)
 
 
 def _run(rank: int, args: argparse.Namespace, grad_accum: Any) -> Dict[str, Any]:
