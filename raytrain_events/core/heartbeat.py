@@ -88,6 +88,7 @@ class Heartbeat:
             "label": self.label,
             "batch": self.batch,
             "idle_s": round(now - self.last, 3),
+            "last_wall": round(time.time() - (now - self.last), 3),  # comparable across ranks' dumps
             "collective": self.in_flight,
             "collective_s": None if since is None else round(now - since, 3),
             "beats": self.beats,

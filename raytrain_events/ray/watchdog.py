@@ -80,19 +80,39 @@ def process_group_timeout_s(hang_timeout: Optional[float]) -> float:
     return hang_timeout + 3 * grace_seconds(hang_timeout) + 30.0
 
 
+# Where a beat's label falls in the loop after the batch count it carries was set (at batch_end):
+# the batch's end, its eval and checkpoint, the epoch's end, then the next batch's data.
+_LOOP_POSITION = {
+    "start": 0,
+    "fit_start": 0,
+    "batch_end": 1,
+    "eval_batch_end": 2,
+    "batch_checkpoint": 3,
+    "epoch_end": 4,
+    "epoch_checkpoint": 5,
+    "after_dataloader": 6,
+    "fit_end": 7,
+}
+
+
 def slowest_rank(records: Dict[int, Dict[str, Any]], world_size: int) -> int:
     """The rank most likely holding the others up, from the ranks' dump records.
 
-    A rank with no dump at all (frozen, or its process stopped) first; else the fewest batches
-    done, then one not waiting in a collective (the others wait for it there), then the longest idle.
+    A rank with no dump at all (frozen, or its process stopped) first; else the rank furthest
+    behind in the loop (fewest batches done, then the earliest point after its last batch), then
+    one not waiting in a collective (the others wait for it there), then the earliest last beat.
+    Ranks dump at slightly different moments, so the last beat's wall time is compared, not idle time.
     """
     absent = [r for r in range(world_size) if r not in records]
     if absent:
         return absent[0]
-    return min(
-        records,
-        key=lambda r: (records[r]["batch"], records[r]["collective"] is not None, -records[r]["idle_s"], r),
-    )
+
+    def behind(r: int) -> tuple:
+        rec = records[r]
+        last = rec.get("last_wall", -rec["idle_s"])
+        return (rec["batch"], _LOOP_POSITION.get(rec.get("label", ""), 0), rec["collective"] is not None, last, r)
+
+    return min(records, key=behind)
 
 
 def _frame_of(stack: List[traceback.FrameSummary]) -> str:

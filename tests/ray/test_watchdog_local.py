@@ -99,6 +99,17 @@ def test_slowest_rank_prefers_absent_then_fewest_batches_then_not_in_a_collectiv
     assert slowest_rank({0: rec(8, None, 19.0), 1: rec(8, None, 25.0)}, 2) == 1
 
 
+def test_slowest_rank_is_the_one_behind_in_the_loop_whatever_the_dump_times():
+    """Seen in CI: rank 1 blocked right after batch 9's checkpoint, rank 0 already in batch 10's backward
+    (DDP's all-reduce waits there, unmarked); rank 0 dumped later, so its idle time looked longer."""
+    blocked = {"batch": 9, "label": "batch_checkpoint", "collective": None, "idle_s": 12.0, "last_wall": 100.00}
+    waiting = {"batch": 9, "label": "after_dataloader", "collective": None, "idle_s": 12.4, "last_wall": 100.01}
+    assert slowest_rank({0: waiting, 1: blocked}, 2) == 1
+    # Same point in the loop: the earliest last beat, by wall time, not by each dump's idle time.
+    early = dict(blocked, idle_s=11.0, last_wall=99.0)
+    assert slowest_rank({0: blocked, 1: early}, 2) == 1
+
+
 def test_timeouts_follow_the_steps_and_the_process_group_waits_longer():
     assert default_hang_timeout([]) == 300.0
     assert default_hang_timeout([0.1] * 50) == 300.0
