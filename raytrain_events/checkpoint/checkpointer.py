@@ -8,7 +8,7 @@ collectives use their own process group: every rank's RNG state is gathered to r
 uploads the state and every rank's RNG file, commits the manifest, updates the folder's index
 and prunes (`Committer`).
 One save is in flight at a time; a save that comes due meanwhile is postponed to the first
-batch after it finished (training never waits on storage). Loading happens between INIT and
+batch after it finished (training never waits on storage). Loading (`loading.py`) happens between INIT and
 AFTER_LOAD: ``autoresume`` takes the newest valid checkpoint of ``save_folder``, chosen by rank 0
 and shared; otherwise ``load_from``.
 """
@@ -31,28 +31,24 @@ from raytrain_events.checkpoint.format import (
     LoadedCheckpoint,
     new_checkpoint_url,
     read_checkpoint,
-    read_checkpoint_files,
     rng_file_name,
 )
+from raytrain_events.checkpoint.loading import STATE_FILE, apply_checkpoint, read_latest_shared
 from raytrain_events.checkpoint.preemption import SAVE_FLAG, save_on_sigterm
 from raytrain_events.checkpoint.retention import local_keep
-from raytrain_events.checkpoint.rng import capture_rng_state, restore_rng_state
+from raytrain_events.checkpoint.rng import capture_rng_state
 from raytrain_events.checkpoint.safetensors_io import is_safetensors_dir, start_from_safetensors
 from raytrain_events.checkpoint.save_channel import SaveChannel
 from raytrain_events.checkpoint.sharded import (
     DCP_LAYOUT,
     ShardedCheckpointIO,
-    is_sharded_checkpoint,
-    load_full_into_sharded,
 )
 from raytrain_events.checkpoint.staging import Staged
-from raytrain_events.checkpoint.store import AsyncCheckpointWriter, DoneFuture, load_latest_valid
+from raytrain_events.checkpoint.store import AsyncCheckpointWriter, DoneFuture
 from raytrain_events.core.callback import Callback
 from raytrain_events.core.event import Event
 from raytrain_events.core.interval import make_interval
-from raytrain_events.core.state import drop_ignored_keys
 from raytrain_events.core.time import TimeUnit, counters_of
-from raytrain_events.parallel.wrap import is_sharded_module
 from raytrain_events.storage.exp_dir import checkpoints_url, run_url_of_checkpoints
 from raytrain_events.storage.fs import basename
 from raytrain_events.storage.locks import acquire_lock, release_lock
@@ -73,7 +69,6 @@ __all__ = [
     "STATE_FILE",
 ]
 
-STATE_FILE = "state.pt"
 _BUSY_FLAG = "checkpoint_in_flight"  # some rank's previous save has not finished (see `_save_unless_busy`)
 
 
@@ -199,29 +194,9 @@ class Checkpointer(Callback):
         return loaded.info
 
     def _read_latest(self, folder: str) -> Optional[LoadedCheckpoint]:
-        """The newest valid checkpoint of ``folder``, chosen once by rank 0 and shared with its
-        manifest (no rank but rank 0 lists the folder or reads the manifest); every rank then reads
-        that checkpoint's files."""
-        dist, rank = self.host.dist, self.host.state.rank
-        own = folder == self.folder
-        loaded: Optional[LoadedCheckpoint] = None
-        choice: Any = None
-        if rank == 0:
-            try:
-                index = self.committer.index if own else None
-                loaded = load_latest_valid(folder, storage_options=self.options, files=[STATE_FILE], index=index)
-                choice = None if loaded is None else loaded.info
-            except Exception as e:
-                if not dist.is_distributed:
-                    raise
-                choice = e
-        if dist.is_distributed:
-            choice = dist.all_gather_object(choice if rank == 0 else None)[0]
-        if isinstance(choice, Exception):
-            raise choice
-        if rank == 0 or choice is None:
-            return loaded
-        return read_checkpoint_files(choice, storage_options=self.options, files=[STATE_FILE], map_location="cpu")
+        """The newest valid checkpoint of ``folder``, chosen by rank 0 and shared (see `read_latest_shared`)."""
+        index = self.committer.index if folder == self.folder else None
+        return read_latest_shared(self.host, folder, self.options, index)
 
     def _read(self, url: str) -> Optional[LoadedCheckpoint]:
         try:  # a checkpoint directory, else a folder of them
@@ -230,48 +205,19 @@ class Checkpointer(Callback):
             return self._read_latest(url)
 
     def _apply(self, loaded: LoadedCheckpoint, ignore: Sequence[str] = (), weights_only: bool = False) -> None:
-        host, state = self.host, self.host.state
-        saved = loaded.files[STATE_FILE]
-        strict = self.config.load_strict
-        ignored_model_keys: List[str] = []
-        if ignore:
-            if is_sharded_checkpoint(loaded.info) or is_sharded_module(state.model):
-                raise ValueError(
-                    "load_ignore_keys works with full checkpoints into unsharded (DDP) models; for FSDP, load "
-                    "with load_strict=False, or export the checkpoint to one file first (`raytrain-events export`)."
-                )
-            saved, ignored_model_keys = drop_ignored_keys(saved, ignore, state.model.state_dict().keys())
-        if self.inference:  # no optimizer or scheduler to restore, nor RNG state to take over
-            saved = {k: v for k, v in saved.items() if k not in ("optimizers", "schedulers", "scaler")}
-            sharded = is_sharded_checkpoint(loaded.info) or is_sharded_module(state.model)
-            weights_only = weights_only or sharded  # a sharded load restores the optimizers with the model
-        if is_sharded_checkpoint(loaded.info):
-            io = self._sharded_io or ShardedCheckpointIO(host, self.options, own_group=False)
-            io.load(loaded.info, saved, strict=strict, weights_only=weights_only)
-        elif is_sharded_module(state.model):  # a full (DDP) checkpoint into an FSDP model
-            load_full_into_sharded(state, saved, strict=strict, weights_only=weights_only)
-        elif weights_only:
-            state.load_model_state(saved["model"], strict=strict, ignored=ignored_model_keys)
-        else:
-            state.load_state_dict(saved, strict=strict, ignored=ignored_model_keys)
-        if weights_only or self.inference:
-            return
-        rng_name = rng_file_name(state.rank)
-        if any(f.name == rng_name for f in loaded.info.files):
-            rng = read_checkpoint_files(loaded.info, storage_options=self.options, files=[rng_name]).files[rng_name]
-            restore_rng_state(rng["now"])
-            if state.timestamp.batch_in_epoch.value > 0:
-                self._resume_rng = (rng["epoch_start"], rng["now"])
-                self._epoch_start_rng = rng["epoch_start"]
-        saved_config = loaded.info.metadata.get("config")
-        if state.rank == 0 and saved_config is not None and host.config and saved_config != host.config:
-            from raytrain_events.storage.config_diff import format_config_diff
-
-            _log.warning(
-                "Resuming %s with a different config:\n%s",
-                loaded.info.url,
-                format_config_diff(saved_config, host.config),
-            )
+        rng = apply_checkpoint(
+            self.host,
+            loaded,
+            self.options,
+            strict=self.config.load_strict,
+            sharded_io=self._sharded_io,
+            inference=self.inference,
+            ignore=ignore,
+            weights_only=weights_only,
+        )
+        if rng is not None and self.host.state.timestamp.batch_in_epoch.value > 0:
+            self._resume_rng = (rng["epoch_start"], rng["now"])
+            self._epoch_start_rng = rng["epoch_start"]
 
     # ------------------------------------------------------------------ save
     def fit_start(self, state, logger) -> None:

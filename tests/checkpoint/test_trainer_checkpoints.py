@@ -205,7 +205,7 @@ def test_second_run_on_a_locked_run_dir_is_refused(tmp_path):
 
 def test_resume_with_a_different_config_logs_the_diff(tmp_path, caplog):
     make_trainer(str(tmp_path / "d/checkpoints"), {}, save_interval="1ep").fit()
-    caplog.set_level("WARNING", logger="raytrain_events.checkpoint.checkpointer")
+    caplog.set_level("WARNING", logger="raytrain_events.checkpoint.loading")
     m = model()
     opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
@@ -219,7 +219,7 @@ def test_resume_with_a_different_config_logs_the_diff(tmp_path, caplog):
         config={"lr": 0.05, "hidden": 16},
         checkpoint=CheckpointConfig(save_folder=str(tmp_path / "d/checkpoints"), autoresume=True),
     )._checkpointer.close()
-    out = "\n".join(r.getMessage() for r in caplog.records if r.name == "raytrain_events.checkpoint.checkpointer")
+    out = "\n".join(r.getMessage() for r in caplog.records if r.name == "raytrain_events.checkpoint.loading")
     assert "different config" in out and "lr: 0.1" in out and "lr: 0.05" in out
 
 
