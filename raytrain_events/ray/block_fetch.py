@@ -9,15 +9,21 @@ rows this rank trains from it in the chunk, so each row crosses the network once
 that trains it (about (N - 1) / N x the dataset when blocks are spread over N nodes).
 
 Per chunk of batches (up to 16 per feeder call) a rank makes one location lookup (an RPC to the
-blocks' owner, the feeder) and one `cut_rows` task per block of the chunk held on another node,
+blocks' owner, the feeder) and one cut (`cut_rows` in that node's `BlockCutter`) per block of the chunk held on another node,
 covering all the rows it needs from that block in the chunk. A block already on the rank's node
 (or without a node: a small block inlined in its owner) is a plain ``ray.get``, and rows are
 listed only for the blocks cut; on a one-node cluster (``here`` is None) a chunk is one
 ``ray.get`` of its blocks and nothing else, as before.
 
-`cut_rows` asks for no CPU (``num_cpus=0``): it never waits behind train workers, and never holds a
-fraction of a CPU that a Ray Data read task (one whole CPU) would then not find. Its result is
-small (a rank's rows); under 100 KiB Ray returns it inline to the caller, the rank.
+The cuts run in one `BlockCutter` actor per node (named after the node, made there by the first rank that
+needs it, shared by every rank of the job; a thread pool of `CUTTER_THREADS`), so a node runs one
+extra process for them however many ranks cut there -- Ray tasks asking for no CPU would each get
+a worker process of their own, up to one per concurrent cut (hundreds per node at 512 ranks). The
+actor asks for no CPU (``num_cpus=0``): it never waits behind train workers, and never holds a
+fraction of a CPU that a Ray Data read task (one whole CPU) would then not find. It lives as long
+as the rank that made it; a cut whose actor died (that rank's group ended) falls back to getting
+that block whole, and the next chunk makes a new actor. Its results are small (a rank's rows);
+under 100 KiB Ray returns them inline to the caller, the rank.
 
 `chunk_refs`, `split_by_node` and `needed_rows` are pure (no Ray): ``bench/data_network.py`` drives them with fake
 blocks and node placements to count network bytes at 8 x 8 and 64 x 8 ranks.
@@ -37,13 +43,15 @@ __all__ = [
     "finish_fetch",
     "fetch_blocks",
     "cut_rows",
+    "BlockCutter",
+    "CUTTER_THREADS",
     "local_rows",
     "cluster_node",
 ]
 
 Rows = np.ndarray  # sorted, unique row numbers within one block (int64)
 Fetched = Dict[Any, Tuple[Any, Optional[Rows]]]  # ref -> (block or its cut rows, which rows: None = all)
-Started = Tuple[List[Any], List[Tuple[Any, Rows, Any]]]  # blocks got whole; (ref, rows, cut task) of the others
+Started = Tuple[List[Any], List[Tuple[Any, Rows, str, Any]]]  # blocks got whole; (ref, rows, node, cut) of the others
 
 
 def chunk_refs(served: Sequence[Optional[Sequence[Any]]]) -> List[Any]:
@@ -118,17 +126,46 @@ def cut_rows(block: Any, rows: Rows) -> Any:
     return accessor.take(rows)
 
 
-_cut_task: Any = None
+CUTTER_THREADS = 8  # cuts one node's `BlockCutter` runs at once (numpy/Arrow copies, mostly outside the GIL)
+CUTTER_NAME = "raytrain-block-cutter-{node}"
 _LOOKUP_TIMEOUT_MS = 60_000  # a location lookup that takes longer falls back to whole blocks
 
 
-def _remote_cut() -> Any:
-    global _cut_task
-    if _cut_task is None:
-        import ray
+class BlockCutter:
+    """Cuts rows out of blocks held on its node for every rank that asks (one actor per node)."""
 
-        _cut_task = ray.remote(num_cpus=0, max_retries=3)(cut_rows)
-    return _cut_task
+    def cut(self, block: Any, rows: Rows) -> Any:
+        return cut_rows(block, rows)
+
+
+_cutter_class: Any = None
+_cutters: Dict[str, Any] = {}  # node id -> this process's handle to that node's cutter
+
+
+def _cutter(node: str) -> Any:
+    """The `BlockCutter` of ``node``: found by name, or made there if none is alive.
+
+    Hard node affinity: with a soft one, Ray placed a cutter made from a rank's worker on that rank's
+    node rather than the (busy) node holding the blocks, which then pulled every block there (2.35x
+    the dataset in ``test_data_network.py``). A node gone since the location lookup fails the cut,
+    and that block is fetched whole instead (`finish_fetch`)."""
+    global _cutter_class
+    handle = _cutters.get(node)
+    if handle is None:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        if _cutter_class is None:
+            _cutter_class = ray.remote(BlockCutter)
+        handle = _cutter_class.options(
+            name=CUTTER_NAME.format(node=node),
+            get_if_exists=True,
+            num_cpus=0,
+            max_concurrency=CUTTER_THREADS,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+        ).remote()
+        _cutters[node] = handle
+    return handle
 
 
 def cluster_node() -> Optional[str]:
@@ -148,7 +185,6 @@ def start_fetch(served: Sequence[Optional[Sequence[Any]]], here: Optional[str]) 
         return refs, []
     import ray
     from ray.experimental import get_object_locations
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     try:
         found = get_object_locations(refs, timeout_ms=_LOOKUP_TIMEOUT_MS)
@@ -156,15 +192,7 @@ def start_fetch(served: Sequence[Optional[Sequence[Any]]], here: Optional[str]) 
         found = {}  # the owner does not answer: plain gets, which raise if the blocks are gone
     whole, cut = split_by_node(refs, here, {ref: found.get(ref, {}).get("node_ids") or () for ref in refs})
     needed = needed_rows(served, cut)
-    task = _remote_cut()
-    pending = [
-        (
-            ref,
-            needed[ref],
-            task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True)).remote(ref, needed[ref]),
-        )
-        for ref, node in cut.items()
-    ]
+    pending = [(ref, needed[ref], node, _cutter(node).cut.remote(ref, needed[ref])) for ref, node in cut.items()]
     return whole, pending
 
 
@@ -174,9 +202,32 @@ def finish_fetch(started: Started) -> Fetched:
 
     whole, pending = started
     out: Fetched = {ref: (block, None) for ref, block in zip(whole, ray.get(whole))}
-    for (ref, rows, _), part in zip(pending, ray.get([task for _, _, task in pending])):
-        out[ref] = (part, rows)
+    try:
+        parts = ray.get([task for *_, task in pending])
+    except _cutter_gone():  # a cutter died with the rank that made it, or its node went: those blocks whole
+        parts = [_cut_or_none(task) for *_, task in pending]
+    for (ref, rows, node, _), part in zip(pending, parts):
+        if part is None:
+            _cutters.pop(node, None)  # the next chunk finds or makes that node's new cutter
+            out[ref] = (ray.get(ref), None)
+        else:
+            out[ref] = (part, rows)
     return out
+
+
+def _cutter_gone() -> Tuple[type, ...]:
+    import ray
+
+    return (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError)
+
+
+def _cut_or_none(task: Any) -> Any:
+    import ray
+
+    try:
+        return ray.get(task)
+    except _cutter_gone():
+        return None
 
 
 def fetch_blocks(served: Sequence[Optional[Sequence[Any]]], here: Optional[str]) -> Fetched:

@@ -3,7 +3,7 @@
 Pure: which rows of which blocks a chunk reads (slices and shuffle takes), and which blocks are
 fetched whole (on the rank's node, on no node, a one-node cluster) or cut where they live. On
 local Ray, with the rank's node id replaced by another node's (so every block counts as remote
-and is cut by a `cut_rows` task): exactly the rows asked for come back, and `GlobalOrderLoader`s
+and is cut by that node's `BlockCutter` actor): exactly the rows asked for come back, and `GlobalOrderLoader`s
 train the same batches -- every row once, plain and shuffled (at another world size) -- as through
 whole blocks. The multi-node bytes check is ``test_data_network.py``.
 """
@@ -62,6 +62,31 @@ def test_remote_blocks_come_back_as_exactly_the_rows_asked_for(ray_cluster) -> N
     assert part.num_rows == len(rows) and part.column("id").to_pylist() == rows.tolist()
     whole, none = block_fetch.fetch_blocks(served, ray.get_runtime_context().get_node_id())[ref]
     assert none is None and whole.num_rows == 200  # on this node: the block itself
+
+
+@pytest.mark.ray
+def test_one_cutter_process_per_node_and_a_dead_cutter_costs_only_a_whole_block(ray_cluster) -> None:
+    ray = ray_cluster
+    import pyarrow as pa
+
+    refs = [ray.put(pa.table({"id": np.arange(i * 100, i * 100 + 100), "pad": [bytes(2048)] * 100})) for i in range(6)]
+    served = [[(ref, 10, 20), (ref, 40, 41)] for ref in refs]
+    node = ray.get_runtime_context().get_node_id()  # where the blocks are, so where they are cut
+    pids = set()
+    for _ in range(3):  # many cuts, several chunks: one actor, one process, for that node
+        started = block_fetch.start_fetch(served, ELSEWHERE)
+        assert len(started[1]) == 6
+        fetched = block_fetch.finish_fetch(started)
+        assert all(fetched[ref][0].column("id").to_pylist()[-1] == i * 100 + 40 for i, ref in enumerate(refs))
+        pids.add(ray.get(block_fetch._cutter(node).__ray_call__.remote(lambda self: __import__("os").getpid())))
+    name = block_fetch.CUTTER_NAME.format(node=node)
+    assert len(pids) == 1 and [a["name"] for a in ray.util.list_named_actors(True)].count(name) == 1
+    ray.kill(ray.get_actor(name))  # what happens when the rank that made it ends
+    fetched = block_fetch.fetch_blocks(served, ELSEWHERE)
+    assert all(rows is None and part.num_rows == 100 for part, rows in fetched.values())  # whole blocks instead
+    fetched = block_fetch.fetch_blocks(served, ELSEWHERE)  # the next chunk: a new cutter
+    assert all(rows is not None and part.num_rows == 11 for part, rows in fetched.values())
+    ray.kill(ray.get_actor(name))
 
 
 @pytest.mark.ray
