@@ -21,7 +21,7 @@ from ray import cloudpickle as ray_cloudpickle
 
 from raytrain_events import Callback
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(900)]  # 280 s at load 6-58 here
 ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ship this module's helpers to workers
 
 ROWS, EVAL_ROWS, LENGTH, VOCAB = 90, 20, 16, 64
