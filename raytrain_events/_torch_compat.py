@@ -24,6 +24,8 @@ Private names used (checked against torch 2.13.0):
 * ``torch._foreach_lerp_``: EMA's one fused update over all parameters.
 * ``torch.utils._pytree.tree_flatten``: the tensors of a forward's inputs, whatever their nesting
   (tensor parallelism's check that a tensor group sees one batch).
+* ``torch.distributed.tensor.placement_types._StridedShard``: the placement FSDP gives a layer that
+  tensor parallelism already split (deferred init cuts a rank's part of it as a view).
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ NAMES: Dict[str, Tuple[str, str]] = {
     "activation_checkpoint": ("torch.distributed._composable", "checkpoint"),
     "foreach_lerp_": ("torch", "_foreach_lerp_"),
     "tree_flatten": ("torch.utils._pytree", "tree_flatten"),
+    # FSDP over tensor parallelism lays a split layer's rows out as (_StridedShard, Shard): deferred init
+    # slices a rank's part of a full layer as a view for it (parallel/deferred_init.py `local_part`).
+    "StridedShard": ("torch.distributed.tensor.placement_types", "_StridedShard"),
     # The autograd engine, whose queue_callback runs a function at the end of the current backward
     # (parallel/oom_agreement.py: an OOM check ahead of FSDP's own final callback, queued the same way).
     "autograd_engine": ("torch.autograd.variable", "Variable._execution_engine"),

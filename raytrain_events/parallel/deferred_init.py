@@ -22,6 +22,10 @@ How the shards are initialised, in this order of preference:
   the values are exactly what eager construction draws: the torch RNG is set, for the duration,
   to its state when the `Trainer` received the model (so a factory that seeds and then builds
   on meta gives the same parameters as the same factory building eagerly).
+
+Under FSDP x TP the split layers' parameters are 2-D DTensors (the tensor split, then FSDP's shard
+of it: ``(_StridedShard, Shard)`` for a column-wise layer); `local_part` cuts a rank's part of the
+full layer as views for those too, so the peak stays this rank's parameters plus one layer.
 """
 
 from __future__ import annotations
@@ -130,15 +134,32 @@ def local_part(full: torch.Tensor, param: torch.Tensor, distribute_tensor: Any) 
     Replicate placements (the chunking `Shard` uses); other placements through ``distribute_tensor``."""
     from torch.distributed.tensor import Replicate, Shard
 
+    from raytrain_events._torch_compat import StridedShard
+
     mesh, placements = param.device_mesh, param.placements  # type: ignore[attr-defined]
     coordinate = mesh.get_coordinate()
-    if coordinate is None or any(type(p) not in (Shard, Replicate) for p in placements):
+    order = list(range(len(placements)))
+    if _fsdp_over_tp(placements, mesh, StridedShard, Shard):
+        order.reverse()  # the tensor dimension's split first, then FSDP's shard of this rank's part of it
+    elif coordinate is None or any(type(p) not in (Shard, Replicate) for p in placements):
         # src_data_rank=None: every rank slices its own part of the (identical) full tensor, no collective
+        # (it may copy the whole tensor once more on the way: slower and larger than the views below)
         return distribute_tensor(full, mesh, placements, src_data_rank=None).to_local()  # type: ignore[no-any-return]
+    assert coordinate is not None
     view = full
-    for mesh_dim, placement in enumerate(placements):
-        if isinstance(placement, Shard):
+    for mesh_dim in order:
+        placement = placements[mesh_dim]
+        if isinstance(placement, (Shard, StridedShard)):  # _StridedShard is no Shard subclass
             pieces = torch.chunk(view, mesh.size(mesh_dim), dim=placement.dim)
             index = coordinate[mesh_dim]
             view = pieces[index] if index < len(pieces) else view.narrow(placement.dim, 0, 0)
     return view
+
+
+def _fsdp_over_tp(placements: Any, mesh: Any, strided: Any, shard: Any) -> bool:
+    """True for FSDP's layout of a layer that tensor parallelism split on the same dimension:
+    ``(_StridedShard(d, split_factor=t), Shard(d))`` on a ``(shard, tensor)`` mesh of ``t`` tensor
+    ranks. A rank's part is then chunk ``c_shard`` of chunk ``c_tensor`` of the full tensor."""
+    if len(placements) != 2 or type(placements[0]) is not strided or type(placements[1]) is not shard:
+        return False
+    return bool(placements[0].dim == placements[1].dim and placements[0].split_factor == mesh.size(1))

@@ -151,8 +151,8 @@ def check_first_batch_agrees(model: torch.nn.Module, degree: int) -> None:
                 "the same ones, since together they compute one replica. Fix: shard the data by the data-parallel "
                 "rank, trainer.parallel.data_parallel(rank, world_size) = (rank // tensor_parallel, world_size // "
                 "tensor_parallel), e.g. DistributedSampler(num_replicas=world_size // tensor_parallel, rank=rank // "
-                "tensor_parallel). Ray Data's per-worker shards differ per rank, so RayTrainer datasets cannot feed "
-                "tensor parallelism yet."
+                "tensor_parallel). (RayTrainer's train set does this itself; a dataset read per worker, e.g. "
+                "ray.train.get_dataset_shard in your own loop, does not.)"
             )
 
     handle = model.register_forward_pre_hook(hook, with_kwargs=True)

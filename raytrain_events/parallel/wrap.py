@@ -176,11 +176,6 @@ class Parallel:
                     "ranks, but this run has one process. Fix: run on a multiple of tensor_parallel workers, "
                     "or tensor_parallel=1."
                 )
-            if self.deferred is not None:
-                raise ValueError(
-                    "A model built on the meta device cannot be tensor-parallel yet (deferred init materialises "
-                    "FSDP shards only). Fix: build the model on the CPU, or tensor_parallel=1."
-                )
         sharded = self.sharded and dist.is_distributed
         if sharded or self.deferred is not None:
             names = {id(p): n for n, p in model.named_parameters()}

@@ -10,6 +10,15 @@ streams the dataset each epoch; ``deterministic_split=True`` materializes it onc
 Eval data: `ShardLoader` iterates the worker's Ray shard (``iter_torch_batches``) once per
 epoch; `TrainDataConfig` splits eval sets with Ray's streaming split, or contiguously by rank
 (``Dataset.split``) with ``deterministic_split=True``.
+
+Tensor parallelism (``tensor_parallel=t``): the ``t`` consecutive ranks of a tensor group compute
+one replica, so they must see the same rows. Every split is then by the data-parallel
+coordinates ``(rank // t, world_size // t)``: the feeder cuts each global batch into
+``world_size // t`` parts and serves part ``rank // t`` to each rank of the group (one cursor per
+rank, `feeder.py`), and eval sets are split contiguously into ``world_size // t`` parts (a
+streaming split cannot hand one part to several workers), each group's ranks sharing one.
+``batch_size`` stays rows per worker per batch, so the default global batch is
+``batch_size * world_size // t``.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from raytrain_events.ray import _compat
 
 __all__ = [
     "cheap_row_count",
+    "check_tensor_parallel_world",
     "ShardLoader",
     "GlobalOrderLoader",
     "GlobalOrderShard",
@@ -123,6 +133,12 @@ class GlobalOrderShard:
     world_size: int
     global_batch: int
     num_rows: Optional[int]
+    tensor_parallel: int = 1  # ranks per tensor group, which share one part of each global batch
+
+    @property
+    def data_world_size(self) -> int:
+        """The parts each global batch is split into: ``world_size // tensor_parallel``."""
+        return self.world_size // self.tensor_parallel
 
 
 class TrainDataConfig(DeterministicSplitDataConfig):
@@ -130,7 +146,8 @@ class TrainDataConfig(DeterministicSplitDataConfig):
 
     ``global_batch_size`` fixes the rows per optimizer step whatever the world size; else it is
     ``batch_size * world_size``. ``deterministic``: materialize the train set once per group
-    (else stream it every epoch) and split eval sets contiguously by rank.
+    (else stream it every epoch) and split eval sets contiguously by rank. ``tensor_parallel``: the
+    ranks per tensor group, which get the same rows (see the module doc); 1: none.
     """
 
     def __init__(
@@ -140,17 +157,26 @@ class TrainDataConfig(DeterministicSplitDataConfig):
         global_batch_size: Optional[int] = None,
         deterministic: bool = False,
         train_rows: Optional[int] = None,
+        tensor_parallel: int = 1,
     ):
         super().__init__()
         self.train_rows = train_rows
+        self.tensor_parallel = tensor_parallel
         self.batch_size = batch_size
         self.global_batch_size = global_batch_size
         self.deterministic = deterministic
 
     def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
+        tp = self.tensor_parallel
+        check_tensor_parallel_world(world_size, tp)
         output: List[Dict[str, Any]] = [{} for _ in range(world_size)]
         others = {name: ds for name, ds in datasets.items() if name != "train"}
-        if others:
+        if others and tp > 1:  # one contiguous part per tensor group, shared by its ranks
+            for name, dataset in others.items():
+                parts = dataset.split(world_size // tp, equal=True)
+                for rank in range(world_size):
+                    output[rank][name] = parts[rank // tp].iterator()
+        elif others:
             configure = super().configure if self.deterministic else DataConfig().configure
             for rank, shards in enumerate(configure(others, world_size, worker_handles, worker_node_ids, **kwargs)):
                 output[rank].update(shards)
@@ -161,17 +187,31 @@ class TrainDataConfig(DeterministicSplitDataConfig):
             from raytrain_events.ray.feeder import FEEDER_OPTIONS, EpochFeeder
 
             dataset = datasets["train"]
-            global_batch = self.global_batch_size or self.batch_size * world_size
+            parts = world_size // tp  # the data-parallel size
+            global_batch = self.global_batch_size or self.batch_size * parts
             here = ray.get_runtime_context().get_node_id()  # Ray Train's controller node: it outlives workers
+            options = {"consumers": tp} if tp > 1 else {}
             feeder = (
                 ray.remote(EpochFeeder)
                 .options(**FEEDER_OPTIONS, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False))
-                .remote(dataset, world_size, global_batch, self.deterministic)
+                .remote(dataset, parts, global_batch, self.deterministic, **options)
             )
             rows = self.train_rows if self.train_rows is not None else _compat.dataset_meta_count(dataset)
             for rank in range(world_size):
-                output[rank]["train"] = GlobalOrderShard(feeder, rank, world_size, global_batch, rows)
+                output[rank]["train"] = GlobalOrderShard(feeder, rank, world_size, global_batch, rows, tp)
         return output
+
+
+def check_tensor_parallel_world(world_size: int, tensor_parallel: int) -> None:
+    """Refuse a worker group whose size ``tensor_parallel`` does not divide (e.g. after an elastic
+    resize): its ranks cannot form whole tensor groups."""
+    if tensor_parallel > 1 and world_size % tensor_parallel:
+        raise ValueError(
+            f"FSDPConfig(tensor_parallel={tensor_parallel}) needs a worker group whose size is a multiple of "
+            f"{tensor_parallel}, but this group has {world_size} workers (an elastic resize can do that). Fix: "
+            f"a fixed num_workers that is a multiple of {tensor_parallel} (an elastic (min, max) group may take any "
+            "size in between), or another tensor_parallel."
+        )
 
 
 def cheap_row_count(dataset: Any) -> Optional[int]:
@@ -245,7 +285,7 @@ class GlobalOrderLoader:
             raise TypeError("The train set's row count is unknown; pass steps_per_epoch to RayTrainer.")
         from raytrain_events.ray.feeder import batches_in_epoch
 
-        return batches_in_epoch(self.shard.num_rows, self.shard.global_batch, self.shard.world_size)
+        return batches_in_epoch(self.shard.num_rows, self.shard.global_batch, self.shard.data_world_size)
 
     def set_epoch(self, epoch: int) -> None:
         """Called by the loop at each epoch start: selects the epoch's order."""

@@ -94,6 +94,10 @@ class RayTrainer:
             spec = spec.replace(**options)
         self.spec: RunSpec = spec
         self._report_queue: Any = None
+        if isinstance(spec.workers, int):  # an elastic group's size is checked at each worker start
+            from raytrain_events.ray.data import check_tensor_parallel_world
+
+            check_tensor_parallel_world(spec.workers, spec.tensor_parallel)
 
     @property
     def run_name(self) -> str:
@@ -210,6 +214,7 @@ class RayTrainer:
                 global_batch_size=self.spec.global_batch_size,
                 deterministic=self.spec.deterministic_split,
                 train_rows=train_rows,
+                tensor_parallel=self.spec.tensor_parallel,
             ),
             run_config=ray.train.RunConfig(
                 name=self.run_name,

@@ -29,6 +29,14 @@ position, seed), keeping rows from a few chunks before that batch on. Rows stay 
 a rank that needs rows the rebuilt epoch no longer holds gets an error, so the worker group
 restarts from its last checkpoint (``max_failures``) instead of training a wrong row.
 
+Tensor parallelism (``consumers`` > 1): the ``t`` ranks of a tensor group compute one model replica
+together, so they must train the same rows. The global batch is then split into ``world_size``
+parts as above (``world_size`` is the data-parallel size, the number of groups) and part ``p`` is
+served to each of the ranks ``p * t .. p * t + t - 1``: every rank keeps its own cursor (its
+own position in the epoch, a restart's ``resume_batch``), so a block is dropped only once all
+``world_size * t`` ranks are past it, and each of a group's ranks gets every row of its part.
+``consumers=1`` is the plain data-parallel case (part ``r`` to rank ``r``).
+
 The last global batch of an epoch may be short; if it would have fewer rows than there are
 workers (some rank would get none) its rows join the batch before it.
 """
@@ -96,9 +104,11 @@ class _Epoch:
         first_batch: int = 0,
         shuffle: Optional[Tuple[int, int, int]] = None,
         seek: Tuple[int, int] = (0, 0),
+        consumers: int = 1,
     ) -> None:
         """``shuffle``: ``(seed, epoch, window rows)`` to permute rows within windows (`shuffle.py`).
-        ``seek``: the global row and shuffle window the stream starts at (a seekable source)."""
+        ``seek``: the global row and shuffle window the stream starts at (a seekable source).
+        ``consumers``: ranks served each part (a tensor group); ranks are ``0 .. world_size * consumers - 1``."""
         self.bundles = bundles
         self.position = position
         self.global_batch = global_batch
@@ -106,7 +116,8 @@ class _Epoch:
         self.first_batch = first_batch  # batches before it are not served (a rebuilt epoch)
         self.index: Any = BlockIndex(seek[0]) if shuffle is None else WindowIndex(shuffle[0], shuffle[1], *seek)
         self.window_rows = 0 if shuffle is None else max(1, shuffle[2])
-        self.cursor = RankCursor(world_size, first_batch)
+        self.consumers = consumers
+        self.cursor = RankCursor(world_size * consumers, first_batch)  # one cursor per rank, not per part
         self.trimmed = first_batch  # the cursor's oldest batch when the index was last trimmed
         self.cuts: Dict[int, Optional[Tuple[int, int, int]]] = {}  # batch -> (start, rows // W, rows % W)
         self.done = False
@@ -216,8 +227,9 @@ class _Epoch:
         if cut is None:
             return None
         start, q, rem = cut
-        a = start + rank * q + (rank if rank < rem else rem)
-        out = self.index.slices(a, a + q + (1 if rank < rem else 0))
+        part = rank // self.consumers  # the data-parallel rank: a tensor group's ranks share one part
+        a = start + part * q + (part if part < rem else rem)
+        out = self.index.slices(a, a + q + (1 if part < rem else 0))
         if cursor.oldest != self.trimmed:  # every rank is past batch `oldest - 1`: drop its blocks
             self.trimmed = oldest = cursor.oldest
             self.index.trim(self.position + oldest * self.global_batch)
@@ -229,8 +241,14 @@ class _Epoch:
 class EpochFeeder:
     """Serves each rank's batches of the global order (run as a Ray actor with `FEEDER_OPTIONS`)."""
 
-    def __init__(self, dataset: Any, world_size: int, global_batch: int, materialize: bool = False) -> None:
-        """``dataset``: a Ray Dataset, or a seekable source (a ``stream`` method: `parquet_seek.py`)."""
+    def __init__(
+        self, dataset: Any, world_size: int, global_batch: int, materialize: bool = False, consumers: int = 1
+    ) -> None:
+        """``dataset``: a Ray Dataset, or a seekable source (a ``stream`` method: `parquet_seek.py`).
+        ``world_size``: the parts each global batch is split into (the data-parallel size);
+        ``consumers``: the ranks served each part (the tensor-parallel degree; see the module doc)."""
+        if isinstance(consumers, bool) or not isinstance(consumers, int) or consumers < 1:
+            raise ValueError(f"consumers={consumers!r} must be an integer >= 1 (ranks per tensor group).")
         self.seekable = hasattr(dataset, "stream")
         if not self.seekable:
             dataset = dataset.copy(dataset) if hasattr(dataset, "copy") else dataset
@@ -238,6 +256,7 @@ class EpochFeeder:
             dataset = dataset.materialize() if materialize else dataset
         self.dataset = dataset
         self.world_size = world_size
+        self.consumers = consumers
         self.global_batch = global_batch
         self.epochs: Dict[Tuple[int, int], _Epoch] = {}
         self.lock = threading.Lock()  # guards `epochs` (calls run in several threads)
@@ -265,6 +284,7 @@ class EpochFeeder:
     ) -> bool:
         """Every rank calls this at its epoch start with the same arguments; the first one starts it.
 
+        ``rank`` is the worker's own rank (``0 .. world_size * consumers - 1``).
         Each (epoch, position) is served once per worker group: the blocks a rank is past are
         dropped, so a rank starting a pass it has already taken batches from (a Trainer rebuilt or
         reset to time zero inside the same group) is refused here, not given empty batches later.
@@ -289,7 +309,9 @@ class EpochFeeder:
                 window_rows = shuffle[2] if shuffle else 0
                 row = position + first * self.global_batch
                 stream, seek = self._stream(epoch, order_seed, row, window_rows)
-                self.epochs[key] = _Epoch(stream, position, self.global_batch, self.world_size, first, shuffle, seek)
+                self.epochs[key] = _Epoch(
+                    stream, position, self.global_batch, self.world_size, first, shuffle, seek, self.consumers
+                )
         return True
 
     def batches(

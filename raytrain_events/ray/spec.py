@@ -240,6 +240,12 @@ class RunSpec(LoopOptions):
         return dataclasses.replace(self, **changes)
 
     @property
+    def tensor_parallel(self) -> int:
+        """The tensor-parallel degree of ``parallelism`` (1: none): the ranks that share each batch."""
+        fsdp = self.parallelism_spec.fsdp
+        return fsdp.tensor_parallel if fsdp is not None else 1
+
+    @property
     def workers(self) -> Any:
         """The number of Ray Train workers (from ``scaling_config`` when given)."""
         if self.scaling_config is None:

@@ -11,7 +11,8 @@ from typing import Any, Dict
 
 from raytrain_events.core.data_spec import DataSpec
 from raytrain_events.dist import LocalDist, TorchDist
-from raytrain_events.ray.data import GlobalOrderLoader, GlobalOrderShard, ShardLoader
+from raytrain_events.parallel.wrap import Parallel
+from raytrain_events.ray.data import GlobalOrderLoader, GlobalOrderShard, ShardLoader, check_tensor_parallel_world
 from raytrain_events.ray.spec import RunSpec
 from raytrain_events.ray.worker_reports import RayReporter
 from raytrain_events.trainer import Trainer
@@ -32,6 +33,9 @@ def build_worker_trainer(spec: RunSpec) -> Trainer:
     import ray.train.torch
 
     context = ray.train.get_context()
+    # Before any collective or data call, on every rank alike: a group that cannot form whole tensor groups
+    # (an elastic resize) ends here with the fix, instead of inside the dataset split or the device mesh.
+    check_tensor_parallel_world(context.get_world_size(), spec.tensor_parallel)
     device = ray.train.torch.get_device()
     from raytrain_events.ray.watchdog import process_group_timeout_s
 
@@ -74,6 +78,7 @@ def build_worker_trainer(spec: RunSpec) -> Trainer:
             start_retention(plan)
     from raytrain_events.ray.operations import worker_guards
 
+    counts_data = Parallel(spec.parallelism_spec).counts_data(context.get_world_rank())  # TP: one rank per group
     guards = worker_guards(spec, dist, checkpointing=checkpoint is not None)  # every rank arrived, or an error
     return Trainer(
         model=model,
@@ -83,8 +88,8 @@ def build_worker_trainer(spec: RunSpec) -> Trainer:
         eval_dataloader=evaluators or None,
         algorithms=algorithms,
         callbacks=list(callbacks)
-        + [RayReporter(interval=spec.report_interval, every_s=spec.report_every_s)]  # preemption: `guards`
-        + guards,
+        + [RayReporter(interval=spec.report_interval, every_s=spec.report_every_s, counts_data=counts_data)]
+        + guards,  # preemption: `guards`
         device=device,
         dist=dist,
         run_name=spec.run_name or "run",

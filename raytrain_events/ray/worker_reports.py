@@ -40,7 +40,7 @@ def _preempting() -> bool:
 class RayReporter(Callback):
     """Report to Ray Train every ``interval`` of global time, on checkpoints, and at the end."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (keyword-only: each a documented reporting option)
         self,
         *,
         interval: Any = None,
@@ -48,7 +48,10 @@ class RayReporter(Callback):
         report_fn: Optional[Callable[..., None]] = None,
         check_preemption: bool = False,
         preemption_fn: Optional[Callable[[], bool]] = None,
+        counts_data: bool = True,
     ) -> None:
+        """``counts_data``: this rank's samples and tokens count in the driver's global sums; False
+        on all but one rank of a tensor group, whose ranks train the same rows (`Parallel.counts_data`)."""
         if interval is None and every_s is None:
             raise ValueError("RayReporter needs report_interval (a Time) or report_every_s (seconds), or both.")
         self.interval = interval
@@ -56,6 +59,7 @@ class RayReporter(Callback):
         self._last_report = time.monotonic()
         self._report_fn = report_fn
         self.check_preemption = check_preemption
+        self.counts_data = counts_data
         self._preempting = preemption_fn or _preempting
         self._due = None
         self._start: Optional[Dict[str, int]] = None
@@ -93,8 +97,9 @@ class RayReporter(Callback):
             state.request(REPORT_FLAG)
 
     def batch_end(self, state, logger) -> None:
-        self.local_samples += state.batch_num_samples
-        self.local_tokens += state.batch_num_tokens
+        if self.counts_data:
+            self.local_samples += state.batch_num_samples
+            self.local_tokens += state.batch_num_tokens
         if state.loss is not None:
             # Summed on the device, in place after the first batch (no new tensor per batch).
             loss = state.loss.detach()

@@ -71,3 +71,24 @@ def test_meta_module_without_reset_parameters_is_refused():
             max_duration="1ba",
             optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
         )
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_deferred_fsdp_x_tp_never_builds_the_model_whole_and_starts_like_eager(world_size):
+    """FSDP x TP (tensor_parallel=2) on the example transformer built on meta: each rank allocates its
+    own parameters plus one full layer at most (the one being initialised), and starts exactly where
+    eager init starts, then trains to the same parameters."""
+    from tests.parallel.tp_deferred_workloads import build, eager_and_deferred
+
+    results = run_ranks(world_size, eager_and_deferred)
+    model = build(meta=True)
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    layer = max(sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) for m in model.modules())
+    for rank, got in enumerate(results):
+        eager, deferred = got["eager"], got["deferred"]
+        assert eager["peak"] >= whole, "the counter missed the eager model's allocation"
+        assert deferred["local"] < whole * (0.6 if world_size == 2 else 0.35)  # split layers / 2, FSDP over the rest
+        assert deferred["peak"] <= deferred["local"] + layer + 1024, (rank, deferred["peak"], deferred["local"], layer)
+        for key, want in eager["start"].items():
+            torch.testing.assert_close(deferred["start"][key], want, rtol=0, atol=0, msg=key)
+            torch.testing.assert_close(deferred["end"][key], eager["end"][key], rtol=0, atol=1e-6, msg=key)

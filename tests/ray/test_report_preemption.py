@@ -53,6 +53,14 @@ def test_reports_at_interval_and_at_the_end_with_local_counts():
     assert sent[-1]["final"] and sent[0]["train_loss_count"] == 3
 
 
+def test_a_rank_that_does_not_count_data_reports_no_samples_but_its_loss():
+    # Tensor parallelism: the group's other ranks trained the same rows; only one rank's counts go into the sums.
+    sent = []
+    _trainer(RayReporter(interval="3ba", every_s=None, report_fn=lambda r, c: sent.append(r), counts_data=False)).fit()
+    assert [r["local_samples"] for r in sent] == [0, 0, 0] and [r["local_tokens"] for r in sent] == [0, 0, 0]
+    assert [r["train_loss_count"] for r in sent] == [3, 3, 2]
+
+
 def test_preemption_notice_saves_a_checkpoint_at_the_next_batch(tmp_path):
     folder = str(tmp_path / "checkpoints")
     notices = iter([False, True, False, False, False])
