@@ -64,6 +64,16 @@ def write_mds(parquet: str, out: str, rows_per_file: int) -> None:
                 writer.write({"id": row_id, "tokens": tokens})
 
 
+def epoch_figures(start: float, first: float, last: float, rows: int) -> Dict[str, float]:
+    """A worker's epoch: time to its first batch, rows/s from first to last batch and over the whole epoch."""
+    return {
+        "first_batch_s": first - start,
+        "rows": rows,
+        "rows_per_s": rows / max(last - first, 1e-9),
+        "epoch_rows_per_s": rows / max(last - start, 1e-9),
+    }
+
+
 def _node_created_bytes() -> int:
     import ray
 
@@ -128,7 +138,7 @@ def torch_arm(ray: Any, data: str, scratch: str, rows: int, world: int, rank_bat
                 resumed = time.monotonic() - resumed
                 break
             skipped += len(batch["id"])
-        epoch = {"first_batch_s": first - start, "rows": seen, "rows_per_s": seen / max(last - first, 1e-9)}
+        epoch = epoch_figures(start, first, last, seen)
         _write(config["out"], {"epoch": epoch, "moved": moved, "resume": {"first_batch_s": resumed}})
 
     figures = _fit(ray, loop, scratch, "ray-data", world, {"train": ray.data.read_parquet(data)})
@@ -195,7 +205,7 @@ def streaming_arm(ray: Any, data: str, scratch: str, rows: int, world: int, rank
                     state = self.loader.state_dict()  # the global position: samples yielded x world size
             files = glob.glob(os.path.join(self.cache, "**", "*"), recursive=True)
             moved = sum(os.path.getsize(p) for p in files if os.path.isfile(p))
-            epoch = {"first_batch_s": first - start, "rows": seen, "rows_per_s": seen / max(last - first, 1e-9)}
+            epoch = epoch_figures(start, first, last, seen)
             return {"epoch": epoch, "moved": moved, "state": state}
 
         def resume(self, state: Dict[str, Any]) -> Dict[str, Any]:
