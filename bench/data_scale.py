@@ -27,10 +27,11 @@ Arms:
   (Ray Train's default `DataConfig`: ``streaming_split(equal=True)``). Ray Data has no mid-epoch
   resume; its "resume" is a second pass that iterates past the first half of the worker's rows, so
   the time to first batch is the cost of skipping to the position.
-- ``streaming``: MosaicML Streaming (``streaming-community``, the bench extra) in a `TorchTrainer`
-  loop: `StreamingDataset` over the MDS shards (the "remote" is the temp dir; each worker its own
-  local cache, as on separate machines) and `StreamingDataLoader`; its resume is a new dataset with
-  an empty cache and ``load_state_dict`` of the loader's ``state_dict()`` taken at 50%.
+- ``streaming``: MosaicML Streaming (``streaming-community``, the bench extra) in plain actors
+  like ``ours``: `StreamingDataset` over the MDS shards (the "remote" is the temp dir; each worker
+  its own local cache, as on separate machines) and `StreamingDataLoader`; its resume is a new
+  dataset with an empty cache and ``load_state_dict`` of the loader's ``state_dict()`` taken at 50%
+  (``data_scale_arms.streaming_arm`` says why its datasets are built one node at a time here).
 
 Measured per arm: rows per second per worker (first to last batch of the epoch, mean over workers);
 network bytes per epoch / dataset bytes (bytes that arrived at the 3 train nodes: for the Ray arms

@@ -1,10 +1,11 @@
-"""The two `TorchTrainer` arms of ``bench/data_scale.py``: Ray Data's streaming split and MosaicML Streaming.
+"""Two arms of ``bench/data_scale.py``: Ray Data's streaming split and MosaicML Streaming.
 
 ``torch_arm`` runs one `TorchTrainer.fit()` of 3 workers (one per non-head node, the ``slot`` resource) whose
 loop trains an epoch with ``decode`` as the per-batch work, measures its own node's object-store
 growth over the epoch (between barriers, so no worker's next phase is counted), then measures the
 arm's resume at 50% (see ``data_scale.py``'s doc). Each worker writes its figures to a JSON file
 in the scratch dir (all nodes share this machine's disk); the driver reads them back.
+``streaming_arm`` runs Streaming in 3 rank actors (its own doc says why not in a `TorchTrainer`).
 
 `import_streaming`: ``streaming`` imports ``streaming.vision`` at package import, which imports
 torchvision; the registry's torchvision wheels for Linux are CUDA builds, whose ops do not load next
