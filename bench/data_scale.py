@@ -57,6 +57,7 @@ import argparse
 import glob
 import json
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -325,6 +326,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     finally:
         ray.shutdown()
         cluster.shutdown()
+        shutil.rmtree(scratch, ignore_errors=True)  # the Parquet files, MDS shards and caches
     print(table(results, data_bytes))
     out = {"data_bytes": data_bytes, "rows": rows, "results": results}
     if args.json:
