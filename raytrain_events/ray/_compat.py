@@ -32,7 +32,8 @@ Private names used (checked against Ray 2.60.0):
 * ``ray._private.internal_api.node_stats`` (a raylet's ``GetNodeStats`` reply, its object store's
   ``cumulative_created_bytes``): the bytes each node's object store has taken in, which counts the
   objects pulled from other nodes -- Ray's own figure for a test of network bytes per epoch
-  (`object_store_created_bytes`, ``tests/ray/network_run.py``).
+  (`object_store_created_bytes`, ``tests/ray/network_run.py``); and ``object_store_bytes_used``, what
+  it holds now (`object_store_used_bytes`, the peak in ``bench/data_scale.py``).
 
 Ray's file layouts, log formats and environment knobs this package relies on (same rules: one
 function or constant here each, probed by `check_private_names()`):
@@ -83,6 +84,7 @@ __all__ = [
     "local_preemption_info",
     "run_on_worker_main_thread",
     "object_store_created_bytes",
+    "object_store_used_bytes",
 ]
 
 #: ``ray.init`` keyword arguments that pin a new local instance's node address to loopback.
@@ -340,6 +342,13 @@ def object_store_created_bytes(node: Dict[str, Any]) -> int:
     return int(_attr(_attr(reply, "store_stats"), "cumulative_created_bytes"))
 
 
+def object_store_used_bytes(node: Dict[str, Any]) -> int:
+    """Bytes the object store of ``node`` (an entry of ``ray.nodes()``) holds now (``bench/data_scale.py``'s peak)."""
+    node_stats = _import("ray._private.internal_api", "node_stats")
+    reply = node_stats(node["NodeManagerAddress"], node["NodeManagerPort"], include_memory_info=False)
+    return int(_attr(_attr(reply, "store_stats"), "object_store_bytes_used"))
+
+
 def _probe_node_stats() -> None:
     node_stats = _import("ray._private.internal_api", "node_stats")
     if "include_memory_info" not in inspect.signature(node_stats).parameters:
@@ -349,6 +358,8 @@ def _probe_node_stats() -> None:
     stats = getattr(node_manager_pb2, "ObjectStoreStats", None) or getattr(common_pb2, "ObjectStoreStats", None)
     if stats is None or "cumulative_created_bytes" not in stats.DESCRIPTOR.fields_by_name:
         raise _missing("ObjectStoreStats.cumulative_created_bytes")
+    if "object_store_bytes_used" not in stats.DESCRIPTOR.fields_by_name:
+        raise _missing("ObjectStoreStats.object_store_bytes_used")
 
 
 def check_private_names() -> List[Tuple[str, str]]:

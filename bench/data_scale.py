@@ -1,0 +1,338 @@
+"""Side by side on a 4-node Ray: this library's data path, Ray Data's streaming split, MosaicML Streaming.
+
+Issue 27 item 5. One ``ray.cluster_utils.Cluster`` on this machine: a head with 1 CPU (Ray Data's
+read tasks, the feeder, the split coordinator; no train worker) and 3 nodes of 1 CPU, one train
+worker each. Each node has its own raylet and object store, so a block read on the head and used
+by a worker crosses a real (loopback) connection. The data: ``--files`` Parquet files of
+``--rows-per-file`` rows, each row an ``id`` and 2 KiB of random int32 tokens (incompressible),
+written uncompressed to a temp dir (and, for Streaming, the same rows as MDS shards of about the
+same size). Every arm trains one epoch with the same per-batch work (the tokens decoded to an int32
+tensor and summed: the "model" costs nothing, so the data path is what is measured), 32 rows per
+worker per step, then resumes at 50% of the epoch.
+
+Arms:
+
+- ``ours``: `GlobalOrderLoader` on each worker against one `EpochFeeder` actor over
+  ``ray.data.read_parquet`` -- the feeder and rank-side code (``ray/feeder.py``, ``ray/data.py``,
+  ``ray/block_fetch.py``) exactly as `RayTrainer` builds them (`TrainDataConfig`), run in plain
+  actors (one per node, pinned like a train worker) instead of a `RayTrainer`: the trainer adds only
+  the loop's start-up and per-step events, which are measured elsewhere (``bench/ray_overhead.py``)
+  and would be the same for every arm. Its resume is a new feeder and loaders at ``set_position(50%)``,
+  what a restarted worker group does: the epoch's stream runs again from its start, the part before
+  the position read by Ray Data and passed over.
+- ``ours-seek``: the same with `ParquetRowGroups` (``ray/parquet_seek.py``) as the source, whose
+  resume starts at the row group holding the position (nothing before it is read). `RayTrainer`
+  takes only Ray Datasets today; this is the path through `GlobalOrderLoader`/`EpochFeeder` directly.
+- ``ray-data``: a plain `TorchTrainer` loop over ``ray.train.get_dataset_shard("train").iter_batches``
+  (Ray Train's default `DataConfig`: ``streaming_split(equal=True)``). Ray Data has no mid-epoch
+  resume; its "resume" is a second pass that iterates past the first half of the worker's rows, so
+  the time to first batch is the cost of skipping to the position.
+- ``streaming``: MosaicML Streaming (``streaming-community``, the bench extra) in plain actors
+  like ``ours``: `StreamingDataset` over the MDS shards (the "remote" is the temp dir; each worker
+  its own local cache, as on separate machines) and `StreamingDataLoader`; its resume is a new
+  dataset with an empty cache and ``load_state_dict`` of the loader's ``state_dict()`` taken at 50%
+  (``data_scale_arms.streaming_arm`` says why its datasets are built one node at a time here).
+
+Measured per arm: rows per second per worker (first to last batch of the epoch, mean over workers);
+network bytes per epoch / dataset bytes (bytes that arrived at the 3 train nodes: for the Ray arms
+the growth of each train node's object store ``cumulative_created_bytes``, Ray's own count of what
+was created or pulled there, the cluster running with ``max_direct_call_object_size=0`` so small
+objects are counted too; for Streaming the bytes of the shard files each worker's cache downloaded);
+time to first batch of a fresh epoch and of the resume at 50%; peak object-store bytes (the largest
+sum over the 4 nodes of bytes held, sampled every 0.2 s). Ratios are against ``ours``.
+
+Usage::
+
+    python bench/data_scale.py                         # 48 files x 500 rows of 2 KiB (47 MiB), all arms
+    python bench/data_scale.py --files 400 --rows-per-file 2000 --arms ours ray-data
+    python bench/data_scale.py --json                  # also one JSON line at the end
+
+Streaming needs ``pip install -c constraints.txt -e '.[bench]'``; when it cannot be imported its
+row says why and the other arms still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Dict, List, Optional
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from data_scale_arms import ARMS, epoch_figures, streaming_arm, torch_arm  # noqa: E402
+
+ROW_BYTES, WORLD, RANK_BATCH = 2048, 3, 32
+STORE = 400 * 1024 * 1024
+
+
+def write_parquet(folder: str, files: int, rows_per_file: int) -> int:
+    """``files`` Parquet files of ``id`` and 2 KiB of random int32 tokens per row; returns the data bytes."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(0)
+    total = 0
+    for f in range(files):
+        ids = np.arange(f * rows_per_file, (f + 1) * rows_per_file, dtype=np.int64)
+        tokens = rng.integers(0, 2**31 - 1, size=(rows_per_file, ROW_BYTES // 4), dtype=np.int32)
+        table = pa.table({"id": ids, "tokens": pa.array([row.tobytes() for row in tokens], type=pa.binary())})
+        total += table.nbytes
+        pq.write_table(table, os.path.join(folder, f"part-{f:05d}.parquet"), compression=None)
+    return total
+
+
+class StoreSampler:
+    """Samples the sum over nodes of object-store bytes held, every 0.2 s, in a thread; ``peak()``."""
+
+    def __init__(self, nodes: List[Dict[str, Any]]) -> None:
+        from raytrain_events.ray import _compat
+
+        self.used = _compat.object_store_used_bytes
+        self.nodes = nodes
+        deadline = time.monotonic() + 60  # the arm before's objects, freed lazily: not this arm's peak
+        while self._total() > 2**20 and time.monotonic() < deadline:
+            time.sleep(1)
+        self.base = self._total()
+        self.top = self.base
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _total(self) -> int:
+        return sum(self.used(n) for n in self.nodes)
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self.top = max(self.top, self._total())
+            except Exception:  # a node answering late under load: skip this sample
+                pass
+            self.stop.wait(0.2)
+
+    def peak(self) -> int:
+        """The most held at once since the start, less what was held at the start."""
+        self.stop.set()
+        self.thread.join()
+        return self.top - self.base
+
+
+def created(nodes: List[Dict[str, Any]]) -> int:
+    from raytrain_events.ray import _compat
+
+    return sum(_compat.object_store_created_bytes(n) for n in nodes)
+
+
+def ours_arm(ray: Any, data: str, rows: int, seek: bool, head: str, rank_nodes: List[Dict[str, Any]]) -> Dict:
+    """One epoch of this library's data path on 3 rank actors, then a resume at 50% (see module doc)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from raytrain_events.ray.data import GlobalOrderLoader, GlobalOrderShard
+    from raytrain_events.ray.feeder import FEEDER_OPTIONS, EpochFeeder
+    from raytrain_events.ray.parquet_seek import ParquetRowGroups
+
+    @ray.remote(num_cpus=1, resources={"slot": 1})  # its node's CPU, as a train worker takes it
+    class Rank:
+        def node(self) -> str:
+            return ray.get_runtime_context().get_node_id()
+
+        def epoch(self, shard: Any, position: int, stop_after: Optional[int] = None) -> Dict:
+            import torch
+
+            loader = GlobalOrderLoader(shard, device="cpu", collate_fn=decode)
+            loader.set_epoch(0)
+            loader.set_position(position)
+            start = time.monotonic()
+            first = last = None
+            seen = total = 0
+            for batch in loader:
+                last = time.monotonic()
+                if first is None:
+                    first = last
+                seen += int(batch["ids"].shape[0])
+                total += int(torch.sum(batch["tokens"]).item()) & 1
+                if stop_after is not None:
+                    break
+            return epoch_figures(start, first, last, seen)
+
+    def feeder() -> Any:
+        source = ParquetRowGroups(sorted(glob.glob(os.path.join(data, "*.parquet")))) if seek else None
+        source = source if seek else ray.data.read_parquet(data)
+        actor = (
+            ray.remote(EpochFeeder)
+            .options(**FEEDER_OPTIONS, scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=False))
+            .remote(source, WORLD, WORLD * RANK_BATCH)
+        )
+        ray.get(actor.held_blocks.remote())  # up: the timings below start at the epoch's start
+        return actor
+
+    ranks = [Rank.remote() for _ in range(WORLD)]
+    ray.get([r.node.remote() for r in ranks])
+    fresh = feeder()
+    sampler = StoreSampler(ray_nodes(ray))
+    before = created(rank_nodes)
+    shards = [GlobalOrderShard(fresh, k, WORLD, WORLD * RANK_BATCH, rows) for k in range(WORLD)]
+    epoch = ray.get([r.epoch.remote(shard, 0) for r, shard in zip(ranks, shards, strict=True)])
+    moved = created(rank_nodes) - before
+    resumed = feeder()
+    shards = [GlobalOrderShard(resumed, k, WORLD, WORLD * RANK_BATCH, rows) for k in range(WORLD)]
+    resume = ray.get([r.epoch.remote(shard, rows // 2, 1) for r, shard in zip(ranks, shards, strict=True)])
+    peak = sampler.peak()
+    for actor in [*ranks, fresh, resumed]:  # ranks first: their prefetch threads still call the feeder
+        ray.kill(actor)
+    return summary(epoch, resume, moved, peak)
+
+
+def decode(batch: Dict[str, Any]) -> Dict[str, Any]:
+    """The per-batch work of every arm: the tokens' bytes as an int32 tensor (rows x 512)."""
+    import numpy as np
+    import torch
+
+    tokens = np.frombuffer(b"".join(batch["tokens"]), dtype=np.int32).reshape(len(batch["tokens"]), -1)
+    return {"ids": torch.as_tensor(np.array(batch["id"])), "tokens": torch.from_numpy(tokens.copy())}
+
+
+def summary(epoch: List[Dict], resume: List[Dict], moved: int, peak: int, **extra: Any) -> Dict:
+    """One arm's row: means over the workers (rows/s), the slowest worker (first-batch times)."""
+    return {
+        "rows": sum(e["rows"] for e in epoch),
+        "rows_per_s_per_worker": sum(e["rows_per_s"] for e in epoch) / len(epoch),
+        "epoch_rows_per_s_per_worker": sum(e["epoch_rows_per_s"] for e in epoch) / len(epoch),
+        "moved_bytes": moved,
+        "first_batch_s": max(e["first_batch_s"] for e in epoch),
+        "resume_first_batch_s": max(r["first_batch_s"] for r in resume),
+        "peak_store_bytes": peak,
+        **extra,
+    }
+
+
+def ray_nodes(ray: Any) -> List[Dict[str, Any]]:
+    return [n for n in ray.nodes() if n["Alive"]]
+
+
+def table(results: Dict[str, Dict], data_bytes: int) -> str:
+    """The side-by-side table: each measure and its ratio to ``ours``."""
+    base = results.get("ours", {})
+
+    def cell(arm: str, key: str, scale: float = 1.0, fmt: str = "{:.0f}") -> str:
+        value = results[arm].get(key)
+        if value is None:
+            return "-"
+        text = fmt.format(value / scale)
+        ref = base.get(key)
+        if arm != "ours" and ref:
+            text += f" ({value / ref:.2f}x)"
+        return text
+
+    lines = [
+        "| arm | rows/s per worker, first to last batch | rows/s per worker, whole epoch | network bytes / dataset "
+        "| first batch (s) | resume at 50%: first batch (s) | peak object store (MiB) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for arm, result in results.items():
+        if "error" in result:
+            lines.append(f"| {arm} | not run: {result['error']} | | | | | |")
+            continue
+        result["network_ratio"] = result["moved_bytes"] / data_bytes
+        if "network_ratio" not in base and "moved_bytes" in base:
+            base["network_ratio"] = base["moved_bytes"] / data_bytes
+        lines.append(
+            f"| {arm} | {cell(arm, 'rows_per_s_per_worker')} | {cell(arm, 'epoch_rows_per_s_per_worker')} "
+            f"| {cell(arm, 'network_ratio', fmt='{:.3f}')} "
+            f"| {cell(arm, 'first_batch_s', fmt='{:.2f}')} | {cell(arm, 'resume_first_batch_s', fmt='{:.2f}')} "
+            f"| {cell(arm, 'peak_store_bytes', 2**20, '{:.1f}')} |"
+        )
+    return "\n".join(lines)
+
+
+def start_cluster(cluster_class: Any, tries: int = 3) -> Any:
+    """The head (1 CPU) and ``WORLD`` nodes of 1 CPU and one ``slot``; a start that times out (Ray waits
+    30 s for a raylet to register, which a loaded machine can miss) is retried."""
+    for attempt in range(tries):
+        cluster = None
+        try:
+            cluster = cluster_class(
+                initialize_head=True,
+                head_node_args={
+                    "num_cpus": 1,
+                    "object_store_memory": STORE,
+                    "_system_config": {"max_direct_call_object_size": 0},
+                },
+            )
+            for _ in range(WORLD):
+                cluster.add_node(num_cpus=1, resources={"slot": 1}, object_store_memory=STORE)
+            return cluster
+        except Exception as exc:
+            if cluster is not None:
+                cluster.shutdown()
+            if attempt == tries - 1:
+                raise
+            print(f"cluster start failed ({exc}); trying again", flush=True)
+    raise AssertionError("unreachable")
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--files", type=int, default=48, help="Parquet files (and about as many MDS shards)")
+    parser.add_argument("--rows-per-file", type=int, default=500, help="2 KiB rows per file")
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--json", action="store_true", help="also print the results as one JSON line")
+    args = parser.parse_args(argv)
+
+    import data_scale_arms
+    import ray
+    from ray.cluster_utils import Cluster
+
+    ray.cloudpickle.register_pickle_by_value(data_scale_arms)  # the train loops' helpers, to the workers
+
+    scratch = tempfile.mkdtemp(prefix="data_scale-")
+    data = os.path.join(scratch, "parquet")
+    os.makedirs(data)
+    data_bytes = write_parquet(data, args.files, args.rows_per_file)
+    rows = args.files * args.rows_per_file
+    print(f"dataset: {args.files} files x {args.rows_per_file} rows x 2 KiB = {data_bytes / 2**20:.1f} MiB", flush=True)
+    cluster = start_cluster(Cluster)
+    results: Dict[str, Dict] = {}
+    try:
+        os.environ["RAY_ADDRESS"] = cluster.address  # Ray Train's helper processes: this cluster, not another
+        ray.init(address=cluster.address)
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        cluster.wait_for_nodes()
+        head = ray.get_runtime_context().get_node_id()
+        rank_nodes = [n for n in ray_nodes(ray) if n["NodeID"] != head]
+        # Warm-up: the first Ray Data execution in a cluster starts worker processes and imports
+        # (a minute at load 50 here); without this, whichever arm runs first pays it in its first batch.
+        ray.data.read_parquet(data).limit(1).take_all()
+        for arm in args.arms:
+            started = time.monotonic()
+            try:
+                if arm in ("ours", "ours-seek"):
+                    results[arm] = ours_arm(ray, data, rows, arm == "ours-seek", head, rank_nodes)
+                else:
+                    run = torch_arm if arm == "ray-data" else streaming_arm
+                    sampler = StoreSampler(ray_nodes(ray))
+                    results[arm] = run(ray, data, scratch, rows, WORLD, RANK_BATCH, decode, summary, sampler)
+            except Exception as exc:  # e.g. Streaming not installed or not importable here: say so, go on
+                results[arm] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            print(f"{arm}: {time.monotonic() - started:.0f} s {json.dumps(results[arm])}", flush=True)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        shutil.rmtree(scratch, ignore_errors=True)  # the Parquet files, MDS shards and caches
+    print(table(results, data_bytes))
+    out = {"data_bytes": data_bytes, "rows": rows, "results": results}
+    if args.json:
+        print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()
