@@ -165,6 +165,7 @@ def main() -> None:
         for name, make in sources.items():
             for case, position in (("fresh", 0), ("resume", half)):
                 times[name][case].append(first_batch_s(make(), args.ranks, args.global_batch, position, rows))
+                print(f"  {name} {case}: {times[name][case][-1]:.2f} s", flush=True)
     print(f"{'source':<10} {'fresh s':>9} {'resume@50% s':>13} {'resume/fresh':>13}")
     for name, cases in times.items():
         fresh, resume = statistics.median(cases["fresh"]), statistics.median(cases["resume"])
