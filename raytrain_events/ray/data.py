@@ -217,8 +217,13 @@ def check_tensor_parallel_world(world_size: int, tensor_parallel: int) -> None:
 def cheap_row_count(dataset: Any) -> Optional[int]:
     """Rows of ``dataset`` from metadata, or from a bare read (files' row counts, no data columns).
 
-    None when counting would run a preprocessing pipeline (``map_batches``, ``filter``...).
+    None when counting would run a preprocessing pipeline (``map_batches``, ``filter``...). A
+    seekable source (`parquet_seek.ParquetRowGroups`) counts from the footers it read when built.
     """
+    from raytrain_events.ray.parquet_seek import is_seekable
+
+    if is_seekable(dataset):
+        return dataset.count()
     rows = _compat.dataset_meta_count(dataset)
     if rows is not None:
         return rows

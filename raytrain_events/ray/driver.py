@@ -81,7 +81,8 @@ class RayTrainer:
     (the keywords replace the spec's fields). ``model``, ``optimizers`` and ``schedulers`` are
     factories called on each worker: ``model(config) -> nn.Module``, ``optimizers(model, config)``,
     ``schedulers(optimizers, config)`` (each may omit the trailing ``config``). ``datasets`` maps
-    names to Ray Datasets: ``"train"`` is required, every other name is an eval set.
+    names to Ray Datasets: ``"train"`` is required (a Ray Dataset or ``ParquetRowGroups(paths)``, which a
+    resume enters at its position: ``ray/parquet_seek.py``), every other name is an eval set.
     ``batch_size`` is per worker.
     """
 
@@ -176,6 +177,7 @@ class RayTrainer:
         from raytrain_events.ray.cluster import check_data_cpus
 
         datasets = self.spec.build_datasets()
+        self.spec.check_datasets(datasets)
         if self._checks_cluster:
             check_data_cpus(ray.cluster_resources(), self.scaling_config, datasets)
         train_rows = self._train_rows(datasets["train"])

@@ -9,6 +9,12 @@ it), and each block is one row group read by a Ray task (``_read_row_group``), a
 of the feeder's pull. Files and row groups wholly before the position are never opened by a read
 task; footers are read once, where the source is built.
 
+`RayTrainer(datasets={"train": ParquetRowGroups(paths)})` runs it through the normal path: the
+driver counts the epoch from the footers (`ParquetRowGroups.count`), the group's `EpochFeeder`
+streams it, and a group started from a mid-epoch checkpoint (a restart, a resize, a run continued
+by name) enters the epoch at its position. `is_seekable` is the one test for such a source
+(`RunSpec.check_datasets` and the feeder use it); eval sets stay Ray Datasets.
+
 The row-count-changing case (a ``map_batches`` that filters or packs) cannot seek this way: its
 rows are known only by running it; see README ("The data path at scale").
 """
@@ -16,14 +22,22 @@ rows are known only by running it; see README ("The data path at scale").
 from __future__ import annotations
 
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["ParquetRowGroups"]
+__all__ = ["ParquetRowGroups", "is_seekable"]
 
 _READS_AHEAD = 4  # row-group read tasks in flight ahead of the feeder's pull
+_FOOTER_THREADS = 16  # footers read at once where the source is built (one GET each on an object store)
+
+
+def is_seekable(source: Any) -> bool:
+    """Whether ``source`` is a seekable train source (rows known without reading them: ``count`` and
+    ``stream``, as `ParquetRowGroups`) rather than a Ray Dataset, which a resume streams from row 0."""
+    return callable(getattr(source, "stream", None)) and callable(getattr(source, "count", None))
 
 
 def _read_row_group(path: str, group: int, filesystem: Any, columns: Optional[List[str]]) -> Any:
@@ -39,19 +53,30 @@ class ParquetRowGroups:
     def __init__(self, paths: Sequence[str], *, filesystem: Any = None, columns: Optional[List[str]] = None) -> None:
         import pyarrow.parquet as pq
 
+        if isinstance(paths, (str, bytes)):
+            raise TypeError(
+                f"ParquetRowGroups takes a list of Parquet file paths in training order, got the string {paths!r}: "
+                "pass [path] for one file, or sorted(glob.glob(folder + '/*.parquet')) for a folder's files."
+            )
         if not paths:
             raise ValueError("ParquetRowGroups needs at least one Parquet file path.")
         self.paths = list(paths)
         self.filesystem = filesystem
         self.columns = columns
+
+        def footer(path: str) -> Any:
+            if filesystem is None:
+                return pq.ParquetFile(path).metadata
+            with filesystem.open_input_file(path) as f:
+                return pq.ParquetFile(f).metadata
+
+        with ThreadPoolExecutor(min(_FOOTER_THREADS, len(self.paths))) as pool:
+            metas = list(pool.map(footer, self.paths))  # in the paths' order
         self.units: List[Tuple[int, int, int]] = []  # (file number, row group, rows)
-        for i, path in enumerate(self.paths):
-            if filesystem is not None:
-                with filesystem.open_input_file(path) as f:
-                    meta = pq.ParquetFile(f).metadata
-            else:
-                meta = pq.ParquetFile(path).metadata
+        for i, meta in enumerate(metas):
             self.units += [(i, g, meta.row_group(g).num_rows) for g in range(meta.num_row_groups)]
+        if not self.count():
+            raise ValueError(f"The Parquet files {self.paths[:3]}{'...' if len(self.paths) > 3 else ''} hold no rows.")
 
     def count(self) -> int:
         """Rows in an epoch (from the footers)."""

@@ -52,8 +52,9 @@ class RunSpec(LoopOptions):
     model: Factory = _opt(help="model(config) -> nn.Module, called on each worker (config may be omitted)")
     optimizers: Factory = _opt(help="optimizers(model, config) -> optimizer(s), called on each worker")
     datasets: Union[Mapping[str, Any], Factory] = _opt(
-        help="{'train': ray.data.Dataset, <eval name>: Dataset, ...}, or fn(config) -> that dict (called on "
-        "the driver when the run starts); every name besides 'train' is an eval set",
+        help="{'train': ray.data.Dataset or ParquetRowGroups(paths), <eval name>: Dataset, ...}, or fn(config) -> "
+        "that dict (called on the driver when the run starts); every name besides 'train' is an eval set; "
+        "ParquetRowGroups (ray/parquet_seek.py): a resume reads nothing before its position",
         worker=False,
     )
     batch_size: int = _opt(64, help="rows per worker per batch")
@@ -330,6 +331,40 @@ class RunSpec(LoopOptions):
                 f"The datasets factory returned {datasets!r}: it must return {{'train': ds, <eval name>: ds, ...}}."
             )
         return dict(datasets)
+
+    @staticmethod
+    def check_datasets(datasets: Mapping[str, Any]) -> None:
+        """Refuse a resolved datasets dict whose entries Ray Train cannot feed, naming the fix.
+
+        The train set is a Ray Dataset or a seekable source (`parquet_seek.is_seekable`:
+        ``ParquetRowGroups(paths)``, which a resumed epoch enters at its position); an eval set is
+        a Ray Dataset (or Ray Train's zero-argument function returning one). Called on the driver
+        once the datasets are built, before any worker starts.
+        """
+        from ray.data import Dataset
+
+        from raytrain_events.ray.parquet_seek import is_seekable
+
+        for name, dataset in datasets.items():
+            kind = type(dataset).__name__
+            if name == "train":
+                if not isinstance(dataset, Dataset) and not is_seekable(dataset):
+                    raise TypeError(
+                        f"datasets['train'] is a {kind}; the train set must be a ray.data.Dataset (e.g. "
+                        "ray.data.read_parquet(paths)) or a seekable source, "
+                        "raytrain_events.ray.parquet_seek.ParquetRowGroups(paths) (Parquet files in training "
+                        "order; a resume then reads nothing before its position)."
+                    )
+            elif is_seekable(dataset):
+                raise TypeError(
+                    f"datasets[{name!r}] is a {kind}, a train-only source (it defines the train order a resume "
+                    f"seeks in); pass eval set {name!r} as a Ray Dataset, e.g. ray.data.read_parquet(paths)."
+                )
+            elif not isinstance(dataset, Dataset) and not callable(dataset):
+                raise TypeError(
+                    f"datasets[{name!r}] is a {kind}; an eval set must be a ray.data.Dataset (e.g. "
+                    "ray.data.read_parquet(paths) or ray.data.from_items(rows))."
+                )
 
 
 def option_names() -> List[str]:

@@ -24,8 +24,9 @@ GLOBAL_BATCH = 12  # 203 = 16 * 12 + 11: 17 global batches per epoch whatever th
 BATCHES_PER_EPOCH = 17
 
 
-def write_parquet(folder: str) -> dict:
-    """Three Parquet files of rows ``id, x, y, ntok``; returns the ids and token counts."""
+def write_parquet(folder: str, file_rows=FILE_ROWS, row_group_size: Optional[int] = None) -> dict:
+    """Parquet files (three by default) of rows ``id, x, y, ntok``, ids in file order; returns the ids'
+    token counts. ``row_group_size``: rows per row group (default: one per file)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -33,7 +34,7 @@ def write_parquet(folder: str) -> dict:
     rng = np.random.default_rng(0)
     start = 0
     tokens = {}
-    for i, n in enumerate(FILE_ROWS):
+    for i, n in enumerate(file_rows):
         ids = np.arange(start, start + n)
         x = rng.normal(size=(n, DIM)).astype(np.float32)
         ntok = rng.integers(1, 10, size=n)
@@ -45,7 +46,7 @@ def write_parquet(folder: str) -> dict:
                 "ntok": ntok,
             }
         )
-        pq.write_table(table, os.path.join(folder, f"part-{i}.parquet"))
+        pq.write_table(table, os.path.join(folder, f"part-{i}.parquet"), row_group_size=row_group_size)
         tokens.update(zip(ids.tolist(), ntok.tolist()))
         start += n
     return tokens

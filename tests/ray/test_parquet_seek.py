@@ -1,5 +1,11 @@
 """A resume at 50% of a multi-file Parquet epoch reads nothing before its position.
 
+Through `RayTrainer` (``datasets={"train": ParquetRowGroups(paths)}``): a run stopped half-way
+through its epoch and continued by name with another world size opens no file or row group
+wholly before its position, holds a bounded number of blocks, and ends at the exact Timestamp with
+every row trained once across both runs.
+
+Directly through the loaders and the feeder:
 `ParquetRowGroups` over 20 files (2 row groups of 50 rows each) through a pyarrow filesystem that
 logs every file a read task opens (a picklable `FileSystemHandler` appending to a log file). The
 loaders of 2 ranks, resumed at row 1,000 (file 10's first row) and at row 1,025 (inside file 10's
@@ -12,17 +18,23 @@ from __future__ import annotations
 
 import os
 import sys
+from collections import Counter
 from typing import List
 
 import pytest
 from pyarrow import fs as pafs
 from ray import cloudpickle as ray_cloudpickle
 
+from raytrain_events import Callback
 from raytrain_events.ray.feeder import FEEDER_OPTIONS, EpochFeeder
 from raytrain_events.ray.parquet_seek import ParquetRowGroups
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import resume_helpers as h  # noqa: E402
+
 FILES, FILE_ROWS, GROUP_ROWS = 20, 100, 50
 ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the counting handler, to read tasks
+ray_cloudpickle.register_pickle_by_value(h)  # the row records, to the workers
 
 
 class CountingHandler(pafs.FileSystemHandler):
@@ -132,3 +144,99 @@ def test_a_shuffled_seekable_epoch_resumes_in_the_same_order(ray_cluster, parque
     full = _epoch(ray, source, 2, 0, seed=5, shuffle_rows=120)
     assert sorted(full) == list(range(total)) and full != list(range(total))
     assert _epoch(ray, source, 3, 1_000, seed=5, shuffle_rows=120) == full[1_000:]
+
+
+# The RayTrainer run: 40 files (39 of 40 rows, one of 43), row groups of 8 rows, global batches of 8:
+# 1,603 rows = 200 batches + a tail of 3 rows (its own batch at 2 or 3 workers), 201 row groups.
+RUN_FILE_ROWS = (40,) * 39 + (43,)
+RUN_GROUP_ROWS, RUN_BATCH = 8, 8
+RUN_ROWS, RUN_BATCHES = sum(RUN_FILE_ROWS), 201
+STOP = 101  # global batches of the first run: row 808 = file 20's second row group (rows 808-815)
+
+
+class HeldBlocks(Callback):
+    """Rank 0 appends, after each batch, how many blocks the group's feeder holds (`held_blocks`)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def batch_end(self, state, logger) -> None:
+        if state.rank == 0:
+            import ray
+
+            held = ray.get(state.train_dataloader.shard.feeder.held_blocks.remote())
+            with open(self.path, "a") as f:
+                f.write(f"{sum(held.values())}\n")
+
+
+def _opened(log: str) -> Counter:
+    with open(log) as f:
+        return Counter(os.path.basename(line.strip()) for line in f)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # two Ray runs; minutes each on a loaded machine
+def test_ray_trainer_resumed_at_half_an_epoch_reads_nothing_before_its_position(ray_cluster, tmp_path) -> None:
+    from raytrain_events import RayTrainer
+    from raytrain_events.checkpoint import CheckpointConfig
+
+    data, records, logs = (str(tmp_path / name) for name in ("data", "records", "logs"))
+    os.makedirs(records), os.makedirs(logs)
+    tokens = h.write_parquet(data, RUN_FILE_ROWS, RUN_GROUP_ROWS)
+    paths = [os.path.join(data, f"part-{i}.parquet") for i in range(len(RUN_FILE_ROWS))]
+    checkpoint = CheckpointConfig(save_interval="20ba", keep=1, save_every_n_seconds=None, autoresume=True)
+    results = []
+    for attempt, (workers, duration) in enumerate(((2, f"{STOP}ba"), (3, "1ep"))):
+        # A source per run, each logging the files its read tasks open (its footers were read here: not logged).
+        log, held = os.path.join(logs, f"opened-{attempt}.log"), os.path.join(logs, f"held-{attempt}.log")
+        source = ParquetRowGroups(paths, filesystem=pafs.PyFileSystem(CountingHandler(log)))
+        os.remove(log)
+        results.append(
+            RayTrainer(
+                model=h.make_model,
+                optimizers=h.make_sgd,
+                datasets={"train": source},
+                batch_size=999,  # ignored: global_batch_size fixes the rows per step
+                global_batch_size=RUN_BATCH,
+                get_num_tokens_in_batch=h.count_tokens,
+                max_duration=duration,
+                num_workers=workers,
+                storage_path=str(tmp_path / "runs"),
+                run_name="seek",
+                checkpoint=checkpoint,
+                report_interval="50ba",
+                callbacks=[h.RecordRows(records), HeldBlocks(held)],
+            ).fit()
+        )
+    fresh, resumed = _opened(os.path.join(logs, "opened-0.log")), _opened(os.path.join(logs, "opened-1.log"))
+    # The counter sees reads: the fresh start opened the first file, once per row group.
+    assert fresh["part-0.parquet"] == 5, fresh
+    # (a) The resume opened no file wholly before row 808 and not file 20's first row group: every row
+    # group from the one holding the position on, each once.
+    groups = [(len(range(0, n, RUN_GROUP_ROWS))) for n in RUN_FILE_ROWS]
+    assert resumed == Counter({f"part-{i}.parquet": groups[i] for i in range(21, len(paths))} | {"part-20.parquet": 4})
+    # (b) The exact Timestamp at the stop and at the end, and every row once across both runs, in the same
+    # global batches (each the next 8 rows of the order) whatever the world size.
+    assert h.timestamp_of(results[0]) == {
+        "epoch": 0,
+        "batch": STOP,
+        "sample": STOP * RUN_BATCH,
+        "token": sum(tokens[i] for i in range(STOP * RUN_BATCH)),
+    }
+    assert h.timestamp_of(results[1]) == {
+        "epoch": 1,
+        "batch": RUN_BATCHES,
+        "sample": RUN_ROWS,
+        "token": sum(tokens.values()),
+    }
+    lineage = h.final_lineage(h.read_records(records))
+    assert sorted(lineage) == [(0, b) for b in range(1, RUN_BATCHES + 1)]
+    for (_, b), (world, ids) in lineage.items():
+        assert world == (2 if b <= STOP else 3), (b, world)
+        assert sorted(ids) == list(range((b - 1) * RUN_BATCH, min(b * RUN_BATCH, RUN_ROWS))), b
+    # (c) The feeder held a bounded window (two chunks of 16 batches and the pull's look-ahead), far fewer
+    # than the 101 row groups before the position, which a re-streamed resume passed over.
+    for attempt in (0, 1):
+        with open(os.path.join(logs, f"held-{attempt}.log")) as f:
+            held_counts = [int(line) for line in f]
+        assert held_counts and max(held_counts) <= 40, (attempt, max(held_counts))

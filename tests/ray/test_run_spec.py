@@ -145,3 +145,27 @@ def test_hang_timeout_is_positive_seconds_or_none_and_sets_the_process_group_tim
         with pytest.raises(ValueError, match=f"hang_timeout={bad!r} must be a positive number of seconds"):
             _spec(hang_timeout=bad)
     assert process_group_timeout_s(_spec(hang_timeout=30).hang_timeout) > 30
+
+
+def test_datasets_are_checked_once_built_naming_the_fix(tmp_path):
+    """The train set is a Ray Dataset or a seekable source (`ParquetRowGroups`); eval sets are Ray Datasets."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raytrain_events.ray.data import cheap_row_count
+    from raytrain_events.ray.parquet_seek import ParquetRowGroups
+
+    paths = [str(tmp_path / f"{i}.parquet") for i in range(2)]
+    for path in paths:
+        pq.write_table(pa.table({"id": list(range(30))}), path, row_group_size=8)
+    source = ParquetRowGroups(paths)
+    assert cheap_row_count(source) == 60 and len(source.units) == 8  # from the footers
+    RunSpec.check_datasets({"train": source})
+    with pytest.raises(TypeError, match=r"datasets\['train'\] is a list.*ParquetRowGroups\(paths\)"):
+        RunSpec.check_datasets({"train": paths})
+    with pytest.raises(TypeError, match=r"datasets\['val'\] is a ParquetRowGroups, a train-only source"):
+        RunSpec.check_datasets({"train": source, "val": source})
+    with pytest.raises(TypeError, match=r"datasets\['val'\] is a dict; an eval set must be a ray.data.Dataset"):
+        RunSpec.check_datasets({"train": source, "val": {"x": 1}})
+    with pytest.raises(TypeError, match=r"got the string .*pass \[path\]"):
+        ParquetRowGroups(paths[0])
