@@ -31,7 +31,13 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-__all__ = ["PLAN_METHOD", "apply_tensor_parallel", "check_first_batch_agrees", "data_parallel_coordinates"]
+__all__ = [
+    "PLAN_METHOD",
+    "apply_tensor_parallel",
+    "check_first_batch_agrees",
+    "data_parallel_coordinates",
+    "metric_group",
+]
 
 PLAN_METHOD = "tensor_parallel_plan"
 _SPLIT_DIM = {"colwise": ("out_features", "output features"), "rowwise": ("in_features", "input features")}
@@ -41,6 +47,20 @@ def data_parallel_coordinates(rank: int, world_size: int, degree: int) -> Tuple[
     """``(data-parallel rank, data-parallel size)`` of ``rank`` on a ``(world_size / degree, degree)``
     mesh: the ``degree`` consecutive ranks of a tensor group share one data-parallel rank (one batch)."""
     return rank // degree, world_size // degree
+
+
+def metric_group(model: torch.nn.Module) -> Any:
+    """The process group metrics of a tensor-parallel ``model`` sync over (None when not tensor-parallel).
+
+    The ranks of a tensor group see the same batches, so a metric synced over every rank would count
+    each batch ``degree`` times (a sum or a count; a mean hides it). Syncing over the ranks with this
+    rank's tensor coordinate -- the mesh's ``shard`` dimension, one rank per group -- counts each once.
+    """
+    for param in model.parameters():
+        mesh = getattr(param, "device_mesh", None)  # DTensor parameters only
+        if mesh is not None and mesh.mesh_dim_names is not None and "tensor" in mesh.mesh_dim_names:
+            return mesh["shard"].get_group()
+    return None
 
 
 def _style(name: str, value: Any) -> Any:

@@ -5,7 +5,8 @@ Each `Evaluator` may have its own ``eval_interval`` (else the Trainer's) and ``s
 logged as ``metrics/<label>/<name>``.
 
 Metrics are torchmetrics objects from ``model.get_metrics(is_train=False)``; with several ranks
-their ``compute()`` synchronizes across the process group, so every rank logs the global value.
+their ``compute()`` synchronizes across the process group, so every rank logs the global value
+(a tensor-parallel model's over one rank per tensor group, which all see the same batches).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from raytrain_events.core.data_spec import DataSpec, ensure_data_spec
 from raytrain_events.core.event import Event
+from raytrain_events.parallel.tensor_parallel import metric_group
 from raytrain_events.trainer._batch import device_batches
 
 if TYPE_CHECKING:
@@ -139,6 +141,7 @@ def run_evaluation(
     was_training = model.training
     train_batch, train_outputs = state.batch, state.outputs
     results: Dict[str, Any] = {}
+    group = metric_group(model)
     model.eval()
     try:
         for evaluator in state.evaluators if evaluators is None else evaluators:
@@ -146,6 +149,8 @@ def run_evaluation(
             metrics = _fresh_metrics(model, evaluator.metric_names)
             for metric in metrics.values():
                 metric.to(device)
+                if group is not None:
+                    metric.process_group = group
             state.eval_metrics[evaluator.label] = metrics
             engine.run_event(Event.EVAL_START)
             spec = evaluator.dataloader

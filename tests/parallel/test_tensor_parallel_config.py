@@ -104,6 +104,16 @@ def test_tensor_group_fed_different_batches_is_refused_on_every_rank():
         assert "DistributedSampler(num_replicas=world_size // tensor_parallel" in error
 
 
+def test_eval_metrics_count_each_row_once_under_tensor_parallelism():
+    """Both ranks of a tensor group evaluate the same rows; synced over every rank, a sum counted them twice."""
+    from tests.parallel.spawn import run_ranks
+    from tests.parallel.tp_workloads import tp_eval_counts
+
+    results = run_ranks(2, tp_eval_counts)
+    assert [r["rows"] for r in results] == [12.0, 12.0]
+    assert results[0]["loss"] == results[1]["loss"] > 0
+
+
 def test_transformer_example_trains_in_one_process():
     from examples.transformer_lm import main
 

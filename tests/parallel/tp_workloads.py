@@ -124,3 +124,35 @@ def tp_with_per_rank_data(rank: int, world_size: int) -> str:
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+def tp_eval_counts(rank: int, world_size: int) -> Dict[str, float]:
+    """FSDP x TP 1x2 evaluates 12 rows that both ranks of the group see: a sum metric (rows) and a
+    mean metric (the loss) as every rank computes them."""
+    from torchmetrics import MeanMetric, SumMetric
+
+    from examples.transformer_lm import TransformerLM, random_tokens
+
+    class Counted(TransformerLM):
+        def get_metrics(self, is_train: bool = False) -> Dict[str, Any]:
+            return {"rows": SumMetric(), "loss": MeanMetric()}
+
+        def update_metric(self, batch: Any, outputs: torch.Tensor, metric: Any) -> None:
+            if isinstance(metric, SumMetric):
+                metric.update(float(len(batch["input_ids"])))
+            else:
+                metric.update(self.loss(outputs, batch).detach())
+
+    torch.manual_seed(0)
+    model = Counted()
+    trainer = Trainer(
+        model=model,
+        train_dataloader=DataLoader(random_tokens(8, seed=100), batch_size=4),
+        max_duration="1ba",
+        optimizers=torch.optim.AdamW(model.parameters(), lr=2e-3),
+        parallelism={"shard_modules": ["Block"], "tensor_parallel": 2},
+    )
+    trainer.fit()
+    values = trainer.eval(DataLoader(random_tokens(12, seed=7), batch_size=4))
+    trainer.close()
+    return {k.rsplit("/", 1)[-1]: float(v) for k, v in values.items()}
