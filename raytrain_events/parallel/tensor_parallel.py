@@ -57,7 +57,7 @@ def metric_group(model: torch.nn.Module) -> Any:
     rank's tensor coordinate -- the mesh's ``shard`` dimension, one rank per group -- counts each once.
     """
     for param in model.parameters():
-        mesh = getattr(param, "device_mesh", None)  # DTensor parameters only
+        mesh = getattr(param, "device_mesh", None)  # DTensor parameters only (layers outside the plan: 1-D)
         if mesh is not None and mesh.mesh_dim_names is not None and "tensor" in mesh.mesh_dim_names:
             return mesh["shard"].get_group()
     return None
