@@ -21,8 +21,8 @@ Arms:
   what a restarted worker group does: the epoch's stream runs again from its start, the part before
   the position read by Ray Data and passed over.
 - ``ours-seek``: the same with `ParquetRowGroups` (``ray/parquet_seek.py``) as the source, whose
-  resume starts at the row group holding the position (nothing before it is read). `RayTrainer`
-  takes only Ray Datasets today; this is the path through `GlobalOrderLoader`/`EpochFeeder` directly.
+  resume starts at the row group holding the position (nothing before it is read): what
+  ``RayTrainer(datasets={"train": ParquetRowGroups(paths)})`` runs, driven like ``ours``.
 - ``ray-data``: a plain `TorchTrainer` loop over ``ray.train.get_dataset_shard("train").iter_batches``
   (Ray Train's default `DataConfig`: ``streaming_split(equal=True)``). Ray Data has no mid-epoch
   resume; its "resume" is a second pass that iterates past the first half of the worker's rows, so
