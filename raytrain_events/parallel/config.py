@@ -105,11 +105,7 @@ class FSDPConfig:
         ``(world_size // tensor_parallel, tensor_parallel)`` for FSDP x TP; bad splits raise."""
         tp = self.tensor_parallel
         if tp > 1:
-            if world_size % tp:
-                raise ValueError(
-                    f"FSDPConfig(tensor_parallel={tp}) needs a world size divisible by {tp}, got {world_size} "
-                    f"ranks. Fix: use a multiple of {tp} workers, or another tensor_parallel."
-                )
+            check_tensor_parallel_world(world_size, tp)
             return (world_size // tp, tp)
         if self.replicate == 1:
             return (world_size,)
@@ -127,6 +123,19 @@ class FSDPConfig:
         return ("replicate", "shard") if self.replicate > 1 else ("shard",)
 
 
+def check_tensor_parallel_world(world_size: int, tensor_parallel: int) -> None:
+    """Refuse a world size ``tensor_parallel`` does not divide: its ranks cannot form whole tensor groups.
+    Checked where the mesh is built, by `RayTrainer` for a fixed worker count, and at each Ray worker
+    start (an elastic group may be resized to any size)."""
+    tp = tensor_parallel
+    if tp > 1 and world_size % tp:
+        raise ValueError(
+            f"FSDPConfig(tensor_parallel={tp}) needs a world size divisible by {tp}, got {world_size} ranks. Fix: "
+            f"a fixed num_workers that is a multiple of {tp} (an elastic (min, max) group may take any size in "
+            "between), or another tensor_parallel."
+        )
+
+
 @dataclass(frozen=True)
 class ParallelismSpec:
     """The parsed ``parallelism`` option: ``kind`` is "ddp" or "fsdp"; ``fsdp`` its options."""
@@ -138,6 +147,11 @@ class ParallelismSpec:
     def sharded(self) -> bool:
         """True when parameters are sharded across ranks (FSDP)."""
         return self.kind == "fsdp"
+
+    @property
+    def tensor_parallel(self) -> int:
+        """The tensor-parallel degree (1: none): the ranks that share each batch."""
+        return self.fsdp.tensor_parallel if self.fsdp is not None else 1
 
 
 def parse_parallelism(value: Union[str, FSDPConfig, ParallelismSpec, Dict[str, Any], None]) -> ParallelismSpec:

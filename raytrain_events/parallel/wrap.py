@@ -142,7 +142,7 @@ class Parallel:
     @property
     def tensor_parallel(self) -> int:
         """The tensor-parallel degree (1: none)."""
-        return self.spec.fsdp.tensor_parallel if self.spec.fsdp is not None else 1
+        return self.spec.tensor_parallel
 
     def data_parallel(self, rank: int, world_size: int) -> tuple:
         """``(data-parallel rank, data-parallel size)``: what to shard the data by. Under tensor

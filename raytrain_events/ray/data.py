@@ -32,7 +32,6 @@ from raytrain_events.ray import _compat
 
 __all__ = [
     "cheap_row_count",
-    "check_tensor_parallel_world",
     "ShardLoader",
     "GlobalOrderLoader",
     "GlobalOrderShard",
@@ -167,6 +166,8 @@ class TrainDataConfig(DeterministicSplitDataConfig):
         self.deterministic = deterministic
 
     def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
+        from raytrain_events.parallel.config import check_tensor_parallel_world
+
         tp = self.tensor_parallel
         check_tensor_parallel_world(world_size, tp)
         output: List[Dict[str, Any]] = [{} for _ in range(world_size)]
@@ -200,18 +201,6 @@ class TrainDataConfig(DeterministicSplitDataConfig):
             for rank in range(world_size):
                 output[rank]["train"] = GlobalOrderShard(feeder, rank, world_size, global_batch, rows, tp)
         return output
-
-
-def check_tensor_parallel_world(world_size: int, tensor_parallel: int) -> None:
-    """Refuse a worker group whose size ``tensor_parallel`` does not divide (e.g. after an elastic
-    resize): its ranks cannot form whole tensor groups."""
-    if tensor_parallel > 1 and world_size % tensor_parallel:
-        raise ValueError(
-            f"FSDPConfig(tensor_parallel={tensor_parallel}) needs a worker group whose size is a multiple of "
-            f"{tensor_parallel}, but this group has {world_size} workers (an elastic resize can do that). Fix: "
-            f"a fixed num_workers that is a multiple of {tensor_parallel} (an elastic (min, max) group may take any "
-            "size in between), or another tensor_parallel."
-        )
 
 
 def cheap_row_count(dataset: Any) -> Optional[int]:

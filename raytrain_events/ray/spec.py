@@ -243,8 +243,7 @@ class RunSpec(LoopOptions):
     @property
     def tensor_parallel(self) -> int:
         """The tensor-parallel degree of ``parallelism`` (1: none): the ranks that share each batch."""
-        fsdp = self.parallelism_spec.fsdp
-        return fsdp.tensor_parallel if fsdp is not None else 1
+        return self.parallelism_spec.tensor_parallel
 
     @property
     def workers(self) -> Any:

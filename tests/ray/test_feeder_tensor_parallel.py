@@ -103,13 +103,16 @@ def test_a_rank_starting_its_pass_again_is_refused_but_its_partner_is_not() -> N
 
 
 def test_bad_consumers_and_indivisible_groups_are_refused() -> None:
-    from raytrain_events.ray.data import GlobalOrderLoader, GlobalOrderShard, check_tensor_parallel_world
+    from raytrain_events.parallel.config import check_tensor_parallel_world
+    from raytrain_events.ray.data import GlobalOrderLoader, GlobalOrderShard
 
     with pytest.raises(ValueError, match="consumers=0 must be an integer >= 1"):
         EpochFeeder(FakeDataset([10]), 1, 10, consumers=0)
     check_tensor_parallel_world(4, 2)
     check_tensor_parallel_world(3, 1)
-    with pytest.raises(ValueError, match=r"tensor_parallel=2\) needs .* this group has 3 workers.*Fix: a fixed"):
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel=2\) needs a world size divisible by 2, got 3 ranks.*Fix: a fixed"
+    ):
         check_tensor_parallel_world(3, 2)
     # The length the loop counts epochs by: the feeder's cut of the global batch into world_size // t parts.
     shard = GlobalOrderShard(None, 0, 4, global_batch=10, num_rows=23, tensor_parallel=2)
@@ -126,6 +129,6 @@ def test_ray_trainer_refuses_workers_that_tensor_groups_cannot_divide() -> None:
     assert RayTrainer(**options, num_workers=4, parallelism=tp).spec.tensor_parallel == 2
     assert RayTrainer(**options, num_workers=3).spec.tensor_parallel == 1
     for bad in (dict(num_workers=3), dict(scaling_config={"num_workers": 3}), {}):  # {}: one worker by default
-        with pytest.raises(ValueError, match="tensor_parallel=2\\) needs .* this group has [13] workers"):
+        with pytest.raises(ValueError, match="tensor_parallel=2\\) needs a world size divisible by 2, got [13] ranks"):
             RayTrainer(**options, parallelism=tp, **bad)
     RayTrainer(**options, num_workers=(3, 4), parallelism=tp)  # elastic: checked at each worker start
