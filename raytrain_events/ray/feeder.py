@@ -249,7 +249,9 @@ class EpochFeeder:
         ``consumers``: the ranks served each part (the tensor-parallel degree; see the module doc)."""
         if isinstance(consumers, bool) or not isinstance(consumers, int) or consumers < 1:
             raise ValueError(f"consumers={consumers!r} must be an integer >= 1 (ranks per tensor group).")
-        self.seekable = hasattr(dataset, "stream")
+        from raytrain_events.ray.parquet_seek import is_seekable
+
+        self.seekable = is_seekable(dataset)
         if not self.seekable:
             dataset = dataset.copy(dataset) if hasattr(dataset, "copy") else dataset
             dataset.context.execution_options.preserve_order = True
