@@ -1,19 +1,26 @@
 """raytrain_events: an event-driven PyTorch training loop that scales on Ray Train.
 
-Importing this package imports neither Ray nor fsspec and installs no signal handlers; the
-Ray-facing names (`RayTrainer`, `tune`) load on first use.
+Importing this package imports nothing heavy: neither torch, Ray nor fsspec, and installs no
+signal handlers. Every public name loads its module on first use, so a process that needs one
+light piece (a Ray actor of ours that only orders data, say) does not pay torch's import.
 """
 
-from raytrain_events.core.algorithm import Algorithm
-from raytrain_events.core.callback import Callback
-from raytrain_events.core.data_spec import DataSpec
-from raytrain_events.core.engine import Engine, Trace
-from raytrain_events.core.event import Event
-from raytrain_events.core.logger import Logger, LoggerDestination
-from raytrain_events.core.precision import Precision
-from raytrain_events.core.state import State
-from raytrain_events.core.time import Time, Timestamp, TimeUnit, ensure_time
-from raytrain_events.trainer import Evaluator, LoopOptions, Trainer, seed_everything
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` loads these on first use
+    from raytrain_events.checkpoint.config import CheckpointConfig
+    from raytrain_events.core.algorithm import Algorithm
+    from raytrain_events.core.callback import Callback
+    from raytrain_events.core.data_spec import DataSpec
+    from raytrain_events.core.engine import Engine, Trace
+    from raytrain_events.core.event import Event
+    from raytrain_events.core.logger import Logger, LoggerDestination
+    from raytrain_events.core.precision import Precision
+    from raytrain_events.core.state import State
+    from raytrain_events.core.time import Time, Timestamp, TimeUnit, ensure_time
+    from raytrain_events.parallel.config import FSDPConfig
+    from raytrain_events.ray.driver import RayTrainer
+    from raytrain_events.trainer import Evaluator, LoopOptions, Trainer, seed_everything
 
 __version__ = "0.1.0"
 
@@ -43,9 +50,27 @@ __all__ = [
 ]
 
 _LAZY = {
-    "RayTrainer": ("raytrain_events.ray.driver", "RayTrainer"),
-    "CheckpointConfig": ("raytrain_events.checkpoint.config", "CheckpointConfig"),
-    "FSDPConfig": ("raytrain_events.parallel.config", "FSDPConfig"),
+    "Algorithm": "raytrain_events.core.algorithm",
+    "Callback": "raytrain_events.core.callback",
+    "DataSpec": "raytrain_events.core.data_spec",
+    "Engine": "raytrain_events.core.engine",
+    "Trace": "raytrain_events.core.engine",
+    "Event": "raytrain_events.core.event",
+    "Logger": "raytrain_events.core.logger",
+    "LoggerDestination": "raytrain_events.core.logger",
+    "Precision": "raytrain_events.core.precision",
+    "State": "raytrain_events.core.state",
+    "Time": "raytrain_events.core.time",
+    "Timestamp": "raytrain_events.core.time",
+    "TimeUnit": "raytrain_events.core.time",
+    "ensure_time": "raytrain_events.core.time",
+    "Evaluator": "raytrain_events.trainer",
+    "LoopOptions": "raytrain_events.trainer",
+    "Trainer": "raytrain_events.trainer",
+    "seed_everything": "raytrain_events.trainer",
+    "RayTrainer": "raytrain_events.ray.driver",
+    "CheckpointConfig": "raytrain_events.checkpoint.config",
+    "FSDPConfig": "raytrain_events.parallel.config",
 }
 
 
@@ -57,6 +82,11 @@ def __getattr__(name: str):
     if name in _LAZY:
         import importlib
 
-        module, attr = _LAZY[name]
-        return getattr(importlib.import_module(module), attr)
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
     raise AttributeError(f"module 'raytrain_events' has no attribute {name!r}")
+
+
+def __dir__() -> "list[str]":
+    return sorted(set(globals()) | set(__all__))

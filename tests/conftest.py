@@ -14,6 +14,12 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
+# Ray Train's controller polls its workers every 2 s by default, and a `ray.train.report` made
+# within one poll of the previous one waits for the next poll (one result slot per worker; see
+# bench/README.md). Tests report every few batches, so most of their Ray time was these waits.
+# Polling faster changes when Ray looks, not what our code does; every Ray process of the session
+# (the shared instance, the examples and Clusters the tests start) inherits it.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
 
 import pytest
 from hypothesis import HealthCheck, settings

@@ -5,7 +5,28 @@ Data flows one way: the driver's `RunSpec` goes to every worker, each worker run
 callback sums them into the driver's global `Timestamp` and metrics history.
 """
 
-from raytrain_events.ray.driver import RayResult, RayTrainer
-from raytrain_events.ray.spec import RunSpec
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from raytrain_events.ray.driver import RayResult, RayTrainer
+    from raytrain_events.ray.spec import RunSpec
 
 __all__ = ["RayTrainer", "RayResult", "RunSpec"]
+
+# Loaded on first use: Ray actors of ours (the data feeder, the run history) import modules of this
+# package and must not pay for the driver's imports (torch among them).
+_LAZY = {
+    "RayTrainer": "raytrain_events.ray.driver",
+    "RayResult": "raytrain_events.ray.driver",
+    "RunSpec": "raytrain_events.ray.spec",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'raytrain_events.ray' has no attribute {name!r}")

@@ -121,3 +121,21 @@ def test_core_does_not_import_ray_or_fsspec():
                 continue
             for name in names:
                 assert name.split(".")[0] not in {"ray", "fsspec", "s3fs"}, (path.name, name)
+
+
+def test_the_modules_our_light_ray_actors_load_leave_torch_out():
+    """The data feeder, block cutter, run history and Ray Data's dataset manager (which unpickles our
+    `TrainDataConfig`) start in fresh processes at every fit and restart: torch's import (~2 s of
+    CPU here) would be most of their start-up, and none of them runs a tensor."""
+    result = _run(
+        """
+        import json, sys
+        import raytrain_events
+        import raytrain_events.ray.feeder, raytrain_events.ray.history, raytrain_events.ray.data
+        import raytrain_events.ray.block_fetch, raytrain_events.ray.parquet_seek
+        light = "torch" in sys.modules
+        raytrain_events.Trainer  # a public name still loads its module on first use
+        print(json.dumps({"light": light, "after": "torch" in sys.modules}))
+        """
+    )
+    assert result == {"light": False, "after": True}
