@@ -1,4 +1,4 @@
-"""Run a function on N gloo ranks in spawned processes (CPU), and collect each rank's result.
+"""Run a function on N gloo ranks in separate processes (CPU; started as `rank_processes` says), and collect each rank's result.
 
 The function must be importable (module level). Each rank gets a process group on 127.0.0.1;
 its return value comes back through a file (torch.save), so tensors are fine.
@@ -15,6 +15,7 @@ from typing import Any, Callable, List
 
 import torch
 import torch.multiprocessing as mp
+from rank_processes import rank_start_method
 
 
 def _free_port() -> int:
@@ -53,7 +54,7 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 420) -
             args=(world_size, _free_port(), out_dir, fn, args),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method=rank_start_method(),
         )
         try:
             import time

@@ -1,7 +1,8 @@
 """Spawned gloo ranks (no Ray) running `Trainer` with `TorchDist`: helpers for tests/trainer.
 
 `run_ranks(fn, world_size, **kwargs)` starts ``world_size`` processes with
-``torch.multiprocessing.spawn``, forms a gloo process group on 127.0.0.1, runs
+``torch.multiprocessing.start_processes`` (forked from a server
+that has imported torch: `rank_processes`), forms a gloo process group on 127.0.0.1, runs
 ``fn(rank, world_size, **kwargs)`` in each and returns the ranks' results in rank order.
 ``cuda=True`` makes GPU ``r % device_count`` rank ``r``'s current device (ranks may share one);
 ``train(..., device="cuda")`` trains there. ``backend="nccl"`` needs a GPU per rank.
@@ -21,6 +22,7 @@ from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
 import torch
 import torch.distributed as tdist
 import torch.multiprocessing as mp
+from rank_processes import rank_start_method
 from torch.utils.data import DataLoader, Dataset
 
 from raytrain_events import Callback, DataSpec, Event, Trainer
@@ -71,7 +73,7 @@ def run_ranks(
     """Run ``fn`` on ``world_size`` spawned ranks (gloo unless ``backend``); re-raise the first rank's error."""
     with tempfile.TemporaryDirectory() as out_dir:
         args = (world_size, _free_port(), out_dir, fn, kwargs, backend, cuda)
-        mp.spawn(_entry, args=args, nprocs=world_size, join=True)
+        mp.start_processes(_entry, args=args, nprocs=world_size, join=True, start_method=rank_start_method())
         results = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
     for rank, result in enumerate(results):
         if isinstance(result, dict) and "error" in result:
