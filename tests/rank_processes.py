@@ -3,9 +3,10 @@
 A fresh interpreter per rank ("spawn") imports torch, ``torch._dynamo`` (the first optimizer or
 ``DDP`` asks for it) and the loop, ~3-5 s of CPU per rank on this 2-core machine, for every rank of
 every spawn in the suite. The forkserver pays that once per test session; each rank is then a fork
-of it, a clean process that has run no torch op and started no thread (as a spawned one). A rank
-inherits the environment of the moment the forkserver started (the test session's), not a
-variable a test sets later: ranks get their settings through their arguments.
+of it, which has imported but run nothing (no torch op, no process group): the start a spawned
+rank gets, less the imports. Only the forking thread is copied into a rank. A rank inherits the
+environment of the moment the forkserver started (the test session's), not a variable a test sets
+later: ranks get their settings through their arguments.
 """
 
 from __future__ import annotations
