@@ -1,9 +1,12 @@
 """Data parallelism for the `Trainer`: DDP (default), FSDP2 sharding or HSDP (`FSDPConfig`,
 ``replicate=k``) and tensor parallelism (``tensor_parallel=t``, ``tensor_parallel.py``); deferred init of meta-device models (``deferred_init.py``); float8 (``float8.py``)."""
 
-from raytrain_events.parallel.config import FSDPConfig, ParallelismSpec, parse_parallelism
-from raytrain_events.parallel.tensor_parallel import apply_tensor_parallel
-from raytrain_events.parallel.wrap import Parallel, apply_fsdp, check_algorithms_for_sharding, is_sharded_module
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from raytrain_events.parallel.config import FSDPConfig, ParallelismSpec, parse_parallelism
+    from raytrain_events.parallel.tensor_parallel import apply_tensor_parallel
+    from raytrain_events.parallel.wrap import Parallel, apply_fsdp, check_algorithms_for_sharding, is_sharded_module
 
 __all__ = [
     "FSDPConfig",
@@ -15,3 +18,25 @@ __all__ = [
     "is_sharded_module",
     "parse_parallelism",
 ]
+
+# Loaded on first use, so that `parallel.world` (torch-free) can be imported alone.
+_LAZY = {
+    "FSDPConfig": "raytrain_events.parallel.config",
+    "ParallelismSpec": "raytrain_events.parallel.config",
+    "parse_parallelism": "raytrain_events.parallel.config",
+    "apply_tensor_parallel": "raytrain_events.parallel.tensor_parallel",
+    "Parallel": "raytrain_events.parallel.wrap",
+    "apply_fsdp": "raytrain_events.parallel.wrap",
+    "check_algorithms_for_sharding": "raytrain_events.parallel.wrap",
+    "is_sharded_module": "raytrain_events.parallel.wrap",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'raytrain_events.parallel' has no attribute {name!r}")

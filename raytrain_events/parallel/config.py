@@ -13,6 +13,8 @@ from typing import Any, Callable, Dict, Optional, Sequence, Union
 
 import torch
 
+from raytrain_events.parallel.world import check_tensor_parallel_world
+
 __all__ = ["FSDPConfig", "ParallelismSpec", "parse_parallelism"]
 
 ModulePolicy = Union[Sequence[str], Callable[[torch.nn.Module], bool], None]
@@ -121,19 +123,6 @@ class FSDPConfig:
         if self.tensor_parallel > 1:
             return ("shard", "tensor")
         return ("replicate", "shard") if self.replicate > 1 else ("shard",)
-
-
-def check_tensor_parallel_world(world_size: int, tensor_parallel: int) -> None:
-    """Refuse a world size ``tensor_parallel`` does not divide: its ranks cannot form whole tensor groups.
-    Checked where the mesh is built, by `RayTrainer` for a fixed worker count, and at each Ray worker
-    start (an elastic group may be resized to any size)."""
-    tp = tensor_parallel
-    if tp > 1 and world_size % tp:
-        raise ValueError(
-            f"FSDPConfig(tensor_parallel={tp}) needs a world size divisible by {tp}, got {world_size} ranks. Fix: "
-            f"a fixed num_workers that is a multiple of {tp} (an elastic (min, max) group may take any size in "
-            "between), or another tensor_parallel."
-        )
 
 
 @dataclass(frozen=True)

@@ -166,7 +166,7 @@ class TrainDataConfig(DeterministicSplitDataConfig):
         self.deterministic = deterministic
 
     def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
-        from raytrain_events.parallel.config import check_tensor_parallel_world
+        from raytrain_events.parallel.world import check_tensor_parallel_world
 
         tp = self.tensor_parallel
         check_tensor_parallel_world(world_size, tp)

@@ -96,7 +96,7 @@ class RayTrainer:
         self.spec: RunSpec = spec
         self._report_queue: Any = None
         if isinstance(spec.workers, int):  # an elastic group's size is checked at each worker start
-            from raytrain_events.parallel.config import check_tensor_parallel_world
+            from raytrain_events.parallel.world import check_tensor_parallel_world
 
             check_tensor_parallel_world(spec.workers, spec.tensor_parallel)
 

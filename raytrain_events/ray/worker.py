@@ -11,7 +11,7 @@ from typing import Any, Dict
 
 from raytrain_events.core.data_spec import DataSpec
 from raytrain_events.dist import LocalDist, TorchDist
-from raytrain_events.parallel.config import check_tensor_parallel_world
+from raytrain_events.parallel.world import check_tensor_parallel_world
 from raytrain_events.parallel.wrap import Parallel
 from raytrain_events.ray.data import GlobalOrderLoader, GlobalOrderShard, ShardLoader
 from raytrain_events.ray.spec import RunSpec

@@ -103,7 +103,7 @@ def test_a_rank_starting_its_pass_again_is_refused_but_its_partner_is_not() -> N
 
 
 def test_bad_consumers_and_indivisible_groups_are_refused() -> None:
-    from raytrain_events.parallel.config import check_tensor_parallel_world
+    from raytrain_events.parallel.world import check_tensor_parallel_world
     from raytrain_events.ray.data import GlobalOrderLoader, GlobalOrderShard
 
     with pytest.raises(ValueError, match="consumers=0 must be an integer >= 1"):
