@@ -7,6 +7,8 @@ light piece (a Ray actor of ours that only orders data, say) does not pay torch'
 
 from typing import TYPE_CHECKING
 
+from raytrain_events.lazy_names import lazy_names
+
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` loads these on first use
     from raytrain_events.checkpoint.config import CheckpointConfig
     from raytrain_events.core.algorithm import Algorithm
@@ -74,18 +76,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name == "tune":  # the sweep API module, imported on first use (it imports Ray Tune)
-        import importlib
-
-        return importlib.import_module("raytrain_events.tune")
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value  # later lookups skip this function
-        return value
-    raise AttributeError(f"module 'raytrain_events' has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, {**_LAZY, "tune": "raytrain_events.tune"}, globals())
 
 
 def __dir__() -> "list[str]":

@@ -3,6 +3,8 @@
 
 from typing import TYPE_CHECKING
 
+from raytrain_events.lazy_names import lazy_names
+
 if TYPE_CHECKING:
     from raytrain_events.parallel.config import FSDPConfig, ParallelismSpec, parse_parallelism
     from raytrain_events.parallel.tensor_parallel import apply_tensor_parallel
@@ -32,11 +34,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'raytrain_events.parallel' has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _LAZY, globals())

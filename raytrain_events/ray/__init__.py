@@ -7,6 +7,8 @@ callback sums them into the driver's global `Timestamp` and metrics history.
 
 from typing import TYPE_CHECKING
 
+from raytrain_events.lazy_names import lazy_names
+
 if TYPE_CHECKING:
     from raytrain_events.ray.driver import RayResult, RayTrainer
     from raytrain_events.ray.spec import RunSpec
@@ -22,11 +24,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'raytrain_events.ray' has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _LAZY, globals())
