@@ -152,7 +152,16 @@ def test_training_survives_the_fault_and_resumes_exactly(fault, s3_server, unint
         assert outage.busy_batches >= 5 and max(outage.gaps) < OUTAGE_S, (during, outage.busy_batches, outage.gaps)
 
         # Nothing committed was lost while uploads failed (keep=3 pruned nothing), "latest" stayed.
-        assert set(outage.committed_at_start) <= set(outage.committed_at_heal)
+        # Under a bandwidth cap uploads do not fail, only slow down: saves still commit, and keep=3 may
+        # prune a checkpoint once three newer ones are committed (retention, not loss).
+        lost = set(outage.committed_at_start) - set(outage.committed_at_heal)
+        if fault == "bandwidth" and lost:
+            assert len(outage.committed_at_heal) >= 3 and max(lost) < min(outage.committed_at_heal), (
+                outage.committed_at_start,
+                outage.committed_at_heal,
+            )
+        else:
+            assert not lost, (outage.committed_at_start, outage.committed_at_heal)
         if fault != "bandwidth":
             assert outage.latest_at_heal == outage.latest_at_start
             assert outage.committed_at_heal == outage.committed_at_start
