@@ -139,3 +139,14 @@ def test_the_modules_our_light_ray_actors_load_leave_torch_out():
         """
     )
     assert result == {"light": False, "after": True}
+
+
+def test_every_public_name_of_the_lazy_packages_loads():
+    """`__all__` stays literal (linters and IDEs read it); each name in it must be one `_LAZY` loads."""
+    import importlib
+
+    for package in ("raytrain_events", "raytrain_events.ray", "raytrain_events.parallel"):
+        module = importlib.import_module(package)
+        assert set(module.__all__) - {"__version__"} == set(module._LAZY), package
+        for name in module.__all__:
+            assert getattr(module, name) is not None, (package, name)
