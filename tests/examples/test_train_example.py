@@ -5,7 +5,9 @@
   test_resume_example.py);
 * the same script submitted with ``ray job submit`` to a ``ray start --head`` cluster that this
   test starts in its own temp dir and tears down (without ``ray stop``, which would stop every
-  Ray on the machine, the test session's own included);
+  Ray on the machine, the test session's own included), where the launcher test cannot run:
+  where it can, its ``test_ray_job_submit`` submits the same job, with the same checks, to the
+  cluster that ``ray up cluster.yaml`` started (one job-submit run per session, not two);
 * ``examples/train_tokens.py`` locally (no Ray), whose duration is counted in tokens.
 """
 
@@ -23,11 +25,14 @@ import time
 import urllib.request
 
 import pytest
+from digits_checks import EPOCHS, TRAIN_ROWS, WORKERS, check_summary
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cluster"))
+from local_launcher import cannot_run  # noqa: E402
 
 pytestmark = [pytest.mark.slow]
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TRAIN_ROWS, EPOCHS, WORKERS = 1500, 2, 2  # 1797 digits - 297 eval rows = 1500, divisible by 2 workers
 # The session's shared run of the example (conftest.py's `digits_run`): its name and checkpoint options.
 RUN_NAME, RUN_ARGS = "digits-run", ("checkpoint.keep=2", "checkpoint.save_interval=5ba")
 
@@ -47,38 +52,6 @@ def _args(storage, run_name):
         f"run_name={run_name}",
         "progress_bar=false",
     ]
-
-
-def check_summary(summary_path, run_dir, files_at=None):
-    """The summary.json of a finished 2-epoch, 2-worker digits run.
-
-    ``files_at``: a copy of ``run_dir`` taken when the run finished, where its files are checked
-    (the shared run's directory goes on being continued by the resume test).
-    """
-    files_at = files_at or run_dir
-    with open(summary_path) as fh:
-        summary = json.load(fh)
-    # The global Timestamp counts every worker's samples: exact, not per-rank.
-    assert summary["train_rows"] == TRAIN_ROWS
-    assert summary["timestamp"]["sample"] == TRAIN_ROWS * EPOCHS
-    assert summary["timestamp"]["epoch"] == EPOCHS
-    assert summary["metrics"]["time/sample"] == TRAIN_ROWS * EPOCHS
-    # It learned something: 10 classes, chance is 0.1.
-    assert summary["metrics"]["metrics/eval/accuracy"] > 0.5
-    assert [h["epoch"] for h in summary["eval_history"]] == [1, 2]
-    assert summary["config"]["num_workers"] == WORKERS
-    # Checkpoints: keep=2 -> the last two (epochs 1 and 2 with the default save_interval=1ep) are
-    # kept, committed, on disk.
-    checkpoints = summary["checkpoints"]
-    assert summary["checkpoint_folder"] == os.path.join(run_dir, "checkpoints")
-    assert 1 <= len(checkpoints) <= 2
-    assert checkpoints[-1]["timestamp"]["sample"] == TRAIN_ROWS * EPOCHS
-    for checkpoint in checkpoints:
-        path = os.path.relpath(checkpoint["url"].removeprefix("file://"), run_dir)
-        assert not path.startswith(".."), (checkpoint["url"], run_dir)
-        assert os.path.exists(os.path.join(files_at, path, "manifest.json"))
-    assert os.path.exists(os.path.join(files_at, "config.yaml"))
-    return summary
 
 
 @pytest.mark.ray
@@ -257,6 +230,10 @@ def head_node(tmp_path):
 
 
 @pytest.mark.ray
+@pytest.mark.skipif(
+    cannot_run() is None,
+    reason="the same job is submitted, with the same checks, by tests/cluster/test_launcher.py::test_ray_job_submit",
+)
 def test_train_example_with_ray_job_submit(head_node, tmp_path):
     storage = str(tmp_path / "job-runs")
     runtime_env = {
