@@ -22,11 +22,10 @@ import pytest
 from local_launcher import LocalLauncher, cannot_run, install_packages
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-from digits_checks import EPOCHS, WORKERS, check_summary  # noqa: E402
+from digits_checks import EPOCHS, TRAIN_ROWS, WORKERS, check_summary  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.launcher, pytest.mark.timeout(1800)]
 
-TRAIN_ROWS = 1500  # 1797 digits - 297 eval rows
 STEP_TIMEOUT = 900
 OVERLOADED = ("Deadline Exceeded", "timed out during startup")
 
