@@ -180,11 +180,20 @@ def test_training_survives_the_fault_and_resumes_exactly(fault, s3_server, unint
         # After the fault, saves commit again.
         committed = list_checkpoints(folder, storage_options=direct)
         assert committed[-1].batch > outage.healed[1], [c.batch for c in committed]
-        # keep=3 pruned the older ones. A save whose commit reached the store but whose reply did not come
-        # before the deadline counts as failed yet exists (complete: its manifest went last): retention
-        # of this run does not know it, the next start's index reconciliation does -- so >= 3, not == 3.
+        # keep=3 kept the newest three saves that committed and pruned the older ones. How many committed
+        # depends on the machine's speed: on a loaded one the save due at batch 8 waits for the one at 4,
+        # the fault starts with one checkpoint committed, and one more after it ends the run (2 in all).
+        # A save whose commit reached the store but whose reply did not come before the deadline counts
+        # as failed yet exists (complete: its manifest went last): retention of this run does not know
+        # it, the next start's index reconciliation does -- so a superset of the kept ones, not equal.
         ok = [c.name for c in checkpointer.saved if c.future.done() and c.future.exception() is None]
-        assert len(committed) >= 3 and set(ok[-3:]) <= {c.name for c in committed}, (ok, committed)
+        names = {c.name for c in committed}
+        undeleted = {
+            n
+            for n in ok[:-3]
+            if any("Retention could not delete" in r.message and n in r.message for r in caplog.records)
+        }  # best effort: left for the next start
+        assert len(ok) >= 2 and set(ok[-3:]) <= names and set(ok[:-3]) & names <= undeleted, (ok, committed)
 
         # Every committed checkpoint loads; the index names exactly them; "latest" is the newest.
         for info in committed:
