@@ -26,6 +26,8 @@ Private names used (checked against torch 2.13.0):
   (tensor parallelism's check that a tensor group sees one batch).
 * ``torch.distributed.tensor.placement_types._StridedShard``: the placement FSDP gives a layer that
   tensor parallelism already split (deferred init cuts a rank's part of it as a view).
+* ``torch.distributed.device_mesh.DeviceMesh._flatten``: one process group over several mesh
+  dimensions (the data-parallel ranks of HSDP x TP, for metrics).
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ NAMES: Dict[str, Tuple[str, str]] = {
     # The autograd engine, whose queue_callback runs a function at the end of the current backward
     # (parallel/oom_agreement.py: an OOM check ahead of FSDP's own final callback, queued the same way).
     "autograd_engine": ("torch.autograd.variable", "Variable._execution_engine"),
+    # One process group over several mesh dimensions (HSDP x TP's data-parallel ranks: metrics sync
+    # over replicate x shard, parallel/tensor_parallel.py `metric_group`).
+    "flatten_mesh": ("torch.distributed.device_mesh", "DeviceMesh._flatten"),
 }
 __all__ = ["TorchCompatError", "NAMES", "check_private_names", *NAMES]
 
