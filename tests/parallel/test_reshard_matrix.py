@@ -1,6 +1,7 @@
 """The reshard matrix through the sharded (DCP) checkpoint path: HSDP 2x2 -> FSDP 3 -> DDP 1,
 FSDP x TP 2x2 -> FSDP 4 -> FSDP x TP 2x2, and HSDP x TP 2x1x2 both ways with FSDP 4 and DDP 1
-(DDP 1 -> HSDP x TP; FSDP 4 -> HSDP x TP -> FSDP 4 and -> DDP 1). Each hop restores parameters, optimizer state and the
+(DDP 1 -> HSDP x TP; FSDP 4 -> HSDP x TP -> FSDP 4 and -> DDP 1), and context parallelism:
+HSDP x TP 2x1x2 -> CP x TP 2x2 -> DDP 1. Each hop restores parameters, optimizer state and the
 Timestamp exactly (atol 0); each middle hop trains a 5th batch and saves, so the next hop reads a
 checkpoint written by that layout. The 4-rank hops share one spawn (tp_workloads.reshard_matrix_four).
 """
@@ -32,7 +33,8 @@ def test_reshard_matrix(tmp_path):
     hsdp_folder, tp_folder = str(tmp_path / "hsdp"), str(tmp_path / "tp")
     ddp1_folder = str(tmp_path / "ddp1")
     ddp1_saved = ddp1_save_lm(ddp1_folder)  # DDP 1 writes the checkpoint HSDP x TP loads first
-    four = run_ranks(4, reshard_matrix_four, hsdp_folder, tp_folder, ddp1_folder)
+    cp_folder = str(tmp_path / "cp")
+    four = run_ranks(4, reshard_matrix_four, hsdp_folder, tp_folder, ddp1_folder, cp_folder)
     assert [(c.batch, c.world_size) for c in list_checkpoints(tp_folder)] == [(2, 4), (4, 4), (5, 4), (6, 4)]
     for rank, got in enumerate(four):  # FSDP x TP 2x2 -> FSDP 4 -> FSDP x TP 2x2
         assert got["fsdp4"]["loaded"]["timestamp"]["batch"] == 4
@@ -50,6 +52,14 @@ def test_reshard_matrix(tmp_path):
         )
     back = lm_trainer(0, "ddp", "6ba", 1, tp_folder, autoresume=True)  # HSDP x TP 2x1x2 -> DDP 1
     _assert_restored(snapshot(back), four[0]["hsdp_tp"]["saved"], "HSDP x TP 2x1x2 -> DDP 1", True)
+    back.close()
+    for rank, got in enumerate(four):  # HSDP x TP 2x1x2 -> CP x TP 2x2 (context_parallel=2, tensor_parallel=2)
+        want = four[0]["hsdp_tp"]["saved"]
+        _assert_restored(got["cp_tp"]["loaded"], want, f"HSDP x TP 2x1x2 -> CP x TP 2x2, rank {rank}", True)
+        assert got["cp_tp"]["saved"]["timestamp"]["batch"] == 7
+    assert [(c.batch, c.world_size) for c in list_checkpoints(cp_folder)] == [(7, 4)]
+    back = lm_trainer(0, "ddp", "7ba", 1, cp_folder, autoresume=True)  # CP x TP 2x2 -> DDP 1
+    _assert_restored(snapshot(back), four[0]["cp_tp"]["saved"], "CP x TP 2x2 -> DDP 1")
     back.close()
 
     three = run_ranks(3, hsdp_to_fsdp3, hsdp_folder)  # HSDP 2x2 -> FSDP 3

@@ -83,13 +83,13 @@ def _resume(rank: int, parallelism: Any, folder: str, data_group: int) -> Dict[s
 
 
 def reshard_matrix_four(
-    rank: int, world_size: int, hsdp_folder: str, tp_folder: str, ddp1_folder: str
+    rank: int, world_size: int, hsdp_folder: str, tp_folder: str, ddp1_folder: str, cp_folder: str
 ) -> Dict[str, Any]:
     """The 4-rank part of the reshard matrix, in one spawn: HSDP 2x2 trains 4 batches and saves;
     FSDP x TP 2x2 trains 4 batches and saves; FSDP 4 loads that, trains a 5th batch and saves;
     FSDP x TP 2x2 loads the 5th-batch checkpoint (its snapshot as loaded). Every save is mid-epoch
     (6 batches per epoch), so the state after ``fit`` is the last checkpoint's. Then the HSDP x TP
-    2x1x2 hops (`hsdp_tp_hops`)."""
+    2x1x2 hops (`hsdp_tp_hops`) and the CP x TP 2x2 ones (`cp_tp_hops`)."""
     hsdp = checkpointed_trainer(rank, ARMS["hsdp"], hsdp_folder, "4ba", save_interval="2ba")
     hsdp.fit()
     out: Dict[str, Any] = {"hsdp_saved": snapshot(hsdp)}
@@ -107,6 +107,7 @@ def reshard_matrix_four(
     )
     back.close()
     out["hsdp_tp"] = hsdp_tp_hops(rank, ddp1_folder, tp_folder)
+    out["cp_tp"] = cp_tp_hops(rank, tp_folder, cp_folder)
     return out
 
 
@@ -138,6 +139,19 @@ def hsdp_tp_hops(rank: int, ddp1_folder: str, tp_folder: str) -> Dict[str, Any]:
     trainer.close()
     trainer = lm_trainer(rank, LM_ARMS["lm_fsdp"], "6ba", 1, tp_folder, autoresume=True)
     out["fsdp4_loaded"] = snapshot(trainer)
+    trainer.close()
+    return out
+
+
+def cp_tp_hops(rank: int, tp_folder: str, cp_folder: str) -> Dict[str, Any]:
+    """CP x TP 2x2 (FSDP over shard x context, flattened) starts from the newest checkpoint in
+    ``tp_folder`` (HSDP x TP's, batch 6; its snapshot as loaded), trains a 7th batch with each
+    sequence split and saves it in ``cp_folder`` (the test process then loads that on DDP 1)."""
+    cp_tp = {"shard_modules": ["Block"], "context_parallel": 2, "tensor_parallel": 2}
+    trainer = lm_trainer(rank, cp_tp, "7ba", 4, cp_folder, load_from=tp_folder, save_interval="1ba")
+    out: Dict[str, Any] = {"loaded": snapshot(trainer)}
+    trainer.fit()
+    out["saved"] = snapshot(trainer)
     trainer.close()
     return out
 
