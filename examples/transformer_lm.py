@@ -13,6 +13,10 @@ plan), so each rank of a tensor group holds ``heads / t`` heads and ``4 * width 
 Global shapes it needs: ``heads`` and ``4 * width`` divisible by ``t`` (``width`` by ``heads``).
 Attention reshapes with ``-1`` heads, so the same code runs whole or split. The ``t`` ranks of one
 tensor group must see the same batches: shard the data by `Parallel.data_parallel` (``rank // t``).
+
+Context parallelism (``FSDPConfig(context_parallel=c)``): attention is plain SDPA, so it can be
+split along the sequence; ``context_parallel_split`` cuts a batch (global ``positions``, ``labels``
+shifted before the cut) and ``forward``/``loss`` take the cut batch.
 """
 
 from __future__ import annotations
@@ -107,14 +111,28 @@ class TransformerLM(torch.nn.Module):
 
     def forward(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         ids = batch["input_ids"]
-        x = self.tokens(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device))
+        positions = batch.get("positions")  # context parallelism: the global positions of this rank's part
+        if positions is None:
+            positions = torch.arange(ids.shape[1], device=ids.device)
+        x = self.tokens(ids) + self.positions(positions)
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))  # type: ignore[no-any-return]
 
     def loss(self, logits: torch.Tensor, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        if "labels" in batch:  # a context-parallel part: labels shifted before the cut, summed over its share
+            flat = logits.reshape(-1, logits.shape[-1])
+            total = F.cross_entropy(flat, batch["labels"].reshape(-1), ignore_index=-100, reduction="sum")
+            return total / batch["label_count"]
         targets = batch["input_ids"][:, 1:]
         return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def context_parallel_split(self, batch: Dict[str, torch.Tensor], index: int, degree: int) -> Dict[str, Any]:
+        """Rank ``index``'s part of ``batch`` under ``FSDPConfig(context_parallel=degree)``: the
+        load-balanced cut of the sequence, with labels and positions (``split_token_batch``)."""
+        from raytrain_events.parallel.context_parallel import split_token_batch
+
+        return split_token_batch(batch, index, degree)
 
 
 def random_tokens(rows: int, vocab: int = 64, length: int = 16, seed: int = 0) -> Any:

@@ -26,6 +26,11 @@ Private names used (checked against torch 2.13.0):
   (tensor parallelism's check that a tensor group sees one batch).
 * ``torch.distributed.tensor.placement_types._StridedShard``: the placement FSDP gives a layer that
   tensor parallelism already split (deferred init cuts a rank's part of it as a view).
+* ``torch.distributed.device_mesh.DeviceMesh._flatten``: one process group over several mesh
+  dimensions: the data-parallel ranks of HSDP x TP (for metrics) and FSDP's ``shard x context``
+  under context parallelism (as torchtitan's ``dp_shard_cp``). torch 2.13 warns that slicing a
+  flattened dimension from the root mesh (HSDP x CP's ``mesh["replicate", "shard_context"]``)
+  "will be deprecated"; it works here.
 """
 
 from __future__ import annotations
@@ -54,6 +59,10 @@ NAMES: Dict[str, Tuple[str, str]] = {
     # The autograd engine, whose queue_callback runs a function at the end of the current backward
     # (parallel/oom_agreement.py: an OOM check ahead of FSDP's own final callback, queued the same way).
     "autograd_engine": ("torch.autograd.variable", "Variable._execution_engine"),
+    # One process group over several mesh dimensions (HSDP x TP's data-parallel ranks: metrics sync
+    # over replicate x shard, parallel/tensor_parallel.py `metric_group`; FSDP over shard x context
+    # under context parallelism, parallel/wrap.py `fsdp_mesh`).
+    "flatten_mesh": ("torch.distributed.device_mesh", "DeviceMesh._flatten"),
 }
 __all__ = ["TorchCompatError", "NAMES", "check_private_names", *NAMES]
 

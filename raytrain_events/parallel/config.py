@@ -52,12 +52,19 @@ class FSDPConfig:
             (class names, a function ``module -> bool``, or True for the ``shard_modules``).
         replicate: HSDP: ``k`` replica groups, each sharding the model over ``world_size / k``
             consecutive ranks (a 2-D DeviceMesh ``(k, world_size / k)``); gathers stay within a
-            group (a node), only gradient shards are all-reduced across groups. 1: plain FSDP.
+            group (a node), only gradient shards are all-reduced across groups. 1: plain FSDP. With
+            ``tensor_parallel=t`` too, the mesh is 3-D ``(replicate, shard, tensor)``: TP inside each
+            group of ``t`` consecutive ranks, FSDP gathers within ``shard``, replicas across ``replicate``.
         tensor_parallel: tensor parallelism of degree ``t``: a 2-D DeviceMesh ``(world_size / t, t)``
             named ``("shard", "tensor")``; each group of ``t`` consecutive ranks splits every layer the
             model's ``tensor_parallel_plan(t)`` names (``parallelize_module``), and FSDP shards over the
             ``world_size / t`` groups. The ``t`` ranks of a group must load the same batches
             (`Parallel.data_parallel_rank`); see ``tensor_parallel.py``. 1: no tensor parallelism.
+        context_parallel: context parallelism of degree ``c``: each group of ``c`` ranks (outside the
+            tensor groups: ``(replicate, shard, context, tensor)``) splits every row's sequence and
+            attention (SDPA), for sequences too long for one device; FSDP shards over ``shard x context``.
+            The model cuts its batches (``context_parallel_split``); see ``context_parallel.py``.
+            1: none. Not with ``activation_checkpointing`` (its recompute would attend unsplit).
     """
 
     shard_modules: ModulePolicy = None
@@ -68,6 +75,7 @@ class FSDPConfig:
     activation_checkpointing: Union[bool, Sequence[str], Callable[[torch.nn.Module], bool]] = False
     replicate: int = 1
     tensor_parallel: int = 1
+    context_parallel: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.replicate, bool) or not isinstance(self.replicate, int) or self.replicate < 1:
@@ -77,11 +85,17 @@ class FSDPConfig:
             raise ValueError(
                 f"FSDPConfig.tensor_parallel={tp!r} must be an integer >= 1 (ranks that split each layer; 1: none)."
             )
-        if tp > 1 and self.replicate > 1:
+        cp = self.context_parallel
+        if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
             raise ValueError(
-                f"FSDPConfig(replicate={self.replicate}, tensor_parallel={tp}) would need a 3-D mesh "
-                "(replicate, shard, tensor), which is not supported yet. Fix: use one of them (replicate=1 or "
-                "tensor_parallel=1)."
+                f"FSDPConfig.context_parallel={cp!r} must be an integer >= 1 (ranks that split each sequence; 1: none)."
+            )
+        if cp > 1 and self.activation_checkpointing:
+            raise ValueError(
+                f"FSDPConfig(context_parallel={cp}, activation_checkpointing={self.activation_checkpointing!r}) is not "
+                "supported: the recompute in backward would run attention on this rank's part of the sequence alone. "
+                "Fix: activation_checkpointing=False (context parallelism already divides activations by "
+                f"{cp}), or context_parallel=1."
             )
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
@@ -103,26 +117,32 @@ class FSDPConfig:
         return None if value is None else _DTYPES[value]
 
     def mesh_shape(self, world_size: int) -> tuple:
-        """``(world_size,)`` for FSDP, ``(replicate, world_size // replicate)`` for HSDP,
-        ``(world_size // tensor_parallel, tensor_parallel)`` for FSDP x TP; bad splits raise."""
-        tp = self.tensor_parallel
-        if tp > 1:
-            check_tensor_parallel_world(world_size, tp)
-            return (world_size // tp, tp)
-        if self.replicate == 1:
-            return (world_size,)
-        if world_size % self.replicate:
+        """The DeviceMesh's shape, one entry per `mesh_dim_names`: ``(world_size,)`` for FSDP,
+        ``(replicate, world_size // replicate)`` for HSDP, ``(world_size // t, t)`` for FSDP x TP and
+        ``(replicate, world_size // (replicate * t), t)`` for HSDP x TP; a split that leaves part of a
+        group raises naming the fix."""
+        tp, cp = self.tensor_parallel, self.context_parallel
+        check_tensor_parallel_world(world_size, tp, cp)
+        if world_size % (self.replicate * cp * tp):
+            given = [f"{n}={v}" for n, v in (("replicate", self.replicate), ("context_parallel", cp)) if v > 1]
+            given += [f"tensor_parallel={tp}"] if tp > 1 else []
             raise ValueError(
-                f"FSDPConfig(replicate={self.replicate}) needs a world size divisible by {self.replicate}, got "
-                f"{world_size} ranks. Fix: use a multiple of {self.replicate} workers, or another replicate."
+                f"FSDPConfig({', '.join(given)}) needs a world size divisible by {self.replicate * cp * tp}, got "
+                f"{world_size} ranks. Fix: use a multiple of {self.replicate * cp * tp} workers, or another replicate."
             )
-        return (self.replicate, world_size // self.replicate)
+        shard = world_size // (self.replicate * cp * tp)
+        sizes = {"replicate": self.replicate, "shard": shard, "context": cp, "tensor": tp}
+        return tuple(sizes[name] for name in self.mesh_dim_names())
 
     def mesh_dim_names(self) -> tuple:
-        """The names of `mesh_shape`'s dimensions: ``("shard",)``, ``("replicate", "shard")`` or ``("shard", "tensor")``."""
-        if self.tensor_parallel > 1:
-            return ("shard", "tensor")
-        return ("replicate", "shard") if self.replicate > 1 else ("shard",)
+        """The names of `mesh_shape`'s dimensions, outermost first: ``"replicate"`` (HSDP only),
+        ``"shard"``, ``"context"`` (CP only), then ``"tensor"`` (TP only): ``("shard",)``,
+        ``("replicate", "shard")``, ``("shard", "tensor")``, ``("replicate", "shard", "tensor")``,
+        ``("shard", "context")``... Consecutive ranks share the innermost dimensions, so a tensor
+        group (and then a context group) sits within a node."""
+        names = ("replicate",) if self.replicate > 1 else ()
+        names += ("shard",) + (("context",) if self.context_parallel > 1 else ())
+        return names + (("tensor",) if self.tensor_parallel > 1 else ())
 
 
 @dataclass(frozen=True)
@@ -139,8 +159,18 @@ class ParallelismSpec:
 
     @property
     def tensor_parallel(self) -> int:
-        """The tensor-parallel degree (1: none): the ranks that share each batch."""
+        """The tensor-parallel degree (1: none)."""
         return self.fsdp.tensor_parallel if self.fsdp is not None else 1
+
+    @property
+    def context_parallel(self) -> int:
+        """The context-parallel degree (1: none)."""
+        return self.fsdp.context_parallel if self.fsdp is not None else 1
+
+    @property
+    def batch_group(self) -> int:
+        """The consecutive ranks that load the same rows: ``context_parallel * tensor_parallel``."""
+        return self.context_parallel * self.tensor_parallel
 
 
 def parse_parallelism(value: Union[str, FSDPConfig, ParallelismSpec, Dict[str, Any], None]) -> ParallelismSpec:

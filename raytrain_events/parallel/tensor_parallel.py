@@ -55,11 +55,21 @@ def metric_group(model: torch.nn.Module) -> Any:
     The ranks of a tensor group see the same batches, so a metric synced over every rank would count
     each batch ``degree`` times (a sum or a count; a mean hides it). Syncing over the ranks with this
     rank's tensor coordinate -- the mesh's ``shard`` dimension, one rank per group -- counts each once.
+    Under HSDP x TP that is ``(replicate, shard)`` flattened into one group (made once, on first use,
+    by every rank: evaluation runs on all of them).
     """
+    from raytrain_events.parallel.context_parallel import METRIC_GROUPS
+
+    if model in METRIC_GROUPS:  # context parallelism (with or without TP): its data-parallel group
+        return METRIC_GROUPS[model]
     for param in model.parameters():
         mesh = getattr(param, "device_mesh", None)  # DTensor parameters only (layers outside the plan: 1-D)
         if mesh is not None and mesh.mesh_dim_names is not None and "tensor" in mesh.mesh_dim_names:
-            return mesh["shard"].get_group()
+            if "replicate" not in mesh.mesh_dim_names:
+                return mesh["shard"].get_group()
+            from raytrain_events._torch_compat import flatten_mesh
+
+            return flatten_mesh(mesh["replicate", "shard"], "replicate_shard").get_group()
     return None
 
 

@@ -16,6 +16,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 
 from raytrain_events.parallel.config import FSDPConfig, ParallelismSpec, parse_parallelism
+from raytrain_events.parallel.context_parallel import ContextParallel
+from raytrain_events.parallel.context_parallel import check_model as check_context_model
 from raytrain_events.parallel.deferred_init import DeferredInit, has_meta_tensors
 from raytrain_events.parallel.tensor_parallel import (
     apply_tensor_parallel,
@@ -66,20 +68,45 @@ def _selector(policy: Any) -> Optional[Callable[[torch.nn.Module], bool]]:
     return lambda module: type(module).__name__ in names
 
 
-def apply_fsdp(model: torch.nn.Module, config: FSDPConfig, world_size: int, device: torch.device) -> torch.nn.Module:
+def build_mesh(config: FSDPConfig, world_size: int, device: torch.device) -> Any:
+    """The DeviceMesh of ``config`` over ``world_size`` ranks (`FSDPConfig.mesh_dim_names`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, config.mesh_shape(world_size), mesh_dim_names=config.mesh_dim_names())
+
+
+def fsdp_mesh(mesh: Any, config: FSDPConfig) -> Any:
+    """The part of ``mesh`` FSDP works over: ``shard`` (``replicate, shard`` for HSDP); under context
+    parallelism ``shard x context`` flattened into one dimension (as torchtitan's ``dp_shard_cp``)."""
+    shard = "shard"
+    if config.context_parallel > 1:
+        from raytrain_events._torch_compat import flatten_mesh
+
+        shard = "shard_context"
+        flat = flatten_mesh(mesh["shard", "context"], shard)
+        if config.replicate == 1:
+            return flat
+    return mesh["replicate", shard] if config.replicate > 1 else mesh[shard]
+
+
+def apply_fsdp(
+    model: torch.nn.Module, config: FSDPConfig, world_size: int, device: torch.device, mesh: Any = None
+) -> torch.nn.Module:
     """Shard ``model`` in place over ``world_size`` ranks (needs a process group): a 1-D mesh, or for
     HSDP (``config.replicate > 1``) a 2-D ``(replicate, shard)`` mesh, which ``fully_shard`` replicates
     over its first dimension and shards over its second. With ``config.tensor_parallel > 1`` the mesh
     is ``(shard, tensor)``: the model's plan splits its layers over ``tensor`` first, then FSDP shards
-    over ``shard`` (parameters become 2-D DTensors)."""
-    from torch.distributed.device_mesh import init_device_mesh
+    over ``shard`` (parameters become 2-D DTensors); with both, ``(replicate, shard, tensor)``: TP over
+    ``tensor``, then HSDP over ``(replicate, shard)`` (split layers become 3-D DTensors). ``mesh``:
+    one `build_mesh` made (the `Parallel` keeps it for context parallelism's groups)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(device.type, config.mesh_shape(world_size), mesh_dim_names=config.mesh_dim_names())
+    if mesh is None:
+        mesh = build_mesh(config, world_size, device)
     if config.tensor_parallel > 1:
         apply_tensor_parallel(model, mesh["tensor"], config.tensor_parallel)
         check_first_batch_agrees(model, config.tensor_parallel)
-        mesh = mesh["shard"]
+    mesh = fsdp_mesh(mesh, config)
     kwargs: dict = {"mesh": mesh, "reshard_after_forward": config.reshard_after_forward}
     if config.param_dtype is not None or config.reduce_dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
@@ -123,6 +150,7 @@ class Parallel:
         self.deferred: Optional[DeferredInit] = (
             DeferredInit(model) if model is not None and has_meta_tensors(model) else None
         )
+        self.context: Optional[ContextParallel] = None  # set by `wrap` under context parallelism
 
     def place(self, model: torch.nn.Module, device: torch.device) -> None:
         """Move ``model`` to ``device``, unless it is built on meta (materialised by `wrap`, after sharding)."""
@@ -145,15 +173,20 @@ class Parallel:
         return self.spec.tensor_parallel
 
     def data_parallel(self, rank: int, world_size: int) -> tuple:
-        """``(data-parallel rank, data-parallel size)``: what to shard the data by. Under tensor
-        parallelism the ranks of one tensor group share a data-parallel rank (they must load the
-        same batches); otherwise ``(rank, world_size)``."""
-        return data_parallel_coordinates(rank, world_size, self.tensor_parallel)
+        """``(data-parallel rank, data-parallel size)``: what to shard the data by. Under tensor and
+        context parallelism the ``context_parallel * tensor_parallel`` consecutive ranks of one group
+        share a data-parallel rank (they must load the same batches); otherwise ``(rank, world_size)``."""
+        return data_parallel_coordinates(rank, world_size, self.spec.batch_group)
 
     def counts_data(self, rank: int) -> bool:
         """Whether this rank's samples and tokens count in the global sums: every rank's, except
-        under tensor parallelism, where one rank per tensor group counts the group's shared batch."""
-        return rank % self.tensor_parallel == 0
+        under tensor or context parallelism, where one rank per group counts the group's shared batch."""
+        return rank % self.spec.batch_group == 0
+
+    def split(self, batch: Any) -> Any:
+        """This rank's part of a training microbatch: under context parallelism the model's cut
+        along the sequence (`ContextParallel.split`), else ``batch`` itself."""
+        return batch if self.context is None else self.context.split(batch)
 
     def check(self, algorithms: Sequence[Any]) -> None:
         """Refuse (ValueError with the reason) algorithms that cannot run with this strategy."""
@@ -169,20 +202,26 @@ class Parallel:
         materialised (after sharding: only this rank's shards); the ``optimizers`` (built on the
         original parameters, with no state yet) are pointed at the new ones.
         """
-        if self.tensor_parallel > 1:
-            if not dist.is_distributed:
+        for name in ("tensor_parallel", "context_parallel"):
+            degree = getattr(self.spec, name)
+            if degree > 1 and not dist.is_distributed:
                 raise ValueError(
-                    f"FSDPConfig(tensor_parallel={self.tensor_parallel}) needs {self.tensor_parallel} or more "
-                    "ranks, but this run has one process. Fix: run on a multiple of tensor_parallel workers, "
-                    "or tensor_parallel=1."
+                    f"FSDPConfig({name}={degree}) needs {degree} or more ranks, but this run has one process. Fix: "
+                    f"run on a multiple of {name} workers, or {name}=1."
                 )
         sharded = self.sharded and dist.is_distributed
         if sharded or self.deferred is not None:
             names = {id(p): n for n, p in model.named_parameters()}
             _check_optimizers_fresh(optimizers)
             if sharded:
-                assert self.spec.fsdp is not None
-                apply_fsdp(model, self.spec.fsdp, dist.world_size, device)
+                config = self.spec.fsdp
+                assert config is not None
+                if config.context_parallel > 1:
+                    check_context_model(model, config.context_parallel)
+                mesh = build_mesh(config, dist.world_size, device)
+                apply_fsdp(model, config, dist.world_size, device, mesh)
+                if config.context_parallel > 1:
+                    self.context = ContextParallel(model, mesh, config.context_parallel)
             if self.deferred is not None:
                 self.deferred.materialize(model, device, sharded)
                 self.deferred = None

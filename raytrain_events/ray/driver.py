@@ -98,7 +98,7 @@ class RayTrainer:
         if isinstance(spec.workers, int):  # an elastic group's size is checked at each worker start
             from raytrain_events.parallel.world import check_tensor_parallel_world
 
-            check_tensor_parallel_world(spec.workers, spec.tensor_parallel)
+            check_tensor_parallel_world(spec.workers, spec.tensor_parallel, spec.parallelism_spec.context_parallel)
 
     @property
     def run_name(self) -> str:
@@ -216,7 +216,7 @@ class RayTrainer:
                 global_batch_size=self.spec.global_batch_size,
                 deterministic=self.spec.deterministic_split,
                 train_rows=train_rows,
-                tensor_parallel=self.spec.tensor_parallel,
+                tensor_parallel=self.spec.parallelism_spec.batch_group,  # the ranks that share rows: TP x CP
             ),
             run_config=ray.train.RunConfig(
                 name=self.run_name,

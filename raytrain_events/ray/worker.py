@@ -36,7 +36,7 @@ def build_worker_trainer(spec: RunSpec) -> Trainer:
     context = ray.train.get_context()
     # Before any collective or data call, on every rank alike: a group that cannot form whole tensor groups
     # (an elastic resize) ends here with the fix, instead of inside the dataset split or the device mesh.
-    check_tensor_parallel_world(context.get_world_size(), spec.tensor_parallel)
+    check_tensor_parallel_world(context.get_world_size(), spec.tensor_parallel, spec.parallelism_spec.context_parallel)
     device = ray.train.torch.get_device()
     from raytrain_events.ray.watchdog import process_group_timeout_s
 

@@ -420,7 +420,7 @@ class Trainer:
         of the batch's samples, so the accumulated gradient is the full batch's mean.
         """
         state, engine = self.state, self.engine
-        state.batch = microbatch
+        state.batch = self.parallel.split(microbatch)  # context parallelism: this rank's part of the sequence
         if active[_BEFORE_FORWARD]:
             engine.run_event(_BEFORE_FORWARD)
         if autocast is None:

@@ -16,7 +16,8 @@ from tests.parallel.workloads import train_ddp_and_fsdp
         (3, ["ddp", "fsdp", "fsdp_root"]),
         (2, ["ddp", "hsdp"]),  # HSDP 2x1: replicate over both ranks
         # HSDP 2x2, and FSDP x TP 2x2 on the example transformer against DDP with the same global batches
-        (4, ["ddp", "hsdp", "lm_ddp2", "lm_tp"]),
+        # and HSDP x TP 2x1x2 (a (replicate, shard, tensor) mesh) against the same DDP reference
+        (4, ["ddp", "hsdp", "lm_ddp2", "lm_tp", "lm_hsdp_tp"]),
     ],
 )
 def test_fsdp_matches_ddp_with_grad_accum_and_clipping(world_size, arms):
@@ -25,7 +26,7 @@ def test_fsdp_matches_ddp_with_grad_accum_and_clipping(world_size, arms):
     for rank, got in enumerate(results):
         for name in arms:
             if name.startswith("lm_"):  # mesh dims of the DTensor parameters: split layers 2-D, the rest 1-D
-                assert got[name + "_sharded"] == ([1, 2] if name == "lm_tp" else []), name
+                assert got[name + "_sharded"] == {"lm_tp": [1, 2], "lm_hsdp_tp": [2, 3]}.get(name, []), name
             else:
                 assert got[name + "_sharded"] == name.startswith(("fsdp", "hsdp")), name
             reference = "ddp_freeze" if name.endswith("_freeze") else "lm_ddp2" if name.startswith("lm_") else "ddp"
@@ -39,7 +40,7 @@ def test_fsdp_matches_ddp_with_grad_accum_and_clipping(world_size, arms):
             assert got["fsdp_freeze_eval"] == pytest.approx(got["ddp_freeze_eval"], rel=1e-5)
             assert got["fsdp_freeze_eval"] == pytest.approx(results[0]["fsdp_freeze_eval"], rel=1e-6)
         if "lm_tp" in arms:  # one rank per tensor group counts the group's batch: 5 batches x 8 x 2 groups
-            assert got["lm_tp_samples"] == 80 and got["lm_ddp2_samples"] == 160
+            assert got["lm_tp_samples"] == got["lm_hsdp_tp_samples"] == 80 and got["lm_ddp2_samples"] == 160
         if initial is None:
             initial = got["ddp"]
         for key, value in got["ddp"].items():  # every rank ends with the same weights

@@ -22,8 +22,11 @@ def test_mesh_shape_names_and_bad_options():
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="tensor_parallel=.* must be an integer >= 1"):
             FSDPConfig(tensor_parallel=bad)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="3-D mesh .* not supported yet. Fix: use one of them"):
-        FSDPConfig(replicate=2, tensor_parallel=2)
+    hsdp_tp = FSDPConfig(replicate=2, tensor_parallel=2)  # HSDP x TP: a 3-D mesh
+    assert hsdp_tp.mesh_dim_names() == ("replicate", "shard", "tensor")
+    assert hsdp_tp.mesh_shape(4) == (2, 1, 2) and hsdp_tp.mesh_shape(16) == (2, 4, 2)
+    with pytest.raises(ValueError, match=r"replicate=2, tensor_parallel=2\) needs a world size divisible by 4, got 6"):
+        hsdp_tp.mesh_shape(6)
 
 
 def test_data_parallel_coordinates_and_counting():

@@ -20,6 +20,8 @@ LM_ARMS: Dict[str, Any] = {
     "lm_ddp2": "ddp",  # the reference for 2-way TP: DDP with each pair of ranks on one data shard
     "lm_tp": {"shard_modules": ["Block"], "tensor_parallel": 2},  # FSDP x TP 2x2 on 4 ranks
     "lm_fsdp": {"shard_modules": ["Block"]},
+    # HSDP x TP 2x1x2 on 4 ranks: a (replicate, shard, tensor) mesh
+    "lm_hsdp_tp": {"shard_modules": ["Block"], "replicate": 2, "tensor_parallel": 2},
 }
 
 
@@ -80,11 +82,14 @@ def _resume(rank: int, parallelism: Any, folder: str, data_group: int) -> Dict[s
     return {"loaded": loaded, "saved": saved}
 
 
-def reshard_matrix_four(rank: int, world_size: int, hsdp_folder: str, tp_folder: str) -> Dict[str, Any]:
+def reshard_matrix_four(
+    rank: int, world_size: int, hsdp_folder: str, tp_folder: str, ddp1_folder: str, cp_folder: str
+) -> Dict[str, Any]:
     """The 4-rank part of the reshard matrix, in one spawn: HSDP 2x2 trains 4 batches and saves;
     FSDP x TP 2x2 trains 4 batches and saves; FSDP 4 loads that, trains a 5th batch and saves;
     FSDP x TP 2x2 loads the 5th-batch checkpoint (its snapshot as loaded). Every save is mid-epoch
-    (6 batches per epoch), so the state after ``fit`` is the last checkpoint's."""
+    (6 batches per epoch), so the state after ``fit`` is the last checkpoint's. Then the HSDP x TP
+    2x1x2 hops (`hsdp_tp_hops`) and the CP x TP 2x2 ones (`cp_tp_hops`)."""
     hsdp = checkpointed_trainer(rank, ARMS["hsdp"], hsdp_folder, "4ba", save_interval="2ba")
     hsdp.fit()
     out: Dict[str, Any] = {"hsdp_saved": snapshot(hsdp)}
@@ -101,6 +106,53 @@ def reshard_matrix_four(rank: int, world_size: int, hsdp_folder: str, tp_folder:
         {p.device_mesh.ndim for p in back.state.model.parameters() if type(p).__name__ == "DTensor"}
     )
     back.close()
+    out["hsdp_tp"] = hsdp_tp_hops(rank, ddp1_folder, tp_folder)
+    out["cp_tp"] = cp_tp_hops(rank, tp_folder, cp_folder)
+    return out
+
+
+def ddp1_save_lm(folder: str) -> Dict[str, Any]:
+    """DDP on one process (the test's own) trains the transformer 4 batches and saves at 2 and 4;
+    its final snapshot (HSDP x TP loads that checkpoint in `reshard_matrix_four`)."""
+    trainer = lm_trainer(0, "ddp", "4ba", 1, folder, save_interval="2ba")
+    trainer.fit()
+    out = snapshot(trainer)
+    trainer.close()
+    return out
+
+
+def _mesh_dims(trainer: Trainer) -> list:
+    return sorted({p.device_mesh.ndim for p in trainer.state.model.parameters() if type(p).__name__ == "DTensor"})
+
+
+def hsdp_tp_hops(rank: int, ddp1_folder: str, tp_folder: str) -> Dict[str, Any]:
+    """DDP 1 -> HSDP x TP 2x1x2 (load only); FSDP 4's batch-5 checkpoint -> HSDP x TP, which trains a
+    6th batch and saves it -> FSDP 4 (load only). The test process then loads that save on DDP 1."""
+    hsdp_tp = LM_ARMS["lm_hsdp_tp"]
+    trainer = lm_trainer(rank, hsdp_tp, "4ba", 2, ddp1_folder, autoresume=True)
+    out: Dict[str, Any] = {"from_ddp1": snapshot(trainer)}
+    trainer.close()
+    trainer = lm_trainer(rank, hsdp_tp, "6ba", 2, tp_folder, autoresume=True, save_interval="1ba")
+    out["from_fsdp4"], out["mesh_dims"] = snapshot(trainer), _mesh_dims(trainer)
+    trainer.fit()
+    out["saved"] = snapshot(trainer)
+    trainer.close()
+    trainer = lm_trainer(rank, LM_ARMS["lm_fsdp"], "6ba", 1, tp_folder, autoresume=True)
+    out["fsdp4_loaded"] = snapshot(trainer)
+    trainer.close()
+    return out
+
+
+def cp_tp_hops(rank: int, tp_folder: str, cp_folder: str) -> Dict[str, Any]:
+    """CP x TP 2x2 (FSDP over shard x context, flattened) starts from the newest checkpoint in
+    ``tp_folder`` (HSDP x TP's, batch 6; its snapshot as loaded), trains a 7th batch with each
+    sequence split and saves it in ``cp_folder`` (the test process then loads that on DDP 1)."""
+    cp_tp = {"shard_modules": ["Block"], "context_parallel": 2, "tensor_parallel": 2}
+    trainer = lm_trainer(rank, cp_tp, "7ba", 4, cp_folder, load_from=tp_folder, save_interval="1ba")
+    out: Dict[str, Any] = {"loaded": snapshot(trainer)}
+    trainer.fit()
+    out["saved"] = snapshot(trainer)
+    trainer.close()
     return out
 
 
