@@ -77,8 +77,10 @@ def unreported_checkpoints(index: CheckpointIndex) -> List[str]:
     return [index.url(e) for e in index.entries[names.index(name) + 1 :]]
 
 
-def report_with_checkpoint(report: Dict[str, Any], saved: SavedCheckpoint) -> None:
-    """``ray.train.report`` that registers ``saved`` with Ray once it is committed (rank 0 passes it)."""
+def report_with_checkpoint(report: Dict[str, Any], saved: SavedCheckpoint, validation: bool = False) -> None:
+    """``ray.train.report`` that registers ``saved`` with Ray once it is committed (rank 0 passes it).
+
+    ``validation``: ask Ray Train to run the run's asynchronous validation on it (`ray/validation.py`)."""
     import ray.train
     from ray.train import Checkpoint, CheckpointUploadMode
 
@@ -100,6 +102,7 @@ def report_with_checkpoint(report: Dict[str, Any], saved: SavedCheckpoint) -> No
         checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
         checkpoint_upload_fn=_wait_for_commit,
         delete_local_checkpoint_after_upload=False,
+        validation=validation and checkpoint is not None,  # Ray takes the flag of the rank holding the checkpoint
     )
 
 

@@ -48,6 +48,11 @@ class RayResult:
     mode: str = "max"
 
     @property
+    def validations(self) -> List[Dict[str, Any]]:
+        """The asynchronous validations' history entries (``validation="async"`` or ``"failed"``), as they arrived."""
+        return [e for e in self.history if "validation" in e]
+
+    @property
     def latest_checkpoint(self) -> Any:
         """The newest committed checkpoint (None if the run saved none)."""
         return self.checkpoints[-1] if self.checkpoints else None
@@ -65,6 +70,8 @@ class RayResult:
             value = entry.get(self.metric)
             if entry.get("checkpoint_path") and isinstance(value, (int, float)):
                 scores[entry["checkpoint_path"].rstrip("/").rsplit("/", 1)[-1]] = float(value)
+            elif entry.get("validated_checkpoint") and isinstance(value, (int, float)):  # an async validation's
+                scores[entry["validated_checkpoint"]] = float(value)
         scored = [c for c in self.checkpoints if getattr(c, "name", None) in scores]
         if not scored:
             return self.latest_checkpoint
@@ -182,6 +189,11 @@ class RayTrainer:
             check_data_cpus(ray.cluster_resources(), self.scaling_config, datasets)
         train_rows = self._train_rows(datasets["train"])
         worker_spec = self.spec.for_workers(datasets=datasets)
+        from raytrain_events.ray.validation import async_eval_names, check_validation
+
+        eval_names = sorted(k for k in datasets if k != "train")
+        check_validation(self.spec.validation, self.spec.checkpoint, eval_names)  # a datasets factory's names
+        validated = async_eval_names(self.spec.validation, eval_names)  # evaluated as Ray tasks, not by the workers
         from ray.train.torch import TorchTrainer
 
         from raytrain_events.ray.checkpointing import ray_checkpoint_config
@@ -200,6 +212,15 @@ class RayTrainer:
             scheduling_strategy=NodeAffinitySchedulingStrategy(driver_node, soft=False)
         ).remote()
         storage_path, storage_filesystem = ray_storage(self.storage_path, self.storage_options)
+        validation_config = None
+        if validated:
+            from raytrain_events.ray.validate_checkpoint import CheckpointValidator
+            from raytrain_events.ray.validation import ray_validation_config
+
+            validator = CheckpointValidator(
+                worker_spec, self.spec.validation, {k: datasets[k] for k in validated}, history, self._report_queue
+            )
+            validation_config = ray_validation_config(validator, self.spec.validation)
         from ray.train.torch import TorchConfig
 
         from raytrain_events.ray.watchdog import process_group_timeout_s
@@ -210,7 +231,8 @@ class RayTrainer:
             torch_config=TorchConfig(timeout_s=int(process_group_timeout_s(self.spec.hang_timeout))),
             train_loop_config={"spec": worker_spec},
             scaling_config=self.scaling_config,
-            datasets=datasets,
+            datasets={k: v for k, v in datasets.items() if k not in validated},
+            validation_config=validation_config,
             dataset_config=TrainDataConfig(
                 batch_size=self.spec.batch_size,
                 global_batch_size=self.spec.global_batch_size,
@@ -237,6 +259,8 @@ class RayTrainer:
         try:
             with HistoryFollower(history, consumers):
                 ray_result = trainer.fit()
+                if validated:  # Ray waited for the validations: record the ones that left no result
+                    self._record_unfinished_validations(history)
         except Exception as exc:
             self._save_history(history, failed=True)
             raise RayTrainingError(_describe_failure(exc, history)) from exc
@@ -251,6 +275,17 @@ class RayTrainer:
             raise RayTrainingError(_describe_failure(ray_result.error, history)) from ray_result.error
         return self._result(record["entries"], ray_result)
 
+    def _record_unfinished_validations(self, history: Any) -> None:
+        import ray
+
+        from raytrain_events.ray.validation import unfinished_validations
+
+        entries = ray.get(history.get.remote())["entries"]
+        for entry in unfinished_validations(entries, self.spec.validation):
+            ray.get(history.add.remote(entry))
+            if self._report_queue is not None:
+                self._report_queue.put(dict(entry))
+
     def _save_history(self, history: Any, failed: bool = False) -> None:
         """Append this fit's reports to the run dir's history.jsonl (what `raytrain-events report` plots)."""
         import ray
@@ -264,7 +299,10 @@ class RayTrainer:
                 raise
 
     def _result(self, entries: List[Dict[str, Any]], ray_result: Any) -> RayResult:
-        final = entries[-1] if entries else {}
+        from raytrain_events.ray.validation import training_entries
+
+        trained = training_entries(entries)  # validation entries arrive late, at their checkpoints' Timestamps
+        final = trained[-1] if trained else {}
         timestamp = Timestamp(**{name: final.get(report_key(name), 0) for name in COUNTER_UNITS})
         checkpoints: List[Any] = []
         if self.spec.checkpoint is not None:

@@ -82,7 +82,9 @@ class RunProgress:
         )
 
     def __call__(self, new: List[Dict[str, Any]], entries: List[Dict[str, Any]]) -> None:
-        latest = entries[-1]
+        latest = next((e for e in reversed(entries) if "validation" not in e), None)  # not a late validation's
+        if latest is None:
+            return
         with self._lock:
             self.bar.n = min(latest.get(self.key, 0), self.duration.value)
             self.bar.set_postfix_str(describe_entry(latest, entries), refresh=True)

@@ -69,6 +69,11 @@ class RunSpec(LoopOptions):
         help="per eval set, Evaluator options: {'val': {'eval_interval': '100ba', 'subset_num_batches': 5}}",
         factory=dict,
     )
+    validation: Any = _opt(
+        None,
+        help="None: evaluate the eval sets in the loop; 'async' or AsyncValidation(datasets=[...], every=..., "
+        "resources=...) (ray/validation.py): evaluate them as Ray tasks on checkpoints while training goes on",
+    )
     get_num_tokens_in_batch: Optional[Callable[[Any], int]] = _opt(
         None, help="fn(batch) -> tokens in it; needed to count tokens (and for durations in 'tok')"
     )
@@ -162,6 +167,12 @@ class RunSpec(LoopOptions):
         if self.report_interval is None and self.report_every_s is None:
             raise ValueError("Pass report_interval (a Time, like '500ba') or report_every_s (seconds), or both.")
         self._check_data_and_scaling()
+        from raytrain_events.ray.validation import check_validation, parse_validation
+
+        self.validation = parse_validation(self.validation)
+        check_validation(
+            self.validation, self.checkpoint, self.eval_names if isinstance(self.datasets, Mapping) else None
+        )
         if self.checkpoint is not None:
             if getattr(self.checkpoint, "save_folder", None):
                 raise ValueError(

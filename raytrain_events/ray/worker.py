@@ -15,6 +15,7 @@ from raytrain_events.parallel.world import check_tensor_parallel_world
 from raytrain_events.parallel.wrap import Parallel
 from raytrain_events.ray.data import GlobalOrderLoader, GlobalOrderShard, ShardLoader
 from raytrain_events.ray.spec import RunSpec
+from raytrain_events.ray.validation import async_eval_names
 from raytrain_events.ray.worker_reports import RayReporter
 from raytrain_events.trainer import Trainer
 from raytrain_events.trainer.evaluation import Evaluator
@@ -68,6 +69,7 @@ def build_worker_trainer(spec: RunSpec) -> Trainer:
             **spec.eval_options.get(name, {}),
         )
         for name in spec.eval_names
+        if name not in async_eval_names(spec.validation, spec.eval_names)  # those are evaluated as Ray tasks
     ]
     checkpoint = None
     if spec.checkpoint is not None:
@@ -89,7 +91,14 @@ def build_worker_trainer(spec: RunSpec) -> Trainer:
         eval_dataloader=evaluators or None,
         algorithms=algorithms,
         callbacks=list(callbacks)
-        + [RayReporter(interval=spec.report_interval, every_s=spec.report_every_s, counts_data=counts_data)]
+        + [
+            RayReporter(
+                interval=spec.report_interval,
+                every_s=spec.report_every_s,
+                counts_data=counts_data,
+                validation=spec.validation,
+            )
+        ]
         + guards,  # preemption: `guards`
         device=device,
         dist=dist,

@@ -49,9 +49,12 @@ class RayReporter(Callback):
         check_preemption: bool = False,
         preemption_fn: Optional[Callable[[], bool]] = None,
         counts_data: bool = True,
+        validation: Any = None,
     ) -> None:
         """``counts_data``: this rank's samples and tokens count in the driver's global sums; False
-        on all but one rank of a tensor group, whose ranks train the same rows (`Parallel.counts_data`)."""
+        on all but one rank of a tensor group, whose ranks train the same rows (`Parallel.counts_data`).
+        ``validation``: the run's `AsyncValidation` (None: in-loop evaluation only); the checkpoints it
+        chooses are reported with ``validation=True`` (`raytrain_events.ray.validation`)."""
         if interval is None and every_s is None:
             raise ValueError("RayReporter needs report_interval (a Time) or report_every_s (seconds), or both.")
         self.interval = interval
@@ -60,6 +63,8 @@ class RayReporter(Callback):
         self._report_fn = report_fn
         self.check_preemption = check_preemption
         self.counts_data = counts_data
+        self.validation = validation
+        self._checkpoints_reported = 0  # this worker group's, for AsyncValidation(every=...)
         self._preempting = preemption_fn or _preempting
         self._due = None
         self._start: Optional[Dict[str, int]] = None
@@ -162,5 +167,9 @@ class RayReporter(Callback):
                 ray.train.report(report)
             else:
                 from raytrain_events.ray.checkpointing import report_with_checkpoint
+                from raytrain_events.ray.validation import validates
 
-                report_with_checkpoint(report, checkpoint)
+                self._checkpoints_reported += 1
+                report_with_checkpoint(
+                    report, checkpoint, validation=validates(self.validation, self._checkpoints_reported)
+                )

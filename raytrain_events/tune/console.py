@@ -62,7 +62,8 @@ class SweepConsole(Callback):
         self._line(trial, again + (f" with {params}" if params else ""))
 
     def on_trial_result(self, iteration: int, trials: list, trial: Any, result: Dict[str, Any], **info: Any) -> None:
-        self._last[trial.trial_id] = dict(result)
+        if "validation" not in result:  # an async validation's result is at an earlier checkpoint (ray/validation.py)
+            self._last[trial.trial_id] = dict(result)
         if result.get(self.metric) is not None:
             self._metric[trial.trial_id] = result[self.metric]
         parts = [f"sample {result.get('time/sample', 0):,}", f"epoch {result.get('time/epoch', 0)}"]

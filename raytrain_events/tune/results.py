@@ -194,7 +194,8 @@ def make_result(
     for result in result_grid:
         config = dict(result.config or {})
         history = _history_of(result)
-        last = history[-1] if history else dict(result.metrics or {})
+        trained = [e for e in history if "validation" not in e]  # async validations arrive late (ray/validation.py)
+        last = trained[-1] if trained else dict(result.metrics or {})
         trial_id = last.get("trial_id") or (result.metrics or {}).get("trial_id") or os.path.basename(result.path)
         histories[trial_id] = history
         values = [e[metric] for e in history if is_finite_number(e.get(metric))]

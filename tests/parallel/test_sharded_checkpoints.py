@@ -84,3 +84,27 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
     assert leftovers and not os.path.exists(os.path.join(folder, leftovers[0], "manifest.json"))
     loaded = load_only(0, 1, "fsdp", folder)
     assert loaded["timestamp"]["batch"] == 3 and loaded["loaded"].startswith("ckpt-000000000003")
+
+
+def test_an_eval_only_trainer_loads_an_fsdp_checkpoint_in_one_process(fsdp_two_rank_run):
+    """Asynchronous validation's load (ray/validate_checkpoint.py): an FSDP 2 checkpoint, resharded into the
+    validator's world of one process through ``CheckpointConfig(load_from=...)``, holds the saved weights;
+    the checkpoint's Timestamp comes from its manifest (a sharded load for eval restores weights only)."""
+    from raytrain_events import Trainer
+    from raytrain_events.checkpoint.config import CheckpointConfig
+    from raytrain_events.checkpoint.reader import read_manifest
+    from raytrain_events.dist import LocalDist
+    from tests.parallel.workloads import make_loader, make_model
+
+    folder, saved = fsdp_two_rank_run
+    newest = list_checkpoints(folder)[-1]
+    trainer = Trainer(
+        model=make_model(),
+        eval_dataloader=make_loader(0),
+        dist=LocalDist(torch.device("cpu")),
+        checkpoint=CheckpointConfig(load_from=newest.url),
+    )
+    _assert_same({k: v.detach() for k, v in trainer.state.model.state_dict().items()}, saved["model"], "FSDP 2 -> 1")
+    assert 0.0 <= float(trainer.eval()["metrics/eval/accuracy"]) <= 1.0
+    trainer.close()
+    assert read_manifest(newest.url).timestamp["batch"] == 5

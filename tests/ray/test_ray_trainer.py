@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -26,6 +27,9 @@ def make_rows(n=ROWS, tokens=None, seed=0):
     return [{"x": x[i], "y": int(y[i]), "ntok": int(ntok[i])} for i in range(n)]
 
 
+VAL_ROWS = make_rows(64, seed=2)
+
+
 def make_model():
     torch.manual_seed(0)
     return ClassifierModel(
@@ -44,30 +48,53 @@ def count_tokens(batch):
 class DumpPerRank(Callback):
     """Saves each rank's final parameters, timestamp and per-batch losses to a shared folder."""
 
-    def __init__(self, folder):
+    def __init__(self, folder, pace_s=0.0):
         self.folder = folder
+        self.pace_s = pace_s
         self.losses = []
+        self.batch_times = []  # (global batch, wall time at its end)
 
     def batch_end(self, state, logger):
         self.losses.append((state.timestamp.get_value("ba"), float(state.loss)))
+        self.batch_times.append((state.timestamp.get_value("ba"), time.time()))
+        time.sleep(self.pace_s)  # a step long enough that validations start while training goes on
 
     def fit_end(self, state, logger):
         torch.save(
-            {"params": state.model.state_dict(), "timestamp": state.timestamp.state_dict(), "losses": self.losses},
+            {
+                "params": state.model.state_dict(),
+                "timestamp": state.timestamp.state_dict(),
+                "losses": self.losses,
+                "batch_times": self.batch_times,
+            },
             f"{self.folder}/rank{state.rank}.pt",
         )
+
+
+class FailValidationAt(Callback):
+    """On the validating Trainer: an evaluator that raises on the checkpoint of global batch ``batch``."""
+
+    def __init__(self, batch):
+        self.batch = batch
+
+    def eval_start(self, state, logger):
+        if state.timestamp.get_value("ba") == self.batch:
+            raise RuntimeError(f"validation fails on purpose at batch {self.batch}")
 
 
 def load_ranks(folder, world):
     return [torch.load(f"{folder}/rank{r}.pt", weights_only=True) for r in range(world)]
 
 
-def _fit(tmp_path, ray_data, rows, *, workers, batch_size, duration, folder, eval_rows=None, **kw):
+def _fit(tmp_path, ray_data, rows, *, workers, batch_size, duration, folder, eval_rows=None, val_rows=None, **kw):
     from raytrain_events import RayTrainer
 
     datasets = {"train": ray_data.from_items(rows)}
     if eval_rows is not None:
         datasets["eval"] = ray_data.from_items(eval_rows)
+    if val_rows is not None:
+        datasets["val"] = ray_data.from_items(val_rows)
+    pace_s = kw.pop("pace_s", 0.0)
     return RayTrainer(
         model=make_model,
         optimizers=make_sgd,
@@ -77,7 +104,7 @@ def _fit(tmp_path, ray_data, rows, *, workers, batch_size, duration, folder, eva
         num_workers=workers,
         get_num_tokens_in_batch=count_tokens,
         deterministic_split=True,
-        callbacks=lambda: [DumpPerRank(str(folder))],
+        callbacks=lambda: [DumpPerRank(str(folder), pace_s)],
         storage_path=str(tmp_path / "runs"),
         report_interval="4ba",
         **kw,
@@ -88,9 +115,26 @@ def _fit(tmp_path, ray_data, rows, *, workers, batch_size, duration, folder, eva
 def two_worker_run(ray_cluster, tmp_path_factory):
     import ray.data
 
+    from raytrain_events.checkpoint.config import CheckpointConfig
+    from raytrain_events.ray.validation import AsyncValidation
+
     tmp = tmp_path_factory.mktemp("two")
     rows, eval_rows = make_rows(), make_rows(128, seed=1)
-    result = _fit(tmp, ray.data, rows, workers=2, batch_size=16, duration="2ep", folder=tmp, eval_rows=eval_rows)
+    # "val" is evaluated as Ray tasks on the checkpoints (failing on purpose at batch 8), "eval" in the loop.
+    result = _fit(
+        tmp,
+        ray.data,
+        rows,
+        workers=2,
+        batch_size=16,
+        duration="2ep",
+        folder=tmp,
+        eval_rows=eval_rows,
+        val_rows=VAL_ROWS,
+        checkpoint=CheckpointConfig(save_interval="4ba"),
+        validation=AsyncValidation(datasets=["val"], resources={"CPU": 1}, callbacks=lambda: [FailValidationAt(8)]),
+        pace_s=0.4,
+    )
     return result, rows, eval_rows, tmp
 
 
@@ -136,6 +180,50 @@ def test_history_has_reduced_train_loss_and_global_eval_metrics(two_worker_run):
         accuracy = (model.module(x).argmax(-1) == y).float().mean().item()
     assert result.metrics["metrics/eval/accuracy"] == pytest.approx(accuracy, abs=1e-6)
     assert result.metrics["final"] is True
+
+
+def accuracy_of(params, rows):
+    model = make_model()
+    model.load_state_dict(params)
+    x = torch.tensor(np.stack([r["x"] for r in rows]))
+    y = torch.tensor([r["y"] for r in rows])
+    with torch.no_grad():
+        return (model.module(x).argmax(-1) == y).float().mean().item()
+
+
+def test_async_validation_runs_as_ray_tasks_while_training_goes_on(two_worker_run):
+    """Issue 41 item 3: "val" is evaluated off the training ranks, on each checkpoint, as a Ray task."""
+    result, _, _, tmp = two_worker_run
+    trained = [e for e in result.history if "validation" not in e]
+    saved = {e["checkpoint_path"].rstrip("/").rsplit("/", 1)[-1]: e for e in trained if e.get("checkpoint_path")}
+    assert [e["time/batch"] for e in saved.values()] == [4, 8, 12, 16]
+    assert not any(k.startswith("metrics/val/") for e in trained for k in e)  # the workers never evaluated it
+    validations = {e["validated_checkpoint"]: e for e in result.validations}
+    assert sorted(validations) == sorted(saved)  # one entry per checkpoint, none lost
+    for name, entry in validations.items():
+        # At the checkpoint's global Timestamp: curves line up with the training entries and in-loop evals.
+        counters = {k: v for k, v in saved[name].items() if k.startswith("time/")}
+        assert {k: v for k, v in entry.items() if k.startswith("time/")} == counters
+        if entry["time/batch"] == 8:  # the failing evaluator: recorded, and the run went on
+            assert entry["validation"] == "failed"
+            assert "validation fails on purpose at batch 8" in entry["validation_error"]
+            assert "metrics/val/accuracy" not in entry
+        else:
+            assert entry["validation"] == "async" and 0.0 <= entry["metrics/val/accuracy"] <= 1.0
+    assert result.metrics["final"] is True and result.timestamp.get_value("ba") == 16
+    # The same metrics code on the loaded checkpoint: the final checkpoint's accuracy over the whole val set.
+    rank0 = load_ranks(tmp, 2)[0]
+    final = next(e for e in validations.values() if e["time/batch"] == 16)
+    assert final["metrics/val/accuracy"] == pytest.approx(accuracy_of(rank0["params"], VAL_ROWS), abs=1e-6)
+    # Training never waited: steps kept ending while the validations ran. A loop that waited for a
+    # validation would end no step inside that validation's run; every one that began before training's
+    # last step has a step end inside it, and one has several.
+    times = [t for _, t in rank0["batch_times"]]
+    began = [e for e in validations.values() if e["wall_time_started"] < times[-1]]
+    assert began, ("no validation ran while training went on", validations, times)
+    inside = [sum(e["wall_time_started"] <= t <= e["wall_time"] for t in times) for e in began]
+    assert min(inside) >= 1 and max(inside) >= 2, (inside, began, times)
+    assert max(e["wall_time"] for e in validations.values()) > times[-1]  # the run's end waited, not training
 
 
 def test_two_workers_match_one_worker_with_same_global_batch(two_worker_run, ray_cluster, tmp_path):

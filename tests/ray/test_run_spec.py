@@ -169,3 +169,60 @@ def test_datasets_are_checked_once_built_naming_the_fix(tmp_path):
         RunSpec.check_datasets({"train": source, "val": {"x": 1}})
     with pytest.raises(TypeError, match=r"got the string .*pass \[path\]"):
         ParquetRowGroups(paths[0])
+
+
+def test_async_validation_is_checked_before_ray_starts_naming_the_fix():
+    """``validation``: in-loop by default; 'async', a dict (config files, Tune) or AsyncValidation; bad ones refused."""
+    from raytrain_events.ray.validation import AsyncValidation
+
+    datasets = {"train": object(), "val": object(), "eval": object()}
+    ckpt = CheckpointConfig(save_interval="4ba")
+    assert _spec().validation is None  # in-loop evaluation stays the default
+    assert _spec(datasets=datasets, checkpoint=ckpt, validation="async").validation == AsyncValidation()
+    spec = _spec(datasets=datasets, checkpoint=ckpt, validation={"datasets": ["val"], "resources": {"CPU": 2}})
+    assert spec.validation.datasets == ("val",)
+    assert spec.validation.ray_remote_kwargs() == {"num_cpus": 2, "max_retries": 0}
+    assert spec.describe()["validation"]["datasets"] == ["val"]  # config.yaml: plain data
+    with pytest.raises(ValueError, match=r"saves none: pass checkpoint=CheckpointConfig\(save_interval"):
+        _spec(datasets=datasets, validation="async")
+    with pytest.raises(
+        ValueError, match=r"names \['test'\], which are not eval sets of this run \(\['eval', 'val'\]\)"
+    ):
+        _spec(datasets=datasets, checkpoint=ckpt, validation=AsyncValidation(datasets=["test"]))
+    with pytest.raises(ValueError, match="no eval set to evaluate: add one to datasets"):
+        _spec(checkpoint=ckpt, validation="async")
+    with pytest.raises(ValueError, match="use None .in-loop evaluation, the default., 'async'"):
+        _spec(datasets=datasets, checkpoint=ckpt, validation="sometimes")
+    with pytest.raises(ValueError, match=r"unknown keys \['gpus'\]: use datasets, every, resources"):
+        _spec(datasets=datasets, checkpoint=ckpt, validation={"gpus": 1})
+    with pytest.raises(ValueError, match="every=0. must be a positive integer"):
+        AsyncValidation(every=0)
+    with pytest.raises(ValueError, match="resources=.* e.g. {'CPU': 1}"):
+        AsyncValidation(resources={"CPU": -1})
+    with pytest.raises(TypeError, match="list of eval set names"):
+        AsyncValidation(datasets="val")
+    with pytest.raises(ValueError, match="timeout_s=0. must be a positive number"):
+        AsyncValidation(timeout_s=0)
+    with pytest.raises(ValueError, match="saves none"):  # a Tune override is checked like a new spec
+        _spec(datasets=datasets, checkpoint=ckpt).replace(validation="async", checkpoint=None)
+
+
+def test_unfinished_validations_are_recorded_as_failed():
+    """A checkpoint whose validation left no entry (Ray cancelled it at timeout_s) gets a failed entry."""
+    from raytrain_events.ray.validation import AsyncValidation, training_entries, unfinished_validations
+
+    entries = [
+        {"time/batch": 4, "time/sample": 128, "attempt": 1, "checkpoint_path": "/r/checkpoints/ckpt-4"},
+        {"time/batch": 8, "time/sample": 256, "attempt": 1, "checkpoint_path": "/r/checkpoints/ckpt-8"},
+        {"time/batch": 4, "time/sample": 128, "validation": "async", "validated_checkpoint": "ckpt-4"},
+        {"time/batch": 12, "time/sample": 384, "attempt": 2, "checkpoint_path": "/r/checkpoints/ckpt-12"},
+    ]
+    missing = unfinished_validations(entries, AsyncValidation(timeout_s=5))
+    assert [(e["validated_checkpoint"], e["time/sample"], e["validation"]) for e in missing] == [
+        ("ckpt-8", 256, "failed"),
+        ("ckpt-12", 384, "failed"),  # the restarted group's first checkpoint
+    ]
+    assert "timed out (timeout_s=5)" in missing[0]["validation_error"]
+    every_2nd = unfinished_validations(entries, AsyncValidation(every=2))  # each group counts its own checkpoints
+    assert [e["validated_checkpoint"] for e in every_2nd] == ["ckpt-8"]
+    assert len(training_entries(entries)) == 3

@@ -41,3 +41,15 @@ def test_an_early_stop_names_the_scheduler_as_users_write_it_and_where():
         "[sweep] t1 (ema): stopped by ASHAScheduler at time/sample=10: metrics/eval/accuracy 0.5 was not among "
         "the highest of the trials that reached that point"
     )
+
+
+def test_a_late_async_validation_does_not_turn_a_finished_trial_into_a_stopped_one():
+    """Async validation results (ray/validation.py) arrive after the final report, at an earlier Timestamp."""
+    console, lines = _console(ASHAScheduler(time_attr="time/sample", max_t=1000, grace_period=1))
+    trial = _trial()
+    console.on_trial_start(0, [], trial)
+    console.on_trial_result(0, [], trial, {"time/sample": 128, "time/epoch": 1, "train/loss": 0.5, "final": True})
+    late = {"time/sample": 64, "time/epoch": 0, "metrics/eval/accuracy": 0.7, "validation": "async"}
+    console.on_trial_result(0, [], trial, late)
+    console.on_trial_complete(0, [], trial)
+    assert lines[-1] == "[sweep] t1 (ema): finished at time/sample=128, metrics/eval/accuracy 0.7"
