@@ -23,6 +23,7 @@ global RNG, no numpy stream, the same plan on every host and every world size.
 from __future__ import annotations
 
 from fractions import Fraction
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from raytrain_events.core.time import TimeUnit
@@ -48,6 +49,14 @@ def _mix(*values: int) -> int:
     return h
 
 
+def _step(h: int) -> int:
+    """One splitmix64 step: the Feistel network's round function."""
+    h = (h + 0x9E3779B97F4A7C15) & _M64
+    h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _M64
+    return h ^ (h >> 31)
+
+
 def apportion(total: int, weights: Sequence[Fraction], key: int = 0) -> List[int]:
     """``total`` split in proportion to ``weights`` (largest remainders; ties by a hash of ``key``)."""
     weight_sum = sum(weights)
@@ -62,11 +71,13 @@ def apportion(total: int, weights: Sequence[Fraction], key: int = 0) -> List[int
     return counts
 
 
-def _split(counts: Sequence[int], length: int, left: int, key: int) -> List[int]:
-    """The left part (``left`` of ``length`` positions) of ``counts``: each count's share, largest remainders."""
+def _split(counts: Sequence[int], length: int, left: int, node: Tuple[int, int, int]) -> List[int]:
+    """The left part (``left`` of ``length`` positions) of ``counts``: each count's share, largest remainders
+    (ties broken by the hash of ``node``, (root, lo, hi), computed only when there is a remainder)."""
     floors = [c * left // length for c in counts]
     extra = left - sum(floors)
     if extra:
+        key = _mix(*node)
         order = sorted(
             (i for i, c in enumerate(counts) if (c * left) % length),
             key=lambda i: (-((counts[i] * left) % length), _mix(key, i)),
@@ -76,13 +87,19 @@ def _split(counts: Sequence[int], length: int, left: int, key: int) -> List[int]
     return floors
 
 
-def _shuffled_leaf(counts: Sequence[int], key: int) -> List[int]:
+@lru_cache(maxsize=1024)  # consecutive batches (and ranks' cursors) touch the same few leaves
+def _shuffled_leaf(counts: Tuple[int, ...], key: int) -> Tuple[int, ...]:
     """The source of each position of a leaf: ``counts`` as a multiset, in a keyed Fisher-Yates order."""
     out = [i for i, c in enumerate(counts) for _ in range(c)]
     for j in range(len(out) - 1, 0, -1):
-        k = _mix(key, j) % (j + 1)
+        k = _step(key ^ j) % (j + 1)
         out[j], out[k] = out[k], out[j]
-    return out
+    return tuple(out)
+
+
+@lru_cache(maxsize=4096)
+def _round_keys(key: int) -> Tuple[int, int, int, int]:
+    return (_mix(key, 0), _mix(key, 1), _mix(key, 2), _mix(key, 3))
 
 
 def permute(index: int, size: int, key: int) -> int:
@@ -91,11 +108,14 @@ def permute(index: int, size: int, key: int) -> int:
         return 0
     half = max(1, ((size - 1).bit_length() + 1) // 2)
     mask = (1 << half) - 1
+    k0, k1, k2, k3 = _round_keys(key)
     x = index
     while True:
         left, right = x >> half, x & mask
-        for round_ in range(4):
-            left, right = right, left ^ (_mix(key, round_, right) & mask)
+        left, right = right, left ^ (_step(k0 ^ right) & mask)
+        left, right = right, left ^ (_step(k1 ^ right) & mask)
+        left, right = right, left ^ (_step(k2 ^ right) & mask)
+        left, right = right, left ^ (_step(k3 ^ right) & mask)
         x = (left << half) | right
         if x < size:
             return x
@@ -224,13 +244,13 @@ class MixturePlan:
         root = _mix(self.seed, epoch, segment.start)
         while hi - lo > LEAF:
             mid = (lo + hi) // 2
-            left = _split(counts, hi - lo, mid - lo, _mix(root, lo, hi))
+            left = _split(counts, hi - lo, mid - lo, (root, lo, hi))
             if k >= mid:
                 out = [a + b for a, b in zip(out, left)]
                 counts, lo = [c - b for c, b in zip(counts, left)], mid
             else:
                 counts, hi = left, mid
-        for source in _shuffled_leaf(counts, _mix(root, lo, hi, 1))[: k - lo]:
+        for source in _shuffled_leaf(tuple(counts), _mix(root, lo, hi, 1))[: k - lo]:
             out[source] += 1
         return out
 
@@ -250,10 +270,10 @@ class MixturePlan:
         """Append the sources of positions ``span`` (inside ``node``, whose counts are ``counts``) to ``out``."""
         (lo, hi), (start, stop) = node, span
         if hi - lo <= LEAF:
-            out.extend(_shuffled_leaf(counts, _mix(root, lo, hi, 1))[start - lo : stop - lo])
+            out.extend(_shuffled_leaf(tuple(counts), _mix(root, lo, hi, 1))[start - lo : stop - lo])
             return
         mid = (lo + hi) // 2
-        left = _split(counts, hi - lo, mid - lo, _mix(root, lo, hi))
+        left = _split(counts, hi - lo, mid - lo, (root, lo, hi))
         if start < mid:
             self._walk(root, left, (lo, mid), (start, min(stop, mid)), out)
         if stop > mid:
@@ -271,9 +291,15 @@ class MixturePlan:
             return []
         taken = list(self.cursors(epoch, start))
         out = []
+        keys: Dict[Tuple[int, int], int] = {}  # (source, pass) -> its permutation's key
         for source in self.sources(epoch, start, stop):
-            out.append((source, self.row(epoch, source, taken[source])))
-            taken[source] += 1
+            t, rows = taken[source], self.source_rows[source]
+            pass_ = t // rows
+            key = keys.get((source, pass_))
+            if key is None:
+                key = keys[(source, pass_)] = _mix(self.seed, epoch, source, pass_)
+            out.append((source, permute(t % rows, rows, key)))
+            taken[source] = t + 1
         return out
 
     # --------------------------------------------------------------- run totals
