@@ -2,9 +2,10 @@
 
 Each rank's per-source samples and tokens of the batch ride on the loop's one per-batch sum
 (registered as counts on ``state.agreement``: no collective of their own), so every rank holds
-the run's exact totals. They are logged each batch as ``mixture/samples/<source>`` and
-``mixture/tokens/<source>`` ("tokens seen per source"), and saved in the checkpoint with the
-mixture and each source's cursor; a resume restores them and checks them against the plan.
+the run's exact totals. They are logged each batch as ``mixture/samples/<source>`` and, when the
+loader counts tokens (``tokens_of_row``), ``mixture/tokens/<source>`` ("tokens seen per source"),
+and saved in the checkpoint with the mixture, the seed, the stages' starts and each source's
+cursor; a resume restores them and checks them against the plan.
 `MixtureLoader` brings this callback along: users do not add it themselves.
 """
 
@@ -34,7 +35,10 @@ class MixtureCounts(Callback):
         self.loader = loader
         names = loader.mixture.names
         self._sample_keys = [f"mixture/samples/{n}" for n in names]
-        self._token_keys = [f"mixture/tokens/{n}" for n in names]
+        # Tokens per source only where the loader counts them (``tokens_of_row``): each count is one more
+        # value on the per-batch sum, which rides on DDP's gradients up to 16 values (trainer/counters.py).
+        counts_tokens = loader.tokens_of_row is not None
+        self._token_keys = [f"mixture/tokens/{n}" for n in names] if counts_tokens else []
         self.samples: List[int] = [0] * len(names)
         self.tokens: List[int] = [0] * len(names)
         self._at = (0, 0)  # (epoch, sample in epoch) of the latest batch end or epoch end

@@ -176,3 +176,23 @@ def test_sources_with_another_schema_or_row_count_are_refused_when_opened():
     datasets.pop("math")
     with pytest.raises(MixtureError, match=r"one dataset per source"):
         MixtureLoader(MIXTURE, datasets, batch_size=8)
+
+
+def test_tokens_per_source_are_counted_only_where_the_loader_counts_tokens():
+    """Each count is a value on the loop's per-batch sum: without tokens_of_row only samples are summed."""
+    datasets = {name: Rows(i, rows, []) for i, (name, rows) in enumerate(SOURCES.items())}
+    model = Tiny()
+    trainer = Trainer(
+        model=model,
+        train_dataloader=MixtureLoader(MIXTURE, datasets, batch_size=8),
+        max_duration="3ba",
+        optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+    )
+    assert [n for n in trainer.state.agreement.names if n.startswith("mixture/")] == [
+        "mixture/samples/code",
+        "mixture/samples/math",
+        "mixture/samples/web",
+    ]
+    trainer.fit()
+    counts = mixture_counts(trainer)
+    assert sum(c["samples"] for c in counts.values()) == 24 and all(c["tokens"] == 0 for c in counts.values())
