@@ -24,6 +24,7 @@ proportions. Stage starts are `Time` strings in ``dur`` (a fraction of the run),
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -168,7 +169,8 @@ class Mixture:
     def __post_init__(self) -> None:
         if not isinstance(self.sources, Mapping) or not self.sources:
             raise MixtureError("Mixture(sources=...) needs at least one source: {'web': rows, 'code': rows, ...}.")
-        source_list = tuple((str(name), _source(str(name), value)) for name, value in self.sources.items())
+        # Sorted by name: equal mixtures (dicts equal whatever their order) give the same plan.
+        source_list = tuple(sorted((str(name), _source(str(name), value)) for name, value in self.sources.items()))
         object.__setattr__(self, "sources", {name: source.to_dict() for name, source in source_list})
         if (self.stages is None) == (self.weights is None):
             raise MixtureError(
@@ -181,11 +183,13 @@ class Mixture:
         names = [name for name, _ in source_list]
         schemas = {name: s.schema for name, s in source_list if s.schema is not None}
         if len(set(schemas.values())) > 1:
-            first = next(iter(schemas))
-            odd = next(n for n, s in schemas.items() if s != schemas[first])
+            values = list(schemas.values())
+            common = max(values, key=values.count)  # the most sources' schema (the first by name on a tie)
+            first = next(n for n, s in schemas.items() if s == common)
+            odd = next(n for n, s in schemas.items() if s != common)
             raise MixtureError(
                 f"Source {odd!r} has another schema than {first!r} ({dict(schemas[odd] or ())} vs "
-                f"{dict(schemas[first] or ())}): mixed sources must share their columns and types; convert it first."
+                f"{dict(common or ())}): mixed sources must share their columns and types; convert it first."
             )
         if self.epoch_size is not None and (
             isinstance(self.epoch_size, bool) or not isinstance(self.epoch_size, int) or self.epoch_size <= 0
@@ -248,7 +252,7 @@ class Mixture:
         )
 
     def __hash__(self) -> int:
-        return hash(repr(sorted(self.to_dict().items(), key=lambda kv: kv[0])))
+        return hash(json.dumps(self.to_dict(), sort_keys=True))  # equal mixtures, whatever their key order
 
     # --------------------------------------------------------------- the order
     def plan(

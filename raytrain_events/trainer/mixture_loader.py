@@ -77,12 +77,14 @@ class MixtureLoader:
                     f"give Mixture(sources={{{name!r}: {len(dataset)}, ...}})."
                 )
             schemas[name] = row_schema(dataset[0])
-        first = names[0]
-        for name in names[1:]:
-            if schemas[name] != schemas[first]:
+        values = list(schemas.values())
+        common = max(values, key=values.count)  # the most sources' schema (the first by name on a tie)
+        first = next(n for n in names if schemas[n] == common)
+        for name in names:
+            if schemas[name] != common:
                 raise MixtureError(
                     f"Source {name!r} has another schema than {first!r} ({dict(schemas[name])} vs "
-                    f"{dict(schemas[first])}): mixed sources must share their columns and types; convert it first."
+                    f"{dict(common)}): mixed sources must share their columns and types; convert it first."
                 )
         self.mixture, self.datasets, self.batch_size, self.seed = mixture, dict(datasets), batch_size, seed
         self.drop_last, self.tokens_of_row = drop_last, tokens_of_row

@@ -40,7 +40,7 @@ def test_bad_mixtures_are_refused_naming_the_fix(kwargs, match):
 def test_bad_sources_and_schemas_are_refused():
     with pytest.raises(MixtureError, match=r"'web' has rows=0: give its row count as a positive int"):
         Mixture(sources={"web": 0}, weights={"web": 1})
-    with pytest.raises(MixtureError, match=r"Source 'code' has another schema than 'web'.*convert it first"):
+    with pytest.raises(MixtureError, match=r"Source 'web' has another schema than 'code'.*convert it first"):
         Mixture(
             sources={"web": {"rows": 5, "schema": {"ids": "int32"}}, "code": {"rows": 5, "schema": {"ids": "int64"}}},
             weights={"web": 1, "code": 1},
@@ -65,6 +65,13 @@ def test_a_mixture_is_plain_data_equal_after_a_round_trip_and_hashable():
     assert again == mixture and hash(again) == hash(mixture)
     assert Mixture(sources=SOURCES, weights=STAGES["0dur"]) == Mixture(sources=SOURCES, stages={"0dur": STAGES["0dur"]})
     assert Mixture(sources=SOURCES, weights={"web": 1}) != Mixture(sources=SOURCES, weights={"web": 2})
+    reordered = Mixture(
+        sources=dict(reversed(SOURCES.items())), stages={k: dict(reversed(v.items())) for k, v in STAGES.items()}
+    )
+    assert reordered == mixture and hash(reordered) == hash(mixture)
+    assert reordered.plan(seed=3, total_samples=940).rows(1, 0, 470) == mixture.plan(seed=3, total_samples=940).rows(
+        1, 0, 470
+    )
     assert mixture.epoch_size == sum(SOURCES.values())
 
 
@@ -72,9 +79,10 @@ def test_absolute_stages_set_the_epoch_as_streaming_does():
     mixture = Mixture(sources=SOURCES, weights={"web": {"repeat": 0.5}, "code": {"repeat": 2}, "math": {"choose": 7}})
     assert mixture.epoch_size == 150 + 240 + 7
     plan = mixture.plan(seed=1)
-    assert plan.epoch_totals(0) == (150, 240, 7)
+    assert mixture.names == ("code", "math", "web")  # sorted: equal mixtures give the same plan
+    assert plan.epoch_totals(0) == (240, 7, 150)
     rows = plan.rows(0, 0, plan.epoch_size)
-    code = [r for s, r in rows if s == 1]
+    code = [r for s, r in rows if s == 0]
     assert Counter(Counter(code).values()) == {2: 120}  # repeat=2: each code row twice, the second pass after the first
     assert len(set(code[:120])) == 120
 

@@ -72,7 +72,7 @@ class _Seen(Callback):
 def train_mixture(rank: int, world_size: int, *, folder: Optional[str] = None, crash_at: Optional[int] = None) -> dict:
     """Train the mixture on this rank's part of each global batch; its rows per batch, counts and Timestamp."""
     del rank
-    datasets = {name: _Source(i, rows) for i, (name, rows) in enumerate(SOURCES.items())}
+    datasets = {name: _Source(i, SOURCES[name]) for i, name in enumerate(MIXTURE.names)}  # ids: the plan's indices
     loader = MixtureLoader(
         MIXTURE, datasets, batch_size=GLOBAL_BATCH // world_size, tokens_of_row=lambda row: int(row["len"])
     )

@@ -168,7 +168,7 @@ def test_sources_with_another_schema_or_row_count_are_refused_when_opened():
     log = []
     datasets = {name: Rows(i, rows, log) for i, (name, rows) in enumerate(SOURCES.items())}
     datasets["math"] = Rows(2, 80, log, feature="features")
-    with pytest.raises(MixtureError, match=r"Source 'math' has another schema than 'web'.*convert it first"):
+    with pytest.raises(MixtureError, match=r"Source 'math' has another schema than 'code'.*convert it first"):
         MixtureLoader(MIXTURE, datasets, batch_size=8)
     datasets["math"] = Rows(2, 79, log)
     with pytest.raises(MixtureError, match=r"'math' has 79 rows but the mixture says 80"):
