@@ -48,10 +48,14 @@ class MixtureCounts(Callback):
     def init(self, state: State, logger: Logger) -> None:
         for key in (*self._sample_keys, *self._token_keys):
             state.agreement.register_count(key)
+        self._bind(state)  # a stage the run cannot place fails here, as Trainer(...) is built
+
+    def _bind(self, state: State) -> None:
+        self.loader.bind(rank=state.rank, world_size=state.world_size, seed=state.seed, max_duration=state.max_duration)
 
     def fit_start(self, state: State, logger: Logger) -> None:
         loader = self.loader
-        loader.bind(rank=state.rank, world_size=state.world_size, seed=state.seed, max_duration=state.max_duration)
+        self._bind(state)  # again: fit(duration=...) may have changed the run's length
         logger.log_hyperparameters({"mixture": loader.mixture.to_dict(), "mixture_plan": loader.plan.describe()})
         self._at = (state.epoch, int(state.timestamp.sample_in_epoch))
         saved, self._saved_cursors = self._saved_cursors, None

@@ -196,3 +196,16 @@ def test_tokens_per_source_are_counted_only_where_the_loader_counts_tokens():
     trainer.fit()
     counts = mixture_counts(trainer)
     assert sum(c["samples"] for c in counts.values()) == 24 and all(c["tokens"] == 0 for c in counts.values())
+
+
+def test_a_stage_the_run_cannot_place_is_refused_when_the_trainer_is_built():
+    datasets = {name: Rows(i, rows, []) for i, (name, rows) in enumerate(SOURCES.items())}
+    loader = MixtureLoader(MIXTURE, datasets, batch_size=8, tokens_of_row=lambda row: int(row["len"]))
+    model = Tiny()
+    with pytest.raises(ValueError, match=r"'0.6dur' is a fraction of the run.*give max_duration in 'ep', 'sp' or 'ba'"):
+        Trainer(
+            model=model,
+            train_dataloader=DataSpec(loader, get_num_tokens_in_batch=loader.tokens_in_batch),
+            max_duration="5000tok",
+            optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+        )
