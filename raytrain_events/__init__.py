@@ -17,12 +17,14 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` 
     from raytrain_events.core.engine import Engine, Trace
     from raytrain_events.core.event import Event
     from raytrain_events.core.logger import Logger, LoggerDestination
+    from raytrain_events.core.mixture import Mixture
     from raytrain_events.core.precision import Precision
     from raytrain_events.core.state import State
     from raytrain_events.core.time import Time, Timestamp, TimeUnit, ensure_time
     from raytrain_events.parallel.config import FSDPConfig
     from raytrain_events.ray.driver import RayTrainer
     from raytrain_events.trainer import Evaluator, LoopOptions, Trainer, seed_everything
+    from raytrain_events.trainer.mixture_loader import MixtureLoader
 
 __version__ = "0.1.0"
 
@@ -35,6 +37,8 @@ __all__ = [
     "Evaluator",
     "Logger",
     "LoggerDestination",
+    "Mixture",
+    "MixtureLoader",
     "Precision",
     "State",
     "Time",
@@ -60,6 +64,8 @@ _LAZY = {
     "Event": "raytrain_events.core.event",
     "Logger": "raytrain_events.core.logger",
     "LoggerDestination": "raytrain_events.core.logger",
+    "Mixture": "raytrain_events.core.mixture",
+    "MixtureLoader": "raytrain_events.trainer.mixture_loader",
     "Precision": "raytrain_events.core.precision",
     "State": "raytrain_events.core.state",
     "Time": "raytrain_events.core.time",

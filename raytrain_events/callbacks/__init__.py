@@ -1,5 +1,6 @@
 """Callbacks that observe the loop: throughput, learning rates, memory, NaN checks, early
-stopping, progress display. One small file each; each overrides only the events it needs, so
+stopping, progress display, per-source counts of a `Mixture` (`MixtureCounts`, which
+`MixtureLoader` adds itself). One small file each; each overrides only the events it needs, so
 the Engine never calls it on the others.
 
 Example::
@@ -14,6 +15,7 @@ from raytrain_events.callbacks.console_logger import ConsoleLogger
 from raytrain_events.callbacks.early_stopper import EarlyStopper
 from raytrain_events.callbacks.lr_monitor import LRMonitor
 from raytrain_events.callbacks.memory_monitor import MemoryMonitor, memory_report
+from raytrain_events.callbacks.mixture_counts import MixtureCounts, MixtureResumeError
 from raytrain_events.callbacks.nan_monitor import NaNMonitor, NonFiniteLossError
 from raytrain_events.callbacks.profiler import Profiler
 from raytrain_events.callbacks.progress_bar import ProgressBar
@@ -25,6 +27,8 @@ __all__ = [
     "EarlyStopper",
     "LRMonitor",
     "MemoryMonitor",
+    "MixtureCounts",
+    "MixtureResumeError",
     "NaNMonitor",
     "NonFiniteLossError",
     "Profiler",

@@ -15,6 +15,10 @@ Example::
     if state.agreement.agreed("save"):    # at BATCH_END or later: same answer on every rank
         save()
         state.agreement.clear("save")
+
+A *count* rides on the same sum: `register_count` once, `set_count` this rank's value before
+each batch (it is summed as it stands, so set it every batch), `total` after the batch reads
+the sum over ranks. The per-source samples and tokens of a `Mixture` are counted so.
 """
 
 from __future__ import annotations
@@ -27,13 +31,15 @@ __all__ = ["Agreement"]
 class Agreement:
     """Named flags: requested on this rank, agreed by all ranks once per batch."""
 
-    __slots__ = ("_names", "_requested", "_agreed", "_values")
+    __slots__ = ("_names", "_requested", "_agreed", "_values", "_counts", "_totals")
 
     def __init__(self) -> None:
         self._names: List[str] = []
         self._requested: Dict[str, bool] = {}
         self._agreed: Dict[str, bool] = {}
-        self._values: List[int] = []  # 0/1 per registered flag, in ``_names`` order
+        self._values: List[int] = []  # 0/1 per registered flag (any int >= 0 for a count), in ``_names`` order
+        self._counts: Dict[str, int] = {}  # count name -> its index in ``_names``
+        self._totals: Dict[str, int] = {}  # count name -> its sum over ranks at the latest batch
 
     # --------------------------------------------------------------- setup
     def register(self, name: str) -> None:
@@ -44,6 +50,14 @@ class Agreement:
             self._requested[name] = False
             self._agreed[name] = False
             self._values = [1 if self._requested[n] else 0 for n in self._names]
+            self._counts = {n: self._names.index(n) for n in self._counts}
+
+    def register_count(self, name: str) -> None:
+        """Declare ``name`` as a count (idempotent): an int per rank that the loop sums every batch."""
+        if name not in self._counts:
+            self.register(name)
+            self._counts[name] = self._names.index(name)
+            self._totals[name] = 0
 
     @property
     def names(self) -> Tuple[str, ...]:
@@ -75,6 +89,17 @@ class Agreement:
         self._agreed[name] = False
         self._values[self._names.index(name)] = 0
 
+    def set_count(self, name: str, value: int) -> None:
+        """This rank's value of the count ``name`` for the coming batch (>= 0)."""
+        index = self._counts.get(name)
+        if index is None:
+            raise KeyError(f"Count {name!r} is not registered; call state.agreement.register_count({name!r}) first.")
+        self._values[index] = value
+
+    def total(self, name: str) -> int:
+        """The count ``name`` summed over all ranks at the latest batch."""
+        return self._totals[name]
+
     # ------------------------------------------------------------- the loop
     def local_values(self) -> List[int]:
         """This rank's requests as 0/1 ints, in `names` order (what the loop sums)."""
@@ -86,6 +111,8 @@ class Agreement:
             raise ValueError(f"Got {len(sums)} flag sums for {len(self._names)} registered flags {self._names}.")
         for name, total in zip(self._names, sums):
             self._agreed[name] = total > 0
+        for name, index in self._counts.items():
+            self._totals[name] = int(sums[index])
 
     def _check(self, name: str) -> None:
         if name not in self._requested:

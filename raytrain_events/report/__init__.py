@@ -99,6 +99,7 @@ def _run_report(url: str, options: Dict[str, Any]) -> Tuple[str, List[str], Dict
     }
     for file in files:
         sections += [f"<h2>{html.escape(captions.get(file, file))}</h2>", html.image(file, captions.get(file, file))]
+    sections += _per_source_section(final)
     sections += _goodput_sections(url, options, history, files)
     checkpoints = [e for e in history if e.get("checkpoint_path")]
     if checkpoints:
@@ -126,6 +127,27 @@ def _run_report(url: str, options: Dict[str, Any]) -> Tuple[str, List[str], Dict
 
         sections += ["<h2>Run config</h2>", html.pre(yaml.safe_dump(config, sort_keys=False, default_flow_style=False))]
     return f"Run report: {name}", sections, files
+
+
+def _per_source_section(final: Dict[str, Any]) -> List[str]:
+    """Tokens seen per source of a `Mixture` (``mixture/samples/<source>``, ``mixture/tokens/<source>``)."""
+    names = sorted({k.split("/", 2)[2] for k in final if k.startswith(("mixture/samples/", "mixture/tokens/"))})
+    if not names:
+        return []
+    tokens = {n: final.get(f"mixture/tokens/{n}") or 0 for n in names}
+    samples = {n: final.get(f"mixture/samples/{n}") or 0 for n in names}
+    all_tokens, all_samples = sum(tokens.values()), sum(samples.values())
+    rows = [
+        [
+            n,
+            samples[n],
+            round(samples[n] / all_samples, 4) if all_samples else None,
+            tokens[n],
+            round(tokens[n] / all_tokens, 4) if all_tokens else None,
+        ]
+        for n in names
+    ]
+    return ["<h2>Tokens seen per source</h2>", html.table(["source", "samples", "share", "tokens", "share"], rows)]
 
 
 def _failed_saves_section(url: str, options: Dict[str, Any]) -> List[str]:

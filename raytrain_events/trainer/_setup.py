@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol,
 
 import torch
 
+from raytrain_events.core.callback import Callback
 from raytrain_events.core.data_spec import DataSpec, ensure_data_spec
 from raytrain_events.core.interval import IntervalFn, make_interval
 from raytrain_events.core.state import State
@@ -152,6 +153,12 @@ class _StateLambdaLR(torch.optim.lr_scheduler.LambdaLR):
         # LambdaLR.load_state_dict pops "lr_lambdas", which state_dict() above leaves out; the
         # multiplier is a function of the State, so there is nothing of it to restore.
         self.__dict__.update({k: v for k, v in state_dict.items() if k not in ("lr_lambdas", "_fn", "_state")})
+
+
+def data_callbacks(spec: Optional[DataSpec]) -> List[Callback]:
+    """Callbacks a train loader brings along through ``loop_callbacks()`` (`MixtureLoader`: per-source counts)."""
+    make = getattr(spec.dataloader if spec is not None else None, "loop_callbacks", None)
+    return list(make()) if callable(make) else []
 
 
 def set_epoch(loader: Any, epoch: int) -> None:

@@ -85,3 +85,18 @@ def test_a_new_flag_is_agreed_at_the_batch_it_was_asked_without_a_counter_sum_in
     trainer.fit()
     assert asker.agreed_at == [2, 5]
     assert sent == []  # no counter calls at all in one process
+
+
+def test_counts_ride_on_the_same_sum_as_the_flags():
+    agreement = Agreement()
+    agreement.register("save")
+    agreement.register_count("mixture/samples/web")
+    agreement.register_count("mixture/samples/web")  # idempotent
+    assert agreement.names == ("mixture/samples/web", "save")
+    agreement.set_count("mixture/samples/web", 7)
+    agreement.request("save")
+    assert agreement.local_values() == [7, 1]
+    agreement.set_sums([21, 2])  # what the loop's per-batch sum over three ranks gives back
+    assert agreement.total("mixture/samples/web") == 21 and agreement.agreed("save")
+    with pytest.raises(KeyError, match=r"register_count\('other'\)"):
+        agreement.set_count("other", 1)

@@ -95,6 +95,19 @@ def test_run_report_plots_tokens_when_counted(tmp_path):
     check_png(os.path.join(run, "metrics_tokens.png"), 3)
 
 
+def test_run_report_shows_tokens_seen_per_source(tmp_path):
+    run = str(tmp_path / "mix")
+    entries = _entries(2, tokens=True)
+    entries[-1].update({"mixture/samples/web": 1200, "mixture/samples/code": 300})
+    entries[-1].update({"mixture/tokens/web": 12000, "mixture/tokens/code": 3000})
+    append_history(run, entries)
+    write_report(run)
+    with open(os.path.join(run, "report.html")) as fh:
+        page = fh.read()
+    section = page.split("<h2>Tokens seen per source</h2>", 1)[1].split("<h2>", 1)[0]
+    assert ">web<" in section and ">12000<" in section and ">0.8<" in section and ">code<" in section
+
+
 def _trial(root, folder, label_algorithms, curve, lineage=None):
     os.makedirs(os.path.join(root, folder))
     record = {

@@ -19,6 +19,7 @@ from gloo_ranks import (
     run_ranks,
     train,
 )
+from mixture_ranks import FOLDER, GLOBAL_BATCH, MIXTURE, SEED, train_mixture
 
 # Every job of this file, by world size: one spawn per world size runs them all in order (a spawn
 # costs each rank a torch import and a gloo rendezvous; ten spawns were most of this file's time).
@@ -32,11 +33,14 @@ JOBS = {
         "ga2_1ep_separate": (train, dict(grad_accum=2, epochs=1, on_gradients=False)),
         "collectives": (count_collectives, {}),
         "collectives_separate": (count_collectives, dict(on_gradients=False)),
+        "mixture": (train_mixture, {}),
+        "mixture_crash": (train_mixture, dict(folder=FOLDER, crash_at=9)),  # newest checkpoint: step 5
     },
     3: {
         "ga1": (train, dict(grad_accum=1, epochs=2)),
         "ga3": (train, dict(grad_accum=3, epochs=2)),
         "collectives": (count_collectives, {}),
+        "mixture_resume": (train_mixture, dict(folder=FOLDER)),  # the 2-rank crash's checkpoint
     },
 }
 
@@ -106,3 +110,30 @@ def test_jobs_after_a_separate_collective_job_are_back_on_the_gradients(ranks):
     order = list(JOBS[2])
     assert order.index("ga2_1ep_separate") < order.index("collectives")
     assert all(r["per_batch"] == r["plain_per_batch"] for r in ranks(2, "collectives"))
+
+
+def test_a_mixture_keeps_its_order_and_counts_on_2_and_3_ranks_and_resumes_across_them(ranks):
+    """A 3-source mixture with a stage change: the plan's global order on 2 ranks, per-source counts summed on
+    DDP's all-reduce (no collective of their own), and a crash on 2 ranks resumed on 3 that ends exactly."""
+    full, crashed = ranks(2, "mixture"), ranks(2, "mixture_crash")
+    resumed = ranks(3, "mixture_resume")  # after the 2-rank spawn: it resumes that spawn's checkpoint
+    size = MIXTURE.epoch_size
+    plan = MIXTURE.plan(seed=SEED, total_samples=2 * size, global_batch=GLOBAL_BATCH)
+    expected = [list(pair) for epoch in (0, 1) for pair in plan.rows(epoch, 0, size)]
+
+    def global_order(results):
+        return [row for batch in zip(*(r["batches"] for r in results)) for part in batch for row in part]
+
+    assert global_order(full) == expected
+    assert all(r["on_gradients"] for r in full + resumed)
+    ts = full[0]["timestamp"]
+    assert all(r["counts"] == full[0]["counts"] for r in full)  # the same totals on every rank
+    assert sum(c["samples"] for c in full[0]["counts"].values()) == ts["sample"] == 2 * size
+    assert sum(c["tokens"] for c in full[0]["counts"].values()) == ts["token"]
+    assert all(r["crashed"] for r in crashed)
+    assert [r["started_at"] for r in resumed] == [5, 5, 5]
+    assert global_order(resumed) == expected[5 * GLOBAL_BATCH :]
+    counters = ("epoch", "batch", "sample", "token", "batch_in_epoch", "sample_in_epoch", "token_in_epoch")
+    for r in resumed:
+        assert {k: r["timestamp"][k] for k in counters} == {k: ts[k] for k in counters}
+        assert r["counts"] == full[0]["counts"]

@@ -1,0 +1,114 @@
+"""Mixture costs: the plan (resume cursors, rows per second) and the local loader against a plain DataLoader.
+
+Three measurements, each the median of ``--repeats`` (thread CPU time, so a busy shared machine
+counts only our own work):
+
+* **resume**: ``plan.cursors(epoch, position)`` deep in an epoch of sources with 1e9/1e8/1e7 rows
+  (and ``--sources`` of them): what a resume costs to find every source's position;
+* **plan rows/s**: ``plan.rows`` over batches of ``--batch`` global positions (the (source, row)
+  of each, nothing read): the CPU a data path spends per row on the order;
+* **loader**: one epoch of `MixtureLoader` over three in-memory sources against
+  ``torch.utils.data.DataLoader`` over one source of the same rows (same batch size and collate):
+  the local path's mixing overhead.
+
+Usage::
+
+    python bench/mixture_plan.py                 # all three, 5 repeats
+    python bench/mixture_plan.py --sources 16 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any, Callable, Dict, List
+
+
+def _clock() -> float:
+    return time.thread_time()
+
+
+def _median(fn: Callable[[], Any], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = _clock()
+        fn()
+        times.append(_clock() - start)
+    return statistics.median(times)
+
+
+def resume_cost(sources: int, repeats: int) -> Dict[str, Any]:
+    from raytrain_events.core.mixture import Mixture
+
+    sizes = [10 ** (9 - i % 3) for i in range(sources)]
+    mixture = Mixture(
+        sources={f"s{i}": n for i, n in enumerate(sizes)},
+        stages={"0dur": {f"s{i}": 1 + i % 3 for i in range(sources)}, "0.5dur": {"s0": 1, "s1": 1}},
+    )
+    plan = mixture.plan(seed=1, total_samples=4 * mixture.epoch_size)
+    position = mixture.epoch_size * 3 // 4  # in the second stage
+    seconds = _median(lambda: [plan.cursors(1, position + k) for k in range(100)], repeats) / 100
+    return {"sources": sources, "epoch_size": mixture.epoch_size, "cursors_us": round(seconds * 1e6, 1)}
+
+
+def plan_rows_per_s(sources: int, batch: int, repeats: int) -> Dict[str, Any]:
+    from raytrain_events.core.mixture import Mixture
+
+    sizes = [10 ** (9 - i % 3) for i in range(sources)]
+    mixture = Mixture(sources={f"s{i}": n for i, n in enumerate(sizes)}, weights={f"s{i}": 1 for i in range(sources)})
+    plan = mixture.plan(seed=1)
+    start = mixture.epoch_size // 3
+    batches = 20
+    seconds = _median(
+        lambda: [plan.rows(0, start + b * batch, start + (b + 1) * batch) for b in range(batches)], repeats
+    )
+    return {"sources": sources, "batch": batch, "plan_rows_per_s": round(batches * batch / seconds)}
+
+
+def loader_overhead(repeats: int, batch: int) -> Dict[str, Any]:
+    import torch
+    from torch.utils.data import DataLoader
+
+    from raytrain_events.core.mixture import Mixture
+    from raytrain_events.trainer.mixture_loader import MixtureLoader
+
+    rows = {"web": 6000, "code": 3000, "math": 1000}
+    data = {
+        name: [{"ids": torch.full((64,), i, dtype=torch.int32)} for _ in range(n)]
+        for i, (name, n) in enumerate(rows.items())
+    }
+    single: List[Any] = [row for name in rows for row in data[name]]
+    mixture = Mixture(sources=rows, weights={"web": 0.6, "code": 0.3, "math": 0.1})
+    loader = MixtureLoader(mixture, data, batch_size=batch, seed=0)
+    plain = DataLoader(single, batch_size=batch, shuffle=True)  # type: ignore[arg-type]
+    ours = _median(lambda: sum(1 for _ in loader), repeats)
+    theirs = _median(lambda: sum(1 for _ in plain), repeats)
+    total = sum(rows.values())
+    return {
+        "rows": total,
+        "batch": batch,
+        "mixture_loader_rows_per_s": round(total / ours),
+        "dataloader_rows_per_s": round(total / theirs),
+        "ratio": round(ours / theirs, 2),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--sources", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=1024, help="global positions per plan.rows call")
+    parser.add_argument("--loader-batch", type=int, default=32)
+    args = parser.parse_args()
+    out = {
+        "resume": resume_cost(args.sources, args.repeats),
+        "plan": plan_rows_per_s(args.sources, args.batch, args.repeats),
+        "loader": loader_overhead(args.repeats, args.loader_batch),
+    }
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,264 @@
+"""`Mixture`: named sources with weights that change in stages, as plain data.
+
+A mixture says how much of each source an epoch holds and how that changes over the run. It is
+plain data (`to_dict` / `from_dict`, equality, hashing), so it can be saved in a checkpoint,
+compared on resume, and be a Ray Tune hyperparameter; the order it implies lives in
+`raytrain_events.core.mixture_plan` (`Mixture.plan`).
+
+Example::
+
+    mixture = Mixture(
+        sources={"web": 80_000, "code": 15_000, "math": 5_000},      # rows per source
+        stages={"0dur": {"web": 0.7, "code": 0.2, "math": 0.1},       # proportions of each epoch
+                "0.7dur": {"web": 0.4, "code": 0.3, "math": 0.3}},    # from 70% of the run on
+    )
+
+A stage's weights are either all proportions (numbers, normalised; a source left out gets 0) or
+all absolute per-epoch amounts, as MosaicML Streaming's ``Stream(repeat=|choose=)``:
+``{"web": {"repeat": 0.5}, "math": {"choose": 2000}}`` (``repeat`` times the source's rows, or
+``choose`` rows). The epoch size is ``epoch_size`` when given, else the first stage's total when it
+is absolute, else the sum of every source's rows; later stages split that same size in their
+proportions. Stage starts are `Time` strings in ``dur`` (a fraction of the run), ``ep``, ``sp`` or
+``ba``; the first stage starts at 0.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple, Union
+
+from raytrain_events.core.time import Time, TimeUnit
+
+if TYPE_CHECKING:
+    from raytrain_events.core.mixture_plan import MixturePlan
+
+__all__ = ["Mixture", "Source", "MixtureError", "StageWeight"]
+
+StageWeight = Union[float, int, Mapping[str, float]]
+_ABSOLUTE_KEYS = ("repeat", "choose")
+_STAGE_UNITS = (TimeUnit.DURATION, TimeUnit.EPOCH, TimeUnit.SAMPLE, TimeUnit.BATCH)
+
+
+class MixtureError(ValueError):
+    """A mixture that cannot be trained on; the message names the problem and the fix."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """One named source: its row count and, optionally, its schema (column name -> type name).
+
+    Schemas given here are compared when the mixture is built; loaders compare the schemas of
+    the sources they open (a torch dataset's first row, a Parquet file's footer).
+    """
+
+    rows: int
+    schema: Optional[Tuple[Tuple[str, str], ...]] = None
+
+    def to_dict(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {"rows": self.rows}
+        if self.schema is not None:
+            out["schema"] = dict(self.schema)
+        return out
+
+
+def _source(name: str, value: Any) -> Source:
+    if isinstance(value, Source):
+        source = value
+    elif isinstance(value, Mapping):
+        unknown = set(value) - {"rows", "schema"}
+        if unknown or "rows" not in value:
+            raise MixtureError(f"Source {name!r}: expected {{'rows': N, 'schema': {{...}}}}, got {dict(value)!r}.")
+        schema = value.get("schema")
+        source = Source(
+            rows=value["rows"],
+            schema=None if schema is None else tuple(sorted((str(k), str(v)) for k, v in schema.items())),
+        )
+    else:
+        source = Source(rows=value)
+    if isinstance(source.rows, bool) or not isinstance(source.rows, int) or source.rows <= 0:
+        raise MixtureError(
+            f"Source {name!r} has rows={source.rows!r}: give its row count as a positive int "
+            "(an empty source cannot be mixed; leave it out)."
+        )
+    return source
+
+
+def _weight(stage: str, name: str, value: Any) -> Tuple[str, Fraction]:
+    """('proportion' | 'repeat' | 'choose', amount) of one stage entry, checked."""
+    if isinstance(value, Mapping):
+        if len(value) != 1 or next(iter(value)) not in _ABSOLUTE_KEYS:
+            raise MixtureError(
+                f"Stage {stage!r}, source {name!r}: {dict(value)!r} is not a weight; give a proportion (a number), "
+                "{'repeat': r} (r times the source's rows per epoch) or {'choose': n} (n rows per epoch)."
+            )
+        kind, amount = next(iter(value.items()))
+    else:
+        kind, amount = "proportion", value
+    if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not math.isfinite(amount):
+        raise MixtureError(f"Stage {stage!r}, source {name!r}: {kind} {amount!r} is not a finite number.")
+    if amount < 0:
+        raise MixtureError(
+            f"Stage {stage!r}, source {name!r}: {kind} {amount!r} is negative; weights must be >= 0 "
+            "(use 0, or leave the source out of the stage, to skip it)."
+        )
+    if kind == "choose" and not float(amount).is_integer():
+        raise MixtureError(f"Stage {stage!r}, source {name!r}: choose={amount!r} must be a whole number of rows.")
+    return kind, Fraction(repr(amount))  # the decimal as written: 0.3 is 3/10, not its binary float
+
+
+def _stage(
+    key: str, weights: Mapping[str, Any], rows: Mapping[str, int]
+) -> Tuple[Time[Any], Tuple[Tuple[str, Fraction], ...], bool]:
+    """(start, per-source amounts in rows-per-epoch terms, absolute?) of one stage, checked."""
+    try:
+        start = Time.from_timestring(key)
+    except (TypeError, ValueError) as exc:
+        raise MixtureError(f"Stage start {key!r} is not a time string like '0dur', '0.7dur' or '2ep': {exc}") from None
+    if start.unit not in _STAGE_UNITS:
+        raise MixtureError(
+            f"Stage {key!r} is in {start.unit.value}, which is not known before the data is read: "
+            "start stages in 'dur', 'ep', 'sp' or 'ba'."
+        )
+    if start.value < 0 or (start.unit == TimeUnit.DURATION and start.value >= 1):
+        raise MixtureError(
+            f"Stage {key!r} starts outside the run: a stage in 'dur' starts in [0, 1) "
+            "(0 is the start of training, 1 its end), and other units at >= 0."
+        )
+    unknown = sorted(set(weights) - set(rows))
+    if unknown:
+        raise MixtureError(
+            f"Stage {key!r} names {unknown}, which are not sources (sources: {list(rows)}): "
+            "check the spelling, or add them to sources."
+        )
+    checked = {name: _weight(key, name, value) for name, value in weights.items()}
+    kinds = {"proportion" if kind == "proportion" else "absolute" for kind, _ in checked.values()}
+    if len(kinds) > 1:
+        raise MixtureError(
+            f"Stage {key!r} mixes proportions with repeat/choose: give every source of a stage "
+            "as a proportion, or every one as {'repeat': r} / {'choose': n}."
+        )
+    amounts = {}
+    for name, source_rows in rows.items():
+        kind, amount = checked.get(name, ("proportion", Fraction(0)))
+        amounts[name] = amount * source_rows if kind == "repeat" else amount
+    if sum(amounts.values()) == 0:
+        raise MixtureError(f"Stage {key!r} has weights summing to 0: give at least one source a positive weight.")
+    return start, tuple(amounts.items()), kinds == {"absolute"}
+
+
+@dataclass(frozen=True)
+class Mixture:
+    """Named sources (``{name: rows}`` or `Source`) and stages (``{start: {name: weight}}``); see the module docstring.
+
+    ``weights={...}`` is the one-stage shorthand for ``stages={"0dur": {...}}``.
+    """
+
+    sources: Mapping[str, Any]
+    stages: Optional[Mapping[str, Mapping[str, StageWeight]]] = None
+    weights: Optional[Mapping[str, StageWeight]] = None
+    epoch_size: Optional[int] = None
+    # Checked, normalised forms (derived in __post_init__; not arguments).
+    source_list: Tuple[Tuple[str, Source], ...] = field(init=False, repr=False, compare=False)
+    stage_list: Tuple[Tuple[Time[Any], Tuple[Tuple[str, Fraction], ...]], ...] = field(
+        init=False, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sources, Mapping) or not self.sources:
+            raise MixtureError("Mixture(sources=...) needs at least one source: {'web': rows, 'code': rows, ...}.")
+        # Sorted by name: equal mixtures (dicts equal whatever their order) give the same plan.
+        source_list = tuple(sorted((str(name), _source(str(name), value)) for name, value in self.sources.items()))
+        object.__setattr__(self, "sources", {name: source.to_dict() for name, source in source_list})
+        if (self.stages is None) == (self.weights is None):
+            raise MixtureError(
+                "Give the mixture's weights once: weights={'web': 0.7, ...} for one stage, or "
+                "stages={'0dur': {...}, '0.7dur': {...}} for weights that change over the run."
+            )
+        stages = dict(self.stages) if self.stages is not None else {"0dur": dict(self.weights or {})}
+        object.__setattr__(self, "stages", {str(k): dict(v) for k, v in stages.items()})
+        object.__setattr__(self, "weights", None)
+        names = [name for name, _ in source_list]
+        schemas = {name: s.schema for name, s in source_list if s.schema is not None}
+        if len(set(schemas.values())) > 1:
+            values = list(schemas.values())
+            common = max(values, key=values.count)  # the most sources' schema (the first by name on a tie)
+            first = next(n for n, s in schemas.items() if s == common)
+            odd = next(n for n, s in schemas.items() if s != common)
+            raise MixtureError(
+                f"Source {odd!r} has another schema than {first!r} ({dict(schemas[odd] or ())} vs "
+                f"{dict(common or ())}): mixed sources must share their columns and types; convert it first."
+            )
+        if self.epoch_size is not None and (
+            isinstance(self.epoch_size, bool) or not isinstance(self.epoch_size, int) or self.epoch_size <= 0
+        ):
+            raise MixtureError(f"epoch_size={self.epoch_size!r} must be a positive int (samples per epoch) or None.")
+        object.__setattr__(self, "source_list", source_list)
+        object.__setattr__(self, "stage_list", self._check_stages(names))
+
+    def _check_stages(self, names: list[str]) -> Tuple[Tuple[Time[Any], Tuple[Tuple[str, Fraction], ...]], ...]:
+        assert self.stages is not None
+        if not self.stages:
+            raise MixtureError("Mixture(stages={}) has no stage: give at least {'0dur': {source: weight, ...}}.")
+        rows = {name: source.rows for name, source in self.source_list}
+        out = [_stage(key, weights, rows) for key, weights in self.stages.items()]
+        if out[0][0].value != 0:
+            raise MixtureError(
+                f"The first stage starts at {out[0][0].to_timestring()!r}: the first stage must start at '0dur' "
+                "(the data needs weights from the first batch on)."
+            )
+        if self.epoch_size is None and out[0][2]:
+            object.__setattr__(self, "epoch_size", int(sum(a for _, a in out[0][1])))
+            if self.epoch_size == 0:
+                raise MixtureError("The first stage's repeat/choose select no row: raise them, or give epoch_size.")
+        elif self.epoch_size is None:
+            object.__setattr__(self, "epoch_size", sum(rows.values()))
+        return tuple((start, amounts) for start, amounts, _ in out)
+
+    # --------------------------------------------------------------- plain data
+    @property
+    def names(self) -> Tuple[str, ...]:
+        """The source names, in the order every per-source list uses."""
+        return tuple(name for name, _ in self.source_list)
+
+    def rows(self, name: str) -> int:
+        """Rows of source ``name``."""
+        return dict(self.source_list)[name].rows
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain data (JSON/YAML): ``Mixture.from_dict(m.to_dict()) == m``."""
+        assert self.stages is not None
+        return {
+            "sources": dict(self.sources),
+            "stages": {k: dict(v) for k, v in self.stages.items()},
+            "epoch_size": self.epoch_size,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Mixture:
+        """Inverse of `to_dict` (also accepts ``weights=`` instead of ``stages=``)."""
+        unknown = set(data) - {"sources", "stages", "weights", "epoch_size"}
+        if unknown:
+            raise MixtureError(
+                f"Unknown mixture keys {sorted(unknown)}: expected sources, stages (or weights), epoch_size."
+            )
+        return cls(
+            sources=data["sources"],
+            stages=data.get("stages"),
+            weights=data.get("weights"),
+            epoch_size=data.get("epoch_size"),
+        )
+
+    def __hash__(self) -> int:
+        return hash(json.dumps(self.to_dict(), sort_keys=True))  # equal mixtures, whatever their key order
+
+    # --------------------------------------------------------------- the order
+    def plan(
+        self, *, seed: int, total_samples: Optional[int] = None, global_batch: Optional[int] = None
+    ) -> MixturePlan:
+        """The run's sample order (see `MixturePlan`): ``total_samples`` resolves 'dur' stages, ``global_batch`` 'ba'."""
+        from raytrain_events.core.mixture_plan import MixturePlan
+
+        return MixturePlan(self, seed=seed, total_samples=total_samples, global_batch=global_batch)
