@@ -365,7 +365,9 @@ class GlobalOrderLoader:
         """Start (or, after a feeder restart, rebuild from ``resume_batch``) the epoch on the feeder."""
         shard = self.shard
         _call_feeder(
-            lambda: shard.feeder.start_epoch.remote(epoch, position, self.order_seed, shard.rank, resume_batch)
+            lambda: shard.feeder.start_epoch.remote(
+                epoch, position, self.order_seed, shard.rank, resume_batch, self.shuffle_rows
+            )
         )
 
     def _to_batch(self, slices, blocks: Dict[Any, Any]) -> Any:

@@ -76,7 +76,9 @@ class RunSpec(LoopOptions):
     collate_fn: Optional[Callable] = _opt(None, help="fn(numpy batch dict) -> batch, on the worker")
     prefetch_batches: int = _opt(1, help="batches Ray Data prefetches per worker")
     shuffle_buffer_size: Optional[int] = _opt(
-        None, help="train: permute the blocks per epoch with seed + epoch; eval: Ray Data local shuffle rows"
+        None,
+        help="train (with seed): blocks permuted, then rows within windows of this many rows, by seed + epoch; "
+        "eval: Ray Data local shuffle rows",
     )
     columns: Optional[List[str]] = _opt(None, help="only these dataset columns reach the batch")
     steps_per_epoch: Optional[int] = _opt(
