@@ -54,7 +54,8 @@ class RunSpec(LoopOptions):
     datasets: Union[Mapping[str, Any], Factory] = _opt(
         help="{'train': ray.data.Dataset or ParquetRowGroups(paths), <eval name>: Dataset, ...}, or fn(config) -> "
         "that dict (called on the driver when the run starts); every name besides 'train' is an eval set; "
-        "ParquetRowGroups (ray/parquet_seek.py): a resume reads nothing before its position",
+        "ParquetRowGroups(paths, a folder or s3://bucket/prefix/) or a bare ray.data.read_parquet(...) "
+        "(ray/parquet_seek.py): a resume reads nothing before its position",
         worker=False,
     )
     batch_size: int = _opt(64, help="rows per worker per batch")
