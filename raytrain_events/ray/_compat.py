@@ -19,10 +19,10 @@ Private names used (checked against Ray 2.60.0):
   with ``ray.data._internal.logical.operators.read_operator`` (is the dataset a bare file read?) and
   ``Dataset.iter_internal_ref_bundles()`` (the blocks, in order, without pulling them to the caller:
   the global-order feeder slices them). For ``read_parquet`` detection (`parquet_read_of`): the
-  plan's operators ``ReadFiles`` (``datasource_name``, ``scanner`` with ``columns``/``predicate``/
-  ``limit``, ``block_udf``), ``ListFiles`` (``paths``, ``filesystem``, ``file_extensions``,
-  ``partition_filter``, ``predicate``, ``limit``) and ``Project`` (``exprs`` of
-  ``ray.data.expressions.ColumnExpr``), each with ``input_dependencies``.
+  plan's operators ``ReadFiles`` (``datasource_name``, ``block_udf``, ``scanner``: ``columns``,
+  ``predicate``, ``limit``, ``shuffle``, ``partition_predicate``), ``ListFiles`` (``paths``,
+  ``filesystem``, ``file_extensions``, ``partition_filter``, ``predicate``, ``limit``) and
+  ``Project`` (``exprs`` of ``ColumnExpr``), each with ``input_dependencies``.
 * Ray Train V2's worker: ``ray.train.v2._internal.execution.context.get_train_context()
   .preemption_context.preemption_info`` (the notice Ray's preemption watcher left on this worker,
   read without the cross-worker barrier of ``ray.train.get_preemption_info()``, so the loop can
@@ -227,8 +227,8 @@ def parquet_read_of(dataset: Any) -> Optional[Tuple[List[str], Any, Optional[Lis
     if not isinstance(op, read_operator.ReadFiles) or op.datasource_name != "ParquetV2" or op.block_udf is not None:
         return None
     scanner = op.scanner
-    if getattr(scanner, "predicate", None) is not None or getattr(scanner, "limit", None) is not None:
-        return None
+    if any(getattr(scanner, n, None) is not None for n in ("predicate", "limit", "shuffle", "partition_predicate")):
+        return None  # rows filtered or cut, or files shuffled by Ray per epoch
     if getattr(scanner, "synthesized_columns", ()):
         return None  # include_paths=True and such: columns Ray adds after the read
     if columns is None and getattr(scanner, "columns", None) is not None:
@@ -484,7 +484,10 @@ def _probe_parquet_read() -> None:
         (f"{ops}.read_operator", "ReadFiles"): "datasource_name scanner block_udf input_dependencies",
         (f"{ops}.read_operator", "ListFiles"): "paths filesystem file_extensions partition_filter predicate limit",
         (f"{ops}.map_operator", "Project"): "exprs input_dependencies",
-        ("ray.data._internal.datasource_v2.common.arrow_file_scanner", "ArrowFileScanner"): "columns predicate limit",
+        (
+            "ray.data._internal.datasource_v2.common.arrow_file_scanner",
+            "ArrowFileScanner",
+        ): "columns predicate limit shuffle partition_predicate",
     }
     for (module, name), fields in wanted.items():
         cls = _import(module, name)

@@ -73,6 +73,12 @@ def as_seekable(dataset: Any) -> Any:
     if read is not None:
         paths, filesystem, columns = read
         source = ParquetRowGroups(paths, filesystem=filesystem, columns=columns)
+        if any("=" in part for path in source.paths for part in path.split("/")[:-1]):
+            logger.warning(
+                "The train set (ray.data.read_parquet) has key=value folders, whose values Ray Data adds as "
+                "columns: it is re-streamed on a resume. Pass ParquetRowGroups(paths) to seek without them."
+            )
+            return dataset
         logger.info(
             "The train set (ray.data.read_parquet of %d file(s)) is read by row group: a resume enters the "
             "epoch at its position and reads nothing before it.",

@@ -153,7 +153,8 @@ def test_dataset_internals(ray_cluster, tmp_path):
     paths, filesystem, columns = _compat.parquet_read_of(read)
     assert paths == [str(tmp_path)] and filesystem is not None and columns is None
     assert _compat.parquet_read_of(read.select_columns(["x"]))[2] == ["x"]
-    for other in (mapped, read.limit(3), read.rename_columns({"x": "y"}), ray.data.from_items([{"x": 1}])):
+    shuffled = ray.data.read_parquet(str(tmp_path), shuffle="files")
+    for other in (mapped, read.limit(3), read.rename_columns({"x": "y"}), shuffled, ray.data.from_items([{"x": 1}])):
         assert _compat.parquet_read_of(other) is None
     items = ray.data.from_items([{"x": i} for i in range(7)])
     assert _compat.dataset_meta_count(items) == 7

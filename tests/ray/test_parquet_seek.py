@@ -179,6 +179,11 @@ def test_a_bare_read_parquet_and_a_folder_uri_seek(ray_cluster, parquet_files, t
     with caplog.at_level(logging.WARNING, logger="raytrain_events.ray.parquet_seek"):
         assert as_seekable(mapped) is mapped
     assert "a resume re-streams it from the epoch's first row" in caplog.text
+    hive = tmp_path / "hive" / "lang=en"  # Ray Data adds a "lang" column from the folder: no seek without it
+    hive.mkdir(parents=True)
+    os.link(parquet_files[0], hive / "part-00.parquet")
+    partitioned = ray.data.read_parquet(str(tmp_path / "hive"))
+    assert as_seekable(partitioned) is partitioned
     # A folder URI on S3 (moto): listed in sorted order, entered at the position.
     options = s3_server["storage_options"]
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **options)
