@@ -20,9 +20,13 @@ Arms:
   and would be the same for every arm. Its resume is a new feeder and loaders at ``set_position(50%)``,
   what a restarted worker group does: the epoch's stream runs again from its start, the part before
   the position read by Ray Data and passed over.
-- ``ours-seek``: the same with `ParquetRowGroups` (``ray/parquet_seek.py``) as the source, whose
-  resume starts at the row group holding the position (nothing before it is read): what
-  ``RayTrainer(datasets={"train": ParquetRowGroups(paths)})`` runs, driven like ``ours``.
+- ``ours-seek``: the same with `ParquetRowGroups` (``ray/parquet_seek.py``) over the folder as the
+  source, whose resume starts at the row group holding the position (nothing before it is read):
+  what ``RayTrainer`` runs for ``ParquetRowGroups(folder)`` and for a bare
+  ``ray.data.read_parquet(folder)`` (detected, `as_seekable`), driven like ``ours``. Reads are
+  byte-sized (16 MiB of row groups per task), handed on once read, 64 MiB ahead.
+  Both ``ours`` arms get the token column as a (rows x 2048) uint8 tensor (``batch_tensors.py``)
+  and view it as int32 (`tensor_decode`): no per-row objects; the other arms decode per row.
 - ``ray-data``: a plain `TorchTrainer` loop over ``ray.train.get_dataset_shard("train").iter_batches``
   (Ray Train's default `DataConfig`: ``streaming_split(equal=True)``). Ray Data has no mid-epoch
   resume; its "resume" is a second pass that iterates past the first half of the worker's rows, so
@@ -32,6 +36,12 @@ Arms:
   its own local cache, as on separate machines) and `StreamingDataLoader`; its resume is a new
   dataset with an empty cache and ``load_state_dict`` of the loader's ``state_dict()`` taken at 50%
   (``data_scale_arms.streaming_arm`` says why its datasets are built one node at a time here).
+
+Repeats and network: every arm runs ``--repeats`` times (3) in turn on one cluster, and the table
+gives each measure's median with its spread ``[min-max]``. Network bytes are counted in a separate
+pass (one run of each Ray arm) on a second cluster started with ``max_direct_call_object_size=0``
+(every object through the object store, so small ones are counted too), a setting that slows small
+calls and so is kept out of the throughput runs; ``--no-network`` skips that pass.
 
 Measured per arm: rows per second per worker (first to last batch of the epoch, mean over workers);
 network bytes per epoch / dataset bytes (bytes that arrived at the 3 train nodes: for the Ray arms
@@ -43,8 +53,9 @@ sum over the 4 nodes of bytes held, sampled every 0.2 s). Ratios are against ``o
 
 Usage::
 
-    python bench/data_scale.py                         # 48 files x 500 rows of 2 KiB (47 MiB), all arms
+    python bench/data_scale.py                         # 48 files x 500 rows of 2 KiB (47 MiB), all arms, 3 repeats
     python bench/data_scale.py --files 400 --rows-per-file 2000 --arms ours ray-data
+    python bench/data_scale.py --files 4 --rows-per-file 200 --repeats 1 --no-network --arms ours-seek  # smoke
     python bench/data_scale.py --json                  # also one JSON line at the end
 
 Streaming needs ``pip install -c constraints.txt -e '.[bench]'``; when it cannot be imported its
@@ -54,7 +65,6 @@ row says why and the other arms still run.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import shutil
@@ -147,13 +157,13 @@ def ours_arm(ray: Any, data: str, rows: int, seek: bool, head: str, rank_nodes: 
         def epoch(self, shard: Any, position: int, stop_after: Optional[int] = None) -> Dict:
             import torch
 
-            loader = GlobalOrderLoader(shard, device="cpu", collate_fn=decode)
+            loader = GlobalOrderLoader(shard, device="cpu")  # token bytes as a uint8 tensor, no per-row objects
             loader.set_epoch(0)
             loader.set_position(position)
             start = time.monotonic()
             first = last = None
             seen = total = 0
-            for batch in loader:
+            for batch in map(tensor_decode, loader):
                 last = time.monotonic()
                 if first is None:
                     first = last
@@ -164,8 +174,8 @@ def ours_arm(ray: Any, data: str, rows: int, seek: bool, head: str, rank_nodes: 
             return epoch_figures(start, first, last, seen)
 
     def feeder() -> Any:
-        source = ParquetRowGroups(sorted(glob.glob(os.path.join(data, "*.parquet")))) if seek else None
-        source = source if seek else ray.data.read_parquet(data)
+        # ours-seek: the folder, as RayTrainer turns a bare ray.data.read_parquet(data) into (`as_seekable`).
+        source = ParquetRowGroups(data) if seek else ray.data.read_parquet(data)
         actor = (
             ray.remote(EpochFeeder)
             .options(**FEEDER_OPTIONS, scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=False))
@@ -189,6 +199,13 @@ def ours_arm(ray: Any, data: str, rows: int, seek: bool, head: str, rank_nodes: 
     for actor in [*ranks, fresh, resumed]:  # ranks first: their prefetch threads still call the feeder
         ray.kill(actor)
     return summary(epoch, resume, moved, peak)
+
+
+def tensor_decode(batch: Dict[str, Any]) -> Dict[str, Any]:
+    """``decode`` for our loader's batches: the token column is already a (rows x 2048) uint8 tensor."""
+    import torch
+
+    return {"ids": batch["id"], "tokens": batch["tokens"].view(torch.int32)}
 
 
 def decode(batch: Dict[str, Any]) -> Dict[str, Any]:
@@ -227,6 +244,9 @@ def table(results: Dict[str, Dict], data_bytes: int) -> str:
         if value is None:
             return "-"
         text = fmt.format(value / scale)
+        low, high = results[arm].get("spread", {}).get(key, (value, value))
+        if low != high:  # the spread over the repeats (the cell is their median)
+            text += f" [{fmt.format(low / scale)}-{fmt.format(high / scale)}]"
         ref = base.get(key)
         if arm != "ours" and ref:
             text += f" ({value / ref:.2f}x)"
@@ -241,8 +261,9 @@ def table(results: Dict[str, Dict], data_bytes: int) -> str:
         if "error" in result:
             lines.append(f"| {arm} | not run: {result['error']} | | | | | |")
             continue
-        result["network_ratio"] = result["moved_bytes"] / data_bytes
-        if "network_ratio" not in base and "moved_bytes" in base:
+        if result.get("moved_bytes") is not None:
+            result["network_ratio"] = result["moved_bytes"] / data_bytes
+        if "network_ratio" not in base and base.get("moved_bytes") is not None:
             base["network_ratio"] = base["moved_bytes"] / data_bytes
         lines.append(
             f"| {arm} | {cell(arm, 'rows_per_s_per_worker')} | {cell(arm, 'epoch_rows_per_s_per_worker')} "
@@ -253,19 +274,37 @@ def table(results: Dict[str, Dict], data_bytes: int) -> str:
     return "\n".join(lines)
 
 
-def start_cluster(cluster_class: Any, tries: int = 3) -> Any:
+def aggregate(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The repeats of one arm: each number's median, its ``(min, max)`` under ``spread``; an error if any."""
+    import statistics
+
+    errors = [run for run in runs if "error" in run]
+    if errors:
+        return errors[0]
+    out: Dict[str, Any] = dict(runs[-1])
+    spread: Dict[str, Any] = {}
+    for key, value in runs[-1].items():
+        values = [run.get(key) for run in runs]
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and None not in values:
+            out[key] = statistics.median(values)
+            spread[key] = (min(values), max(values))
+    out["spread"], out["repeats"] = spread, len(runs)
+    return out
+
+
+def start_cluster(cluster_class: Any, count_network: bool = False, tries: int = 3) -> Any:
     """The head (1 CPU) and ``WORLD`` nodes of 1 CPU and one ``slot``; a start that times out (Ray waits
-    30 s for a raylet to register, which a loaded machine can miss) is retried."""
+    30 s for a raylet to register, which a loaded machine can miss) is retried. ``count_network``:
+    every object through the object store (``max_direct_call_object_size=0``), so the per-node
+    created bytes count small objects too -- a setting that slows small calls, so throughput is
+    measured on a cluster without it."""
+    system = {"_system_config": {"max_direct_call_object_size": 0}} if count_network else {}
     for attempt in range(tries):
         cluster = None
         try:
             cluster = cluster_class(
                 initialize_head=True,
-                head_node_args={
-                    "num_cpus": 1,
-                    "object_store_memory": STORE,
-                    "_system_config": {"max_direct_call_object_size": 0},
-                },
+                head_node_args={"num_cpus": 1, "object_store_memory": STORE, **system},
             )
             for _ in range(WORLD):
                 cluster.add_node(num_cpus=1, resources={"slot": 1}, object_store_memory=STORE)
@@ -279,28 +318,15 @@ def start_cluster(cluster_class: Any, tries: int = 3) -> Any:
     raise AssertionError("unreachable")
 
 
-def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--files", type=int, default=48, help="Parquet files (and about as many MDS shards)")
-    parser.add_argument("--rows-per-file", type=int, default=500, help="2 KiB rows per file")
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
-    parser.add_argument("--json", action="store_true", help="also print the results as one JSON line")
-    args = parser.parse_args(argv)
-
-    import data_scale_arms
+def run_arms(
+    arms: List[str], data: str, scratch: str, rows: int, repeats: int, count_network: bool
+) -> Dict[str, List[Dict]]:
+    """Each arm ``repeats`` times (arms in turn) on one fresh cluster (`start_cluster`)."""
     import ray
     from ray.cluster_utils import Cluster
 
-    ray.cloudpickle.register_pickle_by_value(data_scale_arms)  # the train loops' helpers, to the workers
-
-    scratch = tempfile.mkdtemp(prefix="data_scale-")
-    data = os.path.join(scratch, "parquet")
-    os.makedirs(data)
-    data_bytes = write_parquet(data, args.files, args.rows_per_file)
-    rows = args.files * args.rows_per_file
-    print(f"dataset: {args.files} files x {args.rows_per_file} rows x 2 KiB = {data_bytes / 2**20:.1f} MiB", flush=True)
-    cluster = start_cluster(Cluster)
-    results: Dict[str, Dict] = {}
+    cluster = start_cluster(Cluster, count_network)
+    results: Dict[str, List[Dict]] = {arm: [] for arm in arms}
     try:
         os.environ["RAY_ADDRESS"] = cluster.address  # Ray Train's helper processes: this cluster, not another
         ray.init(address=cluster.address)
@@ -311,22 +337,68 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         # Warm-up: the first Ray Data execution in a cluster starts worker processes and imports
         # (a minute at load 50 here); without this, whichever arm runs first pays it in its first batch.
         ray.data.read_parquet(data).limit(1).take_all()
-        for arm in args.arms:
-            started = time.monotonic()
-            try:
-                if arm in ("ours", "ours-seek"):
-                    results[arm] = ours_arm(ray, data, rows, arm == "ours-seek", head, rank_nodes)
-                else:
-                    run = torch_arm if arm == "ray-data" else streaming_arm
-                    sampler = StoreSampler(ray_nodes(ray))
-                    results[arm] = run(ray, data, scratch, rows, WORLD, RANK_BATCH, decode, summary, sampler)
-            except Exception as exc:  # e.g. Streaming not installed or not importable here: say so, go on
-                results[arm] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-            print(f"{arm}: {time.monotonic() - started:.0f} s {json.dumps(results[arm])}", flush=True)
+        for repeat in range(repeats):
+            tag = f"{'net' if count_network else 'run'}{repeat}"
+            folder = os.path.join(scratch, tag)  # this pass's MDS shards, caches and run dirs
+            os.makedirs(folder)
+            for arm in arms:
+                started = time.monotonic()
+                try:
+                    if arm in ("ours", "ours-seek"):
+                        result = ours_arm(ray, data, rows, arm == "ours-seek", head, rank_nodes)
+                    else:
+                        run = torch_arm if arm == "ray-data" else streaming_arm
+                        sampler = StoreSampler(ray_nodes(ray))
+                        result = run(ray, data, folder, rows, WORLD, RANK_BATCH, decode, summary, sampler)
+                except Exception as exc:  # e.g. Streaming not installed or not importable here: say so, go on
+                    result = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+                results[arm].append(result)
+                print(f"{tag} {arm}: {time.monotonic() - started:.0f} s {json.dumps(result)}", flush=True)
     finally:
         ray.shutdown()
         cluster.shutdown()
+    return results
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--files", type=int, default=48, help="Parquet files (and about as many MDS shards)")
+    parser.add_argument("--rows-per-file", type=int, default=500, help="2 KiB rows per file")
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--repeats", type=int, default=3, help="runs of every arm (the table: medians [min-max])")
+    parser.add_argument(
+        "--no-network", action="store_true", help="skip the separate network-counting pass (its cluster)"
+    )
+    parser.add_argument("--json", action="store_true", help="also print the results as one JSON line")
+    args = parser.parse_args(argv)
+
+    import data_scale_arms
+    import ray
+
+    ray.cloudpickle.register_pickle_by_value(data_scale_arms)  # the train loops' helpers, to the workers
+
+    scratch = tempfile.mkdtemp(prefix="data_scale-")
+    data = os.path.join(scratch, "parquet")
+    os.makedirs(data)
+    data_bytes = write_parquet(data, args.files, args.rows_per_file)
+    rows = args.files * args.rows_per_file
+    print(f"dataset: {args.files} files x {args.rows_per_file} rows x 2 KiB = {data_bytes / 2**20:.1f} MiB", flush=True)
+    network: Dict[str, Optional[int]] = {}
+    try:
+        # Throughput: every arm, --repeats times, on one cluster; then the network count on another.
+        runs = run_arms(args.arms, data, scratch, rows, args.repeats, count_network=False)
+        if not args.no_network:
+            counted = [arm for arm in args.arms if arm != "streaming"]  # Streaming's bytes: its caches' files
+            for arm, results_of in run_arms(counted, data, scratch, rows, 1, count_network=True).items():
+                network[arm] = results_of[0].get("moved_bytes")
+    finally:
         shutil.rmtree(scratch, ignore_errors=True)  # the Parquet files, MDS shards and caches
+    results: Dict[str, Dict] = {}
+    for arm, arm_runs in runs.items():
+        results[arm] = aggregate(arm_runs)
+        if arm != "streaming" and "error" not in results[arm]:
+            results[arm]["moved_bytes"] = network.get(arm)  # None: not counted (--no-network)
+            results[arm].get("spread", {}).pop("moved_bytes", None)
     print(table(results, data_bytes))
     out = {"data_bytes": data_bytes, "rows": rows, "results": results}
     if args.json:

@@ -30,7 +30,7 @@ def test_help_runs_without_ray():
         env=dict(os.environ, PYTHONPATH=ROOT),
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    for flag in ("--files", "--rows-per-file", "--arms", "--json"):
+    for flag in ("--files", "--rows-per-file", "--arms", "--repeats", "--no-network", "--json"):
         assert flag in done.stdout
 
 
@@ -48,6 +48,20 @@ def test_table_gives_each_measure_and_its_ratio_to_ours():
         "| ray-data | 2000 (2.00x) | 500 (1.00x) | 0.500 (0.50x) | 2.00 (1.00x) | 12.00 (3.00x) | 2.0 (1.00x) |"
     )
     assert lines[4] == "| streaming | not run: ImportError: not installed | | | | | |"
+
+
+def test_repeats_give_medians_and_their_spread():
+    runs = [
+        dict(rows_per_s_per_worker=r, first_batch_s=f, note="x")
+        for r, f in ((900.0, 1.0), (1000.0, 3.0), (1300.0, 2.0))
+    ]
+    merged = data_scale.aggregate(runs)
+    assert merged["rows_per_s_per_worker"] == 1000.0 and merged["first_batch_s"] == 2.0 and merged["repeats"] == 3
+    assert merged["spread"]["rows_per_s_per_worker"] == (900.0, 1300.0) and merged["note"] == "x"
+    assert data_scale.aggregate([runs[0], {"error": "boom"}]) == {"error": "boom"}
+    merged["moved_bytes"] = None  # the network pass was skipped
+    line = data_scale.table({"ours": merged}, data_bytes=1000).splitlines()[2]
+    assert line == "| ours | 1000 [900-1300] | - | - | 2.00 [1.00-3.00] | - | - |"
 
 
 def test_streaming_arm_names_the_install_when_streaming_is_missing():

@@ -18,7 +18,11 @@ Private names used (checked against Ray 2.60.0):
 * Ray Data: ``Dataset._meta_count()`` (rows from metadata, never computing), ``Dataset._logical_plan``
   with ``ray.data._internal.logical.operators.read_operator`` (is the dataset a bare file read?) and
   ``Dataset.iter_internal_ref_bundles()`` (the blocks, in order, without pulling them to the caller:
-  the global-order feeder slices them).
+  the global-order feeder slices them). For ``read_parquet`` detection (`parquet_read_of`): the
+  plan's operators ``ReadFiles`` (``datasource_name``, ``block_udf``, ``scanner``: ``columns``,
+  ``predicate``, ``limit``, ``shuffle``, ``partition_predicate``), ``ListFiles`` (``paths``,
+  ``filesystem``, ``file_extensions``, ``partition_filter``, ``predicate``, ``limit``) and
+  ``Project`` (``exprs`` of ``ColumnExpr``), each with ``input_dependencies``.
 * Ray Train V2's worker: ``ray.train.v2._internal.execution.context.get_train_context()
   .preemption_context.preemption_info`` (the notice Ray's preemption watcher left on this worker,
   read without the cross-worker barrier of ``ray.train.get_preemption_info()``, so the loop can
@@ -70,6 +74,7 @@ __all__ = [
     "dataset_meta_count",
     "is_bare_read",
     "iter_block_refs",
+    "parquet_read_of",
     "LOOPBACK_INIT_KWARGS",
     "loopback_only",
     "STARTUP_CONCURRENCY_ENV",
@@ -192,6 +197,52 @@ def is_bare_read(dataset: Any) -> bool:
     if not reads:
         raise _missing("ray.data._internal.logical.operators.read_operator.Read")
     return isinstance(_attr(_attr(dataset, "_logical_plan"), "dag"), reads)
+
+
+_PARQUET_READ = ("ReadFiles", "ListFiles", "Project")  # read_operator / map_operator classes read_parquet makes
+
+
+def parquet_read_of(dataset: Any) -> Optional[Tuple[List[str], Any, Optional[List[str]]]]:
+    """``(paths, pyarrow filesystem, columns or None)`` when ``dataset`` is ``ray.data.read_parquet(paths)``
+    followed by nothing but column selections (no filter, limit, map, partition filter); else None.
+
+    Conservative: an operator or setting not known here (a future pushdown) gives None, so the
+    dataset keeps Ray Data's re-streamed path.
+    """
+    read_operator = _import("ray.data._internal.logical.operators", "read_operator")
+    map_operator = _import("ray.data._internal.logical.operators", "map_operator")
+    from ray.data.expressions import ColumnExpr
+
+    op = _attr(_attr(dataset, "_logical_plan"), "dag")
+    columns: Optional[List[str]] = None
+    while isinstance(op, map_operator.Project):
+        exprs = list(op.exprs)
+        if not exprs or not all(type(e) is ColumnExpr for e in exprs):
+            return None  # a rename, a computed column or an empty selection
+        names = [e.name for e in exprs]
+        if columns is not None and not set(columns) <= set(names):
+            return None
+        columns = names if columns is None else columns
+        op = op.input_dependencies[0]
+    if not isinstance(op, read_operator.ReadFiles) or op.datasource_name != "ParquetV2" or op.block_udf is not None:
+        return None
+    scanner = op.scanner
+    if any(getattr(scanner, n, None) is not None for n in ("predicate", "limit", "shuffle", "partition_predicate")):
+        return None  # rows filtered or cut, or files shuffled by Ray per epoch
+    if getattr(scanner, "synthesized_columns", ()):
+        return None  # include_paths=True and such: columns Ray adds after the read
+    if columns is None and getattr(scanner, "columns", None) is not None:
+        columns = list(scanner.columns)
+    (listing,) = op.input_dependencies
+    if not isinstance(listing, read_operator.ListFiles) or listing.input_dependencies:
+        return None
+    if any(getattr(listing, name, None) is not None for name in ("partition_filter", "predicate", "limit")):
+        return None
+    if getattr(listing, "partition_pruner", None) is not None:
+        return None
+    if "parquet" not in (listing.file_extensions or ["parquet"]):
+        return None
+    return list(listing.paths), listing.filesystem, columns
 
 
 def iter_block_refs(dataset: Any) -> Iterator[Any]:
@@ -421,3 +472,27 @@ def _probe_dataset_internals() -> None:
     read_operator = _import("ray.data._internal.logical.operators", "read_operator")
     if not hasattr(read_operator, "Read"):
         raise _missing("ray.data._internal.logical.operators.read_operator.Read")
+    _probe_parquet_read()
+
+
+def _probe_parquet_read() -> None:
+    """The dataclass fields `parquet_read_of` reads, off the operator and scanner classes."""
+    import dataclasses
+
+    ops = "ray.data._internal.logical.operators"
+    wanted = {
+        (f"{ops}.read_operator", "ReadFiles"): "datasource_name scanner block_udf input_dependencies",
+        (f"{ops}.read_operator", "ListFiles"): "paths filesystem file_extensions partition_filter predicate limit",
+        (f"{ops}.map_operator", "Project"): "exprs input_dependencies",
+        (
+            "ray.data._internal.datasource_v2.common.arrow_file_scanner",
+            "ArrowFileScanner",
+        ): "columns predicate limit shuffle partition_predicate",
+    }
+    for (module, name), fields in wanted.items():
+        cls = _import(module, name)
+        have = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+        for field in fields.split():
+            if field not in have:
+                raise _missing(f"{module}.{name}.{field}")
+    _import("ray.data.expressions", "ColumnExpr")

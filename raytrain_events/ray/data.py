@@ -365,13 +365,22 @@ class GlobalOrderLoader:
         """Start (or, after a feeder restart, rebuild from ``resume_batch``) the epoch on the feeder."""
         shard = self.shard
         _call_feeder(
-            lambda: shard.feeder.start_epoch.remote(epoch, position, self.order_seed, shard.rank, resume_batch)
+            lambda: shard.feeder.start_epoch.remote(
+                epoch, position, self.order_seed, shard.rank, resume_batch, self.shuffle_rows
+            )
         )
 
     def _to_batch(self, slices, blocks: Dict[Any, Any]) -> Any:
+        """The batch of ``slices``: a dict of tensors straight from the Arrow columns (`batch_tensors`:
+        token lists and binaries without per-row objects), or ``collate_fn`` of Ray's NumPy batch."""
+        import pyarrow as pa
         from ray.data.block import BlockAccessor
 
-        parts = [_part(piece, blocks) for piece in slices]
+        parts = [_part(piece, blocks) for piece in _merged(slices)]
+        if self.collate_fn is None and all(isinstance(part, pa.Table) for part in parts):
+            from raytrain_events.ray.batch_tensors import table_to_torch
+
+            return table_to_torch(parts[0] if len(parts) == 1 else pa.concat_tables(parts))
         if len(parts) == 1:
             table = parts[0]
         else:
@@ -385,6 +394,17 @@ class GlobalOrderLoader:
         from raytrain_events.ray._compat import ndarray_batch_to_torch
 
         return ndarray_batch_to_torch(batch)
+
+
+def _merged(slices: List[Any]) -> List[Any]:
+    """``slices`` with consecutive row ranges of one block joined (row groups of one read)."""
+    out: List[Any] = []
+    for piece in slices:
+        if out and len(piece) == 3 and len(out[-1]) == 3 and out[-1][0] == piece[0] and out[-1][2] == piece[1]:
+            out[-1] = (piece[0], out[-1][1], piece[2])
+        else:
+            out.append(piece)
+    return out
 
 
 def _part(piece, blocks: Dict[Any, Any]) -> Any:

@@ -89,7 +89,8 @@ class RayTrainer:
     factories called on each worker: ``model(config) -> nn.Module``, ``optimizers(model, config)``,
     ``schedulers(optimizers, config)`` (each may omit the trailing ``config``). ``datasets`` maps
     names to Ray Datasets: ``"train"`` is required (a Ray Dataset or ``ParquetRowGroups(paths)``, which a
-    resume enters at its position: ``ray/parquet_seek.py``), every other name is an eval set.
+    resume enters at its position: ``ray/parquet_seek.py``; a bare ``ray.data.read_parquet(...)``
+    is run as one), every other name is an eval set.
     ``batch_size`` is per worker.
     """
 
@@ -187,6 +188,9 @@ class RayTrainer:
         self.spec.check_datasets(datasets)
         if self._checks_cluster:
             check_data_cpus(ray.cluster_resources(), self.scaling_config, datasets)
+        from raytrain_events.ray.parquet_seek import as_seekable
+
+        datasets["train"] = as_seekable(datasets["train"])  # a bare read_parquet seeks (parquet_seek.py)
         train_rows = self._train_rows(datasets["train"])
         worker_spec = self.spec.for_workers(datasets=datasets)
         from raytrain_events.ray.validation import async_eval_names, check_validation

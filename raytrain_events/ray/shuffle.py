@@ -22,7 +22,7 @@ last window may hold fewer). Rows are permuted within each window by a permutati
 from __future__ import annotations
 
 from bisect import bisect_right
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -99,11 +99,13 @@ class WindowIndex:
             lo, hi = max(a, start) - start, min(b, start + window.rows) - start
             source = window.perm[lo:hi]  # rows of the window, in the window's stream order
             which = np.searchsorted(window.starts, source, side="right") - 1
-            used = np.unique(which)
             rows = window.offsets[which] + source - window.starts[which]
+            # One entry per distinct block: slices of one block (row groups of one read) share it.
+            refs: Dict[Any, int] = {}
             remap = np.full(len(window.refs), -1, dtype=np.int64)
-            remap[used] = np.arange(len(used))
-            out.append((TAKE, [window.refs[j] for j in used], remap[which], rows))
+            for j in np.unique(which).tolist():
+                remap[j] = refs.setdefault(window.refs[j], len(refs))
+            out.append((TAKE, list(refs), remap[which], rows))
             i += 1
         return out
 

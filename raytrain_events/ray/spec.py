@@ -54,7 +54,8 @@ class RunSpec(LoopOptions):
     datasets: Union[Mapping[str, Any], Factory] = _opt(
         help="{'train': ray.data.Dataset or ParquetRowGroups(paths), <eval name>: Dataset, ...}, or fn(config) -> "
         "that dict (called on the driver when the run starts); every name besides 'train' is an eval set; "
-        "ParquetRowGroups (ray/parquet_seek.py): a resume reads nothing before its position",
+        "ParquetRowGroups(paths, a folder or s3://bucket/prefix/) or a bare ray.data.read_parquet(...) "
+        "(ray/parquet_seek.py): a resume reads nothing before its position",
         worker=False,
     )
     batch_size: int = _opt(64, help="rows per worker per batch")
@@ -81,7 +82,9 @@ class RunSpec(LoopOptions):
     collate_fn: Optional[Callable] = _opt(None, help="fn(numpy batch dict) -> batch, on the worker")
     prefetch_batches: int = _opt(1, help="batches Ray Data prefetches per worker")
     shuffle_buffer_size: Optional[int] = _opt(
-        None, help="train: permute the blocks per epoch with seed + epoch; eval: Ray Data local shuffle rows"
+        None,
+        help="train (with seed): blocks permuted, then rows within windows of this many rows, by seed + epoch; "
+        "eval: Ray Data local shuffle rows",
     )
     columns: Optional[List[str]] = _opt(None, help="only these dataset columns reach the batch")
     steps_per_epoch: Optional[int] = _opt(

@@ -129,19 +129,50 @@ def final_lineage(records: list, gap_s: float = 3.0) -> dict:
     return lineage
 
 
-def assert_every_row_once_per_epoch(folder: str, epochs: int) -> dict:
-    """Every row id is trained exactly once in each epoch; returns the lineage."""
+def assert_every_row_once_per_epoch(folder: str, epochs: int, batches: Optional[dict] = None) -> dict:
+    """Every row id is trained exactly once in each epoch; returns the lineage.
+
+    The global batches must be the same whatever the world size: ``batches`` (``{(epoch, batch):
+    sorted ids}``, e.g. `global_batches` of a reference run), by default the unshuffled order's
+    consecutive ids."""
     lineage = final_lineage(read_records(folder))
     for epoch in range(epochs):
-        batches = sorted(b for (e, b) in lineage if e == epoch)
-        assert batches == list(range(1, BATCHES_PER_EPOCH + 1)), (epoch, batches)
+        numbers = sorted(b for (e, b) in lineage if e == epoch)
+        assert numbers == list(range(1, BATCHES_PER_EPOCH + 1)), (epoch, numbers)
         counts = Counter(i for (e, _), (_, ids) in lineage.items() if e == epoch for i in ids)
         assert sorted(counts) == list(range(ROWS)), f"epoch {epoch}: missing {sorted(set(range(ROWS)) - set(counts))}"
         twice = {i: c for i, c in counts.items() if c != 1}
         assert not twice, f"epoch {epoch}: rows trained more than once: {twice}"
-        for b in batches:  # the global batches are the same whatever the world size
-            assert sorted(lineage[(epoch, b)][1]) == list(range((b - 1) * GLOBAL_BATCH, min(b * GLOBAL_BATCH, ROWS)))
+        for b in numbers:  # the global batches are the same whatever the world size
+            expected = list(range((b - 1) * GLOBAL_BATCH, min(b * GLOBAL_BATCH, ROWS)))
+            if batches is not None:
+                expected = batches[(epoch, b)]
+            assert sorted(lineage[(epoch, b)][1]) == expected, (epoch, b)
     return lineage
+
+
+def global_batches(lineage: dict) -> dict:
+    """``{(epoch, batch): sorted ids}`` of a lineage (`final_lineage`)."""
+    return {key: sorted(ids) for key, (_, ids) in lineage.items()}
+
+
+def shuffle_quality(folder: str) -> dict:
+    """How mixed the trained batches are (the measures of ``bench/shuffle_quality.py``, over the
+    records: a block is one Parquet file of `FILE_ROWS`): the share of adjacent rows in a rank's
+    batch that are consecutive ids, the median id gap between them, and the mean share of a global
+    batch from its most common file."""
+    records = read_records(folder)
+    pairs = np.concatenate([np.diff(r["ids"]) for r in records if len(r["ids"]) > 1])
+    bounds = np.cumsum(FILE_ROWS)
+    shares = []
+    for _, ids in final_lineage(records).values():
+        _, counts = np.unique(np.searchsorted(bounds, ids, side="right"), return_counts=True)
+        shares.append(counts.max() / len(ids))
+    return {
+        "consecutive": float(np.mean(pairs == 1)),
+        "gap": float(np.median(np.abs(pairs))),
+        "same_file_share": float(np.mean(shares)),
+    }
 
 
 def expected_timestamp(tokens: dict, epochs: int) -> dict:

@@ -149,6 +149,13 @@ def test_dataset_internals(ray_cluster, tmp_path):
     mapped = read.map_batches(lambda batch: batch)
     assert _compat.is_bare_read(read) and not _compat.is_bare_read(mapped)
     assert cheap_row_count(read) == 10 and cheap_row_count(mapped) is None
+    # A bare read_parquet (and a column selection after it) is told apart from one with transforms.
+    paths, filesystem, columns = _compat.parquet_read_of(read)
+    assert paths == [str(tmp_path)] and filesystem is not None and columns is None
+    assert _compat.parquet_read_of(read.select_columns(["x"]))[2] == ["x"]
+    shuffled = ray.data.read_parquet(str(tmp_path), shuffle="files")
+    for other in (mapped, read.limit(3), read.rename_columns({"x": "y"}), shuffled, ray.data.from_items([{"x": 1}])):
+        assert _compat.parquet_read_of(other) is None
     items = ray.data.from_items([{"x": i} for i in range(7)])
     assert _compat.dataset_meta_count(items) == 7
     blocks = list(_compat.iter_block_refs(items))

@@ -1,8 +1,9 @@
 """A resume at 50% of a multi-file Parquet epoch reads nothing before its position.
 
 Through `RayTrainer` (``datasets={"train": ParquetRowGroups(paths)}``): a run stopped half-way
-through its epoch and continued by name with another world size opens no file or row group
-wholly before its position, holds a bounded number of blocks, and ends at the exact Timestamp with
+through its epoch and continued by name with another world size, its train set now given as
+``ray.data.read_parquet(folder)`` (detected and given the same seek), opens no file wholly before
+its position, holds a bounded number of blocks, and ends at the exact Timestamp with
 every row trained once across both runs.
 
 Directly through the loaders and the feeder:
@@ -11,11 +12,15 @@ logs every file a read task opens (a picklable `FileSystemHandler` appending to 
 loaders of 2 ranks, resumed at row 1,000 (file 10's first row) and at row 1,025 (inside file 10's
 first row group), train exactly the rows from the position, no read task opens files 0-9, and
 the feeder holds a bounded number of blocks. With the row shuffle, a resume continues the same
-shuffled order.
+shuffled order. The same seek through a ``ray.data.read_parquet(folder)`` (detected: `as_seekable`)
+and through a folder URI on S3 (the moto server); reads sized in bytes, each handed on once read;
+token columns (a fixed-size list of int32, a binary of uint16) reach the loop as tensors without
+Ray Data's per-row NumPy conversion.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections import Counter
@@ -27,7 +32,7 @@ from ray import cloudpickle as ray_cloudpickle
 
 from raytrain_events import Callback
 from raytrain_events.ray.feeder import FEEDER_OPTIONS, EpochFeeder
-from raytrain_events.ray.parquet_seek import ParquetRowGroups
+from raytrain_events.ray.parquet_seek import ParquetRowGroups, as_seekable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import resume_helpers as h  # noqa: E402
@@ -64,7 +69,7 @@ class CountingHandler(pafs.FileSystemHandler):
 
     def open_input_file(self, path):
         with open(self.log, "a") as f:
-            f.write(path + "\n")
+            f.write(f"{path} {os.getpid()}\n")
         return self.local.open_input_file(path)
 
     def open_input_stream(self, path):
@@ -92,7 +97,7 @@ def parquet_files(tmp_path_factory) -> List[str]:
     return paths
 
 
-def _epoch(ray, source, world: int, position: int, seed=None, shuffle_rows=None, held: list = None):
+def _epoch(ray, source, world: int, position: int, seed=None, shuffle_rows=None, held: list = None, batches=None):
     from raytrain_events.ray.data import GlobalOrderLoader, GlobalOrderShard
 
     feeder = ray.remote(EpochFeeder).options(**FEEDER_OPTIONS).remote(source, world, 40)
@@ -114,7 +119,14 @@ def _epoch(ray, source, world: int, position: int, seed=None, shuffle_rows=None,
         rows += [row for batch in per_rank for row in batch["id"].tolist()]
         if held is not None:
             held.append(sum(ray.get(feeder.held_blocks.remote()).values()))
+        if batches is not None:
+            batches += per_rank
     return rows
+
+
+def _opened_files(log: str) -> set:
+    with open(log) as f:
+        return {os.path.basename(line.split()[0]) for line in f}
 
 
 @pytest.mark.ray
@@ -127,8 +139,7 @@ def test_a_resume_at_half_opens_no_file_before_its_position(ray_cluster, parquet
     for position in (total // 2, total // 2 + 25):
         held: List[int] = []
         assert _epoch(ray, source, 2, position, held=held) == list(range(position, total))
-        with open(log) as f:
-            opened = {os.path.basename(line.strip()) for line in f}
+        opened = _opened_files(log)
         os.remove(log)
         assert not {f"part-{i:02d}.parquet" for i in range(FILES // 2)} & opened, sorted(opened)
         assert f"part-{FILES // 2:02d}.parquet" in opened
@@ -144,6 +155,108 @@ def test_a_shuffled_seekable_epoch_resumes_in_the_same_order(ray_cluster, parque
     full = _epoch(ray, source, 2, 0, seed=5, shuffle_rows=120)
     assert sorted(full) == list(range(total)) and full != list(range(total))
     assert _epoch(ray, source, 3, 1_000, seed=5, shuffle_rows=120) == full[1_000:]
+
+
+@pytest.mark.ray
+def test_a_bare_read_parquet_and_a_folder_uri_seek(ray_cluster, parquet_files, tmp_path, s3_server, caplog) -> None:
+    import ray.data
+    import s3fs
+
+    ray = ray_cluster
+    total, position = FILES * FILE_ROWS, 1_025
+    folder = os.path.dirname(parquet_files[0])
+    # read_parquet(folder) with nothing after it but a column selection: the same seek, its files in sorted order.
+    log = str(tmp_path / "opened.log")
+    read = ray.data.read_parquet(folder, filesystem=pafs.PyFileSystem(CountingHandler(log)))
+    source = as_seekable(read.select_columns(["id", "tokens"]))
+    assert isinstance(source, ParquetRowGroups) and source.paths == parquet_files and source.columns == ["id", "tokens"]
+    os.remove(log)  # Ray's planning and the footers
+    assert _epoch(ray, source, 2, position) == list(range(position, total))
+    opened = _opened_files(log)
+    assert not {f"part-{i:02d}.parquet" for i in range(FILES // 2)} & opened, sorted(opened)
+    # Anything else keeps the re-streamed Ray Dataset, and says so.
+    mapped = ray.data.read_parquet(folder).map_batches(lambda batch: batch)
+    with caplog.at_level(logging.WARNING, logger="raytrain_events.ray.parquet_seek"):
+        assert as_seekable(mapped) is mapped
+    assert "a resume re-streams it from the epoch's first row" in caplog.text
+    hive = tmp_path / "hive" / "lang=en"  # Ray Data adds a "lang" column from the folder: no seek without it
+    hive.mkdir(parents=True)
+    os.link(parquet_files[0], hive / "part-00.parquet")
+    partitioned = ray.data.read_parquet(str(tmp_path / "hive"))
+    assert as_seekable(partitioned) is partitioned
+    # A folder URI on S3 (moto): listed in sorted order, entered at the position.
+    options = s3_server["storage_options"]
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **options)
+    prefix = f"{s3_server['bucket']}/seek-tokens"
+    for path in reversed(parquet_files):  # written out of order: the listing sorts
+        fs.put(path, f"{prefix}/{os.path.basename(path)}")
+    remote = ParquetRowGroups(f"s3://{prefix}/", storage_options=options)
+    assert [os.path.basename(p) for p in remote.paths] == [os.path.basename(p) for p in parquet_files]
+    assert _epoch(ray, remote, 3, position) == list(range(position, total))
+
+
+@pytest.mark.ray
+def test_reads_are_sized_in_bytes_and_handed_on_once_read(ray_cluster, parquet_files) -> None:
+    ray = ray_cluster
+    group_bytes = ParquetRowGroups(parquet_files).sizes[(0, 0)]
+    source = ParquetRowGroups(parquet_files, read_bytes=5 * group_bytes - 1)
+    reads = source.reads(source.units)
+    assert [len(r) for r in reads] == [5] * 8  # 40 row groups, 5 per read (the 5th reaches read_bytes)
+    bundles, first, _ = source.stream(None, 0, 1_025)
+    assert first == 1_000
+    refs = []
+    for bundle in bundles:
+        (ref, meta), (piece,) = bundle.blocks[0], bundle.slices
+        assert ray.wait([ref], timeout=0)[0], "a row group was handed on before its read finished"
+        refs.append((ref, piece.start_offset, meta.num_rows))
+    assert len(refs) == 20 and len({ref for ref, _, _ in refs}) == 4  # 20 row groups from 4 reads
+    assert [offset for _, offset, _ in refs[:5]] == [0, 50, 100, 150, 200]
+
+
+@pytest.mark.ray
+def test_token_columns_reach_the_loop_as_tensors_without_per_row_objects(ray_cluster, tmp_path, monkeypatch) -> None:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+    from ray.data.block import BlockAccessor
+
+    ray = ray_cluster
+    width, rows = 8, 150
+    ids = np.arange(rows)
+    tokens = (ids[:, None] * width + np.arange(width)).astype(np.int32)
+    schema = pa.schema(
+        [
+            ("id", pa.int64()),
+            ("tokens", pa.list_(pa.int32(), width)),
+            pa.field("u16", pa.binary(), metadata={"dtype": "uint16"}),
+        ]
+    )
+    table = pa.table(
+        {
+            "id": ids,
+            "tokens": pa.FixedSizeListArray.from_arrays(pa.array(tokens.reshape(-1)), width),
+            "u16": pa.array([row.astype(np.uint16).tobytes() for row in tokens], pa.binary()),
+        },
+        schema=schema,
+    )
+    folder = tmp_path / "tokens"
+    folder.mkdir()
+    for i in range(3):
+        pq.write_table(table.slice(i * 50, 50), folder / f"t-{i}.parquet", row_group_size=15)
+
+    def no_numpy_batches(*args, **kwargs):
+        raise AssertionError("a batch went through Ray Data's NumPy batch format (per-row objects)")
+
+    monkeypatch.setattr(BlockAccessor, "to_batch_format", no_numpy_batches)
+    group_bytes = ParquetRowGroups(str(folder)).sizes[(0, 0)]
+    source = ParquetRowGroups(str(folder), read_bytes=2 * group_bytes)  # 30 rows per read: batches span blocks
+    batches: list = []
+    assert _epoch(ray, source, 2, 20, batches=batches) == list(range(20, rows))
+    for batch in batches:
+        assert batch["tokens"].dtype == torch.int32 and batch["u16"].dtype == torch.uint16
+        expected = torch.from_numpy(tokens[batch["id"].numpy()])
+        assert torch.equal(batch["tokens"], expected) and torch.equal(batch["u16"].to(torch.int32), expected)
 
 
 # The RayTrainer run: 40 files (39 of 40 rows, one of 43), row groups of 8 rows, global batches of 8:
@@ -170,8 +283,10 @@ class HeldBlocks(Callback):
 
 
 def _opened(log: str) -> Counter:
+    """Files opened by read tasks (not by this process, which reads the footers where the source is built)."""
     with open(log) as f:
-        return Counter(os.path.basename(line.strip()) for line in f)
+        lines = [line.split() for line in f]
+    return Counter(os.path.basename(path) for path, pid in lines if int(pid) != os.getpid())
 
 
 @pytest.mark.slow
@@ -183,13 +298,21 @@ def test_ray_trainer_resumed_at_half_an_epoch_reads_nothing_before_its_position(
     data, records, logs = (str(tmp_path / name) for name in ("data", "records", "logs"))
     os.makedirs(records), os.makedirs(logs)
     tokens = h.write_parquet(data, RUN_FILE_ROWS, RUN_GROUP_ROWS)
-    paths = [os.path.join(data, f"part-{i}.parquet") for i in range(len(RUN_FILE_ROWS))]
+    paths = [os.path.join(data, f"part-{i:02d}.parquet") for i in range(len(RUN_FILE_ROWS))]
+    for i, path in enumerate(paths):  # names that sort in the ids' order, as a folder's files are listed
+        os.rename(os.path.join(data, f"part-{i}.parquet"), path)
     checkpoint = CheckpointConfig(save_interval="20ba", keep=1, save_every_n_seconds=None, autoresume=True)
     results = []
     for attempt, (workers, duration) in enumerate(((2, f"{STOP}ba"), (3, "1ep"))):
         # A source per run, each logging the files its read tasks open (its footers were read here: not logged).
         log, held = os.path.join(logs, f"opened-{attempt}.log"), os.path.join(logs, f"held-{attempt}.log")
-        source = ParquetRowGroups(paths, filesystem=pafs.PyFileSystem(CountingHandler(log)))
+        counting = pafs.PyFileSystem(CountingHandler(log))
+        if attempt == 0:
+            source = ParquetRowGroups(paths, filesystem=counting)
+        else:  # a bare read_parquet of the folder: RayTrainer detects it and seeks the same way
+            import ray.data
+
+            source = ray.data.read_parquet(data, filesystem=counting)
         os.remove(log)
         results.append(
             RayTrainer(
@@ -209,12 +332,11 @@ def test_ray_trainer_resumed_at_half_an_epoch_reads_nothing_before_its_position(
             ).fit()
         )
     fresh, resumed = _opened(os.path.join(logs, "opened-0.log")), _opened(os.path.join(logs, "opened-1.log"))
-    # The counter sees reads: the fresh start opened the first file, once per row group.
-    assert fresh["part-0.parquet"] == 5, fresh
-    # (a) The resume opened no file wholly before row 808 and not file 20's first row group: every row
-    # group from the one holding the position on, each once.
-    groups = [(len(range(0, n, RUN_GROUP_ROWS))) for n in RUN_FILE_ROWS]
-    assert resumed == Counter({f"part-{i}.parquet": groups[i] for i in range(21, len(paths))} | {"part-20.parquet": 4})
+    # The counter sees reads: the fresh start opened the first file, once (one read task reads its 5 row groups).
+    assert fresh["part-00.parquet"] == 1, fresh
+    # (a) The resume opened no file wholly before row 808: each file from the one holding the position on,
+    # once (the row groups are read in byte-sized reads, a file opened once per read).
+    assert resumed == Counter({f"part-{i:02d}.parquet": 1 for i in range(20, len(paths))})
     # (b) The exact Timestamp at the stop and at the end, and every row once across both runs, in the same
     # global batches (each the next 8 rows of the order) whatever the world size.
     assert h.timestamp_of(results[0]) == {

@@ -11,7 +11,10 @@ On the session's real local Ray (4 CPUs), a 3-file Parquet dataset with an odd r
 * a cluster whose CPUs the workers would all take is refused before training.
 
 Each checks, through `RecordRows`, that every row id is trained exactly once per epoch in the
-run's final lineage and that the global batches are the same rows whatever the world size.
+run's final lineage and that the global batches are the same rows whatever the world size. The
+reference and the resumed runs shuffle (`SHUFFLE`: blocks and rows within 64-row windows by seed +
+epoch): their batches mix rows from across a window, and the runs at 2, 3 and 1 workers and the
+``load_from`` branch train the reference's global batches.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import resume_helpers as h  # noqa: E402
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 ray_cloudpickle.register_pickle_by_value(h)  # ship the helpers to the workers
 ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])
+SHUFFLE = {"seed": 3, "shuffle_buffer_size": 64}  # RayTrainer's row shuffle: rows permuted within 64-row windows
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +72,9 @@ def reference(ray_cluster, parquet, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reference")
     records = str(tmp / "records")
     os.makedirs(records)
-    result = _trainer(folder, records, str(tmp / "runs"), max_duration="2ep", num_workers=2, run_name="ref").fit()
+    result = _trainer(
+        folder, records, str(tmp / "runs"), max_duration="2ep", num_workers=2, run_name="ref", **SHUFFLE
+    ).fit()
     return result, records
 
 
@@ -76,7 +82,14 @@ def test_uninterrupted_run_is_exact(reference, parquet):
     result, records = reference
     _, tokens = parquet
     assert h.timestamp_of(result) == h.expected_timestamp(tokens, 2)
-    h.assert_every_row_once_per_epoch(records, 2)
+    batches = h.global_batches(h.final_lineage(h.read_records(records)))
+    h.assert_every_row_once_per_epoch(records, 2, batches)
+    # The shuffle is on: adjacent rows of a rank's batch are rarely consecutive ids (1.0 unshuffled; ~1/64
+    # within 64-row windows), they lie far apart, and the two epochs are two orders.
+    quality = h.shuffle_quality(records)
+    print(f"shuffle quality of the RayTrainer path: {quality}")
+    assert quality["consecutive"] < 0.2 and quality["gap"] >= 8, quality
+    assert [batches[(0, b)] for b in range(1, 18)] != [batches[(1, b)] for b in range(1, 18)]
 
 
 class KillAt(Callback):
@@ -138,7 +151,14 @@ def test_resume_by_name_with_2_then_3_then_1_workers(reference, parquet, tmp_pat
     # Stops mid-epoch at global batches 20 (epoch 1, batch 3) and 29 (epoch 1, batch 12), then finishes.
     for workers, duration in ((2, "20ba"), (3, "29ba"), (1, "2ep")):
         result = _trainer(
-            folder, records, storage, max_duration=duration, num_workers=workers, run_name="grow", checkpoint=checkpoint
+            folder,
+            records,
+            storage,
+            max_duration=duration,
+            num_workers=workers,
+            run_name="grow",
+            checkpoint=checkpoint,
+            **SHUFFLE,
         ).fit()
         committed = list_checkpoints(os.path.join(storage, "grow", "checkpoints"))
         assert len(committed) == 1  # keep=1, and Ray's snapshot still names only what exists
@@ -146,9 +166,14 @@ def test_resume_by_name_with_2_then_3_then_1_workers(reference, parquet, tmp_pat
         if duration == "29ba":
             _check_load_from_another_run(folder, storage, committed[-1], reference, tmp_path)
     assert h.timestamp_of(result) == h.timestamp_of(reference[0])
-    lineage = h.assert_every_row_once_per_epoch(records, 2)
+    # The reference's shuffled global batches, at 2, 3 and 1 workers across two resumes.
+    lineage = h.assert_every_row_once_per_epoch(records, 2, _reference_batches(reference))
     worlds = [lineage[(1, b)][0] for b in range(1, h.BATCHES_PER_EPOCH + 1)]
     assert worlds == [2] * 3 + [3] * 9 + [1] * 5
+
+
+def _reference_batches(reference):
+    return h.global_batches(h.final_lineage(h.read_records(reference[1])))
 
 
 def _check_load_from_another_run(folder, storage, donor, reference, tmp_path):
@@ -159,14 +184,15 @@ def _check_load_from_another_run(folder, storage, donor, reference, tmp_path):
     os.makedirs(records)
     checkpoint = CheckpointConfig(save_interval="4ba", keep=1, save_every_n_seconds=None, load_from=donor.url)
     result = _trainer(
-        folder, records, storage, max_duration="2ep", num_workers=2, run_name="branch", checkpoint=checkpoint
+        folder, records, storage, max_duration="2ep", num_workers=2, run_name="branch", checkpoint=checkpoint, **SHUFFLE
     ).fit()
     assert h.timestamp_of(result) == h.timestamp_of(reference[0])
     lineage = h.final_lineage(h.read_records(records))
     done_in_epoch = donor.batch - h.BATCHES_PER_EPOCH  # the donor stopped in epoch 1
     assert sorted(lineage) == [(1, b) for b in range(done_in_epoch + 1, h.BATCHES_PER_EPOCH + 1)]
-    for (_, b), (_, ids) in lineage.items():  # the same global batches as an uninterrupted run
-        assert sorted(ids) == list(range((b - 1) * h.GLOBAL_BATCH, min(b * h.GLOBAL_BATCH, h.ROWS)))
+    batches = _reference_batches(reference)
+    for key, (_, ids) in lineage.items():  # the same global batches as an uninterrupted run
+        assert sorted(ids) == batches[key], key
     assert [c.name for c in list_checkpoints(os.path.join(storage, "grow", "checkpoints"))] == [donor.name]
     branch = list_checkpoints(os.path.join(storage, "branch", "checkpoints"))
     assert [c.batch for c in branch] == [2 * h.BATCHES_PER_EPOCH]

@@ -167,8 +167,13 @@ def test_datasets_are_checked_once_built_naming_the_fix(tmp_path):
         RunSpec.check_datasets({"train": source, "val": source})
     with pytest.raises(TypeError, match=r"datasets\['val'\] is a dict; an eval set must be a ray.data.Dataset"):
         RunSpec.check_datasets({"train": source, "val": {"x": 1}})
-    with pytest.raises(TypeError, match=r"got the string .*pass \[path\]"):
-        ParquetRowGroups(paths[0])
+    # A file, a folder (its .parquet files in sorted order) or a glob: one path is enough.
+    assert ParquetRowGroups(paths[0]).paths == paths[:1]
+    assert ParquetRowGroups(str(tmp_path)).paths == ParquetRowGroups(str(tmp_path / "*.parquet")).paths == paths
+    with pytest.raises(FileNotFoundError, match=r"found no Parquet files at .*nowhere.*Check the path"):
+        ParquetRowGroups(str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match=r"read_bytes=0.*>= 1"):
+        ParquetRowGroups(paths, read_bytes=0)
 
 
 def test_async_validation_is_checked_before_ray_starts_naming_the_fix():

@@ -1,0 +1,128 @@
+"""An Arrow table (a batch of the train order) as a dict of torch tensors, without per-row objects.
+
+Ray Data's ``to_batch_format("numpy")`` turns a list or binary column (pre-tokenized text: a
+fixed-size list of int32/uint16 tokens, or their bytes) into an object array of one NumPy array per
+row, which then has to be stacked again. Here each column becomes one tensor straight from its Arrow
+buffers (`column_tensor`):
+
+* numbers and booleans: a tensor of the column (zero-copy without nulls; booleans are unpacked);
+* a fixed-size list, or a list whose rows all have one length, of numbers: ``(rows, length)``
+  over the flat values (zero-copy);
+* binary (or fixed-size binary) whose rows all have one length: ``(rows, bytes)`` of uint8 over the
+  data buffer (zero-copy), viewed as the field's ``dtype`` when its Arrow metadata names one
+  (``pa.field("tokens", pa.binary(), metadata={"dtype": "int32"})``): ``(rows, tokens)``;
+* anything else (strings, ragged lists, nulls) goes through Ray Data's own conversion, as before.
+
+Zero-copy tensors share memory with the block, which may be read-only shared memory (Ray's object
+store): they are for reading, as Ray Data's own batches are; copy one before changing it in place.
+A batch that spans two blocks is one table of two chunks; its columns are concatenated once, here.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Dict, Optional
+
+import numpy as np
+
+__all__ = ["table_to_torch", "column_tensor"]
+
+
+def table_to_torch(table: Any) -> Dict[str, Any]:
+    """``{column: tensor}`` of a pyarrow Table (see module doc)."""
+    out: Dict[str, Any] = {}
+    other = []
+    for name, field in zip(table.column_names, table.schema):
+        tensor = column_tensor(table.column(name), field)
+        if tensor is None:
+            other.append(name)
+        else:
+            out[name] = tensor
+    if other:
+        from ray.data.block import BlockAccessor
+
+        from raytrain_events.ray._compat import ndarray_batch_to_torch
+
+        out.update(ndarray_batch_to_torch(BlockAccessor.for_block(table.select(other)).to_batch_format("numpy")))
+    return {name: out[name] for name in table.column_names}
+
+
+def column_tensor(column: Any, field: Any = None) -> Optional[Any]:
+    """One column (a pyarrow Array or ChunkedArray) as a tensor, or None where it needs Ray's conversion."""
+    import pyarrow as pa
+
+    array = column
+    if isinstance(column, pa.ChunkedArray):
+        array = column.chunk(0) if column.num_chunks == 1 else pa.concat_arrays(column.chunks)
+    if array.null_count:
+        return None
+    values = _numpy(array, field)
+    if values is None:
+        return None
+    import torch
+
+    with warnings.catch_warnings():  # a read-only view of the block: as Ray Data's own batches
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(values)
+
+
+def _numpy(array: Any, field: Any) -> Optional[np.ndarray]:
+    import pyarrow as pa
+
+    kind = array.type
+    n = len(array)
+    if pa.types.is_boolean(kind):
+        return array.to_numpy(zero_copy_only=False)
+    if pa.types.is_integer(kind) or pa.types.is_floating(kind):
+        return array.to_numpy(zero_copy_only=True)
+    if pa.types.is_fixed_size_list(kind) or pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        inner = kind.value_type
+        if not (pa.types.is_integer(inner) or pa.types.is_floating(inner)):
+            return None
+        flat = array.flatten()
+        if flat.null_count:
+            return None
+        if pa.types.is_fixed_size_list(kind):
+            width = kind.list_size
+        else:
+            width = _equal_width(_offsets(array), n)
+            if width is None:
+                return None
+        return flat.to_numpy(zero_copy_only=True).reshape(n, width)
+    if pa.types.is_fixed_size_binary(kind):
+        width = kind.byte_width
+        data = np.frombuffer(array.buffers()[1], dtype=np.uint8)
+        out = data[array.offset * width : (array.offset + n) * width].reshape(n, width)
+    elif pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
+        offsets = _offsets(array)
+        width = _equal_width(offsets, n)
+        if width is None:
+            return None
+        buffer = array.buffers()[2]
+        data = np.frombuffer(buffer, dtype=np.uint8) if buffer is not None else np.empty(0, np.uint8)
+        out = data[offsets[0] : offsets[0] + n * width].reshape(n, width)
+    else:
+        return None
+    dtype = (field.metadata or {}).get(b"dtype") if field is not None else None
+    if dtype is not None:
+        out = out.view(np.dtype(dtype.decode()))
+    return out
+
+
+def _offsets(array: Any) -> np.ndarray:
+    """The ``len + 1`` offsets of a (large) list or binary array, its slice offset applied."""
+    import pyarrow as pa
+
+    large = pa.types.is_large_list(array.type) or pa.types.is_large_binary(array.type)
+    offsets = np.frombuffer(array.buffers()[1], dtype=np.int64 if large else np.int32)
+    return offsets[array.offset : array.offset + len(array) + 1]
+
+
+def _equal_width(offsets: np.ndarray, n: int) -> Optional[int]:
+    """The one row length of a list/binary array with these offsets, or None if rows differ."""
+    if n == 0:
+        return 0
+    width = int(offsets[1] - offsets[0])
+    if int(offsets[n] - offsets[0]) != width * n or not np.all(np.diff(offsets[: n + 1]) == width):
+        return None
+    return width
