@@ -173,6 +173,7 @@ def _e2e_audit_test(request, _e2e_audit_session):
     if _e2e_audit_session is None:
         return
     _e2e_audit_session.poll()
+    _e2e_audit_session.check_alive()
     started = _e2e_audit_session.started.get(request.node.nodeid)
     if started and not e2e.is_e2e(request.node):
         pytest.fail(

@@ -99,7 +99,7 @@ _RAY_CLI_STARTS = {"up", "submit", "exec", "job", "start", "down"}
 
 def kind_of(cmdline: list) -> Optional[str]:
     """What a process started on our behalf is, from its command line; None for anything else."""
-    if not cmdline:
+    if not cmdline or not cmdline[0].strip():
         return None
     head = cmdline[0]
     if head.startswith("ray::TrainController"):
@@ -135,6 +135,7 @@ class Audit:
         # the CPU a test costs grows with these, about 7 CPU-s per worker and 35 per 2-worker fit.
         self.counts: Dict[str, Counter] = {}
         self._stop = threading.Event()
+        self.error: Optional[BaseException] = None  # what stopped the watching thread, if anything
         self._thread = threading.Thread(target=self._run, name="e2e-audit", daemon=True)
 
     def start(self) -> None:
@@ -167,8 +168,15 @@ class Audit:
                         self.started.setdefault(self.current, set()).add(kind)
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
-            self.poll()
+        try:
+            while not self._stop.wait(self._interval_s):
+                self.poll()
+        except BaseException as exc:  # the audit must not go blind silently: tests then fail on it
+            self.error = exc
+
+    def check_alive(self) -> None:
+        if self.error is not None or not self._thread.is_alive():
+            raise RuntimeError(f"the end-to-end audit stopped watching: {self.error!r}")
 
 
 def audit_path() -> Optional[str]:

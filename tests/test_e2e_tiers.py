@@ -40,5 +40,23 @@ def test_the_audit_knows_each_kind_of_end_to_end_process():
         ["/usr/bin/python", "-m", "pytest", "tests/ray"],
         ["/usr/bin/python", "-c", "from multiprocessing.forkserver import main; main()"],
         [],
+        [""],  # a process whose command line is gone or empty
     ):
         assert e2e.kind_of(cmdline) is None, cmdline
+
+
+def test_the_audit_sees_a_process_the_running_test_starts(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "examples" / "sleepy.py"
+    script.parent.mkdir()
+    script.write_text("import time\ntime.sleep(1.0)\n")
+    audit = e2e.Audit(interval_s=0.05)
+    audit.start()
+    audit.current = "tests/x.py::test_x"
+    subprocess.run([sys.executable, str(script)], check=True, timeout=60)
+    audit.check_alive()
+    audit.stop()
+    assert audit.started == {"tests/x.py::test_x": {"example run"}}
+    assert dict(audit.counts["tests/x.py::test_x"]) == {"example run": 1}
