@@ -77,13 +77,17 @@ def storage(request, tmp_path):
 
 
 @pytest.fixture(scope="session")
-def ray_cluster():
+def ray_cluster(request):
     """One local Ray instance for the whole test session (CPU only, loopback only)."""
+    import contextlib
+
     import ray
 
+    audit = getattr(request.config, "_e2e_audit", None)  # the session's Ray is no test's own (tests/e2e.py)
     if not ray.is_initialized():
-        # address="local": always a new instance of this session's own, never another Ray on the machine
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True)
+        with audit.excluded() if audit is not None else contextlib.nullcontext():
+            # address="local": always a new instance of this session's own, never another Ray on the machine
+            ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True)
     yield ray
     ray.shutdown()
 
@@ -157,7 +161,6 @@ def _e2e_audit_session(request):
     if not os.environ.get("RTE_E2E_AUDIT"):
         yield None
         return
-    request.getfixturevalue("ray_cluster")  # the session's Ray is no test's own: start it first
     audit = e2e.Audit()
     audit.start()
     request.config._e2e_audit = audit

@@ -23,6 +23,7 @@ test that might start a run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -141,6 +142,13 @@ class Audit:
     def start(self) -> None:
         self._baseline = {p.pid for p in self._me.children(recursive=True)}
         self._thread.start()
+
+    @contextlib.contextmanager
+    def excluded(self):
+        """What starts inside is no test's own (the session's shared Ray; the audit's own test)."""
+        with self._lock:  # holds the watcher off until the new processes are in the baseline
+            yield
+            self._baseline |= {p.pid for p in self._me.children(recursive=True)}
 
     def stop(self) -> None:
         self._stop.set()
