@@ -114,7 +114,7 @@ def kind_of(cmdline: list) -> Optional[str]:
             return f"ray {cmdline[i + 1]}"
     for arg in cmdline[1:3]:
         if arg.endswith(".py") and os.path.basename(os.path.dirname(arg)) == "examples":
-            return "example run"
+            return None if "--help" in cmdline else "example run"  # printing its help is no run
     return None
 
 
@@ -147,8 +147,10 @@ class Audit:
     def excluded(self):
         """What starts inside is no test's own (the session's shared Ray; the audit's own test)."""
         with self._lock:  # holds the watcher off until the new processes are in the baseline
-            yield
-            self._baseline |= {p.pid for p in self._me.children(recursive=True)}
+            try:
+                yield
+            finally:  # a start that failed may leave processes behind: they are not a test's either
+                self._baseline |= {p.pid for p in self._me.children(recursive=True)}
 
     def stop(self) -> None:
         self._stop.set()

@@ -38,6 +38,7 @@ def test_the_audit_knows_each_kind_of_end_to_end_process():
         ["ray::EpochFeeder.next"],
         ["ray::SplitCoordinator"],
         ["/usr/bin/python", "-m", "pytest", "tests/ray"],
+        ["/usr/bin/python", "/repo/examples/train.py", "--help"],
         ["/usr/bin/python", "-c", "from multiprocessing.forkserver import main; main()"],
         [],
         [""],  # a process whose command line is gone or empty
