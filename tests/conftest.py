@@ -77,13 +77,17 @@ def storage(request, tmp_path):
 
 
 @pytest.fixture(scope="session")
-def ray_cluster():
+def ray_cluster(request):
     """One local Ray instance for the whole test session (CPU only, loopback only)."""
+    import contextlib
+
     import ray
 
+    audit = getattr(request.config, "_e2e_audit", None)  # the session's Ray is no test's own (tests/e2e.py)
     if not ray.is_initialized():
-        # address="local": always a new instance of this session's own, never another Ray on the machine
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True)
+        with audit.excluded() if audit is not None else contextlib.nullcontext():
+            # address="local": always a new instance of this session's own, never another Ray on the machine
+            ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True)
     yield ray
     ray.shutdown()
 
@@ -133,5 +137,50 @@ def no_leaked_environment_variables(request):
                 os.environ.pop(name, None)
         pytest.fail(
             f"{request.node.nodeid} leaked environment variables ({details}); use monkeypatch.setenv or restore them.",
+            pytrace=False,
+        )
+
+
+# ------------------------------------------------------------------ the end-to-end tier (tests/e2e.py)
+import e2e  # noqa: E402  (tests/ is on sys.path: this conftest's folder)
+
+
+def pytest_collection_modifyitems(config, items):
+    e2e.mark_items(items)
+
+
+def pytest_runtest_protocol(item, nextitem):
+    audit = getattr(item.config, "_e2e_audit", None)
+    if audit is not None:
+        audit.current = item.nodeid
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _e2e_audit_session(request):
+    """With ``RTE_E2E_AUDIT`` set: watch which tests start a Ray run (see tests/e2e.py)."""
+    if not os.environ.get("RTE_E2E_AUDIT"):
+        yield None
+        return
+    audit = e2e.Audit()
+    audit.start()
+    request.config._e2e_audit = audit
+    yield audit
+    audit.stop()
+    e2e.write_audit(audit, {i.nodeid for i in request.session.items if e2e.is_e2e(i)})
+
+
+@pytest.fixture(autouse=True)
+def _e2e_audit_test(request, _e2e_audit_session):
+    """Fails a test that starts a Ray run without being listed in tests/e2e.py (audit mode only)."""
+    yield
+    if _e2e_audit_session is None:
+        return
+    _e2e_audit_session.poll()
+    _e2e_audit_session.check_alive()
+    started = _e2e_audit_session.started.get(request.node.nodeid)
+    if started and not e2e.is_e2e(request.node):
+        pytest.fail(
+            f"{request.node.nodeid} started {', '.join(sorted(started))} but is not in the end-to-end list: "
+            "add it to E2E in tests/e2e.py (or fold its check into an existing end-to-end run)",
             pytrace=False,
         )

@@ -4,10 +4,11 @@ On the session's real local Ray (4 CPUs), a 3-file Parquet dataset with an odd r
 (203 rows) and a fixed global batch of 12 rows (17 batches per epoch at any world size):
 
 * an uninterrupted 2-worker run: the reference Timestamp;
-* a worker SIGKILLed twice mid-epoch, off checkpoint boundaries, on the default streaming path
-  (Ray's FailureConfig restarts the group from the newest checkpoint), keep=2;
-* one run continued by name twice with 2, then 3, then 1 workers (keep=1, Ray's run snapshot),
-  and a new run started from its mid-epoch checkpoint with ``load_from``;
+* one run (keep=2, Ray's run snapshot) whose 2-worker group is SIGKILLed twice mid-epoch, off
+  checkpoint boundaries, on the default streaming path (Ray's FailureConfig restarts the group
+  from the newest checkpoint), then continued by name with 3, then 1 workers, and a new run
+  started from its mid-epoch checkpoint with ``load_from`` (one fit per stage: the killed run
+  used to be a fit of its own);
 * a cluster whose CPUs the workers would all take is refused before training.
 
 Each checks, through `RecordRows`, that every row id is trained exactly once per epoch in the
@@ -106,50 +107,28 @@ class KillAt(Callback):
 
 
 @pytest.mark.timeout(1800)  # several Ray runs; minutes each on a loaded machine
-def test_worker_killed_twice_mid_epoch_resumes_exactly(reference, parquet, tmp_path):
-    folder, tokens = parquet
-    records = str(tmp_path / "records")
-    os.makedirs(records)
-    # Checkpoints every 5 batches; kills at 8 (epoch 0) and 23 (epoch 1, batch 6): off the boundaries.
-    result = _trainer(
-        folder,
-        records,
-        str(tmp_path / "runs"),
-        max_duration="2ep",
-        num_workers=2,
-        run_name="killed",
-        checkpoint=CheckpointConfig(save_interval="5ba", keep=2, save_every_n_seconds=None),
-        max_failures=2,
-        callbacks=[KillAt(str(tmp_path), (8, 23))],
-    ).fit()
-    assert os.path.exists(tmp_path / "killed-8") and os.path.exists(tmp_path / "killed-23")
-    assert h.timestamp_of(result) == h.timestamp_of(reference[0])
-    lineage = h.assert_every_row_once_per_epoch(records, 2)
-    assert {world for world, _ in lineage.values()} == {2}
-    # Three worker groups trained (two restarts); one group file of row records per process.
-    assert len(os.listdir(records)) == 3 * 2
-    # A group killed before Ray's controller collected its last report round leaves no history entry
-    # for that round (the group's first checkpoint is still resumed from: it is committed in the run
-    # dir), so the history numbers 2 or 3 attempts depending on timing.
-    assert max(e["attempt"] for e in result.history) in (2, 3)
-    # keep=2, one owner (Ray): two committed checkpoints left, the newest is Ray's result checkpoint.
-    committed = list_checkpoints(str(tmp_path / "runs" / "killed" / "checkpoints"))
-    # (30, or a batch or two later when the save at 25 was still uploading: saves never make training wait)
-    assert len(committed) == 2 and 30 <= committed[0].batch < 34 and committed[1].batch == 34
-    assert result.ray_result.checkpoint.path.rstrip("/").endswith(committed[-1].name)
-    on_disk = [n for n in os.listdir(tmp_path / "runs" / "killed" / "checkpoints") if n != INDEX_FILE]
-    assert sorted(on_disk) == sorted(c.name for c in committed)
+def test_killed_twice_then_resumed_by_name_with_2_then_3_then_1_workers(reference, parquet, tmp_path):
+    """One run, named ``grow``, through every way a run goes on (one fit per stage, so one Ray Train
+    start-up per stage rather than one per check):
 
+    1. 2 workers to global batch 26, rank 1 SIGKILLed at batches 8 (epoch 0) and 23 (epoch 1,
+       batch 6), off the 5-batch checkpoint boundaries: Ray's FailureConfig restarts the group from
+       the newest checkpoint each time (the default streaming path), keep=2;
+    2. continued by name with 3 workers to batch 29 (epoch 1, batch 12); a new run, ``branch``,
+       is started from that mid-epoch checkpoint with ``load_from``;
+    3. continued by name with 1 worker to the end of epoch 1.
 
-@pytest.mark.timeout(1800)  # several Ray runs; minutes each on a loaded machine
-def test_resume_by_name_with_2_then_3_then_1_workers(reference, parquet, tmp_path):
+    The end is the uninterrupted run's exact Timestamp with every row trained once per epoch, and
+    the global batches are the same rows whatever the world size.
+    """
     folder, tokens = parquet
     records = str(tmp_path / "records")
     os.makedirs(records)
     storage = str(tmp_path / "runs")
-    checkpoint = CheckpointConfig(save_interval="4ba", keep=1, save_every_n_seconds=None, autoresume=True)
-    # Stops mid-epoch at global batches 20 (epoch 1, batch 3) and 29 (epoch 1, batch 12), then finishes.
-    for workers, duration in ((2, "20ba"), (3, "29ba"), (1, "2ep")):
+    checkpoints = os.path.join(storage, "grow", "checkpoints")
+    checkpoint = CheckpointConfig(save_interval="5ba", keep=2, save_every_n_seconds=None, autoresume=True)
+    killed = dict(max_failures=2, callbacks=[KillAt(str(tmp_path), (8, 23))])
+    for workers, duration in ((2, "26ba"), (3, "29ba"), (1, "2ep")):
         result = _trainer(
             folder,
             records,
@@ -159,17 +138,33 @@ def test_resume_by_name_with_2_then_3_then_1_workers(reference, parquet, tmp_pat
             run_name="grow",
             checkpoint=checkpoint,
             **SHUFFLE,
+            **(killed if duration == "26ba" else {}),
         ).fit()
-        committed = list_checkpoints(os.path.join(storage, "grow", "checkpoints"))
-        assert len(committed) == 1  # keep=1, and Ray's snapshot still names only what exists
+        committed = list_checkpoints(checkpoints)
+        # keep=2, one owner (Ray): two committed checkpoints left, the newest is Ray's result
+        # checkpoint, and Ray's snapshot still names only what exists (the next stage loads it).
+        assert len(committed) == 2 and committed[1].batch == h.timestamp_of(result)["batch"]
         assert result.ray_result.checkpoint.path.rstrip("/").endswith(committed[-1].name)
+        on_disk = [n for n in os.listdir(checkpoints) if n != INDEX_FILE]
+        assert sorted(on_disk) == sorted(c.name for c in committed)
+        if duration == "26ba":
+            assert os.path.exists(tmp_path / "killed-8") and os.path.exists(tmp_path / "killed-23")
+            # Three worker groups trained (two restarts); one group file of row records per process.
+            assert len(os.listdir(records)) == 3 * 2
+            # A group killed before Ray's controller collected its last report round leaves no
+            # history entry for that round (the group's first checkpoint is still resumed from: it
+            # is committed in the run dir), so the history numbers 2 or 3 attempts by timing.
+            assert max(e["attempt"] for e in result.history) in (2, 3)
+            # (25; a save due while the one before it uploads is postponed, so when the save
+            # due at 25 falls on the end save at 26, the older survivor is the one at 20)
+            assert 20 <= committed[0].batch < 26 and committed[1].batch == 26
         if duration == "29ba":
             _check_load_from_another_run(folder, storage, committed[-1], reference, tmp_path)
     assert h.timestamp_of(result) == h.timestamp_of(reference[0])
-    # The reference's shuffled global batches, at 2, 3 and 1 workers across two resumes.
+    # The reference's shuffled global batches, at 2 workers (killed twice), then 2, 3 and 1 across two resumes.
     lineage = h.assert_every_row_once_per_epoch(records, 2, _reference_batches(reference))
-    worlds = [lineage[(1, b)][0] for b in range(1, h.BATCHES_PER_EPOCH + 1)]
-    assert worlds == [2] * 3 + [3] * 9 + [1] * 5
+    worlds = [lineage[(e, b)][0] for e in (0, 1) for b in range(1, h.BATCHES_PER_EPOCH + 1)]
+    assert worlds == [2] * h.BATCHES_PER_EPOCH + [2] * 9 + [3] * 3 + [1] * 5
 
 
 def _reference_batches(reference):
@@ -182,6 +177,8 @@ def _check_load_from_another_run(folder, storage, donor, reference, tmp_path):
     checkpoint stays where it was (the new run saves and prunes only in its own run dir)."""
     records = str(tmp_path / "branch-records")
     os.makedirs(records)
+    kept = [c.name for c in list_checkpoints(os.path.join(storage, "grow", "checkpoints"))]
+    assert donor.name in kept
     checkpoint = CheckpointConfig(save_interval="4ba", keep=1, save_every_n_seconds=None, load_from=donor.url)
     result = _trainer(
         folder, records, storage, max_duration="2ep", num_workers=2, run_name="branch", checkpoint=checkpoint, **SHUFFLE
@@ -193,7 +190,7 @@ def _check_load_from_another_run(folder, storage, donor, reference, tmp_path):
     batches = _reference_batches(reference)
     for key, (_, ids) in lineage.items():  # the same global batches as an uninterrupted run
         assert sorted(ids) == batches[key], key
-    assert [c.name for c in list_checkpoints(os.path.join(storage, "grow", "checkpoints"))] == [donor.name]
+    assert [c.name for c in list_checkpoints(os.path.join(storage, "grow", "checkpoints"))] == kept
     branch = list_checkpoints(os.path.join(storage, "branch", "checkpoints"))
     assert [c.batch for c in branch] == [2 * h.BATCHES_PER_EPOCH]
 

@@ -15,6 +15,7 @@ def test_a_leaking_test_fails_and_a_restoring_one_passes(tmp_path):
     tests = tmp_path / "tests"
     tests.mkdir()
     (tests / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
+    (tests / "e2e.py").write_text((ROOT / "tests" / "e2e.py").read_text())  # the conftest imports it
     (tests / "test_leaks.py").write_text(
         textwrap.dedent(
             """

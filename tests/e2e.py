@@ -1,0 +1,202 @@
+"""The end-to-end tier: which tests start a Ray run, and an audit that proves the list complete.
+
+A test is **end to end** (marker ``e2e``) when it starts, itself or through a fixture:
+
+* a Ray Train run: a ``TrainController`` (``RayTrainer.fit``, a Tune trial, a run through the CLI
+  or the README's blocks on the session's Ray),
+* a Ray instance of its own: an embedded Ray in a subprocess (an example run, a sweep killed and
+  resumed), a ``ray.cluster_utils.Cluster``, ``ray start``,
+* the cluster launcher (``ray up`` / ``ray submit`` / ``ray job submit`` / ``ray down``), or
+* an example script (``python examples/...``).
+
+The session's shared Ray (the ``ray_cluster`` fixture) does not count: tests that use it for Ray
+Data, actors or tasks stay in the fast tier. ``pytest -m "not e2e"`` is the inner loop;
+CONTRIBUTING.md gives both tiers' budgets.
+
+``E2E`` below is the one list; ``tests/conftest.py`` marks its tests at collection, and a name in
+it that no longer exists fails the collection of its module. The audit (``RTE_E2E_AUDIT=1``)
+watches the pytest process's descendants while each test runs and fails a test that starts one
+of the above without being listed; ``RTE_E2E_AUDIT=path.json`` also writes what each test started.
+Run it over the fast tier (``RTE_E2E_AUDIT=1 python -m pytest -q -m "not e2e"``) after adding a
+test that might start a run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import threading
+from collections import Counter
+from typing import Dict, Optional, Set
+
+import pytest
+
+ALL = "*"
+
+# module path (from the repository root) -> the test functions that are end to end, or ALL.
+E2E: Dict[str, object] = {
+    "tests/cluster/test_launcher.py": ALL,  # ray up / submit / job submit / down
+    "tests/examples/test_console_report.py": ALL,  # the shared digits_run (embedded Ray)
+    "tests/examples/test_hf_example.py": ALL,
+    "tests/examples/test_resume_example.py": ALL,
+    "tests/examples/test_train_example.py": ALL,
+    "tests/ray/test_chaos_soak.py": ALL,  # a 3-node Cluster
+    "tests/ray/test_data_network.py": ALL,  # a 3-node Cluster
+    "tests/ray/test_loopback.py": ALL,  # an embedded Ray in a subprocess
+    "tests/ray/test_feeder_restart.py": {"test_run_with_a_killed_feeder_is_exact"},
+    "tests/ray/test_parquet_seek.py": {"test_ray_trainer_resumed_at_half_an_epoch_reads_nothing_before_its_position"},
+    "tests/ray/test_preemption_deadline.py": ALL,
+    "tests/ray/test_ray_auto_microbatching.py": ALL,  # the module's auto_run
+    "tests/ray/test_ray_fsdp.py": ALL,
+    "tests/ray/test_ray_loggers_best.py": ALL,
+    "tests/ray/test_ray_tensor_parallel.py": ALL,
+    "tests/ray/test_ray_trainer.py": ALL,
+    "tests/ray/test_resume.py": ALL,
+    "tests/ray/test_watchdog.py": ALL,
+    "tests/tune/test_tune_pbt.py": ALL,
+    "tests/tune/test_tune_resume.py": ALL,
+    "tests/tune/test_tune_sweep.py": {
+        "test_grid_over_three_algorithm_sets",
+        "test_asha_on_global_samples_stops_the_bad_trial",
+        "test_trial_metrics_are_the_aggregate_over_ranks",
+    },
+    "tests/cli/test_cli.py": {"test_train_file_entry_point_on_ray_workers"},
+    "tests/test_readme.py": {"test_readme_python_blocks_run"},
+}
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _module_of(item) -> str:
+    return os.path.relpath(str(item.path), REPO)
+
+
+def is_e2e(item) -> bool:
+    names = E2E.get(_module_of(item))
+    return names == ALL or (isinstance(names, set) and item.originalname in names)
+
+
+def mark_items(items) -> None:
+    """Mark the listed tests ``e2e``; a listed name that is not a test of its module is an error."""
+    seen: Dict[str, Set[str]] = {}
+    for item in items:
+        seen.setdefault(_module_of(item), set()).add(getattr(item, "originalname", item.name))
+        if is_e2e(item):
+            item.add_marker(pytest.mark.e2e)
+    for module, names in E2E.items():
+        if module in seen and isinstance(names, set) and names - seen[module]:
+            raise pytest.UsageError(
+                f"tests/e2e.py lists {sorted(names - seen[module])} in {module}, which has no such test: "
+                "rename or remove the entry"
+            )
+
+
+# ----------------------------------------------------------------------------------- the audit
+_RAY_CLI = re.compile(r"(^|/)ray$")
+_RAY_CLI_STARTS = {"up", "submit", "exec", "job", "start", "down"}
+
+
+def kind_of(cmdline: list) -> Optional[str]:
+    """What a process started on our behalf is, from its command line; None for anything else."""
+    if not cmdline or not cmdline[0].strip():
+        return None
+    head = cmdline[0]
+    if head.startswith("ray::TrainController"):
+        return "Ray Train run"
+    if head.startswith("ray::ImplicitFunc") or head.startswith("ray::_Inner"):
+        return "Ray Tune trial"
+    if os.path.basename(head.split()[0]) == "gcs_server":
+        return "Ray instance"
+    for i, arg in enumerate(cmdline[:3]):
+        if _RAY_CLI.search(arg) and i + 1 < len(cmdline) and cmdline[i + 1] in _RAY_CLI_STARTS:
+            return f"ray {cmdline[i + 1]}"
+    for arg in cmdline[1:3]:
+        if arg.endswith(".py") and os.path.basename(os.path.dirname(arg)) == "examples":
+            return None if "--help" in cmdline else "example run"  # printing its help is no run
+    return None
+
+
+class Audit:
+    """Polls the descendants of this process and records, per running test, what they are."""
+
+    def __init__(self, interval_s: float = 0.2) -> None:
+        import psutil
+
+        self._psutil = psutil
+        self._me = psutil.Process()
+        self._interval_s = interval_s
+        self._baseline: Set[int] = set()
+        self._seen: Set[int] = set()
+        self._lock = threading.Lock()
+        self.current: Optional[str] = None
+        self.started: Dict[str, Set[str]] = {}
+        # How many of each a test started (training workers too, which only a controller starts):
+        # the CPU a test costs grows with these, about 7 CPU-s per worker and 35 per 2-worker fit.
+        self.counts: Dict[str, Counter] = {}
+        self._stop = threading.Event()
+        self.error: Optional[BaseException] = None  # what stopped the watching thread, if anything
+        self._thread = threading.Thread(target=self._run, name="e2e-audit", daemon=True)
+
+    def start(self) -> None:
+        self._baseline = {p.pid for p in self._me.children(recursive=True)}
+        self._thread.start()
+
+    @contextlib.contextmanager
+    def excluded(self):
+        """What starts inside is no test's own (the session's shared Ray; the audit's own test)."""
+        with self._lock:  # holds the watcher off until the new processes are in the baseline
+            try:
+                yield
+            finally:  # a start that failed may leave processes behind: they are not a test's either
+                self._baseline |= {p.pid for p in self._me.children(recursive=True)}
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def poll(self) -> None:
+        with self._lock:
+            for proc in self._me.children(recursive=True):
+                if proc.pid in self._baseline or proc.pid in self._seen:
+                    continue
+                try:
+                    cmdline = proc.cmdline()
+                except (self._psutil.NoSuchProcess, self._psutil.AccessDenied, self._psutil.ZombieProcess):
+                    continue
+                kind = kind_of(cmdline)
+                counted = kind or (
+                    "training worker" if cmdline and cmdline[0].startswith("ray::RayTrainWorker") else None
+                )
+                if counted is None:
+                    continue  # an idle worker may become a controller later: look again next time
+                self._seen.add(proc.pid)
+                if self.current is not None:
+                    self.counts.setdefault(self.current, Counter())[counted] += 1
+                    if kind is not None:
+                        self.started.setdefault(self.current, set()).add(kind)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.wait(self._interval_s):
+                self.poll()
+        except BaseException as exc:  # the audit must not go blind silently: tests then fail on it
+            self.error = exc
+
+    def check_alive(self) -> None:
+        if self.error is not None or not self._thread.is_alive():
+            raise RuntimeError(f"the end-to-end audit stopped watching: {self.error!r}")
+
+
+def audit_path() -> Optional[str]:
+    value = os.environ.get("RTE_E2E_AUDIT", "")
+    return value if value.endswith(".json") else None
+
+
+def write_audit(audit: Audit, e2e_ids: Set[str]) -> None:
+    path = audit_path()
+    if path:
+        with open(path, "w") as fh:
+            data = {nodeid: dict(counts) for nodeid, counts in sorted(audit.counts.items())}
+            json.dump({"started": data, "marked_e2e": sorted(e2e_ids)}, fh, indent=1)
