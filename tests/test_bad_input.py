@@ -306,3 +306,66 @@ def test_cli_refuses_a_run_name_that_leaves_the_storage_folder(tmp_path, monkeyp
     err = capsys.readouterr().err
     assert code == 2 and "one folder name" in err, err
     assert os.listdir(tmp_path) == []  # nothing written: not ./data, not the storage folder
+
+
+# ---------------------------------------------------------------------------------- loading checkpoints
+def _saved_checkpoint(tmp_path, **over: Any) -> str:
+    """A committed checkpoint of a 1-epoch run (2 batches) in ``tmp_path/ckpts``; returns the folder."""
+    folder = str(tmp_path / "ckpts")
+    model = over.pop("model", None) or _model()
+    Trainer(**_trainer_kwargs(model, checkpoint=CheckpointConfig(save_folder=folder), **over)).fit()
+    return folder
+
+
+def test_a_checkpoint_of_another_shape_names_a_fix_that_works(tmp_path):
+    folder = _saved_checkpoint(tmp_path)
+    wider = ClassifierModel(torch.nn.Linear(4, 5), num_classes=5)
+    for strict in (True, False):  # the advice must not be load_strict=False, which fails the same way
+        with pytest.raises(Exception, match="shape mismatch.*load_ignore_keys.*load_strict=False does not help"):
+            Trainer(**_trainer_kwargs(wider, checkpoint=CheckpointConfig(load_from=folder, load_strict=strict)))
+    # The fix it names works: the changed layer starts fresh, the rest loads.
+    Trainer(
+        **_trainer_kwargs(
+            wider,
+            checkpoint=CheckpointConfig(load_from=folder, load_ignore_keys=["model/module.*"], load_weights_only=True),
+        )
+    )
+
+
+def test_an_sgd_checkpoint_into_adam_is_refused_before_loading(tmp_path):
+    folder = _saved_checkpoint(tmp_path)
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    adam = torch.optim.Adam(model.parameters(), lr=0.1)
+    with pytest.raises(Exception, match=r"does not fit this run's Adam.*'betas'.*load_ignore_keys=\['optimizers'"):
+        Trainer(**_trainer_kwargs(model, optimizers=adam, checkpoint=CheckpointConfig(load_from=folder)))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing was loaded
+    model = _model()
+    adam = torch.optim.Adam(model.parameters(), lr=0.1)
+    config = CheckpointConfig(load_from=folder, load_ignore_keys=["optimizers", "schedulers"])
+    Trainer(**_trainer_kwargs(model, optimizers=adam, checkpoint=config)).fit()  # the fix it names trains
+
+
+def test_loading_a_checkpoint_past_max_duration_says_nothing_will_train(tmp_path, caplog):
+    folder = _saved_checkpoint(tmp_path, max_duration="2ba")
+    model = _model()
+    with caplog.at_level("WARNING", logger="raytrain_events.checkpoint.loading"):
+        trainer = Trainer(**_trainer_kwargs(model, max_duration="1ba", checkpoint=CheckpointConfig(load_from=folder)))
+    warned = [r.getMessage() for r in caplog.records if "fit() will train nothing" in r.getMessage()]
+    assert len(warned) == 1 and "raise max_duration" in warned[0] and "load_weights_only=True" in warned[0]
+    assert trainer.fit().timestamp.batch.value == 2  # correct behaviour: nothing more trained
+
+
+def test_an_edited_manifest_timestamp_is_refused(tmp_path):
+    import json
+
+    _saved_checkpoint(tmp_path)
+    manifest = next((tmp_path / "ckpts").rglob("manifest.json"))
+    data = json.loads(manifest.read_text())
+    data["timestamp"]["batch"] = 999
+    manifest.write_text(json.dumps(data))
+    model = _model()
+    with pytest.raises(
+        Exception, match=r"inconsistent: its manifest.json lists \{'batch': 999\}.*holds \{'batch': 2\}"
+    ):
+        Trainer(**_trainer_kwargs(model, checkpoint=CheckpointConfig(load_from=str(manifest.parent))))

@@ -112,7 +112,8 @@ class Trainer:
     ) -> None:
         """``loop_options``: the `LoopOptions` fields as keywords (``max_duration``, ``eval_interval``,
         ``grad_accum``, ``precision``, ``parallelism``, ``compile``, ``seed``, ``config``), each
-        with its default and meaning there; they replace those of ``options`` when both are given."""
+        with its default and meaning there; they replace those of ``options`` when both are given.
+        ``run_name``: one folder name; None gives a fresh ``run-<date>-<time>-<hex>`` (see `fresh_run_name`)."""
         check_model(model)
         self.options = opts = LoopOptions.build(options, loop_options)
         # None (with max_duration and optimizers possibly None too): a Trainer for eval()/predict() only.
