@@ -47,7 +47,8 @@ Usage::
     python bench/data_scale.py --files 400 --rows-per-file 2000 --arms ours ray-data
     python bench/data_scale.py --json                  # also one JSON line at the end
 
-Streaming needs ``pip install -c constraints.txt -e '.[bench]'``; when it cannot be imported its
+Streaming needs ``pip install -c constraints.txt -e '.[bench]'`` then ``pip install -c constraints.txt
+--no-deps streaming-community`` (its torchvision requirement is left out: see pyproject.toml); when it cannot be imported its
 row says why and the other arms still run.
 """
 
