@@ -95,6 +95,8 @@ class CheckpointConfig:
                 raise TypeError(f"{name}={value!r} must be a number of seconds, like {name}=600.")
         if self.load_from is not None and not isinstance(self.load_from, (str, os.PathLike)):
             raise TypeError(f"load_from={self.load_from!r} must be a checkpoint URL or path (a string).")
+        if self.load_from is not None:
+            self.load_from = os.fspath(self.load_from)
         if self.save_interval is not None:
             interval = ensure_time(self.save_interval, TimeUnit.EPOCH)
             if interval.unit == TimeUnit.DURATION or interval.value <= 0:
