@@ -43,11 +43,11 @@ started ...``                                                 processes; a Train
                                                               a file path, so ``LoggingConfig`` misses it: not shown.
 ``(ListFiles) Exception in thread ...completion-signaler``    A Ray Data 2.60 race when a file-listing pool shuts
 ``InterruptedError``                                          down after its work is done: not shown.
-``(pid=gcs_server) ... Failed to kill actor NIL_ID, return    The GCS's actor scheduler, asked to kill an actor whose
-status: Invalid: KillActor RPC failed``                       worker lease was never granted (an actor still pending
-                                                              when its placement group or job goes away at the end
-                                                              of a run), has no worker to send the kill to and logs
-                                                              that at ERROR. Ray's own, harmless: not shown.
+``(pid=gcs_server) ... Failed to kill actor NIL_ID, return    Ray's own: the GCS's actor scheduler tries to kill an
+status: Invalid: KillActor RPC failed``                       actor whose worker is NIL (by its text, one that had no
+                                                              leased worker yet, as at a run's teardown; not
+                                                              reproduced here). A RayTrainer run kills no actor
+                                                              itself. Harmless, not shown.
 ``'EpochFeeder' ... constructor arguments in the object       Fixed at its cause: the feeder is created with plain
 store and max_restarts > 0``                                  values only and gets the dataset by reference in each
                                                               ``start_epoch`` call (`feeder.py`, Restarts).
