@@ -58,7 +58,8 @@ Usage::
     python bench/data_scale.py --files 4 --rows-per-file 200 --repeats 1 --no-network --arms ours-seek  # smoke
     python bench/data_scale.py --json                  # also one JSON line at the end
 
-Streaming needs ``pip install -c constraints.txt -e '.[bench]'``; when it cannot be imported its
+Streaming needs ``pip install -c constraints.txt -e '.[bench]'`` then ``pip install -c constraints.txt
+--no-deps streaming-community`` (its torchvision requirement is left out: see pyproject.toml); when it cannot be imported its
 row says why and the other arms still run.
 """
 

@@ -33,7 +33,8 @@ def import_streaming() -> Any:
 
     if importlib.util.find_spec("streaming") is None:
         raise ImportError(
-            "MosaicML Streaming is not installed; install it with pip install -c constraints.txt -e '.[bench]'"
+            "MosaicML Streaming is not installed; install it with pip install -c constraints.txt -e '.[bench]' "
+            "&& pip install -c constraints.txt --no-deps streaming-community"
         )
     note = None
     try:
@@ -46,7 +47,7 @@ def import_streaming() -> Any:
     except Exception as exc:
         raise ImportError(
             f"MosaicML Streaming cannot be imported ({type(exc).__name__}: {exc}); install it with "
-            "pip install -c constraints.txt -e '.[bench]'"
+            "pip install -c constraints.txt -e '.[bench]' && pip install -c constraints.txt --no-deps streaming-community"
         ) from exc
     streaming.bench_note = note
     return streaming

@@ -261,8 +261,14 @@ def train_digits(cfg: DigitsConfig, *, echo: Callable[[str], None] = print) -> D
                 "resume=true needs run_name=<the run to continue> (see `raytrain-events runs ls <storage>`)."
             )
         cfg.run_name = datetime.datetime.now().strftime("digits-%Y%m%d-%H%M%S")
-    if "/" in cfg.run_name or not cfg.run_name.strip():
-        raise UsageError(f"run_name={cfg.run_name!r} must be a non-empty name without '/'.")
+    from raytrain_events.storage.exp_dir import check_run_name
+    from raytrain_events.storage.fs import check_storage_url
+
+    try:
+        check_run_name(cfg.run_name)  # one folder name: the run never leaves its storage folder
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    storage_step(cfg.storage, lambda: check_storage_url(cfg.storage, "storage"))
     duration = cfg.max_duration or f"{cfg.epochs}ep"
     _check_numbers(cfg)
     options = to_plain(cfg.storage_options)

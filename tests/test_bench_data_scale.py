@@ -71,5 +71,5 @@ def test_streaming_arm_names_the_install_when_streaming_is_missing():
         pass
     else:
         pytest.skip("MosaicML Streaming is installed here (the bench extra)")
-    with pytest.raises(ImportError, match=r"pip install -c constraints.txt -e '\.\[bench\]'"):
+    with pytest.raises(ImportError, match=r"-e '\.\[bench\]' && pip install -c constraints.txt --no-deps streaming"):
         data_scale_arms.import_streaming()

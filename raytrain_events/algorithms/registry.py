@@ -16,6 +16,7 @@ A spec is a registered name, a ``{"name": ..., **kwargs}`` dict, or an `Algorith
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import re
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Union
@@ -94,7 +95,9 @@ def build_algorithm(spec: AlgorithmSpec) -> Algorithm:
         key = squashed.get(key.replace("_", ""), key)
         factory = _REGISTRY.get(key)
     if factory is None:
-        raise ValueError(f"Unknown algorithm {name!r}. Known algorithms: {', '.join(available_algorithms())}.")
+        close = difflib.get_close_matches(key, available_algorithms(), n=1)
+        hint = f"Did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"Unknown algorithm {name!r}. {hint}Known algorithms: {', '.join(available_algorithms())}.")
     try:
         inspect.signature(factory).bind(**kwargs)
     except TypeError as exc:

@@ -50,7 +50,7 @@ from raytrain_events.core.event import Event
 from raytrain_events.core.interval import make_interval
 from raytrain_events.core.time import TimeUnit, counters_of
 from raytrain_events.storage.exp_dir import checkpoints_url, run_url_of_checkpoints
-from raytrain_events.storage.fs import basename
+from raytrain_events.storage.fs import basename, refuse_file_folder
 from raytrain_events.storage.locks import acquire_lock, release_lock
 
 _log = logging.getLogger(__name__)
@@ -121,8 +121,10 @@ class Checkpointer(Callback):
         state.agreement.register(_BUSY_FLAG)
         self.folder = config.save_folder or checkpoints_url(os.path.abspath(os.path.join("runs", state.run_name)))
         self.options = dict(config.storage_options)
+        # A 'tok' interval needs a token counter (as eval_interval does): else no periodic save would happen.
+        counts_tokens = getattr(getattr(host, "train_spec", None), "counts_tokens", True)
         self._interval = (
-            make_interval(config.save_interval, state.max_duration, what="save_interval")
+            make_interval(config.save_interval, state.max_duration, counts_tokens=counts_tokens, what="save_interval")
             if config.save_interval is not None
             else None
         )
@@ -159,6 +161,8 @@ class Checkpointer(Callback):
         self._warned_slow = False
         self.failures: List[Tuple[str, str]] = []  # (checkpoint URL, error) of saves that failed for good
         self._lock = None
+        if state.rank == 0:
+            refuse_file_folder(self.folder, self.options)
         if config.lock_run_dir and state.rank == 0:
             # Refuses (RunLockedError naming the holder) if another live run holds this run dir.
             self._lock = acquire_lock(self.run_dir, "running", storage_options=self.options, takeover_stale=True)
@@ -178,6 +182,7 @@ class Checkpointer(Callback):
             start_from_safetensors(self.host.state.model, config)
             return None
         if loaded is None and config.load_from:
+            refuse_file_folder(config.load_from, self.options, what="load_from")  # e.g. .../state.pt
             loaded = self._read(config.load_from)
             if loaded is None:
                 raise FileNotFoundError(

@@ -8,6 +8,7 @@ Saving happens at ``BATCH_CHECKPOINT`` / ``EPOCH_CHECKPOINT`` when any trigger f
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Optional, Sequence, Union
 
@@ -84,6 +85,18 @@ class CheckpointConfig:
     sharded: Optional[bool] = None
 
     def __post_init__(self) -> None:  # noqa: C901 -- one check per option, in field order (checkpoint/ owner)
+        for name in ("save_every_n_steps", "keep", "keep_best"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TypeError(f"{name}={value!r} must be an integer (or None), like {name}=3.")
+        for name in ("save_every_n_seconds", "upload_deadline_s"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise TypeError(f"{name}={value!r} must be a number of seconds, like {name}=600.")
+        if self.load_from is not None and not isinstance(self.load_from, (str, os.PathLike)):
+            raise TypeError(f"load_from={self.load_from!r} must be a checkpoint URL or path (a string).")
+        if self.load_from is not None:
+            self.load_from = os.fspath(self.load_from)
         if self.save_interval is not None:
             interval = ensure_time(self.save_interval, TimeUnit.EPOCH)
             if interval.unit == TimeUnit.DURATION or interval.value <= 0:

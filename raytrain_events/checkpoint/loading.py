@@ -17,7 +17,9 @@ from raytrain_events.checkpoint.format import LoadedCheckpoint, read_checkpoint_
 from raytrain_events.checkpoint.rng import restore_rng_state
 from raytrain_events.checkpoint.sharded import ShardedCheckpointIO, is_sharded_checkpoint, load_full_into_sharded
 from raytrain_events.checkpoint.store import load_latest_valid
-from raytrain_events.core.state import drop_ignored_keys
+from raytrain_events.core.interval import is_done
+from raytrain_events.core.state import CheckpointMismatchError, drop_ignored_keys
+from raytrain_events.core.time import Timestamp, counters_of
 from raytrain_events.parallel.wrap import is_sharded_module
 
 if TYPE_CHECKING:
@@ -85,6 +87,8 @@ def apply_checkpoint(
         saved = {k: v for k, v in saved.items() if k not in ("optimizers", "schedulers", "scaler")}
         sharded = is_sharded_checkpoint(loaded.info) or is_sharded_module(state.model)
         weights_only = weights_only or sharded  # a sharded load restores the optimizers with the model
+    if not weights_only and not inference:
+        check_manifest_timestamp(loaded.info, saved)
     if is_sharded_checkpoint(loaded.info):
         io = sharded_io or ShardedCheckpointIO(host, options, own_group=False)
         io.load(loaded.info, saved, strict=strict, weights_only=weights_only)
@@ -97,12 +101,37 @@ def apply_checkpoint(
     if weights_only or inference:
         return None
     _warn_config_changed(host, loaded)
+    if state.max_duration is not None and is_done(state) and state.rank == 0:
+        _log.warning(
+            "The checkpoint %s is at %s, already at or past max_duration=%s: fit() will train nothing. To train "
+            "more, raise max_duration (or call fit(duration=...)); to start a new run from its weights, "
+            "pass CheckpointConfig(load_weights_only=True).",
+            loaded.info.url,
+            counters_of(state.timestamp),
+            state.max_duration.to_timestring(),
+        )
     rng_name = rng_file_name(state.rank)
     if not any(f.name == rng_name for f in loaded.info.files):
         return None
     rng = read_checkpoint_files(loaded.info, storage_options=options, files=[rng_name]).files[rng_name]
     restore_rng_state(rng["now"])
     return rng
+
+
+def check_manifest_timestamp(info: Any, saved: Dict[str, Any]) -> None:
+    """Refuse a checkpoint whose manifest's counters (what listings and resumes choose by) disagree with
+    the state it holds (what would load): an edited or mixed-up checkpoint."""
+    if "timestamp" not in saved or not info.timestamp:
+        return
+    held = counters_of(Timestamp.from_state_dict(saved["timestamp"]))
+    differ = {k: (v, held[k]) for k, v in info.timestamp.items() if k in held and held[k] != v}
+    if differ:
+        raise CheckpointMismatchError(
+            f"The checkpoint {info.url} is inconsistent: its manifest.json lists "
+            f"{ {k: a for k, (a, _) in differ.items()} } but its state holds { {k: b for k, (_, b) in differ.items()} } "
+            "(manifest.json was edited, or the files come from different saves). Fix: load another checkpoint "
+            "(the one before it), or restore this one's manifest.json."
+        )
 
 
 def _warn_config_changed(host: CheckpointHost, loaded: LoadedCheckpoint) -> None:

@@ -32,7 +32,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from raytrain_events.checkpoint.manifest import CheckpointError, CheckpointInfo, FileEntry, UnsafeCheckpointError
-from raytrain_events.core.state import CheckpointMismatchError, model_mismatch
+from raytrain_events.core.state import CheckpointMismatchError, mismatch_fix, model_mismatch
 
 __all__ = [
     "DCP_LAYOUT",
@@ -229,8 +229,7 @@ def _check_model_keys(url: str, metadata: Any, model_sd: Dict[str, Any], strict:
     problem = model_mismatch({k: tuple(v.shape) for k, v in model_sd.items()}, saved, strict)
     if problem:
         raise CheckpointMismatchError(
-            f"The sharded checkpoint {url!r} does not match this model ({problem}). Check that it "
-            "was saved from the same architecture; pass load_strict=False to ignore missing/unexpected keys."
+            f"The sharded checkpoint {url!r} does not match this model ({problem}). {mismatch_fix(problem)}"
         )
 
 
@@ -338,8 +337,9 @@ def _check_full_keys(state: Any, saved_model: Dict[str, Any], strict: bool) -> N
         if k in current and tuple(v.shape) != tuple(current[k].shape)
     ]
     if mismatched or (strict and (missing or unexpected)) or (current and len(missing) == len(current)):
-        raise CheckpointMismatchError(
-            f"The checkpoint does not match this model (shape mismatch: {mismatched[:10]}, missing in checkpoint: "
-            f"{missing[:10]}, not in model: {unexpected[:10]}). Check that it was saved from the same "
-            "architecture; pass load_strict=False to ignore missing/unexpected keys."
+        problem = (
+            f"shape mismatch: {mismatched[:10]}, missing in checkpoint: {missing[:10]}, not in model: {unexpected[:10]}"
+            if mismatched
+            else f"missing in checkpoint: {missing[:10]}, not in model: {unexpected[:10]}"
         )
+        raise CheckpointMismatchError(f"The checkpoint does not match this model ({problem}). {mismatch_fix(problem)}")

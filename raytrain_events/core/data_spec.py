@@ -7,9 +7,10 @@ be a tensor, a tuple/list of tensors, or a dict of tensors (Ray Data yields dict
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Callable, Iterable, List, Mapping, Optional
 
-__all__ = ["DataSpec", "default_num_samples", "default_split_batch", "ensure_data_spec"]
+__all__ = ["DataSpec", "check_loader", "default_num_samples", "default_split_batch", "ensure_data_spec"]
 
 
 def _first_tensor(batch: Any) -> Any:
@@ -95,11 +96,56 @@ class DataSpec:
         self.device_transforms = device_transforms
 
     def num_tokens_in_batch(self, batch: Any) -> int:
-        """Tokens in ``batch`` (0 unless a token counter was given)."""
+        """Tokens in ``batch`` (0 unless a token counter was given); a count that is not a whole
+        number (None, 2.5, a float tensor) is refused, not rounded."""
         fn = self.get_num_tokens_in_batch
-        return int(fn(batch)) if fn is not None else 0
+        if fn is None:
+            return 0
+        tokens = fn(batch)
+        if type(tokens) is int:  # the common case, checked first (per batch)
+            return tokens
+        return _whole_count(tokens, fn)
 
 
-def ensure_data_spec(dataloader: Any) -> DataSpec:
-    """Wrap a plain dataloader in a default `DataSpec`; pass a `DataSpec` through."""
-    return dataloader if isinstance(dataloader, DataSpec) else DataSpec(dataloader)
+def _whole_count(value: Any, fn: Any) -> int:
+    """``value`` as an int if it is an integer (int, numpy integer, integer 0-d tensor); else a TypeError."""
+    is_integer_tensor = hasattr(value, "dtype") and getattr(value, "ndim", 1) == 0 and not value.dtype.is_floating_point
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    if is_integer_tensor and str(value.dtype) != "torch.bool":
+        return int(value)
+    raise TypeError(
+        f"get_num_tokens_in_batch ({getattr(fn, '__name__', fn)!r}) returned {value!r} "
+        f"({type(value).__name__}); it must return the batch's token count as an int. Fix: return "
+        "int(...) of a count, e.g. lambda b: int(b['attention_mask'].sum())."
+    )
+
+
+def check_loader(dataloader: Any, what: str) -> None:
+    """Refuse what the loop cannot iterate as batches, naming the fix.
+
+    A map-style dataset (``__getitem__`` and ``__len__``, e.g. a ``TensorDataset``) iterates rows,
+    not batches: each row would be taken as a batch and counted wrongly, so it is refused (wrap
+    it in a ``DataLoader``). An ``IterableDataset`` that yields batches is accepted.
+    """
+    name = type(dataloader).__name__
+    is_map_dataset = any(
+        cls.__name__ == "Dataset" and cls.__module__.startswith("torch.utils.data") for cls in type(dataloader).__mro__
+    ) and not any(cls.__name__ == "IterableDataset" for cls in type(dataloader).__mro__)
+    if is_map_dataset:
+        raise TypeError(
+            f"{what} is a {name}, a dataset of rows, not of batches (each row would be taken as a batch). "
+            f"Fix: wrap it in a DataLoader: {what}=torch.utils.data.DataLoader(dataset, batch_size=64, shuffle=True)."
+        )
+    if isinstance(dataloader, (str, bytes)) or not hasattr(dataloader, "__iter__"):
+        raise TypeError(
+            f"{what}={dataloader!r} ({name}) is not a dataloader: pass an iterable of batches, like "
+            "torch.utils.data.DataLoader(dataset, batch_size=64) (or a DataSpec wrapping one)."
+        )
+
+
+def ensure_data_spec(dataloader: Any, what: str = "dataloader") -> DataSpec:
+    """Wrap a plain dataloader in a default `DataSpec`; pass a `DataSpec` through (both checked)."""
+    spec = dataloader if isinstance(dataloader, DataSpec) else DataSpec(dataloader)
+    check_loader(spec.dataloader, what)
+    return spec

@@ -214,8 +214,7 @@ class State:
         problem = model_mismatch(shapes, saved, strict)
         if problem:
             raise CheckpointMismatchError(
-                f"The checkpoint does not match this model ({problem}). Check that it was "
-                "saved from the same architecture; pass load_strict=False to ignore missing/unexpected keys."
+                f"The checkpoint does not match this model ({problem}). {mismatch_fix(problem)}"
             )
         self.model.load_state_dict(state_dict, strict=strict and not ignored)  # the rest was checked above
 
@@ -232,6 +231,7 @@ class State:
                 f"The checkpoint was saved with algorithms {missing_required} that must be present to load it "
                 "(required_on_load); add them to `algorithms`."
             )
+        check_optimizer_states(self.optimizers, state.get("optimizers", ()))
         if "model" in state:
             self.load_model_state(state["model"], strict=strict, ignored=ignored)
         if "optimizers" in state:
@@ -277,6 +277,39 @@ def model_mismatch(
     if keys_count and unexpected:
         parts.append(f"not in model: {unexpected[:10]}")
     return " | ".join(parts) or None
+
+
+def mismatch_fix(problem: str) -> str:
+    """The fix for a `model_mismatch` ``problem``: ``load_strict=False`` helps with keys, never with shapes."""
+    if "shape mismatch" in problem:
+        return (
+            "Fix: load it into the architecture it was saved from (the same sizes); to start a changed part "
+            "fresh (e.g. a new head), skip its entries with load_ignore_keys=['model/<name>*'] and "
+            "load_weights_only=True. load_strict=False does not help: it ignores missing/unexpected keys, "
+            "never other shapes."
+        )
+    return "Fix: check that it was saved from the same architecture; pass load_strict=False to ignore missing/unexpected keys."
+
+
+def check_optimizer_states(optimizers: Sequence[Any], states: Sequence[Any]) -> None:
+    """Refuse optimizer states saved by another kind of optimizer (SGD's into Adam: torch's KeyError 'betas')."""
+    for optimizer, saved in zip(optimizers, states):
+        groups = saved.get("param_groups") if isinstance(saved, Mapping) else None
+        if not groups or not getattr(optimizer, "param_groups", None):
+            continue
+        # Hyperparameters only (numbers, tuples): flags a newer torch added (None/bool) are defaulted on load.
+        group = optimizer.param_groups[0]
+        lacking = sorted(
+            k for k in set(group) - set(groups[0]) - {"params"} if not isinstance(group[k], (bool, type(None)))
+        )
+        if not lacking:
+            continue
+        raise CheckpointMismatchError(
+            f"The checkpoint's optimizer state does not fit this run's {type(optimizer).__name__}: it has no "
+            f"{lacking} (it was saved by another kind of optimizer, or another version). Fix: build the same "
+            "optimizer as the run that saved it, or start the optimizer fresh with "
+            "CheckpointConfig(load_ignore_keys=['optimizers', 'schedulers']) or load_weights_only=True."
+        )
 
 
 def drop_ignored_keys(

@@ -43,6 +43,14 @@ started ...``                                                 processes; a Train
                                                               a file path, so ``LoggingConfig`` misses it: not shown.
 ``(ListFiles) Exception in thread ...completion-signaler``    A Ray Data 2.60 race when a file-listing pool shuts
 ``InterruptedError``                                          down after its work is done: not shown.
+``(pid=gcs_server) ... Failed to kill actor NIL_ID, return    Ray's own: the GCS's actor scheduler tries to kill an
+status: Invalid: KillActor RPC failed``                       actor whose worker is NIL (by its text, one that had no
+                                                              leased worker yet, as at a run's teardown; not
+                                                              reproduced here). A RayTrainer run kills no actor
+                                                              itself. Harmless, not shown.
+``'EpochFeeder' ... constructor arguments in the object       Fixed at its cause: the feeder is created with plain
+store and max_restarts > 0``                                  values only and gets the dataset by reference in each
+                                                              ``start_epoch`` call (`feeder.py`, Restarts).
 ===========================================================  ==================================================
 
 Every other line (the job's own prints, warnings and errors from user code, Ray's errors) still
@@ -74,6 +82,7 @@ NOISE: List[Tuple[Optional[str], re.Pattern[str]]] = [
     (None, re.compile(r"Dataset \S+ execution finished in")),
     (None, re.compile(r"Registered dataset logger for dataset")),
     ("raylet", re.compile(r"PYTHON worker processes have been started on node")),
+    ("gcs_server", re.compile(r"Failed to kill actor NIL_ID")),
     # Ray Train's per-report INFO line on each worker: its logger is named by a file path, not
     # ``ray.train.*``, so Ray Train's LoggingConfig does not reach it.
     ("RayTrainWorker", re.compile(r"Reporting training result \d+: TrainingReport\(")),
@@ -91,7 +100,7 @@ def is_noise(source: Optional[str], line: str) -> bool:
 
 
 def _source(data: Dict[str, Any]) -> Optional[str]:
-    if data.get("pid") in ("raylet", "autoscaler"):
+    if data.get("pid") in ("raylet", "autoscaler", "gcs_server"):
         return str(data["pid"])
     return data.get("actor_name") or data.get("task_name") or None
 

@@ -133,6 +133,7 @@ class GlobalOrderShard:
     global_batch: int
     num_rows: Optional[int]
     tensor_parallel: int = 1  # ranks per tensor group, which share one part of each global batch
+    source: Any = None  # [ObjectRef of the train set]: the feeder loads it from here (feeder.py, Restarts)
 
     @property
     def data_world_size(self) -> int:
@@ -192,14 +193,17 @@ class TrainDataConfig(DeterministicSplitDataConfig):
             global_batch = self.global_batch_size or self.batch_size * parts
             here = ray.get_runtime_context().get_node_id()  # Ray Train's controller node: it outlives workers
             options = {"consumers": tp} if tp > 1 else {}
+            # The dataset goes by reference in each start_epoch call, not as a constructor argument
+            # (a restartable actor's constructor arguments in the object store: ray issue 53727).
+            source = [ray.put(dataset)]
             feeder = (
                 ray.remote(EpochFeeder)
                 .options(**FEEDER_OPTIONS, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False))
-                .remote(dataset, parts, global_batch, self.deterministic, **options)
+                .remote(None, parts, global_batch, self.deterministic, **options)
             )
             rows = self.train_rows if self.train_rows is not None else _compat.dataset_meta_count(dataset)
             for rank in range(world_size):
-                output[rank]["train"] = GlobalOrderShard(feeder, rank, world_size, global_batch, rows, tp)
+                output[rank]["train"] = GlobalOrderShard(feeder, rank, world_size, global_batch, rows, tp, source)
         return output
 
 
@@ -366,7 +370,7 @@ class GlobalOrderLoader:
         shard = self.shard
         _call_feeder(
             lambda: shard.feeder.start_epoch.remote(
-                epoch, position, self.order_seed, shard.rank, resume_batch, self.shuffle_rows
+                epoch, position, self.order_seed, shard.rank, resume_batch, self.shuffle_rows, source=shard.source
             )
         )
 

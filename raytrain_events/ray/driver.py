@@ -103,6 +103,12 @@ class RayTrainer:
             spec = spec.replace(**options)
         self.spec: RunSpec = spec
         self._report_queue: Any = None
+        if getattr(spec, "default_run_name", False) and getattr(spec.checkpoint, "autoresume", False):
+            raise ValueError(
+                "CheckpointConfig(autoresume=True) without a run_name: a run without one gets a fresh name "
+                f"({spec.run_name}), so there is nothing to resume. Fix: name the run, RayTrainer(run_name='my-run', "
+                "...), with the same name (and storage_path) in every job that continues it."
+            )
         if isinstance(spec.workers, int):  # an elastic group's size is checked at each worker start
             from raytrain_events.parallel.world import check_tensor_parallel_world
 
@@ -138,6 +144,9 @@ class RayTrainer:
         ``raytrain_events.tune.trial``); None: the entries go only to the history and result.
         """
         self._report_queue = report_queue
+        from raytrain_events.ray.driver_checks import check_on_driver
+
+        check_on_driver(self.spec)  # the factories on the meta device, algorithm names, datasets: before Ray starts
         import ray
 
         from raytrain_events.ray.cluster import ensure_ray

@@ -22,7 +22,12 @@ blocks are indexed by global row and trimmed from the front once every rank is p
 the buffer holds the blocks between the slowest rank and the pull front, at any position (blocks
 before a resume's position are passed over, never held).
 
-Restarts: the actor is created with ``max_restarts``. A restarted feeder holds no epochs; each
+Restarts: the actor is created with ``max_restarts`` and without the dataset (its constructor
+arguments are small plain values, so Ray's creation task holds them inline and a restart cannot
+lose them; a constructor argument in the object store could be gone by then, ray issue 53727).
+The train set travels as ``[ObjectRef]`` in every `start_epoch` call, which each rank's loader
+holds for the whole run; the first call, and a restarted feeder's, loads it from there. A
+restarted feeder holds no epochs; each
 rank's loader, on its next call, starts the epoch again with the batch it needs next
 (`EpochFeeder.start_epoch` with ``resume_batch``) and the feeder rebuilds the epoch from (epoch,
 position, seed), keeping rows from a few chunks before that batch on. Rows stay exactly once;
@@ -249,19 +254,26 @@ class EpochFeeder:
         ``consumers``: the ranks served each part (the tensor-parallel degree; see the module doc)."""
         if isinstance(consumers, bool) or not isinstance(consumers, int) or consumers < 1:
             raise ValueError(f"consumers={consumers!r} must be an integer >= 1 (ranks per tensor group).")
+        self.materialize = materialize
+        self.dataset: Any = None
+        self.seekable = False
+        if dataset is not None:
+            self._set_dataset(dataset)
+        self.world_size = world_size
+        self.consumers = consumers
+        self.global_batch = global_batch
+        self.epochs: Dict[Tuple[int, int], _Epoch] = {}
+        self.lock = threading.Lock()  # guards `epochs` (calls run in several threads)
+
+    def _set_dataset(self, dataset: Any) -> None:
         from raytrain_events.ray.parquet_seek import is_seekable
 
         self.seekable = is_seekable(dataset)
         if not self.seekable:
             dataset = dataset.copy(dataset) if hasattr(dataset, "copy") else dataset
             dataset.context.execution_options.preserve_order = True
-            dataset = dataset.materialize() if materialize else dataset
+            dataset = dataset.materialize() if self.materialize else dataset
         self.dataset = dataset
-        self.world_size = world_size
-        self.consumers = consumers
-        self.global_batch = global_batch
-        self.epochs: Dict[Tuple[int, int], _Epoch] = {}
-        self.lock = threading.Lock()  # guards `epochs` (calls run in several threads)
 
     def _stream(
         self, epoch: int, order_seed: Optional[int], row: int, window_rows: int
@@ -283,6 +295,7 @@ class EpochFeeder:
         rank: int,
         resume_batch: int = 0,
         shuffle_rows: Optional[int] = None,
+        source: Optional[List[Any]] = None,
     ) -> bool:
         """Every rank calls this at its epoch start with the same arguments; the first one starts it.
 
@@ -293,9 +306,19 @@ class EpochFeeder:
         ``resume_batch``: a rank reconnecting after the feeder restarted, whose next batch is that one.
         ``shuffle_rows`` (with ``order_seed``): rows are also permuted within windows of at least
         that many rows (`shuffle.py`).
+        ``source``: ``[ObjectRef of the train set]``, for a feeder created without its dataset (see
+        the module doc, Restarts); its first call (and a restarted feeder's) loads the dataset from it.
         """
         key = (epoch, position)
         with self.lock:
+            if self.dataset is None:
+                if not source:
+                    raise RuntimeError(
+                        "This EpochFeeder was created without a dataset: pass start_epoch(source=[ref])."
+                    )
+                import ray
+
+                self._set_dataset(ray.get(source[0]))
             started = self.epochs.get(key)
             if started is not None and resume_batch == 0 and started.cursor.next[rank] > started.first_batch:
                 raise RuntimeError(

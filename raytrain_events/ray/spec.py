@@ -16,7 +16,6 @@ large model is never pickled on the driver and each worker builds its own on its
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import functools
 import inspect
 import os
@@ -112,7 +111,9 @@ class RunSpec(LoopOptions):
     # -- storage, checkpoints, reports -------------------------------------------------------------
     storage_path: Optional[str] = _opt(None, help="where runs live: a local path or fsspec URL (default ./runs)")
     storage_options: Dict[str, Any] = _opt(help="fsspec options for storage_path", factory=dict)
-    run_name: Optional[str] = _opt(None, help="the run's folder under storage_path (default run-<time>)")
+    run_name: Optional[str] = _opt(
+        None, help="the run's folder under storage_path: one folder name (default: a fresh run-<date>-<time>-<hex>)"
+    )
     checkpoint: Any = _opt(None, help="a raytrain_events.checkpoint.CheckpointConfig; None: no checkpoints")
     max_failures: int = _opt(0, help="worker-group restarts Ray Train makes after a failure", worker=False)
     hang_timeout: Optional[float] = _opt(
@@ -188,9 +189,15 @@ class RunSpec(LoopOptions):
             check_ray_ranking(self.checkpoint)
             # The driver holds the run dir's lock for the whole run; workers must not take it again.
             self.checkpoint = dataclasses.replace(self.checkpoint, lock_run_dir=False)
+        from raytrain_events.storage.exp_dir import check_run_name, fresh_run_name
+        from raytrain_events.storage.fs import check_storage_url
+
+        check_storage_url(self.storage_path or "runs")
         self.storage_path = storage_root(self.storage_path)
         self.storage_options = dict(self.storage_options or {})
-        self.run_name = self.run_name or datetime.datetime.now().strftime("run-%Y%m%d-%H%M%S")
+        # No name: a fresh unique one, so two jobs never share a run directory (`default_run_name`).
+        self.default_run_name = self.run_name is None
+        self.run_name = fresh_run_name() if self.run_name is None else check_run_name(self.run_name)
         self.driver_loggers = list(self.driver_loggers or ())
         if self.log_step not in ("sample", "batch", "token", "epoch"):
             raise ValueError(f"log_step={self.log_step!r}: use 'sample', 'batch', 'token' or 'epoch'.")
@@ -227,6 +234,22 @@ class RunSpec(LoopOptions):
                 f"num_workers={workers!r} must be an integer >= 1, or (min, max) with 1 <= min <= max for an "
                 "elastic group."
             )
+        if self.resources_per_worker is not None and (
+            not isinstance(self.resources_per_worker, Mapping)
+            or not all(
+                isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+                for k, v in self.resources_per_worker.items()
+            )
+        ):
+            raise TypeError(
+                f"resources_per_worker={self.resources_per_worker!r} must map Ray resource names to amounts, "
+                "like resources_per_worker={'CPU': 2} or {'CPU': 4, 'GPU': 1}."
+            )
+        if self.columns is not None and (
+            isinstance(self.columns, str) or not all(isinstance(c, str) for c in self.columns)
+        ):
+            fix = [self.columns] if isinstance(self.columns, str) else ["image", "label"]
+            raise TypeError(f"columns={self.columns!r} must be a list of column names. Fix: columns={fix!r}.")
         if self.global_batch_size is not None and (
             not isinstance(self.global_batch_size, int) or self.global_batch_size < 1
         ):

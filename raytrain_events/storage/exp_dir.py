@@ -18,12 +18,19 @@ Usage::
     run = RunDir(url)
     run.save_config(cfg)
     assert run.load_config() == cfg
+
+``check_run_name`` is the one rule for a run's name (``Trainer``, ``RayTrainer``, the CLI's
+``run_name=``, a sweep's ``name``): one path segment, so a run never leaves its storage folder;
+``fresh_run_name`` is the default name (unique per call, so two jobs never share a run directory
+by accident).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import re
+import uuid
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -42,6 +49,38 @@ from raytrain_events.storage.locks import LockType, acquire_lock, has_lock
 
 CONFIG_FILE = "config.yaml"
 _RUN_RE = re.compile(r"^run_(\d+)$")
+
+
+def check_run_name(name: Any, what: str = "run_name") -> str:
+    """``name`` if it is one folder name inside the storage folder; else a ValueError naming the fix.
+
+    Refused: anything but a non-empty string, ``.`` and ``..``, a ``/`` or ``\\`` (a path, or an
+    absolute one), surrounding blanks, control characters and a ``://`` URL: each would put the
+    run's files outside ``<storage_path>/<name>`` or in a folder other runs share.
+    """
+    problem = None
+    if not isinstance(name, str):
+        problem = f"is a {type(name).__name__}, not a string"
+    elif not name.strip():
+        problem = "is empty"
+    elif name in (".", ".."):
+        problem = "names the storage folder itself or its parent"
+    elif "/" in name or "\\" in name:
+        problem = "is a path (it has '/' or '\\'): the run would live outside its storage folder"
+    elif name != name.strip() or any(ord(c) < 32 for c in name):
+        problem = "has surrounding blanks or control characters"
+    if problem is not None:
+        raise ValueError(
+            f"{what}={name!r} {problem}. Fix: give one folder name, like {what}='digits-lr0.1' (letters, digits, "
+            "'-', '_', '.'); put the parent folder in storage_path."
+        )
+    return name
+
+
+def fresh_run_name(prefix: str = "run") -> str:
+    """A default run name, ``<prefix>-<date>-<time>-<6 hex>``: unique per call, so two jobs started in
+    one directory (even in the same second) never share a run directory, its checkpoints or its lock."""
+    return f"{prefix}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
 
 
 def get_empty_exp_dir(

@@ -97,6 +97,57 @@ def resolve(url: str, storage_options: dict[str, Any] | None = None) -> tuple[An
         ) from e
 
 
+def refuse_file_folder(url: str, storage_options: dict[str, Any] | None = None, what: str = "save_folder") -> None:
+    """Raise a StorageError if ``url``, meant as a folder (``what``), is an existing file.
+
+    A save folder that is a file fails every save; a ``load_from`` naming a file inside a
+    checkpoint (``.../state.pt``) is not a checkpoint. One ``isfile`` call.
+    """
+    fs, path = resolve(url, storage_options)
+    try:
+        is_file = fs.isfile(path)
+    except Exception:  # unreachable storage: the first real read or write reports it with its own message
+        return
+    if is_file:
+        parent = url.rstrip("/").rsplit("/", 1)[0] if "/" in url.rstrip("/") else url
+        fix = (
+            f"point load_from at the checkpoint directory (the folder with manifest.json, e.g. {parent!r}) or "
+            "at a folder of checkpoints"
+            if what == "load_from"
+            else "point save_folder (or storage_path / run_name) at a folder, or move that file away"
+        )
+        raise StorageError(f"{what}={url!r} is a file, not a folder. Fix: {fix}.", url=str(url))
+
+
+def check_storage_url(url: str, what: str = "storage_path") -> None:
+    """Refuse a URL whose protocol no fsspec backend knows (``s4://``), before any work starts.
+
+    The one check of a storage URL's protocol: `RunSpec` (``storage_path``) and the command line
+    (``storage=``) call it. A known protocol whose package is missing raises the ImportError naming
+    the pip extra (`resolve`); reachability is checked by the first real read or write.
+    """
+    protocol = _protocol(str(url))
+    if protocol == "file":
+        return
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except ImportError:
+        extra, package = _EXTRAS.get(protocol, (None, None))
+        if extra is not None:
+            raise ImportError(
+                f"{what}={url!r} needs the optional package {package!r}, which is not installed. "
+                f"Fix: pip install 'raytrain_events[{extra}]'"
+            ) from None
+        raise
+    except ValueError:
+        known = ", ".join(f"{p}://" for p in ("s3", "gs", "az", "abfs", "file", "memory", "hdfs", "http"))
+        raise StorageError(
+            f"{what}={url!r}: {protocol!r} is not a storage protocol fsspec knows. Fix: use a local path or a URL "
+            f"with a known protocol ({known}, ...).",
+            url=str(url),
+        ) from None
+
+
 def join(url: str, *parts: str) -> str:
     """Join path parts onto a URL or local path with ``/`` (object stores have no ``\\``)."""
     out = str(url)

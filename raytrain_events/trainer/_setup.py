@@ -45,7 +45,7 @@ def train_inputs(
         raise ValueError("train_dataloader given without max_duration: pass max_duration='10ep' (or '500ba', ...).")
     if optimizers is None:
         raise ValueError("No optimizers given: pass optimizers=torch.optim.AdamW(model.parameters(), lr=...).")
-    spec = ensure_data_spec(train_dataloader)
+    spec = ensure_data_spec(train_dataloader, "train_dataloader")
     check_countable(max_duration, counts_tokens=spec.counts_tokens, what="max_duration")  # `tok` needs a counter
     return spec, max_duration
 

@@ -62,7 +62,7 @@ class Evaluator:
                 f"subset_num_batches={subset_num_batches!r} must be a positive int, or -1 for all batches."
             )
         self.label = label
-        self.dataloader = ensure_data_spec(dataloader)
+        self.dataloader = ensure_data_spec(dataloader, f"eval_dataloader ({label!r})")
         self.metric_names = list(metric_names) if metric_names is not None else None
         self.eval_interval = eval_interval
         self.subset_num_batches = subset_num_batches

@@ -47,7 +47,7 @@ def run_predict(
     if not isinstance(subset_num_batches, int) or subset_num_batches == 0 or subset_num_batches < -1:
         raise ValueError(f"subset_num_batches={subset_num_batches!r} must be a positive int, or -1 for all batches.")
     state, engine, device = host.state, host.engine, host.device
-    spec = ensure_data_spec(dataloader)
+    spec = ensure_data_spec(dataloader, "predict(dataloader)")
     model = state.model
     was_training = model.training
     saved_batch, saved_outputs = state.batch, state.outputs

@@ -42,6 +42,7 @@ from raytrain_events.trainer._setup import (
     train_inputs,
     wrap_for_training,
 )
+from raytrain_events.trainer.arguments import agreed_run_name, check_arguments, check_schedulers
 from raytrain_events.trainer.compiling import compile_model
 from raytrain_events.trainer.counters import BatchCounters, Counters
 from raytrain_events.trainer.epoch_start import epoch_iterator
@@ -104,7 +105,7 @@ class Trainer:
         loggers: Sequence[LoggerDestination] = (),
         device: Union[str, torch.device, None] = None,
         dist: Optional[Dist] = None,
-        run_name: str = "run",
+        run_name: Optional[str] = None,
         checkpoint: Any = None,
         algorithm_passes: Optional[Sequence[AlgorithmPass]] = None,
         options: Optional[LoopOptions] = None,
@@ -112,18 +113,14 @@ class Trainer:
     ) -> None:
         """``loop_options``: the `LoopOptions` fields as keywords (``max_duration``, ``eval_interval``,
         ``grad_accum``, ``precision``, ``parallelism``, ``compile``, ``seed``, ``config``), each
-        with its default and meaning there; they replace those of ``options`` when both are given."""
+        with its default and meaning there; they replace those of ``options`` when both are given.
+        ``run_name``: one folder name; None gives a fresh ``run-<date>-<time>-<hex>`` (see `fresh_run_name`)."""
         check_model(model)
         self.options = opts = LoopOptions.build(options, loop_options)
         # None (with max_duration and optimizers possibly None too): a Trainer for eval()/predict() only.
         self.train_spec, duration = train_inputs(train_dataloader, opts.max_duration, optimizers)
         compile_kwargs, auto_microbatching = opts.compile_kwargs, opts.auto_microbatching
-        for algorithm in algorithms:
-            if not isinstance(algorithm, Algorithm):
-                raise TypeError(
-                    f"{algorithm!r} is not an Algorithm: subclass raytrain_events.Algorithm "
-                    "(or build one by name with raytrain_events.algorithms.build_algorithm)."
-                )
+        algorithms, callbacks, loggers = check_arguments(model, optimizers, device, (algorithms, callbacks, loggers))
 
         self.parallel = Parallel(opts.parallelism_spec, model)  # "ddp" (default), "fsdp" or an FSDPConfig
         self.parallel.check(algorithms)
@@ -132,6 +129,7 @@ class Trainer:
         self.dist = dist if dist is not None else default_dist(torch.device(device) if device is not None else None)
         self.device = torch.device(device) if device is not None else self.dist.device
         self.config = opts.config
+        run_name = agreed_run_name(run_name, self.dist, checkpoint)
         if opts.seed is not None:
             seed_everything(opts.seed + self.dist.rank)
         self.parallel.place(model, self.device)  # not a meta-device model: that one is materialised in wrap
@@ -151,6 +149,7 @@ class Trainer:
             run_name=run_name,
             seed=opts.seed,
         )
+        check_schedulers(as_list(schedulers), self.state.optimizers)
         self.state.schedulers = build_schedulers(as_list(schedulers), self.state)
         if self.state.precision is Precision.AMP_FP16:
             self.state.scaler = torch.amp.GradScaler(self.device.type)

@@ -84,8 +84,11 @@ def sweep(
             and every Ray line.
     """
     from raytrain_events.ray.cluster import ensure_ray
+    from raytrain_events.storage.exp_dir import check_run_name
 
     base = _validate(trainer, param_space, metric, mode, num_samples, max_concurrent_trials, scheduler)
+    if name is not None:  # the sweep's folder: one name inside storage_path (as a run's), checked before Ray starts
+        check_run_name(name, "name")
     ensure_ray()
     experiment = _prepare(storage_path, storage_options, name, resume)
     tuner_options = dict(

@@ -36,6 +36,14 @@ def test_known_ray_noise_is_dropped_and_everything_else_kept():
     assert filter_batch(mixed)["lines"] == ["epoch 3: my own print"]
     raylet = _batch(["WARNING: 10 PYTHON worker processes have been started on node: abc"], pid="raylet")
     assert filter_batch(raylet) is None
+    gcs = _batch(
+        [
+            "[2026-11-27 21:00:00,000 E 1 1] gcs_actor_scheduler.cc:538: Failed to kill actor NIL_ID, return status: "
+            "Invalid: KillActor RPC failed"
+        ],
+        pid="gcs_server",
+    )
+    assert filter_batch(gcs) is None
     report = _batch(
         ["Reporting training result 3: TrainingReport(checkpoint=None, metrics={})"], actor="RayTrainWorker"
     )

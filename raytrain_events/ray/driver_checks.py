@@ -1,0 +1,127 @@
+"""What `RayTrainer` checks on the driver before Ray starts, so a bad run fails in seconds, not after start-up.
+
+`RunSpec.__post_init__` checks each option's value (types, ranges, names, URLs). This module
+checks what needs the user's code: the factories are called once here, on the meta device
+(``torch.device("meta")``: no memory, no weights), and what they return is checked as the
+worker would use it (a module; optimizers over its parameters; schedulers on those optimizers);
+algorithm names are built from the registry (a typo fails here); the datasets' types are
+checked. A factory that cannot run on the driver (it reads files only the workers see, say) is
+skipped with one warning: the worker still builds it, as before.
+
+Cost: one call of each factory on the meta device per `RayTrainer`, on the driver; it does not
+grow with workers or nodes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, List, Mapping
+
+from raytrain_events.ray.spec import RunSpec
+
+__all__ = ["check_on_driver"]
+
+log = logging.getLogger(__name__)
+
+
+def check_on_driver(spec: RunSpec) -> None:
+    """Refuse what would fail (or train wrongly) on the workers; see the module doc."""
+    _check_factory_kinds(spec)
+    _check_lists(spec)
+    if isinstance(spec.datasets, Mapping):
+        RunSpec.check_datasets(spec.datasets)
+    _check_on_meta(spec)
+
+
+def _check_factory_kinds(spec: RunSpec) -> None:
+    import torch
+
+    if isinstance(spec.model, torch.nn.Module):
+        raise TypeError(
+            f"model= is a {type(spec.model).__name__} instance; RayTrainer takes a factory that each worker calls to "
+            f"build its own copy. Fix: model=lambda: {type(spec.model).__name__}(...) (or a function model(config))."
+        )
+    if not callable(spec.model):
+        raise TypeError(
+            f"model={spec.model!r} must be a factory: model(config) -> nn.Module, like model=lambda: Net()."
+        )
+    optimizers = spec.optimizers
+    if isinstance(optimizers, torch.optim.Optimizer) or (
+        isinstance(optimizers, (list, tuple)) and any(isinstance(o, torch.optim.Optimizer) for o in optimizers)
+    ):
+        raise TypeError(
+            "optimizers= is an optimizer instance, built on the driver's parameters (not the workers' models). "
+            "Fix: pass a factory, optimizers=lambda model: torch.optim.AdamW(model.parameters(), lr=...)."
+        )
+    if isinstance(optimizers, type):
+        raise TypeError(
+            f"optimizers={optimizers.__name__} is a class. Fix: pass a factory, optimizers=lambda model: "
+            f"{optimizers.__name__}(model.parameters(), lr=...)."
+        )
+    if not callable(optimizers):
+        raise TypeError(
+            f"optimizers={optimizers!r} must be a factory: optimizers(model, config) -> optimizer(s), like "
+            "optimizers=lambda model: torch.optim.AdamW(model.parameters(), lr=1e-3)."
+        )
+    if isinstance(spec.schedulers, type):
+        raise TypeError(
+            f"schedulers={spec.schedulers.__name__} is a class. Fix: pass a factory, schedulers=lambda optimizer: "
+            f"{spec.schedulers.__name__}(optimizer, ...), or a raytrain_events.schedulers schedule."
+        )
+
+
+def _check_lists(spec: RunSpec) -> None:
+    """Algorithms (built from their names here: a typo fails now) and callbacks, unless given as factories."""
+    from raytrain_events.trainer.arguments import check_list
+
+    for what in ("algorithms", "callbacks"):
+        value = getattr(spec, what)
+        if callable(value) and not isinstance(value, type):
+            continue  # a factory, called on each worker
+        if isinstance(value, (str, Mapping)) or not isinstance(value, (list, tuple)):
+            raise TypeError(f"{what}={value!r} must be a list (or a factory returning one). Fix: {what}=[{value!r}].")
+        if what == "algorithms":
+            from raytrain_events.algorithms.registry import build_algorithms
+
+            check_list(what, build_algorithms(value))
+        else:
+            check_list(what, value)
+
+
+def _check_on_meta(spec: RunSpec) -> None:
+    """Build the model, optimizers and schedulers once on the meta device and check what came back."""
+    import torch
+
+    from raytrain_events.trainer.arguments import check_optimizers, check_schedulers
+
+    try:
+        with torch.device("meta"):
+            model = spec.build_model()
+    except Exception as exc:  # noqa: BLE001 -- a factory may need the worker's files or devices
+        log.warning(
+            "Could not check the model factory on the driver (on the meta device): %s: %s. The workers build it.",
+            type(exc).__name__,
+            exc,
+        )
+        return
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"The model factory returned {type(model).__name__} {model!r:.80}, not a torch.nn.Module. Fix: return "
+            "the model, e.g. model=lambda: ClassifierModel(Net(), num_classes=10)."
+        )
+    try:
+        with torch.device("meta"):
+            optimizers = spec.build_optimizers(model)
+            schedulers = spec.build_schedulers(optimizers)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("Could not check the optimizer/scheduler factories on the driver: %s: %s.", type(exc).__name__, exc)
+        return
+    check_optimizers(optimizers, model)
+    listed: List[Any] = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    check_schedulers(_as_list(schedulers), listed)
+
+
+def _as_list(value: Any) -> List[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
