@@ -260,10 +260,10 @@ def export_safetensors(
     max_shard_bytes: int = 5 * 2**30,
 ) -> Dict[str, Any]:
     """The model of checkpoint ``info`` (a `CheckpointInfo`) as safetensors under ``output_dir``."""
-    from raytrain_events.checkpoint.checkpointer import STATE_FILE
     from raytrain_events.checkpoint.format import read_checkpoint_files
     from raytrain_events.checkpoint.sharded import is_sharded_checkpoint
     from raytrain_events.storage.fs import resolve
+    from raytrain_events.storage.run_dir import STATE_FILE
 
     options = dict(storage_options or {})
     if is_sharded_checkpoint(info):

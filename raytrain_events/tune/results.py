@@ -10,14 +10,16 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from raytrain_events.core.plain import flatten, is_finite_number, to_plain
 from raytrain_events.core.time import COUNTER_UNITS, report_key
+
+# The file a finished trial writes into its Tune trial folder (its history, checkpoints, run URL): defined with
+# the other directory names (storage/run_dir.py), re-exported here.
+from raytrain_events.storage.run_dir import TRIAL_RECORD as TRIAL_RECORD
 from raytrain_events.tune.sets import algorithm_set_label, normalize_set
 
 logger = logging.getLogger(__name__)
 
 #: Global Timestamp keys in every reported entry; any of them can be a scheduler's ``time_attr``.
 TIME_ATTRS = tuple(report_key(name) for name in COUNTER_UNITS)
-#: File a finished trial writes into its Tune trial folder (its history, checkpoints, run URL).
-TRIAL_RECORD = "raytrain_trial.json"
 #: The Train run name of every trial (the run folder inside the trial folder).
 TRIAL_RUN_NAME = "train"
 #: File in a trial folder listing the trials it copied (PBT exploits): when, which checkpoint, which set.
@@ -150,9 +152,9 @@ def _best_checkpoint(
         return newest
     try:
         from raytrain_events.checkpoint.store import latest_checkpoint
-        from raytrain_events.storage.exp_dir import checkpoints_url
+        from raytrain_events.storage.run_dir import RunDir
 
-        info = latest_checkpoint(checkpoints_url(run_url), storage_options=storage_options)
+        info = latest_checkpoint(RunDir(run_url).checkpoints, storage_options=storage_options)
     except Exception:  # no checkpoints, or checkpointing not available
         return None
     return None if info is None else info.url
