@@ -5,6 +5,8 @@ Checkpoint files built on top of it live in ``raytrain_events.checkpoint``.
 
 Files:
 
+* ``_compat.py``: Every private fsspec and s3fs name this package uses, in one place (probed by
+  ``check_private_names``).
 * ``config_diff.py``: Line-oriented differences between two configs (e.g.
 * ``crc32.py``: CRC32 (zlib's CRC-32, the one zip, gzip and S3's ``ChecksumCRC32`` use) for
   checkpoint files.

@@ -188,7 +188,7 @@ def make_result(
     time_attr: str,
     max_t: Any = None,
 ) -> SweepResult:
-    from raytrain_events.core.time import TimeUnit, ensure_time
+    from raytrain_events.core.time import training_duration
     from raytrain_events.storage.fs import join
 
     rows: List[Dict[str, Any]] = []
@@ -203,7 +203,8 @@ def make_result(
         specs = normalize_set(config["algorithms"]) if "algorithms" in config else normalize_set(spec.algorithms)
         params = flatten({k: v for k, v in config.items() if k != "algorithms"}, sep="/")
         overrides = config.get("trainer") or {}
-        duration = ensure_time(overrides.get("max_duration", spec.max_duration), TimeUnit.EPOCH)
+        # The trial's length by the loop's own rule (`LoopOptions` checks max_duration with the same function).
+        duration = training_duration(overrides["max_duration"]) if "max_duration" in overrides else spec.max_duration
         done_key = report_key(duration.unit)  # the trainer refuses durations in other units
         reached = is_finite_number(last.get(done_key)) and last[done_key] >= duration.value
         # A scheduler stops a trial at its budget (ASHA's max_t with stop_last_trials), maybe one
