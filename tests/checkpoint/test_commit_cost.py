@@ -144,3 +144,28 @@ def test_a_delete_that_fails_during_retention_does_not_fail_the_commit(tmp_path,
     folder = CheckpointFolder(url)  # the next start: the folder still holds both
     assert [e.name for e in folder.index.entries] == [i.name for i in infos]
     assert [sfs.basename(u) for u in folder.prune(1)] == [infos[0].name]
+
+
+def test_two_runs_with_sibling_save_folders_each_lock_their_own(tmp_path):
+    """A ``save_folder`` not named ``checkpoints`` is its own run directory (`RunDir.of_checkpoints`): two
+    runs saving to ``<dir>/a`` and ``<dir>/b`` hold their own ``running`` locks. The parent used to be
+    taken for the run, so the second run was refused with the first one's lock (any folder of a bucket)."""
+    from raytrain_events.checkpoint.checkpointer import find_checkpointer
+    from raytrain_events.storage.locks import has_lock, read_lock
+
+    trainers = []
+    for name in ("a", "b"):
+        m = model()
+        config = CheckpointConfig(save_folder=str(tmp_path / name), save_every_n_seconds=None)
+        optimizer = torch.optim.SGD(m.parameters(), lr=0.1)
+        trainers.append(
+            Trainer(model=m, train_dataloader=loader(), max_duration="1ba", optimizers=optimizer, checkpoint=config)
+        )
+    try:
+        for name in ("a", "b"):
+            assert read_lock(str(tmp_path / name), "running") is not None
+        assert not has_lock(str(tmp_path))
+    finally:
+        for trainer in trainers:
+            find_checkpointer(trainer.state).close()
+    assert not has_lock(str(tmp_path / "a")) and not has_lock(str(tmp_path / "b"))
