@@ -48,6 +48,7 @@ import torch  # noqa: E402
 
 from bench.checkpoint_io import s3_server  # noqa: E402
 from raytrain_events.checkpoint.committer import Committer  # noqa: E402
+from raytrain_events.checkpoint.folder import CheckpointFolder  # noqa: E402
 from raytrain_events.checkpoint.format import new_checkpoint_url, write_checkpoint  # noqa: E402
 from raytrain_events.checkpoint.index import CheckpointIndex  # noqa: E402
 from raytrain_events.checkpoint.store import _scan, latest_checkpoint  # noqa: E402
@@ -84,7 +85,7 @@ def run(history: list, ranks: int = 512, big_h: int = 1000) -> None:
             for b in range(h):
                 write_checkpoint(folder, files=_files(b), timestamp={"batch": b}, world_size=1, storage_options=opts)
             CheckpointIndex.load(folder, opts).save()  # what the run's commits kept up to date
-            committer = Committer(folder, opts, keep=None, deadline_s=0)
+            committer = Committer(CheckpointFolder(folder, opts), deadline_s=0)
             for b in (h, h + 0.5):  # the first commit also marks the run dir (once): count the second
                 counter.take()
                 url = new_checkpoint_url(folder, timestamp={"batch": int(b)})

@@ -3,6 +3,21 @@
 Importing this package imports nothing heavy: neither torch, Ray nor fsspec, and installs no
 signal handlers. Every public name loads its module on first use, so a process that needs one
 light piece (a Ray actor of ours that only orders data, say) does not pay torch's import.
+
+Files:
+
+* ``__main__.py``: ``python -m raytrain_events`` and the ``raytrain-events`` console script.
+* ``_torch_compat.py``: Every private torch name this package uses, in one place (the torch
+  counterpart of `raytrain_events.ray._compat`).
+* ``dist.py``: The small distributed interface the loop knows: rank, world size, and summing
+  counters.
+* ``hf.py``: Hugging Face ``transformers`` models in the loop (``pip install
+  raytrain_events[hf]``).
+* ``lazy_names.py``: A package's public names, each loaded from its module on first use (a PEP 562
+  ``__getattr__``).
+* ``metrics.py``: Small torchmetrics metrics the shipped models use (synchronized across ranks by
+  torchmetrics).
+* ``models.py``: Adapters that give a plain ``nn.Module`` the model protocol the loop expects.
 """
 
 from typing import TYPE_CHECKING

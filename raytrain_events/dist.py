@@ -57,10 +57,6 @@ class Dist:
         """Start summing ``values`` elementwise across ranks."""
         raise NotImplementedError
 
-    def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Mean of ``tensor`` across ranks (returns a new tensor)."""
-        raise NotImplementedError
-
     def all_gather_object(self, obj: Any) -> List[Any]:
         """``obj`` from every rank, in rank order."""
         raise NotImplementedError
@@ -77,9 +73,6 @@ class LocalDist(Dist):
 
     def sum_ints_async(self, values: Sequence[int]) -> PendingSum:
         return PendingSum(values=list(values))
-
-    def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
 
     def all_gather_object(self, obj: Any) -> List[Any]:
         return [obj]
@@ -119,12 +112,6 @@ class TorchDist(Dist):
         tensor = torch.tensor(list(values), dtype=torch.int64)
         work = self._tdist.all_reduce(tensor, group=self._counter_group, async_op=True)
         return PendingSum(tensor=tensor, work=work)
-
-    def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
-        out = tensor.detach().clone().to(torch.float64 if tensor.device.type == "cpu" else torch.float32)
-        with HEARTBEAT.collective("all_reduce (mean)"):
-            self._tdist.all_reduce(out)
-        return out / self.world_size
 
     def all_gather_object(self, obj: Any) -> List[Any]:
         out: List[Any] = [None] * self.world_size

@@ -55,6 +55,38 @@ reversed order on ``AFTER_LOSS``, MixUp runs while the targets are still smoothe
 Algorithms with state (EMA, SWA, LayerFreezing) save it through ``state_dict`` and resume it
 from checkpoints. ``SAM`` wraps the optimizers at INIT; the loop calls ``optimizer.step(closure)``
 for it, re-running the batch's forward and backward inside the step.
+
+Files:
+
+* ``_batch.py``: Reading and replacing the inputs or targets of a batch without mutating the
+  loader's objects.
+* ``_mixing.py``: Shared machinery of MixUp and CutMix: mix inputs with a permutation, then mix the
+  targets.
+* ``channels_last.py``: `ChannelsLast`: store the model's 4-D weights in NHWC ("channels last")
+  memory format.
+* ``cutmix.py``: `CutMix`: paste a random box from another sample into each image, and mix labels
+  by area.
+* ``ema.py``: `EMA`: keep an exponential moving average of the weights and evaluate with it.
+* ``float8.py``: `Float8Training`: train the model's Linear layers with float8 matmuls (torchao),
+  on GPUs that have them.
+* ``gradient_clipping.py``: `GradientClipping`: clip gradients by global norm or by value before
+  the optimizer step.
+* ``label_smoothing.py``: `LabelSmoothing`: train against ``(1 - s) * one_hot(y) + s / C`` instead
+  of the hard label.
+* ``layer_freezing.py``: `LayerFreezing`: progressively freeze the earliest layers once training is
+  far enough along.
+* ``mixup.py``: `MixUp`: train on convex combinations of pairs of samples and of their labels.
+* ``progressive_resizing.py``: `ProgressiveResizing`: train on smaller images first and grow them
+  to full size.
+* ``registry.py``: Build algorithms by name, so configs can say ``"label_smoothing"`` instead of
+  importing a class.
+* ``sam.py``: `SAM`: sharpness-aware minimization (Foret et al., 2021), Composer's ``SAM``
+  algorithm.
+* ``seq_length_warmup.py``: `SeqLengthWarmup`: start language-model training on short sequences and
+  grow them.
+* ``stochastic_depth.py``: `StochasticDepth`: randomly drop the residual branches of blocks during
+  training.
+* ``swa.py``: `SWA`: stochastic weight averaging over the last part of training.
 """
 
 from raytrain_events.algorithms.channels_last import ChannelsLast

@@ -112,6 +112,5 @@ def build_algorithm(spec: AlgorithmSpec) -> Algorithm:
 
 def build_algorithms(specs: Iterable[AlgorithmSpec]) -> List[Algorithm]:
     """`build_algorithm` for each spec, keeping the order (which is the Engine's order)."""
-    if isinstance(specs, (str, Mapping, Algorithm)):
-        specs = [specs]  # type: ignore[list-item]
-    return [build_algorithm(spec) for spec in specs]
+    listed: Iterable[AlgorithmSpec] = [specs] if isinstance(specs, (str, Mapping, Algorithm)) else specs
+    return [build_algorithm(spec) for spec in listed]

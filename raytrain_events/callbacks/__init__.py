@@ -9,6 +9,25 @@ Example::
 
     Trainer(..., callbacks=[SpeedMonitor(window_size=50), LRMonitor(),
                             EarlyStopper("metrics/eval/accuracy", "max", patience="2ep")])
+
+Files:
+
+* ``_monitor.py``: Shared by the stoppers: reading a monitored metric and comparing values.
+* ``console_logger.py``: `ConsoleLogger`: print the loss and the latest logged metrics at an
+  interval, on rank 0.
+* ``early_stopper.py``: `EarlyStopper`: stop training when a monitored eval metric stops improving.
+* ``lr_monitor.py``: `LRMonitor`: log each optimizer param group's learning rate after every batch.
+* ``memory_monitor.py``: `MemoryMonitor`: log memory use every ``interval`` batches.
+* ``nan_monitor.py``: `NaNMonitor`: stop training with a clear error when the loss is NaN or
+  infinite.
+* ``profiler.py``: `Profiler`: ``torch.profiler`` on a wait/warmup/active schedule in batches,
+  traces through the storage layer.
+* ``progress_bar.py``: `ProgressBar`: a tqdm bar per epoch on rank 0, showing the epoch, batch and
+  latest loss.
+* ``speed_monitor.py``: `SpeedMonitor`: rolling training throughput (batches, samples, tokens per
+  second) and MFU.
+* ``threshold_stopper.py``: `ThresholdStopper`: stop training once a monitored eval metric reaches
+  a threshold.
 """
 
 from raytrain_events.callbacks.console_logger import ConsoleLogger

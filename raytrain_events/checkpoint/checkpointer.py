@@ -20,10 +20,11 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from raytrain_events.checkpoint.committer import Committer
 from raytrain_events.checkpoint.config import CheckpointConfig
+from raytrain_events.checkpoint.folder import CheckpointFolder, LocalRetention
 from raytrain_events.checkpoint.format import (
     CheckpointInfo,
     CheckpointNotCommittedError,
@@ -33,7 +34,8 @@ from raytrain_events.checkpoint.format import (
     read_checkpoint,
     rng_file_name,
 )
-from raytrain_events.checkpoint.loading import STATE_FILE, apply_checkpoint, read_latest_shared
+from raytrain_events.checkpoint.host import CheckpointHost
+from raytrain_events.checkpoint.loading import apply_checkpoint, read_latest_shared
 from raytrain_events.checkpoint.preemption import SAVE_FLAG, save_on_sigterm
 from raytrain_events.checkpoint.retention import local_keep
 from raytrain_events.checkpoint.rng import capture_rng_state
@@ -49,16 +51,14 @@ from raytrain_events.core.callback import Callback
 from raytrain_events.core.event import Event
 from raytrain_events.core.interval import make_interval
 from raytrain_events.core.time import TimeUnit, counters_of
-from raytrain_events.storage.exp_dir import checkpoints_url, run_url_of_checkpoints
 from raytrain_events.storage.fs import basename, refuse_file_folder
 from raytrain_events.storage.locks import acquire_lock, release_lock
+from raytrain_events.storage.run_dir import STATE_FILE, RunDir
 
 _log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from raytrain_events.core.engine import Engine
     from raytrain_events.core.state import State
-    from raytrain_events.dist import Dist
 
 __all__ = [
     "Checkpointer",
@@ -81,28 +81,11 @@ class SavedCheckpoint:
     rank: int
     writer: Optional[AsyncCheckpointWriter]
     future: Any = None
+    folder: Optional[CheckpointFolder] = None  # rank 0: the folder it commits into (Ray registration tells it)
 
     def wait(self) -> Optional[CheckpointInfo]:
         """Block until committed (rank 0) and return its info; other ranks return None."""
         return None if self.future is None else self.future.result()
-
-
-class CheckpointHost(Protocol):
-    """What a `Checkpointer` needs from the loop it saves (a `Trainer` is one)."""
-
-    @property
-    def state(self) -> State: ...
-
-    @property
-    def dist(self) -> Dist: ...
-
-    @property
-    def engine(self) -> Engine: ...
-
-    @property
-    def config(self) -> Dict[str, Any]:
-        """The run's config, stored in each checkpoint's metadata (may be empty)."""
-        ...
 
 
 class Checkpointer(Callback):
@@ -119,8 +102,14 @@ class Checkpointer(Callback):
         state = host.state
         state.agreement.register(SAVE_FLAG)
         state.agreement.register(_BUSY_FLAG)
-        self.folder = config.save_folder or checkpoints_url(os.path.abspath(os.path.join("runs", state.run_name)))
         self.options = dict(config.storage_options)
+        if config.save_folder is None:  # a plain Trainer's run directory
+            self.run = RunDir(os.path.abspath(os.path.join("runs", state.run_name)), self.options)
+            self.folder = self.run.checkpoints
+        else:
+            self.folder = config.save_folder
+            self.run = RunDir.of_checkpoints(self.folder, self.options)
+        self.run_dir = self.run.url
         # A 'tok' interval needs a token counter (as eval_interval does): else no periodic save would happen.
         counts_tokens = getattr(getattr(host, "train_spec", None), "counts_tokens", True)
         self._interval = (
@@ -129,8 +118,7 @@ class Checkpointer(Callback):
             else None
         )
         self._writer = AsyncCheckpointWriter(keep_going=True) if config.async_save else None
-        parallel = getattr(host, "parallel", None)
-        model_sharded = parallel is not None and parallel.sharded and host.dist.is_distributed
+        model_sharded = host.parallel.sharded and host.dist.is_distributed
         if model_sharded and config.sharded is False:
             raise ValueError(
                 "CheckpointConfig(sharded=False) with parallelism='fsdp': a sharded model is saved as shards (no "
@@ -155,8 +143,10 @@ class Checkpointer(Callback):
         self.loaded_safetensors: Optional[str] = None  # load_from was a safetensors directory (weights only)
         # Loading into a Trainer built for eval()/predict() only (see `load_for_inference`).
         self.inference = False
-        self.run_dir = run_url_of_checkpoints(self.folder)
-        self.committer = Committer(self.folder, self.options, keep=self.keep, deadline_s=config.upload_deadline_s)
+        # The folder's index and every deletion in it; retention is local unless Ray takes it over
+        # (`CheckpointFolder.retain_with_ray`, ray/checkpointing.py).
+        self.checkpoints = CheckpointFolder(self.folder, self.options, LocalRetention(self.keep))
+        self.committer = Committer(self.checkpoints, deadline_s=config.upload_deadline_s, run=self.run)
         self._deferred = False  # a save came due while the previous one was still in flight
         self._warned_slow = False
         self.failures: List[Tuple[str, str]] = []  # (checkpoint URL, error) of saves that failed for good
@@ -200,7 +190,7 @@ class Checkpointer(Callback):
 
     def _read_latest(self, folder: str) -> Optional[LoadedCheckpoint]:
         """The newest valid checkpoint of ``folder``, chosen by rank 0 and shared (see `read_latest_shared`)."""
-        index = self.committer.index if folder == self.folder else None
+        index = self.checkpoints.index if folder == self.folder else None
         return read_latest_shared(self.host, folder, self.options, index)
 
     def _read(self, url: str) -> Optional[LoadedCheckpoint]:
@@ -330,7 +320,14 @@ class Checkpointer(Callback):
         self._last_saved_batch = batch
         self._last_save_time = time.monotonic()
         state.agreement.clear(SAVE_FLAG)
-        saved = SavedCheckpoint(url=url, name=basename(url), rank=state.rank, writer=self._writer, future=future)
+        saved = SavedCheckpoint(
+            url=url,
+            name=basename(url),
+            rank=state.rank,
+            writer=self._writer,
+            future=future,
+            folder=self.checkpoints if state.rank == 0 else None,
+        )
         self.saved.append(saved)
         self._unreported = saved
         return saved
@@ -349,8 +346,7 @@ class Checkpointer(Callback):
         staged = self.channel.stage({"tensors": tensors, "rest": rest})  # the copy, all that blocks training
         tensors, rest = staged.tree["tensors"], staged.tree["rest"]
         world_size = self.host.dist.world_size
-        parallel = getattr(self.host, "parallel", None)
-        metadata = dict(metadata, layout=DCP_LAYOUT, parallelism=parallel.kind if parallel is not None else "ddp")
+        metadata = dict(metadata, layout=DCP_LAYOUT, parallelism=self.host.parallel.kind)
 
         def job() -> Optional[CheckpointInfo]:
             shards = io.write_shards(url, tensors)
@@ -401,7 +397,7 @@ class Checkpointer(Callback):
                 self.failures.append((url, f"{type(e).__name__}: {e}"))
                 _log.error("Checkpoint save %s failed (training goes on; the next save tries again): %s", url, e)
                 if self.host.state.rank == 0:  # listed in the index (for the run report) at its next write
-                    self.committer.record_failure(url, batch, f"{type(e).__name__}: {e}")
+                    self.checkpoints.record_failure(url, batch, f"{type(e).__name__}: {e}")
                 raise
 
         return run
@@ -425,7 +421,7 @@ class Checkpointer(Callback):
             if self._writer is not None:
                 self._writer.close()
             if self.host.state.rank == 0:
-                self.committer.flush()  # failed saves not yet written with a commit
+                self.checkpoints.flush()  # failed saves not yet written with a commit
         finally:
             if self._lock is not None:
                 lock, self._lock = self._lock, None

@@ -57,8 +57,9 @@ class CheckpointConfig:
         sharded: write sharded checkpoints (torch.distributed.checkpoint: every rank writes its own
             shards, in parallel, no gather). None (default): sharded exactly when the model is
             (``parallelism="fsdp"``). Either kind loads into either strategy and rank count.
-        lock_run_dir: hold the run directory's ``running`` lock (the parent of ``save_folder``)
-            while training, so a second run on it is refused. `RayTrainer` holds it on the
+        lock_run_dir: hold the run directory's ``running`` lock while training, so a second run
+            on it is refused. The run directory is the parent of a ``<run>/checkpoints`` folder;
+            a ``save_folder`` named otherwise is its own run directory (`RunDir.of_checkpoints`). `RayTrainer` holds it on the
             driver instead and turns this off on its workers.
     """
 

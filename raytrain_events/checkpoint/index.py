@@ -15,10 +15,10 @@ checkpoint) to prune and to find "latest", so a run's commits grew with its hist
 * Saves that failed for good are listed too (``failed``: name, batch, error, time), so the run
   report can show them; they are written with the next index update (a commit, or the run's
   end) -- not at the failure, when the store is likely still down.
-* Retention (`prune`) deletes the oldest entries it holds, manifest first, without rescanning.
-  It runs only after a commit succeeded, so while uploads fail nothing is deleted.
+* Retention and every deletion belong to `CheckpointFolder` (``folder.py``), which holds the
+  index and tells it what it deleted (`forget`); the index itself deletes nothing.
 
-Only the run's committer writes the index (the run directory's ``running`` lock makes it one
+Only the run's `CheckpointFolder` writes the index (the run directory's ``running`` lock makes it one
 process); readers (`latest_checkpoint`, the CLI) load it the same way and never write it.
 """
 
@@ -38,7 +38,6 @@ from raytrain_events.checkpoint.manifest import (
 from raytrain_events.checkpoint.packed import HEAD_BYTES, needs_whole
 from raytrain_events.storage.fs import (
     basename,
-    delete,
     join,
     list_dir,
     read_bytes,
@@ -47,10 +46,9 @@ from raytrain_events.storage.fs import (
     to_url,
     write_bytes_atomic,
 )
+from raytrain_events.storage.run_dir import INDEX_FILE
 
-__all__ = ["INDEX_FILE", "CheckpointIndex", "IndexEntry"]
-
-INDEX_FILE = "index.json"
+__all__ = ["INDEX_FILE", "CheckpointIndex", "IndexEntry", "batch_of_name"]
 _INDEX_VERSION = 1
 _log = logging.getLogger(__name__)
 
@@ -155,45 +153,23 @@ class CheckpointIndex:
                 "Could not update the checkpoint index of %s (rebuilt at the next start): %s", self.root_url, e
             )
 
-    def prune(self, keep: int) -> list[str]:
-        """Delete all but the newest ``keep`` entries and the leftovers older than the newest;
-        returns the deleted URLs. Call only after a commit succeeded."""
-        if keep < 1:
-            raise ValueError(f"prune(keep={keep}) would delete every checkpoint. Fix: pass keep >= 1.")
-        doomed, self.entries = self.entries[:-keep], self.entries[-keep:]
-        deleted = self._delete_each([self.url(e) for e in doomed])
-        if doomed:
+    def forget(self, names: list[str], *, save: bool = True) -> None:
+        """Drop entries whose checkpoints were deleted (by `CheckpointFolder`); rewrite the file."""
+        if not names:
+            return
+        self.entries = [e for e in self.entries if e.name not in names]
+        if save:
             self.save()
-        newest = self.newest()
-        return deleted + (self.drop_leftovers_below(newest.batch) if newest is not None else [])
 
-    def drop_leftovers_below(self, batch: int) -> list[str]:
-        """Delete uncommitted directories (crashed saves) of batches below ``batch``; their URLs."""
-        stale = [u for u in self.leftovers if _batch_of(u) < batch]
+    def take_leftovers_below(self, batch: int) -> list[str]:
+        """The leftovers (crashed saves) of batches below ``batch``, no longer tracked: the caller deletes them."""
+        stale = [u for u in self.leftovers if batch_of_name(basename(u)) < batch]
         self.leftovers = [u for u in self.leftovers if u not in stale]
-        return self._delete_each(stale)
-
-    def _delete_each(self, urls: list[str]) -> list[str]:
-        """Delete what retention dropped; returns the URLs deleted. Best effort: a delete that fails
-        (an outage) is logged and left for the next start's listing to find again, never raised into
-        the commit before it (that checkpoint is committed whatever happens here)."""
-        deleted = []
-        for url in urls:
-            try:
-                delete_checkpoint(url, storage_options=self.options)
-                deleted.append(url)
-            except Exception as e:
-                _log.warning("Retention could not delete %s (%s); it is found again at the next start.", url, e)
-        return deleted
+        return stale
 
 
-def _batch_of(url: str) -> int:
-    m = CHECKPOINT_NAME_RE.match(basename(url))
-    return int(m.group(1)) if m else 1 << 62  # not one of ours: never deleted
-
-
-def delete_checkpoint(url: str, *, storage_options: dict[str, Any] | None = None) -> None:
-    """Delete one checkpoint directory, its manifest first: a half-deleted one reads as uncommitted."""
-    fs, path = resolve(url, storage_options)
-    delete(fs, join(path, MANIFEST))
-    delete(fs, path, recursive=True)
+def batch_of_name(name: str, *, unknown: int = 1 << 62) -> int:
+    """The batch a checkpoint directory name (``ckpt-<batch>-<id>``) holds; ``unknown`` if not one of ours
+    (by default larger than any batch: a directory that is not ours is never below one)."""
+    m = CHECKPOINT_NAME_RE.match(name)
+    return int(m.group(1)) if m else unknown

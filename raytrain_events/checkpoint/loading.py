@@ -21,16 +21,15 @@ from raytrain_events.core.interval import is_done
 from raytrain_events.core.state import CheckpointMismatchError, drop_ignored_keys
 from raytrain_events.core.time import Timestamp, counters_of
 from raytrain_events.parallel.wrap import is_sharded_module
+from raytrain_events.storage.run_dir import STATE_FILE  # re-exported (the name is the run layout's)
 
 if TYPE_CHECKING:
-    from raytrain_events.checkpoint.checkpointer import CheckpointHost
+    from raytrain_events.checkpoint.host import CheckpointHost
     from raytrain_events.checkpoint.index import CheckpointIndex
 
 _log = logging.getLogger(__name__)
 
 __all__ = ["STATE_FILE", "apply_checkpoint", "read_latest_shared"]
-
-STATE_FILE = "state.pt"
 
 
 def read_latest_shared(

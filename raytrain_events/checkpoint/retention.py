@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 from raytrain_events.checkpoint.config import CheckpointConfig
-from raytrain_events.storage.exp_dir import checkpoints_url
+from raytrain_events.storage.run_dir import checkpoints_url
 
 __all__ = ["CheckpointPlan", "check_ray_ranking", "for_trial", "local_keep", "ray_plan"]
 

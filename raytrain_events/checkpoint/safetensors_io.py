@@ -260,10 +260,10 @@ def export_safetensors(
     max_shard_bytes: int = 5 * 2**30,
 ) -> Dict[str, Any]:
     """The model of checkpoint ``info`` (a `CheckpointInfo`) as safetensors under ``output_dir``."""
-    from raytrain_events.checkpoint.checkpointer import STATE_FILE
     from raytrain_events.checkpoint.format import read_checkpoint_files
     from raytrain_events.checkpoint.sharded import is_sharded_checkpoint
     from raytrain_events.storage.fs import resolve
+    from raytrain_events.storage.run_dir import STATE_FILE
 
     options = dict(storage_options or {})
     if is_sharded_checkpoint(info):
@@ -363,7 +363,8 @@ def _fill(fs: Any, path: str, entry: Dict[str, Any], start: int, target: torch.T
         placements, mesh = target.placements, target.device_mesh
         if len(placements) == 1 and isinstance(placements[0], Shard) and placements[0].dim == 0 and shape:
             pieces = torch.chunk(torch.empty(rows, device="meta"), mesh.size(0))
-            index = mesh.get_coordinate()[0]  # type: ignore[index]
+            coordinate = mesh.get_coordinate()  # None only on a rank outside the mesh, which holds no shard
+            index = coordinate[0] if coordinate is not None else len(pieces)
             first = sum(p.shape[0] for p in pieces[:index])
             count = pieces[index].shape[0] if index < len(pieces) else 0
         else:  # another layout: read the whole tensor (one tensor in memory), keep this rank's part

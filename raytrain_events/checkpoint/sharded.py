@@ -27,12 +27,15 @@ so a background save never interleaves with the training collectives of the main
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from raytrain_events.checkpoint.manifest import CheckpointError, CheckpointInfo, FileEntry, UnsafeCheckpointError
 from raytrain_events.core.state import CheckpointMismatchError, mismatch_fix, model_mismatch
+
+if TYPE_CHECKING:
+    from raytrain_events.checkpoint.host import ShardHost
 
 __all__ = [
     "DCP_LAYOUT",
@@ -88,16 +91,16 @@ class ShardedCheckpointIO:
 
     def __init__(
         self,
-        trainer: Any,
+        host: ShardHost,
         storage_options: Optional[Dict[str, Any]] = None,
         own_group: bool = True,
         group: Any = None,
     ) -> None:
         """``group``: the process group for checkpoint collectives (a background save's own);
         without one, ``own_group`` makes a gloo group, else the default group is used."""
-        self.trainer = trainer
+        self.host = host
         self.options = dict(storage_options or {})
-        self.distributed = trainer.dist.is_distributed
+        self.distributed = host.dist.is_distributed
         self.group = group  # None: the default group (collectives on the training thread only)
         if self.distributed and group is None and own_group:
             import torch.distributed as tdist
@@ -109,7 +112,7 @@ class ShardedCheckpointIO:
         """(tensors for DCP, the rest for state.pt), not copied (an async save stages both)."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        state = self.trainer.state
+        state = self.host.state
         model_sd, optim_sd = get_state_dict(state.model, state.optimizers)
         rest = state.state_dict()
         rest.pop("model")
@@ -132,7 +135,7 @@ class ShardedCheckpointIO:
             return entries
         import torch.distributed as tdist
 
-        gathered: List[Any] = [None] * self.trainer.dist.world_size
+        gathered: List[Any] = [None] * self.host.dist.world_size
         tdist.all_gather_object(gathered, entries, group=self.group)
         return [entry for rank_entries in gathered for entry in rank_entries]
 
@@ -162,7 +165,7 @@ class ShardedCheckpointIO:
         return shared[0]
 
     def load(self, info: CheckpointInfo, rest: Dict[str, Any], *, strict: bool, weights_only: bool) -> None:
-        """Load a sharded checkpoint into the trainer (any rank count, DDP or FSDP)."""
+        """Load a sharded checkpoint into the host's state (any rank count, DDP or FSDP)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -174,7 +177,7 @@ class ShardedCheckpointIO:
 
         from raytrain_events.checkpoint.safe_dcp import SafeDCPReader, SafeLoadPlanner
 
-        state = self.trainer.state
+        state = self.host.state
         metadata = self.shared_metadata(info)
         model_sd = get_model_state_dict(state.model)
         _check_model_keys(info.url, metadata, model_sd, strict)

@@ -4,7 +4,8 @@ Only committed checkpoints (directories holding ``manifest.json``, see ``format.
 for these functions; a directory left behind by a crashed save is invisible until
 ``prune_checkpoints`` deletes it. "Latest" and pruning go through the folder's
 `CheckpointIndex` (``index.py``: one LIST and one GET, not a manifest read per checkpoint);
-``list_checkpoints`` reads every manifest (it returns them). Order is oldest -> newest by the manifest's
+``list_checkpoints`` reads every manifest (it returns them). Deleting is `CheckpointFolder`'s
+(``folder.py``); ``prune_checkpoints`` asks it. Order is oldest -> newest by the manifest's
 ``timestamp["batch"]``, then creation time, then name.
 
 ``AsyncCheckpointWriter`` runs saves on one background thread, started lazily on first
@@ -32,8 +33,9 @@ from typing import Any, Optional
 
 import torch
 
+from raytrain_events.checkpoint.folder import CheckpointFolder
+from raytrain_events.checkpoint.folder import delete_checkpoint as delete_checkpoint  # re-exported
 from raytrain_events.checkpoint.index import CheckpointIndex
-from raytrain_events.checkpoint.index import delete_checkpoint as delete_checkpoint  # re-exported
 from raytrain_events.checkpoint.manifest import (
     MANIFEST,
     CheckpointCorruptError,
@@ -77,12 +79,12 @@ def prune_checkpoints(root_url: str, *, keep: int, storage_options: dict[str, An
     Also deletes uncommitted ``ckpt-<batch>-<id>`` directories whose batch is below the
     newest committed one (leftovers of crashed saves; a save still in flight is for a newer
     batch and is left alone). Call it only after a new checkpoint has been committed. A
-    process that commits repeatedly keeps a `CheckpointIndex` and calls its ``prune`` instead
+    process that commits repeatedly keeps a `CheckpointFolder` and calls its ``prune`` instead
     (no listing per commit).
     """
     if keep < 1:
         raise ValueError(f"prune_checkpoints(keep={keep}) would delete every checkpoint. Fix: pass keep >= 1.")
-    return CheckpointIndex.load(root_url, storage_options).prune(keep)
+    return CheckpointFolder(root_url, storage_options).prune(keep)
 
 
 def load_latest_valid(

@@ -11,6 +11,26 @@ overrides), `UsageError`/`TrainingFailed`/`run_guarded` (exit 2 / 1 with a messa
 traceback) and `storage_step` (a storage failure as a `UsageError` naming the URL).
 
 Importing this package imports neither Ray nor torch; each subcommand imports what it needs.
+
+Files:
+
+* ``config.py``: Config loading for the CLI and the examples: a dataclass schema, a YAML file,
+  ``key=value`` overrides.
+* ``entry.py``: Entry points for ``raytrain-events train``: ``module:function`` or
+  ``path/to/file.py:function``.
+* ``errors.py``: `UsageError`: bad input from the user (config, flags, storage URL); the CLI exits
+  with code 2.
+* ``export.py``: ``raytrain-events export``: one consolidated ``state.pt`` from a (sharded or full)
+  checkpoint.
+* ``main.py``: The ``raytrain-events`` argument parser and dispatch (``python -m
+  raytrain_events``).
+* ``parser.py``: An `argparse.ArgumentParser` whose "unrecognized arguments" error lists the valid
+  options.
+* ``runs.py``: ``runs ls``, ``inspect`` and ``diff``: look at run directories on any storage.
+* ``summary.py``: A finished run's ``summary.json``: built from the `RayTrainer` result, written,
+  printed.
+* ``train.py``: ``train``: run an entry point with its config from the schema defaults, a YAML file
+  and ``key=value`` overrides.
 """
 
 from raytrain_events.cli.config import keys_help, load_config, to_plain

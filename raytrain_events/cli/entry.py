@@ -119,11 +119,13 @@ def _load_file(spec: str, path: str) -> Any:
     if name in sys.modules:
         return sys.modules[name]
     module_spec = importlib.util.spec_from_file_location(name, resolved)
-    module = importlib.util.module_from_spec(module_spec)  # type: ignore[arg-type]
-    module.__raytrain_entry_file__ = True  # type: ignore[attr-defined]
+    if module_spec is None or module_spec.loader is None:
+        raise UsageError(f"Entry point {spec!r}: {resolved} is not a Python file Python can load (name it *.py).")
+    module = importlib.util.module_from_spec(module_spec)
+    setattr(module, "__raytrain_entry_file__", True)  # noqa: B010  (marks the modules this loader made)
     sys.modules[name] = module  # dataclasses and typing look the module up by name
     try:
-        module_spec.loader.exec_module(module)  # type: ignore[union-attr]
+        module_spec.loader.exec_module(module)
     except BaseException:
         del sys.modules[name]
         raise

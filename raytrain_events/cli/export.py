@@ -30,7 +30,6 @@ def export_checkpoint(  # noqa: PLR0913 (what, where, then keyword-only export o
         raise ValueError(f"--format {fmt!r} is not supported: use 'pt' (one state.pt) or 'safetensors' (a directory).")
     if hf_config is not None and fmt != "safetensors":
         raise ValueError("--hf-config goes with --format safetensors (the config.json of a Hugging Face directory).")
-    from raytrain_events.checkpoint.checkpointer import STATE_FILE
     from raytrain_events.checkpoint.format import (
         CheckpointNotCommittedError,
         read_checkpoint_files,
@@ -40,6 +39,7 @@ def export_checkpoint(  # noqa: PLR0913 (what, where, then keyword-only export o
     from raytrain_events.checkpoint.sharded import is_sharded_checkpoint, load_consolidated
     from raytrain_events.checkpoint.store import latest_checkpoint
     from raytrain_events.storage.fs import resolve, write_bytes_atomic
+    from raytrain_events.storage.run_dir import STATE_FILE
 
     options = dict(storage_options or {})
     try:

@@ -61,10 +61,11 @@ def eval_history(entries: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 
 
 def write_summary(run_url: str, summary: Dict[str, Any], options: Dict[str, Any]) -> str:
-    """Write ``<run_url>/summary.json`` atomically; returns its URL."""
-    from raytrain_events.storage.fs import join, resolve, to_url, write_bytes_atomic
+    """Write the run's summary file (`RunDir.summary`) atomically; returns its URL."""
+    from raytrain_events.storage.fs import resolve, to_url, write_bytes_atomic
+    from raytrain_events.storage.run_dir import RunDir
 
-    fs, path = resolve(join(run_url, "summary.json"), options)
+    fs, path = resolve(RunDir(run_url, options).summary, options)
     write_bytes_atomic(fs, path, json.dumps(summary, indent=2, sort_keys=True, default=str).encode())
     return to_url(fs, path)
 

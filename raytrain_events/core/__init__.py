@@ -1,15 +1,37 @@
-"""Pure logic of the loop: no Ray, no fsspec, no I/O (``tests/core/test_imports.py`` guards it).
+"""The loop's vocabulary as pure logic (no Ray, no fsspec, no I/O; ``tests/core/test_imports.py``
+guards it): `State`, `Event`, `Engine`, `Algorithm`, `Callback`, `Logger`, `Time`/`Timestamp`.
 
-Time: ``time`` (the import path for all of it) re-exports ``time_value`` (`TimeUnit`, `Time`) and
-``timestamp`` (`Timestamp`, the run's progress counter, and the counter names and units).
-The loop's vocabulary: ``event`` (`Event`, in the order the loop fires them), ``state``
-(`State`), ``algorithm`` (`Algorithm`: match/apply), ``callback`` (`Callback`), ``engine``
-(`Engine`: runs them at each event, records `Trace`s), ``logger`` (`Logger`,
-`LoggerDestination`), ``data_spec`` (`DataSpec`: counting samples and tokens, microbatches),
-``precision`` (autocast from a string), ``interval`` (when periodic things are due).
-Across ranks: ``agreement`` (flags all ranks agree on at the same batch) and ``heartbeat`` (a
-process's last progress, for the hang watchdog). ``plain`` converts values to plain data.
+Names are imported from their modules (``from raytrain_events.core.state import State``); the
+public ones are re-exported by ``raytrain_events`` itself.
 
-This file imports nothing: it exists so that tools that read packages (the API reference's
-mkdocstrings, type checkers) see ``core`` as a package.
+Files:
+
+* ``agreement.py``: `Agreement`: flags one rank asks for and all ranks agree on at the same batch.
+* ``algorithm.py``: The `Algorithm` interface: code that changes the training `State` at chosen
+  events.
+* ``callback.py``: The `Callback` interface: code that observes the loop (logging, monitoring,
+  saving).
+* ``data_spec.py``: `DataSpec`: how the loop counts samples and tokens in a batch and splits it
+  into microbatches.
+* ``engine.py``: The `Engine`: runs algorithms, then callbacks, at each event, and records
+  `Trace`s.
+* ``event.py``: Training loop events: the fixed points where algorithms and callbacks run.
+* ``heartbeat.py``: `Heartbeat`: this process's last sign of progress, and the collective it is
+  waiting in.
+* ``interval.py``: When to evaluate (or do anything periodic): small pure functions of the
+  `Timestamp`.
+* ``logger.py``: A minimal metrics logger shared by algorithms and callbacks.
+* ``plain.py``: The one converter to plain Python data (for JSON, YAML, Ray reports, logs and
+  config diffs).
+* ``precision.py``: Numerical precision: resolve "fp32" / "amp_bf16" / "amp_fp16" into an autocast
+  context.
+* ``state.py``: `State`: everything the loop tracks, what algorithms change, and what checkpoints
+  save.
+* ``time.py``: Training time: units (epochs, batches, samples, tokens, fraction of the run) and the
+  progress counter.
+* ``time_value.py``: A quantity of training time: `TimeUnit` (epochs, batches, samples, tokens,
+  fraction of the run) and `Time`.
+* ``timestamp.py``: The run's progress counter: `Timestamp` (epochs, batches, samples, tokens,
+  wall-clock times), and the one map between counter names and units (`COUNTER_UNITS`,
+  `report_key`, `counters_of`).
 """

@@ -42,6 +42,10 @@ class Heartbeat:
     __slots__ = ("last", "label", "batch", "in_flight", "in_flight_since", "beats")
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Start over (a new fit in this process)."""
         self.last = time.monotonic()
         self.label = "start"
         self.batch = 0
@@ -93,10 +97,6 @@ class Heartbeat:
             "collective_s": None if since is None else round(now - since, 3),
             "beats": self.beats,
         }
-
-    def reset(self) -> None:
-        """Start over (a new fit in this process)."""
-        self.__init__()  # type: ignore[misc]
 
 
 #: This process's heartbeat (one per rank).

@@ -9,6 +9,16 @@ Example::
     from raytrain_events.loggers import FileLogger, TensorBoardLogger
 
     Trainer(..., loggers=[FileLogger("run/metrics.jsonl"), TensorBoardLogger("run/tb")])
+
+Files:
+
+* ``file_logger.py``: `FileLogger`: metrics as JSON lines, one object per ``log_metrics`` call.
+* ``mlflow_logger.py``: `MLFlowLogger`: a thin wrapper over ``mlflow``, imported only when the
+  logger is constructed.
+* ``tensorboard_logger.py``: `TensorBoardLogger`: scalars to a TensorBoard event file via
+  tensorboardX.
+* ``wandb_logger.py``: `WandBLogger`: a thin wrapper over Weights & Biases, imported only when the
+  logger is constructed.
 """
 
 from raytrain_events.loggers.file_logger import FileLogger

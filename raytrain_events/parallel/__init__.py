@@ -2,7 +2,25 @@
 ``replicate=k``), tensor parallelism (``tensor_parallel=t``, ``tensor_parallel.py``) and context
 parallelism (``context_parallel=c``, ``context_parallel.py``), alone or together on one mesh
 ``(replicate, shard, context, tensor)`` (``config.py``; wrapping in ``wrap.py``); which world sizes
-fit (``world.py``); deferred init of meta-device models (``deferred_init.py``); float8 (``float8.py``)."""
+fit (``world.py``); deferred init of meta-device models (``deferred_init.py``); float8 (``float8.py``).
+
+Files:
+
+* ``config.py``: How the model is spread over the ranks: `FSDPConfig`, and parsing of the
+  ``parallelism`` option.
+* ``deferred_init.py``: Deferred initialisation: a model built on the meta device is sharded first,
+  then materialised.
+* ``float8.py``: Float8 training through torchao: which GPUs and packages support it, and the
+  conversion.
+* ``oom_agreement.py``: Out-of-memory agreement inside FSDP's forward and backward, for
+  ``grad_accum="auto"`` under FSDP.
+* ``tensor_parallel.py``: Tensor parallelism (TP): split each layer's matrices over a group of
+  ranks, through DTensor's ``parallelize_module``, before FSDP shards what is left over the
+  data-parallel dimension.
+* ``world.py``: Which worker counts a parallelism can use: rules that need no torch.
+* ``wrap.py``: Wrap the model for data parallelism: DDP (a replica per rank) or FSDP2 (sharded),
+  and say which algorithms cannot run sharded.
+"""
 
 from typing import TYPE_CHECKING
 

@@ -38,7 +38,15 @@ __all__ = ["DeferredInit", "has_meta_tensors", "local_part"]
 
 
 def _direct_tensors(module: torch.nn.Module) -> Dict[str, Optional[torch.Tensor]]:
-    return {**module._parameters, **module._buffers}
+    """The module's own parameters and buffers (not its children's), by name, through torch's public API."""
+    return {
+        **dict(module.named_parameters(recurse=False, remove_duplicate=False)),
+        **dict(module.named_buffers(recurse=False, remove_duplicate=False)),
+    }
+
+
+def _own_parameters(module: torch.nn.Module) -> Dict[str, torch.nn.Parameter]:
+    return dict(module.named_parameters(recurse=False, remove_duplicate=False))
 
 
 def _is_meta(tensor: Optional[torch.Tensor]) -> bool:
@@ -96,10 +104,10 @@ class DeferredInit:
                         continue
                     assert tensor is not None
                     empty = torch.empty_like(tensor, device=device)
-                    if name in module._parameters:
-                        module._parameters[name] = torch.nn.Parameter(empty, requires_grad=tensor.requires_grad)
+                    if name in _own_parameters(module):  # setattr keeps a parameter's or buffer's registration
+                        setattr(module, name, torch.nn.Parameter(empty, requires_grad=tensor.requires_grad))
                     else:
-                        module._buffers[name] = empty
+                        setattr(module, name, empty)
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.random.set_rng_state(self.rng_state)
             if self.use_init_weights:
@@ -113,20 +121,19 @@ def _reset_one(module: torch.nn.Module, device: torch.device) -> None:
     """``module.reset_parameters()`` on full tensors, then keep only this rank's shard of each."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    sharded = {n: p for n, p in module._parameters.items() if isinstance(p, DTensor)}
+    sharded = {n: p for n, p in _own_parameters(module).items() if isinstance(p, DTensor)}
     for name, param in sharded.items():
         full = torch.empty(param.shape, dtype=param.dtype, device=device)
-        module._parameters[name] = torch.nn.Parameter(full, requires_grad=param.requires_grad)
+        setattr(module, name, torch.nn.Parameter(full, requires_grad=param.requires_grad))
     try:
         module.reset_parameters()  # type: ignore[operator]
         for name, param in sharded.items():
-            full = module._parameters[name]
-            assert full is not None
+            full = _own_parameters(module)[name]
             param.to_local().copy_(local_part(full.detach(), param, distribute_tensor))
             del full
     finally:
         for name, param in sharded.items():
-            module._parameters[name] = param
+            setattr(module, name, param)
 
 
 def local_part(full: torch.Tensor, param: torch.Tensor, distribute_tensor: Any) -> torch.Tensor:

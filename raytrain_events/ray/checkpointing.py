@@ -8,11 +8,14 @@ One owner of retention: Ray. Its run snapshot lists every checkpoint reported to
 run with the same name refuses a snapshot naming a deleted one, so on Ray our `Checkpointer`
 never prunes (``keep=None`` on the workers) and the driver passes ``keep`` to Ray as
 ``CheckpointConfig(num_to_keep)``; Ray deletes what it no longer lists, after updating its
-snapshot. Our own deletions are limited to directories Ray never heard of: leftovers of crashed
-saves, and committed checkpoints newer than Ray's latest at start-up (saved by a group that died
-before reporting them), removed once a newer checkpoint is registered; and, after a finished
-run, committed checkpoints older than Ray's newest that its final snapshot no longer lists (a
-driver killed while Ray was pruning leaves one behind: `delete_unlisted`).
+snapshot. Our own deletions are limited to directories Ray never heard of, and all of them are
+made by the run's `CheckpointFolder` under its Ray-managed retention (``checkpoint/folder.py``):
+rank 0's folder (the `Checkpointer`'s own, the one index it loaded) is handed to Ray before
+training (`hand_retention_to_ray`) and deletes leftovers of crashed saves and committed
+checkpoints newer than Ray's latest at start-up (saved by a group that died before reporting
+them) once a newer checkpoint is registered; the driver's folder deletes, after a finished run,
+committed checkpoints older than Ray's newest that its final snapshot no longer lists (a driver
+killed while Ray was pruning leaves one behind: `delete_unlisted`).
 
 One notion of latest: the newest committed checkpoint of the run directory (by global batch).
 Every continuation resumes from it: a restart by ``FailureConfig``, an elastic resize, and a new
@@ -22,22 +25,21 @@ Ray reports last too (every save is reported), so ``result.checkpoint`` points a
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
-from raytrain_events.checkpoint.checkpointer import SavedCheckpoint
-from raytrain_events.checkpoint.index import CheckpointIndex, delete_checkpoint
-from raytrain_events.checkpoint.manifest import CHECKPOINT_NAME_RE
+from raytrain_events.checkpoint.checkpointer import Checkpointer, SavedCheckpoint
+from raytrain_events.checkpoint.folder import CheckpointFolder, RayRetention
 from raytrain_events.checkpoint.retention import CheckpointPlan, ray_plan
 from raytrain_events.ray.spec import RunSpec
-from raytrain_events.storage.exp_dir import checkpoints_url
-from raytrain_events.storage.fs import join
+from raytrain_events.storage.fs import basename
+from raytrain_events.storage.run_dir import RunDir
 
 __all__ = [
     "checkpoint_plan",
     "delete_unlisted",
+    "hand_retention_to_ray",
     "ray_checkpoint_config",
     "report_with_checkpoint",
-    "unreported_checkpoints",
 ]
 
 
@@ -63,18 +65,14 @@ def ray_checkpoint_config(spec: RunSpec) -> Any:
     )
 
 
-def unreported_checkpoints(index: CheckpointIndex) -> List[str]:
-    """Committed checkpoints newer than Ray's latest at this group's start: Ray never listed them."""
+def hand_retention_to_ray(checkpointer: Checkpointer, plan: CheckpointPlan) -> None:
+    """Rank 0, before training: its `CheckpointFolder` leaves retention to Ray Train, and notes what
+    Ray never listed (committed checkpoints newer than Ray's latest at this group's start)."""
     import ray.train
 
     latest = ray.train.get_checkpoint()
-    names = [e.name for e in index.entries]
-    name = None if latest is None else latest.path.rstrip("/").rsplit("/", 1)[-1]
-    if name is None:
-        return [index.url(e) for e in index.entries]  # Ray lists none of this run's checkpoints
-    if name not in names:
-        return []  # unexpected: delete nothing
-    return [index.url(e) for e in index.entries[names.index(name) + 1 :]]
+    name = None if latest is None else basename(latest.path.rstrip("/"))
+    checkpointer.checkpoints.retain_with_ray(RayRetention(prunes=plan.prunes, latest_reported=name))
 
 
 def report_with_checkpoint(report: Dict[str, Any], saved: SavedCheckpoint, validation: bool = False) -> None:
@@ -87,12 +85,13 @@ def report_with_checkpoint(report: Dict[str, Any], saved: SavedCheckpoint, valid
     checkpoint = None
     if saved.rank == 0:
         storage = ray.train.get_context().get_storage()
-        path = join(checkpoints_url(storage.experiment_fs_path), saved.name)
+        path = RunDir(storage.experiment_fs_path).checkpoint(saved.name)
         checkpoint = Checkpoint(path=path, filesystem=storage.storage_filesystem)
 
     def _wait_for_commit(checkpoint: Any, dir_name: str) -> Any:
         saved.wait()  # raises if the background save failed
-        _forget_unreported(saved)
+        if saved.folder is not None:  # rank 0: the first registration deletes what Ray never listed
+            saved.folder.registered(saved.name)
         return checkpoint
 
     ray.train.report(
@@ -106,43 +105,6 @@ def report_with_checkpoint(report: Dict[str, Any], saved: SavedCheckpoint, valid
     )
 
 
-class _Cleanup:
-    """Rank 0's deletions of directories Ray never listed, done once, when the first checkpoint commits.
-
-    Both lists come from the folder's index loaded at start-up (one LIST): commits never rescan."""
-
-    def __init__(self, index: CheckpointIndex, unreported: List[str]) -> None:
-        self.index, self.unreported, self.done = index, unreported, False
-
-    def after_commit(self, saved: SavedCheckpoint) -> None:
-        if self.done:
-            return
-        self.done = True
-        doomed = [u for u in self.unreported if not u.rstrip("/").endswith("/" + saved.name)]
-        match = CHECKPOINT_NAME_RE.match(saved.name)
-        # leftovers of crashed saves (Ray registers only committed ones), older than this one
-        self.index.drop_leftovers_below(int(match.group(1)) if match else -1)
-        for url in doomed:
-            delete_checkpoint(url, storage_options=self.index.options)
-
-
-_cleanup: Optional[_Cleanup] = None  # set on rank 0 by `start_retention`
-
-
-def start_retention(plan: CheckpointPlan) -> None:
-    """Rank 0, before training: what to delete besides Ray's pruning (nothing when keeping all)."""
-    global _cleanup
-    index = CheckpointIndex.load(plan.worker.save_folder, plan.worker.storage_options)
-    if not plan.prunes:
-        index.leftovers = []
-    _cleanup = _Cleanup(index, unreported_checkpoints(index) if plan.prunes else [])
-
-
-def _forget_unreported(saved: SavedCheckpoint) -> None:
-    if _cleanup is not None:
-        _cleanup.after_commit(saved)
-
-
 def delete_unlisted(folder: str, options: Dict[str, Any], listed: List[str]) -> List[str]:
     """The driver, after a finished fit: delete committed checkpoints older than the newest of
     ``listed`` (the names Ray's final snapshot holds) that it does not list; returns their URLs.
@@ -151,11 +113,4 @@ def delete_unlisted(folder: str, options: Dict[str, Any], listed: List[str]) -> 
     killed in between leaves a committed directory no snapshot names: no later run would ever
     delete it. Once the fit has finished Ray's snapshot is final, so nothing deleted here is
     referenced by it. Newer unlisted ones are left alone (a later run resumes from the newest)."""
-    index = CheckpointIndex.load(folder, options)  # names and batches: no manifest read per checkpoint
-    kept = [e.batch for e in index.entries if e.name in listed]
-    if not kept:
-        return []  # Ray lists none of them: not ours to judge
-    doomed = [index.url(e) for e in index.entries if e.name not in listed and e.batch < max(kept)]
-    for url in doomed:
-        delete_checkpoint(url, storage_options=options)
-    return doomed
+    return CheckpointFolder(folder, options, RayRetention(prunes=True)).delete_unlisted(listed)

@@ -172,8 +172,8 @@ class RayTrainer:
     @contextlib.contextmanager
     def _claim_run_dir(self) -> Iterator[None]:
         """Hold the run dir's ``running`` lock for the whole run and save the run config there."""
-        from raytrain_events.storage.exp_dir import RunDir
         from raytrain_events.storage.locks import acquire_lock, release_lock
+        from raytrain_events.storage.run_dir import RunDir
 
         lock = acquire_lock(self.run_url, "running", storage_options=self.storage_options, takeover_stale=True)
         try:
@@ -300,13 +300,14 @@ class RayTrainer:
                 self._report_queue.put(dict(entry))
 
     def _save_history(self, history: Any, failed: bool = False) -> None:
-        """Append this fit's reports to the run dir's history.jsonl (what `raytrain-events report` plots)."""
+        """Append this fit's reports to the run dir's history file (what `raytrain-events report` plots)."""
         import ray
 
-        from raytrain_events.report.history_file import append_history
+        from raytrain_events.storage.run_dir import RunDir
 
         try:
-            append_history(self.run_url, ray.get(history.get.remote(), timeout=30)["entries"], self.storage_options)
+            entries = ray.get(history.get.remote(), timeout=30)["entries"]
+            RunDir(self.run_url, self.storage_options).append_history(entries)
         except Exception:
             if not failed:  # a failed run raises its own error; a finished one must not lose its history
                 raise

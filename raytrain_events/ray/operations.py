@@ -28,13 +28,13 @@ def worker_guards(spec: Any, dist: Any, *, checkpointing: bool) -> List[Callback
     """Check that every rank arrived, then the watchdog (and preemption guard) for this worker group."""
     from raytrain_events.ray.health import check_startup
     from raytrain_events.ray.watchdog import ProgressWatchdog
-    from raytrain_events.storage.fs import join
+    from raytrain_events.storage.run_dir import RunDir
 
     group_id = check_startup(dist, startup_deadline_s(spec.hang_timeout))
     guards: List[Callback] = [
         ProgressWatchdog(
             hang_timeout=spec.hang_timeout,
-            dump_url=join(spec.run_url, "hangs", group_id),
+            dump_url=RunDir(spec.run_url).hangs(group_id),
             rank=dist.rank,
             world_size=dist.world_size,
             storage_options=spec.storage_options,

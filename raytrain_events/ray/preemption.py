@@ -29,6 +29,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from raytrain_events.checkpoint.preemption import SAVE_FLAG
 from raytrain_events.core.callback import Callback
+from raytrain_events.storage.run_dir import PREEMPTIONS_DIR as PREEMPTIONS_DIR  # re-exported
+from raytrain_events.storage.run_dir import RunDir
 
 __all__ = ["PreemptionGuard", "PREEMPT_FLAG", "PREEMPTIONS_DIR"]
 
@@ -36,7 +38,6 @@ logger = logging.getLogger(__name__)
 
 #: The agreement flag: some rank heard of a preemption before this batch's collective.
 PREEMPT_FLAG = "preempt"
-PREEMPTIONS_DIR = "preemptions"
 
 # Written by the SIGTERM handler on the main thread, read by the training thread.
 _SIGTERM: Dict[str, float] = {}
@@ -240,9 +241,9 @@ class PreemptionGuard(Callback):
             "; stopping" if record["stopping"] else "; training on",
         )
         try:
-            from raytrain_events.storage.fs import join, resolve, write_bytes_atomic
+            from raytrain_events.storage.fs import resolve, write_bytes_atomic
 
-            fs, path = resolve(join(self.run_url, PREEMPTIONS_DIR, f"batch-{batch}.json"), self.options)
+            fs, path = resolve(RunDir(self.run_url).preemption(batch), self.options)
             write_bytes_atomic(fs, path, json.dumps(record).encode())
         except Exception as exc:  # the record is for people: never fail the save for it
             logger.warning("Could not write the preemption record: %r", exc)

@@ -220,6 +220,7 @@ class ProgressWatchdog(Callback):
 
     def _fire(self) -> str:
         from raytrain_events.storage.fs import join, resolve, write_bytes_atomic
+        from raytrain_events.storage.run_dir import HANG_RECORD
 
         timeout = self.timeout()
         record, text = self._dump(timeout)
@@ -237,7 +238,7 @@ class ProgressWatchdog(Callback):
                 "frame": records[slow]["frame"] if slow in records else None,
                 "batch": records[slow]["batch"] if slow in records else None,
             }
-            write_bytes_atomic(fs, join(folder, "hang.json"), json.dumps(event).encode())  # the run report reads it
+            write_bytes_atomic(fs, join(folder, HANG_RECORD), json.dumps(event).encode())  # the run report reads it
             write_bytes_atomic(fs, summary_path, summary.encode())
             logger.error(summary)
             return summary

@@ -71,19 +71,17 @@ def build_worker_trainer(spec: RunSpec) -> Trainer:
         for name in spec.eval_names
         if name not in async_eval_names(spec.validation, spec.eval_names)  # those are evaluated as Ray tasks
     ]
-    checkpoint = None
+    checkpoint = plan = None
     if spec.checkpoint is not None:
-        from raytrain_events.ray.checkpointing import checkpoint_plan, start_retention
+        from raytrain_events.ray.checkpointing import checkpoint_plan
 
         plan = checkpoint_plan(spec)
         checkpoint = plan.worker
-        if context.get_world_rank() == 0:
-            start_retention(plan)
     from raytrain_events.ray.operations import worker_guards
 
     counts_data = Parallel(spec.parallelism_spec).counts_data(context.get_world_rank())  # TP: one rank per group
     guards = worker_guards(spec, dist, checkpointing=checkpoint is not None)  # every rank arrived, or an error
-    return Trainer(
+    trainer = Trainer(
         model=model,
         train_dataloader=DataSpec(train, get_num_tokens_in_batch=spec.get_num_tokens_in_batch),
         optimizers=optimizers,
@@ -106,6 +104,14 @@ def build_worker_trainer(spec: RunSpec) -> Trainer:
         checkpoint=checkpoint,
         options=spec,  # a RunSpec is the run's LoopOptions, checked once on the driver
     )
+    if plan is not None and context.get_world_rank() == 0:
+        from raytrain_events.checkpoint.checkpointer import find_checkpointer
+        from raytrain_events.ray.checkpointing import hand_retention_to_ray
+
+        checkpointer = find_checkpointer(trainer.state)
+        if checkpointer is not None:  # Ray Train's snapshot decides what rank 0's checkpoint folder keeps
+            hand_retention_to_ray(checkpointer, plan)
+    return trainer
 
 
 def _train_loader(shard: Any, spec: RunSpec, rank: int, options: Dict[str, Any]) -> Any:

@@ -15,6 +15,18 @@
   sample, which algorithm set it switched to; from the trial records).
 
 The HTML is static (inline CSS, no scripts); the PNGs sit next to it. Any fsspec URL works.
+
+Files:
+
+* ``goodput.py``: Goodput of a run: the share of wall time spent on batches that count, and what
+  each restart cost.
+* ``history_file.py``: The run's history file, re-exported: its name and format belong to the run
+  directory's owner (``storage/run_dir.py``), so the runtime (``ray/driver.py`` writes it) never
+  imports this package.
+* ``html.py``: Static, self-contained HTML for the run report: inline CSS, no scripts, PNGs next to
+  it.
+* ``plots.py``: The run report's figures (matplotlib, headless Agg), each returned as PNG bytes of
+  a fixed size.
 """
 
 from __future__ import annotations
@@ -25,15 +37,19 @@ from typing import Any, Dict, List, Optional, Tuple
 from raytrain_events.core.plain import is_finite_number
 from raytrain_events.core.time import COUNTER_UNITS, report_key
 from raytrain_events.report import html
-from raytrain_events.report.history_file import HISTORY_FILE, append_history, read_history
 from raytrain_events.report.plots import run_figures, sweep_figure
+from raytrain_events.storage.run_dir import (
+    CONFIG_FILE,
+    HISTORY_FILE,
+    REPORT_FILE,
+    SWEEP_FILE,
+    TRIAL_RECORD,
+    RunDir,
+    append_history,
+    read_history,
+)
 
 __all__ = ["write_report", "append_history", "read_history", "HISTORY_FILE", "REPORT_FILE", "SWEEP_FILE"]
-
-REPORT_FILE = "report.html"
-SWEEP_FILE = "sweep.json"  # metric and mode of a sweep, written by the sweep
-TRIAL_RECORD = "raytrain_trial.json"
-_INDEX = "checkpoints/index.json"  # the checkpoint index (`raytrain_events.checkpoint.index`)
 
 
 def write_report(
@@ -48,7 +64,7 @@ def write_report(
     Returns ``{"html": <url of report.html>, "images": [<png urls>], "kind": "run" | "sweep"}``.
     Raises FileNotFoundError (naming what is missing) if ``url`` is neither.
     """
-    from raytrain_events.storage.fs import join, resolve
+    from raytrain_events.storage.fs import resolve
 
     options = dict(storage_options or {})
     fs, root = resolve(url, options)
@@ -57,16 +73,21 @@ def write_report(
     trials = _trial_records(fs, root)
     if trials:
         kind, title, sections, files = "sweep", *_sweep_report(url, options, trials, metric, mode)
-    elif any(fs.exists(join(root, name)) for name in (HISTORY_FILE, "config.yaml", _INDEX)):
+    elif any(fs.exists(resolve(location, options)[1]) for location in _run_files(RunDir(url, options))):
         kind, title, sections, files = "run", *_run_report(url, options)
     else:
         raise FileNotFoundError(
-            f"{url} has no {HISTORY_FILE} or config.yaml (a RayTrainer run directory) and no trial folders with "
+            f"{url} has no {HISTORY_FILE} or {CONFIG_FILE} (a RayTrainer run directory) and no trial folders with "
             f"{TRIAL_RECORD} (a sweep): pass the folder a run or sweep wrote."
         )
     images = [_write(url, options, name, data) for name, data in files.items()]
     page = html.page(title, sections, note=f"Written by raytrain-events report from {url}")
     return {"html": _write(url, options, REPORT_FILE, page.encode("utf-8")), "images": images, "kind": kind}
+
+
+def _run_files(run: RunDir) -> Tuple[str, ...]:
+    """What marks a run directory: its history, its config, or a checkpoint index (a local run)."""
+    return (run.history, run.config, run.checkpoint_index)
 
 
 def _write(url: str, options: Dict[str, Any], name: str, data: bytes) -> str:
@@ -152,9 +173,9 @@ def _per_source_section(final: Dict[str, Any]) -> List[str]:
 
 def _failed_saves_section(url: str, options: Dict[str, Any]) -> List[str]:
     """The saves that failed for good (training went on; the previous checkpoint stayed "latest")."""
-    from raytrain_events.storage.fs import join, read_bytes, resolve
+    from raytrain_events.storage.fs import read_bytes, resolve
 
-    fs, path = resolve(join(url, _INDEX), options)
+    fs, path = resolve(RunDir(url, options).checkpoint_index, options)
     try:
         failed = json.loads(read_bytes(fs, path)).get("failed") or []
     except (FileNotFoundError, ValueError, AttributeError):
@@ -192,7 +213,6 @@ def _goodput_sections(url: str, options: Dict[str, Any], history: List[Dict[str,
 
 
 def _load_config(url: str, options: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    from raytrain_events.storage.exp_dir import RunDir
 
     try:
         config = RunDir(url, options).load_config()

@@ -159,11 +159,13 @@ def goodput(
 def read_events(url: str, storage_options: Optional[Dict[str, Any]] = None) -> Tuple[List[Dict], List[Dict]]:
     """The run dir's hang records (``hangs/*/hang.json``) and preemption records (``preemptions/*.json``)."""
     from raytrain_events.storage.fs import resolve
+    from raytrain_events.storage.run_dir import RunDir
 
-    fs, root = resolve(url, dict(storage_options or {}))
+    run = RunDir(url, dict(storage_options or {}))
     found: Tuple[List[Dict], List[Dict]] = ([], [])
-    for pattern, into in (("/hangs/*/hang.json", found[0]), ("/preemptions/*.json", found[1])):
-        for path in sorted(fs.glob(root.rstrip("/") + pattern)):
+    for pattern, into in ((run.hang_records, found[0]), (run.preemption_records, found[1])):
+        fs, glob = resolve(pattern, run.storage_options)
+        for path in sorted(fs.glob(glob)):
             try:
                 into.append(json.loads(fs.cat_file(path).decode("utf-8")))
             except (OSError, ValueError):

@@ -14,6 +14,15 @@ Example::
     Trainer(..., max_duration="10ep", schedulers=CosineAnnealingWithWarmupScheduler(t_warmup="0.05dur"))
 
 Any ``fn(state) -> float`` works as a schedule too.
+
+Files:
+
+* ``_convert.py``: Turning a schedule's Time arguments into counts the global `Timestamp` can be
+  compared with.
+* ``schedulers.py``: Composer's stateless LR schedules: each is ``scheduler(state) -> multiplier``
+  of the global Timestamp.
+* ``warmup.py``: Composer's ``*WithWarmupScheduler`` schedules: a linear warmup, then the main
+  schedule.
 """
 
 from raytrain_events.schedulers.schedulers import (

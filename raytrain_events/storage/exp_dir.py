@@ -1,9 +1,7 @@
 """Experiment (run) directories: their layout, picking a fresh ``run_N``, saving the run's config.
 
-The layout has one owner, this module: ``config.yaml`` (``CONFIG_FILE``), ``summary.json``
-(``SUMMARY_FILE``), ``checkpoints/`` (``CHECKPOINTS_DIR``, ``checkpoints_url``), the locks
-(``storage/locks.py``'s lock names, files in the run directory) and ``history.jsonl``
-(``report/history_file.HISTORY_FILE``).
+The layout of a run directory (every file and folder name in it) has one owner,
+``storage/run_dir.py`` (`RunDir`, re-exported here); the lock names are ``storage/locks.py``'s.
 
 ``get_empty_exp_dir`` follows ml-starter: runs live in ``<root>/run_1``, ``<root>/run_2``...
 The next run is ``run_{1 + max existing N}``. Unlike ml-starter it does not just return a
@@ -27,27 +25,22 @@ by accident).
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import re
 import uuid
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
-
 from raytrain_events.storage.errors import RunLockedError
-from raytrain_events.storage.fs import (
-    basename,
-    join,
-    list_dir,
-    read_bytes,
-    resolve,
-    to_url,
-    write_bytes_atomic,
-)
+from raytrain_events.storage.fs import basename, join, list_dir, resolve
 from raytrain_events.storage.locks import LockType, acquire_lock, has_lock
+from raytrain_events.storage.run_dir import (  # re-exported: the run directory's layout lives there
+    CHECKPOINTS_DIR as CHECKPOINTS_DIR,
+)
+from raytrain_events.storage.run_dir import CONFIG_FILE as CONFIG_FILE
+from raytrain_events.storage.run_dir import SUMMARY_FILE as SUMMARY_FILE
+from raytrain_events.storage.run_dir import RunDir as RunDir
+from raytrain_events.storage.run_dir import checkpoints_url as checkpoints_url
 
-CONFIG_FILE = "config.yaml"
 _RUN_RE = re.compile(r"^run_(\d+)$")
 
 
@@ -122,55 +115,7 @@ def get_empty_exp_dir(
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class RunDir:
-    """One run directory: its URL plus the storage options needed to reach it."""
-
-    url: str
-    storage_options: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    def join(self, *parts: str) -> str:
-        return join(self.url, *parts)
-
-    @property
-    def checkpoints(self) -> str:
-        """URL of the run's checkpoints folder (``checkpoints_url``)."""
-        return checkpoints_url(self.url)
-
-    def save_config(self, cfg: Any, *, resolve_interpolations: bool = False) -> str:
-        """Write ``cfg`` (DictConfig, dict or dataclass) as YAML atomically; returns its URL."""
-        conf = cfg if isinstance(cfg, (DictConfig, ListConfig)) else OmegaConf.create(cfg)
-        text = OmegaConf.to_yaml(conf, resolve=resolve_interpolations)
-        fs, path = resolve(self.join(CONFIG_FILE), self.storage_options)
-        write_bytes_atomic(fs, path, text.encode())
-        return to_url(fs, path)
-
-    def load_config(self) -> DictConfig | ListConfig:
-        """Read back the config written by ``save_config``."""
-        fs, path = resolve(self.join(CONFIG_FILE), self.storage_options)
-        try:
-            data = read_bytes(fs, path)
-        except FileNotFoundError:
-            raise FileNotFoundError(
-                f"No {CONFIG_FILE} in run directory {self.url!r}. Fix: call save_config() "
-                "first, or point RunDir at the right run."
-            ) from None
-        return OmegaConf.create(data.decode())
-
-
-# -- the run directory's layout: every module asks here for these names ---------------------------
-#: Committed checkpoints (and their ``index.json``) live in this folder of the run directory.
-CHECKPOINTS_DIR = "checkpoints"
-#: The driver's end-of-run summary (``raytrain-events runs``).
-SUMMARY_FILE = "summary.json"
-
-
-def checkpoints_url(run_url: str) -> str:
-    """``<run>/checkpoints``: where a run's checkpoints go (the one place that builds this path)."""
-    return join(run_url, CHECKPOINTS_DIR)
-
-
 def run_url_of_checkpoints(folder: str) -> str:
-    """The run directory holding a checkpoints folder (its parent; itself if it has none)."""
-    stripped = folder.rstrip("/")
-    return stripped.rsplit("/", 1)[0] if "/" in stripped else stripped
+    """The run directory owning a checkpoints folder (`RunDir.of_checkpoints`: the parent of a
+    ``<run>/checkpoints`` folder, else the folder itself)."""
+    return RunDir.of_checkpoints(folder).url

@@ -51,6 +51,7 @@ from fsspec.exceptions import FSTimeoutError
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 
+from raytrain_events.storage._compat import pipe_file_method, strip_protocol
 from raytrain_events.storage.crc32 import Crc32, s3_checksum
 from raytrain_events.storage.errors import StorageError, WriteTimeoutError
 
@@ -212,8 +213,8 @@ def read_many(
         return {}
     with storage_errors("reading", to_url(fs, paths[0])):
         raw = fs.cat(list(paths), on_error="omit", **_cat_kwargs(fs, size_hint, end))
-    got = {fs._strip_protocol(k): v for k, v in raw.items()}
-    return {p: got[fs._strip_protocol(p)] for p in paths if fs._strip_protocol(p) in got}
+    got = {strip_protocol(fs, k): v for k, v in raw.items()}
+    return {p: got[strip_protocol(fs, p)] for p in paths if strip_protocol(fs, p) in got}
 
 
 def write_bytes_atomic(fs: Any, path: str, data: bytes) -> None:
@@ -316,7 +317,7 @@ def write_bytes_create_only(fs: Any, path: str, data: bytes, *, crc32: int | Non
         if isinstance(fs, LocalFileSystem):
             _local_create_only(path, bytes(data))
         elif isinstance(fs, MemoryFileSystem):
-            key = fs._strip_protocol(path)
+            key = strip_protocol(fs, path)
             entry = MemoryFile(fs, key, bytes(data))
             if fs.store.setdefault(key, entry) is not entry:  # atomic under the GIL
                 raise FileExistsError(path)
@@ -428,7 +429,7 @@ def _has_create_mode(fs: Any) -> bool:
 
 @functools.cache
 def _takes_mode(cls: type) -> bool:  # once per class: inspect.signature costs ~30 us a call
-    return "mode" in inspect.signature(getattr(cls, "_pipe_file", cls.pipe_file)).parameters
+    return "mode" in inspect.signature(pipe_file_method(cls)).parameters
 
 
 def _local_replace(path: str, data: bytes) -> None:

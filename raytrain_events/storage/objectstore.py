@@ -1,25 +1,22 @@
 """Object-store transfers for large immutable files: uploads fed while the bytes are produced,
 CRC32ed once, in parallel parts; downloads in parallel ranges, verified while they arrive.
 
-Why not ``fs.pipe_file`` / ``fs.cat_file`` alone: they need the whole content first and hash
-nothing, so a checkpoint save was serialize -> sha256 pass -> PUT, and a load GET -> sha256 pass.
-Here (S3 through s3fs, the requests going through ``fs._call_s3``, s3fs's own retrying call path):
+Why not ``fs.pipe_file`` / ``fs.cat_file``: they need the whole content first and hash nothing.
+Here (S3 through s3fs's own retrying call path, reached through ``storage/_compat.py``):
 
 * ``open_upload`` gives a write-only file for ``torch.save`` whose checksum is the file's CRC32
-  (``hexdigest()``), computed once and sent with the requests: botocore would
-  otherwise CRC32 every request body itself (its default ``when_supported`` checksums), so the
-  store verifies what we serialized and nothing is checksummed twice. Below ``2 * part_size``
-  nothing is sent until ``finish``, which CRC32s the bytes and sends one PUT (as
-  ``fs._pipe_file`` would) carrying ``ChecksumCRC32``. From ``2 * part_size`` on it starts a
-  multipart upload and sends each full part at once, up to ``fs.max_concurrency`` parts in
-  flight on fsspec's event loop, while ``torch.save`` keeps producing the next ones
-  (back-pressure bounds memory to ``max_concurrency + 2`` parts). Each part's CRC32 runs on a
-  worker thread of that loop (``zlib`` releases the GIL) and goes with its ``UploadPart``; the
-  file's CRC32 is combined from the parts' (``crc32_combine``), so the thread producing the
-  bytes hashes nothing at all. ``finish`` completes the
-  upload: the object appears whole or not at all. ``abort`` (and any error) aborts it, so no
-  part is left billed; a killed process leaves an incomplete upload that is invisible to readers
-  (an S3 lifecycle rule ``AbortIncompleteMultipartUpload`` reclaims its storage).
+  (``hexdigest()``), computed once and sent with the requests: botocore would otherwise CRC32 every
+  request body itself, so the store verifies what we serialized and nothing is checksummed twice.
+  Below ``2 * part_size`` nothing is sent until ``finish``, which CRC32s the bytes and sends one
+  PUT (as s3fs's pipe would) carrying ``ChecksumCRC32``. From ``2 * part_size`` on it starts a
+  multipart upload and sends each full part at once, up to ``fs.max_concurrency`` parts in flight
+  on fsspec's event loop, while ``torch.save`` keeps producing the next ones (back-pressure bounds
+  memory to ``max_concurrency + 2`` parts). Each part's CRC32 runs on a worker thread of that loop
+  (``zlib`` releases the GIL) and goes with its ``UploadPart``; the file's CRC32 is combined from
+  the parts' (``crc32_combine``), so the thread producing the bytes hashes nothing at all.
+  ``finish`` completes the upload: the object appears whole or not at all. ``abort`` (and any
+  error) aborts it, so no part is left billed; a killed process leaves an incomplete upload,
+  invisible (a lifecycle rule reclaims it).
 * ``fetch_verified`` downloads ``[0, size)`` in ``part_size`` ranges (``fs.max_concurrency`` at a
   time, no HEAD: the caller knows the size) straight into one preallocated buffer, while the
   calling thread checksums (CRC32 or sha256, as the caller asks) each range's arrived prefix in
@@ -27,9 +24,9 @@ Here (S3 through s3fs, the requests going through ``fs._call_s3``, s3fs's own re
   before reading the body.
 
 ``part_size`` is ``fs.default_block_size`` (s3fs: 50 MiB; the ``default_block_size`` storage
-option) and the concurrency ``fs.max_concurrency`` (s3fs: 10; the ``max_concurrency`` option):
-the knobs s3fs already has for the same trade-off. Other filesystems get the same interface
-over a memory buffer and one ``write_bytes_atomic`` / ``read_bytes``.
+option) and the concurrency ``fs.max_concurrency`` (s3fs: 10; the ``max_concurrency`` option): the
+knobs s3fs already has for the same trade-off. Other filesystems get the same interface over a
+memory buffer and one ``write_bytes_atomic`` / ``read_bytes``.
 """
 
 from __future__ import annotations
@@ -43,6 +40,7 @@ import time
 import zlib
 from typing import Any
 
+from raytrain_events.storage._compat import call_s3, pipe_file
 from raytrain_events.storage.crc32 import Crc32, crc32_combine, new_checksum, s3_checksum
 from raytrain_events.storage.errors import StorageError
 from raytrain_events.storage.fs import (
@@ -145,7 +143,7 @@ class _S3Upload(ObjectUpload):
             self._buf = io.BytesIO()
             self._crc.update(data)
             checksum = s3_checksum(self._crc.value)
-            put = self._run(self.fs._pipe_file(self.path, data, chunksize=self._part, ChecksumCRC32=checksum))
+            put = self._run(pipe_file(self.fs, self.path, data, chunksize=self._part, ChecksumCRC32=checksum))
             try:
                 self._wait(put, self._deadline(len(data)))
             except BaseException as e:
@@ -166,7 +164,8 @@ class _S3Upload(ObjectUpload):
                 crc = crc32_combine(crc, part_crc, size) if i > 1 else part_crc
             self._crc.value = crc
             complete = self._run(
-                self.fs._call_s3(
+                call_s3(
+                    self.fs,
                     "complete_multipart_upload",
                     Bucket=self._bucket,
                     Key=self._key,
@@ -198,7 +197,7 @@ class _S3Upload(ObjectUpload):
             try:
                 upload_id = self._upload_id()
                 stop = self._run(
-                    self.fs._call_s3("abort_multipart_upload", Bucket=self._bucket, Key=self._key, UploadId=upload_id)
+                    call_s3(self.fs, "abort_multipart_upload", Bucket=self._bucket, Key=self._key, UploadId=upload_id)
                 )
                 self._wait(stop, self._deadline(0, "the multipart upload's abort"))
             except Exception:  # the upload stays incomplete: invisible, reclaimed by lifecycle
@@ -208,7 +207,7 @@ class _S3Upload(ObjectUpload):
     # -- internals
     def _start_multipart(self) -> None:
         async def create() -> str:
-            out = await self.fs._call_s3("create_multipart_upload", Bucket=self._bucket, Key=self._key)
+            out = await call_s3(self.fs, "create_multipart_upload", Bucket=self._bucket, Key=self._key)
             return out["UploadId"]
 
         self._mpu = self._run(create())
@@ -237,7 +236,8 @@ class _S3Upload(ObjectUpload):
             upload_id = await asyncio.shield(asyncio.wrap_future(mpu))  # never cancel the create
             if self._aborted:
                 raise asyncio.CancelledError(f"part {number}: upload aborted")
-            out = await self.fs._call_s3(
+            out = await call_s3(
+                self.fs,
                 "upload_part",
                 Bucket=self._bucket,
                 Key=self._key,
@@ -448,7 +448,7 @@ class _S3Fetch:
             while True:
                 ranged = len(self.ranges) > 1 or pos > a
                 kw = {"Range": f"bytes={pos}-{b - 1}"} if ranged else {}
-                resp = await self.fs._call_s3("get_object", Bucket=self.bucket, Key=self.key, **self.version, **kw)
+                resp = await call_s3(self.fs, "get_object", Bucket=self.bucket, Key=self.key, **self.version, **kw)
                 body = resp["Body"]
                 try:
                     if pos == a == 0:

@@ -1,4 +1,31 @@
-"""The event-driven training loop (one process; the same code runs inside Ray workers)."""
+"""The event-driven training loop (one process; the same code runs inside Ray workers).
+
+Files:
+
+* ``_batch.py``: Small helpers the loop uses per batch: device moves, loss reduction, model checks.
+* ``_setup.py``: Trainer set-up helpers: the train inputs checked (or absent, for eval/predict
+  only), LR schedulers from torch objects or `State` functions, epoch hand-off to loaders, and the
+  duration of a further ``fit``.
+* ``compiling.py``: ``torch.compile`` for the train model: ``Trainer(compile=True)`` or a dict of
+  `torch.compile` options.
+* ``counters.py``: `BatchCounters`: sum the loop's per-batch integers across ranks without a
+  collective of their own.
+* ``epoch_start.py``: `epoch_iterator`: where an epoch's train data starts, including mid-epoch
+  after a resume.
+* ``evaluation.py``: Evaluation: run each evaluator's data through the model and compute its
+  metrics.
+* ``microbatching.py``: Auto microbatching (``grad_accum="auto"``): on a device out-of-memory
+  error, retry the batch in more pieces.
+* ``options.py``: `LoopOptions`: the one definition of the training loop's options, shared by
+  `Trainer` and `RunSpec`.
+* ``predict.py``: Prediction: run a dataloader through the model with the ``PREDICT_*`` events,
+  collecting outputs.
+* ``seed.py``: `seed_everything`: the one place that seeds Python's, torch's and numpy's global
+  RNGs.
+* ``stepping.py``: The optimizer step of a batch, with closures for optimizers that re-evaluate the
+  loss (SAM).
+* ``trainer.py``: `Trainer`: the event-driven training loop, in one process.
+"""
 
 from raytrain_events.trainer.evaluation import Evaluator
 from raytrain_events.trainer.options import LoopOptions

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, List, Mapping
 
 import torch
 
@@ -40,10 +40,18 @@ def total_loss(loss: Any) -> torch.Tensor:
         if "total" in loss:
             total: torch.Tensor = loss["total"]
             return total
-        return sum(loss.values())  # type: ignore[return-value]
+        return _sum(list(loss.values()))
     if isinstance(loss, (list, tuple)):
-        return sum(loss)  # type: ignore[return-value]
+        return _sum(list(loss))
     raise TypeError(f"model.loss returned {type(loss).__name__}; return a tensor, or a dict/tuple of tensors.")
+
+
+def _sum(losses: List[torch.Tensor]) -> torch.Tensor:
+    """The sum of the tensors (as ``sum`` adds them, left to right)."""
+    total = losses[0]
+    for one in losses[1:]:
+        total = total + one
+    return total
 
 
 def check_model(model: Any) -> None:

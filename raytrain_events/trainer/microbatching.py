@@ -34,14 +34,14 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Protocol, Sequence, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Protocol, Sequence
 
 import torch
 
 from raytrain_events.core.event import Event
 from raytrain_events.dist import Dist
 from raytrain_events.parallel.oom_agreement import OOMAgreement, PeerOutOfMemory
-from raytrain_events.trainer.options import AUTO
+from raytrain_events.trainer.options import AUTO, parse_grad_accum  # re-exported: the option's check lives there
 
 if TYPE_CHECKING:
     from raytrain_events.core.logger import Logger
@@ -50,18 +50,6 @@ if TYPE_CHECKING:
 __all__ = ["AUTO", "Accumulate", "parse_grad_accum", "AutoMicrobatching", "DeferredCounters"]
 
 _log = logging.getLogger(__name__)
-
-
-def parse_grad_accum(value: Union[int, str]) -> int:
-    """The starting number of microbatches for ``grad_accum`` (``"auto"`` starts at 1); bad values raise."""
-    if value == AUTO:
-        return 1
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"grad_accum={value!r} must be an integer >= 1 (microbatches per batch) or 'auto' "
-            "(start with 1 and double on a device out-of-memory error)."
-        )
-    return value
 
 
 class DeferredCounters:

@@ -39,6 +39,18 @@ def option(default: Any = dataclasses.MISSING, *, help: str, worker: bool = True
     return field(default=default, metadata=metadata)
 
 
+def parse_grad_accum(value: Union[int, str]) -> int:
+    """The starting number of microbatches for ``grad_accum`` (``"auto"`` starts at 1); bad values raise."""
+    if value == AUTO:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"grad_accum={value!r} must be an integer >= 1 (microbatches per batch) or 'auto' "
+            "(start with 1 and double on a device out-of-memory error)."
+        )
+    return value
+
+
 @dataclass(kw_only=True)
 class LoopOptions:
     """How the loop trains: duration, evaluation cadence, microbatching, precision, sharding, seed.
@@ -78,7 +90,6 @@ class LoopOptions:
     def __post_init__(self) -> None:
         from raytrain_events.parallel.config import parse_parallelism
         from raytrain_events.trainer.compiling import compile_options
-        from raytrain_events.trainer.microbatching import parse_grad_accum
 
         if self.max_duration is not None:
             # Not `dur`, positive; `tok` needs a token counter, checked where the data is known

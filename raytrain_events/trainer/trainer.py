@@ -12,6 +12,7 @@ Per step the loop reads nothing back from the device: the loss stays a tensor in
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import time
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
@@ -204,7 +205,7 @@ class Trainer:
         """Train until ``max_duration`` (or an early stop); returns the final `State`.
 
         As in Composer, a fitted Trainer can train on: ``fit(duration="2ep")`` trains two more epochs
-        from where it stopped (the new ``max_duration`` is now + ``duration``); ``reset_time=True``
+        from where it stopped (the new ``max_duration``, in ``options`` too, is now + ``duration``); ``reset_time=True``
         starts the Timestamp at zero again (a new phase, e.g. fine-tuning), for ``duration`` or the
         old ``max_duration``. Callbacks and loggers are closed at the end of each fit and reopened.
         """
@@ -220,6 +221,7 @@ class Trainer:
             set_duration(
                 self.state, self.train_spec is not None and self.train_spec.counts_tokens, duration, reset_time
             )
+            self.options = dataclasses.replace(self.options, max_duration=self.state.max_duration)
         self._fitted = True
         try:
             self._fit()
@@ -444,8 +446,8 @@ class Trainer:
         loss: torch.Tensor = state.loss
         if type(loss) is not torch.Tensor:  # a dict/tuple of losses, or a tensor subclass
             loss = total_loss(loss)
-        if total_samples:  # fit checked train_spec (check_can_fit)
-            loss = loss * (self.train_spec.get_num_samples_in_batch(state.batch) / total_samples)  # type: ignore[union-attr]
+        if total_samples and self.train_spec is not None:  # fit checked train_spec (check_can_fit)
+            loss = loss * (self.train_spec.get_num_samples_in_batch(state.batch) / total_samples)
         scaler, counters = state.scaler, self._counters
         backward_loss = loss if scaler is None else scaler.scale(loss)
         if counters.on_gradients:  # under DDP the batch's counters ride on this backward (counters.py)

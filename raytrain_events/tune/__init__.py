@@ -82,6 +82,25 @@ global Timestamp, optimizer, data position) with its mutated config and algorith
 that stay on get their saved state back, ones turned off are dropped, new ones start fresh. Under PBT
 trials keep every checkpoint (a donor must not prune one being copied). Each copy is in the trial's
 ``raytrain_lineage.json`` and in `SweepResult` (``row["lineage"]``, the table's ``copied`` column).
+
+Files:
+
+* ``console.py``: A sweep's console: one line per trial event instead of Tune's periodic status
+  tables.
+* ``driver.py``: `sweep()`: a Ray Tune sweep whose trials each train with `RayTrainer` (see
+  `raytrain_events.tune`).
+* ``explore.py``: Keep a PBT trial's explored optimizer settings when it loads another trial's
+  checkpoint.
+* ``pbt.py``: Population-based training over algorithm sets: Tune's `PopulationBasedTraining`, set
+  up for sweeps.
+* ``placement.py``: Release the placement groups of trials Tune stopped.
+* ``pointer.py``: Checkpoint pointers: what a Tune trial reports to Tune instead of copying its
+  checkpoint.
+* ``results.py``: `SweepResult`: the table of a sweep's trials, the best algorithm set and its best
+  checkpoint.
+* ``sets.py``: Algorithm sets for sweeps: labels, validation, and the Tune grid over them.
+* ``trial.py``: What one Tune trial runs: the sweep's base `RunSpec` with the trial's overrides, as
+  a `RayTrainer` run.
 """
 
 from raytrain_events.tune.driver import sweep

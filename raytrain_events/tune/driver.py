@@ -339,8 +339,8 @@ def _experiment_exists(experiment_url: str, storage_options: Dict[str, Any]) -> 
 
 def _write_sweep_settings(experiment: _Experiment, metric: str, mode: str) -> None:
     """``sweep.json``: the metric and mode, so ``raytrain-events report`` compares trials by them."""
-    from raytrain_events.report import SWEEP_FILE
     from raytrain_events.storage.fs import join
+    from raytrain_events.storage.run_dir import SWEEP_FILE
 
     write_record(join(experiment.url, SWEEP_FILE), experiment.storage_options, {"metric": metric, "mode": mode})
 

@@ -49,10 +49,12 @@ def pointer_from_entry(
     path = entry.get("checkpoint_path")
     if not path:
         return None
+    from raytrain_events.storage.run_dir import RunDir
+
     name = str(path).rstrip("/").rsplit("/", 1)[-1]
     counters = {unit: int(entry.get(report_key(unit), 0) or 0) for unit in COUNTER_UNITS}
     return CheckpointPointer(
-        url=f"{run_url.rstrip('/')}/checkpoints/{name}",
+        url=RunDir(run_url.rstrip("/")).checkpoint(name),
         counters=counters,
         trial_folder=trial_folder,
         run_name=run_name,

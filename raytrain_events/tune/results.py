@@ -10,14 +10,16 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from raytrain_events.core.plain import flatten, is_finite_number, to_plain
 from raytrain_events.core.time import COUNTER_UNITS, report_key
+
+# The file a finished trial writes into its Tune trial folder (its history, checkpoints, run URL): defined with
+# the other directory names (storage/run_dir.py), re-exported here.
+from raytrain_events.storage.run_dir import TRIAL_RECORD as TRIAL_RECORD
 from raytrain_events.tune.sets import algorithm_set_label, normalize_set
 
 logger = logging.getLogger(__name__)
 
 #: Global Timestamp keys in every reported entry; any of them can be a scheduler's ``time_attr``.
 TIME_ATTRS = tuple(report_key(name) for name in COUNTER_UNITS)
-#: File a finished trial writes into its Tune trial folder (its history, checkpoints, run URL).
-TRIAL_RECORD = "raytrain_trial.json"
 #: The Train run name of every trial (the run folder inside the trial folder).
 TRIAL_RUN_NAME = "train"
 #: File in a trial folder listing the trials it copied (PBT exploits): when, which checkpoint, which set.
@@ -150,9 +152,9 @@ def _best_checkpoint(
         return newest
     try:
         from raytrain_events.checkpoint.store import latest_checkpoint
-        from raytrain_events.storage.exp_dir import checkpoints_url
+        from raytrain_events.storage.run_dir import RunDir
 
-        info = latest_checkpoint(checkpoints_url(run_url), storage_options=storage_options)
+        info = latest_checkpoint(RunDir(run_url).checkpoints, storage_options=storage_options)
     except Exception:  # no checkpoints, or checkpointing not available
         return None
     return None if info is None else info.url
@@ -186,7 +188,7 @@ def make_result(
     time_attr: str,
     max_t: Any = None,
 ) -> SweepResult:
-    from raytrain_events.core.time import TimeUnit, ensure_time
+    from raytrain_events.core.time import training_duration
     from raytrain_events.storage.fs import join
 
     rows: List[Dict[str, Any]] = []
@@ -202,7 +204,8 @@ def make_result(
         specs = normalize_set(config["algorithms"]) if "algorithms" in config else normalize_set(spec.algorithms)
         params = flatten({k: v for k, v in config.items() if k != "algorithms"}, sep="/")
         overrides = config.get("trainer") or {}
-        duration = ensure_time(overrides.get("max_duration", spec.max_duration), TimeUnit.EPOCH)
+        # The trial's length by the loop's own rule (`LoopOptions` checks max_duration with the same function).
+        duration = training_duration(overrides["max_duration"]) if "max_duration" in overrides else spec.max_duration
         done_key = report_key(duration.unit)  # the trainer refuses durations in other units
         reached = is_finite_number(last.get(done_key)) and last[done_key] >= duration.value
         # A scheduler stops a trial at its budget (ASHA's max_t with stop_last_trials), maybe one

@@ -16,6 +16,7 @@ import torch
 
 from raytrain_events.checkpoint.committer import Committer
 from raytrain_events.checkpoint.config import CheckpointConfig
+from raytrain_events.checkpoint.folder import CheckpointFolder
 from raytrain_events.checkpoint.format import write_checkpoint
 from raytrain_events.checkpoint.index import INDEX_FILE, CheckpointIndex
 from raytrain_events.checkpoint.store import latest_checkpoint, list_checkpoints, load_latest_valid
@@ -93,10 +94,10 @@ def _save(url, batch):
 
 def test_index_is_rebuilt_from_the_folder_when_stale_missing_or_garbled(tmp_path):
     url = str(tmp_path / "checkpoints")
-    committer = Committer(url, {}, keep=None, deadline_s=0)
+    folder = CheckpointFolder(url)
     infos = [_save(url, b) for b in (1, 2, 3)]
     for info in infos[:2]:
-        committer.index.add(info)  # a crash after the third commit, before its index update
+        folder.committed(info)  # a crash after the third commit, before its index update
     assert [e.name for e in CheckpointIndex.load(url).entries] == [i.name for i in infos]
     assert latest_checkpoint(url).name == infos[-1].name
     assert load_latest_valid(url).files["state.pt"] == {"b": 3}
@@ -113,9 +114,9 @@ def test_an_uncommitted_directory_is_a_leftover_and_pruned_below_the_newest(tmp_
     old, new = _save(url, 1), _save(url, 5)
     (tmp_path / "checkpoints" / "ckpt-000000000003-deadbeef").mkdir()  # a crashed save
     (tmp_path / "checkpoints" / "ckpt-000000000009-deadbeef").mkdir()  # one in flight (newer)
-    index = CheckpointIndex.load(url)
-    assert [e.name for e in index.entries] == [old.name, new.name] and len(index.leftovers) == 2
-    deleted = index.prune(1)
+    folder = CheckpointFolder(url)
+    assert [e.name for e in folder.index.entries] == [old.name, new.name] and len(folder.index.leftovers) == 2
+    deleted = folder.prune(1)
     assert sorted(sfs.basename(u) for u in deleted) == sorted([old.name, "ckpt-000000000003-deadbeef"])
     assert (tmp_path / "checkpoints" / "ckpt-000000000009-deadbeef").exists()
 
@@ -123,22 +124,48 @@ def test_an_uncommitted_directory_is_a_leftover_and_pruned_below_the_newest(tmp_
 def test_a_delete_that_fails_during_retention_does_not_fail_the_commit(tmp_path, monkeypatch, caplog):
     """Retention runs after a commit: an outage while deleting old checkpoints is logged, and the
     checkpoint it could not delete is found again (and pruned) at the next start, not lost."""
-    import raytrain_events.checkpoint.index as index_module
+    import raytrain_events.checkpoint.folder as folder_module
+    from raytrain_events.checkpoint.folder import LocalRetention
 
     url = str(tmp_path / "checkpoints")
-    committer = Committer(url, {}, keep=1, deadline_s=0)
-    infos = [_save(url, b) for b in (1, 2)]
-    committer.index.add(infos[0])
+    folder = CheckpointFolder(url, retention=LocalRetention(keep=1))
+    infos = [_save(url, 1)]
+    folder.committed(infos[0])
+    infos.append(_save(url, 2))
 
     def down(*args, **kwargs):
         raise OSError("503 SlowDown")
 
-    monkeypatch.setattr(index_module, "delete_checkpoint", down)
-    committer.index.add(infos[1])
-    assert committer.index.prune(1) == []  # nothing deleted, nothing raised
+    monkeypatch.setattr(folder_module, "delete_checkpoint", down)
+    assert folder.committed(infos[1]) == []  # nothing deleted, nothing raised
     assert "Retention could not delete" in caplog.text and infos[0].name in caplog.text
     assert latest_checkpoint(url).name == infos[1].name
     monkeypatch.undo()
-    index = CheckpointIndex.load(url)  # the next start: the folder still holds both
-    assert [e.name for e in index.entries] == [i.name for i in infos]
-    assert [sfs.basename(u) for u in index.prune(1)] == [infos[0].name]
+    folder = CheckpointFolder(url)  # the next start: the folder still holds both
+    assert [e.name for e in folder.index.entries] == [i.name for i in infos]
+    assert [sfs.basename(u) for u in folder.prune(1)] == [infos[0].name]
+
+
+def test_two_runs_with_sibling_save_folders_each_lock_their_own(tmp_path):
+    """A ``save_folder`` not named ``checkpoints`` is its own run directory (`RunDir.of_checkpoints`): two
+    runs saving to ``<dir>/a`` and ``<dir>/b`` hold their own ``running`` locks. The parent used to be
+    taken for the run, so the second run was refused with the first one's lock (any folder of a bucket)."""
+    from raytrain_events.checkpoint.checkpointer import find_checkpointer
+    from raytrain_events.storage.locks import has_lock, read_lock
+
+    trainers = []
+    for name in ("a", "b"):
+        m = model()
+        config = CheckpointConfig(save_folder=str(tmp_path / name), save_every_n_seconds=None)
+        optimizer = torch.optim.SGD(m.parameters(), lr=0.1)
+        trainers.append(
+            Trainer(model=m, train_dataloader=loader(), max_duration="1ba", optimizers=optimizer, checkpoint=config)
+        )
+    try:
+        for name in ("a", "b"):
+            assert read_lock(str(tmp_path / name), "running") is not None
+        assert not has_lock(str(tmp_path))
+    finally:
+        for trainer in trainers:
+            find_checkpointer(trainer.state).close()
+    assert not has_lock(str(tmp_path / "a")) and not has_lock(str(tmp_path / "b"))

@@ -102,6 +102,25 @@ def test_reset_time_starts_the_timestamp_over():
     assert steps.batches == [1, 2, 3, 4, 5, 6, 1, 2, 3]
 
 
+def test_options_say_what_a_further_fit_trains_to():
+    """`Trainer.options.max_duration` follows ``fit(duration=)`` (it used to stay at the first fit's
+    length); the options object the caller passed is not changed."""
+    from raytrain_events.trainer.options import LoopOptions
+
+    given, model = LoopOptions(max_duration="1ep"), Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = Trainer(
+        model=model, train_dataloader=DataLoader(data(), batch_size=8), optimizers=optimizer, options=given
+    )
+    trainer.fit()
+    trainer.fit(duration="4ba")
+    # 6 batches of epoch 1, then 4 more
+    assert trainer.options.max_duration.to_timestring() == trainer.state.max_duration.to_timestring() == "10ba"
+    trainer.fit(duration="2ba", reset_time=True)
+    assert trainer.options.max_duration.to_timestring() == "2ba"
+    assert given.max_duration.to_timestring() == "1ep"
+
+
 def test_continued_fit_saves_checkpoints_again(tmp_path):
     folder = str(tmp_path / "run" / "checkpoints")
     config = CheckpointConfig(save_folder=folder, save_every_n_seconds=None, save_final=True)

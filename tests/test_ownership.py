@@ -1,0 +1,276 @@
+"""One owner per decision, checked over the package's source (AST, no imports, no Ray).
+
+* Only ``storage/run_dir.py`` (`RunDir`) spells the names in a run directory: a name literal
+  anywhere else (``"config.yaml"``, ``"summary.json"``, the history, index and state files, a
+  ``.../checkpoints/...`` path built by hand) fails.
+* Only ``checkpoint/folder.py`` (`CheckpointFolder`) deletes a checkpoint: a delete call in any
+  other module fails, except the storage primitives themselves and the lock files' owner.
+* No import cycle among the package's modules (function-level imports count: they hide a cycle,
+  they do not remove it), except the allowlisted type-only edges below.
+* Each package's docstring lists its files.
+
+Each check is a function over a package directory, so ``python -c`` can point it at another
+checkout (e.g. main's) to see what it catches there.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import pathlib
+import re
+from typing import Dict, Iterator, List, Set, Tuple
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "raytrain_events"
+
+#: File names in a run directory (and a checkpoint/sweep directory) that only `RunDir` spells.
+RUN_FILE_NAMES = {
+    "config.yaml",
+    "summary.json",
+    "history.jsonl",
+    "report.html",
+    "index.json",
+    "state.pt",
+    "sweep.json",
+    "raytrain_trial.json",
+    "hang.json",
+}
+#: Folder names in a run directory: a literal used as a path piece (a call argument, an f-string, a
+#: concatenation, a constant's definition) is flagged; as a JSON field ({"checkpoints": ...},
+#: ``record.get("checkpoints")``) it is not.
+RUN_DIR_NAMES = {"checkpoints", "hangs", "preemptions"}
+RUN_DIR_OWNER = "storage/run_dir.py"
+
+#: Calls that delete from storage. Allowed only in the checkpoint folder's owner and, for files that are
+#: not checkpoints, the storage primitives (fs.py: temp files of atomic writes) and the lock files' owner.
+DELETE_CALLS = {"delete", "rm", "rm_file", "rmdir", "rmtree", "unlink", "delete_checkpoint", "_rm"}
+DELETE_ALLOWED = {
+    "checkpoint/folder.py": "the owner of every checkpoint deletion (CheckpointFolder)",
+    "storage/fs.py": "defines delete(); unlinks the temp file of a failed atomic write",
+    "storage/locks.py": "deletes lock files (running/scheduled/ckpt), never a checkpoint",
+}
+
+#: Import edges allowed inside a cycle: type-only (under ``if TYPE_CHECKING:``), Composer's vocabulary, where
+#: a callback's and an algorithm's hooks are typed with the `State` that holds them.
+CYCLE_ALLOWED = {
+    ("raytrain_events.core.callback", "raytrain_events.core.state"),
+    ("raytrain_events.core.algorithm", "raytrain_events.core.state"),
+}
+
+
+def _modules(package: pathlib.Path) -> Dict[str, pathlib.Path]:
+    found = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = list(path.relative_to(package.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+@functools.cache
+def _tree(path: pathlib.Path) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
+def _rel(package: pathlib.Path, path: pathlib.Path) -> str:
+    return path.relative_to(package).as_posix()
+
+
+def _docstring_nodes(tree: ast.AST) -> Set[int]:
+    ids = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                ids.add(id(body[0].value))
+    return ids
+
+
+def _parents(tree: ast.AST) -> Dict[int, ast.AST]:
+    return {id(child): node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+
+
+def run_dir_literals(package: pathlib.Path = PACKAGE) -> List[str]:
+    """``file:line: 'literal'`` for each run-directory name spelled outside `RunDir`'s module."""
+    hits = []
+    for path in _modules(package).values():
+        if _rel(package, path) == RUN_DIR_OWNER:
+            continue
+        tree = _tree(path)
+        docstrings, parents = _docstring_nodes(tree), _parents(tree)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Constant) or not isinstance(node.value, str) or id(node) in docstrings:
+                continue
+            parent = parents.get(id(node))
+            is_key = (isinstance(parent, ast.Dict) and node in parent.keys) or (
+                isinstance(parent, ast.Subscript) and parent.slice is node
+            )
+            value = node.value
+            field_read = isinstance(parent, ast.Call) and ast.unparse(parent.func).endswith((".get", ".pop"))
+            as_path_piece = isinstance(parent, (ast.JoinedStr, ast.BinOp, ast.Assign)) or (
+                isinstance(parent, ast.Call) and node in parent.args and not field_read
+            )
+            in_path = any(
+                f"/{d}/" in value or value.endswith(f"/{d}") or value.startswith(f"{d}/") for d in RUN_DIR_NAMES
+            )
+            if (value in RUN_FILE_NAMES and not is_key) or (value in RUN_DIR_NAMES and as_path_piece) or in_path:
+                hits.append(f"{_rel(package, path)}:{node.lineno}: {value!r}")
+    return sorted(hits)
+
+
+def deletions(package: pathlib.Path = PACKAGE) -> List[str]:
+    """``file:line: call`` for each storage deletion outside the modules allowed to delete."""
+    hits = []
+    for path in _modules(package).values():
+        rel = _rel(package, path)
+        if rel in DELETE_ALLOWED:
+            continue
+        for node in ast.walk(_tree(path)):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+            os_remove = isinstance(func, ast.Attribute) and name == "remove" and ast.unparse(func.value) == "os"
+            if name in DELETE_CALLS or os_remove:
+                hits.append(f"{rel}:{node.lineno}: {ast.unparse(func)}(...)")
+    return hits
+
+
+def _type_only_ids(tree: ast.AST) -> Set[int]:
+    ids = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            ids.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return ids
+
+
+def import_graph(package: pathlib.Path = PACKAGE) -> Dict[Tuple[str, str], bool]:
+    """Every import edge (importer, imported) among the package's modules -> whether it is type-only."""
+    modules = _modules(package)
+    root = package.name
+
+    def owner(name: str) -> str:
+        while name and name not in modules:
+            name = name.rsplit(".", 1)[0] if "." in name else ""
+        return name
+
+    edges: Dict[Tuple[str, str], bool] = {}
+    for module, path in modules.items():
+        tree = _tree(path)
+        type_only = _type_only_ids(tree)
+        base = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        for node in ast.walk(tree):
+            targets: List[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                mod = node.module or ""
+                if node.level:
+                    mod = ".".join(base[: len(base) - node.level + 1] + ([mod] if mod else []))
+                targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules else mod for a in node.names]
+            for target in targets:
+                if target.split(".")[0] != root:
+                    continue
+                target = owner(target)
+                if target and target != module:
+                    key = (module, target)
+                    edges[key] = edges.get(key, True) and id(node) in type_only
+    return edges
+
+
+def import_cycles(package: pathlib.Path = PACKAGE) -> List[List[str]]:
+    """The groups of more than one module that import each other (mutually reachable), allowlisted edges removed."""
+    graph: Dict[str, Set[str]] = {}
+    for a, b in import_graph(package):
+        if (a, b) not in CYCLE_ALLOWED:
+            graph.setdefault(a, set()).add(b)
+
+    def reachable(start: str) -> Set[str]:
+        seen: Set[str] = set()
+        todo = list(graph.get(start, ()))
+        while todo:
+            v = todo.pop()
+            if v not in seen:
+                seen.add(v)
+                todo.extend(graph.get(v, ()))
+        return seen
+
+    reach = {v: reachable(v) for v in graph}
+    groups = {tuple(sorted({v} | {w for w in reach[v] if v in reach.get(w, ())})) for v in graph if v in reach[v]}
+    return sorted(list(g) for g in groups)
+
+
+def unmapped_files(package: pathlib.Path = PACKAGE) -> Iterator[str]:
+    """``package: file`` for each module its package's docstring does not name."""
+    for init in sorted(package.rglob("*.py")):
+        if init.name != "__init__.py":
+            continue
+        doc = ast.get_docstring(_tree(init)) or ""
+        for path in sorted(init.parent.glob("*.py")):
+            if path.name != "__init__.py" and not re.search(rf"(?<![\w.]){re.escape(path.stem)}(?!\w)", doc):
+                yield f"{_rel(package, init.parent) or package.name}: {path.name}"
+    for folder in sorted(p for p in package.rglob("*") if p.is_dir() and p.name != "__pycache__"):
+        if any(folder.glob("*.py")) and not (folder / "__init__.py").exists():
+            yield f"{_rel(package, folder)}: no __init__.py (so no docstring to map its files)"
+
+
+def test_only_run_dir_spells_run_directory_names():
+    hits = run_dir_literals()
+    assert not hits, (
+        "Run-directory names spelled outside storage/run_dir.py (use RunDir's properties or its constants):\n"
+        + "\n".join(hits)
+    )
+
+
+def test_only_the_checkpoint_folder_deletes_checkpoints():
+    hits = deletions()
+    assert not hits, (
+        "Deletions outside checkpoint/folder.py (a checkpoint is deleted by CheckpointFolder, through its "
+        "retention) and the storage modules allowed to delete non-checkpoints:\n" + "\n".join(hits)
+    )
+
+
+def test_the_package_has_no_import_cycle():
+    cycles = import_cycles()
+    assert not cycles, (
+        "Import cycles among raytrain_events modules (move the shared name to a module both import):\n"
+        + ("\n".join(" <-> ".join(c) for c in cycles))
+    )
+
+
+def test_allowlisted_cycle_edges_are_type_only_and_still_needed():
+    edges = import_graph()
+    for edge in CYCLE_ALLOWED:
+        assert edges.get(edge) is True, f"{edge}: allowlisted as a type-only import, but it is {edges.get(edge)}"
+        assert (edge[1], edge[0]) in edges, f"{edge}: no longer part of a cycle; drop it from CYCLE_ALLOWED"
+
+
+def test_each_package_docstring_lists_its_files():
+    missing = list(unmapped_files())
+    assert not missing, "Files missing from their package's docstring (its map of files):\n" + "\n".join(missing)
+
+
+def test_the_checks_catch_what_they_are_for(tmp_path):
+    """Each scan flags a planted offence (so a scan that matches nothing cannot pass for a clean package)."""
+    pkg = tmp_path / "raytrain_events"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text('"""Files: sub."""\n')
+    (pkg / "sub" / "__init__.py").write_text('"""Files: a."""\n')
+    (pkg / "sub" / "a.py").write_text(
+        "from raytrain_events.sub.b import y\n"
+        "x = 1\n"
+        "def f(fs, run):\n"
+        "    fs.rm(run + '/checkpoints/ckpt-1', recursive=True)\n"
+        "    return join(run, 'summary.json'), {'checkpoints': []}, run.get('checkpoints')\n"
+        "HANGS = 'hangs'\n"
+    )
+    (pkg / "sub" / "b.py").write_text("y = 2\ndef g():\n    from raytrain_events.sub.a import x\n    return x\n")
+    assert sorted(h.split(":", 1)[1] for h in run_dir_literals(pkg)) == [
+        "4: '/checkpoints/ckpt-1'",
+        "5: 'summary.json'",
+        "6: 'hangs'",
+    ]
+    assert deletions(pkg) == ["sub/a.py:4: fs.rm(...)"]
+    assert import_cycles(pkg) == [["raytrain_events.sub.a", "raytrain_events.sub.b"]]
+    assert list(unmapped_files(pkg)) == ["sub: b.py"]
