@@ -51,10 +51,13 @@ DELETE_ALLOWED = {
 }
 
 #: Import edges allowed inside a cycle: type-only (under ``if TYPE_CHECKING:``), Composer's vocabulary, where
-#: a callback's and an algorithm's hooks are typed with the `State` that holds them.
+#: a callback's and an algorithm's hooks are typed with the `State` that holds them; a mixture's plan typed with
+#: the `Mixture` it plans (``Mixture.plan`` builds it); the per-source counts typed with the loader that adds them.
 CYCLE_ALLOWED = {
     ("raytrain_events.core.callback", "raytrain_events.core.state"),
     ("raytrain_events.core.algorithm", "raytrain_events.core.state"),
+    ("raytrain_events.core.mixture_plan", "raytrain_events.core.mixture"),
+    ("raytrain_events.callbacks.mixture_counts", "raytrain_events.trainer.mixture_loader"),
 }
 
 

@@ -18,6 +18,8 @@ Files:
 * ``early_stopper.py``: `EarlyStopper`: stop training when a monitored eval metric stops improving.
 * ``lr_monitor.py``: `LRMonitor`: log each optimizer param group's learning rate after every batch.
 * ``memory_monitor.py``: `MemoryMonitor`: log memory use every ``interval`` batches.
+* ``mixture_counts.py``: `MixtureCounts`: samples and tokens seen per source of a `Mixture`, counted
+  like the global Timestamp.
 * ``nan_monitor.py``: `NaNMonitor`: stop training with a clear error when the loss is NaN or
   infinite.
 * ``profiler.py``: `Profiler`: ``torch.profiler`` on a wait/warmup/active schedule in batches,

@@ -21,6 +21,9 @@ Files:
 * ``interval.py``: When to evaluate (or do anything periodic): small pure functions of the
   `Timestamp`.
 * ``logger.py``: A minimal metrics logger shared by algorithms and callbacks.
+* ``mixture.py``: `Mixture`: named sources with weights that change in stages, as plain data.
+* ``mixture_plan.py``: `MixturePlan`: which source and row each global sample position of an epoch
+  reads.
 * ``plain.py``: The one converter to plain Python data (for JSON, YAML, Ray reports, logs and
   config diffs).
 * ``precision.py``: Numerical precision: resolve "fp32" / "amp_bf16" / "amp_fp16" into an autocast

@@ -8,6 +8,9 @@ Files:
 
 * ``config.py``: How the model is spread over the ranks: `FSDPConfig`, and parsing of the
   ``parallelism`` option.
+* ``context_parallel.py``: Context parallelism (CP): split each row's sequence over a group of ``c``
+  ranks, so that sequences too long for one device's activations can train
+  (``FSDPConfig(context_parallel=c)``).
 * ``deferred_init.py``: Deferred initialisation: a model built on the meta device is sharded first,
   then materialised.
 * ``float8.py``: Float8 training through torchao: which GPUs and packages support it, and the

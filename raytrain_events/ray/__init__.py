@@ -13,6 +13,8 @@ Files:
 * ``_compat.py``: Every private Ray name this package uses, in one place.
 * ``aggregate.py``: Driver-side aggregation of worker reports into one global `Timestamp` and
   metrics history.
+* ``batch_tensors.py``: An Arrow table (a batch of the train order) as a dict of torch tensors,
+  without per-row objects.
 * ``block_fetch.py``: A rank's rows of a chunk of batches, each block's rows cut on the node that
   holds the block.
 * ``checkpointing.py``: Checkpoints on Ray: our checkpoint directories, registered with Ray Train
@@ -24,6 +26,8 @@ Files:
 * ``data.py``: Worker-side data: the train set in one global order, eval sets as Ray shards.
 * ``driver.py``: `RayTrainer`: run the event-driven `Trainer` on every Ray Train worker, from the
   driver.
+* ``driver_checks.py``: What `RayTrainer` checks on the driver before Ray starts, so a bad run fails
+  in seconds, not after start-up.
 * ``embedded.py``: The environment of an embedded local Ray instance: what is set before
   ``ray.init`` starts it.
 * ``feeder.py``: Global data order for training: every rank's batches are a function of one
@@ -51,6 +55,10 @@ Files:
 * ``shuffle.py``: Row-level shuffle of the global order: rows permuted within windows of
   consecutive blocks.
 * ``spec.py``: `RunSpec`: the one definition of a `RayTrainer` run's options.
+* ``validate_checkpoint.py``: What one asynchronous validation task does: load a checkpoint,
+  evaluate it, record the result.
+* ``validation.py``: Asynchronous validation on Ray: evaluate checkpoints as Ray tasks while
+  training goes on.
 * ``watchdog.py``: The progress watchdog: a hung rank is found, its stack saved and named, and the
   group restarted.
 * ``worker.py``: The function every Ray Train worker runs: build the `Trainer` from the `RunSpec`

@@ -6,6 +6,8 @@ Files:
 * ``_setup.py``: Trainer set-up helpers: the train inputs checked (or absent, for eval/predict
   only), LR schedulers from torch objects or `State` functions, epoch hand-off to loaders, and the
   duration of a further ``fit``.
+* ``arguments.py``: `Trainer`'s arguments checked before any work starts: each wrong input fails
+  with its problem and fix.
 * ``compiling.py``: ``torch.compile`` for the train model: ``Trainer(compile=True)`` or a dict of
   `torch.compile` options.
 * ``counters.py``: `BatchCounters`: sum the loop's per-batch integers across ranks without a
@@ -16,6 +18,8 @@ Files:
   metrics.
 * ``microbatching.py``: Auto microbatching (``grad_accum="auto"``): on a device out-of-memory
   error, retry the batch in more pieces.
+* ``mixture_loader.py``: `MixtureLoader`: the local `Trainer`'s train loader over a `Mixture` of
+  map-style datasets.
 * ``options.py``: `LoopOptions`: the one definition of the training loop's options, shared by
   `Trainer` and `RunSpec`.
 * ``predict.py``: Prediction: run a dataloader through the model with the ``PREDICT_*`` events,
