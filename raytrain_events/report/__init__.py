@@ -68,6 +68,7 @@ def write_report(
 
     options = dict(storage_options or {})
     fs, root = resolve(url, options)
+    fs.invalidate_cache(root)  # the run was written by other processes or threads: read the store as it is now
     if not fs.exists(root):
         raise FileNotFoundError(f"{url} does not exist: pass a run directory (<storage>/<run_name>) or a sweep's.")
     trials = _trial_records(fs, root)

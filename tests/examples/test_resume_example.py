@@ -80,7 +80,10 @@ def test_resume_by_name_then_driver_killed_then_resumed_again(digits_run, tmp_pa
     storage, run_dir, name = digits_run["storage"], digits_run["run_dir"], RUN_NAME
     folder = os.path.join(run_dir, "checkpoints")
     first = _check_finished(digits_run["snapshot"], 2, keep=2)
-    assert [c["timestamp"]["batch"] for c in first["checkpoints"]] == [20, 24]  # 5, 10, 15 pruned by keep=2
+    # keep=2: the newest two saves (every 5 batches and the end's at 24), the older ones pruned; a save due
+    # while the one before it still uploads is postponed to the next batch (20 -> 21 on a loaded machine).
+    kept = [c["timestamp"]["batch"] for c in first["checkpoints"]]
+    assert len(kept) == 2 and 20 <= kept[0] < 24 and kept[1] == 24, kept
     with open(os.path.join(run_dir, "summary.json")) as fh:  # this test is the only one that continues it
         assert json.load(fh)["timestamp"]["epoch"] == 2, "the shared run was continued before this test"
 
