@@ -20,7 +20,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from typing import Any, Dict, List
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,24 +27,10 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 
 def _rank(rank: int, world_size: int, checkpointing: bool, steps: int, sizes: Dict[str, int]) -> Dict[str, Any]:
-    from raytrain_events.core.callback import Callback
-    from tests.parallel.ac_workloads import SavedActivations, ac_trainer
+    from tests.parallel.ac_workloads import SavedActivations, StepTimes, ac_trainer, timed_fit
 
-    class Times(Callback):
-        def __init__(self) -> None:
-            self.times: List[float] = []
-
-        def batch_start(self, state: Any, logger: Any) -> None:
-            self.start = time.perf_counter()
-
-        def batch_end(self, state: Any, logger: Any) -> None:
-            self.times.append(time.perf_counter() - self.start)
-
-    timer, saved = Times(), SavedActivations()
-    trainer = ac_trainer(rank, checkpointing, steps, [timer, saved], sizes)
-    trainer.fit()
-    trainer.close()
-    return {"step_s": statistics.median(timer.times[2:]), "saved": max(saved.saved)}
+    timer, saved = StepTimes(), SavedActivations()
+    return timed_fit(ac_trainer(rank, checkpointing, steps, [timer, saved], sizes), timer, saved)
 
 
 def main() -> None:

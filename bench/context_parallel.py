@@ -20,7 +20,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from typing import Any, Dict, List
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,20 +34,9 @@ def _rank(rank: int, world_size: int, arm: str, steps: int, sizes: Dict[str, int
 
     from examples.transformer_lm import TransformerLM, random_tokens
     from raytrain_events import Trainer
-    from raytrain_events.core.callback import Callback
-    from tests.parallel.ac_workloads import SavedActivations
+    from tests.parallel.ac_workloads import SavedActivations, StepTimes, timed_fit
 
-    class Times(Callback):
-        def __init__(self) -> None:
-            self.times: List[float] = []
-
-        def batch_start(self, state: Any, logger: Any) -> None:
-            self.start = time.perf_counter()
-
-        def batch_end(self, state: Any, logger: Any) -> None:
-            self.times.append(time.perf_counter() - self.start)
-
-    timer, saved = Times(), SavedActivations()
+    timer, saved = StepTimes(), SavedActivations()
     torch.manual_seed(0)
     model = TransformerLM(vocab=256, **sizes)
     trainer = Trainer(
@@ -59,9 +47,7 @@ def _rank(rank: int, world_size: int, arm: str, steps: int, sizes: Dict[str, int
         parallelism=ARMS[arm],
         callbacks=[timer, saved],
     )
-    trainer.fit()
-    trainer.close()
-    return {"step_s": statistics.median(timer.times[2:]), "saved": max(saved.saved)}
+    return timed_fit(trainer, timer, saved)
 
 
 def main() -> None:

@@ -9,6 +9,8 @@ at a time, under torch's own hooks: not counted here).
 
 from __future__ import annotations
 
+import statistics
+import time
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -18,6 +20,27 @@ from raytrain_events import Trainer
 from raytrain_events.core.callback import Callback
 
 SIZES = dict(width=64, heads=4, depth=4, length=64)  # the transformer the test and the bench train
+
+
+class StepTimes(Callback):
+    """Seconds from BATCH_START to BATCH_END of each batch on this rank (the bench scripts' step time)."""
+
+    def __init__(self) -> None:
+        self.times: List[float] = []
+        self.start = 0.0
+
+    def batch_start(self, state: Any, logger: Any) -> None:
+        self.start = time.perf_counter()
+
+    def batch_end(self, state: Any, logger: Any) -> None:
+        self.times.append(time.perf_counter() - self.start)
+
+
+def timed_fit(trainer: Trainer, timer: StepTimes, saved: SavedActivations) -> Dict[str, Any]:
+    """Fit, close, and return the median step after the first two and the largest forward's saved bytes."""
+    trainer.fit()
+    trainer.close()
+    return {"step_s": statistics.median(timer.times[2:]), "saved": max(saved.saved)}
 
 
 class SavedActivations(Callback):
