@@ -35,13 +35,14 @@ import dataclasses
 import datetime
 import hashlib
 import json
+import logging
 import os
 import socket
 import time
 import uuid
 from typing import Any, Literal
 
-from raytrain_events.storage.errors import LockNotHeldError, RunLockedError
+from raytrain_events.storage.errors import LockNotHeldError, RunLockedError, WriteTimeoutError
 from raytrain_events.storage.fs import (
     basename,
     delete,
@@ -56,6 +57,9 @@ from raytrain_events.storage.fs import (
 LockType = Literal["running", "scheduled", "ckpt"]
 LOCK_TYPES: tuple[str, ...] = ("running", "scheduled", "ckpt")
 CLAIM_TTL_S = 60.0
+CREATE_ATTEMPTS = 3  # a lock's create-only write, through a store's short blip
+CREATE_BACKOFF_S = 0.5
+_log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,13 +146,15 @@ def acquire_lock(
     )
     for _ in range(5):  # retries only when the holder vanished between our create and read
         try:
-            write_bytes_create_only(fs, path, mine.to_bytes())
+            _create_retrying(fs, path, mine.to_bytes(), run_url)
             return mine
         except FileExistsError:
             pass
         current = _read(fs, path, lock_type)
         if current is None:
             continue
+        if current.token == mine.token:  # our create landed, its reply was lost (then retried)
+            return mine
         if exists_ok and current.is_ours():
             return current
         reason = current.stale_reason()
@@ -159,6 +165,32 @@ def acquire_lock(
         f"Could not acquire the {lock_type!r} lock in {run_url!r}: other processes keep "
         "taking and releasing it. Fix: retry later or use a different run directory."
     )
+
+
+def _create_retrying(fs: Any, path: str, data: bytes, run_url: str) -> None:
+    """Create-only write of a lock, retried through a store's short blip (a request that timed out
+    or a connection refused/reset): ``CREATE_ATTEMPTS`` tries, ``CREATE_BACKOFF_S`` doubling. A
+    create whose reply was lost may have landed: the caller's retry then meets its own token."""
+    delay = CREATE_BACKOFF_S
+    for attempt in range(1, CREATE_ATTEMPTS + 1):
+        try:
+            write_bytes_create_only(fs, path, data)
+            return
+        except FileExistsError:
+            raise
+        except (WriteTimeoutError, ConnectionError) as e:
+            if attempt == CREATE_ATTEMPTS:
+                raise
+            _log.warning(
+                "Taking the run lock in %s failed (attempt %d of %d: %s); retrying in %.1f s.",
+                run_url,
+                attempt,
+                CREATE_ATTEMPTS,
+                type(e).__name__,
+                delay,
+            )
+            time.sleep(delay)
+            delay *= 2
 
 
 def release_lock(

@@ -147,9 +147,17 @@ def test_training_survives_the_fault_and_resumes_exactly(fault, s3_server, unint
         )
 
         # Training went on during the fault: batches ended while a save was stuck on the store (a
-        # loop blocked on the store would end none), and no batch took as long as the fault.
+        # loop blocked on the store would end none), and batches did not wait for saves: a loop that
+        # waited would take the upload deadline (2 s) or more at each of the ~10 saves due during the
+        # fault. One such gap is allowed: a loaded machine can stall the process once (one 5.2 s gap
+        # was seen in a CI run of the whole suite, the rest under 0.2 s).
         during = outage.healed[1] - outage.started[1]
-        assert outage.busy_batches >= 5 and max(outage.gaps) < OUTAGE_S, (during, outage.busy_batches, outage.gaps)
+        slow = [round(g, 2) for g in outage.gaps if g >= 2.0]
+        assert outage.busy_batches >= 5 and len(slow) <= 1 and max(outage.gaps) < MAX_OUTAGE_S, (
+            during,
+            outage.busy_batches,
+            slow,
+        )
 
         # Nothing committed was lost while uploads failed (keep=3 pruned nothing), "latest" stayed.
         # Under a bandwidth cap uploads do not fail, only slow down: saves still commit, and keep=3 may

@@ -151,10 +151,13 @@ def test_killed_twice_then_resumed_by_name_with_2_then_3_then_1_workers(referenc
             assert os.path.exists(tmp_path / "killed-8") and os.path.exists(tmp_path / "killed-23")
             # Three worker groups trained (two restarts); one group file of row records per process.
             assert len(os.listdir(records)) == 3 * 2
-            # A group killed before Ray's controller collected its last report round leaves no
-            # history entry for that round (the group's first checkpoint is still resumed from: it
-            # is committed in the run dir), so the history numbers 2 or 3 attempts by timing.
-            assert max(e["attempt"] for e in result.history) in (2, 3)
+            # A group killed before Ray's controller collected its report rounds leaves no history
+            # entry for them (its checkpoints are still resumed from: they are committed in the run
+            # dir). The controller polls every 2 s, so on a fast machine a group that trains 15
+            # batches between kills can leave none: the history numbers 1 to 3 attempts by timing,
+            # never more than the three groups that trained.
+            attempts = sorted({e["attempt"] for e in result.history})
+            assert attempts == list(range(1, len(attempts) + 1)) and len(attempts) <= 3, attempts
             # (25; a save due while the one before it uploads is postponed, so when the save
             # due at 25 falls on the end save at 26, the older survivor is the one at 20)
             assert 20 <= committed[0].batch < 26 and committed[1].batch == 26

@@ -200,3 +200,46 @@ def test_lockinfo_round_trips():
     info = LockInfo("ckpt", "h", 3, 1.5, "tok", 2.0, 3.5)
     assert LockInfo.from_bytes("ckpt", info.to_bytes()) == info
     assert dataclasses.asdict(info)["expires"] == 3.5
+
+
+def test_lock_create_is_retried_through_a_store_blip(s3_server, caplog):
+    """A create-only lock write that times out (the store black-holed for a moment) is retried, and a
+    retry that finds its own lock (the first create landed, its reply was lost) takes it as ours."""
+    import uuid
+
+    import s3fs
+
+    from tests.faultproxy import FaultProxy, proxied_options
+
+    run = f"s3://{s3_server['bucket']}/lock-blip-{uuid.uuid4().hex[:8]}"
+    with FaultProxy(s3_server["endpoint"]) as proxy, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(s3fs.S3FileSystem, "retries", 1)
+        options = proxied_options(proxy, s3_server, read_timeout_s=1.0)  # a 2 s write deadline
+        proxy.blackhole(2.2)  # the first attempt times out, the retry (0.5 s later) goes through
+        with caplog.at_level("WARNING", logger="raytrain_events.storage.locks"):
+            lock = acquire_lock(run, "running", storage_options=options)
+    assert any("Taking the run lock" in r.message and "attempt 1 of 3" in r.message for r in caplog.records)
+    assert read_lock(run, "running", storage_options=s3_server["storage_options"]).token == lock.token
+    release_lock(run, "running", storage_options=s3_server["storage_options"], lock=lock)
+
+    # The create landed but its reply was lost: the retry meets the lock with our token.
+    calls = []
+    real = sfs.write_bytes_create_only
+
+    def lost_reply(fs, path, data):
+        calls.append(path)
+        real(fs, path, data)
+        if len(calls) == 1:
+            from raytrain_events.storage.errors import WriteTimeoutError
+
+            raise WriteTimeoutError("reply lost")
+
+    import raytrain_events.storage.locks as locks
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(locks, "write_bytes_create_only", lost_reply)
+        mp.setattr(locks, "CREATE_BACKOFF_S", 0.01)
+        lock = acquire_lock(run, "running", storage_options=s3_server["storage_options"])
+    assert (
+        len(calls) == 2 and read_lock(run, "running", storage_options=s3_server["storage_options"]).token == lock.token
+    )
