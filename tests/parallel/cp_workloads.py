@@ -18,8 +18,10 @@ from raytrain_events.core.data_spec import DataSpec
 
 CP_ARMS: Dict[str, Any] = {
     "ddp": "ddp",  # the reference: every rank of a group trains the group's whole rows
+    "ddp_pairs": "ddp",  # the same, for groups of 2 when another arm of the run has groups of 4
     "cp": {"shard_modules": ["Block"], "context_parallel": 2},
     "cp_tp": {"shard_modules": ["Block"], "context_parallel": 2, "tensor_parallel": 2},
+    "hsdp_cp": {"shard_modules": ["Block"], "replicate": 2, "context_parallel": 2},  # (2, 1, 2, 1) on 4 ranks
 }
 
 
@@ -79,16 +81,17 @@ def cp_trainer(rank: int, parallelism: Any, group: int, callbacks: Any = (), bat
     )
 
 
-def train_cp(rank: int, world_size: int, arms: Any, group: int) -> Dict[str, Any]:
+def train_cp(rank: int, world_size: int, arms: Any, group: Any) -> Dict[str, Any]:
     """Each arm trains 4 batches: losses, first-batch gradients, final full parameters, the Timestamp;
-    then evaluates 12 rows (whole, unsplit)."""
+    then evaluates 12 rows (whole, unsplit). ``group``: ranks per group (loading the same rows), one
+    number for every arm or a dict by arm."""
     from examples.transformer_lm import random_tokens
     from tests.parallel.workloads import full_model_state
 
     out: Dict[str, Any] = {}
     for name in arms:
         record = Record()
-        trainer = cp_trainer(rank, CP_ARMS[name], group, [record])
+        trainer = cp_trainer(rank, CP_ARMS[name], group[name] if isinstance(group, dict) else group, [record])
         trainer.fit()
         evaluated = trainer.eval(DataLoader(random_tokens(12, seed=7), batch_size=4))  # the same rows on every rank
         out[name] = {

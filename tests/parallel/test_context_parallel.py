@@ -1,4 +1,4 @@
-"""Context parallelism on gloo ranks: CP 2 (FSDP over the CP ranks) and CP 2 x TP 2 train the
+"""Context parallelism on gloo ranks: CP 2 (FSDP over the CP ranks), CP 2 x TP 2 and HSDP x CP 2x2 train the
 example transformer with each row's sequence split (load-balanced chunks) to DDP's loss, gradients
 and parameters on the same global batches, counting each row's tokens once; and the refusals."""
 
@@ -20,9 +20,9 @@ from tests.parallel.spawn import run_ranks
 BATCHES, ROWS, LENGTH = 4, 8, 16
 
 
-def _check_against_ddp(results, arm, group):
+def _check_against_ddp(results, arm, group, reference="ddp"):
     for rank, got in enumerate(results):
-        ddp, cp = got["ddp"], got[arm]
+        ddp, cp = got[reference], got[arm]
         assert ddp["lengths"] == [LENGTH] * 2 * BATCHES  # 2 microbatches per batch
         assert cp["lengths"] == [LENGTH // 2] * 2 * BATCHES, arm  # each rank ran half of every sequence
         # Tokens and samples: once per CP (x TP) group, exact; DDP's ranks each count the shared rows.
@@ -48,8 +48,14 @@ def test_context_parallel_2_matches_ddp_and_counts_tokens_once():
     _check_against_ddp(run_ranks(2, train_cp, ["ddp", "cp"], 2), "cp", 2)
 
 
-def test_context_parallel_2_with_tensor_parallel_2_matches_ddp():
-    _check_against_ddp(run_ranks(4, train_cp, ["ddp", "cp_tp"], 4), "cp_tp", 4)
+def test_context_parallel_2_with_tensor_parallel_2_or_hsdp_matches_ddp():
+    """On one spawn of 4 ranks: CP 2 x TP 2 (one group of 4), and HSDP x CP, replicas of 2 x CP 2
+    (each replica's CP pair splits its rows' sequences, gradients all-reduced across the replicas),
+    each against DDP on the same rows: loss, gradients, parameters, tokens once per group."""
+    groups = {"ddp": 4, "cp_tp": 4, "ddp_pairs": 2, "hsdp_cp": 2}
+    results = run_ranks(4, train_cp, list(groups), groups)
+    _check_against_ddp(results, "cp_tp", 4)
+    _check_against_ddp(results, "hsdp_cp", 2, reference="ddp_pairs")
 
 
 def test_load_balanced_split_and_labels():

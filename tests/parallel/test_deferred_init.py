@@ -73,14 +73,15 @@ def test_meta_module_without_reset_parameters_is_refused():
         )
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_deferred_fsdp_x_tp_never_builds_the_model_whole_and_starts_like_eager(world_size):
-    """FSDP x TP (tensor_parallel=2) on the example transformer built on meta: each rank allocates its
-    own parameters plus one full layer at most (the one being initialised), and starts exactly where
-    eager init starts, then trains to the same parameters."""
+@pytest.mark.parametrize("layout,world_size", [("tp", 2), ("tp", 4), ("cp", 4)])
+def test_deferred_fsdp_x_tp_or_cp_never_builds_the_model_whole_and_starts_like_eager(layout, world_size):
+    """FSDP x TP (tensor_parallel=2) or FSDP x CP (context_parallel=2, FSDP over all 4 ranks) on the
+    example transformer built on meta: each rank allocates its own parameters plus one full layer at
+    most (the one being initialised), and starts exactly where eager init starts, then trains to the
+    same parameters."""
     from tests.parallel.tp_deferred_workloads import build, eager_and_deferred
 
-    results = run_ranks(world_size, eager_and_deferred)
+    results = run_ranks(world_size, eager_and_deferred, layout)
     model = build(meta=True)
     whole = sum(p.numel() * p.element_size() for p in model.parameters())
     layer = max(sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) for m in model.modules())
