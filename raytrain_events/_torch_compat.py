@@ -31,6 +31,12 @@ Private names used (checked against torch 2.13.0):
   under context parallelism (as torchtitan's ``dp_shard_cp``). torch 2.13 warns that slicing a
   flattened dimension from the root mesh (HSDP x CP's ``mesh["replicate", "shard_context"]``)
   "will be deprecated"; it works here.
+
+Undocumented members of DCP's fsspec classes, used by the safe reader and writer
+(checkpoint/safe_dcp.py) and probed on instances by `check_private_names` (`MEMBERS`): a reader's
+``fs`` (DCP's ``FileSystem``), ``path`` and ``storage_data`` (set by ``set_up_storage_reader``);
+a writer's ``fs``; the ``FileSystem``'s ``fs`` (the fsspec filesystem), ``create_stream`` and
+``concat_path``.
 """
 
 from __future__ import annotations
@@ -64,7 +70,7 @@ NAMES: Dict[str, Tuple[str, str]] = {
     # under context parallelism, parallel/wrap.py `fsdp_mesh`).
     "flatten_mesh": ("torch.distributed.device_mesh", "DeviceMesh._flatten"),
 }
-__all__ = ["TorchCompatError", "NAMES", "check_private_names", *NAMES]
+__all__ = ["TorchCompatError", "NAMES", "MEMBERS", "check_private_names", *NAMES]
 
 
 class TorchCompatError(ImportError):
@@ -101,12 +107,45 @@ def __getattr__(name: str) -> Any:
     return value
 
 
+#: class (a public name above) -> undocumented members of its instances that this package uses
+MEMBERS: Dict[str, Tuple[str, ...]] = {
+    "FsspecReader": ("fs", "path", "storage_data"),
+    "FsspecWriter": ("fs",),
+    "FsspecFileSystem": ("fs", "create_stream", "concat_path"),
+}
+
+
+def _probe_instances() -> Dict[str, Any]:
+    """A reader (set up with empty metadata), a writer and the reader's FileSystem, on ``memory://``."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    reader = resolve(*NAMES["FsspecReader"])("memory://raytrain-events-torch-compat-probe")
+    reader.set_up_storage_reader(Metadata(state_dict_metadata={}, storage_data={}), True)
+    writer = resolve(*NAMES["FsspecWriter"])("memory://raytrain-events-torch-compat-probe")
+    return {"FsspecReader": reader, "FsspecWriter": writer, "FsspecFileSystem": getattr(reader, "fs", None)}
+
+
 def check_private_names() -> List[Tuple[str, str]]:
-    """Probe every name above; return ``(name, problem)`` for each one that is gone."""
+    """Probe every name above and the `MEMBERS` of their instances; return ``(name, problem)`` for
+    each one that is gone."""
     problems: List[Tuple[str, str]] = []
     for name, (module, attr) in NAMES.items():
         try:
             resolve(module, attr)
         except TorchCompatError as exc:
             problems.append((name, str(exc)))
+    if problems:
+        return problems
+    instances = _probe_instances()
+    for name, members in MEMBERS.items():
+        for member in members:
+            if not hasattr(instances[name], member):
+                problems.append(
+                    (
+                        f"{name}.{member}",
+                        f"torch {_torch_version()}'s {name} instances have no {member!r}; the safe DCP reader/writer "
+                        "(checkpoint/safe_dcp.py) use it: install a torch version raytrain_events supports, or "
+                        "update raytrain_events._torch_compat.MEMBERS and safe_dcp for this one.",
+                    )
+                )
     return problems

@@ -27,6 +27,13 @@ def test_every_private_torch_name_is_still_there():
     assert _torch_compat.FsspecReader.__name__ == "FsspecReader"  # resolved on first use
 
 
+def test_a_missing_member_of_a_dcp_class_fails_naming_it(monkeypatch):
+    monkeypatch.setitem(_torch_compat.MEMBERS, "FsspecReader", ("fs", "storage_data", "renamed_member"))
+    problems = dict(_torch_compat.check_private_names())
+    assert list(problems) == ["FsspecReader.renamed_member"]
+    assert "instances have no 'renamed_member'" in problems["FsspecReader.renamed_member"]
+
+
 def test_a_missing_name_fails_naming_the_torch_version(monkeypatch):
     monkeypatch.setitem(_torch_compat.NAMES, "gone", ("torch.distributed.checkpoint", "_renamed_in_a_later_torch"))
     problems = dict(_torch_compat.check_private_names())
