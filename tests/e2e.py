@@ -60,7 +60,6 @@ E2E: Dict[str, object] = {
     "tests/tune/test_tune_sweep.py": {
         "test_grid_over_three_algorithm_sets",
         "test_asha_on_global_samples_stops_the_bad_trial",
-        "test_trial_metrics_are_the_aggregate_over_ranks",
     },
     "tests/cli/test_cli.py": {"test_train_file_entry_point_on_ray_workers"},
     "tests/test_readme.py": {"test_readme_python_blocks_run"},
