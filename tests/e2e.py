@@ -45,7 +45,6 @@ E2E: Dict[str, object] = {
     "tests/ray/test_chaos_soak.py": ALL,  # a 3-node Cluster
     "tests/ray/test_data_network.py": ALL,  # a 3-node Cluster
     "tests/ray/test_loopback.py": ALL,  # an embedded Ray in a subprocess
-    "tests/ray/test_feeder_restart.py": {"test_run_with_a_killed_feeder_is_exact"},
     "tests/ray/test_parquet_seek.py": {"test_ray_trainer_resumed_at_half_an_epoch_reads_nothing_before_its_position"},
     "tests/ray/test_preemption_deadline.py": ALL,
     "tests/ray/test_ray_auto_microbatching.py": ALL,  # the module's auto_run
@@ -60,7 +59,6 @@ E2E: Dict[str, object] = {
     "tests/tune/test_tune_sweep.py": {
         "test_grid_over_three_algorithm_sets",
         "test_asha_on_global_samples_stops_the_bad_trial",
-        "test_trial_metrics_are_the_aggregate_over_ranks",
     },
     "tests/cli/test_cli.py": {"test_train_file_entry_point_on_ray_workers"},
     "tests/test_readme.py": {"test_readme_python_blocks_run"},

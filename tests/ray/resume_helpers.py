@@ -101,6 +101,27 @@ class RecordRows(Callback):
         self.file.close()
 
 
+class KillFeederAt(Callback):
+    """Rank 0 kills the train feeder's process (Ray restarts it) at global batch ``step``, once (a marker remembers)."""
+
+    def __init__(self, folder: str, step: int) -> None:
+        self.folder, self.step = folder, step
+
+    def batch_end(self, state, logger) -> None:
+        import ray
+
+        marker = os.path.join(self.folder, "feeder-killed")
+        if state.rank == 0 and state.step == self.step and not os.path.exists(marker):
+            open(marker, "w").close()
+            ray.kill(state.train_dataloader.shard.feeder, no_restart=False)
+
+
+def materialized_in_order(dataset):
+    """The dataset materialized with its rows in file order (its own context's ``preserve_order``)."""
+    dataset.context.execution_options.preserve_order = True
+    return dataset.materialize()
+
+
 def read_records(folder: str) -> list:
     records = []
     for path in glob.glob(os.path.join(folder, "rows-*.jsonl")):

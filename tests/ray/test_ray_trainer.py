@@ -243,20 +243,18 @@ def test_two_workers_match_one_worker_with_same_global_batch(two_worker_run, ray
         torch.testing.assert_close(one[name], two[name], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("duration,tokens,expected_batches", [("300sp", None, 10), ("1000tok", "uneven", 7)])
-def test_sample_and_token_durations_stop_every_rank_at_same_batch(
-    ray_cluster, tmp_path, duration, tokens, expected_batches
-):
+def test_token_duration_stops_every_rank_at_same_batch(ray_cluster, tmp_path):
+    """A token duration counts the global tokens: every rank stops at the same batch. (A sample duration,
+    which was this test's second fit, is the killed-once run's: it stops at 420 samples, mid-epoch.)"""
     import ray.data
 
-    if tokens == "uneven":  # rank 0's 16 rows of each global batch have 1 token each, rank 1's 9: 160 per batch
-        tokens = np.array(([1] * 16 + [9] * 16) * (ROWS // 32))
+    tokens = np.array(([1] * 16 + [9] * 16) * (ROWS // 32))  # rank 0's 16 rows of a batch 1 token each, rank 1's 9
     result = _fit(
-        tmp_path, ray.data, make_rows(tokens=tokens), workers=2, batch_size=16, duration=duration, folder=tmp_path
+        tmp_path, ray.data, make_rows(tokens=tokens), workers=2, batch_size=16, duration="1000tok", folder=tmp_path
     )
     batches = {r["timestamp"]["batch"] for r in load_ranks(tmp_path, 2)}
-    assert batches == {expected_batches}
-    assert result.timestamp.get_value("ba") == expected_batches
+    assert batches == {7}  # 160 tokens per global batch: 1000 is passed during the 7th
+    assert result.timestamp.get_value("ba") == 7
 
 
 def exploding_model():
@@ -304,7 +302,11 @@ class KillOnce(Callback):
 def test_algorithms_and_callbacks_compose_in_a_two_worker_run_killed_once(ray_cluster, tmp_path):
     """Issue 7's integration check: a set of algorithms by name plus monitors, under DDP; and the
     same run's rank 1 SIGKILLed mid-epoch once: Ray restarts the group from the newest checkpoint
-    and the run ends with the exact count (the killed run used to be a fit of its own)."""
+    and the run ends with the exact count (the killed run used to be a fit of its own).
+
+    Its duration is in samples, 420 of 32 per global batch: every rank stops at batch 14, in the
+    middle of epoch 2, and not at the epoch's end (the sample-duration fit of
+    ``test_sample_and_token_durations_stop_every_rank_at_same_batch`` was folded in here)."""
     import os
 
     import ray.data
@@ -319,7 +321,8 @@ def test_algorithms_and_callbacks_compose_in_a_two_worker_run_killed_once(ray_cl
         model=make_model,
         optimizers=make_sgd,
         datasets={"train": ray.data.from_items(rows), "eval": ray.data.from_items(make_rows(64, seed=3))},
-        max_duration="2ep",
+        max_duration="420sp",  # 13.1 global batches: stops after the 14th (epoch 2's 6th)
+        eval_interval="7ba",  # so the last batch, mid-epoch, is evaluated too
         batch_size=16,
         num_workers=2,
         deterministic_split=True,
@@ -338,20 +341,25 @@ def test_algorithms_and_callbacks_compose_in_a_two_worker_run_killed_once(ray_cl
             SpeedMonitor(window_size=2),
             LRMonitor(),
             DumpPerRank(str(tmp_path)),
-            KillOnce(marker, at_batch=14),
+            KillOnce(marker, at_batch=10),
         ],
         report_interval="4ba",
     ).fit()
     assert os.path.exists(marker), "the worker was never killed"
-    assert result.timestamp.get_value("sp") == ROWS * 2
-    assert result.timestamp.get_value("tok") == 2 * sum(r["ntok"] for r in rows)
+    # Global batch k of an epoch is rows [32k, 32k + 32) of the one global order: epoch 1 whole, then
+    # 6 batches of epoch 2, counted exactly through the restart.
+    assert result.timestamp.get_value("sp") == 14 * 32
+    assert result.timestamp.get_value("ep") == 1
+    assert result.timestamp.get_value("tok") == sum(r["ntok"] for r in rows) + sum(r["ntok"] for r in rows[: 6 * 32])
     assert max(e["attempt"] for e in result.history) == 2
     resumed = [e for e in result.history if e["attempt"] == 2]
     assert resumed[0]["time/batch"] > 4, "the restarted group did not resume from a checkpoint"
-    assert [c.batch for c in result.checkpoints][-1] == 16
+    assert [c.batch for c in result.checkpoints][-1] == 14
     assert result.ray_result.checkpoint is not None
     assert result.ray_result.checkpoint.path.endswith(result.checkpoints[-1].name)
     rank0, rank1 = load_ranks(tmp_path, 2)
+    # The sample duration stopped every rank at the same batch.
+    assert rank0["timestamp"]["batch"] == rank1["timestamp"]["batch"] == result.timestamp.get_value("ba") == 14
     for name, value in rank0["params"].items():
         assert torch.equal(value, rank1["params"][name]), name
     assert result.metrics["throughput/samples_per_sec"] > 0

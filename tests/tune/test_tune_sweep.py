@@ -138,15 +138,51 @@ def test_best_checkpoint_is_the_best_reported_one():
 # -- real sweeps --------------------------------------------------------------------------------
 
 
+def _two_workers_on_the_first_set(spec) -> int:
+    return 2 if spec.config.algorithms == SETS[0] else 1
+
+
+def _grid_callbacks(marks: str, dumps: str):
+    """Markers for every trial; the per-rank losses of the one 2-worker trial."""
+
+    def callbacks(config):
+        two = (config.get("trainer") or {}).get("num_workers") == 2
+        return marker_callbacks(marks)(config) + ([LossDump(dumps)] if two else [])
+
+    return callbacks
+
+
 def test_grid_over_three_algorithm_sets(ray_cluster, tmp_path):
+    """A grid over three algorithm sets (the sweep report, the best checkpoint, restore-or-refuse), one
+    of whose trials (the first set) runs 2 workers: its metrics are the aggregate over both ranks.
+
+    The aggregate check was a sweep of its own (``test_trial_metrics_are_the_aggregate_over_ranks``);
+    one Tune sweep now carries both, on 4 workers in all (the session's 4 CPUs, three trials at once).
+    """
+    from ray import tune
+
     from raytrain_events.checkpoint import CheckpointConfig
     from raytrain_events.checkpoint.store import list_checkpoints
 
-    marks = tmp_path / "marks"
+    marks, dumps = tmp_path / "marks", tmp_path / "dumps"
     marks.mkdir()
+    dumps.mkdir()
     args = dict(
-        trainer=_trainer(str(marks), checkpoint=CheckpointConfig(save_interval="1ep", async_save=False)),
-        param_space={"algorithms": algorithm_sets_grid(SETS), "lr": 0.2},
+        trainer=_trainer(
+            str(marks),
+            checkpoint=CheckpointConfig(save_interval="1ep", async_save=False),
+            deterministic_split=True,
+            callbacks=_grid_callbacks(str(marks), str(dumps)),
+        ),
+        param_space={
+            "algorithms": algorithm_sets_grid(SETS),
+            "lr": 0.2,
+            # The first set's trial: 2 workers of 16 rows, the same global batch of 32 as the others.
+            "trainer": {
+                "num_workers": tune.sample_from(_two_workers_on_the_first_set),
+                "batch_size": tune.sample_from(lambda spec: 32 // _two_workers_on_the_first_set(spec)),
+            },
+        },
         metric="metrics/eval/accuracy",
         mode="max",
         max_concurrent_trials=3,
@@ -172,8 +208,11 @@ def test_grid_over_three_algorithm_sets(ray_cluster, tmp_path):
     assert positions == sorted(positions)  # best first, like SweepResult.rows
     assert sorted(row["algorithms"] for row in result.rows) == sorted(algorithm_set_label(s) for s in SETS)
     for row in result.rows:
+        world = 2 if row["algorithms"] == algorithm_set_label(SETS[0]) else 1
         assert row["status"] == "completed", row
-        assert row["time/sample"] == 2 * ROWS and row["time/epoch"] == 2 and row["world_size"] == 1
+        # The global Timestamp, summed over the ranks: all rows, twice, in 32-row global batches.
+        assert row["time/sample"] == 2 * ROWS and row["time/epoch"] == 2 and row["world_size"] == world
+        assert row["time/batch"] == 2 * ROWS // 32
         assert 0.0 <= row["metrics/eval/accuracy"] <= 1.0
         assert row["lr"] == 0.2
         assert row["run_url"].startswith(str(tmp_path / "sweeps" / "grid"))
@@ -195,6 +234,7 @@ def test_grid_over_three_algorithm_sets(ray_cluster, tmp_path):
     assert len(reported) == 2
     newest_best = max(reversed(reported), key=lambda e: e["metrics/eval/accuracy"])
     assert result.best_checkpoint == newest_best["checkpoint_path"] == best["checkpoint"]
+    _check_aggregate_over_ranks(result, dumps)
     # The same storage/name again: the finished sweep is restored (nothing trains) -- or refused.
     with pytest.raises(FileExistsError, match="resume=True"):
         sweep(**args, resume=False)
@@ -203,6 +243,28 @@ def test_grid_over_three_algorithm_sets(ray_cluster, tmp_path):
         (r["trial_id"], r["metrics/eval/accuracy"]) for r in result.rows
     ]
     assert markers(str(marks), "end") == {trial_tag({"algorithms": s, "lr": 0.2}): 1 for s in SETS}
+
+
+def _check_aggregate_over_ranks(result, dumps) -> None:
+    """The 2-worker trial's metrics are the aggregate over its ranks, not rank 0's."""
+    (row,) = [r for r in result.rows if r["world_size"] == 2]
+    history = result.histories[row["trial_id"]]
+    assert all(entry["world_size"] == 2 for entry in history)
+    assert [e["time/sample"] for e in history if "train/loss" in e] == [32 * 4 * k for k in range(1, 5)]
+    # train/loss is the mean over both ranks' batches in each report window, not rank 0's mean.
+    ranks = [torch.load(dumps / f"losses-rank{r}.pt", weights_only=True) for r in range(2)]
+    previous, checked = 0, 0
+    for entry in history:
+        if "train/loss" not in entry:
+            continue
+        window = [loss for rank in ranks for (b, loss) in rank if previous < b <= entry["time/batch"]]
+        rank0 = [loss for (b, loss) in ranks[0] if previous < b <= entry["time/batch"]]
+        assert entry["train/loss"] == pytest.approx(sum(window) / len(window), rel=1e-5)
+        assert entry["train/loss"] != pytest.approx(sum(rank0) / len(rank0), rel=1e-6)
+        previous = entry["time/batch"]
+        checked += 1
+    assert checked == 4
+    assert bool(history[-1]["final"]) is True
 
 
 def test_asha_on_global_samples_stops_the_bad_trial(ray_cluster, tmp_path, capsys):
@@ -253,48 +315,3 @@ def test_asha_on_global_samples_stops_the_bad_trial(ray_cluster, tmp_path, capsy
             break
         assert time.time() < deadline, (live, ray.available_resources())
         time.sleep(1)
-
-
-def test_trial_metrics_are_the_aggregate_over_ranks(ray_cluster, tmp_path):
-    dumps = tmp_path / "dumps"
-    dumps.mkdir()
-    result = sweep(
-        trainer=dict(
-            model=make_model,
-            optimizers=make_sgd,
-            datasets=train_only,
-            max_duration="2ep",
-            batch_size=16,
-            num_workers=2,
-            report_interval="4ba",
-            report_every_s=None,  # windows of 4 batches only: a slow machine must not add a timed report
-            deterministic_split=True,
-            callbacks=lambda: [LossDump(str(dumps))],
-        ),
-        param_space={"lr": 0.2},
-        metric="train/loss",
-        mode="min",
-        storage_path=str(tmp_path / "sweeps"),
-        name="two-workers",
-        verbose=0,
-    )
-    (row,) = result.rows
-    history = result.histories[row["trial_id"]]
-    # The global Timestamp, summed over both ranks: all rows, twice.
-    assert row["time/sample"] == 2 * ROWS and row["time/batch"] == 2 * ROWS // 32 and row["world_size"] == 2
-    assert all(entry["world_size"] == 2 for entry in history)
-    assert [e["time/sample"] for e in history if "train/loss" in e] == [32 * 4 * k for k in range(1, 5)]
-    # train/loss is the mean over both ranks' batches in each report window, not rank 0's mean.
-    ranks = [torch.load(dumps / f"losses-rank{r}.pt", weights_only=True) for r in range(2)]
-    previous, checked = 0, 0
-    for entry in history:
-        if "train/loss" not in entry:
-            continue
-        window = [loss for rank in ranks for (b, loss) in rank if previous < b <= entry["time/batch"]]
-        rank0 = [loss for (b, loss) in ranks[0] if previous < b <= entry["time/batch"]]
-        assert entry["train/loss"] == pytest.approx(sum(window) / len(window), rel=1e-5)
-        assert entry["train/loss"] != pytest.approx(sum(rank0) / len(rank0), rel=1e-6)
-        previous = entry["time/batch"]
-        checked += 1
-    assert checked == 4
-    assert bool(history[-1]["final"]) is True
