@@ -40,6 +40,7 @@ E2E: Dict[str, object] = {
     "tests/cluster/test_launcher.py": ALL,  # ray up / submit / job submit / down
     "tests/examples/test_console_report.py": ALL,  # the shared digits_run (embedded Ray)
     "tests/examples/test_hf_example.py": ALL,
+    "tests/examples/test_mixture_example.py": ALL,  # one RayTrainer run in the session's Ray
     "tests/examples/test_resume_example.py": ALL,
     "tests/examples/test_train_example.py": ALL,
     "tests/ray/test_chaos_soak.py": ALL,  # a 3-node Cluster
