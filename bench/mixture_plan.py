@@ -9,7 +9,11 @@ counts only our own work):
   of each, nothing read): the CPU a data path spends per row on the order;
 * **loader**: one epoch of `MixtureLoader` over three in-memory sources against
   ``torch.utils.data.DataLoader`` over one source of the same rows (same batch size and collate):
-  the local path's mixing overhead.
+  the local path's mixing overhead;
+* **ray stream**: the feeder side of ``RayTrainer(mixture=...)``: `MixtureSource`'s mixed stream
+  (the plan walk and one slice per run of same-source positions) over three stand-in seekable
+  sources of 1e6 rows in row groups of 1,000 (no Ray, no reads: the stream's own CPU per
+  position), and a rank's per-batch count (``plan.sources`` over its positions).
 
 Usage::
 
@@ -95,6 +99,67 @@ def loader_overhead(repeats: int, batch: int) -> Dict[str, Any]:
     }
 
 
+class _FakeSource:
+    """A seekable source (``count``/``stream``) of ``rows`` rows in row groups of ``group`` rows; refs are ints."""
+
+    def __init__(self, rows: int, group: int) -> None:
+        self.rows, self.group = rows, group
+
+    def count(self) -> int:
+        return self.rows
+
+    def stream(self, seed: Any, epoch: int, row: int, window_rows: int = 0) -> Any:
+        from types import SimpleNamespace
+
+        first = row // self.group * self.group
+
+        def bundles() -> Any:
+            for start in range(first, self.rows, self.group):
+                n = min(self.group, self.rows - start)
+                yield SimpleNamespace(
+                    blocks=[(start, SimpleNamespace(num_rows=n))], slices=[SimpleNamespace(start_offset=0, num_rows=n)]
+                )
+
+        return bundles(), first, 0
+
+
+def ray_stream(repeats: int, positions: int = 200_000, rank_batch: int = 1024) -> Dict[str, Any]:
+    from raytrain_events.core.mixture import Mixture
+    from raytrain_events.ray.mixture_source import MixtureSource
+
+    sizes = {"web": 1_000_000, "code": 1_000_000, "math": 1_000_000}
+    mixture = Mixture(
+        sources=sizes,
+        stages={"0dur": {"web": 0.6, "code": 0.3, "math": 0.1}, "0.5dur": {"web": 1, "code": 1, "math": 1}},
+    )
+    args = {"mixture": mixture.to_dict(), "seed": 0, "total_samples": mixture.epoch_size, "global_batch": 4096}
+    source = MixtureSource({n: _FakeSource(r, 1000) for n, r in sizes.items()}, args, 0)
+    start = mixture.epoch_size // 2 - positions // 2  # across the stage boundary
+    pieces: List[int] = []
+
+    def stream() -> None:
+        bundles, _, _ = source.stream(None, 0, start)
+        taken = n = 0
+        for bundle in bundles:
+            taken += bundle.slices[0].num_rows
+            n += 1
+            if taken >= positions:
+                break
+        pieces.append(n)
+
+    stream_s = _median(stream, repeats)
+    plan = source.plan
+    count_s = _median(
+        lambda: [plan.sources(0, p, p + rank_batch) for p in range(start, start + positions, rank_batch)], repeats
+    )
+    return {
+        "positions": positions,
+        "stream_positions_per_s": round(positions / stream_s),
+        "slices_per_position": round(pieces[-1] / positions, 3),
+        "rank_count_positions_per_s": round(positions / count_s),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -106,6 +171,7 @@ def main() -> None:
         "resume": resume_cost(args.sources, args.repeats),
         "plan": plan_rows_per_s(args.sources, args.batch, args.repeats),
         "loader": loader_overhead(args.repeats, args.loader_batch),
+        "ray_stream": ray_stream(args.repeats),
     }
     print(json.dumps(out, indent=2))
 
