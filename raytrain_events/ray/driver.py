@@ -90,7 +90,9 @@ class RayTrainer:
     ``schedulers(optimizers, config)`` (each may omit the trailing ``config``). ``datasets`` maps
     names to Ray Datasets: ``"train"`` is required (a Ray Dataset or ``ParquetRowGroups(paths)``, which a
     resume enters at its position: ``ray/parquet_seek.py``; a bare ``ray.data.read_parquet(...)``
-    is run as one), every other name is an eval set.
+    is run as one), every other name is an eval set. With ``mixture=`` (a `Mixture` of named
+    ``datasets`` entries, each seekable: ``ray/mixture_source.py``) the train set is the mixture
+    of those entries and there is no ``"train"`` entry.
     ``batch_size`` is per worker.
     """
 
