@@ -13,7 +13,10 @@ counts only our own work):
 * **ray stream**: the feeder side of ``RayTrainer(mixture=...)``: `MixtureSource`'s mixed stream
   (the plan walk and one slice per run of same-source positions) over three stand-in seekable
   sources of 1e6 rows in row groups of 1,000 (no Ray, no reads: the stream's own CPU per
-  position), and a rank's per-batch count (``plan.sources`` over its positions).
+  position), and a rank's per-batch count (``plan.sources`` over its positions);
+* **batch assembly**: a rank's 1,024-row batch of 1,024 int32 tokens per row made from the slices
+  a 3-source mixture gives (runs of 1-3 rows of each source's block) against one slice of one
+  block, as the loader joins them (a slice of a block each, concatenated, then ``table_to_torch``).
 
 Usage::
 
@@ -160,6 +163,35 @@ def ray_stream(repeats: int, positions: int = 200_000, rank_batch: int = 1024) -
     }
 
 
+def batch_assembly(repeats: int, seq: int = 1024, rows: int = 1024) -> Dict[str, Any]:
+    import numpy as np
+    import pyarrow as pa
+    from ray.data.block import BlockAccessor
+
+    from raytrain_events.ray.batch_tensors import table_to_torch
+
+    def block(k: int) -> Any:
+        tokens = pa.FixedSizeListArray.from_arrays(pa.array(np.arange(4 * rows * seq, dtype=np.int32)), seq)
+        return pa.table({"tokens": tokens, "id": np.arange(4 * rows) + k * 100_000}), None
+
+    blocks = {k: block(k) for k in range(3)}
+    rng = np.random.default_rng(0)
+    pieces, at, n = [], [0, 0, 0], 0
+    while n < rows:
+        k, c = int(rng.integers(3)), min(int(rng.integers(1, 4)), rows - n)
+        pieces.append((k, at[k], at[k] + c))
+        at[k], n = at[k] + c, n + c
+
+    def assemble(slices: List[Any]) -> Any:  # the loader's path for slices of whole blocks (ray/data.py)
+        parts = [BlockAccessor.for_block(blocks[k][0]).slice(lo, hi, copy=False) for k, lo, hi in slices]
+        return table_to_torch(parts[0] if len(parts) == 1 else pa.concat_tables(parts))
+
+    assemble(pieces)  # imports
+    mixed = _median(lambda: assemble(pieces), repeats)
+    single = _median(lambda: assemble([(0, 0, rows)]), repeats)
+    return {"slices": len(pieces), "mixed_ms": round(mixed * 1e3, 2), "one_slice_ms": round(single * 1e3, 3)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -172,6 +204,7 @@ def main() -> None:
         "plan": plan_rows_per_s(args.sources, args.batch, args.repeats),
         "loader": loader_overhead(args.repeats, args.loader_batch),
         "ray_stream": ray_stream(args.repeats),
+        "batch_assembly": batch_assembly(args.repeats),
     }
     print(json.dumps(out, indent=2))
 
