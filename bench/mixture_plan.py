@@ -9,7 +9,14 @@ counts only our own work):
   of each, nothing read): the CPU a data path spends per row on the order;
 * **loader**: one epoch of `MixtureLoader` over three in-memory sources against
   ``torch.utils.data.DataLoader`` over one source of the same rows (same batch size and collate):
-  the local path's mixing overhead.
+  the local path's mixing overhead;
+* **ray stream**: the feeder side of ``RayTrainer(mixture=...)``: `MixtureSource`'s mixed stream
+  (the plan walk and one slice per run of same-source positions) over three stand-in seekable
+  sources of 1e6 rows in row groups of 1,000 (no Ray, no reads: the stream's own CPU per
+  position), and a rank's per-batch count (``plan.sources`` over its positions);
+* **batch assembly**: a rank's 1,024-row batch of 1,024 int32 tokens per row made from the slices
+  a 3-source mixture gives (runs of 1-3 rows of each source's block) against one slice of one
+  block, as the loader joins them (a slice of a block each, concatenated, then ``table_to_torch``).
 
 Usage::
 
@@ -95,6 +102,96 @@ def loader_overhead(repeats: int, batch: int) -> Dict[str, Any]:
     }
 
 
+class _FakeSource:
+    """A seekable source (``count``/``stream``) of ``rows`` rows in row groups of ``group`` rows; refs are ints."""
+
+    def __init__(self, rows: int, group: int) -> None:
+        self.rows, self.group = rows, group
+
+    def count(self) -> int:
+        return self.rows
+
+    def stream(self, seed: Any, epoch: int, row: int, window_rows: int = 0) -> Any:
+        from types import SimpleNamespace
+
+        first = row // self.group * self.group
+
+        def bundles() -> Any:
+            for start in range(first, self.rows, self.group):
+                n = min(self.group, self.rows - start)
+                yield SimpleNamespace(
+                    blocks=[(start, SimpleNamespace(num_rows=n))], slices=[SimpleNamespace(start_offset=0, num_rows=n)]
+                )
+
+        return bundles(), first, 0
+
+
+def ray_stream(repeats: int, positions: int = 200_000, rank_batch: int = 1024) -> Dict[str, Any]:
+    from raytrain_events.core.mixture import Mixture
+    from raytrain_events.ray.mixture_source import MixtureSource
+
+    sizes = {"web": 1_000_000, "code": 1_000_000, "math": 1_000_000}
+    mixture = Mixture(
+        sources=sizes,
+        stages={"0dur": {"web": 0.6, "code": 0.3, "math": 0.1}, "0.5dur": {"web": 1, "code": 1, "math": 1}},
+    )
+    args = {"mixture": mixture.to_dict(), "seed": 0, "total_samples": mixture.epoch_size, "global_batch": 4096}
+    source = MixtureSource({n: _FakeSource(r, 1000) for n, r in sizes.items()}, args, 0)
+    start = mixture.epoch_size // 2 - positions // 2  # across the stage boundary
+    pieces: List[int] = []
+
+    def stream() -> None:
+        bundles, _, _ = source.stream(None, 0, start)
+        taken = n = 0
+        for bundle in bundles:
+            taken += bundle.slices[0].num_rows
+            n += 1
+            if taken >= positions:
+                break
+        pieces.append(n)
+
+    stream_s = _median(stream, repeats)
+    plan = source.plan
+    count_s = _median(
+        lambda: [plan.sources(0, p, p + rank_batch) for p in range(start, start + positions, rank_batch)], repeats
+    )
+    return {
+        "positions": positions,
+        "stream_positions_per_s": round(positions / stream_s),
+        "slices_per_position": round(pieces[-1] / positions, 3),
+        "rank_count_positions_per_s": round(positions / count_s),
+    }
+
+
+def batch_assembly(repeats: int, seq: int = 1024, rows: int = 1024) -> Dict[str, Any]:
+    import numpy as np
+    import pyarrow as pa
+    from ray.data.block import BlockAccessor
+
+    from raytrain_events.ray.batch_tensors import table_to_torch
+
+    def block(k: int) -> Any:
+        tokens = pa.FixedSizeListArray.from_arrays(pa.array(np.arange(4 * rows * seq, dtype=np.int32)), seq)
+        return pa.table({"tokens": tokens, "id": np.arange(4 * rows) + k * 100_000}), None
+
+    blocks = {k: block(k) for k in range(3)}
+    rng = np.random.default_rng(0)
+    pieces, at, n = [], [0, 0, 0], 0
+    while n < rows:
+        k, c = int(rng.integers(3)), min(int(rng.integers(1, 4)), rows - n)
+        pieces.append((k, at[k], at[k] + c))
+        at[k], n = at[k] + c, n + c
+
+    def assemble(slices: List[Any]) -> Any:  # the loader's path for slices of whole blocks (ray/data.py)
+        parts = [BlockAccessor.for_block(blocks[k][0]).slice(lo, hi, copy=False) for k, lo, hi in slices]
+        return table_to_torch(parts[0] if len(parts) == 1 else pa.concat_tables(parts))
+
+    assemble(pieces)  # imports
+    mixed = _median(lambda: assemble(pieces), repeats)
+    single = _median(lambda: assemble([(0, 0, rows)]), repeats)
+    return {"slices": len(pieces), "mixed_ms": round(mixed * 1e3, 2), "one_slice_ms": round(single * 1e3, 3)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -106,6 +203,8 @@ def main() -> None:
         "resume": resume_cost(args.sources, args.repeats),
         "plan": plan_rows_per_s(args.sources, args.batch, args.repeats),
         "loader": loader_overhead(args.repeats, args.loader_batch),
+        "ray_stream": ray_stream(args.repeats),
+        "batch_assembly": batch_assembly(args.repeats),
     }
     print(json.dumps(out, indent=2))
 

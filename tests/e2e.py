@@ -40,11 +40,13 @@ E2E: Dict[str, object] = {
     "tests/cluster/test_launcher.py": ALL,  # ray up / submit / job submit / down
     "tests/examples/test_console_report.py": ALL,  # the shared digits_run (embedded Ray)
     "tests/examples/test_hf_example.py": ALL,
+    "tests/examples/test_mixture_example.py": ALL,  # one RayTrainer run in the session's Ray
     "tests/examples/test_resume_example.py": ALL,
     "tests/examples/test_train_example.py": ALL,
     "tests/ray/test_chaos_soak.py": ALL,  # a 3-node Cluster
     "tests/ray/test_data_network.py": ALL,  # a 3-node Cluster
     "tests/ray/test_loopback.py": ALL,  # an embedded Ray in a subprocess
+    "tests/ray/test_mixture_run.py": ALL,  # one stop + resume pair of RayTrainer runs over a mixture
     "tests/ray/test_parquet_seek.py": {"test_ray_trainer_resumed_at_half_an_epoch_reads_nothing_before_its_position"},
     "tests/ray/test_preemption_deadline.py": ALL,
     "tests/ray/test_ray_auto_microbatching.py": ALL,  # the module's auto_run

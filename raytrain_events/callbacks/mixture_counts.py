@@ -5,7 +5,9 @@ Each rank's per-source samples and tokens of the batch ride on the loop's one pe
 the run's exact totals. They are logged each batch as ``mixture/samples/<source>`` and, when the
 loader counts tokens (``tokens_of_row``), ``mixture/tokens/<source>`` ("tokens seen per source"),
 and saved in the checkpoint with the mixture, the seed, the stages' starts and each source's
-cursor; a resume restores them and checks them against the plan.
+cursor; a resume restores them and checks them against the plan. A resume may add switch stages
+at or after the checkpoint's position (`Mixture.switched`: new weights from there on, each source
+continuing from its cursor; how a PBT exploit changes the mixture).
 `MixtureLoader` brings this callback along: users do not add it themselves.
 """
 
@@ -60,7 +62,7 @@ class MixtureCounts(Callback):
         self._at = (state.epoch, int(state.timestamp.sample_in_epoch))
         saved, self._saved_cursors = self._saved_cursors, None
         order, self._saved_order = self._saved_order, None
-        if order is not None and order != self._order():
+        if order is not None and not self._continues(order):
             raise MixtureResumeError(
                 f"The checkpoint's mixture order has seed {order['seed']} and stages starting at samples "
                 f"{order['stage_starts']}; this run's has seed {loader.plan.seed} and {list(loader.plan.starts)}: "
@@ -116,15 +118,27 @@ class MixtureCounts(Callback):
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         saved = Mixture.from_dict(state["mixture"])
-        if saved != self.loader.mixture:
+        if saved != self.loader.mixture and not self.loader.mixture.continues(saved):
             raise MixtureResumeError(
                 f"The checkpoint was trained on another mixture ({saved.to_dict()}) than this run's "
-                f"({self.loader.mixture.to_dict()}): resume with the checkpoint's mixture, or start a new run "
-                "(load_from with the model only) to change it."
+                f"({self.loader.mixture.to_dict()}): resume with the checkpoint's mixture, change the weights from "
+                "the checkpoint on with mixture.switched(at_sample, weights), or start a new run (load_from with "
+                "the model only)."
             )
         self.samples, self.tokens = list(state["samples"]), list(state["tokens"])
         self._saved_cursors = list(state["cursors"])
         self._saved_order = {"seed": state["seed"], "stage_starts": list(state["stage_starts"])}
+
+    def _continues(self, order: Dict[str, Any]) -> bool:
+        """The checkpoint's order is this run's, or this run's adds switch stages at or after its position."""
+        mine, saved = self._order(), list(order["stage_starts"])
+        starts = mine["stage_starts"]
+        at = self._at[0] * self.loader.plan.epoch_size + self._at[1]  # the checkpoint's global sample
+        return (
+            order["seed"] == mine["seed"]
+            and starts[: len(saved)] == saved
+            and all(start >= at for start in starts[len(saved) :])
+        )
 
     def _order(self) -> Dict[str, Any]:
         """What fixes the plan besides the mixture: the seed and the stages' starts in samples."""

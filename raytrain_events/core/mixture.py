@@ -16,7 +16,9 @@ Example::
 A stage's weights are either all proportions (numbers, normalised; a source left out gets 0) or
 all absolute per-epoch amounts, as MosaicML Streaming's ``Stream(repeat=|choose=)``:
 ``{"web": {"repeat": 0.5}, "math": {"choose": 2000}}`` (``repeat`` times the source's rows, or
-``choose`` rows). The epoch size is ``epoch_size`` when given, else the first stage's total when it
+``choose`` rows). A stage listed in ``switches`` (`Mixture.switched`) changes the weights from its
+start without changing the order before it: how a run continues from a checkpoint with new
+weights (a PBT exploit). The epoch size is ``epoch_size`` when given, else the first stage's total when it
 is absolute, else the sum of every source's rows; later stages split that same size in their
 proportions. Stage starts are `Time` strings in ``dur`` (a fraction of the run), ``ep``, ``sp`` or
 ``ba``; the first stage starts at 0.
@@ -149,6 +151,20 @@ def _stage(
     return start, tuple(amounts.items()), kinds == {"absolute"}
 
 
+def _switch_start(key: str, starts: list[str]) -> str:
+    """A ``switches`` entry, checked: the start of one of the stages after the first."""
+    try:
+        start = Time.from_timestring(str(key)).to_timestring()
+    except (TypeError, ValueError):
+        start = str(key)
+    if start not in starts[1:]:
+        raise MixtureError(
+            f"switches names {key!r}, which is not the start of a stage after the first (stages start at "
+            f"{starts}): name a stage's start, as Mixture.switched(at_sample, weights) does."
+        )
+    return start
+
+
 @dataclass(frozen=True)
 class Mixture:
     """Named sources (``{name: rows}`` or `Source`) and stages (``{start: {name: weight}}``); see the module docstring.
@@ -160,6 +176,7 @@ class Mixture:
     stages: Optional[Mapping[str, Mapping[str, StageWeight]]] = None
     weights: Optional[Mapping[str, StageWeight]] = None
     epoch_size: Optional[int] = None
+    switches: Tuple[str, ...] = ()
     # Checked, normalised forms (derived in __post_init__; not arguments).
     source_list: Tuple[Tuple[str, Source], ...] = field(init=False, repr=False, compare=False)
     stage_list: Tuple[Tuple[Time[Any], Tuple[Tuple[str, Fraction], ...]], ...] = field(
@@ -197,6 +214,9 @@ class Mixture:
             raise MixtureError(f"epoch_size={self.epoch_size!r} must be a positive int (samples per epoch) or None.")
         object.__setattr__(self, "source_list", source_list)
         object.__setattr__(self, "stage_list", self._check_stages(names))
+        starts = [start.to_timestring() for start, _ in self.stage_list]
+        switches = tuple(_switch_start(key, starts) for key in self.switches)
+        object.__setattr__(self, "switches", switches)
 
     def _check_stages(self, names: list[str]) -> Tuple[Tuple[Time[Any], Tuple[Tuple[str, Fraction], ...]], ...]:
         assert self.stages is not None
@@ -230,26 +250,65 @@ class Mixture:
     def to_dict(self) -> Dict[str, Any]:
         """Plain data (JSON/YAML): ``Mixture.from_dict(m.to_dict()) == m``."""
         assert self.stages is not None
-        return {
+        out: Dict[str, Any] = {
             "sources": dict(self.sources),
             "stages": {k: dict(v) for k, v in self.stages.items()},
             "epoch_size": self.epoch_size,
         }
+        if self.switches:
+            out["switches"] = list(self.switches)
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Mixture:
         """Inverse of `to_dict` (also accepts ``weights=`` instead of ``stages=``)."""
-        unknown = set(data) - {"sources", "stages", "weights", "epoch_size"}
+        unknown = set(data) - {"sources", "stages", "weights", "epoch_size", "switches"}
         if unknown:
             raise MixtureError(
-                f"Unknown mixture keys {sorted(unknown)}: expected sources, stages (or weights), epoch_size."
+                f"Unknown mixture keys {sorted(unknown)}: expected sources, stages (or weights), epoch_size, switches."
             )
         return cls(
             sources=data["sources"],
             stages=data.get("stages"),
             weights=data.get("weights"),
             epoch_size=data.get("epoch_size"),
+            switches=tuple(data.get("switches") or ()),
         )
+
+    def switched(self, at_sample: int, weights: Mapping[str, StageWeight]) -> Mixture:
+        """This mixture with new ``weights`` from global sample ``at_sample`` on, as a *switch* stage.
+
+        A switch stage leaves every position before it as it was (the stage it cuts short keeps
+        its order), so a run continued from a checkpoint at ``at_sample`` (a PBT exploit taking a
+        donor's checkpoint with new weights) trains on from each source's cursor there. It must
+        start after every stage's start.
+        """
+        assert self.stages is not None
+        key = f"{int(at_sample)}sp"
+        return Mixture(
+            sources=self.sources,
+            stages={**self.stages, key: dict(weights)},
+            epoch_size=self.epoch_size,
+            switches=(*self.switches, key),
+        )
+
+    def continues(self, earlier: Mixture) -> bool:
+        """True if this mixture is ``earlier`` with switch stages added after its stages (see `switched`)."""
+        assert self.stages is not None and earlier.stages is not None
+        keys, before = list(self.stages), list(earlier.stages)
+        return (
+            self.sources == earlier.sources
+            and self.epoch_size == earlier.epoch_size
+            and keys[: len(before)] == before
+            and all(self.stages[k] == earlier.stages[k] for k in before)
+            and set(earlier.switches) <= set(self.switches)
+            and all(Time.from_timestring(k).to_timestring() in self.switches for k in keys[len(before) :])
+        )
+
+    @classmethod
+    def plain(cls, value: Union[Mixture, Mapping[str, Any]]) -> Dict[str, Any]:
+        """A `Mixture` or its dict, checked, as plain data (``to_dict``): how `RayTrainer(mixture=...)` keeps it."""
+        return (value if isinstance(value, Mixture) else cls.from_dict(value)).to_dict()
 
     def __hash__(self) -> int:
         return hash(json.dumps(self.to_dict(), sort_keys=True))  # equal mixtures, whatever their key order

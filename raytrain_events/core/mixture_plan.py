@@ -31,7 +31,7 @@ from raytrain_events.core.time import TimeUnit
 if TYPE_CHECKING:
     from raytrain_events.core.mixture import Mixture
 
-__all__ = ["MixturePlan", "Segment", "LEAF", "apportion"]
+__all__ = ["MixturePlan", "Segment", "LEAF", "apportion", "run_samples"]
 
 LEAF = 64  # positions shuffled as one block at the bottom of the split tree
 _M64 = (1 << 64) - 1
@@ -121,13 +121,32 @@ def permute(index: int, size: int, key: int) -> int:
             return x
 
 
+def run_samples(max_duration: Any, epoch_size: int, global_batch: Optional[int]) -> Optional[int]:
+    """The run's length in samples (for 'dur' stages): from ``max_duration`` in 'ep', 'sp' or 'ba'; else None."""
+    if max_duration is None:
+        return None
+    unit, value = max_duration.unit, int(max_duration.value)
+    if unit == TimeUnit.EPOCH:
+        return value * epoch_size
+    if unit == TimeUnit.SAMPLE:
+        return value
+    if unit == TimeUnit.BATCH and global_batch is not None:
+        return value * global_batch
+    return None
+
+
 class Segment(NamedTuple):
-    """Positions [start, stop) of an epoch under one stage, with each source's quota there."""
+    """Positions [start, stop) of an epoch under one stage, with each source's quota there.
+
+    ``extent``: the length its split tree spans (``stop - start``, or more when a switch stage cut
+    the segment short: its positions keep the order they had without the switch).
+    """
 
     start: int
     stop: int
     stage: int
     quotas: Tuple[int, ...]
+    extent: int = 0
 
 
 class MixturePlan:
@@ -164,6 +183,7 @@ class MixturePlan:
                 f"the run's end ({total_samples} samples): start it earlier or lengthen max_duration."
             )
         self.weights = tuple(tuple(amount for _, amount in amounts) for _, amounts in mixture.stage_list)
+        self.switch = tuple(start.to_timestring() in mixture.switches for start, _ in mixture.stage_list)
         self._segments: Dict[int, Tuple[Segment, ...]] = {}
 
     def _resolve(self, start: Any, total: Optional[int], global_batch: Optional[int]) -> int:
@@ -194,11 +214,18 @@ class MixturePlan:
         base, size, out = epoch * self.epoch_size, self.epoch_size, []
         for stage, begin in enumerate(self.starts):
             end = self.starts[stage + 1] if stage + 1 < len(self.starts) else None
+            # A switch stage cuts this segment short without changing its order: the tree spans up to
+            # the next stage that is not a switch (or the epoch's end), as it did before the switch.
+            later = [s for s in range(stage + 1, len(self.starts)) if not self.switch[s]]
+            natural = self.starts[later[0]] if later else None
             lo = max(begin - base, 0)
             hi = size if end is None else min(end - base, size)
             if hi > lo:
-                quotas = apportion(hi - lo, self.weights[stage], _mix(self.seed, epoch, lo))
-                out.append(Segment(lo, hi, stage, tuple(quotas)))
+                span = (size if natural is None else min(natural - base, size)) - lo
+                quotas = apportion(span, self.weights[stage], _mix(self.seed, epoch, lo))
+                if span > hi - lo:
+                    quotas = self._tree_prefix(epoch, lo, span, quotas, hi - lo)
+                out.append(Segment(lo, hi, stage, tuple(quotas), span))
         segments = tuple(out)
         if len(self._segments) > 8:
             self._segments.clear()
@@ -239,9 +266,16 @@ class MixturePlan:
 
     def _prefix(self, epoch: int, segment: Segment, k: int) -> List[int]:
         """Counts of each source among the first ``k`` positions of ``segment`` (a walk down its split tree)."""
-        out = [0] * len(segment.quotas)
-        lo, hi, counts = 0, segment.stop - segment.start, list(segment.quotas)
-        root = _mix(self.seed, epoch, segment.start)
+        if segment.extent > segment.stop - segment.start:  # cut short by a switch: its full tree's counts
+            full = apportion(segment.extent, self.weights[segment.stage], _mix(self.seed, epoch, segment.start))
+            return self._tree_prefix(epoch, segment.start, segment.extent, full, k)
+        return self._tree_prefix(epoch, segment.start, segment.stop - segment.start, list(segment.quotas), k)
+
+    def _tree_prefix(self, epoch: int, start: int, span: int, quotas: Sequence[int], k: int) -> List[int]:
+        """Counts of each source among the first ``k`` positions of the split tree over ``span`` positions."""
+        out = [0] * len(quotas)
+        lo, hi, counts = 0, span, list(quotas)
+        root = _mix(self.seed, epoch, start)
         while hi - lo > LEAF:
             mid = (lo + hi) // 2
             left = _split(counts, hi - lo, mid - lo, (root, lo, hi))
@@ -263,7 +297,11 @@ class MixturePlan:
             if hi > lo:
                 root = _mix(self.seed, epoch, segment.start)
                 span = (lo - segment.start, hi - segment.start)
-                self._walk(root, list(segment.quotas), (0, segment.stop - segment.start), span, out)
+                extent = max(segment.extent, segment.stop - segment.start)
+                counts = list(segment.quotas)
+                if extent > segment.stop - segment.start:  # cut short by a switch: walk its full tree
+                    counts = apportion(extent, self.weights[segment.stage], _mix(self.seed, epoch, segment.start))
+                self._walk(root, counts, (0, extent), span, out)
         return out
 
     def _walk(self, root: int, counts: List[int], node: Tuple[int, int], span: Tuple[int, int], out: List[int]) -> None:

@@ -90,7 +90,9 @@ class RayTrainer:
     ``schedulers(optimizers, config)`` (each may omit the trailing ``config``). ``datasets`` maps
     names to Ray Datasets: ``"train"`` is required (a Ray Dataset or ``ParquetRowGroups(paths)``, which a
     resume enters at its position: ``ray/parquet_seek.py``; a bare ``ray.data.read_parquet(...)``
-    is run as one), every other name is an eval set.
+    is run as one), every other name is an eval set. With ``mixture=`` (a `Mixture` of named
+    ``datasets`` entries, each seekable: ``ray/mixture_source.py``) the train set is the mixture
+    of those entries and there is no ``"train"`` entry.
     ``batch_size`` is per worker.
     """
 
@@ -194,6 +196,10 @@ class RayTrainer:
         from raytrain_events.ray.cluster import check_data_cpus
 
         datasets = self.spec.build_datasets()
+        if self.spec.mixture is not None:  # the sources become one seekable "train" set (mixture_source.py)
+            from raytrain_events.ray.mixture_source import mixture_train_set
+
+            datasets = mixture_train_set(self.spec, datasets)
         self.spec.check_datasets(datasets)
         if self._checks_cluster:
             check_data_cpus(ray.cluster_resources(), self.scaling_config, datasets)

@@ -160,3 +160,30 @@ def test_world_size_independence_through_the_loader(batch_size, world_size, seed
     many = global_order(world_size)
     assert many == one[: len(many)]
     assert len(one) - len(many) < world_size  # only a tail smaller than the world size is dropped
+
+
+def test_a_switch_stage_keeps_every_position_before_it():
+    """`Mixture.switched(at, weights)`: the plan before ``at`` is the original's (sources, rows, cursors), mid-stage
+    or in a later epoch; from ``at`` on the new weights; a switch that is not a stage's start is refused."""
+    mixture = Mixture(
+        sources={"web": 5000, "code": 2000, "math": 700},
+        stages={"0dur": {"web": 0.6, "code": 0.3, "math": 0.1}, "2000sp": {"web": 0.2, "code": 0.4, "math": 0.4}},
+    )
+    before = mixture.plan(seed=3, total_samples=30000)
+    for at in (3001, 7699, 9000, 16000):
+        switched = mixture.switched(at, {"math": 1})
+        assert Mixture.from_dict(switched.to_dict()) == switched and switched.continues(mixture)
+        assert not mixture.continues(switched)
+        after = switched.plan(seed=3, total_samples=30000)
+        epoch, position = divmod(at, mixture.epoch_size)
+        assert after.rows(epoch, 0, position) == before.rows(epoch, 0, position)
+        assert after.cursors(epoch, position) == before.cursors(epoch, position)
+        rest = after.sources(epoch, position, mixture.epoch_size)
+        assert set(rest) == {mixture.names.index("math")}
+        for q in (position, mixture.epoch_size):  # cursors still count the plan's sources
+            sources = after.sources(epoch, 0, q)
+            assert after.cursors(epoch, q) == tuple(sources.count(i) for i in range(3))
+    with pytest.raises(MixtureError, match="not the start of a stage after the first"):
+        Mixture.from_dict({**mixture.to_dict(), "switches": ["0dur"]})
+    with pytest.raises(ValueError, match="order the stages by their start"):  # a switch starts after every stage
+        mixture.switched(1500, {"math": 1}).plan(seed=3, total_samples=30000)

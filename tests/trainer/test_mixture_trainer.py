@@ -209,3 +209,33 @@ def test_a_stage_the_run_cannot_place_is_refused_when_the_trainer_is_built():
             max_duration="5000tok",
             optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
         )
+
+
+def test_a_resume_may_switch_the_weights_from_the_checkpoint_on(tmp_path):
+    """A PBT exploit's case: a run continued from a checkpoint (step 30, sample 240) with new weights from
+    there (`Mixture.switched`): every source continues from its cursor, the new stage holds the rest."""
+    full, full_seen, _ = make()
+    full.fit()
+    at_full = Counter(s for _, s, _ in full_seen.rows[:240])
+    folder = str(tmp_path / "checkpoints")
+    crashed, _, _ = make(folder, crash_at=32)  # newest checkpoint: step 30 = sample 240 (epoch 1, sample 80)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        crashed.fit()
+    early, _, _ = make(folder, mixture=MIXTURE.switched(200, {"math": 1}))  # before the checkpoint: refused
+    with pytest.raises(MixtureResumeError, match="resume with the checkpoint's seed"):
+        early.fit()
+    switched = MIXTURE.switched(240, {"math": 1})
+    assert Mixture.from_dict(switched.to_dict()) == switched and switched.continues(MIXTURE)
+    run, seen, log = make(folder, mixture=switched)
+    assert run.state.step == 30
+    run.fit()
+    assert counters(run)["sample"] == 320 and [s for _, s, _ in seen.rows] == [2] * 80  # only math from 240 on
+    # math continues from its cursor: the rows after it in its order, none trained twice in the epoch
+    epoch_one = [(s, r) for e, s, r in full_seen.rows[160:240]] + [(s, r) for _, s, r in seen.rows]
+    math_rows = [r for s, r in epoch_one if s == 2]
+    # math's 80 rows once each, then (asked for more) a second pass, again with no row twice
+    assert len(math_rows) > 80 and sorted(math_rows[:80]) == list(range(80))
+    assert len(set(math_rows[80:])) == len(math_rows) - 80
+    counts = mixture_counts(run)
+    assert counts["math"]["samples"] == at_full[2] + 80 and counts["web"]["samples"] == at_full[0]
+    assert log == [(s, r) for _, s, r in seen.rows]  # read: only the rows trained after the checkpoint

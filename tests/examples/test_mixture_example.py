@@ -1,0 +1,38 @@
+"""examples/mixture.py on the session's Ray: the 2-stage mixture of three pre-tokenized Parquet sources
+trains one epoch on 2 workers, and the tokens seen per source it prints are the plan's.
+
+One RayTrainer run in the session's Ray (the example's own ``run``; ``python examples/mixture.py``
+would start a Ray of its own).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "mixture.py")
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("mixture_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_mixture_example_prints_the_plans_tokens_per_source(ray_cluster, tmp_path):
+    from raytrain_events import Mixture
+
+    example = _example()
+    result = example.run(str(tmp_path / "data"), str(tmp_path / "runs"), workers=2)
+    tokens = example.tokens_per_source(result)
+    plan = Mixture(sources=example.SOURCES, stages=example.STAGES, epoch_size=1600).plan(
+        seed=0, total_samples=1600, global_batch=32
+    )
+    assert tokens == {n: rows * (example.SEQ - 1) for n, rows in zip(plan.names, plan.epoch_totals(0))}
+    assert sum(tokens.values()) == result.timestamp.token.value and result.timestamp.sample.value == 1600
+    assert tokens["math"] == 400 * (example.SEQ - 1)  # 10% of the first 800 rows, 40% of the next 800
