@@ -30,6 +30,9 @@ def pbt_scheduler(
     algorithm_sets: Any = None,
     lr: Any = None,
     hyperparam_mutations: Optional[Mapping[str, Any]] = None,
+    mixture: Any = None,
+    mixture_scale: float = 0.3,
+    seed: Optional[int] = None,
     quantile_fraction: float = 0.25,
     resample_probability: float = 0.25,
     burn_in_period: Union[str, Time, None] = None,
@@ -43,7 +46,11 @@ def pbt_scheduler(
     `algorithm_sets_grid(...)`'s value. ``lr``: the LR's mutation (a list of values, a Tune
     domain such as ``tune.loguniform(1e-4, 1e-1)``, or a function), mutating ``config["lr"]``.
     ``hyperparam_mutations``: any other config keys' mutations (Tune's format; numeric values are
-    perturbed by PBT's factors). ``options``: more `PopulationBasedTraining` arguments.
+    perturbed by PBT's factors). ``mixture``: a `mixture_space(...)` domain: a copy's
+    ``config["mixture"]`` (the donor's weights) is perturbed on the simplex (`MixtureExplore`:
+    log-normal noise of sigma ``mixture_scale``, renormalised) or, with ``resample_probability``,
+    redrawn from the space; ``seed`` seeds that noise. ``options``: more `PopulationBasedTraining`
+    arguments (a ``custom_explore_fn`` there runs after the mixture's).
     """
     from ray.tune.schedulers import PopulationBasedTraining
 
@@ -59,8 +66,20 @@ def pbt_scheduler(
         mutations["algorithms"] = [validate_set(s) for s in sets]
     if lr is not None:
         mutations["lr"] = lr
-    if not mutations:
-        raise ValueError("pbt_scheduler needs something to mutate: pass algorithm_sets=, lr= or hyperparam_mutations=.")
+    if mixture is not None:
+        from raytrain_events.tune.mixture_pbt import MixtureExplore
+
+        options["custom_explore_fn"] = MixtureExplore(
+            mixture,
+            scale=mixture_scale,
+            resample_probability=resample_probability,
+            seed=seed,
+            then=options.get("custom_explore_fn"),
+        )
+    if not mutations and mixture is None:
+        raise ValueError(
+            "pbt_scheduler needs something to mutate: pass algorithm_sets=, lr=, mixture= or hyperparam_mutations=."
+        )
     burn_in = 0
     if burn_in_period is not None:
         burn = _samples_or_tokens(burn_in_period, "burn_in_period")
