@@ -369,3 +369,71 @@ def test_an_edited_manifest_timestamp_is_refused(tmp_path):
         Exception, match=r"inconsistent: its manifest.json lists \{'batch': 999\}.*holds \{'batch': 2\}"
     ):
         Trainer(**_trainer_kwargs(model, checkpoint=CheckpointConfig(load_from=str(manifest.parent))))
+
+
+# ---------------------------------------------------------------------- RayTrainer(mixture=...)
+@pytest.fixture(scope="module")
+def mixture_sources(tmp_path_factory) -> Dict[str, Any]:
+    """Three small Parquet sources (ids, 3 int32 tokens per row) and one with another schema (int64 tokens)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raytrain_events.ray.parquet_seek import ParquetRowGroups
+
+    folder = tmp_path_factory.mktemp("mixture-sources")
+    sources: Dict[str, Any] = {}
+    for name, rows, kind in (
+        ("web", 40, pa.int32()),
+        ("code", 30, pa.int32()),
+        ("math", 20, pa.int32()),
+        ("other", 20, pa.int64()),
+    ):
+        path = str(folder / f"{name}.parquet")
+        pq.write_table(pa.table({"id": list(range(rows)), "tokens": pa.array([[1] * 3] * rows, pa.list_(kind))}), path)
+        sources[name] = ParquetRowGroups(path)
+    return sources
+
+
+def _mixture(**over: Any) -> Dict[str, Any]:
+    mixture: Dict[str, Any] = {
+        "sources": {"web": 40, "code": 30, "math": 20},
+        "stages": {"0dur": {"web": 0.5, "code": 0.3, "math": 0.2}, "0.5dur": {"web": 0.2, "code": 0.3, "math": 0.5}},
+    }
+    mixture.update(over)
+    return mixture
+
+
+# (id, mixture, datasets -> datasets, error type, pattern naming the fix)
+MIXTURE_CASES: List[Tuple[str, Dict[str, Any], Callable[[Dict[str, Any]], Dict[str, Any]], type, str]] = [
+    ("negative-weight", _mixture(stages={"0dur": {"web": -0.1, "code": 1}}), dict, ValueError, "must be >= 0"),
+    ("weights-sum-to-0", _mixture(stages={"0dur": {"web": 0, "code": 0}}), dict, ValueError, "summing to 0"),
+    (
+        "stage-after-the-end",
+        _mixture(stages={"0dur": {"web": 1}, "1.5dur": {"code": 1}}),
+        dict,
+        ValueError,
+        r"\[0, 1\)",
+    ),
+    (
+        "source-not-in-datasets",
+        _mixture(),
+        lambda d: {k: v for k, v in d.items() if k != "math"},
+        ValueError,
+        r"\['math'\] are not in datasets.*datasets=\{name: ParquetRowGroups",
+    ),
+    ("source-of-another-schema", _mixture(), lambda d: {**d, "math": d["other"]}, ValueError, "convert it first"),
+    ("wrong-row-count", _mixture(sources={"web": 41, "code": 30, "math": 20}), dict, ValueError, r"'web': 40"),
+    ("train-beside-a-mixture", _mixture(), lambda d: {**d, "train": d["web"]}, ValueError, "leave 'train' out"),
+]
+
+
+@pytest.mark.parametrize(
+    "mixture, pick, error, fix", [case[1:] for case in MIXTURE_CASES], ids=[case[0] for case in MIXTURE_CASES]
+)
+def test_a_bad_mixture_is_refused_before_ray_starts(tmp_path, no_ray, mixture_sources, mixture, pick, error, fix):
+    from raytrain_events.ray.driver import RayTrainer
+
+    datasets = {k: v for k, v in pick(dict(mixture_sources)).items() if k != "other"}  # "other": another schema
+    with pytest.raises(error, match=fix):
+        RayTrainer(**_ray_kwargs(storage_path=str(tmp_path), datasets=datasets, mixture=mixture)).fit()
+    assert not any(tmp_path.iterdir())  # no run directory was made

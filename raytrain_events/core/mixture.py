@@ -251,6 +251,11 @@ class Mixture:
             epoch_size=data.get("epoch_size"),
         )
 
+    @classmethod
+    def plain(cls, value: Union[Mixture, Mapping[str, Any]]) -> Dict[str, Any]:
+        """A `Mixture` or its dict, checked, as plain data (``to_dict``): how `RayTrainer(mixture=...)` keeps it."""
+        return (value if isinstance(value, Mixture) else cls.from_dict(value)).to_dict()
+
     def __hash__(self) -> int:
         return hash(json.dumps(self.to_dict(), sort_keys=True))  # equal mixtures, whatever their key order
 

@@ -31,7 +31,7 @@ from raytrain_events.core.time import TimeUnit
 if TYPE_CHECKING:
     from raytrain_events.core.mixture import Mixture
 
-__all__ = ["MixturePlan", "Segment", "LEAF", "apportion"]
+__all__ = ["MixturePlan", "Segment", "LEAF", "apportion", "run_samples"]
 
 LEAF = 64  # positions shuffled as one block at the bottom of the split tree
 _M64 = (1 << 64) - 1
@@ -119,6 +119,20 @@ def permute(index: int, size: int, key: int) -> int:
         x = (left << half) | right
         if x < size:
             return x
+
+
+def run_samples(max_duration: Any, epoch_size: int, global_batch: Optional[int]) -> Optional[int]:
+    """The run's length in samples (for 'dur' stages): from ``max_duration`` in 'ep', 'sp' or 'ba'; else None."""
+    if max_duration is None:
+        return None
+    unit, value = max_duration.unit, int(max_duration.value)
+    if unit == TimeUnit.EPOCH:
+        return value * epoch_size
+    if unit == TimeUnit.SAMPLE:
+        return value
+    if unit == TimeUnit.BATCH and global_batch is not None:
+        return value * global_batch
+    return None
 
 
 class Segment(NamedTuple):

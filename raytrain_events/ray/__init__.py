@@ -38,6 +38,10 @@ Files:
   training.
 * ``history.py``: The driver's record of a run: a small Ray actor the controller pushes history
   entries to.
+* ``mixture_loader.py``: `MixtureOrderLoader`: a Ray worker's train loader over a `MixtureSource`,
+  with per-source counts.
+* ``mixture_source.py``: `MixtureSource`: a `Mixture` of seekable sources as one seekable train set
+  for the `EpochFeeder`.
 * ``operations.py``: What keeps a long Ray run operating itself, set up on each worker before its
   `Trainer`.
 * ``parquet_seek.py``: `ParquetRowGroups`: a Parquet train source that a resumed epoch enters at

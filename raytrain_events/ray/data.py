@@ -134,6 +134,7 @@ class GlobalOrderShard:
     num_rows: Optional[int]
     tensor_parallel: int = 1  # ranks per tensor group, which share one part of each global batch
     source: Any = None  # [ObjectRef of the train set]: the feeder loads it from here (feeder.py, Restarts)
+    mixture: Optional[Dict[str, Any]] = None  # a MixtureSource's plan_args (mixture_loader.py), else None
 
     @property
     def data_world_size(self) -> int:
@@ -203,7 +204,9 @@ class TrainDataConfig(DeterministicSplitDataConfig):
             )
             rows = self.train_rows if self.train_rows is not None else _compat.dataset_meta_count(dataset)
             for rank in range(world_size):
-                output[rank]["train"] = GlobalOrderShard(feeder, rank, world_size, global_batch, rows, tp, source)
+                output[rank]["train"] = GlobalOrderShard(
+                    feeder, rank, world_size, global_batch, rows, tp, source, getattr(dataset, "plan_args", None)
+                )
         return output
 
 

@@ -194,6 +194,10 @@ class RayTrainer:
         from raytrain_events.ray.cluster import check_data_cpus
 
         datasets = self.spec.build_datasets()
+        if self.spec.mixture is not None:  # the sources become one seekable "train" set (mixture_source.py)
+            from raytrain_events.ray.mixture_source import mixture_train_set
+
+            datasets = mixture_train_set(self.spec, datasets)
         self.spec.check_datasets(datasets)
         if self._checks_cluster:
             check_data_cpus(ray.cluster_resources(), self.scaling_config, datasets)

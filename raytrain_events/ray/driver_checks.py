@@ -5,7 +5,8 @@ checks what needs the user's code: the factories are called once here, on the me
 (``torch.device("meta")``: no memory, no weights), and what they return is checked as the
 worker would use it (a module; optimizers over its parameters; schedulers on those optimizers);
 algorithm names are built from the registry (a typo fails here); the datasets' types are
-checked. A factory that cannot run on the driver (it reads files only the workers see, say) is
+checked, and a mixture's sources (`mixture_source.check_mixture`: each in datasets and seekable,
+its rows and its Parquet schema; a bad mixture already failed in `RunSpec`). A factory that cannot run on the driver (it reads files only the workers see, say) is
 skipped with one warning: the worker still builds it, as before.
 
 Cost: one call of each factory on the meta device per `RayTrainer`, on the driver; it does not
@@ -28,7 +29,12 @@ def check_on_driver(spec: RunSpec) -> None:
     """Refuse what would fail (or train wrongly) on the workers; see the module doc."""
     _check_factory_kinds(spec)
     _check_lists(spec)
-    if isinstance(spec.datasets, Mapping):
+    if isinstance(spec.datasets, Mapping) and spec.mixture is not None:
+        from raytrain_events.ray.mixture_source import check_mixture
+
+        sources = check_mixture(spec.mixture, spec.datasets, spec.shuffle_buffer_size)
+        RunSpec.check_datasets({k: v for k, v in spec.datasets.items() if k not in sources})
+    elif isinstance(spec.datasets, Mapping):
         RunSpec.check_datasets(spec.datasets)
     _check_on_meta(spec)
 

@@ -187,6 +187,7 @@ class ParquetRowGroups:
         read_bytes: int = READ_BYTES,
         ahead_bytes: int = AHEAD_BYTES,
     ) -> None:
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
         for name, value in (("read_bytes", read_bytes), ("ahead_bytes", ahead_bytes)):
@@ -211,6 +212,8 @@ class ParquetRowGroups:
                 group = meta.row_group(g)
                 self.units.append((i, g, group.num_rows))
                 self.sizes[(i, g)] = _group_bytes(group, self.columns)
+        schema = metas[0].schema.to_arrow_schema()  # the first file's (a mixture compares its sources' schemas)
+        self.schema = schema if columns is None else pa.schema([schema.field(c) for c in columns if c in schema.names])
         if not self.count():
             raise ValueError(f"The Parquet files {self.paths[:3]}{'...' if len(self.paths) > 3 else ''} hold no rows.")
 

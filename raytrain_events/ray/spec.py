@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
+from raytrain_events.core.mixture import Mixture
 from raytrain_events.core.time import TimeUnit, ensure_time
 from raytrain_events.core.time_value import check_countable
 from raytrain_events.trainer.options import LoopOptions, option, refuse_unknown
@@ -55,6 +56,11 @@ class RunSpec(LoopOptions):
         "that dict (called on the driver when the run starts); every name besides 'train' is an eval set; "
         "ParquetRowGroups(paths, a folder or s3://bucket/prefix/) or a bare ray.data.read_parquet(...) "
         "(ray/parquet_seek.py): a resume reads nothing before its position",
+        worker=False,
+    )
+    mixture: Any = _opt(
+        None,
+        help="a Mixture (or its dict) of seekable datasets entries: the train set (ray/mixture_source.py)",
         worker=False,
     )
     batch_size: int = _opt(64, help="rows per worker per batch")
@@ -204,9 +210,11 @@ class RunSpec(LoopOptions):
 
     def _check_data_and_scaling(self) -> None:
         """``datasets``, ``batch_size``, ``num_workers``/``scaling_config`` and ``global_batch_size``."""
+        if self.mixture is not None:  # kept as plain data (config.yaml, Tune); a bad one fails here (MixtureError)
+            self.mixture = Mixture.plain(self.mixture)
         if isinstance(self.datasets, Mapping):
             self.datasets = dict(self.datasets)
-            if "train" not in self.datasets:
+            if "train" not in self.datasets and self.mixture is None:
                 raise ValueError(
                     f"datasets has no 'train' entry (got {sorted(self.datasets)}); pass datasets={{'train': ds, ...}}."
                 )
@@ -294,7 +302,10 @@ class RunSpec(LoopOptions):
     @property
     def eval_names(self) -> List[str]:
         """The eval datasets' names: every dataset but ``"train"``."""
-        return sorted(k for k in self.datasets if k != "train") if isinstance(self.datasets, Mapping) else []
+        if not isinstance(self.datasets, Mapping):
+            return []
+        sources = set(self.mixture["sources"]) if self.mixture is not None else set()
+        return sorted(k for k in self.datasets if k != "train" and k not in sources)
 
     @property
     def run_url(self) -> str:
@@ -362,7 +373,7 @@ class RunSpec(LoopOptions):
         if not callable(self.datasets):
             return dict(self.datasets)
         datasets = call_factory(self.datasets, self.config)
-        if not isinstance(datasets, Mapping) or "train" not in datasets:
+        if not isinstance(datasets, Mapping) or ("train" not in datasets and self.mixture is None):
             raise ValueError(
                 f"The datasets factory returned {datasets!r}: it must return {{'train': ds, <eval name>: ds, ...}}."
             )

@@ -116,6 +116,12 @@ def build_worker_trainer(spec: RunSpec) -> Trainer:
 
 def _train_loader(shard: Any, spec: RunSpec, rank: int, options: Dict[str, Any]) -> Any:
     """The train set in the group's global order (`TrainDataConfig`), else a plain Ray shard."""
+    if isinstance(shard, GlobalOrderShard) and shard.mixture is not None:  # RayTrainer(mixture=...)
+        from raytrain_events.ray.mixture_loader import MixtureOrderLoader
+
+        return MixtureOrderLoader(
+            shard, tokens_of_batch=spec.get_num_tokens_in_batch, length=spec.steps_per_epoch, **options
+        )
     if isinstance(shard, GlobalOrderShard):
         # With a shuffle asked for, each epoch permutes the dataset's blocks with seed + epoch, then its rows
         # within windows of shuffle_buffer_size rows (feeder.py, shuffle.py).

@@ -156,8 +156,9 @@ def _per_source_section(final: Dict[str, Any]) -> List[str]:
     names = sorted({k.split("/", 2)[2] for k in final if k.startswith(("mixture/samples/", "mixture/tokens/"))})
     if not names:
         return []
-    tokens = {n: final.get(f"mixture/tokens/{n}") or 0 for n in names}
-    samples = {n: final.get(f"mixture/samples/{n}") or 0 for n in names}
+    # Whole counts (a Ray run's history holds them as the ranks' mean of one value: a float).
+    tokens = {n: int(final.get(f"mixture/tokens/{n}") or 0) for n in names}
+    samples = {n: int(final.get(f"mixture/samples/{n}") or 0) for n in names}
     all_tokens, all_samples = sum(tokens.values()), sum(samples.values())
     rows = [
         [

@@ -20,8 +20,8 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from raytrain_events.core.callback import Callback
 from raytrain_events.core.mixture import Mixture, MixtureError
-from raytrain_events.core.mixture_plan import MixturePlan
-from raytrain_events.core.time import Time, TimeUnit
+from raytrain_events.core.mixture_plan import MixturePlan, run_samples
+from raytrain_events.core.time import Time
 
 __all__ = ["MixtureLoader", "row_schema"]
 
@@ -106,15 +106,7 @@ class MixtureLoader:
     def bind(self, *, rank: int, world_size: int, seed: Optional[int], max_duration: Optional[Time[Any]]) -> None:
         """Take the run's rank, world size, seed and length (for 'dur' stages); the loop calls it at fit start."""
         self.rank, self.world_size = rank, world_size
-        total = None
-        if max_duration is not None:
-            unit, value = max_duration.unit, int(max_duration.value)
-            if unit == TimeUnit.EPOCH:
-                total = value * self.mixture.epoch_size  # type: ignore[operator]
-            elif unit == TimeUnit.SAMPLE:
-                total = value
-            elif unit == TimeUnit.BATCH:
-                total = value * self.global_batch
+        total = run_samples(max_duration, self.epoch_size, self.global_batch)
         seed = self.seed if self.seed is not None else (seed or 0)
         self._plan = self.mixture.plan(seed=seed, total_samples=total, global_batch=self.global_batch)
 

@@ -231,3 +231,21 @@ def test_unfinished_validations_are_recorded_as_failed():
     every_2nd = unfinished_validations(entries, AsyncValidation(every=2))  # each group counts its own checkpoints
     assert [e["validated_checkpoint"] for e in every_2nd] == ["ckpt-8"]
     assert len(training_entries(entries)) == 3
+
+
+def test_a_mixture_is_one_plain_option_whose_sources_are_not_eval_sets():
+    from raytrain_events.core.mixture import Mixture, MixtureError
+
+    mixture = Mixture(
+        sources={"web": 80, "code": 20}, stages={"0dur": {"web": 0.8, "code": 0.2}, "0.5dur": {"code": 1}}
+    )
+    spec = _spec(datasets={"web": object(), "code": object(), "val": object()}, mixture=mixture)
+    assert spec.mixture == mixture.to_dict() and Mixture.from_dict(spec.mixture) == mixture  # plain data
+    assert spec.describe()["mixture"] == mixture.to_dict() and spec.eval_names == ["val"]
+    assert spec.replace(mixture=mixture.to_dict()).mixture == spec.mixture  # a Tune override: its dict
+    with pytest.raises(MixtureError, match="summing to 0"):
+        spec.replace(mixture={"sources": {"web": 80}, "weights": {"web": 0}})
+    with pytest.raises(ValueError, match="no 'train' entry"):
+        _spec(datasets={"web": object()})
+    shipped = spec.for_workers({"train": object(), "val": object()})
+    assert shipped.mixture is None and shipped.eval_names == ["val"]  # the shard carries the plan's arguments
