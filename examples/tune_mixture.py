@@ -109,7 +109,7 @@ def train_locally(mixture: Mixture, *, seed: int, data_seed: int = 0, batch_size
 
 def proxy_trials_locally(weights: List[Dict[str, float]], samples: int) -> List[Dict[str, Any]]:
     """The proxy trials without Ray: rows shaped like a `SweepResult`'s."""
-    from raytrain_events.tune.mixture_space import trial_mixture
+    from raytrain_events.tune.simplex import trial_mixture
 
     rows = []
     for i, w in enumerate(weights):
@@ -118,14 +118,52 @@ def proxy_trials_locally(weights: List[Dict[str, float]], samples: int) -> List[
     return rows
 
 
-def proxy_trials_on_ray(space: Any, samples: int, storage: str, batch_size: int) -> Any:
-    """The proxy trials as a Ray Tune sweep: each trial a `RayTrainer` run on its sampled mixture."""
-    import ray
+def write_parquet_sources(folder: str, data_seed: int = 0) -> Dict[str, str]:
+    """Each source as one Parquet file (``x``: 8 float32, ``y``), for `RayTrainer`'s seekable mixture sources."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
+    paths = {}
+    for name in SOURCES:
+        rows = make_rows(name, ROWS, data_seed)
+        table = pa.table(
+            {
+                "x": pa.array([r["x"].tolist() for r in rows], pa.list_(pa.float32(), DIM)),
+                "y": pa.array([r["y"] for r in rows], pa.int64()),
+            }
+        )
+        paths[name] = os.path.join(folder, f"{name}.parquet")
+        pq.write_table(table, paths[name], row_group_size=100)
+    return paths
+
+
+def proxy_trials_on_ray(space: Any, samples: int, storage: str, batch_size: int) -> Any:
+    """The proxy trials as a Ray Tune sweep: each trial a `RayTrainer` run on its sampled mixture.
+
+    Its sources are Parquet files (`ParquetRowGroups`: seekable, so a resume or a PBT copy enters
+    each at its cursor); the held-out task and one eval set per source give ``metrics/eval/...``
+    and ``metrics/eval_<source>/...``.
+    """
+    import sys
+
+    import ray
+    from ray import cloudpickle as ray_cloudpickle
+
+    from raytrain_events.ray.cluster import ensure_ray
+    from raytrain_events.ray.parquet_seek import ParquetRowGroups
     from raytrain_events.tune import sweep
 
-    datasets = {name: ray.data.from_items(make_rows(name, ROWS, 0)) for name in SOURCES}
-    datasets["eval"] = ray.data.from_items(make_rows("eval", EVAL_ROWS, 1))
+    ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])  # trials get these functions, not the file
+    ensure_ray()
+    folder = tempfile.mkdtemp(prefix="tune_mixture-data-")
+    datasets: Dict[str, Any] = {name: ParquetRowGroups(path) for name, path in write_parquet_sources(folder).items()}
+
+    def eval_set(source: str, seed: int) -> Any:
+        return ray.data.from_items([{"x": r["x"].numpy(), "y": r["y"]} for r in make_rows(source, EVAL_ROWS, seed)])
+
+    datasets["eval"] = eval_set("eval", 1)
+    for name in SOURCES:
+        datasets[f"eval_{name}"] = eval_set(name, 2)
     return sweep(
         trainer=dict(
             model=make_model,
@@ -137,6 +175,7 @@ def proxy_trials_on_ray(space: Any, samples: int, storage: str, batch_size: int)
             num_workers=1,
             report_interval="1ep",
             report_every_s=None,
+            get_num_tokens_in_batch=lambda batch: int(batch["y"].numel()) * DIM,  # a token per feature
         ),
         param_space={"mixture": space},
         metric=METRIC,
@@ -160,6 +199,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     space = mixture_space(base_mixture(args.proxy_samples), concentration=1.0, num_samples=args.trials, seed=0)
     if args.ray:
         result = proxy_trials_on_ray(space, args.proxy_samples, args.storage, batch_size=32)
+        print(result.to_table())
     else:
         rows = proxy_trials_locally(space["grid_search"], args.proxy_samples)
         result = argparse.Namespace(rows=rows, metric=METRIC, mode="min")
@@ -187,6 +227,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         "chosen_losses": chosen_losses,
         "uniform_losses": uniform_losses,
         "margin": margin,
+        "result": result,
     }
 
 

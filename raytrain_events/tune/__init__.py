@@ -103,8 +103,6 @@ Files:
   checkpoint.
 * ``mixture_pbt.py``: PBT over mixture weights: explore on the simplex, and each trial's mixture over
   time from its lineage.
-* ``mixture_space.py``: Mixture weights as a search space: Dirichlet samples on the simplex, a grid of
-  named mixtures.
 * ``pbt.py``: Population-based training over algorithm sets: Tune's `PopulationBasedTraining`, set
   up for sweeps.
 * ``placement.py``: Release the placement groups of trials Tune stopped.
@@ -115,13 +113,14 @@ Files:
 * ``results.py``: `SweepResult`: the table of a sweep's trials, the best algorithm set and its best
   checkpoint.
 * ``sets.py``: Algorithm sets for sweeps: labels, validation, and the Tune grid over them.
+* ``simplex.py``: Mixture weights as a search space: Dirichlet samples on the simplex, a grid of
+  named mixtures.
 * ``trial.py``: What one Tune trial runs: the sweep's base `RunSpec` with the trial's overrides, as
   a `RayTrainer` run.
 """
 
 from raytrain_events.tune.driver import sweep
 from raytrain_events.tune.mixture_pbt import MixtureExplore, mixture_segments
-from raytrain_events.tune.mixture_space import mixture_grid, mixture_space
 from raytrain_events.tune.pbt import pbt_scheduler
 from raytrain_events.tune.regmix import (
     best_mixture,
@@ -132,6 +131,7 @@ from raytrain_events.tune.regmix import (
 )
 from raytrain_events.tune.results import TIME_ATTRS, TRIAL_RECORD, TRIAL_RUN_NAME, SweepResult
 from raytrain_events.tune.sets import algorithm_set_label, algorithm_sets_grid
+from raytrain_events.tune.simplex import mixture_grid, mixture_space
 
 __all__ = [
     "sweep",

@@ -154,7 +154,7 @@ def _validate(
         for choice in algorithm_choices(param_space["algorithms"]):
             validate_set(choice)
     if "mixture" in param_space:
-        from raytrain_events.tune.mixture_space import base_mixture, check_mixture_choice
+        from raytrain_events.tune.simplex import base_mixture, check_mixture_choice
 
         check_mixture_choice(base_mixture(base), param_space["mixture"])
     overrides = param_space.get("trainer")

@@ -18,7 +18,7 @@ import math
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from raytrain_events.core.mixture import MixtureError
-from raytrain_events.tune.mixture_space import normalize_weights
+from raytrain_events.tune.simplex import normalize_weights
 
 __all__ = ["MixtureExplore", "perturb_weights", "mixture_segments"]
 

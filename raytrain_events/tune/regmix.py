@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from raytrain_events.core.mixture import Mixture, MixtureError
-from raytrain_events.tune.mixture_space import normalize_weights, trial_mixture
+from raytrain_events.tune.simplex import normalize_weights, trial_mixture
 
 __all__ = [
     "MixtureFit",

@@ -75,7 +75,7 @@ def trial_spec(base: RunSpec, config: Mapping[str, Any]) -> RunSpec:
 
     ``config["trainer"]`` holds `RayTrainer` overrides; ``config["algorithms"]`` replaces the
     base's algorithm set; ``config["mixture"]`` (weights) replaces the first stage of the base's
-    mixture (`raytrain_events.tune.mixture_space.trial_mixture`); the whole trial config is merged over ``base.config``. The result is a
+    mixture (`raytrain_events.tune.simplex.trial_mixture`); the whole trial config is merged over ``base.config``. The result is a
     ``dataclasses.replace`` of ``base``, validated like a new spec.
     """
     config = dict(config)
@@ -87,7 +87,7 @@ def trial_spec(base: RunSpec, config: Mapping[str, Any]) -> RunSpec:
     if "algorithms" in config:
         changes["algorithms"] = normalize_set(config["algorithms"])
     if "mixture" in config:  # the searched weights (mixture_space): the base mixture with them as its first stage
-        from raytrain_events.tune.mixture_space import base_mixture, check_mixture_choice, trial_mixture
+        from raytrain_events.tune.simplex import base_mixture, check_mixture_choice, trial_mixture
 
         mixture = base_mixture(base)
         check_mixture_choice(mixture, config["mixture"])

@@ -11,20 +11,20 @@ import pytest
 
 from raytrain_events.core.mixture import Mixture, MixtureError
 from raytrain_events.tune.mixture_pbt import MixtureExplore, mixture_segments, perturb_weights
-from raytrain_events.tune.mixture_space import (
-    Simplex,
-    check_mixture_choice,
-    mixture_grid,
-    mixture_space,
-    normalize_weights,
-    trial_mixture,
-)
 from raytrain_events.tune.regmix import (
     best_mixture,
     fit_mixture_regression,
     read_mixture_config,
     regmix_search,
     write_mixture_config,
+)
+from raytrain_events.tune.simplex import (
+    Simplex,
+    check_mixture_choice,
+    mixture_grid,
+    mixture_space,
+    normalize_weights,
+    trial_mixture,
 )
 
 NAMES = ("help", "noise", "small")
@@ -101,7 +101,7 @@ def test_a_trial_trains_the_base_mixture_with_its_weights_as_the_first_stage():
     assert mixed.sources == staged.sources and mixed.epoch_size == staged.epoch_size
     grid = mixture_grid({"web-heavy": MIXTURE, "custom": {"help": 2, "noise": 1, "small": 1}})
     assert grid["grid_search"] == [
-        {"help": 0.3333, "noise": 0.3333, "small": 0.3333},
+        {"help": 0.3334, "noise": 0.3333, "small": 0.3333},
         {"help": 0.5, "noise": 0.25, "small": 0.25},
     ]
     absolute = Mixture(sources={"help": 600, "noise": 600}, weights={"help": {"repeat": 1.0}, "noise": {"choose": 100}})

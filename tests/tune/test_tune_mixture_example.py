@@ -1,6 +1,13 @@
-"""``examples/tune_mixture.py``: the RegMix-style search finds a mixture that beats uniform weights on the held-out task.
+"""``examples/tune_mixture.py``: its proxies as a 4-trial Ray sweep, and the RegMix-style search beating uniform weights.
 
-The one run of the example (proxies with the local `Trainer`, then full runs of the chosen and the
+The sweep (``proxy_trials_on_ray``, the example's ``--ray`` path, on the session's Ray): 4 trials of
+`RayTrainer` (one worker each) on Dirichlet-drawn mixtures; each trial's per-source samples and
+tokens add up to its global Timestamp, each source's eval set gives its own loss, and the table
+shows the weights and the tokens per source. Why a sweep of its own: a mixture replaces a run's
+train set, and the existing sweeps (the algorithm-set grid, ASHA, PBT, resume) each check their
+own train set's trials.
+
+The search: one run of the example (proxies with the local `Trainer`, then full runs of the chosen and the
 uniform mixture over two seeds). The margin asserted is the measured one with room for another
 machine's float order: measured 0.21 (16 trials, 3 seeds) and 0.20 (this test's 12 trials, 2 seeds).
 """
@@ -9,6 +16,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+
+import pytest
 
 from raytrain_events.core.mixture import Mixture
 
@@ -40,3 +49,36 @@ def test_the_searched_mixture_beats_uniform_on_the_held_out_task(tmp_path, capsy
     assert example.read_mixture_config(out) == Mixture.from_dict(found["found"].mixture.to_dict())
     printed = capsys.readouterr().out
     assert "held-out RMSE" in printed and "lower by" in printed
+
+
+@pytest.mark.ray
+def test_a_four_trial_mixture_sweep_reports_tokens_and_eval_loss_per_source(ray_cluster, tmp_path):
+    from raytrain_events.tune import mixture_space
+
+    example = _example()
+    samples = 512
+    space = mixture_space(example.base_mixture(samples), num_samples=4, seed=0)
+    result = example.proxy_trials_on_ray(space, samples, str(tmp_path / "runs"), batch_size=32)
+    assert len(result.rows) == 4 and {r["status"] for r in result.rows} == {"completed"}
+    assert sorted(tuple(sorted(r["config"]["mixture"].items())) for r in result.rows) == sorted(
+        tuple(sorted(w.items())) for w in space["grid_search"]
+    )
+    for row in result.rows:
+        weights = row["config"]["mixture"]
+        counts = {n: row[f"mixture/samples/{n}"] for n in example.SOURCES}
+        assert sum(counts.values()) == row["time/sample"] == samples
+        assert sum(row[f"mixture/tokens/{n}"] for n in example.SOURCES) == row["time/token"] == samples * example.DIM
+        for name in example.SOURCES:  # the plan apportions the epoch by the weights (largest remainders)
+            assert abs(counts[name] - weights[name] / sum(weights.values()) * samples) <= 1
+        last = [e for e in result.histories[row["trial_id"]] if "metrics/eval_small/cross_entropy" in e][-1]
+        assert all(f"metrics/eval_{n}/cross_entropy" in last for n in example.SOURCES)
+
+    # Per-source eval loss means what it says: the trial that trained most on 'small' is best on its eval set.
+    def eval_small(row):
+        history = result.histories[row["trial_id"]]
+        return [e for e in history if "metrics/eval_small/cross_entropy" in e][-1]["metrics/eval_small/cross_entropy"]
+
+    most_small = max(result.rows, key=lambda r: r["config"]["mixture"]["small"])
+    assert min(result.rows, key=eval_small) is most_small
+    header = result.to_table().splitlines()[0].split()
+    assert {"mixture/help", "mixture/small", "mixture/tokens/help", "mixture/tokens/small"} <= set(header)

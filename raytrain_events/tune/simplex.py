@@ -60,8 +60,10 @@ def normalize_weights(weights: Mapping[str, float], names: Sequence[str]) -> Dic
     if total <= 0:
         raise MixtureError(f"The mixture weights {dict(weights)!r} sum to 0: give at least one source a weight > 0.")
     rounded = [round(v / total, DIGITS) for v in values]
-    if sum(rounded) <= 0:  # every weight rounded away: keep the largest
-        rounded[values.index(max(values))] = 1.0
+    largest = values.index(max(values))
+    # The largest takes the rounding's remainder: the weights sum to 1 exactly (in DIGITS decimals), so
+    # normalising them again gives them back unchanged.
+    rounded[largest] = round(1.0 - sum(r for i, r in enumerate(rounded) if i != largest), DIGITS)
     return dict(zip(names, rounded))
 
 
