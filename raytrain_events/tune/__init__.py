@@ -79,8 +79,10 @@ Searching the data mixture
 first stage; the table shows them (``mixture/<source>``) beside the tokens each source gave
 (``mixture/tokens/<source>``). `regmix_search` fits the trials' loss as a function of the weights
 (scikit-learn, cross-validated) and returns the predicted best `Mixture`, which
-`write_mixture_config` writes as a stages config for the full run. ``pbt_scheduler(mixture=...)``
-perturbs a copy's weights on the simplex.
+`write_mixture_config` writes as a stages config for the full run. Under PBT over other keys a copy
+takes its donor's weights with its checkpoint (the lineage records them); exploring the weights
+themselves (`MixtureExplore`) is refused until a copy can continue the donor's cursors under new
+weights.
 
 Population-based training
 -------------------------

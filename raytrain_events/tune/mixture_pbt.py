@@ -1,11 +1,14 @@
 """PBT over mixture weights: explore on the simplex, and each trial's mixture over time from its lineage.
 
-PBT's exploit hands a bottom trial a top trial's config and checkpoint; `MixtureExplore` (the
-scheduler's ``custom_explore_fn``, set by ``pbt_scheduler(mixture=...)``) then perturbs the copied
+PBT's exploit hands a bottom trial a top trial's config and checkpoint; `MixtureExplore` (a
+``custom_explore_fn`` for Tune's PBT) then perturbs the copied
 ``config["mixture"]`` on the simplex: with probability ``resample_probability`` a fresh Dirichlet
 draw, otherwise each weight times ``exp(scale * N(0, 1))``, renormalised (a weight of 0 stays 0:
-a source the donor did not train on is not brought back by noise, only by a resample). The copy
-starts from the donor's checkpoint (its exact Timestamp) with the new weights.
+a source the donor did not train on is not brought back by noise, only by a resample). Not wired
+into `pbt_scheduler` yet: a copy with new weights that loads the donor's checkpoint is refused by
+the mixture's resume check (the checkpoint's per-source cursors are for the donor's weights); it
+needs the plan to start a stage at a position from given cursors. Without it, a copy keeps the
+donor's weights, stage and exact position, and `mixture_segments` shows that in the lineage.
 
 `mixture_segments` turns a trial's initial mixture and its lineage (`SweepResult` rows'
 ``lineage``: each copy's donor, counters and mixtures) into ``[(from, to, weights, trial)]``: which

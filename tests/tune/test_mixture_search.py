@@ -219,14 +219,17 @@ def test_explore_perturbs_on_the_simplex_keeps_zeros_and_is_seeded():
         MixtureExplore(space, scale=-0.1)
 
 
-def test_pbt_scheduler_explores_the_mixture_alone_or_with_the_lr():
+def test_pbt_scheduler_refuses_exploring_the_mixture_naming_what_works_instead():
+    """A copy with new weights cannot continue the donor's source cursors yet: refused before Ray starts."""
     from raytrain_events.tune import pbt_scheduler
 
-    assert pbt_scheduler("256sp", mixture=mixture_space(MIXTURE), seed=0) is not None  # nothing else to mutate
+    with pytest.raises(MixtureError, match="cannot continue the donor's data position.*param_space=\\{'mixture'"):
+        pbt_scheduler("256sp", mixture=mixture_space(MIXTURE), seed=0)
     with pytest.raises(TypeError, match="takes mixture_space"):
         pbt_scheduler("256sp", mixture={"help": 1.0})
     with pytest.raises(MixtureError, match="mixture_scale"):
         pbt_scheduler("256sp", mixture=mixture_space(MIXTURE), mixture_scale=0)
+    assert pbt_scheduler("256sp", lr=[0.1, 0.2]) is not None  # PBT over the lr of a mixture search works
 
 
 def test_the_lineage_says_which_mixture_trained_the_model_over_which_samples():
