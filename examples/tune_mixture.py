@@ -153,7 +153,8 @@ def proxy_trials_on_ray(space: Any, samples: int, storage: str, batch_size: int)
     from raytrain_events.ray.parquet_seek import ParquetRowGroups
     from raytrain_events.tune import sweep
 
-    ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])  # trials get these functions, not the file
+    if __name__ != "__main__" and __name__ in sys.modules:  # imported: trials get these functions, not the file
+        ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])  # (__main__ and unlisted modules go by value)
     ensure_ray()
     folder = tempfile.mkdtemp(prefix="tune_mixture-data-")
     datasets: Dict[str, Any] = {name: ParquetRowGroups(path) for name, path in write_parquet_sources(folder).items()}

@@ -118,6 +118,32 @@ def test_sweep_refuses_a_mixture_search_before_ray_starts(tmp_path, monkeypatch)
 
     monkeypatch.setattr(cluster, "ensure_ray", no_ray)
     trainer = dict(model=lambda c: None, optimizers=lambda m, c: None, datasets={"train": [1]}, max_duration="1ep")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raytrain_events.ray.parquet_seek import ParquetRowGroups
+
+    datasets = {}
+    for name in NAMES:
+        pq.write_table(pa.table({"x": list(range(600)), "y": [0] * 600}), str(tmp_path / f"{name}.parquet"))
+        datasets[name] = ParquetRowGroups(str(tmp_path / f"{name}.parquet"))
+    with_mixture = {**trainer, "datasets": datasets, "mixture": MIXTURE}
+    with pytest.raises(MixtureError, match=r"\['code'\], which are not sources of the sweep's mixture"):
+        sweep(
+            trainer=with_mixture,
+            param_space={"mixture": mixture_grid([{"help": 1, "code": 1}])},
+            metric="m",
+            mode="min",
+            storage_path=str(tmp_path),
+        )
+    with pytest.raises(MixtureError, match="concentration -2"):
+        sweep(
+            trainer=with_mixture,
+            param_space={"mixture": mixture_space(MIXTURE, concentration=-2)},
+            metric="m",
+            mode="min",
+            storage_path=str(tmp_path),
+        )
     with pytest.raises(MixtureError, match="trainer has none"):
         sweep(
             trainer=trainer,
