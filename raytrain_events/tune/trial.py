@@ -75,8 +75,8 @@ def trial_spec(base: RunSpec, config: Mapping[str, Any]) -> RunSpec:
 
     ``config["trainer"]`` holds `RayTrainer` overrides; ``config["algorithms"]`` replaces the
     base's algorithm set; ``config["mixture"]`` (weights) replaces the first stage of the base's
-    mixture (`raytrain_events.tune.simplex.trial_mixture`); the whole trial config is merged over ``base.config``. The result is a
-    ``dataclasses.replace`` of ``base``, validated like a new spec.
+    mixture (`raytrain_events.tune.simplex.trial_mixture`); the whole trial config is merged over
+    ``base.config``. The result is a ``dataclasses.replace`` of ``base``, validated like a new spec.
     """
     config = dict(config)
     overrides = config.get("trainer") or {}
