@@ -9,7 +9,7 @@ own train set's trials.
 
 The search: one run of the example (proxies with the local `Trainer`, then full runs of the chosen and the
 uniform mixture over two seeds). The margin asserted is the measured one with room for another
-machine's float order: measured 0.21 (16 trials, 3 seeds) and 0.20 (this test's 12 trials, 2 seeds).
+machine's float order: measured 0.21 (16 trials, 3 seeds) and 0.26 (this test's 12 trials, 2 seeds).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def test_the_searched_mixture_beats_uniform_on_the_held_out_task(tmp_path, capsy
     weights = found["found"].weights
     assert weights["help"] > weights["small"] > weights["noise"]  # noise is left out, small kept in a smaller share
     assert weights["noise"] < 0.1 and weights["small"] > 0.05
-    assert found["margin"] > 0.1  # measured 0.20 here (chosen 0.17, uniform 0.38)
+    assert found["margin"] > 0.1  # measured 0.263 with these arguments (chosen 0.145, uniform 0.408)
     assert all(c < u for c, u in zip(found["chosen_losses"], found["uniform_losses"]))  # on every seed
     with open(out) as f:
         assert "stages" in f.read()
