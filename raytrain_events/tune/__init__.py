@@ -72,6 +72,18 @@ and trials never started run. Tune saves its experiment state at most every ~10 
 right after a trial finished may not know it finished; such a trial finds its
 ``raytrain_trial.json`` and replays its recorded history to Tune instead of training again.
 
+Searching the data mixture
+--------------------------
+``param_space={"mixture": mixture_space(mixture, concentration=1.0, num_samples=16, seed=0)}``
+(or `mixture_grid` of given weights) gives each trial its own weights for ``trainer["mixture"]``'s
+first stage; the table shows them (``mixture/<source>``) beside the tokens each source gave
+(``mixture/tokens/<source>``). `regmix_search` fits the trials' loss as a function of the weights
+(scikit-learn, cross-validated) and returns the predicted best `Mixture`, which
+`write_mixture_config` writes as a stages config for the full run. Under PBT over other keys a copy
+takes its donor's weights with its checkpoint (the lineage records them); exploring the weights
+themselves (`MixtureExplore`) is refused until a copy can continue the donor's cursors under new
+weights.
+
 Population-based training
 -------------------------
 ``sweep(..., scheduler=pbt_scheduler("512sp", algorithm_sets=..., lr=...))``: trials report each
@@ -91,22 +103,37 @@ Files:
   `raytrain_events.tune`).
 * ``explore.py``: Keep a PBT trial's explored optimizer settings when it loads another trial's
   checkpoint.
+* ``mixture_pbt.py``: PBT over mixture weights: explore on the simplex, and each trial's mixture over
+  time from its lineage.
 * ``pbt.py``: Population-based training over algorithm sets: Tune's `PopulationBasedTraining`, set
   up for sweeps.
 * ``placement.py``: Release the placement groups of trials Tune stopped.
 * ``pointer.py``: Checkpoint pointers: what a Tune trial reports to Tune instead of copying its
   checkpoint.
+* ``regmix.py``: RegMix-style proxy search: fit eval loss as a function of the mixture weights, pick
+  the predicted best.
 * ``results.py``: `SweepResult`: the table of a sweep's trials, the best algorithm set and its best
   checkpoint.
 * ``sets.py``: Algorithm sets for sweeps: labels, validation, and the Tune grid over them.
+* ``simplex.py``: Mixture weights as a search space: Dirichlet samples on the simplex, a grid of
+  named mixtures.
 * ``trial.py``: What one Tune trial runs: the sweep's base `RunSpec` with the trial's overrides, as
   a `RayTrainer` run.
 """
 
 from raytrain_events.tune.driver import sweep
+from raytrain_events.tune.mixture_pbt import MixtureExplore, mixture_segments
 from raytrain_events.tune.pbt import pbt_scheduler
+from raytrain_events.tune.regmix import (
+    best_mixture,
+    fit_mixture_regression,
+    read_mixture_config,
+    regmix_search,
+    write_mixture_config,
+)
 from raytrain_events.tune.results import TIME_ATTRS, TRIAL_RECORD, TRIAL_RUN_NAME, SweepResult
 from raytrain_events.tune.sets import algorithm_set_label, algorithm_sets_grid
+from raytrain_events.tune.simplex import mixture_grid, mixture_space
 
 __all__ = [
     "sweep",
@@ -114,6 +141,15 @@ __all__ = [
     "SweepResult",
     "algorithm_sets_grid",
     "algorithm_set_label",
+    "mixture_space",
+    "mixture_grid",
+    "MixtureExplore",
+    "mixture_segments",
+    "fit_mixture_regression",
+    "best_mixture",
+    "regmix_search",
+    "write_mixture_config",
+    "read_mixture_config",
     "TIME_ATTRS",
     "TRIAL_RECORD",
     "TRIAL_RUN_NAME",

@@ -59,7 +59,8 @@ def sweep(
             ``datasets`` may also be a factory ``fn(config) -> {"train": ds, ...}`` called in each trial.
             ``storage_path``/``storage_options``/``run_name`` are set by the sweep.
         param_space: Tune search space. ``"algorithms"`` holds algorithm sets (see
-            `algorithm_sets_grid`); ``"trainer"`` holds `RayTrainer` overrides; every key reaches
+            `algorithm_sets_grid`); ``"mixture"`` holds mixture weights (`mixture_space`,
+            `mixture_grid`) for ``trainer["mixture"]``'s first stage; ``"trainer"`` holds `RayTrainer` overrides; every key reaches
             the factories' ``config``.
         metric, mode: what to optimize (``"metrics/eval/accuracy"``/``"max"``, ``"train/loss"``/``"min"``);
             a trial's value is the last one it reported.
@@ -152,6 +153,10 @@ def _validate(
     if "algorithms" in param_space:
         for choice in algorithm_choices(param_space["algorithms"]):
             validate_set(choice)
+    if "mixture" in param_space:
+        from raytrain_events.tune.simplex import base_mixture, check_mixture_choice
+
+        check_mixture_choice(base_mixture(base), param_space["mixture"])
     overrides = param_space.get("trainer")
     if overrides is not None:
         if not isinstance(overrides, Mapping):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Mapping, Optional, Union
 
+from raytrain_events.core.mixture import MixtureError
 from raytrain_events.core.time import Time, TimeUnit, ensure_time, report_key
 from raytrain_events.tune.sets import algorithm_choices, validate_set
 
@@ -30,6 +31,9 @@ def pbt_scheduler(
     algorithm_sets: Any = None,
     lr: Any = None,
     hyperparam_mutations: Optional[Mapping[str, Any]] = None,
+    mixture: Any = None,
+    mixture_scale: float = 0.3,
+    seed: Optional[int] = None,
     quantile_fraction: float = 0.25,
     resample_probability: float = 0.25,
     burn_in_period: Union[str, Time, None] = None,
@@ -43,7 +47,12 @@ def pbt_scheduler(
     `algorithm_sets_grid(...)`'s value. ``lr``: the LR's mutation (a list of values, a Tune
     domain such as ``tune.loguniform(1e-4, 1e-1)``, or a function), mutating ``config["lr"]``.
     ``hyperparam_mutations``: any other config keys' mutations (Tune's format; numeric values are
-    perturbed by PBT's factors). ``options``: more `PopulationBasedTraining` arguments.
+    perturbed by PBT's factors). ``mixture`` (a `mixture_space(...)` domain, explored by
+    `MixtureExplore` with ``mixture_scale`` and ``seed``) is refused for now, naming why: a copy
+    with new weights cannot continue the donor's per-source cursors yet. A sweep searching the
+    mixture (``param_space["mixture"]``) under PBT over other keys works: a copy takes the donor's
+    config, so it trains on the donor's weights from the donor's exact position. ``options``: more
+    `PopulationBasedTraining` arguments.
     """
     from ray.tune.schedulers import PopulationBasedTraining
 
@@ -59,8 +68,22 @@ def pbt_scheduler(
         mutations["algorithms"] = [validate_set(s) for s in sets]
     if lr is not None:
         mutations["lr"] = lr
-    if not mutations:
-        raise ValueError("pbt_scheduler needs something to mutate: pass algorithm_sets=, lr= or hyperparam_mutations=.")
+    if mixture is not None:
+        from raytrain_events.tune.mixture_pbt import MixtureExplore
+
+        MixtureExplore(mixture, scale=mixture_scale, resample_probability=resample_probability, seed=seed)  # checks
+        raise MixtureError(
+            "pbt_scheduler(mixture=...): a copy with explored weights cannot continue the donor's data position "
+            "yet: the donor's checkpoint holds each source's cursor under the donor's weights, and a run resumes "
+            "only on the mixture it saved (MixtureResumeError at load). PBT copies keep the donor's weights, stage "
+            "and exact position today: search the weights with param_space={'mixture': mixture_space(...)} and "
+            "let PBT mutate lr=, algorithm_sets= or hyperparam_mutations= (each copy then records its donor's "
+            "mixture in its lineage)."
+        )
+    if not mutations and mixture is None:
+        raise ValueError(
+            "pbt_scheduler needs something to mutate: pass algorithm_sets=, lr=, mixture= or hyperparam_mutations=."
+        )
     burn_in = 0
     if burn_in_period is not None:
         burn = _samples_or_tokens(burn_in_period, "burn_in_period")

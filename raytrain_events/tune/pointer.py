@@ -3,7 +3,7 @@
 Our checkpoints are already committed in the trial's run dir (object storage or a shared
 folder). Tune persists every checkpoint a trial reports, so a trial reports a tiny directory
 holding only ``raytrain_pointer.json``: the committed checkpoint's URL, its global Timestamp
-counters, and the trial folder, run and algorithm set that saved it. A scheduler that restores a
+counters, and the trial folder, run, algorithm set and mixture weights that saved it. A scheduler that restores a
 trial from it (PBT's exploit, a resumed sweep) hands the pointer back through
 ``ray.tune.get_checkpoint()``; the trial reads it with `read_pointer` and loads the real checkpoint.
 """
@@ -31,6 +31,7 @@ class CheckpointPointer:
     trial_folder: str  # the Tune trial folder whose run saved it
     run_name: str  # the run (inside the trial folder) that saved it
     algorithms: List[Any] = field(default_factory=list)  # the saving trial's algorithm set
+    mixture: Optional[Dict[str, float]] = None  # the saving trial's searched mixture weights (config["mixture"])
 
     @property
     def name(self) -> str:
@@ -38,8 +39,13 @@ class CheckpointPointer:
         return self.url.rstrip("/").rsplit("/", 1)[-1]
 
 
-def pointer_from_entry(
-    entry: Mapping[str, Any], run_url: str, trial_folder: str, run_name: str, algorithms: List[Any]
+def pointer_from_entry(  # noqa: PLR0913 (the entry, then who saved it: run, trial, run name, set, mixture)
+    entry: Mapping[str, Any],
+    run_url: str,
+    trial_folder: str,
+    run_name: str,
+    algorithms: List[Any],
+    mixture: Optional[Mapping[str, float]] = None,
 ) -> Optional[CheckpointPointer]:
     """The pointer for the checkpoint a history entry names (None if it names none).
 
@@ -59,6 +65,7 @@ def pointer_from_entry(
         trial_folder=trial_folder,
         run_name=run_name,
         algorithms=list(algorithms),
+        mixture=None if mixture is None else dict(mixture),
     )
 
 
@@ -93,4 +100,5 @@ def read_pointer(folder: str) -> CheckpointPointer:
         trial_folder=data["trial_folder"],
         run_name=data["run_name"],
         algorithms=list(data.get("algorithms") or []),
+        mixture=data.get("mixture"),
     )

@@ -22,6 +22,8 @@ logger = logging.getLogger(__name__)
 TIME_ATTRS = tuple(report_key(name) for name in COUNTER_UNITS)
 #: The Train run name of every trial (the run folder inside the trial folder).
 TRIAL_RUN_NAME = "train"
+#: Per-source counts a mixture run reports (`MixtureCounts`): the table shows tokens, else samples.
+MIXTURE_COUNT_PREFIXES = ("mixture/tokens/", "mixture/samples/")
 #: File in a trial folder listing the trials it copied (PBT exploits): when, which checkpoint, which set.
 LINEAGE_FILE = "raytrain_lineage.json"
 
@@ -54,7 +56,10 @@ class SweepResult:
     ``checkpoint`` (the trial's best checkpoint path or None), ``run_url`` (its Train run folder,
     the newest one), ``path`` (its Tune trial folder), ``lineage`` (PBT: each trial it copied, as
     ``{"copied_trial", "checkpoint", "counters", "from_algorithms", "algorithms", "run_name"}``,
-    oldest first) and ``copied`` (the lineage in short, ``trial_x@384sp``, or None).
+    oldest first) and ``copied`` (the lineage in short, ``trial_x@384sp``, or None). A mixture
+    sweep's rows also hold the trial's weights (``mixture/<source>``, from its config) and its
+    per-source counts at its last result (``mixture/tokens/<source>``, ``mixture/samples/<source>``),
+    and the table shows them.
     """
 
     metric: str
@@ -101,13 +106,16 @@ class SweepResult:
         times = [self.time_attr] if self.time_attr in TIME_ATTRS else []
         times += [t for t in ("time/sample",) if t not in times]
         copied = any(row.get("copied") for row in self.rows)
-        header = ["", "trial", "status", "algorithms", *params, self.metric, *times, *(["copied"] if copied else [])]
+        counts = _count_columns(self.rows)
+        header = ["", "trial", "status", "algorithms", *params, self.metric, *times, *counts]
+        header += ["copied"] if copied else []
         best = self.best
         lines = []
         for row in self.rows:
             cells = ["*" if best is not None and row is best else "", row["trial_id"], row["status"], row["algorithms"]]
             cells += [_fmt(row["params"].get(p)) for p in params]
             cells += [_fmt(row.get(self.metric))] + [_fmt(row.get(t)) for t in times]
+            cells += [_fmt(row.get(c)) for c in counts]
             cells += [_fmt(row.get("copied"))] if copied else []
             lines.append(cells)
         widths = [max(len(str(c)) for c in column) for column in zip(header, *lines)]
@@ -118,6 +126,15 @@ class SweepResult:
 
     def __str__(self) -> str:
         return self.to_table()
+
+
+def _count_columns(rows: List[Dict[str, Any]]) -> List[str]:
+    """The per-source count columns of a mixture sweep: tokens per source, else samples per source."""
+    for prefix in MIXTURE_COUNT_PREFIXES:
+        found = sorted({k for row in rows for k in row if k.startswith(prefix)})
+        if found:
+            return found
+    return []
 
 
 def _fmt(value: Any) -> str:
@@ -239,6 +256,8 @@ def make_result(
             "path": result.path,
             "lineage": lineage,
             "copied": "; ".join(f"{s['copied_trial']}@{s['counters'].get('sample')}sp" for s in lineage) or None,
+            # A mixture run's per-source counts at its last result (MixtureCounts): sum to its samples / tokens.
+            **{k: v for k, v in last.items() if k.startswith(MIXTURE_COUNT_PREFIXES)},
         }
         rows.append(row)
 

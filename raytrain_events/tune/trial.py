@@ -74,8 +74,9 @@ def trial_spec(base: RunSpec, config: Mapping[str, Any]) -> RunSpec:
     """One trial's `RunSpec`: ``base`` with the trial's overrides, algorithm set and config merged in.
 
     ``config["trainer"]`` holds `RayTrainer` overrides; ``config["algorithms"]`` replaces the
-    base's algorithm set; the whole trial config is merged over ``base.config``. The result is a
-    ``dataclasses.replace`` of ``base``, validated like a new spec.
+    base's algorithm set; ``config["mixture"]`` (weights) replaces the first stage of the base's
+    mixture (`raytrain_events.tune.simplex.trial_mixture`); the whole trial config is merged over
+    ``base.config``. The result is a ``dataclasses.replace`` of ``base``, validated like a new spec.
     """
     config = dict(config)
     overrides = config.get("trainer") or {}
@@ -85,6 +86,13 @@ def trial_spec(base: RunSpec, config: Mapping[str, Any]) -> RunSpec:
     changes = dict(overrides)
     if "algorithms" in config:
         changes["algorithms"] = normalize_set(config["algorithms"])
+    if "mixture" in config:  # the searched weights (mixture_space): the base mixture with them as its first stage
+        from raytrain_events.tune.simplex import base_mixture, check_mixture_choice, trial_mixture
+
+        mixture = base_mixture(base)
+        check_mixture_choice(mixture, config["mixture"])
+        assert mixture is not None
+        changes["mixture"] = trial_mixture(mixture, config["mixture"])
     changes["config"] = {**base.config, **config}
     changes["progress_bar"] = False
     return base.replace(**changes)
@@ -133,7 +141,7 @@ def raytrain_trial(config: Dict[str, Any], sweep_setup: Optional[TrialSetup] = N
         storage_options=setup.storage_options,
         run_name=run_name,
     )
-    result = fit_reporting_to_tune(trainer, trial_folder, algorithms)
+    result = fit_reporting_to_tune(trainer, trial_folder, algorithms, mixture=config.get("mixture"))
     write_record(
         record_url,
         setup.storage_options,
@@ -215,18 +223,17 @@ def run_to_continue(
     checkpoint = dataclasses.replace(
         spec.checkpoint, load_from=pointer.url, load_weights_only=False, load_ignore_keys=[]
     )
-    add_lineage(
-        trial_url,
-        setup.storage_options,
-        {
-            "run_name": run_name,
-            "copied_trial": pointer.trial_folder,
-            "checkpoint": pointer.url,
-            "counters": dict(pointer.counters),
-            "from_algorithms": pointer.algorithms,
-            "algorithms": algorithms,
-        },
-    )
+    step = {
+        "run_name": run_name,
+        "copied_trial": pointer.trial_folder,
+        "checkpoint": pointer.url,
+        "counters": dict(pointer.counters),
+        "from_algorithms": pointer.algorithms,
+        "algorithms": algorithms,
+    }
+    if pointer.mixture is not None or spec.config.get("mixture") is not None:  # a mixture search's weights
+        step.update(from_mixture=pointer.mixture, mixture=spec.config.get("mixture"))
+    add_lineage(trial_url, setup.storage_options, step)
     return run_name, spec.replace(checkpoint=checkpoint)
 
 
@@ -239,7 +246,9 @@ def add_lineage(trial_url: str, storage_options: Dict[str, Any], step: Dict[str,
     write_record(join_url(trial_url, LINEAGE_FILE), storage_options, [*lineage, step])
 
 
-def fit_reporting_to_tune(trainer: Any, trial_folder: str, algorithms: List[Any]) -> Any:
+def fit_reporting_to_tune(
+    trainer: Any, trial_folder: str, algorithms: List[Any], mixture: Optional[Mapping[str, float]] = None
+) -> Any:
     """``trainer.fit()`` in a background thread while this (the trial's) thread reports to Tune.
 
     The driver's controller callback puts every aggregated history entry (global counts, not
@@ -270,7 +279,7 @@ def fit_reporting_to_tune(trainer: Any, trial_folder: str, algorithms: List[Any]
         entry = queue.get()
         if entry == _FIT_DONE:
             break
-        pointer = pointer_from_entry(entry, trainer.run_url, trial_folder, trainer.run_name, algorithms)
+        pointer = pointer_from_entry(entry, trainer.run_url, trial_folder, trainer.run_name, algorithms, mixture)
         if pointer is None:
             tune.report(dict(entry))
             continue

@@ -105,6 +105,26 @@ def test_a_copied_trial_starts_a_new_run_that_fully_loads_the_donor_and_records_
         run_to_continue(_spec(checkpoint=None), donor, "trial_b", [], trial_url, setup)
 
 
+def test_a_mixture_copy_records_the_donors_weights_and_its_own_in_the_lineage(tmp_path):
+    """The pointer carries the saving trial's mixture weights; the copy's lineage step names both."""
+    from raytrain_events.tune.pointer import pointer_from_entry, read_pointer, write_pointer
+    from raytrain_events.tune.trial import TrialSetup, read_lineage, run_to_continue
+
+    donor_weights = {"help": 0.8, "noise": 0.1, "small": 0.1}
+    entry = {"checkpoint_path": "x/ckpt-8-aa", "time/sample": 256, "time/batch": 8}
+    pointer = pointer_from_entry(entry, str(tmp_path / "trial_a/train"), "trial_a", "train", [], donor_weights)
+    write_pointer(str(tmp_path / "p"), pointer)
+    assert read_pointer(str(tmp_path / "p")).mixture == donor_weights
+
+    setup = TrialSetup(spec=_spec(), experiment_url=str(tmp_path), storage_options={}, keep_every_checkpoint=True)
+    explored = {"help": 0.7, "noise": 0.1, "small": 0.2}
+    spec = _spec(config={"mixture": explored})
+    run_to_continue(spec, read_pointer(str(tmp_path / "p")), "trial_b", [], str(tmp_path / "trial_b"), setup)
+    (step,) = read_lineage(str(tmp_path / "trial_b"), {})
+    assert step["from_mixture"] == donor_weights and step["mixture"] == explored
+    assert step["counters"]["sample"] == 256
+
+
 def test_pbt_scheduler_measures_global_samples_and_mutates_sets_and_lr():
     from ray.tune.schedulers import PopulationBasedTraining
 
