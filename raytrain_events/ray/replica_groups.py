@@ -268,7 +268,7 @@ class ReplicaCommit(Callback):
             state.batch_num_samples = state.global_batch_num_samples = 0
             for scheduler, saved in zip(state.schedulers, self._schedulers):
                 scheduler.load_state_dict(saved)
-            log.warning("replica groups: the step at batch %s did not commit; training it again", before.batch)
+            log.warning("replica groups: the step at batch %s did not commit; training it again", int(before.batch))
 
     def _quorum_change(self, change: QuorumChange) -> None:
         self.changes.append(change)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 
 from raytrain_events import Callback
@@ -26,6 +27,14 @@ class RecordCommits(Callback):
         self.commit = next(c for c in state.callbacks if type(c).__name__ == "ReplicaCommit")
         with open(os.path.join(self.folder, f"proc-{os.getpid()}.json"), "w") as f:
             json.dump({"pid": os.getpid(), "group": self.group, "t": time.time()}, f)
+
+    def after_train_batch(self, state, logger) -> None:
+        """Die here, between backward and the step's all-reduce, when the test asks (``die-in-step-<group>``):
+        the others' all-reduce fails and their step does not commit."""
+        flag = os.path.join(self.folder, f"die-in-step-{self.group}")
+        if os.path.exists(flag):
+            os.remove(flag)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def batch_end(self, state, logger) -> None:
         held = self.commit.loader._held  # the global batch this step trained (or failed to)

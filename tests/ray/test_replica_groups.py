@@ -5,7 +5,8 @@ The run: 3 replica groups of one worker each (Ray 2.60 makes groups of one worke
 session's Ray, gloo on loopback, the resume tests' Parquet rows (203 rows, global batch 12, 17
 global batches per epoch). A recorder writes, per committed step, the global batch's ids and this
 group's part; a thread kills the worker of group 1 twice once it trains, each time after the
-group has rejoined (the quorum back to 3).
+group has rejoined (the quorum back to 3): once from outside between steps, once by itself
+between its backward and the step's all-reduce, so the others' step fails and is trained again.
 """
 
 from __future__ import annotations
@@ -95,7 +96,13 @@ def _kill_twice(folder: str, victim: int, kills: list, outages: list, stop: thre
                 continue
             others = [p for g in range(GROUPS) if g != victim for p in [_live_group(folder, g)] if p]
             before = {p["pid"]: _steps_of(folder, p["pid"], GROUPS - 1) for p in others}
-            os.kill(proc["pid"], signal.SIGKILL)
+            if kills:  # the second kill: the worker SIGKILLs itself mid-step, before the step's all-reduce
+                with open(os.path.join(folder, f"die-in-step-{victim}"), "w"):
+                    pass
+                while _live_group(folder, victim) is not None and _live_group(folder, victim)["pid"] == proc["pid"]:
+                    time.sleep(0.05)
+            else:
+                os.kill(proc["pid"], signal.SIGKILL)
             kills.append(proc["pid"])
             while not stop.is_set():  # until the group is back: a new process that committed a step
                 back = _live_group(folder, victim)
@@ -132,6 +139,8 @@ def test_replica_groups_train_through_two_kills(ray_cluster, tmp_path):
         "batch": BATCHES_PER_EPOCH * EPOCHS,
         "sample": ROWS * EPOCHS,
     }
+    # The in-step kill: the survivors' step with the dying group failed its all-reduce and did not commit.
+    assert any(not r["committed"] for r in _records(folder)), "no step failed to commit"
     records = [r for r in _records(folder) if r["committed"]]
     by_batch = defaultdict(list)
     for r in records:
