@@ -40,6 +40,7 @@ class RecordCommits(Callback):
         held = self.commit.loader._held  # the global batch this step trained (or failed to)
         record = {
             "group": self.group,
+            "pid": os.getpid(),
             "committed": self.commit.optimizer.committed,
             "epoch": int(state.timestamp.epoch),
             "batch_in_epoch": int(state.timestamp.batch_in_epoch),
