@@ -198,9 +198,14 @@ class ReplicaLoader(GlobalOrderLoader):
         from raytrain_events.ray.block_fetch import cluster_node, finish_fetch, start_fetch
 
         if self._next is None or self._next[:2] != (epoch, position):
-            # A new pass from here: an epoch start, a rejoin, or a heal that moved this group's position.
-            self._start(epoch, position, 1)  # resume_batch=1: this rank number may have served it before
-            self._stream, self._next = (epoch, position), (epoch, position, 0)
+            # An epoch start, a rejoin or a heal: this rank enters the epoch's one pass (epoch, 0) at batch k,
+            # the pass the other groups are in, so its cursor there moves on and the feeder trims behind it
+            # (a pass of its own would leave its old cursor, and all the epoch's blocks after it, held).
+            k, off = divmod(position, self.shard.global_batch)
+            start = (epoch, 0) if off == 0 else (epoch, position)
+            k = k if off == 0 else 0
+            self._start(epoch, start[1], max(k, 1))  # resume_batch >= 1: this rank number may have served it
+            self._stream, self._next = start, (epoch, position, k)
         assert self._stream is not None
         k = self._next[2]
         feeder, rank = self.shard.feeder, self.shard.rank

@@ -149,12 +149,13 @@ def test_replica_groups_train_through_two_kills(ray_cluster, tmp_path):
         for r_pid in {r["pid"] for r in _records(folder) if r["group"] != 1}:
             ts = sorted(r["t"] for r in _records(folder) if r["pid"] == r_pid and r["committed"])
             gaps = [b - a for a, b in zip(ts, ts[1:])]
-            near = [b - a for a, b in zip(ts, ts[1:]) if a <= t_kill + 10 and b >= t_kill]
+            near = [b - a for a, b in zip(ts, ts[1:]) if a <= t_kill + 3 and b >= t_kill]  # the quorum's wait
             if gaps and near:
                 median = sorted(gaps)[len(gaps) // 2]
                 print(
                     f"kill of {pid_killed}: survivor {r_pid} longest gap {max(near):.2f} s, median step {median:.2f} s"
                 )
+    print(f"steps the survivors committed during each outage: {outages}")
     # The in-step kill: the survivors' step with the dying group failed its all-reduce and did not commit.
     assert any(not r["committed"] for r in _records(folder)), "no step failed to commit"
     records = [r for r in _records(folder) if r["committed"]]
