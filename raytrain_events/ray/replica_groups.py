@@ -174,8 +174,13 @@ class ReplicaLoader(GlobalOrderLoader):
         self.global_rows = 0
 
     def __iter__(self):
+        batches = len(self)
         while True:
             before = self.replicas.state.timestamp
+            if int(before.batch_in_epoch) >= batches:
+                # The epoch is over: no quorum for a step that will not come (a group joining in that quorum
+                # would heal to an epoch's end, where its loop has no batch left to train).
+                return
             self.manager.start_quorum()  # synchronous: a joining group has the peer's state after it
             state = self.replicas.state
             n = self.manager.num_participants()
