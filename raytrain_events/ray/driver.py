@@ -109,9 +109,9 @@ class RayTrainer:
                 f"({spec.run_name}), so there is nothing to resume. Fix: name the run, RayTrainer(run_name='my-run', "
                 "...), with the same name (and storage_path) in every job that continues it."
             )
-        from raytrain_events.ray.replica_checks import check_replica_workers
+        from raytrain_events.ray.replica_checks import check_fault_tolerance
 
-        check_replica_workers(spec)
+        check_fault_tolerance(spec)  # replica groups: what they support, and torchft installed
         if isinstance(spec.workers, int):  # an elastic group's size is checked at each worker start
             from raytrain_events.parallel.world import check_tensor_parallel_world
 

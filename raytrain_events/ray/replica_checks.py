@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any, Dict, Mapping
 
-__all__ = ["FAULT_TOLERANCE", "check_fault_tolerance", "check_replica_workers", "require_torchft", "torchft_config"]
+__all__ = ["FAULT_TOLERANCE", "check_fault_tolerance", "require_torchft", "torchft_config"]
 
 #: The values of ``RunSpec.fault_tolerance``.
 FAULT_TOLERANCE = (None, "replica_groups")
@@ -29,7 +29,8 @@ def require_torchft() -> None:
 
 
 def check_fault_tolerance(spec: Any) -> None:
-    """Refuse a ``fault_tolerance`` value, or a combination replica groups do not support yet."""
+    """Refuse a ``fault_tolerance`` value, or a combination replica groups do not support yet (`RayTrainer`
+    calls it on the driver before Ray starts; a Tune trial's overrides, when the trial builds its `RayTrainer`)."""
     value = spec.fault_tolerance
     if value not in FAULT_TOLERANCE:
         raise ValueError(
@@ -39,11 +40,10 @@ def check_fault_tolerance(spec: Any) -> None:
     if value is None:
         return
     refusals = []
-    # The workers' copy of the spec has the driver-only num_workers/scaling_config at their defaults.
-    workers = None if spec.num_workers is None and spec.scaling_config is None else spec.workers
+    workers = spec.workers
     if isinstance(workers, tuple):
         refusals.append("an elastic num_workers=(min, max): pass a fixed num_workers (the replica groups)")
-    elif workers is not None and workers < 2:
+    elif workers < 2:
         refusals.append(f"num_workers={workers!r}: replica groups need num_workers >= 2 (one group per worker)")
     parallel = spec.parallelism_spec
     if parallel.kind != "ddp" or parallel.batch_group > 1:
@@ -64,15 +64,6 @@ def check_fault_tolerance(spec: Any) -> None:
             "options, or drop fault_tolerance to recover by restarting the worker group."
         )
     require_torchft()
-
-
-def check_replica_workers(spec: Any) -> None:
-    """On the driver: a replica-groups run names its groups (``num_workers >= 2``)."""
-    if spec.fault_tolerance == "replica_groups" and spec.num_workers is None and spec.scaling_config is None:
-        raise ValueError(
-            "fault_tolerance='replica_groups' needs num_workers >= 2 (one replica group per worker); got the "
-            "default of 1 worker. Fix: RayTrainer(..., num_workers=3, fault_tolerance='replica_groups')."
-        )
 
 
 def min_replicas(groups: int) -> int:

@@ -116,9 +116,7 @@ class RunSpec(LoopOptions):
     )
     checkpoint: Any = _opt(None, help="a raytrain_events.checkpoint.CheckpointConfig; None: no checkpoints")
     max_failures: int = _opt(0, help="worker-group restarts Ray Train makes after a failure", worker=False)
-    fault_tolerance: Optional[str] = _opt(
-        None, help="None, or 'replica_groups': each worker a torchft replica group that fails alone (replica_groups.py)"
-    )
+    fault_tolerance: Optional[str] = _opt(None, help="None, or 'replica_groups' (checked in ray/replica_checks.py)")
     hang_timeout: Optional[float] = _opt(
         None,
         help="seconds without progress on any rank before the watchdog saves every rank's stacks in <run>/hangs "
@@ -174,9 +172,6 @@ class RunSpec(LoopOptions):
         if self.report_interval is None and self.report_every_s is None:
             raise ValueError("Pass report_interval (a Time, like '500ba') or report_every_s (seconds), or both.")
         self._check_data_and_scaling()
-        from raytrain_events.ray.replica_checks import check_fault_tolerance
-
-        check_fault_tolerance(self)  # replica groups: what they support, and torchft installed
         from raytrain_events.ray.validation import check_validation, parse_validation
 
         self.validation = parse_validation(self.validation)

@@ -55,7 +55,7 @@ def test_unsupported_combinations_are_refused_with_the_fix(over, named):
 def test_the_default_single_worker_is_refused_on_the_driver():
     options = _options()
     del options["num_workers"]
-    with pytest.raises(ValueError, match="needs num_workers >= 2"):
+    with pytest.raises(ValueError, match="need num_workers >= 2"):
         RayTrainer(**options)
 
 
