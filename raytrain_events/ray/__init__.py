@@ -52,6 +52,10 @@ Files:
   thread that uses them.
 * ``progress.py``: The driver's one progress bar for a Ray run: the global Timestamp, loss, latest
   eval metric, throughput, ETA.
+* ``replica_checks.py``: Which runs ``fault_tolerance="replica_groups"`` supports, checked on the
+  driver before Ray starts; Ray's ``TorchftConfig`` for them.
+* ``replica_groups.py``: Replica groups on the worker: the loop under torchft, each step committed
+  or trained again.
 * ``row_index.py``: `BlockIndex`: an epoch's buffered blocks, found by global row in O(log n) and
   trimmed from the front.
 * ``run_loggers.py``: Loggers on Ray: the shipped logger destinations fed from the driver's run

@@ -1,60 +1,56 @@
 """Every private Ray name this package uses, in one place.
 
-Ray may rename or remove a private name in any release. Each use goes through a function here,
-which raises `RayCompatError` naming the Ray version and the missing name instead of failing
-somewhere deep in a run (or, worse, silently doing nothing). `check_private_names()` probes them
-all; tests/ray/test_compat.py runs it, so a Ray upgrade that removes one fails one test loudly.
+Ray may rename or remove a private name in any release. Each use goes through a function here, which raises
+`RayCompatError` naming the Ray version and the missing name instead of failing somewhere deep in a run (or, worse,
+silently doing nothing). `check_private_names()` probes them all; tests/ray/test_compat.py runs it, so a Ray upgrade
+that removes one fails one test loudly.
 
 Private names used (checked against Ray 2.60.0):
 
-* ``TrialScheduler._time_attr`` / ``._max_t`` (ASHA, HyperBand, median stopping, PBT): the sweep
-  checks the scheduler's time attribute is one we report, and tells "stopped at the budget" from
-  "stopped early". Tune has no public getter for either.
-* ``ray._private.utils.get_dashboard_dependency_error``: whether the dashboard can start, so an
-  embedded instance gets one on a known loopback port (`raytrain_events.ray.console`).
-* ``ray._private.ray_logging.global_worker_stdstream_dispatcher`` (its ``handlers`` list and
-  ``_lock``): the driver-side handler that prints the workers' forwarded lines; the console wraps
-  it to drop Ray's known noise (`wrap_worker_line_handler`).
-* Ray Data: ``Dataset._meta_count()`` (rows from metadata, never computing), ``Dataset._logical_plan``
-  with ``ray.data._internal.logical.operators.read_operator`` (is the dataset a bare file read?) and
-  ``Dataset.iter_internal_ref_bundles()`` (the blocks, in order, without pulling them to the caller:
-  the global-order feeder slices them). For ``read_parquet`` detection (`parquet_read_of`): the
-  plan's operators ``ReadFiles`` (``datasource_name``, ``block_udf``, ``scanner``: ``columns``,
-  ``predicate``, ``limit``, ``shuffle``, ``partition_predicate``), ``ListFiles`` (``paths``,
-  ``filesystem``, ``file_extensions``, ``partition_filter``, ``predicate``, ``limit``) and
-  ``Project`` (``exprs`` of ``ColumnExpr``), each with ``input_dependencies``.
+* ``TrialScheduler._time_attr`` / ``._max_t`` (ASHA, HyperBand, median stopping, PBT): the sweep checks the scheduler's
+  time attribute is one we report, and tells "stopped at the budget" from "stopped early" (Tune has no getter).
+* ``ray._private.utils.get_dashboard_dependency_error``: whether the dashboard can start, so an embedded instance gets
+  one on a known loopback port (`raytrain_events.ray.console`).
+* ``ray._private.ray_logging.global_worker_stdstream_dispatcher`` (its ``handlers`` list and ``_lock``): the driver-side
+  handler that prints the workers' forwarded lines; the console wraps it against noise (`wrap_worker_line_handler`).
+* Ray Data: ``Dataset._meta_count()`` (rows from metadata, never computing), ``Dataset._logical_plan`` with
+  ``ray.data._internal.logical.operators.read_operator`` (is the dataset a bare file read?) and
+  ``Dataset.iter_internal_ref_bundles()`` (the blocks, in order, without pulling them to the caller: the global-order
+  feeder slices them). For ``read_parquet`` detection (`parquet_read_of`): the plan's operators ``ReadFiles``
+  (``datasource_name``, ``block_udf``, ``scanner``: ``columns``, ``predicate``, ``limit``, ``shuffle``,
+  ``partition_predicate``), ``ListFiles`` (``paths``, ``filesystem``, ``file_extensions``, ``partition_filter``,
+  ``predicate``, ``limit``) and ``Project`` (``exprs`` of ``ColumnExpr``), each with ``input_dependencies``.
 * Ray Train V2's worker: ``ray.train.v2._internal.execution.context.get_train_context()
-  .preemption_context.preemption_info`` (the notice Ray's preemption watcher left on this worker,
-  read without the cross-worker barrier of ``ray.train.get_preemption_info()``, so the loop can
-  look every batch and agree through its own per-batch collective), and the worker actor's
-  ``execute(fn)`` method, called on the worker's own actor to run ``fn`` on its main thread (the
-  only thread that may set a signal handler; the train function runs on another):
-  `local_preemption_info`, `run_on_worker_main_thread` (`raytrain_events.ray.preemption`).
-* ``ray._private.ray_constants.ENABLE_RAY_CLUSTER`` and ``ray.init(_node_ip_address=...)``: keep an
-  embedded local instance on 127.0.0.1 (`loopback_only`).
-
+  .preemption_context.preemption_info`` (the notice Ray's preemption watcher left on this worker, read without the
+  cross-worker barrier of ``ray.train.get_preemption_info()``, so the loop can look every batch and agree through its
+  own per-batch collective), and the worker actor's ``execute(fn)`` method, called on the worker's own actor to run
+  ``fn`` on its main thread (the only thread that may set a signal handler; the train function runs on another):
+  `local_preemption_info`, `run_on_worker_main_thread` (`raytrain_events.ray.preemption`). And
+  ``ray.train.v2.torch.torchft_config.TorchftConfig``, replica groups' backend (`torchft_config_class`).
+* ``ray._private.ray_constants.ENABLE_RAY_CLUSTER`` and ``ray.init(_node_ip_address=...)``: keep an embedded local
+  instance on 127.0.0.1 (`loopback_only`).
 * ``ray._private.internal_api.node_stats`` (a raylet's ``GetNodeStats`` reply, its object store's
-  ``cumulative_created_bytes``): the bytes each node's object store has taken in, which counts the
-  objects pulled from other nodes -- Ray's own figure for a test of network bytes per epoch
-  (`object_store_created_bytes`, ``tests/ray/network_run.py``); and ``object_store_bytes_used``, what
-  it holds now (`object_store_used_bytes`, the peak in ``bench/data_scale.py``).
+  ``cumulative_created_bytes``): the bytes each node's object store has taken in, which counts the objects pulled from
+  other nodes -- Ray's own figure for a test of network bytes per epoch (`object_store_created_bytes`,
+  ``tests/ray/network_run.py``); and ``object_store_bytes_used``, what it holds now (`object_store_used_bytes`, the peak
+  in ``bench/data_scale.py``).
 
-Ray's file layouts, log formats and environment knobs this package relies on (same rules: one
-function or constant here each, probed by `check_private_names()`):
+Ray's file layouts, log formats and environment knobs this package relies on (same rules: one function or constant here
+each, probed by `check_private_names()`):
 
-* ``RAY_worker_maximum_startup_concurrency`` (`STARTUP_CONCURRENCY_ENV`): a raylet setting read
-  from the environment; probed in the raylet binary (`raytrain_events.ray.embedded`).
-* ``<ray temp dir>/ray_current_cluster`` (`ray_address_file`, from ``ray._common.utils``): the
-  file ``ray start`` writes its address to (`raytrain_events.ray.cluster`).
-* ``~/ray_bootstrap_config.yaml`` (`on_launched_cluster`): the file the cluster launcher puts on
-  every node it starts, which Ray Tune reads the same way (``ray.tune.execution.cluster_info``).
-* Ray Data's and Ray Train's ``SessionFileHandler`` classes (`is_session_file_handler`): their
-  logging handlers that write to the session's log files, which the console leaves alone.
-* ``ray.data.util.torch_utils.convert_ndarray_batch_to_torch_tensor_batch``
-  (`ndarray_batch_to_torch`): Ray Data's own NumPy-to-torch batch conversion (`raytrain_events.ray.data`).
-* The token-authentication notice of ``ray._private.authentication.authentication_token_setup``
-  (`TOKEN_AUTH_LOGGER`, `TOKEN_AUTH_ENABLED`) and the session's log folder (`session_logs_dir`):
-  an embedded instance's notice goes to that folder instead of the terminal (`raytrain_events.ray.cluster`).
+* ``RAY_worker_maximum_startup_concurrency`` (`STARTUP_CONCURRENCY_ENV`): a raylet setting read from the environment;
+  probed in the raylet binary (`raytrain_events.ray.embedded`).
+* ``<ray temp dir>/ray_current_cluster`` (`ray_address_file`, from ``ray._common.utils``): the file ``ray start`` writes
+  its address to (`raytrain_events.ray.cluster`).
+* ``~/ray_bootstrap_config.yaml`` (`on_launched_cluster`): the file the cluster launcher puts on every node it starts,
+  which Ray Tune reads the same way (``ray.tune.execution.cluster_info``).
+* Ray Data's and Ray Train's ``SessionFileHandler`` classes (`is_session_file_handler`): their logging handlers that
+  write to the session's log files, which the console leaves alone.
+* ``ray.data.util.torch_utils.convert_ndarray_batch_to_torch_tensor_batch`` (`ndarray_batch_to_torch`): Ray Data's own
+  NumPy-to-torch batch conversion (`raytrain_events.ray.data`).
+* The token-authentication notice of ``ray._private.authentication.authentication_token_setup`` (`TOKEN_AUTH_LOGGER`,
+  `TOKEN_AUTH_ENABLED`) and the session's log folder (`session_logs_dir`): an embedded instance's notice goes to that
+  folder instead of the terminal (`raytrain_events.ray.cluster`).
 """
 
 from __future__ import annotations
@@ -358,6 +354,10 @@ def local_preemption_info() -> Any:
     return _attr(_attr(get_train_context(), "preemption_context"), "preemption_info")
 
 
+def torchft_config_class() -> Any:  # Ray Train V2's TorchftConfig (replica groups' Lighthouse, per-group restarts)
+    return _import("ray.train.v2.torch.torchft_config", "TorchftConfig")
+
+
 def run_on_worker_main_thread(fn: Callable[[], Any], timeout_s: float = 60.0) -> Any:
     """Run ``fn()`` on this Ray Train worker actor's main thread and return its result.
 
@@ -437,6 +437,7 @@ def check_private_names() -> List[Tuple[str, str]]:
     probe("RAY_worker_maximum_startup_concurrency", _probe_startup_concurrency)
     probe("file layouts and log messages", _probe_files_and_logs)
     probe("node_stats cumulative_created_bytes", _probe_node_stats)
+    probe("TorchftConfig", torchft_config_class)
     if not _init_takes("_node_ip_address"):
         problems.append(("_node_ip_address", str(_missing("ray.init(_node_ip_address=...)"))))
     return problems

@@ -111,6 +111,9 @@ class RayTrainer:
                 f"({spec.run_name}), so there is nothing to resume. Fix: name the run, RayTrainer(run_name='my-run', "
                 "...), with the same name (and storage_path) in every job that continues it."
             )
+        from raytrain_events.ray.replica_checks import check_fault_tolerance
+
+        check_fault_tolerance(spec)  # replica groups: what they support, and torchft installed
         if isinstance(spec.workers, int):  # an elastic group's size is checked at each worker start
             from raytrain_events.parallel.world import check_tensor_parallel_world
 
@@ -244,21 +247,39 @@ class RayTrainer:
 
         from raytrain_events.ray.watchdog import process_group_timeout_s
 
+        # The watchdog's hang_timeout, with a margin: the watchdog names a hung rank before this fires.
+        torch_options = {"timeout_s": int(process_group_timeout_s(self.spec.hang_timeout))}
+        replicas = self.spec.fault_tolerance == "replica_groups"
+        if replicas:  # a torchft Lighthouse as a Ray actor; Ray restarts a failed group alone
+            from raytrain_events.ray.replica_checks import torchft_config
+
+            torch_config = torchft_config(torch_options, self.spec.workers)
+        else:
+            torch_config = TorchConfig(**torch_options)
+        data_config = TrainDataConfig(
+            batch_size=self.spec.batch_size,
+            global_batch_size=self.spec.global_batch_size
+            or (self.spec.batch_size * self.spec.workers if replicas else None),
+            deterministic=self.spec.deterministic_split,
+            train_rows=train_rows,
+            # The ranks that share rows: TP x CP; with replica groups every group gets the whole global
+            # batch and cuts it by the step's quorum (replica_groups.py).
+            tensor_parallel=self.spec.workers if replicas else self.spec.parallelism_spec.batch_group,
+        )
+        train_config: Dict[str, Any] = {"spec": worker_spec}
+        ray_datasets = {k: v for k, v in datasets.items() if k not in validated}
+        if replicas:  # the feeder made here: Ray Train configures a replaced group's datasets as a world of one
+            shards = data_config.configure(ray_datasets, self.spec.workers, None, None)
+            train_config.update(history=history, shards=[s["train"] for s in shards])
+            ray_datasets = {}  # and the groups report to the history directly: ray.train.report waits for all
         trainer = TorchTrainer(
             train_loop_per_worker,
-            # The watchdog's hang_timeout, with a margin: the watchdog names a hung rank before this fires.
-            torch_config=TorchConfig(timeout_s=int(process_group_timeout_s(self.spec.hang_timeout))),
-            train_loop_config={"spec": worker_spec},
+            torch_config=torch_config,
+            train_loop_config=train_config,
             scaling_config=self.scaling_config,
-            datasets={k: v for k, v in datasets.items() if k not in validated},
+            datasets=ray_datasets,
             validation_config=validation_config,
-            dataset_config=TrainDataConfig(
-                batch_size=self.spec.batch_size,
-                global_batch_size=self.spec.global_batch_size,
-                deterministic=self.spec.deterministic_split,
-                train_rows=train_rows,
-                tensor_parallel=self.spec.parallelism_spec.batch_group,  # the ranks that share rows: TP x CP
-            ),
+            dataset_config=data_config,
             run_config=ray.train.RunConfig(
                 name=self.run_name,
                 storage_path=storage_path,

@@ -24,12 +24,13 @@ from raytrain_events.trainer.seed import seed_everything
 __all__ = ["train_loop_per_worker", "build_worker_trainer"]
 
 
-def build_worker_trainer(spec: RunSpec) -> Trainer:
+def build_worker_trainer(spec: RunSpec, history: Any = None, shards: Any = None) -> Trainer:
     """Build this worker's `Trainer` from the `RunSpec` (inside a Ray Train worker).
 
     The objects (model, optimizers, data, callbacks) are built here from the spec's factories; the
     loop options travel as they are (``options=spec``: a `RunSpec` is a `LoopOptions`), so a new
-    loop option needs no change here.
+    loop option needs no change here. ``history``: the run's `RunHistory` actor, which replica groups
+    report to directly, and ``shards`` their train shards by rank (`replica_groups.py`).
     """
     import ray.train
     import ray.train.torch
@@ -42,7 +43,9 @@ def build_worker_trainer(spec: RunSpec) -> Trainer:
     from raytrain_events.ray.watchdog import process_group_timeout_s
 
     pg_timeout = process_group_timeout_s(spec.hang_timeout)
-    dist = TorchDist(device, timeout_s=pg_timeout) if context.get_world_size() > 1 else LocalDist(device)
+    replicas = spec.fault_tolerance == "replica_groups"  # each worker its own group: no collective but torchft's
+    distributed = context.get_world_size() > 1 and not replicas
+    dist = TorchDist(device, timeout_s=pg_timeout) if distributed else LocalDist(device)
     if spec.seed is not None:
         seed_everything(spec.seed)  # the same initial weights on every rank
     model = spec.build_model()
@@ -59,7 +62,25 @@ def build_worker_trainer(spec: RunSpec) -> Trainer:
     loader_options: Dict[str, Any] = dict(
         device=device, collate_fn=spec.collate_fn, prefetch_batches=spec.prefetch_batches, columns=spec.columns
     )
-    train = _train_loader(ray.train.get_dataset_shard("train"), spec, context.get_world_rank(), loader_options)
+    commit: Any = None
+    if replicas:
+        from raytrain_events.ray.replica_groups import setup_replica_groups
+
+        optimizers, train, commit, _ = setup_replica_groups(
+            spec,
+            context.get_world_rank(),
+            model,
+            optimizers,
+            schedulers,
+            shards[context.get_world_rank()],  # made on the driver (driver.py)
+            order_seed=spec.seed if spec.shuffle_buffer_size and spec.seed is not None else None,
+            shuffle_rows=spec.shuffle_buffer_size,
+            length=spec.steps_per_epoch,
+            **loader_options,
+        )
+        commit.history = history
+    else:
+        train = _train_loader(ray.train.get_dataset_shard("train"), spec, context.get_world_rank(), loader_options)
     evaluators = [
         Evaluator(
             label=name,
@@ -88,13 +109,15 @@ def build_worker_trainer(spec: RunSpec) -> Trainer:
         schedulers=schedulers,
         eval_dataloader=evaluators or None,
         algorithms=algorithms,
-        callbacks=list(callbacks)
+        callbacks=([commit] if commit is not None else [])  # first: the commit decides what the step counts
+        + list(callbacks)
         + [
             RayReporter(
                 interval=spec.report_interval,
                 every_s=spec.report_every_s,
                 counts_data=counts_data,
                 validation=spec.validation,
+                report_fn=None if commit is None else commit.report,
             )
         ]
         + guards,  # preemption: `guards`
@@ -142,6 +165,12 @@ def _train_loader(shard: Any, spec: RunSpec, rank: int, options: Dict[str, Any])
 def train_loop_per_worker(config: Dict[str, Any]) -> Dict[str, Any]:
     """Ray Train entry point: ``config["spec"]`` is the `RunSpec`; returns rank 0's final timestamp."""
     spec: RunSpec = config["spec"]
-    trainer = build_worker_trainer(spec)
-    state = trainer.fit()
+    trainer = build_worker_trainer(spec, config.get("history"), config.get("shards"))
+    try:
+        state = trainer.fit()
+    finally:
+        if spec.fault_tolerance == "replica_groups":
+            from raytrain_events.ray.replica_groups import shutdown_manager
+
+            shutdown_manager(trainer.state)
     return {"timestamp": state.timestamp.state_dict(), "rank": state.rank}

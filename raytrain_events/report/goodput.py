@@ -17,7 +17,9 @@ start-up, takes the attempt's median slope instead). Then:
   less its batches since the resume at its own pace): the work done again, the detection time
   (a hang's timeout) and the restart;
 * its **cause**: a hang (the watchdog's record in that window: the slowest rank and its frame),
-  a preemption (SIGTERM saved and stopped), else a lost worker or node.
+  a preemption (SIGTERM saved and stopped), else a lost worker or node;
+* **quorum changes** of a replica-groups run (``quorum_change`` entries: a group left or joined,
+  no restart): marked on the chart at their time, with the groups before and after.
 
 Example::
 
@@ -101,7 +103,7 @@ def goodput(
     """The run's goodput, wall time, counted time and each restart: cause, resumed batch, time lost."""
     attempts = _attempts(history)
     if not attempts:
-        return {"goodput": None, "wall_s": 0.0, "counted_s": 0.0, "restarts": [], "attempts": []}
+        return {"goodput": None, "wall_s": 0.0, "counted_s": 0.0, "restarts": [], "attempts": [], "quorum_changes": []}
     paces = [_pace([a["start"]] + a["points"][1:]) or _pace(a["points"]) for a in attempts]
     known = [p for p in paces if p is not None]
     default_pace = statistics.median(known) if known else 0.0
@@ -147,7 +149,18 @@ def goodput(
                 }
             )
     wall = attempts[-1]["points"][-1][0] - attempts[0]["start"][0]
+    quorum = [
+        {
+            "wall": float(e["wall_time"]),
+            "batch": int(e["time/batch"]),
+            "groups": int(e["replica_groups"]),
+            "change": int(e["quorum_change"]),
+        }
+        for e in history
+        if e.get("quorum_change") is not None
+    ]
     return {
+        "quorum_changes": quorum,
         "goodput": None if wall <= 0 else min(1.0, counted / wall),
         "wall_s": wall,
         "counted_s": counted,
@@ -196,6 +209,11 @@ def goodput_figure(summary: Dict[str, Any]) -> Optional[bytes]:
             xytext=(3, 6),
             textcoords="offset points",
         )
+    for change in summary.get("quorum_changes", []):  # a replica group left (red) or joined (green): no restart
+        x = (change["wall"] - t0) / 60
+        ax.axvline(x, color="#e53935" if change["change"] < 0 else "#43a047", linestyle="--", linewidth=1)
+        before = change["groups"] - change["change"]
+        ax.annotate(f"groups {before}->{change['groups']} (batch {change['batch']})", (x, 1), fontsize=7, rotation=90)
     good = summary["goodput"]
     ax.set_title(f"Goodput {good:.1%}" if good is not None else "Goodput")
     ax.set_xlabel("wall-clock minutes since the first worker group started")
@@ -215,6 +233,12 @@ def goodput_section(summary: Dict[str, Any]) -> List[str]:
         f"{summary['wall_s']:.0f} s of wall time; {len(summary['restarts'])} restart(s), "
         f"{sum(r['lost_s'] for r in summary['restarts']):.0f} s lost to them.</p>",
     ]
+    if summary.get("quorum_changes"):
+        changes = ", ".join(
+            f"{c['groups'] - c['change']}->{c['groups']} groups at batch {c['batch']}"
+            for c in summary["quorum_changes"]
+        )
+        parts.append(f"<p>Replica-group quorum changes (no restart): {changes}.</p>")
     if summary["restarts"]:
         parts.append(
             html.table(

@@ -77,3 +77,22 @@ def test_the_run_report_shows_goodput_and_each_restart(tmp_path):
     page = (tmp_path / "run" / "report.html").read_text()
     assert "Goodput 45.5%" in page and "hang: rank 1 at batch 12" in page and "24 s lost" in page
     assert any(p.endswith("goodput.png") for p in written["images"])
+
+
+def test_a_replica_group_quorum_change_is_marked_not_counted_as_a_restart(tmp_path):
+    """A replica-groups run: one attempt at 1 s per batch; a group left before batch 6 and joined back before 9."""
+    history = [
+        {"attempt": 1, "attempt_started_at": 100.0, "wall_time": 105.0, "time/batch": 5},
+        {"wall_time": 106.0, "time/batch": 6, "quorum_change": -1, "replica_groups": 2},
+        {"wall_time": 109.0, "time/batch": 9, "quorum_change": 1, "replica_groups": 3},
+        {"attempt": 1, "wall_time": 112.0, "time/batch": 12},
+    ]
+    summary = goodput(history)
+    assert summary["restarts"] == [] and summary["goodput"] == pytest.approx(1.0)
+    assert [(c["batch"], c["groups"]) for c in summary["quorum_changes"]] == [(6, 2), (9, 3)]
+    run = str(tmp_path / "run")
+    append_history(run, history)
+    written = write_report(run)
+    page = (tmp_path / "run" / "report.html").read_text()
+    assert "3->2 groups at batch 6, 2->3 groups at batch 9" in page
+    assert any(p.endswith("goodput.png") for p in written["images"])

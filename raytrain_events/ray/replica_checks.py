@@ -1,0 +1,102 @@
+"""Which runs `fault_tolerance="replica_groups"` supports, checked on the driver before Ray starts.
+
+Replica groups (`replica_groups.py` runs them on the workers) train under torchft through Ray
+Train's ``TorchftConfig``: each Ray Train worker is one replica group (Ray 2.60 makes groups of
+one worker), so ``num_workers`` is the number of groups. What is not built yet is refused here
+with the reason and the fix, instead of training wrongly: FSDP/HSDP, tensor or context
+parallelism, elastic groups, several optimizers, token counting, fp16's GradScaler, in-run
+checkpoints, asynchronous validation, and fewer than two groups.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, Dict, Mapping
+
+__all__ = ["FAULT_TOLERANCE", "check_fault_tolerance", "require_torchft", "torchft_config"]
+
+#: The values of ``RunSpec.fault_tolerance``.
+FAULT_TOLERANCE = (None, "replica_groups")
+
+
+def require_torchft() -> None:
+    """Raise ImportError naming the extra when torchft is not installed (checked without importing it)."""
+    if importlib.util.find_spec("torchft") is None:
+        raise ImportError(
+            "fault_tolerance='replica_groups' trains under torchft, which is not installed. "
+            "Fix: pip install 'raytrain_events[ft]' (torchft 0.2.0), or drop fault_tolerance."
+        )
+
+
+def check_fault_tolerance(spec: Any) -> None:
+    """Refuse a ``fault_tolerance`` value, or a combination replica groups do not support yet (`RayTrainer`
+    calls it on the driver before Ray starts; a Tune trial's overrides, when the trial builds its `RayTrainer`)."""
+    value = spec.fault_tolerance
+    if value not in FAULT_TOLERANCE:
+        raise ValueError(
+            f"fault_tolerance={value!r} is not an option. Fix: use None (a failure restarts the worker group from its last "
+            "checkpoint) or 'replica_groups' (each worker a torchft replica group that fails alone)."
+        )
+    if value is None:
+        return
+    refusals = _unsupported(spec)
+    if refusals:
+        raise ValueError(
+            "fault_tolerance='replica_groups' does not support " + "; ".join(refusals) + ". Fix: change these "
+            "options, or drop fault_tolerance to recover by restarting the worker group."
+        )
+    require_torchft()
+
+
+def _unsupported(spec: Any) -> list:
+    """What in ``spec`` replica groups do not support yet, one phrase each."""
+    refusals = []
+    workers = spec.workers
+    if isinstance(workers, tuple):
+        refusals.append("an elastic num_workers=(min, max): pass a fixed num_workers (the replica groups)")
+    elif workers < 2:
+        refusals.append(f"num_workers={workers!r}: replica groups need num_workers >= 2 (one group per worker)")
+    parallel = spec.parallelism_spec
+    if parallel.kind != "ddp" or parallel.batch_group > 1:
+        refusals.append("parallelism other than 'ddp': each group is one worker holding a whole replica")
+    if spec.get_num_tokens_in_batch is not None:
+        refusals.append("get_num_tokens_in_batch: committed steps are counted in samples only")
+    if spec.checkpoint is not None:
+        refusals.append("checkpoint=: a rejoining group recovers from a healthy peer; storage checkpoints come later")
+    if spec.mixture is not None:
+        refusals.append("mixture=: each group cuts one train set's global batches; mixtures come later")
+    elif isinstance(spec.datasets, Mapping) and set(spec.datasets) != {"train"}:
+        refusals.append("eval datasets: Ray Train 2.60 shards a replaced group's datasets as a world of one")
+    if spec.validation is not None:
+        refusals.append("validation=: asynchronous validation needs reported checkpoints")
+    if "fp16" in str(spec.precision).lower():
+        refusals.append("precision='fp16': fp16's GradScaler steps around the commit; use 'bf16' or 'fp32'")
+    return refusals
+
+
+def min_replicas(groups: int) -> int:
+    """Groups a step needs to commit: all but one (at least 1). A lone group that started first waits for a
+    second instead of training alone, and one group away at a time never stops the run."""
+    return max(1, groups - 1)
+
+
+def lighthouse_bind(node_ip: str) -> str:
+    """Where the Lighthouse listens: loopback when Ray runs on loopback (tests), else every interface."""
+    return "127.0.0.1:0" if node_ip.startswith("127.") else "[::]:0"
+
+
+def torchft_config(torch_options: Dict[str, Any], groups: int) -> Any:
+    """Ray Train's ``TorchftConfig``: the Lighthouse as a Ray actor on the head, bound as `lighthouse_bind` says."""
+    import ray
+
+    from raytrain_events.ray import _compat
+
+    here = ray.get_runtime_context().get_node_id()
+    node_ip = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == here)
+    lighthouse = {
+        "bind": lighthouse_bind(node_ip),
+        "min_replicas": min_replicas(groups),  # the others train on while a group is away
+        "heartbeat_timeout_ms": 2000,  # a killed group leaves the quorum within ~2 s
+        "join_timeout_ms": 1000,  # a quorum waits this long for more groups before it forms
+    }
+    return _compat.torchft_config_class()(lighthouse_kwargs=lighthouse, **torch_options)

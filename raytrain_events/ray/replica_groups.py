@@ -1,0 +1,338 @@
+"""Replica groups on the worker: the loop under torchft, each step committed or trained again.
+
+With ``RayTrainer(fault_tolerance="replica_groups", num_workers=k)`` the driver runs Ray Train with
+``TorchftConfig`` (a torchft Lighthouse as a Ray actor; a failed worker's group is restarted by Ray
+alone while the others train on) and each worker builds its `Trainer` with the parts here:
+
+- one torchft ``Manager`` per group (`build_manager`), its gloo process group across the groups
+  and ``PGTransport`` for live recovery: a group that (re)joins gets model, optimizer, schedulers,
+  torch RNG and the loop's `Timestamp` from a healthy peer at its first quorum (`ReplicaState`),
+  not from storage;
+- `ReplicaLoader`: before each step, a quorum (synchronous: a joining group heals there); then the
+  global batch at the state's position in the global order (`feeder.py`, every group is served the
+  whole global batch), cut into one part per *participating* group. A group's share goes to the
+  others while it is away: the global batch, the step's samples and the LR schedule stay those of
+  an uninterrupted run;
+- `CommitOptimizer`: gradients averaged over the participants (one flat all-reduce through the
+  Manager), the optimizer stepped only if ``manager.should_commit()``;
+- `ReplicaCommit` (a callback): a committed step advances the Timestamp by the global batch's
+  rows; an uncommitted one restores the Timestamp and schedulers, so the loader serves the same
+  global batch again to the new quorum. Every row is trained once per epoch and the final
+  Timestamp is an uninterrupted run's. It prints one line per quorum change and sends the
+  history entries (the lead group only: participating rank 0) straight to the run's history, since
+  ``ray.train.report`` is a barrier across all workers that a missing group would block.
+
+Cost per step: one Lighthouse quorum round trip (a small RPC, constant in groups) and one
+all-reduce of the gradients across groups; per rejoin, one transfer of the state from a peer
+(model + optimizer bytes over gloo). Every group fetches the whole global batch's blocks (k x
+the data reads of plain DDP, local object-store reads on one node).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from raytrain_events.core.callback import Callback
+from raytrain_events.core.time import Timestamp, counters_of
+from raytrain_events.ray.data import GlobalOrderLoader
+from raytrain_events.ray.feeder import rank_rows
+from raytrain_events.ray.replica_checks import min_replicas
+
+__all__ = ["build_manager", "CommitOptimizer", "ReplicaLoader", "ReplicaCommit", "ReplicaState", "QuorumChange"]
+
+log = logging.getLogger(__name__)
+
+_TIMEOUT_S = 30.0  # gloo and transport: long enough to re-form the group on a loaded machine
+
+
+class ReplicaState:
+    """What a joining group receives from a healthy peer: filled in by the worker before the first step."""
+
+    def __init__(self) -> None:
+        self.state: Any = None  # the loop's State
+        self.model: Optional[torch.nn.Module] = None
+        self.optimizer: Any = None  # the inner torch optimizer
+        self.schedulers: List[Any] = []
+
+    def state_dict(self) -> Dict[str, Any]:
+        assert self.model is not None and self.state is not None
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "schedulers": [s.state_dict() for s in self.schedulers],
+            "timestamp": self.state.timestamp.state_dict(),
+            "rng": torch.get_rng_state(),
+        }
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        assert self.model is not None and self.state is not None
+        self.model.load_state_dict(sd["model"])
+        self.optimizer.load_state_dict(sd["optimizer"])
+        for scheduler, s in zip(self.schedulers, sd["schedulers"]):
+            scheduler.load_state_dict(s)
+        self.state.timestamp = Timestamp.from_state_dict(sd["timestamp"])
+        torch.set_rng_state(sd["rng"])
+        log.info("Recovered from a healthy replica group at %s", self.state.timestamp)
+
+
+def build_manager(replicas: ReplicaState, group: int, run_name: str, min_replicas: int) -> Any:
+    """This group's torchft ``Manager`` (the Lighthouse address comes from Ray: ``TORCHFT_LIGHTHOUSE``)."""
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.checkpointing.pg_transport import PGTransport
+
+    timeout = datetime.timedelta(seconds=_TIMEOUT_S)
+    pg = ProcessGroupGloo(timeout=timeout)
+    return Manager(
+        pg=pg,
+        min_replica_size=min_replicas,
+        load_state_dict=replicas.load_state_dict,
+        state_dict=replicas.state_dict,
+        use_async_quorum=False,  # the quorum (and a heal) ends before the loader picks the rows
+        world_size=1,
+        rank=0,
+        replica_id=f"{run_name}_group{group}",
+        timeout=2 * timeout,
+        checkpoint_transport=PGTransport(pg, timeout=timeout, device=torch.device("cpu")),
+    )
+
+
+class CommitOptimizer(torch.optim.Optimizer):
+    """An optimizer stepped only when torchft commits the step; gradients averaged over the groups.
+
+    torchft's ``OptimizerWrapper`` with two changes: ``zero_grad`` starts no quorum (`ReplicaLoader`
+    ran it before the batch was chosen) and ``step`` first averages the gradients over the
+    participants (what torchft's DDP wrapper does per bucket, here one flat all-reduce).
+    """
+
+    def __init__(self, manager: Any, optimizer: torch.optim.Optimizer) -> None:  # noqa: D107
+        # No super().__init__: the wrapped optimizer holds the parameters and state (as torchft's wrapper).
+        self.manager = manager
+        self.optim = optimizer
+        self.committed = False
+
+    @property  # type: ignore[override]
+    def param_groups(self) -> List[Dict[str, Any]]:
+        return self.optim.param_groups
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        return self.optim.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optim.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.optim.state_dict()
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.optim.load_state_dict(state_dict)
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        params = [p for group in self.optim.param_groups for p in group["params"] if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        if grads:  # one flat all-reduce (the Manager averages over the participants; errors -> no commit)
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            self.manager.allreduce(flat).wait()
+            offset = 0
+            for p, g in zip(params, grads):
+                p.grad = flat[offset : offset + g.numel()].view_as(g)
+                offset += g.numel()
+        self.committed = bool(self.manager.should_commit())
+        if self.committed:
+            self.optim.step()
+
+
+class QuorumChange:
+    """A quorum change seen before a step: the participating groups before and after."""
+
+    def __init__(self, batch: int, before: int, after: int, healed: bool) -> None:
+        self.batch, self.before, self.after, self.healed = batch, before, after, healed
+
+    def line(self) -> str:
+        what = "left" if self.after < self.before else "joined"
+        heal = ", this group recovered from a peer" if self.healed else ""
+        return f"replica groups: {self.before} -> {self.after} (a group {what}) before batch {self.batch}{heal}"
+
+
+class ReplicaLoader(GlobalOrderLoader):
+    """This group's part of each global batch, from the quorum of the step (see the module doc)."""
+
+    def __init__(self, shard: Any, manager: Any, replicas: ReplicaState, **options: Any) -> None:
+        super().__init__(shard, **options)
+        self.manager = manager
+        self.replicas = replicas
+        self.on_change: Callable[[QuorumChange], None] = lambda change: None
+        self.participants = 0
+        self._stream: Optional[Tuple[int, int]] = None  # the feeder pass in use: (epoch, start position)
+        self._next: Optional[Tuple[int, int, int]] = None  # (epoch, position, batch index) it serves next
+        self._held: Optional[Tuple[Tuple[int, int], Any]] = None  # the last global batch, for a retry
+        self.global_rows = 0
+
+    def __iter__(self):
+        batches = len(self)
+        while True:
+            before = self.replicas.state.timestamp
+            if int(before.batch_in_epoch) >= batches:
+                # The epoch is over: no quorum for a step that will not come (a group joining in that quorum
+                # would heal to an epoch's end, where its loop has no batch left to train).
+                return
+            self.manager.start_quorum()  # synchronous: a joining group has the peer's state after it
+            state = self.replicas.state
+            n = self.manager.num_participants()
+            if n != self.participants:
+                healed = state.timestamp is not before
+                if self.participants:
+                    self.on_change(QuorumChange(int(state.timestamp.batch), self.participants, n, healed))
+                self.participants = n
+            ts = state.timestamp
+            batch = self._global_batch(int(ts.epoch), int(ts.sample_in_epoch))
+            if batch is None:
+                return
+            rank = self.manager.participating_rank()
+            yield _cut(batch, 0 if rank is None else rank, n)
+
+    def _global_batch(self, epoch: int, position: int) -> Any:
+        """The global batch at ``position`` of ``epoch`` (None past the epoch's end)."""
+        if self._held is not None and self._held[0] == (epoch, position):
+            return self._held[1]  # the step did not commit: the same rows again
+        from raytrain_events.ray.block_fetch import cluster_node, finish_fetch, start_fetch
+
+        if self._next is None or self._next[:2] != (epoch, position):
+            # An epoch start, a rejoin or a heal: this rank enters the epoch's one pass (epoch, 0) at batch k,
+            # the pass the other groups are in, so its cursor there moves on and the feeder trims behind it
+            # (a pass of its own would leave its old cursor, and all the epoch's blocks after it, held).
+            k, off = divmod(position, self.shard.global_batch)
+            start = (epoch, 0) if off == 0 else (epoch, position)
+            k = k if off == 0 else 0
+            self._start(epoch, start[1], max(k, 1))  # resume_batch >= 1: this rank number may have served it
+            self._stream, self._next = start, (epoch, position, k)
+        assert self._stream is not None
+        k = self._next[2]
+        feeder, rank = self.shard.feeder, self.shard.rank
+        pending = feeder.batches.remote(epoch, self._stream[1], rank, k, 1)
+        served = self._served(pending, epoch, self._stream[1], k, 1)
+        if not served or served[0] is None:
+            return None
+        batch = self._to_batch(served[0], finish_fetch(start_fetch(served, cluster_node())))
+        rows = _rows(batch)
+        self._next = (epoch, position + rows, k + 1)
+        self._held = ((epoch, position), batch)
+        self.global_rows = rows
+        return batch
+
+
+def _rows(batch: Any) -> int:
+    if isinstance(batch, dict):
+        batch = next(iter(batch.values()))
+    elif isinstance(batch, (list, tuple)):
+        batch = batch[0]
+    return len(batch)
+
+
+def _cut(batch: Any, part: int, parts: int) -> Any:
+    """Part ``part`` of ``parts`` near-equal contiguous parts of a batch (a dict, tuple or tensor)."""
+    lo, hi = rank_rows(0, _rows(batch), part, parts)
+    if isinstance(batch, dict):
+        return {k: v[lo:hi] for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(v[lo:hi] for v in batch)
+    return batch[lo:hi]
+
+
+class ReplicaCommit(Callback):
+    """Advance the Timestamp by the global batch only for committed steps; report from the lead group."""
+
+    def __init__(self, loader: ReplicaLoader, optimizer: CommitOptimizer, history: Any = None, group: int = 0) -> None:
+        self.loader = loader
+        self.optimizer = optimizer
+        self.history = history
+        self.group = group
+        self._before: Optional[Timestamp] = None
+        self._schedulers: List[Any] = []
+        self.changes: List[QuorumChange] = []
+        self.attempt_started = time.time()
+        self.first_report = True
+        loader.on_change = self._quorum_change
+
+    def init(self, state, logger) -> None:
+        self.loader.replicas.state = state
+
+    def batch_start(self, state, logger) -> None:
+        self._before = state.timestamp
+        self._schedulers = [s.state_dict() for s in state.schedulers]
+
+    def batch_end(self, state, logger) -> None:
+        before = self._before
+        assert before is not None
+        if self.optimizer.committed:
+            wct = state.timestamp.total_wct - before.total_wct
+            state.timestamp = before.to_next_batch(self.loader.global_rows, 0, wct)
+            state.batch_num_samples = state.global_batch_num_samples = self.loader.global_rows
+        else:  # trained again with the next quorum: nothing of this step counts
+            state.timestamp = before
+            state.batch_num_samples = state.global_batch_num_samples = 0
+            for scheduler, saved in zip(state.schedulers, self._schedulers):
+                scheduler.load_state_dict(saved)
+            log.warning("replica groups: the step at batch %s did not commit; training it again", int(before.batch))
+
+    def _quorum_change(self, change: QuorumChange) -> None:
+        self.changes.append(change)
+        if self.loader.manager.participating_rank() in (0, None):
+            log.warning(change.line())  # the run's console: one line per change, from the lead group
+        self.send({"quorum_change": change.after - change.before, "replica_groups": change.after})
+
+    def send(self, entry: Dict[str, Any]) -> None:
+        """Add a history entry (lead group only), stamped with the global Timestamp and the time."""
+        if self.history is None or self.loader.manager.participating_rank() not in (0, None):
+            return
+        state = self.loader.replicas.state
+        out = {f"time/{k}": v for k, v in counters_of(state.timestamp).items()}
+        out.update(entry)
+        out["wall_time"] = time.time()
+        out["world_size"] = self.loader.participants
+        self.history.add.remote(out)
+
+    def report(self, report: Dict[str, Any], checkpoint: Any) -> None:
+        """`RayReporter`'s ``report_fn``: this group's report as a history entry (see the module doc)."""
+        from raytrain_events.ray.aggregate import reduce_metrics
+
+        entry: Dict[str, Any] = dict(reduce_metrics([report]))
+        entry["attempt"] = 1
+        entry["final"] = bool(report.get("final", False))
+        if self.first_report:
+            entry["attempt_started_at"] = self.attempt_started
+            self.first_report = False
+        self.send(entry)
+
+
+def setup_replica_groups(  # noqa: PLR0913 (the parts the worker built, handed over once)
+    spec: Any, group: int, model: torch.nn.Module, optimizers: Any, schedulers: Any, shard: Any, **loader: Any
+) -> Tuple[CommitOptimizer, ReplicaLoader, ReplicaCommit, Any]:
+    """This worker's group: its Manager, commit-gated optimizer, loader and commit callback."""
+    inner = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    if len(inner) != 1:
+        raise ValueError(
+            f"fault_tolerance='replica_groups' steps one optimizer per commit; optimizers= built {len(inner)}. "
+            "Fix: one optimizer over all parameters (param groups for different settings)."
+        )
+    replicas = ReplicaState()
+    replicas.model, replicas.optimizer = model, inner[0]
+    replicas.schedulers = (
+        list(schedulers) if isinstance(schedulers, (list, tuple)) else [] if schedulers is None else [schedulers]
+    )
+    manager = build_manager(replicas, group, spec.run_name or "run", min_replicas(shard.world_size))
+    optimizer = CommitOptimizer(manager, inner[0])
+    train = ReplicaLoader(shard, manager, replicas, **loader)
+    return optimizer, train, ReplicaCommit(train, optimizer, group=group), manager
+
+
+def shutdown_manager(state: Any) -> None:
+    """Stop this group's Manager at the end (a finished group must not hold the others' quorum)."""
+    for optimizer in state.optimizers:
+        if isinstance(optimizer, CommitOptimizer):
+            optimizer.manager.shutdown(wait=False)

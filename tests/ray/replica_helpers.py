@@ -1,0 +1,59 @@
+"""The replica-groups test's recorder (a module of its own: Ray workers import it by name)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+from raytrain_events import Callback
+
+
+class RecordCommits(Callback):
+    """Per step, after the commit decision: the global batch's ids and this group's part (one file per process).
+
+    Sleeps ``sleep_s`` per step until ``<folder>/done`` exists, so the run outlasts the kills however
+    slow a rejoin is on a loaded machine."""
+
+    def __init__(self, folder: str, sleep_s: float) -> None:
+        self.folder, self.sleep_s = folder, sleep_s
+
+    def fit_start(self, state, logger) -> None:
+        import ray.train
+
+        self.group = ray.train.get_context().get_world_rank()
+        self.file = open(os.path.join(self.folder, f"rows-{os.getpid()}.jsonl"), "a")
+        self.commit = next(c for c in state.callbacks if type(c).__name__ == "ReplicaCommit")
+        with open(os.path.join(self.folder, f"proc-{os.getpid()}.json"), "w") as f:
+            json.dump({"pid": os.getpid(), "group": self.group, "t": time.time()}, f)
+
+    def after_train_batch(self, state, logger) -> None:
+        """Die here, between backward and the step's all-reduce, when the test asks (``die-in-step-<group>``):
+        the others' all-reduce fails and their step does not commit."""
+        flag = os.path.join(self.folder, f"die-in-step-{self.group}")
+        if os.path.exists(flag):
+            os.remove(flag)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def batch_end(self, state, logger) -> None:
+        held = self.commit.loader._held  # the global batch this step trained (or failed to)
+        record = {
+            "group": self.group,
+            "pid": os.getpid(),
+            "committed": self.commit.optimizer.committed,
+            "epoch": int(state.timestamp.epoch),
+            "batch_in_epoch": int(state.timestamp.batch_in_epoch),
+            "batch": int(state.timestamp.batch),
+            "participants": self.commit.loader.participants,
+            "ids": [int(i) for i in state.batch["id"].tolist()],
+            "global": [int(i) for i in held[1]["id"].tolist()],
+            "t": time.time(),
+        }
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if not os.path.exists(os.path.join(self.folder, "done")):
+            time.sleep(self.sleep_s)
+
+    def fit_end(self, state, logger) -> None:
+        self.file.close()
