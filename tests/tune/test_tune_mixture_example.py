@@ -15,12 +15,19 @@ machine's float order: measured 0.21 (16 trials, 3 seeds) and 0.26 (this test's 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import sys
+import time
+import uuid
 
 import pytest
+from ray import cloudpickle as ray_cloudpickle
 
+from raytrain_events import Callback
 from raytrain_events.core.mixture import Mixture
 
+ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the trials get this file's callbacks by value
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -51,30 +58,129 @@ def test_the_searched_mixture_beats_uniform_on_the_held_out_task(tmp_path, capsy
     assert "held-out RMSE" in printed and "lower by" in printed
 
 
+class FitRows(Callback):
+    """Rank 0 writes, per fit, the Timestamp it starts at and its mixture, then each trained batch's rows (``x``)."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def fit_start(self, state, logger) -> None:
+        loader = getattr(state.train_dataloader, "dataloader", state.train_dataloader)
+        start = {u: state.timestamp.get_value(u) for u in ("ep", "ba", "sp", "tok")}
+        self.file = open(os.path.join(self.folder, f"fit-{uuid.uuid4().hex[:8]}.jsonl"), "w")
+        self.file.write(json.dumps({"start": start, "mixture": loader.mixture.to_dict()}) + "\n")
+        self.file.flush()
+
+    def batch_end(self, state, logger) -> None:
+        rows = {"sp": state.timestamp.get_value("sp"), "x": state.batch["x"].tolist()}
+        self.file.write(json.dumps(rows) + "\n")
+        self.file.flush()
+
+
+class StartTogether(Callback):
+    """The population's first fits wait for each other (files in a shared folder, 120 s at most), so that
+    asynchronous PBT compares them on a loaded machine (as in tests/tune/test_tune_pbt.py); copies pass."""
+
+    def __init__(self, folder: str, population: int) -> None:
+        self.folder, self.population = folder, population
+
+    def fit_start(self, state, logger) -> None:
+        with open(os.path.join(self.folder, f"started-{uuid.uuid4().hex[:8]}"), "w"):
+            pass
+        deadline = time.time() + 120
+        while len(os.listdir(self.folder)) < self.population and time.time() < deadline:
+            time.sleep(0.2)
+
+
 @pytest.mark.ray
-def test_a_four_trial_mixture_sweep_reports_tokens_and_eval_loss_per_source(ray_cluster, tmp_path):
-    from raytrain_events.tune import mixture_space
+@pytest.mark.slow
+def test_a_four_trial_mixture_pbt_sweep_copies_on_the_donors_mixture_and_position(ray_cluster, tmp_path):
+    """4 trials on Dirichlet-drawn mixtures under PBT over the weights (one perturbation, at 384 of 512 samples).
+
+    Every trial reports per-source samples and tokens adding up to its Timestamp and per-source
+    eval loss; the bottom trial copies a top one: its run starts at the donor checkpoint's exact
+    Timestamp on the donor's mixture switched there to the explored weights, and its rows continue
+    the donor's (no row of the epoch twice; per-source counts continue the donor's).
+    """
+    from raytrain_events.checkpoint import CheckpointConfig
+    from raytrain_events.tune import mixture_space, pbt_scheduler
+    from raytrain_events.tune.simplex import normalize_weights, trial_mixture
 
     example = _example()
     samples = 512
-    space = mixture_space(example.base_mixture(samples), num_samples=4, seed=0)
-    result = example.proxy_trials_on_ray(space, samples, str(tmp_path / "runs"), batch_size=32)
-    assert len(result.rows) == 4 and {r["status"] for r in result.rows} == {"completed"}
-    assert sorted(tuple(sorted(r["config"]["mixture"].items())) for r in result.rows) == sorted(
-        tuple(sorted(w.items())) for w in space["grid_search"]
+    base = example.base_mixture(samples)
+    space = mixture_space(base, num_samples=4, seed=0)
+    fits, barrier = tmp_path / "fits", tmp_path / "barrier"
+    fits.mkdir()
+    barrier.mkdir()
+    callbacks = [FitRows(str(fits)), StartTogether(str(barrier), 4)]
+    # Reports, evals and checkpoints every 4 batches (128 samples): the one perturbation is at 384 (the first
+    # report >= 300), so no copy comes at the final report (a copy there would train no batch).
+    scheduler = pbt_scheduler("300sp", mixture=mixture_space(base), seed=0, resample_probability=0.0)
+    result = example.proxy_trials_on_ray(
+        space,
+        samples,
+        str(tmp_path / "runs"),
+        batch_size=32,
+        scheduler=scheduler,
+        report_interval="4ba",
+        eval_interval="4ba",
+        checkpoint=CheckpointConfig(save_interval="4ba"),
+        callbacks=lambda config: callbacks,
     )
+    assert len(result.rows) == 4 and {r["status"] for r in result.rows} == {"completed"}, result.to_table()
+    copied = [r for r in result.rows if r["lineage"]]
+    own = [r for r in result.rows if not r["lineage"]]
+    assert copied, result.to_table()  # the bottom trial copied a top one
+    assert all(
+        tuple(sorted(r["config"]["mixture"].items())) in {tuple(sorted(w.items())) for w in space["grid_search"]}
+        for r in own
+    )
+    records = [[json.loads(line) for line in open(fits / name)] for name in sorted(os.listdir(fits))]
+    first_fits = {Mixture.from_dict(r[0]["mixture"]) for r in records if r[0]["start"]["sp"] == 0}
+    assert first_fits == {trial_mixture(base, w) for w in space["grid_search"]}  # each trial began on its draw
     for row in result.rows:
-        weights = row["config"]["mixture"]
         counts = {n: row[f"mixture/samples/{n}"] for n in example.SOURCES}
         assert sum(counts.values()) == row["time/sample"] == samples
         assert sum(row[f"mixture/tokens/{n}"] for n in example.SOURCES) == row["time/token"] == samples * example.DIM
-        for name in example.SOURCES:  # the plan apportions the epoch by the weights (largest remainders)
-            assert abs(counts[name] - weights[name] / sum(weights.values()) * samples) <= 1
+        if not row["lineage"]:
+            weights = row["config"]["mixture"]
+            for name in example.SOURCES:  # the plan apportions the epoch by the weights (largest remainders)
+                assert abs(counts[name] - weights[name] / sum(weights.values()) * samples) <= 1
         last = [e for e in result.histories[row["trial_id"]] if "metrics/eval_small/cross_entropy" in e][-1]
         assert all(f"metrics/eval_{n}/cross_entropy" in last for n in example.SOURCES)
 
-    # Per-source eval loss means what it says (measured: eval_small 0.324 and 0.328 for the two trials with most
-    # 'small', 0.628 and 0.661 for the two with almost none; eval_help lowest, 0.421, for the most 'help').
+    # The copy: the donor's exact Timestamp, the donor's mixture switched there, the donor's rows continued.
+    row_of = {}
+    for source in example.SOURCES:
+        for i, r in enumerate(example.make_rows(source, example.ROWS, 0)):
+            row_of[tuple(r["x"].tolist())] = (source, i)
+    for row in copied:
+        step = row["lineage"][-1]
+        at, donor_counters = step["counters"]["sample"], step["counters"]
+        assert 0 < at < samples and step["mixture"] == row["config"]["mixture"] != step["from_mixture"]
+        donor_mixture = trial_mixture(base, step["from_mixture"])
+        switched = donor_mixture.switched(at, normalize_weights(row["config"]["mixture"], base.names))
+        expected = {
+            "ep": donor_counters["epoch"],
+            "ba": donor_counters["batch"],
+            "sp": at,
+            "tok": donor_counters["token"],
+        }
+        (copy,) = [r for r in records if r[0]["start"] == expected and Mixture.from_dict(r[0]["mixture"]) == switched]
+        (donor,) = [
+            r for r in records if r[0]["start"]["sp"] == 0 and Mixture.from_dict(r[0]["mixture"]) == donor_mixture
+        ]
+        before = [row_of[tuple(x)] for batch in donor[1:] if batch["sp"] <= at for x in batch["x"]]
+        after = [row_of[tuple(x)] for batch in copy[1:] for x in batch["x"]]
+        assert len(before) == at and len(after) == samples - at > 0
+        assert len(set(before + after)) == samples  # no row of the epoch twice: each source went on from its cursor
+        trained = {n: sum(1 for s, _ in before + after if s == n) for n in example.SOURCES}
+        assert trained == {n: row[f"mixture/samples/{n}"] for n in example.SOURCES}  # the counts continued the donor's
+
+    # Per-source eval loss means what it says, on the trials trained on their own draw (measured without PBT:
+    # eval_small 0.324 and 0.328 for the two trials with most 'small', 0.628 and 0.661 for the two with almost
+    # none; eval_help lowest, 0.421, for the most 'help').
     def eval_loss(row, source):
         key = f"metrics/eval_{source}/cross_entropy"
         return [e for e in result.histories[row["trial_id"]] if key in e][-1][key]
@@ -82,12 +188,12 @@ def test_a_four_trial_mixture_sweep_reports_tokens_and_eval_loss_per_source(ray_
     def weight(row, source):
         return row["config"]["mixture"][source]
 
-    much = [r for r in result.rows if weight(r, "small") >= 0.5]
-    little = [r for r in result.rows if weight(r, "small") < 0.05]
+    much = [r for r in own if weight(r, "small") >= 0.5]
+    little = [r for r in own if weight(r, "small") < 0.05]
     assert much and little
     assert max(eval_loss(r, "small") for r in much) < min(eval_loss(r, "small") for r in little) - 0.2
-    by_help = sorted(result.rows, key=lambda r: weight(r, "help"))
-    assert min(result.rows, key=lambda r: eval_loss(r, "help")) is by_help[-1]
-    assert max(result.rows, key=lambda r: eval_loss(r, "help")) is by_help[0]
+    by_help = sorted(own, key=lambda r: weight(r, "help"))
+    assert min(own, key=lambda r: eval_loss(r, "help")) is by_help[-1]
+    assert max(own, key=lambda r: eval_loss(r, "help")) is by_help[0]
     header = result.to_table().splitlines()[0].split()
     assert {"mixture/help", "mixture/small", "mixture/tokens/help", "mixture/tokens/small"} <= set(header)
