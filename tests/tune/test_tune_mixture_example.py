@@ -101,13 +101,15 @@ class CopyTheLast(Callback):
     Asynchronous PBT scores a trial at its own perturbation points (192 and 384 here) against the
     scores the others have at that moment, and a donor must have been in the top quantile at its
     own last one. So: the others wait before 192 until ``last`` has passed it (it is scored alone:
-    no copy at 192); ``last`` waits before 384 until the others have passed it (they are scored,
-    the best keeps its checkpoint), and they wait at 416 for the copy's run to start, so that they
-    are not finished (out of PBT's ranking) when ``last`` reports 384. 120 s at most each.
+    no copy at 192); the others wait right after their 384 report (a file in ``marks``) for the
+    copy's run to start, so that they are not finished (out of PBT's ranking) when ``last`` reports
+    384, and so that the best one's latest report is the one with its 384 checkpoint (PBT's save of
+    a top trial takes its latest report's checkpoint: a later report without one leaves nothing to
+    copy); ``last`` waits before 384 for their marks, then 10 s. 120 s at most each wait.
     """
 
-    def __init__(self, folder: str, last: dict) -> None:
-        self.folder, self.last = folder, last
+    def __init__(self, folder: str, marks: str, last: dict) -> None:
+        self.folder, self.marks, self.last = folder, marks, last
 
     def _fits(self):
         out = []
@@ -132,14 +134,19 @@ class CopyTheLast(Callback):
         if not mine and sample == 160:
             ready = lambda: self._passed(True, 192)  # noqa: E731
         elif mine and sample == 352:
-            ready = lambda: self._passed(False, 384)  # noqa: E731
-        elif not mine and sample == 416:
+            ready = lambda: len(os.listdir(self.marks)) >= len(self._fits()) - 1  # noqa: E731
+        elif not mine and sample == 384:
+            # Wait right after the 384 report: PBT's save of a top trial takes the checkpoint of its latest report.
+            with open(os.path.join(self.marks, f"at384-{uuid.uuid4().hex[:8]}"), "w"):
+                pass
             ready = lambda: any(h["start"]["sp"] > 0 for h, _ in self._fits())  # noqa: E731
         else:
             return
         deadline = time.time() + 120
         while not ready() and time.time() < deadline:
             time.sleep(0.2)
+        if mine:
+            time.sleep(10)  # the others' 384 reports reach Tune's scheduler first
 
 
 @pytest.mark.ray
@@ -160,13 +167,13 @@ def test_a_mixture_pbt_sweep_copies_on_the_donors_mixture_and_position(ray_clust
     samples = 512
     base = example.base_mixture(samples)
     space = mixture_space(base, num_samples=3, seed=0)
-    fits, barrier = tmp_path / "fits", tmp_path / "barrier"
-    fits.mkdir()
-    barrier.mkdir()
+    fits, barrier, marks = tmp_path / "fits", tmp_path / "barrier", tmp_path / "marks"
+    for folder in (fits, barrier, marks):
+        folder.mkdir()
     # The trial with the least 'help' is the worst on the held-out task at every report (measured: 0.80, 0.78,
     # 0.82 at 128, 256, 384 samples, against 0.49-0.66 for the others): it is the one PBT copies into.
     last = min(space["grid_search"], key=lambda w: w["help"])
-    callbacks = [FitRows(str(fits)), StartTogether(str(barrier), 3), CopyTheLast(str(fits), last)]
+    callbacks = [FitRows(str(fits)), StartTogether(str(barrier), 3), CopyTheLast(str(fits), str(marks), last)]
     # Reports, evals and checkpoints every 6 batches (192 samples): PBT scores the trials at 192 and 384; the final
     # report (512) is 128 after the last, under the interval, so no copy comes there (it would train no batch).
     scheduler = pbt_scheduler("160sp", mixture=mixture_space(base), seed=0, resample_probability=0.0)
