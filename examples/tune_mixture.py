@@ -137,12 +137,16 @@ def write_parquet_sources(folder: str, data_seed: int = 0) -> Dict[str, str]:
     return paths
 
 
-def proxy_trials_on_ray(space: Any, samples: int, storage: str, batch_size: int) -> Any:
+def proxy_trials_on_ray(
+    space: Any, samples: int, storage: str, batch_size: int, *, scheduler: Any = None, **trainer: Any
+) -> Any:
     """The proxy trials as a Ray Tune sweep: each trial a `RayTrainer` run on its sampled mixture.
 
     Its sources are Parquet files (`ParquetRowGroups`: seekable, so a resume or a PBT copy enters
     each at its cursor); the held-out task and one eval set per source give ``metrics/eval/...``
-    and ``metrics/eval_<source>/...``.
+    and ``metrics/eval_<source>/...``. ``scheduler``: a Tune scheduler (``pbt_scheduler(...,
+    mixture=mixture_space(...))`` for PBT over the weights); ``trainer``: more `RayTrainer` options
+    (a PBT sweep needs ``checkpoint=CheckpointConfig(save_interval=...)``).
     """
     import sys
 
@@ -177,8 +181,10 @@ def proxy_trials_on_ray(space: Any, samples: int, storage: str, batch_size: int)
             report_interval="1ep",
             report_every_s=None,
             get_num_tokens_in_batch=lambda batch: int(batch["y"].numel()) * DIM,  # a token per feature
-        ),
+        )
+        | trainer,
         param_space={"mixture": space},
+        scheduler=scheduler,
         metric=METRIC,
         mode="min",
         storage_path=storage,

@@ -79,10 +79,10 @@ Searching the data mixture
 first stage; the table shows them (``mixture/<source>``) beside the tokens each source gave
 (``mixture/tokens/<source>``). `regmix_search` fits the trials' loss as a function of the weights
 (scikit-learn, cross-validated) and returns the predicted best `Mixture`, which
-`write_mixture_config` writes as a stages config for the full run. Under PBT over other keys a copy
-takes its donor's weights with its checkpoint (the lineage records them); exploring the weights
-themselves (`MixtureExplore`) is refused until a copy can continue the donor's cursors under new
-weights.
+`write_mixture_config` writes as a stages config for the full run. ``pbt_scheduler(interval,
+mixture=mixture_space(mixture))`` explores the weights (`MixtureExplore`): a copy trains on the
+donor's mixture switched at the donor checkpoint's global sample to its explored weights, from
+the donor's exact Timestamp and per-source cursors; the lineage records both weights.
 
 Population-based training
 -------------------------
@@ -103,8 +103,8 @@ Files:
   `raytrain_events.tune`).
 * ``explore.py``: Keep a PBT trial's explored optimizer settings when it loads another trial's
   checkpoint.
-* ``mixture_pbt.py``: PBT over mixture weights: explore on the simplex, and each trial's mixture over
-  time from its lineage.
+* ``mixture_pbt.py``: PBT over mixture weights: explore on the simplex, the copy's mixture, and each
+  trial's mixture over time.
 * ``pbt.py``: Population-based training over algorithm sets: Tune's `PopulationBasedTraining`, set
   up for sweeps.
 * ``placement.py``: Release the placement groups of trials Tune stopped.

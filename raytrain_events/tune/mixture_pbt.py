@@ -1,14 +1,16 @@
-"""PBT over mixture weights: explore on the simplex, and each trial's mixture over time from its lineage.
+"""PBT over mixture weights: explore on the simplex, the copy's mixture, and each trial's mixture over time.
 
-PBT's exploit hands a bottom trial a top trial's config and checkpoint; `MixtureExplore` (a
-``custom_explore_fn`` for Tune's PBT) then perturbs the copied
+PBT's exploit hands a bottom trial a top trial's config and checkpoint; `MixtureExplore` (the
+``custom_explore_fn`` `pbt_scheduler(mixture=...)` gives Tune's PBT) then perturbs the copied
 ``config["mixture"]`` on the simplex: with probability ``resample_probability`` a fresh Dirichlet
 draw, otherwise each weight times ``exp(scale * N(0, 1))``, renormalised (a weight of 0 stays 0:
-a source the donor did not train on is not brought back by noise, only by a resample). Not wired
-into `pbt_scheduler` yet: a copy with new weights that loads the donor's checkpoint is refused by
-the mixture's resume check (the checkpoint's per-source cursors are for the donor's weights); it
-needs the plan to start a stage at a position from given cursors. Without it, a copy keeps the
-donor's weights, stage and exact position, and `mixture_segments` shows that in the lineage.
+a source the donor did not train on is not brought back by noise, only by a resample).
+
+`copy_mixture` is the mixture the copy's run trains on: the donor run's whole mixture (from the
+pointer: its stages and earlier switches) switched at the donor checkpoint's global sample to the
+explored weights (`Mixture.switched`). Every position before the switch keeps the donor's order,
+so the copy loads the donor's checkpoint (exact Timestamp, per-source counts and cursors) and each
+source continues from its cursor: every row still at most once per epoch.
 
 `mixture_segments` turns a trial's initial mixture and its lineage (`SweepResult` rows'
 ``lineage``: each copy's donor, counters and mixtures) into ``[(from, to, weights, trial)]``: which
@@ -20,10 +22,10 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from raytrain_events.core.mixture import MixtureError
+from raytrain_events.core.mixture import Mixture, MixtureError
 from raytrain_events.tune.simplex import normalize_weights
 
-__all__ = ["MixtureExplore", "perturb_weights", "mixture_segments"]
+__all__ = ["MixtureExplore", "perturb_weights", "copy_mixture", "mixture_segments"]
 
 
 def perturb_weights(weights: Mapping[str, float], rng: Any, *, scale: float = 0.3) -> Dict[str, float]:
@@ -73,6 +75,25 @@ class MixtureExplore:
                     {n: current.get(n, 0.0) for n in self.space.names}, self.rng, scale=self.scale
                 )
         return self.then(config) if self.then is not None else config
+
+
+def copy_mixture(
+    donor: Mixture,
+    at_sample: int,
+    weights: Optional[Mapping[str, float]],
+    donor_weights: Optional[Mapping[str, float]] = None,
+) -> Mixture:
+    """The mixture a PBT copy trains on: ``donor`` (the donor run's mixture) with ``weights`` from ``at_sample`` on.
+
+    ``at_sample``: the donor checkpoint's global sample. Weights equal to ``donor_weights`` (PBT
+    explored other keys only) or None keep the donor's mixture unchanged.
+    """
+    if weights is None:
+        return donor
+    explored = normalize_weights(weights, donor.names)
+    if donor_weights is not None and explored == normalize_weights(donor_weights, donor.names):
+        return donor
+    return donor.switched(int(at_sample), explored)
 
 
 Segment = Tuple[int, Optional[int], Dict[str, float], str]

@@ -5,7 +5,8 @@ counters every trial reports), the trials in the bottom quantile copy a top tria
 them the top trial's last reported checkpoint pointer (`raytrain_events.tune.pointer`), and the
 trial starts a new run in its folder that fully loads that checkpoint (weights, optimizer, exact
 global Timestamp, data position) with a mutated config: another algorithm set from
-``algorithm_sets`` (resampled or a neighbour in the list), perturbed numeric args and LR. The
+``algorithm_sets`` (resampled or a neighbour in the list), perturbed numeric args and LR, and
+mixture weights perturbed on the simplex (``mixture=``, `raytrain_events.tune.mixture_pbt`). The
 trial records the copy in its lineage (`SweepResult.lineage`).
 
 Trials must save checkpoints at least as often as they report at a perturbation: PBT copies the
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 from typing import Any, Dict, Mapping, Optional, Union
 
-from raytrain_events.core.mixture import MixtureError
 from raytrain_events.core.time import Time, TimeUnit, ensure_time, report_key
 from raytrain_events.tune.sets import algorithm_choices, validate_set
 
@@ -47,11 +47,12 @@ def pbt_scheduler(
     `algorithm_sets_grid(...)`'s value. ``lr``: the LR's mutation (a list of values, a Tune
     domain such as ``tune.loguniform(1e-4, 1e-1)``, or a function), mutating ``config["lr"]``.
     ``hyperparam_mutations``: any other config keys' mutations (Tune's format; numeric values are
-    perturbed by PBT's factors). ``mixture`` (a `mixture_space(...)` domain, explored by
-    `MixtureExplore` with ``mixture_scale`` and ``seed``) is refused for now, naming why: a copy
-    with new weights cannot continue the donor's per-source cursors yet. A sweep searching the
-    mixture (``param_space["mixture"]``) under PBT over other keys works: a copy takes the donor's
-    config, so it trains on the donor's weights from the donor's exact position. ``options``: more
+    perturbed by PBT's factors). ``mixture``: a `mixture_space(<the trainer's mixture>)` domain;
+    a copy's ``config["mixture"]`` is then perturbed on the simplex by `MixtureExplore` (with
+    ``mixture_scale``, ``resample_probability`` and ``seed``), and its run trains on the donor's
+    mixture switched at the donor checkpoint's global sample to those weights (`copy_mixture`):
+    exact Timestamp, each source from the donor's cursor. The sweep must search the mixture too
+    (``param_space={"mixture": mixture_space(...)}``). ``options``: more
     `PopulationBasedTraining` arguments.
     """
     from ray.tune.schedulers import PopulationBasedTraining
@@ -68,17 +69,15 @@ def pbt_scheduler(
         mutations["algorithms"] = [validate_set(s) for s in sets]
     if lr is not None:
         mutations["lr"] = lr
-    if mixture is not None:
+    if mixture is not None:  # explore config["mixture"] on the simplex; the copy switches at the donor's sample
         from raytrain_events.tune.mixture_pbt import MixtureExplore
 
-        MixtureExplore(mixture, scale=mixture_scale, resample_probability=resample_probability, seed=seed)  # checks
-        raise MixtureError(
-            "pbt_scheduler(mixture=...): a copy with explored weights cannot continue the donor's data position "
-            "yet: the donor's checkpoint holds each source's cursor under the donor's weights, and a run resumes "
-            "only on the mixture it saved (MixtureResumeError at load). PBT copies keep the donor's weights, stage "
-            "and exact position today: search the weights with param_space={'mixture': mixture_space(...)} and "
-            "let PBT mutate lr=, algorithm_sets= or hyperparam_mutations= (each copy then records its donor's "
-            "mixture in its lineage)."
+        options["custom_explore_fn"] = MixtureExplore(
+            mixture,
+            scale=mixture_scale,
+            resample_probability=resample_probability,
+            seed=seed,
+            then=options.get("custom_explore_fn"),
         )
     if not mutations and mixture is None:
         raise ValueError(

@@ -3,7 +3,8 @@
 Our checkpoints are already committed in the trial's run dir (object storage or a shared
 folder). Tune persists every checkpoint a trial reports, so a trial reports a tiny directory
 holding only ``raytrain_pointer.json``: the committed checkpoint's URL, its global Timestamp
-counters, and the trial folder, run, algorithm set and mixture weights that saved it. A scheduler that restores a
+counters, and the trial folder, run, algorithm set and mixture (the searched weights and the run's whole `Mixture`, with
+its switch stages) that saved it. A scheduler that restores a
 trial from it (PBT's exploit, a resumed sweep) hands the pointer back through
 ``ray.tune.get_checkpoint()``; the trial reads it with `read_pointer` and loads the real checkpoint.
 """
@@ -32,6 +33,7 @@ class CheckpointPointer:
     run_name: str  # the run (inside the trial folder) that saved it
     algorithms: List[Any] = field(default_factory=list)  # the saving trial's algorithm set
     mixture: Optional[Dict[str, float]] = None  # the saving trial's searched mixture weights (config["mixture"])
+    run_mixture: Optional[Dict[str, Any]] = None  # the saving run's whole mixture (Mixture.to_dict(), with switches)
 
     @property
     def name(self) -> str:
@@ -46,6 +48,7 @@ def pointer_from_entry(  # noqa: PLR0913 (the entry, then who saved it: run, tri
     run_name: str,
     algorithms: List[Any],
     mixture: Optional[Mapping[str, float]] = None,
+    run_mixture: Optional[Mapping[str, Any]] = None,
 ) -> Optional[CheckpointPointer]:
     """The pointer for the checkpoint a history entry names (None if it names none).
 
@@ -66,6 +69,7 @@ def pointer_from_entry(  # noqa: PLR0913 (the entry, then who saved it: run, tri
         run_name=run_name,
         algorithms=list(algorithms),
         mixture=None if mixture is None else dict(mixture),
+        run_mixture=None if run_mixture is None else dict(run_mixture),
     )
 
 
@@ -101,4 +105,5 @@ def read_pointer(folder: str) -> CheckpointPointer:
         run_name=data["run_name"],
         algorithms=list(data.get("algorithms") or []),
         mixture=data.get("mixture"),
+        run_mixture=data.get("run_mixture"),
     )

@@ -141,7 +141,9 @@ def raytrain_trial(config: Dict[str, Any], sweep_setup: Optional[TrialSetup] = N
         storage_options=setup.storage_options,
         run_name=run_name,
     )
-    result = fit_reporting_to_tune(trainer, trial_folder, algorithms, mixture=config.get("mixture"))
+    result = fit_reporting_to_tune(
+        trainer, trial_folder, algorithms, mixture=config.get("mixture"), run_mixture=spec.mixture
+    )
     write_record(
         record_url,
         setup.storage_options,
@@ -208,11 +210,15 @@ def run_to_continue(
     (weights, optimizer state, global Timestamp, data position) with this trial's config,
     optimizer settings (`KeepExploredOptimizerSettings`) and algorithm set, recorded in the
     trial's lineage. The name is deterministic, so a restart
-    before this run reported resumes it instead of loading the donor again.
+    before this run reported resumes it instead of loading the donor again. Under a mixture, the
+    copy's mixture is the donor run's switched at the checkpoint's sample to the trial's weights
+    (`copy_mixture`), and a restart resumes on the mixture its run saved (the pointer's).
     """
     if pointer is None:
         return TRIAL_RUN_NAME, spec
     if pointer.trial_folder == trial_folder:
+        if spec.mixture is not None and pointer.run_mixture is not None:
+            spec = spec.replace(mixture=pointer.run_mixture)
         return pointer.run_name, spec
     if spec.checkpoint is None:
         raise ValueError(
@@ -231,10 +237,38 @@ def run_to_continue(
         "from_algorithms": pointer.algorithms,
         "algorithms": algorithms,
     }
+    changes: Dict[str, Any] = {"checkpoint": checkpoint}
     if pointer.mixture is not None or spec.config.get("mixture") is not None:  # a mixture search's weights
         step.update(from_mixture=pointer.mixture, mixture=spec.config.get("mixture"))
+    mixture = copied_mixture(spec, pointer)
+    if mixture is not None:
+        changes["mixture"] = mixture
+        if mixture.switches and f"{pointer.counters.get('sample', 0)}sp" == mixture.switches[-1]:
+            step["switched_at_sample"] = pointer.counters.get("sample", 0)
     add_lineage(trial_url, setup.storage_options, step)
-    return run_name, spec.replace(checkpoint=checkpoint)
+    return run_name, spec.replace(**changes)
+
+
+def copied_mixture(spec: RunSpec, pointer: CheckpointPointer) -> Any:
+    """The `Mixture` a copy of ``pointer``'s trial trains on (`copy_mixture`), or None without a mixture.
+
+    The donor's mixture is the pointer's ``run_mixture``; a pointer without it (written before it
+    was recorded) has the donor's searched weights as the first stage of this trial's mixture.
+    """
+    if spec.mixture is None:
+        return None
+    from raytrain_events.core.mixture import Mixture
+    from raytrain_events.tune.mixture_pbt import copy_mixture
+    from raytrain_events.tune.simplex import trial_mixture
+
+    mine = Mixture.from_dict(spec.mixture)
+    if pointer.run_mixture is not None:
+        donor = Mixture.from_dict(pointer.run_mixture)
+    elif pointer.mixture is not None:
+        donor = trial_mixture(mine, pointer.mixture)
+    else:
+        return None
+    return copy_mixture(donor, pointer.counters.get("sample", 0), spec.config.get("mixture"), pointer.mixture)
 
 
 def add_lineage(trial_url: str, storage_options: Dict[str, Any], step: Dict[str, Any]) -> None:
@@ -247,7 +281,11 @@ def add_lineage(trial_url: str, storage_options: Dict[str, Any], step: Dict[str,
 
 
 def fit_reporting_to_tune(
-    trainer: Any, trial_folder: str, algorithms: List[Any], mixture: Optional[Mapping[str, float]] = None
+    trainer: Any,
+    trial_folder: str,
+    algorithms: List[Any],
+    mixture: Optional[Mapping[str, float]] = None,
+    run_mixture: Optional[Mapping[str, Any]] = None,
 ) -> Any:
     """``trainer.fit()`` in a background thread while this (the trial's) thread reports to Tune.
 
@@ -279,7 +317,9 @@ def fit_reporting_to_tune(
         entry = queue.get()
         if entry == _FIT_DONE:
             break
-        pointer = pointer_from_entry(entry, trainer.run_url, trial_folder, trainer.run_name, algorithms, mixture)
+        pointer = pointer_from_entry(
+            entry, trainer.run_url, trial_folder, trainer.run_name, algorithms, mixture, run_mixture
+        )
         if pointer is None:
             tune.report(dict(entry))
             continue

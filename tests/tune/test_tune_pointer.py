@@ -125,6 +125,61 @@ def test_a_mixture_copy_records_the_donors_weights_and_its_own_in_the_lineage(tm
     assert step["counters"]["sample"] == 256
 
 
+def test_a_mixture_copy_trains_on_the_donors_mixture_switched_at_its_checkpoint(tmp_path):
+    """The copy's RunSpec.mixture: the donor run's mixture (from the pointer) switched at the checkpoint's sample.
+
+    A chain of copies keeps every switch; a restart of the copy resumes on its own run's mixture;
+    unchanged weights (PBT over lr only) keep the donor's mixture as it was.
+    """
+    from raytrain_events.core.mixture import Mixture
+    from raytrain_events.tune.simplex import trial_mixture
+    from raytrain_events.tune.trial import TrialSetup, read_lineage, run_to_continue, trial_spec
+
+    base = Mixture(sources={"help": 600, "noise": 600, "small": 600}, weights={"help": 1, "noise": 1, "small": 1})
+    setup = TrialSetup(
+        spec=_spec(mixture=base),
+        experiment_url=str(tmp_path),
+        storage_options={},
+        keep_every_checkpoint=True,
+    )
+    donor_weights = {"help": 0.8, "noise": 0.1, "small": 0.1}
+    explored = {"help": 0.7, "noise": 0.1, "small": 0.2}
+    donor_run = trial_spec(setup.spec, {"mixture": donor_weights}).mixture
+    entry = {"checkpoint_path": "x/ckpt-8-aa", "time/sample": 256, "time/batch": 8}
+    pointer = pointer_from_entry(
+        entry, str(tmp_path / "trial_a/train"), "trial_a", "train", [], donor_weights, donor_run
+    )
+    write_pointer(str(tmp_path / "p"), pointer)
+    pointer = read_pointer(str(tmp_path / "p"))
+    assert pointer.run_mixture == donor_run
+
+    spec = trial_spec(setup.spec, {"mixture": explored})
+    run_name, copied = run_to_continue(spec, pointer, "trial_b", [], str(tmp_path / "trial_b"), setup)
+    switched = trial_mixture(base, donor_weights).switched(256, explored)
+    assert Mixture.from_dict(copied.mixture) == switched and switched.switches == ("256sp",)
+    (step,) = read_lineage(str(tmp_path / "trial_b"), {})
+    assert step["switched_at_sample"] == 256 and step["mixture"] == explored
+
+    # The copy's own pointer (a restart, or a later copy of the copy) carries the switched mixture.
+    own = CheckpointPointer(
+        **{**pointer.__dict__, "trial_folder": "trial_b", "run_name": run_name, "run_mixture": copied.mixture}
+    )
+    assert run_to_continue(spec, own, "trial_b", [], str(tmp_path / "trial_b"), setup)[1].mixture == copied.mixture
+    later = CheckpointPointer(**{**own.__dict__, "counters": {**own.counters, "sample": 384}, "mixture": explored})
+    again = {"help": 0.5, "noise": 0.1, "small": 0.4}
+    _, chained = run_to_continue(
+        trial_spec(setup.spec, {"mixture": again}), later, "trial_c", [], str(tmp_path / "trial_c"), setup
+    )
+    assert Mixture.from_dict(chained.mixture) == switched.switched(384, again)
+    assert Mixture.from_dict(chained.mixture).continues(switched)  # the checkpoint's mixture: the load accepts it
+
+    # PBT over other keys: the copy takes the donor's weights and keeps the donor's mixture unchanged.
+    _, same = run_to_continue(
+        trial_spec(setup.spec, {"mixture": donor_weights}), pointer, "trial_d", [], str(tmp_path / "trial_d"), setup
+    )
+    assert same.mixture == donor_run
+
+
 def test_pbt_scheduler_measures_global_samples_and_mutates_sets_and_lr():
     from ray.tune.schedulers import PopulationBasedTraining
 
