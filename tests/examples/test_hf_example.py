@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
+
+from tests.example_scripts import load_example
 
 # Measured on the shared 2-core machine (load ~7): ray.init 14 s (once per session: the shared
 # `ray_cluster`), the run 63 s: transformers' import on the worker ~10 s, the 9 batches ~1.5 s (timed in
@@ -15,13 +14,9 @@ import pytest
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 pytest.importorskip("transformers")
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "hf_causal_lm.py")
-
 
 def test_causal_lm_on_ray_stops_at_its_token_budget(ray_cluster, tmp_path):
-    spec = importlib.util.spec_from_file_location("hf_causal_lm", EXAMPLE)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_example("hf_causal_lm.py", "hf_causal_lm")
     result = example.run("3000tok", num_workers=1, storage=str(tmp_path), rows=64)
     tokens = result.timestamp.token.value
     most_per_batch = 16 * example.LENGTH

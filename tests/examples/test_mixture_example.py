@@ -7,21 +7,15 @@ would start a Ray of its own).
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
+
+from tests.example_scripts import load_example
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "mixture.py")
-
 
 def _example():
-    spec = importlib.util.spec_from_file_location("mixture_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("mixture.py", "mixture_example")
 
 
 def test_mixture_example_prints_the_plans_tokens_per_source(ray_cluster, tmp_path):

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -12,17 +9,13 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from raytrain_events import Trainer
 from raytrain_events.checkpoint import CheckpointConfig
+from tests.example_scripts import load_example
 
 pytestmark = [pytest.mark.ray]
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "predict_ray_data.py")
-
 
 def _example():
-    spec = importlib.util.spec_from_file_location("predict_ray_data", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("predict_ray_data.py", "predict_ray_data")
 
 
 def test_ray_data_predictions_equal_trainer_predict(ray_cluster, tmp_path):

@@ -22,20 +22,20 @@ from collections import Counter, defaultdict
 import pytest
 
 from tests.ray.replica_helpers import RecordCommits
-from tests.ray.resume_helpers import BATCHES_PER_EPOCH, GLOBAL_BATCH, ROWS, make_model, make_sgd, write_parquet
+from tests.ray.resume_helpers import (
+    BATCHES_PER_EPOCH,
+    GLOBAL_BATCH,
+    ROWS,
+    make_model,
+    make_sgd,
+    read_records,
+    write_parquet,
+)
 
 pytestmark = pytest.mark.ray
 
 GROUPS = 3
 EPOCHS = 4
-
-
-def _records(folder: str) -> list:
-    out = []
-    for path in glob.glob(os.path.join(folder, "rows-*.jsonl")):
-        with open(path) as f:
-            out += [json.loads(line) for line in f if line.strip()]
-    return out
 
 
 def _trainer(tmp_path, data, folder, sleep_s):
@@ -146,8 +146,8 @@ def test_replica_groups_train_through_two_kills(ray_cluster, tmp_path):
     # What a failure cost the survivors (printed for docs/operating.md, not asserted: timings vary here):
     # the longest gap between two of a survivor's commits around each kill, against its median step.
     for pid_killed, t_kill in zip(kills, kill_times):
-        for r_pid in {r["pid"] for r in _records(folder) if r["group"] != 1}:
-            ts = sorted(r["t"] for r in _records(folder) if r["pid"] == r_pid and r["committed"])
+        for r_pid in {r["pid"] for r in read_records(folder) if r["group"] != 1}:
+            ts = sorted(r["t"] for r in read_records(folder) if r["pid"] == r_pid and r["committed"])
             gaps = [b - a for a, b in zip(ts, ts[1:])]
             near = [b - a for a, b in zip(ts, ts[1:]) if a <= t_kill + 3 and b >= t_kill]  # the quorum's wait
             if gaps and near:
@@ -157,8 +157,8 @@ def test_replica_groups_train_through_two_kills(ray_cluster, tmp_path):
                 )
     print(f"steps the survivors committed during each outage: {outages}")
     # The in-step kill: the survivors' step with the dying group failed its all-reduce and did not commit.
-    assert any(not r["committed"] for r in _records(folder)), "no step failed to commit"
-    records = [r for r in _records(folder) if r["committed"]]
+    assert any(not r["committed"] for r in read_records(folder)), "no step failed to commit"
+    records = [r for r in read_records(folder) if r["committed"]]
     by_batch = defaultdict(list)
     for r in records:
         by_batch[(r["epoch"], r["batch_in_epoch"])].append(r)

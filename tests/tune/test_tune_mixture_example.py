@@ -17,7 +17,6 @@ machine's float order: measured 0.21 (16 trials, 3 seeds) and 0.26 (this test's 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -29,18 +28,13 @@ from ray import cloudpickle as ray_cloudpickle
 
 from raytrain_events import Callback
 from raytrain_events.core.mixture import Mixture
+from tests.example_scripts import load_example
 
 ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the trials get this file's callbacks by value
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location(
-        "tune_mixture_example", os.path.join(REPO, "examples", "tune_mixture.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("tune_mixture.py", "tune_mixture_example")
 
 
 def test_the_searched_mixture_beats_uniform_on_the_held_out_task(tmp_path, capsys):

@@ -21,7 +21,6 @@ with no Ray running) is covered by the shared ``examples/train.py`` run (tests/e
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
 import os
@@ -34,11 +33,11 @@ import pytest
 from ray import cloudpickle as ray_cloudpickle
 
 from raytrain_events import Callback
+from tests.example_scripts import load_example
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 N_TRAIN = int(0.8 * 1797)  # the example's 80/20 split of the digits
 EPOCHS, LRS = 3, (0.0, 0.05, 0.0)
 
@@ -79,10 +78,7 @@ class StartTogether(Callback):
 
 def _load_example():
     """``examples/tune_pbt.py`` as a module (its ``main()`` is what ``python examples/tune_pbt.py`` runs)."""
-    spec = importlib.util.spec_from_file_location("tune_pbt_example", os.path.join(REPO, "examples", "tune_pbt.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("tune_pbt.py", "tune_pbt_example")
 
 
 @pytest.fixture(scope="module")
