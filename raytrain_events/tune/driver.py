@@ -17,7 +17,7 @@ from typing import Any, Dict, Iterator, Mapping, Optional, Sequence
 from raytrain_events.ray.spec import RunSpec
 from raytrain_events.tune.placement import ReleaseTrainWorkers, release_placement_groups, start_registry
 from raytrain_events.tune.results import TIME_ATTRS, SweepResult, is_finite_number, make_result
-from raytrain_events.tune.sets import algorithm_choices, validate_set
+from raytrain_events.tune.sets import space_choices, validate_set
 from raytrain_events.tune.trial import (
     TrialSetup,
     base_spec,
@@ -151,7 +151,7 @@ def _validate(
     base = base_spec(trainer)
     param_space = dict(param_space or {})
     if "algorithms" in param_space:
-        for choice in algorithm_choices(param_space["algorithms"]):
+        for choice in space_choices(param_space["algorithms"]):
             validate_set(choice)
     if "mixture" in param_space:
         from raytrain_events.tune.simplex import base_mixture, check_mixture_choice

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any, Dict, Mapping, Optional, Union
 
 from raytrain_events.core.time import Time, TimeUnit, ensure_time, report_key
-from raytrain_events.tune.sets import algorithm_choices, validate_set
+from raytrain_events.tune.sets import space_choices, validate_set
 
 __all__ = ["pbt_scheduler"]
 
@@ -61,7 +61,7 @@ def pbt_scheduler(
     mutations: Dict[str, Any] = dict(hyperparam_mutations or {})
     if algorithm_sets is not None:
         listed = isinstance(algorithm_sets, (list, tuple))  # a list of sets, or algorithm_sets_grid(...)'s value
-        sets = list(algorithm_sets) if listed else algorithm_choices(algorithm_sets)
+        sets = list(algorithm_sets) if listed else space_choices(algorithm_sets)
         if len(sets) < 2:
             raise ValueError(
                 f"pbt_scheduler(algorithm_sets=...) needs at least two sets to switch between, got {sets!r}."

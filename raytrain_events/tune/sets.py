@@ -74,8 +74,10 @@ def algorithm_sets_grid(sets: Sequence[Any], *, validate: bool = True) -> Dict[s
     return tune.grid_search(normalized)
 
 
-def algorithm_choices(value: Any) -> List[Any]:
-    """The algorithm sets a ``param_space["algorithms"]`` value can produce (for validation)."""
+def space_choices(value: Any) -> List[Any]:
+    """The values a ``param_space`` entry lists, for validation before Ray starts: a grid's values, a
+    categorical's categories, or the one value given; ``[]`` for a sampled domain or a function (nothing to
+    check up front). Algorithm sets and mixture weights are checked through it."""
     from ray.tune.search.sample import Categorical, Domain
 
     if isinstance(value, Mapping) and set(value) == {"grid_search"}:

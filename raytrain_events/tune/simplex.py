@@ -25,6 +25,7 @@ import numpy as np
 from ray.tune.search.sample import BaseSampler, Domain
 
 from raytrain_events.core.mixture import Mixture, MixtureError
+from raytrain_events.tune.sets import space_choices
 
 __all__ = [
     "mixture_space",
@@ -33,7 +34,6 @@ __all__ = [
     "trial_mixture",
     "base_mixture",
     "check_mixture_choice",
-    "mixture_choices",
     "normalize_weights",
     "DIGITS",
 ]
@@ -187,19 +187,6 @@ def _proportions(stage: Mapping[str, Any], mixture: Mixture, where: str) -> Dict
     return {k: float(v) for k, v in stage.items()}
 
 
-def mixture_choices(value: Any) -> List[Any]:
-    """The weight dicts a ``param_space["mixture"]`` value lists (a grid, a categorical or one dict)."""
-    from ray.tune.search.sample import Categorical
-
-    if isinstance(value, Mapping) and set(value) == {"grid_search"}:
-        return list(value["grid_search"])
-    if isinstance(value, Categorical):
-        return list(value.categories)
-    if isinstance(value, Domain) or callable(value):
-        return []
-    return [value]
-
-
 def base_mixture(spec: Any) -> Optional[Mixture]:
     """The sweep's base `Mixture` (``RunSpec.mixture``, a `Mixture` or its dict), or None without one."""
     mixture = getattr(spec, "mixture", None)
@@ -225,7 +212,7 @@ def check_mixture_choice(base: Optional[Mixture], value: Any) -> None:
                 "build it with mixture_space(<the trainer's mixture>, ...)."
             )
         return
-    for choice in mixture_choices(value):
+    for choice in space_choices(value):
         if not isinstance(choice, Mapping):
             raise MixtureError(f"param_space['mixture'] holds {choice!r}: give {{source: weight}} dicts.")
         trial_mixture(base, choice)
