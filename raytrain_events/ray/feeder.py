@@ -70,6 +70,13 @@ def rank_rows(start: int, end: int, rank: int, world_size: int) -> Tuple[int, in
     return a, a + q + (1 if rank < rem else 0)
 
 
+def batch_end(start: int, rows: int, global_batch: int, world_size: int) -> int:
+    """The end of the global batch that starts at row ``start`` of an epoch of ``rows`` rows: ``global_batch``
+    rows on, or the epoch's end when the short tail after it has fewer rows than workers (it joins this batch)."""
+    end = min(start + global_batch, rows)
+    return rows if 0 < rows - end < world_size else end
+
+
 def batches_in_epoch(rows: int, global_batch: int, world_size: int, position: int = 0) -> int:
     """Global batches from ``position`` to the end of an epoch of ``rows`` rows (see module doc)."""
     remaining = rows - position
@@ -210,10 +217,8 @@ class _Epoch:
                 f"The train data has {left} rows left in this epoch (from row {start}), fewer than the {w} "
                 "workers: every worker needs at least one row per batch. Use fewer workers or more data."
             )
-        end = min(start + g, pulled)
-        if self.done and 0 < pulled - end < w:
-            end = pulled  # the short tail joins this batch
-        return start, end
+        # Once the epoch's rows are all known, a short tail joins this batch.
+        return start, batch_end(start, pulled, g, w) if self.done else min(start + g, pulled)
 
     def serve(self, rank: int, k: int) -> Optional[List[Slice]]:
         """Rank ``rank``'s slices of batch ``k`` (None past the epoch's end); call with ``cond`` held."""

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, List, Mapping, Optional
 
 from raytrain_events.core.callback import Callback
 from raytrain_events.ray.data import GlobalOrderLoader, GlobalOrderShard
-from raytrain_events.ray.feeder import rank_rows
+from raytrain_events.ray.feeder import batch_end, rank_rows
 from raytrain_events.ray.mixture_source import plan_of
 
 __all__ = ["MixtureOrderLoader"]
@@ -64,13 +64,11 @@ class MixtureOrderLoader(GlobalOrderLoader):
             yield batch
 
     def _rank_positions(self, position: int, k: int) -> tuple[int, int]:
-        """This rank's global positions of batch ``k`` from ``position`` (the feeder's cut, `feeder._Epoch`)."""
+        """This rank's global positions of batch ``k`` from ``position`` (the feeder's cut: `feeder.batch_end`, `rank_rows`)."""
         shard, size = self.shard, self.plan.epoch_size
         world = shard.data_world_size
         start = position + k * shard.global_batch
-        end = min(start + shard.global_batch, size)
-        if 0 < size - end < world:
-            end = size  # the short tail joins this batch
+        end = batch_end(start, size, shard.global_batch, world)
         return rank_rows(start, end, shard.rank // shard.tensor_parallel, world)
 
     def _tokens(self, batch: Any, sources: List[int]) -> List[int]:
