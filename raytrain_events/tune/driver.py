@@ -153,10 +153,7 @@ def _validate(
     if "algorithms" in param_space:
         for choice in space_choices(param_space["algorithms"]):
             validate_set(choice)
-    if "mixture" in param_space:
-        from raytrain_events.tune.simplex import base_mixture, check_mixture_choice
-
-        check_mixture_choice(base_mixture(base), param_space["mixture"])
+    _check_mixture_search(base, param_space, scheduler)
     overrides = param_space.get("trainer")
     if overrides is not None:
         if not isinstance(overrides, Mapping):
@@ -170,6 +167,21 @@ def _validate(
             "scheduler time_attr='time/token' needs trainer['get_num_tokens_in_batch'] (else tokens stay 0)."
         )
     return base
+
+
+def _check_mixture_search(base: RunSpec, param_space: Mapping[str, Any], scheduler: Any) -> None:
+    """A searched mixture, and PBT over it, refused before Ray starts if the base run cannot train them."""
+    from raytrain_events.ray import _compat
+
+    explore_fn = _compat.scheduler_explore_fn(scheduler)
+    if "mixture" not in param_space and explore_fn is None:
+        return
+    from raytrain_events.tune.mixture_pbt import check_mixture_pbt
+    from raytrain_events.tune.simplex import base_mixture, check_mixture_choice
+
+    if "mixture" in param_space:
+        check_mixture_choice(base_mixture(base), param_space["mixture"])
+    check_mixture_pbt(explore_fn, param_space, base_mixture(base))
 
 
 def _prepare(

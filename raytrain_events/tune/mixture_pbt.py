@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from raytrain_events.core.mixture import Mixture, MixtureError
 from raytrain_events.tune.simplex import normalize_weights
 
-__all__ = ["MixtureExplore", "perturb_weights", "copy_mixture", "mixture_segments"]
+__all__ = ["MixtureExplore", "perturb_weights", "copy_mixture", "mixture_segments", "check_mixture_pbt"]
 
 
 def perturb_weights(weights: Mapping[str, float], rng: Any, *, scale: float = 0.3) -> Dict[str, float]:
@@ -75,6 +75,43 @@ class MixtureExplore:
                     {n: current.get(n, 0.0) for n in self.space.names}, self.rng, scale=self.scale
                 )
         return self.then(config) if self.then is not None else config
+
+
+def mixture_explore_of(explore_fn: Any) -> Optional[MixtureExplore]:
+    """The `MixtureExplore` in a PBT ``custom_explore_fn`` (itself, or one it chains to), or None."""
+    seen = 0
+    while explore_fn is not None and seen < 100:
+        if isinstance(explore_fn, MixtureExplore):
+            return explore_fn
+        explore_fn, seen = getattr(explore_fn, "then", None), seen + 1
+    return None
+
+
+def check_mixture_pbt(explore_fn: Any, param_space: Mapping[str, Any], base: Optional[Mixture]) -> None:
+    """Refuse, before Ray starts, PBT over the mixture in a sweep that cannot run it.
+
+    ``explore_fn``: the PBT scheduler's ``custom_explore_fn``; ``base``: the trainer's mixture.
+    Refused: no ``param_space["mixture"]`` (the trials' ``config`` has no weights to perturb, so
+    PBT would explore nothing, silently), and a base mixture with more than one stage (a copy
+    switches the weights at the donor checkpoint's sample, which may come before a later stage's
+    start: the switch and that stage cannot both hold).
+    """
+    explore = mixture_explore_of(explore_fn)
+    if explore is None:
+        return
+    if "mixture" not in param_space:
+        raise MixtureError(
+            "pbt_scheduler(mixture=...) perturbs each trial's config['mixture'], but param_space has no 'mixture', "
+            "so PBT would explore nothing: pass param_space={'mixture': mixture_space(<the trainer's mixture>, "
+            "num_samples=<population>)} (the population's starting weights)."
+        )
+    if base is not None and len(base.stages or {}) > 1:
+        raise MixtureError(
+            f"PBT over the mixture needs a one-stage base mixture; trainer['mixture'] has stages at "
+            f"{list(base.stages or {})}. A copy switches the weights at the donor checkpoint's sample, which can "
+            "come before a later stage starts. Give trainer['mixture'] one stage (PBT's explores are the "
+            "schedule), or search whole staged mixtures without PBT (param_space={'mixture': mixture_grid([...])})."
+        )
 
 
 def copy_mixture(

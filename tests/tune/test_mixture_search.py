@@ -158,6 +158,25 @@ def test_sweep_refuses_a_mixture_search_before_ray_starts(tmp_path, monkeypatch)
             mode="min",
             storage_path=str(tmp_path),
         )
+    # PBT over the mixture: in a sweep that does not search it (PBT would explore nothing), and over a staged base
+    # mixture (a copy's switch can come before a later stage's start).
+    from raytrain_events.tune import pbt_scheduler
+
+    pbt = pbt_scheduler("128sp", mixture=mixture_space(MIXTURE), seed=0)
+    with pytest.raises(MixtureError, match=r"param_space has no 'mixture'.*mixture_space\(<the trainer's mixture>"):
+        sweep(trainer=with_mixture, param_space={}, scheduler=pbt, metric="m", mode="min", storage_path=str(tmp_path))
+    staged = Mixture(
+        sources=MIXTURE.sources, stages={"0dur": {"help": 1, "noise": 1, "small": 1}, "0.7dur": {"help": 1}}
+    )
+    with pytest.raises(MixtureError, match=r"one-stage base mixture.*\['0dur', '0.7dur'\].*mixture_grid"):
+        sweep(
+            trainer={**with_mixture, "mixture": staged},
+            param_space={"mixture": mixture_space(staged, num_samples=2)},
+            scheduler=pbt_scheduler("128sp", mixture=mixture_space(staged), seed=0),
+            metric="m",
+            mode="min",
+            storage_path=str(tmp_path),
+        )
 
 
 # -- the RegMix-style fit -----------------------------------------------------------------------
