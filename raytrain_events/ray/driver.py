@@ -65,11 +65,13 @@ class RayResult:
         """
         if not self.metric:
             return self.latest_checkpoint
+        from raytrain_events.storage.fs import basename
+
         scores = {}
         for entry in self.history:
             value = entry.get(self.metric)
             if entry.get("checkpoint_path") and isinstance(value, (int, float)):
-                scores[entry["checkpoint_path"].rstrip("/").rsplit("/", 1)[-1]] = float(value)
+                scores[basename(entry["checkpoint_path"])] = float(value)
             elif entry.get("validated_checkpoint") and isinstance(value, (int, float)):  # an async validation's
                 scores[entry["validated_checkpoint"]] = float(value)
         scored = [c for c in self.checkpoints if getattr(c, "name", None) in scores]

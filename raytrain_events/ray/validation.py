@@ -31,6 +31,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 __all__ = [
     "AsyncValidation",
     "VALIDATION_KEY",
+    "in_training_order",
     "is_validation_entry",
     "parse_validation",
     "ray_validation_config",
@@ -188,6 +189,33 @@ def ray_validation_config(validator: Callable[..., Dict[str, Any]], validation: 
 def is_validation_entry(entry: Mapping[str, Any]) -> bool:
     """A history entry a validation task added (at its checkpoint's Timestamp, after later training entries)."""
     return VALIDATION_KEY in entry
+
+
+def in_training_order(entries: Sequence[Mapping[str, Any]]) -> List[Mapping[str, Any]]:
+    """The entries with each validation moved to just after the training entry that reported its checkpoint.
+
+    Validations arrive late (after later training reports); in this order each one sits at its
+    checkpoint's place, so "the newest value of a metric" means the newest Timestamp, as with
+    in-loop evals. A validation whose checkpoint is not among the entries stays at its arrival.
+    """
+    from raytrain_events.storage.fs import basename
+
+    by_checkpoint: Dict[str, List[Mapping[str, Any]]] = {}
+    reported = {basename(str(e["checkpoint_path"])) for e in training_entries(entries) if e.get("checkpoint_path")}
+    out: List[Mapping[str, Any]] = []
+    for entry in entries:
+        name = entry.get("validated_checkpoint")
+        if is_validation_entry(entry) and name in reported:
+            by_checkpoint.setdefault(str(name), []).append(entry)
+    for entry in entries:
+        if is_validation_entry(entry):
+            if entry.get("validated_checkpoint") not in reported:
+                out.append(entry)
+            continue
+        out.append(entry)
+        if entry.get("checkpoint_path"):
+            out.extend(by_checkpoint.pop(basename(str(entry["checkpoint_path"])), []))
+    return out
 
 
 def training_entries(entries: Sequence[Mapping[str, Any]]) -> List[Mapping[str, Any]]:

@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from raytrain_events.core.plain import flatten, is_finite_number, to_plain
 from raytrain_events.core.time import COUNTER_UNITS, report_key
+from raytrain_events.ray.validation import in_training_order, training_entries
 
 # The file a finished trial writes into its Tune trial folder (its history, checkpoints, run URL): defined with
 # the other directory names (storage/run_dir.py), re-exported here.
@@ -153,13 +154,21 @@ def _best_checkpoint(
     history: List[Dict[str, Any]], metric: str, mode: str, run_url: str, storage_options: Dict[str, Any]
 ) -> Optional[str]:
     """The reported checkpoint with the best metric (else the newest), or the newest saved one."""
+    from raytrain_events.ray.validation import is_validation_entry
+    from raytrain_events.storage.fs import basename
+
     best: Optional[Tuple[float, str]] = None
     newest: Optional[str] = None
-    for entry in history:
-        path = entry.get("checkpoint_path")
+    paths: Dict[str, str] = {}  # an async validation names its checkpoint; its training entry has the path
+    for entry in in_training_order(history):
+        if is_validation_entry(entry):
+            path = paths.get(str(entry.get("validated_checkpoint")))
+        else:
+            path = entry.get("checkpoint_path")
+            if path:
+                newest = paths[basename(path)] = path
         if not path:
             continue
-        newest = path
         value = entry.get(metric)
         if is_finite_number(value) and (best is None or _better(value, best[0], mode) or value == best[0]):
             best = (value, path)
@@ -213,11 +222,11 @@ def make_result(
     for result in result_grid:
         config = dict(result.config or {})
         history = _history_of(result)
-        trained = [e for e in history if "validation" not in e]  # async validations arrive late (ray/validation.py)
+        trained = training_entries(history)  # async validations arrive late, at earlier Timestamps
         last = trained[-1] if trained else dict(result.metrics or {})
         trial_id = last.get("trial_id") or (result.metrics or {}).get("trial_id") or os.path.basename(result.path)
         histories[trial_id] = history
-        values = [e[metric] for e in history if is_finite_number(e.get(metric))]
+        values = [e[metric] for e in in_training_order(history) if is_finite_number(e.get(metric))]
         specs = normalize_set(config["algorithms"]) if "algorithms" in config else normalize_set(spec.algorithms)
         params = flatten({k: v for k, v in config.items() if k != "algorithms"}, sep="/")
         overrides = config.get("trainer") or {}

@@ -15,6 +15,7 @@ from tune_helpers import (
     SETS,
     LossDump,
     datasets,
+    datasets_with_val,
     make_model,
     make_sgd,
     marker_callbacks,
@@ -135,6 +136,36 @@ def test_best_checkpoint_is_the_best_reported_one():
     assert _best_checkpoint(history[:1], "train/loss", "min", "/nowhere", {}) is None
 
 
+def test_async_validations_count_at_their_checkpoints_timestamp():
+    """Validation entries arrive late; the trial's metric and its best checkpoint read them at their checkpoint."""
+    from raytrain_events.ray.validation import in_training_order
+    from raytrain_events.tune.results import _best_checkpoint
+
+    history = [
+        {"time/sample": 64, "checkpoint_path": "/c/ep1"},
+        {"time/sample": 128, "checkpoint_path": "/c/ep2"},
+        {"time/sample": 64, "validation": "async", "validated_checkpoint": "ep1", "metrics/val/loss": 0.5},
+        {"time/sample": 192, "checkpoint_path": "/c/ep3", "final": True},
+        {"time/sample": 192, "validation": "async", "validated_checkpoint": "ep3", "metrics/val/loss": 0.7},
+        {"time/sample": 128, "validation": "async", "validated_checkpoint": "ep2", "metrics/val/loss": 0.4},
+        {"time/sample": 256, "validation": "failed", "validated_checkpoint": "gone", "validation_error": "x"},
+    ]
+    ordered = in_training_order(history)
+    assert [e.get("checkpoint_path") or e["validated_checkpoint"] for e in ordered] == [
+        "/c/ep1",
+        "ep1",
+        "/c/ep2",
+        "ep2",
+        "/c/ep3",
+        "ep3",
+        "gone",
+    ]
+    values = [e["metrics/val/loss"] for e in ordered if "metrics/val/loss" in e]
+    assert values[-1] == 0.7  # the newest Timestamp's value (the newest arrival is ep2's, 0.4)
+    assert _best_checkpoint(history, "metrics/val/loss", "min", "/nowhere", {}) == "/c/ep2"
+    assert _best_checkpoint(history, "metrics/val/loss", "max", "/nowhere", {}) == "/c/ep3"
+
+
 # -- real sweeps --------------------------------------------------------------------------------
 
 
@@ -155,6 +186,8 @@ def _grid_callbacks(marks: str, dumps: str):
 def test_grid_over_three_algorithm_sets(ray_cluster, tmp_path):
     """A grid over three algorithm sets (the sweep report, the best checkpoint, restore-or-refuse), one
     of whose trials (the first set) runs 2 workers: its metrics are the aggregate over both ranks.
+    Each trial's "val" set is validated asynchronously (a Ray task on its last checkpoint): its
+    metrics reach Tune's results at that checkpoint's Timestamp.
 
     The aggregate check was a sweep of its own (``test_trial_metrics_are_the_aggregate_over_ranks``);
     one Tune sweep now carries both, on 4 workers in all (the session's 4 CPUs, three trials at once).
@@ -163,6 +196,7 @@ def test_grid_over_three_algorithm_sets(ray_cluster, tmp_path):
 
     from raytrain_events.checkpoint import CheckpointConfig
     from raytrain_events.checkpoint.store import list_checkpoints
+    from raytrain_events.ray.validation import AsyncValidation
 
     marks, dumps = tmp_path / "marks", tmp_path / "dumps"
     marks.mkdir()
@@ -173,6 +207,9 @@ def test_grid_over_three_algorithm_sets(ray_cluster, tmp_path):
             checkpoint=CheckpointConfig(save_interval="1ep", async_save=False),
             deterministic_split=True,
             callbacks=_grid_callbacks(str(marks), str(dumps)),
+            datasets=datasets_with_val,
+            # The second (last) checkpoint of each trial; no CPU: the trials' worker groups reserve the session's 4.
+            validation=AsyncValidation(datasets=["val"], every=2, resources={"CPU": 0}),
         ),
         param_space={
             "algorithms": algorithm_sets_grid(SETS),
@@ -219,6 +256,14 @@ def test_grid_over_three_algorithm_sets(ray_cluster, tmp_path):
         # Each trial's Train run, with its checkpoints, has its own folder in the sweep's storage.
         assert len(list_checkpoints(row["run_url"] + "/checkpoints")) == 2
         assert row["checkpoint"].startswith(row["run_url"] + "/checkpoints/") and os.path.isdir(row["checkpoint"])
+        # The async validation's metrics reached Tune, at the validated checkpoint's Timestamp.
+        history = result.histories[row["trial_id"]]
+        saved = [e for e in history if e.get("checkpoint_path")]
+        (validated,) = [e for e in history if "validation" in e]
+        assert validated["validation"] == "async" and 0.0 <= validated["metrics/val/accuracy"] <= 1.0, validated
+        assert validated["validated_checkpoint"] == os.path.basename(saved[1]["checkpoint_path"].rstrip("/"))
+        assert validated["time/sample"] == saved[1]["time/sample"] == 2 * ROWS
+        assert not any("metrics/val/accuracy" in e for e in history if "validation" not in e)  # not in-loop
     best = result.best
     assert best["metrics/eval/accuracy"] == max(row["metrics/eval/accuracy"] for row in result.rows)
     assert result.best_config["algorithms"] == result.best_algorithms  # the best trial's config names its set
@@ -248,7 +293,7 @@ def test_grid_over_three_algorithm_sets(ray_cluster, tmp_path):
 def _check_aggregate_over_ranks(result, dumps) -> None:
     """The 2-worker trial's metrics are the aggregate over its ranks, not rank 0's."""
     (row,) = [r for r in result.rows if r["world_size"] == 2]
-    history = result.histories[row["trial_id"]]
+    history = [e for e in result.histories[row["trial_id"]] if "validation" not in e]  # the training reports
     assert all(entry["world_size"] == 2 for entry in history)
     assert [e["time/sample"] for e in history if "train/loss" in e] == [32 * 4 * k for k in range(1, 5)]
     # train/loss is the mean over both ranks' batches in each report window, not rank 0's mean.

@@ -112,6 +112,13 @@ def datasets(config=None):
     return {"train": ray.data.from_items(make_rows()), "eval": ray.data.from_items(make_rows(128, seed=1))}
 
 
+def datasets_with_val(config=None):
+    """`datasets` and a "val" set (the one the grid's async validation evaluates off the training ranks)."""
+    import ray.data
+
+    return {**datasets(config), "val": ray.data.from_items(make_rows(64, seed=2))}
+
+
 def train_only(config=None):
     import ray.data
 
