@@ -18,7 +18,8 @@ alone while the others train on) and each worker builds its `Trainer` with the p
 - `ReplicaCommit` (a callback): a committed step advances the Timestamp by the global batch's
   rows; an uncommitted one restores the Timestamp and schedulers, so the loader serves the same
   global batch again to the new quorum. Every row is trained once per epoch and the final
-  Timestamp is an uninterrupted run's. It prints one line per quorum change and sends the
+  Timestamp is an uninterrupted run's. Per quorum change (a `QuorumChange`) it tells the loop's
+  callbacks (``Callback.on_quorum_change``, through the `Engine`), prints one line and sends the
   history entries (the lead group only: participating rank 0) straight to the run's history, since
   ``ray.train.report`` is a barrier across all workers that a missing group would block.
 
@@ -37,7 +38,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from raytrain_events.core.callback import Callback
+from raytrain_events.core.callback import Callback, QuorumChange
 from raytrain_events.core.time import Timestamp, counters_of
 from raytrain_events.ray.data import GlobalOrderLoader
 from raytrain_events.ray.feeder import rank_rows
@@ -147,18 +148,6 @@ class CommitOptimizer(torch.optim.Optimizer):
             self.optim.step()
 
 
-class QuorumChange:
-    """A quorum change seen before a step: the participating groups before and after."""
-
-    def __init__(self, batch: int, before: int, after: int, healed: bool) -> None:
-        self.batch, self.before, self.after, self.healed = batch, before, after, healed
-
-    def line(self) -> str:
-        what = "left" if self.after < self.before else "joined"
-        heal = ", this group recovered from a peer" if self.healed else ""
-        return f"replica groups: {self.before} -> {self.after} (a group {what}) before batch {self.batch}{heal}"
-
-
 class ReplicaLoader(GlobalOrderLoader):
     """This group's part of each global batch, from the quorum of the step (see the module doc)."""
 
@@ -187,7 +176,7 @@ class ReplicaLoader(GlobalOrderLoader):
             if n != self.participants:
                 healed = state.timestamp is not before
                 if self.participants:
-                    self.on_change(QuorumChange(int(state.timestamp.batch), self.participants, n, healed))
+                    self.on_change(QuorumChange(state.timestamp, self.participants, n, healed))
                 self.participants = n
             ts = state.timestamp
             batch = self._global_batch(int(ts.epoch), int(ts.sample_in_epoch))
@@ -257,6 +246,7 @@ class ReplicaCommit(Callback):
         self.changes: List[QuorumChange] = []
         self.attempt_started = time.time()
         self.first_report = True
+        self.engine: Any = None  # the Trainer's Engine (set by the worker): callbacks hear quorum changes
         loader.on_change = self._quorum_change
 
     def init(self, state, logger) -> None:
@@ -285,6 +275,8 @@ class ReplicaCommit(Callback):
         if self.loader.manager.participating_rank() in (0, None):
             log.warning(change.line())  # the run's console: one line per change, from the lead group
         self.send({"quorum_change": change.after - change.before, "replica_groups": change.after})
+        if self.engine is not None:
+            self.engine.run_quorum_change(change)  # every callback's on_quorum_change
 
     def send(self, entry: Dict[str, Any]) -> None:
         """Add a history entry (lead group only), stamped with the global Timestamp and the time."""

@@ -127,6 +127,8 @@ def build_worker_trainer(spec: RunSpec, history: Any = None, shards: Any = None)
         checkpoint=checkpoint,
         options=spec,  # a RunSpec is the run's LoopOptions, checked once on the driver
     )
+    if commit is not None:
+        commit.engine = trainer.engine  # quorum changes reach the loop's callbacks (on_quorum_change)
     if plan is not None and context.get_world_rank() == 0:
         from raytrain_events.checkpoint.checkpointer import find_checkpointer
         from raytrain_events.ray.checkpointing import hand_retention_to_ray
