@@ -23,6 +23,12 @@ alone while the others train on) and each worker builds its `Trainer` with the p
   history entries (the lead group only: participating rank 0) straight to the run's history, since
   ``ray.train.report`` is a barrier across all workers that a missing group would block.
 
+Storage checkpoints (``checkpoint=``): every group holds the same committed state, so one group saves
+it, the lead: participating rank 0 of the step's quorum, i.e. the lowest group number in it
+(`lead_saves`); a step its lead did not survive commits nowhere, and the next quorum's lowest group
+saves from then on. A checkpoint is a plain one (world size 1): it loads into a `Trainer` or resumes
+a `RayTrainer` run.
+
 Cost per step: one Lighthouse quorum round trip (a small RPC, constant in groups) and one
 all-reduce of the gradients across groups; per rejoin, one transfer of the state from a peer
 (model + optimizer bytes over gloo). Every group fetches the whole global batch's blocks (k x
@@ -96,7 +102,7 @@ def build_manager(replicas: ReplicaState, group: int, run_name: str, min_replica
         use_async_quorum=False,  # the quorum (and a heal) ends before the loader picks the rows
         world_size=1,
         rank=0,
-        replica_id=f"{run_name}_group{group}",
+        replica_id=f"{run_name}_group{group:05d}",  # the Lighthouse orders groups by id: as numbers
         timeout=2 * timeout,
         checkpoint_transport=PGTransport(pg, timeout=timeout, device=torch.device("cpu")),
     )
@@ -321,6 +327,30 @@ def setup_replica_groups(  # noqa: PLR0913 (the parts the worker built, handed o
     optimizer = CommitOptimizer(manager, inner[0])
     train = ReplicaLoader(shard, manager, replicas, **loader)
     return optimizer, train, ReplicaCommit(train, optimizer, group=group), manager
+
+
+def replica_checkpoint_config(worker: Any, config: Any, group: int) -> Any:
+    """The workers' `CheckpointConfig` under replica groups (``worker``: the run's Ray plan's, ``config``: the
+    run's own). Nothing is reported to Ray Train (its report is a barrier a missing group would block), so
+    the saving group prunes to ``keep`` itself; only group 0 may take the run directory's lock (every group
+    is a rank 0 of its own); a SIGTERM is a failure like any other (the group is replaced, the others train
+    on), not a save."""
+    import dataclasses
+
+    return dataclasses.replace(
+        worker, keep=config.keep, lock_run_dir=worker.lock_run_dir and group == 0, save_on_sigterm=False
+    )
+
+
+def lead_saves(state: Any, manager: Any, optimizer: CommitOptimizer) -> None:
+    """Only the lead group saves, and only a committed state: the group of participating rank 0 in the step's
+    quorum (the lowest group number there), after a step that committed. When the lead dies, its step does
+    not commit and the next quorum's lowest group leads from the next step on."""
+    from raytrain_events.checkpoint.checkpointer import find_checkpointer
+
+    checkpointer = find_checkpointer(state)
+    if checkpointer is not None:
+        checkpointer.saves_here = lambda: manager.participating_rank() == 0 and optimizer.committed
 
 
 def shutdown_manager(state: Any) -> None:

@@ -87,3 +87,7 @@ class RecordCommits(Callback):
 
     def fit_end(self, state, logger) -> None:
         self.file.close()
+        import torch
+
+        final = {"model": self.commit.loader.replicas.model.state_dict(), "timestamp": state.timestamp.state_dict()}
+        torch.save(final, os.path.join(self.folder, f"final-{os.getpid()}.pt"))

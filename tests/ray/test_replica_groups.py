@@ -9,7 +9,9 @@ group has rejoined (the quorum back to 3): once from outside between steps, once
 between its backward and the step's all-reduce, so the others' step fails and is trained again.
 After the first kill its replacement also dies once while applying the state a peer sent it (a
 failed rejoin): Ray replaces it again and the run still ends exact. The recorder hears every quorum
-change through the loop's callback hook (`Callback.on_quorum_change`).
+change through the loop's callback hook (`Callback.on_quorum_change`). Storage checkpoints are on
+(every 10 batches, keep 3): one group saves each, and the last loads into a plain local `Trainer`
+with the run's final Timestamp and parameters.
 """
 
 from __future__ import annotations
@@ -41,10 +43,13 @@ GROUPS = 3
 EPOCHS = 4
 
 
+SAVE_EVERY = 10  # batches
+
+
 def _trainer(tmp_path, data, folder, sleep_s):
     import ray.data
 
-    from raytrain_events import RayTrainer
+    from raytrain_events import CheckpointConfig, RayTrainer
 
     return RayTrainer(
         model=make_model,
@@ -60,6 +65,7 @@ def _trainer(tmp_path, data, folder, sleep_s):
         storage_path=str(tmp_path / "runs"),
         run_name="replicas",
         seed=0,
+        checkpoint=CheckpointConfig(save_interval=f"{SAVE_EVERY}ba", keep=3, save_every_n_seconds=None),
     )
 
 
@@ -121,6 +127,31 @@ def _kill_twice(  # noqa: PLR0913
     finally:
         with open(os.path.join(folder, "done"), "w"):
             pass
+
+
+def _check_checkpoints(result, folder: str, tmp_path) -> None:
+    """One saver: each kept checkpoint is a save interval's batch (or the end), saved once; the newest loads
+    into a plain local `Trainer` (no Ray) with the run's final Timestamp and every group's final parameters."""
+    import torch
+
+    from raytrain_events import CheckpointConfig, Timestamp, Trainer
+    from raytrain_events.core.time import counters_of
+
+    end = BATCHES_PER_EPOCH * EPOCHS
+    batches = [c.batch for c in result.checkpoints]
+    assert batches == sorted(set(batches)) and batches[-1] == end, batches
+    assert len(batches) == 3 and all(b % SAVE_EVERY == 0 for b in batches[:-1]), batches
+    model = make_model()
+    config = CheckpointConfig(load_from=result.checkpoints[-1].url, save_folder=str(tmp_path / "local"))
+    loaded = Trainer(model=model, optimizers=make_sgd(model), max_duration=f"{EPOCHS}ep", checkpoint=config)
+    assert (int(loaded.state.timestamp.epoch), int(loaded.state.timestamp.batch)) == (EPOCHS, end)
+    assert int(loaded.state.timestamp.sample) == ROWS * EPOCHS
+    finals = [torch.load(p, weights_only=False) for p in glob.glob(os.path.join(folder, "final-*.pt"))]
+    assert len(finals) == GROUPS, len(finals)
+    for final in finals:
+        assert counters_of(Timestamp.from_state_dict(final["timestamp"])) == counters_of(loaded.state.timestamp)
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, final["model"][name]), name
 
 
 def _check_quorum_hook(folder: str, kills: list) -> None:
@@ -188,6 +219,7 @@ def test_replica_groups_train_through_two_kills(ray_cluster, tmp_path):
     procs = [json.load(open(p)) for p in glob.glob(os.path.join(folder, "proc-*.json"))]
     assert sum(1 for p in procs if p["group"] == 1) == 4, procs
     _check_quorum_hook(folder, kills)
+    _check_checkpoints(result, folder, tmp_path)
     # The in-step kill: the survivors' step with the dying group failed its all-reduce and did not commit.
     assert any(not r["committed"] for r in read_records(folder)), "no step failed to commit"
     records = [r for r in read_records(folder) if r["committed"]]

@@ -39,7 +39,7 @@ def test_replica_groups_are_a_run_option():
         (dict(num_workers=1), "num_workers >= 2"),
         (dict(num_workers=(2, 4)), "elastic"),
         (dict(parallelism="fsdp"), "parallelism other than 'ddp'"),
-        (dict(checkpoint=CheckpointConfig(save_interval="1ep")), "checkpoint="),
+        (dict(checkpoint=CheckpointConfig(keep_best=2, metric="metrics/eval/loss", mode="min")), "keep_best"),
         (dict(datasets={"train": object(), "val": object()}), "eval datasets"),
         (dict(get_num_tokens_in_batch=len), "get_num_tokens_in_batch"),
         (
@@ -76,3 +76,17 @@ def test_without_torchft_the_error_names_the_extra(monkeypatch):
 def test_the_lighthouse_binds_loopback_when_ray_does():
     assert lighthouse_bind("127.0.0.1") == "127.0.0.1:0"
     assert lighthouse_bind("10.0.3.7") == "[::]:0"
+
+
+def test_periodic_checkpoints_are_accepted_and_one_group_saves():
+    """``checkpoint=`` with replica groups: accepted on the driver; the workers' config keeps ``keep`` (nothing
+    is reported to Ray, so the saver prunes), the run dir's lock is group 0's, and SIGTERM is a failure."""
+    from raytrain_events.ray.checkpointing import checkpoint_plan
+    from raytrain_events.ray.replica_groups import replica_checkpoint_config
+
+    trainer = RayTrainer(**_options(checkpoint=CheckpointConfig(save_interval="5ba", keep=2)))
+    plan = checkpoint_plan(trainer.spec)
+    lead, other = (replica_checkpoint_config(plan.worker, trainer.spec.checkpoint, g) for g in (0, 2))
+    assert lead.keep == other.keep == 2 and lead.autoresume and lead.save_folder == plan.worker.save_folder
+    assert lead.lock_run_dir == plan.worker.lock_run_dir and not other.lock_run_dir
+    assert not lead.save_on_sigterm and not other.save_on_sigterm
