@@ -176,7 +176,15 @@ class ReplicaLoader(GlobalOrderLoader):
                 # The epoch is over: no quorum for a step that will not come (a group joining in that quorum
                 # would heal to an epoch's end, where its loop has no batch left to train).
                 return
-            self.manager.start_quorum()  # synchronous: a joining group has the peer's state after it
+            try:
+                self.manager.start_quorum()  # synchronous: a joining group has the peer's state after it
+            except Exception as error:
+                from raytrain_events.ray.replica_lighthouse import lighthouse_lost
+
+                lost = lighthouse_lost(error)  # the Lighthouse is gone: the run stops, naming it
+                if lost is not None:
+                    raise lost from error
+                raise
             state = self.replicas.state
             n = self.manager.num_participants()
             if n != self.participants:

@@ -231,3 +231,71 @@ def test_replica_groups_train_through_two_kills(ray_cluster, tmp_path):
         assert numbers == list(range(1, BATCHES_PER_EPOCH + 1)), (epoch, numbers)
         counts = Counter(i for (e, _), rs in by_batch.items() if e == epoch for i in rs[0]["global"])
         assert sorted(counts) == list(range(ROWS)) and set(counts.values()) == {1}, epoch
+
+
+def _lighthouse_pids() -> list:
+    """The processes of Ray's torchft Lighthouse actor (Ray names its worker process after the actor class)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if b"LighthouseServerActor" in f.read():
+                        pids.append(int(entry))
+            except OSError:
+                continue
+    return pids
+
+
+@pytest.mark.slow
+def test_the_lighthouse_dying_fails_the_run_with_the_fix(ray_cluster, tmp_path):
+    """Its own small run (2 groups, paced steps): the kill-twice run must end exact, this one must end in an
+    error, so no existing run can carry it. The Lighthouse's process is SIGKILLed once both groups have
+    committed 3 steps; the run fails, naming the Lighthouse and the fix, instead of Ray retrying the
+    groups' start against the dead actor without end (seen before the fix: still retrying after 10 min)."""
+    import ray.data
+
+    from raytrain_events import RayTrainer
+    from raytrain_events.ray.driver import RayTrainingError
+
+    data = str(tmp_path / "data")
+    write_parquet(data)
+    folder = str(tmp_path / "rec")
+    os.makedirs(folder)
+    killed: list = []
+
+    def kill_lighthouse() -> None:
+        deadline = time.time() + 300
+        while time.time() < deadline and not killed:
+            pids = [p for p in glob.glob(os.path.join(folder, "proc-*.json"))]
+            steps = [_steps_of(folder, json.load(open(p))["pid"], 2) for p in pids]
+            if len(steps) == 2 and min(steps) >= 3 and _lighthouse_pids():
+                for pid in _lighthouse_pids():
+                    os.kill(pid, signal.SIGKILL)
+                killed.append(time.time())
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=kill_lighthouse, daemon=True)
+    thread.start()
+    trainer = RayTrainer(
+        model=make_model,
+        optimizers=make_sgd,
+        datasets={"train": ray.data.read_parquet(data)},
+        max_duration="3ep",
+        batch_size=GLOBAL_BATCH // 2,
+        num_workers=2,
+        fault_tolerance="replica_groups",
+        max_failures=4,
+        callbacks=lambda: [RecordCommits(folder, 0.3)],
+        storage_path=str(tmp_path / "runs"),
+        run_name="lighthouse",
+        seed=0,
+    )
+    with pytest.raises(RayTrainingError) as error:
+        trainer.fit()  # before the fix: Ray retried the groups' start against the dead actor, without end
+    thread.join(timeout=30)
+    assert killed, "the run ended before the Lighthouse was killed"
+    print(f"the run failed {time.time() - killed[0]:.1f} s after the kill")
+    message = str(error.value)
+    assert "the torchft Lighthouse at" in message and "is gone" in message, message
+    assert "Fix: run again with the same run_name" in message, message

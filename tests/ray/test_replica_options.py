@@ -90,3 +90,37 @@ def test_periodic_checkpoints_are_accepted_and_one_group_saves():
     assert lead.keep == other.keep == 2 and lead.autoresume and lead.save_folder == plan.worker.save_folder
     assert lead.lock_run_dir == plan.worker.lock_run_dir and not other.lock_run_dir
     assert not lead.save_on_sigterm and not other.save_on_sigterm
+
+
+def test_a_lost_lighthouse_is_told_apart_and_ends_the_run_on_the_controller(monkeypatch):
+    """The worker's check (a TCP connect to ``TORCHFT_LIGHTHOUSE``) and the controller callback that turns a
+    worker's `LighthouseLostError` into the run's end (no Ray run here; the Ray run is in test_replica_groups)."""
+    import socket
+
+    from raytrain_events.ray.replica_lighthouse import (
+        LIGHTHOUSE_ENV,
+        LighthouseLostError,
+        LighthouseWatch,
+        lighthouse_lost,
+        lighthouse_reachable,
+    )
+
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen()
+    port = listening.getsockname()[1]
+    assert lighthouse_reachable(f"http://127.0.0.1:{port}")
+    monkeypatch.setenv(LIGHTHOUSE_ENV, f"http://127.0.0.1:{port}")
+    assert lighthouse_lost(TimeoutError("quorum")) is None  # alive: the quorum's own error stands
+    listening.close()
+    assert not lighthouse_reachable(f"http://127.0.0.1:{port}", wait_s=0.01)
+    monkeypatch.setattr("raytrain_events.ray.replica_lighthouse.lighthouse_reachable", lambda address: False)
+    lost = lighthouse_lost(TimeoutError("quorum"))
+    assert isinstance(lost, LighthouseLostError) and f"127.0.0.1:{port} is gone" in str(lost) and "Fix:" in str(lost)
+    watch = LighthouseWatch()
+    watch.after_exception(None, {0: RuntimeError("gloo: connection reset")})  # any other failure: Ray retries
+    worker_error = RuntimeError(f"Traceback ...\nraytrain_events.ray.replica_lighthouse.LighthouseLostError: {lost}")
+    with pytest.raises(LighthouseLostError, match="Fix: run again with the same run_name"):
+        watch.after_exception(None, {0: RuntimeError("reset"), 1: worker_error})
+    with pytest.raises(LighthouseLostError, match="is gone"):  # as Ray hands it over: the exception itself
+        watch.after_exception(None, {1: lost})
