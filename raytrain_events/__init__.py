@@ -27,7 +27,7 @@ from raytrain_events.lazy_names import lazy_names
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` loads these on first use
     from raytrain_events.checkpoint.config import CheckpointConfig
     from raytrain_events.core.algorithm import Algorithm
-    from raytrain_events.core.callback import Callback
+    from raytrain_events.core.callback import Callback, QuorumChange
     from raytrain_events.core.data_spec import DataSpec
     from raytrain_events.core.engine import Engine, Trace
     from raytrain_events.core.event import Event
@@ -46,6 +46,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Algorithm",
     "Callback",
+    "QuorumChange",
     "DataSpec",
     "Engine",
     "Event",
@@ -73,6 +74,7 @@ __all__ = [
 _LAZY = {
     "Algorithm": "raytrain_events.core.algorithm",
     "Callback": "raytrain_events.core.callback",
+    "QuorumChange": "raytrain_events.core.callback",
     "DataSpec": "raytrain_events.core.data_spec",
     "Engine": "raytrain_events.core.engine",
     "Trace": "raytrain_events.core.engine",

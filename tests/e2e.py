@@ -54,7 +54,7 @@ E2E: Dict[str, object] = {
     "tests/ray/test_ray_loggers_best.py": ALL,
     "tests/ray/test_ray_tensor_parallel.py": ALL,
     "tests/ray/test_ray_trainer.py": ALL,
-    "tests/ray/test_replica_groups.py": ALL,  # replica groups under torchft, a worker killed twice
+    "tests/ray/test_replica_groups.py": ALL,  # replica groups under torchft: a worker killed twice; the Lighthouse killed
     "tests/ray/test_resume.py": ALL,
     "tests/ray/test_watchdog.py": ALL,
     "tests/tune/test_tune_pbt.py": ALL,

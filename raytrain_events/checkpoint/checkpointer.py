@@ -150,6 +150,9 @@ class Checkpointer(Callback):
         self._deferred = False  # a save came due while the previous one was still in flight
         self._warned_slow = False
         self.failures: List[Tuple[str, str]] = []  # (checkpoint URL, error) of saves that failed for good
+        # Whether this process saves now: always, except under replica groups, where one group (the lead of the
+        # step's quorum) saves the committed state for all (`ray/replica_groups.lead_saves`).
+        self.saves_here: Callable[[], bool] = lambda: True
         self._lock = None
         if state.rank == 0:
             refuse_file_folder(self.folder, self.options)
@@ -288,7 +291,7 @@ class Checkpointer(Callback):
         """Save now (every rank must call this at the same batch); None if this batch is saved."""
         host, state, dist = self.host, self.host.state, self.host.dist
         batch = state.timestamp.get_value(TimeUnit.BATCH)
-        if batch == self._last_saved_batch:
+        if batch == self._last_saved_batch or not self.saves_here():
             return None
         timestamp = counters_of(state.timestamp)
         url = new_checkpoint_url(self.folder, timestamp=timestamp, name=self.channel.name(timestamp))

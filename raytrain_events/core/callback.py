@@ -3,10 +3,14 @@
 A callback overrides a method named after each event it cares about, for example
 ``batch_end(state, logger)``. The `Engine` works out once which events a callback overrides,
 so events it ignores cost nothing per step.
+
+Two hooks come outside the fixed per-batch order of `Event`: ``on_exception`` (the loop raised)
+and ``on_quorum_change`` (replica groups: a group left or joined, described by a `QuorumChange`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict
 
 from raytrain_events.core.event import Event
@@ -14,8 +18,41 @@ from raytrain_events.core.event import Event
 if TYPE_CHECKING:
     from raytrain_events.core.logger import Logger
     from raytrain_events.core.state import State
+    from raytrain_events.core.timestamp import Timestamp
 
-__all__ = ["Callback"]
+__all__ = ["Callback", "QuorumChange"]
+
+
+@dataclass(frozen=True)
+class QuorumChange:
+    """A change of the replica groups training together, seen before a step (`Callback.on_quorum_change`).
+
+    ``timestamp``: the global `Timestamp` of the step about to be trained (every group's, after a
+    joining group recovered it from a peer); ``before`` / ``after``: how many groups were in the
+    previous step's quorum and are in this one; ``healed``: this group itself recovered its state
+    from a peer in this quorum.
+    """
+
+    timestamp: Timestamp
+    before: int
+    after: int
+    healed: bool = False
+
+    @property
+    def batch(self) -> int:
+        """The global batch number of the step about to be trained."""
+        return int(self.timestamp.batch)
+
+    @property
+    def left(self) -> bool:
+        """True when groups left (fewer groups than before), False when groups joined."""
+        return self.after < self.before
+
+    def line(self) -> str:
+        """The run's console line for it, e.g. ``replica groups: 3 -> 2 (a group left) before batch 27``."""
+        what = "left" if self.left else "joined"
+        heal = ", this group recovered from a peer" if self.healed else ""
+        return f"replica groups: {self.before} -> {self.after} (a group {what}) before batch {self.batch}{heal}"
 
 
 class Callback:
@@ -41,6 +78,13 @@ class Callback:
 
     def on_exception(self, state: State, logger: Logger, exc: BaseException) -> None:
         """Called when the loop raises, before the exception propagates."""
+
+    def on_quorum_change(self, state: State, logger: Logger, change: QuorumChange) -> None:
+        """Replica groups (``RayTrainer(fault_tolerance="replica_groups")``): a group left or joined.
+
+        Called on every group still training, before the step at ``change.timestamp`` and outside
+        the per-batch event order (inside the dataloader's ``next``); the step's batch is not chosen yet.
+        """
 
     def close(self, state: State, logger: Logger) -> None:
         """Release resources (files, threads). Called once after FIT_END or an exception."""

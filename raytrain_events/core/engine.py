@@ -3,7 +3,8 @@
 Per event: the algorithms whose ``match`` is true are ordered by the ordering passes (pure
 functions ``(algorithms, event) -> algorithms``; the default pass reverses them on ``*_END``
 and ``AFTER_*`` events so the first one in is the last one out), applied, and recorded;
-then the callbacks that override that event run in registration order.
+then the callbacks that override that event run in registration order. `run_exception` and
+`run_quorum_change` reach every callback outside that order (the loop raised; replica groups changed).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Deque, Dict, List, Mapping, Optional, Sequence
 
 from raytrain_events.core.algorithm import Algorithm
-from raytrain_events.core.callback import Callback
+from raytrain_events.core.callback import Callback, QuorumChange
 from raytrain_events.core.event import Event
 
 if TYPE_CHECKING:
@@ -154,6 +155,11 @@ class Engine:
                 handler(self.state, self.logger, exc)
         for callback in self.state.callbacks:
             callback.on_exception(self.state, self.logger, exc)
+
+    def run_quorum_change(self, change: QuorumChange) -> None:
+        """Tell every callback (``on_quorum_change``) that the replica groups training together changed."""
+        for callback in self.state.callbacks:
+            callback.on_quorum_change(self.state, self.logger, change)
 
     @property
     def closed(self) -> bool:

@@ -56,6 +56,8 @@ Files:
   driver before Ray starts; Ray's ``TorchftConfig`` for them.
 * ``replica_groups.py``: Replica groups on the worker: the loop under torchft, each step committed
   or trained again.
+* ``replica_lighthouse.py``: Replica groups lose their Lighthouse: the run stops with the reason and
+  the fix.
 * ``row_index.py``: `BlockIndex`: an epoch's buffered blocks, found by global row in O(log n) and
   trimmed from the front.
 * ``run_loggers.py``: Loggers on Ray: the shipped logger destinations fed from the driver's run

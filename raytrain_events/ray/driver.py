@@ -287,7 +287,8 @@ class RayTrainer:
                 storage_path=storage_path,
                 storage_filesystem=storage_filesystem,
                 failure_config=ray.train.FailureConfig(max_failures=self.spec.max_failures),
-                callbacks=[AggregatingCallback(history, self._report_queue), *self.spec.ray_callbacks],
+                callbacks=[AggregatingCallback(history, self._report_queue), *self.spec.ray_callbacks]
+                + (_lighthouse_watch() if replicas else []),
                 logging_config=train_logging_config(self.spec.verbose),
                 # Ray owns retention of the checkpoints reported to it (see ray/checkpointing.py).
                 checkpoint_config=ray_checkpoint_config(self.spec),
@@ -390,6 +391,13 @@ class RayTrainer:
                     "use_gpu=True but this Ray cluster has no GPUs (cluster resources: "
                     f"{ray.cluster_resources()}). Run on a cluster with GPU nodes (see cluster.yaml), or pass use_gpu=False."
                 )
+
+
+def _lighthouse_watch() -> List[Any]:
+    """Replica groups: the controller callback that ends the run when the Lighthouse is gone."""
+    from raytrain_events.ray.replica_lighthouse import LighthouseWatch
+
+    return [LighthouseWatch()]
 
 
 def _listed_by_ray(ray_result: Any) -> List[str]:

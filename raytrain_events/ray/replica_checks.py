@@ -4,8 +4,8 @@ Replica groups (`replica_groups.py` runs them on the workers) train under torchf
 Train's ``TorchftConfig``: each Ray Train worker is one replica group (Ray 2.60 makes groups of
 one worker), so ``num_workers`` is the number of groups. What is not built yet is refused here
 with the reason and the fix, instead of training wrongly: FSDP/HSDP, tensor or context
-parallelism, elastic groups, several optimizers, token counting, fp16's GradScaler, in-run
-checkpoints, asynchronous validation, and fewer than two groups.
+parallelism, elastic groups, several optimizers, token counting, fp16's GradScaler, checkpoints
+kept by rank (``keep_best``), asynchronous validation, and fewer than two groups.
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ def _unsupported(spec: Any) -> list:
         refusals.append("parallelism other than 'ddp': each group is one worker holding a whole replica")
     if spec.get_num_tokens_in_batch is not None:
         refusals.append("get_num_tokens_in_batch: committed steps are counted in samples only")
-    if spec.checkpoint is not None:
-        refusals.append("checkpoint=: a rejoining group recovers from a healthy peer; storage checkpoints come later")
+    if spec.checkpoint is not None and spec.checkpoint.keep_best is not None:
+        refusals.append("CheckpointConfig(keep_best=...): ranking needs Ray Train's reports; use keep=N (the newest N)")
     if spec.mixture is not None:
         refusals.append("mixture=: each group cuts one train set's global batches; mixtures come later")
     elif isinstance(spec.datasets, Mapping) and set(spec.datasets) != {"train"}:

@@ -18,9 +18,16 @@ alone while the others train on) and each worker builds its `Trainer` with the p
 - `ReplicaCommit` (a callback): a committed step advances the Timestamp by the global batch's
   rows; an uncommitted one restores the Timestamp and schedulers, so the loader serves the same
   global batch again to the new quorum. Every row is trained once per epoch and the final
-  Timestamp is an uninterrupted run's. It prints one line per quorum change and sends the
+  Timestamp is an uninterrupted run's. Per quorum change (a `QuorumChange`) it tells the loop's
+  callbacks (``Callback.on_quorum_change``, through the `Engine`), prints one line and sends the
   history entries (the lead group only: participating rank 0) straight to the run's history, since
   ``ray.train.report`` is a barrier across all workers that a missing group would block.
+
+Storage checkpoints (``checkpoint=``): every group holds the same committed state, so one group saves
+it, the lead: participating rank 0 of the step's quorum, i.e. the lowest group number in it
+(`lead_saves`); a step its lead did not survive commits nowhere, and the next quorum's lowest group
+saves from then on. A checkpoint is a plain one (world size 1): it loads into a `Trainer` or resumes
+a `RayTrainer` run.
 
 Cost per step: one Lighthouse quorum round trip (a small RPC, constant in groups) and one
 all-reduce of the gradients across groups; per rejoin, one transfer of the state from a peer
@@ -37,7 +44,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from raytrain_events.core.callback import Callback
+from raytrain_events.core.callback import Callback, QuorumChange
 from raytrain_events.core.time import Timestamp, counters_of
 from raytrain_events.ray.data import GlobalOrderLoader
 from raytrain_events.ray.feeder import rank_rows
@@ -95,7 +102,7 @@ def build_manager(replicas: ReplicaState, group: int, run_name: str, min_replica
         use_async_quorum=False,  # the quorum (and a heal) ends before the loader picks the rows
         world_size=1,
         rank=0,
-        replica_id=f"{run_name}_group{group}",
+        replica_id=f"{run_name}_group{group:05d}",  # the Lighthouse orders groups by id: as numbers
         timeout=2 * timeout,
         checkpoint_transport=PGTransport(pg, timeout=timeout, device=torch.device("cpu")),
     )
@@ -147,18 +154,6 @@ class CommitOptimizer(torch.optim.Optimizer):
             self.optim.step()
 
 
-class QuorumChange:
-    """A quorum change seen before a step: the participating groups before and after."""
-
-    def __init__(self, batch: int, before: int, after: int, healed: bool) -> None:
-        self.batch, self.before, self.after, self.healed = batch, before, after, healed
-
-    def line(self) -> str:
-        what = "left" if self.after < self.before else "joined"
-        heal = ", this group recovered from a peer" if self.healed else ""
-        return f"replica groups: {self.before} -> {self.after} (a group {what}) before batch {self.batch}{heal}"
-
-
 class ReplicaLoader(GlobalOrderLoader):
     """This group's part of each global batch, from the quorum of the step (see the module doc)."""
 
@@ -181,13 +176,21 @@ class ReplicaLoader(GlobalOrderLoader):
                 # The epoch is over: no quorum for a step that will not come (a group joining in that quorum
                 # would heal to an epoch's end, where its loop has no batch left to train).
                 return
-            self.manager.start_quorum()  # synchronous: a joining group has the peer's state after it
+            try:
+                self.manager.start_quorum()  # synchronous: a joining group has the peer's state after it
+            except Exception as error:
+                from raytrain_events.ray.replica_lighthouse import lighthouse_lost
+
+                lost = lighthouse_lost(error)  # the Lighthouse is gone: the run stops, naming it
+                if lost is not None:
+                    raise lost from error
+                raise
             state = self.replicas.state
             n = self.manager.num_participants()
             if n != self.participants:
                 healed = state.timestamp is not before
                 if self.participants:
-                    self.on_change(QuorumChange(int(state.timestamp.batch), self.participants, n, healed))
+                    self.on_change(QuorumChange(state.timestamp, self.participants, n, healed))
                 self.participants = n
             ts = state.timestamp
             batch = self._global_batch(int(ts.epoch), int(ts.sample_in_epoch))
@@ -257,6 +260,7 @@ class ReplicaCommit(Callback):
         self.changes: List[QuorumChange] = []
         self.attempt_started = time.time()
         self.first_report = True
+        self.engine: Any = None  # the Trainer's Engine (set by the worker): callbacks hear quorum changes
         loader.on_change = self._quorum_change
 
     def init(self, state, logger) -> None:
@@ -285,6 +289,8 @@ class ReplicaCommit(Callback):
         if self.loader.manager.participating_rank() in (0, None):
             log.warning(change.line())  # the run's console: one line per change, from the lead group
         self.send({"quorum_change": change.after - change.before, "replica_groups": change.after})
+        if self.engine is not None:
+            self.engine.run_quorum_change(change)  # every callback's on_quorum_change
 
     def send(self, entry: Dict[str, Any]) -> None:
         """Add a history entry (lead group only), stamped with the global Timestamp and the time."""
@@ -329,6 +335,30 @@ def setup_replica_groups(  # noqa: PLR0913 (the parts the worker built, handed o
     optimizer = CommitOptimizer(manager, inner[0])
     train = ReplicaLoader(shard, manager, replicas, **loader)
     return optimizer, train, ReplicaCommit(train, optimizer, group=group), manager
+
+
+def replica_checkpoint_config(worker: Any, config: Any, group: int) -> Any:
+    """The workers' `CheckpointConfig` under replica groups (``worker``: the run's Ray plan's, ``config``: the
+    run's own). Nothing is reported to Ray Train (its report is a barrier a missing group would block), so
+    the saving group prunes to ``keep`` itself; only group 0 may take the run directory's lock (every group
+    is a rank 0 of its own); a SIGTERM is a failure like any other (the group is replaced, the others train
+    on), not a save."""
+    import dataclasses
+
+    return dataclasses.replace(
+        worker, keep=config.keep, lock_run_dir=worker.lock_run_dir and group == 0, save_on_sigterm=False
+    )
+
+
+def lead_saves(state: Any, manager: Any, optimizer: CommitOptimizer) -> None:
+    """Only the lead group saves, and only a committed state: the group of participating rank 0 in the step's
+    quorum (the lowest group number there), after a step that committed. When the lead dies, its step does
+    not commit and the next quorum's lowest group leads from the next step on."""
+    from raytrain_events.checkpoint.checkpointer import find_checkpointer
+
+    checkpointer = find_checkpointer(state)
+    if checkpointer is not None:
+        checkpointer.saves_here = lambda: manager.participating_rank() == 0 and optimizer.committed
 
 
 def shutdown_manager(state: Any) -> None:

@@ -63,10 +63,11 @@ def build_worker_trainer(spec: RunSpec, history: Any = None, shards: Any = None)
         device=device, collate_fn=spec.collate_fn, prefetch_batches=spec.prefetch_batches, columns=spec.columns
     )
     commit: Any = None
+    manager: Any = None
     if replicas:
         from raytrain_events.ray.replica_groups import setup_replica_groups
 
-        optimizers, train, commit, _ = setup_replica_groups(
+        optimizers, train, commit, manager = setup_replica_groups(
             spec,
             context.get_world_rank(),
             model,
@@ -98,10 +99,15 @@ def build_worker_trainer(spec: RunSpec, history: Any = None, shards: Any = None)
 
         plan = checkpoint_plan(spec)
         checkpoint = plan.worker
+        if replicas:
+            from raytrain_events.ray.replica_groups import replica_checkpoint_config
+
+            checkpoint = replica_checkpoint_config(plan.worker, spec.checkpoint, context.get_world_rank())
     from raytrain_events.ray.operations import worker_guards
 
     counts_data = Parallel(spec.parallelism_spec).counts_data(context.get_world_rank())  # TP: one rank per group
-    guards = worker_guards(spec, dist, checkpointing=checkpoint is not None)  # every rank arrived, or an error
+    # Every rank arrived, or an error; replica groups: a preempted group is replaced like a failed one.
+    guards = worker_guards(spec, dist, checkpointing=checkpoint is not None and not replicas)
     trainer = Trainer(
         model=model,
         train_dataloader=DataSpec(train, get_num_tokens_in_batch=spec.get_num_tokens_in_batch),
@@ -127,7 +133,12 @@ def build_worker_trainer(spec: RunSpec, history: Any = None, shards: Any = None)
         checkpoint=checkpoint,
         options=spec,  # a RunSpec is the run's LoopOptions, checked once on the driver
     )
-    if plan is not None and context.get_world_rank() == 0:
+    if commit is not None:
+        from raytrain_events.ray.replica_groups import lead_saves
+
+        commit.engine = trainer.engine  # quorum changes reach the loop's callbacks (on_quorum_change)
+        lead_saves(trainer.state, manager, optimizers)  # one saver: the lead group
+    elif plan is not None and context.get_world_rank() == 0:
         from raytrain_events.checkpoint.checkpointer import find_checkpointer
         from raytrain_events.ray.checkpointing import hand_retention_to_ray
 

@@ -367,3 +367,27 @@ def test_close_called_once_after_successful_fit():
     with pytest.raises(RuntimeError, match="already ran"):
         trainer.fit()
     assert log == ["close", "post_close"]
+
+
+def test_quorum_change_reaches_every_callback_outside_the_event_order():
+    """`Engine.run_quorum_change`: each callback's ``on_quorum_change`` hears it (replica groups), with the
+    Timestamp of the step about to be trained and the group counts; no per-batch event runs."""
+    from raytrain_events import QuorumChange, Timestamp
+
+    heard, events = [], []
+
+    class Hears(Callback):
+        def on_quorum_change(self, state, logger, change):
+            heard.append((self, change))
+
+    quiet, hears = LoggingCallback(events), Hears()
+    engine = Engine(state=make_state(callbacks=[quiet, hears]), logger=Logger())
+    change = QuorumChange(Timestamp().to_next_batch(12, 0), before=3, after=2)
+    engine.run_quorum_change(change)
+    assert heard == [(hears, change)] and events == []
+    assert change.batch == 1 and change.left
+    assert change.line() == "replica groups: 3 -> 2 (a group left) before batch 1"
+    joined = QuorumChange(Timestamp(), before=2, after=3, healed=True)
+    assert not joined.left and joined.line().endswith(
+        "(a group joined) before batch 0, this group recovered from a peer"
+    )

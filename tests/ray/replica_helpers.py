@@ -27,6 +27,36 @@ class RecordCommits(Callback):
         self.commit = next(c for c in state.callbacks if type(c).__name__ == "ReplicaCommit")
         with open(os.path.join(self.folder, f"proc-{os.getpid()}.json"), "w") as f:
             json.dump({"pid": os.getpid(), "group": self.group, "t": time.time()}, f)
+        self._die_in_recovery(self.commit.loader.replicas.model)
+
+    def _die_in_recovery(self, model) -> None:
+        """Die while applying the state a healthy peer sent (the live recovery at a rejoin) when the test asks
+        (``die-in-heal-<group>``): the model's ``load_state_dict`` is the recovery's first step (`ReplicaState`)."""
+        load, flag = model.load_state_dict, os.path.join(self.folder, f"die-in-heal-{self.group}")
+
+        def load_or_die(*args, **kwargs):
+            if os.path.exists(flag):
+                os.remove(flag)
+                with open(os.path.join(self.folder, f"died-in-heal-{os.getpid()}"), "w"):
+                    pass
+                os.kill(os.getpid(), signal.SIGKILL)
+            return load(*args, **kwargs)
+
+        model.load_state_dict = load_or_die
+
+    def on_quorum_change(self, state, logger, change) -> None:
+        """The loop's hook (`Callback.on_quorum_change`): one record per change this group heard."""
+        record = {
+            "pid": os.getpid(),
+            "group": self.group,
+            "before": change.before,
+            "after": change.after,
+            "batch": change.batch,
+            "state_batch": int(state.timestamp.batch),
+            "t": time.time(),
+        }
+        with open(os.path.join(self.folder, f"quorum-{os.getpid()}.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
 
     def after_train_batch(self, state, logger) -> None:
         """Die here, between backward and the step's all-reduce, when the test asks (``die-in-step-<group>``):
@@ -57,3 +87,7 @@ class RecordCommits(Callback):
 
     def fit_end(self, state, logger) -> None:
         self.file.close()
+        import torch
+
+        final = {"model": self.commit.loader.replicas.model.state_dict(), "timestamp": state.timestamp.state_dict()}
+        torch.save(final, os.path.join(self.folder, f"final-{os.getpid()}.pt"))

@@ -7,6 +7,11 @@ global batches per epoch). A recorder writes, per committed step, the global bat
 group's part; a thread kills the worker of group 1 twice once it trains, each time after the
 group has rejoined (the quorum back to 3): once from outside between steps, once by itself
 between its backward and the step's all-reduce, so the others' step fails and is trained again.
+After the first kill its replacement also dies once while applying the state a peer sent it (a
+failed rejoin): Ray replaces it again and the run still ends exact. The recorder hears every quorum
+change through the loop's callback hook (`Callback.on_quorum_change`). Storage checkpoints are on
+(every 10 batches, keep 3): one group saves each, and the last loads into a plain local `Trainer`
+with the run's final Timestamp and parameters.
 """
 
 from __future__ import annotations
@@ -38,10 +43,13 @@ GROUPS = 3
 EPOCHS = 4
 
 
+SAVE_EVERY = 10  # batches
+
+
 def _trainer(tmp_path, data, folder, sleep_s):
     import ray.data
 
-    from raytrain_events import RayTrainer
+    from raytrain_events import CheckpointConfig, RayTrainer
 
     return RayTrainer(
         model=make_model,
@@ -57,6 +65,7 @@ def _trainer(tmp_path, data, folder, sleep_s):
         storage_path=str(tmp_path / "runs"),
         run_name="replicas",
         seed=0,
+        checkpoint=CheckpointConfig(save_interval=f"{SAVE_EVERY}ba", keep=3, save_every_n_seconds=None),
     )
 
 
@@ -103,7 +112,9 @@ def _kill_twice(  # noqa: PLR0913
                     pass
                 while _live_group(folder, victim) is not None and _live_group(folder, victim)["pid"] == proc["pid"]:
                     time.sleep(0.05)
-            else:
+            else:  # its replacement fails its rejoin once: dies while applying the peer's state
+                with open(os.path.join(folder, f"die-in-heal-{victim}"), "w"):
+                    pass
                 os.kill(proc["pid"], signal.SIGKILL)
             kills.append(proc["pid"])
             kill_times.append(time.time())
@@ -116,6 +127,50 @@ def _kill_twice(  # noqa: PLR0913
     finally:
         with open(os.path.join(folder, "done"), "w"):
             pass
+
+
+def _check_checkpoints(result, folder: str, tmp_path) -> None:
+    """One saver: each kept checkpoint is a save interval's batch (or the end), saved once; the newest loads
+    into a plain local `Trainer` (no Ray) with the run's final Timestamp and every group's final parameters."""
+    import torch
+
+    from raytrain_events import CheckpointConfig, Timestamp, Trainer
+    from raytrain_events.core.time import counters_of
+
+    end = BATCHES_PER_EPOCH * EPOCHS
+    batches = [c.batch for c in result.checkpoints]
+    assert batches == sorted(set(batches)) and batches[-1] == end, batches
+    assert len(batches) == 3 and all(b % SAVE_EVERY == 0 for b in batches[:-1]), batches
+    model = make_model()
+    config = CheckpointConfig(load_from=result.checkpoints[-1].url, save_folder=str(tmp_path / "local"))
+    loaded = Trainer(model=model, optimizers=make_sgd(model), max_duration=f"{EPOCHS}ep", checkpoint=config)
+    assert (int(loaded.state.timestamp.epoch), int(loaded.state.timestamp.batch)) == (EPOCHS, end)
+    assert int(loaded.state.timestamp.sample) == ROWS * EPOCHS
+    finals = [torch.load(p, weights_only=False) for p in glob.glob(os.path.join(folder, "final-*.pt"))]
+    assert len(finals) == GROUPS, len(finals)
+    for final in finals:
+        assert counters_of(Timestamp.from_state_dict(final["timestamp"])) == counters_of(loaded.state.timestamp)
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, final["model"][name]), name
+
+
+def _check_quorum_hook(folder: str, kills: list) -> None:
+    """Every survivor's callbacks heard each kill's departure and each return, with the global Timestamp of
+    the step about to be trained (its next committed step ends one batch later)."""
+    survivors = {r["pid"] for r in read_records(folder) if r["group"] != 1}
+    for pid in survivors:
+        path = os.path.join(folder, f"quorum-{pid}.jsonl")
+        assert os.path.exists(path), f"survivor {pid} heard no quorum change"
+        changes = [json.loads(line) for line in open(path)]
+        left = [c for c in changes if (c["before"], c["after"]) == (GROUPS, GROUPS - 1)]
+        joined = [c for c in changes if (c["before"], c["after"]) == (GROUPS - 1, GROUPS)]
+        assert len(left) >= len(kills) and len(joined) >= len(kills), changes
+        mine = [r for r in read_records(folder) if r["pid"] == pid and r["committed"]]
+        for c in changes:
+            assert c["batch"] == c["state_batch"], c
+            after = [r for r in mine if r["t"] >= c["t"]]
+            if after:
+                assert after[0]["batch"] == c["batch"] + 1, (c, after[0])
 
 
 @pytest.mark.slow
@@ -156,6 +211,15 @@ def test_replica_groups_train_through_two_kills(ray_cluster, tmp_path):
                     f"kill of {pid_killed}: survivor {r_pid} longest gap {max(near):.2f} s, median step {median:.2f} s"
                 )
     print(f"steps the survivors committed during each outage: {outages}")
+    # A failed rejoin is retried: the first replacement died in its recovery (no step committed), Ray
+    # replaced it again: group 1 ran in 4 processes (the first, two replacements after the first kill, one
+    # after the second).
+    died_in_heal = [int(p.rsplit("-", 1)[1]) for p in glob.glob(os.path.join(folder, "died-in-heal-*"))]
+    assert len(died_in_heal) == 1 and _steps_of(folder, died_in_heal[0]) == 0, died_in_heal
+    procs = [json.load(open(p)) for p in glob.glob(os.path.join(folder, "proc-*.json"))]
+    assert sum(1 for p in procs if p["group"] == 1) == 4, procs
+    _check_quorum_hook(folder, kills)
+    _check_checkpoints(result, folder, tmp_path)
     # The in-step kill: the survivors' step with the dying group failed its all-reduce and did not commit.
     assert any(not r["committed"] for r in read_records(folder)), "no step failed to commit"
     records = [r for r in read_records(folder) if r["committed"]]
@@ -167,3 +231,71 @@ def test_replica_groups_train_through_two_kills(ray_cluster, tmp_path):
         assert numbers == list(range(1, BATCHES_PER_EPOCH + 1)), (epoch, numbers)
         counts = Counter(i for (e, _), rs in by_batch.items() if e == epoch for i in rs[0]["global"])
         assert sorted(counts) == list(range(ROWS)) and set(counts.values()) == {1}, epoch
+
+
+def _lighthouse_pids() -> list:
+    """The processes of Ray's torchft Lighthouse actor (Ray names its worker process after the actor class)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if b"LighthouseServerActor" in f.read():
+                        pids.append(int(entry))
+            except OSError:
+                continue
+    return pids
+
+
+@pytest.mark.slow
+def test_the_lighthouse_dying_fails_the_run_with_the_fix(ray_cluster, tmp_path):
+    """Its own small run (2 groups, paced steps): the kill-twice run must end exact, this one must end in an
+    error, so no existing run can carry it. The Lighthouse's process is SIGKILLed once both groups have
+    committed 3 steps; the run fails, naming the Lighthouse and the fix, instead of Ray retrying the
+    groups' start against the dead actor without end (seen before the fix: still retrying after 10 min)."""
+    import ray.data
+
+    from raytrain_events import RayTrainer
+    from raytrain_events.ray.driver import RayTrainingError
+
+    data = str(tmp_path / "data")
+    write_parquet(data)
+    folder = str(tmp_path / "rec")
+    os.makedirs(folder)
+    killed: list = []
+
+    def kill_lighthouse() -> None:
+        deadline = time.time() + 300
+        while time.time() < deadline and not killed:
+            pids = [p for p in glob.glob(os.path.join(folder, "proc-*.json"))]
+            steps = [_steps_of(folder, json.load(open(p))["pid"], 2) for p in pids]
+            if len(steps) == 2 and min(steps) >= 3 and _lighthouse_pids():
+                for pid in _lighthouse_pids():
+                    os.kill(pid, signal.SIGKILL)
+                killed.append(time.time())
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=kill_lighthouse, daemon=True)
+    thread.start()
+    trainer = RayTrainer(
+        model=make_model,
+        optimizers=make_sgd,
+        datasets={"train": ray.data.read_parquet(data)},
+        max_duration="3ep",
+        batch_size=GLOBAL_BATCH // 2,
+        num_workers=2,
+        fault_tolerance="replica_groups",
+        max_failures=4,
+        callbacks=lambda: [RecordCommits(folder, 0.3)],
+        storage_path=str(tmp_path / "runs"),
+        run_name="lighthouse",
+        seed=0,
+    )
+    with pytest.raises(RayTrainingError) as error:
+        trainer.fit()  # before the fix: Ray retried the groups' start against the dead actor, without end
+    thread.join(timeout=30)
+    assert killed, "the run ended before the Lighthouse was killed"
+    print(f"the run failed {time.time() - killed[0]:.1f} s after the kill")
+    message = str(error.value)
+    assert "the torchft Lighthouse at" in message and "is gone" in message, message
+    assert "Fix: run again with the same run_name" in message, message

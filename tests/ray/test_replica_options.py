@@ -39,7 +39,7 @@ def test_replica_groups_are_a_run_option():
         (dict(num_workers=1), "num_workers >= 2"),
         (dict(num_workers=(2, 4)), "elastic"),
         (dict(parallelism="fsdp"), "parallelism other than 'ddp'"),
-        (dict(checkpoint=CheckpointConfig(save_interval="1ep")), "checkpoint="),
+        (dict(checkpoint=CheckpointConfig(keep_best=2, metric="metrics/eval/loss", mode="min")), "keep_best"),
         (dict(datasets={"train": object(), "val": object()}), "eval datasets"),
         (dict(get_num_tokens_in_batch=len), "get_num_tokens_in_batch"),
         (
@@ -76,3 +76,51 @@ def test_without_torchft_the_error_names_the_extra(monkeypatch):
 def test_the_lighthouse_binds_loopback_when_ray_does():
     assert lighthouse_bind("127.0.0.1") == "127.0.0.1:0"
     assert lighthouse_bind("10.0.3.7") == "[::]:0"
+
+
+def test_periodic_checkpoints_are_accepted_and_one_group_saves():
+    """``checkpoint=`` with replica groups: accepted on the driver; the workers' config keeps ``keep`` (nothing
+    is reported to Ray, so the saver prunes), the run dir's lock is group 0's, and SIGTERM is a failure."""
+    from raytrain_events.ray.checkpointing import checkpoint_plan
+    from raytrain_events.ray.replica_groups import replica_checkpoint_config
+
+    trainer = RayTrainer(**_options(checkpoint=CheckpointConfig(save_interval="5ba", keep=2)))
+    plan = checkpoint_plan(trainer.spec)
+    lead, other = (replica_checkpoint_config(plan.worker, trainer.spec.checkpoint, g) for g in (0, 2))
+    assert lead.keep == other.keep == 2 and lead.autoresume and lead.save_folder == plan.worker.save_folder
+    assert lead.lock_run_dir == plan.worker.lock_run_dir and not other.lock_run_dir
+    assert not lead.save_on_sigterm and not other.save_on_sigterm
+
+
+def test_a_lost_lighthouse_is_told_apart_and_ends_the_run_on_the_controller(monkeypatch):
+    """The worker's check (a TCP connect to ``TORCHFT_LIGHTHOUSE``) and the controller callback that turns a
+    worker's `LighthouseLostError` into the run's end (no Ray run here; the Ray run is in test_replica_groups)."""
+    import socket
+
+    from raytrain_events.ray.replica_lighthouse import (
+        LIGHTHOUSE_ENV,
+        LighthouseLostError,
+        LighthouseWatch,
+        lighthouse_lost,
+        lighthouse_reachable,
+    )
+
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen()
+    port = listening.getsockname()[1]
+    assert lighthouse_reachable(f"http://127.0.0.1:{port}")
+    monkeypatch.setenv(LIGHTHOUSE_ENV, f"http://127.0.0.1:{port}")
+    assert lighthouse_lost(TimeoutError("quorum")) is None  # alive: the quorum's own error stands
+    listening.close()
+    assert not lighthouse_reachable(f"http://127.0.0.1:{port}", wait_s=0.01)
+    monkeypatch.setattr("raytrain_events.ray.replica_lighthouse.lighthouse_reachable", lambda address: False)
+    lost = lighthouse_lost(TimeoutError("quorum"))
+    assert isinstance(lost, LighthouseLostError) and f"127.0.0.1:{port} is gone" in str(lost) and "Fix:" in str(lost)
+    watch = LighthouseWatch()
+    watch.after_exception(None, {0: RuntimeError("gloo: connection reset")})  # any other failure: Ray retries
+    worker_error = RuntimeError(f"Traceback ...\nraytrain_events.ray.replica_lighthouse.LighthouseLostError: {lost}")
+    with pytest.raises(LighthouseLostError, match="Fix: run again with the same run_name"):
+        watch.after_exception(None, {0: RuntimeError("reset"), 1: worker_error})
+    with pytest.raises(LighthouseLostError, match="is gone"):  # as Ray hands it over: the exception itself
+        watch.after_exception(None, {1: lost})

@@ -1,0 +1,204 @@
+"""Restart-based recovery vs replica groups under the same seeded kill plan: goodput and time lost per failure.
+
+The same small job runs twice on one local Ray (3 CPU workers, the resume tests' 203-row Parquet set, global
+batch 12, steps paced to ``--step-s`` so a step costs what it would on a GPU rather than what this CPU does):
+
+* ``restart``: the default recovery. A killed worker fails the whole worker group; Ray restarts it and every
+  rank reloads the newest checkpoint (saved every ``--save-every`` batches) and trains the batches since again;
+* ``replica_groups``: ``fault_tolerance="replica_groups"`` (3 torchft replica groups). Ray restarts the killed
+  group alone; the other two keep committing, and the group rejoins from a healthy peer.
+
+The kill plan is drawn once from ``--seed``: ``--kills`` SIGKILLs, each of a worker of the rank (group) drawn,
+each after a pause drawn from ``--pause A B`` seconds once the previous victim's replacement trains again.
+Both modes keep the same checkpoint interval (replica groups keep storage checkpoints for whole-run loss).
+
+Per mode: the wall time from the first step's end to the last's, the median step (gaps between a process's
+consecutive steps), ideal = batches of the run x median step, goodput = ideal / wall, and the time lost per
+failure = (wall - ideal) / kills; then the restart-to-replica ratio of the time lost per failure. Both runs
+must end with the same Timestamp (checked). Numbers on a loaded machine are noisy: compare within one run.
+
+    PYTHONPATH=$PWD python bench/replica_vs_restart.py                      # short: 3 kills, 8-15 s apart
+    PYTHONPATH=$PWD python bench/replica_vs_restart.py --epochs 40 --kills 20 --pause 45 120   # the long plan
+
+Grows with scale as: restart: (restart + reload from storage + the batches since the last save) per failure,
+whatever the world size; replica groups: the heartbeat timeout (2 s) plus at most one retried step per failure,
+and per rejoin one peer-to-peer transfer of the model and optimizer (see docs/operating.md, "Replica groups").
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Dict, List, Tuple
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from raytrain_events import Callback  # noqa: E402
+from tests.ray import resume_helpers as h  # noqa: E402
+
+GROUPS = 3
+
+
+class Steps(Callback):
+    """Per process: a proc file at the start and one line per step end; each step paced to ``step_s``."""
+
+    def __init__(self, folder: str, step_s: float) -> None:
+        self.folder, self.step_s = folder, step_s
+
+    def fit_start(self, state, logger) -> None:
+        import ray.train
+
+        rank = ray.train.get_context().get_world_rank()
+        with open(os.path.join(self.folder, f"proc-{os.getpid()}.json"), "w") as f:
+            json.dump({"pid": os.getpid(), "rank": rank, "t": time.time()}, f)
+        self.file = open(os.path.join(self.folder, f"steps-{os.getpid()}.jsonl"), "a")
+
+    def batch_end(self, state, logger) -> None:
+        time.sleep(self.step_s)
+        self.file.write(json.dumps({"t": time.time(), "batch": int(state.timestamp.batch)}) + "\n")
+        self.file.flush()
+
+
+def _steps(folder: str) -> Dict[int, List[Dict[str, Any]]]:
+    out = {}
+    for path in glob.glob(os.path.join(folder, "steps-*.jsonl")):
+        with open(path) as f:
+            out[int(path.rsplit("-", 1)[1].split(".")[0])] = [json.loads(line) for line in f if line.strip()]
+    return out
+
+
+def _live(folder: str, rank: int) -> Any:
+    """The newest live process of ``rank`` that has trained 2 steps, or None."""
+    best = None
+    steps = _steps(folder)
+    for path in glob.glob(os.path.join(folder, "proc-*.json")):
+        with open(path) as f:
+            info = json.load(f)
+        try:
+            os.kill(info["pid"], 0)
+        except OSError:
+            continue
+        if info["rank"] == rank and len(steps.get(info["pid"], [])) >= 2 and (best is None or info["t"] > best["t"]):
+            best = info
+    return best
+
+
+def _chaos(folder: str, plan: List[Tuple[float, int]], done: List[float], stop: threading.Event) -> None:
+    """Kill per plan: each pause counts from when the victim's rank trains again after the previous kill."""
+    killed: set = set()
+    for pause, rank in plan:
+        ready = None
+        while not stop.is_set():
+            proc = _live(folder, rank)
+            # every rank trains (after a whole-group restart, all are new processes)
+            if proc is not None and proc["pid"] not in killed and all(_live(folder, r) for r in range(GROUPS)):
+                ready = ready or time.time()
+                if time.time() - ready >= pause:
+                    os.kill(proc["pid"], signal.SIGKILL)
+                    killed.add(proc["pid"])
+                    done.append(time.time())
+                    break
+            time.sleep(0.1)
+
+
+def run(mode: str, args: argparse.Namespace, data: str, plan: List[Tuple[float, int]]) -> Dict[str, Any]:
+    import ray.data
+
+    from raytrain_events import CheckpointConfig, RayTrainer
+
+    folder = tempfile.mkdtemp(prefix=f"bench-{mode}-")
+    kills: List[float] = []
+    stop = threading.Event()
+    chaos = threading.Thread(target=_chaos, args=(folder, plan, kills, stop), daemon=True)
+    chaos.start()
+    started = time.time()
+    try:
+        result = RayTrainer(
+            model=h.make_model,
+            optimizers=h.make_sgd,
+            datasets={"train": ray.data.read_parquet(data)},
+            max_duration=f"{args.epochs}ep",
+            batch_size=h.GLOBAL_BATCH // GROUPS,
+            num_workers=GROUPS,
+            fault_tolerance="replica_groups" if mode == "replica_groups" else None,
+            max_failures=2 * len(plan) + 2,
+            callbacks=lambda: [Steps(folder, args.step_s)],
+            checkpoint=CheckpointConfig(save_interval=f"{args.save_every}ba", keep=2, save_every_n_seconds=None),
+            report_every_s=5.0,
+            storage_path=os.path.join(folder, "runs"),
+            run_name=mode,
+            seed=0,
+            progress_bar=False,
+        ).fit()
+    finally:
+        stop.set()
+        chaos.join(timeout=10)
+    steps = _steps(folder)
+    times = [s["t"] for rs in steps.values() for s in rs]
+    gaps = [b["t"] - a["t"] for rs in steps.values() for a, b in zip(rs, rs[1:]) if b["batch"] == a["batch"] + 1]
+    median = statistics.median(gaps)
+    batches = int(result.timestamp.batch)
+    wall = max(times) - min(times)
+    ideal = batches * median
+    return {
+        "mode": mode,
+        "timestamp": {"epoch": int(result.timestamp.epoch), "batch": batches, "sample": int(result.timestamp.sample)},
+        "kills": len(kills),
+        "fit_s": round(time.time() - started, 1),
+        "wall_s": round(wall, 1),
+        "median_step_s": round(median, 3),
+        "ideal_s": round(ideal, 1),
+        "goodput": round(ideal / wall, 3),
+        "lost_per_failure_s": round((wall - ideal) / max(len(kills), 1), 1),
+        "steps_trained": sum(len(rs) for rs in steps.values()),  # every step end of any process (redone ones too)
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--kills", type=int, default=3)
+    parser.add_argument("--pause", type=float, nargs=2, default=(8.0, 15.0))
+    parser.add_argument("--step-s", type=float, default=0.3)
+    parser.add_argument("--save-every", type=int, default=10, help="batches between checkpoints (both modes)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--modes", default="restart,replica_groups")
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    plan = [(rng.uniform(*args.pause), rng.randrange(GROUPS)) for _ in range(args.kills)]
+    print(f"kill plan (pause s, rank): {[(round(p, 1), r) for p, r in plan]}", flush=True)
+    import ray
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    data = tempfile.mkdtemp(prefix="bench-data-")
+    h.write_parquet(data)
+    results = [run(mode, args, data, plan) for mode in args.modes.split(",")]
+    for r in results:
+        print(json.dumps(r), flush=True)
+    if len(results) == 2:
+        restart, replicas = results
+        assert restart["timestamp"] == replicas["timestamp"], (restart["timestamp"], replicas["timestamp"])
+        ratio = restart["lost_per_failure_s"] / max(replicas["lost_per_failure_s"], 1e-9)
+        print(
+            f"goodput: restart {restart['goodput']:.2f}, replica groups {replicas['goodput']:.2f}; time lost per "
+            f"failure: restart {restart['lost_per_failure_s']:.1f} s, replica groups "
+            f"{replicas['lost_per_failure_s']:.1f} s ({ratio:.1f}x less)",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
