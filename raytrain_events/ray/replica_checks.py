@@ -32,6 +32,12 @@ def check_fault_tolerance(spec: Any) -> None:
     """Refuse a ``fault_tolerance`` value, or a combination replica groups do not support yet (`RayTrainer`
     calls it on the driver before Ray starts; a Tune trial's overrides, when the trial builds its `RayTrainer`)."""
     value = spec.fault_tolerance
+    timeout = spec.replica_timeout_s
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise ValueError(
+            f"replica_timeout_s={timeout!r} must be a number of seconds > 0 (default 30: a collective's or a peer "
+            "transfer's limit; a quorum waits twice that)."
+        )
     if value not in FAULT_TOLERANCE:
         raise ValueError(
             f"fault_tolerance={value!r} is not an option. Fix: use None (a failure restarts the worker group from its last "

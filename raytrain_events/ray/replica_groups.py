@@ -54,8 +54,6 @@ __all__ = ["build_manager", "CommitOptimizer", "ReplicaLoader", "ReplicaCommit",
 
 log = logging.getLogger(__name__)
 
-_TIMEOUT_S = 30.0  # gloo and transport: long enough to re-form the group on a loaded machine
-
 
 class ReplicaState:
     """What a joining group receives from a healthy peer: filled in by the worker before the first step."""
@@ -87,12 +85,15 @@ class ReplicaState:
         log.info("Recovered from a healthy replica group at %s", self.state.timestamp)
 
 
-def build_manager(replicas: ReplicaState, group: int, run_name: str, min_replicas: int) -> Any:
-    """This group's torchft ``Manager`` (the Lighthouse address comes from Ray: ``TORCHFT_LIGHTHOUSE``)."""
+def build_manager(replicas: ReplicaState, group: int, run_name: str, min_replicas: int, timeout_s: float = 30.0) -> Any:
+    """This group's torchft ``Manager`` (the Lighthouse address comes from Ray: ``TORCHFT_LIGHTHOUSE``).
+
+    ``timeout_s`` (`RunSpec.replica_timeout_s`): gloo's and the state transfer's limit, the quorum's
+    twice that; 30 s re-forms the group on a loaded machine."""
     from torchft import Manager, ProcessGroupGloo
     from torchft.checkpointing.pg_transport import PGTransport
 
-    timeout = datetime.timedelta(seconds=_TIMEOUT_S)
+    timeout = datetime.timedelta(seconds=timeout_s)
     pg = ProcessGroupGloo(timeout=timeout)
     return Manager(
         pg=pg,
@@ -104,6 +105,7 @@ def build_manager(replicas: ReplicaState, group: int, run_name: str, min_replica
         rank=0,
         replica_id=f"{run_name}_group{group:05d}",  # the Lighthouse orders groups by id: as numbers
         timeout=2 * timeout,
+        quorum_timeout=2 * timeout,
         checkpoint_transport=PGTransport(pg, timeout=timeout, device=torch.device("cpu")),
     )
 
@@ -331,7 +333,9 @@ def setup_replica_groups(  # noqa: PLR0913 (the parts the worker built, handed o
     replicas.schedulers = (
         list(schedulers) if isinstance(schedulers, (list, tuple)) else [] if schedulers is None else [schedulers]
     )
-    manager = build_manager(replicas, group, spec.run_name or "run", min_replicas(shard.world_size))
+    manager = build_manager(
+        replicas, group, spec.run_name or "run", min_replicas(shard.world_size), float(spec.replica_timeout_s)
+    )
     optimizer = CommitOptimizer(manager, inner[0])
     train = ReplicaLoader(shard, manager, replicas, **loader)
     return optimizer, train, ReplicaCommit(train, optimizer, group=group), manager

@@ -285,6 +285,7 @@ def test_the_lighthouse_dying_fails_the_run_with_the_fix(ray_cluster, tmp_path):
         batch_size=GLOBAL_BATCH // 2,
         num_workers=2,
         fault_tolerance="replica_groups",
+        replica_timeout_s=10.0,  # the lost Lighthouse ends the run after one quorum timeout: 20 s, not the default 60
         max_failures=4,
         callbacks=lambda: [RecordCommits(folder, 0.3)],
         storage_path=str(tmp_path / "runs"),
@@ -296,6 +297,7 @@ def test_the_lighthouse_dying_fails_the_run_with_the_fix(ray_cluster, tmp_path):
     thread.join(timeout=30)
     assert killed, "the run ended before the Lighthouse was killed"
     print(f"the run failed {time.time() - killed[0]:.1f} s after the kill")
+    assert time.time() - killed[0] < 60, "the loss took longer than a few quorum timeouts (20 s each) to end the run"
     message = str(error.value)
     assert "the torchft Lighthouse at" in message and "is gone" in message, message
     assert "Fix: run again with the same run_name" in message, message

@@ -59,6 +59,13 @@ def test_unsupported_combinations_are_refused_with_the_fix(over, named):
     assert "Fix:" in str(error.value)
 
 
+@pytest.mark.parametrize("timeout", [0, -1.0, float("inf"), "30", True])
+def test_a_bad_replica_timeout_is_refused(timeout):
+    with pytest.raises(ValueError, match=r"replica_timeout_s=.* must be a number of seconds > 0"):
+        RayTrainer(**_options(replica_timeout_s=timeout))
+    assert RunSpec(**_options(replica_timeout_s=12.5)).for_workers().replica_timeout_s == 12.5
+
+
 def test_the_default_single_worker_is_refused_on_the_driver():
     options = _options()
     del options["num_workers"]
