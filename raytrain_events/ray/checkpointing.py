@@ -9,7 +9,7 @@ run with the same name refuses a snapshot naming a deleted one, so on Ray our `C
 never prunes (``keep=None`` on the workers) and the driver passes ``keep`` to Ray as
 ``CheckpointConfig(num_to_keep)``; Ray deletes what it no longer lists, after updating its
 snapshot. Our own deletions are limited to directories Ray never heard of, and all of them are
-made by the run's `CheckpointFolder` under its Ray-managed retention (``checkpoint/folder.py``):
+made by the run's `CheckpointFolder` under its Ray-managed retention (``checkpoint/folder/folder.py``):
 rank 0's folder (the `Checkpointer`'s own, the one index it loaded) is handed to Ray before
 training (`hand_retention_to_ray`) and deletes leftovers of crashed saves and committed
 checkpoints newer than Ray's latest at start-up (saved by a group that died before reporting
@@ -27,9 +27,9 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
-from raytrain_events.checkpoint.checkpointer import Checkpointer, SavedCheckpoint
-from raytrain_events.checkpoint.folder import CheckpointFolder, RayRetention
-from raytrain_events.checkpoint.retention import CheckpointPlan, ray_plan
+from raytrain_events.checkpoint.folder.folder import CheckpointFolder, RayRetention
+from raytrain_events.checkpoint.folder.retention import CheckpointPlan, ray_plan
+from raytrain_events.checkpoint.run.checkpointer import Checkpointer, SavedCheckpoint
 from raytrain_events.ray.spec import RunSpec
 from raytrain_events.storage.fs import basename
 from raytrain_events.storage.run_dir import RunDir

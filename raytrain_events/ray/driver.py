@@ -347,7 +347,7 @@ class RayTrainer:
         timestamp = Timestamp(**{name: final.get(report_key(name), 0) for name in COUNTER_UNITS})
         checkpoints: List[Any] = []
         if self.spec.checkpoint is not None:
-            from raytrain_events.checkpoint.store import list_checkpoints
+            from raytrain_events.checkpoint.folder.store import list_checkpoints
             from raytrain_events.ray.checkpointing import checkpoint_plan, delete_unlisted
 
             plan = checkpoint_plan(self.spec)

@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from raytrain_events.checkpoint.preemption import SAVE_FLAG
+from raytrain_events.checkpoint.run.preemption import SAVE_FLAG
 from raytrain_events.core.callback import Callback
 from raytrain_events.storage.run_dir import PREEMPTIONS_DIR as PREEMPTIONS_DIR  # re-exported
 from raytrain_events.storage.run_dir import RunDir
@@ -187,7 +187,7 @@ class PreemptionGuard(Callback):
         state.agreement.clear(PREEMPT_FLAG)
         agreed = self._agreed_at if self._agreed_at is not None else time.time()
         self._agreed_at = None
-        from raytrain_events.checkpoint.checkpointer import find_checkpointer
+        from raytrain_events.checkpoint.run.checkpointer import find_checkpointer
 
         checkpointer = find_checkpointer(state)
         name = None

@@ -191,7 +191,7 @@ class RunSpec(LoopOptions):
                     "directory (<storage_path>/<run_name>/checkpoints) so Ray Train can manage them. "
                     "Set storage_path instead."
                 )
-            from raytrain_events.checkpoint.retention import check_ray_ranking
+            from raytrain_events.checkpoint.folder.retention import check_ray_ranking
 
             check_ray_ranking(self.checkpoint)
             # The driver holds the run dir's lock for the whole run; workers must not take it again.

@@ -53,7 +53,7 @@ class CheckpointValidator:
         self.report_queue = report_queue
 
     def __call__(self, checkpoint: Any, **kwargs: Any) -> Dict[str, Any]:
-        from raytrain_events.checkpoint.reader import read_manifest
+        from raytrain_events.checkpoint.format.reader import read_manifest
         from raytrain_events.storage.exp_dir import checkpoints_url
         from raytrain_events.storage.fs import join
 

@@ -128,7 +128,7 @@ def build_worker_trainer(spec: RunSpec, history: Any = None, shards: Any = None)
         options=spec,  # a RunSpec is the run's LoopOptions, checked once on the driver
     )
     if plan is not None and context.get_world_rank() == 0:
-        from raytrain_events.checkpoint.checkpointer import find_checkpointer
+        from raytrain_events.checkpoint.run.checkpointer import find_checkpointer
         from raytrain_events.ray.checkpointing import hand_retention_to_ray
 
         checkpointer = find_checkpointer(trainer.state)

@@ -14,8 +14,8 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from raytrain_events.checkpoint.checkpointer import Checkpointer, find_checkpointer
-from raytrain_events.checkpoint.preemption import SAVE_FLAG
+from raytrain_events.checkpoint.run.checkpointer import Checkpointer, find_checkpointer
+from raytrain_events.checkpoint.run.preemption import SAVE_FLAG
 from raytrain_events.core.callback import Callback
 from raytrain_events.core.event import Event
 from raytrain_events.core.heartbeat import HEARTBEAT

@@ -168,7 +168,7 @@ def _best_checkpoint(
     if newest is not None:
         return newest
     try:
-        from raytrain_events.checkpoint.store import latest_checkpoint
+        from raytrain_events.checkpoint.folder.store import latest_checkpoint
         from raytrain_events.storage.run_dir import RunDir
 
         info = latest_checkpoint(RunDir(run_url).checkpoints, storage_options=storage_options)

@@ -343,7 +343,7 @@ def trial_retention_and_loggers(
     loggers' runs are named after the trial and its algorithm set."""
     changes: Dict[str, Any] = {}
     if spec.checkpoint is not None:
-        from raytrain_events.checkpoint.retention import for_trial
+        from raytrain_events.checkpoint.folder.retention import for_trial
 
         retention = for_trial(
             spec.checkpoint, metric=setup.metric, mode=setup.mode, keep_every=setup.keep_every_checkpoint

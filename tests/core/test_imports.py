@@ -65,12 +65,12 @@ def test_ray_worker_entry_leaves_dcp_until_a_sharded_checkpoint_needs_it():
     result = _run(
         """
         import json, sys
-        import raytrain_events.ray.worker, raytrain_events.checkpoint.checkpointer
+        import raytrain_events.ray.worker, raytrain_events.checkpoint.run.checkpointer
         before = sorted(m for m in sys.modules if m.startswith("torch.distributed.checkpoint"))
-        from raytrain_events.checkpoint import sharded
+        from raytrain_events.checkpoint.dcp import sharded
         sharded.load_consolidated  # the module itself still imports without DCP
         lazy = sorted(m for m in sys.modules if m.startswith("torch.distributed.checkpoint"))
-        import raytrain_events.checkpoint.safe_dcp
+        import raytrain_events.checkpoint.dcp.safe_dcp
         print(json.dumps({"before": before, "lazy": lazy,
                           "after": "torch.distributed.checkpoint" in sys.modules}))
         """

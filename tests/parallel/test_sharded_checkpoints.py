@@ -92,7 +92,7 @@ def test_an_eval_only_trainer_loads_an_fsdp_checkpoint_in_one_process(fsdp_two_r
     the checkpoint's Timestamp comes from its manifest (a sharded load for eval restores weights only)."""
     from raytrain_events import Trainer
     from raytrain_events.checkpoint.config import CheckpointConfig
-    from raytrain_events.checkpoint.reader import read_manifest
+    from raytrain_events.checkpoint.format.reader import read_manifest
     from raytrain_events.dist import LocalDist
     from tests.parallel.workloads import make_loader, make_model
 

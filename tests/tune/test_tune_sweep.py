@@ -162,7 +162,7 @@ def test_grid_over_three_algorithm_sets(ray_cluster, tmp_path):
     from ray import tune
 
     from raytrain_events.checkpoint import CheckpointConfig
-    from raytrain_events.checkpoint.store import list_checkpoints
+    from raytrain_events.checkpoint.folder.store import list_checkpoints
 
     marks, dumps = tmp_path / "marks", tmp_path / "dumps"
     marks.mkdir()

@@ -33,18 +33,18 @@ from typing import Any, Optional
 
 import torch
 
-from raytrain_events.checkpoint.folder import CheckpointFolder
-from raytrain_events.checkpoint.folder import delete_checkpoint as delete_checkpoint  # re-exported
-from raytrain_events.checkpoint.index import CheckpointIndex
-from raytrain_events.checkpoint.manifest import (
+from raytrain_events.checkpoint.folder.folder import CheckpointFolder
+from raytrain_events.checkpoint.folder.folder import delete_checkpoint as delete_checkpoint  # re-exported
+from raytrain_events.checkpoint.folder.index import CheckpointIndex
+from raytrain_events.checkpoint.format.manifest import (
     MANIFEST,
     CheckpointCorruptError,
     CheckpointInfo,
     CheckpointNotCommittedError,
     LoadedCheckpoint,
 )
-from raytrain_events.checkpoint.packed import HEAD_BYTES, needs_whole
-from raytrain_events.checkpoint.reader import read_checkpoint, read_checkpoint_files, read_manifest
+from raytrain_events.checkpoint.format.packed import HEAD_BYTES, needs_whole
+from raytrain_events.checkpoint.format.reader import read_checkpoint, read_checkpoint_files, read_manifest
 from raytrain_events.storage.fs import join, list_dir, read_many, resolve, to_url
 
 logger = logging.getLogger(__name__)

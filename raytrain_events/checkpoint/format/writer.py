@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from raytrain_events.checkpoint import packed
-from raytrain_events.checkpoint.checksums import torch_zip_crc_off
-from raytrain_events.checkpoint.manifest import (
+from raytrain_events.checkpoint.format import packed
+from raytrain_events.checkpoint.format.checksums import torch_zip_crc_off
+from raytrain_events.checkpoint.format.manifest import (
     MANIFEST,
     MULTI_FILE_VERSION,
     CheckpointError,

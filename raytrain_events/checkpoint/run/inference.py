@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from raytrain_events.checkpoint.checkpointer import Checkpointer, CheckpointHost
 from raytrain_events.checkpoint.config import CheckpointConfig
-from raytrain_events.checkpoint.manifest import CheckpointInfo
+from raytrain_events.checkpoint.format.manifest import CheckpointInfo
+from raytrain_events.checkpoint.run.checkpointer import Checkpointer, CheckpointHost
 
 __all__ = ["load_for_inference"]
 

@@ -22,31 +22,30 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from raytrain_events.checkpoint.committer import Committer
 from raytrain_events.checkpoint.config import CheckpointConfig
-from raytrain_events.checkpoint.folder import CheckpointFolder, LocalRetention
-from raytrain_events.checkpoint.format import (
+from raytrain_events.checkpoint.dcp.safetensors_io import is_safetensors_dir, start_from_safetensors
+from raytrain_events.checkpoint.dcp.sharded import (
+    DCP_LAYOUT,
+    ShardedCheckpointIO,
+)
+from raytrain_events.checkpoint.folder.committer import Committer
+from raytrain_events.checkpoint.folder.folder import CheckpointFolder, LocalRetention
+from raytrain_events.checkpoint.folder.retention import local_keep
+from raytrain_events.checkpoint.folder.store import AsyncCheckpointWriter, DoneFuture
+from raytrain_events.checkpoint.format.manifest import (
     CheckpointInfo,
     CheckpointNotCommittedError,
     FileEntry,
     LoadedCheckpoint,
-    new_checkpoint_url,
-    read_checkpoint,
-    rng_file_name,
 )
+from raytrain_events.checkpoint.format.reader import read_checkpoint
+from raytrain_events.checkpoint.format.writer import new_checkpoint_url, rng_file_name
 from raytrain_events.checkpoint.host import CheckpointHost
-from raytrain_events.checkpoint.loading import apply_checkpoint, read_latest_shared
-from raytrain_events.checkpoint.preemption import SAVE_FLAG, save_on_sigterm
-from raytrain_events.checkpoint.retention import local_keep
-from raytrain_events.checkpoint.rng import capture_rng_state
-from raytrain_events.checkpoint.safetensors_io import is_safetensors_dir, start_from_safetensors
-from raytrain_events.checkpoint.save_channel import SaveChannel
-from raytrain_events.checkpoint.sharded import (
-    DCP_LAYOUT,
-    ShardedCheckpointIO,
-)
-from raytrain_events.checkpoint.staging import Staged
-from raytrain_events.checkpoint.store import AsyncCheckpointWriter, DoneFuture
+from raytrain_events.checkpoint.run.loading import apply_checkpoint, read_latest_shared
+from raytrain_events.checkpoint.run.preemption import SAVE_FLAG, save_on_sigterm
+from raytrain_events.checkpoint.run.rng import capture_rng_state
+from raytrain_events.checkpoint.run.save_channel import SaveChannel
+from raytrain_events.checkpoint.run.staging import Staged
 from raytrain_events.core.callback import Callback
 from raytrain_events.core.event import Event
 from raytrain_events.core.interval import make_interval

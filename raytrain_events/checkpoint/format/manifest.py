@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from raytrain_events.checkpoint import packed
+from raytrain_events.checkpoint.format import packed
 from raytrain_events.storage.fs import basename
 
 FORMAT_VERSION = 4  # the newest this library reads and writes (see MULTI_FILE_VERSION, packed.PACKED_VERSION)

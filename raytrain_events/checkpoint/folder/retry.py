@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from raytrain_events.checkpoint.manifest import CheckpointError
+from raytrain_events.checkpoint.format.manifest import CheckpointError
 
 __all__ = ["is_transient", "retry_storage"]
 

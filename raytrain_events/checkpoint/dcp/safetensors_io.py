@@ -94,7 +94,7 @@ def _block_bytes(stream: Any, info: Any, dtype: torch.dtype, shape: Tuple[int, .
     little-endian tensor of ``shape`` and ``dtype`` (found from the record's zip directory and
     ``data.pkl``, decoded without running anything: `ranged_dcp.parse_layout`); otherwise the block
     as a tensor (``torch.load`` with ``weights_only``)."""
-    from raytrain_events.checkpoint.ranged_dcp import PROBE, parse_layout
+    from raytrain_events.checkpoint.dcp.ranged_dcp import PROBE, parse_layout
 
     stream.seek(info.offset)
     head = stream.read(min(PROBE, info.length))
@@ -195,7 +195,7 @@ def _dcp_model_tensors(url: str, options: Dict[str, Any]) -> Tuple[List[Spec], C
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
     from raytrain_events._torch_compat import load_whole_state_dict
-    from raytrain_events.checkpoint.safe_dcp import SafeDCPReader, SafeLoadPlanner
+    from raytrain_events.checkpoint.dcp.safe_dcp import SafeDCPReader, SafeLoadPlanner
     from raytrain_events.storage.fs import resolve
 
     class _Reader(SafeDCPReader):  # the index is unpickled (safely) once, not once per tensor
@@ -260,8 +260,8 @@ def export_safetensors(
     max_shard_bytes: int = 5 * 2**30,
 ) -> Dict[str, Any]:
     """The model of checkpoint ``info`` (a `CheckpointInfo`) as safetensors under ``output_dir``."""
-    from raytrain_events.checkpoint.format import read_checkpoint_files
-    from raytrain_events.checkpoint.sharded import is_sharded_checkpoint
+    from raytrain_events.checkpoint.dcp.sharded import is_sharded_checkpoint
+    from raytrain_events.checkpoint.format.reader import read_checkpoint_files
     from raytrain_events.storage.fs import resolve
     from raytrain_events.storage.run_dir import STATE_FILE
 

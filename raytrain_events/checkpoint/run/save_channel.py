@@ -22,8 +22,8 @@ from __future__ import annotations
 import uuid
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional
 
-from raytrain_events.checkpoint.manifest import checkpoint_name
-from raytrain_events.checkpoint.staging import HostStager, Staged
+from raytrain_events.checkpoint.format.manifest import checkpoint_name
+from raytrain_events.checkpoint.run.staging import HostStager, Staged
 
 if TYPE_CHECKING:
     from raytrain_events.dist import Dist

@@ -39,7 +39,7 @@ def require_safe_torch(what: str = "a checkpoint") -> None:
     version = _torch_version()
     if _parse(version) >= SAFE_TORCH:
         return
-    from raytrain_events.checkpoint.manifest import UnsafeCheckpointError
+    from raytrain_events.checkpoint.format.manifest import UnsafeCheckpointError
 
     raise UnsafeCheckpointError(
         f"Refused to load {what} with torch {version}: its weights-only unpickler, which keeps a crafted "

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from raytrain_events.checkpoint.manifest import CheckpointError, CheckpointInfo, FileEntry, UnsafeCheckpointError
+from raytrain_events.checkpoint.format.manifest import CheckpointError, CheckpointInfo, FileEntry, UnsafeCheckpointError
 from raytrain_events.core.state import CheckpointMismatchError, mismatch_fix, model_mismatch
 
 if TYPE_CHECKING:
@@ -125,7 +125,7 @@ class ShardedCheckpointIO:
         """Every rank writes its shards under ``url``; returns the entries of all ranks' files."""
         import torch.distributed.checkpoint as dcp
 
-        from raytrain_events.checkpoint.safe_dcp import HashingDCPWriter
+        from raytrain_events.checkpoint.dcp.safe_dcp import HashingDCPWriter
 
         writer = HashingDCPWriter(url, storage_options=self.options)
         with _plain_errors("Saving", url):
@@ -145,7 +145,7 @@ class ShardedCheckpointIO:
         size and checksum) by rank 0 alone and broadcast: one ``.metadata`` read per load instead
         of two per rank. An error on rank 0 (refused, corrupt, missing) is raised on every rank,
         so no rank waits for the others."""
-        from raytrain_events.checkpoint.safe_dcp import SafeDCPReader
+        from raytrain_events.checkpoint.dcp.safe_dcp import SafeDCPReader
 
         expected = next((f for f in info.files if f.name == ".metadata"), None)
         url = info.url
@@ -175,7 +175,7 @@ class ShardedCheckpointIO:
             set_optimizer_state_dict,
         )
 
-        from raytrain_events.checkpoint.safe_dcp import SafeDCPReader, SafeLoadPlanner
+        from raytrain_events.checkpoint.dcp.safe_dcp import SafeDCPReader, SafeLoadPlanner
 
         state = self.host.state
         metadata = self.shared_metadata(info)
@@ -263,7 +263,7 @@ def load_consolidated(
     parameter name, and the rest of the state), for inference or export."""
     # dcp.load fills only keys the given dict has; this is what DCP's own dcp_to_torch_save calls.
     from raytrain_events._torch_compat import load_whole_state_dict as _load_state_dict
-    from raytrain_events.checkpoint.safe_dcp import SafeDCPReader, SafeFullLoadPlanner
+    from raytrain_events.checkpoint.dcp.safe_dcp import SafeDCPReader, SafeFullLoadPlanner
 
     loaded: Dict[str, Any] = {}
     with _plain_errors("Loading", info.url):

@@ -13,10 +13,12 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
-from raytrain_events.checkpoint.format import LoadedCheckpoint, read_checkpoint_files, rng_file_name
-from raytrain_events.checkpoint.rng import restore_rng_state
-from raytrain_events.checkpoint.sharded import ShardedCheckpointIO, is_sharded_checkpoint, load_full_into_sharded
-from raytrain_events.checkpoint.store import load_latest_valid
+from raytrain_events.checkpoint.dcp.sharded import ShardedCheckpointIO, is_sharded_checkpoint, load_full_into_sharded
+from raytrain_events.checkpoint.folder.store import load_latest_valid
+from raytrain_events.checkpoint.format.manifest import LoadedCheckpoint
+from raytrain_events.checkpoint.format.reader import read_checkpoint_files
+from raytrain_events.checkpoint.format.writer import rng_file_name
+from raytrain_events.checkpoint.run.rng import restore_rng_state
 from raytrain_events.core.interval import is_done
 from raytrain_events.core.state import CheckpointMismatchError, drop_ignored_keys
 from raytrain_events.core.time import Timestamp, counters_of
@@ -24,8 +26,8 @@ from raytrain_events.parallel.wrap import is_sharded_module
 from raytrain_events.storage.run_dir import STATE_FILE  # re-exported (the name is the run layout's)
 
 if TYPE_CHECKING:
+    from raytrain_events.checkpoint.folder.index import CheckpointIndex
     from raytrain_events.checkpoint.host import CheckpointHost
-    from raytrain_events.checkpoint.index import CheckpointIndex
 
 _log = logging.getLogger(__name__)
 

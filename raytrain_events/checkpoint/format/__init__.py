@@ -12,7 +12,7 @@ first line is the manifest and the rest the files' bytes, written by ONE create-
 (``write_packed_checkpoint``). ``write_checkpoint`` packs small checkpoints held by one process
 on object stores (``packed.should_pack``): a save is then one PUT and a load one GET instead
 of two sequential requests each. Readers take both layouts; the manifest model and its parsing
-live in ``manifest.py`` (re-exported here).
+live in ``manifest.py``.
 
 Why: a reader that sees ``manifest.json`` sees every payload file complete, and a crash at
 any point before it leaves only an uncommitted directory that ``list_checkpoints`` ignores,
@@ -33,8 +33,9 @@ uploads its own ``rng_file_name(r)`` with ``write_checkpoint_file`` and sends th
 ``FileEntry`` to rank 0, which uploads its files and calls ``commit_checkpoint`` with all
 entries. ``write_checkpoint`` does all of that for one process.
 
-Code: ``writer.py`` writes and commits, ``reader.py`` reads and verifies; both are re-exported
-here (the old import path).
+Code: ``writer.py`` writes and commits, ``reader.py`` reads and verifies. Nothing is re-exported
+here: import each name from the module that defines it (the public ones also from
+``raytrain_events.checkpoint``). This subpackage imports no other part of ``checkpoint/``.
 
 I/O paths (the bytes on storage are the same either way; our ``torch.save`` calls skip torch's
 zip CRC32, ``checksums.torch_zip_crc_off``, as ours covers the bytes):
@@ -59,36 +60,19 @@ zip CRC32, ``checksums.torch_zip_crc_off``, as ours covers the bytes):
 * Load, object stores: ``storage.objectstore.fetch_verified``: no HEAD, concurrent ranged GETs
   into one buffer that ``torch.load`` reads without a copy, checksummed in order as ranges
   arrive; a wrong size is seen from the first response's headers.
+
+Files:
+
+* ``checksums.py``: Checksums of checkpoint files: the hashing thread, torch's zip CRC switched off
+  (CRC arithmetic: storage/crc32.py).
+* ``manifest.py``: The manifest of a checkpoint: its data model, parsing (both layouts) and input
+  checks.
+* ``packed.py``: Packed checkpoints: the manifest and every payload file in ONE object, written
+  with ONE request.
+* ``reader.py``: Reading one committed checkpoint: its manifest, then its files, verified and
+  ``weights_only``-loaded.
+* ``safety.py``: The torch floor that our "safe to load" promise rests on, checked before any
+  checkpoint load.
+* ``writer.py``: Writing one checkpoint: payload files uploaded atomically, then the manifest that
+  commits them.
 """
-
-from __future__ import annotations
-
-from raytrain_events.checkpoint.manifest import (  # noqa: F401  (re-exported)
-    CHECKPOINT_NAME_RE,
-    FORMAT_VERSION,
-    MANIFEST,
-    MULTI_FILE_VERSION,
-    CheckpointCorruptError,
-    CheckpointError,
-    CheckpointInfo,
-    CheckpointNotCommittedError,
-    FileEntry,
-    LoadedCheckpoint,
-    UnsafeCheckpointError,
-    UnsupportedCheckpointVersionError,
-    checkpoint_name,
-)
-from raytrain_events.checkpoint.reader import (  # noqa: F401  (re-exported)
-    read_checkpoint,
-    read_checkpoint_files,
-    read_manifest,
-)
-from raytrain_events.checkpoint.writer import (  # noqa: F401  (re-exported)
-    commit_checkpoint,
-    new_checkpoint_url,
-    rng_file_name,
-    serialize,
-    write_checkpoint,
-    write_checkpoint_file,
-    write_packed_checkpoint,
-)

@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 
-from raytrain_events.checkpoint.checksums import BATCH, crc32_combine, crc32_hex, hasher, torch_zip_crc_off
+from raytrain_events.checkpoint.format.checksums import BATCH, crc32_combine, crc32_hex, hasher, torch_zip_crc_off
 from raytrain_events.storage.fs import LocalFileSystem
 
 PACKED_VERSION = 3  # the format_version a packed manifest carries (format.FORMAT_VERSION >= it)

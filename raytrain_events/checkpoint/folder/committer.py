@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from raytrain_events.checkpoint.folder import CheckpointFolder
-from raytrain_events.checkpoint.manifest import CheckpointInfo, CheckpointNotCommittedError, FileEntry
-from raytrain_events.checkpoint.reader import read_manifest
-from raytrain_events.checkpoint.retry import retry_storage
-from raytrain_events.checkpoint.writer import write_and_commit
+from raytrain_events.checkpoint.folder.folder import CheckpointFolder
+from raytrain_events.checkpoint.folder.retry import retry_storage
+from raytrain_events.checkpoint.format.manifest import CheckpointInfo, CheckpointNotCommittedError, FileEntry
+from raytrain_events.checkpoint.format.reader import read_manifest
+from raytrain_events.checkpoint.format.writer import write_and_commit
 from raytrain_events.storage.errors import RunLockedError
 from raytrain_events.storage.locks import acquire_lock
 from raytrain_events.storage.run_dir import RunDir

@@ -31,8 +31,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Union
 
-from raytrain_events.checkpoint.index import CheckpointIndex, batch_of_name
-from raytrain_events.checkpoint.manifest import MANIFEST, CheckpointInfo
+from raytrain_events.checkpoint.folder.index import CheckpointIndex, batch_of_name
+from raytrain_events.checkpoint.format.manifest import MANIFEST, CheckpointInfo
 from raytrain_events.storage.fs import delete, join, resolve
 
 __all__ = ["CheckpointFolder", "LocalRetention", "RayRetention", "Retention", "delete_checkpoint"]

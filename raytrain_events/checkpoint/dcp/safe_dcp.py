@@ -39,9 +39,9 @@ from raytrain_events._torch_compat import EmptyStateDictLoadPlanner as _EmptySta
 from raytrain_events._torch_compat import FsspecFileSystem as FileSystem
 from raytrain_events._torch_compat import FsspecReader, FsspecWriter, get_layout
 from raytrain_events._torch_compat import StorageInfo as _StorageInfo
-from raytrain_events.checkpoint.manifest import FileEntry, UnsafeCheckpointError
-from raytrain_events.checkpoint.reader import refusal_reason
-from raytrain_events.checkpoint.safety import require_safe_torch
+from raytrain_events.checkpoint.format.manifest import FileEntry, UnsafeCheckpointError
+from raytrain_events.checkpoint.format.reader import refusal_reason
+from raytrain_events.checkpoint.format.safety import require_safe_torch
 from raytrain_events.storage.crc32 import Crc32
 
 __all__ = [
@@ -152,7 +152,7 @@ class SafeDCPReader(FsspecReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Tensor items this rank needs only part of are read by ranged reads of that part; the
         rest (byte items, whole or small items, anything unusual) by DCP's own reader."""
-        from raytrain_events.checkpoint import ranged_dcp
+        from raytrain_events.checkpoint.dcp import ranged_dcp
 
         requests, rest = [], []
         for req in plan.items:
@@ -181,7 +181,7 @@ class SafeDCPReader(FsspecReader):
     def _read_items_exactly(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """DCP's own read of ``plan``, through streams that fetch each planned item once and nothing
         past it (`ItemStream`), instead of fsspec's read-ahead streams."""
-        from raytrain_events.checkpoint.item_stream import ItemStream
+        from raytrain_events.checkpoint.dcp.item_stream import ItemStream
 
         spans: Dict[str, list] = {}
         for req in plan.items:
@@ -218,8 +218,8 @@ class _Chunk:
 
 
 def _verify(raw: bytes, entry: FileEntry, where: str) -> None:
-    from raytrain_events.checkpoint.checksums import checksum
-    from raytrain_events.checkpoint.manifest import CheckpointCorruptError
+    from raytrain_events.checkpoint.format.checksums import checksum
+    from raytrain_events.checkpoint.format.manifest import CheckpointCorruptError
 
     algorithm, expected = entry.checksum
     digest = checksum(algorithm, raw) if expected else ""

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from raytrain_events.checkpoint import packed
-from raytrain_events.checkpoint.checksums import checksum, checksum_meanwhile
-from raytrain_events.checkpoint.manifest import (
+from raytrain_events.checkpoint.format import packed
+from raytrain_events.checkpoint.format.checksums import checksum, checksum_meanwhile
+from raytrain_events.checkpoint.format.manifest import (
     MANIFEST,
     CheckpointCorruptError,
     CheckpointInfo,
@@ -27,7 +27,7 @@ from raytrain_events.checkpoint.manifest import (
     LoadedCheckpoint,
     UnsafeCheckpointError,
 )
-from raytrain_events.checkpoint.safety import require_safe_torch
+from raytrain_events.checkpoint.format.safety import require_safe_torch
 from raytrain_events.storage.fs import LocalFileSystem, join, read_bytes, resolve, storage_errors, to_url
 from raytrain_events.storage.objectstore import fetch_verified, reader
 

@@ -29,13 +29,13 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from raytrain_events.checkpoint.manifest import (
+from raytrain_events.checkpoint.format.manifest import (
     CHECKPOINT_NAME_RE,
     MANIFEST,
     CheckpointCorruptError,
     CheckpointInfo,
 )
-from raytrain_events.checkpoint.packed import HEAD_BYTES, needs_whole
+from raytrain_events.checkpoint.format.packed import HEAD_BYTES, needs_whole
 from raytrain_events.storage.fs import (
     basename,
     join,
