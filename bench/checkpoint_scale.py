@@ -51,8 +51,9 @@ from raytrain_events.checkpoint.folder.committer import Committer  # noqa: E402
 from raytrain_events.checkpoint.folder.folder import CheckpointFolder  # noqa: E402
 from raytrain_events.checkpoint.folder.index import CheckpointIndex  # noqa: E402
 from raytrain_events.checkpoint.folder.store import _scan, latest_checkpoint  # noqa: E402
-from raytrain_events.checkpoint.format.writer import new_checkpoint_url, write_checkpoint  # noqa: E402
+from raytrain_events.checkpoint.format.writer import CheckpointSave, new_checkpoint_url, write_checkpoint  # noqa: E402
 from raytrain_events.storage import fs as sfs  # noqa: E402
+from raytrain_events.storage.location import Location  # noqa: E402
 
 
 class Counter:
@@ -88,8 +89,8 @@ def run(history: list, ranks: int = 512, big_h: int = 1000) -> None:
             committer = Committer(CheckpointFolder(folder, opts), deadline_s=0)
             for b in (h, h + 0.5):  # the first commit also marks the run dir (once): count the second
                 counter.take()
-                url = new_checkpoint_url(folder, timestamp={"batch": int(b)})
-                committer.commit(url, _files(h), [], timestamp={"batch": int(b)}, world_size=1, metadata={})
+                where = Location.of(new_checkpoint_url(folder, timestamp={"batch": int(b)}), opts)
+                committer.commit(CheckpointSave(where, {"batch": int(b)}, 1), _files(h), [])
             ours = sum(counter.take().values())
             write_checkpoint(
                 folder, files=_files(h + 1), timestamp={"batch": h + 1}, world_size=1, storage_options=opts

@@ -249,3 +249,30 @@ def test_single_process_async_save_writes_every_file_off_the_training_thread(tmp
     assert batches[0] == 12 and batches[-1] == 36 and len(batches) in (2, 3), batches
     resumed = make_trainer(folder, {}, autoresume=True)  # the RNG file was committed and loads
     assert resumed.state.timestamp.get_value("ba") == 36
+
+
+def test_a_save_and_a_load_resolve_the_checkpoint_url_once(tmp_path, monkeypatch):
+    """A checkpoint's URL becomes a `Location` once per save (`Checkpointer.save`) and once per
+    `read_checkpoint`, passed down whole: the writer used to resolve it again for each file and for the
+    commit (4 times for a save of two files), the reader again for the files after the manifest."""
+    import fsspec
+
+    from raytrain_events.checkpoint import read_checkpoint
+
+    real, resolved = fsspec.core.url_to_fs, []
+
+    def counting(url, **kwargs):
+        if "/ckpt-" in str(url):
+            resolved.append(str(url))
+        return real(url, **kwargs)
+
+    monkeypatch.setattr(fsspec.core, "url_to_fs", counting)
+    trainer = make_trainer(str(tmp_path / "run" / "checkpoints"), {}, save_every_n_steps=6, async_save=False)
+    trainer.fit()
+    saves = trainer.state.timestamp.batch.value // 6
+    assert saves >= 2 and len(resolved) == saves, resolved  # one per save (the final save is a step's save)
+    latest = latest_checkpoint(str(tmp_path / "run" / "checkpoints"))
+    assert latest is not None and len(latest.files) == 2  # state.pt and rng-rank0.pt: the multi-file layout
+    resolved.clear()
+    loaded = read_checkpoint(latest.url)
+    assert set(loaded.files) == {f.name for f in latest.files} and len(resolved) == 1, resolved

@@ -18,7 +18,7 @@ from raytrain_events.checkpoint.folder.folder import CheckpointFolder
 from raytrain_events.checkpoint.folder.retry import retry_storage
 from raytrain_events.checkpoint.format.manifest import CheckpointInfo, CheckpointNotCommittedError, FileEntry
 from raytrain_events.checkpoint.format.reader import read_manifest
-from raytrain_events.checkpoint.format.writer import write_and_commit
+from raytrain_events.checkpoint.format.writer import CheckpointSave, write_and_commit
 from raytrain_events.storage.errors import RunLockedError
 from raytrain_events.storage.locks import acquire_lock
 from raytrain_events.storage.run_dir import RunDir
@@ -38,30 +38,21 @@ class Committer:
         self.run = run or RunDir.of_checkpoints(folder.url, folder.options)
         self._marked = False  # the run dir's "ckpt" marker, written once
 
-    def commit(
-        self,
-        url: str,
-        files: Dict[str, Any],
-        entries: List[FileEntry],
-        *,
-        timestamp: Dict[str, int],
-        world_size: int,
-        metadata: Dict[str, Any],
-    ) -> CheckpointInfo:
-        """Upload ``files`` (name -> object) into ``url`` and commit them with ``entries`` (files other
-        processes wrote, checked at commit); index; prune. Raises if it fails for good."""
+    def commit(self, save: CheckpointSave, files: Dict[str, Any], entries: List[FileEntry]) -> CheckpointInfo:
+        """Upload ``files`` (name -> object) into ``save``'s location and commit them with ``entries``
+        (files other processes wrote, checked at commit); index; prune. Raises if it fails for good."""
         attempts = []
 
         def attempt() -> CheckpointInfo:
             attempts.append(1)
             if len(attempts) > 1:
                 try:  # a retry after a commit whose reply was lost: it is committed
-                    return read_manifest(url, storage_options=self.options)
+                    return read_manifest(save.location)
                 except CheckpointNotCommittedError:
                     pass
-            return self._upload(url, files, entries, timestamp, world_size, metadata)
+            return self._upload(save, files, entries)
 
-        info = retry_storage(attempt, deadline_s=self.deadline_s, what=f"checkpoint {url}")
+        info = retry_storage(attempt, deadline_s=self.deadline_s, what=f"checkpoint {save.url}")
         self.folder.committed(info)  # one PUT of index.json and retention: nothing older is listed or read
         if not self._marked:  # ml-starter's marker: this run dir holds a checkpoint
             try:
@@ -71,21 +62,6 @@ class Committer:
             self._marked = True
         return info
 
-    def _upload(
-        self,
-        url: str,
-        files: Dict[str, Any],
-        entries: List[FileEntry],
-        timestamp: Dict[str, int],
-        world_size: int,
-        metadata: Dict[str, Any],
-    ) -> CheckpointInfo:
-        return write_and_commit(
-            url,
-            files=files,
-            timestamp=timestamp,
-            world_size=world_size,
-            metadata=metadata,
-            storage_options=self.options,
-            others=entries,
-        )
+    def _upload(self, save: CheckpointSave, files: Dict[str, Any], entries: List[FileEntry]) -> CheckpointInfo:
+        """One attempt (a separate method so tests can inject failures here)."""
+        return write_and_commit(save, files, others=entries)

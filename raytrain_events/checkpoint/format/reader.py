@@ -28,21 +28,22 @@ from raytrain_events.checkpoint.format.manifest import (
     UnsafeCheckpointError,
 )
 from raytrain_events.checkpoint.format.safety import require_safe_torch
-from raytrain_events.storage.fs import LocalFileSystem, join, read_bytes, resolve, storage_errors, to_url
+from raytrain_events.storage.fs import LocalFileSystem, join, read_bytes, storage_errors, to_url
+from raytrain_events.storage.location import Location
 from raytrain_events.storage.objectstore import fetch_verified, reader
 
 _MMAP_MIN_SIZE = 2**20  # smaller local files are read into memory: a mapping costs more there
 _MMAP_LOAD = os.name == "posix"  # Windows cannot delete a mapped file (prune would fail)
 
 
-def read_manifest(ckpt_url: str, *, storage_options: dict[str, Any] | None = None) -> CheckpointInfo:
+def read_manifest(ckpt: str | Location, *, storage_options: dict[str, Any] | None = None) -> CheckpointInfo:
     """The manifest of a committed checkpoint (CheckpointNotCommittedError if there is none).
 
-    Reads the first ``packed.HEAD_BYTES`` of ``manifest.json`` (a packed one also holds the
-    payloads), and the rest only if the manifest is longer."""
-    fs, path = resolve(ckpt_url, storage_options)
-    raw = _read_commit_object(fs, path, head=True)
-    return CheckpointInfo.from_manifest(to_url(fs, path), raw)
+    ``ckpt``: a URL or a `Location`. Reads the first ``packed.HEAD_BYTES`` of ``manifest.json`` (a
+    packed one also holds the payloads), and the rest only if the manifest is longer."""
+    where = Location.of(ckpt, storage_options)
+    raw = _read_commit_object(where.fs, where.path, head=True)
+    return CheckpointInfo.from_manifest(where.url, raw)
 
 
 def _read_commit_object(fs: Any, path: str, *, head: bool = False) -> bytes:
@@ -63,22 +64,23 @@ def _read_commit_object(fs: Any, path: str, *, head: bool = False) -> bytes:
 
 
 def read_checkpoint(
-    ckpt_url: str,
+    ckpt: str | Location,
     *,
     storage_options: dict[str, Any] | None = None,
     files: Iterable[str] | None = None,
     map_location: Any = "cpu",
 ) -> LoadedCheckpoint:
-    """Verify and load a committed checkpoint (all files, or only those named in ``files``).
+    """Verify and load a committed checkpoint (all files, or only those named in ``files``; ``ckpt``: a
+    URL or a `Location`, resolved once for the manifest and every file).
 
     One GET of ``manifest.json`` (no HEAD: its size is bounded): a packed checkpoint is then
     all here; a multi-file one fetches its files next."""
-    fs, path = resolve(ckpt_url, storage_options)
-    raw = _read_commit_object(fs, path)
-    info = CheckpointInfo.from_manifest(to_url(fs, path), raw)
+    where = Location.of(ckpt, storage_options)
+    raw = _read_commit_object(where.fs, where.path)
+    info = CheckpointInfo.from_manifest(where.url, raw)
     if info.packed:
         return LoadedCheckpoint(info=info, files=_load_packed(info, raw, _wanted(info, files), map_location))
-    return read_checkpoint_files(info, storage_options=storage_options, files=files, map_location=map_location)
+    return _read_files(where, info, _wanted(info, files), map_location)
 
 
 def read_checkpoint_files(
@@ -92,17 +94,19 @@ def read_checkpoint_files(
 
     If the checkpoint was deleted since, its missing files raise CheckpointCorruptError.
     """
-    wanted = _wanted(info, files)
-    fs, path = resolve(info.url, storage_options)
+    return _read_files(Location.of(info.url, storage_options), info, _wanted(info, files), map_location)
+
+
+def _read_files(where: Location, info: CheckpointInfo, wanted: list[FileEntry], map_location: Any) -> LoadedCheckpoint:
     if info.packed:  # one GET of the whole object, its size known: no HEAD
         try:
-            raw = _read_commit_object(fs, path)
+            raw = _read_commit_object(where.fs, where.path)
         except CheckpointNotCommittedError:
             raise CheckpointCorruptError(
                 f"Checkpoint {info.url!r} was deleted since it was listed. Fix: load an older checkpoint."
             ) from None
         return LoadedCheckpoint(info=info, files=_load_packed(info, raw, wanted, map_location))
-    loaded = {e.name: _load_verified(fs, join(path, e.name), info.url, e, map_location) for e in wanted}
+    loaded = {e.name: _load_verified(where.fs, where.child(e.name).path, info.url, e, map_location) for e in wanted}
     return LoadedCheckpoint(info=info, files=loaded)
 
 

@@ -1,10 +1,15 @@
 """Writing one checkpoint: payload files uploaded atomically, then the manifest that commits them.
 
-The layout, the commit rule and the I/O paths are described in ``format.py``; reading is
-``reader.py``. Several ranks: rank 0 names the directory (``new_checkpoint_url``), every rank
+The layout, the commit rule and the I/O paths are described in ``format/__init__.py``; reading
+is ``reader.py``. Several ranks: rank 0 names the directory (``new_checkpoint_url``), every rank
 uploads its files with ``write_checkpoint_file`` and rank 0 commits all entries
 (``commit_checkpoint``); ``write_checkpoint`` does it all for one process, packed
 (``write_packed_checkpoint``, one PUT) when small and on an object store.
+
+A save is one frozen `CheckpointSave` (where, as a `Location` resolved once, and what its manifest
+records besides the files), built where the save is decided (``write_checkpoint``, the
+`Checkpointer`) and passed down whole to ``write_and_commit``. The public functions take a URL or
+a `Location`; each resolves a URL once and passes the `Location` on.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import io
 import json
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -38,10 +44,9 @@ from raytrain_events.storage.fs import (
     join,
     list_dir,
     local_atomic_writer,
-    resolve,
-    to_url,
     write_bytes_create_only,
 )
+from raytrain_events.storage.location import Location
 from raytrain_events.storage.objectstore import open_upload
 
 
@@ -62,19 +67,49 @@ def serialize(obj: Any) -> bytes:
     return buf.getvalue()
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckpointSave:
+    """One save, decided once: where it goes and what its manifest records besides the files.
+
+    Built where the save is decided (``write_checkpoint``, `Checkpointer.save`) and passed down
+    whole (`Committer.commit`, ``write_and_commit``): the files and the entries other ranks wrote
+    are produced on the way and travel beside it. ``timestamp`` and ``metadata`` are read-only
+    copies of what was given."""
+
+    location: Location
+    timestamp: Mapping[str, int]
+    world_size: int
+    metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "timestamp", MappingProxyType(dict(_check_timestamp(self.timestamp))))
+        object.__setattr__(self, "metadata", MappingProxyType(dict(self.metadata)))
+        object.__setattr__(self, "world_size", int(self.world_size))
+
+    @property
+    def url(self) -> str:
+        """The checkpoint directory's URL."""
+        return self.location.url
+
+    def with_metadata(self, **extra: Any) -> CheckpointSave:
+        """This save with ``extra`` added to its metadata (e.g. a sharded save's layout)."""
+        return dataclasses.replace(self, metadata={**self.metadata, **extra})
+
+
 def write_checkpoint_file(
-    ckpt_url: str, file_name: str, obj: Any, *, storage_options: dict[str, Any] | None = None
+    ckpt: str | Location, file_name: str, obj: Any, *, storage_options: dict[str, Any] | None = None
 ) -> FileEntry:
-    """Serialize ``obj`` and upload it atomically as ``<ckpt_url>/<file_name>``."""
+    """Serialize ``obj`` and upload it atomically as ``<ckpt>/<file_name>`` (``ckpt``: a URL or a
+    `Location`)."""
     _check_file_name(file_name)
-    fs, path = resolve(join(ckpt_url, file_name), storage_options)
+    target = Location.of(ckpt, storage_options).child(file_name)
     payload = _Payload(obj)
-    _upload(fs, path, payload)
+    _upload(target.fs, target.path, payload)
     return FileEntry(name=file_name, size=payload.size, sha256="", crc32=payload.crc32)
 
 
 def commit_checkpoint(
-    ckpt_url: str,
+    ckpt: str | Location,
     *,
     entries: Iterable[FileEntry],
     timestamp: Mapping[str, int],
@@ -91,8 +126,8 @@ def commit_checkpoint(
     (other ranks): it catches a rank that wrote somewhere else, e.g. to a node-local path.
     """
     entries = tuple(sorted(entries, key=lambda e: e.name))
-    fs, path = resolve(ckpt_url, storage_options)
-    url = to_url(fs, path)
+    where = Location.of(ckpt, storage_options)
+    fs, path, url = where.fs, where.path, where.url
     if verify_files:
         sizes = {basename(e["name"]): e.get("size") for e in list_dir(fs, path)}
         for entry in entries:
@@ -110,15 +145,15 @@ def commit_checkpoint(
         created=time.time(),
         timestamp=_check_timestamp(timestamp),
         world_size=int(world_size),
-        metadata=_check_metadata(metadata or {}),
+        metadata=_check_metadata(dict(metadata or {})),
         files=entries,
     )
-    _create_manifest(fs, path, url, json.dumps(info.manifest(), indent=1, sort_keys=True).encode())
+    _create_manifest(where, json.dumps(info.manifest(), indent=1, sort_keys=True).encode())
     return info
 
 
 def write_packed_checkpoint(
-    ckpt_url: str,
+    ckpt: str | Location,
     *,
     files: Mapping[str, Any],
     timestamp: Mapping[str, int],
@@ -133,17 +168,16 @@ def write_packed_checkpoint(
     """
     for name in files:
         _check_file_name(name)
-    fs, path = resolve(ckpt_url, storage_options)
-    url = to_url(fs, path)
+    where = Location.of(ckpt, storage_options)
     info = CheckpointInfo(
-        url=url,
-        name=basename(path),
+        url=where.url,
+        name=where.name,
         format_version=packed.PACKED_VERSION,
         library_version=_library_version(),
         created=time.time(),
         timestamp=_check_timestamp(timestamp),
         world_size=int(world_size),
-        metadata=_check_metadata(metadata or {}),
+        metadata=_check_metadata(dict(metadata or {})),
         files=(),  # set below, once serialized
         packed_size=0,  # set below, once the header's length is known
     )
@@ -153,16 +187,16 @@ def write_packed_checkpoint(
         return dataclasses.replace(info, files=tuple(entry))
 
     obj = packed.pack(files, lambda entries: packed.header_line(with_files(entries).manifest()))
-    _create_manifest(fs, path, url, obj.data, crc32=obj.crc32)
+    _create_manifest(where, obj.data, crc32=obj.crc32)
     return dataclasses.replace(with_files(obj.entries), packed_size=len(obj.data))
 
 
-def _create_manifest(fs: Any, path: str, url: str, data: bytes, crc32: int | None = None) -> None:
+def _create_manifest(where: Location, data: bytes, crc32: int | None = None) -> None:
     try:
-        write_bytes_create_only(fs, join(path, MANIFEST), data, crc32=crc32)
+        write_bytes_create_only(where.fs, join(where.path, MANIFEST), data, crc32=crc32)
     except FileExistsError:
         raise CheckpointError(
-            f"Checkpoint {url!r} is already committed; checkpoints are never "
+            f"Checkpoint {where.url!r} is already committed; checkpoints are never "
             "overwritten. Fix: write to a new_checkpoint_url()."
         ) from None
 
@@ -187,48 +221,33 @@ def write_checkpoint(
     _check_timestamp(timestamp)
     _check_metadata(metadata or {})
     url = new_checkpoint_url(root_url, timestamp=timestamp, name=name)
-    return write_and_commit(
-        url,
-        files=files,
-        timestamp=timestamp,
-        world_size=world_size,
-        metadata=metadata,
-        storage_options=storage_options,
-        pack=pack,
-    )
+    save = CheckpointSave(Location.of(url, storage_options), timestamp, world_size, metadata or {})
+    return write_and_commit(save, files, pack=pack)
 
 
 def write_and_commit(
-    url: str,
-    *,
+    save: CheckpointSave,
     files: Mapping[str, Any],
-    timestamp: Mapping[str, int],
-    world_size: int,
-    metadata: Mapping[str, Any] | None = None,
-    storage_options: dict[str, Any] | None = None,
+    *,
     others: Sequence[FileEntry] = (),
     pack: bool | None = None,
 ) -> CheckpointInfo:
-    """Upload ``files`` into ``url`` and commit them with ``others`` (files other processes wrote:
-    their presence is checked at commit). One packed object when nobody else wrote files and
-    ``pack`` (or, with None, ``packed.should_pack``) says so; else one file each plus the manifest."""
-    if not others and (pack or (pack is None and packed.should_pack(resolve(url, storage_options)[0], files))):
+    """Upload ``files`` into ``save``'s location and commit them with ``others`` (files other
+    processes wrote: their presence is checked at commit). One packed object when nobody else wrote
+    files and ``pack`` (or, with None, ``packed.should_pack``) says so; else one file each plus the
+    manifest."""
+    where, timestamp, world_size, metadata = save.location, save.timestamp, save.world_size, save.metadata
+    if not others and (pack or (pack is None and packed.should_pack(where.fs, files))):
         return write_packed_checkpoint(
-            url,
-            files=files,
-            timestamp=timestamp,
-            world_size=world_size,
-            metadata=metadata,
-            storage_options=storage_options,
+            where, files=files, timestamp=timestamp, world_size=world_size, metadata=metadata
         )
-    own = [write_checkpoint_file(url, n, obj, storage_options=storage_options) for n, obj in files.items()]
+    own = [write_checkpoint_file(where, n, obj) for n, obj in files.items()]
     return commit_checkpoint(
-        url,
+        where,
         entries=list(others) + own,
         timestamp=timestamp,
         world_size=world_size,
         metadata=metadata,
-        storage_options=storage_options,
         verify_files=bool(others),
     )
 

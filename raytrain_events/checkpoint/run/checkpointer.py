@@ -39,7 +39,7 @@ from raytrain_events.checkpoint.format.manifest import (
     LoadedCheckpoint,
 )
 from raytrain_events.checkpoint.format.reader import read_checkpoint
-from raytrain_events.checkpoint.format.writer import new_checkpoint_url, rng_file_name
+from raytrain_events.checkpoint.format.writer import CheckpointSave, new_checkpoint_url, rng_file_name
 from raytrain_events.checkpoint.host import CheckpointHost
 from raytrain_events.checkpoint.run.loading import apply_checkpoint, read_latest_shared
 from raytrain_events.checkpoint.run.preemption import SAVE_FLAG, save_on_sigterm
@@ -51,6 +51,7 @@ from raytrain_events.core.event import Event
 from raytrain_events.core.interval import make_interval
 from raytrain_events.core.time import TimeUnit, counters_of
 from raytrain_events.storage.fs import basename, refuse_file_folder
+from raytrain_events.storage.location import Location
 from raytrain_events.storage.locks import acquire_lock, release_lock
 from raytrain_events.storage.run_dir import STATE_FILE, RunDir
 
@@ -292,7 +293,6 @@ class Checkpointer(Callback):
         timestamp = counters_of(state.timestamp)
         url = new_checkpoint_url(self.folder, timestamp=timestamp, name=self.channel.name(timestamp))
         rng = {"now": capture_rng_state(), "epoch_start": self._epoch_start_rng}  # fresh copies
-        entries: List[FileEntry] = []
         metadata = {
             "config": host.config,
             "run_name": state.run_name,
@@ -306,15 +306,16 @@ class Checkpointer(Callback):
             },
             "checkpoint_config": self.config.to_dict(),
         }
+        save = CheckpointSave(Location.of(url, self.options), timestamp, dist.world_size, metadata)
         if self._sharded_io is not None:
-            future = self._save_sharded(url, rng, entries, timestamp, metadata)
+            future = self._save_sharded(save, rng)
         else:
             payload: Optional[Dict[str, Any]] = None
             if state.rank == 0:
                 payload = state.state_dict()
                 payload["timestamp"] = state.timestamp.state_dict()
             staged = self.channel.stage(payload)  # the copy, all that blocks training
-            job = lambda: self._write(url, staged.tree, rng, entries, timestamp, dist.world_size, metadata)  # noqa: E731
+            job = lambda: self._write(save, staged.tree, rng, [])  # noqa: E731
             future = self._start(url, job, staged)
         self._last_saved_batch = batch
         self._last_save_time = time.monotonic()
@@ -331,27 +332,19 @@ class Checkpointer(Callback):
         self._unreported = saved
         return saved
 
-    def _save_sharded(
-        self,
-        url: str,
-        rng: Dict[str, Any],
-        entries: List[FileEntry],
-        timestamp: Dict[str, int],
-        metadata: Dict[str, Any],
-    ) -> Any:
+    def _save_sharded(self, save: CheckpointSave, rng: Dict[str, Any]) -> Any:
         """Every rank writes its shards (staged to host buffers first when async); rank 0 then commits."""
         io = self._sharded_io
         tensors, rest = io.snapshot()
         staged = self.channel.stage({"tensors": tensors, "rest": rest})  # the copy, all that blocks training
         tensors, rest = staged.tree["tensors"], staged.tree["rest"]
-        world_size = self.host.dist.world_size
-        metadata = dict(metadata, layout=DCP_LAYOUT, parallelism=self.host.parallel.kind)
+        save = save.with_metadata(layout=DCP_LAYOUT, parallelism=self.host.parallel.kind)
 
         def job() -> Optional[CheckpointInfo]:
-            shards = io.write_shards(url, tensors)
-            return self._write(url, rest, rng, list(entries) + shards, timestamp, world_size, metadata)
+            shards = io.write_shards(save.url, tensors)
+            return self._write(save, rest, rng, shards)
 
-        return self._start(url, job, staged)
+        return self._start(save.url, job, staged)
 
     def _start(self, url: str, job: Callable[[], Any], staged: Staged) -> Any:
         """Run ``job`` in the background save (async) or now; the staged buffers are released after it."""
@@ -365,23 +358,17 @@ class Checkpointer(Callback):
         return self._writer.submit(self._reported(url, run)) if self._writer is not None else DoneFuture(run())
 
     def _write(
-        self,
-        url: str,
-        snapshot: Optional[Dict[str, Any]],
-        rng: Dict[str, Any],
-        entries: List[FileEntry],
-        timestamp: Dict[str, int],
-        world_size: int,
-        metadata: Dict[str, Any],
+        self, save: CheckpointSave, snapshot: Optional[Dict[str, Any]], rng: Dict[str, Any], entries: List[FileEntry]
     ) -> Optional[CheckpointInfo]:
         """Every rank: gather the RNG states to rank 0 (a collective). Rank 0: upload the state and
-        every rank's RNG file and commit (`Committer`); None on the other ranks."""
+        every rank's RNG file and commit them with ``entries`` (files other ranks wrote: their shards)
+        (`Committer`); None on the other ranks."""
         rngs = self.channel.gather_rngs(rng)
         if self.host.state.rank != 0:
             return None
         files: Dict[str, Any] = {rng_file_name(r): one for r, one in sorted(rngs.items())}
         files[STATE_FILE] = snapshot
-        return self.committer.commit(url, files, entries, timestamp=timestamp, world_size=world_size, metadata=metadata)
+        return self.committer.commit(save, files, entries)
 
     def _reported(self, url: str, job: Callable[[], Any]) -> Callable[[], Any]:
         """A background save that, if it fails for good, says so on the console (an error log line),
