@@ -110,6 +110,7 @@ def task_cost(chunks: int = 30, blocks: int = 16, rows: int = 4096, take: int = 
     import ray
 
     from raytrain_events.ray.block_fetch import fetch_blocks
+    from raytrain_events.ray.slices import RowRange
 
     ray.init(num_cpus=2, include_dashboard=False)
     try:
@@ -121,7 +122,7 @@ def task_cost(chunks: int = 30, blocks: int = 16, rows: int = 4096, take: int = 
             times = []
             for c in range(chunks):
                 lo = (c * take) % (rows - take)
-                served = [[(ref, lo, lo + take)] for ref in refs]
+                served = [[RowRange(ref, lo, lo + take)] for ref in refs]
                 start = time.perf_counter()
                 fetch_blocks(served, here)
                 times.append(time.perf_counter() - start)

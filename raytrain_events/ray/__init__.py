@@ -62,6 +62,8 @@ Files:
   history.
 * ``shuffle.py``: Row-level shuffle of the global order: rows permuted within windows of
   consecutive blocks.
+* ``slices.py``: A rank's share of a batch, as typed slices of the epoch's blocks: `RowRange` and
+  `Take`.
 * ``spec.py``: `RunSpec`: the one definition of a `RayTrainer` run's options.
 * ``validate_checkpoint.py``: What one asynchronous validation task does: load a checkpoint,
   evaluate it, record the result.

@@ -35,6 +35,8 @@ from typing import Any, Container, Dict, Hashable, List, Mapping, Optional, Sequ
 
 import numpy as np
 
+from raytrain_events.ray.slices import Slice
+
 __all__ = [
     "chunk_refs",
     "needed_rows",
@@ -54,37 +56,28 @@ Fetched = Dict[Any, Tuple[Any, Optional[Rows]]]  # ref -> (block or its cut rows
 Started = Tuple[List[Any], List[Tuple[Any, Rows, str, Any]]]  # blocks got whole; (ref, rows, node, cut) of the others
 
 
-def chunk_refs(served: Sequence[Optional[Sequence[Any]]]) -> List[Any]:
+def chunk_refs(served: Sequence[Optional[Sequence[Slice]]]) -> List[Any]:
     """The blocks a chunk's batches read, each once, in the order they first appear."""
     refs: Dict[Any, None] = {}
     for slices in served:
         if slices is None:
             break
         for piece in slices:
-            if len(piece) == 3:
-                refs[piece[0]] = None
-            else:
-                refs.update(dict.fromkeys(piece[1]))
+            refs.update(dict.fromkeys(piece.blocks()))
     return list(refs)
 
 
-def needed_rows(served: Sequence[Optional[Sequence[Any]]], only: Optional[Container[Any]] = None) -> Dict[Any, Rows]:
-    """Each block's rows that a chunk's batches read (slices ``(ref, lo, hi)`` or shuffle takes
-    ``(TAKE, refs, which, rows)``), sorted and unique; only for the blocks in ``only`` if given."""
+def needed_rows(served: Sequence[Optional[Sequence[Slice]]], only: Optional[Container[Any]] = None) -> Dict[Any, Rows]:
+    """Each block's rows that a chunk's batches read (its `RowRange` and `Take` slices), sorted and
+    unique; only for the blocks in ``only`` if given."""
     parts: Dict[Any, List[np.ndarray]] = {}
     for slices in served:
         if slices is None:
             break
         for piece in slices:
-            if len(piece) == 3:
-                ref, lo, hi = piece
+            for ref, rows in piece.block_rows():
                 if only is None or ref in only:
-                    parts.setdefault(ref, []).append(np.arange(lo, hi, dtype=np.int64))
-            else:
-                _, refs, which, rows = piece
-                for j, ref in enumerate(refs):
-                    if only is None or ref in only:
-                        parts.setdefault(ref, []).append(np.asarray(rows, dtype=np.int64)[np.asarray(which) == j])
+                    parts.setdefault(ref, []).append(rows)
     return {ref: np.unique(np.concatenate(chunks)) for ref, chunks in parts.items()}
 
 
@@ -177,7 +170,7 @@ def cluster_node() -> Optional[str]:
     return ray.get_runtime_context().get_node_id()
 
 
-def start_fetch(served: Sequence[Optional[Sequence[Any]]], here: Optional[str]) -> Started:
+def start_fetch(served: Sequence[Optional[Sequence[Slice]]], here: Optional[str]) -> Started:
     """Start fetching a chunk's blocks: the cut tasks are submitted now, `finish_fetch` waits for them
     (so a rank can start the next chunk's tasks while it trains this one)."""
     refs = chunk_refs(served)
@@ -230,6 +223,6 @@ def _cut_or_none(task: Any) -> Any:
         return None
 
 
-def fetch_blocks(served: Sequence[Optional[Sequence[Any]]], here: Optional[str]) -> Fetched:
+def fetch_blocks(served: Sequence[Optional[Sequence[Slice]]], here: Optional[str]) -> Fetched:
     """The blocks (whole, or this rank's rows of them) that a chunk's batches read (see module doc)."""
     return finish_fetch(start_fetch(served, here))

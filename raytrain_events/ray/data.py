@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, List, Optional
 from ray.train import DataConfig
 
 from raytrain_events.ray import _compat
+from raytrain_events.ray.slices import RowRange, Slice
 
 __all__ = [
     "cheap_row_count",
@@ -403,18 +404,19 @@ class GlobalOrderLoader:
         return ndarray_batch_to_torch(batch)
 
 
-def _merged(slices: List[Any]) -> List[Any]:
+def _merged(slices: List[Slice]) -> List[Slice]:
     """``slices`` with consecutive row ranges of one block joined (row groups of one read)."""
-    out: List[Any] = []
+    out: List[Slice] = []
     for piece in slices:
-        if out and len(piece) == 3 and len(out[-1]) == 3 and out[-1][0] == piece[0] and out[-1][2] == piece[1]:
-            out[-1] = (piece[0], out[-1][1], piece[2])
+        joined = out[-1].then(piece) if out else None
+        if joined is not None:
+            out[-1] = joined
         else:
             out.append(piece)
     return out
 
 
-def _part(piece, blocks: Dict[Any, Any]) -> Any:
+def _part(piece: Slice, blocks: Dict[Any, Any]) -> Any:
     """One slice of a batch as a block: rows ``lo:hi`` of a block, or a take across a window's blocks.
 
     ``blocks``: ref -> (the block, or the rows of it this rank fetched; which rows: None = all).
@@ -423,12 +425,12 @@ def _part(piece, blocks: Dict[Any, Any]) -> Any:
 
     from raytrain_events.ray.block_fetch import local_rows
 
-    if len(piece) == 3:
+    if isinstance(piece, RowRange):
         ref, lo, hi = piece
         block, rows = blocks[ref]
         at = int(local_rows(rows, lo))
         return BlockAccessor.for_block(block).slice(at, at + hi - lo, copy=False)
-    _, refs, which, wanted = piece
+    refs, which, wanted = piece
     import numpy as np
 
     fetched = [blocks[ref] for ref in refs]

@@ -52,8 +52,9 @@ import threading
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from raytrain_events.ray import _compat
-from raytrain_events.ray.row_index import BlockIndex, RankCursor, Slice
+from raytrain_events.ray.row_index import BlockIndex, RankCursor
 from raytrain_events.ray.shuffle import WindowIndex
+from raytrain_events.ray.slices import Slice
 
 __all__ = ["EpochFeeder", "rank_rows", "batches_in_epoch", "FEEDER_OPTIONS"]
 

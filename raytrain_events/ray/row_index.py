@@ -17,11 +17,11 @@ Pure Python, no Ray: the feeder benchmark drives it with fake block references.
 from __future__ import annotations
 
 from bisect import bisect_right
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List
+
+from raytrain_events.ray.slices import RowRange
 
 __all__ = ["BlockIndex", "RankCursor"]
-
-Slice = Tuple[Any, int, int]  # (block ref, first row, end row) within that block
 
 
 class BlockIndex:
@@ -57,7 +57,7 @@ class BlockIndex:
         """The oldest global row still held (``end`` when nothing is)."""
         return self._starts[self._head] if self._head < len(self._starts) else self.end
 
-    def slices(self, a: int, b: int) -> List[Slice]:
+    def slices(self, a: int, b: int) -> List[RowRange]:
         """The block slices that hold global rows ``[a, b)``, in order."""
         starts, counts, head = self._starts, self._counts, self._head
         i = bisect_right(starts, a, head) - 1
@@ -67,7 +67,7 @@ class BlockIndex:
             if head == len(starts) or a < starts[head]:
                 raise LookupError(f"rows from {a} were dropped (the oldest held row is {self.first_row()})")
             i = head
-        out: List[Slice] = []
+        out: List[RowRange] = []
         n = len(starts)
         while i < n:
             first = starts[i]
@@ -78,7 +78,7 @@ class BlockIndex:
             hi = b if b < end else end
             if lo < hi:
                 offset = self._offsets[i] - first
-                out.append((self._refs[i], offset + lo, offset + hi))
+                out.append(RowRange(self._refs[i], offset + lo, offset + hi))
             i += 1
         return out
 

@@ -15,8 +15,8 @@ last window may hold fewer). Rows are permuted within each window by a permutati
   the window.
 
 `WindowIndex` has the interface of `row_index.BlockIndex` (``end``, ``skip``, ``slices``, ``trim``,
-``first_row``, ``len``) with whole windows appended; its slices are *takes*:
-``(TAKE, refs, which, rows)`` -- output row ``j`` is row ``rows[j]`` of block ``refs[which[j]]``.
+``first_row``, ``len``) with whole windows appended; its slices are `slices.Take` values: output
+row ``j`` is row ``rows[j]`` of block ``refs[which[j]]``.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["TAKE", "WindowIndex", "window_permutation"]
+from raytrain_events.ray.slices import Take
 
-TAKE = "take"
+__all__ = ["WindowIndex", "window_permutation"]
 
 
 def window_permutation(seed: int, epoch: int, window: int, rows: int) -> np.ndarray:
@@ -84,14 +84,14 @@ class WindowIndex:
         """The oldest global row still held (``end`` when nothing is)."""
         return self._starts[self._head] if self._head < len(self._starts) else self.end
 
-    def slices(self, a: int, b: int) -> List[Any]:
+    def slices(self, a: int, b: int) -> List[Take]:
         """Takes that give global rows ``[a, b)`` of the shuffled order, in order."""
         if a >= b:
             return []
         if a < self.first_row():
             raise LookupError(f"rows from {a} were dropped (the oldest held row is {self.first_row()})")
         i = bisect_right(self._starts, a, self._head) - 1
-        out: List[Any] = []
+        out: List[Take] = []
         while i < len(self._starts) and self._starts[i] < b:
             start, window = self._starts[i], self._windows[i]
             if window.perm is None:
@@ -105,7 +105,7 @@ class WindowIndex:
             remap = np.full(len(window.refs), -1, dtype=np.int64)
             for j in np.unique(which).tolist():
                 remap[j] = refs.setdefault(window.refs[j], len(refs))
-            out.append((TAKE, list(refs), remap[which], rows))
+            out.append(Take(list(refs), remap[which], rows))
             i += 1
         return out
 
