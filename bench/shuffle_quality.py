@@ -37,8 +37,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from raytrain_events.ray.feeder import EpochFeeder  # noqa: E402
-from raytrain_events.ray.slices import Take  # noqa: E402
+from raytrain_events.ray.data.feeder import EpochFeeder  # noqa: E402
+from raytrain_events.ray.data.slices import Take  # noqa: E402
 
 
 class _Blocks:

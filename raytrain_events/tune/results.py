@@ -213,7 +213,9 @@ def make_result(
     for result in result_grid:
         config = dict(result.config or {})
         history = _history_of(result)
-        trained = [e for e in history if "validation" not in e]  # async validations arrive late (ray/validation.py)
+        trained = [
+            e for e in history if "validation" not in e
+        ]  # async validations arrive late (ray/checkpointing/validation.py)
         last = trained[-1] if trained else dict(result.metrics or {})
         trial_id = last.get("trial_id") or (result.metrics or {}).get("trial_id") or os.path.basename(result.path)
         histories[trial_id] = history

@@ -13,7 +13,7 @@ import torch
 
 from raytrain_events.checkpoint import list_checkpoints
 from raytrain_events.checkpoint.format.writer import write_checkpoint
-from raytrain_events.ray.checkpointing import delete_unlisted
+from raytrain_events.ray.checkpointing.checkpointing import delete_unlisted
 
 
 def _save(folder: str, batch: int) -> str:

@@ -8,14 +8,14 @@ written twice. Now:
   `CheckpointIndex`, no listing per commit); ``keep_best`` needs Ray Train's manager: refused.
 * ``ray_plan(config, run_url, storage_options)``: ONE mapping of a `CheckpointConfig` to
   (a) the workers' `CheckpointConfig`: save under ``<run>/checkpoints``, never prune (Ray does,
-  see ``ray/checkpointing.py`` for why), resume from the newest committed checkpoint; and
+  see ``ray/checkpointing/checkpointing.py`` for why), resume from the newest committed checkpoint; and
   (b) the values for Ray's ``CheckpointConfig`` (``num_to_keep``, score attribute and order);
   plus whether the driver cleans unlisted directories after the fit (``prunes``).
 * ``check_ray_ranking(config)``: on Ray, ``keep_best`` ranks by an eval metric reported as
   ``metrics/<set>/<name>`` (the same on every rank); checked where the option enters (`RunSpec`).
 * ``for_trial(config, ...)``: a Tune trial's retention (keep the best by the sweep's metric).
 
-No Ray import here: ``ray/checkpointing.py`` turns a plan into Ray's own object.
+No Ray import here: ``ray/checkpointing/checkpointing.py`` turns a plan into Ray's own object.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def ray_plan(config: CheckpointConfig, *, run_url: str, storage_options: Dict[st
         config,
         save_folder=checkpoints_url(run_url),
         storage_options=options,
-        keep=None,  # Ray's num_to_keep prunes (ray/checkpointing.py)
+        keep=None,  # Ray's num_to_keep prunes (ray/checkpointing/checkpointing.py)
         keep_best=None,
         only_save_most_recent=False,
         # A restart, an elastic resize or a run continued by name resumes from the newest committed

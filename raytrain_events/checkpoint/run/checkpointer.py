@@ -144,7 +144,7 @@ class Checkpointer(Callback):
         # Loading into a Trainer built for eval()/predict() only (see `load_for_inference`).
         self.inference = False
         # The folder's index and every deletion in it; retention is local unless Ray takes it over
-        # (`CheckpointFolder.retain_with_ray`, ray/checkpointing.py).
+        # (`CheckpointFolder.retain_with_ray`, ray/checkpointing/checkpointing.py).
         self.checkpoints = CheckpointFolder(self.folder, self.options, LocalRetention(self.keep))
         self.committer = Committer(self.checkpoints, deadline_s=config.upload_deadline_s, run=self.run)
         self._deferred = False  # a save came due while the previous one was still in flight

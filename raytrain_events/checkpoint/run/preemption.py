@@ -3,7 +3,7 @@
 The handler is installed only for the duration of ``fit()`` and only on the main thread
 (Python allows signal handlers nowhere else); it is never installed at import. Inside Ray
 workers the train function runs off the main thread, so there preemption comes from
-``ray.train.get_preemption_info()`` instead (see `raytrain_events.ray.worker_reports`).
+``ray.train.get_preemption_info()`` instead (see `raytrain_events.ray.reports.worker_reports`).
 """
 
 from __future__ import annotations

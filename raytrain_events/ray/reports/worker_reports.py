@@ -54,7 +54,7 @@ class RayReporter(Callback):
         """``counts_data``: this rank's samples and tokens count in the driver's global sums; False
         on all but one rank of a tensor group, whose ranks train the same rows (`Parallel.counts_data`).
         ``validation``: the run's `AsyncValidation` (None: in-loop evaluation only); the checkpoints it
-        chooses are reported with ``validation=True`` (`raytrain_events.ray.validation`)."""
+        chooses are reported with ``validation=True`` (`raytrain_events.ray.checkpointing.validation`)."""
         if interval is None and every_s is None:
             raise ValueError("RayReporter needs report_interval (a Time) or report_every_s (seconds), or both.")
         self.interval = interval
@@ -166,8 +166,8 @@ class RayReporter(Callback):
             if checkpoint is None:
                 ray.train.report(report)
             else:
-                from raytrain_events.ray.checkpointing import report_with_checkpoint
-                from raytrain_events.ray.validation import validates
+                from raytrain_events.ray.checkpointing.checkpointing import report_with_checkpoint
+                from raytrain_events.ray.checkpointing.validation import validates
 
                 self._checkpoints_reported += 1
                 report_with_checkpoint(

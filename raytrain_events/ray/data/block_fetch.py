@@ -35,7 +35,7 @@ from typing import Any, Container, Dict, Hashable, List, Mapping, Optional, Sequ
 
 import numpy as np
 
-from raytrain_events.ray.slices import Slice
+from raytrain_events.ray.data.slices import Slice
 
 __all__ = [
     "chunk_refs",

@@ -52,9 +52,9 @@ import threading
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from raytrain_events.ray import _compat
-from raytrain_events.ray.row_index import BlockIndex, RankCursor
-from raytrain_events.ray.shuffle import WindowIndex
-from raytrain_events.ray.slices import Slice
+from raytrain_events.ray.data.row_index import BlockIndex, RankCursor
+from raytrain_events.ray.data.shuffle import WindowIndex
+from raytrain_events.ray.data.slices import Slice
 
 __all__ = ["EpochFeeder", "rank_rows", "batches_in_epoch", "FEEDER_OPTIONS"]
 
@@ -272,7 +272,7 @@ class EpochFeeder:
         self.lock = threading.Lock()  # guards `epochs` (calls run in several threads)
 
     def _set_dataset(self, dataset: Any) -> None:
-        from raytrain_events.ray.parquet_seek import is_seekable
+        from raytrain_events.ray.data.parquet_seek import is_seekable
 
         self.seekable = is_seekable(dataset)
         if not self.seekable:

@@ -21,9 +21,9 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator, List, Mapping, Optional
 
 from raytrain_events.core.callback import Callback
-from raytrain_events.ray.data import GlobalOrderLoader, GlobalOrderShard
-from raytrain_events.ray.feeder import batch_end, rank_rows
-from raytrain_events.ray.mixture_source import plan_of
+from raytrain_events.ray.data.feeder import batch_end, rank_rows
+from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard
+from raytrain_events.ray.data.mixture_source import plan_of
 
 __all__ = ["MixtureOrderLoader"]
 

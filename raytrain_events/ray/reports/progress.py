@@ -5,7 +5,7 @@ a second; the bar counts in the unit of ``max_duration`` (so tqdm's ETA is the r
 text after it shows the global epoch, batch and samples, the mean train loss since the previous
 report, the newest eval metric and the samples per second over the current attempt.
 Worker lines that reach the terminal are printed above the bar (`write`). It is fed by a
-`raytrain_events.ray.follow.HistoryFollower`.
+`raytrain_events.ray.reports.follow.HistoryFollower`.
 """
 
 from __future__ import annotations

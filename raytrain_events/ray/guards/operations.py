@@ -1,11 +1,11 @@
 """What keeps a long Ray run operating itself, set up on each worker before its `Trainer`.
 
-`worker_guards` runs the start-up health check (`raytrain_events.ray.health`: every rank meets
+`worker_guards` runs the start-up health check (`raytrain_events.ray.guards.health`: every rank meets
 within the deadline, or the error names the one that did not) and returns the callbacks that
-watch the run: the progress watchdog (`raytrain_events.ray.watchdog`) and, when the run saves
-checkpoints, the preemption guard (`raytrain_events.ray.preemption`). One ``hang_timeout``
+watch the run: the progress watchdog (`raytrain_events.ray.guards.watchdog`) and, when the run saves
+checkpoints, the preemption guard (`raytrain_events.ray.guards.preemption`). One ``hang_timeout``
 (a `RunSpec` option) sets the watchdog, the start-up deadline and, on the driver, the
-process-group timeout (`raytrain_events.ray.watchdog.process_group_timeout_s`).
+process-group timeout (`raytrain_events.ray.guards.watchdog.process_group_timeout_s`).
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ __all__ = ["worker_guards", "startup_deadline_s"]
 
 def startup_deadline_s(hang_timeout: Any) -> float:
     """The start-up health check's deadline: ``hang_timeout``, or the watchdog's floor (300 s)."""
-    from raytrain_events.ray.watchdog import MIN_HANG_TIMEOUT_S
+    from raytrain_events.ray.guards.watchdog import MIN_HANG_TIMEOUT_S
 
     return float(hang_timeout) if hang_timeout is not None else MIN_HANG_TIMEOUT_S
 
 
 def worker_guards(spec: Any, dist: Any, *, checkpointing: bool) -> List[Callback]:
     """Check that every rank arrived, then the watchdog (and preemption guard) for this worker group."""
-    from raytrain_events.ray.health import check_startup
-    from raytrain_events.ray.watchdog import ProgressWatchdog
+    from raytrain_events.ray.guards.health import check_startup
+    from raytrain_events.ray.guards.watchdog import ProgressWatchdog
     from raytrain_events.storage.run_dir import RunDir
 
     group_id = check_startup(dist, startup_deadline_s(spec.hang_timeout))
@@ -41,7 +41,7 @@ def worker_guards(spec: Any, dist: Any, *, checkpointing: bool) -> List[Callback
         )
     ]
     if checkpointing:
-        from raytrain_events.ray.preemption import PreemptionGuard
+        from raytrain_events.ray.guards.preemption import PreemptionGuard
 
         guards.append(PreemptionGuard(dist=dist, run_url=spec.run_url, storage_options=spec.storage_options))
     return guards

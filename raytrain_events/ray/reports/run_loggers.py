@@ -1,7 +1,7 @@
 """Loggers on Ray: the shipped logger destinations fed from the driver's run history.
 
 Each history entry is one report round, already reduced across ranks by the controller
-(`raytrain_events.ray.aggregate`), so every metric reaches a destination once, not once per
+(`raytrain_events.ray.reports.aggregate`), so every metric reaches a destination once, not once per
 rank, with the global `Timestamp` as its step (``step="sample"`` or ``"batch"``). Inside a Ray
 Tune trial each destination's run is named after the trial and its algorithm set
 (`name_destination`): MLflow and W&B run names, a TensorBoard sub-directory, a file-name suffix.

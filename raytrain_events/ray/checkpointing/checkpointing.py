@@ -78,7 +78,7 @@ def hand_retention_to_ray(checkpointer: Checkpointer, plan: CheckpointPlan) -> N
 def report_with_checkpoint(report: Dict[str, Any], saved: SavedCheckpoint, validation: bool = False) -> None:
     """``ray.train.report`` that registers ``saved`` with Ray once it is committed (rank 0 passes it).
 
-    ``validation``: ask Ray Train to run the run's asynchronous validation on it (`ray/validation.py`)."""
+    ``validation``: ask Ray Train to run the run's asynchronous validation on it (`ray/checkpointing/validation.py`)."""
     import ray.train
     from ray.train import Checkpoint, CheckpointUploadMode
 

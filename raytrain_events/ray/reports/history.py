@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional
 import ray
 from ray.train import UserCallback
 
-from raytrain_events.ray.aggregate import ReportAggregator
+from raytrain_events.ray.reports.aggregate import ReportAggregator
 
 __all__ = ["RunHistory", "AggregatingCallback"]
 

@@ -17,7 +17,7 @@ hung one), each rank:
 
 The process-group timeout (`process_group_timeout_s`) is set from the same value, longer, so the
 watchdog speaks first. Start-up (model build, checkpoint load, the data pipeline's first batch) is
-not watched: the start-up health check (`raytrain_events.ray.health`) has its own deadline; the
+not watched: the start-up health check (`raytrain_events.ray.guards.health`) has its own deadline; the
 watchdog arms at the first batch of each fit.
 """
 

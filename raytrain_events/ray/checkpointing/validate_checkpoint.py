@@ -1,6 +1,6 @@
 """What one asynchronous validation task does: load a checkpoint, evaluate it, record the result.
 
-`CheckpointValidator` is the ``fn`` of Ray Train's ``ValidationConfig`` (`raytrain_events.ray.validation`):
+`CheckpointValidator` is the ``fn`` of Ray Train's ``ValidationConfig`` (`raytrain_events.ray.checkpointing.validation`):
 Ray runs it as a task on each checkpoint rank 0 reported with ``validation=True``. It
 
 1. reads the checkpoint's manifest (one small read) for its global `Timestamp`;
@@ -23,7 +23,7 @@ import logging
 import time
 from typing import Any, Dict, List, Optional
 
-from raytrain_events.ray.validation import AsyncValidation, validation_entry
+from raytrain_events.ray.checkpointing.validation import AsyncValidation, validation_entry
 
 __all__ = ["CheckpointValidator"]
 
@@ -79,7 +79,7 @@ class CheckpointValidator:
         from raytrain_events.checkpoint.config import CheckpointConfig
         from raytrain_events.core.plain import to_python
         from raytrain_events.dist import LocalDist
-        from raytrain_events.ray.data import ShardLoader
+        from raytrain_events.ray.data.loader import ShardLoader
         from raytrain_events.trainer import Trainer
         from raytrain_events.trainer.evaluation import Evaluator
 

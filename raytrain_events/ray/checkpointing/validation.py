@@ -5,7 +5,7 @@ eval set) takes those eval sets off the training ranks: rank 0 reports each chos
 Ray Train with ``validation=True``, and Ray Train's controller runs the function of a
 ``ray.train.ValidationConfig`` on it as a Ray task with its own resources
 (alpha in Ray 2.60). That function
-(`raytrain_events.ray.validate_checkpoint.CheckpointValidator`) loads the checkpoint into one
+(`raytrain_events.ray.checkpointing.validate_checkpoint.CheckpointValidator`) loads the checkpoint into one
 process through the project's checkpoint loading (which reshards), evaluates it with the user's
 model factory and the same metrics code as the in-loop eval, and appends a history entry at the
 checkpoint's global `Timestamp`: the run history, driver loggers, report and Tune results get the
