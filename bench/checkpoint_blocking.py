@@ -28,7 +28,7 @@ from typing import Any, Dict, List
 import torch
 
 from bench.checkpoint_io import SAVE_PARTS, _train_model, train_run
-from raytrain_events.checkpoint.staging import HostStager
+from raytrain_events.checkpoint.run.staging import HostStager
 
 GOAL_MS = 5.0
 

@@ -77,19 +77,19 @@ if ROOT not in sys.path:
 import fsspec  # noqa: E402
 
 import raytrain_events  # noqa: E402
-from raytrain_events.checkpoint import checkpointer as ckmod  # noqa: E402
-from raytrain_events.checkpoint import format as fmt  # noqa: E402
-from raytrain_events.checkpoint import packed as packed_mod  # noqa: E402
-from raytrain_events.checkpoint import reader as fmt_reader  # noqa: E402
-from raytrain_events.checkpoint import writer as fmt_writer  # noqa: E402
 from raytrain_events.checkpoint.config import CheckpointConfig  # noqa: E402
-from raytrain_events.checkpoint.format import read_checkpoint, write_checkpoint  # noqa: E402
-from raytrain_events.checkpoint.packed import should_pack  # noqa: E402
-from raytrain_events.checkpoint.store import (  # noqa: E402
+from raytrain_events.checkpoint.folder.store import (  # noqa: E402
     cpu_copy,  # noqa: E402
     list_checkpoints,
     load_latest_valid,
 )
+from raytrain_events.checkpoint.format import packed as packed_mod  # noqa: E402
+from raytrain_events.checkpoint.format import reader as fmt_reader  # noqa: E402
+from raytrain_events.checkpoint.format import writer as fmt_writer  # noqa: E402
+from raytrain_events.checkpoint.format.packed import should_pack  # noqa: E402
+from raytrain_events.checkpoint.format.reader import read_checkpoint  # noqa: E402
+from raytrain_events.checkpoint.format.writer import write_checkpoint  # noqa: E402
+from raytrain_events.checkpoint.run import checkpointer as ckmod  # noqa: E402
 from raytrain_events.core.callback import Callback  # noqa: E402
 from raytrain_events.core.time import TimeUnit  # noqa: E402
 from raytrain_events.models import ClassifierModel  # noqa: E402
@@ -733,7 +733,7 @@ def run_backend(label: str, root: str, opts: dict, mb: int, repeats: int, *, det
     """Save and load arms for one backend and state size; returns the summary rows."""
     summary: List[tuple] = []
     sd = state_of_size(mb)
-    data = fmt.serialize(sd)
+    data = fmt_writer.serialize(sd)
     size = len(data)
     fs, root_path = sfs.resolve(root, opts)
     fs.makedirs(root_path, exist_ok=True)

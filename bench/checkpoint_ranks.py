@@ -35,7 +35,7 @@ def _install() -> None:
     """Count this process's S3 requests by phase (rank processes only)."""
     import s3fs
 
-    from raytrain_events.checkpoint.committer import Committer
+    from raytrain_events.checkpoint.folder.committer import Committer
 
     real, commit = s3fs.S3FileSystem._call_s3, Committer.commit
 

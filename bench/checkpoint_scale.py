@@ -47,12 +47,13 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 from bench.checkpoint_io import s3_server  # noqa: E402
-from raytrain_events.checkpoint.committer import Committer  # noqa: E402
-from raytrain_events.checkpoint.folder import CheckpointFolder  # noqa: E402
-from raytrain_events.checkpoint.format import new_checkpoint_url, write_checkpoint  # noqa: E402
-from raytrain_events.checkpoint.index import CheckpointIndex  # noqa: E402
-from raytrain_events.checkpoint.store import _scan, latest_checkpoint  # noqa: E402
+from raytrain_events.checkpoint.folder.committer import Committer  # noqa: E402
+from raytrain_events.checkpoint.folder.folder import CheckpointFolder  # noqa: E402
+from raytrain_events.checkpoint.folder.index import CheckpointIndex  # noqa: E402
+from raytrain_events.checkpoint.folder.store import _scan, latest_checkpoint  # noqa: E402
+from raytrain_events.checkpoint.format.writer import CheckpointSave, new_checkpoint_url, write_checkpoint  # noqa: E402
 from raytrain_events.storage import fs as sfs  # noqa: E402
+from raytrain_events.storage.location import Location  # noqa: E402
 
 
 class Counter:
@@ -88,8 +89,8 @@ def run(history: list, ranks: int = 512, big_h: int = 1000) -> None:
             committer = Committer(CheckpointFolder(folder, opts), deadline_s=0)
             for b in (h, h + 0.5):  # the first commit also marks the run dir (once): count the second
                 counter.take()
-                url = new_checkpoint_url(folder, timestamp={"batch": int(b)})
-                committer.commit(url, _files(h), [], timestamp={"batch": int(b)}, world_size=1, metadata={})
+                where = Location.of(new_checkpoint_url(folder, timestamp={"batch": int(b)}), opts)
+                committer.commit(CheckpointSave(where, {"batch": int(b)}, 1), _files(h), [])
             ours = sum(counter.take().values())
             write_checkpoint(
                 folder, files=_files(h + 1), timestamp={"batch": h + 1}, world_size=1, storage_options=opts
@@ -111,7 +112,7 @@ def run(history: list, ranks: int = 512, big_h: int = 1000) -> None:
 def before_load(rank: int, world_size: int, folder: str, width: int) -> dict:
     """``wide_load`` with the read path of before issue 28 item 1 put back in this rank."""
     from raytrain_events._torch_compat import FsspecReader
-    from raytrain_events.checkpoint import safe_dcp, sharded
+    from raytrain_events.checkpoint.dcp import safe_dcp, sharded
     from tests.parallel.reshard_workloads import wide_load
 
     init = safe_dcp.SafeDCPReader.__init__
@@ -129,7 +130,7 @@ def before_load(rank: int, world_size: int, folder: str, width: int) -> dict:
 
 
 def _chunks(url: str) -> int:
-    from raytrain_events.checkpoint.safe_dcp import load_metadata_safely
+    from raytrain_events.checkpoint.dcp.safe_dcp import load_metadata_safely
 
     with open(os.path.join(url, ".metadata"), "rb") as f:
         metadata = load_metadata_safely(f, url)

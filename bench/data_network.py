@@ -1,6 +1,6 @@
 """Network bytes per epoch of the global-order data path, simulated at 8 x 8 and 64 x 8 ranks.
 
-Drives the REAL code with fake blocks: `EpochFeeder` (``raytrain_events/ray/feeder.py``) serves
+Drives the REAL code with fake blocks: `EpochFeeder` (``raytrain_events/ray/data/feeder.py``) serves
 every rank its chunks of batches (1, 2, 4, 8, then 16 batches per call, as `GlobalOrderLoader`
 asks), and `block_fetch.chunk_refs` / `split_by_node` / `needed_rows` decide, per rank and chunk, which
 blocks the rank gets whole and which it has cut on the block's node. No Ray, no torch: block
@@ -43,8 +43,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from raytrain_events.ray.block_fetch import chunk_refs, needed_rows, split_by_node  # noqa: E402
-from raytrain_events.ray.feeder import EpochFeeder  # noqa: E402
+from raytrain_events.ray.data.block_fetch import chunk_refs, needed_rows, split_by_node  # noqa: E402
+from raytrain_events.ray.data.feeder import EpochFeeder  # noqa: E402
 
 CHUNKS = [1, 2, 4, 8]  # then 16 per call: GlobalOrderLoader's chunk sizes with prefetch_batches=1
 MAX_CHUNK = 16
@@ -109,7 +109,8 @@ def task_cost(chunks: int = 30, blocks: int = 16, rows: int = 4096, take: int = 
     import pyarrow as pa
     import ray
 
-    from raytrain_events.ray.block_fetch import fetch_blocks
+    from raytrain_events.ray.data.block_fetch import fetch_blocks
+    from raytrain_events.ray.data.slices import RowRange
 
     ray.init(num_cpus=2, include_dashboard=False)
     try:
@@ -121,7 +122,7 @@ def task_cost(chunks: int = 30, blocks: int = 16, rows: int = 4096, take: int = 
             times = []
             for c in range(chunks):
                 lo = (c * take) % (rows - take)
-                served = [[(ref, lo, lo + take)] for ref in refs]
+                served = [[RowRange(ref, lo, lo + take)] for ref in refs]
                 start = time.perf_counter()
                 fetch_blocks(served, here)
                 times.append(time.perf_counter() - start)

@@ -12,7 +12,7 @@ What it measures, in one process (one device), the same model, optimizer (AdamW)
   what FSDP's hooks and DTensor parameters cost with nothing to shard.
 * **checkpoint** save and load of model + optimizer state with ``torch.distributed.checkpoint`` to
   local disk (GB/s), and the time an async save blocks the training thread (the copy of the state
-  to CPU memory, `raytrain_events.checkpoint.staging.HostStager`; the upload runs in the background).
+  to CPU memory, `raytrain_events.checkpoint.run.staging.HostStager`; the upload runs in the background).
 
 Usage::
 
@@ -202,7 +202,7 @@ def checkpoint_io(model: torch.nn.Module, device: torch.device) -> Dict[str, Any
     """DCP save/load of model + AdamW state to local disk, and the async save's blocking copy."""
     import torch.distributed.checkpoint as dcp
 
-    from raytrain_events.checkpoint.staging import HostStager
+    from raytrain_events.checkpoint.run.staging import HostStager
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for p in model.parameters():

@@ -128,7 +128,7 @@ class _FakeSource:
 
 def ray_stream(repeats: int, positions: int = 200_000, rank_batch: int = 1024) -> Dict[str, Any]:
     from raytrain_events.core.mixture import Mixture
-    from raytrain_events.ray.mixture_source import MixtureSource
+    from raytrain_events.ray.data.mixture_source import MixtureSource
 
     sizes = {"web": 1_000_000, "code": 1_000_000, "math": 1_000_000}
     mixture = Mixture(
@@ -168,7 +168,7 @@ def batch_assembly(repeats: int, seq: int = 1024, rows: int = 1024) -> Dict[str,
     import pyarrow as pa
     from ray.data.block import BlockAccessor
 
-    from raytrain_events.ray.batch_tensors import table_to_torch
+    from raytrain_events.ray.data.batch_tensors import table_to_torch
 
     def block(k: int) -> Any:
         tokens = pa.FixedSizeListArray.from_arrays(pa.array(np.arange(4 * rows * seq, dtype=np.int32)), seq)
@@ -182,7 +182,7 @@ def batch_assembly(repeats: int, seq: int = 1024, rows: int = 1024) -> Dict[str,
         pieces.append((k, at[k], at[k] + c))
         at[k], n = at[k] + c, n + c
 
-    def assemble(slices: List[Any]) -> Any:  # the loader's path for slices of whole blocks (ray/data.py)
+    def assemble(slices: List[Any]) -> Any:  # the loader's path for slices of whole blocks (ray/data/loader.py)
         parts = [BlockAccessor.for_block(blocks[k][0]).slice(lo, hi, copy=False) for k, lo, hi in slices]
         return table_to_torch(parts[0] if len(parts) == 1 else pa.concat_tables(parts))
 

@@ -539,7 +539,7 @@ def run_diagnostics(ds, args, out_dir: str, storage: str) -> dict:
     data: dict = {"datasets": {"train": ds}}  # "shard": both arms iterate the same Ray Data streaming split
     if args.ab_data == "global":
         # Ours reads "train" as RayTrainer does (global order); plain a streaming split of the same rows.
-        from raytrain_events.ray.data import TrainDataConfig
+        from raytrain_events.ray.data.loader import TrainDataConfig
 
         data = {"datasets": {"train": ds, "plain": ds}, "dataset_config": TrainDataConfig(batch_size=B)}
     TorchTrainer(

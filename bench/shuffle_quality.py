@@ -37,7 +37,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from raytrain_events.ray.feeder import EpochFeeder  # noqa: E402
+from raytrain_events.ray.data.feeder import EpochFeeder  # noqa: E402
+from raytrain_events.ray.data.slices import Take  # noqa: E402
 
 
 class _Blocks:
@@ -67,12 +68,10 @@ def _ours(blocks: int, block_rows: int, batch: int, window: int, seed: int) -> n
                 feeder.epochs[(0, 0)].stop()
                 return np.concatenate(out)
             for piece in piece_list:
-                if len(piece) == 4:
-                    _, refs, which, rows = piece
-                    out.append(np.array(refs)[which] * block_rows + rows)
+                if isinstance(piece, Take):
+                    out.append(np.array(piece.refs)[piece.which] * block_rows + piece.rows)
                 else:
-                    ref, lo, hi = piece
-                    out.append(ref * block_rows + np.arange(lo, hi))
+                    out.append(piece.ref * block_rows + np.arange(piece.lo, piece.hi))
         k += 16
 
 

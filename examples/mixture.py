@@ -81,7 +81,7 @@ def tokens_in_batch(batch: Dict[str, Any]) -> int:
 def run(data: str, storage: str, workers: int = 2, max_duration: str = "1ep", **options: Any) -> Any:
     """Train on the mixture of the sources under ``data``; returns the `RayResult`."""
     from raytrain_events import Mixture, RayTrainer
-    from raytrain_events.ray.parquet_seek import ParquetRowGroups
+    from raytrain_events.ray import ParquetRowGroups
 
     folders = write_sources(data)
     mixture = Mixture(sources=SOURCES, stages=STAGES, epoch_size=1600)  # 1,600 rows an epoch, in two stages

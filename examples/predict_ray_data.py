@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from raytrain_events.checkpoint import load_latest_valid
-from raytrain_events.checkpoint.checkpointer import STATE_FILE
+from raytrain_events.storage.run_dir import STATE_FILE
 
 
 class CheckpointPredictor:

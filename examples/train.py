@@ -352,7 +352,7 @@ def _check_run_dir(
 
     (`RayTrainer.fit` saves the run's config.yaml, with this job's config under ``config``.)
     """
-    from raytrain_events.checkpoint.store import list_checkpoints
+    from raytrain_events.checkpoint import list_checkpoints
     from raytrain_events.storage.config_diff import format_config_diff
     from raytrain_events.storage.exp_dir import RunDir
 
@@ -424,7 +424,7 @@ def _build_trainer(
     cfg: DictConfig, duration: str, algorithms: List[Any], data: Dict[str, Any], options: Dict[str, Any]
 ) -> Any:
     from raytrain_events import RayTrainer
-    from raytrain_events.checkpoint.config import CheckpointConfig
+    from raytrain_events.checkpoint import CheckpointConfig
 
     try:
         checkpoint = None

@@ -58,7 +58,7 @@ def make_optimizer(model, config):
 def checkpoint_config():
     """Per-trial checkpoints (each epoch, the newest kept), when the checkpointing module is available."""
     try:
-        import raytrain_events.ray.checkpointing  # noqa: F401
+        import raytrain_events.ray.checkpointing.checkpointing  # noqa: F401
         from raytrain_events.checkpoint import CheckpointConfig
     except ImportError:
         return None

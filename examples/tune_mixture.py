@@ -153,8 +153,8 @@ def proxy_trials_on_ray(
     import ray
     from ray import cloudpickle as ray_cloudpickle
 
+    from raytrain_events.ray import ParquetRowGroups
     from raytrain_events.ray.cluster import ensure_ray
-    from raytrain_events.ray.parquet_seek import ParquetRowGroups
     from raytrain_events.tune import sweep
 
     if __name__ != "__main__" and __name__ in sys.modules:  # imported: trials get these functions, not the file

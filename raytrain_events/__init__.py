@@ -4,6 +4,19 @@ Importing this package imports nothing heavy: neither torch, Ray nor fsspec, and
 signal handlers. Every public name loads its module on first use, so a process that needs one
 light piece (a Ray actor of ours that only orders data, say) does not pay torch's import.
 
+Subpackages (each ``__init__.py`` maps its own files):
+
+* ``core/``: the pure logic: State, Event, Engine, Algorithm, Callback, Time/Timestamp (no Ray, no
+  fsspec, no I/O).
+* ``trainer/``: the loop (`Trainer`, `LoopOptions`) and its helpers; ``parallel/``: DDP/FSDP/TP
+  wrapping.
+* ``algorithms/``, ``callbacks/``, ``loggers/``, ``schedulers/``: one small file each.
+* ``storage/``: fsspec storage, run directories (`RunDir`), locks; ``checkpoint/``: checkpoints on
+  any fsspec URL.
+* ``ray/``: Ray Train glue (`RayTrainer`, its data path, worker guards, reports); ``tune/``: Ray
+  Tune sweeps.
+* ``report/``: run and sweep reports; ``cli/``: the command line.
+
 Files:
 
 * ``__main__.py``: ``python -m raytrain_events`` and the ``raytrain-events`` console script.

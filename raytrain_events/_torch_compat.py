@@ -33,7 +33,7 @@ Private names used (checked against torch 2.13.0):
   "will be deprecated"; it works here.
 
 Undocumented members of DCP's fsspec classes, used by the safe reader and writer
-(checkpoint/safe_dcp.py) and probed on instances by `check_private_names` (`MEMBERS`): a reader's
+(checkpoint/dcp/safe_dcp.py) and probed on instances by `check_private_names` (`MEMBERS`): a reader's
 ``fs`` (DCP's ``FileSystem``), ``path`` and ``storage_data`` (set by ``set_up_storage_reader``);
 a writer's ``fs``; the ``FileSystem``'s ``fs`` (the fsspec filesystem), ``create_stream`` and
 ``concat_path``.
@@ -144,7 +144,7 @@ def check_private_names() -> List[Tuple[str, str]]:
                     (
                         f"{name}.{member}",
                         f"torch {_torch_version()}'s {name} instances have no {member!r}; the safe DCP reader/writer "
-                        "(checkpoint/safe_dcp.py) use it: install a torch version raytrain_events supports, or "
+                        "(checkpoint/dcp/safe_dcp.py) use it: install a torch version raytrain_events supports, or "
                         "update raytrain_events._torch_compat.MEMBERS and safe_dcp for this one.",
                     )
                 )

@@ -349,7 +349,7 @@ def test_an_sgd_checkpoint_into_adam_is_refused_before_loading(tmp_path):
 def test_loading_a_checkpoint_past_max_duration_says_nothing_will_train(tmp_path, caplog):
     folder = _saved_checkpoint(tmp_path, max_duration="2ba")
     model = _model()
-    with caplog.at_level("WARNING", logger="raytrain_events.checkpoint.loading"):
+    with caplog.at_level("WARNING", logger="raytrain_events.checkpoint.run.loading"):
         trainer = Trainer(**_trainer_kwargs(model, max_duration="1ba", checkpoint=CheckpointConfig(load_from=folder)))
     warned = [r.getMessage() for r in caplog.records if "fit() will train nothing" in r.getMessage()]
     assert len(warned) == 1 and "raise max_duration" in warned[0] and "load_weights_only=True" in warned[0]
@@ -378,7 +378,7 @@ def mixture_sources(tmp_path_factory) -> Dict[str, Any]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from raytrain_events.ray.parquet_seek import ParquetRowGroups
+    from raytrain_events.ray.data.parquet_seek import ParquetRowGroups
 
     folder = tmp_path_factory.mktemp("mixture-sources")
     sources: Dict[str, Any] = {}

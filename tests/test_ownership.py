@@ -3,11 +3,11 @@
 * Only ``storage/run_dir.py`` (`RunDir`) spells the names in a run directory: a name literal
   anywhere else (``"config.yaml"``, ``"summary.json"``, the history, index and state files, a
   ``.../checkpoints/...`` path built by hand) fails.
-* Only ``checkpoint/folder.py`` (`CheckpointFolder`) deletes a checkpoint: a delete call in any
+* Only ``checkpoint/folder/folder.py`` (`CheckpointFolder`) deletes a checkpoint: a delete call in any
   other module fails, except the storage primitives themselves and the lock files' owner.
 * No import cycle among the package's modules (function-level imports count: they hide a cycle,
   they do not remove it), except the allowlisted type-only edges below.
-* Each package's docstring lists its files.
+* Each package's docstring lists its files and its subpackages.
 
 Each check is a function over a package directory, so ``python -c`` can point it at another
 checkout (e.g. main's) to see what it catches there.
@@ -45,7 +45,7 @@ RUN_DIR_OWNER = "storage/run_dir.py"
 #: not checkpoints, the storage primitives (fs.py: temp files of atomic writes) and the lock files' owner.
 DELETE_CALLS = {"delete", "rm", "rm_file", "rmdir", "rmtree", "unlink", "delete_checkpoint", "_rm"}
 DELETE_ALLOWED = {
-    "checkpoint/folder.py": "the owner of every checkpoint deletion (CheckpointFolder)",
+    "checkpoint/folder/folder.py": "the owner of every checkpoint deletion (CheckpointFolder)",
     "storage/fs.py": "defines delete(); unlinks the temp file of a failed atomic write",
     "storage/locks.py": "deletes lock files (running/scheduled/ckpt), never a checkpoint",
 }
@@ -205,7 +205,8 @@ def import_cycles(package: pathlib.Path = PACKAGE) -> List[List[str]]:
 
 
 def unmapped_files(package: pathlib.Path = PACKAGE) -> Iterator[str]:
-    """``package: file`` for each module its package's docstring does not name."""
+    """``package: file`` for each module (or ``package: sub/`` for each subpackage) its package's docstring does
+    not name."""
     for init in sorted(package.rglob("*.py")):
         if init.name != "__init__.py":
             continue
@@ -213,6 +214,9 @@ def unmapped_files(package: pathlib.Path = PACKAGE) -> Iterator[str]:
         for path in sorted(init.parent.glob("*.py")):
             if path.name != "__init__.py" and not re.search(rf"(?<![\w.]){re.escape(path.stem)}(?!\w)", doc):
                 yield f"{_rel(package, init.parent) or package.name}: {path.name}"
+        for sub in sorted(init.parent.glob("*/__init__.py")):
+            if not re.search(rf"(?<![\w.]){re.escape(sub.parent.name)}(?!\w)", doc):
+                yield f"{_rel(package, init.parent) or package.name}: {sub.parent.name}/"
     for folder in sorted(p for p in package.rglob("*") if p.is_dir() and p.name != "__pycache__"):
         if any(folder.glob("*.py")) and not (folder / "__init__.py").exists():
             yield f"{_rel(package, folder)}: no __init__.py (so no docstring to map its files)"
@@ -229,7 +233,7 @@ def test_only_run_dir_spells_run_directory_names():
 def test_only_the_checkpoint_folder_deletes_checkpoints():
     hits = deletions()
     assert not hits, (
-        "Deletions outside checkpoint/folder.py (a checkpoint is deleted by CheckpointFolder, through its "
+        "Deletions outside checkpoint/folder/folder.py (a checkpoint is deleted by CheckpointFolder, through its "
         "retention) and the storage modules allowed to delete non-checkpoints:\n" + "\n".join(hits)
     )
 
@@ -269,6 +273,8 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
         "HANGS = 'hangs'\n"
     )
     (pkg / "sub" / "b.py").write_text("y = 2\ndef g():\n    from raytrain_events.sub.a import x\n    return x\n")
+    (pkg / "sub" / "inner").mkdir()
+    (pkg / "sub" / "inner" / "__init__.py").write_text('"""Nothing."""\n')
     assert sorted(h.split(":", 1)[1] for h in run_dir_literals(pkg)) == [
         "4: '/checkpoints/ckpt-1'",
         "5: 'summary.json'",
@@ -276,4 +282,4 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
     ]
     assert deletions(pkg) == ["sub/a.py:4: fs.rm(...)"]
     assert import_cycles(pkg) == [["raytrain_events.sub.a", "raytrain_events.sub.b"]]
-    assert list(unmapped_files(pkg)) == ["sub: b.py"]
+    assert list(unmapped_files(pkg)) == ["sub: b.py", "sub: inner/"]

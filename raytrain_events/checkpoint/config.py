@@ -42,7 +42,7 @@ class CheckpointConfig:
             is in flight at a time: a save that comes due while the previous one still uploads is
             taken at the first batch after it finished (a warning says so, once).
         upload_deadline_s: how long one save retries its uploads through transient storage errors
-            (backoff 0.5 s doubling to 30 s, ``checkpoint/retry.py``) before it fails for good; an
+            (backoff 0.5 s doubling to 30 s, ``checkpoint/folder/retry.py``) before it fails for good; an
             async save that fails is logged and recorded, training goes on, the next save tries again.
         load_from: a checkpoint (or a folder of them) to start from, or a safetensors directory
             (``model.safetensors`` or its index: an export, a Hugging Face model) for the weights only.

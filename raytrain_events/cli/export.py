@@ -5,7 +5,7 @@ and written as a single ``torch.save`` file with full tensors: ``model`` (a plai
 ``state_dict`` for ``model.load_state_dict``), ``optim`` (optimizer state by parameter name),
 and the rest of the training state (Timestamp, schedulers, algorithms). ``--model-only`` keeps
 just ``{"model": ...}``, for inference. ``fmt="safetensors"`` writes the model as a Hugging
-Face-style safetensors directory instead, one tensor at a time (``checkpoint/safetensors_io.py``).
+Face-style safetensors directory instead, one tensor at a time (``checkpoint/dcp/safetensors_io.py``).
 """
 
 from __future__ import annotations
@@ -30,14 +30,11 @@ def export_checkpoint(  # noqa: PLR0913 (what, where, then keyword-only export o
         raise ValueError(f"--format {fmt!r} is not supported: use 'pt' (one state.pt) or 'safetensors' (a directory).")
     if hf_config is not None and fmt != "safetensors":
         raise ValueError("--hf-config goes with --format safetensors (the config.json of a Hugging Face directory).")
-    from raytrain_events.checkpoint.format import (
-        CheckpointNotCommittedError,
-        read_checkpoint_files,
-        read_manifest,
-        serialize,
-    )
-    from raytrain_events.checkpoint.sharded import is_sharded_checkpoint, load_consolidated
-    from raytrain_events.checkpoint.store import latest_checkpoint
+    from raytrain_events.checkpoint.dcp.sharded import is_sharded_checkpoint, load_consolidated
+    from raytrain_events.checkpoint.folder.store import latest_checkpoint
+    from raytrain_events.checkpoint.format.manifest import CheckpointNotCommittedError
+    from raytrain_events.checkpoint.format.reader import read_checkpoint_files, read_manifest
+    from raytrain_events.checkpoint.format.writer import serialize
     from raytrain_events.storage.fs import resolve, write_bytes_atomic
     from raytrain_events.storage.run_dir import STATE_FILE
 
@@ -52,7 +49,7 @@ def export_checkpoint(  # noqa: PLR0913 (what, where, then keyword-only export o
                 "checkpoint directory (with manifest.json) or the run's checkpoints/ folder."
             ) from None
     if fmt == "safetensors":  # the model only, streamed tensor by tensor
-        from raytrain_events.checkpoint.safetensors_io import export_safetensors
+        from raytrain_events.checkpoint.dcp.safetensors_io import export_safetensors
 
         return export_safetensors(info, output_url, storage_options=options, hf_config=hf_config)
     rest = read_checkpoint_files(info, storage_options=options, files=[STATE_FILE]).files[STATE_FILE]

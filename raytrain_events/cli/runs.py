@@ -38,7 +38,7 @@ def parse_storage_options(items: Optional[Sequence[str]]) -> Dict[str, Any]:
 
 
 def _guard(url: str, what: str, fn):
-    from raytrain_events.checkpoint.format import CheckpointError
+    from raytrain_events.checkpoint.format.manifest import CheckpointError
 
     try:
         return fn()
@@ -74,7 +74,7 @@ def _load_config(run_url: str, options: Dict[str, Any]) -> Any:
 
 
 def _run_info(run_url: str, options: Dict[str, Any]) -> Dict[str, Any]:
-    from raytrain_events.checkpoint.store import list_checkpoints
+    from raytrain_events.checkpoint.folder.store import list_checkpoints
     from raytrain_events.storage.fs import join
 
     checkpoints = list_checkpoints(checkpoints_url(run_url), storage_options=options)

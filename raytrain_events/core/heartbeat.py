@@ -6,7 +6,7 @@ ended, a checkpoint was taken) call `beat`, and `raytrain_events.dist` wraps eve
 in `collective`, so a rank stuck in one says which (and since when). Both are a
 ``time.monotonic()`` read and a few attribute writes: cheap enough for every batch.
 
-A watchdog thread reads `snapshot` (see `raytrain_events.ray.watchdog`). The process has one
+A watchdog thread reads `snapshot` (see `raytrain_events.ray.guards.watchdog`). The process has one
 heartbeat, `HEARTBEAT`, because collectives are called from places that do not know the loop.
 
 Example::

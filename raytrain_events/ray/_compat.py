@@ -12,7 +12,7 @@ Private names used (checked against Ray 2.60.0):
 * ``PopulationBasedTraining._custom_explore_fn``: the sweep refuses, before Ray starts, a PBT scheduler exploring the
   mixture (`MixtureExplore`) in a sweep that does not search it (`scheduler_explore_fn`; Tune has no getter).
 * ``ray._private.utils.get_dashboard_dependency_error``: whether the dashboard can start, so an embedded instance gets
-  one on a known loopback port (`raytrain_events.ray.console`).
+  one on a known loopback port (`raytrain_events.ray.reports.console`).
 * ``ray._private.ray_logging.global_worker_stdstream_dispatcher`` (its ``handlers`` list and ``_lock``): the driver-side
   handler that prints the workers' forwarded lines; the console wraps it against noise (`wrap_worker_line_handler`).
 * Ray Data: ``Dataset._meta_count()`` (rows from metadata, never computing), ``Dataset._logical_plan`` with
@@ -27,7 +27,7 @@ Private names used (checked against Ray 2.60.0):
   cross-worker barrier of ``ray.train.get_preemption_info()``, so the loop can look every batch and agree through its
   own per-batch collective), and the worker actor's ``execute(fn)`` method, called on the worker's own actor to run
   ``fn`` on its main thread (the only thread that may set a signal handler; the train function runs on another):
-  `local_preemption_info`, `run_on_worker_main_thread` (`raytrain_events.ray.preemption`). And
+  `local_preemption_info`, `run_on_worker_main_thread` (`raytrain_events.ray.guards.preemption`). And
   ``ray.train.v2.torch.torchft_config.TorchftConfig``, replica groups' backend (`torchft_config_class`).
 * ``ray._private.ray_constants.ENABLE_RAY_CLUSTER`` and ``ray.init(_node_ip_address=...)``: keep an embedded local
   instance on 127.0.0.1 (`loopback_only`).
@@ -49,7 +49,7 @@ each, probed by `check_private_names()`):
 * Ray Data's and Ray Train's ``SessionFileHandler`` classes (`is_session_file_handler`): their logging handlers that
   write to the session's log files, which the console leaves alone.
 * ``ray.data.util.torch_utils.convert_ndarray_batch_to_torch_tensor_batch`` (`ndarray_batch_to_torch`): Ray Data's own
-  NumPy-to-torch batch conversion (`raytrain_events.ray.data`).
+  NumPy-to-torch batch conversion (`raytrain_events.ray.data.loader`).
 * The token-authentication notice of ``ray._private.authentication.authentication_token_setup`` (`TOKEN_AUTH_LOGGER`,
   `TOKEN_AUTH_ENABLED`) and the session's log folder (`session_logs_dir`): an embedded instance's notice goes to that
   folder instead of the terminal (`raytrain_events.ray.cluster`).

@@ -18,7 +18,7 @@ def ensure_ray(address: Optional[str] = None, *, min_cpus: int = 0, verbose: boo
     (every address and listener, whether or not ``ray`` was imported before; see
     `raytrain_events.ray._compat.loopback_only`) with at least ``min_cpus`` logical CPUs (Ray Data
     needs CPUs beside the workers).
-    Unless ``verbose``, Ray's own INFO lines stay off the terminal (see `raytrain_events.ray.console`).
+    Unless ``verbose``, Ray's own INFO lines stay off the terminal (see `raytrain_events.ray.reports.console`).
     """
     import ray
 
@@ -44,7 +44,7 @@ def ensure_ray(address: Optional[str] = None, *, min_cpus: int = 0, verbose: boo
         with local_instance(init_kwargs, verbose=verbose) if local else contextlib.nullcontext():
             ray.init(address=address, **init_kwargs)
     if local and not verbose:
-        from raytrain_events.ray.console import drop_noise_until_shutdown
+        from raytrain_events.ray.reports.console import drop_noise_until_shutdown
 
         drop_noise_until_shutdown()
     return local

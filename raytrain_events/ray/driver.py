@@ -91,9 +91,9 @@ class RayTrainer:
     factories called on each worker: ``model(config) -> nn.Module``, ``optimizers(model, config)``,
     ``schedulers(optimizers, config)`` (each may omit the trailing ``config``). ``datasets`` maps
     names to Ray Datasets: ``"train"`` is required (a Ray Dataset or ``ParquetRowGroups(paths)``, which a
-    resume enters at its position: ``ray/parquet_seek.py``; a bare ``ray.data.read_parquet(...)``
+    resume enters at its position: ``ray/data/parquet_seek.py``; a bare ``ray.data.read_parquet(...)``
     is run as one), every other name is an eval set. With ``mixture=`` (a `Mixture` of named
-    ``datasets`` entries, each seekable: ``ray/mixture_source.py``) the train set is the mixture
+    ``datasets`` entries, each seekable: ``ray/data/mixture_source.py``) the train set is the mixture
     of those entries and there is no ``"train"`` entry.
     ``batch_size`` is per worker.
     """
@@ -157,7 +157,7 @@ class RayTrainer:
         import ray
 
         from raytrain_events.ray.cluster import ensure_ray
-        from raytrain_events.ray.console import quiet_terminal
+        from raytrain_events.ray.reports.console import quiet_terminal
 
         started_local = ensure_ray(min_cpus=self.scaling_config.max_workers + 2, verbose=self.spec.verbose)
         self._checks_cluster = started_local or not _autoscaling()
@@ -202,31 +202,31 @@ class RayTrainer:
 
         datasets = self.spec.build_datasets()
         if self.spec.mixture is not None:  # the sources become one seekable "train" set (mixture_source.py)
-            from raytrain_events.ray.mixture_source import mixture_train_set
+            from raytrain_events.ray.data.mixture_source import mixture_train_set
 
             datasets = mixture_train_set(self.spec, datasets)
         self.spec.check_datasets(datasets)
         if self._checks_cluster:
             check_data_cpus(ray.cluster_resources(), self.scaling_config, datasets)
-        from raytrain_events.ray.parquet_seek import as_seekable
+        from raytrain_events.ray.data.parquet_seek import as_seekable
 
         datasets["train"] = as_seekable(datasets["train"])  # a bare read_parquet seeks (parquet_seek.py)
         train_rows = self._train_rows(datasets["train"])
         worker_spec = self.spec.for_workers(datasets=datasets)
-        from raytrain_events.ray.validation import async_eval_names, check_validation
+        from raytrain_events.ray.checkpointing.validation import async_eval_names, check_validation
 
         eval_names = sorted(k for k in datasets if k != "train")
         check_validation(self.spec.validation, self.spec.checkpoint, eval_names)  # a datasets factory's names
         validated = async_eval_names(self.spec.validation, eval_names)  # evaluated as Ray tasks, not by the workers
         from ray.train.torch import TorchTrainer
 
-        from raytrain_events.ray.checkpointing import ray_checkpoint_config
-        from raytrain_events.ray.console import train_logging_config
-        from raytrain_events.ray.data import TrainDataConfig
-        from raytrain_events.ray.follow import HistoryFollower
-        from raytrain_events.ray.history import AggregatingCallback, RunHistory
-        from raytrain_events.ray.progress import RunProgress
-        from raytrain_events.ray.run_loggers import RunLoggers
+        from raytrain_events.ray.checkpointing.checkpointing import ray_checkpoint_config
+        from raytrain_events.ray.data.loader import TrainDataConfig
+        from raytrain_events.ray.reports.console import train_logging_config
+        from raytrain_events.ray.reports.follow import HistoryFollower
+        from raytrain_events.ray.reports.history import AggregatingCallback, RunHistory
+        from raytrain_events.ray.reports.progress import RunProgress
+        from raytrain_events.ray.reports.run_loggers import RunLoggers
         from raytrain_events.ray.worker import train_loop_per_worker
 
         # On the driver's node, as Ray Train attaches its controller: a lost worker node must not take
@@ -238,8 +238,8 @@ class RayTrainer:
         storage_path, storage_filesystem = ray_storage(self.storage_path, self.storage_options)
         validation_config = None
         if validated:
-            from raytrain_events.ray.validate_checkpoint import CheckpointValidator
-            from raytrain_events.ray.validation import ray_validation_config
+            from raytrain_events.ray.checkpointing.validate_checkpoint import CheckpointValidator
+            from raytrain_events.ray.checkpointing.validation import ray_validation_config
 
             validator = CheckpointValidator(
                 worker_spec, self.spec.validation, {k: datasets[k] for k in validated}, history, self._report_queue
@@ -247,7 +247,7 @@ class RayTrainer:
             validation_config = ray_validation_config(validator, self.spec.validation)
         from ray.train.torch import TorchConfig
 
-        from raytrain_events.ray.watchdog import process_group_timeout_s
+        from raytrain_events.ray.guards.watchdog import process_group_timeout_s
 
         # The watchdog's hang_timeout, with a margin: the watchdog names a hung rank before this fires.
         torch_options = {"timeout_s": int(process_group_timeout_s(self.spec.hang_timeout))}
@@ -290,7 +290,7 @@ class RayTrainer:
                 callbacks=[AggregatingCallback(history, self._report_queue), *self.spec.ray_callbacks]
                 + (_lighthouse_watch() if replicas else []),
                 logging_config=train_logging_config(self.spec.verbose),
-                # Ray owns retention of the checkpoints reported to it (see ray/checkpointing.py).
+                # Ray owns retention of the checkpoints reported to it (see ray/checkpointing/checkpointing.py).
                 checkpoint_config=ray_checkpoint_config(self.spec),
             ),
         )
@@ -321,7 +321,7 @@ class RayTrainer:
     def _record_unfinished_validations(self, history: Any) -> None:
         import ray
 
-        from raytrain_events.ray.validation import unfinished_validations
+        from raytrain_events.ray.checkpointing.validation import unfinished_validations
 
         entries = ray.get(history.get.remote())["entries"]
         for entry in unfinished_validations(entries, self.spec.validation):
@@ -343,15 +343,15 @@ class RayTrainer:
                 raise
 
     def _result(self, entries: List[Dict[str, Any]], ray_result: Any) -> RayResult:
-        from raytrain_events.ray.validation import training_entries
+        from raytrain_events.ray.checkpointing.validation import training_entries
 
         trained = training_entries(entries)  # validation entries arrive late, at their checkpoints' Timestamps
         final = trained[-1] if trained else {}
         timestamp = Timestamp(**{name: final.get(report_key(name), 0) for name in COUNTER_UNITS})
         checkpoints: List[Any] = []
         if self.spec.checkpoint is not None:
-            from raytrain_events.checkpoint.store import list_checkpoints
-            from raytrain_events.ray.checkpointing import checkpoint_plan, delete_unlisted
+            from raytrain_events.checkpoint.folder.store import list_checkpoints
+            from raytrain_events.ray.checkpointing.checkpointing import checkpoint_plan, delete_unlisted
 
             plan = checkpoint_plan(self.spec)
             folder, options = plan.worker.save_folder, plan.worker.storage_options
@@ -371,7 +371,7 @@ class RayTrainer:
 
     def _train_rows(self, train: Any) -> Optional[int]:
         """The train set's row count where it is cheap; never runs a preprocessing pipeline to count."""
-        from raytrain_events.ray.data import cheap_row_count
+        from raytrain_events.ray.data.loader import cheap_row_count
 
         rows = cheap_row_count(train)
         if rows is None and self.spec.steps_per_epoch is None:

@@ -30,7 +30,7 @@ def check_on_driver(spec: RunSpec) -> None:
     _check_factory_kinds(spec)
     _check_lists(spec)
     if isinstance(spec.datasets, Mapping) and spec.mixture is not None:
-        from raytrain_events.ray.mixture_source import check_mixture
+        from raytrain_events.ray.data.mixture_source import check_mixture
 
         sources = check_mixture(spec.mixture, spec.datasets, spec.shuffle_buffer_size)
         RunSpec.check_datasets({k: v for k, v in spec.datasets.items() if k not in sources})

@@ -1,11 +1,11 @@
 """The environment of an embedded local Ray instance: what is set before ``ray.init`` starts it.
 
-`raytrain_events.ray.console` decides which of Ray's lines reach the terminal during a run; some
+`raytrain_events.ray.reports.console` decides which of Ray's lines reach the terminal during a run; some
 of those lines are best dealt with at their cause, when the instance starts (its processes read
 their settings from the environment they inherit). This module sets those variables for the
 ``ray.init`` call only, and gives the dashboard a known loopback port so that Ray's state API
 (which Ray Train's placement-group cleaner polls) answers. See the table in
-`raytrain_events.ray.console` for the line each setting removes.
+`raytrain_events.ray.reports.console` for the line each setting removes.
 """
 
 from __future__ import annotations

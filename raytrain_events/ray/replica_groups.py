@@ -46,8 +46,8 @@ import torch
 
 from raytrain_events.core.callback import Callback, QuorumChange
 from raytrain_events.core.time import Timestamp, counters_of
-from raytrain_events.ray.data import GlobalOrderLoader
-from raytrain_events.ray.feeder import rank_rows
+from raytrain_events.ray.data.feeder import rank_rows
+from raytrain_events.ray.data.loader import GlobalOrderLoader
 from raytrain_events.ray.replica_checks import min_replicas
 
 __all__ = ["build_manager", "CommitOptimizer", "ReplicaLoader", "ReplicaCommit", "ReplicaState", "QuorumChange"]
@@ -205,7 +205,7 @@ class ReplicaLoader(GlobalOrderLoader):
         """The global batch at ``position`` of ``epoch`` (None past the epoch's end)."""
         if self._held is not None and self._held[0] == (epoch, position):
             return self._held[1]  # the step did not commit: the same rows again
-        from raytrain_events.ray.block_fetch import cluster_node, finish_fetch, start_fetch
+        from raytrain_events.ray.data.block_fetch import cluster_node, finish_fetch, start_fetch
 
         if self._next is None or self._next[:2] != (epoch, position):
             # An epoch start, a rejoin or a heal: this rank enters the epoch's one pass (epoch, 0) at batch k,
@@ -307,7 +307,7 @@ class ReplicaCommit(Callback):
 
     def report(self, report: Dict[str, Any], checkpoint: Any) -> None:
         """`RayReporter`'s ``report_fn``: this group's report as a history entry (see the module doc)."""
-        from raytrain_events.ray.aggregate import reduce_metrics
+        from raytrain_events.ray.reports.aggregate import reduce_metrics
 
         entry: Dict[str, Any] = dict(reduce_metrics([report]))
         entry["attempt"] = 1
@@ -358,7 +358,7 @@ def lead_saves(state: Any, manager: Any, optimizer: CommitOptimizer) -> None:
     """Only the lead group saves, and only a committed state: the group of participating rank 0 in the step's
     quorum (the lowest group number there), after a step that committed. When the lead dies, its step does
     not commit and the next quorum's lowest group leads from the next step on."""
-    from raytrain_events.checkpoint.checkpointer import find_checkpointer
+    from raytrain_events.checkpoint.run.checkpointer import find_checkpointer
 
     checkpointer = find_checkpointer(state)
     if checkpointer is not None:

@@ -55,12 +55,12 @@ class RunSpec(LoopOptions):
         help="{'train': ray.data.Dataset or ParquetRowGroups(paths), <eval name>: Dataset, ...}, or fn(config) -> "
         "that dict (called on the driver when the run starts); every name besides 'train' is an eval set; "
         "ParquetRowGroups(paths, a folder or s3://bucket/prefix/) or a bare ray.data.read_parquet(...) "
-        "(ray/parquet_seek.py): a resume reads nothing before its position",
+        "(ray/data/parquet_seek.py): a resume reads nothing before its position",
         worker=False,
     )
     mixture: Any = _opt(
         None,
-        help="a Mixture (or its dict) of seekable datasets entries: the train set (ray/mixture_source.py)",
+        help="a Mixture (or its dict) of seekable datasets entries: the train set (ray/data/mixture_source.py)",
         worker=False,
     )
     batch_size: int = _opt(64, help="rows per worker per batch")
@@ -78,7 +78,7 @@ class RunSpec(LoopOptions):
     validation: Any = _opt(
         None,
         help="None: evaluate the eval sets in the loop; 'async' or AsyncValidation(datasets=[...], every=..., "
-        "resources=...) (ray/validation.py): evaluate them as Ray tasks on checkpoints while training goes on",
+        "resources=...) (ray/checkpointing/validation.py): evaluate them as Ray tasks on checkpoints while training goes on",
     )
     get_num_tokens_in_batch: Optional[Callable[[Any], int]] = _opt(
         None, help="fn(batch) -> tokens in it; needed to count tokens (and for durations in 'tok')"
@@ -183,7 +183,7 @@ class RunSpec(LoopOptions):
         if self.report_interval is None and self.report_every_s is None:
             raise ValueError("Pass report_interval (a Time, like '500ba') or report_every_s (seconds), or both.")
         self._check_data_and_scaling()
-        from raytrain_events.ray.validation import check_validation, parse_validation
+        from raytrain_events.ray.checkpointing.validation import check_validation, parse_validation
 
         self.validation = parse_validation(self.validation)
         check_validation(
@@ -196,7 +196,7 @@ class RunSpec(LoopOptions):
                     "directory (<storage_path>/<run_name>/checkpoints) so Ray Train can manage them. "
                     "Set storage_path instead."
                 )
-            from raytrain_events.checkpoint.retention import check_ray_ranking
+            from raytrain_events.checkpoint.folder.retention import check_ray_ranking
 
             check_ray_ranking(self.checkpoint)
             # The driver holds the run dir's lock for the whole run; workers must not take it again.
@@ -396,7 +396,7 @@ class RunSpec(LoopOptions):
         """
         from ray.data import Dataset
 
-        from raytrain_events.ray.parquet_seek import is_seekable
+        from raytrain_events.ray.data.parquet_seek import is_seekable
 
         for name, dataset in datasets.items():
             kind = type(dataset).__name__
@@ -405,7 +405,7 @@ class RunSpec(LoopOptions):
                     raise TypeError(
                         f"datasets['train'] is a {kind}; the train set must be a ray.data.Dataset (e.g. "
                         "ray.data.read_parquet(paths)) or a seekable source, "
-                        "raytrain_events.ray.parquet_seek.ParquetRowGroups(paths) (Parquet files in training "
+                        "raytrain_events.ray.data.parquet_seek.ParquetRowGroups(paths) (Parquet files in training "
                         "order; a resume then reads nothing before its position)."
                     )
             elif is_seekable(dataset):

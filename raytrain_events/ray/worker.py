@@ -13,10 +13,10 @@ from raytrain_events.core.data_spec import DataSpec
 from raytrain_events.dist import LocalDist, TorchDist
 from raytrain_events.parallel.world import check_tensor_parallel_world
 from raytrain_events.parallel.wrap import Parallel
-from raytrain_events.ray.data import GlobalOrderLoader, GlobalOrderShard, ShardLoader
+from raytrain_events.ray.checkpointing.validation import async_eval_names
+from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard, ShardLoader
+from raytrain_events.ray.reports.worker_reports import RayReporter
 from raytrain_events.ray.spec import RunSpec
-from raytrain_events.ray.validation import async_eval_names
-from raytrain_events.ray.worker_reports import RayReporter
 from raytrain_events.trainer import Trainer
 from raytrain_events.trainer.evaluation import Evaluator
 from raytrain_events.trainer.seed import seed_everything
@@ -40,7 +40,7 @@ def build_worker_trainer(spec: RunSpec, history: Any = None, shards: Any = None)
     # (an elastic resize) ends here with the fix, instead of inside the dataset split or the device mesh.
     check_tensor_parallel_world(context.get_world_size(), spec.tensor_parallel, spec.parallelism_spec.context_parallel)
     device = ray.train.torch.get_device()
-    from raytrain_events.ray.watchdog import process_group_timeout_s
+    from raytrain_events.ray.guards.watchdog import process_group_timeout_s
 
     pg_timeout = process_group_timeout_s(spec.hang_timeout)
     replicas = spec.fault_tolerance == "replica_groups"  # each worker its own group: no collective but torchft's
@@ -95,7 +95,7 @@ def build_worker_trainer(spec: RunSpec, history: Any = None, shards: Any = None)
     ]
     checkpoint = plan = None
     if spec.checkpoint is not None:
-        from raytrain_events.ray.checkpointing import checkpoint_plan
+        from raytrain_events.ray.checkpointing.checkpointing import checkpoint_plan
 
         plan = checkpoint_plan(spec)
         checkpoint = plan.worker
@@ -103,7 +103,7 @@ def build_worker_trainer(spec: RunSpec, history: Any = None, shards: Any = None)
             from raytrain_events.ray.replica_groups import replica_checkpoint_config
 
             checkpoint = replica_checkpoint_config(plan.worker, spec.checkpoint, context.get_world_rank())
-    from raytrain_events.ray.operations import worker_guards
+    from raytrain_events.ray.guards.operations import worker_guards
 
     counts_data = Parallel(spec.parallelism_spec).counts_data(context.get_world_rank())  # TP: one rank per group
     # Every rank arrived, or an error; replica groups: a preempted group is replaced like a failed one.
@@ -139,8 +139,8 @@ def build_worker_trainer(spec: RunSpec, history: Any = None, shards: Any = None)
         commit.engine = trainer.engine  # quorum changes reach the loop's callbacks (on_quorum_change)
         lead_saves(trainer.state, manager, optimizers)  # one saver: the lead group
     elif plan is not None and context.get_world_rank() == 0:
-        from raytrain_events.checkpoint.checkpointer import find_checkpointer
-        from raytrain_events.ray.checkpointing import hand_retention_to_ray
+        from raytrain_events.checkpoint.run.checkpointer import find_checkpointer
+        from raytrain_events.ray.checkpointing.checkpointing import hand_retention_to_ray
 
         checkpointer = find_checkpointer(trainer.state)
         if checkpointer is not None:  # Ray Train's snapshot decides what rank 0's checkpoint folder keeps
@@ -151,7 +151,7 @@ def build_worker_trainer(spec: RunSpec, history: Any = None, shards: Any = None)
 def _train_loader(shard: Any, spec: RunSpec, rank: int, options: Dict[str, Any]) -> Any:
     """The train set in the group's global order (`TrainDataConfig`), else a plain Ray shard."""
     if isinstance(shard, GlobalOrderShard) and shard.mixture is not None:  # RayTrainer(mixture=...)
-        from raytrain_events.ray.mixture_loader import MixtureOrderLoader
+        from raytrain_events.ray.data.mixture_loader import MixtureOrderLoader
 
         return MixtureOrderLoader(
             shard, tokens_of_batch=spec.get_num_tokens_in_batch, length=spec.steps_per_epoch, **options

@@ -15,6 +15,8 @@ Files:
   run's config.
 * ``fs.py``: URL -> filesystem resolution and the few byte-level primitives the rest of storage
   uses.
+* ``location.py``: `Location`: a URL resolved once into its filesystem and path, then passed down
+  instead of the URL.
 * ``locks.py``: Run-directory lock files (``running``, ``scheduled``, ``ckpt``), in ml-starter's
   style.
 * ``objectstore.py``: Object-store transfers for large immutable files: uploads fed while the bytes

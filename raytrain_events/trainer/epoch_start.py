@@ -25,7 +25,7 @@ def epoch_iterator(loader: Any, state: State, resume_rng: Optional[Tuple[Any, An
         set_position(state.timestamp.sample_in_epoch.value)
         resume_rng = None
     if skip and resume_rng is not None:
-        from raytrain_events.checkpoint.rng import restore_rng_state
+        from raytrain_events.checkpoint.run.rng import restore_rng_state
 
         restore_rng_state(resume_rng[0])
     iterator = iter(loader)

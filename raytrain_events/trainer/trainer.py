@@ -55,7 +55,7 @@ from raytrain_events.trainer.seed import seed_everything
 from raytrain_events.trainer.stepping import step_optimizers
 
 if TYPE_CHECKING:
-    from raytrain_events.checkpoint.checkpointer import Checkpointer
+    from raytrain_events.checkpoint.run.checkpointer import Checkpointer
 
 __all__ = ["Trainer"]
 
@@ -186,8 +186,8 @@ class Trainer:
             # Per-batch sums across ranks: on DDP's gradient all-reduce when possible (no collective of their own).
             self._counters = BatchCounters(self.dist, self._ddp)
         if checkpoint is not None:
-            from raytrain_events.checkpoint.checkpointer import attach_checkpointing
-            from raytrain_events.checkpoint.inference import load_for_inference
+            from raytrain_events.checkpoint.run.checkpointer import attach_checkpointing
+            from raytrain_events.checkpoint.run.inference import load_for_inference
 
             if self.train_spec is None:  # eval/predict only: load the model, nothing to save
                 load_for_inference(self, checkpoint)

@@ -62,7 +62,9 @@ class SweepConsole(Callback):
         self._line(trial, again + (f" with {params}" if params else ""))
 
     def on_trial_result(self, iteration: int, trials: list, trial: Any, result: Dict[str, Any], **info: Any) -> None:
-        if "validation" not in result:  # an async validation's result is at an earlier checkpoint (ray/validation.py)
+        if (
+            "validation" not in result
+        ):  # an async validation's result is at an earlier checkpoint (ray/checkpointing/validation.py)
             self._last[trial.trial_id] = dict(result)
         if result.get(self.metric) is not None:
             self._metric[trial.trial_id] = result[self.metric]

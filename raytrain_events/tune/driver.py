@@ -234,7 +234,7 @@ def _run(
     from ray import tune
     from ray.tune.logger import JsonLoggerCallback
 
-    from raytrain_events.ray.console import quiet_terminal
+    from raytrain_events.ray.reports.console import quiet_terminal
     from raytrain_events.tune.console import SweepConsole
 
     console = [SweepConsole(metric, mode, scheduler)] if verbose == 1 else []

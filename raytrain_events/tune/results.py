@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from raytrain_events.core.plain import flatten, is_finite_number, to_plain
 from raytrain_events.core.time import COUNTER_UNITS, report_key
-from raytrain_events.ray.validation import in_training_order, training_entries
+from raytrain_events.ray.checkpointing.validation import in_training_order, training_entries
 
 # The file a finished trial writes into its Tune trial folder (its history, checkpoints, run URL): defined with
 # the other directory names (storage/run_dir.py), re-exported here.
@@ -154,7 +154,7 @@ def _best_checkpoint(
     history: List[Dict[str, Any]], metric: str, mode: str, run_url: str, storage_options: Dict[str, Any]
 ) -> Optional[str]:
     """The reported checkpoint with the best metric (else the newest), or the newest saved one."""
-    from raytrain_events.ray.validation import is_validation_entry
+    from raytrain_events.ray.checkpointing.validation import is_validation_entry
     from raytrain_events.storage.fs import basename
 
     best: Optional[Tuple[float, str]] = None
@@ -177,7 +177,7 @@ def _best_checkpoint(
     if newest is not None:
         return newest
     try:
-        from raytrain_events.checkpoint.store import latest_checkpoint
+        from raytrain_events.checkpoint.folder.store import latest_checkpoint
         from raytrain_events.storage.run_dir import RunDir
 
         info = latest_checkpoint(RunDir(run_url).checkpoints, storage_options=storage_options)

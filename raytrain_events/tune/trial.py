@@ -343,7 +343,7 @@ def trial_retention_and_loggers(
     loggers' runs are named after the trial and its algorithm set."""
     changes: Dict[str, Any] = {}
     if spec.checkpoint is not None:
-        from raytrain_events.checkpoint.retention import for_trial
+        from raytrain_events.checkpoint.folder.retention import for_trial
 
         retention = for_trial(
             spec.checkpoint, metric=setup.metric, mode=setup.mode, keep_every=setup.keep_every_checkpoint
@@ -351,7 +351,7 @@ def trial_retention_and_loggers(
         if retention is not None:
             changes["checkpoint"] = retention
     if spec.driver_loggers:
-        from raytrain_events.ray.run_loggers import name_destination
+        from raytrain_events.ray.reports.run_loggers import name_destination
         from raytrain_events.tune.console import trial_label
 
         name = re.sub(r"[^A-Za-z0-9_.=+-]+", "_", f"{trial_folder}-{trial_label(dict(config))}").strip("_")

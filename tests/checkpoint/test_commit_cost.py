@@ -14,12 +14,12 @@ import uuid
 import pytest
 import torch
 
-from raytrain_events.checkpoint.committer import Committer
 from raytrain_events.checkpoint.config import CheckpointConfig
-from raytrain_events.checkpoint.folder import CheckpointFolder
-from raytrain_events.checkpoint.format import write_checkpoint
-from raytrain_events.checkpoint.index import INDEX_FILE, CheckpointIndex
-from raytrain_events.checkpoint.store import latest_checkpoint, list_checkpoints, load_latest_valid
+from raytrain_events.checkpoint.folder.committer import Committer
+from raytrain_events.checkpoint.folder.folder import CheckpointFolder
+from raytrain_events.checkpoint.folder.index import INDEX_FILE, CheckpointIndex
+from raytrain_events.checkpoint.folder.store import latest_checkpoint, list_checkpoints, load_latest_valid
+from raytrain_events.checkpoint.format.writer import write_checkpoint
 from raytrain_events.storage import fs as sfs
 from raytrain_events.trainer import Trainer
 from tests.checkpoint.test_trainer_checkpoints import loader, model
@@ -124,8 +124,8 @@ def test_an_uncommitted_directory_is_a_leftover_and_pruned_below_the_newest(tmp_
 def test_a_delete_that_fails_during_retention_does_not_fail_the_commit(tmp_path, monkeypatch, caplog):
     """Retention runs after a commit: an outage while deleting old checkpoints is logged, and the
     checkpoint it could not delete is found again (and pruned) at the next start, not lost."""
-    import raytrain_events.checkpoint.folder as folder_module
-    from raytrain_events.checkpoint.folder import LocalRetention
+    import raytrain_events.checkpoint.folder.folder as folder_module
+    from raytrain_events.checkpoint.folder.folder import LocalRetention
 
     url = str(tmp_path / "checkpoints")
     folder = CheckpointFolder(url, retention=LocalRetention(keep=1))
@@ -150,7 +150,7 @@ def test_two_runs_with_sibling_save_folders_each_lock_their_own(tmp_path):
     """A ``save_folder`` not named ``checkpoints`` is its own run directory (`RunDir.of_checkpoints`): two
     runs saving to ``<dir>/a`` and ``<dir>/b`` hold their own ``running`` locks. The parent used to be
     taken for the run, so the second run was refused with the first one's lock (any folder of a bucket)."""
-    from raytrain_events.checkpoint.checkpointer import find_checkpointer
+    from raytrain_events.checkpoint.run.checkpointer import find_checkpointer
     from raytrain_events.storage.locks import has_lock, read_lock
 
     trainers = []

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from raytrain_events.checkpoint import staging
-from raytrain_events.checkpoint.staging import HostStager
+from raytrain_events.checkpoint.run import staging
+from raytrain_events.checkpoint.run.staging import HostStager
 
 
 def _state(scale: float) -> dict:

@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from raytrain_events.checkpoint.item_stream import ItemStream
+from raytrain_events.checkpoint.dcp.item_stream import ItemStream
 
 
 class _CountingFS:
@@ -51,7 +51,7 @@ def test_a_load_from_s3_fetches_only_the_items_it_needs(s3_server, monkeypatch):
     import torch.distributed.checkpoint as dcp
 
     from raytrain_events._torch_compat import FsspecWriter
-    from raytrain_events.checkpoint.safe_dcp import SafeDCPReader
+    from raytrain_events.checkpoint.dcp.safe_dcp import SafeDCPReader
 
     url = f"s3://{s3_server['bucket']}/item-stream"
     options = s3_server["storage_options"]

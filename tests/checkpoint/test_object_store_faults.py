@@ -27,9 +27,9 @@ import s3fs
 import torch
 
 from raytrain_events.checkpoint.config import CheckpointConfig
-from raytrain_events.checkpoint.index import CheckpointIndex
-from raytrain_events.checkpoint.reader import read_checkpoint
-from raytrain_events.checkpoint.store import latest_checkpoint, list_checkpoints
+from raytrain_events.checkpoint.folder.index import CheckpointIndex
+from raytrain_events.checkpoint.folder.store import latest_checkpoint, list_checkpoints
+from raytrain_events.checkpoint.format.reader import read_checkpoint
 from raytrain_events.core.callback import Callback
 from raytrain_events.core.time import counters_of
 from raytrain_events.report import write_report

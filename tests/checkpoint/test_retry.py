@@ -7,7 +7,7 @@ import errno
 import pytest
 from botocore.exceptions import ClientError
 
-from raytrain_events.checkpoint.retry import is_transient
+from raytrain_events.checkpoint.folder.retry import is_transient
 from raytrain_events.storage.errors import StorageError
 
 

@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from raytrain_events.checkpoint import writer as writer_mod  # write_and_commit looks the writers up here
 from raytrain_events.checkpoint.config import CheckpointConfig
-from raytrain_events.checkpoint.store import latest_checkpoint, list_checkpoints, load_latest_valid
+from raytrain_events.checkpoint.folder.store import latest_checkpoint, list_checkpoints, load_latest_valid
+from raytrain_events.checkpoint.format import writer as writer_mod  # write_and_commit looks the writers up here
 from raytrain_events.core.callback import Callback
 from raytrain_events.trainer import Trainer
 from tests.checkpoint.test_trainer_checkpoints import loader, model
@@ -66,7 +66,7 @@ def test_slow_storage_never_stalls_training(tmp_path, monkeypatch, caplog):
     times = _StepTimes()
     folder = str(tmp_path / "run/checkpoints")
     trainer = _trainer(folder, callbacks=[times], save_every_n_steps=1)
-    with caplog.at_level(logging.WARNING, logger="raytrain_events.checkpoint.checkpointer"):
+    with caplog.at_level(logging.WARNING, logger="raytrain_events.checkpoint.run.checkpointer"):
         trainer.fit()
     # every batch asked for a save; each upload takes >= 2 x SLOW_S (state + RNG file): had training
     # waited, 23 batch gaps would hold >= 23 x 1.2 s. It took a copy per save instead.
@@ -118,7 +118,7 @@ def test_a_save_that_fails_for_good_is_reported_and_the_next_one_commits(tmp_pat
         raise ConnectionError("injected: the store is down")
 
     trainer = _trainer(folder, callbacks=[Break()], save_interval="4ba", keep=2, upload_deadline_s=0.5)
-    with caplog.at_level(logging.ERROR, logger="raytrain_events.checkpoint.checkpointer"):
+    with caplog.at_level(logging.ERROR, logger="raytrain_events.checkpoint.run.checkpointer"):
         trainer.fit()  # training went on through the failed saves
     trainer._checkpointer.close()
     failed = trainer._checkpointer.failures

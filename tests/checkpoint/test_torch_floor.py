@@ -1,6 +1,6 @@
 """The safety promise's torch floor: loads refuse a torch whose weights-only unpickler has a known bypass.
 
-``pyproject.toml`` requires torch>=2.10; ``checkpoint/safety.py`` catches installs that went around
+``pyproject.toml`` requires torch>=2.10; ``checkpoint/format/safety.py`` catches installs that went around
 it. Both ways: this torch loads; a (patched) 2.9 is refused before any byte is read, naming the
 advisory and the fix, for a plain checkpoint and for the sharded (DCP) reader.
 """
@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from raytrain_events.checkpoint import safety
-from raytrain_events.checkpoint.format import UnsafeCheckpointError, read_checkpoint, write_checkpoint
-from raytrain_events.checkpoint.safe_dcp import SafeDCPReader
+from raytrain_events.checkpoint.dcp.safe_dcp import SafeDCPReader
+from raytrain_events.checkpoint.format import safety
+from raytrain_events.checkpoint.format.manifest import UnsafeCheckpointError
+from raytrain_events.checkpoint.format.reader import read_checkpoint
+from raytrain_events.checkpoint.format.writer import write_checkpoint
 
 
 def test_pyproject_requires_the_safe_torch():

@@ -12,12 +12,11 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from raytrain_events import Callback, Trainer
-from raytrain_events.checkpoint import format as ckpt_format
-from raytrain_events.checkpoint import writer as ckpt_writer
-from raytrain_events.checkpoint.checkpointer import STATE_FILE
 from raytrain_events.checkpoint.config import CheckpointConfig
-from raytrain_events.checkpoint.format import UnsafeCheckpointError
-from raytrain_events.checkpoint.store import latest_checkpoint, list_checkpoints
+from raytrain_events.checkpoint.folder.store import latest_checkpoint, list_checkpoints
+from raytrain_events.checkpoint.format import writer as ckpt_writer
+from raytrain_events.checkpoint.format.manifest import UnsafeCheckpointError
+from raytrain_events.checkpoint.run.checkpointer import STATE_FILE
 from raytrain_events.core.state import CheckpointMismatchError
 from raytrain_events.models import ClassifierModel
 from raytrain_events.storage.errors import RunLockedError
@@ -123,7 +122,7 @@ def test_retention_keeps_exactly_n(storage, async_save):
 def test_crash_mid_save_leaves_previous_checkpoint_loadable(storage, monkeypatch):
     url, options = storage
     folder = url + "/c/checkpoints"
-    real, real_packed = ckpt_format.write_checkpoint_file, ckpt_format.write_packed_checkpoint
+    real, real_packed = ckpt_writer.write_checkpoint_file, ckpt_writer.write_packed_checkpoint
     calls = {"state": 0}
 
     def fail_second_state_save() -> None:
@@ -141,8 +140,8 @@ def test_crash_mid_save_leaves_previous_checkpoint_loadable(storage, monkeypatch
         fail_second_state_save()
         return real_packed(ckpt_url, files=files, **kw)
 
-    monkeypatch.setattr("raytrain_events.checkpoint.writer.write_checkpoint_file", flaky)
-    monkeypatch.setattr("raytrain_events.checkpoint.writer.write_packed_checkpoint", flaky_packed)
+    monkeypatch.setattr("raytrain_events.checkpoint.format.writer.write_checkpoint_file", flaky)
+    monkeypatch.setattr("raytrain_events.checkpoint.format.writer.write_packed_checkpoint", flaky_packed)
     trainer = make_trainer(folder, options, save_every_n_steps=4, async_save=False)
     with pytest.raises(OSError, match="disk full"):
         trainer.fit()
@@ -175,7 +174,7 @@ def test_malicious_checkpoint_is_refused_and_runs_nothing(tmp_path):
     info = list_checkpoints(folder)[-1]
     # An attacker rewrites state.pt AND its manifest checksum: only weights_only loading stops it.
     payload = pickle.dumps({"model": _Evil()})
-    ckpt_format.write_checkpoint(str(tmp_path / "evil2"), files={}, timestamp=info.timestamp, world_size=1)
+    ckpt_writer.write_checkpoint(str(tmp_path / "evil2"), files={}, timestamp=info.timestamp, world_size=1)
     bad = list_checkpoints(str(tmp_path / "evil2"))[-1]
     from raytrain_events.storage.fs import resolve
 
@@ -205,7 +204,7 @@ def test_second_run_on_a_locked_run_dir_is_refused(tmp_path):
 
 def test_resume_with_a_different_config_logs_the_diff(tmp_path, caplog):
     make_trainer(str(tmp_path / "d/checkpoints"), {}, save_interval="1ep").fit()
-    caplog.set_level("WARNING", logger="raytrain_events.checkpoint.loading")
+    caplog.set_level("WARNING", logger="raytrain_events.checkpoint.run.loading")
     m = model()
     opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
@@ -219,16 +218,16 @@ def test_resume_with_a_different_config_logs_the_diff(tmp_path, caplog):
         config={"lr": 0.05, "hidden": 16},
         checkpoint=CheckpointConfig(save_folder=str(tmp_path / "d/checkpoints"), autoresume=True),
     )._checkpointer.close()
-    out = "\n".join(r.getMessage() for r in caplog.records if r.name == "raytrain_events.checkpoint.loading")
+    out = "\n".join(r.getMessage() for r in caplog.records if r.name == "raytrain_events.checkpoint.run.loading")
     assert "different config" in out and "lr: 0.1" in out and "lr: 0.05" in out
 
 
 def test_single_process_async_save_writes_every_file_off_the_training_thread(tmp_path, monkeypatch):
     import threading
 
-    from raytrain_events.checkpoint import writer as ckmod
+    from raytrain_events.checkpoint.format import writer as ckmod
 
-    real, writers = ckpt_format.write_checkpoint_file, []
+    real, writers = ckpt_writer.write_checkpoint_file, []
 
     def spy(ckpt_url, file_name, obj, **kw):
         writers.append((file_name, threading.current_thread() is threading.main_thread()))
@@ -243,10 +242,37 @@ def test_single_process_async_save_writes_every_file_off_the_training_thread(tmp
     trainer = make_trainer(folder, {}, save_interval="1ep", async_save=True)
     trainer.fit()
     trainer._checkpointer.close()
-    assert {name for name, _ in writers} == {STATE_FILE, ckpt_format.rng_file_name(0)}
+    assert {name for name, _ in writers} == {STATE_FILE, ckpt_writer.rng_file_name(0)}
     assert not any(on_main for _, on_main in writers), writers  # the training thread only copies
     # One save per epoch; an epoch's save due while the previous one still uploads comes a few batches late.
     batches = [i.batch for i in list_checkpoints(folder)]
     assert batches[0] == 12 and batches[-1] == 36 and len(batches) in (2, 3), batches
     resumed = make_trainer(folder, {}, autoresume=True)  # the RNG file was committed and loads
     assert resumed.state.timestamp.get_value("ba") == 36
+
+
+def test_a_save_and_a_load_resolve_the_checkpoint_url_once(tmp_path, monkeypatch):
+    """A checkpoint's URL becomes a `Location` once per save (`Checkpointer.save`) and once per
+    `read_checkpoint`, passed down whole: the writer used to resolve it again for each file and for the
+    commit (4 times for a save of two files), the reader again for the files after the manifest."""
+    import fsspec
+
+    from raytrain_events.checkpoint import read_checkpoint
+
+    real, resolved = fsspec.core.url_to_fs, []
+
+    def counting(url, **kwargs):
+        if "/ckpt-" in str(url):
+            resolved.append(str(url))
+        return real(url, **kwargs)
+
+    monkeypatch.setattr(fsspec.core, "url_to_fs", counting)
+    trainer = make_trainer(str(tmp_path / "run" / "checkpoints"), {}, save_every_n_steps=6, async_save=False)
+    trainer.fit()
+    saves = trainer.state.timestamp.batch.value // 6
+    assert saves >= 2 and len(resolved) == saves, resolved  # one per save (the final save is a step's save)
+    latest = latest_checkpoint(str(tmp_path / "run" / "checkpoints"))
+    assert latest is not None and len(latest.files) == 2  # state.pt and rng-rank0.pt: the multi-file layout
+    resolved.clear()
+    loaded = read_checkpoint(latest.url)
+    assert set(loaded.files) == {f.name for f in latest.files} and len(resolved) == 1, resolved

@@ -199,7 +199,7 @@ def test_example_yaml_matches_the_schema_defaults():
 # ---------------------------------------------------------------- runs ls / inspect / diff
 def make_run(root, name, *, config, checkpoints=(), summary=None, storage_options=None):
     """A run directory as the digits job leaves it: config.yaml, checkpoints/, summary.json."""
-    from raytrain_events.checkpoint.format import write_checkpoint
+    from raytrain_events.checkpoint.format.writer import write_checkpoint
     from raytrain_events.storage.exp_dir import RunDir
     from raytrain_events.storage.fs import join, resolve, write_bytes_atomic
 

@@ -65,12 +65,12 @@ def test_ray_worker_entry_leaves_dcp_until_a_sharded_checkpoint_needs_it():
     result = _run(
         """
         import json, sys
-        import raytrain_events.ray.worker, raytrain_events.checkpoint.checkpointer
+        import raytrain_events.ray.worker, raytrain_events.checkpoint.run.checkpointer
         before = sorted(m for m in sys.modules if m.startswith("torch.distributed.checkpoint"))
-        from raytrain_events.checkpoint import sharded
+        from raytrain_events.checkpoint.dcp import sharded
         sharded.load_consolidated  # the module itself still imports without DCP
         lazy = sorted(m for m in sys.modules if m.startswith("torch.distributed.checkpoint"))
-        import raytrain_events.checkpoint.safe_dcp
+        import raytrain_events.checkpoint.dcp.safe_dcp
         print(json.dumps({"before": before, "lazy": lazy,
                           "after": "torch.distributed.checkpoint" in sys.modules}))
         """
@@ -131,8 +131,8 @@ def test_the_modules_our_light_ray_actors_load_leave_torch_out():
         """
         import json, sys
         import raytrain_events
-        import raytrain_events.ray.feeder, raytrain_events.ray.history, raytrain_events.ray.data
-        import raytrain_events.ray.block_fetch, raytrain_events.ray.parquet_seek, raytrain_events.parallel.world
+        import raytrain_events.ray.data.feeder, raytrain_events.ray.reports.history, raytrain_events.ray.data.loader
+        import raytrain_events.ray.data.block_fetch, raytrain_events.ray.data.parquet_seek, raytrain_events.parallel.world
         light = "torch" in sys.modules
         raytrain_events.Trainer  # a public name still loads its module on first use
         print(json.dumps({"light": light, "after": "torch" in sys.modules}))

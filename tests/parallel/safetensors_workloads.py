@@ -39,7 +39,7 @@ def save_wide(rank: int, world_size: int, folder: str) -> Dict[str, torch.Tensor
 
 def load_export(rank: int, world_size: int, directory: str, parallelism: Any, meta: bool) -> Dict[str, Any]:
     """A Trainer on ``parallelism`` (model built on meta if ``meta``) filled from the export."""
-    from raytrain_events.checkpoint.safetensors_io import load_safetensors
+    from raytrain_events.checkpoint.dcp.safetensors_io import load_safetensors
 
     torch.manual_seed(123)  # different from the exported weights
     with torch.device("meta") if meta else torch.device("cpu"):

@@ -7,8 +7,8 @@ from typing import Any, Dict, List
 
 import torch.distributed as tdist
 
-from raytrain_events.checkpoint.checkpointer import Checkpointer
-from raytrain_events.checkpoint.rng import capture_rng_state
+from raytrain_events.checkpoint.run.checkpointer import Checkpointer
+from raytrain_events.checkpoint.run.rng import capture_rng_state
 from tests.parallel.workloads import checkpointed_trainer, snapshot
 
 COLLECTIVES = (

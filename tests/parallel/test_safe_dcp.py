@@ -88,7 +88,7 @@ def _reseal_manifest(url: str) -> None:
     """Rewrite the manifest's size and crc32 of every file to the files' current ones."""
     import json
 
-    from raytrain_events.checkpoint.checksums import checksum
+    from raytrain_events.checkpoint.format.checksums import checksum
 
     path = os.path.join(url, "manifest.json")
     with open(path) as f:

@@ -49,7 +49,7 @@ def test_export_round_trips_bit_exactly_into_fsdp3_and_one_process(fsdp_run, tmp
 
 
 def test_export_splits_files_with_an_index(fsdp_run, tmp_path):
-    from raytrain_events.checkpoint.safetensors_io import export_safetensors, load_safetensors
+    from raytrain_events.checkpoint.dcp.safetensors_io import export_safetensors, load_safetensors
     from tests.parallel.workloads import make_model
 
     folder, saved = fsdp_run
@@ -78,7 +78,7 @@ def test_export_peak_memory_is_one_tensor(wide_run, tmp_path, monkeypatch):
     Two ranks saved each tensor in two dim-0 blocks; each block's raw bytes go from the shard file
     to the output through one reused buffer (no tensor is built), so the peak is one block's buffer:
     bounded at one tensor (the issue's goal) plus 64 KiB of bookkeeping (index, headers)."""
-    from raytrain_events.checkpoint.safetensors_io import export_safetensors
+    from raytrain_events.checkpoint.dcp.safetensors_io import export_safetensors
 
     folder, full = wide_run
     info = list_checkpoints(folder)[-1]
@@ -116,7 +116,7 @@ def test_load_from_a_safetensors_directory_fills_fsdp_built_on_meta_without_a_fu
     """``CheckpointConfig(load_from=<export>)``: FSDP on 2 ranks, the model built on the meta device;
     each rank's peak tensor storage during set-up is its share plus one layer (the deferred init's
     bound; measured 800,852 B of a 1,057,812 B model), and the starting parameters are the exported ones bit for bit."""
-    from raytrain_events.checkpoint.safetensors_io import export_safetensors
+    from raytrain_events.checkpoint.dcp.safetensors_io import export_safetensors
 
     folder, full = wide_run
     out = str(tmp_path / "st")
@@ -136,7 +136,7 @@ def test_load_from_a_safetensors_directory_fills_fsdp_built_on_meta_without_a_fu
 def test_load_from_a_safetensors_directory_refuses_ignore_keys(fsdp_run, tmp_path):
     from raytrain_events import Trainer
     from raytrain_events.checkpoint import CheckpointConfig
-    from raytrain_events.checkpoint.safetensors_io import export_safetensors
+    from raytrain_events.checkpoint.dcp.safetensors_io import export_safetensors
     from tests.parallel.workloads import make_loader, make_model
 
     export_safetensors(list_checkpoints(fsdp_run[0])[-1], str(tmp_path / "st"))
@@ -157,7 +157,7 @@ def test_load_from_a_safetensors_directory_refuses_ignore_keys(fsdp_run, tmp_pat
 def test_an_eval_only_trainer_loads_a_safetensors_directory(fsdp_run, tmp_path):
     from raytrain_events import Trainer
     from raytrain_events.checkpoint import CheckpointConfig
-    from raytrain_events.checkpoint.safetensors_io import export_safetensors
+    from raytrain_events.checkpoint.dcp.safetensors_io import export_safetensors
     from tests.parallel.workloads import make_loader, make_model
 
     folder, saved = fsdp_run

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from raytrain_events.checkpoint import list_checkpoints
-from raytrain_events.checkpoint.format import read_checkpoint_files
+from raytrain_events.checkpoint.format.reader import read_checkpoint_files
 from tests.parallel.save_workloads import save_collectives
 from tests.parallel.spawn import run_ranks
 

@@ -87,12 +87,12 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
 
 
 def test_an_eval_only_trainer_loads_an_fsdp_checkpoint_in_one_process(fsdp_two_rank_run):
-    """Asynchronous validation's load (ray/validate_checkpoint.py): an FSDP 2 checkpoint, resharded into the
+    """Asynchronous validation's load (ray/checkpointing/validate_checkpoint.py): an FSDP 2 checkpoint, resharded into the
     validator's world of one process through ``CheckpointConfig(load_from=...)``, holds the saved weights;
     the checkpoint's Timestamp comes from its manifest (a sharded load for eval restores weights only)."""
     from raytrain_events import Trainer
     from raytrain_events.checkpoint.config import CheckpointConfig
-    from raytrain_events.checkpoint.reader import read_manifest
+    from raytrain_events.checkpoint.format.reader import read_manifest
     from raytrain_events.dist import LocalDist
     from tests.parallel.workloads import make_loader, make_model
 

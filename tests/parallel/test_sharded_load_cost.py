@@ -12,7 +12,8 @@ import uuid
 import pytest
 import torch
 
-from raytrain_events.checkpoint import list_checkpoints, ranged_dcp
+from raytrain_events.checkpoint import list_checkpoints
+from raytrain_events.checkpoint.dcp import ranged_dcp
 from tests.parallel.reshard_workloads import wide_load, wide_load_error, wide_save
 from tests.parallel.spawn import run_ranks
 

@@ -166,7 +166,7 @@ def _full(tree: Dict[str, Any]) -> Dict[str, torch.Tensor]:
 
 def save_then_crash(rank: int, world_size: int, folder: str) -> str:
     """Save at batch 3; the save at batch 5 fails on rank 1 half way through writing its shards."""
-    from raytrain_events.checkpoint import safe_dcp
+    from raytrain_events.checkpoint.dcp import safe_dcp
 
     original = safe_dcp._HashingStream.write
     calls = {"n": 0}

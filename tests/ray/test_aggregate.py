@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from raytrain_events.ray.aggregate import ReportAggregator, TimestampMismatchError, reduce_metrics
+from raytrain_events.ray.reports.aggregate import ReportAggregator, TimestampMismatchError, reduce_metrics
 
 
 def report(rank, samples, tokens, ts, start=None, loss=(0.0, 0), metrics=None, final=False):

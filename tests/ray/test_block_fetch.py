@@ -15,21 +15,21 @@ from typing import List
 import numpy as np
 import pytest
 
-from raytrain_events.ray import block_fetch
-from raytrain_events.ray.block_fetch import chunk_refs, needed_rows, split_by_node
-from raytrain_events.ray.feeder import EpochFeeder
-from raytrain_events.ray.shuffle import TAKE
+from raytrain_events.ray.data import block_fetch
+from raytrain_events.ray.data.block_fetch import chunk_refs, needed_rows, split_by_node
+from raytrain_events.ray.data.feeder import EpochFeeder
+from raytrain_events.ray.data.slices import RowRange, Take
 
 ELSEWHERE = "f" * 56  # a node id no block is on
 
 
 def test_needed_rows_joins_a_chunks_slices_and_takes_per_block() -> None:
     served = [
-        [("a", 0, 4), ("b", 10, 12)],
-        [("b", 12, 15)],
-        [(TAKE, ["b", "c"], np.array([1, 0, 1]), np.array([7, 30, 2]))],
+        [RowRange("a", 0, 4), RowRange("b", 10, 12)],
+        [RowRange("b", 12, 15)],
+        [Take(["b", "c"], np.array([1, 0, 1]), np.array([7, 30, 2]))],
         None,
-        [("d", 0, 1)],  # after the epoch's end: not read
+        [RowRange("d", 0, 1)],  # after the epoch's end: not read
     ]
     assert chunk_refs(served) == ["a", "b", "c"]
     needed = needed_rows(served)
@@ -55,7 +55,7 @@ def test_remote_blocks_come_back_as_exactly_the_rows_asked_for(ray_cluster) -> N
 
     table = pa.table({"id": np.arange(200), "pad": [bytes(1024)] * 200})  # ~200 KiB: in the object store
     ref = ray.put(table)
-    served = [[(ref, 10, 20)], [(ref, 50, 53)], [(TAKE, [ref], np.array([0, 0]), np.array([199, 5]))]]
+    served = [[RowRange(ref, 10, 20)], [RowRange(ref, 50, 53)], [Take([ref], np.array([0, 0]), np.array([199, 5]))]]
     fetched = block_fetch.fetch_blocks(served, ELSEWHERE)
     part, rows = fetched[ref]
     assert rows is not None and rows.tolist() == [5, *range(10, 20), 50, 51, 52, 199]
@@ -70,7 +70,7 @@ def test_one_cutter_process_per_node_and_a_dead_cutter_costs_only_a_whole_block(
     import pyarrow as pa
 
     refs = [ray.put(pa.table({"id": np.arange(i * 100, i * 100 + 100), "pad": [bytes(2048)] * 100})) for i in range(6)]
-    served = [[(ref, 10, 20), (ref, 40, 41)] for ref in refs]
+    served = [[RowRange(ref, 10, 20), RowRange(ref, 40, 41)] for ref in refs]
     node = ray.get_runtime_context().get_node_id()  # where the blocks are, so where they are cut
     pids = set()
     for _ in range(3):  # many cuts, several chunks: one actor, one process, for that node
@@ -92,7 +92,7 @@ def test_one_cutter_process_per_node_and_a_dead_cutter_costs_only_a_whole_block(
 @pytest.mark.ray
 def test_loaders_train_the_same_rows_when_every_block_is_cut_remotely(ray_cluster, monkeypatch) -> None:
     ray = ray_cluster
-    from raytrain_events.ray.data import GlobalOrderLoader, GlobalOrderShard
+    from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard
 
     rows, global_batch = 600, 24
     dataset = ray.data.range_tensor(rows, shape=(256,), override_num_blocks=6)  # 200 KiB blocks: in the store

@@ -97,7 +97,7 @@ def test_scheduler_accessors():
 
 def test_the_scan_sees_each_kind_of_private_use():
     """The scan itself can fail: each kind of private use the package once had is caught."""
-    ray_file = PACKAGE / "ray" / "feeder.py"
+    ray_file = PACKAGE / "ray" / "data" / "feeder.py"
     for line in [
         "from ray._private.utils import get_dashboard_dependency_error",
         "from ray.data._internal.logical.operators import read_operator",
@@ -142,7 +142,7 @@ def test_dataset_internals(ray_cluster, tmp_path):
     import pyarrow.parquet as pq
     import ray.data
 
-    from raytrain_events.ray.data import cheap_row_count
+    from raytrain_events.ray.data.loader import cheap_row_count
 
     pq.write_table(pa.table({"x": list(range(10))}), tmp_path / "part.parquet")
     read = ray.data.read_parquet(str(tmp_path))

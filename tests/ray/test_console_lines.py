@@ -8,9 +8,9 @@ import json
 import pytest
 
 from raytrain_events.loggers import FileLogger, TensorBoardLogger
-from raytrain_events.ray.console import filter_batch, is_noise
-from raytrain_events.ray.progress import describe_entry
-from raytrain_events.ray.run_loggers import RunLoggers, metrics_of, name_destination
+from raytrain_events.ray.reports.console import filter_batch, is_noise
+from raytrain_events.ray.reports.progress import describe_entry
+from raytrain_events.ray.reports.run_loggers import RunLoggers, metrics_of, name_destination
 
 
 def _batch(lines, actor=None, pid=123):

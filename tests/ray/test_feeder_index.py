@@ -12,12 +12,14 @@ import threading
 from types import SimpleNamespace
 from typing import Any, Iterator, List, Optional
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from raytrain_events.ray.feeder import EpochFeeder, batches_in_epoch, rank_rows
-from raytrain_events.ray.row_index import BlockIndex, RankCursor
+from raytrain_events.ray.data.feeder import EpochFeeder, batches_in_epoch, rank_rows
+from raytrain_events.ray.data.row_index import BlockIndex, RankCursor
+from raytrain_events.ray.data.slices import Take
 
 
 class FakeDataset:
@@ -54,12 +56,10 @@ def _rows(slices, sizes: List[int]) -> List[int]:
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     out: List[int] = []
     for piece in slices:
-        if len(piece) == 4:  # a shuffle take: row rows[j] of block refs[which[j]]
-            _, refs, which, rows = piece
-            out += [starts[refs[w]] + int(r) for w, r in zip(which, rows)]
+        if isinstance(piece, Take):  # row rows[j] of block refs[which[j]]
+            out += [starts[piece.refs[w]] + int(r) for w, r in zip(piece.which, piece.rows)]
         else:
-            ref, lo, hi = piece
-            out += [starts[ref] + j for j in range(lo, hi)]
+            out += [starts[piece.ref] + j for j in range(piece.lo, piece.hi)]
     return out
 
 
@@ -174,3 +174,29 @@ def test_a_failing_stream_is_an_error_in_the_call() -> None:
     feeder.start_epoch(0, 0, None, 0)
     with pytest.raises(RuntimeError, match="streaming execution failed.*disk gone"):
         feeder.batches(0, 0, 0, 0, 1)
+
+
+def test_slices_are_typed_values_that_say_which_rows_of_which_blocks_they_read() -> None:
+    from raytrain_events.ray.data.loader import _merged
+    from raytrain_events.ray.data.shuffle import WindowIndex
+    from raytrain_events.ray.data.slices import RowRange
+
+    index = BlockIndex()
+    index.append("a", 2, 5)  # global rows 0..4 are rows 2..6 of block a
+    index.append("b", 0, 4)  # global rows 5..8 are rows 0..3 of block b
+    assert index.slices(3, 8) == [RowRange("a", 5, 7), RowRange("b", 0, 3)]
+    assert all(isinstance(piece, RowRange) for piece in index.slices(0, 9))
+    assert [(ref, rows.tolist()) for ref, rows in RowRange("a", 5, 7).block_rows()] == [("a", [5, 6])]
+    # Row groups of one read are joined; a range of another block, or a take, is not.
+    assert _merged([RowRange("a", 5, 7), RowRange("a", 7, 9), RowRange("b", 9, 10)]) == [
+        RowRange("a", 5, 9),
+        RowRange("b", 9, 10),
+    ]
+    take = Take(["b", "c"], np.array([1, 0, 1]), np.array([7, 30, 2]))
+    assert take.blocks() == ("b", "c") and RowRange("c", 0, 7).then(take) is None and take.then(take) is None
+    assert [(ref, rows.tolist()) for ref, rows in take.block_rows()] == [("b", [30]), ("c", [7, 2])]
+    windows = WindowIndex(seed=0, epoch=0)
+    windows.append_window([("a", 0, 3), ("b", 0, 2)])
+    (shuffled,) = windows.slices(0, 5)
+    assert isinstance(shuffled, Take) and set(shuffled.blocks()) == {"a", "b"}
+    assert {ref: sorted(rows.tolist()) for ref, rows in shuffled.block_rows()} == {"a": [0, 1, 2], "b": [0, 1]}

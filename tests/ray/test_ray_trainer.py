@@ -116,7 +116,7 @@ def two_worker_run(ray_cluster, tmp_path_factory):
     import ray.data
 
     from raytrain_events.checkpoint.config import CheckpointConfig
-    from raytrain_events.ray.validation import AsyncValidation
+    from raytrain_events.ray.checkpointing.validation import AsyncValidation
 
     tmp = tmp_path_factory.mktemp("two")
     rows, eval_rows = make_rows(), make_rows(128, seed=1)

@@ -88,7 +88,7 @@ def test_the_lighthouse_binds_loopback_when_ray_does():
 def test_periodic_checkpoints_are_accepted_and_one_group_saves():
     """``checkpoint=`` with replica groups: accepted on the driver; the workers' config keeps ``keep`` (nothing
     is reported to Ray, so the saver prunes), the run dir's lock is group 0's, and SIGTERM is a failure."""
-    from raytrain_events.ray.checkpointing import checkpoint_plan
+    from raytrain_events.ray.checkpointing.checkpointing import checkpoint_plan
     from raytrain_events.ray.replica_groups import replica_checkpoint_config
 
     trainer = RayTrainer(**_options(checkpoint=CheckpointConfig(save_interval="5ba", keep=2)))

@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from raytrain_events import Callback, Trainer
 from raytrain_events.checkpoint import CheckpointConfig, list_checkpoints
 from raytrain_events.models import ClassifierModel
-from raytrain_events.ray.worker_reports import RayReporter
+from raytrain_events.ray.reports.worker_reports import RayReporter
 
 
 def _trainer(reporter, folder=None, extra=()):

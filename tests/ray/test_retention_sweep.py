@@ -12,8 +12,8 @@ import os
 import torch
 
 from raytrain_events.checkpoint import list_checkpoints
-from raytrain_events.checkpoint.format import write_checkpoint
-from raytrain_events.ray.checkpointing import delete_unlisted
+from raytrain_events.checkpoint.format.writer import write_checkpoint
+from raytrain_events.ray.checkpointing.checkpointing import delete_unlisted
 
 
 def _save(folder: str, batch: int) -> str:
@@ -48,10 +48,10 @@ def test_rank_0s_checkpoint_folder_hands_retention_to_ray_with_its_one_index(tmp
     `CheckpointFolder` (the one index it loaded to resume: no second one) leaves retention to Ray's
     snapshot, and at the first registration deletes only what Ray never listed: the committed checkpoint
     newer than Ray's latest and an older crashed save. Ray's latest and the new one stay."""
-    from raytrain_events.checkpoint.checkpointer import find_checkpointer
     from raytrain_events.checkpoint.config import CheckpointConfig
-    from raytrain_events.checkpoint.folder import RayRetention
-    from raytrain_events.checkpoint.index import CheckpointIndex
+    from raytrain_events.checkpoint.folder.folder import RayRetention
+    from raytrain_events.checkpoint.folder.index import CheckpointIndex
+    from raytrain_events.checkpoint.run.checkpointer import find_checkpointer
     from raytrain_events.trainer import Trainer
     from tests.checkpoint.test_trainer_checkpoints import loader, model
 

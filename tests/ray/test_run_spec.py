@@ -138,7 +138,7 @@ def test_grad_accum_auto_and_eval_options_are_checked_on_the_driver():
 
 
 def test_hang_timeout_is_positive_seconds_or_none_and_sets_the_process_group_timeout():
-    from raytrain_events.ray.watchdog import process_group_timeout_s
+    from raytrain_events.ray.guards.watchdog import process_group_timeout_s
 
     assert _spec().hang_timeout is None and _spec(hang_timeout=30).hang_timeout == 30
     for bad in (0, -5, "5m", True):
@@ -152,8 +152,8 @@ def test_datasets_are_checked_once_built_naming_the_fix(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from raytrain_events.ray.data import cheap_row_count
-    from raytrain_events.ray.parquet_seek import ParquetRowGroups
+    from raytrain_events.ray.data.loader import cheap_row_count
+    from raytrain_events.ray.data.parquet_seek import ParquetRowGroups
 
     paths = [str(tmp_path / f"{i}.parquet") for i in range(2)]
     for path in paths:
@@ -178,7 +178,7 @@ def test_datasets_are_checked_once_built_naming_the_fix(tmp_path):
 
 def test_async_validation_is_checked_before_ray_starts_naming_the_fix():
     """``validation``: in-loop by default; 'async', a dict (config files, Tune) or AsyncValidation; bad ones refused."""
-    from raytrain_events.ray.validation import AsyncValidation
+    from raytrain_events.ray.checkpointing.validation import AsyncValidation
 
     datasets = {"train": object(), "val": object(), "eval": object()}
     ckpt = CheckpointConfig(save_interval="4ba")
@@ -214,7 +214,7 @@ def test_async_validation_is_checked_before_ray_starts_naming_the_fix():
 
 def test_unfinished_validations_are_recorded_as_failed():
     """A checkpoint whose validation left no entry (Ray cancelled it at timeout_s) gets a failed entry."""
-    from raytrain_events.ray.validation import AsyncValidation, training_entries, unfinished_validations
+    from raytrain_events.ray.checkpointing.validation import AsyncValidation, training_entries, unfinished_validations
 
     entries = [
         {"time/batch": 4, "time/sample": 128, "attempt": 1, "checkpoint_path": "/r/checkpoints/ckpt-4"},

@@ -15,9 +15,9 @@ from raytrain_events.checkpoint import CheckpointConfig, list_checkpoints
 from raytrain_events.core.heartbeat import HEARTBEAT, Heartbeat
 from raytrain_events.dist import LocalDist
 from raytrain_events.models import ClassifierModel
-from raytrain_events.ray.health import missing_ranks
-from raytrain_events.ray.preemption import PreemptionGuard
-from raytrain_events.ray.watchdog import (
+from raytrain_events.ray.guards.health import missing_ranks
+from raytrain_events.ray.guards.preemption import PreemptionGuard
+from raytrain_events.ray.guards.watchdog import (
     ProgressWatchdog,
     default_hang_timeout,
     process_group_timeout_s,
@@ -153,7 +153,7 @@ def test_a_preemption_notice_saves_at_the_next_batch_and_trains_on(tmp_path):
 
 
 def test_a_sigterm_noted_by_the_handler_saves_and_stops(tmp_path, monkeypatch):
-    from raytrain_events.ray import preemption
+    from raytrain_events.ray.guards import preemption
 
     folder = str(tmp_path / "run" / "checkpoints")
     guard = PreemptionGuard(dist=LocalDist(), run_url=str(tmp_path / "run"), sigterm=False, notice_fn=lambda: None)
@@ -175,7 +175,7 @@ def test_a_sigterm_noted_by_the_handler_saves_and_stops(tmp_path, monkeypatch):
 def test_the_sigterm_handler_notes_the_signal_at_once_and_restores_the_previous_one():
     import signal
 
-    from raytrain_events.ray import preemption
+    from raytrain_events.ray.guards import preemption
 
     before = signal.getsignal(signal.SIGTERM)
     assert preemption._install_handler()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from raytrain_events.checkpoint.index import CheckpointIndex
+from raytrain_events.checkpoint.folder.index import CheckpointIndex
 from raytrain_events.report import write_report
 
 

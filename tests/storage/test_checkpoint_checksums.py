@@ -1,4 +1,4 @@
-"""checkpoint/checksums.py: CRC32 combination, torch's zip CRC switched off (and back), and
+"""checkpoint/format/checksums.py: CRC32 combination, torch's zip CRC switched off (and back), and
 files saved that way loading through every reader (local mmap, memory://, S3, packed; S3's
 ranged GETs of such files: test_objectstore_transfers.py). Real torch, real files, a real
 S3 API (moto on 127.0.0.1)."""
@@ -16,9 +16,10 @@ import pytest
 import torch
 from torch.utils.serialization import config
 
-from raytrain_events.checkpoint import checksums
-from raytrain_events.checkpoint import format as fmt
-from raytrain_events.checkpoint import reader as fmt_reader
+from raytrain_events.checkpoint.format import checksums
+from raytrain_events.checkpoint.format import manifest as fmt_manifest
+from raytrain_events.checkpoint.format import reader as fmt_reader
+from raytrain_events.checkpoint.format import writer as fmt_writer
 from raytrain_events.storage import fs as sfs
 
 
@@ -68,7 +69,7 @@ def test_zip_crc_off_in_one_thread_leaves_other_threads_alone():
     t = threading.Thread(target=user)
     t.start()
     inside.wait()
-    assert config.save.compute_crc32 is True and any(_zip_crcs(fmt.serialize({"w": torch.ones(3)})))
+    assert config.save.compute_crc32 is True and any(_zip_crcs(fmt_writer.serialize({"w": torch.ones(3)})))
     leave.set()
     t.join()
     assert seen == [False, True]
@@ -100,20 +101,20 @@ def _zip_crcs(data: bytes) -> list[int]:
 def test_files_saved_without_zip_crc_load_through_every_reader(storage, backend, pack, monkeypatch):
     url, opts = storage
     state = _big_state()
-    info = fmt.write_checkpoint(
+    info = fmt_writer.write_checkpoint(
         url, files={"state.pt": state}, timestamp={"batch": 1}, world_size=1, storage_options=opts, pack=pack
     )
-    fs, path = sfs.resolve(sfs.join(info.url, fmt.MANIFEST if pack else "state.pt"), opts)
+    fs, path = sfs.resolve(sfs.join(info.url, fmt_manifest.MANIFEST if pack else "state.pt"), opts)
     raw = sfs.read_bytes(fs, path)
     data = raw[raw.index(b"\n") + 1 :] if pack else raw
     assert len(data) == info.files[0].size and not any(_zip_crcs(data))  # torch wrote no zip CRCs
-    assert any(_zip_crcs(fmt.serialize(state)))  # control: torch.save on its own does
+    assert any(_zip_crcs(fmt_writer.serialize(state)))  # control: torch.save on its own does
     mapped: list = []
     real = fmt_reader._torch_load
     monkeypatch.setattr(
         fmt_reader, "_torch_load", lambda *a, **kw: mapped.append(kw.get("mmap", False)) or real(*a, **kw)
     )
-    loaded = fmt.read_checkpoint(info.url, storage_options=opts)
+    loaded = fmt_reader.read_checkpoint(info.url, storage_options=opts)
     assert torch.equal(loaded.files["state.pt"]["w"], state["w"]) and loaded.files["state.pt"]["step"] == 3
     assert mapped == [not pack and backend == "file"]  # local multi-file: torch.load(path, mmap=True)
     assert torch.equal(torch.load(io.BytesIO(data), weights_only=True)["w"], state["w"])  # plain torch.load too

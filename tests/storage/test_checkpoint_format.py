@@ -15,9 +15,10 @@ import zlib
 import pytest
 import torch
 
-from raytrain_events.checkpoint import format as fmt
-from raytrain_events.checkpoint import writer as fmt_writer
-from raytrain_events.checkpoint.store import latest_checkpoint, list_checkpoints, load_latest_valid
+from raytrain_events.checkpoint.folder.store import latest_checkpoint, list_checkpoints, load_latest_valid
+from raytrain_events.checkpoint.format import manifest as fmt_manifest
+from raytrain_events.checkpoint.format import reader as fmt_reader
+from raytrain_events.checkpoint.format import writer as fmt_writer
 from raytrain_events.storage import fs as sfs
 
 
@@ -59,9 +60,9 @@ def _assert_identical(a, b) -> None:
         assert a == b
 
 
-def _save(url, opts, batch: int, **kw) -> fmt.CheckpointInfo:
+def _save(url, opts, batch: int, **kw) -> fmt_manifest.CheckpointInfo:
     files = kw.pop("files", {"state.pt": {"batch": batch, "t": torch.full((3,), float(batch))}})
-    return fmt.write_checkpoint(
+    return fmt_writer.write_checkpoint(
         url,
         files=files,
         timestamp={"epoch": 0, "batch": batch},
@@ -77,7 +78,7 @@ def _save(url, opts, batch: int, **kw) -> fmt.CheckpointInfo:
 def test_round_trip_is_bit_identical(storage, pack):
     url, opts = storage
     tree = _tree()
-    info = fmt.write_checkpoint(
+    info = fmt_writer.write_checkpoint(
         url,
         files={"state.pt": tree, "rng-rank0.pt": {"seed": 3}},
         timestamp={"epoch": 2, "batch": 123},
@@ -86,14 +87,14 @@ def test_round_trip_is_bit_identical(storage, pack):
         storage_options=opts,
         pack=pack,
     )
-    assert fmt.CHECKPOINT_NAME_RE.match(info.name) and info.name.startswith("ckpt-000000000123-")
-    loaded = fmt.read_checkpoint(info.url, storage_options=opts)
+    assert fmt_manifest.CHECKPOINT_NAME_RE.match(info.name) and info.name.startswith("ckpt-000000000123-")
+    loaded = fmt_reader.read_checkpoint(info.url, storage_options=opts)
     _assert_identical(loaded.files["state.pt"], tree)
     assert loaded.files["rng-rank0.pt"] == {"seed": 3}
     assert loaded.info == info
     assert info.timestamp == {"epoch": 2, "batch": 123}
     assert info.metadata == {"note": "hi", "lr": [0.1]}
-    assert info.packed == pack and fmt.FORMAT_VERSION == 4
+    assert info.packed == pack and fmt_manifest.FORMAT_VERSION == 4
     assert info.format_version == (3 if pack else 4)  # packed: 3; multi-file with crc32 records: 4
     assert all(len(f.crc32) == 8 and f.sha256 == "" and f.checksum == ("crc32", f.crc32) for f in info.files)
     assert {f.name for f in info.files} == {"state.pt", "rng-rank0.pt"}
@@ -108,41 +109,48 @@ def test_manifest_is_written_last(storage, monkeypatch):
         fmt_writer, "write_bytes_create_only", lambda fs, p, d, **kw: (order.append(p), real_create(fs, p, d, **kw))
     )
     _save(url, opts, 1, files={"a.pt": 1, "b.pt": 2, "c.pt": 3})
-    assert [sfs.basename(p) for p in order] == ["a.pt", "b.pt", "c.pt", fmt.MANIFEST]
+    assert [sfs.basename(p) for p in order] == ["a.pt", "b.pt", "c.pt", fmt_manifest.MANIFEST]
 
 
 def test_uncommitted_directory_is_ignored(storage):
     url, opts = storage
     good = _save(url, opts, 10)
-    pending = fmt.new_checkpoint_url(url, timestamp={"batch": 20})
-    fmt.write_checkpoint_file(pending, "state.pt", {"x": torch.ones(2)}, storage_options=opts)
+    pending = fmt_writer.new_checkpoint_url(url, timestamp={"batch": 20})
+    fmt_writer.write_checkpoint_file(pending, "state.pt", {"x": torch.ones(2)}, storage_options=opts)
     assert [c.name for c in list_checkpoints(url, storage_options=opts)] == [good.name]
     assert latest_checkpoint(url, storage_options=opts).name == good.name
-    with pytest.raises(fmt.CheckpointNotCommittedError, match="never committed"):
-        fmt.read_checkpoint(pending, storage_options=opts)
+    with pytest.raises(fmt_manifest.CheckpointNotCommittedError, match="never committed"):
+        fmt_reader.read_checkpoint(pending, storage_options=opts)
 
 
 def test_rank_files_are_committed_by_rank_zero(storage):
     url, opts = storage
-    ckpt = fmt.new_checkpoint_url(url, timestamp={"batch": 5})
+    ckpt = fmt_writer.new_checkpoint_url(url, timestamp={"batch": 5})
     # each "rank" uploads its own RNG file and hands the entry to rank 0
-    entries = [fmt.write_checkpoint_file(ckpt, fmt.rng_file_name(r), {"rank": r}, storage_options=opts) for r in (1, 0)]
-    entries.append(fmt.write_checkpoint_file(ckpt, "state.pt", {"w": torch.ones(1)}, storage_options=opts))
-    info = fmt.commit_checkpoint(ckpt, entries=entries, timestamp={"batch": 5}, world_size=2, storage_options=opts)
+    entries = [
+        fmt_writer.write_checkpoint_file(ckpt, fmt_writer.rng_file_name(r), {"rank": r}, storage_options=opts)
+        for r in (1, 0)
+    ]
+    entries.append(fmt_writer.write_checkpoint_file(ckpt, "state.pt", {"w": torch.ones(1)}, storage_options=opts))
+    info = fmt_writer.commit_checkpoint(
+        ckpt, entries=entries, timestamp={"batch": 5}, world_size=2, storage_options=opts
+    )
     assert [f.name for f in info.files] == ["rng-rank0.pt", "rng-rank1.pt", "state.pt"]
-    only = fmt.read_checkpoint(ckpt, storage_options=opts, files=["rng-rank1.pt"])
+    only = fmt_reader.read_checkpoint(ckpt, storage_options=opts, files=["rng-rank1.pt"])
     assert only.files == {"rng-rank1.pt": {"rank": 1}}
-    with pytest.raises(fmt.CheckpointError, match="already committed"):
-        fmt.commit_checkpoint(ckpt, entries=entries, timestamp={"batch": 5}, world_size=2, storage_options=opts)
+    with pytest.raises(fmt_manifest.CheckpointError, match="already committed"):
+        fmt_writer.commit_checkpoint(ckpt, entries=entries, timestamp={"batch": 5}, world_size=2, storage_options=opts)
 
 
 def test_commit_refuses_when_a_rank_file_is_missing(storage):
     url, opts = storage
-    ckpt = fmt.new_checkpoint_url(url, timestamp={"batch": 5})
-    e0 = fmt.write_checkpoint_file(ckpt, "rng-rank0.pt", 0, storage_options=opts)
-    ghost = fmt.FileEntry("rng-rank1.pt", 10, "0" * 64)
-    with pytest.raises(fmt.CheckpointError, match="rng-rank1.pt"):
-        fmt.commit_checkpoint(ckpt, entries=[e0, ghost], timestamp={"batch": 5}, world_size=2, storage_options=opts)
+    ckpt = fmt_writer.new_checkpoint_url(url, timestamp={"batch": 5})
+    e0 = fmt_writer.write_checkpoint_file(ckpt, "rng-rank0.pt", 0, storage_options=opts)
+    ghost = fmt_manifest.FileEntry("rng-rank1.pt", 10, "0" * 64)
+    with pytest.raises(fmt_manifest.CheckpointError, match="rng-rank1.pt"):
+        fmt_writer.commit_checkpoint(
+            ckpt, entries=[e0, ghost], timestamp={"batch": 5}, world_size=2, storage_options=opts
+        )
     assert list_checkpoints(url, storage_options=opts) == []
 
 
@@ -154,8 +162,8 @@ def test_corrupted_byte_is_detected_and_load_latest_valid_falls_back(storage, ca
     data = bytearray(sfs.read_bytes(fs, path))
     data[len(data) // 2] ^= 0x01
     sfs.write_bytes_atomic(fs, path, bytes(data))
-    with pytest.raises(fmt.CheckpointCorruptError) as e:
-        fmt.read_checkpoint(newer.url, storage_options=opts)
+    with pytest.raises(fmt_manifest.CheckpointCorruptError) as e:
+        fmt_reader.read_checkpoint(newer.url, storage_options=opts)
     entry = newer.files[0]
     assert "state.pt" in str(e.value) and f"expected {entry.size} bytes with crc32 {entry.crc32}" in str(e.value)
     assert f"crc32 {zlib.crc32(bytes(data)):08x}" in str(e.value)
@@ -167,12 +175,12 @@ def test_corrupted_byte_is_detected_and_load_latest_valid_falls_back(storage, ca
 
 def _commit_files(url, opts, batch, files: dict, record) -> str:
     """A multi-file checkpoint built from known bytes, its records made by ``record(name, data)``."""
-    ckpt = fmt.new_checkpoint_url(url, timestamp={"batch": batch})
+    ckpt = fmt_writer.new_checkpoint_url(url, timestamp={"batch": batch})
     for name, data in files.items():
         fs, path = sfs.resolve(sfs.join(ckpt, name), opts)
         sfs.write_bytes_atomic(fs, path, data)
     entries = [record(name, data) for name, data in files.items()]
-    fmt.commit_checkpoint(ckpt, entries=entries, timestamp={"batch": batch}, world_size=1, storage_options=opts)
+    fmt_writer.commit_checkpoint(ckpt, entries=entries, timestamp={"batch": batch}, world_size=1, storage_options=opts)
     return ckpt
 
 
@@ -180,46 +188,50 @@ def test_format_version_1_multi_file_checkpoint_still_loads_and_is_verified(stor
     """Checkpoints written before the CRC32 records (sha256 per file, format_version 1) load,
     and a flipped byte in them is still caught, by their sha256."""
     url, opts = storage
-    data = fmt.serialize({"w": torch.arange(300_000, dtype=torch.float32)})  # > 1 MiB: the mmap path locally
+    data = fmt_writer.serialize({"w": torch.arange(300_000, dtype=torch.float32)})  # > 1 MiB: the mmap path locally
     ckpt = _commit_files(
-        url, opts, 1, {"state.pt": data}, lambda n, d: fmt.FileEntry(n, len(d), hashlib.sha256(d).hexdigest())
+        url, opts, 1, {"state.pt": data}, lambda n, d: fmt_manifest.FileEntry(n, len(d), hashlib.sha256(d).hexdigest())
     )
-    info = fmt.read_checkpoint(ckpt, storage_options=opts).info
+    info = fmt_reader.read_checkpoint(ckpt, storage_options=opts).info
     assert info.format_version == 1 and info.files[0].checksum == ("sha256", hashlib.sha256(data).hexdigest())
-    assert torch.equal(fmt.read_checkpoint(ckpt, storage_options=opts).files["state.pt"]["w"], torch.arange(300_000.0))
+    assert torch.equal(
+        fmt_reader.read_checkpoint(ckpt, storage_options=opts).files["state.pt"]["w"], torch.arange(300_000.0)
+    )
     bad = bytearray(data)
     bad[len(bad) // 2] ^= 0x01
     fs, path = sfs.resolve(sfs.join(ckpt, "state.pt"), opts)
     sfs.write_bytes_atomic(fs, path, bytes(bad))
-    with pytest.raises(fmt.CheckpointCorruptError, match=f"with sha256 {hashlib.sha256(bytes(bad)).hexdigest()}"):
-        fmt.read_checkpoint(ckpt, storage_options=opts)
+    with pytest.raises(
+        fmt_manifest.CheckpointCorruptError, match=f"with sha256 {hashlib.sha256(bytes(bad)).hexdigest()}"
+    ):
+        fmt_reader.read_checkpoint(ckpt, storage_options=opts)
 
 
 def test_a_manifest_may_mix_crc32_and_sha256_records(storage):
     """Entries a caller made with hashlib (sha256) beside ours (CRC32): version 4, each record
     verified by its own checksum; a malformed crc32 is refused."""
     url, opts = storage
-    rng, shard = fmt.serialize({"seed": 1}), b"dcp shard bytes"
+    rng, shard = fmt_writer.serialize({"seed": 1}), b"dcp shard bytes"
     ckpt = _commit_files(
         url,
         opts,
         1,
         {"rng-rank0.pt": rng, "__0_0.distcp": shard},
         lambda n, d: (
-            fmt.FileEntry(n, len(d), "", crc32=f"{zlib.crc32(d):08x}")
+            fmt_manifest.FileEntry(n, len(d), "", crc32=f"{zlib.crc32(d):08x}")
             if n.endswith(".pt")
-            else fmt.FileEntry(n, len(d), hashlib.sha256(d).hexdigest())
+            else fmt_manifest.FileEntry(n, len(d), hashlib.sha256(d).hexdigest())
         ),
     )
-    loaded = fmt.read_checkpoint(ckpt, files=["rng-rank0.pt"], storage_options=opts)
+    loaded = fmt_reader.read_checkpoint(ckpt, files=["rng-rank0.pt"], storage_options=opts)
     assert loaded.info.format_version == 4 and loaded.files["rng-rank0.pt"] == {"seed": 1}
     assert {f.name: f.checksum[0] for f in loaded.info.files} == {"rng-rank0.pt": "crc32", "__0_0.distcp": "sha256"}
-    fs, path = sfs.resolve(sfs.join(ckpt, fmt.MANIFEST), opts)
+    fs, path = sfs.resolve(sfs.join(ckpt, fmt_manifest.MANIFEST), opts)
     manifest = json.loads(sfs.read_bytes(fs, path))
     manifest["files"][1]["crc32"] = "XYZ"
     sfs.write_bytes_atomic(fs, path, json.dumps(manifest).encode())
-    with pytest.raises(fmt.CheckpointCorruptError, match="crc32 of 'rng-rank0.pt' is 'XYZ'"):
-        fmt.read_checkpoint(ckpt, storage_options=opts)
+    with pytest.raises(fmt_manifest.CheckpointCorruptError, match="crc32 of 'rng-rank0.pt' is 'XYZ'"):
+        fmt_reader.read_checkpoint(ckpt, storage_options=opts)
 
 
 def test_truncated_file_is_corrupt(storage):
@@ -227,21 +239,21 @@ def test_truncated_file_is_corrupt(storage):
     info = _save(url, opts, 3)
     fs, path = sfs.resolve(sfs.join(info.url, "state.pt"), opts)
     sfs.write_bytes_atomic(fs, path, sfs.read_bytes(fs, path)[:-7])
-    with pytest.raises(fmt.CheckpointCorruptError, match="got"):
-        fmt.read_checkpoint(info.url, storage_options=opts)
+    with pytest.raises(fmt_manifest.CheckpointCorruptError, match="got"):
+        fmt_reader.read_checkpoint(info.url, storage_options=opts)
     assert load_latest_valid(url, storage_options=opts) is None
 
 
 def test_newer_format_version_names_both_versions(storage):
     url, opts = storage
     info = _save(url, opts, 1)
-    fs, path = sfs.resolve(sfs.join(info.url, fmt.MANIFEST), opts)
+    fs, path = sfs.resolve(sfs.join(info.url, fmt_manifest.MANIFEST), opts)
     manifest = json.loads(sfs.read_bytes(fs, path))
     manifest["format_version"] = 99
     sfs.write_bytes_atomic(fs, path, json.dumps(manifest).encode())
-    with pytest.raises(fmt.UnsupportedCheckpointVersionError, match=r"99.*1\.\.4.*upgrade"):
-        fmt.read_checkpoint(info.url, storage_options=opts)
-    with pytest.raises(fmt.UnsupportedCheckpointVersionError):  # no silent fallback to older
+    with pytest.raises(fmt_manifest.UnsupportedCheckpointVersionError, match=r"99.*1\.\.4.*upgrade"):
+        fmt_reader.read_checkpoint(info.url, storage_options=opts)
+    with pytest.raises(fmt_manifest.UnsupportedCheckpointVersionError):  # no silent fallback to older
         load_latest_valid(url, storage_options=opts)
 
 
@@ -255,7 +267,7 @@ class _Evil:
 
 def _evil_bytes(kind: str, marker: str) -> bytes:
     payload = {"model": {"w": torch.ones(1)}, "x": _Evil(marker)}
-    return fmt.serialize(payload) if kind == "torch.save" else pickle.dumps(payload, protocol=2)
+    return fmt_writer.serialize(payload) if kind == "torch.save" else pickle.dumps(payload, protocol=2)
 
 
 @pytest.mark.parametrize("kind", ["torch.save", "pickle"])
@@ -263,20 +275,20 @@ def test_malicious_pickle_with_correct_checksum_is_refused(storage, kind, tmp_pa
     url, opts = storage
     marker = f"/tmp/pwned-{uuid.uuid4().hex}"
     data = _evil_bytes(kind, marker)
-    ckpt = fmt.new_checkpoint_url(url, timestamp={"batch": 1})
+    ckpt = fmt_writer.new_checkpoint_url(url, timestamp={"batch": 1})
     fs, path = sfs.resolve(sfs.join(ckpt, "state.pt"), opts)
     sfs.write_bytes_atomic(fs, path, data)
-    entry = fmt.FileEntry("state.pt", len(data), hashlib.sha256(data).hexdigest())
-    fmt.commit_checkpoint(
+    entry = fmt_manifest.FileEntry("state.pt", len(data), hashlib.sha256(data).hexdigest())
+    fmt_writer.commit_checkpoint(
         ckpt, entries=[entry], timestamp={"batch": 1}, world_size=1, storage_options=opts
     )  # the attacker rewrote the manifest too
     try:
-        with pytest.raises(fmt.UnsafeCheckpointError) as e:
-            fmt.read_checkpoint(ckpt, storage_options=opts)
+        with pytest.raises(fmt_manifest.UnsafeCheckpointError) as e:
+            fmt_reader.read_checkpoint(ckpt, storage_options=opts)
         msg = str(e.value)
         assert "state.pt" in msg and "Nothing in the file was executed" in msg
         assert "weights_only=False" in msg
-        with pytest.raises(fmt.UnsafeCheckpointError):  # not silently skipped either
+        with pytest.raises(fmt_manifest.UnsafeCheckpointError):  # not silently skipped either
             load_latest_valid(url, storage_options=opts)
         assert not os.path.exists(marker)
         # positive control: the payload really does run code under a plain unpickler
@@ -291,7 +303,7 @@ def test_malicious_pickle_with_correct_checksum_is_refused(storage, kind, tmp_pa
 def test_invalid_inputs_are_rejected_with_fixes(storage):
     url, opts = storage
     with pytest.raises(TypeError, match="plain int"):
-        fmt.write_checkpoint(
+        fmt_writer.write_checkpoint(
             url, files={"a.pt": 1}, timestamp={"batch": torch.tensor(3)}, world_size=1, storage_options=opts
         )
     with pytest.raises(TypeError, match="JSON"):
@@ -299,5 +311,5 @@ def test_invalid_inputs_are_rejected_with_fixes(storage):
     with pytest.raises(ValueError, match="no '/'"):
         _save(url, opts, 1, files={"../escape.pt": 1})
     with pytest.raises(ValueError):
-        _save(url, opts, 1, files={fmt.MANIFEST: 1})
+        _save(url, opts, 1, files={fmt_manifest.MANIFEST: 1})
     assert list_checkpoints(url, storage_options=opts) == []

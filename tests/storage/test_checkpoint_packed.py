@@ -1,4 +1,4 @@
-"""checkpoint/packed.py: one object (manifest + payloads) written with one create-only request.
+"""checkpoint/format/packed.py: one object (manifest + payloads) written with one create-only request.
 
 Real local files, memory:// and a real S3 API (moto on 127.0.0.1) via the ``storage`` fixture.
 """
@@ -18,11 +18,17 @@ import zlib
 import pytest
 import torch
 
-from raytrain_events.checkpoint import checksums, packed
-from raytrain_events.checkpoint import format as fmt
-from raytrain_events.checkpoint import writer as fmt_writer
-from raytrain_events.checkpoint.index import CheckpointIndex
-from raytrain_events.checkpoint.store import latest_checkpoint, list_checkpoints, load_latest_valid, prune_checkpoints
+from raytrain_events.checkpoint.folder.index import CheckpointIndex
+from raytrain_events.checkpoint.folder.store import (
+    latest_checkpoint,
+    list_checkpoints,
+    load_latest_valid,
+    prune_checkpoints,
+)
+from raytrain_events.checkpoint.format import checksums, packed
+from raytrain_events.checkpoint.format import manifest as fmt_manifest
+from raytrain_events.checkpoint.format import reader as fmt_reader
+from raytrain_events.checkpoint.format import writer as fmt_writer
 from raytrain_events.storage import fs as sfs
 
 
@@ -31,9 +37,9 @@ def _state(batch: int) -> dict:
     return {"batch": batch, "w": torch.randn(64, 33, generator=g), "b": torch.arange(5).to(torch.bfloat16)}
 
 
-def _save(url, opts, batch: int, **kw) -> fmt.CheckpointInfo:
+def _save(url, opts, batch: int, **kw) -> fmt_manifest.CheckpointInfo:
     files = kw.pop("files", {"rng-rank0.pt": {"seed": batch}, "state.pt": _state(batch)})
-    return fmt.write_checkpoint(
+    return fmt_writer.write_checkpoint(
         url,
         files=files,
         timestamp={"epoch": 0, "batch": batch},
@@ -50,7 +56,7 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def _manifest(opts, info) -> tuple:
-    fs, path = sfs.resolve(sfs.join(info.url, fmt.MANIFEST), opts)
+    fs, path = sfs.resolve(sfs.join(info.url, fmt_manifest.MANIFEST), opts)
     return fs, path, sfs.read_bytes(fs, path)
 
 
@@ -58,16 +64,18 @@ def test_round_trip_is_one_object_in_the_checkpoint_directory(storage):
     url, opts = storage
     info = _save(url, opts, 7)
     assert info.packed and info.format_version == 3 and [f.name for f in info.files] == ["rng-rank0.pt", "state.pt"]
-    loaded = fmt.read_checkpoint(info.url, storage_options=opts)
+    loaded = fmt_reader.read_checkpoint(info.url, storage_options=opts)
     assert loaded.info == info
     assert _same(loaded.files["state.pt"], _state(7)) and loaded.files["rng-rank0.pt"] == {"seed": 7}
-    only = fmt.read_checkpoint(info.url, storage_options=opts, files=["rng-rank0.pt"])
+    only = fmt_reader.read_checkpoint(info.url, storage_options=opts, files=["rng-rank0.pt"])
     assert only.files == {"rng-rank0.pt": {"seed": 7}}
-    assert fmt.read_manifest(info.url, storage_options=opts) == info
+    assert fmt_reader.read_manifest(info.url, storage_options=opts) == info
     # still a directory (what Ray Train registers), holding only the commit object
     fs, path, raw = _manifest(opts, info)
     ckpt_dir = sfs.resolve(info.url, opts)[1]
-    assert fs.isdir(ckpt_dir) and [sfs.basename(e["name"]) for e in sfs.list_dir(fs, ckpt_dir)] == [fmt.MANIFEST]
+    assert fs.isdir(ckpt_dir) and [sfs.basename(e["name"]) for e in sfs.list_dir(fs, ckpt_dir)] == [
+        fmt_manifest.MANIFEST
+    ]
     # its first line is the manifest as JSON; the payloads follow, as torch.save wrote them
     header = json.loads(raw.split(b"\n", 1)[0])
     assert header["packed"] is True and header["format_version"] == 3 and header["metadata"]["note"] == "packed"
@@ -78,7 +86,7 @@ def test_round_trip_is_one_object_in_the_checkpoint_directory(storage):
         assert f.crc32 == record["crc32"] and f.sha256 == "" and f.checksum == ("crc32", f.crc32)
     state = next(f for f in info.files if f.name == "state.pt")
     with checksums.torch_zip_crc_off():  # the payload is torch.save's bytes, serialized without zip CRCs
-        assert raw[start + state.offset : start + state.offset + state.size] == fmt.serialize(_state(7))
+        assert raw[start + state.offset : start + state.offset + state.size] == fmt_writer.serialize(_state(7))
     assert len(raw) == info.packed_size
 
 
@@ -96,7 +104,7 @@ def test_listed_loaded_latest_and_pruned_with_multi_file_checkpoints(storage):
     assert sorted(sfs.basename(e["name"]) for e in dirs) == sorted(i.name for i in infos[3:])
     latest = load_latest_valid(url, storage_options=opts)  # the listing read only a range of each
     assert latest.info.name == infos[-1].name and _same(latest.files["state.pt"], _state(5))
-    older = fmt.read_checkpoint_files(listed[3], storage_options=opts)  # packed, from the listing
+    older = fmt_reader.read_checkpoint_files(listed[3], storage_options=opts)  # packed, from the listing
     assert _same(older.files["state.pt"], _state(4))
 
 
@@ -113,7 +121,7 @@ def test_failed_single_put_leaves_previous_latest(storage, monkeypatch):
     with pytest.raises(ConnectionError, match="injected"):
         _save(url, opts, 200)
     monkeypatch.undo()
-    assert len(calls) == 1 and calls[0].endswith(fmt.MANIFEST)
+    assert len(calls) == 1 and calls[0].endswith(fmt_manifest.MANIFEST)
     assert latest_checkpoint(url, storage_options=opts).name == good.name
     loaded = load_latest_valid(url, storage_options=opts)
     assert loaded.info.name == good.name and loaded.files["state.pt"]["batch"] == 100
@@ -157,12 +165,14 @@ def test_damaged_packed_file_is_refused_naming_it(storage, damage, caplog):
         data = data[: raw.index(b"\n") // 2]
     fs.rm(path)  # create-only objects are never rewritten by the library; an attacker/bit rot can
     sfs.write_bytes_atomic(fs, path, bytes(data))
-    with pytest.raises(fmt.CheckpointCorruptError) as e:
-        fmt.read_checkpoint(newer.url, storage_options=opts)
+    with pytest.raises(fmt_manifest.CheckpointCorruptError) as e:
+        fmt_reader.read_checkpoint(newer.url, storage_options=opts)
     msg = str(e.value)
     assert newer.url in msg and "Fix: load an older checkpoint" in msg
     if damage in ("truncated", "appended"):
-        assert fmt.MANIFEST in msg and f"expected {newer.packed_size} bytes" in msg and f"got {len(data)}" in msg
+        assert (
+            fmt_manifest.MANIFEST in msg and f"expected {newer.packed_size} bytes" in msg and f"got {len(data)}" in msg
+        )
     elif damage == "bit flip":  # names the file, both checksums and the fix
         state = next(f for f in newer.files if f.name == "state.pt")
         start = len(data) - sum(f.size for f in newer.files) + state.offset
@@ -185,9 +195,9 @@ def test_newer_packed_format_version_is_a_clear_error(storage):
     m["format_version"] = 5
     fs.rm(path)
     sfs.write_bytes_atomic(fs, path, json.dumps(m, separators=(",", ":")).encode() + b"\n" + rest)
-    with pytest.raises(fmt.UnsupportedCheckpointVersionError, match=r"format_version 5.*1\.\.4.*upgrade"):
-        fmt.read_checkpoint(info.url, storage_options=opts)
-    with pytest.raises(fmt.UnsupportedCheckpointVersionError):  # no silent fallback either
+    with pytest.raises(fmt_manifest.UnsupportedCheckpointVersionError, match=r"format_version 5.*1\.\.4.*upgrade"):
+        fmt_reader.read_checkpoint(info.url, storage_options=opts)
+    with pytest.raises(fmt_manifest.UnsupportedCheckpointVersionError):  # no silent fallback either
         list_checkpoints(url, storage_options=opts)
 
 
@@ -202,8 +212,8 @@ class _Evil:
 def test_malicious_pickle_in_a_packed_file_is_refused(storage, tmp_path):
     url, opts = storage
     marker = f"/tmp/pwned-{uuid.uuid4().hex}"
-    evil = fmt.serialize({"model": {"w": torch.ones(1)}, "x": _Evil(marker)})
-    good = fmt.serialize({"seed": 1})
+    evil = fmt_writer.serialize({"model": {"w": torch.ones(1)}, "x": _Evil(marker)})
+    good = fmt_writer.serialize({"seed": 1})
     files = [
         {"name": "rng-rank0.pt", "size": len(good), "sha256": hashlib.sha256(good).hexdigest(), "offset": 0},
         {"name": "state.pt", "size": len(evil), "sha256": hashlib.sha256(evil).hexdigest(), "offset": len(good)},
@@ -218,17 +228,17 @@ def test_malicious_pickle_in_a_packed_file_is_refused(storage, tmp_path):
         "files": files,
         "packed": True,
     }  # the attacker wrote a well-formed packed object with correct checksums
-    ckpt = fmt.new_checkpoint_url(url, timestamp={"batch": 1})
-    fs, path = sfs.resolve(sfs.join(ckpt, fmt.MANIFEST), opts)
+    ckpt = fmt_writer.new_checkpoint_url(url, timestamp={"batch": 1})
+    fs, path = sfs.resolve(sfs.join(ckpt, fmt_manifest.MANIFEST), opts)
     sfs.write_bytes_create_only(fs, path, packed.packed_object(manifest, [good, evil]))
     try:
-        assert fmt.read_checkpoint(ckpt, storage_options=opts, files=["rng-rank0.pt"]).files == {
+        assert fmt_reader.read_checkpoint(ckpt, storage_options=opts, files=["rng-rank0.pt"]).files == {
             "rng-rank0.pt": {"seed": 1}
         }
-        with pytest.raises(fmt.UnsafeCheckpointError) as e:
-            fmt.read_checkpoint(ckpt, storage_options=opts)
+        with pytest.raises(fmt_manifest.UnsafeCheckpointError) as e:
+            fmt_reader.read_checkpoint(ckpt, storage_options=opts)
         assert "state.pt" in str(e.value) and "Nothing in the file was executed" in str(e.value)
-        with pytest.raises(fmt.UnsafeCheckpointError):
+        with pytest.raises(fmt_manifest.UnsafeCheckpointError):
             load_latest_valid(url, storage_options=opts)
         assert not os.path.exists(marker)
         control = str(tmp_path / "control")  # positive control: the payload does run code when unpickled
@@ -242,9 +252,9 @@ def test_malicious_pickle_in_a_packed_file_is_refused(storage, tmp_path):
 def test_already_committed_packed_checkpoint_is_not_overwritten(storage):
     url, opts = storage
     info = _save(url, opts, 3, name="ckpt-000000000003-0000abcd")
-    with pytest.raises(fmt.CheckpointError, match="already committed"):
+    with pytest.raises(fmt_manifest.CheckpointError, match="already committed"):
         _save(url, opts, 3, name="ckpt-000000000003-0000abcd")
-    assert fmt.read_checkpoint(info.url, storage_options=opts).files["state.pt"]["batch"] == 3
+    assert fmt_reader.read_checkpoint(info.url, storage_options=opts).files["state.pt"]["batch"] == 3
 
 
 def test_write_checkpoint_packs_small_checkpoints_on_object_stores_only(storage, backend, monkeypatch):
@@ -260,11 +270,16 @@ def test_write_checkpoint_packs_small_checkpoints_on_object_stores_only(storage,
 def test_rank_files_plus_commit_still_multi_file(storage):
     """What several ranks do: each uploads its RNG file, rank 0 uploads the state and commits."""
     url, opts = storage
-    ckpt = fmt.new_checkpoint_url(url, timestamp={"batch": 9})
-    entries = [fmt.write_checkpoint_file(ckpt, fmt.rng_file_name(r), {"rank": r}, storage_options=opts) for r in (1, 0)]
-    entries.append(fmt.write_checkpoint_file(ckpt, "state.pt", _state(9), storage_options=opts))
-    info = fmt.commit_checkpoint(ckpt, entries=entries, timestamp={"batch": 9}, world_size=2, storage_options=opts)
-    assert not info.packed and info.format_version == fmt.MULTI_FILE_VERSION == 4
+    ckpt = fmt_writer.new_checkpoint_url(url, timestamp={"batch": 9})
+    entries = [
+        fmt_writer.write_checkpoint_file(ckpt, fmt_writer.rng_file_name(r), {"rank": r}, storage_options=opts)
+        for r in (1, 0)
+    ]
+    entries.append(fmt_writer.write_checkpoint_file(ckpt, "state.pt", _state(9), storage_options=opts))
+    info = fmt_writer.commit_checkpoint(
+        ckpt, entries=entries, timestamp={"batch": 9}, world_size=2, storage_options=opts
+    )
+    assert not info.packed and info.format_version == fmt_manifest.MULTI_FILE_VERSION == 4
     loaded = load_latest_valid(url, storage_options=opts)
     assert (
         loaded.info == info
@@ -289,7 +304,7 @@ def test_s3_requests_one_conditional_put_to_save_one_get_to_load(s3_server):
         info = _save(url, opts, 1, pack=None)  # 1 MiB-class checkpoints take this path by default
         assert calls == [("put_object", {"IfNoneMatch": "*"})]  # the commit itself: no HEAD, no LIST, no mkdir
         calls.clear()
-        assert _same(fmt.read_checkpoint(info.url, storage_options=opts).files["state.pt"], _state(1))
+        assert _same(fmt_reader.read_checkpoint(info.url, storage_options=opts).files["state.pt"], _state(1))
         assert calls == [("get_object", {})]  # manifest and payload arrive in the same response
         calls.clear()
         assert load_latest_valid(url, storage_options=opts).info.name == info.name
@@ -319,23 +334,23 @@ def test_big_packed_files_are_hashed_on_the_hashing_thread_and_still_verified(st
     monkeypatch.setattr(checksums, "hasher", counting)
     info = _save(url, opts, 1, files={"state.pt": big, "rng-rank0.pt": {"seed": 1}})
     with checksums.torch_zip_crc_off():
-        expected = f"{zlib.crc32(fmt.serialize(big)):08x}"
+        expected = f"{zlib.crc32(fmt_writer.serialize(big)):08x}"
     assert threaded and next(f for f in info.files if f.name == "state.pt").crc32 == expected
     threaded.clear()
-    assert torch.equal(fmt.read_checkpoint(info.url, storage_options=opts).files["state.pt"]["w"], big["w"])
+    assert torch.equal(fmt_reader.read_checkpoint(info.url, storage_options=opts).files["state.pt"]["w"], big["w"])
     assert threaded
     fs, path, raw = _manifest(opts, info)
     data = bytearray(raw)
     data[len(data) // 2] ^= 0x10  # inside a tensor's bytes: torch.load alone would not notice
     fs.rm(path)
     sfs.write_bytes_atomic(fs, path, bytes(data))
-    with pytest.raises(fmt.CheckpointCorruptError, match="'state.pt' packed in the manifest.json"):
-        fmt.read_checkpoint(info.url, storage_options=opts)
+    with pytest.raises(fmt_manifest.CheckpointCorruptError, match="'state.pt' packed in the manifest.json"):
+        fmt_reader.read_checkpoint(info.url, storage_options=opts)
 
 
 def _v2_object(files: dict) -> bytes:
     """A packed checkpoint as the format-version-2 writer made it: sha256 per file, zip CRCs on."""
-    payloads = [fmt.serialize(obj) for obj in files.values()]
+    payloads = [fmt_writer.serialize(obj) for obj in files.values()]
     entries, offset = [], 0
     for name, data in zip(files, payloads):
         entries.append({"name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(), "offset": offset})
@@ -356,13 +371,13 @@ def _v2_object(files: dict) -> bytes:
 def test_version_2_packed_checkpoint_with_sha256_still_loads(storage, caplog):
     url, opts = storage
     older = _save(url, opts, 1)  # a version-3 one below it, for the fallback
-    ckpt = fmt.new_checkpoint_url(url, timestamp={"batch": 5})
-    fs, path = sfs.resolve(sfs.join(ckpt, fmt.MANIFEST), opts)
+    ckpt = fmt_writer.new_checkpoint_url(url, timestamp={"batch": 5})
+    fs, path = sfs.resolve(sfs.join(ckpt, fmt_manifest.MANIFEST), opts)
     raw = _v2_object({"rng-rank0.pt": {"seed": 5}, "state.pt": _state(5)})
     sfs.write_bytes_create_only(fs, path, raw)
-    info = fmt.read_manifest(ckpt, storage_options=opts)
+    info = fmt_reader.read_manifest(ckpt, storage_options=opts)
     assert info.packed and info.format_version == 2 and all(f.crc32 == "" and len(f.sha256) == 64 for f in info.files)
-    loaded = fmt.read_checkpoint(ckpt, storage_options=opts)
+    loaded = fmt_reader.read_checkpoint(ckpt, storage_options=opts)
     assert _same(loaded.files["state.pt"], _state(5)) and loaded.files["rng-rank0.pt"] == {"seed": 5}
     assert info.manifest() == json.loads(raw.split(b"\n", 1)[0])  # re-serializes as version 2, sha256
     listed = list_checkpoints(url, storage_options=opts)
@@ -377,9 +392,9 @@ def test_version_2_packed_checkpoint_with_sha256_still_loads(storage, caplog):
     start = len(data) - sum(f.size for f in info.files) + state.offset
     got = hashlib.sha256(bytes(data[start : start + state.size])).hexdigest()
     with pytest.raises(
-        fmt.CheckpointCorruptError, match=f"'state.pt' packed .* expected sha256 {state.sha256}, got {got}"
+        fmt_manifest.CheckpointCorruptError, match=f"'state.pt' packed .* expected sha256 {state.sha256}, got {got}"
     ):
-        fmt.read_checkpoint(ckpt, storage_options=opts)
+        fmt_reader.read_checkpoint(ckpt, storage_options=opts)
     assert load_latest_valid(url, storage_options=opts).info.name == older.name
 
 
@@ -400,8 +415,8 @@ def test_version_3_file_record_without_a_valid_crc32_is_refused(storage, bad):
         record["crc32"] = int(crc, 16)
     fs.rm(path)
     sfs.write_bytes_atomic(fs, path, packed.header_line(m) + b"\n" + rest)
-    with pytest.raises(fmt.CheckpointCorruptError, match="malformed field"):
-        fmt.read_checkpoint(info.url, storage_options=opts)
+    with pytest.raises(fmt_manifest.CheckpointCorruptError, match="malformed field"):
+        fmt_reader.read_checkpoint(info.url, storage_options=opts)
 
 
 def test_s3_put_carries_the_objects_crc32(s3_server):
@@ -451,4 +466,4 @@ def test_zip_crc_is_off_while_we_save_and_restored_after(storage):
         fs, path = sfs.resolve(sfs.join(info.url, "state.pt"), opts)
         data = sfs.read_bytes(fs, path)
     assert not any(i.CRC for i in zipfile.ZipFile(io.BytesIO(data)).infolist())  # saved without zip CRCs
-    assert any(i.CRC for i in zipfile.ZipFile(io.BytesIO(fmt.serialize(_state(1)))).infolist())  # control
+    assert any(i.CRC for i in zipfile.ZipFile(io.BytesIO(fmt_writer.serialize(_state(1)))).infolist())  # control

@@ -1,4 +1,4 @@
-"""checkpoint/store.py: ordering, pruning, crash safety, background saves."""
+"""checkpoint/folder/store.py: ordering, pruning, crash safety, background saves."""
 
 from __future__ import annotations
 
@@ -13,26 +13,26 @@ import time
 import pytest
 import torch
 
-from raytrain_events.checkpoint import format as fmt
-from raytrain_events.checkpoint import writer as fmt_writer
-from raytrain_events.checkpoint.store import (
+from raytrain_events.checkpoint.folder.store import (
     AsyncCheckpointWriter,
     latest_checkpoint,
     list_checkpoints,
     load_latest_valid,
     prune_checkpoints,
 )
+from raytrain_events.checkpoint.format import manifest as fmt_manifest
+from raytrain_events.checkpoint.format import writer as fmt_writer
 from raytrain_events.storage import fs as sfs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _save(url, opts, batch: int, files=None, pack=None) -> fmt.CheckpointInfo:
+def _save(url, opts, batch: int, files=None, pack=None) -> fmt_manifest.CheckpointInfo:
     files = files or {
         "state.pt": {"batch": batch, "w": torch.full((4,), float(batch))},
         "rng-rank0.pt": {"seed": batch},
     }
-    return fmt.write_checkpoint(
+    return fmt_writer.write_checkpoint(
         url, files=files, timestamp={"batch": batch}, world_size=1, storage_options=opts, pack=pack
     )
 
@@ -89,14 +89,14 @@ def test_killed_process_mid_save_leaves_previous_latest(storage, backend):
     script = textwrap.dedent(f"""
         import sys, time, json
         import torch
-        from raytrain_events.checkpoint import format as fmt, writer as fmt_writer
+        from raytrain_events.checkpoint.format import manifest as fmt_manifest, writer as fmt_writer
         real = fmt_writer._upload
         def slow(fs, path, data):
             real(fs, path, data)
             print("UPLOADED", flush=True)
             time.sleep(60)
         fmt_writer._upload = slow
-        fmt.write_checkpoint({url!r}, files={{"state.pt": torch.ones(3), "b.pt": 2}},
+        fmt_writer.write_checkpoint({url!r}, files={{"state.pt": torch.ones(3), "b.pt": 2}},
                              timestamp={{"batch": 2}}, world_size=1, pack=False,
                              storage_options=json.loads({json.dumps(opts)!r}))
     """)
@@ -127,11 +127,11 @@ def test_prune_keeps_exactly_n_newest(storage):
 
 def test_prune_removes_stale_uncommitted_but_not_in_flight(storage):
     url, opts = storage
-    crashed = fmt.new_checkpoint_url(url, timestamp={"batch": 3})
-    fmt.write_checkpoint_file(crashed, "state.pt", 1, storage_options=opts)
+    crashed = fmt_writer.new_checkpoint_url(url, timestamp={"batch": 3})
+    fmt_writer.write_checkpoint_file(crashed, "state.pt", 1, storage_options=opts)
     kept = _save(url, opts, 5)
-    in_flight = fmt.new_checkpoint_url(url, timestamp={"batch": 7})
-    fmt.write_checkpoint_file(in_flight, "state.pt", 1, storage_options=opts)
+    in_flight = fmt_writer.new_checkpoint_url(url, timestamp={"batch": 7})
+    fmt_writer.write_checkpoint_file(in_flight, "state.pt", 1, storage_options=opts)
     prune_checkpoints(url, keep=1, storage_options=opts)
     assert _dirs(url, opts) == sorted([kept.name, sfs.basename(in_flight)])
 

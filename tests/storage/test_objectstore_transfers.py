@@ -18,9 +18,11 @@ import zlib
 import pytest
 import torch
 
-from raytrain_events.checkpoint import format as fmt
-from raytrain_events.checkpoint.checksums import torch_zip_crc_off
-from raytrain_events.checkpoint.store import latest_checkpoint, load_latest_valid, prune_checkpoints
+from raytrain_events.checkpoint.folder.store import latest_checkpoint, load_latest_valid, prune_checkpoints
+from raytrain_events.checkpoint.format import manifest as fmt_manifest
+from raytrain_events.checkpoint.format import reader as fmt_reader
+from raytrain_events.checkpoint.format import writer as fmt_writer
+from raytrain_events.checkpoint.format.checksums import torch_zip_crc_off
 from raytrain_events.storage import fs as sfs
 from raytrain_events.storage import objectstore
 from raytrain_events.storage.crc32 import s3_checksum
@@ -49,7 +51,7 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def _save(url, opts, batch, obj=None):
-    return fmt.write_checkpoint(
+    return fmt_writer.write_checkpoint(
         url,
         files={"state.pt": obj or _state(batch)},
         timestamp={"batch": batch},
@@ -96,14 +98,14 @@ def test_large_file_goes_up_in_parts_and_comes_back_in_ranges(s3, calls):
     assert calls == ["create_multipart_upload"] + ["upload_part"] * 3 + ["complete_multipart_upload", "put_object"]
     stored = sfs.read_bytes(fs, sfs.resolve(sfs.join(info.url, "state.pt"), opts)[1])
     with torch_zip_crc_off():  # how checkpoints call torch.save (our CRC32 covers the bytes)
-        assert stored == fmt.serialize(obj)  # the bytes are what torch.save writes; the manifest hashes them
+        assert stored == fmt_writer.serialize(obj)  # the bytes are what torch.save writes; the manifest hashes them
     assert info.files[0].size == len(stored)
     calls.clear()
-    assert _same(fmt.read_checkpoint(info.url, storage_options=opts).files["state.pt"], obj)
+    assert _same(fmt_reader.read_checkpoint(info.url, storage_options=opts).files["state.pt"], obj)
     assert calls == ["get_object"] * 4  # manifest + 3 ranges, no HEAD
     # a reader with other part settings reads the same checkpoint (one plain GET)
     plain = {k: v for k, v in opts.items() if k not in ("default_block_size", "max_concurrency")}
-    assert _same(fmt.read_checkpoint(info.url, storage_options=plain).files["state.pt"], obj)
+    assert _same(fmt_reader.read_checkpoint(info.url, storage_options=plain).files["state.pt"], obj)
 
 
 def test_each_request_carries_the_crc32_of_its_body_and_the_manifest_the_files(s3, calls):
@@ -130,7 +132,9 @@ def test_small_file_is_one_put_and_one_get(s3, calls):
     info = _save(url, opts, 1, {"w": torch.ones(1000)})
     assert calls == ["put_object", "put_object"]
     calls.clear()
-    assert torch.equal(fmt.read_checkpoint(info.url, storage_options=opts).files["state.pt"]["w"], torch.ones(1000))
+    assert torch.equal(
+        fmt_reader.read_checkpoint(info.url, storage_options=opts).files["state.pt"]["w"], torch.ones(1000)
+    )
     assert calls == ["get_object", "get_object"]
 
 
@@ -186,7 +190,7 @@ def test_killed_process_mid_multipart_leaves_previous_latest(s3, s3_server):
     script = textwrap.dedent(f"""
         import json, time
         import torch
-        from raytrain_events.checkpoint import format as fmt
+        from raytrain_events.checkpoint.format import manifest as fmt_manifest, reader as fmt_reader, writer as fmt_writer
         from raytrain_events.storage import fs as sfs
         opts = json.loads({json.dumps(opts)!r})
         fs, _ = sfs.resolve({url!r}, opts)
@@ -198,7 +202,7 @@ def test_killed_process_mid_multipart_leaves_previous_latest(s3, s3_server):
                 time.sleep(60)  # blocks fsspec's loop: no further part, no complete
             return out
         fs._call_s3 = slow
-        fmt.write_checkpoint({url!r}, files={{"state.pt": {{"w": torch.randn(13 * 2**18)}}}},
+        fmt_writer.write_checkpoint({url!r}, files={{"state.pt": {{"w": torch.randn(13 * 2**18)}}}},
                              timestamp={{"batch": 2}}, world_size=1, storage_options=opts, pack=False)
     """)
     proc = subprocess.Popen(
@@ -235,8 +239,8 @@ def test_corrupted_part_is_detected_on_load(s3, caplog):
         return data
 
     bad = _rewrite(fs, opts, newer, flip)
-    with pytest.raises(fmt.CheckpointCorruptError) as e:
-        fmt.read_checkpoint(newer.url, storage_options=opts)
+    with pytest.raises(fmt_manifest.CheckpointCorruptError) as e:
+        fmt_reader.read_checkpoint(newer.url, storage_options=opts)
     msg = str(e.value)
     assert "state.pt" in msg and f"crc32 {newer.files[0].crc32}" in msg and f"crc32 {zlib.crc32(bad):08x}" in msg
     assert "load_latest_valid" in msg  # says what to do
@@ -250,8 +254,8 @@ def test_wrong_size_is_refused_before_the_other_ranges_are_read(s3, calls, delta
     info = _save(url, opts, 1)
     _rewrite(fs, opts, info, lambda d: d + b"x" * delta if delta > 0 else d[:delta])
     calls.clear()
-    with pytest.raises(fmt.CheckpointCorruptError, match=f"got {info.files[0].size + delta} bytes"):
-        fmt.read_checkpoint(info.url, storage_options=opts)
+    with pytest.raises(fmt_manifest.CheckpointCorruptError, match=f"got {info.files[0].size + delta} bytes"):
+        fmt_reader.read_checkpoint(info.url, storage_options=opts)
     assert calls == ["get_object", "get_object"]  # manifest, first range: it told the size
 
 
@@ -282,7 +286,7 @@ def test_download_resumes_after_a_dropped_connection(s3, monkeypatch):
         return out
 
     monkeypatch.setattr(fs, "_call_s3", flaky)
-    assert _same(fmt.read_checkpoint(info.url, storage_options=opts).files["state.pt"], obj)
+    assert _same(fmt_reader.read_checkpoint(info.url, storage_options=opts).files["state.pt"], obj)
     assert dropped
 
 
@@ -290,12 +294,12 @@ def test_missing_payload_is_reported_as_missing(s3):
     url, opts, fs = s3
     info = _save(url, opts, 1)
     fs.rm(sfs.resolve(sfs.join(info.url, "state.pt"), opts)[1])
-    with pytest.raises(fmt.CheckpointCorruptError, match="is missing"):
-        fmt.read_checkpoint(info.url, storage_options=opts)
+    with pytest.raises(fmt_manifest.CheckpointCorruptError, match="is missing"):
+        fmt_reader.read_checkpoint(info.url, storage_options=opts)
 
 
 def test_reader_serves_torch_load_from_a_bytearray():
-    data = bytearray(fmt.serialize({"w": torch.arange(10)}))
+    data = bytearray(fmt_writer.serialize({"w": torch.arange(10)}))
     f = objectstore.reader(data)
     assert torch.equal(torch.load(f, weights_only=True)["w"], torch.arange(10))
     f.seek(-3, 2)

@@ -14,7 +14,7 @@ import uuid
 import pytest
 import s3fs
 
-from raytrain_events.checkpoint.retry import is_transient
+from raytrain_events.checkpoint.folder.retry import is_transient
 from raytrain_events.storage import fs as sfs
 from raytrain_events.storage.errors import StorageError, WriteTimeoutError
 from raytrain_events.storage.objectstore import open_upload

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from raytrain_events import Callback, Trainer
 from raytrain_events.checkpoint.config import CheckpointConfig
-from raytrain_events.checkpoint.store import list_checkpoints
+from raytrain_events.checkpoint.folder.store import list_checkpoints
 from raytrain_events.core.state import CheckpointMismatchError
 from raytrain_events.loggers import FileLogger
 

@@ -44,7 +44,7 @@ def test_an_early_stop_names_the_scheduler_as_users_write_it_and_where():
 
 
 def test_a_late_async_validation_does_not_turn_a_finished_trial_into_a_stopped_one():
-    """Async validation results (ray/validation.py) arrive after the final report, at an earlier Timestamp."""
+    """Async validation results (ray/checkpointing/validation.py) arrive after the final report, at an earlier Timestamp."""
     console, lines = _console(ASHAScheduler(time_attr="time/sample", max_t=1000, grace_period=1))
     trial = _trial()
     console.on_trial_start(0, [], trial)

@@ -138,7 +138,7 @@ def test_best_checkpoint_is_the_best_reported_one():
 
 def test_async_validations_count_at_their_checkpoints_timestamp():
     """Validation entries arrive late; the trial's metric and its best checkpoint read them at their checkpoint."""
-    from raytrain_events.ray.validation import in_training_order
+    from raytrain_events.ray.checkpointing.validation import in_training_order
     from raytrain_events.tune.results import _best_checkpoint
 
     history = [
@@ -195,8 +195,8 @@ def test_grid_over_three_algorithm_sets(ray_cluster, tmp_path):
     from ray import tune
 
     from raytrain_events.checkpoint import CheckpointConfig
-    from raytrain_events.checkpoint.store import list_checkpoints
-    from raytrain_events.ray.validation import AsyncValidation
+    from raytrain_events.checkpoint.folder.store import list_checkpoints
+    from raytrain_events.ray.checkpointing.validation import AsyncValidation
 
     marks, dumps = tmp_path / "marks", tmp_path / "dumps"
     marks.mkdir()

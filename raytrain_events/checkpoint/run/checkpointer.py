@@ -1,0 +1,440 @@
+"""`Checkpointer`: saves the run at checkpoint events and restores it at start-up.
+
+It is a `Callback` placed first, so reporters running at the same event see the save.
+Saving: the training thread captures the RNG state and copies the `State` into reusable host
+buffers (``staging.py``) -- no collective, no storage I/O (ranks name the directory alike from a
+token agreed at set-up, ``save_channel.py``). Everything else runs on the background save, whose
+collectives use their own process group: every rank's RNG state is gathered to rank 0, which
+uploads the state and every rank's RNG file, commits the manifest, updates the folder's index
+and prunes (`Committer`).
+One save is in flight at a time; a save that comes due meanwhile is postponed to the first
+batch after it finished (training never waits on storage). Loading (`loading.py`) happens between INIT and
+AFTER_LOAD: ``autoresume`` takes the newest valid checkpoint of ``save_folder``, chosen by rank 0
+and shared; otherwise ``load_from``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from raytrain_events.checkpoint.config import CheckpointConfig
+from raytrain_events.checkpoint.dcp.safetensors_io import is_safetensors_dir, start_from_safetensors
+from raytrain_events.checkpoint.dcp.sharded import (
+    DCP_LAYOUT,
+    ShardedCheckpointIO,
+)
+from raytrain_events.checkpoint.folder.committer import Committer
+from raytrain_events.checkpoint.folder.folder import CheckpointFolder, LocalRetention
+from raytrain_events.checkpoint.folder.retention import local_keep
+from raytrain_events.checkpoint.folder.store import AsyncCheckpointWriter, DoneFuture
+from raytrain_events.checkpoint.format.manifest import (
+    CheckpointInfo,
+    CheckpointNotCommittedError,
+    FileEntry,
+    LoadedCheckpoint,
+)
+from raytrain_events.checkpoint.format.reader import read_checkpoint
+from raytrain_events.checkpoint.format.writer import CheckpointSave, new_checkpoint_url, rng_file_name
+from raytrain_events.checkpoint.host import CheckpointHost
+from raytrain_events.checkpoint.run.loading import apply_checkpoint, read_latest_shared
+from raytrain_events.checkpoint.run.preemption import SAVE_FLAG, save_on_sigterm
+from raytrain_events.checkpoint.run.rng import capture_rng_state
+from raytrain_events.checkpoint.run.save_channel import SaveChannel
+from raytrain_events.checkpoint.run.staging import Staged
+from raytrain_events.core.callback import Callback
+from raytrain_events.core.event import Event
+from raytrain_events.core.interval import make_interval
+from raytrain_events.core.time import TimeUnit, counters_of
+from raytrain_events.storage.fs import basename, refuse_file_folder
+from raytrain_events.storage.location import Location
+from raytrain_events.storage.locks import acquire_lock, release_lock
+from raytrain_events.storage.run_dir import STATE_FILE, RunDir
+
+_log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from raytrain_events.core.state import State
+
+__all__ = [
+    "Checkpointer",
+    "CheckpointHost",
+    "SavedCheckpoint",
+    "attach_checkpointing",
+    "find_checkpointer",
+    "STATE_FILE",
+]
+
+_BUSY_FLAG = "checkpoint_in_flight"  # some rank's previous save has not finished (see `_save_unless_busy`)
+
+
+@dataclass
+class SavedCheckpoint:
+    """A save in progress or done: its URL, and ``wait()`` until it is committed."""
+
+    url: str
+    name: str
+    rank: int
+    writer: Optional[AsyncCheckpointWriter]
+    future: Any = None
+    folder: Optional[CheckpointFolder] = None  # rank 0: the folder it commits into (Ray registration tells it)
+
+    def wait(self) -> Optional[CheckpointInfo]:
+        """Block until committed (rank 0) and return its info; other ranks return None."""
+        return None if self.future is None else self.future.result()
+
+
+class Checkpointer(Callback):
+    """Saves and loads checkpoints for one `Trainer` according to a `CheckpointConfig`.
+
+    Other components ask for a save with ``state.request("save")`` (on any rank); the ranks
+    agree on it through the loop's per-batch collective and every rank saves at that batch.
+    """
+
+    def __init__(self, host: CheckpointHost, config: CheckpointConfig) -> None:
+        self.keep = local_keep(config)
+        self.host = host
+        self.config = config
+        state = host.state
+        state.agreement.register(SAVE_FLAG)
+        state.agreement.register(_BUSY_FLAG)
+        self.options = dict(config.storage_options)
+        if config.save_folder is None:  # a plain Trainer's run directory
+            self.run = RunDir(os.path.abspath(os.path.join("runs", state.run_name)), self.options)
+            self.folder = self.run.checkpoints
+        else:
+            self.folder = config.save_folder
+            self.run = RunDir.of_checkpoints(self.folder, self.options)
+        self.run_dir = self.run.url
+        # A 'tok' interval needs a token counter (as eval_interval does): else no periodic save would happen.
+        counts_tokens = getattr(getattr(host, "train_spec", None), "counts_tokens", True)
+        self._interval = (
+            make_interval(config.save_interval, state.max_duration, counts_tokens=counts_tokens, what="save_interval")
+            if config.save_interval is not None
+            else None
+        )
+        self._writer = AsyncCheckpointWriter(keep_going=True) if config.async_save else None
+        model_sharded = host.parallel.sharded and host.dist.is_distributed
+        if model_sharded and config.sharded is False:
+            raise ValueError(
+                "CheckpointConfig(sharded=False) with parallelism='fsdp': a sharded model is saved as shards (no "
+                "rank holds the whole model). Fix: leave sharded=None; export one file with `raytrain-events export`."
+            )
+        self.sharded = bool(config.sharded) if config.sharded is not None else model_sharded
+        # Directory names without a per-save collective; the background saves' own process group.
+        self.channel = SaveChannel(host.dist, background=config.async_save)
+        self._sharded_io: Optional[ShardedCheckpointIO] = None
+        if self.sharded:
+            self._sharded_io = ShardedCheckpointIO(host, self.options, own_group=False, group=self.channel.group)
+        self._last_save_time = time.monotonic()
+        self._last_saved_batch: Optional[int] = None
+        self._sigterm = contextlib.ExitStack()
+        self._epoch_start_rng: Dict[str, Any] = capture_rng_state()
+        self.saved: List[SavedCheckpoint] = []
+        # The newest save no reporter has taken yet (see `take_unreported`).
+        self._unreported: Optional[SavedCheckpoint] = None
+        # Mid-epoch resume: (RNG state at the epoch's start, RNG state at the checkpoint).
+        self._resume_rng: Optional[Tuple[Any, Any]] = None
+        self.loaded: Optional[CheckpointInfo] = None
+        self.loaded_safetensors: Optional[str] = None  # load_from was a safetensors directory (weights only)
+        # Loading into a Trainer built for eval()/predict() only (see `load_for_inference`).
+        self.inference = False
+        # The folder's index and every deletion in it; retention is local unless Ray takes it over
+        # (`CheckpointFolder.retain_with_ray`, ray/checkpointing/checkpointing.py).
+        self.checkpoints = CheckpointFolder(self.folder, self.options, LocalRetention(self.keep))
+        self.committer = Committer(self.checkpoints, deadline_s=config.upload_deadline_s, run=self.run)
+        self._deferred = False  # a save came due while the previous one was still in flight
+        self._warned_slow = False
+        self.failures: List[Tuple[str, str]] = []  # (checkpoint URL, error) of saves that failed for good
+        # Whether this process saves now: always, except under replica groups, where one group (the lead of the
+        # step's quorum) saves the committed state for all (`ray/replica_groups.lead_saves`).
+        self.saves_here: Callable[[], bool] = lambda: True
+        self._lock = None
+        if state.rank == 0:
+            refuse_file_folder(self.folder, self.options)
+        if config.lock_run_dir and state.rank == 0:
+            # Refuses (RunLockedError naming the holder) if another live run holds this run dir.
+            self._lock = acquire_lock(self.run_dir, "running", storage_options=self.options, takeover_stale=True)
+
+    # ------------------------------------------------------------------ load
+    def load(self) -> Optional[CheckpointInfo]:
+        """Restore from ``autoresume`` (newest valid) or ``load_from``; None if nothing to load (or
+        ``load_from`` was a safetensors directory: weights only, see ``loaded_safetensors``)."""
+        config = self.config
+        loaded: Optional[LoadedCheckpoint] = None
+        if config.autoresume:
+            loaded = self._read_latest(self.folder)
+        ignore: Sequence[str] = ()
+        weights_only = False  # resuming this run's own checkpoint restores everything
+        if loaded is None and config.load_from and is_safetensors_dir(config.load_from, self.options):
+            self.loaded_safetensors = config.load_from  # model weights only (an export, a Hugging Face model)
+            start_from_safetensors(self.host.state.model, config)
+            return None
+        if loaded is None and config.load_from:
+            refuse_file_folder(config.load_from, self.options, what="load_from")  # e.g. .../state.pt
+            loaded = self._read(config.load_from)
+            if loaded is None:
+                raise FileNotFoundError(
+                    f"load_from={config.load_from!r} holds no committed checkpoint. Point it at a checkpoint "
+                    "directory (one with manifest.json) or a folder of them."
+                )
+            ignore = config.load_ignore_keys  # a partial start; resuming this run's own checkpoints loads all
+            weights_only = config.load_weights_only
+        if loaded is None:
+            return None
+        self._apply(loaded, ignore, weights_only)
+        self.loaded = loaded.info
+        self._last_saved_batch = self.host.state.timestamp.get_value(TimeUnit.BATCH)
+        return loaded.info
+
+    def _read_latest(self, folder: str) -> Optional[LoadedCheckpoint]:
+        """The newest valid checkpoint of ``folder``, chosen by rank 0 and shared (see `read_latest_shared`)."""
+        index = self.checkpoints.index if folder == self.folder else None
+        return read_latest_shared(self.host, folder, self.options, index)
+
+    def _read(self, url: str) -> Optional[LoadedCheckpoint]:
+        try:  # a checkpoint directory, else a folder of them
+            return read_checkpoint(url, storage_options=self.options, files=[STATE_FILE], map_location="cpu")
+        except CheckpointNotCommittedError:
+            return self._read_latest(url)
+
+    def _apply(self, loaded: LoadedCheckpoint, ignore: Sequence[str] = (), weights_only: bool = False) -> None:
+        rng = apply_checkpoint(
+            self.host,
+            loaded,
+            self.options,
+            strict=self.config.load_strict,
+            sharded_io=self._sharded_io,
+            inference=self.inference,
+            ignore=ignore,
+            weights_only=weights_only,
+        )
+        if rng is not None and self.host.state.timestamp.batch_in_epoch.value > 0:
+            self._resume_rng = (rng["epoch_start"], rng["now"])
+            self._epoch_start_rng = rng["epoch_start"]
+
+    # ------------------------------------------------------------------ save
+    def fit_start(self, state, logger) -> None:
+        if self.config.save_on_sigterm:
+            self._sigterm.enter_context(save_on_sigterm(state))
+
+    def take_resume_rng(self) -> Optional[Tuple[Any, Any]]:
+        """Once after a mid-epoch load: (RNG state at that epoch's start, RNG state at the save).
+
+        The loop restores the first before it iterates the data again (a shuffling sampler draws
+        from it), skips the batches already trained, then restores the second.
+        """
+        resume, self._resume_rng = self._resume_rng, None
+        return resume
+
+    def has_unreported(self) -> bool:
+        """True if a save happened since the last `take_unreported`."""
+        return self._unreported is not None
+
+    def take_unreported(self) -> Optional[SavedCheckpoint]:
+        """The newest save since the last call (None if none): what a reporter sends with its report."""
+        saved, self._unreported = self._unreported, None
+        return saved
+
+    def epoch_start(self, state, logger) -> None:
+        if self._resume_rng is None:  # a resumed epoch keeps the RNG state of its real start
+            self._epoch_start_rng = capture_rng_state()
+
+    def after_dataloader(self, state, logger) -> None:
+        if self._writer is not None and self._writer.busy:  # agreed by this batch's collective, like SAVE_FLAG
+            state.request(_BUSY_FLAG)
+        else:
+            state.agreement.clear(_BUSY_FLAG)
+        seconds = self.config.save_every_n_seconds
+        if seconds is not None and time.monotonic() - self._last_save_time >= seconds:
+            state.request(SAVE_FLAG)  # agreed across ranks by this batch's collective
+
+    def batch_checkpoint(self, state, logger) -> None:
+        steps = self.config.save_every_n_steps
+        due = state.agreed(SAVE_FLAG) or (steps is not None and state.step % steps == 0)
+        if not due and self._interval is not None and self.config.save_interval.unit != TimeUnit.EPOCH:
+            due = self._interval(state, Event.BATCH_END)
+        if due or self._deferred:
+            self._save_unless_busy(state)
+
+    def epoch_checkpoint(self, state, logger) -> None:
+        if self._interval is not None and self.config.save_interval.unit == TimeUnit.EPOCH:
+            if self._interval(state, Event.EPOCH_END):
+                self._save_unless_busy(state)
+
+    def _save_unless_busy(self, state: State) -> None:
+        """Save now, or, while some rank's previous save is still in flight, at the first batch after
+        it finished: a slow store delays the next save, never training (said once, as a warning)."""
+        if state.agreed(_BUSY_FLAG):
+            if not self._deferred and not self._warned_slow:
+                self._warned_slow = True
+                _log.warning(
+                    "Checkpoint save due at batch %d is postponed: the previous save is still uploading. Saves are "
+                    "taken as fast as storage accepts them (training does not wait); said once per run.",
+                    state.timestamp.get_value(TimeUnit.BATCH),
+                )
+            self._deferred = True
+            return
+        self._deferred = False
+        self.save()
+
+    def fit_end(self, state, logger) -> None:
+        # A save asked for at the last batch (SIGTERM) is not agreed by any later batch: save anyway.
+        if self.config.save_final or state.agreement.requested(SAVE_FLAG):
+            self.save()
+
+    def save(self) -> Optional[SavedCheckpoint]:
+        """Save now (every rank must call this at the same batch); None if this batch is saved."""
+        host, state, dist = self.host, self.host.state, self.host.dist
+        batch = state.timestamp.get_value(TimeUnit.BATCH)
+        if batch == self._last_saved_batch or not self.saves_here():
+            return None
+        timestamp = counters_of(state.timestamp)
+        url = new_checkpoint_url(self.folder, timestamp=timestamp, name=self.channel.name(timestamp))
+        rng = {"now": capture_rng_state(), "epoch_start": self._epoch_start_rng}  # fresh copies
+        metadata = {
+            "config": host.config,
+            "run_name": state.run_name,
+            # Where the epoch's data order stands, in global samples (any world size resumes from it).
+            "data_position": {
+                "epoch": timestamp["epoch"],
+                "batch_in_epoch": state.timestamp.batch_in_epoch.value,
+                "sample_in_epoch": state.timestamp.sample_in_epoch.value,
+                "seed": state.seed,
+                "world_size": dist.world_size,
+            },
+            "checkpoint_config": self.config.to_dict(),
+        }
+        save = CheckpointSave(Location.of(url, self.options), timestamp, dist.world_size, metadata)
+        if self._sharded_io is not None:
+            future = self._save_sharded(save, rng)
+        else:
+            payload: Optional[Dict[str, Any]] = None
+            if state.rank == 0:
+                payload = state.state_dict()
+                payload["timestamp"] = state.timestamp.state_dict()
+            staged = self.channel.stage(payload)  # the copy, all that blocks training
+            job = lambda: self._write(save, staged.tree, rng, [])  # noqa: E731
+            future = self._start(url, job, staged)
+        self._last_saved_batch = batch
+        self._last_save_time = time.monotonic()
+        state.agreement.clear(SAVE_FLAG)
+        saved = SavedCheckpoint(
+            url=url,
+            name=basename(url),
+            rank=state.rank,
+            writer=self._writer,
+            future=future,
+            folder=self.checkpoints if state.rank == 0 else None,
+        )
+        self.saved.append(saved)
+        self._unreported = saved
+        return saved
+
+    def _save_sharded(self, save: CheckpointSave, rng: Dict[str, Any]) -> Any:
+        """Every rank writes its shards (staged to host buffers first when async); rank 0 then commits."""
+        io = self._sharded_io
+        tensors, rest = io.snapshot()
+        staged = self.channel.stage({"tensors": tensors, "rest": rest})  # the copy, all that blocks training
+        tensors, rest = staged.tree["tensors"], staged.tree["rest"]
+        save = save.with_metadata(layout=DCP_LAYOUT, parallelism=self.host.parallel.kind)
+
+        def job() -> Optional[CheckpointInfo]:
+            shards = io.write_shards(save.url, tensors)
+            return self._write(save, rest, rng, shards)
+
+        return self._start(save.url, job, staged)
+
+    def _start(self, url: str, job: Callable[[], Any], staged: Staged) -> Any:
+        """Run ``job`` in the background save (async) or now; the staged buffers are released after it."""
+
+        def run() -> Any:
+            try:
+                return job()
+            finally:
+                staged.release()
+
+        return self._writer.submit(self._reported(url, run)) if self._writer is not None else DoneFuture(run())
+
+    def _write(
+        self, save: CheckpointSave, snapshot: Optional[Dict[str, Any]], rng: Dict[str, Any], entries: List[FileEntry]
+    ) -> Optional[CheckpointInfo]:
+        """Every rank: gather the RNG states to rank 0 (a collective). Rank 0: upload the state and
+        every rank's RNG file and commit them with ``entries`` (files other ranks wrote: their shards)
+        (`Committer`); None on the other ranks."""
+        rngs = self.channel.gather_rngs(rng)
+        if self.host.state.rank != 0:
+            return None
+        files: Dict[str, Any] = {rng_file_name(r): one for r, one in sorted(rngs.items())}
+        files[STATE_FILE] = snapshot
+        return self.committer.commit(save, files, entries)
+
+    def _reported(self, url: str, job: Callable[[], Any]) -> Callable[[], Any]:
+        """A background save that, if it fails for good, says so on the console (an error log line),
+        records it in ``failures`` and the folder's index (the run report lists it), and re-raises to
+        its waiter (Ray's registration), not to training."""
+        batch = self.host.state.timestamp.get_value(TimeUnit.BATCH)
+
+        def run() -> Any:
+            try:
+                return job()
+            except Exception as e:
+                self.failures.append((url, f"{type(e).__name__}: {e}"))
+                _log.error("Checkpoint save %s failed (training goes on; the next save tries again): %s", url, e)
+                if self.host.state.rank == 0:  # listed in the index (for the run report) at its next write
+                    self.checkpoints.record_failure(url, batch, f"{type(e).__name__}: {e}")
+                raise
+
+        return run
+
+    def wait(self) -> None:
+        """Block until the in-flight save is finished (a failed async save is in ``failures``)."""
+        if self._writer is not None:
+            self._writer.wait()
+
+    def reopen(self) -> None:
+        """Save again after `close` (a further ``Trainer.fit``): a new writer thread and the run-dir lock."""
+        if self.config.async_save:
+            self._writer = AsyncCheckpointWriter(keep_going=True)
+        if self.config.lock_run_dir and self.host.state.rank == 0 and self._lock is None:
+            self._lock = acquire_lock(self.run_dir, "running", storage_options=self.options, takeover_stale=True)
+
+    def close(self, state=None, logger=None) -> None:
+        """Finish the in-flight save and remove the SIGTERM handler."""
+        self._sigterm.close()
+        try:
+            if self._writer is not None:
+                self._writer.close()
+            if self.host.state.rank == 0:
+                self.checkpoints.flush()  # failed saves not yet written with a commit
+        finally:
+            if self._lock is not None:
+                lock, self._lock = self._lock, None
+                release_lock(self.run_dir, "running", storage_options=self.options, lock=lock)
+
+
+def attach_checkpointing(host: CheckpointHost, config: CheckpointConfig) -> Checkpointer:
+    """Load per ``config`` and register the saver as the first callback of ``host``'s state."""
+    if not isinstance(config, CheckpointConfig):
+        raise TypeError(f"checkpoint must be a CheckpointConfig, got {type(config).__name__}.")
+    checkpointer = Checkpointer(host, config)
+    try:
+        checkpointer.load()
+    except BaseException:
+        checkpointer.close()  # release the run dir lock: nothing was trained
+        raise
+    host.state.callbacks.insert(0, checkpointer)
+    host.engine.refresh()
+    return checkpointer
+
+
+def find_checkpointer(state: State) -> Optional[Checkpointer]:
+    """The `Checkpointer` among ``state.callbacks``, if the run saves checkpoints."""
+    for callback in state.callbacks:
+        if isinstance(callback, Checkpointer):
+            return callback
+    return None

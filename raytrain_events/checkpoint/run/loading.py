@@ -1,0 +1,146 @@
+"""Restoring a checkpoint into a run: the newest one chosen once and shared, then applied to the `State`.
+
+`Checkpointer.load` decides *what* to load (autoresume, ``load_from``, a safetensors directory);
+this module does the reading and restoring. Rank 0 alone lists the folder and reads the manifest
+(O(1) storage requests per resume, whatever the number of ranks); every rank then reads the
+chosen checkpoint's files. Applying handles full and sharded checkpoints into DDP or FSDP models,
+partial starts (``load_ignore_keys``, weights only), loads for inference, and hands back the
+saved RNG state so a mid-epoch resume replays the epoch's data order exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+
+from raytrain_events.checkpoint.dcp.sharded import ShardedCheckpointIO, is_sharded_checkpoint, load_full_into_sharded
+from raytrain_events.checkpoint.folder.store import load_latest_valid
+from raytrain_events.checkpoint.format.manifest import LoadedCheckpoint
+from raytrain_events.checkpoint.format.reader import read_checkpoint_files
+from raytrain_events.checkpoint.format.writer import rng_file_name
+from raytrain_events.checkpoint.run.rng import restore_rng_state
+from raytrain_events.core.interval import is_done
+from raytrain_events.core.state import CheckpointMismatchError, drop_ignored_keys
+from raytrain_events.core.time import Timestamp, counters_of
+from raytrain_events.parallel.wrap import is_sharded_module
+from raytrain_events.storage.run_dir import STATE_FILE  # re-exported (the name is the run layout's)
+
+if TYPE_CHECKING:
+    from raytrain_events.checkpoint.folder.index import CheckpointIndex
+    from raytrain_events.checkpoint.host import CheckpointHost
+
+_log = logging.getLogger(__name__)
+
+__all__ = ["STATE_FILE", "apply_checkpoint", "read_latest_shared"]
+
+
+def read_latest_shared(
+    host: CheckpointHost, folder: str, options: Dict[str, Any], index: Optional[CheckpointIndex] = None
+) -> Optional[LoadedCheckpoint]:
+    """The newest valid checkpoint of ``folder``, chosen once by rank 0 and shared with its
+    manifest (no rank but rank 0 lists the folder or reads the manifest); every rank then reads
+    that checkpoint's files. ``index``: the folder's checkpoint index, when this run keeps one."""
+    dist, rank = host.dist, host.state.rank
+    loaded: Optional[LoadedCheckpoint] = None
+    choice: Any = None
+    if rank == 0:
+        try:
+            loaded = load_latest_valid(folder, storage_options=options, files=[STATE_FILE], index=index)
+            choice = None if loaded is None else loaded.info
+        except Exception as e:
+            if not dist.is_distributed:
+                raise
+            choice = e
+    if dist.is_distributed:
+        choice = dist.all_gather_object(choice if rank == 0 else None)[0]
+    if isinstance(choice, Exception):
+        raise choice
+    if rank == 0 or choice is None:
+        return loaded
+    return read_checkpoint_files(choice, storage_options=options, files=[STATE_FILE], map_location="cpu")
+
+
+def apply_checkpoint(
+    host: CheckpointHost,
+    loaded: LoadedCheckpoint,
+    options: Dict[str, Any],
+    *,
+    strict: bool,
+    sharded_io: Optional[ShardedCheckpointIO],
+    inference: bool = False,
+    ignore: Sequence[str] = (),
+    weights_only: bool = False,
+) -> Optional[Dict[str, Any]]:
+    """Restore ``loaded`` into ``host.state``; returns this rank's saved RNG state (already restored
+    to its value at the save; ``epoch_start`` is its value at that epoch's start), or None when the
+    load restores weights only, is for inference, or the checkpoint holds no RNG file for this rank."""
+    state = host.state
+    saved = loaded.files[STATE_FILE]
+    ignored_model_keys: List[str] = []
+    if ignore:
+        if is_sharded_checkpoint(loaded.info) or is_sharded_module(state.model):
+            raise ValueError(
+                "load_ignore_keys works with full checkpoints into unsharded (DDP) models; for FSDP, load "
+                "with load_strict=False, or export the checkpoint to one file first (`raytrain-events export`)."
+            )
+        saved, ignored_model_keys = drop_ignored_keys(saved, ignore, state.model.state_dict().keys())
+    if inference:  # no optimizer or scheduler to restore, nor RNG state to take over
+        saved = {k: v for k, v in saved.items() if k not in ("optimizers", "schedulers", "scaler")}
+        sharded = is_sharded_checkpoint(loaded.info) or is_sharded_module(state.model)
+        weights_only = weights_only or sharded  # a sharded load restores the optimizers with the model
+    if not weights_only and not inference:
+        check_manifest_timestamp(loaded.info, saved)
+    if is_sharded_checkpoint(loaded.info):
+        io = sharded_io or ShardedCheckpointIO(host, options, own_group=False)
+        io.load(loaded.info, saved, strict=strict, weights_only=weights_only)
+    elif is_sharded_module(state.model):  # a full (DDP) checkpoint into an FSDP model
+        load_full_into_sharded(state, saved, strict=strict, weights_only=weights_only)
+    elif weights_only:
+        state.load_model_state(saved["model"], strict=strict, ignored=ignored_model_keys)
+    else:
+        state.load_state_dict(saved, strict=strict, ignored=ignored_model_keys)
+    if weights_only or inference:
+        return None
+    _warn_config_changed(host, loaded)
+    if state.max_duration is not None and is_done(state) and state.rank == 0:
+        _log.warning(
+            "The checkpoint %s is at %s, already at or past max_duration=%s: fit() will train nothing. To train "
+            "more, raise max_duration (or call fit(duration=...)); to start a new run from its weights, "
+            "pass CheckpointConfig(load_weights_only=True).",
+            loaded.info.url,
+            counters_of(state.timestamp),
+            state.max_duration.to_timestring(),
+        )
+    rng_name = rng_file_name(state.rank)
+    if not any(f.name == rng_name for f in loaded.info.files):
+        return None
+    rng = read_checkpoint_files(loaded.info, storage_options=options, files=[rng_name]).files[rng_name]
+    restore_rng_state(rng["now"])
+    return rng
+
+
+def check_manifest_timestamp(info: Any, saved: Dict[str, Any]) -> None:
+    """Refuse a checkpoint whose manifest's counters (what listings and resumes choose by) disagree with
+    the state it holds (what would load): an edited or mixed-up checkpoint."""
+    if "timestamp" not in saved or not info.timestamp:
+        return
+    held = counters_of(Timestamp.from_state_dict(saved["timestamp"]))
+    differ = {k: (v, held[k]) for k, v in info.timestamp.items() if k in held and held[k] != v}
+    if differ:
+        raise CheckpointMismatchError(
+            f"The checkpoint {info.url} is inconsistent: its manifest.json lists "
+            f"{ {k: a for k, (a, _) in differ.items()} } but its state holds { {k: b for k, (_, b) in differ.items()} } "
+            "(manifest.json was edited, or the files come from different saves). Fix: load another checkpoint "
+            "(the one before it), or restore this one's manifest.json."
+        )
+
+
+def _warn_config_changed(host: CheckpointHost, loaded: LoadedCheckpoint) -> None:
+    """Rank 0 logs a diff when the run resumes with a config other than the one saved."""
+    saved_config = loaded.info.metadata.get("config")
+    if host.state.rank == 0 and saved_config is not None and host.config and saved_config != host.config:
+        from raytrain_events.storage.config_diff import format_config_diff
+
+        _log.warning(
+            "Resuming %s with a different config:\n%s", loaded.info.url, format_config_diff(saved_config, host.config)
+        )

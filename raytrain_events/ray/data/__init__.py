@@ -1,0 +1,37 @@
+"""The train data path on Ray: one global order of rows, cut into every rank's batches.
+
+Runs in three processes. On the driver, `TrainDataConfig` (``loader.py``) hands Ray Train the
+datasets; in Train's controller, Ray Data's dataset manager starts one `EpochFeeder` actor
+(``feeder.py``) per train set, which orders the epoch's blocks (``row_index.py``; shuffled in
+windows, ``shuffle.py``) and answers each rank's "which rows make my next batches?" with typed
+slices (``slices.py``); on each worker, `GlobalOrderLoader` (``loader.py``) fetches those rows
+(``block_fetch.py``: cut on the node that holds a block), turns them into tensors
+(``batch_tensors.py``) a few batches ahead (``prefetch.py``). Sources a resumed epoch enters at its
+position: `ParquetRowGroups` (``parquet_seek.py``) and mixtures of sources (``mixture_source.py``,
+read by ``mixture_loader.py``). This ``__init__`` imports nothing: the feeder actor imports only
+what it runs.
+
+Files:
+
+* ``batch_tensors.py``: An Arrow table (a batch of the train order) as a dict of torch tensors,
+  without per-row objects.
+* ``block_fetch.py``: A rank's rows of a chunk of batches, each block's rows cut on the node that
+  holds the block.
+* ``feeder.py``: Global data order for training: every rank's batches are a function of one
+  position in one order.
+* ``loader.py``: Worker-side data: the train set in one global order, eval sets as Ray shards.
+* ``mixture_loader.py``: `MixtureOrderLoader`: a Ray worker's train loader over a `MixtureSource`,
+  with per-source counts.
+* ``mixture_source.py``: `MixtureSource`: a `Mixture` of seekable sources as one seekable train set
+  for the `EpochFeeder`.
+* ``parquet_seek.py``: `ParquetRowGroups`: a Parquet train source that a resumed epoch enters at
+  its position, unread before it.
+* ``prefetch.py``: `prefetched`: run an iterator in a background thread, a few items ahead of the
+  thread that uses them.
+* ``row_index.py``: `BlockIndex`: an epoch's buffered blocks, found by global row in O(log n) and
+  trimmed from the front.
+* ``shuffle.py``: Row-level shuffle of the global order: rows permuted within windows of
+  consecutive blocks.
+* ``slices.py``: A rank's share of a batch, as typed slices of the epoch's blocks: `RowRange` and
+  `Take`.
+"""

@@ -1,0 +1,102 @@
+"""`MixtureOrderLoader`: a Ray worker's train loader over a `MixtureSource`, with per-source counts.
+
+The batches are the global order's (`GlobalOrderLoader`: the feeder serves the mixed stream like
+any seekable train set). What this adds is which source each row came from: the rank's positions
+of global batch ``k`` are known (the feeder's cut: ``rank_rows`` of ``[position + k * g, ...)``,
+the short tail joined to the batch before it), so the same `MixturePlan` the feeder streams
+(`MixtureSource.plan_args`, carried by the shard) names their sources without reading anything.
+The counts of each batch are set as the train thread takes it (not in the prefetch thread), and
+`MixtureCounts` (brought by `loop_callbacks`, as `MixtureLoader` does locally) sums them on the
+loop's per-batch collective: the run's exact per-source samples and, with
+``get_num_tokens_in_batch``, tokens (counted on each source's rows of the batch), logged as
+``mixture/samples/<source>`` / ``mixture/tokens/<source>`` and so in the driver's history and
+report, and saved with each source's cursor in the checkpoint.
+
+Cost per batch on a rank: one plan walk over its own positions (O(batch + log segment)) and, with
+tokens counted, one token count per source present in the batch (the batch's rows of that source).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, List, Mapping, Optional
+
+from raytrain_events.core.callback import Callback
+from raytrain_events.ray.data.feeder import batch_end, rank_rows
+from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard
+from raytrain_events.ray.data.mixture_source import plan_of
+
+__all__ = ["MixtureOrderLoader"]
+
+
+class MixtureOrderLoader(GlobalOrderLoader):
+    """`GlobalOrderLoader` over a `MixtureSource`, counting each batch's rows and tokens per source."""
+
+    def __init__(
+        self, shard: GlobalOrderShard, *, tokens_of_batch: Optional[Callable[[Any], int]] = None, **options: Any
+    ) -> None:
+        super().__init__(shard, **options)
+        if shard.mixture is None:
+            raise ValueError("MixtureOrderLoader needs a shard of a MixtureSource (RayTrainer(mixture=...)).")
+        self.plan = plan_of(shard.mixture)
+        self.mixture = self.plan.mixture
+        self.tokens_of_row = tokens_of_batch  # MixtureCounts counts tokens when this is set
+        names = self.mixture.names
+        self.batch_samples: List[int] = [0] * len(names)
+        self.batch_tokens: List[int] = [0] * len(names)
+
+    def bind(self, **kwargs: Any) -> None:
+        """The plan is the driver's (`MixtureSource.plan_args`), the feeder's too: nothing to bind here."""
+
+    def __iter__(self) -> Iterator[Any]:
+        epoch, position = self.epoch, self.position
+        return self._counted(super().__iter__(), epoch, position)
+
+    def _counted(self, batches: Iterator[Any], epoch: int, position: int) -> Iterator[Any]:
+        for k, batch in enumerate(batches):
+            a, b = self._rank_positions(position, k)
+            sources = self.plan.sources(epoch, a, b)
+            samples = [0] * len(self.batch_samples)
+            for s in sources:
+                samples[s] += 1
+            self.batch_samples = samples
+            if self.tokens_of_row is not None:
+                self.batch_tokens = self._tokens(batch, sources)
+            yield batch
+
+    def _rank_positions(self, position: int, k: int) -> tuple[int, int]:
+        """This rank's global positions of batch ``k`` from ``position`` (the feeder's cut: `feeder.batch_end`, `rank_rows`)."""
+        shard, size = self.shard, self.plan.epoch_size
+        world = shard.data_world_size
+        start = position + k * shard.global_batch
+        end = batch_end(start, size, shard.global_batch, world)
+        return rank_rows(start, end, shard.rank // shard.tensor_parallel, world)
+
+    def _tokens(self, batch: Any, sources: List[int]) -> List[int]:
+        import torch
+
+        count = self.tokens_of_row
+        assert count is not None
+        tokens = [0] * len(self.batch_tokens)
+        present = sorted(set(sources))
+        if len(present) == 1:
+            tokens[present[0]] = int(count(batch))
+            return tokens
+        if not isinstance(batch, Mapping):
+            raise TypeError(
+                f"Counting tokens per mixture source needs dict batches (got {type(batch).__name__}): leave "
+                "collate_fn unset, or return a dict of tensors from it."
+            )
+        which = torch.tensor(sources)
+        for s in present:
+            mask = which == s
+            part = {
+                key: value[mask.to(value.device)] if torch.is_tensor(value) else value for key, value in batch.items()
+            }
+            tokens[s] = int(count(part))
+        return tokens
+
+    def loop_callbacks(self) -> List[Callback]:
+        """What the `Trainer` adds for this loader: the per-source counts (`MixtureCounts`)."""
+        from raytrain_events.callbacks.mixture_counts import MixtureCounts
+
+        return [MixtureCounts(self)]  # type: ignore[arg-type]  # the loader protocol MixtureCounts reads

@@ -1,0 +1,235 @@
+"""`MixtureSource`: a `Mixture` of seekable sources as one seekable train set for the `EpochFeeder`.
+
+``RayTrainer(mixture=Mixture(...), datasets={"web": ParquetRowGroups(...), "code": ..., ...})``:
+the driver checks the sources (`check_mixture`, before Ray starts) and builds one
+`MixtureSource`, which the run then treats as its ``"train"`` set: the feeder streams it, cuts it
+into global batches and hands each rank its contiguous part, exactly as a single seekable source,
+so resumes, resizes, feeder restarts and the bounded buffer need nothing new.
+
+The order: global position ``p`` of epoch ``e`` reads from source ``plan.sources(e, p, p + 1)``
+(`MixturePlan`: deterministic in (mixture, seed, epoch, position), the same at any world size); the
+``t``-th row a source gives in an epoch is row ``t`` of that source's own seekable order
+(``source.stream(seed, epoch, row)``: its row groups in file order, or permuted by the run's
+seed), going round again (another permutation per pass) once ``t`` reaches its rows. So every row
+a stage chooses is trained once per epoch, and a source asked for more than it holds repeats only
+after all of them.
+
+A stream entered at position ``p`` (a resume) computes each source's cursor
+(``plan.cursors(e, p)``: O(sources * log(segment)), nothing enumerated) and opens each source at
+its cursor's row group: nothing before any source's position is read. Stream cost: one plan walk
+per 4,096 positions and one slice per run of same-source positions (runs are short: the plan
+interleaves the sources), so the feeder's index holds about one entry per row or two; a rank's
+batch is a few dozen slices of the sources' blocks, cut where the blocks are (`block_fetch`).
+
+The per-source counts are not read from rows: each rank knows its positions of each global batch,
+so its loader (`mixture_loader.MixtureOrderLoader`) asks the same plan which source each row came
+from (`plan_args` travels with the shard).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+
+from raytrain_events.core.mixture import Mixture, MixtureError
+from raytrain_events.core.mixture_plan import MixturePlan
+from raytrain_events.ray.data.feeder import bundle_blocks
+
+__all__ = ["MixtureSource", "check_mixture", "mixture_train_set"]
+
+_PLAN_STEP = 4096  # positions whose sources are computed at once
+_PASS_SEED = 1_000_003  # a source's pass p > 0 is permuted with seed + p * this
+
+
+class _Cursor:
+    """One source's rows from its ``taken``-th row of the epoch on, as block pieces ``(ref, offset, rows)``."""
+
+    def __init__(self, source: Any, seed: Optional[int], epoch: int, taken: int) -> None:
+        self.source, self.seed, self.epoch = source, seed, epoch
+        self.rows = int(source.count())
+        self.pass_, within = divmod(taken, self.rows)
+        self._open(within)
+
+    def _open(self, row: int) -> None:
+        seed = self.seed if self.seed is None or self.pass_ == 0 else self.seed + self.pass_ * _PASS_SEED
+        bundles, first, _ = self.source.stream(seed, self.epoch, row, 0)
+        self.bundles: Iterator[Any] = iter(bundles)
+        self.skip = row - first  # rows of the first row group before the cursor: not trained
+        self.pieces: List[Tuple[Any, int, int]] = []
+
+    def take(self, n: int) -> List[Tuple[Any, int, int]]:
+        out: List[Tuple[Any, int, int]] = []
+        while n > 0:
+            if not self.pieces:
+                bundle = next(self.bundles, None)
+                if bundle is None:  # the pass is over: the next one, in another order
+                    self.pass_ += 1
+                    self._open(0)
+                    continue
+                for ref, offset, count in bundle_blocks(bundle):
+                    cut = min(self.skip, count)
+                    self.skip -= cut
+                    if count > cut:
+                        self.pieces.append((ref, offset + cut, count - cut))
+                continue
+            ref, offset, count = self.pieces[0]
+            used = min(n, count)
+            out.append((ref, offset, used))
+            n -= used
+            if used == count:
+                self.pieces.pop(0)
+            else:
+                self.pieces[0] = (ref, offset + used, count - used)
+        return out
+
+
+class MixtureSource:
+    """A `Mixture`'s sources as one seekable train set (``count`` and ``stream``: see the module doc).
+
+    ``plan_args``: what fixes the order besides the sources (the mixture as plain data, the plan's
+    seed, the run's samples for 'dur' stages, the global batch for 'ba' ones); ``order_seed``:
+    the seed each source's row groups are permuted with (None: file order).
+    """
+
+    def __init__(self, sources: Mapping[str, Any], plan_args: Dict[str, Any], order_seed: Optional[int]) -> None:
+        self.mixture = Mixture.from_dict(plan_args["mixture"])
+        self.sources = [sources[name] for name in self.mixture.names]
+        self.plan_args = dict(plan_args)
+        self.order_seed = order_seed
+        self._plan: Optional[MixturePlan] = None
+
+    @property
+    def plan(self) -> MixturePlan:
+        if self._plan is None:
+            self._plan = plan_of(self.plan_args)
+        return self._plan
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {**self.__dict__, "_plan": None}  # rebuilt where used (its caches stay local)
+
+    def count(self) -> int:
+        """Positions in an epoch (the mixture's epoch size)."""
+        return self.plan.epoch_size
+
+    def stream(self, seed: Any, epoch: int, row: int, window_rows: int = 0) -> Tuple[Iterator[Any], int, int]:
+        """``(bundles from position ``row`` on, row, 0)``: entered exactly at ``row`` (see the module doc)."""
+        del seed  # the order's seeds are the run's (plan_args, order_seed), fixed on the driver
+        if window_rows:
+            raise ValueError("A mixture orders its rows itself: shuffle_buffer_size is not supported with mixture=.")
+        return self._bundles(epoch, row), row, 0
+
+    def _bundles(self, epoch: int, row: int) -> Iterator[Any]:
+        plan = self.plan
+        cursors = [
+            _Cursor(source, self.order_seed, epoch, taken)
+            for source, taken in zip(self.sources, plan.cursors(epoch, row))
+        ]
+        position = row
+        while position < plan.epoch_size:
+            stop = min(position + _PLAN_STEP, plan.epoch_size)
+            sources = plan.sources(epoch, position, stop)
+            i = 0
+            while i < len(sources):
+                j, s = i, sources[i]
+                while j < len(sources) and sources[j] == s:
+                    j += 1
+                for ref, offset, count in cursors[s].take(j - i):
+                    yield SimpleNamespace(
+                        blocks=[(ref, SimpleNamespace(num_rows=count))],
+                        slices=[SimpleNamespace(start_offset=offset, num_rows=count)],
+                    )
+                i = j
+            position = stop
+
+
+def plan_of(plan_args: Mapping[str, Any]) -> MixturePlan:
+    """The `MixturePlan` that ``plan_args`` (`MixtureSource.plan_args`) fix: the same on the feeder and every rank."""
+    return Mixture.from_dict(plan_args["mixture"]).plan(
+        seed=plan_args["seed"], total_samples=plan_args["total_samples"], global_batch=plan_args["global_batch"]
+    )
+
+
+def check_mixture(mixture: Mapping[str, Any], datasets: Mapping[str, Any], shuffle_buffer_size: Any) -> Dict[str, Any]:
+    """The mixture's sources, each as a seekable source; refuses (naming the fix) what cannot be mixed.
+
+    A source missing from ``datasets``, a ``"train"`` entry beside the mixture, a source that cannot
+    seek (a Ray Dataset with transforms), a row count other than the mixture's, another schema than
+    the other sources' (from the Parquet footers), or a row shuffle (the mixture orders rows itself).
+    """
+    from raytrain_events.ray.data.parquet_seek import as_seekable, is_seekable
+
+    checked = Mixture.from_dict(mixture)
+    names = list(checked.names)
+    missing = [n for n in names if n not in datasets]
+    if missing:
+        raise MixtureError(
+            f"The mixture's sources {missing} are not in datasets (its entries: {sorted(datasets)}): pass each "
+            "source as datasets={name: ParquetRowGroups(paths) or ray.data.read_parquet(paths), ...}."
+        )
+    if "train" in datasets and "train" not in names:
+        raise ValueError(
+            "datasets has a 'train' entry and mixture= is given: with a mixture the train set is the mixture of its "
+            "sources. Name the sources' datasets (datasets={'web': ..., 'code': ...}) and leave 'train' out."
+        )
+    if shuffle_buffer_size:
+        raise ValueError(
+            f"shuffle_buffer_size={shuffle_buffer_size!r} with mixture=: a mixture orders its rows itself (sources "
+            "interleaved by the plan, each source's row groups permuted by seed). Leave shuffle_buffer_size unset."
+        )
+    sources: Dict[str, Any] = {}
+    for name in names:
+        source = as_seekable(datasets[name])
+        if not is_seekable(source):
+            raise TypeError(
+                f"Mixture source {name!r} is a {type(datasets[name]).__name__} that cannot seek (a Ray Dataset with "
+                "transforms after its read, or another kind of source): a mixture enters every source at its cursor. "
+                f"Pass datasets[{name!r}] = ParquetRowGroups(paths) or a bare ray.data.read_parquet(paths) "
+                "(write the transformed rows to Parquet first)."
+            )
+        if source.count() != checked.rows(name):
+            rows = {n: (source.count() if n == name else checked.rows(n)) for n in names}
+            raise MixtureError(
+                f"Source {name!r} has {source.count()} rows but the mixture says {checked.rows(name)}: "
+                f"give Mixture(sources={rows}, ...)."
+            )
+        sources[name] = source
+    schemas = {n: getattr(s, "schema", None) for n, s in sources.items()}
+    known = {n: s for n, s in schemas.items() if s is not None}
+    if known:
+        first = next(iter(known))
+        for name, schema in known.items():
+            if not schema.equals(known[first], check_metadata=False):
+                raise MixtureError(
+                    f"Source {name!r} has another schema than {first!r} ({_fields(schema)} vs "
+                    f"{_fields(known[first])}): mixed sources must share their columns and types; "
+                    "convert it first (or select common columns: ParquetRowGroups(paths, columns=[...]))."
+                )
+    return sources
+
+
+def _fields(schema: Any) -> Dict[str, str]:
+    return {field.name: str(field.type) for field in schema}
+
+
+def mixture_train_set(spec: Any, datasets: Mapping[str, Any]) -> Dict[str, Any]:
+    """``datasets`` with the mixture's sources replaced by one ``"train"`` `MixtureSource` (the driver's step)."""
+    sources = check_mixture(spec.mixture, datasets, spec.shuffle_buffer_size)
+    mixture = Mixture.from_dict(spec.mixture)
+    workers = spec.workers
+    group = spec.parallelism_spec.batch_group  # ranks that share rows (TP x CP), as TrainDataConfig counts them
+    global_batch = spec.global_batch_size or (
+        spec.batch_size * (workers // group) if isinstance(workers, int) else None
+    )
+    from raytrain_events.core.mixture_plan import run_samples
+
+    assert mixture.epoch_size is not None
+    plan_args = {
+        "mixture": mixture.to_dict(),
+        "seed": spec.seed or 0,
+        "total_samples": run_samples(spec.max_duration, mixture.epoch_size, global_batch),
+        "global_batch": global_batch,
+    }
+    plan_of(plan_args)  # a stage the run cannot place (after its end, out of order) fails here
+    out = {name: ds for name, ds in datasets.items() if name not in sources}
+    out["train"] = MixtureSource(sources, plan_args, spec.seed)
+    return out
