@@ -15,7 +15,8 @@ Arms:
 - ``ours``: `GlobalOrderLoader` on each worker against one `EpochFeeder` actor over
   ``ray.data.read_parquet`` -- the feeder and rank-side code (``ray/feeder.py``, ``ray/data.py``,
   ``ray/block_fetch.py``) exactly as `RayTrainer` builds them (`TrainDataConfig`), run in plain
-  actors (one per node, pinned like a train worker) instead of a `RayTrainer`: the trainer adds only
+  actors (one per node, pinned like a train worker, started after the feeder as Ray Train starts a worker
+  group after the driver made the feeder and started its stream) instead of a `RayTrainer`: the trainer adds only
   the loop's start-up and per-step events, which are measured elsewhere (``bench/ray_overhead.py``)
   and would be the same for every arm. Its resume is a new feeder and loaders at ``set_position(50%)``,
   what a restarted worker group does: the epoch's stream runs again from its start, the part before
@@ -151,12 +152,21 @@ def created(nodes: List[Dict[str, Any]]) -> int:
 
 
 def ours_arm(
-    ray: Any, data: str, rows: int, arm: str, head: str, rank_nodes: List[Dict[str, Any]], mix: Any = None
+    ray: Any,
+    data: str,
+    rows: int,
+    arm: str,
+    head: str,
+    rank_nodes: List[Dict[str, Any]],
+    mix: Any = None,
+    prestart: bool = True,
 ) -> Dict:
     """One epoch of this library's data path on 3 rank actors, then a resume at 50% (see module doc).
 
     ``arm``: ``ours`` (a Ray Dataset), ``ours-seek`` (`ParquetRowGroups`) or ``ours-mix`` (a
-    `MixtureSource` over ``mix``'s three sources, `data_scale_mix.ours_mix_source`)."""
+    `MixtureSource` over ``mix``'s three sources, `data_scale_mix.ours_mix_source`). ``prestart``:
+    the feeder's stream starts when it is created, before the rank actors (`EpochFeeder.prestart`,
+    as ``RayTrainer`` starts it before the worker group); False: at the first rank's request."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from raytrain_events.ray.data import GlobalOrderLoader, GlobalOrderShard
@@ -197,7 +207,7 @@ def ours_arm(
                     break
             return epoch_figures(start, first, last, seen)
 
-    def feeder() -> Any:
+    def feeder(position: int) -> Any:
         # ours-seek: the folder, as RayTrainer turns a bare ray.data.read_parquet(data) into (`as_seekable`).
         if arm == "ours-mix":
             source = mixed  # a new feeder loads it again (as a restarted group's feeder does)
@@ -208,18 +218,20 @@ def ours_arm(
             .options(**FEEDER_OPTIONS, scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=False))
             .remote(source, WORLD, WORLD * RANK_BATCH)
         )
+        if prestart:  # as RayTrainer's driver does before the worker group starts (feeder.py, Started early)
+            actor.prestart.remote(0, position, None, None, None)
         ray.get(actor.held_blocks.remote())  # up: the timings below start at the epoch's start
         return actor
 
-    ranks = [Rank.remote() for _ in range(WORLD)]
+    fresh = feeder(0)
+    ranks = [Rank.remote() for _ in range(WORLD)]  # the worker group's start, after the feeder's (as in a run)
     ray.get([r.node.remote() for r in ranks])
-    fresh = feeder()
     sampler = StoreSampler(ray_nodes(ray))
     before = created(rank_nodes)
     shards = [GlobalOrderShard(fresh, k, WORLD, WORLD * RANK_BATCH, rows, mixture=plan_args) for k in range(WORLD)]
     epoch = ray.get([r.epoch.remote(shard, 0) for r, shard in zip(ranks, shards, strict=True)])
     moved = created(rank_nodes) - before
-    resumed = feeder()
+    resumed = feeder(rows // 2)  # the same ranks ask at once: no head start for the resume
     shards = [GlobalOrderShard(resumed, k, WORLD, WORLD * RANK_BATCH, rows, mixture=plan_args) for k in range(WORLD)]
     resume = ray.get([r.epoch.remote(shard, rows // 2, 1) for r, shard in zip(ranks, shards, strict=True)])
     peak = sampler.peak()
@@ -355,7 +367,14 @@ def start_cluster(cluster_class: Any, count_network: bool = False, tries: int = 
 
 
 def run_arms(
-    arms: List[str], data: str, scratch: str, rows: int, repeats: int, count_network: bool, mix: Any = None
+    arms: List[str],
+    data: str,
+    scratch: str,
+    rows: int,
+    repeats: int,
+    count_network: bool,
+    mix: Any = None,
+    prestart: bool = True,
 ) -> Dict[str, List[Dict]]:
     """Each arm ``repeats`` times (arms in turn) on one fresh cluster (`start_cluster`); ``mix``: the
     mixing arms' three sources (`data_scale_mix.split_sources`)."""
@@ -382,7 +401,7 @@ def run_arms(
                 started = time.monotonic()
                 try:
                     if arm.startswith("ours"):
-                        result = ours_arm(ray, data, rows, arm, head, rank_nodes, mix)
+                        result = ours_arm(ray, data, rows, arm, head, rank_nodes, mix, prestart)
                     else:
                         run = torch_arm if arm.startswith("ray-data") else streaming_arm
                         sampler = StoreSampler(ray_nodes(ray))
@@ -408,6 +427,11 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         "--no-network", action="store_true", help="skip the separate network-counting pass (its cluster)"
     )
     parser.add_argument("--json", action="store_true", help="also print the results as one JSON line")
+    parser.add_argument(
+        "--no-prestart",
+        action="store_true",
+        help="ours arms: start the epoch's stream at the first rank's request, not when the feeder is made",
+    )
     args = parser.parse_args(argv)
 
     import data_scale_arms
@@ -430,10 +454,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     network: Dict[str, Optional[int]] = {}
     try:
         # Throughput: every arm, --repeats times, on one cluster; then the network count on another.
-        runs = run_arms(args.arms, data, scratch, rows, args.repeats, count_network=False, mix=mix)
+        runs = run_arms(args.arms, data, scratch, rows, args.repeats, False, mix, not args.no_prestart)
         if not args.no_network:
             counted = [arm for arm in args.arms if not arm.startswith("streaming")]  # Streaming: its caches' files
-            for arm, results_of in run_arms(counted, data, scratch, rows, 1, count_network=True, mix=mix).items():
+            for arm, results_of in run_arms(counted, data, scratch, rows, 1, True, mix, not args.no_prestart).items():
                 network[arm] = results_of[0].get("moved_bytes")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)  # the Parquet files, MDS shards and caches
