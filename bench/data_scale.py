@@ -374,7 +374,7 @@ def run_arms(
     repeats: int,
     count_network: bool,
     mix: Any = None,
-    prestart: bool = True,
+    prestart: str = "on",
 ) -> Dict[str, List[Dict]]:
     """Each arm ``repeats`` times (arms in turn) on one fresh cluster (`start_cluster`); ``mix``: the
     mixing arms' three sources (`data_scale_mix.split_sources`)."""
@@ -382,7 +382,14 @@ def run_arms(
     from ray.cluster_utils import Cluster
 
     cluster = start_cluster(Cluster, count_network)
-    results: Dict[str, List[Dict]] = {arm: [] for arm in arms}
+    # (label, arm, stream started when the feeder is made); prestart "both": each ours arm also at the request.
+    runs = []
+    for arm in arms:
+        if arm.startswith("ours") and prestart == "both":
+            runs += [(arm, arm, True), (f"{arm}@request", arm, False)]
+        else:
+            runs.append((arm, arm, prestart != "off"))
+    results: Dict[str, List[Dict]] = {label: [] for label, _, _ in runs}
     try:
         os.environ["RAY_ADDRESS"] = cluster.address  # Ray Train's helper processes: this cluster, not another
         ray.init(address=cluster.address)
@@ -397,11 +404,11 @@ def run_arms(
             tag = f"{'net' if count_network else 'run'}{repeat}"
             folder = os.path.join(scratch, tag)  # this pass's MDS shards, caches and run dirs
             os.makedirs(folder)
-            for arm in arms:
+            for label, arm, early in runs:
                 started = time.monotonic()
                 try:
                     if arm.startswith("ours"):
-                        result = ours_arm(ray, data, rows, arm, head, rank_nodes, mix, prestart)
+                        result = ours_arm(ray, data, rows, arm, head, rank_nodes, mix, early)
                     else:
                         run = torch_arm if arm.startswith("ray-data") else streaming_arm
                         sampler = StoreSampler(ray_nodes(ray))
@@ -409,8 +416,8 @@ def run_arms(
                         result = run(ray, data, folder, rows, WORLD, RANK_BATCH, decode, summary, sampler, sources)
                 except Exception as exc:  # e.g. Streaming not installed or not importable here: say so, go on
                     result = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-                results[arm].append(result)
-                print(f"{tag} {arm}: {time.monotonic() - started:.0f} s {json.dumps(result)}", flush=True)
+                results[label].append(result)
+                print(f"{tag} {label}: {time.monotonic() - started:.0f} s {json.dumps(result)}", flush=True)
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -428,9 +435,11 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     )
     parser.add_argument("--json", action="store_true", help="also print the results as one JSON line")
     parser.add_argument(
-        "--no-prestart",
-        action="store_true",
-        help="ours arms: start the epoch's stream at the first rank's request, not when the feeder is made",
+        "--prestart",
+        choices=("on", "off", "both"),
+        default="on",
+        help="ours arms: the epoch's stream starts when the feeder is made (on, as RayTrainer), at the first "
+        "rank's request (off, as before), or both in turn, the second labelled ARM@request",
     )
     args = parser.parse_args(argv)
 
@@ -454,10 +463,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     network: Dict[str, Optional[int]] = {}
     try:
         # Throughput: every arm, --repeats times, on one cluster; then the network count on another.
-        runs = run_arms(args.arms, data, scratch, rows, args.repeats, False, mix, not args.no_prestart)
+        runs = run_arms(args.arms, data, scratch, rows, args.repeats, False, mix, args.prestart)
         if not args.no_network:
             counted = [arm for arm in args.arms if not arm.startswith("streaming")]  # Streaming: its caches' files
-            for arm, results_of in run_arms(counted, data, scratch, rows, 1, True, mix, not args.no_prestart).items():
+            for arm, results_of in run_arms(counted, data, scratch, rows, 1, True, mix, args.prestart).items():
                 network[arm] = results_of[0].get("moved_bytes")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)  # the Parquet files, MDS shards and caches

@@ -424,7 +424,7 @@ def _log_feeder_start(feeder: Any) -> None:
     if report["used"]:
         log.info(
             "Train data: the stream of epoch %d from sample %d started %.1f s before the first rank asked; "
-            "%d rows were read by then.",
+            "%d rows were in the feeder's buffer then (its reads run further ahead).",
             epoch,
             position,
             report["lead_s"],

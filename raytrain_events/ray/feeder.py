@@ -368,7 +368,8 @@ class EpochFeeder:
 
     def start_report(self) -> Dict[str, Any]:
         """The prestart (epoch, position) and the first rank's request: ``lead_s`` from one to the other,
-        ``used`` whether that request found the prestarted stream, ``rows_ready`` rows pulled by then."""
+        ``used`` whether that request found the prestarted stream, ``rows_ready`` rows in its buffer then
+        (the pull stops a few global batches ahead; the source's own reads run further)."""
         return dict(self.report)
 
     def _load(self, source: Optional[List[Any]]) -> None:
