@@ -15,7 +15,8 @@ Arms:
 - ``ours``: `GlobalOrderLoader` on each worker against one `EpochFeeder` actor over
   ``ray.data.read_parquet`` -- the feeder and rank-side code (``ray/data/feeder.py``, ``ray/data/loader.py``,
   ``ray/data/block_fetch.py``) exactly as `RayTrainer` builds them (`TrainDataConfig`), run in plain
-  actors (one per node, pinned like a train worker) instead of a `RayTrainer`: the trainer adds only
+  actors (one per node, pinned like a train worker, started after the feeder as Ray Train starts a worker
+  group after the driver made the feeder and started its stream) instead of a `RayTrainer`: the trainer adds only
   the loop's start-up and per-step events, which are measured elsewhere (``bench/ray_overhead.py``)
   and would be the same for every arm. Its resume is a new feeder and loaders at ``set_position(50%)``,
   what a restarted worker group does: the epoch's stream runs again from its start, the part before
@@ -37,6 +38,13 @@ Arms:
   dataset with an empty cache and ``load_state_dict`` of the loader's ``state_dict()`` taken at 50%
   (``data_scale_arms.streaming_arm`` says why its datasets are built one node at a time here).
 
+- ``ours-mix``, ``ray-data-mix``, ``streaming-mix``: the mixing arms (``data_scale_mix.py``): the same
+  files split into three sources (weights about 0.5/0.3/0.2, each source's share of the rows, so
+  an epoch is the same rows interleaved), mixed by ``RayTrainer(mixture=...)``'s feeder path, by Ray
+  Data's ``Dataset.mix(weights=)`` (no mid-epoch resume) and by Streaming's ``Stream(proportion=)``.
+  A second table gives each mixing arm over its single-source arm (ours-seek, ray-data, streaming),
+  repeat by repeat: the cost of mixing.
+
 Repeats and network: every arm runs ``--repeats`` times (3) in turn on one cluster, and the table
 gives each measure's median with its spread ``[min-max]``. Network bytes are counted in a separate
 pass (one run of each Ray arm) on a second cluster started with ``max_direct_call_object_size=0``
@@ -56,6 +64,7 @@ Usage::
     python bench/data_scale.py                         # 48 files x 500 rows of 2 KiB (47 MiB), all arms, 3 repeats
     python bench/data_scale.py --files 400 --rows-per-file 2000 --arms ours ray-data
     python bench/data_scale.py --files 4 --rows-per-file 200 --repeats 1 --no-network --arms ours-seek  # smoke
+    python bench/data_scale.py --arms ours-seek ours-mix ray-data ray-data-mix streaming streaming-mix  # mixing
     python bench/data_scale.py --json                  # also one JSON line at the end
 
 Streaming needs ``pip install -c constraints.txt -e '.[bench]'`` then ``pip install -c constraints.txt
@@ -142,13 +151,35 @@ def created(nodes: List[Dict[str, Any]]) -> int:
     return sum(_compat.object_store_created_bytes(n) for n in nodes)
 
 
-def ours_arm(ray: Any, data: str, rows: int, seek: bool, head: str, rank_nodes: List[Dict[str, Any]]) -> Dict:
-    """One epoch of this library's data path on 3 rank actors, then a resume at 50% (see module doc)."""
+def ours_arm(
+    ray: Any,
+    data: str,
+    rows: int,
+    arm: str,
+    head: str,
+    rank_nodes: List[Dict[str, Any]],
+    mix: Any = None,
+    prestart: bool = True,
+) -> Dict:
+    """One epoch of this library's data path on 3 rank actors, then a resume at 50% (see module doc).
+
+    ``arm``: ``ours`` (a Ray Dataset), ``ours-seek`` (`ParquetRowGroups`) or ``ours-mix`` (a
+    `MixtureSource` over ``mix``'s three sources, `data_scale_mix.ours_mix_source`). ``prestart``:
+    the feeder's stream starts when it is created, before the rank actors (`EpochFeeder.prestart`,
+    as ``RayTrainer`` starts it before the worker group); False: at the first rank's request."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from raytrain_events.ray.data.feeder import FEEDER_OPTIONS, EpochFeeder
     from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard
+    from raytrain_events.ray.data.mixture_loader import MixtureOrderLoader
     from raytrain_events.ray.data.parquet_seek import ParquetRowGroups
+
+    plan_args = mixed = None
+    if arm == "ours-mix":
+        from data_scale_mix import ours_mix_source
+
+        mixed = ours_mix_source(mix, WORLD * RANK_BATCH)
+        plan_args, rows = mixed.plan_args, mixed.count()
 
     @ray.remote(num_cpus=1, resources={"slot": 1})  # its node's CPU, as a train worker takes it
     class Rank:
@@ -158,7 +189,9 @@ def ours_arm(ray: Any, data: str, rows: int, seek: bool, head: str, rank_nodes: 
         def epoch(self, shard: Any, position: int, stop_after: Optional[int] = None) -> Dict:
             import torch
 
-            loader = GlobalOrderLoader(shard, device="cpu")  # token bytes as a uint8 tensor, no per-row objects
+            # Token bytes as a uint8 tensor, no per-row objects; a mixture's loader also counts rows per source.
+            kind = GlobalOrderLoader if shard.mixture is None else MixtureOrderLoader
+            loader = kind(shard, device="cpu")
             loader.set_epoch(0)
             loader.set_position(position)
             start = time.monotonic()
@@ -174,27 +207,32 @@ def ours_arm(ray: Any, data: str, rows: int, seek: bool, head: str, rank_nodes: 
                     break
             return epoch_figures(start, first, last, seen)
 
-    def feeder() -> Any:
+    def feeder(position: int) -> Any:
         # ours-seek: the folder, as RayTrainer turns a bare ray.data.read_parquet(data) into (`as_seekable`).
-        source = ParquetRowGroups(data) if seek else ray.data.read_parquet(data)
+        if arm == "ours-mix":
+            source = mixed  # a new feeder loads it again (as a restarted group's feeder does)
+        else:
+            source = ParquetRowGroups(data) if arm == "ours-seek" else ray.data.read_parquet(data)
         actor = (
             ray.remote(EpochFeeder)
             .options(**FEEDER_OPTIONS, scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=False))
             .remote(source, WORLD, WORLD * RANK_BATCH)
         )
+        if prestart:  # as RayTrainer's driver does before the worker group starts (feeder.py, Started early)
+            actor.prestart.remote(0, position, None, None, None)
         ray.get(actor.held_blocks.remote())  # up: the timings below start at the epoch's start
         return actor
 
-    ranks = [Rank.remote() for _ in range(WORLD)]
+    fresh = feeder(0)
+    ranks = [Rank.remote() for _ in range(WORLD)]  # the worker group's start, after the feeder's (as in a run)
     ray.get([r.node.remote() for r in ranks])
-    fresh = feeder()
     sampler = StoreSampler(ray_nodes(ray))
     before = created(rank_nodes)
-    shards = [GlobalOrderShard(fresh, k, WORLD, WORLD * RANK_BATCH, rows) for k in range(WORLD)]
+    shards = [GlobalOrderShard(fresh, k, WORLD, WORLD * RANK_BATCH, rows, mixture=plan_args) for k in range(WORLD)]
     epoch = ray.get([r.epoch.remote(shard, 0) for r, shard in zip(ranks, shards, strict=True)])
     moved = created(rank_nodes) - before
-    resumed = feeder()
-    shards = [GlobalOrderShard(resumed, k, WORLD, WORLD * RANK_BATCH, rows) for k in range(WORLD)]
+    resumed = feeder(rows // 2)  # the same ranks ask at once: no head start for the resume
+    shards = [GlobalOrderShard(resumed, k, WORLD, WORLD * RANK_BATCH, rows, mixture=plan_args) for k in range(WORLD)]
     resume = ray.get([r.epoch.remote(shard, rows // 2, 1) for r, shard in zip(ranks, shards, strict=True)])
     peak = sampler.peak()
     for actor in [*ranks, fresh, resumed]:  # ranks first: their prefetch threads still call the feeder
@@ -258,6 +296,7 @@ def table(results: Dict[str, Dict], data_bytes: int) -> str:
         "| first batch (s) | resume at 50%: first batch (s) | peak object store (MiB) |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
+    skips = False
     for arm, result in results.items():
         if "error" in result:
             lines.append(f"| {arm} | not run: {result['error']} | | | | | |")
@@ -266,11 +305,19 @@ def table(results: Dict[str, Dict], data_bytes: int) -> str:
             result["network_ratio"] = result["moved_bytes"] / data_bytes
         if "network_ratio" not in base and base.get("moved_bytes") is not None:
             base["network_ratio"] = base["moved_bytes"] / data_bytes
+        resume = cell(arm, "resume_first_batch_s", fmt="{:.2f}")
+        if result.get("resume_kind"):  # no mid-epoch resume: the cell is a pass skipping to 50%
+            resume, skips = f"no resume; a skip: {resume}", True
         lines.append(
             f"| {arm} | {cell(arm, 'rows_per_s_per_worker')} | {cell(arm, 'epoch_rows_per_s_per_worker')} "
             f"| {cell(arm, 'network_ratio', fmt='{:.3f}')} "
-            f"| {cell(arm, 'first_batch_s', fmt='{:.2f}')} | {cell(arm, 'resume_first_batch_s', fmt='{:.2f}')} "
+            f"| {cell(arm, 'first_batch_s', fmt='{:.2f}')} | {resume} "
             f"| {cell(arm, 'peak_store_bytes', 2**20, '{:.1f}')} |"
+        )
+    if skips:
+        lines.append(
+            "\n'no resume; a skip': the arm has no mid-epoch resume; the time is a second pass's, iterating "
+            "past the first half of each worker's rows."
         )
     return "\n".join(lines)
 
@@ -320,14 +367,29 @@ def start_cluster(cluster_class: Any, count_network: bool = False, tries: int = 
 
 
 def run_arms(
-    arms: List[str], data: str, scratch: str, rows: int, repeats: int, count_network: bool
+    arms: List[str],
+    data: str,
+    scratch: str,
+    rows: int,
+    repeats: int,
+    count_network: bool,
+    mix: Any = None,
+    prestart: str = "on",
 ) -> Dict[str, List[Dict]]:
-    """Each arm ``repeats`` times (arms in turn) on one fresh cluster (`start_cluster`)."""
+    """Each arm ``repeats`` times (arms in turn) on one fresh cluster (`start_cluster`); ``mix``: the
+    mixing arms' three sources (`data_scale_mix.split_sources`)."""
     import ray
     from ray.cluster_utils import Cluster
 
     cluster = start_cluster(Cluster, count_network)
-    results: Dict[str, List[Dict]] = {arm: [] for arm in arms}
+    # (label, arm, stream started when the feeder is made); prestart "both": each ours arm also at the request.
+    runs = []
+    for arm in arms:
+        if arm.startswith("ours") and prestart == "both":
+            runs += [(arm, arm, True), (f"{arm}@request", arm, False)]
+        else:
+            runs.append((arm, arm, prestart != "off"))
+    results: Dict[str, List[Dict]] = {label: [] for label, _, _ in runs}
     try:
         os.environ["RAY_ADDRESS"] = cluster.address  # Ray Train's helper processes: this cluster, not another
         ray.init(address=cluster.address)
@@ -342,19 +404,20 @@ def run_arms(
             tag = f"{'net' if count_network else 'run'}{repeat}"
             folder = os.path.join(scratch, tag)  # this pass's MDS shards, caches and run dirs
             os.makedirs(folder)
-            for arm in arms:
+            for label, arm, early in runs:
                 started = time.monotonic()
                 try:
-                    if arm in ("ours", "ours-seek"):
-                        result = ours_arm(ray, data, rows, arm == "ours-seek", head, rank_nodes)
+                    if arm.startswith("ours"):
+                        result = ours_arm(ray, data, rows, arm, head, rank_nodes, mix, early)
                     else:
-                        run = torch_arm if arm == "ray-data" else streaming_arm
+                        run = torch_arm if arm.startswith("ray-data") else streaming_arm
                         sampler = StoreSampler(ray_nodes(ray))
-                        result = run(ray, data, folder, rows, WORLD, RANK_BATCH, decode, summary, sampler)
+                        sources = mix if arm.endswith("-mix") else None
+                        result = run(ray, data, folder, rows, WORLD, RANK_BATCH, decode, summary, sampler, sources)
                 except Exception as exc:  # e.g. Streaming not installed or not importable here: say so, go on
                     result = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-                results[arm].append(result)
-                print(f"{tag} {arm}: {time.monotonic() - started:.0f} s {json.dumps(result)}", flush=True)
+                results[label].append(result)
+                print(f"{tag} {label}: {time.monotonic() - started:.0f} s {json.dumps(result)}", flush=True)
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -371,12 +434,21 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         "--no-network", action="store_true", help="skip the separate network-counting pass (its cluster)"
     )
     parser.add_argument("--json", action="store_true", help="also print the results as one JSON line")
+    parser.add_argument(
+        "--prestart",
+        choices=("on", "off", "both"),
+        default="on",
+        help="ours arms: the epoch's stream starts when the feeder is made (on, as RayTrainer), at the first "
+        "rank's request (off, as before), or both in turn, the second labelled ARM@request",
+    )
     args = parser.parse_args(argv)
 
     import data_scale_arms
+    import data_scale_mix
     import ray
 
-    ray.cloudpickle.register_pickle_by_value(data_scale_arms)  # the train loops' helpers, to the workers
+    for module in (data_scale_arms, data_scale_mix):  # the train loops' helpers, to the workers
+        ray.cloudpickle.register_pickle_by_value(module)
 
     scratch = tempfile.mkdtemp(prefix="data_scale-")
     data = os.path.join(scratch, "parquet")
@@ -384,24 +456,32 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     data_bytes = write_parquet(data, args.files, args.rows_per_file)
     rows = args.files * args.rows_per_file
     print(f"dataset: {args.files} files x {args.rows_per_file} rows x 2 KiB = {data_bytes / 2**20:.1f} MiB", flush=True)
+    mix = None
+    if any(arm.endswith("-mix") for arm in args.arms):
+        mix = data_scale_mix.split_sources(data, os.path.join(scratch, "mix"))
+        print("mixing arms' sources: " + ", ".join(f"{n} {s['rows']} rows ({s['weight']:.3f})" for n, s in mix.items()))
     network: Dict[str, Optional[int]] = {}
     try:
         # Throughput: every arm, --repeats times, on one cluster; then the network count on another.
-        runs = run_arms(args.arms, data, scratch, rows, args.repeats, count_network=False)
+        runs = run_arms(args.arms, data, scratch, rows, args.repeats, False, mix, args.prestart)
         if not args.no_network:
-            counted = [arm for arm in args.arms if arm != "streaming"]  # Streaming's bytes: its caches' files
-            for arm, results_of in run_arms(counted, data, scratch, rows, 1, count_network=True).items():
+            counted = [arm for arm in args.arms if not arm.startswith("streaming")]  # Streaming: its caches' files
+            for arm, results_of in run_arms(counted, data, scratch, rows, 1, True, mix, args.prestart).items():
                 network[arm] = results_of[0].get("moved_bytes")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)  # the Parquet files, MDS shards and caches
     results: Dict[str, Dict] = {}
     for arm, arm_runs in runs.items():
         results[arm] = aggregate(arm_runs)
-        if arm != "streaming" and "error" not in results[arm]:
+        if not arm.startswith("streaming") and "error" not in results[arm]:
             results[arm]["moved_bytes"] = network.get(arm)  # None: not counted (--no-network)
             results[arm].get("spread", {}).pop("moved_bytes", None)
     print(table(results, data_bytes))
-    out = {"data_bytes": data_bytes, "rows": rows, "results": results}
+    costs = data_scale_mix.mixing_costs(runs)
+    if costs:
+        print("\nmixing cost (each mixing arm / its single-source arm, repeat by repeat: median [min-max]):")
+        print(data_scale_mix.costs_table(costs))
+    out = {"data_bytes": data_bytes, "rows": rows, "results": results, "mixing_costs": costs}
     if args.json:
         print(json.dumps(out))
     return out

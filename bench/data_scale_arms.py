@@ -24,7 +24,7 @@ import time
 import types
 from typing import Any, Callable, Dict, List
 
-ARMS = ("ours", "ours-seek", "ray-data", "streaming")
+ARMS = ("ours", "ours-seek", "ray-data", "streaming", "ours-mix", "ray-data-mix", "streaming-mix")
 
 
 def import_streaming() -> Any:
@@ -112,8 +112,13 @@ def _write(out: str, figures: Dict[str, Any]) -> None:
         json.dump(figures, f)
 
 
-def torch_arm(ray: Any, data: str, scratch: str, rows: int, world: int, rank_batch: int, decode, summary, sampler):
-    """Ray Data's ``streaming_split`` (Ray Train's default `DataConfig`) in a plain `TorchTrainer` loop."""
+def torch_arm(
+    ray: Any, data: str, scratch: str, rows: int, world: int, rank_batch: int, decode, summary, sampler, mix=None
+):
+    """Ray Data's ``streaming_split`` (Ray Train's default `DataConfig`) in a plain `TorchTrainer` loop.
+
+    ``mix``: the mixing arm's sources (`data_scale_mix.split_sources`): the train set is their
+    ``Dataset.mix`` (`data_scale_mix.ray_data_mix`) instead of ``read_parquet(data)``."""
 
     def loop(config: Dict[str, Any]) -> None:
         import torch
@@ -143,7 +148,13 @@ def torch_arm(ray: Any, data: str, scratch: str, rows: int, world: int, rank_bat
         epoch = epoch_figures(start, first, last, seen)
         _write(config["out"], {"epoch": epoch, "moved": moved, "resume": {"first_batch_s": resumed}})
 
-    figures = _fit(ray, loop, scratch, "ray-data", world, {"train": ray.data.read_parquet(data)})
+    if mix is None:
+        name, train = "ray-data", ray.data.read_parquet(data)
+    else:
+        from data_scale_mix import ray_data_mix
+
+        name, train = "ray-data-mix", ray_data_mix(ray, mix)
+    figures = _fit(ray, loop, scratch, name, world, {"train": train})
     return summary(
         [f["epoch"] for f in figures],
         [f["resume"] for f in figures],
@@ -153,8 +164,13 @@ def torch_arm(ray: Any, data: str, scratch: str, rows: int, world: int, rank_bat
     )
 
 
-def streaming_arm(ray: Any, data: str, scratch: str, rows: int, world: int, rank_batch: int, decode, summary, sampler):
+def streaming_arm(
+    ray: Any, data: str, scratch: str, rows: int, world: int, rank_batch: int, decode, summary, sampler, mix=None
+):
     """MosaicML Streaming on 3 rank actors, a local cache per node; resume by ``load_state_dict`` at 50%.
+
+    ``mix``: the mixing arm's sources (`data_scale_mix.split_sources`): one ``Stream(proportion=)``
+    per source over its own MDS shards, the epoch ``rows`` samples.
 
     Streaming names a node's shared memory by the first free prefix in ``/dev/shm``, found between two
     ``torch.distributed`` barriers; here every "node" shares one machine's ``/dev/shm``, so datasets
@@ -165,9 +181,7 @@ def streaming_arm(ray: Any, data: str, scratch: str, rows: int, world: int, rank
     so each node still reads only its part, as in a real multi-node run.
     """
     streaming = import_streaming()
-    mds = os.path.join(scratch, "mds")
-    files = len(glob.glob(os.path.join(data, "*.parquet")))
-    write_mds(data, mds, rows // files)
+    mds = _write_shards(data, scratch, rows, mix)
     note = streaming.bench_note
 
     def collate(samples: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -188,7 +202,16 @@ def streaming_arm(ray: Any, data: str, scratch: str, rows: int, world: int, rank
 
         def build(self, cache: str) -> None:
             self.loader = None  # the first pass's dataset, gone before the resumed one is made
-            dataset = self.sd.StreamingDataset(remote=mds, local=cache, batch_size=rank_batch, shuffle=False)
+            if mix is None:
+                dataset = self.sd.StreamingDataset(remote=mds, local=cache, batch_size=rank_batch, shuffle=False)
+            else:  # one Stream(proportion=) per source
+                streams = [
+                    self.sd.Stream(remote=mds[n], local=os.path.join(cache, n), proportion=s["weight"])
+                    for n, s in mix.items()
+                ]
+                dataset = self.sd.StreamingDataset(
+                    streams=streams, epoch_size=rows, batch_size=rank_batch, shuffle=False
+                )
             self.loader = self.sd.StreamingDataLoader(dataset, batch_size=rank_batch, num_workers=0, collate_fn=collate)
             self.cache = cache
 
@@ -236,6 +259,18 @@ def streaming_arm(ray: Any, data: str, scratch: str, rows: int, world: int, rank
         note=note,
         resume_state=figures[0]["state"],
     )
+
+
+def _write_shards(data: str, scratch: str, rows: int, mix: Any) -> Any:
+    """The MDS shards of the Parquet files: their folder, or with ``mix`` ``{source: folder}``."""
+    files = len(glob.glob(os.path.join(data, "*.parquet")))
+    if mix is None:
+        write_mds(data, os.path.join(scratch, "mds"), rows // files)
+        return os.path.join(scratch, "mds")
+    out = {name: os.path.join(scratch, "mds-mix", name) for name in mix}
+    for name, source in mix.items():
+        write_mds(source["folder"], out[name], rows // files)
+    return out
 
 
 def _free_port() -> int:

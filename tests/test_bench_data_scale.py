@@ -4,6 +4,11 @@ The bench itself starts a 4-raylet Ray and takes minutes (bench/README.md has it
 what can rot cheaply is checked here: the script and its arms module import and parse their
 arguments, the side-by-side table computes each ratio against ``ours``, and where MosaicML Streaming
 is not installed (it is the ``bench`` extra, not a test dependency) its arm says how to install it.
+The mixing arms (``data_scale_mix.py``) without Ray: the three source folders hold every file
+once, the `MixtureSource` the ``ours-mix`` arm streams takes every row of each source once per
+epoch, and the mixing-cost table pairs each mixing arm with its single-source arm repeat by repeat.
+(Their cluster run is not here: ``ray-data-mix`` alone is a `TorchTrainer` fit, 85 s on a tiny
+dataset on the loaded machine; bench/README.md has the smoke command.)
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import data_scale  # noqa: E402
 import data_scale_arms  # noqa: E402
+import data_scale_mix  # noqa: E402
 
 
 def test_help_runs_without_ray():
@@ -32,6 +38,8 @@ def test_help_runs_without_ray():
     assert done.returncode == 0, done.stderr[-2000:]
     for flag in ("--files", "--rows-per-file", "--arms", "--repeats", "--no-network", "--json"):
         assert flag in done.stdout
+    for arm in ("ours-mix", "ray-data-mix", "streaming-mix"):  # selectable with --arms
+        assert arm in done.stdout
 
 
 def test_table_gives_each_measure_and_its_ratio_to_ours():
@@ -65,11 +73,53 @@ def test_repeats_give_medians_and_their_spread():
 
 
 def test_streaming_arm_names_the_install_when_streaming_is_missing():
-    try:
-        import streaming  # noqa: F401
-    except ImportError:
-        pass
-    else:
+    import importlib.util
+
+    if importlib.util.find_spec("streaming") is not None:  # installed (it may still fail a plain import: torchvision)
         pytest.skip("MosaicML Streaming is installed here (the bench extra)")
     with pytest.raises(ImportError, match=r"-e '\.\[bench\]' && pip install -c constraints.txt --no-deps streaming"):
         data_scale_arms.import_streaming()
+
+
+def test_mixing_arms_split_the_files_into_three_sources_each_row_chosen_once(tmp_path):
+    data = tmp_path / "parquet"
+    data.mkdir()
+    data_scale.write_parquet(str(data), files=10, rows_per_file=20)
+    sources = data_scale_mix.split_sources(str(data), str(tmp_path / "mix"))
+    assert list(sources) == ["web", "code", "math"]
+    files = [sorted(os.listdir(s["folder"])) for s in sources.values()]
+    assert [len(f) for f in files] == [5, 3, 2]  # 0.5 / 0.3 / 0.2 of the files, consecutive
+    assert sum(files, []) == sorted(os.listdir(data))
+    assert [s["weight"] for s in sources.values()] == [0.5, 0.3, 0.2]
+    # ours-mix: the MixtureSource RayTrainer(mixture=...) streams; its epoch is every row of each source once.
+    mixed = data_scale_mix.ours_mix_source(sources, global_batch=96)
+    assert mixed.count() == 200
+    assert list(mixed.plan.epoch_totals(0)) == [sources[n]["rows"] for n in mixed.mixture.names]
+
+
+def test_mixing_cost_is_each_mixing_arm_over_its_single_source_arm_repeat_by_repeat():
+    def run(rows_per_s, first):
+        return dict(rows_per_s_per_worker=rows_per_s, epoch_rows_per_s_per_worker=rows_per_s / 2, first_batch_s=first)
+
+    runs = {
+        "ours-seek": [run(1000.0, 1.0), run(2000.0, 1.0), run(1000.0, 2.0)],
+        "ours-mix": [run(950.0, 1.0), run(2000.0, 1.5), run(1100.0, 2.0)],
+        "streaming": [run(1000.0, 1.0)],
+        "streaming-mix": [{"error": "ImportError: not installed"}],
+        "ray-data-mix": [run(500.0, 3.0)],  # its single-source arm did not run: no ratio
+    }
+    costs = data_scale_mix.mixing_costs(runs)
+    assert list(costs) == ["ours-mix"]
+    assert costs["ours-mix"]["rows_per_s_per_worker"] == (1.0, 0.95, 1.1)
+    assert costs["ours-mix"]["first_batch_s"] == (1.0, 1.0, 1.5) and costs["ours-mix"]["repeats"] == 3
+    lines = data_scale_mix.costs_table(costs).splitlines()
+    assert lines[2] == "| ours-mix / ours-seek | 1.00x [0.95-1.10] | 1.00x [0.95-1.10] | 1.00x [1.00-1.50] | - | - |"
+    assert data_scale_mix.costs_table({}) is None
+
+
+def test_table_marks_an_arm_without_mid_epoch_resume():
+    row = dict(rows_per_s_per_worker=1000.0, epoch_rows_per_s_per_worker=500.0, first_batch_s=2.0)
+    row.update(resume_first_batch_s=4.0, peak_store_bytes=2**21, resume_kind="no mid-epoch resume")
+    lines = data_scale.table({"ray-data-mix": row}, data_bytes=1000).splitlines()
+    assert lines[2] == "| ray-data-mix | 1000 | 500 | - | 2.00 | no resume; a skip: 4.00 | 2.0 |"
+    assert "no mid-epoch resume" in lines[-1]

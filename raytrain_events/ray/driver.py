@@ -270,6 +270,14 @@ class RayTrainer:
         )
         train_config: Dict[str, Any] = {"spec": worker_spec}
         ray_datasets = {k: v for k, v in datasets.items() if k not in validated}
+        feeder = None
+        if isinstance(self.spec.workers, int):  # the stream starts now, while Ray Train starts the workers
+            from raytrain_events.ray.checkpointing.checkpointing import resume_position
+            from raytrain_events.ray.data.loader import train_order
+
+            start = resume_position(self.spec)
+            world = self.spec.workers
+            feeder = data_config.start_feeder(datasets["train"], world, start, train_order(self.spec))
         if replicas:  # the feeder made here: Ray Train configures a replaced group's datasets as a world of one
             shards = data_config.configure(ray_datasets, self.spec.workers, None, None)
             train_config.update(history=history, shards=[s["train"] for s in shards])
@@ -312,6 +320,9 @@ class RayTrainer:
                 progress.close()
                 self._progress = None
             loggers.close()
+            if feeder is not None:
+                _log_feeder_start(feeder)
+                ray.kill(feeder)
         record = ray.get(history.get.remote())
         self._save_history(history)
         if ray_result.error is not None:
@@ -404,6 +415,40 @@ def _listed_by_ray(ray_result: Any) -> List[str]:
     """The checkpoint directory names Ray's final run snapshot holds (kept ones and the latest)."""
     found = [c for c, _ in ray_result.best_checkpoints or []] + [ray_result.checkpoint]
     return [c.path.rstrip("/").rsplit("/", 1)[-1] for c in found if c is not None]
+
+
+def _log_feeder_start(feeder: Any) -> None:
+    """Say what the run's first batch waited for: the stream started early, or where the ranks asked instead."""
+    import logging
+
+    import ray
+
+    try:
+        report = ray.get(feeder.start_report.remote(), timeout=10)
+    except (ray.exceptions.RayError, TimeoutError):  # the feeder died (it restarts empty): nothing to say
+        return
+    log = logging.getLogger(__name__)
+    if "asked" not in report or "prestarted" not in report:
+        return
+    (epoch, position, _), asked = report["prestarted"], report["asked"]
+    if report["used"]:
+        log.info(
+            "Train data: the stream of epoch %d from sample %d started %.1f s before the first rank asked; "
+            "%d rows were in the feeder's buffer then (its reads run further ahead).",
+            epoch,
+            position,
+            report["lead_s"],
+            report["rows_ready"],
+        )
+    else:
+        log.info(
+            "Train data: the stream started early at epoch %d, sample %d, but the first rank asked for epoch %d "
+            "from sample %d (another checkpoint or order): it started there, at the request.",
+            epoch,
+            position,
+            asked[0],
+            asked[1],
+        )
 
 
 def _autoscaling() -> bool:

@@ -14,7 +14,7 @@ from raytrain_events.dist import LocalDist, TorchDist
 from raytrain_events.parallel.world import check_tensor_parallel_world
 from raytrain_events.parallel.wrap import Parallel
 from raytrain_events.ray.checkpointing.validation import async_eval_names
-from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard, ShardLoader
+from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard, ShardLoader, train_order
 from raytrain_events.ray.reports.worker_reports import RayReporter
 from raytrain_events.ray.spec import RunSpec
 from raytrain_events.trainer import Trainer
@@ -157,11 +157,9 @@ def _train_loader(shard: Any, spec: RunSpec, rank: int, options: Dict[str, Any])
             shard, tokens_of_batch=spec.get_num_tokens_in_batch, length=spec.steps_per_epoch, **options
         )
     if isinstance(shard, GlobalOrderShard):
-        # With a shuffle asked for, each epoch permutes the dataset's blocks with seed + epoch, then its rows
-        # within windows of shuffle_buffer_size rows (feeder.py, shuffle.py).
-        order_seed = spec.seed if spec.shuffle_buffer_size and spec.seed is not None else None
+        order_seed, shuffle_rows = train_order(spec)  # the driver's prestart of the feeder uses the same
         return GlobalOrderLoader(
-            shard, order_seed=order_seed, shuffle_rows=spec.shuffle_buffer_size, length=spec.steps_per_epoch, **options
+            shard, order_seed=order_seed, shuffle_rows=shuffle_rows, length=spec.steps_per_epoch, **options
         )
     return ShardLoader(
         shard,

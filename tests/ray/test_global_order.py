@@ -132,3 +132,52 @@ def test_a_rank_that_stops_early_leaves_the_next_epoch_intact(ray_cluster) -> No
             next(it)
     batches = _epoch_rows(loaders, epoch=1)
     assert [row for batch in batches for part in batch for row in part] == list(range(rows))
+
+
+def _wait_for_blocks(ray, feeder, key: str) -> None:
+    """Until the prestarted epoch ``key`` holds blocks (its stream started before any rank asked)."""
+    import time
+
+    deadline = time.monotonic() + 120
+    while not ray.get(feeder.held_blocks.remote()).get(key) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.get(feeder.held_blocks.remote()).get(key), ray.get(feeder.held_blocks.remote())
+
+
+@pytest.mark.ray
+def test_a_prestarted_stream_serves_the_ranks_only_when_it_is_what_they_ask_for(ray_cluster) -> None:
+    """`EpochFeeder.prestart` (the driver's guess, made while the workers start): the ranks' first request
+    takes it when it names their (epoch, position) and order, and otherwise starts where they ask --
+    a newer checkpoint than the driver read, or another order -- with the guess's rows never served."""
+    ray = ray_cluster
+    from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard
+
+    rows, world, global_batch = 640, 2, 16
+    dataset = ray.data.range(rows, override_num_blocks=8)
+
+    def run(prestart, position: int, order_seed=None):
+        feeder = ray.remote(EpochFeeder).options(num_cpus=0).remote(dataset, world, global_batch)
+        feeder.prestart.remote(*prestart, None)
+        _wait_for_blocks(ray, feeder, f"{prestart[0]}@{prestart[1]}")
+        loaders = [
+            GlobalOrderLoader(
+                GlobalOrderShard(feeder, r, world, global_batch, rows), device="cpu", order_seed=order_seed
+            )
+            for r in range(world)
+        ]
+        batches = _epoch_rows(loaders, epoch=0, position=position)
+        report, held = ray.get(feeder.start_report.remote()), ray.get(feeder.held_blocks.remote())
+        ray.kill(feeder)
+        return [row for batch in batches for part in batch for row in part], report, held
+
+    # The right guess: the first request finds the stream started and rows already read.
+    flat, report, _ = run((0, 0, None, None), 0)
+    assert flat == list(range(rows))
+    assert report["used"] and report["rows_ready"] > 0 and report["lead_s"] > 0 and report["asked"][:2] == [0, 0]
+    # A newer checkpoint than the guess: the ranks ask from sample 320 and get exactly the rest of the epoch.
+    flat, report, held = run((0, 0, None, None), 320)
+    assert flat == list(range(320, rows)) and not report["used"] and report["asked"][:2] == [0, 320]
+    assert "0@0" not in held  # the wrong guess was stopped and dropped
+    # The right position in another order (blocks permuted with seed 5): the ranks' own order is served.
+    flat, report, _ = run((0, 0, 5, None), 0)
+    assert flat == list(range(rows)) and not report["used"]

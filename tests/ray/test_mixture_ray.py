@@ -198,3 +198,26 @@ def test_a_bad_mixture_source_is_refused_naming_the_fix(tmp_path) -> None:
     pq.write_table(pa.table({"id": list(range(90)), "tokens": [[1, 2]] * 90, "ntok": [1] * 90}), other)
     with pytest.raises(MixtureError, match="'math' has another schema than 'code'.*convert it first"):
         check_mixture(good, {**datasets, "math": ParquetRowGroups(other)}, None)
+
+
+@pytest.mark.parametrize("global_batch,world,position", [(96, 3, 0), (100, 7, 12_345), (5_000, 4, 0), (64, 2, 23_990)])
+def test_a_ranks_plan_window_names_each_batchs_sources_as_a_walk_per_batch(global_batch, world, position) -> None:
+    """`MixtureOrderLoader` walks the plan once per several small global batches (`_PLAN_WINDOW`): each
+    batch's per-source counts are still those of its own positions, across a stage change and epochs."""
+    from types import SimpleNamespace
+
+    from raytrain_events.core.mixture import Mixture
+    from raytrain_events.ray.data.mixture_loader import MixtureOrderLoader
+
+    mixture = Mixture(
+        sources={"web": 12_000, "code": 7_000, "math": 5_000},
+        stages={"0dur": {"web": 0.5, "code": 0.3, "math": 0.2}, "0.5dur": {"web": 0.2, "code": 0.4, "math": 0.4}},
+    )
+    plan = mixture.plan(seed=0, total_samples=48_000, global_batch=global_batch)
+    loader = object.__new__(MixtureOrderLoader)  # only the plan and the shard's cut: no feeder
+    loader.plan, loader._window = plan, (-1, 0, [])
+    loader.shard = SimpleNamespace(global_batch=global_batch, data_world_size=world, rank=world - 1, tensor_parallel=1)
+    for epoch in (0, 1):
+        for k in range(-(-(plan.epoch_size - position) // global_batch)):
+            a, b = loader._rank_positions(position, k)
+            assert loader._sources(epoch, a, b) == plan.sources(epoch, a, b), (epoch, k)

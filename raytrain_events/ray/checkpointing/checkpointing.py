@@ -20,12 +20,15 @@ killed while Ray was pruning leaves one behind: `delete_unlisted`).
 One notion of latest: the newest committed checkpoint of the run directory (by global batch).
 Every continuation resumes from it: a restart by ``FailureConfig``, an elastic resize, and a new
 run with the same name (Ray restores its snapshot; ``autoresume`` / ``resume=true``). It is what
-Ray reports last too (every save is reported), so ``result.checkpoint`` points at it.
+Ray reports last too (every save is reported), so ``result.checkpoint`` points at it. The driver
+reads its position (`resume_position`: the folder's index and one manifest) to start the train
+stream while the worker group starts (``feeder.py``, Started early).
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+import logging
+from typing import Any, Dict, List, Tuple
 
 from raytrain_events.checkpoint.folder.folder import CheckpointFolder, RayRetention
 from raytrain_events.checkpoint.folder.retention import CheckpointPlan, ray_plan
@@ -40,7 +43,33 @@ __all__ = [
     "hand_retention_to_ray",
     "ray_checkpoint_config",
     "report_with_checkpoint",
+    "resume_position",
 ]
+
+logger = logging.getLogger(__name__)
+
+
+def resume_position(spec: RunSpec) -> Tuple[int, int]:
+    """``(epoch, global sample in epoch)`` where the run's train data will start: the newest committed
+    checkpoint's (what every continuation resumes from; its manifest's ``data_position``), or ``(0, 0)``.
+    Read on the driver from the checkpoint folder's index and that manifest (one LIST, a GET or two). A guess for
+    starting the stream early: a worker that loads another checkpoint (this one turned out unreadable,
+    or a newer one committed since) asks the feeder for its own position, which then starts there."""
+    if spec.checkpoint is None:
+        return 0, 0
+    from raytrain_events.checkpoint.folder.store import latest_checkpoint
+
+    plan = checkpoint_plan(spec)
+    try:
+        info = latest_checkpoint(plan.worker.save_folder, storage_options=plan.worker.storage_options)
+    except Exception as exc:  # noqa: BLE001 - a guess: the workers read the folder themselves and raise there
+        logger.info("The newest checkpoint's position could not be read (%r): the train stream starts at 0.", exc)
+        return 0, 0
+    if info is None:
+        return 0, 0
+    data = info.metadata.get("data_position") or {}  # the loop's epoch and global sample in it, at the save
+    epoch = int(data.get("epoch", info.timestamp.get("epoch", 0)))
+    return epoch, int(data.get("sample_in_epoch", 0)) if data.get("batch_in_epoch") else 0
 
 
 def checkpoint_plan(spec: RunSpec) -> CheckpointPlan:

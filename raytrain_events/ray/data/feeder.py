@@ -42,6 +42,14 @@ own position in the epoch, a restart's ``resume_batch``), so a block is dropped 
 ``world_size * t`` ranks are past it, and each of a group's ranks gets every row of its part.
 ``consumers=1`` is the plain data-parallel case (part ``r`` to rank ``r``).
 
+Started early: the driver creates the group's feeder before Ray Train starts the worker group and
+calls `EpochFeeder.prestart` with the epoch the run will begin with (0, or the position of the
+run's newest checkpoint, read from its manifest on the driver), so the stream's first blocks are
+read while the workers start, not when the first rank asks. A prestarted epoch is only a guess:
+the first rank's `start_epoch` uses it if it names the same (epoch, position) and order (seed,
+row shuffle); otherwise the guess is stopped and dropped, and the epoch starts where the rank
+asks, as without it. `EpochFeeder.start_report` says whether the first rank found it started.
+
 The last global batch of an epoch may be short; if it would have fewer rows than there are
 workers (some rank would get none) its rows join the batch before it.
 """
@@ -91,6 +99,12 @@ def batches_in_epoch(rows: int, global_batch: int, world_size: int, position: in
     return full  # the short tail joins the last full batch
 
 
+def _order(order_seed: Optional[int], epoch: int, shuffle_rows: Optional[int]) -> Tuple[Any, Any]:
+    """What fixes an epoch's order besides its position: the block order's seed and the row shuffle."""
+    shuffle = None if order_seed is None or not shuffle_rows else (order_seed, epoch, shuffle_rows)
+    return order_seed, shuffle
+
+
 def bundle_blocks(bundle: Any) -> Iterator[Tuple[Any, int, int]]:
     """``(ref, first row, rows)`` of each block of a Ray Data ``RefBundle`` (or a test's stand-in)."""
     slices = getattr(bundle, "slices", None) or [None] * len(bundle.blocks)
@@ -127,6 +141,8 @@ class _Epoch:
         self.global_batch = global_batch
         self.world_size = world_size
         self.first_batch = first_batch  # batches before it are not served (a rebuilt epoch)
+        self.order: Any = None  # (block order seed, row shuffle): set by the feeder (`_order`)
+        self.prestarted = False  # started by `EpochFeeder.prestart`, no rank has asked for it yet
         self.index: Any = BlockIndex(seek[0]) if shuffle is None else WindowIndex(shuffle[0], shuffle[1], *seek)
         self.window_rows = 0 if shuffle is None else max(1, shuffle[2])
         self.consumers = consumers
@@ -270,6 +286,8 @@ class EpochFeeder:
         self.global_batch = global_batch
         self.epochs: Dict[Tuple[int, int], _Epoch] = {}
         self.lock = threading.Lock()  # guards `epochs` (calls run in several threads)
+        self.claimed = False  # a feeder made before the worker group: the first group's (`claim`)
+        self.report: Dict[str, Any] = {}  # `start_report`: the prestart and the first rank's request
 
     def _set_dataset(self, dataset: Any) -> None:
         from raytrain_events.ray.data.parquet_seek import is_seekable
@@ -316,16 +334,10 @@ class EpochFeeder:
         the module doc, Restarts); its first call (and a restarted feeder's) loads the dataset from it.
         """
         key = (epoch, position)
+        order = _order(order_seed, epoch, shuffle_rows)
         with self.lock:
-            if self.dataset is None:
-                if not source:
-                    raise RuntimeError(
-                        "This EpochFeeder was created without a dataset: pass start_epoch(source=[ref])."
-                    )
-                import ray
-
-                self._set_dataset(ray.get(source[0]))
-            started = self.epochs.get(key)
+            self._load(source)
+            started = self._prestarted(key, order)
             if started is not None and resume_batch == 0 and started.cursor.next[rank] > started.first_batch:
                 raise RuntimeError(
                     f"Rank {rank} started epoch {epoch} at sample {position} of the train set's global order a "
@@ -333,17 +345,77 @@ class EpochFeeder:
                     "Trainer.fit(duration=...) (the next epoch), or start a new run (RayTrainer.fit) to begin again."
                 )
             if started is None:
-                for old in [k for k in self.epochs if k[0] < epoch - 1]:
-                    self.epochs.pop(old).stop()
-                first = max(0, resume_batch - _RESTART_SLACK)
-                shuffle = None if order_seed is None or not shuffle_rows else (order_seed, epoch, shuffle_rows)
-                window_rows = shuffle[2] if shuffle else 0
-                row = position + first * self.global_batch
-                stream, seek = self._stream(epoch, order_seed, row, window_rows)
-                self.epochs[key] = _Epoch(
-                    stream, position, self.global_batch, self.world_size, first, shuffle, seek, self.consumers
-                )
+                self._open(key, order, max(0, resume_batch - _RESTART_SLACK))
         return True
+
+    def prestart(self, epoch: int, position: int, order_seed: Optional[int], shuffle_rows: Optional[int], source: Any):
+        """Start the stream of (epoch, position) before any rank asks: the driver's guess of where the
+        run begins, made while Ray Train starts the worker group (see the module doc). The first
+        rank's `start_epoch` uses it only if it asks for the same epoch, position and order."""
+        import time
+
+        with self.lock:
+            self._load(source)
+            key = (epoch, position)
+            if key not in self.epochs and "asked" not in self.report:  # too late once a rank has asked
+                self._open(key, _order(order_seed, epoch, shuffle_rows), 0).prestarted = True
+                self.report.setdefault("prestarted", [epoch, position, time.monotonic()])
+
+    def claim(self) -> bool:
+        """True once: the first worker group takes this feeder (made on the driver); later ones make their own."""
+        with self.lock:
+            claimed, self.claimed = self.claimed, True
+        return not claimed
+
+    def start_report(self) -> Dict[str, Any]:
+        """The prestart (epoch, position) and the first rank's request: ``lead_s`` from one to the other,
+        ``used`` whether that request found the prestarted stream, ``rows_ready`` rows in its buffer then
+        (the pull stops a few global batches ahead; the source's own reads run further)."""
+        return dict(self.report)
+
+    def _load(self, source: Optional[List[Any]]) -> None:
+        if self.dataset is None:
+            if not source:
+                raise RuntimeError("This EpochFeeder was created without a dataset: pass start_epoch(source=[ref]).")
+            import ray
+
+            self._set_dataset(ray.get(source[0]))
+
+    def _prestarted(self, key: Tuple[int, int], order: Tuple[Any, Any]) -> Optional[_Epoch]:
+        """The epoch ``key`` if started; the first rank's request drops a prestarted guess that is not it."""
+        import time
+
+        started = self.epochs.get(key)
+        guesses = [k for k, e in self.epochs.items() if e.prestarted]
+        if not guesses:
+            return started
+        if "asked" not in self.report:
+            prestart = self.report.get("prestarted")
+            used = started is not None and started.prestarted and started.order == order
+            self.report.update(
+                asked=[key[0], key[1], time.monotonic()],
+                used=used,
+                rows_ready=started.index.end - started.keep_from if used and started is not None else 0,
+                lead_s=None if prestart is None else time.monotonic() - prestart[2],
+            )
+        for k in guesses:
+            guess = self.epochs[k]
+            guess.prestarted = False
+            if k != key or guess.order != order:  # a wrong guess: never served, its stream stopped
+                self.epochs.pop(k).stop()
+        return self.epochs.get(key)
+
+    def _open(self, key: Tuple[int, int], order: Tuple[Any, Any], first: int) -> _Epoch:
+        epoch, position = key
+        for old in [k for k in self.epochs if k[0] < epoch - 1]:
+            self.epochs.pop(old).stop()
+        order_seed, shuffle = order
+        window_rows = shuffle[2] if shuffle else 0
+        stream, seek = self._stream(epoch, order_seed, position + first * self.global_batch, window_rows)
+        state = _Epoch(stream, position, self.global_batch, self.world_size, first, shuffle, seek, self.consumers)
+        state.order = order
+        self.epochs[key] = state
+        return state
 
     def batches(
         self, epoch: int, position: int, rank: int, first: int, count: int

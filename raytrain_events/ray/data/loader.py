@@ -24,7 +24,7 @@ streaming split cannot hand one part to several workers), each group's ranks sha
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ray.train import DataConfig
 
@@ -38,6 +38,7 @@ __all__ = [
     "GlobalOrderShard",
     "TrainDataConfig",
     "DeterministicSplitDataConfig",
+    "train_order",
 ]
 
 
@@ -167,6 +168,9 @@ class TrainDataConfig(DeterministicSplitDataConfig):
         self.batch_size = batch_size
         self.global_batch_size = global_batch_size
         self.deterministic = deterministic
+        self.feeder: Any = None  # the first group's feeder when the driver made it (`start_feeder`)
+        self.source: Any = None
+        self.feeder_world = 0
 
     def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
         from raytrain_events.parallel.world import check_tensor_parallel_world
@@ -186,29 +190,61 @@ class TrainDataConfig(DeterministicSplitDataConfig):
                 output[rank].update(shards)
         if "train" in datasets:
             import ray
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-            from raytrain_events.ray.data.feeder import FEEDER_OPTIONS, EpochFeeder
 
             dataset = datasets["train"]
-            parts = world_size // tp  # the data-parallel size
-            global_batch = self.global_batch_size or self.batch_size * parts
-            here = ray.get_runtime_context().get_node_id()  # Ray Train's controller node: it outlives workers
-            options = {"consumers": tp} if tp > 1 else {}
-            # The dataset goes by reference in each start_epoch call, not as a constructor argument
-            # (a restartable actor's constructor arguments in the object store: ray issue 53727).
-            source = [ray.put(dataset)]
-            feeder = (
-                ray.remote(EpochFeeder)
-                .options(**FEEDER_OPTIONS, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False))
-                .remote(None, parts, global_batch, self.deterministic, **options)
-            )
+            global_batch = self._global_batch(world_size)
+            ready = self.feeder is not None and world_size == self.feeder_world  # made on the driver (`start_feeder`)
+            if ready and ray.get(self.feeder.claim.remote()):  # the first group's; a restarted group makes its own
+                feeder, source = self.feeder, self.source
+            else:
+                feeder, source = self._new_feeder(dataset, world_size)
             rows = self.train_rows if self.train_rows is not None else _compat.dataset_meta_count(dataset)
             for rank in range(world_size):
                 output[rank]["train"] = GlobalOrderShard(
                     feeder, rank, world_size, global_batch, rows, tp, source, getattr(dataset, "plan_args", None)
                 )
         return output
+
+    def _global_batch(self, world_size: int) -> int:
+        return self.global_batch_size or self.batch_size * (world_size // self.tensor_parallel)
+
+    def _new_feeder(self, dataset: Any, world_size: int) -> Any:
+        """A group's `EpochFeeder` actor (pinned to this node: the driver's or Ray Train's controller's,
+        which outlive the workers) and ``[ObjectRef of the train set]`` it loads from."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from raytrain_events.ray.data.feeder import FEEDER_OPTIONS, EpochFeeder
+
+        tp = self.tensor_parallel
+        here = ray.get_runtime_context().get_node_id()
+        options = {"consumers": tp} if tp > 1 else {}
+        # The dataset goes by reference in each start_epoch call, not as a constructor argument
+        # (a restartable actor's constructor arguments in the object store: ray issue 53727).
+        source = [ray.put(dataset)]
+        feeder = (
+            ray.remote(EpochFeeder)
+            .options(**FEEDER_OPTIONS, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False))
+            .remote(None, world_size // tp, self._global_batch(world_size), self.deterministic, **options)
+        )
+        return feeder, source
+
+    def start_feeder(self, dataset: Any, world_size: int, start: Tuple[int, int], order: Tuple[Any, Any]) -> Any:
+        """On the driver, before Ray Train starts the worker group: the first group's feeder, its stream
+        of epoch ``start[0]`` from global sample ``start[1]`` started now (`EpochFeeder.prestart`, a
+        guess the first rank's request confirms or replaces); ``order``: `train_order`. Returns the feeder."""
+        self.feeder, self.source = self._new_feeder(dataset, world_size)
+        self.feeder_world = world_size
+        self.feeder.prestart.remote(start[0], start[1], order[0], order[1], self.source)
+        return self.feeder
+
+
+def train_order(spec: Any) -> Tuple[Optional[int], Optional[int]]:
+    """``(order_seed, shuffle_rows)`` of the run's train loader: with a row shuffle asked for (and a seed),
+    each epoch permutes the dataset's blocks with seed + epoch, then its rows within windows of
+    ``shuffle_buffer_size`` rows (feeder.py, shuffle.py); else the dataset's own order."""
+    order_seed = spec.seed if spec.shuffle_buffer_size and spec.seed is not None else None
+    return order_seed, spec.shuffle_buffer_size
 
 
 def cheap_row_count(dataset: Any) -> Optional[int]:
