@@ -48,6 +48,7 @@ sys.path.insert(0, ROOT)
 
 from raytrain_events import Callback  # noqa: E402
 from tests.ray import resume_helpers as h  # noqa: E402
+from tests.ray.replica_helpers import live_procs  # noqa: E402
 
 GROUPS = 3
 
@@ -82,18 +83,9 @@ def _steps(folder: str) -> Dict[int, List[Dict[str, Any]]]:
 
 def _live(folder: str, rank: int) -> Any:
     """The newest live process of ``rank`` that has trained 2 steps, or None."""
-    best = None
     steps = _steps(folder)
-    for path in glob.glob(os.path.join(folder, "proc-*.json")):
-        with open(path) as f:
-            info = json.load(f)
-        try:
-            os.kill(info["pid"], 0)
-        except OSError:
-            continue
-        if info["rank"] == rank and len(steps.get(info["pid"], [])) >= 2 and (best is None or info["t"] > best["t"]):
-            best = info
-    return best
+    alive = [p for p in live_procs(folder) if p["rank"] == rank and len(steps.get(p["pid"], [])) >= 2]
+    return max(alive, key=lambda p: p["t"]) if alive else None
 
 
 def _chaos(folder: str, plan: List[Tuple[float, int]], done: List[float], stop: threading.Event) -> None:

@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
 import time
 
 from raytrain_events import Callback
+
+
+def live_procs(folder: str) -> list:
+    """The ``proc-*.json`` records in ``folder`` of the processes still alive (the kill tests' targets)."""
+    out = []
+    for path in glob.glob(os.path.join(folder, "proc-*.json")):
+        with open(path) as f:
+            info = json.load(f)
+        try:
+            os.kill(info["pid"], 0)
+        except OSError:
+            continue
+        out.append(info)
+    return out
 
 
 class RecordCommits(Callback):

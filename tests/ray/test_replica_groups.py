@@ -26,7 +26,7 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from tests.ray.replica_helpers import RecordCommits
+from tests.ray.replica_helpers import RecordCommits, live_procs
 from tests.ray.resume_helpers import (
     BATCHES_PER_EPOCH,
     GLOBAL_BATCH,
@@ -71,16 +71,7 @@ def _trainer(tmp_path, data, folder, sleep_s):
 
 def _live_group(folder: str, group: int):
     """The newest live process of ``group`` (its proc file), or None."""
-    procs = []
-    for path in glob.glob(os.path.join(folder, "proc-*.json")):
-        with open(path) as f:
-            info = json.load(f)
-        try:
-            os.kill(info["pid"], 0)
-        except OSError:
-            continue
-        if info["group"] == group:
-            procs.append(info)
+    procs = [info for info in live_procs(folder) if info["group"] == group]
     return max(procs, key=lambda p: p["t"]) if procs else None
 
 

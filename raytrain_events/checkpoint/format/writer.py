@@ -261,29 +261,28 @@ class _Payload:
     crc32: str = ""
 
 
+def _torch_save(obj: Any, stream: Any) -> None:
+    """``torch.save`` into one of our CRC32-ing streams (``stream.error``: what the stream itself failed with)."""
+    try:
+        with torch_zip_crc_off():  # our CRC32 covers these bytes
+            torch.save(obj, stream)
+    except Exception:
+        if stream.error is not None:  # torch's zip writer replaced it with its own error
+            raise stream.error from stream.error.__cause__
+        raise
+
+
 def _upload(fs: Any, path: str, payload: _Payload) -> None:
     """Serialize and upload one payload atomically, filling in its size and CRC32 (a separate
     function so tests can inject failures here). Local: streamed, see the module docstring."""
     if isinstance(fs, LocalFileSystem):
         with local_atomic_writer(path, crc32=True) as f:
-            try:
-                with torch_zip_crc_off():  # our CRC32 covers these bytes
-                    torch.save(payload.obj, f)
-            except Exception:
-                if f.error is not None:  # torch's zip writer replaced it with its own error
-                    raise f.error from f.error.__cause__
-                raise
+            _torch_save(payload.obj, f)
         payload.size, payload.crc32 = f.size, f.hexdigest()
         return
     upload = open_upload(fs, path)  # CRC32s what it sends; big files go up in parts meanwhile
     try:
-        try:
-            with torch_zip_crc_off():  # our CRC32 covers these bytes
-                torch.save(payload.obj, upload)
-        except Exception:
-            if upload.error is not None:  # torch's zip writer replaced it with its own error
-                raise upload.error from upload.error.__cause__
-            raise
+        _torch_save(payload.obj, upload)
         upload.finish()
     except BaseException:
         upload.abort()
