@@ -9,8 +9,6 @@ Private names used (checked against Ray 2.60.0):
 
 * ``TrialScheduler._time_attr`` / ``._max_t`` (ASHA, HyperBand, median stopping, PBT): the sweep checks the scheduler's
   time attribute is one we report, and tells "stopped at the budget" from "stopped early" (Tune has no getter).
-* ``PopulationBasedTraining._custom_explore_fn``: the sweep refuses, before Ray starts, a PBT scheduler exploring the
-  mixture (`MixtureExplore`) in a sweep that does not search it (`scheduler_explore_fn`; Tune has no getter).
 * ``ray._private.utils.get_dashboard_dependency_error``: whether the dashboard can start, so an embedded instance gets
   one on a known loopback port (`raytrain_events.ray.reports.console`).
 * ``ray._private.ray_logging.global_worker_stdstream_dispatcher`` (its ``handlers`` list and ``_lock``): the driver-side
@@ -67,7 +65,6 @@ __all__ = [
     "RayCompatError",
     "scheduler_time_attr",
     "scheduler_max_t",
-    "scheduler_explore_fn",
     "dashboard_installed",
     "wrap_worker_line_handler",
     "dataset_meta_count",
@@ -157,15 +154,6 @@ def scheduler_max_t(scheduler: Any) -> Any:
     if scheduler is None or "max_t" not in inspect.signature(type(scheduler).__init__).parameters:
         return None
     return _attr(scheduler, "_max_t")
-
-
-def scheduler_explore_fn(scheduler: Any) -> Any:
-    """A PBT scheduler's ``custom_explore_fn`` (None for other schedulers, or a PBT without one)."""
-    from ray.tune.schedulers import PopulationBasedTraining
-
-    if not isinstance(scheduler, PopulationBasedTraining):
-        return None
-    return _attr(scheduler, "_custom_explore_fn")
 
 
 def dashboard_installed() -> bool:
@@ -425,16 +413,6 @@ def _probe_node_stats() -> None:
         raise _missing("ObjectStoreStats.object_store_bytes_used")
 
 
-def _expect_pbt_explore_fn() -> None:
-    from ray.tune.schedulers import PopulationBasedTraining
-
-    def explore(config: Any) -> Any:
-        return config
-
-    pbt = PopulationBasedTraining(hyperparam_mutations={"lr": [0.1, 0.2]}, custom_explore_fn=explore)
-    _expect(scheduler_explore_fn(pbt), explore, "PopulationBasedTraining._custom_explore_fn")
-
-
 def check_private_names() -> List[Tuple[str, str]]:
     """Probe every private name above; return ``(name, problem)`` for each one that is gone."""
     from ray.tune.schedulers import ASHAScheduler
@@ -450,7 +428,6 @@ def check_private_names() -> List[Tuple[str, str]]:
     asha = ASHAScheduler(time_attr="time/sample", max_t=10, grace_period=1)
     probe("scheduler _time_attr", lambda: _expect(scheduler_time_attr(asha), "time/sample", "ASHAScheduler._time_attr"))
     probe("scheduler _max_t", lambda: _expect(scheduler_max_t(asha), 10, "ASHAScheduler._max_t"))
-    probe("PBT _custom_explore_fn", _expect_pbt_explore_fn)
     probe("get_dashboard_dependency_error", lambda: _import("ray._private.utils", "get_dashboard_dependency_error"))
     probe("worker line dispatcher", lambda: wrap_worker_line_handler("ray_print_logs", lambda handler: handler)())
     probe("ray_print_logs handler", _expect_print_logs_handler)

@@ -123,11 +123,7 @@ class RunSpec(LoopOptions):
     checkpoint: Any = _opt(None, help="a raytrain_events.checkpoint.CheckpointConfig; None: no checkpoints")
     max_failures: int = _opt(0, help="worker-group restarts Ray Train makes after a failure", worker=False)
     fault_tolerance: Optional[str] = _opt(None, help="None, or 'replica_groups' (checked in ray/replica_checks.py)")
-    replica_timeout_s: float = _opt(
-        30.0,
-        help="replica groups: seconds a collective or a peer's state transfer may take (a quorum: twice this) before "
-        "the step is given up; also how long a lost Lighthouse takes to end the run",
-    )
+    replica_timeout_s: float = _opt(30.0, help="replica groups: a collective's or peer transfer's limit (quorum: 2x)")
     hang_timeout: Optional[float] = _opt(
         None,
         help="seconds without progress on any rank before the watchdog saves every rank's stacks in <run>/hangs "

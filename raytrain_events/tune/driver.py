@@ -171,17 +171,15 @@ def _validate(
 
 def _check_mixture_search(base: RunSpec, param_space: Mapping[str, Any], scheduler: Any) -> None:
     """A searched mixture, and PBT over it, refused before Ray starts if the base run cannot train them."""
-    from raytrain_events.ray import _compat
-
-    explore_fn = _compat.scheduler_explore_fn(scheduler)
-    if "mixture" not in param_space and explore_fn is None:
+    explores = getattr(scheduler, "raytrain_mixture_explore", None) is not None  # pbt_scheduler(mixture=...)
+    if "mixture" not in param_space and not explores:
         return
     from raytrain_events.tune.mixture_pbt import check_mixture_pbt
     from raytrain_events.tune.simplex import base_mixture, check_mixture_choice
 
     if "mixture" in param_space:
         check_mixture_choice(base_mixture(base), param_space["mixture"])
-    check_mixture_pbt(explore_fn, param_space, base_mixture(base))
+    check_mixture_pbt(scheduler, param_space, base_mixture(base))
 
 
 def _prepare(

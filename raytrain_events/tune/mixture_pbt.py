@@ -77,27 +77,17 @@ class MixtureExplore:
         return self.then(config) if self.then is not None else config
 
 
-def mixture_explore_of(explore_fn: Any) -> Optional[MixtureExplore]:
-    """The `MixtureExplore` in a PBT ``custom_explore_fn`` (itself, or one it chains to), or None."""
-    seen = 0
-    while explore_fn is not None and seen < 100:
-        if isinstance(explore_fn, MixtureExplore):
-            return explore_fn
-        explore_fn, seen = getattr(explore_fn, "then", None), seen + 1
-    return None
-
-
-def check_mixture_pbt(explore_fn: Any, param_space: Mapping[str, Any], base: Optional[Mixture]) -> None:
+def check_mixture_pbt(scheduler: Any, param_space: Mapping[str, Any], base: Optional[Mixture]) -> None:
     """Refuse, before Ray starts, PBT over the mixture in a sweep that cannot run it.
 
-    ``explore_fn``: the PBT scheduler's ``custom_explore_fn``; ``base``: the trainer's mixture.
+    ``scheduler``: the sweep's scheduler (`pbt_scheduler(mixture=...)` marks the one it builds with
+    ``raytrain_mixture_explore``); ``base``: the trainer's mixture.
     Refused: no ``param_space["mixture"]`` (the trials' ``config`` has no weights to perturb, so
     PBT would explore nothing, silently), and a base mixture with more than one stage (a copy
     switches the weights at the donor checkpoint's sample, which may come before a later stage's
     start: the switch and that stage cannot both hold).
     """
-    explore = mixture_explore_of(explore_fn)
-    if explore is None:
+    if getattr(scheduler, "raytrain_mixture_explore", None) is None:
         return
     if "mixture" not in param_space:
         raise MixtureError(

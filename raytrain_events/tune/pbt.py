@@ -94,7 +94,7 @@ def pbt_scheduler(
     # Results without the metric are normal (entries between evaluations; the final report of a
     # copy that loaded a finished donor trains no batch): PBT skips them instead of failing.
     options.setdefault("require_attrs", False)
-    return PopulationBasedTraining(
+    scheduler = PopulationBasedTraining(
         time_attr=report_key(interval.unit),
         perturbation_interval=interval.value,
         burn_in_period=burn_in,
@@ -104,6 +104,9 @@ def pbt_scheduler(
         synch=synch,
         **options,
     )
+    # What `sweep` checks before Ray starts (tune/mixture_pbt.check_mixture_pbt): the weights PBT explores.
+    scheduler.raytrain_mixture_explore = options["custom_explore_fn"] if mixture is not None else None
+    return scheduler
 
 
 def _samples_or_tokens(value: Union[str, Time], name: str) -> Time:
