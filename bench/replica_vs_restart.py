@@ -1,7 +1,8 @@
 """Restart-based recovery vs replica groups under the same seeded kill plan: goodput and time lost per failure.
 
 The same small job runs twice on one local Ray (3 CPU workers, the resume tests' 203-row Parquet set, global
-batch 12, steps paced to ``--step-s`` so a step costs what it would on a GPU rather than what this CPU does):
+batch 12, steps paced to ``--step-s`` between backward and the all-reduce, so a step costs what it would on a GPU
+rather than what this CPU does, and a kill lands mid-step as it would there):
 
 * ``restart``: the default recovery. A killed worker fails the whole worker group; Ray restarts it and every
   rank reloads the newest checkpoint (saved every ``--save-every`` batches) and trains the batches since again;
@@ -16,12 +17,17 @@ Per mode: the wall time from the first step's end to the last's, the median step
 consecutive steps), ideal = batches of the run x median step, goodput = ideal / wall, and the time lost per
 failure = (wall - ideal) / kills; then the restart-to-replica ratio of the time lost per failure. Both runs
 must end with the same Timestamp (checked). Numbers on a loaded machine are noisy: compare within one run.
+Replica groups also get the time lost split by cause (`per_failure`, from each surviving process's commits and
+quorum changes): ``at_failure`` (from its last commit before the kill to its first commit in the smaller quorum,
+less one step) and ``at_rejoin`` (the gap around the quorum change back to all groups, less one step), medians
+over kills and survivors, in seconds and steps; ``detect_s`` (the kill to the smaller quorum's call returning)
+and ``quorum_call_s`` (that call's length: the Lighthouse's wait plus re-forming the process group).
 
     PYTHONPATH=$PWD python bench/replica_vs_restart.py                      # short: 3 kills, 8-15 s apart
     PYTHONPATH=$PWD python bench/replica_vs_restart.py --epochs 40 --kills 20 --pause 45 120   # the long plan
 
 Grows with scale as: restart: (restart + reload from storage + the batches since the last save) per failure,
-whatever the world size; replica groups: the heartbeat timeout (2 s) plus at most one retried step per failure,
+whatever the world size; replica groups: the heartbeat timeout (0.5 s) plus the one step in flight per failure,
 and per rejoin one peer-to-peer transfer of the model and optimizer (see docs/operating.md, "Replica groups").
 """
 
@@ -54,7 +60,9 @@ GROUPS = 3
 
 
 class Steps(Callback):
-    """Per process: a proc file at the start and one line per step end; each step paced to ``step_s``."""
+    """Per process: a proc file at the start and one line per step end (committed or not, the quorum's groups) and
+    per quorum change (``on_quorum_change``: before, after, when its quorum call began and ended); each step paced
+    to ``step_s`` between its backward and its all-reduce (where a GPU spends a step's time)."""
 
     def __init__(self, folder: str, step_s: float) -> None:
         self.folder, self.step_s = folder, step_s
@@ -66,18 +74,96 @@ class Steps(Callback):
         with open(os.path.join(self.folder, f"proc-{os.getpid()}.json"), "w") as f:
             json.dump({"pid": os.getpid(), "rank": rank, "t": time.time()}, f)
         self.file = open(os.path.join(self.folder, f"steps-{os.getpid()}.jsonl"), "a")
+        self.commit = next((c for c in state.callbacks if type(c).__name__ == "ReplicaCommit"), None)
+        self.quorum_call = [0.0, 0.0]  # when the last quorum call began and ended
+        if self.commit is not None:
+            manager, calls = self.commit.loader.manager, self.quorum_call
+            start_quorum = manager.start_quorum
+
+            def timed_quorum(*args: Any, **kwargs: Any) -> Any:
+                calls[0] = time.time()
+                try:
+                    return start_quorum(*args, **kwargs)
+                finally:
+                    calls[1] = time.time()
+
+            manager.start_quorum = timed_quorum
+
+    def on_quorum_change(self, state, logger, change) -> None:
+        line = {"quorum": [change.before, change.after], "t": time.time(), "call": list(self.quorum_call)}
+        self.file.write(json.dumps(line) + "\n")
+
+    def after_train_batch(self, state, logger) -> None:
+        time.sleep(self.step_s)  # the step's compute, before its all-reduce: a kill lands mid-step, as on a GPU
 
     def batch_end(self, state, logger) -> None:
-        time.sleep(self.step_s)
-        self.file.write(json.dumps({"t": time.time(), "batch": int(state.timestamp.batch)}) + "\n")
+        committed = True if self.commit is None else bool(self.commit.optimizer.committed)
+        groups = GROUPS if self.commit is None else self.commit.loader.participants
+        line = {"t": time.time(), "batch": int(state.timestamp.batch), "committed": committed, "groups": groups}
+        self.file.write(json.dumps(line) + "\n")
         self.file.flush()
 
 
-def _steps(folder: str) -> Dict[int, List[Dict[str, Any]]]:
+def _lines(folder: str) -> Dict[int, List[Dict[str, Any]]]:
     out = {}
     for path in glob.glob(os.path.join(folder, "steps-*.jsonl")):
         with open(path) as f:
             out[int(path.rsplit("-", 1)[1].split(".")[0])] = [json.loads(line) for line in f if line.strip()]
+    return out
+
+
+def _steps(folder: str) -> Dict[int, List[Dict[str, Any]]]:
+    """Per process, its step ends."""
+    return {pid: [x for x in xs if "batch" in x] for pid, xs in _lines(folder).items()}
+
+
+def _gap(commits: List[float], t: float, median: float) -> float:
+    """Time lost around ``t``: the gap from the last commit before ``t`` to the first after it, less one step."""
+    before = [c for c in commits if c <= t]
+    after = [c for c in commits if c > t]
+    return (after[0] - before[-1] - median) if before and after else float("nan")
+
+
+def per_failure(folder: str, kills: List[Tuple[float, int]], median: float) -> Dict[str, Any]:
+    """Replica groups, per kill and surviving process: the time lost at the failure (from the last commit before
+    the kill to the first commit of the smaller quorum, less one step) and at the replaced group's rejoin (the gap
+    around the quorum change back to all groups, less one step); medians over kills and survivors, in seconds and
+    steps. ``detect_s``: kill to the smaller quorum's call returning (Lighthouse wait + re-forming the process group);
+    ``quorum_call_s``: that call's own length."""
+    lines = _lines(folder)
+    at_failure, at_rejoin, detect, call = [], [], [], []
+    for t_kill, victim in kills:
+        for pid, xs in lines.items():
+            if pid == victim:
+                continue
+            commits = [x["t"] for x in xs if "batch" in x and x["committed"]]
+            if not commits or commits[0] > t_kill or commits[-1] < t_kill:
+                continue  # not alive across the kill
+            changes = [x for x in xs if "quorum" in x and x["t"] > t_kill]
+            left = next((c for c in changes if c["quorum"][1] < c["quorum"][0]), None)
+            if left is None:
+                continue
+            after = [c for c in commits if c > left["t"]]
+            before = [c for c in commits if c <= t_kill]
+            if after and before:
+                at_failure.append(after[0] - before[-1] - median)
+            detect.append(left["call"][1] - t_kill)
+            call.append(left["call"][1] - left["call"][0])
+            back = next((c for c in changes if c["t"] > left["t"] and c["quorum"][1] > c["quorum"][0]), None)
+            if back is not None:
+                at_rejoin.append(_gap(commits, back["t"], median))
+
+    def med(xs: List[float]) -> Any:
+        xs = [x for x in xs if x == x]
+        return round(statistics.median(xs), 2) if xs else None
+
+    out = {"at_failure_s": med(at_failure), "at_rejoin_s": med(at_rejoin), "detect_s": med(detect)}
+    out["quorum_call_s"] = med(call)
+    for key in ("at_failure", "at_rejoin"):
+        value = out[f"{key}_s"]
+        out[f"{key}_steps"] = None if value is None else round(value / median, 1)
+    out["samples"] = len(at_failure)
+    out["each"] = {"at_failure_s": [round(x, 2) for x in at_failure], "at_rejoin_s": [round(x, 2) for x in at_rejoin]}
     return out
 
 
@@ -88,7 +174,7 @@ def _live(folder: str, rank: int) -> Any:
     return max(alive, key=lambda p: p["t"]) if alive else None
 
 
-def _chaos(folder: str, plan: List[Tuple[float, int]], done: List[float], stop: threading.Event) -> None:
+def _chaos(folder: str, plan: List[Tuple[float, int]], done: List[Tuple[float, int]], stop: threading.Event) -> None:
     """Kill per plan: each pause counts from when the victim's rank trains again after the previous kill."""
     killed: set = set()
     for pause, rank in plan:
@@ -101,7 +187,7 @@ def _chaos(folder: str, plan: List[Tuple[float, int]], done: List[float], stop: 
                 if time.time() - ready >= pause:
                     os.kill(proc["pid"], signal.SIGKILL)
                     killed.add(proc["pid"])
-                    done.append(time.time())
+                    done.append((time.time(), proc["pid"]))
                     break
             time.sleep(0.1)
 
@@ -112,7 +198,7 @@ def run(mode: str, args: argparse.Namespace, data: str, plan: List[Tuple[float, 
     from raytrain_events import CheckpointConfig, RayTrainer
 
     folder = tempfile.mkdtemp(prefix=f"bench-{mode}-")
-    kills: List[float] = []
+    kills: List[Tuple[float, int]] = []
     stop = threading.Event()
     chaos = threading.Thread(target=_chaos, args=(folder, plan, kills, stop), daemon=True)
     chaos.start()
@@ -156,6 +242,7 @@ def run(mode: str, args: argparse.Namespace, data: str, plan: List[Tuple[float, 
         "goodput": round(ideal / wall, 3),
         "lost_per_failure_s": round((wall - ideal) / max(len(kills), 1), 1),
         "steps_trained": sum(len(rs) for rs in steps.values()),  # every step end of any process (redone ones too)
+        **(per_failure(folder, kills, median) if mode == "replica_groups" else {}),
     }
 
 

@@ -255,7 +255,7 @@ class RayTrainer:
         if replicas:  # a torchft Lighthouse as a Ray actor; Ray restarts a failed group alone
             from raytrain_events.ray.replica_checks import torchft_config
 
-            torch_config = torchft_config(torch_options, self.spec.workers)
+            torch_config = torchft_config(torch_options, self.spec.workers, float(self.spec.replica_timeout_s))
         else:
             torch_config = TorchConfig(**torch_options)
         data_config = TrainDataConfig(

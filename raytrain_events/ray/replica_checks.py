@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any, Dict, Mapping
 
-__all__ = ["FAULT_TOLERANCE", "check_fault_tolerance", "require_torchft", "torchft_config"]
+__all__ = ["FAULT_TOLERANCE", "check_fault_tolerance", "lighthouse_options", "require_torchft", "torchft_config"]
 
 #: The values of ``RunSpec.fault_tolerance``.
 FAULT_TOLERANCE = (None, "replica_groups")
@@ -91,18 +91,34 @@ def lighthouse_bind(node_ip: str) -> str:
     return "127.0.0.1:0" if node_ip.startswith("127.") else "[::]:0"
 
 
-def torchft_config(torch_options: Dict[str, Any], groups: int) -> Any:
-    """Ray Train's ``TorchftConfig``: the Lighthouse as a Ray actor on the head, bound as `lighthouse_bind` says."""
+#: How long the Lighthouse waits for a group's heartbeat (its Manager sends one every 100 ms from a thread of its own,
+#: outside Python's GIL) before it counts the group dead. This is what a failure costs the others: a dead group stops
+#: holding back the next quorum once this has passed since its last heartbeat.
+HEARTBEAT_TIMEOUT_MS = 500
+
+
+def lighthouse_options(groups: int, replica_timeout_s: float) -> Dict[str, Any]:
+    """The Lighthouse's settings (see `torchft_config`). torchft 0.2.0 forms a quorum at once when every group of the
+    previous quorum has asked for the next one (its fast quorum: each step, no group missing). Otherwise it waits while
+    a group that still heartbeats has not asked, up to ``join_timeout_ms``: that wait keeps a group that is merely
+    late (the lead writing a checkpoint's host copy, a slow start, a loaded machine) in the quorum, so it is
+    ``replica_timeout_s`` (later than a collective's limit it would fail the step anyway; below the quorum's 2x). A
+    dead group stops heartbeating and stops holding the quorum back after ``HEARTBEAT_TIMEOUT_MS``."""
+    return {
+        "min_replicas": min_replicas(groups),  # the others train on while a group is away
+        "heartbeat_timeout_ms": HEARTBEAT_TIMEOUT_MS,
+        "join_timeout_ms": int(replica_timeout_s * 1000),
+    }
+
+
+def torchft_config(torch_options: Dict[str, Any], groups: int, replica_timeout_s: float) -> Any:
+    """Ray Train's ``TorchftConfig``: the Lighthouse as a Ray actor on the head, bound as `lighthouse_bind` says,
+    with `lighthouse_options`."""
     import ray
 
     from raytrain_events.ray import _compat
 
     here = ray.get_runtime_context().get_node_id()
     node_ip = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == here)
-    lighthouse = {
-        "bind": lighthouse_bind(node_ip),
-        "min_replicas": min_replicas(groups),  # the others train on while a group is away
-        "heartbeat_timeout_ms": 2000,  # a killed group leaves the quorum within ~2 s
-        "join_timeout_ms": 1000,  # a quorum waits this long for more groups before it forms
-    }
+    lighthouse = {"bind": lighthouse_bind(node_ip), **lighthouse_options(groups, replica_timeout_s)}
     return _compat.torchft_config_class()(lighthouse_kwargs=lighthouse, **torch_options)
