@@ -169,6 +169,8 @@ class ReplicaLoader(GlobalOrderLoader):
         self._next: Optional[Tuple[int, int, int]] = None  # (epoch, position, batch index) it serves next
         self._held: Optional[Tuple[Tuple[int, int], Any]] = None  # the last global batch, for a retry
         self.global_rows = 0
+        # A start of the whole run's storage load (`load_at_first_quorum`): run once, after this process's first quorum.
+        self.start_load: Optional[Callable[[], Any]] = None
 
     def __iter__(self):
         batches = len(self)
@@ -187,6 +189,10 @@ class ReplicaLoader(GlobalOrderLoader):
                 if lost is not None:
                     raise lost from error
                 raise
+            if self.start_load is not None:
+                load, self.start_load = self.start_load, None
+                if self.manager.current_step() == 0:  # no group has committed yet: a start of the whole run
+                    load()  # else this group just took a live peer's state (the quorum healed it): storage has older
             state = self.replicas.state
             n = self.manager.num_participants()
             if n != self.participants:
@@ -263,6 +269,8 @@ class ReplicaCommit(Callback):
         self.attempt_started = time.time()
         self.first_report = True
         self.engine: Any = None  # the Trainer's Engine (set by the worker): callbacks hear quorum changes
+        # Another group led a committed step since this one last saved (or started): see `lead_saves`.
+        self.followed = True
         loader.on_change = self._quorum_change
 
     def init(self, state, logger) -> None:
@@ -276,6 +284,8 @@ class ReplicaCommit(Callback):
         before = self._before
         assert before is not None
         if self.optimizer.committed:
+            if self.loader.manager.participating_rank() != 0:
+                self.followed = True
             wct = state.timestamp.total_wct - before.total_wct
             state.timestamp = before.to_next_batch(self.loader.global_rows, 0, wct)
             state.batch_num_samples = state.global_batch_num_samples = self.loader.global_rows
@@ -346,23 +356,80 @@ def replica_checkpoint_config(worker: Any, config: Any, group: int) -> Any:
     run's own). Nothing is reported to Ray Train (its report is a barrier a missing group would block), so
     the saving group prunes to ``keep`` itself; only group 0 may take the run directory's lock (every group
     is a rank 0 of its own); a SIGTERM is a failure like any other (the group is replaced, the others train
-    on), not a save."""
+    on), not a save. Nothing is loaded when the `Trainer` is built (``autoresume``/``load_from`` off): the load
+    waits for the first quorum (`load_at_first_quorum`, with ``worker``'s settings)."""
     import dataclasses
 
     return dataclasses.replace(
-        worker, keep=config.keep, lock_run_dir=worker.lock_run_dir and group == 0, save_on_sigterm=False
+        worker,
+        keep=config.keep,
+        lock_run_dir=worker.lock_run_dir and group == 0,
+        save_on_sigterm=False,
+        autoresume=False,
+        load_from=None,
     )
 
 
-def lead_saves(state: Any, manager: Any, optimizer: CommitOptimizer) -> None:
-    """Only the lead group saves, and only a committed state: the group of participating rank 0 in the step's
-    quorum (the lowest group number there), after a step that committed. When the lead dies, its step does
-    not commit and the next quorum's lowest group leads from the next step on."""
+def load_at_first_quorum(state: Any, commit: ReplicaCommit, worker: Any) -> None:
+    """Load the storage checkpoint (``worker``'s ``autoresume``/``load_from``) only at a start of the whole run.
+
+    After this process's first quorum: if no group of it has committed a step yet (the quorum's step is 0: every
+    group starts together, or all were lost), every group loads the same checkpoint, as a plain run does. If the
+    others are training, the quorum has just healed this group from a live peer, whose state is newer than any
+    checkpoint: reading one (the whole model and optimizer, from object storage) would be thrown away. A group
+    replaced after the others finished the run (their final checkpoint is the newest: one index and one manifest
+    read at each group's start) loads it at once, as no quorum will come."""
     from raytrain_events.checkpoint.run.checkpointer import find_checkpointer
 
     checkpointer = find_checkpointer(state)
-    if checkpointer is not None:
-        checkpointer.saves_here = lambda: manager.participating_rank() == 0 and optimizer.committed
+    if checkpointer is None or not (worker.autoresume or worker.load_from):
+        return
+    if worker.autoresume and _run_finished(state, worker):
+        checkpointer.load(worker)  # replaced after the others finished: no quorum will come; end where the run did
+        return
+    commit.loader.start_load = lambda: checkpointer.load(worker)
+
+
+def _run_finished(state: Any, worker: Any) -> bool:
+    """Whether the newest checkpoint of the run's folder is at ``max_duration`` (its index and one manifest read)."""
+    from raytrain_events.checkpoint.folder.store import latest_checkpoint
+    from raytrain_events.core.interval import is_done
+    from raytrain_events.core.time import Timestamp
+
+    info = latest_checkpoint(worker.save_folder, storage_options=worker.storage_options)
+    if info is None:
+        return False
+    now = state.timestamp
+    try:
+        names = ("epoch", "batch", "sample", "token")
+        state.timestamp = Timestamp(**{k: int(v) for k, v in info.timestamp.items() if k in names})
+        return is_done(state)
+    finally:
+        state.timestamp = now
+
+
+def lead_saves(state: Any, commit: ReplicaCommit) -> None:
+    """Only the lead group saves, and only a committed state: the group of participating rank 0 in the step's
+    quorum (the lowest group number there), after a step that committed. When the lead dies, its step does
+    not commit and the next quorum's lowest group leads from the next step on. A group that saves after another
+    group led a committed step reloads the folder's index first (`CheckpointFolder.reload`): its own copy lacks
+    the other's checkpoints, which ``keep`` would then never delete."""
+    from raytrain_events.checkpoint.run.checkpointer import find_checkpointer
+
+    checkpointer = find_checkpointer(state)
+    if checkpointer is None:
+        return
+    manager, optimizer = commit.loader.manager, commit.optimizer
+
+    def saves_here() -> bool:
+        if not (manager.participating_rank() == 0 and optimizer.committed):
+            return False
+        if commit.followed:
+            checkpointer.checkpoints.reload()
+            commit.followed = False
+        return True
+
+    checkpointer.saves_here = saves_here
 
 
 def shutdown_manager(state: Any) -> None:

@@ -134,10 +134,12 @@ def build_worker_trainer(spec: RunSpec, history: Any = None, shards: Any = None)
         options=spec,  # a RunSpec is the run's LoopOptions, checked once on the driver
     )
     if commit is not None:
-        from raytrain_events.ray.replica_groups import lead_saves
+        from raytrain_events.ray.replica_groups import lead_saves, load_at_first_quorum
 
         commit.engine = trainer.engine  # quorum changes reach the loop's callbacks (on_quorum_change)
-        lead_saves(trainer.state, manager, optimizers)  # one saver: the lead group
+        lead_saves(trainer.state, commit)  # one saver: the lead group
+        if plan is not None:  # storage is read at a start of the whole run only, not by a group that rejoins
+            load_at_first_quorum(trainer.state, commit, plan.worker)
     elif plan is not None and context.get_world_rank() == 0:
         from raytrain_events.checkpoint.run.checkpointer import find_checkpointer
         from raytrain_events.ray.checkpointing.checkpointing import hand_retention_to_ray

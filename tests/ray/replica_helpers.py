@@ -43,6 +43,26 @@ class RecordCommits(Callback):
         with open(os.path.join(self.folder, f"proc-{os.getpid()}.json"), "w") as f:
             json.dump({"pid": os.getpid(), "group": self.group, "t": time.time()}, f)
         self._die_in_recovery(self.commit.loader.replicas.model)
+        from raytrain_events.checkpoint.run.checkpointer import find_checkpointer
+
+        self.checkpointer = find_checkpointer(state)
+        self.saves = 0
+        self.first_step = True
+
+    def _log(self, kind: str, record: dict) -> None:
+        record.update(pid=os.getpid(), group=self.group, t=time.time())
+        with open(os.path.join(self.folder, f"{kind}-{os.getpid()}.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def _record_saves(self, state) -> None:
+        """One ``saves-<pid>`` line per checkpoint this process saved (after the `Checkpointer`, the first
+        callback, has run for the event)."""
+        if self.checkpointer is not None and len(self.checkpointer.saved) > self.saves:
+            self.saves = len(self.checkpointer.saved)
+            self._log("saves", {"batch": int(state.timestamp.batch), "name": self.checkpointer.saved[-1].name})
+
+    def batch_checkpoint(self, state, logger) -> None:
+        self._record_saves(state)
 
     def _die_in_recovery(self, model) -> None:
         """Die while applying the state a healthy peer sent (the live recovery at a rejoin) when the test asks
@@ -82,6 +102,10 @@ class RecordCommits(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def batch_end(self, state, logger) -> None:
+        if self.first_step and self.checkpointer is not None:  # what this process read from storage, if anything
+            self.first_step = False
+            loaded = self.checkpointer.loaded
+            self._log("loads", {"loaded": None if loaded is None else loaded.batch})
         held = self.commit.loader._held  # the global batch this step trained (or failed to)
         record = {
             "group": self.group,
@@ -101,6 +125,7 @@ class RecordCommits(Callback):
             time.sleep(self.sleep_s)
 
     def fit_end(self, state, logger) -> None:
+        self._record_saves(state)  # the final save
         self.file.close()
         import torch
 

@@ -3,15 +3,19 @@ other groups train on, the run ends with an uninterrupted run's Timestamp and ev
 
 The run: 3 replica groups of one worker each (Ray 2.60 makes groups of one worker) on the
 session's Ray, gloo on loopback, the resume tests' Parquet rows (203 rows, global batch 12, 17
-global batches per epoch). A recorder writes, per committed step, the global batch's ids and this
-group's part; a thread kills the worker of group 1 twice once it trains, each time after the
-group has rejoined (the quorum back to 3): once from outside between steps, once by itself
-between its backward and the step's all-reduce, so the others' step fails and is trained again.
-After the first kill its replacement also dies once while applying the state a peer sent it (a
-failed rejoin): Ray replaces it again and the run still ends exact. The recorder hears every quorum
-change through the loop's callback hook (`Callback.on_quorum_change`). Storage checkpoints are on
-(every 10 batches, keep 3): one group saves each, and the last loads into a plain local `Trainer`
-with the run's final Timestamp and parameters.
+global batches per epoch). It starts from a storage checkpoint (epoch 1, written by a local
+`Trainer` first): a start of the whole run, which every group of the first quorum loads. A recorder
+writes, per committed step, the global batch's ids and this group's part, what the process read from
+storage and each checkpoint it saved; a thread kills two workers once they train, each time after
+the group before has rejoined (the quorum back to 3): group 1's from outside between steps, then the
+lead's (group 0) by itself between its backward and the step's all-reduce, a few batches before a
+save is due, so the others' step fails and is trained again and the next lead (group 1) saves.
+After the first kill group 1's replacement also dies once while applying the state a peer sent it (a
+failed rejoin): Ray replaces it again and the run still ends exact. A replaced group heals from a
+peer and reads no storage checkpoint. The recorder hears every quorum change through the loop's
+callback hook (`Callback.on_quorum_change`). Storage checkpoints are on (every 10 batches, keep 3):
+each is saved once, by the lead of its step, only the kept ones remain in the folder, and the last
+loads into a plain local `Trainer` with the run's final Timestamp and parameters.
 """
 
 from __future__ import annotations
@@ -40,7 +44,9 @@ from tests.ray.resume_helpers import (
 pytestmark = pytest.mark.ray
 
 GROUPS = 3
-EPOCHS = 4
+EPOCHS = 5  # the first trained by a local Trainer before the run (`_resume_point`)
+START = BATCHES_PER_EPOCH  # the batch the run resumes from
+VICTIMS = (1, 0)  # the second kill hits the lead: group 0, participating rank 0 of every quorum it is in
 
 
 SAVE_EVERY = 10  # batches
@@ -69,6 +75,25 @@ def _trainer(tmp_path, data, folder, sleep_s):
     )
 
 
+def _resume_point(tmp_path, data: str) -> None:
+    """Epoch 0 trained by a local `Trainer` (no Ray) and saved where the run keeps its checkpoints."""
+    import pyarrow.parquet as pq
+    import torch
+
+    from raytrain_events import CheckpointConfig, Trainer
+    from raytrain_events.storage.run_dir import RunDir
+
+    table = pq.read_table(data).to_pydict()
+    rows = [{"id": i, "x": torch.tensor(x), "y": y} for i, x, y in zip(table["id"], table["x"], table["y"])]
+    model = make_model()
+    folder = RunDir(str(tmp_path / "runs" / "replicas")).checkpoints
+    config = CheckpointConfig(save_folder=folder, save_interval="1ep", lock_run_dir=False)
+    loader = torch.utils.data.DataLoader(rows, batch_size=GLOBAL_BATCH)
+    Trainer(
+        model=model, optimizers=make_sgd(model), train_dataloader=loader, max_duration="1ep", checkpoint=config
+    ).fit()
+
+
 def _live_group(folder: str, group: int):
     """The newest live process of ``group`` (its proc file), or None."""
     procs = [info for info in live_procs(folder) if info["group"] == group]
@@ -85,17 +110,30 @@ def _steps_of(folder: str, pid: int, participants: int = GROUPS) -> int:
     return sum(1 for r in records if r["committed"] and r["participants"] == participants)
 
 
-def _kill_twice(  # noqa: PLR0913
-    folder: str, victim: int, kills: list, kill_times: list, outages: list, stop: threading.Event
-) -> None:
-    """SIGKILL ``victim``'s worker twice, each once it has trained 3 committed steps (so mid-epoch, and after a
-    rejoin); record what the other groups committed while it was away. Then let the run finish."""
+def _last_batch(folder: str, pid: int) -> int:
+    """The newest batch process ``pid`` committed."""
+    with open(os.path.join(folder, f"rows-{pid}.jsonl")) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return max(r["batch"] for r in records if r["committed"])
+
+
+def _kill_twice(folder: str, kills: list, kill_times: list, outages: list, stop: threading.Event) -> None:
+    """SIGKILL the worker of each of `VICTIMS`, each once it has trained 3 committed steps with all groups (so
+    mid-epoch, and after the previous victim rejoined); the lead 5-7 batches into a save interval, so the save
+    falls due while it is away. Record what the other groups committed during each outage; then let the run end."""
     try:
-        while len(kills) < 2 and not stop.is_set():
-            proc = _live_group(folder, victim)
-            if proc is None or (kills and proc["pid"] == kills[-1]) or _steps_of(folder, proc["pid"]) < 3:
-                time.sleep(0.2)
-                continue
+        for victim in VICTIMS:
+            proc = None
+            while not stop.is_set():
+                proc = _live_group(folder, victim)
+                ready = proc is not None and proc["pid"] not in kills and _steps_of(folder, proc["pid"]) >= 3
+                if ready and kills:  # the lead: a few batches before a save is due
+                    ready = _last_batch(folder, proc["pid"]) % SAVE_EVERY in (5, 6, 7)
+                if ready:
+                    break
+                time.sleep(0.05)
+            if stop.is_set() or proc is None:
+                return
             others = [p for g in range(GROUPS) if g != victim for p in [_live_group(folder, g)] if p]
             before = {p["pid"]: _steps_of(folder, p["pid"], GROUPS - 1) for p in others}
             if kills:  # the second kill: the worker SIGKILLs itself mid-step, before the step's all-reduce
@@ -120,6 +158,40 @@ def _kill_twice(  # noqa: PLR0913
             pass
 
 
+def _lines(folder: str, kind: str) -> list:
+    out = []
+    for path in glob.glob(os.path.join(folder, f"{kind}-*.jsonl")):
+        with open(path) as f:
+            out += [json.loads(line) for line in f if line.strip()]
+    return out
+
+
+def _check_saves_and_loads(result, folder: str, kill_times: list) -> None:
+    """Each save point saved once, by the lead of its step: group 0 while it lives, the next lowest group while
+    it is away; only the kept checkpoints remain in the folder. Storage was read only at the run's start: every
+    process of the first quorum loaded the resume point, no replaced group read anything (it healed from a peer)."""
+    saves = sorted(_lines(folder, "saves"), key=lambda r: r["batch"])
+    end = BATCHES_PER_EPOCH * EPOCHS
+    assert [r["batch"] for r in saves] == [*range(20, end, SAVE_EVERY), end], saves
+    assert any(r["group"] != 0 and r["t"] > kill_times[1] for r in saves), f"no save by the next lead: {saves}"
+    kept = {c.url.rstrip("/").rsplit("/", 1)[1] for c in result.checkpoints}
+    checkpoints = os.path.dirname(result.checkpoints[-1].url.rstrip("/")).replace("file://", "")
+    left = {n for n in os.listdir(checkpoints) if os.path.isdir(os.path.join(checkpoints, n))}
+    assert left == kept, (left, kept)  # the old lead's and the new lead's saves pruned alike
+    records = read_records(folder)
+    first = {
+        pid: min(r["batch"] for r in records if r["pid"] == pid and r["committed"])
+        for pid in {r["pid"] for r in records}
+    }
+    loads = _lines(folder, "loads")
+    assert loads and {r["pid"] for r in loads} == set(first), (loads, first)
+    for r in loads:  # the resume point for a starter, nothing for a process that joined a training run
+        assert r["loaded"] == (START if first[r["pid"]] == START + 1 else None), (r, first[r["pid"]])
+        if r["t"] > kill_times[0]:
+            assert r["loaded"] is None, f"a replaced group read the storage checkpoint: {r}"
+    assert any(r["loaded"] == START for r in loads), loads
+
+
 def _check_checkpoints(result, folder: str, tmp_path) -> None:
     """One saver: each kept checkpoint is a save interval's batch (or the end), saved once; the newest loads
     into a plain local `Trainer` (no Ray) with the run's final Timestamp and every group's final parameters."""
@@ -130,8 +202,7 @@ def _check_checkpoints(result, folder: str, tmp_path) -> None:
 
     end = BATCHES_PER_EPOCH * EPOCHS
     batches = [c.batch for c in result.checkpoints]
-    assert batches == sorted(set(batches)) and batches[-1] == end, batches
-    assert len(batches) == 3 and all(b % SAVE_EVERY == 0 for b in batches[:-1]), batches
+    assert batches == [end - 2 * SAVE_EVERY + 5, end - SAVE_EVERY + 5, end], batches  # keep=3: 70, 80, 85
     model = make_model()
     config = CheckpointConfig(load_from=result.checkpoints[-1].url, save_folder=str(tmp_path / "local"))
     loaded = Trainer(model=model, optimizers=make_sgd(model), max_duration=f"{EPOCHS}ep", checkpoint=config)
@@ -145,23 +216,29 @@ def _check_checkpoints(result, folder: str, tmp_path) -> None:
             assert torch.equal(value, final["model"][name]), name
 
 
-def _check_quorum_hook(folder: str, kills: list) -> None:
-    """Every survivor's callbacks heard each kill's departure and each return, with the global Timestamp of
-    the step about to be trained (its next committed step ends one batch later)."""
-    survivors = {r["pid"] for r in read_records(folder) if r["group"] != 1}
-    for pid in survivors:
-        path = os.path.join(folder, f"quorum-{pid}.jsonl")
-        assert os.path.exists(path), f"survivor {pid} heard no quorum change"
-        changes = [json.loads(line) for line in open(path)]
-        left = [c for c in changes if (c["before"], c["after"]) == (GROUPS, GROUPS - 1)]
-        joined = [c for c in changes if (c["before"], c["after"]) == (GROUPS - 1, GROUPS)]
-        assert len(left) >= len(kills) and len(joined) >= len(kills), changes
-        mine = [r for r in read_records(folder) if r["pid"] == pid and r["committed"]]
-        for c in changes:
+def _check_quorum_hook(folder: str, kills: list, kill_times: list) -> None:
+    """Every process of another group alive across a kill heard the departure and the return, with the
+    global Timestamp of the step about to be trained (its next committed step ends one batch later)."""
+    records = read_records(folder)
+    for killed, t_kill in zip(kills, kill_times):
+        group = next(r["group"] for r in records if r["pid"] == killed)
+        survivors = {r["pid"] for r in records if r["group"] != group and r["t"] < t_kill} & {
+            r["pid"] for r in records if r["t"] > t_kill + 5
+        }
+        assert survivors, f"no process lived across the kill of {killed}"
+        for pid in survivors:
+            path = os.path.join(folder, f"quorum-{pid}.jsonl")
+            changes = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+            left = [c for c in changes if (c["before"], c["after"]) == (GROUPS, GROUPS - 1) and c["t"] > t_kill]
+            assert left, f"survivor {pid} did not hear the kill of {killed}: {changes}"
+            joined = [c for c in changes if (c["before"], c["after"]) == (GROUPS - 1, GROUPS) and c["t"] > left[0]["t"]]
+            assert joined, f"survivor {pid} did not hear group {group} return: {changes}"
+    for path in glob.glob(os.path.join(folder, "quorum-*.jsonl")):
+        for c in [json.loads(line) for line in open(path)]:
             assert c["batch"] == c["state_batch"], c
-            after = [r for r in mine if r["t"] >= c["t"]]
-            if after:
-                assert after[0]["batch"] == c["batch"] + 1, (c, after[0])
+            mine = [r for r in records if r["pid"] == c["pid"] and r["committed"] and r["t"] >= c["t"]]
+            if mine:
+                assert mine[0]["batch"] == c["batch"] + 1, (c, mine[0])
 
 
 @pytest.mark.slow
@@ -170,11 +247,12 @@ def test_replica_groups_train_through_two_kills(ray_cluster, tmp_path):
     write_parquet(data)
     folder = str(tmp_path / "rec")
     os.makedirs(folder)
+    _resume_point(tmp_path, data)  # the run starts from a storage checkpoint at epoch 1
     kills: list = []
     kill_times: list = []
     outages: list = []
     stop = threading.Event()
-    chaos = threading.Thread(target=_kill_twice, args=(folder, 1, kills, kill_times, outages, stop), daemon=True)
+    chaos = threading.Thread(target=_kill_twice, args=(folder, kills, kill_times, outages, stop), daemon=True)
     chaos.start()
     try:
         result = _trainer(tmp_path, data, folder, sleep_s=0.3).fit()
@@ -182,7 +260,7 @@ def test_replica_groups_train_through_two_kills(ray_cluster, tmp_path):
         stop.set()
         chaos.join(timeout=30)
     assert len(kills) == 2, f"the run ended before both kills: {kills}"
-    # The other groups kept stepping while group 1 was away (each outage: steps committed per survivor).
+    # The other groups kept stepping while the victim was away (each outage: steps committed per survivor).
     assert len(outages) == 2 and all(n > 0 for outage in outages for n in outage.values()), outages
     assert {k: result.timestamp.get_value(u) for k, u in (("epoch", "ep"), ("batch", "ba"), ("sample", "sp"))} == {
         "epoch": EPOCHS,
@@ -191,8 +269,8 @@ def test_replica_groups_train_through_two_kills(ray_cluster, tmp_path):
     }
     # What a failure cost the survivors (printed for docs/operating.md, not asserted: timings vary here):
     # the longest gap between two of a survivor's commits around each kill, against its median step.
-    for pid_killed, t_kill in zip(kills, kill_times):
-        for r_pid in {r["pid"] for r in read_records(folder) if r["group"] != 1}:
+    for pid_killed, t_kill, victim in zip(kills, kill_times, VICTIMS):
+        for r_pid in {r["pid"] for r in read_records(folder) if r["group"] != victim}:
             ts = sorted(r["t"] for r in read_records(folder) if r["pid"] == r_pid and r["committed"])
             gaps = [b - a for a, b in zip(ts, ts[1:])]
             near = [b - a for a, b in zip(ts, ts[1:]) if a <= t_kill + 3 and b >= t_kill]  # the quorum's wait
@@ -203,21 +281,23 @@ def test_replica_groups_train_through_two_kills(ray_cluster, tmp_path):
                 )
     print(f"steps the survivors committed during each outage: {outages}")
     # A failed rejoin is retried: the first replacement died in its recovery (no step committed), Ray
-    # replaced it again: group 1 ran in 4 processes (the first, two replacements after the first kill, one
-    # after the second).
+    # replaced it again: group 1 ran in 3 processes (the first, two replacements after its kill), the lead's
+    # group 0 in 2.
     died_in_heal = [int(p.rsplit("-", 1)[1]) for p in glob.glob(os.path.join(folder, "died-in-heal-*"))]
     assert len(died_in_heal) == 1 and _steps_of(folder, died_in_heal[0]) == 0, died_in_heal
     procs = [json.load(open(p)) for p in glob.glob(os.path.join(folder, "proc-*.json"))]
-    assert sum(1 for p in procs if p["group"] == 1) == 4, procs
-    _check_quorum_hook(folder, kills)
+    assert [sum(1 for p in procs if p["group"] == g) for g in range(GROUPS)] == [2, 3, 1], procs
+    _check_quorum_hook(folder, kills, kill_times)
     _check_checkpoints(result, folder, tmp_path)
+    _check_saves_and_loads(result, folder, kill_times)
     # The in-step kill: the survivors' step with the dying group failed its all-reduce and did not commit.
     assert any(not r["committed"] for r in read_records(folder)), "no step failed to commit"
     records = [r for r in read_records(folder) if r["committed"]]
+    assert min(r["batch"] for r in records) == START + 1, "the run did not resume from its storage checkpoint"
     by_batch = defaultdict(list)
     for r in records:
         by_batch[(r["epoch"], r["batch_in_epoch"])].append(r)
-    for epoch in range(EPOCHS):
+    for epoch in range(START // BATCHES_PER_EPOCH, EPOCHS):
         numbers = sorted(b for (e, b) in by_batch if e == epoch)
         assert numbers == list(range(1, BATCHES_PER_EPOCH + 1)), (epoch, numbers)
         counts = Counter(i for (e, _), rs in by_batch.items() if e == epoch for i in rs[0]["global"])

@@ -85,6 +85,16 @@ def test_the_lighthouse_binds_loopback_when_ray_does():
     assert lighthouse_bind("10.0.3.7") == "[::]:0"
 
 
+def test_the_lighthouse_drops_a_dead_group_fast_and_waits_for_a_late_one():
+    """A group that stops heartbeating stops holding back the quorum after 0.5 s; one that still heartbeats
+    but is late to the quorum (the lead's checkpoint copy, a loaded machine) is waited for up to
+    ``replica_timeout_s``, below the quorum's own limit (twice that)."""
+    from raytrain_events.ray.replica_checks import lighthouse_options
+
+    assert lighthouse_options(3, 30.0) == {"min_replicas": 2, "heartbeat_timeout_ms": 500, "join_timeout_ms": 30000}
+    assert lighthouse_options(8, 2.5)["join_timeout_ms"] == 2500
+
+
 def test_periodic_checkpoints_are_accepted_and_one_group_saves():
     """``checkpoint=`` with replica groups: accepted on the driver; the workers' config keeps ``keep`` (nothing
     is reported to Ray, so the saver prunes), the run dir's lock is group 0's, and SIGTERM is a failure."""
@@ -94,7 +104,9 @@ def test_periodic_checkpoints_are_accepted_and_one_group_saves():
     trainer = RayTrainer(**_options(checkpoint=CheckpointConfig(save_interval="5ba", keep=2)))
     plan = checkpoint_plan(trainer.spec)
     lead, other = (replica_checkpoint_config(plan.worker, trainer.spec.checkpoint, g) for g in (0, 2))
-    assert lead.keep == other.keep == 2 and lead.autoresume and lead.save_folder == plan.worker.save_folder
+    assert lead.keep == other.keep == 2 and lead.save_folder == plan.worker.save_folder
+    # Nothing is read while the Trainer is built: the run's autoresume waits for the first quorum (load_at_first_quorum).
+    assert plan.worker.autoresume and not lead.autoresume and lead.load_from is None
     assert lead.lock_run_dir == plan.worker.lock_run_dir and not other.lock_run_dir
     assert not lead.save_on_sigterm and not other.save_on_sigterm
 

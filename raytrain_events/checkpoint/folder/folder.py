@@ -84,6 +84,12 @@ class CheckpointFolder:
             self._index = CheckpointIndex.load(self.url, self.options)
         return self._index
 
+    def reload(self) -> None:
+        """Forget the index held in memory: the next use loads it again (one GET, one LIST). For a process that
+        starts committing here after another did (replica groups' lead changed), whose index may lack the other's
+        checkpoints, which its retention would then never delete."""
+        self._index = None
+
     # ------------------------------------------------------------------ the committing process
     def committed(self, info: CheckpointInfo) -> List[str]:
         """Index a checkpoint just committed (one PUT) and apply local retention; the deleted URLs."""

@@ -161,10 +161,12 @@ class Checkpointer(Callback):
             self._lock = acquire_lock(self.run_dir, "running", storage_options=self.options, takeover_stale=True)
 
     # ------------------------------------------------------------------ load
-    def load(self) -> Optional[CheckpointInfo]:
+    def load(self, config: Optional[CheckpointConfig] = None) -> Optional[CheckpointInfo]:
         """Restore from ``autoresume`` (newest valid) or ``load_from``; None if nothing to load (or
-        ``load_from`` was a safetensors directory: weights only, see ``loaded_safetensors``)."""
-        config = self.config
+        ``load_from`` was a safetensors directory: weights only, see ``loaded_safetensors``). ``config``: whose
+        ``autoresume``/``load_from`` to follow (default this checkpointer's; replica groups load later, see
+        `ray/replica_groups.load_at_first_quorum`)."""
+        config = config or self.config
         loaded: Optional[LoadedCheckpoint] = None
         if config.autoresume:
             loaded = self._read_latest(self.folder)
