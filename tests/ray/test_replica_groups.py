@@ -223,7 +223,7 @@ def _check_quorum_hook(folder: str, kills: list, kill_times: list) -> None:
     for killed, t_kill in zip(kills, kill_times):
         group = next(r["group"] for r in records if r["pid"] == killed)
         survivors = {r["pid"] for r in records if r["group"] != group and r["t"] < t_kill} & {
-            r["pid"] for r in records if r["t"] > t_kill + 5
+            r["pid"] for r in records if r["t"] > t_kill + 1
         }
         assert survivors, f"no process lived across the kill of {killed}"
         for pid in survivors:
