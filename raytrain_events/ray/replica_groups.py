@@ -26,8 +26,10 @@ alone while the others train on) and each worker builds its `Trainer` with the p
 Storage checkpoints (``checkpoint=``): every group holds the same committed state, so one group saves
 it, the lead: participating rank 0 of the step's quorum, i.e. the lowest group number in it
 (`lead_saves`); a step its lead did not survive commits nowhere, and the next quorum's lowest group
-saves from then on. A checkpoint is a plain one (world size 1): it loads into a `Trainer` or resumes
-a `RayTrainer` run.
+saves from then on (reloading the folder's index first: `lead_saves`). A checkpoint is a plain one (world
+size 1): it loads into a `Trainer` or resumes a `RayTrainer` run. Storage is read only at a start of the whole
+run, after the first quorum (`load_at_first_quorum`): a group replaced while the others train heals from a
+peer and reads nothing.
 
 Cost per step: one Lighthouse quorum round trip (a small RPC, constant in groups) and one
 all-reduce of the gradients across groups; per rejoin, one transfer of the state from a peer
