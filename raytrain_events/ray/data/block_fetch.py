@@ -11,8 +11,8 @@ that trains it (about (N - 1) / N x the dataset when blocks are spread over N no
 Per chunk of batches (up to 16 per feeder call) a rank makes one location lookup (an RPC to the
 blocks' owner, the feeder) and one call per other node holding blocks of the chunk (`BlockCutter.cut_many`,
 `cut_rows` of each of that node's blocks: all the rows the rank needs from each block in the chunk),
-whatever the number of blocks there: a mixture's chunk reads a block of each source, so cutting them
-one call per block made a chunk of three sources cost about three times the round trips of one source. A block already on the rank's node
+whatever the number of blocks there (a mixture's chunk reads a block of each source: one call per
+block cost it about three times a single source's round trips). A block already on the rank's node
 (or without a node: a small block inlined in its owner) is a plain ``ray.get``, and rows are
 listed only for the blocks cut; on a one-node cluster (``here`` is None) a chunk is one
 ``ray.get`` of its blocks and nothing else, as before.
@@ -55,9 +55,8 @@ __all__ = [
 
 Rows = np.ndarray  # sorted, unique row numbers within one block (int64)
 Fetched = Dict[Any, Tuple[Any, Optional[Rows]]]  # ref -> (block or its cut rows, which rows: None = all)
-Started = Tuple[
-    List[Any], List[Tuple[List[Any], List[Rows], str, Any]]
-]  # blocks got whole; per node cut: (refs, rows, node, call)
+# The blocks got whole; one (refs, their rows, node, call) per node whose blocks are cut there.
+Started = Tuple[List[Any], List[Tuple[List[Any], List[Rows], str, Any]]]
 
 
 def chunk_refs(served: Sequence[Optional[Sequence[Slice]]]) -> List[Any]:

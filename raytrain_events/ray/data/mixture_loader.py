@@ -51,16 +51,15 @@ class MixtureOrderLoader(GlobalOrderLoader):
         self.batch_samples: List[int] = [0] * len(names)
         self.batch_tokens: List[int] = [0] * len(names)
         self._window: tuple[int, int, List[int]] = (-1, 0, [])  # (epoch, first position, their sources)
+        self._anchor = 0  # the position the stream entered the epoch at (set per iteration)
 
     def bind(self, **kwargs: Any) -> None:
         """The plan is the driver's (`MixtureSource.plan_args`), the feeder's too: nothing to bind here."""
 
     def __iter__(self) -> Iterator[Any]:
         epoch, position = self.epoch, self.position
-        self._window, self._anchor = (
-            (-1, 0, []),
-            position,
-        )  # where the feeder's stream entered the epoch: its global batches start there
+        self._anchor = position  # where the feeder's stream entered the epoch: its global batches start there
+        self._window = (-1, 0, [])
         return self._counted(super().__iter__(), epoch, position)
 
     def _counted(self, batches: Iterator[Any], epoch: int, position: int) -> Iterator[Any]:
