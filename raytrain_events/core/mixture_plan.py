@@ -18,6 +18,11 @@ count (largest remainders, ties broken by a hash of (seed, epoch, node)); leaves
 
 Everything is a function of (mixture, seed, epoch, position), in pure Python integers: no
 global RNG, no numpy stream, the same plan on every host and every world size.
+
+`MixturePlan.batch_sources` is the order a Ray run streams: the same positions per global batch,
+each batch's listed source by source (one run per source instead of runs of 1-3 positions), so
+a rank's part of a batch is one or two slices of its sources' blocks; the local `MixtureLoader`
+reads rows one by one and keeps the plan's interleaved order.
 """
 
 from __future__ import annotations
@@ -316,6 +321,24 @@ class MixturePlan:
             self._walk(root, left, (lo, mid), (start, min(stop, mid)), out)
         if stop > mid:
             self._walk(root, [c - b for c, b in zip(counts, left)], (mid, hi), (max(start, mid), stop), out)
+
+    def batch_sources(self, epoch: int, start: int, stop: int, anchor: int, window: Optional[int]) -> List[int]:
+        """The sources of positions [start, stop) in the order a run trains them: each global batch's
+        positions (``window`` of them, counted from ``anchor``, the position its stream entered the
+        epoch at) listed by source, source by source in the plan's order of their rows (see the module doc).
+
+        The same rows in each global batch as `sources` (a batch's gradient does not depend on
+        the order of its rows), in at most one run per source: a rank's part of a batch is one or
+        two slices of the sources' blocks instead of one per plan run. None: the plan's own order."""
+        if not window:
+            return self.sources(epoch, start, stop)
+        lo = anchor + (start - anchor) // window * window
+        hi = min(self.epoch_size, anchor + -(-(stop - anchor) // window) * window)
+        raw = self.sources(epoch, lo, hi)
+        out: List[int] = []
+        for w in range(0, len(raw), window):
+            out.extend(sorted(raw[w : w + window]))
+        return out[start - lo : stop - lo]
 
     def row(self, epoch: int, source: int, taken: int) -> int:
         """The row of ``source`` that its ``taken``-th read of ``epoch`` returns (pass ``taken // rows``)."""

@@ -187,3 +187,25 @@ def test_a_switch_stage_keeps_every_position_before_it():
         Mixture.from_dict({**mixture.to_dict(), "switches": ["0dur"]})
     with pytest.raises(ValueError, match="order the stages by their start"):  # a switch starts after every stage
         mixture.switched(1500, {"math": 1}).plan(seed=3, total_samples=30000)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mixtures(), st.integers(0, 2**31), st.integers(1, 300), st.data())
+def test_a_runs_batch_order_lists_each_global_batch_by_source(mixture, seed, window, data):
+    """`batch_sources`: the plan's positions of each global batch (``window`` of them from the stream's
+    entry ``anchor``) grouped by source: the same sources per batch, one run per source, any slice equal
+    to the whole's (a rank's part, a feeder's step), and a stream entered at a later batch agreeing."""
+    plan = mixture.plan(seed=seed, total_samples=2 * mixture.epoch_size)
+    size = plan.epoch_size
+    anchor = data.draw(st.integers(0, size - 1))
+    whole = plan.batch_sources(1, anchor, size, anchor, window)
+    assert plan.batch_sources(1, anchor, size, anchor, None) == plan.sources(1, anchor, size)
+    for lo in range(anchor, size, window):
+        hi = min(lo + window, size)
+        batch = whole[lo - anchor : hi - anchor]
+        assert Counter(batch) == Counter(plan.sources(1, lo, hi)) and batch == sorted(batch)
+    a = data.draw(st.integers(anchor, size))
+    b = data.draw(st.integers(a, size))
+    assert plan.batch_sources(1, a, b, anchor, window) == whole[a - anchor : b - anchor]
+    later = anchor + data.draw(st.integers(0, (size - anchor) // window)) * window  # a rebuilt feeder's entry
+    assert plan.batch_sources(1, later, size, later, window) == whole[later - anchor :]

@@ -123,11 +123,14 @@ def test_a_mixture_resumed_on_another_world_size_reads_nothing_before_its_cursor
     train = mixture_train_set(Spec, datasets)["train"]
     assert isinstance(train, MixtureSource) and train.count() == 640
     plan = train.plan
-    # Epoch 1, from the start on 2 ranks: the plan's sources at every position; rows once per pass.
+    # Epoch 1, from the start on 2 ranks: each global batch the plan's positions, listed by source; rows once per pass.
     full, samples, tokens = _epoch(_loaders(ray, train, 2, 24), 1, 0)
     ids = [i for batch in full for i in batch]
     assert len(ids) == 640 and [len(b) for b in full] == [24] * 26 + [16]
-    assert [plan.mixture.names.index(source_of(i)) for i in ids] == plan.sources(1, 0, 640)
+    assert [plan.mixture.names.index(source_of(i)) for i in ids] == plan.batch_sources(1, 0, 640, 0, 24)
+    for k, batch in enumerate(full):  # the same sources in each global batch as the plan's positions
+        lo = 24 * k
+        assert Counter(plan.mixture.names.index(source_of(i)) for i in batch) == Counter(plan.sources(1, lo, lo + 24))
     totals = dict(zip(plan.mixture.names, plan.epoch_totals(1)))
     assert dict(samples) == totals == {n: Counter(map(source_of, ids))[n] for n in plan.mixture.names}
     assert dict(tokens) == {n: sum(i % 10 + 1 for i in ids if source_of(i) == n) for n in plan.mixture.names}
@@ -152,7 +155,7 @@ def test_a_mixture_resumed_on_another_world_size_reads_nothing_before_its_cursor
     resumed, _, _ = _epoch(_loaders(ray, train, 3, 24), 1, position)
     taken = list(plan.cursors(1, position))
     expected = []
-    for s in plan.sources(1, position, 640):  # unseeded: the t-th row of a source is its row t % rows
+    for s in plan.batch_sources(1, position, 640, position, 24):  # unseeded: a source's t-th row is its row t % rows
         first, rows = SOURCES[plan.mixture.names[s]]
         expected.append(first + taken[s] % rows)
         taken[s] += 1
@@ -215,9 +218,9 @@ def test_a_ranks_plan_window_names_each_batchs_sources_as_a_walk_per_batch(globa
     )
     plan = mixture.plan(seed=0, total_samples=48_000, global_batch=global_batch)
     loader = object.__new__(MixtureOrderLoader)  # only the plan and the shard's cut: no feeder
-    loader.plan, loader._window = plan, (-1, 0, [])
+    loader.plan, loader._window, loader._anchor = plan, (-1, 0, []), position
     loader.shard = SimpleNamespace(global_batch=global_batch, data_world_size=world, rank=world - 1, tensor_parallel=1)
     for epoch in (0, 1):
         for k in range(-(-(plan.epoch_size - position) // global_batch)):
             a, b = loader._rank_positions(position, k)
-            assert loader._sources(epoch, a, b) == plan.sources(epoch, a, b), (epoch, k)
+            assert loader._sources(epoch, a, b) == plan.batch_sources(epoch, a, b, position, global_batch), (epoch, k)

@@ -120,9 +120,10 @@ def test_a_mixture_stopped_mid_stage_on_2_workers_resumes_on_3_exactly(ray_clust
         )
     plan = mixture.plan(seed=0, total_samples=EPOCH, global_batch=BATCH)
     names = plan.mixture.names
-    # The plan's row at each position (unseeded: a source's t-th row is its row t % rows, pass after pass).
+    # The row at each position: each global batch the plan's positions listed by source (unseeded: a
+    # source's t-th row is its row t % rows, pass after pass).
     taken, expected = [0] * len(names), []
-    for s in plan.sources(0, 0, EPOCH):
+    for s in plan.batch_sources(0, 0, EPOCH, 0, BATCH):
         first, rows = SOURCES[names[s]]
         expected.append(first + taken[s] % rows)
         taken[s] += 1

@@ -9,8 +9,10 @@ rows this rank trains from it in the chunk, so each row crosses the network once
 that trains it (about (N - 1) / N x the dataset when blocks are spread over N nodes).
 
 Per chunk of batches (up to 16 per feeder call) a rank makes one location lookup (an RPC to the
-blocks' owner, the feeder) and one cut (`cut_rows` in that node's `BlockCutter`) per block of the chunk held on another node,
-covering all the rows it needs from that block in the chunk. A block already on the rank's node
+blocks' owner, the feeder) and one call per other node holding blocks of the chunk (`BlockCutter.cut_many`,
+`cut_rows` of each of that node's blocks: all the rows the rank needs from each block in the chunk),
+whatever the number of blocks there (a mixture's chunk reads a block of each source: one call per
+block cost it about three times a single source's round trips). A block already on the rank's node
 (or without a node: a small block inlined in its owner) is a plain ``ray.get``, and rows are
 listed only for the blocks cut; on a one-node cluster (``here`` is None) a chunk is one
 ``ray.get`` of its blocks and nothing else, as before.
@@ -53,7 +55,8 @@ __all__ = [
 
 Rows = np.ndarray  # sorted, unique row numbers within one block (int64)
 Fetched = Dict[Any, Tuple[Any, Optional[Rows]]]  # ref -> (block or its cut rows, which rows: None = all)
-Started = Tuple[List[Any], List[Tuple[Any, Rows, str, Any]]]  # blocks got whole; (ref, rows, node, cut) of the others
+# The blocks got whole; one (refs, their rows, node, call) per node whose blocks are cut there.
+Started = Tuple[List[Any], List[Tuple[List[Any], List[Rows], str, Any]]]
 
 
 def chunk_refs(served: Sequence[Optional[Sequence[Slice]]]) -> List[Any]:
@@ -127,8 +130,9 @@ _LOOKUP_TIMEOUT_MS = 60_000  # a location lookup that takes longer falls back to
 class BlockCutter:
     """Cuts rows out of blocks held on its node for every rank that asks (one actor per node)."""
 
-    def cut(self, block: Any, rows: Rows) -> Any:
-        return cut_rows(block, rows)
+    def cut_many(self, rows: List[Rows], *blocks: Any) -> List[Any]:
+        """`cut_rows` of each block (Ray resolves the block refs, all held on this node) in one call."""
+        return [cut_rows(block, wanted) for block, wanted in zip(blocks, rows, strict=True)]
 
 
 _cutter_class: Any = None
@@ -185,7 +189,13 @@ def start_fetch(served: Sequence[Optional[Sequence[Slice]]], here: Optional[str]
         found = {}  # the owner does not answer: plain gets, which raise if the blocks are gone
     whole, cut = split_by_node(refs, here, {ref: found.get(ref, {}).get("node_ids") or () for ref in refs})
     needed = needed_rows(served, cut)
-    pending = [(ref, needed[ref], node, _cutter(node).cut.remote(ref, needed[ref])) for ref, node in cut.items()]
+    by_node: Dict[str, List[Any]] = {}
+    for ref, node in cut.items():
+        by_node.setdefault(node, []).append(ref)
+    pending = []
+    for node, refs_there in by_node.items():
+        rows = [needed[ref] for ref in refs_there]
+        pending.append((refs_there, rows, node, _cutter(node).cut_many.remote(rows, *refs_there)))
     return whole, pending
 
 
@@ -199,12 +209,12 @@ def finish_fetch(started: Started) -> Fetched:
         parts = ray.get([task for *_, task in pending])
     except _cutter_gone():  # a cutter died with the rank that made it, or its node went: those blocks whole
         parts = [_cut_or_none(task) for *_, task in pending]
-    for (ref, rows, node, _), part in zip(pending, parts):
-        if part is None:
+    for (refs, rows, node, _), cut in zip(pending, parts):
+        if cut is None:
             _cutters.pop(node, None)  # the next chunk finds or makes that node's new cutter
-            out[ref] = (ray.get(ref), None)
+            out.update((ref, (block, None)) for ref, block in zip(refs, ray.get(refs)))
         else:
-            out[ref] = (part, rows)
+            out.update((ref, (part, wanted)) for ref, part, wanted in zip(refs, cut, rows))
     return out
 
 

@@ -304,7 +304,8 @@ class EpochFeeder:
     ) -> Tuple[Iterator[Any], Tuple[int, int]]:
         """The epoch's blocks from about global row ``row`` on, and where they start: (row, window)."""
         if self.seekable:
-            bundles, first, windows = self.dataset.stream(order_seed, epoch, row, window_rows)
+            stream = self.dataset.stream
+            bundles, first, windows = stream(order_seed, epoch, row, window_rows, global_batch=self.global_batch)
             return bundles, (first, windows)
         dataset = self.dataset
         if order_seed is not None:

@@ -3,8 +3,10 @@
 The batches are the global order's (`GlobalOrderLoader`: the feeder serves the mixed stream like
 any seekable train set). What this adds is which source each row came from: the rank's positions
 of global batch ``k`` are known (the feeder's cut: ``rank_rows`` of ``[position + k * g, ...)``,
-the short tail joined to the batch before it), so the same `MixturePlan` the feeder streams
-(`MixtureSource.plan_args`, carried by the shard) names their sources without reading anything.
+the short tail joined to the batch before it), so the same order the feeder streams (the
+`MixturePlan` of `MixtureSource.plan_args`, carried by the shard, each global batch listed by
+source from the loader's start position: `MixturePlan.batch_sources`) names their sources without
+reading anything.
 The counts of each batch are set as the train thread takes it (not in the prefetch thread), and
 `MixtureCounts` (brought by `loop_callbacks`, as `MixtureLoader` does locally) sums them on the
 loop's per-batch collective: the run's exact per-source samples and, with
@@ -49,12 +51,15 @@ class MixtureOrderLoader(GlobalOrderLoader):
         self.batch_samples: List[int] = [0] * len(names)
         self.batch_tokens: List[int] = [0] * len(names)
         self._window: tuple[int, int, List[int]] = (-1, 0, [])  # (epoch, first position, their sources)
+        self._anchor = 0  # the position the stream entered the epoch at (set per iteration)
 
     def bind(self, **kwargs: Any) -> None:
         """The plan is the driver's (`MixtureSource.plan_args`), the feeder's too: nothing to bind here."""
 
     def __iter__(self) -> Iterator[Any]:
         epoch, position = self.epoch, self.position
+        self._anchor = position  # where the feeder's stream entered the epoch: its global batches start there
+        self._window = (-1, 0, [])
         return self._counted(super().__iter__(), epoch, position)
 
     def _counted(self, batches: Iterator[Any], epoch: int, position: int) -> Iterator[Any]:
@@ -73,9 +78,10 @@ class MixtureOrderLoader(GlobalOrderLoader):
         """The plan's sources of positions ``[a, b)``: from the current window, or a new walk (see the module doc)."""
         at, first, known = self._window
         if at != epoch or a < first or b > first + len(known):
-            span = _PLAN_WINDOW // self.shard.global_batch * self.shard.global_batch
-            stop = min(max(b, a + span), self.plan.epoch_size) if span >= 2 * self.shard.global_batch else b
-            first, known = a, self.plan.sources(epoch, a, stop)
+            g = self.shard.global_batch
+            span = _PLAN_WINDOW // g * g
+            stop = min(max(b, a + span), self.plan.epoch_size) if span >= 2 * g else b
+            first, known = a, self.plan.batch_sources(epoch, a, stop, self._anchor, g)
             self._window = (epoch, first, known)
         return known[a - first : b - first]
 

@@ -6,20 +6,26 @@ the driver checks the sources (`check_mixture`, before Ray starts) and builds on
 into global batches and hands each rank its contiguous part, exactly as a single seekable source,
 so resumes, resizes, feeder restarts and the bounded buffer need nothing new.
 
-The order: global position ``p`` of epoch ``e`` reads from source ``plan.sources(e, p, p + 1)``
-(`MixturePlan`: deterministic in (mixture, seed, epoch, position), the same at any world size); the
-``t``-th row a source gives in an epoch is row ``t`` of that source's own seekable order
-(``source.stream(seed, epoch, row)``: its row groups in file order, or permuted by the run's
-seed), going round again (another permutation per pass) once ``t`` reaches its rows. So every row
-a stage chooses is trained once per epoch, and a source asked for more than it holds repeats only
-after all of them.
+The order: the plan's positions of each global batch (the feeder's ``global_batch`` positions,
+counted from where its stream entered the epoch) listed source by source
+(`MixturePlan.batch_sources`): each global batch holds the rows the plan puts at its positions (a
+batch's gradient does not depend on the order of its rows), in one run per source, so a rank's part
+of a batch is one or two slices of its sources' blocks. (In the plan's own interleaved order, runs
+of 1-3 positions, a rank's 32-row part was about 20 slices, and a 3-source mixture ran at half a
+single source's rate in ``bench/data_scale.py``.) The ``t``-th row a source gives in an epoch is row
+``t`` of that source's own seekable order (``source.stream(seed, epoch, row)``: its row groups in
+file order, or permuted by the run's seed), going round again (another permutation per pass) once
+``t`` reaches its rows. So every row a stage chooses is trained once per epoch, and a source asked
+for more than it holds repeats only after all of them. A stream entered again after a feeder
+restart enters at a global batch's start, so its batches are the same.
 
 A stream entered at position ``p`` (a resume) computes each source's cursor
 (``plan.cursors(e, p)``: O(sources * log(segment)), nothing enumerated) and opens each source at
 its cursor's row group: nothing before any source's position is read. Stream cost: one plan walk
-per 4,096 positions and one slice per run of same-source positions (runs are short: the plan
-interleaves the sources), so the feeder's index holds about one entry per row or two; a rank's
-batch is a few dozen slices of the sources' blocks, cut where the blocks are (`block_fetch`).
+per about 4,096 positions (whole global batches) and one slice per source per global batch (and one
+more where a source's run crosses a block), so the feeder's index holds about as many entries per
+global batch as there are sources; a rank's batch is one or two slices of the sources' blocks, cut
+where the blocks are (`block_fetch`: one call per node for all of a chunk's blocks there).
 
 The per-source counts are not read from rows: each rank knows its positions of each global batch,
 so its loader (`mixture_loader.MixtureOrderLoader`) asks the same plan which source each row came
@@ -111,23 +117,27 @@ class MixtureSource:
         """Positions in an epoch (the mixture's epoch size)."""
         return self.plan.epoch_size
 
-    def stream(self, seed: Any, epoch: int, row: int, window_rows: int = 0) -> Tuple[Iterator[Any], int, int]:
-        """``(bundles from position ``row`` on, row, 0)``: entered exactly at ``row`` (see the module doc)."""
+    def stream(
+        self, seed: Any, epoch: int, row: int, window_rows: int = 0, global_batch: Optional[int] = None
+    ) -> Tuple[Iterator[Any], int, int]:
+        """``(bundles from position ``row`` on, row, 0)``: entered exactly at ``row``, each global batch
+        of ``global_batch`` positions from there listed by source (`MixturePlan.batch_sources`)."""
         del seed  # the order's seeds are the run's (plan_args, order_seed), fixed on the driver
         if window_rows:
             raise ValueError("A mixture orders its rows itself: shuffle_buffer_size is not supported with mixture=.")
-        return self._bundles(epoch, row), row, 0
+        return self._bundles(epoch, row, global_batch), row, 0
 
-    def _bundles(self, epoch: int, row: int) -> Iterator[Any]:
+    def _bundles(self, epoch: int, row: int, global_batch: Optional[int]) -> Iterator[Any]:
         plan = self.plan
         cursors = [
             _Cursor(source, self.order_seed, epoch, taken)
             for source, taken in zip(self.sources, plan.cursors(epoch, row))
         ]
+        step = max(1, _PLAN_STEP // global_batch) * global_batch if global_batch else _PLAN_STEP
         position = row
         while position < plan.epoch_size:
-            stop = min(position + _PLAN_STEP, plan.epoch_size)
-            sources = plan.sources(epoch, position, stop)
+            stop = min(position + step, plan.epoch_size)
+            sources = plan.batch_sources(epoch, position, stop, row, global_batch)
             i = 0
             while i < len(sources):
                 j, s = i, sources[i]

@@ -228,12 +228,16 @@ class ParquetRowGroups:
         perm = np.random.default_rng([seed, epoch, 1]).permutation(len(self.units))
         return [self.units[i] for i in perm]
 
-    def stream(self, seed: Optional[int], epoch: int, row: int, window_rows: int = 0) -> Tuple[Iterator[Any], int, int]:
+    def stream(
+        self, seed: Optional[int], epoch: int, row: int, window_rows: int = 0, global_batch: Optional[int] = None
+    ) -> Tuple[Iterator[Any], int, int]:
         """``(bundles from the row group holding ``row``, that group's first global row, windows before it)``.
 
         With ``window_rows`` the stream starts at the shuffle window holding ``row`` (windows are
         consecutive row groups until one holds ``window_rows`` rows, as the feeder cuts them).
+        ``global_batch`` (the feeder's, given to every seekable source) does not change this order.
         """
+        del global_batch
         units = self.order(seed, epoch)
         start, first, windows, filled = 0, 0, 0, 0
         at = 0
