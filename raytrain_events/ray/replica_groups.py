@@ -29,7 +29,9 @@ it, the lead: participating rank 0 of the step's quorum, i.e. the lowest group n
 saves from then on (reloading the folder's index first: `lead_saves`). A checkpoint is a plain one (world
 size 1): it loads into a `Trainer` or resumes a `RayTrainer` run. Storage is read only at a start of the whole
 run, after the first quorum (`load_at_first_quorum`): a group replaced while the others train heals from a
-peer and reads nothing.
+peer and reads nothing. A start of the whole run inside one fit (every group lost: the feeder, made on the
+driver, lives on) resumes at the checkpoint's position, older than the feeder's pass: the groups' start there
+opens the epoch's pass again at that batch (`EpochFeeder.start_epoch`), so the rows after it are trained once.
 
 Cost per step: one Lighthouse quorum round trip (a small RPC, constant in groups) and one
 all-reduce of the gradients across groups; per rejoin, one transfer of the state from a peer

@@ -33,6 +33,10 @@ rank's loader, on its next call, starts the epoch again with the batch it needs 
 position, seed), keeping rows from a few chunks before that batch on. Rows stay exactly once;
 a rank that needs rows the rebuilt epoch no longer holds gets an error, so the worker group
 restarts from its last checkpoint (``max_failures``) instead of training a wrong row.
+A rank that *starts* the epoch (`EpochFeeder.start_epoch`) at a batch before what the pass still holds
+opens the pass again there, in the same way: replica groups keep the driver's feeder across a restart of
+every group, which resumes from a storage checkpoint older than the pass. A call waiting on the stopped
+pass answers None, so its rank starts the epoch again and asks the new pass.
 
 Tensor parallelism (``consumers`` > 1): the ``t`` ranks of a tensor group compute one model replica
 together, so they must train the same rows. The global batch is then split into ``world_size``
@@ -113,6 +117,10 @@ def bundle_blocks(bundle: Any) -> Iterator[Tuple[Any, int, int]]:
         offset, count = (0, meta.num_rows) if piece is None else (piece.start_offset, piece.num_rows)
         if count:
             yield ref, offset, count
+
+
+class _Reopened(Exception):
+    """A call waited on a pass that was stopped: the epoch was opened again (`EpochFeeder.start_epoch`)."""
 
 
 class _Epoch:
@@ -215,8 +223,10 @@ class _Epoch:
         if rows > self.demand:
             self.demand = rows
             self.cond.notify_all()
-        while self.index.end < rows and not self.done and self.error is None:
+        while self.index.end < rows and not self.done and self.error is None and not self.stopped:
             self.cond.wait()
+        if self.stopped and self.index.end < rows and not self.done:
+            raise _Reopened  # the pass was opened again: the call is answered from the new one (`batches`)
         if self.error is not None:
             raise RuntimeError(f"The train set's streaming execution failed: {self.error!r}") from self.error
 
@@ -345,6 +355,12 @@ class EpochFeeder:
                     "second time in this worker group; each epoch is served once per group. Train on with "
                     "Trainer.fit(duration=...) (the next epoch), or start a new run (RayTrainer.fit) to begin again."
                 )
+            if started is not None and 0 < resume_batch < started.trimmed:
+                # A start at an older position than the epoch still holds: every group of a replica-groups run
+                # restarted from a storage checkpoint older than where this feeder's pass is. Open the pass
+                # again there, as a restarted feeder rebuilds it (the same rows: a function of epoch, position, seed).
+                self.epochs.pop(key).stop()
+                started = None
             if started is None:
                 self._open(key, order, max(0, resume_batch - _RESTART_SLACK))
         return True
@@ -433,11 +449,14 @@ class EpochFeeder:
             return None
         served: List[Optional[List[Slice]]] = []
         with state.cond:
-            for k in range(first, first + count):
-                slices = state.serve(rank, k)
-                served.append(slices)
-                if slices is None:
-                    break
+            try:
+                for k in range(first, first + count):
+                    slices = state.serve(rank, k)
+                    served.append(slices)
+                    if slices is None:
+                        break
+            except _Reopened:
+                return None  # the rank starts the epoch again (it is the new pass) and asks once more
         return served
 
     def held_blocks(self) -> Dict[str, int]:
