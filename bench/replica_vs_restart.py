@@ -261,7 +261,11 @@ def main() -> None:
     print(f"kill plan (pause s, rank): {[(round(p, 1), r) for p, r in plan]}", flush=True)
     import ray
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    from raytrain_events.ray.embedded import own_state_api
+
+    kwargs = dict(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    with own_state_api(kwargs):  # Train's cleaner asks no other Ray on the machine (a false "controller dead")
+        ray.init(address="local", **kwargs)
     data = tempfile.mkdtemp(prefix="bench-data-")
     h.write_parquet(data)
     results = [run(mode, args, data, plan) for mode in args.modes.split(",")]

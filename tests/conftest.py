@@ -86,8 +86,13 @@ def ray_cluster(request):
     audit = getattr(request.config, "_e2e_audit", None)  # the session's Ray is no test's own (tests/e2e.py)
     if not ray.is_initialized():
         with audit.excluded() if audit is not None else contextlib.nullcontext():
-            # address="local": always a new instance of this session's own, never another Ray on the machine
-            ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True)
+            # address="local": always a new instance of this session's own, never another Ray on the machine;
+            # its state API too (`own_state_api`: else Train's cleaner may ask another instance and end a run)
+            from raytrain_events.ray.embedded import own_state_api
+
+            kwargs = dict(num_cpus=4, include_dashboard=False, log_to_driver=True)
+            with own_state_api(kwargs):
+                ray.init(address="local", **kwargs)
     yield ray
     ray.shutdown()
 

@@ -4,7 +4,9 @@
 of those lines are best dealt with at their cause, when the instance starts (its processes read
 their settings from the environment they inherit). This module sets those variables for the
 ``ray.init`` call only, and gives the dashboard a known loopback port so that Ray's state API
-(which Ray Train's placement-group cleaner polls) answers. See the table in
+(which Ray Train's placement-group cleaner polls) answers, and answers for this instance, never for
+another Ray instance on the machine (`own_state_api`; without a dashboard every call fails, which the
+cleaner skips). See the table in
 `raytrain_events.ray.reports.console` for the line each setting removes.
 """
 
@@ -18,7 +20,7 @@ from typing import Any, Dict, Iterator, List
 
 from raytrain_events.ray import _compat
 
-__all__ = ["local_instance"]
+__all__ = ["local_instance", "own_state_api", "NO_API_SERVER"]
 
 
 @contextlib.contextmanager
@@ -26,20 +28,19 @@ def local_instance(init_kwargs: Dict[str, Any], *, verbose: bool) -> Iterator[No
     """Settings for an embedded local Ray started inside this block; ``init_kwargs`` gain the dashboard's.
 
     Ray's processes inherit this process's environment when they start, so the variables are set
-    for the ``ray.init`` call only and restored afterwards. ``verbose=True`` changes nothing.
+    for the ``ray.init`` call only and restored afterwards. ``verbose=True`` changes only the state
+    API's address (`own_state_api`: the run's survival, not its console).
     """
     if verbose:
-        yield
+        with own_state_api(init_kwargs):
+            yield
         return
     num_cpus = int(init_kwargs.get("num_cpus") or os.cpu_count() or 1)
     env = {
         _compat.STARTUP_CONCURRENCY_ENV: str(max(8, num_cpus)),
         "RAY_DATA_LOGGING_CONFIG": os.path.join(os.path.dirname(__file__), "ray_data_logging.yaml"),
+        **_state_api_env(init_kwargs),
     }
-    if _compat.dashboard_installed() and init_kwargs.get("include_dashboard") is not False:
-        port = init_kwargs.setdefault("dashboard_port", _free_port())
-        init_kwargs.setdefault("dashboard_host", "127.0.0.1")
-        env["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
     saved = {key: os.environ.get(key) for key in env}
     for key, value in env.items():
         os.environ.setdefault(key, value)
@@ -51,6 +52,42 @@ def local_instance(init_kwargs: Dict[str, Any], *, verbose: bool) -> Iterator[No
     finally:
         logger.removeFilter(notices)
         notices.write_to_session_logs()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+# A loopback port nothing listens on (tcpmux, privileged): the state API's calls there fail at once.
+NO_API_SERVER = "http://127.0.0.1:1"
+
+
+def _state_api_env(init_kwargs: Dict[str, Any]) -> Dict[str, str]:
+    """``RAY_API_SERVER_ADDRESS`` for the instance's processes: its dashboard's (given a known loopback port
+    in ``init_kwargs``), or without a dashboard `NO_API_SERVER`. Unset, Ray's state API finds the API server
+    through the machine's newest Ray instance (``/tmp/ray/ray_current_cluster``), which may be another one
+    with a dashboard. Ray Train's placement-group cleaner polls that API for its controller; in another
+    instance it finds no such actor, takes the controller for dead and removes the run's placement group,
+    ending every worker at once (a restart of the whole run). Failing calls are what the cleaner skips."""
+    if _compat.dashboard_installed() and init_kwargs.get("include_dashboard") is not False:
+        port = init_kwargs.setdefault("dashboard_port", _free_port())
+        init_kwargs.setdefault("dashboard_host", "127.0.0.1")
+        return {"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"}
+    return {"RAY_API_SERVER_ADDRESS": NO_API_SERVER}
+
+
+@contextlib.contextmanager
+def own_state_api(init_kwargs: Dict[str, Any]) -> Iterator[None]:
+    """Only `_state_api_env`, for a ``ray.init`` of a local instance inside this block (a test session's or a
+    benchmark's own start); the variable is restored afterwards (a value already set is kept)."""
+    env = _state_api_env(init_kwargs)
+    saved = {key: os.environ.get(key) for key in env}
+    for key, value in env.items():
+        os.environ.setdefault(key, value)
+    try:
+        yield
+    finally:
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import os
 
+import pytest
+
 from raytrain_events.ray import _compat
 from raytrain_events.ray.embedded import local_instance
 
@@ -42,3 +44,29 @@ def test_token_notice_stays_off_the_terminal_and_the_disabled_warning_shows(monk
         _compat.TOKEN_AUTH_ENABLED + " (outside the start: not ours to hide)",
         _compat.TOKEN_AUTH_ENABLED + " (verbose)",
     ]
+
+
+def test_the_state_api_asks_only_this_instance_or_nothing(monkeypatch):
+    """Ray Train's placement-group cleaner polls the state API for its controller; unset, the API server is found
+    through the machine's newest Ray instance, which may be another one: there the controller is not found, the
+    cleaner takes it for dead and removes the run's placement group (every worker ends: a whole-run restart).
+    Without a dashboard every call must fail (the cleaner skips those), with one it is this instance's."""
+    from ray.util.state import get_actor
+    from ray.util.state.exception import RayStateApiException
+
+    from raytrain_events.ray.embedded import NO_API_SERVER, own_state_api
+
+    monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
+    for verbose in (False, True):
+        with local_instance({"include_dashboard": False}, verbose=verbose):
+            assert os.environ["RAY_API_SERVER_ADDRESS"] == NO_API_SERVER
+            with pytest.raises(RayStateApiException):  # what the cleaner's loop catches and skips
+                get_actor("0" * 32, timeout=2)
+        assert "RAY_API_SERVER_ADDRESS" not in os.environ
+    kwargs: dict = {"include_dashboard": True}
+    with own_state_api(kwargs):
+        if _compat.dashboard_installed():
+            assert os.environ["RAY_API_SERVER_ADDRESS"] == f"http://127.0.0.1:{kwargs['dashboard_port']}"
+    monkeypatch.setenv("RAY_API_SERVER_ADDRESS", "http://127.0.0.1:8265")
+    with own_state_api({"include_dashboard": False}):  # the user's own setting is kept
+        assert os.environ["RAY_API_SERVER_ADDRESS"] == "http://127.0.0.1:8265"

@@ -79,6 +79,28 @@ def test_every_group_restarting_from_an_older_checkpoint_continues_exactly(ray_c
     assert rest == list(range(10 * GLOBAL, ROWS))  # every row after the checkpoint once, in order
 
 
+@pytest.mark.ray
+def test_trains_cleaner_in_the_test_cluster_asks_no_other_ray(ray_cluster) -> None:
+    """The cause of a whole-run restart seen in the replica bench: Ray Train's placement-group cleaner asked the
+    state API of another Ray instance on the machine (one with a dashboard, started 2 s before), did not find
+    its controller there and removed the run's placement group. In this session's cluster (as in the bench's) a
+    worker's state API call fails instead, which the cleaner skips (`embedded.own_state_api`)."""
+    ray = ray_cluster
+    from raytrain_events.ray.embedded import NO_API_SERVER
+
+    def probe() -> tuple:
+        from ray.util.state import get_actor
+        from ray.util.state.exception import RayStateApiException
+
+        try:
+            found = get_actor(ray.get_runtime_context().get_job_id().rjust(32, "f"), timeout=2)
+        except RayStateApiException:
+            found = "failed"
+        return os.environ.get("RAY_API_SERVER_ADDRESS"), found
+
+    assert ray.get(ray.remote(num_cpus=0)(probe).remote()) == (NO_API_SERVER, "failed")
+
+
 def test_a_start_before_what_the_pass_holds_opens_it_again() -> None:
     sizes = [10] * 30
     feeder = EpochFeeder(FakeDataset(sizes), 1, 10, consumers=3)
