@@ -55,7 +55,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    from raytrain_events.ray.embedded import own_state_api
+
+    kwargs = {"num_cpus": 4, "include_dashboard": False, "log_to_driver": False}
+    with own_state_api(kwargs):  # Train's cleaner asks this instance's state API, not another's
+        ray.init(**kwargs)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((ROWS, D), dtype=np.float32)
     dataset = ray.data.from_items([{"x": x[i], "y": i % 10} for i in range(ROWS)], override_num_blocks=8).materialize()

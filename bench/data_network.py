@@ -111,8 +111,11 @@ def task_cost(chunks: int = 30, blocks: int = 16, rows: int = 4096, take: int = 
 
     from raytrain_events.ray.data.block_fetch import fetch_blocks
     from raytrain_events.ray.data.slices import RowRange
+    from raytrain_events.ray.embedded import own_state_api
 
-    ray.init(num_cpus=2, include_dashboard=False)
+    kwargs = {"num_cpus": 2, "include_dashboard": False}
+    with own_state_api(kwargs):  # Train's cleaner asks this instance's state API, not another's
+        ray.init(**kwargs)
     try:
         table = pa.table({"id": np.arange(rows), "tokens": [bytes(2048)] * rows})  # 8 MiB
         refs = [ray.put(table) for _ in range(blocks)]

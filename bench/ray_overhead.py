@@ -610,7 +610,11 @@ def main() -> None:
     import ray.data
 
     t_all = time.perf_counter()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    from raytrain_events.ray.embedded import own_state_api
+
+    kwargs = {"num_cpus": 4, "include_dashboard": False, "log_to_driver": False}
+    with own_state_api(kwargs):  # Train's cleaner asks this instance's state API, not another's
+        ray.init(**kwargs)
     ray.data.DataContext.get_current().enable_progress_bars = False
     ds = ray.data.from_items(make_rows(args.rows), override_num_blocks=4 * args.workers)
     work = tempfile.mkdtemp(prefix="ray_overhead_")

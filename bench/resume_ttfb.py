@@ -144,9 +144,11 @@ def main() -> None:
     from raytrain_events.ray.data.parquet_seek import ParquetRowGroups
 
     paths = write_files(args.folder, args.files, args.file_mib, args.row_kib, args.group_rows)
-    ray.init(
-        address="local", num_cpus=args.num_cpus, include_dashboard=False, logging_level="ERROR", log_to_driver=False
-    )
+    from raytrain_events.ray.embedded import own_state_api
+
+    kwargs = {"num_cpus": args.num_cpus, "include_dashboard": False, "logging_level": "ERROR", "log_to_driver": False}
+    with own_state_api(kwargs):  # Train's cleaner asks this instance's state API, not another's
+        ray.init(address="local", **kwargs)
     ray.data.DataContext.get_current().enable_progress_bars = False
     seek = ParquetRowGroups(paths)
     rows = seek.count()

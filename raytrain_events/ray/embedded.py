@@ -41,22 +41,15 @@ def local_instance(init_kwargs: Dict[str, Any], *, verbose: bool) -> Iterator[No
         "RAY_DATA_LOGGING_CONFIG": os.path.join(os.path.dirname(__file__), "ray_data_logging.yaml"),
         **_state_api_env(init_kwargs),
     }
-    saved = {key: os.environ.get(key) for key in env}
-    for key, value in env.items():
-        os.environ.setdefault(key, value)
     notices = _HoldTokenNotice()
     logger = logging.getLogger(_compat.TOKEN_AUTH_LOGGER)
     logger.addFilter(notices)
     try:
-        yield
+        with _environ(env):
+            yield
     finally:
         logger.removeFilter(notices)
         notices.write_to_session_logs()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 # A loopback port nothing listens on (tcpmux, privileged): the state API's calls there fail at once.
@@ -81,7 +74,13 @@ def _state_api_env(init_kwargs: Dict[str, Any]) -> Dict[str, str]:
 def own_state_api(init_kwargs: Dict[str, Any]) -> Iterator[None]:
     """Only `_state_api_env`, for a ``ray.init`` of a local instance inside this block (a test session's or a
     benchmark's own start); the variable is restored afterwards (a value already set is kept)."""
-    env = _state_api_env(init_kwargs)
+    with _environ(_state_api_env(init_kwargs)):
+        yield
+
+
+@contextlib.contextmanager
+def _environ(env: Dict[str, str]) -> Iterator[None]:
+    """``env`` in ``os.environ`` inside this block (a value already set is kept), restored afterwards."""
     saved = {key: os.environ.get(key) for key in env}
     for key, value in env.items():
         os.environ.setdefault(key, value)

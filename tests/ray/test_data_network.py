@@ -40,3 +40,4 @@ def test_an_epoch_moves_each_row_once_over_the_network_on_three_nodes(tmp_path):
     assert result["rank_nodes"] == 3 and not result["head_has_ranks"], result
     assert result["rows_once"], result  # every row of the epoch trained exactly once
     assert 0.95 <= result["ratio"] <= 1.1, result
+    assert result["cutters_before_ranks"] >= 1, result  # the feeder started one where its first blocks are

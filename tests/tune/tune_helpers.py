@@ -155,5 +155,9 @@ if __name__ == "__main__":  # the resume test's subprocess: python tune_helpers.
     import ray
 
     # Its own local Ray (never a cluster that `ray start` may have left on this machine).
-    ray.init(num_cpus=2, include_dashboard=False)
+    from raytrain_events.ray.embedded import own_state_api
+
+    kwargs = {"num_cpus": 2, "include_dashboard": False}
+    with own_state_api(kwargs):  # Train's cleaner asks this instance's state API, not another's
+        ray.init(**kwargs)
     resumable_sweep(sys.argv[1], sys.argv[2])

@@ -51,6 +51,7 @@ __all__ = [
     "CUTTER_THREADS",
     "local_rows",
     "cluster_node",
+    "CutterStarter",
 ]
 
 Rows = np.ndarray  # sorted, unique row numbers within one block (int64)
@@ -172,6 +173,47 @@ def cluster_node() -> Optional[str]:
     if sum(1 for node in ray.nodes() if node.get("Alive")) <= 1:
         return None
     return ray.get_runtime_context().get_node_id()
+
+
+class CutterStarter:
+    """Starts the `BlockCutter` of each node that the first blocks of a stream are on, before a rank needs it.
+
+    The feeder's pull thread calls it with each bundle's block refs (the first `STARTER_BUNDLES` of
+    each epoch's stream): a cutter's start (a new actor process, most of a second) then overlaps the
+    worker group's start (the driver starts the stream first) instead of delaying every rank's first
+    batch, which cuts there. Nothing on a one-node cluster (ranks never cut there). Best effort: a
+    failed lookup or start leaves it to the rank, as before. Cost: one location lookup (the feeder owns
+    the blocks: no remote call) per bundle for the first `STARTER_BUNDLES` bundles of an epoch.
+    """
+
+    def __init__(self) -> None:
+        self.left = STARTER_BUNDLES
+        self.several: Optional[bool] = None  # the cluster has several nodes (asked once)
+        self.started: set = set()
+
+    def __call__(self, refs: Sequence[Any]) -> None:
+        if self.left <= 0 or not refs:
+            return
+        self.left -= 1
+        try:
+            if self.several is None:
+                self.several = cluster_node() is not None
+            if not self.several:
+                self.left = 0
+                return
+            from ray.experimental import get_object_locations
+
+            found = get_object_locations(list(refs), timeout_ms=5_000)
+            for ref in refs:
+                for node in found.get(ref, {}).get("node_ids") or ():
+                    if node not in self.started:
+                        self.started.add(node)
+                        _cutter(node)  # created in the background (named: the ranks find it)
+        except Exception:  # noqa: BLE001 - an optimization only: the rank starts the cutter itself
+            self.left = 0
+
+
+STARTER_BUNDLES = 32  # bundles of an epoch's stream whose nodes get a cutter started by the feeder
 
 
 def start_fetch(served: Sequence[Optional[Sequence[Slice]]], here: Optional[str]) -> Started:

@@ -175,9 +175,12 @@ class _Epoch:
             self.cond.notify_all()
 
     def _pull(self) -> None:
+        from raytrain_events.ray.data.block_fetch import CutterStarter
+
         cond, index = self.cond, self.index
         window: List[Tuple[Any, int, int]] = []  # blocks of the shuffle window being filled
         window_rows = 0
+        cutters = CutterStarter()  # the first blocks' nodes get their cutter now, not at a rank's first batch
         try:
             while True:
                 with cond:
@@ -194,8 +197,10 @@ class _Epoch:
                         self.done = True
                         cond.notify_all()
                     return
+                pieces = list(bundle_blocks(bundle))
+                cutters([ref for ref, _, _ in pieces])
                 with cond:
-                    for ref, offset, count in bundle_blocks(bundle):
+                    for ref, offset, count in pieces:
                         if self.window_rows:
                             window.append((ref, offset, count))
                             window_rows += count
