@@ -59,8 +59,8 @@ NO_API_SERVER = "http://127.0.0.1:1"
 def _state_api_env(init_kwargs: Dict[str, Any]) -> Dict[str, str]:
     """``RAY_API_SERVER_ADDRESS`` for the instance's processes: its dashboard's (given a known loopback port
     in ``init_kwargs``), or without a dashboard `NO_API_SERVER`. Unset, Ray's state API finds the API server
-    through the machine's newest Ray instance (``/tmp/ray/ray_current_cluster``), which may be another one
-    with a dashboard. Ray Train's placement-group cleaner polls that API for its controller; in another
+    through the address file of the machine's newest Ray instance (`_compat.ray_address_file`), which may be
+    another one with a dashboard. Ray Train's placement-group cleaner polls that API for its controller; in another
     instance it finds no such actor, takes the controller for dead and removes the run's placement group,
     ending every worker at once (a restart of the whole run). Failing calls are what the cleaner skips."""
     if _compat.dashboard_installed() and init_kwargs.get("include_dashboard") is not False:
