@@ -9,12 +9,13 @@ Saving happens at ``BATCH_CHECKPOINT`` / ``EPOCH_CHECKPOINT`` when any trigger f
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Optional, Sequence, Union
 
 from raytrain_events.core.time import Time, TimeUnit, ensure_time
 
-__all__ = ["CheckpointConfig"]
+__all__ = ["CheckpointConfig", "check_local_dir"]
 
 
 @dataclass
@@ -61,6 +62,12 @@ class CheckpointConfig:
             on it is refused. The run directory is the parent of a ``<run>/checkpoints`` folder;
             a ``save_folder`` named otherwise is its own run directory (`RunDir.of_checkpoints`). `RayTrainer` holds it on the
             driver instead and turns this off on its workers.
+        local_dir: a node-local directory (NVMe, local SSD) where each save also keeps this node's ranks' files, so
+            a whole-run restart on the same nodes reads local disk instead of object storage. Storage stays the
+            truth: a local file is read only if its size and CRC32 match the committed manifest's, else (missing,
+            corrupt, another node's rank) that file is read from storage. None: no local tier.
+        local_keep: how many checkpoints' local copies each node keeps (default: ``keep``; 1 with ``keep_best``,
+            as a restart reads the newest; all when neither is set, like storage).
     """
 
     save_folder: Optional[str] = None
@@ -84,9 +91,11 @@ class CheckpointConfig:
     storage_options: Dict[str, Any] = field(default_factory=dict)
     lock_run_dir: bool = True
     sharded: Optional[bool] = None
+    local_dir: Optional[str] = None
+    local_keep: Optional[int] = None
 
     def __post_init__(self) -> None:  # noqa: C901 -- one check per option, in field order (checkpoint/ owner)
-        for name in ("save_every_n_steps", "keep", "keep_best"):
+        for name in ("save_every_n_steps", "keep", "keep_best", "local_keep"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise TypeError(f"{name}={value!r} must be an integer (or None), like {name}=3.")
@@ -138,9 +147,48 @@ class CheckpointConfig:
                     "checkpoint besides the best ones; set only one."
                 )
 
+        self._check_local_tier()
+
+    def _check_local_tier(self) -> None:
+        """``local_dir``: a local path this process can write (checked again on each worker when it saves)."""
+        if self.local_keep is not None and self.local_keep < 1:
+            raise ValueError(f"local_keep={self.local_keep} must be >= 1 (or None: like keep).")
+        if self.local_dir is None:
+            return
+        if not isinstance(self.local_dir, (str, os.PathLike)):
+            raise TypeError(f"local_dir={self.local_dir!r} must be a local directory path (a string).")
+        self.local_dir = check_local_dir(os.fspath(self.local_dir))
+        if self.local_keep is None:
+            self.local_keep = self.keep if self.keep is not None else (1 if self.keep_best is not None else None)
+
     def to_dict(self) -> Dict[str, Any]:
         """Plain data (for configs and logs); credentials in storage_options are left out."""
         out = asdict(self)
         out["save_interval"] = None if self.save_interval is None else self.save_interval.to_timestring()
         out.pop("storage_options")
         return out
+
+
+def check_local_dir(path: str) -> str:
+    """``path`` as an absolute local path whose directory this process can create or write into; else a
+    ValueError naming the problem and the fix."""
+    fix = "Fix: pass a node-local directory every worker can write, like local_dir='/local_nvme/checkpoints'."
+    if "://" in path and not path.startswith("file://"):
+        raise ValueError(
+            f"CheckpointConfig(local_dir={path!r}) is not a local path: the local tier is a node-local disk beside "
+            f"object storage (save_folder/storage_path stays the source of truth). {fix}"
+        )
+    path = os.path.abspath(path[len("file://") :] if path.startswith("file://") else path)
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"CheckpointConfig(local_dir={path!r}): {existing!r} is a file, not a directory. {fix}")
+    try:  # a real write (as root, or on a read-only mount, the mode bits do not tell); leaves nothing behind
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise ValueError(
+            f"CheckpointConfig(local_dir={path!r}) is not writable by this process ({existing!r}: {e}). {fix}"
+        ) from None
+    return path

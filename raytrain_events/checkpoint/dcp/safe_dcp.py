@@ -14,6 +14,11 @@ non-tensor items back with ``torch.load(weights_only=False)``. Here:
   manifest without reading them back (sha256 before format_version 4; still read).
 
 Any fsspec URL works (``resolve`` of our storage layer picks the filesystem and its options).
+
+The node-local tier (``format/local_copy.py``): `HashingDCPWriter` given ``local`` writes each file it
+streams to storage into the local copy too, in the same pass; `SafeDCPReader` given ``local`` and the
+manifest's entries reads each file from the local copy where it matches its entry (size and CRC32), and from
+storage otherwise.
 """
 
 from __future__ import annotations
@@ -39,7 +44,9 @@ from raytrain_events._torch_compat import EmptyStateDictLoadPlanner as _EmptySta
 from raytrain_events._torch_compat import FsspecFileSystem as FileSystem
 from raytrain_events._torch_compat import FsspecReader, FsspecWriter, get_layout
 from raytrain_events._torch_compat import StorageInfo as _StorageInfo
+from raytrain_events.checkpoint.format.local_copy import LocalCopies
 from raytrain_events.checkpoint.format.manifest import FileEntry, UnsafeCheckpointError
+from raytrain_events.checkpoint.format.reader import LOCAL_FS as _LOCAL_FS
 from raytrain_events.checkpoint.format.reader import refusal_reason
 from raytrain_events.checkpoint.format.safety import require_safe_torch
 from raytrain_events.storage.crc32 import Crc32
@@ -121,11 +128,28 @@ class SafeDCPReader(FsspecReader):
         path: Any,
         metadata: Optional[Metadata] = None,
         expected: Optional[FileEntry] = None,
+        local: Optional[LocalCopies] = None,
+        entries: Any = (),
         **storage_options: Any,
     ) -> None:
+        """``local``: the node-local copy to read from where a file matches its entry in ``entries`` (the
+        committed manifest's files)."""
         super().__init__(path, **storage_options)
         self.shared_metadata, self.expected = metadata, expected
         self.metadata: Optional[Metadata] = None
+        self.local, self._entries = local, {e.name: e for e in entries}
+        self._sources: Dict[str, Any] = {}  # storage path -> (fs, path) it is read from
+
+    def source(self, path: Any) -> Any:
+        """(filesystem, path) to read the checkpoint file at storage ``path`` from: its local copy if it
+        matches the manifest, else storage. Decided once per file."""
+        path = os.fspath(path)
+        if path not in self._sources:
+            name = os.path.basename(path)
+            entry = self._entries.get(name)
+            local = self.local.verified(entry) if self.local is not None and entry is not None else None
+            self._sources[path] = (_LOCAL_FS, local) if local is not None else (self.fs.fs, path)
+        return self._sources[path]
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         require_safe_torch("a sharded checkpoint")  # DCP reads its tensors with the weights-only unpickler
@@ -135,7 +159,8 @@ class SafeDCPReader(FsspecReader):
             metadata.storage_meta.load_id = self.load_id
             return metadata
         path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as stream:
+        fs, where = self.source(path)
+        with fs.open(where, "rb") as stream:
             raw = stream.read()
         metadata = load_metadata_safely(io.BytesIO(raw), os.fspath(path))
         if self.expected is not None:
@@ -162,16 +187,21 @@ class SafeDCPReader(FsspecReader):
                 continue
             info = self.storage_data[req.storage_index]
             requests.append((req, os.fspath(self.fs.concat_path(self.path, info.relative_path)), info, chunk))
-        ranged, whole = ranged_dcp.plan_reads(self.fs.fs, requests)
-        for read, tensor in zip(ranged, ranged_dcp.fetch(self.fs.fs, ranged)):
-            target = planner.resolve_tensor(read.request).detach()
-            if target.size() != tensor.size():
-                raise AssertionError(
-                    f"req {read.request.storage_index} mismatch sizes {target.size()} vs {tensor.size()}"
-                )
-            target.copy_(tensor)
-            planner.commit_tensor(read.request, target)
-        rest += whole
+        by_source: Dict[int, Any] = {}  # the local tier's files and storage's, each read through its own fs
+        for req, path, info, chunk in requests:
+            fs, where = self.source(path)
+            by_source.setdefault(id(fs), (fs, []))[1].append((req, where, info, chunk))
+        for fs, group in by_source.values():
+            ranged, whole = ranged_dcp.plan_reads(fs, group)
+            for read, tensor in zip(ranged, ranged_dcp.fetch(fs, ranged)):
+                target = planner.resolve_tensor(read.request).detach()
+                if target.size() != tensor.size():
+                    raise AssertionError(
+                        f"req {read.request.storage_index} mismatch sizes {target.size()} vs {tensor.size()}"
+                    )
+                target.copy_(tensor)
+                planner.commit_tensor(read.request, target)
+            rest += whole
         if not rest:
             done: Future[None] = Future()
             done.set_result(None)
@@ -190,7 +220,8 @@ class SafeDCPReader(FsspecReader):
             spans.setdefault(path, []).append((info.offset, info.length))
 
         def exact_stream(path: Any, mode: str) -> Any:
-            return closing(ItemStream(self.fs.fs, os.fspath(path), spans[os.fspath(path)]))
+            fs, where = self.source(path)
+            return closing(ItemStream(fs, where, spans[os.fspath(path)]))
 
         self.fs.create_stream = exact_stream  # type: ignore[method-assign]  # this call's reads only
         try:
@@ -268,9 +299,9 @@ class SafeFullLoadPlanner(_SafeBytes, _EmptyStateDictLoadPlanner):
 class _HashingStream(io.RawIOBase):
     """Write-through stream that counts and CRC32s the bytes (DCP asks it for ``tell``)."""
 
-    def __init__(self, raw: Any) -> None:
+    def __init__(self, raw: Any, copy: Any = None) -> None:
         super().__init__()
-        self._raw, self._crc, self.size = raw, Crc32(), 0
+        self._raw, self._crc, self.size, self._copy = raw, Crc32(), 0, copy
 
     def writable(self) -> bool:
         return True
@@ -278,6 +309,8 @@ class _HashingStream(io.RawIOBase):
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         self._raw.write(view)
+        if self._copy is not None:
+            self._copy.write(view)
         self._crc.update(view)
         self.size += len(view)
         return len(view)
@@ -303,10 +336,11 @@ class _HashingStream(io.RawIOBase):
 class _HashingFileSystem(FileSystem):
     """fsspec file system of DCP whose write streams record a `FileEntry` per file written."""
 
-    def __init__(self) -> None:
+    def __init__(self, local: Optional[LocalCopies] = None) -> None:
         super().__init__()
         self.entries: Dict[str, FileEntry] = {}
         self._lock = threading.Lock()
+        self.local = local  # the node-local copy each written file also goes to
 
     @contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
@@ -314,15 +348,24 @@ class _HashingFileSystem(FileSystem):
             if "w" not in mode:
                 yield raw
                 return
-            stream = _HashingStream(raw)
-            yield stream
             name = os.path.basename(os.fspath(path))
+            copy = self.local.file(name) if self.local is not None else None
+            stream = _HashingStream(raw, copy)
+            ok = False
+            try:
+                yield stream
+                ok = True
+            finally:
+                if copy is not None:
+                    copy.close(ok)
             with self._lock:
                 self.entries[name] = FileEntry(name=name, size=stream.size, sha256="", crc32=stream.hexdigest())
 
     def rename(self, path: Any, new_path: Any) -> None:
         super().rename(path, new_path)
         old, new = os.path.basename(os.fspath(path)), os.path.basename(os.fspath(new_path))
+        if self.local is not None and os.path.exists(self.local.path(old)):
+            os.replace(self.local.path(old), self.local.path(new))
         with self._lock:
             if old in self.entries:
                 entry = self.entries.pop(old)
@@ -332,11 +375,17 @@ class _HashingFileSystem(FileSystem):
 class HashingDCPWriter(FsspecWriter):
     """DCP's fsspec writer; ``entries`` lists the files this rank wrote with size and CRC32."""
 
-    def __init__(self, path: str, storage_options: Optional[Dict[str, Any]] = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        path: str,
+        storage_options: Optional[Dict[str, Any]] = None,
+        local_copy: Optional[LocalCopies] = None,
+        **kwargs: Any,
+    ) -> None:
         local = "://" not in path or path.startswith("file://")
         # fsync local files; object stores commit on close (fsync would fall back to os.sync()).
         super().__init__(path, sync_files=local, overwrite=False, **kwargs, **(storage_options or {}))
-        fs = _HashingFileSystem()
+        fs = _HashingFileSystem(local_copy)
         fs.fs = self.fs.fs
         self.fs = fs
 

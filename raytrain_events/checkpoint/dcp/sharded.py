@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from raytrain_events.checkpoint.format.local_copy import LocalCopies
 from raytrain_events.checkpoint.format.manifest import CheckpointError, CheckpointInfo, FileEntry, UnsafeCheckpointError
 from raytrain_events.core.state import CheckpointMismatchError, mismatch_fix, model_mismatch
 
@@ -121,13 +122,14 @@ class ShardedCheckpointIO:
         tensors = {"model": model_sd, "optim": optim_sd, "extra": extra}
         return tensors, rest
 
-    def write_shards(self, url: str, tensors: Dict[str, Any]) -> List[FileEntry]:
-        """Every rank writes its shards under ``url``; returns the entries of all ranks' files."""
+    def write_shards(self, url: str, tensors: Dict[str, Any], local: Optional[LocalCopies] = None) -> List[FileEntry]:
+        """Every rank writes its shards under ``url`` (and, with ``local``, into its node-local copy in the same
+        pass); returns the entries of all ranks' files."""
         import torch.distributed.checkpoint as dcp
 
         from raytrain_events.checkpoint.dcp.safe_dcp import HashingDCPWriter
 
-        writer = HashingDCPWriter(url, storage_options=self.options)
+        writer = HashingDCPWriter(url, storage_options=self.options, local_copy=local)
         with _plain_errors("Saving", url):
             dcp.save(tensors, storage_writer=writer, process_group=self.group, no_dist=not self.distributed)
         entries = writer.entries
@@ -140,23 +142,29 @@ class ShardedCheckpointIO:
         return [entry for rank_entries in gathered for entry in rank_entries]
 
     # ------------------------------------------------------------------ load
-    def shared_metadata(self, info: CheckpointInfo) -> Any:
+    def shared_metadata(self, info: CheckpointInfo, local: Optional[LocalCopies] = None) -> Any:
         """The checkpoint's DCP `Metadata`, read and verified (safe unpickler, then the manifest's
         size and checksum) by rank 0 alone and broadcast: one ``.metadata`` read per load instead
         of two per rank. An error on rank 0 (refused, corrupt, missing) is raised on every rank,
-        so no rank waits for the others."""
+        so no rank waits for the others. ``local``: the node-local copy to read it from where it matches."""
         from raytrain_events.checkpoint.dcp.safe_dcp import SafeDCPReader
 
         expected = next((f for f in info.files if f.name == ".metadata"), None)
         url = info.url
+
+        def read() -> Any:
+            return SafeDCPReader(
+                url, expected=expected, local=local, entries=info.files, **self.options
+            ).read_metadata()
+
         if not self.distributed:
-            return SafeDCPReader(url, expected=expected, **self.options).read_metadata()
+            return read()
         import torch.distributed as tdist
 
         shared: List[Any] = [None]
         if tdist.get_rank() == 0:
             try:
-                shared[0] = SafeDCPReader(url, expected=expected, **self.options).read_metadata()
+                shared[0] = read()
             except Exception as e:  # every rank raises it
                 shared[0] = e
         tdist.broadcast_object_list(shared, src=0, group=self.group)
@@ -164,8 +172,17 @@ class ShardedCheckpointIO:
             raise shared[0]
         return shared[0]
 
-    def load(self, info: CheckpointInfo, rest: Dict[str, Any], *, strict: bool, weights_only: bool) -> None:
-        """Load a sharded checkpoint into the host's state (any rank count, DDP or FSDP)."""
+    def load(
+        self,
+        info: CheckpointInfo,
+        rest: Dict[str, Any],
+        *,
+        strict: bool,
+        weights_only: bool,
+        local: Optional[LocalCopies] = None,
+    ) -> None:
+        """Load a sharded checkpoint into the host's state (any rank count, DDP or FSDP); ``local``: the
+        node-local copy each file is read from where it matches the manifest (else storage)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -178,7 +195,7 @@ class ShardedCheckpointIO:
         from raytrain_events.checkpoint.dcp.safe_dcp import SafeDCPReader, SafeLoadPlanner
 
         state = self.host.state
-        metadata = self.shared_metadata(info)
+        metadata = self.shared_metadata(info, local)
         model_sd = get_model_state_dict(state.model)
         _check_model_keys(info.url, metadata, model_sd, strict)
         target: Dict[str, Any] = {"model": model_sd}
@@ -190,7 +207,7 @@ class ShardedCheckpointIO:
         with _plain_errors("Loading", info.url):
             dcp.load(
                 target,
-                storage_reader=SafeDCPReader(info.url, metadata, **self.options),
+                storage_reader=SafeDCPReader(info.url, metadata, local=local, entries=info.files, **self.options),
                 planner=SafeLoadPlanner(),
                 process_group=self.group,
                 no_dist=not self.distributed,

@@ -21,12 +21,17 @@ PUT per commit; nothing older is listed or read, so a commit or a prune costs th
 10,000 checkpoints behind it. Every deletion is best effort: a delete that fails (an outage) is
 logged and found again by the next start's listing, never raised into the commit before it.
 
+The node-local tier's copies (``local_tier.py``) are deleted here too (`prune_local_copies`): each saving
+process keeps the newest ``local_keep`` copies on its node's disk.
+
 No other module deletes a checkpoint (``tests/test_ownership.py`` scans the package for it).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Union
@@ -35,7 +40,14 @@ from raytrain_events.checkpoint.folder.index import CheckpointIndex, batch_of_na
 from raytrain_events.checkpoint.format.manifest import MANIFEST, CheckpointInfo
 from raytrain_events.storage.fs import delete, join, resolve
 
-__all__ = ["CheckpointFolder", "LocalRetention", "RayRetention", "Retention", "delete_checkpoint"]
+__all__ = [
+    "CheckpointFolder",
+    "LocalRetention",
+    "RayRetention",
+    "Retention",
+    "delete_checkpoint",
+    "prune_local_copies",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -192,3 +204,19 @@ def delete_checkpoint(url: str, *, storage_options: Optional[Dict[str, Any]] = N
     fs, path = resolve(url, storage_options)
     delete(fs, join(path, MANIFEST))
     delete(fs, path, recursive=True)
+
+
+def prune_local_copies(root: str, keep: int) -> list[str]:
+    """Delete all but the newest ``keep`` checkpoint copies (``ckpt-*`` directories, newest by name: by batch)
+    under the local tier's ``root``; their paths. Best effort: the ranks of a node share ``root`` and prune it
+    alike, so a directory another rank deleted first is not an error."""
+    if keep < 1:
+        raise ValueError(f"prune_local_copies(keep={keep}) would delete every copy. Fix: pass keep >= 1.")
+    try:
+        names = sorted(n for n in os.listdir(root) if n.startswith("ckpt-"))
+    except FileNotFoundError:
+        return []
+    doomed = [os.path.join(root, n) for n in names[:-keep]]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed

@@ -36,6 +36,7 @@ import torch
 from raytrain_events.checkpoint.folder.folder import CheckpointFolder
 from raytrain_events.checkpoint.folder.folder import delete_checkpoint as delete_checkpoint  # re-exported
 from raytrain_events.checkpoint.folder.index import CheckpointIndex
+from raytrain_events.checkpoint.folder.local_tier import LocalTier
 from raytrain_events.checkpoint.format.manifest import (
     MANIFEST,
     CheckpointCorruptError,
@@ -94,10 +95,12 @@ def load_latest_valid(
     files: Iterable[str] | None = None,
     map_location: Any = "cpu",
     index: CheckpointIndex | None = None,
+    local_tier: LocalTier | None = None,
 ) -> LoadedCheckpoint | None:
     """Load the newest checkpoint that verifies, skipping (with a warning) corrupt ones.
 
     ``index``: the folder's `CheckpointIndex` if the caller holds one (else it is loaded).
+    ``local_tier``: the node-local copies to read files from where they match (``local_tier.py``).
 
     Unsafe (non-allowlisted pickle) and unsupported-version checkpoints are raised, not
     skipped: both need a human decision, and silently resuming from an older checkpoint
@@ -107,12 +110,15 @@ def load_latest_valid(
     index = index or CheckpointIndex.load(root_url, storage_options)
     for entry in index.newest_first():
         url, info = index.url(entry), index.infos.get(entry.name)
+        local = local_tier.copies(entry.name) if local_tier is not None else None
         try:
             if info is not None:  # reconciling the index read its manifest already: not again
                 return read_checkpoint_files(
-                    info, storage_options=storage_options, files=names, map_location=map_location
+                    info, storage_options=storage_options, files=names, map_location=map_location, local=local
                 )
-            return read_checkpoint(url, storage_options=storage_options, files=names, map_location=map_location)
+            return read_checkpoint(
+                url, storage_options=storage_options, files=names, map_location=map_location, local=local
+            )
         except (CheckpointCorruptError, CheckpointNotCommittedError) as e:
             logger.warning("Skipping checkpoint %s: %s", url, e)
     return None

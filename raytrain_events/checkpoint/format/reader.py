@@ -18,6 +18,7 @@ import torch
 
 from raytrain_events.checkpoint.format import packed
 from raytrain_events.checkpoint.format.checksums import checksum, checksum_meanwhile
+from raytrain_events.checkpoint.format.local_copy import LocalCopies
 from raytrain_events.checkpoint.format.manifest import (
     MANIFEST,
     CheckpointCorruptError,
@@ -32,6 +33,7 @@ from raytrain_events.storage.fs import LocalFileSystem, join, read_bytes, storag
 from raytrain_events.storage.location import Location
 from raytrain_events.storage.objectstore import fetch_verified, reader
 
+LOCAL_FS = LocalFileSystem()
 _MMAP_MIN_SIZE = 2**20  # smaller local files are read into memory: a mapping costs more there
 _MMAP_LOAD = os.name == "posix"  # Windows cannot delete a mapped file (prune would fail)
 
@@ -69,18 +71,22 @@ def read_checkpoint(
     storage_options: dict[str, Any] | None = None,
     files: Iterable[str] | None = None,
     map_location: Any = "cpu",
+    local: LocalCopies | None = None,
 ) -> LoadedCheckpoint:
     """Verify and load a committed checkpoint (all files, or only those named in ``files``; ``ckpt``: a
     URL or a `Location`, resolved once for the manifest and every file).
 
     One GET of ``manifest.json`` (no HEAD: its size is bounded): a packed checkpoint is then
-    all here; a multi-file one fetches its files next."""
+    all here; a multi-file one fetches its files next. With ``local`` (the node-local tier), the
+    manifest's head is read instead, and each file comes from the local copy where it matches."""
     where = Location.of(ckpt, storage_options)
+    if local is not None:
+        return _read_files(where, read_manifest(where), _wanted_names(files), map_location, local)
     raw = _read_commit_object(where.fs, where.path)
     info = CheckpointInfo.from_manifest(where.url, raw)
     if info.packed:
         return LoadedCheckpoint(info=info, files=_load_packed(info, raw, _wanted(info, files), map_location))
-    return _read_files(where, info, _wanted(info, files), map_location)
+    return _read_files(where, info, _wanted_names(files), map_location)
 
 
 def read_checkpoint_files(
@@ -89,15 +95,50 @@ def read_checkpoint_files(
     storage_options: dict[str, Any] | None = None,
     files: Iterable[str] | None = None,
     map_location: Any = "cpu",
+    local: LocalCopies | None = None,
 ) -> LoadedCheckpoint:
     """``read_checkpoint`` for a manifest already read (``read_manifest``, ``list_checkpoints``).
 
-    If the checkpoint was deleted since, its missing files raise CheckpointCorruptError.
-    """
-    return _read_files(Location.of(info.url, storage_options), info, _wanted(info, files), map_location)
+    If the checkpoint was deleted since, its missing files raise CheckpointCorruptError. ``local``: the
+    node-local copy to read each file from where it matches the manifest (else storage is read)."""
+    return _read_files(Location.of(info.url, storage_options), info, _wanted_names(files), map_location, local)
 
 
-def _read_files(where: Location, info: CheckpointInfo, wanted: list[FileEntry], map_location: Any) -> LoadedCheckpoint:
+def _wanted_names(files: Iterable[str] | None) -> list[str] | None:
+    return None if files is None else list(files)
+
+
+def _read_files(
+    where: Location,
+    info: CheckpointInfo,
+    names: list[str] | None,
+    map_location: Any,
+    local: LocalCopies | None = None,
+) -> LoadedCheckpoint:
+    wanted = _wanted(info, names)
+    out: dict[str, Any] = {}
+    if local is not None:  # the node-local tier first, each file verified against the committed manifest
+        for e in wanted:
+            if os.path.exists(local.path(e.name)):
+                try:
+                    out[e.name] = _load_verified(LOCAL_FS, local.path(e.name), info.url, e, map_location)
+                    local.local.append(e.name)
+                    continue
+                except CheckpointCorruptError as err:
+                    local.fell_back(e.name, str(err))
+            else:
+                local.fell_back(e.name, "no local copy")
+        wanted = [e for e in wanted if e.name not in out]
+        if not wanted:
+            return LoadedCheckpoint(info=info, files=out)
+    loaded = _read_from_storage(where, info, wanted, map_location)
+    loaded.files.update(out)
+    return loaded
+
+
+def _read_from_storage(
+    where: Location, info: CheckpointInfo, wanted: list[FileEntry], map_location: Any
+) -> LoadedCheckpoint:
     if info.packed:  # one GET of the whole object, its size known: no HEAD
         try:
             raw = _read_commit_object(where.fs, where.path)

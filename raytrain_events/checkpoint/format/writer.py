@@ -26,6 +26,7 @@ import torch
 
 from raytrain_events.checkpoint.format import packed
 from raytrain_events.checkpoint.format.checksums import torch_zip_crc_off
+from raytrain_events.checkpoint.format.local_copy import LocalCopies, LocalCopyFile, TeeStream
 from raytrain_events.checkpoint.format.manifest import (
     MANIFEST,
     MULTI_FILE_VERSION,
@@ -74,12 +75,14 @@ class CheckpointSave:
     Built where the save is decided (``write_checkpoint``, `Checkpointer.save`) and passed down
     whole (`Committer.commit`, ``write_and_commit``): the files and the entries other ranks wrote
     are produced on the way and travel beside it. ``timestamp`` and ``metadata`` are read-only
-    copies of what was given."""
+    copies of what was given. ``local``: where this process also keeps a node-local copy of the files it
+    writes (``CheckpointConfig(local_dir=...)``; None: no local tier)."""
 
     location: Location
     timestamp: Mapping[str, int]
     world_size: int
     metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    local: LocalCopies | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "timestamp", MappingProxyType(dict(_check_timestamp(self.timestamp))))
@@ -97,14 +100,26 @@ class CheckpointSave:
 
 
 def write_checkpoint_file(
-    ckpt: str | Location, file_name: str, obj: Any, *, storage_options: dict[str, Any] | None = None
+    ckpt: str | Location,
+    file_name: str,
+    obj: Any,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    local: LocalCopies | None = None,
 ) -> FileEntry:
     """Serialize ``obj`` and upload it atomically as ``<ckpt>/<file_name>`` (``ckpt``: a URL or a
-    `Location`)."""
+    `Location`); with ``local``, the same bytes also go into the node-local copy (``local_copy.py``)."""
     _check_file_name(file_name)
     target = Location.of(ckpt, storage_options).child(file_name)
     payload = _Payload(obj)
-    _upload(target.fs, target.path, payload)
+    copy = local.file(file_name) if local is not None else None
+    ok = False
+    try:
+        _upload(target.fs, target.path, payload, copy)
+        ok = True
+    finally:
+        if copy is not None:
+            copy.close(ok)
     return FileEntry(name=file_name, size=payload.size, sha256="", crc32=payload.crc32)
 
 
@@ -160,11 +175,13 @@ def write_packed_checkpoint(
     world_size: int,
     metadata: Mapping[str, Any] | None = None,
     storage_options: dict[str, Any] | None = None,
+    local: LocalCopies | None = None,
 ) -> CheckpointInfo:
     """Serialize ``files`` and commit them as ONE packed ``manifest.json`` (one create-only PUT).
 
     For one process holding all of a checkpoint's files; see ``packed.py`` for the layout and
-    ``packed.should_pack`` for when ``write_checkpoint`` chooses it.
+    ``packed.should_pack`` for when ``write_checkpoint`` chooses it. ``local``: each file's bytes (a
+    slice of the packed object: no second serialization) also go into the node-local copy.
     """
     for name in files:
         _check_file_name(name)
@@ -188,6 +205,13 @@ def write_packed_checkpoint(
 
     obj = packed.pack(files, lambda entries: packed.header_line(with_files(entries).manifest()))
     _create_manifest(where, obj.data, crc32=obj.crc32)
+    if local is not None:
+        view = memoryview(obj.data)
+        start = len(obj.data) - sum(e["size"] for e in obj.entries)
+        for e in obj.entries:
+            copy = local.file(e["name"])
+            copy.write(view[start + e["offset"] : start + e["offset"] + e["size"]])
+            copy.close(True)
     return dataclasses.replace(with_files(obj.entries), packed_size=len(obj.data))
 
 
@@ -239,9 +263,9 @@ def write_and_commit(
     where, timestamp, world_size, metadata = save.location, save.timestamp, save.world_size, save.metadata
     if not others and (pack or (pack is None and packed.should_pack(where.fs, files))):
         return write_packed_checkpoint(
-            where, files=files, timestamp=timestamp, world_size=world_size, metadata=metadata
+            where, files=files, timestamp=timestamp, world_size=world_size, metadata=metadata, local=save.local
         )
-    own = [write_checkpoint_file(where, n, obj) for n, obj in files.items()]
+    own = [write_checkpoint_file(where, n, obj, local=save.local) for n, obj in files.items()]
     return commit_checkpoint(
         where,
         entries=list(others) + own,
@@ -272,17 +296,18 @@ def _torch_save(obj: Any, stream: Any) -> None:
         raise
 
 
-def _upload(fs: Any, path: str, payload: _Payload) -> None:
+def _upload(fs: Any, path: str, payload: _Payload, copy: LocalCopyFile | None = None) -> None:
     """Serialize and upload one payload atomically, filling in its size and CRC32 (a separate
-    function so tests can inject failures here). Local: streamed, see the module docstring."""
+    function so tests can inject failures here). Local: streamed, see the module docstring.
+    ``copy``: the node-local copy the same bytes also go to, in the same pass."""
     if isinstance(fs, LocalFileSystem):
         with local_atomic_writer(path, crc32=True) as f:
-            _torch_save(payload.obj, f)
+            _torch_save(payload.obj, f if copy is None else TeeStream(f, copy))
         payload.size, payload.crc32 = f.size, f.hexdigest()
         return
     upload = open_upload(fs, path)  # CRC32s what it sends; big files go up in parts meanwhile
     try:
-        _torch_save(payload.obj, upload)
+        _torch_save(payload.obj, upload if copy is None else TeeStream(upload, copy))
         upload.finish()
     except BaseException:
         upload.abort()

@@ -30,6 +30,7 @@ from raytrain_events.checkpoint.dcp.sharded import (
 )
 from raytrain_events.checkpoint.folder.committer import Committer
 from raytrain_events.checkpoint.folder.folder import CheckpointFolder, LocalRetention
+from raytrain_events.checkpoint.folder.local_tier import LocalTier
 from raytrain_events.checkpoint.folder.retention import local_keep
 from raytrain_events.checkpoint.folder.store import AsyncCheckpointWriter, DoneFuture
 from raytrain_events.checkpoint.format.manifest import (
@@ -147,6 +148,8 @@ class Checkpointer(Callback):
         # (`CheckpointFolder.retain_with_ray`, ray/checkpointing/checkpointing.py).
         self.checkpoints = CheckpointFolder(self.folder, self.options, LocalRetention(self.keep))
         self.committer = Committer(self.checkpoints, deadline_s=config.upload_deadline_s, run=self.run)
+        # Node-local copies of this process's files of each save, read first on a restart (folder/local_tier.py).
+        self.local_tier = LocalTier(config.local_dir, self.folder, config.local_keep) if config.local_dir else None
         self._deferred = False  # a save came due while the previous one was still in flight
         self._warned_slow = False
         self.failures: List[Tuple[str, str]] = []  # (checkpoint URL, error) of saves that failed for good
@@ -196,7 +199,8 @@ class Checkpointer(Callback):
     def _read_latest(self, folder: str) -> Optional[LoadedCheckpoint]:
         """The newest valid checkpoint of ``folder``, chosen by rank 0 and shared (see `read_latest_shared`)."""
         index = self.checkpoints.index if folder == self.folder else None
-        return read_latest_shared(self.host, folder, self.options, index)
+        tier = self.local_tier if folder == self.folder else None
+        return read_latest_shared(self.host, folder, self.options, index, tier)
 
     def _read(self, url: str) -> Optional[LoadedCheckpoint]:
         try:  # a checkpoint directory, else a folder of them
@@ -205,6 +209,7 @@ class Checkpointer(Callback):
             return self._read_latest(url)
 
     def _apply(self, loaded: LoadedCheckpoint, ignore: Sequence[str] = (), weights_only: bool = False) -> None:
+        local = self.local_tier.copies(loaded.info.name) if self.local_tier is not None else None
         rng = apply_checkpoint(
             self.host,
             loaded,
@@ -214,7 +219,11 @@ class Checkpointer(Callback):
             inference=self.inference,
             ignore=ignore,
             weights_only=weights_only,
+            local=local,
         )
+        if local is not None:  # which tier served each file, on each rank (a warning when storage served some)
+            log = _log.warning if local.storage else _log.info
+            log("Rank %d loaded checkpoint %s: %s", self.host.state.rank, loaded.info.name, local.summary())
         if rng is not None and self.host.state.timestamp.batch_in_epoch.value > 0:
             self._resume_rng = (rng["epoch_start"], rng["now"])
             self._epoch_start_rng = rng["epoch_start"]
@@ -311,7 +320,8 @@ class Checkpointer(Callback):
             },
             "checkpoint_config": self.config.to_dict(),
         }
-        save = CheckpointSave(Location.of(url, self.options), timestamp, dist.world_size, metadata)
+        local = self.local_tier.for_save(basename(url)) if self.local_tier is not None else None
+        save = CheckpointSave(Location.of(url, self.options), timestamp, dist.world_size, metadata, local)
         if self._sharded_io is not None:
             future = self._save_sharded(save, rng)
         else:
@@ -346,7 +356,7 @@ class Checkpointer(Callback):
         save = save.with_metadata(layout=DCP_LAYOUT, parallelism=self.host.parallel.kind)
 
         def job() -> Optional[CheckpointInfo]:
-            shards = io.write_shards(save.url, tensors)
+            shards = io.write_shards(save.url, tensors, save.local)
             return self._write(save, rest, rng, shards)
 
         return self._start(save.url, job, staged)
@@ -356,9 +366,12 @@ class Checkpointer(Callback):
 
         def run() -> Any:
             try:
-                return job()
+                done = job()
             finally:
                 staged.release()
+            if self.local_tier is not None:  # this node keeps the newest local_keep copies, like storage
+                self.local_tier.saved()
+            return done
 
         return self._writer.submit(self._reported(url, run)) if self._writer is not None else DoneFuture(run())
 

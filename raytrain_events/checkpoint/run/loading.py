@@ -27,6 +27,8 @@ from raytrain_events.storage.run_dir import STATE_FILE  # re-exported (the name 
 
 if TYPE_CHECKING:
     from raytrain_events.checkpoint.folder.index import CheckpointIndex
+    from raytrain_events.checkpoint.folder.local_tier import LocalTier
+    from raytrain_events.checkpoint.format.local_copy import LocalCopies
     from raytrain_events.checkpoint.host import CheckpointHost
 
 _log = logging.getLogger(__name__)
@@ -35,17 +37,24 @@ __all__ = ["STATE_FILE", "apply_checkpoint", "read_latest_shared"]
 
 
 def read_latest_shared(
-    host: CheckpointHost, folder: str, options: Dict[str, Any], index: Optional[CheckpointIndex] = None
+    host: CheckpointHost,
+    folder: str,
+    options: Dict[str, Any],
+    index: Optional[CheckpointIndex] = None,
+    local_tier: Optional[LocalTier] = None,
 ) -> Optional[LoadedCheckpoint]:
     """The newest valid checkpoint of ``folder``, chosen once by rank 0 and shared with its
     manifest (no rank but rank 0 lists the folder or reads the manifest); every rank then reads
-    that checkpoint's files. ``index``: the folder's checkpoint index, when this run keeps one."""
+    that checkpoint's files. ``index``: the folder's checkpoint index, when this run keeps one.
+    ``local_tier``: this node's copies, read where they match the manifest (else storage)."""
     dist, rank = host.dist, host.state.rank
     loaded: Optional[LoadedCheckpoint] = None
     choice: Any = None
     if rank == 0:
         try:
-            loaded = load_latest_valid(folder, storage_options=options, files=[STATE_FILE], index=index)
+            loaded = load_latest_valid(
+                folder, storage_options=options, files=[STATE_FILE], index=index, local_tier=local_tier
+            )
             choice = None if loaded is None else loaded.info
         except Exception as e:
             if not dist.is_distributed:
@@ -57,7 +66,8 @@ def read_latest_shared(
         raise choice
     if rank == 0 or choice is None:
         return loaded
-    return read_checkpoint_files(choice, storage_options=options, files=[STATE_FILE], map_location="cpu")
+    local = local_tier.copies(choice.name) if local_tier is not None else None
+    return read_checkpoint_files(choice, storage_options=options, files=[STATE_FILE], map_location="cpu", local=local)
 
 
 def apply_checkpoint(
@@ -70,10 +80,12 @@ def apply_checkpoint(
     inference: bool = False,
     ignore: Sequence[str] = (),
     weights_only: bool = False,
+    local: Optional[LocalCopies] = None,
 ) -> Optional[Dict[str, Any]]:
     """Restore ``loaded`` into ``host.state``; returns this rank's saved RNG state (already restored
     to its value at the save; ``epoch_start`` is its value at that epoch's start), or None when the
-    load restores weights only, is for inference, or the checkpoint holds no RNG file for this rank."""
+    load restores weights only, is for inference, or the checkpoint holds no RNG file for this rank.
+    ``local``: the node-local copy of its files, read where they match the manifest (else storage)."""
     state = host.state
     saved = loaded.files[STATE_FILE]
     ignored_model_keys: List[str] = []
@@ -92,7 +104,7 @@ def apply_checkpoint(
         check_manifest_timestamp(loaded.info, saved)
     if is_sharded_checkpoint(loaded.info):
         io = sharded_io or ShardedCheckpointIO(host, options, own_group=False)
-        io.load(loaded.info, saved, strict=strict, weights_only=weights_only)
+        io.load(loaded.info, saved, strict=strict, weights_only=weights_only, local=local)
     elif is_sharded_module(state.model):  # a full (DDP) checkpoint into an FSDP model
         load_full_into_sharded(state, saved, strict=strict, weights_only=weights_only)
     elif weights_only:
@@ -114,7 +126,7 @@ def apply_checkpoint(
     rng_name = rng_file_name(state.rank)
     if not any(f.name == rng_name for f in loaded.info.files):
         return None
-    rng = read_checkpoint_files(loaded.info, storage_options=options, files=[rng_name]).files[rng_name]
+    rng = read_checkpoint_files(loaded.info, storage_options=options, files=[rng_name], local=local).files[rng_name]
     restore_rng_state(rng["now"])
     return rng
 

@@ -1,0 +1,158 @@
+"""The node-local checkpoint tier (``CheckpointConfig(local_dir=...)``) through the Trainer on the local S3 server.
+
+A whole-run restart reads no byte of model state from object storage while the local copy is intact, and
+falls back to storage, exactly, when the copy is missing or corrupt. S3 reads are counted per object
+key at s3fs's one API entry (``_call_s3("get_object")``, each response's ContentLength).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections import Counter
+
+import pytest
+import s3fs
+import torch
+
+from raytrain_events import Trainer
+from raytrain_events.checkpoint.config import CheckpointConfig
+from raytrain_events.checkpoint.folder.local_tier import LocalTier
+from raytrain_events.checkpoint.folder.store import list_checkpoints
+from raytrain_events.checkpoint.run.checkpointer import STATE_FILE
+from raytrain_events.models import ClassifierModel
+from tests.checkpoint.test_trainer_checkpoints import D, loader
+
+BIG = 2048  # a 2048 x 2048 float32 layer (16 MiB) plus a second one: state.pt is over packing's 32 MiB
+
+
+class _Wide(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Sequential(torch.nn.Linear(D, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+        self.table = torch.nn.Linear(BIG, BIG)  # trained: its momentum is saved too
+        self.probe = torch.nn.Parameter(torch.zeros(BIG))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x) + 1e-3 * self.table(self.probe).sum()
+
+
+def _trainer(folder, options, local_dir, *, duration="2ep", **ckpt):
+    torch.manual_seed(0)
+    m = ClassifierModel(_Wide(), num_classes=2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    config = CheckpointConfig(
+        save_folder=folder,
+        storage_options=options,
+        save_every_n_seconds=None,
+        save_interval="1ep",
+        keep=1,
+        local_dir=local_dir,
+        **ckpt,
+    )
+    return Trainer(model=m, train_dataloader=loader(), max_duration=duration, optimizers=opt, checkpoint=config, seed=1)
+
+
+@contextlib.contextmanager
+def _s3_reads():
+    """Bytes each S3 object key served (get_object responses' ContentLength), in this process."""
+    counts: Counter = Counter()
+    real = s3fs.S3FileSystem._call_s3
+
+    async def counting(self, method, *args, **kwargs):
+        out = await real(self, method, *args, **kwargs)
+        if method == "get_object":
+            counts[kwargs.get("Key", "").rsplit("/", 1)[-1]] += int(out.get("ContentLength") or 0)
+        return out
+
+    s3fs.S3FileSystem._call_s3 = counting
+    try:
+        yield counts
+    finally:
+        s3fs.S3FileSystem._call_s3 = real
+
+
+def _model_state_bytes(counts: Counter) -> int:
+    """Bytes of checkpoint payload files (state, RNGs, shards) read from S3: not manifests, index or locks."""
+    return sum(n for key, n in counts.items() if key.endswith((".pt", ".distcp", ".metadata")))
+
+
+def _params(trainer):
+    return {k: v.clone() for k, v in trainer.state.model.state_dict().items()}
+
+
+def _resume(folder, options, local_dir):
+    with _s3_reads() as counts:
+        resumed = _trainer(folder, options, local_dir, duration="3ep", autoresume=True)
+    resumed._checkpointer.close()
+    return resumed, counts
+
+
+def test_restart_reads_model_state_from_the_local_tier_and_falls_back_to_storage_exactly(s3_server, tmp_path):
+    options = s3_server["storage_options"]
+    folder = f"s3://{s3_server['bucket']}/{uuid.uuid4().hex}/run/checkpoints"
+    local_dir = str(tmp_path / "nvme")
+    first = _trainer(folder, options, local_dir)
+    first.fit()
+    expected, at = _params(first), first.state.timestamp.state_dict()
+    (newest,) = list_checkpoints(folder, storage_options=options)  # keep=1
+    state_size = next(f.size for f in newest.files if f.name == STATE_FILE)
+    assert state_size > 32 * 2**20  # a multi-file checkpoint: state.pt is its own object
+
+    tier = LocalTier(local_dir, folder, keep=1)
+    assert sorted(os.listdir(tier.root)) == [newest.name]  # bounded like storage (keep=1): epoch 1's is gone
+    copy = os.path.join(tier.root, newest.name)
+    assert os.path.getsize(os.path.join(copy, STATE_FILE)) == state_size
+
+    # Intact: nothing of the model state comes from object storage, and the state is the saved one.
+    resumed, counts = _resume(folder, options, local_dir)
+    assert _model_state_bytes(counts) == 0, counts
+    assert resumed.state.timestamp.state_dict() == at
+    for name, value in _params(resumed).items():
+        assert torch.equal(value, expected[name]), name
+
+    # Corrupt (one byte flipped in the middle): state.pt is read from storage, whole, and loads the same.
+    path = os.path.join(copy, STATE_FILE)
+    with open(path, "r+b") as f:
+        f.seek(state_size // 2)
+        byte = f.read(1)
+        f.seek(state_size // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    resumed, counts = _resume(folder, options, local_dir)
+    assert counts[STATE_FILE] == state_size and _model_state_bytes(counts) == state_size, counts
+    assert resumed.state.timestamp.state_dict() == at
+    for name, value in _params(resumed).items():
+        assert torch.equal(value, expected[name]), name
+
+    # Missing (the node's copy deleted, or a rank placed on another node): storage, exactly, again.
+    for name in os.listdir(copy):
+        os.remove(os.path.join(copy, name))
+    resumed, counts = _resume(folder, options, local_dir)
+    assert counts[STATE_FILE] == state_size, counts
+    for name, value in _params(resumed).items():
+        assert torch.equal(value, expected[name]), name
+
+
+@pytest.mark.parametrize(
+    "local_dir, problem",
+    [
+        ("s3://bucket/local", "not a local path"),
+        ("{file}/x", "is a file, not a directory"),
+        ("/proc/raytrain-local-tier", "not writable"),  # a mount nobody writes, root included
+    ],
+)
+def test_a_local_dir_that_cannot_hold_copies_is_refused_naming_the_fix(tmp_path, local_dir, problem):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=problem) as err:
+        CheckpointConfig(local_dir=local_dir.format(file=tmp_path / "file"))
+    assert "Fix: pass a node-local directory" in str(err.value)
+
+
+def test_local_keep_follows_keep():
+    assert CheckpointConfig(local_dir="/tmp/x", keep=3).local_keep == 3
+    assert CheckpointConfig(local_dir="/tmp/x", keep_best=2, metric="metrics/eval/acc").local_keep == 1
+    assert CheckpointConfig(local_dir="/tmp/x").local_keep is None
+    assert CheckpointConfig(local_dir="/tmp/x", keep=3, local_keep=1).local_keep == 1
+    with pytest.raises(ValueError, match="local_keep=0"):
+        CheckpointConfig(local_dir="/tmp/x", local_keep=0)
