@@ -88,6 +88,12 @@ TRAINER_CASES: List[Tuple[str, Callable[[torch.nn.Module], Dict[str, Any]], type
         ValueError,
         "get_num_tokens_in_batch",
     ),
+    (
+        "local-tier-a-file",
+        lambda m: {"checkpoint": CheckpointConfig(local_dir=__file__ + "/nvme")},
+        ValueError,
+        r"is a file, not a directory.*Fix: pass a node-local directory",
+    ),
 ]
 if not torch.cuda.is_available():
     TRAINER_CASES.append(("cuda-on-cpu-build", lambda m: {"device": "cuda"}, ValueError, "device='cpu'"))
@@ -260,6 +266,18 @@ RAY_TRAINER_CASES: List[Tuple[str, Callable[[], Dict[str, Any]], type, str]] = [
         lambda: {"run_name": None, "checkpoint": CheckpointConfig(autoresume=True)},
         ValueError,
         r"run_name='my-run'",
+    ),
+    (
+        "local-tier-not-writable",
+        lambda: {"checkpoint": CheckpointConfig(local_dir="/proc/raytrain-local-tier")},
+        ValueError,
+        r"local_dir=.*not writable.*Fix: pass a node-local directory",
+    ),
+    (
+        "local-tier-object-storage",
+        lambda: {"checkpoint": CheckpointConfig(local_dir="s3://bucket/nvme")},
+        ValueError,
+        r"not a local path.*Fix: pass a node-local directory",
     ),
 ]
 

@@ -2,18 +2,16 @@
 
 A whole-run restart reads no byte of model state from object storage while the local copy is intact, and
 falls back to storage, exactly, when the copy is missing or corrupt. S3 reads are counted per object
-key at s3fs's one API entry (``_call_s3("get_object")``, each response's ContentLength).
+key at s3fs's one API entry (``tests/parallel/io_count.count_s3_reads``). The sharded (DCP) case, with
+ranks on their own "nodes" and one moved, is in ``tests/parallel/test_sharded_load_cost.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import uuid
-from collections import Counter
 
 import pytest
-import s3fs
 import torch
 
 from raytrain_events import Trainer
@@ -23,6 +21,7 @@ from raytrain_events.checkpoint.folder.store import list_checkpoints
 from raytrain_events.checkpoint.run.checkpointer import STATE_FILE
 from raytrain_events.models import ClassifierModel
 from tests.checkpoint.test_trainer_checkpoints import D, loader
+from tests.parallel.io_count import count_s3_reads, payload_bytes
 
 BIG = 2048  # a 2048 x 2048 float32 layer (16 MiB) plus a second one: state.pt is over packing's 32 MiB
 
@@ -54,36 +53,12 @@ def _trainer(folder, options, local_dir, *, duration="2ep", **ckpt):
     return Trainer(model=m, train_dataloader=loader(), max_duration=duration, optimizers=opt, checkpoint=config, seed=1)
 
 
-@contextlib.contextmanager
-def _s3_reads():
-    """Bytes each S3 object key served (get_object responses' ContentLength), in this process."""
-    counts: Counter = Counter()
-    real = s3fs.S3FileSystem._call_s3
-
-    async def counting(self, method, *args, **kwargs):
-        out = await real(self, method, *args, **kwargs)
-        if method == "get_object":
-            counts[kwargs.get("Key", "").rsplit("/", 1)[-1]] += int(out.get("ContentLength") or 0)
-        return out
-
-    s3fs.S3FileSystem._call_s3 = counting
-    try:
-        yield counts
-    finally:
-        s3fs.S3FileSystem._call_s3 = real
-
-
-def _model_state_bytes(counts: Counter) -> int:
-    """Bytes of checkpoint payload files (state, RNGs, shards) read from S3: not manifests, index or locks."""
-    return sum(n for key, n in counts.items() if key.endswith((".pt", ".distcp", ".metadata")))
-
-
 def _params(trainer):
     return {k: v.clone() for k, v in trainer.state.model.state_dict().items()}
 
 
 def _resume(folder, options, local_dir):
-    with _s3_reads() as counts:
+    with count_s3_reads() as counts:
         resumed = _trainer(folder, options, local_dir, duration="3ep", autoresume=True)
     resumed._checkpointer.close()
     return resumed, counts
@@ -107,7 +82,7 @@ def test_restart_reads_model_state_from_the_local_tier_and_falls_back_to_storage
 
     # Intact: nothing of the model state comes from object storage, and the state is the saved one.
     resumed, counts = _resume(folder, options, local_dir)
-    assert _model_state_bytes(counts) == 0, counts
+    assert payload_bytes(counts) == 0, counts
     assert resumed.state.timestamp.state_dict() == at
     for name, value in _params(resumed).items():
         assert torch.equal(value, expected[name]), name
@@ -120,7 +95,7 @@ def test_restart_reads_model_state_from_the_local_tier_and_falls_back_to_storage
         f.seek(state_size // 2)
         f.write(bytes([byte[0] ^ 0xFF]))
     resumed, counts = _resume(folder, options, local_dir)
-    assert counts[STATE_FILE] == state_size and _model_state_bytes(counts) == state_size, counts
+    assert counts[STATE_FILE] == state_size and payload_bytes(counts) == state_size, counts
     assert resumed.state.timestamp.state_dict() == at
     for name, value in _params(resumed).items():
         assert torch.equal(value, expected[name]), name

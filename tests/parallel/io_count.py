@@ -1,5 +1,8 @@
 """Count what a rank reads from storage, at the fsspec layer (for the read-cost tests and bench).
 
+`count_s3_reads()` counts the bytes each S3 object key served (s3fs's one API entry, ``_call_s3``:
+each ``get_object`` response's ContentLength), per key's last path part, in this process only.
+
 `count_reads()` patches, in this process only, fsspec's ``AbstractFileSystem.open`` (every
 ``.metadata`` opened for reading, on any filesystem) and the local file object's ``read`` /
 ``readinto`` (bytes read from each file:// file, by DCP's stream reads and by the ranged reads,
@@ -57,3 +60,29 @@ def count_reads() -> Iterator[ReadCounts]:
         AbstractFileSystem.open = open_  # type: ignore[method-assign]
         LocalFileOpener.read = read  # type: ignore[method-assign]
         del LocalFileOpener.readinto
+
+
+@contextlib.contextmanager
+def count_s3_reads() -> Iterator[Counter]:
+    import s3fs
+
+    counts: Counter = Counter()
+    real = s3fs.S3FileSystem._call_s3
+
+    async def counting(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        out = await real(self, method, *args, **kwargs)
+        if method == "get_object":
+            counts[str(kwargs.get("Key", "")).rsplit("/", 1)[-1]] += int(out.get("ContentLength") or 0)
+        return out
+
+    s3fs.S3FileSystem._call_s3 = counting  # type: ignore[method-assign]
+    try:
+        yield counts
+    finally:
+        s3fs.S3FileSystem._call_s3 = real  # type: ignore[method-assign]
+
+
+def payload_bytes(counts: Counter) -> int:
+    """Bytes of checkpoint payload files (state, RNGs, DCP shards and metadata) in ``counts``: not the
+    manifests, the index or lock files."""
+    return sum(n for key, n in counts.items() if key.endswith((".pt", ".distcp", ".metadata")))

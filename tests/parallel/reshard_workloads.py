@@ -1,21 +1,24 @@
 """Rank functions for the sharded-load read-cost tests and bench (importable by spawned ranks).
 
 An FSDP2 run of `make_model(width)` with AdamW and EMA saves one sharded checkpoint; a run on
-another number of ranks autoresumes from it while `count_reads` counts what it reads.
+another number of ranks autoresumes from it while `count_reads` counts what it reads. The local tier's
+(``tier_save``/``tier_load``): each rank on its own node-local directory, S3 reads counted.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 from raytrain_events import Trainer
-from tests.parallel.io_count import count_reads
+from tests.parallel.io_count import count_reads, count_s3_reads
 from tests.parallel.workloads import _full, make_loader, make_model, snapshot
 
 FSDP = {"shard_modules": ["Block"]}
 
 
-def wide_trainer(rank: int, folder: str, width: int, autoresume: bool, storage_options: Any = None) -> Trainer:
+def wide_trainer(
+    rank: int, folder: str, width: int, autoresume: bool, storage_options: Any = None, local_dir: Any = None
+) -> Trainer:
     """FSDP over 3 Blocks of ``width`` x ``width`` (plus a small head), AdamW and EMA: 4 tensors
     (weight, 2 Adam moments, EMA average) of ``4 * width**2`` bytes per Block in the checkpoint."""
     import torch
@@ -39,6 +42,7 @@ def wide_trainer(rank: int, folder: str, width: int, autoresume: bool, storage_o
             autoresume=autoresume,
             async_save=False,
             storage_options=dict(storage_options or {}),
+            local_dir=local_dir,
         ),
     )
 
@@ -76,3 +80,22 @@ def wide_load_error(rank: int, world_size: int, folder: str, width: int) -> str:
     except Exception as e:
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def tier_save(rank: int, world_size: int, folder: str, width: int, options: Any, nodes: List[str]) -> Dict[str, Any]:
+    """`wide_save` with the local tier: rank r's node-local directory is ``nodes[r]``."""
+    trainer = wide_trainer(rank, folder, width, False, options, local_dir=nodes[rank])
+    trainer.fit()
+    out = _state(trainer)
+    trainer.close()
+    return out
+
+
+def tier_load(rank: int, world_size: int, folder: str, width: int, options: Any, nodes: List[str]) -> Dict[str, Any]:
+    """Autoresume with rank r on ``nodes[r]``, counting the bytes each S3 object served."""
+    with count_s3_reads() as counts:
+        trainer = wide_trainer(rank, folder, width, True, options, local_dir=nodes[rank])
+    out = _state(trainer)
+    out["s3"] = dict(counts)
+    trainer.close()
+    return out

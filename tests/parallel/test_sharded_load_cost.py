@@ -7,6 +7,7 @@ Bytes are counted at the fsspec layer in each spawned gloo rank (`tests/parallel
 from __future__ import annotations
 
 import io
+import shutil
 import uuid
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 
 from raytrain_events.checkpoint import list_checkpoints
 from raytrain_events.checkpoint.dcp import ranged_dcp
-from tests.parallel.reshard_workloads import wide_load, wide_load_error, wide_save
+from tests.parallel.reshard_workloads import tier_load, tier_save, wide_load, wide_load_error, wide_save
 from tests.parallel.spawn import run_ranks
 
 WIDTH = 512  # 1 MiB per Block weight: the small items (biases, Adam steps), read whole, are a few percent
@@ -105,3 +106,34 @@ def test_contiguous_run_only_for_one_run():
     assert ranged_dcp.contiguous_run((8, 4, 3), (2, 1, 0), (1, 2, 3)) == (27, 6)
     assert ranged_dcp.contiguous_run((8, 4, 3), (2, 1, 0), (2, 2, 3)) is None  # rows 1-2 of two planes
     assert ranged_dcp.contiguous_run((8, 4), (0, 1), (8, 2)) is None  # a column block (dim-1 shard)
+
+
+def test_sharded_restart_reads_shards_from_the_local_tier_and_a_moved_rank_reads_storage(s3_server, tmp_path):
+    """2 FSDP ranks, each on its own node-local directory, save to S3. A restart of both on one node that
+    holds both copies reads no shard (nor ``.metadata``) from S3. A restart with rank 1 on a new node (an
+    empty directory) reads exactly rank 1's own shard from S3, and rank 0 none of its own files (DCP writes a
+    replicated item once, in one rank's file, so a rank on another node than that rank reads such items
+    from storage). Both load the saved state exactly each time."""
+    options = s3_server["storage_options"]
+    folder = f"s3://{s3_server['bucket']}/{uuid.uuid4().hex}/run/checkpoints"
+    nodes = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    saved = run_ranks(2, tier_save, folder, 256, options, nodes)[0]
+    info = list_checkpoints(folder, storage_options=options)[-1]
+    shards = {f.name: f.size for f in info.files if f.name.endswith(".distcp")}
+    assert sorted(shards) == ["__0_0.distcp", "__1_0.distcp"]
+    both = tmp_path / "both"  # one node that held both ranks
+    for node in nodes:
+        shutil.copytree(node, both, dirs_exist_ok=True)
+
+    def restart(placement):
+        loaded = run_ranks(2, tier_load, folder, 256, options, placement)
+        for got in loaded:
+            for part in ("model", "optim", "ema"):
+                for key in saved[part]:
+                    torch.testing.assert_close(got[part][key], saved[part][key], rtol=0, atol=0, msg=key)
+        return [{k: n for k, n in got["s3"].items() if k.endswith((".distcp", ".metadata"))} for got in loaded]
+
+    assert restart([str(both), str(both)]) == [{}, {}]
+    moved = restart([nodes[0], str(tmp_path / "node2")])
+    assert moved[1].get("__1_0.distcp") == shards["__1_0.distcp"] and "__0_0.distcp" not in moved[0], moved
+    assert ".metadata" not in moved[0], moved  # rank 0 reads it, from its own node

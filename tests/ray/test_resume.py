@@ -20,6 +20,7 @@ epoch): their batches mix rows from across a window, and the runs at 2, 3 and 1 
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -106,6 +107,21 @@ class KillAt(Callback):
             os.kill(os.getpid(), 9)
 
 
+class TierRecord(Callback):
+    """Each process that resumed writes which tier served each file it loaded (the local tier's record)."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def fit_start(self, state, logger):
+        from raytrain_events.checkpoint.run.checkpointer import find_checkpointer
+
+        loaded = find_checkpointer(state).loaded_local
+        if loaded is not None:
+            with open(os.path.join(self.folder, f"tier-{os.getpid()}-{state.rank}.json"), "w") as f:
+                json.dump({"local": loaded.local, "storage": loaded.storage}, f)
+
+
 @pytest.mark.timeout(1800)  # several Ray runs; minutes each on a loaded machine
 def test_killed_twice_then_resumed_by_name_with_2_then_3_then_1_workers(reference, parquet, tmp_path):
     """One run, named ``grow``, through every way a run goes on (one fit per stage, so one Ray Train
@@ -118,6 +134,10 @@ def test_killed_twice_then_resumed_by_name_with_2_then_3_then_1_workers(referenc
        is started from that mid-epoch checkpoint with ``load_from``;
     3. continued by name with 1 worker to the end of epoch 1.
 
+    With the node-local tier on (``local_dir``): every restart and continuation reads the state and RNG
+    files from local disk (all workers share this machine's directory), none from storage, and the local
+    copies stay bounded by ``keep``.
+
     The end is the uninterrupted run's exact Timestamp with every row trained once per epoch, and
     the global batches are the same rows whatever the world size.
     """
@@ -126,8 +146,12 @@ def test_killed_twice_then_resumed_by_name_with_2_then_3_then_1_workers(referenc
     os.makedirs(records)
     storage = str(tmp_path / "runs")
     checkpoints = os.path.join(storage, "grow", "checkpoints")
-    checkpoint = CheckpointConfig(save_interval="5ba", keep=2, save_every_n_seconds=None, autoresume=True)
-    killed = dict(max_failures=2, callbacks=[KillAt(str(tmp_path), (8, 23))])
+    tiers = str(tmp_path / "tier-records")
+    os.makedirs(tiers)
+    checkpoint = CheckpointConfig(
+        save_interval="5ba", keep=2, save_every_n_seconds=None, autoresume=True, local_dir=str(tmp_path / "nvme")
+    )
+    killed = dict(max_failures=2, callbacks=[KillAt(str(tmp_path), (8, 23)), TierRecord(tiers)])
     for workers, duration in ((2, "26ba"), (3, "29ba"), (1, "2ep")):
         result = _trainer(
             folder,
@@ -138,7 +162,7 @@ def test_killed_twice_then_resumed_by_name_with_2_then_3_then_1_workers(referenc
             run_name="grow",
             checkpoint=checkpoint,
             **SHUFFLE,
-            **(killed if duration == "26ba" else {}),
+            **(killed if duration == "26ba" else {"callbacks": [TierRecord(tiers)]}),
         ).fit()
         committed = list_checkpoints(checkpoints)
         # keep=2, one owner (Ray): two committed checkpoints left, the newest is Ray's result
@@ -164,6 +188,12 @@ def test_killed_twice_then_resumed_by_name_with_2_then_3_then_1_workers(referenc
         if duration == "29ba":
             _check_load_from_another_run(folder, storage, committed[-1], reference, tmp_path)
     assert h.timestamp_of(result) == h.timestamp_of(reference[0])
+    # Two restarts of 2 workers, then 3 and 1 workers: each read the checkpoint from the local tier only.
+    records = [json.load(open(os.path.join(tiers, n))) for n in os.listdir(tiers)]
+    assert len(records) >= 2 + 2 + 3 + 1 and all(r["storage"] == {} and "state.pt" in r["local"] for r in records)
+    (tier_root,) = os.listdir(tmp_path / "nvme")
+    local = os.listdir(tmp_path / "nvme" / tier_root)
+    assert len(local) <= 2 and committed[-1].name in local, local  # bounded by keep, the newest kept
     # The reference's shuffled global batches, at 2 workers (killed twice), then 2, 3 and 1 across two resumes.
     lineage = h.assert_every_row_once_per_epoch(records, 2, _reference_batches(reference))
     worlds = [lineage[(e, b)][0] for e in (0, 1) for b in range(1, h.BATCHES_PER_EPOCH + 1)]

@@ -65,6 +65,8 @@ Files:
 
 * ``checksums.py``: Checksums of checkpoint files: the hashing thread, torch's zip CRC switched off
   (CRC arithmetic: storage/crc32.py).
+* ``local_copy.py``: One checkpoint's node-local copy: its files written beside the upload (same
+  pass), and read only where they match the committed manifest.
 * ``manifest.py``: The manifest of a checkpoint: its data model, parsing (both layouts) and input
   checks.
 * ``packed.py``: Packed checkpoints: the manifest and every payload file in ONE object, written

@@ -111,11 +111,11 @@ def write_checkpoint_file(
     `Location`); with ``local``, the same bytes also go into the node-local copy (``local_copy.py``)."""
     _check_file_name(file_name)
     target = Location.of(ckpt, storage_options).child(file_name)
-    payload = _Payload(obj)
     copy = local.file(file_name) if local is not None else None
+    payload = _Payload(obj, copy)
     ok = False
     try:
-        _upload(target.fs, target.path, payload, copy)
+        _upload(target.fs, target.path, payload)
         ok = True
     finally:
         if copy is not None:
@@ -278,9 +278,11 @@ def write_and_commit(
 
 @dataclasses.dataclass
 class _Payload:
-    """One file to upload: ``obj`` goes in; ``_upload`` fills in ``size`` and ``crc32``."""
+    """One file to upload: ``obj`` goes in (and its bytes also to ``copy``, the node-local tier's, when
+    given); ``_upload`` fills in ``size`` and ``crc32``."""
 
     obj: Any
+    copy: LocalCopyFile | None = None
     size: int = -1
     crc32: str = ""
 
@@ -296,10 +298,11 @@ def _torch_save(obj: Any, stream: Any) -> None:
         raise
 
 
-def _upload(fs: Any, path: str, payload: _Payload, copy: LocalCopyFile | None = None) -> None:
+def _upload(fs: Any, path: str, payload: _Payload) -> None:
     """Serialize and upload one payload atomically, filling in its size and CRC32 (a separate
     function so tests can inject failures here). Local: streamed, see the module docstring.
-    ``copy``: the node-local copy the same bytes also go to, in the same pass."""
+    ``payload.copy``: the node-local copy the same bytes also go to, in the same pass."""
+    copy = payload.copy
     if isinstance(fs, LocalFileSystem):
         with local_atomic_writer(path, crc32=True) as f:
             _torch_save(payload.obj, f if copy is None else TeeStream(f, copy))

@@ -33,6 +33,7 @@ from raytrain_events.checkpoint.folder.folder import CheckpointFolder, LocalRete
 from raytrain_events.checkpoint.folder.local_tier import LocalTier
 from raytrain_events.checkpoint.folder.retention import local_keep
 from raytrain_events.checkpoint.folder.store import AsyncCheckpointWriter, DoneFuture
+from raytrain_events.checkpoint.format.local_copy import LocalCopies
 from raytrain_events.checkpoint.format.manifest import (
     CheckpointInfo,
     CheckpointNotCommittedError,
@@ -141,6 +142,7 @@ class Checkpointer(Callback):
         # Mid-epoch resume: (RNG state at the epoch's start, RNG state at the checkpoint).
         self._resume_rng: Optional[Tuple[Any, Any]] = None
         self.loaded: Optional[CheckpointInfo] = None
+        self.loaded_local: Optional[LocalCopies] = None  # the local tier's record of the load: which tier served what
         self.loaded_safetensors: Optional[str] = None  # load_from was a safetensors directory (weights only)
         # Loading into a Trainer built for eval()/predict() only (see `load_for_inference`).
         self.inference = False
@@ -210,6 +212,7 @@ class Checkpointer(Callback):
 
     def _apply(self, loaded: LoadedCheckpoint, ignore: Sequence[str] = (), weights_only: bool = False) -> None:
         local = self.local_tier.copies(loaded.info.name) if self.local_tier is not None else None
+        self.loaded_local = local
         rng = apply_checkpoint(
             self.host,
             loaded,
