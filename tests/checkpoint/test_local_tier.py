@@ -131,3 +131,36 @@ def test_local_keep_follows_keep():
     assert CheckpointConfig(local_dir="/tmp/x", keep=3, local_keep=1).local_keep == 1
     with pytest.raises(ValueError, match="local_keep=0"):
         CheckpointConfig(local_dir="/tmp/x", local_keep=0)
+
+
+def test_a_full_local_disk_never_fails_the_save(tmp_path, monkeypatch, caplog):
+    """The local copy is best effort: a local write that fails (disk full) drops the copy with a warning; the
+    upload commits, and the restart reads that file from storage."""
+    import errno
+
+    from raytrain_events.checkpoint.format import local_copy
+
+    class Full:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __exit__(self, *exc):
+            return False
+
+    folder, local_dir = str(tmp_path / "store" / "run" / "checkpoints"), str(tmp_path / "nvme")
+    with monkeypatch.context() as m:
+        m.setattr(local_copy, "local_atomic_writer", Full)
+        caplog.set_level("WARNING", logger=local_copy.__name__)
+        first = _trainer(folder, {}, local_dir, duration="1ep")
+        first.fit()
+    assert "No space left on device" in caplog.text and "a restart reads it from storage" in caplog.text
+    (saved,) = list_checkpoints(folder)
+    assert not os.path.exists(os.path.join(LocalTier(local_dir, folder, keep=1).root, saved.name, STATE_FILE))
+    resumed = _trainer(folder, {}, local_dir, duration="3ep", autoresume=True)
+    resumed._checkpointer.close()
+    assert resumed._checkpointer.loaded_local.storage[STATE_FILE] == "no local copy"
+    for name, value in _params(resumed).items():
+        assert torch.equal(value, _params(first)[name]), name
