@@ -12,7 +12,8 @@ holds a copy. Then, interleaved, ``--repeats`` restarts of each arm, in this pro
   ``torch.load(mmap=True)``).
 
 Each restart is timed from ``Trainer(...)`` (model built, checkpoint found, read and applied) to the end
-of its first batch (``restart``), and ``Trainer(...)`` alone (``construct``, where the load happens). S3
+of its first batch (``restart``), ``Trainer(...)`` alone (``construct``: the model built and the checkpoint
+loaded), and the checkpoint load alone (``load``: `Checkpointer.load`, found, read, verified, applied). S3
 bytes read are counted per restart, in all and of payload files (``state.pt``, RNG files: the local tier's
 must be 0; below ~32 MiB a checkpoint is packed into its ``manifest.json``, so use ``--mb`` 64 or more). Medians with the
 min-max range; the ratio is storage / local tier (how many times faster the local tier restarts).
@@ -94,7 +95,22 @@ def _trainer(mb: int, folder: str, options: Dict[str, Any], duration: str, **ckp
     )
 
 
+_LOAD: List[float] = []  # seconds of each Checkpointer.load (the checkpoint found, read and applied)
+
+
+def _timed_load(real: Any) -> Any:
+    def load(self: Any, *args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return real(self, *args, **kwargs)
+        finally:
+            _LOAD.append(time.perf_counter() - t)
+
+    return load
+
+
 def _restart(mb: int, folder: str, options: Dict[str, Any], local_dir: Any) -> Dict[str, float]:
+    _LOAD.clear()
     with count_s3_reads() as counts:
         t0 = time.perf_counter()
         trainer = _trainer(mb, folder, options, "2ba", autoresume=True, local_dir=local_dir, save_final=False)
@@ -107,6 +123,7 @@ def _restart(mb: int, folder: str, options: Dict[str, Any], local_dir: Any) -> D
     return {
         "restart": first.at - t0,
         "construct": t1 - t0,
+        "load": _LOAD[0],
         "s3_mb": payload_bytes(counts) / mib,
         "s3_all": sum(counts.values()) / mib,
     }
@@ -122,6 +139,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    from raytrain_events.checkpoint.run.checkpointer import Checkpointer
+
+    Checkpointer.load = _timed_load(Checkpointer.load)  # type: ignore[method-assign]
     with s3_server() as (root, options), tempfile.TemporaryDirectory() as tmp:
         folder, local_dir = f"{root}/run/checkpoints", os.path.join(tmp, "nvme")
         t = time.perf_counter()
@@ -133,14 +153,13 @@ def main() -> None:
             for arm in order:
                 arms[arm].append(_restart(args.mb, folder, options, local_dir if arm == "local tier" else None))
     print(f"\n{args.mb} MiB state, {args.repeats} interleaved repeats each, median [min-max]:")
-    print(
-        f"{'arm':12s} {'restart to first batch':>26s} {'Trainer() (load)':>26s} {'S3 MiB read':>12s} {'of payload':>11s}"
-    )
+    head = f"{'arm':12s} {'restart to first batch':>26s} {'Trainer()':>26s} {'checkpoint load':>26s}"
+    print(head + f" {'S3 MiB read':>12s} {'of payload':>11s}")
     for arm, runs in arms.items():
         s3, s3_all = statistics.median(r["s3_mb"] for r in runs), statistics.median(r["s3_all"] for r in runs)
-        restart, construct = _fmt([r["restart"] for r in runs]), _fmt([r["construct"] for r in runs])
-        print(f"{arm:12s} {restart:>26s} {construct:>26s} {s3_all:12.1f} {s3:11.1f}")
-    for what in ("restart", "construct"):
+        cols = [_fmt([r[what] for r in runs]) for what in ("restart", "construct", "load")]
+        print(f"{arm:12s} " + " ".join(f"{c:>26s}" for c in cols) + f" {s3_all:12.1f} {s3:11.1f}")
+    for what in ("restart", "construct", "load"):
         ratio = statistics.median(r[what] for r in arms["storage"]) / statistics.median(
             r[what] for r in arms["local tier"]
         )
