@@ -189,8 +189,8 @@ def test_killed_twice_then_resumed_by_name_with_2_then_3_then_1_workers(referenc
             _check_load_from_another_run(folder, storage, committed[-1], reference, tmp_path)
     assert h.timestamp_of(result) == h.timestamp_of(reference[0])
     # Two restarts of 2 workers, then 3 and 1 workers: each read the checkpoint from the local tier only.
-    records = [json.load(open(os.path.join(tiers, n))) for n in os.listdir(tiers)]
-    assert len(records) >= 2 + 2 + 3 + 1 and all(r["storage"] == {} and "state.pt" in r["local"] for r in records)
+    loads = [json.load(open(os.path.join(tiers, n))) for n in os.listdir(tiers)]
+    assert len(loads) >= 2 + 2 + 3 + 1 and all(r["storage"] == {} and "state.pt" in r["local"] for r in loads), loads
     (tier_root,) = os.listdir(tmp_path / "nvme")
     local = os.listdir(tmp_path / "nvme" / tier_root)
     assert len(local) <= 2 and committed[-1].name in local, local  # bounded by keep, the newest kept
