@@ -124,7 +124,7 @@ def _read_files(
                     out[e.name] = _load_verified(LOCAL_FS, local.path(e.name), info.url, e, map_location)
                     local.local.append(e.name)
                     continue
-                except CheckpointCorruptError as err:
+                except (CheckpointCorruptError, OSError) as err:  # corrupt, truncated, unreadable: storage
                     local.fell_back(e.name, str(err))
             else:
                 local.fell_back(e.name, "no local copy")
