@@ -21,6 +21,7 @@ from raytrain_events.checkpoint.folder.store import list_checkpoints
 from raytrain_events.checkpoint.run.checkpointer import STATE_FILE
 from raytrain_events.models import ClassifierModel
 from tests.checkpoint.test_trainer_checkpoints import D, loader
+from tests.checkpoint.test_trainer_checkpoints import model as small_model
 from tests.parallel.io_count import count_s3_reads, payload_bytes
 
 BIG = 2048  # a 2048 x 2048 float32 layer (16 MiB) plus a second one: state.pt is over packing's 32 MiB
@@ -37,9 +38,9 @@ class _Wide(torch.nn.Module):
         return self.head(x) + 1e-3 * self.table(self.probe).sum()
 
 
-def _trainer(folder, options, local_dir, *, duration="2ep", **ckpt):
+def _trainer(folder, options, local_dir, *, duration="2ep", wide=True, **ckpt):
     torch.manual_seed(0)
-    m = ClassifierModel(_Wide(), num_classes=2)
+    m = ClassifierModel(_Wide(), num_classes=2) if wide else small_model()
     opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
     config = CheckpointConfig(
         save_folder=folder,
@@ -154,12 +155,12 @@ def test_a_full_local_disk_never_fails_the_save(tmp_path, monkeypatch, caplog):
     with monkeypatch.context() as m:
         m.setattr(local_copy, "local_atomic_writer", Full)
         caplog.set_level("WARNING", logger=local_copy.__name__)
-        first = _trainer(folder, {}, local_dir, duration="1ep")
+        first = _trainer(folder, {}, local_dir, duration="1ep", wide=False)
         first.fit()
     assert "No space left on device" in caplog.text and "a restart reads it from storage" in caplog.text
     (saved,) = list_checkpoints(folder)
     assert not os.path.exists(os.path.join(LocalTier(local_dir, folder, keep=1).root, saved.name, STATE_FILE))
-    resumed = _trainer(folder, {}, local_dir, duration="3ep", autoresume=True)
+    resumed = _trainer(folder, {}, local_dir, duration="3ep", wide=False, autoresume=True)
     resumed._checkpointer.close()
     assert resumed._checkpointer.loaded_local.storage[STATE_FILE] == "no local copy"
     for name, value in _params(resumed).items():
