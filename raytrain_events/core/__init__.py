@@ -28,6 +28,8 @@ Files:
   config diffs).
 * ``precision.py``: Numerical precision: resolve "fp32" / "amp_bf16" / "amp_fp16" into an autocast
   context.
+* ``spikes.py``: Loss spikes as pure decisions: `SpikeDetector`, `SkipList` (skipped ranges of the
+  global order), `RollbackPolicy`.
 * ``state.py``: `State`: everything the loop tracks, what algorithms change, and what checkpoints
   save.
 * ``time.py``: Training time: units (epochs, batches, samples, tokens, fraction of the run) and the
