@@ -59,7 +59,10 @@ from raytrain_events.core.spikes import (
     Verdict,
 )
 from raytrain_events.core.state import State
+from raytrain_events.core.timestamp import Timestamp
 from raytrain_events.trainer._batch import total_loss
+
+vector_norm, stack = torch.linalg.vector_norm, torch.stack
 
 __all__ = ["SpikeGuard", "SpikeRollbackError"]
 
@@ -97,11 +100,12 @@ class SpikeGuard(Callback):
         self.skips = SkipList()
         self.rollbacks: List[Dict[str, Any]] = []  # one record per rollback (plain values; saved)
         self._snapshots: Optional[HostSnapshots] = None
-        self._values: Optional[torch.Tensor] = None  # this batch's [loss, grad norm]
+        self._norm: Optional[torch.Tensor] = None  # this batch's gradient norm (this rank's)
+        self._params: Optional[List[torch.Tensor]] = None
         self._spike: Optional[Tuple[int, Verdict]] = None  # this rank's latest spike (batch, verdict), until agreed
-        # One record per batch since the oldest snapshot: (batch, epoch, start, end, tokens); the window's rows.
-        self._history: Deque[Tuple[int, int, int, int, int]] = deque()
-        self._last_snapshot = -1
+        # One record per batch since the oldest snapshot: (Timestamp after it, samples, tokens); the window's rows.
+        self._history: Deque[Tuple[Timestamp, int, int]] = deque()
+        self._since = 0  # batches since the newest snapshot (or rollback)
         self._key = "SpikeGuard"
 
     # ------------------------------------------------------------------ setup
@@ -119,33 +123,38 @@ class SpikeGuard(Callback):
 
     # --------------------------------------------------------------- per batch
     def after_train_batch(self, state: State, logger: Logger) -> None:
-        loss = total_loss(state.loss).detach().float().reshape(())
-        if state.scaler is not None:  # amp_fp16: the scaler skips steps with inf gradients itself
-            self._values = torch.stack([loss, torch.zeros_like(loss)])
+        if state.scaler is not None or self.detector.grad_zscore is None:
+            # Loss only (amp_fp16: the scaler skips steps with inf gradients itself; without a gradient test a
+            # non-finite gradient shows in the next batch's loss, inside the same window).
             return
-        grads = [
-            p.grad for opt in state.optimizers for g in opt.param_groups for p in g["params"] if p.grad is not None
-        ]
-        norm = torch.nn.utils.get_total_norm(grads).to(loss.device).float() if grads else torch.zeros_like(loss)
-        self._values = torch.stack([loss, norm.reshape(())])
+        params = self._params
+        if params is None:  # the trained parameters, found once (a Python walk of the groups per batch costs)
+            params = self._params = [p for opt in state.optimizers for g in opt.param_groups for p in g["params"]]
+        norms = [vector_norm(p.grad) for p in params if p.grad is not None]  # cheaper than _foreach_norm on CPU
+        self._norm = vector_norm(stack(norms)) if norms else None
 
     def batch_end(self, state: State, logger: Logger) -> None:
-        ts = state.timestamp
-        batch, samples = int(ts.batch), state.global_batch_num_samples
-        end = int(ts.sample_in_epoch)
-        self._history.append((batch, int(ts.epoch), end - samples, end, state.global_batch_num_tokens))
-        if state.agreed(FLAG):
+        ts = state.timestamp  # immutable: kept as it is, read only at a rollback (no per-batch conversions)
+        self._history.append((ts, state.global_batch_num_samples, state.global_batch_num_tokens))
+        if state.agreement.agreed(FLAG):
             state.agreement.clear(FLAG)
             self._roll_back(state, logger)
             return
-        values, self._values = self._values, None
-        if values is not None:
-            loss, norm = values.tolist()
-            verdict = self.detector.observe(loss, None if state.scaler is not None else norm)
-            if verdict is not None:
-                self._spike = (batch, verdict)
-                state.request(FLAG)
-        if batch - self._last_snapshot >= self.snapshot_interval:
+        loss, norm, self._norm = state.loss, self._norm, None
+        if type(loss) is not torch.Tensor:
+            loss = total_loss(loss).detach()
+        if norm is None:
+            verdict = self.detector.observe(loss.item())
+        elif loss.device.type == "cpu":
+            verdict = self.detector.observe(loss.item(), norm.item())
+        else:  # one host sync for both
+            read = stack([loss.reshape(()).float(), norm.to(loss.device).float()]).tolist()
+            verdict = self.detector.observe(read[0], read[1])
+        if verdict is not None:
+            self._spike = (ts.get_value("ba"), verdict)
+            state.request(FLAG)
+        self._since += 1
+        if self._since >= self.snapshot_interval:
             self._take(state)
 
     # --------------------------------------------------------------- rollback
@@ -153,9 +162,9 @@ class SpikeGuard(Callback):
         assert self._snapshots is not None
         batch = int(state.timestamp.batch)
         self._snapshots.take({"batch": batch, "detector": self.detector.state_dict()})
-        self._last_snapshot = batch
+        self._since = 0
         oldest = self._snapshots.snapshots[0].meta["batch"]
-        while self._history and self._history[0][0] <= oldest:
+        while self._history and self._history[0][0].get_value("ba") <= oldest:
             self._history.popleft()
 
     def _roll_back(self, state: State, logger: Logger) -> None:
@@ -169,7 +178,7 @@ class SpikeGuard(Callback):
         if snapshot is None:  # unreachable with a snapshot at fit start; said plainly if it ever is
             raise SpikeRollbackError(f"A loss spike at batch {spike_batch} ({reason}) and no host snapshot before it.")
         restored = int(snapshot.meta["batch"])
-        window = [h for h in self._history if h[0] > restored]
+        window = [_record(*h) for h in self._history if h[0].get_value("ba") > restored]
         self.policy.check(len(self.rollbacks), now - restored, self.skips, f"batch {spike_batch}: {reason}")
         fresh = [h for h in window if not self.skips.contains(h[1], h[2])]
         for epoch, start, end, batches, tokens in _ranges(fresh):
@@ -179,7 +188,7 @@ class SpikeGuard(Callback):
         for scheduler in state.schedulers:  # the schedule follows the position: one step per batch since the snapshot
             for _ in range(now - restored):
                 scheduler.step()
-        self._spike, self._values, self._last_snapshot = None, None, now
+        self._spike, self._norm, self._since = None, None, 0
         record = {
             "batch": now,
             "spike_batch": spike_batch,
@@ -234,6 +243,12 @@ def _keyed_callbacks(state: State) -> Dict[str, Any]:
     from raytrain_events.core.state import _keyed  # the checkpoint keys (one definition, in State)
 
     return _keyed(state.callbacks)
+
+
+def _record(ts: Timestamp, samples: int, tokens: int) -> Tuple[int, int, int, int, int]:
+    """A batch's ``(batch, epoch, start, end, tokens)`` in the global order, from the Timestamp after it."""
+    end = int(ts.sample_in_epoch)
+    return ts.get_value("ba"), int(ts.epoch), end - samples, end, tokens
 
 
 def _ranges(history: List[Tuple[int, int, int, int, int]]) -> List[Tuple[int, int, int, int, int]]:

@@ -98,6 +98,8 @@ class SpikeDetector:
         self.loss_ratio, self.grad_zscore = loss_ratio, grad_zscore
         self._losses: Deque[float] = deque(maxlen=self.window)
         self._norms: Deque[float] = deque(maxlen=self.window)
+        self._loss_sum = self._norm_sum = self._norm_sq = 0.0  # running sums over the windows
+        self._pushed = 0
 
     def judge(self, loss: float, grad_norm: Optional[float] = None) -> Optional[Verdict]:
         """The verdict on one batch, without adding it to the window."""
@@ -108,13 +110,13 @@ class SpikeDetector:
         if len(self._losses) < self.warmup:
             return None
         if self.loss_ratio is not None:
-            mean = sum(self._losses) / len(self._losses)
+            mean = self._loss_sum / len(self._losses)
             if mean > 0 and loss > self.loss_ratio * mean:
                 return Verdict(f"loss {loss:.4g} > {self.loss_ratio:g} x trailing mean {mean:.4g}", loss, grad_norm)
         if self.grad_zscore is not None and grad_norm is not None and len(self._norms) >= self.warmup:
             n = len(self._norms)
-            mean = sum(self._norms) / n
-            std = math.sqrt(max(sum((v - mean) ** 2 for v in self._norms) / n, 0.0))
+            mean = self._norm_sum / n
+            std = math.sqrt(max(self._norm_sq / n - mean * mean, 0.0))
             # A window of equal norms has std 0: then any rise of more than 1e-6 relative counts.
             scale = max(std, 1e-6 * max(abs(mean), 1e-12))
             z = (grad_norm - mean) / scale
@@ -128,20 +130,44 @@ class SpikeDetector:
         return None
 
     def observe(self, loss: float, grad_norm: Optional[float] = None) -> Optional[Verdict]:
-        """`judge` the batch; a good one joins the trailing window."""
+        """`judge` the batch; a good one joins the trailing window (running sums: O(1) a batch)."""
         verdict = self.judge(loss, grad_norm)
         if verdict is None:
-            self._losses.append(float(loss))
+            self._push_loss(float(loss))
             if grad_norm is not None:
-                self._norms.append(float(grad_norm))
+                self._push_norm(float(grad_norm))
         return verdict
+
+    def _push_loss(self, value: float) -> None:
+        if len(self._losses) == self.window:
+            self._loss_sum -= self._losses[0]
+        self._losses.append(value)
+        self._loss_sum += value
+
+    def _push_norm(self, value: float) -> None:
+        if len(self._norms) == self.window:
+            old = self._norms[0]
+            self._norm_sum -= old
+            self._norm_sq -= old * old
+        self._norms.append(value)
+        self._norm_sum += value
+        self._norm_sq += value * value
+        self._pushed += 1
+        if self._pushed % self.window == 0:  # exact sums again once a window: no drift from the subtractions
+            self._norm_sum = math.fsum(self._norms)
+            self._norm_sq = math.fsum(v * v for v in self._norms)
+            self._loss_sum = math.fsum(self._losses)
 
     def state_dict(self) -> Dict[str, Any]:
         return {"losses": list(self._losses), "norms": list(self._norms)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self._losses = deque((float(v) for v in state.get("losses", ())), maxlen=self.window)
-        self._norms = deque((float(v) for v in state.get("norms", ())), maxlen=self.window)
+        self._losses, self._norms = deque(maxlen=self.window), deque(maxlen=self.window)
+        self._loss_sum = self._norm_sum = self._norm_sq = 0.0
+        for value in state.get("losses", ())[-self.window :]:
+            self._push_loss(float(value))
+        for value in state.get("norms", ())[-self.window :]:
+            self._push_norm(float(value))
 
 
 @dataclass(frozen=True, order=True)
