@@ -111,6 +111,11 @@ class SpikeGuard(Callback):
     # ------------------------------------------------------------------ setup
     def init(self, state: State, logger: Logger) -> None:
         state.agreement.register(FLAG)
+        # Last among the callbacks (the Trainer refreshes the Engine after INIT): a snapshot and a rollback at
+        # BATCH_END then see every other callback's batch done (per-source counts, monitors), so a restore
+        # leaves none of them counting a skipped batch.
+        state.callbacks.remove(self)
+        state.callbacks.append(self)
 
     def fit_start(self, state: State, logger: Logger) -> None:
         self._key = next(k for k, c in _keyed_callbacks(state).items() if c is self)

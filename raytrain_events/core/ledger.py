@@ -21,12 +21,12 @@ is not answered here (a `ValueError` says so).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
 from raytrain_events.core.mixture_plan import MixturePlan, _mix, _round_keys, _step
 from raytrain_events.core.spikes import SkipList
 
-__all__ = ["Ledger", "LedgerAnswer", "inverse_permute"]
+__all__ = ["Ledger", "LedgerAnswer", "inverse_permute", "ledger_of_checkpoint", "saved_plan"]
 
 
 def inverse_permute(value: int, size: int, key: int) -> int:
@@ -77,7 +77,8 @@ class Ledger:
         ledger = Ledger(plan=mixture.plan(seed=0), epoch=2, position=512, skips=guard.skips)
         ledger.ask("web", 123).times        # 0, 1, 2 or 3
 
-    ``plan`` None: a plain unshuffled dataset of ``rows`` rows named ``source`` (`Ledger.plain`).
+    ``plan`` None: a plain unshuffled dataset named ``source`` (`Ledger.plain`), of ``rows`` rows (None:
+    not known, rows not checked).
     """
 
     def __init__(  # noqa: PLR0913 (keyword-only: the order, the checkpoint's position, the skips, a plain set)
@@ -90,15 +91,13 @@ class Ledger:
         rows: Optional[int] = None,
         source: str = "train",
     ) -> None:
-        if plan is None and rows is None:
-            raise ValueError("A ledger needs the run's MixturePlan, or the row count of its plain unshuffled dataset.")
         self.plan, self.epoch, self.position = plan, int(epoch), int(position)
         self.skips = skips if skips is not None else SkipList()
         self.rows, self.source = rows, source
 
     @classmethod
     def plain(
-        cls, rows: int, *, epoch: int, position: int, skips: Optional[SkipList] = None, shuffled: bool = False
+        cls, rows: Optional[int], *, epoch: int, position: int, skips: Optional[SkipList] = None, shuffled: bool = False
     ) -> Ledger:
         """The ledger of a run over one dataset in its own order (position = row)."""
         if shuffled:
@@ -108,10 +107,8 @@ class Ledger:
             )
         return cls(plan=None, epoch=epoch, position=position, skips=skips, rows=rows)
 
-    def _epochs(self) -> List[Tuple[int, int]]:
+    def _epochs(self, size: int) -> List[Tuple[int, int]]:
         """``(epoch, positions trained in it before the checkpoint)`` for every epoch up to the checkpoint's."""
-        size = self.plan.epoch_size if self.plan is not None else self.rows
-        assert size is not None
         return [(e, size) for e in range(self.epoch)] + ([(self.epoch, self.position)] if self.position else [])
 
     def ask(self, source: str, row: int) -> LedgerAnswer:
@@ -127,7 +124,7 @@ class Ledger:
             raise ValueError(f"Row {row} is outside source {source!r}'s {rows} rows.")
         epochs: List[int] = []
         skipped: List[int] = []
-        for epoch, end in self._epochs():
+        for epoch, end in self._epochs(plan.epoch_size):
             taken = plan.cursors(epoch, end)[i]
             windows = [
                 (plan.cursors(epoch, r.start)[i], plan.cursors(epoch, min(r.end, end))[i])
@@ -145,15 +142,54 @@ class Ledger:
         return LedgerAnswer(source, row, len(epochs), tuple(epochs), tuple(skipped))
 
     def _ask_plain(self, source: str, row: int) -> LedgerAnswer:
-        assert self.rows is not None
         if source != self.source:
             raise ValueError(f"No source {source!r} in this run (its one dataset is {self.source!r}).")
-        if not 0 <= row < self.rows:
+        if row < 0 or (self.rows is not None and row >= self.rows):
             raise ValueError(f"Row {row} is outside the dataset's {self.rows} rows.")
         epochs: List[int] = []
         skipped: List[int] = []
-        for epoch, end in self._epochs():
+        for epoch, end in self._epochs(self.rows if self.rows is not None else row + 1):
             if row >= end:
                 continue
             (skipped if self.skips.contains(epoch, row) else epochs).append(epoch)
         return LedgerAnswer(source, row, len(epochs), tuple(epochs), tuple(skipped))
+
+
+def ledger_of_checkpoint(state: Mapping[str, Any]) -> Ledger:
+    """The `Ledger` of a checkpoint's saved state (plain data: its ``timestamp`` and ``callbacks``).
+
+    The skip list is the `SpikeGuard`'s (none: nothing skipped); the order is the `MixtureCounts`'
+    mixture, seed and stage starts (a mixture run), else the plain dataset in its own order.
+    """
+    timestamp = state.get("timestamp")
+    if not isinstance(timestamp, Mapping):
+        raise ValueError("The checkpoint holds no Timestamp: is it a training checkpoint of this project?")
+    callbacks = state.get("callbacks") or {}
+    guard = next((v for k, v in callbacks.items() if k.split("#")[0] == "SpikeGuard"), None)
+    skips = SkipList.from_state_dict(guard["skips"]) if guard else SkipList()
+    counts = next((v for k, v in callbacks.items() if k.split("#")[0] == "MixtureCounts"), None)
+    epoch, position = int(timestamp["epoch"]), int(timestamp["sample_in_epoch"])
+    if counts is None:
+        return Ledger.plain(None, epoch=epoch, position=position, skips=skips)
+    return Ledger(
+        plan=saved_plan(counts["mixture"], counts["seed"], counts["stage_starts"]),
+        epoch=epoch,
+        position=position,
+        skips=skips,
+    )
+
+
+def saved_plan(mixture: Mapping[str, Any], seed: int, stage_starts: Sequence[int]) -> MixturePlan:
+    """The `MixturePlan` a checkpoint's `MixtureCounts` describes: its stages placed at their saved starts in
+    samples (a 'dur' stage's start depended on the run's length, which the checkpoint does not keep)."""
+    from raytrain_events.core.mixture import Mixture
+
+    stages = dict(mixture["stages"])
+    if len(stages) != len(stage_starts):
+        raise ValueError(f"The checkpoint's mixture has {len(stages)} stages but {len(stage_starts)} saved starts.")
+    placed = dict(mixture)
+    renamed = {key: f"{start}sp" for key, start in zip(stages, stage_starts)}
+    placed["stages"] = {renamed[key]: weights for key, weights in stages.items()}
+    if mixture.get("switches"):
+        placed["switches"] = [renamed[key] for key in mixture["switches"]]
+    return Mixture.from_dict(placed).plan(seed=int(seed))

@@ -12,7 +12,7 @@ import torch
 from raytrain_events import Callback, Trainer
 from raytrain_events.callbacks import SpikeGuard
 from raytrain_events.core.data_spec import DataSpec
-from raytrain_events.core.ledger import Ledger, inverse_permute
+from raytrain_events.core.ledger import Ledger, inverse_permute, ledger_of_checkpoint
 from raytrain_events.core.mixture import Mixture
 from raytrain_events.core.mixture_plan import permute
 from raytrain_events.core.spikes import SkipList, SkipRange
@@ -99,8 +99,19 @@ def test_the_ledger_matches_the_rows_a_mixture_run_trained():
         for name, rows in SOURCES.items():
             answers = {r: ledger.ask(name, r).times for r in range(rows)}
             assert answers == {r: trained[(name, r)] for r in range(rows)}, (epoch, position, name)
-    final = Ledger(plan=loader.plan, epoch=3, position=0, skips=guard.skips).ask(*POISON)
+    final_ledger = Ledger(plan=loader.plan, epoch=3, position=0, skips=guard.skips)
+    final = final_ledger.ask(*POISON)
     assert final.times + len(final.skipped) == 3 and final.skipped
+    # What a checkpoint saves is enough (the CLI's path): the same answers from the saved state alone.
+    saved = ledger_of_checkpoint(trainer.state.state_dict())
+    assert saved.skips == guard.skips and (saved.epoch, saved.position) == (3, 0)
+    for name, rows in SOURCES.items():
+        assert [saved.ask(name, r) for r in range(rows)] == [final_ledger.ask(name, r) for r in range(rows)]
+    # The per-source counts (MixtureCounts, restored with each snapshot) are the trained rows, as the ledger says.
+    counts = next(c for c in trainer.state.callbacks if type(c).__name__ == "MixtureCounts").counts()
+    assert {n: counts[n]["samples"] for n in SOURCES} == {
+        n: sum(final_ledger.ask(n, r).times for r in range(rows)) for n, rows in SOURCES.items()
+    }
 
 
 def test_a_plain_unshuffled_run_and_bad_questions():

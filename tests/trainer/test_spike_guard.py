@@ -6,6 +6,7 @@ batch is the Ray test's: tests/ray/test_spike_run.py.)"""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -14,7 +15,8 @@ from torch.utils.data import DataLoader
 
 from raytrain_events import Callback, Trainer
 from raytrain_events.callbacks import SpikeGuard, SpikeRollbackError
-from raytrain_events.checkpoint import CheckpointConfig
+from raytrain_events.checkpoint import CheckpointConfig, list_checkpoints
+from raytrain_events.cli.main import main
 from raytrain_events.core.spikes import SkipRange
 from raytrain_events.models import ClassifierModel
 
@@ -112,8 +114,8 @@ def test_a_second_spike_right_after_widens_the_window_and_a_bound_stops_the_run(
         _fit(_rows(planted=[203, 219]), [SpikeGuard(snapshot_interval=5, max_rollbacks=1)])
 
 
-def test_a_resume_after_the_rollback_keeps_the_skip_list(tmp_path):
-    folder = str(tmp_path / "ckpt")
+def test_a_resume_after_the_rollback_keeps_the_skip_list(tmp_path, capsys):
+    folder = str(tmp_path / "run" / "checkpoints")
     lineage = {}
     config = dict(save_folder=folder, save_interval="10ba", autoresume=True, async_save=False)
     first = SpikeGuard(snapshot_interval=5)
@@ -133,6 +135,25 @@ def test_a_resume_after_the_rollback_keeps_the_skip_list(tmp_path):
     assert sorted(_trained_ids(lineage, second)) == [i for i in range(ROWS) if not 200 <= i < 216]
     _, clean = _fit(_rows())
     assert state.timestamp == clean.timestamp
+    # The ledger, from the command line: row 203 was skipped, row 5 trained once; the first run's checkpoint
+    # at batch 20 predates the rollback (row 203 not reached yet).
+    run = str(tmp_path / "run")
+    assert main(["ledger", run, "--row", "train:203"]) == 0
+    assert (
+        capsys.readouterr().out.strip()
+        == "train:203 trained 0 times before the checkpoint; skipped by a rollback in epochs 0"
+    )
+    assert main(["ledger", run, "--row", "train:5", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["epochs"] == [0]
+    early = next(c for c in list_checkpoints(folder) if c.batch == 20)
+    assert main(["ledger", run, "--row", "train:150", "--checkpoint", early.name]) == 0
+    assert "trained 1 times" in capsys.readouterr().out
+    assert main(["ledger", run, "--row", "train:170", "--checkpoint", early.name]) == 0
+    assert "trained 0 times" in capsys.readouterr().out
+    assert main(["ledger", run, "--row", "web:1"]) == 2
+    assert "No source 'web'" in capsys.readouterr().err
+    assert main(["ledger", run, "--row", "train"]) == 2
+    assert "not SOURCE:N" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
