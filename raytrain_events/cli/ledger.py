@@ -27,17 +27,18 @@ def ask_ledger(
     from raytrain_events.checkpoint.format.manifest import CheckpointNotCommittedError
     from raytrain_events.checkpoint.format.reader import read_checkpoint_files, read_manifest
     from raytrain_events.core.ledger import ledger_of_checkpoint
-    from raytrain_events.storage.run_dir import STATE_FILE
+    from raytrain_events.storage.run_dir import STATE_FILE, RunDir
 
     source, number = parse_row(row)
     options = dict(storage_options or {})
-    folder = run_url.rstrip("/") + "/checkpoints"
+    run = RunDir(run_url, options)
+    folder = run.checkpoints
     if checkpoint is None:
         info = latest_checkpoint(folder, storage_options=options)
         if info is None:
             raise UsageError(f"No committed checkpoint under {folder}: pass --checkpoint with a checkpoint's URL.")
     else:
-        url = checkpoint if ("/" in checkpoint or "://" in checkpoint) else f"{folder}/{checkpoint}"
+        url = checkpoint if ("/" in checkpoint or "://" in checkpoint) else run.checkpoint(checkpoint)
         try:
             info = read_manifest(url, storage_options=options)
         except (FileNotFoundError, CheckpointNotCommittedError):
