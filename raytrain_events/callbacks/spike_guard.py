@@ -190,6 +190,8 @@ class SpikeGuard(Callback):
             self.skips.add(SkipRange(epoch, start, end, batches, tokens))
         self._snapshots.restore(lambda meta: meta["batch"] == restored)
         self.detector.load_state_dict(snapshot.meta["detector"])
+        for callback in state.callbacks:
+            callback.on_rollback(state, logger)
         for scheduler in state.schedulers:  # the schedule follows the position: one step per batch since the snapshot
             for _ in range(now - restored):
                 scheduler.step()

@@ -112,6 +112,8 @@ def test_the_ledger_matches_the_rows_a_mixture_run_trained():
     assert {n: counts[n]["samples"] for n in SOURCES} == {
         n: sum(final_ledger.ask(n, r).times for r in range(rows)) for n, rows in SOURCES.items()
     }
+    trainer.fit(duration="1ep")  # a rollback is not a resume: the next fit of the same Trainer goes on
+    assert int(trainer.state.timestamp.epoch) == 4
 
 
 def test_a_plain_unshuffled_run_and_bad_questions():
