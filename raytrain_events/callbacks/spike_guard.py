@@ -47,6 +47,7 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import torch
 
+from raytrain_events.callbacks.mixture_counts import MixtureCounts
 from raytrain_events.checkpoint.run.host_snapshot import HostSnapshots
 from raytrain_events.core.callback import Callback
 from raytrain_events.core.logger import Logger
@@ -119,7 +120,10 @@ class SpikeGuard(Callback):
 
     def fit_start(self, state: State, logger: Logger) -> None:
         self._key = next(k for k, c in _keyed_callbacks(state).items() if c is self)
-        fingerprint = {"seed": state.seed}
+        fingerprint: Dict[str, Any] = {"seed": state.seed}
+        counts = next((c for c in state.callbacks if isinstance(c, MixtureCounts)), None)
+        if counts is not None:  # the sources (names, rows); weights may change (a switched stage) and still fit
+            fingerprint["sources"] = counts.loader.mixture.to_dict()["sources"]
         self.skips.check_fingerprint(fingerprint)
         self.skips.fingerprint.update(fingerprint)
         self._snapshots = HostSnapshots(state, exclude_callbacks={self._key})

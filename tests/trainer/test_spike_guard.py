@@ -58,8 +58,7 @@ def _fit(data, callbacks=(), duration="1ep", scheduler=False, **kw):
         optimizers=optimizer,
         schedulers=schedulers,
         callbacks=list(callbacks),
-        seed=0,
-        **kw,
+        **{"seed": 0, **kw},
     )
     return trainer, trainer.fit()
 
@@ -135,6 +134,9 @@ def test_a_resume_after_the_rollback_keeps_the_skip_list(tmp_path, capsys):
     assert sorted(_trained_ids(lineage, second)) == [i for i in range(ROWS) if not 200 <= i < 216]
     _, clean = _fit(_rows())
     assert state.timestamp == clean.timestamp
+    # Resumed with another seed, the skip list's positions would name other rows: refused at the fit's start.
+    with pytest.raises(ValueError, match="other data .*seed: 0 there, 1 here"):
+        _fit(_rows(), [SpikeGuard()], run_name="r", checkpoint=CheckpointConfig(**config), seed=1, duration="2ep")
     # The ledger, from the command line: row 203 was skipped, row 5 trained once; the first run's checkpoint
     # at batch 20 predates the rollback (row 203 not reached yet).
     run = str(tmp_path / "run")
