@@ -31,7 +31,13 @@ the window widens (the rows trained since are skipped too), up to ``max_window``
 Example::
 
     Trainer(..., callbacks=[SpikeGuard(snapshot_interval=20, loss_ratio=2.0, grad_zscore=6.0)])
-    RayTrainer(..., callbacks=lambda: [SpikeGuard()])
+    RayTrainer(..., callbacks=[SpikeGuard()])   # an instance: a bad knob fails here, before Ray starts
+
+The guard puts itself last among the callbacks at INIT, so that its snapshot and its rollback see
+every other callback's batch done, and calls every callback's ``on_rollback`` after a restore. The skip
+list names its data (the seed and, for a `Mixture`, its sources): a resume on other data is refused.
+Cost per batch: one read of the loss (and of the gradient norm: one ``vector_norm`` per parameter
+tensor); per snapshot one host copy of the state (``bench/spike_guard.py``, docs/spikes.md).
 
 Notes: the gradient norm is this rank's (under FSDP the norm of its shards); with a GradScaler
 (``amp_fp16``) non-finite gradients are the scaler's to skip and are not judged; algorithms run
