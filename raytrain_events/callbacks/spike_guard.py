@@ -172,6 +172,20 @@ class SpikeGuard(Callback):
         if self._since >= self.snapshot_interval:
             self._take(state)
 
+    def fit_end(self, state: State, logger: Logger) -> None:
+        if self._spike is not None and state.agreement.requested(FLAG):
+            # The agreement rides on the next batch's sum, and there is none: say so rather than end quietly.
+            batch, verdict = self._spike
+            _log.warning(
+                "Loss spike at batch %d (%s) on rank %d, the fit's last batch: the fit ended before every rank could "
+                "agree on a rollback, so its step stays in the final state (not rolled back, not skipped).",
+                batch,
+                verdict.reason,
+                state.rank,
+            )
+            state.agreement.clear(FLAG)  # the next fit's snapshots start after it: nothing to roll back to
+        self._spike = None
+
     # --------------------------------------------------------------- rollback
     def _take(self, state: State) -> None:
         assert self._snapshots is not None

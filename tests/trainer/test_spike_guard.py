@@ -173,3 +173,13 @@ def test_a_resume_after_the_rollback_keeps_the_skip_list(tmp_path, capsys):
 def test_bad_guard_knobs_are_refused_before_any_work(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         SpikeGuard(**kwargs)
+
+
+def test_a_spike_in_the_fits_last_batch_is_said_not_hidden(caplog):
+    """The agreement needs one more batch: a spike in the last batch is logged, not rolled back, and the
+    next fit of the same Trainer goes on (no stale request asks for a snapshot from before its start)."""
+    guard = SpikeGuard(snapshot_interval=5)
+    trainer, state = _fit(_rows(planted=[396]), [guard])
+    assert guard.rollbacks == [] and "the fit's last batch" in caplog.text
+    trainer.fit(duration="2ba")  # the spoiled step stayed: the next batches may spike again, and roll back
+    assert int(trainer.state.timestamp.batch) == 52
