@@ -26,6 +26,8 @@ Files:
   traces through the storage layer.
 * ``progress_bar.py``: `ProgressBar`: a tqdm bar per epoch on rank 0, showing the epoch, batch and
   latest loss.
+* ``spike_guard.py``: `SpikeGuard`: on a loss spike every rank rolls back to a host snapshot and
+  skips exactly the rows trained since.
 * ``speed_monitor.py``: `SpeedMonitor`: rolling training throughput (batches, samples, tokens per
   second) and MFU.
 * ``threshold_stopper.py``: `ThresholdStopper`: stop training once a monitored eval metric reaches
@@ -41,6 +43,7 @@ from raytrain_events.callbacks.nan_monitor import NaNMonitor, NonFiniteLossError
 from raytrain_events.callbacks.profiler import Profiler
 from raytrain_events.callbacks.progress_bar import ProgressBar
 from raytrain_events.callbacks.speed_monitor import SpeedMonitor
+from raytrain_events.callbacks.spike_guard import SpikeGuard, SpikeRollbackError
 from raytrain_events.callbacks.threshold_stopper import ThresholdStopper
 
 __all__ = [
@@ -55,6 +58,8 @@ __all__ = [
     "Profiler",
     "ProgressBar",
     "SpeedMonitor",
+    "SpikeGuard",
+    "SpikeRollbackError",
     "ThresholdStopper",
     "memory_report",
 ]

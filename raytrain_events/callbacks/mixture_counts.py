@@ -129,6 +129,10 @@ class MixtureCounts(Callback):
         self._saved_cursors = list(state["cursors"])
         self._saved_order = {"seed": state["seed"], "stage_starts": list(state["stage_starts"])}
 
+    def on_rollback(self, state: State, logger: Logger) -> None:
+        """The counts were restored mid-fit (a rollback, not a resume): no checkpoint order to check at the next fit."""
+        self._saved_cursors = self._saved_order = None
+
     def _continues(self, order: Dict[str, Any]) -> bool:
         """The checkpoint's order is this run's, or this run's adds switch stages at or after its position."""
         mine, saved = self._order(), list(order["stage_starts"])

@@ -22,6 +22,8 @@ Files:
   with code 2.
 * ``export.py``: ``raytrain-events export``: one consolidated ``state.pt`` from a (sharded or full)
   checkpoint.
+* ``ledger.py``: ``raytrain-events ledger RUN --checkpoint C --row SOURCE:N``: was that row trained
+  before the checkpoint, and how many times.
 * ``main.py``: The ``raytrain-events`` argument parser and dispatch (``python -m
   raytrain_events``).
 * ``parser.py``: An `argparse.ArgumentParser` whose "unrecognized arguments" error lists the valid

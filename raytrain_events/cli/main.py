@@ -157,6 +157,27 @@ def build_parser(entry: Optional[str] = None) -> argparse.ArgumentParser:
     _add_common(export)
     export.set_defaults(_parser=export)
 
+    ledger = commands.add_parser(
+        "ledger",
+        help="Was a row trained before a checkpoint, and how many times (no per-row log is kept or read).",
+        formatter_class=_formatter,
+        description=(
+            "Answer from the checkpoint's Timestamp, the run's mixture order (seed, stages) and the SpikeGuard's\n"
+            "skip list whether row N of SOURCE was trained before the checkpoint, and in which epochs. A plain\n"
+            "(non-mixture) run's one source is 'train', its rows in the dataset's own order."
+        ),
+    )
+    ledger.add_argument("run_url", metavar="RUN_URL", help="The run directory, <storage>/<run_name>.")
+    ledger.add_argument("--row", required=True, metavar="SOURCE:N", help="The source and row number, e.g. web:1234.")
+    ledger.add_argument(
+        "--checkpoint",
+        default=None,
+        metavar="C",
+        help="A checkpoint name under RUN_URL/checkpoints or a URL (default: the newest).",
+    )
+    _add_common(ledger)
+    ledger.set_defaults(_parser=ledger)
+
     report = commands.add_parser(
         "report",
         help="Write report.html and PNG plots into a run (or sweep) directory.",
@@ -223,6 +244,12 @@ def _dispatch(args: argparse.Namespace) -> int:
         text = runs.diff_runs(args.run_a, args.run_b, options)
         print(text if text else f"No differences between the configs of {args.run_a} and {args.run_b}.")
         return 1 if (text and args.exit_code) else 0
+    if args.command == "ledger":
+        from raytrain_events.cli.ledger import ask_ledger
+
+        answer = ask_ledger(args.run_url, args.checkpoint, args.row, options)
+        print(json.dumps(answer) if args.json else answer["line"])
+        return 0
     if args.command == "report":
         from raytrain_events.report import write_report
 

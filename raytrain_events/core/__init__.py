@@ -20,6 +20,8 @@ Files:
   waiting in.
 * ``interval.py``: When to evaluate (or do anything periodic): small pure functions of the
   `Timestamp`.
+* ``ledger.py``: `Ledger`: whether a row was trained before a checkpoint and how many times, from the
+  mixture's order, the Timestamp and the skip list (no per-row log).
 * ``logger.py``: A minimal metrics logger shared by algorithms and callbacks.
 * ``mixture.py``: `Mixture`: named sources with weights that change in stages, as plain data.
 * ``mixture_plan.py``: `MixturePlan`: which source and row each global sample position of an epoch
@@ -28,6 +30,8 @@ Files:
   config diffs).
 * ``precision.py``: Numerical precision: resolve "fp32" / "amp_bf16" / "amp_fp16" into an autocast
   context.
+* ``spikes.py``: Loss spikes as pure decisions: `SpikeDetector`, `SkipList` (skipped ranges of the
+  global order), `RollbackPolicy`.
 * ``state.py``: `State`: everything the loop tracks, what algorithms change, and what checkpoints
   save.
 * ``time.py``: Training time: units (epochs, batches, samples, tokens, fraction of the run) and the

@@ -4,8 +4,9 @@ A callback overrides a method named after each event it cares about, for example
 ``batch_end(state, logger)``. The `Engine` works out once which events a callback overrides,
 so events it ignores cost nothing per step.
 
-Two hooks come outside the fixed per-batch order of `Event`: ``on_exception`` (the loop raised)
-and ``on_quorum_change`` (replica groups: a group left or joined, described by a `QuorumChange`).
+Three hooks come outside the fixed per-batch order of `Event`: ``on_exception`` (the loop raised),
+``on_quorum_change`` (replica groups: a group left or joined, described by a `QuorumChange`) and
+``on_rollback`` (`SpikeGuard` restored the state from a host snapshot).
 """
 
 from __future__ import annotations
@@ -84,6 +85,13 @@ class Callback:
 
         Called on every group still training, before the step at ``change.timestamp`` and outside
         the per-batch event order (inside the dataloader's ``next``); the step's batch is not chosen yet.
+        """
+
+    def on_rollback(self, state: State, logger: Logger) -> None:
+        """`SpikeGuard` restored the run's state (this callback's too) from a host snapshot inside this fit.
+
+        Called on every callback right after the restore, outside the per-batch event order; the
+        Timestamp stayed at its position (the rows between were skipped).
         """
 
     def close(self, state: State, logger: Logger) -> None:

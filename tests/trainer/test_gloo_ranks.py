@@ -20,6 +20,7 @@ from gloo_ranks import (
     train,
 )
 from mixture_ranks import FOLDER, GLOBAL_BATCH, MIXTURE, SEED, train_mixture
+from spike_ranks import train_spike
 
 # Every job of this file, by world size: one spawn per world size runs them all in order (a spawn
 # costs each rank a torch import and a gloo rendezvous; ten spawns were most of this file's time).
@@ -35,12 +36,14 @@ JOBS = {
         "collectives_separate": (count_collectives, dict(on_gradients=False)),
         "mixture": (train_mixture, {}),
         "mixture_crash": (train_mixture, dict(folder=FOLDER, crash_at=9)),  # newest checkpoint: step 5
+        "spike": (train_spike, {}),
     },
     3: {
         "ga1": (train, dict(grad_accum=1, epochs=2)),
         "ga3": (train, dict(grad_accum=3, epochs=2)),
         "collectives": (count_collectives, {}),
         "mixture_resume": (train_mixture, dict(folder=FOLDER)),  # the 2-rank crash's checkpoint
+        "spike": (train_spike, {}),
     },
 }
 
@@ -137,3 +140,20 @@ def test_a_mixture_keeps_its_order_and_counts_on_2_and_3_ranks_and_resumes_acros
     for r in resumed:
         assert {k: r["timestamp"][k] for k in counters} == {k: ts[k] for k in counters}
         assert r["counts"] == full[0]["counts"]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_spike_guard_rolls_every_rank_back_at_the_same_batch(ranks, world_size):
+    """A row planted on the last rank only: every rank rolls back at the same batch (the flag rides on the
+    loop's per-batch sum), to the same snapshot, skips the same global rows and ends with the same weights."""
+    results = ranks(world_size, "spike")
+    # Seen at batch 11 on the last rank, agreed at 12 by all, the snapshot of batch 8 restored: batches 9-12.
+    for rank, r in enumerate(results):
+        assert [(b["spike_batch"], b["restored_batch"], b["from"]) for b in r["rollbacks"]] == [(11, 8, "host")]
+        seen = r["rollbacks"][0]["reason"]
+        assert ("loss nan is not finite" in seen) if rank == world_size - 1 else (seen == "seen on another rank")
+        rows = 8 * world_size
+        assert r["skips"] == [[0, 8 * rows, 12 * rows, 4, 0]]
+        assert r["trained"] == {"batch": 16, "sample": 16 * rows, "token": 0} and r["sample"] == 20 * rows
+        for key, value in r["weights"].items():
+            assert torch.isfinite(value).all() and torch.equal(value, results[0]["weights"][key]), (rank, key)

@@ -10,6 +10,8 @@ Files:
 
 * ``checkpointer.py``: `Checkpointer`: saves the run at checkpoint events and restores it at
   start-up.
+* ``host_snapshot.py``: `HostSnapshots`: the last two good states of a run in host memory, restored
+  without a storage read (`SpikeGuard`'s rollback).
 * ``inference.py``: Load a checkpoint into a `Trainer` built for ``eval()``/``predict()`` only (no
   train data, no optimizer).
 * ``loading.py``: Restoring a checkpoint into a run: the newest one chosen once and shared, then

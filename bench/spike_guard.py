@@ -1,0 +1,213 @@
+"""SpikeGuard: what it costs when nothing spikes, how long a spike takes to get training again, and the
+ledger's answer time at 1e9 rows.
+
+1. Overhead: the same `Trainer` loop with and without ``SpikeGuard`` (the peers' MLP 64 -> H -> H -> 10,
+   batch 64, 4096 samples, 3 epochs, one thread, CPU: ~1 ms steps at H=256, as
+   ``bench/loop_overhead.py``), ``fit()`` wall time per step, interleaved repeats; the guard's cost is
+   one loss + gradient-norm read per batch and a host snapshot every ``snapshot_interval`` batches.
+2. Spike to training again: a planted row (huge input, wrong label) spikes the loss; the time from the
+   start of the batch whose end agrees on the spike to the end of the rollback (snapshot restored,
+   schedulers stepped, window recorded), and the model bytes restored.
+3. The ledger: ``Ledger.ask`` for random rows of a 3-source mixture of 1e9 rows, 3 epochs into a run
+   with skipped windows; and the bytes of what it needs (mixture, seed, timestamp, skip list).
+
+Usage::
+
+    python bench/spike_guard.py                  # H=256, 3 repeats, snapshot_interval=20
+    python bench/spike_guard.py --hidden 1024 --repeats 5 --snapshot-interval 50
+    python bench/spike_guard.py --only overhead --clock cpu --repeats 5   # a busy shared machine
+    python bench/spike_guard.py --only overhead --loss-only                # the loss alone, no gradient norm
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from raytrain_events import Trainer  # noqa: E402
+from raytrain_events.callbacks import SpikeGuard  # noqa: E402
+from raytrain_events.callbacks import spike_guard as guard_module  # noqa: E402
+from raytrain_events.core.ledger import Ledger  # noqa: E402
+from raytrain_events.core.mixture import Mixture  # noqa: E402
+from raytrain_events.core.spikes import SkipList, SkipRange  # noqa: E402
+from raytrain_events.models import ClassifierModel  # noqa: E402
+
+torch.set_num_threads(1)
+N, D, C, B = 4096, 64, 10, 64
+
+
+def _data(planted=None):
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(N, D, generator=g), torch.randint(0, C, (N,), generator=g)
+    if planted is not None:
+        x[planted] *= 1e4
+    return x, y
+
+
+def _trainer(hidden, x, y, guard):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(D, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, C))
+    model = ClassifierModel(net, num_classes=C)
+    return Trainer(
+        model=model,
+        train_dataloader=DataLoader(TensorDataset(x, y), batch_size=B),
+        max_duration="3ep",
+        optimizers=torch.optim.SGD(model.parameters(), lr=0.01),
+        callbacks=[guard] if guard is not None else [],
+    )
+
+
+CLOCK = time.perf_counter  # --clock cpu: this thread's CPU time (the loop runs on one thread), for a busy machine
+
+
+def _per_step(trainer):
+    start = CLOCK()
+    state = trainer.fit()
+    return (CLOCK() - start) / int(state.timestamp.batch)
+
+
+GRAD_ZSCORE = 6.0  # --loss-only: None (no gradient norm per batch)
+
+
+def overhead(hidden, repeats, interval):
+    x, y = _data()
+    _per_step(_trainer(hidden, x, y, None))  # warm-up
+    plain, guarded = [], []
+    for _ in range(repeats):
+        plain.append(_per_step(_trainer(hidden, x, y, None)))
+        guarded.append(
+            _per_step(_trainer(hidden, x, y, SpikeGuard(snapshot_interval=interval, grad_zscore=GRAD_ZSCORE)))
+        )
+    ratios = [g / p for g, p in zip(guarded, plain)]
+    return {
+        "guard_hooks_us_per_batch": [guard_cost(hidden, interval) for _ in range(repeats)],
+        "plain_ms": [round(v * 1e3, 4) for v in plain],
+        "guard_ms": [round(v * 1e3, 4) for v in guarded],
+        "ratio_median": round(statistics.median(ratios), 4),
+        "ratio_range": [round(min(ratios), 4), round(max(ratios), 4)],
+    }
+
+
+def guard_cost(hidden, interval):
+    """CPU time inside the guard's per-batch hooks (after_train_batch + batch_end, snapshots included), per
+    batch: what the ratio measures, without the noise of the loop around it."""
+    spent = [0]
+    originals = {name: getattr(guard_module.SpikeGuard, name) for name in ("after_train_batch", "batch_end")}
+
+    def timed(original):
+        def hook(self, state, logger):
+            start = time.thread_time_ns()
+            original(self, state, logger)
+            spent[0] += time.thread_time_ns() - start
+
+        return hook
+
+    for name, original in originals.items():
+        setattr(guard_module.SpikeGuard, name, timed(original))
+    try:
+        x, y = _data()
+        state = _trainer(hidden, x, y, SpikeGuard(snapshot_interval=interval, grad_zscore=GRAD_ZSCORE)).fit()
+    finally:
+        for name, original in originals.items():
+            setattr(guard_module.SpikeGuard, name, original)
+    return round(spent[0] / int(state.timestamp.batch) / 1e3, 1)
+
+
+def spike_to_training(hidden, interval):
+    x, y = _data(planted=N // 2 + 5)
+    timings = []
+    original = guard_module.SpikeGuard._roll_back
+
+    def timed(self, state, logger):
+        start = time.perf_counter()
+        original(self, state, logger)
+        timings.append(time.perf_counter() - start)
+
+    guard_module.SpikeGuard._roll_back = timed
+    try:
+        guard = SpikeGuard(snapshot_interval=interval)
+        state = _trainer(hidden, x, y, guard).fit()
+    finally:
+        guard_module.SpikeGuard._roll_back = original
+    model_bytes = sum(p.numel() * p.element_size() for p in state.model.parameters())
+    return {
+        "rollbacks": len(guard.rollbacks),
+        "rollback_ms": [round(t * 1e3, 3) for t in timings],
+        "batches_skipped": guard.skips.totals()[0],
+        "model_bytes": model_bytes,
+    }
+
+
+def ledger(rows_total=10**9, questions=200):
+    third = rows_total // 3
+    mixture = Mixture(
+        sources={"web": third, "code": third, "math": rows_total - 2 * third},
+        stages={
+            "0sp": {"web": 0.5, "code": 0.3, "math": 0.2},
+            f"{rows_total // 2}sp": {"web": 0.2, "code": 0.3, "math": 0.5},
+        },
+        epoch_size=rows_total,
+    )
+    plan = mixture.plan(seed=17)
+    skips = SkipList([SkipRange(e, s, s + 4096, 4, 0) for e, s in ((0, 123_456_789), (1, 7_000_000), (2, 900_000_000))])
+    led = Ledger(plan=plan, epoch=3, position=rows_total // 3, skips=skips)
+    rng = random.Random(0)
+    times = []
+    for _ in range(questions):
+        source = rng.choice(plan.names)
+        row = rng.randrange(plan.source_rows[plan.names.index(source)])
+        start = time.perf_counter()
+        led.ask(source, row)
+        times.append(time.perf_counter() - start)
+    state = {
+        "mixture": mixture.to_dict(),
+        "seed": 17,
+        "epoch": 3,
+        "position": rows_total // 3,
+        "skips": skips.state_dict(),
+    }
+    return {
+        "rows": rows_total,
+        "ask_ms_median": round(statistics.median(times) * 1e3, 3),
+        "ask_ms_max": round(max(times) * 1e3, 3),
+        "state_bytes": len(json.dumps(state)),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--snapshot-interval", type=int, default=20)
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
+    parser.add_argument("--only", choices=["overhead", "spike", "ledger"], default=None)
+    parser.add_argument("--loss-only", action="store_true", help="SpikeGuard(grad_zscore=None): no gradient norm")
+    args = parser.parse_args()
+    global CLOCK, GRAD_ZSCORE
+    GRAD_ZSCORE = None if args.loss_only else 6.0
+    CLOCK = time.thread_time if args.clock == "cpu" else time.perf_counter
+    parts = {
+        "overhead": lambda: overhead(args.hidden, args.repeats, args.snapshot_interval),
+        "spike": lambda: spike_to_training(args.hidden, args.snapshot_interval),
+        "ledger": ledger,
+    }
+    out = {name: run() for name, run in parts.items() if args.only in (None, name)}
+    out["clock"], out["loss_only"], out["load"] = args.clock, args.loss_only, os.getloadavg()
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

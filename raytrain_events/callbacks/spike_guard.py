@@ -1,0 +1,295 @@
+"""`SpikeGuard`: on a loss spike, every rank rolls back to a host copy of a good state and skips
+exactly the rows trained since, instead of the run dying (`NaNMonitor`) or training on.
+
+Per batch, on each rank (no collective of its own):
+
+1. ``after_train_batch`` (before the optimizer step): this rank's loss and gradient norm, as one
+   small tensor (``torch.nn.utils.get_total_norm``; read at ``batch_end``: one host sync a batch).
+2. ``batch_end``: the `SpikeDetector` (``core/spikes.py``) judges them against its trailing window;
+   a spike is *requested* on the agreement flag ``spike`` (`raytrain_events.core.agreement`). The
+   flag rides on the next batch's counter collective (the one the loop runs anyway), so one batch
+   later every rank sees it *agreed*, at the same batch, and rolls back together.
+3. Every ``snapshot_interval`` batches (and at the start of each fit) a host snapshot of the state
+   (`HostSnapshots`, ``checkpoint/run/host_snapshot.py``). A rollback restores the newest snapshot
+   from before the spiking batch (model, optimizers, schedulers, scaler, algorithms, callbacks, RNGs),
+   on every rank, without a storage read.
+
+The Timestamp is *not* restored: the run goes on at its current position, so the rows of the
+batches between the restored state and the agreement (``[snapshot, now)`` of each epoch's global
+order: the spiking batch, the batches before it back to the snapshot, and the one batch the
+agreement took) are skipped, never trained, and every loader continues where it is (the Ray
+feeder's global order, a local DataLoader; a resume re-enters at the checkpoint's position, which is
+past them, at any world size). The skipped ranges are a `SkipList` in the guard's state, saved in
+every checkpoint; ``trained = timestamp - skipped`` (`SpikeGuard.trained`). Torch LR schedulers
+restored from the snapshot are stepped once per skipped batch, so a schedule keeps following the
+position, as in the run without the spike.
+
+A spike within ``snapshot_interval`` batches after a rollback rolls back to the same snapshot again:
+the window widens (the rows trained since are skipped too), up to ``max_window`` batches; after
+``max_rollbacks`` rollbacks the run stops with `SpikeRollbackError` naming every skipped range.
+
+Example::
+
+    Trainer(..., callbacks=[SpikeGuard(snapshot_interval=20, loss_ratio=2.0, grad_zscore=6.0)])
+    RayTrainer(..., callbacks=[SpikeGuard()])   # an instance: a bad knob fails here, before Ray starts
+
+The guard puts itself last among the callbacks at INIT, so that its snapshot and its rollback see
+every other callback's batch done, and calls every callback's ``on_rollback`` after a restore. The skip
+list names its data (the seed and, for a `Mixture`, its sources): a resume on other data is refused.
+Cost per batch: one read of the loss (and of the gradient norm: one ``vector_norm`` per parameter
+tensor); per snapshot one host copy of the state (``bench/spike_guard.py``, docs/spikes.md).
+
+Notes: the gradient norm is this rank's (under FSDP the norm of its shards); with a GradScaler
+(``amp_fp16``) non-finite gradients are the scaler's to skip and are not judged; algorithms run
+before callbacks at ``AFTER_TRAIN_BATCH``, so with `GradientClipping` the norm judged is the clipped one
+(the loss still shows the spike).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Any, Deque, Dict, List, Optional, Tuple
+
+import torch
+
+from raytrain_events.callbacks.mixture_counts import MixtureCounts
+from raytrain_events.checkpoint.run.host_snapshot import HostSnapshots
+from raytrain_events.core.callback import Callback
+from raytrain_events.core.logger import Logger
+from raytrain_events.core.spikes import (
+    RollbackPolicy,
+    SkipList,
+    SkipRange,
+    SpikeDetector,
+    SpikeRollbackError,
+    Verdict,
+)
+from raytrain_events.core.state import State
+from raytrain_events.core.timestamp import Timestamp
+from raytrain_events.trainer._batch import total_loss
+
+vector_norm, stack = torch.linalg.vector_norm, torch.stack
+
+__all__ = ["SpikeGuard", "SpikeRollbackError"]
+
+FLAG = "spike"
+_log = logging.getLogger(__name__)
+
+
+class SpikeGuard(Callback):
+    """Detect a loss spike, roll every rank back to a host snapshot, skip the window's rows (see module).
+
+    Arguments: ``snapshot_interval`` (batches between host snapshots, >= 1), the `SpikeDetector`'s
+    ``window``, ``loss_ratio``, ``grad_zscore``, ``warmup``, and the `RollbackPolicy`'s
+    ``max_rollbacks``, ``max_window``; all checked here, before any work starts.
+    """
+
+    def __init__(  # noqa: PLR0913 (keyword-only: the detector's and the policy's knobs)
+        self,
+        *,
+        snapshot_interval: int = 20,
+        window: int = 100,
+        loss_ratio: Optional[float] = 2.0,
+        grad_zscore: Optional[float] = 6.0,
+        warmup: int = 10,
+        max_rollbacks: int = 5,
+        max_window: int = 1000,
+    ) -> None:
+        if isinstance(snapshot_interval, bool) or not isinstance(snapshot_interval, int) or snapshot_interval < 1:
+            raise ValueError(
+                f"snapshot_interval={snapshot_interval!r} must be an integer >= 1 (batches between host snapshots): "
+                "without a host copy a rollback has nothing to restore."
+            )
+        self.snapshot_interval = snapshot_interval
+        self.detector = SpikeDetector(window=window, loss_ratio=loss_ratio, grad_zscore=grad_zscore, warmup=warmup)
+        self.policy = RollbackPolicy(max_rollbacks=max_rollbacks, max_window=max_window)
+        self.skips = SkipList()
+        self.rollbacks: List[Dict[str, Any]] = []  # one record per rollback (plain values; saved)
+        self._snapshots: Optional[HostSnapshots] = None
+        self._norm: Optional[torch.Tensor] = None  # this batch's gradient norm (this rank's)
+        self._params: Optional[List[torch.Tensor]] = None
+        self._spike: Optional[Tuple[int, Verdict]] = None  # this rank's latest spike (batch, verdict), until agreed
+        # One record per batch since the oldest snapshot: (Timestamp after it, samples, tokens); the window's rows.
+        self._history: Deque[Tuple[Timestamp, int, int]] = deque()
+        self._since = 0  # batches since the newest snapshot (or rollback)
+        self._key = "SpikeGuard"
+
+    # ------------------------------------------------------------------ setup
+    def init(self, state: State, logger: Logger) -> None:
+        state.agreement.register(FLAG)
+        # Last among the callbacks (the Trainer refreshes the Engine after INIT): a snapshot and a rollback at
+        # BATCH_END then see every other callback's batch done (per-source counts, monitors), so a restore
+        # leaves none of them counting a skipped batch.
+        state.callbacks.remove(self)
+        state.callbacks.append(self)
+
+    def fit_start(self, state: State, logger: Logger) -> None:
+        self._key = next(k for k, c in _keyed_callbacks(state).items() if c is self)
+        fingerprint: Dict[str, Any] = {"seed": state.seed}
+        counts = next((c for c in state.callbacks if isinstance(c, MixtureCounts)), None)
+        if counts is not None:  # the sources (names, rows); weights may change (a switched stage) and still fit
+            fingerprint["sources"] = counts.loader.mixture.to_dict()["sources"]
+        self.skips.check_fingerprint(fingerprint)
+        self.skips.fingerprint.update(fingerprint)
+        self._snapshots = HostSnapshots(state, exclude_callbacks={self._key})
+        self._history.clear()
+        self._take(state)
+
+    # --------------------------------------------------------------- per batch
+    def after_train_batch(self, state: State, logger: Logger) -> None:
+        if state.scaler is not None or self.detector.grad_zscore is None:
+            # Loss only (amp_fp16: the scaler skips steps with inf gradients itself; without a gradient test a
+            # non-finite gradient shows in the next batch's loss, inside the same window).
+            return
+        params = self._params
+        if params is None:  # the trained parameters, found once (a Python walk of the groups per batch costs)
+            params = self._params = [p for opt in state.optimizers for g in opt.param_groups for p in g["params"]]
+        norms = [vector_norm(p.grad) for p in params if p.grad is not None]  # cheaper than _foreach_norm on CPU
+        self._norm = vector_norm(stack(norms)) if norms else None
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        ts = state.timestamp  # immutable: kept as it is, read only at a rollback (no per-batch conversions)
+        self._history.append((ts, state.global_batch_num_samples, state.global_batch_num_tokens))
+        if state.agreement.agreed(FLAG):
+            state.agreement.clear(FLAG)
+            self._roll_back(state, logger)
+            return
+        loss, norm, self._norm = state.loss, self._norm, None
+        if type(loss) is not torch.Tensor:
+            loss = total_loss(loss).detach()
+        if norm is None:
+            verdict = self.detector.observe(loss.item())
+        elif loss.device.type == "cpu":
+            verdict = self.detector.observe(loss.item(), norm.item())
+        else:  # one host sync for both
+            read = stack([loss.reshape(()).float(), norm.to(loss.device).float()]).tolist()
+            verdict = self.detector.observe(read[0], read[1])
+        if verdict is not None:
+            self._spike = (ts.get_value("ba"), verdict)
+            state.request(FLAG)
+        self._since += 1
+        if self._since >= self.snapshot_interval:
+            self._take(state)
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        if self._spike is not None and state.agreement.requested(FLAG):
+            # The agreement rides on the next batch's sum, and there is none: say so rather than end quietly.
+            batch, verdict = self._spike
+            _log.warning(
+                "Loss spike at batch %d (%s) on rank %d, the fit's last batch: the fit ended before every rank could "
+                "agree on a rollback, so its step stays in the final state (not rolled back, not skipped).",
+                batch,
+                verdict.reason,
+                state.rank,
+            )
+            state.agreement.clear(FLAG)  # the next fit's snapshots start after it: nothing to roll back to
+        self._spike = None
+
+    # --------------------------------------------------------------- rollback
+    def _take(self, state: State) -> None:
+        assert self._snapshots is not None
+        batch = int(state.timestamp.batch)
+        self._snapshots.take({"batch": batch, "detector": self.detector.state_dict()})
+        self._since = 0
+        oldest = self._snapshots.snapshots[0].meta["batch"]
+        while self._history and self._history[0][0].get_value("ba") <= oldest:
+            self._history.popleft()
+
+    def _roll_back(self, state: State, logger: Logger) -> None:
+        """Every rank, at the same batch: restore the newest snapshot from before the spiking batch, skip since."""
+        assert self._snapshots is not None
+        now = int(state.timestamp.batch)
+        spike_batch = now - 1  # the batch whose BATCH_END requested the flag (agreed on the next batch's sum)
+        local = self._spike[1].reason if self._spike is not None and self._spike[0] == spike_batch else None
+        reason = local or "seen on another rank"
+        snapshot = self._snapshots.newest(lambda meta: meta["batch"] < spike_batch)
+        if snapshot is None:  # unreachable with a snapshot at fit start; said plainly if it ever is
+            raise SpikeRollbackError(f"A loss spike at batch {spike_batch} ({reason}) and no host snapshot before it.")
+        restored = int(snapshot.meta["batch"])
+        window = [_record(*h) for h in self._history if h[0].get_value("ba") > restored]
+        self.policy.check(len(self.rollbacks), now - restored, self.skips, f"batch {spike_batch}: {reason}")
+        fresh = [h for h in window if not self.skips.contains(h[1], h[2])]
+        for epoch, start, end, batches, tokens in _ranges(fresh):
+            self.skips.add(SkipRange(epoch, start, end, batches, tokens))
+        self._snapshots.restore(lambda meta: meta["batch"] == restored)
+        self.detector.load_state_dict(snapshot.meta["detector"])
+        for callback in state.callbacks:
+            callback.on_rollback(state, logger)
+        for scheduler in state.schedulers:  # the schedule follows the position: one step per batch since the snapshot
+            for _ in range(now - restored):
+                scheduler.step()
+        self._spike, self._norm, self._since = None, None, 0
+        record = {
+            "batch": now,
+            "spike_batch": spike_batch,
+            "reason": reason,
+            "restored_batch": restored,
+            "from": "host",
+            "skipped": [[e, s, t] for e, s, t, _, _ in _ranges(fresh)],
+        }
+        self.rollbacks.append(record)
+        skipped_batches, skipped_samples, skipped_tokens = self.skips.totals()
+        if state.rank == 0:
+            _log.warning(
+                "Loss spike at batch %d (%s): every rank rolled back to the host snapshot of batch %d and skips %s "
+                "(%d rollbacks; skipped in all: %s).",
+                spike_batch,
+                reason,
+                restored,
+                ", ".join(f"epoch {e} rows [{s}, {t})" for e, s, t in record["skipped"]) or "nothing new",
+                len(self.rollbacks),
+                self.skips.describe(),
+            )
+        logger.log_metrics(
+            {
+                "spikes/rollbacks": len(self.rollbacks),
+                "spikes/skipped_batches": skipped_batches,
+                "spikes/skipped_samples": skipped_samples,
+                "spikes/skipped_tokens": skipped_tokens,
+            }
+        )
+
+    # ------------------------------------------------------------ accounting
+    def trained(self, state: State) -> Dict[str, int]:
+        """Batches, samples and tokens actually trained: the Timestamp's totals less the skipped ones."""
+        batches, samples, tokens = self.skips.totals()
+        ts = state.timestamp
+        return {"batch": int(ts.batch) - batches, "sample": int(ts.sample) - samples, "token": int(ts.token) - tokens}
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {
+            "skips": self.skips.state_dict(),
+            "rollbacks": list(self.rollbacks),
+            "detector": self.detector.state_dict(),
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.skips = SkipList.from_state_dict(state.get("skips", {}))
+        self.rollbacks = list(state.get("rollbacks", []))
+        self.detector.load_state_dict(state.get("detector", {}))
+
+
+def _keyed_callbacks(state: State) -> Dict[str, Any]:
+    from raytrain_events.core.state import _keyed  # the checkpoint keys (one definition, in State)
+
+    return _keyed(state.callbacks)
+
+
+def _record(ts: Timestamp, samples: int, tokens: int) -> Tuple[int, int, int, int, int]:
+    """A batch's ``(batch, epoch, start, end, tokens)`` in the global order, from the Timestamp after it."""
+    end = int(ts.sample_in_epoch)
+    return ts.get_value("ba"), int(ts.epoch), end - samples, end, tokens
+
+
+def _ranges(history: List[Tuple[int, int, int, int, int]]) -> List[Tuple[int, int, int, int, int]]:
+    """Consecutive batch records as ``(epoch, start, end, batches, tokens)`` ranges of the global order."""
+    out: List[List[int]] = []
+    for _, epoch, start, end, tokens in history:
+        if out and out[-1][0] == epoch and out[-1][2] == start:
+            out[-1][2] = end
+            out[-1][3] += 1
+            out[-1][4] += tokens
+        else:
+            out.append([epoch, start, end, 1, tokens])
+    return [(e, s, t, b, k) for e, s, t, b, k in out]

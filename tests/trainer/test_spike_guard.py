@@ -1,0 +1,185 @@
+"""`SpikeGuard` in the local `Trainer`: a planted row spikes the loss; the run rolls back from its host
+snapshot, skips exactly the window's rows, trains every other row once, and ends at the uninterrupted
+run's Timestamp with the model of a run that never saw the window; a second spike widens the window,
+a bound stops the run naming the rows, a resume keeps the skip list. (Every rank agreeing at the same
+batch is the Ray test's: tests/ray/test_spike_run.py.)"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from raytrain_events import Callback, Trainer
+from raytrain_events.callbacks import SpikeGuard, SpikeRollbackError
+from raytrain_events.checkpoint import CheckpointConfig, list_checkpoints
+from raytrain_events.cli.main import main
+from raytrain_events.core.spikes import SkipRange
+from raytrain_events.models import ClassifierModel
+
+ROWS, DIM, BATCH = 400, 4, 8  # 50 batches; row 203 is in batch 25 (0-based), rows [200, 208)
+
+
+def _rows(planted=(), nan=(), drop=range(0)):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(ROWS, DIM, generator=g)
+    y = (x[:, 0] > 0).long()
+    for i in planted:  # a huge input with the wrong label: a loss in the hundreds
+        x[i], y[i] = x[i] * 1e4, 1 - y[i]
+    for i in nan:
+        x[i] = math.nan
+    return [{"id": i, "x": x[i], "y": y[i]} for i in range(ROWS) if i not in drop]
+
+
+class Record(Callback):
+    """``{(epoch, batch_in_epoch): ids}`` of every trained batch, the last training of a position kept."""
+
+    def __init__(self, into=None):
+        self.lineage = {} if into is None else into
+
+    def batch_end(self, state, logger):
+        ts = state.timestamp
+        self.lineage[(int(ts.epoch), int(ts.batch_in_epoch))] = state.batch["id"].tolist()
+
+
+def _fit(data, callbacks=(), duration="1ep", scheduler=False, **kw):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(DIM, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    model = ClassifierModel(net, num_classes=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    schedulers = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.98**step) if scheduler else None
+    trainer = Trainer(
+        model=model,
+        train_dataloader=DataLoader(data, batch_size=BATCH),
+        max_duration=duration,
+        optimizers=optimizer,
+        schedulers=schedulers,
+        callbacks=list(callbacks),
+        **{"seed": 0, **kw},
+    )
+    return trainer, trainer.fit()
+
+
+def _trained_ids(lineage, guard):
+    """Ids of the positions that stayed trained (a skipped position's record is of a rolled-back batch)."""
+    ids = []
+    for (epoch, batch), batch_ids in sorted(lineage.items()):
+        end = batch * BATCH
+        if not guard.skips.contains(epoch, end - 1):
+            ids += batch_ids
+    return ids
+
+
+def test_a_spike_rolls_back_from_host_and_skips_exactly_its_window():
+    guard, record = SpikeGuard(snapshot_interval=5), Record()
+    trainer, state = _fit(_rows(planted=[203]), [record, guard])
+    # Seen at batch 26 (rows [200, 208)), agreed one batch later: the snapshot of batch 25 restored.
+    assert [(r["spike_batch"], r["restored_batch"], r["from"]) for r in guard.rollbacks] == [(26, 25, "host")]
+    assert "loss" in guard.rollbacks[0]["reason"]
+    assert guard.skips.ranges == [SkipRange(0, 200, 216, batches=2, tokens=0)]
+    # Every other row trained once; the Timestamp is the uninterrupted run's; trained = Timestamp - skipped.
+    ids = _trained_ids(record.lineage, guard)
+    assert sorted(ids) == [i for i in range(ROWS) if not 200 <= i < 216]
+    _, clean = _fit(_rows())
+    assert state.timestamp == clean.timestamp
+    assert guard.trained(state) == {"batch": 48, "sample": 384, "token": 0}
+    # The weights are those of a run that never saw the window (host restore: model and optimizer exact).
+    _, without = _fit(_rows(drop=range(200, 216)))
+    for mine, theirs in zip(state.model.parameters(), without.model.parameters()):
+        assert torch.equal(mine, theirs)
+
+
+def test_a_schedule_follows_the_position_and_a_nan_row_rolls_back_too():
+    guard = SpikeGuard(snapshot_interval=4)
+    trainer, state = _fit(_rows(nan=[100]), [guard], scheduler=True)
+    assert guard.skips.ranges == [SkipRange(0, 96, 112, batches=2, tokens=0)]
+    assert "not finite" in guard.rollbacks[0]["reason"]
+    assert all(torch.isfinite(p).all() for p in state.model.parameters())
+    _, clean = _fit(_rows(), scheduler=True)
+    assert state.optimizers[0].param_groups[0]["lr"] == pytest.approx(clean.optimizers[0].param_groups[0]["lr"])
+
+
+def test_a_second_spike_right_after_widens_the_window_and_a_bound_stops_the_run():
+    guard, record = SpikeGuard(snapshot_interval=5), Record()
+    _, state = _fit(_rows(planted=[203, 219]), [record, guard])
+    # Rows [216, 224) follow the first window: they spike right after it, the same snapshot is restored.
+    assert [r["restored_batch"] for r in guard.rollbacks] == [25, 25]
+    assert guard.skips.ranges == [SkipRange(0, 200, 216, 2, 0), SkipRange(0, 216, 232, 2, 0)]
+    assert sorted(_trained_ids(record.lineage, guard)) == [i for i in range(ROWS) if not 200 <= i < 232]
+    with pytest.raises(SpikeRollbackError, match=r"after 1 rollbacks .*epoch 0 rows \[200, 216\)"):
+        _fit(_rows(planted=[203, 219]), [SpikeGuard(snapshot_interval=5, max_rollbacks=1)])
+
+
+def test_a_resume_after_the_rollback_keeps_the_skip_list(tmp_path, capsys):
+    folder = str(tmp_path / "run" / "checkpoints")
+    lineage = {}
+    config = dict(save_folder=folder, save_interval="10ba", autoresume=True, async_save=False)
+    first = SpikeGuard(snapshot_interval=5)
+    _fit(
+        _rows(planted=[203]),
+        [Record(lineage), first],
+        duration="30ba",
+        run_name="r",
+        checkpoint=CheckpointConfig(**config),
+    )
+    assert first.skips.ranges == [SkipRange(0, 200, 216, 2, 0)]
+    second = SpikeGuard(snapshot_interval=5)
+    _, state = _fit(
+        _rows(planted=[203]), [Record(lineage), second], run_name="r", checkpoint=CheckpointConfig(**config)
+    )
+    assert second.skips.ranges == first.skips.ranges and len(second.rollbacks) == 1  # from the checkpoint
+    assert sorted(_trained_ids(lineage, second)) == [i for i in range(ROWS) if not 200 <= i < 216]
+    _, clean = _fit(_rows())
+    assert state.timestamp == clean.timestamp
+    # Resumed with another seed, the skip list's positions would name other rows: refused at the fit's start.
+    with pytest.raises(ValueError, match="other data .*seed: 0 there, 1 here"):
+        _fit(_rows(), [SpikeGuard()], run_name="r", checkpoint=CheckpointConfig(**config), seed=1, duration="2ep")
+    # The ledger, from the command line: row 203 was skipped, row 5 trained once; the first run's checkpoint
+    # at batch 20 predates the rollback (row 203 not reached yet).
+    run = str(tmp_path / "run")
+    assert main(["ledger", run, "--row", "train:203"]) == 0
+    assert (
+        capsys.readouterr().out.strip()
+        == "train:203 trained 0 times before the checkpoint; skipped by a rollback in epochs 0"
+    )
+    assert main(["ledger", run, "--row", "train:5", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["epochs"] == [0]
+    early = next(c for c in list_checkpoints(folder) if c.batch == 20)
+    assert main(["ledger", run, "--row", "train:150", "--checkpoint", early.name]) == 0
+    assert "trained 1 times" in capsys.readouterr().out
+    assert main(["ledger", run, "--row", "train:170", "--checkpoint", early.name]) == 0
+    assert "trained 0 times" in capsys.readouterr().out
+    assert main(["ledger", run, "--row", "web:1"]) == 2
+    assert "No source 'web'" in capsys.readouterr().err
+    assert main(["ledger", run, "--row", "train"]) == 2
+    assert "not SOURCE:N" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        (dict(snapshot_interval=0), "snapshot_interval=0 must be an integer >= 1"),
+        (dict(snapshot_interval=None), "snapshot_interval=None"),
+        (dict(window=0), "window=0"),
+        (dict(loss_ratio=-2.0), "loss_ratio=-2.0"),
+        (dict(grad_zscore=0), "grad_zscore=0"),
+        (dict(max_rollbacks=0), "max_rollbacks=0"),
+        (dict(max_window=0), "max_window=0"),
+    ],
+)
+def test_bad_guard_knobs_are_refused_before_any_work(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        SpikeGuard(**kwargs)
+
+
+def test_a_spike_in_the_fits_last_batch_is_said_not_hidden(caplog):
+    """The agreement needs one more batch: a spike in the last batch is logged, not rolled back, and the
+    next fit of the same Trainer goes on (no stale request asks for a snapshot from before its start)."""
+    guard = SpikeGuard(snapshot_interval=5)
+    trainer, state = _fit(_rows(planted=[396]), [guard])
+    assert guard.rollbacks == [] and "the fit's last batch" in caplog.text
+    trainer.fit(duration="2ba")  # the spoiled step stayed: the next batches may spike again, and roll back
+    assert int(trainer.state.timestamp.batch) == 52
