@@ -19,6 +19,7 @@ from raytrain_events.parallel.config import FSDPConfig, ParallelismSpec, parse_p
 from raytrain_events.parallel.context_parallel import ContextParallel
 from raytrain_events.parallel.context_parallel import check_model as check_context_model
 from raytrain_events.parallel.deferred_init import DeferredInit, has_meta_tensors
+from raytrain_events.parallel.pipeline import Pipeline, check_algorithms_for_pipeline
 from raytrain_events.parallel.tensor_parallel import (
     apply_tensor_parallel,
     check_first_batch_agrees,
@@ -151,6 +152,7 @@ class Parallel:
             DeferredInit(model) if model is not None and has_meta_tensors(model) else None
         )
         self.context: Optional[ContextParallel] = None  # set by `wrap` under context parallelism
+        self.pipeline: Optional[Pipeline] = None  # set by `wrap` under pipeline parallelism
 
     def place(self, model: torch.nn.Module, device: torch.device) -> None:
         """Move ``model`` to ``device``, unless it is built on meta (materialised by `wrap`, after sharding)."""
@@ -192,6 +194,8 @@ class Parallel:
         """Refuse (ValueError with the reason) algorithms that cannot run with this strategy."""
         if self.sharded:
             check_algorithms_for_sharding(algorithms)
+        if self.spec.pipeline_parallel > 1:
+            check_algorithms_for_pipeline(algorithms, self.spec.pipeline_parallel)
 
     def wrap(
         self, model: torch.nn.Module, dist: Any, device: torch.device, find_unused: bool, optimizers: Sequence[Any] = ()
@@ -202,7 +206,7 @@ class Parallel:
         materialised (after sharding: only this rank's shards); the ``optimizers`` (built on the
         original parameters, with no state yet) are pointed at the new ones.
         """
-        for name in ("tensor_parallel", "context_parallel"):
+        for name in ("tensor_parallel", "context_parallel", "pipeline_parallel"):
             degree = getattr(self.spec, name)
             if degree > 1 and not dist.is_distributed:
                 raise ValueError(
@@ -219,13 +223,19 @@ class Parallel:
                 if config.context_parallel > 1:
                     check_context_model(model, config.context_parallel)
                 mesh = build_mesh(config, dist.world_size, device)
-                apply_fsdp(model, config, dist.world_size, device, mesh)
+                if config.pipeline_parallel > 1:  # this rank's stages only, each sharded (pipeline.py)
+                    self.pipeline = Pipeline(model, config, mesh)
+                    self.pipeline.shard(model, dist.world_size, device, mesh)
+                else:
+                    apply_fsdp(model, config, dist.world_size, device, mesh)
                 if config.context_parallel > 1:
                     self.context = ContextParallel(model, mesh, config.context_parallel)
             if self.deferred is not None:
                 self.deferred.materialize(model, device, sharded)
                 self.deferred = None
-            _retarget_optimizers(optimizers, names, dict(model.named_parameters()))
+            _retarget_optimizers(optimizers, names, dict(model.named_parameters()), self.pipeline is not None)
+            if self.pipeline is not None:
+                self.pipeline.build_schedule(device)
         if not dist.is_distributed or sharded:
             return model
         from torch.nn.parallel import DistributedDataParallel
@@ -259,13 +269,16 @@ def _check_optimizers_fresh(optimizers: Sequence[Any]) -> None:
             )
 
 
-def _retarget_optimizers(optimizers: Sequence[Any], old_names: dict, new_params: dict) -> None:
-    """Point each optimizer's param groups at the sharded parameters (same names, new objects)."""
+def _retarget_optimizers(optimizers: Sequence[Any], old_names: dict, new_params: dict, pruned: bool = False) -> None:
+    """Point each optimizer's param groups at the sharded parameters (same names, new objects);
+    ``pruned`` (pipeline parallelism): drop the parameters of the other stages' layers."""
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             retargeted = []
             for param in group["params"]:
                 name = old_names.get(id(param))
+                if pruned and name is not None and name not in new_params:
+                    continue  # another stage's layer
                 if name is None or name not in new_params:
                     raise ValueError(
                         f"{type(optimizer).__name__} holds a parameter that is not one of the model's "
