@@ -213,31 +213,9 @@ def check_pipeline_options(config: FSDPConfig) -> None:
     if pp == 1:
         return
     interleaved = PIPELINE_SCHEDULES[schedule]
+    _check_stages_per_rank(config, interleaved)
+    _check_microbatches(config, interleaved)
     per_rank = config.pipeline_stages_per_rank
-    if per_rank is None:
-        per_rank = config.pipeline_stages_per_rank = 2 if interleaved else 1
-    if isinstance(per_rank, bool) or not isinstance(per_rank, int) or per_rank < 1 or (per_rank > 1) != interleaved:
-        need = "an integer >= 2 (it holds several stages per rank)" if interleaved else "1 (one stage per rank)"
-        raise ValueError(
-            f"FSDPConfig(pipeline_schedule={schedule!r}, pipeline_stages_per_rank={per_rank!r}): the schedule needs "
-            f"{need}. Fix: pipeline_stages_per_rank=None (its default), or another schedule."
-        )
-    micro = config.pipeline_microbatches
-    if micro is None:
-        micro = config.pipeline_microbatches = pp
-    if isinstance(micro, bool) or not isinstance(micro, int) or micro < 1:
-        raise ValueError(f"FSDPConfig.pipeline_microbatches={micro!r} must be an integer >= 1.")
-    if schedule != "gpipe" and micro < pp:
-        raise ValueError(
-            f"FSDPConfig(pipeline_schedule={schedule!r}, pipeline_microbatches={micro}) runs fewer microbatches than "
-            f"its {pp} pipeline stages, which this schedule cannot fill. Fix: pipeline_microbatches >= {pp} (a "
-            "multiple of it for an interleaved schedule), or pipeline_schedule='gpipe'."
-        )
-    if interleaved and micro % pp:
-        raise ValueError(
-            f"FSDPConfig(pipeline_schedule={schedule!r}, pipeline_microbatches={micro}): an interleaved schedule runs "
-            f"the microbatches in rounds of {pp} (the stages). Fix: a multiple of {pp}, e.g. {micro + pp - micro % pp}."
-        )
     split = config.pipeline_split
     if split is not None:
         stages = pp * per_rank
@@ -252,6 +230,37 @@ def check_pipeline_options(config: FSDPConfig) -> None:
             f"FSDPConfig(pipeline_parallel={pp}, context_parallel={config.context_parallel}) is not supported: the "
             "context split cuts each microbatch's sequence on the first stage, which the later stages and the loss "
             "do not see. Fix: context_parallel=1, or pipeline_parallel=1."
+        )
+
+
+def _check_stages_per_rank(config: FSDPConfig, interleaved: bool) -> None:
+    schedule, per_rank = config.pipeline_schedule, config.pipeline_stages_per_rank
+    if per_rank is None:
+        per_rank = config.pipeline_stages_per_rank = 2 if interleaved else 1
+    if isinstance(per_rank, bool) or not isinstance(per_rank, int) or per_rank < 1 or (per_rank > 1) != interleaved:
+        need = "an integer >= 2 (it holds several stages per rank)" if interleaved else "1 (one stage per rank)"
+        raise ValueError(
+            f"FSDPConfig(pipeline_schedule={schedule!r}, pipeline_stages_per_rank={per_rank!r}): the schedule needs "
+            f"{need}. Fix: pipeline_stages_per_rank=None (its default), or another schedule."
+        )
+
+
+def _check_microbatches(config: FSDPConfig, interleaved: bool) -> None:
+    pp, schedule, micro = config.pipeline_parallel, config.pipeline_schedule, config.pipeline_microbatches
+    if micro is None:
+        micro = config.pipeline_microbatches = pp
+    if isinstance(micro, bool) or not isinstance(micro, int) or micro < 1:
+        raise ValueError(f"FSDPConfig.pipeline_microbatches={micro!r} must be an integer >= 1.")
+    if schedule != "gpipe" and micro < pp:
+        raise ValueError(
+            f"FSDPConfig(pipeline_schedule={schedule!r}, pipeline_microbatches={micro}) runs fewer microbatches than "
+            f"its {pp} pipeline stages, which this schedule cannot fill. Fix: pipeline_microbatches >= {pp} (a "
+            "multiple of it for an interleaved schedule), or pipeline_schedule='gpipe'."
+        )
+    if interleaved and micro % pp:
+        raise ValueError(
+            f"FSDPConfig(pipeline_schedule={schedule!r}, pipeline_microbatches={micro}): an interleaved schedule runs "
+            f"the microbatches in rounds of {pp} (the stages). Fix: a multiple of {pp}, e.g. {micro + pp - micro % pp}."
         )
 
 

@@ -26,7 +26,6 @@ algorithms of `UNPIPELINABLE`; all refused before work starts, naming why (`chec
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -60,7 +59,7 @@ UNPIPELINABLE = {
     "keep the first batch's shapes.",
 }
 
-_GROUPS: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
+_GROUPS: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
 
 
 def pipeline_group(model: torch.nn.Module) -> Any:
@@ -88,7 +87,11 @@ def whole_model_norm(model: torch.nn.Module, norm: torch.Tensor, norm_type: floa
 
 def check_algorithms_for_pipeline(algorithms: Sequence[Any], degree: int) -> None:
     """Raise ValueError naming each algorithm that cannot run under pipeline parallelism, and why."""
-    problems = [f"{type(a).__name__}: {UNPIPELINABLE[type(a).__name__]}" for a in algorithms if type(a).__name__ in UNPIPELINABLE]
+    problems = [
+        f"{type(a).__name__}: {UNPIPELINABLE[type(a).__name__]}"
+        for a in algorithms
+        if type(a).__name__ in UNPIPELINABLE
+    ]
     problems += [
         f"{type(a).__name__}: it needs backward(create_graph=True), which the pipeline's stage-by-stage backward "
         "does not run."
@@ -126,11 +129,11 @@ class Feed:
     def __init__(self) -> None:
         self.microbatches: List[Any] = []
         self.context: Optional[contextlib.AbstractContextManager[Any]] = None
-        self.before_forward: Callable[[Any], Any] = lambda microbatch: microbatch
+        self.before_forward: Callable[[int], Any] = lambda index: self.microbatches[index]
         self.loss: Callable[[torch.Tensor, int], torch.Tensor] = _no_loss
 
     def microbatch(self, index: torch.Tensor) -> Any:
-        return self.before_forward(self.microbatches[int(index.reshape(-1)[0])])
+        return self.before_forward(int(index.reshape(-1)[0]))
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         return self.context if self.context is not None else contextlib.nullcontext()
@@ -145,7 +148,8 @@ def _no_loss(output: torch.Tensor, index: int) -> torch.Tensor:
 
 class Pipeline:
     """This rank's part of the pipelines: its stages (pruned from ``model`` in place), their schedule
-    and the pipeline's process group. Built by `Parallel.wrap` before sharding and materialising."""
+    and the pipeline's process group. Built by `Parallel.wrap` before it shards each of ``modules``
+    (`raytrain_events.parallel.wrap.shard_stages`) and materialises them."""
 
     def __init__(self, model: torch.nn.Module, config: FSDPConfig, mesh: Any) -> None:
         pp_mesh = mesh["pipeline"]
@@ -160,25 +164,14 @@ class Pipeline:
         last = self.layout.stages - 1
         self.stage_indices = sorted(held)
         self.modules: List[StageModule] = [
-            StageModule(model, held[s], edges, s == 0, s == last, self.feed) for s in self.stage_indices
+            StageModule(model, held[s], edges[0] if s == 0 else None, edges[1] if s == last else None, self.feed)
+            for s in self.stage_indices
         ]
         self.has_first = 0 in held
         self.has_last = last in held
         self.microbatches: int = config.pipeline_microbatches or config.pipeline_parallel
         _GROUPS[model] = self.group
         self.schedule: Any = None
-
-    def shard(self, model: torch.nn.Module, world_size: int, device: torch.device, mesh: Any) -> None:
-        """Tensor parallelism over the kept layers, then FSDP over each stage (its own root unit)."""
-        from raytrain_events.parallel.tensor_parallel import apply_tensor_parallel
-        from raytrain_events.parallel.wrap import apply_fsdp  # wrap imports this module
-
-        config = self.config
-        if config.tensor_parallel > 1:
-            apply_tensor_parallel(model, mesh["tensor"], config.tensor_parallel)
-        per_stage = dataclasses.replace(config, tensor_parallel=1)  # applied above, once, to the kept layers
-        for module in self.modules:
-            apply_fsdp(module, per_stage, world_size, device, mesh)
 
     def build_schedule(self, device: torch.device) -> None:
         """The schedule over this rank's `PipelineStage`s (after the parameters are materialised)."""
@@ -198,8 +191,12 @@ class Pipeline:
         schedule_class = getattr(pipelining, names[kind])
         # scale_grads=False: the loss of each microbatch is weighted by its share of the batch's
         # samples (as the loop's grad accumulation), so the gradient is the batch mean without it.
-        kwargs: Dict[str, Any] = dict(n_microbatches=self.microbatches, loss_fn=self.feed.compute_loss, scale_grads=False)
-        self.schedule = schedule_class(stages, **kwargs) if PIPELINE_SCHEDULES[kind] else schedule_class(stages[0], **kwargs)
+        kwargs: Dict[str, Any] = dict(
+            n_microbatches=self.microbatches, loss_fn=self.feed.compute_loss, scale_grads=False
+        )
+        self.schedule = (
+            schedule_class(stages, **kwargs) if PIPELINE_SCHEDULES[kind] else schedule_class(stages[0], **kwargs)
+        )
 
     def step(self) -> List[torch.Tensor]:
         """Run the batch in ``self.feed.microbatches`` through the schedule (forward, loss, backward);

@@ -128,15 +128,17 @@ class StageModule(torch.nn.Module):
         self,
         model: torch.nn.Module,
         blocks: List[torch.nn.Module],
-        edges: Tuple[List[torch.nn.Module], List[torch.nn.Module]],
-        first: bool,
-        last: bool,
+        first_part: Optional[List[torch.nn.Module]],
+        last_part: Optional[List[torch.nn.Module]],
         feed: Any,
     ) -> None:
+        """``first_part`` / ``last_part``: the model's modules before / after the blocks on the first /
+        last stage, None on the others."""
         super().__init__()
-        self.edge_first = torch.nn.ModuleList(edges[0] if first else [])
+        first, last = first_part is not None, last_part is not None
+        self.edge_first = torch.nn.ModuleList(first_part or [])
         self.body = torch.nn.ModuleList(blocks)
-        self.edge_last = torch.nn.ModuleList(edges[1] if last else [])
+        self.edge_last = torch.nn.ModuleList(last_part or [])
         self._model = [model]  # a list: not registered as a child (its other stages' layers are not ours)
         self.first, self.last, self._feed = first, last, feed
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import struct
-from typing import Any, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
@@ -45,12 +45,14 @@ class PipelineCounters:
 
     on_gradients = False
 
-    def __init__(self, dist: Dist, state: Any, batch_group: int, tensor_group: int, has_last: bool) -> None:
+    def __init__(self, dist: Dist, state: Any, batch_group: int, pipeline: Pipeline) -> None:
+        """``batch_group``: the consecutive ranks of one pipeline (its stages and their tensor groups)."""
         self.dist, self.state = dist, state
         self.pipelines = dist.world_size // batch_group
         self.slot = dist.rank // batch_group
+        tensor_group = batch_group // pipeline.config.pipeline_parallel
         # One rank per pipeline writes its loss: the last stage's first rank of its tensor group.
-        self.writes = has_last and dist.rank % tensor_group == 0
+        self.writes = pipeline.has_last and dist.rank % tensor_group == 0
         self._values: List[int] = []
 
     def start(self, values: Sequence[int]) -> None:
@@ -80,12 +82,17 @@ class PipelineStep:
     where they happen (see the module docstring); the `Trainer` calls `accumulate` per batch (and
     from an optimizer's closure) instead of its per-microbatch path."""
 
-    def __init__(self, *, state: Any, engine: Any, pipeline: Pipeline, spec: Any, dist: Dist, batch_group: int) -> None:
+    def __init__(self, *, state: Any, engine: Any, pipeline: Pipeline, spec: Any, counters: PipelineCounters) -> None:
+        """``counters``: the loop's per-batch sum, which carries the loss to the other stages."""
         self.state, self.engine, self.pipeline, self.spec = state, engine, pipeline, spec
-        self.tensor_group = batch_group // pipeline.config.pipeline_parallel
-        self.counters = PipelineCounters(dist, state, batch_group, self.tensor_group, pipeline.has_last)
+        self.counters = counters
         self._active: Mapping[Event, bool] = {}
+        self._fed: Dict[int, Any] = {}  # the first stage's microbatches of this batch, after BEFORE_FORWARD
         self._total = 0
+        # The first step's first loss call is the stage's metadata inference (torch runs a forward and
+        # the loss once to learn the shapes it sends): no events, the state untouched.
+        self._loss_calls: Optional[int] = None  # counted in the first step only, then None
+        self._inferring = pipeline.has_last
         pipeline.feed.before_forward = self._before_forward
         pipeline.feed.loss = self._loss
 
@@ -110,10 +117,17 @@ class PipelineStep:
         pipeline.feed.microbatches = spec.split_batch(batch, microbatches)
         pipeline.feed.context = autocast
         state.loss = None
+        first_step, self._loss_calls = self._inferring, 0
         try:
             losses = pipeline.step()
         finally:
-            pipeline.feed.microbatches = []
+            pipeline.feed.microbatches, self._fed = [], {}
+        if first_step and self._loss_calls != microbatches + 1:
+            raise RuntimeError(
+                f"The pipeline's first step called the loss {self._loss_calls} times for {microbatches} microbatches; "
+                "this torch's schedule does not infer the stage's shapes as PipelineStep expects (one extra call)."
+            )
+        self._loss_calls = None
         state.batch = batch
         if losses:
             total_loss = losses[0].detach()
@@ -123,11 +137,18 @@ class PipelineStep:
         if active[Event.AFTER_BACKWARD]:
             self.engine.run_event(Event.AFTER_BACKWARD)
 
-    def _before_forward(self, microbatch: Any) -> Any:
+    def _before_forward(self, index: int) -> Any:
+        """The first stage's microbatch ``index`` after ``BEFORE_FORWARD``: fired once per microbatch,
+        though the first step runs the first microbatch's forward twice (the stage learns the shapes
+        it sends from a forward of its own), so both see the same microbatch."""
+        fed = self._fed.get(index)
+        if fed is not None:
+            return fed
         state = self.state
-        state.batch = microbatch
+        state.batch = self.pipeline.feed.microbatches[index]
         if self._active[Event.BEFORE_FORWARD]:
             self.engine.run_event(Event.BEFORE_FORWARD)
+        self._fed[index] = state.batch
         return state.batch
 
     def _loss(self, outputs: torch.Tensor, index: int) -> torch.Tensor:
@@ -135,7 +156,15 @@ class PipelineStep:
         from raytrain_events.trainer._batch import total_loss  # trainer imports parallel: deferred
 
         state, engine, active = self.state, self.engine, self._active
-        state.batch, state.outputs = self.pipeline.feed.microbatches[index], outputs
+        microbatch = self.pipeline.feed.microbatches[index]
+        weight = self.spec.get_num_samples_in_batch(microbatch) / self._total
+        if self._loss_calls is not None:
+            self._loss_calls += 1
+        if self._inferring:  # the metadata inference's forward ran on placeholder activations
+            self._inferring = False
+            with self.pipeline.feed.autocast():
+                return total_loss(state.model.loss(outputs, microbatch)) * weight
+        state.batch, state.outputs = microbatch, outputs
         for event in (Event.AFTER_FORWARD, Event.BEFORE_LOSS):
             if active[event]:
                 engine.run_event(event)
@@ -144,5 +173,4 @@ class PipelineStep:
         for event in (Event.AFTER_LOSS, Event.BEFORE_BACKWARD):
             if active[event]:
                 engine.run_event(event)
-        loss = total_loss(state.loss)
-        return loss * (self.spec.get_num_samples_in_batch(state.batch) / self._total)
+        return total_loss(state.loss) * weight

@@ -11,6 +11,7 @@ holding this rank's shard.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -141,6 +142,17 @@ def apply_fsdp(
     return model
 
 
+def shard_stages(pipeline: Pipeline, model: torch.nn.Module, world_size: int, device: torch.device, mesh: Any) -> None:
+    """Pipeline parallelism: tensor parallelism over the layers ``model`` kept (once), then FSDP over
+    each of this rank's stages, each its own root unit (the stage module `PipelineStage` runs)."""
+    config = pipeline.config
+    if config.tensor_parallel > 1:
+        apply_tensor_parallel(model, mesh["tensor"], config.tensor_parallel)
+    per_stage = dataclasses.replace(config, tensor_parallel=1)  # applied above, to the kept layers
+    for module in pipeline.modules:
+        apply_fsdp(module, per_stage, world_size, device, mesh)
+
+
 class Parallel:
     """The data-parallel strategy of one `Trainer` (built from its ``parallelism`` option)."""
 
@@ -225,7 +237,7 @@ class Parallel:
                 mesh = build_mesh(config, dist.world_size, device)
                 if config.pipeline_parallel > 1:  # this rank's stages only, each sharded (pipeline.py)
                     self.pipeline = Pipeline(model, config, mesh)
-                    self.pipeline.shard(model, dist.world_size, device, mesh)
+                    shard_stages(self.pipeline, model, dist.world_size, device, mesh)
                 else:
                     apply_fsdp(model, config, dist.world_size, device, mesh)
                 if config.context_parallel > 1:

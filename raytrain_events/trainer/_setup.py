@@ -217,17 +217,11 @@ def pipeline_step(host: Any) -> Optional[PipelineStep]:
             "would run the whole model's forward on a rank that holds one stage. Fix: drop eval_dataloader and "
             "evaluate a checkpoint of the run in a Trainer without pipeline_parallel (checkpoints reshard into it)."
         )
-    from raytrain_events.parallel.pipeline_step import PipelineStep  # torch.distributed.pipelining: only when used
+    from raytrain_events.parallel.pipeline_step import PipelineCounters, PipelineStep  # only when pipelined
 
     engine: Engine = host.engine
-    return PipelineStep(
-        state=host.state,
-        engine=engine,
-        pipeline=pipeline,
-        spec=host.train_spec,
-        dist=host.dist,
-        batch_group=host.parallel.spec.batch_group,
-    )
+    counters = PipelineCounters(host.dist, host.state, host.parallel.spec.batch_group, pipeline)
+    return PipelineStep(state=host.state, engine=engine, pipeline=pipeline, spec=host.train_spec, counters=counters)
 
 
 def check_flags_agree(state: State, dist: Dist) -> None:

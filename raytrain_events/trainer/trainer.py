@@ -35,12 +35,12 @@ from raytrain_events.parallel.wrap import Parallel, is_sharded_module
 from raytrain_events.trainer._batch import check_model, move_to_device, total_loss
 from raytrain_events.trainer._setup import (
     as_list,
-    pipeline_step,
     build_schedulers,
     check_can_fit,
     check_flags_agree,
     data_callbacks,
     eval_intervals,
+    pipeline_step,
     set_duration,
     train_inputs,
     wrap_for_training,

@@ -16,9 +16,33 @@ from torch.utils.data import DataLoader
 
 from raytrain_events import Trainer
 from raytrain_events.algorithms.gradient_clipping import GradientClipping
+from raytrain_events.core.callback import Callback
 from tests.parallel.workloads import full_model_state, snapshot
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
+COUNTED = (
+    "BEFORE_FORWARD",
+    "AFTER_FORWARD",
+    "BEFORE_LOSS",
+    "AFTER_LOSS",
+    "BEFORE_BACKWARD",
+    "AFTER_BACKWARD",
+    "BATCH_END",
+)
+
+
+class EventCounter(Callback):
+    """Counts the per-batch and per-microbatch events this rank fires, and what the loss was at BATCH_END."""
+
+    def __init__(self) -> None:
+        self.counts: Dict[str, int] = {}
+        self.losses: List[float] = []
+
+    def run_event(self, event: Any, state: Any, logger: Any) -> None:
+        if event.name in COUNTED:
+            self.counts[event.name] = self.counts.get(event.name, 0) + 1
+        if event.name == "BATCH_END":
+            self.losses.append(float(state.loss))
 
 
 def pp_config(schedule: str, degree: int = 2, **more: Any) -> Dict[str, Any]:
@@ -63,6 +87,7 @@ def pp_trainer(
         grad_accum=1 if pipelined else 2,
         parallelism=parallelism,
         algorithms=[GradientClipping("norm", 0.1)],
+        callbacks=[EventCounter()],
         checkpoint=checkpoint,
     )
 
@@ -75,6 +100,8 @@ def _result(trainer: Trainer) -> Dict[str, Any]:
         "loss": float(state.loss),
         "samples": state.timestamp.sample.value,
         "batches": state.timestamp.batch.value,
+        "events": state.callbacks[0].counts,
+        "losses": state.callbacks[0].losses,
     }
 
 
@@ -101,16 +128,17 @@ def train_schedules(rank: int, world_size: int, configs: List[Dict[str, Any]], d
     return out
 
 
-def pp_checkpoint_hops(rank: int, world_size: int, pp2_folder: str, pp4_folder: str) -> Dict[str, Any]:
-    """PP 2 x DP 2 (1F1B) trains 2 batches, saves; PP 4 (4 stages, no data parallelism... on the same
-    4 ranks) loads it (its snapshot as loaded), trains a 3rd batch, saves."""
+def pp_checkpoint_hops(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
+    """PP 2 x DP 2 (1F1B, 2 stages of 2 blocks) trains 2 batches and saves; PP 4 (4 stages of one
+    block, one pipeline over the 4 ranks) resumes it (its snapshot as loaded), trains a 3rd batch
+    and saves it into the same folder (the test process resumes that on one process)."""
     pp2 = pp_config("1f1b")
-    trainer = pp_trainer(rank, pp2, "2ba", 2, pp2_folder)
+    trainer = pp_trainer(rank, pp2, "2ba", 2, folder)
     trainer.fit()
     out: Dict[str, Any] = {"pp2_saved": snapshot(trainer)}
     trainer.close()
     pp4 = pp_config("1f1b", degree=4, pipeline_microbatches=4)
-    trainer = pp_trainer(rank, pp4, "3ba", 4, pp2_folder, autoresume=True, save_folder=pp4_folder, save_interval="1ba")
+    trainer = pp_trainer(rank, pp4, "3ba", 4, folder, autoresume=True, save_interval="1ba")
     out["pp4_loaded"] = snapshot(trainer)
     trainer.fit()
     out["pp4_saved"] = snapshot(trainer)
