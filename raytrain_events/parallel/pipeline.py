@@ -40,6 +40,8 @@ __all__ = [
     "UNPIPELINABLE",
     "check_algorithms_for_pipeline",
     "check_pipeline_loop",
+    "check_pipeline_run",
+    "check_pipelined_model",
     "pipeline_group",
     "whole_model_norm",
 ]
@@ -121,6 +123,33 @@ def check_pipeline_loop(config: FSDPConfig, grad_accum: Any, precision: Any) -> 
         )
 
 
+def check_pipelined_model(model: torch.nn.Module, config: FSDPConfig) -> None:
+    """Refuse a model the stages cannot be cut from (no protocol, a stage count that does not divide
+    its blocks, parameters of its own); `RayTrainer` runs it on the driver's meta-device model."""
+    _, blocks = find_blocks(model)
+    plan_stages(len(blocks), config.pipeline_parallel, config.pipeline_stages_per_rank or 1, config.pipeline_split)
+    own = [n for n, _ in model.named_parameters(recurse=False)]
+    if own:
+        raise ValueError(
+            f"pipeline_parallel: {type(model).__name__} holds parameters of its own ({own}), outside any child module, "
+            "which no single stage can own. Fix: move them into a child module (e.g. an nn.Embedding)."
+        )
+
+
+def check_pipeline_run(config: FSDPConfig, workers: Any, algorithms: Sequence[Any], eval_sets: Sequence[str]) -> None:
+    """What `RayTrainer` refuses before Ray starts under pipeline parallelism: a mesh whose product
+    is not the (fixed) worker count, algorithms that cannot run, eval sets (evaluation is not pipelined)."""
+    if isinstance(workers, int):
+        config.mesh_shape(workers)
+    check_algorithms_for_pipeline(algorithms, config.pipeline_parallel)
+    if eval_sets:
+        raise ValueError(
+            f"FSDPConfig(pipeline_parallel={config.pipeline_parallel}) trains only, but datasets has eval sets "
+            f"{sorted(eval_sets)}: evaluation would run the whole model on a rank that holds one stage. Fix: drop them "
+            "and evaluate a checkpoint of the run without pipeline_parallel (checkpoints reshard into it)."
+        )
+
+
 class Feed:
     """What the stages read per batch: the microbatches (the first stage's input is a microbatch's
     index), the autocast context, and the loop's callbacks for the first stage's forward and the
@@ -156,6 +185,7 @@ class Pipeline:
         self.config = config
         self.group = pp_mesh.get_group()
         self.rank = pp_mesh.get_local_rank()
+        check_pipelined_model(model, config)
         _, blocks = find_blocks(model)
         per_rank = config.pipeline_stages_per_rank or 1
         self.layout = plan_stages(len(blocks), config.pipeline_parallel, per_rank, config.pipeline_split)

@@ -166,15 +166,8 @@ def keep_stages(
     model: torch.nn.Module, layout: StageLayout, pipeline_rank: int
 ) -> Tuple[Dict[int, List[torch.nn.Module]], Tuple[List[torch.nn.Module], List[torch.nn.Module]]]:
     """Prune ``model`` in place to pipeline rank ``pipeline_rank``'s stages; returns ``{stage: its blocks}``
-    and the model's first and last parts (its children before and after the blocks).
-
-    The model's own parameters (not in a child module) are refused: no stage could own them alone."""
-    own = [n for n, _ in model.named_parameters(recurse=False)]
-    if own:
-        raise ValueError(
-            f"pipeline_parallel: {type(model).__name__} holds parameters of its own ({own}), outside any child module, "
-            "which no single stage can own. Fix: move them into a child module (e.g. an nn.Embedding)."
-        )
+    and the model's first and last parts (its children before and after the blocks). The model was
+    checked first (`raytrain_events.parallel.pipeline.check_pipelined_model`)."""
     name, blocks = find_blocks(model)
     if len(blocks) < layout.stages:
         raise ValueError(
