@@ -187,14 +187,16 @@ class Parallel:
         return self.spec.tensor_parallel
 
     def data_parallel(self, rank: int, world_size: int) -> tuple:
-        """``(data-parallel rank, data-parallel size)``: what to shard the data by. Under tensor and
-        context parallelism the ``context_parallel * tensor_parallel`` consecutive ranks of one group
-        share a data-parallel rank (they must load the same batches); otherwise ``(rank, world_size)``."""
+        """``(data-parallel rank, data-parallel size)``: what to shard the data by. Under tensor, context
+        and pipeline parallelism the ``pipeline_parallel * context_parallel * tensor_parallel``
+        consecutive ranks of one group share a data-parallel rank (they must load the same batches);
+        otherwise ``(rank, world_size)``."""
         return data_parallel_coordinates(rank, world_size, self.spec.batch_group)
 
     def counts_data(self, rank: int) -> bool:
         """Whether this rank's samples and tokens count in the global sums: every rank's, except
-        under tensor or context parallelism, where one rank per group counts the group's shared batch."""
+        under tensor, context or pipeline parallelism, where one rank per group (the first stage's
+        first) counts the group's shared batch."""
         return rank % self.spec.batch_group == 0
 
     def split(self, batch: Any) -> Any:
