@@ -107,9 +107,14 @@ def check_algorithms_for_pipeline(algorithms: Sequence[Any], degree: int) -> Non
         )
 
 
-def check_pipeline_loop(config: FSDPConfig, grad_accum: Any, precision: Any) -> None:
+def check_pipeline_loop(config: FSDPConfig, grad_accum: Any, precision: Any, compile_model: Any = False) -> None:
     """Refuse loop options that do not compose with pipeline parallelism (`LoopOptions` calls it)."""
     pp = config.pipeline_parallel
+    if compile_model:
+        raise ValueError(
+            f"compile={compile_model!r} with FSDPConfig(pipeline_parallel={pp}): it compiles the model's forward, which "
+            "the stages never call (each runs its own blocks). Fix: compile=False; compiling stages is not built."
+        )
     if grad_accum != 1:
         raise ValueError(
             f"grad_accum={grad_accum!r} with FSDPConfig(pipeline_parallel={pp}): the schedule splits each batch into "

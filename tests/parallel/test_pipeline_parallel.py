@@ -191,6 +191,7 @@ def test_a_model_without_the_protocol_is_refused() -> None:
         ({"grad_accum": 2}, "grad_accum=2 with FSDPConfig\\(pipeline_parallel=2\\).*Fix: grad_accum=1"),
         ({"grad_accum": "auto"}, "grad_accum='auto'"),
         ({"precision": "amp_fp16"}, "amp_fp16.*Fix: precision='amp_bf16'"),
+        ({"compile": True}, "compile=True with FSDPConfig.*the stages never call"),
     ],
 )
 def test_loop_options_that_do_not_compose_are_refused(kwargs: Dict[str, Any], message: str) -> None:
