@@ -147,8 +147,8 @@ class FSDPConfig:
             given = [f"{n}={v}" for n, v in degrees if v > 1]
             given += [f"tensor_parallel={tp}"] if tp > 1 else []
             raise ValueError(
-                f"FSDPConfig({', '.join(given)}) needs a world size divisible by {group} (the product of the mesh's "
-                f"degrees), got {world_size} ranks. Fix: use a multiple of {group} workers, or other degrees."
+                f"FSDPConfig({', '.join(given)}) needs a world size divisible by {group}, got {world_size} ranks (the "
+                f"mesh's degrees multiply to {group}). Fix: use a multiple of {group} workers, or another replicate."
             )
         shard = world_size // group
         sizes = {"replicate": self.replicate, "shard": shard, "pipeline": pp, "context": cp, "tensor": tp}
