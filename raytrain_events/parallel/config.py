@@ -212,7 +212,7 @@ def check_pipeline_options(config: FSDPConfig) -> None:
         raise ValueError(f"FSDPConfig.pipeline_schedule={schedule!r} is not one of {sorted(PIPELINE_SCHEDULES)}.")
     if pp == 1:
         return
-    interleaved = PIPELINE_SCHEDULES[schedule]
+    interleaved = PIPELINE_SCHEDULES[schedule][1]
     _check_stages_per_rank(config, interleaved)
     _check_microbatches(config, interleaved)
     per_rank = config.pipeline_stages_per_rank
@@ -264,8 +264,14 @@ def _check_microbatches(config: FSDPConfig, interleaved: bool) -> None:
         )
 
 
-#: The pipeline schedules by name, and whether each holds several stages per rank (interleaved).
-PIPELINE_SCHEDULES = {"gpipe": False, "1f1b": False, "interleaved1f1b": True, "loopedbfs": True}
+#: The pipeline schedules by name: ``torch.distributed.pipelining``'s class, and whether it holds
+#: several stages per rank (interleaved).
+PIPELINE_SCHEDULES = {
+    "gpipe": ("ScheduleGPipe", False),
+    "1f1b": ("Schedule1F1B", False),
+    "interleaved1f1b": ("ScheduleInterleaved1F1B", True),
+    "loopedbfs": ("ScheduleLoopedBFS", True),
+}
 
 
 def parse_parallelism(value: Union[str, FSDPConfig, ParallelismSpec, Dict[str, Any], None]) -> ParallelismSpec:

@@ -216,22 +216,14 @@ class Pipeline:
             pipelining.PipelineStage(module, index, self.layout.stages, device, group=self.group)
             for module, index in zip(self.modules, self.stage_indices)
         ]
-        names = {
-            "gpipe": "ScheduleGPipe",
-            "1f1b": "Schedule1F1B",
-            "interleaved1f1b": "ScheduleInterleaved1F1B",
-            "loopedbfs": "ScheduleLoopedBFS",
-        }
-        kind = self.config.pipeline_schedule
-        schedule_class = getattr(pipelining, names[kind])
+        class_name, interleaved = PIPELINE_SCHEDULES[self.config.pipeline_schedule]
+        schedule_class = getattr(pipelining, class_name)
         # scale_grads=False: the loss of each microbatch is weighted by its share of the batch's
         # samples (as the loop's grad accumulation), so the gradient is the batch mean without it.
         kwargs: Dict[str, Any] = dict(
             n_microbatches=self.microbatches, loss_fn=self.feed.compute_loss, scale_grads=False
         )
-        self.schedule = (
-            schedule_class(stages, **kwargs) if PIPELINE_SCHEDULES[kind] else schedule_class(stages[0], **kwargs)
-        )
+        self.schedule = schedule_class(stages, **kwargs) if interleaved else schedule_class(stages[0], **kwargs)
 
     def step(self) -> List[torch.Tensor]:
         """Run the batch in ``self.feed.microbatches`` through the schedule (forward, loss, backward);

@@ -19,7 +19,7 @@ from raytrain_events.algorithms.gradient_clipping import GradientClipping
 from raytrain_events.core.callback import Callback
 from tests.parallel.workloads import full_model_state, snapshot
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "loopedbfs")
 COUNTED = (
     "BEFORE_FORWARD",
     "AFTER_FORWARD",

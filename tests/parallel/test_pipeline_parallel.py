@@ -54,8 +54,8 @@ def _check_like_ddp(ddp: List[Dict[str, Any]], runs: List[Dict[str, Any]], group
 
 def test_each_schedule_trains_like_ddp_on_pp2_x_dp2(ddp_reference: List[Dict[str, Any]]) -> None:
     """PP 2 x DP 2 on 4 gloo ranks (a meta-built model, each rank materialising its stage only) trains
-    the same 4 global batches to DDP's parameters for GPipe, 1F1B and Interleaved 1F1B (2 stages per
-    rank), with the model's loss on every rank, the whole model's clipping norm and an equal
+    the same 4 global batches to DDP's parameters for GPipe, 1F1B, Interleaved 1F1B and Looped BFS
+    (2 stages per rank), with the model's loss on every rank, the whole model's clipping norm and an equal
     Timestamp; the loss events fire on the last stage only, BEFORE_FORWARD on the first."""
     from tests.parallel.pp_workloads import train_schedules
     from tests.parallel.spawn import run_ranks
@@ -66,7 +66,8 @@ def test_each_schedule_trains_like_ddp_on_pp2_x_dp2(ddp_reference: List[Dict[str
         runs = [results[rank][index] for rank in range(4)]
         _check_like_ddp(ddp_reference, runs, group=2, atol=1e-6)
         stages = [run["stages"] for run in runs]
-        assert stages == ([[0, 2], [1, 3]] * 2 if schedule == "interleaved1f1b" else [[0], [1]] * 2), schedule
+        looped = schedule in ("interleaved1f1b", "loopedbfs")
+        assert stages == ([[0, 2], [1, 3]] * 2 if looped else [[0], [1]] * 2), schedule
         for run in runs:  # a stage's layers, sharded over the 2 data-parallel ranks: under half the model
             assert run["local_numel"] < full / 2
         first, last = runs[0]["events"], runs[1]["events"]
