@@ -55,12 +55,14 @@ def _check_like_ddp(ddp: List[Dict[str, Any]], runs: List[Dict[str, Any]], group
 def test_each_schedule_trains_like_ddp_on_pp2_x_dp2(ddp_reference: List[Dict[str, Any]]) -> None:
     """PP 2 x DP 2 on 4 gloo ranks (a meta-built model, each rank materialising its stage only) trains
     the same 4 global batches to DDP's parameters for GPipe, 1F1B, Interleaved 1F1B and Looped BFS
-    (2 stages per rank), with the model's loss on every rank, the whole model's clipping norm and an equal
+    (2 stages per rank), and 1F1B over HSDP, with the model's loss on every rank, the whole model's clipping norm and an equal
     Timestamp; the loss events fire on the last stage only, BEFORE_FORWARD on the first."""
     from tests.parallel.pp_workloads import train_schedules
     from tests.parallel.spawn import run_ranks
 
-    results = run_ranks(4, train_schedules, [pp_config(s) for s in SCHEDULES], 2)
+    hsdp = pp_config("1f1b", replicate=2)  # PP 2 x HSDP 2x1: the mesh (replicate, shard, pipeline)
+    results = run_ranks(4, train_schedules, [pp_config(s) for s in SCHEDULES] + [hsdp], 2)
+    _check_like_ddp(ddp_reference, [results[rank][len(SCHEDULES)] for rank in range(4)], group=2, atol=1e-6)
     full = sum(t.numel() for t in ddp_reference[0]["model"].values())
     for index, schedule in enumerate(SCHEDULES):
         runs = [results[rank][index] for rank in range(4)]
