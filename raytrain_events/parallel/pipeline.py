@@ -59,6 +59,8 @@ UNPIPELINABLE = {
     "keep the first batch's shapes.",
     "SeqLengthWarmup": "it changes the sequence length between batches, but the stages' send and receive buffers "
     "keep the first batch's shapes.",
+    "EMA": "its averages go into the checkpoint's shared state, which names one stage's parameters only, so a "
+    "resume (on any stage count) would not find the others' (not built).",
 }
 
 _GROUPS: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()

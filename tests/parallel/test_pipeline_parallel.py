@@ -207,17 +207,18 @@ def test_loop_options_that_do_not_compose_are_refused(kwargs: Dict[str, Any], me
 def test_algorithms_that_cannot_run_under_pp_are_refused_before_any_work() -> None:
     from examples.transformer_lm import TransformerLM, random_tokens
     from raytrain_events import Trainer
+    from raytrain_events.algorithms.ema import EMA
     from raytrain_events.algorithms.layer_freezing import LayerFreezing
     from raytrain_events.algorithms.mixup import MixUp
 
     with torch.device("meta"):
         model = TransformerLM(depth=4)
-    with pytest.raises(ValueError, match="MixUp: it mixes the inputs on the first stage(.|\n)*LayerFreezing"):
+    with pytest.raises(ValueError, match="MixUp: it mixes the inputs on the first stage(.|\n)*LayerFreezing(.|\n)*EMA"):
         Trainer(
             model=model,
             train_dataloader=torch.utils.data.DataLoader(random_tokens(8), batch_size=4),
             max_duration="1ba",
             optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
             parallelism=pp_config("1f1b"),
-            algorithms=[MixUp(), LayerFreezing()],
+            algorithms=[MixUp(), LayerFreezing(), EMA()],
         )

@@ -102,7 +102,7 @@ def test_ray_trainer_refuses_bad_pipelines_before_ray_starts(tmp_path: Any, no_r
 
 @pytest.mark.ray
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # 126 s at load 85 here (2 cores)
+@pytest.mark.timeout(600)  # 23 s at load 17, 126 s at load 85 here (2 cores)
 def test_a_pipeline_over_two_workers_trains_every_row_once_with_the_models_loss(
     ray_cluster: Any, tmp_path: Any
 ) -> None:
