@@ -14,6 +14,10 @@ Global shapes it needs: ``heads`` and ``4 * width`` divisible by ``t`` (``width`
 Attention reshapes with ``-1`` heads, so the same code runs whole or split. The ``t`` ranks of one
 tensor group must see the same batches: shard the data by `Parallel.data_parallel` (``rank // t``).
 
+Pipeline parallelism (``FSDPConfig(pipeline_parallel=p)``): ``blocks`` is the block list the stages
+cut, ``pipeline_embed`` runs on the first stage and ``pipeline_head`` on the last
+(`raytrain_events.parallel.pipeline_split`).
+
 Context parallelism (``FSDPConfig(context_parallel=c)``): attention is plain SDPA, so it can be
 split along the sequence; ``context_parallel_split`` cuts a batch (global ``positions``, ``labels``
 shifted before the cut) and ``forward``/``loss`` take the cut batch.
@@ -110,13 +114,21 @@ class TransformerLM(torch.nn.Module):
         self.head = torch.nn.Linear(width, vocab, bias=False)
 
     def forward(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        x = self.pipeline_embed(batch)
+        for block in self.blocks:
+            x = block(x)
+        return self.pipeline_head(x)
+
+    def pipeline_embed(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """What runs before the blocks (the first pipeline stage's part; ``FSDPConfig(pipeline_parallel=p)``)."""
         ids = batch["input_ids"]
         positions = batch.get("positions")  # context parallelism: the global positions of this rank's part
         if positions is None:
             positions = torch.arange(ids.shape[1], device=ids.device)
-        x = self.tokens(ids) + self.positions(positions)
-        for block in self.blocks:
-            x = block(x)
+        return self.tokens(ids) + self.positions(positions)  # type: ignore[no-any-return]
+
+    def pipeline_head(self, x: torch.Tensor) -> torch.Tensor:
+        """What runs after the blocks (the last pipeline stage's part): logits."""
         return self.head(self.norm(x))  # type: ignore[no-any-return]
 
     def loss(self, logits: torch.Tensor, batch: Dict[str, torch.Tensor]) -> torch.Tensor:

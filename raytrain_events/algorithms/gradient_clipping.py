@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from raytrain_events.algorithms.registry import register_algorithm
 from raytrain_events.core.algorithm import Algorithm
 from raytrain_events.core.event import Event
+from raytrain_events.parallel.pipeline import whole_model_norm
 
 __all__ = ["GradientClipping"]
 
@@ -54,7 +55,8 @@ class GradientClipping(Algorithm):
             if any(isinstance(p.grad, DTensor) for p in params):
                 # FSDP: each rank holds a shard of every gradient; the norm is over all of them.
                 by_mesh = _by_mesh(params)
-                total = _sharded_total_norm(by_mesh, self.norm_type)
+                # Pipeline parallelism: each rank holds one stage's gradients; the norm is over all stages.
+                total = whole_model_norm(state.model, _sharded_total_norm(by_mesh, self.norm_type), self.norm_type)
                 for group in by_mesh:  # foreach ops cannot mix meshes either
                     torch.nn.utils.clip_grads_with_norm_(group, self.clipping_threshold, total)
                 self.last_grad_norm = total

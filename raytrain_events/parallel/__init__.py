@@ -1,7 +1,8 @@
 """Data parallelism for the `Trainer`: DDP (default), FSDP2 sharding or HSDP (`FSDPConfig`,
 ``replicate=k``), tensor parallelism (``tensor_parallel=t``, ``tensor_parallel.py``) and context
 parallelism (``context_parallel=c``, ``context_parallel.py``), alone or together on one mesh
-``(replicate, shard, context, tensor)`` (``config.py``; wrapping in ``wrap.py``); which world sizes
+``(replicate, shard, context, tensor)`` (``config.py``; wrapping in ``wrap.py``), and pipeline
+parallelism (``pipeline_parallel=p``, ``pipeline.py``) on ``(replicate, shard, pipeline, tensor)``; which world sizes
 fit (``world.py``); deferred init of meta-device models (``deferred_init.py``); float8 (``float8.py``).
 
 Files:
@@ -15,6 +16,12 @@ Files:
   then materialised.
 * ``float8.py``: Float8 training through torchao: which GPUs and packages support it, and the
   conversion.
+* ``pipeline.py``: Pipeline parallelism (PP) on the mesh: this rank's stages, FSDP per stage, the
+  ``torch.distributed.pipelining`` schedule, and what does not compose with it.
+* ``pipeline_split.py``: Cut a model into pipeline stages: which blocks each stage holds, and the
+  part of the model one rank keeps.
+* ``pipeline_step.py``: The loop's batch under pipeline parallelism: the schedule runs forward, loss
+  and backward, and the loop's events fire where the work happens.
 * ``oom_agreement.py``: Out-of-memory agreement inside FSDP's forward and backward, for
   ``grad_accum="auto"`` under FSDP.
 * ``tensor_parallel.py``: Tensor parallelism (TP): split each layer's matrices over a group of

@@ -15,7 +15,7 @@ import torch
 
 from raytrain_events.parallel.world import check_tensor_parallel_world
 
-__all__ = ["FSDPConfig", "ParallelismSpec", "parse_parallelism"]
+__all__ = ["FSDPConfig", "PIPELINE_SCHEDULES", "ParallelismSpec", "check_pipeline_options", "parse_parallelism"]
 
 ModulePolicy = Union[Sequence[str], Callable[[torch.nn.Module], bool], None]
 _DTYPES = {
@@ -65,6 +65,18 @@ class FSDPConfig:
             attention (SDPA), for sequences too long for one device; FSDP shards over ``shard x context``.
             The model cuts its batches (``context_parallel_split``); see ``context_parallel.py``.
             1: none. Not with ``activation_checkpointing`` (its recompute would attend unsplit).
+        pipeline_parallel: pipeline parallelism of degree ``p``: the model's blocks are cut into stages,
+            each group of ``p`` consecutive ranks (outside the tensor groups: ``(replicate, shard,
+            pipeline, tensor)``) runs one pipeline, one stage per rank (``pipeline_stages_per_rank``
+            with an interleaved schedule), and FSDP shards each stage over ``shard``; see
+            ``pipeline.py``. The ``p * tensor_parallel`` ranks of a pipeline load the same batches. 1: none.
+        pipeline_schedule: ``"gpipe"``, ``"1f1b"`` (default), ``"interleaved1f1b"`` or ``"loopedbfs"``
+            (``torch.distributed.pipelining``'s schedules; the last two hold several stages per rank).
+        pipeline_microbatches: microbatches per batch the schedule runs (None: ``p``, the fewest
+            1F1B and the interleaved schedules accept; more shrink the bubble, see docs/big-models.md).
+        pipeline_stages_per_rank: stages each rank holds (None: 1, or 2 for an interleaved schedule).
+        pipeline_split: blocks per stage, e.g. ``[3, 5]`` (``p * pipeline_stages_per_rank`` entries
+            summing to the block count); None: an even split of the model's block list.
     """
 
     shard_modules: ModulePolicy = None
@@ -76,6 +88,11 @@ class FSDPConfig:
     replicate: int = 1
     tensor_parallel: int = 1
     context_parallel: int = 1
+    pipeline_parallel: int = 1
+    pipeline_schedule: str = "1f1b"
+    pipeline_microbatches: Optional[int] = None
+    pipeline_stages_per_rank: Optional[int] = None
+    pipeline_split: Optional[Sequence[int]] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.replicate, bool) or not isinstance(self.replicate, int) or self.replicate < 1:
@@ -97,6 +114,7 @@ class FSDPConfig:
                 "Fix: activation_checkpointing=False (context parallelism already divides activations by "
                 f"{cp}), or context_parallel=1."
             )
+        check_pipeline_options(self)
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
             if value is not None and value not in _DTYPES:
@@ -121,27 +139,31 @@ class FSDPConfig:
         ``(replicate, world_size // replicate)`` for HSDP, ``(world_size // t, t)`` for FSDP x TP and
         ``(replicate, world_size // (replicate * t), t)`` for HSDP x TP; a split that leaves part of a
         group raises naming the fix."""
-        tp, cp = self.tensor_parallel, self.context_parallel
+        tp, cp, pp = self.tensor_parallel, self.context_parallel, self.pipeline_parallel
         check_tensor_parallel_world(world_size, tp, cp)
-        if world_size % (self.replicate * cp * tp):
-            given = [f"{n}={v}" for n, v in (("replicate", self.replicate), ("context_parallel", cp)) if v > 1]
+        group = self.replicate * pp * cp * tp
+        if world_size % group:
+            degrees = (("replicate", self.replicate), ("pipeline_parallel", pp), ("context_parallel", cp))
+            given = [f"{n}={v}" for n, v in degrees if v > 1]
             given += [f"tensor_parallel={tp}"] if tp > 1 else []
             raise ValueError(
-                f"FSDPConfig({', '.join(given)}) needs a world size divisible by {self.replicate * cp * tp}, got "
-                f"{world_size} ranks. Fix: use a multiple of {self.replicate * cp * tp} workers, or another replicate."
+                f"FSDPConfig({', '.join(given)}) needs a world size divisible by {group}, got {world_size} ranks (the "
+                f"mesh's degrees multiply to {group}). Fix: use a multiple of {group} workers, or another replicate."
             )
-        shard = world_size // (self.replicate * cp * tp)
-        sizes = {"replicate": self.replicate, "shard": shard, "context": cp, "tensor": tp}
+        shard = world_size // group
+        sizes = {"replicate": self.replicate, "shard": shard, "pipeline": pp, "context": cp, "tensor": tp}
         return tuple(sizes[name] for name in self.mesh_dim_names())
 
     def mesh_dim_names(self) -> tuple:
         """The names of `mesh_shape`'s dimensions, outermost first: ``"replicate"`` (HSDP only),
         ``"shard"``, ``"context"`` (CP only), then ``"tensor"`` (TP only): ``("shard",)``,
         ``("replicate", "shard")``, ``("shard", "tensor")``, ``("replicate", "shard", "tensor")``,
-        ``("shard", "context")``... Consecutive ranks share the innermost dimensions, so a tensor
-        group (and then a context group) sits within a node."""
+        ``("shard", "context")``, ``("shard", "pipeline", "tensor")``... Consecutive ranks share the
+        innermost dimensions, so a tensor group (then a context group, then a pipeline) sits within a
+        node, and every rank that loads one batch (a pipeline's stages) is in one consecutive group."""
         names = ("replicate",) if self.replicate > 1 else ()
-        names += ("shard",) + (("context",) if self.context_parallel > 1 else ())
+        names += ("shard",) + (("pipeline",) if self.pipeline_parallel > 1 else ())
+        names += ("context",) if self.context_parallel > 1 else ()
         return names + (("tensor",) if self.tensor_parallel > 1 else ())
 
 
@@ -168,9 +190,88 @@ class ParallelismSpec:
         return self.fsdp.context_parallel if self.fsdp is not None else 1
 
     @property
+    def pipeline_parallel(self) -> int:
+        """The pipeline-parallel degree (1: none)."""
+        return self.fsdp.pipeline_parallel if self.fsdp is not None else 1
+
+    @property
     def batch_group(self) -> int:
-        """The consecutive ranks that load the same rows: ``context_parallel * tensor_parallel``."""
-        return self.context_parallel * self.tensor_parallel
+        """The consecutive ranks that load the same rows: ``pipeline_parallel * context_parallel *
+        tensor_parallel`` (every stage of a pipeline loads the batch: the first feeds it, the last
+        computes the loss on it)."""
+        return self.pipeline_parallel * self.context_parallel * self.tensor_parallel
+
+
+def check_pipeline_options(config: FSDPConfig) -> None:
+    """Refuse pipeline options that cannot run, naming the fix (those needing the model are in
+    ``pipeline_split.py``, those needing the world size in `FSDPConfig.mesh_shape`)."""
+    pp, schedule = config.pipeline_parallel, config.pipeline_schedule
+    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+        raise ValueError(f"FSDPConfig.pipeline_parallel={pp!r} must be an integer >= 1 (pipeline stages; 1: none).")
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"FSDPConfig.pipeline_schedule={schedule!r} is not one of {sorted(PIPELINE_SCHEDULES)}.")
+    if pp == 1:
+        return
+    interleaved = PIPELINE_SCHEDULES[schedule][1]
+    _check_stages_per_rank(config, interleaved)
+    _check_microbatches(config, interleaved)
+    per_rank = config.pipeline_stages_per_rank
+    split = config.pipeline_split
+    if split is not None:
+        stages = pp * per_rank
+        if len(split) != stages or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in split):
+            raise ValueError(
+                f"FSDPConfig.pipeline_split={list(split)!r} must give {stages} block counts >= 1 (pipeline_parallel "
+                f"{pp} x pipeline_stages_per_rank {per_rank} stages), first stage first."
+            )
+        config.pipeline_split = list(split)
+    if config.context_parallel > 1:
+        raise ValueError(
+            f"FSDPConfig(pipeline_parallel={pp}, context_parallel={config.context_parallel}) is not supported: the "
+            "context split cuts each microbatch's sequence on the first stage, which the later stages and the loss "
+            "do not see. Fix: context_parallel=1, or pipeline_parallel=1."
+        )
+
+
+def _check_stages_per_rank(config: FSDPConfig, interleaved: bool) -> None:
+    schedule, per_rank = config.pipeline_schedule, config.pipeline_stages_per_rank
+    if per_rank is None:
+        per_rank = config.pipeline_stages_per_rank = 2 if interleaved else 1
+    if isinstance(per_rank, bool) or not isinstance(per_rank, int) or per_rank < 1 or (per_rank > 1) != interleaved:
+        need = "an integer >= 2 (it holds several stages per rank)" if interleaved else "1 (one stage per rank)"
+        raise ValueError(
+            f"FSDPConfig(pipeline_schedule={schedule!r}, pipeline_stages_per_rank={per_rank!r}): the schedule needs "
+            f"{need}. Fix: pipeline_stages_per_rank=None (its default), or another schedule."
+        )
+
+
+def _check_microbatches(config: FSDPConfig, interleaved: bool) -> None:
+    pp, schedule, micro = config.pipeline_parallel, config.pipeline_schedule, config.pipeline_microbatches
+    if micro is None:
+        micro = config.pipeline_microbatches = pp
+    if isinstance(micro, bool) or not isinstance(micro, int) or micro < 1:
+        raise ValueError(f"FSDPConfig.pipeline_microbatches={micro!r} must be an integer >= 1.")
+    if schedule != "gpipe" and micro < pp:
+        raise ValueError(
+            f"FSDPConfig(pipeline_schedule={schedule!r}, pipeline_microbatches={micro}) runs fewer microbatches than "
+            f"its {pp} pipeline stages, which this schedule cannot fill. Fix: pipeline_microbatches >= {pp} (a "
+            "multiple of it for an interleaved schedule), or pipeline_schedule='gpipe'."
+        )
+    if interleaved and micro % pp:
+        raise ValueError(
+            f"FSDPConfig(pipeline_schedule={schedule!r}, pipeline_microbatches={micro}): an interleaved schedule runs "
+            f"the microbatches in rounds of {pp} (the stages). Fix: a multiple of {pp}, e.g. {micro + pp - micro % pp}."
+        )
+
+
+#: The pipeline schedules by name: ``torch.distributed.pipelining``'s class, and whether it holds
+#: several stages per rank (interleaved).
+PIPELINE_SCHEDULES = {
+    "gpipe": ("ScheduleGPipe", False),
+    "1f1b": ("Schedule1F1B", False),
+    "interleaved1f1b": ("ScheduleInterleaved1F1B", True),
+    "loopedbfs": ("ScheduleLoopedBFS", True),
+}
 
 
 def parse_parallelism(value: Union[str, FSDPConfig, ParallelismSpec, Dict[str, Any], None]) -> ParallelismSpec:

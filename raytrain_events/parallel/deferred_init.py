@@ -23,6 +23,9 @@ How the shards are initialised, in this order of preference:
   to its state when the `Trainer` received the model (so a factory that seeds and then builds
   on meta gives the same parameters as the same factory building eagerly).
 
+Under pipeline parallelism a rank keeps only its stages' layers; the others' are drawn on temporary
+tensors one module at a time and dropped (`_draw_and_drop`), so the kept ones get the eager values.
+
 Under FSDP x TP the split layers' parameters are 2-D DTensors (the tensor split, then FSDP's shard
 of it: ``(_StridedShard, Shard)`` for a column-wise layer); `local_part` cuts a rank's part of the
 full layer as views for those too, so the peak stays this rank's parameters plus one layer.
@@ -108,13 +111,34 @@ class DeferredInit:
                         setattr(module, name, torch.nn.Parameter(empty, requires_grad=tensor.requires_grad))
                     else:
                         setattr(module, name, empty)
+        kept = {id(m) for m in model.modules()}
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.random.set_rng_state(self.rng_state)
             if self.use_init_weights:
                 model.init_weights()  # type: ignore[operator]
             else:
                 for module in self.modules:
-                    _reset_one(module, device)
+                    if id(module) in kept:
+                        _reset_one(module, device)
+                    else:  # pruned (another pipeline stage's layer): drawn, so the RNG stream matches, then dropped
+                        _draw_and_drop(module, device)
+
+
+def _draw_and_drop(module: torch.nn.Module, device: torch.device) -> None:
+    """``module.reset_parameters()`` on temporary full tensors, then its meta tensors back: the module
+    is not this rank's (pipeline parallelism pruned it), but the draws it makes advance the RNG as in
+    eager construction, so the kept layers get the values an unpipelined model gives them."""
+    saved = {name: t for name, t in _direct_tensors(module).items() if _is_meta(t)}
+    owned = _own_parameters(module)
+    for name, tensor in saved.items():
+        assert tensor is not None
+        empty = torch.empty_like(tensor, device=device)
+        setattr(module, name, torch.nn.Parameter(empty, requires_grad=tensor.requires_grad) if name in owned else empty)
+    try:
+        module.reset_parameters()  # type: ignore[operator]
+    finally:
+        for name, tensor in saved.items():
+            setattr(module, name, tensor)
 
 
 def _reset_one(module: torch.nn.Module, device: torch.device) -> None:

@@ -11,6 +11,7 @@ holding this rank's shard.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -19,6 +20,7 @@ from raytrain_events.parallel.config import FSDPConfig, ParallelismSpec, parse_p
 from raytrain_events.parallel.context_parallel import ContextParallel
 from raytrain_events.parallel.context_parallel import check_model as check_context_model
 from raytrain_events.parallel.deferred_init import DeferredInit, has_meta_tensors
+from raytrain_events.parallel.pipeline import Pipeline, check_algorithms_for_pipeline
 from raytrain_events.parallel.tensor_parallel import (
     apply_tensor_parallel,
     check_first_batch_agrees,
@@ -140,6 +142,17 @@ def apply_fsdp(
     return model
 
 
+def shard_stages(pipeline: Pipeline, model: torch.nn.Module, world_size: int, device: torch.device, mesh: Any) -> None:
+    """Pipeline parallelism: tensor parallelism over the layers ``model`` kept (once), then FSDP over
+    each of this rank's stages, each its own root unit (the stage module `PipelineStage` runs)."""
+    config = pipeline.config
+    if config.tensor_parallel > 1:
+        apply_tensor_parallel(model, mesh["tensor"], config.tensor_parallel)
+    per_stage = dataclasses.replace(config, tensor_parallel=1)  # applied above, to the kept layers
+    for module in pipeline.modules:
+        apply_fsdp(module, per_stage, world_size, device, mesh)
+
+
 class Parallel:
     """The data-parallel strategy of one `Trainer` (built from its ``parallelism`` option)."""
 
@@ -151,6 +164,7 @@ class Parallel:
             DeferredInit(model) if model is not None and has_meta_tensors(model) else None
         )
         self.context: Optional[ContextParallel] = None  # set by `wrap` under context parallelism
+        self.pipeline: Optional[Pipeline] = None  # set by `wrap` under pipeline parallelism
 
     def place(self, model: torch.nn.Module, device: torch.device) -> None:
         """Move ``model`` to ``device``, unless it is built on meta (materialised by `wrap`, after sharding)."""
@@ -173,14 +187,16 @@ class Parallel:
         return self.spec.tensor_parallel
 
     def data_parallel(self, rank: int, world_size: int) -> tuple:
-        """``(data-parallel rank, data-parallel size)``: what to shard the data by. Under tensor and
-        context parallelism the ``context_parallel * tensor_parallel`` consecutive ranks of one group
-        share a data-parallel rank (they must load the same batches); otherwise ``(rank, world_size)``."""
+        """``(data-parallel rank, data-parallel size)``: what to shard the data by. Under tensor, context
+        and pipeline parallelism the ``pipeline_parallel * context_parallel * tensor_parallel``
+        consecutive ranks of one group share a data-parallel rank (they must load the same batches);
+        otherwise ``(rank, world_size)``."""
         return data_parallel_coordinates(rank, world_size, self.spec.batch_group)
 
     def counts_data(self, rank: int) -> bool:
         """Whether this rank's samples and tokens count in the global sums: every rank's, except
-        under tensor or context parallelism, where one rank per group counts the group's shared batch."""
+        under tensor, context or pipeline parallelism, where one rank per group (the first stage's
+        first) counts the group's shared batch."""
         return rank % self.spec.batch_group == 0
 
     def split(self, batch: Any) -> Any:
@@ -192,6 +208,8 @@ class Parallel:
         """Refuse (ValueError with the reason) algorithms that cannot run with this strategy."""
         if self.sharded:
             check_algorithms_for_sharding(algorithms)
+        if self.spec.pipeline_parallel > 1:
+            check_algorithms_for_pipeline(algorithms, self.spec.pipeline_parallel)
 
     def wrap(
         self, model: torch.nn.Module, dist: Any, device: torch.device, find_unused: bool, optimizers: Sequence[Any] = ()
@@ -202,7 +220,7 @@ class Parallel:
         materialised (after sharding: only this rank's shards); the ``optimizers`` (built on the
         original parameters, with no state yet) are pointed at the new ones.
         """
-        for name in ("tensor_parallel", "context_parallel"):
+        for name in ("tensor_parallel", "context_parallel", "pipeline_parallel"):
             degree = getattr(self.spec, name)
             if degree > 1 and not dist.is_distributed:
                 raise ValueError(
@@ -219,13 +237,19 @@ class Parallel:
                 if config.context_parallel > 1:
                     check_context_model(model, config.context_parallel)
                 mesh = build_mesh(config, dist.world_size, device)
-                apply_fsdp(model, config, dist.world_size, device, mesh)
+                if config.pipeline_parallel > 1:  # this rank's stages only, each sharded (pipeline.py)
+                    self.pipeline = Pipeline(model, config, mesh)
+                    shard_stages(self.pipeline, model, dist.world_size, device, mesh)
+                else:
+                    apply_fsdp(model, config, dist.world_size, device, mesh)
                 if config.context_parallel > 1:
                     self.context = ContextParallel(model, mesh, config.context_parallel)
             if self.deferred is not None:
                 self.deferred.materialize(model, device, sharded)
                 self.deferred = None
-            _retarget_optimizers(optimizers, names, dict(model.named_parameters()))
+            _retarget_optimizers(optimizers, names, dict(model.named_parameters()), self.pipeline is not None)
+            if self.pipeline is not None:
+                self.pipeline.build_schedule(device)
         if not dist.is_distributed or sharded:
             return model
         from torch.nn.parallel import DistributedDataParallel
@@ -259,13 +283,16 @@ def _check_optimizers_fresh(optimizers: Sequence[Any]) -> None:
             )
 
 
-def _retarget_optimizers(optimizers: Sequence[Any], old_names: dict, new_params: dict) -> None:
-    """Point each optimizer's param groups at the sharded parameters (same names, new objects)."""
+def _retarget_optimizers(optimizers: Sequence[Any], old_names: dict, new_params: dict, pruned: bool = False) -> None:
+    """Point each optimizer's param groups at the sharded parameters (same names, new objects);
+    ``pruned`` (pipeline parallelism): drop the parameters of the other stages' layers."""
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             retargeted = []
             for param in group["params"]:
                 name = old_names.get(id(param))
+                if pruned and name is not None and name not in new_params:
+                    continue  # another stage's layer
                 if name is None or name not in new_params:
                     raise ValueError(
                         f"{type(optimizer).__name__} holds a parameter that is not one of the model's "

@@ -29,6 +29,7 @@ def check_on_driver(spec: RunSpec) -> None:
     """Refuse what would fail (or train wrongly) on the workers; see the module doc."""
     _check_factory_kinds(spec)
     _check_lists(spec)
+    _check_pipeline(spec, model=None)
     if isinstance(spec.datasets, Mapping) and spec.mixture is not None:
         from raytrain_events.ray.data.mixture_source import check_mixture
 
@@ -122,9 +123,28 @@ def _check_on_meta(spec: RunSpec) -> None:
     except Exception as exc:  # noqa: BLE001
         log.warning("Could not check the optimizer/scheduler factories on the driver: %s: %s.", type(exc).__name__, exc)
         return
+    _check_pipeline(spec, model)
     check_optimizers(optimizers, model)
     listed: List[Any] = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
     check_schedulers(_as_list(schedulers), listed)
+
+
+def _check_pipeline(spec: RunSpec, model: Any) -> None:
+    """Pipeline parallelism: the mesh, algorithms and eval sets (no model), or the model's stages."""
+    config = spec.parallelism_spec.fsdp
+    if config is None or config.pipeline_parallel == 1:
+        return
+    from raytrain_events.parallel.pipeline import check_pipeline_run, check_pipelined_model
+
+    if model is not None:
+        check_pipelined_model(model, config)
+        return
+    algorithms = spec.algorithms if isinstance(spec.algorithms, (list, tuple)) else []
+    from raytrain_events.algorithms.registry import build_algorithms
+
+    plain = isinstance(spec.datasets, Mapping) and spec.mixture is None  # a mixture's sources: the worker refuses
+    evals = [name for name in spec.datasets if name != "train"] if plain else []
+    check_pipeline_run(config, spec.workers, build_algorithms(algorithms), evals)
 
 
 def _as_list(value: Any) -> List[Any]:

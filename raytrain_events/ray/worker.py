@@ -11,6 +11,7 @@ from typing import Any, Dict
 
 from raytrain_events.core.data_spec import DataSpec
 from raytrain_events.dist import LocalDist, TorchDist
+from raytrain_events.parallel.deferred_init import has_meta_tensors
 from raytrain_events.parallel.world import check_tensor_parallel_world
 from raytrain_events.parallel.wrap import Parallel
 from raytrain_events.ray.checkpointing.validation import async_eval_names
@@ -49,7 +50,8 @@ def build_worker_trainer(spec: RunSpec, history: Any = None, shards: Any = None)
     if spec.seed is not None:
         seed_everything(spec.seed)  # the same initial weights on every rank
     model = spec.build_model()
-    model.to(device)
+    if not has_meta_tensors(model):  # a meta-device model is materialised by the Trainer, after sharding
+        model.to(device)
     optimizers = spec.build_optimizers(model)
     schedulers = spec.build_schedulers(optimizers)
     algorithms = spec.build_list(spec.algorithms)

@@ -15,14 +15,18 @@ from raytrain_events.core.time import Time, Timestamp, training_duration
 from raytrain_events.core.time_value import check_countable
 
 if TYPE_CHECKING:
+    from raytrain_events.core.engine import Engine
     from raytrain_events.dist import Dist
+    from raytrain_events.parallel.pipeline_step import PipelineStep
     from raytrain_events.parallel.wrap import Parallel
 
 __all__ = [
     "as_list",
+    "pipeline_step",
     "build_schedulers",
     "eval_intervals",
     "check_can_fit",
+    "check_flags_agree",
     "set_duration",
     "set_epoch",
     "train_inputs",
@@ -199,3 +203,34 @@ def wrap_for_training(host: TrainingHost, counted: bool) -> Tuple[torch.nn.Modul
         model = CountedModule(model, dist.world_size)
     wrapped = parallel.wrap(model, dist, device, find_unused, state.optimizers)
     return wrapped, wrapped if isinstance(wrapped, DistributedDataParallel) else None
+
+
+def pipeline_step(host: Any) -> Optional[PipelineStep]:
+    """Under pipeline parallelism, what runs each batch through the schedule (`PipelineStep`); else None.
+    Evaluation and prediction are refused there: each rank holds only its stages' layers."""
+    pipeline = host.parallel.pipeline
+    if pipeline is None:
+        return None
+    if host.train_spec is None or host.state.evaluators:
+        raise ValueError(
+            f"FSDPConfig(pipeline_parallel={pipeline.config.pipeline_parallel}) trains only: evaluation and predict "
+            "would run the whole model's forward on a rank that holds one stage. Fix: drop eval_dataloader and "
+            "evaluate a checkpoint of the run in a Trainer without pipeline_parallel (checkpoints reshard into it)."
+        )
+    from raytrain_events.parallel.pipeline_step import PipelineCounters, PipelineStep  # only when pipelined
+
+    engine: Engine = host.engine
+    counters = PipelineCounters(host.dist, host.state, host.parallel.spec.batch_group, pipeline)
+    return PipelineStep(state=host.state, engine=engine, pipeline=pipeline, spec=host.train_spec, counters=counters)
+
+
+def check_flags_agree(state: State, dist: Dist) -> None:
+    """Fail fast if ranks registered different agreement flags (their sums would not line up)."""
+    if not dist.is_distributed:
+        return
+    names: List[Any] = dist.all_gather_object(state.agreement.names)
+    if any(n != names[0] for n in names):
+        raise RuntimeError(
+            f"Ranks registered different agreement flags: {dict(enumerate(names))}. Build the same "
+            "callbacks and checkpoint config on every rank."
+        )

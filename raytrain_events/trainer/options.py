@@ -102,6 +102,10 @@ class LoopOptions:
         self._initial_grad_accum = parse_grad_accum(self.grad_accum)
         self.precision = Precision.parse(self.precision)
         self._parallelism = parse_parallelism(self.parallelism)
+        if self._parallelism.pipeline_parallel > 1:  # grad_accum and precision against the pipeline's microbatches
+            from raytrain_events.parallel.pipeline import check_pipeline_loop
+
+            check_pipeline_loop(self._parallelism.fsdp, self.grad_accum, self.precision, self.compile)  # type: ignore[arg-type]
         self._compile_kwargs = compile_options(self.compile)
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise TypeError(f"seed={self.seed!r} must be an integer, or None to leave the generators unseeded.")

@@ -37,8 +37,10 @@ from raytrain_events.trainer._setup import (
     as_list,
     build_schedulers,
     check_can_fit,
+    check_flags_agree,
     data_callbacks,
     eval_intervals,
+    pipeline_step,
     set_duration,
     train_inputs,
     wrap_for_training,
@@ -185,6 +187,9 @@ class Trainer:
         else:
             # Per-batch sums across ranks: on DDP's gradient all-reduce when possible (no collective of their own).
             self._counters = BatchCounters(self.dist, self._ddp)
+        self._pipeline = pipeline_step(self)  # pipeline parallelism: the schedule runs the batch (None without)
+        if self._pipeline is not None:
+            self._counters = self._pipeline.counters  # the model's loss rides on the per-batch sum
         if checkpoint is not None:
             from raytrain_events.checkpoint.run.checkpointer import attach_checkpointing
             from raytrain_events.checkpoint.run.inference import load_for_inference
@@ -247,7 +252,7 @@ class Trainer:
         state, engine = self.state, self.engine
         state.model.train()
         engine.run_event(Event.FIT_START)
-        self._check_flags_agree()
+        check_flags_agree(self.state, self.dist)
         epoch_unit = state.max_duration is not None and state.max_duration.unit == TimeUnit.EPOCH
         while not (state.stop_requested and state.stop_consistent) and not is_done(state):
             engine.run_event(Event.EPOCH_START)
@@ -358,7 +363,7 @@ class Trainer:
         create_graph = any(a.backwards_create_graph for a in state.algorithms) if state.algorithms else False
         # One context per batch, entered for each forward and loss (never nested); none for fp32.
         autocast = None if state.precision is _FP32 else self.autocast()
-        if self._auto is None and state.grad_accum == 1:  # one microbatch (as `accumulate`), two calls less
+        if self._auto is None and state.grad_accum == 1 and self._pipeline is None:  # one microbatch, two calls less
             state.loss = self._forward_backward(state.batch, 0, active, autocast, create_graph).detach()
         else:
             self._forward_backward_batch(active, autocast, create_graph)
@@ -378,6 +383,8 @@ class Trainer:
         """The batch's forward/backward (train step and closures); ``grad_accum="auto"`` retries on OOM."""
         if self._auto is not None:
             self._auto.accumulate(active, autocast, create_graph)
+        elif self._pipeline is not None:
+            self._pipeline.accumulate(active, autocast, create_graph)
         else:
             self._accumulate(self.state.grad_accum, active, autocast, create_graph)
 
@@ -483,17 +490,6 @@ class Trainer:
             run_evaluation(self, due)
 
     # --------------------------------------------------------------- helpers
-    def _check_flags_agree(self) -> None:
-        """Fail fast if ranks registered different agreement flags (their sums would not line up)."""
-        if not self.dist.is_distributed:
-            return
-        names: List[Any] = self.dist.all_gather_object(self.state.agreement.names)
-        if any(n != names[0] for n in names):
-            raise RuntimeError(
-                f"Ranks registered different agreement flags: {dict(enumerate(names))}. Build the same "
-                "callbacks and checkpoint config on every rank."
-            )
-
     def close(self) -> None:
         """Close callbacks and loggers (fit does this itself)."""
         self.engine.close()

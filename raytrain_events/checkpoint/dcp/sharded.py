@@ -34,6 +34,7 @@ import torch
 from raytrain_events.checkpoint.format.local_copy import LocalCopies
 from raytrain_events.checkpoint.format.manifest import CheckpointError, CheckpointInfo, FileEntry, UnsafeCheckpointError
 from raytrain_events.core.state import CheckpointMismatchError, mismatch_fix, model_mismatch
+from raytrain_events.parallel.pipeline import pipeline_group
 
 if TYPE_CHECKING:
     from raytrain_events.checkpoint.host import ShardHost
@@ -115,12 +116,28 @@ class ShardedCheckpointIO:
 
         state = self.host.state
         model_sd, optim_sd = get_state_dict(state.model, state.optimizers)
+        if pipeline_group(state.model) is not None and optim_sd:
+            optim_sd["param_groups"] = self._all_stages_groups(optim_sd["param_groups"])
         rest = state.state_dict()
         rest.pop("model")
         rest.pop("optimizers")
         rest, extra = split_tensors(rest)
         tensors = {"model": model_sd, "optim": optim_sd, "extra": extra}
         return tensors, rest
+
+    def _all_stages_groups(self, groups: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        """Pipeline parallelism: the optimizer's param groups naming every stage's parameters. DCP
+        writes one rank's copy of them (not tensors), which on its own names one stage's only, and
+        a load on another layout would find the other parameters in no group."""
+        import torch.distributed as tdist
+
+        gathered: List[Any] = [None] * self.host.dist.world_size
+        tdist.all_gather_object(gathered, [group["params"] for group in groups], group=self.group)
+        merged = [dict(group) for group in groups]
+        for index, group in enumerate(merged):
+            names = [name for rank_groups in gathered for name in rank_groups[index]]
+            group["params"] = list(dict.fromkeys(names))
+        return merged
 
     def write_shards(self, url: str, tensors: Dict[str, Any], local: Optional[LocalCopies] = None) -> List[FileEntry]:
         """Every rank writes its shards under ``url`` (and, with ``local``, into its node-local copy in the same
@@ -172,6 +189,18 @@ class ShardedCheckpointIO:
             raise shared[0]
         return shared[0]
 
+    def _model_shapes(self, model_sd: Dict[str, Any]) -> Dict[str, tuple]:
+        """The model's parameter shapes by name; under pipeline parallelism those of every rank (each
+        holds its stages' layers only), gathered once per load."""
+        shapes = {k: tuple(v.shape) for k, v in model_sd.items()}
+        if pipeline_group(self.host.state.model) is None:
+            return shapes
+        import torch.distributed as tdist
+
+        gathered: List[Any] = [None] * self.host.dist.world_size
+        tdist.all_gather_object(gathered, shapes, group=self.group)
+        return {k: v for rank_shapes in gathered for k, v in rank_shapes.items()}
+
     def load(
         self,
         info: CheckpointInfo,
@@ -197,7 +226,7 @@ class ShardedCheckpointIO:
         state = self.host.state
         metadata = self.shared_metadata(info, local)
         model_sd = get_model_state_dict(state.model)
-        _check_model_keys(info.url, metadata, model_sd, strict)
+        _check_model_keys(info.url, metadata, self._model_shapes(model_sd), strict)
         target: Dict[str, Any] = {"model": model_sd}
         if not weights_only:
             target["optim"] = get_optimizer_state_dict(state.model, state.optimizers)
@@ -240,13 +269,13 @@ def _plain_errors(what: str, url: str) -> Iterator[None]:
         ) from e
 
 
-def _check_model_keys(url: str, metadata: Any, model_sd: Dict[str, Any], strict: bool) -> None:
+def _check_model_keys(url: str, metadata: Any, shapes: Dict[str, tuple], strict: bool) -> None:
     saved = {
         k[len("model.") :]: (tuple(v.size) if hasattr(v, "size") else None)
         for k, v in metadata.state_dict_metadata.items()
         if k.startswith("model.")
     }
-    problem = model_mismatch({k: tuple(v.shape) for k, v in model_sd.items()}, saved, strict)
+    problem = model_mismatch(shapes, saved, strict)
     if problem:
         raise CheckpointMismatchError(
             f"The sharded checkpoint {url!r} does not match this model ({problem}). {mismatch_fix(problem)}"

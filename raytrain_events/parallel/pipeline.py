@@ -1,0 +1,238 @@
+"""Pipeline parallelism (PP) on the mesh: ``FSDPConfig(pipeline_parallel=p, pipeline_schedule=...)``.
+
+The model's blocks are cut into stages (``pipeline_split.py``); each rank keeps only its stages'
+layers, which tensor parallelism splits and FSDP shards over the ``shard`` dimension like any model,
+one FSDP root per stage; `torch.distributed.pipelining` runs them (``PipelineStage`` per stage, and
+its ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` / ``ScheduleLoopedBFS``).
+The mesh is ``(replicate, shard, pipeline, tensor)``: the ``p`` stages of one pipeline are
+consecutive ranks (outside the tensor groups), so every rank that loads a batch is in one
+consecutive group of ``p * tensor_parallel`` ranks, as the data path shards by
+(`Parallel.data_parallel`). Stages send activations forward and gradients back point to point, within
+the pipeline only; FSDP's all-gathers and reduce-scatters stay within a stage's ``shard`` group.
+
+Per step a pipeline sends, per microbatch and stage boundary, one activation forward and one
+gradient back (``2 * (stages - 1) * microbatches`` messages of ``rows/microbatches x sequence x width``
+values per pipeline); the bubble (time a stage idles) is ``(stages - 1) / (microbatches + stages - 1)``
+of a step for GPipe and 1F1B, and ``(p - 1) / (v * m + p - 1)`` with ``v`` stages per rank
+interleaved (measured in ``bench/pipeline_bench.py``).
+
+What does not compose: context parallelism (refused in `FSDPConfig`), grad accumulation and
+``grad_accum="auto"`` (the schedule's microbatches replace them), fp16 loss scaling, evaluation
+and ``predict`` on a pipelined Trainer (evaluate its checkpoint in a Trainer without PP), and the
+algorithms of `UNPIPELINABLE`; all refused before work starts, naming why (`check_pipeline_loop`,
+`check_algorithms_for_pipeline`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from raytrain_events.parallel.config import PIPELINE_SCHEDULES, FSDPConfig
+from raytrain_events.parallel.pipeline_split import StageModule, find_blocks, keep_stages, plan_stages
+
+__all__ = [
+    "Feed",
+    "Pipeline",
+    "UNPIPELINABLE",
+    "check_algorithms_for_pipeline",
+    "check_pipeline_loop",
+    "check_pipeline_run",
+    "check_pipelined_model",
+    "pipeline_group",
+    "whole_model_norm",
+]
+
+# Algorithms that cannot run under pipeline parallelism, and why (checked when the Trainer is built).
+UNPIPELINABLE = {
+    "MixUp": "it mixes the inputs on the first stage and the targets at the loss on the last, two ranks that draw "
+    "different random mixes.",
+    "CutMix": "it cuts the inputs on the first stage and mixes the targets at the loss on the last, two ranks that "
+    "draw different random boxes.",
+    "SAM": "its ascent step scales by the gradient norm of the parameters this rank holds, one stage's, not the "
+    "model's.",
+    "LayerFreezing": "it freezes the first layers of the model each rank holds, which differ by stage.",
+    "ProgressiveResizing": "it changes the batch's shape between batches, but the stages' send and receive buffers "
+    "keep the first batch's shapes.",
+    "SeqLengthWarmup": "it changes the sequence length between batches, but the stages' send and receive buffers "
+    "keep the first batch's shapes.",
+    "EMA": "its averages go into the checkpoint's shared state, which names one stage's parameters only, so a "
+    "resume (on any stage count) would not find the others' (not built).",
+}
+
+_GROUPS: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+def pipeline_group(model: torch.nn.Module) -> Any:
+    """The process group of ``model``'s pipeline (its stages), or None when it is not pipelined: a
+    whole-model quantity (the gradient norm) is summed over it."""
+    return _GROUPS.get(model)
+
+
+def whole_model_norm(model: torch.nn.Module, norm: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """``norm`` (of the gradients ``model`` holds) made the whole model's: under pipeline parallelism
+    combined over the pipeline's stages (one all-reduce of one number), else ``norm`` itself."""
+    group = _GROUPS.get(model)
+    if group is None:
+        return norm
+    import torch.distributed as dist
+
+    if norm_type == float("inf"):
+        total = norm.detach().clone()
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+        return total
+    total = norm.detach().double() ** norm_type
+    dist.all_reduce(total, group=group)
+    return (total ** (1.0 / norm_type)).to(norm.dtype)
+
+
+def check_algorithms_for_pipeline(algorithms: Sequence[Any], degree: int) -> None:
+    """Raise ValueError naming each algorithm that cannot run under pipeline parallelism, and why."""
+    problems = [
+        f"{type(a).__name__}: {UNPIPELINABLE[type(a).__name__]}"
+        for a in algorithms
+        if type(a).__name__ in UNPIPELINABLE
+    ]
+    problems += [
+        f"{type(a).__name__}: it needs backward(create_graph=True), which the pipeline's stage-by-stage backward "
+        "does not run."
+        for a in algorithms
+        if getattr(a, "backwards_create_graph", False)
+    ]
+    if problems:
+        raise ValueError(
+            f"These algorithms cannot run with FSDPConfig(pipeline_parallel={degree}) (see docs/big-models.md for "
+            "those that can):\n  " + "\n  ".join(problems)
+        )
+
+
+def check_pipeline_loop(config: FSDPConfig, grad_accum: Any, precision: Any, compile_model: Any = False) -> None:
+    """Refuse loop options that do not compose with pipeline parallelism (`LoopOptions` calls it)."""
+    pp = config.pipeline_parallel
+    if compile_model:
+        raise ValueError(
+            f"compile={compile_model!r} with FSDPConfig(pipeline_parallel={pp}): it compiles the model's forward, which "
+            "the stages never call (each runs its own blocks). Fix: compile=False; compiling stages is not built."
+        )
+    if grad_accum != 1:
+        raise ValueError(
+            f"grad_accum={grad_accum!r} with FSDPConfig(pipeline_parallel={pp}): the schedule splits each batch into "
+            f"pipeline_microbatches={config.pipeline_microbatches} itself. Fix: grad_accum=1, and "
+            "FSDPConfig(pipeline_microbatches=n) for more microbatches."
+        )
+    if getattr(precision, "value", precision) == "amp_fp16":
+        raise ValueError(
+            f"precision='amp_fp16' with FSDPConfig(pipeline_parallel={pp}): the loss scaler would find overflows "
+            "stage by stage and skip the step on some stages only. Fix: precision='amp_bf16' or 'fp32'."
+        )
+
+
+def check_pipelined_model(model: torch.nn.Module, config: FSDPConfig) -> None:
+    """Refuse a model the stages cannot be cut from (no protocol, a stage count that does not divide
+    its blocks, parameters of its own); `RayTrainer` runs it on the driver's meta-device model."""
+    _, blocks = find_blocks(model)
+    plan_stages(len(blocks), config.pipeline_parallel, config.pipeline_stages_per_rank or 1, config.pipeline_split)
+    own = [n for n, _ in model.named_parameters(recurse=False)]
+    if own:
+        raise ValueError(
+            f"pipeline_parallel: {type(model).__name__} holds parameters of its own ({own}), outside any child module, "
+            "which no single stage can own. Fix: move them into a child module (e.g. an nn.Embedding)."
+        )
+
+
+def check_pipeline_run(config: FSDPConfig, workers: Any, algorithms: Sequence[Any], eval_sets: Sequence[str]) -> None:
+    """What `RayTrainer` refuses before Ray starts under pipeline parallelism: a mesh whose product
+    is not the (fixed) worker count, algorithms that cannot run, eval sets (evaluation is not pipelined)."""
+    if isinstance(workers, int):
+        config.mesh_shape(workers)
+    check_algorithms_for_pipeline(algorithms, config.pipeline_parallel)
+    if eval_sets:
+        raise ValueError(
+            f"FSDPConfig(pipeline_parallel={config.pipeline_parallel}) trains only, but datasets has eval sets "
+            f"{sorted(eval_sets)}: evaluation would run the whole model on a rank that holds one stage. Fix: drop them "
+            "and evaluate a checkpoint of the run without pipeline_parallel (checkpoints reshard into it)."
+        )
+
+
+class Feed:
+    """What the stages read per batch: the microbatches (the first stage's input is a microbatch's
+    index), the autocast context, and the loop's callbacks for the first stage's forward and the
+    last stage's loss (set by `raytrain_events.parallel.pipeline_step.PipelineStep` each batch)."""
+
+    def __init__(self) -> None:
+        self.microbatches: List[Any] = []
+        self.context: Optional[contextlib.AbstractContextManager[Any]] = None
+        self.before_forward: Callable[[int], Any] = lambda index: self.microbatches[index]
+        self.loss: Callable[[torch.Tensor, int], torch.Tensor] = _no_loss
+
+    def microbatch(self, index: torch.Tensor) -> Any:
+        return self.before_forward(int(index.reshape(-1)[0]))
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        return self.context if self.context is not None else contextlib.nullcontext()
+
+    def compute_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.loss(output, int(target.reshape(-1)[0]))
+
+
+def _no_loss(output: torch.Tensor, index: int) -> torch.Tensor:
+    raise RuntimeError("The pipeline ran before the loop set its loss (Feed.loss).")
+
+
+class Pipeline:
+    """This rank's part of the pipelines: its stages (pruned from ``model`` in place), their schedule
+    and the pipeline's process group. Built by `Parallel.wrap` before it shards each of ``modules``
+    (`raytrain_events.parallel.wrap.shard_stages`) and materialises them."""
+
+    def __init__(self, model: torch.nn.Module, config: FSDPConfig, mesh: Any) -> None:
+        pp_mesh = mesh["pipeline"]
+        self.config = config
+        self.group = pp_mesh.get_group()
+        self.rank = pp_mesh.get_local_rank()
+        check_pipelined_model(model, config)
+        _, blocks = find_blocks(model)
+        per_rank = config.pipeline_stages_per_rank or 1
+        self.layout = plan_stages(len(blocks), config.pipeline_parallel, per_rank, config.pipeline_split)
+        held, edges = keep_stages(model, self.layout, self.rank)
+        self.feed = Feed()
+        last = self.layout.stages - 1
+        self.stage_indices = sorted(held)
+        self.modules: List[StageModule] = [
+            StageModule(model, held[s], edges[0] if s == 0 else None, edges[1] if s == last else None, self.feed)
+            for s in self.stage_indices
+        ]
+        self.has_first = 0 in held
+        self.has_last = last in held
+        self.microbatches: int = config.pipeline_microbatches or config.pipeline_parallel
+        _GROUPS[model] = self.group
+        self.schedule: Any = None
+
+    def build_schedule(self, device: torch.device) -> None:
+        """The schedule over this rank's `PipelineStage`s (after the parameters are materialised)."""
+        from torch.distributed import pipelining
+
+        stages = [
+            pipelining.PipelineStage(module, index, self.layout.stages, device, group=self.group)
+            for module, index in zip(self.modules, self.stage_indices)
+        ]
+        class_name, interleaved = PIPELINE_SCHEDULES[self.config.pipeline_schedule]
+        schedule_class = getattr(pipelining, class_name)
+        # scale_grads=False: the loss of each microbatch is weighted by its share of the batch's
+        # samples (as the loop's grad accumulation), so the gradient is the batch mean without it.
+        kwargs: Dict[str, Any] = dict(
+            n_microbatches=self.microbatches, loss_fn=self.feed.compute_loss, scale_grads=False
+        )
+        self.schedule = schedule_class(stages, **kwargs) if interleaved else schedule_class(stages[0], **kwargs)
+
+    def step(self) -> List[torch.Tensor]:
+        """Run the batch in ``self.feed.microbatches`` through the schedule (forward, loss, backward);
+        the last stage's microbatch losses (empty on other ranks)."""
+        index = torch.arange(self.microbatches)
+        losses: List[torch.Tensor] = []
+        args = (index,) if self.has_first else ()
+        target = index if self.has_last else None
+        self.schedule.step(*args, target=target, losses=losses if self.has_last else None, return_outputs=False)
+        return losses

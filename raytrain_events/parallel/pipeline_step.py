@@ -1,0 +1,176 @@
+"""The loop's batch under pipeline parallelism: the schedule runs forward, loss and backward, and the
+loop's events fire where the work happens.
+
+Which events fire where (per batch, ``m`` microbatches):
+
+* every rank: ``BEFORE_DATALOADER``, ``AFTER_DATALOADER``, ``BATCH_START``, ``BEFORE_TRAIN_BATCH``,
+  then once, after the schedule, ``AFTER_BACKWARD`` (this rank's stages hold every microbatch's
+  gradient), ``AFTER_TRAIN_BATCH``, ``BATCH_END``, ``BATCH_CHECKPOINT``: ``state.batch`` is the whole batch;
+* the first stage, per microbatch: ``BEFORE_FORWARD`` (``state.batch`` the microbatch: what an
+  algorithm leaves there is what the first stage embeds);
+* the last stage, per microbatch: ``AFTER_FORWARD`` (``state.outputs``: the model's outputs),
+  ``BEFORE_LOSS``, ``AFTER_LOSS``, ``BEFORE_BACKWARD``: the loss exists there only. Algorithms that
+  change the targets or the loss (label smoothing) run there.
+
+``state.loss`` after the batch is the model's loss on every rank: the last stage sums its
+microbatches' losses (each weighted by its share of the batch's samples, as grad accumulation
+weights them, so the gradient is the batch mean), and the other stages get it from the loop's one
+per-batch sum (`PipelineCounters`), as the float's 64 bits in one integer slot per pipeline. So
+the sum cannot start before the batch as it does elsewhere (the loss does not exist yet): it runs
+after the schedule, one small all-reduce of ``3 + flags + pipelines`` integers, and the last stage
+reads its loss to the host (one device sync per step there).
+
+The global `Timestamp` counts each sample and token once: only the first stage's rank 0 of each
+tensor group counts (`Parallel.counts_data`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+import torch
+
+from raytrain_events.core.event import Event
+from raytrain_events.dist import Dist
+from raytrain_events.parallel.pipeline import Pipeline
+
+__all__ = ["PipelineCounters", "PipelineStep"]
+
+
+class PipelineCounters:
+    """The loop's per-batch sums across ranks (the `Counters` protocol) under pipeline parallelism,
+    with each pipeline's loss riding on them: summed after the batch, never on the gradients."""
+
+    on_gradients = False
+
+    def __init__(self, dist: Dist, state: Any, batch_group: int, pipeline: Pipeline) -> None:
+        """``batch_group``: the consecutive ranks of one pipeline (its stages and their tensor groups)."""
+        self.dist, self.state = dist, state
+        self.pipelines = dist.world_size // batch_group
+        self.slot = dist.rank // batch_group
+        tensor_group = batch_group // pipeline.config.pipeline_parallel
+        # One rank per pipeline writes its loss: the last stage's first rank of its tensor group.
+        self.writes = pipeline.has_last and dist.rank % tensor_group == 0
+        self._values: List[int] = []
+
+    def start(self, values: Sequence[int]) -> None:
+        self._values = list(values)
+
+    def carry(self, loss: Any) -> Any:
+        return loss
+
+    def after_backward(self) -> None:
+        return None
+
+    def wait(self) -> List[int]:
+        values, self._values = self._values, []
+        losses = [0] * self.pipelines
+        loss = self.state.loss
+        if self.writes and loss is not None:
+            losses[self.slot] = struct.unpack("<q", struct.pack("<d", float(loss)))[0]
+        sums = self.dist.sum_ints_async(values + losses).wait()
+        if not self.writes:
+            bits = struct.unpack("<d", struct.pack("<q", sums[len(values) + self.slot]))[0]
+            self.state.loss = torch.tensor(bits, dtype=torch.float32)
+        return sums[: len(values)]
+
+
+class PipelineStep:
+    """Forward, loss and backward of ``state.batch`` through the pipeline's schedule, with the events
+    where they happen (see the module docstring); the `Trainer` calls `accumulate` per batch (and
+    from an optimizer's closure) instead of its per-microbatch path."""
+
+    def __init__(self, *, state: Any, engine: Any, pipeline: Pipeline, spec: Any, counters: PipelineCounters) -> None:
+        """``counters``: the loop's per-batch sum, which carries the loss to the other stages."""
+        self.state, self.engine, self.pipeline, self.spec = state, engine, pipeline, spec
+        self.counters = counters
+        self._active: Mapping[Event, bool] = {}
+        self._fed: Dict[int, Any] = {}  # the first stage's microbatches of this batch, after BEFORE_FORWARD
+        self._total = 0
+        # The first step's first loss call is the stage's metadata inference (torch runs a forward and
+        # the loss once to learn the shapes it sends): no events, the state untouched.
+        self._loss_calls: Optional[int] = None  # counted in the first step only, then None
+        self._inferring = pipeline.has_last
+        pipeline.feed.before_forward = self._before_forward
+        pipeline.feed.loss = self._loss
+
+    def accumulate(
+        self,
+        active: Mapping[Event, bool],
+        autocast: Optional[contextlib.AbstractContextManager[Any]],
+        create_graph: bool,
+    ) -> None:
+        """One batch through the schedule; sets ``state.loss`` on the last stage (the others get it in
+        `PipelineCounters.wait`)."""
+        state, pipeline, spec = self.state, self.pipeline, self.spec
+        batch = state.batch
+        microbatches = pipeline.microbatches
+        total = spec.get_num_samples_in_batch(batch)
+        if total < microbatches:
+            raise ValueError(
+                f"The batch has {total} samples on rank {state.rank}, fewer than FSDPConfig(pipeline_microbatches="
+                f"{microbatches}). Fix: a batch of at least {microbatches} rows per pipeline, or fewer microbatches."
+            )
+        self._active, self._total = active, total
+        pipeline.feed.microbatches = spec.split_batch(batch, microbatches)
+        pipeline.feed.context = autocast
+        state.loss = None
+        first_step, self._loss_calls = self._inferring, 0
+        try:
+            losses = pipeline.step()
+        finally:
+            pipeline.feed.microbatches, self._fed = [], {}
+        if first_step and self._loss_calls != microbatches + 1:
+            raise RuntimeError(
+                f"The pipeline's first step called the loss {self._loss_calls} times for {microbatches} microbatches; "
+                "this torch's schedule does not infer the stage's shapes as PipelineStep expects (one extra call)."
+            )
+        self._loss_calls = None
+        state.batch = batch
+        if losses:
+            total_loss = losses[0].detach()
+            for loss in losses[1:]:
+                total_loss = total_loss + loss.detach()
+            state.loss = total_loss
+        if active[Event.AFTER_BACKWARD]:
+            self.engine.run_event(Event.AFTER_BACKWARD)
+
+    def _before_forward(self, index: int) -> Any:
+        """The first stage's microbatch ``index`` after ``BEFORE_FORWARD``: fired once per microbatch,
+        though the first step runs the first microbatch's forward twice (the stage learns the shapes
+        it sends from a forward of its own), so both see the same microbatch."""
+        fed = self._fed.get(index)
+        if fed is not None:
+            return fed
+        state = self.state
+        state.batch = self.pipeline.feed.microbatches[index]
+        if self._active[Event.BEFORE_FORWARD]:
+            self.engine.run_event(Event.BEFORE_FORWARD)
+        self._fed[index] = state.batch
+        return state.batch
+
+    def _loss(self, outputs: torch.Tensor, index: int) -> torch.Tensor:
+        """The last stage's loss of microbatch ``index``, weighted by its share of the batch's samples."""
+        from raytrain_events.trainer._batch import total_loss  # trainer imports parallel: deferred
+
+        state, engine, active = self.state, self.engine, self._active
+        microbatch = self.pipeline.feed.microbatches[index]
+        weight = self.spec.get_num_samples_in_batch(microbatch) / self._total
+        if self._loss_calls is not None:
+            self._loss_calls += 1
+        if self._inferring:  # the metadata inference's forward ran on placeholder activations
+            self._inferring = False
+            with self.pipeline.feed.autocast():
+                return total_loss(state.model.loss(outputs, microbatch)) * weight
+        state.batch, state.outputs = microbatch, outputs
+        for event in (Event.AFTER_FORWARD, Event.BEFORE_LOSS):
+            if active[event]:
+                engine.run_event(event)
+        with self.pipeline.feed.autocast():
+            state.loss = state.model.loss(state.outputs, state.batch)
+        for event in (Event.AFTER_LOSS, Event.BEFORE_BACKWARD):
+            if active[event]:
+                engine.run_event(event)
+        return total_loss(state.loss) * weight

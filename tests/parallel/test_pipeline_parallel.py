@@ -1,0 +1,224 @@
+"""Pipeline parallelism (``FSDPConfig(pipeline_parallel=p)``): each schedule trains like DDP on the
+same global batches, with the events where the work is; PP x FSDP x TP on 8 ranks; checkpoints
+across stage counts; bad input refused before any work, naming the fix."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import pytest
+import torch
+
+from raytrain_events.parallel.config import FSDPConfig
+from raytrain_events.parallel.pipeline_split import find_blocks, keep_stages, plan_stages
+from tests.parallel.pp_workloads import SCHEDULES, pp_config, pp_trainer
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _merged(results: List[Dict[str, Any]], key: str = "model") -> Dict[str, torch.Tensor]:
+    """The whole model from the ranks' stages (each rank returns its own stages' full parameters)."""
+    merged: Dict[str, torch.Tensor] = {}
+    for result in results:
+        merged.update(result[key])
+    return merged
+
+
+def _max_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
+    assert sorted(a) == sorted(b)
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def ddp_reference() -> List[Dict[str, Any]]:
+    """DDP on 2 ranks (one data shard each, 2 microbatches of grad accumulation), built eagerly."""
+    from tests.parallel.pp_workloads import train_ddp
+    from tests.parallel.spawn import run_ranks
+
+    return run_ranks(2, train_ddp)
+
+
+def _check_like_ddp(ddp: List[Dict[str, Any]], runs: List[Dict[str, Any]], group: int, atol: float) -> None:
+    """The pipelined arm against DDP: whole model, loss on every rank of a pipeline, whole-model
+    norm, the global Timestamp."""
+    assert _max_diff(_merged(runs), ddp[0]["model"]) <= atol
+    initial = ddp[0]["model"]["blocks.0.mlp.fc.weight"]
+    assert not torch.equal(_merged(runs)["blocks.0.mlp.fc.weight"], torch.zeros_like(initial))
+    for rank, run in enumerate(runs):
+        reference = ddp[rank // group]  # the DDP rank that loaded the same data shard
+        assert run["loss"] == pytest.approx(reference["loss"], abs=1e-5)
+        assert run["losses"] == pytest.approx(reference["losses"], abs=1e-5)
+        assert run["norm"] == pytest.approx(reference["norm"], rel=1e-5)
+        assert (run["samples"], run["batches"]) == (reference["samples"], reference["batches"]) == (64, 4)
+
+
+def test_each_schedule_trains_like_ddp_on_pp2_x_dp2(ddp_reference: List[Dict[str, Any]]) -> None:
+    """PP 2 x DP 2 on 4 gloo ranks (a meta-built model, each rank materialising its stage only) trains
+    the same 4 global batches to DDP's parameters for GPipe, 1F1B, Interleaved 1F1B and Looped BFS
+    (2 stages per rank), and 1F1B over HSDP, with the model's loss on every rank, the whole model's clipping norm and an equal
+    Timestamp; the loss events fire on the last stage only, BEFORE_FORWARD on the first."""
+    from tests.parallel.pp_workloads import train_schedules
+    from tests.parallel.spawn import run_ranks
+
+    hsdp = pp_config("1f1b", replicate=2)  # PP 2 x HSDP 2x1: the mesh (replicate, shard, pipeline)
+    results = run_ranks(4, train_schedules, [pp_config(s) for s in SCHEDULES] + [hsdp], 2)
+    _check_like_ddp(ddp_reference, [results[rank][len(SCHEDULES)] for rank in range(4)], group=2, atol=1e-6)
+    full = sum(t.numel() for t in ddp_reference[0]["model"].values())
+    for index, schedule in enumerate(SCHEDULES):
+        runs = [results[rank][index] for rank in range(4)]
+        _check_like_ddp(ddp_reference, runs, group=2, atol=1e-6)
+        stages = [run["stages"] for run in runs]
+        looped = schedule in ("interleaved1f1b", "loopedbfs")
+        assert stages == ([[0, 2], [1, 3]] * 2 if looped else [[0], [1]] * 2), schedule
+        for run in runs:  # a stage's layers, sharded over the 2 data-parallel ranks: under half the model
+            assert run["local_numel"] < full / 2
+        first, last = runs[0]["events"], runs[1]["events"]
+        assert first == {"BEFORE_FORWARD": 8, "AFTER_BACKWARD": 4, "BATCH_END": 4}, schedule
+        assert last == {
+            "AFTER_FORWARD": 8,
+            "BEFORE_LOSS": 8,
+            "AFTER_LOSS": 8,
+            "BEFORE_BACKWARD": 8,
+            "AFTER_BACKWARD": 4,
+            "BATCH_END": 4,
+        }, schedule
+
+
+def test_pp2_x_fsdp2_x_tp2_on_eight_ranks_trains_like_ddp(ddp_reference: List[Dict[str, Any]]) -> None:
+    """PP 2 x FSDP 2 x TP 2 on 8 gloo ranks, mesh (shard, pipeline, tensor), 1F1B: DDP's parameters
+    within the float tolerance of TP's split reductions, the same losses and Timestamp."""
+    from tests.parallel.pp_workloads import train_schedules
+    from tests.parallel.spawn import run_ranks
+
+    results = run_ranks(8, train_schedules, [pp_config("1f1b", tensor_parallel=2)], 4)
+    _check_like_ddp(ddp_reference, [result[0] for result in results], group=4, atol=2e-5)
+
+
+def test_pp2_checkpoint_resumes_on_pp4_and_on_one_process(tmp_path: Any) -> None:
+    """A PP 2 x DP 2 checkpoint (DCP) resumes exactly on PP 4 (4 stages of one block, other layers'
+    keys on other ranks), whose own save resumes exactly into a plain one-process Trainer."""
+    from tests.parallel.pp_workloads import pp_checkpoint_hops
+    from tests.parallel.spawn import run_ranks
+    from tests.parallel.workloads import snapshot
+
+    results = run_ranks(4, pp_checkpoint_hops, str(tmp_path / "pp"))
+    saved = [r["pp2_saved"] for r in results]
+    loaded = [r["pp4_loaded"] for r in results]
+    assert _max_diff(_merged(saved), _merged(loaded)) == 0.0
+    assert _max_diff(_merged(saved, "optim"), _merged(loaded, "optim")) == 0.0
+    counts = [(e["timestamp"]["batch"], e["timestamp"]["sample"]) for e in saved + loaded]
+    assert counts == [(2, 32)] * 8  # 2 batches of 2 pipelines x 8 rows, on every rank, saved and loaded
+    pp4 = [r["pp4_saved"] for r in results]
+    trainer = pp_trainer(0, "ddp", "3ba", 1, str(tmp_path / "pp"), meta=False, autoresume=True)
+    one = snapshot(trainer)
+    trainer.close()
+    assert _max_diff(_merged(pp4), one["model"]) == 0.0
+    assert _max_diff(_merged(pp4, "optim"), one["optim"]) == 0.0
+    assert one["timestamp"]["batch"] == 3 and one["timestamp"]["sample"] == 40  # + one batch of one pipeline
+
+
+# ----------------------------------------------------------------------------- bad input, no ranks
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"pipeline_parallel": 4, "pipeline_microbatches": 2}, "fewer microbatches than its 4 pipeline stages"),
+        (
+            {"pipeline_parallel": 2, "pipeline_schedule": "interleaved1f1b", "pipeline_microbatches": 3},
+            "Fix: a multiple of 2",
+        ),
+        (
+            {"pipeline_parallel": 2, "pipeline_schedule": "1f1b", "pipeline_stages_per_rank": 2},
+            "needs 1 \\(one stage per rank\\)",
+        ),
+        ({"pipeline_parallel": 2, "pipeline_schedule": "zb"}, "is not one of"),
+        ({"pipeline_parallel": 2, "pipeline_split": [1, 2, 1]}, "must give 2 block counts"),
+        ({"pipeline_parallel": 2, "context_parallel": 2}, "context_parallel=1, or pipeline_parallel=1"),
+        ({"pipeline_parallel": 0}, "must be an integer >= 1"),
+    ],
+)
+def test_bad_pipeline_options_are_refused(options: Dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        FSDPConfig(**options)
+
+
+def test_gpipe_takes_fewer_microbatches_and_defaults_fill_in() -> None:
+    assert (
+        FSDPConfig(pipeline_parallel=4, pipeline_schedule="gpipe", pipeline_microbatches=1).pipeline_microbatches == 1
+    )
+    config = FSDPConfig(pipeline_parallel=2, pipeline_schedule="interleaved1f1b")
+    assert (config.pipeline_stages_per_rank, config.pipeline_microbatches) == (2, 2)
+
+
+def test_mesh_product_must_equal_world_size() -> None:
+    config = FSDPConfig(pipeline_parallel=2, tensor_parallel=2, replicate=2)
+    assert config.mesh_dim_names() == ("replicate", "shard", "pipeline", "tensor")
+    assert config.mesh_shape(16) == (2, 2, 2, 2)
+    with pytest.raises(ValueError, match="divisible by 8, got 12 ranks"):
+        config.mesh_shape(12)
+    with pytest.raises(ValueError, match="pipeline_parallel=3.*divisible by 3"):
+        FSDPConfig(pipeline_parallel=3, pipeline_schedule="gpipe").mesh_shape(4)
+
+
+def test_stage_count_must_divide_the_blocks_or_a_split_be_given() -> None:
+    with pytest.raises(ValueError, match="do not divide the model's 6 blocks evenly.*among \\[1, 2, 3, 6\\]"):
+        plan_stages(6, 4, 1, None)
+    with pytest.raises(ValueError, match="sums to 5 blocks, but the model has 6"):
+        plan_stages(6, 2, 1, [2, 3])
+    layout = plan_stages(6, 2, 2, [1, 2, 2, 1])
+    assert layout.ranges == ((0, 1), (1, 3), (3, 5), (5, 6))
+    assert layout.stages_of(0) == [0, 2] and layout.stages_of(1) == [1, 3]
+
+
+def test_a_stage_keeps_only_its_layers_under_their_names() -> None:
+    from examples.transformer_lm import TransformerLM
+
+    with torch.device("meta"):
+        model = TransformerLM(depth=4)
+    held, _ = keep_stages(model, plan_stages(4, 2, 1, None), 1)
+    assert sorted(held) == [1]
+    names = {n.split(".")[0] + "." + n.split(".")[1] for n in dict(model.named_parameters()) if n.startswith("blocks")}
+    assert names == {"blocks.2", "blocks.3"}
+    assert model.tokens is None and model.head is not None
+
+
+def test_a_model_without_the_protocol_is_refused() -> None:
+    with pytest.raises(ValueError, match="pipeline_embed, pipeline_head missing"):
+        find_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"grad_accum": 2}, "grad_accum=2 with FSDPConfig\\(pipeline_parallel=2\\).*Fix: grad_accum=1"),
+        ({"grad_accum": "auto"}, "grad_accum='auto'"),
+        ({"precision": "amp_fp16"}, "amp_fp16.*Fix: precision='amp_bf16'"),
+        ({"compile": True}, "compile=True with FSDPConfig.*the stages never call"),
+    ],
+)
+def test_loop_options_that_do_not_compose_are_refused(kwargs: Dict[str, Any], message: str) -> None:
+    from raytrain_events.trainer.options import LoopOptions
+
+    with pytest.raises(ValueError, match=message):
+        LoopOptions(parallelism=pp_config("1f1b"), **kwargs)
+
+
+def test_algorithms_that_cannot_run_under_pp_are_refused_before_any_work() -> None:
+    from examples.transformer_lm import TransformerLM, random_tokens
+    from raytrain_events import Trainer
+    from raytrain_events.algorithms.ema import EMA
+    from raytrain_events.algorithms.layer_freezing import LayerFreezing
+    from raytrain_events.algorithms.mixup import MixUp
+
+    with torch.device("meta"):
+        model = TransformerLM(depth=4)
+    with pytest.raises(ValueError, match="MixUp: it mixes the inputs on the first stage(.|\n)*LayerFreezing(.|\n)*EMA"):
+        Trainer(
+            model=model,
+            train_dataloader=torch.utils.data.DataLoader(random_tokens(8), batch_size=4),
+            max_duration="1ba",
+            optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+            parallelism=pp_config("1f1b"),
+            algorithms=[MixUp(), LayerFreezing(), EMA()],
+        )

@@ -1,0 +1,138 @@
+"""RayTrainer(parallelism=FSDPConfig(pipeline_parallel=2)): bad input refused before Ray starts, and one
+short run (2 workers, one pipeline of 2 stages) through the feeder.
+
+The run proves: each worker holds one stage (its parameters only: the first stage the embeddings,
+the last the head); both stages trained the same rows in the global order (the feeder serves a
+pipeline's stages like a tensor group: the same part of each batch); the global Timestamp counts
+every row and token once (the first stage counts); and the loss the driver reports is the model's,
+the same on both stages (the last stage's, carried on the per-batch sum).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any, Dict
+
+import pytest
+import torch
+from ray import cloudpickle as ray_cloudpickle
+
+from raytrain_events import Callback
+from tests.test_bad_input import _unread_dataset, no_ray  # noqa: F401 -- the fixture, used by name
+
+ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ship this module's helpers to workers
+
+ROWS, LENGTH, VOCAB, BATCH = 40, 16, 64, 8
+
+
+def make_model() -> Any:
+    from examples.transformer_lm import TransformerLM
+
+    torch.manual_seed(0)
+    with torch.device("meta"):  # each worker materialises its own stage only
+        return TransformerLM(vocab=VOCAB, width=32, heads=4, depth=2, length=LENGTH)
+
+
+def make_adam(model: Any) -> Any:
+    return torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+
+def count_tokens(batch: Any) -> int:
+    return int(batch["ntok"].sum())
+
+
+class RecordStages(Callback):
+    """Each rank writes its rows and loss per batch, and at the end the parameter names it holds."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def fit_start(self, state: Any, logger: Any) -> None:
+        self.file = open(os.path.join(self.folder, f"rank{state.rank}.jsonl"), "w")
+
+    def batch_end(self, state: Any, logger: Any) -> None:
+        record = {"ids": [int(i) for i in state.batch["id"].tolist()], "loss": float(state.loss)}
+        self.file.write(json.dumps(record) + "\n")
+
+    def fit_end(self, state: Any, logger: Any) -> None:
+        self.file.write(json.dumps({"params": sorted(n for n, _ in state.model.named_parameters())}) + "\n")
+        self.file.close()
+
+
+def _options(**over: Any) -> Dict[str, Any]:
+    from raytrain_events.parallel import FSDPConfig
+
+    options: Dict[str, Any] = dict(
+        model=make_model,
+        optimizers=make_adam,
+        datasets={"train": _unread_dataset()},
+        max_duration="1ep",
+        batch_size=BATCH,
+        num_workers=2,
+        parallelism=FSDPConfig(pipeline_parallel=2, pipeline_microbatches=2),
+        run_name="pp",
+    )
+    options.update(over)
+    return options
+
+
+@pytest.mark.parametrize(
+    "over, error",
+    [
+        ({"num_workers": 3}, "pipeline_parallel=2\\) needs a world size divisible by 2.*got 3 ranks"),
+        ({"algorithms": ["mixup"]}, "MixUp: it mixes the inputs on the first stage"),
+        ({"datasets": {"train": None, "val": None}}, "trains only, but datasets has eval sets \\['val'\\]"),
+        (
+            {"parallelism": {"pipeline_parallel": 2, "pipeline_stages_per_rank": 2, "pipeline_schedule": "loopedbfs"}},
+            "4 stages do not divide the model's 2 blocks evenly",
+        ),
+        ({"grad_accum": 2}, "grad_accum=2 with FSDPConfig\\(pipeline_parallel=2\\)"),
+    ],
+)
+def test_ray_trainer_refuses_bad_pipelines_before_ray_starts(tmp_path: Any, no_ray: Any, over: Any, error: str) -> None:  # noqa: F811
+    from raytrain_events import RayTrainer
+
+    if "datasets" in over:
+        over = {"datasets": {name: _unread_dataset() for name in over["datasets"]}}
+    with pytest.raises(ValueError, match=error):
+        RayTrainer(**_options(storage_path=str(tmp_path), **over)).fit()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # 23 s at load 17, 126 s at load 85 here (2 cores)
+def test_a_pipeline_over_two_workers_trains_every_row_once_with_the_models_loss(
+    ray_cluster: Any, tmp_path: Any
+) -> None:
+    import ray.data
+
+    from raytrain_events import RayTrainer
+    from tests.ray.test_ray_tensor_parallel import make_rows
+
+    train = make_rows(ROWS)
+    folder = tmp_path / "records"
+    folder.mkdir()
+    result = RayTrainer(
+        **_options(
+            datasets={"train": ray.data.from_items(train)},
+            get_num_tokens_in_batch=count_tokens,
+            storage_path=str(tmp_path / "runs"),
+            callbacks=lambda: [RecordStages(str(folder))],
+        )
+    ).fit()
+    stamp = {unit: result.timestamp.get_value(unit) for unit in ("ep", "ba", "sp", "tok")}
+    assert stamp == {"ep": 1, "ba": ROWS // BATCH, "sp": ROWS, "tok": sum(r["ntok"] for r in train)}
+    ranks = []
+    for rank in (0, 1):
+        with open(folder / f"rank{rank}.jsonl") as fh:
+            ranks.append([json.loads(line) for line in fh])
+    first, last = (records[-1]["params"] for records in ranks)
+    assert "tokens.weight" in first and "head.weight" not in first and "blocks.0.attn.q.weight" in first
+    assert "head.weight" in last and "tokens.weight" not in last and "blocks.1.attn.q.weight" in last
+    batches = [records[:-1] for records in ranks]
+    assert [r["ids"] for r in batches[0]] == [r["ids"] for r in batches[1]]
+    assert [i for r in batches[0] for i in r["ids"]] == list(range(ROWS))
+    assert [r["loss"] for r in batches[0]] == [r["loss"] for r in batches[1]]  # the model's, on both stages
+    assert 0 < batches[0][-1]["loss"] < 10
