@@ -24,6 +24,8 @@ Files:
   with per-source counts.
 * ``mixture_source.py``: `MixtureSource`: a `Mixture` of seekable sources as one seekable train set
   for the `EpochFeeder`.
+* ``packed_source.py``: `PackedTokens`: token documents in Parquet packed into ``seq_len``
+  sequences, as a seekable train source.
 * ``parquet_seek.py``: `ParquetRowGroups`: a Parquet train source that a resumed epoch enters at
   its position, unread before it.
 * ``prefetch.py``: `prefetched`: run an iterator in a background thread, a few items ahead of the
