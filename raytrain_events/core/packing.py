@@ -134,7 +134,7 @@ def place(lengths: Sequence[int] | np.ndarray, seq_len: int, policy: str, what: 
     return np.repeat(seq * seq_len + offset, lengths) + within
 
 
-def pack_window(
+def pack_window(  # noqa: PLR0913 (the window's arrays, then how to pack them)
     tokens: np.ndarray,
     lengths: Sequence[int] | np.ndarray,
     document_ids: Sequence[int] | np.ndarray,

@@ -136,7 +136,9 @@ def context_parallel_attention(  # noqa: PLR0913 -- scaled_dot_product_attention
     import torch.nn.functional as F
 
     local = query.shape[-2]
-    if dropout_p or (attn_mask is not None and (attn_mask.dtype != torch.bool or attn_mask.shape[-1] != local * degree)):
+    if dropout_p or (
+        attn_mask is not None and (attn_mask.dtype != torch.bool or attn_mask.shape[-1] != local * degree)
+    ):
         raise NotImplementedError(
             "context_parallel attention supports causal attention, full attention or a boolean mask over the whole "
             "sequence's keys in sequence order (document_attention.document_mask), without dropout; this call passed "

@@ -37,9 +37,7 @@ def test_every_document_once_with_its_ids_and_positions(policy: str, seed: int) 
     for row in range(len(docs)):
         for d, t in zip(docs[row][real[row]].tolist(), toks[row][real[row]].tolist()):
             got.setdefault(d, []).append(t)
-    assert {d: sorted(t) for d, t in got.items()} == {
-        int(i): list(range(1, k + 1)) for i, k in zip(ids, lengths) if k
-    }
+    assert {d: sorted(t) for d, t in got.items()} == {int(i): list(range(1, k + 1)) for i, k in zip(ids, lengths) if k}
     # Positions count from each piece's start; a piece is contiguous and in token order.
     for row in range(len(docs)):
         run_start = 0

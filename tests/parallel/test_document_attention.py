@@ -35,7 +35,11 @@ def test_no_token_attends_across_a_document_and_the_check_sees_a_leak() -> None:
     with torch.no_grad():
         base, changed = net(packed_batch()), net(packed_batch(change=True))
         assert _leaks(base, changed) == {
-            "doc10": False, "doc11_before": False, "doc11_after": True, "doc12": False, "row1": False
+            "doc10": False,
+            "doc11_before": False,
+            "doc11_after": True,
+            "doc12": False,
+            "row1": False,
         }
         # Without document ids (plain causal attention over the packed row) document 12 sees the change:
         # the same check fails on a model that leaks.
@@ -80,5 +84,9 @@ def test_context_parallel_4_keeps_documents_apart_and_matches_the_whole_model() 
         torch.testing.assert_close(r["base"]["logits"], whole, atol=1e-5, rtol=1e-5)
         assert abs(r["base"]["loss"] - whole_loss) < 1e-5
         assert _leaks(r["base"]["logits"], r["changed"]["logits"]) == {
-            "doc10": False, "doc11_before": False, "doc11_after": True, "doc12": False, "row1": False
+            "doc10": False,
+            "doc11_before": False,
+            "doc11_after": True,
+            "doc12": False,
+            "row1": False,
         }

@@ -32,6 +32,8 @@ Files:
   thread that uses them.
 * ``row_index.py``: `BlockIndex`: an epoch's buffered blocks, found by global row in O(log n) and
   trimmed from the front.
+* ``tokenize.py``: Tokenize text once on the cluster: text Parquet/JSONL into seekable token Parquet
+  (`tokenize`).
 * ``shuffle.py``: Row-level shuffle of the global order: rows permuted within windows of
   consecutive blocks.
 * ``slices.py``: A rank's share of a batch, as typed slices of the epoch's blocks: `RowRange` and

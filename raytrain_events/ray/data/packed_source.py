@@ -18,7 +18,7 @@ epoch (the row groups inside one stay in file order, so a window's sequences nev
 Built on the driver, before Ray starts: the footers (row counts, the token column's min/max
 statistics: ids outside ``[0, vocab_size)`` are refused here, before any training, when the
 writer kept statistics) and each document's length (the ``num_tokens`` column that
-`raytrain_events.data.tokenize` writes, 4 bytes per document; else the token column's list
+`tokenize.py` writes, 4 bytes per document; else the token column's list
 lengths, which reads the tokens once). From the lengths each window's sequence count is known
 (under ``best_fit`` a document longer than ``seq_len`` is refused here), and only those counts are
 kept: one integer per window. Cost at scale: that build is O(documents) once per source (threads,
