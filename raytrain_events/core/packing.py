@@ -131,7 +131,8 @@ def place(lengths: Sequence[int] | np.ndarray, seq_len: int, policy: str, what: 
     _, seq, offset = _best_fit(lengths, seq_len, what)
     starts = np.cumsum(lengths) - lengths
     within = np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)
-    return np.repeat(seq * seq_len + offset, lengths) + within
+    dest: np.ndarray = np.repeat(seq * seq_len + offset, lengths) + within
+    return dest
 
 
 def pack_window(  # noqa: PLR0913 (the window's arrays, then how to pack them)

@@ -3,7 +3,7 @@ outputs on a packed batch, whole on one process and cut by context parallelism o
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import torch
 
@@ -59,4 +59,59 @@ def cp_logits(rank: int, world_size: int) -> Dict[str, Any]:
         loss = net.loss(logits, part).detach()
         dist.all_reduce(loss)  # each rank's part divided by its share of the labels: summed, the whole loss
         out[name] = {"logits": whole, "loss": float(loss) / world_size}
+    return out
+
+
+def packed_rows(rows: int, seed: int) -> List[Dict[str, torch.Tensor]]:
+    """``rows`` packed sequences of `SEQ` tokens (best fit of random documents of 1-12 tokens, padding included)."""
+    import numpy as np
+
+    from raytrain_events.core.packing import pack_window
+
+    rng = np.random.default_rng(seed)
+    out: List[Dict[str, torch.Tensor]] = []
+    doc = 0
+    while len(out) < rows:
+        lengths = rng.integers(1, 13, size=24)
+        tokens = rng.integers(1, VOCAB, size=int(lengths.sum())).astype(np.int64)
+        packed = pack_window(tokens, lengths, np.arange(doc, doc + 24), SEQ, "best_fit")
+        doc += 24
+        for i in range(len(packed.num_tokens)):
+            out.append(
+                {
+                    "input_ids": torch.from_numpy(packed.input_ids[i]),
+                    "document_ids": torch.from_numpy(packed.document_ids[i]),
+                    "position_ids": torch.from_numpy(packed.position_ids[i]),
+                    "num_tokens": torch.tensor(int(packed.num_tokens[i])),
+                }
+            )
+    return out[:rows]
+
+
+def train_packed(rank: int, world_size: int, arms: Any, group: Dict[str, int]) -> Dict[str, Any]:
+    """Each arm trains 4 batches of 8 packed rows (grad accumulation 2, real tokens counted) on shard
+    ``rank // group``: its losses, first-batch gradients and Timestamp."""
+    from torch.utils.data import DataLoader
+
+    from raytrain_events import Trainer
+    from raytrain_events.core.data_spec import DataSpec
+    from tests.parallel.cp_workloads import CP_ARMS, Record
+
+    out: Dict[str, Any] = {}
+    for name in arms:
+        record = Record()
+        net = model()
+        loader = DataLoader(packed_rows(32, seed=100 + rank // group[name]), batch_size=8)
+        trainer = Trainer(
+            model=net,
+            train_dataloader=DataSpec(loader, get_num_tokens_in_batch=lambda b: int(b["num_tokens"].sum())),
+            max_duration="4ba",
+            optimizers=torch.optim.AdamW(net.parameters(), lr=2e-3),
+            grad_accum=2,
+            parallelism=CP_ARMS[name],
+            callbacks=[record],
+        )
+        trainer.fit()
+        out[name] = {"losses": record.losses, "grads": record.grads, "timestamp": trainer.state.timestamp.state_dict()}
+        trainer.close()
     return out

@@ -90,3 +90,20 @@ def test_context_parallel_4_keeps_documents_apart_and_matches_the_whole_model() 
             "doc12": False,
             "row1": False,
         }
+
+
+@pytest.mark.timeout(900)
+def test_packed_training_under_cp_2_x_tp_2_matches_ddp() -> None:
+    """Through the `Trainer` on 4 gloo ranks: CP 2 x TP 2 (one group) trains packed rows with document
+    masks to DDP's losses and gradients, batch by batch, and counts each group's real tokens once."""
+    from tests.parallel.doc_mask_workloads import packed_rows, train_packed
+
+    results = run_ranks(4, train_packed, ["ddp", "cp_tp"], {"ddp": 4, "cp_tp": 4})
+    real = sum(int(r["num_tokens"]) for r in packed_rows(32, seed=100))
+    for got in results:
+        ddp, cp = got["ddp"], got["cp_tp"]
+        assert cp["timestamp"]["token"] == real and ddp["timestamp"]["token"] == 4 * real
+    mean = [sum(x) / 4 for x in zip(*(r["cp_tp"]["losses"] for r in results))]
+    torch.testing.assert_close(mean, results[0]["ddp"]["losses"], rtol=1e-6, atol=0)
+    for name, grad in results[0]["ddp"]["grads"].items():
+        torch.testing.assert_close(results[0]["cp_tp"]["grads"][name], grad, rtol=0, atol=2e-6, msg=name)
