@@ -57,13 +57,12 @@ def _blocks(path: str) -> List[Any]:
     except (SyntaxError, UnicodeDecodeError, ValueError):
         return [[], []]
     code, docs = [], []
+    lines = text.splitlines(keepends=True)
     if ast.get_docstring(tree):
         docs.append(ast.get_docstring(tree))
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            segment = ast.get_source_segment(text, node)
-            if segment:
-                code.append(segment)
+            code.append("".join(lines[node.lineno - 1 : node.end_lineno]))  # not get_source_segment: O(file) each
             for inner in ast.walk(node):
                 if isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and ast.get_docstring(
                     inner
