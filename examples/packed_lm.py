@@ -7,7 +7,7 @@ The whole path, on text every machine has:
 
 1. **Text.** Three sources cut from the standard library (``sysconfig``'s ``stdlib`` folder):
    ``code`` (top-level functions and classes of ``Lib/*.py``), ``tests`` (the same from
-   ``Lib/test/test_*.py``) and ``docs`` (the docstrings of both, prose). One document per block,
+   ``Lib/test/test_*.py``) and ``docs`` (the paragraphs of their docstrings, prose). One document per block,
    written as JSON lines (one file per 40 modules); the last file of each source is held out.
 2. **A tokenizer.** A byte-level BPE (2,048 tokens) trained with Hugging Face ``tokenizers`` on
    the training files, saved as ``bpe.json``.
@@ -48,6 +48,11 @@ POLICY = {"code": "concat", "tests": "concat", "docs": "best_fit"}
 WEIGHTS = {"code": 0.5, "tests": 0.3, "docs": 0.2}
 
 
+def _paragraphs(text: Any) -> List[str]:
+    """A docstring's paragraphs (blank-line separated), each a document of the ``docs`` source."""
+    return [p.strip() for p in str(text).split("\n\n") if p.strip()]
+
+
 def _blocks(path: str) -> List[Any]:
     """``(source text of each top-level def/class, their docstrings and the module's)`` of one file."""
     try:
@@ -59,7 +64,7 @@ def _blocks(path: str) -> List[Any]:
     code, docs = [], []
     lines = text.splitlines(keepends=True)
     if ast.get_docstring(tree):
-        docs.append(ast.get_docstring(tree))
+        docs += _paragraphs(ast.get_docstring(tree))
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             code.append("".join(lines[node.lineno - 1 : node.end_lineno]))  # not get_source_segment: O(file) each
@@ -67,7 +72,7 @@ def _blocks(path: str) -> List[Any]:
                 if isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and ast.get_docstring(
                     inner
                 ):
-                    docs.append(ast.get_docstring(inner))
+                    docs += _paragraphs(ast.get_docstring(inner))
     return [code, docs]
 
 
