@@ -17,7 +17,7 @@ Three parts (issue 50), each printed as a table with medians and spreads ``[min-
 3. ``datapath``: steady sequences/s of an epoch through the feeder and 2 ranks' loaders
    (`GlobalOrderLoader`, as `RayTrainer` builds them) for `PackedTokens` (packing in the read
    tasks) against `ParquetRowGroups` over the very same sequences written out pre-packed (fixed-size
-   int32/int64 lists): the cost of packing on the data path. The first 5 batches are left out (start-up).
+   int32/int64 lists): the cost of packing on the data path. The first 16 batches (the first chunks: the feeder's start, the first reads) are left out.
    Arms interleaved, ``--repeats`` each; the ratio is per repeat.
 """
 
@@ -128,7 +128,7 @@ def _write_prepacked(source: Any, path: str) -> None:
     pq.write_table(pa.concat_tables(tables), os.path.join(path, "packed.parquet"), row_group_size=tables[0].num_rows)
 
 
-def _steady_rate(ray: Any, source: Any, world: int = 2, batch: int = 64, skip: int = 5) -> float:
+def _steady_rate(ray: Any, source: Any, world: int = 2, batch: int = 64, skip: int = 16) -> float:
     from raytrain_events.ray.data.feeder import FEEDER_OPTIONS, EpochFeeder
     from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard
 
@@ -160,7 +160,7 @@ def datapath_part(out: str, repeats: int) -> None:
     from raytrain_events.ray.data.packed_source import PackedTokens
     from raytrain_events.ray.data.parquet_seek import ParquetRowGroups
 
-    paths, _ = write_tokens(os.path.join(out, "tok"), files=8, groups=4, docs_per_group=2_000, seed=0, longest=2_000)
+    paths, _ = write_tokens(os.path.join(out, "tok"), files=16, groups=4, docs_per_group=2_000, seed=0, longest=2_000)
     packed = PackedTokens(paths, seq_len=1024, policy="concat", window_tokens=256 * 1024)
     _write_prepacked(packed, os.path.join(out, "prepacked"))
     plain = ParquetRowGroups(os.path.join(out, "prepacked"))

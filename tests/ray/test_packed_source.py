@@ -4,8 +4,8 @@ Token Parquet of 6 files x 3 row groups x 40 documents (a long-tail length mix, 
 packed into sequences of 48 in windows of about 500 tokens. An epoch on 2 ranks trains every
 document's tokens once (every piece once under ``concat``); the same epoch entered at a
 position inside a window on 3 ranks trains exactly the sequences from there on, and opens no file
-wholly before the window holding the position; with a seed the windows are permuted, the same way
-at any world size. Files without ``document_id``/``num_tokens`` columns pack to the same sequences
+wholly before the window holding the position; with a seed the windows are permuted (and with the row
+shuffle, sequences within shuffle windows), the same way at any world size. Files without ``document_id``/``num_tokens`` columns pack to the same sequences
 (document ids are then row numbers). Bad input is refused where the source is built, before any
 training: a document longer than ``seq_len`` under best_fit, token ids (from the footers'
 statistics) or a tokenizer vocabulary larger than the model's ``vocab_size``, a column that is not
@@ -42,12 +42,17 @@ def tokens(tmp_path_factory):
     return paths, bare, lengths
 
 
-def _epoch(ray, source, world: int, position: int, seed=None) -> List[dict]:
+def _epoch(ray, source, world: int, position: int, seed=None, shuffle_rows=None) -> List[dict]:
     from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard
 
     feeder = ray.remote(EpochFeeder).options(**FEEDER_OPTIONS).remote(source, world, BATCH)
     loaders = [
-        GlobalOrderLoader(GlobalOrderShard(feeder, r, world, BATCH, source.count()), device="cpu", order_seed=seed)
+        GlobalOrderLoader(
+            GlobalOrderShard(feeder, r, world, BATCH, source.count()),
+            device="cpu",
+            order_seed=seed,
+            shuffle_rows=shuffle_rows,
+        )
         for r in range(world)
     ]
     for loader in loaders:
@@ -116,6 +121,9 @@ def test_a_seeded_order_permutes_windows_the_same_at_any_world_size(ray_cluster,
         int(r["document_ids"][0]) for r in plain
     )
     assert _same(_epoch(ray, source, 3, 37, seed=3), full[37:])
+    # With the row shuffle (sequences permuted within windows of 30+ sequences): the same order resumed.
+    shuffled = _epoch(ray, source, 2, 0, seed=3, shuffle_rows=30)
+    assert not _same(shuffled, full) and _same(_epoch(ray, source, 3, 45, seed=3, shuffle_rows=30), shuffled[45:])
 
 
 def test_bad_input_is_refused_where_the_source_is_built(tokens, tmp_path) -> None:

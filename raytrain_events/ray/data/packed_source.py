@@ -25,8 +25,9 @@ kept: one integer per window. Cost at scale: that build is O(documents) once per
 one read per row group); the feeder holds the per-window counts (8 bytes each) and, as for any
 source, the blocks between the slowest rank and its pull front: with 512 ranks a global batch of
 ``512 * b`` sequences spans ``512 * b / (window sequences)`` windows, one block each. Packing runs
-in the read task (one Ray task per window: read its row groups, pack, O(tokens) array work plus
-O(d log d) for best_fit), never on the feeder or a rank; a rank's part of a batch is one or two
+in the read tasks (one Ray task packs consecutive windows up to about 16 MiB of packed columns, as
+`ParquetRowGroups` sizes its reads, 64 MiB ahead of the feeder; O(tokens) array work plus O(d log d)
+for best_fit), never on the feeder or a rank; a rank's part of a batch is one or two
 slices of window blocks, cut where the blocks are.
 
 Document ids are the ``document_id`` column when the files have one (`tokenize` writes it), else
@@ -54,7 +55,7 @@ from raytrain_events.core.packing import PackingError, check_policy, pack_window
 __all__ = ["PackedTokens", "count_real_tokens", "VOCAB_KEY"]
 
 VOCAB_KEY = b"raytrain_events.vocab_size"  # Parquet key-value metadata `tokenize` writes: the tokenizer's vocabulary
-_AHEAD_WINDOWS_BYTES = 64 << 20  # packed bytes of windows read ahead of the feeder (at least one window)
+_BYTES_PER_TOKEN = 16  # packed columns per token: input_ids (int32), document_ids (int64), position_ids (int32)
 
 
 def count_real_tokens(batch: Any) -> int:
@@ -254,27 +255,60 @@ class PackedTokens:
             "what": f"pack window {w}",
         }
 
+    def reads(self, windows: List[int]) -> List[List[int]]:
+        """``windows`` (in the epoch's order) grouped into read tasks: consecutive windows until about
+        `parquet_seek.READ_BYTES` of packed columns (a pure function of the order, as `ParquetRowGroups.reads`)."""
+        from raytrain_events.ray.data.parquet_seek import READ_BYTES
+
+        out: List[List[int]] = []
+        current: List[int] = []
+        size = 0
+        for w in windows:
+            current.append(w)
+            size += self.window_sequences[w] * self.seq_len * _BYTES_PER_TOKEN
+            if size >= READ_BYTES:
+                out.append(current)
+                current, size = [], 0
+        return out + ([current] if current else [])
+
     def _bundles(self, windows: List[int]) -> Iterator[Any]:
         import ray
 
-        task = ray.remote(pack_read).options(num_cpus=0.25)
-        per_window = max(1, self.window_tokens * 17)  # bytes of a window's packed columns (4 + 8 + 4 per token, +)
-        ahead = max(1, _AHEAD_WINDOWS_BYTES // per_window)
-        todo = iter(windows)
-        pending: List[Tuple[Any, int]] = []
+        from raytrain_events.ray.data.parquet_seek import AHEAD_BYTES
+
+        task = ray.remote(pack_reads).options(num_cpus=0.25)
+        todo = iter(self.reads(windows))
+        pending: List[Tuple[Any, List[int], int]] = []  # (block ref, its windows, bytes)
+        in_flight = 0
         while True:
-            while len(pending) < ahead:
-                w = next(todo, None)
-                if w is None:
+            while not pending or in_flight < AHEAD_BYTES:  # reads ahead of the feeder's pull, as ParquetRowGroups
+                group = next(todo, None)
+                if group is None:
                     break
-                pending.append((task.remote(**self.window_args(w)), self.window_sequences[w]))
+                size = sum(self.window_sequences[w] for w in group) * self.seq_len * _BYTES_PER_TOKEN
+                pending.append((task.remote([self.window_args(w) for w in group]), group, size))
+                in_flight += size
             if not pending:
                 return
-            ref, rows = pending.pop(0)
+            ref, group, size = pending.pop(0)
             ray.wait([ref], fetch_local=False)  # handed on once packed: the block then has a node to cut on
-            yield SimpleNamespace(
-                blocks=[(ref, SimpleNamespace(num_rows=rows))], slices=[SimpleNamespace(start_offset=0, num_rows=rows)]
-            )
+            in_flight -= size
+            offset = 0
+            for w in group:  # each window a slice of the read's block
+                rows = self.window_sequences[w]
+                yield SimpleNamespace(
+                    blocks=[(ref, SimpleNamespace(num_rows=rows))],
+                    slices=[SimpleNamespace(start_offset=offset, num_rows=rows)],
+                )
+                offset += rows
+
+
+def pack_reads(windows: List[Dict[str, Any]]) -> Any:
+    """A Ray task: pack consecutive windows (`pack_read` each) into one block."""
+    import pyarrow as pa
+
+    tables = [pack_read(**args) for args in windows]
+    return tables[0] if len(tables) == 1 else pa.concat_tables(tables).combine_chunks()
 
 
 def pack_read(**args: Any) -> Any:
