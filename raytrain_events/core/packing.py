@@ -160,20 +160,16 @@ def pack_window(  # noqa: PLR0913 (the window's arrays, then how to pack them)
     out_docs = np.full(n * seq_len, PAD_DOCUMENT, dtype=np.int64)
     out_ids[dest] = tokens
     out_docs[dest] = np.repeat(ids, lengths)
+    # Each token's position in its piece: since its document's start, or since its sequence's start
+    # when the document began in an earlier sequence (a concat cut); array work, no per-row scan.
+    some = lengths > 0  # (an empty document has no first token)
+    starts = np.repeat(dest[(np.cumsum(lengths) - lengths)[some]], lengths[some])
+    out_pos = np.zeros(n * seq_len, dtype=np.int32)
+    out_pos[dest] = dest - np.maximum(starts, dest - dest % seq_len)
     docs = out_docs.reshape(n, seq_len)
-    return Packed(out_ids.reshape(n, seq_len), docs, _positions(docs), (docs != PAD_DOCUMENT).sum(1).astype(np.int32))
-
-
-def _positions(docs: np.ndarray) -> np.ndarray:
-    """Per token, its position since the start of its run of equal document ids in its row (0 on padding)."""
-    n, length = docs.shape
-    if not docs.size:
-        return np.zeros((n, length), dtype=np.int32)
-    starts = np.ones_like(docs, dtype=bool)
-    starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
-    index = np.broadcast_to(np.arange(length), docs.shape)
-    first = np.maximum.accumulate(np.where(starts, index, 0), axis=1)
-    return np.where(docs == PAD_DOCUMENT, 0, index - first).astype(np.int32)
+    return Packed(
+        out_ids.reshape(n, seq_len), docs, out_pos.reshape(n, seq_len), (docs != PAD_DOCUMENT).sum(1).astype(np.int32)
+    )
 
 
 def efficiency(lengths: Sequence[int] | np.ndarray, seq_len: int, policy: str, window_docs: int) -> Dict[str, float]:

@@ -56,6 +56,13 @@ def test_every_document_once_with_its_ids_and_positions(policy: str, seed: int) 
         assert pieces <= int((lengths > 0).sum()) + len(docs) - 1
 
 
+@pytest.mark.parametrize("policy", ["concat", "best_fit"])
+def test_empty_documents_anywhere_take_no_room(policy: str) -> None:
+    lengths = np.array([0, 3, 0, 5, 0])
+    packed = pack_window(np.arange(1, 9, dtype=np.int32), lengths, np.arange(5), 5, policy)
+    assert int(packed.num_tokens.sum()) == 8 and set(packed.document_ids[packed.document_ids >= 0].tolist()) == {1, 3}
+
+
 def test_best_fit_refuses_a_document_longer_than_seq_len_and_concat_splits_it() -> None:
     lengths = np.array([10, 70, 5])
     tokens = np.ones(85, dtype=np.int32)
