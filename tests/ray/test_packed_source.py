@@ -6,7 +6,8 @@ document's tokens once (every piece once under ``concat``); the same epoch enter
 position inside a window on 3 ranks trains exactly the sequences from there on, and opens no file
 wholly before the window holding the position; with a seed the windows are permuted (and with the row
 shuffle, sequences within shuffle windows), the same way at any world size. Files without ``document_id``/``num_tokens`` columns pack to the same sequences
-(document ids are then row numbers). Bad input is refused where the source is built, before any
+(document ids are then row numbers). A feeder killed mid-epoch rebuilds the packed stream mid-window
+and the ranks train the uninterrupted epoch's sequences. Bad input is refused where the source is built, before any
 training: a document longer than ``seq_len`` under best_fit, token ids (from the footers'
 statistics) or a tokenizer vocabulary larger than the model's ``vocab_size``, a column that is not
 a list of token ids.
@@ -149,3 +150,32 @@ def test_bad_input_is_refused_where_the_source_is_built(tokens, tmp_path) -> Non
     pq.write_table(table.replace_schema_metadata({b"raytrain_events.vocab_size": b"50000"}), wide)
     with pytest.raises(ValueError, match="tokenized with a vocabulary of 50000 tokens, more than vocab_size=4096"):
         PackedTokens(wide, seq_len=SEQ, vocab_size=VOCAB)
+
+
+@pytest.mark.ray
+def test_a_feeder_killed_mid_pack_rebuilds_the_same_sequences(ray_cluster, tokens) -> None:
+    """The feeder dies after batch 60 of about 80 (global batches of 2 sequences): the restarted one
+    rebuilds the epoch from batch 20 on (its restart slack), entering the packed stream mid-window;
+    the ranks train exactly the uninterrupted epoch's sequences."""
+    from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard
+
+    ray = ray_cluster
+    source = PackedTokens(tokens[0], seq_len=SEQ, window_tokens=WINDOW)
+    world, batch = 2, 2
+    assert source.count() > 70 * batch
+    feeder = ray.remote(EpochFeeder).options(**FEEDER_OPTIONS).remote(None, world, batch)
+    refs = [ray.put(source)]
+    loaders = [
+        GlobalOrderLoader(GlobalOrderShard(feeder, r, world, batch, source.count(), source=refs), device="cpu")
+        for r in range(world)
+    ]
+    for loader in loaders:
+        loader.set_epoch(0)
+    rows: List[dict] = []
+    for k, per_rank in enumerate(zip(*loaders, strict=True)):
+        for b in per_rank:
+            rows += [{key: v[i].clone() for key, v in b.items()} for i in range(len(b["num_tokens"]))]
+        if k == 60:
+            ray.kill(feeder, no_restart=False)  # the process dies; Ray restarts the actor
+    reference = _epoch(ray, source, 2, 0)
+    assert _same(rows, reference)
