@@ -21,17 +21,25 @@ cut, ``pipeline_embed`` runs on the first stage and ``pipeline_head`` on the las
 Context parallelism (``FSDPConfig(context_parallel=c)``): attention is plain SDPA, so it can be
 split along the sequence; ``context_parallel_split`` cuts a batch (global ``positions``, ``labels``
 shifted before the cut) and ``forward``/``loss`` take the cut batch.
+
+Packed sequences (``raytrain_events.ray.data.packed_source.PackedTokens``): a batch with
+``document_ids`` and ``position_ids`` trains with document masks (block-causal attention,
+``raytrain_events.parallel.document_attention``: no token attends across a document, under CP and
+TP too), position embeddings restarting at each document, and no loss on the token after a
+document's last one nor on padding.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Block", "TransformerLM", "random_tokens"]
+from raytrain_events.parallel.document_attention import PAD_DOCUMENT, document_attention
+
+__all__ = ["Block", "TransformerLM", "next_tokens", "random_tokens"]
 
 
 class Attention(torch.nn.Module):
@@ -47,10 +55,16 @@ class Attention(torch.nn.Module):
         self.v = torch.nn.Linear(width, width)
         self.out = torch.nn.Linear(width, width)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, docs: Optional[torch.Tensor] = None, cut: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """``docs``: the whole sequence's document ids (document masks); ``cut``: a CP rank's positions."""
         b, s, _ = x.shape
         q, k, v = (proj(x).view(b, s, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if docs is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = document_attention(q, k, v, docs, cut)
         return self.out(y.transpose(1, 2).reshape(b, s, -1))  # type: ignore[no-any-return]
 
 
@@ -77,8 +91,10 @@ class Block(torch.nn.Module):
         self.norm2 = torch.nn.LayerNorm(width)
         self.mlp = MLP(width)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
+    def forward(
+        self, x: torch.Tensor, docs: Optional[torch.Tensor] = None, cut: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), docs, cut)
         return x + self.mlp(self.norm2(x))  # type: ignore[no-any-return]
 
     def tensor_parallel_plan(self, degree: int) -> Dict[str, str]:
@@ -115,16 +131,19 @@ class TransformerLM(torch.nn.Module):
 
     def forward(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         x = self.pipeline_embed(batch)
+        docs = batch.get("document_ids")  # packed documents: the whole sequence's (CP leaves it uncut)
+        cut = batch.get("positions")  # context parallelism: the global positions of this rank's part
         for block in self.blocks:
-            x = block(x)
+            x = block(x, docs, cut)
         return self.pipeline_head(x)
 
     def pipeline_embed(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         """What runs before the blocks (the first pipeline stage's part; ``FSDPConfig(pipeline_parallel=p)``)."""
-        ids = batch["input_ids"]
-        positions = batch.get("positions")  # context parallelism: the global positions of this rank's part
-        if positions is None:
-            positions = torch.arange(ids.shape[1], device=ids.device)
+        ids = batch["input_ids"].long()
+        cut = batch.get("positions")  # context parallelism: the global positions of this rank's part
+        positions = torch.arange(ids.shape[1], device=ids.device) if cut is None else cut
+        if "position_ids" in batch:  # packed: positions restart at each document
+            positions = batch["position_ids"].long() if cut is None else batch["position_ids"][:, cut].long()
         return self.tokens(ids) + self.positions(positions)  # type: ignore[no-any-return]
 
     def pipeline_head(self, x: torch.Tensor) -> torch.Tensor:
@@ -136,15 +155,34 @@ class TransformerLM(torch.nn.Module):
             flat = logits.reshape(-1, logits.shape[-1])
             total = F.cross_entropy(flat, batch["labels"].reshape(-1), ignore_index=-100, reduction="sum")
             return total / batch["label_count"]
-        targets = batch["input_ids"][:, 1:]
-        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        targets = next_tokens(batch)[:, :-1]
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
 
     def context_parallel_split(self, batch: Dict[str, torch.Tensor], index: int, degree: int) -> Dict[str, Any]:
         """Rank ``index``'s part of ``batch`` under ``FSDPConfig(context_parallel=degree)``: the
         load-balanced cut of the sequence, with labels and positions (``split_token_batch``)."""
         from raytrain_events.parallel.context_parallel import split_token_batch
 
-        return split_token_batch(batch, index, degree)
+        part = split_token_batch(batch, index, degree)
+        if "document_ids" in batch:  # packed: no label across a document's end or on padding
+            labels = next_tokens(batch)
+            part["labels"] = labels[:, part["positions"]]
+            part["label_count"] = (labels != -100).sum() / degree
+        return part
+
+
+def next_tokens(batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+    """Each position's next-token label, ``-100`` (ignored) after the last token and, in packed
+    sequences, where the next token starts another document or is padding."""
+    ids = batch["input_ids"].long()
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:]
+    docs = batch.get("document_ids")
+    if docs is not None:
+        same = torch.zeros_like(ids, dtype=torch.bool)
+        same[:, :-1] = (docs[:, 1:] == docs[:, :-1]) & (docs[:, 1:] != PAD_DOCUMENT)
+        labels = labels.masked_fill(~same, -100)
+    return labels
 
 
 def random_tokens(rows: int, vocab: int = 64, length: int = 16, seed: int = 0) -> Any:

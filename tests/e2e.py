@@ -47,6 +47,7 @@ E2E: Dict[str, object] = {
     "tests/ray/test_data_network.py": ALL,  # a 3-node Cluster
     "tests/ray/test_loopback.py": ALL,  # an embedded Ray in a subprocess
     "tests/ray/test_mixture_run.py": ALL,  # one stop + resume pair of RayTrainer runs over a mixture
+    "tests/ray/test_packed_run.py": ALL,  # one stop + resume pair of RayTrainer runs over packed sources
     "tests/ray/test_parquet_seek.py": {"test_ray_trainer_resumed_at_half_an_epoch_reads_nothing_before_its_position"},
     "tests/ray/test_preemption_deadline.py": ALL,
     "tests/ray/test_ray_auto_microbatching.py": ALL,  # the module's auto_run

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 from raytrain_events.cli.errors import UsageError, run_guarded
 from raytrain_events.cli.parser import ArgumentParser
@@ -196,7 +196,31 @@ def build_parser(entry: Optional[str] = None) -> argparse.ArgumentParser:
         "-o", "--storage-option", action="append", metavar="KEY=VALUE", default=[], help=STORAGE_OPTION_HELP
     )
     report.set_defaults(_parser=report)
+    _add_tokenize(commands)
     return parser
+
+
+def _add_tokenize(commands: Any) -> None:
+    tokenize = commands.add_parser(
+        "tokenize",
+        help="Tokenize text (Parquet/JSONL) once on Ray Data into seekable token Parquet for PackedTokens.",
+        formatter_class=_formatter,
+        description=(
+            "Turn text files into token Parquet (input_ids, num_tokens, document_id, source) with a Hugging Face\n"
+            "tokenizer.json on disk, one shard per input file under OUTPUT/<source>/. Resumable (finished shards are\n"
+            "kept) and idempotent (a rerun over the same inputs writes nothing). See ray/data/tokenize.py."
+        ),
+    )
+    tokenize.add_argument(
+        "inputs", metavar="[SOURCE=]PATH", nargs="+", help="Input files, folders or globs; SOURCE= names their source."
+    )
+    tokenize.add_argument("--output", required=True, help="The output folder (one subfolder per source).")
+    tokenize.add_argument("--tokenizer", required=True, help="A tokenizer.json file (tokenizers' Tokenizer.save).")
+    tokenize.add_argument("--text-column", default="text", help="The column of each document's text (default text).")
+    tokenize.add_argument("--id-column", help="An integer column to keep as document_id (default: file and row).")
+    tokenize.add_argument("--max-tokens", type=int, help="Cut longer documents to this many tokens (counted).")
+    tokenize.add_argument("--eos", help="A token to append to every document, e.g. '<|endoftext|>'.")
+    tokenize.set_defaults(_parser=tokenize)
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -213,6 +237,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         from raytrain_events.cli.train import run_train
 
         return run_train(args)
+    if args.command == "tokenize":
+        return _tokenize(args)
     options = runs.parse_storage_options(args.storage_option)
     if args.command == "runs":
         found = runs.list_runs(args.storage, options)
@@ -260,6 +286,29 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(f"Wrote {written['html']} ({len(written['images'])} figures)")
         return 0
     raise UsageError(f"Unknown command {args.command!r}.")  # pragma: no cover - argparse rejects it first
+
+
+def _tokenize(args: argparse.Namespace) -> int:
+    from raytrain_events.ray.data.tokenize import tokenize
+
+    sources: Dict[str, List[str]] = {}
+    for item in args.inputs:
+        name, _, path = item.rpartition("=") if "=" in item else ("train", "", item)
+        sources.setdefault(name, []).append(path)
+    try:
+        summary = tokenize(
+            sources,
+            args.output,
+            tokenizer=args.tokenizer,
+            text_column=args.text_column,
+            id_column=args.id_column,
+            max_tokens=args.max_tokens,
+            eos=args.eos,
+        )
+    except (FileNotFoundError, FileExistsError, TypeError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+    print(json.dumps(summary, indent=2))
+    return 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:

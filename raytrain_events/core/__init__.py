@@ -26,6 +26,8 @@ Files:
 * ``mixture.py``: `Mixture`: named sources with weights that change in stages, as plain data.
 * ``mixture_plan.py``: `MixturePlan`: which source and row each global sample position of an epoch
   reads.
+* ``packing.py``: Packing token documents into fixed-length training sequences: pure functions of
+  document lengths.
 * ``plain.py``: The one converter to plain Python data (for JSON, YAML, Ray reports, logs and
   config diffs).
 * ``precision.py``: Numerical precision: resolve "fp32" / "amp_bf16" / "amp_fp16" into an autocast

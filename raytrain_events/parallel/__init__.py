@@ -14,6 +14,8 @@ Files:
   (``FSDPConfig(context_parallel=c)``).
 * ``deferred_init.py``: Deferred initialisation: a model built on the meta device is sharded first,
   then materialised.
+* ``document_attention.py``: Document masks: block-causal attention over packed sequences, so no
+  token attends across a document.
 * ``float8.py``: Float8 training through torchao: which GPUs and packages support it, and the
   conversion.
 * ``pipeline.py``: Pipeline parallelism (PP) on the mesh: this rank's stages, FSDP per stage, the

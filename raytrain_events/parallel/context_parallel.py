@@ -130,23 +130,29 @@ def context_parallel_attention(  # noqa: PLR0913 -- scaled_dot_product_attention
 ) -> torch.Tensor:
     """``scaled_dot_product_attention`` of this rank's queries (at global ``positions``) over the keys
     and values of every rank of the CP ``group`` (sequence dim -2): all-gathered, then one SDPA call
-    under the mask of the global positions. Refuses what it cannot split (a mask, dropout)."""
+    under the mask of the global positions (and a given boolean mask over the keys in sequence order).
+    Refuses dropout and any other mask."""
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    if attn_mask is not None or dropout_p:
-        raise NotImplementedError(
-            "context_parallel attention supports causal or full attention without dropout; this call passed "
-            f"{'attn_mask' if attn_mask is not None else f'dropout_p={dropout_p}'}. Fix: is_causal=True (or no "
-            "mask) and dropout_p=0 in the model's attention, or context_parallel=1."
-        )
     local = query.shape[-2]
+    if dropout_p or (
+        attn_mask is not None and (attn_mask.dtype != torch.bool or attn_mask.shape[-1] != local * degree)
+    ):
+        raise NotImplementedError(
+            "context_parallel attention supports causal attention, full attention or a boolean mask over the whole "
+            "sequence's keys in sequence order (document_attention.document_mask), without dropout; this call passed "
+            f"{'dropout_p=' + str(dropout_p) if dropout_p else 'another attn_mask'}. Fix: is_causal=True, "
+            "document_attention(...) or no mask, and dropout_p=0 in the model's attention, or context_parallel=1."
+        )
     index = dist.get_group_rank(group, dist.get_rank())
     keys, values = _GatherSequence.apply(torch.stack([key, value]), group, degree, index).unbind(0)
     mask = None
+    every = torch.cat([load_balanced_positions(local * degree, degree, i, query.device) for i in range(degree)])
     if is_causal:  # key j is visible to query i when its global position is not after i's
-        every = torch.cat([load_balanced_positions(local * degree, degree, i, query.device) for i in range(degree)])
         mask = every[None, :] <= positions[:, None]
+    if attn_mask is not None:  # given over keys in sequence order: reordered as the keys were gathered
+        mask = attn_mask[..., every] if mask is None else attn_mask[..., every] & mask
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
 
 

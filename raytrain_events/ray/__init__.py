@@ -46,11 +46,12 @@ from raytrain_events.lazy_names import lazy_names
 
 if TYPE_CHECKING:
     from raytrain_events.ray.checkpointing.validation import AsyncValidation
+    from raytrain_events.ray.data.packed_source import PackedTokens
     from raytrain_events.ray.data.parquet_seek import ParquetRowGroups
     from raytrain_events.ray.driver import RayResult, RayTrainer
     from raytrain_events.ray.spec import RunSpec
 
-__all__ = ["AsyncValidation", "ParquetRowGroups", "RayTrainer", "RayResult", "RunSpec"]
+__all__ = ["AsyncValidation", "PackedTokens", "ParquetRowGroups", "RayTrainer", "RayResult", "RunSpec"]
 
 # Loaded on first use: Ray actors of ours (the data feeder, the run history) import modules of this
 # package and must not pay for the driver's imports (torch among them).
@@ -60,6 +61,7 @@ _LAZY = {
     "RunSpec": "raytrain_events.ray.spec",
     "AsyncValidation": "raytrain_events.ray.checkpointing.validation",
     "ParquetRowGroups": "raytrain_events.ray.data.parquet_seek",
+    "PackedTokens": "raytrain_events.ray.data.packed_source",
 }
 
 

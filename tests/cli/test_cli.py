@@ -47,7 +47,7 @@ def _subparsers(parser):
 
 
 # ------------------------------------------------------------------------------ --help
-@pytest.mark.parametrize("command", ["train", "runs", "runs ls", "inspect", "diff"])
+@pytest.mark.parametrize("command", ["train", "runs", "runs ls", "inspect", "diff", "tokenize"])
 def test_help_mentions_every_option(command, capsys):
     parser = dict(_subparsers(build_parser()))[command]
     code, out, _ = run_main(command.split() + ["--help"], capsys)

@@ -84,7 +84,7 @@ def test_unsupported_combinations_are_refused_naming_the_fix():
     with pytest.raises(ValueError, match=r"Sequential has no context_parallel_split\(batch, index, degree\).*Fix"):
         check_model(torch.nn.Sequential(torch.nn.Linear(2, 2)), 2)
     q = torch.zeros(1, 1, 2, 4)
-    with pytest.raises(NotImplementedError, match="this call passed attn_mask. Fix: is_causal=True"):
+    with pytest.raises(NotImplementedError, match="this call passed another attn_mask. Fix: is_causal=True"):
         context_parallel_attention(
             q, q, q, attn_mask=torch.ones(2, 2, dtype=torch.bool), group=None, degree=2, positions=None
         )

@@ -24,12 +24,16 @@ Files:
   with per-source counts.
 * ``mixture_source.py``: `MixtureSource`: a `Mixture` of seekable sources as one seekable train set
   for the `EpochFeeder`.
+* ``packed_source.py``: `PackedTokens`: token documents in Parquet packed into ``seq_len``
+  sequences, as a seekable train source.
 * ``parquet_seek.py``: `ParquetRowGroups`: a Parquet train source that a resumed epoch enters at
   its position, unread before it.
 * ``prefetch.py``: `prefetched`: run an iterator in a background thread, a few items ahead of the
   thread that uses them.
 * ``row_index.py``: `BlockIndex`: an epoch's buffered blocks, found by global row in O(log n) and
   trimmed from the front.
+* ``tokenize.py``: Tokenize text once on the cluster: text Parquet/JSONL into seekable token Parquet
+  (`tokenize`).
 * ``shuffle.py``: Row-level shuffle of the global order: rows permuted within windows of
   consecutive blocks.
 * ``slices.py``: A rank's share of a batch, as typed slices of the epoch's blocks: `RowRange` and

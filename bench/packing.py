@@ -1,0 +1,203 @@
+"""Packing: efficiency of both policies, tokenization throughput, and the data path's cost of packing.
+
+    PYTHONPATH=$PWD python bench/packing.py                 # all three parts, 3 repeats
+    PYTHONPATH=$PWD python bench/packing.py --parts efficiency
+
+Three parts (issue 50), each printed as a table with medians and spreads ``[min-max]``:
+
+1. ``efficiency``: real tokens / sequence capacity and the documents split, for ``concat`` and
+   ``best_fit`` (`raytrain_events.core.packing.efficiency`, windows of ``256 * seq_len`` tokens as
+   `PackedTokens` makes them), on the example's corpus (``examples/packed_lm.py``: the standard
+   library's functions and classes, and its docstrings, tokenized with the example's BPE; seq_len
+   128) and on a synthetic long tail (log-normal lengths, median 300 tokens, seq_len 2048,
+   documents longer than seq_len cut to it for best_fit). Pure arithmetic: no repeats needed.
+2. ``tokenize``: documents/s of `tokenize` (Ray Data, one task per input file, on a local Ray of
+   ``--cpus`` CPUs) against the plain per-process loop (`tokenize_file` over the same files one
+   after another in this process), the same tokenizer and inputs; each repeat into a fresh folder.
+3. ``datapath``: steady sequences/s of an epoch through the feeder and 2 ranks' loaders
+   (`GlobalOrderLoader`, as `RayTrainer` builds them) for `PackedTokens` (packing in the read
+   tasks) against `ParquetRowGroups` over the very same sequences written out pre-packed (fixed-size
+   int32/int64 lists): the cost of packing on the data path. The first 16 batches (the first chunks: the feeder's start, the first reads) are left out.
+   Arms interleaved, ``--repeats`` each; the ratio is per repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+
+
+def _spread(values: List[float], digits: int = 1) -> str:
+    return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
+
+
+def corpus(out: str) -> Dict[str, Any]:
+    """The example's text, tokenizer and token files (in this process, no Ray)."""
+    import packed_lm
+
+    from raytrain_events.ray.data.tokenize import tokenize_file
+
+    files = packed_lm.write_text(os.path.join(out, "text"))
+    tokenizer = packed_lm.train_tokenizer([p for ps in files.values() for p in ps], os.path.join(out, "bpe.json"))
+    return {"files": files, "tokenizer": tokenizer, "tokenize_file": tokenize_file}
+
+
+def efficiency_part(data: Dict[str, Any], out: str) -> None:
+    import pyarrow.parquet as pq
+
+    from raytrain_events.core.packing import efficiency
+
+    lengths_by = {}
+    for name, paths in data["files"].items():
+        shards = []
+        for i, path in enumerate(paths):
+            shard = os.path.join(out, "eff", name, f"part-{i:05d}.parquet")
+            data["tokenize_file"](path, shard, number=i, source=name, tokenizer=data["tokenizer"], eos="<eos>")
+            shards.append(shard)
+        lengths_by[name] = np.concatenate(
+            [pq.read_table(s, columns=["num_tokens"])["num_tokens"].to_numpy() for s in shards]
+        )
+    for name in list(lengths_by):
+        lengths_by[f"stdlib {name} (seq 128)"] = lengths_by.pop(name)
+    rng = np.random.default_rng(0)
+    lengths_by["log-normal tail (seq 2048)"] = np.maximum(1, rng.lognormal(np.log(300), 1.2, size=200_000)).astype(int)
+    lengths_by["0.5-0.6 seq_len (seq 2048)"] = rng.integers(1025, 1229, size=20_000)  # best_fit's worst case
+    print("\n## Packing efficiency (real tokens / capacity)\n")
+    print(
+        "| corpus | documents | longer than seq_len | concat | concat: documents split "
+        "| best_fit (long ones cut) | tokens the cut drops |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, lengths in lengths_by.items():
+        seq = 128 if name.startswith("stdlib") else 2048
+        concat = efficiency(lengths, seq, "concat", 256 * seq)
+        best = efficiency(np.minimum(lengths, seq), seq, "best_fit", 256 * seq)
+        dropped = float(np.maximum(lengths - seq, 0).sum()) / float(lengths.sum())
+        print(
+            f"| {name} | {len(lengths)} | {int((lengths > seq).sum())} | {concat['efficiency']:.4f} | "
+            f"{int(concat['split_documents'])} | {best['efficiency']:.4f} | {dropped:.1%} |"
+        )
+
+
+def tokenize_part(data: Dict[str, Any], out: str, repeats: int) -> None:
+    from raytrain_events.ray.data.tokenize import tokenize
+
+    files = [p for ps in data["files"].values() for p in ps]
+    plain, job, docs = [], [], 0
+    for r in range(repeats):
+        start = time.perf_counter()
+        docs = 0
+        for i, path in enumerate(files):
+            docs += data["tokenize_file"](
+                path,
+                os.path.join(out, f"plain{r}", f"part-{i:05d}.parquet"),
+                number=i,
+                source="s",
+                tokenizer=data["tokenizer"],
+            )["documents"]
+        plain.append(docs / (time.perf_counter() - start))
+        start = time.perf_counter()
+        summary = tokenize(files, os.path.join(out, f"job{r}"), tokenizer=data["tokenizer"])
+        assert summary["sources"]["train"]["documents"] == docs
+        job.append(docs / (time.perf_counter() - start))
+    print("\n## Tokenization throughput (documents/s)\n")
+    print(f"{len(files)} input files, {docs} documents; Ray Data job on this machine's local Ray\n")
+    print("| plain loop (one process) | tokenize (Ray Data) | ratio |")
+    print("| --- | --- | --- |")
+    print(f"| {_spread(plain)} | {_spread(job)} | {_spread([j / p for j, p in zip(job, plain)], 2)} |")
+
+
+def _write_prepacked(source: Any, path: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raytrain_events.ray.data.packed_source import pack_read
+
+    os.makedirs(path, exist_ok=True)
+    tables = [pack_read(**source.window_args(w)) for w in range(len(source.windows))]
+    pq.write_table(pa.concat_tables(tables), os.path.join(path, "packed.parquet"), row_group_size=tables[0].num_rows)
+
+
+def _steady_rate(ray: Any, source: Any, world: int = 2, batch: int = 64, skip: int = 16) -> float:
+    from raytrain_events.ray.data.feeder import FEEDER_OPTIONS, EpochFeeder
+    from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard
+
+    feeder = ray.remote(EpochFeeder).options(**FEEDER_OPTIONS).remote(source, world, batch)
+    loaders = [
+        GlobalOrderLoader(GlobalOrderShard(feeder, r, world, batch, source.count()), device="cpu") for r in range(world)
+    ]
+    for loader in loaders:
+        loader.set_epoch(0)
+        loader.set_position(0)
+    rows, start = 0, None
+    for k, per_rank in enumerate(zip(*loaders)):
+        if k == skip:
+            start, rows = time.perf_counter(), 0
+        for b in per_rank:  # the same per-batch work in both arms: every token read once
+            rows += int(b["input_ids"].shape[0])
+            int(b["input_ids"].sum())
+    ray.kill(feeder)
+    assert start is not None
+    return rows / (time.perf_counter() - start)
+
+
+def datapath_part(out: str, repeats: int) -> None:
+    import ray
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "ray"))
+    from packed_data import write_tokens
+
+    from raytrain_events.ray.data.packed_source import PackedTokens
+    from raytrain_events.ray.data.parquet_seek import ParquetRowGroups
+
+    paths, _ = write_tokens(os.path.join(out, "tok"), files=16, groups=4, docs_per_group=2_000, seed=0, longest=2_000)
+    packed = PackedTokens(paths, seq_len=1024, policy="concat", window_tokens=256 * 1024)
+    _write_prepacked(packed, os.path.join(out, "prepacked"))
+    plain = ParquetRowGroups(os.path.join(out, "prepacked"))
+    assert plain.count() == packed.count()
+    with_packing, without = [], []
+    for _ in range(repeats):
+        without.append(_steady_rate(ray, plain))
+        with_packing.append(_steady_rate(ray, packed))
+    print("\n## Data path: steady sequences/s, 2 ranks, batches of 64 sequences of 1024 tokens\n")
+    print(f"{packed.count()} sequences from {packed.documents} documents ({packed.real_tokens} tokens)\n")
+    print("| pre-packed ParquetRowGroups | PackedTokens (packing in the read tasks) | ratio (packing / pre-packed) |")
+    print("| --- | --- | --- |")
+    print(
+        f"| {_spread(without)} | {_spread(with_packing)} | {_spread([a / b for a, b in zip(with_packing, without)], 3)} |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", default="efficiency,tokenize,datapath")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cpus", type=int, default=4, help="logical CPUs of the local Ray (default 4)")
+    args = parser.parse_args()
+    parts = args.parts.split(",")
+    out = tempfile.mkdtemp(prefix="bench-packing-")
+    data = corpus(out) if {"efficiency", "tokenize"} & set(parts) else {}
+    if "efficiency" in parts:
+        efficiency_part(data, out)
+    if {"tokenize", "datapath"} & set(parts):
+        from raytrain_events.ray.cluster import ensure_ray
+
+        ensure_ray(num_cpus=args.cpus)
+    if "tokenize" in parts:
+        tokenize_part(data, out, args.repeats)
+    if "datapath" in parts:
+        datapath_part(out, args.repeats)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Document masks: block-causal attention over packed sequences, so no token attends across a document.
+
+A packed sequence (`raytrain_events.ray.data.packed_source.PackedTokens`) holds several documents
+end to end; ``document_ids`` names each token's document (``-1`` on padding). Query ``i`` may see
+key ``j`` when both are in the same document and ``j`` is not after ``i``: a block-diagonal causal
+mask. Call it from a model's attention (``examples/transformer_lm.py`` does)::
+
+    y = document_attention(q, k, v, batch["document_ids"], positions=batch.get("positions"))
+
+Two kernels (``backend``): ``"sdpa"`` builds the boolean mask ``(rows, 1, queries, keys)`` and calls
+``scaled_dot_product_attention`` with it (any device; O(queries * keys) bools per row, as the scores
+themselves); ``"flex"`` uses torch's FlexAttention with a block mask (``create_block_mask``: blocks
+wholly outside every document are skipped, so the cost follows the documents' own lengths) and is
+chosen by ``"auto"`` on CUDA when torch has it and no context-parallel cut is given. Padding tokens
+attend to earlier padding only (every query sees at least itself, so no row of the softmax is
+empty); their outputs are never trained on (the loss ignores them).
+
+Context parallelism: a CP rank holds the queries at its global ``positions`` (the load-balanced cut,
+`context_parallel.split_token_batch`, which leaves ``document_ids`` whole) while its attention runs
+over the whole sequence's keys. The mask is built for those queries over all keys *in sequence
+order* (``(rows, 1, len(positions), seq_len)``); `context_parallel.context_parallel_attention`
+reorders its key axis to the order the keys were gathered in. Tensor parallelism splits heads; the
+mask has one head axis of size 1 and broadcasts over however many heads a rank holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["PAD_DOCUMENT", "document_mask", "document_attention", "flex_available"]
+
+PAD_DOCUMENT = -1  # as `raytrain_events.core.packing.PAD_DOCUMENT` (not imported: that module needs numpy)
+
+
+def document_mask(document_ids: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The block-causal mask ``(rows, 1, queries, seq_len)`` (True: may attend) of the queries at
+    ``positions`` (default: every position) over every key, from ``document_ids`` ``(rows, seq_len)``."""
+    if document_ids.dim() != 2:
+        raise ValueError(f"document_ids must be (rows, seq_len); got shape {tuple(document_ids.shape)}.")
+    length = document_ids.shape[1]
+    keys = torch.arange(length, device=document_ids.device)
+    queries = keys if positions is None else positions.to(document_ids.device)
+    query_docs = document_ids[:, queries]
+    same = query_docs[:, :, None] == document_ids[:, None, :]
+    causal = keys[None, :] <= queries[:, None]
+    return (same & causal[None]).unsqueeze(1)
+
+
+def flex_available() -> bool:
+    """Whether this torch has FlexAttention (``torch.nn.attention.flex_attention``)."""
+    try:
+        from torch.nn.attention import flex_attention  # noqa: F401  (a probe: torch >= 2.5)
+    except ImportError:
+        return False
+    return True
+
+
+def document_attention(  # noqa: PLR0913 (the attention's tensors, then how to mask and which kernel)
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    document_ids: torch.Tensor,
+    positions: Optional[torch.Tensor] = None,
+    *,
+    scale: Optional[float] = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Block-causal attention of ``query`` ``(rows, heads, queries, dim)`` over ``key``/``value``
+    under ``document_ids`` (see module doc). ``positions``: the queries' global positions under a
+    context-parallel cut (the keys are then the whole sequence's, gathered by the CP route)."""
+    import torch.nn.functional as F
+
+    if backend not in ("auto", "sdpa", "flex"):
+        raise ValueError(f"backend={backend!r}: give 'auto', 'sdpa' or 'flex'.")
+    use_flex = backend == "flex" or (backend == "auto" and query.is_cuda and positions is None and flex_available())
+    if use_flex:
+        if positions is not None:
+            raise ValueError("backend='flex' does not take a context-parallel cut (positions): use 'sdpa' under CP.")
+        return _flex(query, key, value, document_ids, scale)
+    mask = document_mask(document_ids, positions)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
+
+
+def _flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, docs: torch.Tensor, scale: Any) -> torch.Tensor:
+    # Deferred: FlexAttention imports its compile machinery (seconds) and only this path needs it.
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    def block_causal(b: Any, h: Any, q: Any, k: Any) -> Any:
+        return (docs[b, q] == docs[b, k]) & (k <= q)
+
+    rows, length = docs.shape
+    mask = create_block_mask(block_causal, rows, None, length, length, device=str(query.device))
+    out = flex_attention(query, key, value, block_mask=mask, scale=scale)
+    return out if isinstance(out, torch.Tensor) else out[0]

@@ -1,0 +1,385 @@
+"""`PackedTokens`: token documents in Parquet packed into ``seq_len`` sequences, as a seekable train source.
+
+``RayTrainer(datasets={"train": PackedTokens("tokens/", seq_len=2048, policy="best_fit")}, ...)``:
+each row of the train order is one packed sequence (``input_ids``, ``document_ids``,
+``position_ids``: ``(seq_len,)`` each; ``num_tokens``: its real tokens), so the feeder, the loaders,
+resumes, resizes, feeder restarts and mixtures treat it as any seekable source
+(`parquet_seek.ParquetRowGroups`): the order is a function of (seed, epoch) only, the same at any
+world size, and a resume at sequence ``p`` opens the one pack window holding ``p`` and nothing
+before it.
+
+Pack windows: the source's row groups, in file order, grouped into consecutive runs of at least
+``window_tokens`` tokens (default ``256 * seq_len``); each window is packed on its own
+(`raytrain_events.core.packing`), so nothing carries over between windows and a window's
+sequences are re-made exactly wherever it is packed. With a seed the *windows* are permuted per
+epoch (the row groups inside one stay in file order, so a window's sequences never change), and
+``shuffle_buffer_size`` permutes sequences across windows as for any source.
+
+Built on the driver, before Ray starts: the footers (row counts, the token column's min/max
+statistics: ids outside ``[0, vocab_size)`` are refused here, before any training, when the
+writer kept statistics) and each document's length (the ``num_tokens`` column that
+`tokenize.py` writes, 4 bytes per document; else the token column's list
+lengths, which reads the tokens once). From the lengths each window's sequence count is known
+(under ``best_fit`` a document longer than ``seq_len`` is refused here), and only those counts are
+kept: one integer per window. Cost at scale: that build is O(documents) once per source (threads,
+one read per row group); the feeder holds the per-window counts (8 bytes each) and, as for any
+source, the blocks between the slowest rank and its pull front: with 512 ranks a global batch of
+``512 * b`` sequences spans ``512 * b / (window sequences)`` windows, one block each. Packing runs
+in the read tasks (one Ray task packs consecutive windows up to about 16 MiB of packed columns, as
+`ParquetRowGroups` sizes its reads, 64 MiB ahead of the feeder; O(tokens) array work plus O(d log d)
+for best_fit), never on the feeder or a rank; a rank's part of a batch is one or two
+slices of window blocks, cut where the blocks are.
+
+Document ids are the ``document_id`` column when the files have one (`tokenize` writes it), else
+the document's row number in the source (files in order, row groups in order): the same in every
+epoch, so a test can check that every document's tokens train once per epoch. Empty documents take
+no room (they are skipped).
+
+Mixtures: sources are packed separately (each source a `PackedTokens`, a sequence holds documents of
+one source): the mixture's plan chooses sequences, so each sequence's real tokens count toward
+exactly one source (``mixture/tokens/<source>`` with `count_real_tokens`), and each source's count is
+its own windows' (known on the driver); packed together, the plan would have to choose documents,
+and a sequence's count would be known only by packing the mixed stream from the epoch's start.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+
+from raytrain_events.core.packing import PackingError, check_policy, pack_window, sequences_in_window
+
+__all__ = ["PackedTokens", "count_real_tokens", "VOCAB_KEY"]
+
+VOCAB_KEY = b"raytrain_events.vocab_size"  # Parquet key-value metadata `tokenize` writes: the tokenizer's vocabulary
+_BYTES_PER_TOKEN = 16  # packed columns per token: input_ids (int32), document_ids (int64), position_ids (int32)
+
+
+def count_real_tokens(batch: Any) -> int:
+    """Real (non-padding) tokens of a packed batch: ``RayTrainer(get_num_tokens_in_batch=count_real_tokens)``."""
+    return int(batch["num_tokens"].sum())
+
+
+class PackedTokens:
+    """Token documents packed into sequences (see module doc).
+
+    ``source``: a `ParquetRowGroups`, or what it takes (a file, folder, glob, URI or a list).
+    ``seq_len``: tokens per sequence; ``policy``: ``"concat"`` or ``"best_fit"`` (`core.packing`).
+    ``tokens_column``: a list of integer token ids per document; ``length_column`` /
+    ``id_column``: read when the files have them. ``vocab_size``: refuse ids outside
+    ``[0, vocab_size)`` (the model's embedding size). ``pad_id``: the token of padding.
+    """
+
+    def __init__(  # noqa: PLR0913 (the source, then keyword-only options, each documented)
+        self,
+        source: Any,
+        *,
+        seq_len: int,
+        policy: str = "concat",
+        tokens_column: str = "input_ids",
+        length_column: str = "num_tokens",
+        id_column: str = "document_id",
+        window_tokens: Optional[int] = None,
+        vocab_size: Optional[int] = None,
+        pad_id: int = 0,
+    ) -> None:
+        import pyarrow as pa
+
+        from raytrain_events.ray.data.parquet_seek import ParquetRowGroups, is_seekable
+
+        check_policy(policy, seq_len)
+        if is_seekable(source) and not isinstance(source, ParquetRowGroups):
+            raise TypeError(
+                f"PackedTokens packs Parquet token documents; got a {type(source).__name__}. Pass the "
+                "token Parquet's paths or a ParquetRowGroups over them."
+            )
+        parquet = source if isinstance(source, ParquetRowGroups) else ParquetRowGroups(source)
+        self.seq_len, self.policy, self.pad_id = seq_len, policy, pad_id
+        self.window_tokens = window_tokens or 256 * seq_len
+        self.paths, self.filesystem = parquet.paths, parquet.filesystem
+        schema = parquet.schema
+        if tokens_column not in schema.names:
+            raise ValueError(
+                f"PackedTokens: the Parquet files have no {tokens_column!r} column (they have "
+                f"{schema.names}). Pass tokens_column=<the column of token ids>."
+            )
+        kind = schema.field(tokens_column).type
+        if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not pa.types.is_integer(kind.value_type):
+            raise TypeError(
+                f"PackedTokens: column {tokens_column!r} is {kind}, not a list of integer token ids per "
+                "document. Tokenize the text first (raytrain-events tokenize) or name the token column."
+            )
+        self.tokens_column = tokens_column
+        self.length_column = length_column if length_column in schema.names else None
+        self.id_column = id_column if id_column in schema.names else None
+        self.vocab_size = vocab_size
+        self._check_vocabulary(vocab_size)
+        self.units = [(f, g) for f, g, _ in parquet.units]
+        bases = np.cumsum([0] + [rows for _, _, rows in parquet.units])
+        lengths = self._lengths()
+        self.windows: List[Tuple[int, int]] = []  # (first unit, end unit) of each window
+        self.window_sequences: List[int] = []
+        self.bases = [int(b) for b in bases[:-1]]  # each unit's first document row (file order)
+        start, tokens = 0, 0
+        for u, unit_lengths in enumerate(lengths):
+            tokens += int(unit_lengths.sum())
+            if tokens >= self.window_tokens or u == len(lengths) - 1:
+                where = f"{self.paths[self.units[start][0]]} (row groups of window {len(self.windows)})"
+                window_lengths = np.concatenate(lengths[start : u + 1])
+                count = sequences_in_window(window_lengths, seq_len, policy, where)
+                if count:
+                    self.windows.append((start, u + 1))
+                    self.window_sequences.append(count)
+                start, tokens = u + 1, 0
+        self.documents = int(bases[-1])
+        self.real_tokens = int(sum(int(x.sum()) for x in lengths))
+        self.schema = pa.schema(
+            [
+                pa.field("input_ids", pa.list_(pa.from_numpy_dtype(_token_dtype(kind.value_type)), seq_len)),
+                pa.field("document_ids", pa.list_(pa.int64(), seq_len)),
+                pa.field("position_ids", pa.list_(pa.int32(), seq_len)),
+                pa.field("num_tokens", pa.int32()),
+            ]
+        )
+        if not self.window_sequences:
+            raise ValueError(f"PackedTokens: the documents of {self.paths[:3]} hold no tokens.")
+
+    def _read(self, f: int, g: int, columns: List[str]) -> Any:
+        import pyarrow.parquet as pq
+
+        path = self.paths[f]
+        if self.filesystem is None:
+            return pq.ParquetFile(path).read_row_group(g, columns=columns)
+        with self.filesystem.open_input_file(path) as handle:
+            return pq.ParquetFile(handle).read_row_group(g, columns=columns)
+
+    def _lengths(self) -> List[np.ndarray]:
+        """Each unit's document lengths, in order (threads: one read per row group)."""
+        column = self.length_column or self.tokens_column
+
+        def one(unit: Tuple[int, int]) -> np.ndarray:
+            values = self._read(unit[0], unit[1], [column]).column(column)
+            return _list_lengths(values) if self.length_column is None else values.to_numpy().astype(np.int64)
+
+        with ThreadPoolExecutor(16) as pool:
+            return list(pool.map(one, self.units))
+
+    def _check_vocabulary(self, vocab_size: Optional[int]) -> None:
+        """Refuse, from the footers only, a tokenizer vocabulary or token ids the model's embedding cannot take."""
+        import pyarrow.parquet as pq
+
+        if vocab_size is None:
+            return
+        for path in self.paths:
+            if self.filesystem is None:
+                meta = pq.ParquetFile(path).metadata
+            else:
+                with self.filesystem.open_input_file(path) as handle:
+                    meta = pq.ParquetFile(handle).metadata
+            written = (meta.metadata or {}).get(VOCAB_KEY)
+            if written is not None and int(written) > vocab_size:
+                raise ValueError(
+                    f"{path} was tokenized with a vocabulary of {int(written)} tokens, more than "
+                    f"vocab_size={vocab_size} (the model's embedding). Fix: a model with vocab_size >= "
+                    f"{int(written)}, or tokenize with the model's own tokenizer."
+                )
+            for g in range(meta.num_row_groups):
+                group = meta.row_group(g)
+                for c in range(group.num_columns):
+                    column = group.column(c)
+                    if column.path_in_schema.split(".")[0] != self.tokens_column or not column.is_stats_set:
+                        continue
+                    stats = column.statistics
+                    if stats.has_min_max and (int(stats.max) >= vocab_size or int(stats.min) < 0):
+                        raise ValueError(
+                            f"{path} row group {g}: token ids {int(stats.min)}..{int(stats.max)} are "
+                            f"outside the model's vocabulary [0, {vocab_size}). Fix: tokenize with the "
+                            "model's tokenizer, or a model with a larger vocab_size."
+                        )
+
+    def count(self) -> int:
+        """Packed sequences in an epoch (fixed on the driver: the windows' counts)."""
+        return sum(self.window_sequences)
+
+    def order(self, seed: Optional[int], epoch: int) -> List[int]:
+        """The epoch's windows in order: file order, or permuted by ``(seed, epoch)``."""
+        if seed is None:
+            return list(range(len(self.windows)))
+        return [int(i) for i in np.random.default_rng([seed, epoch, 2]).permutation(len(self.windows))]
+
+    def stream(
+        self, seed: Optional[int], epoch: int, row: int, window_rows: int = 0, global_batch: Optional[int] = None
+    ) -> Tuple[Iterator[Any], int, int]:
+        """``(bundles from the window holding sequence ``row``, that window's first sequence, shuffle
+        windows before it)``; with ``window_rows``, from the shuffle window holding it (as `ParquetRowGroups`)."""
+        del global_batch  # the order does not depend on the batch
+        order = self.order(seed, epoch)
+        start = first = windows = filled = at = 0
+        for j, w in enumerate(order):
+            rows = self.window_sequences[w]
+            if window_rows:
+                filled += rows
+                if filled >= window_rows:
+                    if at + filled > row:
+                        break
+                    at += filled
+                    filled, windows, start, first = 0, windows + 1, j + 1, at
+            else:
+                if at + rows > row:
+                    start, first = j, at
+                    break
+                at += rows
+                start, first = j + 1, at
+        return self._bundles(order[start:]), first, windows
+
+    def window_args(self, w: int) -> Dict[str, Any]:
+        """What the read task of window ``w`` needs (plain values)."""
+        a, b = self.windows[w]
+        columns = [self.tokens_column] + [c for c in (self.id_column,) if c]
+        return {
+            "paths": self.paths,
+            "units": self.units[a:b],
+            "bases": self.bases[a:b],
+            "filesystem": self.filesystem,
+            "columns": columns,
+            "tokens_column": self.tokens_column,
+            "id_column": self.id_column,
+            "seq_len": self.seq_len,
+            "policy": self.policy,
+            "pad_id": self.pad_id,
+            "vocab_size": self.vocab_size,
+            "expected": self.window_sequences[w],
+            "what": f"pack window {w}",
+        }
+
+    def reads(self, windows: List[int]) -> List[List[int]]:
+        """``windows`` (in the epoch's order) grouped into read tasks: consecutive windows until about
+        `parquet_seek.READ_BYTES` of packed columns (a pure function of the order, as `ParquetRowGroups.reads`)."""
+        from raytrain_events.ray.data.parquet_seek import READ_BYTES
+
+        out: List[List[int]] = []
+        current: List[int] = []
+        size = 0
+        for w in windows:
+            current.append(w)
+            size += self.window_sequences[w] * self.seq_len * _BYTES_PER_TOKEN
+            if size >= READ_BYTES:
+                out.append(current)
+                current, size = [], 0
+        return out + ([current] if current else [])
+
+    def _bundles(self, windows: List[int]) -> Iterator[Any]:
+        import ray
+
+        from raytrain_events.ray.data.parquet_seek import AHEAD_BYTES
+
+        task = ray.remote(pack_reads).options(num_cpus=0.25)
+        todo = iter(self.reads(windows))
+        pending: List[Tuple[Any, List[int], int]] = []  # (block ref, its windows, bytes)
+        in_flight = 0
+        while True:
+            while not pending or in_flight < AHEAD_BYTES:  # reads ahead of the feeder's pull, as ParquetRowGroups
+                group = next(todo, None)
+                if group is None:
+                    break
+                size = sum(self.window_sequences[w] for w in group) * self.seq_len * _BYTES_PER_TOKEN
+                pending.append((task.remote([self.window_args(w) for w in group]), group, size))
+                in_flight += size
+            if not pending:
+                return
+            ref, group, size = pending.pop(0)
+            ray.wait([ref], fetch_local=False)  # handed on once packed: the block then has a node to cut on
+            in_flight -= size
+            offset = 0
+            for w in group:  # each window a slice of the read's block
+                rows = self.window_sequences[w]
+                yield SimpleNamespace(
+                    blocks=[(ref, SimpleNamespace(num_rows=rows))],
+                    slices=[SimpleNamespace(start_offset=offset, num_rows=rows)],
+                )
+                offset += rows
+
+
+def pack_reads(windows: List[Dict[str, Any]]) -> Any:
+    """A Ray task: pack consecutive windows (`pack_read` each) into one block."""
+    import pyarrow as pa
+
+    tables = [pack_read(**args) for args in windows]
+    return tables[0] if len(tables) == 1 else pa.concat_tables(tables).combine_chunks()
+
+
+def pack_read(**args: Any) -> Any:
+    """A Ray task: read one window's row groups and pack them into an Arrow table of sequences."""
+    import pyarrow as pa
+
+    from raytrain_events.ray.data.parquet_seek import _read_units
+
+    tables = [_read_units(args["paths"], [unit], args["filesystem"], args["columns"]) for unit in args["units"]]
+    lengths, ids, flats = [], [], []
+    for table, base in zip(tables, args["bases"]):
+        values = table.column(args["tokens_column"])
+        lengths.append(_list_lengths(values))
+        flats.append(_flat_values(values))
+        if args["id_column"]:
+            ids.append(table.column(args["id_column"]).to_numpy().astype(np.int64))
+        else:
+            ids.append(base + np.arange(table.num_rows, dtype=np.int64))
+    tokens = np.concatenate(flats)
+    vocab = args["vocab_size"]
+    if vocab is not None and len(tokens) and (int(tokens.max()) >= vocab or int(tokens.min()) < 0):
+        raise ValueError(
+            f"{args['what']} ({args['paths'][args['units'][0][0]]}): token ids {int(tokens.min())}.."
+            f"{int(tokens.max())} are outside the model's vocabulary [0, {vocab}). Fix: tokenize with "
+            "the model's tokenizer, or a model with a larger vocab_size."
+        )
+    packed = pack_window(
+        tokens,
+        np.concatenate(lengths),
+        np.concatenate(ids),
+        args["seq_len"],
+        args["policy"],
+        args["pad_id"],
+        args["what"],
+    )
+    if len(packed.num_tokens) != args["expected"]:
+        raise PackingError(
+            f"{args['what']} packed into {len(packed.num_tokens)} sequences, but the source counted "
+            f"{args['expected']} when it was built: its files changed since. Build the source again."
+        )
+    n, length = packed.input_ids.shape
+
+    def fixed(values: np.ndarray) -> Any:
+        return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), length)
+
+    return pa.table(
+        {
+            "input_ids": fixed(packed.input_ids),
+            "document_ids": fixed(packed.document_ids),
+            "position_ids": fixed(packed.position_ids),
+            "num_tokens": pa.array(packed.num_tokens),
+        }
+    )
+
+
+def _token_dtype(kind: Any) -> Any:
+    return kind.to_pandas_dtype()
+
+
+def _list_lengths(values: Any) -> np.ndarray:
+    """Per row, the list's length (0 for a null list), as int64."""
+    import pyarrow.compute as pc
+
+    return pc.fill_null(pc.list_value_length(values), 0).to_numpy().astype(np.int64)
+
+
+def _flat_values(values: Any) -> np.ndarray:
+    import pyarrow as pa
+
+    array = values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
+    flat = array.flatten()
+    if flat.null_count:
+        raise ValueError("A token list holds nulls: token ids must all be integers (tokenize again).")
+    return flat.to_numpy(zero_copy_only=False)

@@ -1,0 +1,86 @@
+"""`raytrain_events.core.packing`: both policies place every document's tokens exactly once, with
+per-token document and position ids; best_fit never splits a document and refuses one longer than
+seq_len; the counts a source is built from (`sequences_in_window`) are what packing makes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from raytrain_events.core.packing import PAD_DOCUMENT, PackingError, efficiency, pack_window, sequences_in_window
+
+SEQ = 64
+
+
+def _documents(seed: int, n: int = 2_000, longest: int = SEQ):
+    """A long-tail length mix (many short, some long, a few empty) and tokens that name their document."""
+    rng = np.random.default_rng(seed)
+    lengths = np.minimum(rng.zipf(1.6, size=n), longest).astype(np.int64)
+    lengths[rng.choice(n, 20, replace=False)] = 0
+    ids = np.arange(n, dtype=np.int64) + 1_000
+    tokens = np.concatenate([np.arange(k, dtype=np.int32) + 1 for k in lengths])  # token t of a document is t + 1
+    return tokens, lengths, ids
+
+
+@pytest.mark.parametrize("policy", ["concat", "best_fit"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_every_document_once_with_its_ids_and_positions(policy: str, seed: int) -> None:
+    tokens, lengths, ids = _documents(seed)
+    packed = pack_window(tokens, lengths, ids, SEQ, policy)
+    assert packed.input_ids.shape == (sequences_in_window(lengths, SEQ, policy), SEQ)
+    docs, pos, toks = packed.document_ids, packed.position_ids, packed.input_ids
+    real = docs != PAD_DOCUMENT
+    assert packed.num_tokens.tolist() == real.sum(1).tolist() and int(real.sum()) == int(lengths.sum())
+    assert (toks[~real] == 0).all() and (pos[~real] == 0).all()
+    # Every token once: per document, its tokens 1..k appear once each.
+    got = {}
+    for row in range(len(docs)):
+        for d, t in zip(docs[row][real[row]].tolist(), toks[row][real[row]].tolist()):
+            got.setdefault(d, []).append(t)
+    assert {d: sorted(t) for d, t in got.items()} == {int(i): list(range(1, k + 1)) for i, k in zip(ids, lengths) if k}
+    # Positions count from each piece's start; a piece is contiguous and in token order.
+    for row in range(len(docs)):
+        run_start = 0
+        for j in range(SEQ):
+            if j and docs[row, j] != docs[row, j - 1]:
+                run_start = j
+            if real[row, j]:
+                assert pos[row, j] == j - run_start
+                if j > run_start:
+                    assert toks[row, j] == toks[row, j - 1] + 1
+    pieces = sum(int(np.count_nonzero(np.diff(np.r_[-2, r[r != PAD_DOCUMENT]]))) for r in docs)
+    if policy == "best_fit":  # never split: one piece per non-empty document
+        assert pieces == int((lengths > 0).sum())
+    else:  # greedy: padding only in the last sequence, at most one cut per sequence boundary
+        assert (packed.num_tokens[:-1] == SEQ).all()
+        assert pieces <= int((lengths > 0).sum()) + len(docs) - 1
+
+
+@pytest.mark.parametrize("policy", ["concat", "best_fit"])
+def test_empty_documents_anywhere_take_no_room(policy: str) -> None:
+    lengths = np.array([0, 3, 0, 5, 0])
+    packed = pack_window(np.arange(1, 9, dtype=np.int32), lengths, np.arange(5), 5, policy)
+    assert int(packed.num_tokens.sum()) == 8 and set(packed.document_ids[packed.document_ids >= 0].tolist()) == {1, 3}
+
+
+def test_best_fit_refuses_a_document_longer_than_seq_len_and_concat_splits_it() -> None:
+    lengths = np.array([10, 70, 5])
+    tokens = np.ones(85, dtype=np.int32)
+    with pytest.raises(PackingError, match="document 1 has 70 tokens, more than seq_len=64.*Fix: policy='concat'"):
+        pack_window(tokens, lengths, np.arange(3), SEQ, "best_fit")
+    assert pack_window(tokens, lengths, np.arange(3), SEQ, "concat").num_tokens.tolist() == [64, 21]
+    with pytest.raises(ValueError, match="policy='greedy' is not one of"):
+        pack_window(tokens, lengths, np.arange(3), SEQ, "greedy")
+    with pytest.raises(ValueError, match="they must agree"):
+        pack_window(tokens[:-1], lengths, np.arange(3), SEQ, "concat")
+
+
+def test_efficiency_of_both_policies_on_a_long_tail() -> None:
+    _, lengths, _ = _documents(0, n=20_000)
+    concat, best = efficiency(lengths, SEQ, "concat", 5_000), efficiency(lengths, SEQ, "best_fit", 5_000)
+    assert concat["efficiency"] > 0.999 and concat["split_documents"] > 0  # waste: one tail per window
+    assert 0.97 < best["efficiency"] <= concat["efficiency"] and best["split_documents"] == 0
+    # Documents a bit over half of seq_len: best_fit leaves one per sequence, concat wastes nothing but splits.
+    lengths = np.random.default_rng(0).integers(33, 41, size=1_000)
+    best, concat = efficiency(lengths, SEQ, "best_fit", 1_000), efficiency(lengths, SEQ, "concat", 1_000)
+    assert best["sequences"] == 1_000 and best["efficiency"] < 0.65 and concat["efficiency"] > 0.99

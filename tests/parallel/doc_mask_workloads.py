@@ -1,0 +1,117 @@
+"""Rank functions for the document-mask tests (importable by spawned ranks): the example transformer's
+outputs on a packed batch, whole on one process and cut by context parallelism over a group."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import torch
+
+SEQ, VOCAB = 16, 64
+
+
+def packed_batch(change: bool = False) -> Dict[str, torch.Tensor]:
+    """Two rows of packed documents (ids: row 0 = 10 | 11 | 12 | pad, row 1 = 20 | 21); ``change``
+    alters one token of document 11 (row 0, position 7)."""
+    docs = torch.tensor(
+        [[10] * 5 + [11] * 4 + [12] * 5 + [-1] * 2, [20] * 9 + [21] * 7],
+    )
+    starts = torch.ones_like(docs, dtype=torch.bool)
+    starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    index = torch.arange(SEQ).expand_as(docs)
+    first = torch.cummax(torch.where(starts, index, 0), dim=1).values
+    ids = torch.randint(1, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    if change:
+        ids[0, 7] = (ids[0, 7] + 1) % VOCAB
+    return {"input_ids": ids, "document_ids": docs, "position_ids": (index - first).masked_fill(docs < 0, 0)}
+
+
+def model() -> Any:
+    from examples.transformer_lm import TransformerLM
+
+    torch.manual_seed(0)
+    return TransformerLM(vocab=VOCAB, width=32, heads=4, depth=2, length=SEQ)
+
+
+def cp_logits(rank: int, world_size: int) -> Dict[str, Any]:
+    """The logits of the packed batch (and of the changed one) under context parallelism over all ranks,
+    gathered back into sequence order; and the loss of this rank's part."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from raytrain_events.parallel.context_parallel import ContextParallel
+
+    mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("shard", "context"))
+    net = model()
+    cp = ContextParallel(net, mesh, world_size)
+    net.train()
+    out: Dict[str, Any] = {}
+    for name, change in (("base", False), ("changed", True)):
+        part = cp.split(packed_batch(change))
+        logits = net(part)
+        pieces = [torch.empty_like(logits) for _ in range(world_size)]
+        dist.all_gather(pieces, logits.detach().contiguous())
+        where = [torch.empty_like(part["positions"]) for _ in range(world_size)]
+        dist.all_gather(where, part["positions"])
+        whole = torch.empty(logits.shape[0], SEQ, logits.shape[-1])
+        for p, w in zip(pieces, where):
+            whole[:, w] = p
+        loss = net.loss(logits, part).detach()
+        dist.all_reduce(loss)  # each rank's part divided by its share of the labels: summed, the whole loss
+        out[name] = {"logits": whole, "loss": float(loss) / world_size}
+    return out
+
+
+def packed_rows(rows: int, seed: int) -> List[Dict[str, torch.Tensor]]:
+    """``rows`` packed sequences of `SEQ` tokens (best fit of random documents of 1-12 tokens, padding included)."""
+    import numpy as np
+
+    from raytrain_events.core.packing import pack_window
+
+    rng = np.random.default_rng(seed)
+    out: List[Dict[str, torch.Tensor]] = []
+    doc = 0
+    while len(out) < rows:
+        lengths = rng.integers(1, 13, size=24)
+        tokens = rng.integers(1, VOCAB, size=int(lengths.sum())).astype(np.int64)
+        packed = pack_window(tokens, lengths, np.arange(doc, doc + 24), SEQ, "best_fit")
+        doc += 24
+        for i in range(len(packed.num_tokens)):
+            out.append(
+                {
+                    "input_ids": torch.from_numpy(packed.input_ids[i]),
+                    "document_ids": torch.from_numpy(packed.document_ids[i]),
+                    "position_ids": torch.from_numpy(packed.position_ids[i]),
+                    "num_tokens": torch.tensor(int(packed.num_tokens[i])),
+                }
+            )
+    return out[:rows]
+
+
+def train_packed(rank: int, world_size: int, arms: Any, group: Dict[str, int]) -> Dict[str, Any]:
+    """Each arm trains 4 batches of 8 packed rows (grad accumulation 2, real tokens counted) on shard
+    ``rank // group``: its losses, first-batch gradients and Timestamp."""
+    from torch.utils.data import DataLoader
+
+    from raytrain_events import Trainer
+    from raytrain_events.core.data_spec import DataSpec
+    from tests.parallel.cp_workloads import CP_ARMS, Record
+
+    out: Dict[str, Any] = {}
+    for name in arms:
+        record = Record()
+        net = model()
+        loader = DataLoader(packed_rows(32, seed=100 + rank // group[name]), batch_size=8)
+        trainer = Trainer(
+            model=net,
+            train_dataloader=DataSpec(loader, get_num_tokens_in_batch=lambda b: int(b["num_tokens"].sum())),
+            max_duration="4ba",
+            optimizers=torch.optim.AdamW(net.parameters(), lr=2e-3),
+            grad_accum=2,
+            parallelism=CP_ARMS[name],
+            callbacks=[record],
+        )
+        trainer.fit()
+        out[name] = {"losses": record.losses, "grads": record.grads, "timestamp": trainer.state.timestamp.state_dict()}
+        trainer.close()
+    return out

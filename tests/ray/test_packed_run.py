@@ -1,0 +1,175 @@
+"""Packed training through `RayTrainer` end to end: stopped mid-epoch on 2 workers, resumed on 3
+(issue 50's done-when).
+
+Two token sources packed separately into sequences of 32 (``web``: 4 files x 3 row groups x 30
+documents under ``concat``; ``code``: 3 files x 2 row groups under ``best_fit``), mixed once each
+per epoch (``{"repeat": 1}``), seed 7 (each source's pack windows permuted), global batches of 8,
+the example transformer with document masks. The first run stops itself after batch 9 (a
+checkpoint there, mid-window); the second continues the run by name on 3 workers. Checked
+sequence by sequence: every global batch holds exactly the sequences of the uninterrupted order
+(the feeder's stream of the same `MixtureSource` read directly on one rank, the same at any world
+size: tests/ray/test_packed_source.py), on 2 workers up to the stop and on 3 after; the
+Timestamp's tokens at the stop and at the end are the real (non-padding) tokens of those
+sequences, and the per-source token counts in the final history entry are each source's; every
+document's tokens trained exactly once in the epoch (a document split under concat: each piece once).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+from ray import cloudpickle as ray_cloudpickle
+
+from raytrain_events import Callback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import packed_data  # noqa: E402
+import resume_helpers as h  # noqa: E402
+from packed_data import VOCAB, expected_pieces, pieces_of, write_tokens  # noqa: E402
+
+ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])
+ray_cloudpickle.register_pickle_by_value(h)
+ray_cloudpickle.register_pickle_by_value(packed_data)
+
+SEQ, BATCH, STOP, SEED = 32, 8, 9, 7
+
+
+class Record(Callback):
+    """Each rank appends ``{world, rank, batch, docs, ids}`` per batch; the first run stops after batch ``stop``."""
+
+    def __init__(self, folder: str, stop: int = 0) -> None:
+        self.folder, self.stop = folder, stop
+
+    def batch_end(self, state, logger) -> None:
+        record = {
+            "world": state.world_size,
+            "rank": state.rank,
+            "batch": int(state.timestamp.batch_in_epoch),
+            "docs": state.batch["document_ids"].tolist(),
+            "ids": state.batch["input_ids"].tolist(),
+        }
+        with open(os.path.join(self.folder, f"rows-{os.getpid()}-{state.rank}.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.stop and int(state.timestamp.batch) == self.stop:
+            state.stop_training("the test's stop", consistent=True)
+
+
+def _model():
+    import torch
+
+    from examples.transformer_lm import TransformerLM
+
+    torch.manual_seed(0)
+    return TransformerLM(vocab=VOCAB, width=16, heads=2, depth=1, length=SEQ)
+
+
+def _sources(folder: str):
+    from raytrain_events.ray.data.packed_source import PackedTokens
+
+    web, web_lengths = write_tokens(os.path.join(folder, "web"), files=4, groups=3, docs_per_group=30, seed=1)
+    code, code_lengths = write_tokens(
+        os.path.join(folder, "code"), files=3, groups=2, docs_per_group=30, seed=2, first_id=100_000, longest=SEQ
+    )
+    sources = {
+        "web": PackedTokens(web, seq_len=SEQ, policy="concat", window_tokens=300, vocab_size=VOCAB),
+        "code": PackedTokens(code, seq_len=SEQ, policy="best_fit", window_tokens=300, vocab_size=VOCAB),
+    }
+    return sources, {**web_lengths, **code_lengths}
+
+
+def _reference(ray, sources, mixture, epoch_size):
+    """The uninterrupted order: the feeder's stream of the run's MixtureSource on one rank."""
+    from raytrain_events.ray.data.feeder import FEEDER_OPTIONS, EpochFeeder
+    from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard
+    from raytrain_events.ray.data.mixture_source import MixtureSource
+
+    plan_args = {"mixture": mixture.to_dict(), "seed": SEED, "total_samples": epoch_size, "global_batch": BATCH}
+    source = MixtureSource(sources, plan_args, SEED)
+    feeder = ray.remote(EpochFeeder).options(**FEEDER_OPTIONS).remote(source, 1, BATCH)
+    loader = GlobalOrderLoader(GlobalOrderShard(feeder, 0, 1, BATCH, source.count()), device="cpu")
+    loader.set_epoch(0)
+    loader.set_position(0)
+    rows = []
+    for batch in loader:
+        rows += [(d.tolist(), i.tolist()) for d, i in zip(batch["document_ids"], batch["input_ids"])]
+    return rows
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # two Ray runs; minutes each on a loaded machine
+def test_packed_mixture_stopped_on_2_workers_resumes_on_3_with_the_same_sequences(ray_cluster, tmp_path) -> None:
+    from raytrain_events import RayTrainer
+    from raytrain_events.checkpoint import CheckpointConfig
+    from raytrain_events.core.mixture import Mixture
+    from raytrain_events.ray.data.packed_source import count_real_tokens
+
+    sources, lengths = _sources(str(tmp_path / "data"))
+    counts = {n: s.count() for n, s in sources.items()}
+    epoch = sum(counts.values())
+    mixture = Mixture(sources=counts, stages={"0dur": {n: {"repeat": 1} for n in counts}})
+    reference = _reference(ray_cluster, sources, mixture, epoch)
+    assert len(reference) == epoch and epoch > 2 * STOP * BATCH // 2
+    records = str(tmp_path / "records")
+    os.makedirs(records)
+    checkpoint = CheckpointConfig(save_interval=f"{STOP}ba", keep=1, save_every_n_seconds=None, autoresume=True)
+    results = []
+    for attempt, workers in enumerate((2, 3)):
+        results.append(
+            RayTrainer(
+                model=_model,
+                optimizers=lambda model: __import__("torch").optim.AdamW(model.parameters(), lr=1e-3),
+                datasets=sources,
+                mixture=mixture,
+                batch_size=999,  # ignored: global_batch_size fixes the sequences per step
+                global_batch_size=BATCH,
+                get_num_tokens_in_batch=count_real_tokens,
+                max_duration="1ep",
+                seed=SEED,
+                num_workers=workers,
+                storage_path=str(tmp_path / "runs"),
+                run_name="packed",
+                checkpoint=checkpoint,
+                report_interval=f"{STOP}ba",
+                callbacks=[Record(records, stop=STOP if attempt == 0 else 0)],
+            ).fit()
+        )
+
+    def real(rows):
+        return sum(int((np.asarray(d) >= 0).sum()) for d, _ in rows)
+
+    batches = -(-epoch // BATCH)
+    assert h.timestamp_of(results[0]) == {
+        "epoch": 0,
+        "batch": STOP,
+        "sample": STOP * BATCH,
+        "token": real(reference[: STOP * BATCH]),
+    }
+    assert h.timestamp_of(results[1]) == {"epoch": 1, "batch": batches, "sample": epoch, "token": real(reference)}
+    assert real(reference) == sum(lengths.values())
+    by_batch = {}
+    for path in os.listdir(records):
+        with open(os.path.join(records, path)) as f:
+            for line in f:
+                r = json.loads(line)
+                by_batch.setdefault(r["batch"], []).append(r)
+    assert sorted(by_batch) == list(range(1, batches + 1))
+    trained = []
+    for b, rs in sorted(by_batch.items()):
+        assert {r["world"] for r in rs} == {2 if b <= STOP else 3} and len(rs) == rs[0]["world"], b
+        rows = [(d, i) for r in sorted(rs, key=lambda r: r["rank"]) for d, i in zip(r["docs"], r["ids"])]
+        assert rows == reference[(b - 1) * BATCH : b * BATCH], b  # sequence by sequence
+        trained += rows
+    assert pieces_of([{"document_ids": [d for d, _ in trained], "input_ids": [i for _, i in trained]}]) == (
+        expected_pieces(lengths)
+    )
+    final = results[1].metrics
+    by_source = {
+        "web": real([r for r in reference if max(r[0]) < 100_000]),
+        "code": real([r for r in reference if max(r[0]) >= 100_000]),
+    }
+    assert {n: final[f"mixture/tokens/{n}"] for n in counts} == by_source
+    assert {n: final[f"mixture/samples/{n}"] for n in counts} == counts

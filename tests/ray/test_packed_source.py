@@ -1,0 +1,181 @@
+"""`PackedTokens` through the feeder and the loaders (the session's Ray; no Ray Train run).
+
+Token Parquet of 6 files x 3 row groups x 40 documents (a long-tail length mix, a few empty),
+packed into sequences of 48 in windows of about 500 tokens. An epoch on 2 ranks trains every
+document's tokens once (every piece once under ``concat``); the same epoch entered at a
+position inside a window on 3 ranks trains exactly the sequences from there on, and opens no file
+wholly before the window holding the position; with a seed the windows are permuted (and with the row
+shuffle, sequences within shuffle windows), the same way at any world size. Files without ``document_id``/``num_tokens`` columns pack to the same sequences
+(document ids are then row numbers). A feeder killed mid-epoch rebuilds the packed stream mid-window
+and the ranks train the uninterrupted epoch's sequences. Bad input is refused where the source is built, before any
+training: a document longer than ``seq_len`` under best_fit, token ids (from the footers'
+statistics) or a tokenizer vocabulary larger than the model's ``vocab_size``, a column that is not
+a list of token ids.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import List
+
+import numpy as np
+import pytest
+from pyarrow import fs as pafs
+from ray import cloudpickle as ray_cloudpickle
+
+from raytrain_events.ray.data.feeder import FEEDER_OPTIONS, EpochFeeder
+from raytrain_events.ray.data.packed_source import PackedTokens
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from packed_data import VOCAB, expected_pieces, pieces_of, write_tokens  # noqa: E402
+from test_parquet_seek import CountingHandler  # noqa: E402
+
+ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])
+SEQ, WINDOW, BATCH = 48, 500, 8
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("packed"))
+    paths, lengths = write_tokens(os.path.join(folder, "a"), files=6, groups=3, docs_per_group=40, seed=0)
+    bare, _ = write_tokens(os.path.join(folder, "b"), files=6, groups=3, docs_per_group=40, seed=0, with_columns=False)
+    return paths, bare, lengths
+
+
+def _epoch(ray, source, world: int, position: int, seed=None, shuffle_rows=None) -> List[dict]:
+    from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard
+
+    feeder = ray.remote(EpochFeeder).options(**FEEDER_OPTIONS).remote(source, world, BATCH)
+    loaders = [
+        GlobalOrderLoader(
+            GlobalOrderShard(feeder, r, world, BATCH, source.count()),
+            device="cpu",
+            order_seed=seed,
+            shuffle_rows=shuffle_rows,
+        )
+        for r in range(world)
+    ]
+    for loader in loaders:
+        loader.set_epoch(0)
+        loader.set_position(position)
+    rows: List[dict] = []
+    for per_rank in zip(*loaders, strict=True):
+        for batch in per_rank:
+            rows += [{k: v[i].clone() for k, v in batch.items()} for i in range(len(batch["num_tokens"]))]
+    return rows
+
+
+def _same(a: List[dict], b: List[dict]) -> bool:
+    return len(a) == len(b) and all(all(bool((x[k] == y[k]).all()) for k in x) for x, y in zip(a, b))
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("policy", ["concat", "best_fit"])
+def test_an_epoch_trains_every_document_once_and_a_resume_mid_window_continues_it(
+    ray_cluster, tokens, tmp_path, policy
+) -> None:
+    ray = ray_cluster
+    paths, bare, lengths = tokens
+    log = str(tmp_path / "opened.log")
+    from raytrain_events.ray.data.parquet_seek import ParquetRowGroups
+
+    source = PackedTokens(
+        ParquetRowGroups(paths, filesystem=pafs.PyFileSystem(CountingHandler(log))),
+        seq_len=SEQ,
+        policy=policy,
+        window_tokens=WINDOW,
+        vocab_size=VOCAB,
+    )
+    os.remove(log)  # the footers and lengths, read once where the source is built
+    assert len(source.windows) > 6 and source.real_tokens == sum(lengths.values())
+    full = _epoch(ray, source, 2, 0)
+    assert len(full) == source.count()
+    assert sum(int(r["num_tokens"]) for r in full) == sum(lengths.values())
+    assert pieces_of(
+        [
+            {
+                "document_ids": np.stack([r["document_ids"] for r in full]),
+                "input_ids": np.stack([r["input_ids"] for r in full]),
+            }
+        ]
+    ) == expected_pieces(lengths)
+    # Resumed inside the window that starts file 3's first row group, on 3 ranks: the same sequences from there.
+    window = next(w for w, (a, _) in enumerate(source.windows) if source.units[a] >= (3, 0))
+    position = sum(source.window_sequences[:window]) + 2
+    os.remove(log)
+    assert _same(_epoch(ray, source, 3, position), full[position:])
+    with open(log) as f:
+        opened = {os.path.basename(line.split()[0]) for line in f}
+    assert not opened & {"part-00.parquet", "part-01.parquet", "part-02.parquet"}, opened
+    # Files without document_id / num_tokens: the same sequences (ids are then row numbers, here the same).
+    assert _same(_epoch(ray, PackedTokens(bare, seq_len=SEQ, policy=policy, window_tokens=WINDOW), 2, 0), full)
+
+
+@pytest.mark.ray
+def test_a_seeded_order_permutes_windows_the_same_at_any_world_size(ray_cluster, tokens) -> None:
+    ray = ray_cluster
+    source = PackedTokens(tokens[0], seq_len=SEQ, window_tokens=WINDOW)
+    full = _epoch(ray, source, 2, 0, seed=3)
+    plain = _epoch(ray, source, 2, 0)
+    assert not _same(full, plain) and sorted(int(r["document_ids"][0]) for r in full) == sorted(
+        int(r["document_ids"][0]) for r in plain
+    )
+    assert _same(_epoch(ray, source, 3, 37, seed=3), full[37:])
+    # With the row shuffle (sequences permuted within windows of 30+ sequences): the same order resumed.
+    shuffled = _epoch(ray, source, 2, 0, seed=3, shuffle_rows=30)
+    assert not _same(shuffled, full) and _same(_epoch(ray, source, 3, 45, seed=3, shuffle_rows=30), shuffled[45:])
+
+
+def test_bad_input_is_refused_where_the_source_is_built(tokens, tmp_path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raytrain_events.core.packing import PackingError
+
+    paths, _, lengths = tokens
+    with pytest.raises(PackingError, match=r"more than seq_len=16, and policy='best_fit' never splits.*Fix"):
+        PackedTokens(paths, seq_len=16, policy="best_fit")
+    assert PackedTokens(paths, seq_len=16, policy="concat").real_tokens == sum(lengths.values())
+    with pytest.raises(ValueError, match=r"token ids 1\.\.\d+ are outside the model's vocabulary \[0, 100\)"):
+        PackedTokens(paths, seq_len=SEQ, vocab_size=100)
+    text = str(tmp_path / "text.parquet")
+    pq.write_table(pa.table({"input_ids": ["a document", "another"]}), text)
+    with pytest.raises(TypeError, match="is string, not a list of integer token ids.*raytrain-events tokenize"):
+        PackedTokens(text, seq_len=SEQ)
+    with pytest.raises(ValueError, match="have no 'tokens' column"):
+        PackedTokens(paths, seq_len=SEQ, tokens_column="tokens")
+    wide = str(tmp_path / "wide.parquet")
+    table = pa.table({"input_ids": pa.array([[1, 2, 3]], pa.list_(pa.int32()))})
+    pq.write_table(table.replace_schema_metadata({b"raytrain_events.vocab_size": b"50000"}), wide)
+    with pytest.raises(ValueError, match="tokenized with a vocabulary of 50000 tokens, more than vocab_size=4096"):
+        PackedTokens(wide, seq_len=SEQ, vocab_size=VOCAB)
+
+
+@pytest.mark.ray
+def test_a_feeder_killed_mid_pack_rebuilds_the_same_sequences(ray_cluster, tokens) -> None:
+    """The feeder dies after batch 60 of about 80 (global batches of 2 sequences): the restarted one
+    rebuilds the epoch from batch 20 on (its restart slack), entering the packed stream mid-window;
+    the ranks train exactly the uninterrupted epoch's sequences."""
+    from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard
+
+    ray = ray_cluster
+    source = PackedTokens(tokens[0], seq_len=SEQ, window_tokens=WINDOW)
+    world, batch = 2, 2
+    assert source.count() > 70 * batch
+    feeder = ray.remote(EpochFeeder).options(**FEEDER_OPTIONS).remote(None, world, batch)
+    refs = [ray.put(source)]
+    loaders = [
+        GlobalOrderLoader(GlobalOrderShard(feeder, r, world, batch, source.count(), source=refs), device="cpu")
+        for r in range(world)
+    ]
+    for loader in loaders:
+        loader.set_epoch(0)
+    rows: List[dict] = []
+    for k, per_rank in enumerate(zip(*loaders, strict=True)):
+        for b in per_rank:
+            rows += [{key: v[i].clone() for key, v in b.items()} for i in range(len(b["num_tokens"]))]
+        if k == 60:
+            ray.kill(feeder, no_restart=False)  # the process dies; Ray restarts the actor
+    reference = _epoch(ray, source, 2, 0)
+    assert _same(rows, reference)
