@@ -2,7 +2,8 @@
 
 With ``RayTrainer(fault_tolerance="replica_groups", num_workers=k)`` the driver runs Ray Train with
 ``TorchftConfig`` (a torchft Lighthouse as a Ray actor; a failed worker's group is restarted by Ray
-alone while the others train on) and each worker builds its `Trainer` with the parts here:
+alone while the others train on) and each worker builds its `Trainer` with the parts here (put together
+by the run's strategy, `ray/fault_tolerance/replica_groups.py`):
 
 - one torchft ``Manager`` per group (`build_manager`), its gloo process group across the groups
   and ``PGTransport`` for live recovery: a group that (re)joins gets model, optimizer, schedulers,
@@ -14,7 +15,8 @@ alone while the others train on) and each worker builds its `Trainer` with the p
   others while it is away: the global batch, the step's samples and the LR schedule stay those of
   an uninterrupted run;
 - `CommitOptimizer`: gradients averaged over the participants (one flat all-reduce through the
-  Manager), the optimizer stepped only if ``manager.should_commit()``;
+  Manager, ended at once when another group of the quorum fails: `replica_abort.py`), the optimizer
+  stepped only if ``manager.should_commit()``;
 - `ReplicaCommit` (a callback): a committed step advances the Timestamp by the global batch's
   rows; an uncommitted one restores the Timestamp and schedulers, so the loader serves the same
   global batch again to the new quorum. Every row is trained once per epoch and the final
@@ -25,7 +27,7 @@ alone while the others train on) and each worker builds its `Trainer` with the p
 
 Storage checkpoints (``checkpoint=``): every group holds the same committed state, so one group saves
 it, the lead: participating rank 0 of the step's quorum, i.e. the lowest group number in it
-(`lead_saves`); a step its lead did not survive commits nowhere, and the next quorum's lowest group
+(`lead_saves`, set by `ReplicaCommit` once the `Checkpointer` is attached); a step its lead did not survive commits nowhere, and the next quorum's lowest group
 saves from then on (reloading the folder's index first: `lead_saves`). A checkpoint is a plain one (world
 size 1): it loads into a `Trainer` or resumes a `RayTrainer` run. Storage is read only at a start of the whole
 run, after the first quorum (`load_at_first_quorum`): a group replaced while the others train heals from a

@@ -131,7 +131,9 @@ class Checkpointer(Callback):
         if self.sharded:
             self._sharded_io = ShardedCheckpointIO(host, self.options, own_group=False, group=self.channel.group)
         self._last_save_time = time.monotonic()
-        self._last_saved_batch: Optional[int] = None
+        # (epoch, batch) of the newest save or load: a batch saved before its epoch ended is saved again at the
+        # fit's end, with the epoch counted (a checkpoint's Timestamp is the loop's at the save).
+        self._last_saved: Optional[Tuple[int, int]] = None
         self._sigterm = contextlib.ExitStack()
         self._epoch_start_rng: Dict[str, Any] = capture_rng_state()
         self.saved: List[SavedCheckpoint] = []
@@ -190,7 +192,7 @@ class Checkpointer(Callback):
             return None
         self._apply(loaded, ignore, weights_only)
         self.loaded = loaded.info
-        self._last_saved_batch = self.host.state.timestamp.get_value(TimeUnit.BATCH)
+        self._last_saved = _epoch_and_batch(self.host.state)
         return loaded.info
 
     def _read_latest(self, folder: str) -> Optional[LoadedCheckpoint]:
@@ -292,8 +294,7 @@ class Checkpointer(Callback):
     def save(self) -> Optional[SavedCheckpoint]:
         """Save now (every rank must call this at the same batch); None if this batch is saved."""
         host, state, dist = self.host, self.host.state, self.host.dist
-        batch = state.timestamp.get_value(TimeUnit.BATCH)
-        if batch == self._last_saved_batch or not self.saves_here():
+        if _epoch_and_batch(state) == self._last_saved or not self.saves_here():
             return None
         timestamp = counters_of(state.timestamp)
         url = new_checkpoint_url(self.folder, timestamp=timestamp, name=self.channel.name(timestamp))
@@ -322,7 +323,7 @@ class Checkpointer(Callback):
             staged = self.channel.stage(payload)  # the copy, all that blocks training
             job = lambda: self._write(save, staged.tree, rng, [])  # noqa: E731
             future = self._start(url, job, staged)
-        self._last_saved_batch = batch
+        self._last_saved = _epoch_and_batch(state)
         self._last_save_time = time.monotonic()
         state.agreement.clear(SAVE_FLAG)
         saved = SavedCheckpoint(
@@ -432,6 +433,10 @@ def attach_checkpointing(host: CheckpointHost, config: CheckpointConfig) -> Chec
     host.state.callbacks.insert(0, checkpointer)
     host.engine.refresh()
     return checkpointer
+
+
+def _epoch_and_batch(state: State) -> Tuple[int, int]:
+    return int(state.timestamp.epoch), int(state.timestamp.batch)
 
 
 def find_checkpointer(state: State) -> Optional[Checkpointer]:
