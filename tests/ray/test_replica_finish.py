@@ -1,8 +1,8 @@
 """The end of a run whose last batch is a save point (no Ray).
 
-* The final checkpoint is the end's: its Timestamp counts the last epoch. Before, the save at the last batch
-  (taken before the epoch ended) was the newest, and the end-of-fit save was skipped as "this batch is saved",
-  so the run's final checkpoint recorded the epoch before the end.
+* The final checkpoint is the end's: its Timestamp counts the last epoch, and it is the only one at that batch.
+  Before, the save at the last batch (taken before the epoch ended) was the newest, and the end-of-fit save was
+  skipped as "this batch is saved", so the run's final checkpoint recorded the epoch before the end.
 * So a replica group replaced after the others finished (`ray/replica_groups._run_finished`) sees the run
   finished and loads its end, instead of waiting for a quorum no other group will join.
 """
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import torch
 
 from raytrain_events import CheckpointConfig, Trainer
-from raytrain_events.checkpoint.folder.store import latest_checkpoint
+from raytrain_events.checkpoint.folder.store import latest_checkpoint, list_checkpoints
 from raytrain_events.ray.replica_groups import _run_finished
 from tests.ray.resume_helpers import make_model, make_sgd
 
@@ -42,6 +42,7 @@ def test_a_save_point_at_the_last_batch_leaves_the_ends_checkpoint(tmp_path):
     assert (int(trainer.state.timestamp.epoch), int(trainer.state.timestamp.batch)) == (EPOCHS, 8)
     info = latest_checkpoint(folder)
     assert (info.timestamp["epoch"], info.timestamp["batch"]) == (EPOCHS, 8), info.timestamp  # before: (1, 8)
+    assert [c.batch for c in list_checkpoints(folder)] == [4, 8]  # one save at batch 8: the end's
     model = make_model()
     loaded = Trainer(
         model=model,

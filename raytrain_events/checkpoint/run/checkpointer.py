@@ -131,8 +131,7 @@ class Checkpointer(Callback):
         if self.sharded:
             self._sharded_io = ShardedCheckpointIO(host, self.options, own_group=False, group=self.channel.group)
         self._last_save_time = time.monotonic()
-        # (epoch, batch) of the newest save or load: a batch saved before its epoch ended is saved again at the
-        # fit's end, with the epoch counted (a checkpoint's Timestamp is the loop's at the save).
+        # (epoch, batch) of the newest save or load (a checkpoint's Timestamp is the loop's at the save).
         self._last_saved: Optional[Tuple[int, int]] = None
         self._sigterm = contextlib.ExitStack()
         self._epoch_start_rng: Dict[str, Any] = capture_rng_state()
@@ -262,8 +261,8 @@ class Checkpointer(Callback):
         due = state.agreed(SAVE_FLAG) or (steps is not None and state.step % steps == 0)
         if not due and self._interval is not None and self.config.save_interval.unit != TimeUnit.EPOCH:
             due = self._interval(state, Event.BATCH_END)
-        if due or self._deferred:
-            self._save_unless_busy(state)
+        if (due or self._deferred) and not (self.config.save_final and _ends_the_fit(state)):
+            self._save_unless_busy(state)  # at the fit's last batch the end's save takes it, the epoch counted
 
     def epoch_checkpoint(self, state, logger) -> None:
         if self._interval is not None and self.config.save_interval.unit == TimeUnit.EPOCH:
@@ -437,6 +436,18 @@ def attach_checkpointing(host: CheckpointHost, config: CheckpointConfig) -> Chec
 
 def _epoch_and_batch(state: State) -> Tuple[int, int]:
     return int(state.timestamp.epoch), int(state.timestamp.batch)
+
+
+def _ends_the_fit(state: State) -> bool:
+    """Whether this batch, the last of its epoch, ends the fit once the epoch ends (the loop counts that epoch
+    before the fit's end: a save here would record the epoch before the end, and the end-of-fit save, at the
+    same batch, would be skipped)."""
+    steps, duration = state.steps_per_epoch, state.max_duration
+    if steps is None or duration is None or int(state.timestamp.batch_in_epoch) != steps:
+        return False
+    if duration.unit == TimeUnit.DURATION:
+        return False
+    return state.timestamp.to_next_epoch().get_value(duration.unit) >= duration.value
 
 
 def find_checkpointer(state: State) -> Optional[Checkpointer]:
