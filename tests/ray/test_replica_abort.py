@@ -42,7 +42,7 @@ def _wait(predicate, timeout_s: float, what: str) -> None:
 
 
 @pytest.mark.slow
-def test_a_kill_on_a_ring_of_four_costs_the_far_group_a_step_not_glos_timeout(tmp_path):
+def test_a_kill_on_a_ring_of_four_costs_the_far_group_a_step_not_the_gloo_timeout(tmp_path):
     pytest.importorskip("torchft")
     from torchft.coordination import LighthouseServer
 
