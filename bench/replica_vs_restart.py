@@ -25,6 +25,13 @@ and ``quorum_call_s`` (that call's length: the Lighthouse's wait plus re-forming
 
     PYTHONPATH=$PWD python bench/replica_vs_restart.py                      # short: 3 kills, 8-15 s apart
     PYTHONPATH=$PWD python bench/replica_vs_restart.py --epochs 40 --kills 20 --pause 45 120   # the long plan
+    PYTHONPATH=$PWD python bench/replica_vs_restart.py --groups 3 4 6 --modes replica_groups   # per group count
+
+``--groups``: the run is repeated for each number of workers (replica groups) given, on one Ray instance, with
+the kill plan drawn for each count; a table at the end gives, per count and mode, the goodput, the time lost per
+failure and (replica groups) its part at the failure, in seconds and steps, against the heartbeat detection. At 4
+groups and more a kill leaves a survivor that is not the victim's ring neighbour in gloo's all-reduce: the count
+where, before `ray/replica_abort.py`, a failure cost gloo's whole timeout (30 s) instead of a step or two.
 
 Grows with scale as: restart: (restart + reload from storage + the batches since the last save) per failure,
 whatever the world size; replica groups: the heartbeat timeout (0.5 s) plus the one step in flight per failure,
@@ -56,16 +63,14 @@ from raytrain_events import Callback  # noqa: E402
 from tests.ray import resume_helpers as h  # noqa: E402
 from tests.ray.replica_helpers import live_procs  # noqa: E402
 
-GROUPS = 3
-
 
 class Steps(Callback):
     """Per process: a proc file at the start and one line per step end (committed or not, the quorum's groups) and
     per quorum change (``on_quorum_change``: before, after, when its quorum call began and ended); each step paced
     to ``step_s`` between its backward and its all-reduce (where a GPU spends a step's time)."""
 
-    def __init__(self, folder: str, step_s: float) -> None:
-        self.folder, self.step_s = folder, step_s
+    def __init__(self, folder: str, step_s: float, groups: int) -> None:
+        self.folder, self.step_s, self.groups = folder, step_s, groups
 
     def fit_start(self, state, logger) -> None:
         import ray.train
@@ -98,7 +103,7 @@ class Steps(Callback):
 
     def batch_end(self, state, logger) -> None:
         committed = True if self.commit is None else bool(self.commit.optimizer.committed)
-        groups = GROUPS if self.commit is None else self.commit.loader.participants
+        groups = self.groups if self.commit is None else self.commit.loader.participants
         line = {"t": time.time(), "batch": int(state.timestamp.batch), "committed": committed, "groups": groups}
         self.file.write(json.dumps(line) + "\n")
         self.file.flush()
@@ -174,7 +179,9 @@ def _live(folder: str, rank: int) -> Any:
     return max(alive, key=lambda p: p["t"]) if alive else None
 
 
-def _chaos(folder: str, plan: List[Tuple[float, int]], done: List[Tuple[float, int]], stop: threading.Event) -> None:
+def _chaos(
+    folder: str, groups: int, plan: List[Tuple[float, int]], done: List[Tuple[float, int]], stop: threading.Event
+) -> None:
     """Kill per plan: each pause counts from when the victim's rank trains again after the previous kill."""
     killed: set = set()
     for pause, rank in plan:
@@ -182,7 +189,7 @@ def _chaos(folder: str, plan: List[Tuple[float, int]], done: List[Tuple[float, i
         while not stop.is_set():
             proc = _live(folder, rank)
             # every rank trains (after a whole-group restart, all are new processes)
-            if proc is not None and proc["pid"] not in killed and all(_live(folder, r) for r in range(GROUPS)):
+            if proc is not None and proc["pid"] not in killed and all(_live(folder, r) for r in range(groups)):
                 ready = ready or time.time()
                 if time.time() - ready >= pause:
                     os.kill(proc["pid"], signal.SIGKILL)
@@ -192,15 +199,15 @@ def _chaos(folder: str, plan: List[Tuple[float, int]], done: List[Tuple[float, i
             time.sleep(0.1)
 
 
-def run(mode: str, args: argparse.Namespace, data: str, plan: List[Tuple[float, int]]) -> Dict[str, Any]:
+def run(mode: str, groups: int, args: argparse.Namespace, data: str, plan: List[Tuple[float, int]]) -> Dict[str, Any]:
     import ray.data
 
     from raytrain_events import CheckpointConfig, RayTrainer
 
-    folder = tempfile.mkdtemp(prefix=f"bench-{mode}-")
+    folder = tempfile.mkdtemp(prefix=f"bench-{mode}-{groups}-")
     kills: List[Tuple[float, int]] = []
     stop = threading.Event()
-    chaos = threading.Thread(target=_chaos, args=(folder, plan, kills, stop), daemon=True)
+    chaos = threading.Thread(target=_chaos, args=(folder, groups, plan, kills, stop), daemon=True)
     chaos.start()
     started = time.time()
     try:
@@ -209,15 +216,15 @@ def run(mode: str, args: argparse.Namespace, data: str, plan: List[Tuple[float, 
             optimizers=h.make_sgd,
             datasets={"train": ray.data.read_parquet(data)},
             max_duration=f"{args.epochs}ep",
-            batch_size=h.GLOBAL_BATCH // GROUPS,
-            num_workers=GROUPS,
+            batch_size=h.GLOBAL_BATCH // groups,
+            num_workers=groups,
             fault_tolerance="replica_groups" if mode == "replica_groups" else None,
             max_failures=2 * len(plan) + 2,
-            callbacks=lambda: [Steps(folder, args.step_s)],
+            callbacks=lambda: [Steps(folder, args.step_s, groups)],
             checkpoint=CheckpointConfig(save_interval=f"{args.save_every}ba", keep=2, save_every_n_seconds=None),
             report_every_s=5.0,
             storage_path=os.path.join(folder, "runs"),
-            run_name=mode,
+            run_name=f"{mode}-{groups}",
             seed=0,
             progress_bar=False,
         ).fit()
@@ -233,6 +240,7 @@ def run(mode: str, args: argparse.Namespace, data: str, plan: List[Tuple[float, 
     ideal = batches * median
     return {
         "mode": mode,
+        "groups": groups,
         "timestamp": {"epoch": int(result.timestamp.epoch), "batch": batches, "sample": int(result.timestamp.sample)},
         "kills": len(kills),
         "fit_s": round(time.time() - started, 1),
@@ -255,31 +263,49 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=10, help="batches between checkpoints (both modes)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--modes", default="restart,replica_groups")
+    parser.add_argument("--groups", type=int, nargs="+", default=[3], help="workers (replica groups), one run each")
     args = parser.parse_args()
-    rng = random.Random(args.seed)
-    plan = [(rng.uniform(*args.pause), rng.randrange(GROUPS)) for _ in range(args.kills)]
-    print(f"kill plan (pause s, rank): {[(round(p, 1), r) for p, r in plan]}", flush=True)
+    bad = [g for g in args.groups if g < 2 or h.GLOBAL_BATCH % g]
+    if bad:
+        parser.error(f"--groups {bad}: each count must be >= 2 and divide the global batch ({h.GLOBAL_BATCH})")
     import ray
 
     from raytrain_events.ray.embedded import own_state_api
 
-    kwargs = dict(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    kwargs = dict(num_cpus=max(args.groups) + 1, include_dashboard=False, log_to_driver=False)
     with own_state_api(kwargs):  # Train's cleaner asks no other Ray on the machine (a false "controller dead")
         ray.init(address="local", **kwargs)
     data = tempfile.mkdtemp(prefix="bench-data-")
     h.write_parquet(data)
-    results = [run(mode, args, data, plan) for mode in args.modes.split(",")]
-    for r in results:
-        print(json.dumps(r), flush=True)
-    if len(results) == 2:
-        restart, replicas = results
-        assert restart["timestamp"] == replicas["timestamp"], (restart["timestamp"], replicas["timestamp"])
-        ratio = restart["lost_per_failure_s"] / max(replicas["lost_per_failure_s"], 1e-9)
+    table = []
+    for groups in args.groups:
+        rng = random.Random(args.seed)
+        plan = [(rng.uniform(*args.pause), rng.randrange(groups)) for _ in range(args.kills)]
+        print(f"{groups} groups: kill plan (pause s, rank): {[(round(p, 1), r) for p, r in plan]}", flush=True)
+        results = [run(mode, groups, args, data, plan) for mode in args.modes.split(",")]
+        for r in results:
+            print(json.dumps(r), flush=True)
+        table += results
+        if len(results) == 2:
+            restart, replicas = results
+            assert restart["timestamp"] == replicas["timestamp"], (restart["timestamp"], replicas["timestamp"])
+            ratio = restart["lost_per_failure_s"] / max(replicas["lost_per_failure_s"], 1e-9)
+            print(
+                f"{groups} groups: goodput: restart {restart['goodput']:.2f}, replica groups {replicas['goodput']:.2f}; "
+                f"time lost per failure: restart {restart['lost_per_failure_s']:.1f} s, replica groups "
+                f"{replicas['lost_per_failure_s']:.1f} s ({ratio:.1f}x less)",
+                flush=True,
+            )
+    from raytrain_events.ray.replica_checks import HEARTBEAT_TIMEOUT_MS
+
+    print(
+        f"\ngroups  mode            goodput  lost/failure s  at failure s (steps)  detect s   [heartbeat {HEARTBEAT_TIMEOUT_MS} ms]"
+    )
+    for r in table:
+        at = "-" if r.get("at_failure_s") is None else f"{r['at_failure_s']:.2f} ({r['at_failure_steps']})"
+        detect = "-" if r.get("detect_s") is None else f"{r['detect_s']:.2f}"
         print(
-            f"goodput: restart {restart['goodput']:.2f}, replica groups {replicas['goodput']:.2f}; time lost per "
-            f"failure: restart {restart['lost_per_failure_s']:.1f} s, replica groups "
-            f"{replicas['lost_per_failure_s']:.1f} s ({ratio:.1f}x less)",
-            flush=True,
+            f"{r['groups']:>6}  {r['mode']:<14}  {r['goodput']:>7.2f}  {r['lost_per_failure_s']:>14.1f}  {at:>20}  {detect:>8}"
         )
 
 

@@ -283,3 +283,61 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
     assert deletions(pkg) == ["sub/a.py:4: fs.rm(...)"]
     assert import_cycles(pkg) == [["raytrain_events.sub.a", "raytrain_events.sub.b"]]
     assert list(unmapped_files(pkg)) == ["sub: b.py", "sub: inner/"]
+
+
+#: The modules that must not branch on how the run survives a failure: they ask the strategy
+#: (``ray/fault_tolerance/``) for its parts instead.
+FAULT_TOLERANCE_NEUTRAL = ("ray/driver.py", "ray/worker.py")
+
+
+def fault_tolerance_branches(package: pathlib.Path = PACKAGE) -> List[str]:
+    """``file:line: text`` for each place in `FAULT_TOLERANCE_NEUTRAL` that reads ``fault_tolerance`` off the spec,
+    names a mode (``"replica_groups"``) or a replica module, or tests a ``replicas`` flag."""
+    hits = []
+    for rel in FAULT_TOLERANCE_NEUTRAL:
+        path = package / rel
+        if not path.exists():
+            continue
+        tree = _tree(path)
+        docstrings = _docstring_nodes(tree)
+        for node in ast.walk(tree):
+            text = ""
+            if isinstance(node, ast.Attribute) and node.attr == "fault_tolerance":
+                text = "." + node.attr
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                if "replica" in node.value:
+                    text = repr(node.value)
+            elif isinstance(node, ast.ImportFrom) and "replica" in (node.module or ""):
+                text = f"import from {node.module}"
+            elif isinstance(node, ast.Name) and "replica" in node.id.lower():
+                text = node.id
+            if text:
+                hits.append(f"{rel}:{node.lineno}: {text}")
+    return hits
+
+
+def test_driver_and_worker_do_not_branch_on_fault_tolerance():
+    hits = fault_tolerance_branches()
+    assert not hits, (
+        "ray/driver.py and ray/worker.py ask the run's fault-tolerance strategy (ray/fault_tolerance/) for its parts; "
+        "they do not branch on the mode:\n" + "\n".join(hits)
+    )
+
+
+def test_the_fault_tolerance_scan_catches_a_branch(tmp_path):
+    pkg = tmp_path / "raytrain_events"
+    (pkg / "ray").mkdir(parents=True)
+    (pkg / "ray" / "driver.py").write_text(
+        '"""The driver: replica groups are not named here."""\n'
+        "replicas = spec.fault_tolerance == 'replica_groups'\n"
+        "if replicas:\n"
+        "    from raytrain_events.ray.replica_groups import setup\n"
+    )
+    (pkg / "ray" / "worker.py").write_text("x = 1\n")
+    assert sorted(h.split(": ", 1)[1] for h in fault_tolerance_branches(pkg)) == [
+        "'replica_groups'",
+        ".fault_tolerance",
+        "import from raytrain_events.ray.replica_groups",
+        "replicas",
+        "replicas",
+    ]

@@ -13,6 +13,8 @@ The subpackages:
   progress bar and loggers.
 * ``checkpointing/``: checkpoints registered with Ray Train, and asynchronous validation
   (``RayTrainer(validation=AsyncValidation(...))``).
+* ``fault_tolerance/``: how a run survives a failure, one strategy chosen on the driver: restarts of the
+  worker group, or torchft replica groups; it hands the driver and the workers their parts.
 
 The modules here are the entry points: the driver (``driver.py``, with its checks and options),
 the worker's function (``worker.py``), connecting to Ray (``cluster.py``, ``embedded.py``), torchft
@@ -29,6 +31,8 @@ Files:
   in seconds, not after start-up.
 * ``embedded.py``: The environment of an embedded local Ray instance: what is set before
   ``ray.init`` starts it.
+* ``replica_abort.py``: Replica groups: a peer's failure ends every survivor's pending all-reduce at once,
+  wherever it sits in the ring.
 * ``replica_checks.py``: Which runs ``fault_tolerance="replica_groups"`` supports, checked on the
   driver before Ray starts; Ray's ``TorchftConfig`` for them.
 * ``replica_groups.py``: Replica groups on the worker: the loop under torchft, each step committed

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional
 
 from raytrain_events.core.time import COUNTER_UNITS, Timestamp, report_key
+from raytrain_events.ray.fault_tolerance import choose
 from raytrain_events.ray.spec import RunSpec
 
 __all__ = ["RayTrainer", "RayResult", "RayTrainingError"]
@@ -113,9 +114,9 @@ class RayTrainer:
                 f"({spec.run_name}), so there is nothing to resume. Fix: name the run, RayTrainer(run_name='my-run', "
                 "...), with the same name (and storage_path) in every job that continues it."
             )
-        from raytrain_events.ray.replica_checks import check_fault_tolerance
-
-        check_fault_tolerance(spec)  # replica groups: what they support, and torchft installed
+        # How the run survives a failure, checked (replica groups: what they support, torchft installed) and
+        # chosen once: it hands the driver and the workers their parts.
+        self._fault_tolerance = choose(spec)
         if isinstance(spec.workers, int):  # an elastic group's size is checked at each worker start
             from raytrain_events.parallel.world import check_tensor_parallel_world
 
@@ -221,7 +222,6 @@ class RayTrainer:
         from ray.train.torch import TorchTrainer
 
         from raytrain_events.ray.checkpointing.checkpointing import ray_checkpoint_config
-        from raytrain_events.ray.data.loader import TrainDataConfig
         from raytrain_events.ray.reports.console import train_logging_config
         from raytrain_events.ray.reports.follow import HistoryFollower
         from raytrain_events.ray.reports.history import AggregatingCallback, RunHistory
@@ -245,30 +245,11 @@ class RayTrainer:
                 worker_spec, self.spec.validation, {k: datasets[k] for k in validated}, history, self._report_queue
             )
             validation_config = ray_validation_config(validator, self.spec.validation)
-        from ray.train.torch import TorchConfig
-
         from raytrain_events.ray.guards.watchdog import process_group_timeout_s
 
         # The watchdog's hang_timeout, with a margin: the watchdog names a hung rank before this fires.
         torch_options = {"timeout_s": int(process_group_timeout_s(self.spec.hang_timeout))}
-        replicas = self.spec.fault_tolerance == "replica_groups"
-        if replicas:  # a torchft Lighthouse as a Ray actor; Ray restarts a failed group alone
-            from raytrain_events.ray.replica_checks import torchft_config
-
-            torch_config = torchft_config(torch_options, self.spec.workers, float(self.spec.replica_timeout_s))
-        else:
-            torch_config = TorchConfig(**torch_options)
-        data_config = TrainDataConfig(
-            batch_size=self.spec.batch_size,
-            global_batch_size=self.spec.global_batch_size
-            or (self.spec.batch_size * self.spec.workers if replicas else None),
-            deterministic=self.spec.deterministic_split,
-            train_rows=train_rows,
-            # The ranks that share rows: TP x CP; with replica groups every group gets the whole global
-            # batch and cuts it by the step's quorum (replica_groups.py).
-            tensor_parallel=self.spec.workers if replicas else self.spec.parallelism_spec.batch_group,
-        )
-        train_config: Dict[str, Any] = {"spec": worker_spec}
+        data_config = self._fault_tolerance.data_config(train_rows)
         ray_datasets = {k: v for k, v in datasets.items() if k not in validated}
         feeder = None
         if isinstance(self.spec.workers, int):  # the stream starts now, while Ray Train starts the workers
@@ -278,13 +259,11 @@ class RayTrainer:
             start = resume_position(self.spec)
             world = self.spec.workers
             feeder = data_config.start_feeder(datasets["train"], world, start, train_order(self.spec))
-        if replicas:  # the feeder made here: Ray Train configures a replaced group's datasets as a world of one
-            shards = data_config.configure(ray_datasets, self.spec.workers, None, None)
-            train_config.update(history=history, shards=[s["train"] for s in shards])
-            ray_datasets = {}  # and the groups report to the history directly: ray.train.report waits for all
+        worker_side, ray_datasets = self._fault_tolerance.worker_side(data_config, ray_datasets, history)
+        train_config: Dict[str, Any] = {"spec": worker_spec, "fault_tolerance": worker_side}
         trainer = TorchTrainer(
             train_loop_per_worker,
-            torch_config=torch_config,
+            torch_config=self._fault_tolerance.torch_config(torch_options),
             train_loop_config=train_config,
             scaling_config=self.scaling_config,
             datasets=ray_datasets,
@@ -294,9 +273,12 @@ class RayTrainer:
                 name=self.run_name,
                 storage_path=storage_path,
                 storage_filesystem=storage_filesystem,
-                failure_config=ray.train.FailureConfig(max_failures=self.spec.max_failures),
-                callbacks=[AggregatingCallback(history, self._report_queue), *self.spec.ray_callbacks]
-                + (_lighthouse_watch() if replicas else []),
+                failure_config=self._fault_tolerance.failure_config(),
+                callbacks=[
+                    AggregatingCallback(history, self._report_queue),
+                    *self.spec.ray_callbacks,
+                    *self._fault_tolerance.run_callbacks(),
+                ],
                 logging_config=train_logging_config(self.spec.verbose),
                 # Ray owns retention of the checkpoints reported to it (see ray/checkpointing/checkpointing.py).
                 checkpoint_config=ray_checkpoint_config(self.spec),
@@ -402,13 +384,6 @@ class RayTrainer:
                     "use_gpu=True but this Ray cluster has no GPUs (cluster resources: "
                     f"{ray.cluster_resources()}). Run on a cluster with GPU nodes (see cluster.yaml), or pass use_gpu=False."
                 )
-
-
-def _lighthouse_watch() -> List[Any]:
-    """Replica groups: the controller callback that ends the run when the Lighthouse is gone."""
-    from raytrain_events.ray.replica_lighthouse import LighthouseWatch
-
-    return [LighthouseWatch()]
 
 
 def _listed_by_ray(ray_result: Any) -> List[str]:

@@ -2,7 +2,8 @@
 
 With ``RayTrainer(fault_tolerance="replica_groups", num_workers=k)`` the driver runs Ray Train with
 ``TorchftConfig`` (a torchft Lighthouse as a Ray actor; a failed worker's group is restarted by Ray
-alone while the others train on) and each worker builds its `Trainer` with the parts here:
+alone while the others train on) and each worker builds its `Trainer` with the parts here (put together
+by the run's strategy, `ray/fault_tolerance/replica_groups.py`):
 
 - one torchft ``Manager`` per group (`build_manager`), its gloo process group across the groups
   and ``PGTransport`` for live recovery: a group that (re)joins gets model, optimizer, schedulers,
@@ -14,7 +15,8 @@ alone while the others train on) and each worker builds its `Trainer` with the p
   others while it is away: the global batch, the step's samples and the LR schedule stay those of
   an uninterrupted run;
 - `CommitOptimizer`: gradients averaged over the participants (one flat all-reduce through the
-  Manager), the optimizer stepped only if ``manager.should_commit()``;
+  Manager, ended at once when another group of the quorum fails: `replica_abort.py`), the optimizer
+  stepped only if ``manager.should_commit()``;
 - `ReplicaCommit` (a callback): a committed step advances the Timestamp by the global batch's
   rows; an uncommitted one restores the Timestamp and schedulers, so the loader serves the same
   global batch again to the new quorum. Every row is trained once per epoch and the final
@@ -25,7 +27,7 @@ alone while the others train on) and each worker builds its `Trainer` with the p
 
 Storage checkpoints (``checkpoint=``): every group holds the same committed state, so one group saves
 it, the lead: participating rank 0 of the step's quorum, i.e. the lowest group number in it
-(`lead_saves`); a step its lead did not survive commits nowhere, and the next quorum's lowest group
+(`lead_saves`, set by `ReplicaCommit` once the `Checkpointer` is attached); a step its lead did not survive commits nowhere, and the next quorum's lowest group
 saves from then on (reloading the folder's index first: `lead_saves`). A checkpoint is a plain one (world
 size 1): it loads into a `Trainer` or resumes a `RayTrainer` run. Storage is read only at a start of the whole
 run, after the first quorum (`load_at_first_quorum`): a group replaced while the others train heals from a
@@ -44,7 +46,7 @@ from __future__ import annotations
 import datetime
 import logging
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -52,7 +54,9 @@ from raytrain_events.core.callback import Callback, QuorumChange
 from raytrain_events.core.time import Timestamp, counters_of
 from raytrain_events.ray.data.feeder import rank_rows
 from raytrain_events.ray.data.loader import GlobalOrderLoader
-from raytrain_events.ray.replica_checks import min_replicas
+
+if TYPE_CHECKING:
+    from raytrain_events.ray.replica_abort import CollectiveWatch
 
 __all__ = ["build_manager", "CommitOptimizer", "ReplicaLoader", "ReplicaCommit", "ReplicaState", "QuorumChange"]
 
@@ -89,17 +93,24 @@ class ReplicaState:
         log.info("Recovered from a healthy replica group at %s", self.state.timestamp)
 
 
-def build_manager(replicas: ReplicaState, group: int, run_name: str, min_replicas: int, timeout_s: float = 30.0) -> Any:
-    """This group's torchft ``Manager`` (the Lighthouse address comes from Ray: ``TORCHFT_LIGHTHOUSE``).
+def build_manager(
+    replicas: ReplicaState, group: int, run_name: str, min_replicas: int, timeout_s: float = 30.0
+) -> Tuple[Any, CollectiveWatch]:
+    """This group's torchft ``Manager`` (the Lighthouse address comes from Ray: ``TORCHFT_LIGHTHOUSE``) and the
+    `CollectiveWatch` that ends its all-reduce when another group of the quorum fails (`replica_abort.py`).
 
     ``timeout_s`` (`RunSpec.replica_timeout_s`): gloo's and the state transfer's limit, the quorum's
-    twice that; 30 s re-forms the group on a loaded machine."""
-    from torchft import Manager, ProcessGroupGloo
+    twice that; 30 s re-forms the group on a loaded machine. A failed peer costs the others the heartbeat
+    detection, not this limit (`replica_abort.py`)."""
+    from torchft import Manager  # torchft is the [ft] extra's: imported where a group is built
     from torchft.checkpointing.pg_transport import PGTransport
 
+    from raytrain_events.ray.replica_abort import AbortableGloo, CollectiveWatch  # torchft's subclass
+
     timeout = datetime.timedelta(seconds=timeout_s)
-    pg = ProcessGroupGloo(timeout=timeout)
-    return Manager(
+    pg = AbortableGloo(timeout=timeout)
+    name = f"{run_name}_group{group:05d}"  # the Lighthouse orders groups by id: as numbers
+    manager = Manager(
         pg=pg,
         min_replica_size=min_replicas,
         load_state_dict=replicas.load_state_dict,
@@ -107,11 +118,12 @@ def build_manager(replicas: ReplicaState, group: int, run_name: str, min_replica
         use_async_quorum=False,  # the quorum (and a heal) ends before the loader picks the rows
         world_size=1,
         rank=0,
-        replica_id=f"{run_name}_group{group:05d}",  # the Lighthouse orders groups by id: as numbers
+        replica_id=name,
         timeout=2 * timeout,
         quorum_timeout=2 * timeout,
         checkpoint_transport=PGTransport(pg, timeout=timeout, device=torch.device("cpu")),
     )
+    return manager, CollectiveWatch(pg, name)
 
 
 class CommitOptimizer(torch.optim.Optimizer):
@@ -122,9 +134,10 @@ class CommitOptimizer(torch.optim.Optimizer):
     participants (what torchft's DDP wrapper does per bucket, here one flat all-reduce).
     """
 
-    def __init__(self, manager: Any, optimizer: torch.optim.Optimizer) -> None:  # noqa: D107
+    def __init__(self, manager: Any, optimizer: torch.optim.Optimizer, watch: CollectiveWatch) -> None:  # noqa: D107
         # No super().__init__: the wrapped optimizer holds the parameters and state (as torchft's wrapper).
         self.manager = manager
+        self.watch = watch
         self.optim = optimizer
         self.committed = False
 
@@ -150,7 +163,7 @@ class CommitOptimizer(torch.optim.Optimizer):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         if grads:  # one flat all-reduce (the Manager averages over the participants; errors -> no commit)
             flat = torch.cat([g.reshape(-1) for g in grads])
-            self.manager.allreduce(flat).wait()
+            self.watch.allreduce(self.manager, flat)  # a failed peer ends it at once (replica_abort.py)
             offset = 0
             for p, g in zip(params, grads):
                 p.grad = flat[offset : offset + g.numel()].view_as(g)
@@ -262,23 +275,34 @@ def _cut(batch: Any, part: int, parts: int) -> Any:
 class ReplicaCommit(Callback):
     """Advance the Timestamp by the global batch only for committed steps; report from the lead group."""
 
-    def __init__(self, loader: ReplicaLoader, optimizer: CommitOptimizer, history: Any = None, group: int = 0) -> None:
+    def __init__(  # noqa: D107
+        self, loader: ReplicaLoader, optimizer: CommitOptimizer, history: Any = None, group: int = 0, load: Any = None
+    ) -> None:
         self.loader = loader
         self.optimizer = optimizer
-        self.history = history
+        self.history = history  # the run's `RunHistory` actor: the lead group's entries go there directly
         self.group = group
+        self.load = load  # the run's `CheckpointConfig` with its autoresume/load_from (`load_at_first_quorum`)
         self._before: Optional[Timestamp] = None
         self._schedulers: List[Any] = []
         self.changes: List[QuorumChange] = []
         self.attempt_started = time.time()
         self.first_report = True
-        self.engine: Any = None  # the Trainer's Engine (set by the worker): callbacks hear quorum changes
+        self._loop: Any = None  # (state, logger) of the loop, from INIT: callbacks hear quorum changes
         # Another group led a committed step since this one last saved (or started): see `lead_saves`.
         self.followed = True
         loader.on_change = self._quorum_change
 
     def init(self, state, logger) -> None:
         self.loader.replicas.state = state
+        self._loop = (state, logger)
+
+    def after_load(self, state, logger) -> None:
+        """The `Checkpointer` exists now (attached after INIT): one saver, the lead group; storage read only at a
+        start of the whole run."""
+        lead_saves(state, self)
+        if self.load is not None:
+            load_at_first_quorum(state, self, self.load)
 
     def batch_start(self, state, logger) -> None:
         self._before = state.timestamp
@@ -305,8 +329,10 @@ class ReplicaCommit(Callback):
         if self.loader.manager.participating_rank() in (0, None):
             log.warning(change.line())  # the run's console: one line per change, from the lead group
         self.send({"quorum_change": change.after - change.before, "replica_groups": change.after})
-        if self.engine is not None:
-            self.engine.run_quorum_change(change)  # every callback's on_quorum_change
+        if self._loop is not None:
+            state, logger = self._loop
+            for callback in state.callbacks:  # every callback's on_quorum_change (as `Engine.run_quorum_change`)
+                callback.on_quorum_change(state, logger, change)
 
     def send(self, entry: Dict[str, Any]) -> None:
         """Add a history entry (lead group only), stamped with the global Timestamp and the time."""
@@ -330,48 +356,6 @@ class ReplicaCommit(Callback):
             entry["attempt_started_at"] = self.attempt_started
             self.first_report = False
         self.send(entry)
-
-
-def setup_replica_groups(  # noqa: PLR0913 (the parts the worker built, handed over once)
-    spec: Any, group: int, model: torch.nn.Module, optimizers: Any, schedulers: Any, shard: Any, **loader: Any
-) -> Tuple[CommitOptimizer, ReplicaLoader, ReplicaCommit, Any]:
-    """This worker's group: its Manager, commit-gated optimizer, loader and commit callback."""
-    inner = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
-    if len(inner) != 1:
-        raise ValueError(
-            f"fault_tolerance='replica_groups' steps one optimizer per commit; optimizers= built {len(inner)}. "
-            "Fix: one optimizer over all parameters (param groups for different settings)."
-        )
-    replicas = ReplicaState()
-    replicas.model, replicas.optimizer = model, inner[0]
-    replicas.schedulers = (
-        list(schedulers) if isinstance(schedulers, (list, tuple)) else [] if schedulers is None else [schedulers]
-    )
-    manager = build_manager(
-        replicas, group, spec.run_name or "run", min_replicas(shard.world_size), float(spec.replica_timeout_s)
-    )
-    optimizer = CommitOptimizer(manager, inner[0])
-    train = ReplicaLoader(shard, manager, replicas, **loader)
-    return optimizer, train, ReplicaCommit(train, optimizer, group=group), manager
-
-
-def replica_checkpoint_config(worker: Any, config: Any, group: int) -> Any:
-    """The workers' `CheckpointConfig` under replica groups (``worker``: the run's Ray plan's, ``config``: the
-    run's own). Nothing is reported to Ray Train (its report is a barrier a missing group would block), so
-    the saving group prunes to ``keep`` itself; only group 0 may take the run directory's lock (every group
-    is a rank 0 of its own); a SIGTERM is a failure like any other (the group is replaced, the others train
-    on), not a save. Nothing is loaded when the `Trainer` is built (``autoresume``/``load_from`` off): the load
-    waits for the first quorum (`load_at_first_quorum`, with ``worker``'s settings)."""
-    import dataclasses
-
-    return dataclasses.replace(
-        worker,
-        keep=config.keep,
-        lock_run_dir=worker.lock_run_dir and group == 0,
-        save_on_sigterm=False,
-        autoresume=False,
-        load_from=None,
-    )
 
 
 def load_at_first_quorum(state: Any, commit: ReplicaCommit, worker: Any) -> None:
@@ -434,10 +418,3 @@ def lead_saves(state: Any, commit: ReplicaCommit) -> None:
         return True
 
     checkpointer.saves_here = saves_here
-
-
-def shutdown_manager(state: Any) -> None:
-    """Stop this group's Manager at the end (a finished group must not hold the others' quorum)."""
-    for optimizer in state.optimizers:
-        if isinstance(optimizer, CommitOptimizer):
-            optimizer.manager.shutdown(wait=False)

@@ -1,13 +1,15 @@
 """The function every Ray Train worker runs: build the `Trainer` from the `RunSpec` and fit.
 
 Each worker builds its own model, optimizers, algorithms and callbacks from the spec's
-factories, iterates its dataset shard, trains under DDP (Ray set up the process group:
-gloo on CPU, NCCL on GPU) and reports to the controller through `RayReporter`.
+factories; the run's fault-tolerance strategy (`ray/fault_tolerance/`, chosen on the driver and shipped
+here) builds its train loader, the optimizer the loop steps, its checkpoint config and the callbacks that go
+first. Restarts train under DDP (Ray set up the process group: gloo on CPU, NCCL on GPU) and report to the
+controller through `RayReporter`; replica groups train each worker alone under torchft.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Optional, Tuple
 
 from raytrain_events.core.data_spec import DataSpec
 from raytrain_events.dist import LocalDist, TorchDist
@@ -15,37 +17,46 @@ from raytrain_events.parallel.deferred_init import has_meta_tensors
 from raytrain_events.parallel.world import check_tensor_parallel_world
 from raytrain_events.parallel.wrap import Parallel
 from raytrain_events.ray.checkpointing.validation import async_eval_names
-from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard, ShardLoader, train_order
+from raytrain_events.ray.data.loader import ShardLoader
+from raytrain_events.ray.fault_tolerance import WorkerFaultTolerance, WorkerParts
+from raytrain_events.ray.fault_tolerance.restarts import RestartsWorker
+from raytrain_events.ray.guards.operations import worker_guards
+from raytrain_events.ray.guards.watchdog import process_group_timeout_s
 from raytrain_events.ray.reports.worker_reports import RayReporter
 from raytrain_events.ray.spec import RunSpec
 from raytrain_events.trainer import Trainer
 from raytrain_events.trainer.evaluation import Evaluator
 from raytrain_events.trainer.seed import seed_everything
 
-__all__ = ["train_loop_per_worker", "build_worker_trainer"]
+__all__ = ["train_loop_per_worker", "build_worker", "build_worker_trainer"]
 
 
-def build_worker_trainer(spec: RunSpec, history: Any = None, shards: Any = None) -> Trainer:
-    """Build this worker's `Trainer` from the `RunSpec` (inside a Ray Train worker).
+def build_worker_trainer(spec: RunSpec, fault_tolerance: Optional[WorkerFaultTolerance] = None) -> Trainer:
+    """This worker's `Trainer` (`build_worker`'s, without its parts)."""
+    return build_worker(spec, fault_tolerance)[0]
+
+
+def build_worker(spec: RunSpec, fault_tolerance: Optional[WorkerFaultTolerance] = None) -> Tuple[Trainer, WorkerParts]:
+    """Build this worker's `Trainer` from the `RunSpec` (inside a Ray Train worker), and the strategy's parts.
 
     The objects (model, optimizers, data, callbacks) are built here from the spec's factories; the
     loop options travel as they are (``options=spec``: a `RunSpec` is a `LoopOptions`), so a new
-    loop option needs no change here. ``history``: the run's `RunHistory` actor, which replica groups
-    report to directly, and ``shards`` their train shards by rank (`replica_groups.py`).
+    loop option needs no change here. ``fault_tolerance``: the run's strategy's worker side, chosen on the
+    driver (`ray/fault_tolerance/`); it builds the train loader, the optimizer the loop steps, the checkpoint
+    config and the callbacks that go first. None: restarts (a spec built by hand, as the benches do).
     """
     import ray.train
     import ray.train.torch
 
+    ft = fault_tolerance if fault_tolerance is not None else RestartsWorker()
     context = ray.train.get_context()
+    rank = context.get_world_rank()
     # Before any collective or data call, on every rank alike: a group that cannot form whole tensor groups
     # (an elastic resize) ends here with the fix, instead of inside the dataset split or the device mesh.
     check_tensor_parallel_world(context.get_world_size(), spec.tensor_parallel, spec.parallelism_spec.context_parallel)
     device = ray.train.torch.get_device()
-    from raytrain_events.ray.guards.watchdog import process_group_timeout_s
-
     pg_timeout = process_group_timeout_s(spec.hang_timeout)
-    replicas = spec.fault_tolerance == "replica_groups"  # each worker its own group: no collective but torchft's
-    distributed = context.get_world_size() > 1 and not replicas
+    distributed = context.get_world_size() > 1 and ft.shares_process_group
     dist = TorchDist(device, timeout_s=pg_timeout) if distributed else LocalDist(device)
     if spec.seed is not None:
         seed_everything(spec.seed)  # the same initial weights on every rank
@@ -64,26 +75,12 @@ def build_worker_trainer(spec: RunSpec, history: Any = None, shards: Any = None)
     loader_options: Dict[str, Any] = dict(
         device=device, collate_fn=spec.collate_fn, prefetch_batches=spec.prefetch_batches, columns=spec.columns
     )
-    commit: Any = None
-    manager: Any = None
-    if replicas:
-        from raytrain_events.ray.replica_groups import setup_replica_groups
+    plan = None
+    if spec.checkpoint is not None:
+        from raytrain_events.ray.checkpointing.checkpointing import checkpoint_plan
 
-        optimizers, train, commit, manager = setup_replica_groups(
-            spec,
-            context.get_world_rank(),
-            model,
-            optimizers,
-            schedulers,
-            shards[context.get_world_rank()],  # made on the driver (driver.py)
-            order_seed=spec.seed if spec.shuffle_buffer_size and spec.seed is not None else None,
-            shuffle_rows=spec.shuffle_buffer_size,
-            length=spec.steps_per_epoch,
-            **loader_options,
-        )
-        commit.history = history
-    else:
-        train = _train_loader(ray.train.get_dataset_shard("train"), spec, context.get_world_rank(), loader_options)
+        plan = checkpoint_plan(spec)
+    parts = ft.parts(spec, rank, model, optimizers, schedulers, loader_options, plan)
     evaluators = [
         Evaluator(
             label=name,
@@ -95,95 +92,39 @@ def build_worker_trainer(spec: RunSpec, history: Any = None, shards: Any = None)
         for name in spec.eval_names
         if name not in async_eval_names(spec.validation, spec.eval_names)  # those are evaluated as Ray tasks
     ]
-    checkpoint = plan = None
-    if spec.checkpoint is not None:
-        from raytrain_events.ray.checkpointing.checkpointing import checkpoint_plan
-
-        plan = checkpoint_plan(spec)
-        checkpoint = plan.worker
-        if replicas:
-            from raytrain_events.ray.replica_groups import replica_checkpoint_config
-
-            checkpoint = replica_checkpoint_config(plan.worker, spec.checkpoint, context.get_world_rank())
-    from raytrain_events.ray.guards.operations import worker_guards
-
-    counts_data = Parallel(spec.parallelism_spec).counts_data(context.get_world_rank())  # TP: one rank per group
-    # Every rank arrived, or an error; replica groups: a preempted group is replaced like a failed one.
-    guards = worker_guards(spec, dist, checkpointing=checkpoint is not None and not replicas)
-    trainer = Trainer(
+    counts_data = Parallel(spec.parallelism_spec).counts_data(rank)  # TP: one rank per group
+    # Every rank arrived, or an error; the preemption guard saves only where the strategy says.
+    guards = worker_guards(spec, dist, checkpointing=parts.saves_on_preemption)
+    reporter = RayReporter(
+        interval=spec.report_interval,
+        every_s=spec.report_every_s,
+        counts_data=counts_data,
+        validation=spec.validation,
+        report_fn=parts.report_fn,
+    )
+    return Trainer(
         model=model,
-        train_dataloader=DataSpec(train, get_num_tokens_in_batch=spec.get_num_tokens_in_batch),
-        optimizers=optimizers,
+        train_dataloader=DataSpec(parts.train, get_num_tokens_in_batch=spec.get_num_tokens_in_batch),
+        optimizers=parts.optimizers,
         schedulers=schedulers,
         eval_dataloader=evaluators or None,
         algorithms=algorithms,
-        callbacks=([commit] if commit is not None else [])  # first: the commit decides what the step counts
-        + list(callbacks)
-        + [
-            RayReporter(
-                interval=spec.report_interval,
-                every_s=spec.report_every_s,
-                counts_data=counts_data,
-                validation=spec.validation,
-                report_fn=None if commit is None else commit.report,
-            )
-        ]
-        + guards,  # preemption: `guards`
+        callbacks=[*parts.callbacks, *callbacks, reporter, *guards],  # guards: preemption
         device=device,
         dist=dist,
         run_name=spec.run_name or "run",
-        checkpoint=checkpoint,
+        checkpoint=parts.checkpoint,
         options=spec,  # a RunSpec is the run's LoopOptions, checked once on the driver
-    )
-    if commit is not None:
-        from raytrain_events.ray.replica_groups import lead_saves, load_at_first_quorum
-
-        commit.engine = trainer.engine  # quorum changes reach the loop's callbacks (on_quorum_change)
-        lead_saves(trainer.state, commit)  # one saver: the lead group
-        if plan is not None:  # storage is read at a start of the whole run only, not by a group that rejoins
-            load_at_first_quorum(trainer.state, commit, plan.worker)
-    elif plan is not None and context.get_world_rank() == 0:
-        from raytrain_events.checkpoint.run.checkpointer import find_checkpointer
-        from raytrain_events.ray.checkpointing.checkpointing import hand_retention_to_ray
-
-        checkpointer = find_checkpointer(trainer.state)
-        if checkpointer is not None:  # Ray Train's snapshot decides what rank 0's checkpoint folder keeps
-            hand_retention_to_ray(checkpointer, plan)
-    return trainer
-
-
-def _train_loader(shard: Any, spec: RunSpec, rank: int, options: Dict[str, Any]) -> Any:
-    """The train set in the group's global order (`TrainDataConfig`), else a plain Ray shard."""
-    if isinstance(shard, GlobalOrderShard) and shard.mixture is not None:  # RayTrainer(mixture=...)
-        from raytrain_events.ray.data.mixture_loader import MixtureOrderLoader
-
-        return MixtureOrderLoader(
-            shard, tokens_of_batch=spec.get_num_tokens_in_batch, length=spec.steps_per_epoch, **options
-        )
-    if isinstance(shard, GlobalOrderShard):
-        order_seed, shuffle_rows = train_order(spec)  # the driver's prestart of the feeder uses the same
-        return GlobalOrderLoader(
-            shard, order_seed=order_seed, shuffle_rows=shuffle_rows, length=spec.steps_per_epoch, **options
-        )
-    return ShardLoader(
-        shard,
-        batch_size=spec.batch_size,
-        shuffle_buffer_size=spec.shuffle_buffer_size,
-        seed=None if spec.seed is None else spec.seed + 1000 * rank,
-        length=spec.steps_per_epoch,
-        **options,
-    )
+    ), parts
 
 
 def train_loop_per_worker(config: Dict[str, Any]) -> Dict[str, Any]:
-    """Ray Train entry point: ``config["spec"]`` is the `RunSpec`; returns rank 0's final timestamp."""
+    """Ray Train entry point: ``config["spec"]`` is the `RunSpec`, ``config["fault_tolerance"]`` the run's
+    strategy's worker side; returns rank 0's final timestamp."""
     spec: RunSpec = config["spec"]
-    trainer = build_worker_trainer(spec, config.get("history"), config.get("shards"))
+    trainer, parts = build_worker(spec, config["fault_tolerance"])
     try:
         state = trainer.fit()
     finally:
-        if spec.fault_tolerance == "replica_groups":
-            from raytrain_events.ray.replica_groups import shutdown_manager
-
-            shutdown_manager(trainer.state)
+        parts.close()
     return {"timestamp": state.timestamp.state_dict(), "rank": state.rank}

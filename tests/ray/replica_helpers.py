@@ -115,6 +115,7 @@ class RecordCommits(Callback):
             "batch_in_epoch": int(state.timestamp.batch_in_epoch),
             "batch": int(state.timestamp.batch),
             "participants": self.commit.loader.participants,
+            "abandoned": self.commit.optimizer.watch.abandoned,  # all-reduces a failed peer ended (replica_abort.py)
             "ids": [int(i) for i in state.batch["id"].tolist()],
             "global": [int(i) for i in held[1]["id"].tolist()],
             "t": time.time(),

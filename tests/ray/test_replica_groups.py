@@ -1,7 +1,7 @@
 """Replica groups (``fault_tolerance="replica_groups"``): a worker SIGKILLed twice mid-epoch, the
 other groups train on, the run ends with an uninterrupted run's Timestamp and every row once.
 
-The run: 3 replica groups of one worker each (Ray 2.60 makes groups of one worker) on the
+The run: 4 replica groups of one worker each (Ray 2.60 makes groups of one worker) on the
 session's Ray, gloo on loopback, the resume tests' Parquet rows (203 rows, global batch 12, 17
 global batches per epoch). It starts from a storage checkpoint (epoch 1, written by a local
 `Trainer` first): a start of the whole run, which every group of the first quorum loads. A recorder
@@ -9,7 +9,10 @@ writes, per committed step, the global batch's ids and this group's part, what t
 storage and each checkpoint it saved; a thread kills two workers once they train, each time after
 the group before has rejoined (the quorum back to 3): group 1's from outside between steps, then the
 lead's (group 0) by itself between its backward and the step's all-reduce, a few batches before a
-save is due, so the others' step fails and is trained again and the next lead (group 1) saves.
+save is due, so the others' step fails and is trained again and the next lead (group 1) saves. With 4 groups
+every kill leaves a survivor that is not the victim's ring neighbour in gloo's all-reduce (group 3, then
+group 2): the in-step kill ends its all-reduce at once (`replica_abort.py`; before, it waited out gloo's 30 s
+timeout and no quorum formed without it), and the survivors commit steps while the victim is away.
 After the first kill group 1's replacement also dies once while applying the state a peer sent it (a
 failed rejoin): Ray replaces it again and the run still ends exact. A replaced group heals from a
 peer and reads no storage checkpoint. The recorder hears every quorum change through the loop's
@@ -43,8 +46,9 @@ from tests.ray.resume_helpers import (
 
 pytestmark = pytest.mark.ray
 
-GROUPS = 3
-EPOCHS = 5  # the first trained by a local Trainer before the run (`_resume_point`)
+GROUPS = 4
+EPOCHS = 7  # the first trained by a local Trainer before the run (`_resume_point`); long enough that both
+# victims are back before the end on a loaded machine (steps are paced only until then)
 START = BATCHES_PER_EPOCH  # the batch the run resumes from
 VICTIMS = (1, 0)  # the second kill hits the lead: group 0, participating rank 0 of every quorum it is in
 
@@ -64,6 +68,7 @@ def _trainer(tmp_path, data, folder, sleep_s):
         max_duration=f"{EPOCHS}ep",
         batch_size=GLOBAL_BATCH // GROUPS,
         num_workers=GROUPS,
+        resources_per_worker={"CPU": 0.5},  # 4 groups and Ray Data's reads on the session's 4 CPUs
         fault_tolerance="replica_groups",
         max_failures=4,
         callbacks=lambda: [RecordCommits(folder, sleep_s)],
@@ -202,7 +207,8 @@ def _check_checkpoints(result, folder: str, tmp_path) -> None:
 
     end = BATCHES_PER_EPOCH * EPOCHS
     batches = [c.batch for c in result.checkpoints]
-    assert batches == [end - 2 * SAVE_EVERY + 5, end - SAVE_EVERY + 5, end], batches  # keep=3: 70, 80, 85
+    last = end // SAVE_EVERY * SAVE_EVERY
+    assert batches == [last - SAVE_EVERY, last, end], batches  # keep=3: 100, 110, 119
     model = make_model()
     config = CheckpointConfig(load_from=result.checkpoints[-1].url, save_folder=str(tmp_path / "local"))
     loaded = Trainer(model=model, optimizers=make_sgd(model), max_duration=f"{EPOCHS}ep", checkpoint=config)
@@ -286,7 +292,11 @@ def test_replica_groups_train_through_two_kills(ray_cluster, tmp_path):
     died_in_heal = [int(p.rsplit("-", 1)[1]) for p in glob.glob(os.path.join(folder, "died-in-heal-*"))]
     assert len(died_in_heal) == 1 and _steps_of(folder, died_in_heal[0]) == 0, died_in_heal
     procs = [json.load(open(p)) for p in glob.glob(os.path.join(folder, "proc-*.json"))]
-    assert [sum(1 for p in procs if p["group"] == g) for g in range(GROUPS)] == [2, 3, 1], procs
+    assert [sum(1 for p in procs if p["group"] == g) for g in range(GROUPS)] == [2, 3, 1, 1], procs
+    # The in-step kill of the lead (group 0): a survivor that is not its ring neighbour (group 2) abandoned its
+    # all-reduce when a neighbour posted the failure, instead of waiting out gloo's timeout.
+    far = [r for r in read_records(folder) if r["group"] == 2 and r["t"] > kill_times[1]]
+    assert any(r["abandoned"] > 0 for r in far), "the far group did not abandon its all-reduce at the lead's kill"
     _check_quorum_hook(folder, kills, kill_times)
     _check_checkpoints(result, folder, tmp_path)
     _check_saves_and_loads(result, folder, kill_times)

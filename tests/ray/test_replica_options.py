@@ -99,11 +99,11 @@ def test_periodic_checkpoints_are_accepted_and_one_group_saves():
     """``checkpoint=`` with replica groups: accepted on the driver; the workers' config keeps ``keep`` (nothing
     is reported to Ray, so the saver prunes), the run dir's lock is group 0's, and SIGTERM is a failure."""
     from raytrain_events.ray.checkpointing.checkpointing import checkpoint_plan
-    from raytrain_events.ray.replica_groups import replica_checkpoint_config
+    from raytrain_events.ray.fault_tolerance.replica_groups import checkpoint_config
 
     trainer = RayTrainer(**_options(checkpoint=CheckpointConfig(save_interval="5ba", keep=2)))
     plan = checkpoint_plan(trainer.spec)
-    lead, other = (replica_checkpoint_config(plan.worker, trainer.spec.checkpoint, g) for g in (0, 2))
+    lead, other = (checkpoint_config(plan.worker, trainer.spec.checkpoint, g) for g in (0, 2))
     assert lead.keep == other.keep == 2 and lead.save_folder == plan.worker.save_folder
     # Nothing is read while the Trainer is built: the run's autoresume waits for the first quorum (load_at_first_quorum).
     assert plan.worker.autoresume and not lead.autoresume and lead.load_from is None

@@ -133,7 +133,8 @@ class Checkpointer(Callback):
         if self.sharded:
             self._sharded_io = ShardedCheckpointIO(host, self.options, own_group=False, group=self.channel.group)
         self._last_save_time = time.monotonic()
-        self._last_saved_batch: Optional[int] = None
+        # (epoch, batch) of the newest save or load (a checkpoint's Timestamp is the loop's at the save).
+        self._last_saved: Optional[Tuple[int, int]] = None
         self._sigterm = contextlib.ExitStack()
         self._epoch_start_rng: Dict[str, Any] = capture_rng_state()
         self.saved: List[SavedCheckpoint] = []
@@ -195,7 +196,7 @@ class Checkpointer(Callback):
             return None
         self._apply(loaded, ignore, weights_only)
         self.loaded = loaded.info
-        self._last_saved_batch = self.host.state.timestamp.get_value(TimeUnit.BATCH)
+        self._last_saved = _epoch_and_batch(self.host.state)
         return loaded.info
 
     def _read_latest(self, folder: str) -> Optional[LoadedCheckpoint]:
@@ -272,8 +273,8 @@ class Checkpointer(Callback):
         due = state.agreed(SAVE_FLAG) or (steps is not None and state.step % steps == 0)
         if not due and self._interval is not None and self.config.save_interval.unit != TimeUnit.EPOCH:
             due = self._interval(state, Event.BATCH_END)
-        if due or self._deferred:
-            self._save_unless_busy(state)
+        if (due or self._deferred) and not (self.config.save_final and _ends_the_fit(state)):
+            self._save_unless_busy(state)  # at the fit's last batch the end's save takes it, the epoch counted
 
     def epoch_checkpoint(self, state, logger) -> None:
         if self._interval is not None and self.config.save_interval.unit == TimeUnit.EPOCH:
@@ -304,8 +305,7 @@ class Checkpointer(Callback):
     def save(self) -> Optional[SavedCheckpoint]:
         """Save now (every rank must call this at the same batch); None if this batch is saved."""
         host, state, dist = self.host, self.host.state, self.host.dist
-        batch = state.timestamp.get_value(TimeUnit.BATCH)
-        if batch == self._last_saved_batch or not self.saves_here():
+        if _epoch_and_batch(state) == self._last_saved or not self.saves_here():
             return None
         timestamp = counters_of(state.timestamp)
         url = new_checkpoint_url(self.folder, timestamp=timestamp, name=self.channel.name(timestamp))
@@ -335,7 +335,7 @@ class Checkpointer(Callback):
             staged = self.channel.stage(payload)  # the copy, all that blocks training
             job = lambda: self._write(save, staged.tree, rng, [])  # noqa: E731
             future = self._start(url, job, staged)
-        self._last_saved_batch = batch
+        self._last_saved = _epoch_and_batch(state)
         self._last_save_time = time.monotonic()
         state.agreement.clear(SAVE_FLAG)
         saved = SavedCheckpoint(
@@ -448,6 +448,22 @@ def attach_checkpointing(host: CheckpointHost, config: CheckpointConfig) -> Chec
     host.state.callbacks.insert(0, checkpointer)
     host.engine.refresh()
     return checkpointer
+
+
+def _epoch_and_batch(state: State) -> Tuple[int, int]:
+    return int(state.timestamp.epoch), int(state.timestamp.batch)
+
+
+def _ends_the_fit(state: State) -> bool:
+    """Whether this batch, the last of its epoch, ends the fit once the epoch ends (the loop counts that epoch
+    before the fit's end: a save here would record the epoch before the end, and the end-of-fit save, at the
+    same batch, would be skipped)."""
+    steps, duration = state.steps_per_epoch, state.max_duration
+    if steps is None or duration is None or int(state.timestamp.batch_in_epoch) != steps:
+        return False
+    if duration.unit == TimeUnit.DURATION:
+        return False
+    return state.timestamp.to_next_epoch().get_value(duration.unit) >= duration.value
 
 
 def find_checkpointer(state: State) -> Optional[Checkpointer]:

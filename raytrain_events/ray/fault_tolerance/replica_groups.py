@@ -1,0 +1,151 @@
+"""`ReplicaGroups` (``fault_tolerance="replica_groups"``): each worker a torchft replica group that fails alone.
+
+On the driver: Ray Train's ``TorchftConfig`` (a torchft Lighthouse as a Ray actor; Ray restarts a failed
+group alone, `replica_checks.torchft_config`), the controller callback that ends the run when the Lighthouse
+is gone (`LighthouseWatch`), and the train shards made here, once: Ray Train would configure a replaced
+group's datasets as a world of one. Every group is served the whole global batch (``num_workers x
+batch_size`` unless ``global_batch_size``) and cuts it by the step's quorum. On a worker: no process group
+across the workers (each is a world of one; torchft's is the only collective), and the loop's parts from
+``ray/replica_groups.py``: the Manager, the commit-gated optimizer, the quorum's loader and the commit
+callback, which reports to the run's history directly (``ray.train.report`` is a barrier a missing group
+would block).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Optional, Tuple
+
+from raytrain_events.ray.data.loader import TrainDataConfig
+from raytrain_events.ray.fault_tolerance.protocol import WorkerParts
+from raytrain_events.ray.replica_checks import min_replicas
+
+__all__ = ["ReplicaGroups", "ReplicaGroupsWorker"]
+
+
+class ReplicaGroups:
+    """The driver's side (see the module doc)."""
+
+    def __init__(self, spec: Any) -> None:  # noqa: D107
+        self.spec = spec
+
+    def torch_config(self, torch_options: Dict[str, Any]) -> Any:
+        from raytrain_events.ray.replica_checks import torchft_config
+
+        return torchft_config(torch_options, self.spec.workers, float(self.spec.replica_timeout_s))
+
+    def failure_config(self) -> Any:
+        import ray.train
+
+        return ray.train.FailureConfig(max_failures=self.spec.max_failures)
+
+    def data_config(self, train_rows: Optional[int]) -> Any:
+        spec = self.spec
+        return TrainDataConfig(
+            batch_size=spec.batch_size,
+            global_batch_size=spec.global_batch_size or spec.batch_size * spec.workers,
+            deterministic=spec.deterministic_split,
+            train_rows=train_rows,
+            tensor_parallel=spec.workers,  # every group gets the whole global batch (cut by the step's quorum)
+        )
+
+    def worker_side(
+        self, data_config: Any, datasets: Dict[str, Any], history: Any
+    ) -> Tuple[ReplicaGroupsWorker, Dict[str, Any]]:
+        shards = data_config.configure(datasets, self.spec.workers, None, None)
+        return ReplicaGroupsWorker(history, [s["train"] for s in shards]), {}
+
+    def run_callbacks(self) -> List[Any]:
+        from raytrain_events.ray.replica_lighthouse import LighthouseWatch
+
+        return [LighthouseWatch()]
+
+
+class ReplicaGroupsWorker:
+    """The worker's side: ``history`` (the run's `RunHistory` actor) and ``shards`` (the train shards by group),
+    both made on the driver."""
+
+    shares_process_group = False  # each worker its own group: no collective but torchft's
+
+    def __init__(self, history: Any, shards: List[Any]) -> None:  # noqa: D107
+        self.history = history
+        self.shards = shards
+        self._manager: Any = None
+
+    def parts(  # noqa: PLR0913 (see `WorkerFaultTolerance.parts`)
+        self,
+        spec: Any,
+        rank: int,
+        model: Any,
+        optimizers: Any,
+        schedulers: Any,
+        loader_options: Dict[str, Any],
+        plan: Any,
+    ) -> WorkerParts:
+        from raytrain_events.ray.replica_groups import (  # torch and torchft: built on the workers only
+            CommitOptimizer,
+            ReplicaCommit,
+            ReplicaLoader,
+            ReplicaState,
+            build_manager,
+        )
+
+        inner = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+        if len(inner) != 1:
+            raise ValueError(
+                f"fault_tolerance='replica_groups' steps one optimizer per commit; optimizers= built {len(inner)}. "
+                "Fix: one optimizer over all parameters (param groups for different settings)."
+            )
+        shard = self.shards[rank]
+        replicas = ReplicaState()
+        replicas.model, replicas.optimizer = model, inner[0]
+        replicas.schedulers = (
+            list(schedulers) if isinstance(schedulers, (list, tuple)) else [] if schedulers is None else [schedulers]
+        )
+        manager, watch = build_manager(
+            replicas, rank, spec.run_name or "run", min_replicas(shard.world_size), float(spec.replica_timeout_s)
+        )
+        self._manager = manager
+        optimizer = CommitOptimizer(manager, inner[0], watch)
+        train = ReplicaLoader(
+            shard,
+            manager,
+            replicas,
+            order_seed=spec.seed if spec.shuffle_buffer_size and spec.seed is not None else None,
+            shuffle_rows=spec.shuffle_buffer_size,
+            length=spec.steps_per_epoch,
+            **loader_options,
+        )
+        load = None if plan is None else plan.worker  # its autoresume/load_from: read at the first quorum
+        commit = ReplicaCommit(train, optimizer, history=self.history, group=rank, load=load)
+        return WorkerParts(
+            train=train,
+            optimizers=optimizer,
+            checkpoint=None if plan is None else checkpoint_config(plan.worker, spec.checkpoint, rank),
+            callbacks=[commit],  # first: the commit decides what the step counts
+            report_fn=commit.report,
+            saves_on_preemption=False,  # a preempted group is replaced like a failed one
+            close=self.close,
+        )
+
+    def close(self) -> None:
+        """Stop this group's Manager at the end (a finished group must not hold the others' quorum)."""
+        if self._manager is not None:
+            self._manager.shutdown(wait=False)
+
+
+def checkpoint_config(worker: Any, config: Any, group: int) -> Any:
+    """The workers' `CheckpointConfig` under replica groups (``worker``: the run's Ray plan's, ``config``: the
+    run's own). Nothing is reported to Ray Train (its report is a barrier a missing group would block), so
+    the saving group prunes to ``keep`` itself; only group 0 may take the run directory's lock (every group
+    is a rank 0 of its own); a SIGTERM is a failure like any other (the group is replaced, the others train
+    on), not a save. Nothing is loaded when the `Trainer` is built (``autoresume``/``load_from`` off): the load
+    waits for the first quorum (`ray/replica_groups.load_at_first_quorum`, with ``worker``'s settings)."""
+    return dataclasses.replace(
+        worker,
+        keep=config.keep,
+        lock_run_dir=worker.lock_run_dir and group == 0,
+        save_on_sigterm=False,
+        autoresume=False,
+        load_from=None,
+    )

@@ -1,0 +1,125 @@
+"""`Restarts` (``fault_tolerance=None``, the default): a failure restarts the whole worker group from its last
+checkpoint.
+
+Ray Train's ``FailureConfig(max_failures=...)`` restarts the group; every worker joins one torch process group
+(DDP, FSDP, TP, CP) through Ray's ``TorchConfig``; the train set is cut from the run's global order
+(`TrainDataConfig`: the feeder actor) by Ray Train's dataset shards; checkpoints are reported to Ray Train,
+which owns their retention (`RayRetention`), and a SIGTERM saves one (the preemption guard).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+from raytrain_events.core.callback import Callback
+from raytrain_events.ray.data.loader import (
+    GlobalOrderLoader,
+    GlobalOrderShard,
+    ShardLoader,
+    TrainDataConfig,
+    train_order,
+)
+from raytrain_events.ray.fault_tolerance.protocol import WorkerParts
+
+__all__ = ["Restarts", "RestartsWorker", "RayRetention"]
+
+
+class Restarts:
+    """The driver's side (see the module doc)."""
+
+    def __init__(self, spec: Any) -> None:  # noqa: D107
+        self.spec = spec
+
+    def torch_config(self, torch_options: Dict[str, Any]) -> Any:
+        from ray.train.torch import TorchConfig
+
+        return TorchConfig(**torch_options)
+
+    def failure_config(self) -> Any:
+        import ray.train
+
+        return ray.train.FailureConfig(max_failures=self.spec.max_failures)
+
+    def data_config(self, train_rows: Optional[int]) -> Any:
+        spec = self.spec
+        return TrainDataConfig(
+            batch_size=spec.batch_size,
+            global_batch_size=spec.global_batch_size,
+            deterministic=spec.deterministic_split,
+            train_rows=train_rows,
+            tensor_parallel=spec.parallelism_spec.batch_group,  # the ranks that share rows: TP x CP
+        )
+
+    def worker_side(
+        self, data_config: Any, datasets: Dict[str, Any], history: Any
+    ) -> Tuple[RestartsWorker, Dict[str, Any]]:
+        return RestartsWorker(), datasets  # Ray Train shards every dataset (the train set's: the global order)
+
+    def run_callbacks(self) -> List[Any]:
+        return []
+
+
+class RestartsWorker:
+    """The worker's side: the train shard Ray Train made, the plan's checkpoints, retention handed to Ray."""
+
+    shares_process_group = True
+
+    def parts(  # noqa: PLR0913 (see `WorkerFaultTolerance.parts`)
+        self,
+        spec: Any,
+        rank: int,
+        model: Any,
+        optimizers: Any,
+        schedulers: Any,
+        loader_options: Dict[str, Any],
+        plan: Any,
+    ) -> WorkerParts:
+        import ray.train
+
+        callbacks: List[Any] = [RayRetention(plan)] if plan is not None and rank == 0 else []
+        return WorkerParts(
+            train=train_loader(ray.train.get_dataset_shard("train"), spec, rank, loader_options),
+            optimizers=optimizers,
+            checkpoint=None if plan is None else plan.worker,
+            callbacks=callbacks,
+            saves_on_preemption=plan is not None,
+        )
+
+
+class RayRetention(Callback):
+    """Rank 0: once the `Checkpointer` is attached (``AFTER_LOAD``), Ray Train's snapshot decides what the run's
+    checkpoint folder keeps (`hand_retention_to_ray`)."""
+
+    def __init__(self, plan: Any) -> None:  # noqa: D107
+        self.plan = plan
+
+    def after_load(self, state, logger) -> None:
+        from raytrain_events.checkpoint.run.checkpointer import find_checkpointer
+        from raytrain_events.ray.checkpointing.checkpointing import hand_retention_to_ray
+
+        checkpointer = find_checkpointer(state)
+        if checkpointer is not None:
+            hand_retention_to_ray(checkpointer, self.plan)
+
+
+def train_loader(shard: Any, spec: Any, rank: int, options: Dict[str, Any]) -> Any:
+    """The train set in the group's global order (`TrainDataConfig`), else a plain Ray shard."""
+    if isinstance(shard, GlobalOrderShard) and shard.mixture is not None:  # RayTrainer(mixture=...)
+        from raytrain_events.ray.data.mixture_loader import MixtureOrderLoader
+
+        return MixtureOrderLoader(
+            shard, tokens_of_batch=spec.get_num_tokens_in_batch, length=spec.steps_per_epoch, **options
+        )
+    if isinstance(shard, GlobalOrderShard):
+        order_seed, shuffle_rows = train_order(spec)  # the driver's prestart of the feeder uses the same
+        return GlobalOrderLoader(
+            shard, order_seed=order_seed, shuffle_rows=shuffle_rows, length=spec.steps_per_epoch, **options
+        )
+    return ShardLoader(
+        shard,
+        batch_size=spec.batch_size,
+        shuffle_buffer_size=spec.shuffle_buffer_size,
+        seed=None if spec.seed is None else spec.seed + 1000 * rank,
+        length=spec.steps_per_epoch,
+        **options,
+    )

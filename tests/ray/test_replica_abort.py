@@ -1,0 +1,95 @@
+"""Replica groups on a ring of 4 (no Ray): a group SIGKILLed mid-step costs the survivors the heartbeat detection
+and a step, not gloo's timeout, whichever survivor is not the dead group's ring neighbour (`replica_abort.py`).
+
+Four processes (`replica_ring.py`), each a replica group built as a Ray worker builds it (torchft's ``Manager``
+over `AbortableGloo`, the loop's `CommitOptimizer`), and a real torchft Lighthouse with the run's settings
+(`lighthouse_options`: all but one group form a quorum; a dead group is dropped after `HEARTBEAT_TIMEOUT_MS`).
+gloo's timeout is 60 s. Once every group committed 3 steps, group 1 SIGKILLs itself between its backward and
+the all-reduce. Its ring neighbours (0 and 2) see the closed connection; group 3 does not exchange with it and,
+before the change, waited out gloo's 60 s receive timeout, and no quorum formed without it. Now group 3
+abandons its all-reduce (the neighbours posted the abort on the quorum's board), every survivor's step fails
+to commit, and the three go on committing steps together while the victim is away.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GROUPS, VICTIM, FAR = 4, 1, 3  # gloo's ring 0-1-2-3-0: group 3 is not a neighbour of group 1
+
+
+def _steps(folder: str, group: int) -> list:
+    path = os.path.join(folder, f"steps-{group}.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _wait(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.time() + timeout_s
+    while not predicate():
+        if time.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_a_kill_on_a_ring_of_four_costs_the_far_group_a_step_not_the_gloo_timeout(tmp_path):
+    pytest.importorskip("torchft")
+    from torchft.coordination import LighthouseServer
+
+    from raytrain_events.ray.replica_checks import HEARTBEAT_TIMEOUT_MS, lighthouse_options
+
+    folder = str(tmp_path)
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", **lighthouse_options(GROUPS, 60.0))
+    port = lighthouse.address().rsplit(":", 1)[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    script = os.environ.get("RTE_RING_SCRIPT", os.path.join(ROOT, "tests", "ray", "replica_ring.py"))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, str(g), str(GROUPS), folder, f"http://127.0.0.1:{port}"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=open(os.path.join(folder, f"err-{g}.log"), "w"),
+        )
+        for g in range(GROUPS)
+    ]
+    try:
+        together = lambda g: sum(1 for r in _steps(folder, g) if r["committed"] and r["participants"] == GROUPS)  # noqa: E731
+        _wait(lambda: all(together(g) >= 3 for g in range(GROUPS)), 240, "4 groups to commit 3 steps")
+        open(os.path.join(folder, f"die-{VICTIM}"), "w").close()
+        procs[VICTIM].wait(timeout=60)
+        killed = time.time()
+        survivors = [g for g in range(GROUPS) if g != VICTIM]
+        after = lambda g: [  # noqa: E731
+            r for r in _steps(folder, g) if r["committed"] and r["participants"] == GROUPS - 1 and r["t"] > killed
+        ]
+        _wait(lambda: all(len(after(g)) >= 3 for g in survivors), 90, "the survivors to commit 3 steps together")
+    finally:
+        for p in procs:  # a group may be waiting for a quorum the others left: no clean stop to wait for
+            p.kill()
+            p.wait()
+        lighthouse.shutdown()
+    for g in survivors:
+        records = _steps(folder, g)
+        failed = [r for r in records if not r["committed"] and r["t"] > killed - 5]
+        assert failed, f"group {g}: the step with the dying group committed: {records}"
+        # The failed step ended long before gloo's 60 s timeout, and the next commit of the three came soon after.
+        ended = failed[0]["t"] - failed[0]["started"]
+        first = after(g)[0]["t"] - killed
+        print(
+            f"group {g}: failed step ended after {ended:.2f} s; first commit of the three {first:.2f} s after the kill"
+        )
+        assert ended < 20 and first < 20, (g, ended, first)
+    far = _steps(folder, FAR)
+    assert max(r["abandoned"] for r in far) == 1, "the far group did not abandon its all-reduce"
+    assert all(max(r["abandoned"] for r in _steps(folder, g)) == 0 for g in (0, 2)), "a neighbour abandoned"
+    assert HEARTBEAT_TIMEOUT_MS < 20_000
