@@ -47,6 +47,9 @@ class RayResult:
     ray_result: Any = None
     metric: Optional[str] = None
     mode: str = "max"
+    # The feeder's record of the first batch's wait (`EpochFeeder.start_report`): the prestarted (epoch, sample,
+    # time), the first rank's request, whether it found the prestarted stream; None without a feeder of ours.
+    data_start: Optional[Dict[str, Any]] = None
 
     @property
     def validations(self) -> List[Dict[str, Any]]:
@@ -251,7 +254,7 @@ class RayTrainer:
         torch_options = {"timeout_s": int(process_group_timeout_s(self.spec.hang_timeout))}
         data_config = self._fault_tolerance.data_config(train_rows)
         ray_datasets = {k: v for k, v in datasets.items() if k not in validated}
-        feeder = None
+        feeder, self._data_start = None, None
         if isinstance(self.spec.workers, int):  # the stream starts now, while Ray Train starts the workers
             from raytrain_events.ray.checkpointing.checkpointing import resume_position
             from raytrain_events.ray.data.loader import train_order
@@ -303,7 +306,7 @@ class RayTrainer:
                 self._progress = None
             loggers.close()
             if feeder is not None:
-                _log_feeder_start(feeder)
+                self._data_start = _feeder_start(feeder)
                 ray.kill(feeder)
         record = ray.get(history.get.remote())
         self._save_history(history)
@@ -360,6 +363,7 @@ class RayTrainer:
             ray_result=ray_result,
             metric=None if self.spec.checkpoint is None else self.spec.checkpoint.metric,
             mode="max" if self.spec.checkpoint is None else self.spec.checkpoint.mode,
+            data_start=self._data_start,
         )
 
     def _train_rows(self, train: Any) -> Optional[int]:
@@ -392,19 +396,22 @@ def _listed_by_ray(ray_result: Any) -> List[str]:
     return [c.path.rstrip("/").rsplit("/", 1)[-1] for c in found if c is not None]
 
 
-def _log_feeder_start(feeder: Any) -> None:
-    """Say what the run's first batch waited for: the stream started early, or where the ranks asked instead."""
+def _feeder_start(feeder: Any) -> Optional[Dict[str, Any]]:
+    """The feeder's record of what the run's first batch waited for (kept on `RayResult.data_start`), and a
+    line saying it: the stream started early, or where the ranks asked instead. None, with a line saying
+    why, when the feeder cannot answer (it died and restarted empty, or did not answer within a minute)."""
     import logging
 
     import ray
 
-    try:
-        report = ray.get(feeder.start_report.remote(), timeout=10)
-    except (ray.exceptions.RayError, TimeoutError):  # the feeder died (it restarts empty): nothing to say
-        return
     log = logging.getLogger(__name__)
-    if "asked" not in report or "prestarted" not in report:
-        return
+    try:
+        report: Dict[str, Any] = ray.get(feeder.start_report.remote(), timeout=60)
+    except (ray.exceptions.RayError, TimeoutError) as exc:
+        log.info("Train data: the feeder did not say when the stream started (%s).", type(exc).__name__)
+        return None
+    if "asked" not in report or "prestarted" not in report:  # no prestart, or no rank asked this feeder
+        return report
     (epoch, position, _), asked = report["prestarted"], report["asked"]
     if report["used"]:
         log.info(
@@ -424,6 +431,7 @@ def _log_feeder_start(feeder: Any) -> None:
             asked[0],
             asked[1],
         )
+    return report
 
 
 def _autoscaling() -> bool:
