@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 
 def check_on_driver(spec: RunSpec) -> None:
     """Refuse what would fail (or train wrongly) on the workers; see the module doc."""
+    from raytrain_events.ray.data_checks import check_columns, check_steps_per_epoch
+
     _check_factory_kinds(spec)
     _check_lists(spec)
     if isinstance(spec.datasets, Mapping) and spec.mixture is not None:
@@ -34,9 +36,35 @@ def check_on_driver(spec: RunSpec) -> None:
 
         sources = check_mixture(spec.mixture, spec.datasets, spec.shuffle_buffer_size)
         RunSpec.check_datasets({k: v for k, v in spec.datasets.items() if k not in sources})
+        check_columns(spec.columns, sources)
     elif isinstance(spec.datasets, Mapping):
         RunSpec.check_datasets(spec.datasets)
+        check_columns(spec.columns, {k: v for k, v in spec.datasets.items() if k == "train"})
+        check_steps_per_epoch(spec, spec.datasets["train"])
+    _check_load_from(spec.checkpoint)
     _check_on_meta(spec)
+
+
+def _check_load_from(checkpoint: Any) -> None:
+    """``CheckpointConfig(load_from=...)`` must exist (one listing on the driver; unreachable storage is left
+    to the first real read, which names its own problem)."""
+    url = getattr(checkpoint, "load_from", None)
+    if not url:
+        return
+    from raytrain_events.storage.fs import refuse_file_folder, resolve
+
+    refuse_file_folder(url, checkpoint.storage_options, what="load_from")
+    try:
+        fs, path = resolve(url, checkpoint.storage_options)
+        exists = fs.exists(path)
+    except Exception:  # noqa: BLE001 -- unreachable storage: the load reports it with its own message
+        return
+    if not exists:
+        raise FileNotFoundError(
+            f"CheckpointConfig(load_from={url!r}): nothing is there. Fix: the folder of a checkpoint (with "
+            "manifest.json) or a folder of checkpoints, e.g. <storage_path>/<run_name>/checkpoints; to continue a "
+            "run by name use CheckpointConfig(autoresume=True) with its run_name instead."
+        )
 
 
 def _check_factory_kinds(spec: RunSpec) -> None:
@@ -123,6 +151,7 @@ def _check_on_meta(spec: RunSpec) -> None:
         log.warning("Could not check the optimizer/scheduler factories on the driver: %s: %s.", type(exc).__name__, exc)
         return
     check_optimizers(optimizers, model)
+    _check_parallel_model(spec, model)
     listed: List[Any] = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
     check_schedulers(_as_list(schedulers), listed)
 
@@ -131,3 +160,17 @@ def _as_list(value: Any) -> List[Any]:
     if value is None:
         return []
     return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _check_parallel_model(spec: RunSpec, model: Any) -> None:
+    """Tensor and context parallelism need the model's say: its TP plan (checked against the degree) and
+    its sequence split method, refused here on the meta model instead of on every worker."""
+    tp, cp = spec.tensor_parallel, spec.parallelism_spec.context_parallel
+    if tp > 1:
+        from raytrain_events.parallel.tensor_parallel import tensor_parallel_plans
+
+        tensor_parallel_plans(model, tp)
+    if cp > 1:
+        from raytrain_events.parallel.context_parallel import check_model
+
+        check_model(model, cp)
