@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Any, List, Mapping
 
+from raytrain_events.ray.data_checks import check_columns, check_steps_per_epoch
 from raytrain_events.ray.spec import RunSpec
 
 __all__ = ["check_on_driver"]
@@ -27,8 +28,6 @@ log = logging.getLogger(__name__)
 
 def check_on_driver(spec: RunSpec) -> None:
     """Refuse what would fail (or train wrongly) on the workers; see the module doc."""
-    from raytrain_events.ray.data_checks import check_columns, check_steps_per_epoch
-
     _check_factory_kinds(spec)
     _check_lists(spec)
     if isinstance(spec.datasets, Mapping) and spec.mixture is not None:

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import math
 import os
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 from raytrain_events.core.mixture import Mixture
 from raytrain_events.core.time import TimeUnit, ensure_time
 
-if TYPE_CHECKING:
-    from raytrain_events.ray.spec import RunSpec
-
+RunSpec = Any  # a `raytrain_events.ray.spec.RunSpec`, which imports this module (no import back: no cycle)
 __all__ = ["check_data_and_scaling", "check_run_options", "check_ray_storage", "NAME_MAX"]
 
 NAME_MAX = 255  # bytes in one folder name on Linux, macOS and object stores' key parts (a run name is one)
@@ -186,7 +184,7 @@ def check_run_options(spec: RunSpec) -> None:
             "Fix: a shorter run_name (put the details in config=, which is saved with the run)."
         )
     if spec.mixture is not None:
-        from raytrain_events.ray.data.mixture_source import mixture_plan_args
+        from raytrain_events.ray.data.mixture_source import mixture_plan_args  # imports ray.data: deferred
 
         mixture_plan_args(spec)  # a stage the run cannot place: after its end, out of order, 'dur' in tokens
 
