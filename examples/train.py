@@ -286,12 +286,13 @@ def train_digits(cfg: DigitsConfig, *, echo: Callable[[str], None] = print) -> D
             f"Ray drops {data['train_rows'] % cfg.num_workers} per epoch (set eval_rows to fix)."
         )
 
-    _connect(cfg.address, cfg.num_workers, verbose=cfg.verbose)
-    trainer = _build_trainer(cfg, duration, algorithms, data, options)
+    trainer = _build_trainer(cfg, duration, algorithms, data, options)  # every option checked: Ray not started yet
     echo(
         f"Training {cfg.model} on digits ({data['train_rows']} train / {data['eval_rows']} eval rows) for {duration} "
-        f"on {cfg.num_workers} worker(s){' with GPUs' if cfg.use_gpu else ''}; run directory {run_url}"
+        f"on {cfg.num_workers} worker(s){' with GPUs' if cfg.use_gpu else ''}; run directory {run_url}. "
+        "Starting Ray and its workers first (tens of seconds on a fresh machine)."
     )
+    _connect(cfg.address, cfg.num_workers, verbose=cfg.verbose)
     from raytrain_events.ray.driver import RayTrainingError
     from raytrain_events.storage.errors import LockError
 
@@ -425,6 +426,7 @@ def _build_trainer(
 ) -> Any:
     from raytrain_events import RayTrainer
     from raytrain_events.checkpoint import CheckpointConfig
+    from raytrain_events.ray.driver_checks import check_on_driver
 
     try:
         checkpoint = None
@@ -435,7 +437,7 @@ def _build_trainer(
                 autoresume=cfg.resume,
                 storage_options=options,
             )
-        return RayTrainer(
+        trainer = RayTrainer(
             model=functools.partial(build_model, cfg.model, cfg.hidden),
             optimizers=functools.partial(
                 build_optimizer, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
@@ -447,7 +449,7 @@ def _build_trainer(
                 steps_per_epoch=-(-(data["train_rows"] // cfg.num_workers) // cfg.batch_size),
             ),
             algorithms=algorithms,
-            datasets={
+            datasets=lambda: {  # read once Ray runs (RayTrainer.fit calls it), after every check
                 "train": read_parquet(data["urls"]["train"], options),
                 "eval": read_parquet(data["urls"]["eval"], options),
             },
@@ -466,8 +468,10 @@ def _build_trainer(
             verbose=cfg.verbose,
             config=to_plain(cfg),
         )
-    except (ValueError, TypeError) as exc:
+        check_on_driver(trainer.spec)  # the factories on the meta device, algorithm names: before Ray starts
+    except (ValueError, TypeError, OSError) as exc:
         raise UsageError(str(exc)) from None
+    return trainer
 
 
 if __name__ == "__main__":
