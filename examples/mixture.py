@@ -120,7 +120,13 @@ def main() -> None:
     print(f"trained {result.timestamp.sample.value} samples, {result.timestamp.token.value} tokens")
     for name, count in tokens.items():
         print(f"tokens seen from {name}: {count} ({count / sum(tokens.values()):.1%})")
-    print(f"run report: raytrain-events report {result.run_url}")
+    from raytrain_events.report import write_report
+    from raytrain_events.storage.fs import resolve
+
+    report = write_report(result.run_url)["html"]  # the tokens-per-source table and the plots
+    fs, path = resolve(report)
+    if fs.exists(path):  # say where the report is only once it was written
+        print(f"run report: {report}")
 
 
 if __name__ == "__main__":

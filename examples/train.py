@@ -22,7 +22,6 @@ is optional) and the data ships with scikit-learn. ``raytrain-events train`` run
 
 from __future__ import annotations
 
-import datetime
 import functools
 import io
 import os
@@ -35,6 +34,7 @@ from omegaconf import DictConfig
 
 from raytrain_events.cli import TrainingFailed, UsageError, config_main, storage_step, to_plain
 from raytrain_events.cli.summary import format_summary, run_summary, write_summary
+from raytrain_events.storage.exp_dir import check_run_name, fresh_run_name
 
 NUM_DIGITS = 1797  # rows in sklearn.datasets.load_digits
 
@@ -60,7 +60,7 @@ class DigitsConfig:
     run_name: Optional[str] = field(
         default=None,
         metadata=_help(
-            "Run directory name under storage; null picks digits-<date>-<time>. Reuse a name with resume=true."
+            "Run directory name under storage; null picks digits-<date>-<time>-<6 hex>. Reuse a name with resume=true."
         ),
     )
     storage: str = field(
@@ -260,8 +260,7 @@ def train_digits(cfg: DigitsConfig, *, echo: Callable[[str], None] = print) -> D
             raise UsageError(
                 "resume=true needs run_name=<the run to continue> (see `raytrain-events runs ls <storage>`)."
             )
-        cfg.run_name = datetime.datetime.now().strftime("digits-%Y%m%d-%H%M%S")
-    from raytrain_events.storage.exp_dir import check_run_name
+        cfg.run_name = fresh_run_name("digits")  # digits-<date>-<time>-<6 hex>: two jobs never share one
     from raytrain_events.storage.fs import check_storage_url
 
     try:

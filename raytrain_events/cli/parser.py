@@ -13,7 +13,8 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         if message.startswith("unrecognized arguments"):
-            message += f"\nvalid options for '{self.prog}': {', '.join(self.valid_options())}"
+            hint = _as_override(message[len("unrecognized arguments: ") :].split())
+            message += hint + f"\nvalid options for '{self.prog}': {', '.join(self.valid_options())}"
         super().error(message)
 
     def valid_options(self) -> list:
@@ -31,3 +32,18 @@ class ArgumentParser(argparse.ArgumentParser):
         if extra:
             getattr(parsed, "_parser", self).error(f"unrecognized arguments: {' '.join(extra)}")
         return parsed
+
+
+def _as_override(words: list) -> str:
+    """A config key given as a flag (``--run-name x``, ``--epochs=3``): the ``key=value`` override it means."""
+    fixes = []
+    for i, word in enumerate(words):
+        if not word.startswith("--") or len(word) < 3:
+            continue
+        key, _, value = word[2:].partition("=")
+        if not value and i + 1 < len(words) and not words[i + 1].startswith("-"):
+            value = words[i + 1]
+        fixes.append(f"{key.replace('-', '_')}={value or '...'}")
+    if not fixes:
+        return ""
+    return f"\nconfig keys are key=value overrides, not flags: did you mean {' '.join(fixes)}?"
