@@ -309,6 +309,7 @@ def train_digits(cfg: DigitsConfig, *, echo: Callable[[str], None] = print) -> D
         config=to_plain(cfg),
         seconds=time.time() - started,
         checkpoint_folder=checkpoint_url if cfg.checkpoint.enabled else None,
+        storage_options=options,
         train_rows=data["train_rows"],
         eval_rows=data["eval_rows"],
         num_workers=cfg.num_workers,
@@ -377,12 +378,8 @@ def _check_run_dir(
     if cfg.resume:
         if previous is None and not existing:
             echo(f"resume=true but {run_url} has no checkpoints yet: starting from scratch.")
-        elif previous is not None:
-            diff = format_config_diff(previous, cfg)
-            echo(
-                f"Resuming {run_url}"
-                + (f"; config changes since the last start:\n{diff}" if diff else " with an unchanged config.")
-            )
+        elif previous is not None:  # RayTrainer prints how the config changed, once, before its progress bar
+            echo(f"Resuming {run_url}" + ("." if format_config_diff(previous, cfg) else " with an unchanged config."))
 
 
 def _check_algorithms(specs: List[Any]) -> List[Any]:

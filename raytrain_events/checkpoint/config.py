@@ -61,6 +61,9 @@ class CheckpointConfig:
             on it is refused. The run directory is the parent of a ``<run>/checkpoints`` folder;
             a ``save_folder`` named otherwise is its own run directory (`RunDir.of_checkpoints`). `RayTrainer` holds it on the
             driver instead and turns this off on its workers.
+        announce_config_change: log (a warning, rank 0) the config's differences when a resume loads
+            a checkpoint saved with another config. `RayTrainer` announces them once on the driver,
+            before its progress bar, and turns this off on its workers (they log it at INFO: Ray's files).
     """
 
     save_folder: Optional[str] = None
@@ -83,6 +86,7 @@ class CheckpointConfig:
     autoresume: bool = False
     storage_options: Dict[str, Any] = field(default_factory=dict)
     lock_run_dir: bool = True
+    announce_config_change: bool = True
     sharded: Optional[bool] = None
 
     def __post_init__(self) -> None:  # noqa: C901 -- one check per option, in field order (checkpoint/ owner)

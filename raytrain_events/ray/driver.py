@@ -184,6 +184,10 @@ class RayTrainer:
 
         lock = acquire_lock(self.run_url, "running", storage_options=self.storage_options, takeover_stale=True)
         try:
+            if getattr(self.spec.checkpoint, "autoresume", False):  # once, here: the workers log it at INFO
+                from raytrain_events.ray.reports.console import announce_config_change
+
+                announce_config_change(self.run_url, self.storage_options, self.spec.config)
             RunDir(self.run_url, self.storage_options).save_config(self.describe())
             yield
         finally:

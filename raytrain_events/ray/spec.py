@@ -192,8 +192,9 @@ class RunSpec(LoopOptions):
             from raytrain_events.checkpoint.folder.retention import check_ray_ranking
 
             check_ray_ranking(self.checkpoint)
-            # The driver holds the run dir's lock for the whole run; workers must not take it again.
-            self.checkpoint = dataclasses.replace(self.checkpoint, lock_run_dir=False)
+            # The driver holds the run dir's lock for the whole run, and announces a changed config once
+            # (ray/reports/console.announce_config_change); workers must not do either again.
+            self.checkpoint = dataclasses.replace(self.checkpoint, lock_run_dir=False, announce_config_change=False)
         from raytrain_events.storage.exp_dir import check_run_name, fresh_run_name
         from raytrain_events.storage.fs import check_storage_url
 

@@ -214,6 +214,7 @@ class Checkpointer(Callback):
             inference=self.inference,
             ignore=ignore,
             weights_only=weights_only,
+            announce=self.config.announce_config_change,
         )
         if rng is not None and self.host.state.timestamp.batch_in_epoch.value > 0:
             self._resume_rng = (rng["epoch_start"], rng["now"])

@@ -51,6 +51,9 @@ status: Invalid: KillActor RPC failed``                       actor whose worker
 ``'EpochFeeder' ... constructor arguments in the object       Fixed at its cause: the feeder is created with plain
 store and max_restarts > 0``                                  values only and gets the dataset by reference in each
                                                               ``start_epoch`` call (`feeder.py`, Restarts).
+``(RayTrainWorker) Resuming ... with a different config:``   Announced once on the driver before the progress bar
+                                                              (`announce_config_change`); the workers log it at INFO
+                                                              (``CheckpointConfig.announce_config_change=False``).
 ===========================================================  ==================================================
 
 Every other line (the job's own prints, warnings and errors from user code, Ray's errors) still
@@ -65,6 +68,7 @@ import re
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 __all__ = [
+    "announce_config_change",
     "train_logging_config",
     "drop_noise_until_shutdown",
     "quiet_terminal",
@@ -231,3 +235,22 @@ def _redirected(write: Callable[[str, Any], None]) -> Iterator[None]:
         yield
     finally:
         sys.stdout, sys.stderr = saved
+
+
+# --------------------------------------------------------------------------- a resumed run
+def announce_config_change(run_url: str, storage_options: Dict[str, Any], config: Dict[str, Any]) -> None:
+    """Once, on the driver before the run starts: how the job's ``config`` differs from the one the run
+    directory saved at its last start (one read of its config.yaml; nothing when there is none or it is equal)."""
+    from omegaconf import OmegaConf
+
+    from raytrain_events.storage.config_diff import format_config_diff
+    from raytrain_events.storage.run_dir import RunDir
+
+    try:
+        saved = OmegaConf.to_container(RunDir(run_url, storage_options).load_config())
+    except FileNotFoundError:
+        return
+    previous = saved.get("config") if isinstance(saved, dict) else None
+    diff = format_config_diff(previous, config) if previous is not None else ""
+    if diff:
+        logging.getLogger(__name__).warning("Resuming %s; its config changed since the last start:\n%s", run_url, diff)
