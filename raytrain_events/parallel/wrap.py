@@ -193,6 +193,10 @@ class Parallel:
         if self.sharded:
             check_algorithms_for_sharding(algorithms)
 
+    def whole_loss(self, loss: Any) -> Any:
+        """The microbatch's loss as the model's (context parallelism: the group's mean of its parts), else ``loss``."""
+        return loss if self.context is None else self.context.whole_loss(loss)
+
     def wrap(
         self, model: torch.nn.Module, dist: Any, device: torch.device, find_unused: bool, optimizers: Sequence[Any] = ()
     ) -> torch.nn.Module:
