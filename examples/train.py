@@ -179,13 +179,19 @@ def build_scheduler(optimizers: Any, warmup: str, max_duration: str, steps_per_e
     from raytrain_events.schedulers import CosineAnnealingWithWarmupScheduler
 
     duration, t_warmup = Time.from_timestring(max_duration), Time.from_timestring(warmup)
+    schedule = CosineAnnealingWithWarmupScheduler(t_warmup=warmup)  # refuses a warmup past the run ('1.5dur')
     if duration.unit != TimeUnit.EPOCH:
-        return CosineAnnealingWithWarmupScheduler(t_warmup=warmup)
+        return schedule
     total = int(duration.value) * steps_per_epoch
     if t_warmup.unit == TimeUnit.DURATION:
         t_warmup = Time(int(t_warmup.value * total), TimeUnit.BATCH)
     elif t_warmup.unit == TimeUnit.EPOCH:
         t_warmup = Time(int(t_warmup.value * steps_per_epoch), TimeUnit.BATCH)
+    if t_warmup.unit == TimeUnit.BATCH and t_warmup.value >= total:
+        raise ValueError(
+            f"warmup={warmup} lasts {t_warmup.value} batches, and the run has {total} ({max_duration}): the learning "
+            "rate would never reach its peak. Fix: a shorter warmup, like warmup=0.1dur."
+        )
     return CosineAnnealingWithWarmupScheduler(t_warmup=t_warmup, t_max=Time(total, TimeUnit.BATCH))
 
 

@@ -7,7 +7,8 @@ worker would use it (a module; optimizers over its parameters; schedulers on tho
 algorithm names are built from the registry (a typo fails here); the datasets' types are
 checked, and a mixture's sources (`mixture_source.check_mixture`: each in datasets and seekable,
 its rows and its Parquet schema; a bad mixture already failed in `RunSpec`). A factory that cannot run on the driver (it reads files only the workers see, say) is
-skipped with one warning: the worker still builds it, as before.
+skipped with one warning: the worker still builds it, as before; a ValueError from a factory (a value
+it refuses, like a warmup past the run) is raised here, before Ray starts.
 
 Cost: one call of each factory on the meta device per `RayTrainer`, on the driver; it does not
 grow with workers or nodes.
@@ -130,6 +131,8 @@ def _check_on_meta(spec: RunSpec) -> None:
     try:
         with torch.device("meta"):
             model = spec.build_model()
+    except ValueError:
+        raise  # a refused value (a warmup past the run, a bad config): the workers would fail the same way
     except Exception as exc:  # noqa: BLE001 -- a factory may need the worker's files or devices
         log.warning(
             "Could not check the model factory on the driver (on the meta device): %s: %s. The workers build it.",
@@ -146,6 +149,8 @@ def _check_on_meta(spec: RunSpec) -> None:
         with torch.device("meta"):
             optimizers = spec.build_optimizers(model)
             schedulers = spec.build_schedulers(optimizers)
+    except ValueError:
+        raise  # as above: a value the factories refuse is refused here, before Ray starts
     except Exception as exc:  # noqa: BLE001
         log.warning("Could not check the optimizer/scheduler factories on the driver: %s: %s.", type(exc).__name__, exc)
         return
