@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import NoReturn
 
 __all__ = ["ArgumentParser"]
@@ -13,8 +14,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         if message.startswith("unrecognized arguments"):
-            hint = _as_override(message[len("unrecognized arguments: ") :].split())
-            message += hint + f"\nvalid options for '{self.prog}': {', '.join(self.valid_options())}"
+            message += f"\nvalid options for '{self.prog}': {', '.join(self.valid_options())}"
         super().error(message)
 
     def valid_options(self) -> list:
@@ -28,21 +28,25 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def parse_args(self, args=None, namespace=None):  # type: ignore[override]
         """Unknown arguments are reported by the subcommand that got them, with its own options."""
-        parsed, extra = self.parse_known_args(args, namespace)
+        words = list(sys.argv[1:] if args is None else args)
+        parsed, extra = self.parse_known_args(words, namespace)
         if extra:
-            getattr(parsed, "_parser", self).error(f"unrecognized arguments: {' '.join(extra)}")
+            hint = _as_override(extra, words)
+            getattr(parsed, "_parser", self).error(f"unrecognized arguments: {' '.join(extra)}{hint}")
         return parsed
 
 
-def _as_override(words: list) -> str:
-    """A config key given as a flag (``--run-name x``, ``--epochs=3``): the ``key=value`` override it means."""
+def _as_override(extra: list, words: list) -> str:
+    """A config key given as a flag (``--run-name x``, ``--epochs=3``): the ``key=value`` override it means
+    (``words``: the whole command line, where a flag's value follows it)."""
     fixes = []
-    for i, word in enumerate(words):
+    for word in extra:
         if not word.startswith("--") or len(word) < 3:
             continue
         key, _, value = word[2:].partition("=")
-        if not value and i + 1 < len(words) and not words[i + 1].startswith("-"):
-            value = words[i + 1]
+        at = words.index(word) if word in words else -1
+        if not value and 0 <= at < len(words) - 1 and not words[at + 1].startswith("-") and "=" not in words[at + 1]:
+            value = words[at + 1]
         fixes.append(f"{key.replace('-', '_')}={value or '...'}")
     if not fixes:
         return ""
