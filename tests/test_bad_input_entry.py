@@ -83,6 +83,11 @@ def test_sweep_storage_inside_a_file_and_a_bad_base_run_are_refused(tmp_path, no
         _sweep(tmp_path, trainer=trainer, metric="train/loss", mode="min")
 
 
+def test_a_sweep_name_too_long_for_a_folder_is_refused(tmp_path, no_ray):  # noqa: F811
+    with pytest.raises(ValueError, match=r"name='s{300}' is 300 bytes long"):
+        _sweep(tmp_path, name="s" * 300)
+
+
 def test_a_pbt_sweep_without_checkpoints_is_refused(tmp_path, no_ray):  # noqa: F811
     from raytrain_events.tune import pbt_scheduler
 
@@ -229,6 +234,17 @@ def test_a_ray_loader_keeps_only_the_columns_asked_for():
     assert sorted(pick_columns(batch, ["label"])) == ["label"]
     with pytest.raises(KeyError, match=r"no column\(s\) \['y'\]"):
         pick_columns(batch, ["y"])
+
+
+def test_parquet_columns_that_the_files_lack_are_refused(tmp_path):
+    from bad_input_helpers import parquet_source
+
+    from raytrain_events.ray.data.parquet_seek import ParquetRowGroups
+
+    parquet_source(str(tmp_path / "t.parquet"), 8)
+    with pytest.raises(ValueError, match=r"columns=\['x', 'label'\]\) names \['label'\].*\['id', 'x'\]"):
+        ParquetRowGroups(str(tmp_path / "t.parquet"), columns=["x", "label"])
+    assert ParquetRowGroups(str(tmp_path / "t.parquet"), columns=["x"]).schema.names == ["x"]
 
 
 def test_checkpoint_config_keeps_announcing_by_default_and_ray_workers_do_not(tmp_path, no_ray):  # noqa: F811

@@ -193,7 +193,7 @@ class Parallel:
         if self.sharded:
             check_algorithms_for_sharding(algorithms)
 
-    def whole_loss(self, loss: Any) -> Any:
+    def whole_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The microbatch's loss as the model's (context parallelism: the group's mean of its parts), else ``loss``."""
         return loss if self.context is None else self.context.whole_loss(loss)
 

@@ -19,9 +19,8 @@ from raytrain_events.core.mixture import Mixture
 from raytrain_events.core.time import TimeUnit, ensure_time
 
 RunSpec = Any  # a `raytrain_events.ray.spec.RunSpec`, which imports this module (no import back: no cycle)
-__all__ = ["check_data_and_scaling", "check_run_options", "check_ray_storage", "NAME_MAX"]
+__all__ = ["check_data_and_scaling", "check_run_options", "check_ray_storage"]
 
-NAME_MAX = 255  # bytes in one folder name on Linux, macOS and object stores' key parts (a run name is one)
 _RESOURCE_NAMES = {"cpu": "CPU", "gpu": "GPU", "memory": "memory", "object_store_memory": "object_store_memory"}
 
 
@@ -177,12 +176,6 @@ def check_run_options(spec: RunSpec) -> None:
             f"Fix: max_failures={fix}."
         )
     check_ray_storage(spec.storage_path, "storage_path")
-    name = spec.run_name
-    if isinstance(name, str) and len(name.encode()) > NAME_MAX:
-        raise ValueError(
-            f"run_name is {len(name.encode())} bytes long ({name[:40]!r}...): a folder name holds at most {NAME_MAX}. "
-            "Fix: a shorter run_name (put the details in config=, which is saved with the run)."
-        )
     if spec.mixture is not None:
         from raytrain_events.ray.data.mixture_source import mixture_plan_args  # imports ray.data: deferred
 
