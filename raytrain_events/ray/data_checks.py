@@ -50,8 +50,8 @@ def epoch_batches(spec: Any, rows: int) -> Optional[int]:
 def check_steps_per_epoch(spec: Any, train: Any, rows: Optional[int] = None) -> None:
     """Refuse a ``steps_per_epoch`` other than the batches the train set's rows make, where they are known
     (a seekable source counts them from its footers; ``rows`` when the driver counted them)."""
-    if spec.steps_per_epoch is None or spec.fault_tolerance is not None:
-        return
+    if spec.steps_per_epoch is None or spec.fault_tolerance is not None or spec.deterministic_split:
+        return  # replica groups and a deterministic split cut epochs their own way (loader.py, replica_groups.py)
     if rows is None:
         from raytrain_events.ray.data.parquet_seek import is_seekable
 

@@ -389,6 +389,10 @@ class RayTrainer:
         from raytrain_events.ray.data.loader import cheap_row_count
 
         rows = cheap_row_count(train)
+        if rows is not None:  # a Ray Dataset's count is known only now: steps_per_epoch must agree with it
+            from raytrain_events.ray.data_checks import check_steps_per_epoch
+
+            check_steps_per_epoch(self.spec, train, rows)
         if rows is None and self.spec.steps_per_epoch is None:
             raise ValueError(
                 "The train dataset's row count is not known without running its whole pipeline (it is not in "
