@@ -223,3 +223,13 @@ def test_the_refusals_need_no_ray_and_no_files(tmp_path, no_ray, sources):  # no
     with pytest.raises(AssertionError, match="Ray was started"):  # every check passed: fit went on to start Ray
         good.fit()
     assert not os.path.exists(tmp_path / "store")
+
+
+def test_the_workers_copy_of_a_good_parallel_run_passes_the_same_checks(tmp_path, no_ray):  # noqa: F811
+    """`RunSpec.for_workers` drops the driver-only worker count: the mesh rule must not then refuse a good run."""
+    from raytrain_events.ray.driver import RayTrainer
+
+    spec = RayTrainer(
+        **ray_kwargs(storage_path=str(tmp_path), parallelism=FSDPConfig(replicate=2, tensor_parallel=2), num_workers=4)
+    ).spec
+    assert spec.for_workers().parallelism_spec.fsdp.replicate == 2

@@ -21,6 +21,7 @@ from typing import Any, List, Mapping
 
 from raytrain_events.ray.data_checks import check_columns, check_steps_per_epoch
 from raytrain_events.ray.spec import RunSpec
+from raytrain_events.ray.spec_checks import check_mesh
 
 __all__ = ["check_on_driver"]
 
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 
 def check_on_driver(spec: RunSpec) -> None:
     """Refuse what would fail (or train wrongly) on the workers; see the module doc."""
+    check_mesh(spec)  # also with the default single worker (RunSpec checks only an explicit count)
     _check_factory_kinds(spec)
     _check_lists(spec)
     if isinstance(spec.datasets, Mapping) and spec.mixture is not None:

@@ -19,7 +19,7 @@ from raytrain_events.core.mixture import Mixture
 from raytrain_events.core.time import TimeUnit, ensure_time
 
 RunSpec = Any  # a `raytrain_events.ray.spec.RunSpec`, which imports this module (no import back: no cycle)
-__all__ = ["check_data_and_scaling", "check_run_options", "check_ray_storage"]
+__all__ = ["check_data_and_scaling", "check_mesh", "check_run_options", "check_ray_storage"]
 
 _RESOURCE_NAMES = {"cpu": "CPU", "gpu": "GPU", "memory": "memory", "object_store_memory": "object_store_memory"}
 
@@ -53,9 +53,8 @@ def check_data_and_scaling(spec: RunSpec) -> None:
         raise ValueError(
             f"num_workers={workers!r} must be an integer >= 1, or (min, max) with 1 <= min <= max for an elastic group."
         )
-    fsdp = spec.parallelism_spec.fsdp
-    if fsdp is not None and isinstance(workers, int):  # an elastic group's size is checked at each worker start
-        fsdp.mesh_shape(workers)  # replicate x context x tensor must divide the workers (parallel/config.py)
+    if spec.num_workers is not None or spec.scaling_config is not None:  # not the workers' copy (for_workers)
+        check_mesh(spec)
     if not isinstance(spec.use_gpu, bool):
         fix = "True" if str(spec.use_gpu).strip().lower() in ("true", "1", "yes") else "False"
         raise TypeError(
@@ -88,6 +87,14 @@ def _check_datasets(spec: RunSpec) -> None:
             )
     elif not callable(spec.datasets):
         raise TypeError(f"datasets must be a dict of Ray Datasets or fn(config) -> dict, got {spec.datasets!r}.")
+
+
+def check_mesh(spec: RunSpec) -> None:
+    """HSDP's ``replicate`` x context x tensor parallelism must divide a fixed number of workers
+    (`FSDPConfig.mesh_shape`, the one owner of that rule); an elastic group is checked at each start."""
+    fsdp = spec.parallelism_spec.fsdp
+    if fsdp is not None and isinstance(spec.workers, int):
+        fsdp.mesh_shape(spec.workers)
 
 
 def _check_resources(resources: Any) -> None:
