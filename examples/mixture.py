@@ -120,13 +120,19 @@ def main() -> None:
     print(f"trained {result.timestamp.sample.value} samples, {result.timestamp.token.value} tokens")
     for name, count in tokens.items():
         print(f"tokens seen from {name}: {count} ({count / sum(tokens.values()):.1%})")
+    line = report_line(result.run_url)
+    if line:
+        print(line)
+
+
+def report_line(run_url: str) -> str:
+    """Write the run's report (its tokens-per-source table and plots); the line naming it, '' if none was written."""
     from raytrain_events.report import write_report
     from raytrain_events.storage.fs import resolve
 
-    report = write_report(result.run_url)["html"]  # the tokens-per-source table and the plots
+    report = write_report(run_url)["html"]
     fs, path = resolve(report)
-    if fs.exists(path):  # say where the report is only once it was written
-        print(f"run report: {report}")
+    return f"run report: {report}" if fs.exists(path) else ""
 
 
 if __name__ == "__main__":
