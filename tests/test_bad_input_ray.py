@@ -109,7 +109,12 @@ CASES: List[Tuple[str, Callable[[Dict[str, Any]], Dict[str, Any]], type, str]] =
         r"ClassifierModel has no context_parallel_split",
     ),
     ("storage-in-memory", _plain(storage_path="memory://runs"), ValueError, r"memory:// .*separate processes"),
-    ("run-name-too-long", _plain(run_name="r" * 256), ValueError, r"is 256 bytes long: a folder name holds at most 255"),
+    (
+        "run-name-too-long",
+        _plain(run_name="r" * 256),
+        ValueError,
+        r"is 256 bytes long: a folder name holds at most 255",
+    ),
     ("run-name-too-long-in-bytes", _plain(run_name="é" * 130), ValueError, r"260 bytes long"),
     ("use-gpu-a-string", _plain(use_gpu="false"), TypeError, r"use_gpu='false' must be True or False.*use_gpu=False"),
     ("use-gpu-yes", _plain(use_gpu="yes"), TypeError, r"use_gpu=True"),
