@@ -3,8 +3,9 @@ combinations of options that cannot train as asked.
 
 `RunSpec.__post_init__` calls `check_data_and_scaling` and `check_run_options` (so a Tune trial's
 overrides, applied with `RunSpec.replace`, are checked the same way, and a sweep checks its grid
-values through it before any trial trains). What needs the user's code or the datasets' metadata
-is checked in `raytrain_events.ray.driver_checks`, on the driver before Ray starts. Every message
+values through it before any trial trains). What needs the datasets' metadata is checked in
+`raytrain_events.ray.data_checks` and what needs the user's code in `raytrain_events.ray.driver_checks`,
+both on the driver before Ray starts (`tune/sweep_checks.py` runs them for a sweep). Every message
 names the option, the problem and the fix. Cost: a few comparisons; one ``stat`` per parent of a
 local ``storage_path`` that does not exist yet.
 """
