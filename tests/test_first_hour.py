@@ -147,3 +147,24 @@ def test_the_digits_job_names_its_runs_as_the_readme_says(tmp_path, monkeypatch,
             main(["train", f"storage={tmp_path / 'store'}", "progress_bar=false"])
     names = sorted(os.listdir(tmp_path / "store"))
     assert len(names) == 2 and all(re.fullmatch(r"digits-\d{8}-\d{6}-[0-9a-f]{6}", n) for n in names), names
+
+
+def test_a_ray_warning_it_calls_safe_to_ignore_stays_off_the_console_line_by_line():
+    """Under CPU load Ray forwards the controller's "Failed to send resource request" traceback a line at a time."""
+    from raytrain_events.ray.reports.console import filter_batch
+
+    block = [
+        "Failed to send resource request for train-64988db1. If this only happens transiently during network "
+        "partition or CPU being overloaded, it's safe to ignore this error.",
+        "Traceback (most recent call last):",
+        '  File "/site-packages/ray/train/v2/_internal/autoscaling_coordinator_client.py", line 58, in send',
+        "    ray.get(",
+        "    ^^^^^^^^",
+        "ray.exceptions.GetTimeoutError: Get timed out: some object(s) not ready.",
+    ]
+    controller = {"actor_name": "TrainController", "pid": 7}
+    assert [filter_batch({**controller, "lines": [line]}) for line in block] == [None] * len(block)
+    after = filter_batch({**controller, "lines": ["the user's own line"]})
+    assert after is not None and after["lines"] == ["the user's own line"]
+    worker = {"actor_name": "RayTrainWorker", "pid": 8, "lines": ["Traceback (most recent call last):", "  x"]}
+    assert filter_batch(worker)["lines"] == worker["lines"]  # a user's traceback still shows
