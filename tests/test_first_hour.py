@@ -166,5 +166,13 @@ def test_a_ray_warning_it_calls_safe_to_ignore_stays_off_the_console_line_by_lin
     assert [filter_batch({**controller, "lines": [line]}) for line in block] == [None] * len(block)
     after = filter_batch({**controller, "lines": ["the user's own line"]})
     assert after is not None and after["lines"] == ["the user's own line"]
+    listing = {"actor_name": "ListFiles", "pid": 9}
+    race = [
+        "Exception in thread Thread-3 (completion-signaler):",
+        "Traceback (most recent call last):",
+        "    self.run()",
+        "InterruptedError",
+    ]
+    assert [filter_batch({**listing, "lines": [line]}) for line in race] == [None] * len(race)
     worker = {"actor_name": "RayTrainWorker", "pid": 8, "lines": ["Traceback (most recent call last):", "  x"]}
     assert filter_batch(worker)["lines"] == worker["lines"]  # a user's traceback still shows

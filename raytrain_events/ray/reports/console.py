@@ -98,7 +98,6 @@ NOISE: List[Tuple[Optional[str], re.Pattern[str]]] = [
 # Sources whose traceback blocks are Ray-internal races or misconfigurations listed above.
 _TRACEBACKS: Dict[str, re.Pattern[str]] = {
     "PlacementGroupCleaner": re.compile(r"PlacementGroupCleanerMonitor|Found multiple active Ray instances"),
-    "ListFiles": re.compile(r"completion-signaler|InterruptedError"),
 }
 
 
@@ -109,6 +108,7 @@ _BLOCK_HEADERS: List[Tuple[Optional[str], re.Pattern[str]]] = [
     # Ray Train's autoscaling coordinator client: "... If this only happens transiently during network
     # partition or CPU being overloaded, it's safe to ignore this error." (a GetTimeoutError traceback)
     ("TrainController", re.compile(r"Failed to send resource request for train-")),
+    ("ListFiles", re.compile(r"completion-signaler")),  # the Ray Data race in the table above
 ]
 _TRACEBACK_LINE = re.compile(r"^(Traceback \(most recent call last\):|\s|\^)")
 _EXCEPTION_LINE = re.compile(r"^[\w.]+(Error|Exception)\b")
