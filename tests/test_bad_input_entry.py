@@ -83,6 +83,18 @@ def test_sweep_storage_inside_a_file_and_a_bad_base_run_are_refused(tmp_path, no
         _sweep(tmp_path, trainer=trainer, metric="train/loss", mode="min")
 
 
+def test_a_sweeps_factories_are_left_to_its_trials(tmp_path, no_ray, caplog):  # noqa: F811
+    """Factories that read a trial's config (``config["lr"]`` from param_space) are not called on the base run:
+    no refusal and no "could not check" line; the sweep goes on to start Ray."""
+    trainer = {k: v for k, v in ray_kwargs().items() if k != "run_name"}
+    trainer["optimizers"] = lambda model, config: torch.optim.SGD(model.parameters(), lr=config["lr"])
+    with caplog.at_level("WARNING"), pytest.raises(AssertionError, match="Ray was started"):
+        _sweep(
+            tmp_path, trainer=trainer, param_space={"lr": {"grid_search": [0.1, 0.2]}}, metric="train/loss", mode="min"
+        )
+    assert not [r for r in caplog.records if "Could not check" in r.getMessage()]
+
+
 def test_a_sweep_name_too_long_for_a_folder_is_refused(tmp_path, no_ray):  # noqa: F811
     with pytest.raises(ValueError, match=r"name='s{300}' is 300 bytes long"):
         _sweep(tmp_path, name="s" * 300)

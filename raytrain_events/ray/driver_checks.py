@@ -28,8 +28,12 @@ __all__ = ["check_on_driver"]
 log = logging.getLogger(__name__)
 
 
-def check_on_driver(spec: RunSpec) -> None:
-    """Refuse what would fail (or train wrongly) on the workers; see the module doc."""
+def check_on_driver(spec: RunSpec, *, build: bool = True) -> None:
+    """Refuse what would fail (or train wrongly) on the workers; see the module doc.
+
+    ``build=False`` (a sweep's base run, whose factories read the trials' config): the factories are
+    not called; each trial's `RayTrainer.fit` calls them with its own config.
+    """
     check_mesh(spec)  # also with the default single worker (RunSpec checks only an explicit count)
     _check_factory_kinds(spec)
     _check_lists(spec)
@@ -44,7 +48,8 @@ def check_on_driver(spec: RunSpec) -> None:
         check_columns(spec.columns, {k: v for k, v in spec.datasets.items() if k == "train"})
         check_steps_per_epoch(spec, spec.datasets["train"])
     _check_load_from(spec.checkpoint)
-    _check_on_meta(spec)
+    if build:
+        _check_on_meta(spec)
 
 
 def _check_load_from(checkpoint: Any) -> None:

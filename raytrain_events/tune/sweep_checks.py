@@ -1,6 +1,7 @@
 """What `sweep()` checks before Ray starts and before any trial trains, beyond each argument's own value.
 
-The trials' base `RunSpec` through the same driver checks as a `RayTrainer` (`check_on_driver`);
+The trials' base `RunSpec` through the same driver checks as a `RayTrainer` (`check_on_driver`, without
+calling the factories, which read each trial's config: each trial's `RayTrainer.fit` builds them);
 every value ``param_space["trainer"]`` lists (a grid's values, a categorical's categories, and
 their combinations) applied to it with `RunSpec.replace`, so a batch size of 0 or ``"1.5ep"``
 fails now and not in its trial; the ``metric`` against the run's eval sets (a metric of an eval
@@ -32,7 +33,7 @@ def check_sweep(
     if storage_path is not None:
         check_storage_url(storage_path)
     check_ray_storage(storage_path, "storage_path")
-    check_on_driver(base)
+    check_on_driver(base, build=False)  # the factories read each trial's config: its own fit builds them
     _check_trainer_grid(base, param_space.get("trainer"))
     _check_metric(base, param_space.get("trainer"), metric)
     if pbt and base.checkpoint is None:
