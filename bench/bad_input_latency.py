@@ -1,6 +1,7 @@
 """How long a user waits for the error of a bad `RayTrainer` input (issue 39): it must come before Ray starts.
 
-The cases are ``tests/test_bad_input.py::RAY_TRAINER_CASES``. One fresh Python process (no Ray
+The cases are ``tests/test_bad_input.py::RAY_TRAINER_CASES`` and (issue 48)
+``tests/test_bad_input_ray.py::CASES``. One fresh Python process (no Ray
 running) imports what a user's script imports anyway (torch, ray.data, raytrain_events), then
 runs every case in order and times ``RayTrainer(**kwargs).fit()`` to its error; the first case
 also pays the library's lazy imports (the ``RayTrainer`` driver and its checks), as a user's one
@@ -46,7 +47,15 @@ def main() -> None:
     print(f"imports (torch, ray.data, raytrain_events): {imports:.1f} s\n")
     print("| case | RayTrainer(...).fit() to the error | Ray started | error |")
     print("|---|---|---|---|")
-    for name, changes, error, _ in cases.RAY_TRAINER_CASES:
+    import test_bad_input_ray as round_three
+    from bad_input_helpers import parquet_source
+
+    folder = tempfile.mkdtemp()
+    sources = {"web": parquet_source(f"{folder}/web.parquet", 40), "code": parquet_source(f"{folder}/code.parquet", 30)}
+    all_cases = [(name, changes, error) for name, changes, error, _ in cases.RAY_TRAINER_CASES] + [
+        (name, lambda changes=changes: changes(sources), error) for name, changes, error, _ in round_three.CASES
+    ]
+    for name, changes, error in all_cases:
         kwargs = cases._ray_kwargs(**{"storage_path": tempfile.mkdtemp(), **changes()})
         start = time.perf_counter()
         try:

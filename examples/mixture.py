@@ -120,7 +120,19 @@ def main() -> None:
     print(f"trained {result.timestamp.sample.value} samples, {result.timestamp.token.value} tokens")
     for name, count in tokens.items():
         print(f"tokens seen from {name}: {count} ({count / sum(tokens.values()):.1%})")
-    print(f"run report: raytrain-events report {result.run_url}")
+    line = report_line(result.run_url)
+    if line:
+        print(line)
+
+
+def report_line(run_url: str) -> str:
+    """Write the run's report (its tokens-per-source table and plots); the line naming it, '' if none was written."""
+    from raytrain_events.report import write_report
+    from raytrain_events.storage.fs import resolve
+
+    report = write_report(run_url)["html"]
+    fs, path = resolve(report)
+    return f"run report: {report}" if fs.exists(path) else ""
 
 
 if __name__ == "__main__":

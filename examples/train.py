@@ -22,7 +22,6 @@ is optional) and the data ships with scikit-learn. ``raytrain-events train`` run
 
 from __future__ import annotations
 
-import datetime
 import functools
 import io
 import os
@@ -35,6 +34,7 @@ from omegaconf import DictConfig
 
 from raytrain_events.cli import TrainingFailed, UsageError, config_main, storage_step, to_plain
 from raytrain_events.cli.summary import format_summary, run_summary, write_summary
+from raytrain_events.storage.exp_dir import check_run_name, fresh_run_name
 
 NUM_DIGITS = 1797  # rows in sklearn.datasets.load_digits
 
@@ -60,7 +60,7 @@ class DigitsConfig:
     run_name: Optional[str] = field(
         default=None,
         metadata=_help(
-            "Run directory name under storage; null picks digits-<date>-<time>. Reuse a name with resume=true."
+            "Run directory name under storage; null picks digits-<date>-<time>-<6 hex>. Reuse a name with resume=true."
         ),
     )
     storage: str = field(
@@ -179,13 +179,19 @@ def build_scheduler(optimizers: Any, warmup: str, max_duration: str, steps_per_e
     from raytrain_events.schedulers import CosineAnnealingWithWarmupScheduler
 
     duration, t_warmup = Time.from_timestring(max_duration), Time.from_timestring(warmup)
+    schedule = CosineAnnealingWithWarmupScheduler(t_warmup=warmup)  # refuses a warmup past the run ('1.5dur')
     if duration.unit != TimeUnit.EPOCH:
-        return CosineAnnealingWithWarmupScheduler(t_warmup=warmup)
+        return schedule
     total = int(duration.value) * steps_per_epoch
     if t_warmup.unit == TimeUnit.DURATION:
         t_warmup = Time(int(t_warmup.value * total), TimeUnit.BATCH)
     elif t_warmup.unit == TimeUnit.EPOCH:
         t_warmup = Time(int(t_warmup.value * steps_per_epoch), TimeUnit.BATCH)
+    if t_warmup.unit == TimeUnit.BATCH and t_warmup.value >= total:
+        raise ValueError(
+            f"warmup={warmup} lasts {t_warmup.value} batches, and the run has {total} ({max_duration}): the learning "
+            "rate would never reach its peak. Fix: a shorter warmup, like warmup=0.1dur."
+        )
     return CosineAnnealingWithWarmupScheduler(t_warmup=t_warmup, t_max=Time(total, TimeUnit.BATCH))
 
 
@@ -260,8 +266,7 @@ def train_digits(cfg: DigitsConfig, *, echo: Callable[[str], None] = print) -> D
             raise UsageError(
                 "resume=true needs run_name=<the run to continue> (see `raytrain-events runs ls <storage>`)."
             )
-        cfg.run_name = datetime.datetime.now().strftime("digits-%Y%m%d-%H%M%S")
-    from raytrain_events.storage.exp_dir import check_run_name
+        cfg.run_name = fresh_run_name("digits")  # digits-<date>-<time>-<6 hex>: two jobs never share one
     from raytrain_events.storage.fs import check_storage_url
 
     try:
@@ -286,12 +291,13 @@ def train_digits(cfg: DigitsConfig, *, echo: Callable[[str], None] = print) -> D
             f"Ray drops {data['train_rows'] % cfg.num_workers} per epoch (set eval_rows to fix)."
         )
 
-    _connect(cfg.address, cfg.num_workers, verbose=cfg.verbose)
-    trainer = _build_trainer(cfg, duration, algorithms, data, options)
+    trainer = _build_trainer(cfg, duration, algorithms, data, options)  # every option checked: Ray not started yet
     echo(
         f"Training {cfg.model} on digits ({data['train_rows']} train / {data['eval_rows']} eval rows) for {duration} "
-        f"on {cfg.num_workers} worker(s){' with GPUs' if cfg.use_gpu else ''}; run directory {run_url}"
+        f"on {cfg.num_workers} worker(s){' with GPUs' if cfg.use_gpu else ''}; run directory {run_url}. "
+        "Starting Ray and its workers first (tens of seconds on a fresh machine)."
     )
+    _connect(cfg.address, cfg.num_workers, verbose=cfg.verbose)
     from raytrain_events.ray.driver import RayTrainingError
     from raytrain_events.storage.errors import LockError
 
@@ -309,6 +315,7 @@ def train_digits(cfg: DigitsConfig, *, echo: Callable[[str], None] = print) -> D
         config=to_plain(cfg),
         seconds=time.time() - started,
         checkpoint_folder=checkpoint_url if cfg.checkpoint.enabled else None,
+        storage_options=options,
         train_rows=data["train_rows"],
         eval_rows=data["eval_rows"],
         num_workers=cfg.num_workers,
@@ -377,12 +384,8 @@ def _check_run_dir(
     if cfg.resume:
         if previous is None and not existing:
             echo(f"resume=true but {run_url} has no checkpoints yet: starting from scratch.")
-        elif previous is not None:
-            diff = format_config_diff(previous, cfg)
-            echo(
-                f"Resuming {run_url}"
-                + (f"; config changes since the last start:\n{diff}" if diff else " with an unchanged config.")
-            )
+        elif previous is not None:  # RayTrainer prints how the config changed, once, before its progress bar
+            echo(f"Resuming {run_url}" + ("." if format_config_diff(previous, cfg) else " with an unchanged config."))
 
 
 def _check_algorithms(specs: List[Any]) -> List[Any]:
@@ -425,6 +428,7 @@ def _build_trainer(
 ) -> Any:
     from raytrain_events import RayTrainer
     from raytrain_events.checkpoint import CheckpointConfig
+    from raytrain_events.ray.driver_checks import check_on_driver
 
     try:
         checkpoint = None
@@ -435,7 +439,7 @@ def _build_trainer(
                 autoresume=cfg.resume,
                 storage_options=options,
             )
-        return RayTrainer(
+        trainer = RayTrainer(
             model=functools.partial(build_model, cfg.model, cfg.hidden),
             optimizers=functools.partial(
                 build_optimizer, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
@@ -447,7 +451,7 @@ def _build_trainer(
                 steps_per_epoch=-(-(data["train_rows"] // cfg.num_workers) // cfg.batch_size),
             ),
             algorithms=algorithms,
-            datasets={
+            datasets=lambda: {  # read once Ray runs (RayTrainer.fit calls it), after every check
                 "train": read_parquet(data["urls"]["train"], options),
                 "eval": read_parquet(data["urls"]["eval"], options),
             },
@@ -466,8 +470,10 @@ def _build_trainer(
             verbose=cfg.verbose,
             config=to_plain(cfg),
         )
-    except (ValueError, TypeError) as exc:
+        check_on_driver(trainer.spec)  # the factories on the meta device, algorithm names: before Ray starts
+    except (ValueError, TypeError, OSError) as exc:
         raise UsageError(str(exc)) from None
+    return trainer
 
 
 if __name__ == "__main__":

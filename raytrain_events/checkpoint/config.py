@@ -68,6 +68,9 @@ class CheckpointConfig:
             corrupt, another node's rank) that file is read from storage. None: no local tier.
         local_keep: how many checkpoints' local copies each node keeps (default: ``keep``; 1 with ``keep_best``,
             as a restart reads the newest; all when neither is set, like storage).
+        announce_config_change: log (a warning, rank 0) the config's differences when a resume loads
+            a checkpoint saved with another config. `RayTrainer` announces them once on the driver,
+            before its progress bar, and turns this off on its workers (they log it at INFO: Ray's files).
     """
 
     save_folder: Optional[str] = None
@@ -90,6 +93,7 @@ class CheckpointConfig:
     autoresume: bool = False
     storage_options: Dict[str, Any] = field(default_factory=dict)
     lock_run_dir: bool = True
+    announce_config_change: bool = True
     sharded: Optional[bool] = None
     local_dir: Optional[str] = None
     local_keep: Optional[int] = None

@@ -37,6 +37,10 @@ Files:
 
 from raytrain_events.cli.config import keys_help, load_config, to_plain
 from raytrain_events.cli.errors import TrainingFailed, UsageError, run_guarded, storage_step
+
+# The function, imported after its submodule loaded: ``import raytrain_events.cli.main`` (which binds the
+# submodule as this package's ``main`` on its first import) can no longer replace the function.
+from raytrain_events.cli.main import main
 from raytrain_events.cli.parser import ArgumentParser
 from raytrain_events.cli.train import config_main
 
@@ -52,10 +56,3 @@ __all__ = [
     "storage_step",
     "to_plain",
 ]
-
-
-def main(argv=None) -> int:
-    """Run the command line; returns the exit code (0 ok, 1 run failed, 2 bad input)."""
-    from raytrain_events.cli.main import main as _main
-
-    return _main(argv)

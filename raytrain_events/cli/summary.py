@@ -14,17 +14,30 @@ from typing import Any, Dict, List, Optional
 __all__ = ["run_summary", "eval_history", "write_summary", "format_summary"]
 
 
-def run_summary(
+def run_summary(  # noqa: PLR0913 (the result, then keyword-only: the facts the summary holds)
     result: Any,
     *,
     run_name: str,
     config: Dict[str, Any],
     seconds: float,
     checkpoint_folder: Optional[str],
+    storage_options: Optional[Dict[str, Any]] = None,
     **extra: Any,
 ) -> Dict[str, Any]:
-    """The summary of a finished `RayTrainer.fit` result (``extra`` adds job facts like row counts)."""
+    """The summary of a finished `RayTrainer.fit` result (``extra`` adds job facts like row counts).
+
+    Its per-epoch lines come from the run directory's whole history (every fit of the run: a resumed run
+    lists the epochs before the resume too), or from this fit's history where the file cannot be read.
+    """
     ts = result.timestamp
+    history = result.history
+    if result.run_url:
+        from raytrain_events.storage.run_dir import RunDir
+
+        try:
+            history = RunDir(result.run_url, storage_options or {}).read_history() or history
+        except Exception:  # noqa: BLE001 -- unreadable storage: this fit's own reports still make a summary
+            pass
     return {
         "run_name": run_name,
         "run_url": result.run_url,
@@ -35,7 +48,7 @@ def run_summary(
             "token": ts.token.value,
         },
         "metrics": {k: v for k, v in result.metrics.items() if isinstance(v, (int, float, str, bool)) or v is None},
-        "eval_history": eval_history(result.history),
+        "eval_history": eval_history(history),
         "checkpoint_folder": checkpoint_folder,
         "checkpoints": [{"name": c.name, "url": c.url, "timestamp": dict(c.timestamp)} for c in result.checkpoints],
         "wall_seconds": round(seconds, 2),

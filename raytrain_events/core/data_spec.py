@@ -137,6 +137,13 @@ def check_loader(dataloader: Any, what: str) -> None:
             f"{what} is a {name}, a dataset of rows, not of batches (each row would be taken as a batch). "
             f"Fix: wrap it in a DataLoader: {what}=torch.utils.data.DataLoader(dataset, batch_size=64, shuffle=True)."
         )
+    inner = getattr(dataloader, "dataset", None)
+    if getattr(inner, "yields_batches", False) or type(inner).__name__ == "DataLoader":
+        kind = type(inner).__name__
+        raise TypeError(
+            f"{what} is a {name} around a {kind}, which already yields batches (the {name} would batch its batches). "
+            f"Fix: pass the {kind} itself, {what}={kind[0].lower() + kind[1:]}, with its own batch_size."
+        )
     if isinstance(dataloader, (str, bytes)) or not hasattr(dataloader, "__iter__"):
         raise TypeError(
             f"{what}={dataloader!r} ({name}) is not a dataloader: pass an iterable of batches, like "

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple, Union
@@ -80,6 +81,8 @@ def _source(name: str, value: Any) -> Source:
         )
     else:
         source = Source(rows=value)
+    if not isinstance(source.rows, bool) and isinstance(source.rows, numbers.Integral):
+        source = Source(rows=int(source.rows), schema=source.schema)  # a numpy integer counts
     if isinstance(source.rows, bool) or not isinstance(source.rows, int) or source.rows <= 0:
         raise MixtureError(
             f"Source {name!r} has rows={source.rows!r}: give its row count as a positive int "
@@ -99,6 +102,7 @@ def _weight(stage: str, name: str, value: Any) -> Tuple[str, Fraction]:
         kind, amount = next(iter(value.items()))
     else:
         kind, amount = "proportion", value
+    amount = _number(amount)
     if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not math.isfinite(amount):
         raise MixtureError(f"Stage {stage!r}, source {name!r}: {kind} {amount!r} is not a finite number.")
     if amount < 0:
@@ -109,6 +113,26 @@ def _weight(stage: str, name: str, value: Any) -> Tuple[str, Fraction]:
     if kind == "choose" and not float(amount).is_integer():
         raise MixtureError(f"Stage {stage!r}, source {name!r}: choose={amount!r} must be a whole number of rows.")
     return kind, Fraction(repr(amount))  # the decimal as written: 0.3 is 3/10, not its binary float
+
+
+def _number(value: Any) -> Any:
+    """A numpy (or other `numbers.Real`) scalar as the Python number it prints as; other values unchanged."""
+    if type(value) in (bool, int, float) or not isinstance(value, numbers.Real):
+        return value  # np.float64 is a float subclass whose repr is 'np.float64(0.7)': converted below
+    return int(value) if isinstance(value, numbers.Integral) else float(str(value))  # float32 0.3 is '0.3'
+
+
+def _plain_weight(value: Any) -> Any:
+    return {k: _number(v) for k, v in value.items()} if isinstance(value, Mapping) else _number(value)
+
+
+def _check_names(what: str, names: Any) -> None:
+    odd = [n for n in names if not isinstance(n, str)]
+    if odd:
+        raise MixtureError(
+            f"{what} has names that are not strings: {odd!r}. Name every source with a string (the datasets' "
+            f"keys): {{{', '.join(repr(str(n)) + ': ...' for n in odd)}}}."
+        )
 
 
 def _stage(
@@ -186,6 +210,7 @@ class Mixture:
     def __post_init__(self) -> None:
         if not isinstance(self.sources, Mapping) or not self.sources:
             raise MixtureError("Mixture(sources=...) needs at least one source: {'web': rows, 'code': rows, ...}.")
+        _check_names("Mixture(sources=...)", self.sources)
         # Sorted by name: equal mixtures (dicts equal whatever their order) give the same plan.
         source_list = tuple(sorted((str(name), _source(str(name), value)) for name, value in self.sources.items()))
         object.__setattr__(self, "sources", {name: source.to_dict() for name, source in source_list})
@@ -195,7 +220,13 @@ class Mixture:
                 "stages={'0dur': {...}, '0.7dur': {...}} for weights that change over the run."
             )
         stages = dict(self.stages) if self.stages is not None else {"0dur": dict(self.weights or {})}
-        object.__setattr__(self, "stages", {str(k): dict(v) for k, v in stages.items()})
+        for key, weights in stages.items():
+            if not isinstance(weights, Mapping):
+                raise MixtureError(f"Stage {key!r} is {weights!r}: give {{source: weight, ...}}.")
+            _check_names(f"Stage {key!r}", weights)
+        object.__setattr__(
+            self, "stages", {str(k): {n: _plain_weight(w) for n, w in v.items()} for k, v in stages.items()}
+        )
         object.__setattr__(self, "weights", None)
         names = [name for name, _ in source_list]
         schemas = {name: s.schema for name, s in source_list if s.schema is not None}
@@ -235,6 +266,15 @@ class Mixture:
                 raise MixtureError("The first stage's repeat/choose select no row: raise them, or give epoch_size.")
         elif self.epoch_size is None:
             object.__setattr__(self, "epoch_size", sum(rows.values()))
+        for (_, amounts, absolute), key in zip(out, self.stages):
+            total = sum(a for _, a in amounts)
+            if absolute and total != self.epoch_size:
+                raise MixtureError(
+                    f"Stage {key!r} selects {float(total):g} rows per epoch with repeat/choose (absolute amounts), but "
+                    f"the epoch is {self.epoch_size} samples (epoch_size, or the first stage's total): they would be read "
+                    f"as proportions of {self.epoch_size}. Fix: amounts that add up to {self.epoch_size}, proportions "
+                    "(plain numbers), or no epoch_size (the first stage's total then sets it)."
+                )
         return tuple((start, amounts) for start, amounts, _ in out)
 
     # --------------------------------------------------------------- plain data

@@ -23,7 +23,9 @@ and every other activation are ``O(S/c)``. A lent GPU could route to torch's rin
 
 Tokens are counted once per CP group (one rank counts the group's shared rows, as under TP: no
 extra collective). Each rank's loss is its part's sum over ``label_count`` (the microbatch's labels
-divided by ``c``), so the gradients averaged over the group's ranks are the unsplit model's.
+divided by ``c``), so the gradients averaged over the group's ranks are the unsplit model's; the
+``state.loss`` every rank then sees is the model's loss (`ContextParallel.whole_loss`: the group's
+mean, one scalar all-reduce per microbatch), so a callback logging it from rank 0 logs the right one.
 """
 
 from __future__ import annotations
@@ -213,6 +215,14 @@ class ContextParallel:
     def split(self, batch: Any) -> Any:
         """This rank's part of a training microbatch (the model's `SPLIT_METHOD`)."""
         return getattr(self.model, SPLIT_METHOD)(batch, self.index, self.degree)
+
+    def whole_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The model's loss of the microbatch (detached), from this rank's part: the mean of the group's parts
+        (each is its part's sum over a ``c``-th of the labels). One scalar all-reduce over the group per
+        microbatch; the backward used the part, as it must."""
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total, group=self.group)
+        return total / self.degree
 
     def _enter(self, module: torch.nn.Module, args: Any) -> None:
         batch = args[0] if args else None

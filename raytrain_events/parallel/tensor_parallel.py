@@ -37,6 +37,7 @@ __all__ = [
     "check_first_batch_agrees",
     "data_parallel_coordinates",
     "metric_group",
+    "tensor_parallel_plans",
 ]
 
 PLAN_METHOD = "tensor_parallel_plan"
@@ -117,6 +118,15 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: Any, degree: int) -> 
     names of the submodules whose plan was applied. Refuses a model that has no plan."""
     from torch.distributed.tensor.parallel import parallelize_module
 
+    planned = tensor_parallel_plans(model, degree)
+    for _, module, plan in planned:
+        parallelize_module(module, tp_mesh, {name: _style(name, value) for name, value in plan.items()})
+    return [owner for owner, _, _ in planned]
+
+
+def tensor_parallel_plans(model: torch.nn.Module, degree: int) -> List[Tuple[str, torch.nn.Module, Dict[str, Any]]]:
+    """``(name, submodule, plan)`` of each submodule with a plan, checked against ``degree``; refuses a model
+    without one. No process group needed: `RayTrainer` calls it on the driver, on the meta device."""
     planned: List[Tuple[str, torch.nn.Module, Dict[str, Any]]] = []
     for owner, module in model.named_modules():
         method = getattr(module, PLAN_METHOD, None)
@@ -138,9 +148,7 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: Any, degree: int) -> 
             "method saying which Linear layers to split. Fix: add one to the model's blocks (see "
             "raytrain_events/parallel/tensor_parallel.py and examples/transformer_lm.py), or use tensor_parallel=1."
         )
-    for _, module, plan in planned:
-        parallelize_module(module, tp_mesh, {name: _style(name, value) for name, value in plan.items()})
-    return [owner for owner, _, _ in planned]
+    return planned
 
 
 def _checksum(inputs: Any) -> torch.Tensor:

@@ -211,6 +211,10 @@ class Parallel:
         if self.spec.pipeline_parallel > 1:
             check_algorithms_for_pipeline(algorithms, self.spec.pipeline_parallel)
 
+    def whole_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The microbatch's loss as the model's (context parallelism: the group's mean of its parts), else ``loss``."""
+        return loss if self.context is None else self.context.whole_loss(loss)
+
     def wrap(
         self, model: torch.nn.Module, dist: Any, device: torch.device, find_unused: bool, optimizers: Sequence[Any] = ()
     ) -> torch.nn.Module:

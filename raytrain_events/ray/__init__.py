@@ -27,6 +27,8 @@ Files:
   instance.
 * ``driver.py``: `RayTrainer`: run the event-driven `Trainer` on every Ray Train worker, from the
   driver.
+* ``data_checks.py``: What the driver checks of the datasets before Ray starts, from metadata only:
+  ``columns`` and ``steps_per_epoch`` against the train set.
 * ``driver_checks.py``: What `RayTrainer` checks on the driver before Ray starts, so a bad run fails
   in seconds, not after start-up.
 * ``embedded.py``: The environment of an embedded local Ray instance: what is set before
@@ -39,6 +41,8 @@ Files:
   or trained again.
 * ``replica_lighthouse.py``: Replica groups lose their Lighthouse: the run stops with the reason and
   the fix.
+* ``spec_checks.py``: The checks of `RunSpec`'s options that need no data and no user code: each
+  option's value, and combinations that cannot train as asked.
 * ``spec.py``: `RunSpec`: the one definition of a `RayTrainer` run's options.
 * ``worker.py``: The function every Ray Train worker runs: build the `Trainer` from the `RunSpec`
   and fit.

@@ -188,6 +188,10 @@ class RayTrainer:
 
         lock = acquire_lock(self.run_url, "running", storage_options=self.storage_options, takeover_stale=True)
         try:
+            if getattr(self.spec.checkpoint, "autoresume", False):  # once, here: the workers log it at INFO
+                from raytrain_events.ray.reports.console import announce_config_change
+
+                announce_config_change(self.run_url, self.storage_options, self.spec.config)
             RunDir(self.run_url, self.storage_options).save_config(self.describe())
             yield
         finally:
@@ -371,6 +375,10 @@ class RayTrainer:
         from raytrain_events.ray.data.loader import cheap_row_count
 
         rows = cheap_row_count(train)
+        if rows is not None:  # a Ray Dataset's count is known only now: steps_per_epoch must agree with it
+            from raytrain_events.ray.data_checks import check_steps_per_epoch
+
+            check_steps_per_epoch(self.spec, train, rows)
         if rows is None and self.spec.steps_per_epoch is None:
             raise ValueError(
                 "The train dataset's row count is not known without running its whole pipeline (it is not in "

@@ -7,7 +7,8 @@ worker would use it (a module; optimizers over its parameters; schedulers on tho
 algorithm names are built from the registry (a typo fails here); the datasets' types are
 checked, and a mixture's sources (`mixture_source.check_mixture`: each in datasets and seekable,
 its rows and its Parquet schema; a bad mixture already failed in `RunSpec`). A factory that cannot run on the driver (it reads files only the workers see, say) is
-skipped with one warning: the worker still builds it, as before.
+skipped with one warning: the worker still builds it, as before; a ValueError from a factory (a value
+it refuses, like a warmup past the run) is raised here, before Ray starts.
 
 Cost: one call of each factory on the meta device per `RayTrainer`, on the driver; it does not
 grow with workers or nodes.
@@ -18,15 +19,22 @@ from __future__ import annotations
 import logging
 from typing import Any, List, Mapping
 
+from raytrain_events.ray.data_checks import check_columns, check_steps_per_epoch
 from raytrain_events.ray.spec import RunSpec
+from raytrain_events.ray.spec_checks import check_mesh
 
 __all__ = ["check_on_driver"]
 
 log = logging.getLogger(__name__)
 
 
-def check_on_driver(spec: RunSpec) -> None:
-    """Refuse what would fail (or train wrongly) on the workers; see the module doc."""
+def check_on_driver(spec: RunSpec, *, build: bool = True) -> None:
+    """Refuse what would fail (or train wrongly) on the workers; see the module doc.
+
+    ``build=False`` (a sweep's base run, whose factories read the trials' config): the factories are
+    not called; each trial's `RayTrainer.fit` calls them with its own config.
+    """
+    check_mesh(spec)  # also with the default single worker (RunSpec checks only an explicit count)
     _check_factory_kinds(spec)
     _check_lists(spec)
     _check_pipeline(spec, model=None)
@@ -35,9 +43,36 @@ def check_on_driver(spec: RunSpec) -> None:
 
         sources = check_mixture(spec.mixture, spec.datasets, spec.shuffle_buffer_size)
         RunSpec.check_datasets({k: v for k, v in spec.datasets.items() if k not in sources})
+        check_columns(spec.columns, sources)
     elif isinstance(spec.datasets, Mapping):
         RunSpec.check_datasets(spec.datasets)
-    _check_on_meta(spec)
+        check_columns(spec.columns, {k: v for k, v in spec.datasets.items() if k == "train"})
+        check_steps_per_epoch(spec, spec.datasets["train"])
+    _check_load_from(spec.checkpoint)
+    if build:
+        _check_on_meta(spec)
+
+
+def _check_load_from(checkpoint: Any) -> None:
+    """``CheckpointConfig(load_from=...)`` must exist (one listing on the driver; unreachable storage is left
+    to the first real read, which names its own problem)."""
+    url = getattr(checkpoint, "load_from", None)
+    if not url:
+        return
+    from raytrain_events.storage.fs import refuse_file_folder, resolve
+
+    refuse_file_folder(url, checkpoint.storage_options, what="load_from")
+    try:
+        fs, path = resolve(url, checkpoint.storage_options)
+        exists = fs.exists(path)
+    except Exception:  # noqa: BLE001 -- unreachable storage: the load reports it with its own message
+        return
+    if not exists:
+        raise FileNotFoundError(
+            f"CheckpointConfig(load_from={url!r}): nothing is there. Fix: the folder of a checkpoint (with "
+            "manifest.json) or a folder of checkpoints, e.g. <storage_path>/<run_name>/checkpoints; to continue a "
+            "run by name use CheckpointConfig(autoresume=True) with its run_name instead."
+        )
 
 
 def _check_factory_kinds(spec: RunSpec) -> None:
@@ -104,6 +139,8 @@ def _check_on_meta(spec: RunSpec) -> None:
     try:
         with torch.device("meta"):
             model = spec.build_model()
+    except ValueError:
+        raise  # a refused value (a warmup past the run, a bad config): the workers would fail the same way
     except Exception as exc:  # noqa: BLE001 -- a factory may need the worker's files or devices
         log.warning(
             "Could not check the model factory on the driver (on the meta device): %s: %s. The workers build it.",
@@ -120,11 +157,14 @@ def _check_on_meta(spec: RunSpec) -> None:
         with torch.device("meta"):
             optimizers = spec.build_optimizers(model)
             schedulers = spec.build_schedulers(optimizers)
+    except ValueError:
+        raise  # as above: a value the factories refuse is refused here, before Ray starts
     except Exception as exc:  # noqa: BLE001
         log.warning("Could not check the optimizer/scheduler factories on the driver: %s: %s.", type(exc).__name__, exc)
         return
     _check_pipeline(spec, model)
     check_optimizers(optimizers, model)
+    _check_parallel_model(spec, model)
     listed: List[Any] = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
     check_schedulers(_as_list(schedulers), listed)
 
@@ -151,3 +191,17 @@ def _as_list(value: Any) -> List[Any]:
     if value is None:
         return []
     return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _check_parallel_model(spec: RunSpec, model: Any) -> None:
+    """Tensor and context parallelism need the model's say: its TP plan (checked against the degree) and
+    its sequence split method, refused here on the meta model instead of on every worker."""
+    tp, cp = spec.tensor_parallel, spec.parallelism_spec.context_parallel
+    if tp > 1:
+        from raytrain_events.parallel.tensor_parallel import tensor_parallel_plans
+
+        tensor_parallel_plans(model, tp)
+    if cp > 1:
+        from raytrain_events.parallel.context_parallel import check_model
+
+        check_model(model, cp)

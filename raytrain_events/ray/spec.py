@@ -22,9 +22,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
-from raytrain_events.core.mixture import Mixture
-from raytrain_events.core.time import TimeUnit, ensure_time
 from raytrain_events.core.time_value import check_countable
+from raytrain_events.ray.spec_checks import check_data_and_scaling, check_run_options
 from raytrain_events.trainer.options import LoopOptions, option, refuse_unknown
 
 __all__ = ["RunSpec", "option_names"]
@@ -165,8 +164,6 @@ class RunSpec(LoopOptions):
                     f"eval_options[{name!r}] has unknown keys {unknown}: use eval_interval, subset_num_batches, "
                     "metric_names."
                 )
-        if self.report_interval is not None:
-            ensure_time(self.report_interval, TimeUnit.BATCH)
         if self.hang_timeout is not None and (
             not isinstance(self.hang_timeout, (int, float))
             or isinstance(self.hang_timeout, bool)
@@ -178,7 +175,7 @@ class RunSpec(LoopOptions):
             )
         if self.report_interval is None and self.report_every_s is None:
             raise ValueError("Pass report_interval (a Time, like '500ba') or report_every_s (seconds), or both.")
-        self._check_data_and_scaling()
+        check_data_and_scaling(self)  # ray/spec_checks.py: each option's value, and combinations of them
         from raytrain_events.ray.checkpointing.validation import check_validation, parse_validation
 
         self.validation = parse_validation(self.validation)
@@ -195,8 +192,9 @@ class RunSpec(LoopOptions):
             from raytrain_events.checkpoint.folder.retention import check_ray_ranking
 
             check_ray_ranking(self.checkpoint)
-            # The driver holds the run dir's lock for the whole run; workers must not take it again.
-            self.checkpoint = dataclasses.replace(self.checkpoint, lock_run_dir=False)
+            # The driver holds the run dir's lock for the whole run, and announces a changed config once
+            # (ray/reports/console.announce_config_change); workers must not do either again.
+            self.checkpoint = dataclasses.replace(self.checkpoint, lock_run_dir=False, announce_config_change=False)
         from raytrain_events.storage.exp_dir import check_run_name, fresh_run_name
         from raytrain_events.storage.fs import check_storage_url
 
@@ -209,63 +207,7 @@ class RunSpec(LoopOptions):
         self.driver_loggers = list(self.driver_loggers or ())
         if self.log_step not in ("sample", "batch", "token", "epoch"):
             raise ValueError(f"log_step={self.log_step!r}: use 'sample', 'batch', 'token' or 'epoch'.")
-
-    def _check_data_and_scaling(self) -> None:
-        """``datasets``, ``batch_size``, ``num_workers``/``scaling_config`` and ``global_batch_size``."""
-        if self.mixture is not None:  # kept as plain data (config.yaml, Tune); a bad one fails here (MixtureError)
-            self.mixture = Mixture.plain(self.mixture)
-        if isinstance(self.datasets, Mapping):
-            self.datasets = dict(self.datasets)
-            if "train" not in self.datasets and self.mixture is None:
-                raise ValueError(
-                    f"datasets has no 'train' entry (got {sorted(self.datasets)}); pass datasets={{'train': ds, ...}}."
-                )
-        elif not callable(self.datasets):
-            raise TypeError(f"datasets must be a dict of Ray Datasets or fn(config) -> dict, got {self.datasets!r}.")
-        if not isinstance(self.batch_size, int) or isinstance(self.batch_size, bool) or self.batch_size < 1:
-            raise ValueError(f"batch_size={self.batch_size!r} must be a positive integer (rows per worker per batch).")
-        if self.scaling_config is not None and (
-            self.num_workers is not None or self.use_gpu or self.resources_per_worker is not None
-        ):
-            raise ValueError(
-                "Pass either scaling_config or num_workers/use_gpu/resources_per_worker, not both "
-                f"(got scaling_config={self.scaling_config!r}, num_workers={self.num_workers!r})."
-            )
-        if isinstance(self.num_workers, list):
-            self.num_workers = tuple(self.num_workers)
-        workers = self.workers
-        counts = workers if isinstance(workers, tuple) else (workers,)
-        if (
-            len(counts) not in (1, 2)
-            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in counts)
-            or (len(counts) == 2 and counts[0] > counts[1])
-        ):
-            raise ValueError(
-                f"num_workers={workers!r} must be an integer >= 1, or (min, max) with 1 <= min <= max for an "
-                "elastic group."
-            )
-        if self.resources_per_worker is not None and (
-            not isinstance(self.resources_per_worker, Mapping)
-            or not all(
-                isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
-                for k, v in self.resources_per_worker.items()
-            )
-        ):
-            raise TypeError(
-                f"resources_per_worker={self.resources_per_worker!r} must map Ray resource names to amounts, "
-                "like resources_per_worker={'CPU': 2} or {'CPU': 4, 'GPU': 1}."
-            )
-        if self.columns is not None and (
-            isinstance(self.columns, str) or not all(isinstance(c, str) for c in self.columns)
-        ):
-            fix = [self.columns] if isinstance(self.columns, str) else ["image", "label"]
-            raise TypeError(f"columns={self.columns!r} must be a list of column names. Fix: columns={fix!r}.")
-        if self.global_batch_size is not None and (
-            not isinstance(self.global_batch_size, int) or self.global_batch_size < 1
-        ):
-            raise ValueError(
-                f"global_batch_size={self.global_batch_size!r} must be a positive integer (rows per step)."
-            )
+        check_run_options(self)  # reports, failures, storage, the mixture's stages (ray/spec_checks.py)
 
     # -- derived values ------------------------------------------------------------------------
     @classmethod
@@ -487,13 +429,29 @@ def _is_state_schedule(obj: Any) -> bool:
     return getattr(obj, "is_state_schedule", False)
 
 
+_CONFIG_NAMES = ("config", "cfg")
+
+
 def call_factory(fn: Factory, *args: Any) -> Any:
-    """Call ``fn`` with as many leading ``args`` as it accepts."""
+    """Call ``fn`` with as many leading ``args`` as it takes (the last of ``args`` is the run's config).
+
+    A parameter with a default (``lambda model, lr=0.1: ...``) is left to its default unless it is
+    named ``config`` or ``cfg``: the config dict must not arrive as ``lr``.
+    """
     try:
-        params = inspect.signature(fn).parameters.values()
+        params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
         return fn(*args)
     if any(p.kind is p.VAR_POSITIONAL for p in params):
         return fn(*args)
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return fn(*args[: len(positional)])
+    count = 0
+    for p in params:
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) or count == len(args):
+            break
+        if p.default is not p.empty and p.name not in _CONFIG_NAMES:
+            break
+        count += 1
+    named = [p.name for p in params[count:] if p.name in _CONFIG_NAMES and p.kind is not p.POSITIONAL_ONLY]
+    if args and count < len(args) and named:
+        return fn(*args[:count], **{named[0]: args[-1]})
+    return fn(*args[:count])

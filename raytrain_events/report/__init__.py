@@ -123,10 +123,14 @@ def _run_report(url: str, options: Dict[str, Any]) -> Tuple[str, List[str], Dict
         sections += [f"<h2>{html.escape(captions.get(file, file))}</h2>", html.image(file, captions.get(file, file))]
     sections += _per_source_section(final)
     sections += _goodput_sections(url, options, history, files)
-    checkpoints = [e for e in history if e.get("checkpoint_path")]
+    checkpoints, deleted = _kept_checkpoints(url, options, [e for e in history if e.get("checkpoint_path")])
     if checkpoints:
         start = next((e["wall_time"] for e in history if "wall_time" in e), None)
         sections.append("<h2>Checkpoints</h2>")
+        if deleted:
+            sections.append(
+                f"<p>The checkpoints in the run directory now; {deleted} older one(s) were deleted (keep).</p>"
+            )
         sections.append(
             html.table(
                 ["checkpoint", "epoch", "batch", "sample", "minute", "attempt"],
@@ -149,6 +153,26 @@ def _run_report(url: str, options: Dict[str, Any]) -> Tuple[str, List[str], Dict
 
         sections += ["<h2>Run config</h2>", html.pre(yaml.safe_dump(config, sort_keys=False, default_flow_style=False))]
     return f"Run report: {name}", sections, files
+
+
+def _kept_checkpoints(
+    url: str, options: Dict[str, Any], saved: List[Dict[str, Any]]
+) -> Tuple[List[Dict[str, Any]], int]:
+    """The history's checkpoint entries whose checkpoint is still in the run's checkpoints folder, and how many
+    were deleted (``keep``); all of them when the folder cannot be listed. One listing of the folder."""
+    from raytrain_events.checkpoint.folder.store import list_checkpoints  # imports torch: deferred
+    from raytrain_events.storage.fs import resolve  # imports fsspec: deferred, as in write_report
+
+    folder = RunDir(url, options).checkpoints
+    try:
+        fs, path = resolve(folder, options)
+        if not fs.exists(path):
+            return saved, 0  # checkpoints kept elsewhere (a moved run): the history is all there is
+        names = {c.name for c in list_checkpoints(folder, storage_options=options)}
+    except Exception:  # noqa: BLE001 -- an unreadable folder: the report shows what the history lists
+        return saved, 0
+    kept = [e for e in saved if e["checkpoint_path"].rstrip("/").rsplit("/", 1)[-1] in names]
+    return kept, len(saved) - len(kept)
 
 
 def _per_source_section(final: Dict[str, Any]) -> List[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Sequence
 
+from raytrain_events.core.time import Time, TimeUnit
 from raytrain_events.schedulers._convert import TimeLike, as_time, common_unit
 from raytrain_events.schedulers.schedulers import MultiStepScheduler, Scheduler, cosine_anneal, now_in
 
@@ -24,6 +25,19 @@ __all__ = [
     "PolynomialWithWarmupScheduler",
     "MultiStepWithWarmupScheduler",
 ]
+
+
+def _warmup_time(value: TimeLike) -> Time:
+    """``t_warmup`` parsed; a warmup past the run's end in 'dur' (the LR would never reach its peak) refused."""
+    time = as_time(value, "t_warmup")
+    if time.unit == TimeUnit.DURATION and time.value > 1:
+        raise ValueError(
+            f"t_warmup={value!r} is longer than the run ('1dur' is all of it): the learning rate would never reach "
+            "its peak. Fix: a fraction of the run, like t_warmup='0.05dur', or a count like '500ba'."
+        )
+    if time.value < 0:
+        raise ValueError(f"t_warmup={value!r} is negative. Fix: t_warmup='0.05dur' (or '0ba' for no warmup).")
+    return time
 
 
 class _WarmupScheduler(Scheduler):
@@ -41,6 +55,14 @@ class _WarmupScheduler(Scheduler):
             converted["t_warmup"], converted["t_max"] = common_unit(
                 converted["t_warmup"], converted["t_max"], state, ("t_warmup", "t_max")
             )
+            if converted["t_warmup"].value >= converted["t_max"].value > 0:
+                warnings.warn(
+                    f"{type(self).__name__}: the warmup t_warmup={self.t_warmup.to_timestring()!r} lasts until "
+                    f"t_max={self.t_max.to_timestring()!r} or longer on this run (max_duration="
+                    f"{state.max_duration.to_timestring() if state.max_duration else None!r}): the learning rate "
+                    "reaches its peak only at the end, if at all. Shorten t_warmup (e.g. '0.05dur').",
+                    stacklevel=3,
+                )
         return converted
 
     def _warmup(self, state: State):
@@ -65,7 +87,7 @@ class ConstantWithWarmupScheduler(_WarmupScheduler):
 
     def __init__(self, t_warmup: TimeLike = "0.05dur", alpha: float = 1.0, t_max: TimeLike = "1dur") -> None:
         super().__init__()
-        self.t_warmup, self.alpha, self.t_max = as_time(t_warmup, "t_warmup"), alpha, as_time(t_max, "t_max")
+        self.t_warmup, self.alpha, self.t_max = _warmup_time(t_warmup), alpha, as_time(t_max, "t_max")
         self._peak = alpha
 
     def __call__(self, state: State) -> float:
@@ -82,7 +104,7 @@ class LinearWithWarmupScheduler(_WarmupScheduler):
         self, t_warmup: TimeLike = "0.05dur", alpha_i: float = 1.0, alpha_f: float = 0.0, t_max: TimeLike = "1dur"
     ) -> None:
         super().__init__()
-        self.t_warmup, self.t_max = as_time(t_warmup, "t_warmup"), as_time(t_max, "t_max")
+        self.t_warmup, self.t_max = _warmup_time(t_warmup), as_time(t_max, "t_max")
         self.alpha_i, self.alpha_f = alpha_i, alpha_f
         self._peak = alpha_i
 
@@ -98,7 +120,7 @@ class CosineAnnealingWithWarmupScheduler(_WarmupScheduler):
 
     def __init__(self, t_warmup: TimeLike = "0.05dur", t_max: TimeLike = "1dur", alpha_f: float = 0.0) -> None:
         super().__init__()
-        self.t_warmup, self.t_max, self.alpha_f = as_time(t_warmup, "t_warmup"), as_time(t_max, "t_max"), alpha_f
+        self.t_warmup, self.t_max, self.alpha_f = _warmup_time(t_warmup), as_time(t_max, "t_max"), alpha_f
 
     def __call__(self, state: State) -> float:
         warming, value, times = self._warmup(state)
@@ -114,7 +136,7 @@ class PolynomialWithWarmupScheduler(_WarmupScheduler):
         self, t_warmup: TimeLike = "0.05dur", power: float = 2.0, t_max: TimeLike = "1dur", alpha_f: float = 0.0
     ) -> None:
         super().__init__()
-        self.t_warmup, self.power = as_time(t_warmup, "t_warmup"), power
+        self.t_warmup, self.power = _warmup_time(t_warmup), power
         self.t_max, self.alpha_f = as_time(t_max, "t_max"), alpha_f
 
     def __call__(self, state: State) -> float:
@@ -131,7 +153,7 @@ class MultiStepWithWarmupScheduler(_WarmupScheduler):
 
     def __init__(self, t_warmup: TimeLike, milestones: Sequence[TimeLike], gamma: float = 0.1) -> None:
         super().__init__()
-        self.t_warmup = as_time(t_warmup, "t_warmup")
+        self.t_warmup = _warmup_time(t_warmup)
         self.milestones = [as_time(m, "milestones") for m in milestones]
         self.gamma = gamma
         self._steps = MultiStepScheduler(self.milestones, gamma)

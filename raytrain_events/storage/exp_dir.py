@@ -44,11 +44,15 @@ from raytrain_events.storage.run_dir import checkpoints_url as checkpoints_url
 _RUN_RE = re.compile(r"^run_(\d+)$")
 
 
+NAME_MAX = 255  # bytes in one folder name on Linux and macOS (and a sane key part on object stores)
+
+
 def check_run_name(name: Any, what: str = "run_name") -> str:
     """``name`` if it is one folder name inside the storage folder; else a ValueError naming the fix.
 
     Refused: anything but a non-empty string, ``.`` and ``..``, a ``/`` or ``\\`` (a path, or an
-    absolute one), surrounding blanks, control characters and a ``://`` URL: each would put the
+    absolute one), surrounding blanks, control characters, a ``://`` URL and more than `NAME_MAX`
+    bytes (no file system holds it): each would put the
     run's files outside ``<storage_path>/<name>`` or in a folder other runs share.
     """
     problem = None
@@ -62,6 +66,8 @@ def check_run_name(name: Any, what: str = "run_name") -> str:
         problem = "is a path (it has '/' or '\\'): the run would live outside its storage folder"
     elif name != name.strip() or any(ord(c) < 32 for c in name):
         problem = "has surrounding blanks or control characters"
+    elif len(name.encode()) > NAME_MAX:
+        problem = f"is {len(name.encode())} bytes long: a folder name holds at most {NAME_MAX} (put details in config=)"
     if problem is not None:
         raise ValueError(
             f"{what}={name!r} {problem}. Fix: give one folder name, like {what}='digits-lr0.1' (letters, digits, "

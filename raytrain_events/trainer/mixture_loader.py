@@ -45,6 +45,8 @@ def row_schema(row: Any) -> Tuple[Tuple[str, str], ...]:
 class MixtureLoader:
     """Batches of a `Mixture` over map-style datasets (``len`` and ``[row]``), one per source name."""
 
+    yields_batches = True  # a loader of batches, passed to Trainer as it is (core/data_spec.check_loader)
+
     def __init__(  # noqa: PLR0913 (the mixture, its datasets, then keyword-only loader options)
         self,
         mixture: Mixture,
@@ -63,6 +65,12 @@ class MixtureLoader:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
             raise ValueError(f"batch_size={batch_size!r} must be a positive int (rows per rank per batch).")
         names = list(mixture.names)
+        odd = [key for key in datasets if not isinstance(key, str)]
+        if odd:
+            raise MixtureError(
+                f"The datasets' names {odd!r} are not strings: name each dataset by its mixture source, e.g. "
+                f"{{{', '.join(repr(str(k)) + ': ...' for k in odd)}}}."
+            )
         if sorted(datasets) != sorted(names):
             raise MixtureError(
                 f"The datasets are named {sorted(datasets)} but the mixture's sources are {sorted(names)}: "

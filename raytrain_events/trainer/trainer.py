@@ -464,7 +464,7 @@ class Trainer:
             backward_loss.backward(create_graph=create_graph)
         if active[_AFTER_BACKWARD]:
             engine.run_event(_AFTER_BACKWARD)
-        return loss
+        return self.parallel.whole_loss(loss)  # CP: the model's loss (its group's mean), not this rank's part
 
     # ------------------------------------------------------ eval and predict
     def eval(self, eval_dataloader: Any = None, subset_num_batches: int = -1) -> Dict[str, Any]:

@@ -117,6 +117,8 @@ Files:
 * ``sets.py``: Algorithm sets for sweeps: labels, validation, and the Tune grid over them.
 * ``simplex.py``: Mixture weights as a search space: Dirichlet samples on the simplex, a grid of
   named mixtures.
+* ``sweep_checks.py``: What `sweep()` checks before Ray starts and before any trial trains: the trials'
+  base run, every ``param_space["trainer"]`` value, the metric's eval set, PBT without checkpoints.
 * ``trial.py``: What one Tune trial runs: the sweep's base `RunSpec` with the trial's overrides, as
   a `RayTrainer` run.
 """

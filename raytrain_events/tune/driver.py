@@ -18,6 +18,7 @@ from raytrain_events.ray.spec import RunSpec
 from raytrain_events.tune.placement import ReleaseTrainWorkers, release_placement_groups, start_registry
 from raytrain_events.tune.results import TIME_ATTRS, SweepResult, is_finite_number, make_result
 from raytrain_events.tune.sets import space_choices, validate_set
+from raytrain_events.tune.sweep_checks import check_sweep
 from raytrain_events.tune.trial import (
     TrialSetup,
     base_spec,
@@ -90,6 +91,7 @@ def sweep(
     base = _validate(trainer, param_space, metric, mode, num_samples, max_concurrent_trials, scheduler)
     if name is not None:  # the sweep's folder: one name inside storage_path (as a run's), checked before Ray starts
         check_run_name(name, "name")
+    check_sweep(base, dict(param_space or {}), metric, storage_path, _is_pbt(scheduler))
     ensure_ray()
     experiment = _prepare(storage_path, storage_options, name, resume)
     tuner_options = dict(

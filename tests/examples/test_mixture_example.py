@@ -30,3 +30,7 @@ def test_mixture_example_prints_the_plans_tokens_per_source(ray_cluster, tmp_pat
     assert tokens == {n: rows * (example.SEQ - 1) for n, rows in zip(plan.names, plan.epoch_totals(0))}
     assert sum(tokens.values()) == result.timestamp.token.value and result.timestamp.sample.value == 1600
     assert tokens["math"] == 400 * (example.SEQ - 1)  # 10% of the first 800 rows, 40% of the next 800
+    # The line naming the run report comes only with the report it names (issue 48).
+    line = example.report_line(result.run_url)
+    written = sorted(str(p) for p in (tmp_path / "runs").rglob("report.html"))
+    assert len(written) == 1 and line == f"run report: {written[0]}", (line, written)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raytrain_events.ray.data.loader import _check_columns
+from raytrain_events.ray.data.loader import pick_columns
 from raytrain_events.ray.driver import RayTrainer
 
 
@@ -42,6 +42,16 @@ def test_memory_storage_is_refused_for_ray_runs():
 
 
 def test_missing_columns_fail_on_first_batch_naming_found_columns():
-    batches = iter([{"features": torch.zeros(2, 3), "label": torch.zeros(2)}])
+    batch = {"features": torch.zeros(2, 3), "label": torch.zeros(2)}
     with pytest.raises(KeyError, match=r"no column\(s\) \['x', 'y'\].*\['features', 'label'\]"):
-        next(_check_columns(batches, ["x", "y"]))
+        pick_columns(batch, ["x", "y"])
+
+
+def test_columns_restrict_the_batch_to_those_columns():
+    """``columns=[...]``: "only these columns reach the batch", for a dict batch and an Arrow table."""
+    import pyarrow as pa
+
+    batch = {"features": torch.zeros(2, 3), "label": torch.zeros(2), "id": torch.arange(2)}
+    assert list(pick_columns(batch, ["label", "features"])) == ["label", "features"]
+    table = pa.table({"a": [1, 2], "b": [3, 4], "c": [5, 6]})
+    assert pick_columns(table, ["c", "a"]).column_names == ["c", "a"]

@@ -224,6 +224,7 @@ class Checkpointer(Callback):
             ignore=ignore,
             weights_only=weights_only,
             local=local,
+            announce=self.config.announce_config_change,
         )
         if local is not None:  # which tier served each file, on each rank (a warning when storage served some)
             log = _log.warning if local.storage else _log.info

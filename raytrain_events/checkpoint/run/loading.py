@@ -81,8 +81,9 @@ def apply_checkpoint(
     ignore: Sequence[str] = (),
     weights_only: bool = False,
     local: Optional[LocalCopies] = None,
+    announce: bool = True,
 ) -> Optional[Dict[str, Any]]:
-    """Restore ``loaded`` into ``host.state``; returns this rank's saved RNG state (already restored
+    """Restore ``loaded`` into ``host.state`` (``announce``: a changed config as a warning, else at INFO); returns this rank's saved RNG state (already restored
     to its value at the save; ``epoch_start`` is its value at that epoch's start), or None when the
     load restores weights only, is for inference, or the checkpoint holds no RNG file for this rank.
     ``local``: the node-local copy of its files, read where they match the manifest (else storage)."""
@@ -113,7 +114,7 @@ def apply_checkpoint(
         state.load_state_dict(saved, strict=strict, ignored=ignored_model_keys)
     if weights_only or inference:
         return None
-    _warn_config_changed(host, loaded)
+    _warn_config_changed(host, loaded, announce)
     if state.max_duration is not None and is_done(state) and state.rank == 0:
         _log.warning(
             "The checkpoint %s is at %s, already at or past max_duration=%s: fit() will train nothing. To train "
@@ -147,12 +148,16 @@ def check_manifest_timestamp(info: Any, saved: Dict[str, Any]) -> None:
         )
 
 
-def _warn_config_changed(host: CheckpointHost, loaded: LoadedCheckpoint) -> None:
-    """Rank 0 logs a diff when the run resumes with a config other than the one saved."""
+def _warn_config_changed(host: CheckpointHost, loaded: LoadedCheckpoint, announce: bool) -> None:
+    """Rank 0 logs a diff when the run resumes with a config other than the one saved (a warning when it
+    ``announce``s it; at INFO where the driver already did: a Ray worker's line would break the progress bar)."""
     saved_config = loaded.info.metadata.get("config")
     if host.state.rank == 0 and saved_config is not None and host.config and saved_config != host.config:
         from raytrain_events.storage.config_diff import format_config_diff
 
-        _log.warning(
-            "Resuming %s with a different config:\n%s", loaded.info.url, format_config_diff(saved_config, host.config)
+        _log.log(
+            logging.WARNING if announce else logging.INFO,
+            "Resuming %s with a different config:\n%s",
+            loaded.info.url,
+            format_config_diff(saved_config, host.config),
         )

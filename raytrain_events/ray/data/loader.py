@@ -89,28 +89,30 @@ class ShardLoader:
             device=self.device,
         )
         if self.collate_fn is not None:
-            kwargs["collate_fn"] = self.collate_fn
+            collate, columns = self.collate_fn, self.columns
+            # `columns`: only those reach collate_fn (the numpy batch's other columns are dropped first)
+            kwargs["collate_fn"] = collate if columns is None else (lambda batch: collate(pick_columns(batch, columns)))
         if self.shuffle_buffer_size:
             kwargs["local_shuffle_buffer_size"] = self.shuffle_buffer_size
             kwargs["local_shuffle_seed"] = None if self.seed is None else self.seed + self.epoch
         batches = self.shard.iter_torch_batches(**kwargs)
-        if self.columns is None:
+        if self.columns is None or self.collate_fn is not None:
             return iter(batches)
-        return _check_columns(batches, self.columns)
+        return (pick_columns(batch, self.columns) for batch in batches)
 
 
-def _check_columns(batches, columns: List[str]):
-    first = True
-    for batch in batches:
-        if first and isinstance(batch, dict):
-            missing = [c for c in columns if c not in batch]
-            if missing:
-                raise KeyError(
-                    f"The dataset has no column(s) {missing}; its batches have columns {sorted(batch)}. "
-                    "Rename the columns (Dataset.rename_columns) or change the model's input/target keys."
-                )
-        first = False
-        yield batch
+def pick_columns(batch: Any, columns: List[str]) -> Any:
+    """Only ``columns`` of a dict batch (or a pyarrow table); a missing one fails naming the columns there."""
+    names = list(batch.column_names) if hasattr(batch, "column_names") else list(batch)
+    missing = [c for c in columns if c not in names]
+    if missing:
+        raise KeyError(
+            f"The dataset has no column(s) {missing}; its batches have columns {sorted(names)}. "
+            "Rename the columns (Dataset.rename_columns) or change columns= (or the model's input/target keys)."
+        )
+    if hasattr(batch, "select"):
+        return batch.select(columns)
+    return {c: batch[c] for c in columns}
 
 
 class DeterministicSplitDataConfig(DataConfig):
@@ -359,7 +361,6 @@ class GlobalOrderLoader:
         first, count = 0, self.prefetch_batches
         pending = shard.feeder.batches.remote(epoch, position, shard.rank, first, count)
         ahead = None  # the next chunk (its answer, its fetch started) when it came in early
-        checked = self.columns is None
         while pending is not None or ahead is not None:
             if ahead is None:
                 served = self._served(pending, epoch, position, first, count)
@@ -376,11 +377,7 @@ class GlobalOrderLoader:
                 if here is not None and pending is not None and ray.wait([pending], timeout=0)[0]:
                     answer = self._served(pending, epoch, position, first, count)
                     ahead, pending = (answer, start_fetch(answer, here)), None
-                batch = self._to_batch(slices, blocks)
-                if not checked:
-                    next(_check_columns([batch], self.columns or []))
-                    checked = True
-                yield batch
+                yield self._to_batch(slices, blocks)
 
     def _served(self, pending: Any, epoch: int, position: int, first: int, count: int) -> List[Any]:
         """The feeder's answer to ``pending``. If the feeder died (it restarts, ``max_restarts``) or
@@ -421,6 +418,8 @@ class GlobalOrderLoader:
         from ray.data.block import BlockAccessor
 
         parts = [_part(piece, blocks) for piece in _merged(slices)]
+        if self.columns is not None:  # only these columns reach the batch (and collate_fn)
+            parts = [pick_columns(part, self.columns) if isinstance(part, pa.Table) else part for part in parts]
         if self.collate_fn is None and all(isinstance(part, pa.Table) for part in parts):
             from raytrain_events.ray.data.batch_tensors import table_to_torch
 
@@ -433,6 +432,8 @@ class GlobalOrderLoader:
                 builder.add_block(part)
             table = builder.build()
         batch = BlockAccessor.for_block(table).to_batch_format("numpy")
+        if self.columns is not None:
+            batch = pick_columns(batch, self.columns)
         if self.collate_fn is not None:
             return self.collate_fn(batch)
         from raytrain_events.ray._compat import ndarray_batch_to_torch

@@ -41,7 +41,7 @@ from raytrain_events.core.mixture import Mixture, MixtureError
 from raytrain_events.core.mixture_plan import MixturePlan
 from raytrain_events.ray.data.feeder import bundle_blocks
 
-__all__ = ["MixtureSource", "check_mixture", "mixture_train_set"]
+__all__ = ["MixtureSource", "check_mixture", "mixture_plan_args", "mixture_train_set"]
 
 _PLAN_STEP = 4096  # positions whose sources are computed at once
 _PASS_SEED = 1_000_003  # a source's pass p > 0 is permuted with seed + p * this
@@ -221,9 +221,10 @@ def _fields(schema: Any) -> Dict[str, str]:
     return {field.name: str(field.type) for field in schema}
 
 
-def mixture_train_set(spec: Any, datasets: Mapping[str, Any]) -> Dict[str, Any]:
-    """``datasets`` with the mixture's sources replaced by one ``"train"`` `MixtureSource` (the driver's step)."""
-    sources = check_mixture(spec.mixture, datasets, spec.shuffle_buffer_size)
+def mixture_plan_args(spec: Any) -> Dict[str, Any]:
+    """What fixes the run's `MixturePlan` (the mixture, seed, run length, global batch), checked: a stage the
+    run cannot place (after its end, out of order, a 'dur' stage in a run counted in tokens) fails here, on the
+    driver before Ray starts (`driver_checks`) and again when the driver builds the train set."""
     mixture = Mixture.from_dict(spec.mixture)
     workers = spec.workers
     group = spec.parallelism_spec.batch_group  # ranks that share rows (TP x CP), as TrainDataConfig counts them
@@ -239,7 +240,14 @@ def mixture_train_set(spec: Any, datasets: Mapping[str, Any]) -> Dict[str, Any]:
         "total_samples": run_samples(spec.max_duration, mixture.epoch_size, global_batch),
         "global_batch": global_batch,
     }
-    plan_of(plan_args)  # a stage the run cannot place (after its end, out of order) fails here
+    plan_of(plan_args)
+    return plan_args
+
+
+def mixture_train_set(spec: Any, datasets: Mapping[str, Any]) -> Dict[str, Any]:
+    """``datasets`` with the mixture's sources replaced by one ``"train"`` `MixtureSource` (the driver's step)."""
+    sources = check_mixture(spec.mixture, datasets, spec.shuffle_buffer_size)
+    plan_args = mixture_plan_args(spec)
     out = {name: ds for name, ds in datasets.items() if name not in sources}
     out["train"] = MixtureSource(sources, plan_args, spec.seed)
     return out

@@ -213,6 +213,12 @@ class ParquetRowGroups:
                 self.units.append((i, g, group.num_rows))
                 self.sizes[(i, g)] = _group_bytes(group, self.columns)
         schema = metas[0].schema.to_arrow_schema()  # the first file's (a mixture compares its sources' schemas)
+        missing = [c for c in self.columns or () if c not in schema.names]
+        if missing:
+            raise ValueError(
+                f"ParquetRowGroups(columns={self.columns!r}) names {missing}, which {self.paths[0]!r} does not have; "
+                f"its columns are {schema.names}. Fix: columns= of those names, or None for every column."
+            )
         self.schema = schema if columns is None else pa.schema([schema.field(c) for c in columns if c in schema.names])
         if not self.count():
             raise ValueError(f"The Parquet files {self.paths[:3]}{'...' if len(self.paths) > 3 else ''} hold no rows.")

@@ -51,6 +51,13 @@ status: Invalid: KillActor RPC failed``                       actor whose worker
 ``'EpochFeeder' ... constructor arguments in the object       Fixed at its cause: the feeder is created with plain
 store and max_restarts > 0``                                  values only and gets the dataset by reference in each
                                                               ``start_epoch`` call (`feeder.py`, Restarts).
+``(TrainController) Failed to send resource request for      Ray Train's autoscaling client under CPU overload, with
+train-...`` and its ``GetTimeoutError`` traceback             a traceback it calls safe to ignore: not shown (Ray
+                                                              may forward it a line at a time: the header opens
+                                                              the block, its traceback lines are dropped).
+``(RayTrainWorker) Resuming ... with a different config:``   Announced once on the driver before the progress bar
+                                                              (`announce_config_change`); the workers log it at INFO
+                                                              (``CheckpointConfig.announce_config_change=False``).
 ===========================================================  ==================================================
 
 Every other line (the job's own prints, warnings and errors from user code, Ray's errors) still
@@ -62,9 +69,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 __all__ = [
+    "announce_config_change",
     "train_logging_config",
     "drop_noise_until_shutdown",
     "quiet_terminal",
@@ -90,8 +98,21 @@ NOISE: List[Tuple[Optional[str], re.Pattern[str]]] = [
 # Sources whose traceback blocks are Ray-internal races or misconfigurations listed above.
 _TRACEBACKS: Dict[str, re.Pattern[str]] = {
     "PlacementGroupCleaner": re.compile(r"PlacementGroupCleanerMonitor|Found multiple active Ray instances"),
-    "ListFiles": re.compile(r"completion-signaler|InterruptedError"),
 }
+
+
+# Ray-internal warnings logged with a traceback that say they are safe to ignore. Under CPU load Ray
+# forwards such a block one line at a time, so the header opens the block for its source and the
+# traceback's lines are dropped up to its exception line (`filter_batch`).
+_BLOCK_HEADERS: List[Tuple[Optional[str], re.Pattern[str]]] = [
+    # Ray Train's autoscaling coordinator client: "... If this only happens transiently during network
+    # partition or CPU being overloaded, it's safe to ignore this error." (a GetTimeoutError traceback)
+    ("TrainController", re.compile(r"Failed to send resource request for train-")),
+    ("ListFiles", re.compile(r"completion-signaler")),  # the Ray Data race in the table above
+]
+_TRACEBACK_LINE = re.compile(r"^(Traceback \(most recent call last\):|\s|\^)")
+_EXCEPTION_LINE = re.compile(r"^[\w.]+(Error|Exception)\b")
+_open_blocks: Set[Tuple[Optional[str], Any]] = set()  # (source, pid) inside a dropped block
 
 
 def is_noise(source: Optional[str], line: str) -> bool:
@@ -112,7 +133,19 @@ def filter_batch(data: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     block = _TRACEBACKS.get(source or "")
     if block is not None and any(block.search(line) for line in lines):
         return None  # the whole traceback block of a known internal failure
-    kept = [line for line in lines if not is_noise(source, line)]
+    key = (source, data.get("pid"))
+    kept = []
+    for line in lines:
+        if key in _open_blocks:
+            if _TRACEBACK_LINE.match(line):
+                continue
+            _open_blocks.discard(key)
+            if _EXCEPTION_LINE.match(line):
+                continue  # the block's last line
+        if any((src is None or src == source) and p.search(line) for src, p in _BLOCK_HEADERS):
+            _open_blocks.add(key)
+        elif not is_noise(source, line):
+            kept.append(line)
     if not kept:
         return None
     return {**data, "lines": kept}
@@ -231,3 +264,22 @@ def _redirected(write: Callable[[str, Any], None]) -> Iterator[None]:
         yield
     finally:
         sys.stdout, sys.stderr = saved
+
+
+# --------------------------------------------------------------------------- a resumed run
+def announce_config_change(run_url: str, storage_options: Dict[str, Any], config: Dict[str, Any]) -> None:
+    """Once, on the driver before the run starts: how the job's ``config`` differs from the one the run
+    directory saved at its last start (one read of its config.yaml; nothing when there is none or it is equal)."""
+    from omegaconf import OmegaConf
+
+    from raytrain_events.storage.config_diff import format_config_diff
+    from raytrain_events.storage.run_dir import RunDir
+
+    try:
+        saved = OmegaConf.to_container(RunDir(run_url, storage_options).load_config())
+    except FileNotFoundError:
+        return
+    previous = saved.get("config") if isinstance(saved, dict) else None
+    diff = format_config_diff(previous, config) if previous is not None else ""
+    if diff:
+        logging.getLogger(__name__).warning("Resuming %s; its config changed since the last start:\n%s", run_url, diff)

@@ -15,7 +15,9 @@ from typing import Any, Dict, List, Optional
 
 from raytrain_events.core.time import Time, report_key
 
-__all__ = ["RunProgress", "describe_entry"]
+__all__ = ["RunProgress", "describe_entry", "STARTING"]
+
+STARTING = "starting Ray Train workers (the first report follows their first batches)"
 
 
 def describe_entry(entry: Dict[str, Any], entries: List[Dict[str, Any]]) -> str:
@@ -80,6 +82,8 @@ class RunProgress:
             dynamic_ncols=True,
             bar_format="{desc}: {percentage:3.0f}%|{bar:20}| {n_fmt}/{total_fmt} {unit} [{elapsed}<{remaining}] {postfix}",
         )
+        # Until the first report (tens of seconds on a fresh cluster) the bar says what it waits for.
+        self.bar.set_postfix_str(STARTING, refresh=True)
 
     def __call__(self, new: List[Dict[str, Any]], entries: List[Dict[str, Any]]) -> None:
         latest = next((e for e in reversed(entries) if "validation" not in e), None)  # not a late validation's
