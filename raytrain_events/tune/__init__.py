@@ -97,12 +97,16 @@ trials keep every checkpoint (a donor must not prune one being copied). Each cop
 
 Files:
 
+* ``acquisition.py``: Choosing weights through a fit: candidates on the simplex, a trust region, and a
+  criterion with the uncertainty.
 * ``console.py``: A sweep's console: one line per trial event instead of Tune's periodic status
   tables.
 * ``driver.py``: `sweep()`: a Ray Tune sweep whose trials each train with `RayTrainer` (see
   `raytrain_events.tune`).
 * ``explore.py``: Keep a PBT trial's explored optimizer settings when it loads another trial's
   checkpoint.
+* ``mixture_fit.py``: The regression behind the mixture search: a fit of loss over mixture weights, with
+  its uncertainty.
 * ``mixture_pbt.py``: PBT over mixture weights: explore on the simplex, the copy's mixture, and each
   trial's mixture over time.
 * ``pbt.py``: Population-based training over algorithm sets: Tune's `PopulationBasedTraining`, set
@@ -110,8 +114,8 @@ Files:
 * ``placement.py``: Release the placement groups of trials Tune stopped.
 * ``pointer.py``: Checkpoint pointers: what a Tune trial reports to Tune instead of copying its
   checkpoint.
-* ``regmix.py``: RegMix-style proxy search: fit eval loss as a function of the mixture weights, pick
-  the predicted best.
+* ``regmix.py``: RegMix-style proxy search: fit eval loss as a function of the mixture weights, choose
+  weights the fit stands behind.
 * ``results.py``: `SweepResult`: the table of a sweep's trials, the best algorithm set and its best
   checkpoint.
 * ``sets.py``: Algorithm sets for sweeps: labels, validation, and the Tune grid over them.
