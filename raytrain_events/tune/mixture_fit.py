@@ -245,17 +245,19 @@ def fit_mixture_regression(
     from sklearn.model_selection import KFold
 
     feats = _features(x, model)
+    if not isinstance(folds, int) or isinstance(folds, bool) or folds < 0 or folds == 1:
+        raise ValueError(f"folds={folds!r} must be an int >= 2 (K-fold cross-validation) or 0 (no cross-validation).")
     k = min(folds, len(y))
-    splitter = KFold(n_splits=k, shuffle=True, random_state=seed)
-    held_out, mean_only = np.empty_like(y), np.empty_like(y)
+    splitter = KFold(n_splits=max(k, 2), shuffle=True, random_state=seed)
+    held_out, mean_only = np.full_like(y, np.nan), np.full_like(y, np.nan)
     with warnings.catch_warnings():  # a bound reached is reported by the fit's describe(), not a warning
         warnings.simplefilter("ignore", ConvergenceWarning)
-        for train, test in splitter.split(x):
+        for train, test in splitter.split(x) if k else ():
             fold = _make_model(model, len(names), seed, noise_var, y_var).fit(feats[train], y[train])
             held_out[test] = fold.predict(feats[test])
             mean_only[test] = y[train].mean()
         fitted = _make_model(model, len(names), seed, noise_var, y_var).fit(feats, y)
-    rho = spearmanr(held_out, y).statistic if np.ptp(held_out) > 0 and np.ptp(y) > 0 else float("nan")
+    rho = spearmanr(held_out, y).statistic if k and np.ptp(held_out) > 0 and np.ptp(y) > 0 else float("nan")
     if noise_std is None:
         noise_std = _fitted_noise(model, fitted, y_var)
     return MixtureFit(
