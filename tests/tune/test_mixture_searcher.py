@@ -27,7 +27,9 @@ BASE = Mixture(sources={n: 100 for n in TASK.names}, weights={n: 1 for n in TASK
 
 
 def _searcher(**kw):
-    return MixtureSearcher(BASE, **{"initial": 8, "batch": 3, "max_trials": 14, "metric": "loss", "seed": 1, "candidates": 1000, **kw})
+    return MixtureSearcher(
+        BASE, **{"initial": 8, "batch": 3, "max_trials": 14, "metric": "loss", "seed": 1, "candidates": 1000, **kw}
+    )
 
 
 def _drive(searcher, start, stop, pending=()):
@@ -93,3 +95,49 @@ def test_bad_searcher_arguments_are_refused():
         MixtureSearcher(BASE, trust_region=0)
     with pytest.raises(ValueError, match="mode='max'.*minimises"):
         MixtureSearcher(BASE, mode="max")
+
+
+def test_sweep_refuses_a_searcher_the_base_run_cannot_train_before_ray_starts(tmp_path, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import raytrain_events.ray.cluster as cluster
+    from raytrain_events.core.mixture import MixtureError
+    from raytrain_events.ray.data.parquet_seek import ParquetRowGroups
+    from raytrain_events.tune import mixture_space, sweep
+
+    def no_ray():
+        raise AssertionError("Ray must not start for a bad search")
+
+    monkeypatch.setattr(cluster, "ensure_ray", no_ray)
+    datasets = {}
+    for name in ("a", "b", "c"):
+        pq.write_table(pa.table({"x": list(range(60)), "y": [0] * 60}), str(tmp_path / f"{name}.parquet"))
+        datasets[name] = ParquetRowGroups(str(tmp_path / f"{name}.parquet"))
+    mixture = Mixture(sources={"a": 60, "b": 60, "c": 60}, weights={"a": 1, "b": 1, "c": 1})
+    trainer = dict(
+        model=lambda c: None, optimizers=lambda m, c: None, datasets=datasets, mixture=mixture, max_duration="1ep"
+    )
+
+    def run(searcher, **kw):
+        args = dict(trainer=trainer, metric="m", mode="min", storage_path=str(tmp_path), search_alg=searcher)
+        return sweep(**{**args, **kw})
+
+    with pytest.raises(MixtureError, match=r"\['d'\], which are not sources of the sweep's mixture"):
+        run(MixtureSearcher(["a", "b", "d"]))
+    with pytest.raises(ValueError, match=r"over sources \['a', 'b'\].*has \['a', 'b', 'c'\]"):
+        run(MixtureSearcher(["a", "b"]))
+    with pytest.raises(ValueError, match="param_space has a 'mixture' too"):
+        run(MixtureSearcher(mixture), param_space={"mixture": mixture_space(mixture, num_samples=2)})
+    with pytest.raises(ValueError, match="mode is 'max'"):
+        run(MixtureSearcher(mixture), mode="max")
+    from ray.tune.search import ConcurrencyLimiter
+
+    with pytest.raises(MixtureError, match="trainer has none"):
+        sweep(
+            trainer={**trainer, "mixture": None, "datasets": {"train": datasets["a"]}},
+            metric="m",
+            mode="min",
+            storage_path=str(tmp_path),
+            search_alg=ConcurrencyLimiter(MixtureSearcher(mixture), 2),
+        )
