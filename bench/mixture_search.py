@@ -64,17 +64,20 @@ class ExampleTask:
         return self._cache[key]
 
 
+INPUTS = {"inputs": "shares"}  # main() sets it from --inputs
+
+
 def one_shot(task: Any, n: int, seed: int) -> Dict[str, Any]:
     rng = np.random.default_rng([seed, 11])
     draws = [dict(zip(task.names, map(float, d))) for d in rng.dirichlet([1.0] * len(task.names), n)]
     losses = [task(w, seed) for w in draws]
-    fit = fit_mixture_regression(draws, losses, names=task.names, folds=0, seed=seed)
+    fit = fit_mixture_regression(draws, losses, names=task.names, folds=0, seed=seed, **INPUTS)
     return {"weights": choose_mixture(fit, seed=seed).weights, "proxies": n}
 
 
 def sequential(task: Any, n: int, seed: int, initial: int, batch: int) -> Dict[str, Any]:
     searcher = MixtureSearcher(
-        list(task.names), initial=min(initial, n), batch=batch, max_trials=n, metric="loss", seed=seed
+        list(task.names), initial=min(initial, n), batch=batch, max_trials=n, metric="loss", seed=seed, **INPUTS
     )
     step = 0
     while True:
@@ -87,7 +90,7 @@ def sequential(task: Any, n: int, seed: int, initial: int, batch: int) -> Dict[s
         step += 1
     done = searcher.observed()
     fit = fit_mixture_regression(
-        [d["mixture"] for d in done], [d["loss"] for d in done], names=task.names, folds=0, seed=seed
+        [d["mixture"] for d in done], [d["loss"] for d in done], names=task.names, folds=0, seed=seed, **INPUTS
     )
     return {"weights": choose_mixture(fit, seed=seed).weights, "proxies": len(done)}
 
@@ -140,7 +143,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     parser.add_argument("--budgets", type=int, nargs="+", default=[8, 12, 16, 24, 32, 48, 64])
     parser.add_argument("--initial", type=int, default=6)
     parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--inputs", choices=("shares", "log"), default="shares", help="the GP's inputs")
     args = parser.parse_args(argv)
+    INPUTS["inputs"] = args.inputs
     warnings.simplefilter("ignore")
     task = {"synthetic": SyntheticTask, "conflict": ConflictTask, "example": ExampleTask}[args.task]()
     return run(task, args.budgets, args.seeds, args.initial, args.batch)

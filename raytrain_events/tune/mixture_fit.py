@@ -35,7 +35,7 @@ import numpy as np
 
 from raytrain_events.tune.simplex import normalize_weights
 
-__all__ = ["MixtureFit", "fit_mixture_regression", "MODELS", "weight_matrix", "NOISE_FLOOR", "LGBM_BAG"]
+__all__ = ["MixtureFit", "fit_mixture_regression", "MODELS", "INPUTS", "weight_matrix", "NOISE_FLOOR", "LGBM_BAG"]
 
 #: The models `fit_mixture_regression` takes.
 MODELS = ("gp", "ridge", "lightgbm")
@@ -44,6 +44,10 @@ NOISE_FLOOR = 1e-3
 #: Boosted models in the ``"lightgbm"`` fit's bag (their spread is its uncertainty).
 LGBM_BAG = 8
 _MIN_POINTS = 4
+#: ``inputs="log"``: the GP's and LightGBM's inputs are ``log(w + LOG_EPS)``, for a loss that moves with a source's
+#: share in ratios (0.01 -> 0.02 matters as 0.3 -> 0.6 does); ``"shares"`` (default): the weights themselves.
+LOG_EPS = 0.02
+INPUTS = ("shares", "log")
 _EPS = 1e-3  # ridge features: log(w + eps), so a weight of 0 stays finite
 
 
@@ -125,11 +129,13 @@ class _Bag:
         return (each.mean(axis=0), each.std(axis=0)) if return_std else each.mean(axis=0)
 
 
-def _features(x: np.ndarray, kind: str) -> np.ndarray:
-    return np.hstack([x, np.log(x + _EPS)]) if kind == "ridge" else x
+def _features(x: np.ndarray, kind: str, inputs: str = "shares") -> np.ndarray:
+    if kind == "ridge":  # a linear model on both: the shares and their logs
+        return np.hstack([x, np.log(x + _EPS)])
+    return np.log(x + LOG_EPS) if inputs == "log" else x
 
 
-def _make_model(kind: str, n_sources: int, seed: int, noise_var: Optional[float], y_var: float) -> Any:
+def _make_model(kind: str, n_sources: int, seed: int, noise_var: Optional[float], y_var: float, inputs: str) -> Any:
     if kind == "gp":
         _require("sklearn")
         from sklearn.gaussian_process import GaussianProcessRegressor
@@ -139,7 +145,8 @@ def _make_model(kind: str, n_sources: int, seed: int, noise_var: Optional[float]
             white = WhiteKernel(max(noise_var / y_var, 1e-6), "fixed")
         else:
             white = WhiteKernel(0.05, (NOISE_FLOOR, 1.0))
-        kernel = ConstantKernel(1.0, (1e-2, 1e2)) * RBF([0.3] * n_sources, (0.05, 3.0)) + white
+        scale, bounds = (1.0, (0.1, 30.0)) if inputs == "log" else (0.3, (0.05, 3.0))  # log(0.02)..0: 4x wider
+        kernel = ConstantKernel(1.0, (1e-2, 1e2)) * RBF([scale] * n_sources, bounds) + white
         return GaussianProcessRegressor(kernel=kernel, normalize_y=True, n_restarts_optimizer=2, random_state=seed)
     if kind == "ridge":
         _require("sklearn")
@@ -167,10 +174,11 @@ class MixtureFit:
     losses: np.ndarray  # their losses
     noise_std: float  # one proxy's noise (standard deviation)
     noise_from: str  # "repeats", "given" or "fit"
+    inputs: str = "shares"  # "shares" or "log" (`INPUTS`)
 
     def predict_rows(self, x: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """(mean, std) of the loss at each row of weights; std is the mean's uncertainty (one run's noise removed)."""
-        feats = _features(np.asarray(x, dtype=float), self.kind)
+        feats = _features(np.asarray(x, dtype=float), self.kind, self.inputs)
         mean, std = self.model.predict(feats, return_std=True)
         var = np.asarray(std, dtype=float) ** 2
         if self.kind != "lightgbm":  # the GP's and ridge's std include one run's noise: the mean's excludes it
@@ -210,16 +218,19 @@ def fit_mixture_regression(
     model: str = "gp",
     folds: int = 5,
     noise: Optional[float] = None,
+    inputs: str = "shares",
     seed: int = 0,
 ) -> MixtureFit:
     """Fit ``losses`` as a function of ``weights`` (one weight dict per trial) and cross-validate it.
 
     ``noise``: one proxy's noise (standard deviation), if measured; without it, repeats (trials with
-    the same weights) give it, else the model fits it.
+    the same weights) give it, else the model fits it. ``inputs``: `INPUTS` (the GP's and LightGBM's).
     """
     from scipy.stats import spearmanr
 
     check_model(model)
+    if inputs not in INPUTS:
+        raise ValueError(f"inputs={inputs!r}: use 'shares' (the weights) or 'log' (log(w + {LOG_EPS}): ratios).")
     if len(weights) != len(losses):
         raise ValueError(f"{len(weights)} weight dicts but {len(losses)} losses: give one loss per trial.")
     if len(weights) < _MIN_POINTS:
@@ -244,7 +255,7 @@ def fit_mixture_regression(
     from sklearn.exceptions import ConvergenceWarning
     from sklearn.model_selection import KFold
 
-    feats = _features(x, model)
+    feats = _features(x, model, inputs)
     if not isinstance(folds, int) or isinstance(folds, bool) or folds < 0 or folds == 1:
         raise ValueError(f"folds={folds!r} must be an int >= 2 (K-fold cross-validation) or 0 (no cross-validation).")
     k = min(folds, len(y))
@@ -253,10 +264,10 @@ def fit_mixture_regression(
     with warnings.catch_warnings():  # a bound reached is reported by the fit's describe(), not a warning
         warnings.simplefilter("ignore", ConvergenceWarning)
         for train, test in splitter.split(x) if k else ():
-            fold = _make_model(model, len(names), seed, noise_var, y_var).fit(feats[train], y[train])
+            fold = _make_model(model, len(names), seed, noise_var, y_var, inputs).fit(feats[train], y[train])
             held_out[test] = fold.predict(feats[test])
             mean_only[test] = y[train].mean()
-        fitted = _make_model(model, len(names), seed, noise_var, y_var).fit(feats, y)
+        fitted = _make_model(model, len(names), seed, noise_var, y_var, inputs).fit(feats, y)
     rho = spearmanr(held_out, y).statistic if k and np.ptp(held_out) > 0 and np.ptp(y) > 0 else float("nan")
     if noise_std is None:
         noise_std = _fitted_noise(model, fitted, y_var)
@@ -273,4 +284,5 @@ def fit_mixture_regression(
         losses=y,
         noise_std=float(noise_std),
         noise_from=noise_from,
+        inputs=inputs,
     )

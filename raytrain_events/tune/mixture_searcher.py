@@ -53,6 +53,7 @@ class MixtureSearcher(Searcher):
         batch: int = 4,
         max_trials: int = 16,
         model: str = "gp",
+        inputs: str = "shares",
         criterion: str = "ei",
         kappa: float = 1.0,
         trust_region: TrustRegion = None,
@@ -72,6 +73,9 @@ class MixtureSearcher(Searcher):
         self.batch = _count(batch, "batch", 1)
         self.max_trials = _count(max_trials, "max_trials", self.initial)
         self.model = check_model(model)
+        if inputs not in ("shares", "log"):
+            raise ValueError(f"MixtureSearcher(inputs={inputs!r}): use 'shares' or 'log' (fit_mixture_regression's).")
+        self.inputs = inputs
         check_choice_args(criterion, kappa, trust_region)
         self.criterion, self.kappa, self.trust_region = criterion, float(kappa), trust_region
         if spread is not None and not (isinstance(spread, (int, float)) and 0 <= spread <= 1):
@@ -125,7 +129,8 @@ class MixtureSearcher(Searcher):
             self.set_state(pickle.load(f))
 
     def get_state(self) -> Dict[str, Any]:
-        keys = ("names", "alphas", "initial", "batch", "max_trials", "model", "criterion", "kappa", "trust_region")
+        keys = ("names", "alphas", "initial", "batch", "max_trials", "model", "inputs", "criterion", "kappa")
+        keys += ("trust_region",)
         state = {k: getattr(self, k) for k in keys}
         state.update(spread=self.spread, candidates=self.candidates, seed=self.seed, rounds=self.rounds)
         state.update(placed=self.placed, assigned=self.assigned, losses=self.losses, metric=self._metric)

@@ -88,6 +88,7 @@ def regmix_search(
     kappa: float = 1.0,
     trust_region: TrustRegion = "auto",
     noise: Optional[float] = None,
+    inputs: str = "shares",
     folds: int = 5,
     candidates: int = 20_000,
     concentration: float = 1.0,
@@ -96,7 +97,7 @@ def regmix_search(
 ) -> RegMixResult:
     """Fit a sweep's trials (``metric``: the sweep's, a loss to minimise) and choose the mixture for ``base``.
 
-    ``model``, ``noise``: `fit_mixture_regression`'s; ``criterion``, ``kappa``, ``trust_region``,
+    ``model``, ``noise``, ``inputs``: `fit_mixture_regression`'s; ``criterion``, ``kappa``, ``trust_region``,
     ``candidates``, ``concentration``, ``top``: `choose_mixture`'s.
     """
     check_model(model)
@@ -105,7 +106,9 @@ def regmix_search(
     if metric == result.metric and result.mode != "min":
         raise ValueError(f"regmix_search minimises {metric!r}, but the sweep maximised it: pass a loss metric.")
     weights, losses, trials = trial_points(result, metric)
-    fit = fit_mixture_regression(weights, losses, names=base.names, model=model, folds=folds, noise=noise, seed=seed)
+    fit = fit_mixture_regression(
+        weights, losses, names=base.names, model=model, folds=folds, noise=noise, inputs=inputs, seed=seed
+    )
     choice = choose_mixture(
         fit,
         criterion=criterion,
