@@ -130,8 +130,8 @@ Files:
   a `RayTrainer` run.
 """
 
-from raytrain_events.tune.driver import sweep
 from raytrain_events.tune.acquisition import MixtureChoice, choose_mixture
+from raytrain_events.tune.driver import sweep
 from raytrain_events.tune.mixture_pbt import MixtureExplore, mixture_segments
 from raytrain_events.tune.mixture_searcher import MixtureSearcher
 from raytrain_events.tune.pbt import pbt_scheduler
