@@ -141,3 +141,36 @@ def test_sweep_refuses_a_searcher_the_base_run_cannot_train_before_ray_starts(tm
             storage_path=str(tmp_path),
             search_alg=ConcurrencyLimiter(MixtureSearcher(mixture), 2),
         )
+
+
+def _synthetic_trial(config):
+    from ray import tune
+
+    tune.report({"loss": TASK(config["mixture"], 0)})
+
+
+@pytest.mark.ray
+def test_tune_runs_the_rounds_the_searcher_places(ray_cluster, tmp_path):
+    """Through Tune itself (a `Tuner` on the session's Ray, function trials of the synthetic loss): Tune waits on
+    a round (``suggest`` None), the trials' configs are the placement the searcher makes driven in process, and
+    Tune saved the searcher's state with the experiment."""
+    import mixture_tasks
+    from ray import cloudpickle as ray_cloudpickle
+    from ray import tune
+
+    for module in (sys.modules[__name__], mixture_tasks):  # the trials get these by value (not on the workers' path)
+        ray_cloudpickle.register_pickle_by_value(module)
+    searcher = _searcher(max_trials=11)
+    tuner = tune.Tuner(
+        _synthetic_trial,
+        tune_config=tune.TuneConfig(search_alg=searcher, num_samples=11, metric="loss", mode="min"),
+        run_config=tune.RunConfig(storage_path=str(tmp_path), name="rounds", verbose=0),
+    )
+    results = tuner.fit()
+    assert results.num_errors == 0 and len(results) == 11
+    ran = sorted((r.metrics["loss"], tuple(r.config["mixture"].items())) for r in results)
+    reference = [s for s in _drive(_searcher(max_trials=11), 0, 11)]
+    placed = sorted((TASK(s["mixture"], 0), tuple(s["mixture"].items())) for s in reference)
+    assert ran == placed  # the same 8 draws and the same 3 placed after them
+    saved = [f for f in os.listdir(tmp_path / "rounds") if f.startswith("searcher-state")]
+    assert saved  # Tune's save of the searcher (what a resume restores)
