@@ -69,7 +69,8 @@ def test_the_default_choice_never_leaves_the_trust_region(model):
     base = Mixture(sources={n: 100 for n in task.names}, weights={n: 1 for n in task.names})
     for seed in range(1 if model == "lightgbm" else 3):
         draws = mixture_space(base, num_samples=10, seed=seed)["grid_search"]
-        fit = fit_mixture_regression(draws, [task(w, seed) for w in draws], names=task.names, model=model, seed=seed)
+        losses = [task(w, seed) for w in draws]
+        fit = fit_mixture_regression(draws, losses, names=task.names, model=model, folds=0, seed=seed)
         for radius in ("auto", 0.05):
             choice = choose_mixture(fit, trust_region=radius, candidates=4000, seed=seed)
             assert choice.nearest_distance <= choice.trust_region + 1e-4 and _inside(choice, fit)
@@ -85,15 +86,15 @@ def test_the_noise_comes_from_repeats_and_does_not_collapse_without_them(proxies
     groups = np.asarray(losses).reshape(8, 3)
     pooled = math.sqrt(((groups - groups.mean(axis=1, keepdims=True)) ** 2).sum() / (8 * 2))
     for model in ("gp", "ridge"):
-        fit = fit_mixture_regression(repeated, losses, names=TASK.names, model=model)
+        fit = fit_mixture_regression(repeated, losses, names=TASK.names, model=model, folds=0)
         assert fit.noise_from == "repeats" and fit.noise_std == pytest.approx(pooled)
-    fit = fit_mixture_regression(repeated, losses, names=TASK.names)
+    fit = fit_mixture_regression(repeated, losses, names=TASK.names, folds=0)
     # A proxy's mean is known to about noise / sqrt(3) at its weights, not exactly (the old floor: 1e-8).
     mean, std = fit.predict_rows(fit.points[:1])
     assert 0.2 * pooled < std[0] < pooled
-    given = fit_mixture_regression(repeated, losses, names=TASK.names, noise=0.05)
+    given = fit_mixture_regression(repeated, losses, names=TASK.names, noise=0.05, folds=0)
     assert given.noise_from == "given" and given.noise_std == 0.05
-    single = fit_mixture_regression(draws, [TASK(w, seed=0) for w in draws], names=TASK.names)
+    single = fit_mixture_regression(draws, [TASK(w, seed=0) for w in draws], names=TASK.names, folds=0)
     assert single.noise_from == "fit"
     assert single.model.kernel_.k2.noise_level > NOISE_FLOOR * 1.5  # fitted above its floor, not pinned to it
 
