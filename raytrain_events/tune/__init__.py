@@ -78,11 +78,14 @@ Searching the data mixture
 (or `mixture_grid` of given weights) gives each trial its own weights for ``trainer["mixture"]``'s
 first stage; the table shows them (``mixture/<source>``) beside the tokens each source gave
 (``mixture/tokens/<source>``). `regmix_search` fits the trials' loss as a function of the weights
-(scikit-learn, cross-validated) and returns the predicted best `Mixture`, which
+(a GP, Bayesian ridge or LightGBM, each with its uncertainty, cross-validated) and returns the
+mixture the fit stands behind (mean + std inside a trust region around the trials), which
 `write_mixture_config` writes as a stages config for the full run. ``pbt_scheduler(interval,
 mixture=mixture_space(mixture))`` explores the weights (`MixtureExplore`): a copy trains on the
 donor's mixture switched at the donor checkpoint's global sample to its explored weights, from
 the donor's exact Timestamp and per-source cursors; the lineage records both weights.
+``sweep(search_alg=MixtureSearcher(mixture, initial=8, batch=4, max_trials=16), num_samples=16)``
+refines in rounds: each next batch of trials where the fit's expected improvement is.
 
 Population-based training
 -------------------------
@@ -97,12 +100,18 @@ trials keep every checkpoint (a donor must not prune one being copied). Each cop
 
 Files:
 
+* ``acquisition.py``: Choosing weights through a fit: candidates on the simplex, a trust region, and a
+  criterion with the uncertainty.
 * ``console.py``: A sweep's console: one line per trial event instead of Tune's periodic status
   tables.
 * ``driver.py``: `sweep()`: a Ray Tune sweep whose trials each train with `RayTrainer` (see
   `raytrain_events.tune`).
 * ``explore.py``: Keep a PBT trial's explored optimizer settings when it loads another trial's
   checkpoint.
+* ``mixture_fit.py``: The regression behind the mixture search: a fit of loss over mixture weights, with
+  its uncertainty.
+* ``mixture_searcher.py``: Refine the mixture in rounds: a Ray Tune `Searcher` that places each batch of
+  proxies where the fit says.
 * ``mixture_pbt.py``: PBT over mixture weights: explore on the simplex, the copy's mixture, and each
   trial's mixture over time.
 * ``pbt.py``: Population-based training over algorithm sets: Tune's `PopulationBasedTraining`, set
@@ -110,8 +119,8 @@ Files:
 * ``placement.py``: Release the placement groups of trials Tune stopped.
 * ``pointer.py``: Checkpoint pointers: what a Tune trial reports to Tune instead of copying its
   checkpoint.
-* ``regmix.py``: RegMix-style proxy search: fit eval loss as a function of the mixture weights, pick
-  the predicted best.
+* ``regmix.py``: RegMix-style proxy search: fit eval loss as a function of the mixture weights, choose
+  weights the fit stands behind.
 * ``results.py``: `SweepResult`: the table of a sweep's trials, the best algorithm set and its best
   checkpoint.
 * ``sets.py``: Algorithm sets for sweeps: labels, validation, and the Tune grid over them.
@@ -123,8 +132,10 @@ Files:
   a `RayTrainer` run.
 """
 
+from raytrain_events.tune.acquisition import MixtureChoice, choose_mixture
 from raytrain_events.tune.driver import sweep
 from raytrain_events.tune.mixture_pbt import MixtureExplore, mixture_segments
+from raytrain_events.tune.mixture_searcher import MixtureSearcher
 from raytrain_events.tune.pbt import pbt_scheduler
 from raytrain_events.tune.regmix import (
     best_mixture,
@@ -149,6 +160,9 @@ __all__ = [
     "mixture_segments",
     "fit_mixture_regression",
     "best_mixture",
+    "choose_mixture",
+    "MixtureChoice",
+    "MixtureSearcher",
     "regmix_search",
     "write_mixture_config",
     "read_mixture_config",

@@ -89,6 +89,7 @@ def sweep(
     from raytrain_events.storage.exp_dir import check_run_name
 
     base = _validate(trainer, param_space, metric, mode, num_samples, max_concurrent_trials, scheduler)
+    _check_mixture_searcher(base, param_space, mode, search_alg)
     if name is not None:  # the sweep's folder: one name inside storage_path (as a run's), checked before Ray starts
         check_run_name(name, "name")
     check_sweep(base, dict(param_space or {}), metric, storage_path, _is_pbt(scheduler))
@@ -182,6 +183,35 @@ def _check_mixture_search(base: RunSpec, param_space: Mapping[str, Any], schedul
     if "mixture" in param_space:
         check_mixture_choice(base_mixture(base), param_space["mixture"])
     check_mixture_pbt(scheduler, param_space, base_mixture(base))
+
+
+def _check_mixture_searcher(
+    base: RunSpec, param_space: Optional[Mapping[str, Any]], mode: str, search_alg: Any
+) -> None:
+    """A `MixtureSearcher` (or a Tune wrapper of one) refused before Ray starts if the base run cannot train its trials."""
+    from raytrain_events.tune.mixture_searcher import MixtureSearcher
+    from raytrain_events.tune.simplex import base_mixture, check_mixture_choice
+
+    searcher = search_alg
+    while searcher is not None and not isinstance(searcher, MixtureSearcher):
+        searcher = getattr(searcher, "searcher", None)  # ConcurrencyLimiter / Repeater wrap theirs
+    if searcher is None:
+        return
+    if "mixture" in (param_space or {}):
+        raise ValueError(
+            "search_alg=MixtureSearcher places config['mixture'] itself, but param_space has a 'mixture' too: "
+            "drop param_space['mixture'] (the searcher draws its first trials and places the rest)."
+        )
+    if mode != "min":
+        raise ValueError(f"MixtureSearcher minimises a loss, but the sweep's mode is {mode!r}: use mode='min'.")
+    mixture = base_mixture(base)
+    check_mixture_choice(mixture, dict.fromkeys(searcher.names, 1.0))  # no base mixture, unknown names, amounts
+    assert mixture is not None
+    if sorted(searcher.names) != sorted(mixture.names):
+        raise ValueError(
+            f"MixtureSearcher is over sources {list(searcher.names)}, the sweep's mixture has {list(mixture.names)}: "
+            "build it with MixtureSearcher(<the trainer's mixture>, ...)."
+        )
 
 
 def _prepare(

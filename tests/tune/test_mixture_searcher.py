@@ -1,0 +1,176 @@
+"""The sequential mixture search (`MixtureSearcher`, Tune's Searcher interface) without Ray, and once through Tune.
+
+Driven as Tune drives it (``suggest`` per trial, ``on_trial_complete`` with the trial's last result):
+seeded draws first, a round waits until its trials ended, the next batch lands where the fit's
+expected improvement is (closer to the known best than the draws were), and a searcher saved
+mid-round and restored (Tune's save/restore of an experiment) places the same next trials.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from raytrain_events.core.mixture import Mixture
+from raytrain_events.tune.acquisition import tv_distance
+from raytrain_events.tune.mixture_fit import weight_matrix
+from raytrain_events.tune.mixture_searcher import MixtureSearcher
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+from mixture_tasks import SyntheticTask  # noqa: E402
+
+TASK = SyntheticTask(noise=0.005)
+BASE = Mixture(sources={n: 100 for n in TASK.names}, weights={n: 1 for n in TASK.names})
+
+
+def _searcher(**kw):
+    return MixtureSearcher(
+        BASE, **{"initial": 8, "batch": 3, "max_trials": 14, "metric": "loss", "seed": 1, "candidates": 1000, **kw}
+    )
+
+
+def _drive(searcher, start, stop, pending=()):
+    """Suggest trials t<start>..t<stop-1>, completing each at once, except those in ``pending`` (left running)."""
+    out = []
+    for i in range(start, stop):
+        suggestion = searcher.suggest(f"t{i}")
+        out.append(suggestion)
+        if isinstance(suggestion, dict) and f"t{i}" not in pending:
+            searcher.on_trial_complete(f"t{i}", {"loss": TASK(suggestion["mixture"], 0)})
+    return out
+
+
+def test_rounds_wait_for_their_trials_then_place_the_next_batch_where_the_fit_points(tmp_path):
+    searcher = _searcher()
+    first = _drive(searcher, 0, 8, pending={"t7"})
+    assert all(isinstance(s, dict) for s in first) and len({tuple(s["mixture"].values()) for s in first}) == 8
+    assert searcher.suggest("t8") is None  # t7 still runs: the round is not over, Tune is asked to wait
+    searcher.on_trial_complete("t7", {"loss": TASK(first[7]["mixture"], 0)})
+    second = _drive(searcher, 8, 11)
+    assert searcher.rounds == 1 and all(isinstance(s, dict) for s in second)
+    best = np.asarray([[TASK.best[n] for n in TASK.names]])
+    drawn = weight_matrix([s["mixture"] for s in first], TASK.names)
+    placed = weight_matrix([s["mixture"] for s in second], TASK.names)
+    assert tv_distance(placed, best).mean() < tv_distance(drawn, best).mean()  # toward the best, not uniform draws
+    assert tv_distance(placed, placed)[np.triu_indices(3, 1)].min() > 0  # a batch spreads out
+    rest = _drive(searcher, 11, 17)
+    assert rest[-3:] == [MixtureSearcher.FINISHED] * 3 and len(searcher.observed()) == 14
+    # A failed trial ends its round but is not fitted.
+    failing = _searcher(max_trials=12)
+    _drive(failing, 0, 7)
+    assert failing.suggest("t7") is not None
+    failing.on_trial_complete("t7", error=True)
+    assert isinstance(failing.suggest("t8"), dict) and len(failing.observed()) == 7
+
+
+def test_a_searcher_stopped_mid_round_and_restored_places_the_same_next_trials(tmp_path):
+    uninterrupted = _searcher()
+    expected = _drive(uninterrupted, 0, 17)
+    searcher = _searcher()
+    before = _drive(searcher, 0, 11, pending={"t8", "t9"})  # round 1 placed (t8-t10); two of its trials still run
+    path = str(tmp_path / "searcher.pkl")
+    searcher.save(path)
+    restored = MixtureSearcher(BASE, metric="loss", seed=99)  # Tune builds it anew from the user's script ...
+    restored.restore(path)  # ... and restores the saved state
+    assert restored.suggest("t11") is None  # still waiting on t8 and t9
+    for t in ("t8", "t9"):  # Tune re-runs the unfinished trials; they report
+        restored.on_trial_complete(t, {"loss": TASK(before[int(t[1:])]["mixture"], 0)})
+    after = _drive(restored, 11, 17)
+    assert before + after == expected
+
+
+def test_bad_searcher_arguments_are_refused():
+    with pytest.raises(ValueError, match="initial=2.*>= 4"):
+        MixtureSearcher(BASE, initial=2)
+    with pytest.raises(ValueError, match="max_trials=4.*>= 8"):
+        MixtureSearcher(BASE, max_trials=4)
+    with pytest.raises(ValueError, match="criterion='best'"):
+        MixtureSearcher(BASE, criterion="best")
+    with pytest.raises(ValueError, match="model='xgb'"):
+        MixtureSearcher(BASE, model="xgb")
+    with pytest.raises(ValueError, match="trust_region=0 "):
+        MixtureSearcher(BASE, trust_region=0)
+    with pytest.raises(ValueError, match="mode='max'.*minimises"):
+        MixtureSearcher(BASE, mode="max")
+
+
+def test_sweep_refuses_a_searcher_the_base_run_cannot_train_before_ray_starts(tmp_path, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import raytrain_events.ray.cluster as cluster
+    from raytrain_events.core.mixture import MixtureError
+    from raytrain_events.ray.data.parquet_seek import ParquetRowGroups
+    from raytrain_events.tune import mixture_space, sweep
+
+    def no_ray():
+        raise AssertionError("Ray must not start for a bad search")
+
+    monkeypatch.setattr(cluster, "ensure_ray", no_ray)
+    datasets = {}
+    for name in ("a", "b", "c"):
+        pq.write_table(pa.table({"x": list(range(60)), "y": [0] * 60}), str(tmp_path / f"{name}.parquet"))
+        datasets[name] = ParquetRowGroups(str(tmp_path / f"{name}.parquet"))
+    mixture = Mixture(sources={"a": 60, "b": 60, "c": 60}, weights={"a": 1, "b": 1, "c": 1})
+    trainer = dict(
+        model=lambda c: None, optimizers=lambda m, c: None, datasets=datasets, mixture=mixture, max_duration="1ep"
+    )
+
+    def run(searcher, **kw):
+        args = dict(trainer=trainer, metric="m", mode="min", storage_path=str(tmp_path), search_alg=searcher)
+        return sweep(**{**args, **kw})
+
+    with pytest.raises(MixtureError, match=r"\['d'\], which are not sources of the sweep's mixture"):
+        run(MixtureSearcher(["a", "b", "d"]))
+    with pytest.raises(ValueError, match=r"over sources \['a', 'b'\].*has \['a', 'b', 'c'\]"):
+        run(MixtureSearcher(["a", "b"]))
+    with pytest.raises(ValueError, match="param_space has a 'mixture' too"):
+        run(MixtureSearcher(mixture), param_space={"mixture": mixture_space(mixture, num_samples=2)})
+    with pytest.raises(ValueError, match="mode is 'max'"):
+        run(MixtureSearcher(mixture), mode="max")
+    from ray.tune.search import ConcurrencyLimiter
+
+    with pytest.raises(MixtureError, match="trainer has none"):
+        sweep(
+            trainer={**trainer, "mixture": None, "datasets": {"train": datasets["a"]}},
+            metric="m",
+            mode="min",
+            storage_path=str(tmp_path),
+            search_alg=ConcurrencyLimiter(MixtureSearcher(mixture), 2),
+        )
+
+
+def _synthetic_trial(config):
+    from ray import tune
+
+    tune.report({"loss": TASK(config["mixture"], 0)})
+
+
+@pytest.mark.ray
+def test_tune_runs_the_rounds_the_searcher_places(ray_cluster, tmp_path):
+    """Through Tune itself (a `Tuner` on the session's Ray, function trials of the synthetic loss): Tune waits on
+    a round (``suggest`` None), the trials' configs are the placement the searcher makes driven in process, and
+    Tune saved the searcher's state with the experiment."""
+    import mixture_tasks
+    from ray import cloudpickle as ray_cloudpickle
+    from ray import tune
+
+    for module in (sys.modules[__name__], mixture_tasks):  # the trials get these by value (not on the workers' path)
+        ray_cloudpickle.register_pickle_by_value(module)
+    searcher = _searcher(max_trials=11)
+    tuner = tune.Tuner(
+        _synthetic_trial,
+        tune_config=tune.TuneConfig(search_alg=searcher, num_samples=11, metric="loss", mode="min"),
+        run_config=tune.RunConfig(storage_path=str(tmp_path), name="rounds", verbose=0),
+    )
+    results = tuner.fit()
+    assert results.num_errors == 0 and len(results) == 11
+    ran = sorted((r.metrics["loss"], tuple(r.config["mixture"].items())) for r in results)
+    reference = [s for s in _drive(_searcher(max_trials=11), 0, 11)]
+    placed = sorted((TASK(s["mixture"], 0), tuple(s["mixture"].items())) for s in reference)
+    assert ran == placed  # the same 8 draws and the same 3 placed after them
+    saved = [f for f in os.listdir(tmp_path / "rounds") if f.startswith("searcher-state")]
+    assert saved  # Tune's save of the searcher (what a resume restores)
