@@ -52,7 +52,9 @@ from collections import deque
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import torch
+from torch.distributed.tensor import DTensor
 
+from raytrain_events.algorithms.gradient_clipping import GradientClipping
 from raytrain_events.callbacks.mixture_counts import MixtureCounts
 from raytrain_events.checkpoint.run.host_snapshot import HostSnapshots
 from raytrain_events.core.callback import Callback
@@ -109,6 +111,9 @@ class SpikeGuard(Callback):
         self._snapshots: Optional[HostSnapshots] = None
         self._norm: Optional[torch.Tensor] = None  # this batch's gradient norm (this rank's)
         self._params: Optional[List[torch.Tensor]] = None
+        self._clip: Optional[GradientClipping] = None  # a GradientClipping whose norm is shared (see after_train_batch)
+        self._clip_seen: Optional[torch.Tensor] = None  # its norm already judged (a stale one is not judged twice)
+        self._clipped_to: Optional[float] = None  # this batch's norm is its pre-clip norm, clipped to this
         self._spike: Optional[Tuple[int, Verdict]] = None  # this rank's latest spike (batch, verdict), until agreed
         # One record per batch since the oldest snapshot: (Timestamp after it, samples, tokens); the window's rows.
         self._history: Deque[Tuple[Timestamp, int, int]] = deque()
@@ -145,6 +150,15 @@ class SpikeGuard(Callback):
         params = self._params
         if params is None:  # the trained parameters, found once (a Python walk of the groups per batch costs)
             params = self._params = [p for opt in state.optimizers for g in opt.param_groups for p in g["params"]]
+            self._clip = _shared_clipping(state, params)
+        clip = self._clip
+        if clip is not None:  # GradientClipping ran just before (algorithms first): its norm, not a second one
+            total = clip.last_grad_norm
+            if total is not None and total is not self._clip_seen:
+                self._clip_seen, self._norm, self._clipped_to = total, total, clip.clipping_threshold
+            else:  # it clipped nothing this batch (no gradients): none to judge, as with no gradients here
+                self._norm = None
+            return
         norms = [vector_norm(p.grad) for p in params if p.grad is not None]  # cheaper than _foreach_norm on CPU
         self._norm = vector_norm(stack(norms)) if norms else None
 
@@ -160,11 +174,15 @@ class SpikeGuard(Callback):
             loss = total_loss(loss).detach()
         if norm is None:
             verdict = self.detector.observe(loss.item())
-        elif loss.device.type == "cpu":
-            verdict = self.detector.observe(loss.item(), norm.item())
-        else:  # one host sync for both
-            read = stack([loss.reshape(()).float(), norm.to(loss.device).float()]).tolist()
-            verdict = self.detector.observe(read[0], read[1])
+        else:
+            if loss.device.type == "cpu":
+                value, grad = loss.item(), norm.item()
+            else:  # one host sync for both
+                value, grad = stack([loss.reshape(()).float(), norm.to(loss.device).float()]).tolist()
+            if self._clipped_to is not None:  # GradientClipping's pre-clip norm: the norm of the clipped gradients
+                grad *= min(1.0, self._clipped_to / (grad + 1e-6))  # (torch's clip coefficient, clamped at 1)
+                self._clipped_to = None
+            verdict = self.detector.observe(value, grad)
         if verdict is not None:
             self._spike = (ts.get_value("ba"), verdict)
             state.request(FLAG)
@@ -219,7 +237,7 @@ class SpikeGuard(Callback):
         for scheduler in state.schedulers:  # the schedule follows the position: one step per batch since the snapshot
             for _ in range(now - restored):
                 scheduler.step()
-        self._spike, self._norm, self._since = None, None, 0
+        self._spike, self._norm, self._since, self._clipped_to = None, None, 0, None
         record = {
             "batch": now,
             "spike_batch": spike_batch,
@@ -268,6 +286,23 @@ class SpikeGuard(Callback):
         self.skips = SkipList.from_state_dict(state.get("skips", {}))
         self.rollbacks = list(state.get("rollbacks", []))
         self.detector.load_state_dict(state.get("detector", {}))
+
+
+def _shared_clipping(state: State, params: List[torch.Tensor]) -> Optional[GradientClipping]:
+    """The `GradientClipping` whose pre-clip norm is this guard's gradient norm, or None: clipping by the L2
+    norm of exactly the optimized parameters, none of them sharded (an FSDP clip's norm is the global one,
+    the guard's this rank's)."""
+    trained = {id(p) for p in params}
+    for algorithm in state.algorithms:
+        if (
+            type(algorithm) is GradientClipping
+            and algorithm.clipping_type == "norm"
+            and algorithm.norm_type == 2.0
+            and trained == {id(p) for p in state.model.parameters() if p.requires_grad}
+            and not any(isinstance(p, DTensor) for p in params)
+        ):
+            return algorithm
+    return None
 
 
 def _keyed_callbacks(state: State) -> Dict[str, Any]:

@@ -183,3 +183,29 @@ def test_a_spike_in_the_fits_last_batch_is_said_not_hidden(caplog):
     assert guard.rollbacks == [] and "the fit's last batch" in caplog.text
     trainer.fit(duration="2ba")  # the spoiled step stayed: the next batches may spike again, and roll back
     assert int(trainer.state.timestamp.batch) == 52
+
+
+@pytest.mark.parametrize("threshold", [0.05, 1.0])
+def test_with_gradient_clipping_the_guard_shares_its_norm_and_decides_the_same(monkeypatch, threshold):
+    """GradientClipping computes the gradient norm anyway: the guard judges that one (clipped by torch's
+    coefficient) instead of a second pass over the gradients, and decides as when it computes its own."""
+    from raytrain_events.algorithms import GradientClipping
+    from raytrain_events.callbacks import spike_guard
+
+    def run(share):
+        calls = []
+        norm = spike_guard.vector_norm
+        monkeypatch.setattr(spike_guard, "vector_norm", lambda *a, **k: calls.append(1) or norm(*a, **k))
+        if not share:
+            monkeypatch.setattr(spike_guard, "_shared_clipping", lambda state, params: None)
+        guard = SpikeGuard(snapshot_interval=5)
+        _fit(_rows(planted=[203]), [guard], algorithms=[GradientClipping("norm", threshold)])
+        monkeypatch.undo()
+        return guard, len(calls)
+
+    (shared, shared_calls), (own, own_calls) = run(True), run(False)
+    assert shared_calls == 0 and own_calls > 50  # one norm per parameter tensor per batch when not shared
+    assert shared.rollbacks == own.rollbacks and shared.skips.ranges == own.skips.ranges
+    assert len(shared.detector._norms) == len(own.detector._norms) > 10
+    assert list(shared.detector._norms) == pytest.approx(list(own.detector._norms), rel=1e-6)
+    assert max(own.detector._norms) <= threshold * (1 + 1e-5)  # the judged norm is the clipped one, as before
