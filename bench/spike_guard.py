@@ -17,6 +17,8 @@ Usage::
     python bench/spike_guard.py --hidden 1024 --repeats 5 --snapshot-interval 50
     python bench/spike_guard.py --only overhead --clock cpu --repeats 5   # a busy shared machine
     python bench/spike_guard.py --only overhead --loss-only                # the loss alone, no gradient norm
+    python bench/spike_guard.py --only overhead --clock cpu --clip 1.0     # both loops clip; the guard shares its norm
+    python bench/spike_guard.py --only overhead --clock cpu --clip 1.0 --no-share   # ... and computes its own
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from raytrain_events import Trainer  # noqa: E402
+from raytrain_events.algorithms import GradientClipping  # noqa: E402
 from raytrain_events.callbacks import SpikeGuard  # noqa: E402
 from raytrain_events.callbacks import spike_guard as guard_module  # noqa: E402
 from raytrain_events.core.ledger import Ledger  # noqa: E402
@@ -67,6 +70,7 @@ def _trainer(hidden, x, y, guard):
         max_duration="3ep",
         optimizers=torch.optim.SGD(model.parameters(), lr=0.01),
         callbacks=[guard] if guard is not None else [],
+        algorithms=[GradientClipping("norm", CLIP)] if CLIP is not None else [],
     )
 
 
@@ -80,6 +84,7 @@ def _per_step(trainer):
 
 
 GRAD_ZSCORE = 6.0  # --loss-only: None (no gradient norm per batch)
+CLIP = None  # --clip T: GradientClipping("norm", T) in both loops
 
 
 def overhead(hidden, repeats, interval):
@@ -195,8 +200,13 @@ def main():
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     parser.add_argument("--only", choices=["overhead", "spike", "ledger"], default=None)
     parser.add_argument("--loss-only", action="store_true", help="SpikeGuard(grad_zscore=None): no gradient norm")
+    parser.add_argument("--clip", type=float, default=None, help="GradientClipping('norm', CLIP) in both loops")
+    parser.add_argument("--no-share", action="store_true", help="the guard computes its own norm beside the clipping's")
     args = parser.parse_args()
-    global CLOCK, GRAD_ZSCORE
+    global CLOCK, GRAD_ZSCORE, CLIP
+    CLIP = args.clip
+    if args.no_share:
+        guard_module._shared_clipping = lambda state, params: None
     GRAD_ZSCORE = None if args.loss_only else 6.0
     CLOCK = time.thread_time if args.clock == "cpu" else time.perf_counter
     parts = {
@@ -206,6 +216,7 @@ def main():
     }
     out = {name: run() for name, run in parts.items() if args.only in (None, name)}
     out["clock"], out["loss_only"], out["load"] = args.clock, args.loss_only, os.getloadavg()
+    out["clip"], out["shared"] = args.clip, args.clip is not None and not args.no_share
     print(json.dumps(out, indent=2))
 
 

@@ -114,6 +114,8 @@ class SpikeGuard(Callback):
         self._clip: Optional[GradientClipping] = None  # a GradientClipping whose norm is shared (see after_train_batch)
         self._clip_seen: Optional[torch.Tensor] = None  # its norm already judged (a stale one is not judged twice)
         self._clipped_to: Optional[float] = None  # this batch's norm is its pre-clip norm, clipped to this
+        self._host: Optional[torch.Tensor] = None  # pinned host buffer of (loss, norm) on an accelerator
+        self._ready: Optional[torch.cuda.Event] = None  # its copy's event, recorded before the optimizer step
         self._spike: Optional[Tuple[int, Verdict]] = None  # this rank's latest spike (batch, verdict), until agreed
         # One record per batch since the oldest snapshot: (Timestamp after it, samples, tokens); the window's rows.
         self._history: Deque[Tuple[Timestamp, int, int]] = deque()
@@ -146,7 +148,17 @@ class SpikeGuard(Callback):
         if state.scaler is not None or self.detector.grad_zscore is None:
             # Loss only (amp_fp16: the scaler skips steps with inf gradients itself; without a gradient test a
             # non-finite gradient shows in the next batch's loss, inside the same window).
-            return
+            self._norm = None
+        else:
+            self._norm = self._grad_norm(state)
+        loss = state.loss
+        if loss is not None and type(loss) is not torch.Tensor:
+            loss = total_loss(loss).detach()
+        if loss is not None and loss.is_cuda:
+            self._to_host(loss, self._norm)
+
+    def _grad_norm(self, state: State) -> Optional[torch.Tensor]:
+        """This batch's gradient norm (this rank's), as a tensor: GradientClipping's when it has one."""
         params = self._params
         if params is None:  # the trained parameters, found once (a Python walk of the groups per batch costs)
             params = self._params = [p for opt in state.optimizers for g in opt.param_groups for p in g["params"]]
@@ -154,13 +166,25 @@ class SpikeGuard(Callback):
         clip = self._clip
         if clip is not None:  # GradientClipping ran just before (algorithms first): its norm, not a second one
             total = clip.last_grad_norm
-            if total is not None and total is not self._clip_seen:
-                self._clip_seen, self._norm, self._clipped_to = total, total, clip.clipping_threshold
-            else:  # it clipped nothing this batch (no gradients): none to judge, as with no gradients here
-                self._norm = None
-            return
+            if total is None or total is self._clip_seen:  # it clipped nothing this batch (no gradients)
+                return None
+            self._clip_seen, self._clipped_to = total, clip.clipping_threshold
+            return total
         norms = [vector_norm(p.grad) for p in params if p.grad is not None]  # cheaper than _foreach_norm on CPU
-        self._norm = vector_norm(stack(norms)) if norms else None
+        return vector_norm(stack(norms)) if norms else None
+
+    def _to_host(self, loss: torch.Tensor, norm: Optional[torch.Tensor]) -> None:
+        """Start the copy of the loss (and norm) into a pinned host buffer, before the optimizer step is queued:
+        ``batch_end`` then waits for that copy only, not for the step (one ``.item()`` would wait for all)."""
+        values = (
+            loss.reshape(1).float() if norm is None else stack([loss.reshape(()).float(), norm.to(loss.device).float()])
+        )
+        host = self._host
+        if host is None or host.numel() != values.numel():
+            host = self._host = torch.empty(values.numel(), pin_memory=True)  # pinned: the copy is asynchronous
+        host.copy_(values, non_blocking=True)
+        self._ready = torch.cuda.Event()
+        self._ready.record()
 
     def batch_end(self, state: State, logger: Logger) -> None:
         ts = state.timestamp  # immutable: kept as it is, read only at a rollback (no per-batch conversions)
@@ -169,20 +193,27 @@ class SpikeGuard(Callback):
             state.agreement.clear(FLAG)
             self._roll_back(state, logger)
             return
-        loss, norm, self._norm = state.loss, self._norm, None
-        if type(loss) is not torch.Tensor:
-            loss = total_loss(loss).detach()
-        if norm is None:
-            verdict = self.detector.observe(loss.item())
+        norm, ready, self._norm, self._ready = self._norm, self._ready, None, None
+        grad: Optional[float] = None
+        if ready is not None:  # on an accelerator: the copy after_train_batch started
+            assert self._host is not None
+            ready.synchronize()
+            read = self._host.tolist()
+            value, grad = read[0], (read[1] if norm is not None else None)
         else:
-            if loss.device.type == "cpu":
+            loss = state.loss
+            if type(loss) is not torch.Tensor:
+                loss = total_loss(loss).detach()
+            if norm is None:
+                value = loss.item()
+            elif loss.device.type == "cpu":
                 value, grad = loss.item(), norm.item()
             else:  # one host sync for both
                 value, grad = stack([loss.reshape(()).float(), norm.to(loss.device).float()]).tolist()
-            if self._clipped_to is not None:  # GradientClipping's pre-clip norm: the norm of the clipped gradients
-                grad *= min(1.0, self._clipped_to / (grad + 1e-6))  # (torch's clip coefficient, clamped at 1)
-                self._clipped_to = None
-            verdict = self.detector.observe(value, grad)
+        if grad is not None and self._clipped_to is not None:  # GradientClipping's pre-clip norm: clip it
+            grad *= min(1.0, self._clipped_to / (grad + 1e-6))  # (torch's clip coefficient, clamped at 1)
+        self._clipped_to = None
+        verdict = self.detector.observe(value, grad)
         if verdict is not None:
             self._spike = (ts.get_value("ba"), verdict)
             state.request(FLAG)
@@ -237,7 +268,7 @@ class SpikeGuard(Callback):
         for scheduler in state.schedulers:  # the schedule follows the position: one step per batch since the snapshot
             for _ in range(now - restored):
                 scheduler.step()
-        self._spike, self._norm, self._since, self._clipped_to = None, None, 0, None
+        self._spike, self._norm, self._since, self._clipped_to, self._ready = None, None, 0, None, None
         record = {
             "batch": now,
             "spike_batch": spike_batch,
