@@ -242,8 +242,9 @@ class SpikeGuard(Callback):
         self._snapshots.take({"batch": batch, "detector": self.detector.state_dict()})
         self._since = 0
         oldest = self._snapshots.snapshots[0].meta["batch"]
-        while self._history and self._history[0][0].get_value("ba") <= oldest:
-            self._history.popleft()
+        if self._history:  # one record per batch, consecutive (a fit's Timestamp only goes forward): count, not compare
+            for _ in range(min(len(self._history), oldest - self._history[0][0].get_value("ba") + 1)):
+                self._history.popleft()
 
     def _roll_back(self, state: State, logger: Logger) -> None:
         """Every rank, at the same batch: restore the newest snapshot from before the spiking batch, skip since."""
