@@ -119,6 +119,7 @@ class SpikeGuard(Callback):
         self._clipped_to: Optional[float] = None  # this batch's norm is its pre-clip norm, clipped to this
         self._host: Optional[torch.Tensor] = None  # pinned host buffer of (loss, norm) on an accelerator
         self._ready: Optional[torch.cuda.Event] = None  # its copy's event, recorded before the optimizer step
+        self._event: Optional[torch.cuda.Event] = None
         self._spike: Optional[Tuple[int, Verdict]] = None  # this rank's latest spike (batch, verdict), until agreed
         # One record per batch since the oldest snapshot: (Timestamp after it, samples, tokens); the window's rows.
         self._history: Deque[Tuple[Timestamp, int, int]] = deque()
@@ -186,8 +187,10 @@ class SpikeGuard(Callback):
         if host is None or host.numel() != values.numel():
             host = self._host = torch.empty(values.numel(), pin_memory=True)  # pinned: the copy is asynchronous
         host.copy_(values, non_blocking=True)
-        self._ready = torch.cuda.Event()
-        self._ready.record()
+        if self._event is None:
+            self._event = torch.cuda.Event()  # one, recorded again each batch
+        self._event.record()
+        self._ready = self._event
 
     def batch_end(self, state: State, logger: Logger) -> None:
         ts = state.timestamp  # immutable: kept as it is, read only at a rollback (no per-batch conversions)

@@ -209,3 +209,38 @@ def test_with_gradient_clipping_the_guard_shares_its_norm_and_decides_the_same(m
     assert len(shared.detector._norms) == len(own.detector._norms) > 10
     assert list(shared.detector._norms) == pytest.approx(list(own.detector._norms), rel=1e-6)
     assert max(own.detector._norms) <= threshold * (1 + 1e-5)  # the judged norm is the clipped one, as before
+
+
+@pytest.mark.parametrize("grad_zscore", [6.0, None])
+def test_the_cuda_read_path_decides_as_the_direct_read(monkeypatch, grad_zscore):
+    """On CUDA the loss and norm reach batch_end through a pinned buffer and an event (no wait on the
+    optimizer step); with the GPU mocked (an event that records, an unpinned buffer) the decisions and the
+    window are those of the direct read."""
+    from raytrain_events.callbacks import spike_guard
+
+    recorded = []
+
+    class Event:
+        def record(self):
+            recorded.append(1)
+
+        def synchronize(self):
+            pass
+
+    class OnCuda(SpikeGuard):
+        def after_train_batch(self, state, logger):
+            super().after_train_batch(state, logger)
+            self._to_host(state.loss, self._norm)  # what a CUDA loss takes
+
+    empty = torch.empty
+    monkeypatch.setattr(spike_guard.torch.cuda, "Event", Event)
+    monkeypatch.setattr(spike_guard.torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
+    direct, via_host = (
+        SpikeGuard(snapshot_interval=5, grad_zscore=grad_zscore),
+        OnCuda(snapshot_interval=5, grad_zscore=grad_zscore),
+    )
+    _fit(_rows(planted=[203]), [direct])
+    _fit(_rows(planted=[203]), [via_host])
+    assert len(recorded) == 50  # one copy a batch
+    assert via_host.rollbacks == direct.rollbacks and via_host.skips.ranges == direct.skips.ranges
+    assert via_host.detector.state_dict() == direct.detector.state_dict()
