@@ -101,39 +101,52 @@ def _best_fit(lengths: np.ndarray, seq_len: int, what: str) -> Tuple[List[int], 
     """``(fill of each sequence, sequence of each document, offset of each document in it)``.
 
     Documents over half of ``seq_len`` each open their own sequence (no open sequence has room for
-    one: each already holds a document at least as long), so they are placed as arrays; the rest go
-    one by one to the tightest room (ties: the lowest sequence), kept as ``room * stride + sequence``
-    integers in a sorted list (integer keys bisect several times faster than tuples)."""
+    one: each already holds a document at least as long), so they are placed as arrays. The rest go
+    to the tightest room (ties: the lowest sequence), open rooms kept as ``room * stride + sequence``
+    integers in a sorted list, a run of documents of one length ``n`` at a time: the tightest room
+    that fits one takes as many of the run as fit (``room // n``; what is left of it is then below
+    ``n``, so the next of the run goes to the next tightest room), exactly as one by one. So one
+    Python step per (length, room) pair, not per document: many fewer on long-tail mixes."""
     _check_fits(lengths, seq_len, what)
     order = np.argsort(-lengths, kind="stable")  # longest first, ties in document order
     seq = np.full(len(lengths), -1, dtype=np.int64)  # empty documents take no room: sequence -1
     offset = np.zeros(len(lengths), dtype=np.int64)
-    big = int(np.searchsorted(-lengths[order], -(seq_len // 2), side="left"))  # lengths > seq_len // 2
-    fills: List[int] = lengths[order[:big]].tolist()
+    ordered = lengths[order]
+    big = int(np.searchsorted(-ordered, -(seq_len // 2), side="left"))  # lengths > seq_len // 2
+    fills: List[int] = ordered[:big].tolist()
     seq[order[:big]] = np.arange(big)
     stride = len(lengths) + 1  # more than any sequence number
-    free = [room * stride + s for s, room in enumerate(seq_len - np.asarray(fills, dtype=np.int64)) if room > 0]
+    free = [room * stride + s for s, room in enumerate(seq_len - ordered[:big]) if room > 0]
     free.sort()
-    left = order[big:][lengths[order[big:]] > 0].tolist()
-    sizes = lengths[left].tolist()
+    nonempty = big + int((ordered[big:] > 0).sum())
+    rest = ordered[big:nonempty]
+    starts = np.flatnonzero(np.diff(rest, prepend=-1))  # where each length's run starts
+    runs = zip(rest[starts].tolist(), np.diff(starts, append=len(rest)).tolist())  # (length, documents)
     seqs: List[int] = []
     offsets: List[int] = []
     bisect_left, insort, pop = bisect.bisect_left, bisect.insort, free.pop
-    for n in sizes:
-        j = bisect_left(free, n * stride)  # the tightest room that fits (the lowest sequence on ties)
-        if j < len(free):
-            key = pop(j)
-            room, s = divmod(key, stride)
-        else:
-            s, room = len(fills), seq_len
-            fills.append(0)
-        seqs.append(s)
-        offsets.append(fills[s])
-        fills[s] += n
-        if room > n:
-            insort(free, (room - n) * stride + s)
-    seq[left] = seqs
-    offset[left] = offsets
+    for n, left in runs:
+        while left:
+            j = bisect_left(free, n * stride)  # the tightest room that fits (the lowest sequence on ties)
+            if j < len(free):
+                room, s = divmod(pop(j), stride)
+            else:
+                s, room = len(fills), seq_len
+                fills.append(0)
+            q = room // n if room // n < left else left
+            if q == 1:
+                seqs.append(s)
+                offsets.append(fills[s])
+            else:
+                seqs += [s] * q
+                offsets += range(fills[s], fills[s] + q * n, n)
+            fills[s] += q * n
+            left -= q
+            if room > q * n:
+                insort(free, (room - q * n) * stride + s)
+    placed = order[big:nonempty]
+    seq[placed] = seqs
+    offset[placed] = offsets
     return fills, seq, offset
 
 
