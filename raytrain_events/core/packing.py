@@ -29,8 +29,8 @@ token itself (``pad_id`` on padding). Real tokens are the non-padding ones
 Cost: ``concat`` is O(tokens) array work per window (no Python loop over documents or sequences:
 copies and ``np.repeat`` into the output, no index arrays); ``best_fit`` is O(d log d) for the
 window's ``d`` documents (a sorted list of open sequences' free room, searched by bisection; one
-Python step per document of at most half ``seq_len``), then O(tokens) array work to scatter the
-tokens to their places. `pack_window` can write into caller-given arrays (``out``), so a read that
+Python step per (document length, open sequence) pair, documents over half ``seq_len`` as arrays),
+then O(tokens) array work to scatter the tokens to their places. `pack_window` can write into caller-given arrays (``out``), so a read that
 packs several windows makes one block without a copy after packing.
 """
 
@@ -49,6 +49,7 @@ __all__ = [
     "check_policy",
     "sequences_in_window",
     "pack_window",
+    "empty_packed",
 ]
 
 POLICIES = ("concat", "best_fit")
@@ -165,9 +166,10 @@ def pack_window(  # noqa: PLR0913 (the window's arrays, then how to pack them)
     written into ``out`` when given (C-contiguous arrays of the window's shapes: a read packing
     several windows into one block gives views of it, and nothing is copied after packing).
 
-    Whole-window array work, no loop over documents or sequences: ``concat`` copies the tokens and
-    the repeated ids in place (no index arrays), positions are each token's place in its document
-    capped by its place in its sequence; ``best_fit`` scatters each token to its place."""
+    The tokens are laid out by whole-window array work, with no loop over documents or sequences:
+    ``concat`` copies the tokens and the repeated ids in place (no index arrays), positions are each
+    token's place in its document capped by its place in its sequence; ``best_fit`` scatters each
+    token to its place (after `_best_fit` chose the places)."""
     check_policy(policy, seq_len)
     lengths = np.asarray(lengths, dtype=np.int64)
     ids = np.asarray(document_ids, dtype=np.int64)
@@ -183,7 +185,7 @@ def pack_window(  # noqa: PLR0913 (the window's arrays, then how to pack them)
     else:
         fills, seq, offset = _best_fit(lengths, seq_len, what)
         n = len(fills)
-    out = _buffers(n, seq_len, tokens.dtype) if out is None else _checked(out, n, seq_len, tokens.dtype, what)
+    out = empty_packed(n, seq_len, tokens.dtype) if out is None else _checked(out, n, seq_len, tokens.dtype, what)
     flat_ids, flat_docs, flat_pos = (a.reshape(-1) for a in out[:3])
     starts = np.cumsum(lengths) - lengths  # each document's first token in ``tokens``
     kind = np.int32 if total < 2**31 else np.int64
@@ -212,8 +214,8 @@ def pack_window(  # noqa: PLR0913 (the window's arrays, then how to pack them)
     return out
 
 
-def _buffers(n: int, seq_len: int, dtype: Any) -> Packed:
-    """Empty `Packed` arrays for ``n`` sequences (`pack_window` fills every element)."""
+def empty_packed(n: int, seq_len: int, dtype: Any) -> Packed:
+    """Uninitialised `Packed` arrays for ``n`` sequences, for `pack_window`'s ``out`` (it writes every element)."""
     return Packed(
         np.empty((n, seq_len), dtype=dtype),
         np.empty((n, seq_len), dtype=np.int64),

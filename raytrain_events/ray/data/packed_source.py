@@ -50,7 +50,14 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from raytrain_events.core.packing import Packed, PackingError, _buffers, check_policy, pack_window, sequences_in_window
+from raytrain_events.core.packing import (
+    Packed,
+    PackingError,
+    check_policy,
+    empty_packed,
+    pack_window,
+    sequences_in_window,
+)
 
 __all__ = ["PackedTokens", "count_real_tokens", "VOCAB_KEY"]
 
@@ -314,7 +321,7 @@ def pack_reads(windows: List[Dict[str, Any]]) -> Any:
     inputs = [_window_inputs(args) for args in windows]
     seq_len = windows[0]["seq_len"]
     counts = [args["expected"] for args in windows]
-    block = _buffers(sum(counts), seq_len, inputs[0][0].dtype)
+    block = empty_packed(sum(counts), seq_len, inputs[0][0].dtype)
     at = 0
     for args, (tokens, lengths, ids), count in zip(windows, inputs, counts):
         view = Packed(*(array[at : at + count] for array in block))
