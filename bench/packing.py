@@ -2,8 +2,9 @@
 
     PYTHONPATH=$PWD python bench/packing.py                 # all three parts, 3 repeats
     PYTHONPATH=$PWD python bench/packing.py --parts efficiency
+    PYTHONPATH=$PWD python bench/packing.py --parts cpu --repeats 5    # no Ray: CPU per sequence
 
-Three parts (issue 50), each printed as a table with medians and spreads ``[min-max]``:
+Four parts (issue 50), each printed as a table with medians and spreads ``[min-max]``:
 
 1. ``efficiency``: real tokens / sequence capacity and the documents split, for ``concat`` and
    ``best_fit`` (`raytrain_events.core.packing.efficiency`, windows of ``256 * seq_len`` tokens as
@@ -17,8 +18,18 @@ Three parts (issue 50), each printed as a table with medians and spreads ``[min-
 3. ``datapath``: steady sequences/s of an epoch through the feeder and 2 ranks' loaders
    (`GlobalOrderLoader`, as `RayTrainer` builds them) for `PackedTokens` (packing in the read
    tasks) against `ParquetRowGroups` over the very same sequences written out pre-packed (fixed-size
-   int32/int64 lists): the cost of packing on the data path. The first 16 batches (the first chunks: the feeder's start, the first reads) are left out.
+   int32/int64 lists): the cost of packing on the data path. The pre-packed source reads as many
+   sequences per task and ahead of the feeder as `PackedTokens` does (`ParquetRowGroups` sizes
+   reads by the footers' encoded bytes, about a fifth of the decoded ones for these columns: left
+   at its defaults it would hold the whole epoch read ahead, and the arm would measure the loaders
+   draining memory). The first 32 batches (the feeder's start and the first read-ahead) are left out.
    Arms interleaved, ``--repeats`` each; the ratio is per repeat.
+4. ``cpu``: the read tasks' work without Ray (in this process, CPU time per sequence, so a loaded
+   machine moves it less than wall time): `pack_reads` (read the token row groups, pack) for every
+   read task of an epoch against `_read_units` of the same sequences written pre-packed (what
+   `ParquetRowGroups`' read tasks do), and, of the first, `pack_window` alone on the read tokens.
+   ``concat`` on the datapath part's documents (Zipf lengths up to 2,000), ``best_fit`` on the same
+   mix cut at 1,024 tokens; seq_len 1024, windows of ``256 * seq_len`` tokens.
 """
 
 from __future__ import annotations
@@ -128,7 +139,7 @@ def _write_prepacked(source: Any, path: str) -> None:
     pq.write_table(pa.concat_tables(tables), os.path.join(path, "packed.parquet"), row_group_size=tables[0].num_rows)
 
 
-def _steady_rate(ray: Any, source: Any, world: int = 2, batch: int = 64, skip: int = 16) -> float:
+def _steady_rate(ray: Any, source: Any, world: int = 2, batch: int = 64, skip: int = 32) -> float:
     from raytrain_events.ray.data.feeder import FEEDER_OPTIONS, EpochFeeder
     from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard
 
@@ -157,20 +168,25 @@ def datapath_part(out: str, repeats: int) -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "ray"))
     from packed_data import write_tokens
 
-    from raytrain_events.ray.data.packed_source import PackedTokens
-    from raytrain_events.ray.data.parquet_seek import ParquetRowGroups
+    from raytrain_events.ray.data.packed_source import _BYTES_PER_TOKEN, PackedTokens
+    from raytrain_events.ray.data.parquet_seek import AHEAD_BYTES, READ_BYTES, ParquetRowGroups
 
-    paths, _ = write_tokens(os.path.join(out, "tok"), files=16, groups=4, docs_per_group=2_000, seed=0, longest=2_000)
+    paths, _ = write_tokens(os.path.join(out, "tok"), files=32, groups=4, docs_per_group=2_000, seed=0, longest=2_000)
     packed = PackedTokens(paths, seq_len=1024, policy="concat", window_tokens=256 * 1024)
     _write_prepacked(packed, os.path.join(out, "prepacked"))
-    plain = ParquetRowGroups(os.path.join(out, "prepacked"))
+    footer = ParquetRowGroups(os.path.join(out, "prepacked"))
+    encoded = sum(footer.sizes.values()) / (packed.count() * 1024 * _BYTES_PER_TOKEN)  # footer bytes / decoded
+    plain = ParquetRowGroups(
+        os.path.join(out, "prepacked"), read_bytes=int(READ_BYTES * encoded), ahead_bytes=int(AHEAD_BYTES * encoded)
+    )
     assert plain.count() == packed.count()
     with_packing, without = [], []
     for _ in range(repeats):
         without.append(_steady_rate(ray, plain))
         with_packing.append(_steady_rate(ray, packed))
     print("\n## Data path: steady sequences/s, 2 ranks, batches of 64 sequences of 1024 tokens\n")
-    print(f"{packed.count()} sequences from {packed.documents} documents ({packed.real_tokens} tokens)\n")
+    print(f"{packed.count()} sequences from {packed.documents} documents ({packed.real_tokens} tokens)")
+    print(f"pre-packed reads sized at {encoded:.3f} x the defaults (footer bytes / decoded bytes)\n")
     print("| pre-packed ParquetRowGroups | PackedTokens (packing in the read tasks) | ratio (packing / pre-packed) |")
     print("| --- | --- | --- |")
     print(
@@ -178,9 +194,71 @@ def datapath_part(out: str, repeats: int) -> None:
     )
 
 
+def _cpu_per_sequence(work: Any, sequences: int, repeats: int) -> List[float]:
+    out = []
+    for _ in range(repeats):
+        start = time.process_time()
+        work()
+        out.append((time.process_time() - start) / sequences * 1e6)
+    return out
+
+
+def cpu_part(out: str, repeats: int) -> None:
+    print("\n## Read tasks' CPU per sequence (us; no Ray; seq_len 1024, windows of 256 sequences)\n")
+    print(
+        "| policy | pre-packed Parquet read | PackedTokens read + pack | of which pack_window "
+        "| ratio (packed / pre-packed) |"
+    )
+    print("| --- | --- | --- | --- | --- |")
+    for policy, longest in (("concat", 2_000), ("best_fit", 1_024)):
+        print(_cpu_row(os.path.join(out, f"cpu-{policy}"), policy, longest, repeats))
+
+
+def _cpu_row(folder: str, policy: str, longest: int, repeats: int) -> str:
+    import pyarrow.parquet as pq
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "ray"))
+    from packed_data import write_tokens
+
+    from raytrain_events.core.packing import pack_window
+    from raytrain_events.ray.data.packed_source import PackedTokens, pack_reads
+    from raytrain_events.ray.data.parquet_seek import ParquetRowGroups, _read_units
+
+    paths, _ = write_tokens(
+        os.path.join(folder, "tok"), files=8, groups=4, docs_per_group=2_000, seed=0, longest=longest
+    )
+    source = PackedTokens(paths, seq_len=1024, policy=policy, window_tokens=256 * 1024)
+    _write_prepacked(source, os.path.join(folder, "prepacked"))
+    plain = ParquetRowGroups(os.path.join(folder, "prepacked"))
+    n = source.count()
+    packed_reads = [[source.window_args(w) for w in group] for group in source.reads(list(range(len(source.windows))))]
+    plain_reads = [[(f, g) for f, g, _ in group] for group in plain.reads(plain.units)]
+    windows = []  # each window's tokens, lengths and ids, read as the read task reads them
+    for w in range(len(source.windows)):
+        args = source.window_args(w)
+        tables = [pq.ParquetFile(args["paths"][f]).read_row_group(g) for f, g in args["units"]]
+        values = [t.column("input_ids").combine_chunks() for t in tables]
+        windows.append(
+            (
+                np.concatenate([v.flatten().to_numpy() for v in values]),
+                np.concatenate([v.value_lengths().to_numpy() for v in values]).astype(np.int64),
+                np.concatenate([t.column("document_id").to_numpy() for t in tables]),
+            )
+        )
+    base: List[float] = []
+    full: List[float] = []
+    pack: List[float] = []
+    for _ in range(repeats):  # arms interleaved
+        base += _cpu_per_sequence(lambda: [_read_units(plain.paths, r, None, None) for r in plain_reads], n, 1)
+        full += _cpu_per_sequence(lambda: [pack_reads(r) for r in packed_reads], n, 1)
+        pack += _cpu_per_sequence(lambda: [pack_window(t, k, i, 1024, policy) for t, k, i in windows], n, 1)
+    ratios = [f / b for f, b in zip(full, base)]
+    return f"| {policy} | {_spread(base)} | {_spread(full)} | {_spread(pack)} | {_spread(ratios, 2)} |"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", default="efficiency,tokenize,datapath")
+    parser.add_argument("--parts", default="efficiency,tokenize,datapath,cpu")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cpus", type=int, default=4, help="logical CPUs of the local Ray (default 4)")
     args = parser.parse_args()
@@ -197,6 +275,8 @@ def main() -> None:
         tokenize_part(data, out, args.repeats)
     if "datapath" in parts:
         datapath_part(out, args.repeats)
+    if "cpu" in parts:
+        cpu_part(out, args.repeats)
 
 
 if __name__ == "__main__":

@@ -26,15 +26,18 @@ sequence, so a piece after a cut starts again at 0: it attends to nothing before
 token itself (``pad_id`` on padding). Real tokens are the non-padding ones
 (``document_ids != PAD_DOCUMENT``); a sequence's count is kept with it (``num_tokens``).
 
-Cost: ``concat`` is O(tokens) array work per window (no Python loop over documents); ``best_fit``
-is O(d log d) for the window's ``d`` documents (a sorted list of open sequences' free room,
-searched by bisection), then O(tokens) array work to lay the tokens out.
+Cost: ``concat`` is O(tokens) array work per window (no Python loop over documents or sequences:
+copies and ``np.repeat`` into the output, no index arrays); ``best_fit`` is O(d log d) for the
+window's ``d`` documents (a sorted list of open sequences' free room, searched by bisection; one
+Python step per (document length, open sequence) pair, documents over half ``seq_len`` as arrays),
+then O(tokens) array work to scatter the tokens to their places. `pack_window` can write into caller-given arrays (``out``), so a read that
+packs several windows makes one block without a copy after packing.
 """
 
 from __future__ import annotations
 
 import bisect
-from typing import Dict, List, NamedTuple, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -45,8 +48,8 @@ __all__ = [
     "Packed",
     "check_policy",
     "sequences_in_window",
-    "place",
     "pack_window",
+    "empty_packed",
 ]
 
 POLICIES = ("concat", "best_fit")
@@ -96,43 +99,56 @@ def sequences_in_window(lengths: Sequence[int] | np.ndarray, seq_len: int, polic
 
 
 def _best_fit(lengths: np.ndarray, seq_len: int, what: str) -> Tuple[List[int], np.ndarray, np.ndarray]:
-    """``(fill of each sequence, sequence of each document, offset of each document in it)``."""
+    """``(fill of each sequence, sequence of each document, offset of each document in it)``.
+
+    Documents over half of ``seq_len`` each open their own sequence (no open sequence has room for
+    one: each already holds a document at least as long), so they are placed as arrays. The rest go
+    to the tightest room (ties: the lowest sequence), open rooms kept as ``room * stride + sequence``
+    integers in a sorted list, a run of documents of one length ``n`` at a time: the tightest room
+    that fits one takes as many of the run as fit (``room // n``; what is left of it is then below
+    ``n``, so the next of the run goes to the next tightest room), exactly as one by one. So one
+    Python step per (length, room) pair, not per document: many fewer on long-tail mixes."""
     _check_fits(lengths, seq_len, what)
     order = np.argsort(-lengths, kind="stable")  # longest first, ties in document order
-    fills: List[int] = []
-    free: List[Tuple[int, int]] = []  # (room left, sequence) of open sequences, sorted
-    seq = np.zeros(len(lengths), dtype=np.int64)
+    seq = np.full(len(lengths), -1, dtype=np.int64)  # empty documents take no room: sequence -1
     offset = np.zeros(len(lengths), dtype=np.int64)
-    for i in order.tolist():
-        n = int(lengths[i])
-        if n == 0:
-            seq[i], offset[i] = -1, 0  # an empty document takes no room
-            continue
-        j = bisect.bisect_left(free, (n, -1))  # the tightest room that fits: the fullest sequence
-        if j < len(free):
-            room, s = free.pop(j)
-        else:
-            s, room = len(fills), seq_len
-            fills.append(0)
-        seq[i], offset[i] = s, fills[s]
-        fills[s] += n
-        if room - n > 0:
-            bisect.insort(free, (room - n, s))
+    ordered = lengths[order]
+    big = int(np.searchsorted(-ordered, -(seq_len // 2), side="left"))  # lengths > seq_len // 2
+    fills: List[int] = ordered[:big].tolist()
+    seq[order[:big]] = np.arange(big)
+    stride = len(lengths) + 1  # more than any sequence number
+    free = [room * stride + s for s, room in enumerate(seq_len - ordered[:big]) if room > 0]
+    free.sort()
+    nonempty = big + int((ordered[big:] > 0).sum())
+    rest = ordered[big:nonempty]
+    starts = np.flatnonzero(np.diff(rest, prepend=-1))  # where each length's run starts
+    runs = zip(rest[starts].tolist(), np.diff(starts, append=len(rest)).tolist())  # (length, documents)
+    seqs: List[int] = []
+    offsets: List[int] = []
+    bisect_left, insort, pop = bisect.bisect_left, bisect.insort, free.pop
+    for n, left in runs:
+        while left:
+            j = bisect_left(free, n * stride)  # the tightest room that fits (the lowest sequence on ties)
+            if j < len(free):
+                room, s = divmod(pop(j), stride)
+            else:
+                s, room = len(fills), seq_len
+                fills.append(0)
+            q = room // n if room // n < left else left
+            if q == 1:
+                seqs.append(s)
+                offsets.append(fills[s])
+            else:
+                seqs += [s] * q
+                offsets += range(fills[s], fills[s] + q * n, n)
+            fills[s] += q * n
+            left -= q
+            if room > q * n:
+                insort(free, (room - q * n) * stride + s)
+    placed = order[big:nonempty]
+    seq[placed] = seqs
+    offset[placed] = offsets
     return fills, seq, offset
-
-
-def place(lengths: Sequence[int] | np.ndarray, seq_len: int, policy: str, what: str = "a window") -> np.ndarray:
-    """Where each token of the window's documents (laid end to end, in order) goes in the window's
-    packed ``(n, seq_len)`` output, as flat indices; the rest of the output is padding."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    total = int(lengths.sum())
-    if policy == "concat":
-        return np.arange(total, dtype=np.int64)
-    _, seq, offset = _best_fit(lengths, seq_len, what)
-    starts = np.cumsum(lengths) - lengths
-    within = np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)
-    dest: np.ndarray = np.repeat(seq * seq_len + offset, lengths) + within
-    return dest
 
 
 def pack_window(  # noqa: PLR0913 (the window's arrays, then how to pack them)
@@ -143,33 +159,83 @@ def pack_window(  # noqa: PLR0913 (the window's arrays, then how to pack them)
     policy: str,
     pad_id: int = 0,
     what: str = "a window",
+    out: Optional[Packed] = None,
 ) -> Packed:
     """Pack one window: ``tokens`` are its documents' tokens end to end, ``lengths`` each document's
-    count and ``document_ids`` their ids (int64, >= 0). Returns the window's `Packed` sequences."""
+    count and ``document_ids`` their ids (int64, >= 0). Returns the window's `Packed` sequences,
+    written into ``out`` when given (C-contiguous arrays of the window's shapes: a read packing
+    several windows into one block gives views of it, and nothing is copied after packing).
+
+    The tokens are laid out by whole-window array work, with no loop over documents or sequences:
+    ``concat`` copies the tokens and the repeated ids in place (no index arrays), positions are each
+    token's place in its document capped by its place in its sequence; ``best_fit`` scatters each
+    token to its place (after `_best_fit` chose the places)."""
     check_policy(policy, seq_len)
     lengths = np.asarray(lengths, dtype=np.int64)
     ids = np.asarray(document_ids, dtype=np.int64)
-    if len(ids) != len(lengths) or int(lengths.sum()) != len(tokens):
+    total = int(lengths.sum())
+    if len(ids) != len(lengths) or total != len(tokens):
         raise ValueError(
-            f"{what}: {len(tokens)} tokens, {len(lengths)} lengths summing to {int(lengths.sum())}, "
+            f"{what}: {len(tokens)} tokens, {len(lengths)} lengths summing to {total}, "
             f"{len(ids)} document ids: they must agree."
         )
-    n = sequences_in_window(lengths, seq_len, policy, what)
-    dest = place(lengths, seq_len, policy, what)
-    out_ids = np.full(n * seq_len, pad_id, dtype=tokens.dtype)
-    out_docs = np.full(n * seq_len, PAD_DOCUMENT, dtype=np.int64)
-    out_ids[dest] = tokens
-    out_docs[dest] = np.repeat(ids, lengths)
-    # Each token's position in its piece: since its document's start, or since its sequence's start
-    # when the document began in an earlier sequence (a concat cut); array work, no per-row scan.
-    some = lengths > 0  # (an empty document has no first token)
-    starts = np.repeat(dest[(np.cumsum(lengths) - lengths)[some]], lengths[some])
-    out_pos = np.zeros(n * seq_len, dtype=np.int32)
-    out_pos[dest] = dest - np.maximum(starts, dest - dest % seq_len)
-    docs = out_docs.reshape(n, seq_len)
+    fills: List[int] = []
+    if policy == "concat":
+        n = -(-total // seq_len)
+    else:
+        fills, seq, offset = _best_fit(lengths, seq_len, what)
+        n = len(fills)
+    out = empty_packed(n, seq_len, tokens.dtype) if out is None else _checked(out, n, seq_len, tokens.dtype, what)
+    flat_ids, flat_docs, flat_pos = (a.reshape(-1) for a in out[:3])
+    starts = np.cumsum(lengths) - lengths  # each document's first token in ``tokens``
+    kind = np.int32 if total < 2**31 else np.int64
+    within = np.arange(total, dtype=kind) - np.repeat(starts.astype(kind), lengths)  # place in its document
+    if policy == "concat":
+        flat_ids[:total] = tokens
+        flat_ids[total:] = pad_id
+        flat_docs[:total] = np.repeat(ids, lengths)
+        flat_docs[total:] = PAD_DOCUMENT
+        flat_pos[:total] = within
+        flat_pos[total:] = 0
+        # a piece after a cut starts again at 0: cap each place by its place in its sequence
+        np.minimum(out.position_ids, np.arange(seq_len, dtype=np.int32), out=out.position_ids)
+        out.num_tokens[:] = seq_len
+        if n:
+            out.num_tokens[-1] = total - (n - 1) * seq_len
+        return out
+    dest = within + np.repeat(seq * seq_len + offset, lengths)  # no document is cut: its place is its position
+    flat_ids.fill(pad_id)
+    flat_ids[dest] = tokens
+    flat_docs.fill(PAD_DOCUMENT)
+    flat_docs[dest] = np.repeat(ids, lengths)
+    flat_pos.fill(0)
+    flat_pos[dest] = within
+    out.num_tokens[:] = fills
+    return out
+
+
+def empty_packed(n: int, seq_len: int, dtype: Any) -> Packed:
+    """Uninitialised `Packed` arrays for ``n`` sequences, for `pack_window`'s ``out`` (it writes every element)."""
     return Packed(
-        out_ids.reshape(n, seq_len), docs, out_pos.reshape(n, seq_len), (docs != PAD_DOCUMENT).sum(1).astype(np.int32)
+        np.empty((n, seq_len), dtype=dtype),
+        np.empty((n, seq_len), dtype=np.int64),
+        np.empty((n, seq_len), dtype=np.int32),
+        np.empty(n, dtype=np.int32),
     )
+
+
+def _checked(out: Packed, n: int, seq_len: int, dtype: Any, what: str) -> Packed:
+    if len(out.num_tokens) != n:
+        raise PackingError(f"{what} packs into {n} sequences; out holds {len(out.num_tokens)}.")
+    want: List[Tuple[Tuple[int, ...], Any]] = [((n, seq_len), np.dtype(dtype)), ((n, seq_len), np.dtype(np.int64))]
+    want += [((n, seq_len), np.dtype(np.int32)), ((n,), np.dtype(np.int32))]
+    for name, array, (shape, kind) in zip(Packed._fields, out, want):
+        if array.shape != shape or array.dtype != kind or not array.flags.c_contiguous:
+            raise ValueError(
+                f"{what}: out.{name} is {array.dtype}{list(array.shape)}, but the window packs into "
+                f"{kind}{list(shape)} (C-contiguous): give buffers of the window's sequence count."
+            )
+    return out
 
 
 def efficiency(lengths: Sequence[int] | np.ndarray, seq_len: int, policy: str, window_docs: int) -> Dict[str, float]:

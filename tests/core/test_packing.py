@@ -84,3 +84,55 @@ def test_efficiency_of_both_policies_on_a_long_tail() -> None:
     lengths = np.random.default_rng(0).integers(33, 41, size=1_000)
     best, concat = efficiency(lengths, SEQ, "best_fit", 1_000), efficiency(lengths, SEQ, "concat", 1_000)
     assert best["sequences"] == 1_000 and best["efficiency"] < 0.65 and concat["efficiency"] > 0.99
+
+
+def _best_fit_one_by_one(lengths: np.ndarray, seq_len: int):
+    """Best-fit decreasing the plain way (one document at a time, (room, sequence) tuples): what the
+    fast placement (documents over half of seq_len as arrays, equal-length runs per room) must equal."""
+    import bisect
+
+    fills, free = [], []
+    seq, offset = np.full(len(lengths), -1), np.zeros(len(lengths), dtype=np.int64)
+    for i in np.argsort(-lengths, kind="stable").tolist():
+        n = int(lengths[i])
+        if n == 0:
+            continue
+        j = bisect.bisect_left(free, (n, -1))
+        room, s = free.pop(j) if j < len(free) else (seq_len, len(fills))
+        if s == len(fills):
+            fills.append(0)
+        seq[i], offset[i] = s, fills[s]
+        fills[s] += n
+        if room > n:
+            bisect.insort(free, (room - n, s))
+    return fills, seq, offset
+
+
+@pytest.mark.parametrize("seq_len", [1, 7, SEQ, 1024])
+def test_best_fit_places_every_document_as_one_by_one(seq_len: int) -> None:
+    from raytrain_events.core.packing import _best_fit
+
+    rng = np.random.default_rng(seq_len)
+    for lengths in (
+        np.minimum(rng.zipf(1.4, size=3_000), seq_len),  # long runs of equal short lengths
+        rng.integers(0, seq_len + 1, size=500),  # every length, empty ones, many over half of seq_len
+        np.full(100, max(1, seq_len // 3)),  # one run, three to a sequence
+    ):
+        want = _best_fit_one_by_one(lengths.astype(np.int64), seq_len)
+        fills, seq, offset = _best_fit(lengths.astype(np.int64), seq_len, "a window")
+        assert fills == want[0] and seq.tolist() == want[1].tolist() and offset.tolist() == want[2].tolist()
+
+
+@pytest.mark.parametrize("policy", ["concat", "best_fit"])
+def test_pack_window_into_given_arrays_writes_every_element(policy: str) -> None:
+    from raytrain_events.core.packing import Packed
+
+    tokens, lengths, ids = _documents(3)
+    want = pack_window(tokens, lengths, ids, SEQ, policy, pad_id=7)
+    n = len(want.num_tokens)
+    block = Packed(*(np.full((n + 2,) + a.shape[1:], 99, dtype=a.dtype) for a in want))  # stale values
+    pack_window(tokens, lengths, ids, SEQ, policy, pad_id=7, out=Packed(*(a[1 : n + 1] for a in block)))
+    for got, expected in zip(block, want):
+        assert (got[1 : n + 1] == expected).all() and (got[0] == 99).all() and (got[n + 1] == 99).all()
+    with pytest.raises(PackingError, match=f"packs into {n} sequences; out holds {n + 2}"):
+        pack_window(tokens, lengths, ids, SEQ, policy, out=block)

@@ -50,7 +50,14 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from raytrain_events.core.packing import PackingError, check_policy, pack_window, sequences_in_window
+from raytrain_events.core.packing import (
+    Packed,
+    PackingError,
+    check_policy,
+    empty_packed,
+    pack_window,
+    sequences_in_window,
+)
 
 __all__ = ["PackedTokens", "count_real_tokens", "VOCAB_KEY"]
 
@@ -304,30 +311,60 @@ class PackedTokens:
 
 
 def pack_reads(windows: List[Dict[str, Any]]) -> Any:
-    """A Ray task: pack consecutive windows (`pack_read` each) into one block."""
+    """A Ray task: read consecutive windows and pack them into one block of sequences.
+
+    Each window is packed straight into its rows of the block's columns (`pack_window` with
+    ``out``), and the Arrow columns are zero-copy views of those arrays (fixed-size lists over the
+    flat values): the tokens are copied once, from the Parquet read into the block."""
     import pyarrow as pa
 
-    tables = [pack_read(**args) for args in windows]
-    return tables[0] if len(tables) == 1 else pa.concat_tables(tables).combine_chunks()
+    inputs = [_window_inputs(args) for args in windows]
+    seq_len = windows[0]["seq_len"]
+    counts = [args["expected"] for args in windows]
+    block = empty_packed(sum(counts), seq_len, inputs[0][0].dtype)
+    at = 0
+    for args, (tokens, lengths, ids), count in zip(windows, inputs, counts):
+        view = Packed(*(array[at : at + count] for array in block))
+        try:
+            pack_window(tokens, lengths, ids, seq_len, args["policy"], args["pad_id"], args["what"], out=view)
+        except PackingError as error:  # the driver counted these documents and checked their lengths
+            raise PackingError(
+                f"{error} The source counted {count} sequences in it when it was built: its files "
+                "changed since. Build the source again."
+            ) from error
+        at += count
+
+    def fixed(values: np.ndarray) -> Any:
+        return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), seq_len)
+
+    return pa.table(
+        {
+            "input_ids": fixed(block.input_ids),
+            "document_ids": fixed(block.document_ids),
+            "position_ids": fixed(block.position_ids),
+            "num_tokens": pa.array(block.num_tokens),
+        }
+    )
 
 
 def pack_read(**args: Any) -> Any:
-    """A Ray task: read one window's row groups and pack them into an Arrow table of sequences."""
-    import pyarrow as pa
+    """One window's sequences as an Arrow table (`pack_reads` of that window alone)."""
+    return pack_reads([args])
 
+
+def _window_inputs(args: Dict[str, Any]) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Read one window's row groups: ``(tokens end to end, each document's length, its id)``,
+    refusing token ids outside the vocabulary."""
     from raytrain_events.ray.data.parquet_seek import _read_units
 
-    tables = [_read_units(args["paths"], [unit], args["filesystem"], args["columns"]) for unit in args["units"]]
-    lengths, ids, flats = [], [], []
-    for table, base in zip(tables, args["bases"]):
-        values = table.column(args["tokens_column"])
-        lengths.append(_list_lengths(values))
-        flats.append(_flat_values(values))
-        if args["id_column"]:
-            ids.append(table.column(args["id_column"]).to_numpy().astype(np.int64))
-        else:
-            ids.append(base + np.arange(table.num_rows, dtype=np.int64))
-    tokens = np.concatenate(flats)
+    table = _read_units(args["paths"], args["units"], args["filesystem"], args["columns"])
+    values = table.column(args["tokens_column"])
+    lengths = _list_lengths(values)
+    tokens = _flat_values(values)
+    if args["id_column"]:
+        ids = table.column(args["id_column"]).to_numpy().astype(np.int64)
+    else:  # each document's row number in the source (a window's row groups are consecutive)
+        ids = args["bases"][0] + np.arange(table.num_rows, dtype=np.int64)
     vocab = args["vocab_size"]
     if vocab is not None and len(tokens) and (int(tokens.max()) >= vocab or int(tokens.min()) < 0):
         raise ValueError(
@@ -335,33 +372,7 @@ def pack_read(**args: Any) -> Any:
             f"{int(tokens.max())} are outside the model's vocabulary [0, {vocab}). Fix: tokenize with "
             "the model's tokenizer, or a model with a larger vocab_size."
         )
-    packed = pack_window(
-        tokens,
-        np.concatenate(lengths),
-        np.concatenate(ids),
-        args["seq_len"],
-        args["policy"],
-        args["pad_id"],
-        args["what"],
-    )
-    if len(packed.num_tokens) != args["expected"]:
-        raise PackingError(
-            f"{args['what']} packed into {len(packed.num_tokens)} sequences, but the source counted "
-            f"{args['expected']} when it was built: its files changed since. Build the source again."
-        )
-    n, length = packed.input_ids.shape
-
-    def fixed(values: np.ndarray) -> Any:
-        return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), length)
-
-    return pa.table(
-        {
-            "input_ids": fixed(packed.input_ids),
-            "document_ids": fixed(packed.document_ids),
-            "position_ids": fixed(packed.position_ids),
-            "num_tokens": pa.array(packed.num_tokens),
-        }
-    )
+    return tokens, lengths, ids
 
 
 def _token_dtype(kind: Any) -> Any:
