@@ -176,3 +176,33 @@ def test_a_ray_warning_it_calls_safe_to_ignore_stays_off_the_console_line_by_lin
     assert [filter_batch({**listing, "lines": [line]}) for line in race] == [None] * len(race)
     worker = {"actor_name": "RayTrainWorker", "pid": 8, "lines": ["Traceback (most recent call last):", "  x"]}
     assert filter_batch(worker)["lines"] == worker["lines"]  # a user's traceback still shows
+
+
+def test_a_postponed_checkpoint_save_warns_only_when_storage_misses_an_interval_and_from_rank_0(caplog):
+    """The digits example on a loaded machine printed the postponed-save warning once per worker (one copy
+    after the summary) for a save 1 batch late: a postponed save is said at INFO; a save that comes due
+    while the previous due one still waits (storage slower than the interval) warns once, from rank 0."""
+    from raytrain_events.checkpoint.run.checkpointer import Checkpointer
+
+    def run(rank: int, dues: List[Any]) -> List[int]:
+        saved: List[int] = []
+        host = SimpleNamespace(_deferred=False, _said_postponed=0)
+        host.save = lambda: saved.append(batch)
+        for batch, (due, busy) in enumerate(dues, 1):
+            if due or host._deferred:  # as batch_checkpoint calls it
+                state = SimpleNamespace(
+                    rank=rank, agreed=lambda flag, b=busy: b, timestamp=SimpleNamespace(get_value=lambda u, n=batch: n)
+                )
+                Checkpointer._save_unless_busy(host, state, due)  # type: ignore[arg-type]
+        return saved
+
+    late = [(True, True), (False, True), (False, False)]  # due at 1, taken at 3: a few batches late
+    missed = [(True, True), (False, True), (True, True), (False, False)]  # due at 3 while 1's save still waits
+    with caplog.at_level(logging.INFO, logger="raytrain_events.checkpoint.run.checkpointer"):
+        assert run(1, late + missed) == [3, 7] and not caplog.records  # another rank: silent
+        assert run(0, late) == [3]
+        assert run(0, late + missed + late + missed) == [3, 7, 10, 14]
+    said = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert [level for level, _ in said] == [logging.INFO, logging.INFO, logging.WARNING]  # then once per run
+    assert "due at batch 1 " in said[0][1] and "further apart" not in said[0][1]
+    assert "due at batch 6 " in said[2][1] and "further apart" in said[2][1]
