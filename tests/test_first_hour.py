@@ -30,6 +30,7 @@ def test_the_progress_bar_says_it_waits_for_the_workers_until_the_first_report()
     progress = RunProgress(Time(2, TimeUnit.EPOCH), "run-1")
     try:
         assert progress.bar.postfix == STARTING and "Ray Train workers" in STARTING
+        assert str(progress.bar).endswith(f"<?], {STARTING}")  # not "<?] , starting"
         progress([], [{"time/epoch": 1, "time/batch": 3, "time/sample": 48, "train/loss": 0.5}])
         assert "ep 1" in progress.bar.postfix and STARTING not in progress.bar.postfix
     finally:
