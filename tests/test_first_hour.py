@@ -208,3 +208,28 @@ def test_a_postponed_checkpoint_save_warns_only_when_storage_misses_an_interval_
     assert [level for level, _ in said] == [logging.INFO, logging.INFO, logging.WARNING]  # then once per run
     assert "due at batch 1 " in said[0][1] and "further apart" not in said[0][1]
     assert "due at batch 6 " in said[2][1] and "further apart" in said[2][1]
+
+
+def test_a_ray_workers_info_lines_stay_in_its_files(tmp_path):
+    """Ray Train's worker logging sends the root logger's INFO to the console (forwarded to the driver): the
+    digits example showed the checkpointer's INFO line on the terminal. Off the console, kept in the file."""
+    import io
+
+    from raytrain_events.ray.reports.console import quiet_worker_console
+
+    root, stream = logging.getLogger(), io.StringIO()
+    console, file = logging.StreamHandler(stream), logging.FileHandler(tmp_path / "app.log")
+    saved = root.level
+    root.addHandler(console), root.addHandler(file), root.setLevel(logging.INFO)
+    try:
+        quiet_worker_console(verbose=False)
+        quiet_worker_console(verbose=False)  # once per handler, however often called
+        logging.getLogger("raytrain_events.checkpoint.run.checkpointer").info("postponed")
+        logging.getLogger("raytrain_events.checkpoint.run.checkpointer").warning("falls behind")
+        logging.getLogger("user_code").info("the user's line")
+        assert len(console.filters) == 1 and file.filters == []
+    finally:
+        root.removeHandler(console), root.removeHandler(file), root.setLevel(saved)
+        file.close()
+    assert stream.getvalue().splitlines() == ["falls behind", "the user's line"]
+    assert (tmp_path / "app.log").read_text().splitlines() == ["postponed", "falls behind", "the user's line"]
