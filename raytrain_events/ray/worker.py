@@ -22,6 +22,7 @@ from raytrain_events.ray.fault_tolerance import WorkerFaultTolerance, WorkerPart
 from raytrain_events.ray.fault_tolerance.restarts import RestartsWorker
 from raytrain_events.ray.guards.operations import worker_guards
 from raytrain_events.ray.guards.watchdog import process_group_timeout_s
+from raytrain_events.ray.reports.console import quiet_worker_console
 from raytrain_events.ray.reports.worker_reports import RayReporter
 from raytrain_events.ray.spec import RunSpec
 from raytrain_events.trainer import Trainer
@@ -122,6 +123,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> Dict[str, Any]:
     """Ray Train entry point: ``config["spec"]`` is the `RunSpec`, ``config["fault_tolerance"]`` the run's
     strategy's worker side; returns rank 0's final timestamp."""
     spec: RunSpec = config["spec"]
+    quiet_worker_console(spec.verbose)  # this package's INFO lines in Ray's files, not on the driver's terminal
     trainer, parts = build_worker(spec, config["fault_tolerance"])
     try:
         state = trainer.fit()

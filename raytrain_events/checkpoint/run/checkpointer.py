@@ -154,7 +154,7 @@ class Checkpointer(Callback):
         # Node-local copies of this process's files of each save, read first on a restart (folder/local_tier.py).
         self.local_tier = LocalTier(config.local_dir, self.folder, config.local_keep) if config.local_dir else None
         self._deferred = False  # a save came due while the previous one was still in flight
-        self._warned_slow = False
+        self._said_postponed = 0  # 1: a postponed save was said (INFO); 2: a skipped interval was warned of
         self.failures: List[Tuple[str, str]] = []  # (checkpoint URL, error) of saves that failed for good
         # Whether this process saves now: always, except under replica groups, where one group (the lead of the
         # step's quorum) saves the committed state for all (`ray/replica_groups.lead_saves`).
@@ -275,23 +275,36 @@ class Checkpointer(Callback):
         if not due and self._interval is not None and self.config.save_interval.unit != TimeUnit.EPOCH:
             due = self._interval(state, Event.BATCH_END)
         if (due or self._deferred) and not (self.config.save_final and _ends_the_fit(state)):
-            self._save_unless_busy(state)  # at the fit's last batch the end's save takes it, the epoch counted
+            self._save_unless_busy(state, due)  # at the fit's last batch the end's save takes it, the epoch counted
 
     def epoch_checkpoint(self, state, logger) -> None:
         if self._interval is not None and self.config.save_interval.unit == TimeUnit.EPOCH:
             if self._interval(state, Event.EPOCH_END):
-                self._save_unless_busy(state)
+                self._save_unless_busy(state, True)
 
-    def _save_unless_busy(self, state: State) -> None:
+    def _save_unless_busy(self, state: State, due: bool) -> None:
         """Save now, or, while some rank's previous save is still in flight, at the first batch after
-        it finished: a slow store delays the next save, never training (said once, as a warning)."""
+        it finished: a slow store delays the next save, never training.
+
+        A save postponed by a few batches (a loaded machine) is said at INFO. A save that comes due
+        while the one before it is still postponed means storage takes longer than the whole save
+        interval: a warning, once per run. Both from rank 0 alone: the ranks agree on the busy flag,
+        so every rank knows the same (one line, not one per worker)."""
         if state.agreed(_BUSY_FLAG):
-            if not self._deferred and not self._warned_slow:
-                self._warned_slow = True
-                _log.warning(
-                    "Checkpoint save due at batch %d is postponed: the previous save is still uploading. Saves are "
-                    "taken as fast as storage accepts them (training does not wait); said once per run.",
+            # 1: the first postponement (INFO); 2: a save due while the previous due one still waits (WARNING)
+            said = 1 if not self._deferred else 2 if due else 0
+            if said and state.rank == 0 and self._said_postponed < said:
+                self._said_postponed = said
+                level = logging.INFO if said == 1 else logging.WARNING
+                _log.log(
+                    level,
+                    "Checkpoint save due at batch %d is postponed to the first batch after the previous save "
+                    "finished uploading (training does not wait)%s",
                     state.timestamp.get_value(TimeUnit.BATCH),
+                    "."
+                    if level == logging.INFO
+                    else ", and the one before it still waits: storage takes longer than the save interval, "
+                    "so checkpoints are further apart than asked. Said once per run.",
                 )
             self._deferred = True
             return

@@ -58,6 +58,11 @@ train-...`` and its ``GetTimeoutError`` traceback             a traceback it cal
 ``(RayTrainWorker) Resuming ... with a different config:``   Announced once on the driver before the progress bar
                                                               (`announce_config_change`); the workers log it at INFO
                                                               (``CheckpointConfig.announce_config_change=False``).
+``(RayTrainWorker) Checkpoint save due at batch N is          This package's INFO lines on a worker: Ray Train's
+postponed ...`` and other INFO lines of this package          worker logging sends the root logger's INFO to the
+                                                              console (its level filter covers ``ray.train`` only);
+                                                              `quiet_worker_console` keeps them in Ray Train's
+                                                              ``ray-train-app-worker-*.log`` only.
 ===========================================================  ==================================================
 
 Every other line (the job's own prints, warnings and errors from user code, Ray's errors) still
@@ -76,6 +81,7 @@ __all__ = [
     "train_logging_config",
     "drop_noise_until_shutdown",
     "quiet_terminal",
+    "quiet_worker_console",
     "is_noise",
     "NOISE",
 ]
@@ -211,6 +217,27 @@ def quiet_terminal(
             handler.removeFilter(drop)
         for c, bars, on_start in saved_bars:
             c.enable_progress_bars, c.print_on_execution_start = bars, on_start
+
+
+class _OwnInfo(logging.Filter):
+    """Drops this package's records below WARNING (a console handler's filter)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or not record.name.startswith("raytrain_events")
+
+
+def quiet_worker_console(verbose: bool) -> None:
+    """On a Ray Train worker, at the start: this package's INFO lines stay off the driver's terminal.
+
+    Ray Train configures a worker's root logger at INFO with a console handler (forwarded to the
+    driver) and a file handler; its `LoggingConfig` level filters ``ray.train`` records only. The
+    console handlers get a filter (once); the files keep every line. ``verbose`` leaves them alone.
+    """
+    if verbose:
+        return
+    for handler in logging.getLogger().handlers:
+        if not _is_file_handler(handler) and not any(isinstance(f, _OwnInfo) for f in handler.filters):
+            handler.addFilter(_OwnInfo())
 
 
 def _is_file_handler(handler: logging.Handler) -> bool:

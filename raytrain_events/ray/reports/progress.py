@@ -80,7 +80,8 @@ class RunProgress:
             unit=self.duration.unit.value,
             desc=run_name,
             dynamic_ncols=True,
-            bar_format="{desc}: {percentage:3.0f}%|{bar:20}| {n_fmt}/{total_fmt} {unit} [{elapsed}<{remaining}] {postfix}",
+            # tqdm renders a postfix as ", <text>": right after the bracket, not after a space
+            bar_format="{desc}: {percentage:3.0f}%|{bar:20}| {n_fmt}/{total_fmt} {unit} [{elapsed}<{remaining}]{postfix}",
         )
         # Until the first report (tens of seconds on a fresh cluster) the bar says what it waits for.
         self.bar.set_postfix_str(STARTING, refresh=True)
