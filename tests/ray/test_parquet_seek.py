@@ -97,7 +97,17 @@ def parquet_files(tmp_path_factory) -> List[str]:
     return paths
 
 
-def _epoch(ray, source, world: int, position: int, seed=None, shuffle_rows=None, held: list = None, batches=None):
+def _epoch(
+    ray,
+    source,
+    world: int,
+    position: int,
+    seed=None,
+    shuffle_rows=None,
+    held: list = None,
+    batches=None,
+    columns=("id",),
+):
     from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard
 
     feeder = ray.remote(EpochFeeder).options(**FEEDER_OPTIONS).remote(source, world, 40)
@@ -107,7 +117,7 @@ def _epoch(ray, source, world: int, position: int, seed=None, shuffle_rows=None,
             device="cpu",
             order_seed=seed,
             shuffle_rows=shuffle_rows,
-            columns=["id"],
+            columns=list(columns),  # only these reach the batch
         )
         for r in range(world)
     ]
@@ -252,7 +262,7 @@ def test_token_columns_reach_the_loop_as_tensors_without_per_row_objects(ray_clu
     group_bytes = ParquetRowGroups(str(folder)).sizes[(0, 0)]
     source = ParquetRowGroups(str(folder), read_bytes=2 * group_bytes)  # 30 rows per read: batches span blocks
     batches: list = []
-    assert _epoch(ray, source, 2, 20, batches=batches) == list(range(20, rows))
+    assert _epoch(ray, source, 2, 20, batches=batches, columns=("id", "tokens", "u16")) == list(range(20, rows))
     for batch in batches:
         assert batch["tokens"].dtype == torch.int32 and batch["u16"].dtype == torch.uint16
         expected = torch.from_numpy(tokens[batch["id"].numpy()])

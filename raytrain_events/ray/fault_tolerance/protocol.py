@@ -42,7 +42,7 @@ class WorkerFaultTolerance(Protocol):
 
 
 class FaultTolerance(Protocol):
-    """A strategy's driver side: Ray Train's parts for the run (`RayTrainer._fit` asks each once)."""
+    """A strategy's driver side: Ray Train's parts for the run (`RayTrainer.fit` asks each once)."""
 
     def torch_config(self, torch_options: Dict[str, Any]) -> Any:
         """Ray Train's backend config (``TorchConfig`` or ``TorchftConfig``) from the run's torch options."""
