@@ -13,6 +13,9 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
 import torch
+from bad_input_helpers import Net as _Net
+from bad_input_helpers import no_ray  # noqa: F401 (a fixture)
+from bad_input_helpers import ray_kwargs as _ray_kwargs
 from torch.utils.data import DataLoader, TensorDataset
 
 from raytrain_events.algorithms import LabelSmoothing
@@ -185,62 +188,13 @@ def test_two_jobs_with_default_names_never_share_checkpoints(tmp_path, monkeypat
 
 
 # ------------------------------------------------------------------------------------ RayTrainer
-@pytest.fixture
-def no_ray(monkeypatch):
-    """Fail the test if anything starts (or connects to) Ray."""
-    import ray
-
-    import raytrain_events.ray.cluster as cluster
-
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("Ray was started: the bad input should have been refused before")
-
-    monkeypatch.setattr(ray, "init", refuse)
-    monkeypatch.setattr(cluster, "ensure_ray", refuse)
-    was_initialized = ray.is_initialized()
-    yield
-    assert ray.is_initialized() == was_initialized
-
-
-class _Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(4, 3)
-
-
-def _unread_dataset() -> Any:
-    """A `ray.data.Dataset` object (what the driver checks), made without Ray: these runs never read it."""
-    import ray.data
-
-    class UnreadDataset(ray.data.Dataset):
-        def __init__(self) -> None:
-            pass
-
-        def __del__(self) -> None:
-            pass
-
-    return UnreadDataset()
-
-
-def _ray_kwargs(**over: Any) -> Dict[str, Any]:
-    kwargs: Dict[str, Any] = dict(
-        model=lambda: ClassifierModel(_Net(), num_classes=3),
-        optimizers=lambda model: torch.optim.SGD(model.parameters(), lr=0.1),
-        datasets={"train": _unread_dataset()},
-        max_duration="1ep",
-        run_name="bad-input",
-    )
-    kwargs.update(over)
-    return kwargs
-
-
 def _foreign_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
 
 
 # (id, changes to good RayTrainer arguments, error type, pattern naming the fix)
 RAY_TRAINER_CASES: List[Tuple[str, Callable[[], Dict[str, Any]], type, str]] = [
-    ("model-instance", lambda: {"model": _Net()}, TypeError, r"model=lambda: _Net\("),
+    ("model-instance", lambda: {"model": _Net()}, TypeError, r"model=lambda: Net\("),
     ("model-factory-returns-data", lambda: {"model": lambda: {"w": 1}}, TypeError, "return the model"),
     (
         "optimizer-instance",
@@ -285,7 +239,7 @@ RAY_TRAINER_CASES: List[Tuple[str, Callable[[], Dict[str, Any]], type, str]] = [
 @pytest.mark.parametrize(
     "changes, error, fix", [case[1:] for case in RAY_TRAINER_CASES], ids=[case[0] for case in RAY_TRAINER_CASES]
 )
-def test_ray_trainer_refuses_before_ray_starts(tmp_path, no_ray, changes, error, fix):
+def test_ray_trainer_refuses_before_ray_starts(tmp_path, no_ray, changes, error, fix):  # noqa: F811 (the fixture)
     from raytrain_events.ray.driver import RayTrainer
 
     with pytest.raises(error, match=fix):
@@ -300,7 +254,7 @@ def test_ray_trainer_default_run_names_are_unique(tmp_path):
     assert len(names) == 3 and all(name.startswith("run-") for name in names)
 
 
-def test_sweep_name_must_stay_inside_the_storage_folder(tmp_path, no_ray):
+def test_sweep_name_must_stay_inside_the_storage_folder(tmp_path, no_ray):  # noqa: F811 (the fixture)
     from raytrain_events.tune import sweep
 
     with pytest.raises(ValueError, match="name='..' .*one folder name"):
@@ -315,7 +269,7 @@ def test_sweep_name_must_stay_inside_the_storage_folder(tmp_path, no_ray):
 
 
 @pytest.mark.parametrize("run_name", ["..", "a/b", "/abs"])
-def test_cli_refuses_a_run_name_that_leaves_the_storage_folder(tmp_path, monkeypatch, capsys, no_ray, run_name):
+def test_cli_refuses_a_run_name_that_leaves_the_storage_folder(tmp_path, monkeypatch, capsys, no_ray, run_name):  # noqa: F811 (the fixture)
     from raytrain_events.cli.main import main
 
     monkeypatch.chdir(tmp_path)
@@ -448,7 +402,7 @@ MIXTURE_CASES: List[Tuple[str, Dict[str, Any], Callable[[Dict[str, Any]], Dict[s
 @pytest.mark.parametrize(
     "mixture, pick, error, fix", [case[1:] for case in MIXTURE_CASES], ids=[case[0] for case in MIXTURE_CASES]
 )
-def test_a_bad_mixture_is_refused_before_ray_starts(tmp_path, no_ray, mixture_sources, mixture, pick, error, fix):
+def test_a_bad_mixture_is_refused_before_ray_starts(tmp_path, no_ray, mixture_sources, mixture, pick, error, fix):  # noqa: F811 (the fixture)
     from raytrain_events.ray.driver import RayTrainer
 
     datasets = {k: v for k, v in pick(dict(mixture_sources)).items() if k != "other"}  # "other": another schema
