@@ -223,23 +223,10 @@ class PackedTokens:
         """``(bundles from the window holding sequence ``row``, that window's first sequence, shuffle
         windows before it)``; with ``window_rows``, from the shuffle window holding it (as `ParquetRowGroups`)."""
         del global_batch  # the order does not depend on the batch
+        from raytrain_events.ray.data.parquet_seek import stream_entry
+
         order = self.order(seed, epoch)
-        start = first = windows = filled = at = 0
-        for j, w in enumerate(order):
-            rows = self.window_sequences[w]
-            if window_rows:
-                filled += rows
-                if filled >= window_rows:
-                    if at + filled > row:
-                        break
-                    at += filled
-                    filled, windows, start, first = 0, windows + 1, j + 1, at
-            else:
-                if at + rows > row:
-                    start, first = j, at
-                    break
-                at += rows
-                start, first = j + 1, at
+        start, first, windows = stream_entry([self.window_sequences[w] for w in order], row, window_rows)
         return self._bundles(order[start:]), first, windows
 
     def window_args(self, w: int) -> Dict[str, Any]:

@@ -168,6 +168,30 @@ def _read_units(paths: List[str], units: List[Tuple[int, int]], filesystem: Any,
     return tables[0] if len(tables) == 1 else pa.concat_tables(tables).combine_chunks()
 
 
+def stream_entry(unit_rows: Sequence[int], row: int, window_rows: int = 0) -> Tuple[int, int, int]:
+    """Where a stream that must reach global row ``row`` enters an epoch of units of ``unit_rows`` rows
+    (row groups, pack windows), in their order: ``(the unit to start at, its first row, shuffle windows
+    before it)``. With ``window_rows`` it enters at the shuffle window holding ``row`` (windows are
+    consecutive units until one holds ``window_rows`` rows, as the feeder cuts them). Used by every
+    seekable source of this package (`ParquetRowGroups`, `PackedTokens`)."""
+    start = first = windows = filled = at = 0
+    for j, rows in enumerate(unit_rows):
+        if window_rows:
+            filled += rows
+            if filled >= window_rows:  # a window ends after unit j
+                if at + filled > row:
+                    break
+                at += filled
+                filled, windows, start, first = 0, windows + 1, j + 1, at
+        else:
+            if at + rows > row:
+                start, first = j, at
+                break
+            at += rows
+            start, first = j + 1, at
+    return start, first, windows
+
+
 class ParquetRowGroups:
     """Parquet files as a seekable train source (see module doc).
 
@@ -245,22 +269,7 @@ class ParquetRowGroups:
         """
         del global_batch
         units = self.order(seed, epoch)
-        start, first, windows, filled = 0, 0, 0, 0
-        at = 0
-        for j, (_, _, rows) in enumerate(units):
-            if window_rows:
-                filled += rows
-                if filled >= window_rows:  # a window ends after unit j
-                    if at + filled > row:
-                        break
-                    at += filled
-                    filled, windows, start, first = 0, windows + 1, j + 1, at
-            else:
-                if at + rows > row:
-                    start, first = j, at
-                    break
-                at += rows
-                start, first = j + 1, at
+        start, first, windows = stream_entry([rows for _, _, rows in units], row, window_rows)
         return self._bundles(units[start:]), first, windows
 
     def reads(self, units: Sequence[Tuple[int, int, int]]) -> List[List[Tuple[int, int, int]]]:
