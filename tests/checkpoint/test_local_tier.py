@@ -125,13 +125,14 @@ def test_a_local_dir_that_cannot_hold_copies_is_refused_naming_the_fix(tmp_path,
     assert "Fix: pass a node-local directory" in str(err.value)
 
 
-def test_local_keep_follows_keep():
-    assert CheckpointConfig(local_dir="/tmp/x", keep=3).local_keep == 3
-    assert CheckpointConfig(local_dir="/tmp/x", keep_best=2, metric="metrics/eval/acc").local_keep == 1
-    assert CheckpointConfig(local_dir="/tmp/x").local_keep is None
-    assert CheckpointConfig(local_dir="/tmp/x", keep=3, local_keep=1).local_keep == 1
+def test_local_keep_follows_keep(tmp_path):
+    local = str(tmp_path / "local")  # a path of this test's own (a fixed /tmp path may be anything here)
+    assert CheckpointConfig(local_dir=local, keep=3).local_keep == 3
+    assert CheckpointConfig(local_dir=local, keep_best=2, metric="metrics/eval/acc").local_keep == 1
+    assert CheckpointConfig(local_dir=local).local_keep is None
+    assert CheckpointConfig(local_dir=local, keep=3, local_keep=1).local_keep == 1
     with pytest.raises(ValueError, match="local_keep=0"):
-        CheckpointConfig(local_dir="/tmp/x", local_keep=0)
+        CheckpointConfig(local_dir=local, local_keep=0)
 
 
 def test_a_full_local_disk_never_fails_the_save(tmp_path, monkeypatch, caplog):
