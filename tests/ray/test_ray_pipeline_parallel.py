@@ -17,10 +17,11 @@ from typing import Any, Dict
 
 import pytest
 import torch
+from bad_input_helpers import no_ray  # noqa: F401 -- the fixture, used by name
+from bad_input_helpers import unread_dataset as _unread_dataset
 from ray import cloudpickle as ray_cloudpickle
 
 from raytrain_events import Callback
-from tests.test_bad_input import _unread_dataset, no_ray  # noqa: F401 -- the fixture, used by name
 
 ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ship this module's helpers to workers
 
