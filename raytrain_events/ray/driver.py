@@ -450,14 +450,10 @@ def _autoscaling() -> bool:
 
 
 def ray_storage(storage_url: str, storage_options: Dict[str, Any]):
-    """Ray's ``storage_path`` and ``storage_filesystem`` for our fsspec URL and options."""
+    """Ray's ``storage_path`` and ``storage_filesystem`` for our fsspec URL and options (one Ray's workers can
+    share: `spec_checks.check_ray_storage` refused the others before Ray started)."""
     if "://" not in storage_url:
         return storage_url, None
-    if storage_url.startswith("memory://"):
-        raise ValueError(
-            "memory:// storage lives inside one process and Ray workers are separate processes: "
-            "use a local path, file://, s3://, gs:// or az:// for a Ray run."
-        )
     import pyarrow.fs
 
     from raytrain_events.storage.fs import resolve

@@ -35,10 +35,8 @@ def test_bad_durations():
 
 
 def test_memory_storage_is_refused_for_ray_runs():
-    from raytrain_events.ray.driver import ray_storage
-
     with pytest.raises(ValueError, match="memory:// storage lives inside one process"):
-        ray_storage("memory://x", {})
+        RayTrainer(**_kwargs(storage_path="memory://x"))
 
 
 def test_missing_columns_fail_on_first_batch_naming_found_columns():
