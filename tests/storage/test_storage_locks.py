@@ -211,11 +211,25 @@ def test_lock_create_is_retried_through_a_store_blip(s3_server, caplog):
 
     from tests.faultproxy import FaultProxy, proxied_options
 
+    import raytrain_events.storage.locks as locks
+
     run = f"s3://{s3_server['bucket']}/lock-blip-{uuid.uuid4().hex[:8]}"
     with FaultProxy(s3_server["endpoint"]) as proxy, pytest.MonkeyPatch.context() as mp:
         mp.setattr(s3fs.S3FileSystem, "retries", 1)
         options = proxied_options(proxy, s3_server, read_timeout_s=1.0)  # a 2 s write deadline
-        proxy.blackhole(2.2)  # the first attempt times out, the retry (0.5 s later) goes through
+        creates = []
+        real_create = locks.write_bytes_create_only
+
+        def blip_on_first_create(fs, path, data):
+            # The blip starts as the first create goes out (not before resolve(), whose time on a
+            # loaded machine could use it up): that attempt times out at its 2 s deadline, the
+            # retry 0.5 s later goes through.
+            creates.append(path)
+            if len(creates) == 1:
+                proxy.blackhole(2.2)
+            real_create(fs, path, data)
+
+        mp.setattr(locks, "write_bytes_create_only", blip_on_first_create)
         with caplog.at_level("WARNING", logger="raytrain_events.storage.locks"):
             lock = acquire_lock(run, "running", storage_options=options)
     assert any("Taking the run lock" in r.message and "attempt 1 of 3" in r.message for r in caplog.records)
@@ -233,8 +247,6 @@ def test_lock_create_is_retried_through_a_store_blip(s3_server, caplog):
             from raytrain_events.storage.errors import WriteTimeoutError
 
             raise WriteTimeoutError("reply lost")
-
-    import raytrain_events.storage.locks as locks
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(locks, "write_bytes_create_only", lost_reply)
