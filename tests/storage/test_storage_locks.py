@@ -209,9 +209,8 @@ def test_lock_create_is_retried_through_a_store_blip(s3_server, caplog):
 
     import s3fs
 
-    from tests.faultproxy import FaultProxy, proxied_options
-
     import raytrain_events.storage.locks as locks
+    from tests.faultproxy import FaultProxy, proxied_options
 
     run = f"s3://{s3_server['bucket']}/lock-blip-{uuid.uuid4().hex[:8]}"
     with FaultProxy(s3_server["endpoint"]) as proxy, pytest.MonkeyPatch.context() as mp:
