@@ -99,7 +99,13 @@ def sequences_in_window(lengths: Sequence[int] | np.ndarray, seq_len: int, polic
 
 
 def _best_fit(lengths: np.ndarray, seq_len: int, what: str) -> Tuple[List[int], np.ndarray, np.ndarray]:
-    """``(fill of each sequence, sequence of each document, offset of each document in it)``.
+    """``(fill of each sequence, sequence of each document, offset of each document in it)``: `_place`."""
+    return _place(lengths, seq_len, what)[:3]
+
+
+def _place(lengths: np.ndarray, seq_len: int, what: str) -> Tuple[List[int], np.ndarray, np.ndarray, np.ndarray]:
+    """``(fill of each sequence, sequence of each document, offset of each document in it, the
+    non-empty documents in the order they were placed)``.
 
     Documents over half of ``seq_len`` each open their own sequence (no open sequence has room for
     one: each already holds a document at least as long), so they are placed as arrays. The rest go
@@ -109,7 +115,7 @@ def _best_fit(lengths: np.ndarray, seq_len: int, what: str) -> Tuple[List[int], 
     ``n``, so the next of the run goes to the next tightest room), exactly as one by one. So one
     Python step per (length, room) pair, not per document: many fewer on long-tail mixes."""
     _check_fits(lengths, seq_len, what)
-    order = np.argsort(-lengths, kind="stable")  # longest first, ties in document order
+    order = np.argsort(-lengths.astype(_small(seq_len)), kind="stable")  # longest first, ties in document order
     seq = np.full(len(lengths), -1, dtype=np.int64)  # empty documents take no room: sequence -1
     offset = np.zeros(len(lengths), dtype=np.int64)
     ordered = lengths[order]
@@ -123,9 +129,8 @@ def _best_fit(lengths: np.ndarray, seq_len: int, what: str) -> Tuple[List[int], 
     rest = ordered[big:nonempty]
     starts = np.flatnonzero(np.diff(rest, prepend=-1))  # where each length's run starts
     runs = zip(rest[starts].tolist(), np.diff(starts, append=len(rest)).tolist())  # (length, documents)
-    seqs: List[int] = []
-    offsets: List[int] = []
-    bisect_left, insort, pop = bisect.bisect_left, bisect.insort, free.pop
+    steps: List[int] = []  # per step: sequence, its fill before, the length, how many documents
+    bisect_left, insort, pop, record = bisect.bisect_left, bisect.insort, free.pop, steps.extend
     for n, left in runs:
         while left:
             j = bisect_left(free, n * stride)  # the tightest room that fits (the lowest sequence on ties)
@@ -135,20 +140,23 @@ def _best_fit(lengths: np.ndarray, seq_len: int, what: str) -> Tuple[List[int], 
                 s, room = len(fills), seq_len
                 fills.append(0)
             q = room // n if room // n < left else left
-            if q == 1:
-                seqs.append(s)
-                offsets.append(fills[s])
-            else:
-                seqs += [s] * q
-                offsets += range(fills[s], fills[s] + q * n, n)
+            record((s, fills[s], n, q))
             fills[s] += q * n
             left -= q
             if room > q * n:
                 insort(free, (room - q * n) * stride + s)
-    placed = order[big:nonempty]
-    seq[placed] = seqs
-    offset[placed] = offsets
-    return fills, seq, offset
+    s_, f_, n_, q_ = np.array(steps, dtype=np.int64).reshape(-1, 4).T
+    placed = order[big:nonempty]  # in step order: a step's documents are the next q of the run
+    seq[placed] = np.repeat(s_, q_)
+    first = np.cumsum(q_) - q_  # each step's first document among ``placed``
+    offset[placed] = np.repeat(f_ - first * n_, q_) + np.arange(len(placed)) * np.repeat(n_, q_)
+    return fills, seq, offset, order[:nonempty]
+
+
+def _small(bound: int) -> Any:
+    """The narrowest signed integer type holding ``-bound..bound``: numpy's stable argsort of 16-bit
+    integers is a radix sort, O(n), several times faster than the merge sort of wider ones."""
+    return np.int16 if bound < 2**15 else np.int32 if bound < 2**31 else np.int64
 
 
 def pack_window(  # noqa: PLR0913 (the window's arrays, then how to pack them)
@@ -168,8 +176,8 @@ def pack_window(  # noqa: PLR0913 (the window's arrays, then how to pack them)
 
     The tokens are laid out by whole-window array work, with no loop over documents or sequences:
     ``concat`` copies the tokens and the repeated ids in place (no index arrays), positions are each
-    token's place in its document capped by its place in its sequence; ``best_fit`` scatters each
-    token to its place (after `_best_fit` chose the places)."""
+    token's place in its document capped by its place in its sequence; ``best_fit`` gathers each
+    sequence's documents in place order (`_lay_out`, after `_best_fit` chose the places)."""
     check_policy(policy, seq_len)
     lengths = np.asarray(lengths, dtype=np.int64)
     ids = np.asarray(document_ids, dtype=np.int64)
@@ -183,35 +191,81 @@ def pack_window(  # noqa: PLR0913 (the window's arrays, then how to pack them)
     if policy == "concat":
         n = -(-total // seq_len)
     else:
-        fills, seq, offset = _best_fit(lengths, seq_len, what)
+        fills, seq, offset, placement = _place(lengths, seq_len, what)
         n = len(fills)
     out = empty_packed(n, seq_len, tokens.dtype) if out is None else _checked(out, n, seq_len, tokens.dtype, what)
+    if policy == "best_fit":
+        _lay_out(tokens, lengths, ids, seq_len, fills, seq, placement, pad_id, out)
+        return out
     flat_ids, flat_docs, flat_pos = (a.reshape(-1) for a in out[:3])
     starts = np.cumsum(lengths) - lengths  # each document's first token in ``tokens``
     kind = np.int32 if total < 2**31 else np.int64
     within = np.arange(total, dtype=kind) - np.repeat(starts.astype(kind), lengths)  # place in its document
-    if policy == "concat":
-        flat_ids[:total] = tokens
-        flat_ids[total:] = pad_id
-        flat_docs[:total] = np.repeat(ids, lengths)
-        flat_docs[total:] = PAD_DOCUMENT
-        flat_pos[:total] = within
-        flat_pos[total:] = 0
-        # a piece after a cut starts again at 0: cap each place by its place in its sequence
-        np.minimum(out.position_ids, np.arange(seq_len, dtype=np.int32), out=out.position_ids)
-        out.num_tokens[:] = seq_len
-        if n:
-            out.num_tokens[-1] = total - (n - 1) * seq_len
-        return out
-    dest = within + np.repeat(seq * seq_len + offset, lengths)  # no document is cut: its place is its position
-    flat_ids.fill(pad_id)
-    flat_ids[dest] = tokens
-    flat_docs.fill(PAD_DOCUMENT)
-    flat_docs[dest] = np.repeat(ids, lengths)
-    flat_pos.fill(0)
-    flat_pos[dest] = within
-    out.num_tokens[:] = fills
+    flat_ids[:total] = tokens
+    flat_ids[total:] = pad_id
+    flat_docs[:total] = np.repeat(ids, lengths)
+    flat_docs[total:] = PAD_DOCUMENT
+    flat_pos[:total] = within
+    flat_pos[total:] = 0
+    # a piece after a cut starts again at 0: cap each place by its place in its sequence
+    np.minimum(out.position_ids, np.arange(seq_len, dtype=np.int32), out=out.position_ids)
+    out.num_tokens[:] = seq_len
+    if n:
+        out.num_tokens[-1] = total - (n - 1) * seq_len
     return out
+
+
+def _lay_out(  # noqa: PLR0913 (the window's arrays, the placement, the output)
+    tokens: np.ndarray,
+    lengths: np.ndarray,
+    ids: np.ndarray,
+    seq_len: int,
+    fills: List[int],
+    seq: np.ndarray,
+    placement: np.ndarray,
+    pad_id: int,
+    out: Packed,
+) -> None:
+    """Write best_fit's placement into ``out`` as sequential array work (gathers, no scatter).
+
+    A sequence's documents tile ``[0, fill)`` (each placed at its sequence's fill so far), so the
+    flat output is a run of *segments*: each sequence's documents in offset order, then its padding
+    (``seq_len - fill`` tokens, maybe none). Per segment: its length, its document id, where its
+    tokens start in ``tokens`` (padding: past the end, where a pad row of ``seq_len`` tokens is
+    appended); then every output element gathers its segment's values, plus its place in the
+    segment. O(tokens) for the window, O(d log d) to order its ``d`` documents, O(sequences) for the
+    padding's positions."""
+    n, total = len(fills), len(tokens)
+    # Output order: by sequence, then offset. Placed in ``placement`` order, a sequence's documents
+    # took its room in order, so a stable sort by sequence alone is that order.
+    placed = placement[np.argsort(seq[placement].astype(_small(n)), kind="stable")]
+    pads = np.cumsum(np.bincount(seq[placed], minlength=n)) + np.arange(n)  # each sequence's padding segment
+    docs = np.ones(len(placed) + n, dtype=bool)
+    docs[pads] = False
+    seg_len = np.empty(len(docs), dtype=np.intp)
+    seg_len[docs], seg_len[pads] = lengths[placed], seq_len - np.asarray(fills, dtype=np.intp)
+    seg_doc = np.empty(len(docs), dtype=np.int64)
+    seg_doc[docs], seg_doc[pads] = ids[placed], PAD_DOCUMENT
+    seg_out = np.cumsum(seg_len) - seg_len  # each segment's first place in the output
+    seg_src = np.empty(len(docs), dtype=np.intp)
+    seg_src[docs], seg_src[pads] = (np.cumsum(lengths) - lengths)[placed], total
+    # Gathers with intp indices and mode="clip" (every index is in range by construction): numpy's
+    # fast path (int32 indices or mode="raise" cost a conversion pass or a bounds check). Few and small
+    # temporaries: the first touch of fresh memory costs about as much as the work.
+    segment = np.repeat(np.arange(len(docs), dtype=np.intp), seg_len)  # each output element's segment
+    out_docs, out_pos = out.document_ids.reshape(-1), out.position_ids.reshape(-1)
+    np.take(seg_doc, segment, out=out_docs, mode="clip")
+    np.take((seg_out % seq_len).astype(np.int32), segment, out=out_pos, mode="clip")  # its first column
+    np.subtract(np.arange(seq_len, dtype=np.int32), out.position_ids, out=out.position_ids)  # place in it
+    index = np.take(seg_src, segment, mode="clip")
+    index += out_pos  # where each output token is in ``source``
+    source = np.empty(total + seq_len, dtype=tokens.dtype)  # the tokens, then a pad row for the padding to read
+    source[:total], source[total:] = tokens, pad_id
+    np.take(source, index, out=out.input_ids.reshape(-1), mode="clip")
+    room = seq_len - np.asarray(fills)
+    for row in np.flatnonzero(room).tolist():  # padding's positions are 0: the tail of each row not full
+        out.position_ids[row, seq_len - room[row] :] = 0
+    out.num_tokens[:] = fills
 
 
 def empty_packed(n: int, seq_len: int, dtype: Any) -> Packed:

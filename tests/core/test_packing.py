@@ -136,3 +136,32 @@ def test_pack_window_into_given_arrays_writes_every_element(policy: str) -> None
         assert (got[1 : n + 1] == expected).all() and (got[0] == 99).all() and (got[n + 1] == 99).all()
     with pytest.raises(PackingError, match=f"packs into {n} sequences; out holds {n + 2}"):
         pack_window(tokens, lengths, ids, SEQ, policy, out=block)
+
+
+@pytest.mark.parametrize("seq_len", [1, 7, SEQ, 1024])
+def test_best_fit_lays_out_each_document_at_its_place(seq_len: int) -> None:
+    """The sequential layout (segments gathered in place order) writes exactly what scattering each
+    document's tokens to ``sequence * seq_len + offset`` writes: the same sequences as before it."""
+    from raytrain_events.core.packing import _best_fit
+
+    rng = np.random.default_rng(seq_len + 1)
+    for lengths in (
+        np.minimum(rng.zipf(1.4, size=3_000), seq_len),
+        rng.integers(0, seq_len + 1, size=500),
+        np.full(100, max(1, seq_len // 3)),
+        np.zeros(5, dtype=np.int64),  # nothing to pack
+    ):
+        lengths = lengths.astype(np.int64)
+        tokens = rng.integers(1, 50_000, size=int(lengths.sum())).astype(np.int32)
+        ids = rng.permutation(len(lengths)).astype(np.int64) + 5
+        fills, seq, offset = _best_fit(lengths, seq_len, "a window")
+        want = [np.full(len(fills) * seq_len, v, dtype=d) for v, d in ((3, np.int32), (-1, np.int64), (0, np.int32))]
+        starts = np.cumsum(lengths) - lengths
+        for i in np.flatnonzero(lengths):  # the plain scatter, one document at a time
+            at, k = int(seq[i] * seq_len + offset[i]), int(lengths[i])
+            want[0][at : at + k] = tokens[starts[i] : starts[i] + k]
+            want[1][at : at + k], want[2][at : at + k] = ids[i], np.arange(k)
+        got = pack_window(tokens, lengths, ids, seq_len, "best_fit", pad_id=3)
+        for array, expected in zip(got[:3], want):
+            assert array.reshape(-1).tolist() == expected.tolist()
+        assert got.num_tokens.tolist() == fills
