@@ -18,7 +18,9 @@ Four parts (issue 50), each printed as a table with medians and spreads ``[min-m
 3. ``datapath``: steady sequences/s of an epoch through the feeder and 2 ranks' loaders
    (`GlobalOrderLoader`, as `RayTrainer` builds them) for `PackedTokens` (packing in the read
    tasks) against `ParquetRowGroups` over the very same sequences written out pre-packed (fixed-size
-   int32/int64 lists): the cost of packing on the data path. The pre-packed source reads as many
+   int32/int64 lists): the cost of packing on the data path; and against those sequences'
+   ``input_ids`` alone (fixed-length token rows: what a run without packing or document masks
+   reads, a quarter of the bytes), for both policies. The pre-packed source reads as many
    sequences per task and ahead of the feeder as `PackedTokens` does (`ParquetRowGroups` sizes
    reads by the footers' encoded bytes, about a fifth of the decoded ones for these columns: left
    at its defaults it would hold the whole epoch read ahead, and the arm would measure the loaders
@@ -128,7 +130,7 @@ def tokenize_part(data: Dict[str, Any], out: str, repeats: int) -> None:
     print(f"| {_spread(plain)} | {_spread(job)} | {_spread([j / p for j, p in zip(job, plain)], 2)} |")
 
 
-def _write_prepacked(source: Any, path: str) -> None:
+def _write_prepacked(source: Any, path: str, columns: Any = None) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -136,7 +138,12 @@ def _write_prepacked(source: Any, path: str) -> None:
 
     os.makedirs(path, exist_ok=True)
     tables = [pack_read(**source.window_args(w)) for w in range(len(source.windows))]
-    pq.write_table(pa.concat_tables(tables), os.path.join(path, "packed.parquet"), row_group_size=tables[0].num_rows)
+    table = pa.concat_tables(tables)
+    pq.write_table(
+        table.select(columns or table.column_names),
+        os.path.join(path, "packed.parquet"),
+        row_group_size=tables[0].num_rows,
+    )
 
 
 def _steady_rate(ray: Any, source: Any, world: int = 2, batch: int = 64, skip: int = 32) -> float:
@@ -163,6 +170,24 @@ def _steady_rate(ray: Any, source: Any, world: int = 2, batch: int = 64, skip: i
 
 
 def datapath_part(out: str, repeats: int) -> None:
+    print("\n## Data path: steady sequences/s, 2 ranks, batches of 64 sequences of 1024 tokens\n")
+    print(
+        "| policy | tokens only (input_ids rows, no masks) | pre-packed (all 4 columns) | PackedTokens "
+        "(packing in the read tasks) | PackedTokens / pre-packed | PackedTokens / tokens only |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
+    notes = []
+    for policy, longest in (("concat", 2_000), ("best_fit", 1_024)):
+        row, note = _datapath_row(os.path.join(out, f"datapath-{policy}"), policy, longest, repeats)
+        print(row)
+        notes.append(note)
+    print("\n" + "\n".join(notes))
+
+
+def _datapath_row(folder: str, policy: str, longest: int, repeats: int) -> Any:
+    """Three arms over the very same sequences, interleaved per repeat: `PackedTokens`; the
+    sequences written pre-packed (what it yields: 16 bytes per token); their ``input_ids`` alone
+    (fixed-length token rows, as a run without packing and document masks reads: 4 bytes per token)."""
     import ray
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "ray"))
@@ -171,27 +196,34 @@ def datapath_part(out: str, repeats: int) -> None:
     from raytrain_events.ray.data.packed_source import _BYTES_PER_TOKEN, PackedTokens
     from raytrain_events.ray.data.parquet_seek import AHEAD_BYTES, READ_BYTES, ParquetRowGroups
 
-    paths, _ = write_tokens(os.path.join(out, "tok"), files=32, groups=4, docs_per_group=2_000, seed=0, longest=2_000)
-    packed = PackedTokens(paths, seq_len=1024, policy="concat", window_tokens=256 * 1024)
-    _write_prepacked(packed, os.path.join(out, "prepacked"))
-    footer = ParquetRowGroups(os.path.join(out, "prepacked"))
-    encoded = sum(footer.sizes.values()) / (packed.count() * 1024 * _BYTES_PER_TOKEN)  # footer bytes / decoded
-    plain = ParquetRowGroups(
-        os.path.join(out, "prepacked"), read_bytes=int(READ_BYTES * encoded), ahead_bytes=int(AHEAD_BYTES * encoded)
+    paths, _ = write_tokens(
+        os.path.join(folder, "tok"), files=32, groups=4, docs_per_group=2_000, seed=0, longest=longest
     )
-    assert plain.count() == packed.count()
-    with_packing, without = [], []
+    packed = PackedTokens(paths, seq_len=1024, policy=policy, window_tokens=256 * 1024)
+    arms: Dict[str, Any] = {}
+    for name, columns in (("tokens", ["input_ids"]), ("prepacked", None)):
+        # Reads sized as PackedTokens sizes its own (sequences per task, bytes ahead of the feeder):
+        # ParquetRowGroups sizes them by the footers' encoded bytes, here far below the decoded ones.
+        _write_prepacked(packed, os.path.join(folder, name), columns)
+        footer = ParquetRowGroups(os.path.join(folder, name))
+        encoded = sum(footer.sizes.values()) / (packed.count() * 1024 * _BYTES_PER_TOKEN)
+        arms[name] = ParquetRowGroups(
+            os.path.join(folder, name), read_bytes=int(READ_BYTES * encoded), ahead_bytes=int(AHEAD_BYTES * encoded)
+        )
+        assert arms[name].count() == packed.count()
+    arms["packed"] = packed
+    rates: Dict[str, List[float]] = {name: [] for name in arms}
     for _ in range(repeats):
-        without.append(_steady_rate(ray, plain))
-        with_packing.append(_steady_rate(ray, packed))
-    print("\n## Data path: steady sequences/s, 2 ranks, batches of 64 sequences of 1024 tokens\n")
-    print(f"{packed.count()} sequences from {packed.documents} documents ({packed.real_tokens} tokens)")
-    print(f"pre-packed reads sized at {encoded:.3f} x the defaults (footer bytes / decoded bytes)\n")
-    print("| pre-packed ParquetRowGroups | PackedTokens (packing in the read tasks) | ratio (packing / pre-packed) |")
-    print("| --- | --- | --- |")
-    print(
-        f"| {_spread(without)} | {_spread(with_packing)} | {_spread([a / b for a, b in zip(with_packing, without)], 3)} |"
+        for name, source in arms.items():
+            rates[name].append(_steady_rate(ray, source))
+    ratio = [a / b for a, b in zip(rates["packed"], rates["prepacked"])]
+    plain = [a / b for a, b in zip(rates["packed"], rates["tokens"])]
+    row = (
+        f"| {policy} | {_spread(rates['tokens'])} | {_spread(rates['prepacked'])} | {_spread(rates['packed'])} "
+        f"| {_spread(ratio, 3)} | {_spread(plain, 3)} |"
     )
+    note = f"{policy}: {packed.count()} sequences from {packed.documents} documents ({packed.real_tokens} tokens)"
+    return row, note
 
 
 def _cpu_per_sequence(work: Any, sequences: int, repeats: int) -> List[float]:
