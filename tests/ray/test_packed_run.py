@@ -2,16 +2,21 @@
 (issue 50's done-when).
 
 Two token sources packed separately into sequences of 32 (``web``: 4 files x 3 row groups x 30
-documents under ``concat``; ``code``: 3 files x 2 row groups under ``best_fit``), mixed once each
-per epoch (``{"repeat": 1}``), seed 7 (each source's pack windows permuted), global batches of 8,
-the example transformer with document masks. The first run stops itself after batch 9 (a
-checkpoint there, mid-window); the second continues the run by name on 3 workers. Checked
-sequence by sequence: every global batch holds exactly the sequences of the uninterrupted order
-(the feeder's stream of the same `MixtureSource` read directly on one rank, the same at any world
-size: tests/ray/test_packed_source.py), on 2 workers up to the stop and on 3 after; the
-Timestamp's tokens at the stop and at the end are the real (non-padding) tokens of those
-sequences, and the per-source token counts in the final history entry are each source's; every
-document's tokens trained exactly once in the epoch (a document split under concat: each piece once).
+documents under ``concat``; ``code``: 3 files x 2 row groups under ``best_fit``) in a two-stage
+mixture: each once per epoch (``{"repeat": 1}``, which fixes the epoch's size) until batch 11, then
+20/80 %, so ``code`` goes round again and ``web`` stops short. Seed 7 (each source's pack windows
+permuted, another permutation on ``code``'s second pass), global batches of 8, the example
+transformer with document masks. The first run stops itself after batch 9 (a checkpoint there,
+mid-window, in the first stage); the second continues the run by name on 3 workers and crosses the
+stage boundary. Checked sequence by sequence: every global batch holds exactly the sequences of the
+uninterrupted order (the feeder's stream of the same `MixtureSource` read directly on one rank, the
+same at any world size: tests/ray/test_packed_source.py), on 2 workers up to the stop and on 3
+after, and each batch's sources are the plan's (the stage took effect); the Timestamp's tokens at
+the stop and at the end are the real (non-padding) tokens of those sequences, and the per-source
+sample and token counts in the final history entry are each source's. Per document: a ``code``
+document (never split) trained once or twice, each at least once (a source goes round again only
+after every sequence was used); a ``web`` document at most once, its tokens in order (its pieces
+under concat: a prefix when the stage cut the source short).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])
 ray_cloudpickle.register_pickle_by_value(h)
 ray_cloudpickle.register_pickle_by_value(packed_data)
 
-SEQ, BATCH, STOP, SEED = 32, 8, 9, 7
+SEQ, BATCH, STOP, SEED, SWITCH = 32, 8, 9, 7, 11
 
 
 class Record(Callback):
@@ -105,14 +110,16 @@ def test_packed_mixture_stopped_on_2_workers_resumes_on_3_with_the_same_sequence
     from raytrain_events import RayTrainer
     from raytrain_events.checkpoint import CheckpointConfig
     from raytrain_events.core.mixture import Mixture
+    from raytrain_events.ray.data.mixture_source import plan_of
     from raytrain_events.ray.data.packed_source import count_real_tokens
 
     sources, lengths = _sources(str(tmp_path / "data"))
     counts = {n: s.count() for n, s in sources.items()}
     epoch = sum(counts.values())
-    mixture = Mixture(sources=counts, stages={"0dur": {n: {"repeat": 1} for n in counts}})
+    stages = {"0dur": {n: {"repeat": 1} for n in counts}, f"{SWITCH}ba": {"web": 0.2, "code": 0.8}}
+    mixture = Mixture(sources=counts, stages=stages)
     reference = _reference(ray_cluster, sources, mixture, epoch)
-    assert len(reference) == epoch and epoch > 2 * STOP * BATCH // 2
+    assert len(reference) == epoch and epoch > (SWITCH + 2) * BATCH
     records = str(tmp_path / "records")
     os.makedirs(records)
     checkpoint = CheckpointConfig(save_interval=f"{STOP}ba", keep=1, save_every_n_seconds=None, autoresume=True)
@@ -149,7 +156,6 @@ def test_packed_mixture_stopped_on_2_workers_resumes_on_3_with_the_same_sequence
         "token": real(reference[: STOP * BATCH]),
     }
     assert h.timestamp_of(results[1]) == {"epoch": 1, "batch": batches, "sample": epoch, "token": real(reference)}
-    assert real(reference) == sum(lengths.values())
     by_batch = {}
     for path in os.listdir(records):
         with open(os.path.join(records, path)) as f:
@@ -163,13 +169,25 @@ def test_packed_mixture_stopped_on_2_workers_resumes_on_3_with_the_same_sequence
         rows = [(d, i) for r in sorted(rs, key=lambda r: r["rank"]) for d, i in zip(r["docs"], r["ids"])]
         assert rows == reference[(b - 1) * BATCH : b * BATCH], b  # sequence by sequence
         trained += rows
-    assert pieces_of([{"document_ids": [d for d, _ in trained], "input_ids": [i for _, i in trained]}]) == (
-        expected_pieces(lengths)
-    )
+    code_rows = [[max(d) >= 100_000 for d, _ in reference[a : a + BATCH]] for a in range(0, epoch, BATCH)]
+    plan = plan_of({"mixture": mixture.to_dict(), "seed": SEED, "total_samples": epoch, "global_batch": BATCH})
+    code = mixture.names.index("code")
+    for k, a in enumerate(range(0, epoch, BATCH)):  # each batch's sources are the staged plan's
+        planned = plan.batch_sources(0, a, min(a + BATCH, epoch), a, BATCH)
+        assert sum(code_rows[k]) == sum(1 for s in planned if s == code), k
+    assert sum(map(sum, code_rows[SWITCH:])) > 0.7 * sum(map(len, code_rows[SWITCH:]))  # the second stage: 80 %
+    pieces = pieces_of([{"document_ids": [d for d, _ in trained], "input_ids": [i for _, i in trained]}])
+    want = expected_pieces(lengths)
+    for doc, tokens in pieces.items():
+        if doc >= 100_000:  # code, best_fit: whole documents, once or on the second pass again
+            assert tokens in (want[doc], want[doc] * 2), doc
+        else:  # web, concat: each piece once, in order (a prefix where the stage cut the source short)
+            assert tokens == want[doc][: len(tokens)], doc
+    assert {d for d in want if d >= 100_000} <= set(pieces)
+    assert any(len(t) == 2 * len(want[d]) for d, t in pieces.items() if d >= 100_000)  # code went round again
+    assert {d for d in want if d < 100_000} - set(pieces)  # and web stopped short
     final = results[1].metrics
-    by_source = {
-        "web": real([r for r in reference if max(r[0]) < 100_000]),
-        "code": real([r for r in reference if max(r[0]) >= 100_000]),
-    }
-    assert {n: final[f"mixture/tokens/{n}"] for n in counts} == by_source
-    assert {n: final[f"mixture/samples/{n}"] for n in counts} == counts
+    web_rows = [r for r in reference if max(r[0]) < 100_000]
+    code_rows_all = [r for r in reference if max(r[0]) >= 100_000]
+    assert {n: final[f"mixture/tokens/{n}"] for n in counts} == {"web": real(web_rows), "code": real(code_rows_all)}
+    assert {n: final[f"mixture/samples/{n}"] for n in counts} == {"web": len(web_rows), "code": len(code_rows_all)}
