@@ -207,15 +207,27 @@ def _add_tokenize(commands: Any) -> None:
         formatter_class=_formatter,
         description=(
             "Turn text files into token Parquet (input_ids, num_tokens, document_id, source) with a Hugging Face\n"
-            "tokenizer.json on disk, one shard per input file under OUTPUT/<source>/. Resumable (finished shards are\n"
-            "kept) and idempotent (a rerun over the same inputs writes nothing). See ray/data/tokenize.py."
+            "tokenizer (a tokenizer.json, a saved transformers tokenizer folder, or a name in the local cache; nothing\n"
+            "is downloaded), one shard per input file under OUTPUT/<source>/. Inputs and OUTPUT may be URLs\n"
+            "(s3://bucket/text/, with -o storage options). Resumable (finished shards are kept) and idempotent (a\n"
+            "rerun over the same inputs writes nothing). See ray/data/tokenize.py."
         ),
     )
     tokenize.add_argument(
         "inputs", metavar="[SOURCE=]PATH", nargs="+", help="Input files, folders or globs; SOURCE= names their source."
     )
-    tokenize.add_argument("--output", required=True, help="The output folder (one subfolder per source).")
-    tokenize.add_argument("--tokenizer", required=True, help="A tokenizer.json file (tokenizers' Tokenizer.save).")
+    tokenize.add_argument("--output", required=True, help="The output folder or URL (one subfolder per source).")
+    tokenize.add_argument(
+        "--tokenizer",
+        required=True,
+        help="A tokenizer.json file (tokenizers), a folder a transformers tokenizer was saved to, or a cached name.",
+    )
+    tokenize.add_argument(
+        "--vocab-size", type=int, help="The model's embedding rows: refuse a tokenizer with more token ids."
+    )
+    tokenize.add_argument(
+        "-o", "--storage-option", action="append", metavar="KEY=VALUE", default=[], help=STORAGE_OPTION_HELP
+    )
     tokenize.add_argument("--text-column", default="text", help="The column of each document's text (default text).")
     tokenize.add_argument("--id-column", help="An integer column to keep as document_id (default: file and row).")
     tokenize.add_argument("--max-tokens", type=int, help="Cut longer documents to this many tokens (counted).")
@@ -289,6 +301,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _tokenize(args: argparse.Namespace) -> int:
+    from raytrain_events.cli.runs import parse_storage_options
     from raytrain_events.ray.data.tokenize import tokenize
 
     sources: Dict[str, List[str]] = {}
@@ -304,8 +317,10 @@ def _tokenize(args: argparse.Namespace) -> int:
             id_column=args.id_column,
             max_tokens=args.max_tokens,
             eos=args.eos,
+            vocab_size=args.vocab_size,
+            storage_options=parse_storage_options(args.storage_option) or None,
         )
-    except (FileNotFoundError, FileExistsError, TypeError, ValueError) as exc:
+    except (FileNotFoundError, FileExistsError, TypeError, ValueError, ImportError) as exc:
         raise UsageError(str(exc)) from None
     print(json.dumps(summary, indent=2))
     return 0

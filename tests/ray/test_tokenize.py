@@ -117,3 +117,73 @@ def test_the_cli_tokenizes_with_ids_and_refuses_bad_input(ray_cluster, corpus, t
         tokenize(numbers, str(tmp_path / "t2"), tokenizer=corpus["tokenizer"])
     assert main(["tokenize", numbers, "--output", str(tmp_path / "t3"), "--tokenizer", corpus["tokenizer"]]) == 2
     assert "not text (string)" in capsys.readouterr().err
+
+
+@pytest.mark.ray
+def test_the_cli_tokenizes_s3_to_s3_with_a_transformers_tokenizer_folder(
+    ray_cluster, corpus, s3_server, tmp_path, capsys
+) -> None:
+    """Inputs and output on the S3 test server, a transformers tokenizer saved to a local folder (no
+    network): the shards decode back to the text with that tokenizer, their footer holds its
+    vocabulary (added tokens included), a rerun writes nothing, the output packs from S3; a
+    tokenizer of more ids than the model's embedding, a missing tokenizer folder and a folder
+    holding no tokenizer are refused by the CLI before any task, naming the fix."""
+    pytest.importorskip("transformers")
+    import pyarrow.parquet as pq
+    import s3fs
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from raytrain_events.cli.main import main
+    from raytrain_events.ray.data.packed_source import PackedTokens
+    from raytrain_events.ray.data.parquet_seek import ParquetRowGroups
+
+    folder = str(tmp_path / "hf-tokenizer")
+    hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(corpus["tokenizer"]), unk_token="[UNK]")
+    hf.add_tokens(["<extra_0>", "<extra_1>"])  # ids past the BPE's: the vocabulary the footer must record
+    hf.save_pretrained(folder)
+    vocab = len(AutoTokenizer.from_pretrained(folder, local_files_only=True))
+    options = s3_server["storage_options"]
+    fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
+    bucket = f"s3://{s3_server['bucket']}"
+    fs.put(os.path.join(corpus["web"], "part-0.jsonl"), f"{bucket}/text/web/part-0.jsonl")
+    fs.put(corpus["code"], f"{bucket}/text/code.parquet")
+    flags = ["-o", f"key={options['key']}", "-o", f"secret={options['secret']}"]
+    flags += ["-o", f"client_kwargs.endpoint_url={s3_server['endpoint']}", "-o", "client_kwargs.region_name=us-east-1"]
+    argv = ["tokenize", f"web={bucket}/text/web/", f"code={bucket}/text/code.parquet", "--output", f"{bucket}/tokens"]
+    argv += ["--tokenizer", folder, "--eos", "<extra_1>", "--vocab-size", str(vocab)] + flags
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["written"] == 2 and summary["sources"]["web"]["documents"] == 100
+    assert sorted(fs.ls(f"{bucket}/tokens/web")) == [f"{s3_server['bucket']}/tokens/web/part-00000.parquet"]
+    with fs.open(f"{bucket}/tokens/web/part-00000.parquet", "rb") as f:
+        shard = pq.ParquetFile(f)
+        table, meta = shard.read(), shard.schema_arrow.metadata
+    assert vocab == Tokenizer.from_file(corpus["tokenizer"]).get_vocab_size() + 2
+    assert meta[b"raytrain_events.vocab_size"] == str(vocab).encode()
+    assert [hf.decode(ids[:-1]) for ids in table["input_ids"].to_pylist()] == TEXTS[:100]
+    assert {ids[-1] for ids in table["input_ids"].to_pylist()} == {vocab - 1}  # <extra_1> appended
+    assert main(argv) == 0 and json.loads(capsys.readouterr().out)["written"] == 0  # idempotent on S3 too
+    packed = PackedTokens(
+        ParquetRowGroups(f"{bucket}/tokens/web", storage_options=options), seq_len=64, vocab_size=vocab
+    )
+    assert packed.real_tokens == sum(table["num_tokens"].to_pylist())
+    with pytest.raises(ValueError, match=f"vocabulary of {vocab} tokens, more than vocab_size={vocab - 1}"):
+        PackedTokens(
+            ParquetRowGroups(f"{bucket}/tokens/web", storage_options=options), seq_len=64, vocab_size=vocab - 1
+        )
+    # Refused before any task (the output has no new shard): the model's embedding, missing or empty folders.
+    bad = list(argv)
+    bad[bad.index("--vocab-size") + 1] = str(vocab - 1)
+    bad[bad.index("--output") + 1] = f"{bucket}/tokens-2"
+    assert main(bad) == 2
+    assert f"has {vocab} token ids, more than vocab_size={vocab - 1}" in capsys.readouterr().err
+    for tokenizer, message in (
+        (str(tmp_path / "no-such-folder"), "does not exist"),
+        (str(tmp_path), "could not load the tokenizer folder"),
+    ):
+        bad[bad.index("--tokenizer") + 1] = tokenizer
+        assert main(bad) == 2
+        err = capsys.readouterr().err
+        assert message in err and "nothing is downloaded" in err, err
+    assert not fs.exists(f"{bucket}/tokens-2")

@@ -32,6 +32,8 @@ Files:
   thread that uses them.
 * ``row_index.py``: `BlockIndex`: an epoch's buffered blocks, found by global row in O(log n) and
   trimmed from the front.
+* ``text_tokenizer.py``: `TextTokenizer`: the tokenizer `tokenize` encodes with, from a file, a
+  folder or a name, never the network.
 * ``tokenize.py``: Tokenize text once on the cluster: text Parquet/JSONL into seekable token Parquet
   (`tokenize`).
 * ``shuffle.py``: Row-level shuffle of the global order: rows permuted within windows of

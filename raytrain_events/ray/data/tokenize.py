@@ -1,20 +1,28 @@
 """Tokenize text once on the cluster: text Parquet/JSONL into seekable token Parquet (`tokenize`).
 
-``tokenize({"web": "text/web/", "code": "text/code/*.jsonl"}, "tokens/", tokenizer="bpe.json")``
-(or ``raytrain-events tokenize``) writes, per source, one token Parquet shard per input file:
+``tokenize({"web": "text/web/", "code": "s3://bucket/code/*.jsonl"}, "s3://bucket/tokens/",
+tokenizer="bpe.json", storage_options={...})`` (or ``raytrain-events tokenize``) writes, per source,
+one token Parquet shard per input file:
 ``tokens/<source>/part-<NNNNN>.parquet`` with columns ``input_ids`` (a list of int32 per document),
 ``num_tokens`` (int32), ``document_id`` (int64: the input's id column when named, else
-``file number * 2**32 + row``, stable across reruns) and ``source``. Each shard's footer records
-the tokenizer's vocabulary size (`packed_source.VOCAB_KEY`, checked against the model by
-`PackedTokens(vocab_size=...)` before training), the tokenizer file's SHA-256 and its input file.
+``file number * 2**32 + row``, stable across reruns) and ``source``. Inputs and output are local
+paths or fsspec URLs (``s3://``, ``gs://``, ...; ``storage_options`` for the filesystem, the same
+for both). Each shard's footer records the tokenizer's vocabulary size (`packed_source.VOCAB_KEY`,
+checked against the model by `PackedTokens(vocab_size=...)` before training), the tokenizer's
+fingerprint and its input file.
 Row groups hold about ``group_tokens`` tokens (default 1 Mi, 4 MiB of ids): the seek unit of
 `ParquetRowGroups`/`PackedTokens` (a resume reads at most one row group before its position) and a
 fraction of the seekable path's 16 MiB reads.
 
+The tokenizer (`text_tokenizer.py`): a ``tokenizer.json`` file (Hugging Face ``tokenizers``), or a
+folder a ``transformers`` tokenizer was saved to, or the name of one in the local Hugging Face
+cache; nothing is downloaded. It must be readable where the tasks run (the same path on every node).
+
 The job runs on Ray Data: the input files not yet done become a dataset of file names, ``map``-ed
-by tasks (``num_cpus`` each) that each read one input file in batches, encode them with Hugging
-Face ``tokenizers`` (a ``tokenizer.json`` on disk, loaded once per task; its Rust encoder batches
-the texts) and write the shard through a temporary name renamed on success. Resumable: a shard
+by tasks (``num_cpus`` each) that each read one input file in batches, encode them (the tokenizer
+loaded once per task; ``tokenizers``' Rust encoder batches the texts) and write the shard through a
+temporary name renamed on success (on an object store: written locally, then uploaded whole; the
+object exists only once the upload completes). Resumable: a shard
 exists only once complete, so a rerun after a failure does the files whose shards are missing.
 Idempotent: a rerun over the same inputs with the same tokenizer writes nothing (each existing
 shard's footer names its input and tokenizer; a shard made from another input or tokenizer is
@@ -24,17 +32,22 @@ finished work nor avoid duplicates); the unit of parallelism is the input file.
 
 Documents: text that encodes to no tokens (empty, or nothing the tokenizer keeps) is skipped and
 counted (``empty``); ``max_tokens`` cuts longer documents to that many tokens, counted
-(``truncated``); ``eos`` appends that token to each document. A text column that is not text
-(string) is refused before any task runs, as is a missing tokenizer file or column.
+(``truncated``); ``eos`` appends that token to each document. Refused before any task runs: a text
+column that is missing or not text (string), a missing tokenizer (file, folder or cached name), an
+``eos`` that is not one of its tokens, and with ``vocab_size`` (the model's embedding rows) a
+tokenizer of more ids than that.
 """
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import os
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
+import tempfile
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
+
+from raytrain_events.ray.data.text_tokenizer import load_tokenizer
 
 __all__ = ["tokenize", "tokenize_file", "GROUP_TOKENS"]
 
@@ -47,72 +60,78 @@ _META = {
 }
 
 
-def _inputs(paths: Union[str, Sequence[str]]) -> List[str]:
-    """Input files: each path a file, a folder (its .parquet/.jsonl/.json files, sorted) or a glob."""
-    import glob
+def _local(url: str) -> bool:
+    return "://" not in url or url.startswith("file://")
 
+
+def _fs(url: str, storage_options: Optional[Dict[str, Any]]) -> Tuple[Any, str]:
+    from raytrain_events.storage.fs import resolve
+
+    return resolve(url, storage_options if not _local(url) else None)
+
+
+def _inputs(paths: Union[str, Sequence[str]], storage_options: Optional[Dict[str, Any]] = None) -> List[str]:
+    """Input files: each path a file, a folder (its .parquet/.jsonl/.json files, sorted) or a glob,
+    local or an fsspec URL (``s3://bucket/text/``, with ``storage_options``)."""
     out: List[str] = []
     for path in [paths] if isinstance(paths, str) else list(paths):
-        if os.path.isdir(path):
+        fs, at = _fs(path, storage_options)
+        if fs.isdir(at):
             found = sorted(
-                os.path.join(root, name)
-                for root, _, names in os.walk(path)
-                for name in names
-                if name.endswith((".parquet", ".jsonl", ".json")) and not name.startswith((".", "_"))
+                p
+                for p in fs.find(at)
+                if p.endswith((".parquet", ".jsonl", ".json")) and not p.rsplit("/", 1)[-1].startswith((".", "_"))
             )
         else:
-            found = sorted(glob.glob(path)) if any(c in path for c in "*?[") else [path] if os.path.isfile(path) else []
+            found = sorted(fs.glob(at)) if any(c in at for c in "*?[") else [at] if fs.isfile(at) else []
         if not found:
             raise FileNotFoundError(
-                f"tokenize found no .parquet/.jsonl input at {path!r}: give files, folders or globs."
+                f"tokenize found no .parquet/.jsonl input at {path!r}: give files, folders or globs "
+                "(local, or URLs such as s3://bucket/text/ with storage_options)."
             )
-        out += found
+        out += [os.path.abspath(p) if _local(path) else fs.unstrip_protocol(p) for p in found]
     return out
 
 
-def _sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
+def _join(folder: str, *parts: str) -> str:
+    return os.path.join(folder, *parts) if _local(folder) else "/".join([folder.rstrip("/"), *parts])
 
 
-def load_tokenizer(path: str) -> Any:
-    """A Hugging Face ``tokenizers.Tokenizer`` from a ``tokenizer.json`` on disk (no network)."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"The tokenizer file {path!r} does not exist. Give the path of a tokenizer.json (tokenizers' "
-            "Tokenizer.save, or a Hugging Face model folder's tokenizer.json); nothing is downloaded."
-        )
-    from tokenizers import Tokenizer  # deferred: an optional dependency (pip install raytrain_events[text])
-
-    return Tokenizer.from_file(path)
+@contextlib.contextmanager
+def _opened(url: str, storage_options: Optional[Dict[str, Any]]) -> Iterator[Any]:
+    fs, at = _fs(url, storage_options)
+    with fs.open(at, "rb") as handle:
+        yield handle
 
 
-def _batches(path: str, columns: List[str]) -> Iterator[Any]:
+def _batches(path: str, columns: List[str], storage_options: Optional[Dict[str, Any]] = None) -> Iterator[Any]:
     """Record batches of ``columns`` of one input file (Parquet, or JSON lines)."""
     import pyarrow.json as pj
     import pyarrow.parquet as pq
 
-    if path.endswith(".parquet"):
-        yield from pq.ParquetFile(path).iter_batches(batch_size=_BATCH_ROWS, columns=columns)
-        return
-    yield from pj.read_json(path).select(columns).to_batches(max_chunksize=_BATCH_ROWS)
+    with _opened(path, storage_options) as handle:
+        if path.endswith(".parquet"):
+            yield from pq.ParquetFile(handle).iter_batches(batch_size=_BATCH_ROWS, columns=columns)
+            return
+        yield from pj.read_json(handle).select(columns).to_batches(max_chunksize=_BATCH_ROWS)
 
 
-def _schema_of(path: str) -> Any:
+def _schema_of(path: str, storage_options: Optional[Dict[str, Any]] = None) -> Any:
     import pyarrow.json as pj
     import pyarrow.parquet as pq
 
-    if path.endswith(".parquet"):
-        return pq.read_schema(path)
-    return pj.read_json(path).schema
+    with _opened(path, storage_options) as handle:
+        return pq.read_schema(handle) if path.endswith(".parquet") else pj.read_json(handle).schema
 
 
-def check_text_columns(files: Sequence[str], text_column: str, id_column: Optional[str]) -> None:
+def check_text_columns(
+    files: Sequence[str], text_column: str, id_column: Optional[str], storage_options: Optional[Dict[str, Any]] = None
+) -> None:
     """Refuse an input without the text column, or whose text column is not text, before any task runs."""
     import pyarrow as pa
 
     for path in files:
-        schema = _schema_of(path)
+        schema = _schema_of(path, storage_options)
         if text_column not in schema.names:
             raise ValueError(
                 f"{path} has no text column {text_column!r} (its columns: {schema.names}). "
@@ -142,15 +161,19 @@ def tokenize_file(  # noqa: PLR0913 (one input, one output, then the job's optio
     group_tokens: int = GROUP_TOKENS,
     max_tokens: Optional[int] = None,
     eos: Optional[str] = None,
+    storage_options: Optional[Dict[str, Any]] = None,
 ) -> Dict[str, Any]:
-    """Tokenize input file ``path`` (file ``number`` of its source) into shard ``output``; returns its counts."""
+    """Tokenize input file ``path`` (file ``number`` of its source) into shard ``output``; returns its
+    counts. Local or URLs: a local shard is written to a temporary name in its folder and renamed; a
+    shard on an object store is written locally, then uploaded whole (one PUT, or a multipart upload:
+    the object exists only once complete either way)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     tok = load_tokenizer(tokenizer)
-    eos_id = None if eos is None else tok.token_to_id(eos)
+    eos_id = None if eos is None else tok.token_id(eos)
     if eos is not None and eos_id is None:
-        raise ValueError(f"eos={eos!r} is not a token of {tokenizer}.")
+        raise ValueError(f"eos={eos!r} is not a token of {tokenizer}: give a token of its vocabulary.")
     schema = pa.schema(
         [
             ("input_ids", pa.list_(pa.int32())),
@@ -160,70 +183,80 @@ def tokenize_file(  # noqa: PLR0913 (one input, one output, then the job's optio
         ]
     )
     meta = {
-        _META["vocab"]: str(tok.get_vocab_size()).encode(),
-        _META["tokenizer"]: _sha256(tokenizer).encode(),
-        _META["input"]: os.path.abspath(path).encode(),
+        _META["vocab"]: str(tok.vocab_size).encode(),
+        _META["tokenizer"]: tok.fingerprint.encode(),
+        _META["input"]: (os.path.abspath(path) if _local(path) else path).encode(),
     }
     counts = {"documents": 0, "tokens": 0, "empty": 0, "truncated": 0}
     arrays: List[np.ndarray] = []  # documents not written yet, and their ids
     ids: List[int] = []
-    tmp = f"{output}.tmp-{os.getpid()}"
-    os.makedirs(os.path.dirname(output) or ".", exist_ok=True)
-    row = 0
-    with pq.ParquetWriter(tmp, schema.with_metadata(meta)) as writer:
+    with contextlib.ExitStack() as scratch:  # a shard for an object store is written in a local scratch folder first
+        if _local(output):
+            os.makedirs(os.path.dirname(output) or ".", exist_ok=True)
+            tmp = f"{output}.tmp-{os.getpid()}"
+        else:
+            tmp = os.path.join(scratch.enter_context(tempfile.TemporaryDirectory(prefix="tokenize-")), "part.parquet")
+        row = 0
+        with pq.ParquetWriter(tmp, schema.with_metadata(meta)) as writer:
 
-        def write(n: int) -> None:  # the first n documents, as one row group
-            lengths = np.array([len(a) for a in arrays[:n]], dtype=np.int32)
-            values = pa.array(np.concatenate(arrays[:n]).astype(np.int32) if n else np.zeros(0, np.int32))
-            offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
-            table = {
-                "input_ids": pa.ListArray.from_arrays(offsets, values),
-                "num_tokens": pa.array(lengths),
-                "document_id": pa.array(ids[:n], pa.int64()),
-                "source": pa.array([source] * n, pa.string()),
-            }
-            writer.write_table(pa.table(table, schema=schema))
-            del arrays[:n], ids[:n]
+            def write(n: int) -> None:  # the first n documents, as one row group
+                lengths = np.array([len(a) for a in arrays[:n]], dtype=np.int32)
+                values = pa.array(np.concatenate(arrays[:n]).astype(np.int32) if n else np.zeros(0, np.int32))
+                offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+                table = {
+                    "input_ids": pa.ListArray.from_arrays(offsets, values),
+                    "num_tokens": pa.array(lengths),
+                    "document_id": pa.array(ids[:n], pa.int64()),
+                    "source": pa.array([source] * n, pa.string()),
+                }
+                writer.write_table(pa.table(table, schema=schema))
+                del arrays[:n], ids[:n]
 
-        columns = [text_column] + ([id_column] if id_column else [])
-        for batch in _batches(path, columns):
-            texts = batch.column(0).to_pylist()
-            given = batch.column(1).to_pylist() if id_column else None
-            encoded = tok.encode_batch([t or "" for t in texts], add_special_tokens=False)
-            for i, enc in enumerate(encoded):
-                values = np.asarray(enc.ids, dtype=np.int32)
-                if eos_id is not None and len(values):
-                    values = np.append(values, np.int32(eos_id))
-                if max_tokens is not None and len(values) > max_tokens:
-                    values, counts["truncated"] = values[:max_tokens], counts["truncated"] + 1
-                if not len(values):
-                    counts["empty"] += 1
-                    continue
-                arrays.append(values)
-                ids.append(int(given[i]) if given is not None else number * 2**32 + row + i)
-                counts["documents"] += 1
-                counts["tokens"] += len(values)
-            row += len(texts)
-            ends = np.cumsum([len(a) for a in arrays])
-            while len(ends) and ends[-1] >= group_tokens:  # whole row groups of about group_tokens tokens
-                n = int(np.searchsorted(ends, group_tokens)) + 1
-                write(n)
-                ends = ends[n:] - ends[n - 1]
-        if arrays:
-            write(len(arrays))
-    os.replace(tmp, output)  # the shard exists only once complete
+            columns = [text_column] + ([id_column] if id_column else [])
+            for batch in _batches(path, columns, storage_options):
+                texts = batch.column(0).to_pylist()
+                given = batch.column(1).to_pylist() if id_column else None
+                encoded = tok.encode_batch([t or "" for t in texts])
+                for i, enc in enumerate(encoded):
+                    values = np.asarray(enc, dtype=np.int32)
+                    if eos_id is not None and len(values):
+                        values = np.append(values, np.int32(eos_id))
+                    if max_tokens is not None and len(values) > max_tokens:
+                        values, counts["truncated"] = values[:max_tokens], counts["truncated"] + 1
+                    if not len(values):
+                        counts["empty"] += 1
+                        continue
+                    arrays.append(values)
+                    ids.append(int(given[i]) if given is not None else number * 2**32 + row + i)
+                    counts["documents"] += 1
+                    counts["tokens"] += len(values)
+                row += len(texts)
+                ends = np.cumsum([len(a) for a in arrays])
+                while len(ends) and ends[-1] >= group_tokens:  # whole row groups of about group_tokens tokens
+                    n = int(np.searchsorted(ends, group_tokens)) + 1
+                    write(n)
+                    ends = ends[n:] - ends[n - 1]
+            if arrays:
+                write(len(arrays))
+        if _local(output):
+            os.replace(tmp, output)  # the shard exists only once complete
+        else:
+            fs, at = _fs(output, storage_options)
+            fs.put_file(tmp, at)  # an object appears only once its upload completes
     return {"input": path, "output": output, **counts}
 
 
-def _done(output: str, path: str, tokenizer_sha: str) -> bool:
+def _done(output: str, path: str, tokenizer_sha: str, storage_options: Optional[Dict[str, Any]] = None) -> bool:
     """Whether shard ``output`` is this input's with this tokenizer (refusing one that is another's)."""
     import pyarrow.parquet as pq
 
-    if not os.path.exists(output):
+    fs, at = _fs(output, storage_options)
+    if not fs.exists(at):
         return False
-    meta = pq.read_schema(output).metadata or {}
+    with fs.open(at, "rb") as handle:
+        meta = pq.read_schema(handle).metadata or {}
     made_from, made_with = meta.get(_META["input"], b"").decode(), meta.get(_META["tokenizer"], b"").decode()
-    if made_from != os.path.abspath(path) or made_with != tokenizer_sha:
+    if made_from != path or made_with != tokenizer_sha:
         raise FileExistsError(
             f"{output} already holds tokens of {made_from or 'another job'} (tokenizer {made_with[:12] or '?'}), not of "
             f"{path} with this tokenizer ({tokenizer_sha[:12]}). Fix: another output folder, or delete it to redo."
@@ -242,31 +275,42 @@ def tokenize(  # noqa: PLR0913 (inputs and output, then keyword-only options, ea
     max_tokens: Optional[int] = None,
     eos: Optional[str] = None,
     num_cpus: float = 1,
+    vocab_size: Optional[int] = None,
+    storage_options: Optional[Dict[str, Any]] = None,
 ) -> Dict[str, Any]:
     """Tokenize ``inputs`` (paths, or ``{source: paths}``; a bare path is source ``"train"``) into
     ``output/<source>/`` on Ray Data (see module doc). Returns per-source counts and the shards
-    written and skipped; the token folders are then ``PackedTokens("output/<source>", ...)``."""
+    written and skipped; the token folders are then ``PackedTokens("output/<source>", ...)``.
+    ``vocab_size``: the model's embedding rows, to refuse a tokenizer with more ids before any task."""
     import ray
 
     sources = {"train": inputs} if isinstance(inputs, (str, list, tuple)) else dict(inputs)
-    load_tokenizer(tokenizer)  # a missing or unreadable tokenizer fails here, before any task
-    sha = _sha256(tokenizer)
+    tok = load_tokenizer(tokenizer)  # a missing or unreadable tokenizer fails here, before any task
+    if vocab_size is not None and tok.vocab_size > vocab_size:
+        raise ValueError(
+            f"The tokenizer {tokenizer!r} has {tok.vocab_size} token ids, more than vocab_size={vocab_size} (the "
+            f"model's embedding). Fix: a model with vocab_size >= {tok.vocab_size}, or the model's own tokenizer."
+        )
+    if eos is not None and tok.token_id(eos) is None:
+        raise ValueError(f"eos={eos!r} is not a token of {tokenizer}: give a token of its vocabulary.")
+    sha = tok.fingerprint
     options = {
-        "tokenizer": os.path.abspath(tokenizer),
+        "tokenizer": os.path.abspath(tokenizer) if os.path.exists(tokenizer) else tokenizer,
         "text_column": text_column,
         "id_column": id_column,
         "group_tokens": group_tokens,
         "max_tokens": max_tokens,
         "eos": eos,
+        "storage_options": storage_options,
     }
     todo: List[Dict[str, Any]] = []
     skipped: Dict[str, int] = {}
     for name, paths in sources.items():
-        files = _inputs(paths)
-        check_text_columns(files, text_column, id_column)
+        files = _inputs(paths, storage_options)
+        check_text_columns(files, text_column, id_column, storage_options)
         for number, path in enumerate(files):
-            out = os.path.join(output, name, f"part-{number:05d}.parquet")
-            if _done(out, path, sha):
+            out = _join(output, name, f"part-{number:05d}.parquet")
+            if _done(out, path, sha, storage_options):
                 skipped[name] = skipped.get(name, 0) + 1
             else:
                 todo.append({"path": path, "output": out, "number": number, "source": name})
