@@ -29,9 +29,11 @@ token itself (``pad_id`` on padding). Real tokens are the non-padding ones
 Cost: ``concat`` is O(tokens) array work per window (no Python loop over documents or sequences:
 copies and ``np.repeat`` into the output, no index arrays); ``best_fit`` is O(d log d) for the
 window's ``d`` documents (a sorted list of open sequences' free room, searched by bisection; one
-Python step per (document length, open sequence) pair, documents over half ``seq_len`` as arrays),
-then O(tokens) array work to scatter the tokens to their places. `pack_window` can write into caller-given arrays (``out``), so a read that
-packs several windows makes one block without a copy after packing.
+Python step per (document length, open sequence) pair, documents over half ``seq_len`` as arrays;
+radix sorts of 16-bit keys), then O(tokens) array work laying the sequences out as runs of whole
+documents and padding (gathers in output order, no per-token scatter). `pack_window` can write
+into caller-given arrays (``out``), so a read that packs several windows makes one block without a
+copy after packing.
 """
 
 from __future__ import annotations
