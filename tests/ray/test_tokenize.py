@@ -147,14 +147,13 @@ def test_the_cli_tokenizes_s3_to_s3_with_a_transformers_tokenizer_folder(
     fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
     bucket = f"s3://{s3_server['bucket']}"
     fs.put(os.path.join(corpus["web"], "part-0.jsonl"), f"{bucket}/text/web/part-0.jsonl")
-    fs.put(corpus["code"], f"{bucket}/text/code.parquet")
     flags = ["-o", f"key={options['key']}", "-o", f"secret={options['secret']}"]
     flags += ["-o", f"client_kwargs.endpoint_url={s3_server['endpoint']}", "-o", "client_kwargs.region_name=us-east-1"]
-    argv = ["tokenize", f"web={bucket}/text/web/", f"code={bucket}/text/code.parquet", "--output", f"{bucket}/tokens"]
+    argv = ["tokenize", f"web={bucket}/text/web/", "--output", f"{bucket}/tokens"]
     argv += ["--tokenizer", folder, "--eos", "<extra_1>", "--vocab-size", str(vocab)] + flags
     assert main(argv) == 0
     summary = json.loads(capsys.readouterr().out)
-    assert summary["written"] == 2 and summary["sources"]["web"]["documents"] == 100
+    assert summary["written"] == 1 and summary["sources"]["web"]["documents"] == 100
     assert sorted(fs.ls(f"{bucket}/tokens/web")) == [f"{s3_server['bucket']}/tokens/web/part-00000.parquet"]
     with fs.open(f"{bucket}/tokens/web/part-00000.parquet", "rb") as f:
         shard = pq.ParquetFile(f)
