@@ -186,3 +186,21 @@ def test_the_cli_tokenizes_s3_to_s3_with_a_transformers_tokenizer_folder(
         err = capsys.readouterr().err
         assert message in err and "nothing is downloaded" in err, err
     assert not fs.exists(f"{bucket}/tokens-2")
+
+
+def test_a_tokenizer_name_is_looked_up_in_the_local_cache_only(tmp_path, capsys) -> None:
+    """A name ("org/name", as on the Hugging Face hub) that is no path here is loaded from the local
+    cache only: one that is not there is refused by the CLI before anything runs, naming the fix
+    (nothing is downloaded); a missing path is refused as a missing path, not looked up as a name."""
+    pytest.importorskip("transformers")
+    from raytrain_events.cli.main import main
+
+    text = tmp_path / "text.jsonl"
+    text.write_text(json.dumps({"text": "hello"}) + "\n")
+    argv = ["tokenize", str(text), "--output", str(tmp_path / "out"), "--tokenizer"]
+    assert main(argv + ["raytrain-events-tests/no-such-tokenizer"]) == 2
+    err = capsys.readouterr().err
+    assert "could not load it by that name from the local Hugging Face cache" in err and "nothing is downloaded" in err
+    assert main(argv + ["./missing/tokenizer"]) == 2
+    assert "The tokenizer file or folder './missing/tokenizer' does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -19,9 +19,10 @@ that is neither a file nor a folder, and a name not in the local cache, is refus
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
-from typing import Any, List, Optional
+from typing import Any, Iterator, List, Optional
 
 __all__ = ["TextTokenizer", "load_tokenizer"]
 
@@ -49,7 +50,8 @@ class TextTokenizer:
     def encode_batch(self, texts: List[str]) -> List[List[int]]:
         if self.kind == "tokenizers":
             return [e.ids for e in self.impl.encode_batch(texts, add_special_tokens=False)]
-        return list(self.impl(texts, add_special_tokens=False)["input_ids"])
+        # verbose=False: no warning per document longer than the model's context (packing cuts them)
+        return list(self.impl(texts, add_special_tokens=False, verbose=False)["input_ids"])
 
 
 def _sha256_files(paths: List[str]) -> str:
@@ -82,7 +84,8 @@ def load_tokenizer(spec: str) -> TextTokenizer:
                 "(tokenizers' Tokenizer.save) or the folder a transformers tokenizer was saved to."
             ) from None
         return TextTokenizer(spec, impl, "tokenizers", _sha256_files([spec]))
-    looks_like_path = os.sep in spec or spec.endswith(".json") or spec.startswith(".")
+    # A Hugging Face name is "name" or "org/name"; a path starts at the root, home or "." (or is a .json file).
+    looks_like_path = spec.endswith(".json") or spec.startswith((os.sep, ".", "~")) or spec.count("/") > 1
     if not os.path.isdir(spec) and looks_like_path:
         raise FileNotFoundError(
             f"The tokenizer file or folder {spec!r} does not exist. Give the path of a tokenizer.json (tokenizers' "
@@ -97,13 +100,20 @@ def load_tokenizer(spec: str) -> TextTokenizer:
             "'raytrain_events[hf]'), or give a tokenizer.json file (tokenizers)."
         ) from None
     try:
-        impl = AutoTokenizer.from_pretrained(spec, local_files_only=True)
+        with _offline():
+            impl = AutoTokenizer.from_pretrained(spec, local_files_only=True)
     except (OSError, ValueError) as exc:
-        where = "folder" if os.path.isdir(spec) else "name"
+        why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        if os.path.isdir(spec):
+            raise FileNotFoundError(
+                f"transformers could not load the tokenizer folder {spec!r} ({why}). Fix: the folder a tokenizer was "
+                "saved to (tokenizer.save_pretrained(folder): tokenizer_config.json and its vocabulary files), or a "
+                "tokenizer.json file; nothing is downloaded."
+            ) from None
         raise FileNotFoundError(
-            f"transformers could not load the tokenizer {where} {spec!r} without the network ({type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''}). Fix: save it there first "
-            "(AutoTokenizer.from_pretrained(name).save_pretrained(folder) on a machine with access) and pass "
+            f"The tokenizer {spec!r} is no file or folder here, and transformers could not load it by that name from "
+            f"the local Hugging Face cache ({why}). Fix: a path that exists, or save it to a folder first "
+            "(AutoTokenizer.from_pretrained(name).save_pretrained(folder) where the network is reachable) and pass "
             "the folder; nothing is downloaded."
         ) from None
     folder = spec if os.path.isdir(spec) else _cached_folder(spec)
@@ -114,4 +124,18 @@ def _cached_folder(name: str) -> str:
     """The local Hugging Face cache's folder of ``name`` (transformers loaded it from there)."""
     from huggingface_hub import snapshot_download
 
-    return str(snapshot_download(name, local_files_only=True))
+    with _offline():
+        return str(snapshot_download(name, local_files_only=True))
+
+
+@contextlib.contextmanager
+def _offline() -> Iterator[None]:
+    """Hugging Face Hub's offline mode (``HF_HUB_OFFLINE``) for the load: ``local_files_only`` alone
+    still lets huggingface_hub fetch its agent registry from the Hub when it builds a request's headers."""
+    from huggingface_hub import constants
+
+    was, constants.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE, True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE = was
