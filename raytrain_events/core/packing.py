@@ -193,7 +193,7 @@ def pack_window(  # noqa: PLR0913 (the window's arrays, then how to pack them)
     if policy == "concat":
         n = -(-total // seq_len)
     else:
-        fills, seq, offset, placement = _place(lengths, seq_len, what)
+        fills, seq, _, placement = _place(lengths, seq_len, what)
         n = len(fills)
     out = empty_packed(n, seq_len, tokens.dtype) if out is None else _checked(out, n, seq_len, tokens.dtype, what)
     if policy == "best_fit":
