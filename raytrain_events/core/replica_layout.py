@@ -19,9 +19,9 @@ groups) is the mean over the whole global batch: the step an uninterrupted run t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import Any, List, Tuple
 
-__all__ = ["ReplicaLayout", "part_rows"]
+__all__ = ["ReplicaLayout", "layout_problem", "part_rows"]
 
 
 def part_rows(rows: int, part: int, parts: int) -> Tuple[int, int]:
@@ -29,6 +29,29 @@ def part_rows(rows: int, part: int, parts: int) -> Tuple[int, int]:
     q, rem = divmod(rows, parts)
     a = part * q + min(part, rem)
     return a, a + q + (1 if part < rem else 0)
+
+
+def layout_problem(workers: Any, size: Any) -> str:
+    """Why ``workers`` in replica groups of ``size`` make no layout (empty: they do), with the fix."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        return f"replica_group_size={size!r} must be a whole number of workers >= 1 (1: each worker a group)."
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        return f"num_workers={workers!r} must be a whole number of workers >= 1."
+    if workers % size:
+        lower, upper = workers // size * size, -(-workers // size) * size
+        near = " or ".join(str(n) for n in sorted({lower, upper}) if n >= 2 * size)
+        return (
+            f"replica_group_size={size} does not divide num_workers={workers}: every replica group needs the "
+            f"same number of workers (each position holds the same shards in every group). Fix: num_workers "
+            f"a multiple of {size}" + (f" (e.g. {near})" if near else "") + ", or another replica_group_size."
+        )
+    if workers // size < 2:
+        return (
+            f"num_workers={workers} with replica_group_size={size} makes {workers // size} replica group; "
+            f"replica groups need at least two (one trains on while another is replaced). Fix: num_workers="
+            f"{2 * size} or more, or replica_group_size={max(1, workers // 2)}."
+        )
+    return ""
 
 
 @dataclass(frozen=True)
@@ -39,32 +62,9 @@ class ReplicaLayout:
     group_size: int = 1
 
     def __post_init__(self) -> None:
-        problem = self.problem()
+        problem = layout_problem(self.workers, self.group_size)
         if problem:
             raise ValueError(problem)
-
-    def problem(self) -> str:
-        """Why these numbers make no layout (empty: they do), with the fix."""
-        workers, size = self.workers, self.group_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            return f"replica_group_size={size!r} must be a whole number of workers >= 1 (1: each worker a group)."
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            return f"num_workers={workers!r} must be a whole number of workers >= 1."
-        if workers % size:
-            lower, upper = workers // size * size, -(-workers // size) * size
-            near = " or ".join(str(n) for n in sorted({lower, upper}) if n >= 2 * size)
-            return (
-                f"replica_group_size={size} does not divide num_workers={workers}: every replica group needs the "
-                f"same number of workers (each position holds the same shards in every group). Fix: num_workers "
-                f"a multiple of {size}" + (f" (e.g. {near})" if near else "") + ", or another replica_group_size."
-            )
-        if workers // size < 2:
-            return (
-                f"num_workers={workers} with replica_group_size={size} makes {workers // size} replica group; "
-                f"replica groups need at least two (one trains on while another is replaced). Fix: num_workers="
-                f"{2 * size} or more, or replica_group_size={max(1, workers // 2)}."
-            )
-        return ""
 
     @property
     def groups(self) -> int:
