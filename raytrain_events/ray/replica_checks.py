@@ -160,9 +160,10 @@ def lighthouse_options(groups: int, replica_timeout_s: float) -> Dict[str, Any]:
     }
 
 
-def torchft_config(torch_options: Dict[str, Any], groups: int, replica_timeout_s: float) -> Any:
+def torchft_config(torch_options: Dict[str, Any], groups: int, replica_timeout_s: float, group_size: int = 1) -> Any:
     """Ray Train's ``TorchftConfig``: the Lighthouse as a Ray actor on the head, bound as `lighthouse_bind` says,
-    with `lighthouse_options`."""
+    with `lighthouse_options`; for groups of ``group_size > 1`` workers, the one that makes Ray build them
+    (`ray/_compat_worker_group.py`)."""
     import ray
 
     from raytrain_events.ray import _compat
@@ -170,4 +171,8 @@ def torchft_config(torch_options: Dict[str, Any], groups: int, replica_timeout_s
     here = ray.get_runtime_context().get_node_id()
     node_ip = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == here)
     lighthouse = {"bind": lighthouse_bind(node_ip), **lighthouse_options(groups, replica_timeout_s)}
+    if group_size > 1:
+        from raytrain_events.ray._compat_worker_group import sharded_torchft_config  # Ray Train's internals: when used
+
+        return sharded_torchft_config(group_size, lighthouse, **torch_options)
     return _compat.torchft_config_class()(lighthouse_kwargs=lighthouse, **torch_options)
