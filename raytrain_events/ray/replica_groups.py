@@ -194,7 +194,7 @@ class ReplicaLoader(GlobalOrderLoader):
         self, shard: Any, manager: Any, replicas: ReplicaState, group_size: int = 1, position: int = 0, **options: Any
     ) -> None:
         super().__init__(shard, **options)
-        self.group_size, self.position = group_size, position  # this worker in its group (`ReplicaLayout`)
+        self.group_size, self.group_position = group_size, position  # this worker in its group (`ReplicaLayout`)
         self.manager = manager
         self.replicas = replicas
         self.on_change: Callable[[QuorumChange], None] = lambda change: None
@@ -239,7 +239,7 @@ class ReplicaLoader(GlobalOrderLoader):
             if batch is None:
                 return
             rank = self.manager.participating_rank()
-            part = (0 if rank is None else rank) * self.group_size + self.position  # `ReplicaLayout.rows`
+            part = (0 if rank is None else rank) * self.group_size + self.group_position  # `ReplicaLayout.rows`
             yield _cut(batch, part, n * self.group_size)
 
     def _global_batch(self, epoch: int, position: int) -> Any:
