@@ -34,9 +34,14 @@ def part_rows(rows: int, part: int, parts: int) -> Tuple[int, int]:
 def layout_problem(workers: Any, size: Any) -> str:
     """Why ``workers`` in replica groups of ``size`` make no layout (empty: they do), with the fix."""
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        return f"replica_group_size={size!r} must be a whole number of workers >= 1 (1: each worker a group)."
+        return (
+            f"replica_group_size={size!r} must be a whole number of workers >= 1. Fix: replica_group_size=1 (each "
+            "worker a group) or the workers that shard one replica, e.g. 2."
+        )
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        return f"num_workers={workers!r} must be a whole number of workers >= 1."
+        return (
+            f"num_workers={workers!r} must be a whole number of workers >= 1. Fix: num_workers=2 x replica_group_size."
+        )
     if workers % size:
         lower, upper = workers // size * size, -(-workers // size) * size
         near = " or ".join(str(n) for n in sorted({lower, upper}) if n >= 2 * size)
