@@ -115,7 +115,12 @@ def shard_optimizer_state(optimizer: Any) -> None:
         for key, value in list(state.items()):
             if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == local.shape:
                 state[key] = DTensor.from_local(
-                    value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+                    value,
+                    param.device_mesh,
+                    param.placements,
+                    run_check=False,
+                    shape=param.shape,
+                    stride=param.stride(),
                 )
 
 
