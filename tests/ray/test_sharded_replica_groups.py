@@ -131,8 +131,8 @@ def _check_rows(folder: str) -> None:
     for r in read_records(folder):
         if r["committed"]:
             steps.setdefault((r["epoch"], r["batch_in_epoch"]), []).append(r)
-    for epoch in range(EPOCHS):  # after a committed step: (epoch, 1..BATCHES), the last one (epoch + 1, 0)
-        keys = [(epoch, b) for b in range(1, BATCHES)] + [(epoch + 1, 0)]
+    for epoch in range(EPOCHS):  # after a committed step: (epoch, 1..BATCHES)
+        keys = [(epoch, b) for b in range(1, BATCHES + 1)]
         seen = []
         for b, key in enumerate(keys, 1):
             records = steps.get(key)
