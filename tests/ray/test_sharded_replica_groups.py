@@ -145,6 +145,20 @@ def _check_rows(folder: str) -> None:
         assert sorted(seen) == list(range(ROWS)), epoch
 
 
+def _check_checkpoint(result, reference: dict, tmp_path) -> None:
+    import torch
+
+    from raytrain_events import CheckpointConfig, Trainer
+
+    model = make_model()
+    config = CheckpointConfig(load_from=result.checkpoints[-1].url, save_folder=str(tmp_path / "local"))
+    loaded = Trainer(model=model, optimizers=make_sgd(model), max_duration=f"{EPOCHS}ep", checkpoint=config)
+    stamp = loaded.state.timestamp
+    assert (int(stamp.epoch), int(stamp.batch), int(stamp.sample)) == (EPOCHS, BATCHES * EPOCHS, ROWS * EPOCHS)
+    for name, value in model.named_parameters():
+        assert torch.allclose(value, reference[name], atol=1e-5), (name, (value - reference[name]).abs().max())
+
+
 def test_sharded_replica_groups_train_through_two_kills(ray_cluster, tmp_path):
     import torch
 
@@ -192,14 +206,19 @@ def test_sharded_replica_groups_train_through_two_kills(ray_cluster, tmp_path):
         (1, 1),
     ]
     _check_rows(folder)
-    # Each group's parameters (its two shards put together) are the uninterrupted run's.
+    # Each group's parameters (its two shards put together) are the uninterrupted run's, and so is the newest
+    # checkpoint (the lead group's 2-rank sharded save), loaded into a plain local Trainer: what a restart reads.
     reference = dict(_uninterrupted(data).named_parameters())
+    _check_checkpoint(result, reference, tmp_path)
     assert len(finals) == GROUPS * GROUP_SIZE, [(f["group"], f["position"]) for f in finals]
+    worst = 0.0
     for group in range(GROUPS):
         parts = sorted((f for f in finals if f["group"] == group), key=lambda f: f["position"])
         for name, value in reference.items():
             whole = torch.cat([part["shards"][name] for part in parts])
             assert torch.allclose(whole, value.detach(), atol=1e-5), (group, name, (whole - value).abs().max())
+            worst = max(worst, float((whole - value.detach()).abs().max()))
+    print(f"largest difference from the uninterrupted run's parameters: {worst:.2e}")
     # One saver per save point (the lead of its step: group 1 while group 0 was away), keep=2 honoured.
     saves = [json.loads(line) for p in glob.glob(os.path.join(folder, "saves-*.jsonl")) for line in open(p)]
     points = {}
