@@ -1,11 +1,14 @@
 """Which runs `fault_tolerance="replica_groups"` supports, checked on the driver before Ray starts.
 
 Replica groups (`replica_groups.py` runs them on the workers) train under torchft through Ray
-Train's ``TorchftConfig``: each Ray Train worker is one replica group (Ray 2.60 makes groups of
-one worker), so ``num_workers`` is the number of groups. What is not built yet is refused here
-with the reason and the fix, instead of training wrongly: FSDP/HSDP, tensor or context
-parallelism, elastic groups, several optimizers, token counting, fp16's GradScaler, checkpoints
-kept by rank (``keep_best``), asynchronous validation, and fewer than two groups.
+Train's ``TorchftConfig``: each replica group is ``replica_group_size`` Ray Train workers (1: each
+worker a group holding a whole replica; more: the model sharded inside each group with FSDP,
+`fault_tolerance/sharded_replica_groups.py`), so ``num_workers / replica_group_size`` is the number
+of groups. What is not built yet is refused here with the reason and the fix, instead of training
+wrongly: sharding in one-worker groups, tensor, context or pipeline parallelism inside a group, a group
+size that does not divide the workers, a Ray whose worker group cannot be made to build groups of
+several, elastic groups, several optimizers, token counting, fp16's GradScaler, checkpoints kept by rank
+(``keep_best``), asynchronous validation, and fewer than two groups.
 """
 
 from __future__ import annotations

@@ -344,7 +344,7 @@ class ReplicaCommit(Callback):
 
     def _quorum_change(self, change: QuorumChange) -> None:
         self.changes.append(change)
-        if self.loader.manager.participating_rank() in (0, None):
+        if self.leads():
             log.warning(change.line())  # the run's console: one line per change, from the lead group
         self.send({"quorum_change": change.after - change.before, "replica_groups": change.after})
         if self._loop is not None:
@@ -352,9 +352,13 @@ class ReplicaCommit(Callback):
             for callback in state.callbacks:  # every callback's on_quorum_change (as `Engine.run_quorum_change`)
                 callback.on_quorum_change(state, logger, change)
 
+    def leads(self) -> bool:
+        """Whether this worker speaks for the run: the lead group's (participating rank 0) first worker."""
+        return self.loader.manager.participating_rank() in (0, None) and self.loader.group_position == 0
+
     def send(self, entry: Dict[str, Any]) -> None:
         """Add a history entry (lead group only), stamped with the global Timestamp and the time."""
-        if self.history is None or self.loader.manager.participating_rank() not in (0, None):
+        if self.history is None or not self.leads():
             return
         state = self.loader.replicas.state
         out = {f"time/{k}": v for k, v in counters_of(state.timestamp).items()}

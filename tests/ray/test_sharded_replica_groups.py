@@ -152,7 +152,10 @@ def _check_checkpoint(result, reference: dict, tmp_path) -> None:
 
     model = make_model()
     config = CheckpointConfig(load_from=result.checkpoints[-1].url, save_folder=str(tmp_path / "local"))
-    loaded = Trainer(model=model, optimizers=make_sgd(model), max_duration=f"{EPOCHS}ep", checkpoint=config)
+    rows = torch.utils.data.DataLoader([{"x": torch.zeros(4), "y": 0}], batch_size=1)  # a train set: load it all
+    loaded = Trainer(
+        model=model, optimizers=make_sgd(model), train_dataloader=rows, max_duration=f"{EPOCHS}ep", checkpoint=config
+    )
     stamp = loaded.state.timestamp
     assert (int(stamp.epoch), int(stamp.batch), int(stamp.sample)) == (EPOCHS, BATCHES * EPOCHS, ROWS * EPOCHS)
     for name, value in model.named_parameters():
