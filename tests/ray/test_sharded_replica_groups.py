@@ -51,16 +51,25 @@ def _committed(folder: str, pid: int) -> int:
         return sum(1 for line in f if line.strip() and json.loads(line)["committed"])
 
 
+def _last_batch(folder: str, pid: int) -> int:
+    with open(os.path.join(folder, f"rows-{pid}.jsonl")) as f:
+        return max(json.loads(line)["batch"] for line in f if line.strip() and json.loads(line)["committed"])
+
+
 def _kill_twice(folder: str, kills: list, stop: threading.Event) -> None:
     """SIGKILL each victim once every worker has committed 3 steps (mid-epoch), after the previous victim's group is
-    back; record the other group's pids and the steps it committed while the victim's group was away."""
+    back (the lead 2-5 batches into a save interval: the next save falls due while it is away, not while it writes
+    one); record the other group's pids and the steps it committed while the victim's group was away."""
     try:
         for group, position in VICTIMS:
             while not stop.is_set():
                 procs = [_live(folder, g, p) for g in range(GROUPS) for p in range(GROUP_SIZE)]
-                if all(p is not None and _committed(folder, p["pid"]) >= 3 for p in procs):
+                ready = all(p is not None and _committed(folder, p["pid"]) >= 3 for p in procs)
+                if ready and group == 0:
+                    ready = _last_batch(folder, _live(folder, group, position)["pid"]) % SAVE_EVERY in (2, 3, 4, 5)
+                if ready:
                     break
-                time.sleep(0.1)
+                time.sleep(0.05)
             if stop.is_set():
                 return
             victim = _live(folder, group, position)
