@@ -32,6 +32,8 @@ Files:
   config diffs).
 * ``precision.py``: Numerical precision: resolve "fp32" / "amp_bf16" / "amp_fp16" into an autocast
   context.
+* ``replica_layout.py``: `ReplicaLayout`: which worker is in which replica group, and which rows of a global
+  batch each one trains.
 * ``spikes.py``: Loss spikes as pure decisions: `SpikeDetector`, `SkipList` (skipped ranges of the
   global order), `RollbackPolicy`.
 * ``state.py``: `State`: everything the loop tracks, what algorithms change, and what checkpoints

@@ -23,6 +23,8 @@ replica groups, and the one table of Ray's private names (``_compat.py``).
 Files:
 
 * ``_compat.py``: Every private Ray name this package uses, in one place.
+* ``_compat_worker_group.py``: Ray Train V2's worker group, made to build replica groups of several workers
+  (part of `_compat`'s table).
 * ``cluster.py``: Connect to Ray: the existing cluster when there is one, else an embedded local
   instance.
 * ``driver.py``: `RayTrainer`: run the event-driven `Trainer` on every Ray Train worker, from the

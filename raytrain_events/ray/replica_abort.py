@@ -84,7 +84,10 @@ class AbortableGloo(ProcessGroupGloo):
         )
         self.quorum_id = quorum_id
         try:
-            self.board = create_store_client(f"{store_addr}/raytrain_abort", BOARD_TIMEOUT)
+            # One board per quorum for every position of the groups (torchft's ``store_addr`` ends in the position:
+            # ``.../torchft/<quorum>/<group_rank>``): a failure at one position ends the others' waits too.
+            board = store_addr.rsplit("/", 1)[0] if group_rank is not None else store_addr
+            self.board = create_store_client(f"{board}/raytrain_abort", BOARD_TIMEOUT)
         except Exception as error:  # the store host is gone already: the quorum's collectives fail on their own
             log.warning("replica groups: no abort board for quorum %s (%s)", quorum_id, error)
 

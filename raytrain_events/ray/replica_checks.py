@@ -1,17 +1,22 @@
 """Which runs `fault_tolerance="replica_groups"` supports, checked on the driver before Ray starts.
 
 Replica groups (`replica_groups.py` runs them on the workers) train under torchft through Ray
-Train's ``TorchftConfig``: each Ray Train worker is one replica group (Ray 2.60 makes groups of
-one worker), so ``num_workers`` is the number of groups. What is not built yet is refused here
-with the reason and the fix, instead of training wrongly: FSDP/HSDP, tensor or context
-parallelism, elastic groups, several optimizers, token counting, fp16's GradScaler, checkpoints
-kept by rank (``keep_best``), asynchronous validation, and fewer than two groups.
+Train's ``TorchftConfig``: each replica group is ``replica_group_size`` Ray Train workers (1: each
+worker a group holding a whole replica; more: the model sharded inside each group with FSDP,
+`fault_tolerance/sharded_replica_groups.py`), so ``num_workers / replica_group_size`` is the number
+of groups. What is not built yet is refused here with the reason and the fix, instead of training
+wrongly: sharding in one-worker groups, tensor, context or pipeline parallelism inside a group, a group
+size that does not divide the workers, a Ray whose worker group cannot be made to build groups of
+several, elastic groups, several optimizers, token counting, fp16's GradScaler, checkpoints kept by rank
+(``keep_best``), asynchronous validation, and fewer than two groups.
 """
 
 from __future__ import annotations
 
 import importlib.util
 from typing import Any, Dict, Mapping
+
+from raytrain_events.core.replica_layout import layout_problem
 
 __all__ = ["FAULT_TOLERANCE", "check_fault_tolerance", "lighthouse_options", "require_torchft", "torchft_config"]
 
@@ -44,7 +49,16 @@ def check_fault_tolerance(spec: Any) -> None:
             "checkpoint) or 'replica_groups' (each worker a torchft replica group that fails alone)."
         )
     if value is None:
+        if spec.replica_group_size != 1:
+            raise ValueError(
+                f"replica_group_size={spec.replica_group_size!r} sets the workers of each replica group, but this run "
+                "has none. Fix: fault_tolerance='replica_groups' (each group shards the model over its workers), "
+                "or drop replica_group_size."
+            )
         return
+    problem = layout_problem(spec.workers, spec.replica_group_size) if spec.replica_group_size != 1 else ""
+    if problem and not isinstance(spec.workers, tuple):  # (an elastic group is refused below)
+        raise ValueError(f"fault_tolerance='replica_groups': {problem}")
     refusals = _unsupported(spec)
     if refusals:
         raise ValueError(
@@ -52,6 +66,10 @@ def check_fault_tolerance(spec: Any) -> None:
             "options, or drop fault_tolerance to recover by restarting the worker group."
         )
     require_torchft()
+    if spec.replica_group_size > 1:
+        from raytrain_events.ray._compat_worker_group import require  # Ray Train's worker group: imported when used
+
+        require()  # a Ray whose worker group cannot be made to build groups of several: refused, naming the fix
 
 
 def _unsupported(spec: Any) -> list:
@@ -62,9 +80,15 @@ def _unsupported(spec: Any) -> list:
         refusals.append("an elastic num_workers=(min, max): pass a fixed num_workers (the replica groups)")
     elif workers < 2:
         refusals.append(f"num_workers={workers!r}: replica groups need num_workers >= 2 (one group per worker)")
-    parallel = spec.parallelism_spec
-    if parallel.kind != "ddp" or parallel.batch_group > 1:
-        refusals.append("parallelism other than 'ddp': each group is one worker holding a whole replica")
+    if spec.replica_group_size == 1:
+        parallel = spec.parallelism_spec
+        if parallel.kind != "ddp" or parallel.batch_group > 1:
+            refusals.append(
+                "parallelism other than 'ddp' with replica_group_size=1: each group is one worker holding a whole "
+                "replica (to shard the model inside each group: replica_group_size=k, k workers per group)"
+            )
+    else:
+        refusals += _sharded_unsupported(spec)
     if spec.get_num_tokens_in_batch is not None:
         refusals.append("get_num_tokens_in_batch: committed steps are counted in samples only")
     if spec.checkpoint is not None and spec.checkpoint.keep_best is not None:
@@ -77,6 +101,34 @@ def _unsupported(spec: Any) -> list:
         refusals.append("validation=: asynchronous validation needs reported checkpoints")
     if "fp16" in str(spec.precision).lower():
         refusals.append("precision='fp16': fp16's GradScaler steps around the commit; use 'bf16' or 'fp32'")
+    return refusals
+
+
+def _sharded_unsupported(spec: Any) -> list:
+    """What a run of replica groups of several workers (``replica_group_size > 1``) does not support, one phrase
+    each: the model must be sharded inside each group (FSDP2, or HSDP inside it) over the group's workers."""
+    size = spec.replica_group_size
+    parallel = spec.parallelism_spec
+    if parallel.kind != "fsdp" or parallel.fsdp is None:
+        return [
+            f"replica_group_size={size} with parallelism={spec.parallelism!r}: a group of several workers shards its "
+            "model (parallelism='fsdp' or FSDPConfig(...)); for a whole replica per worker use replica_group_size=1"
+        ]
+    fsdp = parallel.fsdp
+    refusals = [
+        f"FSDPConfig({name}={degree}) inside replica groups of {size} workers: each group shards with FSDP (or HSDP); "
+        f"{name} is not built for replica groups yet"
+        for name, degree in (
+            ("tensor_parallel", fsdp.tensor_parallel),
+            ("context_parallel", fsdp.context_parallel),
+            ("pipeline_parallel", fsdp.pipeline_parallel),
+        )
+        if degree > 1
+    ]
+    try:
+        fsdp.mesh_shape(size)  # the group's own mesh: HSDP's replicate must divide the group
+    except ValueError as error:
+        refusals.append(f"a group of replica_group_size={size} workers cannot hold this mesh ({error})")
     return refusals
 
 
@@ -111,9 +163,10 @@ def lighthouse_options(groups: int, replica_timeout_s: float) -> Dict[str, Any]:
     }
 
 
-def torchft_config(torch_options: Dict[str, Any], groups: int, replica_timeout_s: float) -> Any:
+def torchft_config(torch_options: Dict[str, Any], groups: int, replica_timeout_s: float, group_size: int = 1) -> Any:
     """Ray Train's ``TorchftConfig``: the Lighthouse as a Ray actor on the head, bound as `lighthouse_bind` says,
-    with `lighthouse_options`."""
+    with `lighthouse_options`; for groups of ``group_size > 1`` workers, the one that makes Ray build them
+    (`ray/_compat_worker_group.py`)."""
     import ray
 
     from raytrain_events.ray import _compat
@@ -121,4 +174,8 @@ def torchft_config(torch_options: Dict[str, Any], groups: int, replica_timeout_s
     here = ray.get_runtime_context().get_node_id()
     node_ip = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == here)
     lighthouse = {"bind": lighthouse_bind(node_ip), **lighthouse_options(groups, replica_timeout_s)}
+    if group_size > 1:
+        from raytrain_events.ray._compat_worker_group import sharded_torchft_config  # Ray Train's internals: when used
+
+        return sharded_torchft_config(group_size, lighthouse, **torch_options)
     return _compat.torchft_config_class()(lighthouse_kwargs=lighthouse, **torch_options)

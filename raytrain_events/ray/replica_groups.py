@@ -51,8 +51,8 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from raytrain_events.core.callback import Callback, QuorumChange
+from raytrain_events.core.replica_layout import part_rows
 from raytrain_events.core.time import Timestamp, counters_of
-from raytrain_events.ray.data.feeder import rank_rows
 from raytrain_events.ray.data.loader import GlobalOrderLoader
 
 if TYPE_CHECKING:
@@ -71,6 +71,7 @@ class ReplicaState:
         self.model: Optional[torch.nn.Module] = None
         self.optimizer: Any = None  # the inner torch optimizer
         self.schedulers: List[Any] = []
+        self.healed = 0  # states received from a peer (the tests count them)
 
     def state_dict(self) -> Dict[str, Any]:
         assert self.model is not None and self.state is not None
@@ -90,18 +91,27 @@ class ReplicaState:
             scheduler.load_state_dict(s)
         self.state.timestamp = Timestamp.from_state_dict(sd["timestamp"])
         torch.set_rng_state(sd["rng"])
+        self.healed += 1
         log.info("Recovered from a healthy replica group at %s", self.state.timestamp)
 
 
-def build_manager(
-    replicas: ReplicaState, group: int, run_name: str, min_replicas: int, timeout_s: float = 30.0
+def build_manager(  # noqa: PLR0913 (the group's numbers, handed over once)
+    replicas: ReplicaState,
+    group: int,
+    run_name: str,
+    min_replicas: int,
+    timeout_s: float = 30.0,
+    position: int = 0,
+    group_size: int = 1,
 ) -> Tuple[Any, CollectiveWatch]:
     """This group's torchft ``Manager`` (the Lighthouse address comes from Ray: ``TORCHFT_LIGHTHOUSE``) and the
     `CollectiveWatch` that ends its all-reduce when another group of the quorum fails (`replica_abort.py`).
 
     ``timeout_s`` (`RunSpec.replica_timeout_s`): gloo's and the state transfer's limit, the quorum's
     twice that; 30 s re-forms the group on a loaded machine. A failed peer costs the others the heartbeat
-    detection, not this limit (`replica_abort.py`)."""
+    detection, not this limit (`replica_abort.py`). ``position``/``group_size``: this worker's rank in its group
+    and the group's workers (`ReplicaLayout`; the Manager's ``rank``/``world_size``): its torchft process group is
+    the same position's in every group, and the group's rank 0 talks to the Lighthouse for all of it."""
     from torchft import Manager  # torchft is the [ft] extra's: imported where a group is built
     from torchft.checkpointing.pg_transport import PGTransport
 
@@ -116,14 +126,14 @@ def build_manager(
         load_state_dict=replicas.load_state_dict,
         state_dict=replicas.state_dict,
         use_async_quorum=False,  # the quorum (and a heal) ends before the loader picks the rows
-        world_size=1,
-        rank=0,
+        world_size=group_size,
+        rank=position,
         replica_id=name,
         timeout=2 * timeout,
         quorum_timeout=2 * timeout,
         checkpoint_transport=PGTransport(pg, timeout=timeout, device=torch.device("cpu")),
     )
-    return manager, CollectiveWatch(pg, name)
+    return manager, CollectiveWatch(pg, f"{name}/{position}")
 
 
 class CommitOptimizer(torch.optim.Optimizer):
@@ -160,13 +170,17 @@ class CommitOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         params = [p for group in self.optim.param_groups for p in group["params"] if p.requires_grad]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        # This worker's part of each gradient: the whole one, or its shard under FSDP (a DTensor's local tensor).
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params]
         if grads:  # one flat all-reduce (the Manager averages over the participants; errors -> no commit)
             flat = torch.cat([g.reshape(-1) for g in grads])
             self.watch.allreduce(self.manager, flat)  # a failed peer ends it at once (replica_abort.py)
             offset = 0
-            for p, g in zip(params, grads):
-                p.grad = flat[offset : offset + g.numel()].view_as(g)
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
         self.committed = bool(self.manager.should_commit())
         if self.committed:
@@ -176,8 +190,11 @@ class CommitOptimizer(torch.optim.Optimizer):
 class ReplicaLoader(GlobalOrderLoader):
     """This group's part of each global batch, from the quorum of the step (see the module doc)."""
 
-    def __init__(self, shard: Any, manager: Any, replicas: ReplicaState, **options: Any) -> None:
+    def __init__(  # noqa: D107
+        self, shard: Any, manager: Any, replicas: ReplicaState, group_size: int = 1, position: int = 0, **options: Any
+    ) -> None:
         super().__init__(shard, **options)
+        self.group_size, self.group_position = group_size, position  # this worker in its group (`ReplicaLayout`)
         self.manager = manager
         self.replicas = replicas
         self.on_change: Callable[[QuorumChange], None] = lambda change: None
@@ -222,7 +239,8 @@ class ReplicaLoader(GlobalOrderLoader):
             if batch is None:
                 return
             rank = self.manager.participating_rank()
-            yield _cut(batch, 0 if rank is None else rank, n)
+            part = (0 if rank is None else rank) * self.group_size + self.group_position  # `ReplicaLayout.rows`
+            yield _cut(batch, part, n * self.group_size)
 
     def _global_batch(self, epoch: int, position: int) -> Any:
         """The global batch at ``position`` of ``epoch`` (None past the epoch's end)."""
@@ -264,7 +282,7 @@ def _rows(batch: Any) -> int:
 
 def _cut(batch: Any, part: int, parts: int) -> Any:
     """Part ``part`` of ``parts`` near-equal contiguous parts of a batch (a dict, tuple or tensor)."""
-    lo, hi = rank_rows(0, _rows(batch), part, parts)
+    lo, hi = part_rows(_rows(batch), part, parts)
     if isinstance(batch, dict):
         return {k: v[lo:hi] for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
@@ -326,7 +344,7 @@ class ReplicaCommit(Callback):
 
     def _quorum_change(self, change: QuorumChange) -> None:
         self.changes.append(change)
-        if self.loader.manager.participating_rank() in (0, None):
+        if self.leads():
             log.warning(change.line())  # the run's console: one line per change, from the lead group
         self.send({"quorum_change": change.after - change.before, "replica_groups": change.after})
         if self._loop is not None:
@@ -334,9 +352,13 @@ class ReplicaCommit(Callback):
             for callback in state.callbacks:  # every callback's on_quorum_change (as `Engine.run_quorum_change`)
                 callback.on_quorum_change(state, logger, change)
 
+    def leads(self) -> bool:
+        """Whether this worker speaks for the run: the lead group's (participating rank 0) first worker."""
+        return self.loader.manager.participating_rank() in (0, None) and self.loader.group_position == 0
+
     def send(self, entry: Dict[str, Any]) -> None:
         """Add a history entry (lead group only), stamped with the global Timestamp and the time."""
-        if self.history is None or self.loader.manager.participating_rank() not in (0, None):
+        if self.history is None or not self.leads():
             return
         state = self.loader.replicas.state
         out = {f"time/{k}": v for k, v in counters_of(state.timestamp).items()}

@@ -123,6 +123,11 @@ class RunSpec(LoopOptions):
     max_failures: int = _opt(0, help="worker-group restarts Ray Train makes after a failure", worker=False)
     fault_tolerance: Optional[str] = _opt(None, help="None, or 'replica_groups' (checked in ray/replica_checks.py)")
     replica_timeout_s: float = _opt(30.0, help="replica groups: a collective's or peer transfer's limit (quorum: 2x)")
+    replica_group_size: int = _opt(
+        1,
+        help="replica groups: workers per group, the model sharded inside each with FSDP (groups = num_workers / "
+        "this; checked in ray/replica_checks.py)",
+    )
     hang_timeout: Optional[float] = _opt(
         None,
         help="seconds without progress on any rank before the watchdog saves every rank's stacks in <run>/hangs "

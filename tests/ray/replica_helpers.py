@@ -132,3 +132,38 @@ class RecordCommits(Callback):
 
         final = {"model": self.commit.loader.replicas.model.state_dict(), "timestamp": state.timestamp.state_dict()}
         torch.save(final, os.path.join(self.folder, f"final-{os.getpid()}.pt"))
+
+
+class RecordShards(RecordCommits):
+    """`RecordCommits` for replica groups of ``group_size`` workers: ``group`` is the replica group, ``position`` the
+    worker's place in it; at the end, this worker's parameter shards (local tensors) and how often it healed."""
+
+    def __init__(self, folder: str, sleep_s: float, group_size: int) -> None:
+        super().__init__(folder, sleep_s)
+        self.group_size = group_size
+
+    def fit_start(self, state, logger) -> None:
+        import ray.train
+
+        super().fit_start(state, logger)
+        rank = ray.train.get_context().get_world_rank()
+        self.group, self.position = rank // self.group_size, rank % self.group_size
+        with open(os.path.join(self.folder, f"proc-{os.getpid()}.json"), "w") as f:
+            json.dump({"pid": os.getpid(), "group": self.group, "position": self.position, "t": time.time()}, f)
+
+    def fit_end(self, state, logger) -> None:
+        self._record_saves(state)
+        self.file.close()
+        import torch
+
+        replicas = self.commit.loader.replicas
+        shards = {n: p.detach().to_local().clone() for n, p in replicas.model.named_parameters()}
+        final = {
+            "shards": shards,
+            "group": self.group,
+            "position": self.position,
+            "healed": replicas.healed,
+            "loaded": None if self.checkpointer is None or self.checkpointer.loaded is None else "storage",
+            "timestamp": state.timestamp.state_dict(),
+        }
+        torch.save(final, os.path.join(self.folder, f"final-{os.getpid()}.pt"))

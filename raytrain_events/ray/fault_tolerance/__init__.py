@@ -15,6 +15,9 @@ Files:
   its last checkpoint (Ray Train's ``FailureConfig``); DDP across the workers.
 * ``replica_groups.py``: `ReplicaGroups` (``fault_tolerance="replica_groups"``): each worker a torchft
   replica group that fails alone while the others train on (the loop's parts: ``ray/replica_groups.py``).
+* ``sharded_replica_groups.py``: `ShardedReplicaGroups` (``fault_tolerance="replica_groups"``,
+  ``replica_group_size=k > 1``): replica groups of ``k`` workers, the model sharded inside each (FSDP2),
+  torchft across the groups; a failed worker's group is replaced alone and heals from a live group's shards.
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ def choose(spec: Any) -> FaultTolerance:
     """The run's strategy for ``spec.fault_tolerance``, after refusing a value or a combination it does not support
     (`replica_checks.check_fault_tolerance`: on the driver, before Ray starts)."""
     check_fault_tolerance(spec)
+    if spec.fault_tolerance == "replica_groups" and spec.replica_group_size > 1:
+        from raytrain_events.ray.fault_tolerance.sharded_replica_groups import ShardedReplicaGroups
+
+        return ShardedReplicaGroups(spec)
     if spec.fault_tolerance == "replica_groups":
         from raytrain_events.ray.fault_tolerance.replica_groups import ReplicaGroups
 

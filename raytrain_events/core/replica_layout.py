@@ -1,0 +1,117 @@
+"""`ReplicaLayout`: which worker is in which replica group, and which rows of a global batch each one trains.
+
+A run of ``workers`` Ray Train workers under replica groups of ``group_size`` workers each has
+``workers / group_size`` groups. Group ``g`` is the ``group_size`` consecutive world ranks from ``g * group_size``
+(Ray Train's order; `ray/_compat.py` makes its worker group build them so), and a worker's *position* is its rank
+inside its group: its rank in the group's own torch process group, where the model is sharded (FSDP2, or HSDP
+inside the group). torchft manages the other dimension, across groups: the workers at the same position in every
+group form one torchft process group (they hold the same shards), and a group that rejoins heals each position
+from the same position of a live group.
+
+Rows: every group is served the whole global batch and cuts it by the step's quorum (``participants`` groups, this
+group the ``participant``-th of them); inside a group each position trains its own contiguous part. Together: the
+global batch cut into ``participants * group_size`` near-equal contiguous parts, this worker's the
+``participant * group_size + position``-th, so the step trains each row of the global batch exactly once at any
+quorum, and with equal parts the averaged gradient (FSDP's mean over the group's ranks, then torchft's over the
+groups) is the mean over the whole global batch: the step an uninterrupted run takes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Tuple
+
+__all__ = ["ReplicaLayout", "layout_problem", "part_rows"]
+
+
+def part_rows(rows: int, part: int, parts: int) -> Tuple[int, int]:
+    """Part ``part``'s rows ``[a, b)`` of ``parts`` near-equal contiguous parts of ``rows`` rows."""
+    q, rem = divmod(rows, parts)
+    a = part * q + min(part, rem)
+    return a, a + q + (1 if part < rem else 0)
+
+
+def layout_problem(workers: Any, size: Any) -> str:
+    """Why ``workers`` in replica groups of ``size`` make no layout (empty: they do), with the fix."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        return (
+            f"replica_group_size={size!r} must be a whole number of workers >= 1. Fix: replica_group_size=1 (each "
+            "worker a group) or the workers that shard one replica, e.g. 2."
+        )
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        return (
+            f"num_workers={workers!r} must be a whole number of workers >= 1. Fix: num_workers=2 x replica_group_size."
+        )
+    if workers % size:
+        lower, upper = workers // size * size, -(-workers // size) * size
+        near = " or ".join(str(n) for n in sorted({lower, upper}) if n >= 2 * size)
+        return (
+            f"replica_group_size={size} does not divide num_workers={workers}: every replica group needs the "
+            f"same number of workers (each position holds the same shards in every group). Fix: num_workers "
+            f"a multiple of {size}" + (f" (e.g. {near})" if near else "") + ", or another replica_group_size."
+        )
+    if workers // size < 2:
+        return (
+            f"num_workers={workers} with replica_group_size={size} makes {workers // size} replica group; "
+            f"replica groups need at least two (one trains on while another is replaced). Fix: num_workers="
+            f"{2 * size} or more, or replica_group_size={max(1, workers // 2)}."
+        )
+    return ""
+
+
+@dataclass(frozen=True)
+class ReplicaLayout:
+    """``workers`` world ranks in replica groups of ``group_size`` consecutive ranks (see the module doc)."""
+
+    workers: int
+    group_size: int = 1
+
+    def __post_init__(self) -> None:
+        problem = layout_problem(self.workers, self.group_size)
+        if problem:
+            raise ValueError(problem)
+
+    @property
+    def groups(self) -> int:
+        """The number of replica groups."""
+        return self.workers // self.group_size
+
+    def group_of(self, world_rank: int) -> int:
+        """The replica group of world rank ``world_rank``."""
+        self._check_rank(world_rank)
+        return world_rank // self.group_size
+
+    def position_of(self, world_rank: int) -> int:
+        """``world_rank``'s position in its group (its rank in the group's process group)."""
+        self._check_rank(world_rank)
+        return world_rank % self.group_size
+
+    def ranks_of(self, group: int) -> List[int]:
+        """The world ranks of replica group ``group``, by position."""
+        if not 0 <= group < self.groups:
+            raise ValueError(f"replica group {group} is not one of this run's {self.groups} groups")
+        return list(range(group * self.group_size, (group + 1) * self.group_size))
+
+    def peers_of(self, world_rank: int) -> List[int]:
+        """The world ranks at ``world_rank``'s position in every group (one torchft process group; its own included)."""
+        position = self.position_of(world_rank)
+        return [g * self.group_size + position for g in range(self.groups)]
+
+    def rows(self, global_rows: int, participant: int, participants: int, position: int) -> Tuple[int, int]:
+        """The rows ``[a, b)`` of a ``global_rows``-row global batch the worker at ``position`` of the quorum's
+        ``participant``-th group trains, in a quorum of ``participants`` groups."""
+        if not 0 <= participant < participants <= self.groups:
+            raise ValueError(f"participant {participant} of {participants} groups (this run has {self.groups})")
+        if not 0 <= position < self.group_size:
+            raise ValueError(f"position {position} of a group of {self.group_size}")
+        parts = participants * self.group_size
+        if global_rows < parts:
+            raise ValueError(
+                f"a global batch of {global_rows} rows cannot give each of {parts} workers a row "
+                f"({participants} groups x {self.group_size}); raise batch_size or global_batch_size."
+            )
+        return part_rows(global_rows, participant * self.group_size + position, parts)
+
+    def _check_rank(self, world_rank: int) -> None:
+        if not 0 <= world_rank < self.workers:
+            raise ValueError(f"world rank {world_rank} is not one of this run's {self.workers} workers")

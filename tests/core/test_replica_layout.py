@@ -1,0 +1,72 @@
+"""`ReplicaLayout`: groups of consecutive ranks, peers by position, and each worker's rows of a global batch."""
+
+from __future__ import annotations
+
+import pytest
+
+from raytrain_events.core.replica_layout import ReplicaLayout, part_rows
+
+
+def test_groups_positions_and_peers_at_a_real_shape():
+    layout = ReplicaLayout(workers=12, group_size=4)  # 3 groups x 4 FSDP ranks
+    assert layout.groups == 3
+    assert [layout.group_of(r) for r in range(12)] == [0] * 4 + [1] * 4 + [2] * 4
+    assert [layout.position_of(r) for r in range(12)] == [0, 1, 2, 3] * 3
+    assert layout.ranks_of(1) == [4, 5, 6, 7]
+    assert layout.peers_of(6) == [2, 6, 10]  # position 2 of every group: one torchft process group
+    with pytest.raises(ValueError, match="world rank 12"):
+        layout.group_of(12)
+    with pytest.raises(ValueError, match="replica group 3"):
+        layout.ranks_of(3)
+
+
+@pytest.mark.parametrize("participants", [1, 2, 3])
+def test_every_row_of_a_global_batch_is_trained_once_at_any_quorum(participants):
+    layout = ReplicaLayout(workers=12, group_size=4)
+    for rows in (12 * 5, 12 * 5 + 7, 97):
+        cut = [
+            layout.rows(rows, participant, participants, position)
+            for participant in range(participants)
+            for position in range(4)
+        ]
+        covered = [i for a, b in cut for i in range(a, b)]
+        assert covered == list(range(rows))  # contiguous, in order, each row once
+        sizes = [b - a for a, b in cut]
+        assert max(sizes) - min(sizes) <= 1
+
+
+def test_a_group_of_one_cuts_as_the_one_worker_groups_do():
+    layout = ReplicaLayout(workers=4)
+    assert [layout.rows(12, p, 4, 0) for p in range(4)] == [part_rows(12, p, 4) for p in range(4)]
+    assert layout.peers_of(3) == [0, 1, 2, 3]
+
+
+def test_a_quorum_that_lost_a_group_gives_its_rows_to_the_others():
+    layout = ReplicaLayout(workers=4, group_size=2)
+    assert [layout.rows(12, 0, 2, pos) for pos in range(2)] + [layout.rows(12, 1, 2, pos) for pos in range(2)] == [
+        (0, 3),
+        (3, 6),
+        (6, 9),
+        (9, 12),
+    ]
+    assert [layout.rows(12, 0, 1, pos) for pos in range(2)] == [(0, 6), (6, 12)]  # one group away
+
+
+@pytest.mark.parametrize(
+    ("workers", "size", "match"),
+    [
+        (6, 4, r"does not divide num_workers=6.*num_workers a multiple of 4 \(e.g. 8\)"),
+        (10, 4, r"does not divide num_workers=10.*\(e.g. 8 or 12\)"),
+        (4, 4, r"makes 1 replica group.*num_workers=8 or more, or replica_group_size=2"),
+        (4, 0, "must be a whole number of workers >= 1"),
+        (4, True, "must be a whole number"),
+    ],
+)
+def test_a_layout_that_cannot_be_made_is_refused_naming_the_fix(workers, size, match):
+    with pytest.raises(ValueError, match=match):
+        ReplicaLayout(workers=workers, group_size=size)
+
+
+def test_a_global_batch_smaller_than_the_workers_is_refused():
+    with pytest.raises(ValueError, match="cannot give each of 4 workers a row"):
+        ReplicaLayout(workers=4, group_size=2).rows(3, 0, 2, 0)

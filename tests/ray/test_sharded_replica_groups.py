@@ -1,0 +1,246 @@
+"""Sharded replica groups (``fault_tolerance="replica_groups", replica_group_size=2``): 2 groups x 2 FSDP2 workers on
+the session's Ray; a worker of a group SIGKILLed from outside twice mid-epoch (first group 1's second worker, then
+the lead group 0's first: the one that holds the group's torchft Manager server and store).
+
+Each time Ray replaces that group alone (both its workers, new processes); the other group keeps committing steps
+with its process ids unchanged; the replaced group's workers heal from the live group's same-position shards
+(`ShardedReplicaState`: a recorded heal, no storage read) and the run ends with the uninterrupted run's Timestamp,
+every row once per epoch, and every group's parameters (its shards put together) within float tolerance of a plain
+local `Trainer` over the same global batches. Storage checkpoints on: each save point saved once, by the lead of its
+step (group 1 while group 0 is away), ``keep`` honoured. The data: 192 rows (16 global batches of 12; equal parts
+per worker at any quorum, so the averaged gradient is the global batch's mean, as in the local run).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from tests.ray.replica_helpers import RecordShards, live_procs
+from tests.ray.resume_helpers import make_model, make_sgd, read_records, write_parquet
+
+pytestmark = pytest.mark.ray
+
+GROUP_SIZE = 2
+GROUPS = 2
+FILE_ROWS = (101, 67, 24)  # 192 rows
+ROWS = sum(FILE_ROWS)
+GLOBAL_BATCH = 12
+BATCHES = ROWS // GLOBAL_BATCH  # 16 per epoch
+EPOCHS = 12
+SAVE_EVERY = 10
+VICTIMS = ((1, 1), (0, 0))  # (group, position): a follower group's second worker, then the lead's first
+
+
+def _live(folder: str, group: int, position: int):
+    procs = [p for p in live_procs(folder) if p["group"] == group and p["position"] == position]
+    return max(procs, key=lambda p: p["t"]) if procs else None
+
+
+def _committed(folder: str, pid: int) -> int:
+    path = os.path.join(folder, f"rows-{pid}.jsonl")
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        return sum(1 for line in f if line.strip() and json.loads(line)["committed"])
+
+
+def _last_batch(folder: str, pid: int) -> int:
+    with open(os.path.join(folder, f"rows-{pid}.jsonl")) as f:
+        return max(json.loads(line)["batch"] for line in f if line.strip() and json.loads(line)["committed"])
+
+
+def _kill_twice(folder: str, kills: list, stop: threading.Event) -> None:
+    """SIGKILL each victim once every worker has committed 3 steps (mid-epoch), after the previous victim's group is
+    back (the lead 2-5 batches into a save interval: the next save falls due while it is away, not while it writes
+    one); record the other group's pids and the steps it committed while the victim's group was away."""
+    try:
+        for group, position in VICTIMS:
+            while not stop.is_set():
+                procs = [_live(folder, g, p) for g in range(GROUPS) for p in range(GROUP_SIZE)]
+                ready = all(p is not None and _committed(folder, p["pid"]) >= 3 for p in procs)
+                if ready and group == 0:
+                    ready = _last_batch(folder, _live(folder, group, position)["pid"]) % SAVE_EVERY in (2, 3, 4, 5)
+                if ready:
+                    break
+                time.sleep(0.05)
+            if stop.is_set():
+                return
+            victim = _live(folder, group, position)
+            others = {p: _live(folder, 1 - group, p)["pid"] for p in range(GROUP_SIZE)}
+            before = {pid: _committed(folder, pid) for pid in others.values()}
+            os.kill(victim["pid"], signal.SIGKILL)
+            kill = {"pid": victim["pid"], "group": group, "t": time.time(), "others": others}
+            while not stop.is_set():  # until both workers of the group are new processes that committed steps
+                back = [_live(folder, group, p) for p in range(GROUP_SIZE)]
+                if all(b is not None and b["t"] > kill["t"] and _committed(folder, b["pid"]) >= 3 for b in back):
+                    break
+                time.sleep(0.2)
+            kill["away_steps"] = {pid: _committed(folder, pid) - n for pid, n in before.items()}
+            kill["others_after"] = {p: (_live(folder, 1 - group, p) or {}).get("pid") for p in range(GROUP_SIZE)}
+            kill["back_s"] = time.time() - kill["t"]
+            kills.append(kill)
+    finally:
+        with open(os.path.join(folder, "done"), "w"):
+            pass
+
+
+def _trainer(tmp_path, data, folder):
+    import ray.data
+
+    from raytrain_events import CheckpointConfig, FSDPConfig, RayTrainer
+
+    return RayTrainer(
+        model=make_model,
+        optimizers=make_sgd,
+        datasets={"train": ray.data.read_parquet(data)},
+        max_duration=f"{EPOCHS}ep",
+        batch_size=GLOBAL_BATCH // (GROUPS * GROUP_SIZE),
+        num_workers=GROUPS * GROUP_SIZE,
+        replica_group_size=GROUP_SIZE,
+        parallelism=FSDPConfig(),
+        resources_per_worker={"CPU": 0.5},
+        fault_tolerance="replica_groups",
+        max_failures=4,
+        callbacks=lambda: [RecordShards(folder, 0.4, GROUP_SIZE)],
+        report_every_s=2.0,
+        storage_path=str(tmp_path / "runs"),
+        run_name="sharded",
+        seed=0,
+        checkpoint=CheckpointConfig(save_interval=f"{SAVE_EVERY}ba", keep=2, save_every_n_seconds=None),
+    )
+
+
+def _uninterrupted(data: str):
+    """The same training in one process, no Ray: the global batches in order, SGD on each batch's mean loss."""
+    import pyarrow.parquet as pq
+    import torch
+
+    from raytrain_events import Trainer
+
+    table = pq.read_table(data).to_pydict()
+    rows = [{"id": i, "x": torch.tensor(x), "y": y} for i, x, y in zip(table["id"], table["x"], table["y"])]
+    rows.sort(key=lambda r: r["id"])
+    model = make_model()
+    loader = torch.utils.data.DataLoader(rows, batch_size=GLOBAL_BATCH)
+    Trainer(model=model, optimizers=make_sgd(model), train_dataloader=loader, max_duration=f"{EPOCHS}ep").fit()
+    return model
+
+
+def _check_rows(folder: str) -> None:
+    """Each committed step trained its global batch's rows once between the workers of its quorum; every row once
+    per epoch; the global batches in order."""
+    steps: dict = {}
+    for r in read_records(folder):
+        if r["committed"]:
+            steps.setdefault((r["epoch"], r["batch_in_epoch"]), []).append(r)
+    for epoch in range(EPOCHS):  # after a committed step: (epoch, 1..BATCHES)
+        keys = [(epoch, b) for b in range(1, BATCHES + 1)]
+        seen = []
+        for b, key in enumerate(keys, 1):
+            records = steps.get(key)
+            assert records, f"epoch {epoch} batch {b}: no committed step"
+            ids = [i for r in records for i in r["ids"]]
+            expected = list(range((b - 1) * GLOBAL_BATCH, b * GLOBAL_BATCH))
+            assert sorted(ids) == expected, (epoch, b, sorted(ids))
+            assert len(records) == records[0]["participants"] * GROUP_SIZE, (epoch, b, records)
+            seen += ids
+        assert sorted(seen) == list(range(ROWS)), epoch
+
+
+def _check_checkpoint(result, reference: dict, tmp_path) -> None:
+    import torch
+
+    from raytrain_events import CheckpointConfig, Trainer
+
+    model = make_model()
+    config = CheckpointConfig(load_from=result.checkpoints[-1].url, save_folder=str(tmp_path / "local"))
+    rows = torch.utils.data.DataLoader([{"x": torch.zeros(4), "y": 0}], batch_size=1)  # a train set: load it all
+    loaded = Trainer(
+        model=model, optimizers=make_sgd(model), train_dataloader=rows, max_duration=f"{EPOCHS}ep", checkpoint=config
+    )
+    stamp = loaded.state.timestamp
+    assert (int(stamp.epoch), int(stamp.batch), int(stamp.sample)) == (EPOCHS, BATCHES * EPOCHS, ROWS * EPOCHS)
+    for name, value in model.named_parameters():
+        assert torch.allclose(value, reference[name], atol=1e-5), (name, (value - reference[name]).abs().max())
+
+
+def test_sharded_replica_groups_train_through_two_kills(ray_cluster, tmp_path):
+    import torch
+
+    data = str(tmp_path / "data")
+    write_parquet(data, file_rows=FILE_ROWS)
+    folder = str(tmp_path / "rec")
+    os.makedirs(folder)
+    kills: list = []
+    stop = threading.Event()
+    chaos = threading.Thread(target=_kill_twice, args=(folder, kills, stop), daemon=True)
+    chaos.start()
+    try:
+        result = _trainer(tmp_path, data, folder).fit()
+    finally:
+        stop.set()
+        chaos.join(timeout=30)
+    assert len(kills) == 2, f"the run ended before both kills: {kills}"
+    assert {k: result.timestamp.get_value(u) for k, u in (("epoch", "ep"), ("batch", "ba"), ("sample", "sp"))} == {
+        "epoch": EPOCHS,
+        "batch": BATCHES * EPOCHS,
+        "sample": ROWS * EPOCHS,
+    }
+    procs = [json.load(open(p)) for p in glob.glob(os.path.join(folder, "proc-*.json"))]
+    finals = [torch.load(p, weights_only=False) for p in glob.glob(os.path.join(folder, "final-*.pt"))]
+    by_pid = {int(os.path.basename(p)[6:-3]): f for p, f in zip(glob.glob(os.path.join(folder, "final-*.pt")), finals)}
+    for kill in kills:
+        # The other group kept stepping while the victim's group was away, in the same processes to the end.
+        assert all(n > 0 for n in kill["away_steps"].values()), kill
+        assert kill["others_after"] == kill["others"], kill
+        print(
+            f"kill of group {kill['group']}'s worker {kill['pid']}: back in {kill['back_s']:.1f} s, the other "
+            f"group committed {kill['away_steps']} steps meanwhile"
+        )
+        # The victim's group was replaced whole: two new processes, each healed from the live group, none read storage.
+        new = [p for p in procs if p["group"] == kill["group"] and p["t"] > kill["t"]]
+        assert sorted(p["position"] for p in new) == [0, 1], (kill, new)
+        for p in new:
+            final = by_pid[p["pid"]]
+            assert final["healed"] >= 1 and final["loaded"] is None, (p, final["healed"], final["loaded"])
+    # Group 0 ran in 2 processes per position... (positions: the first workers, and the replacements).
+    assert sorted((p["group"], p["position"]) for p in procs) == [(0, 0), (0, 0), (0, 1), (0, 1)] + [
+        (1, 0),
+        (1, 0),
+        (1, 1),
+        (1, 1),
+    ]
+    _check_rows(folder)
+    # Each group's parameters (its two shards put together) are the uninterrupted run's, and so is the newest
+    # checkpoint (the lead group's 2-rank sharded save), loaded into a plain local Trainer: what a restart reads.
+    reference = dict(_uninterrupted(data).named_parameters())
+    _check_checkpoint(result, reference, tmp_path)
+    assert len(finals) == GROUPS * GROUP_SIZE, [(f["group"], f["position"]) for f in finals]
+    worst = 0.0
+    for group in range(GROUPS):
+        parts = sorted((f for f in finals if f["group"] == group), key=lambda f: f["position"])
+        for name, value in reference.items():
+            whole = torch.cat([part["shards"][name] for part in parts])
+            assert torch.allclose(whole, value.detach(), atol=1e-5), (group, name, (whole - value).abs().max())
+            worst = max(worst, float((whole - value.detach()).abs().max()))
+    print(f"largest difference from the uninterrupted run's parameters: {worst:.2e}")
+    # One saver per save point (the lead of its step: group 1 while group 0 was away), keep=2 honoured.
+    saves = [json.loads(line) for p in glob.glob(os.path.join(folder, "saves-*.jsonl")) for line in open(p)]
+    points = {}
+    for s in saves:
+        points.setdefault(s["batch"], set()).add(s["group"])
+    end = BATCHES * EPOCHS
+    assert sorted(points) == [*range(SAVE_EVERY, end, SAVE_EVERY), end], sorted(points)
+    assert all(len(groups) == 1 for groups in points.values()), points
+    assert any(points[b] == {1} for b in points if b > 0), points  # the next lead saved while group 0 was away
+    assert [c.batch for c in result.checkpoints] == [end // SAVE_EVERY * SAVE_EVERY, end], result.checkpoints
+    checkpoints = os.path.dirname(result.checkpoints[-1].url.rstrip("/")).replace("file://", "")
+    left = {n for n in os.listdir(checkpoints) if os.path.isdir(os.path.join(checkpoints, n))}
+    assert left == {c.url.rstrip("/").rsplit("/", 1)[1] for c in result.checkpoints}, left
