@@ -5,13 +5,14 @@ Train's ``TorchftConfig``: each Ray Train worker is one replica group (Ray 2.60 
 one worker), so ``num_workers`` is the number of groups. What is not built yet is refused here
 with the reason and the fix, instead of training wrongly: FSDP/HSDP, tensor or context
 parallelism, elastic groups, several optimizers, token counting, fp16's GradScaler, checkpoints
-kept by rank (``keep_best``), asynchronous validation, and fewer than two groups.
+kept by rank (``keep_best``), asynchronous validation, and fewer than two groups. In-loop eval sets are
+supported: each group evaluates the whole set (`fault_tolerance/replica_groups.py`).
 """
 
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Dict, Mapping
+from typing import Any, Dict
 
 __all__ = ["FAULT_TOLERANCE", "check_fault_tolerance", "lighthouse_options", "require_torchft", "torchft_config"]
 
@@ -71,8 +72,6 @@ def _unsupported(spec: Any) -> list:
         refusals.append("CheckpointConfig(keep_best=...): ranking needs Ray Train's reports; use keep=N (the newest N)")
     if spec.mixture is not None:
         refusals.append("mixture=: each group cuts one train set's global batches; mixtures come later")
-    elif isinstance(spec.datasets, Mapping) and set(spec.datasets) != {"train"}:
-        refusals.append("eval datasets: Ray Train 2.60 shards a replaced group's datasets as a world of one")
     if spec.validation is not None:
         refusals.append("validation=: asynchronous validation needs reported checkpoints")
     if "fp16" in str(spec.precision).lower():

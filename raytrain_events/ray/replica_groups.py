@@ -346,10 +346,14 @@ class ReplicaCommit(Callback):
         self.history.add.remote(out)
 
     def report(self, report: Dict[str, Any], checkpoint: Any) -> None:
-        """`RayReporter`'s ``report_fn``: this group's report as a history entry (see the module doc)."""
+        """`RayReporter`'s ``report_fn``: this group's report as a history entry (see the module doc). A report
+        after the lead's save names its checkpoint (``checkpoint_path``, as Ray Train's entries do: no scheme), so
+        the entry's metrics (an eval at that batch's included) are the checkpoint's, at its Timestamp."""
         from raytrain_events.ray.reports.aggregate import reduce_metrics
 
         entry: Dict[str, Any] = dict(reduce_metrics([report]))
+        if checkpoint is not None:
+            entry["checkpoint_path"] = checkpoint.url.split("://", 1)[-1]
         entry["attempt"] = 1
         entry["final"] = bool(report.get("final", False))
         if self.first_report:

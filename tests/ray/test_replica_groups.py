@@ -54,9 +54,11 @@ VICTIMS = (1, 0)  # the second kill hits the lead: group 0, participating rank 0
 
 
 SAVE_EVERY = 10  # batches
+EVAL_ROWS = 60  # the eval set: the first 60 rows
 
 
 def _trainer(tmp_path, data, folder, sleep_s):
+    import pyarrow.parquet as pq
     import ray.data
 
     from raytrain_events import CheckpointConfig, RayTrainer
@@ -64,7 +66,13 @@ def _trainer(tmp_path, data, folder, sleep_s):
     return RayTrainer(
         model=make_model,
         optimizers=make_sgd,
-        datasets={"train": ray.data.read_parquet(data)},
+        # An eval set (the first rows, in memory: nothing read from disk per evaluation), at every save point.
+        datasets={
+            "train": ray.data.read_parquet(data),
+            "val": ray.data.from_arrow(pq.read_table(data).slice(0, EVAL_ROWS)),
+        },
+        eval_interval=f"{SAVE_EVERY}ba",
+        eval_batch_size=EVAL_ROWS // 2,
         max_duration=f"{EPOCHS}ep",
         batch_size=GLOBAL_BATCH // GROUPS,
         num_workers=GROUPS,
@@ -222,6 +230,52 @@ def _check_checkpoints(result, folder: str, tmp_path) -> None:
             assert torch.equal(value, final["model"][name]), name
 
 
+def _local_eval(url: str, data: str, tmp_path) -> dict:
+    """The eval set's metrics of the checkpoint at ``url``, evaluated by a plain local `Trainer` (no Ray)."""
+    import pyarrow.parquet as pq
+    import torch
+
+    from raytrain_events import CheckpointConfig, Trainer
+
+    table = pq.read_table(data).to_pydict()
+    rows = [{"x": torch.tensor(x), "y": y} for x, y in zip(table["x"][:EVAL_ROWS], table["y"][:EVAL_ROWS])]
+    model = make_model()
+    config = CheckpointConfig(load_from=url, save_folder=str(tmp_path / "eval"))
+    loader = torch.utils.data.DataLoader(rows, batch_size=EVAL_ROWS // 2)
+    return Trainer(model=model, eval_dataloader={"val": loader}, checkpoint=config).eval()
+
+
+def _check_evals(result, folder: str, data: str, tmp_path, kill_times: list) -> None:
+    """The eval set was evaluated at every eval point through both kills, by every group alive there, each alone
+    (the same metrics in every group: they hold the same committed state), and each checkpoint's history entry
+    (``checkpoint_path``) carries the eval of that checkpoint at its Timestamp: the kept ones evaluate to the
+    same metrics in a plain local `Trainer`, and a save made by the next lead while group 0 was away has them."""
+    evals = defaultdict(list)
+    for r in _lines(folder, "evals"):
+        evals[r["batch"]].append(r)
+    end = BATCHES_PER_EPOCH * EPOCHS
+    points = list(range(START // SAVE_EVERY * SAVE_EVERY + SAVE_EVERY, end, SAVE_EVERY))
+    assert set(points) <= set(evals), sorted(evals)
+    for batch, rs in evals.items():
+        names = set(rs[0]["metrics"])
+        assert {"metrics/val/accuracy", "metrics/val/cross_entropy"} <= names, rs[0]
+        for r in rs[1:]:  # every group evaluated the same state alone (an uncommitted step may evaluate it again)
+            assert r["metrics"] == pytest.approx(rs[0]["metrics"], rel=1e-6), (batch, rs)
+    saved = {int(e["time/batch"]): e for e in result.history if e.get("checkpoint_path")}
+    assert set(points) <= set(saved), sorted(saved)
+    for batch in points:
+        entry, evaluated = saved[batch], evals[batch][0]["metrics"]
+        assert {k: entry[k] for k in evaluated} == pytest.approx(evaluated, rel=1e-6), (batch, entry, evaluated)
+    by_name = {e["checkpoint_path"].rstrip("/").rsplit("/", 1)[1]: e for e in saved.values()}
+    for checkpoint in result.checkpoints[:-1]:  # the kept save points (the last, the end, is evaluated too)
+        entry = by_name[checkpoint.url.rstrip("/").rsplit("/", 1)[1]]
+        local = _local_eval(checkpoint.url, data, tmp_path)
+        assert {k: entry[k] for k in local} == pytest.approx(local, rel=1e-5), (checkpoint.url, entry, local)
+    saves = _lines(folder, "saves")
+    away = [r["batch"] for r in saves if r["group"] != 0 and r["t"] > kill_times[1] and r["batch"] in points]
+    assert away and all("metrics/val/accuracy" in saved[b] for b in away), (away, sorted(saved))
+
+
 def _check_quorum_hook(folder: str, kills: list, kill_times: list) -> None:
     """Every process of another group alive across a kill heard the departure and the return, with the
     global Timestamp of the step about to be trained (its next committed step ends one batch later)."""
@@ -300,6 +354,7 @@ def test_replica_groups_train_through_two_kills(ray_cluster, tmp_path):
     _check_quorum_hook(folder, kills, kill_times)
     _check_checkpoints(result, folder, tmp_path)
     _check_saves_and_loads(result, folder, kill_times)
+    _check_evals(result, folder, data, tmp_path, kill_times)
     # The in-step kill: the survivors' step with the dying group failed its all-reduce and did not commit.
     assert any(not r["committed"] for r in read_records(folder)), "no step failed to commit"
     records = [r for r in read_records(folder) if r["committed"]]
