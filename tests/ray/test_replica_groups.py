@@ -276,6 +276,23 @@ def _check_evals(result, folder: str, data: str, tmp_path, kill_times: list) -> 
     assert away and all("metrics/val/accuracy" in saved[b] for b in away), (away, sorted(saved))
 
 
+def _check_steps_lost(folder: str, kill_times: list) -> None:
+    """What each kill cost every survivor, in steps (the issue's goal: the heartbeat detection + 2 steps): from its
+    last commit with all 4 groups before the kill to its first commit without the victim, at most 2 steps did not
+    commit (the step in flight, trained again, and at most one more), at both kills, whichever survivor sat next
+    to the victim in gloo's ring or not (the ring of 6 is `test_replica_abort.py`'s)."""
+    records = read_records(folder)
+    for t_kill in kill_times:
+        for pid in {r["pid"] for r in records if r["t"] < t_kill} & {r["pid"] for r in records if r["t"] > t_kill + 1}:
+            mine = sorted((r for r in records if r["pid"] == pid), key=lambda r: r["t"])
+            whole = [r["t"] for r in mine if r["committed"] and r["participants"] == GROUPS and r["t"] <= t_kill]
+            smaller = [r["t"] for r in mine if r["committed"] and r["participants"] == GROUPS - 1 and r["t"] > t_kill]
+            if not whole or not smaller:
+                continue  # the victim itself, or a replacement that joined after the kill
+            lost = [r for r in mine if not r["committed"] and whole[-1] < r["t"] <= smaller[0]]
+            assert len(lost) <= 2, f"a kill cost survivor {pid} {len(lost)} steps: {lost}"
+
+
 def _check_quorum_hook(folder: str, kills: list, kill_times: list) -> None:
     """Every process of another group alive across a kill heard the departure and the return, with the
     global Timestamp of the step about to be trained (its next committed step ends one batch later)."""
@@ -340,6 +357,7 @@ def test_replica_groups_train_through_two_kills(ray_cluster, tmp_path):
                     f"kill of {pid_killed}: survivor {r_pid} longest gap {max(near):.2f} s, median step {median:.2f} s"
                 )
     print(f"steps the survivors committed during each outage: {outages}")
+    _check_steps_lost(folder, kill_times)
     # A failed rejoin is retried: the first replacement died in its recovery (no step committed), Ray
     # replaced it again: group 1 ran in 3 processes (the first, two replacements after its kill), the lead's
     # group 0 in 2.
