@@ -198,7 +198,15 @@ def per_failure(folder: str, kills: List[Tuple[float, int]], median: float) -> D
         value = out[f"{key}_s"]
         out[f"{key}_steps"] = None if value is None else round(value / median, 1)
     out["samples"] = len(at_failure)
-    out["each"] = {"at_failure_s": [round(x, 2) for x in at_failure], "at_rejoin_s": [round(x, 2) for x in at_rejoin]}
+    out["each"] = {
+        name: [round(x, 2) for x in xs]
+        for name, xs in (
+            ("at_failure_s", at_failure),
+            ("at_rejoin_s", at_rejoin),
+            ("detect_s", detect),
+            ("call_s", call),
+        )
+    }
     return out
 
 
