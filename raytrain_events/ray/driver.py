@@ -252,6 +252,8 @@ class RayTrainer:
                 worker_spec, self.spec.validation, {k: datasets[k] for k in validated}, history, self._report_queue
             )
             validation_config = ray_validation_config(validator, self.spec.validation)
+            # and for the checkpoints Ray Train never sees (replica groups' lead asks the history for them)
+            ray.get(history.validate_checkpoints.remote(validator, self.spec.validation))
         from raytrain_events.ray.guards.watchdog import process_group_timeout_s
 
         # The watchdog's hang_timeout, with a margin: the watchdog names a hung rank before this fires.
@@ -299,7 +301,10 @@ class RayTrainer:
         try:
             with HistoryFollower(history, consumers):
                 ray_result = trainer.fit()
-                if validated:  # Ray waited for the validations: record the ones that left no result
+                if (
+                    validated
+                ):  # Ray waited for its validations, this waits for the history's: record what left no result
+                    self._wait_history_validations(history)
                     self._record_unfinished_validations(history)
         except Exception as exc:
             self._save_history(history, failed=True)
@@ -317,6 +322,17 @@ class RayTrainer:
         if ray_result.error is not None:
             raise RayTrainingError(_describe_failure(ray_result.error, history)) from ray_result.error
         return self._result(record["entries"], ray_result)
+
+    def _wait_history_validations(self, history: Any) -> None:
+        """Wait for the validation tasks the history started (replica groups), up to ``timeout_s``; cancel the rest
+        (`_record_unfinished_validations` then records them as failed)."""
+        import ray
+
+        tasks = ray.get(history.validations.remote())
+        if tasks:
+            _, left = ray.wait(tasks, num_returns=len(tasks), timeout=self.spec.validation.timeout_s)
+            for task in left:
+                ray.cancel(task, force=True)
 
     def _record_unfinished_validations(self, history: Any) -> None:
         import ray

@@ -5,8 +5,9 @@ Train's ``TorchftConfig``: each Ray Train worker is one replica group (Ray 2.60 
 one worker), so ``num_workers`` is the number of groups. What is not built yet is refused here
 with the reason and the fix, instead of training wrongly: FSDP/HSDP, tensor or context
 parallelism, elastic groups, several optimizers, token counting, fp16's GradScaler, checkpoints
-kept by rank (``keep_best``), asynchronous validation, and fewer than two groups. In-loop eval sets are
-supported: each group evaluates the whole set (`fault_tolerance/replica_groups.py`).
+kept by rank (``keep_best``), and fewer than two groups. In-loop eval sets are supported (each group evaluates
+the whole set: `fault_tolerance/replica_groups.py`), and asynchronous validation (the run's history actor starts
+the tasks on the lead's checkpoints: `ray/reports/history.py`).
 """
 
 from __future__ import annotations
@@ -72,8 +73,6 @@ def _unsupported(spec: Any) -> list:
         refusals.append("CheckpointConfig(keep_best=...): ranking needs Ray Train's reports; use keep=N (the newest N)")
     if spec.mixture is not None:
         refusals.append("mixture=: each group cuts one train set's global batches; mixtures come later")
-    if spec.validation is not None:
-        refusals.append("validation=: asynchronous validation needs reported checkpoints")
     if "fp16" in str(spec.precision).lower():
         refusals.append("precision='fp16': fp16's GradScaler steps around the commit; use 'bf16' or 'fp32'")
     return refusals

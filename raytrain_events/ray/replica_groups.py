@@ -52,6 +52,7 @@ import torch
 
 from raytrain_events.core.callback import Callback, QuorumChange
 from raytrain_events.core.time import Timestamp, counters_of
+from raytrain_events.ray.checkpointing.validation import VALIDATE_KEY
 from raytrain_events.ray.data.feeder import rank_rows
 from raytrain_events.ray.data.loader import GlobalOrderLoader
 
@@ -275,10 +276,17 @@ def _cut(batch: Any, part: int, parts: int) -> Any:
 class ReplicaCommit(Callback):
     """Advance the Timestamp by the global batch only for committed steps; report from the lead group."""
 
-    def __init__(  # noqa: D107
-        self, loader: ReplicaLoader, optimizer: CommitOptimizer, history: Any = None, group: int = 0, load: Any = None
+    def __init__(  # noqa: D107, PLR0913
+        self,
+        loader: ReplicaLoader,
+        optimizer: CommitOptimizer,
+        history: Any = None,
+        group: int = 0,
+        load: Any = None,
+        validation: Any = None,
     ) -> None:
         self.loader = loader
+        self.validation = validation  # the run's `AsyncValidation` (None: in-loop eval only)
         self.optimizer = optimizer
         self.history = history  # the run's `RunHistory` actor: the lead group's entries go there directly
         self.group = group
@@ -354,6 +362,8 @@ class ReplicaCommit(Callback):
         entry: Dict[str, Any] = dict(reduce_metrics([report]))
         if checkpoint is not None:
             entry["checkpoint_path"] = checkpoint.url.split("://", 1)[-1]
+            if self.validation is not None:  # the run's history starts the chosen ones' validation (Ray never sees it)
+                entry[VALIDATE_KEY] = True
         entry["attempt"] = 1
         entry["final"] = bool(report.get("final", False))
         if self.first_report:

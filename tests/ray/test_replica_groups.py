@@ -55,6 +55,7 @@ VICTIMS = (1, 0)  # the second kill hits the lead: group 0, participating rank 0
 
 SAVE_EVERY = 10  # batches
 EVAL_ROWS = 60  # the eval set: the first 60 rows
+VALIDATE_EVERY = 10  # checkpoints: the 10th of 11 (batches 20, 30, ... 110, 119) is validated asynchronously
 
 
 def _trainer(tmp_path, data, folder, sleep_s):
@@ -62,15 +63,19 @@ def _trainer(tmp_path, data, folder, sleep_s):
     import ray.data
 
     from raytrain_events import CheckpointConfig, RayTrainer
+    from raytrain_events.ray.checkpointing.validation import AsyncValidation
 
     return RayTrainer(
         model=make_model,
         optimizers=make_sgd,
-        # An eval set (the first rows, in memory: nothing read from disk per evaluation), at every save point.
+        # An eval set (the first rows, in memory: nothing read from disk per evaluation) at every save point, and
+        # the same rows validated asynchronously (a Ray task) on every 10th checkpoint: batch 110, kept to the end.
         datasets={
             "train": ray.data.read_parquet(data),
             "val": ray.data.from_arrow(pq.read_table(data).slice(0, EVAL_ROWS)),
+            "val_async": ray.data.from_arrow(pq.read_table(data).slice(0, EVAL_ROWS)),
         },
+        validation=AsyncValidation(datasets=["val_async"], every=VALIDATE_EVERY, resources={"CPU": 0.5}),
         eval_interval=f"{SAVE_EVERY}ba",
         eval_batch_size=EVAL_ROWS // 2,
         max_duration=f"{EPOCHS}ep",
@@ -274,6 +279,17 @@ def _check_evals(result, folder: str, data: str, tmp_path, kill_times: list) -> 
     saves = _lines(folder, "saves")
     away = [r["batch"] for r in saves if r["group"] != 0 and r["t"] > kill_times[1] and r["batch"] in points]
     assert away and all("metrics/val/accuracy" in saved[b] for b in away), (away, sorted(saved))
+    # Asynchronous validation: the run's history actor validated the 10th checkpoint the leads reported (Ray Train
+    # never saw it) in a task of its own; its entry is at that checkpoint's Timestamp, with the in-loop eval's metrics
+    # of the same rows there.
+    ordered = [saved[b] for b in sorted(saved)]
+    chosen = ordered[VALIDATE_EVERY - 1]
+    [validation] = result.validations
+    assert validation["validation"] == "async", validation
+    assert validation["validated_checkpoint"] == chosen["checkpoint_path"].rstrip("/").rsplit("/", 1)[1]
+    assert validation["time/batch"] == chosen["time/batch"] == (VALIDATE_EVERY + 1) * SAVE_EVERY, validation
+    for name in ("accuracy", "cross_entropy"):
+        assert validation[f"metrics/val_async/{name}"] == pytest.approx(chosen[f"metrics/val/{name}"], rel=1e-5)
 
 
 def _check_steps_lost(folder: str, kill_times: list) -> None:

@@ -40,14 +40,6 @@ def test_replica_groups_are_a_run_option():
         (dict(num_workers=(2, 4)), "elastic"),
         (dict(parallelism="fsdp"), "parallelism other than 'ddp'"),
         (dict(checkpoint=CheckpointConfig(keep_best=2, metric="metrics/eval/loss", mode="min")), "keep_best"),
-        (
-            dict(
-                datasets={"train": object(), "val": object()},
-                validation="async",
-                checkpoint=CheckpointConfig(save_interval="5ba"),
-            ),
-            "validation=",
-        ),
         (dict(get_num_tokens_in_batch=len), "get_num_tokens_in_batch"),
         (
             dict(
@@ -136,6 +128,8 @@ def test_eval_sets_are_accepted_and_every_group_evaluates_the_whole_set():
             assert set(datasets) == {"train"}, datasets  # only the train set is cut (by the step's quorum)
             return [{"train": ("train", rank)} for rank in range(world)]
 
+    async_val = dict(validation={"datasets": ["test"]}, checkpoint=CheckpointConfig(save_interval="5ba"))
+    RayTrainer(**_options(datasets={"train": object(), "val": object(), "test": object()}, **async_val))  # accepted
     trainer = RayTrainer(**_options(datasets={"train": object(), "val": object(), "test": object()}))
     side, ray_datasets = choose(trainer.spec).worker_side(Data(), {n: Set(n) for n in ("train", "val", "test")}, None)
     assert ray_datasets == {}  # Ray Train shards nothing

@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 __all__ = [
     "AsyncValidation",
+    "VALIDATE_KEY",
     "VALIDATION_KEY",
     "in_training_order",
     "is_validation_entry",
@@ -43,6 +44,9 @@ __all__ = [
 
 #: The history entry key that marks a validation's entry: "async" (metrics) or "failed" (an error).
 VALIDATION_KEY = "validation"
+#: The key a checkpoint's history entry carries when the run's `RunHistory` actor is to run its validation (replica
+#: groups: Ray Train never sees their checkpoints); the actor removes it and validates every ``every``-th such entry.
+VALIDATE_KEY = "validate_checkpoint"
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,9 @@ class ReplicaGroupsWorker:
             **loader_options,
         )
         load = None if plan is None else plan.worker  # its autoresume/load_from: read at the first quorum
-        commit = ReplicaCommit(train, optimizer, history=self.history, group=rank, load=load)
+        commit = ReplicaCommit(
+            train, optimizer, history=self.history, group=rank, load=load, validation=spec.validation
+        )
         return WorkerParts(
             train=train,
             optimizers=optimizer,
