@@ -33,6 +33,17 @@ failure and (replica groups) its part at the failure, in seconds and steps, agai
 groups and more a kill leaves a survivor that is not the victim's ring neighbour in gloo's all-reduce: the count
 where, before `ray/replica_abort.py`, a failure cost gloo's whole timeout (30 s) instead of a step or two.
 
+``restart_local`` (a mode): restarts with each save also kept in the node's local tier
+(``CheckpointConfig(local_dir=..., local_keep=2)``). For the restart modes each process's checkpoint read at a
+restart is timed (`Checkpointer.load`: found, read, verified, applied) with the files each tier served, and the
+median is printed beside the other restart mode's, so one run has the restart's read time with and without the
+tier. ``--storage s3`` puts the run (and its checkpoints) on a local S3 server (moto, as ``bench/local_tier.py``)
+instead of a local folder, and ``--state-mb N`` adds N MiB of frozen parameters to the model, so a read is large
+enough to matter (nothing more to compute or all-reduce per step)::
+
+    PYTHONPATH=$PWD python bench/replica_vs_restart.py --groups 2 --modes restart,restart_local --kills 2 \
+        --epochs 4 --storage s3 --state-mb 64 --pause 5 8
+
 Grows with scale as: restart: (restart + reload from storage + the batches since the last save) per failure,
 whatever the world size; replica groups: the heartbeat timeout (0.5 s) plus the one step in flight per failure,
 and per rejoin one peer-to-peer transfer of the model and optimizer (see docs/operating.md, "Replica groups").

@@ -131,7 +131,8 @@ def test_eval_sets_are_accepted_and_every_group_evaluates_the_whole_set():
     async_val = dict(validation={"datasets": ["test"]}, checkpoint=CheckpointConfig(save_interval="5ba"))
     RayTrainer(**_options(datasets={"train": object(), "val": object(), "test": object()}, **async_val))  # accepted
     trainer = RayTrainer(**_options(datasets={"train": object(), "val": object(), "test": object()}))
-    side, ray_datasets = choose(trainer.spec).worker_side(Data(), {n: Set(n) for n in ("train", "val", "test")}, None)
+    sets = {"train": Set("train"), "val": Set("val"), "test": lambda: Set("test")}  # Ray Train's zero-argument form
+    side, ray_datasets = choose(trainer.spec).worker_side(Data(), sets, None)
     assert ray_datasets == {}  # Ray Train shards nothing
     assert side.shards == [("train", 0), ("train", 1), ("train", 2)]
     assert side.evals == {"val": ("whole", "val"), "test": ("whole", "test")}

@@ -55,13 +55,18 @@ class ReplicaGroups:
         shards = data_config.configure({"train": datasets["train"]}, self.spec.workers, None, None)
         # Each group evaluates the whole of each eval set (see `ReplicaGroupsWorker`): one iterator per set (a
         # streaming pass per evaluation, as Ray Train gives a set it does not split), the same for a replaced group.
-        evals = {name: ds.iterator() for name, ds in datasets.items() if name != "train"}
+        evals = {name: _dataset(ds).iterator() for name, ds in datasets.items() if name != "train"}
         return ReplicaGroupsWorker(history, [s["train"] for s in shards], evals), {}
 
     def run_callbacks(self) -> List[Any]:
         from raytrain_events.ray.replica_lighthouse import LighthouseWatch
 
         return [LighthouseWatch()]
+
+
+def _dataset(value: Any) -> Any:
+    """A Ray Dataset, or Ray Train's zero-argument function returning one, as the Dataset."""
+    return value if hasattr(value, "iterator") or not callable(value) else value()
 
 
 class ReplicaGroupsWorker:
