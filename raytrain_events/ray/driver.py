@@ -221,7 +221,11 @@ class RayTrainer:
         datasets["train"] = as_seekable(datasets["train"])  # a bare read_parquet seeks (parquet_seek.py)
         train_rows = self._train_rows(datasets["train"])
         worker_spec = self.spec.for_workers(datasets=datasets)
-        from raytrain_events.ray.checkpointing.validation import async_eval_names, check_validation
+        from raytrain_events.ray.checkpointing.validation import (
+            async_eval_names,
+            check_validation,
+            wait_history_validations,
+        )
 
         eval_names = sorted(k for k in datasets if k != "train")
         check_validation(self.spec.validation, self.spec.checkpoint, eval_names)  # a datasets factory's names
@@ -304,7 +308,7 @@ class RayTrainer:
                 if (
                     validated
                 ):  # Ray waited for its validations, this waits for the history's: record what left no result
-                    self._wait_history_validations(history)
+                    wait_history_validations(history, self.spec.validation)
                     self._record_unfinished_validations(history)
         except Exception as exc:
             self._save_history(history, failed=True)
@@ -322,17 +326,6 @@ class RayTrainer:
         if ray_result.error is not None:
             raise RayTrainingError(_describe_failure(ray_result.error, history)) from ray_result.error
         return self._result(record["entries"], ray_result)
-
-    def _wait_history_validations(self, history: Any) -> None:
-        """Wait for the validation tasks the history started (replica groups), up to ``timeout_s``; cancel the rest
-        (`_record_unfinished_validations` then records them as failed)."""
-        import ray
-
-        tasks = ray.get(history.validations.remote())
-        if tasks:
-            _, left = ray.wait(tasks, num_returns=len(tasks), timeout=self.spec.validation.timeout_s)
-            for task in left:
-                ray.cancel(task, force=True)
 
     def _record_unfinished_validations(self, history: Any) -> None:
         import ray
