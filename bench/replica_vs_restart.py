@@ -33,6 +33,17 @@ failure and (replica groups) its part at the failure, in seconds and steps, agai
 groups and more a kill leaves a survivor that is not the victim's ring neighbour in gloo's all-reduce: the count
 where, before `ray/replica_abort.py`, a failure cost gloo's whole timeout (30 s) instead of a step or two.
 
+``restart_local`` (a mode): restarts with each save also kept in the node's local tier
+(``CheckpointConfig(local_dir=..., local_keep=2)``). For the restart modes each process's checkpoint read at a
+restart is timed (`Checkpointer.load`: found, read, verified, applied) with the files each tier served, and the
+median is printed beside the other restart mode's, so one run has the restart's read time with and without the
+tier. ``--storage s3`` puts the run (and its checkpoints) on a local S3 server (moto, as ``bench/local_tier.py``)
+instead of a local folder, and ``--state-mb N`` adds N MiB of frozen parameters to the model, so a read is large
+enough to matter (nothing more to compute or all-reduce per step)::
+
+    PYTHONPATH=$PWD python bench/replica_vs_restart.py --groups 2 --modes restart,restart_local --kills 2 \
+        --epochs 4 --storage s3 --state-mb 64 --pause 5 8
+
 Grows with scale as: restart: (restart + reload from storage + the batches since the last save) per failure,
 whatever the world size; replica groups: the heartbeat timeout (0.5 s) plus the one step in flight per failure,
 and per rejoin one peer-to-peer transfer of the model and optimizer (see docs/operating.md, "Replica groups").
@@ -41,6 +52,7 @@ and per rejoin one peer-to-peer transfer of the model and optimizer (see docs/op
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -59,18 +71,47 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.checkpoint_io import s3_server  # noqa: E402
 from raytrain_events import Callback  # noqa: E402
 from tests.ray import resume_helpers as h  # noqa: E402
 from tests.ray.replica_helpers import live_procs  # noqa: E402
 
 
+def _record_loads(folder: str) -> None:
+    """In this worker process: one ``loads-<pid>.jsonl`` line per `Checkpointer.load` (a restart's read of its
+    checkpoint: found, read, verified, applied), with its seconds and the files each tier served (bench-only
+    instrumentation, installed before the worker builds its `Trainer`, which loads)."""
+    from raytrain_events.checkpoint.run.checkpointer import Checkpointer
+
+    real = Checkpointer.load
+    if getattr(real, "_bench", False):
+        return
+
+    def load(self: Any, *args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        info = real(self, *args, **kwargs)
+        if info is not None:
+            local = getattr(self, "loaded_local", None)
+            line = {"t": time.time(), "load_s": time.perf_counter() - t, "batch": int(info.timestamp.get("batch", 0))}
+            line["local_files"] = [] if local is None else list(local.local)
+            line["storage_files"] = [] if local is None else sorted(local.storage)
+            with open(os.path.join(folder, f"loads-{os.getpid()}.jsonl"), "a") as f:
+                f.write(json.dumps(line) + "\n")
+        return info
+
+    load._bench = True  # type: ignore[attr-defined]
+    Checkpointer.load = load  # type: ignore[method-assign]
+
+
 class Steps(Callback):
     """Per process: a proc file at the start and one line per step end (committed or not, the quorum's groups) and
     per quorum change (``on_quorum_change``: before, after, when its quorum call began and ended); each step paced
-    to ``step_s`` between its backward and its all-reduce (where a GPU spends a step's time)."""
+    to ``step_s`` between its backward and its all-reduce (where a GPU spends a step's time). Built in the worker
+    before its `Trainer`: it times the checkpoint loads there (`_record_loads`)."""
 
     def __init__(self, folder: str, step_s: float, groups: int) -> None:
         self.folder, self.step_s, self.groups = folder, step_s, groups
+        _record_loads(folder)
 
     def fit_start(self, state, logger) -> None:
         import ray.train
@@ -168,8 +209,35 @@ def per_failure(folder: str, kills: List[Tuple[float, int]], median: float) -> D
         value = out[f"{key}_s"]
         out[f"{key}_steps"] = None if value is None else round(value / median, 1)
     out["samples"] = len(at_failure)
-    out["each"] = {"at_failure_s": [round(x, 2) for x in at_failure], "at_rejoin_s": [round(x, 2) for x in at_rejoin]}
+    out["each"] = {
+        name: [round(x, 2) for x in xs]
+        for name, xs in (
+            ("at_failure_s", at_failure),
+            ("at_rejoin_s", at_rejoin),
+            ("detect_s", detect),
+            ("call_s", call),
+        )
+    }
     return out
+
+
+def restart_reads(folder: str) -> Dict[str, Any]:
+    """Restarts: every process's checkpoint load after the first start (a restart reads the newest checkpoint):
+    the median and range of its seconds, and how many of its payload files came from the local tier."""
+    loads = []
+    for path in glob.glob(os.path.join(folder, "loads-*.jsonl")):
+        with open(path) as f:
+            loads += [json.loads(line) for line in f if line.strip()]
+    if not loads:
+        return {"restart_reads": 0}
+    secs = [x["load_s"] for x in loads]
+    return {
+        "restart_reads": len(loads),
+        "read_s": round(statistics.median(secs), 3),
+        "read_s_range": [round(min(secs), 3), round(max(secs), 3)],
+        "files_local": sum(len(x["local_files"]) for x in loads),
+        "files_storage": sum(len(x["storage_files"]) for x in loads) if any(x["local_files"] for x in loads) else None,
+    }
 
 
 def _live(folder: str, rank: int) -> Any:
@@ -199,12 +267,30 @@ def _chaos(
             time.sleep(0.1)
 
 
-def run(mode: str, groups: int, args: argparse.Namespace, data: str, plan: List[Tuple[float, int]]) -> Dict[str, Any]:
+def _model(state_mb: int) -> Any:
+    """The resume tests' model, plus ``state_mb`` MiB of frozen parameters: what a checkpoint (and a restart's read)
+    carries without changing the step (no gradient, nothing all-reduced; DDP broadcasts it once at the wrap)."""
+    import torch
+
+    model = h.make_model()
+    if state_mb:
+        model.ballast = torch.nn.Parameter(torch.zeros(state_mb * 2**18), requires_grad=False)
+    return model
+
+
+def run(  # noqa: PLR0913
+    mode: str, groups: int, args: argparse.Namespace, data: str, plan: List[Tuple[float, int]], storage: Tuple[str, Any]
+) -> Dict[str, Any]:
+    import functools
+
     import ray.data
 
     from raytrain_events import CheckpointConfig, RayTrainer
 
     folder = tempfile.mkdtemp(prefix=f"bench-{mode}-{groups}-")
+    root, options = storage
+    # restart_local: restarts, each save also kept in this node's local tier (`CheckpointConfig(local_dir=...)`)
+    local = {"local_dir": os.path.join(folder, "nvme"), "local_keep": 2} if mode == "restart_local" else {}
     kills: List[Tuple[float, int]] = []
     stop = threading.Event()
     chaos = threading.Thread(target=_chaos, args=(folder, groups, plan, kills, stop), daemon=True)
@@ -212,7 +298,7 @@ def run(mode: str, groups: int, args: argparse.Namespace, data: str, plan: List[
     started = time.time()
     try:
         result = RayTrainer(
-            model=h.make_model,
+            model=functools.partial(_model, args.state_mb),
             optimizers=h.make_sgd,
             datasets={"train": ray.data.read_parquet(data)},
             max_duration=f"{args.epochs}ep",
@@ -221,9 +307,12 @@ def run(mode: str, groups: int, args: argparse.Namespace, data: str, plan: List[
             fault_tolerance="replica_groups" if mode == "replica_groups" else None,
             max_failures=2 * len(plan) + 2,
             callbacks=lambda: [Steps(folder, args.step_s, groups)],
-            checkpoint=CheckpointConfig(save_interval=f"{args.save_every}ba", keep=2, save_every_n_seconds=None),
+            checkpoint=CheckpointConfig(
+                save_interval=f"{args.save_every}ba", keep=2, save_every_n_seconds=None, **local
+            ),
             report_every_s=5.0,
-            storage_path=os.path.join(folder, "runs"),
+            storage_path=f"{root}/{os.path.basename(folder)}" if root else os.path.join(folder, "runs"),
+            storage_options=options,
             run_name=f"{mode}-{groups}",
             seed=0,
             progress_bar=False,
@@ -250,7 +339,7 @@ def run(mode: str, groups: int, args: argparse.Namespace, data: str, plan: List[
         "goodput": round(ideal / wall, 3),
         "lost_per_failure_s": round((wall - ideal) / max(len(kills), 1), 1),
         "steps_trained": sum(len(rs) for rs in steps.values()),  # every step end of any process (redone ones too)
-        **(per_failure(folder, kills, median) if mode == "replica_groups" else {}),
+        **(per_failure(folder, kills, median) if mode == "replica_groups" else restart_reads(folder)),
     }
 
 
@@ -264,6 +353,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--modes", default="restart,replica_groups")
     parser.add_argument("--groups", type=int, nargs="+", default=[3], help="workers (replica groups), one run each")
+    parser.add_argument("--state-mb", type=int, default=0, help="MiB of frozen parameters added to the checkpoint")
+    parser.add_argument(
+        "--storage", choices=("local", "s3"), default="local", help="the run's storage: a local folder or S3 (moto)"
+    )
     args = parser.parse_args()
     bad = [g for g in args.groups if g < 2 or h.GLOBAL_BATCH % g]
     if bad:
@@ -277,17 +370,34 @@ def main() -> None:
         ray.init(address="local", **kwargs)
     data = tempfile.mkdtemp(prefix="bench-data-")
     h.write_parquet(data)
+    with contextlib.ExitStack() as stack:
+        storage = stack.enter_context(s3_server()) if args.storage == "s3" else ("", {})
+        table = _runs(args, data, storage)
+    _print_table(table)
+
+
+def _runs(args: argparse.Namespace, data: str, storage: Tuple[str, Any]) -> List[Dict[str, Any]]:
     table = []
     for groups in args.groups:
         rng = random.Random(args.seed)
         plan = [(rng.uniform(*args.pause), rng.randrange(groups)) for _ in range(args.kills)]
         print(f"{groups} groups: kill plan (pause s, rank): {[(round(p, 1), r) for p, r in plan]}", flush=True)
-        results = [run(mode, groups, args, data, plan) for mode in args.modes.split(",")]
+        results = [run(mode, groups, args, data, plan, storage) for mode in args.modes.split(",")]
         for r in results:
             print(json.dumps(r), flush=True)
         table += results
-        if len(results) == 2:
-            restart, replicas = results
+        by_mode = {r["mode"]: r for r in results}
+        if "restart" in by_mode and "restart_local" in by_mode:
+            plain, tier = by_mode["restart"], by_mode["restart_local"]
+            if plain.get("read_s") and tier.get("read_s"):
+                print(
+                    f"{groups} groups: a restart's checkpoint read: storage {plain['read_s']:.2f} s, local tier "
+                    f"{tier['read_s']:.2f} s ({plain['read_s'] / tier['read_s']:.1f}x); files from the local tier "
+                    f"{tier['files_local']}, from storage {tier['files_storage']}",
+                    flush=True,
+                )
+        if "restart" in by_mode and "replica_groups" in by_mode:
+            restart, replicas = by_mode["restart"], by_mode["replica_groups"]
             assert restart["timestamp"] == replicas["timestamp"], (restart["timestamp"], replicas["timestamp"])
             ratio = restart["lost_per_failure_s"] / max(replicas["lost_per_failure_s"], 1e-9)
             print(
@@ -296,6 +406,10 @@ def main() -> None:
                 f"{replicas['lost_per_failure_s']:.1f} s ({ratio:.1f}x less)",
                 flush=True,
             )
+    return table
+
+
+def _print_table(table: List[Dict[str, Any]]) -> None:
     from raytrain_events.ray.replica_checks import HEARTBEAT_TIMEOUT_MS
 
     print(
@@ -306,6 +420,7 @@ def main() -> None:
         detect = "-" if r.get("detect_s") is None else f"{r['detect_s']:.2f}"
         print(
             f"{r['groups']:>6}  {r['mode']:<14}  {r['goodput']:>7.2f}  {r['lost_per_failure_s']:>14.1f}  {at:>20}  {detect:>8}"
+            + ("" if not r.get("read_s") else f"  restart read {r['read_s']:.2f} s x{r['restart_reads']}")
         )
 
 

@@ -221,7 +221,11 @@ class RayTrainer:
         datasets["train"] = as_seekable(datasets["train"])  # a bare read_parquet seeks (parquet_seek.py)
         train_rows = self._train_rows(datasets["train"])
         worker_spec = self.spec.for_workers(datasets=datasets)
-        from raytrain_events.ray.checkpointing.validation import async_eval_names, check_validation
+        from raytrain_events.ray.checkpointing.validation import (
+            async_eval_names,
+            check_validation,
+            wait_history_validations,
+        )
 
         eval_names = sorted(k for k in datasets if k != "train")
         check_validation(self.spec.validation, self.spec.checkpoint, eval_names)  # a datasets factory's names
@@ -252,6 +256,8 @@ class RayTrainer:
                 worker_spec, self.spec.validation, {k: datasets[k] for k in validated}, history, self._report_queue
             )
             validation_config = ray_validation_config(validator, self.spec.validation)
+            # and for the checkpoints Ray Train never sees (replica groups' lead asks the history for them)
+            ray.get(history.validate_checkpoints.remote(validator, self.spec.validation))
         from raytrain_events.ray.guards.watchdog import process_group_timeout_s
 
         # The watchdog's hang_timeout, with a margin: the watchdog names a hung rank before this fires.
@@ -299,7 +305,10 @@ class RayTrainer:
         try:
             with HistoryFollower(history, consumers):
                 ray_result = trainer.fit()
-                if validated:  # Ray waited for the validations: record the ones that left no result
+                if (
+                    validated
+                ):  # Ray waited for its validations, this waits for the history's: record what left no result
+                    wait_history_validations(history, self.spec.validation)
                     self._record_unfinished_validations(history)
         except Exception as exc:
             self._save_history(history, failed=True)

@@ -8,13 +8,15 @@ of groups. What is not built yet is refused here with the reason and the fix, in
 wrongly: sharding in one-worker groups, tensor, context or pipeline parallelism inside a group, a group
 size that does not divide the workers, a Ray whose worker group cannot be made to build groups of
 several, elastic groups, several optimizers, token counting, fp16's GradScaler, checkpoints kept by rank
-(``keep_best``), asynchronous validation, and fewer than two groups.
+(``keep_best``), and fewer than two groups. In-loop eval sets are supported (each group evaluates
+the whole set: `fault_tolerance/replica_groups.py`), and asynchronous validation (the run's history actor starts
+the tasks on the lead's checkpoints: `ray/reports/history.py`).
 """
 
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Dict, Mapping
+from typing import Any, Dict
 
 from raytrain_events.core.replica_layout import layout_problem
 
@@ -95,10 +97,6 @@ def _unsupported(spec: Any) -> list:
         refusals.append("CheckpointConfig(keep_best=...): ranking needs Ray Train's reports; use keep=N (the newest N)")
     if spec.mixture is not None:
         refusals.append("mixture=: each group cuts one train set's global batches; mixtures come later")
-    elif isinstance(spec.datasets, Mapping) and set(spec.datasets) != {"train"}:
-        refusals.append("eval datasets: Ray Train 2.60 shards a replaced group's datasets as a world of one")
-    if spec.validation is not None:
-        refusals.append("validation=: asynchronous validation needs reported checkpoints")
     if "fp16" in str(spec.precision).lower():
         refusals.append("precision='fp16': fp16's GradScaler steps around the commit; use 'bf16' or 'fp32'")
     return refusals

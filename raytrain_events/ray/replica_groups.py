@@ -53,6 +53,7 @@ import torch
 from raytrain_events.core.callback import Callback, QuorumChange
 from raytrain_events.core.replica_layout import part_rows
 from raytrain_events.core.time import Timestamp, counters_of
+from raytrain_events.ray.checkpointing.validation import VALIDATE_KEY
 from raytrain_events.ray.data.loader import GlobalOrderLoader
 
 if TYPE_CHECKING:
@@ -293,10 +294,17 @@ def _cut(batch: Any, part: int, parts: int) -> Any:
 class ReplicaCommit(Callback):
     """Advance the Timestamp by the global batch only for committed steps; report from the lead group."""
 
-    def __init__(  # noqa: D107
-        self, loader: ReplicaLoader, optimizer: CommitOptimizer, history: Any = None, group: int = 0, load: Any = None
+    def __init__(  # noqa: D107, PLR0913
+        self,
+        loader: ReplicaLoader,
+        optimizer: CommitOptimizer,
+        history: Any = None,
+        group: int = 0,
+        load: Any = None,
+        validation: Any = None,
     ) -> None:
         self.loader = loader
+        self.validation = validation  # the run's `AsyncValidation` (None: in-loop eval only)
         self.optimizer = optimizer
         self.history = history  # the run's `RunHistory` actor: the lead group's entries go there directly
         self.group = group
@@ -368,10 +376,16 @@ class ReplicaCommit(Callback):
         self.history.add.remote(out)
 
     def report(self, report: Dict[str, Any], checkpoint: Any) -> None:
-        """`RayReporter`'s ``report_fn``: this group's report as a history entry (see the module doc)."""
+        """`RayReporter`'s ``report_fn``: this group's report as a history entry (see the module doc). A report
+        after the lead's save names its checkpoint (``checkpoint_path``, as Ray Train's entries do: no scheme), so
+        the entry's metrics (an eval at that batch's included) are the checkpoint's, at its Timestamp."""
         from raytrain_events.ray.reports.aggregate import reduce_metrics
 
         entry: Dict[str, Any] = dict(reduce_metrics([report]))
+        if checkpoint is not None:
+            entry["checkpoint_path"] = checkpoint.url.split("://", 1)[-1]
+            if self.validation is not None:  # the run's history starts the chosen ones' validation (Ray never sees it)
+                entry[VALIDATE_KEY] = True
         entry["attempt"] = 1
         entry["final"] = bool(report.get("final", False))
         if self.first_report:

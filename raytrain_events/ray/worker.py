@@ -86,7 +86,9 @@ def build_worker(spec: RunSpec, fault_tolerance: Optional[WorkerFaultTolerance] 
         Evaluator(
             label=name,
             dataloader=ShardLoader(
-                ray.train.get_dataset_shard(name), batch_size=spec.eval_batch_size or spec.batch_size, **loader_options
+                ray.train.get_dataset_shard(name) if parts.eval_shards is None else parts.eval_shards[name],
+                batch_size=spec.eval_batch_size or spec.batch_size,
+                **loader_options,
             ),
             **spec.eval_options.get(name, {}),
         )

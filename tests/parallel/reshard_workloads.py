@@ -16,11 +16,17 @@ from tests.parallel.workloads import _full, make_loader, make_model, snapshot
 FSDP = {"shard_modules": ["Block"]}
 
 
-def wide_trainer(
-    rank: int, folder: str, width: int, autoresume: bool, storage_options: Any = None, local_dir: Any = None
+def wide_trainer(  # noqa: PLR0913
+    rank: int,
+    folder: str,
+    width: int,
+    autoresume: bool,
+    storage_options: Any = None,
+    local_dir: Any = None,
+    parallelism: Any = FSDP,
 ) -> Trainer:
-    """FSDP over 3 Blocks of ``width`` x ``width`` (plus a small head), AdamW and EMA: 4 tensors
-    (weight, 2 Adam moments, EMA average) of ``4 * width**2`` bytes per Block in the checkpoint."""
+    """FSDP (or ``parallelism``) over 3 Blocks of ``width`` x ``width`` (plus a small head), AdamW and EMA: 4
+    tensors (weight, 2 Adam moments, EMA average) of ``4 * width**2`` bytes per Block in the checkpoint."""
     import torch
 
     from raytrain_events.algorithms.ema import EMA
@@ -32,7 +38,7 @@ def wide_trainer(
         train_dataloader=make_loader(rank, n=16, width=width),
         max_duration="2ba",
         optimizers=torch.optim.AdamW(model.parameters(), lr=0.05),
-        parallelism=FSDP,
+        parallelism=parallelism,
         algorithms=[EMA(smoothing=0.5)],
         checkpoint=CheckpointConfig(
             save_folder=folder,
@@ -95,6 +101,29 @@ def tier_load(rank: int, world_size: int, folder: str, width: int, options: Any,
     """Autoresume with rank r on ``nodes[r]``, counting the bytes each S3 object served."""
     with count_s3_reads() as counts:
         trainer = wide_trainer(rank, folder, width, True, options, local_dir=nodes[rank])
+    out = _state(trainer)
+    out["s3"] = dict(counts)
+    trainer.close()
+    return out
+
+
+def full_tier_save(
+    rank: int, world_size: int, folder: str, width: int, options: Any, nodes: List[str]
+) -> Dict[str, Any]:
+    """`tier_save` under DDP: a full checkpoint, whose ``state.pt`` rank 0 alone writes (into ``nodes[0]``)."""
+    trainer = wide_trainer(rank, folder, width, False, options, local_dir=nodes[rank], parallelism="ddp")
+    trainer.fit()
+    out = _state(trainer)
+    trainer.close()
+    return out
+
+
+def full_tier_load(
+    rank: int, world_size: int, folder: str, width: int, options: Any, nodes: List[str]
+) -> Dict[str, Any]:
+    """`tier_load` under DDP: autoresume with rank r on ``nodes[r]``, counting the bytes each S3 object served."""
+    with count_s3_reads() as counts:
+        trainer = wide_trainer(rank, folder, width, True, options, local_dir=nodes[rank], parallelism="ddp")
     out = _state(trainer)
     out["s3"] = dict(counts)
     trainer.close()

@@ -7,6 +7,7 @@ Bytes are counted at the fsspec layer in each spawned gloo rank (`tests/parallel
 from __future__ import annotations
 
 import io
+import os
 import shutil
 import uuid
 
@@ -15,7 +16,15 @@ import torch
 
 from raytrain_events.checkpoint import list_checkpoints
 from raytrain_events.checkpoint.dcp import ranged_dcp
-from tests.parallel.reshard_workloads import tier_load, tier_save, wide_load, wide_load_error, wide_save
+from tests.parallel.reshard_workloads import (
+    full_tier_load,
+    full_tier_save,
+    tier_load,
+    tier_save,
+    wide_load,
+    wide_load_error,
+    wide_save,
+)
 from tests.parallel.spawn import run_ranks
 
 WIDTH = 512  # 1 MiB per Block weight: the small items (biases, Adam steps), read whole, are a few percent
@@ -137,3 +146,36 @@ def test_sharded_restart_reads_shards_from_the_local_tier_and_a_moved_rank_reads
     moved = restart([nodes[0], str(tmp_path / "node2")])
     assert moved[1].get("__1_0.distcp") == shards["__1_0.distcp"] and "__0_0.distcp" not in moved[0], moved
     assert ".metadata" not in moved[0], moved  # rank 0 reads it, from its own node
+
+
+def test_a_full_checkpoint_restart_gets_state_pt_from_rank_0_not_storage_on_another_node(s3_server, tmp_path):
+    """2 DDP ranks on their own node-local directories save a full checkpoint (48 MiB ``state.pt``: not packed
+    into the manifest), which rank 0 alone writes, so only node 0's tier has ``state.pt``. At a restart on the same
+    nodes rank 1 reads none of it from S3: rank 0 sends it over the process group and rank 1 keeps it in node 1's
+    tier (checked against the manifest). A restart with rank 0 on a new, empty node reads ``state.pt`` from S3 on
+    rank 0 exactly (nothing to send), while rank 1 reads its kept copy. Both load the saved state exactly."""
+    from raytrain_events.checkpoint.folder.local_tier import LocalTier
+    from raytrain_events.checkpoint.run.peer_fill import matches
+    from raytrain_events.storage.run_dir import STATE_FILE
+
+    options = s3_server["storage_options"]
+    folder = f"s3://{s3_server['bucket']}/{uuid.uuid4().hex}/run/checkpoints"
+    nodes = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    saved = run_ranks(2, full_tier_save, folder, 1024, options, nodes)[0]
+    info = list_checkpoints(folder, storage_options=options)[-1]
+    state = next(f for f in info.files if f.name == STATE_FILE)
+    assert not info.packed and state.size > 32 * 2**20, (info.packed, state.size)
+    copies = [os.path.join(LocalTier(node, folder, keep=None).root, info.name, STATE_FILE) for node in nodes]
+    assert matches(copies[0], state) and not os.path.exists(copies[1])  # rank 0's node only
+
+    def restart(placement):
+        loaded = run_ranks(2, full_tier_load, folder, 1024, options, placement)
+        for got in loaded:
+            for part in ("model", "optim", "ema"):
+                for key in saved[part]:
+                    torch.testing.assert_close(got[part][key], saved[part][key], rtol=0, atol=0, msg=key)
+        return [got["s3"].get(STATE_FILE, 0) for got in loaded]
+
+    assert restart(nodes) == [0, 0]  # before: rank 1 read all of state.pt from S3
+    assert matches(copies[1], state)  # kept in node 1's tier
+    assert restart([str(tmp_path / "node2"), nodes[1]]) == [state.size, 0]

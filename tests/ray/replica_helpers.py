@@ -64,6 +64,16 @@ class RecordCommits(Callback):
     def batch_checkpoint(self, state, logger) -> None:
         self._record_saves(state)
 
+    def eval_start(self, state, logger) -> None:
+        self.eval_started = time.time()
+
+    def eval_end(self, state, logger) -> None:
+        """One ``evals-<pid>`` line per evaluation: the global batch, this group's eval metrics and seconds."""
+        values = {k: float(v) for k, v in logger.metrics.items() if k.startswith("metrics/")}
+        self._log(
+            "evals", {"batch": int(state.timestamp.batch), "metrics": values, "s": time.time() - self.eval_started}
+        )
+
     def _die_in_recovery(self, model) -> None:
         """Die while applying the state a healthy peer sent (the live recovery at a rejoin) when the test asks
         (``die-in-heal-<group>``): the model's ``load_state_dict`` is the recovery's first step (`ReplicaState`)."""

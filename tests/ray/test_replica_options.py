@@ -40,7 +40,6 @@ def test_replica_groups_are_a_run_option():
         (dict(num_workers=(2, 4)), "elastic"),
         (dict(parallelism="fsdp"), "parallelism other than 'ddp'"),
         (dict(checkpoint=CheckpointConfig(keep_best=2, metric="metrics/eval/loss", mode="min")), "keep_best"),
-        (dict(datasets={"train": object(), "val": object()}), "eval datasets"),
         (dict(get_num_tokens_in_batch=len), "get_num_tokens_in_batch"),
         (
             dict(
@@ -109,6 +108,34 @@ def test_periodic_checkpoints_are_accepted_and_one_group_saves():
     assert plan.worker.autoresume and not lead.autoresume and lead.load_from is None
     assert lead.lock_run_dir == plan.worker.lock_run_dir and not other.lock_run_dir
     assert not lead.save_on_sigterm and not other.save_on_sigterm
+
+
+def test_eval_sets_are_accepted_and_every_group_evaluates_the_whole_set():
+    """An in-loop eval set with replica groups: accepted on the driver, and each group's worker side carries an
+    iterator over the whole set (made on the driver, the same for a replaced group), not Ray Train's per-worker
+    split (a replaced group would get a world of one's). No Ray here: the datasets are stand-ins."""
+    from raytrain_events.ray.fault_tolerance import choose
+
+    class Set:
+        def __init__(self, name):
+            self.name = name
+
+        def iterator(self):
+            return ("whole", self.name)
+
+    class Data:
+        def configure(self, datasets, world, handles, nodes):
+            assert set(datasets) == {"train"}, datasets  # only the train set is cut (by the step's quorum)
+            return [{"train": ("train", rank)} for rank in range(world)]
+
+    async_val = dict(validation={"datasets": ["test"]}, checkpoint=CheckpointConfig(save_interval="5ba"))
+    RayTrainer(**_options(datasets={"train": object(), "val": object(), "test": object()}, **async_val))  # accepted
+    trainer = RayTrainer(**_options(datasets={"train": object(), "val": object(), "test": object()}))
+    sets = {"train": Set("train"), "val": Set("val"), "test": lambda: Set("test")}  # Ray Train's zero-argument form
+    side, ray_datasets = choose(trainer.spec).worker_side(Data(), sets, None)
+    assert ray_datasets == {}  # Ray Train shards nothing
+    assert side.shards == [("train", 0), ("train", 1), ("train", 2)]
+    assert side.evals == {"val": ("whole", "val"), "test": ("whole", "test")}
 
 
 def test_a_lost_lighthouse_is_told_apart_and_ends_the_run_on_the_controller(monkeypatch):

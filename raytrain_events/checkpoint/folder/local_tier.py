@@ -13,8 +13,9 @@ matches the committed manifest (size and CRC32), file by file, and storage other
 Where ranks land on a restart: a rank on the same node as before finds its files (and those of the other
 ranks of that node: they share the directory); a rank placed on another node finds none, or other ranks'
 files (read when the manifest matches them, else storage): it reads storage for what it lacks, the others
-still read local. A full (unsharded) checkpoint's ``state.pt`` is written by rank 0 only, so only the ranks of
-rank 0's node read it locally; the others read it from storage, as without the tier.
+still read local. A full (unsharded) checkpoint's ``state.pt`` is written by rank 0 only, so only rank 0's node
+has it; at a restart rank 0 sends it to the ranks whose node lacks it, which keep it in their tier
+(``run/peer_fill.py``): no rank reads it from storage while rank 0's node has it.
 
 Bounded like storage: after each save the process keeps the newest ``keep`` local copies of this folder
 (``CheckpointConfig.local_keep``, default ``keep``); the deletion goes through the folder's one owner of

@@ -16,6 +16,8 @@ Files:
   train data, no optimizer).
 * ``loading.py``: Restoring a checkpoint into a run: the newest one chosen once and shared, then
   applied to the `State`.
+* ``peer_fill.py``: A full checkpoint's ``state.pt`` on every node's local tier, from rank 0 over the process
+  group at a restart.
 * ``preemption.py``: SIGTERM (spot reclaim) during a local ``fit()``: save a checkpoint, then stop.
 * ``rng.py``: Capture and restore every RNG a run uses (torch, CUDA, numpy, Python) as safe-to-load
   data.

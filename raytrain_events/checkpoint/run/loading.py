@@ -18,6 +18,7 @@ from raytrain_events.checkpoint.folder.store import load_latest_valid
 from raytrain_events.checkpoint.format.manifest import LoadedCheckpoint
 from raytrain_events.checkpoint.format.reader import read_checkpoint_files
 from raytrain_events.checkpoint.format.writer import rng_file_name
+from raytrain_events.checkpoint.run.peer_fill import fill_from_rank0
 from raytrain_events.checkpoint.run.rng import restore_rng_state
 from raytrain_events.core.interval import is_done
 from raytrain_events.core.state import CheckpointMismatchError, drop_ignored_keys
@@ -46,7 +47,9 @@ def read_latest_shared(
     """The newest valid checkpoint of ``folder``, chosen once by rank 0 and shared with its
     manifest (no rank but rank 0 lists the folder or reads the manifest); every rank then reads
     that checkpoint's files. ``index``: the folder's checkpoint index, when this run keeps one.
-    ``local_tier``: this node's copies, read where they match the manifest (else storage)."""
+    ``local_tier``: this node's copies, read where they match the manifest (else storage); a full checkpoint's
+    ``state.pt``, which only rank 0's node keeps, is first sent by rank 0 to the ranks whose node lacks it
+    (`fill_from_rank0`: a collective, one all-gather of flags, and the file's bytes only when one lacks it)."""
     dist, rank = host.dist, host.state.rank
     loaded: Optional[LoadedCheckpoint] = None
     choice: Any = None
@@ -64,9 +67,13 @@ def read_latest_shared(
         choice = dist.all_gather_object(choice if rank == 0 else None)[0]
     if isinstance(choice, Exception):
         raise choice
-    if rank == 0 or choice is None:
+    if choice is None:
         return loaded
     local = local_tier.copies(choice.name) if local_tier is not None else None
+    if local_tier is not None:  # a node without rank 0's state.pt gets it from rank 0, not storage (peer_fill.py)
+        fill_from_rank0(dist, rank, choice, local)
+    if rank == 0:
+        return loaded
     return read_checkpoint_files(choice, storage_options=options, files=[STATE_FILE], map_location="cpu", local=local)
 
 

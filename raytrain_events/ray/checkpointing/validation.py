@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 __all__ = [
     "AsyncValidation",
+    "VALIDATE_KEY",
     "VALIDATION_KEY",
     "in_training_order",
     "is_validation_entry",
@@ -39,10 +40,14 @@ __all__ = [
     "unfinished_validations",
     "validates",
     "validation_entry",
+    "wait_history_validations",
 ]
 
 #: The history entry key that marks a validation's entry: "async" (metrics) or "failed" (an error).
 VALIDATION_KEY = "validation"
+#: The key a checkpoint's history entry carries when the run's `RunHistory` actor is to run its validation (replica
+#: groups: Ray Train never sees their checkpoints); the actor removes it and validates every ``every``-th such entry.
+VALIDATE_KEY = "validate_checkpoint"
 
 
 @dataclass(frozen=True)
@@ -237,6 +242,18 @@ def validation_entry(
     entry["wall_time"] = time.time()
     entry["validation/seconds"] = entry["wall_time"] - started
     return entry
+
+
+def wait_history_validations(history: Any, validation: AsyncValidation) -> None:
+    """After the fit, on the driver: wait for the validation tasks the run's history actor started (replica groups'
+    checkpoints) up to ``timeout_s``, and cancel the rest (`unfinished_validations` then records them as failed)."""
+    import ray  # on the driver only: this module stays light (`RunSpec` imports it)
+
+    tasks = ray.get(history.validations.remote())
+    if tasks:
+        _, left = ray.wait(tasks, num_returns=len(tasks), timeout=validation.timeout_s)
+        for task in left:
+            ray.cancel(task, force=True)
 
 
 def unfinished_validations(entries: Sequence[Mapping[str, Any]], validation: AsyncValidation) -> List[Dict[str, Any]]:

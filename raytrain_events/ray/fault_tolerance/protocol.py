@@ -19,6 +19,8 @@ class WorkerParts:
     report_fn: Optional[Callable[[Dict[str, Any], Any], None]] = None  #: `RayReporter`'s (None: ray.train.report)
     saves_on_preemption: bool = False  #: whether the preemption guard saves a checkpoint on SIGTERM
     close: Callable[[], None] = lambda: None  #: after the fit, even a failed one
+    #: This worker's eval set iterators by name, made on the driver (None: Ray Train's ``get_dataset_shard``)
+    eval_shards: Optional[Dict[str, Any]] = None
 
 
 class WorkerFaultTolerance(Protocol):

@@ -52,8 +52,11 @@ class ReplicaGroups:
     def worker_side(
         self, data_config: Any, datasets: Dict[str, Any], history: Any
     ) -> Tuple[ReplicaGroupsWorker, Dict[str, Any]]:
-        shards = data_config.configure(datasets, self.spec.workers, None, None)
-        return ReplicaGroupsWorker(history, [s["train"] for s in shards]), {}
+        shards = data_config.configure({"train": datasets["train"]}, self.spec.workers, None, None)
+        # Each group evaluates the whole of each eval set (see `ReplicaGroupsWorker`): one iterator per set (a
+        # streaming pass per evaluation, as Ray Train gives a set it does not split), the same for a replaced group.
+        evals = {name: _dataset(ds).iterator() for name, ds in datasets.items() if name != "train"}
+        return ReplicaGroupsWorker(history, [s["train"] for s in shards], evals), {}
 
     def run_callbacks(self) -> List[Any]:
         from raytrain_events.ray.replica_lighthouse import LighthouseWatch
@@ -61,15 +64,29 @@ class ReplicaGroups:
         return [LighthouseWatch()]
 
 
+def _dataset(value: Any) -> Any:
+    """A Ray Dataset, or Ray Train's zero-argument function returning one, as the Dataset."""
+    return value if hasattr(value, "iterator") or not callable(value) else value()
+
+
 class ReplicaGroupsWorker:
-    """The worker's side: ``history`` (the run's `RunHistory` actor) and ``shards`` (the train shards by group),
-    both made on the driver."""
+    """The worker's side: ``history`` (the run's `RunHistory` actor), ``shards`` (the train shards by group) and
+    ``evals`` (an iterator per in-loop eval set), all made on the driver.
+
+    Eval sets: every group evaluates the whole set, alone (its metrics synced within the group only), at the eval
+    interval of the global `Timestamp`, which every group shares; the lead group's metrics go to the history
+    with its report, so a checkpoint's entry carries the eval of that checkpoint's state. No collective across
+    groups, so a group away (or dying mid-eval) holds no other group back, and the next lead has the same
+    metrics. Cost per evaluation: the whole eval set's forward passes per group (k x plain DDP's compute, one
+    group's wall time: the groups evaluate at once, as the others would wait for a lead evaluating alone at the
+    next quorum). ``docs/operating.md`` says why not a shard per group."""
 
     shares_process_group = False  # each worker its own group: no collective but torchft's
 
-    def __init__(self, history: Any, shards: List[Any]) -> None:  # noqa: D107
+    def __init__(self, history: Any, shards: List[Any], evals: Optional[Dict[str, Any]] = None) -> None:  # noqa: D107
         self.history = history
         self.shards = shards
+        self.evals = dict(evals or {})
         self._manager: Any = None
 
     def parts(  # noqa: PLR0913 (see `WorkerFaultTolerance.parts`)
@@ -117,7 +134,9 @@ class ReplicaGroupsWorker:
             **loader_options,
         )
         load = None if plan is None else plan.worker  # its autoresume/load_from: read at the first quorum
-        commit = ReplicaCommit(train, optimizer, history=self.history, group=rank, load=load)
+        commit = ReplicaCommit(
+            train, optimizer, history=self.history, group=rank, load=load, validation=spec.validation
+        )
         return WorkerParts(
             train=train,
             optimizers=optimizer,
@@ -126,6 +145,7 @@ class ReplicaGroupsWorker:
             report_fn=commit.report,
             saves_on_preemption=False,  # a preempted group is replaced like a failed one
             close=self.close,
+            eval_shards=self.evals,
         )
 
     def close(self) -> None:

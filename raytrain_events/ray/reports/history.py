@@ -1,17 +1,21 @@
 """The driver's record of a run: a small Ray actor the controller pushes history entries to.
 
 The driver owns it and reads it during ``fit()`` (progress bar) and after (result); nothing
-flows back to the workers.
+flows back to the workers. With asynchronous validation and replica groups it also starts the
+validation tasks of the checkpoints the lead group reports (Ray Train never sees those): it lives on
+the driver's node for the whole run, so a task it owns survives the loss of any group.
 """
 
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 from typing import Any, Dict, List, Optional
 
 import ray
 from ray.train import UserCallback
 
+from raytrain_events.ray.checkpointing.validation import VALIDATE_KEY, validates
 from raytrain_events.ray.reports.aggregate import ReportAggregator
 
 __all__ = ["RunHistory", "AggregatingCallback"]
@@ -24,9 +28,28 @@ class RunHistory:
     def __init__(self) -> None:
         self.entries: List[Dict[str, Any]] = []
         self.error: Optional[str] = None
+        self._validator: Any = None  # (CheckpointValidator, AsyncValidation), see `validate_checkpoints`
+        self._asked = 0  # checkpoint entries that asked for a validation
+        self._tasks: List[Any] = []
+
+    def validate_checkpoints(self, validator: Any, validation: Any) -> None:
+        """Run ``validator`` (the run's `CheckpointValidator`) as a Ray task with ``validation``'s resources on every
+        ``validation.every``-th checkpoint entry that asks for it (``VALIDATE_KEY``: replica groups' lead). This
+        actor owns the tasks, so a task outlives the group that saved its checkpoint; each records its own entry."""
+        self._validator = (validator, validation)
 
     def add(self, entry: Dict[str, Any]) -> None:
+        if entry.pop(VALIDATE_KEY, False) and self._validator is not None:
+            validator, validation = self._validator
+            self._asked += 1
+            if validates(validation, self._asked):
+                task = _validate.options(**validation.ray_remote_kwargs())
+                self._tasks.append(task.remote(validator, entry["checkpoint_path"]))
         self.entries.append(entry)
+
+    def validations(self) -> List[Any]:
+        """The validation tasks this actor started (ObjectRefs; the driver waits for them after the fit)."""
+        return list(self._tasks)
 
     def set_error(self, message: str) -> None:
         self.error = message
@@ -40,6 +63,12 @@ class RunHistory:
 
     def latest(self) -> Optional[Dict[str, Any]]:
         return self.entries[-1] if self.entries else None
+
+
+@ray.remote
+def _validate(validator: Any, checkpoint_path: str) -> Dict[str, Any]:
+    """One validation task: ``validator`` as Ray Train would call it (on an object with the checkpoint's ``path``)."""
+    return validator(SimpleNamespace(path=checkpoint_path))
 
 
 class AggregatingCallback(UserCallback):
