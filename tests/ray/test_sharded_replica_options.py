@@ -11,7 +11,7 @@ from raytrain_events.parallel.config import FSDPConfig
 from raytrain_events.ray import _compat_worker_group as wrapping
 from raytrain_events.ray._compat import RayCompatError
 from raytrain_events.ray.driver import RayTrainer
-from tests.bad_input_helpers import no_ray, ray_kwargs  # noqa: F401 (no_ray: a fixture)
+from tests.bad_input_helpers import no_ray, ray_kwargs, unread_dataset  # noqa: F401 (no_ray: a fixture)
 
 pytest.importorskip("torchft")
 
@@ -32,6 +32,10 @@ def _sharded(**over):
         (dict(parallelism=FSDPConfig(tensor_parallel=2)), r"FSDPConfig\(tensor_parallel=2\) inside replica groups"),
         (dict(parallelism=FSDPConfig(replicate=4)), r"cannot hold this mesh.*replicate=4"),
         (dict(fault_tolerance=None), r"replica_group_size=2 sets the workers of each replica group, but this run has"),
+        (
+            dict(datasets={"train": unread_dataset(), "val": unread_dataset()}),
+            r"eval datasets with replica groups of 2 workers.*replica_group_size=1",
+        ),
     ],
 )
 def test_a_sharded_group_that_cannot_be_made_is_refused_before_ray_starts(no_ray, over, named):  # noqa: F811
