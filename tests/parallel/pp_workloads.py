@@ -32,17 +32,40 @@ COUNTED = (
 
 
 class EventCounter(Callback):
-    """Counts the per-batch and per-microbatch events this rank fires, and what the loss was at BATCH_END."""
+    """Counts the per-batch and per-microbatch events this rank fires, what the loss was at BATCH_END,
+    and the eval metrics this rank logged at each EVAL_END."""
 
     def __init__(self) -> None:
         self.counts: Dict[str, int] = {}
         self.losses: List[float] = []
+        self.evals: List[Dict[str, float]] = []
 
     def run_event(self, event: Any, state: Any, logger: Any) -> None:
         if event.name in COUNTED:
             self.counts[event.name] = self.counts.get(event.name, 0) + 1
         if event.name == "BATCH_END":
             self.losses.append(float(state.loss))
+        if event.name == "EVAL_END":
+            self.evals.append({k: float(v) for k, v in logger.metrics.items() if k.startswith("metrics/")})
+
+
+def metered_lm(depth: int) -> torch.nn.Module:
+    """The example transformer with eval metrics: next-token cross-entropy (summed) and accuracy."""
+    from examples.transformer_lm import TransformerLM, next_tokens
+
+    class MeteredLM(TransformerLM):
+        def get_metrics(self, is_train: bool = False) -> Dict[str, Any]:
+            from torchmetrics.classification import MulticlassAccuracy
+
+            from raytrain_events.metrics import CrossEntropy
+
+            return {"cross_entropy": CrossEntropy(), "accuracy": MulticlassAccuracy(num_classes=64, average="micro")}
+
+        def update_metric(self, batch: Any, outputs: torch.Tensor, metric: Any) -> None:
+            targets = next_tokens(batch)[:, :-1].reshape(-1)
+            metric.update(outputs[:, :-1].reshape(-1, outputs.shape[-1]), targets)
+
+    return MeteredLM(depth=depth)
 
 
 def pp_config(schedule: str, degree: int = 2, **more: Any) -> Dict[str, Any]:
@@ -63,16 +86,20 @@ def pp_trainer(
     data_group: int = 1,
     folder: Optional[str] = None,
     meta: bool = True,
+    evaluate: bool = False,
     **ckpt: Any,
 ) -> Trainer:
     """The 4-block transformer (on meta when ``meta``) with AdamW and norm clipping (threshold 0.1,
-    so the whole model's norm decides every step); DDP runs 2 microbatches as the pipelines do."""
-    from examples.transformer_lm import TransformerLM, random_tokens
+    so the whole model's norm decides every step); DDP runs 2 microbatches as the pipelines do.
+    ``evaluate``: an eval set of 16 rows per data shard, evaluated every 2 batches. An `EMA` of the
+    weights (smoothing 0.5) runs in every layout: under PP each rank averages its stages' parameters."""
+    from examples.transformer_lm import random_tokens
+    from raytrain_events.algorithms.ema import EMA
     from raytrain_events.checkpoint import CheckpointConfig
 
     torch.manual_seed(0)  # the same initial weights on every rank and for every layout
     with torch.device("meta") if meta else contextlib.nullcontext():
-        model = TransformerLM(depth=4)
+        model = metered_lm(depth=4)
     checkpoint = None
     if folder is not None:
         config = dict(save_folder=folder, save_interval="2ba", lock_run_dir=False, save_every_n_seconds=None)
@@ -86,10 +113,32 @@ def pp_trainer(
         optimizers=torch.optim.AdamW(model.parameters(), lr=2e-3),
         grad_accum=1 if pipelined else 2,
         parallelism=parallelism,
-        algorithms=[GradientClipping("norm", 0.1)],
+        algorithms=[GradientClipping("norm", 0.1), EMA(smoothing=0.5)],
         callbacks=[EventCounter()],
         checkpoint=checkpoint,
+        eval_dataloader=DataLoader(random_tokens(16, seed=200 + rank // data_group), batch_size=8)
+        if evaluate
+        else None,
+        eval_interval="2ba",
     )
+
+
+def _eval_and_predict(trainer: Trainer, rank: int, data_group: int) -> Dict[str, Any]:
+    """After fit: `Trainer.eval` on another set and `Trainer.predict`'s outputs (2 batches of 4 rows)."""
+    from examples.transformer_lm import random_tokens
+
+    evaluated = trainer.eval(DataLoader(random_tokens(12, seed=300 + rank // data_group), batch_size=6))
+    outputs = trainer.predict(DataLoader(random_tokens(8, seed=400 + rank // data_group), batch_size=4))
+    return {"eval": {k: float(v) for k, v in evaluated.items()}, "predict": torch.cat(outputs)}
+
+
+def ema_state(trainer: Trainer) -> Dict[str, torch.Tensor]:
+    """The EMA's averages this rank holds (its stages' under PP), as full tensors."""
+    ema = trainer.state.algorithms[1]
+    return {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+        for k, v in ema.ema_model_state().items()
+    }
 
 
 def _result(trainer: Trainer) -> Dict[str, Any]:
@@ -102,23 +151,25 @@ def _result(trainer: Trainer) -> Dict[str, Any]:
         "batches": state.timestamp.batch.value,
         "events": state.callbacks[0].counts,
         "losses": state.callbacks[0].losses,
+        "evals": state.callbacks[0].evals,
+        "ema": ema_state(trainer),
     }
 
 
 def train_ddp(rank: int, world_size: int) -> Dict[str, Any]:
     """The reference: DDP on 2 ranks, one data shard each."""
-    trainer = pp_trainer(rank, "ddp", meta=False)
+    trainer = pp_trainer(rank, "ddp", meta=False, evaluate=True)
     trainer.fit()
-    return _result(trainer)
+    return {**_result(trainer), **_eval_and_predict(trainer, rank, 1)}
 
 
 def train_schedules(rank: int, world_size: int, configs: List[Dict[str, Any]], data_group: int) -> List[Dict[str, Any]]:
     """Each config in turn on the same ranks; a result each (this rank's stage's full parameters)."""
     out = []
     for config in configs:
-        trainer = pp_trainer(rank, config, data_group=data_group)
+        trainer = pp_trainer(rank, config, data_group=data_group, evaluate=True)
         trainer.fit()
-        result = _result(trainer)
+        result = {**_result(trainer), **_eval_and_predict(trainer, rank, data_group)}
         pipeline = trainer.parallel.pipeline
         assert pipeline is not None
         result["stages"] = pipeline.stage_indices
@@ -135,12 +186,12 @@ def pp_checkpoint_hops(rank: int, world_size: int, folder: str) -> Dict[str, Any
     pp2 = pp_config("1f1b")
     trainer = pp_trainer(rank, pp2, "2ba", 2, folder)
     trainer.fit()
-    out: Dict[str, Any] = {"pp2_saved": snapshot(trainer)}
+    out: Dict[str, Any] = {"pp2_saved": {**snapshot(trainer), "ema": ema_state(trainer)}}
     trainer.close()
     pp4 = pp_config("1f1b", degree=4, pipeline_microbatches=4)
     trainer = pp_trainer(rank, pp4, "3ba", 4, folder, autoresume=True, save_interval="1ba")
-    out["pp4_loaded"] = snapshot(trainer)
+    out["pp4_loaded"] = {**snapshot(trainer), "ema": ema_state(trainer)}
     trainer.fit()
-    out["pp4_saved"] = snapshot(trainer)
+    out["pp4_saved"] = {**snapshot(trainer), "ema": ema_state(trainer)}
     trainer.close()
     return out

@@ -11,7 +11,7 @@ import torch
 
 from raytrain_events.parallel.config import FSDPConfig
 from raytrain_events.parallel.pipeline_split import find_blocks, keep_stages, plan_stages
-from tests.parallel.pp_workloads import SCHEDULES, pp_config, pp_trainer
+from tests.parallel.pp_workloads import SCHEDULES, ema_state, pp_config, pp_trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -42,6 +42,7 @@ def _check_like_ddp(ddp: List[Dict[str, Any]], runs: List[Dict[str, Any]], group
     """The pipelined arm against DDP: whole model, loss on every rank of a pipeline, whole-model
     norm, the global Timestamp."""
     assert _max_diff(_merged(runs), ddp[0]["model"]) <= atol
+    assert _max_diff(_merged(runs, "ema"), ddp[0]["ema"]) <= atol  # EMA: each rank averages its stages
     initial = ddp[0]["model"]["blocks.0.mlp.fc.weight"]
     assert not torch.equal(_merged(runs)["blocks.0.mlp.fc.weight"], torch.zeros_like(initial))
     for rank, run in enumerate(runs):
@@ -50,6 +51,13 @@ def _check_like_ddp(ddp: List[Dict[str, Any]], runs: List[Dict[str, Any]], group
         assert run["losses"] == pytest.approx(reference["losses"], abs=1e-5)
         assert run["norm"] == pytest.approx(reference["norm"], rel=1e-5)
         assert (run["samples"], run["batches"]) == (reference["samples"], reference["batches"]) == (64, 4)
+        # Evaluation (during fit at batches 2 and 4, and Trainer.eval after) and predict run the stages
+        # forward only: the unsplit model's metrics on every rank, its outputs on every rank of a pipeline.
+        assert len(run["evals"]) == len(reference["evals"]) == 3  # EVAL_END: 2 in fit, 1 in Trainer.eval (unlogged)
+        for evaluated, expected in zip(run["evals"][:2] + [run["eval"]], reference["evals"][:2] + [reference["eval"]]):
+            assert sorted(evaluated) == sorted(expected) and len(expected) == 2
+            assert evaluated == pytest.approx(expected, abs=atol * 10)
+        assert torch.allclose(run["predict"], reference["predict"], atol=atol * 10)
 
 
 def test_each_schedule_trains_like_ddp_on_pp2_x_dp2(ddp_reference: List[Dict[str, Any]]) -> None:
@@ -106,13 +114,16 @@ def test_pp2_checkpoint_resumes_on_pp4_and_on_one_process(tmp_path: Any) -> None
     loaded = [r["pp4_loaded"] for r in results]
     assert _max_diff(_merged(saved), _merged(loaded)) == 0.0
     assert _max_diff(_merged(saved, "optim"), _merged(loaded, "optim")) == 0.0
+    assert _max_diff(_merged(saved, "ema"), _merged(loaded, "ema")) == 0.0  # each stage's averages, resharded
+    assert _max_diff(_merged(saved, "ema"), _merged(saved)) > 0  # the averages are not the weights
     counts = [(e["timestamp"]["batch"], e["timestamp"]["sample"]) for e in saved + loaded]
     assert counts == [(2, 32)] * 8  # 2 batches of 2 pipelines x 8 rows, on every rank, saved and loaded
     pp4 = [r["pp4_saved"] for r in results]
     trainer = pp_trainer(0, "ddp", "3ba", 1, str(tmp_path / "pp"), meta=False, autoresume=True)
-    one = snapshot(trainer)
+    one = {**snapshot(trainer), "ema": ema_state(trainer)}
     trainer.close()
     assert _max_diff(_merged(pp4), one["model"]) == 0.0
+    assert _max_diff(_merged(pp4, "ema"), one["ema"]) == 0.0
     assert _max_diff(_merged(pp4, "optim"), one["optim"]) == 0.0
     assert one["timestamp"]["batch"] == 3 and one["timestamp"]["sample"] == 40  # + one batch of one pipeline
 
@@ -207,18 +218,20 @@ def test_loop_options_that_do_not_compose_are_refused(kwargs: Dict[str, Any], me
 def test_algorithms_that_cannot_run_under_pp_are_refused_before_any_work() -> None:
     from examples.transformer_lm import TransformerLM, random_tokens
     from raytrain_events import Trainer
-    from raytrain_events.algorithms.ema import EMA
     from raytrain_events.algorithms.layer_freezing import LayerFreezing
     from raytrain_events.algorithms.mixup import MixUp
+    from raytrain_events.algorithms.sam import SAM
 
     with torch.device("meta"):
         model = TransformerLM(depth=4)
-    with pytest.raises(ValueError, match="MixUp: it mixes the inputs on the first stage(.|\n)*LayerFreezing(.|\n)*EMA"):
+    with pytest.raises(
+        ValueError, match="MixUp: it mixes the inputs on the first stage(.|\n)*LayerFreezing(.|\n)*SAM: its ascent"
+    ):
         Trainer(
             model=model,
             train_dataloader=torch.utils.data.DataLoader(random_tokens(8), batch_size=4),
             max_duration="1ba",
             optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
             parallelism=pp_config("1f1b"),
-            algorithms=[MixUp(), LayerFreezing(), EMA()],
+            algorithms=[MixUp(), LayerFreezing(), SAM()],
         )
