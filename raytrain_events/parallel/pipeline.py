@@ -123,6 +123,15 @@ def check_pipeline_loop(config: FSDPConfig, grad_accum: Any, precision: Any, com
             f"compile={compile_model!r} with FSDPConfig(pipeline_parallel={pp}): it compiles the model's forward, which "
             "the stages never call (each runs its own blocks). Fix: compile=False; compiling stages is not built."
         )
+    if grad_accum == "auto":
+        raise ValueError(
+            f"grad_accum='auto' with FSDPConfig(pipeline_parallel={pp}): auto microbatching cannot apply. The "
+            f"schedule already splits each batch into pipeline_microbatches={config.pipeline_microbatches}, and an "
+            "out-of-memory error on one stage mid-schedule leaves the other stages blocked in point-to-point "
+            "receives that no retry can reach (there is no agreement between stages inside a schedule). Fix: "
+            "grad_accum=1 and a fixed FSDPConfig(pipeline_microbatches=n) whose microbatch fits (more microbatches: "
+            "smaller ones, and a smaller bubble)."
+        )
     if grad_accum != 1:
         raise ValueError(
             f"grad_accum={grad_accum!r} with FSDPConfig(pipeline_parallel={pp}): the schedule splits each batch into "

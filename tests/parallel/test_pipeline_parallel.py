@@ -203,7 +203,11 @@ def test_a_model_without_the_protocol_is_refused() -> None:
     "kwargs, message",
     [
         ({"grad_accum": 2}, "grad_accum=2 with FSDPConfig\\(pipeline_parallel=2\\).*Fix: grad_accum=1"),
-        ({"grad_accum": "auto"}, "grad_accum='auto'"),
+        (
+            {"grad_accum": "auto"},
+            "grad_accum='auto'.*cannot apply.*already splits each batch into pipeline_microbatches=2.*blocked in "
+            "point-to-point receives.*Fix: grad_accum=1 and a fixed FSDPConfig\\(pipeline_microbatches=n\\)",
+        ),
         ({"precision": "amp_fp16"}, "amp_fp16.*Fix: precision='amp_bf16'"),
         ({"compile": True}, "compile=True with FSDPConfig.*the stages never call"),
     ],
