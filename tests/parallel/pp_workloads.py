@@ -87,6 +87,8 @@ def pp_trainer(
     folder: Optional[str] = None,
     meta: bool = True,
     evaluate: bool = False,
+    algorithms: Optional[List[Any]] = None,
+    callbacks: Optional[List[Any]] = None,
     **ckpt: Any,
 ) -> Trainer:
     """The 4-block transformer (on meta when ``meta``) with AdamW and norm clipping (threshold 0.1,
@@ -113,8 +115,8 @@ def pp_trainer(
         optimizers=torch.optim.AdamW(model.parameters(), lr=2e-3),
         grad_accum=1 if pipelined else 2,
         parallelism=parallelism,
-        algorithms=[GradientClipping("norm", 0.1), EMA(smoothing=0.5)],
-        callbacks=[EventCounter()],
+        algorithms=[GradientClipping("norm", 0.1), EMA(smoothing=0.5)] if algorithms is None else algorithms,
+        callbacks=[EventCounter()] if callbacks is None else callbacks,
         checkpoint=checkpoint,
         eval_dataloader=DataLoader(random_tokens(16, seed=200 + rank // data_group), batch_size=8)
         if evaluate
@@ -194,4 +196,43 @@ def pp_checkpoint_hops(rank: int, world_size: int, folder: str) -> Dict[str, Any
     trainer.fit()
     out["pp4_saved"] = {**snapshot(trainer), "ema": ema_state(trainer)}
     trainer.close()
+    return out
+
+
+class PlantSpike(Callback):
+    """Scales the loss of batch ``at`` (each microbatch's, at AFTER_LOSS: the last stage's under PP) by 50."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def after_loss(self, state: Any, logger: Any) -> None:
+        if int(state.timestamp.batch) == self.at:
+            state.loss = state.loss * 50
+
+
+def pp_spike(rank: int, world_size: int) -> Dict[str, Any]:
+    """`SpikeGuard` (no clipping: the norm it judges is its own) over DDP on the 4 ranks (each data
+    shard on 2 of them: DDP's mean gradient is the 2-shard one) and over PP 2 x DP 2, a 50x loss
+    planted in the 4th batch of 5: what each guard judged and did, and the trained model."""
+    from raytrain_events.callbacks import SpikeGuard
+
+    out: Dict[str, Any] = {}
+    for name, parallelism in (("ddp", "ddp"), ("pp", pp_config("1f1b"))):
+        guard = SpikeGuard(snapshot_interval=2, window=20, warmup=2)
+        judged: List[float] = []  # every gradient norm the guard judged, the spiking batch's too
+        observe = guard.detector.observe
+        guard.detector.observe = lambda loss, norm=None, seen=judged, judge=observe: (
+            seen.append(norm),
+            judge(loss, norm),
+        )[1]  # type: ignore[method-assign]
+        trainer = pp_trainer(
+            rank, parallelism, "5ba", 2, meta=name == "pp", algorithms=[], callbacks=[guard, PlantSpike(3)]
+        )
+        trainer.fit()
+        out[name] = {
+            "rollbacks": [{k: r[k] for k in ("batch", "spike_batch", "restored_batch")} for r in guard.rollbacks],
+            "norms": judged,
+            "model": full_model_state(trainer.state.model),
+        }
+        trainer.close()
     return out

@@ -128,6 +128,24 @@ def test_pp2_checkpoint_resumes_on_pp4_and_on_one_process(tmp_path: Any) -> None
     assert one["timestamp"]["batch"] == 3 and one["timestamp"]["sample"] == 40  # + one batch of one pipeline
 
 
+def test_spike_guard_under_pp2_x_dp2_judges_the_whole_models_norm_and_rolls_back_with_every_rank() -> None:
+    """SpikeGuard under PP 2 x DP 2: the gradient norm it judges is the whole model's (over the FSDP
+    shards and both stages), equal to DDP's on the same global batches; a 50x loss planted in batch 4
+    rolls every rank back at batch 5 (the agreement's) to the snapshot of batch 2, as under DDP, to the
+    same model."""
+    from tests.parallel.pp_workloads import pp_spike
+    from tests.parallel.spawn import run_ranks
+
+    results = run_ranks(4, pp_spike)
+    ddp = results[0]["ddp"]
+    assert ddp["rollbacks"] == [{"batch": 5, "spike_batch": 4, "restored_batch": 2}]
+    assert len(ddp["norms"]) == 4 and ddp["norms"][3] > 10 * ddp["norms"][2] > 0  # the 4th: the spike's
+    for result in results:
+        assert result["ddp"]["rollbacks"] == result["pp"]["rollbacks"] == ddp["rollbacks"]
+        assert result["pp"]["norms"] == pytest.approx(ddp["norms"], rel=1e-5)
+    assert _max_diff(_merged([r["pp"] for r in results]), ddp["model"]) <= 1e-6
+
+
 # ----------------------------------------------------------------------------- bad input, no ranks
 
 
