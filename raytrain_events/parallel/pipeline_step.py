@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import struct
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -45,14 +45,13 @@ class PipelineCounters:
 
     on_gradients = False
 
-    def __init__(self, dist: Dist, state: Any, batch_group: int, pipeline: Pipeline) -> None:
-        """``batch_group``: the consecutive ranks of one pipeline (its stages and their tensor groups)."""
+    def __init__(self, dist: Dist, state: Any, coordinates: Tuple[int, int], pipeline: Pipeline) -> None:
+        """``coordinates``: this rank's data-parallel ``(rank, size)`` (`Parallel.data_parallel`): which
+        pipeline it is in, of how many."""
         self.dist, self.state = dist, state
-        self.pipelines = dist.world_size // batch_group
-        self.slot = dist.rank // batch_group
-        tensor_group = batch_group // pipeline.config.pipeline_parallel
+        self.slot, self.pipelines = coordinates
         # One rank per pipeline writes its loss: the last stage's first rank of its tensor group.
-        self.writes = pipeline.has_last and dist.rank % tensor_group == 0
+        self.writes = pipeline.has_last and dist.rank % pipeline.config.tensor_parallel == 0
         self._values: List[int] = []
 
     def start(self, values: Sequence[int]) -> None:

@@ -215,7 +215,8 @@ def pipeline_step(host: Any) -> Optional[PipelineStep]:
     from raytrain_events.parallel.pipeline_step import PipelineCounters, PipelineStep  # only when pipelined
 
     engine: Engine = host.engine
-    counters = PipelineCounters(host.dist, host.state, host.parallel.spec.batch_group, pipeline)
+    coordinates = host.parallel.data_parallel(host.dist.rank, host.dist.world_size)  # (its pipeline, pipelines)
+    counters = PipelineCounters(host.dist, host.state, coordinates, pipeline)
     return PipelineStep(state=host.state, engine=engine, pipeline=pipeline, spec=host.train_spec, counters=counters)
 
 

@@ -2,7 +2,8 @@
 
 The model is the example transformer (examples/transformer_lm.py) with 4 blocks, built on the meta
 device. The ``p`` stages of a pipeline (consecutive ranks) load the same batches: the data shard is
-``rank // data_group``; the DDP reference on 2 ranks shards it by rank, so both train on the same
+``rank // data_group``, or the library's data-parallel rank (`Parallel.data_parallel`, which
+``pipeline_outermost`` changes) where given; the DDP reference on 2 ranks shards it by rank, so both train on the same
 global batches.
 """
 
@@ -17,6 +18,7 @@ from torch.utils.data import DataLoader
 from raytrain_events import Trainer
 from raytrain_events.algorithms.gradient_clipping import GradientClipping
 from raytrain_events.core.callback import Callback
+from raytrain_events.parallel.config import parse_parallelism
 from tests.parallel.workloads import full_model_state, snapshot
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "loopedbfs")
@@ -89,6 +91,7 @@ def pp_trainer(
     evaluate: bool = False,
     algorithms: Optional[List[Any]] = None,
     callbacks: Optional[List[Any]] = None,
+    shard: Optional[int] = None,
     **ckpt: Any,
 ) -> Trainer:
     """The 4-block transformer (on meta when ``meta``) with AdamW and norm clipping (threshold 0.1,
@@ -99,6 +102,7 @@ def pp_trainer(
     from raytrain_events.algorithms.ema import EMA
     from raytrain_events.checkpoint import CheckpointConfig
 
+    shard = rank // data_group if shard is None else shard
     torch.manual_seed(0)  # the same initial weights on every rank and for every layout
     with torch.device("meta") if meta else contextlib.nullcontext():
         model = metered_lm(depth=4)
@@ -110,7 +114,7 @@ def pp_trainer(
     pipelined = isinstance(parallelism, dict) and parallelism.get("pipeline_parallel", 1) > 1
     return Trainer(
         model=model,
-        train_dataloader=DataLoader(random_tokens(32, seed=100 + rank // data_group), batch_size=8),
+        train_dataloader=DataLoader(random_tokens(32, seed=100 + shard), batch_size=8),
         max_duration=max_duration,
         optimizers=torch.optim.AdamW(model.parameters(), lr=2e-3),
         grad_accum=1 if pipelined else 2,
@@ -118,19 +122,17 @@ def pp_trainer(
         algorithms=[GradientClipping("norm", 0.1), EMA(smoothing=0.5)] if algorithms is None else algorithms,
         callbacks=[EventCounter()] if callbacks is None else callbacks,
         checkpoint=checkpoint,
-        eval_dataloader=DataLoader(random_tokens(16, seed=200 + rank // data_group), batch_size=8)
-        if evaluate
-        else None,
+        eval_dataloader=DataLoader(random_tokens(16, seed=200 + shard), batch_size=8) if evaluate else None,
         eval_interval="2ba",
     )
 
 
-def _eval_and_predict(trainer: Trainer, rank: int, data_group: int) -> Dict[str, Any]:
+def _eval_and_predict(trainer: Trainer, shard: int) -> Dict[str, Any]:
     """After fit: `Trainer.eval` on another set and `Trainer.predict`'s outputs (2 batches of 4 rows)."""
     from examples.transformer_lm import random_tokens
 
-    evaluated = trainer.eval(DataLoader(random_tokens(12, seed=300 + rank // data_group), batch_size=6))
-    outputs = trainer.predict(DataLoader(random_tokens(8, seed=400 + rank // data_group), batch_size=4))
+    evaluated = trainer.eval(DataLoader(random_tokens(12, seed=300 + shard), batch_size=6))
+    outputs = trainer.predict(DataLoader(random_tokens(8, seed=400 + shard), batch_size=4))
     return {"eval": {k: float(v) for k, v in evaluated.items()}, "predict": torch.cat(outputs)}
 
 
@@ -162,16 +164,19 @@ def train_ddp(rank: int, world_size: int) -> Dict[str, Any]:
     """The reference: DDP on 2 ranks, one data shard each."""
     trainer = pp_trainer(rank, "ddp", meta=False, evaluate=True)
     trainer.fit()
-    return {**_result(trainer), **_eval_and_predict(trainer, rank, 1)}
+    return {**_result(trainer), **_eval_and_predict(trainer, rank)}
 
 
-def train_schedules(rank: int, world_size: int, configs: List[Dict[str, Any]], data_group: int) -> List[Dict[str, Any]]:
-    """Each config in turn on the same ranks; a result each (this rank's stage's full parameters)."""
+def train_schedules(rank: int, world_size: int, configs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Each config in turn on the same ranks, each rank loading its data-parallel rank's shard; a
+    result each (this rank's stage's full parameters)."""
     out = []
     for config in configs:
-        trainer = pp_trainer(rank, config, data_group=data_group, evaluate=True)
+        shard = parse_parallelism(config).data_coordinates(rank, world_size)[0]  # what a user shards by
+        trainer = pp_trainer(rank, config, evaluate=True, shard=shard)
         trainer.fit()
-        result = {**_result(trainer), **_eval_and_predict(trainer, rank, data_group)}
+        assert trainer.parallel.data_parallel(rank, world_size)[0] == shard
+        result = {**_result(trainer), **_eval_and_predict(trainer, shard), "shard": shard}
         pipeline = trainer.parallel.pipeline
         assert pipeline is not None
         result["stages"] = pipeline.stage_indices

@@ -38,15 +38,15 @@ def ddp_reference() -> List[Dict[str, Any]]:
     return run_ranks(2, train_ddp)
 
 
-def _check_like_ddp(ddp: List[Dict[str, Any]], runs: List[Dict[str, Any]], group: int, atol: float) -> None:
+def _check_like_ddp(ddp: List[Dict[str, Any]], runs: List[Dict[str, Any]], atol: float) -> None:
     """The pipelined arm against DDP: whole model, loss on every rank of a pipeline, whole-model
     norm, the global Timestamp."""
     assert _max_diff(_merged(runs), ddp[0]["model"]) <= atol
     assert _max_diff(_merged(runs, "ema"), ddp[0]["ema"]) <= atol  # EMA: each rank averages its stages
     initial = ddp[0]["model"]["blocks.0.mlp.fc.weight"]
     assert not torch.equal(_merged(runs)["blocks.0.mlp.fc.weight"], torch.zeros_like(initial))
-    for rank, run in enumerate(runs):
-        reference = ddp[rank // group]  # the DDP rank that loaded the same data shard
+    for run in runs:
+        reference = ddp[run["shard"]]  # the DDP rank that loaded the same data shard
         assert run["loss"] == pytest.approx(reference["loss"], abs=1e-5)
         assert run["losses"] == pytest.approx(reference["losses"], abs=1e-5)
         assert run["norm"] == pytest.approx(reference["norm"], rel=1e-5)
@@ -63,18 +63,26 @@ def _check_like_ddp(ddp: List[Dict[str, Any]], runs: List[Dict[str, Any]], group
 def test_each_schedule_trains_like_ddp_on_pp2_x_dp2(ddp_reference: List[Dict[str, Any]]) -> None:
     """PP 2 x DP 2 on 4 gloo ranks (a meta-built model, each rank materialising its stage only) trains
     the same 4 global batches to DDP's parameters for GPipe, 1F1B, Interleaved 1F1B and Looped BFS
-    (2 stages per rank), and 1F1B over HSDP, with the model's loss on every rank, the whole model's clipping norm and an equal
-    Timestamp; the loss events fire on the last stage only, BEFORE_FORWARD on the first."""
+    (2 stages per rank), 1F1B over HSDP, and 1F1B with the pipeline outermost (torchtitan's mesh order),
+    with the model's loss on every rank, the whole model's clipping norm and an equal Timestamp; the
+    loss events fire on the last stage only, BEFORE_FORWARD on the first."""
     from tests.parallel.pp_workloads import train_schedules
     from tests.parallel.spawn import run_ranks
 
     hsdp = pp_config("1f1b", replicate=2)  # PP 2 x HSDP 2x1: the mesh (replicate, shard, pipeline)
-    results = run_ranks(4, train_schedules, [pp_config(s) for s in SCHEDULES] + [hsdp], 2)
-    _check_like_ddp(ddp_reference, [results[rank][len(SCHEDULES)] for rank in range(4)], group=2, atol=1e-6)
+    outermost = pp_config("1f1b", pipeline_outermost=True)  # the mesh (pipeline, shard): stages 2 ranks apart
+    results = run_ranks(4, train_schedules, [pp_config(s) for s in SCHEDULES] + [hsdp, outermost])
+    _check_like_ddp(ddp_reference, [results[rank][len(SCHEDULES)] for rank in range(4)], atol=1e-6)
+    runs = [results[rank][len(SCHEDULES) + 1] for rank in range(4)]
+    _check_like_ddp(ddp_reference, runs, atol=1e-6)
+    assert [run["stages"] for run in runs] == [[0], [0], [1], [1]]  # a stage's FSDP group: consecutive ranks
+    assert [run["shard"] for run in runs] == [0, 1, 0, 1]  # a pipeline's stages: ranks 0 and 2, 1 and 3
+    assert runs[1]["events"]["BEFORE_FORWARD"] == 8 and runs[2]["events"]["AFTER_LOSS"] == 8
     full = sum(t.numel() for t in ddp_reference[0]["model"].values())
     for index, schedule in enumerate(SCHEDULES):
         runs = [results[rank][index] for rank in range(4)]
-        _check_like_ddp(ddp_reference, runs, group=2, atol=1e-6)
+        assert [run["shard"] for run in runs] == [0, 0, 1, 1]
+        _check_like_ddp(ddp_reference, runs, atol=1e-6)
         stages = [run["stages"] for run in runs]
         looped = schedule in ("interleaved1f1b", "loopedbfs")
         assert stages == ([[0, 2], [1, 3]] * 2 if looped else [[0], [1]] * 2), schedule
@@ -98,8 +106,8 @@ def test_pp2_x_fsdp2_x_tp2_on_eight_ranks_trains_like_ddp(ddp_reference: List[Di
     from tests.parallel.pp_workloads import train_schedules
     from tests.parallel.spawn import run_ranks
 
-    results = run_ranks(8, train_schedules, [pp_config("1f1b", tensor_parallel=2)], 4)
-    _check_like_ddp(ddp_reference, [result[0] for result in results], group=4, atol=2e-5)
+    results = run_ranks(8, train_schedules, [pp_config("1f1b", tensor_parallel=2)])
+    _check_like_ddp(ddp_reference, [result[0] for result in results], atol=2e-5)
 
 
 def test_pp2_checkpoint_resumes_on_pp4_and_on_one_process(tmp_path: Any) -> None:

@@ -105,6 +105,10 @@ def _options(**over: Any) -> Dict[str, Any]:
             "4 stages do not divide the model's 2 blocks evenly",
         ),
         ({"grad_accum": 2}, "grad_accum=2 with FSDPConfig\\(pipeline_parallel=2\\)"),
+        (
+            {"parallelism": {"pipeline_parallel": 2, "pipeline_outermost": True}},
+            "pipeline_outermost=True\\) under RayTrainer.*Fix: pipeline_outermost=False",
+        ),
     ],
 )
 def test_ray_trainer_refuses_bad_pipelines_before_ray_starts(tmp_path: Any, no_ray: Any, over: Any, error: str) -> None:  # noqa: F811
