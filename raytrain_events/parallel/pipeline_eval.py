@@ -9,7 +9,10 @@ the rank of the next, point to point within the pipeline. Sends are asynchronous
 works in the same (microbatch, stage) order, so a stage starts the next microbatch while the next
 stage runs this one (GPipe's forward) and nothing waits in a cycle. Each activation goes with a
 header of its shape and dtype, so eval batches need not have the training batches' shape (the
-training schedule's buffers keep the first batch's shapes; it is not used here).
+training schedule's buffers keep the first batch's shapes; it is not used here). A stage's FSDP
+gathers its parameters once per call, so the data-parallel ranks of a stage must run as many
+microbatches: they do when their eval batches have at least ``pipeline_microbatches`` rows (or the
+same rows), as equal splits (`DistributedSampler`, Ray's ``split(equal=True)``) give them.
 
 The model's outputs exist on the last stage: the loop updates the metrics there, computes them over
 the last stage's data-parallel ranks (`Pipeline.data_group`, each batch counted once) and
