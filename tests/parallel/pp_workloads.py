@@ -51,17 +51,45 @@ class EventCounter(Callback):
             self.evals.append({k: float(v) for k, v in logger.metrics.items() if k.startswith("metrics/")})
 
 
+class TokenMetric:
+    """Next-token cross-entropy or accuracy over every token seen, as a metric the evaluation loop
+    runs (torchmetrics' protocol as it uses it: ``to``, ``reset``, ``update``, ``compute`` synced over
+    ``process_group``), so the spawned ranks need not import torchmetrics (seconds each on a loaded
+    machine; the RayTrainer PP run evaluates a torchmetrics metric). ``compute`` sums (total, count)
+    over the process group: one all-reduce, on the ranks that compute."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind, self.process_group = kind, None
+        self.reset()
+
+    def reset(self) -> None:
+        self.total = torch.zeros(2, dtype=torch.float64)
+
+    def to(self, device: Any) -> TokenMetric:
+        self.total = self.total.to(device)
+        return self
+
+    def update(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
+        if self.kind == "accuracy":
+            value = (logits.argmax(-1) == targets).sum().double()
+        else:
+            value = torch.nn.functional.cross_entropy(logits.float(), targets, reduction="sum").double()
+        self.total += torch.stack([value, torch.tensor(float(targets.numel()), dtype=torch.float64)])
+
+    def compute(self) -> torch.Tensor:
+        total = self.total.clone()
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(total, group=self.process_group)
+        return (total[0] / total[1]).float()
+
+
 def metered_lm(depth: int) -> torch.nn.Module:
-    """The example transformer with eval metrics: next-token cross-entropy (summed) and accuracy."""
+    """The example transformer with eval metrics: next-token cross-entropy and accuracy (`TokenMetric`)."""
     from examples.transformer_lm import TransformerLM, next_tokens
 
     class MeteredLM(TransformerLM):
         def get_metrics(self, is_train: bool = False) -> Dict[str, Any]:
-            from torchmetrics.classification import MulticlassAccuracy
-
-            from raytrain_events.metrics import CrossEntropy
-
-            return {"cross_entropy": CrossEntropy(), "accuracy": MulticlassAccuracy(num_classes=64, average="micro")}
+            return {"cross_entropy": TokenMetric("cross_entropy"), "accuracy": TokenMetric("accuracy")}
 
         def update_metric(self, batch: Any, outputs: torch.Tensor, metric: Any) -> None:
             targets = next_tokens(batch)[:, :-1].reshape(-1)
@@ -96,7 +124,7 @@ def pp_trainer(
 ) -> Trainer:
     """The 4-block transformer (on meta when ``meta``) with AdamW and norm clipping (threshold 0.1,
     so the whole model's norm decides every step); DDP runs 2 microbatches as the pipelines do.
-    ``evaluate``: an eval set of 16 rows per data shard, evaluated every 2 batches. An `EMA` of the
+    ``evaluate``: an eval set of 16 rows per data shard, evaluated every 4 batches. An `EMA` of the
     weights (smoothing 0.5) runs in every layout: under PP each rank averages its stages' parameters."""
     from examples.transformer_lm import random_tokens
     from raytrain_events.algorithms.ema import EMA
@@ -123,7 +151,7 @@ def pp_trainer(
         callbacks=[EventCounter()] if callbacks is None else callbacks,
         checkpoint=checkpoint,
         eval_dataloader=DataLoader(random_tokens(16, seed=200 + shard), batch_size=8) if evaluate else None,
-        eval_interval="2ba",
+        eval_interval="4ba",
     )
 
 
@@ -213,6 +241,11 @@ class PlantSpike(Callback):
     def after_loss(self, state: Any, logger: Any) -> None:
         if int(state.timestamp.batch) == self.at:
             state.loss = state.loss * 50
+
+
+def pp_hops_and_spike(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
+    """`pp_checkpoint_hops` and `pp_spike` in one spawn of 4 ranks (a spawn and its imports cost seconds)."""
+    return {"hops": pp_checkpoint_hops(rank, world_size, folder), "spike": pp_spike(rank, world_size)}
 
 
 def pp_spike(rank: int, world_size: int) -> Dict[str, Any]:

@@ -51,10 +51,10 @@ def _check_like_ddp(ddp: List[Dict[str, Any]], runs: List[Dict[str, Any]], atol:
         assert run["losses"] == pytest.approx(reference["losses"], abs=1e-5)
         assert run["norm"] == pytest.approx(reference["norm"], rel=1e-5)
         assert (run["samples"], run["batches"]) == (reference["samples"], reference["batches"]) == (64, 4)
-        # Evaluation (during fit at batches 2 and 4, and Trainer.eval after) and predict run the stages
+        # Evaluation (during fit at batch 4, and Trainer.eval after) and predict run the stages
         # forward only: the unsplit model's metrics on every rank, its outputs on every rank of a pipeline.
-        assert len(run["evals"]) == len(reference["evals"]) == 3  # EVAL_END: 2 in fit, 1 in Trainer.eval (unlogged)
-        for evaluated, expected in zip(run["evals"][:2] + [run["eval"]], reference["evals"][:2] + [reference["eval"]]):
+        assert len(run["evals"]) == len(reference["evals"]) == 2  # EVAL_END: 1 in fit, 1 in Trainer.eval (unlogged)
+        for evaluated, expected in zip(run["evals"][:1] + [run["eval"]], reference["evals"][:1] + [reference["eval"]]):
             assert sorted(evaluated) == sorted(expected) and len(expected) == 2
             assert evaluated == pytest.approx(expected, abs=atol * 10)
         assert torch.allclose(run["predict"], reference["predict"], atol=atol * 10)
@@ -110,14 +110,23 @@ def test_pp2_x_fsdp2_x_tp2_on_eight_ranks_trains_like_ddp(ddp_reference: List[Di
     _check_like_ddp(ddp_reference, [result[0] for result in results], atol=2e-5)
 
 
-def test_pp2_checkpoint_resumes_on_pp4_and_on_one_process(tmp_path: Any) -> None:
-    """A PP 2 x DP 2 checkpoint (DCP) resumes exactly on PP 4 (4 stages of one block, other layers'
-    keys on other ranks), whose own save resumes exactly into a plain one-process Trainer."""
-    from tests.parallel.pp_workloads import pp_checkpoint_hops
+@pytest.fixture(scope="module")
+def hops_and_spike(tmp_path_factory: Any) -> Dict[str, Any]:
+    """The checkpoint hops and the spike guard's runs, in one spawn of 4 ranks."""
+    from tests.parallel.pp_workloads import pp_hops_and_spike
     from tests.parallel.spawn import run_ranks
+
+    folder = str(tmp_path_factory.mktemp("pp") / "pp")
+    return {"folder": folder, "ranks": run_ranks(4, pp_hops_and_spike, folder)}
+
+
+def test_pp2_checkpoint_resumes_on_pp4_and_on_one_process(hops_and_spike: Dict[str, Any]) -> None:
+    """A PP 2 x DP 2 checkpoint (DCP) resumes exactly on PP 4 (4 stages of one block, other layers'
+    keys on other ranks), whose own save resumes exactly into a plain one-process Trainer; with the
+    EMA's averages of each stage."""
     from tests.parallel.workloads import snapshot
 
-    results = run_ranks(4, pp_checkpoint_hops, str(tmp_path / "pp"))
+    results = [r["hops"] for r in hops_and_spike["ranks"]]
     saved = [r["pp2_saved"] for r in results]
     loaded = [r["pp4_loaded"] for r in results]
     assert _max_diff(_merged(saved), _merged(loaded)) == 0.0
@@ -127,7 +136,7 @@ def test_pp2_checkpoint_resumes_on_pp4_and_on_one_process(tmp_path: Any) -> None
     counts = [(e["timestamp"]["batch"], e["timestamp"]["sample"]) for e in saved + loaded]
     assert counts == [(2, 32)] * 8  # 2 batches of 2 pipelines x 8 rows, on every rank, saved and loaded
     pp4 = [r["pp4_saved"] for r in results]
-    trainer = pp_trainer(0, "ddp", "3ba", 1, str(tmp_path / "pp"), meta=False, autoresume=True)
+    trainer = pp_trainer(0, "ddp", "3ba", 1, hops_and_spike["folder"], meta=False, autoresume=True)
     one = {**snapshot(trainer), "ema": ema_state(trainer)}
     trainer.close()
     assert _max_diff(_merged(pp4), one["model"]) == 0.0
@@ -136,15 +145,14 @@ def test_pp2_checkpoint_resumes_on_pp4_and_on_one_process(tmp_path: Any) -> None
     assert one["timestamp"]["batch"] == 3 and one["timestamp"]["sample"] == 40  # + one batch of one pipeline
 
 
-def test_spike_guard_under_pp2_x_dp2_judges_the_whole_models_norm_and_rolls_back_with_every_rank() -> None:
+def test_spike_guard_under_pp2_x_dp2_judges_the_whole_models_norm_and_rolls_back_with_every_rank(
+    hops_and_spike: Dict[str, Any],
+) -> None:
     """SpikeGuard under PP 2 x DP 2: the gradient norm it judges is the whole model's (over the FSDP
     shards and both stages), equal to DDP's on the same global batches; a 50x loss planted in batch 4
     rolls every rank back at batch 5 (the agreement's) to the snapshot of batch 2, as under DDP, to the
     same model."""
-    from tests.parallel.pp_workloads import pp_spike
-    from tests.parallel.spawn import run_ranks
-
-    results = run_ranks(4, pp_spike)
+    results = [r["spike"] for r in hops_and_spike["ranks"]]
     ddp = results[0]["ddp"]
     assert ddp["rollbacks"] == [{"batch": 5, "spike_batch": 4, "restored_batch": 2}]
     assert len(ddp["norms"]) == 4 and ddp["norms"][3] > 10 * ddp["norms"][2] > 0  # the 4th: the spike's
