@@ -244,8 +244,16 @@ class PlantSpike(Callback):
 
 
 def pp_hops_and_spike(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
-    """`pp_checkpoint_hops` and `pp_spike` in one spawn of 4 ranks (a spawn and its imports cost seconds)."""
-    return {"hops": pp_checkpoint_hops(rank, world_size, folder), "spike": pp_spike(rank, world_size)}
+    """`pp_checkpoint_hops`, `pp_spike` and a mis-sharded outermost pipeline (its stages load consecutive
+    ranks' shards: the error each rank raised) in one spawn of 4 ranks (a spawn and its imports cost seconds)."""
+    out = {"hops": pp_checkpoint_hops(rank, world_size, folder), "spike": pp_spike(rank, world_size)}
+    trainer = pp_trainer(rank, pp_config("1f1b", pipeline_outermost=True), "1ba", 2, algorithms=[])
+    try:
+        trainer.fit()
+        out["mis-sharded"] = "trained"
+    except ValueError as e:
+        out["mis-sharded"] = str(e)
+    return out
 
 
 def pp_spike(rank: int, world_size: int) -> Dict[str, Any]:

@@ -162,6 +162,17 @@ def test_spike_guard_under_pp2_x_dp2_judges_the_whole_models_norm_and_rolls_back
     assert _max_diff(_merged([r["pp"] for r in results]), ddp["model"]) <= 1e-6
 
 
+def test_a_pipeline_whose_stages_load_different_batches_is_refused_on_every_rank(
+    hops_and_spike: Dict[str, Any],
+) -> None:
+    """pipeline_outermost with the data sharded by rank // 2 (the consecutive rule): the first batch's
+    check finds both pipelines' stages holding different batches and every rank raises, naming the fix."""
+    messages = [r["mis-sharded"] for r in hops_and_spike["ranks"]]
+    assert len(set(messages)) == 1
+    assert "the ranks of pipelines [[0, 2], [1, 3]] got different batches" in messages[0]
+    assert "trainer.parallel.data_parallel(rank, world_size)" in messages[0] and "ranks apart" in messages[0]
+
+
 # ----------------------------------------------------------------------------- bad input, no ranks
 
 
