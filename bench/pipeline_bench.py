@@ -14,6 +14,13 @@ and 1F1B, ``(p - 1) / (v m + p - 1)`` interleaved over ``v`` stages per rank.
 PP 2 x FSDP 2 (1F1B, 4 microbatches) against FSDP 4 alone; arms alternate for ``--repeats``
 rounds, a fresh `Trainer` each; printed: the median step and its spread, and the ratio.
 
+**Evaluation** (``--part eval``): the same model and arms, ``Trainer.eval`` of the same global rows
+(8 batches: 2 pipelines x 16 rows or 4 ranks x 8), forward only: under PP the stages run the
+pipeline's 4 microbatches through ``pipeline_eval.forward_only`` (activations sent point to point),
+against FSDP 4's whole-model forward (the alternative: evaluating a checkpoint without PP). Per
+round one warm-up ``eval`` then the median of 3, arms alternating for ``--repeats`` rounds; printed:
+the median and spread of an eval pass, rows/s and the ratio.
+
 Usage::
 
     python bench/pipeline_bench.py                 # both parts
@@ -189,9 +196,52 @@ def speed(repeats: int, steps: int) -> None:
         )
 
 
+def _eval_rank(rank: int, world_size: int, arm: str, batches: int) -> float:
+    import torch
+    from torch.utils.data import DataLoader
+
+    from examples.transformer_lm import TransformerLM, random_tokens
+    from raytrain_events import Trainer
+
+    pipelined = "pipeline_parallel" in ARMS[arm]
+    rows = 16 if pipelined else 8  # the same global rows: 2 pipelines x 16 or 4 ranks x 8
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = TransformerLM(vocab=256, width=128, heads=4, depth=4, length=128)
+    shard = rank // 2 if pipelined else rank
+    loader = DataLoader(random_tokens(rows * batches, vocab=256, length=128, seed=shard), batch_size=rows)
+    trainer = Trainer(model=model, parallelism=ARMS[arm])
+    trainer.eval(loader)  # warm-up
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        trainer.eval(loader)
+        times.append(time.perf_counter() - start)
+    trainer.close()
+    return statistics.median(times)
+
+
+def evaluation(repeats: int, batches: int = 8) -> None:
+    from tests.parallel.spawn import run_ranks
+
+    times: Dict[str, List[float]] = {arm: [] for arm in ARMS}
+    for _ in range(repeats):
+        for arm in ARMS:
+            times[arm].append(run_ranks(4, _eval_rank, arm, batches, timeout=1800)[0])
+    base = statistics.median(times["fsdp 4"])
+    rows = 32 * batches
+    print(f"Trainer.eval on 4 ranks ({rows} rows: {batches} global batches of 32, forward only):")
+    for arm, values in times.items():
+        median = statistics.median(values)
+        print(
+            f"  {arm:<28} eval {median:.3f} s [{min(values):.3f}-{max(values):.3f}]  {rows / median:7.1f} rows/s  "
+            f"{base / median:.2f}x fsdp 4's rows/s"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=("bubble", "speed", "both"), default="both")
+    parser.add_argument("--part", choices=("bubble", "speed", "eval", "both"), default="both")
     parser.add_argument("--sleep-ms", type=float, default=10.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6)
@@ -201,6 +251,8 @@ def main() -> None:
         bubble(args.sleep_ms)
     if args.part in ("speed", "both"):
         speed(args.repeats, args.steps)
+    if args.part == "eval":
+        evaluation(args.repeats)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,11 @@ training weights are put back afterwards. Composer's ``EMA``.
 
 ``state_dict()`` holds the shadow weights, so checkpoints resume the average; ``ema_model_state()``
 is a model ``state_dict`` with the averaged weights, ready for ``model.load_state_dict``.
+
+Under FSDP each rank averages its shards; under pipeline parallelism each rank averages its stages'
+parameters (``ema_model_state()`` holds those), a checkpoint names every stage's averages and a
+resume on another stage count (or one process) gives each rank those of its own stages
+(``checkpoint/dcp/sharded.py``); evaluation swaps them in stage by stage.
 """
 
 from __future__ import annotations

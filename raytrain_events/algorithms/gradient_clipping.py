@@ -17,7 +17,7 @@ from raytrain_events.core.algorithm import Algorithm
 from raytrain_events.core.event import Event
 from raytrain_events.parallel.pipeline import whole_model_norm
 
-__all__ = ["GradientClipping"]
+__all__ = ["GradientClipping", "whole_grad_norm"]
 
 _TYPES = ("norm", "value")
 
@@ -70,6 +70,15 @@ class GradientClipping(Algorithm):
 
     def __repr__(self) -> str:
         return f"GradientClipping(clipping_type={self.clipping_type!r}, clipping_threshold={self.clipping_threshold})"
+
+
+def whole_grad_norm(model: torch.nn.Module, params: list, norm_type: float = 2.0) -> torch.Tensor:
+    """The whole model's gradient norm from the gradients of ``params`` this rank holds, as the
+    clipping computes it: each mesh's norm made whole (FSDP's shards, TP's splits) and, under pipeline
+    parallelism, combined over the stages (`whole_model_norm`). Collective where sharded or pipelined:
+    every rank calls it at the same point (the spike guard's norm under PP)."""
+    by_mesh = _by_mesh([p for p in params if p.grad is not None])
+    return whole_model_norm(model, _sharded_total_norm(by_mesh, norm_type), norm_type)
 
 
 def _by_mesh(params: list) -> list:

@@ -57,7 +57,7 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from raytrain_events.algorithms.gradient_clipping import GradientClipping
+from raytrain_events.algorithms.gradient_clipping import GradientClipping, whole_grad_norm
 from raytrain_events.callbacks.mixture_counts import MixtureCounts
 from raytrain_events.checkpoint.run.host_snapshot import HostSnapshots
 from raytrain_events.core.callback import Callback
@@ -72,6 +72,7 @@ from raytrain_events.core.spikes import (
 )
 from raytrain_events.core.state import State
 from raytrain_events.core.timestamp import Timestamp
+from raytrain_events.parallel.pipeline import pipeline_group
 from raytrain_events.trainer._batch import total_loss
 
 vector_norm, stack = torch.linalg.vector_norm, torch.stack
@@ -174,6 +175,8 @@ class SpikeGuard(Callback):
                 return None
             self._clip_seen, self._clipped_to = total, clip.clipping_threshold
             return total
+        if pipeline_group(state.model) is not None:  # pipeline parallelism: the whole model's, over shards and stages
+            return whole_grad_norm(state.model, params)
         norms = [vector_norm(p.grad) for p in params if p.grad is not None]  # cheaper than _foreach_norm on CPU
         return vector_norm(stack(norms)) if norms else None
 

@@ -20,6 +20,8 @@ Files:
   conversion.
 * ``pipeline.py``: Pipeline parallelism (PP) on the mesh: this rank's stages, FSDP per stage, the
   ``torch.distributed.pipelining`` schedule, and what does not compose with it.
+* ``pipeline_eval.py``: Evaluation and predict under pipeline parallelism: the stages run forward
+  only, and what the last stage computes is shared over the pipeline.
 * ``pipeline_split.py``: Cut a model into pipeline stages: which blocks each stage holds, and the
   part of the model one rank keeps.
 * ``pipeline_step.py``: The loop's batch under pipeline parallelism: the schedule runs forward, loss

@@ -9,7 +9,7 @@ device can be trained. Plain data only here; the wrapping itself is in ``wrap.py
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -77,6 +77,12 @@ class FSDPConfig:
         pipeline_stages_per_rank: stages each rank holds (None: 1, or 2 for an interleaved schedule).
         pipeline_split: blocks per stage, e.g. ``[3, 5]`` (``p * pipeline_stages_per_rank`` entries
             summing to the block count); None: an even split of the model's block list.
+        pipeline_outermost: put the pipeline dimension outermost, torchtitan's order ``(pipeline,
+            replicate, shard, tensor)``: a stage's FSDP (and TP) groups are then consecutive ranks, within
+            a node, and only the pipeline's small point-to-point sends cross nodes (the layout for slow
+            inter-node links); a pipeline's stages are ranks ``r, r + W/p, ...``, which load the same
+            batches (`ParallelismSpec.data_coordinates`). False (default): ``(replicate, shard,
+            pipeline, tensor)``, a pipeline on consecutive ranks. `Trainer` only for now.
     """
 
     shard_modules: ModulePolicy = None
@@ -93,6 +99,7 @@ class FSDPConfig:
     pipeline_microbatches: Optional[int] = None
     pipeline_stages_per_rank: Optional[int] = None
     pipeline_split: Optional[Sequence[int]] = None
+    pipeline_outermost: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.replicate, bool) or not isinstance(self.replicate, int) or self.replicate < 1:
@@ -160,9 +167,12 @@ class FSDPConfig:
         ``("replicate", "shard")``, ``("shard", "tensor")``, ``("replicate", "shard", "tensor")``,
         ``("shard", "context")``, ``("shard", "pipeline", "tensor")``... Consecutive ranks share the
         innermost dimensions, so a tensor group (then a context group, then a pipeline) sits within a
-        node, and every rank that loads one batch (a pipeline's stages) is in one consecutive group."""
-        names = ("replicate",) if self.replicate > 1 else ()
-        names += ("shard",) + (("pipeline",) if self.pipeline_parallel > 1 else ())
+        node, and every rank that loads one batch (a pipeline's stages) is in one consecutive group.
+        With ``pipeline_outermost`` the pipeline comes first: ``("pipeline", "shard", "tensor")``."""
+        outermost = self.pipeline_outermost and self.pipeline_parallel > 1
+        names = ("pipeline",) if outermost else ()
+        names += ("replicate",) if self.replicate > 1 else ()
+        names += ("shard",) + (("pipeline",) if self.pipeline_parallel > 1 and not outermost else ())
         names += ("context",) if self.context_parallel > 1 else ()
         return names + (("tensor",) if self.tensor_parallel > 1 else ())
 
@@ -201,6 +211,30 @@ class ParallelismSpec:
         computes the loss on it)."""
         return self.pipeline_parallel * self.context_parallel * self.tensor_parallel
 
+    @property
+    def pipeline_outermost(self) -> bool:
+        """Whether the pipeline is the mesh's outermost dimension (`FSDPConfig.pipeline_outermost`)."""
+        return self.fsdp is not None and self.fsdp.pipeline_outermost and self.pipeline_parallel > 1
+
+    def data_coordinates(self, rank: int, world_size: int) -> Tuple[int, int]:
+        """``(data-parallel rank, data-parallel size)`` of ``rank``: the ranks that load the same rows
+        (a `batch_group`) share the rank. Consecutive ranks; with `pipeline_outermost` a pipeline's
+        stages are ``world_size / p`` ranks apart, so the rank is ``rank``'s within its stage's ranks."""
+        group = self.batch_group
+        if self.pipeline_outermost:
+            per_stage = world_size // self.pipeline_parallel
+            return (rank % per_stage) // (group // self.pipeline_parallel), world_size // group
+        return rank // group, world_size // group
+
+    def counts_data(self, rank: int, world_size: int) -> bool:
+        """Whether ``rank``'s samples and tokens count in the global sums: one rank per `batch_group`
+        (the first stage's first rank of its tensor group)."""
+        if self.pipeline_outermost:
+            return (
+                rank < world_size // self.pipeline_parallel and rank % (self.batch_group // self.pipeline_parallel) == 0
+            )
+        return rank % self.batch_group == 0
+
 
 def check_pipeline_options(config: FSDPConfig) -> None:
     """Refuse pipeline options that cannot run, naming the fix (those needing the model are in
@@ -210,6 +244,8 @@ def check_pipeline_options(config: FSDPConfig) -> None:
         raise ValueError(f"FSDPConfig.pipeline_parallel={pp!r} must be an integer >= 1 (pipeline stages; 1: none).")
     if schedule not in PIPELINE_SCHEDULES:
         raise ValueError(f"FSDPConfig.pipeline_schedule={schedule!r} is not one of {sorted(PIPELINE_SCHEDULES)}.")
+    if not isinstance(config.pipeline_outermost, bool):
+        raise ValueError(f"FSDPConfig.pipeline_outermost={config.pipeline_outermost!r} must be True or False.")
     if pp == 1:
         return
     interleaved = PIPELINE_SCHEDULES[schedule][1]

@@ -14,11 +14,11 @@ Per step a pipeline sends, per microbatch and stage boundary, one activation for
 gradient back (``2 * (stages - 1) * microbatches`` messages of ``rows/microbatches x sequence x width``
 values per pipeline); the bubble (time a stage idles) is ``(stages - 1) / (microbatches + stages - 1)``
 of a step for GPipe and 1F1B, and ``(p - 1) / (v * m + p - 1)`` with ``v`` stages per rank
-interleaved (measured in ``bench/pipeline_bench.py``).
+interleaved (measured in ``bench/pipeline_bench.py``). Evaluation and ``predict`` run the stages forward only
+(``pipeline_eval.py``).
 
 What does not compose: context parallelism (refused in `FSDPConfig`), grad accumulation and
-``grad_accum="auto"`` (the schedule's microbatches replace them), fp16 loss scaling, evaluation
-and ``predict`` on a pipelined Trainer (evaluate its checkpoint in a Trainer without PP), and the
+``grad_accum="auto"`` (the schedule's microbatches replace them), fp16 loss scaling, and the
 algorithms of `UNPIPELINABLE`; all refused before work starts, naming why (`check_pipeline_loop`,
 `check_algorithms_for_pipeline`).
 """
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -43,6 +43,7 @@ __all__ = [
     "check_pipeline_run",
     "check_pipelined_model",
     "pipeline_group",
+    "pipeline_of",
     "whole_model_norm",
 ]
 
@@ -59,11 +60,16 @@ UNPIPELINABLE = {
     "keep the first batch's shapes.",
     "SeqLengthWarmup": "it changes the sequence length between batches, but the stages' send and receive buffers "
     "keep the first batch's shapes.",
-    "EMA": "its averages go into the checkpoint's shared state, which names one stage's parameters only, so a "
-    "resume (on any stage count) would not find the others' (not built).",
 }
 
 _GROUPS: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
+_PIPELINES: weakref.WeakKeyDictionary[torch.nn.Module, Pipeline] = weakref.WeakKeyDictionary()
+
+
+def pipeline_of(model: torch.nn.Module) -> Optional[Pipeline]:
+    """This rank's `Pipeline` of ``model`` (its stages), or None when it is not pipelined: evaluation
+    and predict run the stages forward only through it (``pipeline_eval.py``)."""
+    return _PIPELINES.get(model)
 
 
 def pipeline_group(model: torch.nn.Module) -> Any:
@@ -117,6 +123,15 @@ def check_pipeline_loop(config: FSDPConfig, grad_accum: Any, precision: Any, com
             f"compile={compile_model!r} with FSDPConfig(pipeline_parallel={pp}): it compiles the model's forward, which "
             "the stages never call (each runs its own blocks). Fix: compile=False; compiling stages is not built."
         )
+    if grad_accum == "auto":
+        raise ValueError(
+            f"grad_accum='auto' with FSDPConfig(pipeline_parallel={pp}): auto microbatching cannot apply. The "
+            f"schedule already splits each batch into pipeline_microbatches={config.pipeline_microbatches}, and an "
+            "out-of-memory error on one stage mid-schedule leaves the other stages blocked in point-to-point "
+            "receives that no retry can reach (there is no agreement between stages inside a schedule). Fix: "
+            "grad_accum=1 and a fixed FSDPConfig(pipeline_microbatches=n) whose microbatch fits (more microbatches: "
+            "smaller ones, and a smaller bubble)."
+        )
     if grad_accum != 1:
         raise ValueError(
             f"grad_accum={grad_accum!r} with FSDPConfig(pipeline_parallel={pp}): the schedule splits each batch into "
@@ -143,18 +158,19 @@ def check_pipelined_model(model: torch.nn.Module, config: FSDPConfig) -> None:
         )
 
 
-def check_pipeline_run(config: FSDPConfig, workers: Any, algorithms: Sequence[Any], eval_sets: Sequence[str]) -> None:
+def check_pipeline_run(config: FSDPConfig, workers: Any, algorithms: Sequence[Any]) -> None:
     """What `RayTrainer` refuses before Ray starts under pipeline parallelism: a mesh whose product
-    is not the (fixed) worker count, algorithms that cannot run, eval sets (evaluation is not pipelined)."""
+    is not the (fixed) worker count, algorithms that cannot run."""
+    if config.pipeline_outermost:
+        raise ValueError(
+            f"FSDPConfig(pipeline_parallel={config.pipeline_parallel}, pipeline_outermost=True) under RayTrainer: its "
+            "data path (the feeder, eval splits, mixtures) serves the ranks that share rows as consecutive ranks, "
+            "but an outermost pipeline's stages are world_size / pipeline_parallel ranks apart. Fix: "
+            "pipeline_outermost=False under RayTrainer (a Trainer on spawned ranks runs it)."
+        )
     if isinstance(workers, int):
         config.mesh_shape(workers)
     check_algorithms_for_pipeline(algorithms, config.pipeline_parallel)
-    if eval_sets:
-        raise ValueError(
-            f"FSDPConfig(pipeline_parallel={config.pipeline_parallel}) trains only, but datasets has eval sets "
-            f"{sorted(eval_sets)}: evaluation would run the whole model on a rank that holds one stage. Fix: drop them "
-            "and evaluate a checkpoint of the run without pipeline_parallel (checkpoints reshard into it)."
-        )
 
 
 class Feed:
@@ -167,6 +183,20 @@ class Feed:
         self.context: Optional[contextlib.AbstractContextManager[Any]] = None
         self.before_forward: Callable[[int], Any] = lambda index: self.microbatches[index]
         self.loss: Callable[[torch.Tensor, int], torch.Tensor] = _no_loss
+
+    @contextlib.contextmanager
+    def serving(
+        self, microbatches: List[Any], context: Optional[contextlib.AbstractContextManager[Any]]
+    ) -> Iterator[None]:
+        """Feed ``microbatches`` as they are (no loop events: evaluation and predict), then restore
+        the training feed."""
+        saved = self.microbatches, self.context, self.before_forward
+        self.microbatches, self.context = microbatches, context
+        self.before_forward = lambda index: self.microbatches[index]
+        try:
+            yield
+        finally:
+            self.microbatches, self.context, self.before_forward = saved
 
     def microbatch(self, index: torch.Tensor) -> Any:
         return self.before_forward(int(index.reshape(-1)[0]))
@@ -190,6 +220,7 @@ class Pipeline:
     def __init__(self, model: torch.nn.Module, config: FSDPConfig, mesh: Any) -> None:
         pp_mesh = mesh["pipeline"]
         self.config = config
+        self.device: Optional[torch.device] = None  # set by `build_schedule`
         self.group = pp_mesh.get_group()
         self.rank = pp_mesh.get_local_rank()
         check_pipelined_model(model, config)
@@ -208,12 +239,22 @@ class Pipeline:
         self.has_last = last in held
         self.microbatches: int = config.pipeline_microbatches or config.pipeline_parallel
         _GROUPS[model] = self.group
+        _PIPELINES[model] = self
         self.schedule: Any = None
+        # The ranks at this rank's pipeline (and tensor) coordinate across the data-parallel dimensions:
+        # the last stage's metrics sync over them (made here, on every rank: a new group is collective).
+        if config.replicate > 1:
+            from raytrain_events._torch_compat import flatten_mesh
+
+            self.data_group: Any = flatten_mesh(mesh["replicate", "shard"], "replicate_shard").get_group()
+        else:
+            self.data_group = mesh["shard"].get_group()
 
     def build_schedule(self, device: torch.device) -> None:
         """The schedule over this rank's `PipelineStage`s (after the parameters are materialised)."""
         from torch.distributed import pipelining
 
+        self.device = device
         stages = [
             pipelining.PipelineStage(module, index, self.layout.stages, device, group=self.group)
             for module, index in zip(self.modules, self.stage_indices)

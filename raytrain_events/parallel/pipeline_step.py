@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import struct
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -45,14 +45,13 @@ class PipelineCounters:
 
     on_gradients = False
 
-    def __init__(self, dist: Dist, state: Any, batch_group: int, pipeline: Pipeline) -> None:
-        """``batch_group``: the consecutive ranks of one pipeline (its stages and their tensor groups)."""
+    def __init__(self, dist: Dist, state: Any, coordinates: Tuple[int, int], pipeline: Pipeline) -> None:
+        """``coordinates``: this rank's data-parallel ``(rank, size)`` (`Parallel.data_parallel`): which
+        pipeline it is in, of how many."""
         self.dist, self.state = dist, state
-        self.pipelines = dist.world_size // batch_group
-        self.slot = dist.rank // batch_group
-        tensor_group = batch_group // pipeline.config.pipeline_parallel
+        self.slot, self.pipelines = coordinates
         # One rank per pipeline writes its loss: the last stage's first rank of its tensor group.
-        self.writes = pipeline.has_last and dist.rank % tensor_group == 0
+        self.writes = pipeline.has_last and dist.rank % pipeline.config.tensor_parallel == 0
         self._values: List[int] = []
 
     def start(self, values: Sequence[int]) -> None:
@@ -93,6 +92,7 @@ class PipelineStep:
         # the loss once to learn the shapes it sends): no events, the state untouched.
         self._loss_calls: Optional[int] = None  # counted in the first step only, then None
         self._inferring = pipeline.has_last
+        self._checked = False  # the first batch's agreement across each pipeline's ranks (`_check_batches_agree`)
         pipeline.feed.before_forward = self._before_forward
         pipeline.feed.loss = self._loss
 
@@ -120,6 +120,8 @@ class PipelineStep:
                 f"The batch has {total} samples on rank {state.rank}, fewer than FSDPConfig(pipeline_microbatches="
                 f"{microbatches}). Fix: a batch of at least {microbatches} rows per pipeline, or fewer microbatches."
             )
+        if not self._checked:
+            self._check_batches_agree(batch)
         self._active, self._total = active, total
         pipeline.feed.microbatches = spec.split_batch(batch, microbatches)
         pipeline.feed.context = autocast
@@ -143,6 +145,29 @@ class PipelineStep:
             state.loss = total_loss
         if active[Event.AFTER_BACKWARD]:
             self.engine.run_event(Event.AFTER_BACKWARD)
+
+    def _check_batches_agree(self, batch: Any) -> None:
+        """Once, before the first schedule: every rank of a pipeline must hold the same batch (the first
+        stage embeds it, the last takes its targets: different batches would train wrongly, silently).
+        One all-gather of 3 numbers per rank over every rank, so that no pipeline goes on alone."""
+        from raytrain_events.parallel.tensor_parallel import _checksum  # the TP check's batch checksum
+
+        self._checked = True
+        counters = self.counters
+        gathered = counters.dist.all_gather_object((counters.slot, _checksum(batch).tolist()))
+        first: Dict[int, Any] = {}
+        bad = {slot for slot, sums in gathered if first.setdefault(slot, sums) != sums}
+        if bad:
+            ranks = [[r for r, (slot, _) in enumerate(gathered) if slot == b] for b in sorted(bad)]
+            config = self.pipeline.config
+            apart = " (pipeline_outermost: a pipeline's stages are world_size / pipeline_parallel ranks apart)"
+            raise ValueError(
+                f"pipeline_parallel={config.pipeline_parallel}: the ranks of pipelines {ranks} got different batches; "
+                "a pipeline's stages must load the same ones (the first stage embeds the batch, the last computes "
+                "the loss on its targets). Fix: shard the data by the data-parallel rank, (rank, size) = "
+                "trainer.parallel.data_parallel(rank, world_size), e.g. DistributedSampler(num_replicas=size, "
+                f"rank=rank){apart if config.pipeline_outermost else ''}."
+            )
 
     def _before_forward(self, index: int) -> Any:
         """The first stage's microbatch ``index`` after ``BEFORE_FORWARD``: fired once per microbatch,

@@ -35,19 +35,12 @@ __all__ = [
     "PLAN_METHOD",
     "apply_tensor_parallel",
     "check_first_batch_agrees",
-    "data_parallel_coordinates",
     "metric_group",
     "tensor_parallel_plans",
 ]
 
 PLAN_METHOD = "tensor_parallel_plan"
 _SPLIT_DIM = {"colwise": ("out_features", "output features"), "rowwise": ("in_features", "input features")}
-
-
-def data_parallel_coordinates(rank: int, world_size: int, degree: int) -> Tuple[int, int]:
-    """``(data-parallel rank, data-parallel size)`` of ``rank`` on a ``(world_size / degree, degree)``
-    mesh: the ``degree`` consecutive ranks of a tensor group share one data-parallel rank (one batch)."""
-    return rank // degree, world_size // degree
 
 
 def metric_group(model: torch.nn.Module) -> Any:

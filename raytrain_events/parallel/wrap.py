@@ -21,11 +21,7 @@ from raytrain_events.parallel.context_parallel import ContextParallel
 from raytrain_events.parallel.context_parallel import check_model as check_context_model
 from raytrain_events.parallel.deferred_init import DeferredInit, has_meta_tensors
 from raytrain_events.parallel.pipeline import Pipeline, check_algorithms_for_pipeline
-from raytrain_events.parallel.tensor_parallel import (
-    apply_tensor_parallel,
-    check_first_batch_agrees,
-    data_parallel_coordinates,
-)
+from raytrain_events.parallel.tensor_parallel import apply_tensor_parallel, check_first_batch_agrees
 
 __all__ = ["Parallel", "apply_fsdp", "check_algorithms_for_sharding", "is_sharded_module"]
 
@@ -188,16 +184,17 @@ class Parallel:
 
     def data_parallel(self, rank: int, world_size: int) -> tuple:
         """``(data-parallel rank, data-parallel size)``: what to shard the data by. Under tensor, context
-        and pipeline parallelism the ``pipeline_parallel * context_parallel * tensor_parallel``
-        consecutive ranks of one group share a data-parallel rank (they must load the same batches);
-        otherwise ``(rank, world_size)``."""
-        return data_parallel_coordinates(rank, world_size, self.spec.batch_group)
+        and pipeline parallelism the ``pipeline_parallel * context_parallel * tensor_parallel`` ranks
+        of one group share a data-parallel rank (they must load the same batches): consecutive ranks,
+        or with ``pipeline_outermost`` a pipeline's stages ``world_size / p`` apart; otherwise
+        ``(rank, world_size)`` (`ParallelismSpec.data_coordinates`)."""
+        return self.spec.data_coordinates(rank, world_size)
 
-    def counts_data(self, rank: int) -> bool:
+    def counts_data(self, rank: int, world_size: int) -> bool:
         """Whether this rank's samples and tokens count in the global sums: every rank's, except
         under tensor, context or pipeline parallelism, where one rank per group (the first stage's
         first) counts the group's shared batch."""
-        return rank % self.spec.batch_group == 0
+        return self.spec.counts_data(rank, world_size)
 
     def split(self, batch: Any) -> Any:
         """This rank's part of a training microbatch: under context parallelism the model's cut

@@ -170,7 +170,7 @@ def _check_on_meta(spec: RunSpec) -> None:
 
 
 def _check_pipeline(spec: RunSpec, model: Any) -> None:
-    """Pipeline parallelism: the mesh, algorithms and eval sets (no model), or the model's stages."""
+    """Pipeline parallelism: the mesh and algorithms (no model), or the model's stages."""
     config = spec.parallelism_spec.fsdp
     if config is None or config.pipeline_parallel == 1:
         return
@@ -182,9 +182,7 @@ def _check_pipeline(spec: RunSpec, model: Any) -> None:
     algorithms = spec.algorithms if isinstance(spec.algorithms, (list, tuple)) else []
     from raytrain_events.algorithms.registry import build_algorithms
 
-    plain = isinstance(spec.datasets, Mapping) and spec.mixture is None  # a mixture's sources: the worker refuses
-    evals = [name for name in spec.datasets if name != "train"] if plain else []
-    check_pipeline_run(config, spec.workers, build_algorithms(algorithms), evals)
+    check_pipeline_run(config, spec.workers, build_algorithms(algorithms))
 
 
 def _as_list(value: Any) -> List[Any]:

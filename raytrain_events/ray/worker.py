@@ -95,7 +95,7 @@ def build_worker(spec: RunSpec, fault_tolerance: Optional[WorkerFaultTolerance] 
         for name in spec.eval_names
         if name not in async_eval_names(spec.validation, spec.eval_names)  # those are evaluated as Ray tasks
     ]
-    counts_data = Parallel(spec.parallelism_spec).counts_data(rank)  # TP: one rank per group
+    counts_data = Parallel(spec.parallelism_spec).counts_data(rank, context.get_world_size())  # TP: one rank per group
     # Every rank arrived, or an error; the preemption guard saves only where the strategy says.
     guards = worker_guards(spec, dist, checkpointing=parts.saves_on_preemption)
     reporter = RayReporter(

@@ -206,21 +206,17 @@ def wrap_for_training(host: TrainingHost, counted: bool) -> Tuple[torch.nn.Modul
 
 
 def pipeline_step(host: Any) -> Optional[PipelineStep]:
-    """Under pipeline parallelism, what runs each batch through the schedule (`PipelineStep`); else None.
-    Evaluation and prediction are refused there: each rank holds only its stages' layers."""
+    """Under pipeline parallelism, what runs each batch through the schedule (`PipelineStep`); else None
+    (and None for a Trainer without train data: evaluation and predict run the stages themselves,
+    `raytrain_events.parallel.pipeline_eval`)."""
     pipeline = host.parallel.pipeline
-    if pipeline is None:
+    if pipeline is None or host.train_spec is None:
         return None
-    if host.train_spec is None or host.state.evaluators:
-        raise ValueError(
-            f"FSDPConfig(pipeline_parallel={pipeline.config.pipeline_parallel}) trains only: evaluation and predict "
-            "would run the whole model's forward on a rank that holds one stage. Fix: drop eval_dataloader and "
-            "evaluate a checkpoint of the run in a Trainer without pipeline_parallel (checkpoints reshard into it)."
-        )
     from raytrain_events.parallel.pipeline_step import PipelineCounters, PipelineStep  # only when pipelined
 
     engine: Engine = host.engine
-    counters = PipelineCounters(host.dist, host.state, host.parallel.spec.batch_group, pipeline)
+    coordinates = host.parallel.data_parallel(host.dist.rank, host.dist.world_size)  # (its pipeline, pipelines)
+    counters = PipelineCounters(host.dist, host.state, coordinates, pipeline)
     return PipelineStep(state=host.state, engine=engine, pipeline=pipeline, spec=host.train_spec, counters=counters)
 
 

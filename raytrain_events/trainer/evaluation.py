@@ -7,6 +7,11 @@ logged as ``metrics/<label>/<name>``.
 Metrics are torchmetrics objects from ``model.get_metrics(is_train=False)``; with several ranks
 their ``compute()`` synchronizes across the process group, so every rank logs the global value
 (a tensor-parallel model's over one rank per tensor group, which all see the same batches).
+
+Under pipeline parallelism the stages run forward only (`raytrain_events.parallel.pipeline_eval`):
+``state.outputs`` at ``EVAL_AFTER_FORWARD`` is the model's outputs on the last stage's ranks and None
+on the others; the metrics are updated and computed on the last stage (over its data-parallel ranks)
+and shared over the pipeline, so every rank returns and logs the same values.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import torch
 
 from raytrain_events.core.data_spec import DataSpec, ensure_data_spec
 from raytrain_events.core.event import Event
+from raytrain_events.parallel.pipeline import pipeline_of
+from raytrain_events.parallel.pipeline_eval import cpu_values, forward_only, share_from_last
 from raytrain_events.parallel.tensor_parallel import metric_group
 from raytrain_events.trainer._batch import device_batches
 
@@ -141,7 +148,8 @@ def run_evaluation(
     was_training = model.training
     train_batch, train_outputs = state.batch, state.outputs
     results: Dict[str, Any] = {}
-    group = metric_group(model)
+    pipeline = pipeline_of(model)  # pipeline parallelism: the stages forward only, metrics on the last
+    group = metric_group(model) if pipeline is None else pipeline.data_group
     model.eval()
     try:
         for evaluator in state.evaluators if evaluators is None else evaluators:
@@ -161,15 +169,26 @@ def run_evaluation(
                     state.batch = batch
                     engine.run_event(Event.EVAL_BATCH_START)
                     engine.run_event(Event.EVAL_BEFORE_FORWARD)
-                    with host.autocast():
-                        outputs = eval_forward(state.batch, None) if eval_forward is not None else model(state.batch)
+                    if pipeline is not None:  # None off the last stage; eval_forward takes the model's outputs
+                        outputs = forward_only(pipeline, state.batch, spec, host.autocast())
+                        if outputs is not None and eval_forward is not None:
+                            outputs = eval_forward(state.batch, outputs)
+                    else:
+                        with host.autocast():
+                            outputs = (
+                                eval_forward(state.batch, None) if eval_forward is not None else model(state.batch)
+                            )
                     state.outputs = outputs
                     engine.run_event(Event.EVAL_AFTER_FORWARD)
-                    if update_metric is not None:
+                    if update_metric is not None and (pipeline is None or pipeline.has_last):
                         for metric in metrics.values():
                             update_metric(state.batch, state.outputs, metric)
                     engine.run_event(Event.EVAL_BATCH_END)
-            values = {f"metrics/{evaluator.label}/{name}": metric.compute() for name, metric in metrics.items()}
+            values = {}
+            if pipeline is None or pipeline.has_last:
+                values = {f"metrics/{evaluator.label}/{name}": metric.compute() for name, metric in metrics.items()}
+            if pipeline is not None:  # the last stage's values on every rank of the pipeline
+                values = share_from_last(pipeline, cpu_values(values))
             if values and log:
                 logger.log_metrics(values, step=state.step)
             results.update(values)

@@ -4,6 +4,11 @@
 only loaded a checkpoint (``CheckpointConfig(load_from=...)``). The model runs in eval mode under
 ``torch.no_grad`` and the Trainer's precision; outputs are moved to the CPU so that a long
 prediction does not fill device memory. Each rank predicts its own data (no collective).
+
+Under pipeline parallelism the stages run forward only (`raytrain_events.parallel.pipeline_eval`):
+``state.outputs`` at ``PREDICT_AFTER_FORWARD`` is the model's outputs on the last stage's ranks (a
+callback writing predictions out runs there) and None on the others; with ``return_outputs`` each
+batch's outputs (on the CPU) are broadcast over the pipeline, so every rank returns its pipeline's.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import torch
 
 from raytrain_events.core.data_spec import DataSpec, ensure_data_spec
 from raytrain_events.core.event import Event
+from raytrain_events.parallel.pipeline import pipeline_of
+from raytrain_events.parallel.pipeline_eval import forward_only, share_from_last
 from raytrain_events.trainer._batch import device_batches
 from raytrain_events.trainer.evaluation import EvaluationHost
 
@@ -49,6 +56,7 @@ def run_predict(
     state, engine, device = host.state, host.engine, host.device
     spec = ensure_data_spec(dataloader, "predict(dataloader)")
     model = state.model
+    pipeline = pipeline_of(model)  # pipeline parallelism: the stages forward only, the outputs on the last
     was_training = model.training
     saved_batch, saved_outputs = state.batch, state.outputs
     outputs: List[Any] = []
@@ -60,11 +68,15 @@ def run_predict(
                 state.batch = batch
                 engine.run_event(Event.PREDICT_BATCH_START)
                 engine.run_event(Event.PREDICT_BEFORE_FORWARD)
-                with host.autocast():
-                    state.outputs = model(state.batch)
+                if pipeline is not None:
+                    state.outputs = forward_only(pipeline, state.batch, spec, host.autocast())
+                else:
+                    with host.autocast():
+                        state.outputs = model(state.batch)
                 engine.run_event(Event.PREDICT_AFTER_FORWARD)
                 if return_outputs:
-                    outputs.append(to_cpu(state.outputs))
+                    output = to_cpu(state.outputs)
+                    outputs.append(output if pipeline is None else share_from_last(pipeline, output))
                 engine.run_event(Event.PREDICT_BATCH_END)
         engine.run_event(Event.PREDICT_END)
     finally:

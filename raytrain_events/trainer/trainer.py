@@ -281,7 +281,7 @@ class Trainer:
         # One process (and no auto microbatching, whose counters agree per attempt): the sums are
         # this rank's values, so the batch needs no counter calls at all.
         single = self._auto is None and not self.dist.is_distributed
-        batches, counts_data = 0, self.parallel.counts_data(state.rank)
+        batches, counts_data = 0, self.parallel.counts_data(state.rank, self.dist.world_size)
         while True:
             # Events nobody listens to are skipped: no algorithms, and no callback overrides them.
             active = engine.active_events()

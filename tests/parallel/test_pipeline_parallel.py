@@ -11,7 +11,7 @@ import torch
 
 from raytrain_events.parallel.config import FSDPConfig
 from raytrain_events.parallel.pipeline_split import find_blocks, keep_stages, plan_stages
-from tests.parallel.pp_workloads import SCHEDULES, pp_config, pp_trainer
+from tests.parallel.pp_workloads import SCHEDULES, ema_state, pp_config, pp_trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -38,35 +38,51 @@ def ddp_reference() -> List[Dict[str, Any]]:
     return run_ranks(2, train_ddp)
 
 
-def _check_like_ddp(ddp: List[Dict[str, Any]], runs: List[Dict[str, Any]], group: int, atol: float) -> None:
+def _check_like_ddp(ddp: List[Dict[str, Any]], runs: List[Dict[str, Any]], atol: float) -> None:
     """The pipelined arm against DDP: whole model, loss on every rank of a pipeline, whole-model
     norm, the global Timestamp."""
     assert _max_diff(_merged(runs), ddp[0]["model"]) <= atol
+    assert _max_diff(_merged(runs, "ema"), ddp[0]["ema"]) <= atol  # EMA: each rank averages its stages
     initial = ddp[0]["model"]["blocks.0.mlp.fc.weight"]
     assert not torch.equal(_merged(runs)["blocks.0.mlp.fc.weight"], torch.zeros_like(initial))
-    for rank, run in enumerate(runs):
-        reference = ddp[rank // group]  # the DDP rank that loaded the same data shard
+    for run in runs:
+        reference = ddp[run["shard"]]  # the DDP rank that loaded the same data shard
         assert run["loss"] == pytest.approx(reference["loss"], abs=1e-5)
         assert run["losses"] == pytest.approx(reference["losses"], abs=1e-5)
         assert run["norm"] == pytest.approx(reference["norm"], rel=1e-5)
         assert (run["samples"], run["batches"]) == (reference["samples"], reference["batches"]) == (64, 4)
+        # Evaluation (during fit at batch 4, and Trainer.eval after) and predict run the stages
+        # forward only: the unsplit model's metrics on every rank, its outputs on every rank of a pipeline.
+        assert len(run["evals"]) == len(reference["evals"]) == 2  # EVAL_END: 1 in fit, 1 in Trainer.eval (unlogged)
+        for evaluated, expected in zip(run["evals"][:1] + [run["eval"]], reference["evals"][:1] + [reference["eval"]]):
+            assert sorted(evaluated) == sorted(expected) and len(expected) == 2
+            assert evaluated == pytest.approx(expected, abs=atol * 10)
+        assert torch.allclose(run["predict"], reference["predict"], atol=atol * 10)
 
 
 def test_each_schedule_trains_like_ddp_on_pp2_x_dp2(ddp_reference: List[Dict[str, Any]]) -> None:
     """PP 2 x DP 2 on 4 gloo ranks (a meta-built model, each rank materialising its stage only) trains
     the same 4 global batches to DDP's parameters for GPipe, 1F1B, Interleaved 1F1B and Looped BFS
-    (2 stages per rank), and 1F1B over HSDP, with the model's loss on every rank, the whole model's clipping norm and an equal
-    Timestamp; the loss events fire on the last stage only, BEFORE_FORWARD on the first."""
+    (2 stages per rank), 1F1B over HSDP, and 1F1B with the pipeline outermost (torchtitan's mesh order),
+    with the model's loss on every rank, the whole model's clipping norm and an equal Timestamp; the
+    loss events fire on the last stage only, BEFORE_FORWARD on the first."""
     from tests.parallel.pp_workloads import train_schedules
     from tests.parallel.spawn import run_ranks
 
     hsdp = pp_config("1f1b", replicate=2)  # PP 2 x HSDP 2x1: the mesh (replicate, shard, pipeline)
-    results = run_ranks(4, train_schedules, [pp_config(s) for s in SCHEDULES] + [hsdp], 2)
-    _check_like_ddp(ddp_reference, [results[rank][len(SCHEDULES)] for rank in range(4)], group=2, atol=1e-6)
+    outermost = pp_config("1f1b", pipeline_outermost=True)  # the mesh (pipeline, shard): stages 2 ranks apart
+    results = run_ranks(4, train_schedules, [pp_config(s) for s in SCHEDULES] + [hsdp, outermost])
+    _check_like_ddp(ddp_reference, [results[rank][len(SCHEDULES)] for rank in range(4)], atol=1e-6)
+    runs = [results[rank][len(SCHEDULES) + 1] for rank in range(4)]
+    _check_like_ddp(ddp_reference, runs, atol=1e-6)
+    assert [run["stages"] for run in runs] == [[0], [0], [1], [1]]  # a stage's FSDP group: consecutive ranks
+    assert [run["shard"] for run in runs] == [0, 1, 0, 1]  # a pipeline's stages: ranks 0 and 2, 1 and 3
+    assert runs[1]["events"]["BEFORE_FORWARD"] == 8 and runs[2]["events"]["AFTER_LOSS"] == 8
     full = sum(t.numel() for t in ddp_reference[0]["model"].values())
     for index, schedule in enumerate(SCHEDULES):
         runs = [results[rank][index] for rank in range(4)]
-        _check_like_ddp(ddp_reference, runs, group=2, atol=1e-6)
+        assert [run["shard"] for run in runs] == [0, 0, 1, 1]
+        _check_like_ddp(ddp_reference, runs, atol=1e-6)
         stages = [run["stages"] for run in runs]
         looped = schedule in ("interleaved1f1b", "loopedbfs")
         assert stages == ([[0, 2], [1, 3]] * 2 if looped else [[0], [1]] * 2), schedule
@@ -90,31 +106,71 @@ def test_pp2_x_fsdp2_x_tp2_on_eight_ranks_trains_like_ddp(ddp_reference: List[Di
     from tests.parallel.pp_workloads import train_schedules
     from tests.parallel.spawn import run_ranks
 
-    results = run_ranks(8, train_schedules, [pp_config("1f1b", tensor_parallel=2)], 4)
-    _check_like_ddp(ddp_reference, [result[0] for result in results], group=4, atol=2e-5)
+    results = run_ranks(8, train_schedules, [pp_config("1f1b", tensor_parallel=2)])
+    _check_like_ddp(ddp_reference, [result[0] for result in results], atol=2e-5)
 
 
-def test_pp2_checkpoint_resumes_on_pp4_and_on_one_process(tmp_path: Any) -> None:
-    """A PP 2 x DP 2 checkpoint (DCP) resumes exactly on PP 4 (4 stages of one block, other layers'
-    keys on other ranks), whose own save resumes exactly into a plain one-process Trainer."""
-    from tests.parallel.pp_workloads import pp_checkpoint_hops
+@pytest.fixture(scope="module")
+def hops_and_spike(tmp_path_factory: Any) -> Dict[str, Any]:
+    """The checkpoint hops and the spike guard's runs, in one spawn of 4 ranks."""
+    from tests.parallel.pp_workloads import pp_hops_and_spike
     from tests.parallel.spawn import run_ranks
+
+    folder = str(tmp_path_factory.mktemp("pp") / "pp")
+    return {"folder": folder, "ranks": run_ranks(4, pp_hops_and_spike, folder)}
+
+
+def test_pp2_checkpoint_resumes_on_pp4_and_on_one_process(hops_and_spike: Dict[str, Any]) -> None:
+    """A PP 2 x DP 2 checkpoint (DCP) resumes exactly on PP 4 (4 stages of one block, other layers'
+    keys on other ranks), whose own save resumes exactly into a plain one-process Trainer; with the
+    EMA's averages of each stage."""
     from tests.parallel.workloads import snapshot
 
-    results = run_ranks(4, pp_checkpoint_hops, str(tmp_path / "pp"))
+    results = [r["hops"] for r in hops_and_spike["ranks"]]
     saved = [r["pp2_saved"] for r in results]
     loaded = [r["pp4_loaded"] for r in results]
     assert _max_diff(_merged(saved), _merged(loaded)) == 0.0
     assert _max_diff(_merged(saved, "optim"), _merged(loaded, "optim")) == 0.0
+    assert _max_diff(_merged(saved, "ema"), _merged(loaded, "ema")) == 0.0  # each stage's averages, resharded
+    assert _max_diff(_merged(saved, "ema"), _merged(saved)) > 0  # the averages are not the weights
     counts = [(e["timestamp"]["batch"], e["timestamp"]["sample"]) for e in saved + loaded]
     assert counts == [(2, 32)] * 8  # 2 batches of 2 pipelines x 8 rows, on every rank, saved and loaded
     pp4 = [r["pp4_saved"] for r in results]
-    trainer = pp_trainer(0, "ddp", "3ba", 1, str(tmp_path / "pp"), meta=False, autoresume=True)
-    one = snapshot(trainer)
+    trainer = pp_trainer(0, "ddp", "3ba", 1, hops_and_spike["folder"], meta=False, autoresume=True)
+    one = {**snapshot(trainer), "ema": ema_state(trainer)}
     trainer.close()
     assert _max_diff(_merged(pp4), one["model"]) == 0.0
+    assert _max_diff(_merged(pp4, "ema"), one["ema"]) == 0.0
     assert _max_diff(_merged(pp4, "optim"), one["optim"]) == 0.0
     assert one["timestamp"]["batch"] == 3 and one["timestamp"]["sample"] == 40  # + one batch of one pipeline
+
+
+def test_spike_guard_under_pp2_x_dp2_judges_the_whole_models_norm_and_rolls_back_with_every_rank(
+    hops_and_spike: Dict[str, Any],
+) -> None:
+    """SpikeGuard under PP 2 x DP 2: the gradient norm it judges is the whole model's (over the FSDP
+    shards and both stages), equal to DDP's on the same global batches; a 50x loss planted in batch 4
+    rolls every rank back at batch 5 (the agreement's) to the snapshot of batch 2, as under DDP, to the
+    same model."""
+    results = [r["spike"] for r in hops_and_spike["ranks"]]
+    ddp = results[0]["ddp"]
+    assert ddp["rollbacks"] == [{"batch": 5, "spike_batch": 4, "restored_batch": 2}]
+    assert len(ddp["norms"]) == 4 and ddp["norms"][3] > 10 * ddp["norms"][2] > 0  # the 4th: the spike's
+    for result in results:
+        assert result["ddp"]["rollbacks"] == result["pp"]["rollbacks"] == ddp["rollbacks"]
+        assert result["pp"]["norms"] == pytest.approx(ddp["norms"], rel=1e-5)
+    assert _max_diff(_merged([r["pp"] for r in results]), ddp["model"]) <= 1e-6
+
+
+def test_a_pipeline_whose_stages_load_different_batches_is_refused_on_every_rank(
+    hops_and_spike: Dict[str, Any],
+) -> None:
+    """pipeline_outermost with the data sharded by rank // 2 (the consecutive rule): the first batch's
+    check finds both pipelines' stages holding different batches and every rank raises, naming the fix."""
+    messages = [r["mis-sharded"] for r in hops_and_spike["ranks"]]
+    assert len(set(messages)) == 1
+    assert "the ranks of pipelines [[0, 2], [1, 3]] got different batches" in messages[0]
+    assert "trainer.parallel.data_parallel(rank, world_size)" in messages[0] and "ranks apart" in messages[0]
 
 
 # ----------------------------------------------------------------------------- bad input, no ranks
@@ -192,7 +248,11 @@ def test_a_model_without_the_protocol_is_refused() -> None:
     "kwargs, message",
     [
         ({"grad_accum": 2}, "grad_accum=2 with FSDPConfig\\(pipeline_parallel=2\\).*Fix: grad_accum=1"),
-        ({"grad_accum": "auto"}, "grad_accum='auto'"),
+        (
+            {"grad_accum": "auto"},
+            "grad_accum='auto'.*cannot apply.*already splits each batch into pipeline_microbatches=2.*blocked in "
+            "point-to-point receives.*Fix: grad_accum=1 and a fixed FSDPConfig\\(pipeline_microbatches=n\\)",
+        ),
         ({"precision": "amp_fp16"}, "amp_fp16.*Fix: precision='amp_bf16'"),
         ({"compile": True}, "compile=True with FSDPConfig.*the stages never call"),
     ],
@@ -207,18 +267,20 @@ def test_loop_options_that_do_not_compose_are_refused(kwargs: Dict[str, Any], me
 def test_algorithms_that_cannot_run_under_pp_are_refused_before_any_work() -> None:
     from examples.transformer_lm import TransformerLM, random_tokens
     from raytrain_events import Trainer
-    from raytrain_events.algorithms.ema import EMA
     from raytrain_events.algorithms.layer_freezing import LayerFreezing
     from raytrain_events.algorithms.mixup import MixUp
+    from raytrain_events.algorithms.sam import SAM
 
     with torch.device("meta"):
         model = TransformerLM(depth=4)
-    with pytest.raises(ValueError, match="MixUp: it mixes the inputs on the first stage(.|\n)*LayerFreezing(.|\n)*EMA"):
+    with pytest.raises(
+        ValueError, match="MixUp: it mixes the inputs on the first stage(.|\n)*LayerFreezing(.|\n)*SAM: its ascent"
+    ):
         Trainer(
             model=model,
             train_dataloader=torch.utils.data.DataLoader(random_tokens(8), batch_size=4),
             max_duration="1ba",
             optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
             parallelism=pp_config("1f1b"),
-            algorithms=[MixUp(), LayerFreezing(), EMA()],
+            algorithms=[MixUp(), LayerFreezing(), SAM()],
         )

@@ -32,9 +32,9 @@ def test_mesh_shape_names_and_bad_options():
 def test_data_parallel_coordinates_and_counting():
     parallel = Parallel(FSDPConfig(tensor_parallel=2))
     assert [parallel.data_parallel(r, 4) for r in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
-    assert [parallel.counts_data(r) for r in range(4)] == [True, False, True, False]
+    assert [parallel.counts_data(r, 4) for r in range(4)] == [True, False, True, False]
     plain = Parallel("fsdp")
-    assert plain.data_parallel(3, 4) == (3, 4) and all(plain.counts_data(r) for r in range(4))
+    assert plain.data_parallel(3, 4) == (3, 4) and all(plain.counts_data(r, 4) for r in range(4))
 
 
 def test_model_without_a_plan_is_refused():

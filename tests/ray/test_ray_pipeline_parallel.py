@@ -15,6 +15,7 @@ import os
 import sys
 from typing import Any, Dict
 
+import numpy as np
 import pytest
 import torch
 from bad_input_helpers import no_ray  # noqa: F401 -- the fixture, used by name
@@ -28,12 +29,21 @@ ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ship this mod
 ROWS, LENGTH, VOCAB, BATCH = 40, 16, 64, 8
 
 
-def make_model() -> Any:
-    from examples.transformer_lm import TransformerLM
+def make_model(meta: bool = True) -> Any:
+    from examples.transformer_lm import TransformerLM, next_tokens
+
+    class MeteredLM(TransformerLM):  # eval metrics: next-token cross-entropy
+        def get_metrics(self, is_train: bool = False) -> Dict[str, Any]:
+            from raytrain_events.metrics import CrossEntropy
+
+            return {"cross_entropy": CrossEntropy()}
+
+        def update_metric(self, batch: Any, outputs: torch.Tensor, metric: Any) -> None:
+            metric.update(outputs[:, :-1].reshape(-1, VOCAB), next_tokens(batch)[:, :-1].reshape(-1))
 
     torch.manual_seed(0)
-    with torch.device("meta"):  # each worker materialises its own stage only
-        return TransformerLM(vocab=VOCAB, width=32, heads=4, depth=2, length=LENGTH)
+    with torch.device("meta" if meta else "cpu"):  # each worker materialises its own stage only
+        return MeteredLM(vocab=VOCAB, width=32, heads=4, depth=2, length=LENGTH)
 
 
 def make_adam(model: Any) -> Any:
@@ -57,9 +67,15 @@ class RecordStages(Callback):
         record = {"ids": [int(i) for i in state.batch["id"].tolist()], "loss": float(state.loss)}
         self.file.write(json.dumps(record) + "\n")
 
+    def eval_end(self, state: Any, logger: Any) -> None:
+        record = {k: float(v) for k, v in logger.metrics.items() if k.startswith("metrics/")}
+        self.file.write(json.dumps({"eval": record}) + "\n")
+
     def fit_end(self, state: Any, logger: Any) -> None:
         self.file.write(json.dumps({"params": sorted(n for n, _ in state.model.named_parameters())}) + "\n")
         self.file.close()
+        held = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in state.model.named_parameters()}
+        torch.save({n: p.detach().cpu() for n, p in held.items()}, os.path.join(self.folder, f"rank{state.rank}.pt"))
 
 
 def _options(**over: Any) -> Dict[str, Any]:
@@ -84,12 +100,15 @@ def _options(**over: Any) -> Dict[str, Any]:
     [
         ({"num_workers": 3}, "pipeline_parallel=2\\) needs a world size divisible by 2.*got 3 ranks"),
         ({"algorithms": ["mixup"]}, "MixUp: it mixes the inputs on the first stage"),
-        ({"datasets": {"train": None, "val": None}}, "trains only, but datasets has eval sets \\['val'\\]"),
         (
             {"parallelism": {"pipeline_parallel": 2, "pipeline_stages_per_rank": 2, "pipeline_schedule": "loopedbfs"}},
             "4 stages do not divide the model's 2 blocks evenly",
         ),
         ({"grad_accum": 2}, "grad_accum=2 with FSDPConfig\\(pipeline_parallel=2\\)"),
+        (
+            {"parallelism": {"pipeline_parallel": 2, "pipeline_outermost": True}},
+            "pipeline_outermost=True\\) under RayTrainer.*Fix: pipeline_outermost=False",
+        ),
     ],
 )
 def test_ray_trainer_refuses_bad_pipelines_before_ray_starts(tmp_path: Any, no_ray: Any, over: Any, error: str) -> None:  # noqa: F811
@@ -112,12 +131,12 @@ def test_a_pipeline_over_two_workers_trains_every_row_once_with_the_models_loss(
     from raytrain_events import RayTrainer
     from tests.ray.test_ray_tensor_parallel import make_rows
 
-    train = make_rows(ROWS)
+    train, val = make_rows(ROWS), make_rows(12, seed=1)
     folder = tmp_path / "records"
     folder.mkdir()
     result = RayTrainer(
         **_options(
-            datasets={"train": ray.data.from_items(train)},
+            datasets={"train": ray.data.from_items(train), "val": ray.data.from_items(val)},
             get_num_tokens_in_batch=count_tokens,
             storage_path=str(tmp_path / "runs"),
             callbacks=lambda: [RecordStages(str(folder))],
@@ -132,7 +151,17 @@ def test_a_pipeline_over_two_workers_trains_every_row_once_with_the_models_loss(
     first, last = (records[-1]["params"] for records in ranks)
     assert "tokens.weight" in first and "head.weight" not in first and "blocks.0.attn.q.weight" in first
     assert "head.weight" in last and "tokens.weight" not in last and "blocks.1.attn.q.weight" in last
-    batches = [records[:-1] for records in ranks]
+    # The eval set (at the epoch's end) ran the stages forward only: the same metric on both stages.
+    evals = [[r["eval"] for r in records if "eval" in r] for records in ranks]
+    assert evals[0] == evals[1] and len(evals[0]) == 1
+    unsplit = make_model(meta=False)  # the trained stages joined into the whole model, evaluated on one process
+    unsplit.load_state_dict({**torch.load(folder / "rank0.pt"), **torch.load(folder / "rank1.pt")})
+    metric = unsplit.get_metrics()["cross_entropy"]
+    with torch.no_grad():
+        ids = torch.tensor(np.stack([row["input_ids"] for row in val]))
+        unsplit.update_metric({"input_ids": ids}, unsplit({"input_ids": ids}), metric)
+    assert evals[0][0]["metrics/val/cross_entropy"] == pytest.approx(float(metric.compute()), abs=1e-5)
+    batches = [[r for r in records[:-1] if "ids" in r] for records in ranks]
     assert [r["ids"] for r in batches[0]] == [r["ids"] for r in batches[1]]
     assert [i for r in batches[0] for i in r["ids"]] == list(range(ROWS))
     assert [r["loss"] for r in batches[0]] == [r["loss"] for r in batches[1]]  # the model's, on both stages

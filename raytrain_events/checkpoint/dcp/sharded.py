@@ -7,6 +7,8 @@ every checkpoint; the manifest's ``metadata["layout"]`` is ``"dcp"``)::
     __<rank>_<n>.distcp    the shards rank <rank> wrote: model, optimizer and algorithm tensors
     state.pt               rank 0: everything else (Timestamp, schedulers, algorithm and callback
                            state), with each tensor replaced by a reference into the DCP part
+                           (under pipeline parallelism the union of every rank's references: each
+                           stage's EMA averages; each rank loads those of its own stages)
     rng-rank<r>.pt         each rank's RNG state
 
 Model and optimizer state go through ``torch.distributed.checkpoint.state_dict`` (parameter
@@ -85,6 +87,35 @@ def fill_tensors(tree: Any, tensors: Dict[str, Any]) -> Any:
     return tree
 
 
+def merge_skeletons(trees: List[Any]) -> Any:
+    """The union of several ranks' `split_tensors` skeletons (pipeline parallelism: each rank's EMA
+    averages name its stages' parameters only): dicts merge key by key, lists item by item, anything
+    else is the first tree's."""
+    first = trees[0]
+    if isinstance(first, dict) and set(first) != {_REF}:
+        keys = list(dict.fromkeys(k for tree in trees if isinstance(tree, dict) for k in tree))
+        return {k: merge_skeletons([t[k] for t in trees if isinstance(t, dict) and k in t]) for k in keys}
+    if isinstance(first, (list, tuple)) and all(isinstance(t, type(first)) and len(t) == len(first) for t in trees):
+        return type(first)(merge_skeletons([t[i] for t in trees]) for i in range(len(first)))
+    return first
+
+
+def drop_refs(tree: Any, available: Dict[str, Any]) -> Any:
+    """``tree`` without the dict entries whose tensor this rank did not load (pipeline parallelism:
+    the averages of the other stages' parameters)."""
+    if isinstance(tree, dict):
+        if set(tree) == {_REF}:
+            return tree
+        return {
+            k: drop_refs(v, available)
+            for k, v in tree.items()
+            if not (isinstance(v, dict) and set(v) == {_REF} and v[_REF] not in available)
+        }
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(drop_refs(v, available) for v in tree)
+    return tree
+
+
 class ShardedCheckpointIO:
     """Save and load the model, optimizers and algorithm tensors of one `Trainer` with DCP.
 
@@ -122,6 +153,12 @@ class ShardedCheckpointIO:
         rest.pop("model")
         rest.pop("optimizers")
         rest, extra = split_tensors(rest)
+        if pipeline_group(state.model) is not None:  # rank 0 writes state.pt: it must name every stage's tensors
+            import torch.distributed as tdist
+
+            gathered: List[Any] = [None] * self.host.dist.world_size
+            tdist.all_gather_object(gathered, rest, group=self.group)
+            rest = merge_skeletons(gathered)
         tensors = {"model": model_sd, "optim": optim_sd, "extra": extra}
         return tensors, rest
 
@@ -226,11 +263,14 @@ class ShardedCheckpointIO:
         state = self.host.state
         metadata = self.shared_metadata(info, local)
         model_sd = get_model_state_dict(state.model)
-        _check_model_keys(info.url, metadata, self._model_shapes(model_sd), strict)
+        shapes = self._model_shapes(model_sd)
+        _check_model_keys(info.url, metadata, shapes, strict)
         target: Dict[str, Any] = {"model": model_sd}
+        pipelined = pipeline_group(state.model) is not None
         if not weights_only:
             target["optim"] = get_optimizer_state_dict(state.model, state.optimizers)
-            target["extra"] = _extra_targets(metadata, model_sd)
+            others = set(shapes) - set(model_sd) if pipelined else set()  # the other stages' parameter names
+            target["extra"] = _extra_targets(metadata, model_sd, others)
         if not strict:
             target["model"] = {k: v for k, v in model_sd.items() if f"model.{k}" in metadata.state_dict_metadata}
         with _plain_errors("Loading", info.url):
@@ -245,6 +285,8 @@ class ShardedCheckpointIO:
         if weights_only:
             return
         set_optimizer_state_dict(state.model, state.optimizers, target["optim"])
+        if pipelined:  # state.pt names every stage's averages; this rank loaded its own
+            rest = drop_refs(rest, target["extra"])
         state.load_state_dict(fill_tensors(rest, target["extra"]), strict=strict)
 
 
@@ -282,9 +324,10 @@ def _check_model_keys(url: str, metadata: Any, shapes: Dict[str, tuple], strict:
         )
 
 
-def _extra_targets(metadata: Any, model_sd: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+def _extra_targets(metadata: Any, model_sd: Dict[str, Any], others: Any = ()) -> Dict[str, torch.Tensor]:
     """Tensors to load the algorithm/callback tensors into: sharded like the model parameter of the
-    same name and shape where there is one (EMA's averages of FSDP shards), else full tensors."""
+    same name and shape where there is one (EMA's averages of FSDP shards), else full tensors; none
+    for those named like a parameter in ``others`` (another pipeline stage's: that rank loads them)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     targets: Dict[str, torch.Tensor] = {}
@@ -294,6 +337,8 @@ def _extra_targets(metadata: Any, model_sd: Dict[str, Any]) -> Dict[str, torch.T
             continue
         key = path[1]
         name = key.rsplit("/", 1)[-1]
+        if name in others:
+            continue
         like = model_sd.get(name)
         if like is not None and tuple(like.shape) == tuple(item.size):
             targets[key] = torch.empty_like(like, dtype=item.properties.dtype)
