@@ -46,7 +46,16 @@ if TYPE_CHECKING:
 
 __all__ = [
     "OnlineError",
-    "OnlinePolicy", "WeightsChange", "POLICIES", "LOSS_DIGITS", "WEIGHT_DIGITS", "next_weights", "schedule", "apply_history", "initial_logs"]
+    "OnlinePolicy",
+    "WeightsChange",
+    "POLICIES",
+    "LOSS_DIGITS",
+    "WEIGHT_DIGITS",
+    "next_weights",
+    "schedule",
+    "apply_history",
+    "initial_logs",
+]
 
 POLICIES = ("exp3", "doremi")
 LOSS_DIGITS = 4
@@ -155,7 +164,9 @@ def _rounded(weights: Sequence[float]) -> List[float]:
     return [round(w, WEIGHT_DIGITS) for w in weights]
 
 
-def next_weights(policy: OnlinePolicy, log_weights: Sequence[float], losses: Sequence[float]) -> Tuple[List[float], List[float]]:
+def next_weights(
+    policy: OnlinePolicy, log_weights: Sequence[float], losses: Sequence[float]
+) -> Tuple[List[float], List[float]]:
     """(the new log-weights, the weights to train on) after one decision on the rounded ``losses``."""
     losses = [round(float(x), LOSS_DIGITS) for x in losses]
     logs = [a + policy.rate * s for a, s in zip(log_weights, policy.signal(losses))]

@@ -34,9 +34,7 @@ def _history(base: Mixture, positions, losses) -> list:
     weights = schedule(policy, start, losses)
     total = sum(start)
     old = [tuple(w / total for w in start)] + [tuple(w) for w in weights[:-1]]
-    return [
-        WeightsChange(p, p // 8, o, tuple(w), tuple(x)) for p, o, w, x in zip(positions, old, weights, losses)
-    ]
+    return [WeightsChange(p, p // 8, o, tuple(w), tuple(x)) for p, o, w, x in zip(positions, old, weights, losses)]
 
 
 def test_exp3_moves_weight_to_the_highest_loss_and_keeps_the_floor():
@@ -116,9 +114,7 @@ def test_the_ledger_answers_over_the_weights_history():
         "callbacks": {"MixtureCounts": {"mixture": mixture.to_dict(), "seed": 4, "stage_starts": list(plan.starts)}},
     }
     ledger = ledger_of_checkpoint(state)
-    trained = Counter(
-        (plan.names[s], r) for e, stop in ((0, 160), (1, 72)) for s, r in plan.rows(e, 0, stop)
-    )
+    trained = Counter((plan.names[s], r) for e, stop in ((0, 160), (1, 72)) for s, r in plan.rows(e, 0, stop))
     for name, rows in (("code", 60), ("math", 80), ("web", 100)):
         for row in range(rows):
             assert ledger.ask(name, row).times == trained[(name, row)]

@@ -31,7 +31,10 @@ GLOBAL_BATCH, SEED = 12, 5
 FOLDER = tempfile.mkdtemp(prefix="mixture-ranks-") + "/checkpoints"
 # The same sources with weights an online policy changes at each eval (every 2 batches), from each source's loss.
 ONLINE = Mixture(
-    sources=SOURCES, weights={"web": 0.5, "code": 0.3, "math": 0.2}, epoch_size=96, online={"policy": "exp3", "rate": 4.0}
+    sources=SOURCES,
+    weights={"web": 0.5, "code": 0.3, "math": 0.2},
+    epoch_size=96,
+    online={"policy": "exp3", "rate": 4.0},
 )
 ONLINE_FOLDER = tempfile.mkdtemp(prefix="online-ranks-") + "/checkpoints"
 

@@ -4,11 +4,13 @@ counts, rows and Timestamp; the checkpoint's ledger answers over the history."""
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import pytest
 import torch
 import torchmetrics
+from png_checks import check_png
 
 from raytrain_events import Callback, Trainer
 from raytrain_events.callbacks.mixture_counts import MixtureCounts
@@ -18,6 +20,7 @@ from raytrain_events.core.data_spec import DataSpec
 from raytrain_events.core.ledger import ledger_of_checkpoint
 from raytrain_events.core.mixture import Mixture, MixtureError
 from raytrain_events.core.time import COUNTER_UNITS
+from raytrain_events.report import write_report
 from raytrain_events.trainer.evaluation import Evaluator
 from raytrain_events.trainer.mixture_loader import MixtureLoader
 
@@ -81,7 +84,9 @@ def evaluators(labels=None):
     for i, name in enumerate(MIXTURE.names):
         held_out = [Rows(i, 40, offset=500)[j] for j in range(40)]
         label = (labels or {}).get(name, name)
-        out.append(Evaluator(label=label, dataloader=torch.utils.data.DataLoader(held_out, batch_size=20), eval_interval="5ba"))
+        out.append(
+            Evaluator(label=label, dataloader=torch.utils.data.DataLoader(held_out, batch_size=20), eval_interval="5ba")
+        )
     return out
 
 
@@ -122,15 +127,14 @@ def test_an_online_mixture_changes_its_weights_and_resumes_exactly(tmp_path):
     assert all(c["old"] == p["new"] for p, c in zip(history, history[1:]))
     # the run trained the switched order: its rows are the final mixture's plan, row for row
     plan = full_loader.mixture.plan(seed=3, total_samples=320, global_batch=8)
-    assert [(e, s, r) for e, s, r in full_seen.rows] == [
-        (e, s, r) for e in (0, 1) for s, r in plan.rows(e, 0, 160)
-    ]
+    assert [(e, s, r) for e, s, r in full_seen.rows] == [(e, s, r) for e in (0, 1) for s, r in plan.rows(e, 0, 160)]
     trained = Counter(MIXTURE.names[s] for _, s, _ in full_seen.rows)
     assert {n: c["samples"] for n, c in counts.items()} == dict(trained)
     fixed = MIXTURE.plan(seed=3, total_samples=320).consumed(1, 160)
     assert tuple(trained[n] for n in MIXTURE.names) != fixed  # the counts are not the fixed mixture's
 
-    folder = str(tmp_path / "ckpt")
+    run = str(tmp_path / "run")
+    folder = run + "/checkpoints"  # a local run's directory: the report reads its checkpoints
     crashed, crashed_seen, _ = make(folder, crash_at=17)  # newest checkpoint: batch 14, after 2 changes
     with pytest.raises(RuntimeError, match="simulated crash"):
         crashed.fit()
@@ -148,6 +152,14 @@ def test_an_online_mixture_changes_its_weights_and_resumes_exactly(tmp_path):
     for i, name in enumerate(MIXTURE.names):
         for row in range(SOURCES[name]):
             assert ledger.ask(name, row).times == before[(i, row)]
+
+    # the run report plots the weights over time from the newest checkpoint's history (the run's end: all of it)
+    written = write_report(run)
+    assert any(image.endswith("mixture_weights.png") for image in written["images"])
+    check_png(os.path.join(run, "mixture_weights.png"))
+    with open(os.path.join(run, "report.html")) as fh:
+        section = fh.read().split("<h2>Mixture weights over time (online policy)</h2>", 1)[1].split("<h2>", 1)[0]
+    assert section.count("<tr>") == 1 + len(history) and f"{history[-1]['new']['math']:.3f}" in section
 
 
 def _saved_state(folder, batch):
