@@ -82,12 +82,12 @@ def train(
     rng = np.random.default_rng([seed, 21])
     pools = {n: _rows(task, n, POOL, rng) for n in task.names}
     held = {n: _rows(task, n, HELD_OUT, rng) for n in task.names}
-    mixture = Mixture(
-        sources={n: POOL for n in task.names}, weights=weights, epoch_size=samples, online=online
-    )
+    mixture = Mixture(sources={n: POOL for n in task.names}, weights=weights, epoch_size=samples, online=online)
     loader = MixtureLoader(mixture, pools, batch_size=32, seed=seed)
     evaluators = [
-        Evaluator(label=n, dataloader=torch.utils.data.DataLoader(held[n], batch_size=HELD_OUT), eval_interval=f"{every}ba")
+        Evaluator(
+            label=n, dataloader=torch.utils.data.DataLoader(held[n], batch_size=HELD_OUT), eval_interval=f"{every}ba"
+        )
         for n in task.names
     ]
     model = Linear(task.dim, seed)
@@ -138,7 +138,9 @@ def main() -> None:
     mean_uniform = statistics.mean(results["uniform"])
     for arm, losses in results.items():
         spread = statistics.stdev(losses) if len(losses) > 1 else 0.0
-        print(f"  {arm:9s} mean {statistics.mean(losses):.4f}  sd {spread:.4f}  x uniform {statistics.mean(losses) / mean_uniform:.3f}")
+        print(
+            f"  {arm:9s} mean {statistics.mean(losses):.4f}  sd {spread:.4f}  x uniform {statistics.mean(losses) / mean_uniform:.3f}"
+        )
 
 
 def _w(weights: Dict[str, float]) -> str:
