@@ -8,6 +8,8 @@
   restart's cause and time lost (`raytrain_events.report.goodput`), the checkpoints, the
   checkpoint saves that failed for good (from ``checkpoints/index.json``) and the run config;
   a run directory with only checkpoints (a local `Trainer` run) gets the checkpoint sections;
+  a run whose mixture adapts during the run (``online=``) gets its weights over time, from the newest
+  checkpoint (``mixture_weights.py``);
 * a **sweep directory** (trial folders with ``raytrain_trial.json``, written by
   `raytrain_events.tune.sweep`): one figure comparing the algorithm sets (the metric against
   global samples, a line per trial, the best thick), the results table sorted by the metric, and
