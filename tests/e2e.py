@@ -66,7 +66,8 @@ E2E: Dict[str, object] = {
     "tests/tune/test_tune_pbt.py": ALL,
     "tests/tune/test_tune_resume.py": ALL,
     "tests/tune/test_tune_mixture_example.py": ALL,  # examples/tune_mixture.py (local proxies, no Ray)
-    "tests/tune/test_mixture_searcher.py": {"test_tune_runs_the_rounds_the_searcher_places"},  # Tune trials
+    # Tune trials: a sweep interrupted mid-round, then restored
+    "tests/tune/test_mixture_searcher.py": {"test_tune_runs_the_rounds_the_searcher_places"},
     "tests/tune/test_tune_sweep.py": {
         "test_grid_over_three_algorithm_sets",
         "test_asha_on_global_samples_stops_the_bad_trial",

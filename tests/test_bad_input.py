@@ -396,6 +396,43 @@ MIXTURE_CASES: List[Tuple[str, Dict[str, Any], Callable[[Dict[str, Any]], Dict[s
     ("source-of-another-schema", _mixture(), lambda d: {**d, "math": d["other"]}, ValueError, "convert it first"),
     ("wrong-row-count", _mixture(sources={"web": 41, "code": 30, "math": 20}), dict, ValueError, r"'web': 40"),
     ("train-beside-a-mixture", _mixture(), lambda d: {**d, "train": d["web"]}, ValueError, "leave 'train' out"),
+    # Mixture(online=...): weights that adapt during the run (core/mixture_online.py)
+    (
+        "online-on-absolute-amounts",
+        _mixture(stages={"0dur": {"web": {"repeat": 1}, "code": {"choose": 10}}}, online={"policy": "exp3"}),
+        dict,
+        ValueError,
+        "give its weights as proportions",
+    ),
+    (
+        "online-unknown-policy",
+        _mixture(weights={"web": 1}, stages=None, online={"policy": "ucb"}),
+        dict,
+        ValueError,
+        r"use one of \['exp3', 'doremi'\]",
+    ),
+    (
+        "online-zero-rate",
+        _mixture(weights={"web": 1}, stages=None, online={"policy": "exp3", "rate": 0}),
+        dict,
+        ValueError,
+        "rate=0 must be a positive",
+    ),
+    (
+        "online-negative-rate",
+        _mixture(weights={"web": 1}, stages=None, online={"policy": "exp3", "rate": -1.0}),
+        dict,
+        ValueError,
+        "rate=-1.0 must be a positive",
+    ),
+    ("online-beside-fixed-stages", _mixture(online={"policy": "exp3"}), dict, ValueError, "give one stage"),
+    (
+        "online-under-raytrainer",
+        _mixture(weights={"web": 1}, stages=None, online={"policy": "exp3"}),
+        dict,
+        ValueError,
+        "train the online mixture with Trainer",
+    ),
 ]
 
 

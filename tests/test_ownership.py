@@ -58,6 +58,8 @@ CYCLE_ALLOWED = {
     ("raytrain_events.core.algorithm", "raytrain_events.core.state"),
     ("raytrain_events.core.mixture_plan", "raytrain_events.core.mixture"),
     ("raytrain_events.callbacks.mixture_counts", "raytrain_events.trainer.mixture_loader"),
+    ("raytrain_events.callbacks.online_mixture", "raytrain_events.trainer.mixture_loader"),
+    ("raytrain_events.core.mixture_online", "raytrain_events.core.mixture"),
 }
 
 

@@ -1,6 +1,6 @@
 """Callbacks that observe the loop: throughput, learning rates, memory, NaN checks, early
 stopping, progress display, per-source counts of a `Mixture` (`MixtureCounts`, which
-`MixtureLoader` adds itself). One small file each; each overrides only the events it needs, so
+`MixtureLoader` adds itself, with `OnlineMixture` for an ``online=`` mixture). One small file each; each overrides only the events it needs, so
 the Engine never calls it on the others.
 
 Example::
@@ -20,6 +20,8 @@ Files:
 * ``memory_monitor.py``: `MemoryMonitor`: log memory use every ``interval`` batches.
 * ``mixture_counts.py``: `MixtureCounts`: samples and tokens seen per source of a `Mixture`, counted
   like the global Timestamp.
+* ``online_mixture.py``: `OnlineMixture`: a `Mixture`'s weights changed during the run by its
+  ``online=`` policy, every change exact.
 * ``nan_monitor.py``: `NaNMonitor`: stop training with a clear error when the loss is NaN or
   infinite.
 * ``profiler.py``: `Profiler`: ``torch.profiler`` on a wait/warmup/active schedule in batches,

@@ -24,6 +24,8 @@ Files:
   mixture's order, the Timestamp and the skip list (no per-row log).
 * ``logger.py``: A minimal metrics logger shared by algorithms and callbacks.
 * ``mixture.py``: `Mixture`: named sources with weights that change in stages, as plain data.
+* ``mixture_online.py``: Online mixture weights: a policy that changes a `Mixture`'s weights during
+  one run, as pure functions.
 * ``mixture_plan.py``: `MixturePlan`: which source and row each global sample position of an epoch
   reads.
 * ``packing.py``: Packing token documents into fixed-length training sequences: pure functions of

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple, Union
 
+from raytrain_events.core.mixture_online import OnlineError, OnlinePolicy
 from raytrain_events.core.time import Time, TimeUnit
 
 if TYPE_CHECKING:
@@ -201,6 +202,7 @@ class Mixture:
     weights: Optional[Mapping[str, StageWeight]] = None
     epoch_size: Optional[int] = None
     switches: Tuple[str, ...] = ()
+    online: Optional[Mapping[str, Any]] = None  # weights that adapt during the run: core/mixture_online.py
     # Checked, normalised forms (derived in __post_init__; not arguments).
     source_list: Tuple[Tuple[str, Source], ...] = field(init=False, repr=False, compare=False)
     stage_list: Tuple[Tuple[Time[Any], Tuple[Tuple[str, Fraction], ...]], ...] = field(
@@ -248,6 +250,28 @@ class Mixture:
         starts = [start.to_timestring() for start, _ in self.stage_list]
         switches = tuple(_switch_start(key, starts) for key in self.switches)
         object.__setattr__(self, "switches", switches)
+        if self.online is not None:
+            self._check_online(starts)
+
+    def _check_online(self, starts: list[str]) -> None:
+        """``online`` checked (`OnlinePolicy`); it adapts proportions, so the stages must be one of them plus switches."""
+        assert self.stages is not None
+        try:
+            policy = OnlinePolicy.from_dict(self.online, self.names)  # type: ignore[arg-type]
+        except OnlineError as exc:
+            raise MixtureError(str(exc)) from None
+        object.__setattr__(self, "online", policy.to_dict())
+        if any(isinstance(w, Mapping) for weights in self.stages.values() for w in weights.values()):
+            raise MixtureError(
+                "online= adapts proportions, but this mixture gives absolute repeat/choose amounts: give its weights "
+                "as proportions (plain numbers) to adapt them, or drop online= to keep the absolute amounts."
+            )
+        fixed = [start for start in starts[1:] if start not in self.switches]
+        if fixed:
+            raise MixtureError(
+                f"online= adapts the weights during the run, but the mixture has stages at {fixed} of its own: give one "
+                "stage (weights={...}) and let the policy change it, or drop online= to keep the stages."
+            )
 
     def _check_stages(self, names: list[str]) -> Tuple[Tuple[Time[Any], Tuple[Tuple[str, Fraction], ...]], ...]:
         assert self.stages is not None
@@ -297,15 +321,18 @@ class Mixture:
         }
         if self.switches:
             out["switches"] = list(self.switches)
+        if self.online is not None:
+            out["online"] = dict(self.online)
         return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Mixture:
         """Inverse of `to_dict` (also accepts ``weights=`` instead of ``stages=``)."""
-        unknown = set(data) - {"sources", "stages", "weights", "epoch_size", "switches"}
+        unknown = set(data) - {"sources", "stages", "weights", "epoch_size", "switches", "online"}
         if unknown:
             raise MixtureError(
-                f"Unknown mixture keys {sorted(unknown)}: expected sources, stages (or weights), epoch_size, switches."
+                f"Unknown mixture keys {sorted(unknown)}: expected sources, stages (or weights), epoch_size, switches, "
+                "online."
             )
         return cls(
             sources=data["sources"],
@@ -313,6 +340,7 @@ class Mixture:
             weights=data.get("weights"),
             epoch_size=data.get("epoch_size"),
             switches=tuple(data.get("switches") or ()),
+            online=data.get("online"),
         )
 
     def switched(self, at_sample: int, weights: Mapping[str, StageWeight]) -> Mixture:
@@ -330,6 +358,7 @@ class Mixture:
             stages={**self.stages, key: dict(weights)},
             epoch_size=self.epoch_size,
             switches=(*self.switches, key),
+            online=self.online,
         )
 
     def continues(self, earlier: Mixture) -> bool:
@@ -339,6 +368,7 @@ class Mixture:
         return (
             self.sources == earlier.sources
             and self.epoch_size == earlier.epoch_size
+            and self.online == earlier.online
             and keys[: len(before)] == before
             and all(self.stages[k] == earlier.stages[k] for k in before)
             and set(earlier.switches) <= set(self.switches)

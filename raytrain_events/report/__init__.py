@@ -8,6 +8,8 @@
   restart's cause and time lost (`raytrain_events.report.goodput`), the checkpoints, the
   checkpoint saves that failed for good (from ``checkpoints/index.json``) and the run config;
   a run directory with only checkpoints (a local `Trainer` run) gets the checkpoint sections;
+  a run whose mixture adapts during the run (``online=``) gets its weights over time, from the newest
+  checkpoint (``mixture_weights.py``);
 * a **sweep directory** (trial folders with ``raytrain_trial.json``, written by
   `raytrain_events.tune.sweep`): one figure comparing the algorithm sets (the metric against
   global samples, a line per trial, the best thick), the results table sorted by the metric, and
@@ -25,6 +27,8 @@ Files:
   imports this package.
 * ``html.py``: Static, self-contained HTML for the run report: inline CSS, no scripts, PNGs next to
   it.
+* ``mixture_weights.py``: The run report's mixture weights over time: the weights history an online
+  policy saved in the newest checkpoint.
 * ``plots.py``: The run report's figures (matplotlib, headless Agg), each returned as PNG bytes of
   a fixed size.
 """
@@ -37,6 +41,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from raytrain_events.core.plain import is_finite_number
 from raytrain_events.core.time import COUNTER_UNITS, report_key
 from raytrain_events.report import html
+from raytrain_events.report.mixture_weights import weights_sections
 from raytrain_events.report.plots import run_figures, sweep_figure
 from raytrain_events.storage.run_dir import (
     CONFIG_FILE,
@@ -122,6 +127,9 @@ def _run_report(url: str, options: Dict[str, Any]) -> Tuple[str, List[str], Dict
     for file in files:
         sections += [f"<h2>{html.escape(captions.get(file, file))}</h2>", html.image(file, captions.get(file, file))]
     sections += _per_source_section(final)
+    weights, weights_png = weights_sections(url, options, final.get("time/sample"))
+    sections += weights
+    files.update(weights_png)
     sections += _goodput_sections(url, options, history, files)
     checkpoints, deleted = _kept_checkpoints(url, options, [e for e in history if e.get("checkpoint_path")])
     if checkpoints:

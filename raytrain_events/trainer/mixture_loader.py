@@ -103,6 +103,7 @@ class MixtureLoader:
         self.collate_fn = collate_fn
         self.rank, self.world_size = 0, 1
         self._plan: Optional[MixturePlan] = None  # built at fit start (`bind`), or on first use
+        self._total: Optional[int] = None  # the run's samples (for 'dur' stages), from `bind`
         self.epoch_size: int = mixture.epoch_size or 0
         self.epoch, self._position = 0, 0
         self._datasets = [self.datasets[n] for n in names]
@@ -114,7 +115,7 @@ class MixtureLoader:
     def bind(self, *, rank: int, world_size: int, seed: Optional[int], max_duration: Optional[Time[Any]]) -> None:
         """Take the run's rank, world size, seed and length (for 'dur' stages); the loop calls it at fit start."""
         self.rank, self.world_size = rank, world_size
-        total = run_samples(max_duration, self.epoch_size, self.global_batch)
+        total = self._total = run_samples(max_duration, self.epoch_size, self.global_batch)
         seed = self.seed if self.seed is not None else (seed or 0)
         self._plan = self.mixture.plan(seed=seed, total_samples=total, global_batch=self.global_batch)
 
@@ -124,6 +125,11 @@ class MixtureLoader:
         if self._plan is None:
             self._plan = self.mixture.plan(seed=self.seed or 0, global_batch=self.global_batch)
         return self._plan
+
+    @property
+    def total_samples(self) -> Optional[int]:
+        """The run's length in samples when known (max_duration in 'ep', 'sp' or 'ba'), from `bind`."""
+        return self._total
 
     @property
     def global_batch(self) -> int:
@@ -162,11 +168,12 @@ class MixtureLoader:
 
     def __iter__(self) -> Iterator[Any]:
         position, self._position = self._position, 0
-        epoch, plan = self.epoch, self.plan
+        epoch = self.epoch
         while True:
             part = self._rank_slice(position)
             if part is None:
                 return
+            plan = self.plan  # read per batch: an online policy (`OnlineMixture`) may switch it between batches
             rows = plan.rows(epoch, part[0], part[1])
             samples, tokens = [0] * len(self._datasets), [0] * len(self._datasets)
             items = []
@@ -180,8 +187,19 @@ class MixtureLoader:
             position = min(position + self.global_batch, plan.epoch_size)
             yield self.collate_fn(items)
 
-    def loop_callbacks(self) -> List[Callback]:
-        """What the `Trainer` adds for this loader: the per-source counts (`MixtureCounts`)."""
-        from raytrain_events.callbacks.mixture_counts import MixtureCounts
+    def switch(self, mixture: Mixture) -> None:
+        """Train on ``mixture`` (this one with switch stages added: `Mixture.continues`) from the next batch on."""
+        if mixture.sources != self.mixture.sources or mixture.epoch_size != self.mixture.epoch_size:
+            raise MixtureError("MixtureLoader.switch takes this loader's mixture with switch stages added.")
+        self.mixture = mixture
+        self._plan = mixture.plan(seed=self.plan.seed, total_samples=self._total, global_batch=self.global_batch)
 
+    def loop_callbacks(self) -> List[Callback]:
+        """What the `Trainer` adds for this loader: the per-source counts (`MixtureCounts`) and, for an
+        ``online=`` mixture, its policy (`OnlineMixture`, first: a resume's saved switches load before the counts)."""
+        from raytrain_events.callbacks.mixture_counts import MixtureCounts
+        from raytrain_events.callbacks.online_mixture import OnlineMixture
+
+        if self.mixture.online is not None:
+            return [OnlineMixture(self), MixtureCounts(self)]
         return [MixtureCounts(self)]

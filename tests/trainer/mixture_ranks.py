@@ -29,6 +29,14 @@ GLOBAL_BATCH, SEED = 12, 5
 # The 2-rank crash's checkpoints, resumed on 3 ranks: made in the test process and passed to the ranks
 # as an argument (each rank imports this module afresh).
 FOLDER = tempfile.mkdtemp(prefix="mixture-ranks-") + "/checkpoints"
+# The same sources with weights an online policy changes at each eval (every 2 batches), from each source's loss.
+ONLINE = Mixture(
+    sources=SOURCES,
+    weights={"web": 0.5, "code": 0.3, "math": 0.2},
+    epoch_size=96,
+    online={"policy": "exp3", "rate": 4.0},
+)
+ONLINE_FOLDER = tempfile.mkdtemp(prefix="online-ranks-") + "/checkpoints"
 
 
 class _Source:
@@ -55,6 +63,14 @@ class _Model(torch.nn.Module):
     def loss(self, outputs: torch.Tensor, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         return (outputs.squeeze(1) - batch["x"][:, 0]).pow(2).mean()
 
+    def get_metrics(self, is_train: bool = False) -> Dict[str, Any]:
+        import torchmetrics
+
+        return {"loss": torchmetrics.MeanMetric()}
+
+    def update_metric(self, batch: Dict[str, torch.Tensor], outputs: torch.Tensor, metric: Any) -> None:
+        metric.update(self.loss(outputs, batch), weight=len(outputs))
+
 
 class _Seen(Callback):
     def __init__(self, crash_at: Optional[int]) -> None:
@@ -69,13 +85,31 @@ class _Seen(Callback):
             raise RuntimeError("simulated crash")
 
 
-def train_mixture(rank: int, world_size: int, *, folder: Optional[str] = None, crash_at: Optional[int] = None) -> dict:
-    """Train the mixture on this rank's part of each global batch; its rows per batch, counts and Timestamp."""
+def _held_out(source: int) -> Any:
+    """Rows of ``source`` the run does not train on (rows 1000+), each rank evaluating its part of them."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    rows = [_Source(source, 2000)[1000 + j] for j in range(24)]
+    return DataLoader(rows, batch_size=4, sampler=DistributedSampler(rows, shuffle=False))  # type: ignore[arg-type]
+
+
+def train_mixture(
+    rank: int, world_size: int, *, folder: Optional[str] = None, crash_at: Optional[int] = None, online: bool = False
+) -> dict:
+    """Train the mixture (``online``: `ONLINE`, adapted at each eval) on this rank's part of each global batch;
+    its rows per batch, counts, Timestamp and (online) weights history."""
     del rank
-    datasets = {name: _Source(i, SOURCES[name]) for i, name in enumerate(MIXTURE.names)}  # ids: the plan's indices
+    from raytrain_events.callbacks.online_mixture import OnlineMixture
+    from raytrain_events.trainer.evaluation import Evaluator
+
+    mixture = ONLINE if online else MIXTURE
+    datasets = {name: _Source(i, SOURCES[name]) for i, name in enumerate(mixture.names)}  # ids: the plan's indices
     loader = MixtureLoader(
-        MIXTURE, datasets, batch_size=GLOBAL_BATCH // world_size, tokens_of_row=lambda row: int(row["len"])
+        mixture, datasets, batch_size=GLOBAL_BATCH // world_size, tokens_of_row=lambda row: int(row["len"])
     )
+    evaluators = [
+        Evaluator(label=name, dataloader=_held_out(i), eval_interval="2ba") for i, name in enumerate(mixture.names)
+    ]
     seen, model = _Seen(crash_at), _Model()
     trainer = Trainer(
         model=model,
@@ -83,6 +117,7 @@ def train_mixture(rank: int, world_size: int, *, folder: Optional[str] = None, c
         max_duration="2ep",
         optimizers=torch.optim.SGD(model.parameters(), lr=0.01),
         callbacks=[seen],
+        eval_dataloader=evaluators if online else None,
         dist=TorchDist(torch.device("cpu")),
         seed=SEED,
         checkpoint=CheckpointConfig(save_folder=folder, save_interval="5ba", autoresume=True, async_save=False)
@@ -98,7 +133,9 @@ def train_mixture(rank: int, world_size: int, *, folder: Optional[str] = None, c
         if not crashed:
             raise
     (counts,) = [c for c in trainer.state.callbacks if isinstance(c, MixtureCounts)]
+    policy = [c for c in trainer.state.callbacks if isinstance(c, OnlineMixture)]
     return {
+        "history": policy[0].changes() if policy else None,
         "on_gradients": trainer._counters.on_gradients,
         "started_at": started_at,
         "crashed": crashed,

@@ -19,7 +19,7 @@ from gloo_ranks import (
     run_ranks,
     train,
 )
-from mixture_ranks import FOLDER, GLOBAL_BATCH, MIXTURE, SEED, train_mixture
+from mixture_ranks import FOLDER, GLOBAL_BATCH, MIXTURE, ONLINE, ONLINE_FOLDER, SEED, train_mixture
 from spike_ranks import train_spike
 
 # Every job of this file, by world size: one spawn per world size runs them all in order (a spawn
@@ -36,6 +36,8 @@ JOBS = {
         "collectives_separate": (count_collectives, dict(on_gradients=False)),
         "mixture": (train_mixture, {}),
         "mixture_crash": (train_mixture, dict(folder=FOLDER, crash_at=9)),  # newest checkpoint: step 5
+        "online": (train_mixture, dict(online=True)),
+        "online_crash": (train_mixture, dict(online=True, folder=ONLINE_FOLDER, crash_at=12)),  # checkpoint: step 10
         "spike": (train_spike, {}),
     },
     3: {
@@ -43,6 +45,7 @@ JOBS = {
         "ga3": (train, dict(grad_accum=3, epochs=2)),
         "collectives": (count_collectives, {}),
         "mixture_resume": (train_mixture, dict(folder=FOLDER)),  # the 2-rank crash's checkpoint
+        "online_resume": (train_mixture, dict(online=True, folder=ONLINE_FOLDER)),
         "spike": (train_spike, {}),
     },
 }
@@ -136,6 +139,35 @@ def test_a_mixture_keeps_its_order_and_counts_on_2_and_3_ranks_and_resumes_acros
     assert all(r["crashed"] for r in crashed)
     assert [r["started_at"] for r in resumed] == [5, 5, 5]
     assert global_order(resumed) == expected[5 * GLOBAL_BATCH :]
+    counters = ("epoch", "batch", "sample", "token", "batch_in_epoch", "sample_in_epoch", "token_in_epoch")
+    for r in resumed:
+        assert {k: r["timestamp"][k] for k in counters} == {k: ts[k] for k in counters}
+        assert r["counts"] == full[0]["counts"]
+
+
+def test_an_online_mixture_crashed_on_2_ranks_resumes_on_3_with_the_same_weights_history(ranks):
+    """Weights an online policy changes at every eval (each source's loss, synchronized by the eval): every rank
+    decides the same, and a crash on 2 ranks resumed on 3 ends with the uninterrupted run's weights history,
+    global order, per-source counts and Timestamp."""
+    full, crashed = ranks(2, "online"), ranks(2, "online_crash")
+    resumed = ranks(3, "online_resume")
+    history = full[0]["history"]
+    assert len(history) == 2 * ONLINE.epoch_size // GLOBAL_BATCH // 2 - 1  # every eval but the run's last
+    assert all(r["history"] == history for r in full + resumed)
+    assert history[-1]["new"] != history[0]["old"]
+
+    def global_order(results):
+        return [row for batch in zip(*(r["batches"] for r in results)) for part in batch for row in part]
+
+    order = global_order(full)
+    final = ONLINE  # the uninterrupted run's order is its final mixture's plan
+    for change in history:
+        final = final.switched(change["position"], change["new"])
+    plan = final.plan(seed=SEED, total_samples=2 * ONLINE.epoch_size)
+    assert order == [list(pair) for epoch in (0, 1) for pair in plan.rows(epoch, 0, ONLINE.epoch_size)]
+    assert all(r["crashed"] for r in crashed) and [r["started_at"] for r in resumed] == [10, 10, 10]
+    assert global_order(resumed) == order[10 * GLOBAL_BATCH :]
+    ts = full[0]["timestamp"]
     counters = ("epoch", "batch", "sample", "token", "batch_in_epoch", "sample_in_epoch", "token_in_epoch")
     for r in resumed:
         assert {k: r["timestamp"][k] for k in counters} == {k: ts[k] for k in counters}

@@ -1,4 +1,5 @@
-"""The sequential mixture search (`MixtureSearcher`, Tune's Searcher interface) without Ray, and once through Tune.
+"""The sequential mixture search (`MixtureSearcher`, Tune's Searcher interface) without Ray, and once through Tune
+(a sweep interrupted mid-round and restored with `Tuner.restore`).
 
 Driven as Tune drives it (``suggest`` per trial, ``on_trial_complete`` with the trial's last result):
 seeded draws first, a round waits until its trials ended, the next batch lands where the fit's
@@ -149,28 +150,66 @@ def _synthetic_trial(config):
     tune.report({"loss": TASK(config["mixture"], 0)})
 
 
+class _InterruptOnce:
+    """A Tune callback that interrupts the sweep (as Ctrl-C does) once ``after`` trials ended; a flag file
+    keeps the restored sweep (which unpickles this callback with the experiment) from interrupting again."""
+
+    def __new__(cls, flag, after):
+        from ray import tune
+
+        class Interrupt(tune.Callback):
+            def on_trial_complete(self, iteration, trials, trial, **info):
+                if sum(t.status == "TERMINATED" for t in trials) >= after and not os.path.exists(flag):
+                    open(flag, "w").close()
+                    raise KeyboardInterrupt
+
+        return Interrupt()
+
+
 @pytest.mark.ray
 def test_tune_runs_the_rounds_the_searcher_places(ray_cluster, tmp_path):
-    """Through Tune itself (a `Tuner` on the session's Ray, function trials of the synthetic loss): Tune waits on
-    a round (``suggest`` None), the trials' configs are the placement the searcher makes driven in process, and
-    Tune saved the searcher's state with the experiment."""
+    """Through Tune itself (a `Tuner` on the session's Ray, function trials of the synthetic loss), interrupted
+    mid-round and restored (`Tuner.restore`, Tune's own resume): Tune waits on a round (``suggest`` None), saved
+    the searcher's state with the experiment, re-runs the round's unfinished trials, and the trials' configs are
+    the placement the searcher makes uninterrupted, driven in process."""
+    import gc
+    import pickle
+    import time
+
     import mixture_tasks
     from ray import cloudpickle as ray_cloudpickle
     from ray import tune
 
     for module in (sys.modules[__name__], mixture_tasks):  # the trials get these by value (not on the workers' path)
         ray_cloudpickle.register_pickle_by_value(module)
-    searcher = _searcher(max_trials=11)
+    flag = str(tmp_path / "interrupted")
+    free = ray_cluster.available_resources().get("CPU", 0)
     tuner = tune.Tuner(
         _synthetic_trial,
-        tune_config=tune.TuneConfig(search_alg=searcher, num_samples=11, metric="loss", mode="min"),
-        run_config=tune.RunConfig(storage_path=str(tmp_path), name="rounds", verbose=0),
+        tune_config=tune.TuneConfig(
+            search_alg=_searcher(max_trials=11), num_samples=11, metric="loss", mode="min", max_concurrent_trials=2
+        ),
+        # Interrupted once 9 trials ended: round 1 (trials 9-11, placed after the 8 draws) has begun, not ended.
+        run_config=tune.RunConfig(
+            storage_path=str(tmp_path), name="rounds", verbose=0, callbacks=[_InterruptOnce(flag, 9)]
+        ),
     )
-    results = tuner.fit()
+    with pytest.raises(KeyboardInterrupt):
+        tuner.fit()
+    del tuner  # the interrupted controller's trial actors go with the last handles to them: the session's CPUs
+    gc.collect()  # come back (else they stay held for every later test on the shared Ray)
+    deadline = time.monotonic() + 60
+    while ray_cluster.available_resources().get("CPU", 0) < free and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ray_cluster.available_resources().get("CPU", 0) >= free
+    saved = sorted(f for f in os.listdir(tmp_path / "rounds") if f.startswith("searcher-state"))
+    assert saved and os.path.exists(flag)  # Tune's save of the searcher (what the restore reads)
+    with open(tmp_path / "rounds" / saved[-1], "rb") as fh:
+        state = pickle.load(fh)
+    assert len(state["losses"]) < 11 and len(state["placed"]) == 11  # stopped mid-round: not every loss is in
+    results = tune.Tuner.restore(str(tmp_path / "rounds"), trainable=_synthetic_trial, resume_unfinished=True).fit()
     assert results.num_errors == 0 and len(results) == 11
     ran = sorted((r.metrics["loss"], tuple(r.config["mixture"].items())) for r in results)
     reference = [s for s in _drive(_searcher(max_trials=11), 0, 11)]
     placed = sorted((TASK(s["mixture"], 0), tuple(s["mixture"].items())) for s in reference)
-    assert ran == placed  # the same 8 draws and the same 3 placed after them
-    saved = [f for f in os.listdir(tmp_path / "rounds") if f.startswith("searcher-state")]
-    assert saved  # Tune's save of the searcher (what a resume restores)
+    assert ran == placed  # the same 8 draws and the same 3 placed after them, across the interruption

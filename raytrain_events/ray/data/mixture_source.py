@@ -226,6 +226,12 @@ def mixture_plan_args(spec: Any) -> Dict[str, Any]:
     run cannot place (after its end, out of order, a 'dur' stage in a run counted in tokens) fails here, on the
     driver before Ray starts (`driver_checks`) and again when the driver builds the train set."""
     mixture = Mixture.from_dict(spec.mixture)
+    if mixture.online is not None:
+        raise MixtureError(
+            "Mixture(online=...) changes the weights inside the local Trainer's MixtureLoader; under RayTrainer the "
+            "feeder streams the order ahead of the ranks and cannot switch it yet. Drop online= for RayTrainer (fix "
+            "the weights, e.g. from the online run's last ones), or train the online mixture with Trainer."
+        )
     workers = spec.workers
     group = spec.parallelism_spec.batch_group  # ranks that share rows (TP x CP), as TrainDataConfig counts them
     global_batch = spec.global_batch_size or (
