@@ -174,12 +174,12 @@ def ours_arm(
     from raytrain_events.ray.data.mixture_loader import MixtureOrderLoader
     from raytrain_events.ray.data.parquet_seek import ParquetRowGroups
 
-    plan_args = mixed = None
+    mixture_run = mixed = None
     if arm == "ours-mix":
         from data_scale_mix import ours_mix_source
 
         mixed = ours_mix_source(mix, WORLD * RANK_BATCH)
-        plan_args, rows = mixed.plan_args, mixed.count()
+        mixture_run, rows = mixed.run, mixed.count()
 
     @ray.remote(num_cpus=1, resources={"slot": 1})  # its node's CPU, as a train worker takes it
     class Rank:
@@ -228,11 +228,11 @@ def ours_arm(
     ray.get([r.node.remote() for r in ranks])
     sampler = StoreSampler(ray_nodes(ray))
     before = created(rank_nodes)
-    shards = [GlobalOrderShard(fresh, k, WORLD, WORLD * RANK_BATCH, rows, mixture=plan_args) for k in range(WORLD)]
+    shards = [GlobalOrderShard(fresh, k, WORLD, WORLD * RANK_BATCH, rows, mixture=mixture_run) for k in range(WORLD)]
     epoch = ray.get([r.epoch.remote(shard, 0) for r, shard in zip(ranks, shards, strict=True)])
     moved = created(rank_nodes) - before
     resumed = feeder(rows // 2)  # the same ranks ask at once: no head start for the resume
-    shards = [GlobalOrderShard(resumed, k, WORLD, WORLD * RANK_BATCH, rows, mixture=plan_args) for k in range(WORLD)]
+    shards = [GlobalOrderShard(resumed, k, WORLD, WORLD * RANK_BATCH, rows, mixture=mixture_run) for k in range(WORLD)]
     resume = ray.get([r.epoch.remote(shard, rows // 2, 1) for r, shard in zip(ranks, shards, strict=True)])
     peak = sampler.peak()
     for actor in [*ranks, fresh, resumed]:  # ranks first: their prefetch threads still call the feeder

@@ -540,8 +540,9 @@ def run_diagnostics(ds, args, out_dir: str, storage: str) -> dict:
     if args.ab_data == "global":
         # Ours reads "train" as RayTrainer does (global order); plain a streaming split of the same rows.
         from raytrain_events.ray.data.loader import TrainDataConfig
+        from raytrain_events.ray.data.order import GlobalBatch
 
-        data = {"datasets": {"train": ds, "plain": ds}, "dataset_config": TrainDataConfig(batch_size=B)}
+        data = {"datasets": {"train": ds, "plain": ds}, "dataset_config": TrainDataConfig(batch=GlobalBatch(B))}
     TorchTrainer(
         diag_loop,
         train_loop_config={

@@ -341,3 +341,90 @@ def test_the_fault_tolerance_scan_catches_a_branch(tmp_path):
         "replicas",
         "replicas",
     ]
+
+
+#: The run plan's decisions (``ray/plan.py``, `RunPlan`: made once on the driver, shipped to the workers) and
+#: the `RunSpec` options they are made from. Reading such an option off the spec works the decision out again.
+PLAN_OPTIONS = {"global_batch_size": "the global batch", "shuffle_buffer_size": "the train order"}
+#: Where which of those options may be read: their definition and value checks, the owner, and refusals that
+#: only check a combination (no decision is made from the value there).
+PLAN_OPTION_READERS = {
+    "ray/spec.py": (set(PLAN_OPTIONS), "defines the options"),
+    "ray/spec_checks.py": (set(PLAN_OPTIONS), "checks their values"),
+    "ray/plan.py": (set(PLAN_OPTIONS), "RunPlan: the owner of the decisions"),
+    "ray/driver_checks.py": ({"shuffle_buffer_size"}, "refuses a row shuffle with a mixture, before Ray starts"),
+    "ray/data/mixture_source.py": ({"shuffle_buffer_size"}, "refuses a row shuffle with a mixture (check_mixture)"),
+}
+#: The plan's typed values (``ray/data/order.py``): built only by their owners; everyone else is handed one.
+PLAN_VALUES = {"GlobalBatch", "TrainOrder"}
+PLAN_VALUE_BUILDERS = {"ray/plan.py", "ray/data/order.py"}
+#: Where a batch size may be multiplied (the global batch's formula, `GlobalBatch.rows`).
+BATCH_PRODUCTS = {
+    "ray/data/order.py": "GlobalBatch.rows: the formula",
+    "trainer/mixture_loader.py": "the local Trainer's MixtureLoader: its own batch_size per rank, no RunSpec",
+}
+
+
+def plan_recomputations(package: pathlib.Path = PACKAGE) -> List[str]:
+    """``file:line: text`` for each place that works a run-plan decision out again: it reads one of
+    `PLAN_OPTIONS` off an object other than ``self``, builds a `PLAN_VALUES` value, or multiplies a batch size
+    (``batch_size * workers``), outside their owners. Error messages (f-strings) do not count."""
+    hits = []
+    for path in _modules(package).values():
+        rel = _rel(package, path)
+        tree = _tree(path)
+        in_fstring = {id(n) for f in ast.walk(tree) if isinstance(f, ast.JoinedStr) for n in ast.walk(f)}
+        for node in ast.walk(tree):
+            if id(node) in in_fstring:
+                continue
+            text = ""
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in PLAN_OPTIONS
+                and not (isinstance(node.value, ast.Name) and node.value.id == "self")
+                and node.attr not in PLAN_OPTION_READERS.get(rel, (set(), ""))[0]
+            ):
+                text = f".{node.attr} ({PLAN_OPTIONS[node.attr]})"
+            elif isinstance(node, ast.Call) and rel not in PLAN_VALUE_BUILDERS:
+                name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+                if name in PLAN_VALUES and (node.args or node.keywords):  # ``TrainOrder()``: the dataset's own order
+                    text = f"{name}(...)"
+            elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult) and rel not in BATCH_PRODUCTS:
+                names = [getattr(s, "attr", None) or getattr(s, "id", None) for s in (node.left, node.right)]
+                if "batch_size" in names:
+                    text = "batch_size * ... (the global batch)"
+            if text:
+                hits.append(f"{rel}:{node.lineno}: {text}")
+    return hits
+
+
+def test_the_run_plan_owns_the_global_batch_and_the_train_order():
+    hits = plan_recomputations()
+    assert not hits, (
+        "The global batch and the train order are decided once, in ray/plan.py (RunPlan), and handed on "
+        "(TrainDataConfig, the shards, the mixture run); read the plan instead of the options:\n" + "\n".join(hits)
+    )
+
+
+def test_the_plan_scan_catches_a_second_computation(tmp_path):
+    pkg = tmp_path / "raytrain_events"
+    (pkg / "ray" / "data").mkdir(parents=True)
+    (pkg / "ray" / "plan.py").write_text("def of(spec):\n    return spec.global_batch_size, spec.shuffle_buffer_size\n")
+    (pkg / "ray" / "data" / "order.py").write_text("class GlobalBatch:\n    pass\n")
+    (pkg / "ray" / "data" / "loader.py").write_text(
+        "def batch(spec, world):\n"
+        "    return spec.global_batch_size or spec.batch_size * world\n"
+        "def order(spec):\n"
+        "    return TrainOrder(spec.seed if spec.shuffle_buffer_size else None)\n"
+        "def message(spec):\n"
+        "    return f'e.g. {2 * spec.batch_size}'\n"
+        "class Loader:\n"
+        "    def __init__(self, shuffle_buffer_size):\n"
+        "        self.shuffle_buffer_size = shuffle_buffer_size\n"
+    )
+    assert sorted(h.split(": ", 1)[1] for h in plan_recomputations(pkg)) == [
+        ".global_batch_size (the global batch)",
+        ".shuffle_buffer_size (the train order)",
+        "TrainOrder(...)",
+        "batch_size * ... (the global batch)",
+    ]

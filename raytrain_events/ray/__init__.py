@@ -16,7 +16,8 @@ The subpackages:
 * ``fault_tolerance/``: how a run survives a failure, one strategy chosen on the driver: restarts of the
   worker group, or torchft replica groups; it hands the driver and the workers their parts.
 
-The modules here are the entry points: the driver (``driver.py``, with its checks and options),
+The modules here are the entry points: the driver (``driver.py``, with its checks and options, and the
+run's plan it ships to the workers, ``plan.py``),
 the worker's function (``worker.py``), connecting to Ray (``cluster.py``, ``embedded.py``), torchft
 replica groups, and the one table of Ray's private names (``_compat.py``).
 
@@ -33,6 +34,8 @@ Files:
   in seconds, not after start-up.
 * ``embedded.py``: The environment of an embedded local Ray instance: what is set before
   ``ray.init`` starts it.
+* ``plan.py``: `RunPlan`: the run's decisions (global batch, train order, mixture run, checkpoint
+  plan), made once on the driver from the `RunSpec` and shipped to the workers.
 * ``replica_abort.py``: Replica groups: a peer's failure ends every survivor's pending all-reduce at once,
   wherever it sits in the ring.
 * ``replica_checks.py``: Which runs ``fault_tolerance="replica_groups"`` supports, checked on the

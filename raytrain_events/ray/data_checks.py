@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, List, Mapping, Optional
 
+from raytrain_events.ray.plan import global_batch_of
+
 __all__ = ["check_columns", "check_steps_per_epoch", "epoch_batches"]
 
 
@@ -42,9 +44,8 @@ def epoch_batches(spec: Any, rows: int) -> Optional[int]:
     workers = spec.workers
     if not isinstance(workers, int):
         return None
-    readers = workers // max(1, spec.parallelism_spec.batch_group)
-    global_batch = spec.global_batch_size or spec.batch_size * readers
-    return batches_in_epoch(rows, global_batch, readers)
+    batch = global_batch_of(spec)
+    return batches_in_epoch(rows, batch.rows(workers), batch.readers(workers))
 
 
 def check_steps_per_epoch(spec: Any, train: Any, rows: Optional[int] = None) -> None:

@@ -26,7 +26,9 @@ from typing import Any, Dict, Iterator, List, Optional
 
 from raytrain_events.core.time import COUNTER_UNITS, Timestamp, report_key
 from raytrain_events.ray.fault_tolerance import choose
+from raytrain_events.ray.plan import RunPlan
 from raytrain_events.ray.spec import RunSpec
+from raytrain_events.trainer.arguments import check_autoresume_named
 
 __all__ = ["RayTrainer", "RayResult", "RayTrainingError"]
 
@@ -111,15 +113,18 @@ class RayTrainer:
             spec = spec.replace(**options)
         self.spec: RunSpec = spec
         self._report_queue: Any = None
-        if getattr(spec, "default_run_name", False) and getattr(spec.checkpoint, "autoresume", False):
-            raise ValueError(
-                "CheckpointConfig(autoresume=True) without a run_name: a run without one gets a fresh name "
-                f"({spec.run_name}), so there is nothing to resume. Fix: name the run, RayTrainer(run_name='my-run', "
-                "...), with the same name (and storage_path) in every job that continues it."
-            )
+        check_autoresume_named(
+            spec.checkpoint,
+            named=not getattr(spec, "default_run_name", False),
+            fix="name the run, RayTrainer(run_name='my-run', ...), with the same name (and storage_path) in every job "
+            "that continues it.",
+        )
+        # The run's decisions (global batch, train order, mixture run, checkpoint plan), made once here and
+        # shipped to the workers (ray/plan.py).
+        self.plan: RunPlan = RunPlan.of(spec)
         # How the run survives a failure, checked (replica groups: what they support, torchft installed) and
         # chosen once: it hands the driver and the workers their parts.
-        self._fault_tolerance = choose(spec)
+        self._fault_tolerance = choose(spec, self.plan)
         if isinstance(spec.workers, int):  # an elastic group's size is checked at each worker start
             from raytrain_events.parallel.world import check_tensor_parallel_world
 
@@ -212,7 +217,8 @@ class RayTrainer:
         if self.spec.mixture is not None:  # the sources become one seekable "train" set (mixture_source.py)
             from raytrain_events.ray.data.mixture_source import mixture_train_set
 
-            datasets = mixture_train_set(self.spec, datasets)
+            assert self.plan.mixture is not None
+            datasets = mixture_train_set(self.spec, datasets, self.plan.mixture)
         self.spec.check_datasets(datasets)
         if self._checks_cluster:
             check_data_cpus(ray.cluster_resources(), self.scaling_config, datasets)
@@ -261,13 +267,11 @@ class RayTrainer:
         feeder, self._data_start = None, None
         if isinstance(self.spec.workers, int):  # the stream starts now, while Ray Train starts the workers
             from raytrain_events.ray.checkpointing.checkpointing import resume_position
-            from raytrain_events.ray.data.loader import train_order
 
-            start = resume_position(self.spec)
-            world = self.spec.workers
-            feeder = data_config.start_feeder(datasets["train"], world, start, train_order(self.spec))
+            start = resume_position(self.plan.checkpoint)
+            feeder = data_config.start_feeder(datasets["train"], self.spec.workers, start)
         worker_side, ray_datasets = self._fault_tolerance.worker_side(data_config, ray_datasets, history)
-        train_config: Dict[str, Any] = {"spec": worker_spec, "fault_tolerance": worker_side}
+        train_config: Dict[str, Any] = {"spec": worker_spec, "plan": self.plan, "fault_tolerance": worker_side}
         trainer = TorchTrainer(
             train_loop_per_worker,
             torch_config=self._fault_tolerance.torch_config(torch_options),
@@ -288,7 +292,7 @@ class RayTrainer:
                 ],
                 logging_config=train_logging_config(self.spec.verbose),
                 # Ray owns retention of the checkpoints reported to it (see ray/checkpointing/checkpointing.py).
-                checkpoint_config=ray_checkpoint_config(self.spec),
+                checkpoint_config=ray_checkpoint_config(self.plan.checkpoint),
             ),
         )
         show_bar = self.spec.progress_bar
@@ -349,11 +353,11 @@ class RayTrainer:
         final = trained[-1] if trained else {}
         timestamp = Timestamp(**{name: final.get(report_key(name), 0) for name in COUNTER_UNITS})
         checkpoints: List[Any] = []
-        if self.spec.checkpoint is not None:
+        plan = self.plan.checkpoint
+        if plan is not None:
             from raytrain_events.checkpoint.folder.store import list_checkpoints
-            from raytrain_events.ray.checkpointing.checkpointing import checkpoint_plan, delete_unlisted
+            from raytrain_events.ray.checkpointing.checkpointing import delete_unlisted
 
-            plan = checkpoint_plan(self.spec)
             folder, options = plan.worker.save_folder, plan.worker.storage_options
             if plan.prunes:
                 delete_unlisted(folder, options, _listed_by_ray(ray_result))

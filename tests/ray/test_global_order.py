@@ -14,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from raytrain_events.ray.data.feeder import EpochFeeder, batches_in_epoch, rank_rows
+from raytrain_events.ray.data.order import TrainOrder
 
 
 @given(start=st.integers(0, 10_000), size=st.integers(1, 5_000), world=st.integers(1, 64))
@@ -161,7 +162,7 @@ def test_a_prestarted_stream_serves_the_ranks_only_when_it_is_what_they_ask_for(
         _wait_for_blocks(ray, feeder, f"{prestart[0]}@{prestart[1]}")
         loaders = [
             GlobalOrderLoader(
-                GlobalOrderShard(feeder, r, world, global_batch, rows), device="cpu", order_seed=order_seed
+                GlobalOrderShard(feeder, r, world, global_batch, rows, order=TrainOrder(order_seed)), device="cpu"
             )
             for r in range(world)
         ]

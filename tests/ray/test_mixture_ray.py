@@ -78,7 +78,7 @@ def _loaders(ray, train, world: int, global_batch: int):
     count = lambda batch: int(batch["ntok"].sum())  # noqa: E731
     return [
         MixtureOrderLoader(
-            GlobalOrderShard(feeder, r, world, global_batch, train.count(), source=source, mixture=train.plan_args),
+            GlobalOrderShard(feeder, r, world, global_batch, train.count(), source=source, mixture=train.run),
             device="cpu",
             tokens_of_batch=count,
         )
@@ -106,6 +106,7 @@ def _epoch(loaders, epoch: int, position: int):
 @pytest.mark.ray
 def test_a_mixture_resumed_on_another_world_size_reads_nothing_before_its_cursors(ray_cluster, tmp_path) -> None:
     from raytrain_events.ray.data.mixture_source import MixtureSource, mixture_train_set
+    from raytrain_events.ray.plan import mixture_run
 
     ray = ray_cluster
     paths = write_sources(str(tmp_path / "data"))
@@ -120,7 +121,7 @@ def test_a_mixture_resumed_on_another_world_size_reads_nothing_before_its_cursor
         class parallelism_spec:
             batch_group = 1
 
-    train = mixture_train_set(Spec, datasets)["train"]
+    train = mixture_train_set(Spec, datasets, mixture_run(Spec))["train"]
     assert isinstance(train, MixtureSource) and train.count() == 640
     plan = train.plan
     # Epoch 1, from the start on 2 ranks: each global batch the plan's positions, listed by source; rows once per pass.
@@ -149,7 +150,7 @@ def test_a_mixture_resumed_on_another_world_size_reads_nothing_before_its_cursor
     # source's first read task opens the files from the one holding its cursor on, and a later pass all of
     # them; nothing before any source's cursor is opened (the footers were read here, where it was built).
     Spec.seed = None
-    train = mixture_train_set(Spec, datasets)["train"]
+    train = mixture_train_set(Spec, datasets, mixture_run(Spec))["train"]
     plan = train.plan
     os.remove(log)
     resumed, _, _ = _epoch(_loaders(ray, train, 3, 24), 1, position)

@@ -83,12 +83,12 @@ def _sources(folder: str):
 
 def _reference(ray, sources, mixture, epoch_size):
     """The uninterrupted order: the feeder's stream of the run's MixtureSource on one rank."""
+    from raytrain_events.core.mixture_plan import MixtureRun
     from raytrain_events.ray.data.feeder import FEEDER_OPTIONS, EpochFeeder
     from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard
     from raytrain_events.ray.data.mixture_source import MixtureSource
 
-    plan_args = {"mixture": mixture.to_dict(), "seed": SEED, "total_samples": epoch_size, "global_batch": BATCH}
-    source = MixtureSource(sources, plan_args, SEED)
+    source = MixtureSource(sources, MixtureRun(mixture, SEED, epoch_size, BATCH), SEED)
     feeder = ray.remote(EpochFeeder).options(**FEEDER_OPTIONS).remote(source, 1, BATCH)
     loader = GlobalOrderLoader(GlobalOrderShard(feeder, 0, 1, BATCH, source.count()), device="cpu")
     loader.set_epoch(0)

@@ -98,11 +98,11 @@ def test_the_lighthouse_drops_a_dead_group_fast_and_waits_for_a_late_one():
 def test_periodic_checkpoints_are_accepted_and_one_group_saves():
     """``checkpoint=`` with replica groups: accepted on the driver; the workers' config keeps ``keep`` (nothing
     is reported to Ray, so the saver prunes), the run dir's lock is group 0's, and SIGTERM is a failure."""
-    from raytrain_events.ray.checkpointing.checkpointing import checkpoint_plan
     from raytrain_events.ray.fault_tolerance.replica_groups import checkpoint_config
 
     trainer = RayTrainer(**_options(checkpoint=CheckpointConfig(save_interval="5ba", keep=2)))
-    plan = checkpoint_plan(trainer.spec)
+    plan = trainer.plan.checkpoint  # the run plan's, made once on the driver
+    assert plan is not None
     lead, other = (checkpoint_config(plan.worker, trainer.spec.checkpoint, g) for g in (0, 2))
     assert lead.keep == other.keep == 2 and lead.save_folder == plan.worker.save_folder
     # Nothing is read while the Trainer is built: the run's autoresume waits for the first quorum (load_at_first_quorum).

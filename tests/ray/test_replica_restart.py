@@ -67,9 +67,10 @@ def _train(loaders, steps: int) -> List[int]:
 def test_every_group_restarting_from_an_older_checkpoint_continues_exactly(ray_cluster) -> None:
     ray = ray_cluster
     from raytrain_events.ray.data.loader import TrainDataConfig
+    from raytrain_events.ray.data.order import GlobalBatch
 
     dataset = ray.data.range(ROWS, override_num_blocks=50)
-    config = TrainDataConfig(batch_size=GLOBAL // GROUPS, global_batch_size=GLOBAL, tensor_parallel=GROUPS)
+    config = TrainDataConfig(batch=GlobalBatch(GLOBAL // GROUPS, GLOBAL), tensor_parallel=GROUPS)
     shards = [s["train"] for s in config.configure({"train": dataset}, GROUPS, None, None)]  # as the driver does
     assert _train(_groups(shards, Timestamp()), 17) == list(range(17 * GLOBAL))
     checkpoint = Timestamp()

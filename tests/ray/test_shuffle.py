@@ -68,6 +68,7 @@ def test_epochs_and_seeds_give_other_orders_and_rows_leave_their_blocks() -> Non
 def test_loaders_train_the_same_shuffled_batches_on_2_and_3_workers_and_after_a_resume(ray_cluster) -> None:
     ray = ray_cluster
     from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard
+    from raytrain_events.ray.data.order import TrainOrder
 
     rows, global_batch = 1_200, 24
     dataset = ray.data.range(rows, override_num_blocks=12)
@@ -76,7 +77,7 @@ def test_loaders_train_the_same_shuffled_batches_on_2_and_3_workers_and_after_a_
         feeder = ray.remote(EpochFeeder).options(num_cpus=0).remote(dataset, world, global_batch)
         loaders = [
             GlobalOrderLoader(
-                GlobalOrderShard(feeder, r, world, global_batch, rows), device="cpu", order_seed=3, shuffle_rows=300
+                GlobalOrderShard(feeder, r, world, global_batch, rows, order=TrainOrder(3, 300)), device="cpu"
             )
             for r in range(world)
         ]

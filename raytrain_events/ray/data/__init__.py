@@ -20,6 +20,8 @@ Files:
 * ``feeder.py``: Global data order for training: every rank's batches are a function of one
   position in one order.
 * ``loader.py``: Worker-side data: the train set in one global order, eval sets as Ray shards.
+* ``order.py``: The train order's small typed values: `GlobalBatch` (rows per optimizer step) and
+  `TrainOrder` (seed, row shuffle), decided once on the driver (``ray/plan.py``).
 * ``mixture_loader.py``: `MixtureOrderLoader`: a Ray worker's train loader over a `MixtureSource`,
   with per-source counts.
 * ``mixture_source.py``: `MixtureSource`: a `Mixture` of seekable sources as one seekable train set
