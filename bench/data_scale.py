@@ -219,7 +219,7 @@ def ours_arm(
             .remote(source, WORLD, WORLD * RANK_BATCH)
         )
         if prestart:  # as RayTrainer's driver does before the worker group starts (feeder.py, Started early)
-            actor.prestart.remote(0, position, None, None, None)
+            actor.prestart.remote(0, position, None, None)
         ray.get(actor.held_blocks.remote())  # up: the timings below start at the epoch's start
         return actor
 

@@ -99,7 +99,7 @@ def main(scratch: str, whole_blocks: bool = False) -> None:
         # The stream started before any rank asks (RayTrainer starts it before the worker group; here after
         # the ranks hold their nodes' CPUs, so the reads stay on the head, where this test counts from): the
         # node of its first blocks gets its BlockCutter from the feeder, so no rank's first batch waits for it.
-        feeder.prestart.remote(0, 0, None, None, None)
+        feeder.prestart.remote(0, 0, None, None)
         deadline = time.monotonic() + 60
         cutters: list = []
         while not cutters and time.monotonic() < deadline:

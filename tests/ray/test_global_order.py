@@ -172,13 +172,13 @@ def test_a_prestarted_stream_serves_the_ranks_only_when_it_is_what_they_ask_for(
         return [row for batch in batches for part in batch for row in part], report, held
 
     # The right guess: the first request finds the stream started and rows already read.
-    flat, report, _ = run((0, 0, None, None), 0)
+    flat, report, _ = run((0, 0, TrainOrder()), 0)
     assert flat == list(range(rows))
     assert report["used"] and report["rows_ready"] > 0 and report["lead_s"] > 0 and report["asked"][:2] == [0, 0]
     # A newer checkpoint than the guess: the ranks ask from sample 320 and get exactly the rest of the epoch.
-    flat, report, held = run((0, 0, None, None), 320)
+    flat, report, held = run((0, 0, TrainOrder()), 320)
     assert flat == list(range(320, rows)) and not report["used"] and report["asked"][:2] == [0, 320]
     assert "0@0" not in held  # the wrong guess was stopped and dropped
     # The right position in another order (blocks permuted with seed 5): the ranks' own order is served.
-    flat, report, _ = run((0, 0, 5, None), 0)
+    flat, report, _ = run((0, 0, TrainOrder(5)), 0)
     assert flat == list(range(rows)) and not report["used"]

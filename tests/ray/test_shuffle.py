@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from raytrain_events.ray.data.feeder import EpochFeeder, batches_in_epoch
+from raytrain_events.ray.data.order import TrainOrder
 from raytrain_events.ray.data.shuffle import window_permutation
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -28,7 +29,7 @@ TOTAL = sum(SIZES)
 def _order(world: int, epoch: int = 0, position: int = 0, seed: int = 7, window: int = 50, gb: int = 24):
     """Global batches (row ids, ranks' parts concatenated) of one shuffled epoch, served in-process."""
     feeder = EpochFeeder(FakeDataset(SIZES), world, gb)
-    feeder.start_epoch(epoch, position, seed, 0, shuffle_rows=window)
+    feeder.start_epoch(epoch, position, TrainOrder(seed, window), 0)
     batches: List[List[int]] = []
     k = 0
     while True:

@@ -237,7 +237,7 @@ class TrainDataConfig(DeterministicSplitDataConfig):
         (`EpochFeeder.prestart`, a guess the first rank's request confirms or replaces). Returns the feeder."""
         self.feeder, self.source = self._new_feeder(dataset, world_size)
         self.feeder_world = world_size
-        self.feeder.prestart.remote(start[0], start[1], self.order.seed, self.order.shuffle_rows, self.source)
+        self.feeder.prestart.remote(start[0], start[1], self.order, self.source)
         return self.feeder
 
 
@@ -393,10 +393,10 @@ class GlobalOrderLoader:
 
     def _start(self, epoch: int, position: int, resume_batch: int) -> None:
         """Start (or, after a feeder restart, rebuild from ``resume_batch``) the epoch on the feeder."""
-        shard, order = self.shard, self.shard.order
+        shard = self.shard
         _call_feeder(
             lambda: shard.feeder.start_epoch.remote(
-                epoch, position, order.seed, shard.rank, resume_batch, order.shuffle_rows, source=shard.source
+                epoch, position, shard.order, shard.rank, resume_batch, source=shard.source
             )
         )
 

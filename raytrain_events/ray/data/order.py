@@ -3,17 +3,18 @@
 Both are decided once on the driver (`ray/plan.RunPlan`) and travel with what they configure: the
 `TrainDataConfig` (the feeder's global batch and its prestart's order) and each rank's
 `GlobalOrderShard` (the loader asks the feeder for that order). No worker, loader or feeder works
-them out from the run's options again. `EpochOrder` is what one epoch's order is on the feeder
-(`TrainOrder.of_epoch`): the block permutation's seed and the row shuffle, if any. No Ray, no
-torch: the feeder imports it.
+them out from the run's options again. On the feeder (``feeder.py``), `EpochOrder` is one epoch's order
+(`TrainOrder.of_epoch`: the block permutation's seed and the `RowShuffle`, if any), `StreamStart` where a
+seekable source's stream entered the epoch, and `BatchCut` one global batch cut into the ranks' parts.
+No Ray, no torch: the feeder imports it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional, Tuple
 
-__all__ = ["EpochOrder", "GlobalBatch", "RowShuffle", "TrainOrder"]
+__all__ = ["BatchCut", "EpochOrder", "GlobalBatch", "RowShuffle", "StreamStart", "TrainOrder"]
 
 
 @dataclass(frozen=True)
@@ -82,3 +83,30 @@ class TrainOrder:
         if self.seed is None or not self.shuffle_rows:
             return EpochOrder(self.seed)
         return EpochOrder(self.seed, RowShuffle(self.seed, epoch, self.shuffle_rows))
+
+
+class StreamStart(NamedTuple):
+    """Where an epoch's stream starts: its first global ``row`` and shuffle ``window`` number (a seekable source
+    enters the epoch there; a Ray Dataset starts at (0, 0))."""
+
+    row: int = 0
+    window: int = 0
+
+
+class BatchCut(NamedTuple):
+    """A global batch of rows ``[start, start + parts * size + extra)`` cut into ``parts`` contiguous parts of
+    ``size`` rows, the first ``extra`` parts one row more (`feeder.rank_rows`' cut, computed once per batch)."""
+
+    start: int
+    size: int
+    extra: int
+
+    @classmethod
+    def of(cls, start: int, end: int, parts: int) -> BatchCut:
+        """The cut of rows ``[start, end)`` into ``parts`` parts."""
+        return cls(start, *divmod(end - start, parts))
+
+    def part(self, i: int) -> Tuple[int, int]:
+        """Rows ``[a, b)`` of part ``i``."""
+        a = self.start + i * self.size + min(i, self.extra)
+        return a, a + self.size + (1 if i < self.extra else 0)
