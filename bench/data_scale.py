@@ -13,15 +13,15 @@ worker per step, then resumes at 50% of the epoch.
 Arms:
 
 - ``ours``: `GlobalOrderLoader` on each worker against one `EpochFeeder` actor over
-  ``ray.data.read_parquet`` -- the feeder and rank-side code (``ray/data/feeder.py``, ``ray/data/loader.py``,
-  ``ray/data/block_fetch.py``) exactly as `RayTrainer` builds them (`TrainDataConfig`), run in plain
+  ``ray.data.read_parquet`` -- the feeder and rank-side code (``data/ray/feeder.py``, ``data/ray/loader.py``,
+  ``data/ray/block_fetch.py``) exactly as `RayTrainer` builds them (`TrainDataConfig`), run in plain
   actors (one per node, pinned like a train worker, started after the feeder as Ray Train starts a worker
   group after the driver made the feeder and started its stream) instead of a `RayTrainer`: the trainer adds only
   the loop's start-up and per-step events, which are measured elsewhere (``bench/ray_overhead.py``)
   and would be the same for every arm. Its resume is a new feeder and loaders at ``set_position(50%)``,
   what a restarted worker group does: the epoch's stream runs again from its start, the part before
   the position read by Ray Data and passed over.
-- ``ours-seek``: the same with `ParquetRowGroups` (``ray/data/parquet_seek.py``) over the folder as the
+- ``ours-seek``: the same with `ParquetRowGroups` (``data/ray/parquet_seek.py``) over the folder as the
   source, whose resume starts at the row group holding the position (nothing before it is read):
   what ``RayTrainer`` runs for ``ParquetRowGroups(folder)`` and for a bare
   ``ray.data.read_parquet(folder)`` (detected, `as_seekable`), driven like ``ours``. Reads are
@@ -169,10 +169,10 @@ def ours_arm(
     as ``RayTrainer`` starts it before the worker group); False: at the first rank's request."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from raytrain_events.ray.data.feeder import FEEDER_OPTIONS, EpochFeeder
-    from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard
-    from raytrain_events.ray.data.mixture_loader import MixtureOrderLoader
-    from raytrain_events.ray.data.parquet_seek import ParquetRowGroups
+    from raytrain_events.data.ray.feeder import FEEDER_OPTIONS, EpochFeeder
+    from raytrain_events.data.ray.loader import GlobalOrderLoader, GlobalOrderShard
+    from raytrain_events.data.ray.mixture_loader import MixtureOrderLoader
+    from raytrain_events.data.ray.parquet_seek import ParquetRowGroups
 
     mixture_run = mixed = None
     if arm == "ours-mix":

@@ -72,8 +72,8 @@ def ours_mix_source(sources: Dict[str, Dict[str, Any]], global_batch: int) -> An
     for one epoch (what ``mixture_train_set`` builds on the driver, without a `RunSpec`)."""
     from raytrain_events.core.mixture import Mixture
     from raytrain_events.core.mixture_plan import MixtureRun
-    from raytrain_events.ray.data.mixture_source import MixtureSource, check_mixture
-    from raytrain_events.ray.data.parquet_seek import ParquetRowGroups
+    from raytrain_events.data.ray.mixture_source import MixtureSource, check_mixture
+    from raytrain_events.data.ray.parquet_seek import ParquetRowGroups
 
     mixture = Mixture(
         sources={n: s["rows"] for n, s in sources.items()}, weights={n: s["weight"] for n, s in sources.items()}

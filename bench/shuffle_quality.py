@@ -37,9 +37,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from raytrain_events.ray.data.feeder import EpochFeeder  # noqa: E402
-from raytrain_events.ray.data.order import TrainOrder  # noqa: E402
-from raytrain_events.ray.data.slices import Take  # noqa: E402
+from raytrain_events.data.order import TrainOrder  # noqa: E402
+from raytrain_events.data.ray.feeder import EpochFeeder  # noqa: E402
+from raytrain_events.data.ray.slices import Take  # noqa: E402
 
 
 class _Blocks:

@@ -52,12 +52,11 @@ DELETE_ALLOWED = {
 
 #: Import edges allowed inside a cycle: type-only (under ``if TYPE_CHECKING:``), Composer's vocabulary, where
 #: a callback's and an algorithm's hooks are typed with the `State` that holds them; a mixture's plan typed with
-#: the `Mixture` it plans (``Mixture.plan`` builds it); the per-source counts typed with the loader that adds them.
+#: the `Mixture` it plans (``Mixture.plan`` builds it).
 CYCLE_ALLOWED = {
     ("raytrain_events.core.callback", "raytrain_events.core.state"),
     ("raytrain_events.core.algorithm", "raytrain_events.core.state"),
     ("raytrain_events.core.mixture_plan", "raytrain_events.core.mixture"),
-    ("raytrain_events.callbacks.mixture_counts", "raytrain_events.trainer.mixture_loader"),
 }
 
 
@@ -353,15 +352,15 @@ PLAN_OPTION_READERS = {
     "ray/spec_checks.py": (set(PLAN_OPTIONS), "checks their values"),
     "ray/plan.py": (set(PLAN_OPTIONS), "RunPlan: the owner of the decisions"),
     "ray/driver_checks.py": ({"shuffle_buffer_size"}, "refuses a row shuffle with a mixture, before Ray starts"),
-    "ray/data/mixture_source.py": ({"shuffle_buffer_size"}, "refuses a row shuffle with a mixture (check_mixture)"),
+    "data/ray/mixture_source.py": ({"shuffle_buffer_size"}, "refuses a row shuffle with a mixture (check_mixture)"),
 }
-#: The plan's typed values (``ray/data/order.py``): built only by their owners; everyone else is handed one.
+#: The plan's typed values (``data/order.py``): built only by their owners; everyone else is handed one.
 PLAN_VALUES = {"GlobalBatch", "TrainOrder"}
-PLAN_VALUE_BUILDERS = {"ray/plan.py", "ray/data/order.py"}
+PLAN_VALUE_BUILDERS = {"ray/plan.py", "data/order.py"}
 #: Where a batch size may be multiplied (the global batch's formula, `GlobalBatch.rows`).
 BATCH_PRODUCTS = {
-    "ray/data/order.py": "GlobalBatch.rows: the formula",
-    "trainer/mixture_loader.py": "the local Trainer's MixtureLoader: its own batch_size per rank, no RunSpec",
+    "data/order.py": "GlobalBatch.rows: the formula",
+    "data/mixture_loader.py": "the local Trainer's MixtureLoader: its own batch_size per rank, no RunSpec",
 }
 
 
@@ -428,3 +427,46 @@ def test_the_plan_scan_catches_a_second_computation(tmp_path):
         "TrainOrder(...)",
         "batch_size * ... (the global batch)",
     ]
+
+
+#: What the data package (``data/``) may import of the package besides itself: the pure logic, Ray's private names
+#: (their one table), the tensor-parallel world check (the train shards' split) and the storage primitives
+#: (seekable sources read through fsspec). Never the driver, worker, loop, callbacks or checkpoints.
+DATA_IMPORTS = ("core", "data", "ray._compat", "parallel.world", "storage.fs")
+
+
+def data_imports_outside(package: pathlib.Path = PACKAGE) -> List[str]:
+    """``importer -> imported`` for each import from ``data/`` of a module outside `DATA_IMPORTS`."""
+    root = package.name
+    allowed = tuple(f"{root}.{name}" for name in DATA_IMPORTS)
+    return sorted(
+        f"{a} -> {b}"
+        for a, b in import_graph(package)
+        if a.startswith(f"{root}.data") and not (b in allowed or b.startswith(tuple(p + "." for p in allowed)))
+    )
+
+
+def test_the_data_package_imports_only_down_and_has_no_cycle():
+    outside = data_imports_outside()
+    assert not outside, "data/ imports only core/, itself and the few primitives in DATA_IMPORTS:\n" + "\n".join(
+        outside
+    )
+    assert not [g for g in import_cycles() if any(m.startswith(f"{PACKAGE.name}.data") for m in g)]
+    assert not [e for e in CYCLE_ALLOWED if any(m.startswith(f"{PACKAGE.name}.data") for m in e)]
+
+
+def test_the_data_import_scan_catches_a_climb(tmp_path):
+    pkg = tmp_path / "raytrain_events"
+    for sub in ("data", "core", "ray", "trainer"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text('"""x"""\n')
+    (pkg / "core" / "mixture.py").write_text("x = 1\n")
+    (pkg / "trainer" / "trainer.py").write_text("x = 1\n")
+    (pkg / "ray" / "_compat.py").write_text("x = 1\n")
+    (pkg / "data" / "loader.py").write_text(
+        "from raytrain_events.core.mixture import x\n"
+        "from raytrain_events.ray import _compat\n"
+        "def f():\n"
+        "    from raytrain_events.trainer.trainer import x\n"
+    )
+    assert data_imports_outside(pkg) == ["raytrain_events.data.loader -> raytrain_events.trainer.trainer"]

@@ -208,7 +208,7 @@ def _add_tokenize(commands: Any) -> None:
         description=(
             "Turn text files into token Parquet (input_ids, num_tokens, document_id, source) with a Hugging Face\n"
             "tokenizer.json on disk, one shard per input file under OUTPUT/<source>/. Resumable (finished shards are\n"
-            "kept) and idempotent (a rerun over the same inputs writes nothing). See ray/data/tokenize.py."
+            "kept) and idempotent (a rerun over the same inputs writes nothing). See data/ray/tokenize.py."
         ),
     )
     tokenize.add_argument(
@@ -289,7 +289,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _tokenize(args: argparse.Namespace) -> int:
-    from raytrain_events.ray.data.tokenize import tokenize
+    from raytrain_events.data.ray.tokenize import tokenize
 
     sources: Dict[str, List[str]] = {}
     for item in args.inputs:

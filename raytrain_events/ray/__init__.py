@@ -6,8 +6,6 @@ callback sums them into the driver's global `Timestamp` and metrics history.
 
 The subpackages:
 
-* ``data/``: the train data path: one global order (the feeder actor), each rank's batches cut
-  from it, seekable Parquet and mixture sources.
 * ``guards/``: worker guards: start-up health check, progress watchdog, preemption.
 * ``reports/``: worker reports, their aggregation into the run's history, the driver's console,
   progress bar and loggers.
@@ -56,9 +54,9 @@ from typing import TYPE_CHECKING
 from raytrain_events.lazy_names import lazy_names
 
 if TYPE_CHECKING:
+    from raytrain_events.data.ray.packed_source import PackedTokens
+    from raytrain_events.data.ray.parquet_seek import ParquetRowGroups
     from raytrain_events.ray.checkpointing.validation import AsyncValidation
-    from raytrain_events.ray.data.packed_source import PackedTokens
-    from raytrain_events.ray.data.parquet_seek import ParquetRowGroups
     from raytrain_events.ray.driver import RayResult, RayTrainer
     from raytrain_events.ray.spec import RunSpec
 
@@ -71,8 +69,8 @@ _LAZY = {
     "RayResult": "raytrain_events.ray.driver",
     "RunSpec": "raytrain_events.ray.spec",
     "AsyncValidation": "raytrain_events.ray.checkpointing.validation",
-    "ParquetRowGroups": "raytrain_events.ray.data.parquet_seek",
-    "PackedTokens": "raytrain_events.ray.data.packed_source",
+    "ParquetRowGroups": "raytrain_events.data.ray.parquet_seek",
+    "PackedTokens": "raytrain_events.data.ray.packed_source",
 }
 
 

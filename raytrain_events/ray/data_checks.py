@@ -39,7 +39,7 @@ def check_columns(columns: Optional[List[str]], sources: Mapping[str, Any]) -> N
 
 def epoch_batches(spec: Any, rows: int) -> Optional[int]:
     """Global batches in an epoch of ``rows`` rows for this run (None for an elastic group, sized at start)."""
-    from raytrain_events.ray.data.feeder import batches_in_epoch
+    from raytrain_events.data.ray.feeder import batches_in_epoch
 
     workers = spec.workers
     if not isinstance(workers, int):
@@ -54,7 +54,7 @@ def check_steps_per_epoch(spec: Any, train: Any, rows: Optional[int] = None) -> 
     if spec.steps_per_epoch is None or spec.fault_tolerance is not None or spec.deterministic_split:
         return  # replica groups and a deterministic split cut epochs their own way (loader.py, replica_groups.py)
     if rows is None:
-        from raytrain_events.ray.data.parquet_seek import is_seekable
+        from raytrain_events.data.ray.parquet_seek import is_seekable
 
         if not is_seekable(train):
             return

@@ -97,9 +97,9 @@ class RayTrainer:
     factories called on each worker: ``model(config) -> nn.Module``, ``optimizers(model, config)``,
     ``schedulers(optimizers, config)`` (each may omit the trailing ``config``). ``datasets`` maps
     names to Ray Datasets: ``"train"`` is required (a Ray Dataset or ``ParquetRowGroups(paths)``, which a
-    resume enters at its position: ``ray/data/parquet_seek.py``; a bare ``ray.data.read_parquet(...)``
+    resume enters at its position: ``data/ray/parquet_seek.py``; a bare ``ray.data.read_parquet(...)``
     is run as one), every other name is an eval set. With ``mixture=`` (a `Mixture` of named
-    ``datasets`` entries, each seekable: ``ray/data/mixture_source.py``) the train set is the mixture
+    ``datasets`` entries, each seekable: ``data/ray/mixture_source.py``) the train set is the mixture
     of those entries and there is no ``"train"`` entry.
     ``batch_size`` is per worker.
     """
@@ -215,14 +215,14 @@ class RayTrainer:
 
         datasets = self.spec.build_datasets()
         if self.spec.mixture is not None:  # the sources become one seekable "train" set (mixture_source.py)
-            from raytrain_events.ray.data.mixture_source import mixture_train_set
+            from raytrain_events.data.ray.mixture_source import mixture_train_set
 
             assert self.plan.mixture is not None
             datasets = mixture_train_set(self.spec, datasets, self.plan.mixture)
         self.spec.check_datasets(datasets)
         if self._checks_cluster:
             check_data_cpus(ray.cluster_resources(), self.scaling_config, datasets)
-        from raytrain_events.ray.data.parquet_seek import as_seekable
+        from raytrain_events.data.ray.parquet_seek import as_seekable
 
         datasets["train"] = as_seekable(datasets["train"])  # a bare read_parquet seeks (parquet_seek.py)
         train_rows = self._train_rows(datasets["train"])
@@ -376,7 +376,7 @@ class RayTrainer:
 
     def _train_rows(self, train: Any) -> Optional[int]:
         """The train set's row count where it is cheap; never runs a preprocessing pipeline to count."""
-        from raytrain_events.ray.data.loader import cheap_row_count
+        from raytrain_events.data.ray.loader import cheap_row_count
 
         rows = cheap_row_count(train)
         if rows is not None:  # a Ray Dataset's count is known only now: steps_per_epoch must agree with it

@@ -3,7 +3,7 @@
 `RayTrainer.__init__` makes the plan (``RunPlan.of(spec)``, before Ray starts) and every part reads it
 instead of working a decision out again from the options:
 
-* ``batch``: the global batch (`GlobalBatch`, ``ray/data/order.py``): ``global_batch_size``, else
+* ``batch``: the global batch (`GlobalBatch`, ``data/order.py``): ``global_batch_size``, else
   ``batch_size`` times the data-parallel ranks. The feeder's `TrainDataConfig`, each rank's shard, the
   mixture's 'ba' stages, the ``steps_per_epoch`` check and replica groups' whole-batch cut read it.
 * ``order``: the train order (`TrainOrder`): the block seed and the row shuffle. The driver's early start
@@ -25,7 +25,7 @@ from typing import Any, Optional
 from raytrain_events.checkpoint.folder.retention import CheckpointPlan, ray_plan
 from raytrain_events.core.mixture import Mixture
 from raytrain_events.core.mixture_plan import MixtureRun
-from raytrain_events.ray.data.order import GlobalBatch, TrainOrder
+from raytrain_events.data.order import GlobalBatch, TrainOrder
 
 __all__ = ["RunPlan", "global_batch_of", "mixture_run"]
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 from typing import Any, Dict, Optional, Tuple
 
 from raytrain_events.core.data_spec import DataSpec
+from raytrain_events.data.ray.loader import ShardLoader
 from raytrain_events.dist import LocalDist, TorchDist
 from raytrain_events.parallel.deferred_init import has_meta_tensors
 from raytrain_events.parallel.world import check_tensor_parallel_world
 from raytrain_events.parallel.wrap import Parallel
 from raytrain_events.ray.checkpointing.validation import async_eval_names
-from raytrain_events.ray.data.loader import ShardLoader
 from raytrain_events.ray.fault_tolerance import WorkerFaultTolerance, WorkerParts
 from raytrain_events.ray.fault_tolerance.restarts import RestartsWorker
 from raytrain_events.ray.guards.operations import worker_guards

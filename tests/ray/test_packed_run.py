@@ -68,7 +68,7 @@ def _model():
 
 
 def _sources(folder: str):
-    from raytrain_events.ray.data.packed_source import PackedTokens
+    from raytrain_events.data.ray.packed_source import PackedTokens
 
     web, web_lengths = write_tokens(os.path.join(folder, "web"), files=4, groups=3, docs_per_group=30, seed=1)
     code, code_lengths = write_tokens(
@@ -84,9 +84,9 @@ def _sources(folder: str):
 def _reference(ray, sources, mixture, epoch_size):
     """The uninterrupted order: the feeder's stream of the run's MixtureSource on one rank."""
     from raytrain_events.core.mixture_plan import MixtureRun
-    from raytrain_events.ray.data.feeder import FEEDER_OPTIONS, EpochFeeder
-    from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard
-    from raytrain_events.ray.data.mixture_source import MixtureSource
+    from raytrain_events.data.ray.feeder import FEEDER_OPTIONS, EpochFeeder
+    from raytrain_events.data.ray.loader import GlobalOrderLoader, GlobalOrderShard
+    from raytrain_events.data.ray.mixture_source import MixtureSource
 
     source = MixtureSource(sources, MixtureRun(mixture, SEED, epoch_size, BATCH), SEED)
     feeder = ray.remote(EpochFeeder).options(**FEEDER_OPTIONS).remote(source, 1, BATCH)
@@ -105,7 +105,7 @@ def test_packed_mixture_stopped_on_2_workers_resumes_on_3_with_the_same_sequence
     from raytrain_events import RayTrainer
     from raytrain_events.checkpoint import CheckpointConfig
     from raytrain_events.core.mixture import Mixture
-    from raytrain_events.ray.data.packed_source import count_real_tokens
+    from raytrain_events.data.ray.packed_source import count_real_tokens
 
     sources, lengths = _sources(str(tmp_path / "data"))
     counts = {n: s.count() for n, s in sources.items()}

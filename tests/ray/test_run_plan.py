@@ -10,8 +10,8 @@ import pytest
 from raytrain_events.checkpoint.config import CheckpointConfig
 from raytrain_events.core.mixture import Mixture
 from raytrain_events.core.mixture_plan import MixtureRun
+from raytrain_events.data.order import EpochOrder, GlobalBatch, RowShuffle, TrainOrder
 from raytrain_events.parallel.config import FSDPConfig
-from raytrain_events.ray.data.order import EpochOrder, GlobalBatch, RowShuffle, TrainOrder
 from raytrain_events.ray.driver import RayTrainer
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Tuple
 
 from raytrain_events.core.callback import Callback
-from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard, ShardLoader, TrainDataConfig
-from raytrain_events.ray.data.order import TrainOrder
+from raytrain_events.data.order import TrainOrder
+from raytrain_events.data.ray.loader import GlobalOrderLoader, GlobalOrderShard, ShardLoader, TrainDataConfig
 from raytrain_events.ray.fault_tolerance.protocol import WorkerParts
 
 __all__ = ["Restarts", "RestartsWorker", "RayRetention"]
@@ -106,7 +106,7 @@ def train_loader(shard: Any, spec: Any, order: TrainOrder, rank: int, options: D
     """The train set in the group's global order (`TrainDataConfig`), else a plain Ray shard (locally shuffled
     in windows of ``order.shuffle_rows`` rows)."""
     if isinstance(shard, GlobalOrderShard) and shard.mixture is not None:  # RayTrainer(mixture=...)
-        from raytrain_events.ray.data.mixture_loader import MixtureOrderLoader
+        from raytrain_events.data.ray.mixture_loader import MixtureOrderLoader
 
         return MixtureOrderLoader(
             shard, tokens_of_batch=spec.get_num_tokens_in_batch, length=spec.steps_per_epoch, **options

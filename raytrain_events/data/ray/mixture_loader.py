@@ -26,8 +26,9 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator, List, Mapping, Optional
 
 from raytrain_events.core.callback import Callback
-from raytrain_events.ray.data.feeder import batch_end, rank_rows
-from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard
+from raytrain_events.data.mixture_counts import MixtureCounts
+from raytrain_events.data.ray.feeder import batch_end, rank_rows
+from raytrain_events.data.ray.loader import GlobalOrderLoader, GlobalOrderShard
 
 __all__ = ["MixtureOrderLoader"]
 
@@ -118,6 +119,4 @@ class MixtureOrderLoader(GlobalOrderLoader):
 
     def loop_callbacks(self) -> List[Callback]:
         """What the `Trainer` adds for this loader: the per-source counts (`MixtureCounts`)."""
-        from raytrain_events.callbacks.mixture_counts import MixtureCounts
-
-        return [MixtureCounts(self)]  # type: ignore[arg-type]  # the loader protocol MixtureCounts reads
+        return [MixtureCounts(self)]

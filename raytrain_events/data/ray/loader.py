@@ -29,9 +29,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from ray.train import DataConfig
 
 from raytrain_events.core.mixture_plan import MixtureRun
+from raytrain_events.data.order import GlobalBatch, TrainOrder
+from raytrain_events.data.ray.slices import RowRange, Slice
 from raytrain_events.ray import _compat
-from raytrain_events.ray.data.order import GlobalBatch, TrainOrder
-from raytrain_events.ray.data.slices import RowRange, Slice
 
 __all__ = [
     "cheap_row_count",
@@ -216,7 +216,7 @@ class TrainDataConfig(DeterministicSplitDataConfig):
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from raytrain_events.ray.data.feeder import FEEDER_OPTIONS, EpochFeeder
+        from raytrain_events.data.ray.feeder import FEEDER_OPTIONS, EpochFeeder
 
         tp = self.tensor_parallel
         here = ray.get_runtime_context().get_node_id()
@@ -247,7 +247,7 @@ def cheap_row_count(dataset: Any) -> Optional[int]:
     None when counting would run a preprocessing pipeline (``map_batches``, ``filter``...). A
     seekable source (`parquet_seek.ParquetRowGroups`) counts from the footers it read when built.
     """
-    from raytrain_events.ray.data.parquet_seek import is_seekable
+    from raytrain_events.data.ray.parquet_seek import is_seekable
 
     if is_seekable(dataset):
         return dataset.count()
@@ -312,7 +312,7 @@ class GlobalOrderLoader:
             return self.length
         if self.shard.num_rows is None:
             raise TypeError("The train set's row count is unknown; pass steps_per_epoch to RayTrainer.")
-        from raytrain_events.ray.data.feeder import batches_in_epoch
+        from raytrain_events.data.ray.feeder import batches_in_epoch
 
         return batches_in_epoch(self.shard.num_rows, self.shard.global_batch, self.shard.data_world_size)
 
@@ -329,7 +329,7 @@ class GlobalOrderLoader:
         """The epoch's batches, made one to ``prefetch_batches`` ahead in a thread (`prefetched`): the
         train thread only takes finished batches, as from Ray Data's ``iter_torch_batches``."""
 
-        from raytrain_events.ray.data.prefetch import prefetched
+        from raytrain_events.data.ray.prefetch import prefetched
 
         epoch, position = self.epoch, self.position
         self._start(epoch, position, 0)
@@ -338,7 +338,7 @@ class GlobalOrderLoader:
     def _batches(self, epoch: int, position: int):
         import ray
 
-        from raytrain_events.ray.data.block_fetch import cluster_node, finish_fetch, start_fetch
+        from raytrain_events.data.ray.block_fetch import cluster_node, finish_fetch, start_fetch
 
         shard = self.shard
         here = cluster_node()  # None on a one-node cluster: blocks are fetched whole, as they are local
@@ -410,7 +410,7 @@ class GlobalOrderLoader:
         if self.columns is not None:  # only these columns reach the batch (and collate_fn)
             parts = [pick_columns(part, self.columns) if isinstance(part, pa.Table) else part for part in parts]
         if self.collate_fn is None and all(isinstance(part, pa.Table) for part in parts):
-            from raytrain_events.ray.data.batch_tensors import table_to_torch
+            from raytrain_events.data.ray.batch_tensors import table_to_torch
 
             return table_to_torch(parts[0] if len(parts) == 1 else pa.concat_tables(parts))
         if len(parts) == 1:
@@ -449,7 +449,7 @@ def _part(piece: Slice, blocks: Dict[Any, Any]) -> Any:
     """
     from ray.data.block import BlockAccessor
 
-    from raytrain_events.ray.data.block_fetch import local_rows
+    from raytrain_events.data.ray.block_fetch import local_rows
 
     if isinstance(piece, RowRange):
         ref, lo, hi = piece

@@ -22,6 +22,7 @@ from raytrain_events.core.callback import Callback
 from raytrain_events.core.mixture import Mixture, MixtureError
 from raytrain_events.core.mixture_plan import MixturePlan, run_samples
 from raytrain_events.core.time import Time
+from raytrain_events.data.mixture_counts import MixtureCounts
 
 __all__ = ["MixtureLoader", "row_schema"]
 
@@ -182,6 +183,4 @@ class MixtureLoader:
 
     def loop_callbacks(self) -> List[Callback]:
         """What the `Trainer` adds for this loader: the per-source counts (`MixtureCounts`)."""
-        from raytrain_events.callbacks.mixture_counts import MixtureCounts
-
         return [MixtureCounts(self)]

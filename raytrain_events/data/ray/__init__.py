@@ -8,8 +8,9 @@ slices (``slices.py``); on each worker, `GlobalOrderLoader` (``loader.py``) fetc
 (``block_fetch.py``: cut on the node that holds a block), turns them into tensors
 (``batch_tensors.py``) a few batches ahead (``prefetch.py``). Sources a resumed epoch enters at its
 position: `ParquetRowGroups` (``parquet_seek.py``) and mixtures of sources (``mixture_source.py``,
-read by ``mixture_loader.py``). This ``__init__`` imports nothing: the feeder actor imports only
-what it runs.
+read by ``mixture_loader.py``). The global batch and the order they follow are the driver's
+(``ray/plan.py``), as typed values (``../order.py``). This ``__init__`` imports nothing: the feeder actor
+imports only what it runs.
 
 Files:
 
@@ -20,8 +21,6 @@ Files:
 * ``feeder.py``: Global data order for training: every rank's batches are a function of one
   position in one order.
 * ``loader.py``: Worker-side data: the train set in one global order, eval sets as Ray shards.
-* ``order.py``: The train order's small typed values: `GlobalBatch` (rows per optimizer step) and
-  `TrainOrder` (seed, row shuffle), decided once on the driver (``ray/plan.py``).
 * ``mixture_loader.py``: `MixtureOrderLoader`: a Ray worker's train loader over a `MixtureSource`,
   with per-source counts.
 * ``mixture_source.py``: `MixtureSource`: a `Mixture` of seekable sources as one seekable train set

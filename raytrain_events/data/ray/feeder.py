@@ -63,11 +63,11 @@ from __future__ import annotations
 import threading
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+from raytrain_events.data.order import BatchCut, EpochOrder, StreamStart, TrainOrder
+from raytrain_events.data.ray.row_index import BlockIndex, RankCursor
+from raytrain_events.data.ray.shuffle import WindowIndex
+from raytrain_events.data.ray.slices import Slice
 from raytrain_events.ray import _compat
-from raytrain_events.ray.data.order import BatchCut, EpochOrder, StreamStart, TrainOrder
-from raytrain_events.ray.data.row_index import BlockIndex, RankCursor
-from raytrain_events.ray.data.shuffle import WindowIndex
-from raytrain_events.ray.data.slices import Slice
 
 __all__ = ["EpochFeeder", "rank_rows", "batches_in_epoch", "FEEDER_OPTIONS"]
 
@@ -171,7 +171,7 @@ class _Epoch:
             self.cond.notify_all()
 
     def _pull(self) -> None:
-        from raytrain_events.ray.data.block_fetch import CutterStarter
+        from raytrain_events.data.ray.block_fetch import CutterStarter
 
         cond, index = self.cond, self.index
         window: List[Tuple[Any, int, int]] = []  # blocks of the shuffle window being filled
@@ -299,7 +299,7 @@ class EpochFeeder:
         self.report: Dict[str, Any] = {}  # `start_report`: the prestart and the first rank's request
 
     def _set_dataset(self, dataset: Any) -> None:
-        from raytrain_events.ray.data.parquet_seek import is_seekable
+        from raytrain_events.data.ray.parquet_seek import is_seekable
 
         self.seekable = is_seekable(dataset)
         if not self.seekable:
