@@ -34,6 +34,8 @@ Files:
   ``ray.init`` starts it.
 * ``plan.py``: `RunPlan`: the run's decisions (global batch, train order, mixture run, checkpoint
   plan), made once on the driver from the `RunSpec` and shipped to the workers.
+* ``result.py``: `RayResult`: what a `RayTrainer` run produced: the global Timestamp, metrics, history,
+  checkpoints.
 * ``replica_abort.py``: Replica groups: a peer's failure ends every survivor's pending all-reduce at once,
   wherever it sits in the ring.
 * ``replica_checks.py``: Which runs ``fault_tolerance="replica_groups"`` supports, checked on the
@@ -57,7 +59,8 @@ if TYPE_CHECKING:
     from raytrain_events.data.ray.packed_source import PackedTokens
     from raytrain_events.data.ray.parquet_seek import ParquetRowGroups
     from raytrain_events.ray.checkpointing.validation import AsyncValidation
-    from raytrain_events.ray.driver import RayResult, RayTrainer
+    from raytrain_events.ray.driver import RayTrainer
+    from raytrain_events.ray.result import RayResult
     from raytrain_events.ray.spec import RunSpec
 
 __all__ = ["AsyncValidation", "PackedTokens", "ParquetRowGroups", "RayTrainer", "RayResult", "RunSpec"]
@@ -66,7 +69,7 @@ __all__ = ["AsyncValidation", "PackedTokens", "ParquetRowGroups", "RayTrainer", 
 # package and must not pay for the driver's imports (torch among them).
 _LAZY = {
     "RayTrainer": "raytrain_events.ray.driver",
-    "RayResult": "raytrain_events.ray.driver",
+    "RayResult": "raytrain_events.ray.result",
     "RunSpec": "raytrain_events.ray.spec",
     "AsyncValidation": "raytrain_events.ray.checkpointing.validation",
     "ParquetRowGroups": "raytrain_events.data.ray.parquet_seek",

@@ -120,7 +120,7 @@ def test_a_datasets_factory_is_resolved_by_name_for_the_workers():
 
 def test_result_names_the_newest_checkpoint_latest():
     from raytrain_events.core.time import Timestamp
-    from raytrain_events.ray.driver import RayResult
+    from raytrain_events.ray.result import RayResult
 
     result = RayResult(timestamp=Timestamp(), metrics={}, history=[], checkpoints=["ep1", "ep2"])
     assert result.latest_checkpoint == "ep2"
