@@ -15,6 +15,7 @@ from typing import List
 import numpy as np
 import pytest
 
+from raytrain_events.data.order import TrainOrder
 from raytrain_events.data.ray import block_fetch
 from raytrain_events.data.ray.block_fetch import chunk_refs, needed_rows, split_by_node
 from raytrain_events.data.ray.feeder import EpochFeeder
@@ -101,10 +102,10 @@ def test_loaders_train_the_same_rows_when_every_block_is_cut_remotely(ray_cluste
         feeder = ray.remote(EpochFeeder).options(num_cpus=0).remote(dataset, world, global_batch)
         loaders = [
             GlobalOrderLoader(
-                GlobalOrderShard(feeder, r, world, global_batch, rows),
+                GlobalOrderShard(
+                    feeder, r, world, global_batch, rows, order=TrainOrder(seed, 150 if seed is not None else None)
+                ),
                 device="cpu",
-                order_seed=seed,
-                shuffle_rows=150 if seed is not None else None,
             )
             for r in range(world)
         ]

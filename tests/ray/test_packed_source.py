@@ -44,15 +44,14 @@ def tokens(tmp_path_factory):
 
 
 def _epoch(ray, source, world: int, position: int, seed=None, shuffle_rows=None) -> List[dict]:
+    from raytrain_events.data.order import TrainOrder
     from raytrain_events.data.ray.loader import GlobalOrderLoader, GlobalOrderShard
 
     feeder = ray.remote(EpochFeeder).options(**FEEDER_OPTIONS).remote(source, world, BATCH)
     loaders = [
         GlobalOrderLoader(
-            GlobalOrderShard(feeder, r, world, BATCH, source.count()),
+            GlobalOrderShard(feeder, r, world, BATCH, source.count(), order=TrainOrder(seed, shuffle_rows)),
             device="cpu",
-            order_seed=seed,
-            shuffle_rows=shuffle_rows,
         )
         for r in range(world)
     ]

@@ -108,15 +108,14 @@ def _epoch(
     batches=None,
     columns=("id",),
 ):
+    from raytrain_events.data.order import TrainOrder
     from raytrain_events.data.ray.loader import GlobalOrderLoader, GlobalOrderShard
 
     feeder = ray.remote(EpochFeeder).options(**FEEDER_OPTIONS).remote(source, world, 40)
     loaders = [
         GlobalOrderLoader(
-            GlobalOrderShard(feeder, r, world, 40, source.count()),
+            GlobalOrderShard(feeder, r, world, 40, source.count(), order=TrainOrder(seed, shuffle_rows)),
             device="cpu",
-            order_seed=seed,
-            shuffle_rows=shuffle_rows,
             columns=list(columns),  # only these reach the batch
         )
         for r in range(world)
