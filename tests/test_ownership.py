@@ -470,3 +470,14 @@ def test_the_data_import_scan_catches_a_climb(tmp_path):
         "    from raytrain_events.trainer.trainer import x\n"
     )
     assert data_imports_outside(pkg) == ["raytrain_events.data.loader -> raytrain_events.trainer.trainer"]
+
+
+def test_the_autoresume_without_a_name_refusal_has_one_owner():
+    """`Trainer` and `RayTrainer` refuse ``autoresume`` in a run without a name through one function
+    (``trainer/arguments.check_autoresume_named``); the message is spelled nowhere else."""
+    spelled = []
+    for path in _modules(PACKAGE).values():
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and "without a run_name" in node.value:
+                spelled.append(_rel(PACKAGE, path))
+    assert spelled == ["trainer/arguments.py"], spelled
