@@ -15,6 +15,9 @@ Example (a 2-worker CPU run)::
         num_workers=2,
     ).fit()
     print(result.timestamp, result.metrics)
+
+Ray, and our modules that import it, are imported inside the methods that run at fit time, so
+``RayTrainer(...)`` and every check before Ray starts run without importing Ray.
 """
 
 from __future__ import annotations
