@@ -1,7 +1,7 @@
 """Train data path: `GlobalOrderLoader` (exact, resumable global order) vs Ray Data's own iterator.
 
 `RayTrainer` feeds the train set through `GlobalOrderLoader`: an `EpochFeeder` actor cuts one
-global order into batches and each rank fetches its rows (see ``raytrain_events/ray/data/feeder.py``).
+global order into batches and each rank fetches its rows (see ``raytrain_events/data/ray/feeder.py``).
 The raw thing is ``DataIterator.iter_torch_batches``, what a hand-written Ray Train loop uses.
 Both read the same materialized dataset (16384 rows of 64 float32 + a label, 8 blocks) in
 batches of 64 rows, as rank 0 of a 2-worker group would (the feeder cuts global batches of 128),
@@ -32,8 +32,8 @@ if ROOT not in sys.path:
 import numpy as np  # noqa: E402
 import ray  # noqa: E402
 
-from raytrain_events.ray.data.feeder import EpochFeeder  # noqa: E402
-from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard  # noqa: E402
+from raytrain_events.data.ray.feeder import EpochFeeder  # noqa: E402
+from raytrain_events.data.ray.loader import GlobalOrderLoader, GlobalOrderShard  # noqa: E402
 
 ROWS, D, BATCH, WORLD = 16384, 64, 64, 2
 

@@ -1,6 +1,6 @@
 """Network bytes per epoch of the global-order data path, simulated at 8 x 8 and 64 x 8 ranks.
 
-Drives the REAL code with fake blocks: `EpochFeeder` (``raytrain_events/ray/data/feeder.py``) serves
+Drives the REAL code with fake blocks: `EpochFeeder` (``raytrain_events/data/ray/feeder.py``) serves
 every rank its chunks of batches (1, 2, 4, 8, then 16 batches per call, as `GlobalOrderLoader`
 asks), and `block_fetch.chunk_refs` / `split_by_node` / `needed_rows` decide, per rank and chunk, which
 blocks the rank gets whole and which it has cut on the block's node. No Ray, no torch: block
@@ -43,8 +43,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from raytrain_events.ray.data.block_fetch import chunk_refs, needed_rows, split_by_node  # noqa: E402
-from raytrain_events.ray.data.feeder import EpochFeeder  # noqa: E402
+from raytrain_events.data.ray.block_fetch import chunk_refs, needed_rows, split_by_node  # noqa: E402
+from raytrain_events.data.ray.feeder import EpochFeeder  # noqa: E402
 
 CHUNKS = [1, 2, 4, 8]  # then 16 per call: GlobalOrderLoader's chunk sizes with prefetch_batches=1
 MAX_CHUNK = 16
@@ -109,8 +109,8 @@ def task_cost(chunks: int = 30, blocks: int = 16, rows: int = 4096, take: int = 
     import pyarrow as pa
     import ray
 
-    from raytrain_events.ray.data.block_fetch import fetch_blocks
-    from raytrain_events.ray.data.slices import RowRange
+    from raytrain_events.data.ray.block_fetch import fetch_blocks
+    from raytrain_events.data.ray.slices import RowRange
     from raytrain_events.ray.embedded import own_state_api
 
     kwargs = {"num_cpus": 2, "include_dashboard": False}

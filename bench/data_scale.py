@@ -13,15 +13,15 @@ worker per step, then resumes at 50% of the epoch.
 Arms:
 
 - ``ours``: `GlobalOrderLoader` on each worker against one `EpochFeeder` actor over
-  ``ray.data.read_parquet`` -- the feeder and rank-side code (``ray/data/feeder.py``, ``ray/data/loader.py``,
-  ``ray/data/block_fetch.py``) exactly as `RayTrainer` builds them (`TrainDataConfig`), run in plain
+  ``ray.data.read_parquet`` -- the feeder and rank-side code (``data/ray/feeder.py``, ``data/ray/loader.py``,
+  ``data/ray/block_fetch.py``) exactly as `RayTrainer` builds them (`TrainDataConfig`), run in plain
   actors (one per node, pinned like a train worker, started after the feeder as Ray Train starts a worker
   group after the driver made the feeder and started its stream) instead of a `RayTrainer`: the trainer adds only
   the loop's start-up and per-step events, which are measured elsewhere (``bench/ray_overhead.py``)
   and would be the same for every arm. Its resume is a new feeder and loaders at ``set_position(50%)``,
   what a restarted worker group does: the epoch's stream runs again from its start, the part before
   the position read by Ray Data and passed over.
-- ``ours-seek``: the same with `ParquetRowGroups` (``ray/data/parquet_seek.py``) over the folder as the
+- ``ours-seek``: the same with `ParquetRowGroups` (``data/ray/parquet_seek.py``) over the folder as the
   source, whose resume starts at the row group holding the position (nothing before it is read):
   what ``RayTrainer`` runs for ``ParquetRowGroups(folder)`` and for a bare
   ``ray.data.read_parquet(folder)`` (detected, `as_seekable`), driven like ``ours``. Reads are
@@ -169,17 +169,17 @@ def ours_arm(
     as ``RayTrainer`` starts it before the worker group); False: at the first rank's request."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from raytrain_events.ray.data.feeder import FEEDER_OPTIONS, EpochFeeder
-    from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard
-    from raytrain_events.ray.data.mixture_loader import MixtureOrderLoader
-    from raytrain_events.ray.data.parquet_seek import ParquetRowGroups
+    from raytrain_events.data.ray.feeder import FEEDER_OPTIONS, EpochFeeder
+    from raytrain_events.data.ray.loader import GlobalOrderLoader, GlobalOrderShard
+    from raytrain_events.data.ray.mixture_loader import MixtureOrderLoader
+    from raytrain_events.data.ray.parquet_seek import ParquetRowGroups
 
-    plan_args = mixed = None
+    mixture_run = mixed = None
     if arm == "ours-mix":
         from data_scale_mix import ours_mix_source
 
         mixed = ours_mix_source(mix, WORLD * RANK_BATCH)
-        plan_args, rows = mixed.plan_args, mixed.count()
+        mixture_run, rows = mixed.run, mixed.count()
 
     @ray.remote(num_cpus=1, resources={"slot": 1})  # its node's CPU, as a train worker takes it
     class Rank:
@@ -219,7 +219,7 @@ def ours_arm(
             .remote(source, WORLD, WORLD * RANK_BATCH)
         )
         if prestart:  # as RayTrainer's driver does before the worker group starts (feeder.py, Started early)
-            actor.prestart.remote(0, position, None, None, None)
+            actor.prestart.remote(0, position, None, None)
         ray.get(actor.held_blocks.remote())  # up: the timings below start at the epoch's start
         return actor
 
@@ -228,11 +228,11 @@ def ours_arm(
     ray.get([r.node.remote() for r in ranks])
     sampler = StoreSampler(ray_nodes(ray))
     before = created(rank_nodes)
-    shards = [GlobalOrderShard(fresh, k, WORLD, WORLD * RANK_BATCH, rows, mixture=plan_args) for k in range(WORLD)]
+    shards = [GlobalOrderShard(fresh, k, WORLD, WORLD * RANK_BATCH, rows, mixture=mixture_run) for k in range(WORLD)]
     epoch = ray.get([r.epoch.remote(shard, 0) for r, shard in zip(ranks, shards, strict=True)])
     moved = created(rank_nodes) - before
     resumed = feeder(rows // 2)  # the same ranks ask at once: no head start for the resume
-    shards = [GlobalOrderShard(resumed, k, WORLD, WORLD * RANK_BATCH, rows, mixture=plan_args) for k in range(WORLD)]
+    shards = [GlobalOrderShard(resumed, k, WORLD, WORLD * RANK_BATCH, rows, mixture=mixture_run) for k in range(WORLD)]
     resume = ray.get([r.epoch.remote(shard, rows // 2, 1) for r, shard in zip(ranks, shards, strict=True)])
     peak = sampler.peak()
     for actor in [*ranks, fresh, resumed]:  # ranks first: their prefetch threads still call the feeder

@@ -6,7 +6,7 @@ and each path mixes them with weights equal to the sources' shares of the rows, 
 every row once, the same rows as the single-source arms, only interleaved. The arms:
 
 - ``ours-mix``: the feeder path ``RayTrainer(mixture=Mixture(...), datasets={name: ParquetRowGroups(folder)})``
-  builds (`mixture_source.check_mixture`, `plan_of`, `MixtureSource`, as ``mixture_train_set`` does on
+  builds (`mixture_source.check_mixture`, `MixtureRun`, `MixtureSource`, as ``mixture_train_set`` does on
   the driver) in the same plain actors as ``ours-seek``, each rank with `MixtureOrderLoader` (the
   per-source counts of every batch included); its resume is a new feeder and loaders at 50%,
   which enter each source at its cursor.
@@ -71,8 +71,9 @@ def ours_mix_source(sources: Dict[str, Dict[str, Any]], global_batch: int) -> An
     """The `MixtureSource` ``RayTrainer(mixture=..., datasets={name: ParquetRowGroups(folder)})`` streams
     for one epoch (what ``mixture_train_set`` builds on the driver, without a `RunSpec`)."""
     from raytrain_events.core.mixture import Mixture
-    from raytrain_events.ray.data.mixture_source import MixtureSource, check_mixture, plan_of
-    from raytrain_events.ray.data.parquet_seek import ParquetRowGroups
+    from raytrain_events.core.mixture_plan import MixtureRun
+    from raytrain_events.data.ray.mixture_source import MixtureSource, check_mixture
+    from raytrain_events.data.ray.parquet_seek import ParquetRowGroups
 
     mixture = Mixture(
         sources={n: s["rows"] for n, s in sources.items()}, weights={n: s["weight"] for n, s in sources.items()}
@@ -80,9 +81,9 @@ def ours_mix_source(sources: Dict[str, Dict[str, Any]], global_batch: int) -> An
     datasets = {name: ParquetRowGroups(source["folder"]) for name, source in sources.items()}
     checked = check_mixture(mixture.to_dict(), datasets, None)
     rows = sum(s["rows"] for s in sources.values())  # the epoch: every source's rows (no epoch_size given)
-    plan_args = {"mixture": mixture.to_dict(), "seed": 0, "total_samples": rows, "global_batch": global_batch}
-    plan_of(plan_args)
-    return MixtureSource(checked, plan_args, None)
+    run = MixtureRun(mixture, 0, rows, global_batch)
+    run.plan()
+    return MixtureSource(checked, run, None)
 
 
 def ray_data_mix(ray: Any, sources: Dict[str, Dict[str, Any]]) -> Any:

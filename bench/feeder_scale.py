@@ -1,6 +1,6 @@
 """Feeder cost per global batch at 64, 256 and 512 ranks: today's `EpochFeeder` against the first one.
 
-`EpochFeeder` (``raytrain_events/ray/data/feeder.py``) answers one call per rank per chunk of batches.
+`EpochFeeder` (``raytrain_events/data/ray/feeder.py``) answers one call per rank per chunk of batches.
 This drives the REAL class in this process -- no Ray start, no torch: its dataset is a stand-in
 whose ``iter_internal_ref_bundles`` yields bundles of fake block references (plain ints) with row
 counts, as Ray Data's streaming execution would. W simulated ranks, ``--blocks-per-step`` blocks
@@ -38,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from raytrain_events.ray.data import feeder as new_feeder  # noqa: E402
+from raytrain_events.data.ray import feeder as new_feeder  # noqa: E402
 
 ROWS_PER_BLOCK = 1024
 

@@ -40,10 +40,10 @@ import torchmetrics  # noqa: E402
 from mixture_tasks import ConflictTask  # noqa: E402
 
 from raytrain_events import Trainer  # noqa: E402
-from raytrain_events.callbacks.online_mixture import OnlineMixture  # noqa: E402
 from raytrain_events.core.mixture import Mixture  # noqa: E402
+from raytrain_events.data.mixture_loader import MixtureLoader  # noqa: E402
+from raytrain_events.data.online_mixture import OnlineMixture  # noqa: E402
 from raytrain_events.trainer.evaluation import Evaluator  # noqa: E402
-from raytrain_events.trainer.mixture_loader import MixtureLoader  # noqa: E402
 
 POOL, HELD_OUT = 512, 200  # rows per source to train from, and per source to evaluate on
 

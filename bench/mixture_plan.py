@@ -83,7 +83,7 @@ def loader_overhead(repeats: int, batch: int) -> Dict[str, Any]:
     from torch.utils.data import DataLoader
 
     from raytrain_events.core.mixture import Mixture
-    from raytrain_events.trainer.mixture_loader import MixtureLoader
+    from raytrain_events.data.mixture_loader import MixtureLoader
 
     rows = {"web": 6000, "code": 3000, "math": 1000}
     data = {
@@ -134,7 +134,7 @@ def ray_stream(
     repeats: int, positions: int = 200_000, rank_batch: int = 1024, global_batch: int = 4096
 ) -> Dict[str, Any]:
     from raytrain_events.core.mixture import Mixture
-    from raytrain_events.ray.data.mixture_source import MixtureSource
+    from raytrain_events.data.ray.mixture_source import MixtureSource
 
     sizes = {"web": 1_000_000, "code": 1_000_000, "math": 1_000_000}
     mixture = Mixture(
@@ -180,7 +180,7 @@ def batch_assembly(repeats: int, seq: int = 1024, rows: int = 1024) -> Dict[str,
     import pyarrow as pa
     from ray.data.block import BlockAccessor
 
-    from raytrain_events.ray.data.batch_tensors import table_to_torch
+    from raytrain_events.data.ray.batch_tensors import table_to_torch
 
     def block(k: int) -> Any:
         tokens = pa.FixedSizeListArray.from_arrays(pa.array(np.arange(4 * rows * seq, dtype=np.int32)), seq)
@@ -195,7 +195,7 @@ def batch_assembly(repeats: int, seq: int = 1024, rows: int = 1024) -> Dict[str,
         at[k], n = at[k] + c, n + c
     grouped = [(k, 0, at[k]) for k in range(3) if at[k]]  # the same rows, listed by source: one slice each
 
-    def assemble(slices: List[Any]) -> Any:  # the loader's path for slices of whole blocks (ray/data/loader.py)
+    def assemble(slices: List[Any]) -> Any:  # the loader's path for slices of whole blocks (data/ray/loader.py)
         parts = [BlockAccessor.for_block(blocks[k][0]).slice(lo, hi, copy=False) for k, lo, hi in slices]
         return table_to_torch(parts[0] if len(parts) == 1 else pa.concat_tables(parts))
 

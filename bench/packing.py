@@ -58,7 +58,7 @@ def corpus(out: str) -> Dict[str, Any]:
     """The example's text, tokenizer and token files (in this process, no Ray)."""
     import packed_lm
 
-    from raytrain_events.ray.data.tokenize import tokenize_file
+    from raytrain_events.data.ray.tokenize import tokenize_file
 
     files = packed_lm.write_text(os.path.join(out, "text"))
     tokenizer = packed_lm.train_tokenizer([p for ps in files.values() for p in ps], os.path.join(out, "bpe.json"))
@@ -103,7 +103,7 @@ def efficiency_part(data: Dict[str, Any], out: str) -> None:
 
 
 def tokenize_part(data: Dict[str, Any], out: str, repeats: int) -> None:
-    from raytrain_events.ray.data.tokenize import tokenize
+    from raytrain_events.data.ray.tokenize import tokenize
 
     files = [p for ps in data["files"].values() for p in ps]
     plain, job, docs = [], [], 0
@@ -134,7 +134,7 @@ def _write_prepacked(source: Any, path: str, columns: Any = None) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from raytrain_events.ray.data.packed_source import pack_read
+    from raytrain_events.data.ray.packed_source import pack_read
 
     os.makedirs(path, exist_ok=True)
     tables = [pack_read(**source.window_args(w)) for w in range(len(source.windows))]
@@ -147,8 +147,8 @@ def _write_prepacked(source: Any, path: str, columns: Any = None) -> None:
 
 
 def _steady_rate(ray: Any, source: Any, world: int = 2, batch: int = 64, skip: int = 32) -> float:
-    from raytrain_events.ray.data.feeder import FEEDER_OPTIONS, EpochFeeder
-    from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard
+    from raytrain_events.data.ray.feeder import FEEDER_OPTIONS, EpochFeeder
+    from raytrain_events.data.ray.loader import GlobalOrderLoader, GlobalOrderShard
 
     feeder = ray.remote(EpochFeeder).options(**FEEDER_OPTIONS).remote(source, world, batch)
     loaders = [
@@ -193,8 +193,8 @@ def _datapath_row(folder: str, policy: str, longest: int, repeats: int) -> Any:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "ray"))
     from packed_data import write_tokens
 
-    from raytrain_events.ray.data.packed_source import _BYTES_PER_TOKEN, PackedTokens
-    from raytrain_events.ray.data.parquet_seek import AHEAD_BYTES, READ_BYTES, ParquetRowGroups
+    from raytrain_events.data.ray.packed_source import _BYTES_PER_TOKEN, PackedTokens
+    from raytrain_events.data.ray.parquet_seek import AHEAD_BYTES, READ_BYTES, ParquetRowGroups
 
     paths, _ = write_tokens(
         os.path.join(folder, "tok"), files=32, groups=4, docs_per_group=2_000, seed=0, longest=longest
@@ -253,8 +253,8 @@ def _cpu_row(folder: str, policy: str, longest: int, repeats: int) -> str:
     from packed_data import write_tokens
 
     from raytrain_events.core.packing import pack_window
-    from raytrain_events.ray.data.packed_source import PackedTokens, pack_reads
-    from raytrain_events.ray.data.parquet_seek import ParquetRowGroups, _read_units
+    from raytrain_events.data.ray.packed_source import PackedTokens, pack_reads
+    from raytrain_events.data.ray.parquet_seek import ParquetRowGroups, _read_units
 
     paths, _ = write_tokens(
         os.path.join(folder, "tok"), files=8, groups=4, docs_per_group=2_000, seed=0, longest=longest

@@ -539,9 +539,10 @@ def run_diagnostics(ds, args, out_dir: str, storage: str) -> dict:
     data: dict = {"datasets": {"train": ds}}  # "shard": both arms iterate the same Ray Data streaming split
     if args.ab_data == "global":
         # Ours reads "train" as RayTrainer does (global order); plain a streaming split of the same rows.
-        from raytrain_events.ray.data.loader import TrainDataConfig
+        from raytrain_events.data.order import GlobalBatch
+        from raytrain_events.data.ray.loader import TrainDataConfig
 
-        data = {"datasets": {"train": ds, "plain": ds}, "dataset_config": TrainDataConfig(batch_size=B)}
+        data = {"datasets": {"train": ds, "plain": ds}, "dataset_config": TrainDataConfig(batch=GlobalBatch(B))}
     TorchTrainer(
         diag_loop,
         train_loop_config={

@@ -3,7 +3,7 @@
 A resumed worker group waits for its first batch: the feeder starts the epoch at the checkpoint's
 position and the rank's loader fetches that batch. How long that takes depends on the source:
 
-- ``seek``: `ParquetRowGroups(paths)` (``raytrain_events/ray/data/parquet_seek.py``): the stream starts
+- ``seek``: `ParquetRowGroups(paths)` (``raytrain_events/data/ray/parquet_seek.py``): the stream starts
   at the row group holding the position; nothing before it is read.
 - ``ray.data``: ``ray.data.read_parquet(paths)``: the epoch's stream runs again from its start and
   the feeder passes over the blocks before the position (read, then dropped by reference).
@@ -109,8 +109,8 @@ def first_batch_s(source: Any, ranks: int, global_batch: int, position: int, row
     """
     import ray
 
-    from raytrain_events.ray.data.feeder import FEEDER_OPTIONS, EpochFeeder
-    from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard
+    from raytrain_events.data.ray.feeder import FEEDER_OPTIONS, EpochFeeder
+    from raytrain_events.data.ray.loader import GlobalOrderLoader, GlobalOrderShard
 
     _quiesce()
     feeder = ray.remote(EpochFeeder).options(**FEEDER_OPTIONS).remote(source, ranks, global_batch)
@@ -141,7 +141,7 @@ def main() -> None:
     import ray
     import ray.data
 
-    from raytrain_events.ray.data.parquet_seek import ParquetRowGroups
+    from raytrain_events.data.ray.parquet_seek import ParquetRowGroups
 
     paths = write_files(args.folder, args.files, args.file_mib, args.row_kib, args.group_rows)
     from raytrain_events.ray.embedded import own_state_api

@@ -37,8 +37,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from raytrain_events.ray.data.feeder import EpochFeeder  # noqa: E402
-from raytrain_events.ray.data.slices import Take  # noqa: E402
+from raytrain_events.data.order import TrainOrder  # noqa: E402
+from raytrain_events.data.ray.feeder import EpochFeeder  # noqa: E402
+from raytrain_events.data.ray.slices import Take  # noqa: E402
 
 
 class _Blocks:
@@ -58,7 +59,7 @@ class _Blocks:
 
 def _ours(blocks: int, block_rows: int, batch: int, window: int, seed: int) -> np.ndarray:
     feeder = EpochFeeder(_Blocks(blocks, block_rows, list(range(blocks))), 1, batch)
-    feeder.start_epoch(0, 0, seed, 0, shuffle_rows=window)
+    feeder.start_epoch(0, 0, TrainOrder(seed, window), 0)
     out: List[np.ndarray] = []
     k = 0
     while True:

@@ -11,7 +11,7 @@ The whole path, on text every machine has:
    written as JSON lines (one file per 40 modules); the last file of each source is held out.
 2. **A tokenizer.** A byte-level BPE (2,048 tokens) trained with Hugging Face ``tokenizers`` on
    the training files, saved as ``bpe.json``.
-3. **Tokenize on Ray Data** (`raytrain_events.ray.data.tokenize.tokenize`, the same as
+3. **Tokenize on Ray Data** (`raytrain_events.data.ray.tokenize.tokenize`, the same as
    ``raytrain-events tokenize``): one token Parquet shard per input file, resumable and idempotent.
 4. **Pack.** Each source a `PackedTokens` of 128-token sequences: ``code`` and ``tests`` by
    greedy concatenation (long blocks split at sequence ends), ``docs`` by best fit (docstrings are
@@ -129,8 +129,8 @@ def train_tokenizer(files: List[str], path: str) -> str:
 
 def prepare(out: str) -> Dict[str, Any]:
     """Text, tokenizer, token Parquet and packed sources (train and held out) under ``out``."""
-    from raytrain_events.ray.data.packed_source import PackedTokens
-    from raytrain_events.ray.data.tokenize import tokenize
+    from raytrain_events.data.ray.packed_source import PackedTokens
+    from raytrain_events.data.ray.tokenize import tokenize
 
     files = write_text(os.path.join(out, "text"))
     train = {name: paths[:-1] for name, paths in files.items()}
@@ -160,7 +160,7 @@ def eval_dataset(source: Any) -> Any:
     import pyarrow as pa
     import ray
 
-    from raytrain_events.ray.data.packed_source import pack_read
+    from raytrain_events.data.ray.packed_source import pack_read
 
     return ray.data.from_arrow(
         pa.concat_tables([pack_read(**source.window_args(w)) for w in range(len(source.windows))])
@@ -193,8 +193,8 @@ def adamw(model: Any) -> Any:
 def run(out: str, workers: int = 2, tokens: str = "3e5", **options: Any) -> Dict[str, Any]:
     """Prepare the data and train; returns the result, the per-source numbers and the packing efficiency."""
     from raytrain_events import Mixture, RayTrainer
+    from raytrain_events.data.ray.packed_source import count_real_tokens
     from raytrain_events.ray.cluster import ensure_ray
-    from raytrain_events.ray.data.packed_source import count_real_tokens
 
     ensure_ray(min_cpus=workers + 2)  # Ray Data (tokenize, reads) needs CPUs beside the train workers
     data = prepare(out)

@@ -22,7 +22,7 @@ Context parallelism (``FSDPConfig(context_parallel=c)``): attention is plain SDP
 split along the sequence; ``context_parallel_split`` cuts a batch (global ``positions``, ``labels``
 shifted before the cut) and ``forward``/``loss`` take the cut batch.
 
-Packed sequences (``raytrain_events.ray.data.packed_source.PackedTokens``): a batch with
+Packed sequences (``raytrain_events.data.ray.packed_source.PackedTokens``): a batch with
 ``document_ids`` and ``position_ids`` trains with document masks (block-causal attention,
 ``raytrain_events.parallel.document_attention``: no token attends across a document, under CP and
 TP too), position embeddings restarting at each document, and no loss on the token after a

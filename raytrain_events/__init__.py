@@ -13,7 +13,9 @@ Subpackages (each ``__init__.py`` maps its own files):
 * ``algorithms/``, ``callbacks/``, ``loggers/``, ``schedulers/``: one small file each.
 * ``storage/``: fsspec storage, run directories (`RunDir`), locks; ``checkpoint/``: checkpoints on
   any fsspec URL.
-* ``ray/``: Ray Train glue (`RayTrainer`, its data path, worker guards, reports); ``tune/``: Ray
+* ``data/``: the data path: the train order's values, the local `MixtureLoader` and its per-source
+  counts, and on Ray the feeder, loaders and seekable sources (``data/ray/``).
+* ``ray/``: Ray Train glue (`RayTrainer`, its run plan, worker guards, reports); ``tune/``: Ray
   Tune sweeps.
 * ``report/``: run and sweep reports; ``cli/``: the command line.
 
@@ -49,10 +51,10 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` 
     from raytrain_events.core.precision import Precision
     from raytrain_events.core.state import State
     from raytrain_events.core.time import Time, Timestamp, TimeUnit, ensure_time
+    from raytrain_events.data.mixture_loader import MixtureLoader
     from raytrain_events.parallel.config import FSDPConfig
     from raytrain_events.ray.driver import RayTrainer
     from raytrain_events.trainer import Evaluator, LoopOptions, Trainer, seed_everything
-    from raytrain_events.trainer.mixture_loader import MixtureLoader
 
 __version__ = "0.1.0"
 
@@ -95,7 +97,7 @@ _LAZY = {
     "Logger": "raytrain_events.core.logger",
     "LoggerDestination": "raytrain_events.core.logger",
     "Mixture": "raytrain_events.core.mixture",
-    "MixtureLoader": "raytrain_events.trainer.mixture_loader",
+    "MixtureLoader": "raytrain_events.data.mixture_loader",
     "Precision": "raytrain_events.core.precision",
     "State": "raytrain_events.core.state",
     "Time": "raytrain_events.core.time",

@@ -70,7 +70,7 @@ def parquet_source(path: str, rows: int, **columns: Any) -> Any:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from raytrain_events.ray.data.parquet_seek import ParquetRowGroups
+    from raytrain_events.data.ray.parquet_seek import ParquetRowGroups
 
     table = {"id": list(range(rows)), "x": [[1.0] * 4] * rows, **{k: v(rows) for k, v in columns.items()}}
     pq.write_table(pa.table(table), path)

@@ -350,7 +350,7 @@ def mixture_sources(tmp_path_factory) -> Dict[str, Any]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from raytrain_events.ray.data.parquet_seek import ParquetRowGroups
+    from raytrain_events.data.ray.parquet_seek import ParquetRowGroups
 
     folder = tmp_path_factory.mktemp("mixture-sources")
     sources: Dict[str, Any] = {}

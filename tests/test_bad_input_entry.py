@@ -192,7 +192,7 @@ def test_a_warmup_as_long_as_the_run_is_announced_once():
 
 
 def test_a_dataloader_around_a_batch_loader_is_refused():
-    from raytrain_events.trainer.mixture_loader import MixtureLoader
+    from raytrain_events.data.mixture_loader import MixtureLoader
 
     mixture = Mixture(sources={"a": 16, "b": 16}, weights={"a": 0.5, "b": 0.5})
     loader = MixtureLoader(mixture, {"a": _rows(), "b": _rows()}, batch_size=4)
@@ -238,7 +238,7 @@ def test_a_ray_loader_keeps_only_the_columns_asked_for():
     """``columns=[...]``: "only these columns reach the batch" (the loaders' one selection, `pick_columns`)."""
     import pyarrow as pa
 
-    from raytrain_events.ray.data.loader import pick_columns
+    from raytrain_events.data.ray.loader import pick_columns
 
     table = pa.table({"id": [1, 2], "x": [0.5, 0.25], "label": [0, 1]})
     assert pick_columns(table, ["x", "label"]).column_names == ["x", "label"]
@@ -251,7 +251,7 @@ def test_a_ray_loader_keeps_only_the_columns_asked_for():
 def test_parquet_columns_that_the_files_lack_are_refused(tmp_path):
     from bad_input_helpers import parquet_source
 
-    from raytrain_events.ray.data.parquet_seek import ParquetRowGroups
+    from raytrain_events.data.ray.parquet_seek import ParquetRowGroups
 
     parquet_source(str(tmp_path / "t.parquet"), 8)
     with pytest.raises(ValueError, match=r"columns=\['x', 'label'\]\) names \['label'\].*\['id', 'x'\]"):

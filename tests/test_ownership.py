@@ -52,13 +52,11 @@ DELETE_ALLOWED = {
 
 #: Import edges allowed inside a cycle: type-only (under ``if TYPE_CHECKING:``), Composer's vocabulary, where
 #: a callback's and an algorithm's hooks are typed with the `State` that holds them; a mixture's plan typed with
-#: the `Mixture` it plans (``Mixture.plan`` builds it); the per-source counts typed with the loader that adds them.
+#: the `Mixture` it plans (``Mixture.plan`` builds it).
 CYCLE_ALLOWED = {
     ("raytrain_events.core.callback", "raytrain_events.core.state"),
     ("raytrain_events.core.algorithm", "raytrain_events.core.state"),
     ("raytrain_events.core.mixture_plan", "raytrain_events.core.mixture"),
-    ("raytrain_events.callbacks.mixture_counts", "raytrain_events.trainer.mixture_loader"),
-    ("raytrain_events.callbacks.online_mixture", "raytrain_events.trainer.mixture_loader"),
     ("raytrain_events.core.mixture_online", "raytrain_events.core.mixture"),
 }
 
@@ -343,3 +341,144 @@ def test_the_fault_tolerance_scan_catches_a_branch(tmp_path):
         "replicas",
         "replicas",
     ]
+
+
+#: The run plan's decisions (``ray/plan.py``, `RunPlan`: made once on the driver, shipped to the workers) and
+#: the `RunSpec` options they are made from. Reading such an option off the spec works the decision out again.
+PLAN_OPTIONS = {"global_batch_size": "the global batch", "shuffle_buffer_size": "the train order"}
+#: Where which of those options may be read: their definition and value checks, the owner, and refusals that
+#: only check a combination (no decision is made from the value there).
+PLAN_OPTION_READERS = {
+    "ray/spec.py": (set(PLAN_OPTIONS), "defines the options"),
+    "ray/spec_checks.py": (set(PLAN_OPTIONS), "checks their values"),
+    "ray/plan.py": (set(PLAN_OPTIONS), "RunPlan: the owner of the decisions"),
+    "ray/driver_checks.py": ({"shuffle_buffer_size"}, "refuses a row shuffle with a mixture, before Ray starts"),
+    "data/ray/mixture_source.py": ({"shuffle_buffer_size"}, "refuses a row shuffle with a mixture (check_mixture)"),
+}
+#: The plan's typed values (``data/order.py``): built only by their owners; everyone else is handed one.
+PLAN_VALUES = {"GlobalBatch", "TrainOrder"}
+PLAN_VALUE_BUILDERS = {"ray/plan.py", "data/order.py"}
+#: Where a batch size may be multiplied (the global batch's formula, `GlobalBatch.rows`).
+BATCH_PRODUCTS = {
+    "data/order.py": "GlobalBatch.rows: the formula",
+    "data/mixture_loader.py": "the local Trainer's MixtureLoader: its own batch_size per rank, no RunSpec",
+}
+
+
+def plan_recomputations(package: pathlib.Path = PACKAGE) -> List[str]:
+    """``file:line: text`` for each place that works a run-plan decision out again: it reads one of
+    `PLAN_OPTIONS` off an object other than ``self``, builds a `PLAN_VALUES` value, or multiplies a batch size
+    (``batch_size * workers``), outside their owners. Error messages (f-strings) do not count."""
+    hits = []
+    for path in _modules(package).values():
+        rel = _rel(package, path)
+        tree = _tree(path)
+        in_fstring = {id(n) for f in ast.walk(tree) if isinstance(f, ast.JoinedStr) for n in ast.walk(f)}
+        for node in ast.walk(tree):
+            if id(node) in in_fstring:
+                continue
+            text = ""
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in PLAN_OPTIONS
+                and not (isinstance(node.value, ast.Name) and node.value.id == "self")
+                and node.attr not in PLAN_OPTION_READERS.get(rel, (set(), ""))[0]
+            ):
+                text = f".{node.attr} ({PLAN_OPTIONS[node.attr]})"
+            elif isinstance(node, ast.Call) and rel not in PLAN_VALUE_BUILDERS:
+                name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+                if name in PLAN_VALUES and (node.args or node.keywords):  # ``TrainOrder()``: the dataset's own order
+                    text = f"{name}(...)"
+            elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult) and rel not in BATCH_PRODUCTS:
+                names = [getattr(s, "attr", None) or getattr(s, "id", None) for s in (node.left, node.right)]
+                if "batch_size" in names:
+                    text = "batch_size * ... (the global batch)"
+            if text:
+                hits.append(f"{rel}:{node.lineno}: {text}")
+    return hits
+
+
+def test_the_run_plan_owns_the_global_batch_and_the_train_order():
+    hits = plan_recomputations()
+    assert not hits, (
+        "The global batch and the train order are decided once, in ray/plan.py (RunPlan), and handed on "
+        "(TrainDataConfig, the shards, the mixture run); read the plan instead of the options:\n" + "\n".join(hits)
+    )
+
+
+def test_the_plan_scan_catches_a_second_computation(tmp_path):
+    pkg = tmp_path / "raytrain_events"
+    (pkg / "ray" / "data").mkdir(parents=True)
+    (pkg / "ray" / "plan.py").write_text("def of(spec):\n    return spec.global_batch_size, spec.shuffle_buffer_size\n")
+    (pkg / "ray" / "data" / "order.py").write_text("class GlobalBatch:\n    pass\n")
+    (pkg / "ray" / "data" / "loader.py").write_text(
+        "def batch(spec, world):\n"
+        "    return spec.global_batch_size or spec.batch_size * world\n"
+        "def order(spec):\n"
+        "    return TrainOrder(spec.seed if spec.shuffle_buffer_size else None)\n"
+        "def message(spec):\n"
+        "    return f'e.g. {2 * spec.batch_size}'\n"
+        "class Loader:\n"
+        "    def __init__(self, shuffle_buffer_size):\n"
+        "        self.shuffle_buffer_size = shuffle_buffer_size\n"
+    )
+    assert sorted(h.split(": ", 1)[1] for h in plan_recomputations(pkg)) == [
+        ".global_batch_size (the global batch)",
+        ".shuffle_buffer_size (the train order)",
+        "TrainOrder(...)",
+        "batch_size * ... (the global batch)",
+    ]
+
+
+#: What the data package (``data/``) may import of the package besides itself: the pure logic, Ray's private names
+#: (their one table), the tensor-parallel world check (the train shards' split) and the storage primitives
+#: (seekable sources read through fsspec). Never the driver, worker, loop, callbacks or checkpoints.
+DATA_IMPORTS = ("core", "data", "ray._compat", "parallel.world", "storage.fs")
+
+
+def data_imports_outside(package: pathlib.Path = PACKAGE) -> List[str]:
+    """``importer -> imported`` for each import from ``data/`` of a module outside `DATA_IMPORTS`."""
+    root = package.name
+    allowed = tuple(f"{root}.{name}" for name in DATA_IMPORTS)
+    return sorted(
+        f"{a} -> {b}"
+        for a, b in import_graph(package)
+        if a.startswith(f"{root}.data") and not (b in allowed or b.startswith(tuple(p + "." for p in allowed)))
+    )
+
+
+def test_the_data_package_imports_only_down_and_has_no_cycle():
+    outside = data_imports_outside()
+    assert not outside, "data/ imports only core/, itself and the few primitives in DATA_IMPORTS:\n" + "\n".join(
+        outside
+    )
+    assert not [g for g in import_cycles() if any(m.startswith(f"{PACKAGE.name}.data") for m in g)]
+    assert not [e for e in CYCLE_ALLOWED if any(m.startswith(f"{PACKAGE.name}.data") for m in e)]
+
+
+def test_the_data_import_scan_catches_a_climb(tmp_path):
+    pkg = tmp_path / "raytrain_events"
+    for sub in ("data", "core", "ray", "trainer"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text('"""x"""\n')
+    (pkg / "core" / "mixture.py").write_text("x = 1\n")
+    (pkg / "trainer" / "trainer.py").write_text("x = 1\n")
+    (pkg / "ray" / "_compat.py").write_text("x = 1\n")
+    (pkg / "data" / "loader.py").write_text(
+        "from raytrain_events.core.mixture import x\n"
+        "from raytrain_events.ray import _compat\n"
+        "def f():\n"
+        "    from raytrain_events.trainer.trainer import x\n"
+    )
+    assert data_imports_outside(pkg) == ["raytrain_events.data.loader -> raytrain_events.trainer.trainer"]
+
+
+def test_the_autoresume_without_a_name_refusal_has_one_owner():
+    """`Trainer` and `RayTrainer` refuse ``autoresume`` in a run without a name through one function
+    (``trainer/arguments.check_autoresume_named``); the message is spelled nowhere else."""
+    spelled = []
+    for path in _modules(PACKAGE).values():
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and "without a run_name" in node.value:
+                spelled.append(_rel(PACKAGE, path))
+    assert spelled == ["trainer/arguments.py"], spelled

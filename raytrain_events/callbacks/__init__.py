@@ -1,6 +1,7 @@
 """Callbacks that observe the loop: throughput, learning rates, memory, NaN checks, early
-stopping, progress display, per-source counts of a `Mixture` (`MixtureCounts`, which
-`MixtureLoader` adds itself, with `OnlineMixture` for an ``online=`` mixture). One small file each; each overrides only the events it needs, so
+stopping, progress display, per-source counts of a `Mixture` (`MixtureCounts`, ``data/mixture_counts.py``, which
+`MixtureLoader` adds itself, with `OnlineMixture`, ``data/online_mixture.py``, for an ``online=`` mixture). One small file each; each overrides
+only the events it needs, so
 the Engine never calls it on the others.
 
 Example::
@@ -18,10 +19,6 @@ Files:
 * ``early_stopper.py``: `EarlyStopper`: stop training when a monitored eval metric stops improving.
 * ``lr_monitor.py``: `LRMonitor`: log each optimizer param group's learning rate after every batch.
 * ``memory_monitor.py``: `MemoryMonitor`: log memory use every ``interval`` batches.
-* ``mixture_counts.py``: `MixtureCounts`: samples and tokens seen per source of a `Mixture`, counted
-  like the global Timestamp.
-* ``online_mixture.py``: `OnlineMixture`: a `Mixture`'s weights changed during the run by its
-  ``online=`` policy, every change exact.
 * ``nan_monitor.py``: `NaNMonitor`: stop training with a clear error when the loss is NaN or
   infinite.
 * ``profiler.py``: `Profiler`: ``torch.profiler`` on a wait/warmup/active schedule in batches,
@@ -40,13 +37,13 @@ from raytrain_events.callbacks.console_logger import ConsoleLogger
 from raytrain_events.callbacks.early_stopper import EarlyStopper
 from raytrain_events.callbacks.lr_monitor import LRMonitor
 from raytrain_events.callbacks.memory_monitor import MemoryMonitor, memory_report
-from raytrain_events.callbacks.mixture_counts import MixtureCounts, MixtureResumeError
 from raytrain_events.callbacks.nan_monitor import NaNMonitor, NonFiniteLossError
 from raytrain_events.callbacks.profiler import Profiler
 from raytrain_events.callbacks.progress_bar import ProgressBar
 from raytrain_events.callbacks.speed_monitor import SpeedMonitor
 from raytrain_events.callbacks.spike_guard import SpikeGuard, SpikeRollbackError
 from raytrain_events.callbacks.threshold_stopper import ThresholdStopper
+from raytrain_events.data.mixture_counts import MixtureCounts, MixtureResumeError
 
 __all__ = [
     "ConsoleLogger",

@@ -58,7 +58,6 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from raytrain_events.algorithms.gradient_clipping import GradientClipping, whole_grad_norm
-from raytrain_events.callbacks.mixture_counts import MixtureCounts
 from raytrain_events.checkpoint.run.host_snapshot import HostSnapshots
 from raytrain_events.core.callback import Callback
 from raytrain_events.core.logger import Logger
@@ -72,6 +71,7 @@ from raytrain_events.core.spikes import (
 )
 from raytrain_events.core.state import State
 from raytrain_events.core.timestamp import Timestamp
+from raytrain_events.data.mixture_counts import MixtureCounts
 from raytrain_events.parallel.pipeline import pipeline_group
 from raytrain_events.trainer._batch import total_loss
 

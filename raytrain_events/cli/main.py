@@ -28,8 +28,6 @@ def _formatter(prog: str) -> argparse.HelpFormatter:
 def build_parser(entry: Optional[str] = None) -> argparse.ArgumentParser:
     """The whole command line; ``train --help`` describes entry point ``entry`` (default: the digits job)."""
     from raytrain_events import __version__
-    from raytrain_events.cli.entry import config_schema, load_entry
-    from raytrain_events.cli.train import add_train_arguments
 
     parser = ArgumentParser(
         prog=PROG,
@@ -51,6 +49,23 @@ def build_parser(entry: Optional[str] = None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=ArgumentParser)
 
+    _add_train(commands, entry)
+    _add_runs(commands)
+    _add_inspect(commands)
+    _add_diff(commands)
+    _add_export(commands)
+    _add_ledger(commands)
+    _add_report(commands)
+    _add_tokenize(commands)
+    return parser
+
+
+def _add_train(commands: Any, entry: Optional[str]) -> None:
+    """The ``train`` command: the entry point ``entry``'s config options (loaded here to describe them)."""
+    # Deferred: loading an entry point imports its job (torch, Ray); the other commands do not pay for it.
+    from raytrain_events.cli.entry import config_schema, load_entry
+    from raytrain_events.cli.train import add_train_arguments
+
     train = commands.add_parser(
         "train",
         help="Run a training entry point (module:function; default the digits job) with a YAML config and key=value overrides.",
@@ -64,6 +79,9 @@ def build_parser(entry: Optional[str] = None) -> argparse.ArgumentParser:
     add_train_arguments(train, fn, entry_arg=True, load_error=load_error)
     train.set_defaults(_parser=train)
 
+
+def _add_runs(commands: Any) -> None:
+    """The ``runs`` commands (``runs ls``)."""
     runs = commands.add_parser(
         "runs",
         help="Commands on the runs under a storage root (runs ls).",
@@ -92,6 +110,9 @@ def build_parser(entry: Optional[str] = None) -> argparse.ArgumentParser:
     _add_common(ls)
     ls.set_defaults(_parser=ls)
 
+
+def _add_inspect(commands: Any) -> None:
+    """The ``inspect`` command: one run's checkpoints, metrics and config."""
     inspect = commands.add_parser(
         "inspect",
         help="Show one run: its checkpoints with their Timestamps, final metrics and saved config.",
@@ -110,6 +131,9 @@ def build_parser(entry: Optional[str] = None) -> argparse.ArgumentParser:
     _add_common(inspect)
     inspect.set_defaults(_parser=inspect)
 
+
+def _add_diff(commands: Any) -> None:
+    """The ``diff`` command: two runs' configs compared."""
     diff = commands.add_parser(
         "diff",
         help="Config differences between two runs, line by line.",
@@ -130,6 +154,10 @@ def build_parser(entry: Optional[str] = None) -> argparse.ArgumentParser:
         action="store_true",
         help="Exit with 1 when the configs differ (like git diff --exit-code); default: exit 0 either way.",
     )
+
+
+def _add_export(commands: Any) -> None:
+    """The ``export`` command: a checkpoint consolidated into one file."""
     export = commands.add_parser(
         "export",
         help="Consolidate a (sharded) checkpoint into one state.pt with full tensors, e.g. for inference.",
@@ -157,6 +185,9 @@ def build_parser(entry: Optional[str] = None) -> argparse.ArgumentParser:
     _add_common(export)
     export.set_defaults(_parser=export)
 
+
+def _add_ledger(commands: Any) -> None:
+    """The ``ledger`` command: whether a row was trained before a checkpoint."""
     ledger = commands.add_parser(
         "ledger",
         help="Was a row trained before a checkpoint, and how many times (no per-row log is kept or read).",
@@ -178,6 +209,9 @@ def build_parser(entry: Optional[str] = None) -> argparse.ArgumentParser:
     _add_common(ledger)
     ledger.set_defaults(_parser=ledger)
 
+
+def _add_report(commands: Any) -> None:
+    """The ``report`` command: report.html and plots of a run or sweep."""
     report = commands.add_parser(
         "report",
         help="Write report.html and PNG plots into a run (or sweep) directory.",
@@ -196,8 +230,6 @@ def build_parser(entry: Optional[str] = None) -> argparse.ArgumentParser:
         "-o", "--storage-option", action="append", metavar="KEY=VALUE", default=[], help=STORAGE_OPTION_HELP
     )
     report.set_defaults(_parser=report)
-    _add_tokenize(commands)
-    return parser
 
 
 def _add_tokenize(commands: Any) -> None:
@@ -210,7 +242,7 @@ def _add_tokenize(commands: Any) -> None:
             "tokenizer (a tokenizer.json, a saved transformers tokenizer folder, or a name in the local cache; nothing\n"
             "is downloaded), one shard per input file under OUTPUT/<source>/. Inputs and OUTPUT may be URLs\n"
             "(s3://bucket/text/, with -o storage options). Resumable (finished shards are kept) and idempotent (a\n"
-            "rerun over the same inputs writes nothing). See ray/data/tokenize.py."
+            "rerun over the same inputs writes nothing). See data/ray/tokenize.py."
         ),
     )
     tokenize.add_argument(
@@ -302,7 +334,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 def _tokenize(args: argparse.Namespace) -> int:
     from raytrain_events.cli.runs import parse_storage_options
-    from raytrain_events.ray.data.tokenize import tokenize
+    from raytrain_events.data.ray.tokenize import tokenize
 
     sources: Dict[str, List[str]] = {}
     for item in args.inputs:

@@ -27,6 +27,7 @@ reads rows one by one and keeps the plan's interleaved order.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -36,7 +37,7 @@ from raytrain_events.core.time import TimeUnit
 if TYPE_CHECKING:
     from raytrain_events.core.mixture import Mixture
 
-__all__ = ["MixturePlan", "Segment", "LEAF", "apportion", "run_samples"]
+__all__ = ["MixturePlan", "MixtureRun", "Segment", "LEAF", "apportion", "run_samples"]
 
 LEAF = 64  # positions shuffled as one block at the bottom of the split tree
 _M64 = (1 << 64) - 1
@@ -138,6 +139,31 @@ def run_samples(max_duration: Any, epoch_size: int, global_batch: Optional[int])
     if unit == TimeUnit.BATCH and global_batch is not None:
         return value * global_batch
     return None
+
+
+@dataclass(frozen=True)
+class MixtureRun:
+    """What fixes a run's `MixturePlan` besides the sources: the mixture, the plan's seed, the run's length in
+    samples (for 'dur' stages; None: unknown) and its global batch (for 'ba' stages; None: elastic). Made once
+    (`RayTrainer`'s `ray/plan.RunPlan`, the local `MixtureLoader.bind`) and handed to whoever needs the order:
+    the same plan on the feeder and every rank."""
+
+    mixture: Mixture
+    seed: int
+    total_samples: Optional[int] = None
+    global_batch: Optional[int] = None
+
+    @classmethod
+    def of(cls, mixture: Mixture, *, seed: int, max_duration: Any, global_batch: Optional[int]) -> MixtureRun:
+        """The run of ``mixture`` trained for ``max_duration`` (a `Time`) in global batches of ``global_batch``."""
+        assert mixture.epoch_size is not None
+        return cls(mixture, seed, run_samples(max_duration, mixture.epoch_size, global_batch), global_batch)
+
+    def plan(self) -> MixturePlan:
+        """The run's order; a stage the run cannot place (after its end, out of order) fails here."""
+        return MixturePlan(
+            self.mixture, seed=self.seed, total_samples=self.total_samples, global_batch=self.global_batch
+        )
 
 
 class Segment(NamedTuple):

@@ -1,7 +1,7 @@
 """Packing token documents into fixed-length training sequences: pure functions of document lengths.
 
 A *pack window* is a run of consecutive documents (the data path makes one of consecutive Parquet
-row groups, `raytrain_events.ray.data.packed_source`); each window is packed on its own, so the
+row groups, `raytrain_events.data.ray.packed_source`); each window is packed on its own, so the
 sequences of a window are a function of that window's documents only. Nothing carries over from
 one window to the next: a resume at any sequence re-packs the one window holding it (the same
 sequences, since packing is deterministic) and reads nothing before it.

@@ -1,6 +1,6 @@
 """Document masks: block-causal attention over packed sequences, so no token attends across a document.
 
-A packed sequence (`raytrain_events.ray.data.packed_source.PackedTokens`) holds several documents
+A packed sequence (`raytrain_events.data.ray.packed_source.PackedTokens`) holds several documents
 end to end; ``document_ids`` names each token's document (``-1`` on padding). Query ``i`` may see
 key ``j`` when both are in the same document and ``j`` is not after ``i``: a block-diagonal causal
 mask. Call it from a model's attention (``examples/transformer_lm.py`` does)::

@@ -6,8 +6,6 @@ callback sums them into the driver's global `Timestamp` and metrics history.
 
 The subpackages:
 
-* ``data/``: the train data path: one global order (the feeder actor), each rank's batches cut
-  from it, seekable Parquet and mixture sources.
 * ``guards/``: worker guards: start-up health check, progress watchdog, preemption.
 * ``reports/``: worker reports, their aggregation into the run's history, the driver's console,
   progress bar and loggers.
@@ -16,7 +14,8 @@ The subpackages:
 * ``fault_tolerance/``: how a run survives a failure, one strategy chosen on the driver: restarts of the
   worker group, or torchft replica groups; it hands the driver and the workers their parts.
 
-The modules here are the entry points: the driver (``driver.py``, with its checks and options),
+The modules here are the entry points: the driver (``driver.py``, with its checks and options, and the
+run's plan it ships to the workers, ``plan.py``),
 the worker's function (``worker.py``), connecting to Ray (``cluster.py``, ``embedded.py``), torchft
 replica groups, and the one table of Ray's private names (``_compat.py``).
 
@@ -35,6 +34,10 @@ Files:
   in seconds, not after start-up.
 * ``embedded.py``: The environment of an embedded local Ray instance: what is set before
   ``ray.init`` starts it.
+* ``plan.py``: `RunPlan`: the run's decisions (global batch, train order, mixture run, checkpoint
+  plan), made once on the driver from the `RunSpec` and shipped to the workers.
+* ``result.py``: `RayResult`: what a `RayTrainer` run produced: the global Timestamp, metrics, history,
+  checkpoints.
 * ``replica_abort.py``: Replica groups: a peer's failure ends every survivor's pending all-reduce at once,
   wherever it sits in the ring.
 * ``replica_checks.py``: Which runs ``fault_tolerance="replica_groups"`` supports, checked on the
@@ -55,10 +58,11 @@ from typing import TYPE_CHECKING
 from raytrain_events.lazy_names import lazy_names
 
 if TYPE_CHECKING:
+    from raytrain_events.data.ray.packed_source import PackedTokens
+    from raytrain_events.data.ray.parquet_seek import ParquetRowGroups
     from raytrain_events.ray.checkpointing.validation import AsyncValidation
-    from raytrain_events.ray.data.packed_source import PackedTokens
-    from raytrain_events.ray.data.parquet_seek import ParquetRowGroups
-    from raytrain_events.ray.driver import RayResult, RayTrainer
+    from raytrain_events.ray.driver import RayTrainer
+    from raytrain_events.ray.result import RayResult
     from raytrain_events.ray.spec import RunSpec
 
 __all__ = ["AsyncValidation", "PackedTokens", "ParquetRowGroups", "RayTrainer", "RayResult", "RunSpec"]
@@ -67,11 +71,11 @@ __all__ = ["AsyncValidation", "PackedTokens", "ParquetRowGroups", "RayTrainer", 
 # package and must not pay for the driver's imports (torch among them).
 _LAZY = {
     "RayTrainer": "raytrain_events.ray.driver",
-    "RayResult": "raytrain_events.ray.driver",
+    "RayResult": "raytrain_events.ray.result",
     "RunSpec": "raytrain_events.ray.spec",
     "AsyncValidation": "raytrain_events.ray.checkpointing.validation",
-    "ParquetRowGroups": "raytrain_events.ray.data.parquet_seek",
-    "PackedTokens": "raytrain_events.ray.data.packed_source",
+    "ParquetRowGroups": "raytrain_events.data.ray.parquet_seek",
+    "PackedTokens": "raytrain_events.data.ray.packed_source",
 }
 
 

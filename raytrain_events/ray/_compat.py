@@ -47,7 +47,7 @@ each, probed by `check_private_names()`):
 * Ray Data's and Ray Train's ``SessionFileHandler`` classes (`is_session_file_handler`): their logging handlers that
   write to the session's log files, which the console leaves alone.
 * ``ray.data.util.torch_utils.convert_ndarray_batch_to_torch_tensor_batch`` (`ndarray_batch_to_torch`): Ray Data's own
-  NumPy-to-torch batch conversion (`raytrain_events.ray.data.loader`).
+  NumPy-to-torch batch conversion (`raytrain_events.data.ray.loader`).
 * The token-authentication notice of ``ray._private.authentication.authentication_token_setup`` (`TOKEN_AUTH_LOGGER`,
   `TOKEN_AUTH_ENABLED`) and the session's log folder (`session_logs_dir`): an embedded instance's notice goes to that
   folder instead of the terminal (`raytrain_events.ray.cluster`).

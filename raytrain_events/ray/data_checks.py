@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, List, Mapping, Optional
 
+from raytrain_events.ray.plan import global_batch_of
+
 __all__ = ["check_columns", "check_steps_per_epoch", "epoch_batches"]
 
 
@@ -37,14 +39,13 @@ def check_columns(columns: Optional[List[str]], sources: Mapping[str, Any]) -> N
 
 def epoch_batches(spec: Any, rows: int) -> Optional[int]:
     """Global batches in an epoch of ``rows`` rows for this run (None for an elastic group, sized at start)."""
-    from raytrain_events.ray.data.feeder import batches_in_epoch
+    from raytrain_events.data.ray.feeder import batches_in_epoch
 
     workers = spec.workers
     if not isinstance(workers, int):
         return None
-    readers = workers // max(1, spec.parallelism_spec.batch_group)
-    global_batch = spec.global_batch_size or spec.batch_size * readers
-    return batches_in_epoch(rows, global_batch, readers)
+    batch = global_batch_of(spec)
+    return batches_in_epoch(rows, batch.rows(workers), batch.readers(workers))
 
 
 def check_steps_per_epoch(spec: Any, train: Any, rows: Optional[int] = None) -> None:
@@ -53,7 +54,7 @@ def check_steps_per_epoch(spec: Any, train: Any, rows: Optional[int] = None) -> 
     if spec.steps_per_epoch is None or spec.fault_tolerance is not None or spec.deterministic_split:
         return  # replica groups and a deterministic split cut epochs their own way (loader.py, replica_groups.py)
     if rows is None:
-        from raytrain_events.ray.data.parquet_seek import is_seekable
+        from raytrain_events.data.ray.parquet_seek import is_seekable
 
         if not is_seekable(train):
             return

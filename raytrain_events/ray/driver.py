@@ -15,74 +15,29 @@ Example (a 2-worker CPU run)::
         num_workers=2,
     ).fit()
     print(result.timestamp, result.metrics)
+
+Ray, and our modules that import it, are imported inside the methods that run at fit time, so
+``RayTrainer(...)`` and every check before Ray starts run without importing Ray.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
-from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional
 
 from raytrain_events.core.time import COUNTER_UNITS, Timestamp, report_key
 from raytrain_events.ray.fault_tolerance import choose
+from raytrain_events.ray.plan import RunPlan
+from raytrain_events.ray.result import RayResult
 from raytrain_events.ray.spec import RunSpec
+from raytrain_events.trainer.arguments import check_autoresume_named
 
-__all__ = ["RayTrainer", "RayResult", "RayTrainingError"]
+__all__ = ["RayTrainer", "RayTrainingError"]
 
 
 class RayTrainingError(RuntimeError):
     """A Ray Train run failed; the message carries the worker's error and traceback."""
-
-
-@dataclass
-class RayResult:
-    """What a run produced: the global Timestamp, metrics, history and checkpoints."""
-
-    timestamp: Timestamp
-    metrics: Dict[str, Any]
-    history: List[Dict[str, Any]]
-    checkpoints: List[Any] = field(default_factory=list)
-    run_url: Optional[str] = None
-    ray_result: Any = None
-    metric: Optional[str] = None
-    mode: str = "max"
-    # The feeder's record of the first batch's wait (`EpochFeeder.start_report`): the prestarted (epoch, sample,
-    # time), the first rank's request, whether it found the prestarted stream; None without a feeder of ours.
-    data_start: Optional[Dict[str, Any]] = None
-
-    @property
-    def validations(self) -> List[Dict[str, Any]]:
-        """The asynchronous validations' history entries (``validation="async"`` or ``"failed"``), as they arrived."""
-        return [e for e in self.history if "validation" in e]
-
-    @property
-    def latest_checkpoint(self) -> Any:
-        """The newest committed checkpoint (None if the run saved none)."""
-        return self.checkpoints[-1] if self.checkpoints else None
-
-    @property
-    def best_checkpoint(self) -> Any:
-        """The kept checkpoint with the best ``metric`` (`CheckpointConfig.metric`/``mode``) when it was saved.
-
-        Without a metric, or if no kept checkpoint has a value for it, the newest checkpoint.
-        """
-        if not self.metric:
-            return self.latest_checkpoint
-        from raytrain_events.storage.fs import basename
-
-        scores = {}
-        for entry in self.history:
-            value = entry.get(self.metric)
-            if entry.get("checkpoint_path") and isinstance(value, (int, float)):
-                scores[basename(entry["checkpoint_path"])] = float(value)
-            elif entry.get("validated_checkpoint") and isinstance(value, (int, float)):  # an async validation's
-                scores[entry["validated_checkpoint"]] = float(value)
-        scored = [c for c in self.checkpoints if getattr(c, "name", None) in scores]
-        if not scored:
-            return self.latest_checkpoint
-        sign = 1.0 if self.mode == "max" else -1.0
-        return max(reversed(scored), key=lambda c: sign * scores[c.name])  # ties: the newest
 
 
 class RayTrainer:
@@ -95,9 +50,9 @@ class RayTrainer:
     factories called on each worker: ``model(config) -> nn.Module``, ``optimizers(model, config)``,
     ``schedulers(optimizers, config)`` (each may omit the trailing ``config``). ``datasets`` maps
     names to Ray Datasets: ``"train"`` is required (a Ray Dataset or ``ParquetRowGroups(paths)``, which a
-    resume enters at its position: ``ray/data/parquet_seek.py``; a bare ``ray.data.read_parquet(...)``
+    resume enters at its position: ``data/ray/parquet_seek.py``; a bare ``ray.data.read_parquet(...)``
     is run as one), every other name is an eval set. With ``mixture=`` (a `Mixture` of named
-    ``datasets`` entries, each seekable: ``ray/data/mixture_source.py``) the train set is the mixture
+    ``datasets`` entries, each seekable: ``data/ray/mixture_source.py``) the train set is the mixture
     of those entries and there is no ``"train"`` entry.
     ``batch_size`` is per worker.
     """
@@ -111,15 +66,18 @@ class RayTrainer:
             spec = spec.replace(**options)
         self.spec: RunSpec = spec
         self._report_queue: Any = None
-        if getattr(spec, "default_run_name", False) and getattr(spec.checkpoint, "autoresume", False):
-            raise ValueError(
-                "CheckpointConfig(autoresume=True) without a run_name: a run without one gets a fresh name "
-                f"({spec.run_name}), so there is nothing to resume. Fix: name the run, RayTrainer(run_name='my-run', "
-                "...), with the same name (and storage_path) in every job that continues it."
-            )
+        check_autoresume_named(
+            spec.checkpoint,
+            named=not getattr(spec, "default_run_name", False),
+            fix="name the run, RayTrainer(run_name='my-run', ...), with the same name (and storage_path) in every job "
+            "that continues it.",
+        )
+        # The run's decisions (global batch, train order, mixture run, checkpoint plan), made once here and
+        # shipped to the workers (ray/plan.py).
+        self.plan: RunPlan = RunPlan.of(spec)
         # How the run survives a failure, checked (replica groups: what they support, torchft installed) and
         # chosen once: it hands the driver and the workers their parts.
-        self._fault_tolerance = choose(spec)
+        self._fault_tolerance = choose(spec, self.plan)
         if isinstance(spec.workers, int):  # an elastic group's size is checked at each worker start
             from raytrain_events.parallel.world import check_tensor_parallel_world
 
@@ -202,85 +160,104 @@ class RayTrainer:
         return self.spec.describe()
 
     def _fit(self) -> RayResult:
+        # Ray and our modules that import it load at fit time: RayTrainer(...) and its checks run without Ray.
         import ray
-        import ray.train
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from raytrain_events.ray.cluster import check_data_cpus
-
-        datasets = self.spec.build_datasets()
-        if self.spec.mixture is not None:  # the sources become one seekable "train" set (mixture_source.py)
-            from raytrain_events.ray.data.mixture_source import mixture_train_set
-
-            datasets = mixture_train_set(self.spec, datasets)
-        self.spec.check_datasets(datasets)
-        if self._checks_cluster:
-            check_data_cpus(ray.cluster_resources(), self.scaling_config, datasets)
-        from raytrain_events.ray.data.parquet_seek import as_seekable
-
-        datasets["train"] = as_seekable(datasets["train"])  # a bare read_parquet seeks (parquet_seek.py)
-        train_rows = self._train_rows(datasets["train"])
+        datasets, train_rows = self._datasets(ray)
         worker_spec = self.spec.for_workers(datasets=datasets)
-        from raytrain_events.ray.checkpointing.validation import (
-            async_eval_names,
-            check_validation,
-            wait_history_validations,
-        )
+        from raytrain_events.ray.checkpointing.validation import async_eval_names, check_validation
 
         eval_names = sorted(k for k in datasets if k != "train")
         check_validation(self.spec.validation, self.spec.checkpoint, eval_names)  # a datasets factory's names
         validated = async_eval_names(self.spec.validation, eval_names)  # evaluated as Ray tasks, not by the workers
+        history = _run_history(ray)
+        validation_config = self._validation_config(worker_spec, datasets, validated, history)
+        data_config = self._fault_tolerance.data_config(train_rows)
+        feeder = self._start_feeder(data_config, datasets["train"])
+        ray_datasets = {k: v for k, v in datasets.items() if k not in validated}
+        worker_side, ray_datasets = self._fault_tolerance.worker_side(data_config, ray_datasets, history)
+        trainer = self._torch_trainer(
+            {"spec": worker_spec, "plan": self.plan, "fault_tolerance": worker_side},
+            ray_datasets,
+            data_config,
+            validation_config,
+            history,
+        )
+        ray_result = self._follow(trainer, history, bool(validated), feeder)
+        record = ray.get(history.get.remote())
+        self._save_history(history)
+        if ray_result.error is not None:
+            raise RayTrainingError(_describe_failure(ray_result.error, history)) from ray_result.error
+        return self._result(record["entries"], ray_result)
+
+    def _datasets(self, ray: Any) -> Any:
+        """The run's datasets as Ray Train gets them (a mixture's sources as one ``"train"`` set, a bare
+        ``read_parquet`` seekable), checked, and the train set's row count where it is cheap."""
+        from raytrain_events.ray.cluster import check_data_cpus
+
+        datasets = self.spec.build_datasets()
+        if self.plan.mixture is not None:  # the sources become one seekable "train" set (mixture_source.py)
+            from raytrain_events.data.ray.mixture_source import mixture_train_set
+
+            datasets = mixture_train_set(self.spec, datasets, self.plan.mixture)
+        self.spec.check_datasets(datasets)
+        if self._checks_cluster:
+            check_data_cpus(ray.cluster_resources(), self.scaling_config, datasets)
+        from raytrain_events.data.ray.parquet_seek import as_seekable
+
+        datasets["train"] = as_seekable(datasets["train"])  # a bare read_parquet seeks (parquet_seek.py)
+        return datasets, self._train_rows(datasets["train"])
+
+    def _validation_config(self, worker_spec: RunSpec, datasets: Dict[str, Any], validated: List[str], history: Any):
+        """Ray Train's validation config for the eval sets ``validated`` as Ray tasks (None: none are)."""
+        if not validated:
+            return None
+        import ray
+
+        from raytrain_events.ray.checkpointing.validate_checkpoint import CheckpointValidator
+        from raytrain_events.ray.checkpointing.validation import ray_validation_config
+
+        validator = CheckpointValidator(
+            worker_spec, self.spec.validation, {k: datasets[k] for k in validated}, history, self._report_queue
+        )
+        # and for the checkpoints Ray Train never sees (replica groups' lead asks the history for them)
+        ray.get(history.validate_checkpoints.remote(validator, self.spec.validation))
+        return ray_validation_config(validator, self.spec.validation)
+
+    def _start_feeder(self, data_config: Any, train: Any) -> Any:
+        """The train stream, started now at the run's resume position while Ray Train starts the workers
+        (None for an elastic group, sized only at its start)."""
+        self._data_start = None
+        if not isinstance(self.spec.workers, int):
+            return None
+        from raytrain_events.ray.checkpointing.checkpointing import resume_position
+
+        start = resume_position(self.plan.checkpoint)
+        return data_config.start_feeder(train, self.spec.workers, start)
+
+    def _torch_trainer(
+        self, train_config: Dict[str, Any], datasets: Dict[str, Any], data_config: Any, validation: Any, history: Any
+    ) -> Any:
+        """Ray Train's ``TorchTrainer`` for the run: the strategy's configs, the run's storage and callbacks."""
+        import ray.train
         from ray.train.torch import TorchTrainer
 
         from raytrain_events.ray.checkpointing.checkpointing import ray_checkpoint_config
+        from raytrain_events.ray.guards.watchdog import process_group_timeout_s
         from raytrain_events.ray.reports.console import train_logging_config
-        from raytrain_events.ray.reports.follow import HistoryFollower
-        from raytrain_events.ray.reports.history import AggregatingCallback, RunHistory
-        from raytrain_events.ray.reports.progress import RunProgress
-        from raytrain_events.ray.reports.run_loggers import RunLoggers
+        from raytrain_events.ray.reports.history import AggregatingCallback
         from raytrain_events.ray.worker import train_loop_per_worker
 
-        # On the driver's node, as Ray Train attaches its controller: a lost worker node must not take
-        # the run's history along (soft affinity let a loaded head spill it onto a node that then left).
-        driver_node = ray.get_runtime_context().get_node_id()
-        history = RunHistory.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(driver_node, soft=False)
-        ).remote()
         storage_path, storage_filesystem = ray_storage(self.storage_path, self.storage_options)
-        validation_config = None
-        if validated:
-            from raytrain_events.ray.checkpointing.validate_checkpoint import CheckpointValidator
-            from raytrain_events.ray.checkpointing.validation import ray_validation_config
-
-            validator = CheckpointValidator(
-                worker_spec, self.spec.validation, {k: datasets[k] for k in validated}, history, self._report_queue
-            )
-            validation_config = ray_validation_config(validator, self.spec.validation)
-            # and for the checkpoints Ray Train never sees (replica groups' lead asks the history for them)
-            ray.get(history.validate_checkpoints.remote(validator, self.spec.validation))
-        from raytrain_events.ray.guards.watchdog import process_group_timeout_s
-
         # The watchdog's hang_timeout, with a margin: the watchdog names a hung rank before this fires.
         torch_options = {"timeout_s": int(process_group_timeout_s(self.spec.hang_timeout))}
-        data_config = self._fault_tolerance.data_config(train_rows)
-        ray_datasets = {k: v for k, v in datasets.items() if k not in validated}
-        feeder, self._data_start = None, None
-        if isinstance(self.spec.workers, int):  # the stream starts now, while Ray Train starts the workers
-            from raytrain_events.ray.checkpointing.checkpointing import resume_position
-            from raytrain_events.ray.data.loader import train_order
-
-            start = resume_position(self.spec)
-            world = self.spec.workers
-            feeder = data_config.start_feeder(datasets["train"], world, start, train_order(self.spec))
-        worker_side, ray_datasets = self._fault_tolerance.worker_side(data_config, ray_datasets, history)
-        train_config: Dict[str, Any] = {"spec": worker_spec, "fault_tolerance": worker_side}
-        trainer = TorchTrainer(
+        return TorchTrainer(
             train_loop_per_worker,
             torch_config=self._fault_tolerance.torch_config(torch_options),
             train_loop_config=train_config,
             scaling_config=self.scaling_config,
-            datasets=ray_datasets,
-            validation_config=validation_config,
+            datasets=datasets,
+            validation_config=validation,
             dataset_config=data_config,
             run_config=ray.train.RunConfig(
                 name=self.run_name,
@@ -294,9 +271,19 @@ class RayTrainer:
                 ],
                 logging_config=train_logging_config(self.spec.verbose),
                 # Ray owns retention of the checkpoints reported to it (see ray/checkpointing/checkpointing.py).
-                checkpoint_config=ray_checkpoint_config(self.spec),
+                checkpoint_config=ray_checkpoint_config(self.plan.checkpoint),
             ),
         )
+
+    def _follow(self, trainer: Any, history: Any, validated: bool, feeder: Any) -> Any:
+        """Run ``trainer`` while the progress bar and the driver's loggers follow the history; Ray's result."""
+        import ray
+
+        from raytrain_events.ray.checkpointing.validation import wait_history_validations
+        from raytrain_events.ray.reports.follow import HistoryFollower
+        from raytrain_events.ray.reports.progress import RunProgress
+        from raytrain_events.ray.reports.run_loggers import RunLoggers
+
         show_bar = self.spec.progress_bar
         show_bar = sys.stderr.isatty() if show_bar is None else show_bar  # by default where someone watches
         progress = self._progress = RunProgress(self.spec.max_duration, self.run_name) if show_bar else None
@@ -305,9 +292,7 @@ class RayTrainer:
         try:
             with HistoryFollower(history, consumers):
                 ray_result = trainer.fit()
-                if (
-                    validated
-                ):  # Ray waited for its validations, this waits for the history's: record what left no result
+                if validated:  # Ray waited for its validations, this waits for the history's: record what left none
                     wait_history_validations(history, self.spec.validation)
                     self._record_unfinished_validations(history)
         except Exception as exc:
@@ -321,11 +306,7 @@ class RayTrainer:
             if feeder is not None:
                 self._data_start = _feeder_start(feeder)
                 ray.kill(feeder)
-        record = ray.get(history.get.remote())
-        self._save_history(history)
-        if ray_result.error is not None:
-            raise RayTrainingError(_describe_failure(ray_result.error, history)) from ray_result.error
-        return self._result(record["entries"], ray_result)
+        return ray_result
 
     def _record_unfinished_validations(self, history: Any) -> None:
         import ray
@@ -358,11 +339,11 @@ class RayTrainer:
         final = trained[-1] if trained else {}
         timestamp = Timestamp(**{name: final.get(report_key(name), 0) for name in COUNTER_UNITS})
         checkpoints: List[Any] = []
-        if self.spec.checkpoint is not None:
+        plan = self.plan.checkpoint
+        if plan is not None:
             from raytrain_events.checkpoint.folder.store import list_checkpoints
-            from raytrain_events.ray.checkpointing.checkpointing import checkpoint_plan, delete_unlisted
+            from raytrain_events.ray.checkpointing.checkpointing import delete_unlisted
 
-            plan = checkpoint_plan(self.spec)
             folder, options = plan.worker.save_folder, plan.worker.storage_options
             if plan.prunes:
                 delete_unlisted(folder, options, _listed_by_ray(ray_result))
@@ -381,7 +362,7 @@ class RayTrainer:
 
     def _train_rows(self, train: Any) -> Optional[int]:
         """The train set's row count where it is cheap; never runs a preprocessing pipeline to count."""
-        from raytrain_events.ray.data.loader import cheap_row_count
+        from raytrain_events.data.ray.loader import cheap_row_count
 
         rows = cheap_row_count(train)
         if rows is not None:  # a Ray Dataset's count is known only now: steps_per_epoch must agree with it
@@ -405,6 +386,17 @@ class RayTrainer:
                     "use_gpu=True but this Ray cluster has no GPUs (cluster resources: "
                     f"{ray.cluster_resources()}). Run on a cluster with GPU nodes (see cluster.yaml), or pass use_gpu=False."
                 )
+
+
+def _run_history(ray: Any) -> Any:
+    """The run's `RunHistory` actor, on the driver's node as Ray Train attaches its controller: a lost worker
+    node must not take the run's history along (soft affinity let a loaded head spill it onto a node that left)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from raytrain_events.ray.reports.history import RunHistory
+
+    driver_node = ray.get_runtime_context().get_node_id()
+    return RunHistory.options(scheduling_strategy=NodeAffinitySchedulingStrategy(driver_node, soft=False)).remote()
 
 
 def _listed_by_ray(ray_result: Any) -> List[str]:

@@ -39,7 +39,7 @@ def check_on_driver(spec: RunSpec, *, build: bool = True) -> None:
     _check_lists(spec)
     _check_pipeline(spec, model=None)
     if isinstance(spec.datasets, Mapping) and spec.mixture is not None:
-        from raytrain_events.ray.data.mixture_source import check_mixture
+        from raytrain_events.data.ray.mixture_source import check_mixture
 
         sources = check_mixture(spec.mixture, spec.datasets, spec.shuffle_buffer_size)
         RunSpec.check_datasets({k: v for k, v in spec.datasets.items() if k not in sources})

@@ -53,8 +53,8 @@ import torch
 from raytrain_events.core.callback import Callback, QuorumChange
 from raytrain_events.core.replica_layout import part_rows
 from raytrain_events.core.time import Timestamp, counters_of
+from raytrain_events.data.ray.loader import GlobalOrderLoader
 from raytrain_events.ray.checkpointing.validation import VALIDATE_KEY
-from raytrain_events.ray.data.loader import GlobalOrderLoader
 
 if TYPE_CHECKING:
     from raytrain_events.ray.replica_abort import CollectiveWatch
@@ -247,7 +247,7 @@ class ReplicaLoader(GlobalOrderLoader):
         """The global batch at ``position`` of ``epoch`` (None past the epoch's end)."""
         if self._held is not None and self._held[0] == (epoch, position):
             return self._held[1]  # the step did not commit: the same rows again
-        from raytrain_events.ray.data.block_fetch import cluster_node, finish_fetch, start_fetch
+        from raytrain_events.data.ray.block_fetch import cluster_node, finish_fetch, start_fetch
 
         if self._next is None or self._next[:2] != (epoch, position):
             # An epoch start, a rejoin or a heal: this rank enters the epoch's one pass (epoch, 0) at batch k,

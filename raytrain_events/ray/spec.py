@@ -54,12 +54,12 @@ class RunSpec(LoopOptions):
         help="{'train': ray.data.Dataset or ParquetRowGroups(paths), <eval name>: Dataset, ...}, or fn(config) -> "
         "that dict (called on the driver when the run starts); every name besides 'train' is an eval set; "
         "ParquetRowGroups(paths, a folder or s3://bucket/prefix/) or a bare ray.data.read_parquet(...) "
-        "(ray/data/parquet_seek.py): a resume reads nothing before its position",
+        "(data/ray/parquet_seek.py): a resume reads nothing before its position",
         worker=False,
     )
     mixture: Any = _opt(
         None,
-        help="a Mixture (or its dict) of seekable datasets entries: the train set (ray/data/mixture_source.py)",
+        help="a Mixture (or its dict) of seekable datasets entries: the train set (data/ray/mixture_source.py)",
         worker=False,
     )
     batch_size: int = _opt(64, help="rows per worker per batch")
@@ -339,7 +339,7 @@ class RunSpec(LoopOptions):
         """
         from ray.data import Dataset
 
-        from raytrain_events.ray.data.parquet_seek import is_seekable
+        from raytrain_events.data.ray.parquet_seek import is_seekable
 
         for name, dataset in datasets.items():
             kind = type(dataset).__name__
@@ -348,7 +348,7 @@ class RunSpec(LoopOptions):
                     raise TypeError(
                         f"datasets['train'] is a {kind}; the train set must be a ray.data.Dataset (e.g. "
                         "ray.data.read_parquet(paths)) or a seekable source, "
-                        "raytrain_events.ray.data.parquet_seek.ParquetRowGroups(paths) (Parquet files in training "
+                        "raytrain_events.data.ray.parquet_seek.ParquetRowGroups(paths) (Parquet files in training "
                         "order; a resume then reads nothing before its position)."
                     )
             elif is_seekable(dataset):

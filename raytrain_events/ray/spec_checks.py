@@ -18,6 +18,7 @@ from typing import Any, Mapping, Optional
 
 from raytrain_events.core.mixture import Mixture
 from raytrain_events.core.time import TimeUnit, ensure_time
+from raytrain_events.ray.plan import mixture_run
 
 RunSpec = Any  # a `raytrain_events.ray.spec.RunSpec`, which imports this module (no import back: no cycle)
 __all__ = ["check_data_and_scaling", "check_mesh", "check_run_options", "check_ray_storage"]
@@ -185,9 +186,7 @@ def check_run_options(spec: RunSpec) -> None:
         )
     check_ray_storage(spec.storage_path, "storage_path")
     if spec.mixture is not None:
-        from raytrain_events.ray.data.mixture_source import mixture_plan_args  # imports ray.data: deferred
-
-        mixture_plan_args(spec)  # a stage the run cannot place: after its end, out of order, 'dur' in tokens
+        mixture_run(spec)  # a stage the run cannot place: after its end, out of order, 'dur' in tokens
 
 
 def check_ray_storage(url: Optional[str], what: str) -> None:

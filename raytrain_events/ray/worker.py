@@ -1,7 +1,8 @@
 """The function every Ray Train worker runs: build the `Trainer` from the `RunSpec` and fit.
 
 Each worker builds its own model, optimizers, algorithms and callbacks from the spec's
-factories; the run's fault-tolerance strategy (`ray/fault_tolerance/`, chosen on the driver and shipped
+factories and reads the driver's `RunPlan` (``ray/plan.py``: its checkpoint plan; the global batch and
+order arrive with the train shard); the run's fault-tolerance strategy (`ray/fault_tolerance/`, chosen on the driver and shipped
 here) builds its train loader, the optimizer the loop steps, its checkpoint config and the callbacks that go
 first. Restarts train under DDP (Ray set up the process group: gloo on CPU, NCCL on GPU) and report to the
 controller through `RayReporter`; replica groups train each worker alone under torchft.
@@ -12,16 +13,17 @@ from __future__ import annotations
 from typing import Any, Dict, Optional, Tuple
 
 from raytrain_events.core.data_spec import DataSpec
+from raytrain_events.data.ray.loader import ShardLoader
 from raytrain_events.dist import LocalDist, TorchDist
 from raytrain_events.parallel.deferred_init import has_meta_tensors
 from raytrain_events.parallel.world import check_tensor_parallel_world
 from raytrain_events.parallel.wrap import Parallel
 from raytrain_events.ray.checkpointing.validation import async_eval_names
-from raytrain_events.ray.data.loader import ShardLoader
 from raytrain_events.ray.fault_tolerance import WorkerFaultTolerance, WorkerParts
 from raytrain_events.ray.fault_tolerance.restarts import RestartsWorker
 from raytrain_events.ray.guards.operations import worker_guards
 from raytrain_events.ray.guards.watchdog import process_group_timeout_s
+from raytrain_events.ray.plan import RunPlan
 from raytrain_events.ray.reports.console import quiet_worker_console
 from raytrain_events.ray.reports.worker_reports import RayReporter
 from raytrain_events.ray.spec import RunSpec
@@ -32,12 +34,16 @@ from raytrain_events.trainer.seed import seed_everything
 __all__ = ["train_loop_per_worker", "build_worker", "build_worker_trainer"]
 
 
-def build_worker_trainer(spec: RunSpec, fault_tolerance: Optional[WorkerFaultTolerance] = None) -> Trainer:
+def build_worker_trainer(
+    spec: RunSpec, fault_tolerance: Optional[WorkerFaultTolerance] = None, plan: Optional[RunPlan] = None
+) -> Trainer:
     """This worker's `Trainer` (`build_worker`'s, without its parts)."""
-    return build_worker(spec, fault_tolerance)[0]
+    return build_worker(spec, fault_tolerance, plan)[0]
 
 
-def build_worker(spec: RunSpec, fault_tolerance: Optional[WorkerFaultTolerance] = None) -> Tuple[Trainer, WorkerParts]:
+def build_worker(
+    spec: RunSpec, fault_tolerance: Optional[WorkerFaultTolerance] = None, plan: Optional[RunPlan] = None
+) -> Tuple[Trainer, WorkerParts]:
     """Build this worker's `Trainer` from the `RunSpec` (inside a Ray Train worker), and the strategy's parts.
 
     The objects (model, optimizers, data, callbacks) are built here from the spec's factories; the
@@ -45,11 +51,13 @@ def build_worker(spec: RunSpec, fault_tolerance: Optional[WorkerFaultTolerance] 
     loop option needs no change here. ``fault_tolerance``: the run's strategy's worker side, chosen on the
     driver (`ray/fault_tolerance/`); it builds the train loader, the optimizer the loop steps, the checkpoint
     config and the callbacks that go first. None: restarts (a spec built by hand, as the benches do).
+    ``plan``: the driver's `RunPlan` (None: made here from ``spec``, for a spec built by hand).
     """
     import ray.train
     import ray.train.torch
 
-    ft = fault_tolerance if fault_tolerance is not None else RestartsWorker()
+    plan = plan if plan is not None else RunPlan.of(spec)
+    ft = fault_tolerance if fault_tolerance is not None else RestartsWorker(plan.order)
     context = ray.train.get_context()
     rank = context.get_world_rank()
     # Before any collective or data call, on every rank alike: a group that cannot form whole tensor groups
@@ -76,12 +84,7 @@ def build_worker(spec: RunSpec, fault_tolerance: Optional[WorkerFaultTolerance] 
     loader_options: Dict[str, Any] = dict(
         device=device, collate_fn=spec.collate_fn, prefetch_batches=spec.prefetch_batches, columns=spec.columns
     )
-    plan = None
-    if spec.checkpoint is not None:
-        from raytrain_events.ray.checkpointing.checkpointing import checkpoint_plan
-
-        plan = checkpoint_plan(spec)
-    parts = ft.parts(spec, rank, model, optimizers, schedulers, loader_options, plan)
+    parts = ft.parts(spec, rank, model, optimizers, schedulers, loader_options, plan.checkpoint)
     evaluators = [
         Evaluator(
             label=name,
@@ -122,11 +125,11 @@ def build_worker(spec: RunSpec, fault_tolerance: Optional[WorkerFaultTolerance] 
 
 
 def train_loop_per_worker(config: Dict[str, Any]) -> Dict[str, Any]:
-    """Ray Train entry point: ``config["spec"]`` is the `RunSpec`, ``config["fault_tolerance"]`` the run's
-    strategy's worker side; returns rank 0's final timestamp."""
+    """Ray Train entry point: ``config["spec"]`` is the `RunSpec`, ``config["plan"]`` the driver's `RunPlan`,
+    ``config["fault_tolerance"]`` the run's strategy's worker side; returns rank 0's final timestamp."""
     spec: RunSpec = config["spec"]
     quiet_worker_console(spec.verbose)  # this package's INFO lines in Ray's files, not on the driver's terminal
-    trainer, parts = build_worker(spec, config["fault_tolerance"])
+    trainer, parts = build_worker(spec, config["fault_tolerance"], config["plan"])
     try:
         state = trainer.fit()
     finally:

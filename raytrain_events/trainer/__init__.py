@@ -18,8 +18,6 @@ Files:
   metrics.
 * ``microbatching.py``: Auto microbatching (``grad_accum="auto"``): on a device out-of-memory
   error, retry the batch in more pieces.
-* ``mixture_loader.py``: `MixtureLoader`: the local `Trainer`'s train loader over a `Mixture` of
-  map-style datasets.
 * ``options.py``: `LoopOptions`: the one definition of the training loop's options, shared by
   `Trainer` and `RunSpec`.
 * ``predict.py``: Prediction: run a dataloader through the model with the ``PREDICT_*`` events,

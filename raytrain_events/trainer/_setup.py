@@ -10,9 +10,13 @@ import torch
 from raytrain_events.core.callback import Callback
 from raytrain_events.core.data_spec import DataSpec, ensure_data_spec
 from raytrain_events.core.interval import IntervalFn, make_interval
+from raytrain_events.core.precision import Precision
 from raytrain_events.core.state import State
 from raytrain_events.core.time import Time, Timestamp, training_duration
 from raytrain_events.core.time_value import check_countable
+from raytrain_events.trainer.arguments import check_schedulers
+from raytrain_events.trainer.evaluation import ensure_evaluators
+from raytrain_events.trainer.options import LoopOptions
 
 if TYPE_CHECKING:
     from raytrain_events.core.engine import Engine
@@ -21,6 +25,7 @@ if TYPE_CHECKING:
     from raytrain_events.parallel.wrap import Parallel
 
 __all__ = [
+    "new_state",
     "as_list",
     "pipeline_step",
     "build_schedulers",
@@ -230,3 +235,43 @@ def check_flags_agree(state: State, dist: Dist) -> None:
             f"Ranks registered different agreement flags: {dict(enumerate(names))}. Build the same "
             "callbacks and checkpoint config on every rank."
         )
+
+
+def new_state(  # noqa: PLR0913 (keyword-only: what Trainer.__init__ checked, handed over once)
+    *,
+    model: torch.nn.Module,
+    duration: Any,
+    train_spec: Optional[DataSpec],
+    eval_dataloader: Any,
+    options: LoopOptions,
+    optimizers: Any,
+    schedulers: Any,
+    algorithms: List[Any],
+    callbacks: List[Callback],
+    dist: Dist,
+    device: torch.device,
+    run_name: str,
+) -> State:
+    """The run's `State`: its model, data (and the data's own callbacks), optimizers and schedulers (checked),
+    algorithms and callbacks, rank and seed, and the AMP scaler under fp16."""
+    state = State(
+        model=model,
+        max_duration=duration,
+        train_dataloader=train_spec.dataloader if train_spec is not None else None,
+        evaluators=ensure_evaluators(eval_dataloader),
+        grad_accum=options.initial_grad_accum,
+        precision=options.precision,
+        optimizers=optimizers,
+        schedulers=None,
+        algorithms=algorithms,
+        callbacks=[*callbacks, *data_callbacks(train_spec)],
+        rank=dist.rank,
+        world_size=dist.world_size,
+        run_name=run_name,
+        seed=options.seed,
+    )
+    check_schedulers(as_list(schedulers), state.optimizers)
+    state.schedulers = build_schedulers(as_list(schedulers), state)
+    if state.precision is Precision.AMP_FP16:
+        state.scaler = torch.amp.GradScaler(device.type)
+    return state

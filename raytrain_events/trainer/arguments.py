@@ -22,7 +22,15 @@ from raytrain_events.core.logger import LoggerDestination
 if TYPE_CHECKING:
     from raytrain_events.dist import Dist
 
-__all__ = ["agreed_run_name", "check_arguments", "check_list", "check_device", "check_optimizers", "check_schedulers"]
+__all__ = [
+    "agreed_run_name",
+    "check_arguments",
+    "check_autoresume_named",
+    "check_list",
+    "check_device",
+    "check_optimizers",
+    "check_schedulers",
+]
 
 log = logging.getLogger(__name__)
 
@@ -57,15 +65,26 @@ def agreed_run_name(run_name: Optional[str], dist: Dist, checkpoint: Any) -> str
 
     if run_name is not None:
         return check_run_name(run_name)
-    if getattr(checkpoint, "autoresume", False) and not getattr(checkpoint, "save_folder", None):
-        raise ValueError(
-            "CheckpointConfig(autoresume=True) without a run_name: a job without one gets a fresh name "
-            "(run-<date>-<time>-<hex>), so there is nothing to resume and two jobs never share checkpoints. "
-            "Fix: name the run, Trainer(run_name='my-run', ...), with the same name in every job that continues "
-            "it (or set CheckpointConfig(save_folder=...))."
-        )
+    check_autoresume_named(
+        checkpoint,
+        named=bool(getattr(checkpoint, "save_folder", None)),
+        fix="name the run, Trainer(run_name='my-run', ...), with the same name in every job that continues it (or "
+        "set CheckpointConfig(save_folder=...)).",
+    )
     name = fresh_run_name()
     return str(dist.all_gather_object(name)[0]) if dist.is_distributed else name  # rank 0's, on every rank
+
+
+def check_autoresume_named(checkpoint: Any, *, named: bool, fix: str) -> None:
+    """Refuse ``CheckpointConfig(autoresume=True)`` in a run that is not ``named`` (the one owner of this refusal:
+    `Trainer` and `RayTrainer` both call it, each with its ``fix``): a run without a name gets a fresh one, so
+    there is nothing to resume."""
+    if named or not getattr(checkpoint, "autoresume", False):
+        return
+    raise ValueError(
+        "CheckpointConfig(autoresume=True) without a run_name: a job without one gets a fresh name "
+        "(run-<date>-<time>-<hex>), so there is nothing to resume and two jobs never share checkpoints. Fix: " + fix
+    )
 
 
 def check_list(what: str, value: Any) -> List[Any]:

@@ -34,20 +34,22 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
 
 from raytrain_events.core.event import Event
 from raytrain_events.dist import Dist
 from raytrain_events.parallel.oom_agreement import OOMAgreement, PeerOutOfMemory
+from raytrain_events.parallel.wrap import is_sharded_module
+from raytrain_events.trainer.counters import BatchCounters, Counters
 from raytrain_events.trainer.options import AUTO, parse_grad_accum  # re-exported: the option's check lives there
 
 if TYPE_CHECKING:
     from raytrain_events.core.logger import Logger
     from raytrain_events.core.state import State
 
-__all__ = ["AUTO", "Accumulate", "parse_grad_accum", "AutoMicrobatching", "DeferredCounters"]
+__all__ = ["AUTO", "Accumulate", "parse_grad_accum", "AutoMicrobatching", "DeferredCounters", "batch_counting"]
 
 _log = logging.getLogger(__name__)
 
@@ -231,3 +233,33 @@ class AutoMicrobatching:
                 src = tdist.get_global_rank(group, 0) if group is not None else 0
                 for buffer in buffers:
                     tdist.broadcast(buffer, src=src, group=group)
+
+
+def batch_counting(  # noqa: PLR0913 (keyword-only: the loop's pieces it works with)
+    *,
+    state: State,
+    logger: Logger,
+    dist: Dist,
+    ddp: Any,
+    train_model: Any,
+    accumulate: Accumulate,
+    auto_microbatching: bool,
+) -> Tuple[Counters, Optional[AutoMicrobatching], Any]:
+    """How the loop sums each batch's counts across ranks: ``(counters, auto microbatching or None, the model
+    the loop trains)``. Per-batch sums ride on DDP's gradient all-reduce when possible (`BatchCounters`, no
+    collective of their own); under auto microbatching (retry after OOM) DDP runs no collective in
+    forward/backward, so the sums are deferred (`DeferredCounters`) and FSDP's ranks agree on an OOM at each
+    of its collectives (`OOMAgreement`)."""
+    if not auto_microbatching:
+        return BatchCounters(dist, ddp), None, train_model
+    state.auto_microbatching = True
+    counters = DeferredCounters(dist)
+    auto = AutoMicrobatching(
+        state=state,
+        accumulate=accumulate,
+        logger=logger,
+        counters=counters,
+        ddp=ddp,
+        agreement=OOMAgreement(train_model, dist) if is_sharded_module(train_model) else None,
+    )
+    return counters, auto, ddp.module if ddp is not None else train_model

@@ -30,27 +30,25 @@ from raytrain_events.core.precision import Precision, autocast_context
 from raytrain_events.core.state import State
 from raytrain_events.core.time import Time, TimeUnit
 from raytrain_events.dist import Dist, default_dist
-from raytrain_events.parallel.oom_agreement import OOMAgreement, check_fsdp_config
-from raytrain_events.parallel.wrap import Parallel, is_sharded_module
+from raytrain_events.parallel.oom_agreement import check_fsdp_config
+from raytrain_events.parallel.wrap import Parallel
 from raytrain_events.trainer._batch import check_model, move_to_device, total_loss
 from raytrain_events.trainer._setup import (
-    as_list,
-    build_schedulers,
     check_can_fit,
     check_flags_agree,
-    data_callbacks,
     eval_intervals,
+    new_state,
     pipeline_step,
     set_duration,
     train_inputs,
     wrap_for_training,
 )
-from raytrain_events.trainer.arguments import agreed_run_name, check_arguments, check_schedulers
+from raytrain_events.trainer.arguments import agreed_run_name, check_arguments
 from raytrain_events.trainer.compiling import compile_model
-from raytrain_events.trainer.counters import BatchCounters, Counters
+from raytrain_events.trainer.counters import Counters
 from raytrain_events.trainer.epoch_start import epoch_iterator
 from raytrain_events.trainer.evaluation import ensure_evaluators, run_evaluation
-from raytrain_events.trainer.microbatching import AutoMicrobatching, DeferredCounters
+from raytrain_events.trainer.microbatching import AutoMicrobatching, batch_counting
 from raytrain_events.trainer.options import LoopOptions
 from raytrain_events.trainer.predict import run_predict
 from raytrain_events.trainer.seed import seed_everything
@@ -136,26 +134,20 @@ class Trainer:
         if opts.seed is not None:
             seed_everything(opts.seed + self.dist.rank)
         self.parallel.place(model, self.device)  # not a meta-device model: that one is materialised in wrap
-        self.state = State(
+        self.state = new_state(
             model=model,
-            max_duration=duration,
-            train_dataloader=self.train_spec.dataloader if self.train_spec is not None else None,
-            evaluators=ensure_evaluators(eval_dataloader),
-            grad_accum=opts.initial_grad_accum,
-            precision=opts.precision,
+            duration=duration,
+            train_spec=self.train_spec,
+            eval_dataloader=eval_dataloader,
+            options=opts,
             optimizers=optimizers,
-            schedulers=None,
+            schedulers=schedulers,
             algorithms=algorithms,
-            callbacks=[*callbacks, *data_callbacks(self.train_spec)],
-            rank=self.dist.rank,
-            world_size=self.dist.world_size,
+            callbacks=callbacks,
+            dist=self.dist,
+            device=self.device,
             run_name=run_name,
-            seed=opts.seed,
         )
-        check_schedulers(as_list(schedulers), self.state.optimizers)
-        self.state.schedulers = build_schedulers(as_list(schedulers), self.state)
-        if self.state.precision is Precision.AMP_FP16:
-            self.state.scaler = torch.amp.GradScaler(self.device.type)
         counts_tokens = self.train_spec is not None and self.train_spec.counts_tokens
         self._eval_intervals = eval_intervals(opts.eval_interval, self.state.evaluators, duration, counts_tokens)
         self.logger = Logger(loggers if self.dist.rank == 0 else ())
@@ -170,23 +162,17 @@ class Trainer:
             compile_model(self.state.model, compile_kwargs)
         # The counters ride on DDP's gradient all-reduce, except under auto microbatching (see counters.py).
         self._train_model, self._ddp = wrap_for_training(self, counted=not auto_microbatching)
-        self._auto: Optional[AutoMicrobatching] = None
-        if auto_microbatching:  # retry after OOM: DDP runs no collective in forward/backward, FSDP agrees at each
-            self.state.auto_microbatching = True
-            self._counters: Counters = DeferredCounters(self.dist)
-            self._auto = AutoMicrobatching(
-                state=self.state,
-                accumulate=self._accumulate,
-                logger=self.logger,
-                counters=self._counters,
-                ddp=self._ddp,
-                # FSDP collectives run inside forward/backward: the ranks agree on an OOM at each of them
-                agreement=OOMAgreement(self._train_model, self.dist) if is_sharded_module(self._train_model) else None,
-            )
-            self._train_model = self._ddp.module if self._ddp is not None else self._train_model
-        else:
-            # Per-batch sums across ranks: on DDP's gradient all-reduce when possible (no collective of their own).
-            self._counters = BatchCounters(self.dist, self._ddp)
+        self._counters: Counters
+        self._auto: Optional[AutoMicrobatching]
+        self._counters, self._auto, self._train_model = batch_counting(
+            state=self.state,
+            logger=self.logger,
+            dist=self.dist,
+            ddp=self._ddp,
+            train_model=self._train_model,
+            accumulate=self._accumulate,
+            auto_microbatching=auto_microbatching,
+        )
         self._pipeline = pipeline_step(self)  # pipeline parallelism: the schedule runs the batch (None without)
         if self._pipeline is not None:
             self._counters = self._pipeline.counters  # the model's loss rides on the per-batch sum

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any, Dict, Mapping, Optional, Union
 
 from raytrain_events.core.time import Time, TimeUnit, ensure_time, report_key
+from raytrain_events.tune.mixture_pbt import MixtureExplore
 from raytrain_events.tune.sets import space_choices, validate_set
 
 __all__ = ["pbt_scheduler"]
@@ -55,23 +56,11 @@ def pbt_scheduler(
     (``param_space={"mixture": mixture_space(...)}``). ``options``: more
     `PopulationBasedTraining` arguments.
     """
-    from ray.tune.schedulers import PopulationBasedTraining
+    from ray.tune.schedulers import PopulationBasedTraining  # deferred: Ray Tune loads when a sweep is set up
 
     interval = _samples_or_tokens(perturbation_interval, "perturbation_interval")
-    mutations: Dict[str, Any] = dict(hyperparam_mutations or {})
-    if algorithm_sets is not None:
-        listed = isinstance(algorithm_sets, (list, tuple))  # a list of sets, or algorithm_sets_grid(...)'s value
-        sets = list(algorithm_sets) if listed else space_choices(algorithm_sets)
-        if len(sets) < 2:
-            raise ValueError(
-                f"pbt_scheduler(algorithm_sets=...) needs at least two sets to switch between, got {sets!r}."
-            )
-        mutations["algorithms"] = [validate_set(s) for s in sets]
-    if lr is not None:
-        mutations["lr"] = lr
+    mutations = _mutations(algorithm_sets, lr, hyperparam_mutations)
     if mixture is not None:  # explore config["mixture"] on the simplex; the copy switches at the donor's sample
-        from raytrain_events.tune.mixture_pbt import MixtureExplore
-
         options["custom_explore_fn"] = MixtureExplore(
             mixture,
             scale=mixture_scale,
@@ -83,21 +72,13 @@ def pbt_scheduler(
         raise ValueError(
             "pbt_scheduler needs something to mutate: pass algorithm_sets=, lr=, mixture= or hyperparam_mutations=."
         )
-    burn_in = 0
-    if burn_in_period is not None:
-        burn = _samples_or_tokens(burn_in_period, "burn_in_period")
-        if burn.unit != interval.unit:
-            raise ValueError(
-                f"burn_in_period={burn_in_period!r} must be in the unit of perturbation_interval ({interval})."
-            )
-        burn_in = burn.value
     # Results without the metric are normal (entries between evaluations; the final report of a
     # copy that loaded a finished donor trains no batch): PBT skips them instead of failing.
     options.setdefault("require_attrs", False)
     scheduler = PopulationBasedTraining(
         time_attr=report_key(interval.unit),
         perturbation_interval=interval.value,
-        burn_in_period=burn_in,
+        burn_in_period=_burn_in(burn_in_period, interval),
         hyperparam_mutations=mutations,
         quantile_fraction=quantile_fraction,
         resample_probability=resample_probability,
@@ -107,6 +88,35 @@ def pbt_scheduler(
     # What `sweep` checks before Ray starts (tune/mixture_pbt.check_mixture_pbt): the weights PBT explores.
     scheduler.raytrain_mixture_explore = options["custom_explore_fn"] if mixture is not None else None
     return scheduler
+
+
+def _mutations(algorithm_sets: Any, lr: Any, hyperparam_mutations: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+    """PBT's ``hyperparam_mutations``: the given ones, the algorithm sets a trial may switch to (two at least,
+    each checked) and the LR's."""
+    mutations: Dict[str, Any] = dict(hyperparam_mutations or {})
+    if algorithm_sets is not None:
+        listed = isinstance(algorithm_sets, (list, tuple))  # a list of sets, or algorithm_sets_grid(...)'s value
+        sets = list(algorithm_sets) if listed else space_choices(algorithm_sets)
+        if len(sets) < 2:
+            raise ValueError(
+                f"pbt_scheduler(algorithm_sets=...) needs at least two sets to switch between, got {sets!r}."
+            )
+        mutations["algorithms"] = [validate_set(s) for s in sets]
+    if lr is not None:
+        mutations["lr"] = lr
+    return mutations
+
+
+def _burn_in(burn_in_period: Union[str, Time, None], interval: Time) -> Any:
+    """PBT's ``burn_in_period`` in ``interval``'s unit (0: none)."""
+    if burn_in_period is None:
+        return 0
+    burn = _samples_or_tokens(burn_in_period, "burn_in_period")
+    if burn.unit != interval.unit:
+        raise ValueError(
+            f"burn_in_period={burn_in_period!r} must be in the unit of perturbation_interval ({interval})."
+        )
+    return burn.value
 
 
 def _samples_or_tokens(value: Union[str, Time], name: str) -> Time:

@@ -9,11 +9,12 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from raytrain_events.core.plain import flatten, is_finite_number, to_plain
-from raytrain_events.core.time import COUNTER_UNITS, report_key
+from raytrain_events.core.time import COUNTER_UNITS, report_key, training_duration
 from raytrain_events.ray.checkpointing.validation import in_training_order, training_entries
 
 # The file a finished trial writes into its Tune trial folder (its history, checkpoints, run URL): defined with
 # the other directory names (storage/run_dir.py), re-exported here.
+from raytrain_events.storage.fs import join, read_bytes, resolve
 from raytrain_events.storage.run_dir import TRIAL_RECORD as TRIAL_RECORD
 from raytrain_events.tune.sets import algorithm_set_label, normalize_set
 
@@ -191,8 +192,6 @@ def read_lineage(trial_url: str, storage_options: Dict[str, Any]) -> List[Dict[s
     which set it took ([] if it never copied one, or if the file is unreadable)."""
     import json
 
-    from raytrain_events.storage.fs import join, read_bytes, resolve
-
     fs, path = resolve(join(trial_url, LINEAGE_FILE), storage_options)
     try:
         return list(json.loads(read_bytes(fs, path)))
@@ -214,69 +213,25 @@ def make_result(
     time_attr: str,
     max_t: Any = None,
 ) -> SweepResult:
-    from raytrain_events.core.time import training_duration
-    from raytrain_events.storage.fs import join
-
+    """The sweep's `SweepResult`: one row per trial (`trial_row`), the best first (`_rank`)."""
     rows: List[Dict[str, Any]] = []
     histories: Dict[str, List[Dict[str, Any]]] = {}
     for result in result_grid:
-        config = dict(result.config or {})
         history = _history_of(result)
-        trained = training_entries(history)  # async validations arrive late, at earlier Timestamps
-        last = trained[-1] if trained else dict(result.metrics or {})
-        trial_id = last.get("trial_id") or (result.metrics or {}).get("trial_id") or os.path.basename(result.path)
-        histories[trial_id] = history
-        values = [e[metric] for e in in_training_order(history) if is_finite_number(e.get(metric))]
-        specs = normalize_set(config["algorithms"]) if "algorithms" in config else normalize_set(spec.algorithms)
-        params = flatten({k: v for k, v in config.items() if k != "algorithms"}, sep="/")
-        overrides = config.get("trainer") or {}
-        # The trial's length by the loop's own rule (`LoopOptions` checks max_duration with the same function).
-        duration = training_duration(overrides["max_duration"]) if "max_duration" in overrides else spec.max_duration
-        done_key = report_key(duration.unit)  # the trainer refuses durations in other units
-        reached = is_finite_number(last.get(done_key)) and last[done_key] >= duration.value
-        # A scheduler stops a trial at its budget (ASHA's max_t with stop_last_trials), maybe one
-        # report before the trainer's own end: that trial completed too.
-        budget = is_finite_number(max_t) and is_finite_number(last.get(time_attr)) and last[time_attr] >= max_t
-        if result.error is not None:
-            status = "error"
-        elif last.get("final") or reached or budget:
-            status = "completed"
-        elif history:
-            status = "stopped"
-        else:
-            status = "no results"
-        trial_url = join(experiment_url, os.path.basename(result.path.rstrip("/")))
-        lineage = read_lineage(trial_url, storage_options)
-        run_url = join(trial_url, lineage[-1]["run_name"] if lineage else TRIAL_RUN_NAME)
-        row: Dict[str, Any] = {
-            "trial_id": trial_id,
-            "algorithms": algorithm_set_label(specs),
-            "algorithm_specs": specs,
-            **params,
-            "params": params,
-            "config": config,
-            metric: values[-1] if values else None,
-            **{t: last.get(t) for t in TIME_ATTRS},
-            "world_size": last.get("world_size"),
-            "status": status,
-            "error": None if result.error is None else f"{type(result.error).__name__}: {result.error}",
-            "checkpoint": _best_checkpoint(history, metric, mode, run_url, storage_options),
-            "run_url": run_url,
-            "path": result.path,
-            "lineage": lineage,
-            "copied": "; ".join(f"{s['copied_trial']}@{s['counters'].get('sample')}sp" for s in lineage) or None,
-            # A mixture run's per-source counts at its last result (MixtureCounts): sum to its samples / tokens.
-            **{k: v for k, v in last.items() if k.startswith(MIXTURE_COUNT_PREFIXES)},
-        }
+        row = trial_row(
+            result,
+            history,
+            metric=metric,
+            mode=mode,
+            spec=spec,
+            experiment_url=experiment_url,
+            storage_options=storage_options,
+            time_attr=time_attr,
+            max_t=max_t,
+        )
+        histories[row["trial_id"]] = history
         rows.append(row)
-
-    def key(row: Dict[str, Any]):  # best first; trials that failed rank after all that did not
-        value = row[metric]
-        if value is None:
-            return (2, 0.0, row["trial_id"])
-        return (1 if row["status"] == "error" else 0, -value if mode == "max" else value, row["trial_id"])
-
-    rows.sort(key=key)
+    rows.sort(key=lambda row: _rank(row, metric, mode))
     return SweepResult(
         metric=metric,
         mode=mode,
@@ -286,3 +241,74 @@ def make_result(
         histories=histories,
         time_attr=time_attr,
     )
+
+
+def trial_row(  # noqa: PLR0913 (the sweep's settings, as make_result has them)
+    result: Any,
+    history: List[Dict[str, Any]],
+    *,
+    metric: str,
+    mode: str,
+    spec: Any,
+    experiment_url: str,
+    storage_options: Dict[str, Any],
+    time_attr: str,
+    max_t: Any,
+) -> Dict[str, Any]:
+    """One trial's row of the results table, from its Ray Tune ``result`` and its ``history``."""
+    config = dict(result.config or {})
+    trained = training_entries(history)  # async validations arrive late, at earlier Timestamps
+    last = trained[-1] if trained else dict(result.metrics or {})
+    trial_id = last.get("trial_id") or (result.metrics or {}).get("trial_id") or os.path.basename(result.path)
+    values = [e[metric] for e in in_training_order(history) if is_finite_number(e.get(metric))]
+    specs = normalize_set(config["algorithms"]) if "algorithms" in config else normalize_set(spec.algorithms)
+    params = flatten({k: v for k, v in config.items() if k != "algorithms"}, sep="/")
+    overrides = config.get("trainer") or {}
+    # The trial's length by the loop's own rule (`LoopOptions` checks max_duration with the same function).
+    duration = training_duration(overrides["max_duration"]) if "max_duration" in overrides else spec.max_duration
+    trial_url = join(experiment_url, os.path.basename(result.path.rstrip("/")))
+    lineage = read_lineage(trial_url, storage_options)
+    run_url = join(trial_url, lineage[-1]["run_name"] if lineage else TRIAL_RUN_NAME)
+    return {
+        "trial_id": trial_id,
+        "algorithms": algorithm_set_label(specs),
+        "algorithm_specs": specs,
+        **params,
+        "params": params,
+        "config": config,
+        metric: values[-1] if values else None,
+        **{t: last.get(t) for t in TIME_ATTRS},
+        "world_size": last.get("world_size"),
+        "status": _status(result, history, last, duration, time_attr, max_t),
+        "error": None if result.error is None else f"{type(result.error).__name__}: {result.error}",
+        "checkpoint": _best_checkpoint(history, metric, mode, run_url, storage_options),
+        "run_url": run_url,
+        "path": result.path,
+        "lineage": lineage,
+        "copied": "; ".join(f"{s['copied_trial']}@{s['counters'].get('sample')}sp" for s in lineage) or None,
+        # A mixture run's per-source counts at its last result (MixtureCounts): sum to its samples / tokens.
+        **{k: v for k, v in last.items() if k.startswith(MIXTURE_COUNT_PREFIXES)},
+    }
+
+
+def _status(result: Any, history: List[Any], last: Dict[str, Any], duration: Any, time_attr: str, max_t: Any) -> str:
+    """A trial's status: error, completed (its ``duration``, or a scheduler's budget ``max_t`` in ``time_attr``),
+    stopped (early, by the scheduler) or no results."""
+    done_key = report_key(duration.unit)  # the trainer refuses durations in other units
+    reached = is_finite_number(last.get(done_key)) and last[done_key] >= duration.value
+    # A scheduler stops a trial at its budget (ASHA's max_t with stop_last_trials), maybe one
+    # report before the trainer's own end: that trial completed too.
+    budget = is_finite_number(max_t) and is_finite_number(last.get(time_attr)) and last[time_attr] >= max_t
+    if result.error is not None:
+        return "error"
+    if last.get("final") or reached or budget:
+        return "completed"
+    return "stopped" if history else "no results"
+
+
+def _rank(row: Dict[str, Any], metric: str, mode: str) -> Tuple[int, float, str]:
+    """A row's sort key: best first; trials that failed rank after all that did not, those without a value last."""
+    value = row[metric]
+    if value is None:
+        return (2, 0.0, row["trial_id"])
+    return (1 if row["status"] == "error" else 0, -value if mode == "max" else value, row["trial_id"])

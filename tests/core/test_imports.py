@@ -131,8 +131,8 @@ def test_the_modules_our_light_ray_actors_load_leave_torch_out():
         """
         import json, sys
         import raytrain_events
-        import raytrain_events.ray.data.feeder, raytrain_events.ray.reports.history, raytrain_events.ray.data.loader
-        import raytrain_events.ray.data.block_fetch, raytrain_events.ray.data.parquet_seek, raytrain_events.parallel.world
+        import raytrain_events.data.ray.feeder, raytrain_events.ray.reports.history, raytrain_events.data.ray.loader
+        import raytrain_events.data.ray.block_fetch, raytrain_events.data.ray.parquet_seek, raytrain_events.parallel.world
         light = "torch" in sys.modules
         raytrain_events.Trainer  # a public name still loads its module on first use
         print(json.dumps({"light": light, "after": "torch" in sys.modules}))

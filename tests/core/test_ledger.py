@@ -16,7 +16,7 @@ from raytrain_events.core.ledger import Ledger, inverse_permute, ledger_of_check
 from raytrain_events.core.mixture import Mixture
 from raytrain_events.core.mixture_plan import permute
 from raytrain_events.core.spikes import SkipList, SkipRange
-from raytrain_events.trainer.mixture_loader import MixtureLoader
+from raytrain_events.data.mixture_loader import MixtureLoader
 
 SOURCES = {"web": 100, "code": 60, "math": 10}  # math: 32 reads from 10 rows per epoch (3+ passes)
 MIXTURE = Mixture(sources=SOURCES, stages={"0dur": {"web": 0.5, "code": 0.3, "math": 0.2}}, epoch_size=160)

@@ -140,7 +140,7 @@ def test_plan_properties(mixture, seed, epoch):
 def test_world_size_independence_through_the_loader(batch_size, world_size, seed):
     import torch
 
-    from raytrain_events.trainer.mixture_loader import MixtureLoader
+    from raytrain_events.data.mixture_loader import MixtureLoader
 
     mixture = Mixture(sources={"a": 23, "b": 11, "c": 7}, weights={"a": 3, "b": 2, "c": 1})
     datasets = {n: [torch.tensor([i, r]) for r in range(mixture.rows(n))] for i, n in enumerate(mixture.names)}

@@ -15,8 +15,8 @@ from tests.example_scripts import load_example
 
 
 def test_the_example_text_tokenizes_packs_and_trains_a_step(tmp_path) -> None:
-    from raytrain_events.ray.data.packed_source import PackedTokens, pack_read
-    from raytrain_events.ray.data.tokenize import tokenize_file
+    from raytrain_events.data.ray.packed_source import PackedTokens, pack_read
+    from raytrain_events.data.ray.tokenize import tokenize_file
 
     example = load_example("packed_lm.py", "packed_lm_example")
     files = example.write_text(str(tmp_path / "text"), modules=6)

@@ -51,9 +51,9 @@ def main(scratch: str, whole_blocks: bool = False) -> None:
     from ray.cluster_utils import Cluster
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from raytrain_events.data.ray.feeder import FEEDER_OPTIONS, EpochFeeder
+    from raytrain_events.data.ray.loader import GlobalOrderLoader, GlobalOrderShard
     from raytrain_events.ray import _compat
-    from raytrain_events.ray.data.feeder import FEEDER_OPTIONS, EpochFeeder
-    from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard
 
     data = os.path.join(scratch, "data")
     os.makedirs(data)  # a new folder: the dataset is exactly the files written here
@@ -81,7 +81,7 @@ def main(scratch: str, whole_blocks: bool = False) -> None:
 
             def epoch(self, shard) -> list:
                 if whole_blocks:  # what a one-node cluster does: every block by ray.get, whole
-                    from raytrain_events.ray.data import block_fetch
+                    from raytrain_events.data.ray import block_fetch
 
                     block_fetch.cluster_node = lambda: None
                 loader = GlobalOrderLoader(shard, device="cpu", collate_fn=lambda batch: batch["id"].tolist())
@@ -99,7 +99,7 @@ def main(scratch: str, whole_blocks: bool = False) -> None:
         # The stream started before any rank asks (RayTrainer starts it before the worker group; here after
         # the ranks hold their nodes' CPUs, so the reads stay on the head, where this test counts from): the
         # node of its first blocks gets its BlockCutter from the feeder, so no rank's first batch waits for it.
-        feeder.prestart.remote(0, 0, None, None, None)
+        feeder.prestart.remote(0, 0, None, None)
         deadline = time.monotonic() + 60
         cutters: list = []
         while not cutters and time.monotonic() < deadline:

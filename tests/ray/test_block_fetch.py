@@ -15,10 +15,11 @@ from typing import List
 import numpy as np
 import pytest
 
-from raytrain_events.ray.data import block_fetch
-from raytrain_events.ray.data.block_fetch import chunk_refs, needed_rows, split_by_node
-from raytrain_events.ray.data.feeder import EpochFeeder
-from raytrain_events.ray.data.slices import RowRange, Take
+from raytrain_events.data.order import TrainOrder
+from raytrain_events.data.ray import block_fetch
+from raytrain_events.data.ray.block_fetch import chunk_refs, needed_rows, split_by_node
+from raytrain_events.data.ray.feeder import EpochFeeder
+from raytrain_events.data.ray.slices import RowRange, Take
 
 ELSEWHERE = "f" * 56  # a node id no block is on
 
@@ -92,7 +93,7 @@ def test_one_cutter_process_per_node_and_a_dead_cutter_costs_only_a_whole_block(
 @pytest.mark.ray
 def test_loaders_train_the_same_rows_when_every_block_is_cut_remotely(ray_cluster, monkeypatch) -> None:
     ray = ray_cluster
-    from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard
+    from raytrain_events.data.ray.loader import GlobalOrderLoader, GlobalOrderShard
 
     rows, global_batch = 600, 24
     dataset = ray.data.range_tensor(rows, shape=(256,), override_num_blocks=6)  # 200 KiB blocks: in the store
@@ -101,10 +102,10 @@ def test_loaders_train_the_same_rows_when_every_block_is_cut_remotely(ray_cluste
         feeder = ray.remote(EpochFeeder).options(num_cpus=0).remote(dataset, world, global_batch)
         loaders = [
             GlobalOrderLoader(
-                GlobalOrderShard(feeder, r, world, global_batch, rows),
+                GlobalOrderShard(
+                    feeder, r, world, global_batch, rows, order=TrainOrder(seed, 150 if seed is not None else None)
+                ),
                 device="cpu",
-                order_seed=seed,
-                shuffle_rows=150 if seed is not None else None,
             )
             for r in range(world)
         ]

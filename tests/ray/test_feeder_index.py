@@ -17,9 +17,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from raytrain_events.ray.data.feeder import EpochFeeder, batches_in_epoch, rank_rows
-from raytrain_events.ray.data.row_index import BlockIndex, RankCursor
-from raytrain_events.ray.data.slices import Take
+from raytrain_events.data.ray.feeder import EpochFeeder, batches_in_epoch, rank_rows
+from raytrain_events.data.ray.row_index import BlockIndex, RankCursor
+from raytrain_events.data.ray.slices import Take
 
 
 class FakeDataset:
@@ -177,9 +177,9 @@ def test_a_failing_stream_is_an_error_in_the_call() -> None:
 
 
 def test_slices_are_typed_values_that_say_which_rows_of_which_blocks_they_read() -> None:
-    from raytrain_events.ray.data.loader import _merged
-    from raytrain_events.ray.data.shuffle import WindowIndex
-    from raytrain_events.ray.data.slices import RowRange
+    from raytrain_events.data.ray.loader import _merged
+    from raytrain_events.data.ray.shuffle import WindowIndex
+    from raytrain_events.data.ray.slices import RowRange
 
     index = BlockIndex()
     index.append("a", 2, 5)  # global rows 0..4 are rows 2..6 of block a

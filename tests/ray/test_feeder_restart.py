@@ -19,7 +19,7 @@ from typing import List
 import pytest
 from ray import cloudpickle as ray_cloudpickle
 
-from raytrain_events.ray.data.feeder import FEEDER_OPTIONS, EpochFeeder
+from raytrain_events.data.ray.feeder import FEEDER_OPTIONS, EpochFeeder
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import resume_helpers as h  # noqa: E402
@@ -33,7 +33,7 @@ ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])
 @pytest.mark.parametrize("kill_at", [3, 400])
 def test_loaders_survive_a_killed_feeder(ray_cluster, kill_at: int) -> None:
     ray = ray_cluster
-    from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard
+    from raytrain_events.data.ray.loader import GlobalOrderLoader, GlobalOrderShard
 
     rows, world, global_batch = 15_000, 3, 30  # 500 batches: a kill at 400 rebuilds from batch > 0
     dataset = ray.data.range(rows, override_num_blocks=60)

@@ -18,7 +18,7 @@ from typing import List
 
 import pytest
 
-from raytrain_events.ray.data.feeder import EpochFeeder, batches_in_epoch, rank_rows
+from raytrain_events.data.ray.feeder import EpochFeeder, batches_in_epoch, rank_rows
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_feeder_index import FakeDataset, _rows  # noqa: E402
@@ -103,8 +103,8 @@ def test_a_rank_starting_its_pass_again_is_refused_but_its_partner_is_not() -> N
 
 
 def test_bad_consumers_and_indivisible_groups_are_refused() -> None:
+    from raytrain_events.data.ray.loader import GlobalOrderLoader, GlobalOrderShard
     from raytrain_events.parallel.world import check_tensor_parallel_world
-    from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard
 
     with pytest.raises(ValueError, match="consumers=0 must be an integer >= 1"):
         EpochFeeder(FakeDataset([10]), 1, 10, consumers=0)

@@ -13,7 +13,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from raytrain_events.ray.data.feeder import EpochFeeder, batches_in_epoch, rank_rows
+from raytrain_events.data.order import TrainOrder
+from raytrain_events.data.ray.feeder import EpochFeeder, batches_in_epoch, rank_rows
 
 
 @given(start=st.integers(0, 10_000), size=st.integers(1, 5_000), world=st.integers(1, 64))
@@ -76,7 +77,7 @@ def _epoch_rows(loaders, epoch: int, position: int = 0) -> List[List[List[int]]]
 @pytest.mark.parametrize("prefetch", [1, 5])
 def test_loaders_cover_every_row_once_in_order_across_chunks(ray_cluster, prefetch: int) -> None:
     ray = ray_cluster
-    from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard
+    from raytrain_events.data.ray.loader import GlobalOrderLoader, GlobalOrderShard
 
     rows, world, global_batch = 1_003, 3, 30  # 33 full batches + a 13-row tail: several chunks per rank
     dataset = ray.data.range(rows, override_num_blocks=7)
@@ -116,7 +117,7 @@ def test_loaders_cover_every_row_once_in_order_across_chunks(ray_cluster, prefet
 @pytest.mark.ray
 def test_a_rank_that_stops_early_leaves_the_next_epoch_intact(ray_cluster) -> None:
     ray = ray_cluster
-    from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard
+    from raytrain_events.data.ray.loader import GlobalOrderLoader, GlobalOrderShard
 
     rows, world, global_batch = 640, 2, 16
     dataset = ray.data.range(rows, override_num_blocks=4)
@@ -150,7 +151,7 @@ def test_a_prestarted_stream_serves_the_ranks_only_when_it_is_what_they_ask_for(
     takes it when it names their (epoch, position) and order, and otherwise starts where they ask --
     a newer checkpoint than the driver read, or another order -- with the guess's rows never served."""
     ray = ray_cluster
-    from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard
+    from raytrain_events.data.ray.loader import GlobalOrderLoader, GlobalOrderShard
 
     rows, world, global_batch = 640, 2, 16
     dataset = ray.data.range(rows, override_num_blocks=8)
@@ -161,7 +162,7 @@ def test_a_prestarted_stream_serves_the_ranks_only_when_it_is_what_they_ask_for(
         _wait_for_blocks(ray, feeder, f"{prestart[0]}@{prestart[1]}")
         loaders = [
             GlobalOrderLoader(
-                GlobalOrderShard(feeder, r, world, global_batch, rows), device="cpu", order_seed=order_seed
+                GlobalOrderShard(feeder, r, world, global_batch, rows, order=TrainOrder(order_seed)), device="cpu"
             )
             for r in range(world)
         ]
@@ -171,13 +172,13 @@ def test_a_prestarted_stream_serves_the_ranks_only_when_it_is_what_they_ask_for(
         return [row for batch in batches for part in batch for row in part], report, held
 
     # The right guess: the first request finds the stream started and rows already read.
-    flat, report, _ = run((0, 0, None, None), 0)
+    flat, report, _ = run((0, 0, TrainOrder()), 0)
     assert flat == list(range(rows))
     assert report["used"] and report["rows_ready"] > 0 and report["lead_s"] > 0 and report["asked"][:2] == [0, 0]
     # A newer checkpoint than the guess: the ranks ask from sample 320 and get exactly the rest of the epoch.
-    flat, report, held = run((0, 0, None, None), 320)
+    flat, report, held = run((0, 0, TrainOrder()), 320)
     assert flat == list(range(320, rows)) and not report["used"] and report["asked"][:2] == [0, 320]
     assert "0@0" not in held  # the wrong guess was stopped and dropped
     # The right position in another order (blocks permuted with seed 5): the ranks' own order is served.
-    flat, report, _ = run((0, 0, 5, None), 0)
+    flat, report, _ = run((0, 0, TrainOrder(5)), 0)
     assert flat == list(range(rows)) and not report["used"]

@@ -22,8 +22,8 @@ from pyarrow import fs as pafs
 from ray import cloudpickle as ray_cloudpickle
 
 from raytrain_events.core.mixture import Mixture, MixtureError
-from raytrain_events.ray.data.feeder import FEEDER_OPTIONS, EpochFeeder
-from raytrain_events.ray.data.parquet_seek import ParquetRowGroups
+from raytrain_events.data.ray.feeder import FEEDER_OPTIONS, EpochFeeder
+from raytrain_events.data.ray.parquet_seek import ParquetRowGroups
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_parquet_seek import CountingHandler  # noqa: E402
@@ -70,15 +70,15 @@ def mixture() -> Mixture:
 
 
 def _loaders(ray, train, world: int, global_batch: int):
-    from raytrain_events.ray.data.loader import GlobalOrderShard
-    from raytrain_events.ray.data.mixture_loader import MixtureOrderLoader
+    from raytrain_events.data.ray.loader import GlobalOrderShard
+    from raytrain_events.data.ray.mixture_loader import MixtureOrderLoader
 
     feeder = ray.remote(EpochFeeder).options(**FEEDER_OPTIONS).remote(None, world, global_batch)
     source = [ray.put(train)]
     count = lambda batch: int(batch["ntok"].sum())  # noqa: E731
     return [
         MixtureOrderLoader(
-            GlobalOrderShard(feeder, r, world, global_batch, train.count(), source=source, mixture=train.plan_args),
+            GlobalOrderShard(feeder, r, world, global_batch, train.count(), source=source, mixture=train.run),
             device="cpu",
             tokens_of_batch=count,
         )
@@ -105,7 +105,8 @@ def _epoch(loaders, epoch: int, position: int):
 
 @pytest.mark.ray
 def test_a_mixture_resumed_on_another_world_size_reads_nothing_before_its_cursors(ray_cluster, tmp_path) -> None:
-    from raytrain_events.ray.data.mixture_source import MixtureSource, mixture_train_set
+    from raytrain_events.data.ray.mixture_source import MixtureSource, mixture_train_set
+    from raytrain_events.ray.plan import mixture_run
 
     ray = ray_cluster
     paths = write_sources(str(tmp_path / "data"))
@@ -120,7 +121,7 @@ def test_a_mixture_resumed_on_another_world_size_reads_nothing_before_its_cursor
         class parallelism_spec:
             batch_group = 1
 
-    train = mixture_train_set(Spec, datasets)["train"]
+    train = mixture_train_set(Spec, datasets, mixture_run(Spec))["train"]
     assert isinstance(train, MixtureSource) and train.count() == 640
     plan = train.plan
     # Epoch 1, from the start on 2 ranks: each global batch the plan's positions, listed by source; rows once per pass.
@@ -149,7 +150,7 @@ def test_a_mixture_resumed_on_another_world_size_reads_nothing_before_its_cursor
     # source's first read task opens the files from the one holding its cursor on, and a later pass all of
     # them; nothing before any source's cursor is opened (the footers were read here, where it was built).
     Spec.seed = None
-    train = mixture_train_set(Spec, datasets)["train"]
+    train = mixture_train_set(Spec, datasets, mixture_run(Spec))["train"]
     plan = train.plan
     os.remove(log)
     resumed, _, _ = _epoch(_loaders(ray, train, 3, 24), 1, position)
@@ -184,7 +185,7 @@ def test_a_bad_mixture_source_is_refused_naming_the_fix(tmp_path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from raytrain_events.ray.data.mixture_source import check_mixture
+    from raytrain_events.data.ray.mixture_source import check_mixture
 
     paths = write_sources(str(tmp_path / "data"))
     datasets = {name: ParquetRowGroups(p) for name, p in paths.items()}
@@ -210,7 +211,7 @@ def test_a_ranks_plan_window_names_each_batchs_sources_as_a_walk_per_batch(globa
     from types import SimpleNamespace
 
     from raytrain_events.core.mixture import Mixture
-    from raytrain_events.ray.data.mixture_loader import MixtureOrderLoader
+    from raytrain_events.data.ray.mixture_loader import MixtureOrderLoader
 
     mixture = Mixture(
         sources={"web": 12_000, "code": 7_000, "math": 5_000},

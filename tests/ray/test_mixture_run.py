@@ -85,7 +85,7 @@ def test_a_mixture_stopped_mid_stage_on_2_workers_resumes_on_3_exactly(ray_clust
     from raytrain_events import RayTrainer
     from raytrain_events.checkpoint import CheckpointConfig
     from raytrain_events.core.mixture import Mixture
-    from raytrain_events.ray.data.parquet_seek import ParquetRowGroups
+    from raytrain_events.data.ray.parquet_seek import ParquetRowGroups
     from raytrain_events.report import write_report
 
     paths = write_sources(str(tmp_path / "data"))

@@ -73,7 +73,7 @@ def _model():
 
 
 def _sources(folder: str):
-    from raytrain_events.ray.data.packed_source import PackedTokens
+    from raytrain_events.data.ray.packed_source import PackedTokens
 
     web, web_lengths = write_tokens(os.path.join(folder, "web"), files=4, groups=3, docs_per_group=30, seed=1)
     code, code_lengths = write_tokens(
@@ -88,12 +88,12 @@ def _sources(folder: str):
 
 def _reference(ray, sources, mixture, epoch_size):
     """The uninterrupted order: the feeder's stream of the run's MixtureSource on one rank."""
-    from raytrain_events.ray.data.feeder import FEEDER_OPTIONS, EpochFeeder
-    from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard
-    from raytrain_events.ray.data.mixture_source import MixtureSource
+    from raytrain_events.core.mixture_plan import MixtureRun
+    from raytrain_events.data.ray.feeder import FEEDER_OPTIONS, EpochFeeder
+    from raytrain_events.data.ray.loader import GlobalOrderLoader, GlobalOrderShard
+    from raytrain_events.data.ray.mixture_source import MixtureSource
 
-    plan_args = {"mixture": mixture.to_dict(), "seed": SEED, "total_samples": epoch_size, "global_batch": BATCH}
-    source = MixtureSource(sources, plan_args, SEED)
+    source = MixtureSource(sources, MixtureRun(mixture, SEED, epoch_size, BATCH), SEED)
     feeder = ray.remote(EpochFeeder).options(**FEEDER_OPTIONS).remote(source, 1, BATCH)
     loader = GlobalOrderLoader(GlobalOrderShard(feeder, 0, 1, BATCH, source.count()), device="cpu")
     loader.set_epoch(0)
@@ -110,8 +110,8 @@ def test_packed_mixture_stopped_on_2_workers_resumes_on_3_with_the_same_sequence
     from raytrain_events import RayTrainer
     from raytrain_events.checkpoint import CheckpointConfig
     from raytrain_events.core.mixture import Mixture
-    from raytrain_events.ray.data.mixture_source import plan_of
-    from raytrain_events.ray.data.packed_source import count_real_tokens
+    from raytrain_events.core.mixture_plan import MixtureRun
+    from raytrain_events.data.ray.packed_source import count_real_tokens
 
     sources, lengths = _sources(str(tmp_path / "data"))
     counts = {n: s.count() for n, s in sources.items()}
@@ -170,7 +170,7 @@ def test_packed_mixture_stopped_on_2_workers_resumes_on_3_with_the_same_sequence
         assert rows == reference[(b - 1) * BATCH : b * BATCH], b  # sequence by sequence
         trained += rows
     code_rows = [[max(d) >= 100_000 for d, _ in reference[a : a + BATCH]] for a in range(0, epoch, BATCH)]
-    plan = plan_of({"mixture": mixture.to_dict(), "seed": SEED, "total_samples": epoch, "global_batch": BATCH})
+    plan = MixtureRun(mixture, SEED, epoch, BATCH).plan()
     code = mixture.names.index("code")
     for k, a in enumerate(range(0, epoch, BATCH)):  # each batch's sources are the staged plan's
         planned = plan.batch_sources(0, a, min(a + BATCH, epoch), a, BATCH)

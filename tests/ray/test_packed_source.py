@@ -24,8 +24,8 @@ import pytest
 from pyarrow import fs as pafs
 from ray import cloudpickle as ray_cloudpickle
 
-from raytrain_events.ray.data.feeder import FEEDER_OPTIONS, EpochFeeder
-from raytrain_events.ray.data.packed_source import PackedTokens
+from raytrain_events.data.ray.feeder import FEEDER_OPTIONS, EpochFeeder
+from raytrain_events.data.ray.packed_source import PackedTokens
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from packed_data import VOCAB, expected_pieces, pieces_of, write_tokens  # noqa: E402
@@ -44,15 +44,14 @@ def tokens(tmp_path_factory):
 
 
 def _epoch(ray, source, world: int, position: int, seed=None, shuffle_rows=None) -> List[dict]:
-    from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard
+    from raytrain_events.data.order import TrainOrder
+    from raytrain_events.data.ray.loader import GlobalOrderLoader, GlobalOrderShard
 
     feeder = ray.remote(EpochFeeder).options(**FEEDER_OPTIONS).remote(source, world, BATCH)
     loaders = [
         GlobalOrderLoader(
-            GlobalOrderShard(feeder, r, world, BATCH, source.count()),
+            GlobalOrderShard(feeder, r, world, BATCH, source.count(), order=TrainOrder(seed, shuffle_rows)),
             device="cpu",
-            order_seed=seed,
-            shuffle_rows=shuffle_rows,
         )
         for r in range(world)
     ]
@@ -78,7 +77,7 @@ def test_an_epoch_trains_every_document_once_and_a_resume_mid_window_continues_i
     ray = ray_cluster
     paths, bare, lengths = tokens
     log = str(tmp_path / "opened.log")
-    from raytrain_events.ray.data.parquet_seek import ParquetRowGroups
+    from raytrain_events.data.ray.parquet_seek import ParquetRowGroups
 
     source = PackedTokens(
         ParquetRowGroups(paths, filesystem=pafs.PyFileSystem(CountingHandler(log))),
@@ -157,7 +156,7 @@ def test_a_feeder_killed_mid_pack_rebuilds_the_same_sequences(ray_cluster, token
     """The feeder dies after batch 60 of about 80 (global batches of 2 sequences): the restarted one
     rebuilds the epoch from batch 20 on (its restart slack), entering the packed stream mid-window;
     the ranks train exactly the uninterrupted epoch's sequences."""
-    from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard
+    from raytrain_events.data.ray.loader import GlobalOrderLoader, GlobalOrderShard
 
     ray = ray_cluster
     source = PackedTokens(tokens[0], seq_len=SEQ, window_tokens=WINDOW)

@@ -31,8 +31,8 @@ from pyarrow import fs as pafs
 from ray import cloudpickle as ray_cloudpickle
 
 from raytrain_events import Callback
-from raytrain_events.ray.data.feeder import FEEDER_OPTIONS, EpochFeeder
-from raytrain_events.ray.data.parquet_seek import ParquetRowGroups, as_seekable
+from raytrain_events.data.ray.feeder import FEEDER_OPTIONS, EpochFeeder
+from raytrain_events.data.ray.parquet_seek import ParquetRowGroups, as_seekable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import resume_helpers as h  # noqa: E402
@@ -108,15 +108,14 @@ def _epoch(
     batches=None,
     columns=("id",),
 ):
-    from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard
+    from raytrain_events.data.order import TrainOrder
+    from raytrain_events.data.ray.loader import GlobalOrderLoader, GlobalOrderShard
 
     feeder = ray.remote(EpochFeeder).options(**FEEDER_OPTIONS).remote(source, world, 40)
     loaders = [
         GlobalOrderLoader(
-            GlobalOrderShard(feeder, r, world, 40, source.count()),
+            GlobalOrderShard(feeder, r, world, 40, source.count(), order=TrainOrder(seed, shuffle_rows)),
             device="cpu",
-            order_seed=seed,
-            shuffle_rows=shuffle_rows,
             columns=list(columns),  # only these reach the batch
         )
         for r in range(world)
@@ -186,7 +185,7 @@ def test_a_bare_read_parquet_and_a_folder_uri_seek(ray_cluster, parquet_files, t
     assert not {f"part-{i:02d}.parquet" for i in range(FILES // 2)} & opened, sorted(opened)
     # Anything else keeps the re-streamed Ray Dataset, and says so.
     mapped = ray.data.read_parquet(folder).map_batches(lambda batch: batch)
-    with caplog.at_level(logging.WARNING, logger="raytrain_events.ray.data.parquet_seek"):
+    with caplog.at_level(logging.WARNING, logger="raytrain_events.data.ray.parquet_seek"):
         assert as_seekable(mapped) is mapped
     assert "a resume re-streams it from the epoch's first row" in caplog.text
     hive = tmp_path / "hive" / "lang=en"  # Ray Data adds a "lang" column from the folder: no seek without it

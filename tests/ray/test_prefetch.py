@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from raytrain_events.ray.data.prefetch import prefetched
+from raytrain_events.data.ray.prefetch import prefetched
 
 NAME = "test-prefetch"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raytrain_events.ray.data.loader import pick_columns
+from raytrain_events.data.ray.loader import pick_columns
 from raytrain_events.ray.driver import RayTrainer
 
 

@@ -97,11 +97,11 @@ def test_the_lighthouse_drops_a_dead_group_fast_and_waits_for_a_late_one():
 def test_periodic_checkpoints_are_accepted_and_one_group_saves():
     """``checkpoint=`` with replica groups: accepted on the driver; the workers' config keeps ``keep`` (nothing
     is reported to Ray, so the saver prunes), the run dir's lock is group 0's, and SIGTERM is a failure."""
-    from raytrain_events.ray.checkpointing.checkpointing import checkpoint_plan
     from raytrain_events.ray.fault_tolerance.replica_groups import checkpoint_config
 
     trainer = RayTrainer(**_options(checkpoint=CheckpointConfig(save_interval="5ba", keep=2)))
-    plan = checkpoint_plan(trainer.spec)
+    plan = trainer.plan.checkpoint  # the run plan's, made once on the driver
+    assert plan is not None
     lead, other = (checkpoint_config(plan.worker, trainer.spec.checkpoint, g) for g in (0, 2))
     assert lead.keep == other.keep == 2 and lead.save_folder == plan.worker.save_folder
     # Nothing is read while the Trainer is built: the run's autoresume waits for the first quorum (load_at_first_quorum).
@@ -132,7 +132,7 @@ def test_eval_sets_are_accepted_and_every_group_evaluates_the_whole_set():
     RayTrainer(**_options(datasets={"train": object(), "val": object(), "test": object()}, **async_val))  # accepted
     trainer = RayTrainer(**_options(datasets={"train": object(), "val": object(), "test": object()}))
     sets = {"train": Set("train"), "val": Set("val"), "test": lambda: Set("test")}  # Ray Train's zero-argument form
-    side, ray_datasets = choose(trainer.spec).worker_side(Data(), sets, None)
+    side, ray_datasets = choose(trainer.spec, trainer.plan).worker_side(Data(), sets, None)
     assert ray_datasets == {}  # Ray Train shards nothing
     assert side.shards == [("train", 0), ("train", 1), ("train", 2)]
     assert side.evals == {"val": ("whole", "val"), "test": ("whole", "test")}

@@ -21,7 +21,7 @@ from typing import List
 import pytest
 
 from raytrain_events.core.timestamp import Timestamp
-from raytrain_events.ray.data.feeder import EpochFeeder
+from raytrain_events.data.ray.feeder import EpochFeeder
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_feeder_index import FakeDataset, _rows  # noqa: E402
@@ -66,10 +66,11 @@ def _train(loaders, steps: int) -> List[int]:
 @pytest.mark.ray
 def test_every_group_restarting_from_an_older_checkpoint_continues_exactly(ray_cluster) -> None:
     ray = ray_cluster
-    from raytrain_events.ray.data.loader import TrainDataConfig
+    from raytrain_events.data.order import GlobalBatch
+    from raytrain_events.data.ray.loader import TrainDataConfig
 
     dataset = ray.data.range(ROWS, override_num_blocks=50)
-    config = TrainDataConfig(batch_size=GLOBAL // GROUPS, global_batch_size=GLOBAL, tensor_parallel=GROUPS)
+    config = TrainDataConfig(batch=GlobalBatch(GLOBAL // GROUPS, GLOBAL), tensor_parallel=GROUPS)
     shards = [s["train"] for s in config.configure({"train": dataset}, GROUPS, None, None)]  # as the driver does
     assert _train(_groups(shards, Timestamp()), 17) == list(range(17 * GLOBAL))
     checkpoint = Timestamp()

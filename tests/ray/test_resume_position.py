@@ -9,11 +9,10 @@ tests/ray/test_parquet_seek.py's resumed run.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
 from raytrain_events.checkpoint import CheckpointConfig
+from raytrain_events.checkpoint.folder.retention import ray_plan
 from raytrain_events.checkpoint.format.writer import write_checkpoint
 from raytrain_events.ray.checkpointing.checkpointing import resume_position
 from raytrain_events.storage.run_dir import checkpoints_url
@@ -32,12 +31,12 @@ def _save(folder: str, batch: int, epoch: int, batch_in_epoch: int, sample_in_ep
 
 def test_the_guess_is_the_newest_checkpoints_data_position(tmp_path):
     run_url = str(tmp_path / "run")
-    spec = SimpleNamespace(checkpoint=CheckpointConfig(save_interval="5ba"), run_url=run_url, storage_options={})
-    assert resume_position(spec) == (0, 0)  # nothing saved yet: a fresh start
+    plan = ray_plan(CheckpointConfig(save_interval="5ba"), run_url=run_url, storage_options={})
+    assert resume_position(plan) == (0, 0)  # nothing saved yet: a fresh start
     folder = checkpoints_url(run_url)
     _save(folder, 10, epoch=0, batch_in_epoch=10, sample_in_epoch=80)
     _save(folder, 30, epoch=1, batch_in_epoch=5, sample_in_epoch=40)
-    assert resume_position(spec) == (1, 40)
+    assert resume_position(plan) == (1, 40)
     _save(folder, 50, epoch=2, batch_in_epoch=0, sample_in_epoch=0)  # saved at an epoch's start
-    assert resume_position(spec) == (2, 0)
-    assert resume_position(SimpleNamespace(checkpoint=None)) == (0, 0)
+    assert resume_position(plan) == (2, 0)
+    assert resume_position(None) == (0, 0)  # a run without checkpoints

@@ -120,7 +120,7 @@ def test_a_datasets_factory_is_resolved_by_name_for_the_workers():
 
 def test_result_names_the_newest_checkpoint_latest():
     from raytrain_events.core.time import Timestamp
-    from raytrain_events.ray.driver import RayResult
+    from raytrain_events.ray.result import RayResult
 
     result = RayResult(timestamp=Timestamp(), metrics={}, history=[], checkpoints=["ep1", "ep2"])
     assert result.latest_checkpoint == "ep2"
@@ -152,8 +152,8 @@ def test_datasets_are_checked_once_built_naming_the_fix(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from raytrain_events.ray.data.loader import cheap_row_count
-    from raytrain_events.ray.data.parquet_seek import ParquetRowGroups
+    from raytrain_events.data.ray.loader import cheap_row_count
+    from raytrain_events.data.ray.parquet_seek import ParquetRowGroups
 
     paths = [str(tmp_path / f"{i}.parquet") for i in range(2)]
     for path in paths:

@@ -15,8 +15,9 @@ from typing import List
 import numpy as np
 import pytest
 
-from raytrain_events.ray.data.feeder import EpochFeeder, batches_in_epoch
-from raytrain_events.ray.data.shuffle import window_permutation
+from raytrain_events.data.order import TrainOrder
+from raytrain_events.data.ray.feeder import EpochFeeder, batches_in_epoch
+from raytrain_events.data.ray.shuffle import window_permutation
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_feeder_index import FakeDataset, _rows  # noqa: E402
@@ -28,7 +29,7 @@ TOTAL = sum(SIZES)
 def _order(world: int, epoch: int = 0, position: int = 0, seed: int = 7, window: int = 50, gb: int = 24):
     """Global batches (row ids, ranks' parts concatenated) of one shuffled epoch, served in-process."""
     feeder = EpochFeeder(FakeDataset(SIZES), world, gb)
-    feeder.start_epoch(epoch, position, seed, 0, shuffle_rows=window)
+    feeder.start_epoch(epoch, position, TrainOrder(seed, window), 0)
     batches: List[List[int]] = []
     k = 0
     while True:
@@ -67,7 +68,8 @@ def test_epochs_and_seeds_give_other_orders_and_rows_leave_their_blocks() -> Non
 @pytest.mark.ray
 def test_loaders_train_the_same_shuffled_batches_on_2_and_3_workers_and_after_a_resume(ray_cluster) -> None:
     ray = ray_cluster
-    from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard
+    from raytrain_events.data.order import TrainOrder
+    from raytrain_events.data.ray.loader import GlobalOrderLoader, GlobalOrderShard
 
     rows, global_batch = 1_200, 24
     dataset = ray.data.range(rows, override_num_blocks=12)
@@ -76,7 +78,7 @@ def test_loaders_train_the_same_shuffled_batches_on_2_and_3_workers_and_after_a_
         feeder = ray.remote(EpochFeeder).options(num_cpus=0).remote(dataset, world, global_batch)
         loaders = [
             GlobalOrderLoader(
-                GlobalOrderShard(feeder, r, world, global_batch, rows), device="cpu", order_seed=3, shuffle_rows=300
+                GlobalOrderShard(feeder, r, world, global_batch, rows, order=TrainOrder(3, 300)), device="cpu"
             )
             for r in range(world)
         ]

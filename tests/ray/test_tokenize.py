@@ -48,8 +48,8 @@ def test_tokenize_is_exact_idempotent_and_resumable(ray_cluster, corpus, tmp_pat
     import pyarrow.parquet as pq
     from tokenizers import Tokenizer
 
-    from raytrain_events.ray.data.packed_source import VOCAB_KEY, PackedTokens
-    from raytrain_events.ray.data.tokenize import tokenize
+    from raytrain_events.data.ray.packed_source import VOCAB_KEY, PackedTokens
+    from raytrain_events.data.ray.tokenize import tokenize
 
     out = str(tmp_path / "tokens")
     kwargs = {"tokenizer": corpus["tokenizer"], "id_column": None, "group_tokens": 500}
@@ -84,7 +84,7 @@ def test_the_cli_tokenizes_with_ids_and_refuses_bad_input(ray_cluster, corpus, t
     import pyarrow.parquet as pq
 
     from raytrain_events.cli.main import main
-    from raytrain_events.ray.data.tokenize import tokenize
+    from raytrain_events.data.ray.tokenize import tokenize
 
     out = str(tmp_path / "tokens")
     assert (
@@ -135,8 +135,8 @@ def test_the_cli_tokenizes_s3_to_s3_with_a_transformers_tokenizer_folder(
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     from raytrain_events.cli.main import main
-    from raytrain_events.ray.data.packed_source import PackedTokens
-    from raytrain_events.ray.data.parquet_seek import ParquetRowGroups
+    from raytrain_events.data.ray.packed_source import PackedTokens
+    from raytrain_events.data.ray.parquet_seek import ParquetRowGroups
 
     folder = str(tmp_path / "hf-tokenizer")
     hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(corpus["tokenizer"]), unk_token="[UNK]")

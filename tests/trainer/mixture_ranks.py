@@ -12,11 +12,11 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from raytrain_events import Callback, DataSpec, Trainer
-from raytrain_events.callbacks.mixture_counts import MixtureCounts
 from raytrain_events.checkpoint.config import CheckpointConfig
 from raytrain_events.core.mixture import Mixture
+from raytrain_events.data.mixture_counts import MixtureCounts
+from raytrain_events.data.mixture_loader import MixtureLoader
 from raytrain_events.dist import TorchDist
-from raytrain_events.trainer.mixture_loader import MixtureLoader
 
 SOURCES = {"web": 60, "code": 40, "math": 50}
 # 96 samples per epoch, 2 epochs; the second stage starts at sample 115 (epoch 1, inside its second batch).
@@ -99,7 +99,7 @@ def train_mixture(
     """Train the mixture (``online``: `ONLINE`, adapted at each eval) on this rank's part of each global batch;
     its rows per batch, counts, Timestamp and (online) weights history."""
     del rank
-    from raytrain_events.callbacks.online_mixture import OnlineMixture
+    from raytrain_events.data.online_mixture import OnlineMixture
     from raytrain_events.trainer.evaluation import Evaluator
 
     mixture = ONLINE if online else MIXTURE

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from raytrain_events import Callback, Trainer
-from raytrain_events.callbacks.mixture_counts import MixtureCounts, MixtureResumeError
 from raytrain_events.checkpoint.config import CheckpointConfig
 from raytrain_events.core.data_spec import DataSpec
 from raytrain_events.core.mixture import Mixture, MixtureError
 from raytrain_events.core.time import COUNTER_UNITS
-from raytrain_events.trainer.mixture_loader import MixtureLoader
+from raytrain_events.data.mixture_counts import MixtureCounts, MixtureResumeError
+from raytrain_events.data.mixture_loader import MixtureLoader
 
 SOURCES = {"web": 100, "code": 60, "math": 80}
 # 160 samples per epoch, 2 epochs: the second stage starts at sample 192 (epoch 1, sample 32: the 5th batch of 8).

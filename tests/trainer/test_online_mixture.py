@@ -13,16 +13,16 @@ import torchmetrics
 from png_checks import check_png
 
 from raytrain_events import Callback, Trainer
-from raytrain_events.callbacks.mixture_counts import MixtureCounts
-from raytrain_events.callbacks.online_mixture import OnlineMixture
 from raytrain_events.checkpoint.config import CheckpointConfig
 from raytrain_events.core.data_spec import DataSpec
 from raytrain_events.core.ledger import ledger_of_checkpoint
 from raytrain_events.core.mixture import Mixture, MixtureError
 from raytrain_events.core.time import COUNTER_UNITS
+from raytrain_events.data.mixture_counts import MixtureCounts
+from raytrain_events.data.mixture_loader import MixtureLoader
+from raytrain_events.data.online_mixture import OnlineMixture
 from raytrain_events.report import write_report
 from raytrain_events.trainer.evaluation import Evaluator
-from raytrain_events.trainer.mixture_loader import MixtureLoader
 
 SOURCES = {"web": 100, "code": 60, "math": 80}
 MIXTURE = Mixture(

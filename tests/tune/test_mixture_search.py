@@ -121,7 +121,7 @@ def test_sweep_refuses_a_mixture_search_before_ray_starts(tmp_path, monkeypatch)
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from raytrain_events.ray.data.parquet_seek import ParquetRowGroups
+    from raytrain_events.data.ray.parquet_seek import ParquetRowGroups
 
     datasets = {}
     for name in NAMES:

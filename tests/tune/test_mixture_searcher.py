@@ -104,7 +104,7 @@ def test_sweep_refuses_a_searcher_the_base_run_cannot_train_before_ray_starts(tm
 
     import raytrain_events.ray.cluster as cluster
     from raytrain_events.core.mixture import MixtureError
-    from raytrain_events.ray.data.parquet_seek import ParquetRowGroups
+    from raytrain_events.data.ray.parquet_seek import ParquetRowGroups
     from raytrain_events.tune import mixture_space, sweep
 
     def no_ray():

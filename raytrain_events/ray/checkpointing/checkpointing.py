@@ -28,17 +28,15 @@ stream while the worker group starts (``feeder.py``, Started early).
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from raytrain_events.checkpoint.folder.folder import CheckpointFolder, RayRetention
-from raytrain_events.checkpoint.folder.retention import CheckpointPlan, ray_plan
+from raytrain_events.checkpoint.folder.retention import CheckpointPlan
 from raytrain_events.checkpoint.run.checkpointer import Checkpointer, SavedCheckpoint
-from raytrain_events.ray.spec import RunSpec
 from raytrain_events.storage.fs import basename
 from raytrain_events.storage.run_dir import RunDir
 
 __all__ = [
-    "checkpoint_plan",
     "delete_unlisted",
     "hand_retention_to_ray",
     "ray_checkpoint_config",
@@ -49,17 +47,17 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def resume_position(spec: RunSpec) -> Tuple[int, int]:
+def resume_position(plan: Optional[CheckpointPlan]) -> Tuple[int, int]:
     """``(epoch, global sample in epoch)`` where the run's train data will start: the newest committed
     checkpoint's (what every continuation resumes from; its manifest's ``data_position``), or ``(0, 0)``.
     Read on the driver from the checkpoint folder's index and that manifest (one LIST, a GET or two). A guess for
     starting the stream early: a worker that loads another checkpoint (this one turned out unreadable,
-    or a newer one committed since) asks the feeder for its own position, which then starts there."""
-    if spec.checkpoint is None:
+    or a newer one committed since) asks the feeder for its own position, which then starts there.
+    ``plan``: the run plan's `CheckpointPlan` (None: no checkpoints)."""
+    if plan is None:
         return 0, 0
     from raytrain_events.checkpoint.folder.store import latest_checkpoint
 
-    plan = checkpoint_plan(spec)
     try:
         info = latest_checkpoint(plan.worker.save_folder, storage_options=plan.worker.storage_options)
     except Exception as exc:  # noqa: BLE001 - a guess: the workers read the folder themselves and raise there
@@ -72,19 +70,13 @@ def resume_position(spec: RunSpec) -> Tuple[int, int]:
     return epoch, int(data.get("sample_in_epoch", 0)) if data.get("batch_in_epoch") else 0
 
 
-def checkpoint_plan(spec: RunSpec) -> CheckpointPlan:
-    """The run's checkpointing on Ray: the workers' `CheckpointConfig` and Ray's retention (one mapping,
-    ``checkpoint/retention.ray_plan``). Only for a spec with a ``checkpoint``."""
-    return ray_plan(spec.checkpoint, run_url=spec.run_url, storage_options=spec.storage_options)
-
-
-def ray_checkpoint_config(spec: RunSpec) -> Any:
-    """Ray Train's ``CheckpointConfig`` for the run (None without checkpoints): Ray prunes (see module doc)."""
+def ray_checkpoint_config(plan: Optional[CheckpointPlan]) -> Any:
+    """Ray Train's ``CheckpointConfig`` for the run plan's `CheckpointPlan` (None without checkpoints): Ray
+    prunes (see module doc)."""
     import ray.train
 
-    if spec.checkpoint is None:
+    if plan is None:
         return None
-    plan = checkpoint_plan(spec)
     if plan.score_attribute is None:  # keep the newest ``keep`` (None: all)
         return ray.train.CheckpointConfig(num_to_keep=plan.num_to_keep)
     return ray.train.CheckpointConfig(

@@ -78,8 +78,8 @@ class CheckpointValidator:
 
         from raytrain_events.checkpoint.config import CheckpointConfig
         from raytrain_events.core.plain import to_python
+        from raytrain_events.data.ray.loader import ShardLoader
         from raytrain_events.dist import LocalDist
-        from raytrain_events.ray.data.loader import ShardLoader
         from raytrain_events.trainer import Trainer
         from raytrain_events.trainer.evaluation import Evaluator
 

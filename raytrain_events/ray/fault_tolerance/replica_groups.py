@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List, Optional, Tuple
 
-from raytrain_events.ray.data.loader import TrainDataConfig
+from raytrain_events.data.ray.loader import TrainDataConfig
 from raytrain_events.ray.fault_tolerance.protocol import WorkerParts
 from raytrain_events.ray.replica_checks import min_replicas
 
@@ -26,8 +26,9 @@ __all__ = ["ReplicaGroups", "ReplicaGroupsWorker"]
 class ReplicaGroups:
     """The driver's side (see the module doc)."""
 
-    def __init__(self, spec: Any) -> None:  # noqa: D107
+    def __init__(self, spec: Any, plan: Any) -> None:  # noqa: D107
         self.spec = spec
+        self.plan = plan  # the run's `RunPlan` (ray/plan.py)
 
     def torch_config(self, torch_options: Dict[str, Any]) -> Any:
         from raytrain_events.ray.replica_checks import torchft_config
@@ -42,8 +43,8 @@ class ReplicaGroups:
     def data_config(self, train_rows: Optional[int]) -> Any:
         spec = self.spec
         return TrainDataConfig(
-            batch_size=spec.batch_size,
-            global_batch_size=spec.global_batch_size or spec.batch_size * spec.workers,
+            batch=self.plan.batch.at(spec.workers),  # the plan's whole global batch, at any quorum
+            order=self.plan.order,
             deterministic=spec.deterministic_split,
             train_rows=train_rows,
             tensor_parallel=spec.workers,  # every group gets the whole global batch (cut by the step's quorum)
@@ -128,8 +129,6 @@ class ReplicaGroupsWorker:
             shard,
             manager,
             replicas,
-            order_seed=spec.seed if spec.shuffle_buffer_size and spec.seed is not None else None,
-            shuffle_rows=spec.shuffle_buffer_size,
             length=spec.steps_per_epoch,
             **loader_options,
         )

@@ -12,13 +12,8 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Tuple
 
 from raytrain_events.core.callback import Callback
-from raytrain_events.ray.data.loader import (
-    GlobalOrderLoader,
-    GlobalOrderShard,
-    ShardLoader,
-    TrainDataConfig,
-    train_order,
-)
+from raytrain_events.data.order import TrainOrder
+from raytrain_events.data.ray.loader import GlobalOrderLoader, GlobalOrderShard, ShardLoader, TrainDataConfig
 from raytrain_events.ray.fault_tolerance.protocol import WorkerParts
 
 __all__ = ["Restarts", "RestartsWorker", "RayRetention"]
@@ -27,8 +22,9 @@ __all__ = ["Restarts", "RestartsWorker", "RayRetention"]
 class Restarts:
     """The driver's side (see the module doc)."""
 
-    def __init__(self, spec: Any) -> None:  # noqa: D107
+    def __init__(self, spec: Any, plan: Any) -> None:  # noqa: D107
         self.spec = spec
+        self.plan = plan  # the run's `RunPlan` (ray/plan.py)
 
     def torch_config(self, torch_options: Dict[str, Any]) -> Any:
         from ray.train.torch import TorchConfig
@@ -43,8 +39,8 @@ class Restarts:
     def data_config(self, train_rows: Optional[int]) -> Any:
         spec = self.spec
         return TrainDataConfig(
-            batch_size=spec.batch_size,
-            global_batch_size=spec.global_batch_size,
+            batch=self.plan.batch,
+            order=self.plan.order,
             deterministic=spec.deterministic_split,
             train_rows=train_rows,
             tensor_parallel=spec.parallelism_spec.batch_group,  # the ranks that share rows: TP x CP
@@ -53,7 +49,8 @@ class Restarts:
     def worker_side(
         self, data_config: Any, datasets: Dict[str, Any], history: Any
     ) -> Tuple[RestartsWorker, Dict[str, Any]]:
-        return RestartsWorker(), datasets  # Ray Train shards every dataset (the train set's: the global order)
+        # Ray Train shards every dataset (the train set's: the global order, whose shards carry the plan's order)
+        return RestartsWorker(self.plan.order), datasets
 
     def run_callbacks(self) -> List[Any]:
         return []
@@ -63,6 +60,9 @@ class RestartsWorker:
     """The worker's side: the train shard Ray Train made, the plan's checkpoints, retention handed to Ray."""
 
     shares_process_group = True
+
+    def __init__(self, order: TrainOrder = TrainOrder()) -> None:  # noqa: D107
+        self.order = order  # the run plan's (for a plain Ray shard's local shuffle)
 
     def parts(  # noqa: PLR0913 (see `WorkerFaultTolerance.parts`)
         self,
@@ -78,7 +78,7 @@ class RestartsWorker:
 
         callbacks: List[Any] = [RayRetention(plan)] if plan is not None and rank == 0 else []
         return WorkerParts(
-            train=train_loader(ray.train.get_dataset_shard("train"), spec, rank, loader_options),
+            train=train_loader(ray.train.get_dataset_shard("train"), spec, self.order, rank, loader_options),
             optimizers=optimizers,
             checkpoint=None if plan is None else plan.worker,
             callbacks=callbacks,
@@ -102,23 +102,21 @@ class RayRetention(Callback):
             hand_retention_to_ray(checkpointer, self.plan)
 
 
-def train_loader(shard: Any, spec: Any, rank: int, options: Dict[str, Any]) -> Any:
-    """The train set in the group's global order (`TrainDataConfig`), else a plain Ray shard."""
+def train_loader(shard: Any, spec: Any, order: TrainOrder, rank: int, options: Dict[str, Any]) -> Any:
+    """The train set in the group's global order (`TrainDataConfig`), else a plain Ray shard (locally shuffled
+    in windows of ``order.shuffle_rows`` rows)."""
     if isinstance(shard, GlobalOrderShard) and shard.mixture is not None:  # RayTrainer(mixture=...)
-        from raytrain_events.ray.data.mixture_loader import MixtureOrderLoader
+        from raytrain_events.data.ray.mixture_loader import MixtureOrderLoader
 
         return MixtureOrderLoader(
             shard, tokens_of_batch=spec.get_num_tokens_in_batch, length=spec.steps_per_epoch, **options
         )
-    if isinstance(shard, GlobalOrderShard):
-        order_seed, shuffle_rows = train_order(spec)  # the driver's prestart of the feeder uses the same
-        return GlobalOrderLoader(
-            shard, order_seed=order_seed, shuffle_rows=shuffle_rows, length=spec.steps_per_epoch, **options
-        )
+    if isinstance(shard, GlobalOrderShard):  # in the run plan's order, which the shard carries
+        return GlobalOrderLoader(shard, length=spec.steps_per_epoch, **options)
     return ShardLoader(
         shard,
         batch_size=spec.batch_size,
-        shuffle_buffer_size=spec.shuffle_buffer_size,
+        shuffle_buffer_size=order.shuffle_rows,
         seed=None if spec.seed is None else spec.seed + 1000 * rank,
         length=spec.steps_per_epoch,
         **options,

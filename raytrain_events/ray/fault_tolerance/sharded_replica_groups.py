@@ -50,8 +50,8 @@ __all__ = ["ShardedReplicaGroups", "ShardedReplicaGroupsWorker", "ShardedReplica
 class ShardedReplicaGroups(ReplicaGroups):
     """The driver's side (see the module doc): `ReplicaGroups`' with groups of ``replica_group_size`` workers."""
 
-    def __init__(self, spec: Any) -> None:  # noqa: D107
-        super().__init__(spec)
+    def __init__(self, spec: Any, plan: Any) -> None:  # noqa: D107
+        super().__init__(spec, plan)
         self.layout = ReplicaLayout(spec.workers, spec.replica_group_size)
 
     def torch_config(self, torch_options: Dict[str, Any]) -> Any:
@@ -177,8 +177,6 @@ class ShardedReplicaGroupsWorker:
             replicas,
             group_size=layout.group_size,
             position=position,
-            order_seed=spec.seed if spec.shuffle_buffer_size and spec.seed is not None else None,
-            shuffle_rows=spec.shuffle_buffer_size,
             length=spec.steps_per_epoch,
             **loader_options,
         )

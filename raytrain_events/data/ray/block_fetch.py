@@ -37,7 +37,7 @@ from typing import Any, Container, Dict, Hashable, List, Mapping, Optional, Sequ
 
 import numpy as np
 
-from raytrain_events.ray.data.slices import Slice
+from raytrain_events.data.ray.slices import Slice
 
 __all__ = [
     "chunk_refs",

@@ -18,10 +18,10 @@ Cost: per decision, one read of each source's computed metric and one `Mixture.s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol
 
 from raytrain_events.core.callback import Callback
-from raytrain_events.core.mixture import MixtureError
+from raytrain_events.core.mixture import Mixture, MixtureError
 from raytrain_events.core.mixture_online import (
     LOSS_DIGITS,
     OnlinePolicy,
@@ -30,19 +30,39 @@ from raytrain_events.core.mixture_online import (
     initial_logs,
     next_weights,
 )
+from raytrain_events.core.mixture_plan import MixturePlan
 
 if TYPE_CHECKING:
     from raytrain_events.core.logger import Logger
     from raytrain_events.core.state import State
-    from raytrain_events.trainer.mixture_loader import MixtureLoader
 
-__all__ = ["OnlineMixture"]
+__all__ = ["OnlineMixture", "SwitchableLoader"]
+
+
+class SwitchableLoader(Protocol):
+    """What `OnlineMixture` reads and calls of its loader (the local `MixtureLoader`), so it imports none."""
+
+    mixture: Mixture
+
+    @property
+    def plan(self) -> MixturePlan:
+        """The run's order."""
+        ...
+
+    @property
+    def total_samples(self) -> Optional[int]:
+        """The run's samples (for 'dur' stages)."""
+        ...
+
+    def switch(self, mixture: Mixture) -> None:
+        """Train on ``mixture`` (this one with switch stages added) from the next batch on."""
+        ...
 
 
 class OnlineMixture(Callback):
     """The ``online=`` policy of a `MixtureLoader`'s mixture (see the module docstring)."""
 
-    def __init__(self, loader: MixtureLoader) -> None:
+    def __init__(self, loader: SwitchableLoader) -> None:
         mixture = loader.mixture
         assert mixture.online is not None
         self.loader = loader

@@ -4,7 +4,7 @@ The batches are the global order's (`GlobalOrderLoader`: the feeder serves the m
 any seekable train set). What this adds is which source each row came from: the rank's positions
 of global batch ``k`` are known (the feeder's cut: ``rank_rows`` of ``[position + k * g, ...)``,
 the short tail joined to the batch before it), so the same order the feeder streams (the
-`MixturePlan` of `MixtureSource.plan_args`, carried by the shard, each global batch listed by
+`MixturePlan` of the run's `MixtureRun`, carried by the shard, each global batch listed by
 source from the loader's start position: `MixturePlan.batch_sources`) names their sources without
 reading anything.
 The counts of each batch are set as the train thread takes it (not in the prefetch thread), and
@@ -26,9 +26,9 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator, List, Mapping, Optional
 
 from raytrain_events.core.callback import Callback
-from raytrain_events.ray.data.feeder import batch_end, rank_rows
-from raytrain_events.ray.data.loader import GlobalOrderLoader, GlobalOrderShard
-from raytrain_events.ray.data.mixture_source import plan_of
+from raytrain_events.data.mixture_counts import MixtureCounts
+from raytrain_events.data.ray.feeder import batch_end, rank_rows
+from raytrain_events.data.ray.loader import GlobalOrderLoader, GlobalOrderShard
 
 __all__ = ["MixtureOrderLoader"]
 
@@ -44,7 +44,7 @@ class MixtureOrderLoader(GlobalOrderLoader):
         super().__init__(shard, **options)
         if shard.mixture is None:
             raise ValueError("MixtureOrderLoader needs a shard of a MixtureSource (RayTrainer(mixture=...)).")
-        self.plan = plan_of(shard.mixture)
+        self.plan = shard.mixture.plan()
         self.mixture = self.plan.mixture
         self.tokens_of_row = tokens_of_batch  # MixtureCounts counts tokens when this is set
         names = self.mixture.names
@@ -54,7 +54,7 @@ class MixtureOrderLoader(GlobalOrderLoader):
         self._anchor = 0  # the position the stream entered the epoch at (set per iteration)
 
     def bind(self, **kwargs: Any) -> None:
-        """The plan is the driver's (`MixtureSource.plan_args`), the feeder's too: nothing to bind here."""
+        """The plan is the driver's (the shard's `MixtureRun`), the feeder's too: nothing to bind here."""
 
     def __iter__(self) -> Iterator[Any]:
         epoch, position = self.epoch, self.position
@@ -119,6 +119,4 @@ class MixtureOrderLoader(GlobalOrderLoader):
 
     def loop_callbacks(self) -> List[Callback]:
         """What the `Trainer` adds for this loader: the per-source counts (`MixtureCounts`)."""
-        from raytrain_events.callbacks.mixture_counts import MixtureCounts
-
-        return [MixtureCounts(self)]  # type: ignore[arg-type]  # the loader protocol MixtureCounts reads
+        return [MixtureCounts(self)]

@@ -29,7 +29,7 @@ where the blocks are (`block_fetch`: one call per node for all of a chunk's bloc
 
 The per-source counts are not read from rows: each rank knows its positions of each global batch,
 so its loader (`mixture_loader.MixtureOrderLoader`) asks the same plan which source each row came
-from (`plan_args` travels with the shard).
+from (the run's `MixtureRun`, made once on the driver: ``ray/plan.py``, travels with the shard).
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ from types import SimpleNamespace
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from raytrain_events.core.mixture import Mixture, MixtureError
-from raytrain_events.core.mixture_plan import MixturePlan
-from raytrain_events.ray.data.feeder import bundle_blocks
+from raytrain_events.core.mixture_plan import MixturePlan, MixtureRun
+from raytrain_events.data.ray.feeder import bundle_blocks
 
-__all__ = ["MixtureSource", "check_mixture", "mixture_plan_args", "mixture_train_set"]
+__all__ = ["MixtureSource", "check_mixture", "mixture_train_set"]
 
 _PLAN_STEP = 4096  # positions whose sources are computed at once
 _PASS_SEED = 1_000_003  # a source's pass p > 0 is permuted with seed + p * this
@@ -92,22 +92,22 @@ class _Cursor:
 class MixtureSource:
     """A `Mixture`'s sources as one seekable train set (``count`` and ``stream``: see the module doc).
 
-    ``plan_args``: what fixes the order besides the sources (the mixture as plain data, the plan's
-    seed, the run's samples for 'dur' stages, the global batch for 'ba' ones); ``order_seed``:
-    the seed each source's row groups are permuted with (None: file order).
+    ``run``: what fixes the order besides the sources (`MixtureRun`: the mixture, the plan's seed, the
+    run's samples for 'dur' stages, the global batch for 'ba' ones); ``order_seed``: the seed each
+    source's row groups are permuted with (None: file order).
     """
 
-    def __init__(self, sources: Mapping[str, Any], plan_args: Dict[str, Any], order_seed: Optional[int]) -> None:
-        self.mixture = Mixture.from_dict(plan_args["mixture"])
+    def __init__(self, sources: Mapping[str, Any], run: MixtureRun, order_seed: Optional[int]) -> None:
+        self.mixture: Mixture = run.mixture
         self.sources = [sources[name] for name in self.mixture.names]
-        self.plan_args = dict(plan_args)
+        self.run = run
         self.order_seed = order_seed
         self._plan: Optional[MixturePlan] = None
 
     @property
     def plan(self) -> MixturePlan:
         if self._plan is None:
-            self._plan = plan_of(self.plan_args)
+            self._plan = self.run.plan()
         return self._plan
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -122,7 +122,7 @@ class MixtureSource:
     ) -> Tuple[Iterator[Any], int, int]:
         """``(bundles from position ``row`` on, row, 0)``: entered exactly at ``row``, each global batch
         of ``global_batch`` positions from there listed by source (`MixturePlan.batch_sources`)."""
-        del seed  # the order's seeds are the run's (plan_args, order_seed), fixed on the driver
+        del seed  # the order's seeds are the run's (its `MixtureRun`, order_seed), fixed on the driver
         if window_rows:
             raise ValueError("A mixture orders its rows itself: shuffle_buffer_size is not supported with mixture=.")
         return self._bundles(epoch, row, global_batch), row, 0
@@ -152,13 +152,6 @@ class MixtureSource:
             position = stop
 
 
-def plan_of(plan_args: Mapping[str, Any]) -> MixturePlan:
-    """The `MixturePlan` that ``plan_args`` (`MixtureSource.plan_args`) fix: the same on the feeder and every rank."""
-    return Mixture.from_dict(plan_args["mixture"]).plan(
-        seed=plan_args["seed"], total_samples=plan_args["total_samples"], global_batch=plan_args["global_batch"]
-    )
-
-
 def check_mixture(mixture: Mapping[str, Any], datasets: Mapping[str, Any], shuffle_buffer_size: Any) -> Dict[str, Any]:
     """The mixture's sources, each as a seekable source; refuses (naming the fix) what cannot be mixed.
 
@@ -166,7 +159,7 @@ def check_mixture(mixture: Mapping[str, Any], datasets: Mapping[str, Any], shuff
     seek (a Ray Dataset with transforms), a row count other than the mixture's, another schema than
     the other sources' (from the Parquet footers), or a row shuffle (the mixture orders rows itself).
     """
-    from raytrain_events.ray.data.parquet_seek import as_seekable, is_seekable
+    from raytrain_events.data.ray.parquet_seek import as_seekable, is_seekable
 
     checked = Mixture.from_dict(mixture)
     names = list(checked.names)
@@ -221,39 +214,10 @@ def _fields(schema: Any) -> Dict[str, str]:
     return {field.name: str(field.type) for field in schema}
 
 
-def mixture_plan_args(spec: Any) -> Dict[str, Any]:
-    """What fixes the run's `MixturePlan` (the mixture, seed, run length, global batch), checked: a stage the
-    run cannot place (after its end, out of order, a 'dur' stage in a run counted in tokens) fails here, on the
-    driver before Ray starts (`driver_checks`) and again when the driver builds the train set."""
-    mixture = Mixture.from_dict(spec.mixture)
-    if mixture.online is not None:
-        raise MixtureError(
-            "Mixture(online=...) changes the weights inside the local Trainer's MixtureLoader; under RayTrainer the "
-            "feeder streams the order ahead of the ranks and cannot switch it yet. Drop online= for RayTrainer (fix "
-            "the weights, e.g. from the online run's last ones), or train the online mixture with Trainer."
-        )
-    workers = spec.workers
-    group = spec.parallelism_spec.batch_group  # ranks that share rows (TP x CP), as TrainDataConfig counts them
-    global_batch = spec.global_batch_size or (
-        spec.batch_size * (workers // group) if isinstance(workers, int) else None
-    )
-    from raytrain_events.core.mixture_plan import run_samples
-
-    assert mixture.epoch_size is not None
-    plan_args = {
-        "mixture": mixture.to_dict(),
-        "seed": spec.seed or 0,
-        "total_samples": run_samples(spec.max_duration, mixture.epoch_size, global_batch),
-        "global_batch": global_batch,
-    }
-    plan_of(plan_args)
-    return plan_args
-
-
-def mixture_train_set(spec: Any, datasets: Mapping[str, Any]) -> Dict[str, Any]:
-    """``datasets`` with the mixture's sources replaced by one ``"train"`` `MixtureSource` (the driver's step)."""
+def mixture_train_set(spec: Any, datasets: Mapping[str, Any], run: MixtureRun) -> Dict[str, Any]:
+    """``datasets`` with the mixture's sources replaced by one ``"train"`` `MixtureSource` of ``run`` (the run
+    plan's `MixtureRun`): the driver's step."""
     sources = check_mixture(spec.mixture, datasets, spec.shuffle_buffer_size)
-    plan_args = mixture_plan_args(spec)
     out = {name: ds for name, ds in datasets.items() if name not in sources}
-    out["train"] = MixtureSource(sources, plan_args, spec.seed)
+    out["train"] = MixtureSource(sources, run, spec.seed)
     return out

@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from raytrain_events.ray.data.slices import Take
+from raytrain_events.data.ray.slices import Take
 
 __all__ = ["WindowIndex", "window_permutation"]
 

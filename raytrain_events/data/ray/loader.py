@@ -18,7 +18,7 @@ coordinates ``(rank // t, world_size // t)``: the feeder cuts each global batch 
 rank, `feeder.py`), and eval sets are split contiguously into ``world_size // t`` parts (a
 streaming split cannot hand one part to several workers), each group's ranks sharing one.
 ``batch_size`` stays rows per worker per batch, so the default global batch is
-``batch_size * world_size // t``.
+``batch_size * world_size // t`` (`GlobalBatch`, decided once on the driver: ``ray/plan.py``).
 """
 
 from __future__ import annotations
@@ -28,8 +28,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ray.train import DataConfig
 
+from raytrain_events.core.mixture_plan import MixtureRun
+from raytrain_events.data.order import GlobalBatch, TrainOrder
+from raytrain_events.data.ray.slices import RowRange, Slice
 from raytrain_events.ray import _compat
-from raytrain_events.ray.data.slices import RowRange, Slice
 
 __all__ = [
     "cheap_row_count",
@@ -38,7 +40,6 @@ __all__ = [
     "GlobalOrderShard",
     "TrainDataConfig",
     "DeterministicSplitDataConfig",
-    "train_order",
 ]
 
 
@@ -138,7 +139,8 @@ class GlobalOrderShard:
     num_rows: Optional[int]
     tensor_parallel: int = 1  # ranks per tensor group, which share one part of each global batch
     source: Any = None  # [ObjectRef of the train set]: the feeder loads it from here (feeder.py, Restarts)
-    mixture: Optional[Dict[str, Any]] = None  # a MixtureSource's plan_args (mixture_loader.py), else None
+    mixture: Optional[MixtureRun] = None  # a MixtureSource's run (mixture_loader.py), else None
+    order: TrainOrder = TrainOrder()  # the run's train order (the driver's `RunPlan.order`)
 
     @property
     def data_world_size(self) -> int:
@@ -149,17 +151,18 @@ class GlobalOrderShard:
 class TrainDataConfig(DeterministicSplitDataConfig):
     """Train set in one global order (an `EpochFeeder` per worker group); eval sets split by Ray.
 
-    ``global_batch_size`` fixes the rows per optimizer step whatever the world size; else it is
-    ``batch_size * world_size``. ``deterministic``: materialize the train set once per group
-    (else stream it every epoch) and split eval sets contiguously by rank. ``tensor_parallel``: the
-    ranks per tensor group, which get the same rows (see the module doc); 1: none.
+    ``batch``: the run's `GlobalBatch` (rows per optimizer step for a world size); ``order``: its
+    `TrainOrder`, which every rank's shard carries (both the driver's `RunPlan`'s). ``deterministic``:
+    materialize the train set once per group (else stream it every epoch) and split eval sets
+    contiguously by rank. ``tensor_parallel``: the ranks per tensor group, which get the same rows
+    (see the module doc); 1: none.
     """
 
     def __init__(
         self,
         *,
-        batch_size: int,
-        global_batch_size: Optional[int] = None,
+        batch: GlobalBatch,
+        order: TrainOrder = TrainOrder(),
         deterministic: bool = False,
         train_rows: Optional[int] = None,
         tensor_parallel: int = 1,
@@ -167,8 +170,8 @@ class TrainDataConfig(DeterministicSplitDataConfig):
         super().__init__()
         self.train_rows = train_rows
         self.tensor_parallel = tensor_parallel
-        self.batch_size = batch_size
-        self.global_batch_size = global_batch_size
+        self.batch = batch
+        self.order = order
         self.deterministic = deterministic
         self.feeder: Any = None  # the first group's feeder when the driver made it (`start_feeder`)
         self.source: Any = None
@@ -194,7 +197,7 @@ class TrainDataConfig(DeterministicSplitDataConfig):
             import ray
 
             dataset = datasets["train"]
-            global_batch = self._global_batch(world_size)
+            global_batch = self.batch.rows(world_size)
             ready = self.feeder is not None and world_size == self.feeder_world  # made on the driver (`start_feeder`)
             if ready and ray.get(self.feeder.claim.remote()):  # the first group's; a restarted group makes its own
                 feeder, source = self.feeder, self.source
@@ -203,12 +206,9 @@ class TrainDataConfig(DeterministicSplitDataConfig):
             rows = self.train_rows if self.train_rows is not None else _compat.dataset_meta_count(dataset)
             for rank in range(world_size):
                 output[rank]["train"] = GlobalOrderShard(
-                    feeder, rank, world_size, global_batch, rows, tp, source, getattr(dataset, "plan_args", None)
+                    feeder, rank, world_size, global_batch, rows, tp, source, getattr(dataset, "run", None), self.order
                 )
         return output
-
-    def _global_batch(self, world_size: int) -> int:
-        return self.global_batch_size or self.batch_size * (world_size // self.tensor_parallel)
 
     def _new_feeder(self, dataset: Any, world_size: int) -> Any:
         """A group's `EpochFeeder` actor (pinned to this node: the driver's or Ray Train's controller's,
@@ -216,7 +216,7 @@ class TrainDataConfig(DeterministicSplitDataConfig):
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from raytrain_events.ray.data.feeder import FEEDER_OPTIONS, EpochFeeder
+        from raytrain_events.data.ray.feeder import FEEDER_OPTIONS, EpochFeeder
 
         tp = self.tensor_parallel
         here = ray.get_runtime_context().get_node_id()
@@ -227,26 +227,18 @@ class TrainDataConfig(DeterministicSplitDataConfig):
         feeder = (
             ray.remote(EpochFeeder)
             .options(**FEEDER_OPTIONS, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False))
-            .remote(None, world_size // tp, self._global_batch(world_size), self.deterministic, **options)
+            .remote(None, world_size // tp, self.batch.rows(world_size), self.deterministic, **options)
         )
         return feeder, source
 
-    def start_feeder(self, dataset: Any, world_size: int, start: Tuple[int, int], order: Tuple[Any, Any]) -> Any:
+    def start_feeder(self, dataset: Any, world_size: int, start: Tuple[int, int]) -> Any:
         """On the driver, before Ray Train starts the worker group: the first group's feeder, its stream
-        of epoch ``start[0]`` from global sample ``start[1]`` started now (`EpochFeeder.prestart`, a
-        guess the first rank's request confirms or replaces); ``order``: `train_order`. Returns the feeder."""
+        of epoch ``start[0]`` from global sample ``start[1]`` in the run's order started now
+        (`EpochFeeder.prestart`, a guess the first rank's request confirms or replaces). Returns the feeder."""
         self.feeder, self.source = self._new_feeder(dataset, world_size)
         self.feeder_world = world_size
-        self.feeder.prestart.remote(start[0], start[1], order[0], order[1], self.source)
+        self.feeder.prestart.remote(start[0], start[1], self.order, self.source)
         return self.feeder
-
-
-def train_order(spec: Any) -> Tuple[Optional[int], Optional[int]]:
-    """``(order_seed, shuffle_rows)`` of the run's train loader: with a row shuffle asked for (and a seed),
-    each epoch permutes the dataset's blocks with seed + epoch, then its rows within windows of
-    ``shuffle_buffer_size`` rows (feeder.py, shuffle.py); else the dataset's own order."""
-    order_seed = spec.seed if spec.shuffle_buffer_size and spec.seed is not None else None
-    return order_seed, spec.shuffle_buffer_size
 
 
 def cheap_row_count(dataset: Any) -> Optional[int]:
@@ -255,7 +247,7 @@ def cheap_row_count(dataset: Any) -> Optional[int]:
     None when counting would run a preprocessing pipeline (``map_batches``, ``filter``...). A
     seekable source (`parquet_seek.ParquetRowGroups`) counts from the footers it read when built.
     """
-    from raytrain_events.ray.data.parquet_seek import is_seekable
+    from raytrain_events.data.ray.parquet_seek import is_seekable
 
     if is_seekable(dataset):
         return dataset.count()
@@ -292,7 +284,8 @@ def _call_feeder(submit: Callable[[], Any]) -> Any:
 
 
 class GlobalOrderLoader:
-    """This rank's batches of the global order: one epoch per ``iter()`` from the set position."""
+    """This rank's batches of the global order (the shard's `TrainOrder`): one epoch per ``iter()`` from the set
+    position."""
 
     def __init__(
         self,
@@ -301,16 +294,12 @@ class GlobalOrderLoader:
         device: Any = "auto",
         collate_fn: Optional[Callable] = None,
         prefetch_batches: int = 1,
-        order_seed: Optional[int] = None,
-        shuffle_rows: Optional[int] = None,
         columns: Optional[List[str]] = None,
         length: Optional[int] = None,
     ) -> None:
         self.shard = shard
-        self.shuffle_rows = shuffle_rows
         self.collate_fn = collate_fn
         self.prefetch_batches = max(1, prefetch_batches)
-        self.order_seed = order_seed
         self.columns = columns
         self.length = length
         self.device = device
@@ -323,7 +312,7 @@ class GlobalOrderLoader:
             return self.length
         if self.shard.num_rows is None:
             raise TypeError("The train set's row count is unknown; pass steps_per_epoch to RayTrainer.")
-        from raytrain_events.ray.data.feeder import batches_in_epoch
+        from raytrain_events.data.ray.feeder import batches_in_epoch
 
         return batches_in_epoch(self.shard.num_rows, self.shard.global_batch, self.shard.data_world_size)
 
@@ -340,7 +329,7 @@ class GlobalOrderLoader:
         """The epoch's batches, made one to ``prefetch_batches`` ahead in a thread (`prefetched`): the
         train thread only takes finished batches, as from Ray Data's ``iter_torch_batches``."""
 
-        from raytrain_events.ray.data.prefetch import prefetched
+        from raytrain_events.data.ray.prefetch import prefetched
 
         epoch, position = self.epoch, self.position
         self._start(epoch, position, 0)
@@ -349,7 +338,7 @@ class GlobalOrderLoader:
     def _batches(self, epoch: int, position: int):
         import ray
 
-        from raytrain_events.ray.data.block_fetch import cluster_node, finish_fetch, start_fetch
+        from raytrain_events.data.ray.block_fetch import cluster_node, finish_fetch, start_fetch
 
         shard = self.shard
         here = cluster_node()  # None on a one-node cluster: blocks are fetched whole, as they are local
@@ -407,7 +396,7 @@ class GlobalOrderLoader:
         shard = self.shard
         _call_feeder(
             lambda: shard.feeder.start_epoch.remote(
-                epoch, position, self.order_seed, shard.rank, resume_batch, self.shuffle_rows, source=shard.source
+                epoch, position, shard.order, shard.rank, resume_batch, source=shard.source
             )
         )
 
@@ -421,7 +410,7 @@ class GlobalOrderLoader:
         if self.columns is not None:  # only these columns reach the batch (and collate_fn)
             parts = [pick_columns(part, self.columns) if isinstance(part, pa.Table) else part for part in parts]
         if self.collate_fn is None and all(isinstance(part, pa.Table) for part in parts):
-            from raytrain_events.ray.data.batch_tensors import table_to_torch
+            from raytrain_events.data.ray.batch_tensors import table_to_torch
 
             return table_to_torch(parts[0] if len(parts) == 1 else pa.concat_tables(parts))
         if len(parts) == 1:
@@ -460,7 +449,7 @@ def _part(piece: Slice, blocks: Dict[Any, Any]) -> Any:
     """
     from ray.data.block import BlockAccessor
 
-    from raytrain_events.ray.data.block_fetch import local_rows
+    from raytrain_events.data.ray.block_fetch import local_rows
 
     if isinstance(piece, RowRange):
         ref, lo, hi = piece

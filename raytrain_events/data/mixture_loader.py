@@ -22,6 +22,8 @@ from raytrain_events.core.callback import Callback
 from raytrain_events.core.mixture import Mixture, MixtureError
 from raytrain_events.core.mixture_plan import MixturePlan, run_samples
 from raytrain_events.core.time import Time
+from raytrain_events.data.mixture_counts import MixtureCounts
+from raytrain_events.data.online_mixture import OnlineMixture
 
 __all__ = ["MixtureLoader", "row_schema"]
 
@@ -197,9 +199,6 @@ class MixtureLoader:
     def loop_callbacks(self) -> List[Callback]:
         """What the `Trainer` adds for this loader: the per-source counts (`MixtureCounts`) and, for an
         ``online=`` mixture, its policy (`OnlineMixture`, first: a resume's saved switches load before the counts)."""
-        from raytrain_events.callbacks.mixture_counts import MixtureCounts
-        from raytrain_events.callbacks.online_mixture import OnlineMixture
-
         if self.mixture.online is not None:
             return [OnlineMixture(self), MixtureCounts(self)]
         return [MixtureCounts(self)]

@@ -47,7 +47,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from raytrain_events.ray.data.text_tokenizer import load_tokenizer
+from raytrain_events.data.ray.text_tokenizer import load_tokenizer
 
 __all__ = ["tokenize", "tokenize_file", "GROUP_TOKENS"]
 

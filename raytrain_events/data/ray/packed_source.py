@@ -95,7 +95,7 @@ class PackedTokens:
     ) -> None:
         import pyarrow as pa
 
-        from raytrain_events.ray.data.parquet_seek import ParquetRowGroups, is_seekable
+        from raytrain_events.data.ray.parquet_seek import ParquetRowGroups, is_seekable
 
         check_policy(policy, seq_len)
         if is_seekable(source) and not isinstance(source, ParquetRowGroups):
@@ -223,7 +223,7 @@ class PackedTokens:
         """``(bundles from the window holding sequence ``row``, that window's first sequence, shuffle
         windows before it)``; with ``window_rows``, from the shuffle window holding it (as `ParquetRowGroups`)."""
         del global_batch  # the order does not depend on the batch
-        from raytrain_events.ray.data.parquet_seek import stream_entry
+        from raytrain_events.data.ray.parquet_seek import stream_entry
 
         order = self.order(seed, epoch)
         start, first, windows = stream_entry([self.window_sequences[w] for w in order], row, window_rows)
@@ -252,7 +252,7 @@ class PackedTokens:
     def reads(self, windows: List[int]) -> List[List[int]]:
         """``windows`` (in the epoch's order) grouped into read tasks: consecutive windows until about
         `parquet_seek.READ_BYTES` of packed columns (a pure function of the order, as `ParquetRowGroups.reads`)."""
-        from raytrain_events.ray.data.parquet_seek import READ_BYTES
+        from raytrain_events.data.ray.parquet_seek import READ_BYTES
 
         out: List[List[int]] = []
         current: List[int] = []
@@ -268,7 +268,7 @@ class PackedTokens:
     def _bundles(self, windows: List[int]) -> Iterator[Any]:
         import ray
 
-        from raytrain_events.ray.data.parquet_seek import AHEAD_BYTES
+        from raytrain_events.data.ray.parquet_seek import AHEAD_BYTES
 
         task = ray.remote(pack_reads).options(num_cpus=0.25)
         todo = iter(self.reads(windows))
@@ -342,7 +342,7 @@ def pack_read(**args: Any) -> Any:
 def _window_inputs(args: Dict[str, Any]) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Read one window's row groups: ``(tokens end to end, each document's length, its id)``,
     refusing token ids outside the vocabulary."""
-    from raytrain_events.ray.data.parquet_seek import _read_units
+    from raytrain_events.data.ray.parquet_seek import _read_units
 
     table = _read_units(args["paths"], args["units"], args["filesystem"], args["columns"])
     values = table.column(args["tokens_column"])

@@ -19,7 +19,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from typing import Any, Dict, List
 
-from raytrain_events.ray.data.slices import RowRange
+from raytrain_events.data.ray.slices import RowRange
 
 __all__ = ["BlockIndex", "RankCursor"]
 

@@ -8,22 +8,42 @@ and saved in the checkpoint with the mixture, the seed, the stages' starts and e
 cursor; a resume restores them and checks them against the plan. A resume may add switch stages
 at or after the checkpoint's position (`Mixture.switched`: new weights from there on, each source
 continuing from its cursor; how a PBT exploit changes the mixture).
-`MixtureLoader` brings this callback along: users do not add it themselves.
+`MixtureLoader` (and `MixtureOrderLoader` on Ray) brings this callback along: users do not add it themselves.
+It reads its loader through `CountedLoader` (what both loaders provide), so it imports neither.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol
 
 from raytrain_events.core.callback import Callback
 from raytrain_events.core.mixture import Mixture
+from raytrain_events.core.mixture_plan import MixturePlan
 
 if TYPE_CHECKING:
     from raytrain_events.core.logger import Logger
     from raytrain_events.core.state import State
-    from raytrain_events.trainer.mixture_loader import MixtureLoader
 
-__all__ = ["MixtureCounts", "MixtureResumeError"]
+__all__ = ["CountedLoader", "MixtureCounts", "MixtureResumeError"]
+
+
+class CountedLoader(Protocol):
+    """What `MixtureCounts` reads of the loader it counts for: the local `MixtureLoader` or a Ray worker's
+    `MixtureOrderLoader`."""
+
+    mixture: Mixture
+    tokens_of_row: Optional[Callable[[Any], int]]
+    batch_samples: List[int]  #: this rank's rows of each source in the latest batch
+    batch_tokens: List[int]  #: and their tokens (0 without ``tokens_of_row``)
+
+    @property
+    def plan(self) -> MixturePlan:
+        """The run's order."""
+        ...
+
+    def bind(self, *, rank: int, world_size: int, seed: Optional[int], max_duration: Any) -> None:
+        """Take the run's rank, world size, seed and length at fit start."""
+        ...
 
 
 class MixtureResumeError(RuntimeError):
@@ -33,7 +53,7 @@ class MixtureResumeError(RuntimeError):
 class MixtureCounts(Callback):
     """Per-source samples and tokens of a `MixtureLoader`'s run (see the module docstring)."""
 
-    def __init__(self, loader: MixtureLoader) -> None:
+    def __init__(self, loader: CountedLoader) -> None:
         self.loader = loader
         names = loader.mixture.names
         self._sample_keys = [f"mixture/samples/{n}" for n in names]

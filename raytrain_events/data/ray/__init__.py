@@ -8,8 +8,9 @@ slices (``slices.py``); on each worker, `GlobalOrderLoader` (``loader.py``) fetc
 (``block_fetch.py``: cut on the node that holds a block), turns them into tensors
 (``batch_tensors.py``) a few batches ahead (``prefetch.py``). Sources a resumed epoch enters at its
 position: `ParquetRowGroups` (``parquet_seek.py``) and mixtures of sources (``mixture_source.py``,
-read by ``mixture_loader.py``). This ``__init__`` imports nothing: the feeder actor imports only
-what it runs.
+read by ``mixture_loader.py``). The global batch and the order they follow are the driver's
+(``ray/plan.py``), as typed values (``../order.py``). This ``__init__`` imports nothing: the feeder actor
+imports only what it runs.
 
 Files:
 

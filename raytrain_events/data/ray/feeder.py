@@ -63,10 +63,11 @@ from __future__ import annotations
 import threading
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+from raytrain_events.data.order import BatchCut, EpochOrder, StreamStart, TrainOrder
+from raytrain_events.data.ray.row_index import BlockIndex, RankCursor
+from raytrain_events.data.ray.shuffle import WindowIndex
+from raytrain_events.data.ray.slices import Slice
 from raytrain_events.ray import _compat
-from raytrain_events.ray.data.row_index import BlockIndex, RankCursor
-from raytrain_events.ray.data.shuffle import WindowIndex
-from raytrain_events.ray.data.slices import Slice
 
 __all__ = ["EpochFeeder", "rank_rows", "batches_in_epoch", "FEEDER_OPTIONS"]
 
@@ -78,9 +79,7 @@ FEEDER_OPTIONS: Dict[str, Any] = {"num_cpus": 0, "max_concurrency": 32, "max_res
 
 def rank_rows(start: int, end: int, rank: int, world_size: int) -> Tuple[int, int]:
     """Rank ``rank``'s contiguous part ``[a, b)`` of the global batch ``[start, end)``."""
-    q, rem = divmod(end - start, world_size)
-    a = start + rank * q + min(rank, rem)
-    return a, a + q + (1 if rank < rem else 0)
+    return BatchCut.of(start, end, world_size).part(rank)
 
 
 def batch_end(start: int, rows: int, global_batch: int, world_size: int) -> int:
@@ -101,12 +100,6 @@ def batches_in_epoch(rows: int, global_batch: int, world_size: int, position: in
     if tail >= world_size or full == 0:
         return full + 1
     return full  # the short tail joins the last full batch
-
-
-def _order(order_seed: Optional[int], epoch: int, shuffle_rows: Optional[int]) -> Tuple[Any, Any]:
-    """What fixes an epoch's order besides its position: the block order's seed and the row shuffle."""
-    shuffle = None if order_seed is None or not shuffle_rows else (order_seed, epoch, shuffle_rows)
-    return order_seed, shuffle
 
 
 def bundle_blocks(bundle: Any) -> Iterator[Tuple[Any, int, int]]:
@@ -137,11 +130,11 @@ class _Epoch:
         global_batch: int,
         world_size: int,
         first_batch: int = 0,
-        shuffle: Optional[Tuple[int, int, int]] = None,
-        seek: Tuple[int, int] = (0, 0),
+        order: EpochOrder = EpochOrder(),
+        seek: StreamStart = StreamStart(),
         consumers: int = 1,
     ) -> None:
-        """``shuffle``: ``(seed, epoch, window rows)`` to permute rows within windows (`shuffle.py`).
+        """``order``: the epoch's order (its `RowShuffle` permutes rows within windows: `shuffle.py`).
         ``seek``: the global row and shuffle window the stream starts at (a seekable source).
         ``consumers``: ranks served each part (a tensor group); ranks are ``0 .. world_size * consumers - 1``."""
         self.bundles = bundles
@@ -149,14 +142,17 @@ class _Epoch:
         self.global_batch = global_batch
         self.world_size = world_size
         self.first_batch = first_batch  # batches before it are not served (a rebuilt epoch)
-        self.order: Any = None  # (block order seed, row shuffle): set by the feeder (`_order`)
+        self.order = order  # what the first rank's request must match to be served this stream
         self.prestarted = False  # started by `EpochFeeder.prestart`, no rank has asked for it yet
-        self.index: Any = BlockIndex(seek[0]) if shuffle is None else WindowIndex(shuffle[0], shuffle[1], *seek)
-        self.window_rows = 0 if shuffle is None else max(1, shuffle[2])
+        shuffle = order.shuffle
+        self.index: Any = (
+            BlockIndex(seek.row) if shuffle is None else WindowIndex(shuffle.seed, shuffle.epoch, seek.row, seek.window)
+        )
+        self.window_rows = 0 if shuffle is None else max(1, shuffle.window_rows)
         self.consumers = consumers
         self.cursor = RankCursor(world_size * consumers, first_batch)  # one cursor per rank, not per part
         self.trimmed = first_batch  # the cursor's oldest batch when the index was last trimmed
-        self.cuts: Dict[int, Optional[Tuple[int, int, int]]] = {}  # batch -> (start, rows // W, rows % W)
+        self.cuts: Dict[int, Optional[BatchCut]] = {}  # batch -> its cut into the ranks' parts
         self.done = False
         self.error: Optional[BaseException] = None
         self.stopped = False
@@ -175,7 +171,7 @@ class _Epoch:
             self.cond.notify_all()
 
     def _pull(self) -> None:
-        from raytrain_events.ray.data.block_fetch import CutterStarter
+        from raytrain_events.data.ray.block_fetch import CutterStarter
 
         cond, index = self.cond, self.index
         window: List[Tuple[Any, int, int]] = []  # blocks of the shuffle window being filled
@@ -263,15 +259,13 @@ class _Epoch:
         cut = self.cuts.get(k)
         if cut is None:  # once per global batch: its range and the size of each rank's part
             rows = self.batch_range(k)
-            cut = self.cuts[k] = None if rows is None else (rows[0], *divmod(rows[1] - rows[0], self.world_size))
+            cut = self.cuts[k] = None if rows is None else BatchCut.of(rows[0], rows[1], self.world_size)
         cursor = self.cursor
         cursor.advance(rank, k + 1)
         if cut is None:
             return None
-        start, q, rem = cut
-        part = rank // self.consumers  # the data-parallel rank: a tensor group's ranks share one part
-        a = start + part * q + (part if part < rem else rem)
-        out = self.index.slices(a, a + q + (1 if part < rem else 0))
+        # The data-parallel rank's part: a tensor group's ranks share one.
+        out = self.index.slices(*cut.part(rank // self.consumers))
         if cursor.oldest != self.trimmed:  # every rank is past batch `oldest - 1`: drop its blocks
             self.trimmed = oldest = cursor.oldest
             self.index.trim(self.position + oldest * self.global_batch)
@@ -305,7 +299,7 @@ class EpochFeeder:
         self.report: Dict[str, Any] = {}  # `start_report`: the prestart and the first rank's request
 
     def _set_dataset(self, dataset: Any) -> None:
-        from raytrain_events.ray.data.parquet_seek import is_seekable
+        from raytrain_events.data.ray.parquet_seek import is_seekable
 
         self.seekable = is_seekable(dataset)
         if not self.seekable:
@@ -314,27 +308,26 @@ class EpochFeeder:
             dataset = dataset.materialize() if self.materialize else dataset
         self.dataset = dataset
 
-    def _stream(
-        self, epoch: int, order_seed: Optional[int], row: int, window_rows: int
-    ) -> Tuple[Iterator[Any], Tuple[int, int]]:
-        """The epoch's blocks from about global row ``row`` on, and where they start: (row, window)."""
+    def _stream(self, epoch: int, order: EpochOrder, row: int) -> Tuple[Iterator[Any], StreamStart]:
+        """The epoch's blocks from about global row ``row`` on, and where they start."""
         if self.seekable:
             stream = self.dataset.stream
-            bundles, first, windows = stream(order_seed, epoch, row, window_rows, global_batch=self.global_batch)
-            return bundles, (first, windows)
+            bundles, first, windows = stream(
+                order.block_seed, epoch, row, order.window_rows, global_batch=self.global_batch
+            )
+            return bundles, StreamStart(first, windows)
         dataset = self.dataset
-        if order_seed is not None:
-            dataset = dataset.randomize_block_order(seed=order_seed + epoch)
-        return _compat.iter_block_refs(dataset), (0, 0)
+        if order.block_seed is not None:
+            dataset = dataset.randomize_block_order(seed=order.block_seed + epoch)
+        return _compat.iter_block_refs(dataset), StreamStart()
 
     def start_epoch(
         self,
         epoch: int,
         position: int,
-        order_seed: Optional[int],
+        order: Optional[TrainOrder],
         rank: int,
         resume_batch: int = 0,
-        shuffle_rows: Optional[int] = None,
         source: Optional[List[Any]] = None,
     ) -> bool:
         """Every rank calls this at its epoch start with the same arguments; the first one starts it.
@@ -343,17 +336,16 @@ class EpochFeeder:
         Each (epoch, position) is served once per worker group: the blocks a rank is past are
         dropped, so a rank starting a pass it has already taken batches from (a Trainer rebuilt or
         reset to time zero inside the same group) is refused here, not given empty batches later.
+        ``order``: the run's `TrainOrder` (the shard's; None: the dataset's own order).
         ``resume_batch``: a rank reconnecting after the feeder restarted, whose next batch is that one.
-        ``shuffle_rows`` (with ``order_seed``): rows are also permuted within windows of at least
-        that many rows (`shuffle.py`).
         ``source``: ``[ObjectRef of the train set]``, for a feeder created without its dataset (see
         the module doc, Restarts); its first call (and a restarted feeder's) loads the dataset from it.
         """
         key = (epoch, position)
-        order = _order(order_seed, epoch, shuffle_rows)
+        epoch_order = (order or TrainOrder()).of_epoch(epoch)
         with self.lock:
             self._load(source)
-            started = self._prestarted(key, order)
+            started = self._prestarted(key, epoch_order)
             if started is not None and resume_batch == 0 and started.cursor.next[rank] > started.first_batch:
                 raise RuntimeError(
                     f"Rank {rank} started epoch {epoch} at sample {position} of the train set's global order a "
@@ -367,10 +359,10 @@ class EpochFeeder:
                 self.epochs.pop(key).stop()
                 started = None
             if started is None:
-                self._open(key, order, max(0, resume_batch - _RESTART_SLACK))
+                self._open(key, epoch_order, max(0, resume_batch - _RESTART_SLACK))
         return True
 
-    def prestart(self, epoch: int, position: int, order_seed: Optional[int], shuffle_rows: Optional[int], source: Any):
+    def prestart(self, epoch: int, position: int, order: Optional[TrainOrder], source: Any):
         """Start the stream of (epoch, position) before any rank asks: the driver's guess of where the
         run begins, made while Ray Train starts the worker group (see the module doc). The first
         rank's `start_epoch` uses it only if it asks for the same epoch, position and order."""
@@ -380,7 +372,7 @@ class EpochFeeder:
             self._load(source)
             key = (epoch, position)
             if key not in self.epochs and "asked" not in self.report:  # too late once a rank has asked
-                self._open(key, _order(order_seed, epoch, shuffle_rows), 0).prestarted = True
+                self._open(key, (order or TrainOrder()).of_epoch(epoch), 0).prestarted = True
                 self.report.setdefault("prestarted", [epoch, position, time.monotonic()])
 
     def claim(self) -> bool:
@@ -403,7 +395,7 @@ class EpochFeeder:
 
             self._set_dataset(ray.get(source[0]))
 
-    def _prestarted(self, key: Tuple[int, int], order: Tuple[Any, Any]) -> Optional[_Epoch]:
+    def _prestarted(self, key: Tuple[int, int], order: EpochOrder) -> Optional[_Epoch]:
         """The epoch ``key`` if started; the first rank's request drops a prestarted guess that is not it."""
         import time
 
@@ -427,15 +419,12 @@ class EpochFeeder:
                 self.epochs.pop(k).stop()
         return self.epochs.get(key)
 
-    def _open(self, key: Tuple[int, int], order: Tuple[Any, Any], first: int) -> _Epoch:
+    def _open(self, key: Tuple[int, int], order: EpochOrder, first: int) -> _Epoch:
         epoch, position = key
         for old in [k for k in self.epochs if k[0] < epoch - 1]:
             self.epochs.pop(old).stop()
-        order_seed, shuffle = order
-        window_rows = shuffle[2] if shuffle else 0
-        stream, seek = self._stream(epoch, order_seed, position + first * self.global_batch, window_rows)
-        state = _Epoch(stream, position, self.global_batch, self.world_size, first, shuffle, seek, self.consumers)
-        state.order = order
+        stream, seek = self._stream(epoch, order, position + first * self.global_batch)
+        state = _Epoch(stream, position, self.global_batch, self.world_size, first, order, seek, self.consumers)
         self.epochs[key] = state
         return state
 
