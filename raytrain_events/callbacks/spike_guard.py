@@ -43,9 +43,10 @@ snapshot one host copy of the state (``bench/spike_guard.py``, docs/spikes.md: ~
 loss only, ~40 us with a clipping's norm, ~85 us computing its own, at H=256 on the CPU).
 
 Notes: the gradient norm is this rank's (under FSDP the norm of its shards); with a GradScaler
-(``amp_fp16``) non-finite gradients are the scaler's to skip and are not judged; algorithms run
-before callbacks at ``AFTER_TRAIN_BATCH``, so with `GradientClipping` the norm judged is the clipped one
-(the loss still shows the spike): a shared pre-clip norm is clipped by torch's coefficient first.
+(``amp_fp16``) non-finite gradients are the scaler's to skip and are not judged. With `GradientClipping`
+the norm judged is the one *before* clipping (a blow-up is judged, not capped first): the clipping's own
+pre-clip norm when shared, else the guard's norm taken at ``AFTER_BACKWARD`` (before the algorithms run at
+``AFTER_TRAIN_BATCH``; with ``grad_accum`` > 1 the last microbatch's, over the accumulated gradients).
 """
 
 from __future__ import annotations
@@ -116,7 +117,8 @@ class SpikeGuard(Callback):
         self._params: Optional[List[torch.Tensor]] = None
         self._clip: Optional[GradientClipping] = None  # a GradientClipping whose norm is shared (see after_train_batch)
         self._clip_seen: Optional[torch.Tensor] = None  # its norm already judged (a stale one is not judged twice)
-        self._clipped_to: Optional[float] = None  # this batch's norm is its pre-clip norm, clipped to this
+        self._clip_other = False  # a GradientClipping whose norm is not shared: the norm is taken before it runs
+        self._pre_clip: Optional[torch.Tensor] = None  # that norm, taken at AFTER_BACKWARD
         self._host: Optional[torch.Tensor] = None  # pinned host buffer of (loss, norm) on an accelerator
         self._ready: Optional[torch.cuda.Event] = None  # its copy's event, recorded before the optimizer step
         self._event: Optional[torch.cuda.Event] = None
@@ -161,21 +163,41 @@ class SpikeGuard(Callback):
         if loss is not None and loss.is_cuda:
             self._to_host(loss, self._norm)
 
+    def after_backward(self, state: State, logger: Logger) -> None:
+        # Only with a GradientClipping whose norm is not shared: the norm before it clips (it runs at
+        # AFTER_TRAIN_BATCH, before the callbacks). Each microbatch overwrites it: the last one's is the batch's.
+        if self._params is None:
+            self._find_params(state)
+        if self._clip_other and state.scaler is None and self.detector.grad_zscore is not None:
+            self._pre_clip = self._own_norm()
+
+    def _find_params(self, state: State) -> List[torch.Tensor]:
+        """The trained parameters and the clipping to share, found once (a walk of the groups per batch costs)."""
+        params = self._params = [p for opt in state.optimizers for g in opt.param_groups for p in g["params"]]
+        self._clip = _shared_clipping(state, params)
+        self._clip_other = self._clip is None and any(isinstance(a, GradientClipping) for a in state.algorithms)
+        return params
+
+    def _own_norm(self) -> Optional[torch.Tensor]:
+        assert self._params is not None
+        norms = [vector_norm(p.grad) for p in self._params if p.grad is not None]  # cheaper than _foreach_norm on CPU
+        return vector_norm(stack(norms)) if norms else None
+
     def _grad_norm(self, state: State) -> Optional[torch.Tensor]:
-        """This batch's gradient norm (this rank's), as a tensor: GradientClipping's when it has one."""
-        params = self._params
-        if params is None:  # the trained parameters, found once (a Python walk of the groups per batch costs)
-            params = self._params = [p for opt in state.optimizers for g in opt.param_groups for p in g["params"]]
-            self._clip = _shared_clipping(state, params)
+        """This batch's gradient norm (this rank's) before any clipping, as a tensor: GradientClipping's when shared."""
+        if self._params is None:
+            self._find_params(state)
         clip = self._clip
-        if clip is not None:  # GradientClipping ran just before (algorithms first): its norm, not a second one
+        if clip is not None:  # GradientClipping ran just before (algorithms first): its pre-clip norm, not a second one
             total = clip.last_grad_norm
             if total is None or total is self._clip_seen:  # it clipped nothing this batch (no gradients)
                 return None
-            self._clip_seen, self._clipped_to = total, clip.clipping_threshold
+            self._clip_seen = total
             return total
-        norms = [vector_norm(p.grad) for p in params if p.grad is not None]  # cheaper than _foreach_norm on CPU
-        return vector_norm(stack(norms)) if norms else None
+        if self._clip_other:  # taken at AFTER_BACKWARD, before the clipping
+            pre, self._pre_clip = self._pre_clip, None
+            return pre
+        return self._own_norm()
 
     def _to_host(self, loss: torch.Tensor, norm: Optional[torch.Tensor]) -> None:
         """Start the copy of the loss (and norm) into a pinned host buffer, before the optimizer step is queued:
@@ -216,9 +238,6 @@ class SpikeGuard(Callback):
                 value, grad = loss.item(), norm.item()
             else:  # one host sync for both
                 value, grad = stack([loss.reshape(()).float(), norm.to(loss.device).float()]).tolist()
-        if grad is not None and self._clipped_to is not None:  # GradientClipping's pre-clip norm: clip it
-            grad *= min(1.0, self._clipped_to / (grad + 1e-6))  # (torch's clip coefficient, clamped at 1)
-        self._clipped_to = None
         verdict = self.detector.observe(value, grad)
         if verdict is not None:
             self._spike = (ts.get_value("ba"), verdict)
@@ -275,7 +294,7 @@ class SpikeGuard(Callback):
         for scheduler in state.schedulers:  # the schedule follows the position: one step per batch since the snapshot
             for _ in range(now - restored):
                 scheduler.step()
-        self._spike, self._norm, self._since, self._clipped_to, self._ready = None, None, 0, None, None
+        self._spike, self._norm, self._since, self._pre_clip, self._ready = None, None, 0, None, None
         record = {
             "batch": now,
             "spike_batch": spike_batch,

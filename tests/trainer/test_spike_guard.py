@@ -187,8 +187,8 @@ def test_a_spike_in_the_fits_last_batch_is_said_not_hidden(caplog):
 
 @pytest.mark.parametrize("threshold", [0.05, 1.0])
 def test_with_gradient_clipping_the_guard_shares_its_norm_and_decides_the_same(monkeypatch, threshold):
-    """GradientClipping computes the gradient norm anyway: the guard judges that one (clipped by torch's
-    coefficient) instead of a second pass over the gradients, and decides as when it computes its own."""
+    """GradientClipping computes the gradient norm anyway: the guard judges that one (its pre-clip norm)
+    instead of a second pass over the gradients, and decides as when it computes its own (before the clip)."""
     from raytrain_events.algorithms import GradientClipping
     from raytrain_events.callbacks import spike_guard
 
@@ -208,7 +208,24 @@ def test_with_gradient_clipping_the_guard_shares_its_norm_and_decides_the_same(m
     assert shared.rollbacks == own.rollbacks and shared.skips.ranges == own.skips.ranges
     assert len(shared.detector._norms) == len(own.detector._norms) > 10
     assert list(shared.detector._norms) == pytest.approx(list(own.detector._norms), rel=1e-6)
-    assert max(own.detector._norms) <= threshold * (1 + 1e-5)  # the judged norm is the clipped one, as before
+    assert max(own.detector._norms) > threshold  # the judged norm is the one before clipping
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_with_gradient_clipping_a_gradient_blow_up_is_judged_before_the_clip(monkeypatch, share):
+    """Gradient norm only (no loss test): the planted row's gradient is capped by a tight clipping; judged
+    after the clip (the old behaviour) every norm is the threshold and nothing spikes; judged before it, the
+    blow-up rolls back and skips its window."""
+    from raytrain_events.algorithms import GradientClipping
+    from raytrain_events.callbacks import spike_guard
+
+    if not share:  # the guard's own norm, taken at AFTER_BACKWARD
+        monkeypatch.setattr(spike_guard, "_shared_clipping", lambda state, params: None)
+    guard = SpikeGuard(snapshot_interval=5, loss_ratio=None, grad_zscore=6.0)
+    _fit(_rows(planted=[203]), [guard], algorithms=[GradientClipping("norm", 0.5)])
+    assert [(r["spike_batch"], r["restored_batch"]) for r in guard.rollbacks] == [(26, 25)]
+    assert "gradient norm" in guard.rollbacks[0]["reason"]
+    assert guard.skips.ranges == [SkipRange(0, 200, 216, batches=2, tokens=0)]
 
 
 @pytest.mark.parametrize("grad_zscore", [6.0, None])
