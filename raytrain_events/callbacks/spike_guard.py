@@ -26,6 +26,10 @@ every checkpoint; ``trained = timestamp - skipped`` (`SpikeGuard.trained`). Torc
 restored from the snapshot are stepped once per skipped batch, so a schedule keeps following the
 position, as in the run without the spike.
 
+The fit's last batch has no next batch to carry the flag: there (its ``BATCH_END`` when the duration or an
+agreed stop ends the fit, else ``EPOCH_END`` of an 'ep' duration's last epoch, before the epoch's checkpoint)
+the ranks sum the flag once and roll back at once (the window ends with that batch).
+
 A spike within ``snapshot_interval`` batches after a rollback rolls back to the same snapshot again:
 the window widens (the rows trained since are skipped too), up to ``max_window`` batches; after
 ``max_rollbacks`` rollbacks the run stops with `SpikeRollbackError` naming every skipped range.
@@ -62,6 +66,7 @@ from raytrain_events.algorithms.gradient_clipping import GradientClipping
 from raytrain_events.callbacks.mixture_counts import MixtureCounts
 from raytrain_events.checkpoint.run.host_snapshot import HostSnapshots
 from raytrain_events.core.callback import Callback
+from raytrain_events.core.interval import is_done
 from raytrain_events.core.logger import Logger
 from raytrain_events.core.spikes import (
     RollbackPolicy,
@@ -219,7 +224,7 @@ class SpikeGuard(Callback):
         self._history.append((ts, state.global_batch_num_samples, state.global_batch_num_tokens))
         if state.agreement.agreed(FLAG):
             state.agreement.clear(FLAG)
-            self._roll_back(state, logger)
+            self._roll_back(state, logger, int(ts.batch) - 1)  # requested at the batch before, agreed on this one
             return
         norm, ready, self._norm, self._ready = self._norm, self._ready, None, None
         grad: Optional[float] = None
@@ -243,8 +248,25 @@ class SpikeGuard(Callback):
             self._spike = (ts.get_value("ba"), verdict)
             state.request(FLAG)
         self._since += 1
-        if self._since >= self.snapshot_interval:
+        if (state.stop_requested and state.stop_consistent) or is_done(state):
+            self._agree_last_batch(state, logger)  # the fit's last batch: no next batch to carry the flag
+        elif self._since >= self.snapshot_interval:
             self._take(state)
+
+    def epoch_end(self, state: State, logger: Logger) -> None:
+        # The epoch's last batch was the fit's (an 'ep' duration ends here): agree on its spike now, before the
+        # epoch's checkpoint is saved (EPOCH_CHECKPOINT comes after EPOCH_END).
+        if is_done(state):
+            self._agree_last_batch(state, logger)
+
+    def _agree_last_batch(self, state: State, logger: Logger) -> None:
+        """Every rank, at the fit's last batch (the same on every rank: the Timestamp and an agreed stop decide):
+        one sum across ranks of the spike flag (the only collective of the guard's own, once a fit), and the
+        rollback if any rank saw a spike, before the batch's or the epoch's checkpoint is saved."""
+        asked = 1.0 if state.agreement.requested(FLAG) else 0.0
+        if _sum_over_ranks([asked], _device_of(state))[0] > 0:
+            state.agreement.clear(FLAG)
+            self._roll_back(state, logger, int(state.timestamp.batch))
 
     def fit_end(self, state: State, logger: Logger) -> None:
         if self._spike is not None and state.agreement.requested(FLAG):
@@ -271,11 +293,10 @@ class SpikeGuard(Callback):
             for _ in range(min(len(self._history), oldest - self._history[0][0].get_value("ba") + 1)):
                 self._history.popleft()
 
-    def _roll_back(self, state: State, logger: Logger) -> None:
+    def _roll_back(self, state: State, logger: Logger, spike_batch: int) -> None:
         """Every rank, at the same batch: restore the newest snapshot from before the spiking batch, skip since."""
         assert self._snapshots is not None
         now = int(state.timestamp.batch)
-        spike_batch = now - 1  # the batch whose BATCH_END requested the flag (agreed on the next batch's sum)
         local = self._spike[1].reason if self._spike is not None and self._spike[0] == spike_batch else None
         reason = local or "seen on another rank"
         snapshot = self._snapshots.newest(lambda meta: meta["batch"] < spike_batch)
@@ -343,6 +364,23 @@ class SpikeGuard(Callback):
         self.skips = SkipList.from_state_dict(state.get("skips", {}))
         self.rollbacks = list(state.get("rollbacks", []))
         self.detector.load_state_dict(state.get("detector", {}))
+
+
+def _device_of(state: State) -> torch.device:
+    """Where a collective's tensor lives: the model's device (NCCL sums CUDA tensors only)."""
+    param = next(iter(state.model.parameters()), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+def _sum_over_ranks(values: List[float], device: torch.device) -> List[float]:
+    """``values`` summed over every rank of the default process group (this rank's alone without one).
+
+    Called only where every rank calls it at the same point (the fit's last batch, a bisection's test)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device)
+    torch.distributed.all_reduce(tensor)
+    return [float(v) for v in tensor.tolist()]
 
 
 def _shared_clipping(state: State, params: List[torch.Tensor]) -> Optional[GradientClipping]:

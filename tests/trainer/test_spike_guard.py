@@ -175,14 +175,30 @@ def test_bad_guard_knobs_are_refused_before_any_work(kwargs, needle):
         SpikeGuard(**kwargs)
 
 
-def test_a_spike_in_the_fits_last_batch_is_said_not_hidden(caplog):
-    """The agreement needs one more batch: a spike in the last batch is logged, not rolled back, and the
-    next fit of the same Trainer goes on (no stale request asks for a snapshot from before its start)."""
+@pytest.mark.parametrize("duration", ["1ep", "50ba"])
+def test_a_spike_in_the_fits_last_batch_is_rolled_back_before_the_final_save(tmp_path, duration):
+    """No next batch carries the agreement: at the fit's last batch (BATCH_END for '50ba', EPOCH_END for
+    '1ep', before the epoch's checkpoint) the ranks sum the flag once, roll back and skip the window; the
+    final state and the checkpoint saved at the end are those of a run that never saw the window."""
+    from raytrain_events.checkpoint.format.reader import read_checkpoint_files
+    from raytrain_events.storage.run_dir import STATE_FILE
+
+    folder = str(tmp_path / "ck")
     guard = SpikeGuard(snapshot_interval=5)
-    trainer, state = _fit(_rows(planted=[396]), [guard])
-    assert guard.rollbacks == [] and "the fit's last batch" in caplog.text
-    trainer.fit(duration="2ba")  # the spoiled step stayed: the next batches may spike again, and roll back
-    assert int(trainer.state.timestamp.batch) == 52
+    config = CheckpointConfig(save_folder=folder, save_interval=duration, async_save=False)
+    trainer, state = _fit(_rows(planted=[396]), [guard], duration=duration, checkpoint=config, run_name="last")
+    # Seen at batch 50, the last: snapshots at 40 and 45 kept, the one of 45 restored, batches 46-50 skipped.
+    assert [(r["spike_batch"], r["restored_batch"], r["batch"]) for r in guard.rollbacks] == [(50, 45, 50)]
+    assert guard.skips.ranges == [SkipRange(0, 360, 400, batches=5, tokens=0)]
+    _, without = _fit(_rows(drop=range(360, 400)))
+    for mine, theirs in zip(state.model.parameters(), without.model.parameters()):
+        assert torch.equal(mine, theirs)
+    (saved,) = list_checkpoints(folder)
+    assert saved.batch == 50
+    files = read_checkpoint_files(saved, files=[STATE_FILE]).files[STATE_FILE]
+    assert files["callbacks"]["SpikeGuard"]["skips"]["ranges"] == [[0, 360, 400, 5, 0]]
+    trainer.fit(duration="2ba")  # the next fit of the same Trainer goes on from the rolled-back state
+    assert int(trainer.state.timestamp.batch) == 52 and len(guard.rollbacks) == 1
 
 
 @pytest.mark.parametrize("threshold", [0.05, 1.0])
