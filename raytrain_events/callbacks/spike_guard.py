@@ -56,6 +56,7 @@ pre-clip norm when shared, else the guard's norm taken at ``AFTER_BACKWARD`` (be
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
@@ -64,10 +65,19 @@ from torch.distributed.tensor import DTensor
 
 from raytrain_events.algorithms.gradient_clipping import GradientClipping
 from raytrain_events.callbacks.mixture_counts import MixtureCounts
+from raytrain_events.callbacks.spike_bisect import (
+    QuarantineFilter,
+    device_of,
+    read_quarantine,
+    retrain_window,
+    search_window,
+    sum_over_ranks,
+)
 from raytrain_events.checkpoint.run.host_snapshot import HostSnapshots
 from raytrain_events.core.callback import Callback
 from raytrain_events.core.interval import is_done
 from raytrain_events.core.logger import Logger
+from raytrain_events.core.quarantine import Quarantine
 from raytrain_events.core.spikes import (
     RollbackPolicy,
     SkipList,
@@ -85,6 +95,7 @@ vector_norm, stack = torch.linalg.vector_norm, torch.stack
 __all__ = ["SpikeGuard", "SpikeRollbackError"]
 
 FLAG = "spike"
+QUARANTINED = "spike_quarantined_rows"  # a count on the per-batch sum: rows the quarantine dropped, every rank's
 _log = logging.getLogger(__name__)
 
 
@@ -106,6 +117,9 @@ class SpikeGuard(Callback):
         warmup: int = 10,
         max_rollbacks: int = 5,
         max_window: int = 1000,
+        bisect: bool = False,
+        row_key: Optional[str] = None,
+        quarantine_from: Optional[str] = None,
     ) -> None:
         if isinstance(snapshot_interval, bool) or not isinstance(snapshot_interval, int) or snapshot_interval < 1:
             raise ValueError(
@@ -115,6 +129,23 @@ class SpikeGuard(Callback):
         self.snapshot_interval = snapshot_interval
         self.detector = SpikeDetector(window=window, loss_ratio=loss_ratio, grad_zscore=grad_zscore, warmup=warmup)
         self.policy = RollbackPolicy(max_rollbacks=max_rollbacks, max_window=max_window)
+        if bisect and loss_ratio is None:
+            raise ValueError(
+                "bisect=True tests groups of rows by their loss: it needs loss_ratio (e.g. 2.0), not None."
+            )
+        if (bisect or quarantine_from is not None) and not (isinstance(row_key, str) and row_key):
+            raise ValueError(
+                "bisect=True and quarantine_from name rows by a batch column: pass row_key='id' (the column "
+                "holding each row's integer id, e.g. its row number in the dataset)."
+            )
+        self.bisect, self.row_key = bool(bisect), row_key
+        self.quarantine = Quarantine()  # the rows not trained any more (bisect's culprits, and quarantine_from's)
+        self.quarantined_rows = 0  # rows dropped from batches by the quarantine, every rank's, whole run
+        self._from_file = read_quarantine(quarantine_from) if quarantine_from is not None else None
+        self._filter = QuarantineFilter(row_key) if row_key else None
+        self._qids: List[int] = []
+        self._quarantined_before = 0  # quarantined_rows at this fit's start (the per-batch sum counts this fit's)
+        self._batches: Deque[Any] = deque()  # with bisect: this rank's batch per _history record (the window's rows)
         self.skips = SkipList()
         self.rollbacks: List[Dict[str, Any]] = []  # one record per rollback (plain values; saved)
         self._snapshots: Optional[HostSnapshots] = None
@@ -136,6 +167,8 @@ class SpikeGuard(Callback):
     # ------------------------------------------------------------------ setup
     def init(self, state: State, logger: Logger) -> None:
         state.agreement.register(FLAG)
+        if self._filter is not None:
+            state.agreement.register_count(QUARANTINED)
         # Last among the callbacks (the Trainer refreshes the Engine after INIT): a snapshot and a rollback at
         # BATCH_END then see every other callback's batch done (per-source counts, monitors), so a restore
         # leaves none of them counting a skipped batch.
@@ -150,11 +183,48 @@ class SpikeGuard(Callback):
             fingerprint["sources"] = counts.loader.mixture.to_dict()["sources"]
         self.skips.check_fingerprint(fingerprint)
         self.skips.fingerprint.update(fingerprint)
+        if self.row_key is not None:
+            self._start_quarantine(state, {k: v for k, v in fingerprint.items() if k != "seed"})
         self._snapshots = HostSnapshots(state, exclude_callbacks={self._key})
         self._history.clear()
+        self._batches.clear()
         self._take(state)
 
+    def _start_quarantine(self, state: State, data: Dict[str, Any]) -> None:
+        """The quarantine's data checked (and the user's file merged in) at each fit's start."""
+        assert self._filter is not None
+        if self.bisect and any(isinstance(p, DTensor) for p in state.model.parameters()):
+            raise ValueError(
+                "SpikeGuard(bisect=True) replays a window on each rank's own rows with an unsharded model (local, "
+                "DDP); this model is sharded (FSDP/TP). Use bisect=False (the window is skipped)."
+            )
+        if "sources" not in data:  # a plain dataset: its rows, when the loader knows them
+            try:
+                data["rows"] = len(state.train_dataloader.dataset)
+            except (AttributeError, TypeError):
+                pass
+        data["row_key"] = self.row_key
+        self.quarantine.check_fingerprint(data)
+        self.quarantine.fingerprint.update(data)
+        if self._from_file is not None:
+            self.quarantine.merge(self._from_file)  # refused when recorded on other data
+        self._qids = self.quarantine.ids()
+        self._quarantined_before, self._filter.dropped = self.quarantined_rows, 0
+
     # --------------------------------------------------------------- per batch
+    def after_dataloader(self, state: State, logger: Logger) -> None:
+        if self._filter is not None:  # before the loop counts the batch: its rows still count as positions
+            self._filter.mark(state.batch, self._qids)
+            state.agreement.set_count(QUARANTINED, self._filter.dropped)
+
+    def batch_start(self, state: State, logger: Logger) -> None:
+        if self._filter is not None:
+            self._filter.apply(state)
+
+    def after_loss(self, state: State, logger: Logger) -> None:
+        if self._filter is not None and self._filter.zero_loss:  # every row of this rank's batch is quarantined
+            state.loss = total_loss(state.loss) * 0.0
+
     def after_train_batch(self, state: State, logger: Logger) -> None:
         if state.scaler is not None or self.detector.grad_zscore is None:
             # Loss only (amp_fp16: the scaler skips steps with inf gradients itself; without a gradient test a
@@ -222,6 +292,10 @@ class SpikeGuard(Callback):
     def batch_end(self, state: State, logger: Logger) -> None:
         ts = state.timestamp  # immutable: kept as it is, read only at a rollback (no per-batch conversions)
         self._history.append((ts, state.global_batch_num_samples, state.global_batch_num_tokens))
+        if self.bisect:
+            self._batches.append(state.batch)
+        if self._filter is not None:
+            self.quarantined_rows = self._quarantined_before + state.agreement.total(QUARANTINED)
         if state.agreement.agreed(FLAG):
             state.agreement.clear(FLAG)
             self._roll_back(state, logger, int(ts.batch) - 1)  # requested at the batch before, agreed on this one
@@ -264,7 +338,7 @@ class SpikeGuard(Callback):
         one sum across ranks of the spike flag (the only collective of the guard's own, once a fit), and the
         rollback if any rank saw a spike, before the batch's or the epoch's checkpoint is saved."""
         asked = 1.0 if state.agreement.requested(FLAG) else 0.0
-        if _sum_over_ranks([asked], _device_of(state))[0] > 0:
+        if sum_over_ranks([asked], device_of(state))[0] > 0:
             state.agreement.clear(FLAG)
             self._roll_back(state, logger, int(state.timestamp.batch))
 
@@ -292,6 +366,8 @@ class SpikeGuard(Callback):
         if self._history:  # one record per batch, consecutive (a fit's Timestamp only goes forward): count, not compare
             for _ in range(min(len(self._history), oldest - self._history[0][0].get_value("ba") + 1)):
                 self._history.popleft()
+                if self._batches:
+                    self._batches.popleft()
 
     def _roll_back(self, state: State, logger: Logger, spike_batch: int) -> None:
         """Every rank, at the same batch: restore the newest snapshot from before the spiking batch, skip since."""
@@ -305,16 +381,19 @@ class SpikeGuard(Callback):
         restored = int(snapshot.meta["batch"])
         window = [_record(*h) for h in self._history if h[0].get_value("ba") > restored]
         self.policy.check(len(self.rollbacks), now - restored, self.skips, f"batch {spike_batch}: {reason}")
-        fresh = [h for h in window if not self.skips.contains(h[1], h[2])]
-        for epoch, start, end, batches, tokens in _ranges(fresh):
-            self.skips.add(SkipRange(epoch, start, end, batches, tokens))
         self._snapshots.restore(lambda meta: meta["batch"] == restored)
         self.detector.load_state_dict(snapshot.meta["detector"])
         for callback in state.callbacks:
             callback.on_rollback(state, logger)
-        for scheduler in state.schedulers:  # the schedule follows the position: one step per batch since the snapshot
-            for _ in range(now - restored):
-                scheduler.step()
+        search = self._bisect(state, restored, now, window) if self.bisect else {}
+        retrained = bool(search.get("retrained"))
+        fresh = [] if retrained else [h for h in window if not self.skips.contains(h[1], h[2])]
+        for epoch, start, end, batches, tokens in _ranges(fresh):
+            self.skips.add(SkipRange(epoch, start, end, batches, tokens))
+        if not retrained:  # the schedule follows the position: one step per batch since the snapshot
+            for scheduler in state.schedulers:
+                for _ in range(now - restored):
+                    scheduler.step()
         self._spike, self._norm, self._since, self._pre_clip, self._ready = None, None, 0, None, None
         record = {
             "batch": now,
@@ -323,19 +402,26 @@ class SpikeGuard(Callback):
             "restored_batch": restored,
             "from": "host",
             "skipped": [[e, s, t] for e, s, t, _, _ in _ranges(fresh)],
+            **search,
         }
         self.rollbacks.append(record)
+        if retrained:  # the window is trained (without its culprits): the next window starts after it
+            self._take(state)
         skipped_batches, skipped_samples, skipped_tokens = self.skips.totals()
         if state.rank == 0:
             _log.warning(
                 "Loss spike at batch %d (%s): every rank rolled back to the host snapshot of batch %d and skips %s "
-                "(%d rollbacks; skipped in all: %s).",
+                "(%d rollbacks; skipped in all: %s)%s.",
                 spike_batch,
                 reason,
                 restored,
                 ", ".join(f"epoch {e} rows [{s}, {t})" for e, s, t in record["skipped"]) or "nothing new",
                 len(self.rollbacks),
                 self.skips.describe(),
+                f"; bisection found rows {search['quarantined']} ({self.row_key}), quarantined; the rest of the window "
+                "trained again"
+                if retrained
+                else "",
             )
         logger.log_metrics(
             {
@@ -346,6 +432,40 @@ class SpikeGuard(Callback):
             }
         )
 
+    def _bisect(
+        self, state: State, restored: int, now: int, window: List[Tuple[int, int, int, int, int]]
+    ) -> Dict[str, Any]:
+        """Replay the window from the restored state to find its culprit rows (`search_window`), quarantine them
+        and train the rest of the window (`retrain_window`); ``retrained`` False: skip the window after all."""
+        assert self._snapshots is not None and self.row_key is not None and self.detector.loss_ratio is not None
+        batches = list(self._batches)[len(self._batches) - (now - restored) :]
+        found = search_window(state, batches, self.row_key, self.detector.loss_mean, self.detector.loss_ratio)
+        self._snapshots.restore(lambda meta: meta["batch"] == restored)  # the search's forwards undone (BN, RNG)
+        out: Dict[str, Any] = {
+            "quarantined": found.ids,
+            "search_rows": found.rows_forwarded,
+            "window_rows": found.window_rows,
+            "search_s": round(found.seconds, 4),
+            "retrained": False,
+        }
+        if not found.ids:  # no row explains the spike alone
+            return out
+        for row in found.ids:
+            self.quarantine.add(row, window[0][1], window[0][2])
+        self._qids = self.quarantine.ids()
+        self._quarantined_before += len(found.ids)
+        self.quarantined_rows += len(found.ids)
+        losses = retrain_window(state, batches, found.drops, self.row_key)
+        bad = any(self.detector.judge(v) is not None for v in losses if not math.isnan(v))
+        if sum_over_ranks([1.0 if bad else 0.0], device_of(state))[0] > 0:
+            self._snapshots.restore(lambda meta: meta["batch"] == restored)  # more than the culprits: skip it all
+            return out
+        for value in losses:
+            if not math.isnan(value):
+                self.detector.observe(value)
+        out["retrained"] = True
+        return out
+
     # ------------------------------------------------------------ accounting
     def trained(self, state: State) -> Dict[str, int]:
         """Batches, samples and tokens actually trained: the Timestamp's totals less the skipped ones."""
@@ -355,6 +475,8 @@ class SpikeGuard(Callback):
 
     def state_dict(self) -> Dict[str, Any]:
         return {
+            "quarantine": self.quarantine.state_dict(),
+            "quarantined_rows": self.quarantined_rows,
             "skips": self.skips.state_dict(),
             "rollbacks": list(self.rollbacks),
             "detector": self.detector.state_dict(),
@@ -362,25 +484,10 @@ class SpikeGuard(Callback):
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.skips = SkipList.from_state_dict(state.get("skips", {}))
+        self.quarantine = Quarantine.from_state_dict(state.get("quarantine", {}))  # none in checkpoints before it
+        self.quarantined_rows = int(state.get("quarantined_rows", 0))
         self.rollbacks = list(state.get("rollbacks", []))
         self.detector.load_state_dict(state.get("detector", {}))
-
-
-def _device_of(state: State) -> torch.device:
-    """Where a collective's tensor lives: the model's device (NCCL sums CUDA tensors only)."""
-    param = next(iter(state.model.parameters()), None)
-    return param.device if param is not None else torch.device("cpu")
-
-
-def _sum_over_ranks(values: List[float], device: torch.device) -> List[float]:
-    """``values`` summed over every rank of the default process group (this rank's alone without one).
-
-    Called only where every rank calls it at the same point (the fit's last batch, a bisection's test)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return list(values)
-    tensor = torch.tensor(values, dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device)
-    torch.distributed.all_reduce(tensor)
-    return [float(v) for v in tensor.tolist()]
 
 
 def _shared_clipping(state: State, params: List[torch.Tensor]) -> Optional[GradientClipping]:

@@ -101,6 +101,11 @@ class SpikeDetector:
         self._loss_sum = self._norm_sum = self._norm_sq = 0.0  # running sums over the windows
         self._pushed = 0
 
+    @property
+    def loss_mean(self) -> float:
+        """The trailing window's mean loss (0.0 before any good batch)."""
+        return self._loss_sum / len(self._losses) if self._losses else 0.0
+
     def judge(self, loss: float, grad_norm: Optional[float] = None) -> Optional[Verdict]:
         """The verdict on one batch, without adding it to the window."""
         if not math.isfinite(loss):
