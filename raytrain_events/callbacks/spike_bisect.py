@@ -16,12 +16,14 @@ unsharded model (local, DDP): FSDP/TP replays would need matching forwards on ev
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
-from typing import Any, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import fsspec
 import torch
+from torch.distributed.tensor import DTensor
 
 from raytrain_events.core.precision import autocast_context
 from raytrain_events.core.quarantine import Quarantine, excess_test, find_culprits
@@ -31,11 +33,13 @@ from raytrain_events.trainer._batch import total_loss
 __all__ = [
     "Found",
     "QuarantineFilter",
+    "bisect_window",
     "device_of",
     "read_quarantine",
     "retrain_window",
     "row_ids",
     "search_window",
+    "start_quarantine",
     "sum_over_ranks",
     "take_rows",
 ]
@@ -241,3 +245,60 @@ class QuarantineFilter:
             self.zero_loss = True
             return
         state.batch = take_rows(state.batch, keep, self._rows)
+
+
+def start_quarantine(guard: Any, state: State, data: Dict[str, Any]) -> None:
+    """``guard``: the `SpikeGuard` (typed Any: it imports this module). The quarantine's data checked (and the user's file merged in) at each fit's start."""
+    assert guard._filter is not None
+    if guard.bisect and any(isinstance(p, DTensor) for p in state.model.parameters()):
+        raise ValueError(
+            "SpikeGuard(bisect=True) replays a window on each rank's own rows with an unsharded model (local, "
+            "DDP); this model is sharded (FSDP/TP). Use bisect=False (the window is skipped)."
+        )
+    if "sources" not in data:  # a plain dataset: its rows, when the loader knows them
+        try:
+            data["rows"] = len(state.train_dataloader.dataset)
+        except (AttributeError, TypeError):
+            pass
+    data["row_key"] = guard.row_key
+    guard.quarantine.check_fingerprint(data)
+    guard.quarantine.fingerprint.update(data)
+    if guard._from_file is not None:
+        guard.quarantine.merge(guard._from_file)  # refused when recorded on other data
+    guard._qids = guard.quarantine.ids()
+    guard._quarantined_before, guard._filter.dropped = guard.quarantined_rows, 0
+
+
+def bisect_window(
+    guard: Any, state: State, restored: int, now: int, window: List[Tuple[int, int, int, int, int]]
+) -> Dict[str, Any]:
+    """Replay the window from the restored state to find its culprit rows (`search_window`), quarantine them
+    and train the rest of the window (`retrain_window`); ``retrained`` False: skip the window after all."""
+    assert guard._snapshots is not None and guard.row_key is not None and guard.detector.loss_ratio is not None
+    batches = list(guard._batches)[len(guard._batches) - (now - restored) :]
+    found = search_window(state, batches, guard.row_key, guard.detector.loss_mean, guard.detector.loss_ratio)
+    guard._snapshots.restore(lambda meta: meta["batch"] == restored)  # the search's forwards undone (BN, RNG)
+    out: Dict[str, Any] = {
+        "quarantined": found.ids,
+        "search_rows": found.rows_forwarded,
+        "window_rows": found.window_rows,
+        "search_s": round(found.seconds, 4),
+        "retrained": False,
+    }
+    if not found.ids:  # no row explains the spike alone
+        return out
+    for row in found.ids:
+        guard.quarantine.add(row, window[0][1], window[0][2])
+    guard._qids = guard.quarantine.ids()
+    guard._quarantined_before += len(found.ids)
+    guard.quarantined_rows += len(found.ids)
+    losses = retrain_window(state, batches, found.drops, guard.row_key)
+    bad = any(guard.detector.judge(v) is not None for v in losses if not math.isnan(v))
+    if sum_over_ranks([1.0 if bad else 0.0], device_of(state))[0] > 0:
+        guard._snapshots.restore(lambda meta: meta["batch"] == restored)  # more than the culprits: skip it all
+        return out
+    for value in losses:
+        if not math.isnan(value):
+            guard.detector.observe(value)
+    out["retrained"] = True
+    return out

@@ -56,7 +56,6 @@ pre-clip norm when shared, else the guard's norm taken at ``AFTER_BACKWARD`` (be
 from __future__ import annotations
 
 import logging
-import math
 from collections import deque
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
@@ -67,10 +66,10 @@ from raytrain_events.algorithms.gradient_clipping import GradientClipping
 from raytrain_events.callbacks.mixture_counts import MixtureCounts
 from raytrain_events.callbacks.spike_bisect import (
     QuarantineFilter,
+    bisect_window,
     device_of,
     read_quarantine,
-    retrain_window,
-    search_window,
+    start_quarantine,
     sum_over_ranks,
 )
 from raytrain_events.checkpoint.run.host_snapshot import HostSnapshots
@@ -184,32 +183,11 @@ class SpikeGuard(Callback):
         self.skips.check_fingerprint(fingerprint)
         self.skips.fingerprint.update(fingerprint)
         if self.row_key is not None:
-            self._start_quarantine(state, {k: v for k, v in fingerprint.items() if k != "seed"})
+            start_quarantine(self, state, {k: v for k, v in fingerprint.items() if k != "seed"})
         self._snapshots = HostSnapshots(state, exclude_callbacks={self._key})
         self._history.clear()
         self._batches.clear()
         self._take(state)
-
-    def _start_quarantine(self, state: State, data: Dict[str, Any]) -> None:
-        """The quarantine's data checked (and the user's file merged in) at each fit's start."""
-        assert self._filter is not None
-        if self.bisect and any(isinstance(p, DTensor) for p in state.model.parameters()):
-            raise ValueError(
-                "SpikeGuard(bisect=True) replays a window on each rank's own rows with an unsharded model (local, "
-                "DDP); this model is sharded (FSDP/TP). Use bisect=False (the window is skipped)."
-            )
-        if "sources" not in data:  # a plain dataset: its rows, when the loader knows them
-            try:
-                data["rows"] = len(state.train_dataloader.dataset)
-            except (AttributeError, TypeError):
-                pass
-        data["row_key"] = self.row_key
-        self.quarantine.check_fingerprint(data)
-        self.quarantine.fingerprint.update(data)
-        if self._from_file is not None:
-            self.quarantine.merge(self._from_file)  # refused when recorded on other data
-        self._qids = self.quarantine.ids()
-        self._quarantined_before, self._filter.dropped = self.quarantined_rows, 0
 
     # --------------------------------------------------------------- per batch
     def after_dataloader(self, state: State, logger: Logger) -> None:
@@ -385,7 +363,7 @@ class SpikeGuard(Callback):
         self.detector.load_state_dict(snapshot.meta["detector"])
         for callback in state.callbacks:
             callback.on_rollback(state, logger)
-        search = self._bisect(state, restored, now, window) if self.bisect else {}
+        search = bisect_window(self, state, restored, now, window) if self.bisect else {}
         retrained = bool(search.get("retrained"))
         fresh = [] if retrained else [h for h in window if not self.skips.contains(h[1], h[2])]
         for epoch, start, end, batches, tokens in _ranges(fresh):
@@ -431,40 +409,6 @@ class SpikeGuard(Callback):
                 "spikes/skipped_tokens": skipped_tokens,
             }
         )
-
-    def _bisect(
-        self, state: State, restored: int, now: int, window: List[Tuple[int, int, int, int, int]]
-    ) -> Dict[str, Any]:
-        """Replay the window from the restored state to find its culprit rows (`search_window`), quarantine them
-        and train the rest of the window (`retrain_window`); ``retrained`` False: skip the window after all."""
-        assert self._snapshots is not None and self.row_key is not None and self.detector.loss_ratio is not None
-        batches = list(self._batches)[len(self._batches) - (now - restored) :]
-        found = search_window(state, batches, self.row_key, self.detector.loss_mean, self.detector.loss_ratio)
-        self._snapshots.restore(lambda meta: meta["batch"] == restored)  # the search's forwards undone (BN, RNG)
-        out: Dict[str, Any] = {
-            "quarantined": found.ids,
-            "search_rows": found.rows_forwarded,
-            "window_rows": found.window_rows,
-            "search_s": round(found.seconds, 4),
-            "retrained": False,
-        }
-        if not found.ids:  # no row explains the spike alone
-            return out
-        for row in found.ids:
-            self.quarantine.add(row, window[0][1], window[0][2])
-        self._qids = self.quarantine.ids()
-        self._quarantined_before += len(found.ids)
-        self.quarantined_rows += len(found.ids)
-        losses = retrain_window(state, batches, found.drops, self.row_key)
-        bad = any(self.detector.judge(v) is not None for v in losses if not math.isnan(v))
-        if sum_over_ranks([1.0 if bad else 0.0], device_of(state))[0] > 0:
-            self._snapshots.restore(lambda meta: meta["batch"] == restored)  # more than the culprits: skip it all
-            return out
-        for value in losses:
-            if not math.isnan(value):
-                self.detector.observe(value)
-        out["retrained"] = True
-        return out
 
     # ------------------------------------------------------------ accounting
     def trained(self, state: State) -> Dict[str, int]:

@@ -32,6 +32,8 @@ Files:
   config diffs).
 * ``precision.py``: Numerical precision: resolve "fp32" / "amp_bf16" / "amp_fp16" into an autocast
   context.
+* ``quarantine.py``: Culprit rows of a loss spike: `find_culprits` (group testing by halves) and
+  `Quarantine` (rows not trained any more, with the data they belong to).
 * ``spikes.py``: Loss spikes as pure decisions: `SpikeDetector`, `SkipList` (skipped ranges of the
   global order), `RollbackPolicy`.
 * ``state.py``: `State`: everything the loop tracks, what algorithms change, and what checkpoints
