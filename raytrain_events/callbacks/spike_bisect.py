@@ -105,6 +105,24 @@ def _loss(state: State, batch: Any) -> torch.Tensor:
     return loss if type(loss) is torch.Tensor else total_loss(loss)
 
 
+def _concat(parts: List[Any]) -> Any:
+    """The parts' rows as one batch (tensors stacked along rows), or None where their shapes differ."""
+    first = parts[0]
+    if torch.is_tensor(first):
+        if first.ndim == 0 or any(not torch.is_tensor(p) or p.shape[1:] != first.shape[1:] for p in parts):
+            return None
+        return torch.cat(parts)
+    if isinstance(first, Mapping):
+        out = {}
+        for key in first:
+            joined = _concat([p[key] for p in parts])
+            if joined is None:
+                return None
+            out[key] = joined
+        return out
+    return None
+
+
 @dataclass
 class Found:
     """A search's outcome: the culprits' ids (every rank has all), this rank's culprit rows per window batch,
@@ -141,15 +159,20 @@ def search_window(state: State, batches: Sequence[Any], row_key: str, mean: floa
         offset += sum(everyone[w * world : (w + 1) * world])
 
     def guilty(a: int, b: int) -> bool:
-        loss_sum, rows = 0.0, 0
+        parts, sizes = [], []
+        for batch, (first, last) in zip(batches, mine):
+            lo, hi = max(a, first), min(b, last)
+            if lo < hi:
+                parts.append(take_rows(batch, torch.arange(lo - first, hi - first), last - first))
+                sizes.append(hi - lo)
+        joined = _concat(parts) if len(parts) > 1 else None  # one forward for the group where the rows stack
+        if joined is not None:
+            parts, sizes = [joined], [sum(sizes)]
+        loss_sum = 0.0
         with torch.no_grad():
-            for batch, (first, last) in zip(batches, mine):
-                lo, hi = max(a, first), min(b, last)
-                if lo >= hi:
-                    continue
-                part = take_rows(batch, torch.arange(lo - first, hi - first), last - first)
-                loss_sum += float(_loss(state, part)) * (hi - lo)
-                rows += hi - lo
+            for part, size in zip(parts, sizes):
+                loss_sum += float(_loss(state, part)) * size
+        rows = sum(sizes)
         loss_all, rows_all = sum_over_ranks([loss_sum, float(rows)], device)
         return excess_test(loss_all, int(rows_all), mean_all, ratio, batch_rows)
 
