@@ -8,7 +8,8 @@ ledger's answer time at 1e9 rows.
 2. Spike to training again: a planted row (huge input, wrong label) spikes the loss; the time from the
    start of the batch whose end agrees on the spike to the end of the rollback (snapshot restored,
    schedulers stepped, window recorded), and the model bytes restored.
-3. Bisection (``SpikeGuard(bisect=True)``): 8 poisoned rows (inputs scaled by 1e4, labels scrambled) among
+3. Bisection (``SpikeGuard(bisect=True)``): 8 poisoned rows (inputs scaled by 1e4, each labelled with the
+   class the initial model ranks last for it: a random label is the predicted class 1 time in 10) among
    100,000, one epoch of a cheap MLP (batch 64): culprits found, clean rows quarantined, and the search's
    compute against its window's: rows forwarded / (3 x window rows) (a forward is about a third of a
    forward + backward) and its wall time against the window's training time (batches x median step).
@@ -180,11 +181,12 @@ def bisection(rows=100_000, poisoned=8, hidden=64, interval=20, seed=0):
     g = torch.Generator().manual_seed(seed)
     x, y = torch.randn(rows, D, generator=g), torch.randint(0, C, (rows,), generator=g)
     planted = sorted(random.Random(seed).sample(range(rows), poisoned))
-    for i in planted:  # scaled and scrambled: a huge input with a label it does not have
-        x[i] *= 1e4
-        y[i] = (y[i] + 1 + random.Random(i).randrange(C - 1)) % C
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(D, hidden), nn.ReLU(), nn.Linear(hidden, C))
+    with torch.no_grad():  # scaled and scrambled: a huge input labelled with the class the model ranks last for it
+        for i in planted:  # (a random label is, 1 time in 10, the class it predicts: a loss of 0, no spike to find)
+            x[i] *= 1e4
+            y[i] = int(net(x[i : i + 1]).argmin())
     model = ClassifierModel(net, num_classes=C)
     guard = SpikeGuard(snapshot_interval=interval, bisect=True, row_key="id", max_rollbacks=4 * poisoned)
     steps = []
@@ -219,7 +221,7 @@ def bisection(rows=100_000, poisoned=8, hidden=64, interval=20, seed=0):
         if "search_rows" in r
     ]
     missed = [i for i in planted if i not in found]
-    with torch.no_grad():  # a missed row's loss under the final model: ~0 = its scrambled label is what it predicts
+    with torch.no_grad():  # a missed row's loss under the final model (~0: it was trained, and its label fits now)
         missed_loss = {i: round(float(model.loss(model({"x": x[i : i + 1]}), {"y": y[i : i + 1]})), 3) for i in missed}
     return {
         "rows": rows,

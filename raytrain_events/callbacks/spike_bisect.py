@@ -289,7 +289,7 @@ def start_quarantine(guard: Any, state: State, data: Dict[str, Any]) -> None:
     if guard._from_file is not None:
         guard.quarantine.merge(guard._from_file)  # refused when recorded on other data
     guard._qids = guard.quarantine.ids()
-    guard._quarantined_before, guard._filter.dropped = guard.quarantined_rows, 0
+    guard._filter.dropped = 0
 
 
 def bisect_window(
@@ -313,8 +313,6 @@ def bisect_window(
     for row in found.ids:
         guard.quarantine.add(row, window[0][1], window[0][2])
     guard._qids = guard.quarantine.ids()
-    guard._quarantined_before += len(found.ids)
-    guard.quarantined_rows += len(found.ids)
     losses = retrain_window(state, batches, found.drops, guard.row_key)
     bad = any(guard.detector.judge(v) is not None for v in losses if not math.isnan(v))
     if sum_over_ranks([1.0 if bad else 0.0], device_of(state))[0] > 0:
@@ -323,5 +321,6 @@ def bisect_window(
     for value in losses:
         if not math.isnan(value):
             guard.detector.observe(value)
+    state.skipped.quarantined += len(found.ids)  # not trained (the rows dropped from the window stay counted)
     out["retrained"] = True
     return out

@@ -139,11 +139,10 @@ class SpikeGuard(Callback):
             )
         self.bisect, self.row_key = bool(bisect), row_key
         self.quarantine = Quarantine()  # the rows not trained any more (bisect's culprits, and quarantine_from's)
-        self.quarantined_rows = 0  # rows dropped from batches by the quarantine, every rank's, whole run
         self._from_file = read_quarantine(quarantine_from) if quarantine_from is not None else None
         self._filter = QuarantineFilter(row_key) if row_key else None
         self._qids: List[int] = []
-        self._quarantined_before = 0  # quarantined_rows at this fit's start (the per-batch sum counts this fit's)
+        self._dropped_total = 0  # the per-batch sum of this fit's dropped rows, as last read
         self._batches: Deque[Any] = deque()  # with bisect: this rank's batch per _history record (the window's rows)
         self.skips = SkipList()
         self.rollbacks: List[Dict[str, Any]] = []  # one record per rollback (plain values; saved)
@@ -158,8 +157,9 @@ class SpikeGuard(Callback):
         self._ready: Optional[torch.cuda.Event] = None  # its copy's event, recorded before the optimizer step
         self._event: Optional[torch.cuda.Event] = None
         self._spike: Optional[Tuple[int, Verdict]] = None  # this rank's latest spike (batch, verdict), until agreed
-        # One record per batch since the oldest snapshot: (Timestamp after it, samples, tokens); the window's rows.
-        self._history: Deque[Tuple[Timestamp, int, int]] = deque()
+        # One record per batch since the oldest snapshot: (Timestamp after it, samples, tokens, rows the quarantine
+        # dropped from it on every rank); the window's rows.
+        self._history: Deque[Tuple[Timestamp, int, int, int]] = deque()
         self._since = 0  # batches since the newest snapshot (or rollback)
         self._key = "SpikeGuard"
 
@@ -182,6 +182,10 @@ class SpikeGuard(Callback):
             fingerprint["sources"] = counts.loader.mixture.to_dict()["sources"]
         self.skips.check_fingerprint(fingerprint)
         self.skips.fingerprint.update(fingerprint)
+        skipped = state.skipped
+        if self.skips.ranges and not skipped.batches:  # a checkpoint from before State.skipped: from the skip list
+            skipped.batches, skipped.samples, skipped.tokens = self.skips.totals()
+        self._dropped_total = 0
         if self.row_key is not None:
             start_quarantine(self, state, {k: v for k, v in fingerprint.items() if k != "seed"})
         self._snapshots = HostSnapshots(state, exclude_callbacks={self._key})
@@ -269,11 +273,14 @@ class SpikeGuard(Callback):
 
     def batch_end(self, state: State, logger: Logger) -> None:
         ts = state.timestamp  # immutable: kept as it is, read only at a rollback (no per-batch conversions)
-        self._history.append((ts, state.global_batch_num_samples, state.global_batch_num_tokens))
+        dropped = 0
+        if self._filter is not None:  # this batch's quarantined rows, every rank's (the per-batch sum is cumulative)
+            total = state.agreement.total(QUARANTINED)
+            dropped, self._dropped_total = total - self._dropped_total, total
+            state.skipped.quarantined += dropped
+        self._history.append((ts, state.global_batch_num_samples, state.global_batch_num_tokens, dropped))
         if self.bisect:
             self._batches.append(state.batch)
-        if self._filter is not None:
-            self.quarantined_rows = self._quarantined_before + state.agreement.total(QUARANTINED)
         if state.agreement.agreed(FLAG):
             state.agreement.clear(FLAG)
             self._roll_back(state, logger, int(ts.batch) - 1)  # requested at the batch before, agreed on this one
@@ -357,7 +364,7 @@ class SpikeGuard(Callback):
         if snapshot is None:  # unreachable with a snapshot at fit start; said plainly if it ever is
             raise SpikeRollbackError(f"A loss spike at batch {spike_batch} ({reason}) and no host snapshot before it.")
         restored = int(snapshot.meta["batch"])
-        window = [_record(*h) for h in self._history if h[0].get_value("ba") > restored]
+        window = [_record(*h[:3]) for h in self._history if h[0].get_value("ba") > restored]
         self.policy.check(len(self.rollbacks), now - restored, self.skips, f"batch {spike_batch}: {reason}")
         self._snapshots.restore(lambda meta: meta["batch"] == restored)
         self.detector.load_state_dict(snapshot.meta["detector"])
@@ -366,8 +373,16 @@ class SpikeGuard(Callback):
         search = bisect_window(self, state, restored, now, window) if self.bisect else {}
         retrained = bool(search.get("retrained"))
         fresh = [] if retrained else [h for h in window if not self.skips.contains(h[1], h[2])]
+        plan = next((c.loader.plan for c in state.callbacks if isinstance(c, MixtureCounts)), None)
         for epoch, start, end, batches, tokens in _ranges(fresh):
             self.skips.add(SkipRange(epoch, start, end, batches, tokens))
+            by_source = None
+            if plan is not None:  # each source's samples in the window: its cursor moves over [start, end)
+                names, at, to = plan.names, plan.cursors(epoch, start), plan.cursors(epoch, end)
+                by_source = {n: b - a for n, a, b in zip(names, at, to) if b > a}
+            state.skipped.add_window(batches, end - start, tokens, by_source)
+        skipped_batches = {record[0] for record in fresh}  # rows dropped from them count as skipped now, not twice
+        state.skipped.quarantined -= sum(h[3] for h in self._history if h[0].get_value("ba") in skipped_batches)
         if not retrained:  # the schedule follows the position: one step per batch since the snapshot
             for scheduler in state.schedulers:
                 for _ in range(now - restored):
@@ -412,15 +427,13 @@ class SpikeGuard(Callback):
 
     # ------------------------------------------------------------ accounting
     def trained(self, state: State) -> Dict[str, int]:
-        """Batches, samples and tokens actually trained: the Timestamp's totals less the skipped ones."""
-        batches, samples, tokens = self.skips.totals()
+        """Batches, samples and tokens actually trained: the Timestamp's totals less ``state.skipped``'s."""
         ts = state.timestamp
-        return {"batch": int(ts.batch) - batches, "sample": int(ts.sample) - samples, "token": int(ts.token) - tokens}
+        return state.skipped.trained(int(ts.batch), int(ts.sample), int(ts.token))
 
     def state_dict(self) -> Dict[str, Any]:
         return {
             "quarantine": self.quarantine.state_dict(),
-            "quarantined_rows": self.quarantined_rows,
             "skips": self.skips.state_dict(),
             "rollbacks": list(self.rollbacks),
             "detector": self.detector.state_dict(),
@@ -429,7 +442,6 @@ class SpikeGuard(Callback):
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.skips = SkipList.from_state_dict(state.get("skips", {}))
         self.quarantine = Quarantine.from_state_dict(state.get("quarantine", {}))  # none in checkpoints before it
-        self.quarantined_rows = int(state.get("quarantined_rows", 0))
         self.rollbacks = list(state.get("rollbacks", []))
         self.detector.load_state_dict(state.get("detector", {}))
 

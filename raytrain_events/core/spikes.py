@@ -34,6 +34,7 @@ from typing import Any, Deque, Dict, List, Mapping, Optional, Tuple
 
 __all__ = [
     "RollbackPolicy",
+    "Skipped",
     "SkipList",
     "SkipRange",
     "SpikeDetector",
@@ -253,6 +254,55 @@ class SkipList:
         for row in state.get("ranges", ()):
             out.add(SkipRange(*(int(v) for v in row)))
         return out
+
+
+@dataclass
+class Skipped:
+    """Rows at positions of the global order that were *not* trained, beside the `Timestamp` (``State.skipped``).
+
+    The Timestamp counts positions (trained + not trained: a schedule in ``dur`` means what it means in a
+    run without spikes, and a resume re-enters at the same place at any world size); this record counts the
+    positions that were not trained, apart: ``batches``/``samples``/``tokens`` of rolled-back windows (the
+    `SkipList`'s totals), ``by_source`` their samples per mixture source, and ``quarantined``/
+    ``quarantined_tokens`` the rows a quarantine dropped from batches (bisection's culprits included).
+    ``trained = timestamp - skipped - quarantined`` (`trained`). Saved in the checkpoint with the State; a
+    checkpoint from before it loads as zeros (the `SpikeGuard` fills it from its skip list then).
+    """
+
+    batches: int = 0
+    samples: int = 0
+    tokens: int = 0
+    quarantined: int = 0
+    by_source: Dict[str, int] = field(default_factory=dict)
+
+    def add_window(
+        self, batches: int, samples: int, tokens: int, by_source: Optional[Mapping[str, int]] = None
+    ) -> None:
+        self.batches, self.samples, self.tokens = self.batches + batches, self.samples + samples, self.tokens + tokens
+        for name, count in (by_source or {}).items():
+            self.by_source[name] = self.by_source.get(name, 0) + int(count)
+
+    def trained(self, batch: int, sample: int, token: int) -> Dict[str, int]:
+        """What was trained of a Timestamp's totals (``batch``, ``sample``, ``token``)."""
+        return {
+            "batch": batch - self.batches,
+            "sample": sample - self.samples - self.quarantined,
+            "token": token - self.tokens,
+        }
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {
+            "batches": self.batches,
+            "samples": self.samples,
+            "tokens": self.tokens,
+            "quarantined": self.quarantined,
+            "by_source": dict(self.by_source),
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any]) -> Skipped:
+        plain = {k: int(state.get(k, 0)) for k in ("batches", "samples", "tokens", "quarantined")}
+        return cls(**plain, by_source={str(k): int(v) for k, v in dict(state.get("by_source", {})).items()})
 
 
 class RollbackPolicy:

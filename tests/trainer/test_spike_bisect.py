@@ -51,7 +51,9 @@ def test_bisection_quarantines_exactly_the_planted_rows_and_trains_the_rest(tmp_
     # Epoch 1 never trains them (dropped from their batches); every other row once per epoch.
     epoch1 = sorted(i for (e, _), ids in record.lineage.items() if e == 1 for i in ids)
     assert epoch1 == [i for i in range(ROWS) if i not in PLANTED]
-    assert guard.quarantined_rows == 4  # 2 out of the windows, 2 dropped in epoch 1
+    # 2 out of the windows, 2 dropped in epoch 1: not trained, counted apart from the positions
+    assert state.skipped.quarantined == 4 and state.skipped.samples == 0
+    assert guard.trained(state) == {"batch": 2 * ROWS // BATCH, "sample": 2 * ROWS - 4, "token": 0}
     # The weights (and the schedule) of a run whose batches never held the planted rows.
     batches = [[i for i in range(b, b + BATCH) if i not in PLANTED] for b in range(0, ROWS, BATCH)]
     data = _rows(planted=PLANTED)
@@ -65,8 +67,8 @@ def test_bisection_quarantines_exactly_the_planted_rows_and_trains_the_rest(tmp_
     path = tmp_path / "quarantine.json"
     path.write_text(guard.quarantine.dumps())
     later = SpikeGuard(snapshot_interval=5, row_key="id", quarantine_from=str(path))
-    _fit(_rows(planted=PLANTED), [later])
-    assert later.rollbacks == [] and later.quarantined_rows == 4 and later.quarantine.ids() == PLANTED
+    assert _fit(_rows(planted=PLANTED), [later]).skipped.quarantined == 4
+    assert later.rollbacks == [] and later.quarantine.ids() == PLANTED
     # On other data (another dataset size) the file is refused at the fit's start.
     with pytest.raises(ValueError, match="quarantine was recorded for other data .*rows: 400 there, 392 here"):
         _fit(_rows(drop=range(8)), [SpikeGuard(row_key="id", quarantine_from=str(path))])

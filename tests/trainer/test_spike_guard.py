@@ -86,6 +86,8 @@ def test_a_spike_rolls_back_from_host_and_skips_exactly_its_window():
     _, clean = _fit(_rows())
     assert state.timestamp == clean.timestamp
     assert guard.trained(state) == {"batch": 48, "sample": 384, "token": 0}
+    # Not trained, counted apart from the Timestamp (whose positions are the uninterrupted run's).
+    assert state.skipped.state_dict() == {"batches": 2, "samples": 16, "tokens": 0, "quarantined": 0, "by_source": {}}
     # The weights are those of a run that never saw the window (host restore: model and optimizer exact).
     _, without = _fit(_rows(drop=range(200, 216)))
     for mine, theirs in zip(state.model.parameters(), without.model.parameters()):
@@ -156,6 +158,22 @@ def test_a_resume_after_the_rollback_keeps_the_skip_list(tmp_path, capsys):
     assert "No source 'web'" in capsys.readouterr().err
     assert main(["ledger", run, "--row", "train"]) == 2
     assert "not SOURCE:N" in capsys.readouterr().err
+
+
+def test_a_checkpoint_from_before_state_skipped_counts_its_skip_list():
+    """Checkpoints written before `State.skipped` have no such entry: they load as zeros, and the guard's fit
+    start fills the counts from its skip list."""
+    from raytrain_events.core.spikes import Skipped
+
+    guard = SpikeGuard(snapshot_interval=5)
+    trainer, state = _fit(_rows(planted=[203]), [guard], duration="30ba")
+    old = state.state_dict()
+    del old["skipped"]
+    state.skipped = Skipped(batches=99)
+    state.load_state_dict(old)
+    assert state.skipped == Skipped()
+    trainer.fit(duration="1ba")
+    assert (state.skipped.batches, state.skipped.samples) == (2, 16)
 
 
 @pytest.mark.parametrize(
