@@ -12,9 +12,9 @@ import torch
 from raytrain_events import Callback, Trainer
 from raytrain_events.callbacks import SpikeGuard
 from raytrain_events.core.data_spec import DataSpec
-from raytrain_events.core.ledger import Ledger, inverse_permute, ledger_of_checkpoint
+from raytrain_events.core.ledger import Ledger, ledger_of_checkpoint
 from raytrain_events.core.mixture import Mixture
-from raytrain_events.core.mixture_plan import permute
+from raytrain_events.core.mixture_plan import inverse_permute, permute
 from raytrain_events.core.spikes import SkipList, SkipRange
 from raytrain_events.trainer.mixture_loader import MixtureLoader
 

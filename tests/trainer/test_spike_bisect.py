@@ -5,6 +5,8 @@ that of a run whose batches never held them. The search's pure part is tests/cor
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from test_spike_guard import BATCH, DIM, ROWS, Record, _rows
@@ -13,6 +15,8 @@ from torch.utils.data import DataLoader
 from raytrain_events import Trainer
 from raytrain_events.callbacks import SpikeGuard
 from raytrain_events.checkpoint import CheckpointConfig
+from raytrain_events.cli.main import main
+from raytrain_events.core.quarantine import Quarantine
 from raytrain_events.models import ClassifierModel
 
 PLANTED = [203, 317]  # batches 26 and 40 (1-based) of each epoch
@@ -74,8 +78,11 @@ def test_bisection_quarantines_exactly_the_planted_rows_and_trains_the_rest(tmp_
         _fit(_rows(drop=range(8)), [SpikeGuard(row_key="id", quarantine_from=str(path))])
 
 
-def test_the_quarantine_holds_across_a_resume(tmp_path):
-    config = CheckpointConfig(save_folder=str(tmp_path / "ck"), save_interval="10ba", autoresume=True, async_save=False)
+def test_the_quarantine_holds_across_a_resume_and_the_ledger_answers_with_it(tmp_path, capsys):
+    run = tmp_path / "run"
+    config = CheckpointConfig(
+        save_folder=str(run / "checkpoints"), save_interval="10ba", autoresume=True, async_save=False
+    )
     first = SpikeGuard(snapshot_interval=5, bisect=True, row_key="id")
     _fit(_rows(planted=PLANTED), [first], duration="30ba", run_name="q", checkpoint=config)
     assert first.quarantine.ids() == [203]
@@ -85,6 +92,20 @@ def test_the_quarantine_holds_across_a_resume(tmp_path):
     assert sorted(i for (e, _), ids in record.lineage.items() if e == 1 for i in ids) == [
         i for i in range(ROWS) if i not in PLANTED
     ]
+    # The ledger (CLI): a culprit is quarantined from its window's start on; its window's other rows trained.
+    assert main(["ledger", str(run), "--row", "train:203"]) == 0
+    assert (
+        capsys.readouterr().out.strip() == "train:203 trained 0 times before the checkpoint; quarantined in epochs 0, 1"
+    )
+    assert main(["ledger", str(run), "--row", "train:317", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["quarantined_in_epochs"] == [0, 1]
+    assert main(["ledger", str(run), "--row", "train:210"]) == 0
+    assert "trained 2 times" in capsys.readouterr().out
+    # ... and writes the file a later run passes.
+    path = tmp_path / "q.json"
+    assert main(["ledger", str(run), "--export-quarantine", str(path)]) == 0
+    assert "Wrote 2 quarantined rows" in capsys.readouterr().out
+    assert Quarantine.loads(path.read_text()) == second.quarantine
 
 
 @pytest.mark.parametrize(
