@@ -278,6 +278,8 @@ class SpikeGuard(Callback):
             total = state.agreement.total(QUARANTINED)
             dropped, self._dropped_total = total - self._dropped_total, total
             state.skipped.quarantined += dropped
+            if dropped:
+                logger.log_metrics({"spikes/quarantined_rows": state.skipped.quarantined})
         self._history.append((ts, state.global_batch_num_samples, state.global_batch_num_tokens, dropped))
         if self.bisect:
             self._batches.append(state.batch)
@@ -416,12 +418,14 @@ class SpikeGuard(Callback):
                 if retrained
                 else "",
             )
-        logger.log_metrics(
+        logger.log_metrics(  # the run report marks them on the loss plot (report/plots.py)
             {
                 "spikes/rollbacks": len(self.rollbacks),
+                "spikes/last_sample": int(state.timestamp.sample),
                 "spikes/skipped_batches": skipped_batches,
                 "spikes/skipped_samples": skipped_samples,
                 "spikes/skipped_tokens": skipped_tokens,
+                "spikes/quarantined_rows": state.skipped.quarantined,
             }
         )
 
