@@ -116,8 +116,7 @@ def guard_cost(hidden, interval):
     """CPU time inside the guard's per-batch hooks (after_train_batch + batch_end, snapshots included), per
     batch: what the ratio measures, without the noise of the loop around it."""
     spent = [0]
-    hooks = ("after_dataloader", "batch_start", "after_loss", "after_backward", "after_train_batch", "batch_end")
-    originals = {name: getattr(guard_module.SpikeGuard, name) for name in hooks}
+    originals = {name: getattr(guard_module.SpikeGuard, name) for name in ("after_train_batch", "batch_end")}
 
     def timed(original):
         def hook(self, state, logger):

@@ -25,12 +25,19 @@ import fsspec
 import torch
 from torch.distributed.tensor import DTensor
 
+from raytrain_events.core.callback import Callback
+from raytrain_events.core.logger import Logger
 from raytrain_events.core.precision import autocast_context
 from raytrain_events.core.quarantine import Quarantine, excess_test, find_culprits
 from raytrain_events.core.state import State
 from raytrain_events.trainer._batch import total_loss
 
+#: A count on the loop's per-batch sum: the rows the quarantine dropped, every rank's (cumulative per fit).
+QUARANTINED = "spike_quarantined_rows"
+
 __all__ = [
+    "QUARANTINED",
+    "QuarantineHooks",
     "Found",
     "QuarantineFilter",
     "bisect_window",
@@ -228,6 +235,27 @@ def retrain_window(state: State, batches: Sequence[Any], drops: Sequence[Sequenc
         for scheduler in state.schedulers:
             scheduler.step()
     return losses
+
+
+class QuarantineHooks(Callback):
+    """The `SpikeGuard`'s quarantine hooks (added at INIT only with a ``row_key``): `QuarantineFilter` marks each
+    batch at ``AFTER_DATALOADER`` (its dropped rows ride on the loop's per-batch sum), drops the rows at
+    ``BATCH_START``, and zeroes the loss of a rank whose every row is quarantined at ``AFTER_LOSS``."""
+
+    def __init__(self, guard: Any) -> None:
+        self.guard = guard
+
+    def after_dataloader(self, state: State, logger: Logger) -> None:
+        guard = self.guard  # before the loop counts the batch: its rows still count as positions
+        guard._filter.mark(state.batch, guard._qids)
+        state.agreement.set_count(QUARANTINED, guard._filter.dropped)
+
+    def batch_start(self, state: State, logger: Logger) -> None:
+        self.guard._filter.apply(state)
+
+    def after_loss(self, state: State, logger: Logger) -> None:
+        if self.guard._filter.zero_loss:
+            state.loss = total_loss(state.loss) * 0.0
 
 
 class QuarantineFilter:

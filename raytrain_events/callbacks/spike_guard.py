@@ -65,7 +65,9 @@ from torch.distributed.tensor import DTensor
 from raytrain_events.algorithms.gradient_clipping import GradientClipping
 from raytrain_events.callbacks.mixture_counts import MixtureCounts
 from raytrain_events.callbacks.spike_bisect import (
+    QUARANTINED,
     QuarantineFilter,
+    QuarantineHooks,
     bisect_window,
     device_of,
     read_quarantine,
@@ -94,7 +96,6 @@ vector_norm, stack = torch.linalg.vector_norm, torch.stack
 __all__ = ["SpikeGuard", "SpikeRollbackError"]
 
 FLAG = "spike"
-QUARANTINED = "spike_quarantined_rows"  # a count on the per-batch sum: rows the quarantine dropped, every rank's
 _log = logging.getLogger(__name__)
 
 
@@ -171,7 +172,13 @@ class SpikeGuard(Callback):
         # Last among the callbacks (the Trainer refreshes the Engine after INIT): a snapshot and a rollback at
         # BATCH_END then see every other callback's batch done (per-source counts, monitors), so a restore
         # leaves none of them counting a skipped batch.
+        # Hooks on more events only where they have a job (an event no callback overrides costs nothing a batch):
+        # the quarantine's filter, and the norm before an unshared GradientClipping clips.
+        hooks: List[Callback] = [QuarantineHooks(self)] if self._filter is not None else []
+        if any(isinstance(a, GradientClipping) for a in state.algorithms):
+            hooks.append(_PreClipNorm(self))
         state.callbacks.remove(self)
+        state.callbacks.extend(hooks)
         state.callbacks.append(self)
 
     def fit_start(self, state: State, logger: Logger) -> None:
@@ -194,19 +201,6 @@ class SpikeGuard(Callback):
         self._take(state)
 
     # --------------------------------------------------------------- per batch
-    def after_dataloader(self, state: State, logger: Logger) -> None:
-        if self._filter is not None:  # before the loop counts the batch: its rows still count as positions
-            self._filter.mark(state.batch, self._qids)
-            state.agreement.set_count(QUARANTINED, self._filter.dropped)
-
-    def batch_start(self, state: State, logger: Logger) -> None:
-        if self._filter is not None:
-            self._filter.apply(state)
-
-    def after_loss(self, state: State, logger: Logger) -> None:
-        if self._filter is not None and self._filter.zero_loss:  # every row of this rank's batch is quarantined
-            state.loss = total_loss(state.loss) * 0.0
-
     def after_train_batch(self, state: State, logger: Logger) -> None:
         if state.scaler is not None or self.detector.grad_zscore is None:
             # Loss only (amp_fp16: the scaler skips steps with inf gradients itself; without a gradient test a
@@ -220,9 +214,9 @@ class SpikeGuard(Callback):
         if loss is not None and loss.is_cuda:
             self._to_host(loss, self._norm)
 
-    def after_backward(self, state: State, logger: Logger) -> None:
-        # Only with a GradientClipping whose norm is not shared: the norm before it clips (it runs at
-        # AFTER_TRAIN_BATCH, before the callbacks). Each microbatch overwrites it: the last one's is the batch's.
+    def _take_pre_clip(self, state: State) -> None:
+        """At AFTER_BACKWARD (`_PreClipNorm`), with a GradientClipping whose norm is not shared: the norm before it
+        clips (it runs at AFTER_TRAIN_BATCH, before the callbacks); the last microbatch's is the batch's."""
         if self._params is None:
             self._find_params(state)
         if self._clip_other and state.scaler is None and self.detector.grad_zscore is not None:
@@ -448,6 +442,16 @@ class SpikeGuard(Callback):
         self.quarantine = Quarantine.from_state_dict(state.get("quarantine", {}))  # none in checkpoints before it
         self.rollbacks = list(state.get("rollbacks", []))
         self.detector.load_state_dict(state.get("detector", {}))
+
+
+class _PreClipNorm(Callback):
+    """The guard's ``AFTER_BACKWARD`` hook, added at INIT only when a `GradientClipping` is configured."""
+
+    def __init__(self, guard: SpikeGuard) -> None:
+        self.guard = guard
+
+    def after_backward(self, state: State, logger: Logger) -> None:
+        self.guard._take_pre_clip(state)
 
 
 def _shared_clipping(state: State, params: List[torch.Tensor]) -> Optional[GradientClipping]:

@@ -164,7 +164,9 @@ def build_parser(entry: Optional[str] = None) -> argparse.ArgumentParser:
         description=(
             "Answer from the checkpoint's Timestamp, the run's mixture order (seed, stages) and the SpikeGuard's\n"
             "skip list whether row N of SOURCE was trained before the checkpoint, and in which epochs. A plain\n"
-            "(non-mixture) run's one source is 'train', its rows in the dataset's own order."
+            "(non-mixture) run's one source is 'train', its rows in the dataset's own order; its SpikeGuard\n"
+            "quarantine is answered too. --export-quarantine FILE writes the quarantine for a later run's\n"
+            "SpikeGuard(quarantine_from=FILE)."
         ),
     )
     ledger.add_argument("run_url", metavar="RUN_URL", help="The run directory, <storage>/<run_name>.")
