@@ -306,9 +306,9 @@ def start_quarantine(guard: Any, state: State, data: Dict[str, Any]) -> None:
             "SpikeGuard(bisect=True) replays a window on each rank's own rows with an unsharded model (local, "
             "DDP); this model is sharded (FSDP/TP). Use bisect=False (the window is skipped)."
         )
-    if "sources" not in data:  # a plain dataset: its rows, when the loader knows them
+    if "sources" not in data:  # a plain dataset: its length, when the loader knows it
         try:
-            data["rows"] = len(state.train_dataloader.dataset)
+            data["dataset_len"] = len(state.train_dataloader.dataset)
         except (AttributeError, TypeError):
             pass
     data["row_key"] = guard.row_key

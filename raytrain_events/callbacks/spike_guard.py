@@ -38,13 +38,14 @@ Example::
 
     Trainer(..., callbacks=[SpikeGuard(snapshot_interval=20, loss_ratio=2.0, grad_zscore=6.0)])
     RayTrainer(..., callbacks=[SpikeGuard()])   # an instance: a bad knob fails here, before Ray starts
+    SpikeGuard(bisect=True, row_key="id")       # find the culprit rows, quarantine them, train the rest
+    SpikeGuard(row_key="id", quarantine_from="quarantine.json")   # keep an earlier run's culprits out
 
 The guard puts itself last among the callbacks at INIT, so that its snapshot and its rollback see
 every other callback's batch done, and calls every callback's ``on_rollback`` after a restore. The skip
 list names its data (the seed and, for a `Mixture`, its sources): a resume on other data is refused.
 Cost per batch: one read of the loss (and the gradient norm, unless shared with the clipping); per
-snapshot one host copy of the state (``bench/spike_guard.py``, docs/spikes.md: ~35 us of CPU a batch
-loss only, ~40 us with a clipping's norm, ~85 us computing its own, at H=256 on the CPU).
+snapshot one host copy of the state (``bench/spike_guard.py``; docs/spikes.md has the numbers).
 
 Notes: the gradient norm is this rank's (under FSDP the norm of its shards); with a GradScaler
 (``amp_fp16``) non-finite gradients are the scaler's to skip and are not judged. With `GradientClipping`
@@ -86,6 +87,8 @@ from raytrain_events.core.spikes import (
     SpikeDetector,
     SpikeRollbackError,
     Verdict,
+    window_ranges,
+    window_record,
 )
 from raytrain_events.core.state import State
 from raytrain_events.core.timestamp import Timestamp
@@ -104,7 +107,10 @@ class SpikeGuard(Callback):
 
     Arguments: ``snapshot_interval`` (batches between host snapshots, >= 1), the `SpikeDetector`'s
     ``window``, ``loss_ratio``, ``grad_zscore``, ``warmup``, and the `RollbackPolicy`'s
-    ``max_rollbacks``, ``max_window``; all checked here, before any work starts.
+    ``max_rollbacks``, ``max_window``; ``bisect`` (find the window's culprit rows and quarantine them
+    instead of skipping the window, ``spike_bisect.py``), ``row_key`` (the batch column naming each row,
+    needed by both quarantine options), ``quarantine_from`` (a quarantine file of an earlier run, read
+    here); all checked here, before any work starts. ``quarantine``: the rows kept out (checkpointed).
     """
 
     def __init__(  # noqa: PLR0913 (keyword-only: the detector's and the policy's knobs)
@@ -360,7 +366,7 @@ class SpikeGuard(Callback):
         if snapshot is None:  # unreachable with a snapshot at fit start; said plainly if it ever is
             raise SpikeRollbackError(f"A loss spike at batch {spike_batch} ({reason}) and no host snapshot before it.")
         restored = int(snapshot.meta["batch"])
-        window = [_record(*h[:3]) for h in self._history if h[0].get_value("ba") > restored]
+        window = [window_record(*h[:3]) for h in self._history if h[0].get_value("ba") > restored]
         self.policy.check(len(self.rollbacks), now - restored, self.skips, f"batch {spike_batch}: {reason}")
         self._snapshots.restore(lambda meta: meta["batch"] == restored)
         self.detector.load_state_dict(snapshot.meta["detector"])
@@ -370,7 +376,7 @@ class SpikeGuard(Callback):
         retrained = bool(search.get("retrained"))
         fresh = [] if retrained else [h for h in window if not self.skips.contains(h[1], h[2])]
         plan = next((c.loader.plan for c in state.callbacks if isinstance(c, MixtureCounts)), None)
-        for epoch, start, end, batches, tokens in _ranges(fresh):
+        for epoch, start, end, batches, tokens in window_ranges(fresh):
             self.skips.add(SkipRange(epoch, start, end, batches, tokens))
             by_source = None
             if plan is not None:  # each source's samples in the window: its cursor moves over [start, end)
@@ -390,7 +396,7 @@ class SpikeGuard(Callback):
             "reason": reason,
             "restored_batch": restored,
             "from": "host",
-            "skipped": [[e, s, t] for e, s, t, _, _ in _ranges(fresh)],
+            "skipped": [[e, s, t] for e, s, t, _, _ in window_ranges(fresh)],
             **search,
         }
         self.rollbacks.append(record)
@@ -475,22 +481,3 @@ def _keyed_callbacks(state: State) -> Dict[str, Any]:
     from raytrain_events.core.state import _keyed  # the checkpoint keys (one definition, in State)
 
     return _keyed(state.callbacks)
-
-
-def _record(ts: Timestamp, samples: int, tokens: int) -> Tuple[int, int, int, int, int]:
-    """A batch's ``(batch, epoch, start, end, tokens)`` in the global order, from the Timestamp after it."""
-    end = int(ts.sample_in_epoch)
-    return ts.get_value("ba"), int(ts.epoch), end - samples, end, tokens
-
-
-def _ranges(history: List[Tuple[int, int, int, int, int]]) -> List[Tuple[int, int, int, int, int]]:
-    """Consecutive batch records as ``(epoch, start, end, batches, tokens)`` ranges of the global order."""
-    out: List[List[int]] = []
-    for _, epoch, start, end, tokens in history:
-        if out and out[-1][0] == epoch and out[-1][2] == start:
-            out[-1][2] = end
-            out[-1][3] += 1
-            out[-1][4] += tokens
-        else:
-            out.append([epoch, start, end, 1, tokens])
-    return [(e, s, t, b, k) for e, s, t, b, k in out]

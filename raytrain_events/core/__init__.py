@@ -35,7 +35,7 @@ Files:
 * ``quarantine.py``: Culprit rows of a loss spike: `find_culprits` (group testing by halves) and
   `Quarantine` (rows not trained any more, with the data they belong to).
 * ``spikes.py``: Loss spikes as pure decisions: `SpikeDetector`, `SkipList` (skipped ranges of the
-  global order), `RollbackPolicy`.
+  global order), `Skipped` (positions not trained, beside the Timestamp), `RollbackPolicy`.
 * ``state.py``: `State`: everything the loop tracks, what algorithms change, and what checkpoints
   save.
 * ``time.py``: Training time: units (epochs, batches, samples, tokens, fraction of the run) and the

@@ -62,7 +62,7 @@ class Quarantine:
     where it was quarantined (``epoch``, global ``position``: the first position of its spike's window).
 
     ``fingerprint`` names the data the ids belong to (the row key, and the mixture's sources or the
-    dataset's rows): a quarantine loaded into a run on other data is refused (`check_fingerprint`).
+    length of the loader's dataset): a quarantine loaded into a run on other data is refused (`check_fingerprint`).
     Saved in every checkpoint with the guard's state; `dumps`/`loads` make the file a later run passes.
     """
 
@@ -85,7 +85,7 @@ class Quarantine:
         return ", ".join(f"row {r} (epoch {e}, position {p})" for r, (e, p) in sorted(self.rows.items())) or "nothing"
 
     def check_fingerprint(self, fingerprint: Mapping[str, Any]) -> None:
-        """Refuse a quarantine recorded on other data (another row key, mixture sources or dataset size)."""
+        """Refuse a quarantine recorded on other data (another row key, mixture sources or dataset length)."""
         differ = {k: (self.fingerprint[k], fingerprint[k]) for k in fingerprint if k in self.fingerprint}
         differ = {k: v for k, v in differ.items() if v[0] != v[1]}
         if differ:

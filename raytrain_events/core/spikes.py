@@ -30,7 +30,10 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Deque, Dict, List, Mapping, Optional, Tuple
+
+if TYPE_CHECKING:
+    from raytrain_events.core.timestamp import Timestamp
 
 __all__ = [
     "RollbackPolicy",
@@ -40,6 +43,8 @@ __all__ = [
     "SpikeDetector",
     "SpikeRollbackError",
     "Verdict",
+    "window_ranges",
+    "window_record",
 ]
 
 
@@ -327,3 +332,22 @@ class RollbackPolicy:
                 f"A loss spike ({spike}) would skip {window_batches} batches (max_window={self.max_window}); "
                 f"skipped so far: {skips.describe()}. Lower snapshot_interval or raise max_window."
             )
+
+
+def window_record(ts: Timestamp, samples: int, tokens: int) -> Tuple[int, int, int, int, int]:
+    """A batch's ``(batch, epoch, start, end, tokens)`` in the global order, from the Timestamp after it."""
+    end = int(ts.sample_in_epoch)
+    return ts.get_value("ba"), int(ts.epoch), end - samples, end, tokens
+
+
+def window_ranges(history: List[Tuple[int, int, int, int, int]]) -> List[Tuple[int, int, int, int, int]]:
+    """Consecutive batch records as ``(epoch, start, end, batches, tokens)`` ranges of the global order."""
+    out: List[List[int]] = []
+    for _, epoch, start, end, tokens in history:
+        if out and out[-1][0] == epoch and out[-1][2] == start:
+            out[-1][2] = end
+            out[-1][3] += 1
+            out[-1][4] += tokens
+        else:
+            out.append([epoch, start, end, 1, tokens])
+    return [(e, s, t, b, k) for e, s, t, b, k in out]

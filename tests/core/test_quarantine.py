@@ -39,16 +39,16 @@ def test_a_spike_no_row_explains_alone_finds_nothing_and_nan_is_guilty():
 
 
 def test_the_quarantine_file_round_trips_and_other_data_is_refused():
-    q = Quarantine(fingerprint={"row_key": "id", "rows": 400})
+    q = Quarantine(fingerprint={"row_key": "id", "dataset_len": 400})
     q.add(317, 0, 312)
     q.add(203, 0, 200)
     q.add(203, 1, 0)  # the first quarantine of a row is kept
     again = Quarantine.loads(q.dumps())
     assert again.ids() == [203, 317] and again.rows[203] == (0, 200) and again.fingerprint == q.fingerprint
-    run = Quarantine(fingerprint={"row_key": "id", "rows": 400})
+    run = Quarantine(fingerprint={"row_key": "id", "dataset_len": 400})
     run.merge(again)
     assert run.ids() == [203, 317]
-    with pytest.raises(ValueError, match=r"other data \(rows: 400 there, 392 here\)"):
-        Quarantine(fingerprint={"row_key": "id", "rows": 392}).merge(again)
+    with pytest.raises(ValueError, match=r"other data \(dataset_len: 400 there, 392 here\)"):
+        Quarantine(fingerprint={"row_key": "id", "dataset_len": 392}).merge(again)
     with pytest.raises(ValueError, match="not a quarantine file"):
         Quarantine.loads('{"rows": []}')

@@ -74,7 +74,7 @@ def test_bisection_quarantines_exactly_the_planted_rows_and_trains_the_rest(tmp_
     assert _fit(_rows(planted=PLANTED), [later]).skipped.quarantined == 4
     assert later.rollbacks == [] and later.quarantine.ids() == PLANTED
     # On other data (another dataset size) the file is refused at the fit's start.
-    with pytest.raises(ValueError, match="quarantine was recorded for other data .*rows: 400 there, 392 here"):
+    with pytest.raises(ValueError, match="quarantine was recorded for other data .*dataset_len: 400 there, 392 here"):
         _fit(_rows(drop=range(8)), [SpikeGuard(row_key="id", quarantine_from=str(path))])
 
 
@@ -125,3 +125,20 @@ def test_a_batch_without_the_row_key_is_named():
     data = [{"x": r["x"], "y": r["y"]} for r in _rows(planted=[203])]
     with pytest.raises(ValueError, match="integer column 'id'"):
         _fit(data, [SpikeGuard(snapshot_interval=5, bisect=True, row_key="id")], duration="1ep")
+
+
+def test_a_batch_whose_every_row_is_quarantined_trains_with_its_loss_times_zero(tmp_path):
+    """Every rank still runs its forward and backward (DDP needs it); the batch changes nothing: the model is
+    that of a run without its rows (plain SGD: a zero gradient is no step)."""
+    from test_spike_guard import _fit as fit_plain
+
+    held = Quarantine(fingerprint={"row_key": "id"})
+    for row in range(BATCH):  # the whole first batch
+        held.add(row, 0, 0)
+    path = tmp_path / "q.json"
+    path.write_text(held.dumps())
+    _, state = fit_plain(_rows(), [SpikeGuard(row_key="id", quarantine_from=str(path))])
+    assert state.skipped.quarantined == BATCH and int(state.timestamp.sample) == ROWS
+    _, without = fit_plain(_rows(drop=range(BATCH)))
+    for mine, theirs in zip(state.model.parameters(), without.model.parameters()):
+        assert torch.equal(mine, theirs)
