@@ -112,6 +112,17 @@ def _loss(state: State, batch: Any) -> torch.Tensor:
     return loss if type(loss) is torch.Tensor else total_loss(loss)
 
 
+def _slice_rows(batch: Any, lo: int, hi: int, rows: int) -> Any:
+    """Rows ``[lo, hi)`` of a batch of ``rows`` rows, as views."""
+    if torch.is_tensor(batch):
+        return batch[lo:hi] if batch.ndim and batch.shape[0] == rows else batch
+    if isinstance(batch, Mapping):
+        return {k: _slice_rows(v, lo, hi, rows) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_slice_rows(v, lo, hi, rows) for v in batch)
+    return batch
+
+
 def _concat(parts: List[Any]) -> Any:
     """The parts' rows as one batch (tensors stacked along rows), or None where their shapes differ."""
     first = parts[0]
@@ -165,16 +176,21 @@ def search_window(state: State, batches: Sequence[Any], row_key: str, mean: floa
         mine.append((first, first + counts[w]))
         offset += sum(everyone[w * world : (w + 1) * world])
 
+    # This rank's rows of any group [a, b) of the global order are one run of its own rows in window order:
+    # with the window's batches stacked once, a test is a slice (a view) and one forward.
+    stacked = _concat(list(batches)) if len(batches) > 1 else None
+    starts = [sum(counts[:w]) for w in range(len(batches))]  # each batch's first row in the stack
+
     def guilty(a: int, b: int) -> bool:
         parts, sizes = [], []
-        for batch, (first, last) in zip(batches, mine):
-            lo, hi = max(a, first), min(b, last)
-            if lo < hi:
-                parts.append(take_rows(batch, torch.arange(lo - first, hi - first), last - first))
+        spans = [(w, max(a, f) - f, min(b, t) - f) for w, (f, t) in enumerate(mine) if max(a, f) < min(b, t)]
+        if stacked is not None and spans:
+            lo, hi = starts[spans[0][0]] + spans[0][1], starts[spans[-1][0]] + spans[-1][2]
+            parts, sizes = [_slice_rows(stacked, lo, hi, sum(counts))], [hi - lo]
+        else:
+            for w, lo, hi in spans:
+                parts.append(_slice_rows(batches[w], lo, hi, counts[w]))
                 sizes.append(hi - lo)
-        joined = _concat(parts) if len(parts) > 1 else None  # one forward for the group where the rows stack
-        if joined is not None:
-            parts, sizes = [joined], [sum(sizes)]
         loss_sum = 0.0
         with torch.no_grad():
             for part, size in zip(parts, sizes):
