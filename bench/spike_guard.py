@@ -8,7 +8,12 @@ ledger's answer time at 1e9 rows.
 2. Spike to training again: a planted row (huge input, wrong label) spikes the loss; the time from the
    start of the batch whose end agrees on the spike to the end of the rollback (snapshot restored,
    schedulers stepped, window recorded), and the model bytes restored.
-3. The ledger: ``Ledger.ask`` for random rows of a 3-source mixture of 1e9 rows, 3 epochs into a run
+3. Bisection (``SpikeGuard(bisect=True)``): 8 poisoned rows (inputs scaled by 1e4, each labelled with the
+   class the initial model ranks last for it: a random label is the predicted class 1 time in 10) among
+   100,000, one epoch of a cheap MLP (batch 64): culprits found, clean rows quarantined, and the search's
+   compute against its window's: rows forwarded / (3 x window rows) (a forward is about a third of a
+   forward + backward) and its wall time against the window's training time (batches x median step).
+4. The ledger: ``Ledger.ask`` for random rows of a 3-source mixture of 1e9 rows, 3 epochs into a run
    with skipped windows; and the bytes of what it needs (mixture, seed, timestamp, skip list).
 
 Usage::
@@ -19,6 +24,7 @@ Usage::
     python bench/spike_guard.py --only overhead --loss-only                # the loss alone, no gradient norm
     python bench/spike_guard.py --only overhead --clock cpu --clip 1.0     # both loops clip; the guard shares its norm
     python bench/spike_guard.py --only overhead --clock cpu --clip 1.0 --no-share   # ... and computes its own
+    python bench/spike_guard.py --only bisection                         # 8 poisoned rows among 100,000, 3 seeds
 """
 
 from __future__ import annotations
@@ -136,9 +142,9 @@ def spike_to_training(hidden, interval):
     timings = []
     original = guard_module.SpikeGuard._roll_back
 
-    def timed(self, state, logger):
+    def timed(self, state, logger, *args):
         start = time.perf_counter()
-        original(self, state, logger)
+        original(self, state, logger, *args)
         timings.append(time.perf_counter() - start)
 
     guard_module.SpikeGuard._roll_back = timed
@@ -153,6 +159,84 @@ def spike_to_training(hidden, interval):
         "rollback_ms": [round(t * 1e3, 3) for t in timings],
         "batches_skipped": guard.skips.totals()[0],
         "model_bytes": model_bytes,
+    }
+
+
+class _Batches(torch.utils.data.Dataset):
+    """Dict batches of ``batch`` rows with an ``id`` column (the row number), cut from whole tensors."""
+
+    def __init__(self, x, y, batch):
+        self.x, self.y, self.batch = x, y, batch
+
+    def __len__(self):
+        return -(-len(self.x) // self.batch)
+
+    def __getitem__(self, i):
+        rows = slice(i * self.batch, (i + 1) * self.batch)
+        return {"x": self.x[rows], "y": self.y[rows], "id": torch.arange(len(self.x))[rows]}
+
+
+def bisection(rows=100_000, poisoned=8, hidden=64, interval=20, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(rows, D, generator=g), torch.randint(0, C, (rows,), generator=g)
+    planted = sorted(random.Random(seed).sample(range(rows), poisoned))
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(D, hidden), nn.ReLU(), nn.Linear(hidden, C))
+    with torch.no_grad():  # scaled and scrambled: a huge input labelled with the class the model ranks last for it
+        for i in planted:  # (a random label is, 1 time in 10, the class it predicts: a loss of 0, no spike to find)
+            x[i] *= 1e4
+            y[i] = int(net(x[i : i + 1]).argmin())
+    model = ClassifierModel(net, num_classes=C)
+    guard = SpikeGuard(snapshot_interval=interval, bisect=True, row_key="id", max_rollbacks=4 * poisoned)
+    steps = []
+
+    class Steps(guard_module.Callback):
+        def batch_start(self, state, logger):
+            self.t = time.perf_counter()
+
+        def batch_end(self, state, logger):
+            steps.append(time.perf_counter() - self.t)
+
+    start = time.perf_counter()
+    state = Trainer(
+        model=model,
+        train_dataloader=DataLoader(_Batches(x, y, B), batch_size=None),
+        max_duration="1ep",
+        optimizers=torch.optim.SGD(model.parameters(), lr=0.01),
+        callbacks=[Steps(), guard],
+    ).fit()
+    wall = time.perf_counter() - start
+    found = guard.quarantine.ids()
+    step = statistics.median(steps)
+    per = [
+        {
+            "window_rows": r["window_rows"],
+            "search_rows": r["search_rows"],
+            "compute_ratio": round(r["search_rows"] / (3 * r["window_rows"]), 3),
+            "time_ratio": round(r["search_s"] / ((r["batch"] - r["restored_batch"]) * step), 3),
+            "quarantined": r["quarantined"],
+        }
+        for r in guard.rollbacks
+        if "search_rows" in r
+    ]
+    missed = [i for i in planted if i not in found]
+    with torch.no_grad():  # a missed row's loss under the final model (~0: it was trained, and its label fits now)
+        missed_loss = {i: round(float(model.loss(model({"x": x[i : i + 1]}), {"y": y[i : i + 1]})), 3) for i in missed}
+    return {
+        "rows": rows,
+        "poisoned": planted,
+        "missed_row_loss": missed_loss,
+        "found": len(set(found) & set(planted)),
+        "clean_quarantined": len(set(found) - set(planted)),
+        "rollbacks": len(guard.rollbacks),
+        "windows_skipped": len(guard.skips.ranges),
+        "compute_ratio_max": max((p["compute_ratio"] for p in per), default=None),
+        "time_ratio_median": statistics.median([p["time_ratio"] for p in per]) if per else None,
+        "time_ratio_max": max((p["time_ratio"] for p in per), default=None),
+        "step_ms_median": round(step * 1e3, 3),
+        "fit_s": round(wall, 2),
+        "batches": int(state.timestamp.batch),
+        "per_rollback": per,
     }
 
 
@@ -198,7 +282,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--snapshot-interval", type=int, default=20)
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
-    parser.add_argument("--only", choices=["overhead", "spike", "ledger"], default=None)
+    parser.add_argument("--only", choices=["overhead", "spike", "bisection", "ledger"], default=None)
+    parser.add_argument("--seeds", type=int, default=3, help="bisection: runs with other poisoned rows")
     parser.add_argument("--loss-only", action="store_true", help="SpikeGuard(grad_zscore=None): no gradient norm")
     parser.add_argument("--clip", type=float, default=None, help="GradientClipping('norm', CLIP) in both loops")
     parser.add_argument("--no-share", action="store_true", help="the guard computes its own norm beside the clipping's")
@@ -212,6 +297,7 @@ def main():
     parts = {
         "overhead": lambda: overhead(args.hidden, args.repeats, args.snapshot_interval),
         "spike": lambda: spike_to_training(args.hidden, args.snapshot_interval),
+        "bisection": lambda: [bisection(seed=seed) for seed in range(args.seeds)],
         "ledger": ledger,
     }
     out = {name: run() for name, run in parts.items() if args.only in (None, name)}

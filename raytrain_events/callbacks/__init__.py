@@ -25,6 +25,8 @@ Files:
   traces through the storage layer.
 * ``progress_bar.py``: `ProgressBar`: a tqdm bar per epoch on rank 0, showing the epoch, batch and
   latest loss.
+* ``spike_bisect.py``: The torch side of ``SpikeGuard(bisect=True)``: replay a window on halves of
+  its rows to find the culprits, train the rest, drop quarantined rows from later batches.
 * ``spike_guard.py``: `SpikeGuard`: on a loss spike every rank rolls back to a host snapshot and
   skips exactly the rows trained since.
 * ``speed_monitor.py``: `SpeedMonitor`: rolling training throughput (batches, samples, tokens per

@@ -26,6 +26,10 @@ every checkpoint; ``trained = timestamp - skipped`` (`SpikeGuard.trained`). Torc
 restored from the snapshot are stepped once per skipped batch, so a schedule keeps following the
 position, as in the run without the spike.
 
+The fit's last batch has no next batch to carry the flag: there (its ``BATCH_END`` when the duration or an
+agreed stop ends the fit, else ``EPOCH_END`` of an 'ep' duration's last epoch, before the epoch's checkpoint)
+the ranks sum the flag once and roll back at once (the window ends with that batch).
+
 A spike within ``snapshot_interval`` batches after a rollback rolls back to the same snapshot again:
 the window widens (the rows trained since are skipped too), up to ``max_window`` batches; after
 ``max_rollbacks`` rollbacks the run stops with `SpikeRollbackError` naming every skipped range.
@@ -34,18 +38,20 @@ Example::
 
     Trainer(..., callbacks=[SpikeGuard(snapshot_interval=20, loss_ratio=2.0, grad_zscore=6.0)])
     RayTrainer(..., callbacks=[SpikeGuard()])   # an instance: a bad knob fails here, before Ray starts
+    SpikeGuard(bisect=True, row_key="id")       # find the culprit rows, quarantine them, train the rest
+    SpikeGuard(row_key="id", quarantine_from="quarantine.json")   # keep an earlier run's culprits out
 
 The guard puts itself last among the callbacks at INIT, so that its snapshot and its rollback see
 every other callback's batch done, and calls every callback's ``on_rollback`` after a restore. The skip
 list names its data (the seed and, for a `Mixture`, its sources): a resume on other data is refused.
 Cost per batch: one read of the loss (and the gradient norm, unless shared with the clipping); per
-snapshot one host copy of the state (``bench/spike_guard.py``, docs/spikes.md: ~35 us of CPU a batch
-loss only, ~40 us with a clipping's norm, ~85 us computing its own, at H=256 on the CPU).
+snapshot one host copy of the state (``bench/spike_guard.py``; docs/spikes.md has the numbers).
 
 Notes: the gradient norm is this rank's (under FSDP the norm of its shards); with a GradScaler
-(``amp_fp16``) non-finite gradients are the scaler's to skip and are not judged; algorithms run
-before callbacks at ``AFTER_TRAIN_BATCH``, so with `GradientClipping` the norm judged is the clipped one
-(the loss still shows the spike): a shared pre-clip norm is clipped by torch's coefficient first.
+(``amp_fp16``) non-finite gradients are the scaler's to skip and are not judged. With `GradientClipping`
+the norm judged is the one *before* clipping (a blow-up is judged, not capped first): the clipping's own
+pre-clip norm when shared, else the guard's norm taken at ``AFTER_BACKWARD`` (before the algorithms run at
+``AFTER_TRAIN_BATCH``; with ``grad_accum`` > 1 the last microbatch's, over the accumulated gradients).
 """
 
 from __future__ import annotations
@@ -58,9 +64,21 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from raytrain_events.algorithms.gradient_clipping import GradientClipping, whole_grad_norm
+from raytrain_events.callbacks.spike_bisect import (
+    QUARANTINED,
+    QuarantineFilter,
+    QuarantineHooks,
+    bisect_window,
+    device_of,
+    read_quarantine,
+    start_quarantine,
+    sum_over_ranks,
+)
 from raytrain_events.checkpoint.run.host_snapshot import HostSnapshots
 from raytrain_events.core.callback import Callback
+from raytrain_events.core.interval import is_done
 from raytrain_events.core.logger import Logger
+from raytrain_events.core.quarantine import Quarantine
 from raytrain_events.core.spikes import (
     RollbackPolicy,
     SkipList,
@@ -68,6 +86,8 @@ from raytrain_events.core.spikes import (
     SpikeDetector,
     SpikeRollbackError,
     Verdict,
+    window_ranges,
+    window_record,
 )
 from raytrain_events.core.state import State
 from raytrain_events.core.timestamp import Timestamp
@@ -88,7 +108,10 @@ class SpikeGuard(Callback):
 
     Arguments: ``snapshot_interval`` (batches between host snapshots, >= 1), the `SpikeDetector`'s
     ``window``, ``loss_ratio``, ``grad_zscore``, ``warmup``, and the `RollbackPolicy`'s
-    ``max_rollbacks``, ``max_window``; all checked here, before any work starts.
+    ``max_rollbacks``, ``max_window``; ``bisect`` (find the window's culprit rows and quarantine them
+    instead of skipping the window, ``spike_bisect.py``), ``row_key`` (the batch column naming each row,
+    needed by both quarantine options), ``quarantine_from`` (a quarantine file of an earlier run, read
+    here); all checked here, before any work starts. ``quarantine``: the rows kept out (checkpointed).
     """
 
     def __init__(  # noqa: PLR0913 (keyword-only: the detector's and the policy's knobs)
@@ -101,6 +124,9 @@ class SpikeGuard(Callback):
         warmup: int = 10,
         max_rollbacks: int = 5,
         max_window: int = 1000,
+        bisect: bool = False,
+        row_key: Optional[str] = None,
+        quarantine_from: Optional[str] = None,
     ) -> None:
         if isinstance(snapshot_interval, bool) or not isinstance(snapshot_interval, int) or snapshot_interval < 1:
             raise ValueError(
@@ -110,6 +136,22 @@ class SpikeGuard(Callback):
         self.snapshot_interval = snapshot_interval
         self.detector = SpikeDetector(window=window, loss_ratio=loss_ratio, grad_zscore=grad_zscore, warmup=warmup)
         self.policy = RollbackPolicy(max_rollbacks=max_rollbacks, max_window=max_window)
+        if bisect and loss_ratio is None:
+            raise ValueError(
+                "bisect=True tests groups of rows by their loss: it needs loss_ratio (e.g. 2.0), not None."
+            )
+        if (bisect or quarantine_from is not None) and not (isinstance(row_key, str) and row_key):
+            raise ValueError(
+                "bisect=True and quarantine_from name rows by a batch column: pass row_key='id' (the column "
+                "holding each row's integer id, e.g. its row number in the dataset)."
+            )
+        self.bisect, self.row_key = bool(bisect), row_key
+        self.quarantine = Quarantine()  # the rows not trained any more (bisect's culprits, and quarantine_from's)
+        self._from_file = read_quarantine(quarantine_from) if quarantine_from is not None else None
+        self._filter = QuarantineFilter(row_key) if row_key else None
+        self._qids: List[int] = []
+        self._dropped_total = 0  # the per-batch sum of this fit's dropped rows, as last read
+        self._batches: Deque[Any] = deque()  # with bisect: this rank's batch per _history record (the window's rows)
         self.skips = SkipList()
         self.rollbacks: List[Dict[str, Any]] = []  # one record per rollback (plain values; saved)
         self._snapshots: Optional[HostSnapshots] = None
@@ -117,23 +159,33 @@ class SpikeGuard(Callback):
         self._params: Optional[List[torch.Tensor]] = None
         self._clip: Optional[GradientClipping] = None  # a GradientClipping whose norm is shared (see after_train_batch)
         self._clip_seen: Optional[torch.Tensor] = None  # its norm already judged (a stale one is not judged twice)
-        self._clipped_to: Optional[float] = None  # this batch's norm is its pre-clip norm, clipped to this
+        self._clip_other = False  # a GradientClipping whose norm is not shared: the norm is taken before it runs
+        self._pre_clip: Optional[torch.Tensor] = None  # that norm, taken at AFTER_BACKWARD
         self._host: Optional[torch.Tensor] = None  # pinned host buffer of (loss, norm) on an accelerator
         self._ready: Optional[torch.cuda.Event] = None  # its copy's event, recorded before the optimizer step
         self._event: Optional[torch.cuda.Event] = None
         self._spike: Optional[Tuple[int, Verdict]] = None  # this rank's latest spike (batch, verdict), until agreed
-        # One record per batch since the oldest snapshot: (Timestamp after it, samples, tokens); the window's rows.
-        self._history: Deque[Tuple[Timestamp, int, int]] = deque()
+        # One record per batch since the oldest snapshot: (Timestamp after it, samples, tokens, rows the quarantine
+        # dropped from it on every rank); the window's rows.
+        self._history: Deque[Tuple[Timestamp, int, int, int]] = deque()
         self._since = 0  # batches since the newest snapshot (or rollback)
         self._key = "SpikeGuard"
 
     # ------------------------------------------------------------------ setup
     def init(self, state: State, logger: Logger) -> None:
         state.agreement.register(FLAG)
+        if self._filter is not None:
+            state.agreement.register_count(QUARANTINED)
         # Last among the callbacks (the Trainer refreshes the Engine after INIT): a snapshot and a rollback at
         # BATCH_END then see every other callback's batch done (per-source counts, monitors), so a restore
         # leaves none of them counting a skipped batch.
+        # Hooks on more events only where they have a job (an event no callback overrides costs nothing a batch):
+        # the quarantine's filter, and the norm before an unshared GradientClipping clips.
+        hooks: List[Callback] = [QuarantineHooks(self)] if self._filter is not None else []
+        if any(isinstance(a, GradientClipping) for a in state.algorithms):
+            hooks.append(_PreClipNorm(self))
         state.callbacks.remove(self)
+        state.callbacks.extend(hooks)
         state.callbacks.append(self)
 
     def fit_start(self, state: State, logger: Logger) -> None:
@@ -144,8 +196,15 @@ class SpikeGuard(Callback):
             fingerprint["sources"] = counts.loader.mixture.to_dict()["sources"]
         self.skips.check_fingerprint(fingerprint)
         self.skips.fingerprint.update(fingerprint)
+        skipped = state.skipped
+        if self.skips.ranges and not skipped.batches:  # a checkpoint from before State.skipped: from the skip list
+            skipped.batches, skipped.samples, skipped.tokens = self.skips.totals()
+        self._dropped_total = 0
+        if self.row_key is not None:
+            start_quarantine(self, state, {k: v for k, v in fingerprint.items() if k != "seed"})
         self._snapshots = HostSnapshots(state, exclude_callbacks={self._key})
         self._history.clear()
+        self._batches.clear()
         self._take(state)
 
     # --------------------------------------------------------------- per batch
@@ -162,23 +221,43 @@ class SpikeGuard(Callback):
         if loss is not None and loss.is_cuda:
             self._to_host(loss, self._norm)
 
+    def _take_pre_clip(self, state: State) -> None:
+        """At AFTER_BACKWARD (`_PreClipNorm`), with a GradientClipping whose norm is not shared: the norm before it
+        clips (it runs at AFTER_TRAIN_BATCH, before the callbacks); the last microbatch's is the batch's."""
+        if self._params is None:
+            self._find_params(state)
+        if self._clip_other and state.scaler is None and self.detector.grad_zscore is not None:
+            self._pre_clip = self._own_norm(state)
+
+    def _find_params(self, state: State) -> List[torch.Tensor]:
+        """The trained parameters and the clipping to share, found once (a walk of the groups per batch costs)."""
+        params = self._params = [p for opt in state.optimizers for g in opt.param_groups for p in g["params"]]
+        self._clip = _shared_clipping(state, params)
+        self._clip_other = self._clip is None and any(isinstance(a, GradientClipping) for a in state.algorithms)
+        return params
+
+    def _own_norm(self, state: State) -> Optional[torch.Tensor]:
+        assert self._params is not None
+        if pipeline_group(state.model) is not None:  # pipeline parallelism: the whole model's, over shards and stages
+            return whole_grad_norm(state.model, self._params)
+        norms = [vector_norm(p.grad) for p in self._params if p.grad is not None]  # cheaper than _foreach_norm on CPU
+        return vector_norm(stack(norms)) if norms else None
+
     def _grad_norm(self, state: State) -> Optional[torch.Tensor]:
-        """This batch's gradient norm (this rank's), as a tensor: GradientClipping's when it has one."""
-        params = self._params
-        if params is None:  # the trained parameters, found once (a Python walk of the groups per batch costs)
-            params = self._params = [p for opt in state.optimizers for g in opt.param_groups for p in g["params"]]
-            self._clip = _shared_clipping(state, params)
+        """This batch's gradient norm (this rank's) before any clipping, as a tensor: GradientClipping's when shared."""
+        if self._params is None:
+            self._find_params(state)
         clip = self._clip
-        if clip is not None:  # GradientClipping ran just before (algorithms first): its norm, not a second one
+        if clip is not None:  # GradientClipping ran just before (algorithms first): its pre-clip norm, not a second one
             total = clip.last_grad_norm
             if total is None or total is self._clip_seen:  # it clipped nothing this batch (no gradients)
                 return None
-            self._clip_seen, self._clipped_to = total, clip.clipping_threshold
+            self._clip_seen = total
             return total
-        if pipeline_group(state.model) is not None:  # pipeline parallelism: the whole model's, over shards and stages
-            return whole_grad_norm(state.model, params)
-        norms = [vector_norm(p.grad) for p in params if p.grad is not None]  # cheaper than _foreach_norm on CPU
-        return vector_norm(stack(norms)) if norms else None
+        if self._clip_other:  # taken at AFTER_BACKWARD, before the clipping
+            pre, self._pre_clip = self._pre_clip, None
+            return pre
+        return self._own_norm(state)
 
     def _to_host(self, loss: torch.Tensor, norm: Optional[torch.Tensor]) -> None:
         """Start the copy of the loss (and norm) into a pinned host buffer, before the optimizer step is queued:
@@ -197,10 +276,19 @@ class SpikeGuard(Callback):
 
     def batch_end(self, state: State, logger: Logger) -> None:
         ts = state.timestamp  # immutable: kept as it is, read only at a rollback (no per-batch conversions)
-        self._history.append((ts, state.global_batch_num_samples, state.global_batch_num_tokens))
+        dropped = 0
+        if self._filter is not None:  # this batch's quarantined rows, every rank's (the per-batch sum is cumulative)
+            total = state.agreement.total(QUARANTINED)
+            dropped, self._dropped_total = total - self._dropped_total, total
+            state.skipped.quarantined += dropped
+            if dropped:
+                logger.log_metrics({"spikes/quarantined_rows": state.skipped.quarantined})
+        self._history.append((ts, state.global_batch_num_samples, state.global_batch_num_tokens, dropped))
+        if self.bisect:
+            self._batches.append(state.batch)
         if state.agreement.agreed(FLAG):
             state.agreement.clear(FLAG)
-            self._roll_back(state, logger)
+            self._roll_back(state, logger, int(ts.batch) - 1)  # requested at the batch before, agreed on this one
             return
         norm, ready, self._norm, self._ready = self._norm, self._ready, None, None
         grad: Optional[float] = None
@@ -219,16 +307,30 @@ class SpikeGuard(Callback):
                 value, grad = loss.item(), norm.item()
             else:  # one host sync for both
                 value, grad = stack([loss.reshape(()).float(), norm.to(loss.device).float()]).tolist()
-        if grad is not None and self._clipped_to is not None:  # GradientClipping's pre-clip norm: clip it
-            grad *= min(1.0, self._clipped_to / (grad + 1e-6))  # (torch's clip coefficient, clamped at 1)
-        self._clipped_to = None
         verdict = self.detector.observe(value, grad)
         if verdict is not None:
             self._spike = (ts.get_value("ba"), verdict)
             state.request(FLAG)
         self._since += 1
-        if self._since >= self.snapshot_interval:
+        if (state.stop_requested and state.stop_consistent) or is_done(state):
+            self._agree_last_batch(state, logger)  # the fit's last batch: no next batch to carry the flag
+        elif self._since >= self.snapshot_interval:
             self._take(state)
+
+    def epoch_end(self, state: State, logger: Logger) -> None:
+        # The epoch's last batch was the fit's (an 'ep' duration ends here): agree on its spike now, before the
+        # epoch's checkpoint is saved (EPOCH_CHECKPOINT comes after EPOCH_END).
+        if is_done(state):
+            self._agree_last_batch(state, logger)
+
+    def _agree_last_batch(self, state: State, logger: Logger) -> None:
+        """Every rank, at the fit's last batch (the same on every rank: the Timestamp and an agreed stop decide):
+        one sum across ranks of the spike flag (the only collective of the guard's own, once a fit), and the
+        rollback if any rank saw a spike, before the batch's or the epoch's checkpoint is saved."""
+        asked = 1.0 if state.agreement.requested(FLAG) else 0.0
+        if sum_over_ranks([asked], device_of(state))[0] > 0:
+            state.agreement.clear(FLAG)
+            self._roll_back(state, logger, int(state.timestamp.batch))
 
     def fit_end(self, state: State, logger: Logger) -> None:
         if self._spike is not None and state.agreement.requested(FLAG):
@@ -254,70 +356,91 @@ class SpikeGuard(Callback):
         if self._history:  # one record per batch, consecutive (a fit's Timestamp only goes forward): count, not compare
             for _ in range(min(len(self._history), oldest - self._history[0][0].get_value("ba") + 1)):
                 self._history.popleft()
+                if self._batches:
+                    self._batches.popleft()
 
-    def _roll_back(self, state: State, logger: Logger) -> None:
+    def _roll_back(self, state: State, logger: Logger, spike_batch: int) -> None:
         """Every rank, at the same batch: restore the newest snapshot from before the spiking batch, skip since."""
         assert self._snapshots is not None
         now = int(state.timestamp.batch)
-        spike_batch = now - 1  # the batch whose BATCH_END requested the flag (agreed on the next batch's sum)
         local = self._spike[1].reason if self._spike is not None and self._spike[0] == spike_batch else None
         reason = local or "seen on another rank"
         snapshot = self._snapshots.newest(lambda meta: meta["batch"] < spike_batch)
         if snapshot is None:  # unreachable with a snapshot at fit start; said plainly if it ever is
             raise SpikeRollbackError(f"A loss spike at batch {spike_batch} ({reason}) and no host snapshot before it.")
         restored = int(snapshot.meta["batch"])
-        window = [_record(*h) for h in self._history if h[0].get_value("ba") > restored]
+        window = [window_record(*h[:3]) for h in self._history if h[0].get_value("ba") > restored]
         self.policy.check(len(self.rollbacks), now - restored, self.skips, f"batch {spike_batch}: {reason}")
-        fresh = [h for h in window if not self.skips.contains(h[1], h[2])]
-        for epoch, start, end, batches, tokens in _ranges(fresh):
-            self.skips.add(SkipRange(epoch, start, end, batches, tokens))
         self._snapshots.restore(lambda meta: meta["batch"] == restored)
         self.detector.load_state_dict(snapshot.meta["detector"])
         for callback in state.callbacks:
             callback.on_rollback(state, logger)
-        for scheduler in state.schedulers:  # the schedule follows the position: one step per batch since the snapshot
-            for _ in range(now - restored):
-                scheduler.step()
-        self._spike, self._norm, self._since, self._clipped_to, self._ready = None, None, 0, None, None
+        search = bisect_window(self, state, restored, now, window) if self.bisect else {}
+        retrained = bool(search.get("retrained"))
+        fresh = [] if retrained else [h for h in window if not self.skips.contains(h[1], h[2])]
+        plan = next((c.loader.plan for c in state.callbacks if isinstance(c, MixtureCounts)), None)
+        for epoch, start, end, batches, tokens in window_ranges(fresh):
+            self.skips.add(SkipRange(epoch, start, end, batches, tokens))
+            by_source = None
+            if plan is not None:  # each source's samples in the window: its cursor moves over [start, end)
+                names, at, to = plan.names, plan.cursors(epoch, start), plan.cursors(epoch, end)
+                by_source = {n: b - a for n, a, b in zip(names, at, to) if b > a}
+            state.skipped.add_window(batches, end - start, tokens, by_source)
+        skipped_batches = {record[0] for record in fresh}  # rows dropped from them count as skipped now, not twice
+        state.skipped.quarantined -= sum(h[3] for h in self._history if h[0].get_value("ba") in skipped_batches)
+        if not retrained:  # the schedule follows the position: one step per batch since the snapshot
+            for scheduler in state.schedulers:
+                for _ in range(now - restored):
+                    scheduler.step()
+        self._spike, self._norm, self._since, self._pre_clip, self._ready = None, None, 0, None, None
         record = {
             "batch": now,
             "spike_batch": spike_batch,
             "reason": reason,
             "restored_batch": restored,
             "from": "host",
-            "skipped": [[e, s, t] for e, s, t, _, _ in _ranges(fresh)],
+            "skipped": [[e, s, t] for e, s, t, _, _ in window_ranges(fresh)],
+            **search,
         }
         self.rollbacks.append(record)
+        if retrained:  # the window is trained (without its culprits): the next window starts after it
+            self._take(state)
         skipped_batches, skipped_samples, skipped_tokens = self.skips.totals()
         if state.rank == 0:
             _log.warning(
                 "Loss spike at batch %d (%s): every rank rolled back to the host snapshot of batch %d and skips %s "
-                "(%d rollbacks; skipped in all: %s).",
+                "(%d rollbacks; skipped in all: %s)%s.",
                 spike_batch,
                 reason,
                 restored,
                 ", ".join(f"epoch {e} rows [{s}, {t})" for e, s, t in record["skipped"]) or "nothing new",
                 len(self.rollbacks),
                 self.skips.describe(),
+                f"; bisection found rows {search['quarantined']} ({self.row_key}), quarantined; the rest of the window "
+                "trained again"
+                if retrained
+                else "",
             )
-        logger.log_metrics(
+        logger.log_metrics(  # the run report marks them on the loss plot (report/plots.py)
             {
                 "spikes/rollbacks": len(self.rollbacks),
+                "spikes/last_sample": int(state.timestamp.sample),
                 "spikes/skipped_batches": skipped_batches,
                 "spikes/skipped_samples": skipped_samples,
                 "spikes/skipped_tokens": skipped_tokens,
+                "spikes/quarantined_rows": state.skipped.quarantined,
             }
         )
 
     # ------------------------------------------------------------ accounting
     def trained(self, state: State) -> Dict[str, int]:
-        """Batches, samples and tokens actually trained: the Timestamp's totals less the skipped ones."""
-        batches, samples, tokens = self.skips.totals()
+        """Batches, samples and tokens actually trained: the Timestamp's totals less ``state.skipped``'s."""
         ts = state.timestamp
-        return {"batch": int(ts.batch) - batches, "sample": int(ts.sample) - samples, "token": int(ts.token) - tokens}
+        return state.skipped.trained(int(ts.batch), int(ts.sample), int(ts.token))
 
     def state_dict(self) -> Dict[str, Any]:
         return {
+            "quarantine": self.quarantine.state_dict(),
             "skips": self.skips.state_dict(),
             "rollbacks": list(self.rollbacks),
             "detector": self.detector.state_dict(),
@@ -325,8 +448,19 @@ class SpikeGuard(Callback):
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.skips = SkipList.from_state_dict(state.get("skips", {}))
+        self.quarantine = Quarantine.from_state_dict(state.get("quarantine", {}))  # none in checkpoints before it
         self.rollbacks = list(state.get("rollbacks", []))
         self.detector.load_state_dict(state.get("detector", {}))
+
+
+class _PreClipNorm(Callback):
+    """The guard's ``AFTER_BACKWARD`` hook, added at INIT only when a `GradientClipping` is configured."""
+
+    def __init__(self, guard: SpikeGuard) -> None:
+        self.guard = guard
+
+    def after_backward(self, state: State, logger: Logger) -> None:
+        self.guard._take_pre_clip(state)
 
 
 def _shared_clipping(state: State, params: List[torch.Tensor]) -> Optional[GradientClipping]:
@@ -350,22 +484,3 @@ def _keyed_callbacks(state: State) -> Dict[str, Any]:
     from raytrain_events.core.state import _keyed  # the checkpoint keys (one definition, in State)
 
     return _keyed(state.callbacks)
-
-
-def _record(ts: Timestamp, samples: int, tokens: int) -> Tuple[int, int, int, int, int]:
-    """A batch's ``(batch, epoch, start, end, tokens)`` in the global order, from the Timestamp after it."""
-    end = int(ts.sample_in_epoch)
-    return ts.get_value("ba"), int(ts.epoch), end - samples, end, tokens
-
-
-def _ranges(history: List[Tuple[int, int, int, int, int]]) -> List[Tuple[int, int, int, int, int]]:
-    """Consecutive batch records as ``(epoch, start, end, batches, tokens)`` ranges of the global order."""
-    out: List[List[int]] = []
-    for _, epoch, start, end, tokens in history:
-        if out and out[-1][0] == epoch and out[-1][2] == start:
-            out[-1][2] = end
-            out[-1][3] += 1
-            out[-1][4] += tokens
-        else:
-            out.append([epoch, start, end, 1, tokens])
-    return [(e, s, t, b, k) for e, s, t, b, k in out]

@@ -195,11 +195,19 @@ def _add_ledger(commands: Any) -> None:
         description=(
             "Answer from the checkpoint's Timestamp, the run's mixture order (seed, stages) and the SpikeGuard's\n"
             "skip list whether row N of SOURCE was trained before the checkpoint, and in which epochs. A plain\n"
-            "(non-mixture) run's one source is 'train', its rows in the dataset's own order."
+            "(non-mixture) run's one source is 'train', its rows in the dataset's own order; its SpikeGuard\n"
+            "quarantine is answered too. --export-quarantine FILE writes the quarantine for a later run's\n"
+            "SpikeGuard(quarantine_from=FILE)."
         ),
     )
     ledger.add_argument("run_url", metavar="RUN_URL", help="The run directory, <storage>/<run_name>.")
-    ledger.add_argument("--row", required=True, metavar="SOURCE:N", help="The source and row number, e.g. web:1234.")
+    ledger.add_argument("--row", default=None, metavar="SOURCE:N", help="The source and row number, e.g. web:1234.")
+    ledger.add_argument(
+        "--export-quarantine",
+        default=None,
+        metavar="FILE",
+        help="Write the checkpoint's quarantined rows to FILE, for SpikeGuard(quarantine_from=FILE) in a later run.",
+    )
     ledger.add_argument(
         "--checkpoint",
         default=None,
@@ -315,11 +323,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(text if text else f"No differences between the configs of {args.run_a} and {args.run_b}.")
         return 1 if (text and args.exit_code) else 0
     if args.command == "ledger":
-        from raytrain_events.cli.ledger import ask_ledger
+        from raytrain_events.cli.ledger import run_ledger
 
-        answer = ask_ledger(args.run_url, args.checkpoint, args.row, options)
-        print(json.dumps(answer) if args.json else answer["line"])
-        return 0
+        return run_ledger(args, options)
     if args.command == "report":
         from raytrain_events.report import write_report
 

@@ -34,10 +34,12 @@ Files:
   config diffs).
 * ``precision.py``: Numerical precision: resolve "fp32" / "amp_bf16" / "amp_fp16" into an autocast
   context.
+* ``quarantine.py``: Culprit rows of a loss spike: `find_culprits` (group testing by halves) and
+  `Quarantine` (rows not trained any more, with the data they belong to).
 * ``replica_layout.py``: `ReplicaLayout`: which worker is in which replica group, and which rows of a global
   batch each one trains.
 * ``spikes.py``: Loss spikes as pure decisions: `SpikeDetector`, `SkipList` (skipped ranges of the
-  global order), `RollbackPolicy`.
+  global order), `Skipped` (positions not trained, beside the Timestamp), `RollbackPolicy`.
 * ``state.py``: `State`: everything the loop tracks, what algorithms change, and what checkpoints
   save.
 * ``time.py``: Training time: units (epochs, batches, samples, tokens, fraction of the run) and the

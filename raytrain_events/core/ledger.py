@@ -3,8 +3,8 @@
 No per-row log: the answer is computed from what already fixes the run's order: the `MixturePlan`
 (mixture, seed; ``core/mixture_plan.py``), the checkpoint's `Timestamp` (epoch and position) and the
 `SkipList` of the `SpikeGuard` (``core/spikes.py``). In epoch ``e`` source ``i`` gives its ``t``-th row
-as row ``permute(t mod rows, rows, key(e, i, t // rows))``; the ledger runs that keyed Feistel
-permutation backwards (`inverse_permute`) to find at which read ``t`` each pass of epoch ``e`` gives
+as row ``permute(t mod rows, rows, pass_key(seed, e, i, t // rows))`` (`MixturePlan.row`); the ledger
+asks the plan for the inverse (`MixturePlan.read_of`: the keyed Feistel permutation run backwards) to find at which read ``t`` each pass of epoch ``e`` gives
 row ``N``, then asks whether that read is before the checkpoint's cursor (`MixturePlan.cursors`) and
 outside every skipped window (a window ``[a, b)`` of positions is the reads
 ``[cursors(e, a)[i], cursors(e, b)[i])`` of source ``i``).
@@ -14,7 +14,9 @@ the source, whatever the run's size (1e9 rows: ``bench/ledger.py``); state: the 
 the timestamp and the skip list (bytes, not rows).
 
 A run without a mixture trains a plain dataset in its own order (no shuffle): position = row, one
-source (`Ledger.plain`). A shuffled plain dataset's order depends on its block sizes at run time and
+source (`Ledger.plain`). Its `Quarantine` (``SpikeGuard(bisect=True, row_key=...)``, ids = the dataset's row
+numbers) is answered too: a quarantined row is not trained from its quarantine's (epoch, position) on. A
+mixture's quarantine ids are the user's batch column, not (source, row): not answered there. A shuffled plain dataset's order depends on its block sizes at run time and
 is not answered here (a `ValueError` says so).
 """
 
@@ -23,41 +25,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
-from raytrain_events.core.mixture_plan import MixturePlan, _mix, _round_keys, _step
+from raytrain_events.core.mixture_plan import MixturePlan
+from raytrain_events.core.quarantine import Quarantine
 from raytrain_events.core.spikes import SkipList
 
-__all__ = ["Ledger", "LedgerAnswer", "inverse_permute", "ledger_of_checkpoint", "saved_plan"]
-
-
-def inverse_permute(value: int, size: int, key: int) -> int:
-    """The ``index`` with ``permute(index, size, key) == value`` (the Feistel rounds backwards, cycle-walking)."""
-    if size <= 1:
-        return 0
-    if not 0 <= value < size:
-        raise ValueError(f"Row {value} is outside the source's {size} rows.")
-    half = max(1, ((size - 1).bit_length() + 1) // 2)
-    mask = (1 << half) - 1
-    k0, k1, k2, k3 = _round_keys(key)
-    x = value
-    while True:
-        left, right = x >> half, x & mask
-        for k in (k3, k2, k1, k0):  # each round was (l, r) -> (r, l ^ f(r)): undone as (l, r) -> (r ^ f(l), l)
-            left, right = right ^ (_step(k ^ left) & mask), left
-        x = (left << half) | right
-        if x < size:
-            return x
+__all__ = ["Ledger", "LedgerAnswer", "ledger_of_checkpoint", "saved_plan"]
 
 
 @dataclass(frozen=True)
 class LedgerAnswer:
     """``times``: how often the row was trained before the checkpoint; ``epochs``: in which epochs (one entry
-    per training); ``skipped``: the epochs whose skipped windows held it."""
+    per training); ``skipped``: the epochs whose skipped windows held it; ``quarantined``: the epochs the
+    quarantine kept it out of."""
 
     source: str
     row: int
     times: int
     epochs: Tuple[int, ...]
     skipped: Tuple[int, ...]
+    quarantined: Tuple[int, ...] = ()
 
     @property
     def trained(self) -> bool:
@@ -66,7 +52,8 @@ class LedgerAnswer:
     def line(self) -> str:
         where = f" (epochs {', '.join(map(str, self.epochs))})" if self.epochs else ""
         skipped = f"; skipped by a rollback in epochs {', '.join(map(str, self.skipped))}" if self.skipped else ""
-        return f"{self.source}:{self.row} trained {self.times} times before the checkpoint{where}{skipped}"
+        held = f"; quarantined in epochs {', '.join(map(str, self.quarantined))}" if self.quarantined else ""
+        return f"{self.source}:{self.row} trained {self.times} times before the checkpoint{where}{skipped}{held}"
 
 
 class Ledger:
@@ -90,14 +77,23 @@ class Ledger:
         skips: Optional[SkipList] = None,
         rows: Optional[int] = None,
         source: str = "train",
+        quarantine: Optional[Quarantine] = None,
     ) -> None:
         self.plan, self.epoch, self.position = plan, int(epoch), int(position)
         self.skips = skips if skips is not None else SkipList()
+        self.quarantine = quarantine if quarantine is not None else Quarantine()
         self.rows, self.source = rows, source
 
     @classmethod
-    def plain(
-        cls, rows: Optional[int], *, epoch: int, position: int, skips: Optional[SkipList] = None, shuffled: bool = False
+    def plain(  # noqa: PLR0913 (keyword-only: the checkpoint's position, its skips and quarantine)
+        cls,
+        rows: Optional[int],
+        *,
+        epoch: int,
+        position: int,
+        skips: Optional[SkipList] = None,
+        shuffled: bool = False,
+        quarantine: Optional[Quarantine] = None,
     ) -> Ledger:
         """The ledger of a run over one dataset in its own order (position = row)."""
         if shuffled:
@@ -105,7 +101,7 @@ class Ledger:
                 "A shuffled plain dataset's order depends on its block sizes at run time; the ledger answers for "
                 "a Mixture (its order is a function of the seed) or an unshuffled dataset."
             )
-        return cls(plan=None, epoch=epoch, position=position, skips=skips, rows=rows)
+        return cls(plan=None, epoch=epoch, position=position, skips=skips, rows=rows, quarantine=quarantine)
 
     def _epochs(self, size: int) -> List[Tuple[int, int]]:
         """``(epoch, positions trained in it before the checkpoint)`` for every epoch up to the checkpoint's."""
@@ -132,7 +128,7 @@ class Ledger:
                 if r.epoch == epoch and r.start < end
             ]
             for pass_ in range(-(-taken // rows)):
-                t = pass_ * rows + inverse_permute(row, rows, _mix(plan.seed, epoch, i, pass_))
+                t = plan.read_of(epoch, i, row, pass_)
                 if t >= taken:
                     continue
                 if any(lo <= t < hi for lo, hi in windows):
@@ -148,11 +144,18 @@ class Ledger:
             raise ValueError(f"Row {row} is outside the dataset's {self.rows} rows.")
         epochs: List[int] = []
         skipped: List[int] = []
+        held: List[int] = []
+        since = self.quarantine.rows.get(row)  # (epoch, position) its quarantine began, or None
         for epoch, end in self._epochs(self.rows if self.rows is not None else row + 1):
             if row >= end:
                 continue
-            (skipped if self.skips.contains(epoch, row) else epochs).append(epoch)
-        return LedgerAnswer(source, row, len(epochs), tuple(epochs), tuple(skipped))
+            if self.skips.contains(epoch, row):
+                skipped.append(epoch)
+            elif since is not None and (epoch, row) >= since:
+                held.append(epoch)
+            else:
+                epochs.append(epoch)
+        return LedgerAnswer(source, row, len(epochs), tuple(epochs), tuple(skipped), tuple(held))
 
 
 def ledger_of_checkpoint(state: Mapping[str, Any]) -> Ledger:
@@ -167,10 +170,11 @@ def ledger_of_checkpoint(state: Mapping[str, Any]) -> Ledger:
     callbacks = state.get("callbacks") or {}
     guard = next((v for k, v in callbacks.items() if k.split("#")[0] == "SpikeGuard"), None)
     skips = SkipList.from_state_dict(guard["skips"]) if guard else SkipList()
+    quarantine = Quarantine.from_state_dict(guard.get("quarantine", {})) if guard else Quarantine()
     counts = next((v for k, v in callbacks.items() if k.split("#")[0] == "MixtureCounts"), None)
     epoch, position = int(timestamp["epoch"]), int(timestamp["sample_in_epoch"])
     if counts is None:
-        return Ledger.plain(None, epoch=epoch, position=position, skips=skips)
+        return Ledger.plain(None, epoch=epoch, position=position, skips=skips, quarantine=quarantine)
     return Ledger(
         plan=saved_plan(counts["mixture"], counts["seed"], counts["stage_starts"]),
         epoch=epoch,

@@ -37,7 +37,17 @@ from raytrain_events.core.time import TimeUnit
 if TYPE_CHECKING:
     from raytrain_events.core.mixture import Mixture
 
-__all__ = ["MixturePlan", "MixtureRun", "Segment", "LEAF", "apportion", "run_samples"]
+__all__ = [
+    "MixturePlan",
+    "MixtureRun",
+    "Segment",
+    "LEAF",
+    "apportion",
+    "inverse_permute",
+    "pass_key",
+    "permute",
+    "run_samples",
+]
 
 LEAF = 64  # positions shuffled as one block at the bottom of the split tree
 _M64 = (1 << 64) - 1
@@ -125,6 +135,30 @@ def permute(index: int, size: int, key: int) -> int:
         x = (left << half) | right
         if x < size:
             return x
+
+
+def inverse_permute(value: int, size: int, key: int) -> int:
+    """The ``index`` with ``permute(index, size, key) == value`` (the Feistel rounds backwards, cycle-walking)."""
+    if size <= 1:
+        return 0
+    if not 0 <= value < size:
+        raise ValueError(f"Row {value} is outside the source's {size} rows.")
+    half = max(1, ((size - 1).bit_length() + 1) // 2)
+    mask = (1 << half) - 1
+    k0, k1, k2, k3 = _round_keys(key)
+    x = value
+    while True:
+        left, right = x >> half, x & mask
+        for k in (k3, k2, k1, k0):  # each round was (l, r) -> (r, l ^ f(r)): undone as (l, r) -> (r ^ f(l), l)
+            left, right = right ^ (_step(k ^ left) & mask), left
+        x = (left << half) | right
+        if x < size:
+            return x
+
+
+def pass_key(seed: int, epoch: int, source: int, pass_: int) -> int:
+    """The permutation key of a source's ``pass_``-th pass over its rows in ``epoch`` (`MixturePlan.row`)."""
+    return _mix(seed, epoch, source, pass_)
 
 
 def run_samples(max_duration: Any, epoch_size: int, global_batch: Optional[int]) -> Optional[int]:
@@ -369,7 +403,12 @@ class MixturePlan:
     def row(self, epoch: int, source: int, taken: int) -> int:
         """The row of ``source`` that its ``taken``-th read of ``epoch`` returns (pass ``taken // rows``)."""
         rows = self.source_rows[source]
-        return permute(taken % rows, rows, _mix(self.seed, epoch, source, taken // rows))
+        return permute(taken % rows, rows, pass_key(self.seed, epoch, source, taken // rows))
+
+    def read_of(self, epoch: int, source: int, row: int, pass_: int) -> int:
+        """The read ``taken`` of ``source`` in ``epoch`` whose `row` is ``row``, in pass ``pass_`` (its inverse)."""
+        rows = self.source_rows[source]
+        return pass_ * rows + inverse_permute(row, rows, pass_key(self.seed, epoch, source, pass_))
 
     def rows(self, epoch: int, start: int, stop: int) -> List[Tuple[int, int]]:
         """(source index, row) for each position in [start, stop) of ``epoch``; nothing before ``start`` is enumerated."""

@@ -30,15 +30,21 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Deque, Dict, List, Mapping, Optional, Tuple
+
+if TYPE_CHECKING:
+    from raytrain_events.core.timestamp import Timestamp
 
 __all__ = [
     "RollbackPolicy",
+    "Skipped",
     "SkipList",
     "SkipRange",
     "SpikeDetector",
     "SpikeRollbackError",
     "Verdict",
+    "window_ranges",
+    "window_record",
 ]
 
 
@@ -100,6 +106,11 @@ class SpikeDetector:
         self._norms: Deque[float] = deque(maxlen=self.window)
         self._loss_sum = self._norm_sum = self._norm_sq = 0.0  # running sums over the windows
         self._pushed = 0
+
+    @property
+    def loss_mean(self) -> float:
+        """The trailing window's mean loss (0.0 before any good batch)."""
+        return self._loss_sum / len(self._losses) if self._losses else 0.0
 
     def judge(self, loss: float, grad_norm: Optional[float] = None) -> Optional[Verdict]:
         """The verdict on one batch, without adding it to the window."""
@@ -250,6 +261,55 @@ class SkipList:
         return out
 
 
+@dataclass
+class Skipped:
+    """Rows at positions of the global order that were *not* trained, beside the `Timestamp` (``State.skipped``).
+
+    The Timestamp counts positions (trained + not trained: a schedule in ``dur`` means what it means in a
+    run without spikes, and a resume re-enters at the same place at any world size); this record counts the
+    positions that were not trained, apart: ``batches``/``samples``/``tokens`` of rolled-back windows (the
+    `SkipList`'s totals), ``by_source`` their samples per mixture source, and ``quarantined``/
+    ``quarantined_tokens`` the rows a quarantine dropped from batches (bisection's culprits included).
+    ``trained = timestamp - skipped - quarantined`` (`trained`). Saved in the checkpoint with the State; a
+    checkpoint from before it loads as zeros (the `SpikeGuard` fills it from its skip list then).
+    """
+
+    batches: int = 0
+    samples: int = 0
+    tokens: int = 0
+    quarantined: int = 0
+    by_source: Dict[str, int] = field(default_factory=dict)
+
+    def add_window(
+        self, batches: int, samples: int, tokens: int, by_source: Optional[Mapping[str, int]] = None
+    ) -> None:
+        self.batches, self.samples, self.tokens = self.batches + batches, self.samples + samples, self.tokens + tokens
+        for name, count in (by_source or {}).items():
+            self.by_source[name] = self.by_source.get(name, 0) + int(count)
+
+    def trained(self, batch: int, sample: int, token: int) -> Dict[str, int]:
+        """What was trained of a Timestamp's totals (``batch``, ``sample``, ``token``)."""
+        return {
+            "batch": batch - self.batches,
+            "sample": sample - self.samples - self.quarantined,
+            "token": token - self.tokens,
+        }
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {
+            "batches": self.batches,
+            "samples": self.samples,
+            "tokens": self.tokens,
+            "quarantined": self.quarantined,
+            "by_source": dict(self.by_source),
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any]) -> Skipped:
+        plain = {k: int(state.get(k, 0)) for k in ("batches", "samples", "tokens", "quarantined")}
+        return cls(**plain, by_source={str(k): int(v) for k, v in dict(state.get("by_source", {})).items()})
+
+
 class RollbackPolicy:
     """When to stop rolling back: after ``max_rollbacks`` rollbacks, or when a window would pass
     ``max_window`` batches (a spike that follows its rollback within the window widens it)."""
@@ -272,3 +332,22 @@ class RollbackPolicy:
                 f"A loss spike ({spike}) would skip {window_batches} batches (max_window={self.max_window}); "
                 f"skipped so far: {skips.describe()}. Lower snapshot_interval or raise max_window."
             )
+
+
+def window_record(ts: Timestamp, samples: int, tokens: int) -> Tuple[int, int, int, int, int]:
+    """A batch's ``(batch, epoch, start, end, tokens)`` in the global order, from the Timestamp after it."""
+    end = int(ts.sample_in_epoch)
+    return ts.get_value("ba"), int(ts.epoch), end - samples, end, tokens
+
+
+def window_ranges(history: List[Tuple[int, int, int, int, int]]) -> List[Tuple[int, int, int, int, int]]:
+    """Consecutive batch records as ``(epoch, start, end, batches, tokens)`` ranges of the global order."""
+    out: List[List[int]] = []
+    for _, epoch, start, end, tokens in history:
+        if out and out[-1][0] == epoch and out[-1][2] == start:
+            out[-1][2] = end
+            out[-1][3] += 1
+            out[-1][4] += tokens
+        else:
+            out.append([epoch, start, end, 1, tokens])
+    return [(e, s, t, b, k) for e, s, t, b, k in out]

@@ -13,6 +13,7 @@ from raytrain_events.core.agreement import Agreement
 from raytrain_events.core.algorithm import Algorithm
 from raytrain_events.core.callback import Callback
 from raytrain_events.core.precision import Precision
+from raytrain_events.core.spikes import Skipped
 from raytrain_events.core.time import Time, Timestamp, TimeUnit, ensure_time
 
 __all__ = ["State", "CheckpointMismatchError", "model_mismatch", "drop_ignored_keys"]
@@ -74,6 +75,7 @@ class State:
         self.algorithms: List[Algorithm] = list(algorithms)
         self.callbacks: List[Callback] = list(callbacks)
         self.timestamp = Timestamp()
+        self.skipped = Skipped()  # positions not trained (rolled-back windows, quarantined rows): core/spikes.py
         self.batch: Any = None
         self.batch_num_samples = 0
         self.batch_num_tokens = 0
@@ -194,6 +196,7 @@ class State:
             "algorithms_required": [k for k, a in _keyed(self.algorithms).items() if a.required_on_load()],
             "callbacks": {k: c.state_dict() for k, c in _keyed(self.callbacks).items()},
             "timestamp": self.timestamp.state_dict(),
+            "skipped": self.skipped.state_dict(),
             "run_name": self.run_name,
             "seed": self.seed,
             "grad_accum": self.grad_accum,
@@ -249,6 +252,7 @@ class State:
                 callbacks[key].load_state_dict(callback_state)
         if "timestamp" in state:
             self.timestamp = Timestamp.from_state_dict(state["timestamp"])
+            self.skipped = Skipped.from_state_dict(state.get("skipped", {}))  # none before the record: zeros
         if self.auto_microbatching and state.get("grad_accum") is not None:
             self.grad_accum = int(state["grad_accum"])  # the value auto microbatching found, not 1 again
 

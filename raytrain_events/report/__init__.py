@@ -114,12 +114,13 @@ def _run_report(url: str, options: Dict[str, Any]) -> Tuple[str, List[str], Dict
     name = (config or {}).get("run_name") or url.rstrip("/").rsplit("/", 1)[-1]
     sections = ["<h2>Summary</h2>"]
     rows = [[k, final[k]] for k in map(report_key, COUNTER_UNITS) if k in final]
-    rows += [[k, final[k]] for k in sorted(final) if k.startswith(("train/", "metrics/"))]
+    rows += [[k, final[k]] for k in sorted(final) if k.startswith(("train/", "metrics/", "spikes/"))]
     rows.append(["reports", len(history)])
     rows.append(["attempts (worker group starts)", len({e.get("attempt") for e in history})])
     sections.append(html.table(["", "final value"], rows) if history else "<p>No reports saved yet.</p>")
     captions = {
-        "metrics.png": "Train loss and eval metrics against global samples (dashed red: a restart)",
+        "metrics.png": "Train loss and eval metrics against global samples (dashed red: a restart; dash-dot purple "
+        "on the loss: a spike rolled back)",
         "metrics_tokens.png": "The same against global tokens",
         "learning_rate.png": "Learning rate",
         "throughput.png": "Throughput; checkpoints (dotted green) and restarts (dashed red) on the time axis",

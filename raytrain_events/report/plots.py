@@ -4,7 +4,9 @@ Every figure is ``WIDTH_PX`` wide; a grid of panels is ``PANEL_HEIGHT_PX`` high 
 figure's size follows from what it shows (tests and HTML rely on it).
 
 * ``metrics``: train loss and every eval metric against global samples; restarts (a new attempt
-  of the worker group) are dashed vertical lines.
+  of the worker group) are dashed vertical lines; on the train loss, each `SpikeGuard` rollback (a
+  spike rolled back) is a purple dash-dot line at the spike's global sample, and the title says the
+  rollbacks, the rows skipped and the rows quarantined (`spike_marks`, `spike_summary`).
 * ``metrics_tokens``: the same against global tokens (only when tokens were counted).
 * ``learning_rate``: the learning rate against global samples.
 * ``throughput``: samples per second against wall-clock minutes, checkpoints (dotted, green) and
@@ -18,7 +20,17 @@ import io
 import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["WIDTH_PX", "PANEL_HEIGHT_PX", "DPI", "SWEEP_SIZE", "run_figures", "sweep_figure", "grid_size"]
+__all__ = [
+    "WIDTH_PX",
+    "PANEL_HEIGHT_PX",
+    "DPI",
+    "SWEEP_SIZE",
+    "run_figures",
+    "spike_marks",
+    "spike_summary",
+    "sweep_figure",
+    "grid_size",
+]
 
 DPI = 100
 WIDTH_PX = 1000
@@ -89,6 +101,29 @@ def restarts(history: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return out
 
 
+def spike_marks(history: Sequence[Dict[str, Any]], x_key: str = "time/sample") -> List[float]:
+    """Where the loss spikes were rolled back: the x of each report whose ``spikes/rollbacks`` grew (against
+    global samples: the spike's own sample, ``spikes/last_sample``; one mark for several between reports)."""
+    out: List[float] = []
+    seen = 0.0
+    for entry in history:
+        count = entry.get("spikes/rollbacks")
+        if isinstance(count, (int, float)) and count > seen:
+            exact = entry.get("spikes/last_sample") if x_key == "time/sample" else None
+            out.append(exact if isinstance(exact, (int, float)) else entry.get(x_key, 0))
+            seen = count
+    return out
+
+
+def spike_summary(history: Sequence[Dict[str, Any]]) -> str:
+    """``"2 rollbacks, 48 rows skipped, 2 quarantined"`` from the last report that has them, or ``""``."""
+    last = next((e for e in reversed(history) if "spikes/rollbacks" in e or "spikes/quarantined_rows" in e), None)
+    if last is None:
+        return ""
+    rollbacks, skipped = int(last.get("spikes/rollbacks", 0)), int(last.get("spikes/skipped_samples", 0))
+    return f"{rollbacks} rollbacks, {skipped} rows skipped, {int(last.get('spikes/quarantined_rows', 0))} quarantined"
+
+
 def metric_keys(history: Sequence[Dict[str, Any]]) -> List[str]:
     """``train/loss`` (if logged) then every eval metric, in name order."""
     keys = {k for e in history for k, v in e.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -108,10 +143,16 @@ def _metrics_figure(history: Sequence[Dict[str, Any]], x_key: str, x_label: str)
             ax.axvline(
                 entry.get(x_key, 0), color="tab:red", linestyle="--", linewidth=1, label="restart" if i == 0 else None
             )
-        ax.set_title(key, fontsize=10)
+        marks = spike_marks(history, x_key) if key == "train/loss" else []
+        for i, x in enumerate(marks):
+            ax.axvline(
+                x, color="tab:purple", linestyle="-.", linewidth=1, label="spike rolled back" if i == 0 else None
+            )
+        summary = spike_summary(history) if key == "train/loss" else ""
+        ax.set_title(f"{key} ({summary})" if summary else key, fontsize=10)
         ax.set_xlabel(x_label)
         ax.grid(alpha=0.3)
-        if restarts(history):
+        if restarts(history) or marks:
             ax.legend(fontsize=8)
     fig.tight_layout()
     return save_png(fig)

@@ -12,9 +12,9 @@ import torch
 from raytrain_events import Callback, Trainer
 from raytrain_events.callbacks import SpikeGuard
 from raytrain_events.core.data_spec import DataSpec
-from raytrain_events.core.ledger import Ledger, inverse_permute, ledger_of_checkpoint
+from raytrain_events.core.ledger import Ledger, ledger_of_checkpoint
 from raytrain_events.core.mixture import Mixture
-from raytrain_events.core.mixture_plan import permute
+from raytrain_events.core.mixture_plan import inverse_permute, permute
 from raytrain_events.core.spikes import SkipList, SkipRange
 from raytrain_events.data.mixture_loader import MixtureLoader
 
@@ -112,6 +112,11 @@ def test_the_ledger_matches_the_rows_a_mixture_run_trained():
     assert {n: counts[n]["samples"] for n in SOURCES} == {
         n: sum(final_ledger.ask(n, r).times for r in range(rows)) for n, rows in SOURCES.items()
     }
+    # State.skipped: the positions not trained, apart from the Timestamp, per source as the ledger counts them.
+    skipped = {n: sum(len(final_ledger.ask(n, r).skipped) for r in range(rows)) for n, rows in SOURCES.items()}
+    assert trainer.state.skipped.by_source == {n: k for n, k in skipped.items() if k}
+    assert trainer.state.skipped.samples == sum(skipped.values()) == guard.skips.totals()[1]
+    assert guard.trained(trainer.state)["sample"] == int(trainer.state.timestamp.sample) - sum(skipped.values())
     trainer.fit(duration="1ep")  # a rollback is not a resume: the next fit of the same Trainer goes on
     assert int(trainer.state.timestamp.epoch) == 4
 

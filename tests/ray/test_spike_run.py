@@ -1,8 +1,10 @@
 """`SpikeGuard` through `RayTrainer` on the session's real local Ray: a row planted at a known global
 position spikes the loss on one of 2 workers; every rank rolls back at the same batch from its host
 snapshot and skips the window; stopped after the rollback and resumed by name on 3 workers, the skip
-list holds, the planted row spikes again in epoch 1 (on another rank of 3) and is skipped again; the run
-ends at the uninterrupted run's Timestamp with every other row trained once per epoch.
+list holds; the resumed run guards with bisection (``SpikeGuard(bisect=True, row_key="id")``): the planted
+row spikes again in epoch 1 (on another rank of 3), the 3 ranks replay the window on halves of its rows
+until they agree on row 150 alone, quarantine it and train the rest of the window (nothing skipped); the
+run ends at the uninterrupted run's Timestamp with every other row trained once per epoch.
 
 The guard judges the loss only (``grad_zscore=None``): under DDP the gradient norm is the same on
 every rank, the loss is each rank's own, so the rank without the planted row acts on the agreement alone.
@@ -80,7 +82,7 @@ def test_a_planted_row_rolls_back_from_host_skips_its_window_and_resumes_on_3_wo
     records, dumps = str(tmp_path / "records"), str(tmp_path / "guard")
     os.makedirs(records), os.makedirs(dumps)
     checkpoint = CheckpointConfig(save_interval="5ba", keep=2, save_every_n_seconds=None, autoresume=True)
-    for workers, duration in ((2, "15ba"), (3, "2ep")):
+    for workers, duration, bisect in ((2, "15ba", {}), (3, "2ep", {"bisect": True, "row_key": "id"})):
         result = RayTrainer(
             model=h.make_model,
             optimizers=h.make_sgd,
@@ -94,9 +96,9 @@ def test_a_planted_row_rolls_back_from_host_skips_its_window_and_resumes_on_3_wo
             checkpoint=checkpoint,
             max_duration=duration,
             num_workers=workers,
-            callbacks=lambda: [
+            callbacks=lambda bisect=bisect: [
                 h.RecordRows(records),
-                SpikeGuard(snapshot_interval=4, warmup=5, grad_zscore=None),
+                SpikeGuard(snapshot_interval=4, warmup=5, grad_zscore=None, **bisect),
                 DumpGuard(dumps),
             ],
         ).fit()
@@ -109,24 +111,29 @@ def test_a_planted_row_rolls_back_from_host_skips_its_window_and_resumes_on_3_wo
     assert sorted(guards) == ["guard-2-0.json", "guard-2-1.json", "guard-3-0.json", "guard-3-1.json", "guard-3-2.json"]
     # Epoch 0 at 2 workers: seen on rank 1 at batch 13, agreed by both at 14, the snapshot of batch 12 restored.
     # Epoch 1 (global batches 18-34) at 3 workers: seen at 30 (batch 13 of the epoch), snapshots at 15 (the
-    # resumed fit's start), 19, 23, 27: the one of 27 restored, epoch 1's batches 11-14 skipped.
+    # resumed fit's start), 19, 23, 27: the one of 27 restored, epoch 1's batches 11-14 (48 rows) replayed by
+    # halves; row 150 alone found, quarantined, the rest of the window trained again: nothing skipped.
     first = [[0, 144, 168, 2, sum(tokens[i] for i in range(144, 168))]]
-    second = [[1, 120, 168, 4, sum(tokens[i] for i in range(120, 168))]]
     for name, guard in guards.items():
         rollbacks = [(r["spike_batch"], r["restored_batch"], r["from"], r["skipped"]) for r in guard["rollbacks"]]
-        expected = [(13, 12, "host", [[0, 144, 168]])] + ([(30, 27, "host", [[1, 120, 168]])] if "-3-" in name else [])
+        expected = [(13, 12, "host", [[0, 144, 168]])] + ([(30, 27, "host", [])] if "-3-" in name else [])
         assert rollbacks == expected, name
-        assert guard["skips"] == first + (second if "-3-" in name else []), name
+        assert guard["skips"] == first, name
+        if "-3-" in name:
+            search = guard["rollbacks"][1]
+            assert (search["quarantined"], search["retrained"], search["window_rows"]) == ([150], True, 48), name
+            assert search["search_rows"] <= 3 * 48, name
     seen = {n: [r["reason"] for r in g["rollbacks"]] for n, g in guards.items()}
     assert "loss" in seen["guard-2-1.json"][0] and seen["guard-2-0.json"][0] == "seen on another rank"
     assert "loss" in seen["guard-3-1.json"][1] and seen["guard-3-2.json"][1] == "seen on another rank"
-    skipped = {(0, i) for i in range(144, 168)} | {(1, i) for i in range(120, 168)}
-    assert guards["guard-3-0.json"]["trained"] == {
-        "batch": 34 - 6,
-        "sample": 2 * h.ROWS - len(skipped),
+    skipped = {(0, i) for i in range(144, 168)}
+    assert guards["guard-3-0.json"]["trained"] == {  # the quarantined row's tokens are not counted apart
+        "batch": 34 - 2,
+        "sample": 2 * h.ROWS - len(skipped) - 1,
         "token": 2 * sum(tokens.values()) - sum(tokens[i] for _, i in skipped),
     }
-    # Every other row trained once per epoch (a skipped position's records are of the rolled-back batches).
+    # Every other row trained once per epoch (a skipped position's records are of the rolled-back batches; the
+    # replayed window's records are its batches as first trained, row 150 among them).
     lineage = h.final_lineage(h.read_records(records))
     for epoch in (0, 1):
         kept = [

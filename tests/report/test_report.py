@@ -17,7 +17,7 @@ from png_checks import check_png
 
 from raytrain_events.cli.main import main
 from raytrain_events.report import append_history, read_history, write_report
-from raytrain_events.report.plots import SWEEP_SIZE, throughput
+from raytrain_events.report.plots import SWEEP_SIZE, run_figures, spike_marks, spike_summary, throughput
 from raytrain_events.storage.exp_dir import RunDir
 
 
@@ -106,6 +106,28 @@ def test_run_report_shows_tokens_seen_per_source(tmp_path):
         page = fh.read()
     section = page.split("<h2>Tokens seen per source</h2>", 1)[1].split("<h2>", 1)[0]
     assert ">web<" in section and ">12000<" in section and ">0.8<" in section and ">code<" in section
+
+
+def test_run_report_marks_spikes_rollbacks_skipped_and_quarantined_rows_on_the_loss(tmp_path):
+    """SpikeGuard's metrics (logged at each rollback, carried by every later report): a purple mark per
+    rollback at the spike's global sample, the counts in the loss panel's title and the summary table."""
+    entries = _entries(4)
+    plain = run_figures(entries)["metrics"]
+    entries[1].update({"spikes/rollbacks": 1, "spikes/last_sample": 1300, "spikes/skipped_samples": 16})
+    for entry in entries[2:]:
+        entry.update({"spikes/rollbacks": 2, "spikes/last_sample": 2900, "spikes/skipped_samples": 16})
+        entry["spikes/quarantined_rows"] = 3
+    assert spike_marks(entries) == [1300, 2900]  # the first report after each rollback, at its spike's sample
+    assert spike_marks(entries, "time/token") == [0, 0]  # another axis: the report's own x
+    assert spike_summary(entries) == "2 rollbacks, 16 rows skipped, 3 quarantined"
+    assert spike_summary(_entries(2)) == ""
+    assert run_figures(entries)["metrics"] != plain  # the marks and the title are drawn
+    run = str(tmp_path / "spiky")
+    append_history(run, entries)
+    write_report(run)
+    check_png(os.path.join(run, "metrics.png"), 3)
+    page = open(os.path.join(run, "report.html")).read()
+    assert "a spike rolled back" in page and re.search(r"spikes/quarantined_rows</td><td>3<", page)
 
 
 def _trial(root, folder, label_algorithms, curve, lineage=None):

@@ -86,6 +86,8 @@ def test_a_spike_rolls_back_from_host_and_skips_exactly_its_window():
     _, clean = _fit(_rows())
     assert state.timestamp == clean.timestamp
     assert guard.trained(state) == {"batch": 48, "sample": 384, "token": 0}
+    # Not trained, counted apart from the Timestamp (whose positions are the uninterrupted run's).
+    assert state.skipped.state_dict() == {"batches": 2, "samples": 16, "tokens": 0, "quarantined": 0, "by_source": {}}
     # The weights are those of a run that never saw the window (host restore: model and optimizer exact).
     _, without = _fit(_rows(drop=range(200, 216)))
     for mine, theirs in zip(state.model.parameters(), without.model.parameters()):
@@ -158,6 +160,22 @@ def test_a_resume_after_the_rollback_keeps_the_skip_list(tmp_path, capsys):
     assert "not SOURCE:N" in capsys.readouterr().err
 
 
+def test_a_checkpoint_from_before_state_skipped_counts_its_skip_list():
+    """Checkpoints written before `State.skipped` have no such entry: they load as zeros, and the guard's fit
+    start fills the counts from its skip list."""
+    from raytrain_events.core.spikes import Skipped
+
+    guard = SpikeGuard(snapshot_interval=5)
+    trainer, state = _fit(_rows(planted=[203]), [guard], duration="30ba")
+    old = state.state_dict()
+    del old["skipped"]
+    state.skipped = Skipped(batches=99)
+    state.load_state_dict(old)
+    assert state.skipped == Skipped()
+    trainer.fit(duration="1ba")
+    assert (state.skipped.batches, state.skipped.samples) == (2, 16)
+
+
 @pytest.mark.parametrize(
     "kwargs,needle",
     [
@@ -175,20 +193,36 @@ def test_bad_guard_knobs_are_refused_before_any_work(kwargs, needle):
         SpikeGuard(**kwargs)
 
 
-def test_a_spike_in_the_fits_last_batch_is_said_not_hidden(caplog):
-    """The agreement needs one more batch: a spike in the last batch is logged, not rolled back, and the
-    next fit of the same Trainer goes on (no stale request asks for a snapshot from before its start)."""
+@pytest.mark.parametrize("duration", ["1ep", "50ba"])
+def test_a_spike_in_the_fits_last_batch_is_rolled_back_before_the_final_save(tmp_path, duration):
+    """No next batch carries the agreement: at the fit's last batch (BATCH_END for '50ba', EPOCH_END for
+    '1ep', before the epoch's checkpoint) the ranks sum the flag once, roll back and skip the window; the
+    final state and the checkpoint saved at the end are those of a run that never saw the window."""
+    from raytrain_events.checkpoint.format.reader import read_checkpoint_files
+    from raytrain_events.storage.run_dir import STATE_FILE
+
+    folder = str(tmp_path / "ck")
     guard = SpikeGuard(snapshot_interval=5)
-    trainer, state = _fit(_rows(planted=[396]), [guard])
-    assert guard.rollbacks == [] and "the fit's last batch" in caplog.text
-    trainer.fit(duration="2ba")  # the spoiled step stayed: the next batches may spike again, and roll back
-    assert int(trainer.state.timestamp.batch) == 52
+    config = CheckpointConfig(save_folder=folder, save_interval=duration, async_save=False)
+    trainer, state = _fit(_rows(planted=[396]), [guard], duration=duration, checkpoint=config, run_name="last")
+    # Seen at batch 50, the last: snapshots at 40 and 45 kept, the one of 45 restored, batches 46-50 skipped.
+    assert [(r["spike_batch"], r["restored_batch"], r["batch"]) for r in guard.rollbacks] == [(50, 45, 50)]
+    assert guard.skips.ranges == [SkipRange(0, 360, 400, batches=5, tokens=0)]
+    _, without = _fit(_rows(drop=range(360, 400)))
+    for mine, theirs in zip(state.model.parameters(), without.model.parameters()):
+        assert torch.equal(mine, theirs)
+    (saved,) = list_checkpoints(folder)
+    assert saved.batch == 50
+    files = read_checkpoint_files(saved, files=[STATE_FILE]).files[STATE_FILE]
+    assert files["callbacks"]["SpikeGuard"]["skips"]["ranges"] == [[0, 360, 400, 5, 0]]
+    trainer.fit(duration="2ba")  # the next fit of the same Trainer goes on from the rolled-back state
+    assert int(trainer.state.timestamp.batch) == 52 and len(guard.rollbacks) == 1
 
 
 @pytest.mark.parametrize("threshold", [0.05, 1.0])
 def test_with_gradient_clipping_the_guard_shares_its_norm_and_decides_the_same(monkeypatch, threshold):
-    """GradientClipping computes the gradient norm anyway: the guard judges that one (clipped by torch's
-    coefficient) instead of a second pass over the gradients, and decides as when it computes its own."""
+    """GradientClipping computes the gradient norm anyway: the guard judges that one (its pre-clip norm)
+    instead of a second pass over the gradients, and decides as when it computes its own (before the clip)."""
     from raytrain_events.algorithms import GradientClipping
     from raytrain_events.callbacks import spike_guard
 
@@ -208,7 +242,24 @@ def test_with_gradient_clipping_the_guard_shares_its_norm_and_decides_the_same(m
     assert shared.rollbacks == own.rollbacks and shared.skips.ranges == own.skips.ranges
     assert len(shared.detector._norms) == len(own.detector._norms) > 10
     assert list(shared.detector._norms) == pytest.approx(list(own.detector._norms), rel=1e-6)
-    assert max(own.detector._norms) <= threshold * (1 + 1e-5)  # the judged norm is the clipped one, as before
+    assert max(own.detector._norms) > threshold  # the judged norm is the one before clipping
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_with_gradient_clipping_a_gradient_blow_up_is_judged_before_the_clip(monkeypatch, share):
+    """Gradient norm only (no loss test): the planted row's gradient is capped by a tight clipping; judged
+    after the clip (the old behaviour) every norm is the threshold and nothing spikes; judged before it, the
+    blow-up rolls back and skips its window."""
+    from raytrain_events.algorithms import GradientClipping
+    from raytrain_events.callbacks import spike_guard
+
+    if not share:  # the guard's own norm, taken at AFTER_BACKWARD
+        monkeypatch.setattr(spike_guard, "_shared_clipping", lambda state, params: None)
+    guard = SpikeGuard(snapshot_interval=5, loss_ratio=None, grad_zscore=6.0)
+    _fit(_rows(planted=[203]), [guard], algorithms=[GradientClipping("norm", 0.5)])
+    assert [(r["spike_batch"], r["restored_batch"]) for r in guard.rollbacks] == [(26, 25)]
+    assert "gradient norm" in guard.rollbacks[0]["reason"]
+    assert guard.skips.ranges == [SkipRange(0, 200, 216, batches=2, tokens=0)]
 
 
 @pytest.mark.parametrize("grad_zscore", [6.0, None])

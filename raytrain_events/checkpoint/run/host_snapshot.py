@@ -28,7 +28,7 @@ __all__ = ["HostSnapshots", "Snapshot"]
 
 @dataclass(eq=False)
 class Snapshot:
-    """One host copy: the `State` tree (no timestamp), the RNGs, and ``meta`` (what the taker recorded)."""
+    """One host copy: the `State` tree (no timestamp, no skipped counts), the RNGs, and ``meta`` (what the taker recorded)."""
 
     tree: Dict[str, Any]
     rng: Dict[str, Any]
@@ -69,6 +69,7 @@ class HostSnapshots:
         stager = self.snapshots.pop(0).stager if len(self.snapshots) >= self.keep else HostStager()
         tree = self.state.state_dict()
         tree.pop("timestamp", None)
+        tree.pop("skipped", None)  # like the Timestamp, kept through a restore: the rollback adds its window to it
         tree["callbacks"] = {k: v for k, v in tree["callbacks"].items() if k not in self.exclude}
         staged = stager.stage(tree)
         staged.release()  # this slot's buffers are ours alone: the next snapshot into them may overwrite

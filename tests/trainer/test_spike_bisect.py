@@ -1,0 +1,144 @@
+"""`SpikeGuard(bisect=True)` in the local `Trainer`: a spike's window is replayed from the restored state on
+halves of its rows until the planted rows are found; they are quarantined (in the checkpoint, and in a file a
+later run passes), the rest of the window is trained, and later epochs never train them: the final model is
+that of a run whose batches never held them. The search's pure part is tests/core/test_quarantine.py's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_spike_guard import BATCH, DIM, ROWS, Record, _rows
+from torch.utils.data import DataLoader
+
+from raytrain_events import Trainer
+from raytrain_events.callbacks import SpikeGuard
+from raytrain_events.checkpoint import CheckpointConfig
+from raytrain_events.cli.main import main
+from raytrain_events.core.quarantine import Quarantine
+from raytrain_events.models import ClassifierModel
+
+PLANTED = [203, 317]  # batches 26 and 40 (1-based) of each epoch
+
+
+def _fit(data, callbacks=(), duration="2ep", loader=None, **kw):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(DIM, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    model = ClassifierModel(net, num_classes=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = Trainer(
+        model=model,
+        train_dataloader=loader or DataLoader(data, batch_size=BATCH),
+        max_duration=duration,
+        optimizers=optimizer,
+        schedulers=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.99**step),
+        callbacks=list(callbacks),
+        seed=0,
+        **kw,
+    )
+    return trainer.fit()
+
+
+def test_bisection_quarantines_exactly_the_planted_rows_and_trains_the_rest(tmp_path):
+    guard, record = SpikeGuard(snapshot_interval=5, bisect=True, row_key="id"), Record()
+    state = _fit(_rows(planted=PLANTED), [record, guard])
+    assert [(r["spike_batch"], r["restored_batch"], r["quarantined"], r["retrained"]) for r in guard.rollbacks] == [
+        (26, 25, [203], True),
+        (40, 37, [317], True),  # a fresh snapshot after a trained window: 27, 32, 37
+    ]
+    assert guard.quarantine.ids() == PLANTED and guard.skips.ranges == []  # nothing skipped: the window trained
+    # The search: about 2x the window's rows forwarded (halves down to one row), well under 4x its compute.
+    for r in guard.rollbacks:
+        assert r["window_rows"] == BATCH * (r["batch"] - r["restored_batch"])
+        assert r["search_rows"] <= 3 * r["window_rows"]
+    # Epoch 1 never trains them (dropped from their batches); every other row once per epoch.
+    epoch1 = sorted(i for (e, _), ids in record.lineage.items() if e == 1 for i in ids)
+    assert epoch1 == [i for i in range(ROWS) if i not in PLANTED]
+    # 2 out of the windows, 2 dropped in epoch 1: not trained, counted apart from the positions
+    assert state.skipped.quarantined == 4 and state.skipped.samples == 0
+    assert guard.trained(state) == {"batch": 2 * ROWS // BATCH, "sample": 2 * ROWS - 4, "token": 0}
+    # The weights (and the schedule) of a run whose batches never held the planted rows.
+    batches = [[i for i in range(b, b + BATCH) if i not in PLANTED] for b in range(0, ROWS, BATCH)]
+    data = _rows(planted=PLANTED)
+    clean = _fit(data, loader=DataLoader(data, batch_sampler=batches))
+    for mine, theirs in zip(state.model.parameters(), clean.model.parameters()):
+        assert torch.equal(mine, theirs)
+    ts = state.timestamp  # positions counted as in the uninterrupted run
+    assert (int(ts.epoch), int(ts.batch), int(ts.sample)) == (2, 2 * ROWS // BATCH, 2 * ROWS)
+
+    # A later run on the same data passes the file: no spike at all, the rows dropped from the first batch on.
+    path = tmp_path / "quarantine.json"
+    path.write_text(guard.quarantine.dumps())
+    later = SpikeGuard(snapshot_interval=5, row_key="id", quarantine_from=str(path))
+    assert _fit(_rows(planted=PLANTED), [later], duration="1ep").skipped.quarantined == 2
+    assert later.rollbacks == [] and later.quarantine.ids() == PLANTED
+    # On other data (another dataset size) the file is refused at the fit's start.
+    with pytest.raises(ValueError, match="quarantine was recorded for other data .*dataset_len: 400 there, 392 here"):
+        _fit(_rows(drop=range(8)), [SpikeGuard(row_key="id", quarantine_from=str(path))])
+
+
+def test_the_quarantine_holds_across_a_resume_and_the_ledger_answers_with_it(tmp_path, capsys):
+    run = tmp_path / "run"
+    config = CheckpointConfig(
+        save_folder=str(run / "checkpoints"), save_interval="10ba", autoresume=True, async_save=False
+    )
+    first = SpikeGuard(snapshot_interval=5, bisect=True, row_key="id")
+    _fit(_rows(planted=PLANTED), [first], duration="30ba", run_name="q", checkpoint=config)
+    assert first.quarantine.ids() == [203]
+    second, record = SpikeGuard(snapshot_interval=5, bisect=True, row_key="id"), Record()
+    _fit(_rows(planted=PLANTED), [record, second], run_name="q", checkpoint=config)
+    assert second.quarantine.ids() == PLANTED and [r["quarantined"] for r in second.rollbacks] == [[203], [317]]
+    assert sorted(i for (e, _), ids in record.lineage.items() if e == 1 for i in ids) == [
+        i for i in range(ROWS) if i not in PLANTED
+    ]
+    # The ledger (CLI): a culprit is quarantined from its window's start on; its window's other rows trained.
+    assert main(["ledger", str(run), "--row", "train:203"]) == 0
+    assert (
+        capsys.readouterr().out.strip() == "train:203 trained 0 times before the checkpoint; quarantined in epochs 0, 1"
+    )
+    assert main(["ledger", str(run), "--row", "train:317", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["quarantined_in_epochs"] == [0, 1]
+    assert main(["ledger", str(run), "--row", "train:210"]) == 0
+    assert "trained 2 times" in capsys.readouterr().out
+    # ... and writes the file a later run passes.
+    path = tmp_path / "q.json"
+    assert main(["ledger", str(run), "--export-quarantine", str(path)]) == 0
+    assert "Wrote 2 quarantined rows" in capsys.readouterr().out
+    assert Quarantine.loads(path.read_text()) == second.quarantine
+
+
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        (dict(bisect=True), "pass row_key='id'"),
+        (dict(bisect=True, row_key="id", loss_ratio=None), "needs loss_ratio"),
+        (dict(row_key="id", quarantine_from="/nonexistent/q.json"), "no such file"),
+    ],
+)
+def test_bad_bisection_knobs_are_refused_before_any_work(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        SpikeGuard(**kwargs)
+
+
+def test_a_batch_without_the_row_key_is_named():
+    data = [{"x": r["x"], "y": r["y"]} for r in _rows(planted=[203])]
+    with pytest.raises(ValueError, match="integer column 'id'"):
+        _fit(data, [SpikeGuard(snapshot_interval=5, bisect=True, row_key="id")], duration="1ep")
+
+
+def test_a_batch_whose_every_row_is_quarantined_trains_with_its_loss_times_zero(tmp_path):
+    """Every rank still runs its forward and backward (DDP needs it); the batch changes nothing: the model is
+    that of a run without its rows (plain SGD: a zero gradient is no step)."""
+    from test_spike_guard import _fit as fit_plain
+
+    held = Quarantine(fingerprint={"row_key": "id"})
+    for row in range(BATCH):  # the whole first batch
+        held.add(row, 0, 0)
+    path = tmp_path / "q.json"
+    path.write_text(held.dumps())
+    _, state = fit_plain(_rows(), [SpikeGuard(row_key="id", quarantine_from=str(path))])
+    assert state.skipped.quarantined == BATCH and int(state.timestamp.sample) == ROWS
+    _, without = fit_plain(_rows(drop=range(BATCH)))
+    for mine, theirs in zip(state.model.parameters(), without.model.parameters()):
+        assert torch.equal(mine, theirs)
