@@ -103,6 +103,11 @@ def test_a_kill_on_a_ring_costs_the_far_groups_a_step_not_the_gloo_timeout(tmp_p
         neighbour = g in ((VICTIM - 1) % GROUPS, (VICTIM + 1) % GROUPS)
         abandoned = max(r["abandoned"] for r in _steps(folder, g)) if g != VICTIM else 0
         # Each group that is not the victim's ring neighbour abandoned its all-reduce when the board said a
-        # neighbour failed (at 6 groups three of them, one two hops from any failing neighbour); no neighbour did.
-        assert abandoned == (0 if neighbour or g == VICTIM else 1), (g, abandoned)
+        # neighbour failed (at 6 groups three of them, one two hops from any failing neighbour). A neighbour
+        # usually fails on the closed connection first, but on a loaded machine it may read the other
+        # neighbour's post first and abandon: either way its step ends, once.
+        if neighbour:
+            assert abandoned <= 1, (g, abandoned)
+        else:
+            assert abandoned == (0 if g == VICTIM else 1), (g, abandoned)
     assert HEARTBEAT_TIMEOUT_MS < 20_000
