@@ -199,7 +199,13 @@ class Feed:
             self.microbatches, self.context, self.before_forward = saved
 
     def microbatch(self, index: torch.Tensor) -> Any:
+        """The first stage's microbatch ``index`` (after the loop's ``BEFORE_FORWARD``)."""
         return self.before_forward(int(index.reshape(-1)[0]))
+
+    def loaded(self, index: torch.Tensor) -> Any:
+        """Microbatch ``index`` as loaded (what ``pipeline_block`` gets on every stage); modulo the
+        count: the first step's shape inference hands the later stages an uninitialised index."""
+        return self.microbatches[int(index.reshape(-1)[0]) % len(self.microbatches)]
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         return self.context if self.context is not None else contextlib.nullcontext()

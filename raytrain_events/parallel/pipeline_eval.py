@@ -61,11 +61,14 @@ def forward_only(
     with pipeline.feed.serving(parts, autocast):
         for index in range(len(parts)):
             for module, stage in zip(pipeline.modules, pipeline.stage_indices):
+                at = torch.tensor([index], device=device)
                 if stage == 0:
-                    x = torch.tensor([index], device=device)
-                else:
+                    y = module(at)
+                else:  # a model with pipeline_block: this rank knows the index, only the hidden state travels
                     x = _receive(pipeline, (stage - 1) % degree, device)
-                y = module(x)
+                    y = module(x, at) if module.passes_index else module(x)
+                if isinstance(y, tuple):  # (hidden, index) of a stage but the last
+                    y = y[0]
                 if stage == last:
                     outputs.append(y)
                 else:
