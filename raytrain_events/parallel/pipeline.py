@@ -12,7 +12,8 @@ the pipeline only; FSDP's all-gathers and reduce-scatters stay within a stage's 
 
 Per step a pipeline sends, per microbatch and stage boundary, one activation forward and one
 gradient back (``2 * (stages - 1) * microbatches`` messages of ``rows/microbatches x sequence x width``
-values per pipeline); the bubble (time a stage idles) is ``(stages - 1) / (microbatches + stages - 1)``
+values per pipeline; with the model's ``pipeline_block`` hook one more forward message per microbatch
+and boundary, the microbatch's index, one ``int64``); the bubble (time a stage idles) is ``(stages - 1) / (microbatches + stages - 1)``
 of a step for GPipe and 1F1B, and ``(p - 1) / (v * m + p - 1)`` with ``v`` stages per rank
 interleaved (measured in ``bench/pipeline_bench.py``). Evaluation and ``predict`` run the stages forward only
 (``pipeline_eval.py``).

@@ -166,7 +166,8 @@ class StageModule(torch.nn.Module):
                 index = x
                 x = getattr(model, EMBED)(self._feed.microbatch(x))
             if self.passes_index:
-                assert index is not None, "a stage of a model with pipeline_block gets the microbatch's index"
+                if index is None:
+                    raise TypeError("A stage of a model with pipeline_block takes (hidden, microbatch index).")
                 microbatch, call = self._feed.loaded(index), getattr(model, BLOCK)
                 for block in self.body:
                     x = call(block, x, microbatch)
@@ -175,8 +176,7 @@ class StageModule(torch.nn.Module):
                     x = block(x)
             if self.last:
                 return getattr(model, HEAD)(x)
-        if self.passes_index:
-            assert index is not None
+        if index is not None and self.passes_index:
             return x, index.detach().clone()  # a new tensor: a stage's output is not its input
         return x
 
