@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
 
 import torch
 
@@ -256,6 +256,19 @@ class Pipeline:
             self.data_group: Any = flatten_mesh(mesh["replicate", "shard"], "replicate_shard").get_group()
         else:
             self.data_group = mesh["shard"].get_group()
+
+    def check_batch(self, batch: Any) -> None:
+        """Refuse a packed batch (``document_ids``) when the model's blocks cannot get it: without the
+        model's ``pipeline_block`` hook a stage calls ``block(hidden)``, and its documents would
+        attend to each other in silence."""
+        if isinstance(batch, Mapping) and "document_ids" in batch and not self.modules[0].passes_index:
+            raise ValueError(
+                "A packed batch (document_ids) under FSDPConfig(pipeline_parallel=...), but the model has no "
+                "pipeline_block(block, hidden, microbatch) method: its stages call block(hidden), so the document "
+                "masks would not reach the blocks and documents would attend to each other. Fix: define "
+                "pipeline_block on the model to call a block with the microbatch's document ids, e.g. "
+                "`return block(hidden, microbatch.get('document_ids'))` (examples/transformer_lm.py does)."
+            )
 
     def build_schedule(self, device: torch.device) -> None:
         """The schedule over this rank's `PipelineStage`s (after the parameters are materialised)."""

@@ -51,6 +51,7 @@ def forward_only(
     """``batch`` through the model's stages, forward only (under the caller's ``torch.no_grad``);
     the model's outputs on the last stage's ranks, None on the others. ``spec``: the batch's
     `DataSpec` (its ``split_batch`` and sample count cut the microbatches)."""
+    pipeline.check_batch(batch)
     rows = spec.get_num_samples_in_batch(batch)
     count = max(1, min(pipeline.microbatches, int(rows)))
     parts = spec.split_batch(batch, count) if count > 1 else [batch]

@@ -108,6 +108,7 @@ class PipelineStep:
         batch = state.batch
         microbatches = pipeline.microbatches
         total = spec.get_num_samples_in_batch(batch)
+        pipeline.check_batch(batch)
         if total < microbatches:
             raise ValueError(
                 f"The batch has {total} samples on rank {state.rank}, fewer than FSDPConfig(pipeline_microbatches="

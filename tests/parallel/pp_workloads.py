@@ -121,6 +121,7 @@ def pp_trainer(
     callbacks: Optional[List[Any]] = None,
     shard: Optional[int] = None,
     hidden_only: bool = False,
+    rows: Optional[List[Any]] = None,
     **ckpt: Any,
 ) -> Trainer:
     """The 4-block transformer (on meta when ``meta``) with AdamW and norm clipping (threshold 0.1,
@@ -128,7 +129,8 @@ def pp_trainer(
     ``evaluate``: an eval set of 16 rows per data shard, evaluated every 4 batches. An `EMA` of the
     weights (smoothing 0.5) runs in every layout: under PP each rank averages its stages' parameters.
     ``hidden_only``: the model without its ``pipeline_block`` hook (stages call ``block(hidden)`` and
-    send the hidden state only, the protocol's plain form)."""
+    send the hidden state only, the protocol's plain form). ``rows``: the training rows in place of
+    this shard's random tokens."""
     from examples.transformer_lm import random_tokens
     from raytrain_events.algorithms.ema import EMA
     from raytrain_events.checkpoint import CheckpointConfig
@@ -147,7 +149,7 @@ def pp_trainer(
     pipelined = isinstance(parallelism, dict) and parallelism.get("pipeline_parallel", 1) > 1
     return Trainer(
         model=model,
-        train_dataloader=DataLoader(random_tokens(32, seed=100 + shard), batch_size=8),
+        train_dataloader=DataLoader(random_tokens(32, seed=100 + shard) if rows is None else rows, batch_size=8),
         max_duration=max_duration,
         optimizers=torch.optim.AdamW(model.parameters(), lr=2e-3),
         grad_accum=1 if pipelined else 2,
@@ -249,8 +251,9 @@ class PlantSpike(Callback):
 
 
 def pp_hops_and_spike(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
-    """`pp_checkpoint_hops`, `pp_spike` and a mis-sharded outermost pipeline (its stages load consecutive
-    ranks' shards: the error each rank raised) in one spawn of 4 ranks (a spawn and its imports cost seconds)."""
+    """`pp_checkpoint_hops`, `pp_spike`, a mis-sharded outermost pipeline (its stages load consecutive
+    ranks' shards: the error each rank raised) and a packed batch for a model without ``pipeline_block``
+    (the error each rank raised) in one spawn of 4 ranks (a spawn and its imports cost seconds)."""
     out = {"hops": pp_checkpoint_hops(rank, world_size, folder), "spike": pp_spike(rank, world_size)}
     trainer = pp_trainer(rank, pp_config("1f1b", pipeline_outermost=True), "1ba", 2, algorithms=[])
     try:
@@ -258,6 +261,17 @@ def pp_hops_and_spike(rank: int, world_size: int, folder: str) -> Dict[str, Any]
         out["mis-sharded"] = "trained"
     except ValueError as e:
         out["mis-sharded"] = str(e)
+    trainer.close()
+    from tests.parallel.doc_mask_workloads import packed_rows
+
+    packed = packed_rows(8, seed=100 + rank // 2)  # a packed batch, and a model whose stages cannot mask it
+    trainer = pp_trainer(rank, pp_config("1f1b"), "1ba", 2, algorithms=[], hidden_only=True, rows=packed)
+    try:
+        trainer.fit()
+        out["packed-unmasked"] = "trained"
+    except ValueError as e:
+        out["packed-unmasked"] = str(e)
+    trainer.close()
     return out
 
 
