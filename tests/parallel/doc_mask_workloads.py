@@ -119,7 +119,7 @@ def train_packed(rank: int, world_size: int, arms: Any, group: Dict[str, int]) -
     return out
 
 
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "loopedbfs")
 
 
 def train_packed_pp(rank: int, world_size: int) -> Dict[str, Any]:
