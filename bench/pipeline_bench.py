@@ -11,7 +11,9 @@ the optimizer step: a few ms). Theory (Narayanan et al. 2021): ``(p - 1) / (m + 
 and 1F1B, ``(p - 1) / (v m + p - 1)`` interleaved over ``v`` stages per rank.
 
 **Steps/s** (``--part speed``): the example transformer on 4 ranks, the same global batch (32 rows),
-PP 2 x FSDP 2 (1F1B, 4 microbatches) against FSDP 4 alone; arms alternate for ``--repeats``
+PP 2 x FSDP 2 (1F1B, 4 microbatches) against FSDP 4 alone, and PP 2 x FSDP 2 with the model's
+``pipeline_block`` hook off (the stages send the hidden state only, not the microbatch's index that
+packed batches' document masks need: that index's cost); arms alternate for ``--repeats``
 rounds, a fresh `Trainer` each; printed: the median step and its spread, and the ratio.
 
 **Evaluation** (``--part eval``): the same model and arms, ``Trainer.eval`` of the same global rows
@@ -148,23 +150,43 @@ ARMS = {
         "pipeline_parallel": 2,
         "pipeline_microbatches": 4,
     },
+    "pp 2 x fsdp 2, hidden only": {
+        "shard_modules": ["Block"],
+        "pipeline_parallel": 2,
+        "pipeline_microbatches": 4,
+    },
 }
+# Arms whose model runs without its pipeline_block hook: the stages send the hidden state only, not
+# the microbatch's index beside it (the hook's cost: one int64 message per microbatch and boundary).
+HIDDEN_ONLY = {"pp 2 x fsdp 2, hidden only"}
+
+
+def _lm(arm: str) -> Any:
+    """The example transformer on the meta device (without ``pipeline_block`` for `HIDDEN_ONLY` arms)."""
+    import torch
+
+    from examples.transformer_lm import TransformerLM
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = TransformerLM(vocab=256, width=128, heads=4, depth=4, length=128)
+    if arm in HIDDEN_ONLY:
+        model.pipeline_block = None
+    return model
 
 
 def _speed_rank(rank: int, world_size: int, arm: str, steps: int) -> float:
     import torch
     from torch.utils.data import DataLoader
 
-    from examples.transformer_lm import TransformerLM, random_tokens
+    from examples.transformer_lm import random_tokens
     from raytrain_events import Trainer
     from tests.parallel.ac_workloads import StepTimes
 
     timer = StepTimes()
     pipelined = "pipeline_parallel" in ARMS[arm]
     rows = 16 if pipelined else 8  # the same global batch: 2 pipelines x 16 or 4 ranks x 8
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = TransformerLM(vocab=256, width=128, heads=4, depth=4, length=128)
+    model = _lm(arm)
     shard = rank // 2 if pipelined else rank
     trainer = Trainer(
         model=model,
@@ -197,17 +219,14 @@ def speed(repeats: int, steps: int) -> None:
 
 
 def _eval_rank(rank: int, world_size: int, arm: str, batches: int) -> float:
-    import torch
     from torch.utils.data import DataLoader
 
-    from examples.transformer_lm import TransformerLM, random_tokens
+    from examples.transformer_lm import random_tokens
     from raytrain_events import Trainer
 
     pipelined = "pipeline_parallel" in ARMS[arm]
     rows = 16 if pipelined else 8  # the same global rows: 2 pipelines x 16 or 4 ranks x 8
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = TransformerLM(vocab=256, width=128, heads=4, depth=4, length=128)
+    model = _lm(arm)
     shard = rank // 2 if pipelined else rank
     loader = DataLoader(random_tokens(rows * batches, vocab=256, length=128, seed=shard), batch_size=rows)
     trainer = Trainer(model=model, parallelism=ARMS[arm])

@@ -15,8 +15,9 @@ Attention reshapes with ``-1`` heads, so the same code runs whole or split. The 
 tensor group must see the same batches: shard the data by `Parallel.data_parallel` (``rank // t``).
 
 Pipeline parallelism (``FSDPConfig(pipeline_parallel=p)``): ``blocks`` is the block list the stages
-cut, ``pipeline_embed`` runs on the first stage and ``pipeline_head`` on the last
-(`raytrain_events.parallel.pipeline_split`).
+cut, ``pipeline_embed`` runs on the first stage and ``pipeline_head`` on the last, and
+``pipeline_block`` gives each block its microbatch's document ids on every stage (packed batches
+keep their document masks; `raytrain_events.parallel.pipeline_split`).
 
 Context parallelism (``FSDPConfig(context_parallel=c)``): attention is plain SDPA, so it can be
 split along the sequence; ``context_parallel_split`` cuts a batch (global ``positions``, ``labels``
@@ -145,6 +146,11 @@ class TransformerLM(torch.nn.Module):
         if "position_ids" in batch:  # packed: positions restart at each document
             positions = batch["position_ids"].long() if cut is None else batch["position_ids"][:, cut].long()
         return self.tokens(ids) + self.positions(positions)  # type: ignore[no-any-return]
+
+    def pipeline_block(self, block: torch.nn.Module, x: torch.Tensor, microbatch: Dict[str, torch.Tensor]) -> Any:
+        """How a pipeline stage calls a block: with the microbatch's document ids (packed batches keep
+        their document masks on every stage; context parallelism does not compose with PP)."""
+        return block(x, microbatch.get("document_ids"))
 
     def pipeline_head(self, x: torch.Tensor) -> torch.Tensor:
         """What runs after the blocks (the last pipeline stage's part): logits."""

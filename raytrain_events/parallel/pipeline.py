@@ -12,7 +12,8 @@ the pipeline only; FSDP's all-gathers and reduce-scatters stay within a stage's 
 
 Per step a pipeline sends, per microbatch and stage boundary, one activation forward and one
 gradient back (``2 * (stages - 1) * microbatches`` messages of ``rows/microbatches x sequence x width``
-values per pipeline); the bubble (time a stage idles) is ``(stages - 1) / (microbatches + stages - 1)``
+values per pipeline; with the model's ``pipeline_block`` hook one more forward message per microbatch
+and boundary, the microbatch's index, one ``int64``); the bubble (time a stage idles) is ``(stages - 1) / (microbatches + stages - 1)``
 of a step for GPipe and 1F1B, and ``(p - 1) / (v * m + p - 1)`` with ``v`` stages per rank
 interleaved (measured in ``bench/pipeline_bench.py``). Evaluation and ``predict`` run the stages forward only
 (``pipeline_eval.py``).
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
 
 import torch
 
@@ -199,7 +200,13 @@ class Feed:
             self.microbatches, self.context, self.before_forward = saved
 
     def microbatch(self, index: torch.Tensor) -> Any:
+        """The first stage's microbatch ``index`` (after the loop's ``BEFORE_FORWARD``)."""
         return self.before_forward(int(index.reshape(-1)[0]))
+
+    def loaded(self, index: torch.Tensor) -> Any:
+        """Microbatch ``index`` as loaded (what ``pipeline_block`` gets on every stage); modulo the
+        count: the first step's shape inference hands the later stages an uninitialised index."""
+        return self.microbatches[int(index.reshape(-1)[0]) % len(self.microbatches)]
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         return self.context if self.context is not None else contextlib.nullcontext()
@@ -249,6 +256,19 @@ class Pipeline:
             self.data_group: Any = flatten_mesh(mesh["replicate", "shard"], "replicate_shard").get_group()
         else:
             self.data_group = mesh["shard"].get_group()
+
+    def check_batch(self, batch: Any) -> None:
+        """Refuse a packed batch (``document_ids``) when the model's blocks cannot get it: without the
+        model's ``pipeline_block`` hook a stage calls ``block(hidden)``, and its documents would
+        attend to each other in silence."""
+        if isinstance(batch, Mapping) and "document_ids" in batch and not self.modules[0].passes_index:
+            raise ValueError(
+                "A packed batch (document_ids) under FSDPConfig(pipeline_parallel=...), but the model has no "
+                "pipeline_block(block, hidden, microbatch) method: its stages call block(hidden), so the document "
+                "masks would not reach the blocks and documents would attend to each other. Fix: define "
+                "pipeline_block on the model to call a block with the microbatch's document ids, e.g. "
+                "`return block(hidden, microbatch.get('document_ids'))` (examples/transformer_lm.py does)."
+            )
 
     def build_schedule(self, device: torch.device) -> None:
         """The schedule over this rank's `PipelineStage`s (after the parameters are materialised)."""

@@ -51,6 +51,7 @@ def forward_only(
     """``batch`` through the model's stages, forward only (under the caller's ``torch.no_grad``);
     the model's outputs on the last stage's ranks, None on the others. ``spec``: the batch's
     `DataSpec` (its ``split_batch`` and sample count cut the microbatches)."""
+    pipeline.check_batch(batch)
     rows = spec.get_num_samples_in_batch(batch)
     count = max(1, min(pipeline.microbatches, int(rows)))
     parts = spec.split_batch(batch, count) if count > 1 else [batch]
@@ -61,11 +62,14 @@ def forward_only(
     with pipeline.feed.serving(parts, autocast):
         for index in range(len(parts)):
             for module, stage in zip(pipeline.modules, pipeline.stage_indices):
+                at = torch.tensor([index], device=device)
                 if stage == 0:
-                    x = torch.tensor([index], device=device)
-                else:
+                    y = module(at)
+                else:  # a model with pipeline_block: this rank knows the index, only the hidden state travels
                     x = _receive(pipeline, (stage - 1) % degree, device)
-                y = module(x)
+                    y = module(x, at) if module.passes_index else module(x)
+                if isinstance(y, tuple):  # (hidden, index) of a stage but the last
+                    y = y[0]
                 if stage == last:
                     outputs.append(y)
                 else:

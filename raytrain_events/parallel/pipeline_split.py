@@ -9,6 +9,18 @@ and the model splits its ``forward`` in three::
         return self.tokens(batch["input_ids"]) + ...
     def pipeline_head(self, hidden):   # the last stage: what runs after them; loss() takes its outputs
         return self.head(self.norm(hidden))
+    def pipeline_block(self, block, hidden, microbatch):  # optional: how a stage calls a block
+        return block(hidden, microbatch.get("document_ids"))
+
+Without ``pipeline_block`` a stage calls ``block(hidden)`` and sends the next stage the hidden state
+only. With it, each block call gets the microbatch it runs (the loaded batch's split: a packed
+batch's ``document_ids`` for the document masks), on every stage: every rank of a pipeline holds
+the batch's microbatches (`Feed.microbatches`), so only the microbatch's index travels, as a second
+output of each stage (one ``int64`` of one element per microbatch and stage boundary, beside the
+activation; no gradient: the schedule's backward skips outputs that need none). The schedule's
+first step infers the stages' shapes from placeholder inputs (an uninitialised index on every stage
+but the first): the index is taken modulo the microbatch count there, so that forward sees some
+microbatch of the batch (all have the same shapes).
 
 The model's child modules registered before the block list belong to the first stage, those after
 it to the last (the order ``__init__`` builds them in). The blocks are cut evenly over the
@@ -32,7 +44,7 @@ import torch
 
 __all__ = ["StageBlocks", "StageLayout", "find_blocks", "keep_stages", "plan_stages"]
 
-EMBED, HEAD = "pipeline_embed", "pipeline_head"
+EMBED, HEAD, BLOCK = "pipeline_embed", "pipeline_head", "pipeline_block"
 
 
 def find_blocks(model: torch.nn.Module) -> Tuple[str, torch.nn.ModuleList]:
@@ -122,7 +134,9 @@ class StageModule(torch.nn.Module):
     """One stage as a module of its own (what `PipelineStage` runs and FSDP wraps): the model's first
     part (first stage), its range of blocks, its last part (last stage); the modules are the model's
     own (shared), so ``state.model`` sees the sharded parameters. ``feed(index)`` gives the first
-    stage the microbatch by its index (the schedule sends only tensors between stages)."""
+    stage the microbatch by its index (the schedule sends only tensors between stages). When the
+    model has ``pipeline_block`` (`passes_index`), a stage but the last returns ``(hidden, index)``
+    and the next takes both, so each stage's blocks get their microbatch (see the module doc)."""
 
     def __init__(
         self,
@@ -141,16 +155,29 @@ class StageModule(torch.nn.Module):
         self.edge_last = torch.nn.ModuleList(last_part or [])
         self._model = [model]  # a list: not registered as a child (its other stages' layers are not ours)
         self.first, self.last, self._feed = first, last, feed
+        self.passes_index = callable(getattr(model, BLOCK, None))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, index: Optional[torch.Tensor] = None) -> Any:
+        """``x``: the microbatch's index (first stage) or the previous stage's hidden state, with
+        ``index`` the microbatch's index when `passes_index`."""
         model = self._model[0]
         with self._feed.autocast():
             if self.first:
+                index = x
                 x = getattr(model, EMBED)(self._feed.microbatch(x))
-            for block in self.body:
-                x = block(x)
+            if self.passes_index:
+                if index is None:
+                    raise TypeError("A stage of a model with pipeline_block takes (hidden, microbatch index).")
+                microbatch, call = self._feed.loaded(index), getattr(model, BLOCK)
+                for block in self.body:
+                    x = call(block, x, microbatch)
+            else:
+                for block in self.body:
+                    x = block(x)
             if self.last:
-                x = getattr(model, HEAD)(x)
+                return getattr(model, HEAD)(x)
+        if index is not None and self.passes_index:
+            return x, index.detach().clone()  # a new tensor: a stage's output is not its input
         return x
 
 

@@ -108,13 +108,7 @@ class PipelineStep:
         batch = state.batch
         microbatches = pipeline.microbatches
         total = spec.get_num_samples_in_batch(batch)
-        if isinstance(batch, Mapping) and "document_ids" in batch:  # a stage passes its blocks the hidden state only
-            raise ValueError(
-                "A packed batch (document_ids) under FSDPConfig(pipeline_parallel=...): the stages pass only the "
-                "hidden state between blocks, so the document masks would not reach them and documents would attend "
-                "to each other. Fix: train packed sequences without pipeline parallelism for now (FSDP/TP/CP keep the "
-                "masks), or unpacked rows."
-            )
+        pipeline.check_batch(batch)
         if total < microbatches:
             raise ValueError(
                 f"The batch has {total} samples on rank {state.rank}, fewer than FSDPConfig(pipeline_microbatches="

@@ -1,8 +1,10 @@
 """Rank functions for the document-mask tests (importable by spawned ranks): the example transformer's
-outputs on a packed batch, whole on one process and cut by context parallelism over a group."""
+outputs on a packed batch, whole on one process, cut by context parallelism over a group, and
+trained and predicted under pipeline parallelism against DDP."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Dict, List
 
 import torch
@@ -113,5 +115,59 @@ def train_packed(rank: int, world_size: int, arms: Any, group: Dict[str, int]) -
         )
         trainer.fit()
         out[name] = {"losses": record.losses, "grads": record.grads, "timestamp": trainer.state.timestamp.state_dict()}
+        trainer.close()
+    return out
+
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "loopedbfs")
+
+
+def train_packed_pp(rank: int, world_size: int) -> Dict[str, Any]:
+    """On 4 ranks: DDP (each data shard on 2 ranks: its mean gradient is the 2-shard one) and PP 2 x DP 2
+    under each of `PP_SCHEDULES` (2 microbatches, a 4-block model built on the meta device) train 4
+    batches of 8 packed rows; each arm's batch losses, this rank's full parameters (its stages' under
+    PP), its Timestamp, and `Trainer.predict` of `packed_batch` and its changed copy (batches of 2 rows:
+    one row per microbatch, each with its own documents) after training."""
+    from torch.utils.data import DataLoader
+
+    from examples.transformer_lm import TransformerLM
+    from raytrain_events import Trainer
+    from raytrain_events.core.data_spec import DataSpec
+    from raytrain_events.parallel.config import parse_parallelism
+    from tests.parallel.pp_workloads import EventCounter, pp_config
+    from tests.parallel.workloads import full_model_state
+
+    def rows(batch: Dict[str, torch.Tensor]) -> List[Dict[str, torch.Tensor]]:
+        return [{k: v[i] for k, v in batch.items()} for i in range(2)]
+
+    out: Dict[str, Any] = {}
+    for name in ("ddp",) + PP_SCHEDULES:
+        parallelism: Any = "ddp" if name == "ddp" else pp_config(name)
+        shard = rank // 2 if name == "ddp" else parse_parallelism(parallelism).data_coordinates(rank, world_size)[0]
+        torch.manual_seed(0)
+        with torch.device("meta") if name != "ddp" else contextlib.nullcontext():
+            net = TransformerLM(vocab=VOCAB, width=32, heads=4, depth=4, length=SEQ)
+        loader = DataLoader(packed_rows(32, seed=100 + shard), batch_size=8)
+        counter = EventCounter()
+        trainer = Trainer(
+            model=net,
+            train_dataloader=DataSpec(loader, get_num_tokens_in_batch=lambda b: int(b["num_tokens"].sum())),
+            max_duration="4ba",
+            optimizers=torch.optim.AdamW(net.parameters(), lr=2e-3),
+            grad_accum=2 if name == "ddp" else 1,
+            parallelism=parallelism,
+            callbacks=[counter],
+        )
+        trainer.fit()
+        predicted = [
+            torch.cat(trainer.predict(DataLoader(rows(packed_batch(change)), batch_size=2))) for change in (False, True)
+        ]
+        out[name] = {
+            "losses": counter.losses,
+            "model": full_model_state(trainer.state.model),
+            "timestamp": trainer.state.timestamp.state_dict(),
+            "shard": shard,
+            "predict": predicted,
+        }
         trainer.close()
     return out

@@ -120,12 +120,17 @@ def pp_trainer(
     algorithms: Optional[List[Any]] = None,
     callbacks: Optional[List[Any]] = None,
     shard: Optional[int] = None,
+    hidden_only: bool = False,
+    rows: Optional[List[Any]] = None,
     **ckpt: Any,
 ) -> Trainer:
     """The 4-block transformer (on meta when ``meta``) with AdamW and norm clipping (threshold 0.1,
     so the whole model's norm decides every step); DDP runs 2 microbatches as the pipelines do.
     ``evaluate``: an eval set of 16 rows per data shard, evaluated every 4 batches. An `EMA` of the
-    weights (smoothing 0.5) runs in every layout: under PP each rank averages its stages' parameters."""
+    weights (smoothing 0.5) runs in every layout: under PP each rank averages its stages' parameters.
+    ``hidden_only``: the model without its ``pipeline_block`` hook (stages call ``block(hidden)`` and
+    send the hidden state only, the protocol's plain form). ``rows``: the training rows in place of
+    this shard's random tokens."""
     from examples.transformer_lm import random_tokens
     from raytrain_events.algorithms.ema import EMA
     from raytrain_events.checkpoint import CheckpointConfig
@@ -134,6 +139,8 @@ def pp_trainer(
     torch.manual_seed(0)  # the same initial weights on every rank and for every layout
     with torch.device("meta") if meta else contextlib.nullcontext():
         model = metered_lm(depth=4)
+    if hidden_only:
+        model.pipeline_block = None  # not callable: the stages run without the hook
     checkpoint = None
     if folder is not None:
         config = dict(save_folder=folder, save_interval="2ba", lock_run_dir=False, save_every_n_seconds=None)
@@ -142,7 +149,7 @@ def pp_trainer(
     pipelined = isinstance(parallelism, dict) and parallelism.get("pipeline_parallel", 1) > 1
     return Trainer(
         model=model,
-        train_dataloader=DataLoader(random_tokens(32, seed=100 + shard), batch_size=8),
+        train_dataloader=DataLoader(random_tokens(32, seed=100 + shard) if rows is None else rows, batch_size=8),
         max_duration=max_duration,
         optimizers=torch.optim.AdamW(model.parameters(), lr=2e-3),
         grad_accum=1 if pipelined else 2,
@@ -244,8 +251,9 @@ class PlantSpike(Callback):
 
 
 def pp_hops_and_spike(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
-    """`pp_checkpoint_hops`, `pp_spike` and a mis-sharded outermost pipeline (its stages load consecutive
-    ranks' shards: the error each rank raised) in one spawn of 4 ranks (a spawn and its imports cost seconds)."""
+    """`pp_checkpoint_hops`, `pp_spike`, a mis-sharded outermost pipeline (its stages load consecutive
+    ranks' shards: the error each rank raised) and a packed batch for a model without ``pipeline_block``
+    (the error each rank raised) in one spawn of 4 ranks (a spawn and its imports cost seconds)."""
     out = {"hops": pp_checkpoint_hops(rank, world_size, folder), "spike": pp_spike(rank, world_size)}
     trainer = pp_trainer(rank, pp_config("1f1b", pipeline_outermost=True), "1ba", 2, algorithms=[])
     try:
@@ -253,13 +261,25 @@ def pp_hops_and_spike(rank: int, world_size: int, folder: str) -> Dict[str, Any]
         out["mis-sharded"] = "trained"
     except ValueError as e:
         out["mis-sharded"] = str(e)
+    trainer.close()
+    from tests.parallel.doc_mask_workloads import packed_rows
+
+    packed = packed_rows(8, seed=100 + rank // 2)  # a packed batch, and a model whose stages cannot mask it
+    trainer = pp_trainer(rank, pp_config("1f1b"), "1ba", 2, algorithms=[], hidden_only=True, rows=packed)
+    try:
+        trainer.fit()
+        out["packed-unmasked"] = "trained"
+    except ValueError as e:
+        out["packed-unmasked"] = str(e)
+    trainer.close()
     return out
 
 
 def pp_spike(rank: int, world_size: int) -> Dict[str, Any]:
     """`SpikeGuard` (no clipping: the norm it judges is its own) over DDP on the 4 ranks (each data
     shard on 2 of them: DDP's mean gradient is the 2-shard one) and over PP 2 x DP 2, a 50x loss
-    planted in the 4th batch of 5: what each guard judged and did, and the trained model."""
+    planted in the 4th batch of 5: what each guard judged and did, and the trained model. The PP arm's
+    model has no ``pipeline_block`` hook: the plain protocol's stages, checked against DDP here."""
     from raytrain_events.callbacks import SpikeGuard
 
     out: Dict[str, Any] = {}
@@ -272,8 +292,18 @@ def pp_spike(rank: int, world_size: int) -> Dict[str, Any]:
             judge(loss, norm),
         )[1]  # type: ignore[method-assign]
         trainer = pp_trainer(
-            rank, parallelism, "5ba", 2, meta=name == "pp", algorithms=[], callbacks=[guard, PlantSpike(3)]
+            rank,
+            parallelism,
+            "5ba",
+            2,
+            meta=name == "pp",
+            algorithms=[],
+            callbacks=[guard, PlantSpike(3)],
+            hidden_only=name == "pp",  # the stages send the hidden state only (no pipeline_block)
         )
+        if name == "pp":
+            assert trainer.parallel.pipeline is not None
+            assert not any(m.passes_index for m in trainer.parallel.pipeline.modules)
         trainer.fit()
         out[name] = {
             "rollbacks": [{k: r[k] for k in ("batch", "spike_batch", "restored_batch")} for r in guard.rollbacks],

@@ -173,6 +173,20 @@ def test_a_pipeline_whose_stages_load_different_batches_is_refused_on_every_rank
     assert "trainer.parallel.data_parallel(rank, world_size)" in messages[0] and "ranks apart" in messages[0]
 
 
+def test_a_packed_batch_for_a_model_without_pipeline_block_is_refused_on_every_rank(
+    hops_and_spike: Dict[str, Any],
+) -> None:
+    """Packed rows (document_ids) under PP 2 x DP 2 for the model with its pipeline_block hook off (its
+    stages would call block(hidden), and documents would attend to each other): every rank raises at
+    the first batch, before the schedule, naming the hook to define."""
+    messages = [r["packed-unmasked"] for r in hops_and_spike["ranks"]]
+    assert len(set(messages)) == 1
+    assert (
+        "A packed batch (document_ids)" in messages[0] and "no pipeline_block(block, hidden, microbatch)" in messages[0]
+    )
+    assert "Fix: define pipeline_block" in messages[0]
+
+
 # ----------------------------------------------------------------------------- bad input, no ranks
 
 
