@@ -178,7 +178,9 @@ def test_training_survives_the_fault_and_resumes_exactly(fault, s3_server, unint
             errors = [r for r in caplog.records if "failed (training goes on" in r.message]
             assert len(errors) == len(checkpointer.failures)
             retried = [r for r in caplog.records if r.message.startswith("Uploading checkpoint")]
-            assert retried or fault == "blackhole"  # a black-hole's first attempt outlasts the deadline
+            # A black-hole's first attempt outlasts the deadline; so may a slowdown's on a loaded machine (s3fs
+            # retries each 503 five times, 0.1-0.8 s apart, inside the 2 s deadline: seen at load ~50).
+            assert retried or fault in ("blackhole", "slowdown")
             report = write_report(run, direct)
             fs, path = resolve(report["html"], direct)
             page = read_bytes(fs, path).decode()
