@@ -65,10 +65,10 @@ from torch.distributed.tensor import DTensor
 
 from raytrain_events.algorithms.gradient_clipping import GradientClipping, whole_grad_norm
 from raytrain_events.callbacks.spike_bisect import (
-    QUARANTINED,
     QuarantineFilter,
     QuarantineHooks,
     bisect_window,
+    count_dropped,
     device_of,
     read_quarantine,
     start_quarantine,
@@ -150,8 +150,9 @@ class SpikeGuard(Callback):
         self._from_file = read_quarantine(quarantine_from) if quarantine_from is not None else None
         self._filter = QuarantineFilter(row_key) if row_key else None
         self._qids: List[int] = []
-        self._dropped_total = 0  # the per-batch sum of this fit's dropped rows, as last read
+        self._dropped_totals: List[int] = []  # the per-batch sums of this fit's dropped rows (tokens, sources), as read
         self._batches: Deque[Any] = deque()  # with bisect: this rank's batch per _history record (the window's rows)
+        self._facts: Deque[Any] = deque()  # ... and what the filter counts them by (a mixture's rows' sources)
         self.skips = SkipList()
         self.rollbacks: List[Dict[str, Any]] = []  # one record per rollback (plain values; saved)
         self._snapshots: Optional[HostSnapshots] = None
@@ -165,17 +166,19 @@ class SpikeGuard(Callback):
         self._ready: Optional[torch.cuda.Event] = None  # its copy's event, recorded before the optimizer step
         self._event: Optional[torch.cuda.Event] = None
         self._spike: Optional[Tuple[int, Verdict]] = None  # this rank's latest spike (batch, verdict), until agreed
-        # One record per batch since the oldest snapshot: (Timestamp after it, samples, tokens, rows the quarantine
-        # dropped from it on every rank); the window's rows.
-        self._history: Deque[Tuple[Timestamp, int, int, int]] = deque()
+        # One record per batch since the oldest snapshot: (Timestamp after it, samples, tokens, what the quarantine
+        # dropped from it on every rank: (rows, tokens, rows per source), or None); the window's rows.
+        self._history: Deque[Tuple[Timestamp, int, int, Optional[Tuple[int, int, Dict[str, int]]]]] = deque()
         self._since = 0  # batches since the newest snapshot (or rollback)
         self._key = "SpikeGuard"
 
     # ------------------------------------------------------------------ setup
     def init(self, state: State, logger: Logger) -> None:
         state.agreement.register(FLAG)
-        if self._filter is not None:
-            state.agreement.register_count(QUARANTINED)
+        if self._filter is not None:  # the dropped rows (their tokens, a mixture's sources) on the per-batch sum
+            loader = next((c.loader for c in state.callbacks if isinstance(c, MixtureCounts)), None)
+            for name in self._filter.bind(state.count_tokens, loader):
+                state.agreement.register_count(name)
         # Last among the callbacks (the Trainer refreshes the Engine after INIT): a snapshot and a rollback at
         # BATCH_END then see every other callback's batch done (per-source counts, monitors), so a restore
         # leaves none of them counting a skipped batch.
@@ -199,12 +202,13 @@ class SpikeGuard(Callback):
         skipped = state.skipped
         if self.skips.ranges and not skipped.batches:  # a checkpoint from before State.skipped: from the skip list
             skipped.batches, skipped.samples, skipped.tokens = self.skips.totals()
-        self._dropped_total = 0
+        self._dropped_totals = [0] * len(self._filter.count_names) if self._filter is not None else []
         if self.row_key is not None:
             start_quarantine(self, state, {k: v for k, v in fingerprint.items() if k != "seed"})
         self._snapshots = HostSnapshots(state, exclude_callbacks={self._key})
         self._history.clear()
         self._batches.clear()
+        self._facts.clear()
         self._take(state)
 
     # --------------------------------------------------------------- per batch
@@ -276,16 +280,11 @@ class SpikeGuard(Callback):
 
     def batch_end(self, state: State, logger: Logger) -> None:
         ts = state.timestamp  # immutable: kept as it is, read only at a rollback (no per-batch conversions)
-        dropped = 0
-        if self._filter is not None:  # this batch's quarantined rows, every rank's (the per-batch sum is cumulative)
-            total = state.agreement.total(QUARANTINED)
-            dropped, self._dropped_total = total - self._dropped_total, total
-            state.skipped.quarantined += dropped
-            if dropped:
-                logger.log_metrics({"spikes/quarantined_rows": state.skipped.quarantined})
+        dropped = count_dropped(self, state, logger) if self._filter is not None else None
         self._history.append((ts, state.global_batch_num_samples, state.global_batch_num_tokens, dropped))
         if self.bisect:
             self._batches.append(state.batch)
+            self._facts.append(self._filter.facts() if self._filter is not None else None)
         if state.agreement.agreed(FLAG):
             state.agreement.clear(FLAG)
             self._roll_back(state, logger, int(ts.batch) - 1)  # requested at the batch before, agreed on this one
@@ -358,6 +357,7 @@ class SpikeGuard(Callback):
                 self._history.popleft()
                 if self._batches:
                     self._batches.popleft()
+                    self._facts.popleft()
 
     def _roll_back(self, state: State, logger: Logger, spike_batch: int) -> None:
         """Every rank, at the same batch: restore the newest snapshot from before the spiking batch, skip since."""
@@ -387,7 +387,10 @@ class SpikeGuard(Callback):
                 by_source = {n: b - a for n, a, b in zip(names, at, to) if b > a}
             state.skipped.add_window(batches, end - start, tokens, by_source)
         skipped_batches = {record[0] for record in fresh}  # rows dropped from them count as skipped now, not twice
-        state.skipped.quarantined -= sum(h[3] for h in self._history if h[0].get_value("ba") in skipped_batches)
+        for h in self._history:
+            if h[3] is not None and h[0].get_value("ba") in skipped_batches:
+                rows, tokens, by_source = h[3]
+                state.skipped.add_quarantined(-rows, -tokens, {n: -k for n, k in by_source.items()})
         if not retrained:  # the schedule follows the position: one step per batch since the snapshot
             for scheduler in state.schedulers:
                 for _ in range(now - restored):

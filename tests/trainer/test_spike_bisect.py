@@ -6,9 +6,11 @@ that of a run whose batches never held them. The search's pure part is tests/cor
 from __future__ import annotations
 
 import json
+import tempfile
 
 import pytest
 import torch
+from test_mixture_trainer import MIXTURE, SOURCES, Rows, Tiny
 from test_spike_guard import BATCH, DIM, ROWS, Record, _rows
 from torch.utils.data import DataLoader
 
@@ -16,7 +18,11 @@ from raytrain_events import Trainer
 from raytrain_events.callbacks import SpikeGuard
 from raytrain_events.checkpoint import CheckpointConfig
 from raytrain_events.cli.main import main
+from raytrain_events.core.callback import Callback
+from raytrain_events.core.data_spec import DataSpec
 from raytrain_events.core.quarantine import Quarantine
+from raytrain_events.core.spikes import Skipped
+from raytrain_events.data.mixture_loader import MixtureLoader
 from raytrain_events.models import ClassifierModel
 
 PLANTED = [203, 317]  # batches 26 and 40 (1-based) of each epoch
@@ -142,3 +148,89 @@ def test_a_batch_whose_every_row_is_quarantined_trains_with_its_loss_times_zero(
     _, without = fit_plain(_rows(drop=range(BATCH)))
     for mine, theirs in zip(state.model.parameters(), without.model.parameters()):
         assert torch.equal(mine, theirs)
+
+
+class Tokens(Callback):
+    """The tokens of every batch as read (before the quarantine drops rows) and as trained (after)."""
+
+    def __init__(self, source_of=None):
+        self.read, self.trained, self.read_rows, self.source_of = 0, 0, [], source_of
+
+    def after_dataloader(self, state, logger):
+        self.read += int(state.batch["len"].sum())
+        self.read_rows.extend(zip(state.batch["id"].tolist(), state.batch["len"].tolist()))
+
+    def batch_end(self, state, logger):  # after BATCH_START's filter: the rows trained
+        self.trained += int(state.batch["len"].sum())
+
+
+def _with_len(rows):
+    return [dict(row, len=1 + row["id"] % 7) for row in rows]
+
+
+def test_quarantined_rows_tokens_are_counted_apart_by_bisection_and_by_the_filter():
+    """Bisection's culprits (in their retrained window) and the rows the filter drops later: their tokens, counted
+    by the loop's token counter, in ``state.skipped.quarantined_tokens``; trained tokens = the tokens trained."""
+    data, record = _with_len(_rows(planted=PLANTED)), Tokens()
+    guard = SpikeGuard(snapshot_interval=5, bisect=True, row_key="id")
+    loader = DataSpec(DataLoader(data, batch_size=BATCH), get_num_tokens_in_batch=lambda b: int(b["len"].sum()))
+    state = _fit(data, [record, guard], loader=loader)
+    assert guard.quarantine.ids() == PLANTED and all(r["retrained"] for r in guard.rollbacks)
+    culprit_tokens = sum(1 + i % 7 for i in PLANTED)  # 3 + 2: once in their windows, once dropped in epoch 1
+    assert state.skipped.quarantined == 4 and state.skipped.quarantined_tokens == 2 * culprit_tokens
+    assert int(state.timestamp.token) == record.read  # positions: every row read counts
+    assert guard.trained(state)["token"] == record.read - 2 * culprit_tokens  # the culprits' tokens never trained
+    saved = state.skipped.state_dict()
+    assert saved["quarantined_tokens"] == 2 * culprit_tokens and Skipped.from_state_dict(saved) == state.skipped
+
+
+def test_a_mixtures_quarantined_rows_are_counted_per_source_with_their_tokens():
+    """A 3-source `MixtureLoader` and a quarantine file: the dropped rows per source and their tokens
+    (``tokens_of_row``) in ``state.skipped``, equal to what the batches held; trained = read - quarantined."""
+    log = []
+    datasets = {name: _Ided(Rows(i, rows, log)) for i, (name, rows) in enumerate(SOURCES.items())}
+    loader = MixtureLoader(MIXTURE, datasets, batch_size=8, tokens_of_row=lambda row: int(row["len"]))
+    held = [s * 1000 + r for s, rows in enumerate(SOURCES.values()) for r in range(rows) if r % 10 == 3]
+    quarantine = Quarantine()
+    for rid in held:
+        quarantine.add(rid, 0, 0)
+    record = Tokens()
+    with tempfile.TemporaryDirectory() as folder:
+        path = f"{folder}/q.json"
+        with open(path, "w") as fh:
+            fh.write(quarantine.dumps())
+        guard = SpikeGuard(row_key="id", quarantine_from=path)
+        model = Tiny()
+        state = Trainer(
+            model=model,
+            train_dataloader=DataSpec(loader, get_num_tokens_in_batch=loader.tokens_in_batch),
+            max_duration="2ep",
+            optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+            callbacks=[record, guard],
+            seed=7,
+        ).fit()
+    dropped = [(rid, n) for rid, n in record.read_rows if rid in set(held)]
+    names = list(SOURCES)
+    by_source = {}
+    for rid, _ in dropped:
+        by_source[names[rid // 1000]] = by_source.get(names[rid // 1000], 0) + 1
+    assert len(by_source) == 3 and state.skipped.quarantined == len(dropped)
+    assert state.skipped.quarantined_by_source == by_source
+    assert state.skipped.quarantined_tokens == sum(n for _, n in dropped) > 0
+    assert int(state.timestamp.token) == record.read
+    assert guard.trained(state)["token"] == record.trained == record.read - sum(n for _, n in dropped)
+
+
+class _Ided:
+    """A mixture source whose rows carry a 1-d row key ``id`` = source x 1000 + row (and ``len``)."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, row):
+        item = dict(self.rows[row])
+        item["id"] = torch.tensor(self.rows.source * 1000 + row)
+        return item
