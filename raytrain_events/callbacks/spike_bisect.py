@@ -409,6 +409,12 @@ def start_quarantine(guard: Any, state: State, data: Dict[str, Any]) -> None:
         except (AttributeError, TypeError):
             pass
     data["row_key"] = guard.row_key
+    if guard.row_ids is not None:
+        if "sources" not in data:
+            raise ValueError(
+                "SpikeGuard(row_ids='mixture') numbers a Mixture's rows, but this run trains no Mixture: drop row_ids."
+            )
+        data["row_ids"] = guard.row_ids
     guard.quarantine.check_fingerprint(data)
     guard.quarantine.fingerprint.update(data)
     if guard._from_file is not None:

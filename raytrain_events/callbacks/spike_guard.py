@@ -110,7 +110,9 @@ class SpikeGuard(Callback):
     ``window``, ``loss_ratio``, ``grad_zscore``, ``warmup``, and the `RollbackPolicy`'s
     ``max_rollbacks``, ``max_window``; ``bisect`` (find the window's culprit rows and quarantine them
     instead of skipping the window, ``spike_bisect.py``), ``row_key`` (the batch column naming each row,
-    needed by both quarantine options), ``quarantine_from`` (a quarantine file of an earlier run, read
+    needed by both quarantine options; ``row_ids="mixture"``: under a `Mixture` its ids number the mixture's rows
+    source after source, source ``i``'s row ``r`` being ``rows of the sources before i + r``, so the ledger answers
+    ``SOURCE:N`` for quarantined rows too), ``quarantine_from`` (a quarantine file of an earlier run, read
     here); all checked here, before any work starts. ``quarantine``: the rows kept out (checkpointed).
     """
 
@@ -127,6 +129,7 @@ class SpikeGuard(Callback):
         bisect: bool = False,
         row_key: Optional[str] = None,
         quarantine_from: Optional[str] = None,
+        row_ids: Optional[str] = None,
     ) -> None:
         if isinstance(snapshot_interval, bool) or not isinstance(snapshot_interval, int) or snapshot_interval < 1:
             raise ValueError(
@@ -145,7 +148,12 @@ class SpikeGuard(Callback):
                 "bisect=True and quarantine_from name rows by a batch column: pass row_key='id' (the column "
                 "holding each row's integer id, e.g. its row number in the dataset)."
             )
-        self.bisect, self.row_key = bool(bisect), row_key
+        if row_ids not in (None, "mixture") or (row_ids is not None and not row_key):
+            raise ValueError(
+                f"row_ids={row_ids!r}: pass row_ids='mixture' with a row_key whose ids number a Mixture's rows source "
+                "after source (the ledger then answers SOURCE:N for quarantined rows), or leave it None."
+            )
+        self.bisect, self.row_key, self.row_ids = bool(bisect), row_key, row_ids
         self.quarantine = Quarantine()  # the rows not trained any more (bisect's culprits, and quarantine_from's)
         self._from_file = read_quarantine(quarantine_from) if quarantine_from is not None else None
         self._filter = QuarantineFilter(row_key) if row_key else None

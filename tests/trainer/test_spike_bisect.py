@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections import Counter
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from raytrain_events.checkpoint import CheckpointConfig
 from raytrain_events.cli.main import main
 from raytrain_events.core.callback import Callback
 from raytrain_events.core.data_spec import DataSpec
+from raytrain_events.core.ledger import ledger_of_checkpoint
 from raytrain_events.core.quarantine import Quarantine
 from raytrain_events.core.spikes import Skipped
 from raytrain_events.data.mixture_loader import MixtureLoader
@@ -153,8 +155,8 @@ def test_a_batch_whose_every_row_is_quarantined_trains_with_its_loss_times_zero(
 class Tokens(Callback):
     """The tokens of every batch as read (before the quarantine drops rows) and as trained (after)."""
 
-    def __init__(self, source_of=None):
-        self.read, self.trained, self.read_rows, self.source_of = 0, 0, [], source_of
+    def __init__(self):
+        self.read, self.trained, self.read_rows, self.trained_ids = 0, 0, [], []
 
     def after_dataloader(self, state, logger):
         self.read += int(state.batch["len"].sum())
@@ -162,6 +164,7 @@ class Tokens(Callback):
 
     def batch_end(self, state, logger):  # after BATCH_START's filter: the rows trained
         self.trained += int(state.batch["len"].sum())
+        self.trained_ids.extend(state.batch["id"].tolist())
 
 
 def _with_len(rows):
@@ -184,13 +187,16 @@ def test_quarantined_rows_tokens_are_counted_apart_by_bisection_and_by_the_filte
     assert saved["quarantined_tokens"] == 2 * culprit_tokens and Skipped.from_state_dict(saved) == state.skipped
 
 
-def test_a_mixtures_quarantined_rows_are_counted_per_source_with_their_tokens():
+def test_a_mixtures_quarantined_rows_are_counted_per_source_and_answered_by_the_ledger():
     """A 3-source `MixtureLoader` and a quarantine file: the dropped rows per source and their tokens
-    (``tokens_of_row``) in ``state.skipped``, equal to what the batches held; trained = read - quarantined."""
+    (``tokens_of_row``) in ``state.skipped``, equal to what the batches held; trained = read - quarantined. With
+    ``row_ids="mixture"`` (ids number the rows source after source) the ledger answers every ``SOURCE:N``: as
+    often trained as the batches held it after the filter, and held in the epochs that read it."""
     log = []
-    datasets = {name: _Ided(Rows(i, rows, log)) for i, (name, rows) in enumerate(SOURCES.items())}
+    offsets = [sum(list(SOURCES.values())[:i]) for i in range(len(SOURCES))]
+    datasets = {name: _Ided(Rows(i, rows, log), offsets[i]) for i, (name, rows) in enumerate(SOURCES.items())}
     loader = MixtureLoader(MIXTURE, datasets, batch_size=8, tokens_of_row=lambda row: int(row["len"]))
-    held = [s * 1000 + r for s, rows in enumerate(SOURCES.values()) for r in range(rows) if r % 10 == 3]
+    held = [offsets[s] + r for s, rows in enumerate(SOURCES.values()) for r in range(rows) if r % 10 == 3]
     quarantine = Quarantine()
     for rid in held:
         quarantine.add(rid, 0, 0)
@@ -199,7 +205,7 @@ def test_a_mixtures_quarantined_rows_are_counted_per_source_with_their_tokens():
         path = f"{folder}/q.json"
         with open(path, "w") as fh:
             fh.write(quarantine.dumps())
-        guard = SpikeGuard(row_key="id", quarantine_from=path)
+        guard = SpikeGuard(row_key="id", quarantine_from=path, row_ids="mixture")
         model = Tiny()
         state = Trainer(
             model=model,
@@ -211,26 +217,48 @@ def test_a_mixtures_quarantined_rows_are_counted_per_source_with_their_tokens():
         ).fit()
     dropped = [(rid, n) for rid, n in record.read_rows if rid in set(held)]
     names = list(SOURCES)
+
+    def source_row(rid):
+        i = max(k for k in range(len(offsets)) if offsets[k] <= rid)
+        return names[i], rid - offsets[i]
+
     by_source = {}
     for rid, _ in dropped:
-        by_source[names[rid // 1000]] = by_source.get(names[rid // 1000], 0) + 1
+        by_source[source_row(rid)[0]] = by_source.get(source_row(rid)[0], 0) + 1
     assert len(by_source) == 3 and state.skipped.quarantined == len(dropped)
     assert state.skipped.quarantined_by_source == by_source
     assert state.skipped.quarantined_tokens == sum(n for _, n in dropped) > 0
     assert int(state.timestamp.token) == record.read
     assert guard.trained(state)["token"] == record.trained == record.read - sum(n for _, n in dropped)
+    # The ledger of the final state, for every row of every source, against the rows the batches trained.
+    ledger = ledger_of_checkpoint(state.state_dict())
+    trained, read = Counter(record.trained_ids), Counter(rid for rid, _ in record.read_rows)
+    for rid in range(sum(SOURCES.values())):
+        answer = ledger.ask(*source_row(rid))
+        assert answer.times == trained[rid]
+        assert len(answer.quarantined) == (read[rid] if rid in held else 0)
+    assert sum(len(ledger.ask(*source_row(rid)).quarantined) for rid in held) == len(dropped) > 0
 
 
 class _Ided:
-    """A mixture source whose rows carry a 1-d row key ``id`` = source x 1000 + row (and ``len``)."""
+    """A mixture source whose rows carry a row key ``id`` = the rows of the sources before it + row (and ``len``)."""
 
-    def __init__(self, rows):
-        self.rows = rows
+    def __init__(self, rows, offset):
+        self.rows, self.offset = rows, offset
 
     def __len__(self):
         return len(self.rows)
 
     def __getitem__(self, row):
         item = dict(self.rows[row])
-        item["id"] = torch.tensor(self.rows.source * 1000 + row)
+        item["id"] = torch.tensor(self.offset + row)
         return item
+
+
+def test_row_ids_is_refused_where_it_cannot_name_a_mixtures_rows():
+    with pytest.raises(ValueError, match="row_ids='rows'"):
+        SpikeGuard(row_key="id", row_ids="rows")
+    with pytest.raises(ValueError, match="row_ids='mixture'"):
+        SpikeGuard(row_ids="mixture")  # no row_key
+    with pytest.raises(ValueError, match="trains no Mixture: drop row_ids"):  # at the fit's start, before a batch
+        _fit(_rows(), [SpikeGuard(row_key="id", row_ids="mixture")], duration="1ba")
