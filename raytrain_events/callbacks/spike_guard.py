@@ -111,7 +111,7 @@ class SpikeGuard(Callback):
     ``max_rollbacks``, ``max_window``; ``bisect`` (find the window's culprit rows and quarantine them
     instead of skipping the window, ``spike_bisect.py``), ``row_key`` (the batch column naming each row,
     needed by both quarantine options; ``row_ids="mixture"``: under a `Mixture` its ids number the mixture's rows
-    source after source, source ``i``'s row ``r`` being ``rows of the sources before i + r``, so the ledger answers
+    source after source in ``Mixture.names`` order, source ``i``'s row ``r`` being ``rows of the sources before i + r``, so the ledger answers
     ``SOURCE:N`` for quarantined rows too), ``quarantine_from`` (a quarantine file of an earlier run, read
     here); all checked here, before any work starts. ``quarantine``: the rows kept out (checkpointed).
     """

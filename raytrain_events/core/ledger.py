@@ -17,7 +17,7 @@ A run without a mixture trains a plain dataset in its own order (no shuffle): po
 source (`Ledger.plain`). Its `Quarantine` (``SpikeGuard(bisect=True, row_key=...)``, ids = the dataset's row
 numbers) is answered too: a quarantined row is not trained from its quarantine's (epoch, position) on. A
 mixture's quarantine is answered when its ids number the mixture's rows source after source
-(``SpikeGuard(row_ids="mixture")``: source ``i``'s row ``r`` is id ``sum(rows of sources before i) + r``;
+(``SpikeGuard(row_ids="mixture")``: source ``i`` of ``Mixture.names``, its row ``r`` is id ``sum(rows of sources before i) + r``;
 the quarantine's fingerprint says so): a read of the row at a position at or after its quarantine's is
 held. Other ids are the user's own column, not (source, row): not answered. A shuffled plain dataset's
 order depends on its block sizes at run time and is not answered here (a `ValueError` says so).
