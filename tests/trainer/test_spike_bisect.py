@@ -262,3 +262,23 @@ def test_row_ids_is_refused_where_it_cannot_name_a_mixtures_rows():
         SpikeGuard(row_ids="mixture")  # no row_key
     with pytest.raises(ValueError, match="trains no Mixture: drop row_ids"):  # at the fit's start, before a batch
         _fit(_rows(), [SpikeGuard(row_key="id", row_ids="mixture")], duration="1ba")
+
+
+def test_a_skipped_window_takes_back_the_quarantined_rows_it_held():
+    """Row 201 is quarantined (dropped from batch 26) and row 203 spikes that batch: the window skipped holds the
+    dropped row, so it counts once, as skipped (rows and tokens), not also as quarantined."""
+    path = tempfile.mkdtemp() + "/q.json"
+    quarantine = Quarantine()
+    quarantine.add(201, 0, 0)
+    with open(path, "w") as fh:
+        fh.write(quarantine.dumps())
+    data, record = _with_len(_rows(planted=[203])), Tokens()
+    guard = SpikeGuard(snapshot_interval=5, row_key="id", quarantine_from=path)
+    loader = DataSpec(DataLoader(data, batch_size=BATCH), get_num_tokens_in_batch=lambda b: int(b["len"].sum()))
+    state = _fit(data, [record, guard], loader=loader, duration="1ep")
+    ((epoch, start, end),) = guard.rollbacks[0]["skipped"]
+    assert epoch == 0 and start <= 201 < end and len(guard.rollbacks) == 1
+    window_tokens = sum(1 + i % 7 for i in range(start, end))
+    skipped = state.skipped
+    assert (skipped.quarantined, skipped.quarantined_tokens, skipped.samples) == (0, 0, end - start)
+    assert skipped.tokens == window_tokens and guard.trained(state)["token"] == record.read - window_tokens
