@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import fsspec
 import torch
@@ -34,13 +34,20 @@ from raytrain_events.trainer._batch import total_loss
 
 #: A count on the loop's per-batch sum: the rows the quarantine dropped, every rank's (cumulative per fit).
 QUARANTINED = "spike_quarantined_rows"
+#: Counts beside it, registered only where they have a job: the dropped rows' tokens (where the loop counts
+#: tokens) and, for a mixture, the dropped rows of each source (the name + the source's name).
+QUARANTINED_TOKENS = "spike_quarantined_tokens"
+QUARANTINED_SOURCE = "spike_quarantined_rows/"
 
 __all__ = [
     "QUARANTINED",
+    "QUARANTINED_SOURCE",
+    "QUARANTINED_TOKENS",
     "QuarantineHooks",
     "Found",
     "QuarantineFilter",
     "bisect_window",
+    "count_dropped",
     "device_of",
     "read_quarantine",
     "retrain_window",
@@ -263,8 +270,10 @@ class QuarantineHooks(Callback):
 
     def after_dataloader(self, state: State, logger: Logger) -> None:
         guard = self.guard  # before the loop counts the batch: its rows still count as positions
-        guard._filter.mark(state.batch, guard._qids)
-        state.agreement.set_count(QUARANTINED, guard._filter.dropped)
+        row_filter = guard._filter
+        row_filter.mark(state.batch, guard._qids)
+        for name, value in zip(row_filter.count_names, row_filter.local_counts()):
+            state.agreement.set_count(name, value)
 
     def batch_start(self, state: State, logger: Logger) -> None:
         self.guard._filter.apply(state)
@@ -283,11 +292,62 @@ class QuarantineFilter:
     def __init__(self, row_key: str) -> None:
         self.row_key = row_key
         self.dropped = 0  # this rank's rows dropped in this fit (the per-batch sum adds every rank's)
+        self.tokens = 0  # ... and their tokens (where the loop counts tokens)
+        self.by_source: List[int] = []  # ... and their rows per mixture source (`names` order)
+        self.names: List[str] = []  # the mixture's sources (none: not a mixture)
+        self.count_names: List[str] = [QUARANTINED]  # the counts on the loop's per-batch sum (`local_counts`)
         self.zero_loss = False
         self._keep: Optional[torch.Tensor] = None
         self._rows = 0
         self._ids: Optional[torch.Tensor] = None  # the quarantine's ids, sorted, on the batch's device
         self._size = -1
+        self._count: Optional[Callable[[Any], int]] = None
+        self._loader: Any = None
+
+    def bind(self, count_tokens: Optional[Callable[[Any], int]], loader: Any) -> List[str]:
+        """At INIT: the loop's token counter (``state.count_tokens``; None: no tokens counted) and a mixture's
+        loader (`MixtureLoader`/`MixtureOrderLoader`: each row's source, tokens per row; None: no mixture).
+        Returns the counts to register on the per-batch sum."""
+        self._count = count_tokens
+        self._loader = loader if hasattr(loader, "batch_facts") else None
+        self.names = list(loader.mixture.names) if self._loader is not None else []
+        self.by_source = [0] * len(self.names)
+        tokens = [QUARANTINED_TOKENS] if count_tokens is not None else []
+        self.count_names = [QUARANTINED, *tokens, *(QUARANTINED_SOURCE + n for n in self.names)]
+        return self.count_names
+
+    @property
+    def counts_tokens(self) -> bool:
+        return self._count is not None
+
+    def reset(self) -> None:
+        """A fit's start: the cumulative counts start again (the guard reads them as per-batch differences)."""
+        self.dropped, self.tokens, self.by_source = 0, 0, [0] * len(self.names)
+
+    def local_counts(self) -> List[int]:
+        """This rank's cumulative counts, in `count_names` order."""
+        return [self.dropped, *([self.tokens] if self._count is not None else []), *self.by_source]
+
+    def facts(self) -> Any:
+        """What `count` needs of the latest batch besides its tensors (a mixture's rows' sources), or None."""
+        return self._loader.batch_facts() if self._loader is not None else None
+
+    def count(self, batch: Any, index: torch.Tensor, rows: int, facts: Any) -> Tuple[int, List[int]]:
+        """Tokens and rows per source (`names` order) of the rows ``index`` of ``batch`` (of ``rows`` rows;
+        ``facts``: `facts` as it was at that batch): the loop's token counter on those rows, or a mixture's
+        ``tokens_of_row``/``tokens_of_batch``."""
+        tokens, per = 0, [0] * len(self.names)
+        loader, at = self._loader, index.tolist()
+        if self._count is not None:
+            if loader is not None and loader.tokens_of_row is not None:  # its tokens_in_batch ignores its batch
+                tokens = int(loader.tokens_of_rows(batch, at, facts))
+            else:
+                tokens = int(self._count(take_rows(batch, index, rows)))
+        if loader is not None:
+            sources = loader.sources_of(facts)
+            for i in at:
+                per[sources[i]] += 1
+        return tokens, per
 
     def mark(self, batch: Any, quarantined: List[int]) -> None:
         self._keep, self.zero_loss = None, False
@@ -303,6 +363,10 @@ class QuarantineFilter:
             self.dropped += dropped
             self._rows = len(ids)
             self._keep = (~hit).nonzero().flatten()
+            if self._count is not None or self._loader is not None:  # only on a batch that drops rows
+                tokens, per = self.count(batch, hit.nonzero().flatten(), len(ids), self.facts())
+                self.tokens += tokens
+                self.by_source = [a + b for a, b in zip(self.by_source, per)]
 
     def apply(self, state: State) -> None:
         keep, self._keep = self._keep, None
@@ -312,6 +376,23 @@ class QuarantineFilter:
             self.zero_loss = True
             return
         state.batch = take_rows(state.batch, keep, self._rows)
+
+
+def count_dropped(guard: Any, state: State, logger: Logger) -> Optional[Tuple[int, int, Dict[str, int]]]:
+    """At ``BATCH_END``: this batch's quarantined rows, every rank's (the per-batch sums are cumulative: the
+    difference to the guard's last read), as (rows, tokens, rows per mixture source), counted in
+    ``state.skipped``; None when the batch dropped none. ``guard``: the `SpikeGuard`."""
+    row_filter = guard._filter
+    totals = [state.agreement.total(name) for name in row_filter.count_names]
+    deltas, guard._dropped_totals = [t - last for t, last in zip(totals, guard._dropped_totals)], totals
+    if not deltas[0]:
+        return None
+    tokens = deltas[1] if row_filter.counts_tokens else 0
+    names = row_filter.names
+    by_source = {n: d for n, d in zip(names, deltas[len(deltas) - len(names) :]) if d} if names else {}
+    state.skipped.add_quarantined(deltas[0], tokens, by_source)
+    logger.log_metrics({"spikes/quarantined_rows": state.skipped.quarantined})
+    return deltas[0], tokens, by_source
 
 
 def start_quarantine(guard: Any, state: State, data: Dict[str, Any]) -> None:
@@ -328,12 +409,18 @@ def start_quarantine(guard: Any, state: State, data: Dict[str, Any]) -> None:
         except (AttributeError, TypeError):
             pass
     data["row_key"] = guard.row_key
+    if guard.row_ids is not None:
+        if "sources" not in data:
+            raise ValueError(
+                "SpikeGuard(row_ids='mixture') numbers a Mixture's rows, but this run trains no Mixture: drop row_ids."
+            )
+        data["row_ids"] = guard.row_ids
     guard.quarantine.check_fingerprint(data)
     guard.quarantine.fingerprint.update(data)
     if guard._from_file is not None:
         guard.quarantine.merge(guard._from_file)  # refused when recorded on other data
     guard._qids = guard.quarantine.ids()
-    guard._filter.dropped = 0
+    guard._filter.reset()
 
 
 def bisect_window(
@@ -365,6 +452,19 @@ def bisect_window(
     for value in losses:
         if not math.isnan(value):
             guard.detector.observe(value)
-    state.skipped.quarantined += len(found.ids)  # not trained (the rows dropped from the window stay counted)
+    # Not trained (the rows dropped from the window stay counted): the culprits, their tokens and sources.
+    row_filter, facts = guard._filter, list(guard._facts)[len(guard._facts) - len(batches) :]
+    tokens, per = 0, [0] * len(row_filter.names)
+    for batch, drop, fact in zip(batches, found.drops, facts):
+        if drop:
+            t, p = row_filter.count(
+                batch, torch.tensor(drop, dtype=torch.long), len(row_ids(batch, guard.row_key)), fact
+            )
+            tokens, per = tokens + t, [a + b for a, b in zip(per, p)]
+    if row_filter.counts_tokens or per:  # every rank has its own culprits' rows: one sum gives all of them
+        summed = [int(v) for v in sum_over_ranks([tokens, *per], device_of(state), torch.int64)]
+        tokens, per = summed[0], summed[1:]
+    by_source = {n: k for n, k in zip(row_filter.names, per) if k}
+    state.skipped.add_quarantined(len(found.ids), tokens, by_source)
     out["retrained"] = True
     return out

@@ -65,10 +65,10 @@ from torch.distributed.tensor import DTensor
 
 from raytrain_events.algorithms.gradient_clipping import GradientClipping, whole_grad_norm
 from raytrain_events.callbacks.spike_bisect import (
-    QUARANTINED,
     QuarantineFilter,
     QuarantineHooks,
     bisect_window,
+    count_dropped,
     device_of,
     read_quarantine,
     start_quarantine,
@@ -110,7 +110,9 @@ class SpikeGuard(Callback):
     ``window``, ``loss_ratio``, ``grad_zscore``, ``warmup``, and the `RollbackPolicy`'s
     ``max_rollbacks``, ``max_window``; ``bisect`` (find the window's culprit rows and quarantine them
     instead of skipping the window, ``spike_bisect.py``), ``row_key`` (the batch column naming each row,
-    needed by both quarantine options), ``quarantine_from`` (a quarantine file of an earlier run, read
+    needed by both quarantine options; ``row_ids="mixture"``: under a `Mixture` its ids number the mixture's rows
+    source after source in ``Mixture.names`` order, source ``i``'s row ``r`` being ``rows of the sources before i + r``, so the ledger answers
+    ``SOURCE:N`` for quarantined rows too), ``quarantine_from`` (a quarantine file of an earlier run, read
     here); all checked here, before any work starts. ``quarantine``: the rows kept out (checkpointed).
     """
 
@@ -127,6 +129,7 @@ class SpikeGuard(Callback):
         bisect: bool = False,
         row_key: Optional[str] = None,
         quarantine_from: Optional[str] = None,
+        row_ids: Optional[str] = None,
     ) -> None:
         if isinstance(snapshot_interval, bool) or not isinstance(snapshot_interval, int) or snapshot_interval < 1:
             raise ValueError(
@@ -145,13 +148,19 @@ class SpikeGuard(Callback):
                 "bisect=True and quarantine_from name rows by a batch column: pass row_key='id' (the column "
                 "holding each row's integer id, e.g. its row number in the dataset)."
             )
-        self.bisect, self.row_key = bool(bisect), row_key
+        if row_ids not in (None, "mixture") or (row_ids is not None and not row_key):
+            raise ValueError(
+                f"row_ids={row_ids!r}: pass row_ids='mixture' with a row_key whose ids number a Mixture's rows source "
+                "after source (the ledger then answers SOURCE:N for quarantined rows), or leave it None."
+            )
+        self.bisect, self.row_key, self.row_ids = bool(bisect), row_key, row_ids
         self.quarantine = Quarantine()  # the rows not trained any more (bisect's culprits, and quarantine_from's)
         self._from_file = read_quarantine(quarantine_from) if quarantine_from is not None else None
         self._filter = QuarantineFilter(row_key) if row_key else None
         self._qids: List[int] = []
-        self._dropped_total = 0  # the per-batch sum of this fit's dropped rows, as last read
+        self._dropped_totals: List[int] = []  # the per-batch sums of this fit's dropped rows (tokens, sources), as read
         self._batches: Deque[Any] = deque()  # with bisect: this rank's batch per _history record (the window's rows)
+        self._facts: Deque[Any] = deque()  # ... and what the filter counts them by (a mixture's rows' sources)
         self.skips = SkipList()
         self.rollbacks: List[Dict[str, Any]] = []  # one record per rollback (plain values; saved)
         self._snapshots: Optional[HostSnapshots] = None
@@ -165,17 +174,19 @@ class SpikeGuard(Callback):
         self._ready: Optional[torch.cuda.Event] = None  # its copy's event, recorded before the optimizer step
         self._event: Optional[torch.cuda.Event] = None
         self._spike: Optional[Tuple[int, Verdict]] = None  # this rank's latest spike (batch, verdict), until agreed
-        # One record per batch since the oldest snapshot: (Timestamp after it, samples, tokens, rows the quarantine
-        # dropped from it on every rank); the window's rows.
-        self._history: Deque[Tuple[Timestamp, int, int, int]] = deque()
+        # One record per batch since the oldest snapshot: (Timestamp after it, samples, tokens, what the quarantine
+        # dropped from it on every rank: (rows, tokens, rows per source), or None); the window's rows.
+        self._history: Deque[Tuple[Timestamp, int, int, Optional[Tuple[int, int, Dict[str, int]]]]] = deque()
         self._since = 0  # batches since the newest snapshot (or rollback)
         self._key = "SpikeGuard"
 
     # ------------------------------------------------------------------ setup
     def init(self, state: State, logger: Logger) -> None:
         state.agreement.register(FLAG)
-        if self._filter is not None:
-            state.agreement.register_count(QUARANTINED)
+        if self._filter is not None:  # the dropped rows (their tokens, a mixture's sources) on the per-batch sum
+            loader = next((c.loader for c in state.callbacks if isinstance(c, MixtureCounts)), None)
+            for name in self._filter.bind(state.count_tokens, loader):
+                state.agreement.register_count(name)
         # Last among the callbacks (the Trainer refreshes the Engine after INIT): a snapshot and a rollback at
         # BATCH_END then see every other callback's batch done (per-source counts, monitors), so a restore
         # leaves none of them counting a skipped batch.
@@ -199,12 +210,13 @@ class SpikeGuard(Callback):
         skipped = state.skipped
         if self.skips.ranges and not skipped.batches:  # a checkpoint from before State.skipped: from the skip list
             skipped.batches, skipped.samples, skipped.tokens = self.skips.totals()
-        self._dropped_total = 0
+        self._dropped_totals = [0] * len(self._filter.count_names) if self._filter is not None else []
         if self.row_key is not None:
             start_quarantine(self, state, {k: v for k, v in fingerprint.items() if k != "seed"})
         self._snapshots = HostSnapshots(state, exclude_callbacks={self._key})
         self._history.clear()
         self._batches.clear()
+        self._facts.clear()
         self._take(state)
 
     # --------------------------------------------------------------- per batch
@@ -276,16 +288,11 @@ class SpikeGuard(Callback):
 
     def batch_end(self, state: State, logger: Logger) -> None:
         ts = state.timestamp  # immutable: kept as it is, read only at a rollback (no per-batch conversions)
-        dropped = 0
-        if self._filter is not None:  # this batch's quarantined rows, every rank's (the per-batch sum is cumulative)
-            total = state.agreement.total(QUARANTINED)
-            dropped, self._dropped_total = total - self._dropped_total, total
-            state.skipped.quarantined += dropped
-            if dropped:
-                logger.log_metrics({"spikes/quarantined_rows": state.skipped.quarantined})
+        dropped = count_dropped(self, state, logger) if self._filter is not None else None
         self._history.append((ts, state.global_batch_num_samples, state.global_batch_num_tokens, dropped))
         if self.bisect:
             self._batches.append(state.batch)
+            self._facts.append(self._filter.facts() if self._filter is not None else None)
         if state.agreement.agreed(FLAG):
             state.agreement.clear(FLAG)
             self._roll_back(state, logger, int(ts.batch) - 1)  # requested at the batch before, agreed on this one
@@ -358,6 +365,7 @@ class SpikeGuard(Callback):
                 self._history.popleft()
                 if self._batches:
                     self._batches.popleft()
+                    self._facts.popleft()
 
     def _roll_back(self, state: State, logger: Logger, spike_batch: int) -> None:
         """Every rank, at the same batch: restore the newest snapshot from before the spiking batch, skip since."""
@@ -387,7 +395,10 @@ class SpikeGuard(Callback):
                 by_source = {n: b - a for n, a, b in zip(names, at, to) if b > a}
             state.skipped.add_window(batches, end - start, tokens, by_source)
         skipped_batches = {record[0] for record in fresh}  # rows dropped from them count as skipped now, not twice
-        state.skipped.quarantined -= sum(h[3] for h in self._history if h[0].get_value("ba") in skipped_batches)
+        for h in self._history:
+            if h[3] is not None and h[0].get_value("ba") in skipped_batches:
+                rows, tokens, by_source = h[3]
+                state.skipped.add_quarantined(-rows, -tokens, {n: -k for n, k in by_source.items()})
         if not retrained:  # the schedule follows the position: one step per batch since the snapshot
             for scheduler in state.schedulers:
                 for _ in range(now - restored):

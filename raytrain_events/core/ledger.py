@@ -16,8 +16,11 @@ the timestamp and the skip list (bytes, not rows).
 A run without a mixture trains a plain dataset in its own order (no shuffle): position = row, one
 source (`Ledger.plain`). Its `Quarantine` (``SpikeGuard(bisect=True, row_key=...)``, ids = the dataset's row
 numbers) is answered too: a quarantined row is not trained from its quarantine's (epoch, position) on. A
-mixture's quarantine ids are the user's batch column, not (source, row): not answered there. A shuffled plain dataset's order depends on its block sizes at run time and
-is not answered here (a `ValueError` says so).
+mixture's quarantine is answered when its ids number the mixture's rows source after source
+(``SpikeGuard(row_ids="mixture")``: source ``i`` of ``Mixture.names``, its row ``r`` is id ``sum(rows of sources before i) + r``;
+the quarantine's fingerprint says so): a read of the row at a position at or after its quarantine's is
+held. Other ids are the user's own column, not (source, row): not answered. A shuffled plain dataset's
+order depends on its block sizes at run time and is not answered here (a `ValueError` says so).
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ class Ledger:
         self.skips = skips if skips is not None else SkipList()
         self.quarantine = quarantine if quarantine is not None else Quarantine()
         self.rows, self.source = rows, source
+        self._mixture_ids = self.quarantine.fingerprint.get("row_ids") == "mixture"
 
     @classmethod
     def plain(  # noqa: PLR0913 (keyword-only: the checkpoint's position, its skips and quarantine)
@@ -116,10 +120,17 @@ class Ledger:
             raise ValueError(f"No source {source!r} in the run's mixture (sources: {', '.join(plan.names)}).")
         i = plan.names.index(source)
         rows = plan.source_rows[i]
+
+        def held_from(epoch: int) -> int:  # the source's first read at or after the quarantine's position
+            assert since is not None
+            return plan.cursors(epoch, since[1])[i]
+
         if not 0 <= row < rows:
             raise ValueError(f"Row {row} is outside source {source!r}'s {rows} rows.")
         epochs: List[int] = []
         skipped: List[int] = []
+        held: List[int] = []
+        since = self.quarantine.rows.get(sum(plan.source_rows[:i]) + row) if self._mixture_ids else None
         for epoch, end in self._epochs(plan.epoch_size):
             taken = plan.cursors(epoch, end)[i]
             windows = [
@@ -133,9 +144,11 @@ class Ledger:
                     continue
                 if any(lo <= t < hi for lo, hi in windows):
                     skipped.append(epoch)
+                elif since is not None and (epoch > since[0] or (epoch == since[0] and t >= held_from(epoch))):
+                    held.append(epoch)
                 else:
                     epochs.append(epoch)
-        return LedgerAnswer(source, row, len(epochs), tuple(epochs), tuple(skipped))
+        return LedgerAnswer(source, row, len(epochs), tuple(epochs), tuple(skipped), tuple(held))
 
     def _ask_plain(self, source: str, row: int) -> LedgerAnswer:
         if source != self.source:
@@ -180,6 +193,7 @@ def ledger_of_checkpoint(state: Mapping[str, Any]) -> Ledger:
         epoch=epoch,
         position=position,
         skips=skips,
+        quarantine=quarantine,  # answered where its ids number the mixture's rows (row_ids="mixture")
     )
 
 

@@ -269,9 +269,11 @@ class Skipped:
     run without spikes, and a resume re-enters at the same place at any world size); this record counts the
     positions that were not trained, apart: ``batches``/``samples``/``tokens`` of rolled-back windows (the
     `SkipList`'s totals), ``by_source`` their samples per mixture source, and ``quarantined``/
-    ``quarantined_tokens`` the rows a quarantine dropped from batches (bisection's culprits included).
-    ``trained = timestamp - skipped - quarantined`` (`trained`). Saved in the checkpoint with the State; a
-    checkpoint from before it loads as zeros (the `SpikeGuard` fills it from its skip list then).
+    ``quarantined_tokens`` the rows a quarantine dropped from batches (bisection's culprits included) and
+    their tokens (counted by the loop's token counter, or a mixture's ``tokens_of_row``), with
+    ``quarantined_by_source`` their rows per mixture source. ``trained = timestamp - skipped - quarantined``
+    (`trained`). Saved in the checkpoint with the State; a checkpoint from before it (or its quarantine
+    fields) loads as zeros (the `SpikeGuard` fills the windows from its skip list then).
     """
 
     batches: int = 0
@@ -279,35 +281,59 @@ class Skipped:
     tokens: int = 0
     quarantined: int = 0
     by_source: Dict[str, int] = field(default_factory=dict)
+    quarantined_tokens: int = 0
+    quarantined_by_source: Dict[str, int] = field(default_factory=dict)
 
     def add_window(
         self, batches: int, samples: int, tokens: int, by_source: Optional[Mapping[str, int]] = None
     ) -> None:
         self.batches, self.samples, self.tokens = self.batches + batches, self.samples + samples, self.tokens + tokens
-        for name, count in (by_source or {}).items():
-            self.by_source[name] = self.by_source.get(name, 0) + int(count)
+        _add_counts(self.by_source, by_source)
+
+    def add_quarantined(self, rows: int, tokens: int, by_source: Optional[Mapping[str, int]] = None) -> None:
+        """Count rows a quarantine kept out (negative counts: rows that a rolled-back window now counts instead)."""
+        self.quarantined, self.quarantined_tokens = self.quarantined + rows, self.quarantined_tokens + tokens
+        _add_counts(self.quarantined_by_source, by_source)
 
     def trained(self, batch: int, sample: int, token: int) -> Dict[str, int]:
         """What was trained of a Timestamp's totals (``batch``, ``sample``, ``token``)."""
         return {
             "batch": batch - self.batches,
             "sample": sample - self.samples - self.quarantined,
-            "token": token - self.tokens,
+            "token": token - self.tokens - self.quarantined_tokens,
         }
 
     def state_dict(self) -> Dict[str, Any]:
-        return {
+        out: Dict[str, Any] = {
             "batches": self.batches,
             "samples": self.samples,
             "tokens": self.tokens,
             "quarantined": self.quarantined,
             "by_source": dict(self.by_source),
         }
+        if self.quarantined_tokens or self.quarantined_by_source:  # a run without them saves what it saved before
+            out["quarantined_tokens"] = self.quarantined_tokens
+            out["quarantined_by_source"] = dict(self.quarantined_by_source)
+        return out
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any]) -> Skipped:
-        plain = {k: int(state.get(k, 0)) for k in ("batches", "samples", "tokens", "quarantined")}
-        return cls(**plain, by_source={str(k): int(v) for k, v in dict(state.get("by_source", {})).items()})
+        plain = {k: int(state.get(k, 0)) for k in ("batches", "samples", "tokens", "quarantined", "quarantined_tokens")}
+        return cls(
+            **plain,
+            by_source={str(k): int(v) for k, v in dict(state.get("by_source", {})).items()},
+            quarantined_by_source={str(k): int(v) for k, v in dict(state.get("quarantined_by_source", {})).items()},
+        )
+
+
+def _add_counts(into: Dict[str, int], counts: Optional[Mapping[str, int]]) -> None:
+    """Add per-source counts (a count that reaches 0 is dropped: no source shows with nothing)."""
+    for name, count in (counts or {}).items():
+        total = into.get(name, 0) + int(count)
+        if total:
+            into[name] = total
+        else:
+            into.pop(name, None)
 
 
 class RollbackPolicy:

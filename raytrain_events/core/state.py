@@ -7,7 +7,7 @@ wrapper), so algorithms and checkpoints see the real parameter names.
 from __future__ import annotations
 
 import fnmatch
-from typing import Any, Collection, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Collection, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from raytrain_events.core.agreement import Agreement
 from raytrain_events.core.algorithm import Algorithm
@@ -60,8 +60,12 @@ class State:
         world_size: int = 1,
         run_name: str = "run",
         seed: Optional[int] = None,
+        count_tokens: Optional[Callable[[Any], int]] = None,
     ) -> None:
         self.model = model
+        # The loop's token counter of a train batch (the DataSpec's get_num_tokens_in_batch; None: no tokens
+        # counted), for a callback that must count a part of a batch the same way (SpikeGuard's quarantined rows).
+        self.count_tokens = count_tokens
         self.max_duration = None if max_duration is None else ensure_time(max_duration, TimeUnit.EPOCH)
         self.train_dataloader = train_dataloader
         self.evaluators = list(evaluators)

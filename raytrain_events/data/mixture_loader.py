@@ -16,7 +16,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from raytrain_events.core.callback import Callback
 from raytrain_events.core.mixture import Mixture, MixtureError
@@ -112,6 +112,24 @@ class MixtureLoader:
         # This rank's rows of each source in the latest batch, and their tokens (0 without tokens_of_row).
         self.batch_samples: List[int] = [0] * len(names)
         self.batch_tokens: List[int] = [0] * len(names)
+        self.batch_rows: List[Tuple[int, int]] = []  # (source, row) of each row of this rank's latest batch
+
+    def batch_facts(self) -> List[Tuple[int, int]]:
+        """What `tokens_of_rows` needs of this rank's latest batch, kept with a batch: its rows' (source, row)."""
+        return self.batch_rows
+
+    @staticmethod
+    def sources_of(facts: List[Tuple[int, int]]) -> List[int]:
+        """The source (its index in ``mixture.names``) of each row of the batch ``facts`` describe."""
+        return [source for source, _ in facts]
+
+    def tokens_of_rows(self, batch: Any, index: Sequence[int], facts: List[Tuple[int, int]]) -> int:
+        """Tokens of the rows ``index`` of a batch (``tokens_of_row`` of each row as read; 0 without it)."""
+        del batch  # counted on the rows as read, like `tokens_in_batch`
+        count = self.tokens_of_row
+        if count is None:
+            return 0
+        return sum(int(count(self._datasets[s][r])) for s, r in (facts[i] for i in index))
 
     # ------------------------------------------------------------- the loop
     def bind(self, *, rank: int, world_size: int, seed: Optional[int], max_duration: Optional[Time[Any]]) -> None:
@@ -185,7 +203,7 @@ class MixtureLoader:
                 samples[source] += 1
                 if self.tokens_of_row is not None:
                     tokens[source] += int(self.tokens_of_row(item))
-            self.batch_samples, self.batch_tokens = samples, tokens
+            self.batch_samples, self.batch_tokens, self.batch_rows = samples, tokens, rows
             position = min(position + self.global_batch, plan.epoch_size)
             yield self.collate_fn(items)
 

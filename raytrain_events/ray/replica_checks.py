@@ -19,9 +19,17 @@ from __future__ import annotations
 import importlib.util
 from typing import Any, Dict, Mapping
 
+from raytrain_events.callbacks.spike_guard import SpikeGuard
 from raytrain_events.core.replica_layout import layout_problem
 
-__all__ = ["FAULT_TOLERANCE", "check_fault_tolerance", "lighthouse_options", "require_torchft", "torchft_config"]
+__all__ = [
+    "FAULT_TOLERANCE",
+    "check_fault_tolerance",
+    "lighthouse_options",
+    "refuse_group_callbacks",
+    "require_torchft",
+    "torchft_config",
+]
 
 #: The values of ``RunSpec.fault_tolerance``.
 FAULT_TOLERANCE = (None, "replica_groups")
@@ -75,9 +83,33 @@ def check_fault_tolerance(spec: Any) -> None:
         require()  # a Ray whose worker group cannot be made to build groups of several: refused, naming the fix
 
 
+def _callback_refusals(callbacks: Any) -> list:
+    """What of ``callbacks`` (instances) replica groups cannot run, one phrase each: a `SpikeGuard` (each group's
+    loop agrees with itself only: one group would roll back alone and its replica differ from the others' in
+    silence, and a peer's heal would undo a rollback)."""
+    if any(isinstance(c, SpikeGuard) for c in callbacks):
+        return [
+            "SpikeGuard: each replica group's per-batch agreement is its own, so a spike seen in one group would roll "
+            "that group back alone and its weights would differ from the other groups' in silence (drop SpikeGuard "
+            "for this run; NaNMonitor stops it instead)"
+        ]
+    return []
+
+
+def refuse_group_callbacks(callbacks: Any) -> None:
+    """On each worker (`ReplicaCommit` at INIT): the callbacks a factory (``callbacks(config)``) built, refused as
+    the driver refuses instances (`check_fault_tolerance`)."""
+    refusals = _callback_refusals(callbacks)
+    if refusals:
+        raise ValueError(
+            "fault_tolerance='replica_groups' does not support " + "; ".join(refusals) + ". Fix: change these "
+            "options, or drop fault_tolerance to recover by restarting the worker group."
+        )
+
+
 def _unsupported(spec: Any) -> list:
     """What in ``spec`` replica groups do not support yet, one phrase each."""
-    refusals = []
+    refusals = [] if callable(spec.callbacks) else _callback_refusals(spec.callbacks)  # a factory: on the workers
     workers = spec.workers
     if isinstance(workers, tuple):
         refusals.append("an elastic num_workers=(min, max): pass a fixed num_workers (the replica groups)")

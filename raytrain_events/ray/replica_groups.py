@@ -55,6 +55,7 @@ from raytrain_events.core.replica_layout import part_rows
 from raytrain_events.core.time import Timestamp, counters_of
 from raytrain_events.data.ray.loader import GlobalOrderLoader
 from raytrain_events.ray.checkpointing.validation import VALIDATE_KEY
+from raytrain_events.ray.replica_checks import refuse_group_callbacks
 
 if TYPE_CHECKING:
     from raytrain_events.ray.replica_abort import CollectiveWatch
@@ -320,6 +321,7 @@ class ReplicaCommit(Callback):
         loader.on_change = self._quorum_change
 
     def init(self, state, logger) -> None:
+        refuse_group_callbacks(state.callbacks)  # what a callbacks(config) factory built (instances: on the driver)
         self.loader.replicas.state = state
         self._loop = (state, logger)
 

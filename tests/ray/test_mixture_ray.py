@@ -97,6 +97,11 @@ def _epoch(loaders, epoch: int, position: int):
         batches.append([i for batch in per_rank for i in batch["id"].tolist()])
         for loader, batch in zip(loaders, per_rank):
             assert batch["tokens"].shape[1] == 3
+            # Each row's source and some rows' tokens (what SpikeGuard's quarantine counts a dropped row by).
+            facts, ids = loader.batch_facts(), batch["id"].tolist()
+            assert [names[s] for s in loader.sources_of(facts)] == [source_of(i) for i in ids]
+            odd = list(range(1, len(ids), 2))
+            assert loader.tokens_of_rows(batch, odd, facts) == sum(int(batch["ntok"][i]) for i in odd)
             for name, s, t in zip(names, loader.batch_samples, loader.batch_tokens):
                 samples[name] += s
                 tokens[name] += t

@@ -170,3 +170,26 @@ def test_a_lost_lighthouse_is_told_apart_and_ends_the_run_on_the_controller(monk
         watch.after_exception(None, {0: RuntimeError("reset"), 1: worker_error})
     with pytest.raises(LighthouseLostError, match="is gone"):  # as Ray hands it over: the exception itself
         watch.after_exception(None, {1: lost})
+
+
+def test_a_spike_guard_is_refused_before_ray_starts_and_a_factorys_on_the_worker(monkeypatch):
+    """Each replica group's loop agrees with itself only: a SpikeGuard would roll one group back alone (its
+    weights then differ from the other groups' in silence). Refused on the driver (instances) before Ray starts,
+    and at each group's INIT for what a callbacks(config) factory built."""
+    import ray
+
+    from raytrain_events.callbacks import SpikeGuard
+    from raytrain_events.core.state import State
+    from raytrain_events.ray.replica_groups import ReplicaCommit
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray must not start")
+
+    monkeypatch.setattr(ray, "init", no_ray)
+    with pytest.raises(ValueError, match="does not support SpikeGuard: each replica group") as error:
+        RayTrainer(**_options(callbacks=[SpikeGuard()]))
+    assert "Fix:" in str(error.value)
+    RunSpec(**_options(callbacks=lambda config: [SpikeGuard()]))  # a factory: known only on the workers
+    state = State(model=None, callbacks=[SpikeGuard()])
+    with pytest.raises(ValueError, match="does not support SpikeGuard"):
+        ReplicaCommit.init(object(), state, None)  # the group's commit callback, first at INIT

@@ -20,7 +20,7 @@ from gloo_ranks import (
     train,
 )
 from mixture_ranks import FOLDER, GLOBAL_BATCH, MIXTURE, ONLINE, ONLINE_FOLDER, SEED, train_mixture
-from spike_ranks import train_spike
+from spike_ranks import quarantined_ids, train_quarantine, train_spike
 
 # Every job of this file, by world size: one spawn per world size runs them all in order (a spawn
 # costs each rank a torch import and a gloo rendezvous; ten spawns were most of this file's time).
@@ -47,6 +47,7 @@ JOBS = {
         "mixture_resume": (train_mixture, dict(folder=FOLDER)),  # the 2-rank crash's checkpoint
         "online_resume": (train_mixture, dict(online=True, folder=ONLINE_FOLDER)),
         "spike": (train_spike, {}),
+        "quarantine": (train_quarantine, {}),
     },
 }
 
@@ -189,3 +190,24 @@ def test_spike_guard_rolls_every_rank_back_at_the_same_batch(ranks, world_size):
         assert r["trained"] == {"batch": 16, "sample": 16 * rows, "token": 0} and r["sample"] == 20 * rows
         for key, value in r["weights"].items():
             assert torch.isfinite(value).all() and torch.equal(value, results[0]["weights"][key]), (rank, key)
+
+
+def test_a_mixtures_quarantine_is_counted_alike_on_every_rank_from_the_per_batch_sum(ranks):
+    """3 ranks, a 3-source mixture, a quarantine file: every rank's ``State.skipped`` holds all ranks' dropped
+    rows, their tokens and rows per source (summed on the loop's per-batch collective), the same everywhere."""
+    results = ranks(3, "quarantine")
+    held, names = set(quarantined_ids()), list(MIXTURE.names)
+    offsets = [sum(MIXTURE.rows(n) for n in names[:i]) for i in range(len(names))]
+    dropped = [(rid, n) for r in results for rid, n in r["read"] if rid in held]  # every rank's
+    by_source = {}
+    for rid, _ in dropped:
+        name = names[max(i for i in range(len(names)) if offsets[i] <= rid)]
+        by_source[name] = by_source.get(name, 0) + 1
+    assert len(by_source) == 3 and all(len({rid for rid, _ in r["read"]} & held) for r in results)
+    for r in results:
+        assert r["skipped"]["quarantined"] == len(dropped)
+        assert r["skipped"]["quarantined_tokens"] == sum(n for _, n in dropped)
+        assert r["skipped"]["quarantined_by_source"] == by_source
+        assert r["trained"] == results[0]["trained"]
+    read_tokens = sum(n for r in results for _, n in r["read"])
+    assert results[0]["trained"]["token"] == read_tokens - sum(n for _, n in dropped)

@@ -6,9 +6,12 @@ that of a run whose batches never held them. The search's pure part is tests/cor
 from __future__ import annotations
 
 import json
+import tempfile
+from collections import Counter
 
 import pytest
 import torch
+from test_mixture_trainer import MIXTURE, SOURCES, Rows, Tiny
 from test_spike_guard import BATCH, DIM, ROWS, Record, _rows
 from torch.utils.data import DataLoader
 
@@ -16,7 +19,12 @@ from raytrain_events import Trainer
 from raytrain_events.callbacks import SpikeGuard
 from raytrain_events.checkpoint import CheckpointConfig
 from raytrain_events.cli.main import main
+from raytrain_events.core.callback import Callback
+from raytrain_events.core.data_spec import DataSpec
+from raytrain_events.core.ledger import ledger_of_checkpoint
 from raytrain_events.core.quarantine import Quarantine
+from raytrain_events.core.spikes import Skipped
+from raytrain_events.data.mixture_loader import MixtureLoader
 from raytrain_events.models import ClassifierModel
 
 PLANTED = [203, 317]  # batches 26 and 40 (1-based) of each epoch
@@ -142,3 +150,135 @@ def test_a_batch_whose_every_row_is_quarantined_trains_with_its_loss_times_zero(
     _, without = fit_plain(_rows(drop=range(BATCH)))
     for mine, theirs in zip(state.model.parameters(), without.model.parameters()):
         assert torch.equal(mine, theirs)
+
+
+class Tokens(Callback):
+    """The tokens of every batch as read (before the quarantine drops rows) and as trained (after)."""
+
+    def __init__(self):
+        self.read, self.trained, self.read_rows, self.trained_ids = 0, 0, [], []
+
+    def after_dataloader(self, state, logger):
+        self.read += int(state.batch["len"].sum())
+        self.read_rows.extend(zip(state.batch["id"].tolist(), state.batch["len"].tolist()))
+
+    def batch_end(self, state, logger):  # after BATCH_START's filter: the rows trained
+        self.trained += int(state.batch["len"].sum())
+        self.trained_ids.extend(state.batch["id"].tolist())
+
+
+def _with_len(rows):
+    return [dict(row, len=1 + row["id"] % 7) for row in rows]
+
+
+def test_quarantined_rows_tokens_are_counted_apart_by_bisection_and_by_the_filter():
+    """Bisection's culprits (in their retrained window) and the rows the filter drops later: their tokens, counted
+    by the loop's token counter, in ``state.skipped.quarantined_tokens``; trained tokens = the tokens trained."""
+    data, record = _with_len(_rows(planted=PLANTED)), Tokens()
+    guard = SpikeGuard(snapshot_interval=5, bisect=True, row_key="id")
+    loader = DataSpec(DataLoader(data, batch_size=BATCH), get_num_tokens_in_batch=lambda b: int(b["len"].sum()))
+    state = _fit(data, [record, guard], loader=loader)
+    assert guard.quarantine.ids() == PLANTED and all(r["retrained"] for r in guard.rollbacks)
+    culprit_tokens = sum(1 + i % 7 for i in PLANTED)  # 3 + 2: once in their windows, once dropped in epoch 1
+    assert state.skipped.quarantined == 4 and state.skipped.quarantined_tokens == 2 * culprit_tokens
+    assert int(state.timestamp.token) == record.read  # positions: every row read counts
+    assert guard.trained(state)["token"] == record.read - 2 * culprit_tokens  # the culprits' tokens never trained
+    saved = state.skipped.state_dict()
+    assert saved["quarantined_tokens"] == 2 * culprit_tokens and Skipped.from_state_dict(saved) == state.skipped
+
+
+def test_a_mixtures_quarantined_rows_are_counted_per_source_and_answered_by_the_ledger():
+    """A 3-source `MixtureLoader` and a quarantine file: the dropped rows per source and their tokens
+    (``tokens_of_row``) in ``state.skipped``, equal to what the batches held; trained = read - quarantined. With
+    ``row_ids="mixture"`` (ids number the rows source after source) the ledger answers every ``SOURCE:N``: as
+    often trained as the batches held it after the filter, and held in the epochs that read it."""
+    log = []
+    names = list(MIXTURE.names)  # the order the row ids number the sources in (`Mixture.names`: sorted)
+    offsets = [sum(SOURCES[n] for n in names[:i]) for i in range(len(names))]
+    datasets = {n: _Ided(Rows(i, SOURCES[n], log), offsets[i]) for i, n in enumerate(names)}
+    loader = MixtureLoader(MIXTURE, datasets, batch_size=8, tokens_of_row=lambda row: int(row["len"]))
+    held = list(range(3, sum(SOURCES.values()), 7))  # every 7th id: not the same rows under other offsets
+    quarantine = Quarantine()
+    for rid in held:
+        quarantine.add(rid, 0, 0)
+    record = Tokens()
+    with tempfile.TemporaryDirectory() as folder:
+        path = f"{folder}/q.json"
+        with open(path, "w") as fh:
+            fh.write(quarantine.dumps())
+        guard = SpikeGuard(row_key="id", quarantine_from=path, row_ids="mixture")
+        model = Tiny()
+        state = Trainer(
+            model=model,
+            train_dataloader=DataSpec(loader, get_num_tokens_in_batch=loader.tokens_in_batch),
+            max_duration="2ep",
+            optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+            callbacks=[record, guard],
+            seed=7,
+        ).fit()
+    dropped = [(rid, n) for rid, n in record.read_rows if rid in set(held)]
+
+    def source_row(rid):
+        i = max(k for k in range(len(offsets)) if offsets[k] <= rid)
+        return names[i], rid - offsets[i]
+
+    by_source = {}
+    for rid, _ in dropped:
+        by_source[source_row(rid)[0]] = by_source.get(source_row(rid)[0], 0) + 1
+    assert len(by_source) == 3 and state.skipped.quarantined == len(dropped)
+    assert state.skipped.quarantined_by_source == by_source
+    assert state.skipped.quarantined_tokens == sum(n for _, n in dropped) > 0
+    assert int(state.timestamp.token) == record.read
+    assert guard.trained(state)["token"] == record.trained == record.read - sum(n for _, n in dropped)
+    # The ledger of the final state, for every row of every source, against the rows the batches trained.
+    ledger = ledger_of_checkpoint(state.state_dict())
+    trained, read = Counter(record.trained_ids), Counter(rid for rid, _ in record.read_rows)
+    for rid in range(sum(SOURCES.values())):
+        answer = ledger.ask(*source_row(rid))
+        assert answer.times == trained[rid]
+        assert len(answer.quarantined) == (read[rid] if rid in held else 0)
+    assert sum(len(ledger.ask(*source_row(rid)).quarantined) for rid in held) == len(dropped) > 0
+
+
+class _Ided:
+    """A mixture source whose rows carry a row key ``id`` = the rows of the sources before it + row (and ``len``)."""
+
+    def __init__(self, rows, offset):
+        self.rows, self.offset = rows, offset
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, row):
+        item = dict(self.rows[row])
+        item["id"] = torch.tensor(self.offset + row)
+        return item
+
+
+def test_row_ids_is_refused_where_it_cannot_name_a_mixtures_rows():
+    with pytest.raises(ValueError, match="row_ids='rows'"):
+        SpikeGuard(row_key="id", row_ids="rows")
+    with pytest.raises(ValueError, match="row_ids='mixture'"):
+        SpikeGuard(row_ids="mixture")  # no row_key
+    with pytest.raises(ValueError, match="trains no Mixture: drop row_ids"):  # at the fit's start, before a batch
+        _fit(_rows(), [SpikeGuard(row_key="id", row_ids="mixture")], duration="1ba")
+
+
+def test_a_skipped_window_takes_back_the_quarantined_rows_it_held():
+    """Row 201 is quarantined (dropped from batch 26) and row 203 spikes that batch: the window skipped holds the
+    dropped row, so it counts once, as skipped (rows and tokens), not also as quarantined."""
+    path = tempfile.mkdtemp() + "/q.json"
+    quarantine = Quarantine()
+    quarantine.add(201, 0, 0)
+    with open(path, "w") as fh:
+        fh.write(quarantine.dumps())
+    data, record = _with_len(_rows(planted=[203])), Tokens()
+    guard = SpikeGuard(snapshot_interval=5, row_key="id", quarantine_from=path)
+    loader = DataSpec(DataLoader(data, batch_size=BATCH), get_num_tokens_in_batch=lambda b: int(b["len"].sum()))
+    state = _fit(data, [record, guard], loader=loader, duration="1ep")
+    ((epoch, start, end),) = guard.rollbacks[0]["skipped"]
+    assert epoch == 0 and start <= 201 < end and len(guard.rollbacks) == 1
+    window_tokens = sum(1 + i % 7 for i in range(start, end))
+    skipped = state.skipped
+    assert (skipped.quarantined, skipped.quarantined_tokens, skipped.samples) == (0, 0, end - start)
+    assert skipped.tokens == window_tokens and guard.trained(state)["token"] == record.read - window_tokens

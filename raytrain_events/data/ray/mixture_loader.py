@@ -23,7 +23,7 @@ several global batches and each batch takes its rows' part of it: one walk per t
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, List, Mapping, Optional
+from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence
 
 from raytrain_events.core.callback import Callback
 from raytrain_events.data.mixture_counts import MixtureCounts
@@ -50,6 +50,7 @@ class MixtureOrderLoader(GlobalOrderLoader):
         names = self.mixture.names
         self.batch_samples: List[int] = [0] * len(names)
         self.batch_tokens: List[int] = [0] * len(names)
+        self.batch_sources: List[int] = []  # the source of each row of this rank's latest batch
         self._window: tuple[int, int, List[int]] = (-1, 0, [])  # (epoch, first position, their sources)
         self._anchor = 0  # the position the stream entered the epoch at (set per iteration)
 
@@ -69,7 +70,7 @@ class MixtureOrderLoader(GlobalOrderLoader):
             samples = [0] * len(self.batch_samples)
             for s in sources:
                 samples[s] += 1
-            self.batch_samples = samples
+            self.batch_samples, self.batch_sources = samples, sources
             if self.tokens_of_row is not None:
                 self.batch_tokens = self._tokens(batch, sources)
             yield batch
@@ -92,6 +93,35 @@ class MixtureOrderLoader(GlobalOrderLoader):
         start = position + k * shard.global_batch
         end = batch_end(start, size, shard.global_batch, world)
         return rank_rows(start, end, shard.rank // shard.tensor_parallel, world)
+
+    def batch_facts(self) -> List[int]:
+        """What `sources_of` needs of this rank's latest batch, kept with a batch: its rows' sources."""
+        return self.batch_sources
+
+    @staticmethod
+    def sources_of(facts: List[int]) -> List[int]:
+        """The source (its index in ``mixture.names``) of each row of the batch ``facts`` describe."""
+        return facts
+
+    def tokens_of_rows(self, batch: Any, index: Sequence[int], facts: List[int]) -> int:
+        """Tokens of the rows ``index`` of ``batch`` (``tokens_of_batch`` of those rows; 0 without it)."""
+        count = self.tokens_of_row
+        if count is None or not index:
+            return 0
+        if not isinstance(batch, Mapping):
+            raise TypeError(
+                f"Counting the tokens of some rows of a batch needs dict batches (got {type(batch).__name__}): leave "
+                "collate_fn unset, or return a dict of tensors from it."
+            )
+        import torch  # deferred as in `_tokens`: the loader module imports without torch
+
+        rows = len(facts)
+        at = torch.tensor(list(index), dtype=torch.long)
+        part = {
+            key: value[at.to(value.device)] if torch.is_tensor(value) and value.ndim and len(value) == rows else value
+            for key, value in batch.items()
+        }
+        return int(count(part))
 
     def _tokens(self, batch: Any, sources: List[int]) -> List[int]:
         import torch
