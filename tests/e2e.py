@@ -6,7 +6,8 @@ A test is **end to end** (marker ``e2e``) when it starts, itself or through a fi
   or the README's blocks on the session's Ray),
 * a Ray instance of its own: an embedded Ray in a subprocess (an example run, a sweep killed and
   resumed), a ``ray.cluster_utils.Cluster``, ``ray start``,
-* the cluster launcher (``ray up`` / ``ray submit`` / ``ray job submit`` / ``ray down``), or
+* the cluster launcher (``ray up`` / ``ray submit`` / ``ray job submit`` / ``ray down``),
+* a torchft ring of its own (a process per replica group and a Lighthouse: as long as a Ray run), or
 * an example script (``python examples/...``).
 
 The session's shared Ray (the ``ray_cluster`` fixture) does not count: tests that use it for Ray
@@ -44,6 +45,7 @@ E2E: Dict[str, object] = {
     "tests/examples/test_resume_example.py": ALL,
     "tests/examples/test_train_example.py": ALL,
     "tests/ray/test_chaos_soak.py": ALL,  # a 3-node Cluster
+    "tests/ray/test_replica_abort.py": ALL,  # a torchft ring of 6 processes and a Lighthouse
     "tests/ray/test_data_network.py": ALL,  # a 3-node Cluster
     "tests/ray/test_loopback.py": ALL,  # an embedded Ray in a subprocess
     "tests/ray/test_mixture_run.py": ALL,  # one stop + resume pair of RayTrainer runs over a mixture
