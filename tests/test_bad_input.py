@@ -427,11 +427,11 @@ MIXTURE_CASES: List[Tuple[str, Dict[str, Any], Callable[[Dict[str, Any]], Dict[s
     ),
     ("online-beside-fixed-stages", _mixture(online={"policy": "exp3"}), dict, ValueError, "give one stage"),
     (
-        "online-under-raytrainer",
+        "online-without-source-evals",
         _mixture(weights={"web": 1}, stages=None, online={"policy": "exp3"}),
         dict,
         ValueError,
-        "train the online mixture with Trainer",
+        r"have no eval set evaluated in the loop.*online=\{'evaluators'",
     ),
 ]
 
