@@ -365,6 +365,10 @@ class EpochFeeder:
                 self.epochs.pop(key).stop()
                 started = None
             if started is None:
+                if mixture is not None:  # an online switch: every rank left the epoch's stream before it (the
+                    # eval that decided was their barrier), so its buffer goes now, not when the epoch after next opens
+                    for old in [k for k, e in self.epochs.items() if k[0] == epoch and k[1] < position]:
+                        self.epochs.pop(old).stop()
                 self._open(key, epoch_order, max(0, resume_batch - _RESTART_SLACK))
         return True
 
