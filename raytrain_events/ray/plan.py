@@ -89,8 +89,9 @@ def mixture_run(spec: Any) -> Optional[MixtureRun]:
 
 def check_online(spec: Any, mixture: Mixture) -> None:
     """An ``online=`` mixture's run, checked on the driver: each source's eval set is evaluated in the loop (its
-    loss is what the policy reads: `data/online_mixture.OnlineMixture`), and the ranks that train one order
-    decide together (one worker group: replica groups evaluate apart)."""
+    loss is what the policy reads: `data/online_mixture.OnlineMixture`; not by ``validation=`` tasks, whose
+    results arrive after training went on). Replica groups, which would evaluate apart, refuse ``mixture=``
+    already (``ray/replica_checks.py``)."""
     assert mixture.online is not None
     policy = OnlinePolicy.from_dict(mixture.online, mixture.names)
     by_tasks = async_eval_names(parse_validation(spec.validation), spec.eval_names)
@@ -102,9 +103,4 @@ def check_online(spec: Any, mixture: Mixture) -> None:
             f"set evaluated in the loop named {sorted(missing.values())} (eval sets: {spec.eval_names}). Fix: pass "
             "each source's held-out rows as datasets={'<source>_eval': ...} and map them, online={'evaluators': "
             "{'<source>': '<source>_eval'}} (evaluated in the loop, not by validation=)."
-        )
-    if spec.fault_tolerance == "replica_groups":
-        raise MixtureError(
-            "Mixture(online=...) with fault_tolerance='replica_groups': each replica group evaluates on its own, so "
-            "the groups would switch the weights apart. Drop online= (fix the weights) or train without replica groups."
         )
