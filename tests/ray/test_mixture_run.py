@@ -3,19 +3,21 @@ run, stopped on 2 workers after a weight change and resumed on 3 (issue 37's and
 
 Sources (tests/ray/test_mixture_ray.py's: ids 0-399, 1000-1149, 2000-2089 in 2 Parquet files each,
 row groups of 10 rows) mixed 0.5/0.3/0.2 with ``online={"policy": "exp3", ...}`` over a 1-epoch run of 640
-samples in global batches of 24 (27 batches). Each source's rows are also an eval set
-(``<source>_eval``, evaluated every 6 batches): the policy switches the weights at batches 6, 12, 18 and 24
-(positions 144, 288, 432, 576), each a switch stage the feeder's stream re-enters at. The uninterrupted
-run's history from the same eval losses is the policy's chain of decisions over them from the first
-weights (computed here: `next_weights`, the policy's state carried across the resume). ``seed=None``: each source's order is its files'
-order, so the test names every row the final mixture's plan puts at every position. The first run stops
-itself after batch 18 (position 432, just switched, a checkpoint there); the second continues the run by
-name on 3 workers, replays the checkpoint's history and switches once more. Checked: the weights history
-(positions, batches, old and new weights, losses) and the weights each batch trained with, as the
-uninterrupted run's; the stop's and the end's exact Timestamps; every global batch holds exactly the
-final mixture's plan's rows (each source's rows once per pass), on 2 workers up to batch 18 and on 3 after
-(so the feeder followed every switch, the resume's included); the per-source samples and tokens in the
-driver's final history entry and in the run report's "Tokens seen per source" table are that plan's.
+samples in global batches of 24 (27 batches). Each source's rows are also an eval set (``<source>_eval``,
+evaluated every 8 batches, split once per group: ``deterministic_split``): the policy switches the weights
+at batches 8, 16 and 24 (positions 192, 384, 576), each a switch stage the feeder's stream re-enters at.
+The uninterrupted run's history from the same eval losses is the policy's chain of decisions over them
+from the first weights (computed here: `next_weights`, the policy's state carried across the resume).
+``seed=None``: each source's order is its files' order, so the test names every row the final mixture's
+plan puts at every position. The first run stops itself after batch 18 (position 432, two switches in, a
+checkpoint there); the second continues the run by name on 3 workers, replays the checkpoint's history
+(its first request names the switched mixture, so the driver's early stream of the base mixture is
+dropped) and switches once more. Checked: the weights history (positions, batches, old and new weights,
+losses) and the weights each batch trained with, as the uninterrupted run's; the stop's and the end's
+exact Timestamps; every global batch holds exactly the final mixture's plan's rows (each source's rows
+once per pass), on 2 workers up to batch 18 and on 3 after (so the feeder followed every switch, the
+resume's included); the per-source samples and tokens in the driver's final history entry and in the run
+report's "Tokens seen per source" table are that plan's.
 (That a resumed stream opens no file before any source's cursor is tests/ray/test_mixture_ray.py's check.)
 
 Why a run pair of its own: the other RayTrainer flows (test_resume.py, test_parquet_seek.py) train
@@ -40,7 +42,7 @@ from test_mixture_ray import SOURCES, write_sources  # noqa: E402
 ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])
 ray_cloudpickle.register_pickle_by_value(h)
 
-EPOCH, BATCH, STOP, EVERY = 640, 24, 18, 6  # 27 global batches: 26 of 24 rows and one of 16; evals every 6
+EPOCH, BATCH, STOP, EVERY = 640, 24, 18, 8  # 27 global batches: 26 of 24 rows and one of 16; evals every 8
 WEIGHTS = {"web": 0.5, "code": 0.3, "math": 0.2}
 ONLINE = {
     "policy": "exp3",
@@ -150,6 +152,7 @@ def test_an_online_mixture_stopped_after_a_switch_on_2_workers_resumes_on_3_exac
                 get_num_tokens_in_batch=h.count_tokens,
                 max_duration="1ep",
                 seed=None,  # each source in its files' order (a seed permutes each source's row groups)
+                deterministic_split=True,  # eval sets split once per worker group, not streamed at every eval
                 num_workers=workers,
                 storage_path=str(tmp_path / "runs"),
                 run_name="mix",
@@ -159,7 +162,7 @@ def test_an_online_mixture_stopped_after_a_switch_on_2_workers_resumes_on_3_exac
             ).fit()
         )
     names = mixture.names
-    # The weights history: the stopped run's (3 switches, the last at its stop) replayed and continued on 3
+    # The weights history: the stopped run's (2 switches) replayed and continued on 3
     # workers, every rank alike, as the uninterrupted run's.
     histories = {}
     for path in os.listdir(records):
@@ -171,17 +174,17 @@ def test_an_online_mixture_stopped_after_a_switch_on_2_workers_resumes_on_3_exac
         h_ == histories["3"][0] for h_ in histories["3"]
     )
     stopped, history = histories["2"][0], histories["3"][0]
-    assert len(stopped) == 3 and history[:3] == stopped and len(history) == 4
+    assert len(stopped) == 2 and history[:2] == stopped and len(history) == 3
     want = _chain(mixture, history)
     got = [(c["position"], c["batch"], [c["old"][n] for n in names], [c["new"][n] for n in names]) for c in history]
-    assert [g[:2] for g in got] == [w[:2] for w in want] == [(144, 6), (288, 12), (432, 18), (576, 24)]
+    assert [g[:2] for g in got] == [w[:2] for w in want] == [(192, 8), (384, 16), (576, 24)]
     for (_, _, old, new), (_, _, want_old, want_new) in zip(got, want):
         assert old == pytest.approx(want_old, abs=1e-12) and new == pytest.approx(want_new, abs=1e-12)
         assert max(abs(a - b) for a, b in zip(old, new)) > 1e-3  # each decision moved the weights
     # The run's order: the mixture with the history's switch stages.
     final = apply_history(mixture, [WeightsChange.from_dict(c, names) for c in history])
     plan = final.plan(seed=0, total_samples=EPOCH, global_batch=BATCH)
-    assert list(plan.starts) == [0, 144, 288, 432, 576]
+    assert list(plan.starts) == [0, 192, 384, 576]
     # The row at each position: each global batch the plan's positions listed by source (unseeded: a
     # source's t-th row is its row t % rows, pass after pass).
     taken, expected = [0] * len(names), []
