@@ -17,7 +17,8 @@ losses) and the weights each batch trained with, as the uninterrupted run's; the
 exact Timestamps; every global batch holds exactly the final mixture's plan's rows (each source's rows
 once per pass), on 2 workers up to batch 18 and on 3 after (so the feeder followed every switch, the
 resume's included); the per-source samples and tokens in the driver's final history entry and in the run
-report's "Tokens seen per source" table are that plan's.
+report's "Tokens seen per source" table are that plan's; the run's checkpoint holds the history, which the
+report's "Mixture weights over time" section lists.
 (That a resumed stream opens no file before any source's cursor is tests/ray/test_mixture_ray.py's check.)
 
 Why a run pair of its own: the other RayTrainer flows (test_resume.py, test_parquet_seek.py) train
@@ -130,6 +131,7 @@ def test_an_online_mixture_stopped_after_a_switch_on_2_workers_resumes_on_3_exac
     from raytrain_events.core.mixture_online import WeightsChange, apply_history
     from raytrain_events.data.ray.parquet_seek import ParquetRowGroups
     from raytrain_events.report import write_report
+    from raytrain_events.report.mixture_weights import saved_weights_history
 
     paths = write_sources(str(tmp_path / "data"))
     records = str(tmp_path / "records")
@@ -234,5 +236,10 @@ def test_an_online_mixture_stopped_after_a_switch_on_2_workers_resumes_on_3_exac
     }
     write_report(results[1].run_url)
     with open(os.path.join(results[1].run_url, "report.html")) as f:
-        section = f.read().split("<h2>Tokens seen per source</h2>", 1)[1].split("<h2>", 1)[0]
+        page = f.read()
+    section = page.split("<h2>Tokens seen per source</h2>", 1)[1].split("<h2>", 1)[0]
     assert all(f">{n}<" in section and f">{totals[n]}<" in section for n in names), section
+    # The run's checkpoint holds the history, which the report draws and lists (its weights over time).
+    assert saved_weights_history(results[1].run_url, {}) == history
+    weights = page.split("<h2>Mixture weights over time (online policy)</h2>", 1)[1].split("<h2>", 1)[0]
+    assert all(f">{at}<" in weights for at, *_ in got), weights
