@@ -16,6 +16,7 @@ import torch
 from bad_input_helpers import Net as _Net
 from bad_input_helpers import no_ray  # noqa: F401 (a fixture)
 from bad_input_helpers import ray_kwargs as _ray_kwargs
+from bad_input_helpers import unread_dataset as _unread_dataset
 from torch.utils.data import DataLoader, TensorDataset
 
 from raytrain_events.algorithms import LabelSmoothing
@@ -427,11 +428,11 @@ MIXTURE_CASES: List[Tuple[str, Dict[str, Any], Callable[[Dict[str, Any]], Dict[s
     ),
     ("online-beside-fixed-stages", _mixture(online={"policy": "exp3"}), dict, ValueError, "give one stage"),
     (
-        "online-under-raytrainer",
+        "online-without-source-evals",
         _mixture(weights={"web": 1}, stages=None, online={"policy": "exp3"}),
         dict,
         ValueError,
-        "train the online mixture with Trainer",
+        r"have no eval set evaluated in the loop.*online=\{'evaluators'",
     ),
 ]
 
@@ -446,3 +447,36 @@ def test_a_bad_mixture_is_refused_before_ray_starts(tmp_path, no_ray, mixture_so
     with pytest.raises(error, match=fix):
         RayTrainer(**_ray_kwargs(storage_path=str(tmp_path), datasets=datasets, mixture=mixture)).fit()
     assert not any(tmp_path.iterdir())  # no run directory was made
+
+
+@pytest.mark.parametrize(
+    "over, fix",
+    [
+        ({"validation": "async"}, r"have no eval set evaluated in the loop.*not by validation="),
+    ],
+    ids=["online-source-eval-by-validation-tasks"],
+)
+def test_an_online_mixture_whose_source_evals_are_not_in_the_loop_is_refused_before_ray_starts(
+    tmp_path,
+    no_ray,  # noqa: F811 (the fixture)
+    mixture_sources,
+    over,
+    fix,
+):
+    from raytrain_events.ray.driver import RayTrainer
+
+    evals = {f"{name}_eval": _unread_dataset() for name in ("web", "code", "math")}
+    datasets = {**{k: v for k, v in mixture_sources.items() if k != "other"}, **evals}
+    mixture = _mixture(
+        weights={"web": 1, "code": 1, "math": 1},
+        stages=None,
+        online={"policy": "exp3", "evaluators": {n: f"{n}_eval" for n in ("web", "code", "math")}},
+    )
+    from raytrain_events.checkpoint import CheckpointConfig
+
+    checkpoint = {"checkpoint": CheckpointConfig(save_interval="1ep")} if "validation" in over else {}
+    with pytest.raises(ValueError, match=fix):
+        RayTrainer(
+            **_ray_kwargs(storage_path=str(tmp_path), datasets=datasets, mixture=mixture, **checkpoint, **over)
+        ).fit()
+    assert not any(tmp_path.iterdir())

@@ -11,8 +11,8 @@ No Ray, no torch: the feeder imports it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Optional, Tuple
 
 __all__ = ["BatchCut", "EpochOrder", "GlobalBatch", "RowShuffle", "StreamStart", "TrainOrder"]
 
@@ -53,10 +53,13 @@ class RowShuffle:
 @dataclass(frozen=True)
 class EpochOrder:
     """One epoch's order on the feeder: blocks permuted with ``block_seed + epoch`` (None: the dataset's own
-    order), then rows within windows (``shuffle``; None: no row shuffle)."""
+    order), then rows within windows (``shuffle``; None: no row shuffle). ``mixture``: for a mixture's train set
+    whose online policy switched the weights, the `Mixture` with its switch stages, which the stream follows
+    instead of the set's own (None: the set's own order; `mixture_source.MixtureSource.stream`)."""
 
     block_seed: Optional[int] = None
     shuffle: Optional[RowShuffle] = None
+    mixture: Any = field(default=None, hash=False)
 
     @property
     def window_rows(self) -> int:
@@ -78,11 +81,11 @@ class TrainOrder:
         """The order a run's ``seed`` and ``shuffle_buffer_size`` ask for (no shuffle without both)."""
         return cls(seed if shuffle_buffer_size and seed is not None else None, shuffle_buffer_size)
 
-    def of_epoch(self, epoch: int) -> EpochOrder:
-        """Epoch ``epoch``'s order on the feeder."""
+    def of_epoch(self, epoch: int, mixture: Any = None) -> EpochOrder:
+        """Epoch ``epoch``'s order on the feeder (``mixture``: a switched mixture's, see `EpochOrder`)."""
         if self.seed is None or not self.shuffle_rows:
-            return EpochOrder(self.seed)
-        return EpochOrder(self.seed, RowShuffle(self.seed, epoch, self.shuffle_rows))
+            return EpochOrder(self.seed, mixture=mixture)
+        return EpochOrder(self.seed, RowShuffle(self.seed, epoch, self.shuffle_rows), mixture)
 
 
 class StreamStart(NamedTuple):

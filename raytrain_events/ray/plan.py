@@ -24,10 +24,12 @@ from typing import Any, Optional
 
 from raytrain_events.checkpoint.folder.retention import CheckpointPlan, ray_plan
 from raytrain_events.core.mixture import Mixture, MixtureError
+from raytrain_events.core.mixture_online import OnlinePolicy
 from raytrain_events.core.mixture_plan import MixtureRun
 from raytrain_events.data.order import GlobalBatch, TrainOrder
+from raytrain_events.ray.checkpointing.validation import async_eval_names, parse_validation
 
-__all__ = ["RunPlan", "global_batch_of", "mixture_run"]
+__all__ = ["RunPlan", "check_online", "global_batch_of", "mixture_run"]
 
 
 @dataclass(frozen=True)
@@ -73,11 +75,7 @@ def mixture_run(spec: Any) -> Optional[MixtureRun]:
         return None
     mixture = Mixture.from_dict(spec.mixture)
     if mixture.online is not None:
-        raise MixtureError(
-            "Mixture(online=...) changes the weights inside the local Trainer's MixtureLoader; under RayTrainer the "
-            "feeder streams the order ahead of the ranks and cannot switch it yet. Drop online= for RayTrainer (fix "
-            "the weights, e.g. from the online run's last ones), or train the online mixture with Trainer."
-        )
+        check_online(spec, mixture)
     workers = spec.workers
     run = MixtureRun.of(
         mixture,
@@ -87,3 +85,22 @@ def mixture_run(spec: Any) -> Optional[MixtureRun]:
     )
     run.plan()
     return run
+
+
+def check_online(spec: Any, mixture: Mixture) -> None:
+    """An ``online=`` mixture's run, checked on the driver: each source's eval set is evaluated in the loop (its
+    loss is what the policy reads: `data/online_mixture.OnlineMixture`; not by ``validation=`` tasks, whose
+    results arrive after training went on). Replica groups, which would evaluate apart, refuse ``mixture=``
+    already (``ray/replica_checks.py``)."""
+    assert mixture.online is not None
+    policy = OnlinePolicy.from_dict(mixture.online, mixture.names)
+    by_tasks = async_eval_names(parse_validation(spec.validation), spec.eval_names)
+    in_loop = [n for n in spec.eval_names if n not in by_tasks]
+    missing = {n: policy.label(n) for n in mixture.names if policy.label(n) not in in_loop}
+    if missing:
+        raise MixtureError(
+            f"The mixture's online policy reads each source's eval loss, but the sources {sorted(missing)} have no eval "
+            f"set evaluated in the loop named {sorted(missing.values())} (eval sets: {spec.eval_names}). Fix: pass "
+            "each source's held-out rows as datasets={'<source>_eval': ...} and map them, online={'evaluators': "
+            "{'<source>': '<source>_eval'}} (evaluated in the loop, not by validation=)."
+        )

@@ -312,8 +312,9 @@ class EpochFeeder:
         """The epoch's blocks from about global row ``row`` on, and where they start."""
         if self.seekable:
             stream = self.dataset.stream
+            switched = {} if order.mixture is None else {"mixture": order.mixture}  # an online mixture's switches
             bundles, first, windows = stream(
-                order.block_seed, epoch, row, order.window_rows, global_batch=self.global_batch
+                order.block_seed, epoch, row, order.window_rows, global_batch=self.global_batch, **switched
             )
             return bundles, StreamStart(first, windows)
         dataset = self.dataset
@@ -329,6 +330,7 @@ class EpochFeeder:
         rank: int,
         resume_batch: int = 0,
         source: Optional[List[Any]] = None,
+        mixture: Any = None,
     ) -> bool:
         """Every rank calls this at its epoch start with the same arguments; the first one starts it.
 
@@ -340,9 +342,13 @@ class EpochFeeder:
         ``resume_batch``: a rank reconnecting after the feeder restarted, whose next batch is that one.
         ``source``: ``[ObjectRef of the train set]``, for a feeder created without its dataset (see
         the module doc, Restarts); its first call (and a restarted feeder's) loads the dataset from it.
+        ``mixture``: a mixture train set's `Mixture` with the switch stages its online policy added (the
+        stream follows it; None: the set's own). A switch at position ``p`` enters the epoch at ``p`` under it,
+        a new (epoch, p) stream as a resume's (`mixture_loader.MixtureOrderLoader`); it is part of the order
+        a prestarted guess must match.
         """
         key = (epoch, position)
-        epoch_order = (order or TrainOrder()).of_epoch(epoch)
+        epoch_order = (order or TrainOrder()).of_epoch(epoch, mixture)
         with self.lock:
             self._load(source)
             started = self._prestarted(key, epoch_order)
@@ -359,6 +365,10 @@ class EpochFeeder:
                 self.epochs.pop(key).stop()
                 started = None
             if started is None:
+                if mixture is not None:  # an online switch: every rank left the epoch's stream before it (the
+                    # eval that decided was their barrier), so its buffer goes now, not when the epoch after next opens
+                    for old in [k for k, e in self.epochs.items() if k[0] == epoch and k[1] < position]:
+                        self.epochs.pop(old).stop()
                 self._open(key, epoch_order, max(0, resume_batch - _RESTART_SLACK))
         return True
 

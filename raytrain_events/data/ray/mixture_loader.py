@@ -19,16 +19,26 @@ of Python per call whatever its length: `bench/mixture_plan.py`) and, with token
 token count per source present in the batch (the batch's rows of that source). While a global batch
 is small (`_PLAN_WINDOW` positions cover two or more), one walk covers the positions of the next
 several global batches and each batch takes its rows' part of it: one walk per that many batches.
+
+An ``online=`` mixture: the loader brings `OnlineMixture` along (as the local `MixtureLoader` does),
+whose decision at an eval end calls `switch` with the mixture plus a switch stage at the next global
+batch. The feeder's stream is ahead of that batch, so the loader leaves it (its prefetched batches of
+the old order dropped) and enters the epoch again at the switch position under the new mixture
+(`EpochFeeder.start_epoch(..., mixture=)`), exactly as a resume at that position would: the order after
+a switch is a function of (seed, history, position) on any number of workers (docs/data.md).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence
 
 from raytrain_events.core.callback import Callback
+from raytrain_events.core.mixture import Mixture, MixtureError
 from raytrain_events.data.mixture_counts import MixtureCounts
+from raytrain_events.data.online_mixture import OnlineMixture
 from raytrain_events.data.ray.feeder import batch_end, rank_rows
-from raytrain_events.data.ray.loader import GlobalOrderLoader, GlobalOrderShard
+from raytrain_events.data.ray.loader import GlobalOrderLoader, GlobalOrderShard, _call_feeder
 
 __all__ = ["MixtureOrderLoader"]
 
@@ -44,8 +54,10 @@ class MixtureOrderLoader(GlobalOrderLoader):
         super().__init__(shard, **options)
         if shard.mixture is None:
             raise ValueError("MixtureOrderLoader needs a shard of a MixtureSource (RayTrainer(mixture=...)).")
-        self.plan = shard.mixture.plan()
+        self.run = shard.mixture
+        self.plan = self.run.plan()
         self.mixture = self.plan.mixture
+        self._switch_pending = False  # `switch` during an epoch: the stream re-enters at the next batch
         self.tokens_of_row = tokens_of_batch  # MixtureCounts counts tokens when this is set
         names = self.mixture.names
         self.batch_samples: List[int] = [0] * len(names)
@@ -57,11 +69,64 @@ class MixtureOrderLoader(GlobalOrderLoader):
     def bind(self, **kwargs: Any) -> None:
         """The plan is the driver's (the shard's `MixtureRun`), the feeder's too: nothing to bind here."""
 
-    def __iter__(self) -> Iterator[Any]:
-        epoch, position = self.epoch, self.position
-        self._anchor = position  # where the feeder's stream entered the epoch: its global batches start there
+    @property
+    def total_samples(self) -> Optional[int]:
+        """The run's samples (for 'dur' stages), the driver's `MixtureRun`'s."""
+        return self.run.total_samples
+
+    def switch(self, mixture: Mixture) -> None:
+        """Train on ``mixture`` (this one with a switch stage added at the next global batch: `OnlineMixture`)
+        from the next batch on. Between epochs (a resume replaying the history) the next ``iter()`` streams it;
+        during one, the current stream is left after the batch just trained (its prefetched batches, of the old
+        order, dropped) and the feeder's stream of the epoch entered again at the switch position under the new
+        mixture, as a resume there enters it (see the module doc)."""
+        if mixture == self.mixture:
+            return  # a rollback's reload of the history this loader trains already
+        if not mixture.continues(self.shard.mixture.mixture):
+            raise MixtureError("MixtureOrderLoader.switch takes the run's mixture with switch stages added.")
+        self.run = replace(self.run, mixture=mixture)
+        self.plan = self.run.plan()
+        self.mixture = mixture
         self._window = (-1, 0, [])
-        return self._counted(super().__iter__(), epoch, position)
+        self._switch_pending = True
+
+    def _start(self, epoch: int, position: int, resume_batch: int) -> None:
+        """Start (or rebuild) the epoch's stream on the feeder from ``position``, in the loader's current order
+        (with its online switches, if any: `EpochFeeder.start_epoch`'s ``mixture``)."""
+        shard = self.shard
+        mixture = None if self.mixture == shard.mixture.mixture else self.mixture
+        _call_feeder(
+            lambda: shard.feeder.start_epoch.remote(
+                epoch, position, shard.order, shard.rank, resume_batch, source=shard.source, mixture=mixture
+            )
+        )
+
+    def __iter__(self) -> Iterator[Any]:
+        self._switch_pending = False  # a switch before the epoch (a resume's history) is in the plan already
+        return self._switching(self.epoch, self.position)
+
+    def _switching(self, epoch: int, position: int) -> Iterator[Any]:
+        """The epoch's batches from ``position``; after a `switch`, from the next batch's position under the
+        new order (a new stream: the old one's prefetched batches are dropped with it)."""
+        size, g = self.plan.epoch_size, self.shard.global_batch
+        while True:
+            self.position = position  # where the feeder's stream enters the epoch (`GlobalOrderLoader.__iter__`)
+            self._anchor = position  # its global batches start there
+            self._window = (-1, 0, [])
+            inner = super().__iter__()
+            end = None
+            try:
+                for k, batch in enumerate(self._counted(inner, epoch, position)):
+                    yield batch
+                    if self._switch_pending:
+                        end = batch_end(position + k * g, size, g, self.shard.data_world_size)
+                        break
+            finally:
+                inner.close()  # the prefetch thread stops; batches it made past this one are dropped
+            if end is None or end >= size:
+                return  # the epoch is over (a switch at its end applies from the next epoch's start)
+            self._switch_pending = False
+            position = end  # the order from any batch boundary on is the plan's, whichever switch came there
 
     def _counted(self, batches: Iterator[Any], epoch: int, position: int) -> Iterator[Any]:
         for k, batch in enumerate(batches):
@@ -148,5 +213,8 @@ class MixtureOrderLoader(GlobalOrderLoader):
         return tokens
 
     def loop_callbacks(self) -> List[Callback]:
-        """What the `Trainer` adds for this loader: the per-source counts (`MixtureCounts`)."""
+        """What the `Trainer` adds for this loader: the per-source counts (`MixtureCounts`) and, for an
+        ``online=`` mixture, its policy (`OnlineMixture`, first: a resume's saved switches load before the counts)."""
+        if self.mixture.online is not None:
+            return [OnlineMixture(self), MixtureCounts(self)]
         return [MixtureCounts(self)]

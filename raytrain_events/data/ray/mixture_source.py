@@ -34,6 +34,7 @@ from (the run's `MixtureRun`, made once on the driver: ``ray/plan.py``, travels 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
@@ -103,6 +104,7 @@ class MixtureSource:
         self.run = run
         self.order_seed = order_seed
         self._plan: Optional[MixturePlan] = None
+        self._switched: Tuple[Optional[Mixture], Optional[MixturePlan]] = (None, None)  # the latest switched plan
 
     @property
     def plan(self) -> MixturePlan:
@@ -110,25 +112,48 @@ class MixtureSource:
             self._plan = self.run.plan()
         return self._plan
 
+    def plan_of(self, mixture: Optional[Mixture]) -> MixturePlan:
+        """The order under ``mixture`` (this run's mixture with the switch stages an online policy added), or
+        the run's own (None)."""
+        if mixture is None or mixture == self.mixture:
+            return self.plan
+        known, plan = self._switched
+        if known != mixture or plan is None:
+            if not mixture.continues(self.mixture):
+                raise MixtureError(
+                    "A switched mixture must be this train set's mixture with switch stages added "
+                    f"(Mixture.switched); got {mixture.to_dict()} for {self.mixture.to_dict()}."
+                )
+            plan = replace(self.run, mixture=mixture).plan()
+            self._switched = (mixture, plan)
+        return plan
+
     def __getstate__(self) -> Dict[str, Any]:
-        return {**self.__dict__, "_plan": None}  # rebuilt where used (its caches stay local)
+        return {**self.__dict__, "_plan": None, "_switched": (None, None)}  # rebuilt where used (caches stay local)
 
     def count(self) -> int:
         """Positions in an epoch (the mixture's epoch size)."""
         return self.plan.epoch_size
 
-    def stream(
-        self, seed: Any, epoch: int, row: int, window_rows: int = 0, global_batch: Optional[int] = None
+    def stream(  # noqa: PLR0913 (the seekable stream protocol, and an online mixture's switched order)
+        self,
+        seed: Any,
+        epoch: int,
+        row: int,
+        window_rows: int = 0,
+        *,
+        global_batch: Optional[int] = None,
+        mixture: Optional[Mixture] = None,
     ) -> Tuple[Iterator[Any], int, int]:
         """``(bundles from position ``row`` on, row, 0)``: entered exactly at ``row``, each global batch
-        of ``global_batch`` positions from there listed by source (`MixturePlan.batch_sources`)."""
+        of ``global_batch`` positions from there listed by source (`MixturePlan.batch_sources`), in the order
+        of ``mixture`` when given (an online policy's switches, `plan_of`)."""
         del seed  # the order's seeds are the run's (its `MixtureRun`, order_seed), fixed on the driver
         if window_rows:
             raise ValueError("A mixture orders its rows itself: shuffle_buffer_size is not supported with mixture=.")
-        return self._bundles(epoch, row, global_batch), row, 0
+        return self._bundles(self.plan_of(mixture), epoch, row, global_batch), row, 0
 
-    def _bundles(self, epoch: int, row: int, global_batch: Optional[int]) -> Iterator[Any]:
-        plan = self.plan
+    def _bundles(self, plan: MixturePlan, epoch: int, row: int, global_batch: Optional[int]) -> Iterator[Any]:
         cursors = [
             _Cursor(source, self.order_seed, epoch, taken)
             for source, taken in zip(self.sources, plan.cursors(epoch, row))
