@@ -20,7 +20,7 @@ from raytrain_events.data.ray.loader import TrainDataConfig
 from raytrain_events.ray.fault_tolerance.protocol import WorkerParts
 from raytrain_events.ray.replica_checks import min_replicas
 
-__all__ = ["ReplicaGroups", "ReplicaGroupsWorker"]
+__all__ = ["ReplicaGroups", "ReplicaGroupsWorker", "fill_replica_state"]
 
 
 class ReplicaGroups:
@@ -108,23 +108,13 @@ class ReplicaGroupsWorker:
             build_manager,
         )
 
-        inner = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
-        if len(inner) != 1:
-            raise ValueError(
-                f"fault_tolerance='replica_groups' steps one optimizer per commit; optimizers= built {len(inner)}. "
-                "Fix: one optimizer over all parameters (param groups for different settings)."
-            )
         shard = self.shards[rank]
-        replicas = ReplicaState()
-        replicas.model, replicas.optimizer = model, inner[0]
-        replicas.schedulers = (
-            list(schedulers) if isinstance(schedulers, (list, tuple)) else [] if schedulers is None else [schedulers]
-        )
+        replicas = fill_replica_state(ReplicaState(), model, optimizers, schedulers)
         manager, watch = build_manager(
             replicas, rank, spec.run_name or "run", min_replicas(shard.world_size), float(spec.replica_timeout_s)
         )
         self._manager = manager
-        optimizer = CommitOptimizer(manager, inner[0], watch)
+        optimizer = CommitOptimizer(manager, replicas.optimizer, watch)
         train = ReplicaLoader(
             shard,
             manager,
@@ -168,3 +158,19 @@ def checkpoint_config(worker: Any, config: Any, group: int) -> Any:
         autoresume=False,
         load_from=None,
     )
+
+
+def fill_replica_state(replicas: Any, model: Any, optimizers: Any, schedulers: Any) -> Any:
+    """``replicas`` (a `ReplicaState`: what a rejoining group receives) holding the worker's model, its one
+    optimizer (refused otherwise: a commit steps one) and its schedulers as a list."""
+    inner = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    if len(inner) != 1:
+        raise ValueError(
+            f"fault_tolerance='replica_groups' steps one optimizer per commit; optimizers= built {len(inner)}. "
+            "Fix: one optimizer over all parameters (param groups for different settings)."
+        )
+    replicas.model, replicas.optimizer = model, inner[0]
+    replicas.schedulers = (
+        list(schedulers) if isinstance(schedulers, (list, tuple)) else [] if schedulers is None else [schedulers]
+    )
+    return replicas

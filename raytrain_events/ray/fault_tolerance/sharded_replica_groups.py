@@ -32,7 +32,7 @@ import torch
 from raytrain_events.core.replica_layout import ReplicaLayout
 from raytrain_events.core.timestamp import Timestamp
 from raytrain_events.ray.fault_tolerance.protocol import WorkerParts
-from raytrain_events.ray.fault_tolerance.replica_groups import ReplicaGroups, checkpoint_config
+from raytrain_events.ray.fault_tolerance.replica_groups import ReplicaGroups, checkpoint_config, fill_replica_state
 from raytrain_events.ray.replica_checks import min_replicas
 from raytrain_events.ray.replica_groups import (
     CommitOptimizer,
@@ -149,17 +149,8 @@ class ShardedReplicaGroupsWorker:
         layout = self.layout
         group, position = layout.group_of(rank), layout.position_of(rank)
         check_group_process_group(position, layout.group_size)
-        inner = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
-        if len(inner) != 1:
-            raise ValueError(
-                f"fault_tolerance='replica_groups' steps one optimizer per commit; optimizers= built {len(inner)}. "
-                "Fix: one optimizer over all parameters (param groups for different settings)."
-            )
-        replicas = ShardedReplicaState()
-        replicas.model, replicas.optimizer = model, inner[0]  # sharded in place by the Trainer (FSDP2)
-        replicas.schedulers = (
-            list(schedulers) if isinstance(schedulers, (list, tuple)) else [] if schedulers is None else [schedulers]
-        )
+        # the model and optimizer sharded in place by the Trainer (FSDP2)
+        replicas = fill_replica_state(ShardedReplicaState(), model, optimizers, schedulers)
         manager, watch = build_manager(
             replicas,
             group,
@@ -170,7 +161,7 @@ class ShardedReplicaGroupsWorker:
             group_size=layout.group_size,
         )
         self._manager = manager
-        optimizer = CommitOptimizer(manager, inner[0], watch)
+        optimizer = CommitOptimizer(manager, replicas.optimizer, watch)
         train = ReplicaLoader(
             self.shards[rank],
             manager,
