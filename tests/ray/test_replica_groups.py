@@ -403,16 +403,27 @@ def test_replica_groups_train_through_two_kills(ray_cluster, tmp_path):
         assert sorted(counts) == list(range(ROWS)) and set(counts.values()) == {1}, epoch
 
 
-def _lighthouse_pids() -> list:
-    """The processes of Ray's torchft Lighthouse actor (Ray names its worker process after the actor class)."""
+def _raylet_pid() -> int:
+    """The session's raylet (a task's ``RAY_RAYLET_PID``): the parent of this session's actor processes."""
+    import ray
+
+    return ray.get(ray.remote(num_cpus=0)(lambda: int(os.environ["RAY_RAYLET_PID"])).remote())
+
+
+def _lighthouse_pids(raylet: int) -> list:
+    """The processes of this session's torchft Lighthouse actor (Ray names its worker process after the actor
+    class), children of ``raylet``: another Ray on the machine (a bench, a second session) keeps its own."""
     pids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if b"LighthouseServerActor" in f.read():
+                    if b"LighthouseServerActor" not in f.read():
+                        continue
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == raylet:  # the parent's pid
                         pids.append(int(entry))
-            except OSError:
+            except (OSError, ValueError, IndexError):
                 continue
     return pids
 
@@ -433,14 +444,15 @@ def test_the_lighthouse_dying_fails_the_run_with_the_fix(ray_cluster, tmp_path):
     folder = str(tmp_path / "rec")
     os.makedirs(folder)
     killed: list = []
+    raylet = _raylet_pid()
 
     def kill_lighthouse() -> None:
         deadline = time.time() + 300
         while time.time() < deadline and not killed:
             pids = [p for p in glob.glob(os.path.join(folder, "proc-*.json"))]
             steps = [_steps_of(folder, json.load(open(p))["pid"], 2) for p in pids]
-            if len(steps) == 2 and min(steps) >= 3 and _lighthouse_pids():
-                for pid in _lighthouse_pids():
+            if len(steps) == 2 and min(steps) >= 3 and _lighthouse_pids(raylet):
+                for pid in _lighthouse_pids(raylet):
                     os.kill(pid, signal.SIGKILL)
                 killed.append(time.time())
             time.sleep(0.2)
