@@ -44,6 +44,17 @@ enough to matter (nothing more to compute or all-reduce per step)::
     PYTHONPATH=$PWD python bench/replica_vs_restart.py --groups 2 --modes restart,restart_local --kills 2 \
         --epochs 4 --storage s3 --state-mb 64 --pause 5 8
 
+``--group-size K`` (above 1): sharded replica groups against restarts of the same sharded run. Each count of
+``--groups`` G runs G x K workers: ``replica_groups`` is ``RayTrainer(fault_tolerance="replica_groups",
+replica_group_size=K, parallelism=FSDPConfig())`` (FSDP2 inside each group of K, torchft across the G groups: a
+kill of any worker replaces its group alone, which heals its shards from a live group's); ``restart`` is FSDP over
+all G x K workers with ``fault_tolerance=None`` (a kill restarts the whole run from its newest checkpoint). The
+kill plan draws a world rank (any worker of any group); the time lost at a failure is measured on the other
+groups' workers. ``--repeats N`` runs each mode N times (the modes interleaved) and prints each metric's median and
+range over the repeats, and the ratio of the medians::
+
+    PYTHONPATH=$PWD python bench/replica_vs_restart.py --groups 2 --group-size 2 --kills 2 --epochs 4 --repeats 2
+
 Grows with scale as: restart: (restart + reload from storage + the batches since the last save) per failure,
 whatever the world size; replica groups: the heartbeat timeout (0.5 s) plus the one step in flight per failure,
 and per rejoin one peer-to-peer transfer of the model and optimizer (see docs/operating.md, "Replica groups").
@@ -170,18 +181,29 @@ def _gap(commits: List[float], t: float, median: float) -> float:
     return (after[0] - before[-1] - median) if before and after else float("nan")
 
 
-def per_failure(folder: str, kills: List[Tuple[float, int]], median: float) -> Dict[str, Any]:
+def _ranks(folder: str) -> Dict[int, int]:
+    """Each process's world rank (its proc file)."""
+    out = {}
+    for path in glob.glob(os.path.join(folder, "proc-*.json")):
+        with open(path) as f:
+            proc = json.load(f)
+        out[int(proc["pid"])] = int(proc["rank"])
+    return out
+
+
+def per_failure(folder: str, kills: List[Tuple[float, int]], median: float, group_size: int = 1) -> Dict[str, Any]:
     """Replica groups, per kill and surviving process: the time lost at the failure (from the last commit before
     the kill to the first commit of the smaller quorum, less one step) and at the replaced group's rejoin (the gap
     around the quorum change back to all groups, less one step); medians over kills and survivors, in seconds and
     steps. ``detect_s``: kill to the smaller quorum's call returning (Lighthouse wait + re-forming the process group);
     ``quorum_call_s``: that call's own length."""
-    lines = _lines(folder)
+    lines, ranks = _lines(folder), _ranks(folder)
     at_failure, at_rejoin, detect, call = [], [], [], []
     for t_kill, victim in kills:
+        group = ranks.get(victim, -1) // group_size
         for pid, xs in lines.items():
-            if pid == victim:
-                continue
+            if pid == victim or ranks.get(pid, -1) // group_size == group:
+                continue  # the victim's group (its workers are replaced with it)
             commits = [x["t"] for x in xs if "batch" in x and x["committed"]]
             if not commits or commits[0] > t_kill or commits[-1] < t_kill:
                 continue  # not alive across the kill
@@ -248,16 +270,17 @@ def _live(folder: str, rank: int) -> Any:
 
 
 def _chaos(
-    folder: str, groups: int, plan: List[Tuple[float, int]], done: List[Tuple[float, int]], stop: threading.Event
+    folder: str, workers: int, plan: List[Tuple[float, int]], done: List[Tuple[float, int]], stop: threading.Event
 ) -> None:
-    """Kill per plan: each pause counts from when the victim's rank trains again after the previous kill."""
+    """Kill per plan: each pause counts from when every rank (all ``workers``) trains again after the previous
+    kill."""
     killed: set = set()
     for pause, rank in plan:
         ready = None
         while not stop.is_set():
             proc = _live(folder, rank)
             # every rank trains (after a whole-group restart, all are new processes)
-            if proc is not None and proc["pid"] not in killed and all(_live(folder, r) for r in range(groups)):
+            if proc is not None and proc["pid"] not in killed and all(_live(folder, r) for r in range(workers)):
                 ready = ready or time.time()
                 if time.time() - ready >= pause:
                     os.kill(proc["pid"], signal.SIGKILL)
@@ -285,15 +308,21 @@ def run(  # noqa: PLR0913
 
     import ray.data
 
-    from raytrain_events import CheckpointConfig, RayTrainer
+    from raytrain_events import CheckpointConfig, FSDPConfig, RayTrainer
 
-    folder = tempfile.mkdtemp(prefix=f"bench-{mode}-{groups}-")
+    size = args.group_size
+    workers = groups * size
+    folder = tempfile.mkdtemp(prefix=f"bench-{mode}-{groups}x{size}-")
     root, options = storage
+    # groups of several workers: FSDP inside each group (replica groups), or over all the workers (restarts)
+    sharded = {"parallelism": FSDPConfig(), "resources_per_worker": {"CPU": 0.5}} if size > 1 else {}
+    if size > 1 and mode == "replica_groups":
+        sharded["replica_group_size"] = size
     # restart_local: restarts, each save also kept in this node's local tier (`CheckpointConfig(local_dir=...)`)
     local = {"local_dir": os.path.join(folder, "nvme"), "local_keep": 2} if mode == "restart_local" else {}
     kills: List[Tuple[float, int]] = []
     stop = threading.Event()
-    chaos = threading.Thread(target=_chaos, args=(folder, groups, plan, kills, stop), daemon=True)
+    chaos = threading.Thread(target=_chaos, args=(folder, workers, plan, kills, stop), daemon=True)
     chaos.start()
     started = time.time()
     try:
@@ -302,8 +331,9 @@ def run(  # noqa: PLR0913
             optimizers=h.make_sgd,
             datasets={"train": ray.data.read_parquet(data)},
             max_duration=f"{args.epochs}ep",
-            batch_size=h.GLOBAL_BATCH // groups,
-            num_workers=groups,
+            batch_size=h.GLOBAL_BATCH // workers,
+            num_workers=workers,
+            **sharded,
             fault_tolerance="replica_groups" if mode == "replica_groups" else None,
             max_failures=2 * len(plan) + 2,
             callbacks=lambda: [Steps(folder, args.step_s, groups)],
@@ -313,7 +343,7 @@ def run(  # noqa: PLR0913
             report_every_s=5.0,
             storage_path=f"{root}/{os.path.basename(folder)}" if root else os.path.join(folder, "runs"),
             storage_options=options,
-            run_name=f"{mode}-{groups}",
+            run_name=f"{mode}-{groups}x{size}",
             seed=0,
             progress_bar=False,
         ).fit()
@@ -330,6 +360,7 @@ def run(  # noqa: PLR0913
     return {
         "mode": mode,
         "groups": groups,
+        "group_size": size,
         "timestamp": {"epoch": int(result.timestamp.epoch), "batch": batches, "sample": int(result.timestamp.sample)},
         "kills": len(kills),
         "fit_s": round(time.time() - started, 1),
@@ -339,7 +370,7 @@ def run(  # noqa: PLR0913
         "goodput": round(ideal / wall, 3),
         "lost_per_failure_s": round((wall - ideal) / max(len(kills), 1), 1),
         "steps_trained": sum(len(rs) for rs in steps.values()),  # every step end of any process (redone ones too)
-        **(per_failure(folder, kills, median) if mode == "replica_groups" else restart_reads(folder)),
+        **(per_failure(folder, kills, median, size) if mode == "replica_groups" else restart_reads(folder)),
     }
 
 
@@ -357,15 +388,26 @@ def main() -> None:
     parser.add_argument(
         "--storage", choices=("local", "s3"), default="local", help="the run's storage: a local folder or S3 (moto)"
     )
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        default=1,
+        help="workers per replica group: above 1, FSDP inside each group (replica groups) against restarts of "
+        "FSDP over all the workers",
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each mode (medians and ranges printed)")
     args = parser.parse_args()
-    bad = [g for g in args.groups if g < 2 or h.GLOBAL_BATCH % g]
-    if bad:
-        parser.error(f"--groups {bad}: each count must be >= 2 and divide the global batch ({h.GLOBAL_BATCH})")
+    bad = [g for g in args.groups if g < 2 or h.GLOBAL_BATCH % (g * args.group_size)]
+    if bad or args.group_size < 1:
+        parser.error(
+            f"--groups {bad} --group-size {args.group_size}: each count must be >= 2 and groups x group size must "
+            f"divide the global batch ({h.GLOBAL_BATCH})"
+        )
     import ray
 
     from raytrain_events.ray.embedded import own_state_api
 
-    kwargs = dict(num_cpus=max(args.groups) + 1, include_dashboard=False, log_to_driver=False)
+    kwargs = dict(num_cpus=max(args.groups) * args.group_size + 1, include_dashboard=False, log_to_driver=False)
     with own_state_api(kwargs):  # Train's cleaner asks no other Ray on the machine (a false "controller dead")
         ray.init(address="local", **kwargs)
     data = tempfile.mkdtemp(prefix="bench-data-")
@@ -376,36 +418,64 @@ def main() -> None:
     _print_table(table)
 
 
+def _spread(results: List[Dict[str, Any]], key: str) -> Tuple[float, float, float]:
+    """The median, min and max of ``key`` over the repeats."""
+    values = [r[key] for r in results]
+    return statistics.median(values), min(values), max(values)
+
+
+def _side_by_side(label: str, restart: List[Dict[str, Any]], replicas: List[Dict[str, Any]]) -> None:
+    """Restarts against replica groups over the repeats: goodput and time lost per failure, medians [ranges], and
+    the ratio of the medians."""
+    for a, b in zip(restart, replicas):
+        assert a["timestamp"] == b["timestamp"], (a["timestamp"], b["timestamp"])
+    rg, rl = _spread(restart, "goodput"), _spread(restart, "lost_per_failure_s")
+    pg, pl = _spread(replicas, "goodput"), _spread(replicas, "lost_per_failure_s")
+    print(
+        f"{label}: goodput: restart {rg[0]:.2f} [{rg[1]:.2f}-{rg[2]:.2f}], replica groups {pg[0]:.2f} "
+        f"[{pg[1]:.2f}-{pg[2]:.2f}] ({pg[0] / max(rg[0], 1e-9):.1f}x); time lost per failure: restart "
+        f"{rl[0]:.1f} s [{rl[1]:.1f}-{rl[2]:.1f}], replica groups {pl[0]:.1f} s [{pl[1]:.1f}-{pl[2]:.1f}] "
+        f"({rl[0] / max(pl[0], 1e-9):.1f}x less); {len(replicas)} run(s) each",
+        flush=True,
+    )
+    at = [r["at_failure_steps"] for r in replicas if r.get("at_failure_steps") is not None]
+    detect = [r["detect_s"] for r in replicas if r.get("detect_s") is not None]
+    if at and detect:
+        steps = [r["median_step_s"] for r in replicas]
+        print(
+            f"{label}: replica groups at the failure: {statistics.median(at):.1f} steps [{min(at)}-{max(at)}] of "
+            f"{statistics.median(steps):.3f} s, detection {statistics.median(detect):.2f} s "
+            f"[{min(detect):.2f}-{max(detect):.2f}]",
+            flush=True,
+        )
+
+
 def _runs(args: argparse.Namespace, data: str, storage: Tuple[str, Any]) -> List[Dict[str, Any]]:
     table = []
+    size = args.group_size
     for groups in args.groups:
         rng = random.Random(args.seed)
-        plan = [(rng.uniform(*args.pause), rng.randrange(groups)) for _ in range(args.kills)]
-        print(f"{groups} groups: kill plan (pause s, rank): {[(round(p, 1), r) for p, r in plan]}", flush=True)
-        results = [run(mode, groups, args, data, plan, storage) for mode in args.modes.split(",")]
-        for r in results:
-            print(json.dumps(r), flush=True)
-        table += results
-        by_mode = {r["mode"]: r for r in results}
+        plan = [(rng.uniform(*args.pause), rng.randrange(groups * size)) for _ in range(args.kills)]
+        label = f"{groups} groups" + (f" x {size} FSDP workers" if size > 1 else "")
+        print(f"{label}: kill plan (pause s, rank): {[(round(p, 1), r) for p, r in plan]}", flush=True)
+        by_mode: Dict[str, List[Dict[str, Any]]] = {}
+        for _ in range(args.repeats):  # the modes interleaved, so a change of load falls on both
+            for mode in args.modes.split(","):
+                result = run(mode, groups, args, data, plan, storage)
+                print(json.dumps(result), flush=True)
+                by_mode.setdefault(mode, []).append(result)
+                table.append(result)
         if "restart" in by_mode and "restart_local" in by_mode:
-            plain, tier = by_mode["restart"], by_mode["restart_local"]
+            plain, tier = by_mode["restart"][0], by_mode["restart_local"][0]
             if plain.get("read_s") and tier.get("read_s"):
                 print(
-                    f"{groups} groups: a restart's checkpoint read: storage {plain['read_s']:.2f} s, local tier "
+                    f"{label}: a restart's checkpoint read: storage {plain['read_s']:.2f} s, local tier "
                     f"{tier['read_s']:.2f} s ({plain['read_s'] / tier['read_s']:.1f}x); files from the local tier "
                     f"{tier['files_local']}, from storage {tier['files_storage']}",
                     flush=True,
                 )
         if "restart" in by_mode and "replica_groups" in by_mode:
-            restart, replicas = by_mode["restart"], by_mode["replica_groups"]
-            assert restart["timestamp"] == replicas["timestamp"], (restart["timestamp"], replicas["timestamp"])
-            ratio = restart["lost_per_failure_s"] / max(replicas["lost_per_failure_s"], 1e-9)
-            print(
-                f"{groups} groups: goodput: restart {restart['goodput']:.2f}, replica groups {replicas['goodput']:.2f}; "
-                f"time lost per failure: restart {restart['lost_per_failure_s']:.1f} s, replica groups "
-                f"{replicas['lost_per_failure_s']:.1f} s ({ratio:.1f}x less)",
-                flush=True,
-            )
+            _side_by_side(label, by_mode["restart"], by_mode["replica_groups"])
     return table
 
 
@@ -419,7 +489,7 @@ def _print_table(table: List[Dict[str, Any]]) -> None:
         at = "-" if r.get("at_failure_s") is None else f"{r['at_failure_s']:.2f} ({r['at_failure_steps']})"
         detect = "-" if r.get("detect_s") is None else f"{r['detect_s']:.2f}"
         print(
-            f"{r['groups']:>6}  {r['mode']:<14}  {r['goodput']:>7.2f}  {r['lost_per_failure_s']:>14.1f}  {at:>20}  {detect:>8}"
+            f"{r['groups']:>3}x{r['group_size']:<2}  {r['mode']:<14}  {r['goodput']:>7.2f}  {r['lost_per_failure_s']:>14.1f}  {at:>20}  {detect:>8}"
             + ("" if not r.get("read_s") else f"  restart read {r['read_s']:.2f} s x{r['restart_reads']}")
         )
 

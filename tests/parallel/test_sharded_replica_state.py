@@ -15,3 +15,38 @@ def test_a_joining_group_heals_each_position_from_a_peers_shards_and_steps_exact
         assert got["shard_rows"] == 8, rank  # 16 rows over 2 ranks: each position holds half
         assert all(got["same"]) and all(got["after"]), (rank, got)
         assert got["healed"] == 1 and got["timestamp"] == 3, (rank, got)
+
+
+class _NoQuorum:
+    """A torchft Manager (and its collective watch) outside any quorum: a group replaced after the others ended."""
+
+    def allreduce(self, *args):
+        raise AssertionError("must call start_quorum before wait_quorum")
+
+
+def test_a_sharded_load_builds_the_optimizer_state_without_a_collective_across_groups():
+    """DCP's optimizer state dict steps an optimizer with no state (zero gradients, lr 0) to build it; through
+    replica groups' `CommitOptimizer` that step is an all-reduce across the groups, which fails outside a quorum (a
+    group replaced after the others finished loads the final checkpoint alone). The sharded checkpoint IO gives DCP
+    the wrapped optimizer instead: its state is built locally, the parameters untouched."""
+    import pytest
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from raytrain_events.checkpoint.dcp.sharded import state_optimizers
+    from raytrain_events.ray.replica_groups import CommitOptimizer
+
+    def build():
+        model = torch.nn.Linear(4, 3)
+        adam = torch.optim.Adam(model.parameters(), lr=0.1)
+        return model, adam, CommitOptimizer(_NoQuorum(), adam, _NoQuorum())
+
+    model, adam, commit = build()
+    with pytest.raises(AssertionError, match="start_quorum"):
+        get_optimizer_state_dict(model, [commit])  # what the sharded load did before
+    model, adam, commit = build()
+    before = [p.detach().clone() for p in model.parameters()]
+    sd = get_optimizer_state_dict(model, state_optimizers([commit]))
+    assert state_optimizers([commit]) == [adam] and state_optimizers([adam]) == [adam]
+    assert len(adam.state) == 2 and all(sorted(v) == ["exp_avg", "exp_avg_sq", "step"] for v in sd["state"].values())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

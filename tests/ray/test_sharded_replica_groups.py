@@ -1,6 +1,7 @@
 """Sharded replica groups (``fault_tolerance="replica_groups", replica_group_size=2``): 2 groups x 2 FSDP2 workers on
 the session's Ray; a worker of a group SIGKILLed from outside twice mid-epoch (first group 1's second worker, then
-the lead group 0's first: the one that holds the group's torchft Manager server and store).
+the lead group 0's first: the one that holds the group's torchft Manager server and store), then the same run fitted
+again by name for one more epoch (a whole-run restart: every worker loads the lead group's sharded checkpoint).
 
 Each time Ray replaces that group alone (both its workers, new processes); the other group keeps committing steps
 with its process ids unchanged; the replaced group's workers heal from the live group's same-position shards
@@ -33,7 +34,8 @@ FILE_ROWS = (101, 67, 24)  # 192 rows
 ROWS = sum(FILE_ROWS)
 GLOBAL_BATCH = 12
 BATCHES = ROWS // GLOBAL_BATCH  # 16 per epoch
-EPOCHS = 12
+EPOCHS = 6  # 96 steps: at 0.5 s a step until both kills are done (then unpaced), room for two slow rejoins
+SLEEP_S = 0.5
 SAVE_EVERY = 10
 VICTIMS = ((1, 1), (0, 0))  # (group, position): a follower group's second worker, then the lead's first
 
@@ -91,7 +93,7 @@ def _kill_twice(folder: str, kills: list, stop: threading.Event) -> None:
             pass
 
 
-def _trainer(tmp_path, data, folder):
+def _trainer(tmp_path, data, folder, epochs=EPOCHS):
     import ray.data
 
     from raytrain_events import CheckpointConfig, FSDPConfig, RayTrainer
@@ -100,7 +102,7 @@ def _trainer(tmp_path, data, folder):
         model=make_model,
         optimizers=make_sgd,
         datasets={"train": ray.data.read_parquet(data)},
-        max_duration=f"{EPOCHS}ep",
+        max_duration=f"{epochs}ep",
         batch_size=GLOBAL_BATCH // (GROUPS * GROUP_SIZE),
         num_workers=GROUPS * GROUP_SIZE,
         replica_group_size=GROUP_SIZE,
@@ -108,7 +110,7 @@ def _trainer(tmp_path, data, folder):
         resources_per_worker={"CPU": 0.5},
         fault_tolerance="replica_groups",
         max_failures=4,
-        callbacks=lambda: [RecordShards(folder, 0.4, GROUP_SIZE)],
+        callbacks=lambda: [RecordShards(folder, SLEEP_S, GROUP_SIZE)],
         report_every_s=2.0,
         storage_path=str(tmp_path / "runs"),
         run_name="sharded",
@@ -117,7 +119,7 @@ def _trainer(tmp_path, data, folder):
     )
 
 
-def _uninterrupted(data: str):
+def _uninterrupted(data: str, epochs: int):
     """The same training in one process, no Ray: the global batches in order, SGD on each batch's mean loss."""
     import pyarrow.parquet as pq
     import torch
@@ -129,18 +131,18 @@ def _uninterrupted(data: str):
     rows.sort(key=lambda r: r["id"])
     model = make_model()
     loader = torch.utils.data.DataLoader(rows, batch_size=GLOBAL_BATCH)
-    Trainer(model=model, optimizers=make_sgd(model), train_dataloader=loader, max_duration=f"{EPOCHS}ep").fit()
+    Trainer(model=model, optimizers=make_sgd(model), train_dataloader=loader, max_duration=f"{epochs}ep").fit()
     return model
 
 
-def _check_rows(folder: str) -> None:
+def _check_rows(folder: str, epochs: range) -> None:
     """Each committed step trained its global batch's rows once between the workers of its quorum; every row once
     per epoch; the global batches in order."""
     steps: dict = {}
     for r in read_records(folder):
         if r["committed"]:
             steps.setdefault((r["epoch"], r["batch_in_epoch"]), []).append(r)
-    for epoch in range(EPOCHS):  # after a committed step: (epoch, 1..BATCHES)
+    for epoch in epochs:  # after a committed step: (epoch, 1..BATCHES)
         keys = [(epoch, b) for b in range(1, BATCHES + 1)]
         seen = []
         for b, key in enumerate(keys, 1):
@@ -154,19 +156,19 @@ def _check_rows(folder: str) -> None:
         assert sorted(seen) == list(range(ROWS)), epoch
 
 
-def _check_checkpoint(result, reference: dict, tmp_path) -> None:
+def _check_checkpoint(result, reference: dict, tmp_path, epochs: int = EPOCHS) -> None:
     import torch
 
     from raytrain_events import CheckpointConfig, Trainer
 
     model = make_model()
-    config = CheckpointConfig(load_from=result.checkpoints[-1].url, save_folder=str(tmp_path / "local"))
+    config = CheckpointConfig(load_from=result.checkpoints[-1].url, save_folder=str(tmp_path / f"local-{epochs}"))
     rows = torch.utils.data.DataLoader([{"x": torch.zeros(4), "y": 0}], batch_size=1)  # a train set: load it all
     loaded = Trainer(
-        model=model, optimizers=make_sgd(model), train_dataloader=rows, max_duration=f"{EPOCHS}ep", checkpoint=config
+        model=model, optimizers=make_sgd(model), train_dataloader=rows, max_duration=f"{epochs}ep", checkpoint=config
     )
     stamp = loaded.state.timestamp
-    assert (int(stamp.epoch), int(stamp.batch), int(stamp.sample)) == (EPOCHS, BATCHES * EPOCHS, ROWS * EPOCHS)
+    assert (int(stamp.epoch), int(stamp.batch), int(stamp.sample)) == (epochs, BATCHES * epochs, ROWS * epochs)
     for name, value in model.named_parameters():
         assert torch.allclose(value, reference[name], atol=1e-5), (name, (value - reference[name]).abs().max())
 
@@ -217,10 +219,10 @@ def test_sharded_replica_groups_train_through_two_kills(ray_cluster, tmp_path):
         (1, 1),
         (1, 1),
     ]
-    _check_rows(folder)
+    _check_rows(folder, range(EPOCHS))
     # Each group's parameters (its two shards put together) are the uninterrupted run's, and so is the newest
     # checkpoint (the lead group's 2-rank sharded save), loaded into a plain local Trainer: what a restart reads.
-    reference = dict(_uninterrupted(data).named_parameters())
+    reference = dict(_uninterrupted(data, EPOCHS).named_parameters())
     _check_checkpoint(result, reference, tmp_path)
     assert len(finals) == GROUPS * GROUP_SIZE, [(f["group"], f["position"]) for f in finals]
     worst = 0.0
@@ -244,3 +246,34 @@ def test_sharded_replica_groups_train_through_two_kills(ray_cluster, tmp_path):
     checkpoints = os.path.dirname(result.checkpoints[-1].url.rstrip("/")).replace("file://", "")
     left = {n for n in os.listdir(checkpoints) if os.path.isdir(os.path.join(checkpoints, n))}
     assert left == {c.url.rstrip("/").rsplit("/", 1)[1] for c in result.checkpoints}, left
+    _resume_by_name(tmp_path, data, result)
+
+
+def _resume_by_name(tmp_path, data: str, first) -> None:
+    """A whole-run restart: the same run (name, storage) fitted again for one more epoch, a new worker group of
+    2 x 2. Every worker of both groups loads the lead group's newest 2-rank sharded checkpoint (its own shards), the
+    run trains epoch ``EPOCHS`` alone, every row once, and ends with the uninterrupted run's Timestamp and
+    parameters at ``EPOCHS + 1`` epochs, in every group and in its final checkpoint."""
+    import torch
+
+    folder = str(tmp_path / "rec-resumed")
+    os.makedirs(folder)
+    with open(os.path.join(folder, "done"), "w"):  # no kills: unpaced steps
+        pass
+    result = _trainer(tmp_path, data, folder, epochs=EPOCHS + 1).fit()
+    assert (int(result.timestamp.epoch), int(result.timestamp.batch)) == (EPOCHS + 1, BATCHES * (EPOCHS + 1))
+    finals = [torch.load(p, weights_only=False) for p in glob.glob(os.path.join(folder, "final-*.pt"))]
+    assert sorted((f["group"], f["position"]) for f in finals) == [(0, 0), (0, 1), (1, 0), (1, 1)], finals
+    assert all(f["loaded"] == "storage" for f in finals), [(f["group"], f["position"], f["loaded"]) for f in finals]
+    loads = [json.loads(line)["loaded"] for p in glob.glob(os.path.join(folder, "loads-*.jsonl")) for line in open(p)]
+    assert loads == [BATCHES * EPOCHS] * GROUPS * GROUP_SIZE, loads  # the first run's final checkpoint, on every worker
+    assert min(r["batch"] for r in read_records(folder)) == BATCHES * EPOCHS + 1, "the run did not resume at its end"
+    _check_rows(folder, range(EPOCHS, EPOCHS + 1))
+    reference = dict(_uninterrupted(data, EPOCHS + 1).named_parameters())
+    for group in range(GROUPS):
+        parts = sorted((f for f in finals if f["group"] == group), key=lambda f: f["position"])
+        for name, value in reference.items():
+            whole = torch.cat([part["shards"][name] for part in parts])
+            assert torch.allclose(whole, value.detach(), atol=1e-5), (group, name, (whole - value).abs().max())
+    _check_checkpoint(result, reference, tmp_path, EPOCHS + 1)
+    assert result.checkpoints[-1].url != first.checkpoints[-1].url

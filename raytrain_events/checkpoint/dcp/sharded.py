@@ -58,6 +58,17 @@ def is_sharded_checkpoint(info: CheckpointInfo) -> bool:
     return info.metadata.get("layout") == DCP_LAYOUT
 
 
+def state_optimizers(optimizers: List[Any]) -> List[Any]:
+    """The optimizers whose state DCP reads and writes: one that wraps another (``.optim``: replica groups'
+    `CommitOptimizer`, torchft's ``OptimizerWrapper``) gives the one it wraps, which holds the parameters and state.
+    DCP's state-dict calls step an optimizer with no state (zero gradients, lr 0) to build it, and a wrapper's step
+    is a collective across the replica groups: one that no other group joins when a lone group loads."""
+    return [
+        getattr(o, "optim", o) if isinstance(getattr(o, "optim", None), torch.optim.Optimizer) else o
+        for o in optimizers
+    ]
+
+
 def split_tensors(tree: Any, path: Tuple[str, ...] = ()) -> Tuple[Any, Dict[str, torch.Tensor]]:
     """``tree`` with each tensor replaced by ``{_REF: key}``, and ``{key: tensor}``."""
     tensors: Dict[str, torch.Tensor] = {}
@@ -146,7 +157,7 @@ class ShardedCheckpointIO:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         state = self.host.state
-        model_sd, optim_sd = get_state_dict(state.model, state.optimizers)
+        model_sd, optim_sd = get_state_dict(state.model, state_optimizers(state.optimizers))
         if pipeline_group(state.model) is not None and optim_sd:
             optim_sd["param_groups"] = self._all_stages_groups(optim_sd["param_groups"])
         rest = state.state_dict()
@@ -268,7 +279,7 @@ class ShardedCheckpointIO:
         target: Dict[str, Any] = {"model": model_sd}
         pipelined = pipeline_group(state.model) is not None
         if not weights_only:
-            target["optim"] = get_optimizer_state_dict(state.model, state.optimizers)
+            target["optim"] = get_optimizer_state_dict(state.model, state_optimizers(state.optimizers))
             others = set(shapes) - set(model_sd) if pipelined else set()  # the other stages' parameter names
             target["extra"] = _extra_targets(metadata, model_sd, others)
         if not strict:
@@ -284,7 +295,7 @@ class ShardedCheckpointIO:
         set_model_state_dict(state.model, target["model"], options=StateDictOptions(strict=strict))
         if weights_only:
             return
-        set_optimizer_state_dict(state.model, state.optimizers, target["optim"])
+        set_optimizer_state_dict(state.model, state_optimizers(state.optimizers), target["optim"])
         if pipelined:  # state.pt names every stage's averages; this rank loaded its own
             rest = drop_refs(rest, target["extra"])
         state.load_state_dict(fill_tensors(rest, target["extra"]), strict=strict)
