@@ -251,7 +251,8 @@ def test_sharded_replica_groups_train_through_two_kills(ray_cluster, tmp_path):
 
 def _resume_by_name(tmp_path, data: str, first) -> None:
     """A whole-run restart: the same run (name, storage) fitted again for one more epoch, a new worker group of
-    2 x 2. Every worker of both groups loads the lead group's newest 2-rank sharded checkpoint (its own shards), the
+    2 x 2. Every worker of the first quorum's groups loads the lead group's newest 2-rank sharded checkpoint (its own
+    shards; a group that joins later heals from them), the
     run trains epoch ``EPOCHS`` alone, every row once, and ends with the uninterrupted run's Timestamp and
     parameters at ``EPOCHS + 1`` epochs, in every group and in its final checkpoint."""
     import torch
@@ -264,9 +265,15 @@ def _resume_by_name(tmp_path, data: str, first) -> None:
     assert (int(result.timestamp.epoch), int(result.timestamp.batch)) == (EPOCHS + 1, BATCHES * (EPOCHS + 1))
     finals = [torch.load(p, weights_only=False) for p in glob.glob(os.path.join(folder, "final-*.pt"))]
     assert sorted((f["group"], f["position"]) for f in finals) == [(0, 0), (0, 1), (1, 0), (1, 1)], finals
-    assert all(f["loaded"] == "storage" for f in finals), [(f["group"], f["position"], f["loaded"]) for f in finals]
+    # The groups of the run's first quorum load the newest checkpoint from storage; a group that joins after the
+    # first step committed heals from a live group instead (its storage copy would be older than the peer's state).
+    from_storage = {f["group"] for f in finals if f["loaded"] == "storage"}
+    described = [(f["group"], f["position"], f["loaded"], f["healed"]) for f in finals]
+    assert from_storage and all(f["loaded"] == "storage" or f["healed"] >= 1 for f in finals), described
+    assert all(f["loaded"] == "storage" for f in finals if f["group"] in from_storage), described  # whole groups
     loads = [json.loads(line)["loaded"] for p in glob.glob(os.path.join(folder, "loads-*.jsonl")) for line in open(p)]
-    assert loads == [BATCHES * EPOCHS] * GROUPS * GROUP_SIZE, loads  # the first run's final checkpoint, on every worker
+    # the first run's final checkpoint, on every worker that read storage
+    assert sorted(x for x in loads if x is not None) == [BATCHES * EPOCHS] * GROUP_SIZE * len(from_storage), loads
     assert min(r["batch"] for r in read_records(folder)) == BATCHES * EPOCHS + 1, "the run did not resume at its end"
     _check_rows(folder, range(EPOCHS, EPOCHS + 1))
     reference = dict(_uninterrupted(data, EPOCHS + 1).named_parameters())
