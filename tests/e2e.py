@@ -7,7 +7,8 @@ A test is **end to end** (marker ``e2e``) when it starts, itself or through a fi
 * a Ray instance of its own: an embedded Ray in a subprocess (an example run, a sweep killed and
   resumed), a ``ray.cluster_utils.Cluster``, ``ray start``,
 * the cluster launcher (``ray up`` / ``ray submit`` / ``ray job submit`` / ``ray down``),
-* a torchft ring of its own (a process per replica group and a Lighthouse: as long as a Ray run), or
+* a torchft ring of its own (a process per replica group and a Lighthouse: as long as a Ray run),
+* a whole training run through a faulted object store (outages timed in seconds, then a resume), or
 * an example script (``python examples/...``).
 
 The session's shared Ray (the ``ray_cluster`` fixture) does not count: tests that use it for Ray
@@ -44,6 +45,9 @@ E2E: Dict[str, object] = {
     "tests/examples/test_mixture_example.py": ALL,  # one RayTrainer run in the session's Ray
     "tests/examples/test_resume_example.py": ALL,
     "tests/examples/test_train_example.py": ALL,
+    "tests/checkpoint/test_object_store_faults.py": {  # 4 runs through a faulted S3 store, ~7 s each
+        "test_training_survives_the_fault_and_resumes_exactly"
+    },
     "tests/ray/test_chaos_soak.py": ALL,  # a 3-node Cluster
     "tests/ray/test_replica_abort.py": ALL,  # a torchft ring of 6 processes and a Lighthouse
     "tests/ray/test_data_network.py": ALL,  # a 3-node Cluster
