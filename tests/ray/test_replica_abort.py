@@ -82,6 +82,7 @@ def test_a_kill_on_a_ring_costs_the_far_groups_a_step_not_the_gloo_timeout(tmp_p
             p.kill()
             p.wait()
         lighthouse.shutdown()
+    lost_steps = {}
     for g in survivors:
         records = _steps(folder, g)
         failed = [r for r in records if not r["committed"] and r["t"] > killed - 5]
@@ -99,15 +100,19 @@ def test_a_kill_on_a_ring_costs_the_far_groups_a_step_not_the_gloo_timeout(tmp_p
         last_whole = max(r["t"] for r in records if r["committed"] and r["participants"] == GROUPS)
         lost = [r for r in records if not r["committed"] and last_whole < r["t"] <= after(g)[0]["t"]]
         assert 1 <= len(lost) <= 2, (g, lost)
+        lost_steps[g] = len(lost)
     for g in range(GROUPS):
         neighbour = g in ((VICTIM - 1) % GROUPS, (VICTIM + 1) % GROUPS)
         abandoned = max(r["abandoned"] for r in _steps(folder, g)) if g != VICTIM else 0
         # Each group that is not the victim's ring neighbour abandoned its all-reduce when the board said a
         # neighbour failed (at 6 groups three of them, one two hops from any failing neighbour). A neighbour
         # usually fails on the closed connection first, but on a loaded machine it may read the other
-        # neighbour's post first and abandon: either way its step ends, once.
+        # neighbour's post first and abandon. Each abandoned all-reduce is a step that did not commit, so no group
+        # abandons more than it lost (at most 2, above): on CI's loaded run a far group (4) abandoned twice.
+        if g == VICTIM:
+            continue
         if neighbour:
-            assert abandoned <= 1, (g, abandoned)
+            assert abandoned <= lost_steps[g], (g, abandoned, lost_steps[g])
         else:
-            assert abandoned == (0 if g == VICTIM else 1), (g, abandoned)
+            assert 1 <= abandoned <= lost_steps[g], (g, abandoned, lost_steps[g])
     assert HEARTBEAT_TIMEOUT_MS < 20_000
