@@ -29,7 +29,8 @@ Four parts (issue 50), each printed as a table with medians and spreads ``[min-m
 4. ``cpu``: the read tasks' work without Ray (in this process, CPU time per sequence, so a loaded
    machine moves it less than wall time): `pack_reads` (read the token row groups, pack) for every
    read task of an epoch against `_read_units` of the same sequences written pre-packed (what
-   `ParquetRowGroups`' read tasks do), and, of the first, `pack_window` alone on the read tokens.
+   `ParquetRowGroups`' read tasks do), and, of the first, `pack_runs` alone on the read tokens
+   (the read tasks ship tokens plus runs; the ranks expand ``document_ids``/``position_ids``).
    ``concat`` on the datapath part's documents (Zipf lengths up to 2,000), ``best_fit`` on the same
    mix cut at 1,024 tokens; seq_len 1024, windows of ``256 * seq_len`` tokens.
 """
@@ -238,7 +239,7 @@ def _cpu_per_sequence(work: Any, sequences: int, repeats: int) -> List[float]:
 def cpu_part(out: str, repeats: int) -> None:
     print("\n## Read tasks' CPU per sequence (us; no Ray; seq_len 1024, windows of 256 sequences)\n")
     print(
-        "| policy | pre-packed Parquet read | PackedTokens read + pack | of which pack_window "
+        "| policy | pre-packed Parquet read | PackedTokens read + pack | of which pack_runs "
         "| ratio (packed / pre-packed) |"
     )
     print("| --- | --- | --- | --- | --- |")
@@ -252,7 +253,7 @@ def _cpu_row(folder: str, policy: str, longest: int, repeats: int) -> str:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "ray"))
     from packed_data import write_tokens
 
-    from raytrain_events.core.packing import pack_window
+    from raytrain_events.core.packing import pack_runs
     from raytrain_events.data.ray.packed_source import PackedTokens, pack_reads
     from raytrain_events.data.ray.parquet_seek import ParquetRowGroups, _read_units
 
@@ -283,7 +284,7 @@ def _cpu_row(folder: str, policy: str, longest: int, repeats: int) -> str:
     for _ in range(repeats):  # arms interleaved
         base += _cpu_per_sequence(lambda: [_read_units(plain.paths, r, None, None) for r in plain_reads], n, 1)
         full += _cpu_per_sequence(lambda: [pack_reads(r) for r in packed_reads], n, 1)
-        pack += _cpu_per_sequence(lambda: [pack_window(t, k, i, 1024, policy) for t, k, i in windows], n, 1)
+        pack += _cpu_per_sequence(lambda: [pack_runs(t, k, i, 1024, policy) for t, k, i in windows], n, 1)
     ratios = [f / b for f, b in zip(full, base)]
     return f"| {policy} | {_spread(base)} | {_spread(full)} | {_spread(pack)} | {_spread(ratios, 2)} |"
 

@@ -31,9 +31,16 @@ copies and ``np.repeat`` into the output, no index arrays); ``best_fit`` is O(d 
 window's ``d`` documents (a sorted list of open sequences' free room, searched by bisection; one
 Python step per (document length, open sequence) pair, documents over half ``seq_len`` as arrays;
 radix sorts of 16-bit keys), then O(tokens) array work laying the sequences out as runs of whole
-documents and padding (gathers in output order, no per-token scatter). `pack_window` can write
+documents and padding (one gather in output order, no per-token scatter). `pack_window` can write
 into caller-given arrays (``out``), so a read that packs several windows makes one block without a
 copy after packing.
+
+Compact form (`Runs`, `pack_runs`): the tokens plus each sequence's documents as *runs* (a
+document's piece in one sequence: its id and length, ``cu_seqlens`` style), 4 bytes per token and
+12 per run, where the expanded ``document_ids``/``position_ids`` add 12 bytes per token.
+`expand_runs` makes them (two ``np.repeat``); `pack_window` is `pack_runs` then `expand_runs`, so
+both forms come from one path. The data path ships runs and expands on the rank
+(`raytrain_events.data.ray.packed_source`).
 """
 
 from __future__ import annotations
@@ -51,6 +58,9 @@ __all__ = [
     "check_policy",
     "sequences_in_window",
     "pack_window",
+    "Runs",
+    "pack_runs",
+    "expand_runs",
     "empty_packed",
 ]
 
@@ -161,6 +171,19 @@ def _small(bound: int) -> Any:
     return np.int16 if bound < 2**15 else np.int32 if bound < 2**31 else np.int64
 
 
+class Runs(NamedTuple):
+    """A window's sequences in compact form: the tokens, and each sequence's documents as runs
+    (``cu_seqlens`` style: a run is a document's piece in one sequence, sequences in order, runs in
+    place order, the padding after them). ``document_ids`` and ``position_ids`` follow from it
+    (`expand_runs`): 4 bytes per token plus 12 per run, where the expanded form holds 16 per token."""
+
+    input_ids: np.ndarray  # (n, seq_len): the tokens (pad_id on padding)
+    documents: np.ndarray  # int64, one per run: its document's id
+    lengths: np.ndarray  # int32, one per run: its tokens (> 0)
+    runs: np.ndarray  # int32 per sequence: how many runs it holds
+    num_tokens: np.ndarray  # int32 per sequence: its real tokens (the sum of its runs' lengths)
+
+
 def pack_window(  # noqa: PLR0913 (the window's arrays, then how to pack them)
     tokens: np.ndarray,
     lengths: Sequence[int] | np.ndarray,
@@ -176,10 +199,33 @@ def pack_window(  # noqa: PLR0913 (the window's arrays, then how to pack them)
     written into ``out`` when given (C-contiguous arrays of the window's shapes: a read packing
     several windows into one block gives views of it, and nothing is copied after packing).
 
-    The tokens are laid out by whole-window array work, with no loop over documents or sequences:
-    ``concat`` copies the tokens and the repeated ids in place (no index arrays), positions are each
-    token's place in its document capped by its place in its sequence; ``best_fit`` gathers each
-    sequence's documents in place order (`_lay_out`, after `_best_fit` chose the places)."""
+    `pack_runs` then `expand_runs`: the one path that makes every packed sequence, compact or not."""
+    packed = pack_runs(tokens, lengths, document_ids, seq_len, policy, pad_id, what, None if out is None else out[0])
+    n = len(packed.num_tokens)
+    out = empty_packed(n, seq_len, packed.input_ids.dtype) if out is None else out
+    _checked(out, n, seq_len, packed.input_ids.dtype, what)
+    if out.input_ids is not packed.input_ids:
+        out.input_ids[...] = packed.input_ids
+    expand_runs(packed.documents, packed.lengths, packed.runs, packed.num_tokens, seq_len, out[1:3])
+    out.num_tokens[:] = packed.num_tokens
+    return out
+
+
+def pack_runs(  # noqa: PLR0913 (the window's arrays, then how to pack them)
+    tokens: np.ndarray,
+    lengths: Sequence[int] | np.ndarray,
+    document_ids: Sequence[int] | np.ndarray,
+    seq_len: int,
+    policy: str,
+    pad_id: int = 0,
+    what: str = "a window",
+    out: Optional[np.ndarray] = None,
+) -> Runs:
+    """Pack one window into `Runs` (arguments as `pack_window`; ``out``: the ``(n, seq_len)`` token
+    array to write into). The tokens are laid out by whole-window array work, with no loop over
+    documents or sequences: ``concat`` copies them in place, its runs are the documents cut at every
+    ``seq_len``-th token; ``best_fit`` gathers each sequence's documents in place order (`_lay_out`,
+    after `_place` chose the places)."""
     check_policy(policy, seq_len)
     lengths = np.asarray(lengths, dtype=np.int64)
     ids = np.asarray(document_ids, dtype=np.int64)
@@ -189,32 +235,68 @@ def pack_window(  # noqa: PLR0913 (the window's arrays, then how to pack them)
             f"{what}: {len(tokens)} tokens, {len(lengths)} lengths summing to {total}, "
             f"{len(ids)} document ids: they must agree."
         )
-    fills: List[int] = []
-    if policy == "concat":
-        n = -(-total // seq_len)
-    else:
+    if policy == "best_fit":
         fills, seq, _, placement = _place(lengths, seq_len, what)
         n = len(fills)
-    out = empty_packed(n, seq_len, tokens.dtype) if out is None else _checked(out, n, seq_len, tokens.dtype, what)
+    else:
+        n = -(-total // seq_len)
+    if out is None:
+        out = np.empty((n, seq_len), dtype=tokens.dtype)
+    elif len(out) != n:
+        raise PackingError(f"{what} packs into {n} sequences; out holds {len(out)}.")
+    elif out.shape != (n, seq_len) or out.dtype != tokens.dtype or not out.flags.c_contiguous:
+        raise ValueError(
+            f"{what} packs into {n} sequences of {seq_len} {tokens.dtype} tokens; out is {out.dtype}{list(out.shape)}."
+        )
     if policy == "best_fit":
-        _lay_out(tokens, lengths, ids, seq_len, fills, seq, placement, pad_id, out)
-        return out
-    flat_ids, flat_docs, flat_pos = (a.reshape(-1) for a in out[:3])
-    starts = np.cumsum(lengths) - lengths  # each document's first token in ``tokens``
-    kind = np.int32 if total < 2**31 else np.int64
-    within = np.arange(total, dtype=kind) - np.repeat(starts.astype(kind), lengths)  # place in its document
-    flat_ids[:total] = tokens
-    flat_ids[total:] = pad_id
-    flat_docs[:total] = np.repeat(ids, lengths)
-    flat_docs[total:] = PAD_DOCUMENT
-    flat_pos[:total] = within
-    flat_pos[total:] = 0
-    # a piece after a cut starts again at 0: cap each place by its place in its sequence
-    np.minimum(out.position_ids, np.arange(seq_len, dtype=np.int32), out=out.position_ids)
-    out.num_tokens[:] = seq_len
+        return _lay_out(tokens, lengths, ids, seq_len, fills, seq, placement, pad_id, out)
+    flat = out.reshape(-1)
+    flat[:total], flat[total:] = tokens, pad_id
+    starts = (np.cumsum(lengths) - lengths)[lengths > 0]  # each non-empty document's first token
+    bounds = np.union1d(starts, np.arange(0, total, seq_len))  # runs start there: documents cut at sequence ends
+    run_len = np.diff(bounds, append=total).astype(np.int32)
+    run_doc = ids[lengths > 0][np.searchsorted(starts, bounds, side="right") - 1]
+    num = np.full(n, seq_len, dtype=np.int32)
     if n:
-        out.num_tokens[-1] = total - (n - 1) * seq_len
-    return out
+        num[-1] = total - (n - 1) * seq_len
+    return Runs(out, run_doc, run_len, np.bincount(bounds // seq_len, minlength=n).astype(np.int32), num)
+
+
+def expand_runs(  # noqa: PLR0913 (the runs, then the output)
+    documents: np.ndarray,
+    lengths: np.ndarray,
+    runs: np.ndarray,
+    num_tokens: np.ndarray,
+    seq_len: int,
+    out: Optional[Sequence[np.ndarray]] = None,
+) -> Tuple[np.ndarray, np.ndarray]:
+    """``(document_ids int64, position_ids int32)``, ``(n, seq_len)`` each, of sequences given as
+    runs (`Runs`' fields): each token gets its run's document and its place in the run; padding
+    (after a sequence's ``num_tokens``) gets ``PAD_DOCUMENT`` and position 0. O(tokens) array work
+    (two ``np.repeat`` and a subtraction), O(sequences) for the padding's positions. ``out``: the
+    two arrays to write into."""
+    n = len(runs)
+    num_tokens = np.asarray(num_tokens)
+    pads = np.cumsum(runs, dtype=np.intp) + np.arange(n)  # each sequence's padding run, after its own
+    real = np.ones(len(documents) + n, dtype=bool)
+    real[pads] = False
+    seg_len = np.empty(len(real), dtype=np.intp)
+    seg_len[real], seg_len[pads] = lengths, seq_len - num_tokens
+    if int(seg_len.sum()) != n * seq_len or (n and int(seg_len.min()) < 0):
+        raise ValueError(
+            f"{len(documents)} runs of {int(np.sum(lengths))} tokens and {n} sequences of "
+            f"{int(num_tokens.sum())} real tokens do not tile {n} x seq_len={seq_len}: a corrupt packed block."
+        )
+    seg_doc = np.empty(len(real), dtype=np.int64)
+    seg_doc[real], seg_doc[pads] = documents, PAD_DOCUMENT
+    first = ((np.cumsum(seg_len) - seg_len) % seq_len).astype(np.int32)  # each run's first column
+    docs, pos = (np.empty((n, seq_len), np.int64), np.empty((n, seq_len), np.int32)) if out is None else out
+    docs.reshape(-1)[:] = np.repeat(seg_doc, seg_len)
+    pos.reshape(-1)[:] = np.repeat(first, seg_len)
+    np.subtract(np.arange(seq_len, dtype=np.int32), pos, out=pos)  # the place in its run
+    for row in np.flatnonzero(num_tokens < seq_len).tolist():  # padding's positions are 0
+        pos[row, int(num_tokens[row]) :] = 0
+    return docs, pos
 
 
 def _lay_out(  # noqa: PLR0913 (the window's arrays, the placement, the output)
@@ -226,48 +308,38 @@ def _lay_out(  # noqa: PLR0913 (the window's arrays, the placement, the output)
     seq: np.ndarray,
     placement: np.ndarray,
     pad_id: int,
-    out: Packed,
-) -> None:
-    """Write best_fit's placement into ``out`` as sequential array work (gathers, no scatter).
+    out: np.ndarray,
+) -> Runs:
+    """Write best_fit's placement into ``out`` (the tokens) as sequential array work (a gather, no
+    scatter), and return its runs.
 
     A sequence's documents tile ``[0, fill)`` (each placed at its sequence's fill so far), so the
     flat output is a run of *segments*: each sequence's documents in offset order, then its padding
-    (``seq_len - fill`` tokens, maybe none). Per segment: its length, its document id, where its
-    tokens start in ``tokens`` (padding: past the end, where a pad row of ``seq_len`` tokens is
-    appended); then every output element gathers its segment's values, plus its place in the
-    segment. O(tokens) for the window, O(d log d) to order its ``d`` documents, O(sequences) for the
-    padding's positions."""
+    (``seq_len - fill`` tokens, maybe none). Per segment: its length and where its tokens start in
+    ``tokens`` (padding: past the end, where a pad row of ``seq_len`` tokens is appended); then every
+    output token gathers from its segment's start plus its place in it. O(tokens) for the window,
+    O(d log d) to order its ``d`` documents."""
     n, total = len(fills), len(tokens)
     # Output order: by sequence, then offset. Placed in ``placement`` order, a sequence's documents
     # took its room in order, so a stable sort by sequence alone is that order.
     placed = placement[np.argsort(seq[placement].astype(_small(n)), kind="stable")]
-    pads = np.cumsum(np.bincount(seq[placed], minlength=n)) + np.arange(n)  # each sequence's padding segment
+    runs = np.bincount(seq[placed], minlength=n)
+    pads = np.cumsum(runs) + np.arange(n)  # each sequence's padding segment
     docs = np.ones(len(placed) + n, dtype=bool)
     docs[pads] = False
     seg_len = np.empty(len(docs), dtype=np.intp)
     seg_len[docs], seg_len[pads] = lengths[placed], seq_len - np.asarray(fills, dtype=np.intp)
-    seg_doc = np.empty(len(docs), dtype=np.int64)
-    seg_doc[docs], seg_doc[pads] = ids[placed], PAD_DOCUMENT
-    seg_out = np.cumsum(seg_len) - seg_len  # each segment's first place in the output
     seg_src = np.empty(len(docs), dtype=np.intp)
     seg_src[docs], seg_src[pads] = (np.cumsum(lengths) - lengths)[placed], total
-    # Gathers with intp indices and mode="clip" (every index is in range by construction): numpy's
-    # fast path (int32 indices or mode="raise" cost a conversion pass or a bounds check). Few and small
-    # temporaries: the first touch of fresh memory costs about as much as the work.
-    segment = np.repeat(np.arange(len(docs), dtype=np.intp), seg_len)  # each output element's segment
-    out_docs, out_pos = out.document_ids.reshape(-1), out.position_ids.reshape(-1)
-    np.take(seg_doc, segment, out=out_docs, mode="clip")
-    np.take((seg_out % seq_len).astype(np.int32), segment, out=out_pos, mode="clip")  # its first column
-    np.subtract(np.arange(seq_len, dtype=np.int32), out.position_ids, out=out.position_ids)  # place in it
-    index = np.take(seg_src, segment, mode="clip")
-    index += out_pos  # where each output token is in ``source``
+    # One gather with intp indices and mode="clip" (every index is in range by construction): numpy's
+    # fast path (int32 indices or mode="raise" cost a conversion pass or a bounds check).
+    index = np.repeat(seg_src - (np.cumsum(seg_len) - seg_len), seg_len)  # source start - output start
+    index += np.arange(n * seq_len, dtype=np.intp)  # where each output token is in ``source``
     source = np.empty(total + seq_len, dtype=tokens.dtype)  # the tokens, then a pad row for the padding to read
     source[:total], source[total:] = tokens, pad_id
-    np.take(source, index, out=out.input_ids.reshape(-1), mode="clip")
-    room = seq_len - np.asarray(fills)
-    for row in np.flatnonzero(room).tolist():  # padding's positions are 0: the tail of each row not full
-        out.position_ids[row, seq_len - room[row] :] = 0
-    out.num_tokens[:] = fills
+    np.take(source, index, out=out.reshape(-1), mode="clip")
+    num = np.asarray(fills, dtype=np.int32)
+    return Runs(out, ids[placed], lengths[placed].astype(np.int32), runs.astype(np.int32), num)
 
 
 def empty_packed(n: int, seq_len: int, dtype: Any) -> Packed:

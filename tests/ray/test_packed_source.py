@@ -126,6 +126,36 @@ def test_a_seeded_order_permutes_windows_the_same_at_any_world_size(ray_cluster,
     assert not _same(shuffled, full) and _same(_epoch(ray, source, 3, 45, seed=3, shuffle_rows=30), shuffled[45:])
 
 
+@pytest.mark.parametrize("policy", ["concat", "best_fit"])
+def test_blocks_carry_runs_and_a_rank_expands_any_cut_of_them_to_the_batch_columns(tokens, policy: str) -> None:
+    """A read task's block holds tokens plus each sequence's documents as runs (a quarter of the
+    batch's bytes and a little); any rows of one or two blocks expand (as the loader does) to exactly
+    those rows of `pack_window`'s sequences: the same ``document_ids``/``position_ids`` as ever."""
+    import pyarrow as pa
+
+    from raytrain_events.core.packing import expand_runs
+    from raytrain_events.data.ray.packed_source import expand_packed, pack_read, pack_reads
+
+    source = PackedTokens(tokens[0], seq_len=SEQ, policy=policy, window_tokens=WINDOW)
+    groups = [[source.window_args(w) for w in ws] for ws in ([0, 1], [2, 3, 4])]
+    blocks = [pack_reads(g) for g in groups]
+    whole = [pa.concat_tables([pack_read(**a) for a in g]) for g in groups]  # each window packed on its own
+    assert set(blocks[0].column_names) == {"input_ids", "num_tokens", "run_documents", "run_lengths"}
+    assert blocks[0].nbytes < whole[0].nbytes / 2
+    n0, n1 = blocks[0].num_rows, blocks[1].num_rows
+    for (a, b), (c, d) in (((0, n0), (0, 0)), ((3, n0), (0, 5)), ((n0 - 1, n0), (2, n1 - 1))):
+        parts = [blocks[0].slice(a, b - a)] + ([blocks[1].slice(c, d - c)] if d > c else [])
+        (got,) = expand_packed(parts)
+        want = pa.concat_tables([whole[0].slice(a, b - a), whole[1].slice(c, d - c)])
+        assert got.column_names == want.column_names
+        for name in want.column_names:
+            assert got.column(name).to_pylist() == want.column(name).to_pylist(), (name, a, b, c, d)
+    plain = pa.table({"x": [1, 2]})
+    assert expand_packed([plain]) == [plain]  # anything else passes through
+    with pytest.raises(ValueError, match="do not tile .* a corrupt packed block"):
+        expand_runs(np.array([5]), np.array([SEQ + 1]), np.array([1]), np.array([SEQ]), SEQ)
+
+
 def test_bad_input_is_refused_where_the_source_is_built(tokens, tmp_path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -30,6 +30,7 @@ from ray.train import DataConfig
 
 from raytrain_events.core.mixture_plan import MixtureRun
 from raytrain_events.data.order import GlobalBatch, TrainOrder
+from raytrain_events.data.ray.packed_source import expand_packed
 from raytrain_events.data.ray.slices import RowRange, Slice
 from raytrain_events.ray import _compat
 
@@ -406,7 +407,7 @@ class GlobalOrderLoader:
         import pyarrow as pa
         from ray.data.block import BlockAccessor
 
-        parts = [_part(piece, blocks) for piece in _merged(slices)]
+        parts = expand_packed([_part(piece, blocks) for piece in _merged(slices)])  # packed runs: the public columns
         if self.columns is not None:  # only these columns reach the batch (and collate_fn)
             parts = [pick_columns(part, self.columns) if isinstance(part, pa.Table) else part for part in parts]
         if self.collate_fn is None and all(isinstance(part, pa.Table) for part in parts):

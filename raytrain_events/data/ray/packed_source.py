@@ -25,10 +25,13 @@ kept: one integer per window. Cost at scale: that build is O(documents) once per
 one read per row group); the feeder holds the per-window counts (8 bytes each) and, as for any
 source, the blocks between the slowest rank and its pull front: with 512 ranks a global batch of
 ``512 * b`` sequences spans ``512 * b / (window sequences)`` windows, one block each. Packing runs
-in the read tasks (one Ray task packs consecutive windows up to about 16 MiB of packed columns, as
-`ParquetRowGroups` sizes its reads, 64 MiB ahead of the feeder; O(tokens) array work plus O(d log d)
+in the read tasks (one Ray task packs consecutive windows up to about 16 MiB of the batch's columns,
+as `ParquetRowGroups` sizes its reads, 64 MiB ahead of the feeder; O(tokens) array work plus O(d log d)
 for best_fit), never on the feeder or a rank; a rank's part of a batch is one or two
-slices of window blocks, cut where the blocks are.
+slices of window blocks, cut where the blocks are. A block holds the tokens and each sequence's
+documents as runs (`pack_reads`: about 4 bytes per token into the object store and across nodes,
+not the batch's 16); the rank expands its rows to ``document_ids``/``position_ids`` (`expand_packed`,
+called by the loader on every batch: O(tokens) array work, 12 bytes written per token).
 
 Document ids are the ``document_id`` column when the files have one (`tokenize` writes it), else
 the document's row number in the source (files in order, row groups in order): the same in every
@@ -51,18 +54,19 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 
 from raytrain_events.core.packing import (
-    Packed,
     PackingError,
+    Runs,
     check_policy,
-    empty_packed,
-    pack_window,
+    expand_runs,
+    pack_runs,
     sequences_in_window,
 )
 
 __all__ = ["PackedTokens", "count_real_tokens", "VOCAB_KEY"]
 
 VOCAB_KEY = b"raytrain_events.vocab_size"  # Parquet key-value metadata `tokenize` writes: the tokenizer's vocabulary
-_BYTES_PER_TOKEN = 16  # packed columns per token: input_ids (int32), document_ids (int64), position_ids (int32)
+RUNS_KEY = b"raytrain_events.packed_runs"  # schema metadata of a compact packed block (`pack_reads`): its seq_len
+_BYTES_PER_TOKEN = 16  # a batch's columns per token: input_ids (int32), document_ids (int64), position_ids (int32)
 
 
 def count_real_tokens(batch: Any) -> int:
@@ -298,45 +302,80 @@ class PackedTokens:
 
 
 def pack_reads(windows: List[Dict[str, Any]]) -> Any:
-    """A Ray task: read consecutive windows and pack them into one block of sequences.
+    """A Ray task: read consecutive windows and pack them into one *compact* block of sequences.
 
-    Each window is packed straight into its rows of the block's columns (`pack_window` with
-    ``out``), and the Arrow columns are zero-copy views of those arrays (fixed-size lists over the
-    flat values): the tokens are copied once, from the Parquet read into the block."""
+    The block holds each sequence's tokens (``input_ids``, a fixed-size list), ``num_tokens``, and
+    its documents as runs (``run_documents`` int64, ``run_lengths`` int32: lists, `core.packing.Runs`),
+    marked by `RUNS_KEY` in its schema: about 4 bytes per token instead of the batch's 16
+    (`_BYTES_PER_TOKEN`). A rank expands the rows of its batch (`expand_packed`, in the loader), so
+    the batch is the same as ever. Each window's tokens are packed straight into their rows of the
+    block (`pack_runs` with ``out``); the Arrow columns are zero-copy views of those arrays."""
     import pyarrow as pa
 
     inputs = [_window_inputs(args) for args in windows]
     seq_len = windows[0]["seq_len"]
     counts = [args["expected"] for args in windows]
-    block = empty_packed(sum(counts), seq_len, inputs[0][0].dtype)
+    block = np.empty((sum(counts), seq_len), dtype=inputs[0][0].dtype)
+    parts: List[Runs] = []
     at = 0
     for args, (tokens, lengths, ids), count in zip(windows, inputs, counts):
-        view = Packed(*(array[at : at + count] for array in block))
         try:
-            pack_window(tokens, lengths, ids, seq_len, args["policy"], args["pad_id"], args["what"], out=view)
+            runs = pack_runs(
+                tokens, lengths, ids, seq_len, args["policy"], args["pad_id"], args["what"], out=block[at : at + count]
+            )
         except PackingError as error:  # the driver counted these documents and checked their lengths
             raise PackingError(
                 f"{error} The source counted {count} sequences in it when it was built: its files "
                 "changed since. Build the source again."
             ) from error
+        parts.append(runs)
         at += count
+    offsets = np.zeros(len(block) + 1, dtype=np.int32)
+    np.cumsum(np.concatenate([p.runs for p in parts]), out=offsets[1:])
+    table = pa.table(
+        {
+            "input_ids": pa.FixedSizeListArray.from_arrays(pa.array(block.reshape(-1)), seq_len),
+            "num_tokens": pa.array(np.concatenate([p.num_tokens for p in parts])),
+            "run_documents": pa.ListArray.from_arrays(pa.array(offsets), np.concatenate([p.documents for p in parts])),
+            "run_lengths": pa.ListArray.from_arrays(pa.array(offsets), np.concatenate([p.lengths for p in parts])),
+        }
+    )
+    return table.replace_schema_metadata({RUNS_KEY: str(seq_len).encode()})
+
+
+def expand_packed(parts: List[Any]) -> List[Any]:
+    """The parts of a batch (Arrow tables), compact packed blocks (`pack_reads`) joined and expanded
+    to the public columns: ``input_ids``, ``document_ids`` (int64), ``position_ids`` (int32),
+    ``num_tokens`` (`core.packing.expand_runs`); any other parts as they are. On a rank, per batch:
+    O(tokens) array work (12 bytes written per token), the tokens themselves not copied."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if not parts or not all(isinstance(p, pa.Table) and RUNS_KEY in (p.schema.metadata or {}) for p in parts):
+        return parts
+    table = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+    seq_len = int(table.schema.metadata[RUNS_KEY])
+    documents, lengths = (table.column(c).combine_chunks() for c in ("run_documents", "run_lengths"))
+    num_tokens = table.column("num_tokens")
+    document_ids, position_ids = expand_runs(
+        documents.flatten().to_numpy(),
+        lengths.flatten().to_numpy(),
+        pc.list_value_length(documents).to_numpy(),
+        num_tokens.to_numpy(),
+        seq_len,
+    )
 
     def fixed(values: np.ndarray) -> Any:
         return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), seq_len)
 
-    return pa.table(
-        {
-            "input_ids": fixed(block.input_ids),
-            "document_ids": fixed(block.document_ids),
-            "position_ids": fixed(block.position_ids),
-            "num_tokens": pa.array(block.num_tokens),
-        }
-    )
+    columns = {"input_ids": table.column("input_ids"), "document_ids": fixed(document_ids)}
+    columns.update(position_ids=fixed(position_ids), num_tokens=num_tokens)
+    return [pa.table(columns)]
 
 
 def pack_read(**args: Any) -> Any:
-    """One window's sequences as an Arrow table (`pack_reads` of that window alone)."""
-    return pack_reads([args])
+    """One window's sequences as an Arrow table of the batch's columns (`pack_reads` of that window, expanded)."""
+    return expand_packed([pack_reads([args])])[0]
 
 
 def _window_inputs(args: Dict[str, Any]) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
