@@ -10,10 +10,16 @@ mask. Call it from a model's attention (``examples/transformer_lm.py`` does)::
 Two kernels (``backend``): ``"sdpa"`` builds the boolean mask ``(rows, 1, queries, keys)`` and calls
 ``scaled_dot_product_attention`` with it (any device; O(queries * keys) bools per row, as the scores
 themselves); ``"flex"`` uses torch's FlexAttention with a block mask (``create_block_mask``: blocks
-wholly outside every document are skipped, so the cost follows the documents' own lengths) and is
-chosen by ``"auto"`` on CUDA when torch has it and no context-parallel cut is given. Padding tokens
-attend to earlier padding only (every query sees at least itself, so no row of the softmax is
-empty); their outputs are never trained on (the loss ignores them).
+wholly outside every document are skipped, so the cost follows the documents' own lengths),
+compiled on CUDA (``torch.compile(flex_attention)``, once per process: uncompiled it materializes
+the whole score matrix). ``"auto"`` picks ``"flex"`` on CUDA when torch has it and no
+context-parallel cut is given, else ``"sdpa"``. On CPU (torch 2.13 here) FlexAttention runs
+forward only, eager or compiled: its backward raises ``NotImplementedError`` ("does not support
+backward on CPU"), so ``"auto"`` never picks it there and ``backend="flex"`` with gradients on CPU
+is refused with the fix (``tests/parallel/test_document_attention.py`` pins that fact: the probe
+fails once torch adds the backward). Padding tokens attend to earlier padding only (every query
+sees at least itself, so no row of the softmax is empty); their outputs are never trained on (the
+loss ignores them).
 
 Context parallelism: a CP rank holds the queries at its global ``positions`` (the load-balanced cut,
 `context_parallel.split_token_batch`, which leaves ``document_ids`` whole) while its attention runs
@@ -25,11 +31,12 @@ mask has one head axis of size 1 and broadcasts over however many heads a rank h
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
 
-__all__ = ["PAD_DOCUMENT", "document_mask", "document_attention", "flex_available"]
+__all__ = ["PAD_DOCUMENT", "document_mask", "document_attention", "choose_backend", "flex_available"]
 
 PAD_DOCUMENT = -1  # as `raytrain_events.core.packing.PAD_DOCUMENT` (not imported: that module needs numpy)
 
@@ -72,15 +79,32 @@ def document_attention(  # noqa: PLR0913 (the attention's tensors, then how to m
     context-parallel cut (the keys are then the whole sequence's, gathered by the CP route)."""
     import torch.nn.functional as F
 
-    if backend not in ("auto", "sdpa", "flex"):
-        raise ValueError(f"backend={backend!r}: give 'auto', 'sdpa' or 'flex'.")
-    use_flex = backend == "flex" or (backend == "auto" and query.is_cuda and positions is None and flex_available())
-    if use_flex:
-        if positions is not None:
-            raise ValueError("backend='flex' does not take a context-parallel cut (positions): use 'sdpa' under CP.")
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    if choose_backend(backend, query.is_cuda, positions is not None, grad) == "flex":
         return _flex(query, key, value, document_ids, scale)
     mask = document_mask(document_ids, positions)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
+
+
+def choose_backend(backend: str, cuda: bool, cut: bool, grad: bool) -> str:
+    """The kernel `document_attention` runs: ``"flex"`` or ``"sdpa"`` (module doc), for tensors on
+    CUDA or not, under a context-parallel cut or not, needing gradients or not; a choice that
+    cannot run is refused naming the fix."""
+    if backend not in ("auto", "sdpa", "flex"):
+        raise ValueError(f"backend={backend!r}: give 'auto', 'sdpa' or 'flex'.")
+    if backend == "auto":
+        return "flex" if cuda and not cut and flex_available() else "sdpa"
+    if backend == "flex":
+        if cut:
+            raise ValueError("backend='flex' does not take a context-parallel cut (positions): use 'sdpa' under CP.")
+        if not flex_available():
+            raise ValueError(f"backend='flex': torch {torch.__version__} has no FlexAttention; use 'sdpa' or 'auto'.")
+        if grad and not cuda:
+            raise ValueError(
+                f"backend='flex' on CPU: torch {torch.__version__}'s FlexAttention has no backward on CPU "
+                "(forward only). Train with backend='auto' or 'sdpa' there; 'flex' on CPU is for no_grad/eval."
+            )
+    return backend
 
 
 def _flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, docs: torch.Tensor, scale: Any) -> torch.Tensor:
@@ -92,5 +116,12 @@ def _flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, docs: tor
 
     rows, length = docs.shape
     mask = create_block_mask(block_causal, rows, None, length, length, device=str(query.device))
-    out = flex_attention(query, key, value, block_mask=mask, scale=scale)
+    kernel = _compiled(flex_attention) if query.is_cuda else flex_attention
+    out = kernel(query, key, value, block_mask=mask, scale=scale)
     return out if isinstance(out, torch.Tensor) else out[0]
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled(flex_attention: Any) -> Any:
+    """FlexAttention compiled once per process (the fused kernel; torchtitan compiles it the same way)."""
+    return torch.compile(flex_attention, dynamic=False)

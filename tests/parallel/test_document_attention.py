@@ -56,21 +56,67 @@ def test_padding_and_document_ends_carry_no_loss() -> None:
     assert int((labels != -100).sum()) == (4 + 3 + 4) + (8 + 6)
 
 
+def _qkv(change: bool = False) -> tuple:
+    """Queries, keys and values of the packed batch's shape; ``change`` alters position 7 of row 0
+    (document 11) in all three, as a changed token would."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, SEQ, 8, generator=g) for _ in range(3))
+    if change:
+        for t in (q, k, v):
+            t[0, :, 7] += 1.0
+    return q, k, v
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_flex_attention_matches_the_sdpa_mask() -> None:
-    """FlexAttention (eager here, compiled on CUDA) gives the SDPA mask's outputs."""
+@pytest.mark.parametrize("backend", ["flex", "sdpa"])
+def test_flex_attention_matches_the_sdpa_mask_and_keeps_documents_apart(backend: str) -> None:
+    """FlexAttention's block mask (forward, eager on CPU; compiled on CUDA) gives the SDPA mask's
+    outputs, and for both kernels a change in document 11 moves no output of another document (plain
+    causal attention over the same rows does: the check sees a leak)."""
+    import torch.nn.functional as F
+
     from raytrain_events.parallel.document_attention import document_attention, flex_available
 
     if not flex_available():
         pytest.skip("this torch has no FlexAttention")
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 4, SEQ, 8, generator=g) for _ in range(3))
     docs = packed_batch()["document_ids"]
-    try:
-        flex = document_attention(q, k, v, docs, backend="flex")
-    except Exception as error:  # noqa: BLE001 - a torch without a CPU FlexAttention path: said, not hidden
-        pytest.skip(f"FlexAttention does not run on this CPU build: {error!r}")
-    torch.testing.assert_close(flex, document_attention(q, k, v, docs, backend="sdpa"), atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        base, changed = (document_attention(*_qkv(c), docs, backend=backend) for c in (False, True))
+        if backend == "flex":
+            torch.testing.assert_close(base, document_attention(*_qkv(), docs, backend="sdpa"), atol=1e-5, rtol=1e-5)
+        leaks = _leaks(base.transpose(1, 2).flatten(2), changed.transpose(1, 2).flatten(2))
+        assert leaks == {"doc10": False, "doc11_before": False, "doc11_after": True, "doc12": False, "row1": False}
+        plain = (F.scaled_dot_product_attention(*_qkv(c), is_causal=True) for c in (False, True))
+        assert _leaks(*(p.transpose(1, 2).flatten(2) for p in plain))["doc12"]
+
+
+def test_flex_is_chosen_on_cuda_only_and_refused_for_training_on_cpu() -> None:
+    """``backend="auto"`` picks FlexAttention on CUDA only (no CP cut); ``"flex"`` with gradients on
+    CPU is refused naming the fix, before torch's kernel runs. The probe: torch's own CPU
+    FlexAttention still has no backward (when this fails, torch added it: let ``"auto"`` pick flex on CPU)."""
+    from raytrain_events.parallel.document_attention import choose_backend, document_attention, flex_available
+
+    if not flex_available():
+        pytest.skip("this torch has no FlexAttention")
+    assert choose_backend("auto", cuda=True, cut=False, grad=True) == "flex"
+    assert choose_backend("auto", cuda=True, cut=True, grad=True) == "sdpa"
+    assert choose_backend("auto", cuda=False, cut=False, grad=False) == "sdpa"
+    assert choose_backend("flex", cuda=False, cut=False, grad=False) == "flex"
+    with pytest.raises(ValueError, match="does not take a context-parallel cut"):
+        choose_backend("flex", cuda=True, cut=True, grad=False)
+    with pytest.raises(ValueError, match="give 'auto', 'sdpa' or 'flex'"):
+        choose_backend("xformers", cuda=True, cut=False, grad=False)
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    docs = packed_batch()["document_ids"]
+    with pytest.raises(ValueError, match="no backward on CPU.*backend='auto' or 'sdpa'"):
+        document_attention(q, k, v, docs, backend="flex")
+    document_attention(q, k, v, docs).sum().backward()  # "auto" trains on CPU (SDPA)
+    assert q.grad is not None
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    mask = create_block_mask(lambda b, h, i, j: j <= i, None, None, SEQ, SEQ, device="cpu")
+    with pytest.raises(NotImplementedError, match="does not support backward on CPU"):
+        flex_attention(q, k, v, block_mask=mask).sum().backward()
 
 
 @pytest.mark.timeout(600)
