@@ -141,11 +141,18 @@ def train_packed_pp(rank: int, world_size: int) -> Dict[str, Any]:
         return [{k: v[i] for k, v in batch.items()} for i in range(2)]
 
     out: Dict[str, Any] = {}
-    for name in ("ddp",) + PP_SCHEDULES:
-        parallelism: Any = "ddp" if name == "ddp" else pp_config(name)
-        shard = rank // 2 if name == "ddp" else parse_parallelism(parallelism).data_coordinates(rank, world_size)[0]
+    for name in ("ddp", "ddp_one") + PP_SCHEDULES + ("1f1b_tp",):
+        # ddp_one: every rank loads shard 0 (the reference of PP 2 x TP 2, whose only data shard it is)
+        parallelism: Any = {"1f1b_tp": pp_config("1f1b", tensor_parallel=2)}.get(name, "ddp")
+        parallelism = pp_config(name) if name in PP_SCHEDULES else parallelism
+        ddp = name in ("ddp", "ddp_one")
+        shard = (
+            (0 if name == "ddp_one" else rank // 2)
+            if ddp
+            else parse_parallelism(parallelism).data_coordinates(rank, world_size)[0]
+        )
         torch.manual_seed(0)
-        with torch.device("meta") if name != "ddp" else contextlib.nullcontext():
+        with torch.device("meta") if not ddp else contextlib.nullcontext():
             net = TransformerLM(vocab=VOCAB, width=32, heads=4, depth=4, length=SEQ)
         loader = DataLoader(packed_rows(32, seed=100 + shard), batch_size=8)
         counter = EventCounter()
@@ -154,7 +161,7 @@ def train_packed_pp(rank: int, world_size: int) -> Dict[str, Any]:
             train_dataloader=DataSpec(loader, get_num_tokens_in_batch=lambda b: int(b["num_tokens"].sum())),
             max_duration="4ba",
             optimizers=torch.optim.AdamW(net.parameters(), lr=2e-3),
-            grad_accum=2 if name == "ddp" else 1,
+            grad_accum=2 if ddp else 1,
             parallelism=parallelism,
             callbacks=[counter],
         )

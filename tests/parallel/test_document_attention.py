@@ -190,3 +190,24 @@ def test_packed_training_under_pp_2_x_dp_2_matches_ddp_for_each_schedule_and_kee
                 "doc12": False,
                 "row1": False,
             }, schedule
+    # PP 2 x TP 2 (1F1B; one data shard, so its reference is DDP with every rank on shard 0): stage
+    # blocks split over 2 tensor ranks, heads split, the document mask broadcast over them.
+    one = results[0]["ddp_one"]
+    merged = {}
+    for run in (r["1f1b_tp"] for r in results):
+        merged.update(run["model"])
+    assert sorted(merged) == sorted(one["model"])
+    diff = max((merged[k] - one["model"][k]).abs().max().item() for k in merged)
+    assert diff <= 2e-5, diff  # TP's split reductions round differently
+    for run in (r["1f1b_tp"] for r in results):
+        assert run["shard"] == 0 and run["losses"] == pytest.approx(one["losses"], abs=1e-5)
+        assert (run["timestamp"]["sample"], run["timestamp"]["token"]) == (32, real[0])
+        for got, expected in zip(run["predict"], one["predict"]):
+            torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+        assert _leaks(*run["predict"]) == {
+            "doc10": False,
+            "doc11_before": False,
+            "doc11_after": True,
+            "doc12": False,
+            "row1": False,
+        }
