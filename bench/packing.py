@@ -31,7 +31,8 @@ Four parts (issue 50), each printed as a table with medians and spreads ``[min-m
    read task of an epoch against `_read_units` of the same sequences written pre-packed (what
    `ParquetRowGroups`' read tasks do), and, of the first, `pack_runs` alone on the read tokens
    (the read tasks ship tokens plus runs), and the ranks' `expand_runs` of those runs to
-   ``document_ids``/``position_ids`` (the loader's work per batch); the ratio counts both.
+   ``document_ids``/``position_ids`` (the loader's work per batch); the ratios count both, against
+   the pre-packed read and against reading the same sequences' ``input_ids`` alone (the unpacked path).
    ``concat`` on the datapath part's documents (Zipf lengths up to 2,000), ``best_fit`` on the same
    mix cut at 1,024 tokens; seq_len 1024, windows of ``256 * seq_len`` tokens.
 """
@@ -240,10 +241,10 @@ def _cpu_per_sequence(work: Any, sequences: int, repeats: int) -> List[float]:
 def cpu_part(out: str, repeats: int) -> None:
     print("\n## Read tasks' CPU per sequence (us; no Ray; seq_len 1024, windows of 256 sequences)\n")
     print(
-        "| policy | pre-packed Parquet read | PackedTokens read + pack | of which pack_runs "
-        "| rank: expand_runs | ratio ((read + pack + expand) / pre-packed) |"
+        "| policy | tokens-only read | pre-packed Parquet read | PackedTokens read + pack | of which pack_runs "
+        "| rank: expand_runs | (read + pack + expand) / pre-packed | (read + pack + expand) / tokens only |"
     )
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for policy, longest in (("concat", 2_000), ("best_fit", 1_024)):
         print(_cpu_row(os.path.join(out, f"cpu-{policy}"), policy, longest, repeats))
 
@@ -264,9 +265,12 @@ def _cpu_row(folder: str, policy: str, longest: int, repeats: int) -> str:
     source = PackedTokens(paths, seq_len=1024, policy=policy, window_tokens=256 * 1024)
     _write_prepacked(source, os.path.join(folder, "prepacked"))
     plain = ParquetRowGroups(os.path.join(folder, "prepacked"))
+    _write_prepacked(source, os.path.join(folder, "tokens"), ["input_ids"])
+    alone = ParquetRowGroups(os.path.join(folder, "tokens"))  # fixed-length token rows: the unpacked path
     n = source.count()
     packed_reads = [[source.window_args(w) for w in group] for group in source.reads(list(range(len(source.windows))))]
     plain_reads = [[(f, g) for f, g, _ in group] for group in plain.reads(plain.units)]
+    alone_reads = [[(f, g) for f, g, _ in group] for group in alone.reads(alone.units)]
     windows = []  # each window's tokens, lengths and ids, read as the read task reads them
     for w in range(len(source.windows)):
         args = source.window_args(w)
@@ -280,18 +284,22 @@ def _cpu_row(folder: str, policy: str, longest: int, repeats: int) -> str:
             )
         )
     base: List[float] = []
+    tokens: List[float] = []
     full: List[float] = []
     pack: List[float] = []
     expand: List[float] = []  # the ranks' part: runs to document_ids/position_ids (the loader's expand_packed)
     runs = [pack_runs(t, k, i, 1024, policy) for t, k, i in windows]
     for _ in range(repeats):  # arms interleaved
         base += _cpu_per_sequence(lambda: [_read_units(plain.paths, r, None, None) for r in plain_reads], n, 1)
+        tokens += _cpu_per_sequence(lambda: [_read_units(alone.paths, r, None, None) for r in alone_reads], n, 1)
         full += _cpu_per_sequence(lambda: [pack_reads(r) for r in packed_reads], n, 1)
         pack += _cpu_per_sequence(lambda: [pack_runs(t, k, i, 1024, policy) for t, k, i in windows], n, 1)
         expand += _cpu_per_sequence(lambda: [expand_runs(*r[1:], 1024) for r in runs], n, 1)
     ratios = [(f + e) / b for f, e, b in zip(full, expand, base)]
+    against = [(f + e) / t for f, e, t in zip(full, expand, tokens)]
     return (
-        f"| {policy} | {_spread(base)} | {_spread(full)} | {_spread(pack)} | {_spread(expand)} | {_spread(ratios, 2)} |"
+        f"| {policy} | {_spread(tokens)} | {_spread(base)} | {_spread(full)} | {_spread(pack)} | {_spread(expand)} "
+        f"| {_spread(ratios, 2)} | {_spread(against, 2)} |"
     )
 
 

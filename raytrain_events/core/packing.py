@@ -290,13 +290,14 @@ def expand_runs(  # noqa: PLR0913 (the runs, then the output)
     seg_doc = np.empty(len(real), dtype=np.int64)
     seg_doc[real], seg_doc[pads] = documents, PAD_DOCUMENT
     first = ((np.cumsum(seg_len) - seg_len) % seq_len).astype(np.int32)  # each run's first column
-    docs, pos = (np.empty((n, seq_len), np.int64), np.empty((n, seq_len), np.int32)) if out is None else out
-    docs.reshape(-1)[:] = np.repeat(seg_doc, seg_len)
-    pos.reshape(-1)[:] = np.repeat(first, seg_len)
+    docs, pos = np.repeat(seg_doc, seg_len).reshape(n, seq_len), np.repeat(first, seg_len).reshape(n, seq_len)
     np.subtract(np.arange(seq_len, dtype=np.int32), pos, out=pos)  # the place in its run
     for row in np.flatnonzero(num_tokens < seq_len).tolist():  # padding's positions are 0
         pos[row, int(num_tokens[row]) :] = 0
-    return docs, pos
+    if out is None:  # the repeats' own arrays: no copy
+        return docs, pos
+    out[0][...], out[1][...] = docs, pos
+    return out[0], out[1]
 
 
 def _lay_out(  # noqa: PLR0913 (the window's arrays, the placement, the output)
