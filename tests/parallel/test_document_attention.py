@@ -157,7 +157,8 @@ def test_packed_training_under_cp_2_x_tp_2_matches_ddp() -> None:
 
 @pytest.mark.timeout(900)
 def test_packed_training_under_pp_2_x_dp_2_matches_ddp_for_each_schedule_and_keeps_documents_apart() -> None:
-    """Through the `Trainer` on 4 gloo ranks: PP 2 x DP 2 (GPipe, 1F1B, and Interleaved 1F1B and Looped
+    """Through the `Trainer` on 4 gloo ranks (and, in the same spawn, PP 2 x TP 2 with 1F1B against DDP
+    over its one data shard: the same checks): PP 2 x DP 2 (GPipe, 1F1B, and Interleaved 1F1B and Looped
     BFS with 2 stages per rank) trains packed rows with document masks on every stage (``pipeline_block``: each stage's
     blocks get their microbatch's document ids by the index that travels with the activations) to
     DDP's parameters and losses, with the Timestamp counting each pipeline's real tokens once; after
