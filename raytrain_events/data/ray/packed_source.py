@@ -65,7 +65,6 @@ from raytrain_events.core.packing import (
 __all__ = ["PackedTokens", "count_real_tokens", "VOCAB_KEY"]
 
 VOCAB_KEY = b"raytrain_events.vocab_size"  # Parquet key-value metadata `tokenize` writes: the tokenizer's vocabulary
-RUNS_KEY = b"raytrain_events.packed_runs"  # schema metadata of a compact packed block (`pack_reads`): its seq_len
 _BYTES_PER_TOKEN = 16  # a batch's columns per token: input_ids (int32), document_ids (int64), position_ids (int32)
 
 
@@ -305,8 +304,8 @@ def pack_reads(windows: List[Dict[str, Any]]) -> Any:
     """A Ray task: read consecutive windows and pack them into one *compact* block of sequences.
 
     The block holds each sequence's tokens (``input_ids``, a fixed-size list), ``num_tokens``, and
-    its documents as runs (``run_documents`` int64, ``run_lengths`` int32: lists, `core.packing.Runs`),
-    marked by `RUNS_KEY` in its schema: about 4 bytes per token instead of the batch's 16
+    its documents as runs (``run_documents`` int64, ``run_lengths`` int32: lists, `core.packing.Runs`;
+    the ``run_lengths`` column marks the form): about 4 bytes per token instead of the batch's 16
     (`_BYTES_PER_TOKEN`). A rank expands the rows of its batch (`expand_packed`, in the loader), so
     the batch is the same as ever. Each window's tokens are packed straight into their rows of the
     block (`pack_runs` with ``out``); the Arrow columns are zero-copy views of those arrays."""
@@ -332,7 +331,7 @@ def pack_reads(windows: List[Dict[str, Any]]) -> Any:
         at += count
     offsets = np.zeros(len(block) + 1, dtype=np.int32)
     np.cumsum(np.concatenate([p.runs for p in parts]), out=offsets[1:])
-    table = pa.table(
+    return pa.table(
         {
             "input_ids": pa.FixedSizeListArray.from_arrays(pa.array(block.reshape(-1)), seq_len),
             "num_tokens": pa.array(np.concatenate([p.num_tokens for p in parts])),
@@ -340,7 +339,6 @@ def pack_reads(windows: List[Dict[str, Any]]) -> Any:
             "run_lengths": pa.ListArray.from_arrays(pa.array(offsets), np.concatenate([p.lengths for p in parts])),
         }
     )
-    return table.replace_schema_metadata({RUNS_KEY: str(seq_len).encode()})
 
 
 def expand_packed(parts: List[Any]) -> List[Any]:
@@ -351,10 +349,10 @@ def expand_packed(parts: List[Any]) -> List[Any]:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    if not parts or not all(isinstance(p, pa.Table) and RUNS_KEY in (p.schema.metadata or {}) for p in parts):
+    if not parts or not all(isinstance(p, pa.Table) and "run_lengths" in p.column_names for p in parts):
         return parts
     table = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
-    seq_len = int(table.schema.metadata[RUNS_KEY])
+    seq_len = table.schema.field("input_ids").type.list_size  # a fixed-size list (`pack_reads`)
     documents, lengths = (table.column(c).combine_chunks() for c in ("run_documents", "run_lengths"))
     num_tokens = table.column("num_tokens")
     document_ids, position_ids = expand_runs(
