@@ -215,6 +215,8 @@ def train_schedules(rank: int, world_size: int, configs: List[Dict[str, Any]]) -
         pipeline = trainer.parallel.pipeline
         assert pipeline is not None
         result["stages"] = pipeline.stage_indices
+        context = pipeline.context  # context parallelism: (degree, this rank's index in its group)
+        result["context"] = (context.degree, context.index) if context is not None else None
         result["local_numel"] = sum(p.to_local().numel() for p in trainer.state.model.parameters())
         out.append(result)
         trainer.close()
