@@ -231,6 +231,18 @@ def test_a_packed_batch_for_a_model_without_pipeline_block_is_refused_on_every_r
     assert "Fix: define pipeline_block" in messages[0]
 
 
+def test_a_sequence_the_context_split_cannot_cut_is_refused_on_every_rank_under_pp(
+    hops_and_spike: Dict[str, Any],
+) -> None:
+    """PP 2 x CP 2 on rows of 14 tokens (the load-balanced split needs a multiple of 2 x 2): every rank
+    cuts the microbatches before the schedule and raises the same error, naming the fix, so no stage
+    waits on another in a send."""
+    messages = [r["uncuttable"] for r in hops_and_spike["ranks"]]
+    assert len(set(messages)) == 1
+    assert "context_parallel=2 cuts each sequence into 4 equal chunks" in messages[0]
+    assert "the sequence has 14 positions. Fix: a sequence length divisible by 4" in messages[0]
+
+
 # ----------------------------------------------------------------------------- bad input, no ranks
 
 
