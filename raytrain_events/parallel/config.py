@@ -83,8 +83,9 @@ class FSDPConfig:
             replicate, shard, context, tensor)``: a stage's FSDP (and TP) groups are then consecutive ranks, within
             a node, and only the pipeline's small point-to-point sends cross nodes (the layout for slow
             inter-node links); a pipeline's stages are ranks ``r, r + W/p, ...``, which load the same
-            batches (`ParallelismSpec.data_coordinates`). False (default): ``(replicate, shard,
-            pipeline, tensor)``, a pipeline on consecutive ranks. `Trainer` only for now.
+            batches (`ParallelismSpec.data_coordinates`; `RayTrainer` serves them so,
+            `ParallelismSpec.serving_rank`). False (default): ``(replicate, shard, pipeline, context,
+            tensor)``, a pipeline on consecutive ranks.
     """
 
     shard_modules: ModulePolicy = None
@@ -229,6 +230,18 @@ class ParallelismSpec:
             per_stage = world_size // self.pipeline_parallel
             return (rank % per_stage) // (group // self.pipeline_parallel), world_size // group
         return rank // group, world_size // group
+
+    def serving_rank(self, rank: int, world_size: int) -> int:
+        """The rank `RayTrainer`'s data path (its feeder and eval splits, which serve each `batch_group`
+        of *consecutive* ranks the same rows) serves ``rank`` as: ``rank`` itself, or with
+        `pipeline_outermost` (a pipeline's stages ``world_size / p`` ranks apart) the rank at this
+        rank's stage in its data-parallel rank's consecutive group, so ``serving_rank // batch_group``
+        is `data_coordinates`' rank. A permutation of ``0 .. world_size - 1``."""
+        if not self.pipeline_outermost:
+            return rank
+        per_stage, inner = world_size // self.pipeline_parallel, self.batch_group // self.pipeline_parallel
+        stage, within = divmod(rank, per_stage)
+        return (within // inner) * self.batch_group + stage * inner + within % inner
 
     def counts_data(self, rank: int, world_size: int) -> bool:
         """Whether ``rank``'s samples and tokens count in the global sums: one rank per `batch_group`

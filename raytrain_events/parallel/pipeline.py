@@ -164,13 +164,6 @@ def check_pipelined_model(model: torch.nn.Module, config: FSDPConfig) -> None:
 def check_pipeline_run(config: FSDPConfig, workers: Any, algorithms: Sequence[Any]) -> None:
     """What `RayTrainer` refuses before Ray starts under pipeline parallelism: a mesh whose product
     is not the (fixed) worker count, algorithms that cannot run."""
-    if config.pipeline_outermost:
-        raise ValueError(
-            f"FSDPConfig(pipeline_parallel={config.pipeline_parallel}, pipeline_outermost=True) under RayTrainer: its "
-            "data path (the feeder, eval splits, mixtures) serves the ranks that share rows as consecutive ranks, "
-            "but an outermost pipeline's stages are world_size / pipeline_parallel ranks apart. Fix: "
-            "pipeline_outermost=False under RayTrainer (a Trainer on spawned ranks runs it)."
-        )
     if isinstance(workers, int):
         config.mesh_shape(workers)
     check_algorithms_for_pipeline(algorithms, config.pipeline_parallel)

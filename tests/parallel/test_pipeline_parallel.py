@@ -286,6 +286,25 @@ def test_mesh_product_must_equal_world_size() -> None:
         FSDPConfig(pipeline_parallel=3, pipeline_schedule="gpipe").mesh_shape(4)
 
 
+@pytest.mark.parametrize("degrees", [(2, 1, 1), (2, 2, 2), (4, 1, 2), (2, 2, 1)])
+def test_an_outermost_pipeline_is_served_as_consecutive_ranks(degrees: Any) -> None:
+    """`ParallelismSpec.serving_rank` (what RayTrainer's data path serves each rank as) is a permutation
+    that puts every rank sharing rows (a pipeline's stages, world_size / p apart, with their context
+    and tensor ranks) in one consecutive group of `batch_group`, the one `data_coordinates` names;
+    without pipeline_outermost every rank is served as itself."""
+    from raytrain_events.parallel.config import parse_parallelism
+
+    pp, cp, tp = degrees
+    options = {"pipeline_parallel": pp, "context_parallel": cp, "tensor_parallel": tp, "pipeline_schedule": "gpipe"}
+    world = 2 * pp * cp * tp  # two pipelines
+    for outermost in (True, False):
+        spec = parse_parallelism({**options, "pipeline_outermost": outermost})
+        served = [spec.serving_rank(rank, world) for rank in range(world)]
+        assert sorted(served) == list(range(world))
+        assert [s // spec.batch_group for s in served] == [spec.data_coordinates(r, world)[0] for r in range(world)]
+        assert (served == list(range(world))) is not outermost
+
+
 def test_stage_count_must_divide_the_blocks_or_a_split_be_given() -> None:
     with pytest.raises(ValueError, match="do not divide the model's 6 blocks evenly.*among \\[1, 2, 3, 6\\]"):
         plan_stages(6, 4, 1, None)
