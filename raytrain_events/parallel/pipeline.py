@@ -9,8 +9,9 @@ consecutive ranks (outside the context and tensor groups), so every rank that lo
 consecutive group of ``p * context_parallel * tensor_parallel`` ranks, as the data path shards by
 (`Parallel.data_parallel`). Under context parallelism each context rank of a stage runs its own
 pipeline (with the same context rank of the other stages) on its part of every microbatch's
-sequence, and the stage's attention is split over its context group (``context_parallel.py``). Stages send activations forward and gradients back point to point, within
-the pipeline only; FSDP's all-gathers and reduce-scatters stay within a stage's ``shard`` group.
+sequence, and the stage's attention is split over its context group (``context_parallel.py``).
+Stages send activations forward and gradients back point to point, within the pipeline only;
+FSDP's all-gathers and reduce-scatters stay within a stage's ``shard`` (``shard x context``) group.
 
 Per step a pipeline sends, per microbatch and stage boundary, one activation forward and one
 gradient back (``2 * (stages - 1) * microbatches`` messages of ``rows/microbatches x sequence x width``

@@ -17,7 +17,8 @@ microbatches' losses (each weighted by its share of the batch's samples, as grad
 weights them, so the gradient is the batch mean), and the other stages get it from the loop's one
 per-batch sum (`PipelineCounters`), as the float's 64 bits in one integer slot per pipeline. So
 the sum cannot start before the batch as it does elsewhere (the loss does not exist yet): it runs
-after the schedule, one small all-reduce of ``3 + flags + pipelines`` integers, and the last stage
+after the schedule, one small all-reduce of ``3 + flags + pipelines`` integers (``pipelines * c``
+under context parallelism, below), and the last stage
 reads its loss to the host (one device sync per step there).
 
 The global `Timestamp` counts each sample and token once: only the first stage's rank 0 of each
