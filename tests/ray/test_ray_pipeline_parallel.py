@@ -1,5 +1,5 @@
 """RayTrainer(parallelism=FSDPConfig(pipeline_parallel=2)): bad input refused before Ray starts, an
-outermost pipeline's stages served the same rows by the feeder (8 ranks, no Train run), and one short
+outermost pipeline's stages served one data part by the train config (8 ranks, no Train run), and one short
 run (2 workers, one pipeline of 2 stages, ``pipeline_outermost``) through the feeder.
 
 The run proves: each worker holds one stage (its parameters only: the first stage the embeddings,
@@ -122,14 +122,16 @@ def test_ray_trainer_refuses_bad_pipelines_before_ray_starts(tmp_path: Any, no_r
 
 
 @pytest.mark.ray
-def test_an_outermost_pipelines_stages_are_served_the_same_rows(ray_cluster: Any) -> None:
+def test_an_outermost_pipelines_ranks_are_served_one_data_parallel_part(ray_cluster: Any) -> None:
     """``pipeline_outermost`` on 8 ranks (PP 2 x DP 2 x TP 2, mesh (pipeline, shard, tensor)): a
     pipeline's stages are 4 ranks apart; `TrainDataConfig` (built as the driver builds it) serves
-    each rank as `ParallelismSpec.serving_rank` maps it, so the feeder serves every rank of a
-    pipeline the same rows (its eval splits index parts by the same mapping)."""
+    each rank as `ParallelismSpec.serving_rank` maps it: every rank of a pipeline gets the shard of one
+    data-parallel part (the feeder serves part ``rank // batch_group``, and the eval splits index
+    their parts by the same mapping). No rows are pulled: a pull starts a Ray Data run, ~17 s here
+    at load 30, for the feeder's own contract (its tests: tests/ray/test_ray_tensor_parallel.py)."""
     ray = ray_cluster
     from raytrain_events.data.order import GlobalBatch
-    from raytrain_events.data.ray.loader import GlobalOrderLoader, TrainDataConfig
+    from raytrain_events.data.ray.loader import TrainDataConfig
     from raytrain_events.parallel.config import parse_parallelism
 
     spec = parse_parallelism({"pipeline_parallel": 2, "tensor_parallel": 2, "pipeline_outermost": True})
@@ -144,11 +146,6 @@ def test_an_outermost_pipelines_stages_are_served_the_same_rows(ray_cluster: Any
     assert sorted(served) == list(range(8))  # every rank its own feeder cursor
     parts = [rank // spec.batch_group for rank in served]  # the feeder's part of each rank
     assert parts == [spec.data_coordinates(rank, 8)[0] for rank in range(8)] == [0, 0, 1, 1] * 2
-    # Rows pulled from the feeder: a first and a last stage's rank of pipeline 0, a rank of pipeline 1.
-    firsts = {
-        rank: next(iter(GlobalOrderLoader(out[rank]["train"], device="cpu")))["id"].tolist() for rank in (0, 4, 2)
-    }
-    assert firsts[0] == firsts[4] and len(firsts[0]) == 4 and not set(firsts[0]) & set(firsts[2])
 
 
 @pytest.mark.ray
