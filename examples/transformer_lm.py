@@ -16,8 +16,9 @@ tensor group must see the same batches: shard the data by `Parallel.data_paralle
 
 Pipeline parallelism (``FSDPConfig(pipeline_parallel=p)``): ``blocks`` is the block list the stages
 cut, ``pipeline_embed`` runs on the first stage and ``pipeline_head`` on the last, and
-``pipeline_block`` gives each block its microbatch's document ids on every stage (packed batches
-keep their document masks; `raytrain_events.parallel.pipeline_split`).
+``pipeline_block`` gives each block its microbatch's document ids (and under context parallelism its
+part's positions) on every stage (packed batches keep their document masks;
+`raytrain_events.parallel.pipeline_split`).
 
 Context parallelism (``FSDPConfig(context_parallel=c)``): attention is plain SDPA, so it can be
 split along the sequence; ``context_parallel_split`` cuts a batch (global ``positions``, ``labels``
@@ -149,8 +150,8 @@ class TransformerLM(torch.nn.Module):
 
     def pipeline_block(self, block: torch.nn.Module, x: torch.Tensor, microbatch: Dict[str, torch.Tensor]) -> Any:
         """How a pipeline stage calls a block: with the microbatch's document ids (packed batches keep
-        their document masks on every stage; context parallelism does not compose with PP)."""
-        return block(x, microbatch.get("document_ids"))
+        their document masks on every stage) and, under context parallelism, its part's positions."""
+        return block(x, microbatch.get("document_ids"), microbatch.get("positions"))
 
     def pipeline_head(self, x: torch.Tensor) -> torch.Tensor:
         """What runs after the blocks (the last pipeline stage's part): logits."""

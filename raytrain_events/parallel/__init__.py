@@ -1,8 +1,8 @@
 """Data parallelism for the `Trainer`: DDP (default), FSDP2 sharding or HSDP (`FSDPConfig`,
 ``replicate=k``), tensor parallelism (``tensor_parallel=t``, ``tensor_parallel.py``) and context
-parallelism (``context_parallel=c``, ``context_parallel.py``), alone or together on one mesh
-``(replicate, shard, context, tensor)`` (``config.py``; wrapping in ``wrap.py``), and pipeline
-parallelism (``pipeline_parallel=p``, ``pipeline.py``) on ``(replicate, shard, pipeline, tensor)``; which world sizes
+parallelism (``context_parallel=c``, ``context_parallel.py``) and pipeline parallelism
+(``pipeline_parallel=p``, ``pipeline.py``), alone or together on one mesh ``(replicate, shard,
+pipeline, context, tensor)`` (``config.py``; wrapping in ``wrap.py``); which world sizes
 fit (``world.py``); deferred init of meta-device models (``deferred_init.py``); float8 (``float8.py``).
 
 Files:

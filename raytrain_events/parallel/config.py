@@ -66,10 +66,12 @@ class FSDPConfig:
             The model cuts its batches (``context_parallel_split``); see ``context_parallel.py``.
             1: none. Not with ``activation_checkpointing`` (its recompute would attend unsplit).
         pipeline_parallel: pipeline parallelism of degree ``p``: the model's blocks are cut into stages,
-            each group of ``p`` consecutive ranks (outside the tensor groups: ``(replicate, shard,
-            pipeline, tensor)``) runs one pipeline, one stage per rank (``pipeline_stages_per_rank``
-            with an interleaved schedule), and FSDP shards each stage over ``shard``; see
-            ``pipeline.py``. The ``p * tensor_parallel`` ranks of a pipeline load the same batches. 1: none.
+            each group of ``p`` consecutive ranks (outside the context and tensor groups: the mesh is
+            ``(replicate, shard, pipeline, context, tensor)``, see `mesh_dim_names`) runs one pipeline,
+            one stage per rank (``pipeline_stages_per_rank`` with an interleaved schedule), and FSDP
+            shards each stage over ``shard`` (``shard x context`` under CP, whose ranks split each
+            stage's attention); see ``pipeline.py``. The ``p * context_parallel * tensor_parallel``
+            ranks of a pipeline load the same batches. 1: none.
         pipeline_schedule: ``"gpipe"``, ``"1f1b"`` (default), ``"interleaved1f1b"`` or ``"loopedbfs"``
             (``torch.distributed.pipelining``'s schedules; the last two hold several stages per rank).
         pipeline_microbatches: microbatches per batch the schedule runs (None: ``p``, the fewest
@@ -78,11 +80,12 @@ class FSDPConfig:
         pipeline_split: blocks per stage, e.g. ``[3, 5]`` (``p * pipeline_stages_per_rank`` entries
             summing to the block count); None: an even split of the model's block list.
         pipeline_outermost: put the pipeline dimension outermost, torchtitan's order ``(pipeline,
-            replicate, shard, tensor)``: a stage's FSDP (and TP) groups are then consecutive ranks, within
+            replicate, shard, context, tensor)``: a stage's FSDP (and TP) groups are then consecutive ranks, within
             a node, and only the pipeline's small point-to-point sends cross nodes (the layout for slow
             inter-node links); a pipeline's stages are ranks ``r, r + W/p, ...``, which load the same
-            batches (`ParallelismSpec.data_coordinates`). False (default): ``(replicate, shard,
-            pipeline, tensor)``, a pipeline on consecutive ranks. `Trainer` only for now.
+            batches (`ParallelismSpec.data_coordinates`; `RayTrainer` serves them so,
+            `ParallelismSpec.serving_rank`). False (default): ``(replicate, shard, pipeline, context,
+            tensor)``, a pipeline on consecutive ranks.
     """
 
     shard_modules: ModulePolicy = None
@@ -162,13 +165,15 @@ class FSDPConfig:
         return tuple(sizes[name] for name in self.mesh_dim_names())
 
     def mesh_dim_names(self) -> tuple:
-        """The names of `mesh_shape`'s dimensions, outermost first: ``"replicate"`` (HSDP only),
-        ``"shard"``, ``"context"`` (CP only), then ``"tensor"`` (TP only): ``("shard",)``,
-        ``("replicate", "shard")``, ``("shard", "tensor")``, ``("replicate", "shard", "tensor")``,
-        ``("shard", "context")``, ``("shard", "pipeline", "tensor")``... Consecutive ranks share the
-        innermost dimensions, so a tensor group (then a context group, then a pipeline) sits within a
-        node, and every rank that loads one batch (a pipeline's stages) is in one consecutive group.
-        With ``pipeline_outermost`` the pipeline comes first: ``("pipeline", "shard", "tensor")``."""
+        """The names of `mesh_shape`'s dimensions, outermost first, in the one order
+        ``(replicate, shard, pipeline, context, tensor)``, each present when its degree is above 1
+        (``"shard"`` always): ``("shard",)``, ``("replicate", "shard")``, ``("shard", "tensor")``,
+        ``("replicate", "shard", "tensor")``, ``("shard", "context")``, ``("shard", "pipeline",
+        "tensor")``, ``("shard", "pipeline", "context")``... Consecutive ranks share the innermost
+        dimensions, so a tensor group (then a context group, then a pipeline) sits within a node, and
+        every rank that loads one batch (a pipeline's stages and their context and tensor ranks) is in
+        one consecutive group. With ``pipeline_outermost`` the pipeline comes first, torchtitan's
+        order ``(pipeline, replicate, shard, context, tensor)``: ``("pipeline", "shard", "tensor")``..."""
         outermost = self.pipeline_outermost and self.pipeline_parallel > 1
         names = ("pipeline",) if outermost else ()
         names += ("replicate",) if self.replicate > 1 else ()
@@ -226,6 +231,18 @@ class ParallelismSpec:
             return (rank % per_stage) // (group // self.pipeline_parallel), world_size // group
         return rank // group, world_size // group
 
+    def serving_rank(self, rank: int, world_size: int) -> int:
+        """The rank `RayTrainer`'s data path (its feeder and eval splits, which serve each `batch_group`
+        of *consecutive* ranks the same rows) serves ``rank`` as: ``rank`` itself, or with
+        `pipeline_outermost` (a pipeline's stages ``world_size / p`` ranks apart) the rank at this
+        rank's stage in its data-parallel rank's consecutive group, so ``serving_rank // batch_group``
+        is `data_coordinates`' rank. A permutation of ``0 .. world_size - 1``."""
+        if not self.pipeline_outermost:
+            return rank
+        per_stage, inner = world_size // self.pipeline_parallel, self.batch_group // self.pipeline_parallel
+        stage, within = divmod(rank, per_stage)
+        return (within // inner) * self.batch_group + stage * inner + within % inner
+
     def counts_data(self, rank: int, world_size: int) -> bool:
         """Whether ``rank``'s samples and tokens count in the global sums: one rank per `batch_group`
         (the first stage's first rank of its tensor group)."""
@@ -261,12 +278,6 @@ def check_pipeline_options(config: FSDPConfig) -> None:
                 f"{pp} x pipeline_stages_per_rank {per_rank} stages), first stage first."
             )
         config.pipeline_split = list(split)
-    if config.context_parallel > 1:
-        raise ValueError(
-            f"FSDPConfig(pipeline_parallel={pp}, context_parallel={config.context_parallel}) is not supported: the "
-            "context split cuts each microbatch's sequence on the first stage, which the later stages and the loss "
-            "do not see. Fix: context_parallel=1, or pipeline_parallel=1."
-        )
 
 
 def _check_stages_per_rank(config: FSDPConfig, interleaved: bool) -> None:

@@ -21,6 +21,13 @@ because it is exact and needs only public collectives; its cost: each rank holds
 sequence's keys and values of one layer during its attention (``O(S)``), while the score matrix
 and every other activation are ``O(S/c)``. A lent GPU could route to torch's ring instead.
 
+Under pipeline parallelism (``pipeline_parallel=p``; mesh ``(replicate, shard, pipeline, context,
+tensor)``) every stage's attention runs split the same way: the ``c`` ranks of a stage (one pipeline
+each, exchanging activations with the same context rank of the next stage) cut every microbatch
+(`ContextParallel.split`, on every stage: the ranks of a pipeline hold the batch), and each stage's
+forward runs under `ContextParallel.routing` (``pipeline_split.StageModule``); the last stage's loss
+parts reach every rank through the pipeline's per-batch sum (``pipeline_step.PipelineCounters``).
+
 Tokens are counted once per CP group (one rank counts the group's shared rows, as under TP: no
 extra collective). Each rank's loss is its part's sum over ``label_count`` (the microbatch's labels
 divided by ``c``), so the gradients averaged over the group's ranks are the unsplit model's; the
@@ -30,6 +37,7 @@ mean, one scalar all-reduce per microbatch), so a callback logging it from rank 
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any, Dict, Optional
 
@@ -215,6 +223,14 @@ class ContextParallel:
     def split(self, batch: Any) -> Any:
         """This rank's part of a training microbatch (the model's `SPLIT_METHOD`)."""
         return getattr(self.model, SPLIT_METHOD)(batch, self.index, self.degree)
+
+    def routing(self, batch: Any) -> contextlib.AbstractContextManager[Any]:
+        """What a pipeline stage's forward of ``batch`` runs in (``pipeline_split.StageModule``, which
+        the model's own hooks do not reach): attention routed over the group for a training part (it
+        has ``positions``), nothing for whole rows (evaluation, predict)."""
+        if isinstance(batch, dict) and "positions" in batch:
+            return _RouteAttention(self.group, self.degree, batch["positions"])
+        return contextlib.nullcontext()
 
     def whole_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The model's loss of the microbatch (detached), from this rank's part: the mean of the group's parts

@@ -4,11 +4,14 @@ The model's blocks are cut into stages (``pipeline_split.py``); each rank keeps 
 layers, which tensor parallelism splits and FSDP shards over the ``shard`` dimension like any model,
 one FSDP root per stage; `torch.distributed.pipelining` runs them (``PipelineStage`` per stage, and
 its ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` / ``ScheduleLoopedBFS``).
-The mesh is ``(replicate, shard, pipeline, tensor)``: the ``p`` stages of one pipeline are
-consecutive ranks (outside the tensor groups), so every rank that loads a batch is in one
-consecutive group of ``p * tensor_parallel`` ranks, as the data path shards by
-(`Parallel.data_parallel`). Stages send activations forward and gradients back point to point, within
-the pipeline only; FSDP's all-gathers and reduce-scatters stay within a stage's ``shard`` group.
+The mesh is ``(replicate, shard, pipeline, context, tensor)``: the ``p`` stages of one pipeline are
+consecutive ranks (outside the context and tensor groups), so every rank that loads a batch is in one
+consecutive group of ``p * context_parallel * tensor_parallel`` ranks, as the data path shards by
+(`Parallel.data_parallel`). Under context parallelism each context rank of a stage runs its own
+pipeline (with the same context rank of the other stages) on its part of every microbatch's
+sequence, and the stage's attention is split over its context group (``context_parallel.py``).
+Stages send activations forward and gradients back point to point, within the pipeline only;
+FSDP's all-gathers and reduce-scatters stay within a stage's ``shard`` (``shard x context``) group.
 
 Per step a pipeline sends, per microbatch and stage boundary, one activation forward and one
 gradient back (``2 * (stages - 1) * microbatches`` messages of ``rows/microbatches x sequence x width``
@@ -18,7 +21,7 @@ of a step for GPipe and 1F1B, and ``(p - 1) / (v * m + p - 1)`` with ``v`` stage
 interleaved (measured in ``bench/pipeline_bench.py``). Evaluation and ``predict`` run the stages forward only
 (``pipeline_eval.py``).
 
-What does not compose: context parallelism (refused in `FSDPConfig`), grad accumulation and
+What does not compose: grad accumulation and
 ``grad_accum="auto"`` (the schedule's microbatches replace them), fp16 loss scaling, and the
 algorithms of `UNPIPELINABLE`; all refused before work starts, naming why (`check_pipeline_loop`,
 `check_algorithms_for_pipeline`).
@@ -162,13 +165,6 @@ def check_pipelined_model(model: torch.nn.Module, config: FSDPConfig) -> None:
 def check_pipeline_run(config: FSDPConfig, workers: Any, algorithms: Sequence[Any]) -> None:
     """What `RayTrainer` refuses before Ray starts under pipeline parallelism: a mesh whose product
     is not the (fixed) worker count, algorithms that cannot run."""
-    if config.pipeline_outermost:
-        raise ValueError(
-            f"FSDPConfig(pipeline_parallel={config.pipeline_parallel}, pipeline_outermost=True) under RayTrainer: its "
-            "data path (the feeder, eval splits, mixtures) serves the ranks that share rows as consecutive ranks, "
-            "but an outermost pipeline's stages are world_size / pipeline_parallel ranks apart. Fix: "
-            "pipeline_outermost=False under RayTrainer (a Trainer on spawned ranks runs it)."
-        )
     if isinstance(workers, int):
         config.mesh_shape(workers)
     check_algorithms_for_pipeline(algorithms, config.pipeline_parallel)
@@ -179,7 +175,10 @@ class Feed:
     index), the autocast context, and the loop's callbacks for the first stage's forward and the
     last stage's loss (set by `raytrain_events.parallel.pipeline_step.PipelineStep` each batch)."""
 
-    def __init__(self) -> None:
+    def __init__(self, route: Optional[Callable[[Any], contextlib.AbstractContextManager[Any]]] = None) -> None:
+        """``route``: under context parallelism, the context a stage's forward of a microbatch runs in
+        (`ContextParallel.routing`: attention over the stage's context group); None: none."""
+        self.route = route
         self.microbatches: List[Any] = []
         self.context: Optional[contextlib.AbstractContextManager[Any]] = None
         self.before_forward: Callable[[int], Any] = lambda index: self.microbatches[index]
@@ -211,6 +210,14 @@ class Feed:
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         return self.context if self.context is not None else contextlib.nullcontext()
 
+    def attention(self, index: Optional[torch.Tensor]) -> contextlib.AbstractContextManager[Any]:
+        """What a stage's blocks run in for microbatch ``index`` (`route`; nothing without one). A stage
+        that is not told the index (no ``pipeline_block``) takes the first microbatch's: the parts of a
+        batch share their sequence positions (microbatches split rows, not the sequence)."""
+        if self.route is None or not self.microbatches:
+            return contextlib.nullcontext()
+        return self.route(self.loaded(index) if index is not None else self.microbatches[0])
+
     def compute_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.loss(output, int(target.reshape(-1)[0]))
 
@@ -224,9 +231,11 @@ class Pipeline:
     and the pipeline's process group. Built by `Parallel.wrap` before it shards each of ``modules``
     (`raytrain_events.parallel.wrap.shard_stages`) and materialises them."""
 
-    def __init__(self, model: torch.nn.Module, config: FSDPConfig, mesh: Any) -> None:
+    def __init__(self, model: torch.nn.Module, config: FSDPConfig, mesh: Any, context: Any = None) -> None:
+        """``context``: the rank's `ContextParallel` under context parallelism (its stages cut every
+        microbatch and split their attention over its group), else None."""
         pp_mesh = mesh["pipeline"]
-        self.config = config
+        self.config, self.context = config, context
         self.device: Optional[torch.device] = None  # set by `build_schedule`
         self.group = pp_mesh.get_group()
         self.rank = pp_mesh.get_local_rank()
@@ -235,7 +244,7 @@ class Pipeline:
         per_rank = config.pipeline_stages_per_rank or 1
         self.layout = plan_stages(len(blocks), config.pipeline_parallel, per_rank, config.pipeline_split)
         held, edges = keep_stages(model, self.layout, self.rank)
-        self.feed = Feed()
+        self.feed = Feed(None if context is None else context.routing)
         last = self.layout.stages - 1
         self.stage_indices = sorted(held)
         self.modules: List[StageModule] = [
@@ -269,6 +278,10 @@ class Pipeline:
                 "pipeline_block on the model to call a block with the microbatch's document ids, e.g. "
                 "`return block(hidden, microbatch.get('document_ids'))` (examples/transformer_lm.py does)."
             )
+
+    def split(self, microbatch: Any) -> Any:
+        """This rank's part of a training microbatch: its context part under context parallelism."""
+        return microbatch if self.context is None else self.context.split(microbatch)
 
     def build_schedule(self, device: torch.device) -> None:
         """The schedule over this rank's `PipelineStage`s (after the parameters are materialised)."""

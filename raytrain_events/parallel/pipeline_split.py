@@ -160,20 +160,21 @@ class StageModule(torch.nn.Module):
     def forward(self, x: torch.Tensor, index: Optional[torch.Tensor] = None) -> Any:
         """``x``: the microbatch's index (first stage) or the previous stage's hidden state, with
         ``index`` the microbatch's index when `passes_index`."""
-        model = self._model[0]
-        with self._feed.autocast():
+        model, feed = self._model[0], self._feed
+        with feed.autocast():
             if self.first:
                 index = x
-                x = getattr(model, EMBED)(self._feed.microbatch(x))
-            if self.passes_index:
-                if index is None:
-                    raise TypeError("A stage of a model with pipeline_block takes (hidden, microbatch index).")
-                microbatch, call = self._feed.loaded(index), getattr(model, BLOCK)
-                for block in self.body:
-                    x = call(block, x, microbatch)
-            else:
-                for block in self.body:
-                    x = block(x)
+                x = getattr(model, EMBED)(feed.microbatch(x))
+            with feed.attention(index):  # context parallelism: attention over the stage's context group
+                if self.passes_index:
+                    if index is None:
+                        raise TypeError("A stage of a model with pipeline_block takes (hidden, microbatch index).")
+                    microbatch, call = feed.loaded(index), getattr(model, BLOCK)
+                    for block in self.body:
+                        x = call(block, x, microbatch)
+                else:
+                    for block in self.body:
+                        x = block(x)
             if self.last:
                 return getattr(model, HEAD)(x)
         if index is not None and self.passes_index:

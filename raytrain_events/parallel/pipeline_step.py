@@ -17,11 +17,19 @@ microbatches' losses (each weighted by its share of the batch's samples, as grad
 weights them, so the gradient is the batch mean), and the other stages get it from the loop's one
 per-batch sum (`PipelineCounters`), as the float's 64 bits in one integer slot per pipeline. So
 the sum cannot start before the batch as it does elsewhere (the loss does not exist yet): it runs
-after the schedule, one small all-reduce of ``3 + flags + pipelines`` integers, and the last stage
+after the schedule, one small all-reduce of ``3 + flags + pipelines`` integers (``pipelines * c``
+under context parallelism, below), and the last stage
 reads its loss to the host (one device sync per step there).
 
 The global `Timestamp` counts each sample and token once: only the first stage's rank 0 of each
-tensor group counts (`Parallel.counts_data`).
+context and tensor group counts (`Parallel.counts_data`).
+
+Under context parallelism every rank of a pipeline cuts each microbatch to its part of the sequence
+(`Pipeline.split`) after the rows are split (so ``BEFORE_FORWARD`` on the first stage and the loss
+events on the last see this rank's part, as without PP); the last stage's ``c`` context ranks each
+write their part's loss in a slot of their own of the same per-batch sum (``pipelines * c`` slots), and
+every rank takes the model's loss as their mean (`ContextParallel.whole_loss`'s value, without its
+all-reduce per microbatch).
 """
 
 from __future__ import annotations
@@ -50,7 +58,10 @@ class PipelineCounters:
         pipeline it is in, of how many."""
         self.dist, self.state = dist, state
         self.slot, self.pipelines = coordinates
-        # One rank per pipeline writes its loss: the last stage's first rank of its tensor group.
+        # Per pipeline the last stage's first rank of each tensor group writes its loss: one, or under
+        # context parallelism one per context rank (its part's), in slot `slot * parts + part`.
+        context = pipeline.context
+        self.parts, self.part = (1, 0) if context is None else (context.degree, context.index)
         self.writes = pipeline.has_last and dist.rank % pipeline.config.tensor_parallel == 0
         self._values: List[int] = []
 
@@ -65,14 +76,16 @@ class PipelineCounters:
 
     def wait(self) -> List[int]:
         values, self._values = self._values, []
-        losses = [0] * self.pipelines
+        parts = self.parts
+        losses = [0] * (self.pipelines * parts)
         loss = self.state.loss
         if self.writes and loss is not None:
-            losses[self.slot] = struct.unpack("<q", struct.pack("<d", float(loss)))[0]
+            losses[self.slot * parts + self.part] = struct.unpack("<q", struct.pack("<d", float(loss)))[0]
         sums = self.dist.sum_ints_async(values + losses).wait()
-        if not self.writes:
-            bits = struct.unpack("<d", struct.pack("<q", sums[len(values) + self.slot]))[0]
-            self.state.loss = torch.tensor(bits, dtype=torch.float32)
+        if not self.writes or parts > 1:  # the model's loss: the mean of the context parts' (each over a c-th)
+            at = len(values) + self.slot * parts
+            whole = sum(struct.unpack("<d", struct.pack("<q", bits))[0] for bits in sums[at : at + parts]) / parts
+            self.state.loss = torch.tensor(whole, dtype=torch.float32)
         return sums[: len(values)]
 
 
@@ -87,7 +100,7 @@ class PipelineStep:
         self.counters = counters
         self._active: Mapping[Event, bool] = {}
         self._fed: Dict[int, Any] = {}  # the first stage's microbatches of this batch, after BEFORE_FORWARD
-        self._total = 0
+        self._weights: List[float] = []  # each microbatch's share of the batch's samples (its loss weight)
         # The first step's first loss call is the stage's metadata inference (torch runs a forward and
         # the loss once to learn the shapes it sends): no events, the state untouched.
         self._loss_calls: Optional[int] = None  # counted in the first step only, then None
@@ -116,8 +129,10 @@ class PipelineStep:
             )
         if not self._checked:
             self._check_batches_agree(batch)
-        self._active, self._total = active, total
-        pipeline.feed.microbatches = spec.split_batch(batch, microbatches)
+        self._active = active
+        loaded = spec.split_batch(batch, microbatches)
+        self._weights = [spec.get_num_samples_in_batch(microbatch) / total for microbatch in loaded]
+        pipeline.feed.microbatches = [pipeline.split(microbatch) for microbatch in loaded]  # CP: this rank's part
         pipeline.feed.context = autocast
         state.loss = None
         first_step, self._loss_calls = self._inferring, 0
@@ -182,8 +197,7 @@ class PipelineStep:
         from raytrain_events.trainer._batch import total_loss  # trainer imports parallel: deferred
 
         state, engine, active = self.state, self.engine, self._active
-        microbatch = self.pipeline.feed.microbatches[index]
-        weight = self.spec.get_num_samples_in_batch(microbatch) / self._total
+        microbatch, weight = self.pipeline.feed.microbatches[index], self._weights[index]
         if self._loss_calls is not None:
             self._loss_calls += 1
         if self._inferring:  # the metadata inference's forward ran on placeholder activations

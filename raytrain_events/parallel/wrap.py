@@ -238,13 +238,13 @@ class Parallel:
                 if config.context_parallel > 1:
                     check_context_model(model, config.context_parallel)
                 mesh = build_mesh(config, dist.world_size, device)
+                if config.context_parallel > 1:
+                    self.context = ContextParallel(model, mesh, config.context_parallel)
                 if config.pipeline_parallel > 1:  # this rank's stages only, each sharded (pipeline.py)
-                    self.pipeline = Pipeline(model, config, mesh)
+                    self.pipeline = Pipeline(model, config, mesh, self.context)
                     shard_stages(self.pipeline, model, dist.world_size, device, mesh)
                 else:
                     apply_fsdp(model, config, dist.world_size, device, mesh)
-                if config.context_parallel > 1:
-                    self.context = ContextParallel(model, mesh, config.context_parallel)
             if self.deferred is not None:
                 self.deferred.materialize(model, device, sharded)
                 self.deferred = None

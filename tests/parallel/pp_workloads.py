@@ -215,6 +215,8 @@ def train_schedules(rank: int, world_size: int, configs: List[Dict[str, Any]]) -
         pipeline = trainer.parallel.pipeline
         assert pipeline is not None
         result["stages"] = pipeline.stage_indices
+        context = pipeline.context  # context parallelism: (degree, this rank's index in its group)
+        result["context"] = (context.degree, context.index) if context is not None else None
         result["local_numel"] = sum(p.to_local().numel() for p in trainer.state.model.parameters())
         out.append(result)
         trainer.close()
@@ -252,8 +254,9 @@ class PlantSpike(Callback):
 
 def pp_hops_and_spike(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
     """`pp_checkpoint_hops`, `pp_spike`, a mis-sharded outermost pipeline (its stages load consecutive
-    ranks' shards: the error each rank raised) and a packed batch for a model without ``pipeline_block``
-    (the error each rank raised) in one spawn of 4 ranks (a spawn and its imports cost seconds)."""
+    ranks' shards: the error each rank raised), a packed batch for a model without ``pipeline_block``
+    and a PP 2 x CP 2 batch whose sequence the context split cannot cut (the error each rank raised)
+    in one spawn of 4 ranks (a spawn and its imports cost seconds)."""
     out = {"hops": pp_checkpoint_hops(rank, world_size, folder), "spike": pp_spike(rank, world_size)}
     trainer = pp_trainer(rank, pp_config("1f1b", pipeline_outermost=True), "1ba", 2, algorithms=[])
     try:
@@ -271,6 +274,16 @@ def pp_hops_and_spike(rank: int, world_size: int, folder: str) -> Dict[str, Any]
         out["packed-unmasked"] = "trained"
     except ValueError as e:
         out["packed-unmasked"] = str(e)
+    trainer.close()
+    from examples.transformer_lm import random_tokens
+
+    short = random_tokens(8, length=14)  # PP 2 x CP 2: 14 positions, which 2 x 2 load-balanced chunks cannot cut
+    trainer = pp_trainer(rank, pp_config("1f1b", context_parallel=2), "1ba", 4, algorithms=[], rows=short)
+    try:
+        trainer.fit()
+        out["uncuttable"] = "trained"
+    except ValueError as e:
+        out["uncuttable"] = str(e)
     trainer.close()
     return out
 

@@ -1,10 +1,12 @@
 """Pipeline parallelism (``FSDPConfig(pipeline_parallel=p)``): each schedule trains like DDP on the
-same global batches, with the events where the work is; PP x FSDP x TP on 8 ranks; checkpoints
-across stage counts; bad input refused before any work, naming the fix."""
+same global batches, with the events where the work is; PP x CP on 4 ranks; PP x FSDP x TP and
+PP x CP x DP on 8 ranks; checkpoints across stage counts; bad input refused before any work, naming
+the fix."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+import contextlib
+from typing import Any, Dict, Iterator, List
 
 import pytest
 import torch
@@ -24,6 +26,18 @@ def _merged(results: List[Dict[str, Any]], key: str = "model") -> Dict[str, torc
     return merged
 
 
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """One torch thread for a Trainer in the test process, as the spawned ranks run: with the default
+    threads a 4-batch run took 7-8 s on the loaded machine (spinning threads), 0.2 s with one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _max_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
     assert sorted(a) == sorted(b)
     return max((a[k] - b[k]).abs().max().item() for k in a)
@@ -38,9 +52,9 @@ def ddp_reference() -> List[Dict[str, Any]]:
     return run_ranks(2, train_ddp)
 
 
-def _check_like_ddp(ddp: List[Dict[str, Any]], runs: List[Dict[str, Any]], atol: float) -> None:
-    """The pipelined arm against DDP: whole model, loss on every rank of a pipeline, whole-model
-    norm, the global Timestamp."""
+def _check_like_ddp(ddp: List[Dict[str, Any]], runs: List[Dict[str, Any]], atol: float, samples: int = 64) -> None:
+    """The pipelined arm against DDP (or one process): whole model, loss on every rank of a pipeline,
+    whole-model norm, the global Timestamp (``samples`` in 4 batches)."""
     assert _max_diff(_merged(runs), ddp[0]["model"]) <= atol
     assert _max_diff(_merged(runs, "ema"), ddp[0]["ema"]) <= atol  # EMA: each rank averages its stages
     initial = ddp[0]["model"]["blocks.0.mlp.fc.weight"]
@@ -50,7 +64,7 @@ def _check_like_ddp(ddp: List[Dict[str, Any]], runs: List[Dict[str, Any]], atol:
         assert run["loss"] == pytest.approx(reference["loss"], abs=1e-5)
         assert run["losses"] == pytest.approx(reference["losses"], abs=1e-5)
         assert run["norm"] == pytest.approx(reference["norm"], rel=1e-5)
-        assert (run["samples"], run["batches"]) == (reference["samples"], reference["batches"]) == (64, 4)
+        assert (run["samples"], run["batches"]) == (reference["samples"], reference["batches"]) == (samples, 4)
         # Evaluation (during fit at batch 4, and Trainer.eval after) and predict run the stages
         # forward only: the unsplit model's metrics on every rank, its outputs on every rank of a pipeline.
         assert len(run["evals"]) == len(reference["evals"]) == 2  # EVAL_END: 1 in fit, 1 in Trainer.eval (unlogged)
@@ -60,18 +74,31 @@ def _check_like_ddp(ddp: List[Dict[str, Any]], runs: List[Dict[str, Any]], atol:
         assert torch.allclose(run["predict"], reference["predict"], atol=atol * 10)
 
 
-def test_each_schedule_trains_like_ddp_on_pp2_x_dp2(ddp_reference: List[Dict[str, Any]]) -> None:
-    """PP 2 x DP 2 on 4 gloo ranks (a meta-built model, each rank materialising its stage only) trains
-    the same 4 global batches to DDP's parameters for GPipe, 1F1B, Interleaved 1F1B and Looped BFS
-    (2 stages per rank), 1F1B over HSDP, and 1F1B with the pipeline outermost (torchtitan's mesh order),
-    with the model's loss on every rank, the whole model's clipping norm and an equal Timestamp; the
-    loss events fire on the last stage only, BEFORE_FORWARD on the first."""
+CP_SCHEDULES = ("interleaved1f1b",)  # under PP 2 x CP 2 on 4 ranks (`four_ranks`; 1F1B runs on 8 ranks)
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> List[List[Dict[str, Any]]]:
+    """Every schedule under PP 2 x DP 2, 1F1B over HSDP and outermost, then `CP_SCHEDULES` under PP 2 x
+    CP 2, on one spawn of 4 gloo ranks (a spawn and its imports cost seconds): each rank's results."""
     from tests.parallel.pp_workloads import train_schedules
     from tests.parallel.spawn import run_ranks
 
     hsdp = pp_config("1f1b", replicate=2)  # PP 2 x HSDP 2x1: the mesh (replicate, shard, pipeline)
     outermost = pp_config("1f1b", pipeline_outermost=True)  # the mesh (pipeline, shard): stages 2 ranks apart
-    results = run_ranks(4, train_schedules, [pp_config(s) for s in SCHEDULES] + [hsdp, outermost])
+    context = [pp_config(s, context_parallel=2) for s in CP_SCHEDULES]  # the mesh (shard 1, pipeline, context)
+    return run_ranks(4, train_schedules, [pp_config(s) for s in SCHEDULES] + [hsdp, outermost] + context)
+
+
+def test_each_schedule_trains_like_ddp_on_pp2_x_dp2(
+    ddp_reference: List[Dict[str, Any]], four_ranks: List[List[Dict[str, Any]]]
+) -> None:
+    """PP 2 x DP 2 on 4 gloo ranks (a meta-built model, each rank materialising its stage only) trains
+    the same 4 global batches to DDP's parameters for GPipe, 1F1B, Interleaved 1F1B and Looped BFS
+    (2 stages per rank), 1F1B over HSDP, and 1F1B with the pipeline outermost (torchtitan's mesh order),
+    with the model's loss on every rank, the whole model's clipping norm and an equal Timestamp; the
+    loss events fire on the last stage only, BEFORE_FORWARD on the first."""
+    results = four_ranks
     _check_like_ddp(ddp_reference, [results[rank][len(SCHEDULES)] for rank in range(4)], atol=1e-6)
     runs = [results[rank][len(SCHEDULES) + 1] for rank in range(4)]
     _check_like_ddp(ddp_reference, runs, atol=1e-6)
@@ -100,14 +127,46 @@ def test_each_schedule_trains_like_ddp_on_pp2_x_dp2(ddp_reference: List[Dict[str
         }, schedule
 
 
-def test_pp2_x_fsdp2_x_tp2_on_eight_ranks_trains_like_ddp(ddp_reference: List[Dict[str, Any]]) -> None:
-    """PP 2 x FSDP 2 x TP 2 on 8 gloo ranks, mesh (shard, pipeline, tensor), 1F1B: DDP's parameters
-    within the float tolerance of TP's split reductions, the same losses and Timestamp."""
+def test_pp2_x_cp2_trains_like_one_process(four_ranks: List[List[Dict[str, Any]]]) -> None:
+    """PP 2 x CP 2 on 4 gloo ranks, mesh (shard 1, pipeline, context), Interleaved 1F1B (2 stages per
+    rank: each stage's forward routes its attention): each stage's context pair cuts every
+    microbatch's sequence (load-balanced) and splits its attention, and the run trains the one data
+    shard's batches to a one-process Trainer's parameters (2 microbatches of grad accumulation), with
+    its loss on every rank, its clipping norm, its eval and predict, and an equal Timestamp (each
+    sample counted once, not once per stage or context rank)."""
+    from tests.parallel.pp_workloads import train_ddp
+
+    with _one_thread():
+        one = [train_ddp(0, 1)]  # one process on data shard 0, in this process
+    for index, schedule in enumerate(CP_SCHEDULES, start=len(SCHEDULES) + 2):
+        runs = [four_ranks[rank][index] for rank in range(4)]
+        assert [run["shard"] for run in runs] == [0, 0, 0, 0], schedule  # one pipeline pair: the same rows
+        assert [run["context"] for run in runs] == [(2, 0), (2, 1), (2, 0), (2, 1)], schedule
+        looped = schedule == "interleaved1f1b"
+        assert [run["stages"] for run in runs] == ([[0, 2]] * 2 + [[1, 3]] * 2 if looped else [[0]] * 2 + [[1]] * 2)
+        _check_like_ddp(one, runs, atol=2e-5, samples=32)
+        for run in runs[:2]:  # both context ranks of the first stage fire BEFORE_FORWARD per microbatch
+            assert run["events"]["BEFORE_FORWARD"] == 8 and "AFTER_LOSS" not in run["events"]
+        for run in runs[2:]:  # and both of the last stage the loss events, on their parts
+            assert run["events"]["AFTER_LOSS"] == 8 and "BEFORE_FORWARD" not in run["events"]
+
+
+def test_pp2_x_fsdp2_x_tp2_and_pp2_x_cp2_x_dp2_on_eight_ranks_train_like_ddp(
+    ddp_reference: List[Dict[str, Any]],
+) -> None:
+    """On 8 gloo ranks, 1F1B: PP 2 x FSDP 2 x TP 2, mesh (shard, pipeline, tensor), and PP 2 x CP 2 x
+    DP 2, mesh (shard, pipeline, context) with FSDP over shard x context: DDP's parameters within the
+    float tolerance of the split reductions, the same losses and Timestamp."""
     from tests.parallel.pp_workloads import train_schedules
     from tests.parallel.spawn import run_ranks
 
-    results = run_ranks(8, train_schedules, [pp_config("1f1b", tensor_parallel=2)])
+    configs = [pp_config("1f1b", tensor_parallel=2), pp_config("1f1b", context_parallel=2)]
+    results = run_ranks(8, train_schedules, configs)
     _check_like_ddp(ddp_reference, [result[0] for result in results], atol=2e-5)
+    runs = [result[1] for result in results]
+    assert [run["shard"] for run in runs] == [0] * 4 + [1] * 4
+    assert [run["context"] for run in runs] == [(2, 0), (2, 1)] * 4
+    _check_like_ddp(ddp_reference, runs, atol=2e-5)
 
 
 @pytest.fixture(scope="module")
@@ -136,9 +195,10 @@ def test_pp2_checkpoint_resumes_on_pp4_and_on_one_process(hops_and_spike: Dict[s
     counts = [(e["timestamp"]["batch"], e["timestamp"]["sample"]) for e in saved + loaded]
     assert counts == [(2, 32)] * 8  # 2 batches of 2 pipelines x 8 rows, on every rank, saved and loaded
     pp4 = [r["pp4_saved"] for r in results]
-    trainer = pp_trainer(0, "ddp", "3ba", 1, hops_and_spike["folder"], meta=False, autoresume=True)
-    one = {**snapshot(trainer), "ema": ema_state(trainer)}
-    trainer.close()
+    with _one_thread():
+        trainer = pp_trainer(0, "ddp", "3ba", 1, hops_and_spike["folder"], meta=False, autoresume=True)
+        one = {**snapshot(trainer), "ema": ema_state(trainer)}
+        trainer.close()
     assert _max_diff(_merged(pp4), one["model"]) == 0.0
     assert _max_diff(_merged(pp4, "ema"), one["ema"]) == 0.0
     assert _max_diff(_merged(pp4, "optim"), one["optim"]) == 0.0
@@ -187,6 +247,18 @@ def test_a_packed_batch_for_a_model_without_pipeline_block_is_refused_on_every_r
     assert "Fix: define pipeline_block" in messages[0]
 
 
+def test_a_sequence_the_context_split_cannot_cut_is_refused_on_every_rank_under_pp(
+    hops_and_spike: Dict[str, Any],
+) -> None:
+    """PP 2 x CP 2 on rows of 14 tokens (the load-balanced split needs a multiple of 2 x 2): every rank
+    cuts the microbatches before the schedule and raises the same error, naming the fix, so no stage
+    waits on another in a send."""
+    messages = [r["uncuttable"] for r in hops_and_spike["ranks"]]
+    assert len(set(messages)) == 1
+    assert "context_parallel=2 cuts each sequence into 4 equal chunks" in messages[0]
+    assert "the sequence has 14 positions. Fix: a sequence length divisible by 4" in messages[0]
+
+
 # ----------------------------------------------------------------------------- bad input, no ranks
 
 
@@ -204,7 +276,6 @@ def test_a_packed_batch_for_a_model_without_pipeline_block_is_refused_on_every_r
         ),
         ({"pipeline_parallel": 2, "pipeline_schedule": "zb"}, "is not one of"),
         ({"pipeline_parallel": 2, "pipeline_split": [1, 2, 1]}, "must give 2 block counts"),
-        ({"pipeline_parallel": 2, "context_parallel": 2}, "context_parallel=1, or pipeline_parallel=1"),
         ({"pipeline_parallel": 0}, "must be an integer >= 1"),
     ],
 )
@@ -229,6 +300,25 @@ def test_mesh_product_must_equal_world_size() -> None:
         config.mesh_shape(12)
     with pytest.raises(ValueError, match="pipeline_parallel=3.*divisible by 3"):
         FSDPConfig(pipeline_parallel=3, pipeline_schedule="gpipe").mesh_shape(4)
+
+
+@pytest.mark.parametrize("degrees", [(2, 1, 1), (2, 2, 2), (4, 1, 2), (2, 2, 1)])
+def test_an_outermost_pipeline_is_served_as_consecutive_ranks(degrees: Any) -> None:
+    """`ParallelismSpec.serving_rank` (what RayTrainer's data path serves each rank as) is a permutation
+    that puts every rank sharing rows (a pipeline's stages, world_size / p apart, with their context
+    and tensor ranks) in one consecutive group of `batch_group`, the one `data_coordinates` names;
+    without pipeline_outermost every rank is served as itself."""
+    from raytrain_events.parallel.config import parse_parallelism
+
+    pp, cp, tp = degrees
+    options = {"pipeline_parallel": pp, "context_parallel": cp, "tensor_parallel": tp, "pipeline_schedule": "gpipe"}
+    world = 2 * pp * cp * tp  # two pipelines
+    for outermost in (True, False):
+        spec = parse_parallelism({**options, "pipeline_outermost": outermost})
+        served = [spec.serving_rank(rank, world) for rank in range(world)]
+        assert sorted(served) == list(range(world))
+        assert [s // spec.batch_group for s in served] == [spec.data_coordinates(r, world)[0] for r in range(world)]
+        assert (served == list(range(world))) is not outermost
 
 
 def test_stage_count_must_divide_the_blocks_or_a_split_be_given() -> None:

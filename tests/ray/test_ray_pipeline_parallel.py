@@ -1,5 +1,6 @@
-"""RayTrainer(parallelism=FSDPConfig(pipeline_parallel=2)): bad input refused before Ray starts, and one
-short run (2 workers, one pipeline of 2 stages) through the feeder.
+"""RayTrainer(parallelism=FSDPConfig(pipeline_parallel=2)): bad input refused before Ray starts, an
+outermost pipeline's stages served one data part by the train config (8 ranks, no Train run), and one short
+run (2 workers, one pipeline of 2 stages, ``pipeline_outermost``) through the feeder.
 
 The run proves: each worker holds one stage (its parameters only: the first stage the embeddings,
 the last the head); both stages trained the same rows in the global order (the feeder serves a
@@ -106,8 +107,8 @@ def _options(**over: Any) -> Dict[str, Any]:
         ),
         ({"grad_accum": 2}, "grad_accum=2 with FSDPConfig\\(pipeline_parallel=2\\)"),
         (
-            {"parallelism": {"pipeline_parallel": 2, "pipeline_outermost": True}},
-            "pipeline_outermost=True\\) under RayTrainer.*Fix: pipeline_outermost=False",
+            {"parallelism": {"pipeline_parallel": 2, "pipeline_outermost": True, "context_parallel": 2}},
+            "pipeline_parallel=2, context_parallel=2\\) needs a world size divisible by 4, got 2 ranks",
         ),
     ],
 )
@@ -121,6 +122,33 @@ def test_ray_trainer_refuses_bad_pipelines_before_ray_starts(tmp_path: Any, no_r
 
 
 @pytest.mark.ray
+def test_an_outermost_pipelines_ranks_are_served_one_data_parallel_part(ray_cluster: Any) -> None:
+    """``pipeline_outermost`` on 8 ranks (PP 2 x DP 2 x TP 2, mesh (pipeline, shard, tensor)): a
+    pipeline's stages are 4 ranks apart; `TrainDataConfig` (built as the driver builds it) serves
+    each rank as `ParallelismSpec.serving_rank` maps it: every rank of a pipeline gets the shard of one
+    data-parallel part (the feeder serves part ``rank // batch_group``, and the eval splits index
+    their parts by the same mapping). No rows are pulled: a pull starts a Ray Data run, ~17 s here
+    at load 30, for the feeder's own contract (its tests: tests/ray/test_ray_tensor_parallel.py)."""
+    ray = ray_cluster
+    from raytrain_events.data.order import GlobalBatch
+    from raytrain_events.data.ray.loader import TrainDataConfig
+    from raytrain_events.parallel.config import parse_parallelism
+
+    spec = parse_parallelism({"pipeline_parallel": 2, "tensor_parallel": 2, "pipeline_outermost": True})
+    config = TrainDataConfig(
+        batch=GlobalBatch(4, None, spec.batch_group),
+        train_rows=32,
+        tensor_parallel=spec.batch_group,
+        serving_rank=spec.serving_rank,
+    )
+    out = config.configure({"train": ray.data.range(32)}, 8, None, None)  # eval sets use the same `served`
+    served = [out[rank]["train"].rank for rank in range(8)]
+    assert sorted(served) == list(range(8))  # every rank its own feeder cursor
+    parts = [rank // spec.batch_group for rank in served]  # the feeder's part of each rank
+    assert parts == [spec.data_coordinates(rank, 8)[0] for rank in range(8)] == [0, 0, 1, 1] * 2
+
+
+@pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # 23 s at load 17, 126 s at load 85 here (2 cores)
 def test_a_pipeline_over_two_workers_trains_every_row_once_with_the_models_loss(
@@ -129,6 +157,7 @@ def test_a_pipeline_over_two_workers_trains_every_row_once_with_the_models_loss(
     import ray.data
 
     from raytrain_events import RayTrainer
+    from raytrain_events.parallel import FSDPConfig
     from tests.ray.test_ray_tensor_parallel import make_rows
 
     train, val = make_rows(ROWS), make_rows(12, seed=1)
@@ -140,6 +169,9 @@ def test_a_pipeline_over_two_workers_trains_every_row_once_with_the_models_loss(
             get_num_tokens_in_batch=count_tokens,
             storage_path=str(tmp_path / "runs"),
             callbacks=lambda: [RecordStages(str(folder))],
+            # the pipeline outermost (torchtitan's order): with one pipeline the same ranks, through the
+            # driver's serving_rank and the mesh (pipeline, shard) on the workers
+            parallelism=FSDPConfig(pipeline_parallel=2, pipeline_microbatches=2, pipeline_outermost=True),
         )
     ).fit()
     stamp = {unit: result.timestamp.get_value(unit) for unit in ("ep", "ba", "sp", "tok")}

@@ -19,6 +19,10 @@ rank, `feeder.py`), and eval sets are split contiguously into ``world_size // t`
 streaming split cannot hand one part to several workers), each group's ranks sharing one.
 ``batch_size`` stays rows per worker per batch, so the default global batch is
 ``batch_size * world_size // t`` (`GlobalBatch`, decided once on the driver: ``ray/plan.py``).
+Ranks that share rows but are not consecutive (``FSDPConfig(pipeline_outermost=True)``: a
+pipeline's stages ``world_size / p`` apart) are served as the ranks ``serving_rank`` maps them to
+(`ParallelismSpec.serving_rank`, a permutation that makes each such group consecutive): the shard's
+``rank`` and its eval part are the mapped rank's.
 """
 
 from __future__ import annotations
@@ -156,7 +160,8 @@ class TrainDataConfig(DeterministicSplitDataConfig):
     `TrainOrder`, which every rank's shard carries (both the driver's `RunPlan`'s). ``deterministic``:
     materialize the train set once per group (else stream it every epoch) and split eval sets
     contiguously by rank. ``tensor_parallel``: the ranks per tensor group, which get the same rows
-    (see the module doc); 1: none.
+    (see the module doc); 1: none. ``serving_rank``: ``(rank, world_size) -> the rank served as``
+    (`ParallelismSpec.serving_rank`, the driver's; None: each rank as itself).
     """
 
     def __init__(
@@ -167,10 +172,12 @@ class TrainDataConfig(DeterministicSplitDataConfig):
         deterministic: bool = False,
         train_rows: Optional[int] = None,
         tensor_parallel: int = 1,
+        serving_rank: Optional[Callable[[int, int], int]] = None,
     ):
         super().__init__()
         self.train_rows = train_rows
         self.tensor_parallel = tensor_parallel
+        self.serving_rank = serving_rank
         self.batch = batch
         self.order = order
         self.deterministic = deterministic
@@ -184,12 +191,14 @@ class TrainDataConfig(DeterministicSplitDataConfig):
         tp = self.tensor_parallel
         check_tensor_parallel_world(world_size, tp)
         output: List[Dict[str, Any]] = [{} for _ in range(world_size)]
+        serving = self.serving_rank
+        served = [rank if serving is None else serving(rank, world_size) for rank in range(world_size)]
         others = {name: ds for name, ds in datasets.items() if name != "train"}
         if others and tp > 1:  # one contiguous part per tensor group, shared by its ranks
             for name, dataset in others.items():
                 parts = dataset.split(world_size // tp, equal=True)
                 for rank in range(world_size):
-                    output[rank][name] = parts[rank // tp].iterator()
+                    output[rank][name] = parts[served[rank] // tp].iterator()
         elif others:
             configure = super().configure if self.deterministic else DataConfig().configure
             for rank, shards in enumerate(configure(others, world_size, worker_handles, worker_node_ids, **kwargs)):
@@ -207,7 +216,15 @@ class TrainDataConfig(DeterministicSplitDataConfig):
             rows = self.train_rows if self.train_rows is not None else _compat.dataset_meta_count(dataset)
             for rank in range(world_size):
                 output[rank]["train"] = GlobalOrderShard(
-                    feeder, rank, world_size, global_batch, rows, tp, source, getattr(dataset, "run", None), self.order
+                    feeder,
+                    served[rank],
+                    world_size,
+                    global_batch,
+                    rows,
+                    tp,
+                    source,
+                    getattr(dataset, "run", None),
+                    self.order,
                 )
         return output
 

@@ -43,7 +43,8 @@ class Restarts:
             order=self.plan.order,
             deterministic=spec.deterministic_split,
             train_rows=train_rows,
-            tensor_parallel=spec.parallelism_spec.batch_group,  # the ranks that share rows: TP x CP
+            tensor_parallel=spec.parallelism_spec.batch_group,  # the ranks that share rows: PP x CP x TP
+            serving_rank=spec.parallelism_spec.serving_rank,  # pipeline_outermost: a pipeline's stages apart
         )
 
     def worker_side(
