@@ -79,20 +79,21 @@ class ReplicaState:
 
     def state_dict(self) -> Dict[str, Any]:
         assert self.model is not None and self.state is not None
-        return {
+        sd = {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "schedulers": [s.state_dict() for s in self.schedulers],
             "timestamp": self.state.timestamp.state_dict(),
             "rng": torch.get_rng_state(),
-            # What the run skipped (rolled-back windows): a joining group then saves and reports the same counts.
-            "skipped": self.state.skipped.state_dict(),
-            "spike_guards": [g.state_dict() for g in self._guards()],
         }
+        guards = self._guards()
+        if guards:  # the run's skip list and skipped counts: a joining group then saves and reports the same
+            sd["skipped"] = self.state.skipped.state_dict()
+            sd["spike_guards"] = [g.state_dict() for g in guards]
+        return sd
 
     def _guards(self) -> List[SpikeGuard]:
-        assert self.state is not None
-        return [c for c in self.state.callbacks if isinstance(c, SpikeGuard)]
+        return [c for c in getattr(self.state, "callbacks", ()) if isinstance(c, SpikeGuard)]
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         assert self.model is not None and self.state is not None
@@ -102,7 +103,8 @@ class ReplicaState:
             scheduler.load_state_dict(s)
         self.state.timestamp = Timestamp.from_state_dict(sd["timestamp"])
         torch.set_rng_state(sd["rng"])
-        self.state.skipped = Skipped.from_state_dict(sd.get("skipped", {}))
+        if "skipped" in sd:
+            self.state.skipped = Skipped.from_state_dict(sd["skipped"])
         for guard, guard_state in zip(self._guards(), sd.get("spike_guards", [])):
             guard.load_state_dict(guard_state)  # its skip list and rollbacks (its snapshots: taken after the heal)
         self.healed += 1

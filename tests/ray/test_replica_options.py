@@ -202,3 +202,37 @@ def test_a_spike_guard_runs_in_one_worker_groups_its_bisection_and_groups_of_sev
     commit.loader.group_size = 3
     with pytest.raises(ValueError, match="replica_group_size=3"):
         ReplicaCommit.init(commit, State(model=None, callbacks=[SpikeGuard()]), None)
+
+
+def test_a_joining_group_receives_the_runs_skip_list_and_skipped_counts_from_its_peer():
+    """The live recovery's state (`ReplicaState`) carries a SpikeGuard's skip list and rollbacks and `State.skipped`:
+    a group replaced after a rollback then saves and reports what the others do."""
+    import torch
+
+    from raytrain_events.callbacks import SpikeGuard
+    from raytrain_events.core.spikes import SkipRange
+    from raytrain_events.core.state import State
+    from raytrain_events.ray.replica_groups import ReplicaState
+
+    def replica():
+        model = torch.nn.Linear(2, 2)
+        replicas = ReplicaState()
+        replicas.model, replicas.optimizer = model, torch.optim.SGD(model.parameters(), lr=0.1)
+        replicas.state = State(model=model, callbacks=[SpikeGuard()])
+        return replicas
+
+    live, joining = replica(), replica()
+    guard = live.state.callbacks[0]
+    guard.skips.add(SkipRange(0, 132, 156, 2, 0))
+    guard.rollbacks.append({"batch": 13, "restored_batch": 11})
+    live.state.skipped.add_window(2, 24, 0)
+    joining.load_state_dict(live.state_dict())
+    assert joining.state.callbacks[0].skips.ranges == [SkipRange(0, 132, 156, 2, 0)]
+    assert joining.state.callbacks[0].rollbacks == [{"batch": 13, "restored_batch": 11}]
+    assert joining.state.skipped.state_dict() == live.state.skipped.state_dict()
+    assert "skipped" not in ReplicaState.state_dict(_without_guard(live))  # no guard: what it sent before
+
+
+def _without_guard(replicas):
+    replicas.state.callbacks = []
+    return replicas
