@@ -84,10 +84,13 @@ class GroupVoting(Callback):
 
     def judge(self, state: State, loss: Any, norm: Any) -> None:
         """At ``AFTER_TRAIN_BATCH`` (before the optimizer step and its all-reduce): this group's verdict."""
-        value = float(loss.item()) if loss is not None else 0.0
-        grad = float(norm.item()) if norm is not None else None
         self.at = int(state.timestamp.batch)
-        self.pending = (value, grad, self.guard.detector.judge(value, grad) if loss is not None else None)
+        if loss is None:  # nothing to judge (no loss this batch): no verdict, nothing joins the window
+            self.pending = None
+            return
+        value = float(loss.item())
+        grad = float(norm.item()) if norm is not None else None
+        self.pending = (value, grad, self.guard.detector.judge(value, grad))
 
     def ballot(self) -> list:
         """This group's vote, called by the step's all-reduce (`StepVote.carry`)."""
@@ -96,18 +99,19 @@ class GroupVoting(Callback):
         spike = pending is not None and pending[2] is not None
         return group_vote(spike, self.at - int(snapshots.snapshots[-1].meta["batch"]))
 
-    def batch_end(self, state: State, logger: Logger) -> None:
-        """Called by the guard's ``BATCH_END`` (after `ReplicaCommit` settled the step's Timestamp)."""
+    def step_end(self, state: State, logger: Logger) -> None:
+        """Called by the guard's ``BATCH_END``, last among the callbacks (after `ReplicaCommit` settled the step's
+        Timestamp); not a hook of its own, so the Engine does not call it earlier."""
         guard, pending, self.pending = self.guard, self.pending, None
         ts = state.timestamp
         self.seen = int(ts.batch)
         sums = self.vote.vote_sums()
-        if sums is None or pending is None:  # not committed: the same rows come again, and are judged again
+        if sums is None:  # not committed: the same rows come again, and are judged again
             return
         verdict = read_group_votes(*sums)
         guard._history.append((ts, state.global_batch_num_samples, state.global_batch_num_tokens, None))
         if verdict.spike:
-            if pending[2] is not None:
+            if pending is not None and pending[2] is not None:
                 guard._spike = (int(ts.batch), pending[2])
             if not verdict.same_snapshot:
                 raise SpikeRollbackError(
@@ -117,7 +121,8 @@ class GroupVoting(Callback):
                 )
             guard._roll_back(state, logger, int(ts.batch), elsewhere="seen in another replica group")
             return
-        guard.detector.observe(pending[0], pending[1])
+        if pending is not None:
+            guard.detector.observe(pending[0], pending[1])
         guard._since += 1
         if (state.stop_requested and state.stop_consistent) or is_done(state):
             return

@@ -297,7 +297,7 @@ class SpikeGuard(Callback):
 
     def batch_end(self, state: State, logger: Logger) -> None:
         if self._group is not None:
-            self._group.batch_end(state, logger)
+            self._group.step_end(state, logger)
             return
         ts = state.timestamp  # immutable: kept as it is, read only at a rollback (no per-batch conversions)
         dropped = count_dropped(self, state, logger) if self._filter is not None else None
