@@ -16,7 +16,8 @@ by the run's strategy, `ray/fault_tolerance/replica_groups.py`):
   an uninterrupted run;
 - `CommitOptimizer`: gradients averaged over the participants (one flat all-reduce through the
   Manager, ended at once when another group of the quorum fails: `replica_abort.py`), the optimizer
-  stepped only if ``manager.should_commit()``;
+  stepped only if ``manager.should_commit()``; a `SpikeGuard`'s vote (seven small integers) rides at
+  the end of that all-reduce (`ReplicaCommit` is the loop's `StepVote`: ``callbacks/spike_groups.py``);
 - `ReplicaCommit` (a callback): a committed step advances the Timestamp by the global batch's
   rows; an uncommitted one restores the Timestamp and schedulers, so the loader serves the same
   global batch again to the new quorum. Every row is trained once per epoch and the final

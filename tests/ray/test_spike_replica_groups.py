@@ -56,6 +56,22 @@ class DumpGroupGuard(Callback):
             json.dump(out, fh)
 
 
+class StartTogether(Callback):
+    """Each group waits at FIT_START until every group has started (`RecordCommits` writes ``proc-<pid>.json`` at
+    its FIT_START, before this): on a loaded machine the first groups would otherwise train the short epoch out
+    before the last one joins, which then waits for a quorum that never comes."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def fit_start(self, state, logger) -> None:
+        import time
+
+        deadline = time.monotonic() + 240
+        while len(glob.glob(os.path.join(self.folder, "proc-*.json"))) < GROUPS and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+
 @pytest.mark.timeout(600)
 def test_every_replica_group_rolls_back_at_the_same_step_and_skips_the_same_rows(ray_cluster, tmp_path):
     import ray.data
@@ -81,6 +97,7 @@ def test_every_replica_group_rolls_back_at_the_same_step_and_skips_the_same_rows
         fault_tolerance="replica_groups",
         callbacks=lambda: [
             replica_helpers.RecordCommits(records, 0.0),
+            StartTogether(records),
             SpikeGuard(snapshot_interval=4, warmup=5, loss_ratio=5.0, grad_zscore=None),
             DumpGroupGuard(dumps),
         ],
