@@ -68,6 +68,7 @@ E2E: Dict[str, object] = {
     "tests/ray/test_sharded_replica_groups.py": ALL,  # 2 groups x 2 FSDP workers: a worker killed twice
     "tests/ray/test_resume.py": ALL,
     "tests/ray/test_spike_run.py": ALL,  # one stop + resume pair of RayTrainer runs with a planted spike
+    "tests/ray/test_spike_replica_groups.py": ALL,  # 4 replica groups roll back together at a planted spike
     "tests/ray/test_watchdog.py": ALL,
     "tests/tune/test_tune_pbt.py": ALL,
     "tests/tune/test_tune_resume.py": ALL,

@@ -27,8 +27,12 @@ Files:
   latest loss.
 * ``spike_bisect.py``: The torch side of ``SpikeGuard(bisect=True)``: replay a window on halves of
   its rows to find the culprits, train the rest, drop quarantined rows from later batches.
+* ``spike_groups.py``: `SpikeGuard` under replica groups: each step's vote rides on its gradient
+  all-reduce, so every group rolls back at the same committed step and skips the same rows.
 * ``spike_guard.py``: `SpikeGuard`: on a loss spike every rank rolls back to a host snapshot and
   skips exactly the rows trained since.
+* ``spike_norm.py``: the gradient norm `SpikeGuard` judges before any clipping (a shared
+  `GradientClipping`'s, or its own at ``AFTER_BACKWARD``).
 * ``speed_monitor.py``: `SpeedMonitor`: rolling training throughput (batches, samples, tokens per
   second) and MFU.
 * ``threshold_stopper.py``: `ThresholdStopper`: stop training once a monitored eval metric reaches

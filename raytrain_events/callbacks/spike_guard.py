@@ -26,9 +26,9 @@ every checkpoint; ``trained = timestamp - skipped`` (`SpikeGuard.trained`). Torc
 restored from the snapshot are stepped once per skipped batch, so a schedule keeps following the
 position, as in the run without the spike.
 
-The fit's last batch has no next batch to carry the flag: there (its ``BATCH_END`` when the duration or an
-agreed stop ends the fit, else ``EPOCH_END`` of an 'ep' duration's last epoch, before the epoch's checkpoint)
-the ranks sum the flag once and roll back at once (the window ends with that batch).
+The fit's last batch has no next batch to carry the flag: there (its ``BATCH_END``, or ``EPOCH_END`` of an 'ep'
+duration's last epoch, before the epoch's checkpoint) the ranks sum the flag once and roll back at once.
+Under replica groups the flag rides on each step's gradient all-reduce instead (``spike_groups.py``).
 
 A spike within ``snapshot_interval`` batches after a rollback rolls back to the same snapshot again:
 the window widens (the rows trained since are skipped too), up to ``max_window`` batches; after
@@ -41,11 +41,11 @@ Example::
     SpikeGuard(bisect=True, row_key="id")       # find the culprit rows, quarantine them, train the rest
     SpikeGuard(row_key="id", quarantine_from="quarantine.json")   # keep an earlier run's culprits out
 
-The guard puts itself last among the callbacks at INIT, so that its snapshot and its rollback see
-every other callback's batch done, and calls every callback's ``on_rollback`` after a restore. The skip
-list names its data (the seed and, for a `Mixture`, its sources): a resume on other data is refused.
-Cost per batch: one read of the loss (and the gradient norm, unless shared with the clipping); per
-snapshot one host copy of the state (``bench/spike_guard.py``; docs/spikes.md has the numbers).
+The guard puts itself last among the callbacks at INIT (its snapshot and rollback see every other callback's
+batch done) and calls every callback's ``on_rollback`` after a restore. The skip list names its data (the
+seed and a `Mixture`'s sources): a resume on other data is refused. Cost per batch: one read of the loss (and
+the gradient norm, unless shared with the clipping); per snapshot one host copy of the state
+(``bench/spike_guard.py``; docs/spikes.md has the numbers).
 
 Notes: the gradient norm is this rank's (under FSDP the norm of its shards); with a GradScaler
 (``amp_fp16``) non-finite gradients are the scaler's to skip and are not judged. With `GradientClipping`
@@ -61,7 +61,6 @@ from collections import deque
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from raytrain_events.algorithms.gradient_clipping import GradientClipping, whole_grad_norm
 from raytrain_events.callbacks.spike_bisect import (
@@ -74,6 +73,8 @@ from raytrain_events.callbacks.spike_bisect import (
     start_quarantine,
     sum_over_ranks,
 )
+from raytrain_events.callbacks.spike_groups import GroupVoting, find_step_vote
+from raytrain_events.callbacks.spike_norm import PreClipNorm, shared_clipping
 from raytrain_events.checkpoint.run.host_snapshot import HostSnapshots
 from raytrain_events.core.callback import Callback
 from raytrain_events.core.interval import is_done
@@ -178,6 +179,7 @@ class SpikeGuard(Callback):
         # dropped from it on every rank: (rows, tokens, rows per source), or None); the window's rows.
         self._history: Deque[Tuple[Timestamp, int, int, Optional[Tuple[int, int, Dict[str, int]]]]] = deque()
         self._since = 0  # batches since the newest snapshot (or rollback)
+        self._group: Optional[GroupVoting] = None  # under replica groups: the vote on each step (spike_groups.py)
         self._key = "SpikeGuard"
 
     # ------------------------------------------------------------------ setup
@@ -194,7 +196,10 @@ class SpikeGuard(Callback):
         # the quarantine's filter, and the norm before an unshared GradientClipping clips.
         hooks: List[Callback] = [QuarantineHooks(self)] if self._filter is not None else []
         if any(isinstance(a, GradientClipping) for a in state.algorithms):
-            hooks.append(_PreClipNorm(self))
+            hooks.append(PreClipNorm(self))
+        vote = find_step_vote(state)  # replica groups: the step's commit vote carries the decision (spike_groups.py)
+        self._group = GroupVoting(self, vote) if vote is not None else None
+        hooks += [self._group] if self._group is not None else []
         state.callbacks.remove(self)
         state.callbacks.extend(hooks)
         state.callbacks.append(self)
@@ -218,6 +223,8 @@ class SpikeGuard(Callback):
         self._batches.clear()
         self._facts.clear()
         self._take(state)
+        if self._group is not None:
+            self._group.start(state)
 
     # --------------------------------------------------------------- per batch
     def after_train_batch(self, state: State, logger: Logger) -> None:
@@ -230,7 +237,9 @@ class SpikeGuard(Callback):
         loss = state.loss
         if loss is not None and type(loss) is not torch.Tensor:
             loss = total_loss(loss).detach()
-        if loss is not None and loss.is_cuda:
+        if self._group is not None:  # replica groups: judged now, the verdict rides on the step's all-reduce
+            self._group.judge(state, loss, self._norm)
+        elif loss is not None and loss.is_cuda:
             self._to_host(loss, self._norm)
 
     def _take_pre_clip(self, state: State) -> None:
@@ -244,7 +253,7 @@ class SpikeGuard(Callback):
     def _find_params(self, state: State) -> List[torch.Tensor]:
         """The trained parameters and the clipping to share, found once (a walk of the groups per batch costs)."""
         params = self._params = [p for opt in state.optimizers for g in opt.param_groups for p in g["params"]]
-        self._clip = _shared_clipping(state, params)
+        self._clip = shared_clipping(state, params)
         self._clip_other = self._clip is None and any(isinstance(a, GradientClipping) for a in state.algorithms)
         return params
 
@@ -287,6 +296,9 @@ class SpikeGuard(Callback):
         self._ready = self._event
 
     def batch_end(self, state: State, logger: Logger) -> None:
+        if self._group is not None:
+            self._group.step_end(state, logger)
+            return
         ts = state.timestamp  # immutable: kept as it is, read only at a rollback (no per-batch conversions)
         dropped = count_dropped(self, state, logger) if self._filter is not None else None
         self._history.append((ts, state.global_batch_num_samples, state.global_batch_num_tokens, dropped))
@@ -327,7 +339,7 @@ class SpikeGuard(Callback):
     def epoch_end(self, state: State, logger: Logger) -> None:
         # The epoch's last batch was the fit's (an 'ep' duration ends here): agree on its spike now, before the
         # epoch's checkpoint is saved (EPOCH_CHECKPOINT comes after EPOCH_END).
-        if is_done(state):
+        if is_done(state) and self._group is None:  # (replica groups: agreed in the batch's own step)
             self._agree_last_batch(state, logger)
 
     def _agree_last_batch(self, state: State, logger: Logger) -> None:
@@ -367,12 +379,14 @@ class SpikeGuard(Callback):
                     self._batches.popleft()
                     self._facts.popleft()
 
-    def _roll_back(self, state: State, logger: Logger, spike_batch: int) -> None:
+    def _roll_back(
+        self, state: State, logger: Logger, spike_batch: int, elsewhere: str = "seen on another rank"
+    ) -> None:
         """Every rank, at the same batch: restore the newest snapshot from before the spiking batch, skip since."""
         assert self._snapshots is not None
         now = int(state.timestamp.batch)
         local = self._spike[1].reason if self._spike is not None and self._spike[0] == spike_batch else None
-        reason = local or "seen on another rank"
+        reason = local or elsewhere
         snapshot = self._snapshots.newest(lambda meta: meta["batch"] < spike_batch)
         if snapshot is None:  # unreachable with a snapshot at fit start; said plainly if it ever is
             raise SpikeRollbackError(f"A loss spike at batch {spike_batch} ({reason}) and no host snapshot before it.")
@@ -462,33 +476,6 @@ class SpikeGuard(Callback):
         self.quarantine = Quarantine.from_state_dict(state.get("quarantine", {}))  # none in checkpoints before it
         self.rollbacks = list(state.get("rollbacks", []))
         self.detector.load_state_dict(state.get("detector", {}))
-
-
-class _PreClipNorm(Callback):
-    """The guard's ``AFTER_BACKWARD`` hook, added at INIT only when a `GradientClipping` is configured."""
-
-    def __init__(self, guard: SpikeGuard) -> None:
-        self.guard = guard
-
-    def after_backward(self, state: State, logger: Logger) -> None:
-        self.guard._take_pre_clip(state)
-
-
-def _shared_clipping(state: State, params: List[torch.Tensor]) -> Optional[GradientClipping]:
-    """The `GradientClipping` whose pre-clip norm is this guard's gradient norm, or None: clipping by the L2
-    norm of exactly the optimized parameters, none of them sharded (an FSDP clip's norm is the global one,
-    the guard's this rank's)."""
-    trained = {id(p) for p in params}
-    for algorithm in state.algorithms:
-        if (
-            type(algorithm) is GradientClipping
-            and algorithm.clipping_type == "norm"
-            and algorithm.norm_type == 2.0
-            and trained == {id(p) for p in state.model.parameters() if p.requires_grad}
-            and not any(isinstance(p, DTensor) for p in params)
-        ):
-            return algorithm
-    return None
 
 
 def _keyed_callbacks(state: State) -> Dict[str, Any]:

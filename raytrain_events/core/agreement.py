@@ -23,9 +23,29 @@ the sum over ranks. The per-source samples and tokens of a `Mixture` are counted
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
-__all__ = ["Agreement"]
+__all__ = ["Agreement", "StepVote"]
+
+
+@runtime_checkable
+class StepVote(Protocol):
+    """A vote that decides whether each step commits, and carries a few integers of every participant with it.
+
+    Replica groups (torchft) have no collective across the groups but the step's gradient all-reduce and its
+    commit vote (``ray/replica_groups.py``: `ReplicaCommit`, a callback); each group's `Agreement` is its own. A
+    component that needs every group to decide the same (`SpikeGuard`) finds it among the callbacks at INIT and
+    hands it a ``vote`` function, called before the step's all-reduce; after the step `vote_sums` gives the
+    votes summed over the step's participants, or None when the step did not commit (it counts for nothing).
+    """
+
+    def carry(self, vote: Callable[[], List[int]]) -> None:
+        """Add ``vote()`` (small non-negative integers, the same count every step) to every step's all-reduce."""
+        ...
+
+    def vote_sums(self) -> Optional[Tuple[List[int], int]]:
+        """The latest step's summed votes and its number of participants; None if that step did not commit."""
+        ...
 
 
 class Agreement:

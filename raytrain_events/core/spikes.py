@@ -30,12 +30,13 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Deque, Dict, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
 if TYPE_CHECKING:
     from raytrain_events.core.timestamp import Timestamp
 
 __all__ = [
+    "GroupVerdict",
     "RollbackPolicy",
     "Skipped",
     "SkipList",
@@ -43,6 +44,8 @@ __all__ = [
     "SpikeDetector",
     "SpikeRollbackError",
     "Verdict",
+    "group_vote",
+    "read_group_votes",
     "window_ranges",
     "window_record",
 ]
@@ -377,3 +380,46 @@ def window_ranges(history: List[Tuple[int, int, int, int, int]]) -> List[Tuple[i
         else:
             out.append([epoch, start, end, 1, tokens])
     return [(e, s, t, b, k) for e, s, t, b, k in out]
+
+
+# --------------------------------------------------------------------------- replica groups
+#: A group's vote: the spike flag, then ``since_snapshot`` in base-64 limbs, each with its square (see `group_vote`).
+_LIMB_BITS, _LIMBS = 6, 4
+MAX_SINCE_SNAPSHOT = 1 << (_LIMB_BITS * _LIMBS)  # 2**24 batches between a step and its newest snapshot
+
+
+@dataclass(frozen=True)
+class GroupVerdict:
+    """What every replica group reads from the summed votes of a committed step (`read_group_votes`): whether
+    some group judged the step a spike, and whether every group's newest host snapshot is of the same step."""
+
+    spike: bool
+    same_snapshot: bool
+
+
+def group_vote(spike: bool, since_snapshot: int) -> List[int]:
+    """This replica group's vote on a step, summed over the step's participants with its gradients (torchft).
+
+    ``spike``: this group judged the step's loss (or gradient norm) a spike. ``since_snapshot``: the step's
+    batch less its newest host snapshot's (the snapshot every group would restore). The sum of the flags says
+    whether any group saw a spike; the sums of ``since_snapshot``'s base-64 limbs and of their squares say
+    whether every group holds the same newest snapshot (``n * sum(x*x) == sum(x)**2`` exactly when all ``n``
+    values of ``x`` are equal: Cauchy-Schwarz), with small integers only: each sum stays exact in float32
+    (under 2**23) up to 2,000 groups. Seven integers in all.
+    """
+    if isinstance(since_snapshot, bool) or not 0 <= since_snapshot < MAX_SINCE_SNAPSHOT:
+        raise ValueError(f"since_snapshot={since_snapshot!r} must be in [0, {MAX_SINCE_SNAPSHOT}) batches.")
+    out = [1 if spike else 0]
+    for i in range(_LIMBS):
+        limb = (since_snapshot >> (_LIMB_BITS * i)) & ((1 << _LIMB_BITS) - 1)
+        out += [limb, limb * limb]
+    return out
+
+
+def read_group_votes(sums: Sequence[int], groups: int) -> GroupVerdict:
+    """The verdict from the `group_vote` s of ``groups`` participants summed: the same on every group (each
+    reads the same sums), whatever it voted itself."""
+    if len(sums) != 1 + 2 * _LIMBS or groups < 1:
+        raise ValueError(f"Not the sums of group votes: {list(sums)!r} over {groups} groups.")
+    same = all(groups * sums[2 + 2 * i] == sums[1 + 2 * i] ** 2 for i in range(_LIMBS))
+    return GroupVerdict(spike=sums[0] > 0, same_snapshot=same)

@@ -83,23 +83,32 @@ def check_fault_tolerance(spec: Any) -> None:
         require()  # a Ray whose worker group cannot be made to build groups of several: refused, naming the fix
 
 
-def _callback_refusals(callbacks: Any) -> list:
-    """What of ``callbacks`` (instances) replica groups cannot run, one phrase each: a `SpikeGuard` (each group's
-    loop agrees with itself only: one group would roll back alone and its replica differ from the others' in
-    silence, and a peer's heal would undo a rollback)."""
-    if any(isinstance(c, SpikeGuard) for c in callbacks):
-        return [
-            "SpikeGuard: each replica group's per-batch agreement is its own, so a spike seen in one group would roll "
-            "that group back alone and its weights would differ from the other groups' in silence (drop SpikeGuard "
-            "for this run; NaNMonitor stops it instead)"
-        ]
-    return []
+def _callback_refusals(callbacks: Any, group_size: int = 1) -> list:
+    """What of ``callbacks`` (instances) replica groups cannot run, one phrase each. A `SpikeGuard` runs in
+    one-worker groups: every group votes on each step with its gradient all-reduce and rolls back at the same
+    committed step (`SpikeGuard`'s module doc); not yet in groups of several workers, nor with its bisection or
+    quarantine (their replays and row counts are collectives inside one world)."""
+    guards = [c for c in callbacks if isinstance(c, SpikeGuard)]
+    refusals = []
+    if guards and group_size > 1:
+        refusals.append(
+            f"SpikeGuard with replica_group_size={group_size}: each worker of a group votes on the step with its own "
+            "position's all-reduce across the groups, so the workers of one group could decide differently (use "
+            "replica_group_size=1, or drop SpikeGuard: NaNMonitor stops the run instead)"
+        )
+    if any(g.bisect or g.row_key is not None for g in guards):
+        refusals.append(
+            "SpikeGuard(bisect=True) or a quarantine (row_key=, quarantine_from=): the replay of the window and the "
+            "dropped rows' counts are collectives of one world, not of the replica groups (use SpikeGuard() "
+            "without them: the window is rolled back and skipped in every group)"
+        )
+    return refusals
 
 
-def refuse_group_callbacks(callbacks: Any) -> None:
+def refuse_group_callbacks(callbacks: Any, group_size: int = 1) -> None:
     """On each worker (`ReplicaCommit` at INIT): the callbacks a factory (``callbacks(config)``) built, refused as
     the driver refuses instances (`check_fault_tolerance`)."""
-    refusals = _callback_refusals(callbacks)
+    refusals = _callback_refusals(callbacks, group_size)
     if refusals:
         raise ValueError(
             "fault_tolerance='replica_groups' does not support " + "; ".join(refusals) + ". Fix: change these "
@@ -109,7 +118,8 @@ def refuse_group_callbacks(callbacks: Any) -> None:
 
 def _unsupported(spec: Any) -> list:
     """What in ``spec`` replica groups do not support yet, one phrase each."""
-    refusals = [] if callable(spec.callbacks) else _callback_refusals(spec.callbacks)  # a factory: on the workers
+    # A factory's callbacks: refused on the workers.
+    refusals = [] if callable(spec.callbacks) else _callback_refusals(spec.callbacks, spec.replica_group_size)
     workers = spec.workers
     if isinstance(workers, tuple):
         refusals.append("an elastic num_workers=(min, max): pass a fixed num_workers (the replica groups)")

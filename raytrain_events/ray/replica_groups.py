@@ -16,7 +16,8 @@ by the run's strategy, `ray/fault_tolerance/replica_groups.py`):
   an uninterrupted run;
 - `CommitOptimizer`: gradients averaged over the participants (one flat all-reduce through the
   Manager, ended at once when another group of the quorum fails: `replica_abort.py`), the optimizer
-  stepped only if ``manager.should_commit()``;
+  stepped only if ``manager.should_commit()``; a `SpikeGuard`'s vote (seven small integers) rides at
+  the end of that all-reduce (`ReplicaCommit` is the loop's `StepVote`: ``callbacks/spike_groups.py``);
 - `ReplicaCommit` (a callback): a committed step advances the Timestamp by the global batch's
   rows; an uncommitted one restores the Timestamp and schedulers, so the loader serves the same
   global batch again to the new quorum. Every row is trained once per epoch and the final
@@ -50,8 +51,10 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from raytrain_events.callbacks.spike_guard import SpikeGuard
 from raytrain_events.core.callback import Callback, QuorumChange
 from raytrain_events.core.replica_layout import part_rows
+from raytrain_events.core.spikes import Skipped
 from raytrain_events.core.time import Timestamp, counters_of
 from raytrain_events.data.ray.loader import GlobalOrderLoader
 from raytrain_events.ray.checkpointing.validation import VALIDATE_KEY
@@ -77,13 +80,21 @@ class ReplicaState:
 
     def state_dict(self) -> Dict[str, Any]:
         assert self.model is not None and self.state is not None
-        return {
+        sd = {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "schedulers": [s.state_dict() for s in self.schedulers],
             "timestamp": self.state.timestamp.state_dict(),
             "rng": torch.get_rng_state(),
         }
+        guards = self._guards()
+        if guards:  # the run's skip list and skipped counts: a joining group then saves and reports the same
+            sd["skipped"] = self.state.skipped.state_dict()
+            sd["spike_guards"] = [g.state_dict() for g in guards]
+        return sd
+
+    def _guards(self) -> List[SpikeGuard]:
+        return [c for c in getattr(self.state, "callbacks", ()) if isinstance(c, SpikeGuard)]
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         assert self.model is not None and self.state is not None
@@ -93,6 +104,10 @@ class ReplicaState:
             scheduler.load_state_dict(s)
         self.state.timestamp = Timestamp.from_state_dict(sd["timestamp"])
         torch.set_rng_state(sd["rng"])
+        if "skipped" in sd:
+            self.state.skipped = Skipped.from_state_dict(sd["skipped"])
+        for guard, guard_state in zip(self._guards(), sd.get("spike_guards", [])):
+            guard.load_state_dict(guard_state)  # its skip list and rollbacks (its snapshots: taken after the heal)
         self.healed += 1
         log.info("Recovered from a healthy replica group at %s", self.state.timestamp)
 
@@ -152,6 +167,10 @@ class CommitOptimizer(torch.optim.Optimizer):
         self.watch = watch
         self.optim = optimizer
         self.committed = False
+        # What `ReplicaCommit.carry` adds to each step's all-reduce (a `SpikeGuard`'s vote), and its sums.
+        self.vote: Optional[Callable[[], List[int]]] = None
+        self.vote_sums: List[int] = []
+        self.participants = 0
 
     @property  # type: ignore[override]
     def param_groups(self) -> List[Dict[str, Any]]:
@@ -177,13 +196,26 @@ class CommitOptimizer(torch.optim.Optimizer):
                 p.grad = torch.zeros_like(p)
         # This worker's part of each gradient: the whole one, or its shard under FSDP (a DTensor's local tensor).
         grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params]
-        if grads:  # one flat all-reduce (the Manager averages over the participants; errors -> no commit)
-            flat = torch.cat([g.reshape(-1) for g in grads])
+        votes = self.vote() if self.vote is not None else []
+        if grads or votes:  # one flat all-reduce (the Manager averages over the participants; errors -> no commit)
+            parts = [g.reshape(-1) for g in grads]
+            if votes:  # the votes ride at the end, as floats (exact: small integers, see `core/spikes.group_vote`)
+                dtype = parts[0].dtype if parts else torch.float32
+                if dtype not in (torch.float32, torch.float64):
+                    raise ValueError(
+                        f"replica groups: a SpikeGuard's vote rides on the gradient all-reduce, which is {dtype} here "
+                        "and would round it. Fix: keep the parameters in float32 (precision='bf16' autocasts them)."
+                    )
+                parts.append(torch.tensor(votes, dtype=dtype, device=parts[0].device if parts else "cpu"))
+            flat = torch.cat(parts)
             self.watch.allreduce(self.manager, flat)  # a failed peer ends it at once (replica_abort.py)
             offset = 0
             for g in grads:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
+            if votes:  # averaged over the participants: back to the integer sums
+                self.participants = n = int(self.manager.num_participants())
+                self.vote_sums = [round(v * n) for v in flat[offset:].tolist()]
         self.committed = bool(self.manager.should_commit())
         if self.committed:
             self.optim.step()
@@ -321,7 +353,8 @@ class ReplicaCommit(Callback):
         loader.on_change = self._quorum_change
 
     def init(self, state, logger) -> None:
-        refuse_group_callbacks(state.callbacks)  # what a callbacks(config) factory built (instances: on the driver)
+        # What a callbacks(config) factory built (instances: on the driver).
+        refuse_group_callbacks(state.callbacks, self.loader.group_size)
         self.loader.replicas.state = state
         self._loop = (state, logger)
 
@@ -351,6 +384,15 @@ class ReplicaCommit(Callback):
             for scheduler, saved in zip(state.schedulers, self._schedulers):
                 scheduler.load_state_dict(saved)
             log.warning("replica groups: the step at batch %s did not commit; training it again", int(before.batch))
+
+    def carry(self, vote: Callable[[], List[int]]) -> None:
+        """`StepVote`: ``vote()`` rides at the end of every step's gradient all-reduce (`CommitOptimizer.step`)."""
+        self.optimizer.vote = vote
+
+    def vote_sums(self) -> Optional[Tuple[List[int], int]]:
+        """`StepVote`: the latest step's votes summed over its participants, and how many; None if it did not commit."""
+        optimizer = self.optimizer
+        return (optimizer.vote_sums, optimizer.participants) if optimizer.committed else None
 
     def _quorum_change(self, change: QuorumChange) -> None:
         self.changes.append(change)

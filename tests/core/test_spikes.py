@@ -116,3 +116,29 @@ def test_rollback_policy_stops_naming_the_positions():
     for bad in (dict(max_rollbacks=0), dict(max_window=0), dict(max_rollbacks=1.5)):
         with pytest.raises(ValueError):
             RollbackPolicy(**bad)
+
+
+def test_group_votes_tell_a_spike_and_whether_every_group_holds_the_same_snapshot():
+    """Replica groups sum their votes in the step's all-reduce: any group's flag is a spike for all; the limbs and
+    their squares tell equal snapshot distances from unequal ones, the middle value of three included."""
+    import torch
+
+    from raytrain_events.core.spikes import MAX_SINCE_SNAPSHOT, group_vote, read_group_votes
+
+    def verdict(votes):
+        return read_group_votes([sum(column) for column in zip(*votes)], len(votes))
+
+    same = verdict([group_vote(False, 7)] * 4)
+    assert (same.spike, same.same_snapshot) == (False, True)
+    assert verdict([group_vote(i == 2, 7) for i in range(4)]).spike  # one group's spike is every group's
+    for distances in ([40, 45, 50], [0, 64], [4095, 4096], [7, 7, 7, 7 + 64**3], [MAX_SINCE_SNAPSHOT - 1, 0]):
+        assert not verdict([group_vote(True, d) for d in distances]).same_snapshot, distances
+    # Exact through a float32 all-reduce that averages (torchft's): 2,000 groups at the largest limbs.
+    n, worst = 2000, group_vote(True, MAX_SINCE_SNAPSHOT - 1)
+    mean = torch.tensor([worst] * n, dtype=torch.float32).sum(0) / n  # the sum, then the division, in float32
+    assert [round(v * n) for v in mean.tolist()] == [w * n for w in worst]
+    for bad in (-1, MAX_SINCE_SNAPSHOT, True):
+        with pytest.raises(ValueError, match="since_snapshot"):
+            group_vote(False, bad)
+    with pytest.raises(ValueError, match="Not the sums of group votes"):
+        read_group_votes([1, 2], 2)

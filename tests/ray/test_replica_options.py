@@ -172,10 +172,13 @@ def test_a_lost_lighthouse_is_told_apart_and_ends_the_run_on_the_controller(monk
         watch.after_exception(None, {1: lost})
 
 
-def test_a_spike_guard_is_refused_before_ray_starts_and_a_factorys_on_the_worker(monkeypatch):
-    """Each replica group's loop agrees with itself only: a SpikeGuard would roll one group back alone (its
-    weights then differ from the other groups' in silence). Refused on the driver (instances) before Ray starts,
-    and at each group's INIT for what a callbacks(config) factory built."""
+def test_a_spike_guard_runs_in_one_worker_groups_its_bisection_and_groups_of_several_are_refused(monkeypatch):
+    """Replica groups vote on a spike with each step's gradient all-reduce (callbacks/spike_groups.py), so a plain
+    SpikeGuard is accepted in one-worker groups; its bisection and quarantine (collectives of one world) and groups
+    of several workers (each position votes apart) are refused on the driver (instances) before Ray starts, and at
+    each group's INIT for what a callbacks(config) factory built."""
+    from types import SimpleNamespace
+
     import ray
 
     from raytrain_events.callbacks import SpikeGuard
@@ -186,10 +189,50 @@ def test_a_spike_guard_is_refused_before_ray_starts_and_a_factorys_on_the_worker
         raise AssertionError("Ray must not start")
 
     monkeypatch.setattr(ray, "init", no_ray)
-    with pytest.raises(ValueError, match="does not support SpikeGuard: each replica group") as error:
-        RayTrainer(**_options(callbacks=[SpikeGuard()]))
+    RayTrainer(**_options(callbacks=[SpikeGuard()]))  # accepted
+    with pytest.raises(ValueError, match=r"SpikeGuard\(bisect=True\) or a quarantine") as error:
+        RayTrainer(**_options(callbacks=[SpikeGuard(bisect=True, row_key="id")]))
     assert "Fix:" in str(error.value)
-    RunSpec(**_options(callbacks=lambda config: [SpikeGuard()]))  # a factory: known only on the workers
-    state = State(model=None, callbacks=[SpikeGuard()])
-    with pytest.raises(ValueError, match="does not support SpikeGuard"):
-        ReplicaCommit.init(object(), state, None)  # the group's commit callback, first at INIT
+    with pytest.raises(ValueError, match="SpikeGuard with replica_group_size=2: each worker of a group votes"):
+        RayTrainer(**_options(callbacks=[SpikeGuard()], num_workers=4, replica_group_size=2, parallelism="fsdp"))
+    RunSpec(**_options(callbacks=lambda config: [SpikeGuard(row_key="id")]))  # a factory: known only on the workers
+    commit = SimpleNamespace(loader=SimpleNamespace(group_size=1))
+    with pytest.raises(ValueError, match="or a quarantine"):
+        ReplicaCommit.init(commit, State(model=None, callbacks=[SpikeGuard(row_key="id")]), None)
+    commit.loader.group_size = 3
+    with pytest.raises(ValueError, match="replica_group_size=3"):
+        ReplicaCommit.init(commit, State(model=None, callbacks=[SpikeGuard()]), None)
+
+
+def test_a_joining_group_receives_the_runs_skip_list_and_skipped_counts_from_its_peer():
+    """The live recovery's state (`ReplicaState`) carries a SpikeGuard's skip list and rollbacks and `State.skipped`:
+    a group replaced after a rollback then saves and reports what the others do."""
+    import torch
+
+    from raytrain_events.callbacks import SpikeGuard
+    from raytrain_events.core.spikes import SkipRange
+    from raytrain_events.core.state import State
+    from raytrain_events.ray.replica_groups import ReplicaState
+
+    def replica():
+        model = torch.nn.Linear(2, 2)
+        replicas = ReplicaState()
+        replicas.model, replicas.optimizer = model, torch.optim.SGD(model.parameters(), lr=0.1)
+        replicas.state = State(model=model, callbacks=[SpikeGuard()])
+        return replicas
+
+    live, joining = replica(), replica()
+    guard = live.state.callbacks[0]
+    guard.skips.add(SkipRange(0, 132, 156, 2, 0))
+    guard.rollbacks.append({"batch": 13, "restored_batch": 11})
+    live.state.skipped.add_window(2, 24, 0)
+    joining.load_state_dict(live.state_dict())
+    assert joining.state.callbacks[0].skips.ranges == [SkipRange(0, 132, 156, 2, 0)]
+    assert joining.state.callbacks[0].rollbacks == [{"batch": 13, "restored_batch": 11}]
+    assert joining.state.skipped.state_dict() == live.state.skipped.state_dict()
+    assert "skipped" not in ReplicaState.state_dict(_without_guard(live))  # no guard: what it sent before
+
+
+def _without_guard(replicas):
+    replicas.state.callbacks = []
+    return replicas

@@ -1,0 +1,44 @@
+"""The gradient norm `SpikeGuard` judges, before any clipping: which `GradientClipping`'s pre-clip norm it
+shares (`shared_clipping`), and the ``AFTER_BACKWARD`` hook that takes the norm before an unshared clipping
+clips (`PreClipNorm`, added by the guard at INIT only then)."""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from raytrain_events.algorithms.gradient_clipping import GradientClipping
+from raytrain_events.core.callback import Callback
+from raytrain_events.core.logger import Logger
+from raytrain_events.core.state import State
+
+__all__ = ["PreClipNorm", "shared_clipping"]
+
+
+class PreClipNorm(Callback):
+    """The guard's ``AFTER_BACKWARD`` hook, added at INIT only when a `GradientClipping` is configured."""
+
+    def __init__(self, guard: Any) -> None:
+        self.guard = guard
+
+    def after_backward(self, state: State, logger: Logger) -> None:
+        self.guard._take_pre_clip(state)
+
+
+def shared_clipping(state: State, params: List[torch.Tensor]) -> Optional[GradientClipping]:
+    """The `GradientClipping` whose pre-clip norm is this guard's gradient norm, or None: clipping by the L2
+    norm of exactly the optimized parameters, none of them sharded (an FSDP clip's norm is the global one,
+    the guard's this rank's)."""
+    trained = {id(p) for p in params}
+    for algorithm in state.algorithms:
+        if (
+            type(algorithm) is GradientClipping
+            and algorithm.clipping_type == "norm"
+            and algorithm.norm_type == 2.0
+            and trained == {id(p) for p in state.model.parameters() if p.requires_grad}
+            and not any(isinstance(p, DTensor) for p in params)
+        ):
+            return algorithm
+    return None

@@ -1,0 +1,153 @@
+"""`SpikeGuard` under replica groups (``fault_tolerance="replica_groups"``) on the session's real local Ray:
+4 one-worker groups under torchft, a row planted at a known global position spikes the loss of the one
+group whose part of the global batch holds it; the vote riding on that step's gradient all-reduce makes
+every group roll back at that same committed step, to the same host snapshot, and skip the same global-order
+rows; the run ends at the uninterrupted run's Timestamp (trained + skipped), every other row trained once,
+and the 4 groups' final weights identical.
+
+The order is the dataset's (no shuffle): global batch ``b`` (1-based) is rows ``[12 (b - 1), 12 b)``, cut into
+4 parts of 3 by the step's quorum; the planted row 150 is in batch 13, in participating rank 2's part. The
+snapshots are every 4 committed steps from the fit's start and at every quorum change (a group joining the
+first quorums late moves them), so the test reads the restored step from the groups and checks they agree.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+from collections import Counter
+
+import pytest
+from ray import cloudpickle as ray_cloudpickle
+
+from raytrain_events import Callback
+from raytrain_events.callbacks import SpikeGuard
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import replica_helpers  # noqa: E402
+import resume_helpers as h  # noqa: E402
+from test_spike_run import PLANTED, _plant  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+ray_cloudpickle.register_pickle_by_value(h)
+ray_cloudpickle.register_pickle_by_value(replica_helpers)
+ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])
+GROUPS = 4
+
+
+class DumpGroupGuard(Callback):
+    """Each group writes its guard's skip list, rollbacks, trained counts and skipped record at the fit's end."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def fit_end(self, state, logger) -> None:
+        guard = next(c for c in state.callbacks if isinstance(c, SpikeGuard))
+        out = {
+            "skips": guard.skips.state_dict()["ranges"],
+            "rollbacks": guard.rollbacks,
+            "trained": guard.trained(state),
+            "skipped": state.skipped.state_dict(),
+            "timestamp": int(state.timestamp.batch),
+        }
+        with open(os.path.join(self.folder, f"guard-{os.getpid()}.json"), "w") as fh:
+            json.dump(out, fh)
+
+
+class StartTogether(Callback):
+    """Each group waits at FIT_START until every group has started (`RecordCommits` writes ``proc-<pid>.json`` at
+    its FIT_START, before this): on a loaded machine the first groups would otherwise train the short epoch out
+    before the last one joins, which then waits for a quorum that never comes."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def fit_start(self, state, logger) -> None:
+        import time
+
+        deadline = time.monotonic() + 240
+        while len(glob.glob(os.path.join(self.folder, "proc-*.json"))) < GROUPS and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+
+@pytest.mark.timeout(600)
+def test_every_replica_group_rolls_back_at_the_same_step_and_skips_the_same_rows(ray_cluster, tmp_path):
+    import ray.data
+    import torch
+
+    from raytrain_events import RayTrainer
+
+    data = str(tmp_path / "parquet")
+    h.write_parquet(data)
+    _plant(data)
+    records, dumps = str(tmp_path / "records"), str(tmp_path / "guard")
+    os.makedirs(records), os.makedirs(dumps)
+    with open(os.path.join(records, "done"), "w"):
+        pass  # RecordCommits: no pacing
+    result = RayTrainer(
+        model=h.make_model,
+        optimizers=h.make_sgd,
+        datasets={"train": ray.data.read_parquet(data)},
+        max_duration="1ep",
+        batch_size=h.GLOBAL_BATCH // GROUPS,
+        num_workers=GROUPS,
+        resources_per_worker={"CPU": 0.5},
+        fault_tolerance="replica_groups",
+        callbacks=lambda: [
+            replica_helpers.RecordCommits(records, 0.0),
+            StartTogether(records),
+            SpikeGuard(snapshot_interval=4, warmup=5, loss_ratio=5.0, grad_zscore=None),
+            DumpGroupGuard(dumps),
+        ],
+        report_every_s=2.0,
+        storage_path=str(tmp_path / "runs"),
+        run_name="spiky_groups",
+        seed=0,
+    ).fit()
+    # The uninterrupted run's Timestamp: the skipped rows count as positions (trained + skipped).
+    assert h.timestamp_of(result) == {"epoch": 1, "batch": h.BATCHES_PER_EPOCH, "sample": h.ROWS, "token": 0}
+    guards = []
+    for path in sorted(glob.glob(os.path.join(dumps, "guard-*.json"))):
+        with open(path) as fh:
+            guards.append(json.load(fh))
+    assert len(guards) == GROUPS  # no group was replaced
+    # One rollback, in every group: at batch 13 (the planted row's), to the same snapshot, the same rows skipped.
+    first = guards[0]["rollbacks"]
+    assert len(first) == 1 and first[0]["spike_batch"] == 13 == first[0]["batch"] and first[0]["from"] == "host"
+    restored = first[0]["restored_batch"]
+    assert 13 - 4 <= restored < 13
+    window = [0, restored * h.GLOBAL_BATCH, 13 * h.GLOBAL_BATCH]
+    assert first[0]["skipped"] == [window]
+    for guard in guards:
+        drop = ("reason",)
+        assert [{k: v for k, v in r.items() if k not in drop} for r in guard["rollbacks"]] == [
+            {k: v for k, v in first[0].items() if k not in drop}
+        ]
+        assert guard["skips"] == [[*window, 13 - restored, 0]]
+        skipped_rows = window[2] - window[1]
+        assert guard["trained"] == {"batch": 17 - (13 - restored), "sample": h.ROWS - skipped_rows, "token": 0}
+        assert guard["skipped"]["samples"] == skipped_rows and guard["timestamp"] == 17
+    reasons = [g["rollbacks"][0]["reason"] for g in guards]  # the group holding row 150 saw it; the others voted
+    assert sum("loss" in r for r in reasons) == 1 and reasons.count("seen in another replica group") == GROUPS - 1
+    # Every row outside the window trained once (the committed steps' global batches, by their batch number).
+    committed = {}
+    for path in glob.glob(os.path.join(records, "rows-*.jsonl")):
+        with open(path) as fh:
+            for line in fh:
+                r = json.loads(line)
+                if r["committed"]:
+                    assert committed.setdefault(r["batch"], r["global"]) == r["global"]  # the same rows in each group
+    assert sorted(committed) == list(range(1, 18))
+    kept = [i for b, ids in committed.items() if not restored < b <= 13 for i in ids]
+    assert Counter(kept) == Counter(i for i in range(h.ROWS) if not window[1] <= i < window[2])
+    assert PLANTED in range(window[1], window[2])
+    # The replicas are identical at the end (the rollback left no group apart).
+    finals = [torch.load(p, weights_only=False) for p in glob.glob(os.path.join(records, "final-*.pt"))]
+    assert len(finals) == GROUPS
+    for final in finals[1:]:
+        positions = {k: v for k, v in final["timestamp"].items() if "wct" not in k}  # (each group's own clock)
+        assert positions == {k: v for k, v in finals[0]["timestamp"].items() if "wct" not in k}
+        for name, tensor in finals[0]["model"].items():
+            assert torch.equal(final["model"][name], tensor), name
