@@ -4,11 +4,20 @@
 proxies as trials of one sweep: the first ``initial`` trials get seeded Dirichlet draws over the
 sources (as `mixture_space`); once every trial placed so far has ended, the searcher fits the
 losses they reported (`fit_mixture_regression`) and places the next ``batch`` where ``criterion``
-scores best (`choose_mixture`'s candidates and scores; expected improvement by default), greedily,
+scores best (`choose_mixture`'s candidates and scores; expected improvement by default) among
+candidates inside the trust region around the ``incumbents`` proxies the fit ranks best (their
+predicted mean; ``trust_region="auto"``, the default: the proxies' median nearest-neighbour
+distance, so the region shrinks as the proxies close in; None: the whole simplex), greedily,
 each next point at least ``spread`` (total-variation distance) from the points chosen before it in
 the batch, so one batch does not pile onto one spot. It ends after ``max_trials`` trials (Tune's
 ``num_samples`` caps it as well). After the sweep, `regmix_search` (or `choose_mixture` on
 `MixtureSearcher.fit`) chooses the full run's mixture from all the trials.
+
+Why a region around the incumbents: over the whole simplex, expected improvement on 5 sources
+and a dozen proxies goes where the fit knows least, the simplex's corners (a source near 0), so
+most rounds were spent on proxies worse than uniform weights; near the best proxies it refines
+(TuRBO's trust region, with its radius read from the proxies' spacing instead of kept as state).
+Measured in `bench/mixture_search.py` (docs/tune.md).
 
 The placement is a pure function of the trials' losses and ``seed`` (each round's candidates drawn
 from ``seed`` and the round's number), and the searcher's state (the points placed, which trial got
@@ -56,7 +65,8 @@ class MixtureSearcher(Searcher):
         inputs: str = "shares",
         criterion: str = "ei",
         kappa: float = 1.0,
-        trust_region: TrustRegion = None,
+        trust_region: TrustRegion = "auto",
+        incumbents: int = 3,
         spread: Optional[float] = None,
         concentration: float = 1.0,
         candidates: int = 4000,
@@ -78,6 +88,7 @@ class MixtureSearcher(Searcher):
         self.inputs = inputs
         check_choice_args(criterion, kappa, trust_region)
         self.criterion, self.kappa, self.trust_region = criterion, float(kappa), trust_region
+        self.incumbents = _count(incumbents, "incumbents", 1)
         if spread is not None and not (isinstance(spread, (int, float)) and 0 <= spread <= 1):
             raise ValueError(f"MixtureSearcher(spread={spread!r}) must be a distance in [0, 1] (or None: automatic).")
         self.spread, self.candidates, self.seed = spread, _count(candidates, "candidates", 1), int(seed)
@@ -130,7 +141,7 @@ class MixtureSearcher(Searcher):
 
     def get_state(self) -> Dict[str, Any]:
         keys = ("names", "alphas", "initial", "batch", "max_trials", "model", "inputs", "criterion", "kappa")
-        keys += ("trust_region",)
+        keys += ("trust_region", "incumbents")
         state = {k: getattr(self, k) for k in keys}
         state.update(spread=self.spread, candidates=self.candidates, seed=self.seed, rounds=self.rounds)
         state.update(placed=self.placed, assigned=self.assigned, losses=self.losses, metric=self._metric)
@@ -162,13 +173,18 @@ class MixtureSearcher(Searcher):
             [d["loss"] for d in done],
             names=self.names,
             model=self.model,
+            inputs=self.inputs,
             folds=0,
             seed=self.seed,
         )
         self.rounds += 1
         rng = np.random.default_rng([self.seed, self.rounds])
         radius = auto_radius(self.fit.points) if self.trust_region == "auto" else self.trust_region
-        pool = candidates_near(self.fit.points, radius, self.candidates, float(np.mean(self.alphas)), rng)
+        centers = self.fit.points
+        if radius is not None:  # the region around the incumbents: the proxies the fit ranks best
+            order = np.argsort(self.fit.predict_rows(self.fit.points)[0], kind="stable")
+            centers = self.fit.points[order[: self.incumbents]]
+        pool = candidates_near(centers, radius, self.candidates, float(np.mean(self.alphas)), rng)
         score, _, _ = scores(self.fit, pool, self.criterion, self.kappa)
         spread = self.spread if self.spread is not None else auto_radius(self.fit.points) / 2
         chosen: List[np.ndarray] = []

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from raytrain_events.core.mixture import Mixture
-from raytrain_events.tune.acquisition import tv_distance
+from raytrain_events.tune.acquisition import auto_radius, tv_distance
 from raytrain_events.tune.mixture_fit import weight_matrix
 from raytrain_events.tune.mixture_searcher import MixtureSearcher
 
@@ -96,6 +96,21 @@ def test_bad_searcher_arguments_are_refused():
         MixtureSearcher(BASE, trust_region=0)
     with pytest.raises(ValueError, match="mode='max'.*minimises"):
         MixtureSearcher(BASE, mode="max")
+    with pytest.raises(ValueError, match="incumbents=0.*>= 1"):
+        MixtureSearcher(BASE, incumbents=0)
+
+
+def test_a_round_fits_on_the_searchers_inputs_and_stays_near_the_incumbents():
+    """The round's fit reads the searcher's ``inputs`` (it once fitted the shares whatever was asked), and the
+    batch lands inside the trust region around the 2 proxies the fit ranks best, not in the simplex's corners."""
+    searcher = _searcher(inputs="log", incumbents=2, initial=6, batch=2, max_trials=8, candidates=200)
+    _drive(searcher, 0, 6)
+    second = _drive(searcher, 6, 8)
+    fit = searcher.fit
+    assert fit is not None and fit.inputs == "log" and fit.n_points == 6
+    best = fit.points[np.argsort(fit.predict_rows(fit.points)[0])[:2]]
+    placed = weight_matrix([s["mixture"] for s in second], TASK.names)
+    assert tv_distance(placed, best).min(axis=1).max() <= auto_radius(fit.points) + 1e-3
 
 
 def test_sweep_refuses_a_searcher_the_base_run_cannot_train_before_ray_starts(tmp_path, monkeypatch):
