@@ -14,6 +14,9 @@ global batch cut into ``participants * group_size`` near-equal contiguous parts,
 ``participant * group_size + position``-th, so the step trains each row of the global batch exactly once at any
 quorum, and with equal parts the averaged gradient (FSDP's mean over the group's ranks, then torchft's over the
 groups) is the mean over the whole global batch: the step an uninterrupted run takes.
+
+Eval sets: cut by position only (`ReplicaLayout.eval_part`): position ``p`` of every group evaluates part ``p`` of
+``group_size`` equal parts, so each group evaluates the whole set, alone, at the global Timestamp's eval points.
 """
 
 from __future__ import annotations
@@ -96,6 +99,13 @@ class ReplicaLayout:
         """The world ranks at ``world_rank``'s position in every group (one torchft process group; its own included)."""
         position = self.position_of(world_rank)
         return [g * self.group_size + position for g in range(self.groups)]
+
+    def eval_part(self, world_rank: int) -> int:
+        """Which of an eval set's ``group_size`` equal parts ``world_rank`` evaluates: its position's. The set is cut
+        by position only, never by group, so every group evaluates the whole set alone (its metrics synced over its
+        own process group) and needs no other group: one that is away, or dies mid-eval, holds nobody back, and
+        whichever group leads next has the same metrics."""
+        return self.position_of(world_rank)
 
     def rows(self, global_rows: int, participant: int, participants: int, position: int) -> Tuple[int, int]:
         """The rows ``[a, b)`` of a ``global_rows``-row global batch the worker at ``position`` of the quorum's

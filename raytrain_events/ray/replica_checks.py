@@ -8,16 +8,16 @@ of groups. What is not built yet is refused here with the reason and the fix, in
 wrongly: sharding in one-worker groups, tensor, context or pipeline parallelism inside a group, a group
 size that does not divide the workers, a Ray whose worker group cannot be made to build groups of
 several, elastic groups, several optimizers, token counting, fp16's GradScaler, checkpoints kept by rank
-(``keep_best``), eval sets and asynchronous validation in groups of several workers, and fewer than two
-groups. In one-worker groups, in-loop eval sets are supported (each group evaluates
-the whole set: `fault_tolerance/replica_groups.py`), and asynchronous validation (the run's history actor starts
-the tasks on the lead's checkpoints: `ray/reports/history.py`).
+(``keep_best``), and fewer than two groups. In-loop eval sets are supported (each group evaluates the whole
+set alone: one worker the whole of it, `fault_tolerance/replica_groups.py`; a group of several a part per position,
+`fault_tolerance/sharded_replica_groups.py`), and asynchronous validation (the run's history actor starts the tasks
+on the lead's checkpoints, sharded ones resharded to one process: `ray/reports/history.py`).
 """
 
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Dict, Mapping
+from typing import Any, Dict
 
 from raytrain_events.callbacks.spike_guard import SpikeGuard
 from raytrain_events.core.replica_layout import layout_problem
@@ -156,17 +156,6 @@ def _sharded_unsupported(spec: Any) -> list:
         )
         if degree > 1
     ]
-    if isinstance(spec.datasets, Mapping) and set(spec.datasets) != {"train"}:
-        refusals.append(
-            f"eval datasets with replica groups of {size} workers: eval sets are built for one-worker groups only "
-            "(replica_group_size=1), where each group evaluates the whole set; evaluate the saved checkpoints with "
-            "Trainer.eval after the run instead"
-        )
-    if spec.validation is not None:
-        refusals.append(
-            f"validation= with replica groups of {size} workers: asynchronous validation is built for one-worker "
-            "groups only (replica_group_size=1)"
-        )
     try:
         fsdp.mesh_shape(size)  # the group's own mesh: HSDP's replicate must divide the group
     except ValueError as error:

@@ -70,3 +70,14 @@ def test_a_layout_that_cannot_be_made_is_refused_naming_the_fix(workers, size, m
 def test_a_global_batch_smaller_than_the_workers_is_refused():
     with pytest.raises(ValueError, match="cannot give each of 4 workers a row"):
         ReplicaLayout(workers=4, group_size=2).rows(3, 0, 2, 0)
+
+
+def test_an_eval_set_is_cut_by_position_so_every_group_evaluates_all_of_it():
+    layout = ReplicaLayout(workers=12, group_size=4)  # 3 groups x 4 FSDP ranks
+    parts = [layout.eval_part(r) for r in range(12)]
+    assert parts == [0, 1, 2, 3] * 3  # each group's 4 workers: the set's 4 parts, once each
+    for group in range(3):
+        assert sorted(parts[r] for r in layout.ranks_of(group)) == list(range(4))
+    assert [ReplicaLayout(workers=4).eval_part(r) for r in range(4)] == [0] * 4  # one-worker groups: the whole set
+    with pytest.raises(ValueError, match="world rank 12"):
+        layout.eval_part(12)
