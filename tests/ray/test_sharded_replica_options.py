@@ -29,7 +29,11 @@ def _sharded(**over):
         (dict(num_workers=2), r"makes 1 replica group.*num_workers=4 or more"),
         (dict(replica_group_size=0), r"replica_group_size=0 must be a whole number"),
         (dict(parallelism="ddp"), r"replica_group_size=2 with parallelism='ddp'.*parallelism='fsdp'"),
-        (dict(parallelism=FSDPConfig(tensor_parallel=2)), r"FSDPConfig\(tensor_parallel=2\) inside replica groups"),
+        (dict(parallelism=FSDPConfig(context_parallel=2)), r"FSDPConfig\(context_parallel=2\) inside replica groups"),
+        (
+            dict(parallelism=FSDPConfig(tensor_parallel=4)),
+            r"replica_group_size=2 workers cannot hold this mesh.*tensor_parallel=4",
+        ),
         (dict(parallelism=FSDPConfig(replicate=4)), r"cannot hold this mesh.*replicate=4"),
         (dict(fault_tolerance=None), r"replica_group_size=2 sets the workers of each replica group, but this run has"),
     ],
@@ -136,3 +140,8 @@ def test_eval_sets_and_validation_are_accepted_and_each_position_evaluates_its_p
     assert ray_datasets == {}
     assert side.shards == [("train", r) for r in range(6)]
     assert side.evals == {name: [(name, p, 3) for p in range(3)] for name in ("val", "test")}
+    # FSDP x TP inside groups of 4 (2 x 2): a part per tensor group, shared by its two ranks
+    tp = RayTrainer(**_sharded(num_workers=8, replica_group_size=4, parallelism=FSDPConfig(tensor_parallel=2)))
+    side, _ = choose(tp.spec, tp.plan).worker_side(Data(), data, None)
+    assert side.layout.tensor_parallel == 2 and side.evals["val"] == [("val", 0, 2), ("val", 1, 2)]
+    assert [side.layout.eval_part(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
