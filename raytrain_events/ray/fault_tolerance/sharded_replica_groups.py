@@ -65,7 +65,8 @@ class ShardedReplicaGroups(ReplicaGroups):
 
     def __init__(self, spec: Any, plan: Any) -> None:  # noqa: D107
         super().__init__(spec, plan)
-        self.layout = ReplicaLayout(spec.workers, spec.replica_group_size)
+        tensor_parallel = spec.parallelism_spec.fsdp.tensor_parallel  # FSDP x TP inside each group
+        self.layout = ReplicaLayout(spec.workers, spec.replica_group_size, tensor_parallel)
 
     def torch_config(self, torch_options: Dict[str, Any]) -> Any:
         from raytrain_events.ray.replica_checks import torchft_config
@@ -83,11 +84,12 @@ class ShardedReplicaGroups(ReplicaGroups):
 
 
 def eval_parts(dataset: Any, layout: ReplicaLayout) -> List[Any]:
-    """An eval set's ``group_size`` equal contiguous parts (`ReplicaLayout.eval_part`: by position), an iterator each,
-    made once on the driver: position ``p`` of every group (and of every replacement) evaluates part ``p``. Equal:
-    a group's FSDP forwards are collectives, so each position runs the same number of batches (Ray's
-    ``split(equal=True)`` drops at most ``group_size - 1`` rows, as the restarts' deterministic split does)."""
-    return [part.iterator() for part in as_dataset(dataset).split(layout.group_size, equal=True)]
+    """An eval set's `ReplicaLayout.data_parts` equal contiguous parts, an iterator each, made once on the driver:
+    data-parallel position ``p`` of every group (and of every replacement) evaluates part ``p``
+    (`ReplicaLayout.eval_part`; a tensor group's ranks share one). Equal: a group's FSDP forwards are collectives,
+    so each position runs the same number of batches (Ray's ``split(equal=True)`` drops at most ``data_parts - 1``
+    rows, as the restarts' deterministic split does)."""
+    return [part.iterator() for part in as_dataset(dataset).split(layout.data_parts, equal=True)]
 
 
 def _local(tensor: Any) -> Any:
@@ -195,6 +197,7 @@ class ShardedReplicaGroupsWorker:
             replicas,
             group_size=layout.group_size,
             position=position,
+            tensor_parallel=layout.tensor_parallel,
             length=spec.steps_per_epoch,
             **loader_options,
         )
