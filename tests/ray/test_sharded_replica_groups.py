@@ -15,8 +15,9 @@ Eval through the kills: an eval set (48 rows) at every save point, each group ev
 position); at every eval point each live group's metrics equal the uninterrupted local run's at that batch, each
 save point's history entry carries them (those group 1 saved while group 0 was away included), and the 9th
 checkpoint's asynchronous validation (a Ray task resharding the lead's 2-rank checkpoint) matches them. The resumed
-run trains with tensor parallelism inside each group (``FSDPConfig(tensor_parallel=2)``: groups of one tensor group
-of 2), loading the FSDP checkpoint resharded, and ends exact too.
+run (no eval: the first run checked it) trains with tensor parallelism inside each group
+(``FSDPConfig(tensor_parallel=2)``: groups of one tensor group of 2), loading the FSDP checkpoint resharded, and
+ends exact too.
 """
 
 from __future__ import annotations
@@ -103,24 +104,25 @@ def _kill_twice(folder: str, kills: list, stop: threading.Event) -> None:
             pass
 
 
-def _trainer(tmp_path, data, folder, epochs=EPOCHS, tensor_parallel=1):
+def _trainer(tmp_path, data, folder, epochs=EPOCHS, tensor_parallel=1, evaluate=True):
     import pyarrow.parquet as pq
     import ray.data
 
     from raytrain_events import CheckpointConfig, FSDPConfig, RayTrainer
     from raytrain_events.ray.checkpointing.validation import AsyncValidation
 
+    evals = dict(
+        val=ray.data.from_arrow(pq.read_table(data).slice(0, EVAL_ROWS)),
+        val_async=ray.data.from_arrow(pq.read_table(data).slice(0, EVAL_ROWS)),
+    )
+    validation = AsyncValidation(datasets=["val_async"], every=VALIDATE_EVERY, resources={"CPU": 0.5})
     return RayTrainer(
         model=make_model if tensor_parallel == 1 else make_tensor_parallel_model,
         optimizers=make_sgd,
         # An eval set at every save point (each group evaluates all of it, a part per position), and the same rows
         # validated asynchronously (a Ray task loading the lead's 2-rank sharded checkpoint) on the 9th checkpoint.
-        datasets={
-            "train": ray.data.read_parquet(data),
-            "val": ray.data.from_arrow(pq.read_table(data).slice(0, EVAL_ROWS)),
-            "val_async": ray.data.from_arrow(pq.read_table(data).slice(0, EVAL_ROWS)),
-        },
-        validation=AsyncValidation(datasets=["val_async"], every=VALIDATE_EVERY, resources={"CPU": 0.5}),
+        datasets={"train": ray.data.read_parquet(data), **(evals if evaluate else {})},
+        validation=validation if evaluate else None,
         eval_interval=f"{SAVE_EVERY}ba",
         eval_batch_size=EVAL_ROWS // (2 * GROUP_SIZE),
         max_duration=f"{epochs}ep",
@@ -344,7 +346,7 @@ def _resume_by_name(tmp_path, data: str, first) -> None:
     os.makedirs(folder)
     with open(os.path.join(folder, "done"), "w"):  # no kills: unpaced steps
         pass
-    result = _trainer(tmp_path, data, folder, epochs=EPOCHS + 1, tensor_parallel=GROUP_SIZE).fit()
+    result = _trainer(tmp_path, data, folder, epochs=EPOCHS + 1, tensor_parallel=GROUP_SIZE, evaluate=False).fit()
     assert (int(result.timestamp.epoch), int(result.timestamp.batch)) == (EPOCHS + 1, BATCHES * (EPOCHS + 1))
     finals = [torch.load(p, weights_only=False) for p in glob.glob(os.path.join(folder, "final-*.pt"))]
     assert sorted((f["group"], f["position"]) for f in finals) == [(0, 0), (0, 1), (1, 0), (1, 1)], finals
