@@ -119,12 +119,13 @@ def test_eval_sets_and_validation_are_accepted_and_each_position_evaluates_its_p
     from raytrain_events.ray.fault_tolerance import choose
 
     class Set:
-        def __init__(self, name):
-            self.name = name
+        def __init__(self, name, rows=48):
+            self.name, self.rows = name, rows
 
         def split(self, n, equal):
             assert equal  # a group's FSDP forwards are collectives: the same number of batches at every position
-            return [SimpleNamespace(iterator=lambda p=p: (self.name, p, n)) for p in range(n)]
+            part = self.rows // n
+            return [SimpleNamespace(iterator=lambda p=p: (self.name, p, n), count=lambda: part) for p in range(n)]
 
     class Data:
         def configure(self, datasets, world, handles, nodes):
@@ -145,3 +146,6 @@ def test_eval_sets_and_validation_are_accepted_and_each_position_evaluates_its_p
     side, _ = choose(tp.spec, tp.plan).worker_side(Data(), data, None)
     assert side.layout.tensor_parallel == 2 and side.evals["val"] == [("val", 0, 2), ("val", 1, 2)]
     assert [side.layout.eval_part(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    # a set too small to give every position a row: refused, not evaluated over nothing
+    with pytest.raises(ValueError, match=r"eval set 'val' has fewer rows than the 2 data-parallel workers.*Fix:"):
+        choose(tp.spec, tp.plan).worker_side(Data(), {**data, "val": Set("val", rows=1)}, None)

@@ -79,17 +79,24 @@ class ShardedReplicaGroups(ReplicaGroups):
     ) -> Tuple[ShardedReplicaGroupsWorker, Dict[str, Any]]:
         # one train shard per worker (its feeder cursor); only the train set is cut by the step's quorum
         shards = data_config.configure({"train": datasets["train"]}, self.spec.workers, None, None)
-        evals = {name: eval_parts(ds, self.layout) for name, ds in datasets.items() if name != "train"}
+        evals = {name: eval_parts(name, ds, self.layout) for name, ds in datasets.items() if name != "train"}
         return ShardedReplicaGroupsWorker(history, [s["train"] for s in shards], self.layout, evals), {}
 
 
-def eval_parts(dataset: Any, layout: ReplicaLayout) -> List[Any]:
+def eval_parts(name: str, dataset: Any, layout: ReplicaLayout) -> List[Any]:
     """An eval set's `ReplicaLayout.data_parts` equal contiguous parts, an iterator each, made once on the driver:
     data-parallel position ``p`` of every group (and of every replacement) evaluates part ``p``
     (`ReplicaLayout.eval_part`; a tensor group's ranks share one). Equal: a group's FSDP forwards are collectives,
     so each position runs the same number of batches (Ray's ``split(equal=True)`` drops at most ``data_parts - 1``
-    rows, as the restarts' deterministic split does)."""
-    return [part.iterator() for part in as_dataset(dataset).split(layout.data_parts, equal=True)]
+    rows, as the restarts' deterministic split does). A set with fewer rows than parts is refused (its metrics would
+    be computed over nothing), before any worker starts."""
+    parts = as_dataset(dataset).split(layout.data_parts, equal=True)
+    if parts[0].count() == 0:  # a split part's count: its blocks' metadata
+        raise ValueError(
+            f"eval set {name!r} has fewer rows than the {layout.data_parts} data-parallel workers of a replica group, "
+            "which each evaluate an equal part of it. Fix: a larger eval set, or a smaller replica_group_size."
+        )
+    return [part.iterator() for part in parts]
 
 
 def _local(tensor: Any) -> Any:
