@@ -14,6 +14,14 @@ global batch cut into ``participants * group_size`` near-equal contiguous parts,
 ``participant * group_size + position``-th, so the step trains each row of the global batch exactly once at any
 quorum, and with equal parts the averaged gradient (FSDP's mean over the group's ranks, then torchft's over the
 groups) is the mean over the whole global batch: the step an uninterrupted run takes.
+
+Tensor parallelism inside a group (``tensor_parallel=t``): the group's mesh is ``(group_size // t, t)``, the tensor
+dimension innermost, so ``t`` consecutive positions form one tensor group, compute one replica together and train
+the same rows (`quorum_part`): the global batch is cut into ``participants * group_size // t`` parts. torchft's
+dimension is unchanged: the same position in every group holds the same (FSDP x TP) shards.
+
+Eval sets: cut by position only (`ReplicaLayout.eval_part`): data-parallel position ``p`` of every group evaluates
+part ``p`` of `data_parts` equal parts, so each group evaluates the whole set, alone, at the global Timestamp's eval points.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, List, Tuple
 
-__all__ = ["ReplicaLayout", "layout_problem", "part_rows"]
+__all__ = ["ReplicaLayout", "layout_problem", "part_rows", "quorum_part"]
 
 
 def part_rows(rows: int, part: int, parts: int) -> Tuple[int, int]:
@@ -31,8 +39,20 @@ def part_rows(rows: int, part: int, parts: int) -> Tuple[int, int]:
     return a, a + q + (1 if part < rem else 0)
 
 
-def layout_problem(workers: Any, size: Any) -> str:
-    """Why ``workers`` in replica groups of ``size`` make no layout (empty: they do), with the fix."""
+def quorum_part(
+    participant: int, participants: int, position: int, group_size: int = 1, tensor_parallel: int = 1
+) -> Tuple[int, int]:
+    """``(part, parts)``: which of a global batch's ``parts`` near-equal contiguous parts the worker at ``position`` of
+    the quorum's ``participant``-th group trains. A tensor group (``tensor_parallel`` consecutive positions) computes
+    one replica together, so its ranks train the same part: a group holds ``group_size // tensor_parallel``
+    data-parallel parts (`ReplicaLayout.rows` and the workers' `ReplicaLoader` both cut by this)."""
+    data = group_size // tensor_parallel
+    return participant * data + position // tensor_parallel, participants * data
+
+
+def layout_problem(workers: Any, size: Any, tensor_parallel: int = 1) -> str:
+    """Why ``workers`` in replica groups of ``size`` (each made of tensor groups of ``tensor_parallel`` workers) make
+    no layout (empty: they do), with the fix."""
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         return (
             f"replica_group_size={size!r} must be a whole number of workers >= 1. Fix: replica_group_size=1 (each "
@@ -50,6 +70,12 @@ def layout_problem(workers: Any, size: Any) -> str:
             f"same number of workers (each position holds the same shards in every group). Fix: num_workers "
             f"a multiple of {size}" + (f" (e.g. {near})" if near else "") + ", or another replica_group_size."
         )
+    if size % tensor_parallel:
+        return (
+            f"replica_group_size={size} is not a whole number of tensor groups of tensor_parallel={tensor_parallel} "
+            f"workers (each group shards its model over its own workers). Fix: replica_group_size a multiple of "
+            f"{tensor_parallel} (e.g. {2 * tensor_parallel}), or another tensor_parallel."
+        )
     if workers // size < 2:
         return (
             f"num_workers={workers} with replica_group_size={size} makes {workers // size} replica group; "
@@ -65,9 +91,10 @@ class ReplicaLayout:
 
     workers: int
     group_size: int = 1
+    tensor_parallel: int = 1  #: consecutive positions that form one tensor group (the same rows)
 
     def __post_init__(self) -> None:
-        problem = layout_problem(self.workers, self.group_size)
+        problem = layout_problem(self.workers, self.group_size, self.tensor_parallel)
         if problem:
             raise ValueError(problem)
 
@@ -75,6 +102,11 @@ class ReplicaLayout:
     def groups(self) -> int:
         """The number of replica groups."""
         return self.workers // self.group_size
+
+    @property
+    def data_parts(self) -> int:
+        """The data-parallel parts of a group: its positions over its tensor groups' size."""
+        return self.group_size // self.tensor_parallel
 
     def group_of(self, world_rank: int) -> int:
         """The replica group of world rank ``world_rank``."""
@@ -97,6 +129,14 @@ class ReplicaLayout:
         position = self.position_of(world_rank)
         return [g * self.group_size + position for g in range(self.groups)]
 
+    def eval_part(self, world_rank: int) -> int:
+        """Which of an eval set's `data_parts` equal parts ``world_rank`` evaluates: its position's (a tensor
+        group's ranks share one, as they share rows in training: `quorum_part`). The set is cut
+        by position only, never by group, so every group evaluates the whole set alone (its metrics synced over its
+        own process group) and needs no other group: one that is away, or dies mid-eval, holds nobody back, and
+        whichever group leads next has the same metrics."""
+        return self.position_of(world_rank) // self.tensor_parallel
+
     def rows(self, global_rows: int, participant: int, participants: int, position: int) -> Tuple[int, int]:
         """The rows ``[a, b)`` of a ``global_rows``-row global batch the worker at ``position`` of the quorum's
         ``participant``-th group trains, in a quorum of ``participants`` groups."""
@@ -104,13 +144,13 @@ class ReplicaLayout:
             raise ValueError(f"participant {participant} of {participants} groups (this run has {self.groups})")
         if not 0 <= position < self.group_size:
             raise ValueError(f"position {position} of a group of {self.group_size}")
-        parts = participants * self.group_size
+        part, parts = quorum_part(participant, participants, position, self.group_size, self.tensor_parallel)
         if global_rows < parts:
             raise ValueError(
-                f"a global batch of {global_rows} rows cannot give each of {parts} workers a row "
-                f"({participants} groups x {self.group_size}); raise batch_size or global_batch_size."
+                f"a global batch of {global_rows} rows cannot give each of {parts} data-parallel parts a row "
+                f"({participants} groups x {self.data_parts}); raise batch_size or global_batch_size."
             )
-        return part_rows(global_rows, participant * self.group_size + position, parts)
+        return part_rows(global_rows, part, parts)
 
     def _check_rank(self, world_rank: int) -> None:
         if not 0 <= world_rank < self.workers:

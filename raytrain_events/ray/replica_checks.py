@@ -5,19 +5,20 @@ Train's ``TorchftConfig``: each replica group is ``replica_group_size`` Ray Trai
 worker a group holding a whole replica; more: the model sharded inside each group with FSDP,
 `fault_tolerance/sharded_replica_groups.py`), so ``num_workers / replica_group_size`` is the number
 of groups. What is not built yet is refused here with the reason and the fix, instead of training
-wrongly: sharding in one-worker groups, tensor, context or pipeline parallelism inside a group, a group
+wrongly: sharding in one-worker groups, context or pipeline parallelism inside a group (tensor parallelism
+inside a group is built: FSDP x TP, each tensor group the same rows, `core/replica_layout.quorum_part`), a group
 size that does not divide the workers, a Ray whose worker group cannot be made to build groups of
 several, elastic groups, several optimizers, token counting, fp16's GradScaler, checkpoints kept by rank
-(``keep_best``), eval sets and asynchronous validation in groups of several workers, and fewer than two
-groups. In one-worker groups, in-loop eval sets are supported (each group evaluates
-the whole set: `fault_tolerance/replica_groups.py`), and asynchronous validation (the run's history actor starts
-the tasks on the lead's checkpoints: `ray/reports/history.py`).
+(``keep_best``), and fewer than two groups. In-loop eval sets are supported (each group evaluates the whole
+set alone: one worker the whole of it, `fault_tolerance/replica_groups.py`; a group of several a part per position,
+`fault_tolerance/sharded_replica_groups.py`), and asynchronous validation (the run's history actor starts the tasks
+on the lead's checkpoints, sharded ones resharded to one process: `ray/reports/history.py`).
 """
 
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Dict, Mapping
+from typing import Any, Dict
 
 from raytrain_events.callbacks.spike_guard import SpikeGuard
 from raytrain_events.core.replica_layout import layout_problem
@@ -147,7 +148,8 @@ def _unsupported(spec: Any) -> list:
 
 def _sharded_unsupported(spec: Any) -> list:
     """What a run of replica groups of several workers (``replica_group_size > 1``) does not support, one phrase
-    each: the model must be sharded inside each group (FSDP2, or HSDP inside it) over the group's workers."""
+    each: the model must be sharded inside each group (FSDP2, or HSDP inside it, optionally x TP) over the group's
+    workers."""
     size = spec.replica_group_size
     parallel = spec.parallelism_spec
     if parallel.kind != "fsdp" or parallel.fsdp is None:
@@ -157,26 +159,25 @@ def _sharded_unsupported(spec: Any) -> list:
         ]
     fsdp = parallel.fsdp
     refusals = [
-        f"FSDPConfig({name}={degree}) inside replica groups of {size} workers: each group shards with FSDP (or HSDP); "
-        f"{name} is not built for replica groups yet"
-        for name, degree in (
-            ("tensor_parallel", fsdp.tensor_parallel),
-            ("context_parallel", fsdp.context_parallel),
-            ("pipeline_parallel", fsdp.pipeline_parallel),
+        f"FSDPConfig({name}={degree}) inside replica groups of {size} workers: each group shards with FSDP (or HSDP), "
+        f"optionally with tensor_parallel; {name} is not built for replica groups yet ({why})"
+        for name, degree, why in (
+            (
+                "context_parallel",
+                fsdp.context_parallel,
+                "a context group's ranks share rows and split each sequence: the quorum's cut (core/replica_layout."
+                "quorum_part) and the eval parts would need the context dimension too, and its all-to-all must be "
+                "proved under a replaced group",
+            ),
+            (
+                "pipeline_parallel",
+                fsdp.pipeline_parallel,
+                "a pipeline's stages hold different layers and only the first loads batches: the commit, the heal by "
+                "position and the eval parts assume every position loads its rows and steps one optimizer",
+            ),
         )
         if degree > 1
     ]
-    if isinstance(spec.datasets, Mapping) and set(spec.datasets) != {"train"}:
-        refusals.append(
-            f"eval datasets with replica groups of {size} workers: eval sets are built for one-worker groups only "
-            "(replica_group_size=1), where each group evaluates the whole set; evaluate the saved checkpoints with "
-            "Trainer.eval after the run instead"
-        )
-    if spec.validation is not None:
-        refusals.append(
-            f"validation= with replica groups of {size} workers: asynchronous validation is built for one-worker "
-            "groups only (replica_group_size=1)"
-        )
     try:
         fsdp.mesh_shape(size)  # the group's own mesh: HSDP's replicate must divide the group
     except ValueError as error:

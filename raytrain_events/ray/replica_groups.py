@@ -53,7 +53,7 @@ import torch
 
 from raytrain_events.callbacks.spike_guard import SpikeGuard
 from raytrain_events.core.callback import Callback, QuorumChange
-from raytrain_events.core.replica_layout import part_rows
+from raytrain_events.core.replica_layout import part_rows, quorum_part
 from raytrain_events.core.spikes import Skipped
 from raytrain_events.core.time import Timestamp, counters_of
 from raytrain_events.data.ray.loader import GlobalOrderLoader
@@ -224,11 +224,19 @@ class CommitOptimizer(torch.optim.Optimizer):
 class ReplicaLoader(GlobalOrderLoader):
     """This group's part of each global batch, from the quorum of the step (see the module doc)."""
 
-    def __init__(  # noqa: D107
-        self, shard: Any, manager: Any, replicas: ReplicaState, group_size: int = 1, position: int = 0, **options: Any
+    def __init__(  # noqa: D107, PLR0913 (the worker's place in its group, handed over once)
+        self,
+        shard: Any,
+        manager: Any,
+        replicas: ReplicaState,
+        group_size: int = 1,
+        position: int = 0,
+        tensor_parallel: int = 1,
+        **options: Any,
     ) -> None:
         super().__init__(shard, **options)
         self.group_size, self.group_position = group_size, position  # this worker in its group (`ReplicaLayout`)
+        self.tensor_parallel = tensor_parallel  # positions of one tensor group: the same rows (`quorum_part`)
         self.manager = manager
         self.replicas = replicas
         self.on_change: Callable[[QuorumChange], None] = lambda change: None
@@ -273,8 +281,10 @@ class ReplicaLoader(GlobalOrderLoader):
             if batch is None:
                 return
             rank = self.manager.participating_rank()
-            part = (0 if rank is None else rank) * self.group_size + self.group_position  # `ReplicaLayout.rows`
-            yield _cut(batch, part, n * self.group_size)
+            part, parts = quorum_part(
+                0 if rank is None else rank, n, self.group_position, self.group_size, self.tensor_parallel
+            )
+            yield _cut(batch, part, parts)
 
     def _global_batch(self, epoch: int, position: int) -> Any:
         """The global batch at ``position`` of ``epoch`` (None past the epoch's end)."""

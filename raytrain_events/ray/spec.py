@@ -125,8 +125,8 @@ class RunSpec(LoopOptions):
     replica_timeout_s: float = _opt(30.0, help="replica groups: a collective's or peer transfer's limit (quorum: 2x)")
     replica_group_size: int = _opt(
         1,
-        help="replica groups: workers per group, the model sharded inside each with FSDP (groups = num_workers / "
-        "this; checked in ray/replica_checks.py)",
+        help="replica groups: workers per group, the model sharded inside each with FSDP, HSDP or FSDP x TP (groups = "
+        "num_workers / this; checked in ray/replica_checks.py)",
     )
     hang_timeout: Optional[float] = _opt(
         None,

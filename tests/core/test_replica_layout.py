@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from raytrain_events.core.replica_layout import ReplicaLayout, part_rows
+from raytrain_events.core.replica_layout import ReplicaLayout, part_rows, quorum_part
 
 
 def test_groups_positions_and_peers_at_a_real_shape():
@@ -68,5 +68,38 @@ def test_a_layout_that_cannot_be_made_is_refused_naming_the_fix(workers, size, m
 
 
 def test_a_global_batch_smaller_than_the_workers_is_refused():
-    with pytest.raises(ValueError, match="cannot give each of 4 workers a row"):
+    with pytest.raises(ValueError, match="cannot give each of 4 data-parallel parts a row"):
         ReplicaLayout(workers=4, group_size=2).rows(3, 0, 2, 0)
+
+
+def test_an_eval_set_is_cut_by_position_so_every_group_evaluates_all_of_it():
+    layout = ReplicaLayout(workers=12, group_size=4)  # 3 groups x 4 FSDP ranks
+    parts = [layout.eval_part(r) for r in range(12)]
+    assert parts == [0, 1, 2, 3] * 3  # each group's 4 workers: the set's 4 parts, once each
+    for group in range(3):
+        assert sorted(parts[r] for r in layout.ranks_of(group)) == list(range(4))
+    assert [ReplicaLayout(workers=4).eval_part(r) for r in range(4)] == [0] * 4  # one-worker groups: the whole set
+    with pytest.raises(ValueError, match="world rank 12"):
+        layout.eval_part(12)
+
+
+def test_tensor_groups_inside_a_replica_group_train_the_same_rows():
+    """Groups of 4 = 2 FSDP x 2 TP (the tensor dimension innermost: positions 0-1 and 2-3 are tensor groups), 3 groups:
+    a tensor group's ranks train the same part, every row once per data-parallel part at any quorum."""
+    layout = ReplicaLayout(workers=12, group_size=4, tensor_parallel=2)
+    assert layout.data_parts == 2
+    assert [layout.eval_part(r) for r in range(12)] == [0, 0, 1, 1] * 3
+    for participants in (1, 2, 3):
+        for rows in (60, 67):
+            cut = [[layout.rows(rows, g, participants, p) for p in range(4)] for g in range(participants)]
+            for parts in cut:
+                assert parts[0] == parts[1] and parts[2] == parts[3]  # each tensor group: one part
+            once = [i for parts in cut for a, b in parts[::2] for i in range(a, b)]
+            assert once == list(range(rows))
+    assert quorum_part(2, 3, 3, group_size=4, tensor_parallel=2) == (5, 6)
+    assert quorum_part(1, 2, 0) == (1, 2)  # one-worker groups: a part per group
+
+
+def test_a_group_that_is_not_whole_tensor_groups_is_refused_naming_the_fix():
+    with pytest.raises(ValueError, match=r"replica_group_size=6 is not a whole number of tensor groups.*e\.g\. 8"):
+        ReplicaLayout(workers=12, group_size=6, tensor_parallel=4)

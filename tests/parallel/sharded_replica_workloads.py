@@ -7,14 +7,26 @@ import copy
 import torch
 
 
-def _model(seed: int) -> torch.nn.Module:
+def _model(seed: int, tensor_parallel: int = 1) -> torch.nn.Module:
+    """FSDP2 over every rank, or FSDP x TP on a ``(world // t, t)`` mesh (the first layer split by its outputs, the
+    second by its inputs, then sharded over the ``shard`` dimension), as a replica group's Trainer builds it."""
+    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    mesh = None
+    if tensor_parallel > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        shape = (dist.get_world_size() // tensor_parallel, tensor_parallel)
+        full = init_device_mesh("cpu", shape, mesh_dim_names=("shard", "tensor"))
+        parallelize_module(model, full["tensor"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        mesh = full["shard"]
     for layer in (model[0], model[2]):
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
@@ -24,17 +36,18 @@ def _step(model, optimizer, x) -> None:
     optimizer.step()
 
 
-def heal_from_a_peers_shards(rank: int, world_size: int) -> dict:
+def heal_from_a_peers_shards(rank: int, world_size: int, tensor_parallel: int = 1) -> dict:
     """A live replica (model ``a``, 3 Adam steps) sends its shards; a fresh one (``b``, other weights) loads them;
-    both then take the same step. Returns whether b matched a exactly, before and after."""
+    both then take the same step. Returns whether b matched a exactly, before and after. ``tensor_parallel``: FSDP x
+    TP (a tensor group's ranks take the same rows)."""
     from raytrain_events.core.timestamp import Timestamp
     from raytrain_events.ray.fault_tolerance.sharded_replica_groups import ShardedReplicaState
 
     class LoopState:
         timestamp = Timestamp()
 
-    torch.manual_seed(100 + rank)  # each rank its own rows, as in a group
-    a = _model(0)
+    torch.manual_seed(100 + rank // tensor_parallel)  # each data-parallel rank its own rows, as in a group
+    a = _model(0, tensor_parallel)
     opt_a = torch.optim.Adam(a.parameters(), lr=0.05)
     for _ in range(3):
         _step(a, opt_a, torch.randn(8, 6))
@@ -44,7 +57,7 @@ def heal_from_a_peers_shards(rank: int, world_size: int) -> dict:
     sent = live.state_dict()
     plain = all(not hasattr(v, "to_local") for v in sent["model"].values())
     sent = copy.deepcopy(sent)  # what the transport delivers: copies, never the sender's storage
-    b = _model(1)
+    b = _model(1, tensor_parallel)
     opt_b = torch.optim.Adam(b.parameters(), lr=0.05)
     joining = ShardedReplicaState()
     joining.model, joining.optimizer, joining.state = b, opt_b, LoopState()
@@ -61,4 +74,5 @@ def heal_from_a_peers_shards(rank: int, world_size: int) -> dict:
         "healed": joining.healed,
         "timestamp": int(joining.state.timestamp.batch),
         "shard_rows": a[0].weight.to_local().shape[0],
+        "shard_cols": a[2].weight.to_local().shape[1],
     }

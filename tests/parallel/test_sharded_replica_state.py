@@ -17,6 +17,18 @@ def test_a_joining_group_heals_each_position_from_a_peers_shards_and_steps_exact
         assert got["healed"] == 1 and got["timestamp"] == 3, (rank, got)
 
 
+def test_fsdp_x_tp_shards_heal_by_position_at_a_real_shape():
+    """Groups of 4 = 2 FSDP x 2 TP (`FSDPConfig(tensor_parallel=2)` inside a replica group): each position's shards
+    are 2-D (split by TP, then by FSDP) and heal from the same position exactly, Adam state included."""
+    results = run_ranks(4, heal_from_a_peers_shards, 2)
+    for rank, got in enumerate(results):
+        assert got["plain"], rank
+        assert got["shard_rows"] == 4, rank  # the first layer's 16 outputs: / 2 (TP, colwise) / 2 (FSDP, dim 0)
+        assert got["shard_cols"] == 8, rank  # the second layer's 16 inputs / 2 (TP, rowwise)
+        assert all(got["same"]) and all(got["after"]), (rank, got)
+        assert got["healed"] == 1 and got["timestamp"] == 3, (rank, got)
+
+
 class _NoQuorum:
     """A torchft Manager (and its collective watch) outside any quorum: a group replaced after the others ended."""
 

@@ -168,8 +168,11 @@ class RecordShards(RecordCommits):
 
         replicas = self.commit.loader.replicas
         shards = {n: p.detach().to_local().clone() for n, p in replicas.model.named_parameters()}
+        # the whole parameters (an all-gather over the group's mesh: every worker of a group ends here)
+        full = {n: p.detach().full_tensor().clone() for n, p in replicas.model.named_parameters()}
         final = {
             "shards": shards,
+            "full": full,
             "group": self.group,
             "position": self.position,
             "healed": replicas.healed,
@@ -177,3 +180,19 @@ class RecordShards(RecordCommits):
             "timestamp": state.timestamp.state_dict(),
         }
         torch.save(final, os.path.join(self.folder, f"final-{os.getpid()}.pt"))
+
+
+def make_tensor_parallel_model():
+    """`resume_helpers.make_model`'s classifier (the same initial weights) with a tensor-parallel plan: the first layer
+    split by its outputs, the second by its inputs (Megatron's MLP)."""
+    import torch
+
+    from raytrain_events.models import ClassifierModel
+    from tests.ray.resume_helpers import DIM
+
+    class Mlp(torch.nn.Sequential):
+        def tensor_parallel_plan(self, degree: int) -> dict:
+            return {"0": "colwise", "2": "rowwise"}
+
+    torch.manual_seed(0)
+    return ClassifierModel(Mlp(torch.nn.Linear(DIM, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)), num_classes=2)

@@ -29,13 +29,13 @@ def _sharded(**over):
         (dict(num_workers=2), r"makes 1 replica group.*num_workers=4 or more"),
         (dict(replica_group_size=0), r"replica_group_size=0 must be a whole number"),
         (dict(parallelism="ddp"), r"replica_group_size=2 with parallelism='ddp'.*parallelism='fsdp'"),
-        (dict(parallelism=FSDPConfig(tensor_parallel=2)), r"FSDPConfig\(tensor_parallel=2\) inside replica groups"),
+        (dict(parallelism=FSDPConfig(context_parallel=2)), r"FSDPConfig\(context_parallel=2\) inside replica groups"),
+        (
+            dict(parallelism=FSDPConfig(tensor_parallel=4)),
+            r"replica_group_size=2 workers cannot hold this mesh.*tensor_parallel=4",
+        ),
         (dict(parallelism=FSDPConfig(replicate=4)), r"cannot hold this mesh.*replicate=4"),
         (dict(fault_tolerance=None), r"replica_group_size=2 sets the workers of each replica group, but this run has"),
-        (
-            dict(datasets={"train": unread_dataset(), "val": unread_dataset()}),
-            r"eval datasets with replica groups of 2 workers.*replica_group_size=1",
-        ),
     ],
 )
 def test_a_sharded_group_that_cannot_be_made_is_refused_before_ray_starts(no_ray, over, named):  # noqa: F811
@@ -108,3 +108,44 @@ def test_the_start_s_groups_of_one_become_groups_of_consecutive_ranks():
         [4, 5, 6, 7],
     ]
     assert group._worker_rank_to_replica_group_rank == {r: r // 4 for r in range(8)}
+
+
+def test_eval_sets_and_validation_are_accepted_and_each_position_evaluates_its_part():
+    """An in-loop eval set (and asynchronous validation) with groups of several workers: accepted on the driver;
+    each eval set is cut once, on the driver, into ``replica_group_size`` equal parts and position ``p`` of every
+    group gets part ``p`` (a group evaluates the whole set, alone); only the train set is cut by the quorum. No Ray
+    here: the datasets are stand-ins."""
+    from raytrain_events.checkpoint.config import CheckpointConfig
+    from raytrain_events.ray.fault_tolerance import choose
+
+    class Set:
+        def __init__(self, name, rows=48):
+            self.name, self.rows = name, rows
+
+        def split(self, n, equal):
+            assert equal  # a group's FSDP forwards are collectives: the same number of batches at every position
+            part = self.rows // n
+            return [SimpleNamespace(iterator=lambda p=p: (self.name, p, n), count=lambda: part) for p in range(n)]
+
+    class Data:
+        def configure(self, datasets, world, handles, nodes):
+            assert set(datasets) == {"train"}, datasets
+            return [{"train": ("train", rank)} for rank in range(world)]
+
+    validation = dict(validation={"datasets": ["test"]}, checkpoint=CheckpointConfig(save_interval="5ba"))
+    sets = {"train": unread_dataset(), "val": unread_dataset(), "test": unread_dataset()}
+    RayTrainer(**_sharded(datasets=sets, **validation))  # accepted
+    trainer = RayTrainer(**_sharded(num_workers=6, replica_group_size=3, datasets=sets))
+    data = {"train": Set("train"), "val": Set("val"), "test": lambda: Set("test")}  # Ray Train's zero-argument form
+    side, ray_datasets = choose(trainer.spec, trainer.plan).worker_side(Data(), data, None)
+    assert ray_datasets == {}
+    assert side.shards == [("train", r) for r in range(6)]
+    assert side.evals == {name: [(name, p, 3) for p in range(3)] for name in ("val", "test")}
+    # FSDP x TP inside groups of 4 (2 x 2): a part per tensor group, shared by its two ranks
+    tp = RayTrainer(**_sharded(num_workers=8, replica_group_size=4, parallelism=FSDPConfig(tensor_parallel=2)))
+    side, _ = choose(tp.spec, tp.plan).worker_side(Data(), data, None)
+    assert side.layout.tensor_parallel == 2 and side.evals["val"] == [("val", 0, 2), ("val", 1, 2)]
+    assert [side.layout.eval_part(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    # a set too small to give every position a row: refused, not evaluated over nothing
+    with pytest.raises(ValueError, match=r"eval set 'val' has fewer rows than the 2 data-parallel workers.*Fix:"):
+        choose(tp.spec, tp.plan).worker_side(Data(), {**data, "val": Set("val", rows=1)}, None)

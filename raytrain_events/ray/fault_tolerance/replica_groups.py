@@ -20,7 +20,7 @@ from raytrain_events.data.ray.loader import TrainDataConfig
 from raytrain_events.ray.fault_tolerance.protocol import WorkerParts
 from raytrain_events.ray.replica_checks import min_replicas
 
-__all__ = ["ReplicaGroups", "ReplicaGroupsWorker", "fill_replica_state"]
+__all__ = ["ReplicaGroups", "ReplicaGroupsWorker", "as_dataset", "fill_replica_state"]
 
 
 class ReplicaGroups:
@@ -56,7 +56,7 @@ class ReplicaGroups:
         shards = data_config.configure({"train": datasets["train"]}, self.spec.workers, None, None)
         # Each group evaluates the whole of each eval set (see `ReplicaGroupsWorker`): one iterator per set (a
         # streaming pass per evaluation, as Ray Train gives a set it does not split), the same for a replaced group.
-        evals = {name: _dataset(ds).iterator() for name, ds in datasets.items() if name != "train"}
+        evals = {name: as_dataset(ds).iterator() for name, ds in datasets.items() if name != "train"}
         return ReplicaGroupsWorker(history, [s["train"] for s in shards], evals), {}
 
     def run_callbacks(self) -> List[Any]:
@@ -65,7 +65,7 @@ class ReplicaGroups:
         return [LighthouseWatch()]
 
 
-def _dataset(value: Any) -> Any:
+def as_dataset(value: Any) -> Any:
     """A Ray Dataset, or Ray Train's zero-argument function returning one, as the Dataset."""
     return value if hasattr(value, "iterator") or not callable(value) else value()
 

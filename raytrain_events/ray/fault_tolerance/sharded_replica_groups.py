@@ -17,6 +17,14 @@ quorum cuts the global batch into one part per participating group and each grou
 saves (all its ``k`` workers: a sharded checkpoint of ``k`` ranks, which loads into any run of groups of ``k``),
 ``keep`` is honoured by it, a start of the whole run loads the checkpoint on every group.
 
+Eval sets (in-loop, at the eval points of the global Timestamp, which every group shares): each group evaluates
+the whole set, alone, as a one-worker group does; inside the group each position evaluates one of ``k`` equal parts
+(`eval_parts`, cut once on the driver, the same for a replacement; `ReplicaLayout.eval_part`) and the metrics sync
+over the group's own process group (the default one on its workers), so no collective crosses groups: a group that
+is away, or dies mid-eval (Ray replaces all of it), holds nobody back, and the lead's report after its save carries
+its metrics with the checkpoint's name. Asynchronous validation: as with one-worker groups, the run's history actor
+starts the task on the lead's checkpoints; the task reshards the ``k``-rank checkpoint to its one process.
+
 Cost over one-worker groups of the same model: per step, each worker's all-reduce carries ``1/k`` of the gradients
 (the shards it holds), ``k`` all-reduces in parallel instead of one of the whole; per rejoin, each position
 receives ``1/k`` of the state. Every worker fetches the whole global batch's blocks (``k x groups`` reads of it).
@@ -25,14 +33,19 @@ receives ``1/k`` of the state. Every worker fetches the whole global batch's blo
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from raytrain_events.core.replica_layout import ReplicaLayout
 from raytrain_events.core.timestamp import Timestamp
 from raytrain_events.ray.fault_tolerance.protocol import WorkerParts
-from raytrain_events.ray.fault_tolerance.replica_groups import ReplicaGroups, checkpoint_config, fill_replica_state
+from raytrain_events.ray.fault_tolerance.replica_groups import (
+    ReplicaGroups,
+    as_dataset,
+    checkpoint_config,
+    fill_replica_state,
+)
 from raytrain_events.ray.replica_checks import min_replicas
 from raytrain_events.ray.replica_groups import (
     CommitOptimizer,
@@ -52,7 +65,8 @@ class ShardedReplicaGroups(ReplicaGroups):
 
     def __init__(self, spec: Any, plan: Any) -> None:  # noqa: D107
         super().__init__(spec, plan)
-        self.layout = ReplicaLayout(spec.workers, spec.replica_group_size)
+        tensor_parallel = spec.parallelism_spec.fsdp.tensor_parallel  # FSDP x TP inside each group
+        self.layout = ReplicaLayout(spec.workers, spec.replica_group_size, tensor_parallel)
 
     def torch_config(self, torch_options: Dict[str, Any]) -> Any:
         from raytrain_events.ray.replica_checks import torchft_config
@@ -63,8 +77,26 @@ class ShardedReplicaGroups(ReplicaGroups):
     def worker_side(
         self, data_config: Any, datasets: Dict[str, Any], history: Any
     ) -> Tuple[ShardedReplicaGroupsWorker, Dict[str, Any]]:
-        shards = data_config.configure(datasets, self.spec.workers, None, None)  # one per worker (its feeder cursor)
-        return ShardedReplicaGroupsWorker(history, [s["train"] for s in shards], self.layout), {}
+        # one train shard per worker (its feeder cursor); only the train set is cut by the step's quorum
+        shards = data_config.configure({"train": datasets["train"]}, self.spec.workers, None, None)
+        evals = {name: eval_parts(name, ds, self.layout) for name, ds in datasets.items() if name != "train"}
+        return ShardedReplicaGroupsWorker(history, [s["train"] for s in shards], self.layout, evals), {}
+
+
+def eval_parts(name: str, dataset: Any, layout: ReplicaLayout) -> List[Any]:
+    """An eval set's `ReplicaLayout.data_parts` equal contiguous parts, an iterator each, made once on the driver:
+    data-parallel position ``p`` of every group (and of every replacement) evaluates part ``p``
+    (`ReplicaLayout.eval_part`; a tensor group's ranks share one). Equal: a group's FSDP forwards are collectives,
+    so each position runs the same number of batches (Ray's ``split(equal=True)`` drops at most ``data_parts - 1``
+    rows, as the restarts' deterministic split does). A set with fewer rows than parts is refused (its metrics would
+    be computed over nothing), before any worker starts."""
+    parts = as_dataset(dataset).split(layout.data_parts, equal=True)
+    if parts[0].count() == 0:  # a split part's count: its blocks' metadata
+        raise ValueError(
+            f"eval set {name!r} has fewer rows than the {layout.data_parts} data-parallel workers of a replica group, "
+            "which each evaluate an equal part of it. Fix: a larger eval set, or a smaller replica_group_size."
+        )
+    return [part.iterator() for part in parts]
 
 
 def _local(tensor: Any) -> Any:
@@ -125,15 +157,19 @@ def shard_optimizer_state(optimizer: Any) -> None:
 
 
 class ShardedReplicaGroupsWorker:
-    """The worker's side: ``history`` (the run's `RunHistory` actor), ``shards`` (the train shards by world rank)
-    and ``layout`` (the groups), all made on the driver."""
+    """The worker's side: ``history`` (the run's `RunHistory` actor), ``shards`` (the train shards by world rank),
+    ``layout`` (the groups) and ``evals`` (per eval set, one iterator per position: `eval_parts`), all made on the
+    driver."""
 
     shares_process_group = True  # the group's workers: one torch process group (Ray's, per group), FSDP over it
 
-    def __init__(self, history: Any, shards: List[Any], layout: ReplicaLayout) -> None:  # noqa: D107
+    def __init__(  # noqa: D107
+        self, history: Any, shards: List[Any], layout: ReplicaLayout, evals: Optional[Dict[str, List[Any]]] = None
+    ) -> None:
         self.history = history
         self.shards = shards
         self.layout = layout
+        self.evals = dict(evals or {})  # per eval set: one iterator per position (`eval_parts`)
         self._manager: Any = None
 
     def parts(  # noqa: PLR0913 (see `WorkerFaultTolerance.parts`)
@@ -168,11 +204,14 @@ class ShardedReplicaGroupsWorker:
             replicas,
             group_size=layout.group_size,
             position=position,
+            tensor_parallel=layout.tensor_parallel,
             length=spec.steps_per_epoch,
             **loader_options,
         )
         load = None if plan is None else plan.worker
-        commit = ReplicaCommit(train, optimizer, history=self.history, group=group, load=load)
+        commit = ReplicaCommit(
+            train, optimizer, history=self.history, group=group, load=load, validation=spec.validation
+        )
         return WorkerParts(
             train=train,
             optimizers=optimizer,
@@ -181,6 +220,7 @@ class ShardedReplicaGroupsWorker:
             report_fn=commit.report,
             saves_on_preemption=False,
             close=self.close,
+            eval_shards={name: parts[layout.eval_part(rank)] for name, parts in self.evals.items()},
         )
 
     def close(self) -> None:
