@@ -46,6 +46,8 @@ Files:
   or trained again.
 * ``replica_lighthouse.py``: Replica groups lose their Lighthouse: the run stops with the reason and
   the fix.
+* ``replica_loader.py``: Replica groups on the worker: each group's loader, a quorum before every
+  step, then this group's part of the global batch.
 * ``spec_checks.py``: The checks of `RunSpec`'s options that need no data and no user code: each
   option's value, and combinations that cannot train as asked.
 * ``spec.py``: `RunSpec`: the one definition of a `RayTrainer` run's options.

@@ -31,7 +31,8 @@ ROWS, GROUPS, GLOBAL = 600, 3, 12  # 50 global batches
 
 def _groups(shards, at: Timestamp):
     """Each group's `ReplicaLoader` (a new process: a new loader) whose state is at ``at``."""
-    from raytrain_events.ray.replica_groups import ReplicaLoader, ReplicaState
+    from raytrain_events.ray.replica_groups import ReplicaState
+    from raytrain_events.ray.replica_loader import ReplicaLoader
 
     out = []
     for group, shard in enumerate(shards):

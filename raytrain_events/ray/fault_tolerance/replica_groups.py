@@ -103,10 +103,10 @@ class ReplicaGroupsWorker:
         from raytrain_events.ray.replica_groups import (  # torch and torchft: built on the workers only
             CommitOptimizer,
             ReplicaCommit,
-            ReplicaLoader,
             ReplicaState,
             build_manager,
         )
+        from raytrain_events.ray.replica_loader import ReplicaLoader  # Ray Data's loader: on the workers only
 
         shard = self.shards[rank]
         replicas = fill_replica_state(ReplicaState(), model, optimizers, schedulers)

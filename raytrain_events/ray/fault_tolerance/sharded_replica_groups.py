@@ -50,10 +50,10 @@ from raytrain_events.ray.replica_checks import min_replicas
 from raytrain_events.ray.replica_groups import (
     CommitOptimizer,
     ReplicaCommit,
-    ReplicaLoader,
     ReplicaState,
     build_manager,
 )
+from raytrain_events.ray.replica_loader import ReplicaLoader
 
 log = logging.getLogger(__name__)
 
