@@ -60,7 +60,6 @@ from raytrain_events.ray.replica_checks import refuse_group_callbacks
 
 if TYPE_CHECKING:
     from raytrain_events.ray.replica_abort import CollectiveWatch
-    from raytrain_events.ray.replica_loader import ReplicaLoader  # it imports ReplicaState from here
 
 __all__ = ["build_manager", "CommitOptimizer", "ReplicaCommit", "ReplicaState", "QuorumChange"]
 
