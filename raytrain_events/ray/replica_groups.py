@@ -224,7 +224,7 @@ class ReplicaCommit(Callback):
 
     def __init__(  # noqa: D107, PLR0913
         self,
-        loader: ReplicaLoader,
+        loader: Any,  # this group's `ReplicaLoader` (replica_loader.py imports ReplicaState from here)
         optimizer: CommitOptimizer,
         history: Any = None,
         group: int = 0,
