@@ -49,6 +49,7 @@ Files:
 * ``spec_checks.py``: The checks of `RunSpec`'s options that need no data and no user code: each
   option's value, and combinations that cannot train as asked.
 * ``spec.py``: `RunSpec`: the one definition of a `RayTrainer` run's options.
+* ``spec_sections.py``: `RunSpec`'s sections (data, scaling, storage, checkpoints, reports, failures), each frozen.
 * ``worker.py``: The function every Ray Train worker runs: build the `Trainer` from the `RunSpec`
   and fit.
 """

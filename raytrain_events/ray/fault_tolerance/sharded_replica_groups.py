@@ -52,18 +52,21 @@ class ShardedReplicaGroups(ReplicaGroups):
 
     def __init__(self, spec: Any, plan: Any) -> None:  # noqa: D107
         super().__init__(spec, plan)
-        self.layout = ReplicaLayout(spec.workers, spec.replica_group_size)
+        self.layout = ReplicaLayout(spec.scaling.workers, spec.failures.replica_group_size)
 
     def torch_config(self, torch_options: Dict[str, Any]) -> Any:
         from raytrain_events.ray.replica_checks import torchft_config
 
         layout = self.layout
-        return torchft_config(torch_options, layout.groups, float(self.spec.replica_timeout_s), layout.group_size)
+        return torchft_config(
+            torch_options, layout.groups, float(self.spec.failures.replica_timeout_s), layout.group_size
+        )
 
     def worker_side(
         self, data_config: Any, datasets: Dict[str, Any], history: Any
     ) -> Tuple[ShardedReplicaGroupsWorker, Dict[str, Any]]:
-        shards = data_config.configure(datasets, self.spec.workers, None, None)  # one per worker (its feeder cursor)
+        workers = self.spec.scaling.workers
+        shards = data_config.configure(datasets, workers, None, None)  # one per worker (its feeder cursor)
         return ShardedReplicaGroupsWorker(history, [s["train"] for s in shards], self.layout), {}
 
 
@@ -154,9 +157,9 @@ class ShardedReplicaGroupsWorker:
         manager, watch = build_manager(
             replicas,
             group,
-            spec.run_name or "run",
+            spec.storage.run_name or "run",
             min_replicas(layout.groups),
-            float(spec.replica_timeout_s),
+            float(spec.failures.replica_timeout_s),
             position=position,
             group_size=layout.group_size,
         )
@@ -168,7 +171,7 @@ class ShardedReplicaGroupsWorker:
             replicas,
             group_size=layout.group_size,
             position=position,
-            length=spec.steps_per_epoch,
+            length=spec.data.steps_per_epoch,
             **loader_options,
         )
         load = None if plan is None else plan.worker
@@ -176,7 +179,7 @@ class ShardedReplicaGroupsWorker:
         return WorkerParts(
             train=train,
             optimizers=optimizer,
-            checkpoint=None if plan is None else checkpoint_config(plan.worker, spec.checkpoint, group),
+            checkpoint=None if plan is None else checkpoint_config(plan.worker, spec.checkpoints.checkpoint, group),
             callbacks=[commit],
             report_fn=commit.report,
             saves_on_preemption=False,
