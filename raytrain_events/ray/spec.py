@@ -53,7 +53,7 @@ def _section(cls: type) -> Any:
     return field(metadata={"section": cls})
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class RunSpec(LoopOptions):
     """Everything a `RayTrainer` run needs; each field is also a `RayTrainer` keyword argument.
 
@@ -63,7 +63,8 @@ class RunSpec(LoopOptions):
     as its ``options``. ``max_duration`` is required here (a Ray run always trains).
 
     Validated on construction (and on every `replace`), so bad input fails on the driver with a
-    message naming the option, before any worker starts.
+    message naming the option, before any worker starts. Frozen: each value is made once, where the
+    spec is built (the sections' ``of``, `LoopOptions`' check); a changed run is a new spec (`replace`).
     """
 
     # -- what to train: factories called on each worker --------------------------------------
