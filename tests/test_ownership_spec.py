@@ -7,7 +7,7 @@ Over the source (AST, no imports, like tests/test_ownership.py, whose helpers it
   options are inherited from `LoopOptions` (trainer/options.py).
 * `RunSpec`, `LoopOptions` and every section are ``frozen=True`` dataclasses, and no module assigns to a
   spec's attribute (``spec.x = ...``, ``self.spec.data.x += ...``, ``setattr(spec, ...)``,
-  ``object.__setattr__(spec, ...)``).
+  ``object.__setattr__(spec, ...)``) or reads one by name (``getattr(spec, "default_run_name", False)``).
 
 And at run time: the flat `RayTrainer` keywords are the loop's, the factories and the sections'
 options, each once; assigning to a spec or a section raises.
@@ -40,6 +40,7 @@ FROZEN = {
         "FailureOptions",
     },
 }
+SECTIONS = {"data", "scaling", "storage", "checkpoints", "reports", "failures"}
 _SPEC_NAME = re.compile(r"(^|_)spec$")  # spec, worker_spec, base_spec, self.spec
 
 
@@ -102,6 +103,42 @@ def spec_mutations(package: pathlib.Path = PACKAGE) -> List[str]:
     return hits
 
 
+def spec_module_imports(tree: ast.AST) -> List[str]:
+    """Every module a module's source imports, at any level (tests/core/test_imports.py's rule for the spec)."""
+    out: List[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.append(node.module)
+    return out
+
+
+def _is_spec_or_section(node: ast.AST) -> bool:
+    """Whether ``node`` is a spec (``spec``, ``self.spec``) or one of its sections (``spec.storage``)."""
+    if isinstance(node, ast.Name):
+        return bool(_SPEC_NAME.search(node.id))
+    if isinstance(node, ast.Attribute):
+        return bool(_SPEC_NAME.search(node.attr)) or (node.attr in SECTIONS and _is_spec_or_section(node.value))
+    return False
+
+
+def spec_getattrs(package: pathlib.Path = PACKAGE) -> List[str]:
+    """``file:line: text`` for each ``getattr(spec, "name", ...)``: a spec's values are its fields, read as such."""
+    hits = []
+    for path in _modules(package).values():
+        for node in ast.walk(_tree(path)):
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", None) in ("getattr", "hasattr")
+                and len(node.args) >= 2
+                and _is_spec_or_section(node.args[0])
+                and isinstance(node.args[1], ast.Constant)
+            ):
+                hits.append(f"{_rel(package, path)}:{node.lineno}: {ast.unparse(node)}")
+    return hits
+
+
 def test_run_spec_holds_its_run_options_in_frozen_sections():
     hits = flat_run_options()
     assert not hits, (
@@ -116,6 +153,11 @@ def test_no_module_changes_a_spec():
         "A RunSpec is built once (its sections' of()) and never changed: make the value where the spec is built, "
         "or use spec.replace(...) for a new one:\n" + "\n".join(hits)
     )
+
+
+def test_a_spec_is_read_through_its_fields():
+    hits = spec_getattrs()
+    assert not hits, "Read a spec's field as spec.<section>.<name> (every value is a field):\n" + "\n".join(hits)
 
 
 def test_the_spec_scans_catch_a_flat_option_and_a_mutation(tmp_path):
@@ -139,6 +181,8 @@ def test_the_spec_scans_catch_a_flat_option_and_a_mutation(tmp_path):
         "    setattr(spec.storage, 'run_name', 'y')\n"
         "    self.spec = spec\n"
         "    self.options.x = 1\n"
+        "    return getattr(spec, 'default_run_name', False), getattr(spec, name), getattr(spec.data.mixture, 'x')\n"
+        "    return hasattr(self.spec.storage, 'default_run_name')\n"
     )
     flat = flat_run_options(pkg)
     assert "ray/spec.py:5: batch_size (a run option: declare it in its section)" in flat
@@ -150,6 +194,10 @@ def test_the_spec_scans_catch_a_flat_option_and_a_mutation(tmp_path):
         "object.__setattr__(worker_spec, 'run_name', 'x')",
         "setattr(spec.storage, 'run_name', 'y')",
     ]
+    assert sorted(h.split(": ", 1)[1] for h in spec_getattrs(pkg)) == [
+        "getattr(spec, 'default_run_name', False)",
+        "hasattr(self.spec.storage, 'default_run_name')",
+    ]
 
 
 def test_the_flat_options_are_the_loops_the_factories_and_the_sections_each_once():
@@ -158,7 +206,7 @@ def test_the_flat_options_are_the_loops_the_factories_and_the_sections_each_once
     from raytrain_events.trainer.options import loop_option_names
 
     sections = {f.name: f.metadata["section"] for f in dataclasses.fields(RunSpec) if "section" in f.metadata}
-    assert set(sections) == {"data", "scaling", "storage", "checkpoints", "reports", "failures"}
+    assert set(sections) == SECTIONS
     own = {f.name for f in dataclasses.fields(RunSpec)} - set(loop_option_names()) - set(sections)
     assert own == SPEC_OWN_FIELDS
     names = option_names()

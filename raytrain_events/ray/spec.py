@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 from raytrain_events.core.time_value import check_countable
+from raytrain_events.ray.async_validation import check_validation
 from raytrain_events.ray.spec_checks import check_data_and_scaling, check_run_options
 from raytrain_events.ray.spec_sections import (
     CheckpointOptions,
@@ -55,7 +56,9 @@ def _section(cls: type) -> Any:
 
 @dataclass(frozen=True, kw_only=True)
 class RunSpec(LoopOptions):
-    """Everything a `RayTrainer` run needs; each field is also a `RayTrainer` keyword argument.
+    """Everything a `RayTrainer` run needs: the loop's options and the factories as fields, the run-level
+    options in sections (``spec.data.batch_size``, ``spec.storage.run_name``); each option (`option_names`)
+    is also a `RayTrainer` keyword argument, flat.
 
     The loop's options (``max_duration``, ``eval_interval``, ``grad_accum``, ``precision``,
     ``parallelism``, ``compile``, ``seed``, ``config``) are the inherited `LoopOptions` fields: the
@@ -111,8 +114,6 @@ class RunSpec(LoopOptions):
         if self.reports.report_interval is None and self.reports.report_every_s is None:
             raise ValueError("Pass report_interval (a Time, like '500ba') or report_every_s (seconds), or both.")
         check_data_and_scaling(self)  # ray/spec_checks.py: each option's value, and combinations of them
-        from raytrain_events.ray.checkpointing.validation import check_validation
-
         check_validation(
             self.checkpoints.validation,
             self.checkpoints.checkpoint,

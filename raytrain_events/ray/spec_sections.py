@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 from raytrain_events.core.mixture import Mixture
+from raytrain_events.ray.async_validation import parse_validation
 from raytrain_events.trainer.options import option
 
 __all__ = [
@@ -207,8 +208,6 @@ class CheckpointOptions:
         """The section with its final values: ``validation`` parsed; the checkpoint config with the run dir's
         lock and the config-change notice left to the driver (it holds the lock for the whole run and announces
         a changed config once, ray/reports/console.announce_config_change)."""
-        from raytrain_events.ray.checkpointing.validation import parse_validation
-
         checkpoint = options.get("checkpoint")
         if checkpoint is not None:
             if getattr(checkpoint, "save_folder", None):
