@@ -264,4 +264,4 @@ def test_checkpoint_config_keeps_announcing_by_default_and_ray_workers_do_not(tm
 
     assert CheckpointConfig().announce_config_change
     spec = RayTrainer(**ray_kwargs(storage_path=str(tmp_path), checkpoint=CheckpointConfig(save_interval="1ep"))).spec
-    assert not spec.checkpoint.announce_config_change and not spec.checkpoint.lock_run_dir
+    assert not spec.checkpoints.checkpoint.announce_config_change and not spec.checkpoints.checkpoint.lock_run_dir

@@ -184,8 +184,10 @@ def test_numpy_mixture_weights_and_counts_are_accepted(tmp_path, no_ray, sources
     spec = RayTrainer(
         **ray_kwargs(storage_path=str(tmp_path), datasets=dict(sources), mixture=mixture, max_duration="2ep")
     ).spec
-    assert spec.mixture["stages"]["0dur"] == {"web": 0.7, "code": 0.3}
-    assert type(spec.mixture["stages"]["0dur"]["web"]) is float and spec.mixture["sources"]["web"] == {"rows": 40}
+    assert spec.data.mixture["stages"]["0dur"] == {"web": 0.7, "code": 0.3}
+    assert type(spec.data.mixture["stages"]["0dur"]["web"]) is float and spec.data.mixture["sources"]["web"] == {
+        "rows": 40
+    }
 
 
 def test_an_optimizer_factory_default_is_not_given_the_config(tmp_path, no_ray):  # noqa: F811

@@ -51,6 +51,8 @@ Files:
 * ``spec_checks.py``: The checks of `RunSpec`'s options that need no data and no user code: each
   option's value, and combinations that cannot train as asked.
 * ``spec.py``: `RunSpec`: the one definition of a `RayTrainer` run's options.
+* ``async_validation.py``: the ``validation`` option: `AsyncValidation` and its checks (the spec's, light).
+* ``spec_sections.py``: `RunSpec`'s sections (data, scaling, storage, checkpoints, reports, failures), each frozen.
 * ``worker.py``: The function every Ray Train worker runs: build the `Trainer` from the `RunSpec`
   and fit.
 """
@@ -62,7 +64,7 @@ from raytrain_events.lazy_names import lazy_names
 if TYPE_CHECKING:
     from raytrain_events.data.ray.packed_source import PackedTokens
     from raytrain_events.data.ray.parquet_seek import ParquetRowGroups
-    from raytrain_events.ray.checkpointing.validation import AsyncValidation
+    from raytrain_events.ray.async_validation import AsyncValidation
     from raytrain_events.ray.driver import RayTrainer
     from raytrain_events.ray.result import RayResult
     from raytrain_events.ray.spec import RunSpec
@@ -75,7 +77,7 @@ _LAZY = {
     "RayTrainer": "raytrain_events.ray.driver",
     "RayResult": "raytrain_events.ray.result",
     "RunSpec": "raytrain_events.ray.spec",
-    "AsyncValidation": "raytrain_events.ray.checkpointing.validation",
+    "AsyncValidation": "raytrain_events.ray.async_validation",
     "ParquetRowGroups": "raytrain_events.data.ray.parquet_seek",
     "PackedTokens": "raytrain_events.data.ray.packed_source",
 }

@@ -41,7 +41,7 @@ def epoch_batches(spec: Any, rows: int) -> Optional[int]:
     """Global batches in an epoch of ``rows`` rows for this run (None for an elastic group, sized at start)."""
     from raytrain_events.data.ray.feeder import batches_in_epoch
 
-    workers = spec.workers
+    workers = spec.scaling.workers
     if not isinstance(workers, int):
         return None
     batch = global_batch_of(spec)
@@ -51,7 +51,7 @@ def epoch_batches(spec: Any, rows: int) -> Optional[int]:
 def check_steps_per_epoch(spec: Any, train: Any, rows: Optional[int] = None) -> None:
     """Refuse a ``steps_per_epoch`` other than the batches the train set's rows make, where they are known
     (a seekable source counts them from its footers; ``rows`` when the driver counted them)."""
-    if spec.steps_per_epoch is None or spec.fault_tolerance is not None or spec.deterministic_split:
+    if spec.data.steps_per_epoch is None or spec.failures.fault_tolerance is not None or spec.data.deterministic_split:
         return  # replica groups and a deterministic split cut epochs their own way (loader.py, replica_groups.py)
     if rows is None:
         from raytrain_events.data.ray.parquet_seek import is_seekable
@@ -60,9 +60,9 @@ def check_steps_per_epoch(spec: Any, train: Any, rows: Optional[int] = None) -> 
             return
         rows = train.count()
     batches = epoch_batches(spec, rows)
-    if batches is not None and batches != spec.steps_per_epoch:
+    if batches is not None and batches != spec.data.steps_per_epoch:
         raise ValueError(
-            f"steps_per_epoch={spec.steps_per_epoch}, but the train set's {rows} rows make {batches} global batches "
+            f"steps_per_epoch={spec.data.steps_per_epoch}, but the train set's {rows} rows make {batches} global batches "
             "per epoch here: epoch ends, 'ep'/'dur' times and the LR schedule would follow the wrong count. Fix: leave "
             "steps_per_epoch unset (it is counted from the rows), or pass max_duration in 'ba' to train a part of "
             "an epoch."

@@ -67,8 +67,8 @@ class RayTrainer:
         self.spec: RunSpec = spec
         self._report_queue: Any = None
         check_autoresume_named(
-            spec.checkpoint,
-            named=not getattr(spec, "default_run_name", False),
+            spec.checkpoints.checkpoint,
+            named=not spec.storage.default_run_name,
             fix="name the run, RayTrainer(run_name='my-run', ...), with the same name (and storage_path) in every job "
             "that continues it.",
         )
@@ -78,32 +78,34 @@ class RayTrainer:
         # How the run survives a failure, checked (replica groups: what they support, torchft installed) and
         # chosen once: it hands the driver and the workers their parts.
         self._fault_tolerance = choose(spec, self.plan)
-        if isinstance(spec.workers, int):  # an elastic group's size is checked at each worker start
+        if isinstance(spec.scaling.workers, int):  # an elastic group's size is checked at each worker start
             from raytrain_events.parallel.world import check_tensor_parallel_world
 
-            check_tensor_parallel_world(spec.workers, spec.tensor_parallel, spec.parallelism_spec.context_parallel)
+            check_tensor_parallel_world(
+                spec.scaling.workers, spec.tensor_parallel, spec.parallelism_spec.context_parallel
+            )
 
     @property
     def run_name(self) -> str:
-        return self.spec.run_name  # type: ignore[return-value]
+        return self.spec.storage.run_name  # type: ignore[return-value]
 
     @property
     def storage_path(self) -> str:
-        return self.spec.storage_path  # type: ignore[return-value]
+        return self.spec.storage.storage_path  # type: ignore[return-value]
 
     @property
     def storage_options(self) -> Dict[str, Any]:
-        return self.spec.storage_options
+        return self.spec.storage.storage_options
 
     @property
     def scaling_config(self) -> Any:
         """The run's ``ray.train.ScalingConfig``."""
-        return self.spec.ray_scaling_config()
+        return self.spec.scaling.ray_scaling_config()
 
     @property
     def run_url(self) -> str:
         """Where this run's files live: ``<storage_path>/<run_name>``."""
-        return self.spec.run_url
+        return self.spec.storage.run_url
 
     def fit(self, *, report_queue: Any = None) -> RayResult:
         """Run training on the Ray workers and return the aggregated result.
@@ -121,13 +123,13 @@ class RayTrainer:
         from raytrain_events.ray.cluster import ensure_ray
         from raytrain_events.ray.reports.console import quiet_terminal
 
-        started_local = ensure_ray(min_cpus=self.scaling_config.max_workers + 2, verbose=self.spec.verbose)
+        started_local = ensure_ray(min_cpus=self.scaling_config.max_workers + 2, verbose=self.spec.reports.verbose)
         self._checks_cluster = started_local or not _autoscaling()
         if self._checks_cluster:
             self._check_cluster(ray)
         self._progress = None
-        datasets = list(self.spec.datasets.values()) if isinstance(self.spec.datasets, dict) else []
-        with self._claim_run_dir(), quiet_terminal(self.spec.verbose, self._write_line, datasets):
+        datasets = list(self.spec.data.datasets.values()) if isinstance(self.spec.data.datasets, dict) else []
+        with self._claim_run_dir(), quiet_terminal(self.spec.reports.verbose, self._write_line, datasets):
             return self._fit()
 
     def _write_line(self, line: str, stream: Any) -> None:
@@ -146,7 +148,7 @@ class RayTrainer:
 
         lock = acquire_lock(self.run_url, "running", storage_options=self.storage_options, takeover_stale=True)
         try:
-            if getattr(self.spec.checkpoint, "autoresume", False):  # once, here: the workers log it at INFO
+            if getattr(self.spec.checkpoints.checkpoint, "autoresume", False):  # once, here: the workers log it at INFO
                 from raytrain_events.ray.reports.console import announce_config_change
 
                 announce_config_change(self.run_url, self.storage_options, self.spec.config)
@@ -168,8 +170,9 @@ class RayTrainer:
         from raytrain_events.ray.checkpointing.validation import async_eval_names, check_validation
 
         eval_names = sorted(k for k in datasets if k != "train")
-        check_validation(self.spec.validation, self.spec.checkpoint, eval_names)  # a datasets factory's names
-        validated = async_eval_names(self.spec.validation, eval_names)  # evaluated as Ray tasks, not by the workers
+        checkpoints = self.spec.checkpoints
+        check_validation(checkpoints.validation, checkpoints.checkpoint, eval_names)  # a datasets factory's names
+        validated = async_eval_names(checkpoints.validation, eval_names)  # evaluated as Ray tasks, not by the workers
         history = _run_history(ray)
         validation_config = self._validation_config(worker_spec, datasets, validated, history)
         data_config = self._fault_tolerance.data_config(train_rows)
@@ -217,23 +220,24 @@ class RayTrainer:
         from raytrain_events.ray.checkpointing.validate_checkpoint import CheckpointValidator
         from raytrain_events.ray.checkpointing.validation import ray_validation_config
 
+        validation = self.spec.checkpoints.validation
         validator = CheckpointValidator(
-            worker_spec, self.spec.validation, {k: datasets[k] for k in validated}, history, self._report_queue
+            worker_spec, validation, {k: datasets[k] for k in validated}, history, self._report_queue
         )
         # and for the checkpoints Ray Train never sees (replica groups' lead asks the history for them)
-        ray.get(history.validate_checkpoints.remote(validator, self.spec.validation))
-        return ray_validation_config(validator, self.spec.validation)
+        ray.get(history.validate_checkpoints.remote(validator, validation))
+        return ray_validation_config(validator, validation)
 
     def _start_feeder(self, data_config: Any, train: Any) -> Any:
         """The train stream, started now at the run's resume position while Ray Train starts the workers
         (None for an elastic group, sized only at its start)."""
         self._data_start = None
-        if not isinstance(self.spec.workers, int):
+        if not isinstance(self.spec.scaling.workers, int):
             return None
         from raytrain_events.ray.checkpointing.checkpointing import resume_position
 
         start = resume_position(self.plan.checkpoint)
-        return data_config.start_feeder(train, self.spec.workers, start)
+        return data_config.start_feeder(train, self.spec.scaling.workers, start)
 
     def _torch_trainer(
         self, train_config: Dict[str, Any], datasets: Dict[str, Any], data_config: Any, validation: Any, history: Any
@@ -250,7 +254,7 @@ class RayTrainer:
 
         storage_path, storage_filesystem = ray_storage(self.storage_path, self.storage_options)
         # The watchdog's hang_timeout, with a margin: the watchdog names a hung rank before this fires.
-        torch_options = {"timeout_s": int(process_group_timeout_s(self.spec.hang_timeout))}
+        torch_options = {"timeout_s": int(process_group_timeout_s(self.spec.failures.hang_timeout))}
         return TorchTrainer(
             train_loop_per_worker,
             torch_config=self._fault_tolerance.torch_config(torch_options),
@@ -266,10 +270,10 @@ class RayTrainer:
                 failure_config=self._fault_tolerance.failure_config(),
                 callbacks=[
                     AggregatingCallback(history, self._report_queue),
-                    *self.spec.ray_callbacks,
+                    *self.spec.reports.ray_callbacks,
                     *self._fault_tolerance.run_callbacks(),
                 ],
-                logging_config=train_logging_config(self.spec.verbose),
+                logging_config=train_logging_config(self.spec.reports.verbose),
                 # Ray owns retention of the checkpoints reported to it (see ray/checkpointing/checkpointing.py).
                 checkpoint_config=ray_checkpoint_config(self.plan.checkpoint),
             ),
@@ -284,16 +288,18 @@ class RayTrainer:
         from raytrain_events.ray.reports.progress import RunProgress
         from raytrain_events.ray.reports.run_loggers import RunLoggers
 
-        show_bar = self.spec.progress_bar
+        show_bar = self.spec.reports.progress_bar
         show_bar = sys.stderr.isatty() if show_bar is None else show_bar  # by default where someone watches
         progress = self._progress = RunProgress(self.spec.max_duration, self.run_name) if show_bar else None
-        loggers = RunLoggers(self.spec.driver_loggers, step=self.spec.log_step, hyperparameters=self.describe())
+        loggers = RunLoggers(
+            self.spec.reports.driver_loggers, step=self.spec.reports.log_step, hyperparameters=self.describe()
+        )
         consumers = ([progress] if progress is not None else []) + ([loggers] if loggers.destinations else [])
         try:
             with HistoryFollower(history, consumers):
                 ray_result = trainer.fit()
                 if validated:  # Ray waited for its validations, this waits for the history's: record what left none
-                    wait_history_validations(history, self.spec.validation)
+                    wait_history_validations(history, self.spec.checkpoints.validation)
                     self._record_unfinished_validations(history)
         except Exception as exc:
             self._save_history(history, failed=True)
@@ -314,7 +320,7 @@ class RayTrainer:
         from raytrain_events.ray.checkpointing.validation import unfinished_validations
 
         entries = ray.get(history.get.remote())["entries"]
-        for entry in unfinished_validations(entries, self.spec.validation):
+        for entry in unfinished_validations(entries, self.spec.checkpoints.validation):
             ray.get(history.add.remote(entry))
             if self._report_queue is not None:
                 self._report_queue.put(dict(entry))
@@ -355,8 +361,8 @@ class RayTrainer:
             checkpoints=checkpoints,
             run_url=self.run_url,
             ray_result=ray_result,
-            metric=None if self.spec.checkpoint is None else self.spec.checkpoint.metric,
-            mode="max" if self.spec.checkpoint is None else self.spec.checkpoint.mode,
+            metric=None if self.spec.checkpoints.checkpoint is None else self.spec.checkpoints.checkpoint.metric,
+            mode="max" if self.spec.checkpoints.checkpoint is None else self.spec.checkpoints.checkpoint.mode,
             data_start=self._data_start,
         )
 
@@ -369,7 +375,7 @@ class RayTrainer:
             from raytrain_events.ray.data_checks import check_steps_per_epoch
 
             check_steps_per_epoch(self.spec, train, rows)
-        if rows is None and self.spec.steps_per_epoch is None:
+        if rows is None and self.spec.data.steps_per_epoch is None:
             raise ValueError(
                 "The train dataset's row count is not known without running its whole pipeline (it is not in "
                 "the metadata, e.g. after map_batches or filter), and the loop needs batches per epoch for epoch "

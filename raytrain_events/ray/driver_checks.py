@@ -38,17 +38,17 @@ def check_on_driver(spec: RunSpec, *, build: bool = True) -> None:
     _check_factory_kinds(spec)
     _check_lists(spec)
     _check_pipeline(spec, model=None)
-    if isinstance(spec.datasets, Mapping) and spec.mixture is not None:
+    if isinstance(spec.data.datasets, Mapping) and spec.data.mixture is not None:
         from raytrain_events.data.ray.mixture_source import check_mixture
 
-        sources = check_mixture(spec.mixture, spec.datasets, spec.shuffle_buffer_size)
-        RunSpec.check_datasets({k: v for k, v in spec.datasets.items() if k not in sources})
-        check_columns(spec.columns, sources)
-    elif isinstance(spec.datasets, Mapping):
-        RunSpec.check_datasets(spec.datasets)
-        check_columns(spec.columns, {k: v for k, v in spec.datasets.items() if k == "train"})
-        check_steps_per_epoch(spec, spec.datasets["train"])
-    _check_load_from(spec.checkpoint)
+        sources = check_mixture(spec.data.mixture, spec.data.datasets, spec.data.shuffle_buffer_size)
+        RunSpec.check_datasets({k: v for k, v in spec.data.datasets.items() if k not in sources})
+        check_columns(spec.data.columns, sources)
+    elif isinstance(spec.data.datasets, Mapping):
+        RunSpec.check_datasets(spec.data.datasets)
+        check_columns(spec.data.columns, {k: v for k, v in spec.data.datasets.items() if k == "train"})
+        check_steps_per_epoch(spec, spec.data.datasets["train"])
+    _check_load_from(spec.checkpoints.checkpoint)
     if build:
         _check_on_meta(spec)
 
@@ -182,7 +182,7 @@ def _check_pipeline(spec: RunSpec, model: Any) -> None:
     algorithms = spec.algorithms if isinstance(spec.algorithms, (list, tuple)) else []
     from raytrain_events.algorithms.registry import build_algorithms
 
-    check_pipeline_run(config, spec.workers, build_algorithms(algorithms))
+    check_pipeline_run(config, spec.scaling.workers, build_algorithms(algorithms))
 
 
 def _as_list(value: Any) -> List[Any]:

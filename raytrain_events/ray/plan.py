@@ -46,12 +46,14 @@ class RunPlan:
     def of(cls, spec: Any) -> RunPlan:
         """The plan of ``spec`` (a `RunSpec`, checked)."""
         checkpoint = None
-        if spec.checkpoint is not None:
-            checkpoint = ray_plan(spec.checkpoint, run_url=spec.run_url, storage_options=spec.storage_options)
+        if spec.checkpoints.checkpoint is not None:
+            checkpoint = ray_plan(
+                spec.checkpoints.checkpoint, run_url=spec.storage.run_url, storage_options=spec.storage.storage_options
+            )
         return cls(
             batch=global_batch_of(spec),
-            order=TrainOrder.of(spec.seed, spec.shuffle_buffer_size),
-            workers=spec.workers,
+            order=TrainOrder.of(spec.seed, spec.data.shuffle_buffer_size),
+            workers=spec.scaling.workers,
             mixture=mixture_run(spec),
             checkpoint=checkpoint,
         )
@@ -65,18 +67,18 @@ class RunPlan:
 def global_batch_of(spec: Any) -> GlobalBatch:
     """The run's `GlobalBatch`: ``batch_size`` per rank, ``global_batch_size`` if fixed, the ranks that share
     rows (TP x CP) counted once."""
-    return GlobalBatch(spec.batch_size, spec.global_batch_size, spec.parallelism_spec.batch_group)
+    return GlobalBatch(spec.data.batch_size, spec.data.global_batch_size, spec.parallelism_spec.batch_group)
 
 
 def mixture_run(spec: Any) -> Optional[MixtureRun]:
     """The run's `MixtureRun` (None without ``mixture=``), checked: a stage the run cannot place (after its end,
     out of order, a 'dur' stage in a run counted in tokens) fails here, on the driver before Ray starts."""
-    if spec.mixture is None:
+    if spec.data.mixture is None:
         return None
-    mixture = Mixture.from_dict(spec.mixture)
+    mixture = Mixture.from_dict(spec.data.mixture)
     if mixture.online is not None:
         check_online(spec, mixture)
-    workers = spec.workers
+    workers = spec.scaling.workers
     run = MixtureRun.of(
         mixture,
         seed=spec.seed or 0,
@@ -94,13 +96,13 @@ def check_online(spec: Any, mixture: Mixture) -> None:
     already (``ray/replica_checks.py``)."""
     assert mixture.online is not None
     policy = OnlinePolicy.from_dict(mixture.online, mixture.names)
-    by_tasks = async_eval_names(parse_validation(spec.validation), spec.eval_names)
-    in_loop = [n for n in spec.eval_names if n not in by_tasks]
+    by_tasks = async_eval_names(parse_validation(spec.checkpoints.validation), spec.data.eval_names)
+    in_loop = [n for n in spec.data.eval_names if n not in by_tasks]
     missing = {n: policy.label(n) for n in mixture.names if policy.label(n) not in in_loop}
     if missing:
         raise MixtureError(
             f"The mixture's online policy reads each source's eval loss, but the sources {sorted(missing)} have no eval "
-            f"set evaluated in the loop named {sorted(missing.values())} (eval sets: {spec.eval_names}). Fix: pass "
+            f"set evaluated in the loop named {sorted(missing.values())} (eval sets: {spec.data.eval_names}). Fix: pass "
             "each source's held-out rows as datasets={'<source>_eval': ...} and map them, online={'evaluators': "
             "{'<source>': '<source>_eval'}} (evaluated in the loop, not by validation=)."
         )

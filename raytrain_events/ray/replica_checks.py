@@ -48,8 +48,8 @@ def require_torchft() -> None:
 def check_fault_tolerance(spec: Any) -> None:
     """Refuse a ``fault_tolerance`` value, or a combination replica groups do not support yet (`RayTrainer`
     calls it on the driver before Ray starts; a Tune trial's overrides, when the trial builds its `RayTrainer`)."""
-    value = spec.fault_tolerance
-    timeout = spec.replica_timeout_s
+    value = spec.failures.fault_tolerance
+    timeout = spec.failures.replica_timeout_s
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
         raise ValueError(
             f"replica_timeout_s={timeout!r} must be a number of seconds > 0 (default 30: a collective's or a peer "
@@ -61,15 +61,19 @@ def check_fault_tolerance(spec: Any) -> None:
             "checkpoint) or 'replica_groups' (each worker a torchft replica group that fails alone)."
         )
     if value is None:
-        if spec.replica_group_size != 1:
+        if spec.failures.replica_group_size != 1:
             raise ValueError(
-                f"replica_group_size={spec.replica_group_size!r} sets the workers of each replica group, but this run "
+                f"replica_group_size={spec.failures.replica_group_size!r} sets the workers of each replica group, but this run "
                 "has none. Fix: fault_tolerance='replica_groups' (each group shards the model over its workers), "
                 "or drop replica_group_size."
             )
         return
-    problem = layout_problem(spec.workers, spec.replica_group_size) if spec.replica_group_size != 1 else ""
-    if problem and not isinstance(spec.workers, tuple):  # (an elastic group is refused below)
+    problem = (
+        layout_problem(spec.scaling.workers, spec.failures.replica_group_size)
+        if spec.failures.replica_group_size != 1
+        else ""
+    )
+    if problem and not isinstance(spec.scaling.workers, tuple):  # (an elastic group is refused below)
         raise ValueError(f"fault_tolerance='replica_groups': {problem}")
     refusals = _unsupported(spec)
     if refusals:
@@ -78,7 +82,7 @@ def check_fault_tolerance(spec: Any) -> None:
             "options, or drop fault_tolerance to recover by restarting the worker group."
         )
     require_torchft()
-    if spec.replica_group_size > 1:
+    if spec.failures.replica_group_size > 1:
         from raytrain_events.ray._compat_worker_group import require  # Ray Train's worker group: imported when used
 
         require()  # a Ray whose worker group cannot be made to build groups of several: refused, naming the fix
@@ -120,13 +124,13 @@ def refuse_group_callbacks(callbacks: Any, group_size: int = 1) -> None:
 def _unsupported(spec: Any) -> list:
     """What in ``spec`` replica groups do not support yet, one phrase each."""
     # A factory's callbacks: refused on the workers.
-    refusals = [] if callable(spec.callbacks) else _callback_refusals(spec.callbacks, spec.replica_group_size)
-    workers = spec.workers
+    refusals = [] if callable(spec.callbacks) else _callback_refusals(spec.callbacks, spec.failures.replica_group_size)
+    workers = spec.scaling.workers
     if isinstance(workers, tuple):
         refusals.append("an elastic num_workers=(min, max): pass a fixed num_workers (the replica groups)")
     elif workers < 2:
         refusals.append(f"num_workers={workers!r}: replica groups need num_workers >= 2 (one group per worker)")
-    if spec.replica_group_size == 1:
+    if spec.failures.replica_group_size == 1:
         parallel = spec.parallelism_spec
         if parallel.kind != "ddp" or parallel.batch_group > 1:
             refusals.append(
@@ -135,11 +139,11 @@ def _unsupported(spec: Any) -> list:
             )
     else:
         refusals += _sharded_unsupported(spec)
-    if spec.get_num_tokens_in_batch is not None:
+    if spec.data.get_num_tokens_in_batch is not None:
         refusals.append("get_num_tokens_in_batch: committed steps are counted in samples only")
-    if spec.checkpoint is not None and spec.checkpoint.keep_best is not None:
+    if spec.checkpoints.checkpoint is not None and spec.checkpoints.checkpoint.keep_best is not None:
         refusals.append("CheckpointConfig(keep_best=...): ranking needs Ray Train's reports; use keep=N (the newest N)")
-    if spec.mixture is not None:
+    if spec.data.mixture is not None:
         refusals.append("mixture=: each group cuts one train set's global batches; mixtures come later")
     if "fp16" in str(spec.precision).lower():
         refusals.append("precision='fp16': fp16's GradScaler steps around the commit; use 'bf16' or 'fp32'")
@@ -150,7 +154,7 @@ def _sharded_unsupported(spec: Any) -> list:
     """What a run of replica groups of several workers (``replica_group_size > 1``) does not support, one phrase
     each: the model must be sharded inside each group (FSDP2, or HSDP inside it, optionally x TP) over the group's
     workers."""
-    size = spec.replica_group_size
+    size = spec.failures.replica_group_size
     parallel = spec.parallelism_spec
     if parallel.kind != "fsdp" or parallel.fsdp is None:
         return [

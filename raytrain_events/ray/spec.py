@@ -1,13 +1,18 @@
 """`RunSpec`: the one definition of a `RayTrainer` run's options.
 
-Every option of a Ray run is a field here, with its default and its meaning (``help``). The rest
-is derived from these fields: `RayTrainer(**options)` builds a `RunSpec` (its keyword arguments are
-exactly these fields), `RunSpec.describe` is the run's config.yaml, a Tune trial's overrides are
-`RunSpec.replace` (``dataclasses.replace``, so they are validated again), and the worker builds
-its `Trainer` from the spec in one function (`raytrain_events.ray.worker.build_worker_trainer`).
-The loop's own options are inherited from `raytrain_events.trainer.options.LoopOptions`, the one
-definition `Trainer` uses too; the worker passes the spec to its `Trainer` as those options.
-Adding a Ray option = one field here + the place that uses it (a loop option: a `LoopOptions` field).
+Every option of a Ray run is a field, with its default and its meaning (``help``): the loop's
+options are inherited from `raytrain_events.trainer.options.LoopOptions` (the one definition
+`Trainer` uses too; the worker passes the spec to its `Trainer` as those options), the factories
+(model, optimizers, schedulers, algorithms, callbacks) are `RunSpec`'s own fields, and the
+run-level options are filed into sections (`raytrain_events.ray.spec_sections`): ``spec.data``,
+``spec.scaling``, ``spec.storage``, ``spec.checkpoints``, ``spec.reports``, ``spec.failures``.
+`RayTrainer(**options)` builds a `RunSpec` from the flat options (its keyword arguments are
+exactly `option_names`); each section is built once, with its final values, and the spec is
+frozen. `RunSpec.describe` is the run's config.yaml, a Tune trial's overrides are
+`RunSpec.replace` (checked again like a new spec), and the worker builds its `Trainer` from the
+spec in one function (`raytrain_events.ray.worker.build_worker_trainer`).
+Adding a Ray option = one field in its section + the place that uses it (a loop option: a
+`LoopOptions` field).
 
 Models, optimizers and schedulers travel as factories (functions called on the worker), so a
 large model is never pickled on the driver and each worker builds its own on its own device.
@@ -18,15 +23,25 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 from raytrain_events.core.time_value import check_countable
+from raytrain_events.ray.async_validation import check_validation
 from raytrain_events.ray.spec_checks import check_data_and_scaling, check_run_options
+from raytrain_events.ray.spec_sections import (
+    CheckpointOptions,
+    DataOptions,
+    FailureOptions,
+    ReportOptions,
+    ScalingOptions,
+    StorageOptions,
+    storage_root,
+)
+from raytrain_events.ray.spec_sections import option_fields as section_fields
 from raytrain_events.trainer.options import LoopOptions, option, refuse_unknown
 
-__all__ = ["RunSpec", "option_names"]
+__all__ = ["RunSpec", "option_names", "storage_root"]
 
 Factory = Callable[..., Any]
 
@@ -34,9 +49,16 @@ Factory = Callable[..., Any]
 _opt = option  # a RunSpec field: `LoopOptions`' own field helper (help, and worker=False for driver-only)
 
 
-@dataclass(kw_only=True)
+def _section(cls: type) -> Any:
+    """A `RunSpec` field holding one section (ray/spec_sections.py) of the run's options."""
+    return field(metadata={"section": cls})
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunSpec(LoopOptions):
-    """Everything a `RayTrainer` run needs; each field is also a `RayTrainer` keyword argument.
+    """Everything a `RayTrainer` run needs: the loop's options and the factories as fields, the run-level
+    options in sections (``spec.data.batch_size``, ``spec.storage.run_name``); each option (`option_names`)
+    is also a `RayTrainer` keyword argument, flat.
 
     The loop's options (``max_duration``, ``eval_interval``, ``grad_accum``, ``precision``,
     ``parallelism``, ``compile``, ``seed``, ``config``) are the inherited `LoopOptions` fields: the
@@ -44,182 +66,69 @@ class RunSpec(LoopOptions):
     as its ``options``. ``max_duration`` is required here (a Ray run always trains).
 
     Validated on construction (and on every `replace`), so bad input fails on the driver with a
-    message naming the option, before any worker starts.
+    message naming the option, before any worker starts. Frozen: each value is made once, where the
+    spec is built (the sections' ``of``, `LoopOptions`' check); a changed run is a new spec (`replace`).
     """
 
-    # -- what to train ------------------------------------------------------------------------
+    # -- what to train: factories called on each worker --------------------------------------
     model: Factory = _opt(help="model(config) -> nn.Module, called on each worker (config may be omitted)")
     optimizers: Factory = _opt(help="optimizers(model, config) -> optimizer(s), called on each worker")
-    datasets: Union[Mapping[str, Any], Factory] = _opt(
-        help="{'train': ray.data.Dataset or ParquetRowGroups(paths), <eval name>: Dataset, ...}, or fn(config) -> "
-        "that dict (called on the driver when the run starts); every name besides 'train' is an eval set; "
-        "ParquetRowGroups(paths, a folder or s3://bucket/prefix/) or a bare ray.data.read_parquet(...) "
-        "(data/ray/parquet_seek.py): a resume reads nothing before its position",
-        worker=False,
-    )
-    mixture: Any = _opt(
-        None,
-        help="a Mixture (or its dict) of seekable datasets entries: the train set (data/ray/mixture_source.py)",
-        worker=False,
-    )
-    batch_size: int = _opt(64, help="rows per worker per batch")
     schedulers: Optional[Any] = _opt(None, help="schedulers(optimizers, config) -> scheduler(s), or ready schedules")
     algorithms: Union[Sequence[Any], Factory] = _opt(
         (), help="algorithm instances or specs ('label_smoothing', {'name': 'mixup', 'alpha': 0.2}), or a factory"
     )
     callbacks: Union[Sequence[Any], Factory] = _opt((), help="callback instances, or callbacks(config) -> list")
-    # -- the loop -----------------------------------------------------------------------------
-    eval_batch_size: Optional[int] = _opt(None, help="eval rows per worker per batch (default: batch_size)")
-    eval_options: Dict[str, Dict[str, Any]] = _opt(
-        help="per eval set, Evaluator options: {'val': {'eval_interval': '100ba', 'subset_num_batches': 5}}",
-        factory=dict,
-    )
-    validation: Any = _opt(
-        None,
-        help="None: evaluate the eval sets in the loop; 'async' or AsyncValidation(datasets=[...], every=..., "
-        "resources=...) (ray/checkpointing/validation.py): evaluate them as Ray tasks on checkpoints while training goes on",
-    )
-    get_num_tokens_in_batch: Optional[Callable[[Any], int]] = _opt(
-        None, help="fn(batch) -> tokens in it; needed to count tokens (and for durations in 'tok')"
-    )
-    # -- data -----------------------------------------------------------------------------------
-    collate_fn: Optional[Callable] = _opt(None, help="fn(numpy batch dict) -> batch, on the worker")
-    prefetch_batches: int = _opt(1, help="batches Ray Data prefetches per worker")
-    shuffle_buffer_size: Optional[int] = _opt(
-        None,
-        help="train (with seed): blocks permuted, then rows within windows of this many rows, by seed + epoch; "
-        "eval: Ray Data local shuffle rows",
-    )
-    columns: Optional[List[str]] = _opt(None, help="only these dataset columns reach the batch")
-    steps_per_epoch: Optional[int] = _opt(
-        None, help="global batches per epoch (default: from the row count in the train set's metadata)"
-    )
-    deterministic_split: bool = _opt(
-        False, help="materialize the train set once per worker group; split eval sets by rank", worker=False
-    )
-    global_batch_size: Optional[int] = _opt(
-        None, help="rows per optimizer step at any world size (default: batch_size * workers)", worker=False
-    )
-    # -- scaling ----------------------------------------------------------------------------------
-    num_workers: Any = _opt(
-        None, help="Ray Train workers (default 1), or (min, max) for an elastic group", worker=False
-    )
-    use_gpu: bool = _opt(False, help="one GPU per worker", worker=False)
-    resources_per_worker: Optional[Dict[str, float]] = _opt(
-        None, help="Ray resources per worker, e.g. {'CPU': 4, 'GPU': 1}", worker=False
-    )
-    scaling_config: Any = _opt(
-        None,
-        help="a ray.train.ScalingConfig (or its kwargs); instead of num_workers/use_gpu/resources_per_worker",
-        worker=False,
-    )
-    # -- storage, checkpoints, reports -------------------------------------------------------------
-    storage_path: Optional[str] = _opt(None, help="where runs live: a local path or fsspec URL (default ./runs)")
-    storage_options: Dict[str, Any] = _opt(help="fsspec options for storage_path", factory=dict)
-    run_name: Optional[str] = _opt(
-        None, help="the run's folder under storage_path: one folder name (default: a fresh run-<date>-<time>-<hex>)"
-    )
-    checkpoint: Any = _opt(None, help="a raytrain_events.checkpoint.CheckpointConfig; None: no checkpoints")
-    max_failures: int = _opt(0, help="worker-group restarts Ray Train makes after a failure", worker=False)
-    fault_tolerance: Optional[str] = _opt(None, help="None, or 'replica_groups' (checked in ray/replica_checks.py)")
-    replica_timeout_s: float = _opt(30.0, help="replica groups: a collective's or peer transfer's limit (quorum: 2x)")
-    replica_group_size: int = _opt(
-        1,
-        help="replica groups: workers per group, the model sharded inside each with FSDP, HSDP or FSDP x TP (groups = "
-        "num_workers / this; checked in ray/replica_checks.py)",
-    )
-    hang_timeout: Optional[float] = _opt(
-        None,
-        help="seconds without progress on any rank before the watchdog saves every rank's stacks in <run>/hangs "
-        "and restarts the group (None: max(300, 20 x median step)); also the start-up check's deadline and, with "
-        "a margin, the process-group timeout",
-    )
-    report_interval: Any = _opt(None, help="report to the driver every this many: '500ba', '1ep', ...")
-    report_every_s: Optional[float] = _opt(10.0, help="report to the driver at least every this many seconds")
-    ray_callbacks: Sequence[Any] = _opt((), help="extra ray.train.UserCallback objects", worker=False)
-    progress_bar: Optional[bool] = _opt(
-        None, help="one progress bar on the driver; None: when stderr is a terminal", worker=False
-    )
-    verbose: bool = _opt(
-        False, help="also show Ray's own log lines on the terminal (they always go to Ray's log files)", worker=False
-    )
-    driver_loggers: Sequence[Any] = _opt(
-        (),
-        help="logger destinations (FileLogger, TensorBoardLogger, MLFlowLogger, WandBLogger), fed on the driver "
-        "once per report with metrics reduced across ranks",
-        worker=False,
-    )
-    log_step: str = _opt(
-        "sample",
-        help="the global Timestamp unit loggers use as the step: 'sample', 'batch', 'token' or 'epoch'",
-        worker=False,
-    )
+    # -- the run-level options, by section (ray/spec_sections.py) ------------------------------------
+    data: DataOptions = _section(DataOptions)
+    scaling: ScalingOptions = _section(ScalingOptions)
+    storage: StorageOptions = _section(StorageOptions)
+    checkpoints: CheckpointOptions = _section(CheckpointOptions)
+    reports: ReportOptions = _section(ReportOptions)
+    failures: FailureOptions = _section(FailureOptions)
 
     def __post_init__(self) -> None:
         # The loop options, checked once here (LoopOptions); the driver's progress bar and the workers'
-        # Trainer receive the typed values (max_duration a Time).
+        # Trainer receive the typed values (max_duration a Time). The sections' values were made final by
+        # their `of` (`RunSpec.__init__`); what follows only checks.
         super().__post_init__()
         if self.max_duration is None:
             raise TypeError("RayTrainer needs max_duration (e.g. max_duration='2ep').")
-        check_countable(self.max_duration, counts_tokens=self.get_num_tokens_in_batch is not None, what="max_duration")
-        for name, options in (self.eval_options or {}).items():
+        data, failures = self.data, self.failures
+        check_countable(self.max_duration, counts_tokens=data.get_num_tokens_in_batch is not None, what="max_duration")
+        for name, options in (data.eval_options or {}).items():
             unknown = sorted(set(options) - {"eval_interval", "subset_num_batches", "metric_names"})
             if unknown:
                 raise ValueError(
                     f"eval_options[{name!r}] has unknown keys {unknown}: use eval_interval, subset_num_batches, "
                     "metric_names."
                 )
-        if self.hang_timeout is not None and (
-            not isinstance(self.hang_timeout, (int, float))
-            or isinstance(self.hang_timeout, bool)
-            or self.hang_timeout <= 0
+        if failures.hang_timeout is not None and (
+            not isinstance(failures.hang_timeout, (int, float))
+            or isinstance(failures.hang_timeout, bool)
+            or failures.hang_timeout <= 0
         ):
             raise ValueError(
-                f"hang_timeout={self.hang_timeout!r} must be a positive number of seconds, or None for "
+                f"hang_timeout={failures.hang_timeout!r} must be a positive number of seconds, or None for "
                 "max(300, 20 x the median step)."
             )
-        if self.report_interval is None and self.report_every_s is None:
+        if self.reports.report_interval is None and self.reports.report_every_s is None:
             raise ValueError("Pass report_interval (a Time, like '500ba') or report_every_s (seconds), or both.")
         check_data_and_scaling(self)  # ray/spec_checks.py: each option's value, and combinations of them
-        from raytrain_events.ray.checkpointing.validation import check_validation, parse_validation
-
-        self.validation = parse_validation(self.validation)
         check_validation(
-            self.validation, self.checkpoint, self.eval_names if isinstance(self.datasets, Mapping) else None
+            self.checkpoints.validation,
+            self.checkpoints.checkpoint,
+            data.eval_names if isinstance(data.datasets, Mapping) else None,
         )
-        if self.checkpoint is not None:
-            if getattr(self.checkpoint, "save_folder", None):
-                raise ValueError(
-                    "CheckpointConfig.save_folder cannot be set for a RayTrainer run: checkpoints live in the run "
-                    "directory (<storage_path>/<run_name>/checkpoints) so Ray Train can manage them. "
-                    "Set storage_path instead."
-                )
-            from raytrain_events.checkpoint.folder.retention import check_ray_ranking
-
-            check_ray_ranking(self.checkpoint)
-            # The driver holds the run dir's lock for the whole run, and announces a changed config once
-            # (ray/reports/console.announce_config_change); workers must not do either again.
-            self.checkpoint = dataclasses.replace(self.checkpoint, lock_run_dir=False, announce_config_change=False)
-        from raytrain_events.storage.exp_dir import check_run_name, fresh_run_name
-        from raytrain_events.storage.fs import check_storage_url
-
-        check_storage_url(self.storage_path or "runs")
-        self.storage_path = storage_root(self.storage_path)
-        self.storage_options = dict(self.storage_options or {})
-        # No name: a fresh unique one, so two jobs never share a run directory (`default_run_name`).
-        self.default_run_name = self.run_name is None
-        self.run_name = fresh_run_name() if self.run_name is None else check_run_name(self.run_name)
-        self.driver_loggers = list(self.driver_loggers or ())
-        if self.log_step not in ("sample", "batch", "token", "epoch"):
-            raise ValueError(f"log_step={self.log_step!r}: use 'sample', 'batch', 'token' or 'epoch'.")
+        if self.reports.log_step not in ("sample", "batch", "token", "epoch"):
+            raise ValueError(f"log_step={self.reports.log_step!r}: use 'sample', 'batch', 'token' or 'epoch'.")
         check_run_options(self)  # reports, failures, storage, the mixture's stages (ray/spec_checks.py)
 
-    # -- derived values ------------------------------------------------------------------------
+    # -- building and copying -------------------------------------------------------------------
     @classmethod
     def from_options(cls, options: Mapping[str, Any], where: str = "RayTrainer") -> RunSpec:
         """``RunSpec(**options)``, with unknown names reported against the known options."""
         check_option_names(options, where)
-        missing = [f.name for f in dataclasses.fields(cls) if _required(f) and f.name not in options]
+        missing = [f.name for f in option_fields() if _required(f) and f.name not in options]
         if options.get("max_duration") is None:  # optional in LoopOptions (eval-only Trainers), not here
             missing.append("max_duration")
         if missing:
@@ -229,8 +138,21 @@ class RunSpec(LoopOptions):
             )
         return cls(**options)
 
+    def options(self) -> Dict[str, Any]:
+        """Every option's value, flat (the `RayTrainer` keywords), in `option_names` order."""
+        out: Dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            section = f.metadata.get("section")
+            if section is None:
+                out[f.name] = getattr(self, f.name)
+            else:
+                part = getattr(self, f.name)
+                out.update((g.name, getattr(part, g.name)) for g in section_fields(section))
+        return out
+
     def replace(self, **changes: Any) -> RunSpec:
-        """A copy with ``changes`` applied (``dataclasses.replace``: validated like a new spec)."""
+        """A copy with ``changes`` (flat option names) applied (``dataclasses.replace``: checked like a new
+        spec); a section none of whose options change is kept as it is (`_resolve`)."""
         check_option_names(changes, "RunSpec.replace()")
         return dataclasses.replace(self, **changes)
 
@@ -239,60 +161,24 @@ class RunSpec(LoopOptions):
         """The tensor-parallel degree of ``parallelism`` (1: none): the ranks that share each batch."""
         return self.parallelism_spec.tensor_parallel
 
-    @property
-    def workers(self) -> Any:
-        """The number of Ray Train workers (from ``scaling_config`` when given)."""
-        if self.scaling_config is None:
-            return 1 if self.num_workers is None else self.num_workers
-        if isinstance(self.scaling_config, Mapping):
-            return self.scaling_config.get("num_workers", 1)
-        return self.scaling_config.num_workers
-
-    @property
-    def eval_names(self) -> List[str]:
-        """The eval datasets' names: every dataset but ``"train"``."""
-        if not isinstance(self.datasets, Mapping):
-            return []
-        sources = set(self.mixture["sources"]) if self.mixture is not None else set()
-        return sorted(k for k in self.datasets if k != "train" and k not in sources)
-
-    @property
-    def run_url(self) -> str:
-        """Where this run's files live: ``<storage_path>/<run_name>``."""
-        from raytrain_events.storage.fs import join
-
-        return join(self.storage_path, self.run_name)
-
-    def ray_scaling_config(self) -> Any:
-        """The ``ray.train.ScalingConfig`` for this run."""
-        from ray.train import ScalingConfig
-
-        if self.scaling_config is None:
-            return ScalingConfig(
-                num_workers=self.workers, use_gpu=self.use_gpu, resources_per_worker=self.resources_per_worker
-            )
-        if isinstance(self.scaling_config, Mapping):
-            return ScalingConfig(**self.scaling_config)
-        return self.scaling_config
-
     def for_workers(self, datasets: Optional[Mapping[str, Any]] = None, **changes: Any) -> RunSpec:
         """The spec shipped to the workers: driver-only options at their defaults, datasets by name only.
 
-        ``datasets`` is the resolved datasets dict when ``self.datasets`` is a factory.
+        ``datasets`` is the resolved datasets dict when ``self.data.datasets`` is a factory.
         """
         driver_only = {
-            f.name: _default(f) for f in dataclasses.fields(self) if not f.metadata["worker"] and f.name != "datasets"
+            f.name: _default(f) for f in option_fields() if not f.metadata["worker"] and f.name != "datasets"
         }
-        source = datasets if datasets is not None else self.datasets
+        source = datasets if datasets is not None else self.data.datasets
         names = {name: None for name in source} if isinstance(source, Mapping) else {"train": None}
-        return dataclasses.replace(self, **driver_only, **changes, datasets=names)
+        return self.replace(**{**driver_only, **changes, "datasets": names})
 
     def describe(self) -> Dict[str, Any]:
         """The run's plain-data description (every option), saved as the run dir's config.yaml."""
         from raytrain_events.core.plain import describe_value
 
-        out = {f.name: describe_value(getattr(self, f.name)) for f in dataclasses.fields(self)}
-        out["num_workers"] = self.workers
+        out = {name: describe_value(value) for name, value in self.options().items()}
+        out["num_workers"] = self.scaling.workers
         return out
 
     # -- what the worker builds -------------------------------------------------------------------
@@ -319,10 +205,10 @@ class RunSpec(LoopOptions):
 
     def build_datasets(self) -> Dict[str, Any]:
         """The datasets dict (calling a datasets factory with ``config``), checked for a ``"train"`` entry."""
-        if not callable(self.datasets):
-            return dict(self.datasets)
-        datasets = call_factory(self.datasets, self.config)
-        if not isinstance(datasets, Mapping) or ("train" not in datasets and self.mixture is None):
+        if not callable(self.data.datasets):
+            return dict(self.data.datasets)
+        datasets = call_factory(self.data.datasets, self.config)
+        if not isinstance(datasets, Mapping) or ("train" not in datasets and self.data.mixture is None):
             raise ValueError(
                 f"The datasets factory returned {datasets!r}: it must return {{'train': ds, <eval name>: ds, ...}}."
             )
@@ -363,9 +249,44 @@ class RunSpec(LoopOptions):
                 )
 
 
+def option_fields() -> List[dataclasses.Field]:
+    """Every `RunSpec` option's field: the loop's and the factories (`RunSpec`'s own), then each section's."""
+    out: List[dataclasses.Field] = []
+    for f in dataclasses.fields(RunSpec):
+        section = f.metadata.get("section")
+        out.extend(section_fields(section) if section is not None else [f])
+    return out
+
+
 def option_names() -> List[str]:
     """Every `RunSpec` option (= every `RayTrainer` keyword argument), in declaration order."""
-    return [f.name for f in dataclasses.fields(RunSpec)]
+    return [f.name for f in option_fields()]
+
+
+def _resolve(options: Mapping[str, Any]) -> Dict[str, Any]:
+    """The dataclass fields of a spec for ``options``: flat options, and (from ``dataclasses.replace`` or
+    `RunSpec.replace`) whole sections. Each section is built once by its ``of`` from its flat options,
+    over the given section's values when there is one; a given section none of whose options change is
+    kept as it is (its final values stay: a fresh run name, ``default_run_name``)."""
+    fields: Dict[str, Any] = {}
+    for f in dataclasses.fields(RunSpec):
+        section = f.metadata.get("section")
+        if section is None:
+            if f.name in options:
+                fields[f.name] = options[f.name]
+            continue
+        names = [g.name for g in section_fields(section)]
+        mine = {n: options[n] for n in names if n in options}
+        given = options.get(f.name)
+        if given is not None and not isinstance(given, section):
+            raise TypeError(f"RunSpec({f.name}=...) takes a {section.__name__}, got {type(given).__name__}.")
+        if given is None:
+            fields[f.name] = section.of(**mine)
+        elif mine:
+            fields[f.name] = section.of(**{**{n: getattr(given, n) for n in names}, **mine})
+        else:
+            fields[f.name] = given
+    return fields
 
 
 # Options renamed, old spelling -> new: the old one fails with a TypeError naming the new one.
@@ -395,17 +316,21 @@ def check_option_names(names: Any, where: str) -> None:
 
 
 def _checked_init(init: Callable[..., None]) -> Callable[..., None]:
-    """`RunSpec`'s generated ``__init__`` behind `check_option_names`: a renamed or unknown option's
-    TypeError names the fix, where the dataclass would only say "unexpected keyword argument"."""
+    """`RunSpec`'s generated ``__init__`` behind `check_option_names` (a renamed or unknown option's
+    TypeError names the fix, where the dataclass would only say "unexpected keyword argument") and
+    `_resolve` (the flat options filed into their sections)."""
 
     @functools.wraps(init)
     def __init__(self: RunSpec, **options: Any) -> None:
-        check_option_names(options, "RunSpec")
-        init(self, **options)
+        check_option_names([n for n in options if n not in _SECTION_NAMES], "RunSpec")
+        init(self, **_resolve(options))
 
     return __init__
 
 
+# The generated ``__init__`` takes the sections; `RunSpec(**options)` takes the flat options (the
+# `RayTrainer` keywords) and builds each section once (`_resolve`) before it.
+_SECTION_NAMES = frozenset(f.name for f in dataclasses.fields(RunSpec) if "section" in f.metadata)
 RunSpec.__init__ = _checked_init(RunSpec.__init__)  # type: ignore[method-assign]
 
 
@@ -415,18 +340,6 @@ def _required(f: dataclasses.Field) -> bool:
 
 def _default(f: dataclasses.Field) -> Any:
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default  # type: ignore[misc]
-
-
-def storage_root(storage_path: Optional[str]) -> str:
-    """A storage URL, or an absolute local path (``None``: ``./runs``)."""
-    if storage_path is None:
-        return os.path.abspath("runs")
-    storage_path = os.fspath(storage_path)
-    if "://" not in storage_path:
-        return os.path.abspath(os.path.expanduser(storage_path))
-    if storage_path.startswith("file://"):
-        return os.path.abspath(storage_path[len("file://") :])
-    return storage_path
 
 
 def _is_state_schedule(obj: Any) -> bool:

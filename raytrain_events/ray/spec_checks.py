@@ -16,7 +16,6 @@ import math
 import os
 from typing import Any, Mapping, Optional
 
-from raytrain_events.core.mixture import Mixture
 from raytrain_events.core.time import TimeUnit, ensure_time
 from raytrain_events.ray.plan import mixture_run
 
@@ -34,18 +33,16 @@ def check_data_and_scaling(spec: RunSpec) -> None:
     """``datasets``, ``mixture``, ``batch_size``, ``num_workers``/``scaling_config``/``use_gpu``/
     ``resources_per_worker``, ``columns``, ``global_batch_size``, ``shuffle_buffer_size`` and ``steps_per_epoch``."""
     _check_datasets(spec)
-    if not _positive_int(spec.batch_size):
-        raise ValueError(f"batch_size={spec.batch_size!r} must be a positive integer (rows per worker per batch).")
-    if spec.scaling_config is not None and (
-        spec.num_workers is not None or spec.use_gpu or spec.resources_per_worker is not None
+    if not _positive_int(spec.data.batch_size):
+        raise ValueError(f"batch_size={spec.data.batch_size!r} must be a positive integer (rows per worker per batch).")
+    if spec.scaling.scaling_config is not None and (
+        spec.scaling.num_workers is not None or spec.scaling.use_gpu or spec.scaling.resources_per_worker is not None
     ):
         raise ValueError(
             "Pass either scaling_config or num_workers/use_gpu/resources_per_worker, not both "
-            f"(got scaling_config={spec.scaling_config!r}, num_workers={spec.num_workers!r})."
+            f"(got scaling_config={spec.scaling.scaling_config!r}, num_workers={spec.scaling.num_workers!r})."
         )
-    if isinstance(spec.num_workers, list):
-        spec.num_workers = tuple(spec.num_workers)
-    workers = spec.workers
+    workers = spec.scaling.workers
     counts = workers if isinstance(workers, tuple) else (workers,)
     if (
         len(counts) not in (1, 2)
@@ -55,48 +52,48 @@ def check_data_and_scaling(spec: RunSpec) -> None:
         raise ValueError(
             f"num_workers={workers!r} must be an integer >= 1, or (min, max) with 1 <= min <= max for an elastic group."
         )
-    if spec.num_workers is not None or spec.scaling_config is not None:  # not the workers' copy (for_workers)
+    if (
+        spec.scaling.num_workers is not None or spec.scaling.scaling_config is not None
+    ):  # not the workers' copy (for_workers)
         check_mesh(spec)
-    if not isinstance(spec.use_gpu, bool):
-        fix = "True" if str(spec.use_gpu).strip().lower() in ("true", "1", "yes") else "False"
+    if not isinstance(spec.scaling.use_gpu, bool):
+        fix = "True" if str(spec.scaling.use_gpu).strip().lower() in ("true", "1", "yes") else "False"
         raise TypeError(
-            f"use_gpu={spec.use_gpu!r} must be True or False (a bool, not {type(spec.use_gpu).__name__}). "
+            f"use_gpu={spec.scaling.use_gpu!r} must be True or False (a bool, not {type(spec.scaling.use_gpu).__name__}). "
             f"Fix: use_gpu={fix}."
         )
-    _check_resources(spec.resources_per_worker)
-    if spec.columns is not None and (
-        isinstance(spec.columns, str) or not all(isinstance(c, str) for c in spec.columns)
+    _check_resources(spec.scaling.resources_per_worker)
+    if spec.data.columns is not None and (
+        isinstance(spec.data.columns, str) or not all(isinstance(c, str) for c in spec.data.columns)
     ):
-        fix = [spec.columns] if isinstance(spec.columns, str) else ["image", "label"]
-        raise TypeError(f"columns={spec.columns!r} must be a list of column names. Fix: columns={fix!r}.")
+        fix = [spec.data.columns] if isinstance(spec.data.columns, str) else ["image", "label"]
+        raise TypeError(f"columns={spec.data.columns!r} must be a list of column names. Fix: columns={fix!r}.")
     _check_global_batch(spec)
     _check_shuffle(spec)
-    if spec.steps_per_epoch is not None and not _positive_int(spec.steps_per_epoch):
+    if spec.data.steps_per_epoch is not None and not _positive_int(spec.data.steps_per_epoch):
         raise ValueError(
-            f"steps_per_epoch={spec.steps_per_epoch!r} must be a positive integer (global batches per epoch), or "
+            f"steps_per_epoch={spec.data.steps_per_epoch!r} must be a positive integer (global batches per epoch), or "
             "None to count them from the train set's rows."
         )
 
 
 def _check_datasets(spec: RunSpec) -> None:
-    if spec.mixture is not None:  # kept as plain data (config.yaml, Tune); a bad one fails here (MixtureError)
-        spec.mixture = Mixture.plain(spec.mixture)
-    if isinstance(spec.datasets, Mapping):
-        spec.datasets = dict(spec.datasets)
-        if "train" not in spec.datasets and spec.mixture is None:
+    # The mixture is plain data and a datasets mapping a dict already (`DataOptions.of`).
+    if isinstance(spec.data.datasets, Mapping):
+        if "train" not in spec.data.datasets and spec.data.mixture is None:
             raise ValueError(
-                f"datasets has no 'train' entry (got {sorted(spec.datasets)}); pass datasets={{'train': ds, ...}}."
+                f"datasets has no 'train' entry (got {sorted(spec.data.datasets)}); pass datasets={{'train': ds, ...}}."
             )
-    elif not callable(spec.datasets):
-        raise TypeError(f"datasets must be a dict of Ray Datasets or fn(config) -> dict, got {spec.datasets!r}.")
+    elif not callable(spec.data.datasets):
+        raise TypeError(f"datasets must be a dict of Ray Datasets or fn(config) -> dict, got {spec.data.datasets!r}.")
 
 
 def check_mesh(spec: RunSpec) -> None:
     """HSDP's ``replicate`` x context x tensor parallelism must divide a fixed number of workers
     (`FSDPConfig.mesh_shape`, the one owner of that rule); an elastic group is checked at each start."""
     fsdp = spec.parallelism_spec.fsdp
-    if fsdp is not None and isinstance(spec.workers, int):
-        fsdp.mesh_shape(spec.workers)
+    if fsdp is not None and isinstance(spec.scaling.workers, int):
+        fsdp.mesh_shape(spec.scaling.workers)
 
 
 def _check_resources(resources: Any) -> None:
@@ -122,7 +119,7 @@ def _check_resources(resources: Any) -> None:
 
 
 def _check_global_batch(spec: RunSpec) -> None:
-    value = spec.global_batch_size
+    value = spec.data.global_batch_size
     if value is None:
         return
     if not _positive_int(value):
@@ -130,19 +127,19 @@ def _check_global_batch(spec: RunSpec) -> None:
             f"global_batch_size={value!r} must be a positive integer (rows per optimizer step), or None for "
             "batch_size x workers."
         )
-    workers = spec.workers
+    workers = spec.scaling.workers
     smallest = workers[1] if isinstance(workers, tuple) else workers  # an elastic group may grow to its max
     readers = smallest // max(1, spec.parallelism_spec.batch_group) if _positive_int(smallest) else 1
     if value < readers:
         raise ValueError(
             f"global_batch_size={value} is smaller than the {readers} data-parallel workers: some rank would get no "
-            f"row of a batch. Fix: global_batch_size >= {readers} (e.g. {readers * spec.batch_size}), or fewer "
+            f"row of a batch. Fix: global_batch_size >= {readers} (e.g. {readers * spec.data.batch_size}), or fewer "
             "workers."
         )
 
 
 def _check_shuffle(spec: RunSpec) -> None:
-    value = spec.shuffle_buffer_size
+    value = spec.data.shuffle_buffer_size
     if value is None:
         return
     if isinstance(value, str) and value.strip().isdigit():
@@ -162,7 +159,7 @@ def _check_shuffle(spec: RunSpec) -> None:
 
 def check_run_options(spec: RunSpec) -> None:
     """The reporting, failure and storage options, and a mixture's stages against the run's length."""
-    every = spec.report_every_s
+    every = spec.reports.report_every_s
     if every is not None and (
         isinstance(every, bool) or not isinstance(every, (int, float)) or not math.isfinite(every) or every <= 0
     ):
@@ -170,22 +167,22 @@ def check_run_options(spec: RunSpec) -> None:
             f"report_every_s={every!r} must be a positive number of seconds (each report is a barrier across the "
             "workers: keep it at several seconds, e.g. 10), or None to report only at report_interval."
         )
-    if spec.report_interval is not None:
-        interval = ensure_time(spec.report_interval, TimeUnit.BATCH)
+    if spec.reports.report_interval is not None:
+        interval = ensure_time(spec.reports.report_interval, TimeUnit.BATCH)
         if interval.value <= 0 or (interval.unit == TimeUnit.DURATION and interval.value > 1):
             raise ValueError(
-                f"report_interval={spec.report_interval!r} must be a positive Time within the run ('500ba', '1ep', "
+                f"report_interval={spec.reports.report_interval!r} must be a positive Time within the run ('500ba', '1ep', "
                 "'0.1dur'; in 'dur' at most '1dur'), or None to report every report_every_s seconds."
             )
-    failures = spec.max_failures
+    failures = spec.failures.max_failures
     if isinstance(failures, bool) or not isinstance(failures, int) or failures < -1:
         fix = int(failures) if isinstance(failures, str) and failures.strip().lstrip("-").isdigit() else 3
         raise TypeError(
             f"max_failures={failures!r} must be an integer: restarts after a failure (0: none, -1: without limit). "
             f"Fix: max_failures={fix}."
         )
-    check_ray_storage(spec.storage_path, "storage_path")
-    if spec.mixture is not None:
+    check_ray_storage(spec.storage.storage_path, "storage_path")
+    if spec.data.mixture is not None:
         mixture_run(spec)  # a stage the run cannot place: after its end, out of order, 'dur' in tokens
 
 

@@ -64,7 +64,7 @@ def build_worker(
     # (an elastic resize) ends here with the fix, instead of inside the dataset split or the device mesh.
     check_tensor_parallel_world(context.get_world_size(), spec.tensor_parallel, spec.parallelism_spec.context_parallel)
     device = ray.train.torch.get_device()
-    pg_timeout = process_group_timeout_s(spec.hang_timeout)
+    pg_timeout = process_group_timeout_s(spec.failures.hang_timeout)
     distributed = context.get_world_size() > 1 and ft.shares_process_group
     dist = TorchDist(device, timeout_s=pg_timeout) if distributed else LocalDist(device)
     if spec.seed is not None:
@@ -82,7 +82,10 @@ def build_worker(
     callbacks = spec.build_list(spec.callbacks)
 
     loader_options: Dict[str, Any] = dict(
-        device=device, collate_fn=spec.collate_fn, prefetch_batches=spec.prefetch_batches, columns=spec.columns
+        device=device,
+        collate_fn=spec.data.collate_fn,
+        prefetch_batches=spec.data.prefetch_batches,
+        columns=spec.data.columns,
     )
     parts = ft.parts(spec, rank, model, optimizers, schedulers, loader_options, plan.checkpoint)
     evaluators = [
@@ -90,27 +93,27 @@ def build_worker(
             label=name,
             dataloader=ShardLoader(
                 ray.train.get_dataset_shard(name) if parts.eval_shards is None else parts.eval_shards[name],
-                batch_size=spec.eval_batch_size or spec.batch_size,
+                batch_size=spec.data.eval_batch_size or spec.data.batch_size,
                 **loader_options,
             ),
-            **spec.eval_options.get(name, {}),
+            **spec.data.eval_options.get(name, {}),
         )
-        for name in spec.eval_names
-        if name not in async_eval_names(spec.validation, spec.eval_names)  # those are evaluated as Ray tasks
+        for name in spec.data.eval_names
+        if name not in async_eval_names(spec.checkpoints.validation, spec.data.eval_names)  # as Ray tasks instead
     ]
     counts_data = Parallel(spec.parallelism_spec).counts_data(rank, context.get_world_size())  # TP: one rank per group
     # Every rank arrived, or an error; the preemption guard saves only where the strategy says.
     guards = worker_guards(spec, dist, checkpointing=parts.saves_on_preemption)
     reporter = RayReporter(
-        interval=spec.report_interval,
-        every_s=spec.report_every_s,
+        interval=spec.reports.report_interval,
+        every_s=spec.reports.report_every_s,
         counts_data=counts_data,
-        validation=spec.validation,
+        validation=spec.checkpoints.validation,
         report_fn=parts.report_fn,
     )
     return Trainer(
         model=model,
-        train_dataloader=DataSpec(parts.train, get_num_tokens_in_batch=spec.get_num_tokens_in_batch),
+        train_dataloader=DataSpec(parts.train, get_num_tokens_in_batch=spec.data.get_num_tokens_in_batch),
         optimizers=parts.optimizers,
         schedulers=schedulers,
         eval_dataloader=evaluators or None,
@@ -118,7 +121,7 @@ def build_worker(
         callbacks=[*parts.callbacks, *callbacks, reporter, *guards],  # guards: preemption
         device=device,
         dist=dist,
-        run_name=spec.run_name or "run",
+        run_name=spec.storage.run_name or "run",
         checkpoint=parts.checkpoint,
         options=spec,  # a RunSpec is the run's LoopOptions, checked once on the driver
     ), parts
@@ -128,7 +131,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> Dict[str, Any]:
     """Ray Train entry point: ``config["spec"]`` is the `RunSpec`, ``config["plan"]`` the driver's `RunPlan`,
     ``config["fault_tolerance"]`` the run's strategy's worker side; returns rank 0's final timestamp."""
     spec: RunSpec = config["spec"]
-    quiet_worker_console(spec.verbose)  # this package's INFO lines in Ray's files, not on the driver's terminal
+    quiet_worker_console(spec.reports.verbose)  # this package's INFO lines in Ray's files, not on the driver's terminal
     trainer, parts = build_worker(spec, config["fault_tolerance"], config["plan"])
     try:
         state = trainer.fit()

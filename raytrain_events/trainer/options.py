@@ -1,7 +1,8 @@
 """`LoopOptions`: the one definition of the training loop's options, shared by `Trainer` and `RunSpec`.
 
 Each option is a field here with its default and its meaning (``help``), and is checked once, in
-``__post_init__``, into the typed value the loop receives (a `Time` for durations, a `Precision`).
+``__post_init__``, into the typed value the loop receives (a `Time` for durations, a `Precision`);
+the options are frozen after that.
 `Trainer(**options)` builds one from its keyword arguments; `raytrain_events.ray.spec.RunSpec`
 *is* one (it subclasses `LoopOptions`), so a `RayTrainer` run's loop options have the same names,
 defaults and checks, and the Ray worker hands the spec to its `Trainer` as they are (as
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Union, cast
 
 from raytrain_events.core.precision import Precision
 from raytrain_events.core.time import Time, TimeUnit, ensure_time, training_duration
@@ -39,6 +40,11 @@ def option(default: Any = dataclasses.MISSING, *, help: str, worker: bool = True
     return field(default=default, metadata=metadata)
 
 
+def _set(options: LoopOptions, name: str, value: Any) -> None:
+    # The options are frozen once built; their own check writes each typed value once, here.
+    object.__setattr__(options, name, value)
+
+
 def parse_grad_accum(value: Union[int, str]) -> int:
     """The starting number of microbatches for ``grad_accum`` (``"auto"`` starts at 1); bad values raise."""
     if value == AUTO:
@@ -51,7 +57,7 @@ def parse_grad_accum(value: Union[int, str]) -> int:
     return value
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class LoopOptions:
     """How the loop trains: duration, evaluation cadence, microbatching, precision, sharding, seed.
 
@@ -94,24 +100,24 @@ class LoopOptions:
         if self.max_duration is not None:
             # Not `dur`, positive; `tok` needs a token counter, checked where the data is known
             # (`Trainer`: its DataSpec; `RunSpec`: get_num_tokens_in_batch).
-            self.max_duration = training_duration(self.max_duration)
+            _set(self, "max_duration", training_duration(self.max_duration))
         if not callable(self.eval_interval):  # else fn(state, event) -> bool
-            self.eval_interval = ensure_time(self.eval_interval, TimeUnit.EPOCH)
+            _set(self, "eval_interval", ensure_time(self.eval_interval, TimeUnit.EPOCH))
         # What the loop needs of grad_accum, parallelism and compile, resolved here once (not fields:
         # the options keep the values as given, for the run's config.yaml and Tune's overrides).
-        self._initial_grad_accum = parse_grad_accum(self.grad_accum)
-        self.precision = Precision.parse(self.precision)
-        self._parallelism = parse_parallelism(self.parallelism)
-        if self._parallelism.pipeline_parallel > 1:  # grad_accum and precision against the pipeline's microbatches
+        _set(self, "_initial_grad_accum", parse_grad_accum(self.grad_accum))
+        _set(self, "precision", Precision.parse(self.precision))
+        _set(self, "_parallelism", parse_parallelism(self.parallelism))
+        if self.parallelism_spec.pipeline_parallel > 1:  # grad_accum and precision against the pipeline's microbatches
             from raytrain_events.parallel.pipeline import check_pipeline_loop
 
-            check_pipeline_loop(self._parallelism.fsdp, self.grad_accum, self.precision, self.compile)  # type: ignore[arg-type]
-        self._compile_kwargs = compile_options(self.compile)
+            check_pipeline_loop(self.parallelism_spec.fsdp, self.grad_accum, self.precision, self.compile)  # type: ignore[arg-type]
+        _set(self, "_compile_kwargs", compile_options(self.compile))
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise TypeError(f"seed={self.seed!r} must be an integer, or None to leave the generators unseeded.")
         if not isinstance(self.config or {}, Mapping):
             raise TypeError(f"config={self.config!r} must be a dict (the job's own settings).")
-        self.config = dict(self.config or {})
+        _set(self, "config", dict(self.config or {}))
 
     @property
     def auto_microbatching(self) -> bool:
@@ -121,17 +127,17 @@ class LoopOptions:
     @property
     def initial_grad_accum(self) -> int:
         """The microbatches per batch to start with (1 for ``"auto"``)."""
-        return self._initial_grad_accum
+        return cast(int, self.__dict__["_initial_grad_accum"])  # not fields: written once by __post_init__ (_set)
 
     @property
     def parallelism_spec(self) -> ParallelismSpec:
         """``parallelism`` resolved: DDP, or FSDP with its `FSDPConfig`."""
-        return self._parallelism
+        return cast("ParallelismSpec", self.__dict__["_parallelism"])
 
     @property
     def compile_kwargs(self) -> Optional[Dict[str, Any]]:
         """``torch.compile``'s keyword arguments, or None for an eager model."""
-        return self._compile_kwargs
+        return cast(Optional[Dict[str, Any]], self.__dict__["_compile_kwargs"])
 
     @classmethod
     def build(cls, options: Optional[LoopOptions], changes: Mapping[str, Any], where: str = "Trainer") -> LoopOptions:

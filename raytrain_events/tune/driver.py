@@ -100,7 +100,7 @@ def sweep(
         metric=metric,
         mode=mode,
         num_samples=num_samples,
-        max_concurrent_trials=max_concurrent_trials or _default_concurrency(base.ray_scaling_config()),
+        max_concurrent_trials=max_concurrent_trials or _default_concurrency(base.scaling.ray_scaling_config()),
         scheduler=scheduler,
         search_alg=search_alg,
         trial_resources=trial_resources,
@@ -165,7 +165,7 @@ def _validate(
     time_attr = _compat.scheduler_time_attr(scheduler)
     if time_attr is not None and time_attr.startswith("time/") and time_attr not in TIME_ATTRS:
         raise ValueError(f"scheduler time_attr={time_attr!r} is not reported; use one of {', '.join(TIME_ATTRS)}.")
-    if time_attr == "time/token" and base.get_num_tokens_in_batch is None:
+    if time_attr == "time/token" and base.data.get_num_tokens_in_batch is None:
         raise ValueError(
             "scheduler time_attr='time/token' needs trainer['get_num_tokens_in_batch'] (else tokens stay 0)."
         )

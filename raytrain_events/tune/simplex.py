@@ -188,8 +188,8 @@ def _proportions(stage: Mapping[str, Any], mixture: Mixture, where: str) -> Dict
 
 
 def base_mixture(spec: Any) -> Optional[Mixture]:
-    """The sweep's base `Mixture` (``RunSpec.mixture``, a `Mixture` or its dict), or None without one."""
-    mixture = getattr(spec, "mixture", None)
+    """The sweep's base `Mixture` (``RunSpec.data.mixture``, a `Mixture` or its dict), or None without one."""
+    mixture = spec.data.mixture
     if mixture is None or isinstance(mixture, Mixture):
         return mixture
     if isinstance(mixture, Mapping):

@@ -36,7 +36,7 @@ def check_sweep(
     check_on_driver(base, build=False)  # the factories read each trial's config: its own fit builds them
     _check_trainer_grid(base, param_space.get("trainer"))
     _check_metric(base, param_space.get("trainer"), metric)
-    if pbt and base.checkpoint is None:
+    if pbt and base.checkpoints.checkpoint is None:
         raise ValueError(
             "A PBT sweep copies the best trials' checkpoints into the worst, and trainer= saves none: it would never "
             "exploit (Tune only logs 'Skip exploit'). Fix: trainer['checkpoint'] = CheckpointConfig(save_interval=...) "
@@ -71,11 +71,11 @@ def _try(base: RunSpec, changes: Dict[str, Any]) -> None:
 def _check_metric(base: RunSpec, overrides: Any, metric: str) -> None:
     """``metrics/<eval set>/<name>`` must name one of the run's eval sets (when the datasets are a dict)."""
     parts = metric.split("/")
-    if parts[0] != "metrics" or len(parts) < 3 or not isinstance(base.datasets, Mapping):
+    if parts[0] != "metrics" or len(parts) < 3 or not isinstance(base.data.datasets, Mapping):
         return
     if isinstance(overrides, Mapping) and "datasets" in overrides:
         return  # the trials' own datasets: checked in each trial
-    names = base.eval_names
+    names = base.data.eval_names
     if parts[1] not in names:
         examples = [f"metrics/{name}/{'/'.join(parts[2:])}" for name in names] or ["train/loss"]
         raise ValueError(

@@ -142,7 +142,7 @@ def raytrain_trial(config: Dict[str, Any], sweep_setup: Optional[TrialSetup] = N
         run_name=run_name,
     )
     result = fit_reporting_to_tune(
-        trainer, trial_folder, algorithms, mixture=config.get("mixture"), run_mixture=spec.mixture
+        trainer, trial_folder, algorithms, mixture=config.get("mixture"), run_mixture=spec.data.mixture
     )
     write_record(
         record_url,
@@ -217,17 +217,17 @@ def run_to_continue(
     if pointer is None:
         return TRIAL_RUN_NAME, spec
     if pointer.trial_folder == trial_folder:
-        if spec.mixture is not None and pointer.run_mixture is not None:
+        if spec.data.mixture is not None and pointer.run_mixture is not None:
             spec = spec.replace(mixture=pointer.run_mixture)
         return pointer.run_name, spec
-    if spec.checkpoint is None:
+    if spec.checkpoints.checkpoint is None:
         raise ValueError(
             "Tune restores this trial from another trial's checkpoint, but the trial saves none: "
             "pass trainer={'checkpoint': CheckpointConfig(save_interval=...)} to sweep()."
         )
     run_name = f"{COPIED_RUN_PREFIX}{pointer.trial_folder}-{pointer.name}"
     checkpoint = dataclasses.replace(
-        spec.checkpoint, load_from=pointer.url, load_weights_only=False, load_ignore_keys=[]
+        spec.checkpoints.checkpoint, load_from=pointer.url, load_weights_only=False, load_ignore_keys=[]
     )
     step = {
         "run_name": run_name,
@@ -255,13 +255,13 @@ def copied_mixture(spec: RunSpec, pointer: CheckpointPointer) -> Any:
     The donor's mixture is the pointer's ``run_mixture``; a pointer without it (written before it
     was recorded) has the donor's searched weights as the first stage of this trial's mixture.
     """
-    if spec.mixture is None:
+    if spec.data.mixture is None:
         return None
     from raytrain_events.core.mixture import Mixture
     from raytrain_events.tune.mixture_pbt import copy_mixture
     from raytrain_events.tune.simplex import trial_mixture
 
-    mine = Mixture.from_dict(spec.mixture)
+    mine = Mixture.from_dict(spec.data.mixture)
     if pointer.run_mixture is not None:
         donor = Mixture.from_dict(pointer.run_mixture)
     elif pointer.mixture is not None:
@@ -342,20 +342,20 @@ def trial_retention_and_loggers(
     """A trial's spec whose checkpoints keep its best by the sweep's metric (never pruned) and whose
     loggers' runs are named after the trial and its algorithm set."""
     changes: Dict[str, Any] = {}
-    if spec.checkpoint is not None:
+    if spec.checkpoints.checkpoint is not None:
         from raytrain_events.checkpoint.folder.retention import for_trial
 
         retention = for_trial(
-            spec.checkpoint, metric=setup.metric, mode=setup.mode, keep_every=setup.keep_every_checkpoint
+            spec.checkpoints.checkpoint, metric=setup.metric, mode=setup.mode, keep_every=setup.keep_every_checkpoint
         )
         if retention is not None:
             changes["checkpoint"] = retention
-    if spec.driver_loggers:
+    if spec.reports.driver_loggers:
         from raytrain_events.ray.reports.run_loggers import name_destination
         from raytrain_events.tune.console import trial_label
 
         name = re.sub(r"[^A-Za-z0-9_.=+-]+", "_", f"{trial_folder}-{trial_label(dict(config))}").strip("_")
-        changes["driver_loggers"] = [name_destination(d, name) for d in spec.driver_loggers]
+        changes["driver_loggers"] = [name_destination(d, name) for d in spec.reports.driver_loggers]
     return spec.replace(**changes) if changes else spec
 
 

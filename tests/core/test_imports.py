@@ -150,3 +150,25 @@ def test_every_public_name_of_the_lazy_packages_loads():
         assert set(module.__all__) - {"__version__"} == set(module._LAZY), package
         for name in module.__all__:
             assert getattr(module, name) is not None, (package, name)
+
+
+def test_the_run_spec_imports_nothing_of_the_checkpointing_package():
+    """`RunSpec` (ray/spec.py, its sections and the ``validation`` option's module) defines and checks the
+    options; running a validation or a checkpoint on Ray (``raytrain_events.ray.checkpointing``) uses the
+    spec, never the other way (function-level imports count: they hide the edge, they do not remove it)."""
+    import ast
+
+    from tests.test_ownership_spec import spec_module_imports
+
+    for rel in ("ray/spec.py", "ray/spec_sections.py", "ray/async_validation.py"):
+        imported = spec_module_imports(ast.parse((ROOT / "raytrain_events" / rel).read_text()))
+        assert not [m for m in imported if m.startswith("raytrain_events.ray.checkpointing")], (rel, imported)
+
+
+def test_the_import_rule_catches_a_function_level_import():
+    import ast
+
+    from tests.test_ownership_spec import spec_module_imports
+
+    tree = ast.parse("def f():\n    from raytrain_events.ray.checkpointing.validation import parse_validation\n")
+    assert spec_module_imports(tree) == ["raytrain_events.ray.checkpointing.validation"]

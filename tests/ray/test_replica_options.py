@@ -27,8 +27,8 @@ def _options(**over):
 
 def test_replica_groups_are_a_run_option():
     spec = RunSpec(**_options())
-    assert spec.fault_tolerance == "replica_groups"
-    assert spec.for_workers().fault_tolerance == "replica_groups"  # the workers build their groups from it
+    assert spec.failures.fault_tolerance == "replica_groups"
+    assert spec.for_workers().failures.fault_tolerance == "replica_groups"  # the workers build their groups from it
     assert spec.describe()["fault_tolerance"] == "replica_groups"
 
 
@@ -62,7 +62,7 @@ def test_unsupported_combinations_are_refused_with_the_fix(over, named):
 def test_a_bad_replica_timeout_is_refused(timeout):
     with pytest.raises(ValueError, match=r"replica_timeout_s=.* must be a number of seconds > 0"):
         RayTrainer(**_options(replica_timeout_s=timeout))
-    assert RunSpec(**_options(replica_timeout_s=12.5)).for_workers().replica_timeout_s == 12.5
+    assert RunSpec(**_options(replica_timeout_s=12.5)).for_workers().failures.replica_timeout_s == 12.5
 
 
 def test_the_default_single_worker_is_refused_on_the_driver():
@@ -102,7 +102,7 @@ def test_periodic_checkpoints_are_accepted_and_one_group_saves():
     trainer = RayTrainer(**_options(checkpoint=CheckpointConfig(save_interval="5ba", keep=2)))
     plan = trainer.plan.checkpoint  # the run plan's, made once on the driver
     assert plan is not None
-    lead, other = (checkpoint_config(plan.worker, trainer.spec.checkpoint, g) for g in (0, 2))
+    lead, other = (checkpoint_config(plan.worker, trainer.spec.checkpoints.checkpoint, g) for g in (0, 2))
     assert lead.keep == other.keep == 2 and lead.save_folder == plan.worker.save_folder
     # Nothing is read while the Trainer is built: the run's autoresume waits for the first quorum (load_at_first_quorum).
     assert plan.worker.autoresume and not lead.autoresume and lead.load_from is None

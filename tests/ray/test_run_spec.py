@@ -35,11 +35,13 @@ def test_keyword_arguments_are_the_spec_fields():
         seed=None,
     )
     assert trainer.spec == dataclasses.replace(trainer.spec)  # a plain dataclass
-    assert trainer.spec.max_duration == "3ep" and trainer.spec.batch_size == 8 and trainer.spec.workers == 2
+    assert (
+        trainer.spec.max_duration == "3ep" and trainer.spec.data.batch_size == 8 and trainer.spec.scaling.workers == 2
+    )
     # Parsed and checked once, here: the driver's progress bar and the workers receive this Time.
     assert isinstance(trainer.spec.max_duration, Time) and trainer.spec.describe()["max_duration"] == "3ep"
     assert trainer.spec.for_workers(datasets={"train": None}).max_duration is trainer.spec.max_duration
-    assert trainer.spec.eval_names == ["eval"]
+    assert trainer.spec.data.eval_names == ["eval"]
     assert list(inspect.signature(RayTrainer).parameters) == ["spec", "options"]  # no restated options
     with pytest.raises(TypeError, match="'learning_rate'.*not a RayTrainer argument.*batch_size"):
         RayTrainer(**dataclasses.asdict(_spec()), learning_rate=0.1)
@@ -50,8 +52,8 @@ def test_keyword_arguments_are_the_spec_fields():
 def test_a_spec_and_keywords_combine():
     spec = _spec(batch_size=16)
     trainer = RayTrainer(spec, batch_size=4, run_name="r")
-    assert trainer.spec.batch_size == 4 and trainer.run_name == "r"
-    assert spec.batch_size == 16  # the given spec is untouched
+    assert trainer.spec.data.batch_size == 4 and trainer.run_name == "r"
+    assert spec.data.batch_size == 16  # the given spec is untouched
     assert RayTrainer(spec).spec is spec
     with pytest.raises(TypeError, match="RunSpec or keyword options"):
         RayTrainer({"model": make_model})
@@ -67,7 +69,7 @@ def test_replace_is_validated_like_a_new_spec():
         spec.replace(nope=1)
     with pytest.raises(ValueError, match="either scaling_config or num_workers"):
         spec.replace(num_workers=2, scaling_config={"num_workers": 2})
-    assert spec.replace(scaling_config={"num_workers": 3}).workers == 3
+    assert spec.replace(scaling_config={"num_workers": 3}).scaling.workers == 3
 
 
 def test_describe_covers_every_option_as_plain_data():
@@ -96,15 +98,19 @@ def test_workers_get_no_driver_only_options():
         driver_loggers=[object()],
     )
     shipped = spec.for_workers(steps_per_epoch=5)
-    assert shipped.datasets == {"train": None, "eval": None} and shipped.eval_names == ["eval"]
-    assert shipped.ray_callbacks == () and shipped.progress_bar is None and shipped.steps_per_epoch == 5
-    assert shipped.driver_loggers == []  # driver_loggers run on the driver, fed from the aggregated history
-    assert shipped.run_url == spec.run_url
+    assert shipped.data.datasets == {"train": None, "eval": None} and shipped.data.eval_names == ["eval"]
+    assert (
+        shipped.reports.ray_callbacks == ()
+        and shipped.reports.progress_bar is None
+        and shipped.data.steps_per_epoch == 5
+    )
+    assert shipped.reports.driver_loggers == []  # driver_loggers run on the driver, fed from the aggregated history
+    assert shipped.storage.run_url == spec.storage.run_url
 
 
 def test_checkpoint_config_is_prepared_for_the_run_dir():
     spec = _spec(checkpoint=CheckpointConfig(save_interval="1ep"))
-    assert spec.checkpoint.lock_run_dir is False
+    assert spec.checkpoints.checkpoint.lock_run_dir is False
     with pytest.raises(ValueError, match="save_folder cannot be set"):
         _spec(checkpoint=CheckpointConfig(save_folder="/tmp/x"))
 
@@ -113,7 +119,7 @@ def test_a_datasets_factory_is_resolved_by_name_for_the_workers():
     spec = _spec(datasets=lambda config: {"train": config["n"], "holdout": 2}, config={"n": 1})
     datasets = spec.build_datasets()
     assert datasets == {"train": 1, "holdout": 2}
-    assert spec.for_workers(datasets, steps_per_epoch=3).eval_names == ["holdout"]
+    assert spec.for_workers(datasets, steps_per_epoch=3).data.eval_names == ["holdout"]
     with pytest.raises(ValueError, match="datasets factory returned"):
         _spec(datasets=lambda: {"eval": 1}).build_datasets()
 
@@ -132,7 +138,7 @@ def test_grad_accum_auto_and_eval_options_are_checked_on_the_driver():
     with pytest.raises(ValueError, match="grad_accum='max'.*or 'auto'"):
         _spec(grad_accum="max")
     spec = _spec(eval_options={"val": {"eval_interval": "10ba", "subset_num_batches": 2}})
-    assert spec.eval_options["val"]["subset_num_batches"] == 2
+    assert spec.data.eval_options["val"]["subset_num_batches"] == 2
     with pytest.raises(ValueError, match=r"eval_options\['val'\] has unknown keys \['subset'\]"):
         _spec(eval_options={"val": {"subset": 2}})
 
@@ -140,11 +146,11 @@ def test_grad_accum_auto_and_eval_options_are_checked_on_the_driver():
 def test_hang_timeout_is_positive_seconds_or_none_and_sets_the_process_group_timeout():
     from raytrain_events.ray.guards.watchdog import process_group_timeout_s
 
-    assert _spec().hang_timeout is None and _spec(hang_timeout=30).hang_timeout == 30
+    assert _spec().failures.hang_timeout is None and _spec(hang_timeout=30).failures.hang_timeout == 30
     for bad in (0, -5, "5m", True):
         with pytest.raises(ValueError, match=f"hang_timeout={bad!r} must be a positive number of seconds"):
             _spec(hang_timeout=bad)
-    assert process_group_timeout_s(_spec(hang_timeout=30).hang_timeout) > 30
+    assert process_group_timeout_s(_spec(hang_timeout=30).failures.hang_timeout) > 30
 
 
 def test_datasets_are_checked_once_built_naming_the_fix(tmp_path):
@@ -182,11 +188,11 @@ def test_async_validation_is_checked_before_ray_starts_naming_the_fix():
 
     datasets = {"train": object(), "val": object(), "eval": object()}
     ckpt = CheckpointConfig(save_interval="4ba")
-    assert _spec().validation is None  # in-loop evaluation stays the default
-    assert _spec(datasets=datasets, checkpoint=ckpt, validation="async").validation == AsyncValidation()
+    assert _spec().checkpoints.validation is None  # in-loop evaluation stays the default
+    assert _spec(datasets=datasets, checkpoint=ckpt, validation="async").checkpoints.validation == AsyncValidation()
     spec = _spec(datasets=datasets, checkpoint=ckpt, validation={"datasets": ["val"], "resources": {"CPU": 2}})
-    assert spec.validation.datasets == ("val",)
-    assert spec.validation.ray_remote_kwargs() == {"num_cpus": 2, "max_retries": 0}
+    assert spec.checkpoints.validation.datasets == ("val",)
+    assert spec.checkpoints.validation.ray_remote_kwargs() == {"num_cpus": 2, "max_retries": 0}
     assert spec.describe()["validation"]["datasets"] == ["val"]  # config.yaml: plain data
     with pytest.raises(ValueError, match=r"saves none: pass checkpoint=CheckpointConfig\(save_interval"):
         _spec(datasets=datasets, validation="async")
@@ -240,12 +246,12 @@ def test_a_mixture_is_one_plain_option_whose_sources_are_not_eval_sets():
         sources={"web": 80, "code": 20}, stages={"0dur": {"web": 0.8, "code": 0.2}, "0.5dur": {"code": 1}}
     )
     spec = _spec(datasets={"web": object(), "code": object(), "val": object()}, mixture=mixture)
-    assert spec.mixture == mixture.to_dict() and Mixture.from_dict(spec.mixture) == mixture  # plain data
-    assert spec.describe()["mixture"] == mixture.to_dict() and spec.eval_names == ["val"]
-    assert spec.replace(mixture=mixture.to_dict()).mixture == spec.mixture  # a Tune override: its dict
+    assert spec.data.mixture == mixture.to_dict() and Mixture.from_dict(spec.data.mixture) == mixture  # plain data
+    assert spec.describe()["mixture"] == mixture.to_dict() and spec.data.eval_names == ["val"]
+    assert spec.replace(mixture=mixture.to_dict()).data.mixture == spec.data.mixture  # a Tune override: its dict
     with pytest.raises(MixtureError, match="summing to 0"):
         spec.replace(mixture={"sources": {"web": 80}, "weights": {"web": 0}})
     with pytest.raises(ValueError, match="no 'train' entry"):
         _spec(datasets={"web": object()})
     shipped = spec.for_workers({"train": object(), "val": object()})
-    assert shipped.mixture is None and shipped.eval_names == ["val"]  # the shard carries the plan's arguments
+    assert shipped.data.mixture is None and shipped.data.eval_names == ["val"]  # the shard carries the plan's arguments

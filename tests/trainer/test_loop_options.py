@@ -145,7 +145,7 @@ def test_run_spec_loggers_was_renamed_driver_loggers():
     ):
         with pytest.raises(TypeError, match="'loggers', which was renamed 'driver_loggers': pass driver_loggers="):
             build()
-    assert spec(driver_loggers=[1]).driver_loggers == [1]
+    assert spec(driver_loggers=[1]).reports.driver_loggers == [1]
     assert "loggers" not in option_names()
     with pytest.raises(TypeError, match="'nonsense', which is not a RayTrainer argument"):
         spec(nonsense=1)  # RunSpec(...) itself names the options, not only RayTrainer(...)

@@ -148,7 +148,7 @@ def test_sweep_refuses_a_mixture_search_before_ray_starts(tmp_path, monkeypatch)
     from raytrain_events.tune.trial import base_spec, trial_spec
 
     spec = trial_spec(base_spec(with_mixture), {"mixture": {"help": 0.6, "noise": 0.0, "small": 0.4}})
-    assert Mixture.from_dict(spec.mixture) == trial_mixture(MIXTURE, {"help": 0.6, "small": 0.4})
+    assert Mixture.from_dict(spec.data.mixture) == trial_mixture(MIXTURE, {"help": 0.6, "small": 0.4})
     assert spec.config["mixture"] == {"help": 0.6, "noise": 0.0, "small": 0.4}
     with pytest.raises(MixtureError, match="trainer has none"):
         sweep(

@@ -79,7 +79,9 @@ def test_a_copied_trial_starts_a_new_run_that_fully_loads_the_donor_and_records_
         algorithms=[],
     )
     spec = trial_retention_and_loggers(_spec(algorithms=["label_smoothing"]), {}, "trial_b", setup)
-    assert spec.checkpoint.keep is None and spec.checkpoint.keep_best is None  # under PBT nothing is pruned
+    assert (
+        spec.checkpoints.checkpoint.keep is None and spec.checkpoints.checkpoint.keep_best is None
+    )  # under PBT nothing is pruned
 
     assert run_to_continue(spec, None, "trial_b", ["label_smoothing"], trial_url, setup) == (TRIAL_RUN_NAME, spec)
     own = CheckpointPointer(**{**donor.__dict__, "trial_folder": "trial_b", "run_name": "from-x"})
@@ -88,7 +90,10 @@ def test_a_copied_trial_starts_a_new_run_that_fully_loads_the_donor_and_records_
 
     run_name, copied = run_to_continue(spec, donor, "trial_b", ["label_smoothing"], trial_url, setup)
     assert run_name == "from-trial_a-ckpt-8-aa"
-    assert copied.checkpoint.load_from == donor.url and copied.checkpoint.load_weights_only is False
+    assert (
+        copied.checkpoints.checkpoint.load_from == donor.url
+        and copied.checkpoints.checkpoint.load_weights_only is False
+    )
     step = {
         "run_name": run_name,
         "copied_trial": "trial_a",
@@ -144,7 +149,7 @@ def test_a_mixture_copy_trains_on_the_donors_mixture_switched_at_its_checkpoint(
     )
     donor_weights = {"help": 0.8, "noise": 0.1, "small": 0.1}
     explored = {"help": 0.7, "noise": 0.1, "small": 0.2}
-    donor_run = trial_spec(setup.spec, {"mixture": donor_weights}).mixture
+    donor_run = trial_spec(setup.spec, {"mixture": donor_weights}).data.mixture
     entry = {"checkpoint_path": "x/ckpt-8-aa", "time/sample": 256, "time/batch": 8}
     pointer = pointer_from_entry(
         entry, str(tmp_path / "trial_a/train"), "trial_a", "train", [], donor_weights, donor_run
@@ -156,28 +161,31 @@ def test_a_mixture_copy_trains_on_the_donors_mixture_switched_at_its_checkpoint(
     spec = trial_spec(setup.spec, {"mixture": explored})
     run_name, copied = run_to_continue(spec, pointer, "trial_b", [], str(tmp_path / "trial_b"), setup)
     switched = trial_mixture(base, donor_weights).switched(256, explored)
-    assert Mixture.from_dict(copied.mixture) == switched and switched.switches == ("256sp",)
+    assert Mixture.from_dict(copied.data.mixture) == switched and switched.switches == ("256sp",)
     (step,) = read_lineage(str(tmp_path / "trial_b"), {})
     assert step["switched_at_sample"] == 256 and step["mixture"] == explored
 
     # The copy's own pointer (a restart, or a later copy of the copy) carries the switched mixture.
     own = CheckpointPointer(
-        **{**pointer.__dict__, "trial_folder": "trial_b", "run_name": run_name, "run_mixture": copied.mixture}
+        **{**pointer.__dict__, "trial_folder": "trial_b", "run_name": run_name, "run_mixture": copied.data.mixture}
     )
-    assert run_to_continue(spec, own, "trial_b", [], str(tmp_path / "trial_b"), setup)[1].mixture == copied.mixture
+    assert (
+        run_to_continue(spec, own, "trial_b", [], str(tmp_path / "trial_b"), setup)[1].data.mixture
+        == copied.data.mixture
+    )
     later = CheckpointPointer(**{**own.__dict__, "counters": {**own.counters, "sample": 384}, "mixture": explored})
     again = {"help": 0.5, "noise": 0.1, "small": 0.4}
     _, chained = run_to_continue(
         trial_spec(setup.spec, {"mixture": again}), later, "trial_c", [], str(tmp_path / "trial_c"), setup
     )
-    assert Mixture.from_dict(chained.mixture) == switched.switched(384, again)
-    assert Mixture.from_dict(chained.mixture).continues(switched)  # the checkpoint's mixture: the load accepts it
+    assert Mixture.from_dict(chained.data.mixture) == switched.switched(384, again)
+    assert Mixture.from_dict(chained.data.mixture).continues(switched)  # the checkpoint's mixture: the load accepts it
 
     # PBT over other keys: the copy takes the donor's weights and keeps the donor's mixture unchanged.
     _, same = run_to_continue(
         trial_spec(setup.spec, {"mixture": donor_weights}), pointer, "trial_d", [], str(tmp_path / "trial_d"), setup
     )
-    assert same.mixture == donor_run
+    assert same.data.mixture == donor_run
 
 
 def test_pbt_scheduler_measures_global_samples_and_mutates_sets_and_lr():

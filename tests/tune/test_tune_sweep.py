@@ -108,9 +108,9 @@ def test_trial_config_is_merged_into_the_base_spec():
     assert spec.algorithms == ["label_smoothing"]  # the trial's set replaces the base set
     assert spec.config["lr"] == 0.5 and spec.config["hidden"] == 8
     assert spec.config["algorithms"] == ["label_smoothing"]
-    assert spec.batch_size == 7 and spec.max_duration == "3ep"
+    assert spec.data.batch_size == 7 and spec.max_duration == "3ep"
     assert spec.build_datasets() == {"train": "R"}  # a datasets factory is called with the trial config
-    assert base.algorithms == ["ema"] and base.batch_size == 64 and base.config == {"lr": 0.1, "hidden": 8}
+    assert base.algorithms == ["ema"] and base.data.batch_size == 64 and base.config == {"lr": 0.1, "hidden": 8}
     assert _trial_spec(base, {"lr": 0.3}).algorithms == ["ema"]  # no "algorithms" key: the base set
     with pytest.raises(ValueError, match="set by the sweep"):
         _trial_spec(base, {"trainer": {"run_name": "x"}})

@@ -242,7 +242,7 @@ def _fields(schema: Any) -> Dict[str, str]:
 def mixture_train_set(spec: Any, datasets: Mapping[str, Any], run: MixtureRun) -> Dict[str, Any]:
     """``datasets`` with the mixture's sources replaced by one ``"train"`` `MixtureSource` of ``run`` (the run
     plan's `MixtureRun`): the driver's step."""
-    sources = check_mixture(spec.mixture, datasets, spec.shuffle_buffer_size)
+    sources = check_mixture(spec.data.mixture, datasets, spec.data.shuffle_buffer_size)
     out = {name: ds for name, ds in datasets.items() if name not in sources}
     out["train"] = MixtureSource(sources, run, spec.seed)
     return out

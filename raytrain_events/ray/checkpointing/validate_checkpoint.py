@@ -59,10 +59,10 @@ class CheckpointValidator:
 
         started = time.time()
         name = checkpoint.path.rstrip("/").rsplit("/", 1)[-1]
-        url = join(checkpoints_url(self.spec.run_url), name)
+        url = join(checkpoints_url(self.spec.storage.run_url), name)
         counters: Optional[Dict[str, int]] = None
         try:
-            counters = dict(read_manifest(url, storage_options=self.spec.storage_options).timestamp)
+            counters = dict(read_manifest(url, storage_options=self.spec.storage.storage_options).timestamp)
             metrics = self.evaluate(url)
         except BaseException as exc:
             error = f"{type(exc).__name__}: {exc}"
@@ -85,7 +85,7 @@ class CheckpointValidator:
 
         spec = self.spec
         device = torch.device("cuda" if self.validation.resources.get("GPU") and torch.cuda.is_available() else "cpu")
-        batch_size = self.validation.batch_size or spec.eval_batch_size or spec.batch_size
+        batch_size = self.validation.batch_size or spec.data.eval_batch_size or spec.data.batch_size
         evaluators = [
             Evaluator(
                 label=label,
@@ -93,11 +93,11 @@ class CheckpointValidator:
                     dataset,
                     batch_size=batch_size,
                     device=device,
-                    collate_fn=spec.collate_fn,
-                    prefetch_batches=spec.prefetch_batches,
-                    columns=spec.columns,
+                    collate_fn=spec.data.collate_fn,
+                    prefetch_batches=spec.data.prefetch_batches,
+                    columns=spec.data.columns,
                 ),
-                **{k: v for k, v in spec.eval_options.get(label, {}).items() if k != "eval_interval"},
+                **{k: v for k, v in spec.data.eval_options.get(label, {}).items() if k != "eval_interval"},
             )
             for label, dataset in self._datasets().items()
         ]
@@ -108,8 +108,8 @@ class CheckpointValidator:
             callbacks=callbacks,
             device=device,
             dist=LocalDist(device),
-            run_name=f"{spec.run_name}-validation",
-            checkpoint=CheckpointConfig(load_from=url, storage_options=dict(spec.storage_options)),
+            run_name=f"{spec.storage.run_name}-validation",
+            checkpoint=CheckpointConfig(load_from=url, storage_options=dict(spec.storage.storage_options)),
             precision=spec.precision,
             seed=spec.seed,
             config=spec.config,

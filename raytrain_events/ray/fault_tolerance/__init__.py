@@ -31,15 +31,15 @@ __all__ = ["FaultTolerance", "WorkerFaultTolerance", "WorkerParts", "choose"]
 
 
 def choose(spec: Any, plan: Any) -> FaultTolerance:
-    """The run's strategy for ``spec.fault_tolerance`` (``plan``: the run's `RunPlan`, whose global batch and
+    """The run's strategy for ``spec.failures.fault_tolerance`` (``plan``: the run's `RunPlan`, whose global batch and
     order its data config hands on), after refusing a value or a combination it does not support
     (`replica_checks.check_fault_tolerance`: on the driver, before Ray starts)."""
     check_fault_tolerance(spec)
-    if spec.fault_tolerance == "replica_groups" and spec.replica_group_size > 1:
+    if spec.failures.fault_tolerance == "replica_groups" and spec.failures.replica_group_size > 1:
         from raytrain_events.ray.fault_tolerance.sharded_replica_groups import ShardedReplicaGroups
 
         return ShardedReplicaGroups(spec, plan)
-    if spec.fault_tolerance == "replica_groups":
+    if spec.failures.fault_tolerance == "replica_groups":
         from raytrain_events.ray.fault_tolerance.replica_groups import ReplicaGroups
 
         return ReplicaGroups(spec, plan)

@@ -33,27 +33,27 @@ class ReplicaGroups:
     def torch_config(self, torch_options: Dict[str, Any]) -> Any:
         from raytrain_events.ray.replica_checks import torchft_config
 
-        return torchft_config(torch_options, self.spec.workers, float(self.spec.replica_timeout_s))
+        return torchft_config(torch_options, self.spec.scaling.workers, float(self.spec.failures.replica_timeout_s))
 
     def failure_config(self) -> Any:
         import ray.train
 
-        return ray.train.FailureConfig(max_failures=self.spec.max_failures)
+        return ray.train.FailureConfig(max_failures=self.spec.failures.max_failures)
 
     def data_config(self, train_rows: Optional[int]) -> Any:
         spec = self.spec
         return TrainDataConfig(
-            batch=self.plan.batch.at(spec.workers),  # the plan's whole global batch, at any quorum
+            batch=self.plan.batch.at(spec.scaling.workers),  # the plan's whole global batch, at any quorum
             order=self.plan.order,
-            deterministic=spec.deterministic_split,
+            deterministic=spec.data.deterministic_split,
             train_rows=train_rows,
-            tensor_parallel=spec.workers,  # every group gets the whole global batch (cut by the step's quorum)
+            tensor_parallel=spec.scaling.workers,  # every group gets the whole global batch (cut by the step's quorum)
         )
 
     def worker_side(
         self, data_config: Any, datasets: Dict[str, Any], history: Any
     ) -> Tuple[ReplicaGroupsWorker, Dict[str, Any]]:
-        shards = data_config.configure({"train": datasets["train"]}, self.spec.workers, None, None)
+        shards = data_config.configure({"train": datasets["train"]}, self.spec.scaling.workers, None, None)
         # Each group evaluates the whole of each eval set (see `ReplicaGroupsWorker`): one iterator per set (a
         # streaming pass per evaluation, as Ray Train gives a set it does not split), the same for a replaced group.
         evals = {name: as_dataset(ds).iterator() for name, ds in datasets.items() if name != "train"}
@@ -111,7 +111,11 @@ class ReplicaGroupsWorker:
         shard = self.shards[rank]
         replicas = fill_replica_state(ReplicaState(), model, optimizers, schedulers)
         manager, watch = build_manager(
-            replicas, rank, spec.run_name or "run", min_replicas(shard.world_size), float(spec.replica_timeout_s)
+            replicas,
+            rank,
+            spec.storage.run_name or "run",
+            min_replicas(shard.world_size),
+            float(spec.failures.replica_timeout_s),
         )
         self._manager = manager
         optimizer = CommitOptimizer(manager, replicas.optimizer, watch)
@@ -119,17 +123,17 @@ class ReplicaGroupsWorker:
             shard,
             manager,
             replicas,
-            length=spec.steps_per_epoch,
+            length=spec.data.steps_per_epoch,
             **loader_options,
         )
         load = None if plan is None else plan.worker  # its autoresume/load_from: read at the first quorum
         commit = ReplicaCommit(
-            train, optimizer, history=self.history, group=rank, load=load, validation=spec.validation
+            train, optimizer, history=self.history, group=rank, load=load, validation=spec.checkpoints.validation
         )
         return WorkerParts(
             train=train,
             optimizers=optimizer,
-            checkpoint=None if plan is None else checkpoint_config(plan.worker, spec.checkpoint, rank),
+            checkpoint=None if plan is None else checkpoint_config(plan.worker, spec.checkpoints.checkpoint, rank),
             callbacks=[commit],  # first: the commit decides what the step counts
             report_fn=commit.report,
             saves_on_preemption=False,  # a preempted group is replaced like a failed one

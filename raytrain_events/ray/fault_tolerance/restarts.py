@@ -34,14 +34,14 @@ class Restarts:
     def failure_config(self) -> Any:
         import ray.train
 
-        return ray.train.FailureConfig(max_failures=self.spec.max_failures)
+        return ray.train.FailureConfig(max_failures=self.spec.failures.max_failures)
 
     def data_config(self, train_rows: Optional[int]) -> Any:
         spec = self.spec
         return TrainDataConfig(
             batch=self.plan.batch,
             order=self.plan.order,
-            deterministic=spec.deterministic_split,
+            deterministic=spec.data.deterministic_split,
             train_rows=train_rows,
             tensor_parallel=spec.parallelism_spec.batch_group,  # the ranks that share rows: PP x CP x TP
             serving_rank=spec.parallelism_spec.serving_rank,  # pipeline_outermost: a pipeline's stages apart
@@ -110,15 +110,15 @@ def train_loader(shard: Any, spec: Any, order: TrainOrder, rank: int, options: D
         from raytrain_events.data.ray.mixture_loader import MixtureOrderLoader
 
         return MixtureOrderLoader(
-            shard, tokens_of_batch=spec.get_num_tokens_in_batch, length=spec.steps_per_epoch, **options
+            shard, tokens_of_batch=spec.data.get_num_tokens_in_batch, length=spec.data.steps_per_epoch, **options
         )
     if isinstance(shard, GlobalOrderShard):  # in the run plan's order, which the shard carries
-        return GlobalOrderLoader(shard, length=spec.steps_per_epoch, **options)
+        return GlobalOrderLoader(shard, length=spec.data.steps_per_epoch, **options)
     return ShardLoader(
         shard,
-        batch_size=spec.batch_size,
+        batch_size=spec.data.batch_size,
         shuffle_buffer_size=order.shuffle_rows,
         seed=None if spec.seed is None else spec.seed + 1000 * rank,
-        length=spec.steps_per_epoch,
+        length=spec.data.steps_per_epoch,
         **options,
     )

@@ -66,19 +66,21 @@ class ShardedReplicaGroups(ReplicaGroups):
     def __init__(self, spec: Any, plan: Any) -> None:  # noqa: D107
         super().__init__(spec, plan)
         tensor_parallel = spec.parallelism_spec.fsdp.tensor_parallel  # FSDP x TP inside each group
-        self.layout = ReplicaLayout(spec.workers, spec.replica_group_size, tensor_parallel)
+        self.layout = ReplicaLayout(spec.scaling.workers, spec.failures.replica_group_size, tensor_parallel)
 
     def torch_config(self, torch_options: Dict[str, Any]) -> Any:
         from raytrain_events.ray.replica_checks import torchft_config
 
         layout = self.layout
-        return torchft_config(torch_options, layout.groups, float(self.spec.replica_timeout_s), layout.group_size)
+        return torchft_config(
+            torch_options, layout.groups, float(self.spec.failures.replica_timeout_s), layout.group_size
+        )
 
     def worker_side(
         self, data_config: Any, datasets: Dict[str, Any], history: Any
     ) -> Tuple[ShardedReplicaGroupsWorker, Dict[str, Any]]:
         # one train shard per worker (its feeder cursor); only the train set is cut by the step's quorum
-        shards = data_config.configure({"train": datasets["train"]}, self.spec.workers, None, None)
+        shards = data_config.configure({"train": datasets["train"]}, self.spec.scaling.workers, None, None)
         evals = {name: eval_parts(name, ds, self.layout) for name, ds in datasets.items() if name != "train"}
         return ShardedReplicaGroupsWorker(history, [s["train"] for s in shards], self.layout, evals), {}
 
@@ -190,9 +192,9 @@ class ShardedReplicaGroupsWorker:
         manager, watch = build_manager(
             replicas,
             group,
-            spec.run_name or "run",
+            spec.storage.run_name or "run",
             min_replicas(layout.groups),
-            float(spec.replica_timeout_s),
+            float(spec.failures.replica_timeout_s),
             position=position,
             group_size=layout.group_size,
         )
@@ -205,17 +207,17 @@ class ShardedReplicaGroupsWorker:
             group_size=layout.group_size,
             position=position,
             tensor_parallel=layout.tensor_parallel,
-            length=spec.steps_per_epoch,
+            length=spec.data.steps_per_epoch,
             **loader_options,
         )
         load = None if plan is None else plan.worker
         commit = ReplicaCommit(
-            train, optimizer, history=self.history, group=group, load=load, validation=spec.validation
+            train, optimizer, history=self.history, group=group, load=load, validation=spec.checkpoints.validation
         )
         return WorkerParts(
             train=train,
             optimizers=optimizer,
-            checkpoint=None if plan is None else checkpoint_config(plan.worker, spec.checkpoint, group),
+            checkpoint=None if plan is None else checkpoint_config(plan.worker, spec.checkpoints.checkpoint, group),
             callbacks=[commit],
             report_fn=commit.report,
             saves_on_preemption=False,

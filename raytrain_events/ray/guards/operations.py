@@ -30,18 +30,20 @@ def worker_guards(spec: Any, dist: Any, *, checkpointing: bool) -> List[Callback
     from raytrain_events.ray.guards.watchdog import ProgressWatchdog
     from raytrain_events.storage.run_dir import RunDir
 
-    group_id = check_startup(dist, startup_deadline_s(spec.hang_timeout))
+    group_id = check_startup(dist, startup_deadline_s(spec.failures.hang_timeout))
     guards: List[Callback] = [
         ProgressWatchdog(
-            hang_timeout=spec.hang_timeout,
-            dump_url=RunDir(spec.run_url).hangs(group_id),
+            hang_timeout=spec.failures.hang_timeout,
+            dump_url=RunDir(spec.storage.run_url).hangs(group_id),
             rank=dist.rank,
             world_size=dist.world_size,
-            storage_options=spec.storage_options,
+            storage_options=spec.storage.storage_options,
         )
     ]
     if checkpointing:
         from raytrain_events.ray.guards.preemption import PreemptionGuard
 
-        guards.append(PreemptionGuard(dist=dist, run_url=spec.run_url, storage_options=spec.storage_options))
+        guards.append(
+            PreemptionGuard(dist=dist, run_url=spec.storage.run_url, storage_options=spec.storage.storage_options)
+        )
     return guards
