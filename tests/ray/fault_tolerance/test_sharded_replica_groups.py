@@ -23,8 +23,8 @@ import time
 
 import pytest
 
-from tests.ray.replica_helpers import RecordShards, live_procs
-from tests.ray.resume_helpers import make_model, make_sgd, read_records, write_parquet
+from tests.ray.fault_tolerance.replica_helpers import RecordShards, live_procs
+from tests.resume_helpers import make_model, make_sgd, read_records, write_parquet
 
 pytestmark = pytest.mark.ray
 
