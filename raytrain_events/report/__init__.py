@@ -167,7 +167,7 @@ def _kept_checkpoints(
 ) -> Tuple[List[Dict[str, Any]], int]:
     """The history's checkpoint entries whose checkpoint is still in the run's checkpoints folder, and how many
     were deleted (``keep``); all of them when the folder cannot be listed. One listing of the folder."""
-    from raytrain_events.checkpoint.folder.store import list_checkpoints  # why: imports torch (the report stays light)
+    from raytrain_events.checkpoint.folder.store import list_checkpoints  # why here: imports torch
 
     folder = RunDir(url, options).checkpoints
     try:
@@ -366,6 +366,6 @@ def _label(config: Dict[str, Any]) -> str:
     algorithms = config.get("algorithms")
     if algorithms is None:
         return "-"
-    from raytrain_events.tune.sets import algorithm_set_label  # why: tune/ imports Ray; only a sweep's report needs it
+    from raytrain_events.tune.sets import algorithm_set_label  # why here: tune/ imports Ray
 
     return algorithm_set_label(algorithms)

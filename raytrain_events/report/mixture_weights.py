@@ -22,8 +22,8 @@ FIGURE = "mixture_weights.png"
 
 def saved_weights_history(url: str, options: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
     """The newest checkpoint's weights history (``[{position, batch, old, new, losses}, ...]``), or None."""
-    from raytrain_events.checkpoint.folder.store import latest_checkpoint  # why: checkpoint/ imports torch
-    from raytrain_events.checkpoint.format.reader import read_checkpoint_files  # why: imports torch
+    from raytrain_events.checkpoint.folder.store import latest_checkpoint  # why here: checkpoint/ imports torch
+    from raytrain_events.checkpoint.format.reader import read_checkpoint_files  # why here: imports torch
 
     try:
         info = latest_checkpoint(RunDir(url, options).checkpoints, storage_options=options)
