@@ -84,8 +84,8 @@ sys.path.insert(0, ROOT)
 
 from bench.checkpoint_io import s3_server  # noqa: E402
 from raytrain_events import Callback  # noqa: E402
-from tests.ray import resume_helpers as h  # noqa: E402
-from tests.ray.replica_helpers import live_procs  # noqa: E402
+from tests import resume_helpers as h  # noqa: E402
+from tests.ray.fault_tolerance.replica_helpers import live_procs  # noqa: E402
 
 
 def _record_loads(folder: str) -> None:

@@ -48,14 +48,16 @@ E2E: Dict[str, object] = {
     "tests/checkpoint/test_object_store_faults.py": {  # 4 runs through a faulted S3 store, ~7 s each
         "test_training_survives_the_fault_and_resumes_exactly"
     },
-    "tests/ray/test_chaos_soak.py": ALL,  # a 3-node Cluster
-    "tests/ray/test_replica_abort.py": ALL,  # a torchft ring of 6 processes and a Lighthouse
-    "tests/ray/test_data_network.py": ALL,  # a 3-node Cluster
+    "tests/ray/fault_tolerance/test_chaos_soak.py": ALL,  # a 3-node Cluster
+    "tests/ray/fault_tolerance/test_replica_abort.py": ALL,  # a torchft ring of 6 processes and a Lighthouse
+    "tests/data/ray/test_data_network.py": ALL,  # a 3-node Cluster
     "tests/ray/test_loopback.py": ALL,  # an embedded Ray in a subprocess
-    "tests/ray/test_mixture_run.py": ALL,  # one stop + resume pair of RayTrainer runs over a mixture
-    "tests/ray/test_packed_run.py": ALL,  # one stop + resume pair of RayTrainer runs over packed sources
-    "tests/ray/test_parquet_seek.py": {"test_ray_trainer_resumed_at_half_an_epoch_reads_nothing_before_its_position"},
-    "tests/ray/test_preemption_deadline.py": ALL,
+    "tests/data/ray/test_mixture_run.py": ALL,  # one stop + resume pair of RayTrainer runs over a mixture
+    "tests/data/ray/test_packed_run.py": ALL,  # one stop + resume pair of RayTrainer runs over packed sources
+    "tests/data/ray/test_parquet_seek.py": {
+        "test_ray_trainer_resumed_at_half_an_epoch_reads_nothing_before_its_position"
+    },
+    "tests/ray/guards/test_preemption_deadline.py": ALL,
     "tests/ray/test_ray_auto_microbatching.py": ALL,  # the module's auto_run
     "tests/ray/test_ray_fsdp.py": ALL,
     "tests/ray/test_ray_loggers_best.py": ALL,
@@ -64,12 +66,12 @@ E2E: Dict[str, object] = {
         "test_a_pipeline_over_two_workers_trains_every_row_once_with_the_models_loss"
     },
     "tests/ray/test_ray_trainer.py": ALL,
-    "tests/ray/test_replica_groups.py": ALL,  # replica groups under torchft: a worker killed twice; the Lighthouse killed
-    "tests/ray/test_sharded_replica_groups.py": ALL,  # 2 x 2 FSDP workers, 2 kills, eval + validation; resumed with TP
+    "tests/ray/fault_tolerance/test_replica_groups.py": ALL,  # replica groups under torchft: a worker killed twice; the Lighthouse killed
+    "tests/ray/fault_tolerance/test_sharded_replica_groups.py": ALL,  # 2 x 2 FSDP workers, 2 kills, eval + validation; resumed with TP
+    "tests/ray/fault_tolerance/test_spike_replica_groups.py": ALL,  # 4 replica groups roll back together at a planted spike
     "tests/ray/test_resume.py": ALL,
     "tests/ray/test_spike_run.py": ALL,  # one stop + resume pair of RayTrainer runs with a planted spike
-    "tests/ray/test_spike_replica_groups.py": ALL,  # 4 replica groups roll back together at a planted spike
-    "tests/ray/test_watchdog.py": ALL,
+    "tests/ray/guards/test_watchdog.py": ALL,
     "tests/tune/test_tune_pbt.py": ALL,
     "tests/tune/test_tune_resume.py": ALL,
     "tests/tune/test_tune_mixture_example.py": ALL,  # examples/tune_mixture.py (local proxies, no Ray)

@@ -24,6 +24,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from raytrain_events.cli.errors import UsageError
+from raytrain_events.core.plain import to_plain as _to_plain
+from raytrain_events.core.time import TimeUnit, ensure_time
 
 __all__ = ["load_config", "describe_keys", "keys_help", "to_plain"]
 
@@ -45,8 +47,6 @@ def load_config(schema: type, *, config_path: Optional[str] = None, overrides: S
 
 def to_plain(cfg: Any) -> Dict[str, Any]:
     """A plain dict (for JSON, Ray and logs) from a DictConfig."""
-    from raytrain_events.core.plain import to_plain as _to_plain
-
     return _to_plain(cfg, fallback=lambda value: value)
 
 
@@ -134,8 +134,6 @@ def _valid_keys_text(schema: type, prefix: str) -> str:
 
 def _check_values(cfg: DictConfig, schema: type, prefix: str = "") -> None:
     """Time strings through the `Time` parser, choices against their list."""
-    from raytrain_events.core.time import TimeUnit, ensure_time
-
     hints = typing.get_type_hints(schema)
     for f in dataclasses.fields(schema):
         key, value = prefix + f.name, cfg.get(f.name)

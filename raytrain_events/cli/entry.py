@@ -23,6 +23,7 @@ import sys
 import typing
 from typing import Any, Callable, Optional
 
+import raytrain_events
 from raytrain_events.cli.errors import UsageError
 
 __all__ = ["DEFAULT_ENTRY", "load_entry", "config_schema", "send_by_value", "is_entry_spec"]
@@ -143,8 +144,6 @@ def _find_file(path: str) -> Optional[str]:
 
 def _checkout() -> str:
     """The folder holding the imported ``raytrain_events`` package (the repository root for a checkout)."""
-    import raytrain_events
-
     return os.path.dirname(os.path.dirname(os.path.abspath(raytrain_events.__file__)))
 
 

@@ -47,7 +47,7 @@ def storage_step(url: str, fn: Callable[[], Any]) -> Any:
     except ImportError as exc:  # a missing fsspec backend names its extra
         raise UsageError(str(exc)) from None
     except Exception as exc:
-        from raytrain_events.storage.errors import StorageError
+        from raytrain_events.storage.errors import StorageError  # why here: storage/ imports fsspec
 
         if isinstance(exc, StorageError):  # already names the URL, the backend's error and a fix
             raise UsageError(f"Cannot use storage {url!r}: {exc}") from None

@@ -30,6 +30,7 @@ def export_checkpoint(  # noqa: PLR0913 (what, where, then keyword-only export o
         raise ValueError(f"--format {fmt!r} is not supported: use 'pt' (one state.pt) or 'safetensors' (a directory).")
     if hf_config is not None and fmt != "safetensors":
         raise ValueError("--hf-config goes with --format safetensors (the config.json of a Hugging Face directory).")
+    # why here: checkpoint/ imports torch and storage/ fsspec; the CLI's other commands start without them
     from raytrain_events.checkpoint.dcp.sharded import is_sharded_checkpoint, load_consolidated
     from raytrain_events.checkpoint.folder.store import latest_checkpoint
     from raytrain_events.checkpoint.format.manifest import CheckpointNotCommittedError
@@ -49,7 +50,7 @@ def export_checkpoint(  # noqa: PLR0913 (what, where, then keyword-only export o
                 "checkpoint directory (with manifest.json) or the run's checkpoints/ folder."
             ) from None
     if fmt == "safetensors":  # the model only, streamed tensor by tensor
-        from raytrain_events.checkpoint.dcp.safetensors_io import export_safetensors
+        from raytrain_events.checkpoint.dcp.safetensors_io import export_safetensors  # why here: as above
 
         return export_safetensors(info, output_url, storage_options=options, hf_config=hf_config)
     rest = read_checkpoint_files(info, storage_options=options, files=[STATE_FILE]).files[STATE_FILE]

@@ -8,6 +8,8 @@ import json
 from typing import Any, Dict, Optional
 
 from raytrain_events.cli.errors import UsageError
+from raytrain_events.core.ledger import ledger_of_checkpoint
+from raytrain_events.core.quarantine import Quarantine
 
 __all__ = ["ask_ledger", "export_quarantine", "parse_row", "run_ledger"]
 
@@ -38,8 +40,6 @@ def ask_ledger(
     run_url: str, checkpoint: Optional[str], row: str, storage_options: Optional[Dict[str, Any]] = None
 ) -> Dict[str, Any]:
     """The answer for ``row`` at ``checkpoint`` (a name under the run's ``checkpoints/``, a URL, or None: the newest)."""
-    from raytrain_events.core.ledger import ledger_of_checkpoint
-
     source, number = parse_row(row)
     info, state = _checkpoint_state(run_url, checkpoint, dict(storage_options or {}))
     try:
@@ -66,8 +66,6 @@ def export_quarantine(
     ``SpikeGuard(quarantine_from=path)``; the number of rows it holds."""
     import fsspec
 
-    from raytrain_events.core.quarantine import Quarantine
-
     _, state = _checkpoint_state(run_url, checkpoint, dict(storage_options or {}))
     callbacks = state.get("callbacks") or {}
     guard = next((v for k, v in callbacks.items() if k.split("#")[0] == "SpikeGuard"), None)
@@ -81,6 +79,7 @@ def export_quarantine(
 
 def _checkpoint_state(run_url: str, checkpoint: Optional[str], options: Dict[str, Any]) -> Any:
     """``(manifest info, saved State)`` of ``checkpoint`` (None: the run's newest)."""
+    # why here: checkpoint/ imports torch and storage/ fsspec; the CLI's other commands start without them
     from raytrain_events.checkpoint.folder.store import latest_checkpoint
     from raytrain_events.checkpoint.format.manifest import CheckpointNotCommittedError
     from raytrain_events.checkpoint.format.reader import read_checkpoint_files, read_manifest

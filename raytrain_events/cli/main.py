@@ -7,8 +7,13 @@ import json
 import sys
 from typing import Any, Dict, List, Optional
 
+from raytrain_events import __version__
+from raytrain_events.cli.entry import config_schema, load_entry
 from raytrain_events.cli.errors import UsageError, run_guarded
+from raytrain_events.cli.export import export_checkpoint
+from raytrain_events.cli.ledger import run_ledger
 from raytrain_events.cli.parser import ArgumentParser
+from raytrain_events.cli.train import add_train_arguments, run_train, split_entry
 
 __all__ = ["build_parser", "main"]
 
@@ -27,8 +32,6 @@ def _formatter(prog: str) -> argparse.HelpFormatter:
 
 def build_parser(entry: Optional[str] = None) -> argparse.ArgumentParser:
     """The whole command line; ``train --help`` describes entry point ``entry`` (default: the digits job)."""
-    from raytrain_events import __version__
-
     parser = ArgumentParser(
         prog=PROG,
         formatter_class=_formatter,
@@ -62,9 +65,6 @@ def build_parser(entry: Optional[str] = None) -> argparse.ArgumentParser:
 
 def _add_train(commands: Any, entry: Optional[str]) -> None:
     """The ``train`` command: the entry point ``entry``'s config options (loaded here to describe them)."""
-    # Deferred: loading an entry point imports its job (torch, Ray); the other commands do not pay for it.
-    from raytrain_events.cli.entry import config_schema, load_entry
-    from raytrain_events.cli.train import add_train_arguments
 
     train = commands.add_parser(
         "train",
@@ -283,11 +283,9 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    from raytrain_events.cli import runs
+    from raytrain_events.cli import runs  # why here: runs imports fsspec; --help and train start without it
 
     if args.command == "train":
-        from raytrain_events.cli.train import run_train
-
         return run_train(args)
     if args.command == "tokenize":
         return _tokenize(args)
@@ -301,8 +299,6 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(json.dumps(info, indent=2, default=str) if args.json else runs.format_inspect(info))
         return 0
     if args.command == "export":
-        from raytrain_events.cli.export import export_checkpoint
-
         summary = export_checkpoint(
             args.checkpoint,
             args.output,
@@ -323,11 +319,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(text if text else f"No differences between the configs of {args.run_a} and {args.run_b}.")
         return 1 if (text and args.exit_code) else 0
     if args.command == "ledger":
-        from raytrain_events.cli.ledger import run_ledger
-
         return run_ledger(args, options)
     if args.command == "report":
-        from raytrain_events.report import write_report
+        from raytrain_events.report import write_report  # why here: report/ imports fsspec (storage/)
 
         try:
             written = write_report(args.run_dir, options, metric=args.metric, mode=args.mode)
@@ -339,6 +333,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _tokenize(args: argparse.Namespace) -> int:
+    # why here: they import fsspec and numpy, which only this command needs
     from raytrain_events.cli.runs import parse_storage_options
     from raytrain_events.data.ray.tokenize import tokenize
 
@@ -366,8 +361,6 @@ def _tokenize(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``) and run the command; returns the exit code."""
-    from raytrain_events.cli.train import split_entry
-
     argv = sys.argv[1:] if argv is None else list(argv)
     entry = None
     if argv[:1] == ["train"]:

@@ -13,7 +13,10 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from raytrain_events.cli.errors import UsageError
 from raytrain_events.core.time import COUNTER_UNITS
-from raytrain_events.storage.exp_dir import CHECKPOINTS_DIR, CONFIG_FILE, SUMMARY_FILE, checkpoints_url
+from raytrain_events.storage.config_diff import format_config_diff
+from raytrain_events.storage.exp_dir import CHECKPOINTS_DIR, CONFIG_FILE, SUMMARY_FILE, RunDir, checkpoints_url
+from raytrain_events.storage.fs import basename, join, list_dir, read_bytes, resolve, to_url
+from raytrain_events.storage.locks import read_lock
 
 __all__ = ["parse_storage_options", "list_runs", "inspect_run", "diff_runs"]
 
@@ -38,7 +41,7 @@ def parse_storage_options(items: Optional[Sequence[str]]) -> Dict[str, Any]:
 
 
 def _guard(url: str, what: str, fn):
-    from raytrain_events.checkpoint.format.manifest import CheckpointError
+    from raytrain_events.checkpoint.format.manifest import CheckpointError  # why here: checkpoint/ imports torch
 
     try:
         return fn()
@@ -53,8 +56,6 @@ def _guard(url: str, what: str, fn):
 
 
 def _read_json(url: str, options: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    from raytrain_events.storage.fs import read_bytes, resolve
-
     fs, path = resolve(url, options)
     try:
         return json.loads(read_bytes(fs, path))
@@ -65,8 +66,6 @@ def _read_json(url: str, options: Dict[str, Any]) -> Optional[Dict[str, Any]]:
 
 
 def _load_config(run_url: str, options: Dict[str, Any]) -> Any:
-    from raytrain_events.storage.exp_dir import RunDir
-
     try:
         return RunDir(run_url, options).load_config()
     except FileNotFoundError:
@@ -74,8 +73,7 @@ def _load_config(run_url: str, options: Dict[str, Any]) -> Any:
 
 
 def _run_info(run_url: str, options: Dict[str, Any]) -> Dict[str, Any]:
-    from raytrain_events.checkpoint.folder.store import list_checkpoints
-    from raytrain_events.storage.fs import join
+    from raytrain_events.checkpoint.folder.store import list_checkpoints  # why here: imports torch
 
     checkpoints = list_checkpoints(checkpoints_url(run_url), storage_options=options)
     summary = _read_json(join(run_url, SUMMARY_FILE), options)
@@ -100,8 +98,6 @@ def _run_info(run_url: str, options: Dict[str, Any]) -> Dict[str, Any]:
 def _status(run_url: str, options: Dict[str, Any], summary: Optional[Dict[str, Any]]) -> str:
     """running (a live ``running`` lock), finished (summary.json), or ended (neither: failed,
     interrupted, or not a digits-job run, which are the ones that write summary.json)."""
-    from raytrain_events.storage.locks import read_lock
-
     lock = read_lock(run_url, "running", storage_options=options)
     if lock is not None:
         stale = lock.stale_reason()
@@ -111,7 +107,6 @@ def _status(run_url: str, options: Dict[str, Any], summary: Optional[Dict[str, A
 
 def list_runs(storage: str, options: Dict[str, Any]) -> List[Dict[str, Any]]:
     """Every run directory directly under ``storage``, sorted by name."""
-    from raytrain_events.storage.fs import basename, list_dir, resolve, to_url
 
     def scan() -> List[Dict[str, Any]]:
         fs, root = resolve(storage, options)
@@ -210,8 +205,6 @@ def format_inspect(info: Dict[str, Any]) -> str:
 
 def diff_runs(run_a: str, run_b: str, options: Dict[str, Any]) -> str:
     """``- key: value_in_a`` / ``+ key: value_in_b`` lines ('' when the configs are equal)."""
-    from raytrain_events.storage.config_diff import format_config_diff
-
     configs = []
     for url in (run_a, run_b):
         config = _guard(url, "read the config of", lambda url=url: _load_config(url, options))

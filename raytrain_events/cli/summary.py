@@ -11,6 +11,9 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List, Optional
 
+from raytrain_events.storage.fs import resolve, to_url, write_bytes_atomic
+from raytrain_events.storage.run_dir import RunDir
+
 __all__ = ["run_summary", "eval_history", "write_summary", "format_summary"]
 
 
@@ -32,8 +35,6 @@ def run_summary(  # noqa: PLR0913 (the result, then keyword-only: the facts the 
     ts = result.timestamp
     history = result.history
     if result.run_url:
-        from raytrain_events.storage.run_dir import RunDir
-
         try:
             history = RunDir(result.run_url, storage_options or {}).read_history() or history
         except Exception:  # noqa: BLE001 -- unreadable storage: this fit's own reports still make a summary
@@ -75,9 +76,6 @@ def eval_history(entries: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 
 def write_summary(run_url: str, summary: Dict[str, Any], options: Dict[str, Any]) -> str:
     """Write the run's summary file (`RunDir.summary`) atomically; returns its URL."""
-    from raytrain_events.storage.fs import resolve, to_url, write_bytes_atomic
-    from raytrain_events.storage.run_dir import RunDir
-
     fs, path = resolve(RunDir(run_url, options).summary, options)
     write_bytes_atomic(fs, path, json.dumps(summary, indent=2, sort_keys=True, default=str).encode())
     return to_url(fs, path)

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
+from raytrain_events.core.mixture import Mixture
 from raytrain_events.core.mixture_plan import MixturePlan
 from raytrain_events.core.quarantine import Quarantine
 from raytrain_events.core.spikes import SkipList
@@ -200,8 +201,6 @@ def ledger_of_checkpoint(state: Mapping[str, Any]) -> Ledger:
 def saved_plan(mixture: Mapping[str, Any], seed: int, stage_starts: Sequence[int]) -> MixturePlan:
     """The `MixturePlan` a checkpoint's `MixtureCounts` describes: its stages placed at their saved starts in
     samples (a 'dur' stage's start depended on the run's length, which the checkpoint does not keep)."""
-    from raytrain_events.core.mixture import Mixture
-
     stages = dict(mixture["stages"])
     if len(stages) != len(stage_starts):
         raise ValueError(f"The checkpoint's mixture has {len(stages)} stages but {len(stage_starts)} saved starts.")

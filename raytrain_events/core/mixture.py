@@ -31,13 +31,11 @@ import math
 import numbers
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 from raytrain_events.core.mixture_online import OnlineError, OnlinePolicy
+from raytrain_events.core.mixture_plan import MixturePlan
 from raytrain_events.core.time import Time, TimeUnit
-
-if TYPE_CHECKING:
-    from raytrain_events.core.mixture_plan import MixturePlan
 
 __all__ = ["Mixture", "Source", "MixtureError", "StageWeight"]
 
@@ -388,6 +386,4 @@ class Mixture:
         self, *, seed: int, total_samples: Optional[int] = None, global_batch: Optional[int] = None
     ) -> MixturePlan:
         """The run's sample order (see `MixturePlan`): ``total_samples`` resolves 'dur' stages, ``global_batch`` 'ba'."""
-        from raytrain_events.core.mixture_plan import MixturePlan
-
         return MixturePlan(self, seed=seed, total_samples=total_samples, global_batch=global_batch)

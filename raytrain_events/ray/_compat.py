@@ -32,7 +32,7 @@ Private names used (checked against Ray 2.60.0):
 * ``ray._private.internal_api.node_stats`` (a raylet's ``GetNodeStats`` reply, its object store's
   ``cumulative_created_bytes``): the bytes each node's object store has taken in, which counts the objects pulled from
   other nodes -- Ray's own figure for a test of network bytes per epoch (`object_store_created_bytes`,
-  ``tests/ray/network_run.py``); and ``object_store_bytes_used``, what it holds now (`object_store_used_bytes`, the peak
+  ``tests/data/ray/network_run.py``); and ``object_store_bytes_used``, what it holds now (`object_store_used_bytes`, the peak
   in ``bench/data_scale.py``).
 
 Ray's file layouts, log formats and environment knobs this package relies on (same rules: one function or constant here

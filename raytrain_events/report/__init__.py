@@ -41,8 +41,10 @@ from typing import Any, Dict, List, Optional, Tuple
 from raytrain_events.core.plain import is_finite_number
 from raytrain_events.core.time import COUNTER_UNITS, report_key
 from raytrain_events.report import html
+from raytrain_events.report.goodput import goodput, goodput_figure, goodput_section, read_events
 from raytrain_events.report.mixture_weights import weights_sections
 from raytrain_events.report.plots import run_figures, sweep_figure
+from raytrain_events.storage.fs import join, read_bytes, resolve, to_url, write_bytes_atomic
 from raytrain_events.storage.run_dir import (
     CONFIG_FILE,
     HISTORY_FILE,
@@ -69,8 +71,6 @@ def write_report(
     Returns ``{"html": <url of report.html>, "images": [<png urls>], "kind": "run" | "sweep"}``.
     Raises FileNotFoundError (naming what is missing) if ``url`` is neither.
     """
-    from raytrain_events.storage.fs import resolve
-
     options = dict(storage_options or {})
     fs, root = resolve(url, options)
     fs.invalidate_cache(root)  # the run was written by other processes or threads: read the store as it is now
@@ -97,8 +97,6 @@ def _run_files(run: RunDir) -> Tuple[str, ...]:
 
 
 def _write(url: str, options: Dict[str, Any], name: str, data: bytes) -> str:
-    from raytrain_events.storage.fs import join, resolve, to_url, write_bytes_atomic
-
     fs, path = resolve(join(url, name), options)
     write_bytes_atomic(fs, path, data)
     return to_url(fs, path)
@@ -169,8 +167,7 @@ def _kept_checkpoints(
 ) -> Tuple[List[Dict[str, Any]], int]:
     """The history's checkpoint entries whose checkpoint is still in the run's checkpoints folder, and how many
     were deleted (``keep``); all of them when the folder cannot be listed. One listing of the folder."""
-    from raytrain_events.checkpoint.folder.store import list_checkpoints  # imports torch: deferred
-    from raytrain_events.storage.fs import resolve  # imports fsspec: deferred, as in write_report
+    from raytrain_events.checkpoint.folder.store import list_checkpoints  # why here: imports torch
 
     folder = RunDir(url, options).checkpoints
     try:
@@ -208,8 +205,6 @@ def _per_source_section(final: Dict[str, Any]) -> List[str]:
 
 def _failed_saves_section(url: str, options: Dict[str, Any]) -> List[str]:
     """The saves that failed for good (training went on; the previous checkpoint stayed "latest")."""
-    from raytrain_events.storage.fs import read_bytes, resolve
-
     fs, path = resolve(RunDir(url, options).checkpoint_index, options)
     try:
         failed = json.loads(read_bytes(fs, path)).get("failed") or []
@@ -236,8 +231,6 @@ def _utc(seconds: Any) -> Optional[str]:
 
 def _goodput_sections(url: str, options: Dict[str, Any], history: List[Dict[str, Any]], files: Dict[str, bytes]):
     """Goodput, and each restart with its cause and time lost (`raytrain_events.report.goodput`)."""
-    from raytrain_events.report.goodput import goodput, goodput_figure, goodput_section, read_events
-
     summary = goodput(history, *read_events(url, options))
     sections = goodput_section(summary)
     figure = goodput_figure(summary) if summary["restarts"] else None
@@ -356,8 +349,6 @@ def _lineage_section(trials: Dict[str, Dict[str, Any]]) -> List[str]:
 
 
 def _sweep_settings(url: str, options: Dict[str, Any]) -> Dict[str, Any]:
-    from raytrain_events.storage.fs import join, resolve
-
     fs, path = resolve(join(url, SWEEP_FILE), options)
     if not fs.exists(path):
         return {}
@@ -375,6 +366,6 @@ def _label(config: Dict[str, Any]) -> str:
     algorithms = config.get("algorithms")
     if algorithms is None:
         return "-"
-    from raytrain_events.tune.sets import algorithm_set_label
+    from raytrain_events.tune.sets import algorithm_set_label  # why here: tune/ imports Ray
 
     return algorithm_set_label(algorithms)

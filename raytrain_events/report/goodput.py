@@ -33,6 +33,11 @@ import json
 import statistics
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from raytrain_events.report import html
+from raytrain_events.report.plots import grid_size, pyplot_module, save_png
+from raytrain_events.storage.fs import resolve
+from raytrain_events.storage.run_dir import RunDir
+
 __all__ = ["goodput", "read_events", "goodput_figure", "goodput_section"]
 
 Point = Tuple[float, int]  # (wall time, global batch)
@@ -171,8 +176,6 @@ def goodput(
 
 def read_events(url: str, storage_options: Optional[Dict[str, Any]] = None) -> Tuple[List[Dict], List[Dict]]:
     """The run dir's hang records (``hangs/*/hang.json``) and preemption records (``preemptions/*.json``)."""
-    from raytrain_events.storage.fs import resolve
-    from raytrain_events.storage.run_dir import RunDir
 
     run = RunDir(url, dict(storage_options or {}))
     found: Tuple[List[Dict], List[Dict]] = ([], [])
@@ -190,8 +193,6 @@ def goodput_figure(summary: Dict[str, Any]) -> Optional[bytes]:
     """Each attempt as a bar on the wall-clock axis: counted time green, lost time red, causes labelled."""
     if not summary["attempts"]:
         return None
-    from raytrain_events.report.plots import grid_size, pyplot_module, save_png
-
     plt = pyplot_module()
     width, height = grid_size(1)
     fig, ax = plt.subplots(figsize=(width / 100, height / 100), dpi=100)
@@ -223,8 +224,6 @@ def goodput_figure(summary: Dict[str, Any]) -> Optional[bytes]:
 
 def goodput_section(summary: Dict[str, Any]) -> List[str]:
     """HTML for the run report: goodput, and a table of restarts with cause and time lost."""
-    from raytrain_events.report import html
-
     if summary["goodput"] is None:
         return []
     parts = [

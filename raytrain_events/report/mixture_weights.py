@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from raytrain_events.report import html
 from raytrain_events.report.plots import _grid, save_png
+from raytrain_events.storage.run_dir import STATE_FILE, RunDir
 
 __all__ = ["saved_weights_history", "weights_figure", "weights_sections"]
 
@@ -21,9 +22,8 @@ FIGURE = "mixture_weights.png"
 
 def saved_weights_history(url: str, options: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
     """The newest checkpoint's weights history (``[{position, batch, old, new, losses}, ...]``), or None."""
-    from raytrain_events.checkpoint.folder.store import latest_checkpoint  # imports torch: deferred
-    from raytrain_events.checkpoint.format.reader import read_checkpoint_files
-    from raytrain_events.storage.run_dir import STATE_FILE, RunDir
+    from raytrain_events.checkpoint.folder.store import latest_checkpoint  # why here: checkpoint/ imports torch
+    from raytrain_events.checkpoint.format.reader import read_checkpoint_files  # why here: imports torch
 
     try:
         info = latest_checkpoint(RunDir(url, options).checkpoints, storage_options=options)

@@ -67,7 +67,7 @@ class _AskAt(Callback):
 def test_a_new_flag_is_agreed_at_the_batch_it_was_asked_without_a_counter_sum_in_one_process():
     """One process: the batch's values are the sums, so the loop starts no counter sum, and a flag asked
     during a batch is agreed at that batch's end, as the ranks' sum would agree it (the distributed
-    path: tests/ray/test_report_preemption.py::test_time_based_reports_are_agreed_through_the_batch_collective)."""
+    path: tests/ray/reports/test_report_preemption.py::test_time_based_reports_are_agreed_through_the_batch_collective)."""
     torch.manual_seed(0)
     model = ClassifierModel(torch.nn.Linear(4, 2), num_classes=2)
     data = TensorDataset(torch.randn(40, 4), torch.randint(0, 2, (40,)))

@@ -31,9 +31,7 @@ from ray import cloudpickle as ray_cloudpickle
 from raytrain_events import Callback
 from raytrain_events.checkpoint import CheckpointConfig, list_checkpoints
 from raytrain_events.checkpoint.folder.index import INDEX_FILE
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import resume_helpers as h  # noqa: E402
+from tests import resume_helpers as h
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 ray_cloudpickle.register_pickle_by_value(h)  # ship the helpers to the workers

@@ -1,5 +1,5 @@
 """`SpikeGuard`'s part under replica groups (``callbacks/spike_groups.py``) in a local `Trainer`, the other groups'
-votes scripted (a `StepVote` standing in for torchft's all-reduce; the real one: tests/ray/test_spike_replica_groups.py):
+votes scripted (a `StepVote` standing in for torchft's all-reduce; the real one: tests/ray/fault_tolerance/test_spike_replica_groups.py):
 the guard judges a step before its optimizer step and rolls back *at that step* when any group saw a spike; a
 step that did not commit counts for nothing; groups whose newest snapshots differ realign at the next step, or
 stop on a spike there rather than roll back apart."""

@@ -44,8 +44,11 @@ from raytrain_events._torch_compat import EmptyStateDictLoadPlanner as _EmptySta
 from raytrain_events._torch_compat import FsspecFileSystem as FileSystem
 from raytrain_events._torch_compat import FsspecReader, FsspecWriter, get_layout
 from raytrain_events._torch_compat import StorageInfo as _StorageInfo
+from raytrain_events.checkpoint.dcp import ranged_dcp
+from raytrain_events.checkpoint.dcp.item_stream import ItemStream
+from raytrain_events.checkpoint.format.checksums import checksum
 from raytrain_events.checkpoint.format.local_copy import LocalCopies
-from raytrain_events.checkpoint.format.manifest import FileEntry, UnsafeCheckpointError
+from raytrain_events.checkpoint.format.manifest import CheckpointCorruptError, FileEntry, UnsafeCheckpointError
 from raytrain_events.checkpoint.format.reader import LOCAL_FS as _LOCAL_FS
 from raytrain_events.checkpoint.format.reader import refusal_reason
 from raytrain_events.checkpoint.format.safety import require_safe_torch
@@ -177,8 +180,6 @@ class SafeDCPReader(FsspecReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Tensor items this rank needs only part of are read by ranged reads of that part; the
         rest (byte items, whole or small items, anything unusual) by DCP's own reader."""
-        from raytrain_events.checkpoint.dcp import ranged_dcp
-
         requests, rest = [], []
         for req in plan.items:
             chunk = self._chunk(req) if req.type != LoadItemType.BYTE_IO else None
@@ -211,8 +212,6 @@ class SafeDCPReader(FsspecReader):
     def _read_items_exactly(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """DCP's own read of ``plan``, through streams that fetch each planned item once and nothing
         past it (`ItemStream`), instead of fsspec's read-ahead streams."""
-        from raytrain_events.checkpoint.dcp.item_stream import ItemStream
-
         spans: Dict[str, list] = {}
         for req in plan.items:
             info = self.storage_data[req.storage_index]
@@ -249,9 +248,6 @@ class _Chunk:
 
 
 def _verify(raw: bytes, entry: FileEntry, where: str) -> None:
-    from raytrain_events.checkpoint.format.checksums import checksum
-    from raytrain_events.checkpoint.format.manifest import CheckpointCorruptError
-
     algorithm, expected = entry.checksum
     digest = checksum(algorithm, raw) if expected else ""
     if len(raw) != entry.size or digest != expected:
@@ -281,6 +277,7 @@ class _SafeBytes:
         fqn = read_item.dest_index.fqn
         loaded = _load_bytes_safely(value, fqn)
         if self.flatten_state_dict:
+            # why here: _torch_compat imports the private torch module on first use
             from raytrain_events._torch_compat import set_element
 
             set_element(self.original_state_dict, self.mappings[fqn], loaded)

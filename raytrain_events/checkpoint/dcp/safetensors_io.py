@@ -32,6 +32,13 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 
 import torch
 
+from raytrain_events.checkpoint.dcp.ranged_dcp import PROBE, parse_layout
+from raytrain_events.checkpoint.dcp.sharded import is_sharded_checkpoint
+from raytrain_events.checkpoint.format.reader import read_checkpoint_files
+from raytrain_events.parallel.deferred_init import local_part
+from raytrain_events.storage.fs import resolve
+from raytrain_events.storage.run_dir import STATE_FILE
+
 __all__ = ["export_safetensors", "is_safetensors_dir", "load_safetensors", "read_header", "start_from_safetensors"]
 
 _DTYPES = {
@@ -94,8 +101,6 @@ def _block_bytes(stream: Any, info: Any, dtype: torch.dtype, shape: Tuple[int, .
     little-endian tensor of ``shape`` and ``dtype`` (found from the record's zip directory and
     ``data.pkl``, decoded without running anything: `ranged_dcp.parse_layout`); otherwise the block
     as a tensor (``torch.load`` with ``weights_only``)."""
-    from raytrain_events.checkpoint.dcp.ranged_dcp import PROBE, parse_layout
-
     stream.seek(info.offset)
     head = stream.read(min(PROBE, info.length))
     stream.seek(info.offset + max(info.length - PROBE, 0))
@@ -194,9 +199,9 @@ def _dcp_model_tensors(url: str, options: Dict[str, Any]) -> Tuple[List[Spec], C
     """
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
+    # why here: both import torch.distributed.checkpoint (~0.7 s), for sharded checkpoints only
     from raytrain_events._torch_compat import load_whole_state_dict
     from raytrain_events.checkpoint.dcp.safe_dcp import SafeDCPReader, SafeLoadPlanner
-    from raytrain_events.storage.fs import resolve
 
     class _Reader(SafeDCPReader):  # the index is unpickled (safely) once, not once per tensor
         _cached: Any = None
@@ -260,11 +265,6 @@ def export_safetensors(
     max_shard_bytes: int = 5 * 2**30,
 ) -> Dict[str, Any]:
     """The model of checkpoint ``info`` (a `CheckpointInfo`) as safetensors under ``output_dir``."""
-    from raytrain_events.checkpoint.dcp.sharded import is_sharded_checkpoint
-    from raytrain_events.checkpoint.format.reader import read_checkpoint_files
-    from raytrain_events.storage.fs import resolve
-    from raytrain_events.storage.run_dir import STATE_FILE
-
     options = dict(storage_options or {})
     if is_sharded_checkpoint(info):
         specs, read = _dcp_model_tensors(info.url, options)
@@ -321,8 +321,6 @@ def load_safetensors(
 ) -> List[str]:
     """Fill ``model``'s parameters and buffers from the safetensors directory ``url``; each rank
     reads only its own rows of a dim-0-sharded (FSDP) tensor. Returns the names loaded."""
-    from raytrain_events.storage.fs import resolve
-
     fs, directory = resolve(url, dict(storage_options or {}))
     directory = directory.rstrip("/")
     where: Dict[str, Tuple[str, Dict[str, Any], int]] = {}
@@ -370,8 +368,6 @@ def _fill(fs: Any, path: str, entry: Dict[str, Any], start: int, target: torch.T
         else:  # another layout: read the whole tensor (one tensor in memory), keep this rank's part
             from torch.distributed.tensor import distribute_tensor
 
-            from raytrain_events.parallel.deferred_init import local_part
-
             full = _read_rows(fs, path, start + begin, 0, rows, row_bytes, dtype, shape)
             local.copy_(local_part(full, target, distribute_tensor))
             return
@@ -391,8 +387,6 @@ def _read_rows(
 
 def is_safetensors_dir(url: str, storage_options: Optional[Dict[str, Any]] = None) -> bool:
     """True if ``url`` is a safetensors directory (``model.safetensors`` or the index) rather than a checkpoint."""
-    from raytrain_events.storage.fs import resolve
-
     fs, directory = resolve(url, dict(storage_options or {}))
     directory = directory.rstrip("/")
     return bool(fs.exists(f"{directory}/model.safetensors") or fs.exists(f"{directory}/{INDEX_FILE}"))

@@ -192,6 +192,7 @@ class ShardedCheckpointIO:
         pass); returns the entries of all ranks' files."""
         import torch.distributed.checkpoint as dcp
 
+        # why here: safe_dcp imports torch.distributed.checkpoint (~0.7 s), for sharded checkpoints only
         from raytrain_events.checkpoint.dcp.safe_dcp import HashingDCPWriter
 
         writer = HashingDCPWriter(url, storage_options=self.options, local_copy=local)
@@ -212,6 +213,7 @@ class ShardedCheckpointIO:
         size and checksum) by rank 0 alone and broadcast: one ``.metadata`` read per load instead
         of two per rank. An error on rank 0 (refused, corrupt, missing) is raised on every rank,
         so no rank waits for the others. ``local``: the node-local copy to read it from where it matches."""
+        # why here: safe_dcp imports torch.distributed.checkpoint (~0.7 s), for sharded checkpoints only
         from raytrain_events.checkpoint.dcp.safe_dcp import SafeDCPReader
 
         expected = next((f for f in info.files if f.name == ".metadata"), None)
@@ -269,6 +271,7 @@ class ShardedCheckpointIO:
             set_optimizer_state_dict,
         )
 
+        # why here: safe_dcp imports torch.distributed.checkpoint (~0.7 s), for sharded checkpoints only
         from raytrain_events.checkpoint.dcp.safe_dcp import SafeDCPReader, SafeLoadPlanner
 
         state = self.host.state
@@ -364,6 +367,7 @@ def load_consolidated(
     """One process: the whole sharded checkpoint as full tensors (``model``, ``optim`` by
     parameter name, and the rest of the state), for inference or export."""
     # dcp.load fills only keys the given dict has; this is what DCP's own dcp_to_torch_save calls.
+    # why here: both import torch.distributed.checkpoint (~0.7 s), for sharded checkpoints only
     from raytrain_events._torch_compat import load_whole_state_dict as _load_state_dict
     from raytrain_events.checkpoint.dcp.safe_dcp import SafeDCPReader, SafeFullLoadPlanner
 

@@ -18,6 +18,8 @@ import re
 
 import torch
 
+from raytrain_events.checkpoint.format.manifest import UnsafeCheckpointError
+
 __all__ = ["ADVISORY", "SAFE_TORCH", "require_safe_torch"]
 
 #: The oldest torch whose weights-only unpickler has no published bypass.
@@ -39,7 +41,6 @@ def require_safe_torch(what: str = "a checkpoint") -> None:
     version = _torch_version()
     if _parse(version) >= SAFE_TORCH:
         return
-    from raytrain_events.checkpoint.format.manifest import UnsafeCheckpointError
 
     raise UnsafeCheckpointError(
         f"Refused to load {what} with torch {version}: its weights-only unpickler, which keeps a crafted "

@@ -24,6 +24,7 @@ from raytrain_events.core.interval import is_done
 from raytrain_events.core.state import CheckpointMismatchError, drop_ignored_keys
 from raytrain_events.core.time import Timestamp, counters_of
 from raytrain_events.parallel.wrap import is_sharded_module
+from raytrain_events.storage.config_diff import format_config_diff
 from raytrain_events.storage.run_dir import STATE_FILE  # re-exported (the name is the run layout's)
 
 if TYPE_CHECKING:
@@ -160,8 +161,6 @@ def _warn_config_changed(host: CheckpointHost, loaded: LoadedCheckpoint, announc
     ``announce``s it; at INFO where the driver already did: a Ray worker's line would break the progress bar)."""
     saved_config = loaded.info.metadata.get("config")
     if host.state.rank == 0 and saved_config is not None and host.config and saved_config != host.config:
-        from raytrain_events.storage.config_diff import format_config_diff
-
         _log.log(
             logging.WARNING if announce else logging.INFO,
             "Resuming %s with a different config:\n%s",

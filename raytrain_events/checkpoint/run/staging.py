@@ -119,6 +119,7 @@ class HostStager:
             counts["seen"].add(key)
             buf = buffers.get(key)
             if buf is None:
+                # why here: _torch_compat imports the private torch module on first use
                 from raytrain_events._torch_compat import create_cpu_state_dict
 
                 buf = create_cpu_state_dict({"t": src}, pin_memory=device)["t"]

@@ -33,8 +33,8 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from tests.ray.replica_helpers import RecordCommits, live_procs
-from tests.ray.resume_helpers import (
+from tests.ray.fault_tolerance.replica_helpers import RecordCommits, live_procs
+from tests.resume_helpers import (
     BATCHES_PER_EPOCH,
     GLOBAL_BATCH,
     ROWS,

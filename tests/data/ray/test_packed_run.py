@@ -10,7 +10,7 @@ transformer with document masks. The first run stops itself after batch 9 (a che
 mid-window, in the first stage); the second continues the run by name on 3 workers and crosses the
 stage boundary. Checked sequence by sequence: every global batch holds exactly the sequences of the
 uninterrupted order (the feeder's stream of the same `MixtureSource` read directly on one rank, the
-same at any world size: tests/ray/test_packed_source.py), on 2 workers up to the stop and on 3
+same at any world size: tests/data/ray/test_packed_source.py), on 2 workers up to the stop and on 3
 after, and each batch's sources are the plan's (the stage took effect); the Timestamp's tokens at
 the stop and at the end are the real (non-padding) tokens of those sequences, and the per-source
 sample and token counts in the final history entry are each source's. Per document: a ``code``
@@ -33,8 +33,9 @@ from raytrain_events import Callback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import packed_data  # noqa: E402
-import resume_helpers as h  # noqa: E402
 from packed_data import VOCAB, expected_pieces, pieces_of, write_tokens  # noqa: E402
+
+from tests import resume_helpers as h  # noqa: E402
 
 ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])
 ray_cloudpickle.register_pickle_by_value(h)

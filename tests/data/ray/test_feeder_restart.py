@@ -5,7 +5,7 @@
   rebuilds the epoch from (epoch, position, seed) and the ranks' next batches, and the epoch
   is every row once, in order, with a bounded buffer after the rebuild.
 * (A real `RayTrainer` run whose rank 0 kills the feeder mid-epoch, exact and every row once per
-  epoch, with a clean console: folded into the hung-rank run of tests/ray/test_watchdog.py.)
+  epoch, with a clean console: folded into the hung-rank run of tests/ray/guards/test_watchdog.py.)
 * A rank that needs rows from before what a rebuilt epoch holds gets the error that restarts
   the group from its checkpoint (no Ray needed).
 """
@@ -22,8 +22,9 @@ from ray import cloudpickle as ray_cloudpickle
 from raytrain_events.data.ray.feeder import FEEDER_OPTIONS, EpochFeeder
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import resume_helpers as h  # noqa: E402
 from test_feeder_index import FakeDataset  # noqa: E402
+
+from tests import resume_helpers as h  # noqa: E402
 
 ray_cloudpickle.register_pickle_by_value(h)
 ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -32,8 +32,8 @@ from typing import Optional
 
 import pytest
 
-from tests.ray.replica_helpers import RecordShards, live_procs, make_tensor_parallel_model
-from tests.ray.resume_helpers import make_model, make_sgd, read_records, write_parquet
+from tests.ray.fault_tolerance.replica_helpers import RecordShards, live_procs, make_tensor_parallel_model
+from tests.resume_helpers import make_model, make_sgd, read_records, write_parquet
 
 pytestmark = pytest.mark.ray
 

@@ -23,7 +23,8 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 VICTIM = 1  # gloo's ring 0-1-...-(k-1)-0: groups 0 and 2 are its neighbours, the others are not
 
 
@@ -56,7 +57,7 @@ def test_a_kill_on_a_ring_costs_the_far_groups_a_step_not_the_gloo_timeout(tmp_p
     lighthouse = LighthouseServer(bind="127.0.0.1:0", **lighthouse_options(GROUPS, 60.0))
     port = lighthouse.address().rsplit(":", 1)[1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    script = os.environ.get("RTE_RING_SCRIPT", os.path.join(ROOT, "tests", "ray", "replica_ring.py"))
+    script = os.environ.get("RTE_RING_SCRIPT", os.path.join(HERE, "replica_ring.py"))
     procs = [
         subprocess.Popen(
             [sys.executable, script, str(g), str(GROUPS), folder, f"http://127.0.0.1:{port}"],

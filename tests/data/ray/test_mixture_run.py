@@ -1,7 +1,7 @@
 """`RayTrainer(mixture=...)` end to end: a 3-source mixture whose online policy changes the weights during the
 run, stopped on 2 workers after a weight change and resumed on 3 (issue 37's and issue 52's done-when).
 
-Sources (tests/ray/test_mixture_ray.py's: ids 0-399, 1000-1149, 2000-2089 in 2 Parquet files each,
+Sources (tests/data/ray/test_mixture_ray.py's: ids 0-399, 1000-1149, 2000-2089 in 2 Parquet files each,
 row groups of 10 rows) mixed 0.5/0.3/0.2 with ``online={"policy": "exp3", ...}`` over a 1-epoch run of 640
 samples in global batches of 24 (27 batches). Each source's rows are also an eval set (``<source>_eval``,
 evaluated every 8 batches, split once per group: ``deterministic_split``): the policy switches the weights
@@ -19,7 +19,7 @@ once per pass), on 2 workers up to batch 18 and on 3 after (so the feeder follow
 resume's included); the per-source samples and tokens in the driver's final history entry and in the run
 report's "Tokens seen per source" table are that plan's; the run's checkpoint holds the history, which the
 report's "Mixture weights over time" section lists.
-(That a resumed stream opens no file before any source's cursor is tests/ray/test_mixture_ray.py's check.)
+(That a resumed stream opens no file before any source's cursor is tests/data/ray/test_mixture_ray.py's check.)
 
 Why a run pair of its own: the other RayTrainer flows (test_resume.py, test_parquet_seek.py) train
 one train set and check that set's order; a mixture replaces the train set itself.
@@ -37,8 +37,9 @@ from ray import cloudpickle as ray_cloudpickle
 from raytrain_events import Callback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import resume_helpers as h  # noqa: E402
 from test_mixture_ray import SOURCES, write_sources  # noqa: E402
+
+from tests import resume_helpers as h  # noqa: E402
 
 ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])
 ray_cloudpickle.register_pickle_by_value(h)

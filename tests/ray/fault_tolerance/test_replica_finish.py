@@ -16,7 +16,7 @@ import torch
 from raytrain_events import CheckpointConfig, Trainer
 from raytrain_events.checkpoint.folder.store import latest_checkpoint, list_checkpoints
 from raytrain_events.ray.replica_groups import _run_finished
-from tests.ray.resume_helpers import make_model, make_sgd
+from tests.resume_helpers import make_model, make_sgd
 
 ROWS, BATCH, EPOCHS = 16, 4, 2  # 4 batches per epoch: the last batch (8) is a save point of "4ba"
 

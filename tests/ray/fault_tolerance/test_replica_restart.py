@@ -23,7 +23,9 @@ import pytest
 from raytrain_events.core.timestamp import Timestamp
 from raytrain_events.data.ray.feeder import EpochFeeder
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "data", "ray")
+)  # test_feeder_index
 from test_feeder_index import FakeDataset, _rows  # noqa: E402
 
 ROWS, GROUPS, GLOBAL = 600, 3, 12  # 50 global batches

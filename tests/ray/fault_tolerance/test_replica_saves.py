@@ -11,7 +11,7 @@ import torch
 from raytrain_events import CheckpointConfig, Timestamp, Trainer
 from raytrain_events.checkpoint.run.checkpointer import find_checkpointer
 from raytrain_events.ray.replica_groups import lead_saves
-from tests.ray.resume_helpers import make_model, make_sgd
+from tests.resume_helpers import make_model, make_sgd
 
 
 def _group(folder: str, lead: dict, me: int):

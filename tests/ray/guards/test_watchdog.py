@@ -3,7 +3,7 @@
 The same run's rank 0 also kills the train feeder's process once the group has restarted (Ray
 restarts the actor): the ranks reconnect, the rebuilt epoch serves them, and the run still ends
 exact with every row once per epoch and a clean console (that was a run of its own,
-tests/ray/test_feeder_restart.py's ``test_run_with_a_killed_feeder_is_exact``).
+tests/data/ray/test_feeder_restart.py's ``test_run_with_a_killed_feeder_is_exact``).
 
 And a rank that never reaches the start-up health check: a clear error naming it, within the deadline.
 Uses the resume tests' Parquet dataset (203 rows, 17 global batches of 12 per epoch) and row records.
@@ -23,9 +23,7 @@ from ray import cloudpickle as ray_cloudpickle
 
 from raytrain_events import Callback
 from raytrain_events.checkpoint import CheckpointConfig
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import resume_helpers as h  # noqa: E402
+from tests import resume_helpers as h
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 ray_cloudpickle.register_pickle_by_value(h)

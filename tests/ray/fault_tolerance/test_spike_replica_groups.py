@@ -24,11 +24,9 @@ from ray import cloudpickle as ray_cloudpickle
 
 from raytrain_events import Callback
 from raytrain_events.callbacks import SpikeGuard
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import replica_helpers  # noqa: E402
-import resume_helpers as h  # noqa: E402
-from test_spike_run import PLANTED, _plant  # noqa: E402
+from tests import resume_helpers as h
+from tests.ray.fault_tolerance import replica_helpers
+from tests.ray.test_spike_run import PLANTED, _plant
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 ray_cloudpickle.register_pickle_by_value(h)

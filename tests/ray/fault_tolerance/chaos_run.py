@@ -21,12 +21,12 @@ budget runs out, and never with fewer than one node left to train on. At the end
 equal an uninterrupted one: the exact global Timestamp, every row once per epoch. Prints one JSON
 line (``CHAOS_RESULT``) with the events, the result and the goodput summary.
 
-    python tests/ray/chaos_run.py <scratch dir> [--plan remove,hang,notice,add] [--epochs 4]
+    python tests/ray/fault_tolerance/chaos_run.py <scratch dir> [--plan remove,hang,notice,add] [--epochs 4]
         [--seed 0] [--pause 1 3] [--budget-s 900]
 
 The long soak, opt-in (a random event every 45-120 s for about an hour, 30 epochs):
 
-    python tests/ray/chaos_run.py /tmp/soak --plan random:40 --epochs 30 --pause 45 120 --budget-s 3600
+    python tests/ray/fault_tolerance/chaos_run.py /tmp/soak --plan random:40 --epochs 30 --pause 45 120 --budget-s 3600
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "30")
 os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")  # four raylets starting on a loaded machine
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # tests/: resume_helpers.py
 
 import resume_helpers as h  # noqa: E402
 

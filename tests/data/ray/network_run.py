@@ -12,8 +12,8 @@ over the epoch (every object pulled to the node is created there; the rank creat
 size). Ray returns a task result under 100 KiB inline, past the object store, so the cluster runs
 with ``max_direct_call_object_size=0``: every result goes through the store and is counted.
 
-    python tests/ray/network_run.py <scratch dir>   # prints one NETWORK_RESULT {json} line
-    python tests/ray/network_run.py <scratch dir> --whole-blocks   # the path before: ray.get whole blocks
+    python tests/data/ray/network_run.py <scratch dir>   # prints one NETWORK_RESULT {json} line
+    python tests/data/ray/network_run.py <scratch dir> --whole-blocks   # the path before: ray.get whole blocks
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ the second stage's share of a 2-epoch run, so it goes round). The `MixtureSource
 at a position inside the second stage, give the same global batches as the plan (each position's
 source, every chosen row of a source once per pass), the per-source counts of each batch match the
 rows' own ids and tokens, and the resumed epoch's read tasks open no row group before any source's
-cursor (a logging filesystem, as tests/ray/test_parquet_seek.py).
+cursor (a logging filesystem, as tests/data/ray/test_parquet_seek.py).
 """
 
 from __future__ import annotations

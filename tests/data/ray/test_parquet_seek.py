@@ -33,9 +33,7 @@ from ray import cloudpickle as ray_cloudpickle
 from raytrain_events import Callback
 from raytrain_events.data.ray.feeder import FEEDER_OPTIONS, EpochFeeder
 from raytrain_events.data.ray.parquet_seek import ParquetRowGroups, as_seekable
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import resume_helpers as h  # noqa: E402
+from tests import resume_helpers as h
 
 FILES, FILE_ROWS, GROUP_ROWS = 20, 100, 50
 ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the counting handler, to read tasks

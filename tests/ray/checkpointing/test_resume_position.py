@@ -3,8 +3,8 @@
 Real checkpoints on a local disk, no Ray: the newest committed checkpoint's ``data_position`` (its
 manifest, read through the folder's index), an epoch start when the save was at one, (0, 0) for a
 run without checkpoints. A wrong guess costs only the early reads (the feeder then starts where the
-ranks ask: tests/ray/test_global_order.py); the guess through `RayTrainer` is checked in
-tests/ray/test_parquet_seek.py's resumed run.
+ranks ask: tests/data/ray/test_global_order.py); the guess through `RayTrainer` is checked in
+tests/data/ray/test_parquet_seek.py's resumed run.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """One replica group's process for `test_replica_abort.py` (no Ray): torchft's Manager and the loop's commit-gated
 optimizer, as a Ray worker builds them (`build_manager`, `CommitOptimizer`), training a small model step by step.
 
-``python tests/ray/replica_ring.py GROUP GROUPS FOLDER LIGHTHOUSE``: writes one JSON line per step to
+``python tests/ray/fault_tolerance/replica_ring.py GROUP GROUPS FOLDER LIGHTHOUSE``: writes one JSON line per step to
 ``FOLDER/steps-GROUP.jsonl``; SIGKILLs itself between its backward and the step's all-reduce when
 ``FOLDER/die-GROUP`` exists; stops when ``FOLDER/done`` exists.
 """
