@@ -119,9 +119,14 @@ def test_a_mixture_resumed_on_another_world_size_reads_nothing_before_its_cursor
     fs = pafs.PyFileSystem(CountingHandler(log))
     datasets = {name: ParquetRowGroups(p, filesystem=fs) for name, p in paths.items()}
 
-    class Spec:  # the RunSpec fields the driver's step reads
-        mixture, shuffle_buffer_size, seed, batch_size = mixture().to_dict(), None, 5, 8
-        global_batch_size, workers, max_duration = 24, 2, None
+    class Spec:  # the RunSpec fields the driver's step reads (its sections: ray/spec_sections.py)
+        seed, max_duration = 5, None
+
+        class data:
+            mixture, shuffle_buffer_size, batch_size, global_batch_size = mixture().to_dict(), None, 8, 24
+
+        class scaling:
+            workers = 2
 
         class parallelism_spec:
             batch_group = 1
