@@ -20,6 +20,7 @@ from raytrain_events.algorithms.registry import register_algorithm
 from raytrain_events.core.algorithm import Algorithm
 from raytrain_events.core.event import Event
 from raytrain_events.core.time import Time, TimeUnit, ensure_time
+from raytrain_events.trainer._batch import move_to_device
 
 __all__ = ["SWA"]
 
@@ -150,7 +151,6 @@ def _recompute_batchnorm(model: torch.nn.Module, loader: Any) -> None:
     norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
     if not norms or loader is None:
         return
-    from raytrain_events.trainer._batch import move_to_device
 
     device = next(model.parameters()).device
     momenta = {}
