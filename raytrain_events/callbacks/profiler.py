@@ -23,6 +23,7 @@ import torch
 
 from raytrain_events.core.callback import Callback
 from raytrain_events.core.time import Time, TimeUnit, ensure_time
+from raytrain_events.storage.fs import join, resolve, write_bytes_atomic
 
 __all__ = ["Profiler"]
 
@@ -95,8 +96,6 @@ class Profiler(Callback):
             profiler.stop()
 
     def _write_trace(self, profiler: torch.profiler.profile) -> None:
-        from raytrain_events.storage.fs import join, resolve, write_bytes_atomic
-
         state = self._state
         name = f"rank{state.rank}_batch{state.step}.pt.trace.json"
         with tempfile.TemporaryDirectory() as tmp:

@@ -90,7 +90,7 @@ from raytrain_events.core.spikes import (
     window_ranges,
     window_record,
 )
-from raytrain_events.core.state import State
+from raytrain_events.core.state import State, _keyed
 from raytrain_events.core.timestamp import Timestamp
 from raytrain_events.data.mixture_counts import MixtureCounts
 from raytrain_events.parallel.pipeline import pipeline_group
@@ -479,6 +479,4 @@ class SpikeGuard(Callback):
 
 
 def _keyed_callbacks(state: State) -> Dict[str, Any]:
-    from raytrain_events.core.state import _keyed  # the checkpoint keys (one definition, in State)
-
     return _keyed(state.callbacks)
