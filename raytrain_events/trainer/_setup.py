@@ -14,6 +14,7 @@ from raytrain_events.core.precision import Precision
 from raytrain_events.core.state import State
 from raytrain_events.core.time import Time, Timestamp, training_duration
 from raytrain_events.core.time_value import check_countable
+from raytrain_events.parallel.pipeline_step import PipelineCounters, PipelineStep
 from raytrain_events.trainer.arguments import check_schedulers
 from raytrain_events.trainer.evaluation import ensure_evaluators
 from raytrain_events.trainer.options import LoopOptions
@@ -198,6 +199,7 @@ def wrap_for_training(host: TrainingHost, counted: bool) -> Tuple[torch.nn.Modul
     """
     from torch.nn.parallel import DistributedDataParallel
 
+    # why here: raytrain_events.trainer.counters imports this module (an import cycle)
     from raytrain_events.trainer.counters import CountedModule
 
     state, dist, parallel, device = host.state, host.dist, host.parallel, host.device
@@ -217,7 +219,6 @@ def pipeline_step(host: Any) -> Optional[PipelineStep]:
     pipeline = host.parallel.pipeline
     if pipeline is None or host.train_spec is None:
         return None
-    from raytrain_events.parallel.pipeline_step import PipelineCounters, PipelineStep  # only when pipelined
 
     engine: Engine = host.engine
     coordinates = host.parallel.data_parallel(host.dist.rank, host.dist.world_size)  # (its pipeline, pipelines)

@@ -61,6 +61,7 @@ def agreed_run_name(run_name: Optional[str], dist: Dist, checkpoint: Any) -> str
     Without a name, ``autoresume`` has nothing to continue (each job's default name is new), so
     it is refused unless the checkpoint config names its ``save_folder``.
     """
+    # why here: defers fsspec until this runs
     from raytrain_events.storage.exp_dir import check_run_name, fresh_run_name
 
     if run_name is not None:

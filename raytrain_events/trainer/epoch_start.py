@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Optional, Tuple
 
+from raytrain_events.checkpoint.run.rng import restore_rng_state
 from raytrain_events.core.state import State
 from raytrain_events.trainer._setup import set_epoch
 
@@ -25,8 +26,6 @@ def epoch_iterator(loader: Any, state: State, resume_rng: Optional[Tuple[Any, An
         set_position(state.timestamp.sample_in_epoch.value)
         resume_rng = None
     if skip and resume_rng is not None:
-        from raytrain_events.checkpoint.run.rng import restore_rng_state
-
         restore_rng_state(resume_rng[0])
     iterator = iter(loader)
     for _ in range(0 if callable(set_position) else skip):

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, 
 
 from raytrain_events.core.precision import Precision
 from raytrain_events.core.time import Time, TimeUnit, ensure_time, training_duration
+from raytrain_events.parallel.config import parse_parallelism
+from raytrain_events.parallel.pipeline import check_pipeline_loop
 
 if TYPE_CHECKING:
     from raytrain_events.parallel.config import ParallelismSpec
@@ -94,7 +96,7 @@ class LoopOptions:
     )
 
     def __post_init__(self) -> None:
-        from raytrain_events.parallel.config import parse_parallelism
+        # why here: raytrain_events.trainer.compiling imports this module (an import cycle)
         from raytrain_events.trainer.compiling import compile_options
 
         if self.max_duration is not None:
@@ -109,8 +111,6 @@ class LoopOptions:
         _set(self, "precision", Precision.parse(self.precision))
         _set(self, "_parallelism", parse_parallelism(self.parallelism))
         if self.parallelism_spec.pipeline_parallel > 1:  # grad_accum and precision against the pipeline's microbatches
-            from raytrain_events.parallel.pipeline import check_pipeline_loop
-
             check_pipeline_loop(self.parallelism_spec.fsdp, self.grad_accum, self.precision, self.compile)  # type: ignore[arg-type]
         _set(self, "_compile_kwargs", compile_options(self.compile))
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):

@@ -177,6 +177,7 @@ class Trainer:
         if self._pipeline is not None:
             self._counters = self._pipeline.counters  # the model's loss rides on the per-batch sum
         if checkpoint is not None:
+            # why here: defers fsspec until this runs
             from raytrain_events.checkpoint.run.checkpointer import attach_checkpointing
             from raytrain_events.checkpoint.run.inference import load_for_inference
 
