@@ -44,6 +44,8 @@ from typing import Any, Dict, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
+from raytrain_events._torch_compat import flatten_mesh
+
 __all__ = [
     "IGNORE_INDEX",
     "SPLIT_METHOD",
@@ -211,8 +213,6 @@ class ContextParallel:
         self.model, self.group, self.degree, self.index = model, context.get_group(), degree, context.get_local_rank()
         names = mesh.mesh_dim_names
         if "replicate" in names:
-            from raytrain_events._torch_compat import flatten_mesh
-
             METRIC_GROUPS[model] = flatten_mesh(mesh["replicate", "shard"], "replicate_shard").get_group()
         else:
             METRIC_GROUPS[model] = mesh["shard"].get_group()

@@ -37,6 +37,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from raytrain_events._torch_compat import StridedShard
+
 __all__ = ["DeferredInit", "has_meta_tensors", "local_part"]
 
 
@@ -164,8 +166,6 @@ def local_part(full: torch.Tensor, param: torch.Tensor, distribute_tensor: Any) 
     """This rank's part of ``full`` laid out as the DTensor ``param``: a view (no copy) for Shard and
     Replicate placements (the chunking `Shard` uses); other placements through ``distribute_tensor``."""
     from torch.distributed.tensor import Replicate, Shard
-
-    from raytrain_events._torch_compat import StridedShard
 
     mesh, placements = param.device_mesh, param.placements  # type: ignore[attr-defined]
     coordinate = mesh.get_coordinate()

@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from raytrain_events._torch_compat import autograd_engine
 from raytrain_events.dist import Dist
 
 __all__ = ["OOMAgreement", "PeerOutOfMemory", "check_fsdp_config"]
@@ -184,8 +185,6 @@ class OOMAgreement:
 
     def _before_backward(self, grad: torch.Tensor) -> torch.Tensor:
         if not self._callback_queued:  # ahead of FSDP's final callback (queued by its pre-backward hook)
-            from raytrain_events._torch_compat import autograd_engine
-
             self._callback_queued = True
             autograd_engine.queue_callback(self._final_check)
         self.check()

@@ -35,6 +35,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 
 import torch
 
+from raytrain_events._torch_compat import flatten_mesh
 from raytrain_events.parallel.config import PIPELINE_SCHEDULES, FSDPConfig
 from raytrain_events.parallel.pipeline_split import StageModule, find_blocks, keep_stages, plan_stages
 
@@ -260,8 +261,6 @@ class Pipeline:
         # The ranks at this rank's pipeline (and tensor) coordinate across the data-parallel dimensions:
         # the last stage's metrics sync over them (made here, on every rank: a new group is collective).
         if config.replicate > 1:
-            from raytrain_events._torch_compat import flatten_mesh
-
             self.data_group: Any = flatten_mesh(mesh["replicate", "shard"], "replicate_shard").get_group()
         else:
             self.data_group = mesh["shard"].get_group()

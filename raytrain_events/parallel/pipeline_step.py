@@ -43,6 +43,7 @@ import torch
 from raytrain_events.core.event import Event
 from raytrain_events.dist import Dist
 from raytrain_events.parallel.pipeline import Pipeline
+from raytrain_events.parallel.tensor_parallel import _checksum
 
 __all__ = ["PipelineCounters", "PipelineStep"]
 
@@ -159,7 +160,6 @@ class PipelineStep:
         """Once, before the first schedule: every rank of a pipeline must hold the same batch (the first
         stage embeds it, the last takes its targets: different batches would train wrongly, silently).
         One all-gather of 3 numbers per rank over every rank, so that no pipeline goes on alone."""
-        from raytrain_events.parallel.tensor_parallel import _checksum  # the TP check's batch checksum
 
         self._checked = True
         counters = self.counters
@@ -194,6 +194,7 @@ class PipelineStep:
 
     def _loss(self, outputs: torch.Tensor, index: int) -> torch.Tensor:
         """The last stage's loss of microbatch ``index``, weighted by its share of the batch's samples."""
+        # why here: raytrain_events.trainer._batch imports this module (an import cycle)
         from raytrain_events.trainer._batch import total_loss  # trainer imports parallel: deferred
 
         state, engine, active = self.state, self.engine, self._active

@@ -31,6 +31,9 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
+from raytrain_events._torch_compat import flatten_mesh, tree_flatten
+from raytrain_events.parallel.context_parallel import METRIC_GROUPS
+
 __all__ = [
     "PLAN_METHOD",
     "apply_tensor_parallel",
@@ -52,7 +55,6 @@ def metric_group(model: torch.nn.Module) -> Any:
     Under HSDP x TP that is ``(replicate, shard)`` flattened into one group (made once, on first use,
     by every rank: evaluation runs on all of them).
     """
-    from raytrain_events.parallel.context_parallel import METRIC_GROUPS
 
     if model in METRIC_GROUPS:  # context parallelism (with or without TP): its data-parallel group
         return METRIC_GROUPS[model]
@@ -61,7 +63,6 @@ def metric_group(model: torch.nn.Module) -> Any:
         if mesh is not None and mesh.mesh_dim_names is not None and "tensor" in mesh.mesh_dim_names:
             if "replicate" not in mesh.mesh_dim_names:
                 return mesh["shard"].get_group()
-            from raytrain_events._torch_compat import flatten_mesh
 
             return flatten_mesh(mesh["replicate", "shard"], "replicate_shard").get_group()
     return None
@@ -147,7 +148,6 @@ def tensor_parallel_plans(model: torch.nn.Module, degree: int) -> List[Tuple[str
 def _checksum(inputs: Any) -> torch.Tensor:
     """Three float64 numbers that differ (in practice) when the tensors in ``inputs`` differ:
     their element count, their sum, and a position-weighted sum."""
-    from raytrain_events._torch_compat import tree_flatten
 
     tensors = [t.detach() for t in tree_flatten(inputs)[0] if torch.is_tensor(t)]
     device = tensors[0].device if tensors else torch.device("cpu")

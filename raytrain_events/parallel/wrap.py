@@ -16,6 +16,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
+from raytrain_events._torch_compat import activation_checkpoint as checkpoint
+from raytrain_events._torch_compat import flatten_mesh
 from raytrain_events.parallel.config import FSDPConfig, ParallelismSpec, parse_parallelism
 from raytrain_events.parallel.context_parallel import ContextParallel
 from raytrain_events.parallel.context_parallel import check_model as check_context_model
@@ -78,8 +80,6 @@ def fsdp_mesh(mesh: Any, config: FSDPConfig) -> Any:
     parallelism ``shard x context`` flattened into one dimension (as torchtitan's ``dp_shard_cp``)."""
     shard = "shard"
     if config.context_parallel > 1:
-        from raytrain_events._torch_compat import flatten_mesh
-
         shard = "shard_context"
         flat = flatten_mesh(mesh["shard", "context"], shard)
         if config.replicate == 1:
@@ -122,8 +122,6 @@ def apply_fsdp(
         )
     ac = config.activation_checkpointing
     if ac:
-        from raytrain_events._torch_compat import activation_checkpoint as checkpoint
-
         ac_select = select if ac is True else _selector(ac)
         targets = [m for m in model.modules() if m is not model and ac_select(m)]
         if not targets:
