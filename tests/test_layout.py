@@ -66,7 +66,18 @@ def test_the_layout_check_catches_a_folder_without_a_package(tmp_path):
 #: Packages whose in-function imports of the package's own modules each say why (a ``# why here:`` comment on
 #: the import, or on the line above the run of imports it belongs to): breaking a cycle or deferring a heavy
 #: dependency. The other packages join as they are cleaned up.
-WHY_CHECKED = ("core", "report", "storage", "checkpoint", "cli", "algorithms", "callbacks", "trainer", "parallel")
+WHY_CHECKED = (
+    "core",
+    "report",
+    "storage",
+    "checkpoint",
+    "cli",
+    "algorithms",
+    "callbacks",
+    "trainer",
+    "parallel",
+    "data",
+)
 
 
 def _comment_of(lines: List[str], node: ast.stmt) -> str:

@@ -25,6 +25,8 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
+from raytrain_events.ray._compat import ndarray_batch_to_torch
+
 __all__ = ["table_to_torch", "column_tensor"]
 
 
@@ -40,8 +42,6 @@ def table_to_torch(table: Any) -> Dict[str, Any]:
             out[name] = tensor
     if other:
         from ray.data.block import BlockAccessor
-
-        from raytrain_events.ray._compat import ndarray_batch_to_torch
 
         out.update(ndarray_batch_to_torch(BlockAccessor.for_block(table.select(other)).to_batch_format("numpy")))
     return {name: out[name] for name in table.column_names}

@@ -64,6 +64,8 @@ import threading
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from raytrain_events.data.order import BatchCut, EpochOrder, StreamStart, TrainOrder
+from raytrain_events.data.ray.block_fetch import CutterStarter
+from raytrain_events.data.ray.parquet_seek import is_seekable
 from raytrain_events.data.ray.row_index import BlockIndex, RankCursor
 from raytrain_events.data.ray.shuffle import WindowIndex
 from raytrain_events.data.ray.slices import Slice
@@ -171,8 +173,6 @@ class _Epoch:
             self.cond.notify_all()
 
     def _pull(self) -> None:
-        from raytrain_events.data.ray.block_fetch import CutterStarter
-
         cond, index = self.cond, self.index
         window: List[Tuple[Any, int, int]] = []  # blocks of the shuffle window being filled
         window_rows = 0
@@ -299,8 +299,6 @@ class EpochFeeder:
         self.report: Dict[str, Any] = {}  # `start_report`: the prestart and the first rank's request
 
     def _set_dataset(self, dataset: Any) -> None:
-        from raytrain_events.data.ray.parquet_seek import is_seekable
-
         self.seekable = is_seekable(dataset)
         if not self.seekable:
             dataset = dataset.copy(dataset) if hasattr(dataset, "copy") else dataset

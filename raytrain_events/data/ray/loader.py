@@ -34,9 +34,17 @@ from ray.train import DataConfig
 
 from raytrain_events.core.mixture_plan import MixtureRun
 from raytrain_events.data.order import GlobalBatch, TrainOrder
+from raytrain_events.data.ray import block_fetch  # cluster_node read through it: tests stand in another node
+from raytrain_events.data.ray.batch_tensors import table_to_torch
+from raytrain_events.data.ray.block_fetch import finish_fetch, local_rows, start_fetch
+from raytrain_events.data.ray.feeder import FEEDER_OPTIONS, EpochFeeder, batches_in_epoch
 from raytrain_events.data.ray.packed_source import expand_packed
+from raytrain_events.data.ray.parquet_seek import is_seekable
+from raytrain_events.data.ray.prefetch import prefetched
 from raytrain_events.data.ray.slices import RowRange, Slice
+from raytrain_events.parallel.world import check_tensor_parallel_world
 from raytrain_events.ray import _compat
+from raytrain_events.ray._compat import ndarray_batch_to_torch
 
 __all__ = [
     "cheap_row_count",
@@ -186,8 +194,6 @@ class TrainDataConfig(DeterministicSplitDataConfig):
         self.feeder_world = 0
 
     def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
-        from raytrain_events.parallel.world import check_tensor_parallel_world
-
         tp = self.tensor_parallel
         check_tensor_parallel_world(world_size, tp)
         output: List[Dict[str, Any]] = [{} for _ in range(world_size)]
@@ -234,8 +240,6 @@ class TrainDataConfig(DeterministicSplitDataConfig):
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from raytrain_events.data.ray.feeder import FEEDER_OPTIONS, EpochFeeder
-
         tp = self.tensor_parallel
         here = ray.get_runtime_context().get_node_id()
         options = {"consumers": tp} if tp > 1 else {}
@@ -265,7 +269,6 @@ def cheap_row_count(dataset: Any) -> Optional[int]:
     None when counting would run a preprocessing pipeline (``map_batches``, ``filter``...). A
     seekable source (`parquet_seek.ParquetRowGroups`) counts from the footers it read when built.
     """
-    from raytrain_events.data.ray.parquet_seek import is_seekable
 
     if is_seekable(dataset):
         return dataset.count()
@@ -330,7 +333,6 @@ class GlobalOrderLoader:
             return self.length
         if self.shard.num_rows is None:
             raise TypeError("The train set's row count is unknown; pass steps_per_epoch to RayTrainer.")
-        from raytrain_events.data.ray.feeder import batches_in_epoch
 
         return batches_in_epoch(self.shard.num_rows, self.shard.global_batch, self.shard.data_world_size)
 
@@ -347,8 +349,6 @@ class GlobalOrderLoader:
         """The epoch's batches, made one to ``prefetch_batches`` ahead in a thread (`prefetched`): the
         train thread only takes finished batches, as from Ray Data's ``iter_torch_batches``."""
 
-        from raytrain_events.data.ray.prefetch import prefetched
-
         epoch, position = self.epoch, self.position
         self._start(epoch, position, 0)
         return prefetched(self._batches(epoch, position), self.prefetch_batches, "raytrain-train-batches")
@@ -356,10 +356,8 @@ class GlobalOrderLoader:
     def _batches(self, epoch: int, position: int):
         import ray
 
-        from raytrain_events.data.ray.block_fetch import cluster_node, finish_fetch, start_fetch
-
         shard = self.shard
-        here = cluster_node()  # None on a one-node cluster: blocks are fetched whole, as they are local
+        here = block_fetch.cluster_node()  # None on a one-node cluster: blocks are fetched whole, as they are local
         # Batches are asked for in chunks (1, 2, 4... up to `_MAX_CHUNK`, at least `prefetch_batches`),
         # one chunk always in flight: an early first batch, then one feeder call per many batches.
         # A chunk's blocks are fetched together (consecutive batches mostly share a block); a block on
@@ -428,8 +426,6 @@ class GlobalOrderLoader:
         if self.columns is not None:  # only these columns reach the batch (and collate_fn)
             parts = [pick_columns(part, self.columns) if isinstance(part, pa.Table) else part for part in parts]
         if self.collate_fn is None and all(isinstance(part, pa.Table) for part in parts):
-            from raytrain_events.data.ray.batch_tensors import table_to_torch
-
             return table_to_torch(parts[0] if len(parts) == 1 else pa.concat_tables(parts))
         if len(parts) == 1:
             table = parts[0]
@@ -443,7 +439,6 @@ class GlobalOrderLoader:
             batch = pick_columns(batch, self.columns)
         if self.collate_fn is not None:
             return self.collate_fn(batch)
-        from raytrain_events.ray._compat import ndarray_batch_to_torch
 
         return ndarray_batch_to_torch(batch)
 
@@ -466,8 +461,6 @@ def _part(piece: Slice, blocks: Dict[Any, Any]) -> Any:
     ``blocks``: ref -> (the block, or the rows of it this rank fetched; which rows: None = all).
     """
     from ray.data.block import BlockAccessor
-
-    from raytrain_events.data.ray.block_fetch import local_rows
 
     if isinstance(piece, RowRange):
         ref, lo, hi = piece

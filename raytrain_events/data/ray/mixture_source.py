@@ -41,6 +41,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 from raytrain_events.core.mixture import Mixture, MixtureError
 from raytrain_events.core.mixture_plan import MixturePlan, MixtureRun
 from raytrain_events.data.ray.feeder import bundle_blocks
+from raytrain_events.data.ray.parquet_seek import as_seekable, is_seekable
 
 __all__ = ["MixtureSource", "check_mixture", "mixture_train_set"]
 
@@ -184,7 +185,6 @@ def check_mixture(mixture: Mapping[str, Any], datasets: Mapping[str, Any], shuff
     seek (a Ray Dataset with transforms), a row count other than the mixture's, another schema than
     the other sources' (from the Parquet footers), or a row shuffle (the mixture orders rows itself).
     """
-    from raytrain_events.data.ray.parquet_seek import as_seekable, is_seekable
 
     checked = Mixture.from_dict(mixture)
     names = list(checked.names)

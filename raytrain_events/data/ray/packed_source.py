@@ -61,6 +61,14 @@ from raytrain_events.core.packing import (
     pack_runs,
     sequences_in_window,
 )
+from raytrain_events.data.ray.parquet_seek import (
+    AHEAD_BYTES,
+    READ_BYTES,
+    ParquetRowGroups,
+    _read_units,
+    is_seekable,
+    stream_entry,
+)
 
 __all__ = ["PackedTokens", "count_real_tokens", "VOCAB_KEY"]
 
@@ -97,8 +105,6 @@ class PackedTokens:
         pad_id: int = 0,
     ) -> None:
         import pyarrow as pa
-
-        from raytrain_events.data.ray.parquet_seek import ParquetRowGroups, is_seekable
 
         check_policy(policy, seq_len)
         if is_seekable(source) and not isinstance(source, ParquetRowGroups):
@@ -226,7 +232,6 @@ class PackedTokens:
         """``(bundles from the window holding sequence ``row``, that window's first sequence, shuffle
         windows before it)``; with ``window_rows``, from the shuffle window holding it (as `ParquetRowGroups`)."""
         del global_batch  # the order does not depend on the batch
-        from raytrain_events.data.ray.parquet_seek import stream_entry
 
         order = self.order(seed, epoch)
         start, first, windows = stream_entry([self.window_sequences[w] for w in order], row, window_rows)
@@ -255,7 +260,6 @@ class PackedTokens:
     def reads(self, windows: List[int]) -> List[List[int]]:
         """``windows`` (in the epoch's order) grouped into read tasks: consecutive windows until about
         `parquet_seek.READ_BYTES` of packed columns (a pure function of the order, as `ParquetRowGroups.reads`)."""
-        from raytrain_events.data.ray.parquet_seek import READ_BYTES
 
         out: List[List[int]] = []
         current: List[int] = []
@@ -270,8 +274,6 @@ class PackedTokens:
 
     def _bundles(self, windows: List[int]) -> Iterator[Any]:
         import ray
-
-        from raytrain_events.data.ray.parquet_seek import AHEAD_BYTES
 
         task = ray.remote(pack_reads).options(num_cpus=0.25)
         todo = iter(self.reads(windows))
@@ -379,7 +381,6 @@ def pack_read(**args: Any) -> Any:
 def _window_inputs(args: Dict[str, Any]) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Read one window's row groups: ``(tokens end to end, each document's length, its id)``,
     refusing token ids outside the vocabulary."""
-    from raytrain_events.data.ray.parquet_seek import _read_units
 
     table = _read_units(args["paths"], args["units"], args["filesystem"], args["columns"])
     values = table.column(args["tokens_column"])

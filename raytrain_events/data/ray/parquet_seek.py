@@ -41,6 +41,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from raytrain_events.ray import _compat
+
 __all__ = ["ParquetRowGroups", "is_seekable", "as_seekable", "list_parquet", "READ_BYTES", "AHEAD_BYTES"]
 
 READ_BYTES = 16 << 20  # bytes (uncompressed, from the footers) per read task
@@ -67,7 +69,6 @@ def as_seekable(dataset: Any) -> Any:
     """
     if is_seekable(dataset):
         return dataset
-    from raytrain_events.ray import _compat
 
     read = _compat.parquet_read_of(dataset)
     if read is not None:
@@ -109,6 +110,7 @@ def list_parquet(
     if not given:
         raise ValueError("ParquetRowGroups needs at least one Parquet file, folder or glob.")
     if filesystem is None and any("://" in p and not p.startswith("file://") for p in given):
+        # why here: defers fsspec until this runs
         from raytrain_events.storage.fs import resolve
 
         fs, _ = resolve(given[0], storage_options)

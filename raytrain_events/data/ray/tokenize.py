@@ -65,6 +65,7 @@ def _local(url: str) -> bool:
 
 
 def _fs(url: str, storage_options: Optional[Dict[str, Any]]) -> Tuple[Any, str]:
+    # why here: defers fsspec until this runs
     from raytrain_events.storage.fs import resolve
 
     return resolve(url, storage_options if not _local(url) else None)
