@@ -15,13 +15,13 @@ from typing import Any, Callable, Dict, Optional, Set
 from ray.tune import Callback
 
 from raytrain_events.ray import _compat
+from raytrain_events.tune.sets import algorithm_set_label, normalize_set
 
 __all__ = ["SweepConsole", "trial_label"]
 
 
 def trial_label(config: Dict[str, Any]) -> str:
     """The trial's algorithm set, as the sweep's table names it."""
-    from raytrain_events.tune.sets import algorithm_set_label, normalize_set
 
     if "algorithms" not in (config or {}):
         return "-"

@@ -14,7 +14,12 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, Mapping, Optional, Sequence
 
-from raytrain_events.ray.spec import RunSpec
+from raytrain_events.ray import _compat, cluster
+from raytrain_events.ray.reports.console import quiet_terminal
+from raytrain_events.ray.spec import RunSpec, storage_root
+from raytrain_events.storage.exp_dir import check_run_name
+from raytrain_events.storage.fs import join, resolve
+from raytrain_events.storage.run_dir import SWEEP_FILE
 from raytrain_events.tune.placement import ReleaseTrainWorkers, release_placement_groups, start_registry
 from raytrain_events.tune.results import TIME_ATTRS, SweepResult, is_finite_number, make_result
 from raytrain_events.tune.sets import space_choices, validate_set
@@ -85,15 +90,12 @@ def sweep(
             (`SweepConsole`, Ray's internal lines kept in its log files); 2-3: Tune's own reporter
             and every Ray line.
     """
-    from raytrain_events.ray.cluster import ensure_ray
-    from raytrain_events.storage.exp_dir import check_run_name
-
     base = _validate(trainer, param_space, metric, mode, num_samples, max_concurrent_trials, scheduler)
     _check_mixture_searcher(base, param_space, mode, search_alg)
     if name is not None:  # the sweep's folder: one name inside storage_path (as a run's), checked before Ray starts
         check_run_name(name, "name")
     check_sweep(base, dict(param_space or {}), metric, storage_path, _is_pbt(scheduler))
-    ensure_ray()
+    cluster.ensure_ray()  # read through the module: tests stand in a refusing start
     experiment = _prepare(storage_path, storage_options, name, resume)
     tuner_options = dict(
         param_space=dict(param_space or {}),
@@ -141,7 +143,6 @@ def _validate(
     scheduler: Any,
 ) -> RunSpec:
     """Check every argument before anything starts; return the trials' base `RunSpec`."""
-    from raytrain_events.ray import _compat
 
     if mode not in ("min", "max"):
         raise ValueError(f"mode={mode!r} must be 'min' or 'max'.")
@@ -177,6 +178,7 @@ def _check_mixture_search(base: RunSpec, param_space: Mapping[str, Any], schedul
     explores = getattr(scheduler, "raytrain_mixture_explore", None) is not None  # pbt_scheduler(mixture=...)
     if "mixture" not in param_space and not explores:
         return
+    # why here: raytrain_events.tune.mixture_pbt, raytrain_events.tune.simplex import this module (import cycles)
     from raytrain_events.tune.mixture_pbt import check_mixture_pbt
     from raytrain_events.tune.simplex import base_mixture, check_mixture_choice
 
@@ -189,6 +191,7 @@ def _check_mixture_searcher(
     base: RunSpec, param_space: Optional[Mapping[str, Any]], mode: str, search_alg: Any
 ) -> None:
     """A `MixtureSearcher` (or a Tune wrapper of one) refused before Ray starts if the base run cannot train its trials."""
+    # why here: raytrain_events.tune.mixture_searcher, raytrain_events.tune.simplex import this module (import cycles)
     from raytrain_events.tune.mixture_searcher import MixtureSearcher
     from raytrain_events.tune.simplex import base_mixture, check_mixture_choice
 
@@ -220,9 +223,8 @@ def _prepare(
     """Settle the sweep's folder: a new one, or an interrupted sweep Tune can restore."""
     from ray import tune
 
+    # why here: defers torch.distributed.tensor (the Ray driver, algorithms load it) until a sweep needs it
     from raytrain_events.ray.driver import ray_storage
-    from raytrain_events.ray.spec import storage_root
-    from raytrain_events.storage.fs import join
 
     options = dict(storage_options or {})
     root = storage_root(storage_path)
@@ -264,7 +266,7 @@ def _run(
     from ray import tune
     from ray.tune.logger import JsonLoggerCallback
 
-    from raytrain_events.ray.reports.console import quiet_terminal
+    # why here: raytrain_events.tune.console imports this module (an import cycle)
     from raytrain_events.tune.console import SweepConsole
 
     console = [SweepConsole(metric, mode, scheduler)] if verbose == 1 else []
@@ -342,7 +344,6 @@ def _collect(
     result_grid: Any, base: RunSpec, experiment: _Experiment, *, metric: str, mode: str, scheduler: Any
 ) -> SweepResult:
     """The `SweepResult` of a finished Tuner; fails if no trial reported ``metric``."""
-    from raytrain_events.ray import _compat
 
     time_attr = _compat.scheduler_time_attr(scheduler)
     result = make_result(
@@ -375,8 +376,6 @@ def _default_concurrency(scaling_config: Any) -> int:
 
 
 def _experiment_exists(experiment_url: str, storage_options: Dict[str, Any]) -> bool:
-    from raytrain_events.storage.fs import resolve
-
     fs, path = resolve(experiment_url, storage_options)
     try:
         return bool(fs.exists(path)) and bool(fs.ls(path))
@@ -386,8 +385,6 @@ def _experiment_exists(experiment_url: str, storage_options: Dict[str, Any]) -> 
 
 def _write_sweep_settings(experiment: _Experiment, metric: str, mode: str) -> None:
     """``sweep.json``: the metric and mode, so ``raytrain-events report`` compares trials by them."""
-    from raytrain_events.storage.fs import join
-    from raytrain_events.storage.run_dir import SWEEP_FILE
 
     write_record(join(experiment.url, SWEEP_FILE), experiment.storage_options, {"metric": metric, "mode": mode})
 

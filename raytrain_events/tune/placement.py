@@ -20,6 +20,8 @@ from typing import Any, Dict, List, Sequence, Set, Tuple
 
 from ray.tune import Callback
 
+from raytrain_events.ray.spec import call_factory
+
 logger = logging.getLogger(__name__)
 
 
@@ -76,7 +78,7 @@ def trial_callbacks(
     ``copied``: the run loads another trial's checkpoint (PBT), so its optimizers get this trial's
     explored settings back after the load (`KeepExploredOptimizerSettings`).
     """
-    from raytrain_events.ray.spec import call_factory
+    # why here: raytrain_events.tune.explore imports this module (an import cycle)
     from raytrain_events.tune.explore import KeepExploredOptimizerSettings
 
     _register_placement_group(registry, trial_id)

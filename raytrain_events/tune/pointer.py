@@ -16,7 +16,9 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Mapping, Optional
 
+from raytrain_events.core.plain import to_plain
 from raytrain_events.core.timestamp import COUNTER_UNITS, report_key
+from raytrain_events.storage.run_dir import RunDir
 
 __all__ = ["CheckpointPointer", "POINTER_FILE", "pointer_from_entry", "write_pointer", "read_pointer"]
 
@@ -58,7 +60,6 @@ def pointer_from_entry(  # noqa: PLR0913 (the entry, then who saved it: run, tri
     path = entry.get("checkpoint_path")
     if not path:
         return None
-    from raytrain_events.storage.run_dir import RunDir
 
     name = str(path).rstrip("/").rsplit("/", 1)[-1]
     counters = {unit: int(entry.get(report_key(unit), 0) or 0) for unit in COUNTER_UNITS}
@@ -75,7 +76,6 @@ def pointer_from_entry(  # noqa: PLR0913 (the entry, then who saved it: run, tri
 
 def write_pointer(folder: str, pointer: CheckpointPointer) -> str:
     """Write ``pointer`` as ``<folder>/raytrain_pointer.json``; returns the file's path."""
-    from raytrain_events.core.plain import to_plain
 
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, POINTER_FILE)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from raytrain_events.core.mixture import Mixture, MixtureError
+from raytrain_events.storage.fs import read_bytes, resolve, write_bytes_atomic
 from raytrain_events.tune.acquisition import MixtureChoice, TrustRegion, check_choice_args, choose_mixture
 from raytrain_events.tune.mixture_fit import MixtureFit, check_model, fit_mixture_regression
 from raytrain_events.tune.simplex import trial_mixture
@@ -129,7 +130,6 @@ def regmix_search(
 
 def write_mixture_config(mixture: Mixture, url: str, storage_options: Optional[Dict[str, Any]] = None) -> str:
     """Write ``mixture.to_dict()`` to ``url`` (YAML for ``.yaml``/``.yml``, else JSON); return ``url``."""
-    from raytrain_events.storage.fs import resolve, write_bytes_atomic
 
     data = mixture.to_dict()
     if url.endswith((".yaml", ".yml")):
@@ -148,7 +148,6 @@ def write_mixture_config(mixture: Mixture, url: str, storage_options: Optional[D
 
 def read_mixture_config(url: str, storage_options: Optional[Dict[str, Any]] = None) -> Mixture:
     """The `Mixture` a stages config (from `write_mixture_config`, or written by hand) holds."""
-    from raytrain_events.storage.fs import read_bytes, resolve
 
     fs, path = resolve(url, dict(storage_options or {}))
     text = read_bytes(fs, path).decode()

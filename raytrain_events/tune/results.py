@@ -8,14 +8,16 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from raytrain_events.checkpoint.folder.store import latest_checkpoint
 from raytrain_events.core.plain import flatten, is_finite_number, to_plain
 from raytrain_events.core.time import COUNTER_UNITS, report_key, training_duration
-from raytrain_events.ray.checkpointing.validation import in_training_order, training_entries
+from raytrain_events.ray.checkpointing.validation import in_training_order, is_validation_entry, training_entries
 
 # The file a finished trial writes into its Tune trial folder (its history, checkpoints, run URL): defined with
 # the other directory names (storage/run_dir.py), re-exported here.
-from raytrain_events.storage.fs import join, read_bytes, resolve
+from raytrain_events.storage.fs import basename, join, read_bytes, resolve
 from raytrain_events.storage.run_dir import TRIAL_RECORD as TRIAL_RECORD
+from raytrain_events.storage.run_dir import RunDir
 from raytrain_events.tune.sets import algorithm_set_label, normalize_set
 
 logger = logging.getLogger(__name__)
@@ -155,8 +157,6 @@ def _best_checkpoint(
     history: List[Dict[str, Any]], metric: str, mode: str, run_url: str, storage_options: Dict[str, Any]
 ) -> Optional[str]:
     """The reported checkpoint with the best metric (else the newest), or the newest saved one."""
-    from raytrain_events.ray.checkpointing.validation import is_validation_entry
-    from raytrain_events.storage.fs import basename
 
     best: Optional[Tuple[float, str]] = None
     newest: Optional[str] = None
@@ -178,9 +178,6 @@ def _best_checkpoint(
     if newest is not None:
         return newest
     try:
-        from raytrain_events.checkpoint.folder.store import latest_checkpoint
-        from raytrain_events.storage.run_dir import RunDir
-
         info = latest_checkpoint(RunDir(run_url).checkpoints, storage_options=storage_options)
     except Exception:  # no checkpoints, or checkpointing not available
         return None

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Sequence
 
+from raytrain_events.core.algorithm import Algorithm
+
 
 def normalize_set(algorithms: Any) -> List[Any]:
     """One algorithm set as a list of specs (``None`` and ``[]`` are the empty set)."""
-    from raytrain_events.core.algorithm import Algorithm
 
     if algorithms is None:
         return []
@@ -38,6 +39,7 @@ def algorithm_set_label(algorithms: Any) -> str:
 
 def validate_set(algorithms: Any) -> List[Any]:
     """Build every spec once on the driver, so a typo fails before any trial starts."""
+    # why here: defers torch.distributed.tensor (the Ray driver, algorithms load it) until a sweep needs it
     from raytrain_events.algorithms.registry import build_algorithm
 
     specs = normalize_set(algorithms)

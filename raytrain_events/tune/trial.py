@@ -19,7 +19,12 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from raytrain_events.checkpoint.folder.retention import for_trial
+from raytrain_events.core.mixture import Mixture
+from raytrain_events.core.plain import to_plain
+from raytrain_events.ray.reports.run_loggers import name_destination
 from raytrain_events.ray.spec import RunSpec, check_option_names
+from raytrain_events.storage.fs import join, read_bytes, resolve, write_bytes_atomic
 from raytrain_events.storage.fs import join as join_url
 from raytrain_events.tune.placement import trial_callbacks
 from raytrain_events.tune.pointer import CheckpointPointer, pointer_from_entry, read_pointer, write_pointer
@@ -87,6 +92,7 @@ def trial_spec(base: RunSpec, config: Mapping[str, Any]) -> RunSpec:
     if "algorithms" in config:
         changes["algorithms"] = normalize_set(config["algorithms"])
     if "mixture" in config:  # the searched weights (mixture_space): the base mixture with them as its first stage
+        # why here: raytrain_events.tune.simplex imports this module (an import cycle)
         from raytrain_events.tune.simplex import base_mixture, check_mixture_choice, trial_mixture
 
         mixture = base_mixture(base)
@@ -102,8 +108,8 @@ def raytrain_trial(config: Dict[str, Any], sweep_setup: Optional[TrialSetup] = N
     """The Tune function trainable: one `RayTrainer` run (or a replay of a finished one)."""
     from ray import tune
 
+    # why here: defers torch.distributed.tensor (the Ray driver, algorithms load it) until a sweep needs it
     from raytrain_events.ray.driver import RayTrainer
-    from raytrain_events.storage.fs import join
 
     setup = sweep_setup
     if setup is None:
@@ -257,7 +263,7 @@ def copied_mixture(spec: RunSpec, pointer: CheckpointPointer) -> Any:
     """
     if spec.data.mixture is None:
         return None
-    from raytrain_events.core.mixture import Mixture
+    # why here: raytrain_events.tune.mixture_pbt, raytrain_events.tune.simplex import this module (import cycles)
     from raytrain_events.tune.mixture_pbt import copy_mixture
     from raytrain_events.tune.simplex import trial_mixture
 
@@ -343,15 +349,13 @@ def trial_retention_and_loggers(
     loggers' runs are named after the trial and its algorithm set."""
     changes: Dict[str, Any] = {}
     if spec.checkpoints.checkpoint is not None:
-        from raytrain_events.checkpoint.folder.retention import for_trial
-
         retention = for_trial(
             spec.checkpoints.checkpoint, metric=setup.metric, mode=setup.mode, keep_every=setup.keep_every_checkpoint
         )
         if retention is not None:
             changes["checkpoint"] = retention
     if spec.reports.driver_loggers:
-        from raytrain_events.ray.reports.run_loggers import name_destination
+        # why here: raytrain_events.tune.console imports this module (an import cycle)
         from raytrain_events.tune.console import trial_label
 
         name = re.sub(r"[^A-Za-z0-9_.=+-]+", "_", f"{trial_folder}-{trial_label(dict(config))}").strip("_")
@@ -365,8 +369,6 @@ def trial_dirname(trial: Any) -> str:
 
 
 def _read_record(url: str, storage_options: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    from raytrain_events.storage.fs import read_bytes, resolve
-
     fs, path = resolve(url, storage_options)
     try:
         return json.loads(read_bytes(fs, path))
@@ -378,9 +380,6 @@ def _read_record(url: str, storage_options: Dict[str, Any]) -> Optional[Dict[str
 
 
 def write_record(url: str, storage_options: Dict[str, Any], record: Any) -> None:
-    from raytrain_events.core.plain import to_plain
-    from raytrain_events.storage.fs import resolve, write_bytes_atomic
-
     fs, path = resolve(url, storage_options)
     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     write_bytes_atomic(fs, path, json.dumps(to_plain(record, fallback=repr), indent=1).encode())
