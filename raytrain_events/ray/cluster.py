@@ -7,6 +7,10 @@ import logging
 import os
 from typing import Any, Mapping, Optional
 
+from raytrain_events.ray import _compat
+from raytrain_events.ray.embedded import local_instance
+from raytrain_events.ray.reports.console import drop_noise_until_shutdown
+
 __all__ = ["ensure_ray"]
 
 
@@ -22,8 +26,6 @@ def ensure_ray(address: Optional[str] = None, *, min_cpus: int = 0, verbose: boo
     """
     import ray
 
-    from raytrain_events.ray import _compat
-
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS")
@@ -38,21 +40,17 @@ def ensure_ray(address: Optional[str] = None, *, min_cpus: int = 0, verbose: boo
     init_kwargs.setdefault("log_to_driver", True)
     if not verbose:
         init_kwargs.setdefault("logging_level", logging.WARNING)
-    from raytrain_events.ray.embedded import local_instance
 
     with _compat.loopback_only() if local else contextlib.nullcontext():
         with local_instance(init_kwargs, verbose=verbose) if local else contextlib.nullcontext():
             ray.init(address=address, **init_kwargs)
     if local and not verbose:
-        from raytrain_events.ray.reports.console import drop_noise_until_shutdown
-
         drop_noise_until_shutdown()
     return local
 
 
 def _local_cluster_running() -> bool:
     """True if ``ray start`` left a cluster address on this machine (the head node of a cluster)."""
-    from raytrain_events.ray import _compat
 
     path = _compat.ray_address_file()
     return os.path.exists(path) and os.path.getsize(path) > 0

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, List, Mapping, Optional
 
+from raytrain_events.data.ray.feeder import batches_in_epoch
+from raytrain_events.data.ray.parquet_seek import is_seekable
 from raytrain_events.ray.plan import global_batch_of
 
 __all__ = ["check_columns", "check_steps_per_epoch", "epoch_batches"]
@@ -39,7 +41,6 @@ def check_columns(columns: Optional[List[str]], sources: Mapping[str, Any]) -> N
 
 def epoch_batches(spec: Any, rows: int) -> Optional[int]:
     """Global batches in an epoch of ``rows`` rows for this run (None for an elastic group, sized at start)."""
-    from raytrain_events.data.ray.feeder import batches_in_epoch
 
     workers = spec.scaling.workers
     if not isinstance(workers, int):
@@ -54,8 +55,6 @@ def check_steps_per_epoch(spec: Any, train: Any, rows: Optional[int] = None) -> 
     if spec.data.steps_per_epoch is None or spec.failures.fault_tolerance is not None or spec.data.deterministic_split:
         return  # replica groups and a deterministic split cut epochs their own way (loader.py, replica_groups.py)
     if rows is None:
-        from raytrain_events.data.ray.parquet_seek import is_seekable
-
         if not is_seekable(train):
             return
         rows = train.count()

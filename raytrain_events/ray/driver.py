@@ -26,11 +26,37 @@ import contextlib
 import sys
 from typing import Any, Dict, Iterator, List, Optional
 
+from raytrain_events.checkpoint.folder.store import list_checkpoints
 from raytrain_events.core.time import COUNTER_UNITS, Timestamp, report_key
+from raytrain_events.data.ray.mixture_source import mixture_train_set
+from raytrain_events.data.ray.parquet_seek import as_seekable
+from raytrain_events.parallel.world import check_tensor_parallel_world
+from raytrain_events.ray import _compat, cluster  # ensure_ray read through it: tests stand in a refusing start
+from raytrain_events.ray.checkpointing.checkpointing import delete_unlisted, ray_checkpoint_config, resume_position
+from raytrain_events.ray.checkpointing.validate_checkpoint import CheckpointValidator
+from raytrain_events.ray.checkpointing.validation import (
+    async_eval_names,
+    check_validation,
+    ray_validation_config,
+    training_entries,
+    unfinished_validations,
+    wait_history_validations,
+)
+from raytrain_events.ray.cluster import check_data_cpus
+from raytrain_events.ray.data_checks import check_steps_per_epoch
+from raytrain_events.ray.driver_checks import check_on_driver
 from raytrain_events.ray.fault_tolerance import choose
+from raytrain_events.ray.guards.watchdog import process_group_timeout_s
 from raytrain_events.ray.plan import RunPlan
+from raytrain_events.ray.reports.console import announce_config_change, quiet_terminal, train_logging_config
+from raytrain_events.ray.reports.follow import HistoryFollower
+from raytrain_events.ray.reports.progress import RunProgress
+from raytrain_events.ray.reports.run_loggers import RunLoggers
 from raytrain_events.ray.result import RayResult
 from raytrain_events.ray.spec import RunSpec
+from raytrain_events.storage.fs import resolve
+from raytrain_events.storage.locks import acquire_lock, release_lock
+from raytrain_events.storage.run_dir import RunDir
 from raytrain_events.trainer.arguments import check_autoresume_named
 
 __all__ = ["RayTrainer", "RayTrainingError"]
@@ -79,8 +105,6 @@ class RayTrainer:
         # chosen once: it hands the driver and the workers their parts.
         self._fault_tolerance = choose(spec, self.plan)
         if isinstance(spec.scaling.workers, int):  # an elastic group's size is checked at each worker start
-            from raytrain_events.parallel.world import check_tensor_parallel_world
-
             check_tensor_parallel_world(
                 spec.scaling.workers, spec.tensor_parallel, spec.parallelism_spec.context_parallel
             )
@@ -115,15 +139,13 @@ class RayTrainer:
         ``raytrain_events.tune.trial``); None: the entries go only to the history and result.
         """
         self._report_queue = report_queue
-        from raytrain_events.ray.driver_checks import check_on_driver
 
         check_on_driver(self.spec)  # the factories on the meta device, algorithm names, datasets: before Ray starts
         import ray
 
-        from raytrain_events.ray.cluster import ensure_ray
-        from raytrain_events.ray.reports.console import quiet_terminal
-
-        started_local = ensure_ray(min_cpus=self.scaling_config.max_workers + 2, verbose=self.spec.reports.verbose)
+        started_local = cluster.ensure_ray(
+            min_cpus=self.scaling_config.max_workers + 2, verbose=self.spec.reports.verbose
+        )
         self._checks_cluster = started_local or not _autoscaling()
         if self._checks_cluster:
             self._check_cluster(ray)
@@ -143,14 +165,10 @@ class RayTrainer:
     @contextlib.contextmanager
     def _claim_run_dir(self) -> Iterator[None]:
         """Hold the run dir's ``running`` lock for the whole run and save the run config there."""
-        from raytrain_events.storage.locks import acquire_lock, release_lock
-        from raytrain_events.storage.run_dir import RunDir
 
         lock = acquire_lock(self.run_url, "running", storage_options=self.storage_options, takeover_stale=True)
         try:
             if getattr(self.spec.checkpoints.checkpoint, "autoresume", False):  # once, here: the workers log it at INFO
-                from raytrain_events.ray.reports.console import announce_config_change
-
                 announce_config_change(self.run_url, self.storage_options, self.spec.config)
             RunDir(self.run_url, self.storage_options).save_config(self.describe())
             yield
@@ -167,7 +185,6 @@ class RayTrainer:
 
         datasets, train_rows = self._datasets(ray)
         worker_spec = self.spec.for_workers(datasets=datasets)
-        from raytrain_events.ray.checkpointing.validation import async_eval_names, check_validation
 
         eval_names = sorted(k for k in datasets if k != "train")
         checkpoints = self.spec.checkpoints
@@ -196,17 +213,13 @@ class RayTrainer:
     def _datasets(self, ray: Any) -> Any:
         """The run's datasets as Ray Train gets them (a mixture's sources as one ``"train"`` set, a bare
         ``read_parquet`` seekable), checked, and the train set's row count where it is cheap."""
-        from raytrain_events.ray.cluster import check_data_cpus
 
         datasets = self.spec.build_datasets()
         if self.plan.mixture is not None:  # the sources become one seekable "train" set (mixture_source.py)
-            from raytrain_events.data.ray.mixture_source import mixture_train_set
-
             datasets = mixture_train_set(self.spec, datasets, self.plan.mixture)
         self.spec.check_datasets(datasets)
         if self._checks_cluster:
             check_data_cpus(ray.cluster_resources(), self.scaling_config, datasets)
-        from raytrain_events.data.ray.parquet_seek import as_seekable
 
         datasets["train"] = as_seekable(datasets["train"])  # a bare read_parquet seeks (parquet_seek.py)
         return datasets, self._train_rows(datasets["train"])
@@ -216,9 +229,6 @@ class RayTrainer:
         if not validated:
             return None
         import ray
-
-        from raytrain_events.ray.checkpointing.validate_checkpoint import CheckpointValidator
-        from raytrain_events.ray.checkpointing.validation import ray_validation_config
 
         validation = self.spec.checkpoints.validation
         validator = CheckpointValidator(
@@ -234,7 +244,6 @@ class RayTrainer:
         self._data_start = None
         if not isinstance(self.spec.scaling.workers, int):
             return None
-        from raytrain_events.ray.checkpointing.checkpointing import resume_position
 
         start = resume_position(self.plan.checkpoint)
         return data_config.start_feeder(train, self.spec.scaling.workers, start)
@@ -246,9 +255,7 @@ class RayTrainer:
         import ray.train
         from ray.train.torch import TorchTrainer
 
-        from raytrain_events.ray.checkpointing.checkpointing import ray_checkpoint_config
-        from raytrain_events.ray.guards.watchdog import process_group_timeout_s
-        from raytrain_events.ray.reports.console import train_logging_config
+        # why here: defers ray until this runs
         from raytrain_events.ray.reports.history import AggregatingCallback
         from raytrain_events.ray.worker import train_loop_per_worker
 
@@ -283,11 +290,6 @@ class RayTrainer:
         """Run ``trainer`` while the progress bar and the driver's loggers follow the history; Ray's result."""
         import ray
 
-        from raytrain_events.ray.checkpointing.validation import wait_history_validations
-        from raytrain_events.ray.reports.follow import HistoryFollower
-        from raytrain_events.ray.reports.progress import RunProgress
-        from raytrain_events.ray.reports.run_loggers import RunLoggers
-
         show_bar = self.spec.reports.progress_bar
         show_bar = sys.stderr.isatty() if show_bar is None else show_bar  # by default where someone watches
         progress = self._progress = RunProgress(self.spec.max_duration, self.run_name) if show_bar else None
@@ -317,8 +319,6 @@ class RayTrainer:
     def _record_unfinished_validations(self, history: Any) -> None:
         import ray
 
-        from raytrain_events.ray.checkpointing.validation import unfinished_validations
-
         entries = ray.get(history.get.remote())["entries"]
         for entry in unfinished_validations(entries, self.spec.checkpoints.validation):
             ray.get(history.add.remote(entry))
@@ -329,8 +329,6 @@ class RayTrainer:
         """Append this fit's reports to the run dir's history file (what `raytrain-events report` plots)."""
         import ray
 
-        from raytrain_events.storage.run_dir import RunDir
-
         try:
             entries = ray.get(history.get.remote(), timeout=30)["entries"]
             RunDir(self.run_url, self.storage_options).append_history(entries)
@@ -339,17 +337,12 @@ class RayTrainer:
                 raise
 
     def _result(self, entries: List[Dict[str, Any]], ray_result: Any) -> RayResult:
-        from raytrain_events.ray.checkpointing.validation import training_entries
-
         trained = training_entries(entries)  # validation entries arrive late, at their checkpoints' Timestamps
         final = trained[-1] if trained else {}
         timestamp = Timestamp(**{name: final.get(report_key(name), 0) for name in COUNTER_UNITS})
         checkpoints: List[Any] = []
         plan = self.plan.checkpoint
         if plan is not None:
-            from raytrain_events.checkpoint.folder.store import list_checkpoints
-            from raytrain_events.ray.checkpointing.checkpointing import delete_unlisted
-
             folder, options = plan.worker.save_folder, plan.worker.storage_options
             if plan.prunes:
                 delete_unlisted(folder, options, _listed_by_ray(ray_result))
@@ -368,12 +361,11 @@ class RayTrainer:
 
     def _train_rows(self, train: Any) -> Optional[int]:
         """The train set's row count where it is cheap; never runs a preprocessing pipeline to count."""
+        # why here: defers ray until this runs
         from raytrain_events.data.ray.loader import cheap_row_count
 
         rows = cheap_row_count(train)
         if rows is not None:  # a Ray Dataset's count is known only now: steps_per_epoch must agree with it
-            from raytrain_events.ray.data_checks import check_steps_per_epoch
-
             check_steps_per_epoch(self.spec, train, rows)
         if rows is None and self.spec.data.steps_per_epoch is None:
             raise ValueError(
@@ -399,6 +391,7 @@ def _run_history(ray: Any) -> Any:
     node must not take the run's history along (soft affinity let a loaded head spill it onto a node that left)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    # why here: defers ray until this runs
     from raytrain_events.ray.reports.history import RunHistory
 
     driver_node = ray.get_runtime_context().get_node_id()
@@ -451,7 +444,6 @@ def _feeder_start(feeder: Any) -> Optional[Dict[str, Any]]:
 
 def _autoscaling() -> bool:
     """True on a cluster launcher's head node, where the autoscaler can add GPU nodes on demand."""
-    from raytrain_events.ray import _compat
 
     return _compat.on_launched_cluster()
 
@@ -462,8 +454,6 @@ def ray_storage(storage_url: str, storage_options: Dict[str, Any]):
     if "://" not in storage_url:
         return storage_url, None
     import pyarrow.fs
-
-    from raytrain_events.storage.fs import resolve
 
     fs, path = resolve(storage_url, storage_options)
     return path, pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(fs))

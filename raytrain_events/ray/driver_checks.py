@@ -19,9 +19,15 @@ from __future__ import annotations
 import logging
 from typing import Any, List, Mapping
 
+from raytrain_events.data.ray.mixture_source import check_mixture
+from raytrain_events.parallel.context_parallel import check_model
+from raytrain_events.parallel.pipeline import check_pipeline_run, check_pipelined_model
+from raytrain_events.parallel.tensor_parallel import tensor_parallel_plans
 from raytrain_events.ray.data_checks import check_columns, check_steps_per_epoch
 from raytrain_events.ray.spec import RunSpec
 from raytrain_events.ray.spec_checks import check_mesh
+from raytrain_events.storage.fs import refuse_file_folder, resolve
+from raytrain_events.trainer.arguments import check_list, check_optimizers, check_schedulers
 
 __all__ = ["check_on_driver"]
 
@@ -39,8 +45,6 @@ def check_on_driver(spec: RunSpec, *, build: bool = True) -> None:
     _check_lists(spec)
     _check_pipeline(spec, model=None)
     if isinstance(spec.data.datasets, Mapping) and spec.data.mixture is not None:
-        from raytrain_events.data.ray.mixture_source import check_mixture
-
         sources = check_mixture(spec.data.mixture, spec.data.datasets, spec.data.shuffle_buffer_size)
         RunSpec.check_datasets({k: v for k, v in spec.data.datasets.items() if k not in sources})
         check_columns(spec.data.columns, sources)
@@ -59,7 +63,6 @@ def _check_load_from(checkpoint: Any) -> None:
     url = getattr(checkpoint, "load_from", None)
     if not url:
         return
-    from raytrain_events.storage.fs import refuse_file_folder, resolve
 
     refuse_file_folder(url, checkpoint.storage_options, what="load_from")
     try:
@@ -114,7 +117,6 @@ def _check_factory_kinds(spec: RunSpec) -> None:
 
 def _check_lists(spec: RunSpec) -> None:
     """Algorithms (built from their names here: a typo fails now) and callbacks, unless given as factories."""
-    from raytrain_events.trainer.arguments import check_list
 
     for what in ("algorithms", "callbacks"):
         value = getattr(spec, what)
@@ -123,6 +125,7 @@ def _check_lists(spec: RunSpec) -> None:
         if isinstance(value, (str, Mapping)) or not isinstance(value, (list, tuple)):
             raise TypeError(f"{what}={value!r} must be a list (or a factory returning one). Fix: {what}=[{value!r}].")
         if what == "algorithms":
+            # why here: defers torch.distributed.tensor until this runs
             from raytrain_events.algorithms.registry import build_algorithms
 
             check_list(what, build_algorithms(value))
@@ -133,8 +136,6 @@ def _check_lists(spec: RunSpec) -> None:
 def _check_on_meta(spec: RunSpec) -> None:
     """Build the model, optimizers and schedulers once on the meta device and check what came back."""
     import torch
-
-    from raytrain_events.trainer.arguments import check_optimizers, check_schedulers
 
     try:
         with torch.device("meta"):
@@ -174,12 +175,12 @@ def _check_pipeline(spec: RunSpec, model: Any) -> None:
     config = spec.parallelism_spec.fsdp
     if config is None or config.pipeline_parallel == 1:
         return
-    from raytrain_events.parallel.pipeline import check_pipeline_run, check_pipelined_model
 
     if model is not None:
         check_pipelined_model(model, config)
         return
     algorithms = spec.algorithms if isinstance(spec.algorithms, (list, tuple)) else []
+    # why here: defers torch.distributed.tensor until this runs
     from raytrain_events.algorithms.registry import build_algorithms
 
     check_pipeline_run(config, spec.scaling.workers, build_algorithms(algorithms))
@@ -196,10 +197,6 @@ def _check_parallel_model(spec: RunSpec, model: Any) -> None:
     its sequence split method, refused here on the meta model instead of on every worker."""
     tp, cp = spec.tensor_parallel, spec.parallelism_spec.context_parallel
     if tp > 1:
-        from raytrain_events.parallel.tensor_parallel import tensor_parallel_plans
-
         tensor_parallel_plans(model, tp)
     if cp > 1:
-        from raytrain_events.parallel.context_parallel import check_model
-
         check_model(model, cp)

@@ -22,6 +22,8 @@ from typing import Any, Dict
 
 from raytrain_events.callbacks.spike_guard import SpikeGuard
 from raytrain_events.core.replica_layout import layout_problem
+from raytrain_events.ray import _compat
+from raytrain_events.ray._compat_worker_group import require, sharded_torchft_config
 
 __all__ = [
     "FAULT_TOLERANCE",
@@ -83,8 +85,6 @@ def check_fault_tolerance(spec: Any) -> None:
         )
     require_torchft()
     if spec.failures.replica_group_size > 1:
-        from raytrain_events.ray._compat_worker_group import require  # Ray Train's worker group: imported when used
-
         require()  # a Ray whose worker group cannot be made to build groups of several: refused, naming the fix
 
 
@@ -226,13 +226,9 @@ def torchft_config(torch_options: Dict[str, Any], groups: int, replica_timeout_s
     (`ray/_compat_worker_group.py`)."""
     import ray
 
-    from raytrain_events.ray import _compat
-
     here = ray.get_runtime_context().get_node_id()
     node_ip = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == here)
     lighthouse = {"bind": lighthouse_bind(node_ip), **lighthouse_options(groups, replica_timeout_s)}
     if group_size > 1:
-        from raytrain_events.ray._compat_worker_group import sharded_torchft_config  # Ray Train's internals: when used
-
         return sharded_torchft_config(group_size, lighthouse, **torch_options)
     return _compat.torchft_config_class()(lighthouse_kwargs=lighthouse, **torch_options)

@@ -52,11 +52,15 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from raytrain_events.callbacks.spike_guard import SpikeGuard
+from raytrain_events.checkpoint.folder.store import latest_checkpoint
+from raytrain_events.checkpoint.run.checkpointer import find_checkpointer
 from raytrain_events.core.callback import Callback, QuorumChange
+from raytrain_events.core.interval import is_done
 from raytrain_events.core.spikes import Skipped
 from raytrain_events.core.time import Timestamp, counters_of
 from raytrain_events.ray.checkpointing.validation import VALIDATE_KEY
 from raytrain_events.ray.replica_checks import refuse_group_callbacks
+from raytrain_events.ray.reports.aggregate import reduce_metrics
 
 if TYPE_CHECKING:
     from raytrain_events.ray.replica_abort import CollectiveWatch
@@ -130,6 +134,7 @@ def build_manager(  # noqa: PLR0913 (the group's numbers, handed over once)
     from torchft import Manager  # torchft is the [ft] extra's: imported where a group is built
     from torchft.checkpointing.pg_transport import PGTransport
 
+    # why here: defers torchft until this runs
     from raytrain_events.ray.replica_abort import AbortableGloo, CollectiveWatch  # torchft's subclass
 
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -318,7 +323,6 @@ class ReplicaCommit(Callback):
         """`RayReporter`'s ``report_fn``: this group's report as a history entry (see the module doc). A report
         after the lead's save names its checkpoint (``checkpoint_path``, as Ray Train's entries do: no scheme), so
         the entry's metrics (an eval at that batch's included) are the checkpoint's, at its Timestamp."""
-        from raytrain_events.ray.reports.aggregate import reduce_metrics
 
         entry: Dict[str, Any] = dict(reduce_metrics([report]))
         if checkpoint is not None:
@@ -342,7 +346,6 @@ def load_at_first_quorum(state: Any, commit: ReplicaCommit, worker: Any) -> None
     checkpoint: reading one (the whole model and optimizer, from object storage) would be thrown away. A group
     replaced after the others finished the run (their final checkpoint is the newest: one index and one manifest
     read at each group's start) loads it at once, as no quorum will come."""
-    from raytrain_events.checkpoint.run.checkpointer import find_checkpointer
 
     checkpointer = find_checkpointer(state)
     if checkpointer is None or not (worker.autoresume or worker.load_from):
@@ -355,9 +358,6 @@ def load_at_first_quorum(state: Any, commit: ReplicaCommit, worker: Any) -> None
 
 def _run_finished(state: Any, worker: Any) -> bool:
     """Whether the newest checkpoint of the run's folder is at ``max_duration`` (its index and one manifest read)."""
-    from raytrain_events.checkpoint.folder.store import latest_checkpoint
-    from raytrain_events.core.interval import is_done
-    from raytrain_events.core.time import Timestamp
 
     info = latest_checkpoint(worker.save_folder, storage_options=worker.storage_options)
     if info is None:
@@ -377,7 +377,6 @@ def lead_saves(state: Any, commit: ReplicaCommit) -> None:
     not commit and the next quorum's lowest group leads from the next step on. A group that saves after another
     group led a committed step reloads the folder's index first (`CheckpointFolder.reload`): its own copy lacks
     the other's checkpoints, which ``keep`` would then never delete."""
-    from raytrain_events.checkpoint.run.checkpointer import find_checkpointer
 
     checkpointer = find_checkpointer(state)
     if checkpointer is None:

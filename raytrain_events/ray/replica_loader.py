@@ -17,8 +17,11 @@ from typing import Any, Callable, Optional, Tuple
 
 from raytrain_events.core.callback import QuorumChange
 from raytrain_events.core.replica_layout import part_rows, quorum_part
+from raytrain_events.data.ray import block_fetch  # cluster_node read through it: tests stand in another node
+from raytrain_events.data.ray.block_fetch import finish_fetch, start_fetch
 from raytrain_events.data.ray.loader import GlobalOrderLoader
 from raytrain_events.ray.replica_groups import ReplicaState
+from raytrain_events.ray.replica_lighthouse import lighthouse_lost
 
 __all__ = ["ReplicaLoader"]
 
@@ -61,8 +64,6 @@ class ReplicaLoader(GlobalOrderLoader):
             try:
                 self.manager.start_quorum()  # synchronous: a joining group has the peer's state after it
             except Exception as error:
-                from raytrain_events.ray.replica_lighthouse import lighthouse_lost
-
                 lost = lighthouse_lost(error)  # the Lighthouse is gone: the run stops, naming it
                 if lost is not None:
                     raise lost from error
@@ -92,8 +93,6 @@ class ReplicaLoader(GlobalOrderLoader):
         """The global batch at ``position`` of ``epoch`` (None past the epoch's end)."""
         if self._held is not None and self._held[0] == (epoch, position):
             return self._held[1]  # the step did not commit: the same rows again
-        from raytrain_events.data.ray.block_fetch import cluster_node, finish_fetch, start_fetch
-
         if self._next is None or self._next[:2] != (epoch, position):
             # An epoch start, a rejoin or a heal: this rank enters the epoch's one pass (epoch, 0) at batch k,
             # the pass the other groups are in, so its cursor there moves on and the feeder trims behind it
@@ -110,7 +109,7 @@ class ReplicaLoader(GlobalOrderLoader):
         served = self._served(pending, epoch, self._stream[1], k, 1)
         if not served or served[0] is None:
             return None
-        batch = self._to_batch(served[0], finish_fetch(start_fetch(served, cluster_node())))
+        batch = self._to_batch(served[0], finish_fetch(start_fetch(served, block_fetch.cluster_node())))
         rows = _rows(batch)
         self._next = (epoch, position + rows, k + 1)
         self._held = ((epoch, position), batch)

@@ -44,6 +44,7 @@ class RayResult:
         """
         if not self.metric:
             return self.latest_checkpoint
+        # why here: defers fsspec until this runs
         from raytrain_events.storage.fs import basename
 
         scores = {}

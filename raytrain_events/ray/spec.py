@@ -26,7 +26,9 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
+from raytrain_events.core.plain import describe_value
 from raytrain_events.core.time_value import check_countable
+from raytrain_events.data.ray.parquet_seek import is_seekable
 from raytrain_events.ray.async_validation import check_validation
 from raytrain_events.ray.spec_checks import check_data_and_scaling, check_run_options
 from raytrain_events.ray.spec_sections import (
@@ -175,7 +177,6 @@ class RunSpec(LoopOptions):
 
     def describe(self) -> Dict[str, Any]:
         """The run's plain-data description (every option), saved as the run dir's config.yaml."""
-        from raytrain_events.core.plain import describe_value
 
         out = {name: describe_value(value) for name, value in self.options().items()}
         out["num_workers"] = self.scaling.workers
@@ -224,8 +225,6 @@ class RunSpec(LoopOptions):
         once the datasets are built, before any worker starts.
         """
         from ray.data import Dataset
-
-        from raytrain_events.data.ray.parquet_seek import is_seekable
 
         for name, dataset in datasets.items():
             kind = type(dataset).__name__

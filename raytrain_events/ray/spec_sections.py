@@ -172,6 +172,7 @@ class StorageOptions:
         """The section with its final values: an absolute local path or a URL, a run name (a fresh unique one
         when none is given, so two jobs never share a run directory)."""
         # Deferred: storage/ imports fsspec, which `import raytrain_events` does not pull in (tests/core/test_imports.py).
+        # why here: defers fsspec until this runs
         from raytrain_events.storage.exp_dir import check_run_name, fresh_run_name
         from raytrain_events.storage.fs import check_storage_url
 
@@ -187,6 +188,7 @@ class StorageOptions:
     @property
     def run_url(self) -> str:
         """Where this run's files live: ``<storage_path>/<run_name>``."""
+        # why here: defers fsspec until this runs
         from raytrain_events.storage.fs import join  # deferred: fsspec (see `of`)
 
         return join(self.storage_path, self.run_name)
@@ -216,6 +218,7 @@ class CheckpointOptions:
                     "directory (<storage_path>/<run_name>/checkpoints) so Ray Train can manage them. "
                     "Set storage_path instead."
                 )
+            # why here: defers fsspec until this runs
             from raytrain_events.checkpoint.folder.retention import check_ray_ranking
 
             check_ray_ranking(checkpoint)

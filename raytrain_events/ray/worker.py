@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
 
+from raytrain_events.algorithms.registry import build_algorithms
 from raytrain_events.core.data_spec import DataSpec
 from raytrain_events.data.ray.loader import ShardLoader
 from raytrain_events.dist import LocalDist, TorchDist
@@ -76,8 +77,6 @@ def build_worker(
     schedulers = spec.build_schedulers(optimizers)
     algorithms = spec.build_list(spec.algorithms)
     if algorithms:
-        from raytrain_events.algorithms.registry import build_algorithms
-
         algorithms = build_algorithms(algorithms)
     callbacks = spec.build_list(spec.callbacks)
 

@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from raytrain_events.checkpoint.folder.folder import CheckpointFolder, RayRetention
 from raytrain_events.checkpoint.folder.retention import CheckpointPlan
+from raytrain_events.checkpoint.folder.store import latest_checkpoint
 from raytrain_events.checkpoint.run.checkpointer import Checkpointer, SavedCheckpoint
 from raytrain_events.storage.fs import basename
 from raytrain_events.storage.run_dir import RunDir
@@ -56,7 +57,6 @@ def resume_position(plan: Optional[CheckpointPlan]) -> Tuple[int, int]:
     ``plan``: the run plan's `CheckpointPlan` (None: no checkpoints)."""
     if plan is None:
         return 0, 0
-    from raytrain_events.checkpoint.folder.store import latest_checkpoint
 
     try:
         info = latest_checkpoint(plan.worker.save_folder, storage_options=plan.worker.storage_options)

@@ -23,6 +23,8 @@ import logging
 import time
 from typing import Any, Dict, List, Optional
 
+from raytrain_events.checkpoint.config import CheckpointConfig
+from raytrain_events.core.plain import to_python
 from raytrain_events.ray.checkpointing.validation import AsyncValidation, validation_entry
 
 __all__ = ["CheckpointValidator"]
@@ -53,6 +55,7 @@ class CheckpointValidator:
         self.report_queue = report_queue
 
     def __call__(self, checkpoint: Any, **kwargs: Any) -> Dict[str, Any]:
+        # why here: defers fsspec, torch until this runs
         from raytrain_events.checkpoint.format.reader import read_manifest
         from raytrain_events.storage.exp_dir import checkpoints_url
         from raytrain_events.storage.fs import join
@@ -76,8 +79,7 @@ class CheckpointValidator:
         """Load ``url`` into a one-process `Trainer` and evaluate the eval sets; ``{"metrics/<label>/<name>": float}``."""
         import torch
 
-        from raytrain_events.checkpoint.config import CheckpointConfig
-        from raytrain_events.core.plain import to_python
+        # why here: defers ray, torch until this runs
         from raytrain_events.data.ray.loader import ShardLoader
         from raytrain_events.dist import LocalDist
         from raytrain_events.trainer import Trainer

@@ -27,6 +27,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
+from raytrain_events.core.time import report_key
 from raytrain_events.ray.async_validation import (  # re-exported: the option's value type and checks
     AsyncValidation,
     async_eval_names,
@@ -86,6 +87,7 @@ def in_training_order(entries: Sequence[Mapping[str, Any]]) -> List[Mapping[str,
     checkpoint's place, so "the newest value of a metric" means the newest Timestamp, as with
     in-loop evals. A validation whose checkpoint is not among the entries stays at its arrival.
     """
+    # why here: defers fsspec until this runs
     from raytrain_events.storage.fs import basename
 
     by_checkpoint: Dict[str, List[Mapping[str, Any]]] = {}
@@ -116,7 +118,6 @@ def validation_entry(
 ) -> Dict[str, Any]:
     """A validation's history entry: the checkpoint's counters (``time/*``), its name and times, ``fields``
     (the metrics and ``validation="async"``, or ``validation="failed"`` and ``validation_error``)."""
-    from raytrain_events.core.time import report_key
 
     entry: Dict[str, Any] = {report_key(k): int(v) for k, v in (counters or {}).items()}
     entry.update(fields)

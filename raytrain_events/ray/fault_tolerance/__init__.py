@@ -36,13 +36,16 @@ def choose(spec: Any, plan: Any) -> FaultTolerance:
     (`replica_checks.check_fault_tolerance`: on the driver, before Ray starts)."""
     check_fault_tolerance(spec)
     if spec.failures.fault_tolerance == "replica_groups" and spec.failures.replica_group_size > 1:
+        # why here: raytrain_events.ray.fault_tolerance.sharded_replica_groups imports this module (an import cycle)
         from raytrain_events.ray.fault_tolerance.sharded_replica_groups import ShardedReplicaGroups
 
         return ShardedReplicaGroups(spec, plan)
     if spec.failures.fault_tolerance == "replica_groups":
+        # why here: raytrain_events.ray.fault_tolerance.replica_groups imports this module (an import cycle)
         from raytrain_events.ray.fault_tolerance.replica_groups import ReplicaGroups
 
         return ReplicaGroups(spec, plan)
+    # why here: raytrain_events.ray.fault_tolerance.restarts imports this module (an import cycle)
     from raytrain_events.ray.fault_tolerance.restarts import Restarts
 
     return Restarts(spec, plan)

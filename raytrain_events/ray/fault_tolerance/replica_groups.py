@@ -18,7 +18,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from raytrain_events.data.ray.loader import TrainDataConfig
 from raytrain_events.ray.fault_tolerance.protocol import WorkerParts
-from raytrain_events.ray.replica_checks import min_replicas
+from raytrain_events.ray.replica_checks import min_replicas, torchft_config
+from raytrain_events.ray.replica_groups import CommitOptimizer, ReplicaCommit, ReplicaState, build_manager
+from raytrain_events.ray.replica_lighthouse import LighthouseWatch
+from raytrain_events.ray.replica_loader import ReplicaLoader
 
 __all__ = ["ReplicaGroups", "ReplicaGroupsWorker", "as_dataset", "fill_replica_state"]
 
@@ -31,8 +34,6 @@ class ReplicaGroups:
         self.plan = plan  # the run's `RunPlan` (ray/plan.py)
 
     def torch_config(self, torch_options: Dict[str, Any]) -> Any:
-        from raytrain_events.ray.replica_checks import torchft_config
-
         return torchft_config(torch_options, self.spec.scaling.workers, float(self.spec.failures.replica_timeout_s))
 
     def failure_config(self) -> Any:
@@ -60,8 +61,6 @@ class ReplicaGroups:
         return ReplicaGroupsWorker(history, [s["train"] for s in shards], evals), {}
 
     def run_callbacks(self) -> List[Any]:
-        from raytrain_events.ray.replica_lighthouse import LighthouseWatch
-
         return [LighthouseWatch()]
 
 
@@ -100,14 +99,6 @@ class ReplicaGroupsWorker:
         loader_options: Dict[str, Any],
         plan: Any,
     ) -> WorkerParts:
-        from raytrain_events.ray.replica_groups import (  # torch and torchft: built on the workers only
-            CommitOptimizer,
-            ReplicaCommit,
-            ReplicaState,
-            build_manager,
-        )
-        from raytrain_events.ray.replica_loader import ReplicaLoader  # Ray Data's loader: on the workers only
-
         shard = self.shards[rank]
         replicas = fill_replica_state(ReplicaState(), model, optimizers, schedulers)
         manager, watch = build_manager(

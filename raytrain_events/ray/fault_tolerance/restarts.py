@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
+from raytrain_events.checkpoint.run.checkpointer import find_checkpointer
 from raytrain_events.core.callback import Callback
 from raytrain_events.data.order import TrainOrder
 from raytrain_events.data.ray.loader import GlobalOrderLoader, GlobalOrderShard, ShardLoader, TrainDataConfig
+from raytrain_events.data.ray.mixture_loader import MixtureOrderLoader
+from raytrain_events.ray.checkpointing.checkpointing import hand_retention_to_ray
 from raytrain_events.ray.fault_tolerance.protocol import WorkerParts
 
 __all__ = ["Restarts", "RestartsWorker", "RayRetention"]
@@ -95,9 +98,6 @@ class RayRetention(Callback):
         self.plan = plan
 
     def after_load(self, state, logger) -> None:
-        from raytrain_events.checkpoint.run.checkpointer import find_checkpointer
-        from raytrain_events.ray.checkpointing.checkpointing import hand_retention_to_ray
-
         checkpointer = find_checkpointer(state)
         if checkpointer is not None:
             hand_retention_to_ray(checkpointer, self.plan)
@@ -107,8 +107,6 @@ def train_loader(shard: Any, spec: Any, order: TrainOrder, rank: int, options: D
     """The train set in the group's global order (`TrainDataConfig`), else a plain Ray shard (locally shuffled
     in windows of ``order.shuffle_rows`` rows)."""
     if isinstance(shard, GlobalOrderShard) and shard.mixture is not None:  # RayTrainer(mixture=...)
-        from raytrain_events.data.ray.mixture_loader import MixtureOrderLoader
-
         return MixtureOrderLoader(
             shard, tokens_of_batch=spec.data.get_num_tokens_in_batch, length=spec.data.steps_per_epoch, **options
         )

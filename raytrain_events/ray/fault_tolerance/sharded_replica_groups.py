@@ -46,7 +46,7 @@ from raytrain_events.ray.fault_tolerance.replica_groups import (
     checkpoint_config,
     fill_replica_state,
 )
-from raytrain_events.ray.replica_checks import min_replicas
+from raytrain_events.ray.replica_checks import min_replicas, torchft_config
 from raytrain_events.ray.replica_groups import (
     CommitOptimizer,
     ReplicaCommit,
@@ -69,8 +69,6 @@ class ShardedReplicaGroups(ReplicaGroups):
         self.layout = ReplicaLayout(spec.scaling.workers, spec.failures.replica_group_size, tensor_parallel)
 
     def torch_config(self, torch_options: Dict[str, Any]) -> Any:
-        from raytrain_events.ray.replica_checks import torchft_config
-
         layout = self.layout
         return torchft_config(
             torch_options, layout.groups, float(self.spec.failures.replica_timeout_s), layout.group_size

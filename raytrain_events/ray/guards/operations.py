@@ -13,21 +13,21 @@ from __future__ import annotations
 from typing import Any, List
 
 from raytrain_events.core.callback import Callback
+from raytrain_events.ray.guards.health import check_startup
+from raytrain_events.ray.guards.watchdog import MIN_HANG_TIMEOUT_S, ProgressWatchdog
 
 __all__ = ["worker_guards", "startup_deadline_s"]
 
 
 def startup_deadline_s(hang_timeout: Any) -> float:
     """The start-up health check's deadline: ``hang_timeout``, or the watchdog's floor (300 s)."""
-    from raytrain_events.ray.guards.watchdog import MIN_HANG_TIMEOUT_S
 
     return float(hang_timeout) if hang_timeout is not None else MIN_HANG_TIMEOUT_S
 
 
 def worker_guards(spec: Any, dist: Any, *, checkpointing: bool) -> List[Callback]:
     """Check that every rank arrived, then the watchdog (and preemption guard) for this worker group."""
-    from raytrain_events.ray.guards.health import check_startup
-    from raytrain_events.ray.guards.watchdog import ProgressWatchdog
+    # why here: defers fsspec until this runs
     from raytrain_events.storage.run_dir import RunDir
 
     group_id = check_startup(dist, startup_deadline_s(spec.failures.hang_timeout))
@@ -41,6 +41,7 @@ def worker_guards(spec: Any, dist: Any, *, checkpointing: bool) -> List[Callback
         )
     ]
     if checkpointing:
+        # why here: defers fsspec until this runs
         from raytrain_events.ray.guards.preemption import PreemptionGuard
 
         guards.append(

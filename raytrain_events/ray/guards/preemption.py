@@ -29,6 +29,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from raytrain_events.checkpoint.run.preemption import SAVE_FLAG
 from raytrain_events.core.callback import Callback
+from raytrain_events.ray._compat import local_preemption_info, run_on_worker_main_thread
+from raytrain_events.storage.fs import resolve, write_bytes_atomic
 from raytrain_events.storage.run_dir import PREEMPTIONS_DIR as PREEMPTIONS_DIR  # re-exported
 from raytrain_events.storage.run_dir import RunDir
 
@@ -107,8 +109,6 @@ def _sigterm_arrived() -> bool:
 
 
 def _ray_notice() -> Optional[Dict[str, Any]]:
-    from raytrain_events.ray._compat import local_preemption_info
-
     info = local_preemption_info()
     if info is None:
         return None
@@ -151,8 +151,6 @@ class PreemptionGuard(Callback):
         self._pending, self._notice_seen = None, False
         if self.sigterm and not self._installed:
             try:
-                from raytrain_events.ray._compat import run_on_worker_main_thread
-
                 self._installed = bool(run_on_worker_main_thread(_install_handler))
             except Exception as exc:  # still checked for notices; SIGTERM then exits as Ray's handler does
                 logging.getLogger(__name__).warning("SIGTERM handler not installed on rank %d: %r", state.rank, exc)
@@ -187,6 +185,7 @@ class PreemptionGuard(Callback):
         state.agreement.clear(PREEMPT_FLAG)
         agreed = self._agreed_at if self._agreed_at is not None else time.time()
         self._agreed_at = None
+        # why here: defers torch until this runs
         from raytrain_events.checkpoint.run.checkpointer import find_checkpointer
 
         checkpointer = find_checkpointer(state)
@@ -205,8 +204,6 @@ class PreemptionGuard(Callback):
         if self._installed:
             self._installed = False
             try:
-                from raytrain_events.ray._compat import run_on_worker_main_thread
-
                 run_on_worker_main_thread(_restore_handler)
             except Exception as exc:
                 logging.getLogger(__name__).warning("SIGTERM handler not restored: %r", exc)
@@ -241,8 +238,6 @@ class PreemptionGuard(Callback):
             "; stopping" if record["stopping"] else "; training on",
         )
         try:
-            from raytrain_events.storage.fs import resolve, write_bytes_atomic
-
             fs, path = resolve(RunDir(self.run_url).preemption(batch), self.options)
             write_bytes_atomic(fs, path, json.dumps(record).encode())
         except Exception as exc:  # the record is for people: never fail the save for it

@@ -219,6 +219,7 @@ class ProgressWatchdog(Callback):
                 return
 
     def _fire(self) -> str:
+        # why here: defers fsspec until this runs
         from raytrain_events.storage.fs import join, resolve, write_bytes_atomic
         from raytrain_events.storage.run_dir import HANG_RECORD
 
@@ -274,6 +275,7 @@ class ProgressWatchdog(Callback):
 
     def _gather(self, fs: Any, folder: str, own: Dict[str, Any]) -> Dict[int, Dict[str, Any]]:
         """The dump records of every rank that wrote one within ``grace_s`` (this rank's included)."""
+        # why here: defers fsspec until this runs
         from raytrain_events.storage.fs import join, list_dir, read_bytes
 
         deadline = time.monotonic() + self.grace_s

@@ -76,6 +76,8 @@ import logging
 import re
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
+from raytrain_events.ray import _compat
+
 __all__ = [
     "announce_config_change",
     "train_logging_config",
@@ -241,14 +243,11 @@ def quiet_worker_console(verbose: bool) -> None:
 
 
 def _is_file_handler(handler: logging.Handler) -> bool:
-    from raytrain_events.ray import _compat
-
     return isinstance(handler, logging.FileHandler) or _compat.is_session_file_handler(handler)
 
 
 def _filter_forwarded_lines(write: Optional[Callable[[str, Any], None]]) -> Callable[[], None]:
     """Wrap Ray's handler that prints the workers' lines on the driver; returns the undo."""
-    from raytrain_events.ray import _compat
 
     return _compat.wrap_worker_line_handler("ray_print_logs", lambda handler: _filtered(handler, write))
 
@@ -299,6 +298,7 @@ def announce_config_change(run_url: str, storage_options: Dict[str, Any], config
     directory saved at its last start (one read of its config.yaml; nothing when there is none or it is equal)."""
     from omegaconf import OmegaConf
 
+    # why here: defers fsspec until this runs
     from raytrain_events.storage.config_diff import format_config_diff
     from raytrain_events.storage.run_dir import RunDir
 

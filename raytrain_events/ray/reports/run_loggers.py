@@ -15,6 +15,7 @@ import os
 from typing import Any, Dict, List, Optional, Sequence
 
 from raytrain_events.core.logger import LoggerDestination
+from raytrain_events.loggers import FileLogger, MLFlowLogger, TensorBoardLogger, WandBLogger
 
 __all__ = ["RunLoggers", "name_destination", "STEP_UNITS"]
 
@@ -76,7 +77,6 @@ def name_destination(destination: LoggerDestination, name: str) -> LoggerDestina
     MLflow and W&B: the run name (unless one was given); TensorBoard: a ``name`` sub-directory of
     its log dir; a file logger: ``name`` before the file's extension. Others are returned as they are.
     """
-    from raytrain_events.loggers import FileLogger, MLFlowLogger, TensorBoardLogger, WandBLogger
 
     named = copy.copy(destination)
     if isinstance(named, MLFlowLogger):

@@ -22,6 +22,8 @@ from raytrain_events.core.heartbeat import HEARTBEAT
 from raytrain_events.core.interval import make_interval
 from raytrain_events.core.plain import to_python
 from raytrain_events.core.time import counters_of
+from raytrain_events.ray.checkpointing.checkpointing import report_with_checkpoint
+from raytrain_events.ray.checkpointing.validation import validates
 
 __all__ = ["RayReporter", "REPORT_FLAG"]
 
@@ -166,9 +168,6 @@ class RayReporter(Callback):
             if checkpoint is None:
                 ray.train.report(report)
             else:
-                from raytrain_events.ray.checkpointing.checkpointing import report_with_checkpoint
-                from raytrain_events.ray.checkpointing.validation import validates
-
                 self._checkpoints_reported += 1
                 report_with_checkpoint(
                     report, checkpoint, validation=validates(self.validation, self._checkpoints_reported)
