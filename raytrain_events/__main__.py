@@ -13,13 +13,13 @@ from __future__ import annotations
 import sys
 from typing import List, Optional
 
+from raytrain_events.cli import main as cli_main
+
 __all__ = ["main"]
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Console-script entry point (``raytrain_events.__main__:main``); returns the exit code."""
-    from raytrain_events.cli import main as cli_main
-
     return cli_main(argv)
 
 

@@ -82,7 +82,7 @@ class ClassifierModel(torch.nn.Module):
         # (scipy.signal, transformers), 3-5 s of CPU that a process which never evaluates should not pay.
         from torchmetrics.classification import MulticlassAccuracy
 
-        from raytrain_events.metrics import CrossEntropy
+        from raytrain_events.metrics import CrossEntropy  # why here: metrics.py imports torchmetrics (above)
 
         return {
             "accuracy": MulticlassAccuracy(num_classes=self.num_classes, average="micro"),
