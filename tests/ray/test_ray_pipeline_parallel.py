@@ -151,7 +151,7 @@ def test_an_outermost_pipelines_ranks_are_served_one_data_parallel_part(ray_clus
 
 @pytest.mark.ray
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # 23 s at load 17, 126 s at load 85 here (2 cores) with 2 workers
+@pytest.mark.timeout(600)  # 39 s at load 2-9, 49 s at load 8-18 here (2 cores); 2 workers took 27-30 s
 def test_a_pipeline_of_context_pairs_over_four_workers_trains_every_row_once_like_one_process(
     ray_cluster: Any, tmp_path: Any
 ) -> None:
