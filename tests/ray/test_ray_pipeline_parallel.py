@@ -1,12 +1,13 @@
 """RayTrainer(parallelism=FSDPConfig(pipeline_parallel=2)): bad input refused before Ray starts, an
 outermost pipeline's stages served one data part by the train config (8 ranks, no Train run), and one short
-run (2 workers, one pipeline of 2 stages, ``pipeline_outermost``) through the feeder.
+run (4 workers, one pipeline of 2 stages x 2 context ranks, ``pipeline_outermost``) through the feeder.
 
 The run proves: each worker holds one stage (its parameters only: the first stage the embeddings,
-the last the head); both stages trained the same rows in the global order (the feeder serves a
-pipeline's stages like a tensor group: the same part of each batch); the global Timestamp counts
-every row and token once (the first stage counts); and the loss the driver reports is the model's,
-the same on both stages (the last stage's, carried on the per-batch sum).
+the last the head), split over its 2 context ranks; all 4 ranks trained the same rows in the global
+order (the feeder serves a pipeline's ``p x c`` ranks like a tensor group: the same part of each
+batch); the global Timestamp counts every row and token once (not once per stage or context rank);
+the loss the driver reports is the model's, the same on every rank, and the trained stages joined
+are a one-process `Trainer`'s parameters on the same batches (CP's float tolerance).
 """
 
 from __future__ import annotations
@@ -150,13 +151,16 @@ def test_an_outermost_pipelines_ranks_are_served_one_data_parallel_part(ray_clus
 
 @pytest.mark.ray
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # 23 s at load 17, 126 s at load 85 here (2 cores)
-def test_a_pipeline_over_two_workers_trains_every_row_once_with_the_models_loss(
+@pytest.mark.timeout(600)  # 39 s at load 2-9, 49 s at load 8-18 here (2 cores); 2 workers took 27-30 s
+def test_a_pipeline_of_context_pairs_over_four_workers_trains_every_row_once_like_one_process(
     ray_cluster: Any, tmp_path: Any
 ) -> None:
+    """PP 2 x CP 2 on 4 workers, mesh (pipeline, shard 1, context): stages 0 and 1 on ranks 0-1 and
+    2-3, each stage's attention split over its context pair."""
     import ray.data
+    from torch.utils.data import DataLoader
 
-    from raytrain_events import RayTrainer
+    from raytrain_events import RayTrainer, Trainer
     from raytrain_events.parallel import FSDPConfig
     from tests.ray.test_ray_tensor_parallel import make_rows
 
@@ -169,32 +173,57 @@ def test_a_pipeline_over_two_workers_trains_every_row_once_with_the_models_loss(
             get_num_tokens_in_batch=count_tokens,
             storage_path=str(tmp_path / "runs"),
             callbacks=lambda: [RecordStages(str(folder))],
+            num_workers=4,
+            resources_per_worker={"CPU": 0.5},  # 4 workers and Ray Data beside them on the session's 4 CPUs
             # the pipeline outermost (torchtitan's order): with one pipeline the same ranks, through the
-            # driver's serving_rank and the mesh (pipeline, shard) on the workers
-            parallelism=FSDPConfig(pipeline_parallel=2, pipeline_microbatches=2, pipeline_outermost=True),
+            # driver's serving_rank and the mesh (pipeline, shard, context) on the workers
+            parallelism=FSDPConfig(
+                pipeline_parallel=2, pipeline_microbatches=2, pipeline_outermost=True, context_parallel=2
+            ),
         )
     ).fit()
     stamp = {unit: result.timestamp.get_value(unit) for unit in ("ep", "ba", "sp", "tok")}
     assert stamp == {"ep": 1, "ba": ROWS // BATCH, "sp": ROWS, "tok": sum(r["ntok"] for r in train)}
     ranks = []
-    for rank in (0, 1):
+    for rank in range(4):
         with open(folder / f"rank{rank}.jsonl") as fh:
             ranks.append([json.loads(line) for line in fh])
-    first, last = (records[-1]["params"] for records in ranks)
+    held = [records[-1]["params"] for records in ranks]
+    first, last = held[0], held[2]
+    assert held == [first, first, last, last]  # a stage's context pair holds the stage
     assert "tokens.weight" in first and "head.weight" not in first and "blocks.0.attn.q.weight" in first
     assert "head.weight" in last and "tokens.weight" not in last and "blocks.1.attn.q.weight" in last
-    # The eval set (at the epoch's end) ran the stages forward only: the same metric on both stages.
+    # The eval set (at the epoch's end) ran the stages forward only, whole rows on every context rank:
+    # the same metric on every rank.
     evals = [[r["eval"] for r in records if "eval" in r] for records in ranks]
-    assert evals[0] == evals[1] and len(evals[0]) == 1
+    assert evals[1:] == [evals[0]] * 3 and len(evals[0]) == 1
+    joined = {**torch.load(folder / "rank0.pt"), **torch.load(folder / "rank2.pt")}
     unsplit = make_model(meta=False)  # the trained stages joined into the whole model, evaluated on one process
-    unsplit.load_state_dict({**torch.load(folder / "rank0.pt"), **torch.load(folder / "rank1.pt")})
+    unsplit.load_state_dict(joined)
     metric = unsplit.get_metrics()["cross_entropy"]
     with torch.no_grad():
         ids = torch.tensor(np.stack([row["input_ids"] for row in val]))
         unsplit.update_metric({"input_ids": ids}, unsplit({"input_ids": ids}), metric)
     assert evals[0][0]["metrics/val/cross_entropy"] == pytest.approx(float(metric.compute()), abs=1e-5)
     batches = [[r for r in records[:-1] if "ids" in r] for records in ranks]
-    assert [r["ids"] for r in batches[0]] == [r["ids"] for r in batches[1]]
+    assert [[r["ids"] for r in rank] for rank in batches[1:]] == [[r["ids"] for r in batches[0]]] * 3
     assert [i for r in batches[0] for i in r["ids"]] == list(range(ROWS))
-    assert [r["loss"] for r in batches[0]] == [r["loss"] for r in batches[1]]  # the model's, on both stages
-    assert 0 < batches[0][-1]["loss"] < 10
+    losses = [[r["loss"] for r in rank] for rank in batches]
+    assert losses[1:] == [losses[0]] * 3  # the model's, on every stage and context rank
+    # The reference: one process, the whole model, the same batches in 2 microbatches (the pipeline's).
+    model = make_model(meta=False)
+    reference = Trainer(
+        model=model,
+        train_dataloader=DataLoader(train, batch_size=BATCH),
+        optimizers=make_adam(model),
+        max_duration="1ep",
+        grad_accum=2,
+        callbacks=[RecordStages(str(tmp_path))],
+    )
+    reference.fit()
+    with open(tmp_path / "rank0.jsonl") as fh:
+        expected = [json.loads(line) for line in fh][:-1]
+    assert losses[0] == pytest.approx([r["loss"] for r in expected], abs=1e-5)
+    assert sorted(joined) == sorted(n for n, _ in model.named_parameters())
+    for name, value in model.named_parameters():  # without CP's attention routing these differ by ~1e-2
+        torch.testing.assert_close(joined[name], value.detach(), atol=2e-5, rtol=0, msg=name)
