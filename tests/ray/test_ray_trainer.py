@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import sys
 import time
 
@@ -48,9 +49,10 @@ def count_tokens(batch):
 class DumpPerRank(Callback):
     """Saves each rank's final parameters, timestamp and per-batch losses to a shared folder."""
 
-    def __init__(self, folder, pace_s=0.0):
+    def __init__(self, folder, pace_s=0.0, validation_started_by=None):
         self.folder = folder
         self.pace_s = pace_s
+        self.validation_started_by = validation_started_by  # a global batch: no step ends after it before one starts
         self.losses = []
         self.batch_times = []  # (global batch, wall time at its end)
 
@@ -58,6 +60,12 @@ class DumpPerRank(Callback):
         self.losses.append((state.timestamp.get_value("ba"), float(state.loss)))
         self.batch_times.append((state.timestamp.get_value("ba"), time.time()))
         time.sleep(self.pace_s)  # a step long enough that validations start while training goes on
+        if state.timestamp.get_value("ba") == self.validation_started_by:
+            # On a loaded machine Ray may start the first validation task only after training ended, and the
+            # overlap below could not be seen: wait (60 s at most) until one has begun (`MarkValidationStart`).
+            deadline = time.time() + 60
+            while not glob.glob(f"{self.folder}/validation-started-*") and time.time() < deadline:
+                time.sleep(0.1)
 
     def fit_end(self, state, logger):
         torch.save(
@@ -82,6 +90,16 @@ class FailValidationAt(Callback):
             raise RuntimeError(f"validation fails on purpose at batch {self.batch}")
 
 
+class MarkValidationStart(Callback):
+    """On the validating Trainer: a file in ``folder`` as its evaluation starts (what `DumpPerRank` waits for)."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def eval_start(self, state, logger):
+        open(f"{self.folder}/validation-started-{state.timestamp.get_value('ba')}", "w").close()
+
+
 def load_ranks(folder, world):
     return [torch.load(f"{folder}/rank{r}.pt", weights_only=True) for r in range(world)]
 
@@ -95,6 +113,7 @@ def _fit(tmp_path, ray_data, rows, *, workers, batch_size, duration, folder, eva
     if val_rows is not None:
         datasets["val"] = ray_data.from_items(val_rows)
     pace_s = kw.pop("pace_s", 0.0)
+    started_by = kw.pop("validation_started_by", None)
     return RayTrainer(
         model=make_model,
         optimizers=make_sgd,
@@ -104,7 +123,7 @@ def _fit(tmp_path, ray_data, rows, *, workers, batch_size, duration, folder, eva
         num_workers=workers,
         get_num_tokens_in_batch=count_tokens,
         deterministic_split=True,
-        callbacks=lambda: [DumpPerRank(str(folder), pace_s)],
+        callbacks=lambda: [DumpPerRank(str(folder), pace_s, started_by)],
         storage_path=str(tmp_path / "runs"),
         report_interval="4ba",
         **kw,
@@ -132,8 +151,13 @@ def two_worker_run(ray_cluster, tmp_path_factory):
         eval_rows=eval_rows,
         val_rows=VAL_ROWS,
         checkpoint=CheckpointConfig(save_interval="4ba"),
-        validation=AsyncValidation(datasets=["val"], resources={"CPU": 1}, callbacks=lambda: [FailValidationAt(8)]),
+        validation=AsyncValidation(
+            datasets=["val"],
+            resources={"CPU": 1},
+            callbacks=lambda: [MarkValidationStart(str(tmp)), FailValidationAt(8)],
+        ),
         pace_s=0.4,
+        validation_started_by=10,
     )
     return result, rows, eval_rows, tmp
 

@@ -56,6 +56,7 @@ class CheckpointValidator:
 
     def __call__(self, checkpoint: Any, **kwargs: Any) -> Dict[str, Any]:
         # why here: defers fsspec, torch until this runs
+        from raytrain_events.checkpoint.format.manifest import CheckpointNotCommittedError
         from raytrain_events.checkpoint.format.reader import read_manifest
         from raytrain_events.storage.exp_dir import checkpoints_url
         from raytrain_events.storage.fs import join
@@ -64,8 +65,19 @@ class CheckpointValidator:
         name = checkpoint.path.rstrip("/").rsplit("/", 1)[-1]
         url = join(checkpoints_url(self.spec.storage.run_url), name)
         counters: Optional[Dict[str, int]] = None
+        # Replica groups' lead names a checkpoint as its (asynchronous) save starts, so the task may come before the
+        # commit: it waits up to ``commit_wait_s`` for the manifest (Ray Train's own path calls after the commit: 0).
+        deadline = started + float(kwargs.pop("commit_wait_s", 0.0))
         try:
-            counters = dict(read_manifest(url, storage_options=self.spec.storage.storage_options).timestamp)
+            while True:
+                try:
+                    info = read_manifest(url, storage_options=self.spec.storage.storage_options)
+                    break
+                except CheckpointNotCommittedError:
+                    if time.time() >= deadline:
+                        raise
+                    time.sleep(0.5)
+            counters = dict(info.timestamp)
             metrics = self.evaluate(url)
         except BaseException as exc:
             error = f"{type(exc).__name__}: {exc}"

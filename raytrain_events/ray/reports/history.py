@@ -65,10 +65,17 @@ class RunHistory:
         return self.entries[-1] if self.entries else None
 
 
+#: How long a validation task waits for its checkpoint's commit: the lead's entry names the checkpoint as its
+#: asynchronous save starts (the upload of a 100+ GB checkpoint takes minutes); a save that fails for good leaves
+#: the task failing after this with the reader's error, recorded as the checkpoint's failed validation.
+COMMIT_WAIT_S = 900.0
+
+
 @ray.remote
 def _validate(validator: Any, checkpoint_path: str) -> Dict[str, Any]:
-    """One validation task: ``validator`` as Ray Train would call it (on an object with the checkpoint's ``path``)."""
-    return validator(SimpleNamespace(path=checkpoint_path))
+    """One validation task: ``validator`` as Ray Train would call it (on an object with the checkpoint's ``path``),
+    once the checkpoint is committed (`COMMIT_WAIT_S`)."""
+    return validator(SimpleNamespace(path=checkpoint_path), commit_wait_s=COMMIT_WAIT_S)
 
 
 class AggregatingCallback(UserCallback):

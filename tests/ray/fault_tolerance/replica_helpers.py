@@ -186,9 +186,9 @@ def make_tensor_parallel_model():
     """`resume_helpers.make_model`'s classifier (the same initial weights) with a tensor-parallel plan: the first layer
     split by its outputs, the second by its inputs (Megatron's MLP)."""
     import torch
-    from tests.ray.resume_helpers import DIM
 
     from raytrain_events.models import ClassifierModel
+    from tests.resume_helpers import DIM
 
     class Mlp(torch.nn.Sequential):
         def tensor_parallel_plan(self, degree: int) -> dict:
