@@ -9,7 +9,11 @@ A test is **end to end** (marker ``e2e``) when it starts, itself or through a fi
 * the cluster launcher (``ray up`` / ``ray submit`` / ``ray job submit`` / ``ray down``),
 * a torchft ring of its own (a process per replica group and a Lighthouse: as long as a Ray run),
 * a whole training run through a faulted object store (outages timed in seconds, then a resume), or
-* an example script (``python examples/...``).
+* an example script (``python examples/...``), or
+* a torch world of 4 to 8 spawned gloo ranks that builds a multi-dimensional mesh and trains on it (the
+  pipeline schedules, CP x TP, the reshard matrix, the GPU suite's CPU run): each 5-25 s of process start,
+  rendezvous, mesh set-up and training on this machine, the inner loop's slowest tests. Their pure parts
+  (splits, meshes, refusals) stay in the fast tier.
 
 The session's shared Ray (the ``ray_cluster`` fixture) does not count: tests that use it for Ray
 Data, actors or tasks stay in the fast tier. ``pytest -m "not e2e"`` is the inner loop;
@@ -82,6 +86,20 @@ E2E: Dict[str, object] = {
         "test_asha_on_global_samples_stops_the_bad_trial",
     },
     "tests/cli/test_cli.py": {"test_train_file_entry_point_on_ray_workers"},
+    # torch worlds of 4-8 spawned gloo ranks on multi-dimensional meshes
+    "tests/parallel/test_reshard_matrix.py": ALL,  # FSDP x TP, FSDP 4, HSDP x TP, CP x TP hops on 4 ranks
+    "tests/parallel/test_pipeline_parallel.py": {
+        "test_each_schedule_trains_like_ddp_on_pp2_x_dp2",
+        "test_pp2_x_cp2_trains_like_one_process",
+        "test_pp2_x_fsdp2_x_tp2_and_pp2_x_cp2_x_dp2_on_eight_ranks_train_like_ddp",
+        "test_pp2_checkpoint_resumes_on_pp4_and_on_one_process",
+        "test_spike_guard_under_pp2_x_dp2_judges_the_whole_models_norm_and_rolls_back_with_every_rank",
+    },
+    "tests/parallel/test_context_parallel.py": {"test_context_parallel_2_with_tensor_parallel_2_or_hsdp_matches_ddp"},
+    "tests/parallel/test_document_attention.py": {
+        "test_packed_training_under_pp_2_x_dp_2_matches_ddp_for_each_schedule_and_keeps_documents_apart"
+    },
+    "tests/parallel/test_gpu_suite.py": ALL,  # every part of bench/gpu_suite.py at tiny size on CPU ranks
     "tests/test_readme.py": {"test_readme_python_blocks_run"},
 }
 

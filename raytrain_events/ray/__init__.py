@@ -48,6 +48,8 @@ Files:
   the fix.
 * ``replica_loader.py``: Replica groups on the worker: each group's loader, a quorum before every
   step, then this group's part of the global batch.
+* ``shipped.py``: `Shipped`: the worker's run in Ray's object store, so Ray Train's controller does not
+  import the loop, the user's factories and torch's DTensor at every fit.
 * ``spec_checks.py``: The checks of `RunSpec`'s options that need no data and no user code: each
   option's value, and combinations that cannot train as asked.
 * ``spec.py``: `RunSpec`: the one definition of a `RayTrainer` run's options.

@@ -53,6 +53,7 @@ from raytrain_events.ray.reports.follow import HistoryFollower
 from raytrain_events.ray.reports.progress import RunProgress
 from raytrain_events.ray.reports.run_loggers import RunLoggers
 from raytrain_events.ray.result import RayResult
+from raytrain_events.ray.shipped import Shipped
 from raytrain_events.ray.spec import RunSpec
 from raytrain_events.storage.fs import resolve
 from raytrain_events.storage.locks import acquire_lock, release_lock
@@ -197,7 +198,7 @@ class RayTrainer:
         ray_datasets = {k: v for k, v in datasets.items() if k not in validated}
         worker_side, ray_datasets = self._fault_tolerance.worker_side(data_config, ray_datasets, history)
         trainer = self._torch_trainer(
-            {"spec": worker_spec, "plan": self.plan, "fault_tolerance": worker_side},
+            {"run": Shipped({"spec": worker_spec, "plan": self.plan, "fault_tolerance": worker_side})},
             ray_datasets,
             data_config,
             validation_config,

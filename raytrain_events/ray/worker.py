@@ -127,8 +127,10 @@ def build_worker(
 
 
 def train_loop_per_worker(config: Dict[str, Any]) -> Dict[str, Any]:
-    """Ray Train entry point: ``config["spec"]`` is the `RunSpec`, ``config["plan"]`` the driver's `RunPlan`,
-    ``config["fault_tolerance"]`` the run's strategy's worker side; returns rank 0's final timestamp."""
+    """Ray Train entry point: ``config["run"]`` is the driver's `Shipped` run: ``"spec"`` the `RunSpec`, ``"plan"``
+    the driver's `RunPlan`, ``"fault_tolerance"`` the run's strategy's worker side; returns rank 0's final
+    timestamp."""
+    config = config["run"].get()
     spec: RunSpec = config["spec"]
     quiet_worker_console(spec.reports.verbose)  # this package's INFO lines in Ray's files, not on the driver's terminal
     trainer, parts = build_worker(spec, config["fault_tolerance"], config["plan"])

@@ -29,9 +29,25 @@ Files:
 * ``trainer.py``: `Trainer`: the event-driven training loop, in one process.
 """
 
-from raytrain_events.trainer.evaluation import Evaluator
-from raytrain_events.trainer.options import LoopOptions
-from raytrain_events.trainer.seed import seed_everything
-from raytrain_events.trainer.trainer import Trainer
+from typing import TYPE_CHECKING
+
+from raytrain_events.lazy_names import lazy_names
+
+if TYPE_CHECKING:
+    from raytrain_events.trainer.evaluation import Evaluator
+    from raytrain_events.trainer.options import LoopOptions
+    from raytrain_events.trainer.seed import seed_everything
+    from raytrain_events.trainer.trainer import Trainer
 
 __all__ = ["Evaluator", "LoopOptions", "Trainer", "seed_everything"]
+
+# Loaded on first use: `RunSpec` (ray/spec.py) reads `options.py`, and Ray Train's controller unpickles what
+# names it at every fit; an eager `Trainer` here imported torch, the loop and every algorithm into it.
+_LAZY = {
+    "Evaluator": "raytrain_events.trainer.evaluation",
+    "LoopOptions": "raytrain_events.trainer.options",
+    "seed_everything": "raytrain_events.trainer.seed",
+    "Trainer": "raytrain_events.trainer.trainer",
+}
+
+__getattr__ = lazy_names(__name__, _LAZY, globals())

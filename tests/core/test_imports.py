@@ -141,6 +141,40 @@ def test_the_modules_our_light_ray_actors_load_leave_torch_out():
     assert result == {"light": False, "after": True}
 
 
+def test_what_ray_trains_controller_unpickles_leaves_the_loop_out():
+    """Ray Train's controller unpickles the run's context at every fit (ray/shipped.py): its callbacks
+    (`AggregatingCallback`), the `RunSpec`'s module (for the validation entries) and the `Shipped` run. Before,
+    `raytrain_events.trainer`'s eager `Trainer` and the spec's factories imported the loop, every algorithm and
+    torch's DTensor there (0.7 s of CPU per fit, before its workers were asked for)."""
+    result = _run(
+        """
+        import json, sys
+        import raytrain_events.ray.reports.history, raytrain_events.ray.spec, raytrain_events.ray.shipped
+        import raytrain_events.data.ray.loader, raytrain_events.trainer.options
+        heavy = ("raytrain_events.trainer.trainer", "raytrain_events.algorithms", "raytrain_events.callbacks",
+                 "raytrain_events.checkpoint.run.checkpointer", "torch.distributed.tensor")
+        print(json.dumps({"loaded": [m for m in heavy if m in sys.modules]}))
+        """
+    )
+    assert result == {"loaded": []}
+
+
+def test_the_run_reaches_the_workers_shipped(ray_cluster):
+    """The driver puts the worker's run in the object store once; what Ray Train's controller unpickles is
+    the reference alone (a few hundred bytes, whatever the spec holds), and a worker reads the run back whole."""
+    import pickle
+
+    import numpy as np
+
+    from raytrain_events.ray.shipped import Shipped
+
+    big = np.arange(1_000_000, dtype=np.int64)  # 8 MB the controller must not carry
+    shipped = Shipped({"spec": (lambda x: x + 1), "plan": big})
+    assert len(pickle.dumps({"run": shipped})) < 2_000
+    run = pickle.loads(pickle.dumps(shipped)).get()
+    assert run["spec"](1) == 2 and np.array_equal(run["plan"], big)
+
+
 def test_every_public_name_of_the_lazy_packages_loads():
     """`__all__` stays literal (linters and IDEs read it); each name in it must be one `_LAZY` loads."""
     import importlib
