@@ -38,9 +38,37 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="session")
 def s3_server():
-    """A real S3 API (moto in server mode) on 127.0.0.1; yields storage options for s3fs."""
+    """A real S3 API (moto in server mode) on 127.0.0.1; yields storage options for s3fs.
+
+    The one definition every folder uses (the storage and checkpoint tests included). Two things make
+    the fake behave like the service:
+
+    * The bucket is created by a client without a region: with ``region_name="us-east-1"`` s3fs sends
+      ``LocationConstraint=us-east-1``, which moto 5.2 rejects ("location-constraint is not valid", as
+      real S3 does for us-east-1). The yielded options keep the region for the tests' clients.
+    * moto's PutObject handler is serialized: moto checks ``If-None-Match: *`` and then stores the
+      object as two steps on a threaded server, so two racing conditional PUTs could both succeed there
+      (seen: 2 winners of 10 under load). Real S3 decides a conditional PUT atomically; the lock makes
+      the fake match the service whose contract our create-only writes and locks rely on.
+    """
+    import logging
+    import threading
+
+    import s3fs
+    from moto.s3.responses import S3Response
     from moto.server import ThreadedMotoServer
 
+    serialize = threading.Lock()
+    unpatched_put = S3Response.put_object
+
+    def atomic_put_object(self):
+        with serialize:
+            return unpatched_put(self)
+
+    patcher = pytest.MonkeyPatch()
+    patcher.setattr(S3Response, "put_object", atomic_put_object)
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one log line per request otherwise
     port = _free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
     server.start()
@@ -50,18 +78,13 @@ def s3_server():
         "secret": "testing",
         "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
     }
-    import logging
-
-    import s3fs
-
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one log line per request otherwise
-    # A client without a region: with us-east-1, s3fs sends a LocationConstraint moto rejects.
     maker = s3fs.S3FileSystem(
         key="testing", secret="testing", skip_instance_cache=True, client_kwargs={"endpoint_url": endpoint}
     )
     maker.mkdir("test-bucket")
     yield {"endpoint": endpoint, "bucket": "test-bucket", "storage_options": options}
     server.stop()
+    patcher.undo()
 
 
 @pytest.fixture(params=["file", "memory", "s3"])
@@ -74,6 +97,13 @@ def storage(request, tmp_path):
     else:
         srv = request.getfixturevalue("s3_server")
         yield f"s3://{srv['bucket']}/{uuid.uuid4().hex}", srv["storage_options"]
+
+
+@pytest.fixture
+def backend(storage) -> str:
+    """The protocol name of the current ``storage`` parameter: file, memory or s3."""
+    url, _ = storage
+    return url.split("://", 1)[0] if "://" in url else "file"
 
 
 @pytest.fixture(scope="session")

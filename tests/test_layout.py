@@ -2,9 +2,10 @@
 ``raytrain_events`` (``tests/data/ray/`` tests ``raytrain_events/data/ray/``, ``tests/ray/fault_tolerance/``
 tests ``raytrain_events/ray/fault_tolerance/``), so a reader finds a part's tests where the part lives.
 
-A few folders test what is not a package; they are listed in `EXTRA_FOLDERS` with what they test. Helpers
-shared by tests of several folders (``resume_helpers.py``, ``bad_input_helpers.py``) sit in ``tests/``
-itself; a helper used by one folder's tests sits in that folder.
+A few folders test what is not a package; they are listed in `EXTRA_FOLDERS` with what they test. A top-level
+module's tests (``raytrain_events/hf.py``: ``tests/test_library_hf.py``) sit in ``tests/`` itself, and so do helpers
+shared by tests of several folders (``resume_helpers.py``, ``bad_input_helpers.py``, ``library_helpers.py``); a
+helper used by one folder's tests sits in that folder.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ PACKAGE = TESTS.parent / "raytrain_events"
 EXTRA_FOLDERS = {
     "examples": "the example scripts in examples/, run as a user runs them",
     "cluster": "the cluster launcher (cluster.yaml, ray up / submit / down) in namespaces",
-    "library": "the Composer-style library: algorithms/, callbacks/, loggers/, schedulers/ through the Trainer",
 }
 
 

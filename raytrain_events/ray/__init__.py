@@ -22,6 +22,9 @@ replica groups, and the one table of Ray's private names (``_compat.py``).
 Files:
 
 * ``_compat.py``: Every private Ray name this package uses, in one place.
+* ``_compat_data.py``: Ray Data's private names and the object store's byte counters (part of `_compat`'s table).
+* ``_compat_lookup.py``: How `_compat` reaches a private Ray name: `RayCompatError` naming the Ray version and the name.
+* ``_compat_train.py``: Ray Train V2's private names on a worker (part of `_compat`'s table).
 * ``_compat_worker_group.py``: Ray Train V2's worker group, made to build replica groups of several workers
   (part of `_compat`'s table).
 * ``cluster.py``: Connect to Ray: the existing cluster when there is one, else an embedded local

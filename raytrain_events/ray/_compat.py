@@ -5,6 +5,12 @@ Ray may rename or remove a private name in any release. Each use goes through a 
 silently doing nothing). `check_private_names()` probes them all; tests/ray/test_compat.py runs it, so a Ray upgrade
 that removes one fails one test loudly.
 
+This module is the table and the one place to import them from; the names live by what they serve: this file holds the
+driver process's (Tune's schedulers, the console, starting a local instance) and the probes of all;
+``_compat_data.py`` Ray Data's and the object store's counters; ``_compat_train.py`` Ray Train V2's on a worker;
+``_compat_worker_group.py`` the worker group's methods wrapped for replica groups of several workers; and
+``_compat_lookup.py`` the lookup every one goes through (`RayCompatError`).
+
 Private names used (checked against Ray 2.60.0):
 
 * ``TrialScheduler._time_attr`` / ``._max_t`` (ASHA, HyperBand, median stopping, PBT): the sweep checks the scheduler's
@@ -59,7 +65,26 @@ import contextlib
 import importlib
 import inspect
 import os
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
+
+from raytrain_events.ray._compat_data import (
+    dataset_meta_count,
+    is_bare_read,
+    iter_block_refs,
+    ndarray_batch_to_torch,
+    object_store_created_bytes,
+    object_store_used_bytes,
+    parquet_read_of,
+    probe_data,
+    probe_node_stats,
+)
+from raytrain_events.ray._compat_lookup import RayCompatError, _attr, _import, _missing
+from raytrain_events.ray._compat_train import (
+    local_preemption_info,
+    probe_train_worker,
+    run_on_worker_main_thread,
+    torchft_config_class,
+)
 
 __all__ = [
     "RayCompatError",
@@ -86,6 +111,7 @@ __all__ = [
     "run_on_worker_main_thread",
     "object_store_created_bytes",
     "object_store_used_bytes",
+    "torchft_config_class",
 ]
 
 #: ``ray.init`` keyword arguments that pin a new local instance's node address to loopback.
@@ -97,42 +123,6 @@ _BOOTSTRAP_CONFIG = "~/ray_bootstrap_config.yaml"
 #: The logger and message start of the notice ``ray.init`` logs when it turns token auth on by default.
 TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 TOKEN_AUTH_ENABLED = "Token authentication is enabled for this Ray cluster"
-
-
-class RayCompatError(RuntimeError):
-    """A private Ray name this package relies on is gone (a Ray upgrade changed it)."""
-
-
-def _ray_version() -> str:
-    try:
-        import ray
-
-        return ray.__version__
-    except Exception:  # pragma: no cover - Ray not importable at all
-        return "unknown"
-
-
-def _missing(name: str, exc: Optional[BaseException] = None) -> RayCompatError:
-    detail = f" ({type(exc).__name__}: {exc})" if exc is not None else ""
-    return RayCompatError(
-        f"Ray {_ray_version()} has no {name}{detail}. raytrain_events relies on it (see "
-        "raytrain_events/ray/_compat.py, checked against Ray 2.60.0): install a Ray version it supports, "
-        "or update raytrain_events.ray._compat for this one."
-    )
-
-
-def _import(module: str, attr: str) -> Any:
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise _missing(f"{module}.{attr}", exc) from exc
-
-
-def _attr(obj: Any, name: str) -> Any:
-    try:
-        return getattr(obj, name)
-    except AttributeError as exc:
-        raise _missing(f"{type(obj).__module__}.{type(obj).__qualname__}.{name}", exc) from exc
 
 
 def _takes_time_attr(scheduler: Any) -> bool:
@@ -179,71 +169,6 @@ def wrap_worker_line_handler(name: str, wrap: Callable[[Callable[..., Any]], Cal
             dispatcher.handlers = original
 
     return restore
-
-
-def dataset_meta_count(dataset: Any) -> Optional[int]:
-    """Rows of a Ray Dataset known from metadata alone (never runs anything); None if unknown."""
-    return _attr(dataset, "_meta_count")()
-
-
-def is_bare_read(dataset: Any) -> bool:
-    """Whether a Ray Dataset is a plain file read (no map/filter after it), whose count is cheap."""
-    read_operator = _import("ray.data._internal.logical.operators", "read_operator")
-    reads = tuple(getattr(read_operator, name) for name in ("Read", "ReadFiles") if hasattr(read_operator, name))
-    if not reads:
-        raise _missing("ray.data._internal.logical.operators.read_operator.Read")
-    return isinstance(_attr(_attr(dataset, "_logical_plan"), "dag"), reads)
-
-
-_PARQUET_READ = ("ReadFiles", "ListFiles", "Project")  # read_operator / map_operator classes read_parquet makes
-
-
-def parquet_read_of(dataset: Any) -> Optional[Tuple[List[str], Any, Optional[List[str]]]]:
-    """``(paths, pyarrow filesystem, columns or None)`` when ``dataset`` is ``ray.data.read_parquet(paths)``
-    followed by nothing but column selections (no filter, limit, map, partition filter); else None.
-
-    Conservative: an operator or setting not known here (a future pushdown) gives None, so the
-    dataset keeps Ray Data's re-streamed path.
-    """
-    read_operator = _import("ray.data._internal.logical.operators", "read_operator")
-    map_operator = _import("ray.data._internal.logical.operators", "map_operator")
-    from ray.data.expressions import ColumnExpr
-
-    op = _attr(_attr(dataset, "_logical_plan"), "dag")
-    columns: Optional[List[str]] = None
-    while isinstance(op, map_operator.Project):
-        exprs = list(op.exprs)
-        if not exprs or not all(type(e) is ColumnExpr for e in exprs):
-            return None  # a rename, a computed column or an empty selection
-        names = [e.name for e in exprs]
-        if columns is not None and not set(columns) <= set(names):
-            return None
-        columns = names if columns is None else columns
-        op = op.input_dependencies[0]
-    if not isinstance(op, read_operator.ReadFiles) or op.datasource_name != "ParquetV2" or op.block_udf is not None:
-        return None
-    scanner = op.scanner
-    if any(getattr(scanner, n, None) is not None for n in ("predicate", "limit", "shuffle", "partition_predicate")):
-        return None  # rows filtered or cut, or files shuffled by Ray per epoch
-    if getattr(scanner, "synthesized_columns", ()):
-        return None  # include_paths=True and such: columns Ray adds after the read
-    if columns is None and getattr(scanner, "columns", None) is not None:
-        columns = list(scanner.columns)
-    (listing,) = op.input_dependencies
-    if not isinstance(listing, read_operator.ListFiles) or listing.input_dependencies:
-        return None
-    if any(getattr(listing, name, None) is not None for name in ("partition_filter", "predicate", "limit")):
-        return None
-    if getattr(listing, "partition_pruner", None) is not None:
-        return None
-    if "parquet" not in (listing.file_extensions or ["parquet"]):
-        return None
-    return list(listing.paths), listing.filesystem, columns
-
-
-def iter_block_refs(dataset: Any) -> Iterator[Any]:
-    """A Ray Dataset's output as ``RefBundle``s (object refs of blocks with their metadata), in order."""
-    return iter(_attr(dataset, "iter_internal_ref_bundles")())
 
 
 @contextlib.contextmanager
@@ -299,11 +224,6 @@ def is_session_file_handler(handler: Any) -> bool:
     return isinstance(handler, _session_file_handler_classes())
 
 
-def ndarray_batch_to_torch(batch: Any) -> Any:
-    """A (dict of) NumPy array(s) as torch tensors, as Ray Data's ``iter_torch_batches`` converts them."""
-    return _import("ray.data.util.torch_utils", "convert_ndarray_batch_to_torch_tensor_batch")(batch)
-
-
 def session_logs_dir() -> Optional[str]:
     """The connected Ray session's log folder on this node (None when not connected to a local node)."""
     worker = _import("ray._private.worker", "global_worker")
@@ -345,74 +265,6 @@ def _probe_files_and_logs() -> None:
     _attr(_import("ray._private.node", "Node"), "get_logs_dir_path")
 
 
-def local_preemption_info() -> Any:
-    """This Ray Train worker's preemption notice (a ``ray.train.PreemptionInfo``), or None.
-
-    What ``ray.train.get_preemption_info()`` reads, without its barrier across the workers: cheap
-    enough to look at every batch (the ranks agree through the loop's own collective)."""
-    get_train_context = _import("ray.train.v2._internal.execution.context", "get_train_context")
-    return _attr(_attr(get_train_context(), "preemption_context"), "preemption_info")
-
-
-def torchft_config_class() -> Any:  # Ray Train V2's TorchftConfig (replica groups' Lighthouse, per-group restarts)
-    return _import("ray.train.v2.torch.torchft_config", "TorchftConfig")
-
-
-def run_on_worker_main_thread(fn: Callable[[], Any], timeout_s: float = 60.0) -> Any:
-    """Run ``fn()`` on this Ray Train worker actor's main thread and return its result.
-
-    Ray runs the train function on a thread of its own; the actor's main thread executes the
-    actor's methods one at a time, and Ray Train's worker has ``execute(fn)``. ``fn`` travels
-    pickled: give a module-level function (it then runs on this process's module state)."""
-    import ray
-
-    actor = ray.get_runtime_context().current_actor
-    try:
-        execute = actor.execute
-    except AttributeError as exc:
-        raise _missing("RayTrainWorker.execute", exc) from exc
-    return ray.get(execute.remote(fn), timeout=timeout_s)
-
-
-def _probe_train_worker() -> None:
-    worker = _import("ray.train.v2._internal.execution.worker_group.worker", "RayTrainWorker")
-    for name in ("execute", "mark_preempt"):
-        if not callable(getattr(worker, name, None)):
-            raise _missing(f"RayTrainWorker.{name}")
-    _import("ray.train.v2._internal.execution.context", "get_train_context")
-    context = _import("ray.train.v2._internal.execution.preemption", "PreemptionContext")
-    if not hasattr(context(), "preemption_info"):
-        raise _missing("PreemptionContext.preemption_info")
-
-
-def object_store_created_bytes(node: Dict[str, Any]) -> int:
-    """Bytes of all objects ever created in the object store of ``node`` (an entry of ``ray.nodes()``):
-    its workers' outputs and puts, and every object pulled to it from another node."""
-    node_stats = _import("ray._private.internal_api", "node_stats")
-    reply = node_stats(node["NodeManagerAddress"], node["NodeManagerPort"], include_memory_info=False)
-    return int(_attr(_attr(reply, "store_stats"), "cumulative_created_bytes"))
-
-
-def object_store_used_bytes(node: Dict[str, Any]) -> int:
-    """Bytes the object store of ``node`` (an entry of ``ray.nodes()``) holds now (``bench/data_scale.py``'s peak)."""
-    node_stats = _import("ray._private.internal_api", "node_stats")
-    reply = node_stats(node["NodeManagerAddress"], node["NodeManagerPort"], include_memory_info=False)
-    return int(_attr(_attr(reply, "store_stats"), "object_store_bytes_used"))
-
-
-def _probe_node_stats() -> None:
-    node_stats = _import("ray._private.internal_api", "node_stats")
-    if "include_memory_info" not in inspect.signature(node_stats).parameters:
-        raise _missing("ray._private.internal_api.node_stats(include_memory_info=...)")
-    from ray.core.generated import common_pb2, node_manager_pb2
-
-    stats = getattr(node_manager_pb2, "ObjectStoreStats", None) or getattr(common_pb2, "ObjectStoreStats", None)
-    if stats is None or "cumulative_created_bytes" not in stats.DESCRIPTOR.fields_by_name:
-        raise _missing("ObjectStoreStats.cumulative_created_bytes")
-    if "object_store_bytes_used" not in stats.DESCRIPTOR.fields_by_name:
-        raise _missing("ObjectStoreStats.object_store_bytes_used")
-
-
 def check_private_names() -> List[Tuple[str, str]]:
     """Probe every private name above; return ``(name, problem)`` for each one that is gone."""
     from ray.tune.schedulers import ASHAScheduler
@@ -431,12 +283,12 @@ def check_private_names() -> List[Tuple[str, str]]:
     probe("get_dashboard_dependency_error", lambda: _import("ray._private.utils", "get_dashboard_dependency_error"))
     probe("worker line dispatcher", lambda: wrap_worker_line_handler("ray_print_logs", lambda handler: handler)())
     probe("ray_print_logs handler", _expect_print_logs_handler)
-    probe("Ray Data internals", _probe_dataset_internals)
-    probe("Ray Train worker internals", _probe_train_worker)
+    probe("Ray Data internals", probe_data)
+    probe("Ray Train worker internals", probe_train_worker)
     probe("ENABLE_RAY_CLUSTER", lambda: _import("ray._private.ray_constants", "ENABLE_RAY_CLUSTER"))
     probe("RAY_worker_maximum_startup_concurrency", _probe_startup_concurrency)
     probe("file layouts and log messages", _probe_files_and_logs)
-    probe("node_stats cumulative_created_bytes", _probe_node_stats)
+    probe("node_stats cumulative_created_bytes", probe_node_stats)
     probe("TorchftConfig", torchft_config_class)
     if not _init_takes("_node_ip_address"):
         problems.append(("_node_ip_address", str(_missing("ray.init(_node_ip_address=...)"))))
@@ -459,41 +311,3 @@ def _expect_print_logs_handler() -> None:
     worker = importlib.import_module("ray._private.worker")
     if '"ray_print_logs"' not in inspect.getsource(worker):
         raise _missing('a "ray_print_logs" handler on global_worker_stdstream_dispatcher')
-
-
-def _probe_dataset_internals() -> None:
-    """Each Ray Data name, read off the class and its source (nothing is executed, Ray need not run)."""
-    from ray.data import Dataset
-
-    for name in ("_meta_count", "iter_internal_ref_bundles"):
-        if not hasattr(Dataset, name):
-            raise _missing(f"ray.data.Dataset.{name}")
-    if "self._logical_plan" not in inspect.getsource(Dataset.__init__):
-        raise _missing("ray.data.Dataset._logical_plan")
-    read_operator = _import("ray.data._internal.logical.operators", "read_operator")
-    if not hasattr(read_operator, "Read"):
-        raise _missing("ray.data._internal.logical.operators.read_operator.Read")
-    _probe_parquet_read()
-
-
-def _probe_parquet_read() -> None:
-    """The dataclass fields `parquet_read_of` reads, off the operator and scanner classes."""
-    import dataclasses
-
-    ops = "ray.data._internal.logical.operators"
-    wanted = {
-        (f"{ops}.read_operator", "ReadFiles"): "datasource_name scanner block_udf input_dependencies",
-        (f"{ops}.read_operator", "ListFiles"): "paths filesystem file_extensions partition_filter predicate limit",
-        (f"{ops}.map_operator", "Project"): "exprs input_dependencies",
-        (
-            "ray.data._internal.datasource_v2.common.arrow_file_scanner",
-            "ArrowFileScanner",
-        ): "columns predicate limit shuffle partition_predicate",
-    }
-    for (module, name), fields in wanted.items():
-        cls = _import(module, name)
-        have = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
-        for field in fields.split():
-            if field not in have:
-                raise _missing(f"{module}.{name}.{field}")
-    _import("ray.data.expressions", "ColumnExpr")

@@ -32,7 +32,8 @@ import threading
 from typing import Any, List
 
 from raytrain_events.core.replica_layout import ReplicaLayout
-from raytrain_events.ray._compat import RayCompatError, _import, _missing, _ray_version, torchft_config_class
+from raytrain_events.ray._compat_lookup import RayCompatError, _import, _missing, _ray_version
+from raytrain_events.ray._compat_train import torchft_config_class
 
 __all__ = ["install", "probe", "require", "sharded_torchft_config"]
 

@@ -112,49 +112,72 @@ def goodput(
     paces = [_pace([a["start"]] + a["points"][1:]) or _pace(a["points"]) for a in attempts]
     known = [p for p in paces if p is not None]
     default_pace = statistics.median(known) if known else 0.0
+    paces = [pace if pace is not None else default_pace for pace in paces]
     counted = 0.0
     restarts = []
     rows = []
     for i, attempt in enumerate(attempts):
-        pace = paces[i] if paces[i] is not None else default_pace
-        start_wall, start_batch = attempt["start"]
-        end_batch = attempt["points"][-1][1]
-        until = attempts[i + 1]["start"][1] if i + 1 < len(attempts) else end_batch
-        good = max(0, min(until, end_batch) - start_batch)
-        counted += good * pace
-        rows.append(
-            {
-                "attempt": attempt["attempt"],
-                "start_wall": start_wall,
-                "end_wall": attempt["points"][-1][0],
-                "from_batch": start_batch,
-                "to_batch": end_batch,
-                "counted_batches": good,
-                "pace_s": pace,
-            }
-        )
-        if i + 1 < len(attempts):
-            nxt = attempts[i + 1]
-            resume = nxt["start"][1]
-            left = _time_at([attempt["start"]] + attempt["points"], resume, pace)
-            next_pace = paces[i + 1] if paces[i + 1] is not None else default_pace
-            first_wall, first_batch = nxt["points"][0]
-            back = first_wall - (first_batch - resume) * next_pace
-            restarts.append(
-                {
-                    "attempt": nxt["attempt"],
-                    "resumed_from_batch": resume,
-                    "failed_at_batch": end_batch,
-                    "left_wall": left,
-                    "back_wall": back,
-                    "lost_s": max(0.0, back - left),
-                    "cause": _cause(
-                        start_wall, nxt["start"][0], list(hangs), list(preemptions), (attempt["world"], nxt["world"])
-                    ),
-                }
-            )
+        nxt = attempts[i + 1] if i + 1 < len(attempts) else None
+        row = _attempt_row(attempt, nxt, paces[i])
+        counted += row["counted_batches"] * paces[i]
+        rows.append(row)
+        if nxt is not None:
+            restarts.append(_restart(attempt, nxt, paces[i], paces[i + 1], list(hangs), list(preemptions)))
     wall = attempts[-1]["points"][-1][0] - attempts[0]["start"][0]
-    quorum = [
+    return {
+        "quorum_changes": _quorum_changes(history),
+        "goodput": None if wall <= 0 else min(1.0, counted / wall),
+        "wall_s": wall,
+        "counted_s": counted,
+        "restarts": restarts,
+        "attempts": rows,
+    }
+
+
+def _attempt_row(attempt: Dict[str, Any], nxt: Optional[Dict[str, Any]], pace: float) -> Dict[str, Any]:
+    """One attempt's span and its batches that count: those up to where the next attempt resumed (all, if last)."""
+    start_wall, start_batch = attempt["start"]
+    end_batch = attempt["points"][-1][1]
+    until = nxt["start"][1] if nxt is not None else end_batch
+    return {
+        "attempt": attempt["attempt"],
+        "start_wall": start_wall,
+        "end_wall": attempt["points"][-1][0],
+        "from_batch": start_batch,
+        "to_batch": end_batch,
+        "counted_batches": max(0, min(until, end_batch) - start_batch),
+        "pace_s": pace,
+    }
+
+
+def _restart(  # noqa: PLR0913 (the two attempts, their paces, the records that tell the cause)
+    attempt: Dict[str, Any],
+    nxt: Dict[str, Any],
+    pace: float,
+    next_pace: float,
+    hangs: List[Dict[str, Any]],
+    preemptions: List[Dict[str, Any]],
+) -> Dict[str, Any]:
+    """What the failure that ended ``attempt`` cost: from when it had trained the batch ``nxt`` resumed from, to when
+    ``nxt`` was back there (its first report less its batches since the resume at its own pace); and its cause."""
+    resume = nxt["start"][1]
+    left = _time_at([attempt["start"]] + attempt["points"], resume, pace)
+    first_wall, first_batch = nxt["points"][0]
+    back = first_wall - (first_batch - resume) * next_pace
+    return {
+        "attempt": nxt["attempt"],
+        "resumed_from_batch": resume,
+        "failed_at_batch": attempt["points"][-1][1],
+        "left_wall": left,
+        "back_wall": back,
+        "lost_s": max(0.0, back - left),
+        "cause": _cause(attempt["start"][0], nxt["start"][0], hangs, preemptions, (attempt["world"], nxt["world"])),
+    }
+
+
+def _quorum_changes(history: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """A replica-groups run's quorum changes (a group left or joined, no restart): time, batch, groups, change."""
+    return [
         {
             "wall": float(e["wall_time"]),
             "batch": int(e["time/batch"]),
@@ -164,14 +187,6 @@ def goodput(
         for e in history
         if e.get("quorum_change") is not None
     ]
-    return {
-        "quorum_changes": quorum,
-        "goodput": None if wall <= 0 else min(1.0, counted / wall),
-        "wall_s": wall,
-        "counted_s": counted,
-        "restarts": restarts,
-        "attempts": rows,
-    }
 
 
 def read_events(url: str, storage_options: Optional[Dict[str, Any]] = None) -> Tuple[List[Dict], List[Dict]]:

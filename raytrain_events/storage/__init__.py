@@ -19,7 +19,7 @@ Files:
   instead of the URL.
 * ``locks.py``: Run-directory lock files (``running``, ``scheduled``, ``ckpt``), in ml-starter's
   style.
-* ``objectstore.py``: Object-store transfers for large immutable files: uploads fed while the bytes
+* ``objectstore/``: Object-store transfers for large immutable files: uploads fed while the bytes
   are produced, CRC32ed once, in parallel parts; downloads in parallel ranges, verified while they
   arrive.
 * ``run_dir.py``: `RunDir`: the one owner of every name in a run directory (and of a sweep

@@ -24,7 +24,7 @@ these functions, so the atomicity rules live in one place:
   Past the deadline the request is cancelled and the write fails with ``WriteTimeoutError`` (a
   ``StorageError`` and a ``TimeoutError``: retried by checkpoint saves) naming the URL, the size,
   the deadline and the settings that make it (``write_timeout_error``); fsspec's own
-  ``FSTimeoutError`` says nothing at all. ``objectstore.py``'s streamed uploads (single PUT and
+  ``FSTimeoutError`` says nothing at all. ``objectstore/``'s streamed uploads (single PUT and
   every request of a multipart upload) keep the same deadlines.
 
 Usage::

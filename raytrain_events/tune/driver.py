@@ -263,8 +263,6 @@ def _run(
 ) -> Any:
     """Build (or restore) the Tuner and fit it; the trials' placement groups are released after."""
     import ray
-    from ray import tune
-    from ray.tune.logger import JsonLoggerCallback
 
     # why here: raytrain_events.tune.console imports this module (an import cycle)
     from raytrain_events.tune.console import SweepConsole
@@ -282,37 +280,21 @@ def _run(
             mode=mode,
             keep_every_checkpoint=_is_pbt(scheduler),
         )
-        trainable = tune.with_resources(
-            tune.with_parameters(raytrain_trial, sweep_setup=setup), dict(trial_resources or {"cpu": 0.01})
+        tuner = _tuner(
+            setup,
+            experiment,
+            param_space=param_space,
+            metric=metric,
+            mode=mode,
+            num_samples=num_samples,
+            max_concurrent_trials=max_concurrent_trials,
+            scheduler=scheduler,
+            search_alg=search_alg,
+            trial_resources=trial_resources,
+            trial_max_failures=trial_max_failures,
+            callbacks=[*console, *callbacks],
+            verbose=verbose,
         )
-        if experiment.restoring:
-            logger.info("Resuming the sweep in %s.", experiment.url)
-            tuner = tune.Tuner.restore(
-                experiment.tune_path, trainable=trainable, resume_errored=True, storage_filesystem=experiment.tune_fs
-            )
-        else:
-            tuner = tune.Tuner(
-                trainable,
-                param_space=param_space,
-                tune_config=tune.TuneConfig(
-                    metric=metric,
-                    mode=mode,
-                    num_samples=num_samples,
-                    max_concurrent_trials=max_concurrent_trials,
-                    scheduler=scheduler,
-                    search_alg=search_alg,
-                    trial_dirname_creator=trial_dirname,
-                    trial_name_creator=trial_dirname,
-                ),
-                run_config=tune.RunConfig(
-                    name=experiment.name,
-                    storage_path=experiment.tune_storage,
-                    storage_filesystem=experiment.tune_fs,
-                    callbacks=[JsonLoggerCallback(), ReleaseTrainWorkers(experiment.url), *console, *callbacks],
-                    failure_config=tune.FailureConfig(max_failures=trial_max_failures),
-                    verbose=verbose if verbose >= 2 else 0,  # 1: our lines, not Tune's periodic tables
-                ),
-            )
         try:
             with _lenient_metric_checking(), quiet_terminal(verbose >= 2):
                 return tuner.fit()
@@ -320,6 +302,59 @@ def _run(
             release_placement_groups(ray.get(registry.pop_all.remote()))
     finally:
         ray.kill(registry)
+
+
+def _tuner(
+    setup: TrialSetup,
+    experiment: _Experiment,
+    *,
+    param_space: Dict[str, Any],
+    metric: str,
+    mode: str,
+    num_samples: int,
+    max_concurrent_trials: int,
+    scheduler: Any,
+    search_alg: Any,
+    trial_resources: Optional[Dict[str, float]],
+    trial_max_failures: int,
+    callbacks: Sequence[Any],
+    verbose: int,
+) -> Any:
+    """The sweep's Tuner: restored from its folder when ``experiment`` is an interrupted sweep (Tune keeps its search
+    space, config and callbacks), else a new one over ``param_space``; each trial runs `raytrain_trial`."""
+    from ray import tune
+    from ray.tune.logger import JsonLoggerCallback
+
+    trainable = tune.with_resources(
+        tune.with_parameters(raytrain_trial, sweep_setup=setup), dict(trial_resources or {"cpu": 0.01})
+    )
+    if experiment.restoring:
+        logger.info("Resuming the sweep in %s.", experiment.url)
+        return tune.Tuner.restore(
+            experiment.tune_path, trainable=trainable, resume_errored=True, storage_filesystem=experiment.tune_fs
+        )
+    return tune.Tuner(
+        trainable,
+        param_space=param_space,
+        tune_config=tune.TuneConfig(
+            metric=metric,
+            mode=mode,
+            num_samples=num_samples,
+            max_concurrent_trials=max_concurrent_trials,
+            scheduler=scheduler,
+            search_alg=search_alg,
+            trial_dirname_creator=trial_dirname,
+            trial_name_creator=trial_dirname,
+        ),
+        run_config=tune.RunConfig(
+            name=experiment.name,
+            storage_path=experiment.tune_storage,
+            storage_filesystem=experiment.tune_fs,
+            callbacks=[JsonLoggerCallback(), ReleaseTrainWorkers(experiment.url), *callbacks],
+            failure_config=tune.FailureConfig(max_failures=trial_max_failures),
+            verbose=verbose if verbose >= 2 else 0,  # 1: our lines, not Tune's periodic tables
+        ),
+    )
 
 
 @contextlib.contextmanager

@@ -54,13 +54,29 @@ def test_every_private_ray_name_is_still_there():
 def test_no_private_ray_name_outside_compat():
     offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path.name in ("_compat.py", "_compat_worker_group.py") and path.parent.name == "ray":
+        if path.name.startswith("_compat") and path.parent.name == "ray":  # the table: _compat.py and its parts
             continue
         for number, line in enumerate(path.read_text().splitlines(), 1):
             code = line.split("#", 1)[0]
             if _offending(path, code):
                 offenders.append(f"{path.relative_to(PACKAGE.parent)}:{number}: {line.strip()}")
     assert not offenders, "private Ray names used outside raytrain_events/ray/_compat.py:\n" + "\n".join(offenders)
+
+
+def test_the_tables_parts_are_all_imported_from_compat_and_all_probed():
+    """``_compat.py`` is the one place to import a private name from, and ``check_private_names`` probes every part:
+    a name added to ``_compat_data.py`` or ``_compat_train.py`` but not to the table, or a part's probe left out of
+    the check, fails here."""
+    import inspect
+
+    from raytrain_events.ray import _compat_data, _compat_train
+
+    for part in (_compat_data, _compat_train):
+        for name in part.__all__:
+            if name.startswith("probe_"):
+                assert f"{name})" in inspect.getsource(_compat.check_private_names), f"{name} is not probed"
+            else:
+                assert name in _compat.__all__ and getattr(_compat, name) is getattr(part, name), name
 
 
 def test_a_missing_name_fails_loudly_with_the_ray_version():

@@ -1,4 +1,4 @@
-"""storage/objectstore.py through the checkpoint format, on the moto S3 server: multipart
+"""storage/objectstore/ through the checkpoint format, on the moto S3 server: multipart
 uploads fed while torch.save runs, ranged downloads hashed as they arrive, and what happens
 when either is interrupted or the stored bytes are wrong.
 
@@ -167,14 +167,14 @@ def test_failed_complete_commits_nothing(s3, calls, s3_server):
 
 def test_error_inside_torch_save_mid_multipart_aborts_the_upload(s3, calls, s3_server, monkeypatch):
     url, opts, fs = s3
-    real = objectstore._S3Upload.write
+    real = objectstore.upload._S3Upload.write
 
     def failing(self, data):  # e.g. a MemoryError or an interrupt while torch.save is writing
         if self.size > 2 * PART + 2**20:
             raise RuntimeError("injected: serialization failed after 2 parts")
         return real(self, data)
 
-    monkeypatch.setattr(objectstore._S3Upload, "write", failing)
+    monkeypatch.setattr(objectstore.upload._S3Upload, "write", failing)
     with pytest.raises(RuntimeError) as e:  # torch replaces it with its own zip-writer error
         _save(url, opts, 1)
     assert not isinstance(e.value, StorageError)

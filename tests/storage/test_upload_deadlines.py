@@ -1,4 +1,4 @@
-"""Object-store uploads never wait unbounded (issue 28): the streamed uploads of ``objectstore.py``
+"""Object-store uploads never wait unbounded (issue 28): the streamed uploads of ``objectstore/``
 (single PUT and every request of a multipart upload) have an object-store write's deadline, and
 the error past it says what timed out (URL, bytes, deadline) and what to set.
 

@@ -11,7 +11,6 @@ from collections import Counter
 
 import pytest
 import torch
-from test_mixture_trainer import MIXTURE, SOURCES, Rows, Tiny
 from test_spike_guard import BATCH, DIM, ROWS, Record, _rows
 from torch.utils.data import DataLoader
 
@@ -26,6 +25,7 @@ from raytrain_events.core.quarantine import Quarantine
 from raytrain_events.core.spikes import Skipped
 from raytrain_events.data.mixture_loader import MixtureLoader
 from raytrain_events.models import ClassifierModel
+from tests.data.test_mixture_trainer import MIXTURE, SOURCES, Rows, Tiny
 
 PLANTED = [203, 317]  # batches 26 and 40 (1-based) of each epoch
 

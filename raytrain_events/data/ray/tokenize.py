@@ -168,14 +168,45 @@ def tokenize_file(  # noqa: PLR0913 (one input, one output, then the job's optio
     counts. Local or URLs: a local shard is written to a temporary name in its folder and renamed; a
     shard on an object store is written locally, then uploaded whole (one PUT, or a multipart upload:
     the object exists only once complete either way)."""
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     tok = load_tokenizer(tokenizer)
     eos_id = None if eos is None else tok.token_id(eos)
     if eos is not None and eos_id is None:
         raise ValueError(f"eos={eos!r} is not a token of {tokenizer}: give a token of its vocabulary.")
-    schema = pa.schema(
+    meta = {
+        _META["vocab"]: str(tok.vocab_size).encode(),
+        _META["tokenizer"]: tok.fingerprint.encode(),
+        _META["input"]: (os.path.abspath(path) if _local(path) else path).encode(),
+    }
+    counts = {"documents": 0, "tokens": 0, "empty": 0, "truncated": 0}
+    columns = [text_column] + ([id_column] if id_column else [])
+    with (
+        _shard_file(output, storage_options) as tmp,
+        pq.ParquetWriter(tmp, _shard_schema().with_metadata(meta)) as writer,
+    ):
+        groups = _RowGroups(writer, source, group_tokens)
+        row = 0
+        for batch in _batches(path, columns, storage_options):
+            texts = batch.column(0).to_pylist()
+            given = batch.column(1).to_pylist() if id_column else None
+            for i, values in enumerate(_encode(tok, texts, eos_id, max_tokens, counts)):
+                if values is None:
+                    continue
+                groups.add(values, int(given[i]) if given is not None else number * 2**32 + row + i)
+                counts["documents"] += 1
+                counts["tokens"] += len(values)
+            row += len(texts)
+            groups.write_full()
+        groups.finish()
+    return {"input": path, "output": output, **counts}
+
+
+def _shard_schema() -> Any:
+    """A token shard's columns (the module docstring has what each holds)."""
+    import pyarrow as pa
+
+    return pa.schema(
         [
             ("input_ids", pa.list_(pa.int32())),
             ("num_tokens", pa.int32()),
@@ -183,68 +214,86 @@ def tokenize_file(  # noqa: PLR0913 (one input, one output, then the job's optio
             ("source", pa.string()),
         ]
     )
-    meta = {
-        _META["vocab"]: str(tok.vocab_size).encode(),
-        _META["tokenizer"]: tok.fingerprint.encode(),
-        _META["input"]: (os.path.abspath(path) if _local(path) else path).encode(),
-    }
-    counts = {"documents": 0, "tokens": 0, "empty": 0, "truncated": 0}
-    arrays: List[np.ndarray] = []  # documents not written yet, and their ids
-    ids: List[int] = []
-    with contextlib.ExitStack() as scratch:  # a shard for an object store is written in a local scratch folder first
+
+
+def _encode(
+    tok: Any, texts: List[Any], eos_id: Optional[int], max_tokens: Optional[int], counts: Dict[str, int]
+) -> List[Optional[np.ndarray]]:
+    """Each text's token ids (``eos`` appended, cut to ``max_tokens``: counted as ``truncated``), or None for a
+    text that encodes to no tokens (counted as ``empty``)."""
+    out: List[Optional[np.ndarray]] = []
+    for enc in tok.encode_batch([t or "" for t in texts]):
+        values = np.asarray(enc, dtype=np.int32)
+        if eos_id is not None and len(values):
+            values = np.append(values, np.int32(eos_id))
+        if max_tokens is not None and len(values) > max_tokens:
+            values, counts["truncated"] = values[:max_tokens], counts["truncated"] + 1
+        if not len(values):
+            counts["empty"] += 1
+            out.append(None)
+            continue
+        out.append(values)
+    return out
+
+
+class _RowGroups:
+    """A shard's documents, buffered and written as row groups of about ``group_tokens`` tokens (its seek unit)."""
+
+    def __init__(self, writer: Any, source: str, group_tokens: int) -> None:
+        self.writer, self.source, self.group_tokens = writer, source, group_tokens
+        self.arrays: List[np.ndarray] = []  # documents not written yet, and their ids
+        self.ids: List[int] = []
+
+    def add(self, values: np.ndarray, document_id: int) -> None:
+        self.arrays.append(values)
+        self.ids.append(document_id)
+
+    def write_full(self) -> None:
+        """Write the whole row groups buffered: each ends with the document that takes it to ``group_tokens``."""
+        ends = np.cumsum([len(a) for a in self.arrays])
+        while len(ends) and ends[-1] >= self.group_tokens:
+            n = int(np.searchsorted(ends, self.group_tokens)) + 1
+            self._write(n)
+            ends = ends[n:] - ends[n - 1]
+
+    def finish(self) -> None:
+        """Write the documents left, as the last row group."""
+        if self.arrays:
+            self._write(len(self.arrays))
+
+    def _write(self, n: int) -> None:  # the first n documents, as one row group
+        import pyarrow as pa
+
+        arrays, ids = self.arrays, self.ids
+        lengths = np.array([len(a) for a in arrays[:n]], dtype=np.int32)
+        values = pa.array(np.concatenate(arrays[:n]).astype(np.int32) if n else np.zeros(0, np.int32))
+        offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+        table = {
+            "input_ids": pa.ListArray.from_arrays(offsets, values),
+            "num_tokens": pa.array(lengths),
+            "document_id": pa.array(ids[:n], pa.int64()),
+            "source": pa.array([self.source] * n, pa.string()),
+        }
+        self.writer.write_table(pa.table(table, schema=_shard_schema()))
+        del arrays[:n], ids[:n]
+
+
+@contextlib.contextmanager
+def _shard_file(output: str, storage_options: Optional[Dict[str, Any]]) -> Iterator[str]:
+    """A local file to write shard ``output`` to, which becomes ``output`` once the block ends without an error:
+    renamed in its folder (local), or uploaded whole from a scratch folder (an object store)."""
+    with contextlib.ExitStack() as scratch:
         if _local(output):
             os.makedirs(os.path.dirname(output) or ".", exist_ok=True)
             tmp = f"{output}.tmp-{os.getpid()}"
         else:
             tmp = os.path.join(scratch.enter_context(tempfile.TemporaryDirectory(prefix="tokenize-")), "part.parquet")
-        row = 0
-        with pq.ParquetWriter(tmp, schema.with_metadata(meta)) as writer:
-
-            def write(n: int) -> None:  # the first n documents, as one row group
-                lengths = np.array([len(a) for a in arrays[:n]], dtype=np.int32)
-                values = pa.array(np.concatenate(arrays[:n]).astype(np.int32) if n else np.zeros(0, np.int32))
-                offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
-                table = {
-                    "input_ids": pa.ListArray.from_arrays(offsets, values),
-                    "num_tokens": pa.array(lengths),
-                    "document_id": pa.array(ids[:n], pa.int64()),
-                    "source": pa.array([source] * n, pa.string()),
-                }
-                writer.write_table(pa.table(table, schema=schema))
-                del arrays[:n], ids[:n]
-
-            columns = [text_column] + ([id_column] if id_column else [])
-            for batch in _batches(path, columns, storage_options):
-                texts = batch.column(0).to_pylist()
-                given = batch.column(1).to_pylist() if id_column else None
-                encoded = tok.encode_batch([t or "" for t in texts])
-                for i, enc in enumerate(encoded):
-                    values = np.asarray(enc, dtype=np.int32)
-                    if eos_id is not None and len(values):
-                        values = np.append(values, np.int32(eos_id))
-                    if max_tokens is not None and len(values) > max_tokens:
-                        values, counts["truncated"] = values[:max_tokens], counts["truncated"] + 1
-                    if not len(values):
-                        counts["empty"] += 1
-                        continue
-                    arrays.append(values)
-                    ids.append(int(given[i]) if given is not None else number * 2**32 + row + i)
-                    counts["documents"] += 1
-                    counts["tokens"] += len(values)
-                row += len(texts)
-                ends = np.cumsum([len(a) for a in arrays])
-                while len(ends) and ends[-1] >= group_tokens:  # whole row groups of about group_tokens tokens
-                    n = int(np.searchsorted(ends, group_tokens)) + 1
-                    write(n)
-                    ends = ends[n:] - ends[n - 1]
-            if arrays:
-                write(len(arrays))
+        yield tmp
         if _local(output):
             os.replace(tmp, output)  # the shard exists only once complete
         else:
             fs, at = _fs(output, storage_options)
             fs.put_file(tmp, at)  # an object appears only once its upload completes
-    return {"input": path, "output": output, **counts}
 
 
 def _done(output: str, path: str, tokenizer_sha: str, storage_options: Optional[Dict[str, Any]] = None) -> bool:

@@ -21,7 +21,7 @@ from raytrain_events.checkpoint.format.writer import write_checkpoint
 
 
 def test_pyproject_requires_the_safe_torch():
-    text = (Path(__file__).parents[2] / "pyproject.toml").read_text()  # tomllib is 3.11+, we support 3.10
+    text = (Path(__file__).parents[3] / "pyproject.toml").read_text()  # tomllib is 3.11+, we support 3.10
     (torch_dep,) = re.findall(r'^\s*"torch>=\s*(\d+)\.(\d+)', text, flags=re.M)
     floor = tuple(int(x) for x in torch_dep)
     assert floor >= safety.SAFE_TORCH

@@ -24,7 +24,7 @@ from raytrain_events.checkpoint.format import manifest as fmt_manifest
 from raytrain_events.checkpoint.format import writer as fmt_writer
 from raytrain_events.storage import fs as sfs
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def _save(url, opts, batch: int, files=None, pack=None) -> fmt_manifest.CheckpointInfo:

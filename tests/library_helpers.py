@@ -1,4 +1,5 @@
-"""Tiny models, data and recorders shared by the library tests (imported as a plain module)."""
+"""Tiny models, data and recorders shared by the library's tests in ``tests/algorithms/``, ``tests/callbacks/``,
+``tests/loggers/`` and ``tests/schedulers/`` (imported as a plain module: ``tests/`` is on the path)."""
 
 from __future__ import annotations
 
