@@ -72,7 +72,7 @@ E2E: Dict[str, object] = {
     "tests/ray/test_ray_trainer.py": ALL,
     "tests/ray/fault_tolerance/test_replica_groups.py": ALL,  # replica groups under torchft: a worker killed twice; the Lighthouse killed
     "tests/ray/fault_tolerance/test_sharded_replica_groups.py": ALL,  # 2 x 2 FSDP workers, 2 kills, eval + validation; resumed with TP
-    "tests/ray/fault_tolerance/test_spike_replica_groups.py": ALL,  # 4 replica groups roll back together at a planted spike
+    "tests/ray/fault_tolerance/test_spike_replica_groups.py": ALL,  # 2 groups x 2 FSDP workers roll back together at a spike
     "tests/ray/test_resume.py": ALL,
     "tests/ray/test_spike_run.py": ALL,  # one stop + resume pair of RayTrainer runs with a planted spike
     "tests/ray/guards/test_watchdog.py": ALL,

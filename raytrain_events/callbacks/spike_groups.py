@@ -31,10 +31,25 @@ next committed step and every group takes a snapshot there, aligned again; a spi
 Each group's detector judges its own part of the global batch (as each DDP rank judges its own); the flag is
 the OR over the groups. Cost per step: seven floats more in the all-reduce and one read of the loss (and
 norm) before the optimizer step; per quorum change, one host snapshot.
+
+Groups of several workers (``replica_group_size=k > 1``, the model sharded inside each group): each worker
+all-reduces its own shards with the same *position* of the other groups (one torchft process group per position),
+so the vote rides on ``k`` all-reduces, one per position, and every worker of every group reads the same sums only
+if the ``k`` workers of a group vote the same. They do: each worker's loss (its own rows) and its share of the
+gradient norm (its shards' squares, each counted once over the group: `spike_norm.group_share_norm`) are summed over
+the group's own process group first (`StepVote.group_sum`: one all-reduce of three floats inside the group, on the
+group's ``k`` workers only, never across groups), and each worker's detector judges the group's values: the mean
+loss over the group's workers and the whole model's gradient norm. The detectors of a group see the same values
+from the same state, so they decide the same, take their snapshots (each of its own shards) at the same steps,
+and roll back to the same step (each restoring its own shards); a replacement group's position ``p`` receives the
+skip list, rollbacks and skipped counts from position ``p`` of a live group (`ShardedReplicaState`). Cost per step
+in such a group: that one in-group all-reduce (the loop's own per-batch sum runs before the batch, too early to
+carry the batch's loss), beside FSDP's per-layer collectives.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional, Tuple
 
 from raytrain_events.checkpoint.run.host_snapshot import HostSnapshots
@@ -90,6 +105,10 @@ class GroupVoting(Callback):
             return
         value = float(loss.item())
         grad = float(norm.item()) if norm is not None else None
+        # The group's values (a group of several workers: each worker's own rows and shards; see the module doc).
+        loss_sum, squares, workers = self.vote.group_sum([value, 0.0 if grad is None else grad * grad, 1.0])
+        if workers > 1:
+            value, grad = loss_sum / workers, (math.sqrt(squares) if grad is not None else None)
         self.pending = (value, grad, self.guard.detector.judge(value, grad))
 
     def ballot(self) -> list:

@@ -74,7 +74,7 @@ from raytrain_events.callbacks.spike_bisect import (
     sum_over_ranks,
 )
 from raytrain_events.callbacks.spike_groups import GroupVoting, find_step_vote
-from raytrain_events.callbacks.spike_norm import PreClipNorm, shared_clipping
+from raytrain_events.callbacks.spike_norm import PreClipNorm, group_share_norm, shared_clipping
 from raytrain_events.checkpoint.run.host_snapshot import HostSnapshots
 from raytrain_events.core.callback import Callback
 from raytrain_events.core.interval import is_done
@@ -259,6 +259,8 @@ class SpikeGuard(Callback):
 
     def _own_norm(self, state: State) -> Optional[torch.Tensor]:
         assert self._params is not None
+        if self._group is not None:  # replica groups: this worker's share of its group's norm (spike_groups.py)
+            return group_share_norm(self._params)
         if pipeline_group(state.model) is not None:  # pipeline parallelism: the whole model's, over shards and stages
             return whole_grad_norm(state.model, self._params)
         norms = [vector_norm(p.grad) for p in self._params if p.grad is not None]  # cheaper than _foreach_norm on CPU

@@ -37,6 +37,11 @@ class StepVote(Protocol):
     component that needs every group to decide the same (`SpikeGuard`) finds it among the callbacks at INIT and
     hands it a ``vote`` function, called before the step's all-reduce; after the step `vote_sums` gives the
     votes summed over the step's participants, or None when the step did not commit (it counts for nothing).
+
+    A replica group of several workers (a model sharded inside each group) all-reduces across the groups once per
+    *position* (each worker its own shards, with the same position of the other groups), so every worker of every
+    group reads the same sums only if the workers of one group vote the same: they vote on values summed over their
+    own group first (`group_sum`: the group's loss over all its rows, its gradient norm over all its shards).
     """
 
     def carry(self, vote: Callable[[], List[int]]) -> None:
@@ -45,6 +50,12 @@ class StepVote(Protocol):
 
     def vote_sums(self) -> Optional[Tuple[List[int], int]]:
         """The latest step's summed votes and its number of participants; None if that step did not commit."""
+        ...
+
+    def group_sum(self, values: List[float]) -> List[float]:
+        """``values`` summed over the workers of this replica group (its own process group, the one its model is
+        sharded over; a collective every worker of the group calls at the same point), the values themselves in a
+        group of one worker."""
         ...
 
 

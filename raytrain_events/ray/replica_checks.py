@@ -88,32 +88,28 @@ def check_fault_tolerance(spec: Any) -> None:
         require()  # a Ray whose worker group cannot be made to build groups of several: refused, naming the fix
 
 
-def _callback_refusals(callbacks: Any, group_size: int = 1) -> list:
-    """What of ``callbacks`` (instances) replica groups cannot run, one phrase each. A `SpikeGuard` runs in
-    one-worker groups: every group votes on each step with its gradient all-reduce and rolls back at the same
-    committed step (`SpikeGuard`'s module doc); not yet in groups of several workers, nor with its bisection or
-    quarantine (their replays and row counts are collectives inside one world)."""
+def _callback_refusals(callbacks: Any) -> list:
+    """What of ``callbacks`` (instances) replica groups cannot run, one phrase each. A `SpikeGuard` runs in groups
+    of one worker and of several: every group votes on each step with its gradient all-reduce (a group of several
+    on values summed over its workers first) and rolls back at the same committed step (``callbacks/
+    spike_groups.py``); not with its bisection or quarantine."""
     guards = [c for c in callbacks if isinstance(c, SpikeGuard)]
     refusals = []
-    if guards and group_size > 1:
-        refusals.append(
-            f"SpikeGuard with replica_group_size={group_size}: each worker of a group votes on the step with its own "
-            "position's all-reduce across the groups, so the workers of one group could decide differently (use "
-            "replica_group_size=1, or drop SpikeGuard: NaNMonitor stops the run instead)"
-        )
     if any(g.bisect or g.row_key is not None for g in guards):
         refusals.append(
-            "SpikeGuard(bisect=True) or a quarantine (row_key=, quarantine_from=): the replay of the window and the "
-            "dropped rows' counts are collectives of one world, not of the replica groups (use SpikeGuard() "
-            "without them: the window is rolled back and skipped in every group)"
+            "SpikeGuard(bisect=True) or a quarantine (row_key=, quarantine_from=): the bisection replays the window "
+            "on groups of its rows and the quarantine sums the rows it drops, with collectives of one world; across "
+            "replica groups the replay would need every group in one quorum for the whole search while torchft may "
+            "drop or add a group at any step, and the dropped rows' counts would need a vote of their own (use "
+            "SpikeGuard() without them: the window is rolled back and skipped in every group)"
         )
     return refusals
 
 
-def refuse_group_callbacks(callbacks: Any, group_size: int = 1) -> None:
+def refuse_group_callbacks(callbacks: Any) -> None:
     """On each worker (`ReplicaCommit` at INIT): the callbacks a factory (``callbacks(config)``) built, refused as
     the driver refuses instances (`check_fault_tolerance`)."""
-    refusals = _callback_refusals(callbacks, group_size)
+    refusals = _callback_refusals(callbacks)
     if refusals:
         raise ValueError(
             "fault_tolerance='replica_groups' does not support " + "; ".join(refusals) + ". Fix: change these "
@@ -124,7 +120,7 @@ def refuse_group_callbacks(callbacks: Any, group_size: int = 1) -> None:
 def _unsupported(spec: Any) -> list:
     """What in ``spec`` replica groups do not support yet, one phrase each."""
     # A factory's callbacks: refused on the workers.
-    refusals = [] if callable(spec.callbacks) else _callback_refusals(spec.callbacks, spec.failures.replica_group_size)
+    refusals = [] if callable(spec.callbacks) else _callback_refusals(spec.callbacks)
     workers = spec.scaling.workers
     if isinstance(workers, tuple):
         refusals.append("an elastic num_workers=(min, max): pass a fixed num_workers (the replica groups)")

@@ -17,7 +17,8 @@ by the run's strategy, `ray/fault_tolerance/replica_groups.py`):
 - `CommitOptimizer`: gradients averaged over the participants (one flat all-reduce through the
   Manager, ended at once when another group of the quorum fails: `replica_abort.py`), the optimizer
   stepped only if ``manager.should_commit()``; a `SpikeGuard`'s vote (seven small integers) rides at
-  the end of that all-reduce (`ReplicaCommit` is the loop's `StepVote`: ``callbacks/spike_groups.py``);
+  the end of that all-reduce (`ReplicaCommit` is the loop's `StepVote`: ``callbacks/spike_groups.py``; in a group of
+  several workers the vote is on values summed over the group first, `ReplicaCommit.group_sum`);
 - `ReplicaCommit` (a callback): a committed step advances the Timestamp by the global batch's
   rows; an uncommitted one restores the Timestamp and schedulers, so the loader serves the same
   global batch again to the new quorum. Every row is trained once per epoch and the final
@@ -51,6 +52,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from raytrain_events.callbacks.spike_bisect import device_of, sum_over_ranks
 from raytrain_events.callbacks.spike_guard import SpikeGuard
 from raytrain_events.checkpoint.folder.store import latest_checkpoint
 from raytrain_events.checkpoint.run.checkpointer import find_checkpointer
@@ -102,6 +104,14 @@ class ReplicaState:
         assert self.model is not None and self.state is not None
         self.model.load_state_dict(sd["model"])
         self.optimizer.load_state_dict(sd["optimizer"])
+        self.load_loop_state(sd)
+        log.info("Recovered from a healthy replica group at %s", self.state.timestamp)
+
+    def load_loop_state(self, sd: Dict[str, Any]) -> None:
+        """What the peer sent besides the model and optimizer: schedulers, Timestamp, RNG, and a `SpikeGuard`'s
+        skip list, rollbacks and detector with `State.skipped` (a group of several workers: each position's, the
+        same in every position)."""
+        assert self.state is not None
         for scheduler, s in zip(self.schedulers, sd["schedulers"]):
             scheduler.load_state_dict(s)
         self.state.timestamp = Timestamp.from_state_dict(sd["timestamp"])
@@ -111,7 +121,6 @@ class ReplicaState:
         for guard, guard_state in zip(self._guards(), sd.get("spike_guards", [])):
             guard.load_state_dict(guard_state)  # its skip list and rollbacks (its snapshots: taken after the heal)
         self.healed += 1
-        log.info("Recovered from a healthy replica group at %s", self.state.timestamp)
 
 
 def build_manager(  # noqa: PLR0913 (the group's numbers, handed over once)
@@ -254,7 +263,7 @@ class ReplicaCommit(Callback):
 
     def init(self, state, logger) -> None:
         # What a callbacks(config) factory built (instances: on the driver).
-        refuse_group_callbacks(state.callbacks, self.loader.group_size)
+        refuse_group_callbacks(state.callbacks)
         self.loader.replicas.state = state
         self._loop = (state, logger)
 
@@ -293,6 +302,13 @@ class ReplicaCommit(Callback):
         """`StepVote`: the latest step's votes summed over its participants, and how many; None if it did not commit."""
         optimizer = self.optimizer
         return (optimizer.vote_sums, optimizer.participants) if optimizer.committed else None
+
+    def group_sum(self, values: List[float]) -> List[float]:
+        """`StepVote`: ``values`` summed over this group's workers (its own process group, the default one on its
+        workers; no collective in a group of one)."""
+        if self.loader.group_size == 1:
+            return list(values)
+        return sum_over_ranks(values, device_of(self.loader.replicas.state))
 
     def _quorum_change(self, change: QuorumChange) -> None:
         self.changes.append(change)

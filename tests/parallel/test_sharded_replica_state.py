@@ -1,8 +1,12 @@
 """Sharded replica groups' live recovery (`ShardedReplicaState`): a joining group's worker gets the same position's
 shards of a live group as local tensors, copies them into its own shards, and then steps exactly as the live one
-(model, Adam state made DTensors again, Timestamp); 2 real FSDP2 ranks on gloo, no Ray."""
+(model, Adam state made DTensors again, Timestamp), with a `SpikeGuard`'s skip list and rollbacks and
+`State.skipped`; and the spike guard's group norm (each worker's share, summed over the group) is the whole
+model's; 2 real FSDP2 ranks on gloo, no Ray."""
 
 from __future__ import annotations
+
+import pytest
 
 from tests.parallel.sharded_replica_workloads import heal_from_a_peers_shards
 from tests.parallel.spawn import run_ranks
@@ -15,6 +19,9 @@ def test_a_joining_group_heals_each_position_from_a_peers_shards_and_steps_exact
         assert got["shard_rows"] == 8, rank  # 16 rows over 2 ranks: each position holds half
         assert all(got["same"]) and all(got["after"]), (rank, got)
         assert got["healed"] == 1 and got["timestamp"] == 3, (rank, got)
+        assert all(got["spikes"]), (rank, got)  # the guard's part healed with the shards
+        assert got["group_norm"] == pytest.approx(got["whole_norm"], rel=1e-6), (rank, got)
+        assert got["local_sum_norm"] == pytest.approx(got["whole_norm"], rel=1e-6)  # FSDP alone: no copies
 
 
 def test_fsdp_x_tp_shards_heal_by_position_at_a_real_shape():
@@ -27,6 +34,10 @@ def test_fsdp_x_tp_shards_heal_by_position_at_a_real_shape():
         assert got["shard_cols"] == 8, rank  # the second layer's 16 inputs / 2 (TP, rowwise)
         assert all(got["same"]) and all(got["after"]), (rank, got)
         assert got["healed"] == 1 and got["timestamp"] == 3, (rank, got)
+        assert all(got["spikes"]), (rank, got)
+        # The second layer's bias is replicated over the tensor dimension: each copy's square counted once.
+        assert got["group_norm"] == pytest.approx(got["whole_norm"], rel=1e-6), (rank, got)
+        assert got["local_sum_norm"] > got["whole_norm"] * (1 + 1e-4), (rank, got)
 
 
 class _NoQuorum:

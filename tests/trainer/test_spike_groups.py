@@ -2,17 +2,24 @@
 votes scripted (a `StepVote` standing in for torchft's all-reduce; the real one: tests/ray/fault_tolerance/test_spike_replica_groups.py):
 the guard judges a step before its optimizer step and rolls back *at that step* when any group saw a spike; a
 step that did not commit counts for nothing; groups whose newest snapshots differ realign at the next step, or
-stop on a spike there rather than roll back apart."""
+stop on a spike there rather than roll back apart. Groups of several workers: each worker (a local `Trainer` on its
+own thread, its own rows of each global batch) votes on values summed over its group (`StepVote.group_sum`), so the
+workers of a group vote the same on their positions' all-reduces and roll back together."""
 
 from __future__ import annotations
 
-import pytest
+import threading
 
-from raytrain_events import Callback
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from raytrain_events import Callback, Trainer
 from raytrain_events.callbacks import SpikeGuard, SpikeRollbackError
 from raytrain_events.core.agreement import StepVote
 from raytrain_events.core.spikes import SkipRange, group_vote
-from tests.trainer.test_spike_guard import ROWS, Record, _fit, _rows, _trained_ids
+from raytrain_events.models import ClassifierModel
+from tests.trainer.test_spike_guard import BATCH, DIM, ROWS, Record, _fit, _rows, _trained_ids
 
 GROUPS = 4
 
@@ -22,15 +29,19 @@ class ScriptedVote(Callback):
     Timestamp batch after it); ``uncommitted``: steps (their batch after) that do not commit. First among the
     callbacks (as `ReplicaCommit`), so its BATCH_END decides the step before the guard's."""
 
-    def __init__(self, others=None, uncommitted=()):
+    def __init__(self, others=None, uncommitted=(), group_sum=None):
         self.others = others or (lambda batch, own: [own] * (GROUPS - 1))
         self.uncommitted, self.vote, self.sums, self.votes = set(uncommitted), None, None, []
+        self.in_group = group_sum or list  # a group of one worker: its own values
 
     def carry(self, vote):
         self.vote = vote
 
     def vote_sums(self):
         return self.sums
+
+    def group_sum(self, values):
+        return self.in_group(values)
 
     def batch_start(self, state, logger):
         self.before = state.timestamp
@@ -92,3 +103,97 @@ def test_groups_whose_snapshots_differ_realign_at_the_next_step_or_stop_on_a_spi
 
     with pytest.raises(SpikeRollbackError, match="newest host snapshots are of different steps"):
         _fit(_rows(), [ScriptedVote(apart_on_a_spike), SpikeGuard(snapshot_interval=5)], duration="12ba")
+
+
+POSITIONS = 2  # workers per replica group (GROUPS groups): each a local Trainer on a thread of its own
+
+
+class GroupSum:
+    """The in-group all-reduce of one replica group whose workers are threads: ``sum(position, values)``."""
+
+    def __init__(self, workers):
+        self.barrier, self.slots = threading.Barrier(workers, timeout=60), [None] * workers
+
+    def sum(self, position, values):
+        self.slots[position] = list(values)
+        self.barrier.wait()
+        out = [sum(column) for column in zip(*self.slots)]
+        self.barrier.wait()  # every worker has read the sums before the next step's values land
+        return out
+
+
+def _positions(data, duration, others, group_sum):
+    """Fit one replica group of POSITIONS workers: worker ``p`` trains part ``p`` of each global batch of
+    ``POSITIONS x BATCH`` rows (the rows ``ReplicaLayout.rows`` gives it), votes through ``group_sum`` (or alone) and
+    sees this position's all-reduce across the GROUPS groups (``others``: the other groups' votes). Returns each
+    worker's (vote, guard, record, state)."""
+    workers = []
+    for position in range(POSITIONS):
+        torch.manual_seed(0)  # the same initial weights in every worker (FSDP's shards of one model)
+        model = ClassifierModel(
+            torch.nn.Sequential(torch.nn.Linear(DIM, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)), num_classes=2
+        )
+        rows = [r for r in data if r["id"] // BATCH % POSITIONS == position]
+        add = (lambda v, p=position: group_sum.sum(p, v)) if group_sum is not None else None
+        vote, guard, record = ScriptedVote(others, group_sum=add), SpikeGuard(snapshot_interval=5), Record()
+        trainer = Trainer(
+            model=model,
+            train_dataloader=DataLoader(rows, batch_size=BATCH),
+            max_duration=duration,
+            optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+            callbacks=[vote, record, guard],
+            seed=0,
+        )
+        workers.append([vote, guard, record, trainer])
+    errors = []
+
+    def fit(worker):
+        try:
+            worker[3] = worker[3].fit()
+        except BaseException as error:  # noqa: BLE001 (raised below, on the test's thread)
+            errors.append(error)
+            if group_sum is not None:
+                group_sum.barrier.abort()
+
+    threads = [threading.Thread(target=fit, args=(w,)) for w in workers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    if errors:
+        raise errors[0]
+    return workers
+
+
+def test_the_workers_of_a_group_of_several_vote_on_the_groups_values_and_roll_back_together():
+    """4 groups x 2 workers. Row 203 is in global batch 13 (rows [192, 208)), in position 1's part ([200, 208));
+    position 0's own rows are clean. Its vote is on the group's loss (the mean over the group's workers) and norm (over
+    the group's shards), so both positions vote the same at every step, on their own all-reduces, and every worker
+    rolls back at 13; a spike another group saw at 20 rolls both back too."""
+
+    def others(batch, own):  # the 3 other groups: group 3 holds spiking rows at batch 20 (at every position)
+        return [own, own, [1, *own[1:]] if batch == 20 else own]
+
+    workers = _positions(_rows(planted=[203]), "25ba", others, GroupSum(POSITIONS))
+    (vote0, guard0, record0, state0), (vote1, guard1, record1, state1) = workers
+    assert vote0.votes == vote1.votes  # the same vote on every position's all-reduce, every step
+    for guard in (guard0, guard1):
+        assert [(r["batch"], r["spike_batch"], r["restored_batch"]) for r in guard.rollbacks] == [
+            (13, 13, 10),
+            (20, 20, 18),
+        ]
+        # Judged from the group's values: position 0, whose rows were clean, saw the loss spike itself.
+        assert (
+            "loss" in guard.rollbacks[0]["reason"] and guard.rollbacks[1]["reason"] == "seen in another replica group"
+        )
+        # Each worker's positions are its own part's (8 rows a step): the same windows in both.
+        assert guard.skips.ranges == [SkipRange(0, 80, 104, 3, 0), SkipRange(0, 144, 160, 2, 0)]
+    assert state0.timestamp == state1.timestamp and guard0.trained(state0) == guard1.trained(state1)
+    assert guard0.detector.state_dict() == guard1.detector.state_dict()  # the group's values, not each its own
+    kept = sorted(_trained_ids(record0.lineage, guard0) + _trained_ids(record1.lineage, guard1))
+    assert kept == [i for i in range(25 * POSITIONS * BATCH) if not (160 <= i < 208 or 288 <= i < 320)]
+
+    # Each worker judging its own rows alone: position 0 votes no spike at 13 on its all-reduce, position 1 a
+    # spike on its own: the positions' sums differ, and the two halves of one model would roll back apart.
+    apart = _positions(_rows(planted=[203]), "15ba", None, None)
+    assert [r["batch"] for r in apart[0][1].rollbacks] == [] and [r["batch"] for r in apart[1][1].rollbacks] == [13]

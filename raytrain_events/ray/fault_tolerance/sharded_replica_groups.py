@@ -25,6 +25,12 @@ is away, or dies mid-eval (Ray replaces all of it), holds nobody back, and the l
 its metrics with the checkpoint's name. Asynchronous validation: as with one-worker groups, the run's history actor
 starts the task on the lead's checkpoints; the task reshards the ``k``-rank checkpoint to its one process.
 
+A `SpikeGuard` works as in one-worker groups (``callbacks/spike_groups.py``): its vote rides on every position's
+all-reduce, on values the group's workers summed among themselves first, so every worker of every group rolls back
+at the same step, each to its own shards' snapshot; a replacement's position ``p`` receives the skip list and
+skipped counts with its shards (`ShardedReplicaState`). Its bisection and quarantine stay refused
+(`replica_checks.py`).
+
 Cost over one-worker groups of the same model: per step, each worker's all-reduce carries ``1/k`` of the gradients
 (the shards it holds), ``k`` all-reduces in parallel instead of one of the whole; per rejoin, each position
 receives ``1/k`` of the state. Every worker fetches the whole global batch's blocks (``k x groups`` reads of it).
@@ -38,7 +44,6 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from raytrain_events.core.replica_layout import ReplicaLayout
-from raytrain_events.core.timestamp import Timestamp
 from raytrain_events.ray.fault_tolerance.protocol import WorkerParts
 from raytrain_events.ray.fault_tolerance.replica_groups import (
     ReplicaGroups,
@@ -114,7 +119,8 @@ def _to_local(tree: Any) -> Any:
 
 class ShardedReplicaState(ReplicaState):
     """What a joining worker receives from the same position of a healthy group: its shards as local tensors (the
-    sender's and the receiver's meshes are alike, so a position's shards are the same slices of each tensor)."""
+    sender's and the receiver's meshes are alike, so a position's shards are the same slices of each tensor), and the
+    loop's state `ReplicaState` sends (a `SpikeGuard`'s skip list, rollbacks and `State.skipped` included)."""
 
     def state_dict(self) -> Dict[str, Any]:
         return _to_local(super().state_dict())
@@ -127,11 +133,7 @@ class ShardedReplicaState(ReplicaState):
                 _local(own[name]).copy_(value)
         self.optimizer.load_state_dict(sd["optimizer"])
         shard_optimizer_state(self.optimizer)
-        for scheduler, s in zip(self.schedulers, sd["schedulers"]):
-            scheduler.load_state_dict(s)
-        self.state.timestamp = Timestamp.from_state_dict(sd["timestamp"])
-        torch.set_rng_state(sd["rng"])
-        self.healed += 1
+        self.load_loop_state(sd)  # schedulers, Timestamp, RNG; a SpikeGuard's skip list and State.skipped
         log.info("Recovered this group's shards from a healthy replica group at %s", self.state.timestamp)
 
 
