@@ -108,9 +108,7 @@ def overhead(hidden, repeats, interval):
     plain, guarded = [], []
     for _ in range(repeats):
         plain.append(_per_step(_trainer(hidden, x, y, None)))
-        guarded.append(
-            _per_step(_trainer(hidden, x, y, _guard(interval)))
-        )
+        guarded.append(_per_step(_trainer(hidden, x, y, _guard(interval))))
     ratios = [g / p for g, p in zip(guarded, plain)]
     costs = [guard_cost(hidden, interval) for _ in range(repeats)]
     return {
