@@ -45,8 +45,8 @@ Example::
 The guard puts itself last among the callbacks at INIT (its snapshot and rollback see every other callback's
 batch done) and calls every callback's ``on_rollback`` after a restore. The skip list names its data (the
 seed and a `Mixture`'s sources): a resume on other data is refused. Cost per batch: one read of the loss (and
-the gradient norm, unless shared with the clipping); per snapshot one host copy of the state
-(``bench/spike_guard.py``; docs/spikes.md has the numbers).
+the gradient norm, unless shared with the clipping); per snapshot one host copy of the state, every
+``snapshot_interval`` (default 50) batches: longer costs less, and a rollback reaches further back (docs/spikes.md).
 
 Notes: the gradient norm is this rank's (under FSDP the norm of its shards); with a GradScaler
 (``amp_fp16``) non-finite gradients are the scaler's to skip and are not judged. With `GradientClipping`

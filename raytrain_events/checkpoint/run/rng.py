@@ -4,7 +4,8 @@ The states are plain tensors, ints and lists, so they round-trip through
 ``torch.load(weights_only=True)``. A copy that stays in this process's memory (`HostSnapshots`)
 takes `capture_rng_in_memory` instead: the generators' own state objects, with none of the
 conversions a checkpoint needs (the 625 Python ints into a list, numpy's 624 keys into an int64
-tensor): a third of the capture's time.
+tensor): ~51 us a capture against ~60 us, measured alone; most of what is left is numpy's own
+``get_state`` (~32 us: its MT19937 state read key by key).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ __all__ = ["RngInMemory", "capture_rng_in_memory", "capture_rng_state", "restore
 
 # torch's CPU state (a uint8 tensor), Python's ``random.getstate()``, numpy's legacy ``get_state()`` tuple,
 # and every CUDA device's state (None when CUDA is not initialized).
-RngInMemory = Tuple[torch.Tensor, Tuple[Any, ...], Tuple[Any, ...], Optional[List[torch.Tensor]]]
+RngInMemory = Tuple[torch.Tensor, Tuple[Any, ...], Any, Optional[List[torch.Tensor]]]
 
 
 def capture_rng_state() -> Dict[str, Any]:
