@@ -1,9 +1,10 @@
 """`HostSnapshots`: the last two good states of a run in host memory, restored without a storage read.
 
 A snapshot is what a checkpoint restores (`State.state_dict`: model, optimizers, schedulers, loss
-scaler, algorithms, callbacks) plus every RNG (``rng.py``'s in-memory capture: the generators' own state objects, never serialized), copied off the training tensors by a
-`HostStager` (``staging.py``: buffers allocated at the first snapshot and reused by every later one,
-pinned for CUDA sources, DTensor shards kept as shards). Each rank snapshots its own state at the
+scaler, algorithms, callbacks) plus every RNG (``rng.py``'s in-memory capture: the generators' own
+state objects, never serialized), copied off the training tensors by a `HostStager` (``staging.py``:
+buffers allocated at the first snapshot and reused by every later one, pinned for CUDA sources,
+DTensor shards kept as shards). Each rank snapshots its own state at the
 same batches, so a restore on every rank gives back one consistent run state.
 
 Two are kept (`SpikeGuard` needs the newest one *before* a batch whose spike is agreed one batch
