@@ -4,7 +4,9 @@ ledger's answer time at 1e9 rows.
 1. Overhead: the same `Trainer` loop with and without ``SpikeGuard`` (the peers' MLP 64 -> H -> H -> 10,
    batch 64, 4096 samples, 3 epochs, one thread, CPU: ~1 ms steps at H=256, as
    ``bench/loop_overhead.py``), ``fit()`` wall time per step, interleaved repeats; the guard's cost is
-   one loss + gradient-norm read per batch and a host snapshot every ``snapshot_interval`` batches.
+   one loss + gradient-norm read per batch and a host snapshot every ``snapshot_interval`` batches
+   (the guard's default unless ``--snapshot-interval``); the CPU time inside its hooks per batch and
+   per snapshot are given too (steadier than the loop's ratio on a busy machine).
 2. Spike to training again: a planted row (huge input, wrong label) spikes the loss; the time from the
    start of the batch whose end agrees on the spike to the end of the rollback (snapshot restored,
    schedulers stepped, window recorded), and the model bytes restored.
@@ -18,7 +20,7 @@ ledger's answer time at 1e9 rows.
 
 Usage::
 
-    python bench/spike_guard.py                  # H=256, 3 repeats, snapshot_interval=20
+    python bench/spike_guard.py                  # H=256, 3 repeats, the guard's default snapshot_interval
     python bench/spike_guard.py --hidden 1024 --repeats 5 --snapshot-interval 50
     python bench/spike_guard.py --only overhead --clock cpu --repeats 5   # a busy shared machine
     python bench/spike_guard.py --only overhead --loss-only                # the loss alone, no gradient norm
@@ -49,6 +51,7 @@ from raytrain_events import Trainer  # noqa: E402
 from raytrain_events.algorithms import GradientClipping  # noqa: E402
 from raytrain_events.callbacks import SpikeGuard  # noqa: E402
 from raytrain_events.callbacks import spike_guard as guard_module  # noqa: E402
+from raytrain_events.checkpoint.run.host_snapshot import HostSnapshots  # noqa: E402
 from raytrain_events.core.ledger import Ledger  # noqa: E402
 from raytrain_events.core.mixture import Mixture  # noqa: E402
 from raytrain_events.core.spikes import SkipList, SkipRange  # noqa: E402
@@ -93,18 +96,25 @@ GRAD_ZSCORE = 6.0  # --loss-only: None (no gradient norm per batch)
 CLIP = None  # --clip T: GradientClipping("norm", T) in both loops
 
 
+def _guard(interval):
+    """The guard as benchmarked: ``interval`` None is its default ``snapshot_interval``."""
+    knobs = {} if interval is None else {"snapshot_interval": interval}
+    return SpikeGuard(grad_zscore=GRAD_ZSCORE, **knobs)
+
+
 def overhead(hidden, repeats, interval):
     x, y = _data()
     _per_step(_trainer(hidden, x, y, None))  # warm-up
     plain, guarded = [], []
     for _ in range(repeats):
         plain.append(_per_step(_trainer(hidden, x, y, None)))
-        guarded.append(
-            _per_step(_trainer(hidden, x, y, SpikeGuard(snapshot_interval=interval, grad_zscore=GRAD_ZSCORE)))
-        )
+        guarded.append(_per_step(_trainer(hidden, x, y, _guard(interval))))
     ratios = [g / p for g, p in zip(guarded, plain)]
+    costs = [guard_cost(hidden, interval) for _ in range(repeats)]
     return {
-        "guard_hooks_us_per_batch": [guard_cost(hidden, interval) for _ in range(repeats)],
+        "snapshot_interval": _guard(interval).snapshot_interval,
+        "guard_hooks_us_per_batch": [c[0] for c in costs],
+        "snapshot_us_each": [c[1] for c in costs],
         "plain_ms": [round(v * 1e3, 4) for v in plain],
         "guard_ms": [round(v * 1e3, 4) for v in guarded],
         "ratio_median": round(statistics.median(ratios), 4),
@@ -114,9 +124,16 @@ def overhead(hidden, repeats, interval):
 
 def guard_cost(hidden, interval):
     """CPU time inside the guard's per-batch hooks (after_train_batch + batch_end, snapshots included), per
-    batch: what the ratio measures, without the noise of the loop around it."""
-    spent = [0]
+    batch: what the ratio measures, without the noise of the loop around it; and per snapshot (its
+    ``HostSnapshots.take``, inside those hooks; the fit's first one excluded: it is taken at FIT_START)."""
+    spent, snaps = [0], []
     originals = {name: getattr(guard_module.SpikeGuard, name) for name in ("after_train_batch", "batch_end")}
+    take = HostSnapshots.take
+
+    def timed_take(self, meta):
+        start = time.thread_time_ns()
+        take(self, meta)
+        snaps.append(time.thread_time_ns() - start)
 
     def timed(original):
         def hook(self, state, logger):
@@ -128,13 +145,17 @@ def guard_cost(hidden, interval):
 
     for name, original in originals.items():
         setattr(guard_module.SpikeGuard, name, timed(original))
+    HostSnapshots.take = timed_take
     try:
         x, y = _data()
-        state = _trainer(hidden, x, y, SpikeGuard(snapshot_interval=interval, grad_zscore=GRAD_ZSCORE)).fit()
+        state = _trainer(hidden, x, y, _guard(interval)).fit()
     finally:
         for name, original in originals.items():
             setattr(guard_module.SpikeGuard, name, original)
-    return round(spent[0] / int(state.timestamp.batch) / 1e3, 1)
+        HostSnapshots.take = take
+    in_loop = snaps[1:]
+    per_snapshot = round(statistics.median(in_loop) / 1e3, 1) if in_loop else None
+    return round(spent[0] / int(state.timestamp.batch) / 1e3, 1), per_snapshot
 
 
 def spike_to_training(hidden, interval):
@@ -280,7 +301,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--snapshot-interval", type=int, default=20)
+    parser.add_argument("--snapshot-interval", type=int, default=None, help="default: the guard's own default")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     parser.add_argument("--only", choices=["overhead", "spike", "bisection", "ledger"], default=None)
     parser.add_argument("--seeds", type=int, default=3, help="bisection: runs with other poisoned rows")
@@ -291,12 +312,12 @@ def main():
     global CLOCK, GRAD_ZSCORE, CLIP
     CLIP = args.clip
     if args.no_share:
-        guard_module._shared_clipping = lambda state, params: None
+        guard_module.shared_clipping = lambda state, params: None  # the name spike_guard calls
     GRAD_ZSCORE = None if args.loss_only else 6.0
     CLOCK = time.thread_time if args.clock == "cpu" else time.perf_counter
     parts = {
         "overhead": lambda: overhead(args.hidden, args.repeats, args.snapshot_interval),
-        "spike": lambda: spike_to_training(args.hidden, args.snapshot_interval),
+        "spike": lambda: spike_to_training(args.hidden, args.snapshot_interval or 20),
         "bisection": lambda: [bisection(seed=seed) for seed in range(args.seeds)],
         "ledger": ledger,
     }

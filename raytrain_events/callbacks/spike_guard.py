@@ -6,7 +6,8 @@ Per batch, on each rank (no collective of its own):
 1. ``after_train_batch`` (before the optimizer step): this rank's gradient norm (one ``vector_norm``
    per parameter tensor; none with a `GradientClipping` by the L2 norm: its pre-clip norm is reused).
    On CUDA the loss and norm start a non-blocking copy into a pinned host buffer here, so that
-   ``batch_end`` waits for that copy only, not for the optimizer step queued after it.
+   ``batch_end`` waits for that copy only, not for the optimizer step queued after it. Judging the
+   loss alone on the CPU the guard drops this hook at INIT (`overridden_events`): no event a batch.
 2. ``batch_end``: the `SpikeDetector` (``core/spikes.py``) judges them against its trailing window;
    a spike is *requested* on the agreement flag ``spike`` (`raytrain_events.core.agreement`). The
    flag rides on the next batch's counter collective (the one the loop runs anyway), so one batch
@@ -36,7 +37,7 @@ the window widens (the rows trained since are skipped too), up to ``max_window``
 
 Example::
 
-    Trainer(..., callbacks=[SpikeGuard(snapshot_interval=20, loss_ratio=2.0, grad_zscore=6.0)])
+    Trainer(..., callbacks=[SpikeGuard(snapshot_interval=50, loss_ratio=2.0, grad_zscore=6.0)])
     RayTrainer(..., callbacks=[SpikeGuard()])   # an instance: a bad knob fails here, before Ray starts
     SpikeGuard(bisect=True, row_key="id")       # find the culprit rows, quarantine them, train the rest
     SpikeGuard(row_key="id", quarantine_from="quarantine.json")   # keep an earlier run's culprits out
@@ -44,8 +45,8 @@ Example::
 The guard puts itself last among the callbacks at INIT (its snapshot and rollback see every other callback's
 batch done) and calls every callback's ``on_rollback`` after a restore. The skip list names its data (the
 seed and a `Mixture`'s sources): a resume on other data is refused. Cost per batch: one read of the loss (and
-the gradient norm, unless shared with the clipping); per snapshot one host copy of the state
-(``bench/spike_guard.py``; docs/spikes.md has the numbers).
+the gradient norm, unless shared with the clipping); per snapshot one host copy of the state, every
+``snapshot_interval`` (default 50) batches: longer costs less, and a rollback reaches further back (docs/spikes.md).
 
 Notes: the gradient norm is this rank's (under FSDP the norm of its shards); with a GradScaler
 (``amp_fp16``) non-finite gradients are the scaler's to skip and are not judged. With `GradientClipping`
@@ -77,6 +78,7 @@ from raytrain_events.callbacks.spike_groups import GroupVoting, find_step_vote
 from raytrain_events.callbacks.spike_norm import PreClipNorm, group_share_norm, shared_clipping
 from raytrain_events.checkpoint.run.host_snapshot import HostSnapshots
 from raytrain_events.core.callback import Callback
+from raytrain_events.core.event import Event
 from raytrain_events.core.interval import is_done
 from raytrain_events.core.logger import Logger
 from raytrain_events.core.quarantine import Quarantine
@@ -101,6 +103,7 @@ vector_norm, stack = torch.linalg.vector_norm, torch.stack
 __all__ = ["SpikeGuard", "SpikeRollbackError"]
 
 FLAG = "spike"
+SNAPSHOT_INTERVAL = 50  # the default: the snapshot's cost against the window a rollback skips (docs/spikes.md)
 _log = logging.getLogger(__name__)
 
 
@@ -120,7 +123,7 @@ class SpikeGuard(Callback):
     def __init__(  # noqa: PLR0913 (keyword-only: the detector's and the policy's knobs)
         self,
         *,
-        snapshot_interval: int = 20,
+        snapshot_interval: int = SNAPSHOT_INTERVAL,
         window: int = 100,
         loss_ratio: Optional[float] = 2.0,
         grad_zscore: Optional[float] = 6.0,
@@ -167,6 +170,7 @@ class SpikeGuard(Callback):
         self._snapshots: Optional[HostSnapshots] = None
         self._norm: Optional[torch.Tensor] = None  # this batch's gradient norm (this rank's)
         self._params: Optional[List[torch.Tensor]] = None
+        self._pipelined = False  # whether the model is a pipeline's stage (found with the params)
         self._clip: Optional[GradientClipping] = None  # a GradientClipping whose norm is shared (see after_train_batch)
         self._clip_seen: Optional[torch.Tensor] = None  # its norm already judged (a stale one is not judged twice)
         self._clip_other = False  # a GradientClipping whose norm is not shared: the norm is taken before it runs
@@ -181,6 +185,7 @@ class SpikeGuard(Callback):
         self._since = 0  # batches since the newest snapshot (or rollback)
         self._group: Optional[GroupVoting] = None  # under replica groups: the vote on each step (spike_groups.py)
         self._key = "SpikeGuard"
+        self._before_step = True  # whether AFTER_TRAIN_BATCH has a job (decided at INIT)
 
     # ------------------------------------------------------------------ setup
     def init(self, state: State, logger: Logger) -> None:
@@ -200,9 +205,17 @@ class SpikeGuard(Callback):
         vote = find_step_vote(state)  # replica groups: the step's commit vote carries the decision (spike_groups.py)
         self._group = GroupVoting(self, vote) if vote is not None else None
         hooks += [self._group] if self._group is not None else []
+        # AFTER_TRAIN_BATCH only with a job there (the norm, a group's verdict, an accelerator's loss copy): else idle.
+        on_cpu = device_of(state).type == "cpu"
+        self._before_step = self._group is not None or self.detector.grad_zscore is not None or not on_cpu
         state.callbacks.remove(self)
         state.callbacks.extend(hooks)
         state.callbacks.append(self)
+
+    def overridden_events(self) -> List[Event]:
+        """Less ``AFTER_TRAIN_BATCH`` where it has no job (decided at INIT; the Engine reads this right after)."""
+        events = super().overridden_events()
+        return events if self._before_step else [e for e in events if e is not Event.AFTER_TRAIN_BATCH]
 
     def fit_start(self, state: State, logger: Logger) -> None:
         self._key = next(k for k, c in _keyed_callbacks(state).items() if c is self)
@@ -253,6 +266,7 @@ class SpikeGuard(Callback):
     def _find_params(self, state: State) -> List[torch.Tensor]:
         """The trained parameters and the clipping to share, found once (a walk of the groups per batch costs)."""
         params = self._params = [p for opt in state.optimizers for g in opt.param_groups for p in g["params"]]
+        self._pipelined = pipeline_group(state.model) is not None  # (a model's pipeline is set when it is wrapped)
         self._clip = shared_clipping(state, params)
         self._clip_other = self._clip is None and any(isinstance(a, GradientClipping) for a in state.algorithms)
         return params
@@ -261,7 +275,7 @@ class SpikeGuard(Callback):
         assert self._params is not None
         if self._group is not None:  # replica groups: this worker's share of its group's norm (spike_groups.py)
             return group_share_norm(self._params)
-        if pipeline_group(state.model) is not None:  # pipeline parallelism: the whole model's, over shards and stages
+        if self._pipelined:  # pipeline parallelism: the whole model's, over shards and stages
             return whole_grad_norm(state.model, self._params)
         norms = [vector_norm(p.grad) for p in self._params if p.grad is not None]  # cheaper than _foreach_norm on CPU
         return vector_norm(stack(norms)) if norms else None

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from raytrain_events import Callback, Trainer
+from raytrain_events import Callback, Event, Trainer
 from raytrain_events.callbacks import SpikeGuard, SpikeRollbackError
 from raytrain_events.checkpoint import CheckpointConfig, list_checkpoints
 from raytrain_events.cli.main import main
@@ -45,9 +45,11 @@ class Record(Callback):
         self.lineage[(int(ts.epoch), int(ts.batch_in_epoch))] = state.batch["id"].tolist()
 
 
-def _fit(data, callbacks=(), duration="1ep", scheduler=False, **kw):
+def _fit(data, callbacks=(), duration="1ep", scheduler=False, dropout=False, **kw):
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(DIM, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    if dropout:  # the RNG drives the forward: a rollback must restore it exactly
+        net.insert(2, torch.nn.Dropout(0.5))
     model = ClassifierModel(net, num_classes=2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     schedulers = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.98**step) if scheduler else None
@@ -75,7 +77,8 @@ def _trained_ids(lineage, guard):
 
 def test_a_spike_rolls_back_from_host_and_skips_exactly_its_window():
     guard, record = SpikeGuard(snapshot_interval=5), Record()
-    trainer, state = _fit(_rows(planted=[203]), [record, guard])
+    trainer, state = _fit(_rows(planted=[203]), [record, guard], dropout=True)  # dropout: the RNGs restored too
+    assert trainer.engine.active_events()[Event.AFTER_TRAIN_BATCH]  # the gradient norm, before the optimizer step
     # Seen at batch 26 (rows [200, 208)), agreed one batch later: the snapshot of batch 25 restored.
     assert [(r["spike_batch"], r["restored_batch"], r["from"]) for r in guard.rollbacks] == [(26, 25, "host")]
     assert "loss" in guard.rollbacks[0]["reason"]
@@ -88,10 +91,26 @@ def test_a_spike_rolls_back_from_host_and_skips_exactly_its_window():
     assert guard.trained(state) == {"batch": 48, "sample": 384, "token": 0}
     # Not trained, counted apart from the Timestamp (whose positions are the uninterrupted run's).
     assert state.skipped.state_dict() == {"batches": 2, "samples": 16, "tokens": 0, "quarantined": 0, "by_source": {}}
-    # The weights are those of a run that never saw the window (host restore: model and optimizer exact).
-    _, without = _fit(_rows(drop=range(200, 216)))
+    # The weights are those of a run that never saw the window (host restore: model, optimizer and RNGs exact:
+    # the dropout masks after the rollback are those the run without the window draws).
+    _, without = _fit(_rows(drop=range(200, 216)), dropout=True)
     for mine, theirs in zip(state.model.parameters(), without.model.parameters()):
         assert torch.equal(mine, theirs)
+
+
+def test_loss_only_on_the_cpu_runs_no_hook_before_the_step_and_the_default_interval_reaches_back_further():
+    """``AFTER_TRAIN_BATCH`` costs an event a batch: the guard takes it only with a job there (the gradient norm,
+    as in the test above, a replica group's verdict, an accelerator's loss copy); loss only on the CPU the Engine
+    skips it and batch_end reads the loss. The default snapshot_interval (50: the snapshot's cost under 1% of
+    ~1 ms steps) snapshots at the fit's start and every 50 batches: the spike at batch 26 restores batch 0's
+    state and skips the 27 batches since (at 20 it would have restored batch 20's, 7 batches)."""
+    guard = SpikeGuard(grad_zscore=None)
+    trainer, state = _fit(_rows(planted=[203]), [guard])
+    assert not trainer.engine.active_events()[Event.AFTER_TRAIN_BATCH]
+    assert guard.snapshot_interval == 50
+    assert [(r["spike_batch"], r["restored_batch"]) for r in guard.rollbacks] == [(26, 0)]
+    assert guard.skips.ranges == [SkipRange(0, 0, 216, batches=27, tokens=0)]
+    assert guard.trained(state) == {"batch": 23, "sample": 184, "token": 0}
 
 
 def test_a_schedule_follows_the_position_and_a_nan_row_rolls_back_too():
@@ -279,6 +298,10 @@ def test_the_cuda_read_path_decides_as_the_direct_read(monkeypatch, grad_zscore)
             pass
 
     class OnCuda(SpikeGuard):
+        def init(self, state, logger):
+            super().init(state, logger)
+            self._before_step = True  # what a CUDA model gets: the loss's copy starts before the optimizer step
+
         def after_train_batch(self, state, logger):
             super().after_train_batch(state, logger)
             self._to_host(state.loss, self._norm)  # what a CUDA loss takes

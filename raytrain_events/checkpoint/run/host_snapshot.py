@@ -1,9 +1,10 @@
 """`HostSnapshots`: the last two good states of a run in host memory, restored without a storage read.
 
 A snapshot is what a checkpoint restores (`State.state_dict`: model, optimizers, schedulers, loss
-scaler, algorithms, callbacks) plus every RNG (``rng.py``), copied off the training tensors by a
-`HostStager` (``staging.py``: buffers allocated at the first snapshot and reused by every later one,
-pinned for CUDA sources, DTensor shards kept as shards). Each rank snapshots its own state at the
+scaler, algorithms, callbacks) plus every RNG (``rng.py``'s in-memory capture: the generators' own
+state objects, never serialized), copied off the training tensors by a `HostStager` (``staging.py``:
+buffers allocated at the first snapshot and reused by every later one, pinned for CUDA sources,
+DTensor shards kept as shards). Each rank snapshots its own state at the
 same batches, so a restore on every rank gives back one consistent run state.
 
 Two are kept (`SpikeGuard` needs the newest one *before* a batch whose spike is agreed one batch
@@ -19,7 +20,7 @@ from typing import Any, Callable, Collection, Dict, List, Optional
 
 import torch
 
-from raytrain_events.checkpoint.run.rng import capture_rng_state, restore_rng_state
+from raytrain_events.checkpoint.run.rng import RngInMemory, capture_rng_in_memory, restore_rng_in_memory
 from raytrain_events.checkpoint.run.staging import HostStager
 from raytrain_events.core.state import State
 
@@ -31,7 +32,7 @@ class Snapshot:
     """One host copy: the `State` tree (no timestamp, no skipped counts), the RNGs, and ``meta`` (what the taker recorded)."""
 
     tree: Dict[str, Any]
-    rng: Dict[str, Any]
+    rng: RngInMemory
     meta: Dict[str, Any]
     stager: HostStager
 
@@ -73,7 +74,7 @@ class HostSnapshots:
         tree["callbacks"] = {k: v for k, v in tree["callbacks"].items() if k not in self.exclude}
         staged = stager.stage(tree)
         staged.release()  # this slot's buffers are ours alone: the next snapshot into them may overwrite
-        self.snapshots.append(Snapshot(staged.tree, capture_rng_state(), dict(meta), stager))
+        self.snapshots.append(Snapshot(staged.tree, capture_rng_in_memory(), dict(meta), stager))
 
     def newest(self, accept: Callable[[Dict[str, Any]], bool]) -> Optional[Snapshot]:
         """The newest snapshot whose ``meta`` ``accept`` takes, or None."""
@@ -89,7 +90,7 @@ class HostSnapshots:
         if chosen is None:
             return None
         self.state.load_state_dict(_clone(chosen.tree))
-        restore_rng_state(chosen.rng)
+        restore_rng_in_memory(chosen.rng)
         self.snapshots = self.snapshots[: next(i for i, s in enumerate(self.snapshots) if s is chosen) + 1]
         return dict(chosen.meta)
 

@@ -1,0 +1,41 @@
+"""The RNG copy `HostSnapshots` keeps (`SpikeGuard`'s rollback): the generators' own state objects, never
+serialized, put back exactly (Python's and numpy's cached Gaussian included), and a copy: drawing after the
+capture does not change what a later restore puts back. (Through the Trainer: a rollback under dropout
+ends with the weights of a run that never saw the window, tests/trainer/test_spike_guard.py.)"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+from raytrain_events.checkpoint.run.host_snapshot import HostSnapshots
+from raytrain_events.checkpoint.run.rng import capture_rng_in_memory, restore_rng_in_memory
+from raytrain_events.core.state import State
+
+
+def _draws() -> tuple:
+    return torch.rand(4).tolist(), random.random(), random.gauss(0, 1), np.random.randn(3).tolist()
+
+
+def test_the_in_memory_rng_capture_restores_every_generator_exactly():
+    random.gauss(0, 1)  # a cached second Gaussian on each side: part of the state
+    np.random.randn(1)
+    captured = capture_rng_in_memory()
+    first = _draws()
+    _draws()
+    restore_rng_in_memory(captured)
+    assert _draws() == first
+    restore_rng_in_memory(captured)  # the capture was not changed by the draws after it
+    assert _draws() == first
+
+
+def test_a_host_snapshot_restores_the_rngs_it_took():
+    model = torch.nn.Linear(3, 2)
+    snapshots = HostSnapshots(State(model=model, optimizers=[torch.optim.SGD(model.parameters(), lr=0.1)]))
+    snapshots.take({"batch": 1})
+    first = _draws()
+    snapshots.take({"batch": 2})
+    assert snapshots.restore(lambda meta: meta["batch"] == 1) == {"batch": 1}
+    assert _draws() == first
