@@ -26,15 +26,18 @@ Four parts (issue 50), each printed as a table with medians and spreads ``[min-m
    at its defaults it would hold the whole epoch read ahead, and the arm would measure the loaders
    draining memory). The first 32 batches (the feeder's start and the first read-ahead) are left out.
    Arms interleaved, ``--repeats`` each; the ratio is per repeat.
-4. ``cpu``: the read tasks' work without Ray (in this process, CPU time per sequence, so a loaded
-   machine moves it less than wall time): `pack_reads` (read the token row groups, pack) for every
-   read task of an epoch against `_read_units` of the same sequences written pre-packed (what
-   `ParquetRowGroups`' read tasks do), and, of the first, `pack_runs` alone on the read tokens
-   (the read tasks ship tokens plus runs), and the ranks' `expand_runs` of those runs to
-   ``document_ids``/``position_ids`` (the loader's work per batch); the ratios count both, against
-   the pre-packed read and against reading the same sequences' ``input_ids`` alone (the unpacked path).
-   ``concat`` on the datapath part's documents (Zipf lengths up to 2,000), ``best_fit`` on the same
-   mix cut at 1,024 tokens; seq_len 1024, windows of ``256 * seq_len`` tokens.
+4. ``cpu``: the data path's CPU work per sequence without Ray (in this process, CPU time, so a
+   loaded machine moves it less than wall time), both sides of the object store: the read tasks
+   (`pack_reads`: read the token row groups and pack, with its read (`_window_inputs`) and
+   `pack_runs` apart) and the ranks (`expand_packed` then `table_to_torch` of each rank's part of a
+   batch, 32 sequences), against the same sequences as fixed-length token rows (their ``input_ids``
+   alone, read by `_read_units` as `ParquetRowGroups`' read tasks do, then `table_to_torch`: the same
+   token budget without packing or document masks) and written pre-packed (all four columns). The
+   last column is the goal's measure: rows/s of the packed path over the fixed-length one where CPU
+   bounds it (the inverse ratio of the totals). ``concat`` on the datapath part's documents (Zipf
+   lengths up to 2,000), ``best_fit`` on the same mix cut at 1,024 tokens; seq_len 1024, windows of
+   ``256 * seq_len`` tokens. ``--code DIR`` imports ``raytrain_events`` from another tree (run two
+   trees alternately to compare them under the same load).
 """
 
 from __future__ import annotations
@@ -291,6 +294,7 @@ def _cpu_row(folder: str, policy: str, longest: int, repeats: int) -> str:  # no
         "alone": [_read_units(alone.paths, r, None, None) for r in alone_reads],
     }
     arms: Dict[str, List[float]] = {k: [] for k in ("alone", "plain", "full", "read", "pack", "expand")}
+    rank(blocks["alone"][:1], False)  # imports torch: outside the timed repeats
     for _ in range(repeats):  # arms interleaved
         arms["alone"].append(
             _cpu_per_sequence(lambda: [_read_units(alone.paths, r, None, None) for r in alone_reads], n)
