@@ -26,15 +26,18 @@ Four parts (issue 50), each printed as a table with medians and spreads ``[min-m
    at its defaults it would hold the whole epoch read ahead, and the arm would measure the loaders
    draining memory). The first 32 batches (the feeder's start and the first read-ahead) are left out.
    Arms interleaved, ``--repeats`` each; the ratio is per repeat.
-4. ``cpu``: the read tasks' work without Ray (in this process, CPU time per sequence, so a loaded
-   machine moves it less than wall time): `pack_reads` (read the token row groups, pack) for every
-   read task of an epoch against `_read_units` of the same sequences written pre-packed (what
-   `ParquetRowGroups`' read tasks do), and, of the first, `pack_runs` alone on the read tokens
-   (the read tasks ship tokens plus runs), and the ranks' `expand_runs` of those runs to
-   ``document_ids``/``position_ids`` (the loader's work per batch); the ratios count both, against
-   the pre-packed read and against reading the same sequences' ``input_ids`` alone (the unpacked path).
-   ``concat`` on the datapath part's documents (Zipf lengths up to 2,000), ``best_fit`` on the same
-   mix cut at 1,024 tokens; seq_len 1024, windows of ``256 * seq_len`` tokens.
+4. ``cpu``: the data path's CPU work per sequence without Ray (in this process, CPU time, so a
+   loaded machine moves it less than wall time), both sides of the object store: the read tasks
+   (`pack_reads`: read the token row groups and pack, with its read (`_window_inputs`) and
+   `pack_runs` apart) and the ranks (`expand_packed` then `table_to_torch` of each rank's part of a
+   batch, 32 sequences), against the same sequences as fixed-length token rows (their ``input_ids``
+   alone, read by `_read_units` as `ParquetRowGroups`' read tasks do, then `table_to_torch`: the same
+   token budget without packing or document masks) and written pre-packed (all four columns). The
+   last column is the goal's measure: rows/s of the packed path over the fixed-length one where CPU
+   bounds it (the inverse ratio of the totals). ``concat`` on the datapath part's documents (Zipf
+   lengths up to 2,000), ``best_fit`` on the same mix cut at 1,024 tokens; seq_len 1024, windows of
+   ``256 * seq_len`` tokens. ``--code DIR`` imports ``raytrain_events`` from another tree (run two
+   trees alternately to compare them under the same load).
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+# the packing tests' token files (`write_tokens`)
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data", "ray"))
 
 
 def _spread(values: List[float], digits: int = 1) -> str:
@@ -192,11 +197,9 @@ def _datapath_row(folder: str, policy: str, longest: int, repeats: int) -> Any:
     sequences written pre-packed (what it yields: 16 bytes per token); their ``input_ids`` alone
     (fixed-length token rows, as a run without packing and document masks reads: 4 bytes per token)."""
     import ray
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "ray"))
     from packed_data import write_tokens
 
-    from raytrain_events.data.ray.packed_source import _BYTES_PER_TOKEN, PackedTokens
+    from raytrain_events.data.ray.packed_source import PackedTokens
     from raytrain_events.data.ray.parquet_seek import AHEAD_BYTES, READ_BYTES, ParquetRowGroups
 
     paths, _ = write_tokens(
@@ -209,7 +212,7 @@ def _datapath_row(folder: str, policy: str, longest: int, repeats: int) -> Any:
         # ParquetRowGroups sizes them by the footers' encoded bytes, here far below the decoded ones.
         _write_prepacked(packed, os.path.join(folder, name), columns)
         footer = ParquetRowGroups(os.path.join(folder, name))
-        encoded = sum(footer.sizes.values()) / (packed.count() * 1024 * _BYTES_PER_TOKEN)
+        encoded = sum(footer.sizes.values()) / sum(packed.window_bytes)
         arms[name] = ParquetRowGroups(
             os.path.join(folder, name), read_bytes=int(READ_BYTES * encoded), ahead_bytes=int(AHEAD_BYTES * encoded)
         )
@@ -229,34 +232,39 @@ def _datapath_row(folder: str, policy: str, longest: int, repeats: int) -> Any:
     return row, note
 
 
-def _cpu_per_sequence(work: Any, sequences: int, repeats: int) -> List[float]:
-    out = []
-    for _ in range(repeats):
-        start = time.process_time()
-        work()
-        out.append((time.process_time() - start) / sequences * 1e6)
-    return out
+def _cpu_per_sequence(work: Any, sequences: int) -> float:
+    start = time.process_time()
+    work()
+    return (time.process_time() - start) / sequences * 1e6
 
 
 def cpu_part(out: str, repeats: int) -> None:
-    print("\n## Read tasks' CPU per sequence (us; no Ray; seq_len 1024, windows of 256 sequences)\n")
     print(
-        "| policy | tokens-only read | pre-packed Parquet read | PackedTokens read + pack | of which pack_runs "
-        "| rank: expand_runs | (read + pack + expand) / pre-packed | (read + pack + expand) / tokens only |"
+        "\n## Data path CPU per sequence (us; no Ray; seq_len 1024, windows of 256 sequences, ranks' batches of 32)\n"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(
+        "| policy | fixed-length rows: read + rank | pre-packed 4 columns: read + rank | packed: read + pack "
+        "| of which read | of which pack_runs | packed: rank (expand + tensors) | packed total "
+        "| rows/s packed / fixed-length |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for policy, longest in (("concat", 2_000), ("best_fit", 1_024)):
         print(_cpu_row(os.path.join(out, f"cpu-{policy}"), policy, longest, repeats))
 
 
-def _cpu_row(folder: str, policy: str, longest: int, repeats: int) -> str:
-    import pyarrow.parquet as pq
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "ray"))
+def _cpu_row(folder: str, policy: str, longest: int, repeats: int) -> str:  # noqa: PLR0914 (one table row)
+    """The data path's CPU work per sequence, both sides of the object store, arms interleaved: the
+    read tasks (`pack_reads`: read the token row groups and pack; or `_read_units` of the same
+    sequences written out pre-packed, or their ``input_ids`` alone: fixed-length token rows, the same
+    token budget without packing or document masks) and the ranks (`expand_packed` then
+    `table_to_torch` of each rank's part of a batch, 32 sequences; or `table_to_torch` alone). Rows/s
+    of the data path with packing against without, where CPU bounds it, is the inverse ratio of the
+    totals."""
     from packed_data import write_tokens
 
-    from raytrain_events.core.packing import expand_runs, pack_runs
-    from raytrain_events.data.ray.packed_source import PackedTokens, pack_reads
+    from raytrain_events.core.packing import pack_runs
+    from raytrain_events.data.ray.batch_tensors import table_to_torch
+    from raytrain_events.data.ray.packed_source import PackedTokens, _window_inputs, expand_packed, pack_reads
     from raytrain_events.data.ray.parquet_seek import ParquetRowGroups, _read_units
 
     paths, _ = write_tokens(
@@ -268,39 +276,42 @@ def _cpu_row(folder: str, policy: str, longest: int, repeats: int) -> str:
     _write_prepacked(source, os.path.join(folder, "tokens"), ["input_ids"])
     alone = ParquetRowGroups(os.path.join(folder, "tokens"))  # fixed-length token rows: the unpacked path
     n = source.count()
-    packed_reads = [[source.window_args(w) for w in group] for group in source.reads(list(range(len(source.windows))))]
+    window_args = [source.window_args(w) for w in range(len(source.windows))]
+    packed_reads = [[window_args[w] for w in group] for group in source.reads(list(range(len(source.windows))))]
     plain_reads = [[(f, g) for f, g, _ in group] for group in plain.reads(plain.units)]
     alone_reads = [[(f, g) for f, g, _ in group] for group in alone.reads(alone.units)]
-    windows = []  # each window's tokens, lengths and ids, read as the read task reads them
-    for w in range(len(source.windows)):
-        args = source.window_args(w)
-        tables = [pq.ParquetFile(args["paths"][f]).read_row_group(g) for f, g in args["units"]]
-        values = [t.column("input_ids").combine_chunks() for t in tables]
-        windows.append(
-            (
-                np.concatenate([v.flatten().to_numpy() for v in values]),
-                np.concatenate([v.value_lengths().to_numpy() for v in values]).astype(np.int64),
-                np.concatenate([t.column("document_id").to_numpy() for t in tables]),
-            )
-        )
-    base: List[float] = []
-    tokens: List[float] = []
-    full: List[float] = []
-    pack: List[float] = []
-    expand: List[float] = []  # the ranks' part: runs to document_ids/position_ids (the loader's expand_packed)
-    runs = [pack_runs(t, k, i, 1024, policy) for t, k, i in windows]
+    inputs = [_window_inputs(args) for args in window_args]
+
+    def rank(blocks: List[Any], expand: bool) -> None:  # each rank's part of each batch, as the loader makes it
+        for block in blocks:
+            for at in range(0, block.num_rows, 32):
+                part = [block.slice(at, 32)]
+                table_to_torch((expand_packed(part) if expand else part)[0])
+
+    blocks = {
+        "packed": [pack_reads(r) for r in packed_reads],
+        "plain": [_read_units(plain.paths, r, None, None) for r in plain_reads],
+        "alone": [_read_units(alone.paths, r, None, None) for r in alone_reads],
+    }
+    arms: Dict[str, List[float]] = {k: [] for k in ("alone", "plain", "full", "read", "pack", "expand")}
+    rank(blocks["alone"][:1], False)  # imports torch: outside the timed repeats
     for _ in range(repeats):  # arms interleaved
-        base += _cpu_per_sequence(lambda: [_read_units(plain.paths, r, None, None) for r in plain_reads], n, 1)
-        tokens += _cpu_per_sequence(lambda: [_read_units(alone.paths, r, None, None) for r in alone_reads], n, 1)
-        full += _cpu_per_sequence(lambda: [pack_reads(r) for r in packed_reads], n, 1)
-        pack += _cpu_per_sequence(lambda: [pack_runs(t, k, i, 1024, policy) for t, k, i in windows], n, 1)
-        expand += _cpu_per_sequence(lambda: [expand_runs(*r[1:], 1024) for r in runs], n, 1)
-    ratios = [(f + e) / b for f, e, b in zip(full, expand, base)]
-    against = [(f + e) / t for f, e, t in zip(full, expand, tokens)]
-    return (
-        f"| {policy} | {_spread(tokens)} | {_spread(base)} | {_spread(full)} | {_spread(pack)} | {_spread(expand)} "
-        f"| {_spread(ratios, 2)} | {_spread(against, 2)} |"
-    )
+        arms["alone"].append(
+            _cpu_per_sequence(lambda: [_read_units(alone.paths, r, None, None) for r in alone_reads], n)
+            + _cpu_per_sequence(lambda: rank(blocks["alone"], False), n)
+        )
+        arms["plain"].append(
+            _cpu_per_sequence(lambda: [_read_units(plain.paths, r, None, None) for r in plain_reads], n)
+            + _cpu_per_sequence(lambda: rank(blocks["plain"], False), n)
+        )
+        arms["full"].append(_cpu_per_sequence(lambda: [pack_reads(r) for r in packed_reads], n))
+        arms["read"].append(_cpu_per_sequence(lambda: [_window_inputs(args) for args in window_args], n))
+        arms["pack"].append(_cpu_per_sequence(lambda: [pack_runs(t, k, i, 1024, policy) for t, k, i in inputs], n))
+        arms["expand"].append(_cpu_per_sequence(lambda: rank(blocks["packed"], True), n))
+    total = [f + e for f, e in zip(arms["full"], arms["expand"])]
+    rate = [a / t for a, t in zip(arms["alone"], total)]
+    cells = [_spread(arms[k]) for k in ("alone", "plain", "full", "read", "pack", "expand")]
+    return f"| {policy} | " + " | ".join(cells) + f" | {_spread(total)} | {_spread(rate, 3)} |"
 
 
 def main() -> None:
@@ -308,7 +319,12 @@ def main() -> None:
     parser.add_argument("--parts", default="efficiency,tokenize,datapath,cpu")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cpus", type=int, default=4, help="logical CPUs of the local Ray (default 4)")
+    parser.add_argument(
+        "--code", default=None, help="import raytrain_events from this tree instead (compare two trees' cpu parts)"
+    )
     args = parser.parse_args()
+    if args.code:
+        sys.path.insert(0, os.path.abspath(args.code))
     parts = args.parts.split(",")
     out = tempfile.mkdtemp(prefix="bench-packing-")
     data = corpus(out) if {"efficiency", "tokenize"} & set(parts) else {}

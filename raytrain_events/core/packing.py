@@ -27,7 +27,7 @@ token itself (``pad_id`` on padding). Real tokens are the non-padding ones
 (``document_ids != PAD_DOCUMENT``); a sequence's count is kept with it (``num_tokens``).
 
 Cost: ``concat`` is O(tokens) array work per window (no Python loop over documents or sequences:
-copies and ``np.repeat`` into the output, no index arrays); ``best_fit`` is O(d log d) for the
+one copy of the tokens into the output, its runs O(documents + sequences) index work, no sort); ``best_fit`` is O(d log d) for the
 window's ``d`` documents (a sorted list of open sequences' free room, searched by bisection; one
 Python step per (document length, open sequence) pair, documents over half ``seq_len`` as arrays;
 radix sorts of 16-bit keys), then O(tokens) array work laying the sequences out as runs of whole
@@ -38,8 +38,8 @@ copy after packing.
 Compact form (`Runs`, `pack_runs`): the tokens plus each sequence's documents as *runs* (a
 document's piece in one sequence: its id and length, ``cu_seqlens`` style), 4 bytes per token and
 12 per run, where the expanded ``document_ids``/``position_ids`` add 12 bytes per token.
-`expand_runs` makes them (two ``np.repeat``); `pack_window` is `pack_runs` then `expand_runs`, so
-both forms come from one path. The data path ships runs and expands on the rank
+`expand_runs` makes them for a whole batch at once (two ``np.repeat`` over all its runs, no step per
+sequence); `pack_window` is `pack_runs` then `expand_runs`, so both forms come from one path. The data path ships runs and expands on the rank
 (`raytrain_events.data.ray.packed_source`).
 """
 
@@ -212,7 +212,7 @@ def pack_window(  # noqa: PLR0913 (the window's arrays, then how to pack them)
 
 
 def pack_runs(  # noqa: PLR0913 (the window's arrays, then how to pack them)
-    tokens: np.ndarray,
+    tokens: np.ndarray | Sequence[np.ndarray],
     lengths: Sequence[int] | np.ndarray,
     document_ids: Sequence[int] | np.ndarray,
     seq_len: int,
@@ -225,14 +225,19 @@ def pack_runs(  # noqa: PLR0913 (the window's arrays, then how to pack them)
     array to write into). The tokens are laid out by whole-window array work, with no loop over
     documents or sequences: ``concat`` copies them in place, its runs are the documents cut at every
     ``seq_len``-th token; ``best_fit`` gathers each sequence's documents in place order (`_lay_out`,
-    after `_place` chose the places)."""
+    after `_place` chose the places). ``tokens`` may be a list of arrays of one dtype, the window's
+    tokens in order (a Parquet read's decoded chunks): each is copied once, straight to its place."""
     check_policy(policy, seq_len)
     lengths = np.asarray(lengths, dtype=np.int64)
     ids = np.asarray(document_ids, dtype=np.int64)
-    total = int(lengths.sum())
-    if len(ids) != len(lengths) or total != len(tokens):
+    chunks = [tokens] if isinstance(tokens, np.ndarray) else list(tokens)
+    dtype = chunks[0].dtype if chunks else np.dtype(np.int32)
+    if any(c.dtype != dtype or c.ndim != 1 for c in chunks):
+        raise ValueError(f"{what}: token arrays of {sorted({str(c.dtype) for c in chunks})}: give one dtype, 1-d.")
+    total, given = int(lengths.sum()), sum(len(c) for c in chunks)
+    if len(ids) != len(lengths) or total != given:
         raise ValueError(
-            f"{what}: {len(tokens)} tokens, {len(lengths)} lengths summing to {total}, "
+            f"{what}: {given} tokens, {len(lengths)} lengths summing to {total}, "
             f"{len(ids)} document ids: they must agree."
         )
     if policy == "best_fit":
@@ -241,21 +246,36 @@ def pack_runs(  # noqa: PLR0913 (the window's arrays, then how to pack them)
     else:
         n = -(-total // seq_len)
     if out is None:
-        out = np.empty((n, seq_len), dtype=tokens.dtype)
+        out = np.empty((n, seq_len), dtype=dtype)
     elif len(out) != n:
         raise PackingError(f"{what} packs into {n} sequences; out holds {len(out)}.")
-    elif out.shape != (n, seq_len) or out.dtype != tokens.dtype or not out.flags.c_contiguous:
+    elif out.shape != (n, seq_len) or out.dtype != dtype or not out.flags.c_contiguous:
         raise ValueError(
-            f"{what} packs into {n} sequences of {seq_len} {tokens.dtype} tokens; out is {out.dtype}{list(out.shape)}."
+            f"{what} packs into {n} sequences of {seq_len} {dtype} tokens; out is {out.dtype}{list(out.shape)}."
         )
     if policy == "best_fit":
-        return _lay_out(tokens, lengths, ids, seq_len, fills, seq, placement, pad_id, out)
+        return _lay_out(chunks, lengths, ids, seq_len, fills, seq, placement, pad_id, out)
     flat = out.reshape(-1)
-    flat[:total], flat[total:] = tokens, pad_id
-    starts = (np.cumsum(lengths) - lengths)[lengths > 0]  # each non-empty document's first token
-    bounds = np.union1d(starts, np.arange(0, total, seq_len))  # runs start there: documents cut at sequence ends
+    _copy_chunks(chunks, flat)
+    flat[total:] = pad_id
+    return _concat_runs(lengths, ids, seq_len, n, out)
+
+
+def _concat_runs(lengths: np.ndarray, ids: np.ndarray, seq_len: int, n: int, out: np.ndarray) -> Runs:
+    """``concat``'s runs: each non-empty document, cut where a sequence ends inside it. The cuts
+    inside documents are merged into the documents' starts (both sorted) by one ``np.insert``, with
+    the cut document's id: O(documents + sequences), no sort."""
+    nonempty = lengths > 0
+    sizes, docs = lengths[nonempty], ids[nonempty]
+    starts = np.cumsum(sizes) - sizes  # each non-empty document's first token
+    total = int(starts[-1] + sizes[-1]) if len(sizes) else 0
+    cuts = np.arange(seq_len, total, seq_len)  # where sequences 1.. start (sequence 0 starts a document)
+    at = np.searchsorted(starts, cuts)  # the first document starting at or after each cut
+    inside = starts[np.minimum(at, len(starts) - 1)] != cuts  # a cut inside a document (or after the last start)
+    at = at[inside]
+    bounds = np.insert(starts, at, cuts[inside])  # each run's first token
+    run_doc = np.insert(docs, at, docs[at - 1])  # a cut piece continues the document before it
     run_len = np.diff(bounds, append=total).astype(np.int32)
-    run_doc = ids[lengths > 0][np.searchsorted(starts, bounds, side="right") - 1]
     num = np.full(n, seq_len, dtype=np.int32)
     if n:
         num[-1] = total - (n - 1) * seq_len
@@ -272,36 +292,68 @@ def expand_runs(  # noqa: PLR0913 (the runs, then the output)
 ) -> Tuple[np.ndarray, np.ndarray]:
     """``(document_ids int64, position_ids int32)``, ``(n, seq_len)`` each, of sequences given as
     runs (`Runs`' fields): each token gets its run's document and its place in the run; padding
-    (after a sequence's ``num_tokens``) gets ``PAD_DOCUMENT`` and position 0. O(tokens) array work
-    (two ``np.repeat`` and a subtraction), O(sequences) for the padding's positions. ``out``: the
-    two arrays to write into."""
+    (after a sequence's ``num_tokens``) gets ``PAD_DOCUMENT`` and position 0. ``out``: the two
+    arrays to write into.
+
+    All sequences at once (a batch's, on a rank): the runs and each sequence's padding are laid end
+    to end as *segments*, then two ``np.repeat`` write every token's document and its segment's
+    first column, one subtraction makes the positions, and padding's positions (negative there: a
+    padding segment's first column is set past the row) are clipped to 0 in one pass. No step per
+    sequence: O(runs + sequences) index work, then four passes over the tokens (16 bytes written
+    per token)."""
     n = len(runs)
-    num_tokens = np.asarray(num_tokens)
-    pads = np.cumsum(runs, dtype=np.intp) + np.arange(n)  # each sequence's padding run, after its own
-    real = np.ones(len(documents) + n, dtype=bool)
-    real[pads] = False
-    seg_len = np.empty(len(real), dtype=np.intp)
-    seg_len[real], seg_len[pads] = lengths, seq_len - num_tokens
-    if int(seg_len.sum()) != n * seq_len or (n and int(seg_len.min()) < 0):
+    runs = np.asarray(runs, dtype=np.intp)
+    num_tokens = np.asarray(num_tokens, dtype=np.intp)
+    lengths = np.asarray(lengths, dtype=np.intp)
+    ends = np.cumsum(runs)  # each sequence's end in the runs
+    cum = np.zeros(len(lengths) + 1, dtype=np.intp)
+    np.cumsum(lengths, out=cum[1:])
+    if (
+        len(lengths) != int(ends[-1] if n else 0)
+        or len(documents) != len(lengths)
+        or (len(lengths) and int(lengths.min()) < 0)
+        or (n and (int(num_tokens.max()) > seq_len or not np.array_equal(cum[ends] - cum[ends - runs], num_tokens)))
+    ):
         raise ValueError(
             f"{len(documents)} runs of {int(np.sum(lengths))} tokens and {n} sequences of "
             f"{int(num_tokens.sum())} real tokens do not tile {n} x seq_len={seq_len}: a corrupt packed block."
         )
-    seg_doc = np.empty(len(real), dtype=np.int64)
-    seg_doc[real], seg_doc[pads] = documents, PAD_DOCUMENT
-    first = ((np.cumsum(seg_len) - seg_len) % seq_len).astype(np.int32)  # each run's first column
-    docs, pos = np.repeat(seg_doc, seg_len).reshape(n, seq_len), np.repeat(first, seg_len).reshape(n, seq_len)
+    pad_len = seq_len - num_tokens
+    if n and not pad_len.any():  # no padding (concat's full sequences): the runs tile the rows alone
+        seg_len, seg_doc = lengths, np.asarray(documents, dtype=np.int64)
+        first = (cum[:-1] % seq_len).astype(np.int32)
+    else:  # each sequence's padding as one more segment after its runs
+        pads = ends + np.arange(n)
+        real = np.ones(len(lengths) + n, dtype=bool)
+        real[pads] = False
+        seg_len = np.empty(len(real), dtype=np.intp)
+        seg_len[real], seg_len[pads] = lengths, pad_len
+        seg_doc = np.empty(len(real), dtype=np.int64)
+        seg_doc[real], seg_doc[pads] = documents, PAD_DOCUMENT
+        first = np.empty(len(real), dtype=np.int32)
+        first[real] = cum[:-1] - np.repeat(cum[ends - runs], runs)  # the run's start in its row
+        first[pads] = seq_len  # past the row: padding's positions come out negative, then clipped to 0
+    docs = np.repeat(seg_doc, seg_len).reshape(n, seq_len)
+    pos = np.repeat(first, seg_len).reshape(n, seq_len)
     np.subtract(np.arange(seq_len, dtype=np.int32), pos, out=pos)  # the place in its run
-    for row in np.flatnonzero(num_tokens < seq_len).tolist():  # padding's positions are 0
-        pos[row, int(num_tokens[row]) :] = 0
+    if seg_len is not lengths:
+        np.maximum(pos, 0, out=pos)
     if out is None:  # the repeats' own arrays: no copy
         return docs, pos
     out[0][...], out[1][...] = docs, pos
     return out[0], out[1]
 
 
+def _copy_chunks(chunks: List[np.ndarray], out: np.ndarray) -> None:
+    """``chunks`` end to end into the start of ``out``."""
+    at = 0
+    for chunk in chunks:
+        out[at : at + len(chunk)] = chunk
+        at += len(chunk)
+
+
 def _lay_out(  # noqa: PLR0913 (the window's arrays, the placement, the output)
-    tokens: np.ndarray,
+    chunks: List[np.ndarray],
     lengths: np.ndarray,
     ids: np.ndarray,
     seq_len: int,
@@ -320,7 +372,7 @@ def _lay_out(  # noqa: PLR0913 (the window's arrays, the placement, the output)
     ``tokens`` (padding: past the end, where a pad row of ``seq_len`` tokens is appended); then every
     output token gathers from its segment's start plus its place in it. O(tokens) for the window,
     O(d log d) to order its ``d`` documents."""
-    n, total = len(fills), len(tokens)
+    n, total = len(fills), int(lengths.sum())
     # Output order: by sequence, then offset. Placed in ``placement`` order, a sequence's documents
     # took its room in order, so a stable sort by sequence alone is that order.
     placed = placement[np.argsort(seq[placement].astype(_small(n)), kind="stable")]
@@ -336,8 +388,9 @@ def _lay_out(  # noqa: PLR0913 (the window's arrays, the placement, the output)
     # fast path (int32 indices or mode="raise" cost a conversion pass or a bounds check).
     index = np.repeat(seg_src - (np.cumsum(seg_len) - seg_len), seg_len)  # source start - output start
     index += np.arange(n * seq_len, dtype=np.intp)  # where each output token is in ``source``
-    source = np.empty(total + seq_len, dtype=tokens.dtype)  # the tokens, then a pad row for the padding to read
-    source[:total], source[total:] = tokens, pad_id
+    source = np.empty(total + seq_len, dtype=out.dtype)  # the tokens, then a pad row for the padding to read
+    _copy_chunks(chunks, source)
+    source[total:] = pad_id
     np.take(source, index, out=out.reshape(-1), mode="clip")
     num = np.asarray(fills, dtype=np.int32)
     return Runs(out, ids[placed], lengths[placed].astype(np.int32), runs.astype(np.int32), num)

@@ -25,13 +25,14 @@ kept: one integer per window. Cost at scale: that build is O(documents) once per
 one read per row group); the feeder holds the per-window counts (8 bytes each) and, as for any
 source, the blocks between the slowest rank and its pull front: with 512 ranks a global batch of
 ``512 * b`` sequences spans ``512 * b / (window sequences)`` windows, one block each. Packing runs
-in the read tasks (one Ray task packs consecutive windows up to about 16 MiB of the batch's columns,
-as `ParquetRowGroups` sizes its reads, 64 MiB ahead of the feeder; O(tokens) array work plus O(d log d)
-for best_fit), never on the feeder or a rank; a rank's part of a batch is one or two
+in the read tasks (one Ray task packs consecutive windows up to about 16 MiB of compact blocks,
+`block_bytes`, as `ParquetRowGroups` sizes its reads, 64 MiB ahead of the feeder; O(tokens) array work
+plus O(d log d) for best_fit), never on the feeder or a rank; a rank's part of a batch is one or two
 slices of window blocks, cut where the blocks are. A block holds the tokens and each sequence's
-documents as runs (`pack_reads`: about 4 bytes per token into the object store and across nodes,
-not the batch's 16); the rank expands its rows to ``document_ids``/``position_ids`` (`expand_packed`,
-called by the loader on every batch: O(tokens) array work, 12 bytes written per token).
+documents as runs (`pack_reads`: 4 + 12 / (mean document tokens) bytes per int32 token into the
+object store and across nodes, 4.35 for documents of 34 tokens, not the batch's 16); the rank expands
+its rows to ``document_ids``/``position_ids`` (`expand_packed`, called by the loader on every batch:
+one whole-batch pass of O(tokens) array work, 12 bytes written per token).
 
 Document ids are the ``document_id`` column when the files have one (`tokenize` writes it), else
 the document's row number in the source (files in order, row groups in order): the same in every
@@ -47,6 +48,7 @@ and a sequence's count would be known only by packing the mixed stream from the 
 
 from __future__ import annotations
 
+import itertools
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -65,7 +67,6 @@ from raytrain_events.data.ray.parquet_seek import (
     AHEAD_BYTES,
     READ_BYTES,
     ParquetRowGroups,
-    _read_units,
     is_seekable,
     stream_entry,
 )
@@ -73,7 +74,15 @@ from raytrain_events.data.ray.parquet_seek import (
 __all__ = ["PackedTokens", "count_real_tokens", "VOCAB_KEY"]
 
 VOCAB_KEY = b"raytrain_events.vocab_size"  # Parquet key-value metadata `tokenize` writes: the tokenizer's vocabulary
-_BYTES_PER_TOKEN = 16  # a batch's columns per token: input_ids (int32), document_ids (int64), position_ids (int32)
+
+
+def block_bytes(sequences: int, documents: int, seq_len: int, token_bytes: int) -> int:
+    """Bytes of a compact packed block (`pack_reads`) of ``sequences`` packed from ``documents``
+    non-empty documents, at most: the tokens, per sequence ``num_tokens`` and the two run lists'
+    offsets (int32 each), per run its document (int64) and length (int32), with at most ``documents
+    + sequences`` runs (a sequence end cuts at most one document). About ``token_bytes`` per token and
+    a little (4.3 bytes per int32 token for documents of ~100 tokens), where the expanded batch is 16."""
+    return sequences * (seq_len * token_bytes + 12) + (documents + sequences) * 12
 
 
 def count_real_tokens(batch: Any) -> int:
@@ -138,6 +147,8 @@ class PackedTokens:
         lengths = self._lengths()
         self.windows: List[Tuple[int, int]] = []  # (first unit, end unit) of each window
         self.window_sequences: List[int] = []
+        self.window_bytes: List[int] = []  # each window's compact block, at most (`block_bytes`): sizes reads
+        token_bytes = np.dtype(_token_dtype(kind.value_type)).itemsize
         self.bases = [int(b) for b in bases[:-1]]  # each unit's first document row (file order)
         start, tokens = 0, 0
         for u, unit_lengths in enumerate(lengths):
@@ -149,6 +160,8 @@ class PackedTokens:
                 if count:
                     self.windows.append((start, u + 1))
                     self.window_sequences.append(count)
+                    documents = int(np.count_nonzero(window_lengths))
+                    self.window_bytes.append(block_bytes(count, documents, seq_len, token_bytes))
                 start, tokens = u + 1, 0
         self.documents = int(bases[-1])
         self.real_tokens = int(sum(int(x.sum()) for x in lengths))
@@ -266,7 +279,7 @@ class PackedTokens:
         size = 0
         for w in windows:
             current.append(w)
-            size += self.window_sequences[w] * self.seq_len * _BYTES_PER_TOKEN
+            size += self.window_bytes[w]
             if size >= READ_BYTES:
                 out.append(current)
                 current, size = [], 0
@@ -284,7 +297,7 @@ class PackedTokens:
                 group = next(todo, None)
                 if group is None:
                     break
-                size = sum(self.window_sequences[w] for w in group) * self.seq_len * _BYTES_PER_TOKEN
+                size = sum(self.window_bytes[w] for w in group)
                 pending.append((task.remote([self.window_args(w) for w in group]), group, size))
                 in_flight += size
             if not pending:
@@ -308,7 +321,7 @@ def pack_reads(windows: List[Dict[str, Any]]) -> Any:
     The block holds each sequence's tokens (``input_ids``, a fixed-size list), ``num_tokens``, and
     its documents as runs (``run_documents`` int64, ``run_lengths`` int32: lists, `core.packing.Runs`;
     the ``run_lengths`` column marks the form): about 4 bytes per token instead of the batch's 16
-    (`_BYTES_PER_TOKEN`). A rank expands the rows of its batch (`expand_packed`, in the loader), so
+    (`block_bytes`). A rank expands the rows of its batch (`expand_packed`, in the loader), so
     the batch is the same as ever. Each window's tokens are packed straight into their rows of the
     block (`pack_runs` with ``out``); the Arrow columns are zero-copy views of those arrays."""
     import pyarrow as pa
@@ -316,7 +329,9 @@ def pack_reads(windows: List[Dict[str, Any]]) -> Any:
     inputs = [_window_inputs(args) for args in windows]
     seq_len = windows[0]["seq_len"]
     counts = [args["expected"] for args in windows]
-    block = np.empty((sum(counts), seq_len), dtype=inputs[0][0].dtype)
+    # The token type: the windows hold tokens (the driver counted them), so some chunk does.
+    dtype = next(c.dtype for chunks, _, _ in inputs for c in chunks)
+    block = np.empty((sum(counts), seq_len), dtype=dtype)
     parts: List[Runs] = []
     at = 0
     for args, (tokens, lengths, ids), count in zip(windows, inputs, counts):
@@ -347,30 +362,44 @@ def expand_packed(parts: List[Any]) -> List[Any]:
     """The parts of a batch (Arrow tables), compact packed blocks (`pack_reads`) joined and expanded
     to the public columns: ``input_ids``, ``document_ids`` (int64), ``position_ids`` (int32),
     ``num_tokens`` (`core.packing.expand_runs`); any other parts as they are. On a rank, per batch:
-    O(tokens) array work (12 bytes written per token), the tokens themselves not copied."""
+    one `expand_runs` over all its runs (O(tokens) array work, 12 bytes written per token), the run
+    lists read as NumPy views of their Arrow buffers, the tokens themselves not copied."""
     import pyarrow as pa
-    import pyarrow.compute as pc
 
     if not parts or not all(isinstance(p, pa.Table) and "run_lengths" in p.column_names for p in parts):
         return parts
-    table = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
-    seq_len = table.schema.field("input_ids").type.list_size  # a fixed-size list (`pack_reads`)
-    documents, lengths = (table.column(c).combine_chunks() for c in ("run_documents", "run_lengths"))
-    num_tokens = table.column("num_tokens")
-    document_ids, position_ids = expand_runs(
-        documents.flatten().to_numpy(),
-        lengths.flatten().to_numpy(),
-        pc.list_value_length(documents).to_numpy(),
-        num_tokens.to_numpy(),
-        seq_len,
-    )
+    seq_len = parts[0].schema.field("input_ids").type.list_size  # a fixed-size list (`pack_reads`)
+    documents, lengths, runs = _run_lists(parts, "run_documents"), _run_lists(parts, "run_lengths"), []
+    for part in parts:
+        for chunk in part.column("run_lengths").chunks:
+            runs.append(np.diff(chunk.offsets.to_numpy()))
+    num_tokens = pa.chunked_array([c for p in parts for c in p.column("num_tokens").chunks], pa.int32())
+    document_ids, position_ids = expand_runs(documents, lengths, _joined(runs), num_tokens.to_numpy(), seq_len)
 
     def fixed(values: np.ndarray) -> Any:
         return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), seq_len)
 
-    columns = {"input_ids": table.column("input_ids"), "document_ids": fixed(document_ids)}
-    columns.update(position_ids=fixed(position_ids), num_tokens=num_tokens)
+    input_ids = [c for p in parts for c in p.column("input_ids").chunks]
+    columns = {"input_ids": pa.chunked_array(input_ids, parts[0].schema.field("input_ids").type)}
+    columns.update(document_ids=fixed(document_ids), position_ids=fixed(position_ids), num_tokens=num_tokens)
     return [pa.table(columns)]
+
+
+def _run_lists(parts: List[Any], name: str) -> np.ndarray:
+    """The flat values of the list column ``name`` over ``parts``' rows: NumPy views of each chunk's
+    values buffer between its first and last offset (joined when the batch spans chunks)."""
+    pieces = []
+    for part in parts:
+        for chunk in part.column(name).chunks:
+            offsets = chunk.offsets.to_numpy()  # the chunk's (a slice's) own offsets, len + 1
+            pieces.append(chunk.values.to_numpy()[offsets[0] : offsets[-1]])
+    return _joined(pieces)
+
+
+def _joined(pieces: List[np.ndarray]) -> np.ndarray:
+    if not pieces:  # no rows
+        return np.zeros(0, dtype=np.int64)
+    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
 
 def pack_read(**args: Any) -> Any:
@@ -378,26 +407,61 @@ def pack_read(**args: Any) -> Any:
     return expand_packed([pack_reads([args])])[0]
 
 
-def _window_inputs(args: Dict[str, Any]) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Read one window's row groups: ``(tokens end to end, each document's length, its id)``,
-    refusing token ids outside the vocabulary."""
+def _window_inputs(args: Dict[str, Any]) -> Tuple[List[np.ndarray], np.ndarray, np.ndarray]:
+    """Read one window's row groups: ``(its tokens end to end as the decoded chunks, each document's
+    length, its id)``, refusing token ids outside the vocabulary.
 
-    table = _read_units(args["paths"], args["units"], args["filesystem"], args["columns"])
-    values = table.column(args["tokens_column"])
-    lengths = _list_lengths(values)
-    tokens = _flat_values(values)
-    if args["id_column"]:
-        ids = table.column(args["id_column"]).to_numpy().astype(np.int64)
-    else:  # each document's row number in the source (a window's row groups are consecutive)
-        ids = args["bases"][0] + np.arange(table.num_rows, dtype=np.int64)
+    The token lists are read as Arrow hands them over: each chunk's flat values and offsets buffers as
+    NumPy views (no per-row object, no copy: `pack_runs` copies the chunks straight into the block),
+    the lengths from the offsets."""
+    import pyarrow.compute as pc
+
+    paths, filesystem, columns = args["paths"], args["filesystem"], args["columns"]
+    chunks: List[np.ndarray] = []
+    lengths: List[np.ndarray] = []
+    ids: List[np.ndarray] = []
     vocab = args["vocab_size"]
-    if vocab is not None and len(tokens) and (int(tokens.max()) >= vocab or int(tokens.min()) < 0):
+    low, high = np.iinfo(np.int64).max, -1  # the tokens' least and greatest id (checked against the vocabulary)
+    for table in _row_groups(paths, args["units"], filesystem, columns):
+        for chunk in table.column(args["tokens_column"]).chunks:
+            if chunk.null_count:  # a null list holds no tokens (its offsets may span some: Arrow allows it)
+                lengths.append(pc.fill_null(pc.list_value_length(chunk), 0).to_numpy().astype(np.int64))
+                values = chunk.flatten()
+            else:
+                offsets = chunk.offsets.to_numpy()  # the slice's offsets: len + 1
+                lengths.append(np.diff(offsets).astype(np.int64))
+                values = chunk.values.slice(offsets[0], offsets[-1] - offsets[0])
+            if values.null_count:
+                raise ValueError("A token list holds nulls: token ids must all be integers (tokenize again).")
+            if vocab is not None and len(values):
+                low_high = pc.min_max(values)  # one pass over the tokens
+                low, high = min(low, low_high["min"].as_py()), max(high, low_high["max"].as_py())
+            chunks.append(values.to_numpy())
+        if args["id_column"]:
+            ids.append(table.column(args["id_column"]).to_numpy().astype(np.int64))
+    length = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
+    if args["id_column"]:
+        document_ids = np.concatenate(ids)
+    else:  # each document's row number in the source (a window's row groups are consecutive)
+        document_ids = args["bases"][0] + np.arange(len(length), dtype=np.int64)
+    if vocab is not None and (high >= vocab or low < 0):
         raise ValueError(
-            f"{args['what']} ({args['paths'][args['units'][0][0]]}): token ids {int(tokens.min())}.."
-            f"{int(tokens.max())} are outside the model's vocabulary [0, {vocab}). Fix: tokenize with "
-            "the model's tokenizer, or a model with a larger vocab_size."
+            f"{args['what']} ({paths[args['units'][0][0]]}): token ids {low}..{high} are outside the "
+            f"model's vocabulary [0, {vocab}). Fix: tokenize with the model's tokenizer, or a model "
+            "with a larger vocab_size."
         )
-    return tokens, lengths, ids
+    return chunks, length, document_ids
+
+
+def _row_groups(paths: List[str], units: List[Tuple[int, int]], filesystem: Any, columns: List[str]) -> Iterator[Any]:
+    """Each row group of ``units`` (file number, row group) as a table, in order; each file opened once."""
+    import pyarrow.parquet as pq
+
+    for f, group in itertools.groupby(units, key=lambda unit: unit[0]):
+        with filesystem.open_input_file(paths[f]) if filesystem is not None else open(paths[f], "rb") as handle:
+            file = pq.ParquetFile(handle, pre_buffer=True)
+            for _, g in group:
+                yield file.read_row_group(g, columns=columns)
 
 
 def _token_dtype(kind: Any) -> Any:
@@ -409,13 +473,3 @@ def _list_lengths(values: Any) -> np.ndarray:
     import pyarrow.compute as pc
 
     return pc.fill_null(pc.list_value_length(values), 0).to_numpy().astype(np.int64)
-
-
-def _flat_values(values: Any) -> np.ndarray:
-    import pyarrow as pa
-
-    array = values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
-    flat = array.flatten()
-    if flat.null_count:
-        raise ValueError("A token list holds nulls: token ids must all be integers (tokenize again).")
-    return flat.to_numpy(zero_copy_only=False)

@@ -1,0 +1,90 @@
+"""`core.packing`'s whole-batch array paths write exactly what the per-sequence paths they replaced
+wrote: `expand_runs` (runs to ``document_ids``/``position_ids``, every sequence at once) and
+``concat``'s runs (`_concat_runs`: cuts merged into the documents' starts, no sort), compared element
+by element with the earlier code (kept here as the reference) on Zipf, uniform and edge inputs."""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import numpy as np
+import pytest
+
+from raytrain_events.core.packing import PAD_DOCUMENT, expand_runs, pack_runs
+
+
+def _reference_expand(documents, lengths, runs, num_tokens, seq_len) -> Tuple[np.ndarray, np.ndarray]:
+    """The earlier `expand_runs`: padding as segments, then its positions zeroed one sequence at a time."""
+    n = len(runs)
+    num_tokens = np.asarray(num_tokens)
+    pads = np.cumsum(runs, dtype=np.intp) + np.arange(n)
+    real = np.ones(len(documents) + n, dtype=bool)
+    real[pads] = False
+    seg_len = np.empty(len(real), dtype=np.intp)
+    seg_len[real], seg_len[pads] = lengths, seq_len - num_tokens
+    seg_doc = np.empty(len(real), dtype=np.int64)
+    seg_doc[real], seg_doc[pads] = documents, PAD_DOCUMENT
+    first = ((np.cumsum(seg_len) - seg_len) % seq_len).astype(np.int32)
+    docs, pos = np.repeat(seg_doc, seg_len).reshape(n, seq_len), np.repeat(first, seg_len).reshape(n, seq_len)
+    np.subtract(np.arange(seq_len, dtype=np.int32), pos, out=pos)
+    for row in np.flatnonzero(num_tokens < seq_len).tolist():
+        pos[row, int(num_tokens[row]) :] = 0
+    return docs, pos
+
+
+def _reference_concat_runs(lengths, ids, seq_len) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The earlier ``concat`` runs: the documents' starts and the sequence starts, sorted (``union1d``)."""
+    total = int(lengths.sum())
+    starts = (np.cumsum(lengths) - lengths)[lengths > 0]
+    bounds = np.union1d(starts, np.arange(0, total, seq_len))
+    run_len = np.diff(bounds, append=total).astype(np.int32)
+    run_doc = ids[lengths > 0][np.searchsorted(starts, bounds, side="right") - 1]
+    n = -(-total // seq_len)
+    return run_doc, run_len, np.bincount(bounds // seq_len, minlength=n).astype(np.int32)
+
+
+def _inputs(seq_len: int) -> List[np.ndarray]:
+    rng = np.random.default_rng(seq_len)
+    zipf = np.minimum(rng.zipf(1.5, size=4_000), 2 * seq_len)
+    zipf[rng.random(len(zipf)) < 0.02] = 0
+    return [
+        zipf,  # long tail, a few empty
+        rng.integers(0, 2 * seq_len + 1, size=600),  # every length up to two sequences
+        np.full(50, seq_len),  # each document exactly one sequence: no cut inside one
+        np.array([seq_len * 3 + 1]),  # one document over three sequences and one token
+        np.array([0, 0, 1, 0]),  # one token among empty documents
+        np.zeros(3, dtype=np.int64),  # nothing to pack
+    ]
+
+
+@pytest.mark.parametrize("seq_len", [1, 7, 64, 1024])
+@pytest.mark.parametrize("policy", ["concat", "best_fit"])
+def test_whole_batch_paths_write_what_the_per_sequence_paths_wrote(seq_len: int, policy: str) -> None:
+    rng = np.random.default_rng(seq_len + 11)
+    for lengths in _inputs(seq_len):
+        lengths = lengths.astype(np.int64)
+        if policy == "best_fit":
+            lengths = np.minimum(lengths, seq_len)
+        tokens = rng.integers(1, 50_000, size=int(lengths.sum())).astype(np.int32)
+        ids = rng.permutation(len(lengths)).astype(np.int64) * 3 + 5
+        runs = pack_runs(tokens, lengths, ids, seq_len, policy)
+        if policy == "concat":
+            for got, want in zip(runs[1:4], _reference_concat_runs(lengths, ids, seq_len)):
+                assert got.dtype == want.dtype and got.tolist() == want.tolist()
+        # Every batch a rank could get: the whole window, and cuts of a few sequences anywhere.
+        n = len(runs.runs)
+        ends = np.r_[0, np.cumsum(runs.runs)]
+        for a, b in [(0, n)] + [tuple(sorted(rng.integers(0, n + 1, size=2))) for _ in range(5)]:
+            r = slice(int(ends[a]), int(ends[b]))
+            args = (runs.documents[r], runs.lengths[r], runs.runs[a:b], runs.num_tokens[a:b], seq_len)
+            for got, want in zip(expand_runs(*args), _reference_expand(*args)):
+                assert got.dtype == want.dtype and got.shape == want.shape
+                assert np.array_equal(got, want), (policy, seq_len, len(lengths), a, b)
+
+
+def test_a_block_whose_runs_do_not_tile_its_sequences_is_refused() -> None:
+    """Runs that sum right overall but not per sequence are refused, not expanded into wrong rows."""
+    with pytest.raises(ValueError, match="do not tile .* a corrupt packed block"):
+        expand_runs(np.array([1, 2]), np.array([6, 2]), np.array([1, 1]), np.array([4, 4]), 8)
+    with pytest.raises(ValueError, match="do not tile"):
+        expand_runs(np.array([1]), np.array([9]), np.array([1]), np.array([9]), 8)
