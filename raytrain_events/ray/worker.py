@@ -10,7 +10,7 @@ controller through `RayReporter`; replica groups train each worker alone under t
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from raytrain_events.algorithms.registry import build_algorithms
 from raytrain_events.core.data_spec import DataSpec
@@ -60,26 +60,15 @@ def build_worker(
     plan = plan if plan is not None else RunPlan.of(spec)
     ft = fault_tolerance if fault_tolerance is not None else RestartsWorker(plan.order)
     context = ray.train.get_context()
-    rank = context.get_world_rank()
+    rank, world = context.get_world_rank(), context.get_world_size()
     # Before any collective or data call, on every rank alike: a group that cannot form whole tensor groups
     # (an elastic resize) ends here with the fix, instead of inside the dataset split or the device mesh.
-    check_tensor_parallel_world(context.get_world_size(), spec.tensor_parallel, spec.parallelism_spec.context_parallel)
+    check_tensor_parallel_world(world, spec.tensor_parallel, spec.parallelism_spec.context_parallel)
     device = ray.train.torch.get_device()
+    distributed = world > 1 and ft.shares_process_group
     pg_timeout = process_group_timeout_s(spec.failures.hang_timeout)
-    distributed = context.get_world_size() > 1 and ft.shares_process_group
     dist = TorchDist(device, timeout_s=pg_timeout) if distributed else LocalDist(device)
-    if spec.seed is not None:
-        seed_everything(spec.seed)  # the same initial weights on every rank
-    model = spec.build_model()
-    if not has_meta_tensors(model):  # a meta-device model is materialised by the Trainer, after sharding
-        model.to(device)
-    optimizers = spec.build_optimizers(model)
-    schedulers = spec.build_schedulers(optimizers)
-    algorithms = spec.build_list(spec.algorithms)
-    if algorithms:
-        algorithms = build_algorithms(algorithms)
-    callbacks = spec.build_list(spec.callbacks)
-
+    model, optimizers, schedulers, algorithms, callbacks = _build_objects(spec, device)
     loader_options: Dict[str, Any] = dict(
         device=device,
         collate_fn=spec.data.collate_fn,
@@ -87,20 +76,8 @@ def build_worker(
         columns=spec.data.columns,
     )
     parts = ft.parts(spec, rank, model, optimizers, schedulers, loader_options, plan.checkpoint)
-    evaluators = [
-        Evaluator(
-            label=name,
-            dataloader=ShardLoader(
-                ray.train.get_dataset_shard(name) if parts.eval_shards is None else parts.eval_shards[name],
-                batch_size=spec.data.eval_batch_size or spec.data.batch_size,
-                **loader_options,
-            ),
-            **spec.data.eval_options.get(name, {}),
-        )
-        for name in spec.data.eval_names
-        if name not in async_eval_names(spec.checkpoints.validation, spec.data.eval_names)  # as Ray tasks instead
-    ]
-    counts_data = Parallel(spec.parallelism_spec).counts_data(rank, context.get_world_size())  # TP: one rank per group
+    evaluators = _evaluators(spec, parts, loader_options)
+    counts_data = Parallel(spec.parallelism_spec).counts_data(rank, world)  # TP: one rank per group
     # Every rank arrived, or an error; the preemption guard saves only where the strategy says.
     guards = worker_guards(spec, dist, checkpointing=parts.saves_on_preemption)
     reporter = RayReporter(
@@ -124,6 +101,44 @@ def build_worker(
         checkpoint=parts.checkpoint,
         options=spec,  # a RunSpec is the run's LoopOptions, checked once on the driver
     ), parts
+
+
+def _build_objects(spec: RunSpec, device: Any) -> Tuple[Any, Any, Any, Any, List[Any]]:
+    """The user's objects from the spec's factories, seeded alike on every rank: model (on ``device`` unless it
+    is on the meta device: the Trainer materialises it after sharding), optimizers, schedulers, algorithms,
+    callbacks."""
+    if spec.seed is not None:
+        seed_everything(spec.seed)  # the same initial weights on every rank
+    model = spec.build_model()
+    if not has_meta_tensors(model):
+        model.to(device)
+    optimizers = spec.build_optimizers(model)
+    schedulers = spec.build_schedulers(optimizers)
+    algorithms = spec.build_list(spec.algorithms)
+    if algorithms:
+        algorithms = build_algorithms(algorithms)
+    return model, optimizers, schedulers, algorithms, spec.build_list(spec.callbacks)
+
+
+def _evaluators(spec: RunSpec, parts: WorkerParts, loader_options: Dict[str, Any]) -> List[Evaluator]:
+    """One `Evaluator` per in-loop eval set (the asynchronously validated ones run as Ray tasks instead), over
+    Ray Train's shard of it or the strategy's own (replica groups)."""
+    import ray.train
+
+    validated = async_eval_names(spec.checkpoints.validation, spec.data.eval_names)
+    return [
+        Evaluator(
+            label=name,
+            dataloader=ShardLoader(
+                ray.train.get_dataset_shard(name) if parts.eval_shards is None else parts.eval_shards[name],
+                batch_size=spec.data.eval_batch_size or spec.data.batch_size,
+                **loader_options,
+            ),
+            **spec.data.eval_options.get(name, {}),
+        )
+        for name in spec.data.eval_names
+        if name not in validated
+    ]
 
 
 def train_loop_per_worker(config: Dict[str, Any]) -> Dict[str, Any]:
