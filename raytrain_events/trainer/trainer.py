@@ -157,6 +157,13 @@ class Trainer:
 
         self.engine.run_event(Event.INIT)
         self.engine.refresh()  # algorithms or callbacks may have been added at INIT
+        self._wrap(compile_kwargs, auto_microbatching)
+        if checkpoint is not None:
+            self._attach_checkpoint(checkpoint)
+        self.engine.run_event(Event.AFTER_LOAD)
+
+    def _wrap(self, compile_kwargs: Optional[Dict[str, Any]], auto_microbatching: bool) -> None:
+        """After INIT's model changes: compile, wrap (DDP/FSDP/TP/CP/PP), and the per-batch counters."""
         self.parallel.check(self.state.algorithms)
         if compile_kwargs is not None:  # after INIT's model changes, before DDP/FSDP wraps the model
             compile_model(self.state.model, compile_kwargs)
@@ -176,16 +183,17 @@ class Trainer:
         self._pipeline = pipeline_step(self)  # pipeline parallelism: the schedule runs the batch (None without)
         if self._pipeline is not None:
             self._counters = self._pipeline.counters  # the model's loss rides on the per-batch sum
-        if checkpoint is not None:
-            # why here: defers fsspec until this runs
-            from raytrain_events.checkpoint.run.checkpointer import attach_checkpointing
-            from raytrain_events.checkpoint.run.inference import load_for_inference
 
-            if self.train_spec is None:  # eval/predict only: load the model, nothing to save
-                load_for_inference(self, checkpoint)
-            else:
-                self._checkpointer = attach_checkpointing(self, checkpoint)
-        self.engine.run_event(Event.AFTER_LOAD)
+    def _attach_checkpoint(self, checkpoint: Any) -> None:
+        """Checkpointing for a fit (resume, saves), or, for eval/predict only, the model loaded from it."""
+        # why here: defers fsspec until this runs
+        from raytrain_events.checkpoint.run.checkpointer import attach_checkpointing
+        from raytrain_events.checkpoint.run.inference import load_for_inference
+
+        if self.train_spec is None:  # eval/predict only: load the model, nothing to save
+            load_for_inference(self, checkpoint)
+        else:
+            self._checkpointer = attach_checkpointing(self, checkpoint)
 
     # ------------------------------------------------------------ properties
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
