@@ -37,6 +37,7 @@ from raytrain_events.ray.async_validation import (  # re-exported: the option's 
 
 __all__ = [
     "AsyncValidation",
+    "LATE_KEY",
     "VALIDATE_KEY",
     "VALIDATION_KEY",
     "async_eval_names",
@@ -57,6 +58,9 @@ VALIDATION_KEY = "validation"
 #: The key a checkpoint's history entry carries when the run's `RunHistory` actor is to run its validation (replica
 #: groups: Ray Train never sees their checkpoints); the actor removes it and validates every ``every``-th such entry.
 VALIDATE_KEY = "validate_checkpoint"
+#: A replica-group lead's late save (`core/save_points.py`): the batches of the save points it stands in for, whose
+#: checkpoints were never committed (`RunHistory.add` marks their entries ``checkpoint_lost``).
+LATE_KEY = "checkpoint_late_for"
 
 
 def validates(validation: Optional[AsyncValidation], checkpoints_reported: int) -> bool:
