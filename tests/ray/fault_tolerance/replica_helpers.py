@@ -15,11 +15,11 @@ def live_procs(folder: str) -> list:
     """The ``proc-*.json`` records in ``folder`` of the processes still alive (the kill tests' targets)."""
     out = []
     for path in glob.glob(os.path.join(folder, "proc-*.json")):
-        with open(path) as f:
-            info = json.load(f)
         try:
+            with open(path) as f:
+                info = json.load(f)  # empty while its process is still writing it
             os.kill(info["pid"], 0)
-        except OSError:
+        except (OSError, ValueError):
             continue
         out.append(info)
     return out
