@@ -148,8 +148,9 @@ def _kill_twice(folder: str, kills: list, kill_times: list, outages: list, stop:
             while not stop.is_set():
                 proc = _live_group(folder, victim)
                 ready = proc is not None and proc["pid"] not in kills and _steps_of(folder, proc["pid"]) >= 3
-                if ready and kills:  # the lead: a few batches before a save is due
-                    ready = _last_batch(folder, proc["pid"]) % SAVE_EVERY in (5, 6, 7)
+                if ready and kills:  # the lead: a few batches before a save is due (not the end's: no step follows it)
+                    last = _last_batch(folder, proc["pid"])
+                    ready = last % SAVE_EVERY in (5, 6, 7) and last + SAVE_EVERY < BATCHES_PER_EPOCH * EPOCHS
                 if ready:
                     break
                 time.sleep(0.05)
@@ -206,15 +207,18 @@ def _check_saves_and_loads(result, folder: str, kill_times: list) -> None:
     committed = sorted(m["batch"] for m in manifests)
     assert committed == sorted([p for p in points if p != lost] + [late[0]["batch"]]), committed  # each once
     records = [r for r in read_records(folder) if r["committed"]]
-    rows = {r["batch"]: r for r in records}
     led = sorted(
         r["batch"] for r in records if r["group"] == 1 and r["participants"] == GROUPS - 1 and r["batch"] > lost
     )
     assert late[0]["batch"] == led[0] < lost + SAVE_EVERY, (late, led[:3])  # the first step group 1 led after it
-    for m in manifests:  # the Timestamp of an uninterrupted run at the checkpoint's batch
-        epoch, in_epoch = rows[m["batch"]]["epoch"], rows[m["batch"]]["batch_in_epoch"]
-        assert m["timestamp"]["epoch"] == epoch and m["timestamp"]["batch"] == m["batch"], m
-        assert m["timestamp"]["sample"] == epoch * ROWS + min(in_epoch * GLOBAL_BATCH, ROWS), m
+    for m in manifests:  # the Timestamp of an uninterrupted run at the checkpoint's batch (the end's: epoch counted)
+        epoch = (m["batch"] - 1) // BATCHES_PER_EPOCH if m["batch"] < end else EPOCHS
+        sample = epoch * ROWS + min((m["batch"] - epoch * BATCHES_PER_EPOCH) * GLOBAL_BATCH, ROWS)
+        assert (m["timestamp"]["epoch"], m["timestamp"]["batch"], m["timestamp"]["sample"]) == (
+            epoch,
+            m["batch"],
+            sample,
+        )
     assert any(r["group"] != 0 and r["t"] > kill_times[1] for r in saves), f"no save by the next lead: {saves}"
     kept = {c.url.rstrip("/").rsplit("/", 1)[1] for c in result.checkpoints}
     checkpoints = os.path.dirname(result.checkpoints[-1].url.rstrip("/")).replace("file://", "")
