@@ -149,13 +149,14 @@ def unfinished_validations(entries: Sequence[Mapping[str, Any]], validation: Asy
     it at ``timeout_s``, or its task was lost): the driver records them once the fit has ended.
 
     The checkpoints asked for are those `validates` chose: every ``every``-th checkpoint of each worker
-    group (``attempt``), counted in the history's checkpoint entries."""
+    group (``attempt``), counted in the history's checkpoint entries: a lost one (``checkpoint_lost``: its lead died
+    writing it) not, as the history's count does (its late save took its place, `RunHistory`)."""
     done = {e.get("validated_checkpoint") for e in entries if is_validation_entry(e)}
     counts: Dict[Any, int] = {}
     out = []
     for entry in training_entries(entries):
         path = entry.get("checkpoint_path")
-        if not path:
+        if not path or entry.get("checkpoint_lost"):
             continue
         attempt = entry.get("attempt")
         counts[attempt] = counts.get(attempt, 0) + 1
