@@ -20,7 +20,7 @@ class AskLate(Callback):
 
 def test_a_late_save_is_made_once_at_the_next_batch_and_its_manifest_names_the_missed_save_points(tmp_path):
     folder = str(tmp_path / "checkpoints")
-    trainer = make_trainer(folder, {}, callbacks=[AskLate()], save_interval="1ep", keep=None)
+    trainer = make_trainer(folder, {}, callbacks=[AskLate()], save_interval="1ep", keep=None, async_save=False)
     trainer.fit()
     saved = {c.batch: c.metadata.get("late_for") for c in list_checkpoints(folder)}
     per_epoch = int(trainer.state.timestamp.batch) // 3
