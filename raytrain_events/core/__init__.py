@@ -38,6 +38,8 @@ Files:
   `Quarantine` (rows not trained any more, with the data they belong to).
 * ``replica_layout.py``: `ReplicaLayout`: which worker is in which replica group, and which rows of a global
   batch each one trains.
+* ``save_points.py``: `SavePoints` and `LateSave`: which replica group saves a save point whose saving lead died
+  before committing it (a late save by the next lead).
 * ``spikes.py``: Loss spikes as pure decisions: `SpikeDetector`, `SkipList` (skipped ranges of the
   global order), `Skipped` (positions not trained, beside the Timestamp), `RollbackPolicy`.
 * ``state.py``: `State`: everything the loop tracks, what algorithms change, and what checkpoints

@@ -30,7 +30,9 @@ by the run's strategy, `ray/fault_tolerance/replica_groups.py`):
 Storage checkpoints (``checkpoint=``): every group holds the same committed state, so one group saves
 it, the lead: participating rank 0 of the step's quorum, i.e. the lowest group number in it
 (`lead_saves`, set by `ReplicaCommit` once the `Checkpointer` is attached); a step its lead did not survive commits nowhere, and the next quorum's lowest group
-saves from then on (reloading the folder's index first: `lead_saves`). A checkpoint is a plain one (world
+saves from then on (reloading the folder's index first: `lead_saves`); a save point whose checkpoint the dead lead had
+not committed (it died writing it) is saved once, late, by the next lead at its first committed step (`lead_saves`,
+`core/save_points.py`). A checkpoint is a plain one (world
 size 1): it loads into a `Trainer` or resumes a `RayTrainer` run. Storage is read only at a start of the whole
 run, after the first quorum (`load_at_first_quorum`): a group replaced while the others train heals from a
 peer and reads nothing. A start of the whole run inside one fit (every group lost: the feeder, made on the
@@ -56,11 +58,13 @@ from raytrain_events.callbacks.spike_bisect import device_of, sum_over_ranks
 from raytrain_events.callbacks.spike_guard import SpikeGuard
 from raytrain_events.checkpoint.folder.store import latest_checkpoint
 from raytrain_events.checkpoint.run.checkpointer import find_checkpointer
+from raytrain_events.checkpoint.run.preemption import SAVE_FLAG
 from raytrain_events.core.callback import Callback, QuorumChange
 from raytrain_events.core.interval import is_done
+from raytrain_events.core.save_points import SavePoints
 from raytrain_events.core.spikes import Skipped
 from raytrain_events.core.time import Timestamp, counters_of
-from raytrain_events.ray.checkpointing.validation import VALIDATE_KEY
+from raytrain_events.ray.checkpointing.validation import LATE_KEY, VALIDATE_KEY
 from raytrain_events.ray.replica_checks import refuse_group_callbacks
 from raytrain_events.ray.reports.aggregate import reduce_metrics
 
@@ -259,6 +263,8 @@ class ReplicaCommit(Callback):
         self._loop: Any = None  # (state, logger) of the loop, from INIT: callbacks hear quorum changes
         # Another group led a committed step since this one last saved (or started): see `lead_saves`.
         self.followed = True
+        self.save_points = SavePoints()  # the save points another group led (`lead_saves`)
+        self.take_over: Callable[[], None] = lambda: None  # see `lead_saves`
         loader.on_change = self._quorum_change
 
     def init(self, state, logger) -> None:
@@ -273,6 +279,12 @@ class ReplicaCommit(Callback):
         lead_saves(state, self)
         if self.load is not None:
             load_at_first_quorum(state, self, self.load)
+
+    def after_dataloader(self, state, logger) -> None:
+        """After this step's quorum (the loader's): a group that leads now after following checks the save points
+        the old lead had (`lead_saves`); a late save asked for here is agreed by this batch's collective."""
+        if self.save_points.pending and self.loader.manager.participating_rank() == 0:
+            self.take_over()
 
     def batch_start(self, state, logger) -> None:
         self._before = state.timestamp
@@ -343,6 +355,8 @@ class ReplicaCommit(Callback):
         entry: Dict[str, Any] = dict(reduce_metrics([report]))
         if checkpoint is not None:
             entry["checkpoint_path"] = checkpoint.url.split("://", 1)[-1]
+            if checkpoint.late_for:  # the history marks the lost checkpoints' entries (`RunHistory.add`)
+                entry[LATE_KEY] = list(checkpoint.late_for)
             if self.validation is not None:  # the run's history starts the chosen ones' validation (Ray never sees it)
                 entry[VALIDATE_KEY] = True
         entry["attempt"] = 1
@@ -392,19 +406,52 @@ def lead_saves(state: Any, commit: ReplicaCommit) -> None:
     quorum (the lowest group number there), after a step that committed. When the lead dies, its step does
     not commit and the next quorum's lowest group leads from the next step on. A group that saves after another
     group led a committed step reloads the folder's index first (`CheckpointFolder.reload`): its own copy lacks
-    the other's checkpoints, which ``keep`` would then never delete."""
+    the other's checkpoints, which ``keep`` would then never delete.
+
+    A lead that dies after its step committed but before its checkpoint did (the upload in flight) leaves that
+    save point without a checkpoint, and every other group is past it: each group notes the save points another
+    group led (`SavePoints.passed`), and the group that leads next, at the first step it leads, reads the folder's
+    index (the reload above, made earlier: one GET and one LIST per change of lead) and saves once, late, for the
+    save points no committed checkpoint covers (`Checkpointer.save_late`: at that step if it commits, else at the
+    next that does; its manifest's ``late_for`` names them). Its commit deletes the dead lead's half-written
+    directory, an uncommitted one below it (`CheckpointFolder.committed`). Only the group's first worker reads the
+    index and asks; the save is agreed by the group's per-batch collective, so all its workers save."""
 
     checkpointer = find_checkpointer(state)
     if checkpointer is None:
         return
-    manager, optimizer = commit.loader.manager, commit.optimizer
+    manager, optimizer, points = commit.loader.manager, commit.optimizer, commit.save_points
 
     def saves_here() -> bool:
-        if not (manager.participating_rank() == 0 and optimizer.committed):
+        if not optimizer.committed:
+            return False
+        if manager.participating_rank() != 0:
+            if checkpointer.late is not None:  # led no more before its late save: checked again when it leads
+                points.led_elsewhere[:0] = list(checkpointer.late.missed)
+                checkpointer.late = None
+            points.passed(int(state.timestamp.batch))  # the lead saves it (`take_over` checks it did)
+            state.agreement.clear(SAVE_FLAG)  # a request of this group's (its clock, a late save) is the lead's
             return False
         if commit.followed:
             checkpointer.checkpoints.reload()
             commit.followed = False
         return True
 
+    def take_over() -> None:
+        if commit.loader.group_position != 0:  # the group's first worker asks; the batch's collective agrees
+            points.take_missed(None)
+            return
+        checkpointer.checkpoints.reload()  # the old lead's commits (and its half-written directory) in view
+        commit.followed = False
+        newest = checkpointer.checkpoints.index.newest()
+        late = points.take_missed(None if newest is None else newest.batch)
+        if late is not None:
+            log.warning(
+                "replica groups: the previous lead did not commit the checkpoint of save point(s) %s before it "
+                "left; this group saves once at its next committed step, recorded as a late save",
+                list(late.missed),
+            )
+            checkpointer.save_late(late)
+
     checkpointer.saves_here = saves_here
+    commit.take_over = take_over

@@ -237,6 +237,10 @@ def test_unfinished_validations_are_recorded_as_failed():
     every_2nd = unfinished_validations(entries, AsyncValidation(every=2))  # each group counts its own checkpoints
     assert [e["validated_checkpoint"] for e in every_2nd] == ["ckpt-8"]
     assert len(training_entries(entries)) == 3
+    # A replica-group lead died writing ckpt-8 (the history marks it lost): the late save after it takes its place.
+    entries[1]["checkpoint_lost"] = True
+    entries.insert(2, {"time/batch": 9, "attempt": 1, "checkpoint_path": "/r/c/ckpt-9", "checkpoint_late_for": [8]})
+    assert [e["validated_checkpoint"] for e in unfinished_validations(entries, AsyncValidation(every=2))] == ["ckpt-9"]
 
 
 def test_a_mixture_is_one_plain_option_whose_sources_are_not_eval_sets():

@@ -5,7 +5,8 @@ that writes it (rank 0 of a run, or the driver after a fit), given a retention p
 
 * `LocalRetention(keep)`: a plain `Trainer` prunes to the newest ``keep`` after each commit,
   from its index (no listing per commit), and deletes leftovers of crashed saves older than the
-  newest committed checkpoint. ``keep=None`` keeps every checkpoint.
+  newest committed checkpoint. ``keep=None`` keeps every checkpoint (and deletes those leftovers: a replica
+  groups' lead that died mid-save leaves one, `core/save_points.py`).
 * `RayRetention(prunes)`: Ray Train's run snapshot decides. Ray lists every checkpoint reported
   to it and a later run with the same name refuses a snapshot naming a deleted one, so this folder
   never prunes by age; Ray deletes what falls out of its ``num_to_keep``. What is left to this
@@ -109,6 +110,9 @@ class CheckpointFolder:
         index.add(info)
         if isinstance(self.retention, LocalRetention) and self.retention.keep is not None:
             return self.prune(self.retention.keep)
+        newest = index.newest()
+        if isinstance(self.retention, LocalRetention) and newest is not None:  # every checkpoint kept, not leftovers
+            return self.drop_leftovers_below(newest.batch)
         return []
 
     def record_failure(self, url: str, batch: Optional[int], error: str) -> None:

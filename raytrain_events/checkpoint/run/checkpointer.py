@@ -24,10 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 
 from raytrain_events.checkpoint.config import CheckpointConfig
 from raytrain_events.checkpoint.dcp.safetensors_io import is_safetensors_dir, start_from_safetensors
-from raytrain_events.checkpoint.dcp.sharded import (
-    DCP_LAYOUT,
-    ShardedCheckpointIO,
-)
+from raytrain_events.checkpoint.dcp.sharded import DCP_LAYOUT, ShardedCheckpointIO
 from raytrain_events.checkpoint.folder.committer import Committer
 from raytrain_events.checkpoint.folder.folder import CheckpointFolder, LocalRetention
 from raytrain_events.checkpoint.folder.local_tier import LocalTier
@@ -51,6 +48,7 @@ from raytrain_events.checkpoint.run.staging import Staged
 from raytrain_events.core.callback import Callback
 from raytrain_events.core.event import Event
 from raytrain_events.core.interval import make_interval
+from raytrain_events.core.save_points import LateSave
 from raytrain_events.core.time import TimeUnit, counters_of
 from raytrain_events.storage.fs import basename, refuse_file_folder
 from raytrain_events.storage.location import Location
@@ -84,6 +82,7 @@ class SavedCheckpoint:
     writer: Optional[AsyncCheckpointWriter]
     future: Any = None
     folder: Optional[CheckpointFolder] = None  # rank 0: the folder it commits into (Ray registration tells it)
+    late_for: Tuple[int, ...] = ()  # a late save: the batches of the save points it stands in for (`save_late`)
 
     def wait(self) -> Optional[CheckpointInfo]:
         """Block until committed (rank 0) and return its info; other ranks return None."""
@@ -159,6 +158,7 @@ class Checkpointer(Callback):
         # Whether this process saves now: always, except under replica groups, where one group (the lead of the
         # step's quorum) saves the committed state for all (`ray/replica_groups.lead_saves`).
         self.saves_here: Callable[[], bool] = lambda: True
+        self.late: Optional[LateSave] = None  # the next save stands in for save points a dead lead missed
         self._lock = None
         if state.rank == 0:
             refuse_file_folder(self.folder, self.options)
@@ -316,6 +316,12 @@ class Checkpointer(Callback):
         if self.config.save_final or state.agreement.requested(SAVE_FLAG):
             self.save()
 
+    def save_late(self, late: LateSave) -> None:
+        """Save at the next batch this process saves at (a committed one under replica groups), recorded in the
+        manifest's metadata (``late_for``) as standing in for ``late.missed`` (their lead died before committing)."""
+        self.late = late
+        self.host.state.request(SAVE_FLAG)
+
     def save(self) -> Optional[SavedCheckpoint]:
         """Save now (every rank must call this at the same batch); None if this batch is saved."""
         host, state, dist = self.host, self.host.state, self.host.dist
@@ -337,6 +343,9 @@ class Checkpointer(Callback):
             },
             "checkpoint_config": self.config.to_dict(),
         }
+        late, self.late = self.late, None
+        if late is not None:
+            metadata["late_for"] = list(late.missed)
         local = self.local_tier.for_save(basename(url)) if self.local_tier is not None else None
         save = CheckpointSave(Location.of(url, self.options), timestamp, dist.world_size, metadata, local)
         if self._sharded_io is not None:
@@ -359,6 +368,7 @@ class Checkpointer(Callback):
             writer=self._writer,
             future=future,
             folder=self.checkpoints if state.rank == 0 else None,
+            late_for=late.missed if late is not None else (),
         )
         self.saved.append(saved)
         self._unreported = saved

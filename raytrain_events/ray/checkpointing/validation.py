@@ -37,6 +37,7 @@ from raytrain_events.ray.async_validation import (  # re-exported: the option's 
 
 __all__ = [
     "AsyncValidation",
+    "LATE_KEY",
     "VALIDATE_KEY",
     "VALIDATION_KEY",
     "async_eval_names",
@@ -57,6 +58,9 @@ VALIDATION_KEY = "validation"
 #: The key a checkpoint's history entry carries when the run's `RunHistory` actor is to run its validation (replica
 #: groups: Ray Train never sees their checkpoints); the actor removes it and validates every ``every``-th such entry.
 VALIDATE_KEY = "validate_checkpoint"
+#: A replica-group lead's late save (`core/save_points.py`): the batches of the save points it stands in for, whose
+#: checkpoints were never committed (`RunHistory.add` marks their entries ``checkpoint_lost``).
+LATE_KEY = "checkpoint_late_for"
 
 
 def validates(validation: Optional[AsyncValidation], checkpoints_reported: int) -> bool:
@@ -145,13 +149,14 @@ def unfinished_validations(entries: Sequence[Mapping[str, Any]], validation: Asy
     it at ``timeout_s``, or its task was lost): the driver records them once the fit has ended.
 
     The checkpoints asked for are those `validates` chose: every ``every``-th checkpoint of each worker
-    group (``attempt``), counted in the history's checkpoint entries."""
+    group (``attempt``), counted in the history's checkpoint entries: a lost one (``checkpoint_lost``: its lead died
+    writing it) not, as the history's count does (its late save took its place, `RunHistory`)."""
     done = {e.get("validated_checkpoint") for e in entries if is_validation_entry(e)}
     counts: Dict[Any, int] = {}
     out = []
     for entry in training_entries(entries):
         path = entry.get("checkpoint_path")
-        if not path:
+        if not path or entry.get("checkpoint_lost"):
             continue
         attempt = entry.get("attempt")
         counts[attempt] = counts.get(attempt, 0) + 1

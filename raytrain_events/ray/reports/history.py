@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional
 import ray
 from ray.train import UserCallback
 
-from raytrain_events.ray.checkpointing.validation import VALIDATE_KEY, validates
+from raytrain_events.ray.checkpointing.validation import LATE_KEY, VALIDATE_KEY, validates
 from raytrain_events.ray.reports.aggregate import ReportAggregator
 
 __all__ = ["RunHistory", "AggregatingCallback"]
@@ -31,6 +31,7 @@ class RunHistory:
         self._validator: Any = None  # (CheckpointValidator, AsyncValidation), see `validate_checkpoints`
         self._asked = 0  # checkpoint entries that asked for a validation
         self._tasks: List[Any] = []
+        self._counted: Dict[str, Any] = {}  # checkpoint path -> its validation task (None: not chosen) per asking entry
 
     def validate_checkpoints(self, validator: Any, validation: Any) -> None:
         """Run ``validator`` (the run's `CheckpointValidator`) as a Ray task with ``validation``'s resources on every
@@ -39,13 +40,40 @@ class RunHistory:
         self._validator = (validator, validation)
 
     def add(self, entry: Dict[str, Any]) -> None:
-        if entry.pop(VALIDATE_KEY, False) and self._validator is not None:
-            validator, validation = self._validator
-            self._asked += 1
-            if validates(validation, self._asked):
-                task = _validate.options(**validation.ray_remote_kwargs())
-                self._tasks.append(task.remote(validator, entry["checkpoint_path"]))
+        asks = entry.pop(VALIDATE_KEY, False)
+        lost = self._mark_lost(entry.get(LATE_KEY) or ())
+        if asks and self._validator is not None:
+            self._validate(entry["checkpoint_path"], lost)
         self.entries.append(entry)
+
+    def _mark_lost(self, batches: Any) -> List[str]:
+        """A replica-group lead's late save stands in for the save points at ``batches`` (``LATE_KEY``): their lead
+        died before committing their checkpoints. Mark the entries naming those (``checkpoint_lost``); their paths."""
+        paths = []
+        for old in self.entries:
+            if old.get("checkpoint_path") and old.get("time/batch") in batches and not old.get(LATE_KEY):
+                old["checkpoint_lost"] = True
+                paths.append(old["checkpoint_path"])
+        return paths
+
+    def _validate(self, path: str, lost: List[str]) -> None:
+        """Count the checkpoint at ``path`` and start its validation if it is an ``every``-th one. A late save takes
+        the place of the lost checkpoints it stands in for: not counted again, and validated instead of them when
+        one was chosen (that task, waiting for a commit that never comes, is cancelled)."""
+        validator, validation = self._validator
+        replaced = [self._counted.pop(p) for p in lost if p in self._counted]
+        if replaced:
+            chosen = [task for task in replaced if task is not None]
+            for task in chosen:
+                ray.cancel(task)
+                self._tasks.remove(task)
+        else:
+            self._asked += 1
+            chosen = [None] if validates(validation, self._asked) else []
+        task = _validate.options(**validation.ray_remote_kwargs()).remote(validator, path) if chosen else None
+        if task is not None:
+            self._tasks.append(task)
+        self._counted[path] = task
 
     def validations(self) -> List[Any]:
         """The validation tasks this actor started (ObjectRefs; the driver waits for them after the fit)."""

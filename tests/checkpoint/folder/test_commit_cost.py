@@ -169,3 +169,20 @@ def test_two_runs_with_sibling_save_folders_each_lock_their_own(tmp_path):
         for trainer in trainers:
             find_checkpointer(trainer.state).close()
     assert not has_lock(str(tmp_path / "a")) and not has_lock(str(tmp_path / "b"))
+
+
+def test_keep_none_keeps_every_checkpoint_and_deletes_a_crashed_saves_leftovers_below_a_commit(tmp_path):
+    """``keep=None`` keeps every committed checkpoint; a commit deletes the uncommitted directories (a crashed save:
+    a replica groups' lead that died writing it) below it, not one above it (a save in flight)."""
+    url = str(tmp_path / "checkpoints")
+    old = _save(url, 1)
+    (tmp_path / "checkpoints" / "ckpt-000000000003-deadbeef").mkdir()  # the dead lead's half-written save
+    (tmp_path / "checkpoints" / "ckpt-000000000003-deadbeef" / "state.pt").write_bytes(b"partial")
+    (tmp_path / "checkpoints" / "ckpt-000000000009-deadbeef").mkdir()  # one in flight (newer)
+    folder = CheckpointFolder(url)
+    assert len(folder.index.leftovers) == 2
+    late = _save(url, 4)
+    deleted = folder.committed(late)
+    assert [sfs.basename(u) for u in deleted] == ["ckpt-000000000003-deadbeef"]
+    assert [e.name for e in folder.index.entries] == [old.name, late.name]
+    assert (tmp_path / "checkpoints" / "ckpt-000000000009-deadbeef").exists()

@@ -15,11 +15,11 @@ def live_procs(folder: str) -> list:
     """The ``proc-*.json`` records in ``folder`` of the processes still alive (the kill tests' targets)."""
     out = []
     for path in glob.glob(os.path.join(folder, "proc-*.json")):
-        with open(path) as f:
-            info = json.load(f)
         try:
+            with open(path) as f:
+                info = json.load(f)  # empty while its process is still writing it
             os.kill(info["pid"], 0)
-        except OSError:
+        except (OSError, ValueError):
             continue
         out.append(info)
     return out
@@ -38,6 +38,7 @@ class RecordCommits(Callback):
         import ray.train
 
         self.group = ray.train.get_context().get_world_rank()
+        self.group_rank0 = state.rank == 0  # this group's first worker: the one that commits its saves
         self.file = open(os.path.join(self.folder, f"rows-{os.getpid()}.jsonl"), "a")
         self.commit = next(c for c in state.callbacks if type(c).__name__ == "ReplicaCommit")
         with open(os.path.join(self.folder, f"proc-{os.getpid()}.json"), "w") as f:
@@ -47,7 +48,10 @@ class RecordCommits(Callback):
 
         self.checkpointer = find_checkpointer(state)
         self.saves = 0
+        self.manifests: set = set()  # the names of this process's saves whose manifest it recorded
         self.first_step = True
+        if self.checkpointer is not None and state.rank == 0:
+            self._die_in_save(self.checkpointer.committer)
 
     def _log(self, kind: str, record: dict) -> None:
         record.update(pid=os.getpid(), group=self.group, t=time.time())
@@ -59,10 +63,55 @@ class RecordCommits(Callback):
         callback, has run for the event)."""
         if self.checkpointer is not None and len(self.checkpointer.saved) > self.saves:
             self.saves = len(self.checkpointer.saved)
-            self._log("saves", {"batch": int(state.timestamp.batch), "name": self.checkpointer.saved[-1].name})
+            saved = self.checkpointer.saved[-1]
+            self._log(
+                "saves", {"batch": int(state.timestamp.batch), "name": saved.name, "late_for": list(saved.late_for)}
+            )
 
     def batch_checkpoint(self, state, logger) -> None:
         self._record_saves(state)
+        self._record_manifests()
+
+    def _record_manifests(self, wait: bool = False) -> None:
+        """One ``manifests-<pid>`` line per checkpoint this process committed, read back from storage once its save
+        finished (each batch: before ``keep`` prunes it): its batch, Timestamp and ``late_for`` (a late save)."""
+        from raytrain_events.checkpoint.format.reader import read_manifest
+
+        for saved in self.checkpointer.saved if self.checkpointer is not None and self.group_rank0 else []:
+            if saved.name in self.manifests or not (wait or saved.future.done()):
+                continue
+            self.manifests.add(saved.name)
+            try:
+                saved.wait()
+                info = read_manifest(saved.url)
+            except Exception as e:  # not committed (this test's saves do not fail) or pruned meanwhile
+                self._log("manifests", {"name": saved.name, "error": f"{type(e).__name__}: {e}"})
+                continue
+            record = {"name": info.name, "batch": info.batch, "timestamp": info.timestamp}
+            self._log("manifests", dict(record, late_for=info.metadata.get("late_for")))
+
+    def _die_in_save(self, committer) -> None:
+        """Die while writing a save when the test asks (``die-in-save-<group>``): the save's files are written, its
+        manifest is not (a half-written checkpoint); then the training thread dies mid-step (``die-in-step``) while
+        this upload waits, as a lead killed during a slow upload."""
+        upload, flag = committer._upload, os.path.join(self.folder, f"die-in-save-{self.group}")
+
+        def upload_or_die(save, files, entries):
+            if not os.path.exists(flag):
+                return upload(save, files, entries)
+            os.remove(flag)
+            from raytrain_events.checkpoint.format.writer import write_checkpoint_file
+
+            written = [write_checkpoint_file(save.location, name, obj).name for name, obj in files.items()]
+            died = {"pid": os.getpid(), "url": save.url, "batch": save.timestamp["batch"], "files": written}
+            with open(os.path.join(self.folder, f"died-in-save-{os.getpid()}.json"), "w") as f:
+                json.dump(died, f)
+            with open(os.path.join(self.folder, f"die-in-step-{self.group}"), "w"):
+                pass
+            time.sleep(30)  # the manifest is never written: the training thread SIGKILLs the process at its next step
+            os.kill(os.getpid(), signal.SIGKILL)  # (no next step: the fit's end save) never a hung run
+
+        committer._upload = upload_or_die
 
     def eval_start(self, state, logger) -> None:
         self.eval_started = time.time()
@@ -137,6 +186,7 @@ class RecordCommits(Callback):
 
     def fit_end(self, state, logger) -> None:
         self._record_saves(state)  # the final save
+        self._record_manifests(wait=True)
         self.file.close()
         import torch
 

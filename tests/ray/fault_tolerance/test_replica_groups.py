@@ -8,8 +8,11 @@ global batches per epoch). It starts from a storage checkpoint (epoch 1, written
 writes, per committed step, the global batch's ids and this group's part, what the process read from
 storage and each checkpoint it saved; a thread kills two workers once they train, each time after
 the group before has rejoined (the quorum back to 3): group 1's from outside between steps, then the
-lead's (group 0) by itself between its backward and the step's all-reduce, a few batches before a
-save is due, so the others' step fails and is trained again and the next lead (group 1) saves. With 4 groups
+lead's (group 0) by itself *while it writes a save*: its upload of the next save point's checkpoint writes the
+files but not the manifest and waits, and the process dies mid-step, between its backward and the step's
+all-reduce, so the others' step fails and is trained again; that save point is committed once, late, by the next
+lead (group 1: its manifest says ``late_for``), the half-written directory is deleted by its commit, and the next
+lead saves while group 0 is away. With 4 groups
 every kill leaves a survivor that is not the victim's ring neighbour in gloo's all-reduce (group 3, then
 group 2): the in-step kill ends its all-reduce at once (`replica_abort.py`; before, it waited out gloo's 30 s
 timeout and no quorum formed without it), and the survivors commit steps while the victim is away.
@@ -137,16 +140,17 @@ def _last_batch(folder: str, pid: int) -> int:
 
 def _kill_twice(folder: str, kills: list, kill_times: list, outages: list, stop: threading.Event) -> None:
     """SIGKILL the worker of each of `VICTIMS`, each once it has trained 3 committed steps with all groups (so
-    mid-epoch, and after the previous victim rejoined); the lead 5-7 batches into a save interval, so the save
-    falls due while it is away. Record what the other groups committed during each outage; then let the run end."""
+    mid-epoch, and after the previous victim rejoined); the lead 5-7 batches into a save interval, set to die while
+    it writes the next save (`RecordCommits._die_in_save`). Record what the other groups committed during each outage; then let the run end."""
     try:
         for victim in VICTIMS:
             proc = None
             while not stop.is_set():
                 proc = _live_group(folder, victim)
                 ready = proc is not None and proc["pid"] not in kills and _steps_of(folder, proc["pid"]) >= 3
-                if ready and kills:  # the lead: a few batches before a save is due
-                    ready = _last_batch(folder, proc["pid"]) % SAVE_EVERY in (5, 6, 7)
+                if ready and kills:  # the lead: a few batches before a save is due (not the end's: no step follows it)
+                    last = _last_batch(folder, proc["pid"])
+                    ready = last % SAVE_EVERY in (5, 6, 7) and last + SAVE_EVERY < BATCHES_PER_EPOCH * EPOCHS
                 if ready:
                     break
                 time.sleep(0.05)
@@ -154,8 +158,8 @@ def _kill_twice(folder: str, kills: list, kill_times: list, outages: list, stop:
                 return
             others = [p for g in range(GROUPS) if g != victim for p in [_live_group(folder, g)] if p]
             before = {p["pid"]: _steps_of(folder, p["pid"], GROUPS - 1) for p in others}
-            if kills:  # the second kill: the worker SIGKILLs itself mid-step, before the step's all-reduce
-                with open(os.path.join(folder, f"die-in-step-{victim}"), "w"):
+            if kills:  # the second kill: it writes its next save's files, then SIGKILLs itself mid-step
+                with open(os.path.join(folder, f"die-in-save-{victim}"), "w"):
                     pass
                 while _live_group(folder, victim) is not None and _live_group(folder, victim)["pid"] == proc["pid"]:
                     time.sleep(0.05)
@@ -185,17 +189,41 @@ def _lines(folder: str, kind: str) -> list:
 
 
 def _check_saves_and_loads(result, folder: str, kill_times: list) -> None:
-    """Each save point saved once, by the lead of its step: group 0 while it lives, the next lowest group while
-    it is away; only the kept checkpoints remain in the folder. Storage was read only at the run's start: every
-    process of the first quorum loaded the resume point, no replaced group read anything (it healed from a peer)."""
+    """Each save point committed once, by the lead of its step: group 0 while it lives, the next lowest group while
+    it is away; the save point group 0 died writing once, late, by group 1 at its first committed step (its manifest
+    says so), each manifest with the uninterrupted run's Timestamp at its batch; only the kept checkpoints remain in
+    the folder (the half-written one deleted). Storage was read only at the run's start: every process of the
+    first quorum loaded the resume point, no replaced group read anything (it healed from a peer)."""
+    [died] = [json.load(open(p)) for p in glob.glob(os.path.join(folder, "died-in-save-*.json"))]
+    lost = died["batch"]
+    assert lost % SAVE_EVERY == 0 and died["files"], died  # a save point's files, written without a manifest
     saves = sorted(_lines(folder, "saves"), key=lambda r: r["batch"])
     end = BATCHES_PER_EPOCH * EPOCHS
-    assert [r["batch"] for r in saves] == [*range(20, end, SAVE_EVERY), end], saves
+    points = [*range(20, end, SAVE_EVERY), end]
+    manifests = [r for r in _lines(folder, "manifests") if "error" not in r]
+    assert {r["name"] for r in saves} - {m["name"] for m in manifests} == {died["url"].rsplit("/", 1)[1]}
+    late = [m for m in manifests if m["late_for"]]
+    assert [m["late_for"] for m in late] == [[lost]] and late[0]["group"] == 1, late
+    committed = sorted(m["batch"] for m in manifests)
+    assert committed == sorted([p for p in points if p != lost] + [late[0]["batch"]]), committed  # each once
+    records = [r for r in read_records(folder) if r["committed"]]
+    led = sorted(
+        r["batch"] for r in records if r["group"] == 1 and r["participants"] == GROUPS - 1 and r["batch"] > lost
+    )
+    assert late[0]["batch"] == led[0] < lost + SAVE_EVERY, (late, led[:3])  # the first step group 1 led after it
+    for m in manifests:  # the Timestamp of an uninterrupted run at the checkpoint's batch (the end's: epoch counted)
+        epoch = (m["batch"] - 1) // BATCHES_PER_EPOCH if m["batch"] < end else EPOCHS
+        sample = epoch * ROWS + min((m["batch"] - epoch * BATCHES_PER_EPOCH) * GLOBAL_BATCH, ROWS)
+        assert (m["timestamp"]["epoch"], m["timestamp"]["batch"], m["timestamp"]["sample"]) == (
+            epoch,
+            m["batch"],
+            sample,
+        )
     assert any(r["group"] != 0 and r["t"] > kill_times[1] for r in saves), f"no save by the next lead: {saves}"
     kept = {c.url.rstrip("/").rsplit("/", 1)[1] for c in result.checkpoints}
     checkpoints = os.path.dirname(result.checkpoints[-1].url.rstrip("/")).replace("file://", "")
     left = {n for n in os.listdir(checkpoints) if os.path.isdir(os.path.join(checkpoints, n))}
-    assert left == kept, (left, kept)  # the old lead's and the new lead's saves pruned alike
+    assert left == kept, (left, kept)  # the old lead's and the new lead's saves pruned alike, the half-written one
     records = read_records(folder)
     first = {
         pid: min(r["batch"] for r in records if r["pid"] == pid and r["committed"])
@@ -282,7 +310,11 @@ def _check_evals(result, folder: str, data: str, tmp_path, kill_times: list) -> 
     # Asynchronous validation: the run's history actor validated the 10th checkpoint the leads reported (Ray Train
     # never saw it) in a task of its own; its entry is at that checkpoint's Timestamp, with the in-loop eval's metrics
     # of the same rows there.
-    ordered = [saved[b] for b in sorted(saved)]
+    # The lead's entry for the save point it died writing is marked lost; the late save's names it and takes its
+    # place in the count of checkpoints (every 10th validated).
+    late = [e for e in result.history if e.get("checkpoint_late_for")]
+    assert [int(e["time/batch"]) for e in result.history if e.get("checkpoint_lost")] == late[0]["checkpoint_late_for"]
+    ordered = [saved[b] for b in sorted(saved) if not saved[b].get("checkpoint_lost")]
     chosen = ordered[VALIDATE_EVERY - 1]
     [validation] = result.validations
     assert validation["validation"] == "async", validation
