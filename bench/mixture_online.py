@@ -138,7 +138,8 @@ def main() -> None:
         results["shares"].append(train(task, dict(task.target), seed, args.samples, None, args.every)[0])
         searched = one_shot(task, 12, seed)["weights"]
         results["searched"].append(train(task, searched, seed, args.samples, None, args.every)[0])
-        line = [f"seed {seed}: uniform {base:.4f}", f"searched {results['searched'][-1]:.4f} ({_w(searched)})"]
+        line = [f"seed {seed}: uniform {base:.4f}", f"shares {results['shares'][-1]:.4f}"]
+        line.append(f"searched {results['searched'][-1]:.4f} ({_w(searched)})")
         for policy, extra in (("exp3", {}), ("doremi", {"reference": reference}), ("target", {"target": "target"})):
             online = {"policy": policy, "rate": args.rate, **extra}
             loss, _, final = train(task, uniform, seed, args.samples, online, args.every)
