@@ -120,26 +120,16 @@ def test_the_first_batch_fills_the_simplex_from_uniform_weights():
 
 def test_a_round_keeps_an_exploring_slot_outside_the_trust_region():
     """``explore=1``: of each round's batch, one trial lands where the criterion is best over the whole simplex
-    (here outside the small region around the incumbents), the others inside that region; ``explore=0``: all inside."""
-    placed = {}
-    for explore in (1, 0):
-        searcher = _searcher(
-            inputs="log",
-            incumbents=2,
-            initial=6,
-            batch=3,
-            max_trials=9,
-            candidates=400,
-            explore=explore,
-            trust_region=0.05,
-        )
-        _drive(searcher, 0, 6)
-        placed[explore] = weight_matrix([s["mixture"] for s in _drive(searcher, 6, 9)], TASK.names)
-        fit = searcher.fit
-        best = fit.points[np.argsort(fit.predict_rows(fit.points)[0], kind="stable")[:2]]
-    assert np.allclose(placed[1][:2], placed[0][:2])  # the region's slots: the same
-    assert tv_distance(placed[1][2:], best).min() > 0.1  # the exploring slot: well outside the region
-    assert tv_distance(placed[0][2:], best).min() < 0.1
+    (here well outside the small region around the incumbents), the others inside that region."""
+    searcher = _searcher(
+        inputs="log", incumbents=2, initial=6, batch=3, max_trials=9, candidates=400, explore=1, trust_region=0.05
+    )
+    _drive(searcher, 0, 6)
+    placed = weight_matrix([s["mixture"] for s in _drive(searcher, 6, 9)], TASK.names)
+    fit = searcher.fit
+    best = fit.points[np.argsort(fit.predict_rows(fit.points)[0], kind="stable")[:2]]
+    distance = tv_distance(placed, best).min(axis=1)
+    assert distance[0] <= 0.051 and distance[1] <= 0.051 and distance[2] > 0.1
 
 
 def test_the_adaptive_region_follows_turbos_rule_over_the_rounds():
