@@ -7,12 +7,18 @@ way through the local `Trainer` with a `MixtureLoader` (a linear classifier, SGD
 only in their weights:
 
 * ``uniform``: 1/3 each;
+* ``shares``: the target task's own shares 0.7/0.2/0.1, fixed (known to the bench only: what the
+  ``target`` policy estimates);
 * ``searched``: the one-shot search's choice (``bench/mixture_search.py``'s `one_shot`: 12
   Dirichlet proxies of the task, the fit, the default criterion and trust region), per seed;
 * ``exp3`` and ``doremi``: ``Mixture(online=...)`` from uniform weights, changed at every eval
   (every ``--every`` batches) from each source's loss on its own held-out rows (200 per source);
   ``doremi``'s reference is the ``uniform`` arm's final per-source losses (DoReMi's reference
-  model is trained on the uniform mixture).
+  model is trained on the uniform mixture);
+* ``target``: ``Mixture(online={"policy": "target", ...})`` from uniform weights, the same evals plus
+  one on the target task's own held-out rows (``TARGET_ROWS`` rows drawn 0.7/0.2/0.1 from the three
+  rules, apart from the final eval set): each decision fits the target's loss as a mixture of the
+  sources' losses over the evals so far and moves the weights toward that mixture.
 
 Printed: each arm's held-out loss (the task's 0.7/0.2/0.1 eval set) per seed, the mean and spread,
 and the ratio of each arm's mean to uniform's; for the online arms, their final weights.
@@ -46,6 +52,7 @@ from raytrain_events.data.online_mixture import OnlineMixture  # noqa: E402
 from raytrain_events.trainer.evaluation import Evaluator  # noqa: E402
 
 POOL, HELD_OUT = 512, 200  # rows per source to train from, and per source to evaluate on
+TARGET_ROWS = 600  # the target task's held-out rows the policy 'target' reads (not the final eval set)
 
 
 class Linear(torch.nn.Module):
@@ -82,13 +89,16 @@ def train(
     rng = np.random.default_rng([seed, 21])
     pools = {n: _rows(task, n, POOL, rng) for n in task.names}
     held = {n: _rows(task, n, HELD_OUT, rng) for n in task.names}
+    if online is not None and online["policy"] == "target":  # its own draw: the final eval set stays unseen
+        target_rng = np.random.default_rng([seed, 31])
+        held["target"] = [r for n, f in task.target.items() for r in _rows(task, n, int(TARGET_ROWS * f), target_rng)]
     mixture = Mixture(sources={n: POOL for n in task.names}, weights=weights, epoch_size=samples, online=online)
     loader = MixtureLoader(mixture, pools, batch_size=32, seed=seed)
     evaluators = [
         Evaluator(
-            label=n, dataloader=torch.utils.data.DataLoader(held[n], batch_size=HELD_OUT), eval_interval=f"{every}ba"
+            label=n, dataloader=torch.utils.data.DataLoader(rows, batch_size=HELD_OUT), eval_interval=f"{every}ba"
         )
-        for n in task.names
+        for n, rows in held.items()
     ]
     model = Linear(task.dim, seed)
     trainer = Trainer(
@@ -120,15 +130,17 @@ def main() -> None:
 
     task = ConflictTask(samples=args.samples)
     uniform = {n: 1 / len(task.names) for n in task.names}
-    results: Dict[str, List[float]] = {k: [] for k in ("uniform", "searched", "exp3", "doremi")}
+    results: Dict[str, List[float]] = {k: [] for k in ("uniform", "shares", "searched", "exp3", "doremi", "target")}
     started = time.perf_counter()
     for seed in range(args.seeds):
         base, reference, _ = train(task, uniform, seed, args.samples, None, args.every)
         results["uniform"].append(base)
+        results["shares"].append(train(task, dict(task.target), seed, args.samples, None, args.every)[0])
         searched = one_shot(task, 12, seed)["weights"]
         results["searched"].append(train(task, searched, seed, args.samples, None, args.every)[0])
-        line = [f"seed {seed}: uniform {base:.4f}", f"searched {results['searched'][-1]:.4f} ({_w(searched)})"]
-        for policy, extra in (("exp3", {}), ("doremi", {"reference": reference})):
+        line = [f"seed {seed}: uniform {base:.4f}", f"shares {results['shares'][-1]:.4f}"]
+        line.append(f"searched {results['searched'][-1]:.4f} ({_w(searched)})")
+        for policy, extra in (("exp3", {}), ("doremi", {"reference": reference}), ("target", {"target": "target"})):
             online = {"policy": policy, "rate": args.rate, **extra}
             loss, _, final = train(task, uniform, seed, args.samples, online, args.every)
             results[policy].append(loss)

@@ -77,9 +77,29 @@ def one_shot(task: Any, n: int, seed: int) -> Dict[str, Any]:
     return {"weights": choose_mixture(fit, seed=seed).weights, "proxies": n}
 
 
-def sequential(task: Any, n: int, seed: int, initial: int, batch: int) -> Dict[str, Any]:
+def sequential(task: Any, n: int, seed: int, initial: int, batch: int, budgets: Sequence[int] = ()) -> Dict[str, Any]:
+    """The sequential search's choice from its first ``n`` proxies. One search per seed runs to the largest of
+    ``budgets`` and every budget reads its prefix: a search stopped at ``n`` trials placed exactly those (the
+    placement reads ``max_trials`` only to size the last round, whose greedy picks are the full round's first ones)."""
+    key = (id(task), seed, initial, batch)
+    if n < initial:  # the first batch is the whole search
+        done = _search(task, n, seed, n, batch)
+    else:
+        if key not in _SEARCHES or len(_SEARCHES[key]) < n:
+            _SEARCHES[key] = _search(task, max([n, *budgets]), seed, initial, batch)
+        done = _SEARCHES[key][:n]
+    fit = fit_mixture_regression(
+        [d["mixture"] for d in done], [d["loss"] for d in done], names=task.names, folds=0, seed=seed, **INPUTS
+    )
+    return {"weights": choose_mixture(fit, seed=seed).weights, "proxies": len(done)}
+
+
+_SEARCHES: Dict[Any, List[Dict[str, Any]]] = {}
+
+
+def _search(task: Any, n: int, seed: int, initial: int, batch: int) -> List[Dict[str, Any]]:
     searcher = MixtureSearcher(
-        list(task.names), initial=min(initial, n), batch=batch, max_trials=n, metric="loss", seed=seed, **INPUTS
+        list(task.names), initial=initial, batch=batch, max_trials=n, metric="loss", seed=seed, **INPUTS
     )
     step = 0
     while True:
@@ -90,11 +110,7 @@ def sequential(task: Any, n: int, seed: int, initial: int, batch: int) -> Dict[s
             raise AssertionError("a round waits with every trial ended")
         searcher.on_trial_complete(f"t{step}", {"loss": task(suggestion["mixture"], seed)})
         step += 1
-    done = searcher.observed()
-    fit = fit_mixture_regression(
-        [d["mixture"] for d in done], [d["loss"] for d in done], names=task.names, folds=0, seed=seed, **INPUTS
-    )
-    return {"weights": choose_mixture(fit, seed=seed).weights, "proxies": len(done)}
+    return searcher.observed()
 
 
 def reference(task: Any, seeds: int) -> Dict[str, float]:
@@ -112,7 +128,7 @@ def run(task: Any, budgets: Sequence[int], seeds: int, initial: int, batch: int)
     print(f"uniform {ref['uniform']:.4f}  best {ref['best']:.4f}  goal: loss <= {ref['best'] + 0.1 * gap:.4f}")
     arms: Dict[str, Callable[[int, int], Dict[str, Any]]] = {
         "one-shot": lambda n, s: one_shot(task, n, s),
-        "sequential": lambda n, s: sequential(task, n, s, initial, batch),
+        "sequential": lambda n, s: sequential(task, n, s, initial, batch, budgets),
     }
     reached: Dict[str, Optional[int]] = {}
     rows: List[Dict[str, Any]] = []

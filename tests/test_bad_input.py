@@ -410,7 +410,7 @@ MIXTURE_CASES: List[Tuple[str, Dict[str, Any], Callable[[Dict[str, Any]], Dict[s
         _mixture(weights={"web": 1}, stages=None, online={"policy": "ucb"}),
         dict,
         ValueError,
-        r"use one of \['exp3', 'doremi'\]",
+        r"use one of \['exp3', 'doremi', 'target'\]",
     ),
     (
         "online-zero-rate",
@@ -427,6 +427,13 @@ MIXTURE_CASES: List[Tuple[str, Dict[str, Any], Callable[[Dict[str, Any]], Dict[s
         "rate=-1.0 must be a positive",
     ),
     ("online-beside-fixed-stages", _mixture(online={"policy": "exp3"}), dict, ValueError, "give one stage"),
+    (
+        "online-target-without-its-eval-set",
+        _mixture(weights={"web": 1}, stages=None, online={"policy": "target", "target": "heldout"}),
+        dict,
+        ValueError,
+        r"online policy 'target'.*no eval set evaluated in the loop is named 'heldout'.*datasets=\{'heldout'",
+    ),
     (
         "online-without-source-evals",
         _mixture(weights={"web": 1}, stages=None, online={"policy": "exp3"}),

@@ -5,8 +5,9 @@ eval where every source's evaluator ran (``Evaluator(label=<source>)``, or ``onl
 it reads each source's loss metric (computed and synchronized across ranks by the eval itself:
 no collective of its own), asks the policy (`raytrain_events.core.mixture_online.next_weights`) for
 new weights, and switches the loader to its mixture with a switch stage at the next global batch's
-first position (`Mixture.switched`): every rank makes the same decision at the same batch. Each
-change (`WeightsChange`: position, batch, old and new weights, the losses) is logged
+first position (`Mixture.switched`): every rank makes the same decision at the same batch. The
+policy ``"target"`` also waits for its target's evaluator (``online["target"]``) and reads its loss
+the same way. Each change (`WeightsChange`: position, batch, old and new weights, the losses) is logged
 (``mixture/weight/<source>`` every batch, which the run report plots) and checkpointed; a resume
 (or a `SpikeGuard` rollback) replays the saved history onto the loader's mixture, so the order,
 the per-source counts (`MixtureCounts`, loaded after this) and the ledger of the checkpoint
@@ -18,7 +19,7 @@ Cost: per decision, one read of each source's computed metric and one `Mixture.s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Tuple
 
 from raytrain_events.core.callback import Callback
 from raytrain_events.core.mixture import Mixture, MixtureError
@@ -87,6 +88,13 @@ class OnlineMixture(Callback):
 
     def fit_start(self, state: State, logger: Logger) -> None:
         labels = {e.label: e for e in state.evaluators}
+        target = self.policy.target
+        if target is not None and target not in labels:
+            raise MixtureError(
+                f"The mixture's online policy 'target' reads the loss of the task the run is for, but no evaluator is "
+                f"labelled {target!r} (evaluators: {sorted(labels)}). Fix: eval_dataloader=[..., Evaluator(label="
+                f"{target!r}, dataloader=<that task's held-out rows>)], or name its label in online={{'target': ...}}."
+            )
         missing = [(n, self.policy.label(n)) for n in self.names if self.policy.label(n) not in labels]
         if missing:
             raise MixtureError(
@@ -108,14 +116,15 @@ class OnlineMixture(Callback):
     def eval_end(self, state: State, logger: Logger) -> None:
         if not self._fitting:
             return  # Trainer.eval() outside fit: nothing to adapt
-        labels = [self.policy.label(n) for n in self.names]
+        labels = self.policy.labels(self.names)  # the sources', then the target's (policy 'target')
         fresh = [state.eval_metrics.get(label) for label in labels]
         if any(m is None or m is self._seen.get(label) for m, label in zip(fresh, labels)):
-            return  # not every source evaluated since the last decision
+            return  # not every source (and the target) evaluated since the last decision
         for label, metrics in zip(labels, fresh):
             self._seen[label] = metrics
         losses = [self._loss(label, metrics) for label, metrics in zip(labels, fresh)]  # type: ignore[arg-type]
-        self._decide(state, logger, losses)
+        k = len(self.names)
+        self._decide(state, logger, losses[:k], losses[k] if len(losses) > k else None)
 
     def _loss(self, label: str, metrics: Dict[str, Any]) -> float:
         name = self.policy.metric
@@ -130,18 +139,24 @@ class OnlineMixture(Callback):
             raise MixtureError(f"Evaluator {label!r} has no metric {name!r} (its metrics: {sorted(metrics)}).")
         return round(float(metrics[name].compute()), LOSS_DIGITS)  # computed (and synchronized) by the eval
 
-    def _decide(self, state: State, logger: Logger, losses: List[float]) -> None:
+    def _decide(self, state: State, logger: Logger, losses: List[float], target: Optional[float]) -> None:
         plan = self.loader.plan
         position = int(state.timestamp.epoch) * plan.epoch_size + int(state.timestamp.sample_in_epoch)
         total = self.loader.total_samples
         if position <= plan.starts[-1] or (total is not None and position >= total):
             return  # at the start, at the run's end, or twice at one position (a batch eval, then the epoch's)
-        logs, new = next_weights(self.policy, self._logs, losses)
-        change = WeightsChange(position, int(state.timestamp.batch), tuple(self.weights), tuple(new), tuple(losses))
+        logs, new = next_weights(self.policy, self._logs, losses, target=target, past=self._past(self.history))
+        batch = int(state.timestamp.batch)
+        change = WeightsChange(position, batch, tuple(self.weights), tuple(new), tuple(losses), target)
         self.loader.switch(self.loader.mixture.switched(position, dict(zip(self.names, new))))
         self._logs = logs
         self.history.append(change)
         logger.log_metrics(dict(zip(self._weight_keys, new)), step=int(state.timestamp.batch))
+
+    @staticmethod
+    def _past(history: List[WeightsChange]) -> List[Tuple[Tuple[float, ...], Optional[float]]]:
+        """The earlier decisions' (losses, target loss): what the policy 'target' fits."""
+        return [(change.losses, change.target) for change in history]
 
     def changes(self) -> List[Dict[str, Any]]:
         """The weights history as plain data: ``[{position, batch, old, new, losses}, ...]``."""
@@ -158,8 +173,8 @@ class OnlineMixture(Callback):
             )
         history = [WeightsChange.from_dict(change, self.names) for change in state["history"]]
         logs = initial_logs(self.start)
-        for change in history:  # the policy's state is a pure function of the decisions' losses
-            logs, _ = next_weights(self.policy, logs, change.losses)
+        for i, change in enumerate(history):  # the policy's state is a pure function of the decisions' losses
+            logs, _ = next_weights(self.policy, logs, change.losses, target=change.target, past=self._past(history[:i]))
         self.history, self._logs = history, logs
         self.loader.switch(apply_history(self.base, history))
 

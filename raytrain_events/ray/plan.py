@@ -98,6 +98,13 @@ def check_online(spec: Any, mixture: Mixture) -> None:
     policy = OnlinePolicy.from_dict(mixture.online, mixture.names)
     by_tasks = async_eval_names(parse_validation(spec.checkpoints.validation), spec.data.eval_names)
     in_loop = [n for n in spec.data.eval_names if n not in by_tasks]
+    if policy.target is not None and policy.target not in in_loop:
+        raise MixtureError(
+            f"The mixture's online policy 'target' reads the loss of the task the run is for, but no eval set evaluated "
+            f"in the loop is named {policy.target!r} (eval sets: {spec.data.eval_names}). Fix: pass that task's held-out "
+            f"rows as datasets={{{policy.target!r}: ...}} (evaluated in the loop, not by validation=), or name its eval "
+            "set in online={'target': ...}."
+        )
     missing = {n: policy.label(n) for n in mixture.names if policy.label(n) not in in_loop}
     if missing:
         raise MixtureError(

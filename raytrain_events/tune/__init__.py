@@ -85,7 +85,8 @@ mixture=mixture_space(mixture))`` explores the weights (`MixtureExplore`): a cop
 donor's mixture switched at the donor checkpoint's global sample to its explored weights, from
 the donor's exact Timestamp and per-source cursors; the lineage records both weights.
 ``sweep(search_alg=MixtureSearcher(mixture, initial=8, batch=4, max_trials=16), num_samples=16)``
-refines in rounds: each next batch of trials where the fit's expected improvement is.
+refines in rounds: a space-filling first batch, then each next batch where the fit's lower confidence bound is
+(inside a trust region around the best proxies).
 
 Population-based training
 -------------------------

@@ -1,23 +1,30 @@
 """Refine the mixture in rounds: a Ray Tune `Searcher` that places each batch of proxies where the fit says.
 
 ``sweep(search_alg=MixtureSearcher(mixture, initial=8, batch=4), num_samples=16, ...)`` runs the
-proxies as trials of one sweep: the first ``initial`` trials get seeded Dirichlet draws over the
-sources (as `mixture_space`); once every trial placed so far has ended, the searcher fits the
-losses they reported (`fit_mixture_regression`) and places the next ``batch`` where ``criterion``
-scores best (`choose_mixture`'s candidates and scores; expected improvement by default) among
-candidates inside the trust region around the ``incumbents`` proxies the fit ranks best (their
-predicted mean; ``trust_region="auto"``, the default: the proxies' median nearest-neighbour
-distance, so the region shrinks as the proxies close in; None: the whole simplex), greedily,
-each next point at least ``spread`` (total-variation distance) from the points chosen before it in
-the batch, so one batch does not pile onto one spot. It ends after ``max_trials`` trials (Tune's
-``num_samples`` caps it as well). After the sweep, `regmix_search` (or `choose_mixture` on
-`MixtureSearcher.fit`) chooses the full run's mixture from all the trials.
+proxies as trials of one sweep: the first ``initial`` trials fill the simplex (``design="space-filling"``,
+the default: uniform weights first, the mixture a search replaces, then a scrambled Halton sequence
+through the Dirichlet's quantiles, spread evenly; ``"dirichlet"``: seeded Dirichlet draws, as
+`mixture_space`); once every trial placed so far has ended, the searcher fits the losses they
+reported (`fit_mixture_regression`) and places the next ``batch`` where ``criterion`` scores best
+(`choose_mixture`'s candidates and scores; by default the lower confidence bound ``mean - 0.5 * std``)
+among candidates inside the trust region around the ``incumbents`` proxies the fit ranks best (their
+predicted mean; ``trust_region="auto"``, the default: the proxies' median nearest-neighbour distance,
+so the region shrinks as the proxies close in; ``"adaptive"``: TuRBO's rule, the radius doubled after
+two rounds in a row that improved on the best loss and halved after two that did not; None: the whole
+simplex), greedily, each next point at least ``spread`` (total-variation distance) from the points
+chosen before it in the batch, so one batch does not pile onto one spot. ``explore=k`` keeps ``k`` of
+each round's slots (never all of them) for the criterion's best over the whole simplex. It ends after
+``max_trials`` trials (Tune's ``num_samples`` caps it as well). After the sweep, `regmix_search` (or
+`choose_mixture` on `MixtureSearcher.fit`) chooses the full run's mixture from all the trials.
 
 Why a region around the incumbents: over the whole simplex, expected improvement on 5 sources
 and a dozen proxies goes where the fit knows least, the simplex's corners (a source near 0), so
 most rounds were spent on proxies worse than uniform weights; near the best proxies it refines
-(TuRBO's trust region, with its radius read from the proxies' spacing instead of kept as state).
-Measured in `bench/mixture_search.py` (docs/tune.md).
+(TuRBO's trust region). Why the defaults (`bench/mixture_search.py`, docs/tune.md): the space-filling
+first batch and the optimistic but mean-led bound (kappa 0.5, where expected improvement chased the
+fit's uncertainty) reached the 5-source task's goal with 16 proxies where the old ones needed 20, and
+lifted the 3-source conflict task from 0.09-0.12 of the gap at 12-24 proxies to 0.02-0.04; an
+exploring slot and the adaptive radius did not do better there (kept as options).
 
 The placement is a pure function of the trials' losses and ``seed`` (each round's candidates drawn
 from ``seed`` and the round's number), and the searcher's state (the points placed, which trial got
@@ -39,10 +46,13 @@ from ray.tune.search import Searcher
 
 from raytrain_events.core.mixture import Mixture
 from raytrain_events.tune.acquisition import TrustRegion, auto_radius, candidates_near, check_choice_args, scores
-from raytrain_events.tune.mixture_fit import MixtureFit, check_model, fit_mixture_regression
+from raytrain_events.tune.mixture_fit import MixtureFit, check_model, fit_mixture_regression, weight_matrix
 from raytrain_events.tune.simplex import _alphas, _names, normalize_weights
 
-__all__ = ["MixtureSearcher"]
+__all__ = ["MixtureSearcher", "DESIGNS", "first_design"]
+
+#: The first batch's designs: ``"space-filling"`` and ``"dirichlet"`` (`first_design`).
+DESIGNS = ("space-filling", "dirichlet")
 
 
 def _count(value: Any, name: str, least: int) -> int:
@@ -51,8 +61,23 @@ def _count(value: Any, name: str, least: int) -> int:
     return value
 
 
+def first_design(design: str, alphas: List[float], count: int, seed: int) -> np.ndarray:
+    """The first batch's ``count`` weight rows. ``"dirichlet"``: seeded draws from Dirichlet(``alphas``).
+    ``"space-filling"``: uniform weights (the mixture a search replaces: the choice never has to do worse), then a
+    scrambled Halton sequence through the Gamma quantiles of ``alphas``: Dirichlet draws whose uniforms are spread
+    evenly, so no two of a few proxies land close together and no region is left without one."""
+    if design == "dirichlet":
+        return np.random.default_rng(seed).dirichlet(alphas, count)
+    from scipy.stats import gamma, qmc  # why here: scipy comes with the mixsearch extra (as mixture_fit's)
+
+    u = qmc.Halton(d=len(alphas), scramble=True, seed=np.random.default_rng([seed, 0])).random(count - 1)
+    g = gamma.ppf(np.clip(u, 1e-9, 1 - 1e-9), a=np.asarray(alphas))
+    rows = g / g.sum(axis=1, keepdims=True)
+    return np.vstack([np.full((1, len(alphas)), 1.0 / len(alphas)), rows])
+
+
 class MixtureSearcher(Searcher):
-    """Tune search algorithm over ``config["mixture"]``: seeded draws first, then batches placed by the fit."""
+    """Tune search algorithm over ``config["mixture"]``: a space-filling first batch, then batches placed by the fit."""
 
     def __init__(
         self,
@@ -63,10 +88,12 @@ class MixtureSearcher(Searcher):
         max_trials: int = 16,
         model: str = "gp",
         inputs: str = "shares",
-        criterion: str = "ei",
-        kappa: float = 1.0,
+        criterion: str = "lcb",
+        kappa: float = 0.5,
         trust_region: TrustRegion = "auto",
         incumbents: int = 3,
+        explore: int = 0,
+        design: str = "space-filling",
         spread: Optional[float] = None,
         concentration: float = 1.0,
         candidates: int = 4000,
@@ -86,9 +113,16 @@ class MixtureSearcher(Searcher):
         if inputs not in ("shares", "log"):
             raise ValueError(f"MixtureSearcher(inputs={inputs!r}): use 'shares' or 'log' (fit_mixture_regression's).")
         self.inputs = inputs
-        check_choice_args(criterion, kappa, trust_region)
+        check_choice_args(criterion, kappa, None if trust_region == "adaptive" else trust_region)
         self.criterion, self.kappa, self.trust_region = criterion, float(kappa), trust_region
         self.incumbents = _count(incumbents, "incumbents", 1)
+        self.explore = _count(explore, "explore", 0)
+        if design not in DESIGNS:
+            raise ValueError(
+                f"MixtureSearcher(design={design!r}): use 'space-filling' (uniform weights first, then a scrambled "
+                "Halton sequence through the Dirichlet's quantiles) or 'dirichlet' (seeded Dirichlet draws)."
+            )
+        self.design = design
         if spread is not None and not (isinstance(spread, (int, float)) and 0 <= spread <= 1):
             raise ValueError(f"MixtureSearcher(spread={spread!r}) must be a distance in [0, 1] (or None: automatic).")
         self.spread, self.candidates, self.seed = spread, _count(candidates, "candidates", 1), int(seed)
@@ -96,9 +130,10 @@ class MixtureSearcher(Searcher):
         self.assigned: Dict[str, int] = {}  # trial id -> index into placed
         self.losses: Dict[int, Optional[float]] = {}  # index -> loss (None: failed) once its trial ended
         self.rounds = 0
-        rng = np.random.default_rng(self.seed)
+        self.ends: List[int] = [self.initial]  # len(placed) after each round (the first batch: initial)
         self.placed = [
-            normalize_weights(dict(zip(self.names, d)), self.names) for d in rng.dirichlet(self.alphas, self.initial)
+            normalize_weights(dict(zip(self.names, map(float, d))), self.names)
+            for d in first_design(self.design, self.alphas, self.initial, self.seed)
         ]
         self.fit: Optional[MixtureFit] = None
 
@@ -141,9 +176,9 @@ class MixtureSearcher(Searcher):
 
     def get_state(self) -> Dict[str, Any]:
         keys = ("names", "alphas", "initial", "batch", "max_trials", "model", "inputs", "criterion", "kappa")
-        keys += ("trust_region", "incumbents")
+        keys += ("trust_region", "incumbents", "explore", "design")
         state = {k: getattr(self, k) for k in keys}
-        state.update(spread=self.spread, candidates=self.candidates, seed=self.seed, rounds=self.rounds)
+        state.update(spread=self.spread, candidates=self.candidates, seed=self.seed, rounds=self.rounds, ends=self.ends)
         state.update(placed=self.placed, assigned=self.assigned, losses=self.losses, metric=self._metric)
         return {k: pickle.loads(pickle.dumps(v)) for k, v in state.items()}
 
@@ -179,19 +214,58 @@ class MixtureSearcher(Searcher):
         )
         self.rounds += 1
         rng = np.random.default_rng([self.seed, self.rounds])
-        radius = auto_radius(self.fit.points) if self.trust_region == "auto" else self.trust_region
+        radius = self._radius()
         centers = self.fit.points
         if radius is not None:  # the region around the incumbents: the proxies the fit ranks best
             order = np.argsort(self.fit.predict_rows(self.fit.points)[0], kind="stable")
             centers = self.fit.points[order[: self.incumbents]]
-        pool = candidates_near(centers, radius, self.candidates, float(np.mean(self.alphas)), rng)
-        score, _, _ = scores(self.fit, pool, self.criterion, self.kappa)
+        concentration = float(np.mean(self.alphas))
+        pool = candidates_near(centers, radius, self.candidates, concentration, rng)
         spread = self.spread if self.spread is not None else auto_radius(self.fit.points) / 2
-        chosen: List[np.ndarray] = []
         count = min(self.batch, self.max_trials - len(self.placed))
+        explore = min(self.explore, count - 1) if radius is not None else 0  # a round keeps one slot in the region
+        chosen = self._best_apart(pool, count - explore, spread, [])
+        if explore:  # the whole simplex's best by the criterion: the region may have closed in on the wrong spot
+            wide = candidates_near(self.fit.points, None, self.candidates, concentration, rng)
+            chosen = self._best_apart(wide, count, spread, chosen)
+        self.placed += [normalize_weights(dict(zip(self.names, map(float, c))), self.names) for c in chosen]
+        self.ends.append(len(self.placed))
+
+    def _radius(self) -> Optional[float]:
+        """This round's trust region: "auto": the proxies' spacing now; "adaptive": TuRBO's rule replayed over the
+        rounds so far (a pure function of their losses): it starts at the first batch's spacing, two rounds in a
+        row whose best loss beat the best before them (by 1e-3 of it) double it (up to 1), two in a row that did
+        not halve it, and below 0.02 it starts over."""
+        assert self.fit is not None
+        if self.trust_region != "adaptive":
+            return auto_radius(self.fit.points) if self.trust_region == "auto" else self.trust_region  # type: ignore[return-value]
+        first = weight_matrix(self.placed[: self.initial], self.names)
+        start = radius = auto_radius(first)
+        best = min((v for i, v in self.losses.items() if i < self.initial and v is not None), default=np.inf)
+        wins = fails = 0
+        for lo, hi in zip(self.ends, self.ends[1:]):
+            got = min((v for i, v in self.losses.items() if lo <= i < hi and v is not None), default=np.inf)
+            if got < best - 1e-3 * abs(best):
+                wins, fails = wins + 1, 0
+            else:
+                wins, fails = 0, fails + 1
+            best = min(best, got)
+            if wins == 2:
+                radius, wins = min(2 * radius, 1.0), 0
+            elif fails == 2:
+                radius, fails = radius / 2, 0
+                if radius < 0.02:
+                    radius = start
+        return radius
+
+    def _best_apart(self, pool: np.ndarray, count: int, spread: float, chosen: List[np.ndarray]) -> List[np.ndarray]:
+        """``chosen`` plus the best-scored candidates of ``pool``, greedily, each ``spread`` from those before it."""
+        assert self.fit is not None
+        score, _, _ = scores(self.fit, pool, self.criterion, self.kappa)
+        chosen = list(chosen)
         for i in np.argsort(score, kind="stable"):
+            if len(chosen) >= count:
+                break
             if all(0.5 * np.abs(pool[i] - c).sum() >= spread for c in chosen):
                 chosen.append(pool[i])
-            if len(chosen) == count:
-                break
-        self.placed += [normalize_weights(dict(zip(self.names, map(float, c))), self.names) for c in chosen]
+        return chosen

@@ -16,6 +16,7 @@ from raytrain_events.core.mixture_online import (
     initial_logs,
     next_weights,
     schedule,
+    target_shares,
 )
 
 NAMES = ("code", "math", "web")  # the mixture's order: sorted by name
@@ -56,6 +57,39 @@ def test_doremi_moves_only_the_excess_over_the_reference():
     # no excess anywhere: the weights stay (smoothed toward uniform by the floor only)
     _, same = next_weights(policy, initial_logs([0.5, 0.3, 0.2]), [0.1, 0.1, 0.1])
     assert same == [round(0.95 * w + 0.05 / 3, 6) for w in (0.5, 0.3, 0.2)]
+
+
+PI = (0.7, 0.2, 0.1)  # the target task's shares of code/math/web
+SOURCE_LOSSES = [(0.9, 0.5, 0.6), (0.6, 0.62, 0.7), (0.45, 0.75, 0.72), (0.4, 0.8, 0.8), (0.38, 0.83, 0.85)]
+TARGETS = [sum(p * x for p, x in zip(PI, one)) for one in SOURCE_LOSSES]  # a mixture's loss: its parts' mixed
+
+
+def test_the_target_policy_reads_the_targets_shares_from_the_eval_history_and_trains_toward_them():
+    assert target_shares(list(zip(SOURCE_LOSSES, TARGETS))) == pytest.approx(PI, abs=0.01)
+    # one decision already points the right way: the target's loss (0.79) is nearest code's (0.9), then web's
+    first = target_shares([(SOURCE_LOSSES[0], TARGETS[0])])
+    assert first[0] > 0.5 and first[0] > first[2] > first[1]
+    policy = OnlinePolicy.from_dict({"policy": "target", "target": "heldout", "rate": 2.0, "floor": 0.0}, NAMES)
+    assert policy.labels(NAMES) == ["code", "math", "web", "heldout"] and policy.to_dict()["target"] == "heldout"
+    weights = schedule(policy, [1, 1, 1], SOURCE_LOSSES, TARGETS)
+    assert weights[-1] == pytest.approx(PI, abs=0.02)  # two thirds of the way per decision: there after 5
+    assert abs(weights[0][0] - 0.7) > abs(weights[-1][0] - 0.7)  # and closer at each
+    # the same losses under exp3 go to the highest loss instead (the test can fail)
+    exp3 = schedule(OnlinePolicy.from_dict({"policy": "exp3", "rate": 2.0}, NAMES), [1, 1, 1], SOURCE_LOSSES)
+    assert exp3[-1][0] < 0.5
+    # pure: stepwise with each earlier decision's (losses, target) gives the schedule; a prefix, a prefix
+    logs, past = initial_logs([1, 1, 1]), []
+    for one, target, expected in zip(SOURCE_LOSSES, TARGETS, weights):
+        logs, step = next_weights(policy, logs, one, target=target, past=past)
+        past.append((one, round(target, 4)))
+        assert step == expected
+    assert schedule(policy, [1, 1, 1], SOURCE_LOSSES[:2], TARGETS[:2]) == weights[:2]
+    with pytest.raises(ValueError, match="target's eval loss: none was given"):
+        next_weights(policy, initial_logs([1, 1, 1]), SOURCE_LOSSES[0])
+    # the history keeps each decision's target loss (what a resume replays)
+    change = WeightsChange(40, 5, (1 / 3,) * 3, tuple(weights[0]), SOURCE_LOSSES[0], round(TARGETS[0], 4))
+    assert WeightsChange.from_dict(change.to_dict(NAMES), NAMES) == change
+    assert "target" not in WeightsChange(40, 5, (0.5, 0.5), (0.5, 0.5), (0.1, 0.2)).to_dict(("a", "b"))
 
 
 def test_the_schedule_is_a_pure_function_of_its_losses():
@@ -126,7 +160,10 @@ def test_the_ledger_answers_over_the_weights_history():
 @pytest.mark.parametrize(
     "online, stages, fix",
     [
-        ({"policy": "bandit"}, None, r"use one of \['exp3', 'doremi'\]"),
+        ({"policy": "bandit"}, None, r"use one of \['exp3', 'doremi', 'target'\]"),
+        ({"policy": "target"}, None, r"needs target='<label>' \(got None\)"),
+        ({"policy": "target", "target": ""}, None, r"needs target='<label>'"),
+        ({"policy": "exp3", "target": "heldout"}, None, "target= is for policy 'target' only"),
         ({"policy": "exp3", "rate": 0}, None, "rate=0 must be a positive"),
         ({"policy": "exp3", "rate": -0.5}, None, "rate=-0.5 must be a positive"),
         ({"policy": "exp3", "floor": 1}, None, r"floor=1 must be in \[0, 1\)"),

@@ -90,7 +90,7 @@ def evaluators(labels=None):
     return out
 
 
-def make(folder=None, crash_at=None, mixture=MIXTURE, labels=None):
+def make(folder=None, crash_at=None, mixture=MIXTURE, labels=None, extra=()):
     datasets = {name: Rows(i, SOURCES[name]) for i, name in enumerate(MIXTURE.names)}  # ids: the plan's indices
     loader = MixtureLoader(mixture, datasets, batch_size=8)
     seen, model = Seen(crash_at), Tiny()
@@ -100,7 +100,7 @@ def make(folder=None, crash_at=None, mixture=MIXTURE, labels=None):
     trainer = Trainer(
         model=model,
         train_dataloader=DataSpec(loader),
-        eval_dataloader=evaluators(labels),
+        eval_dataloader=evaluators(labels) + list(extra),
         max_duration="2ep",
         optimizers=torch.optim.SGD(model.parameters(), lr=0.2),
         callbacks=[seen],
@@ -175,5 +175,49 @@ def _saved_state(folder, batch):
 def test_an_online_mixture_without_its_evaluators_is_refused_before_training():
     trainer, seen, _ = make(labels={"web": "held_out_web"})
     with pytest.raises(MixtureError, match=r"no evaluator is labelled \['web'\].*online=\{'evaluators'"):
+        trainer.fit()
+    assert seen.rows == []
+
+
+TARGET_MIXTURE = Mixture(
+    sources=SOURCES,
+    weights={"web": 1, "code": 1, "math": 1},
+    epoch_size=160,
+    online={"policy": "target", "target": "task", "rate": 2.0},
+)
+
+
+def task_evaluator():
+    """The held-out task the run is for: 32 rows labelled by code's rule, 8 by math's, none by web's."""
+    rows = [Rows(0, 32, offset=900)[j] for j in range(32)] + [Rows(1, 8, offset=900)[j] for j in range(8)]
+    return Evaluator(label="task", dataloader=torch.utils.data.DataLoader(rows, batch_size=20), eval_interval="5ba")
+
+
+def test_the_target_policy_trains_toward_the_tasks_sources_and_resumes_exactly(tmp_path):
+    """The policy 'target' reads the task's own eval loss beside the sources' and moves the weights toward the
+    sources the task is made of; a crash resumed from a checkpoint replays the history (the target's losses kept in
+    it) and ends with the same weights, counts, rows and Timestamp."""
+    full, full_seen, _ = make(mixture=TARGET_MIXTURE, extra=[task_evaluator()])
+    full.fit()
+    history = _one(full, OnlineMixture).changes()
+    assert [c["position"] for c in history] == list(range(40, 320, 40)) and all("target" in c for c in history)
+    final = history[-1]["new"]
+    assert final["code"] > 0.5 and final["code"] > final["math"] and final["code"] > final["web"]
+    folder = str(tmp_path / "checkpoints")
+    crashed, crashed_seen, _ = make(folder, crash_at=17, mixture=TARGET_MIXTURE, extra=[task_evaluator()])
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        crashed.fit()
+    resumed, resumed_seen, _ = make(folder, mixture=TARGET_MIXTURE, extra=[task_evaluator()])
+    assert resumed.state.step == 14
+    resumed.fit()
+    assert _one(resumed, OnlineMixture).changes() == history
+    assert _one(resumed, MixtureCounts).counts() == _one(full, MixtureCounts).counts()
+    assert {u: int(getattr(resumed.state.timestamp, u)) for u in COUNTER_UNITS} == {
+        u: int(getattr(full.state.timestamp, u)) for u in COUNTER_UNITS
+    }
+    assert crashed_seen.rows[: 14 * 8] + resumed_seen.rows == full_seen.rows
+    # without the task's evaluator: refused before a batch trains
+    trainer, seen, _ = make(mixture=TARGET_MIXTURE)
+    with pytest.raises(MixtureError, match=r"online policy 'target'.*no evaluator is labelled 'task'.*label='task'"):
         trainer.fit()
     assert seen.rows == []

@@ -98,12 +98,62 @@ def test_bad_searcher_arguments_are_refused():
         MixtureSearcher(BASE, mode="max")
     with pytest.raises(ValueError, match="incumbents=0.*>= 1"):
         MixtureSearcher(BASE, incumbents=0)
+    with pytest.raises(ValueError, match="explore=-1.*>= 0"):
+        MixtureSearcher(BASE, explore=-1)
+    with pytest.raises(ValueError, match="design='lhs'.*'space-filling'"):
+        MixtureSearcher(BASE, design="lhs")
+    with pytest.raises(ValueError, match="trust_region='wide'"):
+        MixtureSearcher(BASE, trust_region="wide")
+
+
+def test_the_first_batch_fills_the_simplex_from_uniform_weights():
+    """The first batch starts at uniform weights (what the search replaces) and spreads the rest evenly: its
+    closest pair is farther apart than seeded Dirichlet draws' for every seed tried (the old first batch)."""
+    for seed in range(4):
+        filled = weight_matrix(_searcher(seed=seed, design="space-filling").placed, TASK.names)
+        drawn = weight_matrix(_searcher(seed=seed, design="dirichlet").placed, TASK.names)
+        assert filled[0] == pytest.approx(np.full(5, 0.2)) and len(np.unique(filled.round(4), axis=0)) == 8
+        gaps = [tv_distance(x, x)[np.triu_indices(8, 1)].min() for x in (filled, drawn)]
+        assert gaps[0] > gaps[1]
+    assert MixtureSearcher(BASE).design == "space-filling"  # the default
+
+
+def test_a_round_keeps_an_exploring_slot_outside_the_trust_region():
+    """``explore=1``: of each round's batch, one trial lands where the criterion is best over the whole simplex
+    (here well outside the small region around the incumbents), the others inside that region."""
+    searcher = _searcher(
+        inputs="log", incumbents=2, initial=6, batch=3, max_trials=9, candidates=400, explore=1, trust_region=0.05
+    )
+    _drive(searcher, 0, 6)
+    placed = weight_matrix([s["mixture"] for s in _drive(searcher, 6, 9)], TASK.names)
+    fit = searcher.fit
+    best = fit.points[np.argsort(fit.predict_rows(fit.points)[0], kind="stable")[:2]]
+    distance = tv_distance(placed, best).min(axis=1)
+    assert distance[0] <= 0.051 and distance[1] <= 0.051 and distance[2] > 0.1
+
+
+def test_the_adaptive_region_follows_turbos_rule_over_the_rounds():
+    """``trust_region="adaptive"``: two rounds in a row that beat the best double the radius, two that do not
+    halve it; the radius is a pure function of the losses reported (a restored searcher computes the same)."""
+    searcher = _searcher(trust_region="adaptive", initial=6, batch=2, max_trials=40)
+    _drive(searcher, 0, 6)
+    start = auto_radius(weight_matrix(searcher.placed[:6], TASK.names))
+    searcher.fit = object()  # _radius reads only the losses and the rounds' ends; the fit must merely exist
+    best = min(searcher.losses.values())
+    r2 = min(2 * start, 1.0)
+    expected = [start, r2, r2, min(2 * r2, 1.0), min(2 * r2, 1.0), min(2 * r2, 1.0) / 2, min(2 * r2, 1.0) / 2]
+    expected.append(expected[-1] / 2)  # win win (double) win win (double) fail fail (halve) fail fail (halve)
+    for k, loss in enumerate([best - 0.1, best - 0.2, best - 0.3, best - 0.4, 9, 9, 9, 9]):
+        searcher.placed += [searcher.placed[0]] * 2
+        searcher.losses.update({len(searcher.placed) - 2: loss, len(searcher.placed) - 1: 9.0})
+        searcher.ends.append(len(searcher.placed))
+        assert searcher._radius() == pytest.approx(expected[k]), k
 
 
 def test_a_round_fits_on_the_searchers_inputs_and_stays_near_the_incumbents():
     """The round's fit reads the searcher's ``inputs`` (it once fitted the shares whatever was asked), and the
     batch lands inside the trust region around the 2 proxies the fit ranks best, not in the simplex's corners."""
-    searcher = _searcher(inputs="log", incumbents=2, initial=6, batch=2, max_trials=8, candidates=200)
+    searcher = _searcher(inputs="log", incumbents=2, initial=6, batch=2, max_trials=8, candidates=200, explore=0)
     _drive(searcher, 0, 6)
     second = _drive(searcher, 6, 8)
     fit = searcher.fit
