@@ -282,11 +282,19 @@ def _cpu_row(folder: str, policy: str, longest: int, repeats: int) -> str:  # no
     alone_reads = [[(f, g) for f, g, _ in group] for group in alone.reads(alone.units)]
     inputs = [_window_inputs(args) for args in window_args]
 
+    try:  # the loader's packed path (straight to tensors); a tree before it: expand to Arrow, then convert
+        from raytrain_events.data.ray.packed_batch import packed_tensors
+    except ImportError:
+        packed_tensors = None
+
     def rank(blocks: List[Any], expand: bool) -> None:  # each rank's part of each batch, as the loader makes it
         for block in blocks:
             for at in range(0, block.num_rows, 32):
                 part = [block.slice(at, 32)]
-                table_to_torch((expand_packed(part) if expand else part)[0])
+                if expand and packed_tensors is not None:
+                    packed_tensors(part)
+                else:
+                    table_to_torch((expand_packed(part) if expand else part)[0])
 
     blocks = {
         "packed": [pack_reads(r) for r in packed_reads],

@@ -21,6 +21,7 @@ from typing import List
 
 import numpy as np
 import pytest
+import torch
 from pyarrow import fs as pafs
 from ray import cloudpickle as ray_cloudpickle
 
@@ -134,6 +135,8 @@ def test_blocks_carry_runs_and_a_rank_expands_any_cut_of_them_to_the_batch_colum
     import pyarrow as pa
 
     from raytrain_events.core.packing import expand_runs
+    from raytrain_events.data.ray.batch_tensors import table_to_torch
+    from raytrain_events.data.ray.packed_batch import packed_tensors
     from raytrain_events.data.ray.packed_source import expand_packed, pack_read, pack_reads
 
     source = PackedTokens(tokens[0], seq_len=SEQ, policy=policy, window_tokens=WINDOW)
@@ -150,8 +153,12 @@ def test_blocks_carry_runs_and_a_rank_expands_any_cut_of_them_to_the_batch_colum
         assert got.column_names == want.column_names
         for name in want.column_names:
             assert got.column(name).to_pylist() == want.column(name).to_pylist(), (name, a, b, c, d)
+        tensors, expected = packed_tensors(parts), table_to_torch(got)  # the loader's path: no Arrow table
+        assert list(tensors) == list(expected) == want.column_names
+        for name, tensor in expected.items():
+            assert tensors[name].dtype == tensor.dtype and torch.equal(tensors[name], tensor), (name, a, b, c, d)
     plain = pa.table({"x": [1, 2]})
-    assert expand_packed([plain]) == [plain]  # anything else passes through
+    assert expand_packed([plain]) == [plain] and packed_tensors([plain]) is None  # anything else passes through
     with pytest.raises(ValueError, match="do not tile .* a corrupt packed block"):
         expand_runs(np.array([5]), np.array([SEQ + 1]), np.array([1]), np.array([SEQ]), SEQ)
 
