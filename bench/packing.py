@@ -29,8 +29,8 @@ Four parts (issue 50), each printed as a table with medians and spreads ``[min-m
 4. ``cpu``: the data path's CPU work per sequence without Ray (in this process, CPU time, so a
    loaded machine moves it less than wall time), both sides of the object store: the read tasks
    (`pack_reads`: read the token row groups and pack, with its read (`_window_inputs`) and
-   `pack_runs` apart) and the ranks (`expand_packed` then `table_to_torch` of each rank's part of a
-   batch, 32 sequences), against the same sequences as fixed-length token rows (their ``input_ids``
+   `pack_runs` apart) and the ranks (`packed_tensors` of each rank's part of a batch, 32 sequences,
+   as the loader makes it; with ``--code`` a tree before it: `expand_packed` then `table_to_torch`), against the same sequences as fixed-length token rows (their ``input_ids``
    alone, read by `_read_units` as `ParquetRowGroups`' read tasks do, then `table_to_torch`: the same
    token budget without packing or document masks) and written pre-packed (all four columns). The
    last column is the goal's measure: rows/s of the packed path over the fixed-length one where CPU
@@ -256,8 +256,8 @@ def _cpu_row(folder: str, policy: str, longest: int, repeats: int) -> str:  # no
     """The data path's CPU work per sequence, both sides of the object store, arms interleaved: the
     read tasks (`pack_reads`: read the token row groups and pack; or `_read_units` of the same
     sequences written out pre-packed, or their ``input_ids`` alone: fixed-length token rows, the same
-    token budget without packing or document masks) and the ranks (`expand_packed` then
-    `table_to_torch` of each rank's part of a batch, 32 sequences; or `table_to_torch` alone). Rows/s
+    token budget without packing or document masks) and the ranks (`packed_tensors` of each rank's
+    part of a batch, 32 sequences, as the loader makes it; or `table_to_torch` alone). Rows/s
     of the data path with packing against without, where CPU bounds it, is the inverse ratio of the
     totals."""
     from packed_data import write_tokens

@@ -31,7 +31,7 @@ plus O(d log d) for best_fit), never on the feeder or a rank; a rank's part of a
 slices of window blocks, cut where the blocks are. A block holds the tokens and each sequence's
 documents as runs (`pack_reads`: 4 + 12 / (mean document tokens) bytes per int32 token into the
 object store and across nodes, 4.35 for documents of 34 tokens, not the batch's 16); the rank expands
-its rows to ``document_ids``/``position_ids`` (`expand_packed`, called by the loader on every batch:
+its rows to ``document_ids``/``position_ids`` (`packed_batch.packed_tensors`, called by the loader on every batch:
 one whole-batch pass of O(tokens) array work, 12 bytes written per token).
 
 Document ids are the ``document_id`` column when the files have one (`tokenize` writes it), else
