@@ -163,6 +163,32 @@ def test_blocks_carry_runs_and_a_rank_expands_any_cut_of_them_to_the_batch_colum
         expand_runs(np.array([5]), np.array([SEQ + 1]), np.array([1]), np.array([SEQ]), SEQ)
 
 
+def test_the_loader_turns_a_batch_of_two_blocks_into_the_expanded_tensors(tokens) -> None:
+    """The loader's own `_to_batch` (no Ray needed): a batch spanning two packed blocks comes out as
+    `table_to_torch` of the expanded table, straight to tensors; ``columns`` picks (a missing one is
+    refused naming the columns); with ``collate_fn`` the expanded columns reach it as NumPy."""
+    import pyarrow as pa
+
+    from raytrain_events.data.ray.batch_tensors import table_to_torch
+    from raytrain_events.data.ray.loader import GlobalOrderLoader
+    from raytrain_events.data.ray.packed_source import expand_packed, pack_reads
+    from raytrain_events.data.ray.slices import RowRange
+
+    source = PackedTokens(tokens[0], seq_len=SEQ, policy="best_fit", window_tokens=WINDOW)
+    a, b = (pack_reads([source.window_args(w) for w in ws]) for ws in ([0, 1], [2, 3]))
+    slices, blocks = [RowRange("a", a.num_rows - 3, a.num_rows), RowRange("b", 1, 6)], {"a": (a, None), "b": (b, None)}
+    (table,) = expand_packed([a.slice(a.num_rows - 3, 3), b.slice(1, 5)])
+    want = table_to_torch(pa.concat_tables([table]))
+    got = GlobalOrderLoader(None, device="cpu")._to_batch(slices, blocks)
+    assert list(got) == list(want) and all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
+    picked = GlobalOrderLoader(None, device="cpu", columns=["num_tokens", "input_ids"])._to_batch(slices, blocks)
+    assert list(picked) == ["num_tokens", "input_ids"] and torch.equal(picked["input_ids"], want["input_ids"])
+    with pytest.raises(KeyError, match="no column.*'labels'"):
+        GlobalOrderLoader(None, device="cpu", columns=["labels"])._to_batch(slices, blocks)
+    seen = GlobalOrderLoader(None, device="cpu", collate_fn=lambda batch: batch)._to_batch(slices, blocks)
+    assert sorted(seen) == sorted(want) and np.array_equal(np.stack(seen["document_ids"]), want["document_ids"].numpy())
+
+
 def test_bad_input_is_refused_where_the_source_is_built(tokens, tmp_path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
