@@ -36,7 +36,10 @@ def packed_tensors(parts: List[Any]) -> Optional[Dict[str, Any]]:
     if not is_packed(parts):
         return None
     input_ids, document_ids, position_ids, num_tokens = _expand(parts)
-    tokens = column_tensor(pa.chunked_array(input_ids, parts[0].schema.field("input_ids").type))
+    one = len(input_ids) == 1  # within one block: a view of it
+    tokens = column_tensor(
+        input_ids[0] if one else pa.chunked_array(input_ids, parts[0].schema.field("input_ids").type)
+    )
     if tokens is None:  # not a list of numbers without nulls: the table path decides
         return None
     batch = {
