@@ -29,8 +29,8 @@ Four parts (issue 50), each printed as a table with medians and spreads ``[min-m
 4. ``cpu``: the data path's CPU work per sequence without Ray (in this process, CPU time, so a
    loaded machine moves it less than wall time), both sides of the object store: the read tasks
    (`pack_reads`: read the token row groups and pack, with its read (`_window_inputs`) and
-   `pack_runs` apart) and the ranks (`expand_packed` then `table_to_torch` of each rank's part of a
-   batch, 32 sequences), against the same sequences as fixed-length token rows (their ``input_ids``
+   `pack_runs` apart) and the ranks (`packed_tensors` of each rank's part of a batch, 32 sequences,
+   as the loader makes it; with ``--code`` a tree before it: `expand_packed` then `table_to_torch`), against the same sequences as fixed-length token rows (their ``input_ids``
    alone, read by `_read_units` as `ParquetRowGroups`' read tasks do, then `table_to_torch`: the same
    token budget without packing or document masks) and written pre-packed (all four columns). The
    last column is the goal's measure: rows/s of the packed path over the fixed-length one where CPU
@@ -256,8 +256,8 @@ def _cpu_row(folder: str, policy: str, longest: int, repeats: int) -> str:  # no
     """The data path's CPU work per sequence, both sides of the object store, arms interleaved: the
     read tasks (`pack_reads`: read the token row groups and pack; or `_read_units` of the same
     sequences written out pre-packed, or their ``input_ids`` alone: fixed-length token rows, the same
-    token budget without packing or document masks) and the ranks (`expand_packed` then
-    `table_to_torch` of each rank's part of a batch, 32 sequences; or `table_to_torch` alone). Rows/s
+    token budget without packing or document masks) and the ranks (`packed_tensors` of each rank's
+    part of a batch, 32 sequences, as the loader makes it; or `table_to_torch` alone). Rows/s
     of the data path with packing against without, where CPU bounds it, is the inverse ratio of the
     totals."""
     from packed_data import write_tokens
@@ -282,11 +282,19 @@ def _cpu_row(folder: str, policy: str, longest: int, repeats: int) -> str:  # no
     alone_reads = [[(f, g) for f, g, _ in group] for group in alone.reads(alone.units)]
     inputs = [_window_inputs(args) for args in window_args]
 
+    try:  # the loader's packed path (straight to tensors); a tree before it: expand to Arrow, then convert
+        from raytrain_events.data.ray.packed_batch import packed_tensors
+    except ImportError:
+        packed_tensors = None
+
     def rank(blocks: List[Any], expand: bool) -> None:  # each rank's part of each batch, as the loader makes it
         for block in blocks:
             for at in range(0, block.num_rows, 32):
                 part = [block.slice(at, 32)]
-                table_to_torch((expand_packed(part) if expand else part)[0])
+                if expand and packed_tensors is not None:
+                    packed_tensors(part)
+                else:
+                    table_to_torch((expand_packed(part) if expand else part)[0])
 
     blocks = {
         "packed": [pack_reads(r) for r in packed_reads],

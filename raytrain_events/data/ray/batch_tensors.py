@@ -24,6 +24,7 @@ import warnings
 from typing import Any, Dict, Optional
 
 import numpy as np
+import pyarrow as pa
 
 from raytrain_events.ray._compat import ndarray_batch_to_torch
 
@@ -34,23 +35,22 @@ def table_to_torch(table: Any) -> Dict[str, Any]:
     """``{column: tensor}`` of a pyarrow Table (see module doc)."""
     out: Dict[str, Any] = {}
     other = []
-    for name, field in zip(table.column_names, table.schema):
-        tensor = column_tensor(table.column(name), field)
+    for field, column in zip(table.schema, table.columns):
+        tensor = column_tensor(column, field)
         if tensor is None:
-            other.append(name)
+            other.append(field.name)
         else:
-            out[name] = tensor
-    if other:
-        from ray.data.block import BlockAccessor
+            out[field.name] = tensor
+    if not other:
+        return out  # in the table's order
+    from ray.data.block import BlockAccessor
 
-        out.update(ndarray_batch_to_torch(BlockAccessor.for_block(table.select(other)).to_batch_format("numpy")))
+    out.update(ndarray_batch_to_torch(BlockAccessor.for_block(table.select(other)).to_batch_format("numpy")))
     return {name: out[name] for name in table.column_names}
 
 
 def column_tensor(column: Any, field: Any = None) -> Optional[Any]:
     """One column (a pyarrow Array or ChunkedArray) as a tensor, or None where it needs Ray's conversion."""
-    import pyarrow as pa
-
     array = column
     if isinstance(column, pa.ChunkedArray):
         array = column.chunk(0) if column.num_chunks == 1 else pa.concat_arrays(column.chunks)
@@ -59,36 +59,41 @@ def column_tensor(column: Any, field: Any = None) -> Optional[Any]:
     values = _numpy(array, field)
     if values is None:
         return None
+    return from_numpy(values)
+
+
+def from_numpy(values: np.ndarray) -> Any:
+    """``torch.from_numpy``, quiet on a read-only view of a block (as Ray Data's own batches are).
+
+    torch warns once per process about a read-only array; the first read-only conversions run under
+    ``warnings.catch_warnings`` (which copies the filter list: a few microseconds) until one of them
+    warned nothing, and then none does (`_QUIET`). If a torch version warned on every call, every
+    call would keep the guard."""
+    global _QUIET  # noqa: PLW0603 (a once-per-process probe)
     import torch
 
-    with warnings.catch_warnings():  # a read-only view of the block: as Ray Data's own batches
-        warnings.simplefilter("ignore", UserWarning)
+    if _QUIET or values.flags.writeable:
         return torch.from_numpy(values)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        tensor = torch.from_numpy(values)
+    if not caught:  # torch's warning is spent: plain calls from now on
+        _QUIET = True
+    return tensor
+
+
+_QUIET = False
 
 
 def _numpy(array: Any, field: Any) -> Optional[np.ndarray]:
-    import pyarrow as pa
-
     kind = array.type
     n = len(array)
-    if pa.types.is_boolean(kind):
-        return array.to_numpy(zero_copy_only=False)
     if pa.types.is_integer(kind) or pa.types.is_floating(kind):
         return array.to_numpy(zero_copy_only=True)
+    if pa.types.is_boolean(kind):
+        return array.to_numpy(zero_copy_only=False)
     if pa.types.is_fixed_size_list(kind) or pa.types.is_list(kind) or pa.types.is_large_list(kind):
-        inner = kind.value_type
-        if not (pa.types.is_integer(inner) or pa.types.is_floating(inner)):
-            return None
-        flat = array.flatten()
-        if flat.null_count:
-            return None
-        if pa.types.is_fixed_size_list(kind):
-            width = kind.list_size
-        else:
-            width = _equal_width(_offsets(array), n)
-            if width is None:
-                return None
-        return flat.to_numpy(zero_copy_only=True).reshape(n, width)
+        return _list_numpy(array, kind, n)
     if pa.types.is_fixed_size_binary(kind):
         width = kind.byte_width
         data = np.frombuffer(array.buffers()[1], dtype=np.uint8)
@@ -109,10 +114,31 @@ def _numpy(array: Any, field: Any) -> Optional[np.ndarray]:
     return out
 
 
+def _list_numpy(array: Any, kind: Any, n: int) -> Optional[np.ndarray]:
+    """A list column of numbers whose rows have one length as ``(rows, length)``, over the child's values."""
+    inner = kind.value_type
+    if not (pa.types.is_integer(inner) or pa.types.is_floating(inner)):
+        return None
+    if pa.types.is_fixed_size_list(kind):
+        width = kind.list_size
+        lo = array.offset * width
+    else:
+        offsets = _offsets(array)
+        width = _equal_width(offsets, n)
+        if width is None:
+            return None
+        lo = int(offsets[0])
+    child = array.values  # the whole child array (not cut to the slice: cheaper than flatten())
+    if child.null_count:  # somewhere in the child: the slice's own values decide
+        flat = array.flatten()
+        if flat.null_count:
+            return None
+        return flat.to_numpy(zero_copy_only=True).reshape(n, width)
+    return child.to_numpy(zero_copy_only=True)[lo : lo + n * width].reshape(n, width)
+
+
 def _offsets(array: Any) -> np.ndarray:
     """The ``len + 1`` offsets of a (large) list or binary array, its slice offset applied."""
-    import pyarrow as pa
-
     large = pa.types.is_large_list(array.type) or pa.types.is_large_binary(array.type)
     offsets = np.frombuffer(array.buffers()[1], dtype=np.int64 if large else np.int32)
     return offsets[array.offset : array.offset + len(array) + 1]

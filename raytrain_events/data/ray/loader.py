@@ -38,7 +38,7 @@ from raytrain_events.data.ray import block_fetch  # cluster_node read through it
 from raytrain_events.data.ray.batch_tensors import table_to_torch
 from raytrain_events.data.ray.block_fetch import finish_fetch, local_rows, start_fetch
 from raytrain_events.data.ray.feeder import FEEDER_OPTIONS, EpochFeeder, batches_in_epoch
-from raytrain_events.data.ray.packed_source import expand_packed
+from raytrain_events.data.ray.packed_batch import expand_packed, packed_tensors
 from raytrain_events.data.ray.parquet_seek import is_seekable
 from raytrain_events.data.ray.prefetch import prefetched
 from raytrain_events.data.ray.slices import RowRange, Slice
@@ -422,7 +422,11 @@ class GlobalOrderLoader:
         import pyarrow as pa
         from ray.data.block import BlockAccessor
 
-        parts = expand_packed([_part(piece, blocks) for piece in _merged(slices)])  # packed runs: the public columns
+        parts = [_part(piece, blocks) for piece in _merged(slices)]
+        packed = packed_tensors(parts) if self.collate_fn is None else None  # packed runs: the public columns
+        if packed is not None:
+            return packed if self.columns is None else pick_columns(packed, self.columns)
+        parts = expand_packed(parts)
         if self.columns is not None:  # only these columns reach the batch (and collate_fn)
             parts = [pick_columns(part, self.columns) if isinstance(part, pa.Table) else part for part in parts]
         if self.collate_fn is None and all(isinstance(part, pa.Table) for part in parts):

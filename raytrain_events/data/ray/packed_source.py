@@ -31,7 +31,7 @@ plus O(d log d) for best_fit), never on the feeder or a rank; a rank's part of a
 slices of window blocks, cut where the blocks are. A block holds the tokens and each sequence's
 documents as runs (`pack_reads`: 4 + 12 / (mean document tokens) bytes per int32 token into the
 object store and across nodes, 4.35 for documents of 34 tokens, not the batch's 16); the rank expands
-its rows to ``document_ids``/``position_ids`` (`expand_packed`, called by the loader on every batch:
+its rows to ``document_ids``/``position_ids`` (`packed_batch.packed_tensors`, called by the loader on every batch:
 one whole-batch pass of O(tokens) array work, 12 bytes written per token).
 
 Document ids are the ``document_id`` column when the files have one (`tokenize` writes it), else
@@ -59,10 +59,10 @@ from raytrain_events.core.packing import (
     PackingError,
     Runs,
     check_policy,
-    expand_runs,
     pack_runs,
     sequences_in_window,
 )
+from raytrain_events.data.ray.packed_batch import expand_packed
 from raytrain_events.data.ray.parquet_seek import (
     AHEAD_BYTES,
     READ_BYTES,
@@ -321,7 +321,7 @@ def pack_reads(windows: List[Dict[str, Any]]) -> Any:
     The block holds each sequence's tokens (``input_ids``, a fixed-size list), ``num_tokens``, and
     its documents as runs (``run_documents`` int64, ``run_lengths`` int32: lists, `core.packing.Runs`;
     the ``run_lengths`` column marks the form): about 4 bytes per token instead of the batch's 16
-    (`block_bytes`). A rank expands the rows of its batch (`expand_packed`, in the loader), so
+    (`block_bytes`). A rank expands the rows of its batch (`packed_batch.packed_tensors`, in the loader), so
     the batch is the same as ever. Each window's tokens are packed straight into their rows of the
     block (`pack_runs` with ``out``); the Arrow columns are zero-copy views of those arrays."""
     import pyarrow as pa
@@ -356,50 +356,6 @@ def pack_reads(windows: List[Dict[str, Any]]) -> Any:
             "run_lengths": pa.ListArray.from_arrays(pa.array(offsets), np.concatenate([p.lengths for p in parts])),
         }
     )
-
-
-def expand_packed(parts: List[Any]) -> List[Any]:
-    """The parts of a batch (Arrow tables), compact packed blocks (`pack_reads`) joined and expanded
-    to the public columns: ``input_ids``, ``document_ids`` (int64), ``position_ids`` (int32),
-    ``num_tokens`` (`core.packing.expand_runs`); any other parts as they are. On a rank, per batch:
-    one `expand_runs` over all its runs (O(tokens) array work, 12 bytes written per token), the run
-    lists read as NumPy views of their Arrow buffers, the tokens themselves not copied."""
-    import pyarrow as pa
-
-    if not parts or not all(isinstance(p, pa.Table) and "run_lengths" in p.column_names for p in parts):
-        return parts
-    seq_len = parts[0].schema.field("input_ids").type.list_size  # a fixed-size list (`pack_reads`)
-    documents, lengths, runs = _run_lists(parts, "run_documents"), _run_lists(parts, "run_lengths"), []
-    for part in parts:
-        for chunk in part.column("run_lengths").chunks:
-            runs.append(np.diff(chunk.offsets.to_numpy()))
-    num_tokens = pa.chunked_array([c for p in parts for c in p.column("num_tokens").chunks], pa.int32())
-    document_ids, position_ids = expand_runs(documents, lengths, _joined(runs), num_tokens.to_numpy(), seq_len)
-
-    def fixed(values: np.ndarray) -> Any:
-        return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), seq_len)
-
-    input_ids = [c for p in parts for c in p.column("input_ids").chunks]
-    columns = {"input_ids": pa.chunked_array(input_ids, parts[0].schema.field("input_ids").type)}
-    columns.update(document_ids=fixed(document_ids), position_ids=fixed(position_ids), num_tokens=num_tokens)
-    return [pa.table(columns)]
-
-
-def _run_lists(parts: List[Any], name: str) -> np.ndarray:
-    """The flat values of the list column ``name`` over ``parts``' rows: NumPy views of each chunk's
-    values buffer between its first and last offset (joined when the batch spans chunks)."""
-    pieces = []
-    for part in parts:
-        for chunk in part.column(name).chunks:
-            offsets = chunk.offsets.to_numpy()  # the chunk's (a slice's) own offsets, len + 1
-            pieces.append(chunk.values.to_numpy()[offsets[0] : offsets[-1]])
-    return _joined(pieces)
-
-
-def _joined(pieces: List[np.ndarray]) -> np.ndarray:
-    if not pieces:  # no rows
-        return np.zeros(0, dtype=np.int64)
-    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
 
 def pack_read(**args: Any) -> Any:

@@ -21,6 +21,7 @@ from typing import List
 
 import numpy as np
 import pytest
+import torch
 from pyarrow import fs as pafs
 from ray import cloudpickle as ray_cloudpickle
 
@@ -134,6 +135,8 @@ def test_blocks_carry_runs_and_a_rank_expands_any_cut_of_them_to_the_batch_colum
     import pyarrow as pa
 
     from raytrain_events.core.packing import expand_runs
+    from raytrain_events.data.ray.batch_tensors import table_to_torch
+    from raytrain_events.data.ray.packed_batch import packed_tensors
     from raytrain_events.data.ray.packed_source import expand_packed, pack_read, pack_reads
 
     source = PackedTokens(tokens[0], seq_len=SEQ, policy=policy, window_tokens=WINDOW)
@@ -150,10 +153,40 @@ def test_blocks_carry_runs_and_a_rank_expands_any_cut_of_them_to_the_batch_colum
         assert got.column_names == want.column_names
         for name in want.column_names:
             assert got.column(name).to_pylist() == want.column(name).to_pylist(), (name, a, b, c, d)
+        tensors, expected = packed_tensors(parts), table_to_torch(got)  # the loader's path: no Arrow table
+        assert list(tensors) == list(expected) == want.column_names
+        for name, tensor in expected.items():
+            assert tensors[name].dtype == tensor.dtype and torch.equal(tensors[name], tensor), (name, a, b, c, d)
     plain = pa.table({"x": [1, 2]})
-    assert expand_packed([plain]) == [plain]  # anything else passes through
+    assert expand_packed([plain]) == [plain] and packed_tensors([plain]) is None  # anything else passes through
     with pytest.raises(ValueError, match="do not tile .* a corrupt packed block"):
         expand_runs(np.array([5]), np.array([SEQ + 1]), np.array([1]), np.array([SEQ]), SEQ)
+
+
+def test_the_loader_turns_a_batch_of_two_blocks_into_the_expanded_tensors(tokens) -> None:
+    """The loader's own `_to_batch` (no Ray needed): a batch spanning two packed blocks comes out as
+    `table_to_torch` of the expanded table, straight to tensors; ``columns`` picks (a missing one is
+    refused naming the columns); with ``collate_fn`` the expanded columns reach it as NumPy."""
+    import pyarrow as pa
+
+    from raytrain_events.data.ray.batch_tensors import table_to_torch
+    from raytrain_events.data.ray.loader import GlobalOrderLoader
+    from raytrain_events.data.ray.packed_source import expand_packed, pack_reads
+    from raytrain_events.data.ray.slices import RowRange
+
+    source = PackedTokens(tokens[0], seq_len=SEQ, policy="best_fit", window_tokens=WINDOW)
+    a, b = (pack_reads([source.window_args(w) for w in ws]) for ws in ([0, 1], [2, 3]))
+    slices, blocks = [RowRange("a", a.num_rows - 3, a.num_rows), RowRange("b", 1, 6)], {"a": (a, None), "b": (b, None)}
+    (table,) = expand_packed([a.slice(a.num_rows - 3, 3), b.slice(1, 5)])
+    want = table_to_torch(pa.concat_tables([table]))
+    got = GlobalOrderLoader(None, device="cpu")._to_batch(slices, blocks)
+    assert list(got) == list(want) and all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
+    picked = GlobalOrderLoader(None, device="cpu", columns=["num_tokens", "input_ids"])._to_batch(slices, blocks)
+    assert list(picked) == ["num_tokens", "input_ids"] and torch.equal(picked["input_ids"], want["input_ids"])
+    with pytest.raises(KeyError, match="no column.*'labels'"):
+        GlobalOrderLoader(None, device="cpu", columns=["labels"])._to_batch(slices, blocks)
+    seen = GlobalOrderLoader(None, device="cpu", collate_fn=lambda batch: batch)._to_batch(slices, blocks)
+    assert sorted(seen) == sorted(want) and np.array_equal(np.stack(seen["document_ids"]), want["document_ids"].numpy())
 
 
 def test_bad_input_is_refused_where_the_source_is_built(tokens, tmp_path) -> None:

@@ -1,0 +1,99 @@
+"""A rank's part of a batch of packed sequences (`packed_source.pack_reads`' compact blocks) expanded
+to the public columns: ``input_ids``, ``document_ids`` (int64), ``position_ids`` (int32), ``num_tokens``.
+
+Two forms of the same batch: `packed_tensors`, straight to torch tensors (the loader's path when
+there is no ``collate_fn``: no Arrow table built to be converted again), and `expand_packed`, an
+Arrow table (for ``collate_fn``, through Ray's NumPy batch format, and for `pack_read`). Both run
+`core.packing.expand_runs` once over all the batch's runs (O(tokens) array work, 12 bytes written per
+token), the run lists read as NumPy views of their Arrow buffers, the tokens themselves not copied
+(a batch within one block is a view of it, as for any source; one spanning two blocks is joined
+once). ``document_ids``/``position_ids`` are new arrays per batch: nothing a later batch writes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import pyarrow as pa
+
+from raytrain_events.core.packing import expand_runs
+from raytrain_events.data.ray.batch_tensors import column_tensor, from_numpy
+
+__all__ = ["expand_packed", "packed_tensors", "is_packed"]
+
+
+def is_packed(parts: List[Any]) -> bool:
+    """Whether ``parts`` (a batch's Arrow tables) are all compact packed blocks (`pack_reads`)."""
+    return bool(parts) and all(isinstance(p, pa.Table) and "run_lengths" in p.column_names for p in parts)
+
+
+def packed_tensors(parts: List[Any]) -> Optional[Dict[str, Any]]:
+    """``{column: tensor}`` of the batch of ``parts`` (compact packed blocks), as `table_to_torch` of
+    `expand_packed`'s table gives it (the same dtypes, shapes, values and column order) without
+    building that table. None when the parts are not packed blocks: the caller converts them as any
+    table."""
+    if not is_packed(parts):
+        return None
+    input_ids, document_ids, position_ids, num_tokens = _expand(parts)
+    one = len(input_ids) == 1  # within one block: a view of it
+    tokens = column_tensor(
+        input_ids[0] if one else pa.chunked_array(input_ids, parts[0].schema.field("input_ids").type)
+    )
+    if tokens is None:  # not a list of numbers without nulls: the table path decides
+        return None
+    batch = {
+        "input_ids": tokens,
+        "document_ids": from_numpy(document_ids),
+        "position_ids": from_numpy(position_ids),
+        "num_tokens": from_numpy(num_tokens),
+    }
+    return batch
+
+
+def expand_packed(parts: List[Any]) -> List[Any]:
+    """The parts of a batch (Arrow tables), compact packed blocks (`pack_reads`) joined and expanded
+    to the public columns as one table (see module doc); any other parts as they are."""
+    if not is_packed(parts):
+        return parts
+    input_ids, document_ids, position_ids, _ = _expand(parts)
+    seq_len = document_ids.shape[1]
+
+    def fixed(values: np.ndarray) -> Any:
+        return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), seq_len)
+
+    num_tokens = pa.chunked_array([c for p in parts for c in p.column("num_tokens").chunks], pa.int32())
+    columns = {"input_ids": pa.chunked_array(input_ids, parts[0].schema.field("input_ids").type)}
+    columns.update(document_ids=fixed(document_ids), position_ids=fixed(position_ids), num_tokens=num_tokens)
+    return [pa.table(columns)]
+
+
+def _expand(parts: List[Any]) -> Tuple[List[Any], np.ndarray, np.ndarray, np.ndarray]:
+    """``(input_ids' chunks, document_ids, position_ids, num_tokens)`` of packed ``parts``."""
+    seq_len = parts[0].schema.field("input_ids").type.list_size  # a fixed-size list (`pack_reads`)
+    run_chunks = _chunks(parts, "run_lengths")
+    documents, lengths = _run_lists(_chunks(parts, "run_documents")), _run_lists(run_chunks)
+    runs = _joined([np.diff(chunk.offsets.to_numpy()) for chunk in run_chunks], np.int32)
+    num_tokens = _joined([chunk.to_numpy() for chunk in _chunks(parts, "num_tokens")], np.int32)
+    document_ids, position_ids = expand_runs(documents, lengths, runs, num_tokens, seq_len)
+    return _chunks(parts, "input_ids"), document_ids, position_ids, num_tokens
+
+
+def _chunks(parts: List[Any], name: str) -> List[Any]:
+    return [chunk for part in parts for chunk in part.column(name).chunks]
+
+
+def _run_lists(chunks: List[Any]) -> np.ndarray:
+    """The flat values of a list column's ``chunks``: NumPy views of each chunk's values buffer
+    between its first and last offset (joined when the batch spans chunks)."""
+    pieces = []
+    for chunk in chunks:
+        offsets = chunk.offsets.to_numpy()  # the chunk's (a slice's) own offsets, len + 1
+        pieces.append(chunk.values.to_numpy()[offsets[0] : offsets[-1]])
+    return _joined(pieces, np.int64)
+
+
+def _joined(pieces: List[np.ndarray], dtype: Any) -> np.ndarray:
+    if not pieces:  # no rows
+        return np.zeros(0, dtype=dtype)
+    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
