@@ -52,6 +52,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional, Tuple
 
+from raytrain_events.callbacks.spike_rollback import judged_good, roll_back, rollback_target, take_snapshot
 from raytrain_events.checkpoint.run.host_snapshot import HostSnapshots
 from raytrain_events.core.agreement import StepVote
 from raytrain_events.core.callback import Callback, QuorumChange
@@ -92,9 +93,10 @@ class GroupVoting(Callback):
     def retake(self, state: State, drop: bool = True) -> None:
         guard = self.guard
         if drop:  # this group's snapshots are of a state it no longer has
-            guard._snapshots = HostSnapshots(state, exclude_callbacks={guard._key})
+            keep = guard._snapshots.keep if guard._snapshots is not None else 2
+            guard._snapshots = HostSnapshots(state, exclude_callbacks={guard._key}, keep=keep)
             guard._history.clear()
-        guard._take(state)
+        take_snapshot(guard, state)
         self.seen = int(state.timestamp.batch)
 
     def judge(self, state: State, loss: Any, norm: Any) -> None:
@@ -113,10 +115,12 @@ class GroupVoting(Callback):
 
     def ballot(self) -> list:
         """This group's vote, called by the step's all-reduce (`StepVote.carry`)."""
-        pending, snapshots = self.pending, self.guard._snapshots
-        assert snapshots is not None and snapshots.snapshots
+        pending, target = self.pending, rollback_target(self.guard, self.at + 1)
+        assert target is not None
         spike = pending is not None and pending[2] is not None
-        return group_vote(spike, self.at - int(snapshots.snapshots[-1].meta["batch"]))
+        # How far back the snapshot a spike on this step restores is (`spike_rollback.rollback_target`): equal in
+        # every group, or no rollback is the same everywhere.
+        return group_vote(spike, self.at - int(target.meta["batch"]))
 
     def step_end(self, state: State, logger: Logger) -> None:
         """Called by the guard's ``BATCH_END``, last among the callbacks (after `ReplicaCommit` settled the step's
@@ -138,12 +142,13 @@ class GroupVoting(Callback):
                     "different steps (a group joined while another left, in one quorum), so no rollback is the same "
                     "in every group. Resume the run from its last checkpoint (autoresume)."
                 )
-            guard._roll_back(state, logger, int(ts.batch), elsewhere="seen in another replica group")
+            roll_back(guard, state, logger, int(ts.batch), elsewhere="seen in another replica group")
             return
+        judged_good(guard)  # committed, no spike in any group: the snapshot this step started from is vouched for
         if pending is not None:
             guard.detector.observe(pending[0], pending[1])
         guard._since += 1
         if (state.stop_requested and state.stop_consistent) or is_done(state):
             return
         if guard._since >= guard.snapshot_interval or not verdict.same_snapshot:
-            guard._take(state)  # every group at this step: aligned again if a quorum change left them apart
+            take_snapshot(guard, state)  # every group at this step: aligned again if a quorum change left them apart
