@@ -247,7 +247,7 @@ class SpikeGuard(Callback):
     def after_train_batch(self, state: State, logger: Logger) -> None:
         if state.scaler is not None or self.detector.grad_zscore is None:
             # Loss only (amp_fp16: the scaler skips steps with inf gradients itself; without a gradient test a
-            # non-finite gradient shows in the next batch's loss, inside the same window).
+            # non-finite gradient shows in the next batch's loss; the snapshot between is passed over: spike_rollback).
             self._norm = None
         else:
             self._norm = self._grad_norm(state)
