@@ -14,7 +14,8 @@ host snapshot is: seven integers, no collective of its own). After the step ever
 * it committed and some group saw a spike: every group rolls back at this step (the window ends with it) to
   its newest snapshot (judging the loss alone, the newest a committed step's loss vouched for:
   ``spike_rollback.rollback_target``), the same committed step in every group (checked by the vote: if they
-  differ, every group stops with `SpikeRollbackError` instead of diverging), and skips the same global-order range (the window's records are the global `Timestamp` s and global batches of committed steps);
+  differ, every group stops with `SpikeRollbackError` instead of diverging), and skips the same global-order
+  range (the window's records are the global `Timestamp` s and global batches of committed steps);
 * it committed and no group saw one: the batch joins this group's trailing window.
 
 The replicas are identical after every commit, so each group's snapshot of a step holds the same model,
