@@ -64,7 +64,7 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import torch
 
-from raytrain_events.algorithms.gradient_clipping import GradientClipping, whole_grad_norm
+from raytrain_events.algorithms.gradient_clipping import GradientClipping
 from raytrain_events.callbacks.spike_bisect import (
     QuarantineFilter,
     QuarantineHooks,
@@ -75,7 +75,7 @@ from raytrain_events.callbacks.spike_bisect import (
     sum_over_ranks,
 )
 from raytrain_events.callbacks.spike_groups import GroupVoting, find_step_vote
-from raytrain_events.callbacks.spike_norm import PreClipNorm, group_share_norm, shared_clipping
+from raytrain_events.callbacks.spike_norm import PreClipNorm, grad_norm
 from raytrain_events.callbacks.spike_rollback import judged_good, roll_back, take_snapshot
 from raytrain_events.checkpoint.run.host_snapshot import HostSnapshots
 from raytrain_events.core.callback import Callback
@@ -93,10 +93,9 @@ from raytrain_events.core.spikes import (
 from raytrain_events.core.state import State, _keyed
 from raytrain_events.core.timestamp import Timestamp
 from raytrain_events.data.mixture_counts import MixtureCounts
-from raytrain_events.parallel.pipeline import pipeline_group
 from raytrain_events.trainer._batch import total_loss
 
-vector_norm, stack = torch.linalg.vector_norm, torch.stack
+stack = torch.stack
 
 __all__ = ["SpikeGuard", "SpikeRollbackError"]
 
@@ -250,7 +249,7 @@ class SpikeGuard(Callback):
             # non-finite gradient shows in the next batch's loss; the snapshot between is passed over: spike_rollback).
             self._norm = None
         else:
-            self._norm = self._grad_norm(state)
+            self._norm = grad_norm(self, state)
         loss = state.loss
         if loss is not None and type(loss) is not torch.Tensor:
             loss = total_loss(loss).detach()
@@ -258,47 +257,6 @@ class SpikeGuard(Callback):
             self._group.judge(state, loss, self._norm)
         elif loss is not None and loss.is_cuda:
             self._to_host(loss, self._norm)
-
-    def _take_pre_clip(self, state: State) -> None:
-        """At AFTER_BACKWARD (`_PreClipNorm`), with a GradientClipping whose norm is not shared: the norm before it
-        clips (it runs at AFTER_TRAIN_BATCH, before the callbacks); the last microbatch's is the batch's."""
-        if self._params is None:
-            self._find_params(state)
-        if self._clip_other and state.scaler is None and self.detector.grad_zscore is not None:
-            self._pre_clip = self._own_norm(state)
-
-    def _find_params(self, state: State) -> List[torch.Tensor]:
-        """The trained parameters and the clipping to share, found once (a walk of the groups per batch costs)."""
-        params = self._params = [p for opt in state.optimizers for g in opt.param_groups for p in g["params"]]
-        self._pipelined = pipeline_group(state.model) is not None  # (a model's pipeline is set when it is wrapped)
-        self._clip = shared_clipping(state, params)
-        self._clip_other = self._clip is None and any(isinstance(a, GradientClipping) for a in state.algorithms)
-        return params
-
-    def _own_norm(self, state: State) -> Optional[torch.Tensor]:
-        assert self._params is not None
-        if self._group is not None:  # replica groups: this worker's share of its group's norm (spike_groups.py)
-            return group_share_norm(self._params)
-        if self._pipelined:  # pipeline parallelism: the whole model's, over shards and stages
-            return whole_grad_norm(state.model, self._params)
-        norms = [vector_norm(p.grad) for p in self._params if p.grad is not None]  # cheaper than _foreach_norm on CPU
-        return vector_norm(stack(norms)) if norms else None
-
-    def _grad_norm(self, state: State) -> Optional[torch.Tensor]:
-        """This batch's gradient norm (this rank's) before any clipping, as a tensor: GradientClipping's when shared."""
-        if self._params is None:
-            self._find_params(state)
-        clip = self._clip
-        if clip is not None:  # GradientClipping ran just before (algorithms first): its pre-clip norm, not a second one
-            total = clip.last_grad_norm
-            if total is None or total is self._clip_seen:  # it clipped nothing this batch (no gradients)
-                return None
-            self._clip_seen = total
-            return total
-        if self._clip_other:  # taken at AFTER_BACKWARD, before the clipping
-            pre, self._pre_clip = self._pre_clip, None
-            return pre
-        return self._own_norm(state)
 
     def _to_host(self, loss: torch.Tensor, norm: Optional[torch.Tensor]) -> None:
         """Start the copy of the loss (and norm) into a pinned host buffer, before the optimizer step is queued:

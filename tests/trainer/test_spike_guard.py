@@ -243,14 +243,14 @@ def test_with_gradient_clipping_the_guard_shares_its_norm_and_decides_the_same(m
     """GradientClipping computes the gradient norm anyway: the guard judges that one (its pre-clip norm)
     instead of a second pass over the gradients, and decides as when it computes its own (before the clip)."""
     from raytrain_events.algorithms import GradientClipping
-    from raytrain_events.callbacks import spike_guard
+    from raytrain_events.callbacks import spike_norm
 
     def run(share):
         calls = []
-        norm = spike_guard.vector_norm
-        monkeypatch.setattr(spike_guard, "vector_norm", lambda *a, **k: calls.append(1) or norm(*a, **k))
+        norm = spike_norm.vector_norm
+        monkeypatch.setattr(spike_norm, "vector_norm", lambda *a, **k: calls.append(1) or norm(*a, **k))
         if not share:
-            monkeypatch.setattr(spike_guard, "shared_clipping", lambda state, params: None)
+            monkeypatch.setattr(spike_norm, "shared_clipping", lambda state, params: None)
         guard = SpikeGuard(snapshot_interval=5)
         _fit(_rows(planted=[203]), [guard], algorithms=[GradientClipping("norm", threshold)])
         monkeypatch.undo()
@@ -270,10 +270,10 @@ def test_with_gradient_clipping_a_gradient_blow_up_is_judged_before_the_clip(mon
     after the clip (the old behaviour) every norm is the threshold and nothing spikes; judged before it, the
     blow-up rolls back and skips its window."""
     from raytrain_events.algorithms import GradientClipping
-    from raytrain_events.callbacks import spike_guard
+    from raytrain_events.callbacks import spike_norm
 
     if not share:  # the guard's own norm, taken at AFTER_BACKWARD
-        monkeypatch.setattr(spike_guard, "shared_clipping", lambda state, params: None)
+        monkeypatch.setattr(spike_norm, "shared_clipping", lambda state, params: None)
     guard = SpikeGuard(snapshot_interval=5, loss_ratio=None, grad_zscore=6.0)
     _fit(_rows(planted=[203]), [guard], algorithms=[GradientClipping("norm", 0.5)])
     assert [(r["spike_batch"], r["restored_batch"]) for r in guard.rollbacks] == [(26, 25)]
