@@ -21,7 +21,8 @@ host snapshot is: seven integers, no collective of its own). After the step ever
 The replicas are identical after every commit, so each group's snapshot of a step holds the same model,
 optimizer and schedulers, and a rollback leaves the replicas identical. Snapshots are taken at the same steps
 in every group: at the fit's start and every ``snapshot_interval`` committed steps (counted from the latest
-snapshot or rollback, the same in every group), and at every quorum change, before its step: the groups
+snapshot or rollback, the same in every group), and at every quorum change, before its step (none when one of
+that step is held: the same state): the groups
 already training at `Callback.on_quorum_change`, a group that has just recovered its state from a peer (a
 replacement) at its first ``BATCH_START`` (its Timestamp jumped: its own snapshots, of the state it started
 with, are dropped). The peer's state it recovers carries the run's skip list, rollbacks and skipped counts
@@ -92,13 +93,19 @@ class GroupVoting(Callback):
         self.retake(state, drop=False)  # the snapshot a joining group takes too, at the same step
 
     def retake(self, state: State, drop: bool = True) -> None:
-        guard = self.guard
+        guard, now = self.guard, int(state.timestamp.batch)
+        snapshots = guard._snapshots.snapshots if guard._snapshots is not None else []
+        if not drop and snapshots and snapshots[-1].meta["batch"] == now:
+            # Already one of this step (no step since: the same state): a second would only push out the snapshot
+            # a rollback needs (judging the loss alone, the newest vouched for) and cost a host copy.
+            self.seen = now
+            return
         if drop:  # this group's snapshots are of a state it no longer has
             keep = guard._snapshots.keep if guard._snapshots is not None else 2
             guard._snapshots = HostSnapshots(state, exclude_callbacks={guard._key}, keep=keep)
             guard._history.clear()
         take_snapshot(guard, state)
-        self.seen = int(state.timestamp.batch)
+        self.seen = now
 
     def judge(self, state: State, loss: Any, norm: Any) -> None:
         """At ``AFTER_TRAIN_BATCH`` (before the optimizer step and its all-reduce): this group's verdict."""
