@@ -49,7 +49,7 @@ if ROOT not in sys.path:
 
 from raytrain_events import Trainer  # noqa: E402
 from raytrain_events.algorithms import GradientClipping  # noqa: E402
-from raytrain_events.callbacks import SpikeGuard  # noqa: E402
+from raytrain_events.callbacks import SpikeGuard, spike_norm  # noqa: E402
 from raytrain_events.callbacks import spike_guard as guard_module  # noqa: E402
 from raytrain_events.checkpoint.run.host_snapshot import HostSnapshots  # noqa: E402
 from raytrain_events.core.ledger import Ledger  # noqa: E402
@@ -312,7 +312,7 @@ def main():
     global CLOCK, GRAD_ZSCORE, CLIP
     CLIP = args.clip
     if args.no_share:
-        guard_module.shared_clipping = lambda state, params: None  # the name spike_guard calls
+        spike_norm.shared_clipping = lambda state, params: None  # the name spike_norm.find_params calls
     GRAD_ZSCORE = None if args.loss_only else 6.0
     CLOCK = time.thread_time if args.clock == "cpu" else time.perf_counter
     parts = {

@@ -33,6 +33,8 @@ Files:
   skips exactly the rows trained since.
 * ``spike_norm.py``: the gradient norm `SpikeGuard` judges before any clipping (a shared
   `GradientClipping`'s, or its own at ``AFTER_BACKWARD``).
+* ``spike_rollback.py``: `SpikeGuard`'s host snapshots and rollback: which snapshot a spike restores
+  (judging the loss alone, one a later batch's loss vouched for), the restore, the skipped window's accounting.
 * ``speed_monitor.py``: `SpeedMonitor`: rolling training throughput (batches, samples, tokens per
   second) and MFU.
 * ``threshold_stopper.py``: `ThresholdStopper`: stop training once a monitored eval metric reaches

@@ -12,15 +12,17 @@ host snapshot is: seven integers, no collective of its own). After the step ever
 * the step did not commit (a group failed): it counts for nothing here either (no window record, no detector
   update); the loader serves the same rows again and they are judged again;
 * it committed and some group saw a spike: every group rolls back at this step (the window ends with it) to
-  its newest snapshot, the same committed step in every group (checked by the vote: if the groups' newest
-  snapshots differ, every group stops with `SpikeRollbackError` instead of diverging), and skips the same
-  global-order range (the window's records are the global `Timestamp` s and global batches of committed steps);
+  its newest snapshot (judging the loss alone, the newest a committed step's loss vouched for:
+  ``spike_rollback.rollback_target``), the same committed step in every group (checked by the vote: if they
+  differ, every group stops with `SpikeRollbackError` instead of diverging), and skips the same global-order
+  range (the window's records are the global `Timestamp` s and global batches of committed steps);
 * it committed and no group saw one: the batch joins this group's trailing window.
 
 The replicas are identical after every commit, so each group's snapshot of a step holds the same model,
 optimizer and schedulers, and a rollback leaves the replicas identical. Snapshots are taken at the same steps
 in every group: at the fit's start and every ``snapshot_interval`` committed steps (counted from the latest
-snapshot or rollback, the same in every group), and at every quorum change, before its step: the groups
+snapshot or rollback, the same in every group), and at every quorum change, before its step (none when one of
+that step is held: the same state): the groups
 already training at `Callback.on_quorum_change`, a group that has just recovered its state from a peer (a
 replacement) at its first ``BATCH_START`` (its Timestamp jumped: its own snapshots, of the state it started
 with, are dropped). The peer's state it recovers carries the run's skip list, rollbacks and skipped counts
@@ -52,6 +54,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional, Tuple
 
+from raytrain_events.callbacks.spike_rollback import judged_good, roll_back, rollback_target, take_snapshot
 from raytrain_events.checkpoint.run.host_snapshot import HostSnapshots
 from raytrain_events.core.agreement import StepVote
 from raytrain_events.core.callback import Callback, QuorumChange
@@ -90,12 +93,19 @@ class GroupVoting(Callback):
         self.retake(state, drop=False)  # the snapshot a joining group takes too, at the same step
 
     def retake(self, state: State, drop: bool = True) -> None:
-        guard = self.guard
+        guard, now = self.guard, int(state.timestamp.batch)
+        snapshots = guard._snapshots.snapshots if guard._snapshots is not None else []
+        if not drop and snapshots and snapshots[-1].meta["batch"] == now:
+            # Already one of this step (no step since: the same state): a second would only push out the snapshot
+            # a rollback needs (judging the loss alone, the newest vouched for) and cost a host copy.
+            self.seen = now
+            return
         if drop:  # this group's snapshots are of a state it no longer has
-            guard._snapshots = HostSnapshots(state, exclude_callbacks={guard._key})
+            keep = guard._snapshots.keep if guard._snapshots is not None else 2
+            guard._snapshots = HostSnapshots(state, exclude_callbacks={guard._key}, keep=keep)
             guard._history.clear()
-        guard._take(state)
-        self.seen = int(state.timestamp.batch)
+        take_snapshot(guard, state)
+        self.seen = now
 
     def judge(self, state: State, loss: Any, norm: Any) -> None:
         """At ``AFTER_TRAIN_BATCH`` (before the optimizer step and its all-reduce): this group's verdict."""
@@ -113,10 +123,12 @@ class GroupVoting(Callback):
 
     def ballot(self) -> list:
         """This group's vote, called by the step's all-reduce (`StepVote.carry`)."""
-        pending, snapshots = self.pending, self.guard._snapshots
-        assert snapshots is not None and snapshots.snapshots
+        pending, target = self.pending, rollback_target(self.guard, self.at + 1)
+        assert target is not None
         spike = pending is not None and pending[2] is not None
-        return group_vote(spike, self.at - int(snapshots.snapshots[-1].meta["batch"]))
+        # How far back the snapshot a spike on this step restores is (`spike_rollback.rollback_target`): equal in
+        # every group, or no rollback is the same everywhere.
+        return group_vote(spike, self.at - int(target.meta["batch"]))
 
     def step_end(self, state: State, logger: Logger) -> None:
         """Called by the guard's ``BATCH_END``, last among the callbacks (after `ReplicaCommit` settled the step's
@@ -138,12 +150,13 @@ class GroupVoting(Callback):
                     "different steps (a group joined while another left, in one quorum), so no rollback is the same "
                     "in every group. Resume the run from its last checkpoint (autoresume)."
                 )
-            guard._roll_back(state, logger, int(ts.batch), elsewhere="seen in another replica group")
+            roll_back(guard, state, logger, int(ts.batch), elsewhere="seen in another replica group")
             return
+        judged_good(guard)  # committed, no spike in any group: the snapshot this step started from is vouched for
         if pending is not None:
             guard.detector.observe(pending[0], pending[1])
         guard._since += 1
         if (state.stop_requested and state.stop_consistent) or is_done(state):
             return
         if guard._since >= guard.snapshot_interval or not verdict.same_snapshot:
-            guard._take(state)  # every group at this step: aligned again if a quorum change left them apart
+            take_snapshot(guard, state)  # every group at this step: aligned again if a quorum change left them apart

@@ -15,7 +15,8 @@ Per batch, on each rank (no collective of its own):
 3. Every ``snapshot_interval`` batches (and at the start of each fit) a host snapshot of the state
    (`HostSnapshots`, ``checkpoint/run/host_snapshot.py``). A rollback restores the newest snapshot
    from before the spiking batch (model, optimizers, schedulers, scaler, algorithms, callbacks, RNGs),
-   on every rank, without a storage read.
+   on every rank, without a storage read; judging the loss alone, the newest whose weights a later batch's
+   loss was judged good on (the snapshot and the rollback: ``spike_rollback.py``).
 
 The Timestamp is *not* restored: the run goes on at its current position, so the rows of the
 batches between the restored state and the agreement (``[snapshot, now)`` of each epoch's global
@@ -63,11 +64,10 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import torch
 
-from raytrain_events.algorithms.gradient_clipping import GradientClipping, whole_grad_norm
+from raytrain_events.algorithms.gradient_clipping import GradientClipping
 from raytrain_events.callbacks.spike_bisect import (
     QuarantineFilter,
     QuarantineHooks,
-    bisect_window,
     count_dropped,
     device_of,
     read_quarantine,
@@ -75,7 +75,8 @@ from raytrain_events.callbacks.spike_bisect import (
     sum_over_ranks,
 )
 from raytrain_events.callbacks.spike_groups import GroupVoting, find_step_vote
-from raytrain_events.callbacks.spike_norm import PreClipNorm, group_share_norm, shared_clipping
+from raytrain_events.callbacks.spike_norm import PreClipNorm, grad_norm
+from raytrain_events.callbacks.spike_rollback import judged_good, roll_back, take_snapshot
 from raytrain_events.checkpoint.run.host_snapshot import HostSnapshots
 from raytrain_events.core.callback import Callback
 from raytrain_events.core.event import Event
@@ -85,20 +86,16 @@ from raytrain_events.core.quarantine import Quarantine
 from raytrain_events.core.spikes import (
     RollbackPolicy,
     SkipList,
-    SkipRange,
     SpikeDetector,
     SpikeRollbackError,
     Verdict,
-    window_ranges,
-    window_record,
 )
 from raytrain_events.core.state import State, _keyed
 from raytrain_events.core.timestamp import Timestamp
 from raytrain_events.data.mixture_counts import MixtureCounts
-from raytrain_events.parallel.pipeline import pipeline_group
 from raytrain_events.trainer._batch import total_loss
 
-vector_norm, stack = torch.linalg.vector_norm, torch.stack
+stack = torch.stack
 
 __all__ = ["SpikeGuard", "SpikeRollbackError"]
 
@@ -185,6 +182,7 @@ class SpikeGuard(Callback):
         self._since = 0  # batches since the newest snapshot (or rollback)
         self._group: Optional[GroupVoting] = None  # under replica groups: the vote on each step (spike_groups.py)
         self._key = "SpikeGuard"
+        self._loss_only = False  # the gradient norm not judged (decided at FIT_START; spike_rollback.rollback_target)
         self._before_step = True  # whether AFTER_TRAIN_BATCH has a job (decided at INIT)
 
     # ------------------------------------------------------------------ setup
@@ -231,11 +229,16 @@ class SpikeGuard(Callback):
         self._dropped_totals = [0] * len(self._filter.count_names) if self._filter is not None else []
         if self.row_key is not None:
             start_quarantine(self, state, {k: v for k, v in fingerprint.items() if k != "seed"})
-        self._snapshots = HostSnapshots(state, exclude_callbacks={self._key})
+        # Judging the loss alone (no gradient norm: grad_zscore=None, or a GradScaler's run), a snapshot is a
+        # rollback target only once a batch trained from it was agreed good (`spike_rollback.rollback_target`):
+        # with one snapshot a batch, 3 kept (the target and the two taken since), else 2.
+        self._loss_only = state.scaler is not None or self.detector.grad_zscore is None
+        keep = 3 if self._loss_only and self.snapshot_interval == 1 else 2
+        self._snapshots = HostSnapshots(state, exclude_callbacks={self._key}, keep=keep)
         self._history.clear()
         self._batches.clear()
         self._facts.clear()
-        self._take(state)
+        take_snapshot(self, state)
         if self._group is not None:
             self._group.start(state)
 
@@ -243,10 +246,10 @@ class SpikeGuard(Callback):
     def after_train_batch(self, state: State, logger: Logger) -> None:
         if state.scaler is not None or self.detector.grad_zscore is None:
             # Loss only (amp_fp16: the scaler skips steps with inf gradients itself; without a gradient test a
-            # non-finite gradient shows in the next batch's loss, inside the same window).
+            # non-finite gradient shows in the next batch's loss; the snapshot between is passed over: spike_rollback).
             self._norm = None
         else:
-            self._norm = self._grad_norm(state)
+            self._norm = grad_norm(self, state)
         loss = state.loss
         if loss is not None and type(loss) is not torch.Tensor:
             loss = total_loss(loss).detach()
@@ -254,47 +257,6 @@ class SpikeGuard(Callback):
             self._group.judge(state, loss, self._norm)
         elif loss is not None and loss.is_cuda:
             self._to_host(loss, self._norm)
-
-    def _take_pre_clip(self, state: State) -> None:
-        """At AFTER_BACKWARD (`_PreClipNorm`), with a GradientClipping whose norm is not shared: the norm before it
-        clips (it runs at AFTER_TRAIN_BATCH, before the callbacks); the last microbatch's is the batch's."""
-        if self._params is None:
-            self._find_params(state)
-        if self._clip_other and state.scaler is None and self.detector.grad_zscore is not None:
-            self._pre_clip = self._own_norm(state)
-
-    def _find_params(self, state: State) -> List[torch.Tensor]:
-        """The trained parameters and the clipping to share, found once (a walk of the groups per batch costs)."""
-        params = self._params = [p for opt in state.optimizers for g in opt.param_groups for p in g["params"]]
-        self._pipelined = pipeline_group(state.model) is not None  # (a model's pipeline is set when it is wrapped)
-        self._clip = shared_clipping(state, params)
-        self._clip_other = self._clip is None and any(isinstance(a, GradientClipping) for a in state.algorithms)
-        return params
-
-    def _own_norm(self, state: State) -> Optional[torch.Tensor]:
-        assert self._params is not None
-        if self._group is not None:  # replica groups: this worker's share of its group's norm (spike_groups.py)
-            return group_share_norm(self._params)
-        if self._pipelined:  # pipeline parallelism: the whole model's, over shards and stages
-            return whole_grad_norm(state.model, self._params)
-        norms = [vector_norm(p.grad) for p in self._params if p.grad is not None]  # cheaper than _foreach_norm on CPU
-        return vector_norm(stack(norms)) if norms else None
-
-    def _grad_norm(self, state: State) -> Optional[torch.Tensor]:
-        """This batch's gradient norm (this rank's) before any clipping, as a tensor: GradientClipping's when shared."""
-        if self._params is None:
-            self._find_params(state)
-        clip = self._clip
-        if clip is not None:  # GradientClipping ran just before (algorithms first): its pre-clip norm, not a second one
-            total = clip.last_grad_norm
-            if total is None or total is self._clip_seen:  # it clipped nothing this batch (no gradients)
-                return None
-            self._clip_seen = total
-            return total
-        if self._clip_other:  # taken at AFTER_BACKWARD, before the clipping
-            pre, self._pre_clip = self._pre_clip, None
-            return pre
-        return self._own_norm(state)
 
     def _to_host(self, loss: torch.Tensor, norm: Optional[torch.Tensor]) -> None:
         """Start the copy of the loss (and norm) into a pinned host buffer, before the optimizer step is queued:
@@ -323,8 +285,9 @@ class SpikeGuard(Callback):
             self._facts.append(self._filter.facts() if self._filter is not None else None)
         if state.agreement.agreed(FLAG):
             state.agreement.clear(FLAG)
-            self._roll_back(state, logger, int(ts.batch) - 1)  # requested at the batch before, agreed on this one
+            roll_back(self, state, logger, int(ts.batch) - 1)  # requested at the batch before, agreed on this one
             return
+        judged_good(self)  # no rank saw a spike at the batch before: it vouches for the snapshot it started from
         norm, ready, self._norm, self._ready = self._norm, self._ready, None, None
         grad: Optional[float] = None
         if ready is not None:  # on an accelerator: the copy after_train_batch started
@@ -350,7 +313,7 @@ class SpikeGuard(Callback):
         if (state.stop_requested and state.stop_consistent) or is_done(state):
             self._agree_last_batch(state, logger)  # the fit's last batch: no next batch to carry the flag
         elif self._since >= self.snapshot_interval:
-            self._take(state)
+            take_snapshot(self, state)
 
     def epoch_end(self, state: State, logger: Logger) -> None:
         # The epoch's last batch was the fit's (an 'ep' duration ends here): agree on its spike now, before the
@@ -365,7 +328,7 @@ class SpikeGuard(Callback):
         asked = 1.0 if state.agreement.requested(FLAG) else 0.0
         if sum_over_ranks([asked], device_of(state))[0] > 0:
             state.agreement.clear(FLAG)
-            self._roll_back(state, logger, int(state.timestamp.batch))
+            roll_back(self, state, logger, int(state.timestamp.batch))
 
     def fit_end(self, state: State, logger: Logger) -> None:
         if self._spike is not None and state.agreement.requested(FLAG):
@@ -380,98 +343,6 @@ class SpikeGuard(Callback):
             )
             state.agreement.clear(FLAG)  # the next fit's snapshots start after it: nothing to roll back to
         self._spike = None
-
-    # --------------------------------------------------------------- rollback
-    def _take(self, state: State) -> None:
-        assert self._snapshots is not None
-        batch = int(state.timestamp.batch)
-        self._snapshots.take({"batch": batch, "detector": self.detector.state_dict()})
-        self._since = 0
-        oldest = self._snapshots.snapshots[0].meta["batch"]
-        if self._history:  # one record per batch, consecutive (a fit's Timestamp only goes forward): count, not compare
-            for _ in range(min(len(self._history), oldest - self._history[0][0].get_value("ba") + 1)):
-                self._history.popleft()
-                if self._batches:
-                    self._batches.popleft()
-                    self._facts.popleft()
-
-    def _roll_back(
-        self, state: State, logger: Logger, spike_batch: int, elsewhere: str = "seen on another rank"
-    ) -> None:
-        """Every rank, at the same batch: restore the newest snapshot from before the spiking batch, skip since."""
-        assert self._snapshots is not None
-        now = int(state.timestamp.batch)
-        local = self._spike[1].reason if self._spike is not None and self._spike[0] == spike_batch else None
-        reason = local or elsewhere
-        snapshot = self._snapshots.newest(lambda meta: meta["batch"] < spike_batch)
-        if snapshot is None:  # unreachable with a snapshot at fit start; said plainly if it ever is
-            raise SpikeRollbackError(f"A loss spike at batch {spike_batch} ({reason}) and no host snapshot before it.")
-        restored = int(snapshot.meta["batch"])
-        window = [window_record(*h[:3]) for h in self._history if h[0].get_value("ba") > restored]
-        self.policy.check(len(self.rollbacks), now - restored, self.skips, f"batch {spike_batch}: {reason}")
-        self._snapshots.restore(lambda meta: meta["batch"] == restored)
-        self.detector.load_state_dict(snapshot.meta["detector"])
-        for callback in state.callbacks:
-            callback.on_rollback(state, logger)
-        search = bisect_window(self, state, restored, now, window) if self.bisect else {}
-        retrained = bool(search.get("retrained"))
-        fresh = [] if retrained else [h for h in window if not self.skips.contains(h[1], h[2])]
-        plan = next((c.loader.plan for c in state.callbacks if isinstance(c, MixtureCounts)), None)
-        for epoch, start, end, batches, tokens in window_ranges(fresh):
-            self.skips.add(SkipRange(epoch, start, end, batches, tokens))
-            by_source = None
-            if plan is not None:  # each source's samples in the window: its cursor moves over [start, end)
-                names, at, to = plan.names, plan.cursors(epoch, start), plan.cursors(epoch, end)
-                by_source = {n: b - a for n, a, b in zip(names, at, to) if b > a}
-            state.skipped.add_window(batches, end - start, tokens, by_source)
-        skipped_batches = {record[0] for record in fresh}  # rows dropped from them count as skipped now, not twice
-        for h in self._history:
-            if h[3] is not None and h[0].get_value("ba") in skipped_batches:
-                rows, tokens, by_source = h[3]
-                state.skipped.add_quarantined(-rows, -tokens, {n: -k for n, k in by_source.items()})
-        if not retrained:  # the schedule follows the position: one step per batch since the snapshot
-            for scheduler in state.schedulers:
-                for _ in range(now - restored):
-                    scheduler.step()
-        self._spike, self._norm, self._since, self._pre_clip, self._ready = None, None, 0, None, None
-        record = {
-            "batch": now,
-            "spike_batch": spike_batch,
-            "reason": reason,
-            "restored_batch": restored,
-            "from": "host",
-            "skipped": [[e, s, t] for e, s, t, _, _ in window_ranges(fresh)],
-            **search,
-        }
-        self.rollbacks.append(record)
-        if retrained:  # the window is trained (without its culprits): the next window starts after it
-            self._take(state)
-        skipped_batches, skipped_samples, skipped_tokens = self.skips.totals()
-        if state.rank == 0:
-            _log.warning(
-                "Loss spike at batch %d (%s): every rank rolled back to the host snapshot of batch %d and skips %s "
-                "(%d rollbacks; skipped in all: %s)%s.",
-                spike_batch,
-                reason,
-                restored,
-                ", ".join(f"epoch {e} rows [{s}, {t})" for e, s, t in record["skipped"]) or "nothing new",
-                len(self.rollbacks),
-                self.skips.describe(),
-                f"; bisection found rows {search['quarantined']} ({self.row_key}), quarantined; the rest of the window "
-                "trained again"
-                if retrained
-                else "",
-            )
-        logger.log_metrics(  # the run report marks them on the loss plot (report/plots.py)
-            {
-                "spikes/rollbacks": len(self.rollbacks),
-                "spikes/last_sample": int(state.timestamp.sample),
-                "spikes/skipped_batches": skipped_batches,
-                "spikes/skipped_samples": skipped_samples,
-                "spikes/skipped_tokens": skipped_tokens,
-                "spikes/quarantined_rows": state.skipped.quarantined,
-            }
-        )
 
     # ------------------------------------------------------------ accounting
     def trained(self, state: State) -> Dict[str, int]:

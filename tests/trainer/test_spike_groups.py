@@ -197,3 +197,33 @@ def test_the_workers_of_a_group_of_several_vote_on_the_groups_values_and_roll_ba
     # spike on its own: the positions' sums differ, and the two halves of one model would roll back apart.
     apart = _positions(_rows(planted=[203]), "15ba", None, None)
     assert [r["batch"] for r in apart[0][1].rollbacks] == [] and [r["batch"] for r in apart[1][1].rollbacks] == [13]
+
+
+def test_judging_the_loss_alone_every_group_passes_over_the_snapshot_after_a_blow_up():
+    """The weights wrecked after step 25 (its loss finite): step 26 spikes; the snapshot of 25 had no step judged
+    good from it, so every group rolls back to 20's, and each vote said how far back that target was (5 at step
+    26, not 0: the groups compare targets, not newest snapshots)."""
+    from tests.trainer.test_spike_guard import BlowUpAfterStep
+
+    vote, guard = ScriptedVote(), SpikeGuard(snapshot_interval=5, grad_zscore=None)
+    _, state = _fit(_rows(), [vote, BlowUpAfterStep(25), guard])
+    assert [(r["batch"], r["spike_batch"], r["restored_batch"]) for r in guard.rollbacks] == [(26, 26, 20)]
+    assert guard.skips.ranges == [SkipRange(0, 160, 208, batches=6, tokens=0)]
+    assert guard.trained(state) == {"batch": 44, "sample": 352, "token": 0}
+    assert [own[1] for b, own in vote.votes if b in (20, 21, 22, 26)] == [4, 5, 1, 5]
+
+
+def test_a_quorum_change_right_after_a_snapshot_keeps_the_one_a_rollback_needs():
+    """A quorum change before step 26, just after the snapshot of 25: no second snapshot of 25 (the same state)
+    pushes out 20's, so the blow-up after step 25 still rolls back to 20 (a second one of 25 left only the
+    damaged ones, and the run stopped after max_rollbacks)."""
+    from tests.trainer.test_spike_guard import BlowUpAfterStep
+
+    class QuorumBefore26(Callback):
+        def batch_start(self, state, logger):
+            if int(state.timestamp.batch) == 25:
+                guard._group.on_quorum_change(state, logger, None)
+
+    vote, guard = ScriptedVote(), SpikeGuard(snapshot_interval=5, grad_zscore=None)
+    _fit(_rows(), [vote, BlowUpAfterStep(25), QuorumBefore26(), guard])
+    assert [(r["spike_batch"], r["restored_batch"]) for r in guard.rollbacks] == [(26, 20)]

@@ -243,14 +243,14 @@ def test_with_gradient_clipping_the_guard_shares_its_norm_and_decides_the_same(m
     """GradientClipping computes the gradient norm anyway: the guard judges that one (its pre-clip norm)
     instead of a second pass over the gradients, and decides as when it computes its own (before the clip)."""
     from raytrain_events.algorithms import GradientClipping
-    from raytrain_events.callbacks import spike_guard
+    from raytrain_events.callbacks import spike_norm
 
     def run(share):
         calls = []
-        norm = spike_guard.vector_norm
-        monkeypatch.setattr(spike_guard, "vector_norm", lambda *a, **k: calls.append(1) or norm(*a, **k))
+        norm = spike_norm.vector_norm
+        monkeypatch.setattr(spike_norm, "vector_norm", lambda *a, **k: calls.append(1) or norm(*a, **k))
         if not share:
-            monkeypatch.setattr(spike_guard, "shared_clipping", lambda state, params: None)
+            monkeypatch.setattr(spike_norm, "shared_clipping", lambda state, params: None)
         guard = SpikeGuard(snapshot_interval=5)
         _fit(_rows(planted=[203]), [guard], algorithms=[GradientClipping("norm", threshold)])
         monkeypatch.undo()
@@ -270,10 +270,10 @@ def test_with_gradient_clipping_a_gradient_blow_up_is_judged_before_the_clip(mon
     after the clip (the old behaviour) every norm is the threshold and nothing spikes; judged before it, the
     blow-up rolls back and skips its window."""
     from raytrain_events.algorithms import GradientClipping
-    from raytrain_events.callbacks import spike_guard
+    from raytrain_events.callbacks import spike_norm
 
     if not share:  # the guard's own norm, taken at AFTER_BACKWARD
-        monkeypatch.setattr(spike_guard, "shared_clipping", lambda state, params: None)
+        monkeypatch.setattr(spike_norm, "shared_clipping", lambda state, params: None)
     guard = SpikeGuard(snapshot_interval=5, loss_ratio=None, grad_zscore=6.0)
     _fit(_rows(planted=[203]), [guard], algorithms=[GradientClipping("norm", 0.5)])
     assert [(r["spike_batch"], r["restored_batch"]) for r in guard.rollbacks] == [(26, 25)]
@@ -318,3 +318,34 @@ def test_the_cuda_read_path_decides_as_the_direct_read(monkeypatch, grad_zscore)
     assert len(recorded) == 50  # one copy a batch
     assert via_host.rollbacks == direct.rollbacks and via_host.skips.ranges == direct.skips.ranges
     assert via_host.detector.state_dict() == direct.detector.state_dict()
+
+
+class BlowUpAfterStep(Callback):
+    """At ``BATCH_END`` of batch ``at`` (after its optimizer step, its loss finite): the weights blown up, as a
+    gradient blow-up the loss alone cannot see leaves them. The guard's snapshot of that batch holds the damage."""
+
+    def __init__(self, at):
+        self.at = at
+
+    def batch_end(self, state, logger):
+        if int(state.timestamp.batch) == self.at:
+            g = torch.Generator().manual_seed(1)
+            with torch.no_grad():
+                for p in state.model.parameters():
+                    p.add_(torch.randn(p.shape, generator=g) * 100)
+
+
+def test_judging_the_loss_alone_a_snapshot_taken_after_a_blow_up_is_passed_over():
+    """The spike shows at batch 26 (the damaged weights' first loss); the snapshot of batch 25 holds the damage:
+    no batch trained from it was judged good, so the rollback lands on batch 20's (main: on 25's, again and
+    again, until max_rollbacks stops the run)."""
+    guard = SpikeGuard(snapshot_interval=5, grad_zscore=None)
+    _, state = _fit(_rows(), [BlowUpAfterStep(25), guard])
+    assert [(r["spike_batch"], r["restored_batch"]) for r in guard.rollbacks] == [(26, 20)]
+    assert guard.skips.ranges == [SkipRange(0, 160, 216, batches=7, tokens=0)]
+    _, clean = _fit(_rows())
+    assert state.timestamp == clean.timestamp
+    assert guard.trained(state) == {"batch": 43, "sample": 344, "token": 0}
+    _, without = _fit(_rows(drop=range(160, 216)))  # the weights of a run that never trained the window
+    for mine, theirs in zip(state.model.parameters(), without.model.parameters()):
+        assert torch.equal(mine, theirs)

@@ -7,8 +7,9 @@ buffers allocated at the first snapshot and reused by every later one, pinned fo
 DTensor shards kept as shards). Each rank snapshots its own state at the
 same batches, so a restore on every rank gives back one consistent run state.
 
-Two are kept (`SpikeGuard` needs the newest one *before* a batch whose spike is agreed one batch
-late); each holds its own buffers, so memory is two host copies of each rank's state (model +
+Two are kept by default (`SpikeGuard` needs the newest one *before* a batch whose spike is agreed one
+batch late; judging the loss alone with a snapshot every batch it keeps 3: ``callbacks/spike_rollback.py``);
+each holds its own buffers, so memory is two host copies of each rank's state (model +
 optimizer state: 3x the weights' bytes for Adam, per copy). Cost per snapshot: one host copy of that
 state (a memcpy on the CPU, a device-to-host copy on a GPU); nothing between snapshots.
 """
