@@ -25,7 +25,7 @@ _PRIVATE_ATTRS = re.compile(
     r"_get_or_create_inter_actor_queue|_in_tune_session|(?<!\w)(?:_time_attr|_max_t)\b|_node_ip_address"
     r"|ENABLE_RAY_CLUSTER|resolve_ip_for_localhost|ray\.train\.v2\.|get_dashboard_dependency_error"
     r"|global_worker_stdstream_dispatcher|\._meta_count|\._logical_plan|iter_internal_ref_bundles"
-    r"|_resources_per_worker_not_none|getLogger\(\s*[\"']ray(?!(?:\.data|\.train|\.tune|\.serve)?[\"'])"
+    r"|_resources_per_worker_not_none|getLogger\(\s*[\"']ray(?=[.\"'])(?!(?:\.data|\.train|\.tune|\.serve)?[\"'])"
     # Ray's file layouts, log formats and environment knobs (also only through _compat).
     r"|ray_current_cluster|ray_bootstrap_config|SessionFileHandler|convert_ndarray_batch_to_torch_tensor_batch"
     r"|RAY_worker_maximum_startup_concurrency|Token authentication is"
