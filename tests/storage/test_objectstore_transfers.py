@@ -87,8 +87,11 @@ def calls(s3, monkeypatch):
     return log
 
 
-def _open_uploads(fs, bucket: str) -> list:
-    return fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", [])
+def _open_uploads(fs, bucket: str, url: str) -> list:
+    """The unfinished multipart uploads under this test's own prefix (``url``): the session's bucket is shared,
+    and another file's test may leave one of its own behind on purpose (a killed upload)."""
+    prefix = url.split("://", 1)[1].split("/", 1)[1] + "/"
+    return fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix).get("Uploads", [])
 
 
 def test_large_file_goes_up_in_parts_and_comes_back_in_ranges(s3, calls):
@@ -148,7 +151,7 @@ def test_multipart_upload_interrupted_midway_commits_nothing(s3, calls, s3_serve
     assert url.split("://")[1] in str(e.value)  # names the object
     assert "abort_multipart_upload" in calls and "complete_multipart_upload" not in calls
     assert "put_object" not in calls  # no manifest
-    assert _open_uploads(fs, s3_server["bucket"]) == []  # aborted: no parts left behind
+    assert _open_uploads(fs, s3_server["bucket"], url) == []  # aborted: no parts left behind
     assert latest_checkpoint(url, storage_options=opts).name == good.name
     loaded = load_latest_valid(url, storage_options=opts)
     assert loaded.info.name == good.name and _same(loaded.files["state.pt"], _state(1))
@@ -161,7 +164,7 @@ def test_failed_complete_commits_nothing(s3, calls, s3_server):
     calls.fail[("complete_multipart_upload", 1)] = ConnectionError("injected: complete failed")
     with pytest.raises(StorageError, match="complete failed"):
         _save(url, opts, 2)
-    assert _open_uploads(fs, s3_server["bucket"]) == []
+    assert _open_uploads(fs, s3_server["bucket"], url) == []
     assert load_latest_valid(url, storage_options=opts).info.name == good.name
 
 
@@ -180,7 +183,7 @@ def test_error_inside_torch_save_mid_multipart_aborts_the_upload(s3, calls, s3_s
     assert not isinstance(e.value, StorageError)
     assert "create_multipart_upload" in calls and "abort_multipart_upload" in calls  # parts: sent or cancelled
     assert "complete_multipart_upload" not in calls and "put_object" not in calls
-    assert _open_uploads(fs, s3_server["bucket"]) == []
+    assert _open_uploads(fs, s3_server["bucket"], url) == []
     assert latest_checkpoint(url, storage_options=opts) is None
 
 
@@ -213,7 +216,7 @@ def test_killed_process_mid_multipart_leaves_previous_latest(s3, s3_server):
     finally:
         proc.kill()
         proc.wait()
-    uploads = _open_uploads(fs, s3_server["bucket"])
+    uploads = _open_uploads(fs, s3_server["bucket"], url)
     assert [u["Key"].rsplit("/", 1)[1] for u in uploads] == ["state.pt"]  # incomplete: invisible
     assert latest_checkpoint(url, storage_options=opts).name == good.name
     assert _same(load_latest_valid(url, storage_options=opts).files["state.pt"], _state(1))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import sys
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -39,23 +40,16 @@ _RETRY_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout
 
 
 def _library_transient() -> tuple[type[BaseException], ...]:
+    """The transient errors of the libraries loaded so far: an error of botocore's or aiohttp's can only have been
+    raised where they are imported, and importing them here (~0.5 s) would tax every process that saves."""
     found: list[type[BaseException]] = [asyncio.TimeoutError, ConnectionError, TimeoutError]
-    try:
-        from botocore.exceptions import BotoCoreError
-
-        found.append(BotoCoreError)
-    except ImportError:
-        pass
-    try:
-        from aiohttp import ClientError
-
-        found.append(ClientError)
-    except ImportError:
-        pass
+    botocore = sys.modules.get("botocore.exceptions")
+    if botocore is not None:
+        found.append(botocore.BotoCoreError)
+    aiohttp = sys.modules.get("aiohttp")
+    if aiohttp is not None and hasattr(aiohttp, "ClientError"):
+        found.append(aiohttp.ClientError)
     return tuple(found)
-
-
-_TRANSIENT = _library_transient()
 
 
 def is_transient(error: BaseException) -> bool:
@@ -67,7 +61,7 @@ def is_transient(error: BaseException) -> bool:
             return False
         if isinstance(error, OSError) and error.errno in _PERMANENT_ERRNO:
             return False
-        if isinstance(error, _TRANSIENT):
+        if isinstance(error, _library_transient()):
             return True
         if isinstance(error, OSError) and error.errno in _TRANSIENT_ERRNO:
             return True

@@ -9,6 +9,7 @@ each range's arrived prefix in order; a wrong size is seen from the first respon
 from __future__ import annotations
 
 import asyncio
+import functools
 import io
 import threading
 from typing import Any
@@ -195,7 +196,7 @@ class _S3Fetch:
                     if pos < b:  # the body ended before the range did
                         self.actual = min(self.actual, pos)
                     return
-                except _RESUMABLE:  # connection dropped mid-body: go on from pos
+                except _resumable():  # connection dropped mid-body: go on from pos
                     attempt += 1
                     if attempt > int(getattr(self.fs, "retries", 5)):
                         raise
@@ -205,7 +206,10 @@ class _S3Fetch:
             view.release()
 
 
+@functools.cache
 def _resumable() -> tuple[type[BaseException], ...]:
+    """The errors after which a ranged GET goes on from where its body stopped. Asked for at the first such error,
+    not at import: aiohttp and botocore cost ~0.5 s of imports in every process that loads a checkpoint, S3 or not."""
     errors: list[type[BaseException]] = [asyncio.TimeoutError, ConnectionError]
     try:
         from aiohttp import ClientPayloadError
@@ -215,9 +219,6 @@ def _resumable() -> tuple[type[BaseException], ...]:
     except ImportError:
         pass
     return tuple(errors)
-
-
-_RESUMABLE = _resumable()
 
 
 def _object_size(resp: dict, *, ranged: bool) -> int:
