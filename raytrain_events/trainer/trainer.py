@@ -279,12 +279,10 @@ class Trainer:
         while True:
             # Events nobody listens to are skipped: no algorithms, and no callback overrides them.
             active = engine.active_events()
-            counted = self._next_batch(iterator, active, spec)
-            if counted is None:
+            if (counted := self._next_batch(iterator, active, spec)) is None:
                 break
             samples, tokens = counted
-            # One sum per batch (riding on DDP's gradient all-reduce where it can): counts, a stop,
-            # and every registered agreement flag.
+            # One sum per batch (riding on DDP's all-reduce where it can): counts, a stop, every agreement flag.
             local_stop = 1 if state.stop_requested and not state.stop_consistent else 0
             if single:  # the flags as asked before the batch, as the ranks' sum would have them
                 flags = agreement.local_values()
@@ -304,11 +302,8 @@ class Trainer:
                 samples, tokens, local_stop = sums[0], sums[1], sums[2]
                 if len(sums) > 3:
                     agreement.set_sums(sums[3:])
-            if local_stop:
-                state.stop_requested = state.stop_consistent = True
-            self._end_batch(active, samples, tokens, perf_counter() - start)
             batches += 1
-            if (state.stop_requested and state.stop_consistent) or is_done(state):
+            if self._end_batch(active, samples, tokens, local_stop, perf_counter() - start):
                 return True
         if batches == 0 and skip == 0:
             raise RuntimeError(
@@ -343,9 +338,11 @@ class Trainer:
         state.batch_num_samples, state.batch_num_tokens = samples, tokens
         return samples, tokens
 
-    def _end_batch(self, active: Mapping[Event, bool], samples: int, tokens: int, seconds: float) -> None:
-        """After the step: the global counts and Timestamp moved on, schedulers stepped, end events and evals run."""
+    def _end_batch(self, active: Mapping[Event, bool], samples: int, tokens: int, stop: int, seconds: float) -> bool:
+        """After the step: a stop, the global counts and Timestamp, schedulers, end events, evals; whether to end."""
         state, engine = self.state, self.engine
+        if stop:
+            state.stop_requested = state.stop_consistent = True
         state.global_batch_num_samples, state.global_batch_num_tokens = samples, tokens
         state.timestamp = state.timestamp.to_next_batch(samples, tokens, _timedelta(0, seconds))  # (days, seconds)
         for scheduler in state.schedulers:
@@ -356,6 +353,7 @@ class Trainer:
             self._evaluate_due(_BATCH_END)
         if active[_BATCH_CHECKPOINT]:
             engine.run_event(_BATCH_CHECKPOINT)
+        return (state.stop_requested and state.stop_consistent) or is_done(state)
 
     def _train_batch(self, active: Mapping[Event, bool]) -> None:
         """Forward, loss and backward over ``grad_accum`` microbatches, then the optimizer step."""
