@@ -482,3 +482,63 @@ def test_the_autoresume_without_a_name_refusal_has_one_owner():
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and "without a run_name" in node.value:
                 spelled.append(_rel(PACKAGE, path))
     assert spelled == ["trainer/arguments.py"], spelled
+
+
+#: Which checkpoints are validated (`validates`: every ``every``-th one a worker group reports) is decided where the
+#: validation is asked for, once per path, and recorded in the checkpoint's entry (``ASKED_KEY``); everyone else reads
+#: the mark (`unfinished_validations`), never counts again.
+VALIDATION_CHOOSERS = {
+    "ray/reports/worker_reports.py": "rank 0's RayReporter asks Ray Train to validate (plain and restarting runs)",
+    "ray/reports/history.py": "RunHistory starts the replica groups' validations (Ray Train never sees them)",
+}
+
+
+def validation_recounts(package: pathlib.Path = PACKAGE) -> List[str]:
+    """``file:line: text`` for each place outside `VALIDATION_CHOOSERS` that decides again which checkpoints are
+    validated: it calls ``validates(...)``, or reads ``.every`` off an object other than ``self`` (the option's
+    own checks in ``ray/async_validation.py`` and the rule, `validates`, in ``ray/checkpointing/validation.py``)."""
+    rule = {"ray/async_validation.py", "ray/checkpointing/validation.py"}
+    hits = []
+    for path in _modules(package).values():
+        rel = _rel(package, path)
+        if rel in VALIDATION_CHOOSERS:
+            continue
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.Call) and (getattr(node.func, "id", None) or getattr(node.func, "attr", None)) in {
+                "validates"
+            }:
+                hits.append(f"{rel}:{node.lineno}: validates(...)")
+            elif (
+                rel not in rule
+                and isinstance(node, ast.Attribute)
+                and node.attr == "every"
+                and not (isinstance(node.value, ast.Name) and node.value.id == "self")
+            ):
+                hits.append(f"{rel}:{node.lineno}: .every")
+    return sorted(hits)
+
+
+def test_the_validated_checkpoints_are_chosen_in_one_place_per_path():
+    hits = validation_recounts()
+    assert not hits, (
+        "Which checkpoints are validated is decided where the validation is asked for (VALIDATION_CHOOSERS), which "
+        "marks the entry (ASKED_KEY); read the mark instead of counting checkpoints again:\n" + "\n".join(hits)
+    )
+
+
+def test_the_validation_scan_catches_a_second_count(tmp_path):
+    pkg = tmp_path / "raytrain_events"
+    (pkg / "ray" / "reports").mkdir(parents=True)
+    (pkg / "ray" / "reports" / "history.py").write_text("def add(v, n):\n    return validates(v, n)\n")
+    (pkg / "ray" / "driver.py").write_text(
+        "def unfinished(entries, validation):\n"
+        "    counts = 0\n"
+        "    for e in entries:\n"
+        "        counts += 1\n"
+        "        if validates(validation, counts) or counts % validation.every == 0:\n"
+        "            yield e\n"
+        "class Option:\n"
+        "    def check(self):\n"
+        "        return self.every > 0\n"
+    )
+    assert [h.split(": ", 1)[1] for h in validation_recounts(pkg)] == [".every", "validates(...)"]

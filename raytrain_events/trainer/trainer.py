@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import datetime
 import time
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -67,6 +67,7 @@ _BEFORE_FORWARD, _AFTER_FORWARD = Event.BEFORE_FORWARD, Event.AFTER_FORWARD
 _BEFORE_LOSS, _AFTER_LOSS = Event.BEFORE_LOSS, Event.AFTER_LOSS
 _BEFORE_BACKWARD, _AFTER_BACKWARD = Event.BEFORE_BACKWARD, Event.AFTER_BACKWARD
 _BATCH_END, _BATCH_CHECKPOINT = Event.BATCH_END, Event.BATCH_CHECKPOINT
+_timedelta = datetime.timedelta  # timedelta(days, seconds): cheaper than seconds=, per batch
 _FP32 = Precision.FP32  # per batch `Precision.FP32` is an unspecialized lookup (3.11: EnumType.__getattr__)
 
 
@@ -263,16 +264,14 @@ class Trainer:
                 break
         engine.run_event(Event.FIT_END)
 
-    def _run_epoch(self) -> bool:  # noqa: C901 -- the per-batch loop, inlined on purpose (bench/README: loop cost)
-        """One pass over the train data; True if it stopped before the data ran out."""
+    def _run_epoch(self) -> bool:
+        """One pass over the train data; True if it stopped before the data ran out. Each batch: `_next_batch`, the
+        one sum across ranks started, `_train_batch`, the sum read, `_end_batch`."""
         state, engine, spec, counters = self.state, self.engine, self.train_spec, self._counters
         assert spec is not None  # fit checked (check_can_fit)
         resume_rng = self._checkpointer.take_resume_rng() if self._checkpointer is not None else None
         iterator, skip = epoch_iterator(spec.dataloader, state, resume_rng)
-        device, counts_tokens, grad_accum = self.device, spec.counts_tokens, state.grad_accum
-        on_cpu, device_transforms = device.type == "cpu", spec.device_transforms
-        num_samples, agreement = spec.get_num_samples_in_batch, state.agreement
-        perf_counter, timedelta = time.perf_counter, datetime.timedelta
+        agreement, perf_counter = state.agreement, time.perf_counter
         # One process (and no auto microbatching, whose counters agree per attempt): the sums are
         # this rank's values, so the batch needs no counter calls at all.
         single = self._auto is None and not self.dist.is_distributed
@@ -280,37 +279,17 @@ class Trainer:
         while True:
             # Events nobody listens to are skipped: no algorithms, and no callback overrides them.
             active = engine.active_events()
-            if active[_BEFORE_DATALOADER]:
-                engine.run_event(_BEFORE_DATALOADER)
-            try:
-                batch = next(iterator)
-            except StopIteration:
+            if (counted := self._next_batch(iterator, active, spec)) is None:
                 break
-            if not on_cpu:
-                batch = move_to_device(batch, device)
-            if device_transforms is not None:
-                batch = device_transforms(batch)
-            state.batch = batch
-            if active[_AFTER_DATALOADER]:
-                engine.run_event(_AFTER_DATALOADER)
-            samples = num_samples(state.batch)
-            tokens = spec.num_tokens_in_batch(state.batch) if counts_tokens else 0
-            if grad_accum > samples and self._auto is None:
-                raise ValueError(
-                    f"grad_accum={grad_accum} is larger than the batch ({samples} samples on rank {state.rank}): "
-                    "lower grad_accum or raise the batch size."
-                )
-            state.batch_num_samples, state.batch_num_tokens = samples, tokens
-            # One sum per batch (riding on DDP's gradient all-reduce where it can): counts, a stop,
-            # and every registered agreement flag.
+            samples, tokens = counted
+            # One sum per batch (riding on DDP's all-reduce where it can): counts, a stop, every agreement flag.
             local_stop = 1 if state.stop_requested and not state.stop_consistent else 0
             if single:  # the flags as asked before the batch, as the ranks' sum would have them
                 flags = agreement.local_values()
                 if flags:
                     flags = flags.copy()
             else:
-                counted = (samples, tokens) if counts_data else (0, 0)  # TP: one rank per tensor group
-                counters.start([*counted, local_stop, *agreement.local_values()])
+                counters.start([*(counted if counts_data else (0, 0)), local_stop, *agreement.local_values()])
             if active[_BATCH_START]:
                 engine.run_event(_BATCH_START)
             start = perf_counter()
@@ -323,22 +302,8 @@ class Trainer:
                 samples, tokens, local_stop = sums[0], sums[1], sums[2]
                 if len(sums) > 3:
                     agreement.set_sums(sums[3:])
-            if local_stop:
-                state.stop_requested = state.stop_consistent = True
-            state.global_batch_num_samples, state.global_batch_num_tokens = samples, tokens
-            state.timestamp = state.timestamp.to_next_batch(  # timedelta(days, seconds): cheaper than seconds=
-                samples, tokens, timedelta(0, perf_counter() - start)
-            )
-            for scheduler in state.schedulers:
-                scheduler.step()
-            if active[_BATCH_END]:
-                engine.run_event(_BATCH_END)
-            if state.evaluators:
-                self._evaluate_due(_BATCH_END)
-            if active[_BATCH_CHECKPOINT]:
-                engine.run_event(_BATCH_CHECKPOINT)
             batches += 1
-            if (state.stop_requested and state.stop_consistent) or is_done(state):
+            if self._end_batch(active, samples, tokens, local_stop, perf_counter() - start):
                 return True
         if batches == 0 and skip == 0:
             raise RuntimeError(
@@ -346,6 +311,49 @@ class Trainer:
                 "check that the dataset (or this rank's shard) is not empty."
             )
         return False
+
+    def _next_batch(self, iterator: Any, active: Mapping[Event, bool], spec: Any) -> Optional[Tuple[int, int]]:
+        """The next batch into ``state.batch`` (on the device, transformed) and this rank's (samples, tokens) of it."""
+        state, engine = self.state, self.engine
+        if active[_BEFORE_DATALOADER]:
+            engine.run_event(_BEFORE_DATALOADER)
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return None
+        if self.device.type != "cpu":
+            batch = move_to_device(batch, self.device)
+        if spec.device_transforms is not None:
+            batch = spec.device_transforms(batch)
+        state.batch = batch
+        if active[_AFTER_DATALOADER]:
+            engine.run_event(_AFTER_DATALOADER)
+        samples = spec.get_num_samples_in_batch(state.batch)
+        tokens = spec.num_tokens_in_batch(state.batch) if spec.counts_tokens else 0
+        if state.grad_accum > samples and self._auto is None:
+            raise ValueError(
+                f"grad_accum={state.grad_accum} is larger than the batch ({samples} samples on rank {state.rank}): "
+                "lower grad_accum or raise the batch size."
+            )
+        state.batch_num_samples, state.batch_num_tokens = samples, tokens
+        return samples, tokens
+
+    def _end_batch(self, active: Mapping[Event, bool], samples: int, tokens: int, stop: int, seconds: float) -> bool:
+        """After the step: a stop, the global counts and Timestamp, schedulers, end events, evals; whether to end."""
+        state, engine = self.state, self.engine
+        if stop:
+            state.stop_requested = state.stop_consistent = True
+        state.global_batch_num_samples, state.global_batch_num_tokens = samples, tokens
+        state.timestamp = state.timestamp.to_next_batch(samples, tokens, _timedelta(0, seconds))  # (days, seconds)
+        for scheduler in state.schedulers:
+            scheduler.step()
+        if active[_BATCH_END]:
+            engine.run_event(_BATCH_END)
+        if state.evaluators:
+            self._evaluate_due(_BATCH_END)
+        if active[_BATCH_CHECKPOINT]:
+            engine.run_event(_BATCH_CHECKPOINT)
+        return (state.stop_requested and state.stop_consistent) or is_done(state)
 
     def _train_batch(self, active: Mapping[Event, bool]) -> None:
         """Forward, loss and backward over ``grad_accum`` microbatches, then the optimizer step."""

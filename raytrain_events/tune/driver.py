@@ -2,7 +2,8 @@
 
 The sweep runs in four steps, one function each: `_validate` the arguments (nothing starts on a
 bad one), `_prepare` the experiment folder (new, or an interrupted sweep to resume), `_run` the
-Tuner, and `_collect` its results into a `SweepResult`.
+Tuner, and `_collect` its results into a `SweepResult`. What the sweep asks of Tune (the search space,
+metric, scheduler, limits) is one value, `_Search`, built once from `sweep`'s arguments.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import datetime
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, Mapping, Optional, Sequence
+from typing import Any, Dict, Iterator, Mapping, Optional, Sequence, Tuple
 
 from raytrain_events.ray import _compat, cluster
 from raytrain_events.ray.reports.console import quiet_terminal
@@ -90,31 +91,48 @@ def sweep(
             (`SweepConsole`, Ray's internal lines kept in its log files); 2-3: Tune's own reporter
             and every Ray line.
     """
-    base = _validate(trainer, param_space, metric, mode, num_samples, max_concurrent_trials, scheduler)
-    _check_mixture_searcher(base, param_space, mode, search_alg)
-    if name is not None:  # the sweep's folder: one name inside storage_path (as a run's), checked before Ray starts
-        check_run_name(name, "name")
-    check_sweep(base, dict(param_space or {}), metric, storage_path, _is_pbt(scheduler))
-    cluster.ensure_ray()  # read through the module: tests stand in a refusing start
-    experiment = _prepare(storage_path, storage_options, name, resume)
-    tuner_options = dict(
+    search = _Search(
         param_space=dict(param_space or {}),
         metric=metric,
         mode=mode,
         num_samples=num_samples,
-        max_concurrent_trials=max_concurrent_trials or _default_concurrency(base.scaling.ray_scaling_config()),
+        max_concurrent_trials=max_concurrent_trials,
         scheduler=scheduler,
         search_alg=search_alg,
-        trial_resources=trial_resources,
+        trial_resources=dict(trial_resources or {"cpu": 0.01}),
         trial_max_failures=trial_max_failures,
-        callbacks=callbacks,
+        callbacks=tuple(callbacks),
         verbose=verbose,
     )
-    result_grid = _run(base, experiment, **tuner_options)
-    result = _collect(result_grid, base, experiment, metric=metric, mode=mode, scheduler=scheduler)
+    base = _validate(trainer, search, name, storage_path)
+    cluster.ensure_ray()  # read through the module: tests stand in a refusing start
+    experiment = _prepare(storage_path, storage_options, name, resume)
+    result = _collect(_run(base, experiment, search), base, experiment, search)
     if verbose == 1:
         print("\n" + result.to_table(), flush=True)  # the user's console output, like SweepConsole's lines
     return result
+
+
+@dataclass(frozen=True)
+class _Search:
+    """What the sweep asks of Tune (`sweep`'s arguments of that name, as given): built once, read by `_validate`,
+    `_tuner` and `_collect`. ``max_concurrent_trials`` None: as many as the cluster holds (`_concurrency`)."""
+
+    param_space: Dict[str, Any]
+    metric: str
+    mode: str
+    num_samples: int
+    max_concurrent_trials: Optional[int]
+    scheduler: Any
+    search_alg: Any
+    trial_resources: Dict[str, float]
+    trial_max_failures: int
+    callbacks: Tuple[Any, ...]
+    verbose: int
+
+    @property
+    def is_pbt(self) -> bool:
+        return _is_pbt(self.scheduler)
 
 
 @dataclass
@@ -133,27 +151,30 @@ class _Experiment:
         return self.tune_storage.rstrip("/") + "/" + self.name
 
 
-def _validate(
-    trainer: Any,
-    param_space: Optional[Mapping[str, Any]],
-    metric: str,
-    mode: str,
-    num_samples: int,
-    max_concurrent_trials: Optional[int],
-    scheduler: Any,
-) -> RunSpec:
-    """Check every argument before anything starts; return the trials' base `RunSpec`."""
+def _validate(trainer: Any, search: _Search, name: Optional[str], storage_path: Optional[str]) -> RunSpec:
+    """Check every argument before anything starts (Ray included); return the trials' base `RunSpec`."""
 
+    metric, mode, num_samples, concurrent = search.metric, search.mode, search.num_samples, search.max_concurrent_trials
     if mode not in ("min", "max"):
         raise ValueError(f"mode={mode!r} must be 'min' or 'max'.")
     if not isinstance(metric, str) or not metric:
         raise ValueError(f"metric={metric!r} must be the name of a reported metric, like 'metrics/eval/accuracy'.")
     if not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"num_samples={num_samples!r} must be an integer >= 1.")
-    if max_concurrent_trials is not None and (not isinstance(max_concurrent_trials, int) or max_concurrent_trials < 1):
-        raise ValueError(f"max_concurrent_trials={max_concurrent_trials!r} must be an integer >= 1 (or None).")
+    if concurrent is not None and (not isinstance(concurrent, int) or concurrent < 1):
+        raise ValueError(f"max_concurrent_trials={concurrent!r} must be an integer >= 1 (or None).")
     base = base_spec(trainer)
-    param_space = dict(param_space or {})
+    _check_param_space(base, search)
+    _check_mixture_searcher(base, search.param_space, mode, search.search_alg)
+    if name is not None:  # the sweep's folder: one name inside storage_path (as a run's)
+        check_run_name(name, "name")
+    check_sweep(base, search.param_space, metric, storage_path, search.is_pbt)
+    return base
+
+
+def _check_param_space(base: RunSpec, search: _Search) -> None:
+    """The search space's algorithm sets, mixture and trainer overrides, and the scheduler's time axis."""
+    param_space, scheduler = search.param_space, search.scheduler
     if "algorithms" in param_space:
         for choice in space_choices(param_space["algorithms"]):
             validate_set(choice)
@@ -170,7 +191,6 @@ def _validate(
         raise ValueError(
             "scheduler time_attr='time/token' needs trainer['get_num_tokens_in_batch'] (else tokens stay 0)."
         )
-    return base
 
 
 def _check_mixture_search(base: RunSpec, param_space: Mapping[str, Any], scheduler: Any) -> None:
@@ -245,30 +265,15 @@ def _prepare(
     return experiment
 
 
-def _run(
-    base: RunSpec,
-    experiment: _Experiment,
-    *,
-    param_space: Dict[str, Any],
-    metric: str,
-    mode: str,
-    num_samples: int,
-    max_concurrent_trials: int,
-    scheduler: Any,
-    search_alg: Any,
-    trial_resources: Optional[Dict[str, float]],
-    trial_max_failures: int,
-    callbacks: Sequence[Any],
-    verbose: int,
-) -> Any:
+def _run(base: RunSpec, experiment: _Experiment, search: _Search) -> Any:
     """Build (or restore) the Tuner and fit it; the trials' placement groups are released after."""
     import ray
 
     # why here: raytrain_events.tune.console imports this module (an import cycle)
     from raytrain_events.tune.console import SweepConsole
 
-    console = [SweepConsole(metric, mode, scheduler)] if verbose == 1 else []
-    _write_sweep_settings(experiment, metric, mode)
+    console = [SweepConsole(search.metric, search.mode, search.scheduler)] if search.verbose == 1 else []
+    _write_sweep_settings(experiment, search.metric, search.mode)
     registry = start_registry(experiment.url)
     try:
         setup = TrialSetup(
@@ -276,27 +281,13 @@ def _run(
             experiment_url=experiment.url,
             storage_options=experiment.storage_options,
             registry=registry,
-            metric=metric,
-            mode=mode,
-            keep_every_checkpoint=_is_pbt(scheduler),
+            metric=search.metric,
+            mode=search.mode,
+            keep_every_checkpoint=search.is_pbt,
         )
-        tuner = _tuner(
-            setup,
-            experiment,
-            param_space=param_space,
-            metric=metric,
-            mode=mode,
-            num_samples=num_samples,
-            max_concurrent_trials=max_concurrent_trials,
-            scheduler=scheduler,
-            search_alg=search_alg,
-            trial_resources=trial_resources,
-            trial_max_failures=trial_max_failures,
-            callbacks=[*console, *callbacks],
-            verbose=verbose,
-        )
+        tuner = _tuner(setup, experiment, search, concurrency=_concurrency(base, search), console=console)
         try:
-            with _lenient_metric_checking(), quiet_terminal(verbose >= 2):
+            with _lenient_metric_checking(), quiet_terminal(search.verbose >= 2):
                 return tuner.fit()
         finally:
             release_placement_groups(ray.get(registry.pop_all.remote()))
@@ -304,29 +295,14 @@ def _run(
         ray.kill(registry)
 
 
-def _tuner(
-    setup: TrialSetup,
-    experiment: _Experiment,
-    *,
-    param_space: Dict[str, Any],
-    metric: str,
-    mode: str,
-    num_samples: int,
-    max_concurrent_trials: int,
-    scheduler: Any,
-    search_alg: Any,
-    trial_resources: Optional[Dict[str, float]],
-    trial_max_failures: int,
-    callbacks: Sequence[Any],
-    verbose: int,
-) -> Any:
+def _tuner(setup: TrialSetup, experiment: _Experiment, search: _Search, *, concurrency: int, console: list) -> Any:
     """The sweep's Tuner: restored from its folder when ``experiment`` is an interrupted sweep (Tune keeps its search
-    space, config and callbacks), else a new one over ``param_space``; each trial runs `raytrain_trial`."""
+    space, config and callbacks), else a new one over ``search``; each trial runs `raytrain_trial`."""
     from ray import tune
     from ray.tune.logger import JsonLoggerCallback
 
     trainable = tune.with_resources(
-        tune.with_parameters(raytrain_trial, sweep_setup=setup), dict(trial_resources or {"cpu": 0.01})
+        tune.with_parameters(raytrain_trial, sweep_setup=setup), dict(search.trial_resources)
     )
     if experiment.restoring:
         logger.info("Resuming the sweep in %s.", experiment.url)
@@ -335,14 +311,14 @@ def _tuner(
         )
     return tune.Tuner(
         trainable,
-        param_space=param_space,
+        param_space=dict(search.param_space),
         tune_config=tune.TuneConfig(
-            metric=metric,
-            mode=mode,
-            num_samples=num_samples,
-            max_concurrent_trials=max_concurrent_trials,
-            scheduler=scheduler,
-            search_alg=search_alg,
+            metric=search.metric,
+            mode=search.mode,
+            num_samples=search.num_samples,
+            max_concurrent_trials=concurrency,
+            scheduler=search.scheduler,
+            search_alg=search.search_alg,
             trial_dirname_creator=trial_dirname,
             trial_name_creator=trial_dirname,
         ),
@@ -350,9 +326,9 @@ def _tuner(
             name=experiment.name,
             storage_path=experiment.tune_storage,
             storage_filesystem=experiment.tune_fs,
-            callbacks=[JsonLoggerCallback(), ReleaseTrainWorkers(experiment.url), *callbacks],
-            failure_config=tune.FailureConfig(max_failures=trial_max_failures),
-            verbose=verbose if verbose >= 2 else 0,  # 1: our lines, not Tune's periodic tables
+            callbacks=[JsonLoggerCallback(), ReleaseTrainWorkers(experiment.url), *console, *search.callbacks],
+            failure_config=tune.FailureConfig(max_failures=search.trial_max_failures),
+            verbose=search.verbose if search.verbose >= 2 else 0,  # 1: our lines, not Tune's periodic tables
         ),
     )
 
@@ -375,16 +351,15 @@ def _lenient_metric_checking() -> Iterator[None]:
             os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = previous
 
 
-def _collect(
-    result_grid: Any, base: RunSpec, experiment: _Experiment, *, metric: str, mode: str, scheduler: Any
-) -> SweepResult:
-    """The `SweepResult` of a finished Tuner; fails if no trial reported ``metric``."""
+def _collect(result_grid: Any, base: RunSpec, experiment: _Experiment, search: _Search) -> SweepResult:
+    """The `SweepResult` of a finished Tuner; fails if no trial reported the sweep's metric."""
 
+    metric, scheduler = search.metric, search.scheduler
     time_attr = _compat.scheduler_time_attr(scheduler)
     result = make_result(
         result_grid,
         metric=metric,
-        mode=mode,
+        mode=search.mode,
         spec=base,
         experiment_url=experiment.url,
         storage_options=experiment.storage_options,
@@ -400,11 +375,13 @@ def _collect(
     return result
 
 
-def _default_concurrency(scaling_config: Any) -> int:
-    """How many trials' worker groups fit on the cluster at once (at least 1)."""
+def _concurrency(base: RunSpec, search: _Search) -> int:
+    """Trials at once: ``max_concurrent_trials``, else how many trials' worker groups fit on the cluster (at least 1)."""
+    if search.max_concurrent_trials is not None:
+        return search.max_concurrent_trials
     import ray
 
-    demand = dict(getattr(scaling_config, "total_resources", None) or {"CPU": 1.0})
+    demand = dict(getattr(base.scaling.ray_scaling_config(), "total_resources", None) or {"CPU": 1.0})
     available = ray.cluster_resources()
     fits = [int(available.get(k, 0.0) // v) for k, v in demand.items() if v > 0]
     return max(1, min(fits) if fits else 1)

@@ -219,28 +219,64 @@ def test_async_validation_is_checked_before_ray_starts_naming_the_fix():
 
 
 def test_unfinished_validations_are_recorded_as_failed():
-    """A checkpoint whose validation left no entry (Ray cancelled it at timeout_s) gets a failed entry."""
-    from raytrain_events.ray.checkpointing.validation import AsyncValidation, training_entries, unfinished_validations
+    """A checkpoint whose validation was asked for (its entry marked where that was decided) and left no entry (Ray
+    cancelled it at timeout_s) gets a failed entry; unmarked checkpoints are not counted again here."""
+    from raytrain_events.ray.checkpointing.validation import (
+        ASKED_KEY,
+        AsyncValidation,
+        training_entries,
+        unfinished_validations,
+    )
 
     entries = [
-        {"time/batch": 4, "time/sample": 128, "attempt": 1, "checkpoint_path": "/r/checkpoints/ckpt-4"},
-        {"time/batch": 8, "time/sample": 256, "attempt": 1, "checkpoint_path": "/r/checkpoints/ckpt-8"},
+        {"time/batch": 4, "time/sample": 128, "attempt": 1, "checkpoint_path": "/r/checkpoints/ckpt-4", ASKED_KEY: 1},
+        {"time/batch": 8, "time/sample": 256, "attempt": 1, "checkpoint_path": "/r/checkpoints/ckpt-8", ASKED_KEY: 1},
         {"time/batch": 4, "time/sample": 128, "validation": "async", "validated_checkpoint": "ckpt-4"},
         {"time/batch": 12, "time/sample": 384, "attempt": 2, "checkpoint_path": "/r/checkpoints/ckpt-12"},
+        {
+            "time/batch": 16,
+            "time/sample": 512,
+            "attempt": 2,
+            "checkpoint_path": "/r/checkpoints/ckpt-16/",
+            ASKED_KEY: 1,
+        },
     ]
     missing = unfinished_validations(entries, AsyncValidation(timeout_s=5))
     assert [(e["validated_checkpoint"], e["time/sample"], e["validation"]) for e in missing] == [
         ("ckpt-8", 256, "failed"),
-        ("ckpt-12", 384, "failed"),  # the restarted group's first checkpoint
+        ("ckpt-16", 512, "failed"),  # ckpt-12 was not chosen (every=2 in its group): no entry expected
     ]
     assert "timed out (timeout_s=5)" in missing[0]["validation_error"]
-    every_2nd = unfinished_validations(entries, AsyncValidation(every=2))  # each group counts its own checkpoints
-    assert [e["validated_checkpoint"] for e in every_2nd] == ["ckpt-8"]
-    assert len(training_entries(entries)) == 3
-    # A replica-group lead died writing ckpt-8 (the history marks it lost): the late save after it takes its place.
-    entries[1]["checkpoint_lost"] = True
-    entries.insert(2, {"time/batch": 9, "attempt": 1, "checkpoint_path": "/r/c/ckpt-9", "checkpoint_late_for": [8]})
-    assert [e["validated_checkpoint"] for e in unfinished_validations(entries, AsyncValidation(every=2))] == ["ckpt-9"]
+    assert len(training_entries(entries)) == 4
+
+
+def test_the_reporter_marks_the_checkpoints_it_asks_ray_train_to_validate(monkeypatch):
+    """Rank 0's `RayReporter` counts its group's checkpoints and asks for every ``every``-th one's validation; its
+    report, and the driver's aggregated entry, carry that choice (``ASKED_KEY``), which `unfinished_validations` reads
+    instead of counting again."""
+    from raytrain_events.ray.checkpointing.validation import ASKED_KEY, AsyncValidation
+    from raytrain_events.ray.reports import worker_reports
+    from raytrain_events.ray.reports.aggregate import ReportAggregator
+
+    sent = []
+    monkeypatch.setattr(worker_reports, "report_with_checkpoint", lambda r, c, validation: sent.append((r, validation)))
+    reporter = worker_reports.RayReporter(validation=AsyncValidation(every=2))
+    counters = {"batch": 0, "epoch": 0, "sample": 0, "token": 0}
+    report = {
+        "start": None,
+        "local_samples": 0,
+        "local_tokens": 0,
+        "metrics": {},
+        "final": False,
+        "timestamp": counters,
+    }
+    for _ in range(4):
+        reporter._send(dict(report), checkpoint=object())
+    assert [asked for _, asked in sent] == [False, True, False, True]
+    assert [bool(r.get(ASKED_KEY)) for r, _ in sent] == [False, True, False, True]
+    aggregator = ReportAggregator()
+    entries = [aggregator.add([r, dict(report)], f"/c/ckpt-{i}") for i, (r, _) in enumerate(sent)]
+    assert [e.get(ASKED_KEY, False) for e in entries] == [False, True, False, True]
 
 
 def test_a_mixture_is_one_plain_option_whose_sources_are_not_eval_sets():

@@ -42,7 +42,7 @@ from torch.futures import Future
 
 from raytrain_events._torch_compat import EmptyStateDictLoadPlanner as _EmptyStateDictLoadPlanner
 from raytrain_events._torch_compat import FsspecFileSystem as FileSystem
-from raytrain_events._torch_compat import FsspecReader, FsspecWriter, get_layout
+from raytrain_events._torch_compat import FsspecReader, FsspecWriter, get_layout, set_element
 from raytrain_events._torch_compat import StorageInfo as _StorageInfo
 from raytrain_events.checkpoint.dcp import ranged_dcp
 from raytrain_events.checkpoint.dcp.item_stream import ItemStream
@@ -277,9 +277,6 @@ class _SafeBytes:
         fqn = read_item.dest_index.fqn
         loaded = _load_bytes_safely(value, fqn)
         if self.flatten_state_dict:
-            # why here: _torch_compat imports the private torch module on first use
-            from raytrain_events._torch_compat import set_element
-
             set_element(self.original_state_dict, self.mappings[fqn], loaded)
         else:
             self.state_dict[fqn] = loaded

@@ -8,14 +8,14 @@ applies it (RNGs through ``rng.py``). ``inference.py`` loads one for ``eval()``/
 
 Files:
 
-* ``checkpointer.py``: `Checkpointer`: saves the run at checkpoint events and restores it at
-  start-up.
+* ``checkpointer.py``: `Checkpointer`: saves the run at checkpoint events (its loading side,
+  `CheckpointLoading`, is ``loading.py``'s).
 * ``host_snapshot.py``: `HostSnapshots`: the last two good states of a run in host memory, restored
   without a storage read (`SpikeGuard`'s rollback).
 * ``inference.py``: Load a checkpoint into a `Trainer` built for ``eval()``/``predict()`` only (no
   train data, no optimizer).
-* ``loading.py``: Restoring a checkpoint into a run: the newest one chosen once and shared, then
-  applied to the `State`.
+* ``loading.py``: Restoring a checkpoint into a run (`CheckpointLoading`: what to load at start-up):
+  the newest one chosen once and shared, then applied to the `State`.
 * ``peer_fill.py``: A full checkpoint's ``state.pt`` on every node's local tier, from rank 0 over the process
   group at a restart.
 * ``preemption.py``: SIGTERM (spot reclaim) during a local ``fit()``: save a checkpoint, then stop.

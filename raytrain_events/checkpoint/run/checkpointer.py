@@ -20,10 +20,9 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from raytrain_events.checkpoint.config import CheckpointConfig
-from raytrain_events.checkpoint.dcp.safetensors_io import is_safetensors_dir, start_from_safetensors
 from raytrain_events.checkpoint.dcp.sharded import DCP_LAYOUT, ShardedCheckpointIO
 from raytrain_events.checkpoint.folder.committer import Committer
 from raytrain_events.checkpoint.folder.folder import CheckpointFolder, LocalRetention
@@ -31,16 +30,10 @@ from raytrain_events.checkpoint.folder.local_tier import LocalTier
 from raytrain_events.checkpoint.folder.retention import local_keep
 from raytrain_events.checkpoint.folder.store import AsyncCheckpointWriter, DoneFuture
 from raytrain_events.checkpoint.format.local_copy import LocalCopies
-from raytrain_events.checkpoint.format.manifest import (
-    CheckpointInfo,
-    CheckpointNotCommittedError,
-    FileEntry,
-    LoadedCheckpoint,
-)
-from raytrain_events.checkpoint.format.reader import read_checkpoint
+from raytrain_events.checkpoint.format.manifest import CheckpointInfo, FileEntry
 from raytrain_events.checkpoint.format.writer import CheckpointSave, new_checkpoint_url, rng_file_name
 from raytrain_events.checkpoint.host import CheckpointHost
-from raytrain_events.checkpoint.run.loading import apply_checkpoint, read_latest_shared
+from raytrain_events.checkpoint.run.loading import CheckpointLoading, epoch_and_batch
 from raytrain_events.checkpoint.run.preemption import SAVE_FLAG, save_on_sigterm
 from raytrain_events.checkpoint.run.rng import capture_rng_state
 from raytrain_events.checkpoint.run.save_channel import SaveChannel
@@ -89,8 +82,9 @@ class SavedCheckpoint:
         return None if self.future is None else self.future.result()
 
 
-class Checkpointer(Callback):
-    """Saves and loads checkpoints for one `Trainer` according to a `CheckpointConfig`.
+class Checkpointer(CheckpointLoading, Callback):
+    """Saves and loads checkpoints for one `Trainer` according to a `CheckpointConfig` (loading: `CheckpointLoading`,
+    ``loading.py``).
 
     Other components ask for a save with ``state.request("save")`` (on any rank); the ranks
     agree on it through the loop's per-batch collective and every rank saves at that batch.
@@ -165,73 +159,6 @@ class Checkpointer(Callback):
         if config.lock_run_dir and state.rank == 0:
             # Refuses (RunLockedError naming the holder) if another live run holds this run dir.
             self._lock = acquire_lock(self.run_dir, "running", storage_options=self.options, takeover_stale=True)
-
-    # ------------------------------------------------------------------ load
-    def load(self, config: Optional[CheckpointConfig] = None) -> Optional[CheckpointInfo]:
-        """Restore from ``autoresume`` (newest valid) or ``load_from``; None if nothing to load (or
-        ``load_from`` was a safetensors directory: weights only, see ``loaded_safetensors``). ``config``: whose
-        ``autoresume``/``load_from`` to follow (default this checkpointer's; replica groups load later, see
-        `ray/replica_groups.load_at_first_quorum`)."""
-        config = config or self.config
-        loaded: Optional[LoadedCheckpoint] = None
-        if config.autoresume:
-            loaded = self._read_latest(self.folder)
-        ignore: Sequence[str] = ()
-        weights_only = False  # resuming this run's own checkpoint restores everything
-        if loaded is None and config.load_from and is_safetensors_dir(config.load_from, self.options):
-            self.loaded_safetensors = config.load_from  # model weights only (an export, a Hugging Face model)
-            start_from_safetensors(self.host.state.model, config)
-            return None
-        if loaded is None and config.load_from:
-            refuse_file_folder(config.load_from, self.options, what="load_from")  # e.g. .../state.pt
-            loaded = self._read(config.load_from)
-            if loaded is None:
-                raise FileNotFoundError(
-                    f"load_from={config.load_from!r} holds no committed checkpoint. Point it at a checkpoint "
-                    "directory (one with manifest.json) or a folder of them."
-                )
-            ignore = config.load_ignore_keys  # a partial start; resuming this run's own checkpoints loads all
-            weights_only = config.load_weights_only
-        if loaded is None:
-            return None
-        self._apply(loaded, ignore, weights_only)
-        self.loaded = loaded.info
-        self._last_saved = _epoch_and_batch(self.host.state)
-        return loaded.info
-
-    def _read_latest(self, folder: str) -> Optional[LoadedCheckpoint]:
-        """The newest valid checkpoint of ``folder``, chosen by rank 0 and shared (see `read_latest_shared`)."""
-        index = self.checkpoints.index if folder == self.folder else None
-        tier = self.local_tier if folder == self.folder else None
-        return read_latest_shared(self.host, folder, self.options, index, tier)
-
-    def _read(self, url: str) -> Optional[LoadedCheckpoint]:
-        try:  # a checkpoint directory, else a folder of them
-            return read_checkpoint(url, storage_options=self.options, files=[STATE_FILE], map_location="cpu")
-        except CheckpointNotCommittedError:
-            return self._read_latest(url)
-
-    def _apply(self, loaded: LoadedCheckpoint, ignore: Sequence[str] = (), weights_only: bool = False) -> None:
-        local = self.local_tier.copies(loaded.info.name) if self.local_tier is not None else None
-        self.loaded_local = local
-        rng = apply_checkpoint(
-            self.host,
-            loaded,
-            self.options,
-            strict=self.config.load_strict,
-            sharded_io=self._sharded_io,
-            inference=self.inference,
-            ignore=ignore,
-            weights_only=weights_only,
-            local=local,
-            announce=self.config.announce_config_change,
-        )
-        if local is not None:  # which tier served each file, on each rank (a warning when storage served some)
-            log = _log.warning if local.storage else _log.info
-            log("Rank %d loaded checkpoint %s: %s", self.host.state.rank, loaded.info.name, local.summary())
-        if rng is not None and self.host.state.timestamp.batch_in_epoch.value > 0:
-            self._resume_rng = (rng["epoch_start"], rng["now"])
-            self._epoch_start_rng = rng["epoch_start"]
 
     # ------------------------------------------------------------------ save
     def fit_start(self, state, logger) -> None:
@@ -325,7 +252,7 @@ class Checkpointer(Callback):
     def save(self) -> Optional[SavedCheckpoint]:
         """Save now (every rank must call this at the same batch); None if this batch is saved."""
         host, state, dist = self.host, self.host.state, self.host.dist
-        if _epoch_and_batch(state) == self._last_saved or not self.saves_here():
+        if epoch_and_batch(state) == self._last_saved or not self.saves_here():
             return None
         timestamp = counters_of(state.timestamp)
         url = new_checkpoint_url(self.folder, timestamp=timestamp, name=self.channel.name(timestamp))
@@ -358,7 +285,7 @@ class Checkpointer(Callback):
             staged = self.channel.stage(payload)  # the copy, all that blocks training
             job = lambda: self._write(save, staged.tree, rng, [])  # noqa: E731
             future = self._start(url, job, staged)
-        self._last_saved = _epoch_and_batch(state)
+        self._last_saved = epoch_and_batch(state)
         self._last_save_time = time.monotonic()
         state.agreement.clear(SAVE_FLAG)
         saved = SavedCheckpoint(
@@ -472,10 +399,6 @@ def attach_checkpointing(host: CheckpointHost, config: CheckpointConfig) -> Chec
     host.state.callbacks.insert(0, checkpointer)
     host.engine.refresh()
     return checkpointer
-
-
-def _epoch_and_batch(state: State) -> Tuple[int, int]:
-    return int(state.timestamp.epoch), int(state.timestamp.batch)
 
 
 def _ends_the_fit(state: State) -> bool:

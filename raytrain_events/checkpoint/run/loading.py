@@ -1,7 +1,7 @@
 """Restoring a checkpoint into a run: the newest one chosen once and shared, then applied to the `State`.
 
-`Checkpointer.load` decides *what* to load (autoresume, ``load_from``, a safetensors directory);
-this module does the reading and restoring. Rank 0 alone lists the folder and reads the manifest
+`CheckpointLoading.load` (the `Checkpointer`'s loading side) decides *what* to load (autoresume,
+``load_from``, a safetensors directory); the functions below do the reading and restoring. Rank 0 alone lists the folder and reads the manifest
 (O(1) storage requests per resume, whatever the number of ranks); every rank then reads the
 chosen checkpoint's files. Applying handles full and sharded checkpoints into DDP or FSDP models,
 partial starts (``load_ignore_keys``, weights only), loads for inference, and hands back the
@@ -11,12 +11,14 @@ saved RNG state so a mid-epoch resume replays the epoch's data order exactly.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
+from raytrain_events.checkpoint.config import CheckpointConfig
+from raytrain_events.checkpoint.dcp.safetensors_io import is_safetensors_dir, start_from_safetensors
 from raytrain_events.checkpoint.dcp.sharded import ShardedCheckpointIO, is_sharded_checkpoint, load_full_into_sharded
 from raytrain_events.checkpoint.folder.store import load_latest_valid
-from raytrain_events.checkpoint.format.manifest import LoadedCheckpoint
-from raytrain_events.checkpoint.format.reader import read_checkpoint_files
+from raytrain_events.checkpoint.format.manifest import CheckpointInfo, CheckpointNotCommittedError, LoadedCheckpoint
+from raytrain_events.checkpoint.format.reader import read_checkpoint, read_checkpoint_files
 from raytrain_events.checkpoint.format.writer import rng_file_name
 from raytrain_events.checkpoint.run.peer_fill import fill_from_rank0
 from raytrain_events.checkpoint.run.rng import restore_rng_state
@@ -25,6 +27,7 @@ from raytrain_events.core.state import CheckpointMismatchError, drop_ignored_key
 from raytrain_events.core.time import Timestamp, counters_of
 from raytrain_events.parallel.wrap import is_sharded_module
 from raytrain_events.storage.config_diff import format_config_diff
+from raytrain_events.storage.fs import refuse_file_folder
 from raytrain_events.storage.run_dir import STATE_FILE  # re-exported (the name is the run layout's)
 
 if TYPE_CHECKING:
@@ -35,7 +38,98 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger(__name__)
 
-__all__ = ["STATE_FILE", "apply_checkpoint", "read_latest_shared"]
+__all__ = ["STATE_FILE", "CheckpointLoading", "apply_checkpoint", "epoch_and_batch", "read_latest_shared"]
+
+
+class CheckpointLoading:
+    """The `Checkpointer`'s loading side: what to load at start-up, read and applied (its save side sets up every
+    attribute used here: ``host``, ``config``, ``options``, ``folder``, ``checkpoints``, ``local_tier``, ...)."""
+
+    host: CheckpointHost
+    config: CheckpointConfig
+    options: Dict[str, Any]
+    folder: str
+    checkpoints: Any
+    local_tier: Optional[LocalTier]
+    inference: bool
+    _sharded_io: Optional[ShardedCheckpointIO]
+    loaded: Optional[CheckpointInfo]
+    loaded_local: Optional[LocalCopies]
+    loaded_safetensors: Optional[str]
+    _last_saved: Optional[Tuple[int, int]]
+    _resume_rng: Optional[Tuple[Any, Any]]
+    _epoch_start_rng: Dict[str, Any]
+
+    def load(self, config: Optional[CheckpointConfig] = None) -> Optional[CheckpointInfo]:
+        """Restore from ``autoresume`` (newest valid) or ``load_from``; None if nothing to load (or
+        ``load_from`` was a safetensors directory: weights only, see ``loaded_safetensors``). ``config``: whose
+        ``autoresume``/``load_from`` to follow (default this checkpointer's; replica groups load later, see
+        `ray/replica_groups.load_at_first_quorum`)."""
+        config = config or self.config
+        loaded: Optional[LoadedCheckpoint] = None
+        if config.autoresume:
+            loaded = self._read_latest(self.folder)
+        ignore: Sequence[str] = ()
+        weights_only = False  # resuming this run's own checkpoint restores everything
+        if loaded is None and config.load_from and is_safetensors_dir(config.load_from, self.options):
+            self.loaded_safetensors = config.load_from  # model weights only (an export, a Hugging Face model)
+            start_from_safetensors(self.host.state.model, config)
+            return None
+        if loaded is None and config.load_from:
+            refuse_file_folder(config.load_from, self.options, what="load_from")  # e.g. .../state.pt
+            loaded = self._read(config.load_from)
+            if loaded is None:
+                raise FileNotFoundError(
+                    f"load_from={config.load_from!r} holds no committed checkpoint. Point it at a checkpoint "
+                    "directory (one with manifest.json) or a folder of them."
+                )
+            ignore = config.load_ignore_keys  # a partial start; resuming this run's own checkpoints loads all
+            weights_only = config.load_weights_only
+        if loaded is None:
+            return None
+        self._apply(loaded, ignore, weights_only)
+        self.loaded = loaded.info
+        self._last_saved = epoch_and_batch(self.host.state)
+        return loaded.info
+
+    def _read_latest(self, folder: str) -> Optional[LoadedCheckpoint]:
+        """The newest valid checkpoint of ``folder``, chosen by rank 0 and shared (see `read_latest_shared`)."""
+        index = self.checkpoints.index if folder == self.folder else None
+        tier = self.local_tier if folder == self.folder else None
+        return read_latest_shared(self.host, folder, self.options, index, tier)
+
+    def _read(self, url: str) -> Optional[LoadedCheckpoint]:
+        try:  # a checkpoint directory, else a folder of them
+            return read_checkpoint(url, storage_options=self.options, files=[STATE_FILE], map_location="cpu")
+        except CheckpointNotCommittedError:
+            return self._read_latest(url)
+
+    def _apply(self, loaded: LoadedCheckpoint, ignore: Sequence[str] = (), weights_only: bool = False) -> None:
+        local = self.local_tier.copies(loaded.info.name) if self.local_tier is not None else None
+        self.loaded_local = local
+        rng = apply_checkpoint(
+            self.host,
+            loaded,
+            self.options,
+            strict=self.config.load_strict,
+            sharded_io=self._sharded_io,
+            inference=self.inference,
+            ignore=ignore,
+            weights_only=weights_only,
+            local=local,
+            announce=self.config.announce_config_change,
+        )
+        if local is not None:  # which tier served each file, on each rank (a warning when storage served some)
+            log = _log.warning if local.storage else _log.info
+            log("Rank %d loaded checkpoint %s: %s", self.host.state.rank, loaded.info.name, local.summary())
+        if rng is not None and self.host.state.timestamp.batch_in_epoch.value > 0:
+            self._resume_rng = (rng["epoch_start"], rng["now"])
+            self._epoch_start_rng = rng["epoch_start"]
+
+
+def epoch_and_batch(state: Any) -> Tuple[int, int]:
+    """(epoch, batch) of ``state``'s Timestamp: the newest save's or load's (a checkpoint's Timestamp is the loop's)."""
+    return int(state.timestamp.epoch), int(state.timestamp.batch)
 
 
 def read_latest_shared(

@@ -37,6 +37,7 @@ from raytrain_events.ray.async_validation import (  # re-exported: the option's 
 
 __all__ = [
     "AsyncValidation",
+    "ASKED_KEY",
     "LATE_KEY",
     "VALIDATE_KEY",
     "VALIDATION_KEY",
@@ -61,6 +62,9 @@ VALIDATE_KEY = "validate_checkpoint"
 #: A replica-group lead's late save (`core/save_points.py`): the batches of the save points it stands in for, whose
 #: checkpoints were never committed (`RunHistory.add` marks their entries ``checkpoint_lost``).
 LATE_KEY = "checkpoint_late_for"
+#: The key a checkpoint's history entry carries when its validation was asked for: set where that is decided (rank 0's
+#: `RayReporter` for Ray Train's validations, `RunHistory` for the replica groups'), read by `unfinished_validations`.
+ASKED_KEY = "validation_asked"
 
 
 def validates(validation: Optional[AsyncValidation], checkpoints_reported: int) -> bool:
@@ -148,20 +152,15 @@ def unfinished_validations(entries: Sequence[Mapping[str, Any]], validation: Asy
     """Failed entries for the checkpoints whose validation was asked for but left no entry (Ray cancelled
     it at ``timeout_s``, or its task was lost): the driver records them once the fit has ended.
 
-    The checkpoints asked for are those `validates` chose: every ``every``-th checkpoint of each worker
-    group (``attempt``), counted in the history's checkpoint entries: a lost one (``checkpoint_lost``: its lead died
-    writing it) not, as the history's count does (its late save took its place, `RunHistory`)."""
+    The checkpoints asked for are the entries marked ``ASKED_KEY`` by the one place that chose them (`validates`
+    counted there: rank 0's `RayReporter`, or `RunHistory` for replica groups); they are not counted again here."""
     done = {e.get("validated_checkpoint") for e in entries if is_validation_entry(e)}
-    counts: Dict[Any, int] = {}
     out = []
     for entry in training_entries(entries):
-        path = entry.get("checkpoint_path")
-        if not path or entry.get("checkpoint_lost"):
+        if not entry.get(ASKED_KEY):
             continue
-        attempt = entry.get("attempt")
-        counts[attempt] = counts.get(attempt, 0) + 1
-        name = str(path).rstrip("/").rsplit("/", 1)[-1]
-        if validates(validation, counts[attempt]) and name not in done:
+        name = str(entry["checkpoint_path"]).rstrip("/").rsplit("/", 1)[-1]
+        if name not in done:
             counters = {k[len("time/") :]: v for k, v in entry.items() if k.startswith("time/")}
             limit = "" if validation.timeout_s is None else f" (timeout_s={validation.timeout_s})"
             error = f"no result: the validation task timed out{limit}, was cancelled or was lost"

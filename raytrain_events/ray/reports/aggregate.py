@@ -13,6 +13,7 @@ import math
 from typing import Any, Dict, List, Optional
 
 from raytrain_events.core.time import COUNTER_UNITS
+from raytrain_events.ray.checkpointing.validation import ASKED_KEY
 
 __all__ = ["ReportAggregator", "TimestampMismatchError", "reduce_metrics"]
 
@@ -90,5 +91,7 @@ class ReportAggregator:
         entry["world_size"] = len(reports)
         if checkpoint_path is not None:
             entry["checkpoint_path"] = checkpoint_path
+            if reports[0].get(ASKED_KEY):  # rank 0 asked Ray Train to validate it (`RayReporter._send`)
+                entry[ASKED_KEY] = True
         self.history.append(entry)
         return entry

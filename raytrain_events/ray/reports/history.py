@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional
 import ray
 from ray.train import UserCallback
 
-from raytrain_events.ray.checkpointing.validation import LATE_KEY, VALIDATE_KEY, validates
+from raytrain_events.ray.checkpointing.validation import ASKED_KEY, LATE_KEY, VALIDATE_KEY, validates
 from raytrain_events.ray.reports.aggregate import ReportAggregator
 
 __all__ = ["RunHistory", "AggregatingCallback"]
@@ -43,37 +43,42 @@ class RunHistory:
         asks = entry.pop(VALIDATE_KEY, False)
         lost = self._mark_lost(entry.get(LATE_KEY) or ())
         if asks and self._validator is not None:
-            self._validate(entry["checkpoint_path"], lost)
+            self._validate(entry, lost)
         self.entries.append(entry)
 
-    def _mark_lost(self, batches: Any) -> List[str]:
+    def _mark_lost(self, batches: Any) -> List[Dict[str, Any]]:
         """A replica-group lead's late save stands in for the save points at ``batches`` (``LATE_KEY``): their lead
-        died before committing their checkpoints. Mark the entries naming those (``checkpoint_lost``); their paths."""
-        paths = []
+        died before committing their checkpoints. Mark the entries naming those (``checkpoint_lost``); return them."""
+        lost = []
         for old in self.entries:
             if old.get("checkpoint_path") and old.get("time/batch") in batches and not old.get(LATE_KEY):
                 old["checkpoint_lost"] = True
-                paths.append(old["checkpoint_path"])
-        return paths
+                lost.append(old)
+        return lost
 
-    def _validate(self, path: str, lost: List[str]) -> None:
-        """Count the checkpoint at ``path`` and start its validation if it is an ``every``-th one. A late save takes
-        the place of the lost checkpoints it stands in for: not counted again, and validated instead of them when
-        one was chosen (that task, waiting for a commit that never comes, is cancelled)."""
+    def _validate(self, entry: Dict[str, Any], lost: List[Dict[str, Any]]) -> None:
+        """Count the checkpoint of ``entry`` and start its validation if it is an ``every``-th one (marked
+        ``ASKED_KEY``: the one place this is decided for replica groups). A late save takes the place of the ``lost``
+        checkpoints it stands in for: not counted again, and validated instead of them when one was chosen (their
+        mark moves to it; their task, waiting for a commit that never comes, is cancelled)."""
         validator, validation = self._validator
-        replaced = [self._counted.pop(p) for p in lost if p in self._counted]
+        replaced = [old for old in lost if old["checkpoint_path"] in self._counted]
         if replaced:
-            chosen = [task for task in replaced if task is not None]
-            for task in chosen:
-                ray.cancel(task)
-                self._tasks.remove(task)
+            chosen = [old.pop(ASKED_KEY, False) for old in replaced]
+            for old in replaced:
+                task = self._counted.pop(old["checkpoint_path"], None)
+                if task is not None:
+                    ray.cancel(task)
+                    self._tasks.remove(task)
         else:
             self._asked += 1
-            chosen = [None] if validates(validation, self._asked) else []
-        task = _validate.options(**validation.ray_remote_kwargs()).remote(validator, path) if chosen else None
-        if task is not None:
+            chosen = [validates(validation, self._asked)]
+        task = None
+        if any(chosen):
+            entry[ASKED_KEY] = True
+            task = _validate.options(**validation.ray_remote_kwargs()).remote(validator, entry["checkpoint_path"])
             self._tasks.append(task)
-        self._counted[path] = task
+        self._counted[entry["checkpoint_path"]] = task
 
     def validations(self) -> List[Any]:
         """The validation tasks this actor started (ObjectRefs; the driver waits for them after the fit)."""

@@ -23,7 +23,7 @@ from raytrain_events.core.interval import make_interval
 from raytrain_events.core.plain import to_python
 from raytrain_events.core.time import counters_of
 from raytrain_events.ray.checkpointing.checkpointing import report_with_checkpoint
-from raytrain_events.ray.checkpointing.validation import validates
+from raytrain_events.ray.checkpointing.validation import ASKED_KEY, validates
 
 __all__ = ["RayReporter", "REPORT_FLAG"]
 
@@ -169,6 +169,7 @@ class RayReporter(Callback):
                 ray.train.report(report)
             else:
                 self._checkpoints_reported += 1
-                report_with_checkpoint(
-                    report, checkpoint, validation=validates(self.validation, self._checkpoints_reported)
-                )
+                asked = validates(self.validation, self._checkpoints_reported)
+                if asked:  # the driver's record of the choice (`unfinished_validations` reads it)
+                    report[ASKED_KEY] = True
+                report_with_checkpoint(report, checkpoint, validation=asked)
