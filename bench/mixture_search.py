@@ -89,7 +89,7 @@ def one_shot(task: Any, n: int, seed: int, design: str = "dirichlet") -> Dict[st
     return {"weights": choose_mixture(fit, seed=seed).weights, "proxies": n}
 
 
-def sequential(task: Any, n: int, seed: int, initial: int, batch: int, budgets: Sequence[int] = ()) -> Dict[str, Any]:
+def sequential(task: Any, n: int, seed: int, initial: int, batch: Any, budgets: Sequence[int] = ()) -> Dict[str, Any]:
     """The sequential search's choice from its first ``n`` proxies. One search per seed runs to the largest of
     ``budgets`` and every budget reads its prefix: a search stopped at ``n`` trials placed exactly those (the
     placement reads ``max_trials`` only to size the last round, whose greedy picks are the full round's first ones)."""
@@ -109,7 +109,7 @@ def sequential(task: Any, n: int, seed: int, initial: int, batch: int, budgets: 
 _SEARCHES: Dict[Any, List[Dict[str, Any]]] = {}
 
 
-def _search(task: Any, n: int, seed: int, initial: int, batch: int) -> List[Dict[str, Any]]:
+def _search(task: Any, n: int, seed: int, initial: int, batch: Any) -> List[Dict[str, Any]]:
     searcher = MixtureSearcher(
         list(task.names), initial=initial, batch=batch, max_trials=n, metric="loss", seed=seed, **INPUTS, **SEARCHER
     )
@@ -138,7 +138,7 @@ ARMS = ("one-shot", "one-shot-sf", "sequential")
 
 
 def run(
-    task: Any, budgets: Sequence[int], seeds: int, initial: int, batch: int, arms: Sequence[str] = ARMS
+    task: Any, budgets: Sequence[int], seeds: int, initial: int, batch: Any, arms: Sequence[str] = ARMS
 ) -> Dict[str, Any]:
     ref = reference(task, seeds)
     gap = ref["uniform"] - ref["best"]
@@ -197,7 +197,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--budgets", type=int, nargs="+", default=[8, 12, 16, 24, 32, 48, 64])
     parser.add_argument("--initial", type=int, default=6)
-    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--batch", type=int, nargs="+", default=[2], help="round sizes (the last one repeats)")
     parser.add_argument("--inputs", choices=("shares", "log"), default="shares", help="the GP's inputs")
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS), help="the searches to run")
     parser.add_argument(
@@ -209,7 +209,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     SEARCHER.update({k: ast.literal_eval(v) for k, v in (o.split("=", 1) for o in args.searcher)})
     warnings.simplefilter("ignore")
     task = {"synthetic": SyntheticTask, "conflict": ConflictTask, "example": ExampleTask}[args.task]()
-    return run(task, args.budgets, args.seeds, args.initial, args.batch, args.arms)
+    batch = args.batch[0] if len(args.batch) == 1 else tuple(args.batch)
+    return run(task, args.budgets, args.seeds, args.initial, batch, args.arms)
 
 
 if __name__ == "__main__":
