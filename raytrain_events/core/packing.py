@@ -142,21 +142,34 @@ def _place(lengths: np.ndarray, seq_len: int, what: str) -> Tuple[List[int], np.
     starts = np.flatnonzero(np.diff(rest, prepend=-1))  # where each length's run starts
     runs = zip(rest[starts].tolist(), np.diff(starts, append=len(rest)).tolist())  # (length, documents)
     steps: List[int] = []  # per step: sequence, its fill before, the length, how many documents
-    bisect_left, insort, pop, record = bisect.bisect_left, bisect.insort, free.pop, steps.extend
+    rest: List[int] = []  # the run's rooms left over, inserted when the run is placed
+    bisect_left, insort, record = bisect.bisect_left, bisect.insort, steps.extend
     for n, left in runs:
-        while left:
-            j = bisect_left(free, n * stride)  # the tightest room that fits (the lowest sequence on ties)
-            if j < len(free):
-                room, s = divmod(pop(j), stride)
-            else:
-                s, room = len(fills), seq_len
-                fills.append(0)
+        # The rooms that fit one document of the run are free[j:], tightest first. Each takes as many as
+        # fit and keeps less than n (or the run ends in it), so the run visits them once each, in
+        # order: one search per run, where one per step found the same room (what is left of a room
+        # is below n, so it sorts before j and no later search of the run sees it).
+        j = k = bisect_left(free, n * stride)
+        while left and k < len(free):
+            room, s = divmod(free[k], stride)
             q = room // n if room // n < left else left
             record((s, fills[s], n, q))
             fills[s] += q * n
             left -= q
+            k += 1
             if room > q * n:
-                insort(free, (room - q * n) * stride + s)
+                rest.append((room - q * n) * stride + s)
+        del free[j:k]
+        while left:  # no open room fits: new sequences, each as full as the run allows
+            s, q = len(fills), seq_len // n if seq_len // n < left else left
+            record((s, 0, n, q))
+            fills.append(q * n)
+            left -= q
+            if seq_len > q * n:
+                rest.append((seq_len - q * n) * stride + s)
+        for key in rest:
+            insort(free, key)
+        rest.clear()
     s_, f_, n_, q_ = np.array(steps, dtype=np.int64).reshape(-1, 4).T
     placed = order[big:nonempty]  # in step order: a step's documents are the next q of the run
     seq[placed] = np.repeat(s_, q_)
