@@ -125,7 +125,8 @@ def _place(lengths: np.ndarray, seq_len: int, what: str) -> Tuple[List[int], np.
     integers in a sorted list, a run of documents of one length ``n`` at a time: the tightest room
     that fits one takes as many of the run as fit (``room // n``; what is left of it is then below
     ``n``, so the next of the run goes to the next tightest room), exactly as one by one. So one
-    Python step per (length, room) pair, not per document: many fewer on long-tail mixes."""
+    Python step per (length, room) pair, not per document: many fewer on long-tail mixes; and one
+    search per run (the rooms it takes are consecutive in the list), not one per step."""
     _check_fits(lengths, seq_len, what)
     order = np.argsort(-lengths.astype(_small(seq_len)), kind="stable")  # longest first, ties in document order
     seq = np.full(len(lengths), -1, dtype=np.int64)  # empty documents take no room: sequence -1
@@ -142,7 +143,7 @@ def _place(lengths: np.ndarray, seq_len: int, what: str) -> Tuple[List[int], np.
     starts = np.flatnonzero(np.diff(rest, prepend=-1))  # where each length's run starts
     runs = zip(rest[starts].tolist(), np.diff(starts, append=len(rest)).tolist())  # (length, documents)
     steps: List[int] = []  # per step: sequence, its fill before, the length, how many documents
-    rest: List[int] = []  # the run's rooms left over, inserted when the run is placed
+    spare: List[int] = []  # what the run left of the rooms it took, inserted once the run is placed
     bisect_left, insort, record = bisect.bisect_left, bisect.insort, steps.extend
     for n, left in runs:
         # The rooms that fit one document of the run are free[j:], tightest first. Each takes as many as
@@ -158,7 +159,7 @@ def _place(lengths: np.ndarray, seq_len: int, what: str) -> Tuple[List[int], np.
             left -= q
             k += 1
             if room > q * n:
-                rest.append((room - q * n) * stride + s)
+                spare.append((room - q * n) * stride + s)
         del free[j:k]
         while left:  # no open room fits: new sequences, each as full as the run allows
             s, q = len(fills), seq_len // n if seq_len // n < left else left
@@ -166,10 +167,10 @@ def _place(lengths: np.ndarray, seq_len: int, what: str) -> Tuple[List[int], np.
             fills.append(q * n)
             left -= q
             if seq_len > q * n:
-                rest.append((seq_len - q * n) * stride + s)
-        for key in rest:
+                spare.append((seq_len - q * n) * stride + s)
+        for key in spare:
             insort(free, key)
-        rest.clear()
+        spare.clear()
     s_, f_, n_, q_ = np.array(steps, dtype=np.int64).reshape(-1, 4).T
     placed = order[big:nonempty]  # in step order: a step's documents are the next q of the run
     seq[placed] = np.repeat(s_, q_)
