@@ -125,7 +125,8 @@ def _place(lengths: np.ndarray, seq_len: int, what: str) -> Tuple[List[int], np.
     integers in a sorted list, a run of documents of one length ``n`` at a time: the tightest room
     that fits one takes as many of the run as fit (``room // n``; what is left of it is then below
     ``n``, so the next of the run goes to the next tightest room), exactly as one by one. So one
-    Python step per (length, room) pair, not per document: many fewer on long-tail mixes."""
+    Python step per (length, room) pair, not per document: many fewer on long-tail mixes; and one
+    search per run (the rooms it takes are consecutive in the list), not one per step."""
     _check_fits(lengths, seq_len, what)
     order = np.argsort(-lengths.astype(_small(seq_len)), kind="stable")  # longest first, ties in document order
     seq = np.full(len(lengths), -1, dtype=np.int64)  # empty documents take no room: sequence -1
@@ -142,21 +143,34 @@ def _place(lengths: np.ndarray, seq_len: int, what: str) -> Tuple[List[int], np.
     starts = np.flatnonzero(np.diff(rest, prepend=-1))  # where each length's run starts
     runs = zip(rest[starts].tolist(), np.diff(starts, append=len(rest)).tolist())  # (length, documents)
     steps: List[int] = []  # per step: sequence, its fill before, the length, how many documents
-    bisect_left, insort, pop, record = bisect.bisect_left, bisect.insort, free.pop, steps.extend
+    spare: List[int] = []  # what the run left of the rooms it took, inserted once the run is placed
+    bisect_left, insort, record = bisect.bisect_left, bisect.insort, steps.extend
     for n, left in runs:
-        while left:
-            j = bisect_left(free, n * stride)  # the tightest room that fits (the lowest sequence on ties)
-            if j < len(free):
-                room, s = divmod(pop(j), stride)
-            else:
-                s, room = len(fills), seq_len
-                fills.append(0)
+        # The rooms that fit one document of the run are free[j:], tightest first. Each takes as many as
+        # fit and keeps less than n (or the run ends in it), so the run visits them once each, in
+        # order: one search per run, where one per step found the same room (what is left of a room
+        # is below n, so it sorts before j and no later search of the run sees it).
+        j = k = bisect_left(free, n * stride)
+        while left and k < len(free):
+            room, s = divmod(free[k], stride)
             q = room // n if room // n < left else left
             record((s, fills[s], n, q))
             fills[s] += q * n
             left -= q
+            k += 1
             if room > q * n:
-                insort(free, (room - q * n) * stride + s)
+                spare.append((room - q * n) * stride + s)
+        del free[j:k]
+        while left:  # no open room fits: new sequences, each as full as the run allows
+            s, q = len(fills), seq_len // n if seq_len // n < left else left
+            record((s, 0, n, q))
+            fills.append(q * n)
+            left -= q
+            if seq_len > q * n:
+                spare.append((seq_len - q * n) * stride + s)
+        for key in spare:
+            insort(free, key)
+        spare.clear()
     s_, f_, n_, q_ = np.array(steps, dtype=np.int64).reshape(-1, 4).T
     placed = order[big:nonempty]  # in step order: a step's documents are the next q of the run
     seq[placed] = np.repeat(s_, q_)
@@ -386,14 +400,29 @@ def _lay_out(  # noqa: PLR0913 (the window's arrays, the placement, the output)
     seg_src[docs], seg_src[pads] = (np.cumsum(lengths) - lengths)[placed], total
     # One gather with intp indices and mode="clip" (every index is in range by construction): numpy's
     # fast path (int32 indices or mode="raise" cost a conversion pass or a bounds check).
-    index = np.repeat(seg_src - (np.cumsum(seg_len) - seg_len), seg_len)  # source start - output start
-    index += np.arange(n * seq_len, dtype=np.intp)  # where each output token is in ``source``
+    index = _segment_index(seg_src, seg_len, n * seq_len)  # where each output token is in ``source``
     source = np.empty(total + seq_len, dtype=out.dtype)  # the tokens, then a pad row for the padding to read
     _copy_chunks(chunks, source)
     source[total:] = pad_id
     np.take(source, index, out=out.reshape(-1), mode="clip")
     num = np.asarray(fills, dtype=np.int32)
     return Runs(out, ids[placed], lengths[placed].astype(np.int32), runs.astype(np.int32), num)
+
+
+def _segment_index(seg_src: np.ndarray, seg_len: np.ndarray, size: int) -> np.ndarray:
+    """``size`` intp indices: segment after segment (lengths ``seg_len``, ``size`` in all), each
+    counting up from its source start ``seg_src``. One running sum over a step array (1 inside a
+    segment, the jump to the next segment's source at its first token): two passes over 8 bytes per
+    token, where ``np.repeat`` of the starts then adding an ``arange`` made three and a temporary."""
+    keep = seg_len > 0  # empty segments (a full sequence's padding) start nowhere
+    seg_src, seg_len = seg_src[keep], seg_len[keep]
+    index = np.ones(size, dtype=np.intp)
+    if size:
+        ends = np.cumsum(seg_len)
+        index[ends[:-1]] = seg_src[1:] - (seg_src[:-1] + seg_len[:-1] - 1)  # from the last token of one to the next
+        index[0] = seg_src[0]
+        np.cumsum(index, out=index)
+    return index
 
 
 def empty_packed(n: int, seq_len: int, dtype: Any) -> Packed:

@@ -5,7 +5,9 @@ proxies as trials of one sweep: the first ``initial`` trials fill the simplex (`
 the default: uniform weights first, the mixture a search replaces, then a scrambled Halton sequence
 through the Dirichlet's quantiles, spread evenly; ``"dirichlet"``: seeded Dirichlet draws, as
 `mixture_space`); once every trial placed so far has ended, the searcher fits the losses they
-reported (`fit_mixture_regression`) and places the next ``batch`` where ``criterion`` scores best
+reported (`fit_mixture_regression`) and places the next round's trials (``batch``: one size for
+every round, or the rounds' sizes in order, the last one repeated: ``batch=(4, 2, 1)`` runs 4
+trials at once first and refines one at a time late, when each proxy's loss moves the next most) where ``criterion`` scores best
 (`choose_mixture`'s candidates and scores; by default the lower confidence bound ``mean - 0.5 * std``)
 among candidates inside the trust region around the ``incumbents`` proxies the fit ranks best (their
 predicted mean; ``trust_region="auto"``, the default: the proxies' median nearest-neighbour distance,
@@ -39,7 +41,7 @@ Tune to wait (``suggest`` returns None) while a round is unfinished: batches are
 from __future__ import annotations
 
 import pickle
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 from ray.tune.search import Searcher
@@ -59,6 +61,15 @@ def _count(value: Any, name: str, least: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         raise ValueError(f"MixtureSearcher({name}={value!r}) must be an int >= {least}.")
     return value
+
+
+def _rounds(batch: Any) -> Union[int, Tuple[int, ...]]:
+    """``batch`` checked: one round size, or the sizes of the rounds in order (the last one repeats)."""
+    if isinstance(batch, (list, tuple)):
+        if not batch:
+            raise ValueError("MixtureSearcher(batch=()) names no round: give a size, or sizes such as (4, 2, 1).")
+        return tuple(_count(b, f"batch[{i}]", 1) for i, b in enumerate(batch))
+    return _count(batch, "batch", 1)
 
 
 def first_design(design: str, alphas: List[float], count: int, seed: int) -> np.ndarray:
@@ -84,7 +95,7 @@ class MixtureSearcher(Searcher):
         mixture: Union[Mixture, List[str]],
         *,
         initial: int = 8,
-        batch: int = 4,
+        batch: Union[int, Sequence[int]] = 4,
         max_trials: int = 16,
         model: str = "gp",
         inputs: str = "shares",
@@ -107,7 +118,7 @@ class MixtureSearcher(Searcher):
         self.names = _names(mixture)
         self.alphas = _alphas(self.names, concentration)
         self.initial = _count(initial, "initial", 4)  # the fit needs 4 points
-        self.batch = _count(batch, "batch", 1)
+        self.batch = _rounds(batch)
         self.max_trials = _count(max_trials, "max_trials", self.initial)
         self.model = check_model(model)
         if inputs not in ("shares", "log"):
@@ -222,7 +233,8 @@ class MixtureSearcher(Searcher):
         concentration = float(np.mean(self.alphas))
         pool = candidates_near(centers, radius, self.candidates, concentration, rng)
         spread = self.spread if self.spread is not None else auto_radius(self.fit.points) / 2
-        count = min(self.batch, self.max_trials - len(self.placed))
+        sizes = self.batch if isinstance(self.batch, tuple) else (self.batch,)
+        count = min(sizes[min(self.rounds, len(sizes)) - 1], self.max_trials - len(self.placed))
         explore = min(self.explore, count - 1) if radius is not None else 0  # a round keeps one slot in the region
         chosen = self._best_apart(pool, count - explore, spread, [])
         if explore:  # the whole simplex's best by the criterion: the region may have closed in on the wrong spot

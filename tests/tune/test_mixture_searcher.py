@@ -281,3 +281,20 @@ def test_tune_runs_the_rounds_the_searcher_places(ray_cluster, tmp_path, monkeyp
     reference = [s for s in _drive(_searcher(max_trials=11), 0, 11)]
     placed = sorted((TASK(s["mixture"], 0), tuple(s["mixture"].items())) for s in reference)
     assert ran == placed  # the same 8 draws and the same 3 placed after them, across the interruption
+
+
+def test_round_sizes_follow_the_batch_schedule_and_the_last_size_repeats():
+    """``batch=(3, 1)``: 3 trials in the first placed round, then one at a time; the schedule survives save/restore."""
+    searcher = _searcher(initial=4, batch=(3, 1), max_trials=10)
+    _drive(searcher, 0, 8)
+    assert searcher.ends == [4, 7, 8] and searcher.rounds == 2
+    state = searcher.get_state()
+    again = _searcher(initial=4, batch=4, max_trials=10)
+    again.set_state(state)
+    _drive(searcher, 8, 11)
+    _drive(again, 8, 11)
+    assert searcher.ends == again.ends == [4, 7, 8, 9, 10] and searcher.placed == again.placed
+    with pytest.raises(ValueError, match=r"batch=\(\)\) names no round"):
+        MixtureSearcher(BASE, batch=())
+    with pytest.raises(ValueError, match=r"batch\[1\]=0.*>= 1"):
+        MixtureSearcher(BASE, batch=(2, 0))

@@ -69,28 +69,38 @@ def expand_packed(parts: List[Any]) -> List[Any]:
 
 
 def _expand(parts: List[Any]) -> Tuple[List[Any], np.ndarray, np.ndarray, np.ndarray]:
-    """``(input_ids' chunks, document_ids, position_ids, num_tokens)`` of packed ``parts``."""
+    """``(input_ids' chunks, document_ids, position_ids, num_tokens)`` of packed ``parts``.
+
+    Each part's columns are taken once (not looked up by name per column), and each ``run_lengths``
+    chunk's offsets are read once (its values' span and each sequence's run count both come from
+    them): per-call work is most of a small part's cost (a rank's part of a batch is a few
+    sequences at scale)."""
     seq_len = parts[0].schema.field("input_ids").type.list_size  # a fixed-size list (`pack_reads`)
-    run_chunks = _chunks(parts, "run_lengths")
-    documents, lengths = _run_lists(_chunks(parts, "run_documents")), _run_lists(run_chunks)
-    runs = _joined([np.diff(chunk.offsets.to_numpy()) for chunk in run_chunks], np.int32)
-    num_tokens = _joined([chunk.to_numpy() for chunk in _chunks(parts, "num_tokens")], np.int32)
-    document_ids, position_ids = expand_runs(documents, lengths, runs, num_tokens, seq_len)
-    return _chunks(parts, "input_ids"), document_ids, position_ids, num_tokens
+    tokens: List[Any] = []
+    documents: List[np.ndarray] = []
+    lengths: List[np.ndarray] = []
+    runs: List[np.ndarray] = []
+    num_tokens: List[np.ndarray] = []
+    for part in parts:
+        columns = dict(zip(part.column_names, part.columns))
+        tokens += columns["input_ids"].chunks
+        num_tokens += [chunk.to_numpy() for chunk in columns["num_tokens"].chunks]
+        for lens in columns["run_lengths"].chunks:
+            offsets = lens.offsets.to_numpy()  # the chunk's (a slice's) own offsets, len + 1
+            lengths.append(lens.values.to_numpy()[offsets[0] : offsets[-1]])
+            runs.append(np.diff(offsets))
+        documents += [_list_values(chunk) for chunk in columns["run_documents"].chunks]
+    counts = _joined(num_tokens, np.int32)
+    document_ids, position_ids = expand_runs(
+        _joined(documents, np.int64), _joined(lengths, np.int32), _joined(runs, np.int32), counts, seq_len
+    )
+    return tokens, document_ids, position_ids, counts
 
 
-def _chunks(parts: List[Any], name: str) -> List[Any]:
-    return [chunk for part in parts for chunk in part.column(name).chunks]
-
-
-def _run_lists(chunks: List[Any]) -> np.ndarray:
-    """The flat values of a list column's ``chunks``: NumPy views of each chunk's values buffer
-    between its first and last offset (joined when the batch spans chunks)."""
-    pieces = []
-    for chunk in chunks:
-        offsets = chunk.offsets.to_numpy()  # the chunk's (a slice's) own offsets, len + 1
-        pieces.append(chunk.values.to_numpy()[offsets[0] : offsets[-1]])
-    return _joined(pieces, np.int64)
+def _list_values(chunk: Any) -> np.ndarray:
+    """A list chunk's flat values: a NumPy view of its values buffer between its first and last offset."""
+    offsets = chunk.offsets.to_numpy()
+    return chunk.values.to_numpy()[offsets[0] : offsets[-1]]
 
 
 def _joined(pieces: List[np.ndarray], dtype: Any) -> np.ndarray:
