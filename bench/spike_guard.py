@@ -5,8 +5,9 @@ ledger's answer time at 1e9 rows.
    batch 64, 4096 samples, 3 epochs, one thread, CPU: ~1 ms steps at H=256, as
    ``bench/loop_overhead.py``), ``fit()`` wall time per step, interleaved repeats; the guard's cost is
    one loss + gradient-norm read per batch and a host snapshot every ``snapshot_interval`` batches
-   (the guard's default unless ``--snapshot-interval``); the CPU time inside its hooks per batch and
-   per snapshot are given too (steadier than the loop's ratio on a busy machine).
+   (the guard's default unless ``--snapshot-interval``); the CPU time inside its hooks per batch (less the
+   timer's own cost, measured on empty hooks in the same fit) and per snapshot are given too, and the hooks'
+   share of the plain step (steadier than the loop's ratio on a busy machine).
 2. Spike to training again: a planted row (huge input, wrong label) spikes the loss; the time from the
    start of the batch whose end agrees on the spike to the end of the rollback (snapshot restored,
    schedulers stepped, window recorded), and the model bytes restored.
