@@ -5,8 +5,9 @@ ledger's answer time at 1e9 rows.
    batch 64, 4096 samples, 3 epochs, one thread, CPU: ~1 ms steps at H=256, as
    ``bench/loop_overhead.py``), ``fit()`` wall time per step, interleaved repeats; the guard's cost is
    one loss + gradient-norm read per batch and a host snapshot every ``snapshot_interval`` batches
-   (the guard's default unless ``--snapshot-interval``); the CPU time inside its hooks per batch and
-   per snapshot are given too (steadier than the loop's ratio on a busy machine).
+   (the guard's default unless ``--snapshot-interval``); the CPU time inside its hooks per batch (less the
+   timer's own cost, measured on empty hooks in the same fit) and per snapshot are given too, and the hooks'
+   share of the plain step (steadier than the loop's ratio on a busy machine).
 2. Spike to training again: a planted row (huge input, wrong label) spikes the loss; the time from the
    start of the batch whose end agrees on the spike to the end of the rollback (snapshot restored,
    schedulers stepped, window recorded), and the model bytes restored.
@@ -69,7 +70,7 @@ def _data(planted=None):
     return x, y
 
 
-def _trainer(hidden, x, y, guard):
+def _trainer(hidden, x, y, guard, extra=()):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(D, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, C))
     model = ClassifierModel(net, num_classes=C)
@@ -78,7 +79,7 @@ def _trainer(hidden, x, y, guard):
         train_dataloader=DataLoader(TensorDataset(x, y), batch_size=B),
         max_duration="3ep",
         optimizers=torch.optim.SGD(model.parameters(), lr=0.01),
-        callbacks=[guard] if guard is not None else [],
+        callbacks=[*extra, *([guard] if guard is not None else [])],
         algorithms=[GradientClipping("norm", CLIP)] if CLIP is not None else [],
     )
 
@@ -111,9 +112,13 @@ def overhead(hidden, repeats, interval):
         guarded.append(_per_step(_trainer(hidden, x, y, _guard(interval))))
     ratios = [g / p for g, p in zip(guarded, plain)]
     costs = [guard_cost(hidden, interval) for _ in range(repeats)]
+    step_us = statistics.median(plain) * 1e6
+    hooks = [c[0] for c in costs]
     return {
         "snapshot_interval": _guard(interval).snapshot_interval,
-        "guard_hooks_us_per_batch": [c[0] for c in costs],
+        "guard_hooks_us_per_batch": hooks,
+        "guard_hooks_percent_of_step": round(100 * statistics.median(hooks) / step_us, 2),
+        "timer_us_per_hook_call": [c[2] for c in costs],
         "snapshot_us_each": [c[1] for c in costs],
         "plain_ms": [round(v * 1e3, 4) for v in plain],
         "guard_ms": [round(v * 1e3, 4) for v in guarded],
@@ -122,11 +127,23 @@ def overhead(hidden, repeats, interval):
     }
 
 
+class _Empty(guard_module.Callback):
+    """Hooks on the guard's per-batch events that do nothing: timed like the guard's, they measure the timer itself."""
+
+    def after_train_batch(self, state, logger):
+        pass
+
+    def batch_end(self, state, logger):
+        pass
+
+
 def guard_cost(hidden, interval):
     """CPU time inside the guard's per-batch hooks (after_train_batch + batch_end, snapshots included), per
     batch: what the ratio measures, without the noise of the loop around it; and per snapshot (its
-    ``HostSnapshots.take``, inside those hooks; the fit's first one excluded: it is taken at FIT_START)."""
-    spent, snaps = [0], []
+    ``HostSnapshots.take``, inside those hooks; the fit's first one excluded: it is taken at FIT_START).
+    The timer's own cost (two ``thread_time_ns`` reads around each hook call, measured on `_Empty`'s hooks in the
+    same fit, median per call) is taken off: what is left is the guard's."""
+    spent, snaps, empty = [0, 0], [], []
     originals = {name: getattr(guard_module.SpikeGuard, name) for name in ("after_train_batch", "batch_end")}
     take = HostSnapshots.take
 
@@ -140,22 +157,30 @@ def guard_cost(hidden, interval):
             start = time.thread_time_ns()
             original(self, state, logger)
             spent[0] += time.thread_time_ns() - start
+            spent[1] += 1
 
         return hook
 
+    def timed_empty(self, state, logger):
+        start = time.thread_time_ns()
+        empty.append(time.thread_time_ns() - start)
+
     for name, original in originals.items():
         setattr(guard_module.SpikeGuard, name, timed(original))
+        setattr(_Empty, name, timed_empty)
     HostSnapshots.take = timed_take
     try:
         x, y = _data()
-        state = _trainer(hidden, x, y, _guard(interval)).fit()
+        state = _trainer(hidden, x, y, _guard(interval), extra=[_Empty()]).fit()
     finally:
         for name, original in originals.items():
             setattr(guard_module.SpikeGuard, name, original)
         HostSnapshots.take = take
     in_loop = snaps[1:]
     per_snapshot = round(statistics.median(in_loop) / 1e3, 1) if in_loop else None
-    return round(spent[0] / int(state.timestamp.batch) / 1e3, 1), per_snapshot
+    timer = statistics.median(empty)
+    guard = (spent[0] - timer * spent[1]) / int(state.timestamp.batch)
+    return round(guard / 1e3, 1), per_snapshot, round(timer / 1e3, 2)
 
 
 def spike_to_training(hidden, interval):

@@ -31,6 +31,7 @@ import torch
 __all__ = ["HostStager", "Staged"]
 
 _Key = Tuple[Hashable, ...]
+_LEAVES = frozenset((int, float, bool, str, bytes, type(None)))  # returned as they are (immutable, never tensors)
 
 
 @dataclass
@@ -100,11 +101,15 @@ class HostStager:
             self._leased = False
 
     def _walk(self, node: Any, where: Tuple[Hashable, ...], buffers: Dict[_Key, Any], counts: Dict[str, Any]) -> Any:
-        if torch.is_tensor(node):
-            return self._copy(node.detach(), where, buffers, counts)
+        if type(node) in _LEAVES:  # most nodes of a state tree (settings, counters): first, before the tensor test
+            return node
+        if isinstance(node, torch.Tensor):  # (a state_dict's tensors are detached already: no second detach)
+            return self._copy(node.detach() if node.requires_grad else node, where, buffers, counts)
         if isinstance(node, dict):
             return {k: self._walk(v, where + (k,), buffers, counts) for k, v in node.items()}
         if isinstance(node, (list, tuple)):
+            if all(type(v) in _LEAVES for v in node):  # a list of plain values (param ids, a window of losses)
+                return type(node)(node)
             return type(node)(self._walk(v, where + (i,), buffers, counts) for i, v in enumerate(node))
         return node
 
