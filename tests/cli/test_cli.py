@@ -514,6 +514,7 @@ def test_train_file_entry_point_on_ray_workers(ray_cluster, tmp_path, monkeypatc
             "run_name=entry",
             "progress_bar=false",
             "checkpoint.enabled=false",
+            "report=false",  # the report is checked on the examples' shared run; here it costs seconds
         ],
         capsys,
     )

@@ -112,7 +112,9 @@ def test_resume_by_name_then_driver_killed_then_resumed_again(digits_run, tmp_pa
 
     proc = _run(
         str(tmp_path),
-        _command(storage, name, 3, "checkpoint.keep=1", "checkpoint.save_interval=5ba", "resume=true", "verbose=true"),
+        # report=false: the report is checked on the shared run (test_console_report.py); here it costs seconds.
+        _command(storage, name, 3, "checkpoint.keep=1", "checkpoint.save_interval=5ba", "resume=true", "verbose=true")
+        + ["report=false"],
     )
     assert "Resuming" in proc.stdout
     _check_finished(run_dir, 3, keep=1)
