@@ -6,6 +6,7 @@ imported anywhere in the test session.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import uuid
@@ -174,6 +175,22 @@ def no_leaked_environment_variables(request):
             f"{request.node.nodeid} leaked environment variables ({details}); use monkeypatch.setenv or restore them.",
             pytrace=False,
         )
+
+
+# ------------------------------------------------------------------ the garbage collector's heap
+# Collecting the fast tier imports ~250 test modules with torch, Ray, transformers and friends: ~660,000
+# objects that live for the whole session. Every full collection walked all of them (0.6-0.7 CPU-s each
+# here), both Python's own and the loop's `gc.collect()` after an out-of-memory attempt (trainer/
+# microbatching.py), so a test that retries a batch paid seconds for the session's imports. Freezing
+# what exists after each collected module moves it out of the collector's generations (`gc.freeze`, the
+# documented tool for long-lived start-up state): objects a test creates are collected as before.
+def pytest_collectreport(report):
+    gc.freeze()
+
+
+def pytest_collection_finish(session):
+    gc.collect()  # what collection left as garbage, once, before keeping the rest out of every later walk
+    gc.freeze()
 
 
 # ------------------------------------------------------------------ the end-to-end tier (tests/e2e.py)

@@ -14,7 +14,8 @@ from __future__ import annotations
 import multiprocessing
 
 # What every rank imports anyway; a module missing here (an optional extra) is skipped by the server.
-PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "raytrain_events.trainer"]
+# Last, `rank_heap`: keeps those imports out of every rank's garbage collections (gc.freeze; it says why).
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "raytrain_events.trainer", "rank_heap"]
 
 
 def rank_start_method() -> str:
