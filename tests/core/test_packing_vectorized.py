@@ -2,18 +2,18 @@
 wrote: `expand_runs` (runs to ``document_ids``/``position_ids``, every sequence at once),
 ``concat``'s runs (`_concat_runs`: cuts merged into the documents' starts, no sort) and best_fit's
 placement (`_place`: a run of equal lengths placed by one search), compared element by element with
-the earlier code or the policy's plain definition (kept here as the reference) on Zipf, uniform and
+the earlier code (kept here as the reference) or the policy's plain definition (test_packing's) on Zipf, uniform and
 edge inputs."""
 
 from __future__ import annotations
 
-import bisect
 from typing import List, Tuple
 
 import numpy as np
 import pytest
 
 from raytrain_events.core.packing import PAD_DOCUMENT, _place, expand_runs, pack_runs
+from tests.core.test_packing import _best_fit_one_by_one  # the plain definition, one document at a time
 
 
 def _reference_expand(documents, lengths, runs, num_tokens, seq_len) -> Tuple[np.ndarray, np.ndarray]:
@@ -44,28 +44,6 @@ def _reference_concat_runs(lengths, ids, seq_len) -> Tuple[np.ndarray, np.ndarra
     run_doc = ids[lengths > 0][np.searchsorted(starts, bounds, side="right") - 1]
     n = -(-total // seq_len)
     return run_doc, run_len, np.bincount(bounds // seq_len, minlength=n).astype(np.int32)
-
-
-def _reference_best_fit(lengths: np.ndarray, seq_len: int) -> Tuple[List[int], List[int], List[int]]:
-    """best_fit by its definition, one document at a time: longest first (ties in document order),
-    each to the open sequence with the least room that fits it (ties: the lowest sequence), else a new
-    one. ``(fill of each sequence, sequence of each document, offset of each document)``."""
-    fills: List[int] = []
-    seq, offset = [-1] * len(lengths), [0] * len(lengths)
-    free: List[Tuple[int, int]] = []  # (room, sequence), sorted
-    for d in sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i)):
-        n = int(lengths[d])
-        if n == 0:
-            continue
-        j = bisect.bisect_left(free, (n, -1))
-        room, s = free.pop(j) if j < len(free) else (seq_len, len(fills))
-        if s == len(fills):
-            fills.append(0)
-        seq[d], offset[d] = s, fills[s]
-        fills[s] += n
-        if room > n:
-            bisect.insort(free, (room - n, s))
-    return fills, seq, offset
 
 
 def _inputs(seq_len: int) -> List[np.ndarray]:
@@ -118,7 +96,8 @@ def test_best_fit_places_every_document_where_one_by_one_placing_puts_it(seq_len
     for lengths in cases:
         lengths = np.minimum(lengths.astype(np.int64), seq_len)
         fills, seq, offset, _ = _place(lengths, seq_len, "a window")
-        assert (fills, seq.tolist(), offset.tolist()) == _reference_best_fit(lengths, seq_len)
+        want_fills, want_seq, want_offset = _best_fit_one_by_one(lengths, seq_len)
+        assert (fills, seq.tolist(), offset.tolist()) == (want_fills, want_seq.tolist(), want_offset.tolist())
 
 
 def test_a_block_whose_runs_do_not_tile_its_sequences_is_refused() -> None:
