@@ -59,22 +59,41 @@ def test_import_pulls_in_neither_ray_nor_fsspec_and_installs_no_signal_handlers(
     assert result["new_atexit"] == 0
 
 
-def test_ray_worker_entry_leaves_dcp_until_a_sharded_checkpoint_needs_it():
+def test_ray_worker_entry_leaves_dcp_and_the_s3_clients_until_a_checkpoint_needs_them():
     """Every Ray worker imports the entry while its train context starts (the spec it unpickles);
-    torch.distributed.checkpoint (~0.7 s here) is needed only for sharded checkpoints."""
+    torch.distributed.checkpoint (~0.7 s here) is needed only for sharded checkpoints, and aiohttp and botocore
+    (~0.5-1 s) only for S3: a save and a resume to a local folder through the loop leave them out (the checkpoint
+    retries' and ranged reads' error lists take them from the modules already loaded: an error of a library never
+    imported cannot exist)."""
     result = _run(
         """
-        import json, sys
+        import json, sys, tempfile
+        import torch
         import raytrain_events.ray.worker, raytrain_events.checkpoint.run.checkpointer
+        from raytrain_events import Trainer
+        from raytrain_events.checkpoint import CheckpointConfig
+        from raytrain_events.models import ClassifierModel
+        torch.manual_seed(0)
+        rows = [{"x": torch.randn(4), "y": i % 2} for i in range(64)]
+        model = ClassifierModel(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)),
+                                num_classes=2)
+        folder = tempfile.mkdtemp()
+        for duration in ("1ep", "2ep"):  # a save, then a resume that reads it back
+            Trainer(model=model, train_dataloader=torch.utils.data.DataLoader(rows, batch_size=8),
+                    max_duration=duration, optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+                    checkpoint=CheckpointConfig(save_folder=folder, save_interval="1ep", autoresume=True),
+                    run_name="local").fit()
+        clients = [m for m in ("aiohttp", "botocore", "s3fs") if m in sys.modules]
         before = sorted(m for m in sys.modules if m.startswith("torch.distributed.checkpoint"))
         from raytrain_events.checkpoint.dcp import sharded
         sharded.load_consolidated  # the module itself still imports without DCP
         lazy = sorted(m for m in sys.modules if m.startswith("torch.distributed.checkpoint"))
         import raytrain_events.checkpoint.dcp.safe_dcp
-        print(json.dumps({"before": before, "lazy": lazy,
+        print(json.dumps({"clients": clients, "before": before, "lazy": lazy,
                           "after": "torch.distributed.checkpoint" in sys.modules}))
         """
     )
+    assert result["clients"] == []
     assert result["before"] == [] and result["lazy"] == []
     assert result["after"]  # the sharded path still gets it when it asks
 
@@ -206,32 +225,3 @@ def test_the_import_rule_catches_a_function_level_import():
 
     tree = ast.parse("def f():\n    from raytrain_events.ray.checkpointing.validation import parse_validation\n")
     assert spec_module_imports(tree) == ["raytrain_events.ray.checkpointing.validation"]
-
-
-def test_a_loop_saving_to_a_local_folder_leaves_the_s3_clients_out():
-    """Every Ray worker imports the worker entry and builds the loop; a run saving to a local or shared folder
-    holds no S3 client. aiohttp and botocore cost ~0.5-1 s of imports per process here: the checkpoint retries'
-    and ranged reads' error lists take them from the modules already loaded (an error of a library never
-    imported cannot exist) instead of importing them."""
-    result = _run(
-        """
-        import json, sys, tempfile
-        import torch
-        import raytrain_events.ray.worker
-        from raytrain_events import Trainer
-        from raytrain_events.checkpoint import CheckpointConfig
-        from raytrain_events.models import ClassifierModel
-        torch.manual_seed(0)
-        rows = [{"x": torch.randn(4), "y": i % 2} for i in range(64)]
-        model = ClassifierModel(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)),
-                                num_classes=2)
-        folder = tempfile.mkdtemp()
-        for duration in ("1ep", "2ep"):  # a save, then a resume that reads it back
-            Trainer(model=model, train_dataloader=torch.utils.data.DataLoader(rows, batch_size=8),
-                    max_duration=duration, optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
-                    checkpoint=CheckpointConfig(save_folder=folder, save_interval="1ep", autoresume=True),
-                    run_name="local").fit()
-        print(json.dumps({"loaded": [m for m in ("aiohttp", "botocore", "s3fs") if m in sys.modules]}))
-        """
-    )
-    assert result == {"loaded": []}
