@@ -287,11 +287,7 @@ class SpikeGuard(Callback):
             state.agreement.clear(FLAG)
             roll_back(self, state, logger, int(ts.batch) - 1)  # requested at the batch before, agreed on this one
             return
-        # No rank saw a spike at the batch before: it vouches for the snapshot it started from. (Snapshots are judged
-        # oldest first, the newest last: with the newest judged there is nothing to count, the common batch.)
-        taken = self._snapshots.snapshots if self._snapshots is not None else None  # (HostSnapshots made at FIT_START)
-        if not taken or taken[-1].meta["unjudged"]:
-            judged_good(self)
+        judged_good(self)  # no rank saw a spike at the batch before: it vouches for the snapshot it started from
         norm, ready, self._norm, self._ready = self._norm, self._ready, None, None
         grad: Optional[float] = None
         if ready is not None:  # on an accelerator: the copy after_train_batch started

@@ -35,8 +35,6 @@ from typing import TYPE_CHECKING, Any, Deque, Dict, List, Mapping, Optional, Seq
 if TYPE_CHECKING:
     from raytrain_events.core.timestamp import Timestamp
 
-_INF = math.inf
-
 __all__ = [
     "GroupVerdict",
     "RollbackPolicy",
@@ -147,18 +145,6 @@ class SpikeDetector:
 
     def observe(self, loss: float, grad_norm: Optional[float] = None) -> Optional[Verdict]:
         """`judge` the batch; a good one joins the trailing window (running sums: O(1) a batch)."""
-        if grad_norm is None and type(loss) is float and -_INF < loss < _INF:
-            # The loss alone, finite (the guard's per-batch call judging the loss alone): `judge`'s test and
-            # `_push_loss` inline, the same verdict and window (a spike or anything else: the general path below).
-            losses = self._losses
-            n = len(losses)
-            ratio = self.loss_ratio
-            if n < self.warmup or ratio is None or not ((mean := self._loss_sum / n) > 0 and loss > ratio * mean):
-                if n == self.window:
-                    self._loss_sum -= losses[0]
-                losses.append(loss)
-                self._loss_sum += loss
-                return None
         verdict = self.judge(loss, grad_norm)
         if verdict is None:
             self._push_loss(float(loss))
