@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import os
 import sys
 import time
 
@@ -59,6 +60,8 @@ class DumpPerRank(Callback):
     def batch_end(self, state, logger):
         self.losses.append((state.timestamp.get_value("ba"), float(state.loss)))
         self.batch_times.append((state.timestamp.get_value("ba"), time.time()))
+        if self.validation_started_by is not None and state.rank == 0:
+            open(f"{self.folder}/step-ended-{state.timestamp.get_value('ba')}", "w").close()  # `MarkValidationStart`
         time.sleep(self.pace_s)  # a step long enough that validations start while training goes on
         if state.timestamp.get_value("ba") == self.validation_started_by:
             # On a loaded machine Ray may start the first validation task only after training ended, and the
@@ -91,13 +94,24 @@ class FailValidationAt(Callback):
 
 
 class MarkValidationStart(Callback):
-    """On the validating Trainer: a file in ``folder`` as its evaluation starts (what `DumpPerRank` waits for)."""
+    """On the validating Trainer: a file in ``folder`` as its evaluation starts (what `DumpPerRank` waits for);
+    then a validation of a checkpoint before global batch ``until`` holds its evaluation until training's rank 0
+    has ended global batch ``until`` (60 s at most). Training waits at ``validation_started_by`` (< ``until``)
+    until a validation has started, so the steps after it end inside a running validation, unless training
+    waited for validations, the thing the test is there to catch (then these 60 s run out)."""
 
-    def __init__(self, folder):
+    def __init__(self, folder, until):
         self.folder = folder
+        self.until = until
 
     def eval_start(self, state, logger):
-        open(f"{self.folder}/validation-started-{state.timestamp.get_value('ba')}", "w").close()
+        batch = state.timestamp.get_value("ba")
+        open(f"{self.folder}/validation-started-{batch}", "w").close()
+        deadline = time.time() + 60
+        while batch < self.until and not os.path.exists(f"{self.folder}/step-ended-{self.until}"):
+            if time.time() > deadline:
+                break
+            time.sleep(0.05)
 
 
 def load_ranks(folder, world):
@@ -154,7 +168,7 @@ def two_worker_run(ray_cluster, tmp_path_factory):
         validation=AsyncValidation(
             datasets=["val"],
             resources={"CPU": 1},
-            callbacks=lambda: [MarkValidationStart(str(tmp)), FailValidationAt(8)],
+            callbacks=lambda: [MarkValidationStart(str(tmp), until=12), FailValidationAt(8)],
         ),
         pace_s=0.4,
         validation_started_by=10,
@@ -242,8 +256,9 @@ def test_async_validation_runs_as_ray_tasks_while_training_goes_on(two_worker_ru
     # Training never waited: steps kept ending while the validations ran. A loop that waited for a
     # validation would end no step inside that validation's run: every validation that ran wholly while
     # training went on and lasted more than two paced steps (0.4 s each) has a step end inside it, and
-    # at least one validation overlapped training by several steps. (A warm validation takes ~0.2 s,
-    # shorter than one step, so it may fall between two step ends: that says nothing.)
+    # the validations begun by batch 10 held their evaluation until batch 12 ended (`MarkValidationStart`),
+    # so at least one overlapped training by two steps; a loop that waited would not get there in 60 s.
+    # (A warm validation takes ~0.2 s, shorter than one step, so it may fall between two step ends.)
     times = [t for _, t in rank0["batch_times"]]
     spans = [(e["wall_time_started"], e["wall_time"]) for e in validations.values()]
     inside = [sum(start <= t <= end for t in times) for start, end in spans]
