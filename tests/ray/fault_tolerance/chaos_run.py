@@ -64,6 +64,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # tests/: resume_hel
 import resume_helpers as h  # noqa: E402
 
 from raytrain_events import Callback  # noqa: E402
+from raytrain_events.core.logger import LoggerDestination  # noqa: E402
 
 KINDS = ("kill", "hang", "notice", "remove", "add")
 MAX_NODES = 3  # the head and two worker nodes, one train worker each
@@ -106,6 +107,26 @@ class Beacon(Callback):
         os.replace(tmp, self.path)
 
 
+class FirstReports(LoggerDestination):
+    """A driver logger: when each worker group's first report reached the driver (its history entry, the
+    one with ``resumed_from_batch``). The goodput report knows a group only by its reports: a group that
+    failed before its first one leaves no entry, and its restart's cause merges into the next one's (under
+    load a group paced 2 batches in was seen removed before its first report). So the chaos acts on a
+    group only once the driver has its first report (`Chaos._wait_for_training`)."""
+
+    def __init__(self) -> None:
+        self.arrived: List[float] = []  # wall times, in order (list.append: safe across the two threads)
+
+    def log_metrics(self, metrics: Dict[str, float], step: Optional[int] = None) -> None:
+        if "resumed_from_batch" in metrics:
+            self.arrived.append(time.time())
+
+    def since(self, started: float) -> bool:
+        """A first report arrived after ``started`` (a group's start: the previous group's first report
+        came before it, a restart's seconds earlier)."""
+        return any(t >= started for t in self.arrived)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -138,8 +159,19 @@ def current_group(folder: str) -> List[Dict[str, Any]]:
 class Chaos:
     """Failure injection, one event at a time, bounded in count and time (see the module doc)."""
 
-    def __init__(self, cluster, nodes, scratch, run_dir, plan: List[str], seed: int, pause, budget_s: float):
-        self.cluster, self.nodes, self.run_dir = cluster, nodes, run_dir
+    def __init__(
+        self,
+        cluster,
+        nodes,
+        scratch,
+        run_dir,
+        reports: FirstReports,
+        plan: List[str],
+        seed: int,
+        pause,
+        budget_s: float,
+    ):
+        self.cluster, self.nodes, self.run_dir, self.reports = cluster, nodes, run_dir, reports
         self.procs = os.path.join(scratch, "procs")
         self.plan, self.rng, self.pause = plan, random.Random(seed), pause
         self.deadline = time.monotonic() + budget_s
@@ -178,13 +210,14 @@ class Chaos:
             f.write(str(time.time()))
 
     def _wait_for_training(self, done: threading.Event, batches: int) -> Optional[List[Dict[str, Any]]]:
-        """The current group once it has trained ``batches`` since it started; None when out of time."""
+        """The current group once it has trained ``batches`` since it started and the driver has its first report
+        (else the goodput report would not know the group: see `FirstReports`); None when out of time."""
         while not done.is_set() and time.monotonic() < self.deadline:
             group = current_group(self.procs)
             if group:
                 reached = min(p["batch"] for p in group)
                 first = self.first_batch.setdefault(tuple(sorted(p["pid"] for p in group)), reached)
-                if reached - first >= batches:
+                if reached - first >= batches and self.reports.since(min(p["t"] for p in group)):
                     return group
             time.sleep(0.5)
         return None
@@ -313,6 +346,7 @@ def main(argv: Optional[List[str]] = None) -> None:  # noqa: PLR0915 -- a script
     runs = os.path.join(args.scratch, "runs")
     outcome: Dict[str, Any] = {}
     done = threading.Event()
+    reports = FirstReports()
 
     def train() -> None:
         try:
@@ -336,6 +370,7 @@ def main(argv: Optional[List[str]] = None) -> None:  # noqa: PLR0915 -- a script
                 # "hang" in Ray Data's get, every rank waiting); the SIGSTOP is found 30 s after.
                 hang_timeout=30.0,
                 report_interval="3ba",
+                driver_loggers=[reports],
                 # Paced until the chaos is over; slower on one worker, so that Ray's resize check
                 # and the grown group come before the chaos's pause runs out.
                 callbacks=lambda: [h.RecordRows(records), Beacon(procs, args.sleep_s, args.alone_sleep_s)],
@@ -348,7 +383,9 @@ def main(argv: Optional[List[str]] = None) -> None:  # noqa: PLR0915 -- a script
     thread = threading.Thread(target=train, daemon=True)
     started = time.time()
     thread.start()
-    chaos = Chaos(cluster, nodes, args.scratch, os.path.join(runs, "chaos"), plan, args.seed, args.pause, args.budget_s)
+    chaos = Chaos(
+        cluster, nodes, args.scratch, os.path.join(runs, "chaos"), reports, plan, args.seed, args.pause, args.budget_s
+    )
     try:
         chaos.run(done)
         chaos.finish()
