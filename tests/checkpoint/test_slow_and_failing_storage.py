@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 import torch
 
@@ -38,18 +37,6 @@ def _trainer(folder, callbacks=(), **ckpt):
         callbacks=list(callbacks),
         seed=1,
     )
-
-
-class _StepTimes(Callback):
-    def __init__(self) -> None:
-        self.gaps: list = []
-        self._last = None
-
-    def batch_end(self, state, logger):
-        now = time.monotonic()
-        if self._last is not None:
-            self.gaps.append(now - self._last)
-        self._last = now
 
 
 def test_slow_storage_never_stalls_training(tmp_path, monkeypatch, caplog):
