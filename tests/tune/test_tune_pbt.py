@@ -143,10 +143,23 @@ def test_tune_pbt_example_copies_the_good_trial_into_the_bad_ones(pbt_run):
     assert len(records) == 3
     steps = [step for record in records for step in record.get("lineage") or []]
     assert len(steps) == copies
+    tune_results = {row["path"].rstrip("/").rsplit("/", 1)[-1]: pbt_run["result"].histories[row["trial_id"]]
+                    for row in pbt_run["result"].rows}  # fmt: skip
     for step in steps:
-        # Copies happen at epoch boundaries of global samples.
-        assert step["counters"]["sample"] % N_TRAIN == 0 and step["counters"]["sample"] > 0
-        assert step["counters"]["epoch"] == step["counters"]["sample"] // N_TRAIN
+        # Copies happen at epoch boundaries of global samples, of the checkpoint the donor reported to Tune
+        # with that point's result (PBT copies the checkpoint of the result it acted on: a result without one,
+        # and the checkpoint in a later result of its own, made it skip the copy or take an older checkpoint).
+        sample = step["counters"]["sample"]
+        donor = tune_results[step["copied_trial"]]
+        assert any(
+            e.get("checkpoint_path") and "metrics/eval/accuracy" in e for e in donor if e.get("time/sample") == sample
+        )
+        boundary = sample - sample % N_TRAIN  # a save postponed by slow storage goes (with its report) a batch later
+        assert boundary > 0 and (sample == boundary or not any(e.get("time/sample") == boundary for e in donor))
+        assert step["counters"]["epoch"] == sample // N_TRAIN
+    for results in tune_results.values():  # no result at an epoch's end without the checkpoint saved there
+        ends = [e for e in results if e.get("time/sample", 0) > 0 and e["time/sample"] % N_TRAIN == 0]
+        assert all(e.get("checkpoint_path") for e in ends if not e.get("final")), ends
     # Every trial ends at the full duration, and the population learned: its best is far above chance.
     assert all(record["history"][-1]["time/sample"] == EPOCHS * N_TRAIN for record in records)
     best = float(re.search(r"best metrics/eval/accuracy: ([0-9.]+)", out).group(1))

@@ -178,6 +178,12 @@ class Checkpointer(CheckpointLoading, Callback):
         """True if a save happened since the last `take_unreported`."""
         return self._unreported is not None
 
+    @property
+    def postponed(self) -> bool:
+        """A save came due while the previous one was still uploading and waits for it (`_save_unless_busy`);
+        the same on every rank (the ranks agree on the busy flag). A reporter waits for it (`RayReporter`)."""
+        return self._deferred
+
     def take_unreported(self) -> Optional[SavedCheckpoint]:
         """The newest save since the last call (None if none): what a reporter sends with its report."""
         saved, self._unreported = self._unreported, None

@@ -3,7 +3,9 @@
 `ray.train.report` is a barrier across workers and Ray's controller collects one result every
 ~2 s (a report sooner than that blocks training), so `RayReporter` reports every ``every_s``
 seconds (the ranks agree on the batch through the loop's per-batch collective), when the global
-`Timestamp` crosses ``interval`` if one is given, when a checkpoint was saved, and at the end. Each report carries this rank's samples and tokens since its last report,
+`Timestamp` crosses ``interval`` if one is given, when a checkpoint was saved, and at the end; while a save that
+came due is postponed (the previous one still uploading) reports wait for it, so a point's metrics and its
+checkpoint go out together. Each report carries this rank's samples and tokens since its last report,
 the global Timestamp the rank computed, its mean train loss, and the latest logged metrics.
 """
 
@@ -117,12 +119,23 @@ class RayReporter(Callback):
             self._loss_count += 1
 
     def batch_checkpoint(self, state, logger) -> None:
+        if self._waits_for_save():
+            return
         if state.agreed(REPORT_FLAG) or self._saved_checkpoint() or self._due(state, Event.BATCH_END):
             self._report(state, logger)
 
     def epoch_checkpoint(self, state, logger) -> None:
+        if self._waits_for_save():
+            return
         if self._saved_checkpoint() or self._due(state, Event.EPOCH_END):
             self._report(state, logger)
+
+    def _waits_for_save(self) -> bool:
+        """A save that came due is postponed (the previous one still uploading): reports wait for it and go out
+        with its checkpoint. A report at the due point without it, and the checkpoint batches later in a report
+        of its own, let Tune's PBT act on a result that has no checkpoint: "Skip exploit", or a paused donor's
+        older checkpoint copied (`raytrain_events.tune.pbt`). The ranks agree (`Checkpointer.postponed`)."""
+        return self._checkpointer is not None and self._checkpointer.postponed
 
     def fit_end(self, state, logger) -> None:
         self._report(state, logger, final=True)

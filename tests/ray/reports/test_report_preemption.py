@@ -1,6 +1,10 @@
-"""RayReporter without Ray: what it reports, and that a preemption notice triggers a save."""
+"""RayReporter without Ray: what it reports, that a preemption notice triggers a save, and that a report waits
+for a postponed save."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 import torch
@@ -8,16 +12,20 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from raytrain_events import Callback, Trainer
 from raytrain_events.checkpoint import CheckpointConfig, list_checkpoints
+from raytrain_events.checkpoint.format import writer as writer_mod  # write_and_commit looks the writers up here
+from raytrain_events.checkpoint.run.checkpointer import find_checkpointer
 from raytrain_events.models import ClassifierModel
 from raytrain_events.ray.reports.worker_reports import RayReporter
 
 
-def _trainer(reporter, folder=None, extra=()):
+def _trainer(reporter, folder=None, extra=(), **checkpoint_options):
     torch.manual_seed(0)
     model = ClassifierModel(torch.nn.Linear(4, 2), num_classes=2)
     data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
     checkpoint = (
-        None if folder is None else CheckpointConfig(save_folder=folder, save_final=False, save_every_n_seconds=None)
+        None
+        if folder is None
+        else CheckpointConfig(save_folder=folder, save_final=False, save_every_n_seconds=None, **checkpoint_options)
     )
     return Trainer(
         model=model,
@@ -90,3 +98,44 @@ def test_reporter_needs_an_interval_or_a_period():
 
     with pytest.raises(ValueError, match="report_interval"):
         RayReporter(interval=None, every_s=None)
+
+
+class _ReleaseAt(Callback):
+    """At the end of batch ``batch``: sets ``event`` (what the held upload waits for), then waits until the
+    checkpoint writer is idle (60 s at most), so the postponed save happens at the next batch."""
+
+    def __init__(self, batch: int, event: threading.Event) -> None:
+        self.batch, self.event = batch, event
+
+    def batch_end(self, state, logger) -> None:
+        if state.timestamp.get_value("ba") == self.batch:
+            self.event.set()
+            writer = find_checkpointer(state).saved[-1].writer
+            deadline = time.monotonic() + 60
+            while writer.busy and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+
+def test_a_report_due_while_a_save_is_postponed_waits_and_goes_with_its_checkpoint(tmp_path, monkeypatch):
+    """Saves and reports every 2 batches; the batch-2 save's upload holds until batch 4 has ended, so the save due
+    at 4 is postponed to 5. The report due at 4 waits and goes out at 5 with that checkpoint: Tune's PBT acts on
+    the first result past a point and copies the checkpoint reported with it (a metrics-only result there: "Skip
+    exploit"). The 60 s bound: a loop that waited for the upload would never end batch 4."""
+    released = threading.Event()
+    real = writer_mod.write_checkpoint_file
+
+    def held(*args, **kwargs):
+        released.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(writer_mod, "write_checkpoint_file", held)
+    sent = []
+    reporter = RayReporter(interval="2ba", every_s=None, report_fn=lambda r, c: sent.append((r, c)))
+    folder = str(tmp_path / "checkpoints")
+    _trainer(reporter, folder, extra=[_ReleaseAt(4, released)], save_interval="2ba").fit()
+    batches = [r["timestamp"]["batch"] for r, _ in sent]
+    assert batches[:2] == [2, 5], batches  # nothing at 4: the report waited for the postponed save
+    saved_at = {c.name: c.batch for c in list_checkpoints(folder)}
+    for report, checkpoint in sent[:2]:  # each went out with the checkpoint of its own batch
+        assert checkpoint is not None and saved_at[checkpoint.name] == report["timestamp"]["batch"], (sent, saved_at)
+    assert sum(r["local_samples"] for r, _ in sent) == 64  # every batch counted once, in some report
