@@ -108,6 +108,23 @@ def test_a_pbt_sweep_without_checkpoints_is_refused(tmp_path, no_ray):  # noqa: 
         _sweep(tmp_path, scheduler=scheduler, metric="train/loss", mode="min")
 
 
+def test_a_pbt_sweep_scoring_an_asynchronously_validated_metric_is_refused(tmp_path, no_ray):  # noqa: F811
+    """Its results come after their checkpoint's, with none of their own: PBT would only ever "Skip exploit"."""
+    from raytrain_events.ray.checkpointing.validation import AsyncValidation
+    from raytrain_events.tune import pbt_scheduler
+
+    trainer = {k: v for k, v in ray_kwargs().items() if k != "run_name"}
+    trainer.update(
+        datasets={"train": unread_dataset(), "val": unread_dataset()},
+        checkpoint=CheckpointConfig(save_interval="1ep"),
+        validation=AsyncValidation(datasets=["val"]),
+    )
+    scheduler = pbt_scheduler("512sp", lr=[0.1, 0.01])
+    with pytest.raises(ValueError, match=r"metric='metrics/val/accuracy'.*AsyncValidation.*Fix: evaluate 'val'"):
+        _sweep(tmp_path, trainer=trainer, scheduler=scheduler)
+    assert not (tmp_path / "s").exists()
+
+
 # -------------------------------------------------------------------------------- the command line
 @pytest.mark.parametrize(
     "overrides, fix",

@@ -6,7 +6,8 @@ every value ``param_space["trainer"]`` lists (a grid's values, a categorical's c
 their combinations) applied to it with `RunSpec.replace`, so a batch size of 0 or ``"1.5ep"``
 fails now and not in its trial; the ``metric`` against the run's eval sets (a metric of an eval
 set the run lacks would be found only after every trial trained); the storage path; PBT without
-checkpoints (it could never exploit: Tune only logs "Skip exploit"). Cost: one `RunSpec` per listed
+checkpoints, and PBT scoring trials by a metric `AsyncValidation` computes (its results come after their
+checkpoint's, with none of their own: PBT could never exploit either; Tune only logs "Skip exploit"). Cost: one `RunSpec` per listed
 value (up to `MAX_COMBINATIONS` combinations), no Ray.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Dict, List, Mapping, Optional
 
+from raytrain_events.ray.async_validation import async_eval_names
 from raytrain_events.ray.driver_checks import check_on_driver
 from raytrain_events.ray.spec import RunSpec
 from raytrain_events.ray.spec_checks import check_ray_storage
@@ -41,6 +43,22 @@ def check_sweep(
             "A PBT sweep copies the best trials' checkpoints into the worst, and trainer= saves none: it would never "
             "exploit (Tune only logs 'Skip exploit'). Fix: trainer['checkpoint'] = CheckpointConfig(save_interval=...) "
             "at the scheduler's interval or finer (e.g. save_interval='512sp')."
+        )
+    if pbt:
+        _check_pbt_metric(base, metric)
+
+
+def _check_pbt_metric(base: RunSpec, metric: str) -> None:
+    """PBT copies the checkpoint reported with the result it acts on; an asynchronously validated metric's
+    result comes after its checkpoint's, with none of its own."""
+    parts = metric.split("/")
+    validated = async_eval_names(base.checkpoints.validation, base.data.eval_names)
+    if parts[0] == "metrics" and len(parts) >= 3 and parts[1] in validated:
+        raise ValueError(
+            f"A PBT sweep scores trials by metric={metric!r}, and validation=AsyncValidation(...) computes it as a "
+            "Ray task after its checkpoint was reported: PBT would act on that result, which carries no checkpoint, "
+            f"and never exploit (Tune only logs 'Skip exploit'). Fix: evaluate {parts[1]!r} in the loop (leave it out "
+            "of AsyncValidation(datasets=...)), or use another scheduler (ASHA stops trials without copying them)."
         )
 
 
