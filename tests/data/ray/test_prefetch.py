@@ -37,8 +37,12 @@ def test_the_producer_runs_ahead_of_the_consumer_by_at_most_depth_plus_one() -> 
 
     items = prefetched(source(), 2, NAME)
     assert next(items) == 0
-    time.sleep(0.3)
-    # One taken, two in the buffer, one made and waiting for room.
+    # One taken, two in the buffer, one made and waiting for room. Waited for (a fixed 0.3 s sleep raced the
+    # producer thread on a loaded machine), then given time to run further ahead, which it must not.
+    deadline = time.monotonic() + 30
+    while len(made) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
     assert len(made) == 4
     items.close()
     _wait_gone()
