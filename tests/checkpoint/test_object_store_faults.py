@@ -91,6 +91,7 @@ class Outage(Callback):
         self.committed_at_heal = None
         self.gaps, self._last = [], None
         self.busy_batches = 0  # batches that ended during the fault while a save was in flight
+        self.postponed_batches = 0  # ... while a save that came due waited for the one in flight
 
     def _committed(self):
         return [c.name for c in list_checkpoints(self.folder, storage_options=self.direct)]
@@ -100,6 +101,7 @@ class Outage(Callback):
         if self._last is not None and self.started is not None and self.healed is None:
             self.gaps.append(now - self._last)
             self.busy_batches += bool(ckpt._writer.busy)
+            self.postponed_batches += ckpt.postponed
         self._last = now
         time.sleep(BATCH_S)
         if self.started is None and batch >= 8 and batch % 4 == 0:
@@ -147,15 +149,16 @@ def test_training_survives_the_fault_and_resumes_exactly(fault, s3_server, unint
         )
 
         # Training went on during the fault: batches ended while a save was stuck on the store (a
-        # loop blocked on the store would end none), and batches did not wait for saves: a loop that
-        # waited would take the upload deadline (2 s) or more at each of the ~10 saves due during the
-        # fault. One such gap is allowed: a loaded machine can stall the process once (one 5.2 s gap
-        # was seen in a CI run of the whole suite, the rest under 0.2 s).
+        # loop blocked on the store would end none), and batches did not wait for saves: saves that came
+        # due while one was in flight were postponed (a loop that waited for the one in flight would never
+        # be in that state). Counted, not timed: "at most one batch gap of 2 s" (a loop that waited took the
+        # upload deadline at each save) was a wall-clock bound a loaded machine can break (5.2 s seen once).
         during = outage.healed[1] - outage.started[1]
         slow = [round(g, 2) for g in outage.gaps if g >= 2.0]
-        assert outage.busy_batches >= 5 and len(slow) <= 1 and max(outage.gaps) < MAX_OUTAGE_S, (
+        assert outage.busy_batches >= 5 and outage.postponed_batches >= 1 and max(outage.gaps) < MAX_OUTAGE_S, (
             during,
             outage.busy_batches,
+            outage.postponed_batches,
             slow,
         )
 
