@@ -40,13 +40,18 @@ def _trainer(callbacks, checkpoint=None, batches=8):
 
 
 class _StuckAt(Callback):
-    """Blocks the loop mid-batch after ``batch`` batches (in ``_stuck_here``) until ``release`` is set."""
+    """Blocks the loop mid-batch after ``batch`` batches (in ``_stuck_here``) until ``release`` is set; as it gets
+    stuck, sets ``watchdog``'s hang timeout to ``timeout_s`` (until then its own, long one: a batch before the stuck
+    one that a loaded machine stalls past a 0.5 s timeout must not fire it)."""
 
-    def __init__(self, batch: int) -> None:
+    def __init__(self, batch: int, watchdog=None, timeout_s: float = 0.5) -> None:
         self.batch, self.release = batch, threading.Event()
+        self.watchdog, self.timeout_s = watchdog, timeout_s
 
     def after_dataloader(self, state, logger) -> None:
         if int(state.timestamp.batch) == self.batch:
+            if self.watchdog is not None:
+                self.watchdog.hang_timeout = self.timeout_s
             self._stuck_here()
 
     def _stuck_here(self) -> None:
@@ -54,7 +59,6 @@ class _StuckAt(Callback):
 
 
 def test_a_stuck_loop_is_dumped_named_and_ended(tmp_path):
-    stuck = _StuckAt(2)
     fired = []
 
     def on_hang(summary):
@@ -62,8 +66,9 @@ def test_a_stuck_loop_is_dumped_named_and_ended(tmp_path):
         stuck.release.set()
 
     watchdog = ProgressWatchdog(
-        hang_timeout=0.5, dump_url=str(tmp_path / "hangs"), rank=0, world_size=1, grace_s=0.5, on_hang=on_hang
+        hang_timeout=10.0, dump_url=str(tmp_path / "hangs"), rank=0, world_size=1, grace_s=0.5, on_hang=on_hang
     )
+    stuck = _StuckAt(2, watchdog, timeout_s=0.5)  # 0.5 s from the stuck batch on (checked every 0.5 s until then)
     _trainer([stuck, watchdog]).fit()
     assert len(fired) == 1
     dump = (tmp_path / "hangs" / "rank-0.txt").read_text()
