@@ -94,16 +94,19 @@ class CopyTheLast(Callback):
 
     Asynchronous PBT scores a trial at its own perturbation points (192 and 384 here) against the
     scores the others have at that moment, and a donor must have been in the top quantile at its
-    own last one. So: the others wait before 192 until ``last`` has passed it (it is scored alone:
-    no copy at 192); the others wait right after their 384 report (a file in ``marks``) for the
-    copy's run to start, so that they are not finished (out of PBT's ranking) when ``last`` reports
-    384, and so that the best one's latest report is the one with its 384 checkpoint (PBT's save of
-    a top trial takes its latest report's checkpoint: a later report without one leaves nothing to
-    copy); ``last`` waits before 384 for their marks, then 10 s. 120 s at most each wait.
+    own last one. The scheduler marks each result it has scored (`mark_scored`: a file in ``scored``),
+    so: the others wait before 192 until PBT has scored ``last``'s 192 (it is scored alone: no copy
+    at 192); ``last`` waits before 384 until PBT has scored the others' 384; the others wait right
+    after their 384 report (a file in ``marks``) for the copy's run to start, so that they are not
+    finished (out of PBT's ranking) when ``last`` reports 384, and so that the best one's latest
+    report is the one with its 384 checkpoint (PBT's save of a top trial takes its latest report's
+    checkpoint). 120 s at most each wait. (``last`` used to wait for the others' marks and then 10 s
+    for their reports to reach the scheduler, and the others only until ``last`` had trained past 192:
+    orders a loaded machine could break.)
     """
 
-    def __init__(self, folder: str, marks: str, last: dict) -> None:
-        self.folder, self.marks, self.last = folder, marks, last
+    def __init__(self, folder: str, marks: str, scored: str, last: dict) -> None:
+        self.folder, self.marks, self.scored, self.last = folder, marks, scored, last
 
     def _fits(self):
         out = []
@@ -114,11 +117,10 @@ class CopyTheLast(Callback):
                 out.append((lines[0], lines[-1].get("sp", 0)))
         return out
 
-    def _passed(self, mine: bool, sample: int) -> bool:
-        """Every first fit of ``last`` (mine) or of the others (not mine) has trained past ``sample``."""
-        fits = [(h, at) for h, at in self._fits() if h["start"]["sp"] == 0]
-        chosen = [at for h, at in fits if (Mixture.from_dict(h["mixture"]).stages["0dur"] == self.last) == mine]
-        return len(chosen) == (1 if mine else len(fits) - 1) and all(at > sample for at in chosen)
+    def _scored(self, mine: bool, sample: int) -> int:
+        """How many trials (``last``'s if mine, else the others) PBT has scored at ``sample``."""
+        prefix = f"{'last' if mine else 'other'}-{sample}-"
+        return sum(name.startswith(prefix) for name in os.listdir(self.scored))
 
     def batch_start(self, state, logger) -> None:
         loader = getattr(state.train_dataloader, "dataloader", state.train_dataloader)
@@ -126,9 +128,9 @@ class CopyTheLast(Callback):
             return  # a copy
         sample, mine = state.timestamp.get_value("sp"), loader.mixture.stages["0dur"] == self.last
         if not mine and sample == 160:
-            ready = lambda: self._passed(True, 192)  # noqa: E731
+            ready = lambda: self._scored(True, 192) >= 1  # noqa: E731
         elif mine and sample == 352:
-            ready = lambda: len(os.listdir(self.marks)) >= len(self._fits()) - 1  # noqa: E731
+            ready = lambda: self._scored(False, 384) >= 3  # noqa: E731
         elif not mine and sample == 384:
             # Wait right after the 384 report: PBT's save of a top trial takes the checkpoint of its latest report.
             with open(os.path.join(self.marks, f"at384-{uuid.uuid4().hex[:8]}"), "w"):
@@ -139,8 +141,22 @@ class CopyTheLast(Callback):
         deadline = time.time() + 120
         while not ready() and time.time() < deadline:
             time.sleep(0.2)
-        if mine:
-            time.sleep(10)  # the others' 384 reports reach Tune's scheduler first
+
+
+def mark_scored(scheduler, folder: str, last: dict) -> None:
+    """After PBT's ``on_trial_result`` (on the driver): a file in ``folder`` naming whose result at which sample
+    it scored (``last-384-<trial id>``), what `CopyTheLast` waits for."""
+    scored = scheduler.on_trial_result
+
+    def on_trial_result(tune_controller, trial, result):
+        decision = scored(tune_controller, trial, result)
+        if "time/sample" in result:
+            who = "last" if trial.config.get("mixture") == last else "other"
+            with open(os.path.join(folder, f"{who}-{int(result['time/sample'])}-{trial.trial_id}"), "w"):
+                pass
+        return decision
+
+    scheduler.on_trial_result = on_trial_result
 
 
 @pytest.mark.ray
@@ -161,16 +177,21 @@ def test_a_mixture_pbt_sweep_copies_on_the_donors_mixture_and_position(ray_clust
     samples = 512
     base = example.base_mixture(samples)
     space = mixture_space(base, num_samples=4, seed=0)
-    fits, barrier, marks = tmp_path / "fits", tmp_path / "barrier", tmp_path / "marks"
-    for folder in (fits, barrier, marks):
+    fits, barrier, marks, scored = (tmp_path / name for name in ("fits", "barrier", "marks", "scored"))
+    for folder in (fits, barrier, marks, scored):
         folder.mkdir()
     # The trial with the least 'help' is the worst on the held-out task at every report (measured: 0.80, 0.78,
     # 0.82 at 128, 256, 384 samples, against 0.49-0.66 for the others): it is the one PBT copies into.
     last = min(space["grid_search"], key=lambda w: w["help"])
-    callbacks = [FitRows(str(fits)), StartTogether(str(barrier), 4), CopyTheLast(str(fits), str(marks), last)]
+    callbacks = [
+        FitRows(str(fits)),
+        StartTogether(str(barrier), 4),
+        CopyTheLast(str(fits), str(marks), str(scored), last),
+    ]
     # Reports, evals and checkpoints every 6 batches (192 samples): PBT scores the trials at 192 and 384; the final
     # report (512) is 128 after the last, under the interval, so no copy comes there (it would train no batch).
     scheduler = pbt_scheduler("160sp", mixture=mixture_space(base), seed=0, resample_probability=0.0)
+    mark_scored(scheduler, str(scored), last)
     result = example.proxy_trials_on_ray(
         space,
         samples,
@@ -184,6 +205,8 @@ def test_a_mixture_pbt_sweep_copies_on_the_donors_mixture_and_position(ray_clust
         resources_per_worker={"CPU": 0.5},  # 4 trials' workers on 2 of the session's 4 CPUs: Ray Data reads beside
     )
     assert len(result.rows) == 4 and {r["status"] for r in result.rows} == {"completed"}, result.to_table()
+    marked = os.listdir(scored)  # the scheduler marked what `CopyTheLast` waited for (not its 120 s bounds)
+    assert sum(n.startswith("last-192-") for n in marked) == 1 and sum(n.startswith("other-384-") for n in marked) == 3
     copied = [r for r in result.rows if r["lineage"]]
     own = [r for r in result.rows if not r["lineage"]]
     assert len(copied) == 1, result.to_table()  # PBT copied a top trial into the bottom one
