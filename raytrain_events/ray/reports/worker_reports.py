@@ -4,8 +4,8 @@
 ~2 s (a report sooner than that blocks training), so `RayReporter` reports every ``every_s``
 seconds (the ranks agree on the batch through the loop's per-batch collective), when the global
 `Timestamp` crosses ``interval`` if one is given, when a checkpoint was saved, and at the end; while a save that
-came due is postponed (the previous one still uploading) reports wait for it, so a point's metrics and its
-checkpoint go out together. Each report carries this rank's samples and tokens since its last report,
+came due is postponed (the previous one still uploading) reports wait for it, and a report the clock asks
+for at an epoch's last batch waits for the epoch's end, so a point's metrics and its checkpoint go out together. Each report carries this rank's samples and tokens since its last report,
 the global Timestamp the rank computed, its mean train loss, and the latest logged metrics.
 """
 
@@ -31,6 +31,12 @@ __all__ = ["RayReporter", "REPORT_FLAG"]
 
 #: The agreement flag a rank whose report clock ran out requests (reports are collective).
 REPORT_FLAG = "report"
+
+
+def _ends_its_epoch(state: Any) -> bool:
+    """This batch is the last of its epoch (False where the epoch's length is not known)."""
+    steps = state.steps_per_epoch
+    return steps is not None and int(state.timestamp.batch_in_epoch) == steps
 
 
 def _preempting() -> bool:
@@ -121,13 +127,17 @@ class RayReporter(Callback):
     def batch_checkpoint(self, state, logger) -> None:
         if self._waits_for_save():
             return
-        if state.agreed(REPORT_FLAG) or self._saved_checkpoint() or self._due(state, Event.BATCH_END):
+        if self._saved_checkpoint() or self._due(state, Event.BATCH_END):
+            self._report(state, logger)
+        elif state.agreed(REPORT_FLAG) and not _ends_its_epoch(state):
+            # The clock's report at an epoch's last batch waits for the epoch's end (its eval and save), else
+            # that point's metrics-only result would come before the one with its checkpoint (see `_waits_for_save`).
             self._report(state, logger)
 
     def epoch_checkpoint(self, state, logger) -> None:
         if self._waits_for_save():
             return
-        if self._saved_checkpoint() or self._due(state, Event.EPOCH_END):
+        if self._saved_checkpoint() or state.agreed(REPORT_FLAG) or self._due(state, Event.EPOCH_END):
             self._report(state, logger)
 
     def _waits_for_save(self) -> bool:

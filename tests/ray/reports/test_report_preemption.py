@@ -18,7 +18,7 @@ from raytrain_events.models import ClassifierModel
 from raytrain_events.ray.reports.worker_reports import RayReporter
 
 
-def _trainer(reporter, folder=None, extra=(), **checkpoint_options):
+def _trainer(reporter, folder=None, extra=(), duration="1ep", **checkpoint_options):
     torch.manual_seed(0)
     model = ClassifierModel(torch.nn.Linear(4, 2), num_classes=2)
     data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
@@ -30,7 +30,7 @@ def _trainer(reporter, folder=None, extra=(), **checkpoint_options):
     return Trainer(
         model=model,
         train_dataloader=DataLoader(data, batch_size=8),
-        max_duration="1ep",
+        max_duration=duration,
         optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
         callbacks=[reporter, *extra],
         checkpoint=checkpoint,
@@ -139,3 +139,16 @@ def test_a_report_due_while_a_save_is_postponed_waits_and_goes_with_its_checkpoi
     for report, checkpoint in sent[:2]:  # each went out with the checkpoint of its own batch
         assert checkpoint is not None and saved_at[checkpoint.name] == report["timestamp"]["batch"], (sent, saved_at)
     assert sum(r["local_samples"] for r, _ in sent) == 64  # every batch counted once, in some report
+
+
+def test_a_timed_report_at_an_epochs_last_batch_waits_for_the_epochs_end_and_its_checkpoint(tmp_path):
+    """A report the clock asks for at every batch; saves at each epoch's end. At an epoch's last batch the report goes
+    out once, at the epoch's end, with that epoch's checkpoint (not first alone, then again with the checkpoint: PBT
+    acts on the first result past a point and copies its checkpoint)."""
+    sent = []
+    reporter = RayReporter(interval=None, every_s=1e-9, report_fn=lambda r, c: sent.append((r, c)))
+    folder = str(tmp_path / "checkpoints")
+    _trainer(reporter, folder, duration="2ep", save_interval="1ep", async_save=False).fit()
+    at_8 = [c for r, c in sent if r["timestamp"]["batch"] == 8]
+    assert len(at_8) == 1 and at_8[0] is not None, [(r["timestamp"]["batch"], c) for r, c in sent]
+    assert [r["timestamp"]["batch"] for r, _ in sent][:8] == list(range(1, 9))  # the clock's reports, every batch
