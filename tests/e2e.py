@@ -102,8 +102,10 @@ E2E: Dict[str, object] = {
     },
     "tests/parallel/test_context_parallel.py": {"test_context_parallel_2_with_tensor_parallel_2_or_hsdp_matches_ddp"},
     "tests/parallel/test_document_attention.py": {
-        "test_packed_training_under_pp_2_x_dp_2_matches_ddp_for_each_schedule_and_keeps_documents_apart"
+        "test_packed_training_under_cp_2_x_tp_2_matches_ddp",
+        "test_packed_training_under_pp_2_x_dp_2_matches_ddp_for_each_schedule_and_keeps_documents_apart",
     },
+    "tests/parallel/test_sharded_replica_state.py": {"test_fsdp_x_tp_shards_heal_by_position_at_a_real_shape"},
     "tests/parallel/test_gpu_suite.py": ALL,  # every part of bench/gpu_suite.py at tiny size on CPU ranks
     "tests/test_readme.py": {"test_readme_python_blocks_run"},
 }
