@@ -87,6 +87,10 @@ E2E: Dict[str, object] = {
     },
     "tests/cli/test_cli.py": {"test_train_file_entry_point_on_ray_workers"},
     # torch worlds of 4-8 spawned gloo ranks on multi-dimensional meshes
+    "tests/parallel/test_fsdp_training.py": {"test_hsdp_and_tensor_parallel_meshes_on_four_ranks_match_ddp"},
+    "tests/parallel/test_deferred_init.py": {
+        "test_deferred_on_four_ranks_of_a_2d_mesh_never_builds_the_model_whole_and_starts_like_eager"
+    },
     "tests/parallel/test_reshard_matrix.py": ALL,  # FSDP x TP, FSDP 4, HSDP x TP, CP x TP hops on 4 ranks
     "tests/parallel/test_pipeline_parallel.py": {
         "test_each_schedule_trains_like_ddp_on_pp2_x_dp2",
@@ -94,11 +98,17 @@ E2E: Dict[str, object] = {
         "test_pp2_x_fsdp2_x_tp2_and_pp2_x_cp2_x_dp2_on_eight_ranks_train_like_ddp",
         "test_pp2_checkpoint_resumes_on_pp4_and_on_one_process",
         "test_spike_guard_under_pp2_x_dp2_judges_the_whole_models_norm_and_rolls_back_with_every_rank",
+        # refusals seen on every rank of that same PP 2 x DP 2 spawn (`hops_and_spike`, which trains first)
+        "test_a_pipeline_whose_stages_load_different_batches_is_refused_on_every_rank",
+        "test_a_packed_batch_for_a_model_without_pipeline_block_is_refused_on_every_rank",
+        "test_a_sequence_the_context_split_cannot_cut_is_refused_on_every_rank_under_pp",
     },
     "tests/parallel/test_context_parallel.py": {"test_context_parallel_2_with_tensor_parallel_2_or_hsdp_matches_ddp"},
     "tests/parallel/test_document_attention.py": {
-        "test_packed_training_under_pp_2_x_dp_2_matches_ddp_for_each_schedule_and_keeps_documents_apart"
+        "test_packed_training_under_cp_2_x_tp_2_matches_ddp",
+        "test_packed_training_under_pp_2_x_dp_2_matches_ddp_for_each_schedule_and_keeps_documents_apart",
     },
+    "tests/parallel/test_sharded_replica_state.py": {"test_fsdp_x_tp_shards_heal_by_position_at_a_real_shape"},
     "tests/parallel/test_gpu_suite.py": ALL,  # every part of bench/gpu_suite.py at tiny size on CPU ranks
     "tests/test_readme.py": {"test_readme_python_blocks_run"},
 }

@@ -14,8 +14,19 @@ from __future__ import annotations
 import multiprocessing
 
 # What every rank imports anyway; a module missing here (an optional extra) is skipped by the server.
-# Last, `rank_heap`: keeps those imports out of every rank's garbage collections (gc.freeze; it says why).
-PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "raytrain_events.trainer", "rank_heap"]
+# ``torchmetrics``: what every rank that evaluates imports at its first evaluation (most of tests/parallel's
+# workloads, the online mixture ranks): ~2.2 CPU-s each here (its __init__ imports transformers, scipy.signal and
+# matplotlib: Lightning-AI/torchmetrics#3457), paid once by the server instead; a rank that never evaluates only
+# shares the pages. Last, `rank_heap`: keeps those imports out of every rank's garbage collections (gc.freeze).
+PRELOAD = [
+    "torch",
+    "torch._dynamo",
+    "torch.distributed",
+    "torch.nn.parallel",
+    "raytrain_events.trainer",
+    "torchmetrics",
+    "rank_heap",
+]
 
 
 def rank_start_method() -> str:

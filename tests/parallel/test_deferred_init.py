@@ -73,12 +73,23 @@ def test_meta_module_without_reset_parameters_is_refused():
         )
 
 
-@pytest.mark.parametrize("layout,world_size", [("tp", 2), ("tp", 4), ("cp", 4)])
+@pytest.mark.parametrize("layout,world_size", [("tp", 2)])
 def test_deferred_fsdp_x_tp_or_cp_never_builds_the_model_whole_and_starts_like_eager(layout, world_size):
     """FSDP x TP (tensor_parallel=2) or FSDP x CP (context_parallel=2, FSDP over all 4 ranks) on the
     example transformer built on meta: each rank allocates its own parameters plus one full layer at
     most (the one being initialised), and starts exactly where eager init starts, then trains to the
-    same parameters."""
+    same parameters. Here TP 2 on 2 ranks; the 4-rank meshes are the next test."""
+    _check_deferred(layout, world_size)
+
+
+@pytest.mark.parametrize("layout", ["tp", "cp"])
+def test_deferred_on_four_ranks_of_a_2d_mesh_never_builds_the_model_whole_and_starts_like_eager(layout):
+    """The same checks on 4 ranks: FSDP 2 x TP 2, and FSDP over all 4 x CP 2 (a 4-rank 2-D mesh that trains:
+    the end-to-end tier, tests/e2e.py)."""
+    _check_deferred(layout, 4)
+
+
+def _check_deferred(layout, world_size):
     from tests.parallel.tp_deferred_workloads import build, eager_and_deferred
 
     results = run_ranks(world_size, eager_and_deferred, layout)

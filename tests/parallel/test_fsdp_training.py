@@ -15,12 +15,20 @@ from tests.parallel.workloads import train_ddp_and_fsdp
         (2, ["ddp", "fsdp", "fsdp_root", "fsdp_ac", "ddp_freeze", "fsdp_freeze"]),
         (3, ["ddp", "fsdp", "fsdp_root"]),
         (2, ["ddp", "hsdp"]),  # HSDP 2x1: replicate over both ranks
-        # HSDP 2x2, and FSDP x TP 2x2 on the example transformer against DDP with the same global batches
-        # and HSDP x TP 2x1x2 (a (replicate, shard, tensor) mesh) against the same DDP reference
-        (4, ["ddp", "hsdp", "lm_ddp2", "lm_tp", "lm_hsdp_tp"]),
     ],
 )
 def test_fsdp_matches_ddp_with_grad_accum_and_clipping(world_size, arms):
+    _check_matches_ddp(world_size, arms)
+
+
+def test_hsdp_and_tensor_parallel_meshes_on_four_ranks_match_ddp():
+    """HSDP 2x2, and FSDP x TP 2x2 on the example transformer against DDP with the same global batches
+    and HSDP x TP 2x1x2 (a (replicate, shard, tensor) mesh) against the same DDP reference. Four
+    spawned ranks on multi-dimensional meshes: the end-to-end tier (tests/e2e.py), ~8 s here."""
+    _check_matches_ddp(4, ["ddp", "hsdp", "lm_ddp2", "lm_tp", "lm_hsdp_tp"])
+
+
+def _check_matches_ddp(world_size, arms):
     results = run_ranks(world_size, train_ddp_and_fsdp, "6ba", arms)
     initial = None
     for rank, got in enumerate(results):
