@@ -366,6 +366,6 @@ def _label(config: Dict[str, Any]) -> str:
     algorithms = config.get("algorithms")
     if algorithms is None:
         return "-"
-    from raytrain_events.tune.sets import algorithm_set_label  # why here: tune/ imports Ray
+    from raytrain_events.tune.sets import algorithm_set_label  # why here: tune/ imports ray
 
     return algorithm_set_label(algorithms)

@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Sequence, Set, Tuple
 from ray.tune import Callback
 
 from raytrain_events.ray.spec import call_factory
+from raytrain_events.tune.explore import KeepExploredOptimizerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +79,6 @@ def trial_callbacks(
     ``copied``: the run loads another trial's checkpoint (PBT), so its optimizers get this trial's
     explored settings back after the load (`KeepExploredOptimizerSettings`).
     """
-    # why here: raytrain_events.tune.explore imports this module (an import cycle)
-    from raytrain_events.tune.explore import KeepExploredOptimizerSettings
-
     _register_placement_group(registry, trial_id)
     callbacks = list(call_factory(user_callbacks, config) if callable(user_callbacks) else (user_callbacks or ()))
     return [*callbacks, KeepExploredOptimizerSettings()] if copied else callbacks
