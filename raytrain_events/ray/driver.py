@@ -28,7 +28,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 from raytrain_events.checkpoint.folder.store import list_checkpoints
 from raytrain_events.core.time import COUNTER_UNITS, Timestamp, report_key
-from raytrain_events.data.ray.loader import cheap_row_count
+from raytrain_events.data.ray.data_config import cheap_row_count
 from raytrain_events.data.ray.mixture_source import mixture_train_set
 from raytrain_events.data.ray.parquet_seek import as_seekable
 from raytrain_events.parallel.world import check_tensor_parallel_world
