@@ -23,6 +23,7 @@ Ray, and our modules that import it, are imported inside the methods that run at
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -402,8 +403,6 @@ def _feeder_start(feeder: Any) -> Optional[Dict[str, Any]]:
     """The feeder's record of what the run's first batch waited for (kept on `RayResult.data_start`), and a
     line saying it: the stream started early, or where the ranks asked instead. None, with a line saying
     why, when the feeder cannot answer (it died and restarted empty, or did not answer within a minute)."""
-    import logging
-
     import ray
 
     log = logging.getLogger(__name__)

@@ -15,7 +15,9 @@ newly paused trials), and when a new attempt of the trial starts (the old attemp
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import time
 from typing import Any, Dict, List, Sequence, Set, Tuple
 
 from ray.tune import Callback
@@ -47,8 +49,6 @@ class _PlacementGroups:
 
 
 def _registry_name(experiment_url: str) -> str:
-    import hashlib
-
     return "raytrain_events.tune.placement_groups." + hashlib.sha1(experiment_url.encode()).hexdigest()[:16]
 
 
@@ -118,8 +118,6 @@ class ReleaseTrainWorkers(Callback):
             return None
 
     def _trial_ended(self, trial: Any) -> None:
-        import time
-
         import ray
 
         registry = self._registry()
@@ -144,8 +142,6 @@ class ReleaseTrainWorkers(Callback):
         self._trial_ended(trial)
 
     def on_step_begin(self, iteration, trials, **info):
-        import time
-
         for trial in trials:  # Tune stops a paused trial's actor and has no callback for it
             if trial.status == "PAUSED" and trial.trial_id not in self.paused:
                 self.paused.add(trial.trial_id)

@@ -27,6 +27,7 @@ pipeline's stages ``world_size / p`` apart) are served as the ranks ``serving_ra
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
@@ -145,8 +146,6 @@ _RESTART_WAIT_S = 60.0  # how long a rank waits for a dead feeder to come back b
 def _call_feeder(submit: Callable[[], Any]) -> Any:
     """``ray.get`` of a feeder call, submitted again while the feeder is down and restarting (Ray
     refuses calls to a restarting actor with ``ActorUnavailableError``) for up to `_RESTART_WAIT_S`."""
-    import time
-
     import ray
 
     deadline = time.monotonic() + _RESTART_WAIT_S
