@@ -163,8 +163,9 @@ class Checkpointer(Callback):
         ``config``: whose ``autoresume``/``load_from`` to follow (default this checkpointer's; replica groups load
         later, see `ray/replica_groups.load_at_first_quorum`)."""
         restored = self.loader.load(config or self.config, inference=self.inference)
-        if not isinstance(restored, Restored):
+        if isinstance(restored, str):  # a safetensors directory: the model's weights only
             self.loaded_safetensors = restored
+        if not isinstance(restored, Restored):
             return None
         self.loaded, self.loaded_local = restored.info, restored.local
         self._last_saved = epoch_and_batch(self.host.state)
