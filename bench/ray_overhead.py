@@ -540,7 +540,7 @@ def run_diagnostics(ds, args, out_dir: str, storage: str) -> dict:
     if args.ab_data == "global":
         # Ours reads "train" as RayTrainer does (global order); plain a streaming split of the same rows.
         from raytrain_events.data.order import GlobalBatch
-        from raytrain_events.data.ray.loader import TrainDataConfig
+        from raytrain_events.data.ray.data_config import TrainDataConfig
 
         data = {"datasets": {"train": ds, "plain": ds}, "dataset_config": TrainDataConfig(batch=GlobalBatch(B))}
     TorchTrainer(

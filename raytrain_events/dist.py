@@ -11,6 +11,7 @@ write), so a progress watchdog can say which collective a hung rank waits in.
 
 from __future__ import annotations
 
+import datetime
 from typing import Any, List, Optional, Sequence
 
 import torch
@@ -83,8 +84,6 @@ class TorchDist(Dist):
 
     def __init__(self, device: Optional[torch.device] = None, *, timeout_s: Optional[float] = None) -> None:
         """``timeout_s``: the counter group's timeout (under NCCL; None: torch's default)."""
-        import datetime
-
         import torch.distributed as tdist
 
         if not tdist.is_available() or not tdist.is_initialized():

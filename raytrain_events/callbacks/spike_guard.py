@@ -104,6 +104,35 @@ SNAPSHOT_INTERVAL = 50  # the default: the snapshot's cost against the window a 
 _log = logging.getLogger(__name__)
 
 
+def _check_options(  # noqa: PLR0913 (the options that must agree with each other)
+    snapshot_interval: int,
+    loss_ratio: Optional[float],
+    bisect: bool,
+    row_key: Optional[str],
+    quarantine_from: Optional[str],
+    row_ids: Optional[str],
+) -> None:
+    """Refuse, when the guard is built, a snapshot interval below one batch, and a bisect, quarantine or row-id
+    option without what it needs (a loss ratio to judge groups by, a ``row_key`` to name rows by)."""
+    if isinstance(snapshot_interval, bool) or not isinstance(snapshot_interval, int) or snapshot_interval < 1:
+        raise ValueError(
+            f"snapshot_interval={snapshot_interval!r} must be an integer >= 1 (batches between host snapshots): "
+            "without a host copy a rollback has nothing to restore."
+        )
+    if bisect and loss_ratio is None:
+        raise ValueError("bisect=True tests groups of rows by their loss: it needs loss_ratio (e.g. 2.0), not None.")
+    if (bisect or quarantine_from is not None) and not (isinstance(row_key, str) and row_key):
+        raise ValueError(
+            "bisect=True and quarantine_from name rows by a batch column: pass row_key='id' (the column "
+            "holding each row's integer id, e.g. its row number in the dataset)."
+        )
+    if row_ids not in (None, "mixture") or (row_ids is not None and not row_key):
+        raise ValueError(
+            f"row_ids={row_ids!r}: pass row_ids='mixture' with a row_key whose ids number a Mixture's rows source "
+            "after source (the ledger then answers SOURCE:N for quarantined rows), or leave it None."
+        )
+
+
 class SpikeGuard(Callback):
     """Detect a loss spike, roll every rank back to a host snapshot, skip the window's rows (see module).
 
@@ -132,28 +161,10 @@ class SpikeGuard(Callback):
         quarantine_from: Optional[str] = None,
         row_ids: Optional[str] = None,
     ) -> None:
-        if isinstance(snapshot_interval, bool) or not isinstance(snapshot_interval, int) or snapshot_interval < 1:
-            raise ValueError(
-                f"snapshot_interval={snapshot_interval!r} must be an integer >= 1 (batches between host snapshots): "
-                "without a host copy a rollback has nothing to restore."
-            )
+        _check_options(snapshot_interval, loss_ratio, bisect, row_key, quarantine_from, row_ids)
         self.snapshot_interval = snapshot_interval
         self.detector = SpikeDetector(window=window, loss_ratio=loss_ratio, grad_zscore=grad_zscore, warmup=warmup)
         self.policy = RollbackPolicy(max_rollbacks=max_rollbacks, max_window=max_window)
-        if bisect and loss_ratio is None:
-            raise ValueError(
-                "bisect=True tests groups of rows by their loss: it needs loss_ratio (e.g. 2.0), not None."
-            )
-        if (bisect or quarantine_from is not None) and not (isinstance(row_key, str) and row_key):
-            raise ValueError(
-                "bisect=True and quarantine_from name rows by a batch column: pass row_key='id' (the column "
-                "holding each row's integer id, e.g. its row number in the dataset)."
-            )
-        if row_ids not in (None, "mixture") or (row_ids is not None and not row_key):
-            raise ValueError(
-                f"row_ids={row_ids!r}: pass row_ids='mixture' with a row_key whose ids number a Mixture's rows source "
-                "after source (the ledger then answers SOURCE:N for quarantined rows), or leave it None."
-            )
         self.bisect, self.row_key, self.row_ids = bool(bisect), row_key, row_ids
         self.quarantine = Quarantine()  # the rows not trained any more (bisect's culprits, and quarantine_from's)
         self._from_file = read_quarantine(quarantine_from) if quarantine_from is not None else None

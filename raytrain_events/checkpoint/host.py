@@ -2,8 +2,8 @@
 
 Two narrow protocols, so that no checkpoint module reaches past them (``getattr(host, ...)``) or
 takes the whole `Trainer`: `ShardHost` for the sharded (DCP) reader and writer, `CheckpointHost`
-for the `Checkpointer` and the loading helpers. A module of its own, so that ``checkpointer.py``
-and ``loading.py`` both name it without importing each other.
+for the `Checkpointer` and the loading helpers. A module of its own, so that ``loading.py`` names it
+without importing ``checkpointer.py`` (which builds the `CheckpointLoader`).
 """
 
 from __future__ import annotations

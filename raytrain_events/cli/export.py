@@ -50,7 +50,8 @@ def export_checkpoint(  # noqa: PLR0913 (what, where, then keyword-only export o
                 "checkpoint directory (with manifest.json) or the run's checkpoints/ folder."
             ) from None
     if fmt == "safetensors":  # the model only, streamed tensor by tensor
-        from raytrain_events.checkpoint.dcp.safetensors_io import export_safetensors  # why here: as above
+        # why here: defers torch.distributed.tensor (the safetensors export reads DTensor shards) to this format
+        from raytrain_events.checkpoint.dcp.safetensors_io import export_safetensors
 
         return export_safetensors(info, output_url, storage_options=options, hf_config=hf_config)
     rest = read_checkpoint_files(info, storage_options=options, files=[STATE_FILE]).files[STATE_FILE]

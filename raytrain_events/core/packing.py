@@ -46,7 +46,7 @@ sequence); `pack_window` is `pack_runs` then `expand_runs`, so both forms come f
 from __future__ import annotations
 
 import bisect
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -115,33 +115,12 @@ def _best_fit(lengths: np.ndarray, seq_len: int, what: str) -> Tuple[List[int], 
     return _place(lengths, seq_len, what)[:3]
 
 
-def _place(lengths: np.ndarray, seq_len: int, what: str) -> Tuple[List[int], np.ndarray, np.ndarray, np.ndarray]:
-    """``(fill of each sequence, sequence of each document, offset of each document in it, the
-    non-empty documents in the order they were placed)``.
-
-    Documents over half of ``seq_len`` each open their own sequence (no open sequence has room for
-    one: each already holds a document at least as long), so they are placed as arrays. The rest go
-    to the tightest room (ties: the lowest sequence), open rooms kept as ``room * stride + sequence``
-    integers in a sorted list, a run of documents of one length ``n`` at a time: the tightest room
-    that fits one takes as many of the run as fit (``room // n``; what is left of it is then below
-    ``n``, so the next of the run goes to the next tightest room), exactly as one by one. So one
-    Python step per (length, room) pair, not per document: many fewer on long-tail mixes; and one
-    search per run (the rooms it takes are consecutive in the list), not one per step."""
-    _check_fits(lengths, seq_len, what)
-    order = np.argsort(-lengths.astype(_small(seq_len)), kind="stable")  # longest first, ties in document order
-    seq = np.full(len(lengths), -1, dtype=np.int64)  # empty documents take no room: sequence -1
-    offset = np.zeros(len(lengths), dtype=np.int64)
-    ordered = lengths[order]
-    big = int(np.searchsorted(-ordered, -(seq_len // 2), side="left"))  # lengths > seq_len // 2
-    fills: List[int] = ordered[:big].tolist()
-    seq[order[:big]] = np.arange(big)
-    stride = len(lengths) + 1  # more than any sequence number
-    free = [room * stride + s for s, room in enumerate(seq_len - ordered[:big]) if room > 0]
-    free.sort()
-    nonempty = big + int((ordered[big:] > 0).sum())
-    rest = ordered[big:nonempty]
-    starts = np.flatnonzero(np.diff(rest, prepend=-1))  # where each length's run starts
-    runs = zip(rest[starts].tolist(), np.diff(starts, append=len(rest)).tolist())  # (length, documents)
+def _best_fit_runs(
+    runs: Iterable[Tuple[int, int]], free: List[int], fills: List[int], seq_len: int, stride: int
+) -> List[int]:
+    """Place each run of ``(length n, documents)`` in the tightest open rooms (``free``: ``room * stride + sequence``,
+    sorted), opening new sequences when none fits; ``fills`` and ``free`` are updated in place. Returns the steps,
+    flat: per step its sequence, that sequence's fill before it, the length and how many documents it placed."""
     steps: List[int] = []  # per step: sequence, its fill before, the length, how many documents
     spare: List[int] = []  # what the run left of the rooms it took, inserted once the run is placed
     bisect_left, insort, record = bisect.bisect_left, bisect.insort, steps.extend
@@ -171,6 +150,37 @@ def _place(lengths: np.ndarray, seq_len: int, what: str) -> Tuple[List[int], np.
         for key in spare:
             insort(free, key)
         spare.clear()
+    return steps
+
+
+def _place(lengths: np.ndarray, seq_len: int, what: str) -> Tuple[List[int], np.ndarray, np.ndarray, np.ndarray]:
+    """``(fill of each sequence, sequence of each document, offset of each document in it, the
+    non-empty documents in the order they were placed)``.
+
+    Documents over half of ``seq_len`` each open their own sequence (no open sequence has room for
+    one: each already holds a document at least as long), so they are placed as arrays. The rest go
+    to the tightest room (ties: the lowest sequence), open rooms kept as ``room * stride + sequence``
+    integers in a sorted list, a run of documents of one length ``n`` at a time: the tightest room
+    that fits one takes as many of the run as fit (``room // n``; what is left of it is then below
+    ``n``, so the next of the run goes to the next tightest room), exactly as one by one. So one
+    Python step per (length, room) pair, not per document: many fewer on long-tail mixes; and one
+    search per run (the rooms it takes are consecutive in the list), not one per step."""
+    _check_fits(lengths, seq_len, what)
+    order = np.argsort(-lengths.astype(_small(seq_len)), kind="stable")  # longest first, ties in document order
+    seq = np.full(len(lengths), -1, dtype=np.int64)  # empty documents take no room: sequence -1
+    offset = np.zeros(len(lengths), dtype=np.int64)
+    ordered = lengths[order]
+    big = int(np.searchsorted(-ordered, -(seq_len // 2), side="left"))  # lengths > seq_len // 2
+    fills: List[int] = ordered[:big].tolist()
+    seq[order[:big]] = np.arange(big)
+    stride = len(lengths) + 1  # more than any sequence number
+    free = [room * stride + s for s, room in enumerate(seq_len - ordered[:big]) if room > 0]
+    free.sort()
+    nonempty = big + int((ordered[big:] > 0).sum())
+    rest = ordered[big:nonempty]
+    starts = np.flatnonzero(np.diff(rest, prepend=-1))  # where each length's run starts
+    runs = zip(rest[starts].tolist(), np.diff(starts, append=len(rest)).tolist())  # (length, documents)
+    steps = _best_fit_runs(runs, free, fills, seq_len, stride)
     s_, f_, n_, q_ = np.array(steps, dtype=np.int64).reshape(-1, 4).T
     placed = order[big:nonempty]  # in step order: a step's documents are the next q of the run
     seq[placed] = np.repeat(s_, q_)

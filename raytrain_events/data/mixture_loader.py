@@ -44,6 +44,46 @@ def row_schema(row: Any) -> Tuple[Tuple[str, str], ...]:
     return (("", kind(row)),)
 
 
+def _check_mixture_datasets(mixture: Mixture, datasets: Mapping[str, Any], batch_size: int) -> None:
+    """Refuse, before any batch, a loader the mixture cannot draw from: not a `Mixture`, a batch size that is not a
+    positive int, datasets not named by the mixture's sources, a source whose row count is not the mixture's, or
+    sources with different row schemas (columns and types: the most sources' schema is the one expected)."""
+    if not isinstance(mixture, Mixture):
+        raise TypeError(f"MixtureLoader needs a Mixture, got {type(mixture).__name__}: build one with Mixture(...).")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+        raise ValueError(f"batch_size={batch_size!r} must be a positive int (rows per rank per batch).")
+    names = list(mixture.names)
+    odd = [key for key in datasets if not isinstance(key, str)]
+    if odd:
+        raise MixtureError(
+            f"The datasets' names {odd!r} are not strings: name each dataset by its mixture source, e.g. "
+            f"{{{', '.join(repr(str(k)) + ': ...' for k in odd)}}}."
+        )
+    if sorted(datasets) != sorted(names):
+        raise MixtureError(
+            f"The datasets are named {sorted(datasets)} but the mixture's sources are {sorted(names)}: "
+            "pass one dataset per source, under the source's name."
+        )
+    schemas: Dict[str, Tuple[Tuple[str, str], ...]] = {}
+    for name in names:
+        dataset = datasets[name]
+        if len(dataset) != mixture.rows(name):
+            raise MixtureError(
+                f"Source {name!r} has {len(dataset)} rows but the mixture says {mixture.rows(name)}: "
+                f"give Mixture(sources={{{name!r}: {len(dataset)}, ...}})."
+            )
+        schemas[name] = row_schema(dataset[0])
+    values = list(schemas.values())
+    common = max(values, key=values.count)  # the most sources' schema (the first by name on a tie)
+    first = next(n for n in names if schemas[n] == common)
+    for name in names:
+        if schemas[name] != common:
+            raise MixtureError(
+                f"Source {name!r} has another schema than {first!r} ({dict(schemas[name])} vs "
+                f"{dict(common)}): mixed sources must share their columns and types; convert it first."
+            )
+
+
 class MixtureLoader:
     """Batches of a `Mixture` over map-style datasets (``len`` and ``[row]``), one per source name."""
 
@@ -60,42 +100,8 @@ class MixtureLoader:
         drop_last: bool = False,
         tokens_of_row: Optional[Callable[[Any], int]] = None,
     ) -> None:
-        if not isinstance(mixture, Mixture):
-            raise TypeError(
-                f"MixtureLoader needs a Mixture, got {type(mixture).__name__}: build one with Mixture(...)."
-            )
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-            raise ValueError(f"batch_size={batch_size!r} must be a positive int (rows per rank per batch).")
+        _check_mixture_datasets(mixture, datasets, batch_size)
         names = list(mixture.names)
-        odd = [key for key in datasets if not isinstance(key, str)]
-        if odd:
-            raise MixtureError(
-                f"The datasets' names {odd!r} are not strings: name each dataset by its mixture source, e.g. "
-                f"{{{', '.join(repr(str(k)) + ': ...' for k in odd)}}}."
-            )
-        if sorted(datasets) != sorted(names):
-            raise MixtureError(
-                f"The datasets are named {sorted(datasets)} but the mixture's sources are {sorted(names)}: "
-                "pass one dataset per source, under the source's name."
-            )
-        schemas: Dict[str, Tuple[Tuple[str, str], ...]] = {}
-        for name in names:
-            dataset = datasets[name]
-            if len(dataset) != mixture.rows(name):
-                raise MixtureError(
-                    f"Source {name!r} has {len(dataset)} rows but the mixture says {mixture.rows(name)}: "
-                    f"give Mixture(sources={{{name!r}: {len(dataset)}, ...}})."
-                )
-            schemas[name] = row_schema(dataset[0])
-        values = list(schemas.values())
-        common = max(values, key=values.count)  # the most sources' schema (the first by name on a tie)
-        first = next(n for n in names if schemas[n] == common)
-        for name in names:
-            if schemas[name] != common:
-                raise MixtureError(
-                    f"Source {name!r} has another schema than {first!r} ({dict(schemas[name])} vs "
-                    f"{dict(common)}): mixed sources must share their columns and types; convert it first."
-                )
         self.mixture, self.datasets, self.batch_size, self.seed = mixture, dict(datasets), batch_size, seed
         self.drop_last, self.tokens_of_row = drop_last, tokens_of_row
         if collate_fn is None:

@@ -44,6 +44,7 @@ from raytrain_events.core.event import Event
 from raytrain_events.dist import Dist
 from raytrain_events.parallel.pipeline import Pipeline
 from raytrain_events.parallel.tensor_parallel import _checksum
+from raytrain_events.trainer._batch import total_loss
 
 __all__ = ["PipelineCounters", "PipelineStep"]
 
@@ -194,9 +195,6 @@ class PipelineStep:
 
     def _loss(self, outputs: torch.Tensor, index: int) -> torch.Tensor:
         """The last stage's loss of microbatch ``index``, weighted by its share of the batch's samples."""
-        # why here: raytrain_events.trainer._batch imports this module (an import cycle)
-        from raytrain_events.trainer._batch import total_loss  # trainer imports parallel: deferred
-
         state, engine, active = self.state, self.engine, self._active
         microbatch, weight = self.pipeline.feed.microbatches[index], self._weights[index]
         if self._loss_calls is not None:

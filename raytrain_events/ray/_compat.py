@@ -64,6 +64,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import mmap
 import os
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
@@ -233,8 +234,6 @@ def session_logs_dir() -> Optional[str]:
 
 def _probe_startup_concurrency() -> None:
     """The raylet binary still knows the setting (a renamed one would be ignored without a word)."""
-    import mmap
-
     import ray
 
     path = os.path.join(os.path.dirname(ray.__file__), "core", "src", "ray", "raylet", "raylet")

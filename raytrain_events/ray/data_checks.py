@@ -9,6 +9,7 @@ driver once a Ray Dataset's row count is known. Cost: nothing beyond the footers
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, List, Mapping, Optional
 
 from raytrain_events.data.ray.feeder import batches_in_epoch
@@ -29,8 +30,6 @@ def check_columns(columns: Optional[List[str]], sources: Mapping[str, Any]) -> N
             continue  # a Ray Dataset: its schema is known only once Ray runs it; the first batch checks it
         missing = [c for c in columns if c not in names]
         if missing:
-            import difflib
-
             hints = [f"{close[0]!r} for {c!r}" for c in missing if (close := difflib.get_close_matches(c, names, 1))]
             hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
             raise ValueError(

@@ -23,11 +23,13 @@ Ray, and our modules that import it, are imported inside the methods that run at
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 from typing import Any, Dict, Iterator, List, Optional
 
 from raytrain_events.checkpoint.folder.store import list_checkpoints
 from raytrain_events.core.time import COUNTER_UNITS, Timestamp, report_key
+from raytrain_events.data.ray.data_config import cheap_row_count
 from raytrain_events.data.ray.mixture_source import mixture_train_set
 from raytrain_events.data.ray.parquet_seek import as_seekable
 from raytrain_events.parallel.world import check_tensor_parallel_world
@@ -50,11 +52,13 @@ from raytrain_events.ray.guards.watchdog import process_group_timeout_s
 from raytrain_events.ray.plan import RunPlan
 from raytrain_events.ray.reports.console import announce_config_change, quiet_terminal, train_logging_config
 from raytrain_events.ray.reports.follow import HistoryFollower
+from raytrain_events.ray.reports.history import AggregatingCallback, RunHistory
 from raytrain_events.ray.reports.progress import RunProgress
 from raytrain_events.ray.reports.run_loggers import RunLoggers
 from raytrain_events.ray.result import RayResult
 from raytrain_events.ray.shipped import Shipped
 from raytrain_events.ray.spec import RunSpec
+from raytrain_events.ray.worker import train_loop_per_worker
 from raytrain_events.storage.fs import resolve
 from raytrain_events.storage.locks import acquire_lock, release_lock
 from raytrain_events.storage.run_dir import RunDir
@@ -256,10 +260,6 @@ class RayTrainer:
         import ray.train
         from ray.train.torch import TorchTrainer
 
-        # why here: defers ray until this runs
-        from raytrain_events.ray.reports.history import AggregatingCallback
-        from raytrain_events.ray.worker import train_loop_per_worker
-
         storage_path, storage_filesystem = ray_storage(self.storage_path, self.storage_options)
         # The watchdog's hang_timeout, with a margin: the watchdog names a hung rank before this fires.
         torch_options = {"timeout_s": int(process_group_timeout_s(self.spec.failures.hang_timeout))}
@@ -362,9 +362,6 @@ class RayTrainer:
 
     def _train_rows(self, train: Any) -> Optional[int]:
         """The train set's row count where it is cheap; never runs a preprocessing pipeline to count."""
-        # why here: defers ray until this runs
-        from raytrain_events.data.ray.loader import cheap_row_count
-
         rows = cheap_row_count(train)
         if rows is not None:  # a Ray Dataset's count is known only now: steps_per_epoch must agree with it
             check_steps_per_epoch(self.spec, train, rows)
@@ -392,9 +389,6 @@ def _run_history(ray: Any) -> Any:
     node must not take the run's history along (soft affinity let a loaded head spill it onto a node that left)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    # why here: defers ray until this runs
-    from raytrain_events.ray.reports.history import RunHistory
-
     driver_node = ray.get_runtime_context().get_node_id()
     return RunHistory.options(scheduling_strategy=NodeAffinitySchedulingStrategy(driver_node, soft=False)).remote()
 
@@ -409,8 +403,6 @@ def _feeder_start(feeder: Any) -> Optional[Dict[str, Any]]:
     """The feeder's record of what the run's first batch waited for (kept on `RayResult.data_start`), and a
     line saying it: the stream started early, or where the ranks asked instead. None, with a line saying
     why, when the feeder cannot answer (it died and restarted empty, or did not answer within a minute)."""
-    import logging
-
     import ray
 
     log = logging.getLogger(__name__)

@@ -35,6 +35,7 @@ Files:
 
 from __future__ import annotations
 
+import datetime
 import json
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -222,8 +223,6 @@ def _failed_saves_section(url: str, options: Dict[str, Any]) -> List[str]:
 
 
 def _utc(seconds: Any) -> Optional[str]:
-    import datetime
-
     if not is_finite_number(seconds):
         return None
     return datetime.datetime.fromtimestamp(float(seconds), datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
@@ -366,6 +365,6 @@ def _label(config: Dict[str, Any]) -> str:
     algorithms = config.get("algorithms")
     if algorithms is None:
         return "-"
-    from raytrain_events.tune.sets import algorithm_set_label  # why here: tune/ imports Ray
+    from raytrain_events.tune.sets import algorithm_set_label  # why here: tune/ imports ray
 
     return algorithm_set_label(algorithms)

@@ -16,6 +16,8 @@ Files:
   after a resume.
 * ``evaluation.py``: Evaluation: run each evaluator's data through the model and compute its
   metrics.
+* ``forward_backward.py``: `ForwardBackward`: one batch's forward, loss and backward over its
+  microbatches, with their events (the loop's step, and what auto microbatching retries).
 * ``microbatching.py``: Auto microbatching (``grad_accum="auto"``): on a device out-of-memory
   error, retry the batch in more pieces.
 * ``options.py``: `LoopOptions`: the one definition of the training loop's options, shared by

@@ -16,6 +16,7 @@ from raytrain_events.core.time import Time, Timestamp, training_duration
 from raytrain_events.core.time_value import check_countable
 from raytrain_events.parallel.pipeline_step import PipelineCounters, PipelineStep
 from raytrain_events.trainer.arguments import check_schedulers
+from raytrain_events.trainer.counters import CountedModule
 from raytrain_events.trainer.evaluation import ensure_evaluators
 from raytrain_events.trainer.options import LoopOptions
 
@@ -198,9 +199,6 @@ def wrap_for_training(host: TrainingHost, counted: bool) -> Tuple[torch.nn.Modul
     their own host-side collective.
     """
     from torch.nn.parallel import DistributedDataParallel
-
-    # why here: raytrain_events.trainer.counters imports this module (an import cycle)
-    from raytrain_events.trainer.counters import CountedModule
 
     state, dist, parallel, device = host.state, host.dist, host.parallel, host.device
     find_unused = any(a.find_unused_parameters for a in state.algorithms)

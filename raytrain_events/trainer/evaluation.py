@@ -143,7 +143,7 @@ def run_evaluation(
     Returns the computed metrics ``{"metrics/<label>/<name>": value}``, logged too when ``log``.
     ``subset_num_batches`` (when given and not -1) overrides each evaluator's own.
     """
-    state, engine, logger, device = host.state, host.engine, host.logger, host.device
+    state, logger = host.state, host.logger
     model = state.model
     was_training = model.training
     train_batch, train_outputs = state.batch, state.outputs
@@ -154,46 +154,56 @@ def run_evaluation(
     try:
         for evaluator in state.evaluators if evaluators is None else evaluators:
             limit = evaluator.subset_num_batches if subset_num_batches in (None, -1) else subset_num_batches
-            metrics = _fresh_metrics(model, evaluator.metric_names)
-            for metric in metrics.values():
-                metric.to(device)
-                if group is not None:
-                    metric.process_group = group
-            state.eval_metrics[evaluator.label] = metrics
-            engine.run_event(Event.EVAL_START)
-            spec = evaluator.dataloader
-            eval_forward = getattr(model, "eval_forward", None)
-            update_metric = getattr(model, "update_metric", None)
-            with torch.no_grad():
-                for batch in device_batches(spec, device, limit):
-                    state.batch = batch
-                    engine.run_event(Event.EVAL_BATCH_START)
-                    engine.run_event(Event.EVAL_BEFORE_FORWARD)
-                    if pipeline is not None:  # None off the last stage; eval_forward takes the model's outputs
-                        outputs = forward_only(pipeline, state.batch, spec, host.autocast())
-                        if outputs is not None and eval_forward is not None:
-                            outputs = eval_forward(state.batch, outputs)
-                    else:
-                        with host.autocast():
-                            outputs = (
-                                eval_forward(state.batch, None) if eval_forward is not None else model(state.batch)
-                            )
-                    state.outputs = outputs
-                    engine.run_event(Event.EVAL_AFTER_FORWARD)
-                    if update_metric is not None and (pipeline is None or pipeline.has_last):
-                        for metric in metrics.values():
-                            update_metric(state.batch, state.outputs, metric)
-                    engine.run_event(Event.EVAL_BATCH_END)
-            values = {}
-            if pipeline is None or pipeline.has_last:
-                values = {f"metrics/{evaluator.label}/{name}": metric.compute() for name, metric in metrics.items()}
-            if pipeline is not None:  # the last stage's values on every rank of the pipeline
-                values = share_from_last(pipeline, cpu_values(values))
+            values = _evaluate(host, evaluator, limit, pipeline, group)
             if values and log:
                 logger.log_metrics(values, step=state.step)
             results.update(values)
-            engine.run_event(Event.EVAL_END)
+            host.engine.run_event(Event.EVAL_END)
     finally:
         model.train(was_training)
         state.batch, state.outputs = train_batch, train_outputs
     return results
+
+
+def _evaluate(host: EvaluationHost, evaluator: Evaluator, limit: int, pipeline: Any, group: Any) -> Dict[str, Any]:
+    """One evaluator from EVAL_START to its metrics' values (``{"metrics/<label>/<name>": value}``, on every rank of
+    a pipeline): fresh metrics on the device, synced over ``group``, updated batch by batch."""
+    state, engine, device, model = host.state, host.engine, host.device, host.state.model
+    metrics = _fresh_metrics(model, evaluator.metric_names)
+    for metric in metrics.values():
+        metric.to(device)
+        if group is not None:
+            metric.process_group = group
+    state.eval_metrics[evaluator.label] = metrics
+    engine.run_event(Event.EVAL_START)
+    spec = evaluator.dataloader
+    update_metric = getattr(model, "update_metric", None)
+    with torch.no_grad():
+        for batch in device_batches(spec, device, limit):
+            state.batch = batch
+            engine.run_event(Event.EVAL_BATCH_START)
+            engine.run_event(Event.EVAL_BEFORE_FORWARD)
+            state.outputs = _forward(host, spec, pipeline)
+            engine.run_event(Event.EVAL_AFTER_FORWARD)
+            if update_metric is not None and (pipeline is None or pipeline.has_last):
+                for metric in metrics.values():
+                    update_metric(state.batch, state.outputs, metric)
+            engine.run_event(Event.EVAL_BATCH_END)
+    values = {}
+    if pipeline is None or pipeline.has_last:
+        values = {f"metrics/{evaluator.label}/{name}": metric.compute() for name, metric in metrics.items()}
+    if pipeline is not None:  # the last stage's values on every rank of the pipeline
+        values = share_from_last(pipeline, cpu_values(values))
+    return values
+
+
+def _forward(host: EvaluationHost, spec: Any, pipeline: Any) -> Any:
+    """The model's eval outputs for ``state.batch``: ``eval_forward`` when the model has one, else its forward;
+    under pipeline parallelism the stages' forward (None off the last stage)."""
+    state, model = host.state, host.state.model
+    eval_forward = getattr(model, "eval_forward", None)
+    if pipeline is not None:  # None off the last stage; eval_forward takes the model's outputs
+        outputs = forward_only(pipeline, state.batch, spec, host.autocast())
+        return eval_forward(state.batch, outputs) if outputs is not None and eval_forward is not None else outputs
+    with host.autocast():
+        return eval_forward(state.batch, None) if eval_forward is not None else model(state.batch)

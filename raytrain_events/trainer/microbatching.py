@@ -49,7 +49,15 @@ if TYPE_CHECKING:
     from raytrain_events.core.logger import Logger
     from raytrain_events.core.state import State
 
-__all__ = ["AUTO", "Accumulate", "parse_grad_accum", "AutoMicrobatching", "DeferredCounters", "batch_counting"]
+__all__ = [
+    "AUTO",
+    "Accumulate",
+    "parse_grad_accum",
+    "AutoMicrobatching",
+    "DeferredCounters",
+    "auto_microbatching_of",
+    "batch_counters",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -235,31 +243,29 @@ class AutoMicrobatching:
                     tdist.broadcast(buffer, src=src, group=group)
 
 
-def batch_counting(  # noqa: PLR0913 (keyword-only: the loop's pieces it works with)
-    *,
-    state: State,
-    logger: Logger,
-    dist: Dist,
-    ddp: Any,
-    train_model: Any,
-    accumulate: Accumulate,
-    auto_microbatching: bool,
-) -> Tuple[Counters, Optional[AutoMicrobatching], Any]:
-    """How the loop sums each batch's counts across ranks: ``(counters, auto microbatching or None, the model
-    the loop trains)``. Per-batch sums ride on DDP's gradient all-reduce when possible (`BatchCounters`, no
-    collective of their own); under auto microbatching (retry after OOM) DDP runs no collective in
-    forward/backward, so the sums are deferred (`DeferredCounters`) and FSDP's ranks agree on an OOM at each
-    of its collectives (`OOMAgreement`)."""
-    if not auto_microbatching:
-        return BatchCounters(dist, ddp), None, train_model
+def batch_counters(*, state: State, dist: Dist, ddp: Any, train_model: Any, deferred: bool) -> Tuple[Counters, Any]:
+    """How the loop sums each batch's counts across ranks, and the model the loop trains. Per-batch sums ride on
+    DDP's gradient all-reduce when possible (`BatchCounters`, no collective of their own); under auto microbatching
+    (``deferred``: retry after OOM) DDP runs no collective in forward/backward (the loop trains its inner module),
+    so the sums are deferred (`DeferredCounters`)."""
+    if not deferred:
+        return BatchCounters(dist, ddp), train_model
     state.auto_microbatching = True
-    counters = DeferredCounters(dist)
-    auto = AutoMicrobatching(
+    return DeferredCounters(dist), ddp.module if ddp is not None else train_model
+
+
+def auto_microbatching_of(  # noqa: PLR0913 (keyword-only: the loop's pieces it works with)
+    *, state: State, logger: Logger, counters: Counters, ddp: Any, wrapped: Any, accumulate: Accumulate
+) -> AutoMicrobatching:
+    """Auto microbatching over the loop's ``accumulate`` (with `batch_counters`' deferred sums); ``wrapped``: the
+    model as wrapped for training, whose ranks, under FSDP, agree on an OOM at each of its collectives
+    (`OOMAgreement`)."""
+    assert isinstance(counters, DeferredCounters), "auto microbatching defers the batch's sums (batch_counters)"
+    return AutoMicrobatching(
         state=state,
         accumulate=accumulate,
         logger=logger,
         counters=counters,
         ddp=ddp,
-        agreement=OOMAgreement(train_model, dist) if is_sharded_module(train_model) else None,
+        agreement=OOMAgreement(wrapped, counters.dist) if is_sharded_module(wrapped) else None,
     )
-    return counters, auto, ddp.module if ddp is not None else train_model

@@ -25,6 +25,7 @@ from raytrain_events.core.precision import Precision
 from raytrain_events.core.time import Time, TimeUnit, ensure_time, training_duration
 from raytrain_events.parallel.config import parse_parallelism
 from raytrain_events.parallel.pipeline import check_pipeline_loop
+from raytrain_events.trainer.compiling import compile_options
 
 if TYPE_CHECKING:
     from raytrain_events.parallel.config import ParallelismSpec
@@ -96,9 +97,6 @@ class LoopOptions:
     )
 
     def __post_init__(self) -> None:
-        # why here: raytrain_events.trainer.compiling imports this module (an import cycle)
-        from raytrain_events.trainer.compiling import compile_options
-
         if self.max_duration is not None:
             # Not `dur`, positive; `tok` needs a token counter, checked where the data is known
             # (`Trainer`: its DataSpec; `RunSpec`: get_num_tokens_in_batch).

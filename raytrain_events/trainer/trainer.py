@@ -32,7 +32,7 @@ from raytrain_events.core.time import Time, TimeUnit
 from raytrain_events.dist import Dist, default_dist
 from raytrain_events.parallel.oom_agreement import check_fsdp_config
 from raytrain_events.parallel.wrap import Parallel
-from raytrain_events.trainer._batch import check_model, move_to_device, total_loss
+from raytrain_events.trainer._batch import check_model, move_to_device
 from raytrain_events.trainer._setup import (
     check_can_fit,
     check_flags_agree,
@@ -45,10 +45,10 @@ from raytrain_events.trainer._setup import (
 )
 from raytrain_events.trainer.arguments import agreed_run_name, check_arguments
 from raytrain_events.trainer.compiling import compile_model
-from raytrain_events.trainer.counters import Counters
 from raytrain_events.trainer.epoch_start import epoch_iterator
 from raytrain_events.trainer.evaluation import ensure_evaluators, run_evaluation
-from raytrain_events.trainer.microbatching import AutoMicrobatching, batch_counting
+from raytrain_events.trainer.forward_backward import ForwardBackward
+from raytrain_events.trainer.microbatching import AutoMicrobatching, auto_microbatching_of, batch_counters
 from raytrain_events.trainer.options import LoopOptions
 from raytrain_events.trainer.predict import run_predict
 from raytrain_events.trainer.seed import seed_everything
@@ -59,16 +59,22 @@ if TYPE_CHECKING:
 
 __all__ = ["Trainer"]
 
-_NULL_CONTEXT = contextlib.nullcontext()  # reusable and reentrant: no allocation per microbatch
 # The per-batch events as module constants (a global lookup, not an attribute lookup on Event, per use).
 _BEFORE_DATALOADER, _AFTER_DATALOADER, _BATCH_START = Event.BEFORE_DATALOADER, Event.AFTER_DATALOADER, Event.BATCH_START
 _BEFORE_TRAIN_BATCH, _AFTER_TRAIN_BATCH = Event.BEFORE_TRAIN_BATCH, Event.AFTER_TRAIN_BATCH
-_BEFORE_FORWARD, _AFTER_FORWARD = Event.BEFORE_FORWARD, Event.AFTER_FORWARD
-_BEFORE_LOSS, _AFTER_LOSS = Event.BEFORE_LOSS, Event.AFTER_LOSS
-_BEFORE_BACKWARD, _AFTER_BACKWARD = Event.BEFORE_BACKWARD, Event.AFTER_BACKWARD
 _BATCH_END, _BATCH_CHECKPOINT = Event.BATCH_END, Event.BATCH_CHECKPOINT
 _timedelta = datetime.timedelta  # timedelta(days, seconds): cheaper than seconds=, per batch
 _FP32 = Precision.FP32  # per batch `Precision.FP32` is an unspecialized lookup (3.11: EnumType.__getattr__)
+
+
+def _parallel(model: torch.nn.Module, options: LoopOptions, algorithms: Sequence[Algorithm]) -> Parallel:
+    """How ``model`` is spread over the ranks (``parallelism``: "ddp", the default, "fsdp" or an FSDPConfig, ...),
+    checked against the algorithms and, under ``grad_accum="auto"``, the FSDP config."""
+    parallel = Parallel(options.parallelism_spec, model)
+    parallel.check(algorithms)
+    if options.auto_microbatching and parallel.spec.fsdp is not None:
+        check_fsdp_config(parallel.spec.fsdp)
+    return parallel
 
 
 class Trainer:
@@ -124,10 +130,7 @@ class Trainer:
         compile_kwargs, auto_microbatching = opts.compile_kwargs, opts.auto_microbatching
         algorithms, callbacks, loggers = check_arguments(model, optimizers, device, (algorithms, callbacks, loggers))
 
-        self.parallel = Parallel(opts.parallelism_spec, model)  # "ddp" (default), "fsdp" or an FSDPConfig
-        self.parallel.check(algorithms)
-        if auto_microbatching and self.parallel.spec.fsdp is not None:
-            check_fsdp_config(self.parallel.spec.fsdp)
+        self.parallel = _parallel(model, opts, algorithms)
         self.dist = dist if dist is not None else default_dist(torch.device(device) if device is not None else None)
         self.device = torch.device(device) if device is not None else self.dist.device
         self.config = opts.config
@@ -155,7 +158,11 @@ class Trainer:
         self.engine = Engine(state=self.state, logger=self.logger, algorithm_passes=algorithm_passes)
         self._checkpointer: Optional[Checkpointer] = None
         self._fitted = False
+        self._start(compile_kwargs, auto_microbatching, checkpoint)
 
+    def _start(self, compile_kwargs: Optional[Dict[str, Any]], auto_microbatching: bool, checkpoint: Any) -> None:
+        """The loop's set-up events: INIT (where algorithms and callbacks may change the model), the wrap for
+        training, the checkpoint's load, then AFTER_LOAD."""
         self.engine.run_event(Event.INIT)
         self.engine.refresh()  # algorithms or callbacks may have been added at INIT
         self._wrap(compile_kwargs, auto_microbatching)
@@ -169,18 +176,29 @@ class Trainer:
         if compile_kwargs is not None:  # after INIT's model changes, before DDP/FSDP wraps the model
             compile_model(self.state.model, compile_kwargs)
         # The counters ride on DDP's gradient all-reduce, except under auto microbatching (see counters.py).
-        self._train_model, self._ddp = wrap_for_training(self, counted=not auto_microbatching)
-        self._counters: Counters
-        self._auto: Optional[AutoMicrobatching]
-        self._counters, self._auto, self._train_model = batch_counting(
-            state=self.state,
-            logger=self.logger,
-            dist=self.dist,
-            ddp=self._ddp,
-            train_model=self._train_model,
-            accumulate=self._accumulate,
-            auto_microbatching=auto_microbatching,
+        wrapped, self._ddp = wrap_for_training(self, counted=not auto_microbatching)
+        self._counters, self._train_model = batch_counters(
+            state=self.state, dist=self.dist, ddp=self._ddp, train_model=wrapped, deferred=auto_microbatching
         )
+        self._step = ForwardBackward(
+            state=self.state,
+            engine=self.engine,
+            train_model=self._train_model,
+            parallel=self.parallel,
+            dist=self.dist,
+            train_spec=self.train_spec,
+            counters=self._counters,
+        )
+        self._auto: Optional[AutoMicrobatching] = None
+        if auto_microbatching:
+            self._auto = auto_microbatching_of(
+                state=self.state,
+                logger=self.logger,
+                counters=self._counters,
+                ddp=self._ddp,
+                wrapped=wrapped,
+                accumulate=self._step.accumulate,
+            )
         self._pipeline = pipeline_step(self)  # pipeline parallelism: the schedule runs the batch (None without)
         if self._pipeline is not None:
             self._counters = self._pipeline.counters  # the model's loss rides on the per-batch sum
@@ -367,7 +385,7 @@ class Trainer:
         # One context per batch, entered for each forward and loss (never nested); none for fp32.
         autocast = None if state.precision is _FP32 else self.autocast()
         if self._auto is None and state.grad_accum == 1 and self._pipeline is None:  # one microbatch, two calls less
-            state.loss = self._forward_backward(state.batch, 0, active, autocast, create_graph).detach()
+            state.loss = self._step.one(state.batch, 0, active, autocast, create_graph).detach()
         else:
             self._forward_backward_batch(active, autocast, create_graph)
         if scaler is not None:
@@ -389,85 +407,7 @@ class Trainer:
         elif self._pipeline is not None:
             self._pipeline.accumulate(active, autocast, create_graph)
         else:
-            self._accumulate(self.state.grad_accum, active, autocast, create_graph)
-
-    def _accumulate(
-        self,
-        grad_accum: int,
-        active: Mapping[Event, bool],
-        autocast: Optional[contextlib.AbstractContextManager[Any]],
-        create_graph: bool,
-    ) -> None:
-        """Forward, loss and backward of ``state.batch`` in ``grad_accum`` microbatches; sets ``state.loss``."""
-        state = self.state
-        full_batch = state.batch
-        spec = self.train_spec
-        assert spec is not None  # fit checked (check_can_fit)
-        microbatches = [full_batch] if grad_accum == 1 else spec.split_batch(full_batch, grad_accum)
-        if len(microbatches) == 1:
-            state.loss = self._forward_backward(microbatches[0], 0, active, autocast, create_graph).detach()
-        else:
-            total_samples, last = state.batch_num_samples, len(microbatches) - 1
-            no_sync = self.parallel.no_sync if self.dist.is_distributed else None
-            accumulated: Any = None
-            for index, microbatch in enumerate(microbatches):
-                # Only the last microbatch reduces gradients (under DDP it also carries the counters).
-                with no_sync(self._train_model) if (no_sync is not None and index < last) else _NULL_CONTEXT:
-                    loss = self._forward_backward(microbatch, total_samples, active, autocast, create_graph)
-                accumulated = loss.detach() if accumulated is None else accumulated + loss.detach()
-            state.batch = full_batch
-            state.loss = accumulated
-
-    def _forward_backward(
-        self,
-        microbatch: Any,
-        total_samples: int,
-        active: Mapping[Event, bool],
-        autocast: Optional[contextlib.AbstractContextManager[Any]],
-        create_graph: bool,
-    ) -> torch.Tensor:
-        """One microbatch's forward, loss and backward with their events; returns the loss it backpropagated.
-
-        With ``total_samples`` (several microbatches) the loss is weighted by the microbatch's share
-        of the batch's samples, so the accumulated gradient is the full batch's mean.
-        """
-        state, engine = self.state, self.engine
-        state.batch = self.parallel.split(microbatch)  # context parallelism: this rank's part of the sequence
-        if active[_BEFORE_FORWARD]:
-            engine.run_event(_BEFORE_FORWARD)
-        if autocast is None:
-            state.outputs = self._train_model(state.batch)
-        else:
-            with autocast:
-                state.outputs = self._train_model(state.batch)
-        if active[_AFTER_FORWARD]:
-            engine.run_event(_AFTER_FORWARD)
-        if active[_BEFORE_LOSS]:
-            engine.run_event(_BEFORE_LOSS)
-        if autocast is None:
-            state.loss = state.model.loss(state.outputs, state.batch)
-        else:
-            with autocast:
-                state.loss = state.model.loss(state.outputs, state.batch)
-        if active[_AFTER_LOSS]:
-            engine.run_event(_AFTER_LOSS)
-        if active[_BEFORE_BACKWARD]:
-            engine.run_event(_BEFORE_BACKWARD)
-        loss: torch.Tensor = state.loss
-        if type(loss) is not torch.Tensor:  # a dict/tuple of losses, or a tensor subclass
-            loss = total_loss(loss)
-        if total_samples and self.train_spec is not None:  # fit checked train_spec (check_can_fit)
-            loss = loss * (self.train_spec.get_num_samples_in_batch(state.batch) / total_samples)
-        scaler, counters = state.scaler, self._counters
-        backward_loss = loss if scaler is None else scaler.scale(loss)
-        if counters.on_gradients:  # under DDP the batch's counters ride on this backward (counters.py)
-            counters.carry(backward_loss).backward(create_graph=create_graph)
-            counters.after_backward()
-        else:
-            backward_loss.backward(create_graph=create_graph)
-        if active[_AFTER_BACKWARD]:
-            engine.run_event(_AFTER_BACKWARD)
-        return self.parallel.whole_loss(loss)  # CP: the model's loss (its group's mean), not this rank's part
+            self._step.accumulate(self.state.grad_accum, active, autocast, create_graph)
 
     # ------------------------------------------------------ eval and predict
     def eval(self, eval_dataloader: Any = None, subset_num_batches: int = -1) -> Dict[str, Any]:

@@ -21,9 +21,13 @@ from raytrain_events.ray.spec import RunSpec, storage_root
 from raytrain_events.storage.exp_dir import check_run_name
 from raytrain_events.storage.fs import join, resolve
 from raytrain_events.storage.run_dir import SWEEP_FILE
+from raytrain_events.tune.console import SweepConsole
+from raytrain_events.tune.mixture_pbt import check_mixture_pbt
+from raytrain_events.tune.mixture_searcher import MixtureSearcher
 from raytrain_events.tune.placement import ReleaseTrainWorkers, release_placement_groups, start_registry
 from raytrain_events.tune.results import TIME_ATTRS, SweepResult, is_finite_number, make_result
 from raytrain_events.tune.sets import space_choices, validate_set
+from raytrain_events.tune.simplex import base_mixture, check_mixture_choice
 from raytrain_events.tune.sweep_checks import check_sweep
 from raytrain_events.tune.trial import (
     TrialSetup,
@@ -198,10 +202,6 @@ def _check_mixture_search(base: RunSpec, param_space: Mapping[str, Any], schedul
     explores = getattr(scheduler, "raytrain_mixture_explore", None) is not None  # pbt_scheduler(mixture=...)
     if "mixture" not in param_space and not explores:
         return
-    # why here: raytrain_events.tune.mixture_pbt, raytrain_events.tune.simplex import this module (import cycles)
-    from raytrain_events.tune.mixture_pbt import check_mixture_pbt
-    from raytrain_events.tune.simplex import base_mixture, check_mixture_choice
-
     if "mixture" in param_space:
         check_mixture_choice(base_mixture(base), param_space["mixture"])
     check_mixture_pbt(scheduler, param_space, base_mixture(base))
@@ -211,10 +211,6 @@ def _check_mixture_searcher(
     base: RunSpec, param_space: Optional[Mapping[str, Any]], mode: str, search_alg: Any
 ) -> None:
     """A `MixtureSearcher` (or a Tune wrapper of one) refused before Ray starts if the base run cannot train its trials."""
-    # why here: raytrain_events.tune.mixture_searcher, raytrain_events.tune.simplex import this module (import cycles)
-    from raytrain_events.tune.mixture_searcher import MixtureSearcher
-    from raytrain_events.tune.simplex import base_mixture, check_mixture_choice
-
     searcher = search_alg
     while searcher is not None and not isinstance(searcher, MixtureSearcher):
         searcher = getattr(searcher, "searcher", None)  # ConcurrencyLimiter / Repeater wrap theirs
@@ -268,9 +264,6 @@ def _prepare(
 def _run(base: RunSpec, experiment: _Experiment, search: _Search) -> Any:
     """Build (or restore) the Tuner and fit it; the trials' placement groups are released after."""
     import ray
-
-    # why here: raytrain_events.tune.console imports this module (an import cycle)
-    from raytrain_events.tune.console import SweepConsole
 
     console = [SweepConsole(search.metric, search.mode, search.scheduler)] if search.verbose == 1 else []
     _write_sweep_settings(experiment, search.metric, search.mode)

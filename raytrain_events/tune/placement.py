@@ -15,12 +15,15 @@ newly paused trials), and when a new attempt of the trial starts (the old attemp
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import time
 from typing import Any, Dict, List, Sequence, Set, Tuple
 
 from ray.tune import Callback
 
 from raytrain_events.ray.spec import call_factory
+from raytrain_events.tune.explore import KeepExploredOptimizerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +49,6 @@ class _PlacementGroups:
 
 
 def _registry_name(experiment_url: str) -> str:
-    import hashlib
-
     return "raytrain_events.tune.placement_groups." + hashlib.sha1(experiment_url.encode()).hexdigest()[:16]
 
 
@@ -78,9 +79,6 @@ def trial_callbacks(
     ``copied``: the run loads another trial's checkpoint (PBT), so its optimizers get this trial's
     explored settings back after the load (`KeepExploredOptimizerSettings`).
     """
-    # why here: raytrain_events.tune.explore imports this module (an import cycle)
-    from raytrain_events.tune.explore import KeepExploredOptimizerSettings
-
     _register_placement_group(registry, trial_id)
     callbacks = list(call_factory(user_callbacks, config) if callable(user_callbacks) else (user_callbacks or ()))
     return [*callbacks, KeepExploredOptimizerSettings()] if copied else callbacks
@@ -120,8 +118,6 @@ class ReleaseTrainWorkers(Callback):
             return None
 
     def _trial_ended(self, trial: Any) -> None:
-        import time
-
         import ray
 
         registry = self._registry()
@@ -146,8 +142,6 @@ class ReleaseTrainWorkers(Callback):
         self._trial_ended(trial)
 
     def on_step_begin(self, iteration, trials, **info):
-        import time
-
         for trial in trials:  # Tune stops a paused trial's actor and has no callback for it
             if trial.status == "PAUSED" and trial.trial_id not in self.paused:
                 self.paused.add(trial.trial_id)

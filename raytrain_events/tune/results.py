@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -187,8 +188,6 @@ def _best_checkpoint(
 def read_lineage(trial_url: str, storage_options: Dict[str, Any]) -> List[Dict[str, Any]]:
     """The trial's PBT copies (`LINEAGE_FILE`), oldest first: which trial it copied, at which counters,
     which set it took ([] if it never copied one, or if the file is unreadable)."""
-    import json
-
     fs, path = resolve(join(trial_url, LINEAGE_FILE), storage_options)
     try:
         return list(json.loads(read_bytes(fs, path)))

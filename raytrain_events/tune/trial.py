@@ -26,10 +26,13 @@ from raytrain_events.ray.reports.run_loggers import name_destination
 from raytrain_events.ray.spec import RunSpec, check_option_names
 from raytrain_events.storage.fs import join, read_bytes, resolve, write_bytes_atomic
 from raytrain_events.storage.fs import join as join_url
+from raytrain_events.tune.console import trial_label
+from raytrain_events.tune.mixture_pbt import copy_mixture
 from raytrain_events.tune.placement import trial_callbacks
 from raytrain_events.tune.pointer import CheckpointPointer, pointer_from_entry, read_pointer, write_pointer
 from raytrain_events.tune.results import LINEAGE_FILE, TRIAL_RECORD, TRIAL_RUN_NAME, read_lineage
 from raytrain_events.tune.sets import normalize_set
+from raytrain_events.tune.simplex import base_mixture, check_mixture_choice, trial_mixture
 
 logger = logging.getLogger(__name__)
 
@@ -92,9 +95,6 @@ def trial_spec(base: RunSpec, config: Mapping[str, Any]) -> RunSpec:
     if "algorithms" in config:
         changes["algorithms"] = normalize_set(config["algorithms"])
     if "mixture" in config:  # the searched weights (mixture_space): the base mixture with them as its first stage
-        # why here: raytrain_events.tune.simplex imports this module (an import cycle)
-        from raytrain_events.tune.simplex import base_mixture, check_mixture_choice, trial_mixture
-
         mixture = base_mixture(base)
         check_mixture_choice(mixture, config["mixture"])
         assert mixture is not None
@@ -263,10 +263,6 @@ def copied_mixture(spec: RunSpec, pointer: CheckpointPointer) -> Any:
     """
     if spec.data.mixture is None:
         return None
-    # why here: raytrain_events.tune.mixture_pbt, raytrain_events.tune.simplex import this module (import cycles)
-    from raytrain_events.tune.mixture_pbt import copy_mixture
-    from raytrain_events.tune.simplex import trial_mixture
-
     mine = Mixture.from_dict(spec.data.mixture)
     if pointer.run_mixture is not None:
         donor = Mixture.from_dict(pointer.run_mixture)
@@ -355,9 +351,6 @@ def trial_retention_and_loggers(
         if retention is not None:
             changes["checkpoint"] = retention
     if spec.reports.driver_loggers:
-        # why here: raytrain_events.tune.console imports this module (an import cycle)
-        from raytrain_events.tune.console import trial_label
-
         name = re.sub(r"[^A-Za-z0-9_.=+-]+", "_", f"{trial_folder}-{trial_label(dict(config))}").strip("_")
         changes["driver_loggers"] = [name_destination(d, name) for d in spec.reports.driver_loggers]
     return spec.replace(**changes) if changes else spec

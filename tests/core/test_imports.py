@@ -151,6 +151,7 @@ def test_the_modules_our_light_ray_actors_load_leave_torch_out():
         import json, sys
         import raytrain_events
         import raytrain_events.data.ray.feeder, raytrain_events.ray.reports.history, raytrain_events.data.ray.loader
+        import raytrain_events.data.ray.data_config
         import raytrain_events.data.ray.block_fetch, raytrain_events.data.ray.parquet_seek, raytrain_events.parallel.world
         light = "torch" in sys.modules
         raytrain_events.Trainer  # a public name still loads its module on first use
@@ -169,7 +170,7 @@ def test_what_ray_trains_controller_unpickles_leaves_the_loop_out():
         """
         import json, sys
         import raytrain_events.ray.reports.history, raytrain_events.ray.spec, raytrain_events.ray.shipped
-        import raytrain_events.data.ray.loader, raytrain_events.trainer.options
+        import raytrain_events.data.ray.data_config, raytrain_events.trainer.options
         heavy = ("raytrain_events.trainer.trainer", "raytrain_events.algorithms", "raytrain_events.callbacks",
                  "raytrain_events.checkpoint.run.checkpointer", "torch.distributed.tensor")
         print(json.dumps({"loaded": [m for m in heavy if m in sys.modules]}))

@@ -158,7 +158,7 @@ def test_dataset_internals(ray_cluster, tmp_path):
     import pyarrow.parquet as pq
     import ray.data
 
-    from raytrain_events.data.ray.loader import cheap_row_count
+    from raytrain_events.data.ray.data_config import cheap_row_count
 
     pq.write_table(pa.table({"x": list(range(10))}), tmp_path / "part.parquet")
     read = ray.data.read_parquet(str(tmp_path))

@@ -132,7 +132,7 @@ def test_an_outermost_pipelines_ranks_are_served_one_data_parallel_part(ray_clus
     at load 30, for the feeder's own contract (its tests: tests/ray/test_ray_tensor_parallel.py)."""
     ray = ray_cluster
     from raytrain_events.data.order import GlobalBatch
-    from raytrain_events.data.ray.loader import TrainDataConfig
+    from raytrain_events.data.ray.data_config import TrainDataConfig
     from raytrain_events.parallel.config import parse_parallelism
 
     spec = parse_parallelism({"pipeline_parallel": 2, "tensor_parallel": 2, "pipeline_outermost": True})

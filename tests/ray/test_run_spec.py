@@ -158,7 +158,7 @@ def test_datasets_are_checked_once_built_naming_the_fix(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from raytrain_events.data.ray.loader import cheap_row_count
+    from raytrain_events.data.ray.data_config import cheap_row_count
     from raytrain_events.data.ray.parquet_seek import ParquetRowGroups
 
     paths = [str(tmp_path / f"{i}.parquet") for i in range(2)]

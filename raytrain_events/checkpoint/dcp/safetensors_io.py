@@ -190,6 +190,27 @@ def write_safetensors_dir(
     return {"files": names, "tensors": len(specs), "bytes": total}
 
 
+def _dim0_blocks(metadata: Any, key: str, item: Any) -> Optional[List[Any]]:
+    """The storage and row count of each saved block of tensor ``key`` in row order, if its blocks tile dim 0 (FSDP's
+    layout) and are stored untransformed; else None."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex  # deferred: DCP loads for sharded checkpoints only
+
+    size = tuple(item.size)
+    chunks = sorted(item.chunks, key=lambda c: tuple(c.offsets))
+    row = 0
+    out = []
+    for chunk in chunks:
+        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+        if not size or offsets[0] != row or any(offsets[1:]) or sizes[1:] != size[1:]:
+            return None
+        info = metadata.storage_data.get(MetadataIndex(key, chunk.offsets))
+        if info is None or getattr(info, "transform_descriptors", None):
+            return None
+        out.append((info, sizes[0]))
+        row += sizes[0]
+    return out if row == size[0] else None
+
+
 def _dcp_model_tensors(url: str, options: Dict[str, Any]) -> Tuple[List[Spec], Callable[[str], Iterable[Any]]]:
     """The model tensors of a sharded checkpoint (names, shapes, dtypes) and a one-tensor reader.
 
@@ -197,7 +218,7 @@ def _dcp_model_tensors(url: str, options: Dict[str, Any]) -> Tuple[List[Spec], C
     shard files as raw bytes (`_block_bytes`; a block whose record is not a plain tensor is read
     with ``torch.load(weights_only=True)``). Other layouts go through DCP into one full tensor.
     """
-    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     # why here: both import torch.distributed.checkpoint (~0.7 s), for sharded checkpoints only
     from raytrain_events._torch_compat import load_whole_state_dict
@@ -222,26 +243,9 @@ def _dcp_model_tensors(url: str, options: Dict[str, Any]) -> Tuple[List[Spec], C
     fs, root = resolve(url, options)
     root = root.rstrip("/")
 
-    def blocks(key: str, item: Any) -> Optional[List[Any]]:
-        """The storage and row count of each saved block in row order, if the blocks tile dim 0; else None."""
-        size = tuple(item.size)
-        chunks = sorted(item.chunks, key=lambda c: tuple(c.offsets))
-        row = 0
-        out = []
-        for chunk in chunks:
-            offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
-            if not size or offsets[0] != row or any(offsets[1:]) or sizes[1:] != size[1:]:
-                return None
-            info = metadata.storage_data.get(MetadataIndex(key, chunk.offsets))
-            if info is None or getattr(info, "transform_descriptors", None):
-                return None
-            out.append((info, sizes[0]))
-            row += sizes[0]
-        return out if row == size[0] else None
-
     def read(name: str) -> Iterator[Any]:
         key, item = items[name]
-        storages = blocks(key, item)
+        storages = _dim0_blocks(metadata, key, item)
         if storages is None:  # another layout: DCP assembles the full tensor
             target = {"model": {name: torch.empty(tuple(item.size), dtype=item.properties.dtype)}}
             planner = SafeLoadPlanner(allow_partial_load=True)

@@ -8,13 +8,13 @@ applies it (RNGs through ``rng.py``). ``inference.py`` loads one for ``eval()``/
 
 Files:
 
-* ``checkpointer.py``: `Checkpointer`: saves the run at checkpoint events (its loading side,
-  `CheckpointLoading`, is ``loading.py``'s).
+* ``checkpointer.py``: `Checkpointer`: saves the run at checkpoint events, and records what its
+  `CheckpointLoader` (``loading.py``, built with the folder, index, local tier and sharded reader) restored.
 * ``host_snapshot.py``: `HostSnapshots`: the last two good states of a run in host memory, restored
   without a storage read (`SpikeGuard`'s rollback).
 * ``inference.py``: Load a checkpoint into a `Trainer` built for ``eval()``/``predict()`` only (no
   train data, no optimizer).
-* ``loading.py``: Restoring a checkpoint into a run (`CheckpointLoading`: what to load at start-up):
+* ``loading.py``: Restoring a checkpoint into a run (`CheckpointLoader`: what to load at start-up):
   the newest one chosen once and shared, then applied to the `State`.
 * ``peer_fill.py``: A full checkpoint's ``state.pt`` on every node's local tier, from rank 0 over the process
   group at a restart.

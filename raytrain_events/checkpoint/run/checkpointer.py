@@ -8,7 +8,7 @@ collectives use their own process group: every rank's RNG state is gathered to r
 uploads the state and every rank's RNG file, commits the manifest, updates the folder's index
 and prunes (`Committer`).
 One save is in flight at a time; a save that comes due meanwhile is postponed to the first
-batch after it finished (training never waits on storage). Loading (`loading.py`) happens between INIT and
+batch after it finished (training never waits on storage). Loading (`loading.py`, the `CheckpointLoader` it holds) happens between INIT and
 AFTER_LOAD: ``autoresume`` takes the newest valid checkpoint of ``save_folder``, chosen by rank 0
 and shared; otherwise ``load_from``.
 """
@@ -33,7 +33,7 @@ from raytrain_events.checkpoint.format.local_copy import LocalCopies
 from raytrain_events.checkpoint.format.manifest import CheckpointInfo, FileEntry
 from raytrain_events.checkpoint.format.writer import CheckpointSave, new_checkpoint_url, rng_file_name
 from raytrain_events.checkpoint.host import CheckpointHost
-from raytrain_events.checkpoint.run.loading import CheckpointLoading, epoch_and_batch
+from raytrain_events.checkpoint.run.loading import CheckpointLoader, Restored, epoch_and_batch
 from raytrain_events.checkpoint.run.preemption import SAVE_FLAG, save_on_sigterm
 from raytrain_events.checkpoint.run.rng import capture_rng_state
 from raytrain_events.checkpoint.run.save_channel import SaveChannel
@@ -82,9 +82,9 @@ class SavedCheckpoint:
         return None if self.future is None else self.future.result()
 
 
-class Checkpointer(CheckpointLoading, Callback):
-    """Saves and loads checkpoints for one `Trainer` according to a `CheckpointConfig` (loading: `CheckpointLoading`,
-    ``loading.py``).
+class Checkpointer(Callback):
+    """Saves and loads checkpoints for one `Trainer` according to a `CheckpointConfig` (loading: the
+    `CheckpointLoader` it builds and holds, ``loading.py``).
 
     Other components ask for a save with ``state.request("save")`` (on any rank); the ranks
     agree on it through the loop's per-batch collective and every rank saves at that batch.
@@ -98,28 +98,12 @@ class Checkpointer(CheckpointLoading, Callback):
         state.agreement.register(SAVE_FLAG)
         state.agreement.register(_BUSY_FLAG)
         self.options = dict(config.storage_options)
-        if config.save_folder is None:  # a plain Trainer's run directory
-            self.run = RunDir(os.path.abspath(os.path.join("runs", state.run_name)), self.options)
-            self.folder = self.run.checkpoints
-        else:
-            self.folder = config.save_folder
-            self.run = RunDir.of_checkpoints(self.folder, self.options)
+        self.run = _run_dir(config, state.run_name, self.options)
+        self.folder = self.run.checkpoints if config.save_folder is None else config.save_folder
         self.run_dir = self.run.url
-        # A 'tok' interval needs a token counter (as eval_interval does): else no periodic save would happen.
-        counts_tokens = getattr(getattr(host, "train_spec", None), "counts_tokens", True)
-        self._interval = (
-            make_interval(config.save_interval, state.max_duration, counts_tokens=counts_tokens, what="save_interval")
-            if config.save_interval is not None
-            else None
-        )
+        self._interval = _save_interval(host, config)
         self._writer = AsyncCheckpointWriter(keep_going=True) if config.async_save else None
-        model_sharded = host.parallel.sharded and host.dist.is_distributed
-        if model_sharded and config.sharded is False:
-            raise ValueError(
-                "CheckpointConfig(sharded=False) with parallelism='fsdp': a sharded model is saved as shards (no "
-                "rank holds the whole model). Fix: leave sharded=None; export one file with `raytrain-events export`."
-            )
-        self.sharded = bool(config.sharded) if config.sharded is not None else model_sharded
+        self.sharded = _saves_sharded(host, config)
         # Directory names without a per-save collective; the background saves' own process group.
         self.channel = SaveChannel(host.dist, background=config.async_save)
         self._sharded_io: Optional[ShardedCheckpointIO] = None
@@ -146,6 +130,15 @@ class Checkpointer(CheckpointLoading, Callback):
         self.committer = Committer(self.checkpoints, deadline_s=config.upload_deadline_s, run=self.run)
         # Node-local copies of this process's files of each save, read first on a restart (folder/local_tier.py).
         self.local_tier = LocalTier(config.local_dir, self.folder, config.local_keep) if config.local_dir else None
+        self.loader = CheckpointLoader(
+            host,
+            options=self.options,
+            checkpoints=self.checkpoints,
+            local_tier=self.local_tier,
+            sharded_io=self._sharded_io,
+            strict=config.load_strict,
+            announce=config.announce_config_change,
+        )
         self._deferred = False  # a save came due while the previous one was still in flight
         self._said_postponed = 0  # 1: a postponed save was said (INFO); 2: a skipped interval was warned of
         self.failures: List[Tuple[str, str]] = []  # (checkpoint URL, error) of saves that failed for good
@@ -153,12 +146,33 @@ class Checkpointer(CheckpointLoading, Callback):
         # step's quorum) saves the committed state for all (`ray/replica_groups.lead_saves`).
         self.saves_here: Callable[[], bool] = lambda: True
         self.late: Optional[LateSave] = None  # the next save stands in for save points a dead lead missed
-        self._lock = None
-        if state.rank == 0:
-            refuse_file_folder(self.folder, self.options)
-        if config.lock_run_dir and state.rank == 0:
-            # Refuses (RunLockedError naming the holder) if another live run holds this run dir.
-            self._lock = acquire_lock(self.run_dir, "running", storage_options=self.options, takeover_stale=True)
+        self._lock = self._claim_run_dir() if state.rank == 0 else None
+
+    def _claim_run_dir(self) -> Any:
+        """Rank 0: refuse a checkpoint folder that is a file, and take the run directory's lock (``lock_run_dir``):
+        `RunLockedError`, naming the holder, when another live run holds it."""
+        refuse_file_folder(self.folder, self.options)
+        if not self.config.lock_run_dir:
+            return None
+        return acquire_lock(self.run_dir, "running", storage_options=self.options, takeover_stale=True)
+
+    # ------------------------------------------------------------------ load
+    def load(self, config: Optional[CheckpointConfig] = None) -> Optional[CheckpointInfo]:
+        """Restore from ``autoresume`` (newest valid) or ``load_from`` (`CheckpointLoader.load`) and record it; None
+        if nothing to load (or ``load_from`` was a safetensors directory: weights only, see ``loaded_safetensors``).
+        ``config``: whose ``autoresume``/``load_from`` to follow (default this checkpointer's; replica groups load
+        later, see `ray/replica_groups.load_at_first_quorum`)."""
+        restored = self.loader.load(config or self.config, inference=self.inference)
+        if isinstance(restored, str):  # a safetensors directory: the model's weights only
+            self.loaded_safetensors = restored
+        if not isinstance(restored, Restored):
+            return None
+        self.loaded, self.loaded_local = restored.info, restored.local
+        self._last_saved = epoch_and_batch(self.host.state)
+        if restored.rng is not None and self.host.state.timestamp.batch_in_epoch.value > 0:
+            self._resume_rng = (restored.rng["epoch_start"], restored.rng["now"])
+            self._epoch_start_rng = restored.rng["epoch_start"]
+        return restored.info
 
     # ------------------------------------------------------------------ save
     def fit_start(self, state, logger) -> None:
@@ -390,6 +404,36 @@ class Checkpointer(CheckpointLoading, Callback):
             if self._lock is not None:
                 lock, self._lock = self._lock, None
                 release_lock(self.run_dir, "running", storage_options=self.options, lock=lock)
+
+
+def _run_dir(config: CheckpointConfig, run_name: str, options: Dict[str, Any]) -> RunDir:
+    """The run directory: ``save_folder``'s parent, or a plain `Trainer`'s ``runs/<run_name>`` without one."""
+    if config.save_folder is None:
+        return RunDir(os.path.abspath(os.path.join("runs", run_name)), options)
+    return RunDir.of_checkpoints(config.save_folder, options)
+
+
+def _save_interval(host: CheckpointHost, config: CheckpointConfig) -> Any:
+    """When periodic saves come due, or None. A 'tok' interval needs a token counter (as eval_interval does):
+    else no periodic save would happen."""
+    if config.save_interval is None:
+        return None
+    counts_tokens = getattr(getattr(host, "train_spec", None), "counts_tokens", True)
+    return make_interval(
+        config.save_interval, host.state.max_duration, counts_tokens=counts_tokens, what="save_interval"
+    )
+
+
+def _saves_sharded(host: CheckpointHost, config: CheckpointConfig) -> bool:
+    """Whether saves are sharded (DCP): ``sharded``, else whenever the model is (FSDP across ranks); a sharded
+    model cannot be saved whole."""
+    model_sharded = host.parallel.sharded and host.dist.is_distributed
+    if model_sharded and config.sharded is False:
+        raise ValueError(
+            "CheckpointConfig(sharded=False) with parallelism='fsdp': a sharded model is saved as shards (no "
+            "rank holds the whole model). Fix: leave sharded=None; export one file with `raytrain-events export`."
+        )
+    return bool(config.sharded) if config.sharded is not None else model_sharded
 
 
 def attach_checkpointing(host: CheckpointHost, config: CheckpointConfig) -> Checkpointer:

@@ -1,6 +1,6 @@
 """Restoring a checkpoint into a run: the newest one chosen once and shared, then applied to the `State`.
 
-`CheckpointLoading.load` (the `Checkpointer`'s loading side) decides *what* to load (autoresume,
+`CheckpointLoader.load` (which the `Checkpointer` builds and holds) decides *what* to load (autoresume,
 ``load_from``, a safetensors directory); the functions below do the reading and restoring. Rank 0 alone lists the folder and reads the manifest
 (O(1) storage requests per resume, whatever the number of ranks); every rank then reads the
 chosen checkpoint's files. Applying handles full and sharded checkpoints into DDP or FSDP models,
@@ -11,7 +11,8 @@ saved RNG state so a mid-epoch resume replays the epoch's data order exactly.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from raytrain_events.checkpoint.config import CheckpointConfig
 from raytrain_events.checkpoint.dcp.safetensors_io import is_safetensors_dir, start_from_safetensors
@@ -31,6 +32,7 @@ from raytrain_events.storage.fs import refuse_file_folder
 from raytrain_events.storage.run_dir import STATE_FILE  # re-exported (the name is the run layout's)
 
 if TYPE_CHECKING:
+    from raytrain_events.checkpoint.folder.folder import CheckpointFolder
     from raytrain_events.checkpoint.folder.index import CheckpointIndex
     from raytrain_events.checkpoint.folder.local_tier import LocalTier
     from raytrain_events.checkpoint.format.local_copy import LocalCopies
@@ -38,43 +40,53 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger(__name__)
 
-__all__ = ["STATE_FILE", "CheckpointLoading", "apply_checkpoint", "epoch_and_batch", "read_latest_shared"]
+__all__ = ["STATE_FILE", "CheckpointLoader", "Restored", "apply_checkpoint", "epoch_and_batch", "read_latest_shared"]
 
 
-class CheckpointLoading:
-    """The `Checkpointer`'s loading side: what to load at start-up, read and applied (its save side sets up every
-    attribute used here: ``host``, ``config``, ``options``, ``folder``, ``checkpoints``, ``local_tier``, ...)."""
+@dataclass(frozen=True)
+class Restored:
+    """What a load restored: the checkpoint's info, the node-local tier's record of which tier served each file
+    (None without a local tier), and this rank's saved RNG state at the save and at its epoch's start (None when the
+    load restores weights only, is for inference, or the checkpoint holds no RNG file for this rank)."""
 
-    host: CheckpointHost
-    config: CheckpointConfig
-    options: Dict[str, Any]
-    folder: str
-    checkpoints: Any
-    local_tier: Optional[LocalTier]
-    inference: bool
-    _sharded_io: Optional[ShardedCheckpointIO]
-    loaded: Optional[CheckpointInfo]
-    loaded_local: Optional[LocalCopies]
-    loaded_safetensors: Optional[str]
-    _last_saved: Optional[Tuple[int, int]]
-    _resume_rng: Optional[Tuple[Any, Any]]
-    _epoch_start_rng: Dict[str, Any]
+    info: CheckpointInfo
+    local: Optional[LocalCopies] = None
+    rng: Optional[Dict[str, Any]] = None
 
-    def load(self, config: Optional[CheckpointConfig] = None) -> Optional[CheckpointInfo]:
-        """Restore from ``autoresume`` (newest valid) or ``load_from``; None if nothing to load (or
-        ``load_from`` was a safetensors directory: weights only, see ``loaded_safetensors``). ``config``: whose
-        ``autoresume``/``load_from`` to follow (default this checkpointer's; replica groups load later, see
-        `ray/replica_groups.load_at_first_quorum`)."""
-        config = config or self.config
+
+class CheckpointLoader:
+    """What to load at start-up, read and applied: the `Checkpointer` builds one with what it reads from (the run's
+    checkpoint folder, its index and node-local tier, the sharded reader) and asks it to ``load``; the loader keeps
+    nothing of the run's own (the `Checkpointer` records what was loaded)."""
+
+    def __init__(  # noqa: PLR0913 (what a load reads from, each named)
+        self,
+        host: CheckpointHost,
+        *,
+        options: Dict[str, Any],
+        checkpoints: CheckpointFolder,
+        local_tier: Optional[LocalTier],
+        sharded_io: Optional[ShardedCheckpointIO],
+        strict: bool,
+        announce: bool,
+    ) -> None:
+        self.host, self.options, self.checkpoints = host, options, checkpoints
+        self.folder = checkpoints.url
+        self.local_tier, self.sharded_io = local_tier, sharded_io
+        self.strict, self.announce = strict, announce
+
+    def load(self, config: CheckpointConfig, *, inference: bool = False) -> Union[Restored, str, None]:
+        """Restore from ``config``'s ``autoresume`` (the folder's newest valid checkpoint) or ``load_from``: what was
+        restored; ``load_from`` itself when it is a safetensors directory (weights only: an export, a Hugging Face
+        model); None when there is nothing to load. ``inference``: into a model built for eval()/predict() only."""
         loaded: Optional[LoadedCheckpoint] = None
         if config.autoresume:
             loaded = self._read_latest(self.folder)
         ignore: Sequence[str] = ()
         weights_only = False  # resuming this run's own checkpoint restores everything
         if loaded is None and config.load_from and is_safetensors_dir(config.load_from, self.options):
-            self.loaded_safetensors = config.load_from  # model weights only (an export, a Hugging Face model)
             start_from_safetensors(self.host.state.model, config)
-            return None
+            return config.load_from
         if loaded is None and config.load_from:
             refuse_file_folder(config.load_from, self.options, what="load_from")  # e.g. .../state.pt
             loaded = self._read(config.load_from)
@@ -87,10 +99,7 @@ class CheckpointLoading:
             weights_only = config.load_weights_only
         if loaded is None:
             return None
-        self._apply(loaded, ignore, weights_only)
-        self.loaded = loaded.info
-        self._last_saved = epoch_and_batch(self.host.state)
-        return loaded.info
+        return self._apply(loaded, ignore, weights_only, inference)
 
     def _read_latest(self, folder: str) -> Optional[LoadedCheckpoint]:
         """The newest valid checkpoint of ``folder``, chosen by rank 0 and shared (see `read_latest_shared`)."""
@@ -104,27 +113,24 @@ class CheckpointLoading:
         except CheckpointNotCommittedError:
             return self._read_latest(url)
 
-    def _apply(self, loaded: LoadedCheckpoint, ignore: Sequence[str] = (), weights_only: bool = False) -> None:
+    def _apply(self, loaded: LoadedCheckpoint, ignore: Sequence[str], weights_only: bool, inference: bool) -> Restored:
         local = self.local_tier.copies(loaded.info.name) if self.local_tier is not None else None
-        self.loaded_local = local
         rng = apply_checkpoint(
             self.host,
             loaded,
             self.options,
-            strict=self.config.load_strict,
-            sharded_io=self._sharded_io,
-            inference=self.inference,
+            strict=self.strict,
+            sharded_io=self.sharded_io,
+            inference=inference,
             ignore=ignore,
             weights_only=weights_only,
             local=local,
-            announce=self.config.announce_config_change,
+            announce=self.announce,
         )
         if local is not None:  # which tier served each file, on each rank (a warning when storage served some)
             log = _log.warning if local.storage else _log.info
             log("Rank %d loaded checkpoint %s: %s", self.host.state.rank, loaded.info.name, local.summary())
-        if rng is not None and self.host.state.timestamp.batch_in_epoch.value > 0:
-            self._resume_rng = (rng["epoch_start"], rng["now"])
-            self._epoch_start_rng = rng["epoch_start"]
+        return Restored(loaded.info, local, rng)
 
 
 def epoch_and_batch(state: Any) -> Tuple[int, int]:

@@ -124,7 +124,7 @@ class HostStager:
             counts["seen"].add(key)
             buf = buffers.get(key)
             if buf is None:
-                # why here: _torch_compat imports the private torch module on first use
+                # why here: defers torch.distributed._state_dict_utils (DTensor and FSDP's machinery, ~2 s) to the first copy
                 from raytrain_events._torch_compat import create_cpu_state_dict
 
                 buf = create_cpu_state_dict({"t": src}, pin_memory=device)["t"]

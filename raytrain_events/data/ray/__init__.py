@@ -1,6 +1,6 @@
 """The train data path on Ray: one global order of rows, cut into every rank's batches.
 
-Runs in three processes. On the driver, `TrainDataConfig` (``loader.py``) hands Ray Train the
+Runs in three processes. On the driver, `TrainDataConfig` (``data_config.py``) hands Ray Train the
 datasets; in Train's controller, Ray Data's dataset manager starts one `EpochFeeder` actor
 (``feeder.py``) per train set, which orders the epoch's blocks (``row_index.py``; shuffled in
 windows, ``shuffle.py``) and answers each rank's "which rows make my next batches?" with typed
@@ -18,9 +18,12 @@ Files:
   without per-row objects.
 * ``block_fetch.py``: A rank's rows of a chunk of batches, each block's rows cut on the node that
   holds the block.
+* ``data_config.py``: `TrainDataConfig`: how Ray Train hands the run's datasets to a worker group (the
+  train set's feeder and shards, eval sets split by Ray), and `cheap_row_count`.
 * ``feeder.py``: Global data order for training: every rank's batches are a function of one
   position in one order.
-* ``loader.py``: Worker-side data: the train set in one global order, eval sets as Ray shards.
+* ``loader.py``: Worker-side data: the train set in one global order (`GlobalOrderLoader` over a
+  `GlobalOrderShard`), eval sets as Ray shards (`ShardLoader`).
 * ``mixture_loader.py``: `MixtureOrderLoader`: a Ray worker's train loader over a `MixtureSource`,
   with per-source counts.
 * ``mixture_source.py``: `MixtureSource`: a `Mixture` of seekable sources as one seekable train set

@@ -61,6 +61,7 @@ workers (some rank would get none) its rows join the batch before it.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from raytrain_events.data.order import BatchCut, EpochOrder, StreamStart, TrainOrder
@@ -374,8 +375,6 @@ class EpochFeeder:
         """Start the stream of (epoch, position) before any rank asks: the driver's guess of where the
         run begins, made while Ray Train starts the worker group (see the module doc). The first
         rank's `start_epoch` uses it only if it asks for the same epoch, position and order."""
-        import time
-
         with self.lock:
             self._load(source)
             key = (epoch, position)
@@ -405,8 +404,6 @@ class EpochFeeder:
 
     def _prestarted(self, key: Tuple[int, int], order: EpochOrder) -> Optional[_Epoch]:
         """The epoch ``key`` if started; the first rank's request drops a prestarted guess that is not it."""
-        import time
-
         started = self.epochs.get(key)
         guesses = [k for k, e in self.epochs.items() if e.prestarted]
         if not guesses:

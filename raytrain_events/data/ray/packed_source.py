@@ -90,6 +90,39 @@ def count_real_tokens(batch: Any) -> int:
     return int(batch["num_tokens"].sum())
 
 
+def _token_type(schema: Any, tokens_column: str) -> Any:
+    """The integer type of ``tokens_column``'s token ids (a list of them per document), or a clear error."""
+    import pyarrow as pa
+
+    if tokens_column not in schema.names:
+        raise ValueError(
+            f"PackedTokens: the Parquet files have no {tokens_column!r} column (they have "
+            f"{schema.names}). Pass tokens_column=<the column of token ids>."
+        )
+    kind = schema.field(tokens_column).type
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not pa.types.is_integer(kind.value_type):
+        raise TypeError(
+            f"PackedTokens: column {tokens_column!r} is {kind}, not a list of integer token ids per "
+            "document. Tokenize the text first (raytrain-events tokenize) or name the token column."
+        )
+    return kind.value_type
+
+
+def _packed_schema(value_type: Any, seq_len: int) -> Any:
+    """The packed sequences' Arrow schema: ``seq_len`` token ids (the source's integer type), their document ids and
+    positions, and the real token count of each sequence."""
+    import pyarrow as pa
+
+    return pa.schema(
+        [
+            pa.field("input_ids", pa.list_(pa.from_numpy_dtype(_token_dtype(value_type)), seq_len)),
+            pa.field("document_ids", pa.list_(pa.int64(), seq_len)),
+            pa.field("position_ids", pa.list_(pa.int32(), seq_len)),
+            pa.field("num_tokens", pa.int32()),
+        ]
+    )
+
+
 class PackedTokens:
     """Token documents packed into sequences (see module doc).
 
@@ -113,8 +146,6 @@ class PackedTokens:
         vocab_size: Optional[int] = None,
         pad_id: int = 0,
     ) -> None:
-        import pyarrow as pa
-
         check_policy(policy, seq_len)
         if is_seekable(source) and not isinstance(source, ParquetRowGroups):
             raise TypeError(
@@ -126,17 +157,7 @@ class PackedTokens:
         self.window_tokens = window_tokens or 256 * seq_len
         self.paths, self.filesystem = parquet.paths, parquet.filesystem
         schema = parquet.schema
-        if tokens_column not in schema.names:
-            raise ValueError(
-                f"PackedTokens: the Parquet files have no {tokens_column!r} column (they have "
-                f"{schema.names}). Pass tokens_column=<the column of token ids>."
-            )
-        kind = schema.field(tokens_column).type
-        if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not pa.types.is_integer(kind.value_type):
-            raise TypeError(
-                f"PackedTokens: column {tokens_column!r} is {kind}, not a list of integer token ids per "
-                "document. Tokenize the text first (raytrain-events tokenize) or name the token column."
-            )
+        value_type = _token_type(schema, tokens_column)
         self.tokens_column = tokens_column
         self.length_column = length_column if length_column in schema.names else None
         self.id_column = id_column if id_column in schema.names else None
@@ -144,37 +165,35 @@ class PackedTokens:
         self._check_vocabulary(vocab_size)
         self.units = [(f, g) for f, g, _ in parquet.units]
         bases = np.cumsum([0] + [rows for _, _, rows in parquet.units])
+        self.bases = [int(b) for b in bases[:-1]]  # each unit's first document row (file order)
         lengths = self._lengths()
+        self._cut_windows(lengths, token_bytes=np.dtype(_token_dtype(value_type)).itemsize)
+        self.documents = int(bases[-1])
+        self.real_tokens = int(sum(int(x.sum()) for x in lengths))
+        self.schema = _packed_schema(value_type, seq_len)
+        if not self.window_sequences:
+            raise ValueError(f"PackedTokens: the documents of {self.paths[:3]} hold no tokens.")
+
+    def _cut_windows(self, lengths: List[np.ndarray], *, token_bytes: int) -> None:
+        """Cut the units (row groups, in file order) into windows of about `window_tokens` tokens each, packed
+        apart: each window's first and end unit, its sequence count and its compact block's bytes. A window
+        whose documents pack into no sequence is left out."""
         self.windows: List[Tuple[int, int]] = []  # (first unit, end unit) of each window
         self.window_sequences: List[int] = []
         self.window_bytes: List[int] = []  # each window's compact block, at most (`block_bytes`): sizes reads
-        token_bytes = np.dtype(_token_dtype(kind.value_type)).itemsize
-        self.bases = [int(b) for b in bases[:-1]]  # each unit's first document row (file order)
         start, tokens = 0, 0
         for u, unit_lengths in enumerate(lengths):
             tokens += int(unit_lengths.sum())
             if tokens >= self.window_tokens or u == len(lengths) - 1:
                 where = f"{self.paths[self.units[start][0]]} (row groups of window {len(self.windows)})"
                 window_lengths = np.concatenate(lengths[start : u + 1])
-                count = sequences_in_window(window_lengths, seq_len, policy, where)
+                count = sequences_in_window(window_lengths, self.seq_len, self.policy, where)
                 if count:
                     self.windows.append((start, u + 1))
                     self.window_sequences.append(count)
                     documents = int(np.count_nonzero(window_lengths))
-                    self.window_bytes.append(block_bytes(count, documents, seq_len, token_bytes))
+                    self.window_bytes.append(block_bytes(count, documents, self.seq_len, token_bytes))
                 start, tokens = u + 1, 0
-        self.documents = int(bases[-1])
-        self.real_tokens = int(sum(int(x.sum()) for x in lengths))
-        self.schema = pa.schema(
-            [
-                pa.field("input_ids", pa.list_(pa.from_numpy_dtype(_token_dtype(kind.value_type)), seq_len)),
-                pa.field("document_ids", pa.list_(pa.int64(), seq_len)),
-                pa.field("position_ids", pa.list_(pa.int32(), seq_len)),
-                pa.field("num_tokens", pa.int32()),
-            ]
-        )
-        if not self.window_sequences:
-            raise ValueError(f"PackedTokens: the documents of {self.paths[:3]} hold no tokens.")
 
     def _read(self, f: int, g: int, columns: List[str]) -> Any:
         import pyarrow.parquet as pq

@@ -335,15 +335,7 @@ def tokenize(  # noqa: PLR0913 (inputs and output, then keyword-only options, ea
     import ray
 
     sources = {"train": inputs} if isinstance(inputs, (str, list, tuple)) else dict(inputs)
-    tok = load_tokenizer(tokenizer)  # a missing or unreadable tokenizer fails here, before any task
-    if vocab_size is not None and tok.vocab_size > vocab_size:
-        raise ValueError(
-            f"The tokenizer {tokenizer!r} has {tok.vocab_size} token ids, more than vocab_size={vocab_size} (the "
-            f"model's embedding). Fix: a model with vocab_size >= {tok.vocab_size}, or the model's own tokenizer."
-        )
-    if eos is not None and tok.token_id(eos) is None:
-        raise ValueError(f"eos={eos!r} is not a token of {tokenizer}: give a token of its vocabulary.")
-    sha = tok.fingerprint
+    sha = _checked_tokenizer(tokenizer, vocab_size, eos).fingerprint
     options = {
         "tokenizer": os.path.abspath(tokenizer) if os.path.exists(tokenizer) else tokenizer,
         "text_column": text_column,
@@ -353,17 +345,7 @@ def tokenize(  # noqa: PLR0913 (inputs and output, then keyword-only options, ea
         "eos": eos,
         "storage_options": storage_options,
     }
-    todo: List[Dict[str, Any]] = []
-    skipped: Dict[str, int] = {}
-    for name, paths in sources.items():
-        files = _inputs(paths, storage_options)
-        check_text_columns(files, text_column, id_column, storage_options)
-        for number, path in enumerate(files):
-            out = _join(output, name, f"part-{number:05d}.parquet")
-            if _done(out, path, sha, storage_options):
-                skipped[name] = skipped.get(name, 0) + 1
-            else:
-                todo.append({"path": path, "output": out, "number": number, "source": name})
+    todo, skipped = _shards_to_write(sources, output, sha, text_column, id_column, storage_options)
     results: List[Dict[str, Any]] = []
     if todo:
 
@@ -375,6 +357,50 @@ def tokenize(  # noqa: PLR0913 (inputs and output, then keyword-only options, ea
 
         dataset = ray.data.from_items(todo, override_num_blocks=len(todo))
         results = dataset.map(run, num_cpus=num_cpus).take_all()
+    return _summary(list(sources), results, skipped)
+
+
+def _checked_tokenizer(tokenizer: str, vocab_size: Optional[int], eos: Optional[str]) -> Any:
+    """The tokenizer, loaded before any task; refused when it has more ids than the model's embedding
+    (``vocab_size``) or lacks the ``eos`` token."""
+    tok = load_tokenizer(tokenizer)  # a missing or unreadable tokenizer fails here, before any task
+    if vocab_size is not None and tok.vocab_size > vocab_size:
+        raise ValueError(
+            f"The tokenizer {tokenizer!r} has {tok.vocab_size} token ids, more than vocab_size={vocab_size} (the "
+            f"model's embedding). Fix: a model with vocab_size >= {tok.vocab_size}, or the model's own tokenizer."
+        )
+    if eos is not None and tok.token_id(eos) is None:
+        raise ValueError(f"eos={eos!r} is not a token of {tokenizer}: give a token of its vocabulary.")
+    return tok
+
+
+def _shards_to_write(  # noqa: PLR0913 (the job's sources and output, the tokenizer's fingerprint, its columns)
+    sources: Mapping[str, Union[str, Sequence[str]]],
+    output: str,
+    tokenizer_sha: str,
+    text_column: str,
+    id_column: Optional[str],
+    storage_options: Optional[Dict[str, Any]],
+) -> Tuple[List[Dict[str, Any]], Dict[str, int]]:
+    """Each source's input files checked for their columns, and the shards to write: ``([{path, output, number,
+    source}], {source: shards skipped})``; a shard already written from the same input with the same tokenizer
+    is skipped (a rerun resumes)."""
+    todo: List[Dict[str, Any]] = []
+    skipped: Dict[str, int] = {}
+    for name, paths in sources.items():
+        files = _inputs(paths, storage_options)
+        check_text_columns(files, text_column, id_column, storage_options)
+        for number, path in enumerate(files):
+            out = _join(output, name, f"part-{number:05d}.parquet")
+            if _done(out, path, tokenizer_sha, storage_options):
+                skipped[name] = skipped.get(name, 0) + 1
+            else:
+                todo.append({"path": path, "output": out, "number": number, "source": name})
+    return todo, skipped
+
+
+def _summary(sources: List[str], results: List[Dict[str, Any]], skipped: Dict[str, int]) -> Dict[str, Any]:
+    """Shards written and skipped, and per source the documents, tokens, empty and truncated documents."""
     summary: Dict[str, Any] = {"written": len(results), "skipped": sum(skipped.values()), "sources": {}}
     for name in sources:
         mine = [r for r in results if r["source"] == name]

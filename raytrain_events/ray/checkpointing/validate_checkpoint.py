@@ -91,7 +91,7 @@ class CheckpointValidator:
         """Load ``url`` into a one-process `Trainer` and evaluate the eval sets; ``{"metrics/<label>/<name>": float}``."""
         import torch
 
-        # why here: defers ray, torch until this runs
+        # why here: defers torch, numpy, pyarrow (the evaluation loop and its data) until this runs
         from raytrain_events.data.ray.loader import ShardLoader
         from raytrain_events.dist import LocalDist
         from raytrain_events.trainer import Trainer

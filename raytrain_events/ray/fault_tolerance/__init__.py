@@ -25,6 +25,9 @@ from __future__ import annotations
 from typing import Any
 
 from raytrain_events.ray.fault_tolerance.protocol import FaultTolerance, WorkerFaultTolerance, WorkerParts
+from raytrain_events.ray.fault_tolerance.replica_groups import ReplicaGroups
+from raytrain_events.ray.fault_tolerance.restarts import Restarts
+from raytrain_events.ray.fault_tolerance.sharded_replica_groups import ShardedReplicaGroups
 from raytrain_events.ray.replica_checks import check_fault_tolerance
 
 __all__ = ["FaultTolerance", "WorkerFaultTolerance", "WorkerParts", "choose"]
@@ -36,16 +39,7 @@ def choose(spec: Any, plan: Any) -> FaultTolerance:
     (`replica_checks.check_fault_tolerance`: on the driver, before Ray starts)."""
     check_fault_tolerance(spec)
     if spec.failures.fault_tolerance == "replica_groups" and spec.failures.replica_group_size > 1:
-        # why here: raytrain_events.ray.fault_tolerance.sharded_replica_groups imports this module (an import cycle)
-        from raytrain_events.ray.fault_tolerance.sharded_replica_groups import ShardedReplicaGroups
-
         return ShardedReplicaGroups(spec, plan)
     if spec.failures.fault_tolerance == "replica_groups":
-        # why here: raytrain_events.ray.fault_tolerance.replica_groups imports this module (an import cycle)
-        from raytrain_events.ray.fault_tolerance.replica_groups import ReplicaGroups
-
         return ReplicaGroups(spec, plan)
-    # why here: raytrain_events.ray.fault_tolerance.restarts imports this module (an import cycle)
-    from raytrain_events.ray.fault_tolerance.restarts import Restarts
-
     return Restarts(spec, plan)

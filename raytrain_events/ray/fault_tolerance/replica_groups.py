@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List, Optional, Tuple
 
-from raytrain_events.data.ray.loader import TrainDataConfig
+from raytrain_events.data.ray.data_config import TrainDataConfig
 from raytrain_events.ray.fault_tolerance.protocol import WorkerParts
 from raytrain_events.ray.replica_checks import min_replicas, torchft_config
 from raytrain_events.ray.replica_groups import CommitOptimizer, ReplicaCommit, ReplicaState, build_manager

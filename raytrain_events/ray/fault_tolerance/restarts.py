@@ -14,7 +14,8 @@ from typing import Any, Dict, List, Optional, Tuple
 from raytrain_events.checkpoint.run.checkpointer import find_checkpointer
 from raytrain_events.core.callback import Callback
 from raytrain_events.data.order import TrainOrder
-from raytrain_events.data.ray.loader import GlobalOrderLoader, GlobalOrderShard, ShardLoader, TrainDataConfig
+from raytrain_events.data.ray.data_config import TrainDataConfig
+from raytrain_events.data.ray.loader import GlobalOrderLoader, GlobalOrderShard, ShardLoader
 from raytrain_events.data.ray.mixture_loader import MixtureOrderLoader
 from raytrain_events.ray.checkpointing.checkpointing import hand_retention_to_ray
 from raytrain_events.ray.fault_tolerance.protocol import WorkerParts

@@ -74,6 +74,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import sys
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 from raytrain_events.ray import _compat
@@ -269,7 +270,6 @@ def _filtered(handler: Callable[[Dict[str, Any]], None], write: Optional[Callabl
 @contextlib.contextmanager
 def _redirected(write: Callable[[str, Any], None]) -> Iterator[None]:
     """Ray prints worker lines to sys.stdout/stderr: hand them to ``write`` with the real stream."""
-    import sys
 
     class _Stream:
         def __init__(self, real: Any) -> None:

@@ -70,7 +70,7 @@ def _train(loaders, steps: int) -> List[int]:
 def test_every_group_restarting_from_an_older_checkpoint_continues_exactly(ray_cluster) -> None:
     ray = ray_cluster
     from raytrain_events.data.order import GlobalBatch
-    from raytrain_events.data.ray.loader import TrainDataConfig
+    from raytrain_events.data.ray.data_config import TrainDataConfig
 
     dataset = ray.data.range(ROWS, override_num_blocks=50)
     config = TrainDataConfig(batch=GlobalBatch(GLOBAL // GROUPS, GLOBAL), tensor_parallel=GROUPS)
