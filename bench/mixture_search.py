@@ -46,7 +46,7 @@ from mixture_tasks import ConflictTask, SyntheticTask  # noqa: E402
 
 from raytrain_events.tune.acquisition import choose_mixture  # noqa: E402
 from raytrain_events.tune.mixture_fit import fit_mixture_regression  # noqa: E402
-from raytrain_events.tune.mixture_searcher import MixtureSearcher, first_design  # noqa: E402
+from raytrain_events.tune.mixture_searcher import DEFAULT_DESIGN, MixtureSearcher, first_design  # noqa: E402
 
 
 class ExampleTask:
@@ -145,7 +145,7 @@ def run(
     print(f"uniform {ref['uniform']:.4f}  best {ref['best']:.4f}  goal: loss <= {ref['best'] + 0.1 * gap:.4f}")
     searches: Dict[str, Callable[[int, int], Dict[str, Any]]] = {
         "one-shot": lambda n, s: one_shot(task, n, s),
-        "one-shot-sf": lambda n, s: one_shot(task, n, s, design="space-filling"),
+        "one-shot-sf": lambda n, s: one_shot(task, n, s, design=SEARCHER.get("design", DEFAULT_DESIGN)),
         "sequential": lambda n, s: sequential(task, n, s, initial, batch, budgets),
     }
     rows: List[Dict[str, Any]] = []
