@@ -3,7 +3,8 @@
 ``sweep(search_alg=MixtureSearcher(mixture, initial=8, batch=4), num_samples=16, ...)`` runs the
 proxies as trials of one sweep: the first ``initial`` trials fill the simplex (``design="space-filling"``,
 the default: uniform weights first, the mixture a search replaces, then a scrambled Halton sequence
-through the Dirichlet's quantiles, spread evenly; ``"dirichlet"``: seeded Dirichlet draws, as
+through the Dirichlet's quantiles, spread evenly; ``"mixed"``: the same with every other point leaning to the
+corners, through a Dirichlet of `CORNER_SHARE` of the concentration; ``"dirichlet"``: seeded Dirichlet draws, as
 `mixture_space`); once every trial placed so far has ended, the searcher fits the losses they
 reported (`fit_mixture_regression`) and places the next round's trials (``batch``: one size for
 every round, or the rounds' sizes in order, the last one repeated: ``batch=(4, 2, 1)`` runs 4

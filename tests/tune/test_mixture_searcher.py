@@ -67,14 +67,15 @@ def test_rounds_wait_for_their_trials_then_place_the_next_batch_where_the_fit_po
     assert isinstance(failing.suggest("t8"), dict) and len(failing.observed()) == 7
 
 
-def test_a_searcher_stopped_mid_round_and_restored_places_the_same_next_trials(tmp_path):
-    uninterrupted = _searcher()
+@pytest.mark.parametrize("design", ["space-filling", "mixed"])
+def test_a_searcher_stopped_mid_round_and_restored_places_the_same_next_trials(tmp_path, design):
+    uninterrupted = _searcher(design=design)
     expected = _drive(uninterrupted, 0, 17)
-    searcher = _searcher()
+    searcher = _searcher(design=design)
     before = _drive(searcher, 0, 11, pending={"t8", "t9"})  # round 1 placed (t8-t10); two of its trials still run
     path = str(tmp_path / "searcher.pkl")
     searcher.save(path)
-    restored = MixtureSearcher(BASE, metric="loss", seed=99)  # Tune builds it anew from the user's script ...
+    restored = MixtureSearcher(BASE, metric="loss", seed=99)  # Tune builds it anew (default design) ...
     restored.restore(path)  # ... and restores the saved state
     assert restored.suggest("t11") is None  # still waiting on t8 and t9
     for t in ("t8", "t9"):  # Tune re-runs the unfinished trials; they report
