@@ -2,7 +2,7 @@
 
 Two one-shot searches (``n`` proxies placed at once, then `regmix_search`'s choice): ``one-shot``,
 Dirichlet draws (`mixture_space`'s: the library's one-shot search), and ``one-shot-sf``, the
-sequential search's own space-filling first batch at size ``n`` (so the comparison credits the
+sequential search's own first batch at size ``n`` (its ``design``, space-filling by default) (so the comparison credits the
 rounds, not the first design); against ``sequential`` (`MixtureSearcher`: ``initial`` space-filling
 trials, then rounds of ``batch`` placed by the fit, then the same choice over all the proxies), on
 `bench/mixture_tasks.py`'s tasks: ``synthetic`` (5 sources, a known best, a smooth loss plus proxy
@@ -23,7 +23,7 @@ which every seed does) and the sequential search's ratio to each one-shot search
 
     python bench/mixture_search.py --task synthetic --inputs log --seeds 3 --budgets 12 16 20 24 32 48 64
     python bench/mixture_search.py --task conflict --seeds 3
-    python bench/mixture_search.py --task example --seeds 3 --budgets 8 12 16 24
+    python bench/mixture_search.py --task example --seeds 6 --budgets 4 6 8 12 16 24 --arms one-shot sequential
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from mixture_tasks import ConflictTask, SyntheticTask  # noqa: E402
 
 from raytrain_events.tune.acquisition import choose_mixture  # noqa: E402
 from raytrain_events.tune.mixture_fit import fit_mixture_regression  # noqa: E402
-from raytrain_events.tune.mixture_searcher import MixtureSearcher, first_design  # noqa: E402
+from raytrain_events.tune.mixture_searcher import DEFAULT_DESIGN, MixtureSearcher, first_design  # noqa: E402
 
 
 class ExampleTask:
@@ -145,7 +145,7 @@ def run(
     print(f"uniform {ref['uniform']:.4f}  best {ref['best']:.4f}  goal: loss <= {ref['best'] + 0.1 * gap:.4f}")
     searches: Dict[str, Callable[[int, int], Dict[str, Any]]] = {
         "one-shot": lambda n, s: one_shot(task, n, s),
-        "one-shot-sf": lambda n, s: one_shot(task, n, s, design="space-filling"),
+        "one-shot-sf": lambda n, s: one_shot(task, n, s, design=SEARCHER.get("design", DEFAULT_DESIGN)),
         "sequential": lambda n, s: sequential(task, n, s, initial, batch, budgets),
     }
     rows: List[Dict[str, Any]] = []

@@ -210,6 +210,47 @@ def _fitted_noise(kind: str, model: Any, y_var: float) -> float:
     return 0.0
 
 
+def _check_fit_args(
+    weights: Sequence[Any], losses: Sequence[float], model: str, inputs: str, noise: Any, folds: Any
+) -> None:
+    """Refuse what `fit_mixture_regression` cannot fit, naming the fix."""
+    check_model(model)
+    if inputs not in INPUTS:
+        raise ValueError(f"inputs={inputs!r}: use 'shares' (the weights) or 'log' (log(w + {LOG_EPS}): ratios).")
+    if len(weights) != len(losses):
+        raise ValueError(f"{len(weights)} weight dicts but {len(losses)} losses: give one loss per trial.")
+    if len(weights) < _MIN_POINTS:
+        raise ValueError(
+            f"The mixture regression needs at least {_MIN_POINTS} trials with the metric, got {len(weights)}: "
+            "run more trials (RegMix fits a few dozen)."
+        )
+    bad = [v for v in losses if isinstance(v, bool) or not (isinstance(v, (int, float)) and math.isfinite(v))]
+    if bad:
+        raise ValueError(f"Losses {bad} are not finite numbers: drop the trials that diverged or failed first.")
+    if noise is not None and not (isinstance(noise, (int, float)) and math.isfinite(noise) and noise > 0):
+        raise ValueError(f"noise={noise!r} must be a standard deviation > 0 (or None: from repeats, else fitted).")
+    if not isinstance(folds, int) or isinstance(folds, bool) or folds < 0 or folds == 1:
+        raise ValueError(f"folds={folds!r} must be an int >= 2 (K-fold cross-validation) or 0 (no cross-validation).")
+
+
+def _fit_and_cross_validate(
+    feats: np.ndarray, y: np.ndarray, folds: int, seed: int, make: Any
+) -> Tuple[Any, np.ndarray, np.ndarray, int]:
+    """(the model fitted on every point, K-fold held-out predictions, the training folds' means, K); K = 0: none."""
+    from sklearn.exceptions import ConvergenceWarning
+    from sklearn.model_selection import KFold
+
+    k = min(folds, len(y))
+    splitter = KFold(n_splits=max(k, 2), shuffle=True, random_state=seed)
+    held_out, mean_only = np.full_like(y, np.nan), np.full_like(y, np.nan)
+    with warnings.catch_warnings():  # a bound reached is reported by the fit's describe(), not a warning
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        for train, test in splitter.split(feats) if k else ():
+            held_out[test] = make().fit(feats[train], y[train]).predict(feats[test])
+            mean_only[test] = y[train].mean()
+        return make().fit(feats, y), held_out, mean_only, k
+
+
 def fit_mixture_regression(
     weights: Sequence[Any],
     losses: Sequence[float],
@@ -228,21 +269,7 @@ def fit_mixture_regression(
     """
     from scipy.stats import spearmanr
 
-    check_model(model)
-    if inputs not in INPUTS:
-        raise ValueError(f"inputs={inputs!r}: use 'shares' (the weights) or 'log' (log(w + {LOG_EPS}): ratios).")
-    if len(weights) != len(losses):
-        raise ValueError(f"{len(weights)} weight dicts but {len(losses)} losses: give one loss per trial.")
-    if len(weights) < _MIN_POINTS:
-        raise ValueError(
-            f"The mixture regression needs at least {_MIN_POINTS} trials with the metric, got {len(weights)}: "
-            "run more trials (RegMix fits a few dozen)."
-        )
-    bad = [v for v in losses if isinstance(v, bool) or not (isinstance(v, (int, float)) and math.isfinite(v))]
-    if bad:
-        raise ValueError(f"Losses {bad} are not finite numbers: drop the trials that diverged or failed first.")
-    if noise is not None and not (isinstance(noise, (int, float)) and math.isfinite(noise) and noise > 0):
-        raise ValueError(f"noise={noise!r} must be a standard deviation > 0 (or None: from repeats, else fitted).")
+    _check_fit_args(weights, losses, model, inputs, noise, folds)
     names = tuple(names or sorted({n for w in weights for n in w}))
     x = weight_matrix(weights, names)
     y = np.asarray(losses, dtype=float)
@@ -252,22 +279,13 @@ def fit_mixture_regression(
     noise_from = "given" if noise is not None else "repeats" if repeat_std is not None else "fit"
     noise_var = None if noise_std is None else max(noise_std, 1e-12) ** 2
     _require("sklearn")
-    from sklearn.exceptions import ConvergenceWarning
-    from sklearn.model_selection import KFold
-
-    feats = _features(x, model, inputs)
-    if not isinstance(folds, int) or isinstance(folds, bool) or folds < 0 or folds == 1:
-        raise ValueError(f"folds={folds!r} must be an int >= 2 (K-fold cross-validation) or 0 (no cross-validation).")
-    k = min(folds, len(y))
-    splitter = KFold(n_splits=max(k, 2), shuffle=True, random_state=seed)
-    held_out, mean_only = np.full_like(y, np.nan), np.full_like(y, np.nan)
-    with warnings.catch_warnings():  # a bound reached is reported by the fit's describe(), not a warning
-        warnings.simplefilter("ignore", ConvergenceWarning)
-        for train, test in splitter.split(x) if k else ():
-            fold = _make_model(model, len(names), seed, noise_var, y_var, inputs).fit(feats[train], y[train])
-            held_out[test] = fold.predict(feats[test])
-            mean_only[test] = y[train].mean()
-        fitted = _make_model(model, len(names), seed, noise_var, y_var, inputs).fit(feats, y)
+    fitted, held_out, mean_only, k = _fit_and_cross_validate(
+        _features(x, model, inputs),
+        y,
+        folds,
+        seed,
+        lambda: _make_model(model, len(names), seed, noise_var, y_var, inputs),
+    )
     rho = spearmanr(held_out, y).statistic if k and np.ptp(held_out) > 0 and np.ptp(y) > 0 else float("nan")
     if noise_std is None:
         noise_std = _fitted_noise(model, fitted, y_var)

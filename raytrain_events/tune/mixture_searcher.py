@@ -3,7 +3,8 @@
 ``sweep(search_alg=MixtureSearcher(mixture, initial=8, batch=4), num_samples=16, ...)`` runs the
 proxies as trials of one sweep: the first ``initial`` trials fill the simplex (``design="space-filling"``,
 the default: uniform weights first, the mixture a search replaces, then a scrambled Halton sequence
-through the Dirichlet's quantiles, spread evenly; ``"dirichlet"``: seeded Dirichlet draws, as
+through the Dirichlet's quantiles, spread evenly; ``"mixed"``: the same with every other point leaning to the
+corners, through a Dirichlet of `CORNER_SHARE` of the concentration; ``"dirichlet"``: seeded Dirichlet draws, as
 `mixture_space`); once every trial placed so far has ended, the searcher fits the losses they
 reported (`fit_mixture_regression`) and places the next round's trials (``batch``: one size for
 every round, or the rounds' sizes in order, the last one repeated: ``batch=(4, 2, 1)`` runs 4
@@ -51,10 +52,14 @@ from raytrain_events.tune.acquisition import TrustRegion, auto_radius, candidate
 from raytrain_events.tune.mixture_fit import MixtureFit, check_model, fit_mixture_regression, weight_matrix
 from raytrain_events.tune.simplex import _alphas, _names, normalize_weights
 
-__all__ = ["MixtureSearcher", "DESIGNS", "first_design"]
+__all__ = ["MixtureSearcher", "DESIGNS", "DEFAULT_DESIGN", "first_design"]
 
 #: The first batch's designs: ``"space-filling"`` and ``"dirichlet"`` (`first_design`).
-DESIGNS = ("space-filling", "dirichlet")
+DESIGNS = ("space-filling", "dirichlet", "mixed")
+#: ``design="mixed"``: the corner-leaning points' concentration, as a share of ``concentration`` (RegMix's draws).
+CORNER_SHARE = 0.5
+#: The first batch's design when none is given.
+DEFAULT_DESIGN = "space-filling"
 
 
 def _count(value: Any, name: str, least: int) -> int:
@@ -76,13 +81,19 @@ def first_design(design: str, alphas: List[float], count: int, seed: int) -> np.
     """The first batch's ``count`` weight rows. ``"dirichlet"``: seeded draws from Dirichlet(``alphas``).
     ``"space-filling"``: uniform weights (the mixture a search replaces: the choice never has to do worse), then a
     scrambled Halton sequence through the Gamma quantiles of ``alphas``: Dirichlet draws whose uniforms are spread
-    evenly, so no two of a few proxies land close together and no region is left without one."""
+    evenly, so no two of a few proxies land close together and no region is left without one. ``"mixed"``: the
+    same, every other Halton point (from the second) through the quantiles of ``CORNER_SHARE * alphas`` instead:
+    corner-leaning, as RegMix's small-concentration draws (a source or two near 0, where the best mixture lies when
+    a source hurts), still spread apart by the Halton sequence."""
     if design == "dirichlet":
         return np.random.default_rng(seed).dirichlet(alphas, count)
     from scipy.stats import gamma, qmc  # why here: scipy comes with the mixsearch extra (as mixture_fit's)
 
     u = qmc.Halton(d=len(alphas), scramble=True, seed=np.random.default_rng([seed, 0])).random(count - 1)
-    g = gamma.ppf(np.clip(u, 1e-9, 1 - 1e-9), a=np.asarray(alphas))
+    shape = np.tile(np.asarray(alphas, dtype=float), (count - 1, 1))
+    if design == "mixed":
+        shape[1::2] *= CORNER_SHARE  # the 3rd, 5th, ... rows (after uniform weights and one space-filling point)
+    g = np.maximum(gamma.ppf(np.clip(u, 1e-9, 1 - 1e-9), a=shape), 1e-12)
     rows = g / g.sum(axis=1, keepdims=True)
     return np.vstack([np.full((1, len(alphas)), 1.0 / len(alphas)), rows])
 
@@ -104,7 +115,7 @@ class MixtureSearcher(Searcher):
         trust_region: TrustRegion = "auto",
         incumbents: int = 3,
         explore: int = 0,
-        design: str = "space-filling",
+        design: str = DEFAULT_DESIGN,
         spread: Optional[float] = None,
         concentration: float = 1.0,
         candidates: int = 4000,
@@ -131,7 +142,8 @@ class MixtureSearcher(Searcher):
         if design not in DESIGNS:
             raise ValueError(
                 f"MixtureSearcher(design={design!r}): use 'space-filling' (uniform weights first, then a scrambled "
-                "Halton sequence through the Dirichlet's quantiles) or 'dirichlet' (seeded Dirichlet draws)."
+                "Halton sequence through the Dirichlet's quantiles), 'mixed' (the same, every other point leaning to "
+                "the corners) or 'dirichlet' (seeded Dirichlet draws)."
             )
         self.design = design
         if spread is not None and not (isinstance(spread, (int, float)) and 0 <= spread <= 1):

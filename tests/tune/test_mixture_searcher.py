@@ -18,7 +18,7 @@ import pytest
 from raytrain_events.core.mixture import Mixture
 from raytrain_events.tune.acquisition import auto_radius, tv_distance
 from raytrain_events.tune.mixture_fit import weight_matrix
-from raytrain_events.tune.mixture_searcher import MixtureSearcher
+from raytrain_events.tune.mixture_searcher import MixtureSearcher, first_design
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 from mixture_tasks import SyntheticTask  # noqa: E402
@@ -67,14 +67,15 @@ def test_rounds_wait_for_their_trials_then_place_the_next_batch_where_the_fit_po
     assert isinstance(failing.suggest("t8"), dict) and len(failing.observed()) == 7
 
 
-def test_a_searcher_stopped_mid_round_and_restored_places_the_same_next_trials(tmp_path):
-    uninterrupted = _searcher()
+@pytest.mark.parametrize("design", ["space-filling", "mixed"])
+def test_a_searcher_stopped_mid_round_and_restored_places_the_same_next_trials(tmp_path, design):
+    uninterrupted = _searcher(design=design)
     expected = _drive(uninterrupted, 0, 17)
-    searcher = _searcher()
+    searcher = _searcher(design=design)
     before = _drive(searcher, 0, 11, pending={"t8", "t9"})  # round 1 placed (t8-t10); two of its trials still run
     path = str(tmp_path / "searcher.pkl")
     searcher.save(path)
-    restored = MixtureSearcher(BASE, metric="loss", seed=99)  # Tune builds it anew from the user's script ...
+    restored = MixtureSearcher(BASE, metric="loss", seed=99)  # Tune builds it anew (default design) ...
     restored.restore(path)  # ... and restores the saved state
     assert restored.suggest("t11") is None  # still waiting on t8 and t9
     for t in ("t8", "t9"):  # Tune re-runs the unfinished trials; they report
@@ -100,7 +101,7 @@ def test_bad_searcher_arguments_are_refused():
         MixtureSearcher(BASE, incumbents=0)
     with pytest.raises(ValueError, match="explore=-1.*>= 0"):
         MixtureSearcher(BASE, explore=-1)
-    with pytest.raises(ValueError, match="design='lhs'.*'space-filling'"):
+    with pytest.raises(ValueError, match="design='lhs'.*'space-filling'.*'mixed'"):
         MixtureSearcher(BASE, design="lhs")
     with pytest.raises(ValueError, match="trust_region='wide'"):
         MixtureSearcher(BASE, trust_region="wide")
@@ -116,6 +117,22 @@ def test_the_first_batch_fills_the_simplex_from_uniform_weights():
         gaps = [tv_distance(x, x)[np.triu_indices(8, 1)].min() for x in (filled, drawn)]
         assert gaps[0] > gaps[1]
     assert MixtureSearcher(BASE).design == "space-filling"  # the default
+
+
+def test_the_mixed_first_batch_leans_every_other_point_to_the_corners():
+    """``design="mixed"``: the space-filling design's rows at uniform weights and every other Halton point, and in
+    between the same Halton uniforms through a Dirichlet of half the concentration: rows with a source near 0
+    (where the example's best mixture lies: no ``noise``), still apart from each other."""
+    for seed in range(4):
+        filled = first_design("space-filling", [1.0] * 5, 9, seed)
+        mixed = first_design("mixed", [1.0] * 5, 9, seed)
+        assert mixed[[0, 1, 3, 5, 7]] == pytest.approx(filled[[0, 1, 3, 5, 7]])  # the space-filling rows kept
+        corner, plain = mixed[[2, 4, 6, 8]], filled[[2, 4, 6, 8]]
+        assert (corner.min(axis=1) < plain.min(axis=1)).all()  # each leans further towards a face
+        assert corner.max(axis=1).mean() > plain.max(axis=1).mean()
+        assert tv_distance(mixed, mixed)[np.triu_indices(9, 1)].min() > 0.05
+    searcher = _searcher(design="mixed", seed=2)
+    assert weight_matrix(searcher.placed, TASK.names) == pytest.approx(first_design("mixed", [1.0] * 5, 8, 2), abs=2e-4)
 
 
 def test_a_round_keeps_an_exploring_slot_outside_the_trust_region():
