@@ -149,9 +149,11 @@ def mark_scored(scheduler, folder: str, last: dict) -> None:
     scored = scheduler.on_trial_result
 
     def on_trial_result(tune_controller, trial, result):
+        # Whose result it is, read before PBT scores it: scoring the last trial's 384 may exploit at once and give
+        # it the donor's config (then it would be marked "other").
+        who = "last" if trial.config.get("mixture") == last else "other"
         decision = scored(tune_controller, trial, result)
         if "time/sample" in result:
-            who = "last" if trial.config.get("mixture") == last else "other"
             with open(os.path.join(folder, f"{who}-{int(result['time/sample'])}-{trial.trial_id}"), "w"):
                 pass
         return decision
