@@ -147,11 +147,13 @@ def mark_scored(scheduler, folder: str, last: dict) -> None:
     """After PBT's ``on_trial_result`` (on the driver): a file in ``folder`` naming whose result at which sample
     it scored (``last-384-<trial id>``), what `CopyTheLast` waits for."""
     scored = scheduler.on_trial_result
+    whose: dict = {}
 
     def on_trial_result(tune_controller, trial, result):
-        # Whose result it is, read before PBT scores it: scoring the last trial's 384 may exploit at once and give
-        # it the donor's config (then it would be marked "other").
-        who = "last" if trial.config.get("mixture") == last else "other"
+        # Whose trial it is, fixed at its first result (192, before any copy): a copy gives the last trial the
+        # donor's config (at once, inside PBT's scoring of its 384, or before its copy's first result), and it
+        # must not then be counted among the others.
+        who = whose.setdefault(trial.trial_id, "last" if trial.config.get("mixture") == last else "other")
         decision = scored(tune_controller, trial, result)
         if "time/sample" in result:
             with open(os.path.join(folder, f"{who}-{int(result['time/sample'])}-{trial.trial_id}"), "w"):
