@@ -32,7 +32,10 @@ Private names used (checked against Ray 2.60.0):
   own per-batch collective), and the worker actor's ``execute(fn)`` method, called on the worker's own actor to run
   ``fn`` on its main thread (the only thread that may set a signal handler; the train function runs on another):
   `local_preemption_info`, `run_on_worker_main_thread` (`raytrain_events.ray.guards.preemption`). And
-  ``ray.train.v2.torch.torchft_config.TorchftConfig``, replica groups' backend (`torchft_config_class`).
+  ``ray.train.v2.torch.torchft_config.TorchftConfig``, replica groups' backend (`torchft_config_class`), and
+  ``ray.train.v2._internal.exceptions.WorkerHealthCheckFailedError`` / ``WorkerHealthCheckTimeoutError``, what the
+  controller gives a worker whose process or node is gone (`worker_death_errors`: the failure record names the rank
+  that died before those whose collectives failed with it, `raytrain_events.ray.reports.failures`).
 * ``ray._private.ray_constants.ENABLE_RAY_CLUSTER`` and ``ray.init(_node_ip_address=...)``: keep an embedded local
   instance on 127.0.0.1 (`loopback_only`).
 * ``ray._private.internal_api.node_stats`` (a raylet's ``GetNodeStats`` reply, its object store's
@@ -85,6 +88,7 @@ from raytrain_events.ray._compat_train import (
     probe_train_worker,
     run_on_worker_main_thread,
     torchft_config_class,
+    worker_death_errors,
 )
 
 __all__ = [
@@ -113,6 +117,7 @@ __all__ = [
     "object_store_created_bytes",
     "object_store_used_bytes",
     "torchft_config_class",
+    "worker_death_errors",
 ]
 
 #: ``ray.init`` keyword arguments that pin a new local instance's node address to loopback.

@@ -1,16 +1,23 @@
 """Ray Train V2's private names on a worker (part of `_compat`'s table, which lists them): the preemption notice this
 worker holds, the worker actor's ``execute`` (to run a function on the actor's main thread), and Ray Train V2's
-``TorchftConfig`` (replica groups' backend). The worker group's own methods, wrapped to build replica groups of several
+``TorchftConfig`` (replica groups' backend), and the controller's errors for a worker whose process or node is gone
+(`worker_death_errors`, for the record of a failed group). The worker group's own methods, wrapped to build replica groups of several
 workers, are in ``_compat_worker_group.py``. `probe_train_worker` checks them against the installed Ray.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Tuple
 
 from raytrain_events.ray._compat_lookup import _attr, _import, _missing
 
-__all__ = ["local_preemption_info", "torchft_config_class", "run_on_worker_main_thread", "probe_train_worker"]
+__all__ = [
+    "local_preemption_info",
+    "torchft_config_class",
+    "run_on_worker_main_thread",
+    "probe_train_worker",
+    "worker_death_errors",
+]
 
 
 def local_preemption_info() -> Any:
@@ -20,6 +27,13 @@ def local_preemption_info() -> Any:
     enough to look at every batch (the ranks agree through the loop's own collective)."""
     get_train_context = _import("ray.train.v2._internal.execution.context", "get_train_context")
     return _attr(_attr(get_train_context(), "preemption_context"), "preemption_info")
+
+
+def worker_death_errors() -> Tuple[type, ...]:
+    """The errors Ray Train's controller gives a worker whose health check failed or timed out (its process or node
+    is gone), as against an exception the worker raised."""
+    module = "ray.train.v2._internal.exceptions"
+    return (_import(module, "WorkerHealthCheckFailedError"), _import(module, "WorkerHealthCheckTimeoutError"))
 
 
 def torchft_config_class() -> Any:  # Ray Train V2's TorchftConfig (replica groups' Lighthouse, per-group restarts)
@@ -48,6 +62,7 @@ def probe_train_worker() -> None:
         if not callable(getattr(worker, name, None)):
             raise _missing(f"RayTrainWorker.{name}")
     _import("ray.train.v2._internal.execution.context", "get_train_context")
+    worker_death_errors()
     context = _import("ray.train.v2._internal.execution.preemption", "PreemptionContext")
     if not hasattr(context(), "preemption_info"):
         raise _missing("PreemptionContext.preemption_info")

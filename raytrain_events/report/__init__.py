@@ -42,7 +42,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from raytrain_events.core.plain import is_finite_number
 from raytrain_events.core.time import COUNTER_UNITS, report_key
 from raytrain_events.report import html
-from raytrain_events.report.goodput import goodput, goodput_figure, goodput_section, read_events
+from raytrain_events.report.goodput import goodput, goodput_figure, goodput_section, read_events, read_failures
 from raytrain_events.report.mixture_weights import weights_sections
 from raytrain_events.report.plots import run_figures, sweep_figure
 from raytrain_events.storage.fs import join, read_bytes, resolve, to_url, write_bytes_atomic
@@ -230,7 +230,7 @@ def _utc(seconds: Any) -> Optional[str]:
 
 def _goodput_sections(url: str, options: Dict[str, Any], history: List[Dict[str, Any]], files: Dict[str, bytes]):
     """Goodput, and each restart with its cause and time lost (`raytrain_events.report.goodput`)."""
-    summary = goodput(history, *read_events(url, options))
+    summary = goodput(history, *read_events(url, options), read_failures(url, options))
     sections = goodput_section(summary)
     figure = goodput_figure(summary) if summary["restarts"] else None
     if figure is not None:

@@ -2,8 +2,9 @@
 
 From what a `RayTrainer` run saved in its directory: ``history.jsonl`` (each worker group, an
 *attempt*, starts with ``attempt_started_at`` and ``resumed_from_batch``; each report has its
-``wall_time`` and global ``time/batch``), the watchdog's ``hangs/<group>/hang.json`` and the
-preemption guard's ``preemptions/batch-<N>.json``.
+``wall_time`` and global ``time/batch``), the watchdog's ``hangs/<group>/hang.json``, the
+preemption guard's ``preemptions/batch-<N>.json`` and the controller's record of each failed group
+(``failures/at-<ms>.json``, `raytrain_events.ray.reports.failures`).
 
 Per attempt the reports give a curve batch(t). A batch *counts* if no later attempt trained it
 again: attempt ``a``'s batches up to the batch attempt ``a + 1`` resumed from. Its time is the
@@ -17,13 +18,16 @@ start-up, takes the attempt's median slope instead). Then:
   less its batches since the resume at its own pace): the work done again, the detection time
   (a hang's timeout) and the restart;
 * its **cause**: a hang (the watchdog's record in that window: the slowest rank and its frame),
-  a preemption (SIGTERM saved and stopped), else a lost worker or node;
+  a preemption (SIGTERM saved and stopped), else a lost worker or node (with the failed ranks' errors
+  where the controller recorded the failure). A group that failed before its first report has no
+  attempt of its own: its failure is in the same window, after the first, and the restart lists each
+  failure's cause in order (``failures`` counts them);
 * **quorum changes** of a replica-groups run (``quorum_change`` entries: a group left or joined,
   no restart): marked on the chart at their time, with the groups before and after.
 
 Example::
 
-    summary = goodput(read_history(run_url), hang_records, preemption_records)
+    summary = goodput(read_history(run_url), hang_records, preemption_records, read_failures(run_url))
     summary["goodput"], [(r["cause"], r["lost_s"]) for r in summary["restarts"]]
 """
 
@@ -38,7 +42,10 @@ from raytrain_events.report.plots import grid_size, pyplot_module, save_png
 from raytrain_events.storage.fs import resolve
 from raytrain_events.storage.run_dir import RunDir
 
-__all__ = ["goodput", "read_events", "goodput_figure", "goodput_section"]
+__all__ = ["goodput", "read_events", "read_failures", "goodput_figure", "goodput_section"]
+
+#: The cause of a restart no record explains.
+LOST = "a worker or node was lost"
 
 Point = Tuple[float, int]  # (wall time, global batch)
 
@@ -97,15 +104,43 @@ def _cause(
     before, after = worlds
     if before is not None and after is not None and after > before:  # Ray's elastic resize: no failure
         return f"resized: the group grew from {before} to {after} workers"
-    return "a worker or node was lost"
+    return LOST
+
+
+def _failure_causes(
+    start: float,
+    end: float,
+    failures: List[Dict[str, Any]],
+    hangs: List[Dict[str, Any]],
+    preemptions: List[Dict[str, Any]],
+) -> List[str]:
+    """The cause of each failure recorded between two attempts' starts, in order: the hang or preemption record in
+    its own window (since the failure before it), else the failed ranks' errors. Every failure after the first
+    was of a group that restarted and failed again before its first report."""
+    inside = sorted((f for f in failures if start < float(f.get("wall", -1)) <= end), key=lambda f: float(f["wall"]))
+    causes = []
+    since = start
+    for i, failure in enumerate(inside):
+        cause = _cause(since, float(failure["wall"]), hangs, preemptions, (None, None))
+        if cause == LOST:
+            errors = failure.get("errors") or {}  # a rank that died first (`failure_record`)
+            first = next(iter(errors.items()), None)
+            died = " died" if first and int(first[0]) in failure.get("died", ()) else ""
+            more = f" and {len(errors) - 1} more rank(s)" if len(errors) > 1 else ""
+            cause = f"{LOST} (rank {first[0]}{died}: {first[1]}{more})" if first else LOST
+        causes.append(cause if i == 0 else f"then its restart failed before its first report: {cause}")
+        since = float(failure["wall"])
+    return causes
 
 
 def goodput(
     history: Sequence[Dict[str, Any]],
     hangs: Sequence[Dict[str, Any]] = (),
     preemptions: Sequence[Dict[str, Any]] = (),
+    failures: Sequence[Dict[str, Any]] = (),
 ) -> Dict[str, Any]:
-    """The run's goodput, wall time, counted time and each restart: cause, resumed batch, time lost."""
+    """The run's goodput, wall time, counted time and each restart: cause, resumed batch, time lost, and how many
+    failed groups it took (``failures``: the controller's records, `read_failures`; without them, 1 each)."""
     attempts = _attempts(history)
     if not attempts:
         return {"goodput": None, "wall_s": 0.0, "counted_s": 0.0, "restarts": [], "attempts": [], "quorum_changes": []}
@@ -122,7 +157,8 @@ def goodput(
         counted += row["counted_batches"] * paces[i]
         rows.append(row)
         if nxt is not None:
-            restarts.append(_restart(attempt, nxt, paces[i], paces[i + 1], list(hangs), list(preemptions)))
+            records = (list(hangs), list(preemptions), list(failures))
+            restarts.append(_restart(attempt, nxt, paces[i], paces[i + 1], records))
     wall = attempts[-1]["points"][-1][0] - attempts[0]["start"][0]
     return {
         "quorum_changes": _quorum_changes(history),
@@ -150,16 +186,21 @@ def _attempt_row(attempt: Dict[str, Any], nxt: Optional[Dict[str, Any]], pace: f
     }
 
 
-def _restart(  # noqa: PLR0913 (the two attempts, their paces, the records that tell the cause)
+def _restart(
     attempt: Dict[str, Any],
     nxt: Dict[str, Any],
     pace: float,
     next_pace: float,
-    hangs: List[Dict[str, Any]],
-    preemptions: List[Dict[str, Any]],
+    records: Tuple[List[Dict[str, Any]], List[Dict[str, Any]], List[Dict[str, Any]]],
 ) -> Dict[str, Any]:
     """What the failure that ended ``attempt`` cost: from when it had trained the batch ``nxt`` resumed from, to when
-    ``nxt`` was back there (its first report less its batches since the resume at its own pace); and its cause."""
+    ``nxt`` was back there (its first report less its batches since the resume at its own pace); and its cause (each
+    failure's, where the controller recorded more than one: ``records`` are the hangs, preemptions and failures)."""
+    hangs, preemptions, failures = records
+    start, end = attempt["start"][0], nxt["start"][0]
+    causes = _failure_causes(start, end, failures, hangs, preemptions)
+    if not causes:  # no controller record (an older run): the window's record, or a resize
+        causes = [_cause(start, end, hangs, preemptions, (attempt["world"], nxt["world"]))]
     resume = nxt["start"][1]
     left = _time_at([attempt["start"]] + attempt["points"], resume, pace)
     first_wall, first_batch = nxt["points"][0]
@@ -171,7 +212,8 @@ def _restart(  # noqa: PLR0913 (the two attempts, their paces, the records that 
         "left_wall": left,
         "back_wall": back,
         "lost_s": max(0.0, back - left),
-        "cause": _cause(attempt["start"][0], nxt["start"][0], hangs, preemptions, (attempt["world"], nxt["world"])),
+        "cause": "; ".join(causes),
+        "failures": len(causes),
     }
 
 
@@ -189,19 +231,27 @@ def _quorum_changes(history: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
     ]
 
 
+def _read_records(run: RunDir, pattern: str) -> List[Dict]:
+    fs, glob = resolve(pattern, run.storage_options)
+    found = []
+    for path in sorted(fs.glob(glob)):
+        try:
+            found.append(json.loads(fs.cat_file(path).decode("utf-8")))
+        except (OSError, ValueError):
+            continue  # a record being written, or damaged: the report still renders
+    return found
+
+
 def read_events(url: str, storage_options: Optional[Dict[str, Any]] = None) -> Tuple[List[Dict], List[Dict]]:
     """The run dir's hang records (``hangs/*/hang.json``) and preemption records (``preemptions/*.json``)."""
-
     run = RunDir(url, dict(storage_options or {}))
-    found: Tuple[List[Dict], List[Dict]] = ([], [])
-    for pattern, into in ((run.hang_records, found[0]), (run.preemption_records, found[1])):
-        fs, glob = resolve(pattern, run.storage_options)
-        for path in sorted(fs.glob(glob)):
-            try:
-                into.append(json.loads(fs.cat_file(path).decode("utf-8")))
-            except (OSError, ValueError):
-                continue  # a record being written, or damaged: the report still renders
-    return found
+    return _read_records(run, run.hang_records), _read_records(run, run.preemption_records)
+
+
+def read_failures(url: str, storage_options: Optional[Dict[str, Any]] = None) -> List[Dict]:
+    """The run dir's records of failed worker groups (``failures/*.json``, `raytrain_events.ray.reports.failures`)."""
+    run = RunDir(url, dict(storage_options or {}))
+    return _read_records(run, run.failure_records)
 
 
 def goodput_figure(summary: Dict[str, Any]) -> Optional[bytes]:
@@ -244,7 +294,8 @@ def goodput_section(summary: Dict[str, Any]) -> List[str]:
     parts = [
         "<h2>Goodput and restarts</h2>",
         f"<p>Goodput {summary['goodput']:.1%}: {summary['counted_s']:.0f} s of batches that count in "
-        f"{summary['wall_s']:.0f} s of wall time; {len(summary['restarts'])} restart(s), "
+        f"{summary['wall_s']:.0f} s of wall time; {len(summary['restarts'])} restart(s) after "
+        f"{sum(r.get('failures', 1) for r in summary['restarts'])} failed worker group(s), "
         f"{sum(r['lost_s'] for r in summary['restarts']):.0f} s lost to them.</p>",
     ]
     if summary.get("quorum_changes"):
@@ -256,9 +307,16 @@ def goodput_section(summary: Dict[str, Any]) -> List[str]:
     if summary["restarts"]:
         parts.append(
             html.table(
-                ["attempt", "cause", "failed at batch", "resumed from batch", "time lost (s)"],
+                ["attempt", "cause", "failed groups", "failed at batch", "resumed from batch", "time lost (s)"],
                 [
-                    [r["attempt"], r["cause"], r["failed_at_batch"], r["resumed_from_batch"], round(r["lost_s"], 1)]
+                    [
+                        r["attempt"],
+                        r["cause"],
+                        r.get("failures", 1),
+                        r["failed_at_batch"],
+                        r["resumed_from_batch"],
+                        round(r["lost_s"], 1),
+                    ]
                     for r in summary["restarts"]
                 ],
             )

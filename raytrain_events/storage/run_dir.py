@@ -13,6 +13,8 @@ holds, and only this module spells::
     checkpoints/index.json   the folder's index (`INDEX_FILE`, kept by `CheckpointFolder`)
     hangs/<group>/       stack dumps of a hung worker group (`RunDir.hangs`) and its hang.json
     preemptions/         one record per preemption notice (`RunDir.preemptions`)
+    failures/            one record per failed worker group, as Ray Train's controller saw it
+                         (`RunDir.failure`: the restarts of groups that failed before their first report)
     running, scheduled, ckpt   lock files (names in ``storage/locks.py``)
 
 Inside each checkpoint directory the loop's state is ``state.pt`` (`STATE_FILE`). A sweep
@@ -34,6 +36,7 @@ from raytrain_events.storage.fs import basename, join, read_bytes, resolve, to_u
 __all__ = [
     "CHECKPOINTS_DIR",
     "CONFIG_FILE",
+    "FAILURES_DIR",
     "HANGS_DIR",
     "HANG_RECORD",
     "HISTORY_FILE",
@@ -59,6 +62,7 @@ INDEX_FILE = "index.json"  # in the checkpoints folder
 HANGS_DIR = "hangs"
 HANG_RECORD = "hang.json"  # in each hung group's folder, beside its rank dumps
 PREEMPTIONS_DIR = "preemptions"
+FAILURES_DIR = "failures"
 STATE_FILE = "state.pt"  # in each checkpoint directory
 SWEEP_FILE = "sweep.json"  # in a sweep directory: its metric and mode
 TRIAL_RECORD = "raytrain_trial.json"  # in each trial folder of a sweep
@@ -123,6 +127,15 @@ class RunDir:
     def preemption(self, batch: int) -> str:
         """The record of a preemption notice handled at ``batch``."""
         return self.join(PREEMPTIONS_DIR, f"batch-{batch}.json")
+
+    def failure(self, wall: float) -> str:
+        """The record of a worker group's failure Ray Train's controller saw at ``wall`` (seconds since the epoch)."""
+        return self.join(FAILURES_DIR, f"at-{int(wall * 1000)}.json")
+
+    @property
+    def failure_records(self) -> str:
+        """A glob of every failure record (read by the run report's goodput)."""
+        return self.join(FAILURES_DIR, "*.json")
 
     @property
     def hang_records(self) -> str:

@@ -354,6 +354,7 @@ def test_algorithms_and_callbacks_compose_in_a_two_worker_run_killed_once(ray_cl
     from raytrain_events import RayTrainer
     from raytrain_events.callbacks import LRMonitor, SpeedMonitor
     from raytrain_events.checkpoint.config import CheckpointConfig
+    from raytrain_events.report.goodput import goodput, read_events, read_failures
 
     marker = str(tmp_path / "killed")
     rows = make_rows()
@@ -405,3 +406,9 @@ def test_algorithms_and_callbacks_compose_in_a_two_worker_run_killed_once(ray_cl
     assert result.metrics["throughput/samples_per_sec"] > 0
     assert result.metrics["lr-SGD/group0"] == pytest.approx(0.2)
     assert 0.0 <= result.metrics["metrics/eval/accuracy"] <= 1.0
+    # The controller recorded the failure (Ray Train's ``after_exception``): the goodput report names the killed rank.
+    run_dir = str(tmp_path / "runs" / "failover")
+    (failure,) = read_failures(run_dir)
+    assert 1 in failure["ranks"], failure
+    (restart,) = goodput(result.history, *read_events(run_dir), read_failures(run_dir))["restarts"]
+    assert restart["failures"] == 1 and restart["cause"].startswith("a worker or node was lost (rank 1 died: "), restart

@@ -96,3 +96,50 @@ def test_a_replica_group_quorum_change_is_marked_not_counted_as_a_restart(tmp_pa
     page = (tmp_path / "run" / "report.html").read_text()
     assert "3->2 groups at batch 6, 2->3 groups at batch 9" in page
     assert any(p.endswith("goodput.png") for p in written["images"])
+
+
+def test_a_group_that_failed_before_its_first_report_is_its_own_failure_with_its_own_cause(tmp_path):
+    """The first group hangs (t=125: the watchdog's record), its restart is killed before its first report (t=128),
+    and the third group resumes (t=132): the history knows two attempts only; the controller's records name both
+    failures, each with its own cause, in order. A failure after the last attempt started (the run's end) is no
+    restart. Without the records: one restart, one cause, as before."""
+    from ray.exceptions import RayActorError
+
+    from raytrain_events.ray._compat import worker_death_errors
+    from raytrain_events.ray.reports.failures import FailureRecorder, failure_record
+    from raytrain_events.report.goodput import read_failures
+    from raytrain_events.storage.run_dir import RunDir
+
+    run = str(tmp_path / "run")
+    append_history(run, _history())
+    recorder = FailureRecorder(RunDir(run))
+    hang = {"wall": 125.0, "slowest_rank": 1, "batch": 12, "frame": "train.py:9 in load"}
+    (tmp_path / "run" / "hangs" / "g1").mkdir(parents=True)
+    (tmp_path / "run" / "hangs" / "g1" / "hang.json").write_text(json.dumps(hang))
+    for wall, errors in (
+        (126.0, {1: TimeoutError("rank 1 hung at batch 12")}),
+        (128.0, {0: RuntimeError("Connection closed by peer"), 1: worker_death_errors()[0]("gone", RayActorError())}),
+        (150.0, {0: ValueError("the run's last failure")}),
+    ):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("raytrain_events.ray.reports.failures.time.time", lambda wall=wall: wall)
+            recorder.after_exception(None, errors)
+    failures = read_failures(run)
+    assert [(f["wall"], f["ranks"]) for f in failures] == [(126.0, [1]), (128.0, [0, 1]), (150.0, [0])]
+    assert failures[1]["died"] == [1] and list(failures[1]["errors"]) == ["1", "0"]  # the dead rank first
+    traceback = "Traceback (most recent call last):\n  ...\nValueError: boom"
+    assert failure_record({0: RuntimeError(traceback)}, 0.0)["errors"] == {"0": "ValueError: boom"}
+    (restart,) = goodput(_history(), [hang], [], failures)["restarts"]
+    assert restart["failures"] == 2
+    first, second = restart["cause"].split("; ")
+    assert first == "hang: rank 1 at batch 12, in train.py:9 in load"
+    assert second.startswith(
+        "then its restart failed before its first report: a worker or node was lost (rank 1 died: "
+    )
+    assert second.endswith("and 1 more rank(s))")
+    (without,) = goodput(_history(), [hang])["restarts"]
+    assert without["cause"] == first and without["failures"] == 1
+    write_report(run)
+    page = (tmp_path / "run" / "report.html").read_text()
+    assert "1 restart(s) after 3 failed worker group(s)" not in page
+    assert "1 restart(s) after 2 failed worker group(s)" in page and "then its restart failed" in page

@@ -4,7 +4,8 @@ checkpoint.
 Ray Train's ``FailureConfig(max_failures=...)`` restarts the group; every worker joins one torch process group
 (DDP, FSDP, TP, CP) through Ray's ``TorchConfig``; the train set is cut from the run's global order
 (`TrainDataConfig`: the feeder actor) by Ray Train's dataset shards; checkpoints are reported to Ray Train,
-which owns their retention (`RayRetention`), and a SIGTERM saves one (the preemption guard).
+which owns their retention (`RayRetention`), and a SIGTERM saves one (the preemption guard). Each failed group
+is recorded in the run directory by the controller (`FailureRecorder`), for the goodput report's restarts.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from raytrain_events.data.ray.loader import GlobalOrderLoader, GlobalOrderShard,
 from raytrain_events.data.ray.mixture_loader import MixtureOrderLoader
 from raytrain_events.ray.checkpointing.checkpointing import hand_retention_to_ray
 from raytrain_events.ray.fault_tolerance.protocol import WorkerParts
+from raytrain_events.ray.reports.failures import FailureRecorder
+from raytrain_events.storage.run_dir import RunDir
 
 __all__ = ["Restarts", "RestartsWorker", "RayRetention"]
 
@@ -58,7 +61,8 @@ class Restarts:
         return RestartsWorker(self.plan.order), datasets
 
     def run_callbacks(self) -> List[Any]:
-        return []
+        # Each failed group on record, even one that never reported (the goodput report's restarts and causes).
+        return [FailureRecorder(RunDir(self.spec.storage.run_url, self.spec.storage.storage_options))]
 
 
 class RestartsWorker:

@@ -2,7 +2,8 @@
 
 Data flows one way: each worker reports rank-local counts and metrics (``worker_reports.py``); a
 controller callback sums them into one global `Timestamp` and metrics history (``aggregate.py``)
-and pushes the entries to the run's history actor (``history.py``); the driver follows it
+and pushes the entries to the run's history actor (``history.py``); another records each failed worker group
+(``failures.py``); the driver follows it
 (``follow.py``) for its progress bar (``progress.py``), its loggers (``run_loggers.py``) and its
 terminal (``console.py``).
 
@@ -12,6 +13,8 @@ Files:
   metrics history.
 * ``console.py``: A Ray run's terminal: the driver's progress bar and the job's own lines; Ray's
   internals stay in its log files.
+* ``failures.py``: `FailureRecorder`: each worker group's failure, as Ray Train's controller saw it,
+  in the run directory.
 * ``follow.py``: `HistoryFollower`: the driver's view of a run while it trains (progress bar,
   loggers).
 * ``history.py``: The driver's record of a run: a small Ray actor the controller pushes history
