@@ -138,7 +138,7 @@ def tokenize_part(data: Dict[str, Any], out: str, repeats: int) -> None:
     print(f"| {_spread(plain)} | {_spread(job)} | {_spread([j / p for j, p in zip(job, plain)], 2)} |")
 
 
-def _write_prepacked(source: Any, path: str, columns: Any = None) -> None:
+def _write_prepacked(source: Any, path: str, columns: Any = None, plain: bool = False) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -151,6 +151,7 @@ def _write_prepacked(source: Any, path: str, columns: Any = None) -> None:
         table.select(columns or table.column_names),
         os.path.join(path, "packed.parquet"),
         row_group_size=tables[0].num_rows,
+        **({"compression": "none", "use_dictionary": False} if plain else {}),
     )
 
 
@@ -243,9 +244,9 @@ def cpu_part(out: str, repeats: int) -> None:
         "\n## Data path CPU per sequence (us; no Ray; seq_len 1024, windows of 256 sequences, ranks' batches of 32)\n"
     )
     print(
-        "| policy | fixed-length rows: read + rank | pre-packed 4 columns: read + rank | packed: read + pack "
-        "| of which read | of which pack_runs | packed: rank (expand + tensors) | packed total "
-        "| rows/s packed / fixed-length |"
+        "| policy | fixed-length rows: read + rank | packed, documents layout: read + pack + rank "
+        "| packed, flat layout: read | pack_runs | rank (expand + tensors) | packed, flat layout: in all "
+        "| rows/s packed / fixed-length: flat | documents |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for policy, longest in (("concat", 2_000), ("best_fit", 1_024)):
@@ -254,72 +255,72 @@ def cpu_part(out: str, repeats: int) -> None:
 
 def _cpu_row(folder: str, policy: str, longest: int, repeats: int) -> str:  # noqa: PLR0914 (one table row)
     """The data path's CPU work per sequence, both sides of the object store, arms interleaved: the
-    read tasks (`pack_reads`: read the token row groups and pack; or `_read_units` of the same
-    sequences written out pre-packed, or their ``input_ids`` alone: fixed-length token rows, the same
-    token budget without packing or document masks) and the ranks (`packed_tensors` of each rank's
-    part of a batch, 32 sequences, as the loader makes it; or `table_to_torch` alone). Rows/s
-    of the data path with packing against without, where CPU bounds it, is the inverse ratio of the
-    totals."""
+    read tasks (`pack_reads`: read the token row groups and pack, the documents written in either
+    layout, `token_files.py`; or `_read_units` of the same sequences' ``input_ids`` alone written out
+    as fixed-length rows: the same token budget without packing or document masks) and the ranks
+    (`packed_tensors` of each rank's part of a batch, 32 sequences, as the loader makes it; or
+    `table_to_torch` alone). Every file uncompressed and without dictionaries, so no arm pays a
+    codec the other does not (the flat layout's default; the documents layout's snappy default and the
+    fixed-length rows' written by `pq.write_table` defaults each cost about the same again on real
+    token ids). Rows/s of the data path with packing against without, where CPU bounds it, is the
+    inverse ratio of the totals."""
     from packed_data import write_tokens
 
     from raytrain_events.core.packing import pack_runs
     from raytrain_events.data.ray.batch_tensors import table_to_torch
-    from raytrain_events.data.ray.packed_source import PackedTokens, _window_inputs, expand_packed, pack_reads
+    from raytrain_events.data.ray.packed_batch import packed_tensors
+    from raytrain_events.data.ray.packed_source import PackedTokens, _window_inputs, pack_reads
     from raytrain_events.data.ray.parquet_seek import ParquetRowGroups, _read_units
 
-    paths, _ = write_tokens(
-        os.path.join(folder, "tok"), files=8, groups=4, docs_per_group=2_000, seed=0, longest=longest
-    )
-    source = PackedTokens(paths, seq_len=1024, policy=policy, window_tokens=256 * 1024)
-    _write_prepacked(source, os.path.join(folder, "prepacked"))
-    plain = ParquetRowGroups(os.path.join(folder, "prepacked"))
-    _write_prepacked(source, os.path.join(folder, "tokens"), ["input_ids"])
+    sources, reads, args = {}, {}, {}
+    for layout in ("documents", "flat"):
+        paths, _ = write_tokens(
+            os.path.join(folder, layout),
+            files=8,
+            groups=4,
+            docs_per_group=2_000,
+            seed=0,
+            longest=longest,
+            layout=layout,
+        )
+        sources[layout] = PackedTokens(paths, seq_len=1024, policy=policy, window_tokens=256 * 1024, vocab_size=4096)
+        windows = list(range(len(sources[layout].windows)))
+        args[layout] = [sources[layout].window_args(w) for w in windows]
+        reads[layout] = [[args[layout][w] for w in group] for group in sources[layout].reads(windows)]
+    source = sources["flat"]
+    _write_prepacked(source, os.path.join(folder, "tokens"), ["input_ids"], plain=True)
     alone = ParquetRowGroups(os.path.join(folder, "tokens"))  # fixed-length token rows: the unpacked path
     n = source.count()
-    window_args = [source.window_args(w) for w in range(len(source.windows))]
-    packed_reads = [[window_args[w] for w in group] for group in source.reads(list(range(len(source.windows))))]
-    plain_reads = [[(f, g) for f, g, _ in group] for group in plain.reads(plain.units)]
     alone_reads = [[(f, g) for f, g, _ in group] for group in alone.reads(alone.units)]
-    inputs = [_window_inputs(args) for args in window_args]
+    inputs = [_window_inputs(a) for a in args["flat"]]
 
-    try:  # the loader's packed path (straight to tensors); a tree before it: expand to Arrow, then convert
-        from raytrain_events.data.ray.packed_batch import packed_tensors
-    except ImportError:
-        packed_tensors = None
-
-    def rank(blocks: List[Any], expand: bool) -> None:  # each rank's part of each batch, as the loader makes it
+    def rank(blocks: List[Any], packed: bool) -> None:  # each rank's part of each batch, as the loader makes it
         for block in blocks:
             for at in range(0, block.num_rows, 32):
                 part = [block.slice(at, 32)]
-                if expand and packed_tensors is not None:
-                    packed_tensors(part)
-                else:
-                    table_to_torch((expand_packed(part) if expand else part)[0])
+                packed_tensors(part) if packed else table_to_torch(part[0])
 
     blocks = {
-        "packed": [pack_reads(r) for r in packed_reads],
-        "plain": [_read_units(plain.paths, r, None, None) for r in plain_reads],
+        "packed": [pack_reads(r) for r in reads["flat"]],
         "alone": [_read_units(alone.paths, r, None, None) for r in alone_reads],
     }
-    arms: Dict[str, List[float]] = {k: [] for k in ("alone", "plain", "full", "read", "pack", "expand")}
+    assert all(a.equals(b) for a, b in zip(blocks["packed"], [pack_reads(r) for r in reads["documents"]]))
+    arms: Dict[str, List[float]] = {k: [] for k in ("alone", "documents", "read", "pack", "rank")}
     rank(blocks["alone"][:1], False)  # imports torch: outside the timed repeats
     for _ in range(repeats):  # arms interleaved
         arms["alone"].append(
             _cpu_per_sequence(lambda: [_read_units(alone.paths, r, None, None) for r in alone_reads], n)
             + _cpu_per_sequence(lambda: rank(blocks["alone"], False), n)
         )
-        arms["plain"].append(
-            _cpu_per_sequence(lambda: [_read_units(plain.paths, r, None, None) for r in plain_reads], n)
-            + _cpu_per_sequence(lambda: rank(blocks["plain"], False), n)
-        )
-        arms["full"].append(_cpu_per_sequence(lambda: [pack_reads(r) for r in packed_reads], n))
-        arms["read"].append(_cpu_per_sequence(lambda: [_window_inputs(args) for args in window_args], n))
+        arms["documents"].append(_cpu_per_sequence(lambda: [pack_reads(r) for r in reads["documents"]], n))
+        arms["read"].append(_cpu_per_sequence(lambda: [_window_inputs(a) for a in args["flat"]], n))
         arms["pack"].append(_cpu_per_sequence(lambda: [pack_runs(t, k, i, 1024, policy) for t, k, i in inputs], n))
-        arms["expand"].append(_cpu_per_sequence(lambda: rank(blocks["packed"], True), n))
-    total = [f + e for f, e in zip(arms["full"], arms["expand"])]
-    rate = [a / t for a, t in zip(arms["alone"], total)]
-    cells = [_spread(arms[k]) for k in ("alone", "plain", "full", "read", "pack", "expand")]
-    return f"| {policy} | " + " | ".join(cells) + f" | {_spread(total)} | {_spread(rate, 3)} |"
+        arms["rank"].append(_cpu_per_sequence(lambda: rank(blocks["packed"], True), n))
+    flat = [r + p + k for r, p, k in zip(arms["read"], arms["pack"], arms["rank"])]
+    documents = [d + k for d, k in zip(arms["documents"], arms["rank"])]
+    cells = [_spread(arms["alone"]), _spread(documents)] + [_spread(arms[k]) for k in ("read", "pack", "rank")]
+    rate = [_spread([a / t for a, t in zip(arms["alone"], total)], 3) for total in (flat, documents)]
+    return f"| {policy} | " + " | ".join(cells) + f" | {_spread(flat)} | " + " | ".join(rate) + " |"
 
 
 def main() -> None:
@@ -327,12 +328,7 @@ def main() -> None:
     parser.add_argument("--parts", default="efficiency,tokenize,datapath,cpu")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cpus", type=int, default=4, help="logical CPUs of the local Ray (default 4)")
-    parser.add_argument(
-        "--code", default=None, help="import raytrain_events from this tree instead (compare two trees' cpu parts)"
-    )
     args = parser.parse_args()
-    if args.code:
-        sys.path.insert(0, os.path.abspath(args.code))
     parts = args.parts.split(",")
     out = tempfile.mkdtemp(prefix="bench-packing-")
     data = corpus(out) if {"efficiency", "tokenize"} & set(parts) else {}
