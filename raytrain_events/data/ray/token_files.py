@@ -31,6 +31,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from raytrain_events.data.ray.parquet_seek import list_parquet
+
 __all__ = [
     "LAYOUTS",
     "LAYOUT_KEY",
@@ -199,15 +201,15 @@ def check_vocabulary(path: str, meta: Any, vocab_size: int, tokens_column: Optio
             )
 
 
-def read_documents(path: str, filesystem: Optional[Any] = None) -> Any:
-    """A token file, folder or list of them (either layout) as one row per document: ``input_ids``
-    (list of int32), ``num_tokens``, ``document_id``, ``source``, in file and chunk order."""
+def read_documents(
+    path: Any, *, filesystem: Optional[Any] = None, storage_options: Optional[Dict[str, Any]] = None
+) -> Any:
+    """A token file, folder, URL or list of them (either layout; as `ParquetRowGroups` takes them) as one row per
+    document: ``input_ids`` (list of int32), ``num_tokens``, ``document_id``, ``source``, in file and chunk order."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from raytrain_events.data.ray.parquet_seek import list_parquet
-
-    paths, fs = list_parquet(path, filesystem)
+    paths, fs = list_parquet(path, filesystem, storage_options)
     tables = []
     for p in paths:
         table = pq.read_table(p, filesystem=fs)
