@@ -241,29 +241,29 @@ def _cpu_per_sequence(work: Any, sequences: int) -> float:
 
 def cpu_part(out: str, repeats: int) -> None:
     print(
-        "\n## Data path CPU per sequence (us; no Ray; seq_len 1024, windows of 256 sequences, ranks' batches of 32)\n"
+        "\n## Data path CPU per sequence (us; no Ray; seq_len 1024, row groups of 16,000 documents, "
+        "ranks' batches of 32)\n"
     )
     print(
-        "| policy | fixed-length rows: read + rank | packed, documents layout: read + pack + rank "
+        "| policy | fixed-length rows: default write | uncompressed | packed, documents layout "
         "| packed, flat layout: read | pack_runs | rank (expand + tensors) | packed, flat layout: in all "
         "| rows/s packed / fixed-length: flat | documents |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for policy, longest in (("concat", 2_000), ("best_fit", 1_024)):
         print(_cpu_row(os.path.join(out, f"cpu-{policy}"), policy, longest, repeats))
 
 
 def _cpu_row(folder: str, policy: str, longest: int, repeats: int) -> str:  # noqa: PLR0914 (one table row)
     """The data path's CPU work per sequence, both sides of the object store, arms interleaved: the
-    read tasks (`pack_reads`: read the token row groups and pack, the documents written in either
-    layout, `token_files.py`; or `_read_units` of the same sequences' ``input_ids`` alone written out
-    as fixed-length rows: the same token budget without packing or document masks) and the ranks
-    (`packed_tensors` of each rank's part of a batch, 32 sequences, as the loader makes it; or
-    `table_to_torch` alone). Every file uncompressed and without dictionaries, so no arm pays a
-    codec the other does not (the flat layout's default; the documents layout's snappy default and the
-    fixed-length rows' written by `pq.write_table` defaults each cost about the same again on real
-    token ids). Rows/s of the data path with packing against without, where CPU bounds it, is the
-    inverse ratio of the totals."""
+    read tasks (`pack_reads`: read the token row groups and pack, the same documents written in either
+    layout, `token_files.py`, in row groups of about 1 Mi tokens as `tokenize` writes them; or
+    `_read_units` of the same sequences' ``input_ids`` alone written out as fixed-length rows: the same
+    token budget without packing or document masks, once with `pq.write_table`'s defaults (snappy,
+    dictionary) and once uncompressed without a dictionary, the cheaper of the two per repeat being
+    the baseline) and the ranks (`packed_tensors` of each rank's part of a batch, 32 sequences, as the
+    loader makes it; or `table_to_torch` alone). Rows/s of the data path with packing against without,
+    where CPU bounds it, is the inverse ratio of the totals."""
     from packed_data import write_tokens
 
     from raytrain_events.core.packing import pack_runs
@@ -272,26 +272,27 @@ def _cpu_row(folder: str, policy: str, longest: int, repeats: int) -> str:  # no
     from raytrain_events.data.ray.packed_source import PackedTokens, _window_inputs, pack_reads
     from raytrain_events.data.ray.parquet_seek import ParquetRowGroups, _read_units
 
-    sources, reads, args = {}, {}, {}
+    reads, args = {}, {}
     for layout in ("documents", "flat"):
         paths, _ = write_tokens(
             os.path.join(folder, layout),
-            files=8,
-            groups=4,
-            docs_per_group=2_000,
+            files=2,
+            groups=2,
+            docs_per_group=16_000,
             seed=0,
             longest=longest,
             layout=layout,
         )
-        sources[layout] = PackedTokens(paths, seq_len=1024, policy=policy, window_tokens=256 * 1024, vocab_size=4096)
-        windows = list(range(len(sources[layout].windows)))
-        args[layout] = [sources[layout].window_args(w) for w in windows]
-        reads[layout] = [[args[layout][w] for w in group] for group in sources[layout].reads(windows)]
-    source = sources["flat"]
-    _write_prepacked(source, os.path.join(folder, "tokens"), ["input_ids"], plain=True)
-    alone = ParquetRowGroups(os.path.join(folder, "tokens"))  # fixed-length token rows: the unpacked path
+        source = PackedTokens(paths, seq_len=1024, policy=policy, window_tokens=256 * 1024, vocab_size=4096)
+        windows = list(range(len(source.windows)))
+        args[layout] = [source.window_args(w) for w in windows]
+        reads[layout] = [[args[layout][w] for w in group] for group in source.reads(windows)]
     n = source.count()
-    alone_reads = [[(f, g) for f, g, _ in group] for group in alone.reads(alone.units)]
+    fixed = {}
+    for name, plain in (("default", False), ("plain", True)):  # fixed-length token rows: the unpacked path
+        _write_prepacked(source, os.path.join(folder, name), ["input_ids"], plain=plain)
+        rows = ParquetRowGroups(os.path.join(folder, name))
+        fixed[name] = (rows.paths, [[(f, g) for f, g, _ in group] for group in rows.reads(rows.units)])
     inputs = [_window_inputs(a) for a in args["flat"]]
 
     def rank(blocks: List[Any], packed: bool) -> None:  # each rank's part of each batch, as the loader makes it
@@ -300,27 +301,31 @@ def _cpu_row(folder: str, policy: str, longest: int, repeats: int) -> str:  # no
                 part = [block.slice(at, 32)]
                 packed_tensors(part) if packed else table_to_torch(part[0])
 
-    blocks = {
-        "packed": [pack_reads(r) for r in reads["flat"]],
-        "alone": [_read_units(alone.paths, r, None, None) for r in alone_reads],
-    }
-    assert all(a.equals(b) for a, b in zip(blocks["packed"], [pack_reads(r) for r in reads["documents"]]))
-    arms: Dict[str, List[float]] = {k: [] for k in ("alone", "documents", "read", "pack", "rank")}
-    rank(blocks["alone"][:1], False)  # imports torch: outside the timed repeats
-    for _ in range(repeats):  # arms interleaved
-        arms["alone"].append(
-            _cpu_per_sequence(lambda: [_read_units(alone.paths, r, None, None) for r in alone_reads], n)
-            + _cpu_per_sequence(lambda: rank(blocks["alone"], False), n)
+    def unpacked(name: str) -> float:
+        paths, groups = fixed[name]
+        blocks = [_read_units(paths, r, None, None) for r in groups]
+        return _cpu_per_sequence(lambda: [_read_units(paths, r, None, None) for r in groups], n) + _cpu_per_sequence(
+            lambda: rank(blocks, False), n
         )
+
+    blocks = [pack_reads(r) for r in reads["flat"]]
+    assert all(a.equals(b) for a, b in zip(blocks, [pack_reads(r) for r in reads["documents"]]))
+    arms: Dict[str, List[float]] = {k: [] for k in ("default", "plain", "documents", "read", "pack", "rank")}
+    unpacked("default")  # imports torch: outside the timed repeats
+    for _ in range(repeats):  # arms interleaved
+        arms["default"].append(unpacked("default"))
+        arms["plain"].append(unpacked("plain"))
         arms["documents"].append(_cpu_per_sequence(lambda: [pack_reads(r) for r in reads["documents"]], n))
         arms["read"].append(_cpu_per_sequence(lambda: [_window_inputs(a) for a in args["flat"]], n))
         arms["pack"].append(_cpu_per_sequence(lambda: [pack_runs(t, k, i, 1024, policy) for t, k, i in inputs], n))
-        arms["rank"].append(_cpu_per_sequence(lambda: rank(blocks["packed"], True), n))
+        arms["rank"].append(_cpu_per_sequence(lambda: rank(blocks, True), n))
     flat = [r + p + k for r, p, k in zip(arms["read"], arms["pack"], arms["rank"])]
     documents = [d + k for d, k in zip(arms["documents"], arms["rank"])]
-    cells = [_spread(arms["alone"]), _spread(documents)] + [_spread(arms[k]) for k in ("read", "pack", "rank")]
-    rate = [_spread([a / t for a, t in zip(arms["alone"], total)], 3) for total in (flat, documents)]
-    return f"| {policy} | " + " | ".join(cells) + f" | {_spread(flat)} | " + " | ".join(rate) + " |"
+    base = [min(d, p) for d, p in zip(arms["default"], arms["plain"])]
+    cells = [_spread(arms["default"]), _spread(arms["plain"]), _spread(documents)]
+    cells += [_spread(arms[k]) for k in ("read", "pack", "rank")] + [_spread(flat)]
+    cells += [_spread([a / t for a, t in zip(base, total)], 3) for total in (flat, documents)]
+    return f"| {policy} | " + " | ".join(cells) + " |"
 
 
 def main() -> None:
