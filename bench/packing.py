@@ -16,28 +16,31 @@ Four parts (issue 50), each printed as a table with medians and spreads ``[min-m
    ``--cpus`` CPUs) against the plain per-process loop (`tokenize_file` over the same files one
    after another in this process), the same tokenizer and inputs; each repeat into a fresh folder.
 3. ``datapath``: steady sequences/s of an epoch through the feeder and 2 ranks' loaders
-   (`GlobalOrderLoader`, as `RayTrainer` builds them) for `PackedTokens` (packing in the read
-   tasks) against `ParquetRowGroups` over the very same sequences written out pre-packed (fixed-size
-   int32/int64 lists): the cost of packing on the data path; and against those sequences'
-   ``input_ids`` alone (fixed-length token rows: what a run without packing or document masks
-   reads, a quarter of the bytes), for both policies. The pre-packed source reads as many
-   sequences per task and ahead of the feeder as `PackedTokens` does (`ParquetRowGroups` sizes
-   reads by the footers' encoded bytes, about a fifth of the decoded ones for these columns: left
-   at its defaults it would hold the whole epoch read ahead, and the arm would measure the loaders
-   draining memory). The first 32 batches (the feeder's start and the first read-ahead) are left out.
-   Arms interleaved, ``--repeats`` each; the ratio is per repeat.
+   (`GlobalOrderLoader`, as `RayTrainer` builds them) for `PackedTokens` over flat token files
+   (`token_files.py`, as `tokenize` writes them: 32 files of 2 row groups of 16,000 documents, about
+   1 Mi tokens each;
+   packing in the read tasks) against `ParquetRowGroups` over the very same sequences written out
+   pre-packed (fixed-size int32/int64 lists): the cost of packing on the data path; and against
+   those sequences' ``input_ids`` alone (fixed-length token rows, written uncompressed: what a run
+   without packing or document masks reads, a quarter of the bytes), for both policies. The
+   pre-packed sources read as many sequences per task and ahead of the feeder as `PackedTokens`
+   does (`ParquetRowGroups` sizes reads by the footers' encoded bytes, far below the decoded ones for
+   these columns: left at its defaults it would hold the whole epoch read ahead, and the arm would
+   measure the loaders draining memory). The first 32 batches (the feeder's start and the first
+   read-ahead) are left out. Arms interleaved, ``--repeats`` each; the ratio is per repeat.
 4. ``cpu``: the data path's CPU work per sequence without Ray (in this process, CPU time, so a
    loaded machine moves it less than wall time), both sides of the object store: the read tasks
-   (`pack_reads`: read the token row groups and pack, with its read (`_window_inputs`) and
-   `pack_runs` apart) and the ranks (`packed_tensors` of each rank's part of a batch, 32 sequences,
-   as the loader makes it; with ``--code`` a tree before it: `expand_packed` then `table_to_torch`), against the same sequences as fixed-length token rows (their ``input_ids``
-   alone, read by `_read_units` as `ParquetRowGroups`' read tasks do, then `table_to_torch`: the same
-   token budget without packing or document masks) and written pre-packed (all four columns). The
-   last column is the goal's measure: rows/s of the packed path over the fixed-length one where CPU
-   bounds it (the inverse ratio of the totals). ``concat`` on the datapath part's documents (Zipf
-   lengths up to 2,000), ``best_fit`` on the same mix cut at 1,024 tokens; seq_len 1024, windows of
-   ``256 * seq_len`` tokens. ``--code DIR`` imports ``raytrain_events`` from another tree (run two
-   trees alternately to compare them under the same load).
+   (`pack_reads`: read the token row groups and pack; for the flat layout its read
+   (`_window_inputs`) and `pack_runs` apart; the same documents in the documents layout as a whole)
+   and the ranks (`packed_tensors` of each rank's part of a batch, 32 sequences, as the loader makes
+   it), against the same sequences as fixed-length token rows (their ``input_ids`` alone, read by
+   `_read_units` as `ParquetRowGroups`' read tasks do, then `table_to_torch`: the same token budget
+   without packing or document masks; written with `pq.write_table`'s defaults and uncompressed, the
+   cheaper of the two per repeat being the baseline). The last two columns are the goal's measure:
+   rows/s of the packed path over the fixed-length one where CPU bounds it (the inverse ratio of the
+   totals), for each layout. ``concat`` on Zipf lengths up to 2,000, ``best_fit`` on the same mix cut
+   at 1,024 tokens; 64,000 documents in row groups of 16,000 (about 1 Mi tokens, `tokenize`'s
+   default), seq_len 1024, windows of ``256 * seq_len`` tokens.
 """
 
 from __future__ import annotations
@@ -74,9 +77,8 @@ def corpus(out: str) -> Dict[str, Any]:
 
 
 def efficiency_part(data: Dict[str, Any], out: str) -> None:
-    import pyarrow.parquet as pq
-
     from raytrain_events.core.packing import efficiency
+    from raytrain_events.data.ray.token_files import read_documents
 
     lengths_by = {}
     for name, paths in data["files"].items():
@@ -85,9 +87,7 @@ def efficiency_part(data: Dict[str, Any], out: str) -> None:
             shard = os.path.join(out, "eff", name, f"part-{i:05d}.parquet")
             data["tokenize_file"](path, shard, number=i, source=name, tokenizer=data["tokenizer"], eos="<eos>")
             shards.append(shard)
-        lengths_by[name] = np.concatenate(
-            [pq.read_table(s, columns=["num_tokens"])["num_tokens"].to_numpy() for s in shards]
-        )
+        lengths_by[name] = read_documents(shards)["num_tokens"].to_numpy()
     for name in list(lengths_by):
         lengths_by[f"stdlib {name} (seq 128)"] = lengths_by.pop(name)
     rng = np.random.default_rng(0)
@@ -204,14 +204,14 @@ def _datapath_row(folder: str, policy: str, longest: int, repeats: int) -> Any:
     from raytrain_events.data.ray.parquet_seek import AHEAD_BYTES, READ_BYTES, ParquetRowGroups
 
     paths, _ = write_tokens(
-        os.path.join(folder, "tok"), files=32, groups=4, docs_per_group=2_000, seed=0, longest=longest
+        os.path.join(folder, "tok"), files=32, groups=2, docs_per_group=16_000, seed=0, longest=longest, layout="flat"
     )
     packed = PackedTokens(paths, seq_len=1024, policy=policy, window_tokens=256 * 1024)
     arms: Dict[str, Any] = {}
     for name, columns in (("tokens", ["input_ids"]), ("prepacked", None)):
         # Reads sized as PackedTokens sizes its own (sequences per task, bytes ahead of the feeder):
         # ParquetRowGroups sizes them by the footers' encoded bytes, here far below the decoded ones.
-        _write_prepacked(packed, os.path.join(folder, name), columns)
+        _write_prepacked(packed, os.path.join(folder, name), columns, plain=name == "tokens")
         footer = ParquetRowGroups(os.path.join(folder, name))
         encoded = sum(footer.sizes.values()) / sum(packed.window_bytes)
         arms[name] = ParquetRowGroups(
