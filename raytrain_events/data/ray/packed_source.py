@@ -15,11 +15,14 @@ sequences are re-made exactly wherever it is packed. With a seed the *windows* a
 epoch (the row groups inside one stay in file order, so a window's sequences never change), and
 ``shuffle_buffer_size`` permutes sequences across windows as for any source.
 
-Built on the driver, before Ray starts: the footers (row counts, the token column's min/max
-statistics: ids outside ``[0, vocab_size)`` are refused here, before any training, when the
-writer kept statistics) and each document's length (the ``num_tokens`` column that
-`tokenize.py` writes, 4 bytes per document; else the token column's list
-lengths, which reads the tokens once). From the lengths each window's sequence count is known
+Built on the driver, before Ray starts: the footers (row counts, each file's layout,
+`token_files.py`: one per source, and the token ids' min/max statistics: ids outside
+``[0, vocab_size)`` are refused here, before any training, when the writer kept statistics; a
+second footer read per file where there are several files or a ``vocab_size``) and each document's
+length (a flat file's ``lengths`` bytes, or the documents layout's ``num_tokens`` column, 4 bytes
+per document; else the token column's list lengths, which reads the tokens once). The read tasks
+read a flat file's chunks as NumPy views of their bytes (no Parquet list decoding: about a fifth of
+the documents layout's read CPU, `bench/packing.py --parts cpu`). From the lengths each window's sequence count is known
 (under ``best_fit`` a document longer than ``seq_len`` is refused here), and only those counts are
 kept: one integer per window. Cost at scale: that build is O(documents) once per source (threads,
 one read per row group); the feeder holds the per-window counts (8 bytes each) and, as for any
