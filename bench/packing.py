@@ -333,7 +333,15 @@ def main() -> None:
     parser.add_argument("--parts", default="efficiency,tokenize,datapath,cpu")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cpus", type=int, default=4, help="logical CPUs of the local Ray (default 4)")
+    parser.add_argument(
+        "--code",
+        default=None,
+        help="import raytrain_events from this tree instead (compare two trees' parts; a tree without the flat "
+        "layout cannot run the cpu part)",
+    )
     args = parser.parse_args()
+    if args.code:
+        sys.path.insert(0, os.path.abspath(args.code))
     parts = args.parts.split(",")
     out = tempfile.mkdtemp(prefix="bench-packing-")
     data = corpus(out) if {"efficiency", "tokenize"} & set(parts) else {}
