@@ -1,7 +1,7 @@
 """Token files' flat layout (`token_files.py`) against the documents layout, no Ray.
 
 The same documents (6 files x 3 row groups x 40 documents of a long-tail length mix, a few empty;
-and 4 files x 2 row groups x 3,000 documents of up to 300 tokens) written in both layouts pack into
+and 2 files x 2 row groups x 3,000 documents of up to 300 tokens) written in both layouts pack into
 the very same blocks, window by window, under both policies, with the same counts on the driver, so
 every exactness property the documents layout has (the same sequences at any world size, a resume
 mid-window) holds for the flat one; `read_documents` reads both back alike. Bad input is refused
@@ -34,7 +34,7 @@ from packed_data import VOCAB, write_tokens  # noqa: E402
 
 
 @pytest.mark.parametrize("policy", ["concat", "best_fit"])
-@pytest.mark.parametrize("shape", [(6, 3, 40, 40, 48, 500), (4, 2, 3000, 300, 512, 40_000)])
+@pytest.mark.parametrize("shape", [(6, 3, 40, 40, 48, 500), (2, 2, 3000, 300, 512, 40_000)])
 def test_the_flat_layout_packs_exactly_the_sequences_of_the_documents_layout(tmp_path, policy, shape) -> None:
     files, groups, docs, longest, seq_len, window = shape
     sources = {}
@@ -113,3 +113,45 @@ def test_bad_flat_files_are_refused_naming_the_fix(tmp_path) -> None:
         pack_reads([source.window_args(w) for w in range(len(source.windows))])
     with pytest.raises(ValueError, match="10 tokens, 1 lengths and 2 ids do not agree"):
         flat_table(np.arange(10), np.array([10]), np.arange(2), "s")
+
+
+def test_tokenize_file_writes_either_layout_and_any_codec_to_the_same_documents(tmp_path) -> None:
+    """`tokenize_file` (the task `tokenize` runs; no Ray): the flat layout, compressed or not, holds the
+    documents layout's documents and packs into the same sequences; a codec or layout that does not
+    exist is refused by `tokenize` before anything starts, naming the ones that do."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from raytrain_events.data.ray.tokenize import tokenize, tokenize_file
+
+    texts = [f"def f{i}(x):\n    return x * {i} + {'y' * (i % 37)}" for i in range(200)]
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=200, special_tokens=["[UNK]", "<eos>"]))
+    tok.save(str(tmp_path / "bpe.json"))
+    pq.write_table(pa.table({"text": texts}), str(tmp_path / "text.parquet"))
+    tables, packed = {}, {}
+    for name, layout, codec in (("documents", "documents", None), ("flat", "flat", None), ("zstd", "flat", "zstd")):
+        shard = str(tmp_path / name / "part-00000.parquet")
+        counts = tokenize_file(
+            str(tmp_path / "text.parquet"),
+            shard,
+            number=0,
+            source="s",
+            tokenizer=str(tmp_path / "bpe.json"),
+            group_tokens=500,
+            eos="<eos>",
+            layout=layout,
+            compression=codec,
+        )
+        assert counts["documents"] == 200
+        tables[name] = read_documents(shard)
+        packed[name] = PackedTokens(shard, seq_len=64, policy="best_fit", vocab_size=200)
+        if codec:
+            assert pq.ParquetFile(shard).metadata.row_group(0).column(0).compression == "ZSTD"
+    assert tables["flat"].equals(tables["documents"]) and tables["zstd"].equals(tables["documents"])
+    blocks = {k: pack_reads([p.window_args(w) for w in range(len(p.windows))]) for k, p in packed.items()}
+    assert blocks["flat"].equals(blocks["documents"]) and blocks["zstd"].equals(blocks["documents"])
+    with pytest.raises(ValueError, match="compression='bogus' is not a Parquet codec.*'none', 'snappy'"):
+        tokenize(str(tmp_path / "text.parquet"), str(tmp_path / "t"), tokenizer="x", compression="bogus")
+    with pytest.raises(ValueError, match="layout='rows' is not one of"):
+        tokenize(str(tmp_path / "text.parquet"), str(tmp_path / "t"), tokenizer="x", layout="rows")
