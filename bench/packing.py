@@ -16,28 +16,31 @@ Four parts (issue 50), each printed as a table with medians and spreads ``[min-m
    ``--cpus`` CPUs) against the plain per-process loop (`tokenize_file` over the same files one
    after another in this process), the same tokenizer and inputs; each repeat into a fresh folder.
 3. ``datapath``: steady sequences/s of an epoch through the feeder and 2 ranks' loaders
-   (`GlobalOrderLoader`, as `RayTrainer` builds them) for `PackedTokens` (packing in the read
-   tasks) against `ParquetRowGroups` over the very same sequences written out pre-packed (fixed-size
-   int32/int64 lists): the cost of packing on the data path; and against those sequences'
-   ``input_ids`` alone (fixed-length token rows: what a run without packing or document masks
-   reads, a quarter of the bytes), for both policies. The pre-packed source reads as many
-   sequences per task and ahead of the feeder as `PackedTokens` does (`ParquetRowGroups` sizes
-   reads by the footers' encoded bytes, about a fifth of the decoded ones for these columns: left
-   at its defaults it would hold the whole epoch read ahead, and the arm would measure the loaders
-   draining memory). The first 32 batches (the feeder's start and the first read-ahead) are left out.
-   Arms interleaved, ``--repeats`` each; the ratio is per repeat.
+   (`GlobalOrderLoader`, as `RayTrainer` builds them) for `PackedTokens` over flat token files
+   (`token_files.py`, as `tokenize` writes them: 32 files of 2 row groups of 16,000 documents, about
+   1 Mi tokens each;
+   packing in the read tasks) against `ParquetRowGroups` over the very same sequences written out
+   pre-packed (fixed-size int32/int64 lists): the cost of packing on the data path; and against
+   those sequences' ``input_ids`` alone (fixed-length token rows, written uncompressed: what a run
+   without packing or document masks reads, a quarter of the bytes), for both policies. The
+   pre-packed sources read as many sequences per task and ahead of the feeder as `PackedTokens`
+   does (`ParquetRowGroups` sizes reads by the footers' encoded bytes, far below the decoded ones for
+   these columns: left at its defaults it would hold the whole epoch read ahead, and the arm would
+   measure the loaders draining memory). The first 32 batches (the feeder's start and the first
+   read-ahead) are left out. Arms interleaved, ``--repeats`` each; the ratio is per repeat.
 4. ``cpu``: the data path's CPU work per sequence without Ray (in this process, CPU time, so a
    loaded machine moves it less than wall time), both sides of the object store: the read tasks
-   (`pack_reads`: read the token row groups and pack, with its read (`_window_inputs`) and
-   `pack_runs` apart) and the ranks (`packed_tensors` of each rank's part of a batch, 32 sequences,
-   as the loader makes it; with ``--code`` a tree before it: `expand_packed` then `table_to_torch`), against the same sequences as fixed-length token rows (their ``input_ids``
-   alone, read by `_read_units` as `ParquetRowGroups`' read tasks do, then `table_to_torch`: the same
-   token budget without packing or document masks) and written pre-packed (all four columns). The
-   last column is the goal's measure: rows/s of the packed path over the fixed-length one where CPU
-   bounds it (the inverse ratio of the totals). ``concat`` on the datapath part's documents (Zipf
-   lengths up to 2,000), ``best_fit`` on the same mix cut at 1,024 tokens; seq_len 1024, windows of
-   ``256 * seq_len`` tokens. ``--code DIR`` imports ``raytrain_events`` from another tree (run two
-   trees alternately to compare them under the same load).
+   (`pack_reads`: read the token row groups and pack; for the flat layout its read
+   (`_window_inputs`) and `pack_runs` apart; the same documents in the documents layout as a whole)
+   and the ranks (`packed_tensors` of each rank's part of a batch, 32 sequences, as the loader makes
+   it), against the same sequences as fixed-length token rows (their ``input_ids`` alone, read by
+   `_read_units` as `ParquetRowGroups`' read tasks do, then `table_to_torch`: the same token budget
+   without packing or document masks; written with `pq.write_table`'s defaults and uncompressed, the
+   cheaper of the two per repeat being the baseline). The last two columns are the goal's measure:
+   rows/s of the packed path over the fixed-length one where CPU bounds it (the inverse ratio of the
+   totals), for each layout. ``concat`` on Zipf lengths up to 2,000, ``best_fit`` on the same mix cut
+   at 1,024 tokens; 64,000 documents in row groups of 16,000 (about 1 Mi tokens, `tokenize`'s
+   default), seq_len 1024, windows of ``256 * seq_len`` tokens.
 """
 
 from __future__ import annotations
@@ -74,9 +77,8 @@ def corpus(out: str) -> Dict[str, Any]:
 
 
 def efficiency_part(data: Dict[str, Any], out: str) -> None:
-    import pyarrow.parquet as pq
-
     from raytrain_events.core.packing import efficiency
+    from raytrain_events.data.ray.token_files import read_documents
 
     lengths_by = {}
     for name, paths in data["files"].items():
@@ -85,9 +87,7 @@ def efficiency_part(data: Dict[str, Any], out: str) -> None:
             shard = os.path.join(out, "eff", name, f"part-{i:05d}.parquet")
             data["tokenize_file"](path, shard, number=i, source=name, tokenizer=data["tokenizer"], eos="<eos>")
             shards.append(shard)
-        lengths_by[name] = np.concatenate(
-            [pq.read_table(s, columns=["num_tokens"])["num_tokens"].to_numpy() for s in shards]
-        )
+        lengths_by[name] = read_documents(shards)["num_tokens"].to_numpy()
     for name in list(lengths_by):
         lengths_by[f"stdlib {name} (seq 128)"] = lengths_by.pop(name)
     rng = np.random.default_rng(0)
@@ -138,7 +138,7 @@ def tokenize_part(data: Dict[str, Any], out: str, repeats: int) -> None:
     print(f"| {_spread(plain)} | {_spread(job)} | {_spread([j / p for j, p in zip(job, plain)], 2)} |")
 
 
-def _write_prepacked(source: Any, path: str, columns: Any = None) -> None:
+def _write_prepacked(source: Any, path: str, columns: Any = None, plain: bool = False) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -151,6 +151,7 @@ def _write_prepacked(source: Any, path: str, columns: Any = None) -> None:
         table.select(columns or table.column_names),
         os.path.join(path, "packed.parquet"),
         row_group_size=tables[0].num_rows,
+        **({"compression": "none", "use_dictionary": False} if plain else {}),
     )
 
 
@@ -203,14 +204,14 @@ def _datapath_row(folder: str, policy: str, longest: int, repeats: int) -> Any:
     from raytrain_events.data.ray.parquet_seek import AHEAD_BYTES, READ_BYTES, ParquetRowGroups
 
     paths, _ = write_tokens(
-        os.path.join(folder, "tok"), files=32, groups=4, docs_per_group=2_000, seed=0, longest=longest
+        os.path.join(folder, "tok"), files=32, groups=2, docs_per_group=16_000, seed=0, longest=longest, layout="flat"
     )
     packed = PackedTokens(paths, seq_len=1024, policy=policy, window_tokens=256 * 1024)
     arms: Dict[str, Any] = {}
     for name, columns in (("tokens", ["input_ids"]), ("prepacked", None)):
         # Reads sized as PackedTokens sizes its own (sequences per task, bytes ahead of the feeder):
         # ParquetRowGroups sizes them by the footers' encoded bytes, here far below the decoded ones.
-        _write_prepacked(packed, os.path.join(folder, name), columns)
+        _write_prepacked(packed, os.path.join(folder, name), columns, plain=name == "tokens")
         footer = ParquetRowGroups(os.path.join(folder, name))
         encoded = sum(footer.sizes.values()) / sum(packed.window_bytes)
         arms[name] = ParquetRowGroups(
@@ -240,86 +241,91 @@ def _cpu_per_sequence(work: Any, sequences: int) -> float:
 
 def cpu_part(out: str, repeats: int) -> None:
     print(
-        "\n## Data path CPU per sequence (us; no Ray; seq_len 1024, windows of 256 sequences, ranks' batches of 32)\n"
+        "\n## Data path CPU per sequence (us; no Ray; seq_len 1024, row groups of 16,000 documents, "
+        "ranks' batches of 32)\n"
     )
     print(
-        "| policy | fixed-length rows: read + rank | pre-packed 4 columns: read + rank | packed: read + pack "
-        "| of which read | of which pack_runs | packed: rank (expand + tensors) | packed total "
-        "| rows/s packed / fixed-length |"
+        "| policy | fixed-length rows: default write | uncompressed | packed, documents layout "
+        "| packed, flat layout: read | pack_runs | rank (expand + tensors) | packed, flat layout: in all "
+        "| rows/s packed / fixed-length: flat | documents |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for policy, longest in (("concat", 2_000), ("best_fit", 1_024)):
         print(_cpu_row(os.path.join(out, f"cpu-{policy}"), policy, longest, repeats))
 
 
 def _cpu_row(folder: str, policy: str, longest: int, repeats: int) -> str:  # noqa: PLR0914 (one table row)
     """The data path's CPU work per sequence, both sides of the object store, arms interleaved: the
-    read tasks (`pack_reads`: read the token row groups and pack; or `_read_units` of the same
-    sequences written out pre-packed, or their ``input_ids`` alone: fixed-length token rows, the same
-    token budget without packing or document masks) and the ranks (`packed_tensors` of each rank's
-    part of a batch, 32 sequences, as the loader makes it; or `table_to_torch` alone). Rows/s
-    of the data path with packing against without, where CPU bounds it, is the inverse ratio of the
-    totals."""
+    read tasks (`pack_reads`: read the token row groups and pack, the same documents written in either
+    layout, `token_files.py`, in row groups of about 1 Mi tokens as `tokenize` writes them; or
+    `_read_units` of the same sequences' ``input_ids`` alone written out as fixed-length rows: the same
+    token budget without packing or document masks, once with `pq.write_table`'s defaults (snappy,
+    dictionary) and once uncompressed without a dictionary, the cheaper of the two per repeat being
+    the baseline) and the ranks (`packed_tensors` of each rank's part of a batch, 32 sequences, as the
+    loader makes it; or `table_to_torch` alone). Rows/s of the data path with packing against without,
+    where CPU bounds it, is the inverse ratio of the totals."""
     from packed_data import write_tokens
 
     from raytrain_events.core.packing import pack_runs
     from raytrain_events.data.ray.batch_tensors import table_to_torch
-    from raytrain_events.data.ray.packed_source import PackedTokens, _window_inputs, expand_packed, pack_reads
+    from raytrain_events.data.ray.packed_batch import packed_tensors
+    from raytrain_events.data.ray.packed_source import PackedTokens, _window_inputs, pack_reads
     from raytrain_events.data.ray.parquet_seek import ParquetRowGroups, _read_units
 
-    paths, _ = write_tokens(
-        os.path.join(folder, "tok"), files=8, groups=4, docs_per_group=2_000, seed=0, longest=longest
-    )
-    source = PackedTokens(paths, seq_len=1024, policy=policy, window_tokens=256 * 1024)
-    _write_prepacked(source, os.path.join(folder, "prepacked"))
-    plain = ParquetRowGroups(os.path.join(folder, "prepacked"))
-    _write_prepacked(source, os.path.join(folder, "tokens"), ["input_ids"])
-    alone = ParquetRowGroups(os.path.join(folder, "tokens"))  # fixed-length token rows: the unpacked path
+    reads, args = {}, {}
+    for layout in ("documents", "flat"):
+        paths, _ = write_tokens(
+            os.path.join(folder, layout),
+            files=2,
+            groups=2,
+            docs_per_group=16_000,
+            seed=0,
+            longest=longest,
+            layout=layout,
+        )
+        source = PackedTokens(paths, seq_len=1024, policy=policy, window_tokens=256 * 1024, vocab_size=4096)
+        windows = list(range(len(source.windows)))
+        args[layout] = [source.window_args(w) for w in windows]
+        reads[layout] = [[args[layout][w] for w in group] for group in source.reads(windows)]
     n = source.count()
-    window_args = [source.window_args(w) for w in range(len(source.windows))]
-    packed_reads = [[window_args[w] for w in group] for group in source.reads(list(range(len(source.windows))))]
-    plain_reads = [[(f, g) for f, g, _ in group] for group in plain.reads(plain.units)]
-    alone_reads = [[(f, g) for f, g, _ in group] for group in alone.reads(alone.units)]
-    inputs = [_window_inputs(args) for args in window_args]
+    fixed = {}
+    for name, plain in (("default", False), ("plain", True)):  # fixed-length token rows: the unpacked path
+        _write_prepacked(source, os.path.join(folder, name), ["input_ids"], plain=plain)
+        rows = ParquetRowGroups(os.path.join(folder, name))
+        fixed[name] = (rows.paths, [[(f, g) for f, g, _ in group] for group in rows.reads(rows.units)])
+    inputs = [_window_inputs(a) for a in args["flat"]]
 
-    try:  # the loader's packed path (straight to tensors); a tree before it: expand to Arrow, then convert
-        from raytrain_events.data.ray.packed_batch import packed_tensors
-    except ImportError:
-        packed_tensors = None
-
-    def rank(blocks: List[Any], expand: bool) -> None:  # each rank's part of each batch, as the loader makes it
+    def rank(blocks: List[Any], packed: bool) -> None:  # each rank's part of each batch, as the loader makes it
         for block in blocks:
             for at in range(0, block.num_rows, 32):
                 part = [block.slice(at, 32)]
-                if expand and packed_tensors is not None:
-                    packed_tensors(part)
-                else:
-                    table_to_torch((expand_packed(part) if expand else part)[0])
+                packed_tensors(part) if packed else table_to_torch(part[0])
 
-    blocks = {
-        "packed": [pack_reads(r) for r in packed_reads],
-        "plain": [_read_units(plain.paths, r, None, None) for r in plain_reads],
-        "alone": [_read_units(alone.paths, r, None, None) for r in alone_reads],
-    }
-    arms: Dict[str, List[float]] = {k: [] for k in ("alone", "plain", "full", "read", "pack", "expand")}
-    rank(blocks["alone"][:1], False)  # imports torch: outside the timed repeats
+    def unpacked(name: str) -> float:
+        paths, groups = fixed[name]
+        blocks = [_read_units(paths, r, None, None) for r in groups]
+        return _cpu_per_sequence(lambda: [_read_units(paths, r, None, None) for r in groups], n) + _cpu_per_sequence(
+            lambda: rank(blocks, False), n
+        )
+
+    blocks = [pack_reads(r) for r in reads["flat"]]
+    assert all(a.equals(b) for a, b in zip(blocks, [pack_reads(r) for r in reads["documents"]]))
+    arms: Dict[str, List[float]] = {k: [] for k in ("default", "plain", "documents", "read", "pack", "rank")}
+    unpacked("default")  # imports torch: outside the timed repeats
     for _ in range(repeats):  # arms interleaved
-        arms["alone"].append(
-            _cpu_per_sequence(lambda: [_read_units(alone.paths, r, None, None) for r in alone_reads], n)
-            + _cpu_per_sequence(lambda: rank(blocks["alone"], False), n)
-        )
-        arms["plain"].append(
-            _cpu_per_sequence(lambda: [_read_units(plain.paths, r, None, None) for r in plain_reads], n)
-            + _cpu_per_sequence(lambda: rank(blocks["plain"], False), n)
-        )
-        arms["full"].append(_cpu_per_sequence(lambda: [pack_reads(r) for r in packed_reads], n))
-        arms["read"].append(_cpu_per_sequence(lambda: [_window_inputs(args) for args in window_args], n))
+        arms["default"].append(unpacked("default"))
+        arms["plain"].append(unpacked("plain"))
+        arms["documents"].append(_cpu_per_sequence(lambda: [pack_reads(r) for r in reads["documents"]], n))
+        arms["read"].append(_cpu_per_sequence(lambda: [_window_inputs(a) for a in args["flat"]], n))
         arms["pack"].append(_cpu_per_sequence(lambda: [pack_runs(t, k, i, 1024, policy) for t, k, i in inputs], n))
-        arms["expand"].append(_cpu_per_sequence(lambda: rank(blocks["packed"], True), n))
-    total = [f + e for f, e in zip(arms["full"], arms["expand"])]
-    rate = [a / t for a, t in zip(arms["alone"], total)]
-    cells = [_spread(arms[k]) for k in ("alone", "plain", "full", "read", "pack", "expand")]
-    return f"| {policy} | " + " | ".join(cells) + f" | {_spread(total)} | {_spread(rate, 3)} |"
+        arms["rank"].append(_cpu_per_sequence(lambda: rank(blocks, True), n))
+    flat = [r + p + k for r, p, k in zip(arms["read"], arms["pack"], arms["rank"])]
+    documents = [d + k for d, k in zip(arms["documents"], arms["rank"])]
+    base = [min(d, p) for d, p in zip(arms["default"], arms["plain"])]
+    cells = [_spread(arms["default"]), _spread(arms["plain"]), _spread(documents)]
+    cells += [_spread(arms[k]) for k in ("read", "pack", "rank")] + [_spread(flat)]
+    cells += [_spread([a / t for a, t in zip(base, total)], 3) for total in (flat, documents)]
+    return f"| {policy} | " + " | ".join(cells) + " |"
 
 
 def main() -> None:
@@ -328,7 +334,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cpus", type=int, default=4, help="logical CPUs of the local Ray (default 4)")
     parser.add_argument(
-        "--code", default=None, help="import raytrain_events from this tree instead (compare two trees' cpu parts)"
+        "--code",
+        default=None,
+        help="import raytrain_events from this tree instead (compare two trees' parts; a tree without the flat "
+        "layout cannot run the cpu part)",
     )
     args = parser.parse_args()
     if args.code:

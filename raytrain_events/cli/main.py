@@ -272,6 +272,16 @@ def _add_tokenize(commands: Any) -> None:
     tokenize.add_argument("--id-column", help="An integer column to keep as document_id (default: file and row).")
     tokenize.add_argument("--max-tokens", type=int, help="Cut longer documents to this many tokens (counted).")
     tokenize.add_argument("--eos", help="A token to append to every document, e.g. '<|endoftext|>'.")
+    tokenize.add_argument(
+        "--layout",
+        default="flat",
+        choices=["flat", "documents"],
+        help="flat (default: tokens end to end plus document lengths, PackedTokens' fast read) or documents "
+        "(one list row per document, for other Parquet tools).",
+    )
+    tokenize.add_argument(
+        "--compression", help="The shards' Parquet codec (default: none for flat, snappy for documents)."
+    )
     tokenize.set_defaults(_parser=tokenize)
 
 
@@ -351,6 +361,8 @@ def _tokenize(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens,
             eos=args.eos,
             vocab_size=args.vocab_size,
+            layout=args.layout,
+            compression=args.compression,
             storage_options=parse_storage_options(args.storage_option) or None,
         )
     except (FileNotFoundError, FileExistsError, TypeError, ValueError, ImportError) as exc:

@@ -393,10 +393,14 @@ def _lay_out(  # noqa: PLR0913 (the window's arrays, the placement, the output)
     A sequence's documents tile ``[0, fill)`` (each placed at its sequence's fill so far), so the
     flat output is a run of *segments*: each sequence's documents in offset order, then its padding
     (``seq_len - fill`` tokens, maybe none). Per segment: its length and where its tokens start in
-    ``tokens`` (padding: past the end, where a pad row of ``seq_len`` tokens is appended); then every
-    output token gathers from its segment's start plus its place in it. O(tokens) for the window,
-    O(d log d) to order its ``d`` documents."""
-    n, total = len(fills), int(lengths.sum())
+    the window's tokens; every output token gathers from its segment's start plus its place in it,
+    `_GATHER_ROWS` sequences at a time (their indices in one small buffer reused, cache-resident and
+    never page-faulted again: one index array for the whole window cost more in fresh pages than in
+    the gather; the padding gathers token 0), then the padding is set to ``pad_id``. The tokens are
+    gathered straight from the decoded chunk when the window is one (no copy); the padding is written
+    in one scatter of its own tokens (few: best_fit fills its sequences). O(tokens) for the
+    window, O(d log d) to order its ``d`` documents."""
+    n = len(fills)
     # Output order: by sequence, then offset. Placed in ``placement`` order, a sequence's documents
     # took its room in order, so a stable sort by sequence alone is that order.
     placed = placement[np.argsort(seq[placement].astype(_small(n)), kind="stable")]
@@ -404,34 +408,42 @@ def _lay_out(  # noqa: PLR0913 (the window's arrays, the placement, the output)
     pads = np.cumsum(runs) + np.arange(n)  # each sequence's padding segment
     docs = np.ones(len(placed) + n, dtype=bool)
     docs[pads] = False
+    fill = np.asarray(fills, dtype=np.intp)
     seg_len = np.empty(len(docs), dtype=np.intp)
-    seg_len[docs], seg_len[pads] = lengths[placed], seq_len - np.asarray(fills, dtype=np.intp)
-    seg_src = np.empty(len(docs), dtype=np.intp)
-    seg_src[docs], seg_src[pads] = (np.cumsum(lengths) - lengths)[placed], total
-    # One gather with intp indices and mode="clip" (every index is in range by construction): numpy's
-    # fast path (int32 indices or mode="raise" cost a conversion pass or a bounds check).
-    index = _segment_index(seg_src, seg_len, n * seq_len)  # where each output token is in ``source``
-    source = np.empty(total + seq_len, dtype=out.dtype)  # the tokens, then a pad row for the padding to read
-    _copy_chunks(chunks, source)
-    source[total:] = pad_id
-    np.take(source, index, out=out.reshape(-1), mode="clip")
+    seg_len[docs], seg_len[pads] = lengths[placed], seq_len - fill
+    seg_src = np.zeros(len(docs), dtype=np.intp)  # padding gathers token 0 (any in range), then is overwritten
+    seg_src[docs] = (np.cumsum(lengths) - lengths)[placed]
+    source = chunks[0] if len(chunks) == 1 else np.concatenate(chunks) if chunks else np.zeros(1, out.dtype)
+    if not len(source):
+        source = np.zeros(1, out.dtype)
+    flat = out.reshape(-1)
+    index = np.empty(min(n, _GATHER_ROWS) * seq_len, dtype=np.intp)
+    for a in range(0, n, _GATHER_ROWS):
+        b = min(n, a + _GATHER_ROWS)
+        first, end = (int(pads[a - 1]) + 1 if a else 0), int(pads[b - 1]) + 1
+        rows = index[: (b - a) * seq_len]
+        _segment_index(seg_src[first:end], seg_len[first:end], rows)
+        # intp indices and mode="clip" (every index is in range by construction): numpy's fast path
+        np.take(source, rows, out=flat[a * seq_len : b * seq_len], mode="clip")
+    padding = seq_len - fill  # each sequence's padding: its tail, one scatter over the padding's tokens only
+    pad_rows = np.flatnonzero(padding)
+    pad_index = np.empty(int(padding.sum()), dtype=np.intp)
+    _segment_index(pad_rows * seq_len + fill[pad_rows], padding[pad_rows], pad_index)
+    flat[pad_index] = pad_id
     num = np.asarray(fills, dtype=np.int32)
     return Runs(out, ids[placed], lengths[placed].astype(np.int32), runs.astype(np.int32), num)
 
 
-def _segment_index(seg_src: np.ndarray, seg_len: np.ndarray, size: int) -> np.ndarray:
-    """``size`` intp indices: segment after segment (lengths ``seg_len``, ``size`` in all), each
-    counting up from its source start ``seg_src``. One running sum over a step array (1 inside a
-    segment, the jump to the next segment's source at its first token): two passes over 8 bytes per
-    token, where ``np.repeat`` of the starts then adding an ``arange`` made three and a temporary."""
-    keep = seg_len > 0  # empty segments (a full sequence's padding) start nowhere
-    seg_src, seg_len = seg_src[keep], seg_len[keep]
-    index = np.ones(size, dtype=np.intp)
-    if size:
-        ends = np.cumsum(seg_len)
-        index[ends[:-1]] = seg_src[1:] - (seg_src[:-1] + seg_len[:-1] - 1)  # from the last token of one to the next
-        index[0] = seg_src[0]
-        np.cumsum(index, out=index)
+_GATHER_ROWS = 32  # sequences whose gather indices are built at once (256 KiB of indices at seq_len 1024)
+
+
+def _segment_index(seg_src: np.ndarray, seg_len: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """Fill ``index`` (intp, as long as the segments in all) with segment after segment (lengths
+    ``seg_len``), each counting up from its source start ``seg_src``: each segment's offset from its
+    place in ``index`` repeated over it (``np.repeat``), plus the place. Two passes over 8 bytes per
+    token (a running sum over a step array measured 4x slower: NumPy's ``cumsum`` does not vectorise)."""
+    starts = np.cumsum(seg_len) - seg_len
+    np.add(np.repeat(seg_src - starts, seg_len), np.arange(len(index), dtype=np.intp), out=index)
     return index
 
 

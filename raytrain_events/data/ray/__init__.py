@@ -40,6 +40,8 @@ Files:
   trimmed from the front.
 * ``text_tokenizer.py``: `TextTokenizer`: the tokenizer `tokenize` encodes with, from a file, a
   folder or a name, never the network.
+* ``token_files.py``: Token files' two layouts: ``flat`` (the tokens of many documents end to end,
+  plus their lengths) and ``documents``.
 * ``tokenize.py``: Tokenize text once on the cluster: text Parquet/JSONL into seekable token Parquet
   (`tokenize`).
 * ``shuffle.py``: Row-level shuffle of the global order: rows permuted within windows of

@@ -15,11 +15,14 @@ sequences are re-made exactly wherever it is packed. With a seed the *windows* a
 epoch (the row groups inside one stay in file order, so a window's sequences never change), and
 ``shuffle_buffer_size`` permutes sequences across windows as for any source.
 
-Built on the driver, before Ray starts: the footers (row counts, the token column's min/max
-statistics: ids outside ``[0, vocab_size)`` are refused here, before any training, when the
-writer kept statistics) and each document's length (the ``num_tokens`` column that
-`tokenize.py` writes, 4 bytes per document; else the token column's list
-lengths, which reads the tokens once). From the lengths each window's sequence count is known
+Built on the driver, before Ray starts: the footers (row counts, each file's layout,
+`token_files.py`: one per source, and the token ids' min/max statistics: ids outside
+``[0, vocab_size)`` are refused here, before any training, when the writer kept statistics; a
+second footer read per file where there are several files or a ``vocab_size``) and each document's
+length (a flat file's ``lengths`` bytes, or the documents layout's ``num_tokens`` column, 4 bytes
+per document; else the token column's list lengths, which reads the tokens once). The read tasks
+read a flat file's chunks as NumPy views of their bytes (no Parquet list decoding: about a fifth of
+the documents layout's read CPU, `bench/packing.py --parts cpu`). From the lengths each window's sequence count is known
 (under ``best_fit`` a document longer than ``seq_len`` is refused here), and only those counts are
 kept: one integer per window. Cost at scale: that build is O(documents) once per source (threads,
 one read per row group); the feeder holds the per-window counts (8 bytes each) and, as for any
@@ -54,6 +57,7 @@ from types import SimpleNamespace
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
+import pyarrow as pa
 
 from raytrain_events.core.packing import (
     PackingError,
@@ -70,10 +74,17 @@ from raytrain_events.data.ray.parquet_seek import (
     is_seekable,
     stream_entry,
 )
+from raytrain_events.data.ray.token_files import (
+    FLAT_COLUMNS,
+    TOKEN_DTYPE,
+    VOCAB_KEY,
+    check_vocabulary,
+    flat_arrays,
+    flat_values,
+    layout_of,
+)
 
 __all__ = ["PackedTokens", "count_real_tokens", "VOCAB_KEY"]
-
-VOCAB_KEY = b"raytrain_events.vocab_size"  # Parquet key-value metadata `tokenize` writes: the tokenizer's vocabulary
 
 
 def block_bytes(sequences: int, documents: int, seq_len: int, token_bytes: int) -> int:
@@ -157,16 +168,17 @@ class PackedTokens:
         self.window_tokens = window_tokens or 256 * seq_len
         self.paths, self.filesystem = parquet.paths, parquet.filesystem
         schema = parquet.schema
-        value_type = _token_type(schema, tokens_column)
+        self.layout = layout_of(schema)  # each file's layout is checked against the first's (`_check_footers`)
+        value_type = _token_type(schema, tokens_column) if self.layout == "documents" else pa.int32()
         self.tokens_column = tokens_column
         self.length_column = length_column if length_column in schema.names else None
         self.id_column = id_column if id_column in schema.names else None
         self.vocab_size = vocab_size
-        self._check_vocabulary(vocab_size)
+        self._check_footers(vocab_size)
         self.units = [(f, g) for f, g, _ in parquet.units]
-        bases = np.cumsum([0] + [rows for _, _, rows in parquet.units])
-        self.bases = [int(b) for b in bases[:-1]]  # each unit's first document row (file order)
         lengths = self._lengths()
+        bases = np.cumsum([0] + [len(x) for x in lengths])
+        self.bases = [int(b) for b in bases[:-1]]  # each unit's first document row (file order)
         self._cut_windows(lengths, token_bytes=np.dtype(_token_dtype(value_type)).itemsize)
         self.documents = int(bases[-1])
         self.real_tokens = int(sum(int(x.sum()) for x in lengths))
@@ -209,44 +221,41 @@ class PackedTokens:
         column = self.length_column or self.tokens_column
 
         def one(unit: Tuple[int, int]) -> np.ndarray:
+            if self.layout == "flat":  # the lengths' bytes (4 per document), not the tokens
+                return np.concatenate(
+                    flat_values(self._read(unit[0], unit[1], ["lengths"]).column("lengths"), TOKEN_DTYPE, "lengths")
+                    or [np.zeros(0, TOKEN_DTYPE)]
+                ).astype(np.int64)
             values = self._read(unit[0], unit[1], [column]).column(column)
             return _list_lengths(values) if self.length_column is None else values.to_numpy().astype(np.int64)
 
         with ThreadPoolExecutor(16) as pool:
             return list(pool.map(one, self.units))
 
-    def _check_vocabulary(self, vocab_size: Optional[int]) -> None:
-        """Refuse, from the footers only, a tokenizer vocabulary or token ids the model's embedding cannot take."""
+    def _check_footers(self, vocab_size: Optional[int]) -> None:
+        """Every file's layout the first file's (one read path per source); with ``vocab_size``, refuse from the
+        footers only a tokenizer vocabulary or token ids the model's embedding cannot take."""
         import pyarrow.parquet as pq
 
-        if vocab_size is None:
-            return
-        for path in self.paths:
+        def meta_of(path: str) -> Any:
             if self.filesystem is None:
-                meta = pq.ParquetFile(path).metadata
-            else:
-                with self.filesystem.open_input_file(path) as handle:
-                    meta = pq.ParquetFile(handle).metadata
-            written = (meta.metadata or {}).get(VOCAB_KEY)
-            if written is not None and int(written) > vocab_size:
+                return pq.ParquetFile(path).metadata
+            with self.filesystem.open_input_file(path) as handle:
+                return pq.ParquetFile(handle).metadata
+
+        if len(self.paths) == 1 and vocab_size is None:
+            return
+        with ThreadPoolExecutor(16) as pool:
+            metas = list(pool.map(meta_of, self.paths))
+        for path, meta in zip(self.paths, metas):
+            layout = layout_of(meta.schema.to_arrow_schema())
+            if layout != self.layout:
                 raise ValueError(
-                    f"{path} was tokenized with a vocabulary of {int(written)} tokens, more than "
-                    f"vocab_size={vocab_size} (the model's embedding). Fix: a model with vocab_size >= "
-                    f"{int(written)}, or tokenize with the model's own tokenizer."
+                    f"{path} is a {layout!r} token file, {self.paths[0]} a {self.layout!r} one: one PackedTokens "
+                    "reads one layout. Fix: tokenize the source again into one folder with one layout=."
                 )
-            for g in range(meta.num_row_groups):
-                group = meta.row_group(g)
-                for c in range(group.num_columns):
-                    column = group.column(c)
-                    if column.path_in_schema.split(".")[0] != self.tokens_column or not column.is_stats_set:
-                        continue
-                    stats = column.statistics
-                    if stats.has_min_max and (int(stats.max) >= vocab_size or int(stats.min) < 0):
-                        raise ValueError(
-                            f"{path} row group {g}: token ids {int(stats.min)}..{int(stats.max)} are "
-                            f"outside the model's vocabulary [0, {vocab_size}). Fix: tokenize with the "
-                            "model's tokenizer, or a model with a larger vocab_size."
-                        )
+            if vocab_size is not None:
+                check_vocabulary(path, meta, vocab_size, self.tokens_column if layout == "documents" else None)
 
     def count(self) -> int:
         """Packed sequences in an epoch (fixed on the driver: the windows' counts)."""
@@ -274,11 +283,12 @@ class PackedTokens:
         a, b = self.windows[w]
         columns = [self.tokens_column] + [c for c in (self.id_column,) if c]
         return {
+            "layout": self.layout,
             "paths": self.paths,
             "units": self.units[a:b],
             "bases": self.bases[a:b],
             "filesystem": self.filesystem,
-            "columns": columns,
+            "columns": columns if self.layout == "documents" else FLAT_COLUMNS,
             "tokens_column": self.tokens_column,
             "id_column": self.id_column,
             "seq_len": self.seq_len,
@@ -392,6 +402,8 @@ def _window_inputs(args: Dict[str, Any]) -> Tuple[List[np.ndarray], np.ndarray, 
     import pyarrow.compute as pc
 
     paths, filesystem, columns = args["paths"], args["filesystem"], args["columns"]
+    if args.get("layout") == "flat":
+        return _flat_window_inputs(args)
     chunks: List[np.ndarray] = []
     lengths: List[np.ndarray] = []
     ids: List[np.ndarray] = []
@@ -426,6 +438,26 @@ def _window_inputs(args: Dict[str, Any]) -> Tuple[List[np.ndarray], np.ndarray, 
             "with a larger vocab_size."
         )
     return chunks, length, document_ids
+
+
+def _flat_window_inputs(args: Dict[str, Any]) -> Tuple[List[np.ndarray], np.ndarray, np.ndarray]:
+    """`_window_inputs` of flat token files: each row group's bytes as NumPy views (`token_files.flat_arrays`), the
+    vocabulary checked against each chunk's least and greatest token (no pass over the tokens)."""
+    chunks: List[np.ndarray] = []
+    lengths: List[np.ndarray] = []
+    ids: List[np.ndarray] = []
+    paths, units, vocab = args["paths"], args["units"], args["vocab_size"]
+    for (f, g), table in zip(units, _row_groups(paths, units, args["filesystem"], args["columns"])):
+        tokens, length, document_ids, low, high = flat_arrays(table, f"{paths[f]} row group {g}")
+        if vocab is not None and length.any() and (high >= vocab or low < 0):
+            raise ValueError(
+                f"{args['what']} ({paths[f]} row group {g}): token ids {low}..{high} are outside the model's "
+                f"vocabulary [0, {vocab}). Fix: tokenize with the model's tokenizer, or a model with a larger vocab_size."
+            )
+        chunks += tokens
+        lengths.append(length)
+        ids.append(document_ids)
+    return chunks, np.concatenate(lengths), np.concatenate(ids)
 
 
 def _row_groups(paths: List[str], units: List[Tuple[int, int]], filesystem: Any, columns: List[str]) -> Iterator[Any]:

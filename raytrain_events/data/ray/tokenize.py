@@ -3,11 +3,16 @@
 ``tokenize({"web": "text/web/", "code": "s3://bucket/code/*.jsonl"}, "s3://bucket/tokens/",
 tokenizer="bpe.json", storage_options={...})`` (or ``raytrain-events tokenize``) writes, per source,
 one token Parquet shard per input file:
-``tokens/<source>/part-<NNNNN>.parquet`` with columns ``input_ids`` (a list of int32 per document),
-``num_tokens`` (int32), ``document_id`` (int64: the input's id column when named, else
-``file number * 2**32 + row``, stable across reruns) and ``source``. Inputs and output are local
+``tokens/<source>/part-<NNNNN>.parquet``, in one of two layouts (`token_files.py`): ``flat`` (the
+default: each row group one chunk of documents, their tokens end to end plus their lengths and ids,
+which `PackedTokens` reads as NumPy views with no per-document decoding) or ``documents``
+(``layout="documents"``: one row per document, ``input_ids`` a list of int32, ``num_tokens``,
+``document_id``, ``source``, for other Parquet tools; `PackedTokens` reads it too, at about twice the
+read cost). Either way each document keeps its id (the input's id column when named, else ``file
+number * 2**32 + row``, stable across reruns) and its source; `token_files.read_documents` reads
+either layout back as one row per document. Inputs and output are local
 paths or fsspec URLs (``s3://``, ``gs://``, ...; ``storage_options`` for the filesystem, the same
-for both). Each shard's footer records the tokenizer's vocabulary size (`packed_source.VOCAB_KEY`,
+for both). Each shard's footer records the tokenizer's vocabulary size (`token_files.VOCAB_KEY`,
 checked against the model by `PackedTokens(vocab_size=...)` before training), the tokenizer's
 fingerprint and its input file.
 Row groups hold about ``group_tokens`` tokens (default 1 Mi, 4 MiB of ids): the seek unit of
@@ -48,6 +53,14 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from raytrain_events.data.ray.text_tokenizer import load_tokenizer
+from raytrain_events.data.ray.token_files import (
+    LAYOUT_KEY,
+    check_compression,
+    check_layout,
+    flat_schema,
+    flat_table,
+    flat_writer_options,
+)
 
 __all__ = ["tokenize", "tokenize_file", "GROUP_TOKENS"]
 
@@ -162,6 +175,8 @@ def tokenize_file(  # noqa: PLR0913 (one input, one output, then the job's optio
     group_tokens: int = GROUP_TOKENS,
     max_tokens: Optional[int] = None,
     eos: Optional[str] = None,
+    layout: str = "flat",
+    compression: Optional[str] = None,
     storage_options: Optional[Dict[str, Any]] = None,
 ) -> Dict[str, Any]:
     """Tokenize input file ``path`` (file ``number`` of its source) into shard ``output``; returns its
@@ -178,14 +193,20 @@ def tokenize_file(  # noqa: PLR0913 (one input, one output, then the job's optio
         _META["vocab"]: str(tok.vocab_size).encode(),
         _META["tokenizer"]: tok.fingerprint.encode(),
         _META["input"]: (os.path.abspath(path) if _local(path) else path).encode(),
+        LAYOUT_KEY: layout.encode(),
     }
+    check_layout(layout)
+    if layout == "flat":
+        schema, options = flat_schema(), flat_writer_options(compression)
+    else:
+        schema, options = _shard_schema(), {"compression": compression or "snappy"}
     counts = {"documents": 0, "tokens": 0, "empty": 0, "truncated": 0}
     columns = [text_column] + ([id_column] if id_column else [])
     with (
         _shard_file(output, storage_options) as tmp,
-        pq.ParquetWriter(tmp, _shard_schema().with_metadata(meta)) as writer,
+        pq.ParquetWriter(tmp, schema.with_metadata(meta), **options) as writer,
     ):
-        groups = _RowGroups(writer, source, group_tokens)
+        groups = _RowGroups(writer, source, group_tokens, flat=layout == "flat")
         row = 0
         for batch in _batches(path, columns, storage_options):
             texts = batch.column(0).to_pylist()
@@ -239,8 +260,8 @@ def _encode(
 class _RowGroups:
     """A shard's documents, buffered and written as row groups of about ``group_tokens`` tokens (its seek unit)."""
 
-    def __init__(self, writer: Any, source: str, group_tokens: int) -> None:
-        self.writer, self.source, self.group_tokens = writer, source, group_tokens
+    def __init__(self, writer: Any, source: str, group_tokens: int, *, flat: bool) -> None:
+        self.writer, self.source, self.group_tokens, self.flat = writer, source, group_tokens, flat
         self.arrays: List[np.ndarray] = []  # documents not written yet, and their ids
         self.ids: List[int] = []
 
@@ -266,7 +287,12 @@ class _RowGroups:
 
         arrays, ids = self.arrays, self.ids
         lengths = np.array([len(a) for a in arrays[:n]], dtype=np.int32)
-        values = pa.array(np.concatenate(arrays[:n]).astype(np.int32) if n else np.zeros(0, np.int32))
+        flat = np.concatenate(arrays[:n]).astype(np.int32) if n else np.zeros(0, np.int32)
+        if self.flat:  # one chunk: the documents' tokens end to end, their lengths and ids
+            self.writer.write_table(flat_table(flat, lengths, np.array(ids[:n], np.int64), self.source))
+            del arrays[:n], ids[:n]
+            return
+        values = pa.array(flat)
         offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
         table = {
             "input_ids": pa.ListArray.from_arrays(offsets, values),
@@ -296,8 +322,10 @@ def _shard_file(output: str, storage_options: Optional[Dict[str, Any]]) -> Itera
             fs.put_file(tmp, at)  # an object appears only once its upload completes
 
 
-def _done(output: str, path: str, tokenizer_sha: str, storage_options: Optional[Dict[str, Any]] = None) -> bool:
-    """Whether shard ``output`` is this input's with this tokenizer (refusing one that is another's)."""
+def _done(
+    output: str, path: str, tokenizer_sha: str, layout: str, storage_options: Optional[Dict[str, Any]] = None
+) -> bool:
+    """Whether shard ``output`` is this input's with this tokenizer and layout (refusing one that is another's)."""
     import pyarrow.parquet as pq
 
     fs, at = _fs(output, storage_options)
@@ -310,6 +338,12 @@ def _done(output: str, path: str, tokenizer_sha: str, storage_options: Optional[
         raise FileExistsError(
             f"{output} already holds tokens of {made_from or 'another job'} (tokenizer {made_with[:12] or '?'}), not of "
             f"{path} with this tokenizer ({tokenizer_sha[:12]}). Fix: another output folder, or delete it to redo."
+        )
+    written = meta.get(LAYOUT_KEY, b"documents").decode()
+    if written != layout:
+        raise FileExistsError(
+            f"{output} holds these tokens in the {written!r} layout, not layout={layout!r}: a source's shards "
+            f"share one layout. Fix: layout={written!r}, another output folder, or delete it to redo."
         )
     return True
 
@@ -326,14 +360,20 @@ def tokenize(  # noqa: PLR0913 (inputs and output, then keyword-only options, ea
     eos: Optional[str] = None,
     num_cpus: float = 1,
     vocab_size: Optional[int] = None,
+    layout: str = "flat",
+    compression: Optional[str] = None,
     storage_options: Optional[Dict[str, Any]] = None,
 ) -> Dict[str, Any]:
     """Tokenize ``inputs`` (paths, or ``{source: paths}``; a bare path is source ``"train"``) into
     ``output/<source>/`` on Ray Data (see module doc). Returns per-source counts and the shards
     written and skipped; the token folders are then ``PackedTokens("output/<source>", ...)``.
-    ``vocab_size``: the model's embedding rows, to refuse a tokenizer with more ids before any task."""
+    ``vocab_size``: the model's embedding rows, to refuse a tokenizer with more ids before any task.
+    ``layout``: ``"flat"`` or ``"documents"`` (module doc); ``compression``: the shards' Parquet codec (default:
+    none for flat, whose reads it would slow several times, `token_files.py`; snappy for documents)."""
     import ray
 
+    check_layout(layout)
+    check_compression(compression)
     sources = {"train": inputs} if isinstance(inputs, (str, list, tuple)) else dict(inputs)
     sha = _checked_tokenizer(tokenizer, vocab_size, eos).fingerprint
     options = {
@@ -343,9 +383,11 @@ def tokenize(  # noqa: PLR0913 (inputs and output, then keyword-only options, ea
         "group_tokens": group_tokens,
         "max_tokens": max_tokens,
         "eos": eos,
+        "layout": layout,
+        "compression": compression,
         "storage_options": storage_options,
     }
-    todo, skipped = _shards_to_write(sources, output, sha, text_column, id_column, storage_options)
+    todo, skipped = _shards_to_write(sources, output, sha, text_column, id_column, layout, storage_options)
     results: List[Dict[str, Any]] = []
     if todo:
 
@@ -374,12 +416,13 @@ def _checked_tokenizer(tokenizer: str, vocab_size: Optional[int], eos: Optional[
     return tok
 
 
-def _shards_to_write(  # noqa: PLR0913 (the job's sources and output, the tokenizer's fingerprint, its columns)
+def _shards_to_write(  # noqa: PLR0913 (the job's sources and output, the tokenizer's fingerprint, its columns, layout)
     sources: Mapping[str, Union[str, Sequence[str]]],
     output: str,
     tokenizer_sha: str,
     text_column: str,
     id_column: Optional[str],
+    layout: str,
     storage_options: Optional[Dict[str, Any]],
 ) -> Tuple[List[Dict[str, Any]], Dict[str, int]]:
     """Each source's input files checked for their columns, and the shards to write: ``([{path, output, number,
@@ -392,7 +435,7 @@ def _shards_to_write(  # noqa: PLR0913 (the job's sources and output, the tokeni
         check_text_columns(files, text_column, id_column, storage_options)
         for number, path in enumerate(files):
             out = _join(output, name, f"part-{number:05d}.parquet")
-            if _done(out, path, tokenizer_sha, storage_options):
+            if _done(out, path, tokenizer_sha, layout, storage_options):
                 skipped[name] = skipped.get(name, 0) + 1
             else:
                 todo.append({"path": path, "output": out, "number": number, "source": name})

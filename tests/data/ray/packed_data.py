@@ -25,9 +25,11 @@ def write_tokens(
     first_id: int = 0,
     longest: int = 40,
     with_columns: bool = True,
+    layout: str = "documents",
 ) -> Tuple[List[str], Dict[int, int]]:
     """``files`` Parquet files of ``groups`` row groups of ``docs_per_group`` documents each (lengths
-    1..``longest`` from a Zipf tail, a few empty); returns the paths and each document's length."""
+    1..``longest`` from a Zipf tail, a few empty); returns the paths and each document's length.
+    ``layout="flat"``: the same documents as `tokenize` writes by default (a row group one chunk)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -47,11 +49,28 @@ def write_tokens(
         if with_columns:
             columns.update(document_id=pa.array(ids, pa.int64()), num_tokens=pa.array(sizes, pa.int32()))
         path = os.path.join(folder, f"part-{f:02d}.parquet")
-        pq.write_table(pa.table(columns), path, row_group_size=docs_per_group)
+        if layout == "flat":
+            _write_flat(path, columns["input_ids"], sizes, ids, docs_per_group)
+        else:
+            pq.write_table(pa.table(columns), path, row_group_size=docs_per_group)
         paths.append(path)
         lengths.update(zip(ids.tolist(), sizes.tolist()))
         doc += n
     return paths, lengths
+
+
+def _write_flat(path: str, tokens, sizes, ids, docs_per_group: int) -> None:
+    import pyarrow.parquet as pq
+
+    from raytrain_events.data.ray.token_files import flat_schema, flat_table, flat_writer_options
+
+    with pq.ParquetWriter(path, flat_schema(), **flat_writer_options()) as writer:
+        for at in range(0, len(sizes), docs_per_group):
+            part = tokens.slice(at, docs_per_group)
+            flat = part.values.slice(part.offsets[0].as_py(), part.offsets[-1].as_py() - part.offsets[0].as_py())
+            writer.write_table(
+                flat_table(flat.to_numpy(), sizes[at : at + docs_per_group], ids[at : at + docs_per_group], "s")
+            )
 
 
 def pieces_of(batches) -> Dict[int, List[int]]:

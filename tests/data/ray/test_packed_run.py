@@ -2,7 +2,8 @@
 (issue 50's done-when).
 
 Two token sources packed separately into sequences of 32 (``web``: 4 files x 3 row groups x 30
-documents under ``concat``; ``code``: 3 files x 2 row groups under ``best_fit``) in a two-stage
+documents under ``concat``, in the flat layout `tokenize` writes; ``code``: 3 files x 2 row groups
+under ``best_fit``, in the documents layout) in a two-stage
 mixture: each once per epoch (``{"repeat": 1}``, which fixes the epoch's size) until batch 11, then
 20/80 %, so ``code`` goes round again and ``web`` stops short. Seed 7 (each source's pack windows
 permuted, another permutation on ``code``'s second pass), global batches of 8, the example
@@ -76,7 +77,9 @@ def _model():
 def _sources(folder: str):
     from raytrain_events.data.ray.packed_source import PackedTokens
 
-    web, web_lengths = write_tokens(os.path.join(folder, "web"), files=4, groups=3, docs_per_group=30, seed=1)
+    web, web_lengths = write_tokens(
+        os.path.join(folder, "web"), files=4, groups=3, docs_per_group=30, seed=1, layout="flat"
+    )
     code, code_lengths = write_tokens(
         os.path.join(folder, "code"), files=3, groups=2, docs_per_group=30, seed=2, first_id=100_000, longest=SEQ
     )

@@ -49,6 +49,7 @@ def test_tokenize_is_exact_idempotent_and_resumable(ray_cluster, corpus, tmp_pat
     from tokenizers import Tokenizer
 
     from raytrain_events.data.ray.packed_source import VOCAB_KEY, PackedTokens
+    from raytrain_events.data.ray.token_files import LAYOUT_KEY, read_documents
     from raytrain_events.data.ray.tokenize import tokenize
 
     out = str(tmp_path / "tokens")
@@ -57,25 +58,29 @@ def test_tokenize_is_exact_idempotent_and_resumable(ray_cluster, corpus, tmp_pat
     assert summary["written"] == 3 and summary["skipped"] == 0
     assert summary["sources"]["web"]["documents"] == 200 and summary["sources"]["code"]["empty"] == 1
     tok = Tokenizer.from_file(corpus["tokenizer"])
-    table = pq.read_table(os.path.join(out, "web"))
+    table = read_documents(os.path.join(out, "web"))  # the flat layout (the default), as one row per document
     assert [tok.decode(ids) for ids in table["input_ids"].to_pylist()] == TEXTS[:200]
     assert table["num_tokens"].to_pylist() == [len(ids) for ids in table["input_ids"].to_pylist()]
     assert set(table["source"].to_pylist()) == {"web"}
     assert table["document_id"].to_pylist() == list(range(100)) + [2**32 + r for r in range(100)]
     meta = pq.ParquetFile(os.path.join(out, "web", "part-00000.parquet")).metadata
-    assert meta.metadata[VOCAB_KEY] == b"300" and meta.num_row_groups > 3
+    assert meta.metadata[VOCAB_KEY] == b"300" and meta.num_row_groups > 3 and meta.metadata[LAYOUT_KEY] == b"flat"
     assert all(meta.row_group(g).num_rows < 100 for g in range(meta.num_row_groups))
+    chunks = pq.read_table(os.path.join(out, "web", "part-00000.parquet"), columns=["chunk_tokens"])
+    assert max(chunks["chunk_tokens"].to_pylist()) < 500 + 40  # row groups of about group_tokens tokens
     # Idempotent: nothing new. Resumable: a lost shard is redone alone, the same bytes of tokens.
     assert tokenize({"web": corpus["web"], "code": [corpus["code"]]}, out, **kwargs)["written"] == 0
     os.remove(os.path.join(out, "web", "part-00001.parquet"))
     again = tokenize({"web": corpus["web"], "code": [corpus["code"]]}, out, **kwargs)
     assert (again["written"], again["skipped"]) == (1, 2)
-    assert pq.read_table(os.path.join(out, "web")).equals(table)
+    assert read_documents(os.path.join(out, "web")).equals(table)
     packed = PackedTokens(os.path.join(out, "web"), seq_len=64, vocab_size=300)
     assert packed.real_tokens == sum(table["num_tokens"].to_pylist())
-    # A shard of another input (or tokenizer) is refused, not mixed in.
+    # A shard of another input (or tokenizer), or of another layout, is refused, not mixed in.
     with pytest.raises(FileExistsError, match="already holds tokens of .*Fix: another output folder"):
         tokenize({"web": [corpus["code"]]}, out, **kwargs)
+    with pytest.raises(FileExistsError, match="in the 'flat' layout, not layout='documents'.*Fix: layout='flat'"):
+        tokenize({"web": corpus["web"]}, out, layout="documents", **kwargs)
 
 
 @pytest.mark.ray
@@ -100,13 +105,15 @@ def test_the_cli_tokenizes_with_ids_and_refuses_bad_input(ray_cluster, corpus, t
                 "id",
                 "--eos",
                 "<eos>",
+                "--layout",
+                "documents",
             ]
         )
         == 0
     )
     summary = json.loads(capsys.readouterr().out)
     assert summary["sources"]["code"]["documents"] == 100
-    table = pq.read_table(os.path.join(out, "code"))
+    table = pq.read_table(os.path.join(out, "code"))  # the documents layout: one list row per document
     assert table["document_id"].to_pylist() == list(range(5000, 5100))
     assert all(ids[-1] == 1 for ids in table["input_ids"].to_pylist())  # <eos> appended
     with pytest.raises(FileNotFoundError, match="tokenizer file .*missing.json' does not exist.*nothing is downloaded"):
@@ -137,6 +144,7 @@ def test_the_cli_tokenizes_s3_to_s3_with_a_transformers_tokenizer_folder(
     from raytrain_events.cli.main import main
     from raytrain_events.data.ray.packed_source import PackedTokens
     from raytrain_events.data.ray.parquet_seek import ParquetRowGroups
+    from raytrain_events.data.ray.token_files import read_documents
 
     folder = str(tmp_path / "hf-tokenizer")
     hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(corpus["tokenizer"]), unk_token="[UNK]")
@@ -156,8 +164,8 @@ def test_the_cli_tokenizes_s3_to_s3_with_a_transformers_tokenizer_folder(
     assert summary["written"] == 1 and summary["sources"]["web"]["documents"] == 100
     assert sorted(fs.ls(f"{bucket}/tokens/web")) == [f"{s3_server['bucket']}/tokens/web/part-00000.parquet"]
     with fs.open(f"{bucket}/tokens/web/part-00000.parquet", "rb") as f:
-        shard = pq.ParquetFile(f)
-        table, meta = shard.read(), shard.schema_arrow.metadata
+        meta = pq.ParquetFile(f).schema_arrow.metadata
+    table = read_documents(f"{bucket}/tokens/web", storage_options=options)
     assert vocab == Tokenizer.from_file(corpus["tokenizer"]).get_vocab_size() + 2
     assert meta[b"raytrain_events.vocab_size"] == str(vocab).encode()
     assert [hf.decode(ids[:-1]) for ids in table["input_ids"].to_pylist()] == TEXTS[:100]
