@@ -186,19 +186,19 @@ def guard_cost(hidden, interval):
 def spike_to_training(hidden, interval):
     x, y = _data(planted=N // 2 + 5)
     timings = []
-    original = guard_module.SpikeGuard._roll_back
+    original = guard_module.roll_back  # the name the guard's batch_end calls (callbacks/spike_rollback.py's)
 
-    def timed(self, state, logger, *args):
+    def timed(guard, state, logger, *args):
         start = time.perf_counter()
-        original(self, state, logger, *args)
+        original(guard, state, logger, *args)
         timings.append(time.perf_counter() - start)
 
-    guard_module.SpikeGuard._roll_back = timed
+    guard_module.roll_back = timed
     try:
         guard = SpikeGuard(snapshot_interval=interval)
         state = _trainer(hidden, x, y, guard).fit()
     finally:
-        guard_module.SpikeGuard._roll_back = original
+        guard_module.roll_back = original
     model_bytes = sum(p.numel() * p.element_size() for p in state.model.parameters())
     return {
         "rollbacks": len(guard.rollbacks),
