@@ -114,10 +114,20 @@ def overhead(hidden, repeats, interval):
     costs = [guard_cost(hidden, interval) for _ in range(repeats)]
     step_us = statistics.median(plain) * 1e6
     hooks = [c[0] for c in costs]
+
+    def share(us):  # a median of per-batch CPU as a percentage of the plain step
+        return round(100 * statistics.median(us) / step_us, 2)
+
+    parts = {name: [c[3][name] for c in costs] for name in costs[0][3]}
     return {
         "snapshot_interval": _guard(interval).snapshot_interval,
         "guard_hooks_us_per_batch": hooks,
-        "guard_hooks_percent_of_step": round(100 * statistics.median(hooks) / step_us, 2),
+        "guard_hooks_percent_of_step": share(hooks),
+        # Where the hooks' CPU goes, per batch and as a share of the plain step: the gradient norm (`grad_norm`, 0
+        # when the loss is judged alone or a GradientClipping shares its norm), the snapshots (each one's CPU over
+        # the batches: the interval's amortised cost) and the rest (the loss read, the detector, the bookkeeping).
+        "parts_us_per_batch": parts,
+        "parts_percent_of_step": {name: share(values) for name, values in parts.items()},
         "timer_us_per_hook_call": [c[2] for c in costs],
         "snapshot_us_each": [c[1] for c in costs],
         "plain_ms": [round(v * 1e3, 4) for v in plain],
@@ -143,9 +153,15 @@ def guard_cost(hidden, interval):
     ``HostSnapshots.take``, inside those hooks; the fit's first one excluded: it is taken at FIT_START).
     The timer's own cost (two ``thread_time_ns`` reads around each hook call, measured on `_Empty`'s hooks in the
     same fit, median per call) is taken off: what is left is the guard's."""
-    spent, snaps, empty = [0, 0], [], []
+    spent, snaps, empty, norms = [0, 0], [], [], []
     originals = {name: getattr(guard_module.SpikeGuard, name) for name in ("after_train_batch", "batch_end")}
-    take = HostSnapshots.take
+    take, norm = HostSnapshots.take, guard_module.grad_norm
+
+    def timed_norm(guard, state):
+        start = time.thread_time_ns()
+        out = norm(guard, state)
+        norms.append(time.thread_time_ns() - start)
+        return out
 
     def timed_take(self, meta):
         start = time.thread_time_ns()
@@ -168,19 +184,27 @@ def guard_cost(hidden, interval):
     for name, original in originals.items():
         setattr(guard_module.SpikeGuard, name, timed(original))
         setattr(_Empty, name, timed_empty)
-    HostSnapshots.take = timed_take
+    HostSnapshots.take, guard_module.grad_norm = timed_take, timed_norm
     try:
         x, y = _data()
         state = _trainer(hidden, x, y, _guard(interval), extra=[_Empty()]).fit()
     finally:
         for name, original in originals.items():
             setattr(guard_module.SpikeGuard, name, original)
-        HostSnapshots.take = take
+        HostSnapshots.take, guard_module.grad_norm = take, norm
     in_loop = snaps[1:]
     per_snapshot = round(statistics.median(in_loop) / 1e3, 1) if in_loop else None
     timer = statistics.median(empty)
-    guard = (spent[0] - timer * spent[1]) / int(state.timestamp.batch)
-    return round(guard / 1e3, 1), per_snapshot, round(timer / 1e3, 2)
+    batches = int(state.timestamp.batch)
+    guard = (spent[0] - timer * spent[1]) / batches
+    # (the norm's and the snapshots' own timers, one read pair each, are inside the hooks' total: taken off the rest)
+    parts = {
+        "norm": (sum(norms) - timer * len(norms)) / batches,
+        "snapshots": (sum(in_loop) - timer * len(in_loop)) / batches,
+    }
+    parts["rest"] = guard - parts["norm"] - parts["snapshots"] - timer * (len(norms) + len(in_loop)) / batches
+    parts = {name: round(value / 1e3, 1) for name, value in parts.items()}
+    return round(guard / 1e3, 1), per_snapshot, round(timer / 1e3, 2), parts
 
 
 def spike_to_training(hidden, interval):
