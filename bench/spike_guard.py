@@ -7,7 +7,8 @@ ledger's answer time at 1e9 rows.
    one loss + gradient-norm read per batch and a host snapshot every ``snapshot_interval`` batches
    (the guard's default unless ``--snapshot-interval``); the CPU time inside its hooks per batch (less the
    timer's own cost, measured on empty hooks in the same fit) and per snapshot are given too, and the hooks'
-   share of the plain step (steadier than the loop's ratio on a busy machine).
+   share of the plain step (steadier than the loop's ratio on a busy machine), split into the gradient norm, the
+   snapshots and the rest; and the floor in the same loop: the norm's calls in a bare callback and a bare loss read.
 2. Spike to training again: a planted row (huge input, wrong label) spikes the loss; the time from the
    start of the batch whose end agrees on the spike to the end of the rollback (snapshot restored,
    schedulers stepped, window recorded), and the model bytes restored.
@@ -130,11 +131,67 @@ def overhead(hidden, repeats, interval):
         "parts_percent_of_step": {name: share(values) for name, values in parts.items()},
         "timer_us_per_hook_call": [c[2] for c in costs],
         "snapshot_us_each": [c[1] for c in costs],
+        # What no guard gets under, in the same loop: the gradient norm's kernels and a bare loss read (`floor`).
+        "floor_us_per_batch": floor(hidden),
         "plain_ms": [round(v * 1e3, 4) for v in plain],
         "guard_ms": [round(v * 1e3, 4) for v in guarded],
         "ratio_median": round(statistics.median(ratios), 4),
         "ratio_range": [round(min(ratios), 4), round(max(ratios), 4)],
     }
+
+
+class _LossRead(guard_module.Callback):
+    """A bare judgment: read the loss and compare it, timed inside its hook (the floor of any per-batch loss test)."""
+
+    def __init__(self):
+        self.spent = []
+
+    def batch_end(self, state, logger):
+        start = time.thread_time_ns()
+        if not state.loss.item() < 1e30:
+            raise AssertionError("a loss of 1e30")
+        self.spent.append(time.thread_time_ns() - start)
+
+
+class _NormCalls(_LossRead):
+    """The gradient norm's calls alone (one ``vector_norm`` per gradient, the norm of those, read), at the guard's
+    point (after backward, before the step), timed inside the hook: its kernels, without the guard's Python."""
+
+    params = None
+
+    def after_train_batch(self, state, logger):
+        params = self.params = self.params or list(state.model.parameters())  # found once, as the guard does
+        start = time.thread_time_ns()
+        grads = [p.grad for p in params]
+        torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
+        self.spent.append(time.thread_time_ns() - start)
+
+    batch_end = guard_module.Callback.batch_end  # (not overridden: the Engine skips it)
+
+
+def floor(hidden):
+    """Medians per batch of a `_NormCalls` fit and a `_LossRead` fit, less the timer's own cost (`_Timer`'s hooks in
+    the same fits): what the guard's norm and its per-batch judgment cannot go under, by this loop's measure."""
+    x, y = _data()
+    out = {}
+    for name, probe in (("norm_calls", _NormCalls()), ("loss_read", _LossRead())):
+        timer = _Timer()
+        _trainer(hidden, x, y, None, extra=[timer, probe]).fit()
+        out[name] = round((statistics.median(probe.spent) - statistics.median(timer.spent)) / 1e3, 1)
+    return out
+
+
+class _Timer(guard_module.Callback):
+    """Hooks that time nothing: the timer's own cost, in the same fit."""
+
+    def __init__(self):
+        self.spent = []
+
+    def after_train_batch(self, state, logger):
+        start = time.thread_time_ns()
+        self.spent.append(time.thread_time_ns() - start)
+
+    batch_end = after_train_batch
 
 
 class _Empty(guard_module.Callback):
