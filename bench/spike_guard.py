@@ -54,6 +54,7 @@ from raytrain_events.algorithms import GradientClipping  # noqa: E402
 from raytrain_events.callbacks import SpikeGuard, spike_norm  # noqa: E402
 from raytrain_events.callbacks import spike_guard as guard_module  # noqa: E402
 from raytrain_events.checkpoint.run.host_snapshot import HostSnapshots  # noqa: E402
+from raytrain_events.core.agreement import Agreement  # noqa: E402
 from raytrain_events.core.ledger import Ledger  # noqa: E402
 from raytrain_events.core.mixture import Mixture  # noqa: E402
 from raytrain_events.core.spikes import SkipList, SkipRange  # noqa: E402
@@ -126,7 +127,8 @@ def overhead(hidden, repeats, interval):
         "guard_hooks_percent_of_step": share(hooks),
         # Where the hooks' CPU goes, per batch and as a share of the plain step: the gradient norm (`grad_norm`, 0
         # when the loss is judged alone or a GradientClipping shares its norm), the snapshots (each one's CPU over
-        # the batches: the interval's amortised cost) and the rest (the loss read, the detector, the bookkeeping).
+        # the batches: the interval's amortised cost) and the rest (the loss read, the detector, the bookkeeping);
+        # and, outside the hooks, the loop's reading of the guard's agreement flag each batch.
         "parts_us_per_batch": parts,
         "parts_percent_of_step": {name: share(values) for name, values in parts.items()},
         "timer_us_per_hook_call": [c[2] for c in costs],
@@ -210,9 +212,14 @@ def guard_cost(hidden, interval):
     ``HostSnapshots.take``, inside those hooks; the fit's first one excluded: it is taken at FIT_START).
     The timer's own cost (two ``thread_time_ns`` reads around each hook call, measured on `_Empty`'s hooks in the
     same fit, median per call) is taken off: what is left is the guard's."""
-    spent, snaps, empty, norms = [0, 0], [], [], []
+    spent, snaps, empty, norms, sums = [0, 0], [], [], [], []
     originals = {name: getattr(guard_module.SpikeGuard, name) for name in ("after_train_batch", "batch_end")}
-    take, norm = HostSnapshots.take, guard_module.grad_norm
+    take, norm, set_sums = HostSnapshots.take, guard_module.grad_norm, Agreement.set_sums
+
+    def timed_sums(self, values):
+        start = time.thread_time_ns()
+        set_sums(self, values)
+        sums.append(time.thread_time_ns() - start)
 
     def timed_norm(guard, state):
         start = time.thread_time_ns()
@@ -241,14 +248,14 @@ def guard_cost(hidden, interval):
     for name, original in originals.items():
         setattr(guard_module.SpikeGuard, name, timed(original))
         setattr(_Empty, name, timed_empty)
-    HostSnapshots.take, guard_module.grad_norm = timed_take, timed_norm
+    HostSnapshots.take, guard_module.grad_norm, Agreement.set_sums = timed_take, timed_norm, timed_sums
     try:
         x, y = _data()
         state = _trainer(hidden, x, y, _guard(interval), extra=[_Empty()]).fit()
     finally:
         for name, original in originals.items():
             setattr(guard_module.SpikeGuard, name, original)
-        HostSnapshots.take, guard_module.grad_norm = take, norm
+        HostSnapshots.take, guard_module.grad_norm, Agreement.set_sums = take, norm, set_sums
     in_loop = snaps[1:]
     per_snapshot = round(statistics.median(in_loop) / 1e3, 1) if in_loop else None
     timer = statistics.median(empty)
@@ -260,6 +267,8 @@ def guard_cost(hidden, interval):
         "snapshots": (sum(in_loop) - timer * len(in_loop)) / batches,
     }
     parts["rest"] = guard - parts["norm"] - parts["snapshots"] - timer * (len(norms) + len(in_loop)) / batches
+    # Outside the hooks: the loop's reading of the per-batch flags (`Agreement.set_sums`; the plain loop registers none)
+    parts["agreement_outside_hooks"] = (sum(sums) - timer * len(sums)) / batches
     parts = {name: round(value / 1e3, 1) for name, value in parts.items()}
     return round(guard / 1e3, 1), per_snapshot, round(timer / 1e3, 2), parts
 
