@@ -29,6 +29,7 @@ Usage::
     python bench/spike_guard.py --only overhead --clock cpu --clip 1.0     # both loops clip; the guard shares its norm
     python bench/spike_guard.py --only overhead --clock cpu --clip 1.0 --no-share   # ... and computes its own
     python bench/spike_guard.py --only bisection                         # 8 poisoned rows among 100,000, 3 seeds
+    python bench/spike_guard.py --only overhead --clock cpu --quarantined 100000   # a guard holding 1e5 culprit rows
 """
 
 from __future__ import annotations
@@ -97,12 +98,17 @@ def _per_step(trainer):
 
 GRAD_ZSCORE = 6.0  # --loss-only: None (no gradient norm per batch)
 CLIP = None  # --clip T: GradientClipping("norm", T) in both loops
+QUARANTINED = 0  # --quarantined N: rows in the guard's quarantine
 
 
 def _guard(interval):
-    """The guard as benchmarked: ``interval`` None is its default ``snapshot_interval``."""
+    """The guard as benchmarked: ``interval`` None is its default ``snapshot_interval``; with ``--quarantined N`` its
+    state holds N quarantined rows (as after a ``quarantine_from`` file: its checkpointed state, not its filter)."""
     knobs = {} if interval is None else {"snapshot_interval": interval}
-    return SpikeGuard(grad_zscore=GRAD_ZSCORE, **knobs)
+    guard = SpikeGuard(grad_zscore=GRAD_ZSCORE, **knobs)
+    for row in range(QUARANTINED):
+        guard.quarantine.add(N + 7 * row, 0, row)  # ids no batch of this data carries
+    return guard
 
 
 def overhead(hidden, repeats, interval):
@@ -423,8 +429,10 @@ def main():
     parser.add_argument("--loss-only", action="store_true", help="SpikeGuard(grad_zscore=None): no gradient norm")
     parser.add_argument("--clip", type=float, default=None, help="GradientClipping('norm', CLIP) in both loops")
     parser.add_argument("--no-share", action="store_true", help="the guard computes its own norm beside the clipping's")
+    parser.add_argument("--quarantined", type=int, default=0, help="overhead: rows in the guard's quarantine")
     args = parser.parse_args()
-    global CLOCK, GRAD_ZSCORE, CLIP
+    global CLOCK, GRAD_ZSCORE, CLIP, QUARANTINED
+    QUARANTINED = args.quarantined
     CLIP = args.clip
     if args.no_share:
         spike_norm.shared_clipping = lambda state, params: None  # the name spike_norm.find_params calls
