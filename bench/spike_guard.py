@@ -7,7 +7,8 @@ ledger's answer time at 1e9 rows.
    one loss + gradient-norm read per batch and a host snapshot every ``snapshot_interval`` batches
    (the guard's default unless ``--snapshot-interval``); the CPU time inside its hooks per batch (less the
    timer's own cost, measured on empty hooks in the same fit) and per snapshot are given too, and the hooks'
-   share of the plain step (steadier than the loop's ratio on a busy machine).
+   share of the plain step (steadier than the loop's ratio on a busy machine), split into the gradient norm, the
+   snapshots and the rest; and the floor in the same loop: the norm's calls in a bare callback and a bare loss read.
 2. Spike to training again: a planted row (huge input, wrong label) spikes the loss; the time from the
    start of the batch whose end agrees on the spike to the end of the rollback (snapshot restored,
    schedulers stepped, window recorded), and the model bytes restored.
@@ -28,6 +29,7 @@ Usage::
     python bench/spike_guard.py --only overhead --clock cpu --clip 1.0     # both loops clip; the guard shares its norm
     python bench/spike_guard.py --only overhead --clock cpu --clip 1.0 --no-share   # ... and computes its own
     python bench/spike_guard.py --only bisection                         # 8 poisoned rows among 100,000, 3 seeds
+    python bench/spike_guard.py --only overhead --clock cpu --quarantined 100000   # a guard holding 1e5 culprit rows
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from raytrain_events.algorithms import GradientClipping  # noqa: E402
 from raytrain_events.callbacks import SpikeGuard, spike_norm  # noqa: E402
 from raytrain_events.callbacks import spike_guard as guard_module  # noqa: E402
 from raytrain_events.checkpoint.run.host_snapshot import HostSnapshots  # noqa: E402
+from raytrain_events.core.agreement import Agreement  # noqa: E402
 from raytrain_events.core.ledger import Ledger  # noqa: E402
 from raytrain_events.core.mixture import Mixture  # noqa: E402
 from raytrain_events.core.spikes import SkipList, SkipRange  # noqa: E402
@@ -95,12 +98,17 @@ def _per_step(trainer):
 
 GRAD_ZSCORE = 6.0  # --loss-only: None (no gradient norm per batch)
 CLIP = None  # --clip T: GradientClipping("norm", T) in both loops
+QUARANTINED = 0  # --quarantined N: rows in the guard's quarantine
 
 
 def _guard(interval):
-    """The guard as benchmarked: ``interval`` None is its default ``snapshot_interval``."""
+    """The guard as benchmarked: ``interval`` None is its default ``snapshot_interval``; with ``--quarantined N`` its
+    state holds N quarantined rows (as after a ``quarantine_from`` file: its checkpointed state, not its filter)."""
     knobs = {} if interval is None else {"snapshot_interval": interval}
-    return SpikeGuard(grad_zscore=GRAD_ZSCORE, **knobs)
+    guard = SpikeGuard(grad_zscore=GRAD_ZSCORE, **knobs)
+    for row in range(QUARANTINED):
+        guard.quarantine.add(N + 7 * row, 0, row)  # ids no batch of this data carries
+    return guard
 
 
 def overhead(hidden, repeats, interval):
@@ -114,17 +122,84 @@ def overhead(hidden, repeats, interval):
     costs = [guard_cost(hidden, interval) for _ in range(repeats)]
     step_us = statistics.median(plain) * 1e6
     hooks = [c[0] for c in costs]
+
+    def share(us):  # a median of per-batch CPU as a percentage of the plain step
+        return round(100 * statistics.median(us) / step_us, 2)
+
+    parts = {name: [c[3][name] for c in costs] for name in costs[0][3]}
     return {
         "snapshot_interval": _guard(interval).snapshot_interval,
         "guard_hooks_us_per_batch": hooks,
-        "guard_hooks_percent_of_step": round(100 * statistics.median(hooks) / step_us, 2),
+        "guard_hooks_percent_of_step": share(hooks),
+        # Where the hooks' CPU goes, per batch and as a share of the plain step: the gradient norm (`grad_norm`, 0
+        # when the loss is judged alone or a GradientClipping shares its norm), the snapshots (each one's CPU over
+        # the batches: the interval's amortised cost) and the rest (the loss read, the detector, the bookkeeping);
+        # and, outside the hooks, the loop's reading of the guard's agreement flag each batch.
+        "parts_us_per_batch": parts,
+        "parts_percent_of_step": {name: share(values) for name, values in parts.items()},
         "timer_us_per_hook_call": [c[2] for c in costs],
         "snapshot_us_each": [c[1] for c in costs],
+        # What no guard gets under, in the same loop: the gradient norm's kernels and a bare loss read (`floor`).
+        "floor_us_per_batch": floor(hidden),
         "plain_ms": [round(v * 1e3, 4) for v in plain],
         "guard_ms": [round(v * 1e3, 4) for v in guarded],
         "ratio_median": round(statistics.median(ratios), 4),
         "ratio_range": [round(min(ratios), 4), round(max(ratios), 4)],
     }
+
+
+class _LossRead(guard_module.Callback):
+    """A bare judgment: read the loss and compare it, timed inside its hook (the floor of any per-batch loss test)."""
+
+    def __init__(self):
+        self.spent = []
+
+    def batch_end(self, state, logger):
+        start = time.thread_time_ns()
+        if not state.loss.item() < 1e30:
+            raise AssertionError("a loss of 1e30")
+        self.spent.append(time.thread_time_ns() - start)
+
+
+class _NormCalls(_LossRead):
+    """The gradient norm's calls alone (one ``vector_norm`` per gradient, the norm of those, read), at the guard's
+    point (after backward, before the step), timed inside the hook: its kernels, without the guard's Python."""
+
+    params = None
+
+    def after_train_batch(self, state, logger):
+        params = self.params = self.params or list(state.model.parameters())  # found once, as the guard does
+        start = time.thread_time_ns()
+        grads = [p.grad for p in params]
+        torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
+        self.spent.append(time.thread_time_ns() - start)
+
+    batch_end = guard_module.Callback.batch_end  # (not overridden: the Engine skips it)
+
+
+def floor(hidden):
+    """Medians per batch of a `_NormCalls` fit and a `_LossRead` fit, less the timer's own cost (`_Timer`'s hooks in
+    the same fits): what the guard's norm and its per-batch judgment cannot go under, by this loop's measure."""
+    x, y = _data()
+    out = {}
+    for name, probe in (("norm_calls", _NormCalls()), ("loss_read", _LossRead())):
+        timer = _Timer()
+        _trainer(hidden, x, y, None, extra=[timer, probe]).fit()
+        out[name] = round((statistics.median(probe.spent) - statistics.median(timer.spent)) / 1e3, 1)
+    return out
+
+
+class _Timer(guard_module.Callback):
+    """Hooks that time nothing: the timer's own cost, in the same fit."""
+
+    def __init__(self):
+        self.spent = []
+
+    def after_train_batch(self, state, logger):
+        start = time.thread_time_ns()
+        self.spent.append(time.thread_time_ns() - start)
+
+    batch_end = after_train_batch
 
 
 class _Empty(guard_module.Callback):
@@ -143,9 +218,20 @@ def guard_cost(hidden, interval):
     ``HostSnapshots.take``, inside those hooks; the fit's first one excluded: it is taken at FIT_START).
     The timer's own cost (two ``thread_time_ns`` reads around each hook call, measured on `_Empty`'s hooks in the
     same fit, median per call) is taken off: what is left is the guard's."""
-    spent, snaps, empty = [0, 0], [], []
+    spent, snaps, empty, norms, sums = [0, 0], [], [], [], []
     originals = {name: getattr(guard_module.SpikeGuard, name) for name in ("after_train_batch", "batch_end")}
-    take = HostSnapshots.take
+    take, norm, set_sums = HostSnapshots.take, guard_module.grad_norm, Agreement.set_sums
+
+    def timed_sums(self, values):
+        start = time.thread_time_ns()
+        set_sums(self, values)
+        sums.append(time.thread_time_ns() - start)
+
+    def timed_norm(guard, state):
+        start = time.thread_time_ns()
+        out = norm(guard, state)
+        norms.append(time.thread_time_ns() - start)
+        return out
 
     def timed_take(self, meta):
         start = time.thread_time_ns()
@@ -168,37 +254,47 @@ def guard_cost(hidden, interval):
     for name, original in originals.items():
         setattr(guard_module.SpikeGuard, name, timed(original))
         setattr(_Empty, name, timed_empty)
-    HostSnapshots.take = timed_take
+    HostSnapshots.take, guard_module.grad_norm, Agreement.set_sums = timed_take, timed_norm, timed_sums
     try:
         x, y = _data()
         state = _trainer(hidden, x, y, _guard(interval), extra=[_Empty()]).fit()
     finally:
         for name, original in originals.items():
             setattr(guard_module.SpikeGuard, name, original)
-        HostSnapshots.take = take
+        HostSnapshots.take, guard_module.grad_norm, Agreement.set_sums = take, norm, set_sums
     in_loop = snaps[1:]
     per_snapshot = round(statistics.median(in_loop) / 1e3, 1) if in_loop else None
     timer = statistics.median(empty)
-    guard = (spent[0] - timer * spent[1]) / int(state.timestamp.batch)
-    return round(guard / 1e3, 1), per_snapshot, round(timer / 1e3, 2)
+    batches = int(state.timestamp.batch)
+    guard = (spent[0] - timer * spent[1]) / batches
+    # (the norm's and the snapshots' own timers, one read pair each, are inside the hooks' total: taken off the rest)
+    parts = {
+        "norm": (sum(norms) - timer * len(norms)) / batches,
+        "snapshots": (sum(in_loop) - timer * len(in_loop)) / batches,
+    }
+    parts["rest"] = guard - parts["norm"] - parts["snapshots"] - timer * (len(norms) + len(in_loop)) / batches
+    # Outside the hooks: the loop's reading of the per-batch flags (`Agreement.set_sums`; the plain loop registers none)
+    parts["agreement_outside_hooks"] = (sum(sums) - timer * len(sums)) / batches
+    parts = {name: round(value / 1e3, 1) for name, value in parts.items()}
+    return round(guard / 1e3, 1), per_snapshot, round(timer / 1e3, 2), parts
 
 
 def spike_to_training(hidden, interval):
     x, y = _data(planted=N // 2 + 5)
     timings = []
-    original = guard_module.SpikeGuard._roll_back
+    original = guard_module.roll_back  # the name the guard's batch_end calls (callbacks/spike_rollback.py's)
 
-    def timed(self, state, logger, *args):
+    def timed(guard, state, logger, *args):
         start = time.perf_counter()
-        original(self, state, logger, *args)
+        original(guard, state, logger, *args)
         timings.append(time.perf_counter() - start)
 
-    guard_module.SpikeGuard._roll_back = timed
+    guard_module.roll_back = timed
     try:
         guard = SpikeGuard(snapshot_interval=interval)
         state = _trainer(hidden, x, y, guard).fit()
     finally:
-        guard_module.SpikeGuard._roll_back = original
+        guard_module.roll_back = original
     model_bytes = sum(p.numel() * p.element_size() for p in state.model.parameters())
     return {
         "rollbacks": len(guard.rollbacks),
@@ -333,8 +429,10 @@ def main():
     parser.add_argument("--loss-only", action="store_true", help="SpikeGuard(grad_zscore=None): no gradient norm")
     parser.add_argument("--clip", type=float, default=None, help="GradientClipping('norm', CLIP) in both loops")
     parser.add_argument("--no-share", action="store_true", help="the guard computes its own norm beside the clipping's")
+    parser.add_argument("--quarantined", type=int, default=0, help="overhead: rows in the guard's quarantine")
     args = parser.parse_args()
-    global CLOCK, GRAD_ZSCORE, CLIP
+    global CLOCK, GRAD_ZSCORE, CLIP, QUARANTINED
+    QUARANTINED = args.quarantined
     CLIP = args.clip
     if args.no_share:
         spike_norm.shared_clipping = lambda state, params: None  # the name spike_norm.find_params calls

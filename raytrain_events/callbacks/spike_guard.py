@@ -195,6 +195,7 @@ class SpikeGuard(Callback):
         self._key = "SpikeGuard"
         self._loss_only = False  # the gradient norm not judged (decided at FIT_START; spike_rollback.rollback_target)
         self._before_step = True  # whether AFTER_TRAIN_BATCH has a job (decided at INIT)
+        self._on_cpu = True  # training on the CPU: no host copy of the loss to start (decided at INIT)
 
     # ------------------------------------------------------------------ setup
     def init(self, state: State, logger: Logger) -> None:
@@ -215,7 +216,7 @@ class SpikeGuard(Callback):
         self._group = GroupVoting(self, vote) if vote is not None else None
         hooks += [self._group] if self._group is not None else []
         # AFTER_TRAIN_BATCH only with a job there (the norm, a group's verdict, an accelerator's loss copy): else idle.
-        on_cpu = device_of(state).type == "cpu"
+        on_cpu = self._on_cpu = device_of(state).type == "cpu"
         self._before_step = self._group is not None or self.detector.grad_zscore is not None or not on_cpu
         state.callbacks.remove(self)
         state.callbacks.extend(hooks)
@@ -255,19 +256,20 @@ class SpikeGuard(Callback):
 
     # --------------------------------------------------------------- per batch
     def after_train_batch(self, state: State, logger: Logger) -> None:
-        if state.scaler is not None or self.detector.grad_zscore is None:
-            # Loss only (amp_fp16: the scaler skips steps with inf gradients itself; without a gradient test a
-            # non-finite gradient shows in the next batch's loss; the snapshot between is passed over: spike_rollback).
-            self._norm = None
-        else:
-            self._norm = grad_norm(self, state)
+        # Loss only (``_loss_only``, set at FIT_START: amp_fp16's scaler skips steps with inf gradients itself;
+        # without a gradient test a non-finite gradient shows in the next batch's loss; the snapshot between is
+        # passed over: spike_rollback): no norm.
+        norm = self._norm = None if self._loss_only else grad_norm(self, state)
+        group = self._group
+        if group is None and self._on_cpu:  # the CPU: batch_end reads the loss itself (no copy to start)
+            return
         loss = state.loss
         if loss is not None and type(loss) is not torch.Tensor:
             loss = total_loss(loss).detach()
-        if self._group is not None:  # replica groups: judged now, the verdict rides on the step's all-reduce
-            self._group.judge(state, loss, self._norm)
+        if group is not None:  # replica groups: judged now, the verdict rides on the step's all-reduce
+            group.judge(state, loss, norm)
         elif loss is not None and loss.is_cuda:
-            self._to_host(loss, self._norm)
+            self._to_host(loss, norm)
 
     def _to_host(self, loss: torch.Tensor, norm: Optional[torch.Tensor]) -> None:
         """Start the copy of the loss (and norm) into a pinned host buffer, before the optimizer step is queued:
@@ -298,7 +300,8 @@ class SpikeGuard(Callback):
             state.agreement.clear(FLAG)
             roll_back(self, state, logger, int(ts.batch) - 1)  # requested at the batch before, agreed on this one
             return
-        judged_good(self)  # no rank saw a spike at the batch before: it vouches for the snapshot it started from
+        if self._loss_only:  # (with the norm judged every snapshot is a target when taken: `owed` is 0, none waits)
+            judged_good(self)  # no rank saw a spike at the batch before: it vouches for the snapshot it started from
         norm, ready, self._norm, self._ready = self._norm, self._ready, None, None
         grad: Optional[float] = None
         if ready is not None:  # on an accelerator: the copy after_train_batch started
@@ -312,7 +315,7 @@ class SpikeGuard(Callback):
                 loss = total_loss(loss).detach()
             if norm is None:
                 value = loss.item()
-            elif loss.device.type == "cpu":
+            elif loss.is_cpu:
                 value, grad = loss.item(), norm.item()
             else:  # one host sync for both
                 value, grad = stack([loss.reshape(()).float(), norm.to(loss.device).float()]).tolist()

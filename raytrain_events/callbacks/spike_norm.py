@@ -59,7 +59,8 @@ def own_norm(guard: Any, state: State) -> Optional[torch.Tensor]:
         return group_share_norm(params)
     if guard._pipelined:  # pipeline parallelism: the whole model's, over shards and stages
         return whole_grad_norm(state.model, params)
-    norms = [vector_norm(p.grad) for p in params if p.grad is not None]  # cheaper than _foreach_norm on CPU
+    # One norm per tensor, then theirs: torch._foreach_norm measured no cheaper on the CPU (docs/spikes.md)
+    norms = [vector_norm(grad) for p in params if (grad := p.grad) is not None]
     return vector_norm(stack(norms)) if norms else None
 
 

@@ -62,7 +62,7 @@ class StepVote(Protocol):
 class Agreement:
     """Named flags: requested on this rank, agreed by all ranks once per batch."""
 
-    __slots__ = ("_names", "_requested", "_agreed", "_values", "_counts", "_totals")
+    __slots__ = ("_names", "_requested", "_agreed", "_values", "_counts", "_totals", "_nonzero")
 
     def __init__(self) -> None:
         self._names: List[str] = []
@@ -71,6 +71,9 @@ class Agreement:
         self._values: List[int] = []  # 0/1 per registered flag (any int >= 0 for a count), in ``_names`` order
         self._counts: Dict[str, int] = {}  # count name -> its index in ``_names``
         self._totals: Dict[str, int] = {}  # count name -> its sum over ranks at the latest batch
+        # Whether the latest sums had a value above 0. While False every flag is not agreed and every total is 0
+        # (`clear` only lowers, `register` adds a flag at 0): all-zero sums then change nothing (`set_sums`).
+        self._nonzero = False
 
     # --------------------------------------------------------------- setup
     def register(self, name: str) -> None:
@@ -140,6 +143,10 @@ class Agreement:
         """Record the summed requests of all ranks (the loop calls this once per batch)."""
         if len(sums) != len(self._names):
             raise ValueError(f"Got {len(sums)} flag sums for {len(self._names)} registered flags {self._names}.")
+        nonzero = any(sums)
+        if not nonzero and not self._nonzero:  # most batches: nothing asked, nothing agreed or counted before
+            return
+        self._nonzero = nonzero
         for name, total in zip(self._names, sums):
             self._agreed[name] = total > 0
         for name, index in self._counts.items():

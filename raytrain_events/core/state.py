@@ -189,8 +189,11 @@ class State:
         )
 
     # -------------------------------------------------------- serialization
-    def state_dict(self) -> Dict[str, Any]:
-        """Everything a checkpoint needs to resume this run (tensors and plain values only)."""
+    def state_dict(self, exclude_callbacks: Collection[str] = ()) -> Dict[str, Any]:
+        """Everything a checkpoint needs to resume this run (tensors and plain values only).
+
+        ``exclude_callbacks``: checkpoint keys of callbacks whose state is left out, never computed (a host snapshot
+        leaves out its taker's own bookkeeping, which may be large: `SpikeGuard`'s quarantine)."""
         return {
             "model": self.model.state_dict(),
             "optimizers": [opt.state_dict() for opt in self.optimizers],
@@ -198,7 +201,7 @@ class State:
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "algorithms": {k: a.state_dict() for k, a in _keyed(self.algorithms).items()},
             "algorithms_required": [k for k, a in _keyed(self.algorithms).items() if a.required_on_load()],
-            "callbacks": {k: c.state_dict() for k, c in _keyed(self.callbacks).items()},
+            "callbacks": {k: c.state_dict() for k, c in _keyed(self.callbacks).items() if k not in exclude_callbacks},
             "timestamp": self.timestamp.state_dict(),
             "skipped": self.skipped.state_dict(),
             "run_name": self.run_name,

@@ -100,3 +100,28 @@ def test_counts_ride_on_the_same_sum_as_the_flags():
     assert agreement.total("mixture/samples/web") == 21 and agreement.agreed("save")
     with pytest.raises(KeyError, match=r"register_count\('other'\)"):
         agreement.set_count("other", 1)
+
+
+def test_all_zero_sums_after_all_zero_sums_change_nothing_and_any_other_sums_are_read():
+    """`set_sums` returns at once on all-zero sums after all-zero sums (most batches: nothing to agree, clear or
+    count); every other case is read in full: a flag agreed then all zeros is no longer agreed, counts go back to
+    0, the same non-zero sums again agree again after the owner cleared the flag."""
+    agreement = Agreement()
+    agreement.register("save")
+    agreement.register_count("rows")
+    agreement.set_sums([0, 0])
+    agreement.set_sums([0, 0])  # the quick return
+    assert not agreement.agreed("save") and agreement.total("rows") == 0
+    agreement.set_sums([5, 1])
+    assert agreement.agreed("save") and agreement.total("rows") == 5
+    agreement.clear("save")
+    agreement.set_sums([5, 1])  # the same sums: agreed again (asked again somewhere)
+    assert agreement.agreed("save")
+    agreement.set_sums([0, 0])  # read in full: the sums before were not all zero
+    assert not agreement.agreed("save") and agreement.total("rows") == 0
+    agreement.set_sums([0, 0])
+    agreement.register("stop")  # a flag registered later starts not agreed; the quick return keeps it so
+    agreement.set_sums([0, 0, 0])
+    assert agreement.names == ("rows", "save", "stop") and not any(agreement.agreed(n) for n in ("save", "stop"))
+    agreement.set_sums([0, 0, 3])
+    assert agreement.agreed("stop") and not agreement.agreed("save")

@@ -113,6 +113,32 @@ def test_loss_only_on_the_cpu_runs_no_hook_before_the_step_and_the_default_inter
     assert guard.trained(state) == {"batch": 23, "sample": 184, "token": 0}
 
 
+class Unjudged(Callback):
+    """The snapshots still waiting for good batches (``meta["unjudged"]``), as the guard's last BATCH_END left them
+    (the guard runs last among the callbacks: this one sees them before the guard's next)."""
+
+    def __init__(self, guard):
+        self.guard, self.waiting = guard, []
+
+    def batch_end(self, state, logger):
+        self.waiting.append([s.meta["unjudged"] for s in self.guard._snapshots.snapshots if s.meta["unjudged"]])
+
+
+@pytest.mark.parametrize("grad_zscore", [6.0, None])
+def test_with_the_norm_judged_no_snapshot_waits_so_batch_end_skips_the_count(grad_zscore):
+    """``batch_end`` counts the agreed-good batches for the waiting snapshots (`spike_rollback.judged_good`) only when
+    judging the loss alone: with the gradient norm judged a snapshot is a rollback target when taken (``owed`` 0), so
+    none ever waits, before or after a rollback; loss only, every new snapshot waits for two."""
+    guard = SpikeGuard(snapshot_interval=5, grad_zscore=grad_zscore)
+    watch = Unjudged(guard)
+    _fit(_rows(planted=[203]), [watch, guard])
+    assert len(guard.rollbacks) == 1 and len(watch.waiting) == ROWS // BATCH
+    if grad_zscore is not None:
+        assert watch.waiting == [[]] * (ROWS // BATCH)
+    else:  # the fit's first snapshot waits (2), then each new one
+        assert watch.waiting[0] == [2] and sum(map(bool, watch.waiting)) > 10
+
+
 def test_a_schedule_follows_the_position_and_a_nan_row_rolls_back_too():
     guard = SpikeGuard(snapshot_interval=4)
     trainer, state = _fit(_rows(nan=[100]), [guard], scheduler=True)
