@@ -114,7 +114,7 @@ E2E: Dict[str, object] = {
     },
     "tests/parallel/test_sharded_replica_state.py": {"test_fsdp_x_tp_shards_heal_by_position_at_a_real_shape"},
     "tests/parallel/test_gpu_suite.py": ALL,  # every part of bench/gpu_suite.py at tiny size on CPU ranks
-    # spawns of 2-4 gloo ranks over ~4 s (at load ~8: 7.6, 7.4, 6.6, 6.1, 8.2 for two, 6.6 for a module's shared one, 5.5)
+    # spawns of 2-4 gloo ranks over ~4 s (at load ~8: 7.6, 7.4, 6.6, 6.1, 8.2 for two, 6.6 for a module's shared one)
     "tests/trainer/test_compile.py": {"test_compile_with_ddp_on_two_ranks"},  # inductor on both ranks
     "tests/parallel/test_sharded_load_cost.py": {
         "test_a_full_checkpoint_restart_gets_state_pt_from_rank_0_not_storage_on_another_node",
@@ -127,7 +127,6 @@ E2E: Dict[str, object] = {
         "test_an_oom_at_a_later_batch_equals_switching_there",
         "test_the_checks_cost_a_few_small_all_reduces_per_unit_and_microbatch",
     },
-    "tests/algorithms/test_library_sam.py": {"test_sam_on_two_ddp_ranks_equals_the_reference_on_both_ranks_data"},
     "tests/test_readme.py": {"test_readme_python_blocks_run"},
 }
 
