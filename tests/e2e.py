@@ -13,7 +13,11 @@ A test is **end to end** (marker ``e2e``) when it starts, itself or through a fi
 * a torch world of 4 to 8 spawned gloo ranks that builds a multi-dimensional mesh and trains on it (the
   pipeline schedules, CP x TP, the reshard matrix, the GPU suite's CPU run): each 5-25 s of process start,
   rendezvous, mesh set-up and training on this machine, the inner loop's slowest tests. Their pure parts
-  (splits, meshes, refusals) stay in the fast tier.
+  (splits, meshes, refusals) stay in the fast tier; or
+* a spawn of 2-4 gloo ranks without a mesh whose work takes over ~4 s here (a compile on both ranks,
+  sharded saves and loads counted byte by byte, some through the S3 server; a spawn shared by a
+  module's tests): the fast tier's slowest after the meshes (4-7.6 s each at load ~8). Their pure
+  parts and refusals stay in the fast tier.
 
 The session's shared Ray (the ``ray_cluster`` fixture) does not count: tests that use it for Ray
 Data, actors or tasks stay in the fast tier. ``pytest -m "not e2e"`` is the inner loop;
@@ -110,6 +114,19 @@ E2E: Dict[str, object] = {
     },
     "tests/parallel/test_sharded_replica_state.py": {"test_fsdp_x_tp_shards_heal_by_position_at_a_real_shape"},
     "tests/parallel/test_gpu_suite.py": ALL,  # every part of bench/gpu_suite.py at tiny size on CPU ranks
+    # spawns of 2-4 gloo ranks over ~4 s (at load ~8: 7.6, 7.4, 6.6, 6.1, 8.2 for two, 6.6 for a module's shared one)
+    "tests/trainer/test_compile.py": {"test_compile_with_ddp_on_two_ranks"},  # inductor on both ranks
+    "tests/parallel/test_sharded_load_cost.py": {
+        "test_a_full_checkpoint_restart_gets_state_pt_from_rank_0_not_storage_on_another_node",
+        "test_metadata_read_once_on_s3",
+        "test_sharded_restart_reads_shards_from_the_local_tier_and_a_moved_rank_reads_storage",
+        "test_reshard_reads_each_byte_about_once",  # a save and a load spawn each: 4.2 and 4.0 s
+    },
+    "tests/parallel/test_fsdp_auto_microbatching.py": {  # the module's one spawn (`runs`) and its three readers
+        "test_an_oom_mid_forward_or_backward_on_one_rank_is_agreed_and_equals_starting_at_the_final_count",
+        "test_an_oom_at_a_later_batch_equals_switching_there",
+        "test_the_checks_cost_a_few_small_all_reduces_per_unit_and_microbatch",
+    },
     "tests/test_readme.py": {"test_readme_python_blocks_run"},
 }
 

@@ -1,8 +1,8 @@
 """One replica group's process for `test_replica_abort.py` (no Ray): torchft's Manager and the loop's commit-gated
 optimizer, as a Ray worker builds them (`build_manager`, `CommitOptimizer`), training a small model step by step.
 
-``python tests/ray/fault_tolerance/replica_ring.py GROUP GROUPS FOLDER LIGHTHOUSE``: writes one JSON line per step to
-``FOLDER/steps-GROUP.jsonl``; SIGKILLs itself between its backward and the step's all-reduce when
+``python tests/ray/fault_tolerance/replica_ring.py GROUP GROUPS FOLDER LIGHTHOUSE [TIMEOUT_S]``: writes one JSON line
+per step to ``FOLDER/steps-GROUP.jsonl``; SIGKILLs itself between its backward and the step's all-reduce when
 ``FOLDER/die-GROUP`` exists; stops when ``FOLDER/done`` exists.
 """
 
@@ -69,4 +69,4 @@ def main(group: int, groups: int, folder: str, lighthouse: str, timeout_s: float
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], *map(float, sys.argv[5:6]))

@@ -26,6 +26,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 VICTIM = 1  # gloo's ring 0-1-...-(k-1)-0: groups 0 and 2 are its neighbours, the others are not
+GLOO_TIMEOUT_S = 60.0  # each group's collectives (`replica_ring.py`) and the Lighthouse's join timeout
 
 
 def _steps(folder: str, group: int) -> list:
@@ -54,13 +55,13 @@ def test_a_kill_on_a_ring_costs_the_far_groups_a_step_not_the_gloo_timeout(tmp_p
 
     GROUPS = groups  # noqa: N806 (the module's constant before the parametrization)
     folder = str(tmp_path)
-    lighthouse = LighthouseServer(bind="127.0.0.1:0", **lighthouse_options(GROUPS, 60.0))
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", **lighthouse_options(GROUPS, GLOO_TIMEOUT_S))
     port = lighthouse.address().rsplit(":", 1)[1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     script = os.environ.get("RTE_RING_SCRIPT", os.path.join(HERE, "replica_ring.py"))
     procs = [
         subprocess.Popen(
-            [sys.executable, script, str(g), str(GROUPS), folder, f"http://127.0.0.1:{port}"],
+            [sys.executable, script, str(g), str(GROUPS), folder, f"http://127.0.0.1:{port}", str(GLOO_TIMEOUT_S)],
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=open(os.path.join(folder, f"err-{g}.log"), "w"),
@@ -88,13 +89,16 @@ def test_a_kill_on_a_ring_costs_the_far_groups_a_step_not_the_gloo_timeout(tmp_p
         records = _steps(folder, g)
         failed = [r for r in records if not r["committed"] and r["t"] > killed - 5]
         assert failed, f"group {g}: the step with the dying group committed: {records}"
-        # The failed step ended long before gloo's 60 s timeout, and the next commit of the three came soon after.
+        # The failed step ended before gloo's timeout could fire, and so did the survivors' first commit without the
+        # victim (counted from that step's start). A step that waited the timeout out measures at least
+        # GLOO_TIMEOUT_S by construction, so these hold on any load and fail only if it did (they were < 20 s, a
+        # wall-clock bound; seen ~1-5 s). The far groups' abandoned all-reduces (below) say how it ended.
         ended = failed[0]["t"] - failed[0]["started"]
-        first = after(g)[0]["t"] - killed
+        first = after(g)[0]["t"] - failed[0]["started"]
         print(
-            f"group {g}: failed step ended after {ended:.2f} s; first commit of the survivors {first:.2f} s after the kill"
+            f"group {g}: failed step ended after {ended:.2f} s; first commit of the survivors {first:.2f} s after it began"
         )
-        assert ended < 20 and first < 20, (g, ended, first)
+        assert ended < GLOO_TIMEOUT_S and first < GLOO_TIMEOUT_S, (g, ended, first)
         # What the kill cost in steps: the step in flight (trained again), and at most one more before the smaller
         # quorum commits (the goal: the heartbeat detection + 2 steps). Counted up to its first commit without the
         # victim; every step after that commits.

@@ -511,7 +511,12 @@ def test_the_lighthouse_dying_fails_the_run_with_the_fix(ray_cluster, tmp_path):
     thread.join(timeout=30)
     assert killed, "the run ended before the Lighthouse was killed"
     print(f"the run failed {time.time() - killed[0]:.1f} s after the kill")
-    assert time.time() - killed[0] < 60, "the loss took longer than a few quorum timeouts (20 s each) to end the run"
+    # What the run did, not how long it took (a 60 s bound here raced a loaded machine): it ended at its groups'
+    # first failure after the kill (the error above, the workers' `LighthouseLostError` raised on the controller),
+    # with no worker group started after the kill (each writes its proc file at its fit start). Before the fix
+    # Ray restarted the groups and retried without end (this test's timeout).
+    started = [json.load(open(p)) for p in glob.glob(os.path.join(folder, "proc-*.json"))]
+    assert len(started) >= 2 and all(p["t"] < killed[0] for p in started), (started, killed)
     message = str(error.value)
     assert "the torchft Lighthouse at" in message and "is gone" in message, message
     assert "Fix: run again with the same run_name" in message, message
