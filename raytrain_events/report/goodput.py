@@ -199,8 +199,10 @@ def _restart(
     hangs, preemptions, failures = records
     start, end = attempt["start"][0], nxt["start"][0]
     causes = _failure_causes(start, end, failures, hangs, preemptions)
-    if not causes:  # no controller record (an older run): the window's record, or a resize
+    failed = len(causes)
+    if not causes:  # no controller record (an older run): the window's record, or a resize (no failure)
         causes = [_cause(start, end, hangs, preemptions, (attempt["world"], nxt["world"]))]
+        failed = 0 if causes[0].startswith("resized") else 1
     resume = nxt["start"][1]
     left = _time_at([attempt["start"]] + attempt["points"], resume, pace)
     first_wall, first_batch = nxt["points"][0]
@@ -213,7 +215,7 @@ def _restart(
         "back_wall": back,
         "lost_s": max(0.0, back - left),
         "cause": "; ".join(causes),
-        "failures": len(causes),
+        "failures": failed,
     }
 
 

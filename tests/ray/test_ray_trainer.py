@@ -406,9 +406,10 @@ def test_algorithms_and_callbacks_compose_in_a_two_worker_run_killed_once(ray_cl
     assert result.metrics["throughput/samples_per_sec"] > 0
     assert result.metrics["lr-SGD/group0"] == pytest.approx(0.2)
     assert 0.0 <= result.metrics["metrics/eval/accuracy"] <= 1.0
-    # The controller recorded the failure (Ray Train's ``after_exception``): the goodput report names the killed rank.
+    # The controller recorded the failure (Ray Train's ``after_exception``), and the goodput report names its ranks'
+    # errors (the killed rank's death, or rank 0's collective failing with it: which one Ray's poll saw first).
     run_dir = str(tmp_path / "runs" / "failover")
     (failure,) = read_failures(run_dir)
-    assert 1 in failure["ranks"], failure
+    assert failure["ranks"] and set(failure["ranks"]) <= {0, 1} and set(failure["died"]) <= {1}, failure
     (restart,) = goodput(result.history, *read_events(run_dir), read_failures(run_dir))["restarts"]
-    assert restart["failures"] == 1 and restart["cause"].startswith("a worker or node was lost (rank 1 died: "), restart
+    assert restart["failures"] == 1 and restart["cause"].startswith("a worker or node was lost (rank "), restart

@@ -52,7 +52,8 @@ def test_a_restart_is_attributed_to_the_hang_or_preemption_in_its_window():
     (restart,) = goodput(_history(), hangs=[stopped])["restarts"]
     assert restart["cause"] == "hang: rank 2, frozen or stopped (no stack dump)"
     grown = [dict(e, world_size=1 if e["attempt"] == 1 else 2) for e in _history()]  # a node came back
-    assert goodput(grown)["restarts"][0]["cause"] == "resized: the group grew from 1 to 2 workers"
+    (resized,) = goodput(grown)["restarts"]
+    assert resized["cause"] == "resized: the group grew from 1 to 2 workers" and resized["failures"] == 0
     shrunk = [dict(e, world_size=2 if e["attempt"] == 1 else 1) for e in _history()]
     assert goodput(shrunk)["restarts"][0]["cause"] == "a worker or node was lost"
     elsewhere = dict(hang, wall=500.0)

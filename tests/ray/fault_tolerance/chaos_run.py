@@ -115,10 +115,10 @@ class Beacon(Callback):
 
 class FirstReports(LoggerDestination):
     """A driver logger: when each worker group's first report reached the driver (its history entry, the
-    one with ``resumed_from_batch``). The goodput report knows a group only by its reports: a group that
-    failed before its first one leaves no entry, and its restart's cause merges into the next one's (under
-    load a group paced 2 batches in was seen removed before its first report). So the chaos acts on a
-    group only once the driver has its first report (`Chaos._wait_for_training`)."""
+    one with ``resumed_from_batch``). The history knows a group only by its reports: a group that failed
+    before its first one has no attempt of its own (the controller's failure record still counts it and names
+    its cause: `raytrain_events.ray.reports.failures`). So that each event is one restart of its own, the chaos
+    acts on a group only once the driver has its first report (`Chaos._wait_for_training`)."""
 
     def __init__(self) -> None:
         self.arrived: List[float] = []  # wall times, in order (list.append: safe across the two threads)
@@ -341,7 +341,7 @@ def main(argv: Optional[List[str]] = None) -> None:  # noqa: PLR0915 -- a script
 
     from raytrain_events import RayTrainer
     from raytrain_events.checkpoint import CheckpointConfig
-    from raytrain_events.report.goodput import goodput, read_events
+    from raytrain_events.report.goodput import goodput, read_events, read_failures
 
     cloudpickle.register_pickle_by_value(h)
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -412,7 +412,8 @@ def main(argv: Optional[List[str]] = None) -> None:  # noqa: PLR0915 -- a script
     result = outcome["result"]
     lineage = h.assert_every_row_once_per_epoch(records, args.epochs)
     hangs, preemptions = read_events(os.path.join(runs, "chaos"))
-    summary = goodput(result.history, hangs, preemptions)
+    failures = read_failures(os.path.join(runs, "chaos"))  # the controller's record of each failed group
+    summary = goodput(result.history, hangs, preemptions, failures)
     print(
         f"Chaos soak: {len(chaos.events)} events in {time.time() - started:.0f} s, goodput "
         f"{summary['goodput']:.0%}, "
@@ -429,6 +430,7 @@ def main(argv: Optional[List[str]] = None) -> None:  # noqa: PLR0915 -- a script
                 "plan": plan,
                 "hangs": hangs,
                 "preemptions": preemptions,
+                "failures": failures,
                 "goodput": summary,
                 "attempts": max(e["attempt"] for e in result.history),
                 "worlds": [lineage[key][0] for key in sorted(lineage)],
