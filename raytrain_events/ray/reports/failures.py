@@ -3,9 +3,10 @@
 The run history learns of a worker group through its reports, so a group that fails before its first
 one (a second failure while the first restart was still starting, a node lost during start-up) leaves no
 history entry: the goodput report would merge two restarts into one and keep only one cause. The
-controller knows every failure: Ray Train calls ``UserCallback.after_exception`` with the failed ranks'
-errors (a raised exception, a killed process's failed health check, a hang the watchdog ended) before it
-restarts the group. This callback writes one small record per failure (``failures/at-<ms>.json``, named by
+controller sees each failure in its poll of the group: Ray Train calls ``UserCallback.after_exception`` with
+the failed ranks' errors (a raised exception, a killed process's failed health check, a hang the watchdog
+ended) before it restarts the group. (A restart Ray's elastic policy makes on a lost node before a poll
+sees a death is not a failure to it: no record; the goodput report then names the cause as before.) This callback writes one small record per failure (``failures/at-<ms>.json``, named by
 `RunDir`), read by `raytrain_events.report.goodput`.
 
 Cost: one small write per failure, on the controller; nothing per step.
