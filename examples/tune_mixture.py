@@ -181,6 +181,9 @@ def proxy_trials_on_ray(
             report_interval="1ep",
             report_every_s=None,
             get_num_tokens_in_batch=lambda batch: int(batch["y"].numel()) * DIM,  # a token per feature
+            # The eval sets (small, in memory) split once per worker group instead of a streaming split per
+            # set and group (a Ray Data coordinator actor each, and a streaming execution at every eval).
+            deterministic_split=True,
         )
         | trainer,
         param_space={"mixture": space},

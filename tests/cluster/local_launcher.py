@@ -231,6 +231,9 @@ class LocalLauncher:
             export PATH={self.venv}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
             export VIRTUAL_ENV={self.venv}
             export RAY_USAGE_STATS_ENABLED=0 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 PYTHONUNBUFFERED=1
+            # Ray Train's controller polls every 2 s by default and a report within one poll of the last waits
+            # for the next (tests/conftest.py sets the same for the session's Ray): here every epoch's report.
+            export RAY_TRAIN_HEALTH_CHECK_INTERVAL_S=0.25
             export PIP_NO_INDEX=1 PIP_FIND_LINKS={self.wheelhouse} PIP_DISABLE_PIP_VERSION_CHECK=1
             unset PYTHONPATH RAY_ADDRESS
             """)
