@@ -15,6 +15,9 @@ Private names used (checked against Ray 2.60.0):
 
 * ``TrialScheduler._time_attr`` / ``._max_t`` (ASHA, HyperBand, median stopping, PBT): the sweep checks the scheduler's
   time attribute is one we report, and tells "stopped at the budget" from "stopped early" (Tune has no getter).
+* ``PopulationBasedTraining._trial_state`` (each trial's ``last_score``): a trial's score is forgotten at its final
+  report, so PBT ranks it no more (`pbt_retire_trial`, `raytrain_events.tune.pbt_end`), as Tune does once the trial's
+  function has returned (``_quantiles`` ranks trials with a score that are not finished).
 * ``ray._private.utils.get_dashboard_dependency_error``: whether the dashboard can start, so an embedded instance gets
   one on a known loopback port (`raytrain_events.ray.reports.console`).
 * ``ray._private.ray_logging.global_worker_stdstream_dispatcher`` (its ``handlers`` list and ``_lock``): the driver-side
@@ -69,6 +72,7 @@ import importlib
 import inspect
 import mmap
 import os
+from types import SimpleNamespace
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 from raytrain_events.ray._compat_data import (
@@ -95,6 +99,7 @@ __all__ = [
     "RayCompatError",
     "scheduler_time_attr",
     "scheduler_max_t",
+    "pbt_retire_trial",
     "dashboard_installed",
     "wrap_worker_line_handler",
     "dataset_meta_count",
@@ -252,6 +257,33 @@ def _probe_startup_concurrency() -> None:
         raise _missing(f"a raylet setting {key.decode()} (environment variable {STARTUP_CONCURRENCY_ENV})")
 
 
+def pbt_retire_trial(scheduler: Any, trial: Any) -> None:
+    """Take ``trial`` out of a PBT scheduler's ranking from now on: neither copied into nor copied from."""
+    state = _attr(scheduler, "_trial_state").get(trial)
+    if state is not None:
+        _attr(state, "last_score")
+        state.last_score = None
+
+
+def _probe_pbt_retire() -> None:
+    """Two scored trials are ranked against each other; once one is retired, neither is (one trial alone is not)."""
+    from ray.tune.experiment import Trial
+    from ray.tune.schedulers import PopulationBasedTraining
+
+    pbt = PopulationBasedTraining(
+        time_attr="time/sample", metric="loss", mode="min", perturbation_interval=1, hyperparam_mutations={"lr": [0.1]}
+    )
+    trials = [Trial("__fake", stub=True) for _ in range(2)]
+    for score, trial in enumerate(trials):
+        pbt.on_trial_add(SimpleNamespace(search_alg=None), trial)
+        _attr(pbt, "_trial_state")[trial].last_score = float(score)
+    _expect(tuple(map(len, _attr(pbt, "_quantiles")())), (1, 1), "PopulationBasedTraining._quantiles of two trials")
+    pbt_retire_trial(pbt, trials[1])
+    _expect(
+        tuple(map(len, _attr(pbt, "_quantiles")())), (0, 0), "PopulationBasedTraining._quantiles after a retired trial"
+    )
+
+
 def _probe_source(module: str, text: str, what: str) -> None:
     if text not in inspect.getsource(importlib.import_module(module)):
         raise _missing(f"{what} in {module}")
@@ -284,6 +316,7 @@ def check_private_names() -> List[Tuple[str, str]]:
     asha = ASHAScheduler(time_attr="time/sample", max_t=10, grace_period=1)
     probe("scheduler _time_attr", lambda: _expect(scheduler_time_attr(asha), "time/sample", "ASHAScheduler._time_attr"))
     probe("scheduler _max_t", lambda: _expect(scheduler_max_t(asha), 10, "ASHAScheduler._max_t"))
+    probe("PBT trial state last_score", _probe_pbt_retire)
     probe("get_dashboard_dependency_error", lambda: _import("ray._private.utils", "get_dashboard_dependency_error"))
     probe("worker line dispatcher", lambda: wrap_worker_line_handler("ray_print_logs", lambda handler: handler)())
     probe("ray_print_logs handler", _expect_print_logs_handler)

@@ -115,6 +115,8 @@ Files:
   proxies where the fit says.
 * ``mixture_pbt.py``: PBT over mixture weights: explore on the simplex, the copy's mixture, and each
   trial's mixture over time.
+* ``pbt_end.py``: PBT that knows a trial's final report: no copy into or out of a trial that has
+  finished training.
 * ``pbt.py``: Population-based training over algorithm sets: Tune's `PopulationBasedTraining`, set
   up for sweeps.
 * ``placement.py``: Release the placement groups of trials Tune stopped.

@@ -7,7 +7,9 @@ trial starts a new run in its folder that fully loads that checkpoint (weights, 
 global Timestamp, data position) with a mutated config: another algorithm set from
 ``algorithm_sets`` (resampled or a neighbour in the list), perturbed numeric args and LR, and
 mixture weights perturbed on the simplex (``mixture=``, `raytrain_events.tune.mixture_pbt`). The
-trial records the copy in its lineage (`SweepResult.lineage`).
+trial records the copy in its lineage (`SweepResult.lineage`). A trial's final report moves
+nothing (`raytrain_events.tune.pbt_end`): a copy into or out of a finished run would restart a worker
+group to train no batch.
 
 Trials must save checkpoints at least as often as they report at a perturbation: PBT copies the
 checkpoint reported with a top trial's latest result, and skips the exploit if that result
@@ -45,7 +47,8 @@ def pbt_scheduler(
     synch: bool = False,
     **options: Any,
 ) -> Any:
-    """Tune's `PopulationBasedTraining` measuring time in global samples or tokens.
+    """Tune's `PopulationBasedTraining` measuring time in global samples or tokens (`EndAwarePBT`: no copy
+    into or out of a trial at its final report, where the copy would train nothing).
 
     ``perturbation_interval``: a `Time` (or string) in samples (``"512sp"``) or tokens
     (``"1e6tok"``). ``algorithm_sets``: the sets a trial may switch to, a list of sets or
@@ -60,7 +63,10 @@ def pbt_scheduler(
     (``param_space={"mixture": mixture_space(...)}``). ``options``: more
     `PopulationBasedTraining` arguments.
     """
-    from ray.tune.schedulers import PopulationBasedTraining  # deferred: Ray Tune loads when a sweep is set up
+    # deferred: Ray Tune loads when a sweep is set up
+    from ray.tune.schedulers import PopulationBasedTraining
+
+    from raytrain_events.tune.pbt_end import EndAwarePBT
 
     interval = _samples_or_tokens(perturbation_interval, "perturbation_interval")
     mutations = _mutations(algorithm_sets, lr, hyperparam_mutations)
@@ -79,7 +85,8 @@ def pbt_scheduler(
     # Results without the metric are normal (entries between evaluations; the final report of a
     # copy that loaded a finished donor trains no batch): PBT skips them instead of failing.
     options.setdefault("require_attrs", False)
-    scheduler = PopulationBasedTraining(
+    # Synchronous PBT waits for every trial at each point, final reports included: Tune's own class.
+    scheduler = (PopulationBasedTraining if synch else EndAwarePBT)(
         time_attr=report_key(interval.unit),
         perturbation_interval=interval.value,
         burn_in_period=_burn_in(burn_in_period, interval),

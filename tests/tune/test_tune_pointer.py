@@ -208,6 +208,56 @@ def test_pbt_scheduler_measures_global_samples_and_mutates_sets_and_lr():
         pbt_scheduler("512sp")
 
 
+def test_pbt_neither_copies_into_nor_out_of_a_trial_at_its_final_report(monkeypatch):
+    """A final report is no perturbation point: the finishing trial does not exploit (its copy would
+    train nothing) and is no donor from then on; Tune's own PBT does both (what the test tells apart)."""
+    from types import SimpleNamespace
+
+    from ray.tune.experiment import Trial
+    from ray.tune.schedulers import PopulationBasedTraining, TrialScheduler
+
+    from raytrain_events.tune import pbt_scheduler
+
+    def population(scheduler):
+        acted = []
+        monkeypatch.setattr(scheduler, "_checkpoint_or_exploit", lambda trial, _c, upper, lower: acted.append(
+            (trial, list(upper), list(lower))))  # fmt: skip
+        controller = SimpleNamespace(search_alg=None, get_trials=lambda: trials)
+        trials = [Trial("__fake", stub=True) for _ in range(4)]
+        for trial in trials:
+            scheduler.on_trial_add(controller, trial)
+        for loss, trial in zip((0.1, 0.2, 0.3, 0.4), trials):  # every trial at the first point, mid-run
+            scheduler.on_trial_result(controller, trial, {"time/sample": 512, "loss": loss, "final": False})
+        return controller, trials, acted
+
+    ours = pbt_scheduler("512sp", lr=[0.1, 0.2], metric="loss", mode="min")
+    controller, trials, acted = population(ours)
+    assert len(acted) == 4 and acted[-1] == (trials[3], [trials[0]], [trials[3]])  # mid-run: the worst copies the best
+    # The best trial ends; then the worst reaches its final report in the bottom quantile.
+    assert ours.on_trial_result(controller, trials[0], {"time/sample": 1024, "loss": 0.05, "final": True}) == (
+        TrialScheduler.CONTINUE
+    )
+    assert ours.on_trial_result(controller, trials[3], {"time/sample": 1024, "loss": 0.9, "final": True}) == (
+        TrialScheduler.CONTINUE
+    )
+    assert len(acted) == 4  # neither final report perturbed anything
+    ours.on_trial_result(controller, trials[2], {"time/sample": 1024, "loss": 0.8, "final": False})
+    assert acted[-1] == (trials[2], [trials[1]], [trials[2]])  # ranked without the finished two: never a copy of 0
+
+    tunes = PopulationBasedTraining(
+        time_attr="time/sample",
+        metric="loss",
+        mode="min",
+        perturbation_interval=512,
+        hyperparam_mutations={"lr": [0.1]},
+    )
+    controller, trials, acted = population(tunes)
+    tunes.on_trial_result(controller, trials[0], {"time/sample": 1024, "loss": 0.05, "final": True})
+    tunes.on_trial_result(controller, trials[3], {"time/sample": 1024, "loss": 0.9, "final": True})
+    assert acted[-1] == (trials[3], [trials[0]], [trials[3]])  # Tune's: the finishing trial copies a finished donor
+    assert type(pbt_scheduler("512sp", lr=[0.1, 0.2], synch=True)) is PopulationBasedTraining
+
+
 def test_a_finished_trials_record_is_replayed_only_for_the_run_tune_restores(tmp_path):
     from raytrain_events.tune.trial import results_to_replay
 
