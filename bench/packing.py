@@ -26,7 +26,8 @@ Four parts (issue 50), each printed as a table with medians and spreads ``[min-m
    pre-packed sources read as many sequences per task and ahead of the feeder as `PackedTokens`
    does (`ParquetRowGroups` sizes reads by the footers' encoded bytes, far below the decoded ones for
    these columns: left at its defaults it would hold the whole epoch read ahead, and the arm would
-   measure the loaders draining memory). The first 32 batches (the feeder's start and the first
+   measure the loaders draining memory); and `PackedTokens` over the same token files packed offline by
+   `pack_tokens` (the same sequences, read with no packing work). The first 32 batches (the feeder's start and the first
    read-ahead) are left out. Arms interleaved, ``--repeats`` each; the ratio is per repeat.
 4. ``cpu``: the data path's CPU work per sequence without Ray (in this process, CPU time, so a
    loaded machine moves it less than wall time), both sides of the object store: the read tasks
@@ -38,7 +39,10 @@ Four parts (issue 50), each printed as a table with medians and spreads ``[min-m
    without packing or document masks; written with `pq.write_table`'s defaults and uncompressed, the
    cheaper of the two per repeat being the baseline). The last two columns are the goal's measure:
    rows/s of the packed path over the fixed-length one where CPU bounds it (the inverse ratio of the
-   totals), for each layout. ``concat`` on Zipf lengths up to 2,000, ``best_fit`` on the same mix cut
+   totals), for each layout; and the same sequences packed offline (`pack_tokens`, asserted equal
+   block by block) read by `PackedTokens` (``pre-packed``: the read task's views, then the rank), with
+   the offline pack's own throughput (Mi real tokens/s, one thread, into a fresh folder per repeat,
+   reading the token files and writing the packed ones included). ``concat`` on Zipf lengths up to 2,000, ``best_fit`` on the same mix cut
    at 1,024 tokens; 64,000 documents in row groups of 16,000 (about 1 Mi tokens, `tokenize`'s
    default), seq_len 1024, windows of ``256 * seq_len`` tokens.
 """
