@@ -76,6 +76,7 @@ def pack_tokens(  # noqa: PLR0913 (input and output, then keyword-only options, 
         list(range(a, min(a + windows_per_shard, len(source.windows))))
         for a in range(0, len(source.windows), windows_per_shard)
     ]
+    _refuse_extra_shards(output, len(shards), storage_options)
     todo: List[Tuple[str, List[int], Dict[bytes, bytes]]] = []
     for k, windows in enumerate(shards):
         out = _join(output, f"part-{k:05d}.parquet")
@@ -102,6 +103,25 @@ def pack_tokens(  # noqa: PLR0913 (input and output, then keyword-only options, 
         "real_tokens": source.real_tokens,
         "documents": source.documents,
     }
+
+
+def _refuse_extra_shards(output: str, shards: int, storage_options: Optional[Dict[str, Any]]) -> None:
+    """Refuse shards in ``output`` past this job's ``shards`` (left by a job over more input): read with the
+    others they would add sequences this input does not pack into."""
+    from raytrain_events.data.ray.tokenize import _fs
+
+    fs, at = _fs(output, storage_options)
+    if not fs.exists(at):
+        return
+    names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(at, detail=False))
+    extra = [
+        n for n in names if n.endswith(".parquet") and not any(n == f"part-{k:05d}.parquet" for k in range(shards))
+    ]
+    if extra:
+        raise FileExistsError(
+            f"{output} holds {extra[:3]} besides this job's {shards} shards (from a job over other input?): "
+            "PackedTokens would read them too. Fix: another output folder, or delete them."
+        )
 
 
 def _vocab_of(source: Any) -> Optional[bytes]:

@@ -15,6 +15,11 @@ sequences are re-made exactly wherever it is packed. With a seed the *windows* a
 epoch (the row groups inside one stay in file order, so a window's sequences never change), and
 ``shuffle_buffer_size`` permutes sequences across windows as for any source.
 
+Packed offline (`pack_tokens`, ``raytrain-events pack``): over a folder of the ``packed`` layout
+(`packed_files.py`) the windows are its row groups, already packed for one ``seq_len``, policy,
+``window_tokens`` and ``pad_id`` (another is refused), everything the driver needs is in the footers,
+and a read task makes the same blocks from views of the bytes it read: no placement, no gather.
+
 Built on the driver, before Ray starts: the footers (row counts, each file's layout,
 `token_files.py`: one per source, and the token ids' min/max statistics: ids outside
 ``[0, vocab_size)`` are refused here, before any training, when the writer kept statistics; a

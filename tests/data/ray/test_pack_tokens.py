@@ -112,6 +112,9 @@ def test_rerun_writes_nothing_and_a_lost_shard_is_redone(token_folders, tmp_path
     assert all(os.stat(os.path.join(out, p)).st_mtime_ns == t for p, t in times.items() if p != "part-00001.parquet")
     with pytest.raises(FileExistsError, match="another output folder, or delete it"):
         pack_tokens(folders["flat-several-groups"], out, **{**kw, "policy": "concat"})
+    shutil.copy(os.path.join(out, "part-00000.parquet"), os.path.join(out, "part-00099.parquet"))
+    with pytest.raises(FileExistsError, match=r"holds \['part-00099.parquet'\] besides this job's"):
+        pack_tokens(folders["flat-several-groups"], out, **kw)
 
 
 def test_refusals(token_folders, tmp_path) -> None:
