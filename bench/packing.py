@@ -26,7 +26,8 @@ Four parts (issue 50), each printed as a table with medians and spreads ``[min-m
    pre-packed sources read as many sequences per task and ahead of the feeder as `PackedTokens`
    does (`ParquetRowGroups` sizes reads by the footers' encoded bytes, far below the decoded ones for
    these columns: left at its defaults it would hold the whole epoch read ahead, and the arm would
-   measure the loaders draining memory). The first 32 batches (the feeder's start and the first
+   measure the loaders draining memory); and `PackedTokens` over the same token files packed offline by
+   `pack_tokens` (the same sequences, read with no packing work). The first 32 batches (the feeder's start and the first
    read-ahead) are left out. Arms interleaved, ``--repeats`` each; the ratio is per repeat.
 4. ``cpu``: the data path's CPU work per sequence without Ray (in this process, CPU time, so a
    loaded machine moves it less than wall time), both sides of the object store: the read tasks
@@ -38,7 +39,10 @@ Four parts (issue 50), each printed as a table with medians and spreads ``[min-m
    without packing or document masks; written with `pq.write_table`'s defaults and uncompressed, the
    cheaper of the two per repeat being the baseline). The last two columns are the goal's measure:
    rows/s of the packed path over the fixed-length one where CPU bounds it (the inverse ratio of the
-   totals), for each layout. ``concat`` on Zipf lengths up to 2,000, ``best_fit`` on the same mix cut
+   totals), for each layout; and the same sequences packed offline (`pack_tokens`, asserted equal
+   block by block) read by `PackedTokens` (``pre-packed``: the read task's views, then the rank), with
+   the offline pack's own throughput (Mi real tokens/s, one thread, into a fresh folder per repeat,
+   reading the token files and writing the packed ones included). ``concat`` on Zipf lengths up to 2,000, ``best_fit`` on the same mix cut
    at 1,024 tokens; 64,000 documents in row groups of 16,000 (about 1 Mi tokens, `tokenize`'s
    default), seq_len 1024, windows of ``256 * seq_len`` tokens.
 """
@@ -182,9 +186,10 @@ def datapath_part(out: str, repeats: int) -> None:
     print("\n## Data path: steady sequences/s, 2 ranks, batches of 64 sequences of 1024 tokens\n")
     print(
         "| policy | tokens only (input_ids rows, no masks) | pre-packed (all 4 columns) | PackedTokens "
-        "(packing in the read tasks) | PackedTokens / pre-packed | PackedTokens / tokens only |"
+        "(packing in the read tasks) | PackedTokens over pack_tokens' output (packed offline) "
+        "| PackedTokens / pre-packed | PackedTokens / tokens only | packed offline / tokens only |"
     )
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     notes = []
     for policy, longest in (("concat", 2_000), ("best_fit", 1_024)):
         row, note = _datapath_row(os.path.join(out, f"datapath-{policy}"), policy, longest, repeats)
@@ -200,6 +205,7 @@ def _datapath_row(folder: str, policy: str, longest: int, repeats: int) -> Any:
     import ray
     from packed_data import write_tokens
 
+    from raytrain_events.data.ray.pack_tokens import pack_tokens
     from raytrain_events.data.ray.packed_source import PackedTokens
     from raytrain_events.data.ray.parquet_seek import AHEAD_BYTES, READ_BYTES, ParquetRowGroups
 
@@ -219,15 +225,19 @@ def _datapath_row(folder: str, policy: str, longest: int, repeats: int) -> Any:
         )
         assert arms[name].count() == packed.count()
     arms["packed"] = packed
+    pack_tokens(paths, os.path.join(folder, "offline"), seq_len=1024, policy=policy)
+    arms["offline"] = PackedTokens(os.path.join(folder, "offline"), seq_len=1024, policy=policy)
+    assert arms["offline"].window_sequences == packed.window_sequences
     rates: Dict[str, List[float]] = {name: [] for name in arms}
     for _ in range(repeats):
         for name, source in arms.items():
             rates[name].append(_steady_rate(ray, source))
     ratio = [a / b for a, b in zip(rates["packed"], rates["prepacked"])]
     plain = [a / b for a, b in zip(rates["packed"], rates["tokens"])]
+    offline = [a / b for a, b in zip(rates["offline"], rates["tokens"])]
     row = (
         f"| {policy} | {_spread(rates['tokens'])} | {_spread(rates['prepacked'])} | {_spread(rates['packed'])} "
-        f"| {_spread(ratio, 3)} | {_spread(plain, 3)} |"
+        f"| {_spread(rates['offline'])} | {_spread(ratio, 3)} | {_spread(plain, 3)} | {_spread(offline, 3)} |"
     )
     note = f"{policy}: {packed.count()} sequences from {packed.documents} documents ({packed.real_tokens} tokens)"
     return row, note
@@ -247,9 +257,10 @@ def cpu_part(out: str, repeats: int) -> None:
     print(
         "| policy | fixed-length rows: default write | uncompressed | packed, documents layout "
         "| packed, flat layout: read | pack_runs | rank (expand + tensors) | packed, flat layout: in all "
-        "| rows/s packed / fixed-length: flat | documents |"
+        "| pre-packed: read | pre-packed: in all (read + rank) "
+        "| rows/s packed / fixed-length: flat | documents | pre-packed | pack offline: Mi tokens/s, 1 thread |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for policy, longest in (("concat", 2_000), ("best_fit", 1_024)):
         print(_cpu_row(os.path.join(out, f"cpu-{policy}"), policy, longest, repeats))
 
@@ -268,6 +279,7 @@ def _cpu_row(folder: str, policy: str, longest: int, repeats: int) -> str:  # no
 
     from raytrain_events.core.packing import pack_runs
     from raytrain_events.data.ray.batch_tensors import table_to_torch
+    from raytrain_events.data.ray.pack_tokens import pack_tokens
     from raytrain_events.data.ray.packed_batch import packed_tensors
     from raytrain_events.data.ray.packed_source import PackedTokens, _window_inputs, pack_reads
     from raytrain_events.data.ray.parquet_seek import ParquetRowGroups, _read_units
@@ -288,6 +300,16 @@ def _cpu_row(folder: str, policy: str, longest: int, repeats: int) -> str:  # no
         args[layout] = [source.window_args(w) for w in windows]
         reads[layout] = [[args[layout][w] for w in group] for group in source.reads(windows)]
     n = source.count()
+    tokens = source.real_tokens
+
+    def pack_offline(k: int) -> float:  # Mi tokens/s of `pack_tokens` (one thread), into a fresh folder
+        start = time.perf_counter()
+        pack_tokens(paths, os.path.join(folder, f"prepacked-{k}"), seq_len=1024, policy=policy, workers=1)
+        return tokens / (time.perf_counter() - start) / 2**20
+
+    pack_offline(0)
+    pre = PackedTokens(os.path.join(folder, "prepacked-0"), seq_len=1024, policy=policy, vocab_size=4096)
+    pre_reads = [[pre.window_args(w) for w in group] for group in pre.reads(windows)]
     fixed = {}
     for name, plain in (("default", False), ("plain", True)):  # fixed-length token rows: the unpacked path
         _write_prepacked(source, os.path.join(folder, name), ["input_ids"], plain=plain)
@@ -310,7 +332,10 @@ def _cpu_row(folder: str, policy: str, longest: int, repeats: int) -> str:  # no
 
     blocks = [pack_reads(r) for r in reads["flat"]]
     assert all(a.equals(b) for a, b in zip(blocks, [pack_reads(r) for r in reads["documents"]]))
-    arms: Dict[str, List[float]] = {k: [] for k in ("default", "plain", "documents", "read", "pack", "rank")}
+    pre_blocks = [pack_reads(r) for r in pre_reads]
+    assert all(a.equals(b) for a, b in zip(blocks, pre_blocks))  # the very same sequences
+    names = ("default", "plain", "documents", "read", "pack", "rank", "pre_read", "pre_rank", "offline")
+    arms: Dict[str, List[float]] = {k: [] for k in names}
     unpacked("default")  # imports torch: outside the timed repeats
     for _ in range(repeats):  # arms interleaved
         arms["default"].append(unpacked("default"))
@@ -319,12 +344,18 @@ def _cpu_row(folder: str, policy: str, longest: int, repeats: int) -> str:  # no
         arms["read"].append(_cpu_per_sequence(lambda: [_window_inputs(a) for a in args["flat"]], n))
         arms["pack"].append(_cpu_per_sequence(lambda: [pack_runs(t, k, i, 1024, policy) for t, k, i in inputs], n))
         arms["rank"].append(_cpu_per_sequence(lambda: rank(blocks, True), n))
+        arms["pre_read"].append(_cpu_per_sequence(lambda: [pack_reads(r) for r in pre_reads], n))
+        arms["pre_rank"].append(_cpu_per_sequence(lambda: rank(pre_blocks, True), n))
+        arms["offline"].append(pack_offline(len(arms["offline"]) + 1))
     flat = [r + p + k for r, p, k in zip(arms["read"], arms["pack"], arms["rank"])]
+    prepacked = [r + k for r, k in zip(arms["pre_read"], arms["pre_rank"])]
     documents = [d + k for d, k in zip(arms["documents"], arms["rank"])]
     base = [min(d, p) for d, p in zip(arms["default"], arms["plain"])]
     cells = [_spread(arms["default"]), _spread(arms["plain"]), _spread(documents)]
     cells += [_spread(arms[k]) for k in ("read", "pack", "rank")] + [_spread(flat)]
-    cells += [_spread([a / t for a, t in zip(base, total)], 3) for total in (flat, documents)]
+    cells += [_spread(arms["pre_read"]), _spread(prepacked)]
+    cells += [_spread([a / t for a, t in zip(base, total)], 3) for total in (flat, documents, prepacked)]
+    cells += [_spread(arms["offline"], 2)]
     return f"| {policy} | " + " | ".join(cells) + " |"
 
 

@@ -28,8 +28,12 @@ Files:
   with per-source counts.
 * ``mixture_source.py``: `MixtureSource`: a `Mixture` of seekable sources as one seekable train set
   for the `EpochFeeder`.
+* ``pack_tokens.py``: Pack token documents offline, once (`pack_tokens`, ``raytrain-events pack``):
+  the ``packed`` layout, read by `PackedTokens` with no packing work.
 * ``packed_batch.py``: A rank's part of a batch of packed sequences expanded to the public columns
   (straight to tensors, or as an Arrow table).
+* ``packed_files.py``: The ``packed`` token layout: pack windows' sequences written once
+  (`pack_tokens`), read with no packing work.
 * ``packed_source.py``: `PackedTokens`: token documents in Parquet packed into ``seq_len``
   sequences, as a seekable train source.
 * ``parquet_seek.py``: `ParquetRowGroups`: a Parquet train source that a resumed epoch enters at

@@ -15,6 +15,11 @@ sequences are re-made exactly wherever it is packed. With a seed the *windows* a
 epoch (the row groups inside one stay in file order, so a window's sequences never change), and
 ``shuffle_buffer_size`` permutes sequences across windows as for any source.
 
+Packed offline (`pack_tokens`, ``raytrain-events pack``): over a folder of the ``packed`` layout
+(`packed_files.py`) the windows are its row groups, already packed for one ``seq_len``, policy,
+``window_tokens`` and ``pad_id`` (another is refused), everything the driver needs is in the footers,
+and a read task makes the same blocks from views of the bytes it read: no placement, no gather.
+
 Built on the driver, before Ray starts: the footers (row counts, each file's layout,
 `token_files.py`: one per source, and the token ids' min/max statistics: ids outside
 ``[0, vocab_size)`` are refused here, before any training, when the writer kept statistics; a
@@ -67,6 +72,7 @@ from raytrain_events.core.packing import (
     sequences_in_window,
 )
 from raytrain_events.data.ray.packed_batch import expand_packed
+from raytrain_events.data.ray.packed_files import packed_block, packed_state
 from raytrain_events.data.ray.parquet_seek import (
     AHEAD_BYTES,
     READ_BYTES,
@@ -169,6 +175,9 @@ class PackedTokens:
         self.paths, self.filesystem = parquet.paths, parquet.filesystem
         schema = parquet.schema
         self.layout = layout_of(schema)  # each file's layout is checked against the first's (`_check_footers`)
+        if self.layout == "packed":  # sequences packed offline: everything from the footers (`packed_files.py`)
+            self._from_packed(parquet, window_tokens, vocab_size)
+            return
         value_type = _token_type(schema, tokens_column) if self.layout == "documents" else pa.int32()
         self.tokens_column = tokens_column
         self.length_column = length_column if length_column in schema.names else None
@@ -185,6 +194,29 @@ class PackedTokens:
         self.schema = _packed_schema(value_type, seq_len)
         if not self.window_sequences:
             raise ValueError(f"PackedTokens: the documents of {self.paths[:3]} hold no tokens.")
+
+    def _from_packed(self, parquet: ParquetRowGroups, window_tokens: Optional[int], vocab_size: Optional[int]) -> None:
+        """The source over files packed offline (`pack_tokens`): each row group one window, all from the footers."""
+        state = packed_state(
+            self.paths,
+            self.filesystem,
+            self.seq_len,
+            self.policy,
+            window_tokens,
+            self.pad_id,
+            vocab_size,
+        )
+        self.window_tokens, self.vocab_size = state["window_tokens"], vocab_size
+        self.tokens_column, self.length_column, self.id_column = "tokens", None, None
+        self.units = [(f, g) for f, g, _ in parquet.units]
+        self.bases = [0] * len(self.units)  # the document ids are in the files
+        self.windows = [(u, u + 1) for u in range(len(self.units))]
+        self.window_sequences = state["sequences"]
+        self.window_bytes = [
+            block_bytes(n, r - n, self.seq_len, 4) for n, r in zip(state["sequences"], state["pieces"])
+        ]
+        self.documents, self.real_tokens = sum(state["documents"]), sum(state["real_tokens"])
+        self.schema = _packed_schema(pa.int32(), self.seq_len)
 
     def _cut_windows(self, lengths: List[np.ndarray], *, token_bytes: int) -> None:
         """Cut the units (row groups, in file order) into windows of about `window_tokens` tokens each, packed
@@ -281,6 +313,16 @@ class PackedTokens:
     def window_args(self, w: int) -> Dict[str, Any]:
         """What the read task of window ``w`` needs (plain values)."""
         a, b = self.windows[w]
+        if self.layout == "packed":  # one row group a window, read as packed (`packed_files.packed_block`)
+            return {
+                "layout": "packed",
+                "paths": self.paths,
+                "units": self.units[a:b],
+                "filesystem": self.filesystem,
+                "seq_len": self.seq_len,
+                "expected": self.window_sequences[w],
+                "what": f"pack window {w}",
+            }
         columns = [self.tokens_column] + [c for c in (self.id_column,) if c]
         return {
             "layout": self.layout,
@@ -355,6 +397,8 @@ def pack_reads(windows: List[Dict[str, Any]]) -> Any:
     block (`pack_runs` with ``out``); the Arrow columns are zero-copy views of those arrays."""
     import pyarrow as pa
 
+    if windows[0].get("layout") == "packed":  # packed offline: views of the bytes read, no packing
+        return packed_block(windows)
     inputs = [_window_inputs(args) for args in windows]
     seq_len = windows[0]["seq_len"]
     counts = [args["expected"] for args in windows]

@@ -84,11 +84,12 @@ def check_compression(compression: Optional[str]) -> None:
 
 
 def layout_of(schema: Any) -> str:
-    """A token file's layout from its (Arrow) schema's metadata: ``"flat"`` or ``"documents"``."""
+    """A token file's layout from its (Arrow) schema's metadata: ``"flat"``, ``"documents"`` or ``"packed"``
+    (sequences packed offline by `pack_tokens`)."""
     value = (schema.metadata or {}).get(LAYOUT_KEY, b"documents").decode()
-    if value not in LAYOUTS:
+    if value not in LAYOUTS + ("packed",):  # packed: sequences packed offline (`pack_tokens.py`)
         raise ValueError(
-            f"A token file says layout {value!r}, which this version does not read (it reads {LAYOUTS}). "
+            f"A token file says layout {value!r}, which this version does not read (it reads {LAYOUTS + ('packed',)}). "
             "Fix: read it with the raytrain_events that wrote it, or tokenize again."
         )
     return value

@@ -3,7 +3,9 @@
 
 Two token sources packed separately into sequences of 32 (``web``: 4 files x 3 row groups x 30
 documents under ``concat``, in the flat layout `tokenize` writes; ``code``: 3 files x 2 row groups
-under ``best_fit``, in the documents layout) in a two-stage
+under ``best_fit``, in the documents layout, packed offline by `pack_tokens` into the packed layout:
+the very sequences `PackedTokens` packs from the token files on the fly, checked block by block
+before the run) in a two-stage
 mixture: each once per epoch (``{"repeat": 1}``, which fixes the epoch's size) until batch 11, then
 20/80 %, so ``code`` goes round again and ``web`` stops short. Seed 7 (each source's pack windows
 permuted, another permutation on ``code``'s second pass), global batches of 8, the example
@@ -83,10 +85,20 @@ def _sources(folder: str):
     code, code_lengths = write_tokens(
         os.path.join(folder, "code"), files=3, groups=2, docs_per_group=30, seed=2, first_id=100_000, longest=SEQ
     )
+    from raytrain_events.data.ray.pack_tokens import pack_tokens
+    from raytrain_events.data.ray.packed_source import pack_reads
+
+    packed = os.path.join(folder, "code-packed")
+    pack_tokens(code, packed, seq_len=SEQ, policy="best_fit", window_tokens=300, windows_per_shard=2)
     sources = {
         "web": PackedTokens(web, seq_len=SEQ, policy="concat", window_tokens=300, vocab_size=VOCAB),
-        "code": PackedTokens(code, seq_len=SEQ, policy="best_fit", window_tokens=300, vocab_size=VOCAB),
+        "code": PackedTokens(packed, seq_len=SEQ, policy="best_fit", vocab_size=VOCAB),
     }
+    on_the_fly = PackedTokens(code, seq_len=SEQ, policy="best_fit", window_tokens=300, vocab_size=VOCAB)
+    assert sources["code"].layout == "packed" and len(on_the_fly.windows) > 2
+    assert sources["code"].window_sequences == on_the_fly.window_sequences
+    for w in range(len(on_the_fly.windows)):
+        assert pack_reads([sources["code"].window_args(w)]).equals(pack_reads([on_the_fly.window_args(w)])), w
     return sources, {**web_lengths, **code_lengths}
 
 
