@@ -30,6 +30,10 @@ Usage::
     python bench/spike_guard.py --only overhead --clock cpu --clip 1.0 --no-share   # ... and computes its own
     python bench/spike_guard.py --only bisection                         # 8 poisoned rows among 100,000, 3 seeds
     python bench/spike_guard.py --only overhead --clock cpu --quarantined 100000   # a guard holding 1e5 culprit rows
+
+This file puts its own tree first on ``sys.path`` (whatever ``PYTHONPATH`` says): to compare two trees, run each
+tree's own copy (``cd /work/wt/base && python bench/spike_guard.py ...``); the output's ``package`` names the tree
+measured.
 """
 
 from __future__ import annotations
@@ -447,6 +451,7 @@ def main():
     out = {name: run() for name, run in parts.items() if args.only in (None, name)}
     out["clock"], out["loss_only"], out["load"] = args.clock, args.loss_only, os.getloadavg()
     out["clip"], out["shared"] = args.clip, args.clip is not None and not args.no_share
+    out["package"] = os.path.dirname(sys.modules["raytrain_events"].__file__)  # the tree measured (see the docstring)
     print(json.dumps(out, indent=2))
 
 

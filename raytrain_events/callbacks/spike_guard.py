@@ -6,8 +6,9 @@ Per batch, on each rank (no collective of its own):
 1. ``after_train_batch`` (before the optimizer step): this rank's gradient norm (one ``vector_norm``
    per parameter tensor; none with a `GradientClipping` by the L2 norm: its pre-clip norm is reused).
    On CUDA the loss and norm start a non-blocking copy into a pinned host buffer here, so that
-   ``batch_end`` waits for that copy only, not for the optimizer step queued after it. Judging the
-   loss alone on the CPU the guard drops this hook at INIT (`overridden_events`): no event a batch.
+   ``batch_end`` waits for that copy only, not for the optimizer step queued after it. On the CPU,
+   judging the loss alone or with a `GradientClipping` (its norm, shared or the guard's taken at
+   ``AFTER_BACKWARD``, is read at ``batch_end``), the guard drops this hook at INIT (`overridden_events`).
 2. ``batch_end``: the `SpikeDetector` (``core/spikes.py``) judges them against its trailing window;
    a spike is *requested* on the agreement flag ``spike`` (`raytrain_events.core.agreement`). The
    flag rides on the next batch's counter collective (the one the loop runs anyway), so one batch
@@ -191,10 +192,12 @@ class SpikeGuard(Callback):
         # dropped from it on every rank: (rows, tokens, rows per source), or None); the window's rows.
         self._history: Deque[Tuple[Timestamp, int, int, Optional[Tuple[int, int, Dict[str, int]]]]] = deque()
         self._since = 0  # batches since the newest snapshot (or rollback)
+        self._unjudged = 0  # the most good batches a snapshot still waits for (loss alone: judged_good)
         self._group: Optional[GroupVoting] = None  # under replica groups: the vote on each step (spike_groups.py)
         self._key = "SpikeGuard"
         self._loss_only = False  # the gradient norm not judged (decided at FIT_START; spike_rollback.rollback_target)
         self._before_step = True  # whether AFTER_TRAIN_BATCH has a job (decided at INIT)
+        self._norm_at_end = False  # the gradient norm read at BATCH_END instead (decided at FIT_START)
         self._on_cpu = True  # training on the CPU: no host copy of the loss to start (decided at INIT)
 
     # ------------------------------------------------------------------ setup
@@ -216,8 +219,13 @@ class SpikeGuard(Callback):
         self._group = GroupVoting(self, vote) if vote is not None else None
         hooks += [self._group] if self._group is not None else []
         # AFTER_TRAIN_BATCH only with a job there (the norm, a group's verdict, an accelerator's loss copy): else idle.
+        # With a GradientClipping on the CPU the norm needs no hook there either: a shared clipping's pre-clip norm
+        # is still its ``last_grad_norm`` at BATCH_END, an unshared one's was taken at AFTER_BACKWARD (`PreClipNorm`).
         on_cpu = self._on_cpu = device_of(state).type == "cpu"
-        self._before_step = self._group is not None or self.detector.grad_zscore is not None or not on_cpu
+        norm_before_step = self.detector.grad_zscore is not None and not any(
+            isinstance(a, GradientClipping) for a in state.algorithms
+        )
+        self._before_step = self._group is not None or norm_before_step or not on_cpu
         state.callbacks.remove(self)
         state.callbacks.extend(hooks)
         state.callbacks.append(self)
@@ -245,6 +253,7 @@ class SpikeGuard(Callback):
         # rollback target only once a batch trained from it was agreed good (`spike_rollback.rollback_target`):
         # with one snapshot a batch, 3 kept (the target and the two taken since), else 2.
         self._loss_only = state.scaler is not None or self.detector.grad_zscore is None
+        self._norm_at_end = not self._before_step and not self._loss_only  # (a clipping's norm: read at BATCH_END)
         keep = 3 if self._loss_only and self.snapshot_interval == 1 else 2
         self._snapshots = HostSnapshots(state, exclude_callbacks={self._key}, keep=keep)
         self._history.clear()
@@ -286,10 +295,19 @@ class SpikeGuard(Callback):
         self._event.record()
         self._ready = self._event
 
+    def _from_host(self, ready: torch.cuda.Event, with_norm: bool) -> Tuple[float, Optional[float]]:
+        """The loss (and norm) `_to_host` copied, once its copy has landed."""
+        assert self._host is not None
+        ready.synchronize()
+        read = self._host.tolist()
+        return read[0], (read[1] if with_norm else None)
+
     def batch_end(self, state: State, logger: Logger) -> None:
         if self._group is not None:
             self._group.step_end(state, logger)
             return
+        if self._norm_at_end:  # where after_train_batch would have read it (its hook not taken: `init`)
+            self._norm = grad_norm(self, state)
         ts = state.timestamp  # immutable: kept as it is, read only at a rollback (no per-batch conversions)
         dropped = count_dropped(self, state, logger) if self._filter is not None else None
         self._history.append((ts, state.global_batch_num_samples, state.global_batch_num_tokens, dropped))
@@ -300,25 +318,20 @@ class SpikeGuard(Callback):
             state.agreement.clear(FLAG)
             roll_back(self, state, logger, int(ts.batch) - 1)  # requested at the batch before, agreed on this one
             return
-        if self._loss_only:  # (with the norm judged every snapshot is a target when taken: `owed` is 0, none waits)
-            judged_good(self)  # no rank saw a spike at the batch before: it vouches for the snapshot it started from
+        if self._unjudged:  # no rank saw a spike at the batch before: it vouches for the snapshot it started from
+            judged_good(self)  # (only judging the loss alone, the 2 batches after a snapshot: `owed`; else none waits)
         norm, ready, self._norm, self._ready = self._norm, self._ready, None, None
         grad: Optional[float] = None
         if ready is not None:  # on an accelerator: the copy after_train_batch started
-            assert self._host is not None
-            ready.synchronize()
-            read = self._host.tolist()
-            value, grad = read[0], (read[1] if norm is not None else None)
+            value, grad = self._from_host(ready, norm is not None)
         else:
             loss = state.loss
             if type(loss) is not torch.Tensor:
                 loss = total_loss(loss).detach()
             if norm is None:
                 value = loss.item()
-            elif loss.is_cpu:
-                value, grad = loss.item(), norm.item()
-            else:  # one host sync for both
-                value, grad = stack([loss.reshape(()).float(), norm.to(loss.device).float()]).tolist()
+            else:
+                value, grad = _read_both(loss, norm)
         verdict = self.detector.observe(value, grad)
         if verdict is not None:
             self._spike = (ts.get_value("ba"), verdict)
@@ -377,6 +390,14 @@ class SpikeGuard(Callback):
         self.quarantine = Quarantine.from_state_dict(state.get("quarantine", {}))  # none in checkpoints before it
         self.rollbacks = list(state.get("rollbacks", []))
         self.detector.load_state_dict(state.get("detector", {}))
+
+
+def _read_both(loss: torch.Tensor, norm: torch.Tensor) -> Tuple[float, float]:
+    """The loss and the gradient norm as floats: two reads on the CPU, else one host sync for both."""
+    if loss.is_cpu:
+        return loss.item(), norm.item()
+    value, grad = stack([loss.reshape(()).float(), norm.to(loss.device).float()]).tolist()
+    return value, grad
 
 
 def _keyed_callbacks(state: State) -> Dict[str, Any]:

@@ -49,8 +49,9 @@ def take_snapshot(guard: Any, state: State) -> None:
     """A host snapshot of the state now; the window's records from before the oldest snapshot dropped."""
     assert guard._snapshots is not None
     batch = int(state.timestamp.batch)
-    guard._snapshots.take({"batch": batch, "detector": guard.detector.state_dict(), "unjudged": owed(guard)})
-    guard._since = 0
+    unjudged = owed(guard)
+    guard._snapshots.take({"batch": batch, "detector": guard.detector.state_dict(), "unjudged": unjudged})
+    guard._since, guard._unjudged = 0, unjudged  # (the older snapshots owe no more than the new one: `judged_good`)
     oldest = guard._snapshots.snapshots[0].meta["batch"]
     history = guard._history
     if history:  # one record per batch, consecutive (a fit's Timestamp only goes forward): count, not compare
@@ -63,8 +64,13 @@ def take_snapshot(guard: Any, state: State) -> None:
 
 def judged_good(guard: Any) -> None:
     """Every rank (every group) at once: the batch before (a group's: this step) was agreed good; each snapshot
-    still unjudged counts one agreed-good batch more (the first trained from it makes it a rollback target)."""
+    still unjudged counts one agreed-good batch more (the first trained from it makes it a rollback target).
+    ``guard._unjudged``: the most any snapshot still owes (set to `owed` wherever a snapshot's count is), so nearly
+    every batch, none owing, returns here without a walk (and the caller may test it first)."""
     assert guard._snapshots is not None
+    if not guard._unjudged:
+        return
+    guard._unjudged -= 1
     for snapshot in guard._snapshots.snapshots:
         if snapshot.meta["unjudged"]:
             snapshot.meta["unjudged"] -= 1
@@ -94,7 +100,7 @@ def roll_back(
     guard.policy.check(len(guard.rollbacks), now - restored, guard.skips, f"batch {spike_batch}: {reason}")
     guard._snapshots.restore(lambda meta: meta["batch"] == restored)
     if snapshot.meta["unjudged"]:  # (the fit's first, not judged yet): owed again from the batch after now
-        snapshot.meta["unjudged"] = owed(guard)
+        snapshot.meta["unjudged"] = guard._unjudged = owed(guard)
     guard.detector.load_state_dict(snapshot.meta["detector"])
     for callback in state.callbacks:
         callback.on_rollback(state, logger)

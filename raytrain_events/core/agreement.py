@@ -113,8 +113,11 @@ class Agreement:
     # ------------------------------------------------------------ all ranks
     def agreed(self, name: str) -> bool:
         """True if some rank asked for ``name`` before the latest batch's collective."""
-        self._check(name)
-        return self._agreed[name]
+        try:  # (read every batch: one lookup; an unregistered name raises the fix, as `_check` says it)
+            return self._agreed[name]
+        except KeyError:
+            self._check(name)
+            raise
 
     def clear(self, name: str) -> None:
         """The request was acted on: forget it on this rank (asked and agreed)."""

@@ -35,6 +35,17 @@ def test_requested_is_local_and_agreed_comes_from_the_sums():
     assert not agreement.agreed("report") and agreement.local_values() == [0, 1]
 
 
+def test_reading_an_unknown_flag_names_the_fix_and_a_known_one_reads_its_agreement():
+    """`Agreement.agreed` (read every batch) looks its flag up once; an unregistered name still raises the fix."""
+    agreement = Agreement()
+    with pytest.raises(KeyError, match=r"register\('spike'\)"):
+        agreement.agreed("spike")
+    agreement.register("spike")
+    assert agreement.agreed("spike") is False
+    agreement.set_sums([1])
+    assert agreement.agreed("spike") is True
+
+
 def test_unknown_flag_names_the_fix():
     agreement = Agreement()
     with pytest.raises(KeyError, match=r"register\('save'\)"):

@@ -139,6 +139,34 @@ def test_with_the_norm_judged_no_snapshot_waits_so_batch_end_skips_the_count(gra
         assert watch.waiting[0] == [2] and sum(map(bool, watch.waiting)) > 10
 
 
+class Owed(Callback):
+    """The guard's bound on the batches its snapshots still owe (``_unjudged``) beside what each one owes, as the
+    guard's last BATCH_END left them."""
+
+    def __init__(self, guard):
+        self.guard, self.seen = guard, []
+
+    def batch_end(self, state, logger):
+        self.seen.append((self.guard._unjudged, [s.meta["unjudged"] for s in self.guard._snapshots.snapshots]))
+
+
+@pytest.mark.parametrize("grad_zscore", [6.0, None])
+def test_the_guards_bound_on_owed_batches_covers_every_snapshot_so_batch_end_skips_the_walk(grad_zscore):
+    """``batch_end`` calls `judged_good` only while ``guard._unjudged`` > 0: that bound is never below what any
+    snapshot still owes (before and after a rollback), so the skipped walk would have changed nothing; with the
+    norm judged it is 0 at every batch, loss only it is 0 but in the 2 batches after each snapshot."""
+    guard = SpikeGuard(snapshot_interval=5, grad_zscore=grad_zscore)
+    watch = Owed(guard)
+    _fit(_rows(planted=[203]), [watch, guard])
+    assert len(guard.rollbacks) == 1 and len(watch.seen) == ROWS // BATCH
+    assert all(bound >= max(owed, default=0) for bound, owed in watch.seen)
+    busy = sum(1 for bound, _ in watch.seen if bound)
+    if grad_zscore is not None:
+        assert busy == 0
+    else:  # two batches of every five (a snapshot each 5), the rollback's restart too
+        assert 15 <= busy <= 25, busy
+
+
 def test_a_schedule_follows_the_position_and_a_nan_row_rolls_back_too():
     guard = SpikeGuard(snapshot_interval=4)
     trainer, state = _fit(_rows(nan=[100]), [guard], scheduler=True)
@@ -288,6 +316,45 @@ def test_with_gradient_clipping_the_guard_shares_its_norm_and_decides_the_same(m
     assert len(shared.detector._norms) == len(own.detector._norms) > 10
     assert list(shared.detector._norms) == pytest.approx(list(own.detector._norms), rel=1e-6)
     assert max(own.detector._norms) > threshold  # the judged norm is the one before clipping
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_with_gradient_clipping_on_the_cpu_the_norm_is_read_at_batch_end_without_a_hook_before_the_step(
+    monkeypatch, share
+):
+    """With a GradientClipping the guard's norm is the clipping's pre-clip one (shared) or its own taken at
+    AFTER_BACKWARD: on the CPU the guard has nothing left to do at AFTER_TRAIN_BATCH and takes no hook there (the
+    event still runs, for the clipping), ``batch_end`` reads the norm, and the decisions and the judged norms are
+    those of the guard reading it there (its hook forced back on)."""
+    from raytrain_events.algorithms import GradientClipping
+    from raytrain_events.callbacks import spike_norm
+
+    def run(hook):
+        if not share:
+            monkeypatch.setattr(spike_norm, "shared_clipping", lambda state, params: None)
+        if hook:  # the hook before the step taken as before: after_train_batch reads the norm
+            monkeypatch.setattr(SpikeGuard, "overridden_events", Callback.overridden_events)
+            monkeypatch.setattr(SpikeGuard, "fit_start", _norm_before_step(SpikeGuard.fit_start))
+        guard = SpikeGuard(snapshot_interval=5, loss_ratio=None, grad_zscore=6.0)  # the norm alone decides
+        _fit(_rows(planted=[203]), [guard], algorithms=[GradientClipping("norm", 0.5)])
+        hooked = Event.AFTER_TRAIN_BATCH in guard.overridden_events()
+        monkeypatch.undo()
+        return guard, hooked
+
+    (at_end, hooked_end), (before, hooked_before) = run(False), run(True)
+    assert not hooked_end and hooked_before
+    assert [(r["spike_batch"], r["restored_batch"]) for r in at_end.rollbacks] == [(26, 25)]
+    assert at_end.rollbacks == before.rollbacks
+    assert at_end.skips.ranges == before.skips.ranges
+    assert list(at_end.detector._norms) == list(before.detector._norms) and len(at_end.detector._norms) > 10
+
+
+def _norm_before_step(fit_start):
+    def patched(self, state, logger):
+        fit_start(self, state, logger)
+        self._before_step, self._norm_at_end = True, False
+
+    return patched
 
 
 @pytest.mark.parametrize("share", [True, False])
