@@ -48,6 +48,45 @@ def test_no_token_attends_across_a_document_and_the_check_sees_a_leak() -> None:
         assert _leaks(net(plain), net(plain_changed))["doc12"]
 
 
+def _as_cu_seqlens(batch: dict) -> dict:
+    """The batch in the cu_seqlens format (`PackedTokens(document_format="cu_seqlens")`): row 0 = 5 | 4 | 5 | pad 2,
+    row 1 = 9 | 7, laid end to end."""
+    cu = torch.tensor([0, 5, 9, 14, 16, 25, 32], dtype=torch.int32)
+    out = {"input_ids": batch["input_ids"], "cu_seqlens": cu, "max_seqlen": torch.tensor(9, dtype=torch.int32)}
+    return {**out, "num_tokens": torch.tensor([14, 16], dtype=torch.int32)}
+
+
+def test_a_mask_from_cu_seqlens_keeps_documents_apart_as_the_document_ids_one() -> None:
+    """The built-in transformer on a cu_seqlens batch: no token attends across a document (the change in
+    document 11 moves nothing of documents 10, 12 or row 1), the same logits and loss as from
+    ``document_ids``; `cu_seqlens_to_ids` gives the same positions and padding, ids equal where they are."""
+    from raytrain_events.parallel.document_attention import cu_seqlens_to_ids
+
+    net = model().eval()
+    cu_batch = _as_cu_seqlens(packed_batch())
+    docs, positions = cu_seqlens_to_ids(cu_batch["cu_seqlens"], cu_batch["num_tokens"])
+    want = packed_batch()
+    assert torch.equal(positions.long(), want["position_ids"].long()) and docs.dtype == torch.int64
+    same = want["document_ids"][:, :, None] == want["document_ids"][:, None, :]
+    assert torch.equal(docs[:, :, None] == docs[:, None, :], same) and torch.equal(docs < 0, want["document_ids"] < 0)
+    with torch.no_grad():
+        base, changed = net(cu_batch), net(_as_cu_seqlens(packed_batch(change=True)))
+        assert torch.equal(base, net(want))
+        assert torch.equal(net.loss(base, cu_batch), net.loss(base, want))
+    assert _leaks(base, changed) == {
+        "doc10": False,
+        "doc11_before": False,
+        "doc11_after": True,
+        "doc12": False,
+        "row1": False,
+    }
+    # A cu_seqlens that merges documents 11 and 12 (a wrong boundary) lets 12 see the change: the check sees a leak.
+    merged = {**cu_batch, "cu_seqlens": torch.tensor([0, 5, 14, 16, 25, 32], dtype=torch.int32)}
+    merged_changed = {**_as_cu_seqlens(packed_batch(change=True)), "cu_seqlens": merged["cu_seqlens"]}
+    with torch.no_grad():
+        assert _leaks(net(merged), net(merged_changed))["doc12"]
+
+
 def test_padding_and_document_ends_carry_no_loss() -> None:
     from examples.transformer_lm import next_tokens
 
