@@ -225,6 +225,18 @@ def test_cu_seqlens_batches_carry_the_same_documents_and_train_the_same_model(to
     assert all(r[0] == 0 and r[-1] == SEQ for r in rows)
     laid = np.concatenate([rows[0]] + [r[1:] + i * SEQ for i, r in enumerate(rows) if i])
     assert np.array_equal(laid, cu["cu_seqlens"].numpy())
+    from raytrain_events.core.data_spec import default_split_batch
+
+    for part, want in zip(default_split_batch(cu, 3), default_split_batch(ids, 3)):  # microbatches: rows 3, 3, 2
+        assert (
+            torch.equal(part["input_ids"], want["input_ids"])
+            and int(part["cu_seqlens"][-1]) == part["input_ids"].numel()
+        )
+        got_docs, got_positions = cu_seqlens_to_ids(part["cu_seqlens"], part["num_tokens"])
+        assert torch.equal(got_positions, want["position_ids"]) and torch.equal(
+            changes(got_docs), changes(want["document_ids"])
+        )
+        assert int(part["max_seqlen"]) == int(torch.diff(part["cu_seqlens"]).max())
     losses = {}
     for fmt, batch in batches.items():
         torch.manual_seed(0)
