@@ -73,15 +73,19 @@ def document_mask(document_ids: torch.Tensor, positions: Optional[torch.Tensor] 
     return (same & causal[None]).unsqueeze(1)
 
 
-def cu_seqlens_to_ids(cu_seqlens: torch.Tensor, num_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def cu_seqlens_to_ids(
+    cu_seqlens: torch.Tensor, num_tokens: torch.Tensor, seq_len: Optional[int] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(document_ids int64, position_ids int32)``, ``(rows, seq_len)`` each, of a ``cu_seqlens`` batch
     (``rows = len(num_tokens)``, ``seq_len = cu_seqlens[-1] // rows``): each token's piece number in
     the batch and its place in the piece; padding (after a row's ``num_tokens``) ``PAD_DOCUMENT`` and 0,
     as the ``document_ids`` format's padding. The positions are the ``document_ids`` format's; the ids
-    differ in value only (pieces, not source documents), so every mask and label made from them is the same."""
+    differ in value only (pieces, not source documents), so every mask and label made from them is the same.
+    ``seq_len``: the rows' length (``input_ids.shape[1]``; else read from ``cu_seqlens[-1]``, a device sync)."""
     rows = num_tokens.shape[0]
-    total = int(cu_seqlens[-1]) if rows else 0
-    seq_len = total // rows if rows else 0
+    if seq_len is None:
+        seq_len = int(cu_seqlens[-1]) // rows if rows else 0
+    total = rows * seq_len
     device = cu_seqlens.device
     index = torch.arange(total, device=device, dtype=cu_seqlens.dtype)
     piece = torch.searchsorted(cu_seqlens[1:].contiguous(), index, right=True)  # each token's piece
@@ -98,7 +102,8 @@ def with_document_ids(batch: Any) -> Any:
     if not isinstance(batch, dict) or "cu_seqlens" not in batch:
         return batch
     out = {k: v for k, v in batch.items() if k not in ("cu_seqlens", "max_seqlen")}
-    out["document_ids"], out["position_ids"] = cu_seqlens_to_ids(batch["cu_seqlens"], batch["num_tokens"])
+    seq_len = batch["input_ids"].shape[1] if "input_ids" in batch else None
+    out["document_ids"], out["position_ids"] = cu_seqlens_to_ids(batch["cu_seqlens"], batch["num_tokens"], seq_len)
     return out
 
 
