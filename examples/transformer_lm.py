@@ -143,6 +143,7 @@ class TransformerLM(torch.nn.Module):
 
     def pipeline_embed(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         """What runs before the blocks (the first pipeline stage's part; ``FSDPConfig(pipeline_parallel=p)``)."""
+        batch = with_document_ids(batch)  # a pipeline's cu_seqlens microbatch (forward's batch is converted already)
         ids = batch["input_ids"].long()
         cut = batch.get("positions")  # context parallelism: the global positions of this rank's part
         positions = torch.arange(ids.shape[1], device=ids.device) if cut is None else cut
@@ -153,6 +154,7 @@ class TransformerLM(torch.nn.Module):
     def pipeline_block(self, block: torch.nn.Module, x: torch.Tensor, microbatch: Dict[str, torch.Tensor]) -> Any:
         """How a pipeline stage calls a block: with the microbatch's document ids (packed batches keep
         their document masks on every stage) and, under context parallelism, its part's positions."""
+        microbatch = with_document_ids(microbatch)  # a cu_seqlens microbatch: its ids on every stage
         return block(x, microbatch.get("document_ids"), microbatch.get("positions"))
 
     def pipeline_head(self, x: torch.Tensor) -> torch.Tensor:
