@@ -28,7 +28,8 @@ Packed sequences (``raytrain_events.data.ray.packed_source.PackedTokens``): a ba
 ``document_ids`` and ``position_ids`` trains with document masks (block-causal attention,
 ``raytrain_events.parallel.document_attention``: no token attends across a document, under CP and
 TP too), position embeddings restarting at each document, and no loss on the token after a
-document's last one nor on padding.
+document's last one nor on padding. A ``cu_seqlens`` batch (``PackedTokens(document_format=
+"cu_seqlens")``) gets the same masks, positions and labels (`document_attention.with_document_ids`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from typing import Any, Dict, Optional
 import torch
 import torch.nn.functional as F
 
-from raytrain_events.parallel.document_attention import PAD_DOCUMENT, document_attention
+from raytrain_events.parallel.document_attention import PAD_DOCUMENT, document_attention, with_document_ids
 
 __all__ = ["Block", "TransformerLM", "next_tokens", "random_tokens"]
 
@@ -132,6 +133,7 @@ class TransformerLM(torch.nn.Module):
         self.head = torch.nn.Linear(width, vocab, bias=False)
 
     def forward(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        batch = with_document_ids(batch)  # a cu_seqlens batch: its document masks from cu_seqlens
         x = self.pipeline_embed(batch)
         docs = batch.get("document_ids")  # packed documents: the whole sequence's (CP leaves it uncut)
         cut = batch.get("positions")  # context parallelism: the global positions of this rank's part
@@ -141,6 +143,7 @@ class TransformerLM(torch.nn.Module):
 
     def pipeline_embed(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         """What runs before the blocks (the first pipeline stage's part; ``FSDPConfig(pipeline_parallel=p)``)."""
+        batch = with_document_ids(batch)  # a pipeline's cu_seqlens microbatch (forward's batch is converted already)
         ids = batch["input_ids"].long()
         cut = batch.get("positions")  # context parallelism: the global positions of this rank's part
         positions = torch.arange(ids.shape[1], device=ids.device) if cut is None else cut
@@ -151,6 +154,7 @@ class TransformerLM(torch.nn.Module):
     def pipeline_block(self, block: torch.nn.Module, x: torch.Tensor, microbatch: Dict[str, torch.Tensor]) -> Any:
         """How a pipeline stage calls a block: with the microbatch's document ids (packed batches keep
         their document masks on every stage) and, under context parallelism, its part's positions."""
+        microbatch = with_document_ids(microbatch)  # a cu_seqlens microbatch: its ids on every stage
         return block(x, microbatch.get("document_ids"), microbatch.get("positions"))
 
     def pipeline_head(self, x: torch.Tensor) -> torch.Tensor:
@@ -158,6 +162,7 @@ class TransformerLM(torch.nn.Module):
         return self.head(self.norm(x))  # type: ignore[no-any-return]
 
     def loss(self, logits: torch.Tensor, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        batch = with_document_ids(batch)
         if "labels" in batch:  # a context-parallel part: labels shifted before the cut, summed over its share
             flat = logits.reshape(-1, logits.shape[-1])
             total = F.cross_entropy(flat, batch["labels"].reshape(-1), ignore_index=-100, reduction="sum")
@@ -170,6 +175,7 @@ class TransformerLM(torch.nn.Module):
         load-balanced cut of the sequence, with labels and positions (``split_token_batch``)."""
         from raytrain_events.parallel.context_parallel import split_token_batch
 
+        batch = with_document_ids(batch)  # CP cuts per-token columns
         part = split_token_batch(batch, index, degree)
         if "document_ids" in batch:  # packed: no label across a document's end or on padding
             labels = next_tokens(batch)

@@ -2,7 +2,10 @@
 
 Defaults: samples are the leading dimension of the first tensor; tokens are 0 unless you say
 how to count them (pass ``get_num_tokens_in_batch``); batches split along dim 0. Batches may
-be a tensor, a tuple/list of tensors, or a dict of tensors (Ray Data yields dicts).
+be a tensor, a tuple/list of tensors, or a dict of tensors (Ray Data yields dicts). A packed batch
+in the ``cu_seqlens`` format (``PackedTokens(document_format="cu_seqlens")``: ``cu_seqlens`` over
+all its rows, ``max_seqlen``) splits by rows too, each part with its own rows' ``cu_seqlens``
+(from 0) and ``max_seqlen`` (`_split_cu_seqlens`).
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ def default_split_batch(batch: Any, num_microbatches: int) -> List[Any]:
         return [batch]
     if hasattr(batch, "tensor_split"):
         return list(batch.tensor_split(num_microbatches))
+    if isinstance(batch, Mapping) and "cu_seqlens" in batch and "input_ids" in batch:
+        return _split_cu_seqlens(batch, num_microbatches)
     if isinstance(batch, Mapping):
         parts = {k: _split_or_repeat(v, num_microbatches) for k, v in batch.items()}
         return [{k: parts[k][i] for k in batch} for i in range(num_microbatches)]
@@ -61,6 +66,28 @@ def default_split_batch(batch: Any, num_microbatches: int) -> List[Any]:
         f"Cannot split a batch of type {type(batch).__name__} into microbatches: pass "
         "DataSpec(split_batch=fn) where fn(batch, n) returns a list of n microbatches."
     )
+
+
+def _split_cu_seqlens(batch: Mapping[str, Any], n: int) -> List[Any]:
+    """A ``cu_seqlens`` batch in ``n`` parts of rows (as ``tensor_split`` cuts ``input_ids``): each part's
+    ``cu_seqlens`` are its rows' pieces from 0 (no piece crosses a row: each row's end is a boundary)."""
+    import torch
+
+    tokens, cu = batch["input_ids"], batch["cu_seqlens"]
+    rows = [len(part) for part in tokens.tensor_split(n)]
+    ends = torch.tensor([0] + rows, device=cu.device).cumsum(0) * tokens.shape[1]
+    at = torch.searchsorted(cu, ends.to(cu.dtype)).tolist()  # each row boundary's index in cu_seqlens
+    split = {
+        k: v.tensor_split(n) for k, v in batch.items() if hasattr(v, "tensor_split") and v.dim() and k != "cu_seqlens"
+    }
+    parts = []
+    for i, (a, b) in enumerate(zip(at[:-1], at[1:])):
+        part = {k: split[k][i] if k in split else v for k, v in batch.items()}
+        part["cu_seqlens"] = cu[a : b + 1] - cu[a]
+        lengths = part["cu_seqlens"].diff()
+        part["max_seqlen"] = lengths.max().to(batch["max_seqlen"].dtype) if len(lengths) else batch["max_seqlen"] * 0
+        parts.append(part)
+    return parts
 
 
 def _split_or_repeat(value: Any, n: int) -> List[Any]:

@@ -21,6 +21,16 @@ fails once torch adds the backward). Padding tokens attend to earlier padding on
 sees at least itself, so no row of the softmax is empty); their outputs are never trained on (the
 loss ignores them).
 
+Batches in the ``cu_seqlens`` format (``PackedTokens(document_format="cu_seqlens")``: the batch's
+document pieces as cumulative lengths over its rows laid end to end, each sequence's padding one
+more piece, flash-attn's varlen layout, with ``max_seqlen`` and ``num_tokens``): `cu_seqlens_to_ids`
+turns them into the same masks' ``document_ids`` (each piece's number in the batch, ``-1`` on
+padding) and ``position_ids`` on the batch's device, O(tokens) torch work there instead of on the
+host; `with_document_ids` turns such a batch into the ``document_ids`` format's
+(``examples/transformer_lm.py`` calls it first, so CP's cut and the labels work unchanged). Kernels
+that take ``cu_seqlens`` themselves (flash-attn's ``flash_attn_varlen_func`` over
+``input_ids.view(-1)``) can use the batch's as they are.
+
 Context parallelism: a CP rank holds the queries at its global ``positions`` (the load-balanced cut,
 `context_parallel.split_token_batch`, which leaves ``document_ids`` whole) while its attention runs
 over the whole sequence's keys. The mask is built for those queries over all keys *in sequence
@@ -36,7 +46,15 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["PAD_DOCUMENT", "document_mask", "document_attention", "choose_backend", "flex_available"]
+__all__ = [
+    "PAD_DOCUMENT",
+    "document_mask",
+    "document_attention",
+    "choose_backend",
+    "flex_available",
+    "cu_seqlens_to_ids",
+    "with_document_ids",
+]
 
 PAD_DOCUMENT = -1  # as `raytrain_events.core.packing.PAD_DOCUMENT` (not imported: that module needs numpy)
 
@@ -53,6 +71,40 @@ def document_mask(document_ids: torch.Tensor, positions: Optional[torch.Tensor] 
     same = query_docs[:, :, None] == document_ids[:, None, :]
     causal = keys[None, :] <= queries[:, None]
     return (same & causal[None]).unsqueeze(1)
+
+
+def cu_seqlens_to_ids(
+    cu_seqlens: torch.Tensor, num_tokens: torch.Tensor, seq_len: Optional[int] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(document_ids int64, position_ids int32)``, ``(rows, seq_len)`` each, of a ``cu_seqlens`` batch
+    (``rows = len(num_tokens)``, ``seq_len = cu_seqlens[-1] // rows``): each token's piece number in
+    the batch and its place in the piece; padding (after a row's ``num_tokens``) ``PAD_DOCUMENT`` and 0,
+    as the ``document_ids`` format's padding. The positions are the ``document_ids`` format's; the ids
+    differ in value only (pieces, not source documents), so every mask and label made from them is the same.
+    ``seq_len``: the rows' length (``input_ids.shape[1]``; else read from ``cu_seqlens[-1]``, a device sync)."""
+    rows = num_tokens.shape[0]
+    if seq_len is None:
+        seq_len = int(cu_seqlens[-1]) // rows if rows else 0
+    total = rows * seq_len
+    device = cu_seqlens.device
+    index = torch.arange(total, device=device, dtype=cu_seqlens.dtype)
+    piece = torch.searchsorted(cu_seqlens[1:].contiguous(), index, right=True)  # each token's piece
+    positions = (index - cu_seqlens[piece]).to(torch.int32).view(rows, seq_len)
+    pad = torch.arange(seq_len, device=device)[None, :] >= num_tokens.to(device)[:, None]
+    documents = piece.view(rows, seq_len).masked_fill(pad, PAD_DOCUMENT)
+    return documents, positions.masked_fill(pad, 0)
+
+
+def with_document_ids(batch: Any) -> Any:
+    """A ``cu_seqlens`` batch as the ``document_ids`` format's (a new dict: ``document_ids`` and
+    ``position_ids`` from `cu_seqlens_to_ids` in place of ``cu_seqlens``/``max_seqlen``, the rest as
+    it is); any other batch as it is. For models (and CP's or a pipeline's splits) written for ``document_ids``."""
+    if not isinstance(batch, dict) or "cu_seqlens" not in batch:
+        return batch
+    out = {k: v for k, v in batch.items() if k not in ("cu_seqlens", "max_seqlen")}
+    seq_len = batch["input_ids"].shape[1] if "input_ids" in batch else None
+    out["document_ids"], out["position_ids"] = cu_seqlens_to_ids(batch["cu_seqlens"], batch["num_tokens"], seq_len)
+    return out
 
 
 def flex_available() -> bool:

@@ -269,7 +269,8 @@ class Pipeline:
         """Refuse a packed batch (``document_ids``) when the model's blocks cannot get it: without the
         model's ``pipeline_block`` hook a stage calls ``block(hidden)``, and its documents would
         attend to each other in silence."""
-        if isinstance(batch, Mapping) and "document_ids" in batch and not self.modules[0].passes_index:
+        packed = isinstance(batch, Mapping) and ("document_ids" in batch or "cu_seqlens" in batch)
+        if packed and not self.modules[0].passes_index:
             raise ValueError(
                 "A packed batch (document_ids) under FSDPConfig(pipeline_parallel=...), but the model has no "
                 "pipeline_block(block, hidden, microbatch) method: its stages call block(hidden), so the document "

@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 from raytrain_events.core.plain import describe_value
 from raytrain_events.core.time_value import check_countable
 from raytrain_events.data.ray.parquet_seek import is_seekable
+from raytrain_events.data.ray.token_files import refuse_token_rows
 from raytrain_events.ray.async_validation import check_validation
 from raytrain_events.ray.spec_checks import check_data_and_scaling, check_run_options
 from raytrain_events.ray.spec_sections import (
@@ -236,6 +237,7 @@ class RunSpec(LoopOptions):
                         "raytrain_events.data.ray.parquet_seek.ParquetRowGroups(paths) (Parquet files in training "
                         "order; a resume then reads nothing before its position)."
                     )
+                refuse_token_rows(dataset)  # flat token files as plain rows (a footer's layout key)
             elif is_seekable(dataset):
                 raise TypeError(
                     f"datasets[{name!r}] is a {kind}, a train-only source (it defines the train order a resume "

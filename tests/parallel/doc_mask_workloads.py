@@ -28,6 +28,14 @@ def packed_batch(change: bool = False) -> Dict[str, torch.Tensor]:
     return {"input_ids": ids, "document_ids": docs, "position_ids": (index - first).masked_fill(docs < 0, 0)}
 
 
+def as_cu_seqlens(batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """`packed_batch` in the cu_seqlens format (`PackedTokens(document_format="cu_seqlens")`): row 0 = 5 | 4 | 5 |
+    pad 2, row 1 = 9 | 7, laid end to end."""
+    cu = torch.tensor([0, 5, 9, 14, 16, 25, 32], dtype=torch.int32)
+    out = {"input_ids": batch["input_ids"], "cu_seqlens": cu, "max_seqlen": torch.tensor(9, dtype=torch.int32)}
+    return {**out, "num_tokens": torch.tensor([14, 16], dtype=torch.int32)}
+
+
 def model() -> Any:
     from examples.transformer_lm import TransformerLM
 
@@ -48,8 +56,9 @@ def cp_logits(rank: int, world_size: int) -> Dict[str, Any]:
     cp = ContextParallel(net, mesh, world_size)
     net.train()
     out: Dict[str, Any] = {}
-    for name, change in (("base", False), ("changed", True)):
-        part = cp.split(packed_batch(change))
+    for name, change in (("base", False), ("changed", True), ("cu_seqlens", False)):
+        batch = packed_batch(change)
+        part = cp.split(as_cu_seqlens(batch) if name == "cu_seqlens" else batch)
         logits = net(part)
         pieces = [torch.empty_like(logits) for _ in range(world_size)]
         dist.all_gather(pieces, logits.detach().contiguous())

@@ -4,7 +4,8 @@ The check that fails on a leak: change one token of document A; no output of any
 in the same sequence changes (and A's own later outputs do, so the check sees a change where one
 is allowed). Whole on one process, and under context parallelism on 4 gloo ranks (the
 load-balanced cut: each rank's queries attend over keys gathered from every rank), where the
-gathered outputs equal the whole model's too.
+gathered outputs equal the whole model's too. The same with the mask from ``cu_seqlens`` (the batch format of
+``PackedTokens(document_format="cu_seqlens")``), whole and under CP.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.parallel.doc_mask_workloads import SEQ, cp_logits, model, packed_batch
+from tests.parallel.doc_mask_workloads import SEQ, as_cu_seqlens, cp_logits, model, packed_batch
 from tests.parallel.spawn import run_ranks
 
 A = slice(5, 9)  # document 11 in row 0 (the changed token is at 7)
@@ -46,6 +47,37 @@ def test_no_token_attends_across_a_document_and_the_check_sees_a_leak() -> None:
         plain = {k: v for k, v in packed_batch().items() if k != "document_ids"}
         plain_changed = {k: v for k, v in packed_batch(change=True).items() if k != "document_ids"}
         assert _leaks(net(plain), net(plain_changed))["doc12"]
+
+
+def test_a_mask_from_cu_seqlens_keeps_documents_apart_as_the_document_ids_one() -> None:
+    """The built-in transformer on a cu_seqlens batch: no token attends across a document (the change in
+    document 11 moves nothing of documents 10, 12 or row 1), the same logits and loss as from
+    ``document_ids``; `cu_seqlens_to_ids` gives the same positions and padding, ids equal where they are."""
+    from raytrain_events.parallel.document_attention import cu_seqlens_to_ids
+
+    net = model().eval()
+    cu_batch = as_cu_seqlens(packed_batch())
+    docs, positions = cu_seqlens_to_ids(cu_batch["cu_seqlens"], cu_batch["num_tokens"])
+    want = packed_batch()
+    assert torch.equal(positions.long(), want["position_ids"].long()) and docs.dtype == torch.int64
+    same = want["document_ids"][:, :, None] == want["document_ids"][:, None, :]
+    assert torch.equal(docs[:, :, None] == docs[:, None, :], same) and torch.equal(docs < 0, want["document_ids"] < 0)
+    with torch.no_grad():
+        base, changed = net(cu_batch), net(as_cu_seqlens(packed_batch(change=True)))
+        assert torch.equal(base, net(want))
+        assert torch.equal(net.loss(base, cu_batch), net.loss(base, want))
+    assert _leaks(base, changed) == {
+        "doc10": False,
+        "doc11_before": False,
+        "doc11_after": True,
+        "doc12": False,
+        "row1": False,
+    }
+    # A cu_seqlens that merges documents 11 and 12 (a wrong boundary) lets 12 see the change: the check sees a leak.
+    merged = {**cu_batch, "cu_seqlens": torch.tensor([0, 5, 14, 16, 25, 32], dtype=torch.int32)}
+    merged_changed = {**as_cu_seqlens(packed_batch(change=True)), "cu_seqlens": merged["cu_seqlens"]}
+    with torch.no_grad():
+        assert _leaks(net(merged), net(merged_changed))["doc12"]
 
 
 def test_padding_and_document_ends_carry_no_loss() -> None:
@@ -129,6 +161,10 @@ def test_context_parallel_4_keeps_documents_apart_and_matches_the_whole_model() 
     for r in results:
         torch.testing.assert_close(r["base"]["logits"], whole, atol=1e-5, rtol=1e-5)
         assert abs(r["base"]["loss"] - whole_loss) < 1e-5
+        # The same batch in the cu_seqlens format: the model converts it before CP's cut, the same logits and loss.
+        assert (
+            torch.equal(r["cu_seqlens"]["logits"], r["base"]["logits"]) and r["cu_seqlens"]["loss"] == r["base"]["loss"]
+        )
         assert _leaks(r["base"]["logits"], r["changed"]["logits"]) == {
             "doc10": False,
             "doc11_before": False,

@@ -42,6 +42,7 @@ from raytrain_events.core.mixture import Mixture, MixtureError
 from raytrain_events.core.mixture_plan import MixturePlan, MixtureRun
 from raytrain_events.data.ray.feeder import bundle_blocks
 from raytrain_events.data.ray.parquet_seek import as_seekable, is_seekable
+from raytrain_events.data.ray.token_files import refuse_token_rows
 
 __all__ = ["MixtureSource", "check_mixture", "mixture_train_set"]
 
@@ -207,6 +208,7 @@ def check_mixture(mixture: Mapping[str, Any], datasets: Mapping[str, Any], shuff
     sources: Dict[str, Any] = {}
     for name in names:
         source = as_seekable(datasets[name])
+        refuse_token_rows(source, name)  # flat token files as plain rows (the footers just read)
         if not is_seekable(source):
             raise TypeError(
                 f"Mixture source {name!r} is a {type(datasets[name]).__name__} that cannot seek (a Ray Dataset with "

@@ -1,5 +1,7 @@
 """A rank's part of a batch of packed sequences (`packed_source.pack_reads`' compact blocks) expanded
-to the public columns: ``input_ids``, ``document_ids`` (int64), ``position_ids`` (int32), ``num_tokens``.
+to the public columns: ``input_ids``, ``document_ids`` (int64), ``position_ids`` (int32), ``num_tokens``;
+or, under ``PackedTokens(document_format="cu_seqlens")`` (`DOCUMENT_FORMATS`), ``input_ids``,
+``cu_seqlens``, ``max_seqlen``, ``num_tokens`` (`cu_seqlens_of`: O(runs + sequences), nothing per token).
 
 Two forms of the same batch: `packed_tensors`, straight to torch tensors (the loader's path when
 there is no ``collate_fn``: no Arrow table built to be converted again), and `expand_packed`, an
@@ -20,7 +22,16 @@ import pyarrow as pa
 from raytrain_events.core.packing import expand_runs
 from raytrain_events.data.ray.batch_tensors import column_tensor, from_numpy
 
-__all__ = ["expand_packed", "packed_tensors", "is_packed"]
+__all__ = ["expand_packed", "packed_tensors", "is_packed", "cu_seqlens_of", "DOCUMENT_FORMATS", "FORMAT_KEY"]
+
+DOCUMENT_FORMATS = ("document_ids", "cu_seqlens")  # `PackedTokens(document_format=...)`: what a batch carries
+FORMAT_KEY = b"raytrain_events.document_format"  # a compact block's schema metadata: its batches' format
+
+
+def document_format(parts: List[Any]) -> str:
+    """The document format of compact packed ``parts`` (`FORMAT_KEY`; a block without it: ``"document_ids"``)."""
+    meta = parts[0].schema.metadata or {}
+    return meta.get(FORMAT_KEY, b"document_ids").decode()
 
 
 def is_packed(parts: List[Any]) -> bool:
@@ -35,20 +46,52 @@ def packed_tensors(parts: List[Any]) -> Optional[Dict[str, Any]]:
     table."""
     if not is_packed(parts):
         return None
-    input_ids, document_ids, position_ids, num_tokens = _expand(parts)
+    cu = document_format(parts) == "cu_seqlens"
+    input_ids, *columns = _runs(parts) if cu else _expand(parts)
     one = len(input_ids) == 1  # within one block: a view of it
     tokens = column_tensor(
         input_ids[0] if one else pa.chunked_array(input_ids, parts[0].schema.field("input_ids").type)
     )
     if tokens is None:  # not a list of numbers without nulls: the table path decides
         return None
-    batch = {
+    if cu:
+        seq_len = parts[0].schema.field("input_ids").type.list_size
+        cu_seqlens, max_seqlen = cu_seqlens_of(columns[1], columns[2], columns[3], seq_len)
+        return {
+            "input_ids": tokens,
+            "cu_seqlens": from_numpy(cu_seqlens),
+            "max_seqlen": from_numpy(np.array(max_seqlen, dtype=np.int32)),
+            "num_tokens": from_numpy(columns[3]),
+        }
+    document_ids, position_ids, num_tokens = columns
+    return {
         "input_ids": tokens,
         "document_ids": from_numpy(document_ids),
         "position_ids": from_numpy(position_ids),
         "num_tokens": from_numpy(num_tokens),
     }
-    return batch
+
+
+def cu_seqlens_of(
+    lengths: np.ndarray, runs: np.ndarray, num_tokens: np.ndarray, seq_len: int
+) -> Tuple[np.ndarray, int]:
+    """``(cu_seqlens int32, max_seqlen)`` of sequences given as runs (`core.packing.Runs`' ``lengths``,
+    ``runs``, ``num_tokens``): the cumulative lengths of the batch's segments over its rows laid end
+    to end (``rows * seq_len`` tokens), each run one segment and each sequence's padding (after its
+    ``num_tokens``) one more, so ``cu_seqlens[-1] == rows * seq_len`` (flash-attn's varlen layout over
+    the flattened ``input_ids``); ``max_seqlen``: the longest segment. O(runs + sequences)."""
+    lengths = np.asarray(lengths, dtype=np.int32)
+    pad = seq_len - np.asarray(num_tokens, dtype=np.int32)
+    padded = np.flatnonzero(pad)
+    if len(padded):  # each padded sequence's padding after its last run
+        lengths = np.insert(lengths, np.cumsum(runs, dtype=np.intp)[padded], pad[padded])
+    cu = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=cu[1:])
+    if int(cu[-1]) != len(runs) * seq_len:
+        raise ValueError(
+            f"runs of {int(cu[-1])} tokens do not tile {len(runs)} x seq_len={seq_len}: a corrupt packed block."
+        )
+    return cu, int(lengths.max()) if len(lengths) else 0
 
 
 def expand_packed(parts: List[Any]) -> List[Any]:
@@ -56,6 +99,8 @@ def expand_packed(parts: List[Any]) -> List[Any]:
     to the public columns as one table (see module doc); any other parts as they are."""
     if not is_packed(parts):
         return parts
+    if document_format(parts) == "cu_seqlens":
+        return [_cu_seqlens_table(parts)]
     input_ids, document_ids, position_ids, _ = _expand(parts)
     seq_len = document_ids.shape[1]
 
@@ -68,14 +113,42 @@ def expand_packed(parts: List[Any]) -> List[Any]:
     return [pa.table(columns)]
 
 
+def _cu_seqlens_table(parts: List[Any]) -> Any:
+    """The table form of a ``cu_seqlens`` batch: per row its own ``cu_seqlens`` (``0 .. seq_len``, a list;
+    the batch's tensor is these laid end to end over the rows), ``input_ids`` and ``num_tokens`` as ever."""
+    seq_len = parts[0].schema.field("input_ids").type.list_size
+    tokens, _, lengths, runs, counts = _runs(parts)
+    cu, _ = cu_seqlens_of(lengths, runs, counts, seq_len)
+    n = len(runs)
+    per_row = runs.astype(np.intp) + (counts < seq_len) + 1  # each row's segments, and its leading 0
+    row = np.repeat(np.arange(n, dtype=np.intp), per_row)
+    values = cu[np.arange(len(row), dtype=np.intp) - row] - (row * seq_len).astype(np.int32)
+    offsets = np.zeros(n + 1, dtype=np.int32)
+    np.cumsum(per_row, out=offsets[1:])
+    return pa.table(
+        {
+            "input_ids": pa.chunked_array(tokens, parts[0].schema.field("input_ids").type),
+            "cu_seqlens": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, pa.int32())),
+            "num_tokens": pa.array(counts, pa.int32()),
+        }
+    )
+
+
 def _expand(parts: List[Any]) -> Tuple[List[Any], np.ndarray, np.ndarray, np.ndarray]:
-    """``(input_ids' chunks, document_ids, position_ids, num_tokens)`` of packed ``parts``.
+    """``(input_ids' chunks, document_ids, position_ids, num_tokens)`` of packed ``parts``."""
+    seq_len = parts[0].schema.field("input_ids").type.list_size  # a fixed-size list (`pack_reads`)
+    tokens, documents, lengths, runs, counts = _runs(parts)
+    document_ids, position_ids = expand_runs(documents, lengths, runs, counts, seq_len)
+    return tokens, document_ids, position_ids, counts
+
+
+def _runs(parts: List[Any]) -> Tuple[List[Any], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(input_ids' chunks, run documents, run lengths, runs per sequence, num_tokens)`` of packed ``parts``.
 
     Each part's columns are taken once (not looked up by name per column), and each ``run_lengths``
     chunk's offsets are read once (its values' span and each sequence's run count both come from
     them): per-call work is most of a small part's cost (a rank's part of a batch is a few
     sequences at scale)."""
-    seq_len = parts[0].schema.field("input_ids").type.list_size  # a fixed-size list (`pack_reads`)
     tokens: List[Any] = []
     documents: List[np.ndarray] = []
     lengths: List[np.ndarray] = []
@@ -91,10 +164,7 @@ def _expand(parts: List[Any]) -> Tuple[List[Any], np.ndarray, np.ndarray, np.nda
             runs.append(np.diff(offsets))
         documents += [_list_values(chunk) for chunk in columns["run_documents"].chunks]
     counts = _joined(num_tokens, np.int32)
-    document_ids, position_ids = expand_runs(
-        _joined(documents, np.int64), _joined(lengths, np.int32), _joined(runs, np.int32), counts, seq_len
-    )
-    return tokens, document_ids, position_ids, counts
+    return tokens, _joined(documents, np.int64), _joined(lengths, np.int32), _joined(runs, np.int32), counts
 
 
 def _list_values(chunk: Any) -> np.ndarray:

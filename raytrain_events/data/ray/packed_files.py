@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from raytrain_events.data.ray.packed_batch import FORMAT_KEY
 from raytrain_events.data.ray.token_files import ID_DTYPE, LAYOUT_KEY, TOKEN_DTYPE, VOCAB_KEY, flat_values
 
 __all__ = [
@@ -160,7 +161,8 @@ def packed_block(windows: List[Dict[str, Any]]) -> Any:
             "num_tokens": pa.array(np.concatenate(num_tokens)),
             "run_documents": pa.ListArray.from_arrays(pa.array(at), np.concatenate(documents)),
             "run_lengths": pa.ListArray.from_arrays(pa.array(at), np.concatenate(lengths)),
-        }
+        },
+        metadata={FORMAT_KEY: windows[0].get("document_format", "document_ids").encode()},  # the rank's batches'
     )
 
 

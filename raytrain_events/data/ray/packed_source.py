@@ -71,7 +71,7 @@ from raytrain_events.core.packing import (
     pack_runs,
     sequences_in_window,
 )
-from raytrain_events.data.ray.packed_batch import expand_packed
+from raytrain_events.data.ray.packed_batch import DOCUMENT_FORMATS, FORMAT_KEY, expand_packed
 from raytrain_events.data.ray.packed_files import packed_block, packed_state
 from raytrain_events.data.ray.parquet_seek import (
     AHEAD_BYTES,
@@ -125,14 +125,18 @@ def _token_type(schema: Any, tokens_column: str) -> Any:
     return kind.value_type
 
 
-def _packed_schema(value_type: Any, seq_len: int) -> Any:
+def _packed_schema(value_type: Any, seq_len: int, document_format: str = "document_ids") -> Any:
     """The packed sequences' Arrow schema: ``seq_len`` token ids (the source's integer type), their document ids and
-    positions, and the real token count of each sequence."""
+    positions (or, as ``cu_seqlens``, each sequence's segment lengths: a batch's ``cu_seqlens`` is their cumulative
+    sum over its rows), and the real token count of each sequence."""
     import pyarrow as pa
 
+    tokens = pa.field("input_ids", pa.list_(pa.from_numpy_dtype(_token_dtype(value_type)), seq_len))
+    if document_format == "cu_seqlens":
+        return pa.schema([tokens, pa.field("cu_seqlens", pa.list_(pa.int32())), pa.field("num_tokens", pa.int32())])
     return pa.schema(
         [
-            pa.field("input_ids", pa.list_(pa.from_numpy_dtype(_token_dtype(value_type)), seq_len)),
+            tokens,
             pa.field("document_ids", pa.list_(pa.int64(), seq_len)),
             pa.field("position_ids", pa.list_(pa.int32(), seq_len)),
             pa.field("num_tokens", pa.int32()),
@@ -148,6 +152,9 @@ class PackedTokens:
     ``tokens_column``: a list of integer token ids per document; ``length_column`` /
     ``id_column``: read when the files have them. ``vocab_size``: refuse ids outside
     ``[0, vocab_size)`` (the model's embedding size). ``pad_id``: the token of padding.
+    ``document_format``: what a batch carries of the documents (`packed_batch.DOCUMENT_FORMATS`):
+    ``"document_ids"`` (per token ``document_ids``/``position_ids``) or ``"cu_seqlens"`` (the
+    batch's segment boundaries, ``cu_seqlens`` and ``max_seqlen``: nothing per token on the rank).
     """
 
     def __init__(  # noqa: PLR0913 (the source, then keyword-only options, each documented)
@@ -162,8 +169,12 @@ class PackedTokens:
         window_tokens: Optional[int] = None,
         vocab_size: Optional[int] = None,
         pad_id: int = 0,
+        document_format: str = "document_ids",
     ) -> None:
         check_policy(policy, seq_len)
+        if document_format not in DOCUMENT_FORMATS:
+            raise ValueError(f"PackedTokens: document_format={document_format!r}; give one of {DOCUMENT_FORMATS}.")
+        self.document_format = document_format
         if is_seekable(source) and not isinstance(source, ParquetRowGroups):
             raise TypeError(
                 f"PackedTokens packs Parquet token documents; got a {type(source).__name__}. Pass the "
@@ -191,7 +202,7 @@ class PackedTokens:
         self._cut_windows(lengths, token_bytes=np.dtype(_token_dtype(value_type)).itemsize)
         self.documents = int(bases[-1])
         self.real_tokens = int(sum(int(x.sum()) for x in lengths))
-        self.schema = _packed_schema(value_type, seq_len)
+        self.schema = _packed_schema(value_type, seq_len, document_format)
         if not self.window_sequences:
             raise ValueError(f"PackedTokens: the documents of {self.paths[:3]} hold no tokens.")
 
@@ -216,7 +227,7 @@ class PackedTokens:
             block_bytes(n, r - n, self.seq_len, 4) for n, r in zip(state["sequences"], state["pieces"])
         ]
         self.documents, self.real_tokens = sum(state["documents"]), sum(state["real_tokens"])
-        self.schema = _packed_schema(pa.int32(), self.seq_len)
+        self.schema = _packed_schema(pa.int32(), self.seq_len, self.document_format)
 
     def _cut_windows(self, lengths: List[np.ndarray], *, token_bytes: int) -> None:
         """Cut the units (row groups, in file order) into windows of about `window_tokens` tokens each, packed
@@ -321,6 +332,7 @@ class PackedTokens:
                 "filesystem": self.filesystem,
                 "seq_len": self.seq_len,
                 "expected": self.window_sequences[w],
+                "document_format": self.document_format,
                 "what": f"pack window {w}",
             }
         columns = [self.tokens_column] + [c for c in (self.id_column,) if c]
@@ -338,6 +350,7 @@ class PackedTokens:
             "pad_id": self.pad_id,
             "vocab_size": self.vocab_size,
             "expected": self.window_sequences[w],
+            "document_format": self.document_format,
             "what": f"pack window {w}",
         }
 
@@ -421,13 +434,15 @@ def pack_reads(windows: List[Dict[str, Any]]) -> Any:
         at += count
     offsets = np.zeros(len(block) + 1, dtype=np.int32)
     np.cumsum(np.concatenate([p.runs for p in parts]), out=offsets[1:])
+    document_format = windows[0].get("document_format", "document_ids")
     return pa.table(
         {
             "input_ids": pa.FixedSizeListArray.from_arrays(pa.array(block.reshape(-1)), seq_len),
             "num_tokens": pa.array(np.concatenate([p.num_tokens for p in parts])),
             "run_documents": pa.ListArray.from_arrays(pa.array(offsets), np.concatenate([p.documents for p in parts])),
             "run_lengths": pa.ListArray.from_arrays(pa.array(offsets), np.concatenate([p.lengths for p in parts])),
-        }
+        },
+        metadata={FORMAT_KEY: document_format.encode()},  # the rank's batches' format (`packed_batch`)
     )
 
 

@@ -245,7 +245,11 @@ class ParquetRowGroups:
                 f"ParquetRowGroups(columns={self.columns!r}) names {missing}, which {self.paths[0]!r} does not have; "
                 f"its columns are {schema.names}. Fix: columns= of those names, or None for every column."
             )
-        self.schema = schema if columns is None else pa.schema([schema.field(c) for c in columns if c in schema.names])
+        self.schema = (  # the file's key-value metadata kept (token files say their layout there: refuse_token_rows)
+            schema
+            if columns is None
+            else pa.schema([schema.field(c) for c in columns if c in schema.names], metadata=schema.metadata)
+        )
         if not self.count():
             raise ValueError(f"The Parquet files {self.paths[:3]}{'...' if len(self.paths) > 3 else ''} hold no rows.")
 

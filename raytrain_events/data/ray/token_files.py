@@ -15,7 +15,9 @@ footer, `LAYOUT_KEY`; a file without the key is ``documents``, as every token fi
   (int64/int32 scalars whose footer statistics let the driver check the vocabulary without reading
   tokens) and ``source``. Reading a chunk is a decompression and NumPy views of its bytes
   (`flat_arrays`): no levels, no per-document object. `read_documents` turns either layout back into
-  one row per document (for inspection and tests).
+  one row per document (for inspection and tests). A flat file is not a table of training rows:
+`refuse_token_rows` refuses one passed as plain Parquet (``ParquetRowGroups`` or a bare
+``ray.data.read_parquet``) where `RayTrainer` checks its datasets, naming ``PackedTokens``.
 
 Written without dictionary encoding or statistics on the byte columns (a dictionary of whole chunks
 is useless, and statistics would copy a chunk's bytes into the footer), and uncompressed by default
@@ -31,13 +33,14 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from raytrain_events.data.ray.parquet_seek import list_parquet
+from raytrain_events.data.ray.parquet_seek import ParquetRowGroups, is_seekable, list_parquet
 
 __all__ = [
     "LAYOUTS",
     "LAYOUT_KEY",
     "VOCAB_KEY",
     "layout_of",
+    "refuse_token_rows",
     "flat_schema",
     "flat_table",
     "flat_arrays",
@@ -234,3 +237,45 @@ def read_documents(
                 )
             )
     return pa.concat_tables(tables) if tables else None
+
+
+def refuse_token_rows(source: Any, name: str = "train") -> None:
+    """Refuse flat or packed token files (the ``flat`` layout `tokenize` writes, the ``packed`` one of `pack_tokens`) read as plain
+    Parquet rows (``ParquetRowGroups(folder)`` or a bare ``ray.data.read_parquet(folder)``): each of their
+    rows is a chunk of many documents' token bytes, not a training row. Known from the footer's layout key
+    (`LAYOUT_KEY`): a `ParquetRowGroups`' first footer, read when it was built; for a bare
+    ``read_parquet``, its first file's footer (one read). Anything else passes."""
+    import pyarrow.parquet as pq
+
+    from raytrain_events.ray import _compat
+
+    if isinstance(source, ParquetRowGroups):
+        schema, path = source.schema, source.paths[0]
+    elif is_seekable(source) or type(source).__module__.split(".")[0] != "ray":
+        return  # another seekable source (PackedTokens reads token files itself), or not a Ray Dataset
+    else:
+        read = _compat.parquet_read_of(source)
+        if read is None:
+            return
+        files, filesystem = list_parquet(read[0], read[1])
+        if not files:
+            return
+        path = files[0]
+        if filesystem is None:
+            schema = pq.read_schema(path)
+        else:
+            with filesystem.open_input_file(path) as handle:
+                schema = pq.read_schema(handle)
+    layout = (schema.metadata or {}).get(LAYOUT_KEY)
+    if layout in (b"flat", b"packed"):
+        folder = path.rsplit("/", 1)[0] if "/" in path else "."
+        what = (
+            "a flat token file (`tokenize`'s layout: each row is a chunk of many documents' token bytes"
+            if layout == b"flat"
+            else "a packed token file (`pack_tokens`' layout: each row is a whole pack window's sequences"
+        )
+        raise ValueError(
+            f"datasets[{name!r}] reads {path} as plain Parquet rows, but it is {what}, not a training row). Fix: "
+            f"read it as sequences, datasets={{{name!r}: PackedTokens({folder!r}, seq_len=...)}} "
+            "(raytrain_events.data.ray.packed_source)."
+        )

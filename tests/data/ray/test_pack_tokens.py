@@ -79,6 +79,24 @@ def test_prepacked_sequences_equal_the_on_the_fly_ones(token_folders, shape, pol
             assert expand_packed([a])[0].equals(expand_packed([b])[0])
 
 
+def test_prepacked_cu_seqlens_batches_equal_the_on_the_fly_ones(token_folders) -> None:
+    """``document_format="cu_seqlens"`` over a pre-packed folder: the same blocks and the same rank tensors as on
+    the fly (the format rides in the block's metadata from either read path)."""
+    import torch
+
+    from raytrain_events.data.ray.packed_batch import packed_tensors
+
+    root, folders = token_folders
+    fly, pre, _ = _both(root, folders, "flat-several-groups", "best_fit", document_format="cu_seqlens")
+    assert pre.schema.equals(fly.schema) and "cu_seqlens" in pre.schema.names
+    for group in pre.reads(pre.order(5, 0))[:3]:
+        a, b = pack_reads([fly.window_args(w) for w in group]), pack_reads([pre.window_args(w) for w in group])
+        assert a.equals(b) and a.schema.metadata == b.schema.metadata
+        left, right = packed_tensors([a.slice(3, 20)]), packed_tensors([b.slice(3, 20)])
+        assert set(left) == set(right) and "cu_seqlens" in left
+        assert all(torch.equal(left[k], right[k]) for k in left)
+
+
 def test_resume_inside_a_window_enters_it_at_the_same_sequence(token_folders) -> None:
     root, folders = token_folders
     fly, pre, _ = _both(root, folders, "flat-several-groups", "best_fit")
@@ -143,6 +161,23 @@ def test_refusals(token_folders, tmp_path) -> None:
     shutil.copy(os.path.join(out, "part-00000.parquet"), os.path.join(tmp_path, "zz.parquet"))
     with pytest.raises(ValueError, match="one PackedTokens reads one layout"):
         PackedTokens([token_file, os.path.join(tmp_path, "zz.parquet")], seq_len=64, policy="best_fit")
+
+
+def test_packed_files_read_as_plain_rows_are_refused_before_ray_starts(token_folders, monkeypatch) -> None:
+    import raytrain_events.ray.cluster as cluster
+    from raytrain_events import RayTrainer
+    from raytrain_events.data.ray.parquet_seek import ParquetRowGroups
+    from tests.bad_input_helpers import ray_kwargs
+
+    root, folders = token_folders
+    _, _, out = _both(root, folders, "flat-several-groups", "best_fit")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("Ray was started: the packed rows should have been refused before")
+
+    monkeypatch.setattr(cluster, "ensure_ray", refuse)
+    with pytest.raises(ValueError, match=r"reads .* a packed token file .*Fix: .*PackedTokens\('.*', seq_len=\.\.\.\)"):
+        RayTrainer(**ray_kwargs(datasets={"train": ParquetRowGroups(out)})).fit()
 
 
 def test_corrupt_runs_are_refused_at_the_read(token_folders, tmp_path) -> None:

@@ -19,7 +19,9 @@ the stop and at the end are the real (non-padding) tokens of those sequences, an
 sample and token counts in the final history entry are each source's. Per document: a ``code``
 document (never split) trained once or twice, each at least once (a source goes round again only
 after every sequence was used); a ``web`` document at most once, its tokens in order (its pieces
-under concat: a prefix when the stage cut the source short).
+under concat: a prefix when the stage cut the source short). The same order read with both sources in the
+``cu_seqlens`` document format (`PackedTokens(document_format="cu_seqlens")`, through the object store and a
+loader, no training run) holds the same sequences with the same document pieces and padding.
 """
 
 from __future__ import annotations
@@ -103,11 +105,13 @@ def _sources(folder: str):
 
 
 def _reference(ray, sources, mixture, epoch_size):
-    """The uninterrupted order: the feeder's stream of the run's MixtureSource on one rank."""
+    """The uninterrupted order: the feeder's stream of the run's MixtureSource on one rank (a cu_seqlens batch
+    as its document ids: each piece's number, `document_attention.with_document_ids`)."""
     from raytrain_events.core.mixture_plan import MixtureRun
     from raytrain_events.data.ray.feeder import FEEDER_OPTIONS, EpochFeeder
     from raytrain_events.data.ray.loader import GlobalOrderLoader, GlobalOrderShard
     from raytrain_events.data.ray.mixture_source import MixtureSource
+    from raytrain_events.parallel.document_attention import with_document_ids
 
     source = MixtureSource(sources, MixtureRun(mixture, SEED, epoch_size, BATCH), SEED)
     feeder = ray.remote(EpochFeeder).options(**FEEDER_OPTIONS).remote(source, 1, BATCH)
@@ -115,7 +119,7 @@ def _reference(ray, sources, mixture, epoch_size):
     loader.set_epoch(0)
     loader.set_position(0)
     rows = []
-    for batch in loader:
+    for batch in map(with_document_ids, loader):
         rows += [(d.tolist(), i.tolist()) for d, i in zip(batch["document_ids"], batch["input_ids"])]
     return rows
 
@@ -127,7 +131,7 @@ def test_packed_mixture_stopped_on_2_workers_resumes_on_3_with_the_same_sequence
     from raytrain_events.checkpoint import CheckpointConfig
     from raytrain_events.core.mixture import Mixture
     from raytrain_events.core.mixture_plan import MixtureRun
-    from raytrain_events.data.ray.packed_source import count_real_tokens
+    from raytrain_events.data.ray.packed_source import PackedTokens, count_real_tokens
 
     sources, lengths = _sources(str(tmp_path / "data"))
     counts = {n: s.count() for n, s in sources.items()}
@@ -136,6 +140,18 @@ def test_packed_mixture_stopped_on_2_workers_resumes_on_3_with_the_same_sequence
     mixture = Mixture(sources=counts, stages=stages)
     reference = _reference(ray_cluster, sources, mixture, epoch)
     assert len(reference) == epoch and epoch > (SWITCH + 2) * BATCH
+    # The cu_seqlens format through the object store and the loaders: the same sequences, the same pieces.
+    cu = {
+        n: PackedTokens(
+            s.paths, seq_len=SEQ, policy=s.policy, window_tokens=300, vocab_size=VOCAB, document_format="cu_seqlens"
+        )
+        for n, s in sources.items()
+    }
+    cu_rows = _reference(ray_cluster, cu, mixture, epoch)
+    assert [i for _, i in cu_rows] == [i for _, i in reference]
+    for (docs, _), (pieces, _) in zip(reference, cu_rows):
+        d, p = np.asarray(docs), np.asarray(pieces)
+        assert np.array_equal(d[1:] != d[:-1], p[1:] != p[:-1]) and np.array_equal(d < 0, p < 0)
     records = str(tmp_path / "records")
     os.makedirs(records)
     checkpoint = CheckpointConfig(save_interval=f"{STOP}ba", keep=1, save_every_n_seconds=None, autoresume=True)

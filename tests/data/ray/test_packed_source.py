@@ -189,6 +189,73 @@ def test_the_loader_turns_a_batch_of_two_blocks_into_the_expanded_tensors(tokens
     assert sorted(seen) == sorted(want) and np.array_equal(np.stack(seen["document_ids"]), want["document_ids"].numpy())
 
 
+@pytest.mark.parametrize("policy", ["concat", "best_fit"])
+def test_cu_seqlens_batches_carry_the_same_documents_and_train_the_same_model(tokens, policy: str) -> None:
+    """``document_format="cu_seqlens"``: the loader's batch of a cut across two blocks carries the same tokens and
+    real-token counts, and instead of per-token ids the batch's pieces (padding one more) as flash-attn's
+    ``cu_seqlens`` over its rows end to end; the table form (collate_fn) holds each row's own. The built-in
+    transformer trained three steps from either format gives identical logits and losses."""
+    from examples.transformer_lm import TransformerLM
+    from raytrain_events.data.ray.loader import GlobalOrderLoader
+    from raytrain_events.data.ray.packed_source import count_real_tokens, pack_reads
+    from raytrain_events.data.ray.slices import RowRange
+    from raytrain_events.parallel.document_attention import cu_seqlens_to_ids
+
+    batches = {}
+    for fmt in ("document_ids", "cu_seqlens"):
+        source = PackedTokens(tokens[0], seq_len=SEQ, policy=policy, window_tokens=WINDOW, document_format=fmt)
+        a, b = (pack_reads([source.window_args(w) for w in ws]) for ws in ([0, 1], [2, 3]))
+        slices, blocks = (
+            [RowRange("a", a.num_rows - 3, a.num_rows), RowRange("b", 1, 6)],
+            {"a": (a, None), "b": (b, None)},
+        )
+        batches[fmt] = GlobalOrderLoader(None, device="cpu")._to_batch(slices, blocks)
+        table = GlobalOrderLoader(None, device="cpu", collate_fn=lambda batch: batch)._to_batch(slices, blocks)
+    ids, cu = batches["document_ids"], batches["cu_seqlens"]
+    assert list(cu) == ["input_ids", "cu_seqlens", "max_seqlen", "num_tokens"] and cu["cu_seqlens"].dtype == torch.int32
+    assert torch.equal(ids["input_ids"], cu["input_ids"]) and torch.equal(ids["num_tokens"], cu["num_tokens"])
+    assert count_real_tokens(ids) == count_real_tokens(cu) and int(cu["cu_seqlens"][-1]) == 8 * SEQ
+    pieces = torch.diff(cu["cu_seqlens"])
+    assert int(cu["max_seqlen"]) == int(pieces.max()) and int(pieces.min()) > 0
+    docs, positions = cu_seqlens_to_ids(cu["cu_seqlens"], cu["num_tokens"])
+    assert torch.equal(positions, ids["position_ids"]) and torch.equal(docs < 0, ids["document_ids"] < 0)
+    changes = lambda d: d[:, 1:] != d[:, :-1]  # noqa: E731 (a piece starts where the id changes)
+    assert torch.equal(changes(docs), changes(ids["document_ids"]))
+    rows = [np.asarray(r) for r in table["cu_seqlens"]]  # collate_fn: each row's own, 0 .. SEQ
+    assert all(r[0] == 0 and r[-1] == SEQ for r in rows)
+    laid = np.concatenate([rows[0]] + [r[1:] + i * SEQ for i, r in enumerate(rows) if i])
+    assert np.array_equal(laid, cu["cu_seqlens"].numpy())
+    from raytrain_events.core.data_spec import default_split_batch
+
+    for part, want in zip(default_split_batch(cu, 3), default_split_batch(ids, 3)):  # microbatches: rows 3, 3, 2
+        assert (
+            torch.equal(part["input_ids"], want["input_ids"])
+            and int(part["cu_seqlens"][-1]) == part["input_ids"].numel()
+        )
+        got_docs, got_positions = cu_seqlens_to_ids(part["cu_seqlens"], part["num_tokens"])
+        assert torch.equal(got_positions, want["position_ids"]) and torch.equal(
+            changes(got_docs), changes(want["document_ids"])
+        )
+        assert int(part["max_seqlen"]) == int(torch.diff(part["cu_seqlens"]).max())
+    losses = {}
+    for fmt, batch in batches.items():
+        torch.manual_seed(0)
+        net = TransformerLM(vocab=VOCAB, width=16, heads=2, depth=1, length=SEQ)
+        optimizer = torch.optim.Adam(net.parameters(), lr=1e-2)
+        losses[fmt] = []
+        for _ in range(3):
+            logits = net(batch)
+            loss = net.loss(logits, batch)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses[fmt].append((logits.detach(), loss.item()))
+    for (l1, v1), (l2, v2) in zip(losses["document_ids"], losses["cu_seqlens"]):
+        assert torch.equal(l1, l2) and v1 == v2
+    with pytest.raises(ValueError, match="document_format='flat'"):
+        PackedTokens(tokens[0], seq_len=SEQ, document_format="flat")
+
+
 def test_bad_input_is_refused_where_the_source_is_built(tokens, tmp_path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq

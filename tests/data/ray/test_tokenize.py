@@ -43,8 +43,32 @@ def corpus(tmp_path_factory):
     return {"tokenizer": tokenizer, "web": str(web), "code": code, "folder": folder}
 
 
+def _flat_rows_are_refused(web: str, code: str, monkeypatch) -> None:
+    import ray.data
+
+    import raytrain_events.ray.cluster as cluster
+    from raytrain_events import RayTrainer
+    from raytrain_events.core.mixture import Mixture
+    from raytrain_events.data.ray.parquet_seek import ParquetRowGroups
+    from tests.bad_input_helpers import ray_kwargs
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("Ray was started: the flat token rows should have been refused before")
+
+    monkeypatch.setattr(cluster, "ensure_ray", refuse)
+    fix = r"is a flat token file .*Fix: .*PackedTokens\('.*{}', seq_len=\.\.\.\)"
+    for train in (ray.data.read_parquet(web), ParquetRowGroups(web), ParquetRowGroups(web, columns=["tokens"])):
+        with pytest.raises(ValueError, match="datasets\\['train'\\] reads .*" + fix.format("web")):
+            RayTrainer(**ray_kwargs(datasets={"train": train})).fit()
+    sources = {"web": ParquetRowGroups(web), "code": ray.data.read_parquet(code)}
+    mixture = Mixture(sources={"web": 10, "code": 10}, weights={"web": 0.5, "code": 0.5})
+    with pytest.raises(ValueError, match="datasets\\['code'\\] reads .*" + fix.format("code")):  # sorted first
+        RayTrainer(**ray_kwargs(datasets=sources, mixture=mixture)).fit()
+    monkeypatch.undo()
+
+
 @pytest.mark.ray
-def test_tokenize_is_exact_idempotent_and_resumable(ray_cluster, corpus, tmp_path) -> None:
+def test_tokenize_is_exact_idempotent_and_resumable(ray_cluster, corpus, tmp_path, monkeypatch) -> None:
     import pyarrow.parquet as pq
     from tokenizers import Tokenizer
 
@@ -76,6 +100,9 @@ def test_tokenize_is_exact_idempotent_and_resumable(ray_cluster, corpus, tmp_pat
     assert read_documents(os.path.join(out, "web")).equals(table)
     packed = PackedTokens(os.path.join(out, "web"), seq_len=64, vocab_size=300)
     assert packed.real_tokens == sum(table["num_tokens"].to_pylist())
+    # Bad input: the flat files read as plain Parquet rows (byte chunks) are refused before RayTrainer starts Ray,
+    # through each user path (a bare read_parquet, ParquetRowGroups with or without columns, a mixture source).
+    _flat_rows_are_refused(os.path.join(out, "web"), os.path.join(out, "code"), monkeypatch)
     # A shard of another input (or tokenizer), or of another layout, is refused, not mixed in.
     with pytest.raises(FileExistsError, match="already holds tokens of .*Fix: another output folder"):
         tokenize({"web": [corpus["code"]]}, out, **kwargs)
