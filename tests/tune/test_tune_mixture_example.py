@@ -74,19 +74,25 @@ class FitRows(Callback):
         self.file.flush()
 
 
-class StartTogether(Callback):
-    """The population's first fits wait for each other (files in a shared folder, 120 s at most), so that
-    asynchronous PBT compares them on a loaded machine (as in tests/tune/test_tune_pbt.py); copies pass."""
+def _wait(ready, stop: str) -> None:
+    """Until ``ready()``: an event, with no wall-clock bound that a loaded machine could run out (pytest-timeout
+    bounds the test). ``stop`` (a file the test writes when its sweep ends, however it ends) frees the waits of
+    trials a failed or timed-out test leaves running on the session's Ray."""
+    while not ready() and not os.path.exists(stop):
+        time.sleep(0.2)
 
-    def __init__(self, folder: str, population: int) -> None:
-        self.folder, self.population = folder, population
+
+class StartTogether(Callback):
+    """The population's first fits wait for each other (files in a shared folder), so that asynchronous PBT
+    compares them on a loaded machine (as in tests/tune/test_tune_pbt.py); copies pass."""
+
+    def __init__(self, folder: str, population: int, stop: str) -> None:
+        self.folder, self.population, self.stop = folder, population, stop
 
     def fit_start(self, state, logger) -> None:
         with open(os.path.join(self.folder, f"started-{uuid.uuid4().hex[:8]}"), "w"):
             pass
-        deadline = time.time() + 120
-        while len(os.listdir(self.folder)) < self.population and time.time() < deadline:
-            time.sleep(0.2)
+        _wait(lambda: len(os.listdir(self.folder)) >= self.population, self.stop)
 
 
 class CopyTheLast(Callback):
@@ -96,17 +102,19 @@ class CopyTheLast(Callback):
     scores the others have at that moment, and a donor must have been in the top quantile at its
     own last one. The scheduler marks each result it has scored (`mark_scored`: a file in ``scored``),
     so: the others wait before 192 until PBT has scored ``last``'s 192 (it is scored alone: no copy
-    at 192); ``last`` waits before 384 until PBT has scored the others' 384; the others wait right
-    after their 384 report (a file in ``marks``) for the copy's run to start, so that they are not
-    finished (out of PBT's ranking) when ``last`` reports 384, and so that the best one's latest
-    report is the one with its 384 checkpoint (PBT's save of a top trial takes its latest report's
-    checkpoint). 120 s at most each wait. (``last`` used to wait for the others' marks and then 10 s
-    for their reports to reach the scheduler, and the others only until ``last`` had trained past 192:
-    orders a loaded machine could break.)
+    at 192); ``last`` waits before 384 until PBT has scored the others' second point; the others wait,
+    once their second point's report has gone out (a file in ``marks``), for the copy's run to start,
+    so that they are not finished (out of PBT's ranking) when ``last`` reports 384, and so that the best
+    one's latest report is the one with its second point's checkpoint (PBT's save of a top trial takes
+    its latest report's checkpoint). The second point is 384, or the batch after it where the 384 save
+    was postponed (the 192 one still uploading: `Checkpointer.postponed`; the report waits for the save
+    and goes out with it, so a wait at 384 itself held back the report it waited for: seen at load 11,
+    the others' 384 scored only at 416, after a 120 s bound ran out). Each wait ends on its event alone.
     """
 
-    def __init__(self, folder: str, marks: str, scored: str, last: dict) -> None:
-        self.folder, self.marks, self.scored, self.last = folder, marks, scored, last
+    def __init__(self, folder: str, marks: str, scored: str, last: dict, stop: str) -> None:
+        self.folder, self.marks, self.scored, self.last, self.stop = folder, marks, scored, last, stop
+        self.waited = False  # an other: its wait for the copy (once per fit)
 
     def _fits(self):
         out = []
@@ -118,11 +126,12 @@ class CopyTheLast(Callback):
         return out
 
     def _scored(self, mine: bool, sample: int) -> int:
-        """How many trials (``last``'s if mine, else the others) PBT has scored at ``sample``."""
-        prefix = f"{'last' if mine else 'other'}-{sample}-"
-        return sum(name.startswith(prefix) for name in os.listdir(self.scored))
+        """How many trials (``last``'s if mine, else the others) PBT has scored at ``sample`` or later."""
+        return len(scored_trials(self.scored, "last" if mine else "other", sample))
 
     def batch_start(self, state, logger) -> None:
+        from raytrain_events.checkpoint.run.checkpointer import find_checkpointer
+
         loader = getattr(state.train_dataloader, "dataloader", state.train_dataloader)
         if loader.mixture.switches:
             return  # a copy
@@ -131,16 +140,24 @@ class CopyTheLast(Callback):
             ready = lambda: self._scored(True, 192) >= 1  # noqa: E731
         elif mine and sample == 352:
             ready = lambda: self._scored(False, 384) >= 3  # noqa: E731
-        elif not mine and sample == 384:
-            # Wait right after the 384 report: PBT's save of a top trial takes the checkpoint of its latest report.
+        elif not mine and sample >= 384 and not self.waited:
+            checkpointer = find_checkpointer(state)
+            if checkpointer.postponed or checkpointer.has_unreported():
+                return  # the 384 save (and its report) not made yet: train on to it
+            self.waited = True
+            # Wait right after that report: PBT's save of a top trial takes the checkpoint of its latest report.
             with open(os.path.join(self.marks, f"at384-{uuid.uuid4().hex[:8]}"), "w"):
                 pass
             ready = lambda: any(h["start"]["sp"] > 0 for h, _ in self._fits())  # noqa: E731
         else:
             return
-        deadline = time.time() + 120
-        while not ready() and time.time() < deadline:
-            time.sleep(0.2)
+        _wait(ready, self.stop)
+
+
+def scored_trials(folder: str, who: str, sample: int) -> set:
+    """The trials (``who``: 'last' or 'other') whose result at ``sample`` or later `mark_scored` marked."""
+    names = [name.split("-", 2) for name in os.listdir(folder) if name.startswith(who + "-")]
+    return {trial for _, at, trial in names if int(at) >= sample}
 
 
 def mark_scored(scheduler, folder: str, last: dict) -> None:
@@ -187,30 +204,38 @@ def test_a_mixture_pbt_sweep_copies_on_the_donors_mixture_and_position(ray_clust
     # The trial with the least 'help' is the worst on the held-out task at every report (measured: 0.80, 0.78,
     # 0.82 at 128, 256, 384 samples, against 0.49-0.66 for the others): it is the one PBT copies into.
     last = min(space["grid_search"], key=lambda w: w["help"])
+    stop = str(tmp_path / "stop")  # written when the sweep ends: frees any wait a failed run left (`_wait`)
     callbacks = [
         FitRows(str(fits)),
-        StartTogether(str(barrier), 4),
-        CopyTheLast(str(fits), str(marks), str(scored), last),
+        StartTogether(str(barrier), 4, stop),
+        CopyTheLast(str(fits), str(marks), str(scored), last, stop),
     ]
     # Reports, evals and checkpoints every 6 batches (192 samples): PBT scores the trials at 192 and 384; the final
     # report (512) is 128 after the last, under the interval, so no copy comes there (it would train no batch).
     scheduler = pbt_scheduler("160sp", mixture=mixture_space(base), seed=0, resample_probability=0.0)
     mark_scored(scheduler, str(scored), last)
-    result = example.proxy_trials_on_ray(
-        space,
-        samples,
-        str(tmp_path / "runs"),
-        batch_size=32,
-        scheduler=scheduler,
-        report_interval="6ba",
-        eval_interval="6ba",
-        checkpoint=CheckpointConfig(save_interval="6ba"),
-        callbacks=lambda config: callbacks,
-        resources_per_worker={"CPU": 0.5},  # 4 trials' workers on 2 of the session's 4 CPUs: Ray Data reads beside
-    )
+    try:
+        result = example.proxy_trials_on_ray(
+            space,
+            samples,
+            str(tmp_path / "runs"),
+            batch_size=32,
+            scheduler=scheduler,
+            report_interval="6ba",
+            eval_interval="6ba",
+            checkpoint=CheckpointConfig(save_interval="6ba"),
+            callbacks=lambda config: callbacks,
+            resources_per_worker={"CPU": 0.5},  # 4 trials' workers on 2 of the session's 4 CPUs: Ray Data reads beside
+        )
+    finally:
+        open(stop, "w").close()
     assert len(result.rows) == 4 and {r["status"] for r in result.rows} == {"completed"}, result.to_table()
-    marked = os.listdir(scored)  # the scheduler marked what `CopyTheLast` waited for (not its 120 s bounds)
-    assert sum(n.startswith("last-192-") for n in marked) == 1 and sum(n.startswith("other-384-") for n in marked) == 3
+    # The scheduler marked what `CopyTheLast` waited for: last's 192, each other's second point (384, or the batch
+    # its postponed save went out at) before its final report.
+    marked = os.listdir(scored)
+    assert sum(n.startswith("last-192-") for n in marked) == 1
+    second = {n.split("-", 2)[2] for n in marked if n.startswith("other-") and 384 <= int(n.split("-")[1]) < samples}
+    assert len(second) == 3, marked
     copied = [r for r in result.rows if r["lineage"]]
     own = [r for r in result.rows if not r["lineage"]]
     assert len(copied) == 1, result.to_table()  # PBT copied a top trial into the bottom one
