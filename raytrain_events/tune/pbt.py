@@ -27,6 +27,7 @@ from typing import Any, Dict, Mapping, Optional, Union
 
 from raytrain_events.core.time import Time, TimeUnit, ensure_time, report_key
 from raytrain_events.tune.mixture_pbt import MixtureExplore
+from raytrain_events.tune.pbt_end import EndAwarePBT
 from raytrain_events.tune.sets import space_choices, validate_set
 
 __all__ = ["pbt_scheduler"]
@@ -63,10 +64,7 @@ def pbt_scheduler(
     (``param_space={"mixture": mixture_space(...)}``). ``options``: more
     `PopulationBasedTraining` arguments.
     """
-    # deferred: Ray Tune loads when a sweep is set up
-    from ray.tune.schedulers import PopulationBasedTraining
-
-    from raytrain_events.tune.pbt_end import EndAwarePBT
+    from ray.tune.schedulers import PopulationBasedTraining  # deferred: Ray Tune loads when a sweep is set up
 
     interval = _samples_or_tokens(perturbation_interval, "perturbation_interval")
     mutations = _mutations(algorithm_sets, lr, hyperparam_mutations)

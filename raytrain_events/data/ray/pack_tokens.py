@@ -33,7 +33,9 @@ from typing import Any, Dict, List, Optional, Tuple
 from raytrain_events.core.packing import check_policy, pack_runs
 from raytrain_events.data.ray.packed_files import PACK_KEY, WRITER_OPTIONS, packed_schema, window_table
 from raytrain_events.data.ray.packed_source import PackedTokens, _window_inputs
-from raytrain_events.data.ray.token_files import VOCAB_KEY
+from raytrain_events.data.ray.parquet_seek import ParquetRowGroups
+from raytrain_events.data.ray.token_files import VOCAB_KEY, check_compression
+from raytrain_events.data.ray.tokenize import _fs, _join, _shard_file
 
 __all__ = ["pack_tokens", "WINDOWS_PER_SHARD"]
 
@@ -58,9 +60,6 @@ def pack_tokens(  # noqa: PLR0913 (input and output, then keyword-only options, 
     ``policy``, ``window_tokens`` (default ``256 * seq_len``) and ``pad_id``: as `PackedTokens`'.
     Returns ``{"written", "skipped", "windows", "sequences", "real_tokens", "documents"}``; then
     ``PackedTokens(output, seq_len=seq_len, policy=policy)`` reads the sequences."""
-    from raytrain_events.data.ray.parquet_seek import ParquetRowGroups
-    from raytrain_events.data.ray.token_files import check_compression
-    from raytrain_events.data.ray.tokenize import _join
 
     check_policy(policy, seq_len)
     check_compression(compression)
@@ -108,7 +107,6 @@ def pack_tokens(  # noqa: PLR0913 (input and output, then keyword-only options, 
 def _refuse_extra_shards(output: str, shards: int, storage_options: Optional[Dict[str, Any]]) -> None:
     """Refuse shards in ``output`` past this job's ``shards`` (left by a job over more input): read with the
     others they would add sequences this input does not pack into."""
-    from raytrain_events.data.ray.tokenize import _fs
 
     fs, at = _fs(output, storage_options)
     if not fs.exists(at):
@@ -151,8 +149,6 @@ def _done(output: str, want: bytes, storage_options: Optional[Dict[str, Any]]) -
     """Whether shard ``output`` exists and holds these windows packed this way (refusing one packed otherwise)."""
     import pyarrow.parquet as pq
 
-    from raytrain_events.data.ray.tokenize import _fs
-
     fs, at = _fs(output, storage_options)
     if not fs.exists(at):
         return False
@@ -177,8 +173,6 @@ def _write_shard(  # noqa: PLR0913 (the source, the shard, how to write it)
 ) -> None:
     """Pack ``windows`` of ``source`` (a `PackedTokens` over token files) into shard ``output``, one row group each."""
     import pyarrow.parquet as pq
-
-    from raytrain_events.data.ray.tokenize import _shard_file
 
     schema = packed_schema(meta)
     options = {**WRITER_OPTIONS, "compression": compression or "none"}

@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from raytrain_events.data.ray.parquet_seek import ParquetRowGroups, is_seekable, list_parquet
+from raytrain_events.ray import _compat
 
 __all__ = [
     "LAYOUTS",
@@ -246,8 +247,6 @@ def refuse_token_rows(source: Any, name: str = "train") -> None:
     (`LAYOUT_KEY`): a `ParquetRowGroups`' first footer, read when it was built; for a bare
     ``read_parquet``, its first file's footer (one read). Anything else passes."""
     import pyarrow.parquet as pq
-
-    from raytrain_events.ray import _compat
 
     if isinstance(source, ParquetRowGroups):
         schema, path = source.schema, source.paths[0]
