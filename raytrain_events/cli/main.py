@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from raytrain_events import __version__
 from raytrain_events.cli.entry import config_schema, load_entry
@@ -384,8 +384,8 @@ def _tokenize(args: argparse.Namespace) -> int:
     for item in args.inputs:
         name, _, path = item.rpartition("=") if "=" in item else ("train", "", item)
         sources.setdefault(name, []).append(path)
-    try:
-        summary = tokenize(
+    return _print_summary(
+        lambda: tokenize(
             sources,
             args.output,
             tokenizer=args.tokenizer,
@@ -398,10 +398,7 @@ def _tokenize(args: argparse.Namespace) -> int:
             compression=args.compression,
             storage_options=parse_storage_options(args.storage_option) or None,
         )
-    except (FileNotFoundError, FileExistsError, TypeError, ValueError, ImportError) as exc:
-        raise UsageError(str(exc)) from None
-    print(json.dumps(summary, indent=2))
-    return 0
+    )
 
 
 def _pack(args: argparse.Namespace) -> int:
@@ -409,8 +406,8 @@ def _pack(args: argparse.Namespace) -> int:
     from raytrain_events.cli.runs import parse_storage_options
     from raytrain_events.data.ray.pack_tokens import pack_tokens
 
-    try:
-        summary = pack_tokens(
+    return _print_summary(
+        lambda: pack_tokens(
             args.tokens,
             args.output,
             seq_len=args.seq_len,
@@ -420,7 +417,15 @@ def _pack(args: argparse.Namespace) -> int:
             workers=args.workers,
             storage_options=parse_storage_options(args.storage_option) or None,
         )
-    except (FileNotFoundError, FileExistsError, TypeError, ValueError) as exc:
+    )
+
+
+def _print_summary(job: Callable[[], Any]) -> int:
+    """Run a data command's ``job`` and print its summary as JSON; bad input (a missing file, a refused option, a
+    tokenizer that cannot load) is a usage error naming the problem, not a traceback."""
+    try:
+        summary = job()
+    except (FileNotFoundError, FileExistsError, TypeError, ValueError, ImportError) as exc:
         raise UsageError(str(exc)) from None
     print(json.dumps(summary, indent=2))
     return 0

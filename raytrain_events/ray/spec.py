@@ -237,7 +237,7 @@ class RunSpec(LoopOptions):
                         "raytrain_events.data.ray.parquet_seek.ParquetRowGroups(paths) (Parquet files in training "
                         "order; a resume then reads nothing before its position)."
                     )
-                refuse_token_rows(dataset)  # flat token files as plain rows (a footer's layout key)
+                refuse_token_rows(dataset)  # token files as plain rows (a footer's layout key)
             elif is_seekable(dataset):
                 raise TypeError(
                     f"datasets[{name!r}] is a {kind}, a train-only source (it defines the train order a resume "
@@ -248,6 +248,8 @@ class RunSpec(LoopOptions):
                     f"datasets[{name!r}] is a {kind}; an eval set must be a ray.data.Dataset (e.g. "
                     "ray.data.read_parquet(paths) or ray.data.from_items(rows))."
                 )
+            else:
+                refuse_token_rows(dataset, name)  # an eval set of token files read as plain rows too
 
 
 def option_fields() -> List[dataclasses.Field]:

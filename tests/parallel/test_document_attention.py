@@ -31,17 +31,16 @@ def _leaks(base: torch.Tensor, changed: torch.Tensor) -> dict:
     }
 
 
+# The token changed in document 11 (row 0, position 7) moves only document 11's outputs from it on: not document
+# 10 before it, not 11's own earlier tokens (causal), not document 12 after it in the same row, not row 1.
+ONLY_DOC11_MOVES = {"doc10": False, "doc11_before": False, "doc11_after": True, "doc12": False, "row1": False}
+
+
 def test_no_token_attends_across_a_document_and_the_check_sees_a_leak() -> None:
     net = model().eval()
     with torch.no_grad():
         base, changed = net(packed_batch()), net(packed_batch(change=True))
-        assert _leaks(base, changed) == {
-            "doc10": False,
-            "doc11_before": False,
-            "doc11_after": True,
-            "doc12": False,
-            "row1": False,
-        }
+        assert _leaks(base, changed) == ONLY_DOC11_MOVES
         # Without document ids (plain causal attention over the packed row) document 12 sees the change:
         # the same check fails on a model that leaks.
         plain = {k: v for k, v in packed_batch().items() if k != "document_ids"}
@@ -66,13 +65,7 @@ def test_a_mask_from_cu_seqlens_keeps_documents_apart_as_the_document_ids_one() 
         base, changed = net(cu_batch), net(as_cu_seqlens(packed_batch(change=True)))
         assert torch.equal(base, net(want))
         assert torch.equal(net.loss(base, cu_batch), net.loss(base, want))
-    assert _leaks(base, changed) == {
-        "doc10": False,
-        "doc11_before": False,
-        "doc11_after": True,
-        "doc12": False,
-        "row1": False,
-    }
+    assert _leaks(base, changed) == ONLY_DOC11_MOVES
     # A cu_seqlens that merges documents 11 and 12 (a wrong boundary) lets 12 see the change: the check sees a leak.
     merged = {**cu_batch, "cu_seqlens": torch.tensor([0, 5, 14, 16, 25, 32], dtype=torch.int32)}
     merged_changed = {**as_cu_seqlens(packed_batch(change=True)), "cu_seqlens": merged["cu_seqlens"]}
@@ -117,7 +110,7 @@ def test_flex_attention_matches_the_sdpa_mask_and_keeps_documents_apart(backend:
         if backend == "flex":
             torch.testing.assert_close(base, document_attention(*_qkv(), docs, backend="sdpa"), atol=1e-5, rtol=1e-5)
         leaks = _leaks(base.transpose(1, 2).flatten(2), changed.transpose(1, 2).flatten(2))
-        assert leaks == {"doc10": False, "doc11_before": False, "doc11_after": True, "doc12": False, "row1": False}
+        assert leaks == ONLY_DOC11_MOVES
         plain = (F.scaled_dot_product_attention(*_qkv(c), is_causal=True) for c in (False, True))
         assert _leaks(*(p.transpose(1, 2).flatten(2) for p in plain))["doc12"]
 
@@ -165,13 +158,7 @@ def test_context_parallel_4_keeps_documents_apart_and_matches_the_whole_model() 
         assert (
             torch.equal(r["cu_seqlens"]["logits"], r["base"]["logits"]) and r["cu_seqlens"]["loss"] == r["base"]["loss"]
         )
-        assert _leaks(r["base"]["logits"], r["changed"]["logits"]) == {
-            "doc10": False,
-            "doc11_before": False,
-            "doc11_after": True,
-            "doc12": False,
-            "row1": False,
-        }
+        assert _leaks(r["base"]["logits"], r["changed"]["logits"]) == ONLY_DOC11_MOVES
 
 
 @pytest.mark.timeout(900)
@@ -220,13 +207,7 @@ def test_packed_training_under_pp_2_x_dp_2_matches_ddp_for_each_schedule_and_kee
             assert (run["timestamp"]["sample"], run["timestamp"]["token"]) == (64, sum(real)), schedule
             for got, expected in zip(run["predict"], ddp["predict"]):
                 torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-            assert _leaks(*run["predict"]) == {
-                "doc10": False,
-                "doc11_before": False,
-                "doc11_after": True,
-                "doc12": False,
-                "row1": False,
-            }, schedule
+            assert _leaks(*run["predict"]) == ONLY_DOC11_MOVES, schedule
     # PP 2 x TP 2 (1F1B; one data shard, so its reference is DDP with every rank on shard 0): stage
     # blocks split over 2 tensor ranks, heads split, the document mask broadcast over them.
     one = results[0]["ddp_one"]
@@ -241,10 +222,4 @@ def test_packed_training_under_pp_2_x_dp_2_matches_ddp_for_each_schedule_and_kee
         assert (run["timestamp"]["sample"], run["timestamp"]["token"]) == (32, real[0])
         for got, expected in zip(run["predict"], one["predict"]):
             torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
-        assert _leaks(*run["predict"]) == {
-            "doc10": False,
-            "doc11_before": False,
-            "doc11_after": True,
-            "doc12": False,
-            "row1": False,
-        }
+        assert _leaks(*run["predict"]) == ONLY_DOC11_MOVES

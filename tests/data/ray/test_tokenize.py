@@ -50,7 +50,7 @@ def _flat_rows_are_refused(web: str, code: str, monkeypatch) -> None:
     from raytrain_events import RayTrainer
     from raytrain_events.core.mixture import Mixture
     from raytrain_events.data.ray.parquet_seek import ParquetRowGroups
-    from tests.bad_input_helpers import ray_kwargs
+    from tests.bad_input_helpers import ray_kwargs, unread_dataset
 
     def refuse(*args, **kwargs):
         raise AssertionError("Ray was started: the flat token rows should have been refused before")
@@ -60,6 +60,8 @@ def _flat_rows_are_refused(web: str, code: str, monkeypatch) -> None:
     for train in (ray.data.read_parquet(web), ParquetRowGroups(web), ParquetRowGroups(web, columns=["tokens"])):
         with pytest.raises(ValueError, match="datasets\\['train'\\] reads .*" + fix.format("web")):
             RayTrainer(**ray_kwargs(datasets={"train": train})).fit()
+    with pytest.raises(ValueError, match="datasets\\['eval'\\] reads .*" + fix.format("code")):  # an eval set too
+        RayTrainer(**ray_kwargs(datasets={"train": unread_dataset(), "eval": ray.data.read_parquet(code)})).fit()
     sources = {"web": ParquetRowGroups(web), "code": ray.data.read_parquet(code)}
     mixture = Mixture(sources={"web": 10, "code": 10}, weights={"web": 0.5, "code": 0.5})
     with pytest.raises(ValueError, match="datasets\\['code'\\] reads .*" + fix.format("code")):  # sorted first
