@@ -26,7 +26,7 @@ document pieces as cumulative lengths over its rows laid end to end, each sequen
 more piece, flash-attn's varlen layout, with ``max_seqlen`` and ``num_tokens``): `cu_seqlens_to_ids`
 turns them into the same masks' ``document_ids`` (each piece's number in the batch, ``-1`` on
 padding) and ``position_ids`` on the batch's device, O(tokens) torch work there instead of on the
-host; `with_document_ids` turns such a batch into the ``document_ids`` format's
+host; `with_document_ids` turns such a batch into the ``document_ids`` format's, once per batch
 (``examples/transformer_lm.py`` calls it first, so CP's cut and the labels work unchanged). Kernels
 that take ``cu_seqlens`` themselves (flash-attn's ``flash_attn_varlen_func`` over
 ``input_ids.view(-1)``) can use the batch's as they are.
@@ -98,13 +98,19 @@ def cu_seqlens_to_ids(
 def with_document_ids(batch: Any) -> Any:
     """A ``cu_seqlens`` batch as the ``document_ids`` format's (a new dict: ``document_ids`` and
     ``position_ids`` from `cu_seqlens_to_ids` in place of ``cu_seqlens``/``max_seqlen``, the rest as
-    it is); any other batch as it is. For models (and CP's or a pipeline's splits) written for ``document_ids``."""
+    it is); any other batch as it is. For models (and CP's or a pipeline's splits) written for ``document_ids``.
+
+    The ids are computed once per batch: they are also written into ``batch`` itself, so a later call on
+    the same dict (the loss after the forward, each pipeline block of a microbatch) reads them instead of
+    converting again. A row split of that batch (`DataSpec.split_batch`) cuts them with the rest."""
     if not isinstance(batch, dict) or "cu_seqlens" not in batch:
         return batch
-    out = {k: v for k, v in batch.items() if k not in ("cu_seqlens", "max_seqlen")}
-    seq_len = batch["input_ids"].shape[1] if "input_ids" in batch else None
-    out["document_ids"], out["position_ids"] = cu_seqlens_to_ids(batch["cu_seqlens"], batch["num_tokens"], seq_len)
-    return out
+    if "document_ids" not in batch:
+        seq_len = batch["input_ids"].shape[1] if "input_ids" in batch else None
+        batch["document_ids"], batch["position_ids"] = cu_seqlens_to_ids(
+            batch["cu_seqlens"], batch["num_tokens"], seq_len
+        )
+    return {k: v for k, v in batch.items() if k not in ("cu_seqlens", "max_seqlen")}
 
 
 def flex_available() -> bool:

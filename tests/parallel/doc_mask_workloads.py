@@ -5,6 +5,7 @@ trained and predicted under pipeline parallelism against DDP."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 from typing import Any, Dict, List
 
 import torch
@@ -34,6 +35,22 @@ def as_cu_seqlens(batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     cu = torch.tensor([0, 5, 9, 14, 16, 25, 32], dtype=torch.int32)
     out = {"input_ids": batch["input_ids"], "cu_seqlens": cu, "max_seqlen": torch.tensor(9, dtype=torch.int32)}
     return {**out, "num_tokens": torch.tensor([14, 16], dtype=torch.int32)}
+
+
+def cu_seqlens_rows(rows: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+    """A loader's collate: `packed_rows` as one ``cu_seqlens`` batch (each row's runs of a document id, its
+    padding one run more, laid end to end), as `PackedTokens(document_format="cu_seqlens")` serves them."""
+    lengths: List[int] = []
+    for row in rows:
+        docs = row["document_ids"]
+        starts = torch.nonzero(torch.cat([torch.tensor([True]), docs[1:] != docs[:-1]])).flatten()
+        lengths += torch.diff(starts, append=torch.tensor([len(docs)])).tolist()
+    return {
+        "input_ids": torch.stack([row["input_ids"] for row in rows]),
+        "cu_seqlens": torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32),
+        "max_seqlen": torch.tensor(max(lengths), dtype=torch.int32),
+        "num_tokens": torch.stack([row["num_tokens"] for row in rows]).to(torch.int32),
+    }
 
 
 def model() -> Any:
@@ -136,12 +153,14 @@ def train_packed_pp(rank: int, world_size: int) -> Dict[str, Any]:
     under each of `PP_SCHEDULES` (2 microbatches, a 4-block model built on the meta device) train 4
     batches of 8 packed rows; each arm's batch losses, this rank's full parameters (its stages' under
     PP), its Timestamp, and `Trainer.predict` of `packed_batch` and its changed copy (batches of 2 rows:
-    one row per microbatch, each with its own documents) after training."""
+    one row per microbatch, each with its own documents) after training. ``1f1b_cu``: 1F1B on the same
+    rows as ``cu_seqlens`` batches, with the number of conversions to document ids on this rank."""
     from torch.utils.data import DataLoader
 
     from examples.transformer_lm import TransformerLM
     from raytrain_events import Trainer
     from raytrain_events.core.data_spec import DataSpec
+    from raytrain_events.parallel import document_attention
     from raytrain_events.parallel.config import parse_parallelism
     from tests.parallel.pp_workloads import EventCounter, pp_config
     from tests.parallel.workloads import full_model_state
@@ -150,10 +169,19 @@ def train_packed_pp(rank: int, world_size: int) -> Dict[str, Any]:
         return [{k: v[i] for k, v in batch.items()} for i in range(2)]
 
     out: Dict[str, Any] = {}
-    for name in ("ddp", "ddp_one") + PP_SCHEDULES + ("1f1b_tp",):
+    convert = document_attention.cu_seqlens_to_ids
+    conversions = [0]
+
+    def counted(*args: Any) -> Any:
+        conversions[0] += 1
+        return convert(*args)
+
+    document_attention.cu_seqlens_to_ids = counted  # type: ignore[assignment]  (this spawned rank's own module)
+    for name in ("ddp", "ddp_one") + PP_SCHEDULES + ("1f1b_tp", "1f1b_cu"):
         # ddp_one: every rank loads shard 0 (the reference of PP 2 x TP 2, whose only data shard it is)
         parallelism: Any = {"1f1b_tp": pp_config("1f1b", tensor_parallel=2)}.get(name, "ddp")
         parallelism = pp_config(name) if name in PP_SCHEDULES else parallelism
+        parallelism = pp_config("1f1b") if name == "1f1b_cu" else parallelism
         ddp = name in ("ddp", "ddp_one")
         shard = (
             (0 if name == "ddp_one" else rank // 2)
@@ -163,7 +191,8 @@ def train_packed_pp(rank: int, world_size: int) -> Dict[str, Any]:
         torch.manual_seed(0)
         with torch.device("meta") if not ddp else contextlib.nullcontext():
             net = TransformerLM(vocab=VOCAB, width=32, heads=4, depth=4, length=SEQ)
-        loader = DataLoader(packed_rows(32, seed=100 + shard), batch_size=8)
+        collate = cu_seqlens_rows if name == "1f1b_cu" else None
+        loader = DataLoader(packed_rows(32, seed=100 + shard), batch_size=8, collate_fn=collate)
         counter = EventCounter()
         trainer = Trainer(
             model=net,
@@ -174,7 +203,9 @@ def train_packed_pp(rank: int, world_size: int) -> Dict[str, Any]:
             parallelism=parallelism,
             callbacks=[counter],
         )
+        conversions[0] = 0
         trainer.fit()
+        converted = conversions[0]
         predicted = [
             torch.cat(trainer.predict(DataLoader(rows(packed_batch(change)), batch_size=2))) for change in (False, True)
         ]
@@ -184,6 +215,7 @@ def train_packed_pp(rank: int, world_size: int) -> Dict[str, Any]:
             "timestamp": trainer.state.timestamp.state_dict(),
             "shard": shard,
             "predict": predicted,
+            "conversions": converted,
         }
         trainer.close()
     return out

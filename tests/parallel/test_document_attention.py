@@ -186,7 +186,8 @@ def test_packed_training_under_pp_2_x_dp_2_matches_ddp_for_each_schedule_and_kee
     blocks get their microbatch's document ids by the index that travels with the activations) to
     DDP's parameters and losses, with the Timestamp counting each pipeline's real tokens once; after
     training, predict (the stages forward only, one row per microbatch) gives DDP's logits and the
-    leak check holds: changing a token of document 11 moves no output of another document."""
+    leak check holds: changing a token of document 11 moves no output of another document. 1F1B trains
+    the same from ``cu_seqlens`` batches, converting each microbatch to document ids once per rank."""
     from tests.parallel.doc_mask_workloads import PP_SCHEDULES, packed_rows, train_packed_pp
 
     results = run_ranks(4, train_packed_pp)
@@ -223,3 +224,12 @@ def test_packed_training_under_pp_2_x_dp_2_matches_ddp_for_each_schedule_and_kee
         for got, expected in zip(run["predict"], one["predict"]):
             torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
         assert _leaks(*run["predict"]) == ONLY_DOC11_MOVES
+    # 1F1B on the same rows as cu_seqlens batches: the same training, each microbatch's document ids
+    # computed once on each rank (not again for the loss or for each block of a stage).
+    for plain, cu in ((r["1f1b"], r["1f1b_cu"]) for r in results):
+        assert cu["losses"] == plain["losses"]
+        assert [cu["timestamp"][k] for k in ("batch", "sample", "token")] == [
+            plain["timestamp"][k] for k in ("batch", "sample", "token")
+        ]
+        assert all(torch.equal(cu["model"][k], plain["model"][k]) for k in plain["model"])
+        assert cu["conversions"] == 4 * 2, cu["conversions"]  # 4 batches of 2 microbatches
