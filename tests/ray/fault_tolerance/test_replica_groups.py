@@ -481,8 +481,7 @@ def test_the_lighthouse_dying_fails_the_run_with_the_fix(ray_cluster, tmp_path):
     def kill_lighthouse() -> None:
         deadline = time.time() + 300
         while time.time() < deadline and not killed:
-            pids = [p for p in glob.glob(os.path.join(folder, "proc-*.json"))]
-            steps = [_steps_of(folder, json.load(open(p))["pid"], 2) for p in pids]
+            steps = [_steps_of(folder, p["pid"], 2) for p in live_procs(folder)]  # a group restarted early: its new one
             if len(steps) == 2 and min(steps) >= 3 and _lighthouse_pids(raylet):
                 for pid in _lighthouse_pids(raylet):
                     os.kill(pid, signal.SIGKILL)
@@ -499,7 +498,9 @@ def test_the_lighthouse_dying_fails_the_run_with_the_fix(ray_cluster, tmp_path):
         batch_size=GLOBAL_BATCH // 2,
         num_workers=2,
         fault_tolerance="replica_groups",
-        replica_timeout_s=10.0,  # the lost Lighthouse ends the run after one quorum timeout: 20 s, not the default 60
+        # The lost Lighthouse ends the run after one quorum timeout (twice this: 10 s, not the default 60). A gloo or
+        # quorum timeout before the kill would only restart a group (max_failures), never end the run.
+        replica_timeout_s=5.0,
         max_failures=4,
         callbacks=lambda: [RecordCommits(folder, 0.3)],
         storage_path=str(tmp_path / "runs"),
