@@ -40,7 +40,7 @@ Four parts (issue 50), each printed as a table with medians and spreads ``[min-m
 4. ``cpu``: the data path's CPU work per sequence without Ray (in this process, CPU time, so a
    loaded machine moves it less than wall time), both sides of the object store: the read tasks
    (`pack_reads`: read the token row groups and pack; for the flat layout its read
-   (`_window_inputs`) and `pack_runs` apart; the same documents in the documents layout as a whole)
+   (`window_inputs`) and `pack_runs` apart; the same documents in the documents layout as a whole)
    and the ranks (`packed_tensors` of each rank's part of a batch, 32 sequences, as the loader makes
    it, in either document format: ``document_ids``/``position_ids`` expanded per token, or
    ``cu_seqlens``), against the same sequences as fixed-length token rows (their ``input_ids`` alone, read by
@@ -157,7 +157,7 @@ def _write_prepacked(source: Any, path: str, columns: Any = None, plain: bool = 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from raytrain_events.data.ray.packed_source import pack_read
+    from raytrain_events.data.ray.packed_reads import pack_read
 
     os.makedirs(path, exist_ok=True)
     tables = [pack_read(**source.window_args(w)) for w in range(len(source.windows))]
@@ -357,7 +357,8 @@ def _cpu_row(folder: str, policy: str, longest: int, repeats: int) -> str:  # no
     from raytrain_events.data.ray.batch_tensors import table_to_torch
     from raytrain_events.data.ray.pack_tokens import pack_tokens
     from raytrain_events.data.ray.packed_batch import FORMAT_KEY, packed_tensors
-    from raytrain_events.data.ray.packed_source import PackedTokens, _window_inputs, pack_reads
+    from raytrain_events.data.ray.packed_reads import pack_reads, window_inputs
+    from raytrain_events.data.ray.packed_source import PackedTokens
     from raytrain_events.data.ray.parquet_seek import ParquetRowGroups, _read_units
 
     reads, args = {}, {}
@@ -391,7 +392,7 @@ def _cpu_row(folder: str, policy: str, longest: int, repeats: int) -> str:  # no
         _write_prepacked(source, os.path.join(folder, name), ["input_ids"], plain=plain)
         rows = ParquetRowGroups(os.path.join(folder, name))
         fixed[name] = (rows.paths, [[(f, g) for f, g, _ in group] for group in rows.reads(rows.units)])
-    inputs = [_window_inputs(a) for a in args["flat"]]
+    inputs = [window_inputs(a) for a in args["flat"]]
 
     def rank(blocks: List[Any], packed: bool) -> None:  # each rank's part of each batch, as the loader makes it
         for block in blocks:
@@ -415,7 +416,7 @@ def _cpu_row(folder: str, policy: str, longest: int, repeats: int) -> str:  # no
         "default": lambda: unpacked("default"),
         "plain": lambda: unpacked("plain"),
         "documents": lambda: _cpu_per_sequence(lambda: [pack_reads(r) for r in reads["documents"]], n),
-        "read": lambda: _cpu_per_sequence(lambda: [_window_inputs(a) for a in args["flat"]], n),
+        "read": lambda: _cpu_per_sequence(lambda: [window_inputs(a) for a in args["flat"]], n),
         "pack": lambda: _cpu_per_sequence(lambda: [pack_runs(t, k, i, 1024, policy) for t, k, i in inputs], n),
         "rank": lambda: _cpu_per_sequence(lambda: rank(blocks, True), n),
         "rank_cu": lambda: _cpu_per_sequence(lambda: rank(cu_blocks, True), n),
