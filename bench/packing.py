@@ -31,11 +31,16 @@ Four parts (issue 50), each printed as a table with medians and spreads ``[min-m
    first read-ahead) are left out. `PackedTokens` in both document formats (``document_format=
    "cu_seqlens"``: the batch carries ``cu_seqlens`` instead of per-token ids; each batch's keys are
    checked, so the format is seen to survive the object store). Arms interleaved, in an order rotated
-   per repeat, ``--repeats`` each; the ratios are per repeat.
+   per repeat, ``--repeats`` each; the ratios are per repeat. Each arm runs ``--epochs`` epochs (default
+   3) of one feeder, measured from its 33rd batch: one epoch is about a second here, and a window that
+   short held the feeder's start, the read tasks' workers starting and the first read-ahead. A second
+   table gives each arm's CPU per sequence summed over every process of the path (the loaders here, the
+   feeder, the read tasks' workers, Ray's own), which on these shared cores is what bounds the rate and
+   moves far less with the load than the rate does.
 4. ``cpu``: the data path's CPU work per sequence without Ray (in this process, CPU time, so a
    loaded machine moves it less than wall time), both sides of the object store: the read tasks
    (`pack_reads`: read the token row groups and pack; for the flat layout its read
-   (`_window_inputs`) and `pack_runs` apart; the same documents in the documents layout as a whole)
+   (`window_inputs`) and `pack_runs` apart; the same documents in the documents layout as a whole)
    and the ranks (`packed_tensors` of each rank's part of a batch, 32 sequences, as the loader makes
    it, in either document format: ``document_ids``/``position_ids`` expanded per token, or
    ``cu_seqlens``), against the same sequences as fixed-length token rows (their ``input_ids`` alone, read by
@@ -61,7 +66,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import numpy as np
 
@@ -152,7 +157,7 @@ def _write_prepacked(source: Any, path: str, columns: Any = None, plain: bool = 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from raytrain_events.data.ray.packed_source import pack_read
+    from raytrain_events.data.ray.packed_reads import pack_read
 
     os.makedirs(path, exist_ok=True)
     tables = [pack_read(**source.window_args(w)) for w in range(len(source.windows))]
@@ -165,7 +170,31 @@ def _write_prepacked(source: Any, path: str, columns: Any = None, plain: bool = 
     )
 
 
-def _steady_rate(ray: Any, source: Any, world: int = 2, batch: int = 64, skip: int = 32) -> float:
+def _cpu_seconds() -> Dict[int, float]:
+    """CPU seconds so far of this process and every process under it (the local Ray it started: GCS,
+    raylet, the feeder, the read tasks' workers, ...), by pid."""
+    import psutil
+
+    me = psutil.Process()
+    out = {}
+    for proc in [me] + me.children(recursive=True):
+        try:
+            times = proc.cpu_times()
+        except psutil.Error:  # ended meanwhile
+            continue
+        out[proc.pid] = times.user + times.system
+    return out
+
+
+def _steady_rate(
+    ray: Any, source: Any, world: int = 2, batch: int = 64, skip: int = 32, epochs: int = 3
+) -> Tuple[float, float]:
+    """``(sequences/s, CPU us per sequence of every process of the path)`` over ``epochs`` epochs of one
+    feeder, from batch ``skip`` of the first: the feeder's start and first read-ahead left out, and a
+    window long enough (each epoch is about a second here) that the read tasks' workers, which Ray
+    starts as the reads ask for them, are warm for most of it. The CPU is the machine's whole cost of the
+    path (this process's two loaders, the feeder actor, the read tasks, Ray's own processes), summed over
+    the processes alive at the window's end; on a shared machine it moves far less than the rate."""
     from raytrain_events.data.ray.feeder import FEEDER_OPTIONS, EpochFeeder
     from raytrain_events.data.ray.loader import GlobalOrderLoader, GlobalOrderShard
 
@@ -173,43 +202,56 @@ def _steady_rate(ray: Any, source: Any, world: int = 2, batch: int = 64, skip: i
     loaders = [
         GlobalOrderLoader(GlobalOrderShard(feeder, r, world, batch, source.count()), device="cpu") for r in range(world)
     ]
-    for loader in loaders:
-        loader.set_epoch(0)
-        loader.set_position(0)
-    rows, start = 0, None
-    for k, per_rank in enumerate(zip(*loaders)):
-        if k == skip:
-            start, rows = time.perf_counter(), 0
-        for b in per_rank:  # the same per-batch work in both arms: every token read once
-            rows += int(b["input_ids"].shape[0])
-            int(b["input_ids"].sum())
-            assert "cu_seqlens" in b or source.schema.names == list(b), (list(b), source.schema.names)
+    rows, start, before = 0, 0.0, None
+    for epoch in range(epochs):
+        for loader in loaders:
+            loader.set_epoch(epoch)
+            loader.set_position(0)
+        for k, per_rank in enumerate(zip(*loaders)):
+            if epoch == 0 and k == skip:
+                start, rows, before = time.perf_counter(), 0, _cpu_seconds()
+            for b in per_rank:  # the same per-batch work in both arms: every token read once
+                rows += int(b["input_ids"].shape[0])
+                int(b["input_ids"].sum())
+                assert "cu_seqlens" in b or source.schema.names == list(b), (list(b), source.schema.names)
+    wall = time.perf_counter() - start
+    after = _cpu_seconds()
     ray.kill(feeder)
-    assert start is not None
-    return rows / (time.perf_counter() - start)
+    assert before is not None
+    cpu = sum(t - before.get(pid, 0.0) for pid, t in after.items())
+    return rows / wall, cpu / rows * 1e6
 
 
-def datapath_part(out: str, repeats: int) -> None:
-    print("\n## Data path: steady sequences/s, 2 ranks, batches of 64 sequences of 1024 tokens\n")
-    print(
+def datapath_part(out: str, repeats: int, epochs: int = 3) -> None:
+    head = (
         "| policy | tokens only (input_ids rows, no masks) | pre-packed (all 4 columns) | PackedTokens "
         "(packing in the read tasks) | PackedTokens, cu_seqlens | PackedTokens over pack_tokens' output (packed "
         "offline) | PackedTokens / pre-packed | PackedTokens / tokens only | cu_seqlens / tokens only "
         "| packed offline / tokens only |"
     )
-    print("| --- " * 10 + "|")
-    notes = []
+    rows, cpus, notes = [], [], []
+    load = os.getloadavg()
     for policy, longest in (("concat", 2_000), ("best_fit", 1_024)):
-        row, note = _datapath_row(os.path.join(out, f"datapath-{policy}"), policy, longest, repeats)
-        print(row)
+        row, cpu, note = _datapath_row(os.path.join(out, f"datapath-{policy}"), policy, longest, repeats, epochs)
+        rows.append(row)
+        cpus.append(cpu)
         notes.append(note)
+    print(f"\n## Data path: steady sequences/s, 2 ranks, batches of 64 sequences of 1024 tokens, {epochs} epochs\n")
+    print(head + "\n" + "| --- " * 10 + "|\n" + "\n".join(rows))
+    print("\n## Data path: CPU us per sequence, every process (this one's loaders, the feeder, read tasks, Ray's)\n")
+    print(head.replace(" / ", " / (CPU) ") + "\n" + "| --- " * 10 + "|\n" + "\n".join(cpus))
+    print(
+        "\n(CPU ratios: the inverse ratio of the CPU per sequence, the rows/s where the machine's CPU bounds the path.)"
+    )
+    print(f"load average (1 min) {load[0]:.2f} before, {os.getloadavg()[0]:.2f} after; {os.cpu_count()} CPUs")
     print("\n" + "\n".join(notes))
 
 
-def _datapath_row(folder: str, policy: str, longest: int, repeats: int) -> Any:
-    """Three arms over the very same sequences, interleaved per repeat: `PackedTokens`; the
-    sequences written pre-packed (what it yields: 16 bytes per token); their ``input_ids`` alone
-    (fixed-length token rows, as a run without packing and document masks reads: 4 bytes per token)."""
+def _datapath_row(folder: str, policy: str, longest: int, repeats: int, epochs: int) -> Any:
+    """Five arms over the very same sequences, interleaved per repeat: `PackedTokens` (both document
+    formats, and over `pack_tokens`' output); the sequences written pre-packed (what it yields: 16 bytes
+    per token); their ``input_ids`` alone (fixed-length token rows, as a run without packing and
+    document masks reads: 4 bytes per token). Each arm ``epochs`` epochs of one feeder (`_steady_rate`)."""
     import ray
     from packed_data import write_tokens
 
@@ -240,21 +282,30 @@ def _datapath_row(folder: str, policy: str, longest: int, repeats: int) -> Any:
     arms["offline"] = PackedTokens(os.path.join(folder, "offline"), seq_len=1024, policy=policy)
     assert arms["offline"].window_sequences == packed.window_sequences
     rates: Dict[str, List[float]] = {name: [] for name in arms}
+    cpus: Dict[str, List[float]] = {name: [] for name in arms}
     names = list(arms)
     for r in range(repeats):  # interleaved, in an order rotated per repeat
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            rates[name].append(_steady_rate(ray, arms[name]))
-    ratio = [a / b for a, b in zip(rates["packed"], rates["prepacked"])]
-    plain = [a / b for a, b in zip(rates["packed"], rates["tokens"])]
-    plain_cu = [a / b for a, b in zip(rates["cu"], rates["tokens"])]
-    offline = [a / b for a, b in zip(rates["offline"], rates["tokens"])]
-    row = (
-        f"| {policy} | {_spread(rates['tokens'])} | {_spread(rates['prepacked'])} | {_spread(rates['packed'])} "
-        f"| {_spread(rates['cu'])} | {_spread(rates['offline'])} | {_spread(ratio, 3)} | {_spread(plain, 3)} "
-        f"| {_spread(plain_cu, 3)} | {_spread(offline, 3)} |"
+            rate, cpu = _steady_rate(ray, arms[name], epochs=epochs)
+            rates[name].append(rate)
+            cpus[name].append(1 / cpu)  # sequences per CPU us: its ratios are the inverse of the CPU's
+
+    def cells(values: Dict[str, List[float]], scale: Any) -> str:
+        ratios = [[a / b for a, b in zip(values[x], values[y])] for x, y in _RATIOS]
+        shown = " | ".join(_spread([scale(v) for v in values[name]]) for name in _ARMS)
+        return f"| {policy} | {shown} | " + " | ".join(_spread(r, 3) for r in ratios) + " |"
+
+    note = (
+        f"{policy}: {packed.count()} sequences from {packed.documents} documents ({packed.real_tokens} tokens); per "
+        f"epoch {len(packed.windows)} windows (bundles) in {len(packed.reads(list(range(len(packed.windows)))))} "
+        f"read tasks, tokens only {len(arms['tokens'].units)} row groups in "
+        f"{len(arms['tokens'].reads(arms['tokens'].units))}"
     )
-    note = f"{policy}: {packed.count()} sequences from {packed.documents} documents ({packed.real_tokens} tokens)"
-    return row, note
+    return cells(rates, float), cells(cpus, lambda v: 1 / v), note
+
+
+_ARMS = ("tokens", "prepacked", "packed", "cu", "offline")
+_RATIOS = (("packed", "prepacked"), ("packed", "tokens"), ("cu", "tokens"), ("offline", "tokens"))
 
 
 def _cpu_per_sequence(work: Any, sequences: int, tries: int = 3) -> float:
@@ -306,7 +357,8 @@ def _cpu_row(folder: str, policy: str, longest: int, repeats: int) -> str:  # no
     from raytrain_events.data.ray.batch_tensors import table_to_torch
     from raytrain_events.data.ray.pack_tokens import pack_tokens
     from raytrain_events.data.ray.packed_batch import FORMAT_KEY, packed_tensors
-    from raytrain_events.data.ray.packed_source import PackedTokens, _window_inputs, pack_reads
+    from raytrain_events.data.ray.packed_reads import pack_reads, window_inputs
+    from raytrain_events.data.ray.packed_source import PackedTokens
     from raytrain_events.data.ray.parquet_seek import ParquetRowGroups, _read_units
 
     reads, args = {}, {}
@@ -340,7 +392,7 @@ def _cpu_row(folder: str, policy: str, longest: int, repeats: int) -> str:  # no
         _write_prepacked(source, os.path.join(folder, name), ["input_ids"], plain=plain)
         rows = ParquetRowGroups(os.path.join(folder, name))
         fixed[name] = (rows.paths, [[(f, g) for f, g, _ in group] for group in rows.reads(rows.units)])
-    inputs = [_window_inputs(a) for a in args["flat"]]
+    inputs = [window_inputs(a) for a in args["flat"]]
 
     def rank(blocks: List[Any], packed: bool) -> None:  # each rank's part of each batch, as the loader makes it
         for block in blocks:
@@ -364,7 +416,7 @@ def _cpu_row(folder: str, policy: str, longest: int, repeats: int) -> str:  # no
         "default": lambda: unpacked("default"),
         "plain": lambda: unpacked("plain"),
         "documents": lambda: _cpu_per_sequence(lambda: [pack_reads(r) for r in reads["documents"]], n),
-        "read": lambda: _cpu_per_sequence(lambda: [_window_inputs(a) for a in args["flat"]], n),
+        "read": lambda: _cpu_per_sequence(lambda: [window_inputs(a) for a in args["flat"]], n),
         "pack": lambda: _cpu_per_sequence(lambda: [pack_runs(t, k, i, 1024, policy) for t, k, i in inputs], n),
         "rank": lambda: _cpu_per_sequence(lambda: rank(blocks, True), n),
         "rank_cu": lambda: _cpu_per_sequence(lambda: rank(cu_blocks, True), n),
@@ -397,6 +449,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="efficiency,tokenize,datapath,cpu")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=3, help="epochs per datapath arm (default 3)")
     parser.add_argument("--cpus", type=int, default=4, help="logical CPUs of the local Ray (default 4)")
     parser.add_argument(
         "--code",
@@ -408,20 +461,20 @@ def main() -> None:
     if args.code:
         sys.path.insert(0, os.path.abspath(args.code))
     parts = args.parts.split(",")
-    out = tempfile.mkdtemp(prefix="bench-packing-")
-    data = corpus(out) if {"efficiency", "tokenize"} & set(parts) else {}
-    if "efficiency" in parts:
-        efficiency_part(data, out)
-    if {"tokenize", "datapath"} & set(parts):
-        from raytrain_events.ray.cluster import ensure_ray
+    with tempfile.TemporaryDirectory(prefix="bench-packing-") as out:  # about 1.5 GB for the datapath part
+        data = corpus(out) if {"efficiency", "tokenize"} & set(parts) else {}
+        if "efficiency" in parts:
+            efficiency_part(data, out)
+        if {"tokenize", "datapath"} & set(parts):
+            from raytrain_events.ray.cluster import ensure_ray
 
-        ensure_ray(num_cpus=args.cpus)
-    if "tokenize" in parts:
-        tokenize_part(data, out, args.repeats)
-    if "datapath" in parts:
-        datapath_part(out, args.repeats)
-    if "cpu" in parts:
-        cpu_part(out, args.repeats)
+            ensure_ray(num_cpus=args.cpus)
+        if "tokenize" in parts:
+            tokenize_part(data, out, args.repeats)
+        if "datapath" in parts:
+            datapath_part(out, args.repeats, args.epochs)
+        if "cpu" in parts:
+            cpu_part(out, args.repeats)
 
 
 if __name__ == "__main__":

@@ -160,7 +160,7 @@ def eval_dataset(source: Any) -> Any:
     import pyarrow as pa
     import ray
 
-    from raytrain_events.data.ray.packed_source import pack_read
+    from raytrain_events.data.ray.packed_reads import pack_read
 
     return ray.data.from_arrow(
         pa.concat_tables([pack_read(**source.window_args(w)) for w in range(len(source.windows))])

@@ -15,7 +15,8 @@ from tests.example_scripts import load_example
 
 
 def test_the_example_text_tokenizes_packs_and_trains_a_step(tmp_path) -> None:
-    from raytrain_events.data.ray.packed_source import PackedTokens, pack_read
+    from raytrain_events.data.ray.packed_reads import pack_read
+    from raytrain_events.data.ray.packed_source import PackedTokens
     from raytrain_events.data.ray.tokenize import tokenize_file
 
     example = load_example("packed_lm.py", "packed_lm_example")

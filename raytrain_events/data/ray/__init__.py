@@ -34,6 +34,8 @@ Files:
   (straight to tensors, or as an Arrow table).
 * ``packed_files.py``: The ``packed`` token layout: pack windows' sequences written once
   (`pack_tokens`), read with no packing work.
+* ``packed_reads.py``: The read-task side of `PackedTokens`: what one Ray read task runs (read
+  windows of token row groups, pack them into one compact block: `pack_reads`).
 * ``packed_source.py``: `PackedTokens`: token documents in Parquet packed into ``seq_len``
   sequences, as a seekable train source.
 * ``parquet_seek.py``: `ParquetRowGroups`: a Parquet train source that a resumed epoch enters at

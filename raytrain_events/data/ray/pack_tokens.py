@@ -32,7 +32,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from raytrain_events.core.packing import check_policy, pack_runs
 from raytrain_events.data.ray.packed_files import PACK_KEY, WRITER_OPTIONS, packed_schema, window_table
-from raytrain_events.data.ray.packed_source import PackedTokens, _window_inputs
+from raytrain_events.data.ray.packed_reads import window_inputs
+from raytrain_events.data.ray.packed_source import PackedTokens
 from raytrain_events.data.ray.parquet_seek import ParquetRowGroups
 from raytrain_events.data.ray.token_files import VOCAB_KEY, check_compression
 from raytrain_events.data.ray.tokenize import _fs, _join, _shard_file
@@ -179,7 +180,7 @@ def _write_shard(  # noqa: PLR0913 (the source, the shard, how to write it)
     with _shard_file(output, storage_options) as tmp, pq.ParquetWriter(tmp, schema, **options) as writer:
         for w in windows:
             args = source.window_args(w)
-            chunks, lengths, ids = _window_inputs(args)
+            chunks, lengths, ids = window_inputs(args)
             runs = pack_runs(chunks, lengths, ids, source.seq_len, source.policy, source.pad_id, args["what"])
             if len(runs.num_tokens) != source.window_sequences[w]:
                 raise RuntimeError(

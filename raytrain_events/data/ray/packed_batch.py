@@ -1,4 +1,4 @@
-"""A rank's part of a batch of packed sequences (`packed_source.pack_reads`' compact blocks) expanded
+"""A rank's part of a batch of packed sequences (`packed_reads.pack_reads`' compact blocks) expanded
 to the public columns: ``input_ids``, ``document_ids`` (int64), ``position_ids`` (int32), ``num_tokens``;
 or, under ``PackedTokens(document_format="cu_seqlens")`` (`DOCUMENT_FORMATS`), ``input_ids``,
 ``cu_seqlens``, ``max_seqlen``, ``num_tokens`` (`cu_seqlens_of`: O(runs + sequences), nothing per token).

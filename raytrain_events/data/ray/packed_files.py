@@ -11,7 +11,7 @@ let the driver build the source without reading a token (`packed_state`): ``sequ
 fingerprint of its input; `token_files.VOCAB_KEY` is copied from the input. 4 bytes per token
 (padding included) plus 12 per run, as the compact block a read task hands on.
 
-A read task (`packed_block`, called by `packed_source.pack_reads`) reads its windows' row groups and
+A read task (`packed_block`, called by `packed_reads.pack_reads`) reads its windows' row groups and
 makes the same compact block the on-the-fly path makes, from NumPy views of the bytes read (no
 placement, no gather, no copy of the tokens), after an O(runs) check that the runs tile the
 sequences (a corrupt file is refused there, naming the fix).
@@ -118,7 +118,7 @@ def packed_footers(
 
 
 def packed_block(windows: List[Dict[str, Any]]) -> Any:
-    """A read task over packed files: the windows' sequences as the compact block `packed_source.pack_reads`
+    """A read task over packed files: the windows' sequences as the compact block `packed_reads.pack_reads`
     makes (``input_ids``, ``num_tokens``, ``run_documents``, ``run_lengths``), from views of the bytes read:
     no placement, no gather, no copy of the tokens (one chunk per window)."""
     import pyarrow as pa

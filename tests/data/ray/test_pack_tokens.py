@@ -23,7 +23,8 @@ import pytest
 
 from raytrain_events.data.ray.pack_tokens import pack_tokens
 from raytrain_events.data.ray.packed_batch import expand_packed
-from raytrain_events.data.ray.packed_source import PackedTokens, pack_reads
+from raytrain_events.data.ray.packed_reads import pack_reads
+from raytrain_events.data.ray.packed_source import PackedTokens
 from raytrain_events.data.ray.parquet_seek import stream_entry
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

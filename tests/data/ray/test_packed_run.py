@@ -88,7 +88,7 @@ def _sources(folder: str):
         os.path.join(folder, "code"), files=3, groups=2, docs_per_group=30, seed=2, first_id=100_000, longest=SEQ
     )
     from raytrain_events.data.ray.pack_tokens import pack_tokens
-    from raytrain_events.data.ray.packed_source import pack_reads
+    from raytrain_events.data.ray.packed_reads import pack_reads
 
     packed = os.path.join(folder, "code-packed")
     pack_tokens(code, packed, seq_len=SEQ, policy="best_fit", window_tokens=300, windows_per_shard=2)

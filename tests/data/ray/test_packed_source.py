@@ -136,8 +136,8 @@ def test_blocks_carry_runs_and_a_rank_expands_any_cut_of_them_to_the_batch_colum
 
     from raytrain_events.core.packing import expand_runs
     from raytrain_events.data.ray.batch_tensors import table_to_torch
-    from raytrain_events.data.ray.packed_batch import packed_tensors
-    from raytrain_events.data.ray.packed_source import expand_packed, pack_read, pack_reads
+    from raytrain_events.data.ray.packed_batch import expand_packed, packed_tensors
+    from raytrain_events.data.ray.packed_reads import pack_read, pack_reads
 
     source = PackedTokens(tokens[0], seq_len=SEQ, policy=policy, window_tokens=WINDOW)
     groups = [[source.window_args(w) for w in ws] for ws in ([0, 1], [2, 3, 4])]
@@ -171,7 +171,8 @@ def test_the_loader_turns_a_batch_of_two_blocks_into_the_expanded_tensors(tokens
 
     from raytrain_events.data.ray.batch_tensors import table_to_torch
     from raytrain_events.data.ray.loader import GlobalOrderLoader
-    from raytrain_events.data.ray.packed_source import expand_packed, pack_reads
+    from raytrain_events.data.ray.packed_batch import expand_packed
+    from raytrain_events.data.ray.packed_reads import pack_reads
     from raytrain_events.data.ray.slices import RowRange
 
     source = PackedTokens(tokens[0], seq_len=SEQ, policy="best_fit", window_tokens=WINDOW)
@@ -197,7 +198,8 @@ def test_cu_seqlens_batches_carry_the_same_documents_and_train_the_same_model(to
     transformer trained three steps from either format gives identical logits and losses."""
     from examples.transformer_lm import TransformerLM
     from raytrain_events.data.ray.loader import GlobalOrderLoader
-    from raytrain_events.data.ray.packed_source import count_real_tokens, pack_reads
+    from raytrain_events.data.ray.packed_reads import pack_reads
+    from raytrain_events.data.ray.packed_source import count_real_tokens
     from raytrain_events.data.ray.slices import RowRange
     from raytrain_events.parallel.document_attention import cu_seqlens_to_ids
 

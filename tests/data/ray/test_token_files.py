@@ -20,7 +20,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from raytrain_events.data.ray.packed_source import PackedTokens, pack_read, pack_reads
+from raytrain_events.data.ray.packed_reads import pack_read, pack_reads
+from raytrain_events.data.ray.packed_source import PackedTokens
 from raytrain_events.data.ray.token_files import (
     LAYOUT_KEY,
     flat_schema,
