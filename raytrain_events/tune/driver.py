@@ -24,6 +24,7 @@ from raytrain_events.storage.run_dir import SWEEP_FILE
 from raytrain_events.tune.console import SweepConsole
 from raytrain_events.tune.mixture_pbt import check_mixture_pbt
 from raytrain_events.tune.mixture_searcher import MixtureSearcher
+from raytrain_events.tune.pbt_end import EndAwarePBT
 from raytrain_events.tune.placement import ReleaseTrainWorkers, release_placement_groups, start_registry
 from raytrain_events.tune.results import TIME_ATTRS, SweepResult, is_finite_number, make_result
 from raytrain_events.tune.sets import space_choices, validate_set
@@ -278,7 +279,10 @@ def _run(base: RunSpec, experiment: _Experiment, search: _Search) -> Any:
             mode=search.mode,
             keep_every_checkpoint=search.is_pbt,
         )
-        tuner = _tuner(setup, experiment, search, concurrency=_concurrency(base, search), console=console)
+        concurrency = _concurrency(base, search)
+        if isinstance(search.scheduler, EndAwarePBT):  # pauses no trial to make room when every trial has it
+            search.scheduler.trials_at_once = min(concurrency, _cluster_holds(base))
+        tuner = _tuner(setup, experiment, search, concurrency=concurrency, console=console)
         try:
             with _lenient_metric_checking(), quiet_terminal(search.verbose >= 2):
                 return tuner.fit()
@@ -372,6 +376,11 @@ def _concurrency(base: RunSpec, search: _Search) -> int:
     """Trials at once: ``max_concurrent_trials``, else how many trials' worker groups fit on the cluster (at least 1)."""
     if search.max_concurrent_trials is not None:
         return search.max_concurrent_trials
+    return _cluster_holds(base)
+
+
+def _cluster_holds(base: RunSpec) -> int:
+    """How many worker groups of ``base``'s scaling config the cluster's resources hold (at least 1)."""
     import ray
 
     demand = dict(getattr(base.scaling.ray_scaling_config(), "total_resources", None) or {"CPU": 1.0})

@@ -9,7 +9,7 @@ global Timestamp, data position) with a mutated config: another algorithm set fr
 mixture weights perturbed on the simplex (``mixture=``, `raytrain_events.tune.mixture_pbt`). The
 trial records the copy in its lineage (`SweepResult.lineage`). A trial's final report moves
 nothing (`raytrain_events.tune.pbt_end`): a copy into or out of a finished run would restart a worker
-group to train no batch.
+group to train no batch; and no trial is paused to make room while the sweep runs every live trial at once.
 
 Trials must save checkpoints at least as often as they report at a perturbation: PBT copies the
 checkpoint reported with a top trial's latest result, and skips the exploit if that result

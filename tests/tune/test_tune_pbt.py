@@ -143,6 +143,9 @@ def test_tune_pbt_example_copies_the_good_trial_into_the_bad_ones(pbt_run):
     assert len(records) == 3
     steps = [step for record in records for step in record.get("lineage") or []]
     assert len(steps) == copies
+    # Every Train run is a trial's first or a copy: the population runs at once, so PBT paused no trial to make
+    # room (a pause ended its run and restarted it from its own checkpoint: `EndAwarePBT.trials_at_once`).
+    assert len(pbt_run["fit_starts"]) == len(LRS) + copies, pbt_run["fit_starts"]
     tune_results = {row["path"].rstrip("/").rsplit("/", 1)[-1]: pbt_run["result"].histories[row["trial_id"]]
                     for row in pbt_run["result"].rows}  # fmt: skip
     for step in steps:

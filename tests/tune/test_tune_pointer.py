@@ -258,6 +258,46 @@ def test_pbt_neither_copies_into_nor_out_of_a_trial_at_its_final_report(monkeypa
     assert type(pbt_scheduler("512sp", lr=[0.1, 0.2], synch=True)) is PopulationBasedTraining
 
 
+def test_pbt_pauses_no_trial_for_room_while_the_sweep_runs_every_live_trial_at_once(monkeypatch):
+    """Tune's asynchronous PBT pauses a trial at its perturbation point while another is pending or paused (a
+    copied trial is paused to restart on its copy): time-multiplexing, whose pause ends the trial's Train run
+    and restarts it from its own checkpoint. With room for every live trial (``trials_at_once``, set by `sweep`)
+    the trial goes on; without it (or unset: Tune's behaviour) it is paused, as Tune's own PBT does."""
+    from types import SimpleNamespace
+
+    from ray.tune.experiment import Trial
+    from ray.tune.schedulers import PopulationBasedTraining, TrialScheduler
+
+    from raytrain_events.tune import pbt_scheduler
+
+    def decision(scheduler, trials_at_once=None, finished=0):
+        scheduler.trials_at_once = trials_at_once
+        monkeypatch.setattr(scheduler, "_checkpoint_or_exploit", lambda *args: None)
+        trials = [Trial("__fake", stub=True) for _ in range(3 + finished)]
+        controller = SimpleNamespace(search_alg=None, get_trials=lambda: trials)
+        for trial in trials:
+            scheduler.on_trial_add(controller, trial)
+            trial.set_status(Trial.RUNNING)
+        trials[1].set_status(Trial.PAUSED)  # it copied a donor: paused, to restart on the copy
+        for trial in trials[3:]:
+            trial.set_status(Trial.TERMINATED)  # finished trials need no room
+        return scheduler.on_trial_result(controller, trials[0], {"time/sample": 512, "loss": 0.1, "final": False})
+
+    ours = lambda: pbt_scheduler("512sp", lr=[0.1, 0.2], metric="loss", mode="min")  # noqa: E731
+    assert decision(ours(), trials_at_once=3) == TrialScheduler.CONTINUE
+    assert decision(ours(), trials_at_once=3, finished=2) == TrialScheduler.CONTINUE
+    assert decision(ours(), trials_at_once=2) == TrialScheduler.PAUSE  # a trial waits for room: time-multiplexed
+    assert decision(ours()) == TrialScheduler.PAUSE
+    tunes = PopulationBasedTraining(
+        time_attr="time/sample",
+        metric="loss",
+        mode="min",
+        perturbation_interval=512,
+        hyperparam_mutations={"lr": [0.1]},
+    )
+    assert decision(tunes, trials_at_once=3) == TrialScheduler.PAUSE  # what the test tells apart
+
+
 def test_a_finished_trials_record_is_replayed_only_for_the_run_tune_restores(tmp_path):
     from raytrain_events.tune.trial import results_to_replay
 
