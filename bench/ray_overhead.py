@@ -226,14 +226,25 @@ class EpochClock(Callback):
             _write(self.config["bench_out"], f"{self.config['bench_tag']}-rank{state.rank}.json", record)
 
 
+class _Read:
+    """A shipped run already read (``get`` as `Shipped.get`), so the entry's clock reaches the worker's spec."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def get(self):
+        return self.value
+
+
 def _timed_entry(inner, out_dir: str, tag: str, profile_dir=None):
     """Wrap RayTrainer's worker entry point: note when its first line runs and when it returns."""
 
     def entry(config):
         profiler = _start_profiler(profile_dir, tag)
-        config["spec"].config["bench_t0"] = time.perf_counter()
+        run = config["run"].get()  # the driver's shipped run (`raytrain_events.ray.shipped.Shipped`)
+        run["spec"].config["bench_t0"] = time.perf_counter()
         try:
-            return inner(config)
+            return inner({**config, "run": _Read(run)})
         finally:
             _mark_exit(out_dir, tag)
             _stop_profiler(profiler)
@@ -377,7 +388,12 @@ def read_arm(out_dir: str, tag: str, workers: int, fit_span) -> dict:
     for r in range(workers):
         with open(os.path.join(out_dir, f"{tag}-rank{r}.json")) as f:
             recs.append(json.load(f))
-        with open(os.path.join(out_dir, f"{tag}-rank{r}-exit.json")) as f:
+        exit_file = os.path.join(out_dir, f"{tag}-rank{r}-exit.json")
+        if not os.path.exists(exit_file):  # seen on a second `ours` fit: the wrapper's `finally` left no file
+            print(f"  ({tag}: rank {r} wrote no exit time; finish and teardown are unknown: nan)")
+            exits.append(float("nan"))
+            continue
+        with open(exit_file) as f:
             exits.append(json.load(f)["t_exit"])
     r0 = recs[0]
     t_fit0, t_fit1 = fit_span
