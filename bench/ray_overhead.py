@@ -382,6 +382,11 @@ def _steady(rec: dict, epochs: list) -> dict:
     }
 
 
+def _last(exits: list) -> float:
+    """The last rank's exit time; nan when any rank's is unknown."""
+    return float("nan") if any(t != t for t in exits) else max(exits)
+
+
 def read_arm(out_dir: str, tag: str, workers: int, fit_span) -> dict:
     """Rank 0's start-up and steady state (epochs 2..N), and the phases of the driver's ``fit()``."""
     recs, exits = [], []
@@ -405,8 +410,8 @@ def read_arm(out_dir: str, tag: str, workers: int, fit_span) -> dict:
         fit_wall=t_fit1 - t_fit0,
         launch_s=min(r["t_entry"] for r in recs) - t_fit0,
         train_s=r0["epochs"][-1]["t1"] - r0["starts"][0],
-        finish_s=max(exits) - r0["epochs"][-1]["t1"],
-        teardown_s=t_fit1 - max(exits),
+        finish_s=_last(exits) - r0["epochs"][-1]["t1"],
+        teardown_s=t_fit1 - _last(exits),
     )
     return out
 
