@@ -88,7 +88,7 @@ def window_inputs(args: Dict[str, Any]) -> Tuple[List[np.ndarray], np.ndarray, n
 
     paths, filesystem, columns = args["paths"], args["filesystem"], args["columns"]
     if args.get("layout") == "flat":
-        return _flatwindow_inputs(args)
+        return _flat_window_inputs(args)
     chunks: List[np.ndarray] = []
     lengths: List[np.ndarray] = []
     ids: List[np.ndarray] = []
@@ -125,7 +125,7 @@ def window_inputs(args: Dict[str, Any]) -> Tuple[List[np.ndarray], np.ndarray, n
     return chunks, length, document_ids
 
 
-def _flatwindow_inputs(args: Dict[str, Any]) -> Tuple[List[np.ndarray], np.ndarray, np.ndarray]:
+def _flat_window_inputs(args: Dict[str, Any]) -> Tuple[List[np.ndarray], np.ndarray, np.ndarray]:
     """`window_inputs` of flat token files: each row group's bytes as NumPy views (`token_files.flat_arrays`), the
     vocabulary checked against each chunk's least and greatest token (no pass over the tokens)."""
     chunks: List[np.ndarray] = []
