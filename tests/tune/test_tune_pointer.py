@@ -208,6 +208,19 @@ def test_pbt_scheduler_measures_global_samples_and_mutates_sets_and_lr():
         pbt_scheduler("512sp")
 
 
+def tunes_own_pbt():
+    """Tune's own asynchronous PBT, as `pbt_scheduler` configures ours: what the PBT tests tell ours apart from."""
+    from ray.tune.schedulers import PopulationBasedTraining
+
+    return PopulationBasedTraining(
+        time_attr="time/sample",
+        metric="loss",
+        mode="min",
+        perturbation_interval=512,
+        hyperparam_mutations={"lr": [0.1]},
+    )
+
+
 def test_pbt_neither_copies_into_nor_out_of_a_trial_at_its_final_report(monkeypatch):
     """A final report is no perturbation point: the finishing trial does not exploit (its copy would
     train nothing) and is no donor from then on; Tune's own PBT does both (what the test tells apart)."""
@@ -244,13 +257,7 @@ def test_pbt_neither_copies_into_nor_out_of_a_trial_at_its_final_report(monkeypa
     ours.on_trial_result(controller, trials[2], {"time/sample": 1024, "loss": 0.8, "final": False})
     assert acted[-1] == (trials[2], [trials[1]], [trials[2]])  # ranked without the finished two: never a copy of 0
 
-    tunes = PopulationBasedTraining(
-        time_attr="time/sample",
-        metric="loss",
-        mode="min",
-        perturbation_interval=512,
-        hyperparam_mutations={"lr": [0.1]},
-    )
+    tunes = tunes_own_pbt()
     controller, trials, acted = population(tunes)
     tunes.on_trial_result(controller, trials[0], {"time/sample": 1024, "loss": 0.05, "final": True})
     tunes.on_trial_result(controller, trials[3], {"time/sample": 1024, "loss": 0.9, "final": True})
@@ -266,7 +273,7 @@ def test_pbt_pauses_no_trial_for_room_while_the_sweep_runs_every_live_trial_at_o
     from types import SimpleNamespace
 
     from ray.tune.experiment import Trial
-    from ray.tune.schedulers import PopulationBasedTraining, TrialScheduler
+    from ray.tune.schedulers import TrialScheduler
 
     from raytrain_events.tune import pbt_scheduler
 
@@ -288,13 +295,7 @@ def test_pbt_pauses_no_trial_for_room_while_the_sweep_runs_every_live_trial_at_o
     assert decision(ours(), trials_at_once=3, finished=2) == TrialScheduler.CONTINUE
     assert decision(ours(), trials_at_once=2) == TrialScheduler.PAUSE  # a trial waits for room: time-multiplexed
     assert decision(ours()) == TrialScheduler.PAUSE
-    tunes = PopulationBasedTraining(
-        time_attr="time/sample",
-        metric="loss",
-        mode="min",
-        perturbation_interval=512,
-        hyperparam_mutations={"lr": [0.1]},
-    )
+    tunes = tunes_own_pbt()
     assert decision(tunes, trials_at_once=3) == TrialScheduler.PAUSE  # what the test tells apart
 
 
