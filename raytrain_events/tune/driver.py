@@ -279,9 +279,10 @@ def _run(base: RunSpec, experiment: _Experiment, search: _Search) -> Any:
             mode=search.mode,
             keep_every_checkpoint=search.is_pbt,
         )
-        concurrency = _concurrency(base, search)
+        holds = _cluster_holds(base)  # one look at the cluster's resources for both decisions
+        concurrency = holds if search.max_concurrent_trials is None else search.max_concurrent_trials
         if isinstance(search.scheduler, EndAwarePBT):  # pauses no trial to make room when every trial has it
-            search.scheduler.trials_at_once = min(concurrency, _cluster_holds(base))
+            search.scheduler.trials_at_once = min(concurrency, holds)
         tuner = _tuner(setup, experiment, search, concurrency=concurrency, console=console)
         try:
             with _lenient_metric_checking(), quiet_terminal(search.verbose >= 2):
@@ -372,15 +373,9 @@ def _collect(result_grid: Any, base: RunSpec, experiment: _Experiment, search: _
     return result
 
 
-def _concurrency(base: RunSpec, search: _Search) -> int:
-    """Trials at once: ``max_concurrent_trials``, else how many trials' worker groups fit on the cluster (at least 1)."""
-    if search.max_concurrent_trials is not None:
-        return search.max_concurrent_trials
-    return _cluster_holds(base)
-
-
 def _cluster_holds(base: RunSpec) -> int:
-    """How many worker groups of ``base``'s scaling config the cluster's resources hold (at least 1)."""
+    """How many worker groups of ``base``'s scaling config the cluster's resources hold (at least 1): the trials
+    at once unless ``max_concurrent_trials`` says otherwise."""
     import ray
 
     demand = dict(getattr(base.scaling.ray_scaling_config(), "total_resources", None) or {"CPU": 1.0})
