@@ -144,6 +144,13 @@ def _fit(tmp_path, ray_data, rows, *, workers, batch_size, duration, folder, eva
     ).fit()
 
 
+# Rank 0's 16 rows of each global batch 1 token each, rank 1's 9: 160 global tokens per batch, but 16 on rank 0
+# and 144 on rank 1. 2,500 tokens are passed during global batch 16, the last of epoch 2; a rank that counted its
+# own tokens would stop at batch 18 (rank 1) or 157 (rank 0).
+SKEWED_TOKENS = np.array(([1] * 16 + [9] * 16) * (ROWS // 32))
+TOKEN_DURATION = "2500tok"
+
+
 @pytest.fixture(scope="module")
 def two_worker_run(ray_cluster, tmp_path_factory):
     import ray.data
@@ -152,15 +159,16 @@ def two_worker_run(ray_cluster, tmp_path_factory):
     from raytrain_events.ray.checkpointing.validation import AsyncValidation
 
     tmp = tmp_path_factory.mktemp("two")
-    rows, eval_rows = make_rows(), make_rows(128, seed=1)
+    rows, eval_rows = make_rows(tokens=SKEWED_TOKENS), make_rows(128, seed=1)
     # "val" is evaluated as Ray tasks on the checkpoints (failing on purpose at batch 8), "eval" in the loop.
+    # The duration is in tokens (`TOKEN_DURATION`): 2 epochs' worth, passed during the last batch of epoch 2.
     result = _fit(
         tmp,
         ray.data,
         rows,
         workers=2,
         batch_size=16,
-        duration="2ep",
+        duration=TOKEN_DURATION,
         folder=tmp,
         eval_rows=eval_rows,
         val_rows=VAL_ROWS,
@@ -282,18 +290,17 @@ def test_two_workers_match_one_worker_with_same_global_batch(two_worker_run, ray
         torch.testing.assert_close(one[name], two[name], rtol=1e-5, atol=1e-5)
 
 
-def test_token_duration_stops_every_rank_at_same_batch(ray_cluster, tmp_path):
-    """A token duration counts the global tokens: every rank stops at the same batch. (A sample duration,
-    which was this test's second fit, is the killed-once run's: it stops at 420 samples, mid-epoch.)"""
-    import ray.data
-
-    tokens = np.array(([1] * 16 + [9] * 16) * (ROWS // 32))  # rank 0's 16 rows of a batch 1 token each, rank 1's 9
-    result = _fit(
-        tmp_path, ray.data, make_rows(tokens=tokens), workers=2, batch_size=16, duration="1000tok", folder=tmp_path
-    )
-    batches = {r["timestamp"]["batch"] for r in load_ranks(tmp_path, 2)}
-    assert batches == {7}  # 160 tokens per global batch: 1000 is passed during the 7th
-    assert result.timestamp.get_value("ba") == 7
+def test_token_duration_stops_every_rank_at_same_batch(two_worker_run):
+    """A token duration counts the global tokens: every rank stops at the same batch. The shared run's duration
+    is in tokens (`TOKEN_DURATION`, over `SKEWED_TOKENS`: that was a fit of its own). (A sample duration is the
+    killed-once run's: it stops at 420 samples, mid-epoch; an epoch duration is the 1-worker run's and the
+    resume tests'.)"""
+    result, rows, _, tmp = two_worker_run
+    assert [r["ntok"] for r in rows] == SKEWED_TOKENS.tolist()
+    batches = {r["timestamp"]["batch"] for r in load_ranks(tmp, 2)}
+    assert batches == {16}  # 160 tokens per global batch: 2,500 is passed during the 16th
+    assert result.timestamp.get_value("ba") == 16
+    assert result.timestamp.get_value("tok") == 16 * 160
 
 
 def exploding_model():
