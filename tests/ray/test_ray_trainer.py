@@ -346,6 +346,19 @@ class KillOnce(Callback):
             os.kill(os.getpid(), 9)
 
 
+class CountReads:
+    """A ``map_batches`` step that appends each batch's row count to ``path`` (one line each, from whichever
+    process runs the dataset's pipeline): how many times a dataset was read."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __call__(self, batch):
+        with open(self.path, "a") as fh:
+            fh.write(f"{len(batch['y'])}\n")
+        return batch
+
+
 def test_algorithms_and_callbacks_compose_in_a_two_worker_run_killed_once(ray_cluster, tmp_path):
     """Issue 7's integration check: a set of algorithms by name plus monitors, under DDP; and the
     same run's rank 1 SIGKILLed mid-epoch once: Ray restarts the group from the newest checkpoint
@@ -364,11 +377,17 @@ def test_algorithms_and_callbacks_compose_in_a_two_worker_run_killed_once(ray_cl
     from raytrain_events.report.goodput import goodput, read_events, read_failures
 
     marker = str(tmp_path / "killed")
+    eval_reads = str(tmp_path / "eval_reads")
     rows = make_rows()
     result = RayTrainer(
         model=make_model,
         optimizers=make_sgd,
-        datasets={"train": ray.data.from_items(rows), "eval": ray.data.from_items(make_rows(64, seed=3))},
+        datasets={
+            "train": ray.data.from_items(rows),
+            "eval": ray.data.from_items(make_rows(64, seed=3)).map_batches(
+                CountReads(eval_reads), batch_format="numpy"
+            ),
+        },
         max_duration="420sp",  # 13.1 global batches: stops after the 14th (epoch 2's 6th)
         eval_interval="7ba",  # so the last batch, mid-epoch, is evaluated too
         batch_size=16,
@@ -413,6 +432,10 @@ def test_algorithms_and_callbacks_compose_in_a_two_worker_run_killed_once(ray_cl
     assert result.metrics["throughput/samples_per_sec"] > 0
     assert result.metrics["lr-SGD/group0"] == pytest.approx(0.2)
     assert 0.0 <= result.metrics["metrics/eval/accuracy"] <= 1.0
+    # The eval set (deterministic_split) was read once for both groups: the restarted group split the blocks the
+    # first group's split read (`DeterministicSplitDataConfig.materialized`), it did not run the pipeline again.
+    with open(eval_reads) as fh:
+        assert sum(int(line) for line in fh) == 64
     # The controller recorded the failure (Ray Train's ``after_exception``), and the goodput report names its ranks'
     # errors (the killed rank's death, or rank 0's collective failing with it: which one Ray's poll saw first).
     run_dir = str(tmp_path / "runs" / "failover")

@@ -1,10 +1,11 @@
-"""How Ray Train hands the run's datasets to a worker group: the `DataConfig` its controller runs at each group's start.
+"""How Ray Train hands the run's datasets to a worker group: the `DataConfig` it runs at each group's start.
 
 `TrainDataConfig` gives every worker the train set as a `GlobalOrderShard` (``loader.py`` reads it) served by one
 `EpochFeeder` per worker group (``feeder.py``): made on the driver for the first group (`start_feeder`, so the
 stream starts while Ray Train starts the workers) and anew for a restarted one. Eval sets are split by Ray: a
 streaming split, or contiguously by rank with ``deterministic_split=True`` (`DeterministicSplitDataConfig`), or one
-contiguous part per tensor group under tensor parallelism (see ``loader.py``'s module doc). `cheap_row_count`: a
+contiguous part per tensor group under tensor parallelism (see ``loader.py``'s module doc); the sets split by rank
+are read once per fit, on the driver (`TrainDataConfig.read_once`). `cheap_row_count`: a
 train set's rows from metadata, never by running its pipeline.
 """
 
@@ -108,6 +109,21 @@ class TrainDataConfig(DeterministicSplitDataConfig):
                     self.order,
                 )
         return output
+
+    def read_once(self, datasets: Dict[str, Any]) -> Dict[str, Any]:
+        """``datasets`` as Ray Train is to get them: each eval set that `configure` splits by rank (with
+        ``deterministic`` or tensor parallelism: `Dataset.split`, which reads the whole set) read into the object
+        store here, on the driver, once per fit. Ray Train runs `configure` in an actor of each worker group's own,
+        so a split set was read again at every group's start (its read tasks in new worker processes: seconds
+        before a restarted group trained); now every group splits the blocks read here. They live while the
+        driver holds them (the fit): the first group's split held the whole set too, so the most held is the same,
+        only also between groups. A streamed set (Ray's streaming split, the default) is read at each pass anyway: left as it is."""
+        if not (self.deterministic or self.tensor_parallel > 1):
+            return datasets
+        return {
+            name: dataset if name == "train" or not hasattr(dataset, "materialize") else dataset.materialize()
+            for name, dataset in datasets.items()
+        }
 
     def _new_feeder(self, dataset: Any, world_size: int) -> Any:
         """A group's `EpochFeeder` actor (pinned to this node: the driver's or Ray Train's controller's,

@@ -57,8 +57,9 @@ class Restarts:
     def worker_side(
         self, data_config: Any, datasets: Dict[str, Any], history: Any
     ) -> Tuple[RestartsWorker, Dict[str, Any]]:
-        # Ray Train shards every dataset (the train set's: the global order, whose shards carry the plan's order)
-        return RestartsWorker(self.plan.order), datasets
+        # Ray Train shards every dataset (the train set's: the global order, whose shards carry the plan's order);
+        # the eval sets it splits by rank are read once, here (`TrainDataConfig.read_once`), not at each group's start
+        return RestartsWorker(self.plan.order), data_config.read_once(datasets)
 
     def run_callbacks(self) -> List[Any]:
         # Each failed group on record, even one that never reported (the goodput report's restarts and causes).
