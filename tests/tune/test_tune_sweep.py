@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import sys
@@ -20,10 +22,10 @@ from tune_helpers import (
     make_sgd,
     marker_callbacks,
     markers,
-    train_only,
     trial_tag,
 )
 
+from raytrain_events import Callback
 from raytrain_events.tune import algorithm_set_label, algorithm_sets_grid, sweep
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -167,67 +169,165 @@ def test_async_validations_count_at_their_checkpoints_timestamp():
 
 
 # -- real sweeps --------------------------------------------------------------------------------
+#
+# ONE sweep carries both real-sweep tests (it was two, of 3 trials each: 6 Ray Train runs, now 3): a grid
+# over the three algorithm sets under ASHA on global samples, in grid order:
+#
+# * the first set: 2 workers (its metrics must be the aggregate over both ranks), lr 0.2: it reaches
+#   every rung first, so ASHA never stops it;
+# * the second set: lr 0, which cannot learn, started beside the first: it trains once ASHA has the
+#   first one's result at 128 samples (`WaitForTheFirstRung`), and ASHA stops it there (its first rung);
+# * the third set: lr 1.0, the trial after the stopped one; it learns faster than the first, so ASHA
+#   lets it finish too (the report then compares two finished trials).
+#
+# The first two trials' workers take 2 of the cluster's 4 CPUs (2 x 0.25 + 1.5: Ray Data has the rest),
+# the third's worker 3: if the stopped trial's workers were not released it could never start.
+# The sweep ranks on eval accuracy, evaluated at every report. Measured in process (three row orders;
+# the sweep's own order gave the first of each): lr 0 keeps the untrained model's 0.26; the first trial
+# is at 0.46-0.52 at 128 samples and 0.58-0.61 at 256; the third at 0.59-0.63 and 0.81-0.88. So the
+# stop at 128 and the third's two rungs cannot miss.
+
+LRS = (0.2, 0.0, 1.0)  # the grid's trials in SETS order: good (2 workers), bad, after
+
+
+def _set_index(spec) -> int:
+    return SETS.index(spec.config.algorithms)
 
 
 def _two_workers_on_the_first_set(spec) -> int:
-    return 2 if spec.config.algorithms == SETS[0] else 1
+    return 2 if _set_index(spec) == 0 else 1
 
 
-def _grid_callbacks(marks: str, dumps: str):
-    """Markers for every trial; the per-rank losses of the one 2-worker trial."""
+def _wait(ready, stop: str) -> None:
+    """Until ``ready()``: no wall-clock bound a loaded machine could run out (pytest-timeout bounds the test);
+    ``stop``, a file the fixture writes when its sweep ends however it ends, frees a wait a failed run left."""
+    while not ready() and not os.path.exists(stop):
+        time.sleep(0.2)
+
+
+class WaitForTheFirstRung(Callback):
+    """The trial beside the first starts training (its worker group up, its data not yet read) only once ASHA
+    has the first trial's result at 128 samples (`_mark_first_rung`'s file): a trial first at a rung is never
+    stopped, so the first must be first there."""
+
+    def __init__(self, folder: str, stop: str) -> None:
+        self.folder, self.stop = folder, stop
+
+    def fit_start(self, state, logger) -> None:
+        _wait(lambda: os.path.exists(os.path.join(self.folder, "first-128")), self.stop)
+
+
+def _mark_first_rung(folder: str):
+    """A Tune callback (on the driver, after the scheduler's ``on_trial_result``): a file once the first trial's
+    result at 128 samples or later has been scored."""
+    from ray import tune
+
+    class MarkFirstRung(tune.Callback):
+        def on_trial_result(self, iteration, trials, trial, result, **info):
+            if trial.config.get("lr") == LRS[0] and result.get("time/sample", 0) >= 128:
+                open(os.path.join(folder, "first-128"), "w").close()
+
+    return MarkFirstRung()
+
+
+def _grid_callbacks(marks: str, dumps: str, rungs: str, stop: str):
+    """Markers for every trial; the per-rank losses of the one 2-worker trial; the second trial's wait."""
 
     def callbacks(config):
         two = (config.get("trainer") or {}).get("num_workers") == 2
-        return marker_callbacks(marks)(config) + ([LossDump(dumps)] if two else [])
+        wait = [WaitForTheFirstRung(rungs, stop)] if config.get("lr") == LRS[1] else []
+        return marker_callbacks(marks)(config) + ([LossDump(dumps)] if two else []) + wait
 
     return callbacks
 
 
-def test_grid_over_three_algorithm_sets(ray_cluster, tmp_path):
-    """A grid over three algorithm sets (the sweep report, the best checkpoint, restore-or-refuse), one
-    of whose trials (the first set) runs 2 workers: its metrics are the aggregate over both ranks.
-    Each trial's "val" set is validated asynchronously (a Ray task on its last checkpoint): its
-    metrics reach Tune's results at that checkpoint's Timestamp.
-
-    The aggregate check was a sweep of its own (``test_trial_metrics_are_the_aggregate_over_ranks``);
-    one Tune sweep now carries both, on 4 workers in all (the session's 4 CPUs, three trials at once).
-    """
+@pytest.fixture(scope="module")
+def asha_grid(ray_cluster, tmp_path_factory):
+    """The sweep, once. Yields ``args`` (to run it again), ``result``, ``out`` (what it printed), the
+    ``marks``/``dumps`` folders, ``storage`` and ``released`` (placement groups still live and the free
+    and total CPUs, once they were all free again or after 60 s)."""
+    import ray
     from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
 
     from raytrain_events.checkpoint import CheckpointConfig
-    from raytrain_events.checkpoint.folder.store import list_checkpoints
     from raytrain_events.ray.checkpointing.validation import AsyncValidation
 
-    marks, dumps = tmp_path / "marks", tmp_path / "dumps"
-    marks.mkdir()
-    dumps.mkdir()
+    tmp = tmp_path_factory.mktemp("asha_grid")
+    marks, dumps, rungs, stop = tmp / "marks", tmp / "dumps", tmp / "rungs", str(tmp / "stop")
+    for folder in (marks, dumps, rungs):
+        folder.mkdir()
     args = dict(
         trainer=_trainer(
             str(marks),
             checkpoint=CheckpointConfig(save_interval="1ep", async_save=False),
             deterministic_split=True,
-            callbacks=_grid_callbacks(str(marks), str(dumps)),
+            callbacks=_grid_callbacks(str(marks), str(dumps), str(rungs), stop),
             datasets=datasets_with_val,
-            # The second (last) checkpoint of each trial; no CPU: the trials' worker groups reserve the session's 4.
+            eval_interval="4ba",  # with every report: ASHA compares eval accuracy at its first rung
+            # The second (last) checkpoint of each trial; no CPU: the trial's workers and Ray Data have the CPUs.
             validation=AsyncValidation(datasets=["val"], every=2, resources={"CPU": 0}),
         ),
         param_space={
             "algorithms": algorithm_sets_grid(SETS),
-            "lr": 0.2,
+            "lr": tune.sample_from(lambda spec: LRS[_set_index(spec)]),
             # The first set's trial: 2 workers of 16 rows, the same global batch of 32 as the others.
             "trainer": {
                 "num_workers": tune.sample_from(_two_workers_on_the_first_set),
                 "batch_size": tune.sample_from(lambda spec: 32 // _two_workers_on_the_first_set(spec)),
+                "resources_per_worker": tune.sample_from(lambda spec: {"CPU": (0.25, 1.5, 3)[_set_index(spec)]}),
             },
         },
         metric="metrics/eval/accuracy",
         mode="max",
-        max_concurrent_trials=3,
-        storage_path=str(tmp_path / "sweeps"),
+        max_concurrent_trials=2,
+        callbacks=[_mark_first_rung(str(rungs))],
+        scheduler=ASHAScheduler(
+            time_attr="time/sample", max_t=2 * ROWS, grace_period=128, reduction_factor=2, stop_last_trials=False
+        ),
+        storage_path=str(tmp / "sweeps"),
         name="grid",
-        verbose=0,
+        verbose=1,
     )
-    result = sweep(**args)
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            result = sweep(**args)
+    finally:
+        open(stop, "w").close()
+    out = printed.getvalue()
+    print(out)
+    # Nothing stays reserved once the sweep is over.
+    deadline = time.time() + 60
+    while True:
+        live = [pg for pg in ray.util.placement_group_table().values() if pg["state"] != "REMOVED"]
+        free, total = ray.available_resources().get("CPU"), ray.cluster_resources()["CPU"]
+        if (not live and free == total) or time.time() > deadline:
+            break
+        time.sleep(1)
+    yield {
+        "args": args,
+        "result": result,
+        "out": out,
+        "marks": marks,
+        "dumps": dumps,
+        "storage": tmp / "sweeps",
+        "released": (live, free, total),
+    }
+
+
+def test_grid_over_three_algorithm_sets(asha_grid):
+    """A grid over three algorithm sets (the sweep report, the best checkpoint, restore-or-refuse), one
+    of whose trials (the first set) runs 2 workers: its metrics are the aggregate over both ranks.
+    Each finished trial's "val" set is validated asynchronously (a Ray task on its last checkpoint): its
+    metrics reach Tune's results at that checkpoint's Timestamp.
+
+    The aggregate check was a sweep of its own (``test_trial_metrics_are_the_aggregate_over_ranks``), and
+    this grid another sweep than ASHA's; one Tune sweep now carries the three (see "real sweeps" above).
+    """
+    from raytrain_events.checkpoint.folder.store import list_checkpoints
+
+    args, result, marks, dumps = asha_grid["args"], asha_grid["result"], asha_grid["marks"], asha_grid["dumps"]
     print(result.to_table())
     assert len(result.rows) == 3
     # The sweep's report: one figure comparing the algorithm sets, and the results table best first.
@@ -241,18 +341,25 @@ def test_grid_over_three_algorithm_sets(ray_cluster, tmp_path):
     html = open(os.path.join(result.path, "report.html")).read()
     assert 'src="sweep.png"' in html and "metrics/eval/accuracy (max)" in html
     check_png(os.path.join(result.path, "sweep.png"), size=SWEEP_SIZE)
-    positions = [html.index(os.path.basename(row["path"].rstrip("/"))) for row in result.rows]
-    assert positions == sorted(positions)  # best first, like SweepResult.rows
     assert sorted(row["algorithms"] for row in result.rows) == sorted(algorithm_set_label(s) for s in SETS)
+    finished = [row for row in result.rows if row["status"] == "completed"]
+    # The first and the third trial finish (see "real sweeps" above); the report compares the finished trials
+    # (those with a trial record).
+    assert sorted(row["lr"] for row in finished) == sorted([LRS[0], LRS[2]]), result.to_table()
+    positions = [html.index(os.path.basename(row["path"].rstrip("/"))) for row in finished]
+    assert positions == sorted(positions)  # best first, like SweepResult.rows
     for row in result.rows:
-        world = 2 if row["algorithms"] == algorithm_set_label(SETS[0]) else 1
-        assert row["status"] == "completed", row
-        # The global Timestamp, summed over the ranks: all rows, twice, in 32-row global batches.
-        assert row["time/sample"] == 2 * ROWS and row["time/epoch"] == 2 and row["world_size"] == world
-        assert row["time/batch"] == 2 * ROWS // 32
+        index = [algorithm_set_label(s) for s in SETS].index(row["algorithms"])
+        world = 2 if index == 0 else 1
+        assert row["status"] in ("completed", "stopped"), row
+        assert row["world_size"] == world and row["time/batch"] == row["time/sample"] // 32
         assert 0.0 <= row["metrics/eval/accuracy"] <= 1.0
-        assert row["lr"] == 0.2
-        assert row["run_url"].startswith(str(tmp_path / "sweeps" / "grid"))
+        assert row["lr"] == LRS[index]
+        assert row["run_url"].startswith(str(asha_grid["storage"] / "grid"))
+    for row in finished:
+        # The global Timestamp, summed over the ranks: all rows, twice, in 32-row global batches.
+        assert row["time/sample"] == 2 * ROWS and row["time/epoch"] == 2
+        assert row["time/batch"] == 2 * ROWS // 32
         # Each trial's Train run, with its checkpoints, has its own folder in the sweep's storage.
         assert len(list_checkpoints(row["run_url"] + "/checkpoints")) == 2
         assert row["checkpoint"].startswith(row["run_url"] + "/checkpoints/") and os.path.isdir(row["checkpoint"])
@@ -273,7 +380,10 @@ def test_grid_over_three_algorithm_sets(ray_cluster, tmp_path):
     for s in SETS:
         assert algorithm_set_label(s) in table
     assert table.splitlines()[2].startswith("*")  # best first
-    assert markers(str(marks), "end") == {trial_tag({"algorithms": s, "lr": 0.2}): 1 for s in SETS}
+    tags = {trial_tag({"algorithms": s, "lr": lr}) for s, lr in zip(SETS, LRS)}
+    assert markers(str(marks), "start") == dict.fromkeys(tags, 1)  # each trial's run started once
+    ended = {trial_tag(row["config"]): 1 for row in finished}
+    assert markers(str(marks), "end") == ended  # and each finished trial's ended once
     # The best checkpoint is the best trial's reported checkpoint with the best metric (ties: the newest).
     reported = [e for e in result.histories[best["trial_id"]] if e.get("checkpoint_path")]
     assert len(reported) == 2
@@ -283,11 +393,12 @@ def test_grid_over_three_algorithm_sets(ray_cluster, tmp_path):
     # The same storage/name again: the finished sweep is restored (nothing trains) -- or refused.
     with pytest.raises(FileExistsError, match="resume=True"):
         sweep(**args, resume=False)
-    again = sweep(**args)
+    again = sweep(**{**args, "verbose": 0})
     assert [(r["trial_id"], r["metrics/eval/accuracy"]) for r in again.rows] == [
         (r["trial_id"], r["metrics/eval/accuracy"]) for r in result.rows
     ]
-    assert markers(str(marks), "end") == {trial_tag({"algorithms": s, "lr": 0.2}): 1 for s in SETS}
+    assert markers(str(marks), "start") == dict.fromkeys(tags, 1)
+    assert markers(str(marks), "end") == ended
 
 
 def _check_aggregate_over_ranks(result, dumps) -> None:
@@ -312,51 +423,27 @@ def _check_aggregate_over_ranks(result, dumps) -> None:
     assert bool(history[-1]["final"]) is True
 
 
-def test_asha_on_global_samples_stops_the_bad_trial(ray_cluster, tmp_path, capsys):
-    import ray
-    from ray import tune
-    from ray.tune.schedulers import ASHAScheduler
-
-    marks = tmp_path / "marks"
-    marks.mkdir()
-    total = 2 * ROWS
-    result = sweep(
-        # Each trial's worker takes 3 of the cluster's 4 CPUs: if the stopped trial's workers were
-        # not released, the trial after it could never start.
-        trainer=_trainer(str(marks), datasets=train_only(), resources_per_worker={"CPU": 3}),
-        # One trial at a time, the good one first: it sets every rung before the bad one (lr=0) arrives.
-        param_space={"lr": tune.grid_search([0.5, 0.0, 0.3])},
-        metric="train/loss",
-        mode="min",
-        max_concurrent_trials=1,
-        scheduler=ASHAScheduler(
-            time_attr="time/sample", max_t=total, grace_period=128, reduction_factor=2, stop_last_trials=False
-        ),
-        storage_path=str(tmp_path / "sweeps"),
-        name="asha",
-        verbose=1,
-    )
+def test_asha_on_global_samples_stops_the_bad_trial(asha_grid):
+    """ASHA (on ``time/sample``) stops the trial that cannot learn at its first rung; the trial after it gets
+    the CPUs its workers held; the console says so, one line per event."""
+    result, out, total = asha_grid["result"], asha_grid["out"], 2 * ROWS
     # One line per trial event (no Tune status tables), the stop with its reason, the final table.
-    out = capsys.readouterr().out
     assert "Trial status" not in out and "== Status ==" not in out
-    assert re.search(r"\[sweep\] \S+ \(\S+\): started with \{'lr': 0\.0\}", out), out
+    assert re.search(r"\[sweep\] \S+ \(\S+\): started with \{'lr': 0\.0[,}]", out), out
     assert re.search(r"\[sweep\] \S+ \(\S+\): reported sample 128, epoch \d+, loss", out), out
-    assert re.search(r"stopped by ASHAScheduler at time/sample=128: train/loss \S+ was not among the lowest", out), out
-    assert re.search(rf"finished at time/sample={total}, train/loss \d", out), out  # its last loss, not None
+    assert re.search(
+        r"stopped by ASHAScheduler at time/sample=128: metrics/eval/accuracy \S+ was not among the highest", out
+    ), out
+    assert re.search(rf"finished at time/sample={total}, metrics/eval/accuracy \d", out), out  # its last value
     assert out.rstrip().endswith(result.to_table().splitlines()[-1].rstrip())
     rows = {row["lr"]: row for row in result.rows}
-    good, bad, after = rows[0.5], rows[0.0], rows[0.3]
+    good, bad, after = (rows[lr] for lr in LRS)
     assert good["status"] == "completed" and good["time/sample"] == total
     assert bad["status"] == "stopped"
     assert bad["time/sample"] == 128 < total  # stopped at the first rung (128 samples), long before max_t
     assert [e["time/sample"] for e in result.histories[bad["trial_id"]] if "train/loss" in e] == [128]
     assert after["time/sample"] >= 128  # the trial after the stopped one got its workers and trained
-    assert result.best["lr"] == 0.5
+    assert result.best["lr"] == LRS[2] and result.best["status"] == "completed"  # the best learner, let finish
     # Nothing stays reserved once the sweep is over.
-    deadline = time.time() + 60
-    while True:
-        live = [pg for pg in ray.util.placement_group_table().values() if pg["state"] != "REMOVED"]
-        if not live and ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"]:
-            break
-        assert time.time() < deadline, (live, ray.available_resources())
-        time.sleep(1)
+    live, free, total_cpus = asha_grid["released"]
+    assert not live and free == total_cpus, (live, free, total_cpus)
