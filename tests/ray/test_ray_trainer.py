@@ -432,8 +432,8 @@ def test_algorithms_and_callbacks_compose_in_a_two_worker_run_killed_once(ray_cl
     assert result.metrics["throughput/samples_per_sec"] > 0
     assert result.metrics["lr-SGD/group0"] == pytest.approx(0.2)
     assert 0.0 <= result.metrics["metrics/eval/accuracy"] <= 1.0
-    # The eval set (deterministic_split) was read once for both groups: the restarted group split the blocks the
-    # first group's split read (`DeterministicSplitDataConfig.materialized`), it did not run the pipeline again.
+    # The eval set (deterministic_split) was read once for both groups: on the driver (`TrainDataConfig.read_once`);
+    # the restarted group split the blocks read there, it did not run the set's pipeline again.
     with open(eval_reads) as fh:
         assert sum(int(line) for line in fh) == 64
     # The controller recorded the failure (Ray Train's ``after_exception``), and the goodput report names its ranks'

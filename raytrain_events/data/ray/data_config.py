@@ -117,7 +117,8 @@ class TrainDataConfig(DeterministicSplitDataConfig):
         so a split set was read again at every group's start (its read tasks in new worker processes: seconds
         before a restarted group trained); now every group splits the blocks read here. They live while the
         driver holds them (the fit): the first group's split held the whole set too, so the most held is the same,
-        only also between groups. A streamed set (Ray's streaming split, the default) is read at each pass anyway: left as it is."""
+        only also between groups. A streamed set (Ray's streaming split, the default) is read at each pass
+        anyway: left as it is."""
         if not (self.deterministic or self.tensor_parallel > 1):
             return datasets
         return {
