@@ -20,11 +20,11 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 import uuid
 
 import pytest
 from ray import cloudpickle as ray_cloudpickle
+from tune_helpers import wait_until
 
 from raytrain_events import Callback
 from raytrain_events.core.mixture import Mixture
@@ -74,14 +74,6 @@ class FitRows(Callback):
         self.file.flush()
 
 
-def _wait(ready, stop: str) -> None:
-    """Until ``ready()``: an event, with no wall-clock bound that a loaded machine could run out (pytest-timeout
-    bounds the test). ``stop`` (a file the test writes when its sweep ends, however it ends) frees the waits of
-    trials a failed or timed-out test leaves running on the session's Ray."""
-    while not ready() and not os.path.exists(stop):
-        time.sleep(0.2)
-
-
 class StartTogether(Callback):
     """The population's first fits wait for each other (files in a shared folder), so that asynchronous PBT
     compares them on a loaded machine (as in tests/tune/test_tune_pbt.py); copies pass."""
@@ -92,7 +84,7 @@ class StartTogether(Callback):
     def fit_start(self, state, logger) -> None:
         with open(os.path.join(self.folder, f"started-{uuid.uuid4().hex[:8]}"), "w"):
             pass
-        _wait(lambda: len(os.listdir(self.folder)) >= self.population, self.stop)
+        wait_until(lambda: len(os.listdir(self.folder)) >= self.population, self.stop)
 
 
 class CopyTheLast(Callback):
@@ -151,7 +143,7 @@ class CopyTheLast(Callback):
             ready = lambda: any(h["start"]["sp"] > 0 for h, _ in self._fits())  # noqa: E731
         else:
             return
-        _wait(ready, self.stop)
+        wait_until(ready, self.stop)
 
 
 def scored_trials(folder: str, who: str, sample: int) -> set:
@@ -204,7 +196,7 @@ def test_a_mixture_pbt_sweep_copies_on_the_donors_mixture_and_position(ray_clust
     # The trial with the least 'help' is the worst on the held-out task at every report (measured: 0.80, 0.78,
     # 0.82 at 128, 256, 384 samples, against 0.49-0.66 for the others): it is the one PBT copies into.
     last = min(space["grid_search"], key=lambda w: w["help"])
-    stop = str(tmp_path / "stop")  # written when the sweep ends: frees any wait a failed run left (`_wait`)
+    stop = str(tmp_path / "stop")  # written when the sweep ends: frees any wait a failed run left (`wait_until`)
     callbacks = [
         FitRows(str(fits)),
         StartTogether(str(barrier), 4, stop),

@@ -23,6 +23,7 @@ from tune_helpers import (
     marker_callbacks,
     markers,
     trial_tag,
+    wait_until,
 )
 
 from raytrain_events import Callback
@@ -198,13 +199,6 @@ def _two_workers_on_the_first_set(spec) -> int:
     return 2 if _set_index(spec) == 0 else 1
 
 
-def _wait(ready, stop: str) -> None:
-    """Until ``ready()``: no wall-clock bound a loaded machine could run out (pytest-timeout bounds the test);
-    ``stop``, a file the fixture writes when its sweep ends however it ends, frees a wait a failed run left."""
-    while not ready() and not os.path.exists(stop):
-        time.sleep(0.2)
-
-
 class WaitForTheFirstRung(Callback):
     """The trial beside the first starts training (its worker group up, its data not yet read) only once ASHA
     has the first trial's result at 128 samples (`_mark_first_rung`'s file): a trial first at a rung is never
@@ -214,7 +208,7 @@ class WaitForTheFirstRung(Callback):
         self.folder, self.stop = folder, stop
 
     def fit_start(self, state, logger) -> None:
-        _wait(lambda: os.path.exists(os.path.join(self.folder, "first-128")), self.stop)
+        wait_until(lambda: os.path.exists(os.path.join(self.folder, "first-128")), self.stop)
 
 
 def _mark_first_rung(folder: str):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 import uuid
 from typing import Any, Dict, List
 
@@ -161,3 +162,11 @@ if __name__ == "__main__":  # the resume test's subprocess: python tune_helpers.
     with own_state_api(kwargs):  # Train's cleaner asks this instance's state API, not another's
         ray.init(**kwargs)
     resumable_sweep(sys.argv[1], sys.argv[2])
+
+
+def wait_until(ready, stop: str) -> None:
+    """Until ``ready()``: an event, with no wall-clock bound that a loaded machine could run out (pytest-timeout
+    bounds the test). ``stop`` (a file the test writes when its sweep ends, however it ends) frees the waits of
+    trials a failed or timed-out test leaves running on the session's Ray."""
+    while not ready() and not os.path.exists(stop):
+        time.sleep(0.2)
