@@ -112,7 +112,8 @@ class CopyTheLast(Callback):
         out = []
         for name in os.listdir(self.folder):
             with open(os.path.join(self.folder, name)) as f:
-                lines = [json.loads(line) for line in f if line.strip()]
+                # Whole lines only: a trial may be writing its next line (one write, not atomic for a long one).
+                lines = [json.loads(line) for line in f if line.endswith("\n") and line.strip()]
             if lines:
                 out.append((lines[0], lines[-1].get("sp", 0)))
         return out
