@@ -141,8 +141,12 @@ class CheckpointFolder:
         return deleted + (self.drop_leftovers_below(newest.batch) if newest is not None else [])
 
     def drop_leftovers_below(self, batch: int) -> List[str]:
-        """Delete uncommitted directories (crashed saves) of batches below ``batch``; their URLs."""
-        return self._delete_each(self.index.take_leftovers_below(batch))
+        """Delete uncommitted directories (crashed saves) of batches below ``batch``, and the temp files of index
+        writes whose writer died (a rank 0 killed mid-write); their URLs."""
+        index = self.index
+        return self._delete_each(index.take_leftovers_below(batch)) + self._delete_each(
+            index.take_dead_writes(), _delete_file
+        )
 
     # ------------------------------------------------------------------ Ray-managed retention
     def retain_with_ray(self, retention: RayRetention) -> None:
@@ -191,12 +195,13 @@ class CheckpointFolder:
         index.forget([e.name for e in doomed if index.url(e) in deleted], save=False)
         return deleted
 
-    def _delete_each(self, urls: List[str]) -> List[str]:
-        """Delete each URL; returns those deleted. Best effort (see the module docstring)."""
+    def _delete_each(self, urls: List[str], delete_one: Any = None) -> List[str]:
+        """Delete each URL (a checkpoint, or with ``delete_one`` what it deletes); returns those deleted. Best
+        effort (see the module docstring)."""
         deleted = []
         for url in urls:
             try:
-                delete_checkpoint(url, storage_options=self.options)
+                (delete_one or delete_checkpoint)(url, storage_options=self.options)
                 deleted.append(url)
             except Exception as e:
                 _log.warning("Retention could not delete %s (%s); it is found again at the next start.", url, e)
@@ -208,6 +213,12 @@ def delete_checkpoint(url: str, *, storage_options: Optional[Dict[str, Any]] = N
     fs, path = resolve(url, storage_options)
     delete(fs, join(path, MANIFEST))
     delete(fs, path, recursive=True)
+
+
+def _delete_file(url: str, *, storage_options: Optional[Dict[str, Any]] = None) -> None:
+    """Delete one file of the folder that is not a checkpoint (a dead writer's index temp)."""
+    fs, path = resolve(url, storage_options)
+    delete(fs, path)
 
 
 def prune_local_copies(root: str, keep: int) -> list[str]:

@@ -74,6 +74,7 @@ class CheckpointIndex:
         self.options = dict(storage_options or {})
         self.entries: list[IndexEntry] = []
         self.leftovers: list[str] = []  # URLs of uncommitted directories seen at load
+        self.dead_writes: list[str] = []  # URLs of index temp files seen at load: their writers died mid-write
         self.infos: dict[str, CheckpointInfo] = {}  # manifests read while reconciling (not read again)
         self.failed: list[dict[str, Any]] = []  # saves that failed for good: name, batch, error, time
         self.unsaved = False  # `failed` changed since the last write
@@ -84,7 +85,14 @@ class CheckpointIndex:
         index = cls(root_url, storage_options)
         fs, root = resolve(root_url, index.options)
         indexed = index._read_file(fs, root)
-        dirs = {basename(e["name"]): e["name"] for e in list_dir(fs, root) if e.get("type") == "directory"}
+        listing = list_dir(fs, root)
+        dirs = {basename(e["name"]): e["name"] for e in listing if e.get("type") == "directory"}
+        # A local index write is a temp file renamed onto index.json (`write_bytes_atomic`); one killed before the
+        # rename (a SIGKILLed rank 0) leaves its temp behind. Only the committing process writes the index, so
+        # at its load any such temp is a dead writer's: `CheckpointFolder` deletes it with the crashed saves.
+        index.dead_writes = [
+            to_url(fs, e["name"]) for e in listing if e.get("type") == "file" and is_index_temp(basename(e["name"]))
+        ]
         entries = [e for name, e in indexed.items() if name in dirs]  # gone ones (pruned by Ray) drop out
         unknown = [path for name, path in dirs.items() if name not in indexed]
         manifests = [join(p, MANIFEST) for p in unknown]
@@ -161,11 +169,22 @@ class CheckpointIndex:
         if save:
             self.save()
 
+    def take_dead_writes(self) -> list[str]:
+        """The temp files of index writes whose writers died (seen at load), no longer tracked: the caller deletes
+        them."""
+        dead, self.dead_writes = self.dead_writes, []
+        return dead
+
     def take_leftovers_below(self, batch: int) -> list[str]:
         """The leftovers (crashed saves) of batches below ``batch``, no longer tracked: the caller deletes them."""
         stale = [u for u in self.leftovers if batch_of_name(basename(u)) < batch]
         self.leftovers = [u for u in self.leftovers if u not in stale]
         return stale
+
+
+def is_index_temp(name: str) -> bool:
+    """Whether ``name`` is the temp file of a local ``index.json`` write (`write_bytes_atomic`: ``.index.json.*.tmp``)."""
+    return name.startswith(f".{INDEX_FILE}.") and name.endswith(".tmp")
 
 
 def batch_of_name(name: str, *, unknown: int = 1 << 62) -> int:

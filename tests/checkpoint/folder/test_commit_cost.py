@@ -9,6 +9,7 @@ and index update, a missing or garbled index, checkpoints deleted behind its bac
 from __future__ import annotations
 
 import collections
+import os
 import uuid
 
 import pytest
@@ -119,6 +120,24 @@ def test_an_uncommitted_directory_is_a_leftover_and_pruned_below_the_newest(tmp_
     deleted = folder.prune(1)
     assert sorted(sfs.basename(u) for u in deleted) == sorted([old.name, "ckpt-000000000003-deadbeef"])
     assert (tmp_path / "checkpoints" / "ckpt-000000000009-deadbeef").exists()
+
+
+def test_an_index_write_killed_before_its_rename_leaves_a_temp_that_the_next_commit_deletes(tmp_path):
+    """A rank 0 SIGKILLed while writing index.json (its temp written, not yet renamed: seen under load in
+    tests/ray/test_resume.py's kills) leaves ``.index.json.<random>.tmp``. The next committing process's load
+    sees it in the listing it makes anyway, and its first commit deletes it with the crashed saves: each kill
+    no longer leaves a file in the folder for good. A reader's load deletes nothing."""
+    url = str(tmp_path / "checkpoints")
+    first = _save(url, 1)
+    CheckpointFolder(url).committed(first)
+    dead = tmp_path / "checkpoints" / f".{INDEX_FILE}.x45wzd7n.tmp"
+    dead.write_text('{"version": 1, "entr')  # killed mid-write
+    assert [e.name for e in CheckpointIndex.load(url).entries] == [first.name] and dead.exists()
+    folder = CheckpointFolder(url)
+    assert [sfs.basename(u) for u in folder.index.dead_writes] == [dead.name]
+    deleted = folder.committed(_save(url, 2))
+    assert [sfs.basename(u) for u in deleted] == [dead.name] and not dead.exists()
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == sorted([INDEX_FILE, first.name, folder.index.newest().name])
 
 
 def test_a_delete_that_fails_during_retention_does_not_fail_the_commit(tmp_path, monkeypatch, caplog):
