@@ -39,8 +39,10 @@ Compact form (`Runs`, `pack_runs`): the tokens plus each sequence's documents as
 document's piece in one sequence: its id and length, ``cu_seqlens`` style), 4 bytes per token and
 12 per run, where the expanded ``document_ids``/``position_ids`` add 12 bytes per token.
 `expand_runs` makes them for a whole batch at once (two ``np.repeat`` over all its runs, no step per
-sequence); `pack_window` is `pack_runs` then `expand_runs`, so both forms come from one path. The data path ships runs and expands on the rank
-(`raytrain_events.data.ray.packed_source`).
+sequence): `run_segments` (the runs and each sequence's padding as *segments*, O(runs + sequences)) then
+`expand_segments` (the per-token passes); `pack_window` is `pack_runs` then `expand_runs`, so both forms
+come from one path. The data path ships runs to the ranks, a rank ships segments to its device, and
+`expand_segments_torch` makes the per-token columns there (`raytrain_events.data.ray.packed_batch`).
 """
 
 from __future__ import annotations
@@ -408,7 +410,7 @@ def expand_segments_torch(documents: Any, lengths: Any, starts: Any, rows: int, 
     On an accelerator, a few kernels and no host sync (the output's size is ``rows * seq_len``, known
     on the host): each token's segment (``torch.repeat_interleave`` of the lengths), two gathers, a
     subtraction and a clamp. On CPU, `expand_segments` over the tensors' memory (NumPy's ``repeat``
-    was 10-40x faster than torch's CPU kernels for this on the machine it was measured on:
+    was 10-100x faster than torch's CPU kernels for this on the machine it was measured on:
     docs/data.md). The rank ships `Segments` (O(runs + sequences) numbers) instead of 12 bytes per token
     (``raytrain_events.data.ray.packed_batch``)."""
     import torch  # here: the read tasks import this module without torch

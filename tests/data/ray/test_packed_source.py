@@ -191,8 +191,9 @@ def test_the_loader_ships_segments_and_its_data_spec_finishes_them_to_the_expand
     """The loader's own `_to_batch` (no Ray needed): a batch spanning two packed blocks comes out as its
     segments (O(runs + rows) numbers, no per-token ids), and the loader's ``device_transforms``, which
     `DataSpec` runs before the user's own, makes it `table_to_torch` of the expanded table (the same keys,
-    order, dtypes and values); ``columns`` picks after that (a missing one is refused naming the columns);
-    with ``collate_fn`` the expanded columns reach it as NumPy (expanded on the host: it reads them)."""
+    order, dtypes and values); a replica group's cut of it by rows (`ReplicaLoader`) finishes to those rows;
+    ``columns`` picks after that (a missing one is refused naming the columns); with ``collate_fn`` the
+    expanded columns reach it as NumPy (expanded on the host: it reads them)."""
     import pyarrow as pa
 
     from raytrain_events.core.data_spec import DataSpec
@@ -213,6 +214,13 @@ def test_the_loader_ships_segments_and_its_data_spec_finishes_them_to_the_expand
     assert seen == [list(want)] and got.pop("mine") == 1  # the user's transform got the finished batch
     assert list(got) == list(want) and all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
     assert DataSpec(loader).device_transforms(want) is want  # a finished (or any other) batch passes as it is
+    from raytrain_events.core.replica_layout import part_rows
+    from raytrain_events.ray.replica_loader import _cut
+
+    for part in range(3):  # replica groups cut a global batch by rows: a packed one's segments go with its rows
+        lo, hi = part_rows(8, part, 3)
+        cut = loader.device_transforms(_cut(shipped, part, 3))
+        assert list(cut) == list(want) and all(torch.equal(cut[k], want[k][lo:hi]) for k in want), part
     picking = GlobalOrderLoader(None, device="cpu", columns=["num_tokens", "document_ids"])
     picked = DataSpec(picking).device_transforms(picking._to_batch(slices, blocks))
     assert list(picked) == ["num_tokens", "document_ids"] and torch.equal(picked["document_ids"], want["document_ids"])
