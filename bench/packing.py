@@ -42,8 +42,8 @@ Four parts (issue 50), each printed as a table with medians and spreads ``[min-m
    (`pack_reads`: read the token row groups and pack; for the flat layout its read
    (`window_inputs`) and `pack_runs` apart; the same documents in the documents layout as a whole)
    and the ranks (`packed_tensors` of each rank's part of a batch, 32 sequences, as the loader makes
-   it, in either document format: ``document_ids``/``position_ids`` expanded per token, or
-   ``cu_seqlens``), against the same sequences as fixed-length token rows (their ``input_ids`` alone, read by
+   it, in either document format: ``document_ids`` shipped as segments, O(runs + sequences) numbers that
+   the loop finishes on the device, or, as before, expanded per token on the host; or ``cu_seqlens``), against the same sequences as fixed-length token rows (their ``input_ids`` alone, read by
    `_read_units` as `ParquetRowGroups`' read tasks do, then `table_to_torch`: the same token budget
    without packing or document masks; written with `pq.write_table`'s defaults and uncompressed, the
    cheaper of the two per repeat being the baseline). The last three columns are the goal's measure:
@@ -55,7 +55,10 @@ Four parts (issue 50), each printed as a table with medians and spreads ``[min-m
    per repeat, in an order rotated per repeat, each the least CPU time (``time.process_time``) of 3
    runs; medians and ranges of the per-repeat ratios, and the load average printed with the table. ``concat`` on Zipf lengths up to 2,000, ``best_fit`` on the same mix cut
    at 1,024 tokens; 64,000 documents in row groups of 16,000 (about 1 Mi tokens, `tokenize`'s
-   default), seq_len 1024, windows of ``256 * seq_len`` tokens.
+   default), seq_len 1024, windows of ``256 * seq_len`` tokens. A second table weighs the device side on this
+   CPU: `packed_batch.expand_batch` of the shipped batches (on CPU it takes NumPy's repeat), the torch kernels an
+   accelerator runs (here on CPU tensors: torch's CPU kernels), and one train step of a small model (the example
+   transformer, 2 blocks 64 wide, on 8 of the sequences), all per sequence, and the expansion's share of the step.
 """
 
 from __future__ import annotations
@@ -326,19 +329,54 @@ def cpu_part(out: str, repeats: int) -> None:
     )
     print(
         "| policy | fixed-length rows: default write | uncompressed | packed, documents layout "
-        "| packed, flat layout: read | pack_runs | rank: document_ids | rank: cu_seqlens "
+        "| packed, flat layout: read | pack_runs | rank: document_ids (segments shipped) | rank: document_ids "
+        "expanded on the host (before) | rank: cu_seqlens "
         "| packed, flat layout: in all (document_ids) | pre-packed: read | pre-packed: in all (read + rank) "
-        "| rows/s packed / fixed-length: flat, document_ids | flat, cu_seqlens | documents, document_ids "
+        "| rows/s packed / fixed-length: flat, document_ids | flat, document_ids expanded on the host (before) "
+        "| flat, cu_seqlens | documents, document_ids "
         "| pre-packed, document_ids | pre-packed, cu_seqlens | pack offline: Mi tokens/s, 1 thread |"
     )
-    print("| --- " * 17 + "|")
+    print("| --- " * 19 + "|")
     load = os.getloadavg()
+    device = []
     for policy, longest in (("concat", 2_000), ("best_fit", 1_024)):
-        print(_cpu_row(os.path.join(out, f"cpu-{policy}"), policy, longest, repeats))
+        row, step = _cpu_row(os.path.join(out, f"cpu-{policy}"), policy, longest, repeats)
+        print(row)
+        device.append(step)
     print(f"\nload average (1 min) {load[0]:.2f} before, {os.getloadavg()[0]:.2f} after; {os.cpu_count()} CPUs")
+    print(
+        "\n## The device side: the per-token columns made from the shipped segments, against a small model's step "
+        "(us per sequence, CPU time, this machine's CPU as the device)\n"
+    )
+    print(
+        "| policy | expand_batch (on CPU: NumPy's repeat) | torch kernels on CPU (what an accelerator runs) "
+        "| train step, TransformerLM 2 x 64 wide, 8 x 1024 tokens | expand_batch / step | torch kernels / step |"
+    )
+    print("| --- " * 6 + "|")
+    print("\n".join(device))
 
 
-def _cpu_row(folder: str, policy: str, longest: int, repeats: int) -> str:  # noqa: PLR0914 (one table row)
+def _step_work() -> Any:
+    """One train step (forward, loss, backward, SGD) of the example transformer (2 blocks, 64 wide, vocabulary
+    4096) on a rank's part of 8 packed sequences of 1024 tokens: the small model whose step the device-side
+    expansion is weighed against."""
+    import torch
+    from transformer_lm import TransformerLM
+
+    torch.manual_seed(0)
+    net = TransformerLM(vocab=4096, width=64, heads=4, depth=2, length=1024)
+    optimizer = torch.optim.SGD(net.parameters(), lr=1e-3)
+
+    def step(batch: Dict[str, Any]) -> None:
+        loss = net.loss(net(batch), batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def _cpu_row(folder: str, policy: str, longest: int, repeats: int) -> Tuple[str, str]:  # noqa: PLR0914, PLR0915
     """The data path's CPU work per sequence, both sides of the object store, arms interleaved: the
     read tasks (`pack_reads`: read the token row groups and pack, the same documents written in either
     layout, `token_files.py`, in row groups of about 1 Mi tokens as `tokenize` writes them; or
@@ -353,10 +391,10 @@ def _cpu_row(folder: str, policy: str, longest: int, repeats: int) -> str:  # no
     arms); the ratios are per repeat, their median and range printed."""
     from packed_data import write_tokens
 
-    from raytrain_events.core.packing import pack_runs
+    from raytrain_events.core.packing import _expand_segments_kernels, pack_runs
     from raytrain_events.data.ray.batch_tensors import table_to_torch
     from raytrain_events.data.ray.pack_tokens import pack_tokens
-    from raytrain_events.data.ray.packed_batch import FORMAT_KEY, packed_tensors
+    from raytrain_events.data.ray.packed_batch import FORMAT_KEY, SEGMENT_COLUMNS, expand_batch, packed_tensors
     from raytrain_events.data.ray.packed_reads import pack_reads, window_inputs
     from raytrain_events.data.ray.packed_source import PackedTokens
     from raytrain_events.data.ray.parquet_seek import ParquetRowGroups, _read_units
@@ -394,11 +432,11 @@ def _cpu_row(folder: str, policy: str, longest: int, repeats: int) -> str:  # no
         fixed[name] = (rows.paths, [[(f, g) for f, g, _ in group] for group in rows.reads(rows.units)])
     inputs = [window_inputs(a) for a in args["flat"]]
 
-    def rank(blocks: List[Any], packed: bool) -> None:  # each rank's part of each batch, as the loader makes it
+    def rank(blocks: List[Any], packed: bool, expand: bool = False) -> None:  # each rank's part, as the loader makes it
         for block in blocks:
             for at in range(0, block.num_rows, 32):
                 part = [block.slice(at, 32)]
-                packed_tensors(part) if packed else table_to_torch(part[0])
+                packed_tensors(part, expand=expand) if packed else table_to_torch(part[0])
 
     def unpacked(name: str) -> float:
         paths, groups = fixed[name]
@@ -412,6 +450,14 @@ def _cpu_row(folder: str, policy: str, longest: int, repeats: int) -> str:  # no
     cu_blocks = [b.replace_schema_metadata({FORMAT_KEY: b"cu_seqlens"}) for b in blocks]  # as document_format= makes
     pre_blocks = [pack_reads(r) for r in pre_reads]
     assert all(a.equals(b) for a, b in zip(blocks, pre_blocks))  # the very same sequences
+    # The device side: the shipped batches (each rank's part of 32 sequences), finished as the loop does, against
+    # one small model's step on 8 of those sequences (all on this CPU).
+    shipped = [packed_tensors([b.slice(at, 32)], expand=False) for b in blocks for at in range(0, b.num_rows, 32)]
+    kernels = [tuple(batch[k] for k in SEGMENT_COLUMNS) + tuple(batch["input_ids"].shape) for batch in shipped]
+    step = _step_work()
+    step_batch = expand_batch(packed_tensors([blocks[0].slice(0, 8)], expand=False))
+    for got, want in zip(map(expand_batch, shipped[:4]), (packed_tensors([blocks[0].slice(a, 32)]) for a in (0, 32))):
+        assert all(got[k].dtype == want[k].dtype and bool((got[k] == want[k]).all()) for k in want)
     work = {
         "default": lambda: unpacked("default"),
         "plain": lambda: unpacked("plain"),
@@ -419,7 +465,11 @@ def _cpu_row(folder: str, policy: str, longest: int, repeats: int) -> str:  # no
         "read": lambda: _cpu_per_sequence(lambda: [window_inputs(a) for a in args["flat"]], n),
         "pack": lambda: _cpu_per_sequence(lambda: [pack_runs(t, k, i, 1024, policy) for t, k, i in inputs], n),
         "rank": lambda: _cpu_per_sequence(lambda: rank(blocks, True), n),
+        "rank_host": lambda: _cpu_per_sequence(lambda: rank(blocks, True, expand=True), n),
         "rank_cu": lambda: _cpu_per_sequence(lambda: rank(cu_blocks, True), n),
+        "device": lambda: _cpu_per_sequence(lambda: [expand_batch(batch) for batch in shipped], n),
+        "kernels": lambda: _cpu_per_sequence(lambda: [_expand_segments_kernels(*k) for k in kernels], n),
+        "step": lambda: _cpu_per_sequence(lambda: step(step_batch), 8),
         "pre_read": lambda: _cpu_per_sequence(lambda: [pack_reads(r) for r in pre_reads], n),
         "offline": lambda: pack_offline(len(arms["offline"]) + 1),
     }
@@ -430,6 +480,7 @@ def _cpu_row(folder: str, policy: str, longest: int, repeats: int) -> str:  # no
         for name in names[r % len(names) :] + names[: r % len(names)]:
             arms[name].append(work[name]())
     flat = [r + p + k for r, p, k in zip(arms["read"], arms["pack"], arms["rank"])]
+    flat_host = [r + p + k for r, p, k in zip(arms["read"], arms["pack"], arms["rank_host"])]
     flat_cu = [r + p + k for r, p, k in zip(arms["read"], arms["pack"], arms["rank_cu"])]
     documents = [d + k for d, k in zip(arms["documents"], arms["rank"])]
     # Pre-packed blocks are the on-the-fly ones (asserted above): the rank's arms measure both.
@@ -437,12 +488,15 @@ def _cpu_row(folder: str, policy: str, longest: int, repeats: int) -> str:  # no
     prepacked_cu = [r + k for r, k in zip(arms["pre_read"], arms["rank_cu"])]
     base = [min(d, p) for d, p in zip(arms["default"], arms["plain"])]
     cells = [_spread(arms["default"]), _spread(arms["plain"]), _spread(documents)]
-    cells += [_spread(arms[k]) for k in ("read", "pack", "rank", "rank_cu")] + [_spread(flat)]
+    cells += [_spread(arms[k]) for k in ("read", "pack", "rank", "rank_host", "rank_cu")] + [_spread(flat)]
     cells += [_spread(arms["pre_read"]), _spread(prepacked)]
-    totals = (flat, flat_cu, documents, prepacked, prepacked_cu)
+    totals = (flat, flat_host, flat_cu, documents, prepacked, prepacked_cu)
     cells += [_spread([a / t for a, t in zip(base, total)], 3) for total in totals]
     cells += [_spread(arms["offline"], 2)]
-    return f"| {policy} | " + " | ".join(cells) + " |"
+    shares = [[x / s for x, s in zip(arms[k], arms["step"])] for k in ("device", "kernels")]
+    device = [_spread(arms["device"], 2), _spread(arms["kernels"], 1), _spread(arms["step"], 0)]
+    device += [f"{statistics.median(r):.3%} [{min(r):.3%}-{max(r):.3%}]" for r in shares]
+    return f"| {policy} | " + " | ".join(cells) + " |", f"| {policy} | " + " | ".join(device) + " |"
 
 
 def main() -> None:

@@ -160,8 +160,10 @@ def _recompute_batchnorm(model: torch.nn.Module, loader: Any) -> None:
         bn.momentum = None
     was_training = model.training
     model.train()
+    finish = getattr(loader, "device_transforms", None)  # a loader that finishes its batches on the device (packed)
     for batch in loader:
-        model(move_to_device(batch, device))
+        batch = move_to_device(batch, device)
+        model(finish(batch) if finish is not None else batch)
     for bn, momentum in momenta.items():
         bn.momentum = momentum
     model.train(was_training)

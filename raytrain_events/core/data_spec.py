@@ -97,6 +97,11 @@ def _split_or_repeat(value: Any, n: int) -> List[Any]:
 class DataSpec:
     """A dataloader plus the functions that describe its batches.
 
+    ``device_transforms``: a function of each batch after the loop moved it to the device, before any
+    event sees it (`Event.AFTER_DATALOADER`) and before it is counted. A dataloader with a
+    ``device_transforms`` method of its own (the Ray train loader, `GlobalOrderLoader`: a packed batch's
+    ``document_ids``/``position_ids`` made on the device from O(runs) numbers) has it run first, then yours.
+
     Example::
 
         DataSpec(loader, get_num_tokens_in_batch=lambda b: int(b["attention_mask"].sum()))
@@ -120,7 +125,9 @@ class DataSpec:
         self.get_num_tokens_in_batch = get_num_tokens_in_batch
         self.counts_tokens = get_num_tokens_in_batch is not None
         self.split_batch = split_batch or default_split_batch
-        self.device_transforms = device_transforms
+        # A loader that finishes its batches on the device (its ``device_transforms``: `GlobalOrderLoader`'s makes a
+        # packed batch's per-token columns there) goes first; the user's own then get the batch the model would.
+        self.device_transforms = _then(getattr(dataloader, "device_transforms", None), device_transforms)
 
     def num_tokens_in_batch(self, batch: Any) -> int:
         """Tokens in ``batch`` (0 unless a token counter was given); a count that is not a whole
@@ -132,6 +139,15 @@ class DataSpec:
         if type(tokens) is int:  # the common case, checked first (per batch)
             return tokens
         return _whole_count(tokens, fn)
+
+
+def _then(
+    first: Optional[Callable[[Any], Any]], second: Optional[Callable[[Any], Any]]
+) -> Optional[Callable[[Any], Any]]:
+    """``first`` then ``second`` (either may be None)."""
+    if first is None or second is None:
+        return first or second
+    return lambda batch: second(first(batch))
 
 
 def _whole_count(value: Any, fn: Any) -> int:

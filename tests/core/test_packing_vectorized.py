@@ -86,6 +86,47 @@ def test_whole_batch_paths_write_what_the_per_sequence_paths_wrote(seq_len: int,
 
 
 @pytest.mark.parametrize("seq_len", [1, 7, 64, 1024])
+@pytest.mark.parametrize("policy", ["concat", "best_fit"])
+def test_the_device_expansion_of_segments_writes_what_expand_runs_writes(seq_len: int, policy: str) -> None:
+    """A rank ships a batch's `Segments` (`run_segments`: O(runs + sequences) numbers) and the device makes the
+    per-token columns: the torch kernels (`_expand_segments_kernels`, what an accelerator runs; here on CPU
+    tensors) and `expand_segments_torch` (which takes NumPy's repeat on CPU) give exactly `expand_runs`' arrays
+    (dtypes int64/int32, shapes, values: padding ``PAD_DOCUMENT`` and position 0) for every cut a rank could
+    get: whole windows, a few rows anywhere, no rows, concat's full rows and best_fit's padded ones."""
+    import torch
+
+    from raytrain_events.core.packing import Segments, _expand_segments_kernels, expand_segments_torch, run_segments
+
+    rng = np.random.default_rng(seq_len + 29)
+    for lengths in _inputs(seq_len):
+        lengths = lengths.astype(np.int64)
+        if policy == "best_fit":
+            lengths = np.minimum(lengths, seq_len)
+        tokens = rng.integers(1, 50_000, size=int(lengths.sum())).astype(np.int32)
+        runs = pack_runs(tokens, lengths, rng.permutation(len(lengths)).astype(np.int64) * 7 + 2, seq_len, policy)
+        n = len(runs.runs)
+        ends = np.r_[0, np.cumsum(runs.runs)]
+        rows = max(1, 2**16 // seq_len)  # a batch's worth of tokens (torch's CPU kernels are slow: docs/data.md)
+        starts = rng.integers(0, n + 1, size=5)
+        cuts = [(0, min(n, rows)), (0, 0), (n, n)] + [(a, min(n, a + rng.integers(1, 65))) for a in starts]
+        for a, b in cuts:
+            r = slice(int(ends[a]), int(ends[b]))
+            args = (runs.documents[r], runs.lengths[r], runs.runs[a:b], runs.num_tokens[a:b], seq_len)
+            want = expand_runs(*args)
+            segments = run_segments(*args)
+            assert len(segments.lengths) <= (b - a) + int(ends[b] - ends[a])  # runs + each row's padding
+            assert [x.dtype for x in segments] == [np.int64, np.int32, np.int32]
+            shipped = Segments(*(torch.from_numpy(np.ascontiguousarray(x)) for x in segments))
+            for got in (
+                _expand_segments_kernels(*shipped, b - a, seq_len),
+                expand_segments_torch(*shipped, b - a, seq_len),
+            ):
+                for tensor, array in zip(got, want):
+                    assert tensor.dtype == torch.from_numpy(array).dtype and tuple(tensor.shape) == array.shape
+                    assert np.array_equal(tensor.numpy(), array), (policy, seq_len, len(lengths), a, b)
+
+
+@pytest.mark.parametrize("seq_len", [1, 7, 64, 1024])
 def test_best_fit_places_every_document_where_one_by_one_placing_puts_it(seq_len: int) -> None:
     """`_place` (a run of equal lengths visits the rooms that fit once each, one search per run) puts
     every document in the sequence and at the offset best-fit decreasing one document at a time does:

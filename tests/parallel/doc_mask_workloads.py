@@ -53,6 +53,46 @@ def cu_seqlens_rows(rows: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tens
     }
 
 
+def segment_rows(rows: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+    """A loader's collate: `packed_rows` as the Ray train loader ships a ``document_ids`` batch
+    (`packed_batch.packed_tensors(..., expand=False)`: ``input_ids``, each row's runs and padding as segments,
+    ``num_tokens``), for the loader's ``device_transforms`` (`SegmentLoader`) to finish on the device."""
+    import numpy as np
+
+    from raytrain_events.core.packing import run_segments
+    from raytrain_events.data.ray.packed_batch import SEGMENT_COLUMNS
+
+    documents: List[int] = []
+    lengths: List[int] = []
+    runs: List[int] = []
+    for row in rows:
+        real = int(row["num_tokens"])
+        starts = torch.nonzero(row["position_ids"][:real] == 0).flatten().tolist()  # each run's first token
+        documents += [int(row["document_ids"][a]) for a in starts]
+        lengths += torch.diff(torch.tensor([*starts, real])).tolist()
+        runs.append(len(starts))
+    num_tokens = np.array([int(row["num_tokens"]) for row in rows], dtype=np.int32)
+    segments = run_segments(np.array(documents), np.array(lengths), np.array(runs), num_tokens, SEQ)
+    return {
+        "input_ids": torch.stack([row["input_ids"] for row in rows]),
+        **{k: torch.from_numpy(v) for k, v in zip(SEGMENT_COLUMNS, segments)},
+        "num_tokens": torch.from_numpy(num_tokens),
+    }
+
+
+def segment_loader(rows: List[Dict[str, torch.Tensor]], batch_size: int) -> Any:
+    """A ``DataLoader`` of `segment_rows` batches that finishes them on the device as the Ray train loader does
+    (its own ``device_transforms``, which `DataSpec` runs before the user's: `packed_batch.expand_batch`)."""
+    from torch.utils.data import DataLoader
+
+    from raytrain_events.data.ray.packed_batch import expand_batch
+
+    class SegmentLoader(DataLoader):
+        device_transforms = staticmethod(expand_batch)
+
+    return SegmentLoader(rows, batch_size=batch_size, collate_fn=segment_rows)
+
+
 def model() -> Any:
     from examples.transformer_lm import TransformerLM
 
@@ -129,7 +169,9 @@ def train_packed(rank: int, world_size: int, arms: Any, group: Dict[str, int]) -
     for name in arms:
         record = Record()
         net = model()
-        loader = DataLoader(packed_rows(32, seed=100 + rank // group[name]), batch_size=8)
+        rows = packed_rows(32, seed=100 + rank // group[name])
+        # CP x TP from the Ray train loader's batches (segments, finished on the device); DDP from expanded rows
+        loader = segment_loader(rows, 8) if name == "cp_tp" else DataLoader(rows, batch_size=8)
         trainer = Trainer(
             model=net,
             train_dataloader=DataSpec(loader, get_num_tokens_in_batch=lambda b: int(b["num_tokens"].sum())),

@@ -164,8 +164,19 @@ def test_context_parallel_4_keeps_documents_apart_and_matches_the_whole_model() 
 @pytest.mark.timeout(900)
 def test_packed_training_under_cp_2_x_tp_2_matches_ddp() -> None:
     """Through the `Trainer` on 4 gloo ranks: CP 2 x TP 2 (one group) trains packed rows with document
-    masks to DDP's losses and gradients, batch by batch, and counts each group's real tokens once."""
-    from tests.parallel.doc_mask_workloads import packed_rows, train_packed
+    masks to DDP's losses and gradients, batch by batch, and counts each group's real tokens once. CP x TP's
+    batches come as the Ray train loader ships them (segments, finished by the loader's ``device_transforms``
+    before the CP split); DDP's as expanded rows."""
+    from raytrain_events.data.ray.packed_batch import expand_batch
+    from tests.parallel.doc_mask_workloads import packed_rows, segment_loader, train_packed
+
+    rows = packed_rows(8, seed=100)
+    shipped = next(iter(segment_loader(rows, 8)))
+    assert "document_ids" not in shipped and "segment_lengths" in shipped
+    finished = expand_batch(shipped)
+    for k in ("input_ids", "document_ids", "position_ids"):
+        want = torch.stack([r[k] for r in rows])
+        assert finished[k].dtype == want.dtype and torch.equal(finished[k], want), k
 
     results = run_ranks(4, train_packed, ["ddp", "cp_tp"], {"ddp": 4, "cp_tp": 4})
     real = sum(int(r["num_tokens"]) for r in packed_rows(32, seed=100))

@@ -37,7 +37,7 @@ from raytrain_events.data.ray import block_fetch  # cluster_node read through it
 from raytrain_events.data.ray.batch_tensors import table_to_torch
 from raytrain_events.data.ray.block_fetch import finish_fetch, local_rows, start_fetch
 from raytrain_events.data.ray.feeder import batches_in_epoch
-from raytrain_events.data.ray.packed_batch import expand_packed, packed_tensors
+from raytrain_events.data.ray.packed_batch import expand_batch, expand_packed, packed_tensors
 from raytrain_events.data.ray.prefetch import prefetched
 from raytrain_events.data.ray.slices import RowRange, Slice
 from raytrain_events.ray._compat import ndarray_batch_to_torch
@@ -209,6 +209,17 @@ class GlobalOrderLoader:
         self._start(epoch, position, 0)
         return prefetched(self._batches(epoch, position), self.prefetch_batches, "raytrain-train-batches")
 
+    def device_transforms(self, batch: Any) -> Any:
+        """Finish a batch on the device the loop moved it to (`DataSpec` runs this before the user's own
+        ``device_transforms``): a packed ``document_ids`` batch, made as segments (`packed_batch.packed_tensors`,
+        O(runs + sequences) numbers on the host), gets its per-token ``document_ids``/``position_ids`` there
+        (`packed_batch.expand_batch`: a few kernels) and then ``columns`` picked; any other batch as it is.
+        Iterating the loader outside the `Trainer`, call it on each batch for the batch the model sees."""
+        if type(batch) is dict and "segment_lengths" in batch:
+            batch = expand_batch(batch)
+            return batch if self.columns is None else pick_columns(batch, self.columns)
+        return batch
+
     def _batches(self, epoch: int, position: int):
         import ray
 
@@ -279,9 +290,10 @@ class GlobalOrderLoader:
         from ray.data.block import BlockAccessor
 
         parts = [_part(piece, blocks) for piece in _merged(slices)]
-        packed = packed_tensors(parts) if self.collate_fn is None else None  # packed runs: the public columns
+        # Packed runs: the public columns, a document_ids batch as segments (finished on the device, `device_transforms`)
+        packed = packed_tensors(parts, expand=False) if self.collate_fn is None else None
         if packed is not None:
-            return packed if self.columns is None else pick_columns(packed, self.columns)
+            return packed if self.columns is None or "segment_lengths" in packed else pick_columns(packed, self.columns)
         parts = expand_packed(parts)
         if self.columns is not None:  # only these columns reach the batch (and collate_fn)
             parts = [pick_columns(part, self.columns) if isinstance(part, pa.Table) else part for part in parts]

@@ -7,7 +7,9 @@ the short tail joined to the batch before it), so the same order the feeder stre
 `MixturePlan` of the run's `MixtureRun`, carried by the shard, each global batch listed by
 source from the loader's start position: `MixturePlan.batch_sources`) names their sources without
 reading anything.
-The counts of each batch are set as the train thread takes it (not in the prefetch thread), and
+The counts of each batch are set as the train thread takes it (not in the prefetch thread; a packed
+batch's tokens once the loop finished it on the device, `device_transforms`, so the counter sees its
+``document_ids``), and
 `MixtureCounts` (brought by `loop_callbacks`, as `MixtureLoader` does locally) sums them on the
 loop's per-batch collective: the run's exact per-source samples and, with
 ``get_num_tokens_in_batch``, tokens (counted on each source's rows of the batch), logged as
@@ -63,6 +65,7 @@ class MixtureOrderLoader(GlobalOrderLoader):
         self.batch_samples: List[int] = [0] * len(names)
         self.batch_tokens: List[int] = [0] * len(names)
         self.batch_sources: List[int] = []  # the source of each row of this rank's latest batch
+        self._uncounted: Optional[List[int]] = None  # a packed batch's sources, counted once it is finished
         self._window: tuple[int, int, List[int]] = (-1, 0, [])  # (epoch, first position, their sources)
         self._anchor = 0  # the position the stream entered the epoch at (set per iteration)
 
@@ -136,9 +139,19 @@ class MixtureOrderLoader(GlobalOrderLoader):
             for s in sources:
                 samples[s] += 1
             self.batch_samples, self.batch_sources = samples, sources
-            if self.tokens_of_row is not None:
+            if self.tokens_of_row is not None and isinstance(batch, dict) and "segment_lengths" in batch:
+                self._uncounted = sources  # a packed batch: counted as the model sees it (`device_transforms`)
+            elif self.tokens_of_row is not None:
                 self.batch_tokens = self._tokens(batch, sources)
             yield batch
+
+    def device_transforms(self, batch: Any) -> Any:
+        """`GlobalOrderLoader.device_transforms`, then a packed batch's tokens per source counted on what it made
+        (``tokens_of_batch`` sees the batch the model sees: ``document_ids`` and all)."""
+        batch = super().device_transforms(batch)
+        if self._uncounted is not None:
+            self.batch_tokens, self._uncounted = self._tokens(batch, self._uncounted), None
+        return batch
 
     def _sources(self, epoch: int, a: int, b: int) -> List[int]:
         """The plan's sources of positions ``[a, b)``: from the current window, or a new walk (see the module doc)."""

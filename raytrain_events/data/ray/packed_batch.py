@@ -3,13 +3,22 @@ to the public columns: ``input_ids``, ``document_ids`` (int64), ``position_ids``
 or, under ``PackedTokens(document_format="cu_seqlens")`` (`DOCUMENT_FORMATS`), ``input_ids``,
 ``cu_seqlens``, ``max_seqlen``, ``num_tokens`` (`cu_seqlens_of`: O(runs + sequences), nothing per token).
 
-Two forms of the same batch: `packed_tensors`, straight to torch tensors (the loader's path when
-there is no ``collate_fn``: no Arrow table built to be converted again), and `expand_packed`, an
-Arrow table (for ``collate_fn``, through Ray's NumPy batch format, and for `pack_read`). Both run
-`core.packing.expand_runs` once over all the batch's runs (O(tokens) array work, 12 bytes written per
-token), the run lists read as NumPy views of their Arrow buffers, the tokens themselves not copied
-(a batch within one block is a view of it, as for any source; one spanning two blocks is joined
-once). ``document_ids``/``position_ids`` are new arrays per batch: nothing a later batch writes.
+Three forms of the same batch:
+
+* `packed_tensors(parts, expand=False)`, the train loader's (`loader.GlobalOrderLoader`, no
+  ``collate_fn``): the ``document_ids`` format as *segments* (`SEGMENT_COLUMNS`: each run and each
+  sequence's padding, `core.packing.Segments`, O(runs + sequences) numbers made on the host) beside
+  ``input_ids`` and ``num_tokens``; the loop moves it to the device, where `expand_batch` (the
+  loader's ``device_transforms``, which `DataSpec` runs before the user's) makes the per-token
+  columns: a few kernels on an accelerator instead of 12 bytes per token written by the host.
+* `packed_tensors(parts)`: the public columns as tensors, expanded on the host (`core.packing.expand_runs`,
+  O(tokens) array work) with no Arrow table built to be converted again.
+* `expand_packed`: an Arrow table of the public columns (for ``collate_fn``, through Ray's NumPy batch
+  format, and for `pack_read`).
+
+The run lists are read as NumPy views of their Arrow buffers, the tokens themselves not copied (a
+batch within one block is a view of it, as for any source; one spanning two blocks is joined once).
+``document_ids``/``position_ids`` are new arrays per batch: nothing a later batch writes.
 """
 
 from __future__ import annotations
@@ -19,13 +28,25 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import pyarrow as pa
 
-from raytrain_events.core.packing import expand_runs
+from raytrain_events.core.packing import expand_runs, expand_segments_torch, run_segments
 from raytrain_events.data.ray.batch_tensors import column_tensor, from_numpy
 
-__all__ = ["expand_packed", "packed_tensors", "is_packed", "cu_seqlens_of", "DOCUMENT_FORMATS", "FORMAT_KEY"]
+__all__ = [
+    "expand_packed",
+    "packed_tensors",
+    "expand_batch",
+    "rows_of",
+    "is_packed",
+    "cu_seqlens_of",
+    "DOCUMENT_FORMATS",
+    "FORMAT_KEY",
+    "SEGMENT_COLUMNS",
+]
 
 DOCUMENT_FORMATS = ("document_ids", "cu_seqlens")  # `PackedTokens(document_format=...)`: what a batch carries
 FORMAT_KEY = b"raytrain_events.document_format"  # a compact block's schema metadata: its batches' format
+# A batch's segments (`core.packing.Segments`' fields), in place of document_ids/position_ids until `expand_batch`.
+SEGMENT_COLUMNS = ("segment_documents", "segment_lengths", "segment_starts")
 
 
 def document_format(parts: List[Any]) -> str:
@@ -39,37 +60,77 @@ def is_packed(parts: List[Any]) -> bool:
     return bool(parts) and all(isinstance(p, pa.Table) and "run_lengths" in p.column_names for p in parts)
 
 
-def packed_tensors(parts: List[Any]) -> Optional[Dict[str, Any]]:
+def packed_tensors(parts: List[Any], *, expand: bool = True) -> Optional[Dict[str, Any]]:
     """``{column: tensor}`` of the batch of ``parts`` (compact packed blocks), as `table_to_torch` of
     `expand_packed`'s table gives it (the same dtypes, shapes, values and column order) without
-    building that table. None when the parts are not packed blocks: the caller converts them as any
-    table."""
+    building that table. ``expand=False`` (the train loader's): a ``document_ids`` batch comes as
+    ``input_ids``, its segments (`SEGMENT_COLUMNS`) and ``num_tokens``, for `expand_batch` to finish
+    on the device (a ``cu_seqlens`` batch is the same either way). None when the parts are not
+    packed blocks: the caller converts them as any table."""
     if not is_packed(parts):
         return None
-    cu = document_format(parts) == "cu_seqlens"
-    input_ids, *columns = _runs(parts) if cu else _expand(parts)
+    input_ids, documents, lengths, runs, counts = _runs(parts)
     one = len(input_ids) == 1  # within one block: a view of it
     tokens = column_tensor(
         input_ids[0] if one else pa.chunked_array(input_ids, parts[0].schema.field("input_ids").type)
     )
     if tokens is None:  # not a list of numbers without nulls: the table path decides
         return None
-    if cu:
-        seq_len = parts[0].schema.field("input_ids").type.list_size
-        cu_seqlens, max_seqlen = cu_seqlens_of(columns[1], columns[2], columns[3], seq_len)
+    seq_len = parts[0].schema.field("input_ids").type.list_size  # a fixed-size list (`pack_reads`)
+    if document_format(parts) == "cu_seqlens":
+        cu_seqlens, max_seqlen = cu_seqlens_of(lengths, runs, counts, seq_len)
         return {
             "input_ids": tokens,
             "cu_seqlens": from_numpy(cu_seqlens),
             "max_seqlen": from_numpy(np.array(max_seqlen, dtype=np.int32)),
-            "num_tokens": from_numpy(columns[3]),
+            "num_tokens": from_numpy(counts),
         }
-    document_ids, position_ids, num_tokens = columns
+    if not expand:
+        segments = run_segments(documents, lengths, runs, counts, seq_len)
+        return {
+            "input_ids": tokens,
+            **dict(zip(SEGMENT_COLUMNS, map(from_numpy, segments))),
+            "num_tokens": from_numpy(counts),
+        }
+    document_ids, position_ids = expand_runs(documents, lengths, runs, counts, seq_len)
     return {
         "input_ids": tokens,
         "document_ids": from_numpy(document_ids),
         "position_ids": from_numpy(position_ids),
-        "num_tokens": from_numpy(num_tokens),
+        "num_tokens": from_numpy(counts),
     }
+
+
+def expand_batch(batch: Any) -> Any:
+    """A batch of `packed_tensors(..., expand=False)` with its per-token ``document_ids`` (int64) and
+    ``position_ids`` (int32) made from its segments on the batch's device
+    (`core.packing.expand_segments_torch`): the very batch `packed_tensors(...)` gives (the same
+    columns, order, dtypes, shapes and values). Any other batch as it is (one key lookup)."""
+    if type(batch) is not dict or "segment_lengths" not in batch:
+        return batch
+    tokens = batch["input_ids"]
+    rows, seq_len = tokens.shape
+    document_ids, position_ids = expand_segments_torch(*(batch[k] for k in SEGMENT_COLUMNS), rows, seq_len)
+    return {
+        "input_ids": tokens,
+        "document_ids": document_ids,
+        "position_ids": position_ids,
+        "num_tokens": batch["num_tokens"],
+    }
+
+
+def rows_of(batch: Dict[str, Any], lo: int, hi: int) -> Dict[str, Any]:
+    """Rows ``lo:hi`` of a batch of `packed_tensors(..., expand=False)`: its per-row tensors cut, and the
+    segments of those rows (no segment crosses a row's end; a padding segment of no tokens at a cut
+    is harmless on either side)."""
+    import torch
+
+    seq_len = batch["input_ids"].shape[1]
+    lengths = batch["segment_lengths"]
+    starts = torch.cumsum(lengths, 0, dtype=torch.int64) - lengths  # each segment's first token in the batch
+    bounds = torch.tensor([lo * seq_len, hi * seq_len], dtype=torch.int64, device=lengths.device)
+    a, b = torch.searchsorted(starts, bounds).tolist()
+    return {k: v[a:b] if k in SEGMENT_COLUMNS else v[lo:hi] for k, v in batch.items()}
 
 
 def cu_seqlens_of(

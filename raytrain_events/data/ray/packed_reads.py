@@ -31,8 +31,9 @@ def pack_reads(windows: List[Dict[str, Any]]) -> Any:
     The block holds each sequence's tokens (``input_ids``, a fixed-size list), ``num_tokens``, and
     its documents as runs (``run_documents`` int64, ``run_lengths`` int32: lists, `core.packing.Runs`;
     the ``run_lengths`` column marks the form): about 4 bytes per token instead of the batch's 16
-    (`block_bytes`). A rank expands the rows of its batch (`packed_batch.packed_tensors`, in the loader), so
-    the batch is the same as ever. Each window's tokens are packed straight into their rows of the
+    (`block_bytes`). A rank ships the rows of its batch as segments (`packed_batch.packed_tensors`, in the
+    loader) and the loop expands them on the device (`packed_batch.expand_batch`), so the batch the model sees
+    is the same as ever. Each window's tokens are packed straight into their rows of the
     block (`pack_runs` with ``out``); the Arrow columns are zero-copy views of those arrays."""
     import pyarrow as pa
 

@@ -38,9 +38,10 @@ in the read tasks (``packed_reads.py``; one Ray task packs consecutive windows u
 plus O(d log d) for best_fit), never on the feeder or a rank; a rank's part of a batch is one or two
 slices of window blocks, cut where the blocks are. A block holds the tokens and each sequence's
 documents as runs (`pack_reads`: 4 + 12 / (mean document tokens) bytes per int32 token into the
-object store and across nodes, 4.35 for documents of 34 tokens, not the batch's 16); the rank expands
-its rows to ``document_ids``/``position_ids`` (`packed_batch.packed_tensors`, called by the loader on every batch:
-one whole-batch pass of O(tokens) array work, 12 bytes written per token).
+object store and across nodes, 4.35 for documents of 34 tokens, not the batch's 16); the rank turns
+its rows into segments (`packed_batch.packed_tensors`, called by the loader on every batch: O(runs +
+sequences) numbers, nothing per token), and the loop makes ``document_ids``/``position_ids`` from them on
+the device, after moving the batch (the loader's ``device_transforms``, `packed_batch.expand_batch`).
 
 Document ids are the ``document_id`` column when the files have one (`tokenize` writes it), else
 the document's row number in the source (files in order, row groups in order): the same in every

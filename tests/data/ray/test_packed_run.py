@@ -16,7 +16,9 @@ uninterrupted order (the feeder's stream of the same `MixtureSource` read direct
 same at any world size: tests/data/ray/test_packed_source.py), on 2 workers up to the stop and on 3
 after, and each batch's sources are the plan's (the stage took effect); the Timestamp's tokens at
 the stop and at the end are the real (non-padding) tokens of those sequences, and the per-source
-sample and token counts in the final history entry are each source's. Per document: a ``code``
+sample and token counts in the final history entry are each source's. The run's batches are the default
+``document_ids`` format's, shipped as segments and finished on the device by the loader's
+``device_transforms`` (the recorded ``document_ids`` are what the model saw). Per document: a ``code``
 document (never split) trained once or twice, each at least once (a source goes round again only
 after every sequence was used); a ``web`` document at most once, its tokens in order (its pieces
 under concat: a prefix when the stage cut the source short). The same order read with both sources in the
@@ -107,6 +109,7 @@ def _sources(folder: str):
 def _reference(ray, sources, mixture, epoch_size):
     """The uninterrupted order: the feeder's stream of the run's MixtureSource on one rank (a cu_seqlens batch
     as its document ids: each piece's number, `document_attention.with_document_ids`)."""
+    from raytrain_events.core.data_spec import DataSpec
     from raytrain_events.core.mixture_plan import MixtureRun
     from raytrain_events.data.ray.feeder import FEEDER_OPTIONS, EpochFeeder
     from raytrain_events.data.ray.loader import GlobalOrderLoader, GlobalOrderShard
@@ -119,7 +122,8 @@ def _reference(ray, sources, mixture, epoch_size):
     loader.set_epoch(0)
     loader.set_position(0)
     rows = []
-    for batch in map(with_document_ids, loader):
+    spec = DataSpec(loader)  # the loader's own device transforms, as the loop runs them: document_ids from segments
+    for batch in map(with_document_ids, map(spec.device_transforms, loader)):
         rows += [(d.tolist(), i.tolist()) for d, i in zip(batch["document_ids"], batch["input_ids"])]
     return rows
 

@@ -60,10 +60,19 @@ def _epoch(ray, source, world: int, position: int, seed=None, shuffle_rows=None)
         loader.set_epoch(0)
         loader.set_position(position)
     rows: List[dict] = []
-    for per_rank in zip(*loaders, strict=True):
+    for per_rank in zip(*map(_finished, loaders), strict=True):
         for batch in per_rank:
             rows += [{k: v[i].clone() for k, v in batch.items()} for i in range(len(batch["num_tokens"]))]
     return rows
+
+
+def _finished(loader):
+    """The loader's batches as the loop hands them to the model: moved, then its `DataSpec`'s device transforms
+    (the loader's own first: a packed batch's ``document_ids``/``position_ids`` made from its segments)."""
+    from raytrain_events.core.data_spec import DataSpec
+    from raytrain_events.trainer._batch import device_batches
+
+    return device_batches(DataSpec(loader), torch.device("cpu"))
 
 
 def _same(a: List[dict], b: List[dict]) -> bool:
@@ -136,7 +145,7 @@ def test_blocks_carry_runs_and_a_rank_expands_any_cut_of_them_to_the_batch_colum
 
     from raytrain_events.core.packing import expand_runs
     from raytrain_events.data.ray.batch_tensors import table_to_torch
-    from raytrain_events.data.ray.packed_batch import expand_packed, packed_tensors
+    from raytrain_events.data.ray.packed_batch import SEGMENT_COLUMNS, expand_batch, expand_packed, packed_tensors
     from raytrain_events.data.ray.packed_reads import pack_read, pack_reads
 
     source = PackedTokens(tokens[0], seq_len=SEQ, policy=policy, window_tokens=WINDOW)
@@ -153,41 +162,132 @@ def test_blocks_carry_runs_and_a_rank_expands_any_cut_of_them_to_the_batch_colum
         assert got.column_names == want.column_names
         for name in want.column_names:
             assert got.column(name).to_pylist() == want.column(name).to_pylist(), (name, a, b, c, d)
-        tensors, expected = packed_tensors(parts), table_to_torch(got)  # the loader's path: no Arrow table
-        assert list(tensors) == list(expected) == want.column_names
-        for name, tensor in expected.items():
-            assert tensors[name].dtype == tensor.dtype and torch.equal(tensors[name], tensor), (name, a, b, c, d)
+        expected = table_to_torch(got)
+        segments = packed_tensors(parts, expand=False)  # the loader's: segments, finished on the device
+        assert list(segments) == ["input_ids", *SEGMENT_COLUMNS, "num_tokens"]
+        runs = sum(len(r) for p in parts for r in p.column("run_lengths").to_pylist())
+        assert len(segments["segment_lengths"]) <= runs + (b - a) + (d - c)  # O(runs + rows): nothing per token
+        for tensors in (packed_tensors(parts), expand_batch(segments)):  # on the host; from the segments
+            assert list(tensors) == list(expected) == want.column_names
+            for name, tensor in expected.items():
+                assert tensors[name].dtype == tensor.dtype and torch.equal(tensors[name], tensor), (name, a, b, c, d)
     plain = pa.table({"x": [1, 2]})
     assert expand_packed([plain]) == [plain] and packed_tensors([plain]) is None  # anything else passes through
     with pytest.raises(ValueError, match="do not tile .* a corrupt packed block"):
         expand_runs(np.array([5]), np.array([SEQ + 1]), np.array([1]), np.array([SEQ]), SEQ)
 
 
-def test_the_loader_turns_a_batch_of_two_blocks_into_the_expanded_tensors(tokens) -> None:
-    """The loader's own `_to_batch` (no Ray needed): a batch spanning two packed blocks comes out as
-    `table_to_torch` of the expanded table, straight to tensors; ``columns`` picks (a missing one is
-    refused naming the columns); with ``collate_fn`` the expanded columns reach it as NumPy."""
-    import pyarrow as pa
-
-    from raytrain_events.data.ray.batch_tensors import table_to_torch
-    from raytrain_events.data.ray.loader import GlobalOrderLoader
-    from raytrain_events.data.ray.packed_batch import expand_packed
+def _two_block_cut(source):
+    """A batch's slices across two packed blocks of ``source`` (the last 3 rows of one, rows 1-5 of the next)."""
     from raytrain_events.data.ray.packed_reads import pack_reads
     from raytrain_events.data.ray.slices import RowRange
 
-    source = PackedTokens(tokens[0], seq_len=SEQ, policy="best_fit", window_tokens=WINDOW)
     a, b = (pack_reads([source.window_args(w) for w in ws]) for ws in ([0, 1], [2, 3]))
     slices, blocks = [RowRange("a", a.num_rows - 3, a.num_rows), RowRange("b", 1, 6)], {"a": (a, None), "b": (b, None)}
-    (table,) = expand_packed([a.slice(a.num_rows - 3, 3), b.slice(1, 5)])
+    return slices, blocks, [a.slice(a.num_rows - 3, 3), b.slice(1, 5)]
+
+
+def test_the_loader_ships_segments_and_its_data_spec_finishes_them_to_the_expanded_tensors(tokens) -> None:
+    """The loader's own `_to_batch` (no Ray needed): a batch spanning two packed blocks comes out as its
+    segments (O(runs + rows) numbers, no per-token ids), and the loader's ``device_transforms``, which
+    `DataSpec` runs before the user's own, makes it `table_to_torch` of the expanded table (the same keys,
+    order, dtypes and values); a replica group's cut of it by rows (`ReplicaLoader`) finishes to those rows;
+    ``columns`` picks after that (a missing one is refused naming the columns); with ``collate_fn`` the
+    expanded columns reach it as NumPy (expanded on the host: it reads them)."""
+    import pyarrow as pa
+
+    from raytrain_events.core.data_spec import DataSpec
+    from raytrain_events.data.ray.batch_tensors import table_to_torch
+    from raytrain_events.data.ray.loader import GlobalOrderLoader
+    from raytrain_events.data.ray.packed_batch import SEGMENT_COLUMNS, expand_packed
+
+    source = PackedTokens(tokens[0], seq_len=SEQ, policy="best_fit", window_tokens=WINDOW)
+    slices, blocks, parts = _two_block_cut(source)
+    (table,) = expand_packed(parts)
     want = table_to_torch(pa.concat_tables([table]))
-    got = GlobalOrderLoader(None, device="cpu")._to_batch(slices, blocks)
+    loader = GlobalOrderLoader(None, device="cpu")
+    shipped = loader._to_batch(slices, blocks)
+    assert list(shipped) == ["input_ids", *SEGMENT_COLUMNS, "num_tokens"] and shipped["input_ids"] is not None
+    seen = []
+    spec = DataSpec(loader, device_transforms=lambda batch: seen.append(list(batch)) or {**batch, "mine": 1})
+    got = spec.device_transforms(shipped)
+    assert seen == [list(want)] and got.pop("mine") == 1  # the user's transform got the finished batch
     assert list(got) == list(want) and all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
-    picked = GlobalOrderLoader(None, device="cpu", columns=["num_tokens", "input_ids"])._to_batch(slices, blocks)
-    assert list(picked) == ["num_tokens", "input_ids"] and torch.equal(picked["input_ids"], want["input_ids"])
+    assert DataSpec(loader).device_transforms(want) is want  # a finished (or any other) batch passes as it is
+    from raytrain_events.core.replica_layout import part_rows
+    from raytrain_events.ray.replica_loader import _cut
+
+    for part in range(3):  # replica groups cut a global batch by rows: a packed one's segments go with its rows
+        lo, hi = part_rows(8, part, 3)
+        cut = loader.device_transforms(_cut(shipped, part, 3))
+        assert list(cut) == list(want) and all(torch.equal(cut[k], want[k][lo:hi]) for k in want), part
+    picking = GlobalOrderLoader(None, device="cpu", columns=["num_tokens", "document_ids"])
+    picked = DataSpec(picking).device_transforms(picking._to_batch(slices, blocks))
+    assert list(picked) == ["num_tokens", "document_ids"] and torch.equal(picked["document_ids"], want["document_ids"])
+    wrong = GlobalOrderLoader(None, device="cpu", columns=["labels"])
     with pytest.raises(KeyError, match="no column.*'labels'"):
-        GlobalOrderLoader(None, device="cpu", columns=["labels"])._to_batch(slices, blocks)
+        DataSpec(wrong).device_transforms(wrong._to_batch(slices, blocks))
     seen = GlobalOrderLoader(None, device="cpu", collate_fn=lambda batch: batch)._to_batch(slices, blocks)
     assert sorted(seen) == sorted(want) and np.array_equal(np.stack(seen["document_ids"]), want["document_ids"].numpy())
+
+
+def test_the_trainer_trains_on_the_batches_a_host_expansion_gave(tokens) -> None:
+    """The local `Trainer` over a loader shaped as the Ray train loader (`GlobalOrderLoader._to_batch` of cuts
+    of packed blocks, no feeder; `RayTrainer`'s workers wrap theirs in a `DataSpec` alike): what callbacks see
+    at ``AFTER_DATALOADER`` (and the model trains on, in microbatches: ``grad_accum=2``) is the batch the host
+    used to expand (`packed_tensors`: the same keys, dtypes and values), the user's own ``device_transforms``
+    gets that very batch, and the Timestamp counts its real tokens (`count_real_tokens`)."""
+    from examples.transformer_lm import TransformerLM
+    from raytrain_events import Callback, Trainer
+    from raytrain_events.core.data_spec import DataSpec
+    from raytrain_events.data.ray.loader import GlobalOrderLoader
+    from raytrain_events.data.ray.packed_batch import packed_tensors
+    from raytrain_events.data.ray.packed_reads import pack_reads
+    from raytrain_events.data.ray.packed_source import count_real_tokens
+    from raytrain_events.data.ray.slices import RowRange
+
+    source = PackedTokens(tokens[0], seq_len=SEQ, policy="best_fit", window_tokens=WINDOW)
+    block = pack_reads([source.window_args(w) for w in range(3)])
+    cuts = [(0, 3), (3, 7), (block.num_rows - 3, block.num_rows)]
+    assert int(packed_tensors([block.slice(*cuts[-1])])["num_tokens"].min()) < SEQ  # padding among them
+
+    class Loader(GlobalOrderLoader):  # the Ray loader's batches, without the feeder
+        def __iter__(self):
+            return (self._to_batch([RowRange("a", a, b)], {"a": (block, None)}) for a, b in cuts)
+
+        def __len__(self) -> int:
+            return len(cuts)
+
+    class Seen(Callback):
+        batches: List[dict] = []
+
+        def after_dataloader(self, state, logger) -> None:
+            self.batches.append(state.batch)
+
+    torch.manual_seed(0)
+    net = TransformerLM(vocab=VOCAB, width=16, heads=2, depth=1, length=SEQ)
+    mine: List[dict] = []
+    spec = DataSpec(
+        Loader(None, device="cpu"),
+        get_num_tokens_in_batch=count_real_tokens,
+        device_transforms=lambda batch: mine.append(batch) or batch,
+    )
+    trainer = Trainer(
+        model=net,
+        train_dataloader=spec,
+        max_duration=f"{len(cuts)}ba",
+        optimizers=torch.optim.SGD(net.parameters(), lr=1e-2),
+        grad_accum=2,
+        callbacks=[Seen()],
+    )
+    trainer.fit()
+    expanded = [packed_tensors([block.slice(a, b - a)]) for a, b in cuts]  # the host's expansion, as before
+    assert [m is b for m, b in zip(mine, Seen.batches, strict=True)] == [True] * len(cuts)
+    for got, want in zip(Seen.batches, expanded, strict=True):
+        assert list(got) == list(want) == ["input_ids", "document_ids", "position_ids", "num_tokens"]
+        assert all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
+    assert int(trainer.state.timestamp.token) == sum(int(b["num_tokens"].sum()) for b in expanded)
+    trainer.close()
 
 
 @pytest.mark.parametrize("policy", ["concat", "best_fit"])
@@ -197,21 +297,17 @@ def test_cu_seqlens_batches_carry_the_same_documents_and_train_the_same_model(to
     ``cu_seqlens`` over its rows end to end; the table form (collate_fn) holds each row's own. The built-in
     transformer trained three steps from either format gives identical logits and losses."""
     from examples.transformer_lm import TransformerLM
+    from raytrain_events.core.data_spec import DataSpec
     from raytrain_events.data.ray.loader import GlobalOrderLoader
-    from raytrain_events.data.ray.packed_reads import pack_reads
     from raytrain_events.data.ray.packed_source import count_real_tokens
-    from raytrain_events.data.ray.slices import RowRange
     from raytrain_events.parallel.document_attention import cu_seqlens_to_ids
 
     batches = {}
     for fmt in ("document_ids", "cu_seqlens"):
         source = PackedTokens(tokens[0], seq_len=SEQ, policy=policy, window_tokens=WINDOW, document_format=fmt)
-        a, b = (pack_reads([source.window_args(w) for w in ws]) for ws in ([0, 1], [2, 3]))
-        slices, blocks = (
-            [RowRange("a", a.num_rows - 3, a.num_rows), RowRange("b", 1, 6)],
-            {"a": (a, None), "b": (b, None)},
-        )
-        batches[fmt] = GlobalOrderLoader(None, device="cpu")._to_batch(slices, blocks)
+        slices, blocks, _ = _two_block_cut(source)
+        loader = GlobalOrderLoader(None, device="cpu")
+        batches[fmt] = DataSpec(loader).device_transforms(loader._to_batch(slices, blocks))  # as the loop has it
         table = GlobalOrderLoader(None, device="cpu", collate_fn=lambda batch: batch)._to_batch(slices, blocks)
     ids, cu = batches["document_ids"], batches["cu_seqlens"]
     assert list(cu) == ["input_ids", "cu_seqlens", "max_seqlen", "num_tokens"] and cu["cu_seqlens"].dtype == torch.int32
@@ -303,7 +399,7 @@ def test_a_feeder_killed_mid_pack_rebuilds_the_same_sequences(ray_cluster, token
     for loader in loaders:
         loader.set_epoch(0)
     rows: List[dict] = []
-    for k, per_rank in enumerate(zip(*loaders, strict=True)):
+    for k, per_rank in enumerate(zip(*map(_finished, loaders), strict=True)):
         for b in per_rank:
             rows += [{key: v[i].clone() for key, v in b.items()} for i in range(len(b["num_tokens"]))]
         if k == 60:
