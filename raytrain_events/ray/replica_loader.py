@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, Tuple
 
 from raytrain_events.core.callback import QuorumChange
+from raytrain_events.core.data_spec import default_split_batch
 from raytrain_events.core.replica_layout import part_rows, quorum_part
 from raytrain_events.data.ray import block_fetch  # cluster_node read through it: tests stand in another node
 from raytrain_events.data.ray.block_fetch import finish_fetch, start_fetch
@@ -131,6 +132,8 @@ def _cut(batch: Any, part: int, parts: int) -> Any:
     lo, hi = part_rows(_rows(batch), part, parts)
     if isinstance(batch, dict) and "segment_lengths" in batch:  # a packed batch's segments: those of the rows
         return rows_of(batch, lo, hi)
+    if isinstance(batch, dict) and "cu_seqlens" in batch:  # a cu_seqlens batch: its rows' pieces, from 0
+        return default_split_batch(batch, parts)[part]  # the same near-equal parts (`part_rows`)
     if isinstance(batch, dict):
         return {k: v[lo:hi] for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):

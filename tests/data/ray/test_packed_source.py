@@ -325,7 +325,12 @@ def test_cu_seqlens_batches_carry_the_same_documents_and_train_the_same_model(to
     assert np.array_equal(laid, cu["cu_seqlens"].numpy())
     from raytrain_events.core.data_spec import default_split_batch
 
-    for part, want in zip(default_split_batch(cu, 3), default_split_batch(ids, 3)):  # microbatches: rows 3, 3, 2
+    from raytrain_events.ray.replica_loader import _cut
+
+    # microbatches (rows 3, 3, 2), and replica groups' parts of a global batch (the same rows)
+    cuts = [*zip(default_split_batch(cu, 3), default_split_batch(ids, 3))]
+    cuts += [(_cut(cu, i, 3), _cut(ids, i, 3)) for i in range(3)]
+    for part, want in cuts:
         assert (
             torch.equal(part["input_ids"], want["input_ids"])
             and int(part["cu_seqlens"][-1]) == part["input_ids"].numel()
