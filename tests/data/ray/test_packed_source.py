@@ -324,7 +324,6 @@ def test_cu_seqlens_batches_carry_the_same_documents_and_train_the_same_model(to
     laid = np.concatenate([rows[0]] + [r[1:] + i * SEQ for i, r in enumerate(rows) if i])
     assert np.array_equal(laid, cu["cu_seqlens"].numpy())
     from raytrain_events.core.data_spec import default_split_batch
-
     from raytrain_events.ray.replica_loader import _cut
 
     # microbatches (rows 3, 3, 2), and replica groups' parts of a global batch (the same rows)
