@@ -391,7 +391,8 @@ def _cpu_row(folder: str, policy: str, longest: int, repeats: int) -> Tuple[str,
     arms); the ratios are per repeat, their median and range printed."""
     from packed_data import write_tokens
 
-    from raytrain_events.core.packing import _expand_segments_kernels, pack_runs
+    from raytrain_events.core.packing import pack_runs
+    from raytrain_events.core.segments import _expand_segments_kernels
     from raytrain_events.data.ray.batch_tensors import table_to_torch
     from raytrain_events.data.ray.pack_tokens import pack_tokens
     from raytrain_events.data.ray.packed_batch import FORMAT_KEY, SEGMENT_COLUMNS, expand_batch, packed_tensors

@@ -40,6 +40,8 @@ Files:
   batch each one trains.
 * ``save_points.py``: `SavePoints` and `LateSave`: which replica group saves a save point whose saving lead died
   before committing it (a late save by the next lead).
+* ``segments.py``: A packed batch's sequences as *segments*: O(runs + sequences) numbers, expanded to
+  per-token columns.
 * ``spikes.py``: Loss spikes as pure decisions: `SpikeDetector`, `SkipList` (skipped ranges of the
   global order), `Skipped` (positions not trained, beside the Timestamp), `RollbackPolicy`.
 * ``state.py``: `State`: everything the loop tracks, what algorithms change, and what checkpoints

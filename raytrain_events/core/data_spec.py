@@ -5,15 +5,24 @@ how to count them (pass ``get_num_tokens_in_batch``); batches split along dim 0.
 be a tensor, a tuple/list of tensors, or a dict of tensors (Ray Data yields dicts). A packed batch
 in the ``cu_seqlens`` format (``PackedTokens(document_format="cu_seqlens")``: ``cu_seqlens`` over
 all its rows, ``max_seqlen``) splits by rows too, each part with its own rows' ``cu_seqlens``
-(from 0) and ``max_seqlen`` (`_split_cu_seqlens`).
+(from 0) and ``max_seqlen`` (`cut_rows`).
 """
 
 from __future__ import annotations
 
 import numbers
-from typing import Any, Callable, Iterable, List, Mapping, Optional
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional
 
-__all__ = ["DataSpec", "check_loader", "default_num_samples", "default_split_batch", "ensure_data_spec"]
+from raytrain_events.core.segments import is_segmented, segment_rows
+
+__all__ = [
+    "DataSpec",
+    "check_loader",
+    "cut_rows",
+    "default_num_samples",
+    "default_split_batch",
+    "ensure_data_spec",
+]
 
 
 def _first_tensor(batch: Any) -> Any:
@@ -69,25 +78,40 @@ def default_split_batch(batch: Any, num_microbatches: int) -> List[Any]:
 
 
 def _split_cu_seqlens(batch: Mapping[str, Any], n: int) -> List[Any]:
-    """A ``cu_seqlens`` batch in ``n`` parts of rows (as ``tensor_split`` cuts ``input_ids``): each part's
-    ``cu_seqlens`` are its rows' pieces from 0 (no piece crosses a row: each row's end is a boundary)."""
+    """A ``cu_seqlens`` batch in ``n`` parts of rows (as ``tensor_split`` cuts ``input_ids``), each `cut_rows`."""
+    bounds = [0]
+    for part in batch["input_ids"].tensor_split(n):
+        bounds.append(bounds[-1] + len(part))
+    return [cut_rows(batch, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
+def cut_rows(batch: Any, lo: int, hi: int) -> Any:
+    """Rows ``lo:hi`` of a batch (a tensor, a dict or a tuple of them), in any packed form too: a segmented
+    batch (`core.segments.is_segmented`) gets its rows' segments (`core.segments.segment_rows`), a
+    ``cu_seqlens`` one its rows' pieces from 0 and their ``max_seqlen`` (no piece crosses a row: each row's
+    end is a boundary). The one row cut of a batch (replica groups' parts, microbatches of ``cu_seqlens``)."""
+    if is_segmented(batch):
+        return segment_rows(batch, lo, hi)
+    if isinstance(batch, Mapping) and "cu_seqlens" in batch and "input_ids" in batch:
+        return _cu_seqlens_rows(batch, lo, hi)
+    if isinstance(batch, Mapping):
+        return {k: v[lo:hi] for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(v[lo:hi] for v in batch)
+    return batch[lo:hi]
+
+
+def _cu_seqlens_rows(batch: Mapping[str, Any], lo: int, hi: int) -> Dict[str, Any]:
     import torch
 
-    tokens, cu = batch["input_ids"], batch["cu_seqlens"]
-    rows = [len(part) for part in tokens.tensor_split(n)]
-    ends = torch.tensor([0] + rows, device=cu.device).cumsum(0) * tokens.shape[1]
-    at = torch.searchsorted(cu, ends.to(cu.dtype)).tolist()  # each row boundary's index in cu_seqlens
-    split = {
-        k: v.tensor_split(n) for k, v in batch.items() if hasattr(v, "tensor_split") and v.dim() and k != "cu_seqlens"
-    }
-    parts = []
-    for i, (a, b) in enumerate(zip(at[:-1], at[1:])):
-        part = {k: split[k][i] if k in split else v for k, v in batch.items()}
-        part["cu_seqlens"] = cu[a : b + 1] - cu[a]
-        lengths = part["cu_seqlens"].diff()
-        part["max_seqlen"] = lengths.max().to(batch["max_seqlen"].dtype) if len(lengths) else batch["max_seqlen"] * 0
-        parts.append(part)
-    return parts
+    cu, seq_len = batch["cu_seqlens"], batch["input_ids"].shape[1]
+    ends = torch.tensor([lo * seq_len, hi * seq_len], dtype=cu.dtype, device=cu.device)
+    a, b = torch.searchsorted(cu, ends).tolist()  # the two row boundaries' indices in cu_seqlens
+    part = {k: v[lo:hi] if hasattr(v, "dim") and v.dim() and k != "cu_seqlens" else v for k, v in batch.items()}
+    part["cu_seqlens"] = cu[a : b + 1] - cu[a]
+    lengths = part["cu_seqlens"].diff()
+    part["max_seqlen"] = lengths.max().to(batch["max_seqlen"].dtype) if len(lengths) else batch["max_seqlen"] * 0
+    return part
 
 
 def _split_or_repeat(value: Any, n: int) -> List[Any]:

@@ -16,12 +16,11 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, Tuple
 
 from raytrain_events.core.callback import QuorumChange
-from raytrain_events.core.data_spec import default_split_batch
+from raytrain_events.core.data_spec import cut_rows
 from raytrain_events.core.replica_layout import part_rows, quorum_part
 from raytrain_events.data.ray import block_fetch  # cluster_node read through it: tests stand in another node
 from raytrain_events.data.ray.block_fetch import finish_fetch, start_fetch
 from raytrain_events.data.ray.loader import GlobalOrderLoader
-from raytrain_events.data.ray.packed_batch import rows_of
 from raytrain_events.ray.replica_groups import ReplicaState
 from raytrain_events.ray.replica_lighthouse import lighthouse_lost
 
@@ -128,14 +127,5 @@ def _rows(batch: Any) -> int:
 
 
 def _cut(batch: Any, part: int, parts: int) -> Any:
-    """Part ``part`` of ``parts`` near-equal contiguous parts of a batch (a dict, tuple or tensor)."""
-    lo, hi = part_rows(_rows(batch), part, parts)
-    if isinstance(batch, dict) and "segment_lengths" in batch:  # a packed batch's segments: those of the rows
-        return rows_of(batch, lo, hi)
-    if isinstance(batch, dict) and "cu_seqlens" in batch:  # a cu_seqlens batch: its rows' pieces, from 0
-        return default_split_batch(batch, parts)[part]  # the same near-equal parts (`part_rows`)
-    if isinstance(batch, dict):
-        return {k: v[lo:hi] for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(v[lo:hi] for v in batch)
-    return batch[lo:hi]
+    """Part ``part`` of ``parts`` near-equal contiguous parts of a batch (`core.data_spec.cut_rows`: any form)."""
+    return cut_rows(batch, *part_rows(_rows(batch), part, parts))

@@ -95,7 +95,7 @@ def test_the_device_expansion_of_segments_writes_what_expand_runs_writes(seq_len
     get: whole windows, a few rows anywhere, no rows, concat's full rows and best_fit's padded ones."""
     import torch
 
-    from raytrain_events.core.packing import Segments, _expand_segments_kernels, expand_segments_torch, run_segments
+    from raytrain_events.core.segments import Segments, _expand_segments_kernels, expand_segments_torch, run_segments
 
     rng = np.random.default_rng(seq_len + 29)
     for lengths in _inputs(seq_len):

@@ -59,8 +59,7 @@ def segment_rows(rows: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]
     ``num_tokens``), for the loader's ``device_transforms`` (`SegmentLoader`) to finish on the device."""
     import numpy as np
 
-    from raytrain_events.core.packing import run_segments
-    from raytrain_events.data.ray.packed_batch import SEGMENT_COLUMNS
+    from raytrain_events.core.segments import SEGMENT_COLUMNS, run_segments
 
     documents: List[int] = []
     lengths: List[int] = []

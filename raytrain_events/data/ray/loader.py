@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
 from raytrain_events.core.mixture_plan import MixtureRun
+from raytrain_events.core.segments import is_segmented
 from raytrain_events.data.order import TrainOrder
 from raytrain_events.data.ray import block_fetch  # cluster_node read through it: tests stand in another node
 from raytrain_events.data.ray.batch_tensors import table_to_torch
@@ -215,7 +216,7 @@ class GlobalOrderLoader:
         O(runs + sequences) numbers on the host), gets its per-token ``document_ids``/``position_ids`` there
         (`packed_batch.expand_batch`: a few kernels) and then ``columns`` picked; any other batch as it is.
         Iterating the loader outside the `Trainer`, call it on each batch for the batch the model sees."""
-        if type(batch) is dict and "segment_lengths" in batch:
+        if is_segmented(batch):
             batch = expand_batch(batch)
             return batch if self.columns is None else pick_columns(batch, self.columns)
         return batch
@@ -293,7 +294,7 @@ class GlobalOrderLoader:
         # Packed runs: the public columns, a document_ids batch as segments (finished on the device, `device_transforms`)
         packed = packed_tensors(parts, expand=False) if self.collate_fn is None else None
         if packed is not None:
-            return packed if self.columns is None or "segment_lengths" in packed else pick_columns(packed, self.columns)
+            return packed if self.columns is None or is_segmented(packed) else pick_columns(packed, self.columns)
         parts = expand_packed(parts)
         if self.columns is not None:  # only these columns reach the batch (and collate_fn)
             parts = [pick_columns(part, self.columns) if isinstance(part, pa.Table) else part for part in parts]

@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence
 
 from raytrain_events.core.callback import Callback
 from raytrain_events.core.mixture import Mixture, MixtureError
+from raytrain_events.core.segments import is_segmented
 from raytrain_events.data.mixture_counts import MixtureCounts
 from raytrain_events.data.online_mixture import OnlineMixture
 from raytrain_events.data.ray.feeder import batch_end, rank_rows
@@ -139,7 +140,7 @@ class MixtureOrderLoader(GlobalOrderLoader):
             for s in sources:
                 samples[s] += 1
             self.batch_samples, self.batch_sources = samples, sources
-            if self.tokens_of_row is not None and isinstance(batch, dict) and "segment_lengths" in batch:
+            if self.tokens_of_row is not None and is_segmented(batch):
                 self._uncounted = sources  # a packed batch: counted as the model sees it (`device_transforms`)
             elif self.tokens_of_row is not None:
                 self.batch_tokens = self._tokens(batch, sources)

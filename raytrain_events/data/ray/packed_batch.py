@@ -6,8 +6,8 @@ or, under ``PackedTokens(document_format="cu_seqlens")`` (`DOCUMENT_FORMATS`), `
 Three forms of the same batch:
 
 * `packed_tensors(parts, expand=False)`, the train loader's (`loader.GlobalOrderLoader`, no
-  ``collate_fn``): the ``document_ids`` format as *segments* (`SEGMENT_COLUMNS`: each run and each
-  sequence's padding, `core.packing.Segments`, O(runs + sequences) numbers made on the host) beside
+  ``collate_fn``): the ``document_ids`` format as *segments* (`core.segments.SEGMENT_COLUMNS`: each run and each
+  sequence's padding, `core.segments.Segments`, O(runs + sequences) numbers made on the host) beside
   ``input_ids`` and ``num_tokens``; the loop moves it to the device, where `expand_batch` (the
   loader's ``device_transforms``, which `DataSpec` runs before the user's) makes the per-token
   columns: a few kernels on an accelerator instead of 12 bytes per token written by the host.
@@ -28,14 +28,14 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import pyarrow as pa
 
-from raytrain_events.core.packing import expand_runs, expand_segments_torch, run_segments
+from raytrain_events.core.packing import expand_runs
+from raytrain_events.core.segments import SEGMENT_COLUMNS, expand_segments_torch, is_segmented, run_segments
 from raytrain_events.data.ray.batch_tensors import column_tensor, from_numpy
 
 __all__ = [
     "expand_packed",
     "packed_tensors",
     "expand_batch",
-    "rows_of",
     "is_packed",
     "cu_seqlens_of",
     "DOCUMENT_FORMATS",
@@ -45,8 +45,6 @@ __all__ = [
 
 DOCUMENT_FORMATS = ("document_ids", "cu_seqlens")  # `PackedTokens(document_format=...)`: what a batch carries
 FORMAT_KEY = b"raytrain_events.document_format"  # a compact block's schema metadata: its batches' format
-# A batch's segments (`core.packing.Segments`' fields), in place of document_ids/position_ids until `expand_batch`.
-SEGMENT_COLUMNS = ("segment_documents", "segment_lengths", "segment_starts")
 
 
 def document_format(parts: List[Any]) -> str:
@@ -104,9 +102,9 @@ def packed_tensors(parts: List[Any], *, expand: bool = True) -> Optional[Dict[st
 def expand_batch(batch: Any) -> Any:
     """A batch of `packed_tensors(..., expand=False)` with its per-token ``document_ids`` (int64) and
     ``position_ids`` (int32) made from its segments on the batch's device
-    (`core.packing.expand_segments_torch`): the very batch `packed_tensors(...)` gives (the same
+    (`core.segments.expand_segments_torch`): the very batch `packed_tensors(...)` gives (the same
     columns, order, dtypes, shapes and values). Any other batch as it is (one key lookup)."""
-    if type(batch) is not dict or "segment_lengths" not in batch:
+    if not is_segmented(batch):
         return batch
     tokens = batch["input_ids"]
     rows, seq_len = tokens.shape
@@ -117,20 +115,6 @@ def expand_batch(batch: Any) -> Any:
         "position_ids": position_ids,
         "num_tokens": batch["num_tokens"],
     }
-
-
-def rows_of(batch: Dict[str, Any], lo: int, hi: int) -> Dict[str, Any]:
-    """Rows ``lo:hi`` of a batch of `packed_tensors(..., expand=False)`: its per-row tensors cut, and the
-    segments of those rows (no segment crosses a row's end; a padding segment of no tokens at a cut
-    is harmless on either side)."""
-    import torch
-
-    seq_len = batch["input_ids"].shape[1]
-    lengths = batch["segment_lengths"]
-    starts = torch.cumsum(lengths, 0, dtype=torch.int64) - lengths  # each segment's first token in the batch
-    bounds = torch.tensor([lo * seq_len, hi * seq_len], dtype=torch.int64, device=lengths.device)
-    a, b = torch.searchsorted(starts, bounds).tolist()
-    return {k: v[a:b] if k in SEGMENT_COLUMNS else v[lo:hi] for k, v in batch.items()}
 
 
 def cu_seqlens_of(
