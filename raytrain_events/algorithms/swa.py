@@ -11,7 +11,7 @@ pass over the train data. Izmailov et al., 2018; Composer's ``SWA``.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 from torch.optim.swa_utils import AveragedModel
@@ -127,7 +127,7 @@ class SWA(Algorithm):
         for param, avg in zip(model.parameters(), self.averaged.module.parameters()):
             param.copy_(avg)
         if self.update_bn:
-            _recompute_batchnorm(model, state.train_dataloader)
+            _recompute_batchnorm(model, state.train_dataloader, state.device_transforms)
 
     def state_dict(self) -> Dict[str, Any]:
         averaged = self.averaged.state_dict() if self.averaged is not None else self._pending
@@ -146,8 +146,9 @@ class SWA(Algorithm):
 
 
 @torch.no_grad()
-def _recompute_batchnorm(model: torch.nn.Module, loader: Any) -> None:
-    """One pass over ``loader`` in train mode with cumulative BatchNorm averages (like ``swa_utils.update_bn``)."""
+def _recompute_batchnorm(model: torch.nn.Module, loader: Any, finish: Optional[Callable[[Any], Any]]) -> None:
+    """One pass over ``loader`` in train mode with cumulative BatchNorm averages (like ``swa_utils.update_bn``),
+    each batch finished as the loop finishes it (``finish``: the train DataSpec's ``device_transforms``)."""
     norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
     if not norms or loader is None:
         return
@@ -160,7 +161,6 @@ def _recompute_batchnorm(model: torch.nn.Module, loader: Any) -> None:
         bn.momentum = None
     was_training = model.training
     model.train()
-    finish = getattr(loader, "device_transforms", None)  # a loader that finishes its batches on the device (packed)
     for batch in loader:
         batch = move_to_device(batch, device)
         model(finish(batch) if finish is not None else batch)

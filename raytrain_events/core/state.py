@@ -61,11 +61,15 @@ class State:
         run_name: str = "run",
         seed: Optional[int] = None,
         count_tokens: Optional[Callable[[Any], int]] = None,
+        device_transforms: Optional[Callable[[Any], Any]] = None,
     ) -> None:
         self.model = model
         # The loop's token counter of a train batch (the DataSpec's get_num_tokens_in_batch; None: no tokens
         # counted), for a callback that must count a part of a batch the same way (SpikeGuard's quarantined rows).
         self.count_tokens = count_tokens
+        # The train DataSpec's device_transforms (the loader's, then the user's; None: none), for code that reads
+        # the train data itself and must see the batches the model sees (SWA's BatchNorm pass).
+        self.device_transforms = device_transforms
         self.max_duration = None if max_duration is None else ensure_time(max_duration, TimeUnit.EPOCH)
         self.train_dataloader = train_dataloader
         self.evaluators = list(evaluators)

@@ -269,6 +269,7 @@ def new_state(  # noqa: PLR0913 (keyword-only: what Trainer.__init__ checked, ha
         run_name=run_name,
         seed=options.seed,
         count_tokens=train_spec.num_tokens_in_batch if train_spec is not None and train_spec.counts_tokens else None,
+        device_transforms=train_spec.device_transforms if train_spec is not None else None,
     )
     check_schedulers(as_list(schedulers), state.optimizers)
     state.schedulers = build_schedulers(as_list(schedulers), state)

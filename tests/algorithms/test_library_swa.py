@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from library_helpers import Record, classifier, trainer
+from library_helpers import Record, classifier, loader, trainer
 
 from raytrain_events import Event
 from raytrain_events.algorithms import SWA
@@ -55,3 +55,19 @@ def test_state_dict_resumes_the_average():
 def test_bad_interval():
     with pytest.raises(ValueError, match="update_interval"):
         SWA(update_interval="100sp")
+
+
+def test_update_bn_recomputes_batchnorm_on_the_batches_the_model_sees():
+    """``update_bn=True``: after the swap, BatchNorm's statistics are those of the train data as the loop hands
+    it to the model, after the DataSpec's ``device_transforms`` (here ``x * 10 + 3``), not the raw batches."""
+    from raytrain_events.core.data_spec import DataSpec
+    from raytrain_events.models import ClassifierModel
+
+    data = loader(n=32, batch_size=8)
+    net = torch.nn.Sequential(torch.nn.BatchNorm1d(4, affine=False), torch.nn.Linear(4, 3))
+    spec = DataSpec(data, device_transforms=lambda batch: (batch[0] * 10 + 3, batch[1]))
+    algo = SWA(swa_start="0.5dur", update_interval="1ep", update_bn=True)
+    trainer(ClassifierModel(net, num_classes=3), train_dataloader=spec, max_duration="2ep", algorithms=[algo]).fit()
+    seen = torch.cat([batch[0] for batch in data]) * 10 + 3
+    assert algo.num_averaged >= 1
+    torch.testing.assert_close(net[0].running_mean, seen.mean(0))  # equal batches: the mean of their means
