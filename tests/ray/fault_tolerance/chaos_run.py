@@ -195,6 +195,9 @@ class Chaos:
         self.first_batch: Dict[tuple, int] = {}  # per group (its pids): the batch it was first seen at
 
     def run(self, done: threading.Event) -> None:
+        # The chaos starts on the full group: on a loaded machine Ray may start the elastic group below its
+        # size (a placement not ready within the start timeout) and grow it at its next resize check.
+        self._wait_for_growth(done, MAX_NODES - 1)
         for kind in self.plan:
             # An event waits for a training group (not one being restarted) and is retried until it lands.
             while True:

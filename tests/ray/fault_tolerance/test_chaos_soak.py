@@ -51,7 +51,9 @@ def test_chaos_soak_ends_exact_and_reports_goodput_with_causes(tmp_path):
     worlds = result["worlds"]  # the group size that trained each global batch, in order
     assert events["remove"]["world"] == 3 and events["notice"]["world"] == 2, told
     stretches = [w for i, w in enumerate(worlds) if i == 0 or worlds[i - 1] != w]
-    assert stretches == [3, 2, 1, 2], (worlds, told)
+    # (A start below 3 workers on a loaded machine, grown by Ray before the chaos began, comes first.)
+    first = stretches.index(3)
+    assert stretches[first:] == [3, 2, 1, 2] and all(w < 3 for w in stretches[:first]), (worlds, told)
 
     # The hang: every other rank dumped its stacks and named the stopped one.
     (hang,) = result["hangs"]
