@@ -32,7 +32,7 @@ Each Tune trial is a function trainable that takes almost no CPU (``{"cpu": 0.01
 overrides applied (`RunSpec.replace`): Train V2 starts its own controller and
 workers for the trial. Inside a Tune trial, the trainer's controller callback
 (`raytrain_events.ray.reports.history.AggregatingCallback`) puts every aggregated history entry on
-Tune's result queue, so Tune sees the driver's global Timestamp (``time/epoch``,
+Tune's result queue (but those made while a save is pending, whose checkpoint comes with a later one), so Tune sees the driver's global Timestamp (``time/epoch``,
 ``time/batch``, ``time/sample``, ``time/token``, summed over all ranks), ``train/loss`` reduced
 over all ranks' batches, eval metrics over the whole eval set, ``world_size`` and
 ``checkpoint_path`` -- never rank 0's local values. Any of the ``time/*`` keys can be a

@@ -14,9 +14,10 @@ group to train no batch; and no trial is paused to make room while the sweep run
 Trials must save checkpoints at least as often as they report at a perturbation: PBT copies the
 checkpoint reported with a top trial's latest result, and skips the exploit if that result
 carried none. Save at every report (``CheckpointConfig(save_interval=...)`` equal to the report
-interval) or make the perturbation interval a multiple of the save interval. A save postponed by slow
-storage takes the reports due meanwhile with it, and a timed report at an epoch's last batch goes out at
-the epoch's end (`RayReporter`), so the result at a save point carries its checkpoint. A metric that
+interval) or make the perturbation interval a multiple of the save interval. The reports due while a save
+postponed by slow storage waits reach the run's history, not Tune: Tune's result there is the save's own report,
+and a timed report at an epoch's last batch goes out at the epoch's end (`RayReporter`), so the result at a save
+point carries its checkpoint. A metric that
 `AsyncValidation` computes arrives in a result of its own, after its checkpoint's: `sweep` refuses it as
 PBT's metric.
 """

@@ -99,7 +99,7 @@ class CopyTheLast(Callback):
     so that they are not finished (out of PBT's ranking) when ``last`` reports 384, and so that the best
     one's latest report is the one with its second point's checkpoint (PBT's save of a top trial takes
     its latest report's checkpoint). The second point is 384, or the batch after it where the 384 save
-    was postponed (the 192 one still uploading: `Checkpointer.postponed`; the report waits for the save
+    was postponed (the 192 one still uploading: `Checkpointer.postponed`; Tune's result waits for the save
     and goes out with it, so a wait at 384 itself held back the report it waited for: seen at load 11,
     the others' 384 scored only at 416, after a 120 s bound ran out). Each wait ends on its event alone.
     """

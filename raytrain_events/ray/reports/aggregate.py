@@ -15,9 +15,12 @@ from typing import Any, Dict, List, Optional
 from raytrain_events.core.time import COUNTER_UNITS
 from raytrain_events.ray.checkpointing.validation import ASKED_KEY
 
-__all__ = ["ReportAggregator", "TimestampMismatchError", "reduce_metrics"]
+__all__ = ["ReportAggregator", "TimestampMismatchError", "reduce_metrics", "SAVE_PENDING_KEY"]
 
 COUNTERS = tuple(COUNTER_UNITS)
+#: A report (and its history entry) made while a save that came due waits for the previous upload: its checkpoint
+#: follows in a later report. The driver's history and loggers take it; Tune does not (`AggregatingCallback`).
+SAVE_PENDING_KEY = "save_pending"
 
 
 class TimestampMismatchError(RuntimeError):
@@ -89,6 +92,8 @@ class ReportAggregator:
             entry.update(new_attempt)
         entry["final"] = bool(reports[0].get("final", False))
         entry["world_size"] = len(reports)
+        if reports[0].get(SAVE_PENDING_KEY):  # the ranks agree on it (`RayReporter._save_pending`)
+            entry[SAVE_PENDING_KEY] = True
         if checkpoint_path is not None:
             entry["checkpoint_path"] = checkpoint_path
             if reports[0].get(ASKED_KEY):  # rank 0 asked Ray Train to validate it (`RayReporter._send`)

@@ -16,7 +16,7 @@ import ray
 from ray.train import UserCallback
 
 from raytrain_events.ray.checkpointing.validation import ASKED_KEY, LATE_KEY, VALIDATE_KEY, validates
-from raytrain_events.ray.reports.aggregate import ReportAggregator
+from raytrain_events.ray.reports.aggregate import SAVE_PENDING_KEY, ReportAggregator
 
 __all__ = ["RunHistory", "AggregatingCallback"]
 
@@ -112,7 +112,9 @@ def _validate(validator: Any, checkpoint_path: str) -> Dict[str, Any]:
 
 
 class AggregatingCallback(UserCallback):
-    """Ray Train controller callback: aggregate each report round and forward it."""
+    """Ray Train controller callback: aggregate each report round and forward it: every entry to the run's
+    history, and to Tune's queue all but those made while a save is pending (`SAVE_PENDING_KEY`: PBT acts on the
+    first result past a point and copies its checkpoint; that point's checkpoint comes with a later result)."""
 
     def __init__(self, history: Any, report_queue: Any = None) -> None:
         self.history = history
@@ -128,5 +130,5 @@ class AggregatingCallback(UserCallback):
             raise
         entry["wall_time"] = time.time()  # the report's arrival: throughput and the report's time axis
         self.history.add.remote(entry)
-        if self.report_queue is not None:
+        if self.report_queue is not None and not entry.get(SAVE_PENDING_KEY):
             self.report_queue.put(dict(entry))

@@ -3,10 +3,13 @@
 `ray.train.report` is a barrier across workers and Ray's controller collects one result every
 ~2 s (a report sooner than that blocks training), so `RayReporter` reports every ``every_s``
 seconds (the ranks agree on the batch through the loop's per-batch collective), when the global
-`Timestamp` crosses ``interval`` if one is given, when a checkpoint was saved, and at the end; while a save that
-came due is postponed (the previous one still uploading) reports wait for it, and a report the clock asks
-for at an epoch's last batch waits for the epoch's end, so a point's metrics and its checkpoint go out together. Each report carries this rank's samples and tokens since its last report,
-the global Timestamp the rank computed, its mean train loss, and the latest logged metrics.
+`Timestamp` crosses ``interval`` if one is given, when a checkpoint was saved, and at the end. A report the clock
+asks for at an epoch's last batch waits for the epoch's end, so a point's metrics and its checkpoint go out
+together. While a save that came due is postponed (the previous one still uploading), a report due meanwhile
+still goes out at its own batch, marked ``save_pending`` (`SAVE_PENDING_KEY`): the driver's history and loggers
+get the point, Tune does not (PBT acts on the first result past a point and copies its checkpoint; the save's own
+report, batches later, is the result Tune gets). Each report carries this rank's samples and tokens since its
+last report, the global Timestamp the rank computed, its mean train loss, and the latest logged metrics.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from raytrain_events.core.plain import to_python
 from raytrain_events.core.time import counters_of
 from raytrain_events.ray.checkpointing.checkpointing import report_with_checkpoint
 from raytrain_events.ray.checkpointing.validation import ASKED_KEY, validates
+from raytrain_events.ray.reports.aggregate import SAVE_PENDING_KEY
 
 __all__ = ["RayReporter", "REPORT_FLAG"]
 
@@ -125,26 +129,24 @@ class RayReporter(Callback):
             self._loss_count += 1
 
     def batch_checkpoint(self, state, logger) -> None:
-        if self._waits_for_save():
-            return
         if self._saved_checkpoint() or self._due(state, Event.BATCH_END):
             self._report(state, logger)
         elif state.agreed(REPORT_FLAG) and not _ends_its_epoch(state):
             # The clock's report at an epoch's last batch waits for the epoch's end (its eval and save), else
-            # that point's metrics-only result would come before the one with its checkpoint (see `_waits_for_save`).
+            # that point's metrics-only result would come before the one with its checkpoint (see `_save_pending`).
             self._report(state, logger)
 
     def epoch_checkpoint(self, state, logger) -> None:
-        if self._waits_for_save():
-            return
         if self._saved_checkpoint() or state.agreed(REPORT_FLAG) or self._due(state, Event.EPOCH_END):
             self._report(state, logger)
 
-    def _waits_for_save(self) -> bool:
-        """A save that came due is postponed (the previous one still uploading): reports wait for it and go out
-        with its checkpoint. A report at the due point without it, and the checkpoint batches later in a report
-        of its own, let Tune's PBT act on a result that has no checkpoint: "Skip exploit", or a paused donor's
-        older checkpoint copied (`raytrain_events.tune.pbt`). The ranks agree (`Checkpointer.postponed`)."""
+    def _save_pending(self) -> bool:
+        """A save that came due is postponed (the previous one still uploading; the ranks agree,
+        `Checkpointer.postponed`): a report now goes out without its checkpoint, which comes batches later in a
+        report of its own. Tune's PBT acts on the first result past a point and copies the checkpoint reported with
+        it ("Skip exploit", or a paused donor's older checkpoint, on a result without one: `raytrain_events.tune.pbt`),
+        so such a report is marked (`SAVE_PENDING_KEY`) and kept from Tune; the driver's history and loggers get it
+        (before, it was held back and merged into the save's report: its point, an epoch's eval, never reached them)."""
         return self._checkpointer is not None and self._checkpointer.postponed
 
     def fit_end(self, state, logger) -> None:
@@ -172,6 +174,8 @@ class RayReporter(Callback):
         if self._start is not None:
             report["started_at"] = self._started_at
         checkpoint = self._checkpointer.take_unreported() if self._checkpointer is not None else None
+        if checkpoint is None and not final and self._save_pending():
+            report[SAVE_PENDING_KEY] = True
         state.agreement.clear(REPORT_FLAG)
         self._last_report = time.monotonic()
         self._start = None
@@ -188,7 +192,11 @@ class RayReporter(Callback):
         import ray.train
 
         with HEARTBEAT.collective("ray.train.report (a barrier across workers)"):
-            if checkpoint is None:
+            if report.get(SAVE_PENDING_KEY):
+                # Ray hands reports to its controller in order: a plain report would wait, blocking training, for
+                # the upload still in flight (the one the pending save waits for); this one waits in Ray's thread.
+                ray.train.report(report, checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
+            elif checkpoint is None:
                 ray.train.report(report)
             else:
                 self._checkpoints_reported += 1

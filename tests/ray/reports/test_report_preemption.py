@@ -1,10 +1,11 @@
-"""RayReporter without Ray: what it reports, that a preemption notice triggers a save, and that a report waits
-for a postponed save."""
+"""RayReporter without Ray: what it reports, that a preemption notice triggers a save, and that a report due while a
+save is postponed goes out at its own point, kept from Tune but not from the driver's history and loggers."""
 
 from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,7 +15,11 @@ from raytrain_events import Callback, Trainer
 from raytrain_events.checkpoint import CheckpointConfig, list_checkpoints
 from raytrain_events.checkpoint.format import writer as writer_mod  # write_and_commit looks the writers up here
 from raytrain_events.checkpoint.run.checkpointer import find_checkpointer
+from raytrain_events.core.logger import LoggerDestination
 from raytrain_events.models import ClassifierModel
+from raytrain_events.ray.reports.aggregate import SAVE_PENDING_KEY
+from raytrain_events.ray.reports.history import AggregatingCallback
+from raytrain_events.ray.reports.run_loggers import RunLoggers
 from raytrain_events.ray.reports.worker_reports import RayReporter
 
 
@@ -116,11 +121,17 @@ class _ReleaseAt(Callback):
                 time.sleep(0.01)
 
 
-def test_a_report_due_while_a_save_is_postponed_waits_and_goes_with_its_checkpoint(tmp_path, monkeypatch):
+class _BatchScore(Callback):
+    """Logs a made-up eval score at every batch: the batch number (which point a report's metrics are of)."""
+
+    def batch_end(self, state, logger) -> None:
+        logger.log_metrics({"metrics/eval/score": float(state.timestamp.get_value("ba"))})
+
+
+def _postponed_run(tmp_path, monkeypatch):
     """Saves and reports every 2 batches; the batch-2 save's upload holds until batch 4 has ended, so the save due
-    at 4 is postponed to 5. The report due at 4 waits and goes out at 5 with that checkpoint: Tune's PBT acts on
-    the first result past a point and copies the checkpoint reported with it (a metrics-only result there: "Skip
-    exploit"). The 60 s bound: a loop that waited for the upload would never end batch 4."""
+    at 4 is postponed to 5. The reports sent, as (report, checkpoint), and the checkpoints' batches by name. The
+    60 s bound: a loop that waited for the upload would never end batch 4."""
     released = threading.Event()
     real = writer_mod.write_checkpoint_file
 
@@ -132,13 +143,51 @@ def test_a_report_due_while_a_save_is_postponed_waits_and_goes_with_its_checkpoi
     sent = []
     reporter = RayReporter(interval="2ba", every_s=None, report_fn=lambda r, c: sent.append((r, c)))
     folder = str(tmp_path / "checkpoints")
-    _trainer(reporter, folder, extra=[_ReleaseAt(4, released)], save_interval="2ba").fit()
+    extra = [_BatchScore(), _ReleaseAt(4, released)]
+    _trainer(reporter, folder, extra=extra, save_interval="2ba").fit()
+    return sent, {c.name: c.batch for c in list_checkpoints(folder)}
+
+
+def test_a_report_due_while_a_save_is_postponed_goes_out_marked_and_the_save_with_its_own(tmp_path, monkeypatch):
+    """The report due at 4 goes out at 4 with batch 4's metrics, without a checkpoint and marked ``save_pending``;
+    the postponed save goes out at 5 in a report of its own, with that checkpoint (the result Tune gets: PBT acts on
+    the first result past a point and copies the checkpoint reported with it). Before, the report at 4 waited and
+    merged into the one at 5: batch 4's point never reached the driver (a TensorBoard series lost epoch points)."""
+    sent, saved_at = _postponed_run(tmp_path, monkeypatch)
     batches = [r["timestamp"]["batch"] for r, _ in sent]
-    assert batches[:2] == [2, 5], batches  # nothing at 4: the report waited for the postponed save
-    saved_at = {c.name: c.batch for c in list_checkpoints(folder)}
-    for report, checkpoint in sent[:2]:  # each went out with the checkpoint of its own batch
+    assert batches[:3] == [2, 4, 5], batches
+    assert [bool(r.get(SAVE_PENDING_KEY)) for r, _ in sent[:3]] == [False, True, False], sent  # later: as loaded
+    assert sent[1][1] is None and sent[1][0]["metrics"]["metrics/eval/score"] == 4.0  # its own point's metrics
+    for report, checkpoint in (sent[0], sent[2]):  # each save went out with the checkpoint of its own batch
         assert checkpoint is not None and saved_at[checkpoint.name] == report["timestamp"]["batch"], (sent, saved_at)
     assert sum(r["local_samples"] for r, _ in sent) == 64  # every batch counted once, in some report
+
+
+class _Recorder(LoggerDestination):
+    def __init__(self) -> None:
+        self.points: list = []
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.points.append((step, metrics.get("metrics/eval/score")))
+
+
+def test_a_point_reported_while_a_save_is_pending_reaches_the_history_and_loggers_not_tune(tmp_path, monkeypatch):
+    """The driver's side of the reports above (the controller's `AggregatingCallback`, the history, `RunLoggers`):
+    the pending point at batch 4 is in the history and the loggers at its own step; Tune's queue gets the save's
+    report at 5 and not it (a metrics-only result at a perturbation point: "Skip exploit")."""
+    sent, _ = _postponed_run(tmp_path, monkeypatch)
+    history, tune = [], []
+    callback = AggregatingCallback(
+        SimpleNamespace(add=SimpleNamespace(remote=history.append)), SimpleNamespace(put=tune.append)
+    )
+    for report, checkpoint in sent:
+        callback.after_report(None, [report], None if checkpoint is None else SimpleNamespace(path=checkpoint.url))
+    recorder = _Recorder()
+    RunLoggers([recorder], step="batch")(history, history)
+    assert [e["time/batch"] for e in history][:3] == [2, 4, 5]
+    assert [e["time/batch"] for e in tune][:2] == [2, 5] and not any(e.get(SAVE_PENDING_KEY) for e in tune)
+    assert recorder.points[:3] == [(2, 2.0), (4, 4.0), (5, 5.0)]
+    assert [e["time/batch"] for e in history if e.get("checkpoint_path")][:2] == [2, 5]
 
 
 def test_a_timed_report_at_an_epochs_last_batch_waits_for_the_epochs_end_and_its_checkpoint(tmp_path):
