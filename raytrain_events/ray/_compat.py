@@ -38,7 +38,9 @@ Private names used (checked against Ray 2.60.0):
   ``ray.train.v2.torch.torchft_config.TorchftConfig``, replica groups' backend (`torchft_config_class`), and
   ``ray.train.v2._internal.exceptions.WorkerHealthCheckFailedError`` / ``WorkerHealthCheckTimeoutError``, what the
   controller gives a worker whose process or node is gone (`worker_death_errors`: the failure record names the rank
-  that died before those whose collectives failed with it, `raytrain_events.ray.reports.failures`).
+  that died before those whose collectives failed with it, `raytrain_events.ray.reports.failures`). And the train
+  context's ``report_call_index`` and ``current_report_index``: how many of this worker's reports Ray has not handed to
+  its controller yet (`reports_waiting`: `RayReporter` lets a few reports wait in Ray's thread, not in training).
 * ``ray._private.ray_constants.ENABLE_RAY_CLUSTER`` and ``ray.init(_node_ip_address=...)``: keep an embedded local
   instance on 127.0.0.1 (`loopback_only`).
 * ``ray._private.internal_api.node_stats`` (a raylet's ``GetNodeStats`` reply, its object store's
@@ -90,6 +92,7 @@ from raytrain_events.ray._compat_lookup import RayCompatError, _attr, _import, _
 from raytrain_events.ray._compat_train import (
     local_preemption_info,
     probe_train_worker,
+    reports_waiting,
     run_on_worker_main_thread,
     torchft_config_class,
     worker_death_errors,
@@ -123,6 +126,7 @@ __all__ = [
     "object_store_used_bytes",
     "torchft_config_class",
     "worker_death_errors",
+    "reports_waiting",
 ]
 
 #: ``ray.init`` keyword arguments that pin a new local instance's node address to loopback.

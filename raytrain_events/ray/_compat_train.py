@@ -17,6 +17,7 @@ __all__ = [
     "run_on_worker_main_thread",
     "probe_train_worker",
     "worker_death_errors",
+    "reports_waiting",
 ]
 
 
@@ -27,6 +28,14 @@ def local_preemption_info() -> Any:
     enough to look at every batch (the ranks agree through the loop's own collective)."""
     get_train_context = _import("ray.train.v2._internal.execution.context", "get_train_context")
     return _attr(_attr(get_train_context(), "preemption_context"), "preemption_info")
+
+
+def reports_waiting() -> int:
+    """How many of this worker's ``ray.train.report`` calls Ray has not handed to its controller yet: a report in
+    Ray's ASYNC mode waits in Ray's one upload thread for its turn (the reports before it handed over: a checkpoint's
+    registration waits for the save's commit, and each hand-over for the controller to take the one before)."""
+    context = _import("ray.train.v2._internal.execution.context", "get_train_context")()
+    return int(_attr(context, "report_call_index")) - int(_attr(context, "current_report_index"))
 
 
 def worker_death_errors() -> Tuple[type, ...]:
@@ -62,6 +71,10 @@ def probe_train_worker() -> None:
         if not callable(getattr(worker, name, None)):
             raise _missing(f"RayTrainWorker.{name}")
     _import("ray.train.v2._internal.execution.context", "get_train_context")
+    fields = getattr(_import("ray.train.v2._internal.execution.context", "TrainContext"), "__dataclass_fields__", {})
+    for name in ("report_call_index", "current_report_index"):  # `reports_waiting`
+        if name not in fields:
+            raise _missing(f"TrainContext.{name}")
     worker_death_errors()
     context = _import("ray.train.v2._internal.execution.preemption", "PreemptionContext")
     if not hasattr(context(), "preemption_info"):

@@ -198,6 +198,11 @@ class Checkpointer(Callback):
         the same on every rank (the ranks agree on the busy flag). A reporter waits for it (`RayReporter`)."""
         return self._deferred
 
+    def uploading(self, state: State) -> bool:
+        """Some rank's save was still in flight at this batch (agreed by its collective, as `postponed` is): a
+        report now would queue behind that save's registration with Ray (`RayReporter._send`)."""
+        return state.agreed(_BUSY_FLAG)
+
     def take_unreported(self) -> Optional[SavedCheckpoint]:
         """The newest save since the last call (None if none): what a reporter sends with its report."""
         saved, self._unreported = self._unreported, None

@@ -27,11 +27,15 @@ from raytrain_events.core.heartbeat import HEARTBEAT
 from raytrain_events.core.interval import make_interval
 from raytrain_events.core.plain import to_python
 from raytrain_events.core.time import counters_of
+from raytrain_events.ray._compat import reports_waiting
 from raytrain_events.ray.checkpointing.checkpointing import report_with_checkpoint
 from raytrain_events.ray.checkpointing.validation import ASKED_KEY, validates
 from raytrain_events.ray.reports.aggregate import SAVE_PENDING_KEY
 
-__all__ = ["RayReporter", "REPORT_FLAG"]
+__all__ = ["RayReporter", "REPORT_FLAG", "REPORTS_WAITING"]
+
+#: Reports without a checkpoint that may wait in Ray's thread when no save uploads (`RayReporter._send`).
+REPORTS_WAITING = 4
 
 #: The agreement flag a rank whose report clock ran out requests (reports are collective).
 REPORT_FLAG = "report"
@@ -176,25 +180,34 @@ class RayReporter(Callback):
         checkpoint = self._checkpointer.take_unreported() if self._checkpointer is not None else None
         if checkpoint is None and not final and self._save_pending():
             report[SAVE_PENDING_KEY] = True
+        # A report while a save uploads waits in Ray's upload thread, not in training (`_send`).
+        behind_upload = checkpoint is None and self._checkpointer is not None and self._checkpointer.uploading(state)
         state.agreement.clear(REPORT_FLAG)
         self._last_report = time.monotonic()
         self._start = None
         self._reset()
-        self._send(report, checkpoint)
+        self._send(report, checkpoint, behind_upload)
         if self.check_preemption and not final and self._preempting():
             # Every rank got the same answer (it is a barrier): save at the next batch.
             state.request(SAVE_FLAG)
 
-    def _send(self, report: Dict[str, Any], checkpoint: Any) -> None:
+    def _send(self, report: Dict[str, Any], checkpoint: Any, behind_upload: bool = False) -> None:
+        """``ray.train.report``. Ray hands a worker's reports to its controller in order, one at a time (its result
+        queue holds one), and a save is registered in a report whose turn comes when the save has committed
+        (`report_with_checkpoint`, in Ray's one upload thread). A report without a checkpoint made in plain mode
+        waits for its turn in training: for the rest of a save's upload, then for the controller to take each
+        report before it (bench/report_blocking.py: training held 8.7-9.0 s of 27.5 s by a 6 s upload). So it goes
+        out in Ray's ASYNC mode and waits in that thread: always while a save uploads (``behind_upload``, agreed by
+        the ranks: at most the upload's length of reports), else while fewer than `REPORTS_WAITING` are waiting,
+        so that reports asked for faster than the controller takes them (a short ``report_every_s``) hold training
+        as before instead of piling up in Ray's thread."""
         if self._report_fn is not None:
             self._report_fn(report, checkpoint)
             return
         import ray.train
 
         with HEARTBEAT.collective("ray.train.report (a barrier across workers)"):
-            if report.get(SAVE_PENDING_KEY):
-                # Ray hands reports to its controller in order: a plain report would wait, blocking training, for
-                # the upload still in flight (the one the pending save waits for); this one waits in Ray's thread.
+            if checkpoint is None and (behind_upload or reports_waiting() < REPORTS_WAITING):
                 ray.train.report(report, checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
             elif checkpoint is None:
                 ray.train.report(report)

@@ -201,3 +201,47 @@ def test_a_timed_report_at_an_epochs_last_batch_waits_for_the_epochs_end_and_its
     at_8 = [c for r, c in sent if r["timestamp"]["batch"] == 8]
     assert len(at_8) == 1 and at_8[0] is not None, [(r["timestamp"]["batch"], c) for r, c in sent]
     assert [r["timestamp"]["batch"] for r, _ in sent][:8] == list(range(1, 9))  # the clock's reports, every batch
+
+
+def test_a_report_while_a_save_uploads_waits_in_rays_thread_and_one_behind_a_backlog_in_training(tmp_path, monkeypatch):
+    """`RayReporter._send`'s mode, through a `Trainer` run (reports every batch, saves every 4, the batch-4 save's
+    upload held until batch 6 has ended) with ``ray.train.report`` recorded and Ray's count of reports not yet handed
+    to its controller (`reports_waiting`) held at the bound: while the save uploads (5, 6) a report goes out in Ray's
+    ASYNC mode (in training it would wait for that upload); with nothing uploading and the bound reached (1-3, 7) a
+    plain one (training waits: reports come faster than the controller takes them); a save in its own report."""
+    import ray.train
+
+    from raytrain_events.ray.reports import worker_reports
+
+    released = threading.Event()
+    real = writer_mod.write_checkpoint_file
+
+    def held(*args, **kwargs):
+        if not released.is_set():
+            released.wait(60)
+        return real(*args, **kwargs)
+
+    sent: list = []
+    monkeypatch.setattr(writer_mod, "write_checkpoint_file", held)
+    monkeypatch.setattr(worker_reports, "reports_waiting", lambda: worker_reports.REPORTS_WAITING)
+
+    def report(r, checkpoint_upload_mode=ray.train.CheckpointUploadMode.SYNC):
+        sent.append((r["timestamp"]["batch"], checkpoint_upload_mode.name))
+
+    def report_with_checkpoint(r, checkpoint, validation):
+        sent.append((r["timestamp"]["batch"], "save"))
+
+    monkeypatch.setattr(ray.train, "report", report)
+    monkeypatch.setattr(worker_reports, "report_with_checkpoint", report_with_checkpoint)
+    reporter = RayReporter(interval="1ba", every_s=None)
+    _trainer(reporter, str(tmp_path / "checkpoints"), extra=[_ReleaseAt(6, released)], save_interval="4ba").fit()
+    assert sent[:8] == [
+        (1, "SYNC"),
+        (2, "SYNC"),
+        (3, "SYNC"),
+        (4, "save"),
+        (5, "ASYNC"),
+        (6, "ASYNC"),
+        (7, "SYNC"),
+        (8, "save"),
+    ], sent
