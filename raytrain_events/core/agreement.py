@@ -142,6 +142,14 @@ class Agreement:
         """This rank's requests as 0/1 ints, in `names` order (what the loop sums)."""
         return self._values
 
+    def one_process_sums(self) -> Optional[List[int]]:
+        """In a one-process run, what `set_sums` gets after the batch: this rank's values as asked before it (a copy:
+        a hook may ask during the batch), or None when they would change nothing (all zero, after all-zero sums:
+        nearly every batch), so the loop makes no copy and no call."""
+        if not self._nonzero and not any(self._values):
+            return None
+        return self._values.copy()
+
     def set_sums(self, sums: Sequence[int]) -> None:
         """Record the summed requests of all ranks (the loop calls this once per batch)."""
         if len(sums) != len(self._names):

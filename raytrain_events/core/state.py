@@ -193,25 +193,27 @@ class State:
         )
 
     # -------------------------------------------------------- serialization
-    def state_dict(self, exclude_callbacks: Collection[str] = ()) -> Dict[str, Any]:
+    def state_dict(self, exclude_callbacks: Collection[str] = (), position: bool = True) -> Dict[str, Any]:
         """Everything a checkpoint needs to resume this run (tensors and plain values only).
 
         ``exclude_callbacks``: checkpoint keys of callbacks whose state is left out, never computed (a host snapshot
-        leaves out its taker's own bookkeeping, which may be large: `SpikeGuard`'s quarantine)."""
-        return {
+        leaves out its taker's own bookkeeping, which may be large: `SpikeGuard`'s quarantine). ``position=False``:
+        without the Timestamp and ``skipped`` (a host snapshot keeps both through a restore: never computed)."""
+        algorithms = _keyed(self.algorithms)
+        out: Dict[str, Any] = {
             "model": self.model.state_dict(),
             "optimizers": [opt.state_dict() for opt in self.optimizers],
             "schedulers": [sched.state_dict() for sched in self.schedulers],
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "algorithms": {k: a.state_dict() for k, a in _keyed(self.algorithms).items()},
-            "algorithms_required": [k for k, a in _keyed(self.algorithms).items() if a.required_on_load()],
+            "algorithms": {k: a.state_dict() for k, a in algorithms.items()},
+            "algorithms_required": [k for k, a in algorithms.items() if a.required_on_load()],
             "callbacks": {k: c.state_dict() for k, c in _keyed(self.callbacks).items() if k not in exclude_callbacks},
-            "timestamp": self.timestamp.state_dict(),
-            "skipped": self.skipped.state_dict(),
-            "run_name": self.run_name,
-            "seed": self.seed,
-            "grad_accum": self.grad_accum,
         }
+        if position:
+            out["timestamp"] = self.timestamp.state_dict()
+            out["skipped"] = self.skipped.state_dict()
+        out["run_name"], out["seed"], out["grad_accum"] = self.run_name, self.seed, self.grad_accum
+        return out
 
     def load_model_state(
         self, state_dict: Mapping[str, Any], strict: bool = True, ignored: Collection[str] = ()

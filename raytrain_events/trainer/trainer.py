@@ -302,10 +302,8 @@ class Trainer:
             samples, tokens = counted
             # One sum per batch (riding on DDP's all-reduce where it can): counts, a stop, every agreement flag.
             local_stop = 1 if state.stop_requested and not state.stop_consistent else 0
-            if single:  # the flags as asked before the batch, as the ranks' sum would have them
-                flags = agreement.local_values()
-                if flags:
-                    flags = flags.copy()
+            if single:  # the flags as asked before the batch, as the ranks' sum would have them (None: no change)
+                flags = agreement.one_process_sums()
             else:
                 counters.start([*(counted if counts_data else (0, 0)), local_stop, *agreement.local_values()])
             if active[_BATCH_START]:
@@ -313,7 +311,7 @@ class Trainer:
             start = perf_counter()
             self._train_batch(active)
             if single:
-                if flags:
+                if flags is not None:
                     agreement.set_sums(flags)
             else:
                 sums = counters.wait()

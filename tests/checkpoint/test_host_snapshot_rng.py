@@ -70,3 +70,26 @@ def test_a_host_snapshot_never_computes_an_excluded_callbacks_state():
     other.count = 9
     snapshots.restore(lambda meta: True)
     assert other.count == 3 and set(snapshots.snapshots[0].tree["callbacks"]) == {"Other"}
+
+
+def test_a_host_snapshot_leaves_the_position_out_and_a_restore_keeps_it():
+    """A snapshot's tree is `State.state_dict(position=False)`: the checkpoint's tree, in its order, without the
+    Timestamp and the skipped counts (never computed); a restore leaves both as they are (the rollback goes on at the
+    run's position and adds its window to the skipped counts)."""
+    from raytrain_events.core.timestamp import Timestamp
+
+    model = torch.nn.Linear(3, 2)
+    state = State(model=model, optimizers=[torch.optim.SGD(model.parameters(), lr=0.1)])
+    full = state.state_dict()
+    lean = state.state_dict(position=False)
+    assert list(lean) == [k for k in full if k not in ("timestamp", "skipped")]
+    before = model.weight.detach().clone()
+    snapshots = HostSnapshots(state)
+    snapshots.take({"batch": 0})
+    assert "timestamp" not in snapshots.snapshots[0].tree and "skipped" not in snapshots.snapshots[0].tree
+    state.timestamp, state.skipped.batches = Timestamp(batch=7), 2
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    snapshots.restore(lambda meta: True)
+    assert torch.equal(model.weight, before)  # the weights restored, the position kept
+    assert int(state.timestamp.batch) == 7 and state.skipped.batches == 2

@@ -136,3 +136,23 @@ def test_all_zero_sums_after_all_zero_sums_change_nothing_and_any_other_sums_are
     assert agreement.names == ("rows", "save", "stop") and not any(agreement.agreed(n) for n in ("save", "stop"))
     agreement.set_sums([0, 0, 3])
     assert agreement.agreed("stop") and not agreement.agreed("save")
+
+
+def test_one_process_sums_are_none_while_nothing_would_change_and_else_a_copy_of_the_requests():
+    """The one-process loop reads `one_process_sums` before the batch and hands it to `set_sums` after: None (no
+    copy, no call) while every value is 0 after all-zero sums; else a copy (a hook asking during the batch is read at
+    the next one), and after a flag was agreed, zeros again (read: the flag is no longer agreed)."""
+    agreement = Agreement()
+    assert agreement.one_process_sums() is None  # nothing registered
+    agreement.register("spike")
+    assert agreement.one_process_sums() is None
+    agreement.request("spike")
+    sums = agreement.one_process_sums()
+    assert sums == [1] and sums is not agreement.local_values()
+    agreement.set_sums(sums)
+    assert agreement.agreed("spike")
+    agreement.clear("spike")
+    sums = agreement.one_process_sums()
+    assert sums == [0]  # not None: the sums before were not all zero
+    agreement.set_sums(sums)
+    assert not agreement.agreed("spike") and agreement.one_process_sums() is None

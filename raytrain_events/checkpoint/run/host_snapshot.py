@@ -70,9 +70,9 @@ class HostSnapshots:
     def take(self, meta: Dict[str, Any]) -> None:
         """Copy the state to host memory now, dropping the oldest snapshot beyond ``keep`` (its buffers reused)."""
         stager = self.snapshots.pop(0).stager if len(self.snapshots) >= self.keep else HostStager()
-        tree = self.state.state_dict(exclude_callbacks=self.exclude)  # (the excluded ones' state never computed)
-        tree.pop("timestamp", None)
-        tree.pop("skipped", None)  # like the Timestamp, kept through a restore: the rollback adds its window to it
+        # The excluded callbacks' state never computed; nor the Timestamp and the skipped counts, kept through a
+        # restore (the rollback adds its window to them).
+        tree = self.state.state_dict(exclude_callbacks=self.exclude, position=False)
         staged = stager.stage(tree)
         staged.release()  # this slot's buffers are ours alone: the next snapshot into them may overwrite
         self.snapshots.append(Snapshot(staged.tree, capture_rng_in_memory(), dict(meta), stager))
