@@ -111,12 +111,14 @@ def sequences_in_window(lengths: Sequence[int] | np.ndarray, seq_len: int, polic
     lengths = np.asarray(lengths, dtype=np.int64)
     if policy == "concat":
         return int(-(-int(lengths.sum()) // seq_len))
-    return len(_best_fit(lengths, seq_len, what)[0])
+    return len(_place(lengths, seq_len, what, offsets=False)[0])
 
 
 def _best_fit(lengths: np.ndarray, seq_len: int, what: str) -> Tuple[List[int], np.ndarray, np.ndarray]:
     """``(fill of each sequence, sequence of each document, offset of each document in it)``: `_place`."""
-    return _place(lengths, seq_len, what)[:3]
+    fills, seq, offset, _ = _place(lengths, seq_len, what)
+    assert offset is not None
+    return fills, seq, offset
 
 
 def _best_fit_runs(
@@ -157,9 +159,12 @@ def _best_fit_runs(
     return steps
 
 
-def _place(lengths: np.ndarray, seq_len: int, what: str) -> Tuple[List[int], np.ndarray, np.ndarray, np.ndarray]:
+def _place(
+    lengths: np.ndarray, seq_len: int, what: str, offsets: bool = True
+) -> Tuple[List[int], np.ndarray, Optional[np.ndarray], np.ndarray]:
     """``(fill of each sequence, sequence of each document, offset of each document in it, the
-    non-empty documents in the order they were placed)``.
+    non-empty documents in the order they were placed)``; the offsets only if ``offsets`` (`_lay_out`
+    needs none: a sequence's documents lie in place order, and counting sequences needs neither).
 
     Documents over half of ``seq_len`` each open their own sequence (no open sequence has room for
     one: each already holds a document at least as long), so they are placed as arrays. The rest go
@@ -172,22 +177,24 @@ def _place(lengths: np.ndarray, seq_len: int, what: str) -> Tuple[List[int], np.
     _check_fits(lengths, seq_len, what)
     order = np.argsort(-lengths.astype(_small(seq_len)), kind="stable")  # longest first, ties in document order
     seq = np.full(len(lengths), -1, dtype=np.int64)  # empty documents take no room: sequence -1
-    offset = np.zeros(len(lengths), dtype=np.int64)
     ordered = lengths[order]
     big = int(np.searchsorted(-ordered, -(seq_len // 2), side="left"))  # lengths > seq_len // 2
     fills: List[int] = ordered[:big].tolist()
     seq[order[:big]] = np.arange(big)
     stride = len(lengths) + 1  # more than any sequence number
-    free = [room * stride + s for s, room in enumerate(seq_len - ordered[:big]) if room > 0]
-    free.sort()
-    nonempty = big + int((ordered[big:] > 0).sum())
+    rooms = seq_len - ordered[:big]
+    free: List[int] = np.sort((rooms * stride + np.arange(big))[rooms > 0]).tolist()
+    nonempty = big + int(np.count_nonzero(ordered[big:]))
     rest = ordered[big:nonempty]
     starts = np.flatnonzero(np.diff(rest, prepend=-1))  # where each length's run starts
     runs = zip(rest[starts].tolist(), np.diff(starts, append=len(rest)).tolist())  # (length, documents)
     steps = _best_fit_runs(runs, free, fills, seq_len, stride)
-    s_, f_, n_, q_ = np.array(steps, dtype=np.int64).reshape(-1, 4).T
+    s_, f_, n_, q_ = np.fromiter(steps, dtype=np.int64, count=len(steps)).reshape(-1, 4).T
     placed = order[big:nonempty]  # in step order: a step's documents are the next q of the run
     seq[placed] = np.repeat(s_, q_)
+    if not offsets:
+        return fills, seq, None, order[:nonempty]
+    offset = np.zeros(len(lengths), dtype=np.int64)
     first = np.cumsum(q_) - q_  # each step's first document among ``placed``
     offset[placed] = np.repeat(f_ - first * n_, q_) + np.arange(len(placed)) * np.repeat(n_, q_)
     return fills, seq, offset, order[:nonempty]
@@ -269,7 +276,7 @@ def pack_runs(  # noqa: PLR0913 (the window's arrays, then how to pack them)
             f"{len(ids)} document ids: they must agree."
         )
     if policy == "best_fit":
-        fills, seq, _, placement = _place(lengths, seq_len, what)
+        fills, seq, _, placement = _place(lengths, seq_len, what, offsets=False)
         n = len(fills)
     else:
         n = -(-total // seq_len)
@@ -354,47 +361,52 @@ def _lay_out(  # noqa: PLR0913 (the window's arrays, the placement, the output)
     scatter), and return its runs.
 
     A sequence's documents tile ``[0, fill)`` (each placed at its sequence's fill so far), so the
-    flat output is a run of *segments*: each sequence's documents in offset order, then its padding
-    (``seq_len - fill`` tokens, maybe none). Per segment: its length and where its tokens start in
-    the window's tokens; every output token gathers from its segment's start plus its place in it,
-    `_GATHER_ROWS` sequences at a time (their indices in one small buffer reused, cache-resident and
-    never page-faulted again: one index array for the whole window cost more in fresh pages than in
-    the gather; the padding gathers token 0), then the padding is set to ``pad_id``. The tokens are
-    gathered straight from the decoded chunk when the window is one (no copy); the padding is written
-    in one scatter of its own tokens (few: best_fit fills its sequences). O(tokens) for the
-    window, O(d log d) to order its ``d`` documents."""
+    flat output is a run of *segments*, one per placed document in output order (by sequence, then
+    offset), the last of each sequence running on over its padding (``seq_len - fill`` tokens, maybe
+    none). Each segment's tokens are the window's tokens at a fixed *shift* from their places in the
+    output (its document's start there less its own start here), so every output token gathers the
+    window's token at its place plus its segment's shift: one ``np.repeat`` of the shifts and one
+    addition of the places, `_GATHER_ROWS` sequences at a time (their indices in one small buffer
+    reused, and the places made once: cache-resident and never page-faulted again; one index array
+    for the whole window cost more in fresh pages than in the gather). The padding so gathers the
+    tokens after its sequence's last document (clipped to the window: any token will do), then is
+    set to ``pad_id`` by one scatter over its own tokens (few: best_fit fills its sequences). The
+    tokens are gathered straight from the decoded chunk when the window is one (no copy). O(tokens)
+    for the window, O(d) to order its ``d`` documents (a radix sort of 16-bit keys; O(d log d) past
+    2**15 sequences)."""
     n = len(fills)
     # Output order: by sequence, then offset. Placed in ``placement`` order, a sequence's documents
     # took its room in order, so a stable sort by sequence alone is that order.
     placed = placement[np.argsort(seq[placement].astype(_small(n)), kind="stable")]
     runs = np.bincount(seq[placed], minlength=n)
-    pads = np.cumsum(runs) + np.arange(n)  # each sequence's padding segment
-    docs = np.ones(len(placed) + n, dtype=bool)
-    docs[pads] = False
+    size = lengths[placed]
     fill = np.asarray(fills, dtype=np.intp)
-    seg_len = np.empty(len(docs), dtype=np.intp)
-    seg_len[docs], seg_len[pads] = lengths[placed], seq_len - fill
-    seg_src = np.zeros(len(docs), dtype=np.intp)  # padding gathers token 0 (any in range), then is overwritten
-    seg_src[docs] = (np.cumsum(lengths) - lengths)[placed]
+    padding = seq_len - fill
+    ends = np.cumsum(runs)  # each sequence's end among the placed documents
+    seg_len = size.astype(np.intp)
+    if n:
+        seg_len[ends - 1] += padding  # each sequence's last document's segment runs on over its padding
+    shift = (np.cumsum(lengths) - lengths)[placed] - (np.cumsum(seg_len) - seg_len)
     source = chunks[0] if len(chunks) == 1 else np.concatenate(chunks) if chunks else np.zeros(1, out.dtype)
     if not len(source):
         source = np.zeros(1, out.dtype)
     flat = out.reshape(-1)
     index = np.empty(min(n, _GATHER_ROWS) * seq_len, dtype=np.intp)
+    places = np.arange(len(index), dtype=np.intp)
+    starts = ends - runs
     for a in range(0, n, _GATHER_ROWS):
         b = min(n, a + _GATHER_ROWS)
-        first, end = (int(pads[a - 1]) + 1 if a else 0), int(pads[b - 1]) + 1
-        rows = index[: (b - a) * seq_len]
-        _segment_index(seg_src[first:end], seg_len[first:end], rows)
-        # intp indices and mode="clip" (every index is in range by construction): numpy's fast path
+        rows, first, end = index[: (b - a) * seq_len], int(starts[a]), int(ends[b - 1])
+        np.add(np.repeat(shift[first:end], seg_len[first:end]), places[: len(rows)], out=rows)
+        if a:
+            rows += a * seq_len  # the block's places start at its first row
+        # intp indices and mode="clip" (the padding's may run past the window's tokens): numpy's fast path
         np.take(source, rows, out=flat[a * seq_len : b * seq_len], mode="clip")
-    padding = seq_len - fill  # each sequence's padding: its tail, one scatter over the padding's tokens only
-    pad_rows = np.flatnonzero(padding)
+    pad_rows = np.flatnonzero(padding)  # each sequence's padding: its tail, one scatter over the padding's tokens only
     pad_index = np.empty(int(padding.sum()), dtype=np.intp)
     _segment_index(pad_rows * seq_len + fill[pad_rows], padding[pad_rows], pad_index)
     flat[pad_index] = pad_id
-    num = np.asarray(fills, dtype=np.int32)
-    return Runs(out, ids[placed], lengths[placed].astype(np.int32), runs.astype(np.int32), num)
+    return Runs(out, ids[placed], size.astype(np.int32), runs.astype(np.int32), fill.astype(np.int32))
 
 
 _GATHER_ROWS = 32  # sequences whose gather indices are built at once (256 KiB of indices at seq_len 1024)

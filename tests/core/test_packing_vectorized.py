@@ -147,3 +147,36 @@ def test_a_block_whose_runs_do_not_tile_its_sequences_is_refused() -> None:
         expand_runs(np.array([1, 2]), np.array([6, 2]), np.array([1, 1]), np.array([4, 4]), 8)
     with pytest.raises(ValueError, match="do not tile"):
         expand_runs(np.array([1]), np.array([9]), np.array([1]), np.array([9]), 8)
+
+
+@pytest.mark.parametrize("seq_len", [3, 64, 1024])
+def test_best_fit_layout_gathers_each_sequence_at_its_segments_shifts(seq_len: int) -> None:
+    """`_lay_out` (each document's segment gathered at a fixed shift from its output places, the last of a
+    sequence running on over its padding, blocks of `_GATHER_ROWS` sequences) writes what the plain
+    scatter of each document to ``sequence * seq_len + offset`` writes: windows of more sequences than
+    one block, given as several chunks, whose padding runs past the window's last token; and the
+    placement without offsets (what packing and counting use) is the one with them."""
+    from raytrain_events.core.packing import _GATHER_ROWS
+
+    rng = np.random.default_rng(seq_len + 11)
+    tail = np.maximum(1, rng.lognormal(np.log(seq_len / 6 + 1), 1.2, size=3 * _GATHER_ROWS * 6)).astype(np.int64)
+    for lengths in (
+        np.minimum(tail, seq_len),  # a long tail over several blocks of sequences
+        np.concatenate([np.minimum(tail[:200], seq_len), [seq_len // 2 + 1]]),  # the last document alone, padded
+        np.array([0, seq_len, 0]),  # one full sequence between empty documents
+    ):
+        tokens = rng.integers(1, 30_000, size=int(lengths.sum())).astype(np.int32)
+        ids = rng.permutation(len(lengths)).astype(np.int64) * 3 + 1
+        fills, seq, offset, placement = _place(lengths, seq_len, "a window")
+        got = _place(lengths, seq_len, "a window", offsets=False)
+        assert got[0] == fills and np.array_equal(got[1], seq) and got[2] is None and np.array_equal(got[3], placement)
+        want = np.full(len(fills) * seq_len, 9, dtype=np.int32)
+        starts = np.cumsum(lengths) - lengths
+        for i in np.flatnonzero(lengths):
+            at = int(seq[i] * seq_len + offset[i])
+            want[at : at + int(lengths[i])] = tokens[starts[i] : starts[i] + lengths[i]]
+        pieces = np.split(tokens, np.sort(rng.integers(0, len(tokens) + 1, size=3)))  # a Parquet read's chunks
+        for given in (tokens, pieces):
+            runs = pack_runs(given, lengths, ids, seq_len, "best_fit", pad_id=9)
+            assert runs.input_ids.reshape(-1).tolist() == want.tolist()
+            assert runs.num_tokens.tolist() == fills and int(runs.runs.sum()) == int(np.count_nonzero(lengths))
