@@ -286,10 +286,14 @@ def test_sharded_replica_groups_train_through_two_kills(ray_cluster, tmp_path):
         if not s["late_for"]:
             points.setdefault(s["batch"], set()).add(s["group"])
     end = BATCHES * EPOCHS
-    assert sorted(points) == [*range(SAVE_EVERY, end, SAVE_EVERY), end], sorted(points)
+    # Each save point saved once, at its batch or, when the save before it still uploaded then (a loaded machine), at
+    # the first batch after that upload (`Checkpointer._save_unless_busy`: training never waits), before the next.
+    got = sorted(points)
+    assert len(got) == end // SAVE_EVERY + 1 and got[-1] == end, got
+    assert all(p <= b < p + SAVE_EVERY for p, b in zip(range(SAVE_EVERY, end, SAVE_EVERY), got)), got
     assert all(len(groups) == 1 for groups in points.values()), points
     assert any(points[b] == {1} for b in points if b > 0), points  # the next lead saved while group 0 was away
-    assert [c.batch for c in result.checkpoints] == [end // SAVE_EVERY * SAVE_EVERY, end], result.checkpoints
+    assert [c.batch for c in result.checkpoints] == got[-2:], result.checkpoints
     checkpoints = os.path.dirname(result.checkpoints[-1].url.rstrip("/")).replace("file://", "")
     left = {n for n in os.listdir(checkpoints) if os.path.isdir(os.path.join(checkpoints, n))}
     assert left == {c.url.rstrip("/").rsplit("/", 1)[1] for c in result.checkpoints}, left
@@ -316,18 +320,20 @@ def _check_evals(result, folder: str, local: dict, points: dict, kills: list) ->
             assert set(values) == {"metrics/val/accuracy", "metrics/val/cross_entropy"} == set(local[batch]), r
             assert values == pytest.approx(local[batch], rel=1e-5, abs=1e-7), (batch, r, local[batch])
     saved = {int(e["time/batch"]): e for e in result.history if e.get("checkpoint_path")}
-    assert set(eval_points) <= set(saved), sorted(saved)
+    # Each eval point's save (at its batch, or a few batches late: see the save points above) carries its metrics.
+    saved_for = {p: min((b for b in saved if p <= b < p + SAVE_EVERY), default=None) for p in eval_points}
+    assert None not in saved_for.values(), (saved_for, sorted(saved))
     for batch in eval_points:
-        entry = saved[batch]
+        entry = saved[saved_for[batch]]
         assert {k: entry[k] for k in local[batch]} == pytest.approx(local[batch], rel=1e-5, abs=1e-7), (batch, entry)
-    away = [b for b in points if points[b] == {1} and b in eval_points]  # saved by group 1 while group 0 was away
+    away = [b for b in points if points[b] == {1} and b < BATCHES * EPOCHS]  # saved by group 1 while group 0 was away
     assert away and all("metrics/val/accuracy" in saved[b] for b in away), (away, sorted(saved))
     ordered = [saved[b] for b in sorted(saved) if not saved[b].get("checkpoint_lost")]  # a late save takes its place
     chosen = ordered[VALIDATE_EVERY - 1]
     [validation] = result.validations
     assert validation["validation"] == "async", validation
     assert validation["validated_checkpoint"] == chosen["checkpoint_path"].rstrip("/").rsplit("/", 1)[1]
-    assert validation["time/batch"] == chosen["time/batch"] == VALIDATE_EVERY * SAVE_EVERY, validation
+    assert validation["time/batch"] == chosen["time/batch"] == saved_for[VALIDATE_EVERY * SAVE_EVERY], validation
     for name in ("accuracy", "cross_entropy"):
         assert validation[f"metrics/val_async/{name}"] == pytest.approx(chosen[f"metrics/val/{name}"], rel=1e-5)
     print(f"eval points: {len(eval_points)}, kills at {[round(k['t']) for k in kills]}")
