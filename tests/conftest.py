@@ -199,7 +199,6 @@ import e2e  # noqa: E402  (tests/ is on sys.path: this conftest's folder)
 
 def pytest_collection_modifyitems(config, items):
     e2e.mark_items(items)
-    items[:] = e2e.in_run_order(items)
 
 
 def pytest_runtest_protocol(item, nextitem):

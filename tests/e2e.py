@@ -150,46 +150,6 @@ def mark_items(items) -> None:
             item.add_marker(pytest.mark.e2e)
 
 
-# ------------------------------------------------------------------------------- the run order
-# The suite runs on two pytest-xdist workers, a module at a time (`-n 2`, and `--dist loadfile` in
-# pyproject.toml): a worker takes the next module in collection order when it has little left. A long
-# module taken last would leave one worker running it alone at the end, so the modules run longest first:
-# these (~60 s and more each here, slowest first: the last full runs' `--durations`), then the other
-# modules with an end-to-end test, then the fast tier's many short modules, which fill in at the end.
-# A module keeps its own tests' order (its module-scoped runs are shared within one worker). A name here
-# that is no longer a module only loses its place (tests/test_e2e_tiers.py checks they exist).
-LONGEST_FIRST = (
-    "tests/ray/fault_tolerance/test_chaos_soak.py",
-    "tests/tune/test_tune_mixture_example.py",
-    "tests/ray/fault_tolerance/test_sharded_replica_groups.py",
-    "tests/ray/test_ray_trainer.py",
-    "tests/ray/test_resume.py",
-    "tests/tune/test_tune_pbt.py",
-    "tests/tune/test_tune_sweep.py",
-    "tests/cluster/test_launcher.py",
-    "tests/examples/test_resume_example.py",
-    "tests/ray/fault_tolerance/test_replica_groups.py",
-    "tests/test_readme.py",
-    "tests/ray/guards/test_watchdog.py",
-    "tests/ray/test_ray_fsdp.py",
-    "tests/tune/test_tune_resume.py",
-    "tests/examples/test_console_report.py",
-)
-
-
-def in_run_order(items: list) -> list:
-    """``items`` (the collection, a module's tests together) with the modules in the order above: a stable
-    sort, so each module's tests keep their order and the rest keep the collection's."""
-    first = {module: i for i, module in enumerate(LONGEST_FIRST)}
-    with_e2e = {_module_of(item) for item in items if is_e2e(item)}
-
-    def rank(item) -> int:
-        module = _module_of(item)
-        return first.get(module, len(first) if module in with_e2e else len(first) + 1)
-
-    return sorted(items, key=rank)
-
-
 # ----------------------------------------------------------------------------------- the audit
 _RAY_CLI = re.compile(r"(^|/)ray$")
 _RAY_CLI_STARTS = {"up", "submit", "exec", "job", "start", "down"}

@@ -23,22 +23,6 @@ def test_every_entry_names_an_existing_module_and_its_tests():
             assert not missing, f"tests/e2e.py lists {sorted(missing)} in {module}, which has no such test"
 
 
-def test_the_longest_first_modules_exist_and_hold_end_to_end_tests():
-    for module in e2e.LONGEST_FIRST:
-        assert module in e2e.E2E, f"tests/e2e.py runs {module} first, but it is not in the end-to-end list"
-    assert len(set(e2e.LONGEST_FIRST)) == len(e2e.LONGEST_FIRST)
-
-
-def test_the_run_order_puts_long_modules_first_and_keeps_each_modules_tests_together_in_order(request):
-    items = request.session.items
-    order = [e2e._module_of(item) for item in items]
-    modules = list(dict.fromkeys(order))
-    assert sorted(order, key=modules.index) == order, "a module's tests are split in the run order"
-    listed = [m for m in modules if m in e2e.LONGEST_FIRST]
-    assert listed == [m for m in e2e.LONGEST_FIRST if m in listed]
-    assert modules[: len(listed)] == listed
-
-
 def test_the_audit_knows_each_kind_of_end_to_end_process():
     assert e2e.kind_of(["ray::TrainController.run"]) == "Ray Train run"
     assert e2e.kind_of(["ray::ImplicitFunc.train"]) == "Ray Tune trial"

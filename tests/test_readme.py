@@ -30,7 +30,7 @@ README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 TEST_COMMAND = (
     'pip install -c constraints.txt -e ".[test,examples]" && ruff check . && ruff format --check . && mypy'
-    " && python -m pytest -q -n 2"
+    " && python -m pytest -q"
 )
 
 
