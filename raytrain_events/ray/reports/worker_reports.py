@@ -196,7 +196,7 @@ class RayReporter(Callback):
         queue holds one), and a save is registered in a report whose turn comes when the save has committed
         (`report_with_checkpoint`, in Ray's one upload thread). A report without a checkpoint made in plain mode
         waits for its turn in training: for the rest of a save's upload, then for the controller to take each
-        report before it (bench/report_blocking.py: training held 8.7-9.0 s of 27.5 s by a 6 s upload). So it goes
+        report before it (bench/report_blocking.py: training held 9.0-9.3 s of 26.6-26.7 s by a 6 s upload). So it goes
         out in Ray's ASYNC mode and waits in that thread: always while a save uploads (``behind_upload``, agreed by
         the ranks: at most the upload's length of reports), else while fewer than `REPORTS_WAITING` are waiting,
         so that reports asked for faster than the controller takes them (a short ``report_every_s``) hold training
