@@ -78,11 +78,17 @@ def default_split_batch(batch: Any, num_microbatches: int) -> List[Any]:
 
 
 def _split_cu_seqlens(batch: Mapping[str, Any], n: int) -> List[Any]:
-    """A ``cu_seqlens`` batch in ``n`` parts of rows (as ``tensor_split`` cuts ``input_ids``), each `cut_rows`."""
+    """A ``cu_seqlens`` batch in ``n`` parts of rows (as ``tensor_split`` cuts ``input_ids``), each `cut_rows`'
+    part, with every part's boundaries found in one ``searchsorted`` (one host read per batch, not per part)."""
+    import torch
+
+    tokens, cu = batch["input_ids"], batch["cu_seqlens"]
     bounds = [0]
-    for part in batch["input_ids"].tensor_split(n):
+    for part in tokens.tensor_split(n):
         bounds.append(bounds[-1] + len(part))
-    return [cut_rows(batch, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
+    ends = torch.tensor(bounds, dtype=cu.dtype, device=cu.device) * tokens.shape[1]
+    at = torch.searchsorted(cu, ends).tolist()  # each row boundary's index in cu_seqlens
+    return [_cu_seqlens_rows(batch, bounds[i], bounds[i + 1], at[i], at[i + 1]) for i in range(n)]
 
 
 def cut_rows(batch: Any, lo: int, hi: int) -> Any:
@@ -93,7 +99,12 @@ def cut_rows(batch: Any, lo: int, hi: int) -> Any:
     if is_segmented(batch):
         return segment_rows(batch, lo, hi)
     if isinstance(batch, Mapping) and "cu_seqlens" in batch and "input_ids" in batch:
-        return _cu_seqlens_rows(batch, lo, hi)
+        import torch
+
+        cu, seq_len = batch["cu_seqlens"], batch["input_ids"].shape[1]
+        ends = torch.tensor([lo * seq_len, hi * seq_len], dtype=cu.dtype, device=cu.device)
+        a, b = torch.searchsorted(cu, ends).tolist()  # the two row boundaries' indices in cu_seqlens
+        return _cu_seqlens_rows(batch, lo, hi, a, b)
     if isinstance(batch, Mapping):
         return {k: v[lo:hi] for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
@@ -101,12 +112,9 @@ def cut_rows(batch: Any, lo: int, hi: int) -> Any:
     return batch[lo:hi]
 
 
-def _cu_seqlens_rows(batch: Mapping[str, Any], lo: int, hi: int) -> Dict[str, Any]:
-    import torch
-
-    cu, seq_len = batch["cu_seqlens"], batch["input_ids"].shape[1]
-    ends = torch.tensor([lo * seq_len, hi * seq_len], dtype=cu.dtype, device=cu.device)
-    a, b = torch.searchsorted(cu, ends).tolist()  # the two row boundaries' indices in cu_seqlens
+def _cu_seqlens_rows(batch: Mapping[str, Any], lo: int, hi: int, a: int, b: int) -> Dict[str, Any]:
+    """Rows ``lo:hi`` of a ``cu_seqlens`` batch whose row boundaries are ``cu_seqlens[a]`` and ``cu_seqlens[b]``."""
+    cu = batch["cu_seqlens"]
     part = {k: v[lo:hi] if hasattr(v, "dim") and v.dim() and k != "cu_seqlens" else v for k, v in batch.items()}
     part["cu_seqlens"] = cu[a : b + 1] - cu[a]
     lengths = part["cu_seqlens"].diff()
